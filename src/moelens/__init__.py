@@ -1,1 +1,19 @@
-"""moelens: look inside Mixture-of-Experts language models and change what they do."""
+"""moelens: look inside Mixture-of-Experts language models and change what they do.
+
+``moelens.wrap(hf_model)`` / ``moelens.load(path)`` give an nnsight model whose MoE
+blocks are `Moe` components serving router logits, expert weights and indices,
+per-slot outputs, routed and shared outputs by name, for every MoE family in
+transformers. See ``docs/`` for the values, the families and the interventions.
+"""
+
+from . import families
+from .components import Mlp, Moe
+from .errors import FamilyError, MoelensError, OrderError, ValueUnavailable, WriteError
+from .families import Family, Scoring, SharedExpert
+from .model import load, wrap
+
+__all__ = [
+    "Family", "FamilyError", "Mlp", "Moe", "MoelensError", "OrderError", "Scoring", "SharedExpert",
+    "ValueUnavailable", "WriteError", "families", "load", "wrap",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,70 @@
+"""`Component`: the nnsight Envoy that moelens' MLP and MoE blocks are built on.
+
+A component knows its family entry (what the block is), its layer index, and the
+model it sits in. Each served value has a `Binding` (where it lives in the run);
+the component builds them once and reads and writes values through
+`served.read` / `served.write`, after checking the value can be served at all.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from typing import Any
+
+import torch
+from nnsight.intervention.envoy import Envoy
+
+from ..errors import OrderError, ValueUnavailable
+from ..families import Family, registry
+from . import served as serving
+
+
+class Component(Envoy):
+    """Base of moelens' block envoys: family, layer, and checked value access."""
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        #: The family entry describing this block (None for a dense MLP of an unknown family).
+        self.family: Family | None = registry.for_block(module)
+
+    @cached_property
+    def layer(self) -> int | None:
+        """Index of the decoder layer this block belongs to (the last integer in its path)."""
+        numbers = re.findall(r"\.(\d+)(?=\.|$)", self.path)
+        return int(numbers[-1]) if numbers else None
+
+    @property
+    def model(self) -> Envoy:
+        """The wrapped model this component sits in (the root envoy)."""
+        return self.root
+
+    # -- value access ------------------------------------------------------------
+
+    def _binding(self, name: str) -> serving.Binding:
+        """Where ``name`` lives in the run; raises `ValueUnavailable` when it cannot be served."""
+        raise NotImplementedError
+
+    def _read(self, descriptor: serving.served) -> Any:
+        return serving.read(self, descriptor, self._binding(descriptor.name))
+
+    def _write(self, descriptor: serving.served, value: Any) -> None:
+        serving.write(self, descriptor, self._binding(descriptor.name), value)
+
+    def _order(self) -> tuple[str, ...]:
+        """The values this component serves, in the order the model produces them."""
+        return ()
+
+    def _order_error(self, name: str) -> OrderError:
+        order = " -> ".join(self._order())
+        return OrderError(
+            f"{self.path}.{name} was requested after the model had already run past it. "
+            f"Within a block, read values in the order the model produces them "
+            f"({order}), and blocks in layer order; or save everything at once with "
+            f"save_all()."
+        )
+
+    def unavailable(self, name: str, reason: str, remedy: str = "") -> ValueUnavailable:
+        """The error for a value this block cannot serve: what, why, and what to do."""
+        what = f"{self.path}.{name} cannot be served: {reason}"
+        return ValueUnavailable(f"{what}. {remedy}".strip() if remedy else what + ".")

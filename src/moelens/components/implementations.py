@@ -1,0 +1,58 @@
+"""Experts implementations whose per-slot values moelens can serve, and their op names.
+
+transformers runs the experts of a decorated family through a function chosen by
+``config._experts_implementation``. Inside ``grouped_mm`` and ``batched_mm`` the
+per-slot weighted outputs exist as one ``[T, k, D]`` tensor (``weighted_out_view_0``)
+and each slot's activations as one ``[T*k, I]`` tensor; the ``eager`` loop has
+neither. An implementation registered elsewhere (moelens' expert-parallel
+``torch_a2a``) registers its op names here so `Moe` serves it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExpertsOps:
+    """Op names inside one experts implementation's forward.
+
+    Attributes:
+        slot_outputs: Op whose output is the per-slot weighted outputs ``[T, k, D]``
+            in token-slot order.
+        gated_activations: Op whose output is the activations after the gate
+            (``act(gate) * up``) of gated experts, ``[T*k, I]``.
+        plain_activations: The same for non-gated experts (``act(up)``).
+        sort: Op returning ``(sorted expert ids, permutation)`` when the rows run
+            sorted by expert (the activations are then in that order), or None when
+            they run in token-slot order.
+    """
+
+    slot_outputs: str = "weighted_out_view_0"
+    gated_activations: str = "self__apply_gate_0"
+    plain_activations: str = "self_act_fn_0"
+    sort: str | None = None
+
+
+#: The op through which the experts module's decorated forward calls the implementation.
+IMPLEMENTATION_CALL = "experts_forward_1"
+
+_IMPLEMENTATIONS: dict[str, ExpertsOps] = {
+    "grouped_mm": ExpertsOps(sort="torch_sort_0"),
+    "batched_mm": ExpertsOps(),
+}
+
+
+def register_implementation(name: str, ops: ExpertsOps) -> None:
+    """Tell moelens the op names of an experts implementation registered with transformers."""
+    _IMPLEMENTATIONS[name] = ops
+
+
+def ops_for(name: str | None) -> ExpertsOps | None:
+    """The op names of implementation ``name``, or None when it serves no per-slot values."""
+    return _IMPLEMENTATIONS.get(name) if name else None
+
+
+def serving() -> tuple[str, ...]:
+    """Names of the implementations whose per-slot values moelens serves."""
+    return tuple(_IMPLEMENTATIONS)

@@ -1,0 +1,89 @@
+"""`Mlp`: a dense feed-forward block (a dense layer of a mixed model, a shared expert).
+
+Serves what the block adds to the residual stream (`mlp_output`) and its hidden
+activations (`mlp_activation`, alias `mlp_neurons`): the input of its down
+projection, ``[batch, seq, intermediate]``. The routing values of a `Moe` raise
+here with the reason (this block runs no mixture) instead of an AttributeError.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from jaxtyping import Float
+from torch import Tensor
+
+from ..errors import ValueUnavailable
+from ..families.entry import VALUE_NAMES
+from .base import Component
+from .served import Binding, argument, output_of, served
+
+#: Child names of the down projection in dense MLPs, tried in order.
+DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "output_linear", "dense_4h_to_h", "wo", "out_proj")
+
+#: Moe values a dense block cannot serve.
+MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output")
+
+
+class Mlp(Component):
+    """A dense MLP block. See the module docstring for what it serves."""
+
+    @served
+    def mlp_output(self, value: Any) -> Float[Tensor, "b s h"]:
+        """What the block adds to the residual stream, [batch, seq, hidden]: the block's output. Writing it replaces that."""
+
+    @served
+    def mlp_activation(self, value: Any) -> Float[Tensor, "b s i"]:
+        """The block's hidden activations, [batch, seq, intermediate]: the input of its down projection. Writing it changes what the down projection sees."""
+
+    @served
+    def mlp_neurons(self, value: Any) -> Float[Tensor, "b s i"]:
+        """Alias of `mlp_activation`."""
+
+    @cached_property
+    def down_projection(self) -> str | None:
+        """Name of the child whose input is the hidden activation, or None."""
+        return next((name for name in DOWN_PROJECTIONS if name in self._child_map), None)
+
+    def no_mixture(self, name: str = "router_logits") -> ValueUnavailable:
+        """The error for a mixture value on this dense block."""
+        moes = [moe.layer for moe in getattr(self.root, "moes", [])]
+        where = f"MoE layers are {moes}" if moes else "this model has no MoE layer"
+        return self.unavailable(
+            name,
+            f"this block ({type(self._module).__name__}) is a dense MLP and runs no mixture of experts",
+            f"{where}; iterate model.moes for the MoE blocks.",
+        )
+
+    def _order(self) -> tuple[str, ...]:
+        return ("mlp_activation", "mlp_output")
+
+    def _binding(self, name: str) -> Binding:
+        if name == "mlp_output":
+            pick, put = output_of(None)
+            return Binding(f"{self.path}.output", features=1, pick=pick, put=put)
+        if name in ("mlp_activation", "mlp_neurons"):
+            if self.down_projection is None:
+                raise self.unavailable(
+                    name,
+                    f"{type(self._module).__name__} has no down projection named one of {DOWN_PROJECTIONS}",
+                    "read the input of its last linear layer with .inputs instead.",
+                )
+            pick, put = argument(0)
+            return Binding(f"{self.path}.{self.down_projection}.input", features=1, pick=pick, put=put)
+        raise self.no_mixture(name)
+
+
+def _refuse_mixture_value(name: str) -> property:
+    def getter(self: Mlp) -> Any:
+        raise self.no_mixture(name)
+
+    def setter(self: Mlp, value: Any) -> None:
+        raise self.no_mixture(name)
+
+    return property(getter, setter, doc=f"Not served on a dense block: raises the reason ({name} is a Moe value).")
+
+
+for _name in MIXTURE_VALUES:
+    setattr(Mlp, _name, _refuse_mixture_value(_name))

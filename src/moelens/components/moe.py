@@ -1,0 +1,361 @@
+"""`Moe`: one Mixture-of-Experts block, whatever its family, as readable and writable values.
+
+Every decorated MoE in transformers computes ``logits, w, idx = router(x);
+routed = experts(x, idx, w); out = routed (+ shared(x))``. `Moe` serves those
+values where the model consumes them, as this invoke's ``[batch, seq, ...]``:
+
+========================  ================  =================================================
+value                     shape             read at
+========================  ================  =================================================
+``router_logits``         [b, s, E]         the op in the router's forward producing them
+``router_probs``          [b, s, E]         derived: the family's score of the logits
+``expert_weights``        [b, s, k]         the experts call's ``top_k_weights`` argument
+``expert_indices``        [b, s, k] int64   the experts call's ``top_k_index`` argument
+``expert_activations``    [b, s, k, I]      each slot's activations inside grouped/batched_mm
+``expert_outputs``        [b, s, k, D]      each slot's weighted output inside grouped/batched_mm
+``routed_output``         [b, s, D]         the experts module's output (= expert_outputs.sum(2))
+``shared_expert_output``  [b, s, D]         the shared expert's contribution, after its gate
+``mlp_output``            [b, s, D]         the block's output
+========================  ================  =================================================
+
+Writing `router_logits` changes the routing (weights and indices follow);
+writing weights, indices, per-slot values or outputs changes only what flows on.
+Values are served in the order the model produces them (`order`); `save_all`
+reads every value of the block in that order.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, Iterable
+
+import nnsight
+import torch
+from jaxtyping import Float, Int
+from nnsight.intervention.interleaver import OutOfOrderError
+from torch import Tensor
+
+from ..errors import ValueUnavailable, WriteError
+from ..families import Scoring
+from ..families.entry import VALUE_NAMES
+from ..families.scoring import score, top_logits
+from . import tokens
+from .implementations import IMPLEMENTATION_CALL, ops_for, serving
+from .mlp import Mlp
+from .served import INDEX, Binding, argument, output_of, request, served
+
+
+class _SharedAlias:
+    """``moe.shared_experts``: the shared-expert envoy, found lazily, or the reason there is none.
+
+    A non-data descriptor, so an alias bound on the instance (or a native child
+    named ``shared_experts``) shadows it. Lazy because a shared expert on the
+    decoder layer (granite) is wrapped after the block.
+    """
+
+    def __get__(self, obj: "Moe | None", owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        envoy = obj._shared_envoy()
+        if envoy is None:
+            raise obj.no_shared_expert("shared_experts")
+        return envoy
+
+
+class Moe(Mlp):
+    """A Mixture-of-Experts block. See the module docstring for the values it serves."""
+
+    shared_experts = _SharedAlias()
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        if self.family is None:
+            raise ValueUnavailable(
+                f"{type(module).__name__} is not the block of any registered moelens family; "
+                "describe it with moelens.families.register(Family(...))."
+            )
+        self._bind_standard_names()
+
+    # -- structure -------------------------------------------------------------------
+
+    def _bind_standard_names(self) -> None:
+        """Alias the router, experts and shared expert under their standard names."""
+        family = self.family
+        standard = {"router": family.router, "experts": family.experts}
+        if family.shared is not None and not family.shared.on_layer:
+            standard["shared_experts"] = family.shared.module
+        for alias, native in standard.items():
+            if alias == native or alias in self.__dict__:
+                continue
+            try:
+                target = self.get(native)
+            except AttributeError:
+                continue
+            if target is None:
+                continue
+            object.__setattr__(self, alias, target)
+            self._aliases[alias] = native
+
+    def _shared_envoy(self) -> Any:
+        """The shared-expert envoy (on the block or its decoder layer), or None."""
+        shared = self.family.shared
+        if shared is None:
+            return None
+        host = self.parent if shared.on_layer else self
+        try:
+            envoy = host.get(shared.module) if host is not None else None
+        except AttributeError:
+            return None
+        return envoy if envoy is not None and envoy._module is not None else None
+
+    @property
+    def num_experts(self) -> int:
+        """E: the number of routed experts of this block."""
+        return int(self.family.resolve(self.family.num_experts, self._module))
+
+    @property
+    def top_k(self) -> int:
+        """k: how many experts each token is routed to."""
+        return int(self.family.resolve(self.family.top_k, self._module))
+
+    @property
+    def SCORING(self) -> Scoring:
+        """What the logits mean: how this family scores them and picks experts."""
+        return self.family.scoring
+
+    @property
+    def experts_implementation(self) -> str | None:
+        """The transformers experts implementation the experts module runs now."""
+        config = getattr(self.experts._module, "config", None)
+        return getattr(config, "_experts_implementation", None) if self.family.experts_call else "eager"
+
+    def order(self) -> tuple[str, ...]:
+        """The values this block serves, in the order the model produces them."""
+        return self.family.order()
+
+    _order = order
+
+    # -- availability ------------------------------------------------------------------
+
+    def no_mixture(self, name: str = "router_logits") -> ValueUnavailable:
+        """The error for a value this family's block does not compute (with the reason)."""
+        return self.unavailable(name, self.family.refused.get(name, "this block runs no mixture for it"))
+
+    def needs_grouped_experts(self, name: str = "expert_outputs") -> ValueUnavailable:
+        """The error for a per-slot value under an experts implementation that has none."""
+        implementation = self.experts_implementation
+        return self.unavailable(
+            name,
+            f"per-slot values exist only inside the {', '.join(serving())} experts implementations, "
+            f"and this block runs {implementation!r} (a loop over experts with no [tokens, k, ...] tensor)",
+            'switch with model.set_experts_implementation("grouped_mm") (or load with '
+            'experts_implementation="grouped_mm").',
+        )
+
+    def no_shared_expert(self, name: str = "shared_expert_output") -> ValueUnavailable:
+        """The error for a shared-expert value on a block that has none."""
+        shared = self.family.shared
+        if shared is None:
+            reason = f"the {self.family.name} family has no shared expert"
+        else:
+            reason = (
+                f"this checkpoint's {self.family.name} block has no shared expert "
+                f"(its {shared.module!r} is absent; the config turns it off)"
+            )
+        return self.unavailable(name, reason, "read routed_output or mlp_output instead.")
+
+    def _check_available(self, name: str) -> None:
+        if name in ("mlp_activation", "mlp_neurons"):
+            raise self._routed_activation(name)
+        if name in self.family.refused:
+            raise self.no_mixture(name)
+        if name in ("expert_outputs", "expert_activations") and ops_for(self.experts_implementation) is None:
+            raise self.needs_grouped_experts(name)
+        if name == "shared_expert_output" and self._shared_envoy() is None:
+            raise self.no_shared_expert(name)
+
+    # -- served values -------------------------------------------------------------------
+
+    @served
+    def router_logits(self, value: Any) -> Float[Tensor, "b s e"]:
+        """Router logits [b, s, E], read at the op in the router's forward that produces them (before scoring and selection bias). Writing them changes the routing: weights and indices follow."""
+
+    @served
+    def expert_weights(self, value: Any) -> Float[Tensor, "b s k"]:
+        """Each slot's routing weight [b, s, k], the experts call's top_k_weights. Zeroing [..., j] removes slot j; a write changes the output only."""
+
+    @served
+    def expert_indices(self, value: Any) -> Int[Tensor, "b s k"]:
+        """Each slot's expert [b, s, k] (int64), the experts call's top_k_index. Writing reroutes the slot; its weight stays."""
+
+    @served
+    def expert_activations(self, value: Any) -> Float[Tensor, "b s k i"]:
+        """Each slot's intermediate activations [b, s, k, I] (after the gate / activation) inside grouped_mm / batched_mm, in token-slot order. Writing changes what that slot's down projection sees."""
+
+    @served
+    def expert_outputs(self, value: Any) -> Float[Tensor, "b s k h"]:
+        """Each slot's weighted output [b, s, k, D] inside grouped_mm / batched_mm. Writing changes that slot's contribution."""
+
+    @served
+    def routed_output(self, value: Any) -> Float[Tensor, "b s h"]:
+        """The experts module's output [b, s, D]; equals expert_outputs.sum(2). Writing replaces the routed sum."""
+
+    @served
+    def shared_expert_output(self, value: Any) -> Float[Tensor, "b s h"]:
+        """The shared expert's contribution [b, s, D] (after its gate, if gated). Writing replaces it."""
+
+    @served
+    def mlp_output(self, value: Any) -> Float[Tensor, "b s h"]:
+        """What the block outputs [b, s, D]: the family's combination of routed and shared output. Writing replaces it."""
+
+    @property
+    def router_probs(self) -> Float[Tensor, "b s e"]:
+        """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
+        self._check_available("router_probs")
+        name = self.family.resolve(self.family.scoring.score, self._module)
+        return score(name, self.router_logits)
+
+    @router_probs.setter
+    def router_probs(self, value: Any) -> None:
+        raise WriteError(
+            f"{self.path}.router_probs is derived from router_logits and cannot be written; "
+            "write router_logits (or use moelens.steer) to change the routing."
+        )
+
+    def _routed_activation(self, name: str) -> ValueUnavailable:
+        return self.unavailable(
+            name,
+            "an MoE block has no single hidden activation: each token runs through k routed experts",
+            "read each slot's activations with expert_activations ([b, s, k, I]).",
+        )
+
+    # -- reading and writing -------------------------------------------------------------
+
+    def _read(self, descriptor: served) -> Any:
+        if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
+            weights, indices = top_logits(self.router_logits, self.top_k, self.family.scoring.score)
+            return weights if descriptor.name == "expert_weights" else indices
+        return super()._read(descriptor)
+
+    def _write(self, descriptor: served, value: Any) -> None:
+        if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
+            raise WriteError(
+                f"{self.path}.{descriptor.name} is recomputed from router_logits in the "
+                f"{self.family.name} family (it has no experts call to write into); write router_logits."
+            )
+        super()._write(descriptor, value)
+
+    def _binding(self, name: str) -> Binding:
+        self._check_available(name)
+        if name in ("expert_outputs", "expert_activations"):
+            return self._slot_binding(name)
+        return self._static_bindings[name]
+
+    @cached_property
+    def _static_bindings(self) -> dict[str, Binding]:
+        family = self.family
+        experts = self.experts.path
+        bindings = {
+            "router_logits": Binding(f"{self.router.path}.source.{family.logits_op}.output", features=1),
+            "expert_weights": Binding(f"{experts}.input", 1, *argument(2)),
+            "expert_indices": Binding(f"{experts}.input", 1, *argument(1), kind=INDEX, upper=self.num_experts),
+            "routed_output": Binding(f"{experts}.output", 1, *output_of(None)),
+            "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index)),
+        }
+        shared = self._shared_envoy()
+        if shared is not None:
+            gated = family.shared.gated_op
+            location = f"{self.path}.source.{gated}.output" if gated else f"{shared.path}.output"
+            bindings["shared_expert_output"] = Binding(location, 1)
+        return bindings
+
+    def _nested(self, op: str) -> str:
+        return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"
+
+    def _drill(self) -> None:
+        """Make the ops inside the experts implementation addressable in this run."""
+        try:
+            getattr(self.experts.source, IMPLEMENTATION_CALL).source
+        except OutOfOrderError as error:
+            raise self._order_error("expert_outputs") from error
+
+    def _slot_binding(self, name: str) -> Binding:
+        ops = ops_for(self.experts_implementation)
+        if name == "expert_outputs":
+
+            def prepare() -> None:
+                self._drill()
+
+            return Binding(self._nested(ops.slot_outputs), features=2, prepare=prepare)
+
+        gated = bool(getattr(self.experts._module, "has_gate", True))
+        location = self._nested(ops.gated_activations if gated else ops.plain_activations)
+        k = self.top_k
+
+        if ops.sort is None:
+            return Binding(
+                location,
+                features=2,
+                prepare=self._drill,
+                to_view=lambda rows, _: rows.view(-1, k, rows.shape[-1]),
+                from_view=lambda slots, _: slots.reshape(-1, slots.shape[-1]),
+            )
+
+        sort_location = self._nested(ops.sort)
+
+        def prepare_sorted() -> Tensor:
+            self._drill()
+            permutation = request(sort_location, name, lambda: self._order_error(name))[1]
+            rows = tokens.current_rows(sort_location)
+            if rows.batching and permutation.shape[0] == rows.size:
+                raise self.unavailable(
+                    name,
+                    "in a batched single-token step with top-1 routing nnsight cuts the "
+                    "expert-sorted rows by invoke, which mixes up tokens",
+                    'use model.set_experts_implementation("batched_mm") or one invoke for this read.',
+                )
+            return permutation
+
+        def to_view(sorted_rows: Tensor, permutation: Tensor) -> Tensor:
+            token_slot = torch.empty_like(sorted_rows)
+            token_slot[permutation] = sorted_rows
+            return token_slot.view(-1, k, sorted_rows.shape[-1])
+
+        def from_view(slots: Tensor, permutation: Tensor) -> Tensor:
+            return slots.reshape(-1, slots.shape[-1])[permutation]
+
+        return Binding(location, features=2, prepare=prepare_sorted, to_view=to_view, from_view=from_view)
+
+    # -- all values at once -------------------------------------------------------------------
+
+    def save_all(self, values: Iterable[str] | None = None, *, strict: bool = False) -> dict[str, Tensor]:
+        """Read and ``.save()`` every value of this block in the family's order.
+
+        Use it inside a trace. Values this block or run cannot serve (per-slot
+        values under ``eager``, a shared expert where there is none) are left out,
+        unless ``strict`` (then their error is raised).
+
+        Args:
+            values: The names to read (default: every value in `order`).
+            strict: Raise instead of leaving out a value that cannot be served.
+
+        Returns:
+            Name -> saved tensor, in the order read.
+        """
+        order = self.order()
+        wanted = set(order if values is None else values)
+        unknown = wanted - set(VALUE_NAMES)
+        if unknown:
+            raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
+        if strict and wanted - set(order):
+            raise self.no_mixture(sorted(wanted - set(order))[0])
+        saved: dict[str, Tensor] = {}
+        for name in (name for name in order if name in wanted):
+            try:
+                value = getattr(self, name)
+            except ValueUnavailable:
+                if strict:
+                    raise
+                continue
+            saved[name] = value.save()
+        return nnsight.save(saved)

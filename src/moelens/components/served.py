@@ -1,0 +1,222 @@
+"""Served values: how a component reads and writes one value inside a trace.
+
+A `Binding` says where a value lives in the run (an nnsight location such as
+``model.layers.0.mlp.gate.source.F_linear_0.output``), how to take the tensor out
+of what is served there (``args[2]`` of the experts call) and put one back, how
+many trailing feature dims it has, and how a write is checked. `served` is the
+descriptor a component class declares per value; reading it runs `read`, writing
+it runs `write`.
+
+Reads are token views (see `tokens`): this invoke's ``[batch, seq, ...]``, a view
+of the model's tensor where one exists, so in-place edits land. Every read also
+leaves a write-back with nnsight (`Mediator.transform`) that runs when the
+intervention moves on: it checks in-place edits (an index out of range, a NaN)
+before the model consumes them, and copies an edited non-view back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from nnsight.intervention.eproperty import WriteBack, eproperty
+from nnsight.intervention.interleaver import Mediator, OutOfOrderError
+
+from ..errors import WriteError
+from . import tokens
+
+if TYPE_CHECKING:
+    from .base import Component
+
+#: What a write must look like.
+FLOAT, INDEX = "float", "index"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where one value lives in the run and how to read and write it there.
+
+    Attributes:
+        location: The nnsight location served at (``"<path>.output"``, an op's
+            ``".source.<op>.output"``, a module's ``".input"``).
+        features: Number of trailing feature dims of the value (1 for ``[T, E]``).
+        pick: Takes the value's tensor out of what the location serves.
+        put: Returns what the location serves with the value's tensor replaced.
+        kind: `FLOAT` or `INDEX`: what a write is checked against.
+        upper: For `INDEX` values, the exclusive upper bound of a valid index.
+        prepare: Called (inside the trace) before the location is requested, e.g.
+            to drill into the experts implementation so its ops are served; what it
+            returns is handed to `to_view` / `from_view`.
+        to_view / from_view: Turn the picked tensor into the token-major layout
+            that is served, and a token-major tensor back into the model's layout
+            (activations the model keeps sorted by expert). None when the picked
+            tensor is token-major already.
+    """
+
+    location: str
+    features: int
+    pick: Callable[[Any], torch.Tensor] = lambda raw: raw
+    put: Callable[[Any, torch.Tensor], Any] = lambda raw, tensor: tensor
+    kind: str = FLOAT
+    upper: int | None = None
+    prepare: Callable[[], Any] | None = None
+    to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+    from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+
+    def token_major(self, picked: torch.Tensor, context: Any) -> torch.Tensor:
+        """The picked tensor in token-major ``[T, ...]`` order."""
+        return picked if self.to_view is None else self.to_view(picked, context)
+
+    def model_layout(self, token_major: torch.Tensor, context: Any) -> torch.Tensor:
+        """A token-major tensor in the layout the model keeps at the location."""
+        return token_major if self.from_view is None else self.from_view(token_major, context)
+
+
+def output_of(index: int | None) -> tuple[Callable, Callable]:
+    """``pick`` / ``put`` for a module output that may be a tuple (hidden first)."""
+    if index is None:
+        return (lambda raw: raw), (lambda raw, tensor: tensor)
+    return (
+        lambda raw: raw[index],
+        lambda raw, tensor: type(raw)((*raw[:index], tensor, *raw[index + 1 :])),
+    )
+
+
+def argument(position: int) -> tuple[Callable, Callable]:
+    """``pick`` / ``put`` for one positional argument of a call's ``(args, kwargs)``."""
+
+    def pick(raw: Any) -> torch.Tensor:
+        args, _ = raw
+        return args[position]
+
+    def put(raw: Any, tensor: torch.Tensor) -> Any:
+        args, kwargs = raw
+        return (*args[:position], tensor, *args[position + 1 :]), kwargs
+
+    return pick, put
+
+
+class served(eproperty):
+    """A value a component serves; declare one per value on the component class.
+
+    The docstring of the decorated stub is the value's documentation (what it
+    means, where it is read, what a write does); the stub's body is not run.
+    """
+
+    def __init__(self, stub: Callable) -> None:
+        super().__init__(key=stub.__name__, description=(stub.__doc__ or "").strip().split("\n")[0])
+        self(stub)
+
+    def __get__(self, obj: "Component | None", owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return obj._read(self)
+
+    def __set__(self, obj: "Component", value: Any) -> None:
+        obj._write(self, value)
+
+
+def request(location: str, what: str, on_order_error: Callable[[], Exception]) -> Any:
+    """Park until the model reaches ``location`` and return what is served there.
+
+    An out-of-order request (the model had already run past the location) is
+    reported by nnsight only when the run ends; it is re-raised as the moelens
+    error ``on_order_error`` builds, which names the right order.
+    """
+    try:
+        return Mediator.value(location)
+    except OutOfOrderError as error:
+        raise on_order_error() from error
+
+
+def read(component: "Component", descriptor: served, binding: Binding) -> torch.Tensor:
+    """Serve ``binding`` as this invoke's token view and leave its write-back."""
+    name = descriptor.name
+    location = binding.location
+    mediator = Mediator.current(location)
+    waiting = mediator.transform
+    if waiting is not None and waiting.key == (descriptor, location, mediator.wanted(location)):
+        return waiting.view
+    context = binding.prepare() if binding.prepare is not None else None
+    raw = request(location, name, lambda: component._order_error(name))
+    rows = tokens.current_rows(location)
+    picked = binding.pick(raw)
+    token_major = binding.token_major(picked, context)
+    view = tokens.view(token_major, binding.features, rows, f"{component.path}.{name}")
+    version = view._version
+    occurrence = mediator.wanted(location)
+
+    def write_back() -> Any:
+        if view._version == version:
+            return raw
+        check_write(component, name, binding, view, view.shape)
+        if binding.to_view is None and _aliases(view, picked):
+            return raw
+        whole = tokens.splice(token_major, view, binding.features, rows, name)
+        return binding.put(raw, binding.model_layout(whole, context))
+
+    mediator.transform = WriteBack(write_back, view, descriptor, location, occurrence)
+    return view
+
+
+def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
+    """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
+    name = descriptor.name
+    location = binding.location
+    context = binding.prepare() if binding.prepare is not None else None
+    raw = request(location, name, lambda: component._order_error(name))
+    rows = tokens.current_rows(location)
+    picked = binding.pick(raw)
+    token_major = binding.token_major(picked, context)
+    current = tokens.view(token_major, binding.features, rows, name)
+    if not isinstance(value, torch.Tensor):
+        numbers_as = current.dtype if binding.kind == FLOAT and isinstance(value, (int, float)) else None
+        value = torch.as_tensor(value, dtype=numbers_as, device=current.device)
+    if value.dim() == 0:  # a scalar fills the whole view
+        value = value.expand(current.shape)
+    check_write(component, name, binding, value, current.shape)
+    whole = tokens.splice(token_major, value, binding.features, rows, name)
+    Mediator.swap(location, binding.put(raw, binding.model_layout(whole, context)))
+
+
+def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``view`` shares storage with ``base`` (so in-place edits already landed)."""
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
+    """Raise `WriteError` for a write the model would compute something wrong from."""
+    where = f"{component.path}.{name}"
+    if tuple(value.shape) != tuple(shape):
+        raise WriteError(
+            f"{where}: wrote a tensor of shape {tuple(value.shape)}, expected {tuple(shape)} "
+            f"(this invoke's [batch, seq, ...] view); read the value first to see its shape."
+        )
+    if binding.kind == INDEX:
+        if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
+            raise WriteError(
+                f"{where}: wrote {value.dtype} indices, expected integer expert indices "
+                f"(torch.int64) of shape {tuple(shape)}; convert with .long()."
+            )
+        if value.numel():
+            low, high = int(value.min()), int(value.max())
+            if low < 0 or (binding.upper is not None and high >= binding.upper):
+                bad = low if low < 0 else high
+                raise WriteError(
+                    f"{where}: wrote expert index {bad}, expected indices in [0, {binding.upper}) "
+                    f"for this block's {binding.upper} experts."
+                )
+        return
+    if not (value.is_floating_point() or value.is_complex()):
+        raise WriteError(
+            f"{where}: wrote a {value.dtype} tensor, expected a floating-point tensor of shape "
+            f"{tuple(shape)}; convert with .float() or .to(the value's dtype)."
+        )
+    if torch.isnan(value).any():
+        raise WriteError(f"{where}: the written tensor contains NaN; the model would propagate it.")
+    if name == "router_logits" and value.numel() and torch.isneginf(value).all(dim=-1).any():
+        raise WriteError(
+            f"{where}: every logit of some token is -inf, so its routing scores would be NaN; "
+            "leave at least one expert finite per token."
+        )

@@ -1,0 +1,110 @@
+"""Token views: flat routing tensors served as this invoke's ``[batch, seq, ...]``.
+
+MoE blocks flatten tokens: router logits, expert weights and indices, per-slot
+outputs are ``[T, ...]`` with ``T = batch * seq`` over the *whole* batched forward
+(every invoke of the trace, padded to one length). nnsight narrows a served value
+to an invoke's rows only where its leading dim equals the batch size, which a flat
+``[T, ...]`` tensor has only when ``seq == 1``. So:
+
+* `view` turns what nnsight served into this invoke's ``[b, s, ...]``: a view of
+  the model's tensor (in-place edits land) cut to the invoke's rows;
+* `splice` turns an assigned ``[b, s, ...]`` back into the tensor the model holds,
+  the other invokes' rows untouched.
+
+A tensor that already has its batch and sequence dims (a shared expert that sees
+the unflattened residual) passes through as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Shaped
+from nnsight.intervention.interleaver import Mediator
+
+from ..errors import ValueUnavailable
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Which rows of the batched forward the running invoke owns.
+
+    Attributes:
+        total: Batch size of the whole forward (every invoke's rows).
+        start: First row of this invoke.
+        size: Number of rows of this invoke.
+        batching: Whether nnsight narrows values for this invoke (two or more
+            invokes with rows); otherwise this invoke sees the whole batch.
+    """
+
+    total: int
+    start: int
+    size: int
+    batching: bool
+
+
+def current_rows(location: str) -> Rows:
+    """The rows the running worker owns, read from its mediator and batcher."""
+    mediator = Mediator.current(location)
+    batcher = mediator.interleaver.batcher if mediator.interleaver is not None else None
+    total = batcher.total if batcher is not None and batcher.total else 1
+    group = mediator.batch_group
+    if batcher is None or not batcher.batching or group is None:
+        return Rows(total=total, start=0, size=total, batching=False)
+    start, size = group
+    return Rows(total=total, start=start, size=size, batching=True)
+
+
+def _seq_len(flat_rows: int, rows: Rows, name: str) -> int:
+    if flat_rows % rows.total:
+        raise ValueUnavailable(
+            f"{name}: the block saw {flat_rows} tokens, which is not a whole number of "
+            f"sequences of a batch of {rows.total}; moelens serves flat routing tensors "
+            "per [batch, seq] only when every row has the same padded length."
+        )
+    return flat_rows // rows.total
+
+
+def view(served: torch.Tensor, feature_dims: int, rows: Rows, name: str) -> Shaped[torch.Tensor, "b s *f"]:
+    """This invoke's ``[b, s, *features]`` view of a served routing tensor.
+
+    Args:
+        served: The value nnsight served: flat ``[T, *features]`` (narrowed by nnsight
+            to this invoke's rows when ``seq == 1``), or already ``[B, S, *features]``.
+        feature_dims: How many trailing dims are features (1 for ``[T, E]``).
+        rows: The running invoke's rows (`current_rows`).
+        name: The value's name, for errors.
+    """
+    if served.dim() == feature_dims + 2:
+        return served
+    features = served.shape[1:]
+    if rows.batching and served.shape[0] == rows.size and rows.size < rows.total:
+        # nnsight already narrowed it: one token per row (a decode step).
+        return served.view(rows.size, 1, *features)
+    seq = _seq_len(served.shape[0], rows, name)
+    mine = served.narrow(0, rows.start * seq, rows.size * seq) if rows.batching else served
+    return mine.view(rows.size, seq, *features)
+
+
+def splice(
+    current: torch.Tensor, new: Shaped[torch.Tensor, "b s *f"], feature_dims: int, rows: Rows, name: str
+) -> torch.Tensor:
+    """The tensor to hand the model: ``current`` with this invoke's rows set to ``new``.
+
+    Args:
+        current: The value as nnsight serves it now (see `view`).
+        new: This invoke's ``[b, s, *features]`` replacement.
+        feature_dims: How many trailing dims are features.
+        rows: The running invoke's rows.
+        name: The value's name, for errors.
+    """
+    new = new.to(dtype=current.dtype, device=current.device)
+    if current.dim() == feature_dims + 2:
+        return new
+    flat = new.reshape(-1, *new.shape[2:])
+    if not rows.batching or (current.shape[0] == rows.size and rows.size < rows.total):
+        return flat
+    seq = _seq_len(current.shape[0], rows, name)
+    start, stop = rows.start * seq, (rows.start + rows.size) * seq
+    return torch.cat([current[:start], flat, current[stop:]], dim=0)

@@ -1,0 +1,28 @@
+"""The errors moelens raises.
+
+Every error names the value or input at fault, what was expected, and what to do.
+None of them derives from ``AttributeError``: an eproperty getter that raises one is
+swallowed by ``Envoy.__getattr__`` and resurfaces as "object has no attribute".
+"""
+
+from __future__ import annotations
+
+
+class MoelensError(Exception):
+    """Base class of every error moelens raises on purpose."""
+
+
+class ValueUnavailable(MoelensError):
+    """A value that this family, this block or this run cannot serve (and why)."""
+
+
+class OrderError(MoelensError):
+    """A value was requested after the model had already run past it in this trace."""
+
+
+class WriteError(MoelensError, ValueError):
+    """A write to a served value that would make the model compute something wrong."""
+
+
+class FamilyError(MoelensError, ValueError):
+    """A model or family description moelens cannot use."""

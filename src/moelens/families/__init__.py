@@ -1,0 +1,18 @@
+"""MoE families: one small data entry per family, the registry, and detection.
+
+``moelens.families.supported()`` lists every family moelens serves;
+``moelens.families.register(Family(...))`` describes a custom model's blocks
+without editing moelens.
+"""
+
+from . import softmax
+from .entry import VALUE_NAMES, Combine, Family, Scoring, SharedExpert
+from .registry import for_block, for_model_type, get, register, register_all, supported, unregister
+
+for _module in (softmax,):
+    register_all(_module.FAMILIES)
+
+__all__ = [
+    "VALUE_NAMES", "Combine", "Family", "Scoring", "SharedExpert",
+    "for_block", "for_model_type", "get", "register", "supported", "unregister",
+]

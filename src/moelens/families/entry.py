@@ -1,0 +1,246 @@
+"""What a family entry says: a small, frozen description of one MoE family.
+
+A family entry is data. It names where the block, the router, the experts and the
+shared expert live, which operation inside the router's forward produces the
+logits, how the family scores them, how the block combines the routed and the
+shared output, and which values it cannot serve (with the reason). The `Moe`
+component reads it; nothing else in moelens knows families.
+
+Attribute references (``"router.top_k"``, ``"config.norm_topk_prob"``) are
+resolved against the live block module by `resolve`, so one entry serves every
+checkpoint of the family whatever its sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import FamilyError
+
+#: Every value a `Moe` component serves, in the order a standard family produces them.
+VALUE_NAMES = (
+    "router_logits",
+    "router_probs",
+    "expert_weights",
+    "expert_indices",
+    "expert_activations",
+    "expert_outputs",
+    "routed_output",
+    "shared_expert_output",
+    "mlp_output",
+)
+
+#: When a served shared-expert value is produced, relative to the routed path.
+SHARED_TIMES = ("before_router", "before_experts", "after_experts", "after_block")
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How the router turns logits into the experts' weights and indices.
+
+    Attributes:
+        score: The elementwise score of each expert, what `router_probs` serves:
+            ``"softmax"`` (over the E logits), ``"sigmoid"``, ``"sqrtsoftplus"``, or an
+            attribute reference naming one of those (deepseek_v4's ``score_fn``).
+        select: How the k experts are chosen. ``"score_topk"``: top-k of the scores
+            (plus `selection_bias`); ``"logit_topk"``: top-k of the logits, then a
+            softmax over those k; ``"group_topk"``: top-k inside the best groups;
+            ``"sparsemixer"`` (phimoe); ``"hash"`` (a token-id table, the logits only
+            weight); ``"skip_topk"`` (zaya: an extra "skip" class).
+        normalize: Whether the k weights are renormalised to sum to one: a bool or
+            an attribute reference (``"router.norm_topk_prob"``).
+        scale: A multiplier on the weights applied inside the router: a number, an
+            attribute reference, or None.
+        selection_bias: Attribute reference of a bias added to the scores for
+            selection only (DeepSeek-V3's ``e_score_correction_bias``), or None.
+        groups: Attribute references ``(n_group, topk_group)`` of group-limited
+            selection, or None.
+        code: The short code the reference table uses (``"SM+"``, ``"DS3"`` ...).
+    """
+
+    score: str = "softmax"
+    select: str = "score_topk"
+    normalize: bool | str = False
+    scale: float | str | None = None
+    selection_bias: str | None = None
+    groups: tuple[str, str] | None = None
+    code: str = ""
+
+    def describe(self) -> str:
+        """One line saying what the logits mean and how experts are picked."""
+        parts = [f"{self.score} scores", self.select.replace("_", " ")]
+        if self.selection_bias:
+            parts.append("selection bias")
+        if self.groups:
+            parts.append("group-limited")
+        if self.normalize is True:
+            parts.append("renormalised")
+        elif isinstance(self.normalize, str):
+            parts.append(f"renormalised if {self.normalize}")
+        if self.scale is not None:
+            parts.append(f"x {self.scale}")
+        return ", ".join(parts) + (f" ({self.code})" if self.code else "")
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """Where a family's shared expert lives and which of its values `Moe` serves.
+
+    Attributes:
+        module: Path of the shared-expert module, from the block (or from the
+            decoder layer when `on_layer`).
+        on_layer: The shared expert is a sibling of the block on the decoder layer
+            (granite), applied after the block.
+        gated_op: Name of the op in the block's forward whose output is the shared
+            contribution after its gate (qwen2_moe's ``shared_expert_output_1``);
+            None when the module's own output is the contribution.
+        gate: Path of the gate module from the block (``"shared_expert_gate"``), or None.
+        when: When the served value is produced, one of `SHARED_TIMES`.
+    """
+
+    module: str
+    on_layer: bool = False
+    gated_op: str | None = None
+    gate: str | None = None
+    when: str = "after_experts"
+
+
+@dataclass(frozen=True)
+class Combine:
+    """How the block output (`mlp_output`) is made of the routed and shared outputs.
+
+    ``mlp_output = block_post(routed_post(routed * routed_scale) * routed_weight
+    + shared * shared_weight)``, each step skipped when unset. A shared expert on
+    the decoder layer (granite) is not part of the block output.
+
+    Attributes:
+        routed_scale: Multiplier the block applies to the experts output (beam,
+            laguna: ``"config.routed_scaling_factor"``; openai_privacy_filter:
+            ``"experts.num_experts"``), or None.
+        routed_post: Path of a module the block applies to the (scaled) experts
+            output (nemotron_h ``fc2_latent_proj``), or None.
+        routed_weight / shared_weight: Weights of the final sum (cohere2_moe averages).
+        block_post: Path of a module applied to the sum (axk1's
+            ``post_mlp_layernorm``), or None.
+        output_index: Index of the hidden states in a tuple block output, or None
+            when the block returns a tensor.
+    """
+
+    routed_scale: float | str | None = None
+    routed_post: str | None = None
+    routed_weight: float = 1.0
+    shared_weight: float = 1.0
+    block_post: str | None = None
+    output_index: int | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One MoE family: where its parts live and what its values mean.
+
+    Attributes:
+        name: The family name (the transformers model folder, ``"mixtral"``).
+        model_types: ``config.model_type`` values that belong to it.
+        block_classes: Class names of its MoE block module (how blocks are detected).
+        block_attr: Attribute of the block on the decoder layer (``"mlp"``,
+            ``"block_sparse_moe"``), or ``""`` when the decoder layer itself holds the
+            router and experts (gemma4).
+        router: Path of the router from the block.
+        experts: Path of the experts module from the block.
+        logits_op: Op in the router's forward whose output is the logits.
+        scoring: How the logits are scored and experts picked.
+        shared: The shared expert, or None.
+        combine: How the block output is made.
+        top_k: Attribute reference of k, or an int.
+        num_experts: Attribute reference of E, or an int.
+        experts_call: The experts module is called as ``experts(hidden, top_k_index,
+            top_k_weights)`` and decorated by ``use_experts_implementation``.
+        refused: Values this family cannot serve, each with the reason.
+        derived_routing: Weights and indices are recomputed from the logits with the
+            family's scoring (read-only), for families with no experts call (llama4).
+        notes: Quirks worth knowing, shown in docs and ``moelens inspect``.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    block_classes: tuple[str, ...]
+    block_attr: str = "mlp"
+    router: str = "gate"
+    experts: str = "experts"
+    logits_op: str = "F_linear_0"
+    scoring: Scoring = field(default_factory=Scoring)
+    shared: SharedExpert | None = None
+    combine: Combine = field(default_factory=Combine)
+    top_k: str | int = "router.top_k"
+    num_experts: str | int = "experts.num_experts"
+    experts_call: bool = True
+    refused: Mapping[str, str] = field(default_factory=dict)
+    derived_routing: bool = False
+    notes: str = ""
+
+    def resolve(self, reference: Any, block: Any) -> Any:
+        """The value an attribute reference names, read from the live block module.
+
+        A reference is a dotted string: its first component may be ``router``,
+        ``experts`` or ``shared`` (this family's paths for them, whatever the model
+        calls them), ``config`` (the model config the block's parts carry) or any
+        attribute of the block. Anything else (a number, a bool, None, a plain word
+        such as ``"softmax"``) is a literal and returned as is.
+        """
+        if not isinstance(reference, str) or "." not in reference:
+            return reference
+        head, _, rest = reference.partition(".")
+        roots = {"router": self.router, "experts": self.experts}
+        if self.shared is not None and not self.shared.on_layer:
+            roots["shared"] = self.shared.module
+        try:
+            value = find_config(block) if head == "config" else get_path(block, roots.get(head, head))
+            return get_path(value, rest)
+        except AttributeError as error:
+            raise FamilyError(
+                f"family {self.name!r}: cannot read {reference!r} from {type(block).__name__} ({error}); "
+                "the family entry does not match this model."
+            ) from None
+
+    def order(self) -> tuple[str, ...]:
+        """The served values in the order the model produces them for this family."""
+        routed = [
+            "router_logits",
+            "router_probs",
+            "expert_weights",
+            "expert_indices",
+            "expert_activations",
+            "expert_outputs",
+            "routed_output",
+        ]
+        order = list(routed)
+        if self.shared is not None:
+            position = {
+                "before_router": 0,
+                "before_experts": routed.index("expert_weights"),
+                "after_experts": len(routed),
+            }.get(self.shared.when)
+            if position is not None:
+                order.insert(position, "shared_expert_output")
+        order.append("mlp_output")
+        if self.shared is not None and self.shared.when == "after_block":
+            order.append("shared_expert_output")
+        return tuple(name for name in order if name not in self.refused)
+
+
+def get_path(root: Any, path: str) -> Any:
+    """``root.a.b`` for ``path == "a.b"`` (an empty path is ``root`` itself)."""
+    value = root
+    for part in filter(None, path.split(".")):
+        value = getattr(value, part)
+    return value
+
+
+def find_config(module: Any) -> Any:
+    """The model config a block or one of its parts carries (blocks rarely keep one)."""
+    for candidate in module.modules():
+        config = getattr(candidate, "config", None)
+        if config is not None:
+            return config
+    raise AttributeError(f"{type(module).__name__} and its parts carry no config")

@@ -1,0 +1,106 @@
+"""The family registry: every known family, user registration, and detection.
+
+Detection looks at the model itself: a module is an MoE block when its class is
+some registered family's block class; the model's ``config.model_type`` (or that
+of a sub-config) names the family otherwise. `supported()` is what the docs'
+family table is generated from.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ..errors import FamilyError
+from .entry import Family
+
+_FAMILIES: dict[str, Family] = {}
+_BY_BLOCK_CLASS: dict[str, Family] = {}
+
+
+def register(family: Family, *, replace: bool = False) -> Family:
+    """Add a family so `moelens.wrap` recognises its blocks, without editing moelens.
+
+    Args:
+        family: The description. Its ``block_classes`` are how blocks are found.
+        replace: Allow replacing a family (or a block class) registered earlier.
+
+    Returns:
+        The family, so ``MY_FAMILY = register(Family(...))`` reads naturally.
+    """
+    if not isinstance(family, Family):
+        raise FamilyError(
+            f"register() takes a moelens.families.Family, got {type(family).__name__}; "
+            "build one with Family(name=..., model_types=..., block_classes=...)."
+        )
+    if not family.block_classes:
+        raise FamilyError(f"family {family.name!r} names no block_classes: moelens finds blocks by their class name.")
+    if not replace:
+        if family.name in _FAMILIES:
+            raise FamilyError(f"a family named {family.name!r} is already registered; pass replace=True to replace it.")
+        taken = [name for name in family.block_classes if name in _BY_BLOCK_CLASS]
+        if taken:
+            raise FamilyError(
+                f"block class {taken[0]!r} already belongs to family {_BY_BLOCK_CLASS[taken[0]].name!r}; "
+                "pass replace=True to take it over."
+            )
+    previous = _FAMILIES.get(family.name)
+    if previous is not None:
+        for name in previous.block_classes:
+            _BY_BLOCK_CLASS.pop(name, None)
+    _FAMILIES[family.name] = family
+    for name in family.block_classes:
+        _BY_BLOCK_CLASS[name] = family
+    return family
+
+
+def register_all(families: Iterable[Family]) -> None:
+    """Register the built-in entries of one family module."""
+    for family in families:
+        register(family)
+
+
+def unregister(name: str) -> None:
+    """Remove a registered family (used by tests of custom families)."""
+    family = _FAMILIES.pop(name)
+    for block in family.block_classes:
+        if _BY_BLOCK_CLASS.get(block) is family:
+            del _BY_BLOCK_CLASS[block]
+
+
+def supported() -> list[Family]:
+    """Every registered family, sorted by name."""
+    return [_FAMILIES[name] for name in sorted(_FAMILIES)]
+
+
+def get(name: str) -> Family:
+    """The family registered under ``name``."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        known = ", ".join(sorted(_FAMILIES))
+        raise FamilyError(f"no moelens family named {name!r}; known families: {known}.") from None
+
+
+def for_block(module: torch.nn.Module) -> Family | None:
+    """The family whose MoE block ``module`` is, or None when it is no known block."""
+    return _BY_BLOCK_CLASS.get(type(module).__name__)
+
+
+def for_model_type(model_type: str) -> Family | None:
+    """The family a ``config.model_type`` belongs to, or None."""
+    for family in _FAMILIES.values():
+        if model_type in family.model_types:
+            return family
+    return None
+
+
+def model_types(config) -> list[str]:
+    """The model_type of a config and of each of its sub-configs (text_config ...)."""
+    found = [getattr(config, "model_type", None)]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            found.extend(model_types(sub))
+    return [name for name in found if name]

@@ -1,0 +1,44 @@
+"""Families whose router takes a softmax over all E logits, then the top-k."""
+
+from __future__ import annotations
+
+from .entry import Combine, Family, Scoring, SharedExpert
+
+ALWAYS = Scoring("softmax", "score_topk", normalize=True, code="SM+")
+IF_FLAGGED = Scoring("softmax", "score_topk", normalize="router.norm_topk_prob", code="SM±")
+NEVER = Scoring("softmax", "score_topk", normalize=False, code="SM0")
+
+#: The qwen2_moe shared expert: runs first, gated by sigmoid(shared_expert_gate(x)),
+#: and the gated product is bound after the experts call.
+QWEN_SHARED = SharedExpert(
+    "shared_expert", gated_op="shared_expert_output_1", gate="shared_expert_gate", when="after_experts"
+)
+
+FAMILIES = [
+    Family("mixtral", ("mixtral",), ("MixtralSparseMoeBlock",), scoring=ALWAYS,
+           notes="Weights are float32 in a bf16 model (the softmax runs on .float())."),
+    Family("minimax", ("minimax",), ("MiniMaxSparseMoeBlock",), scoring=ALWAYS, notes="Routing as mixtral."),
+    Family("olmoe", ("olmoe",), ("OlmoeSparseMoeBlock",), scoring=IF_FLAGGED,
+           notes="norm_topk_prob defaults to False: weights sum to less than 1."),
+    Family("flex_olmo", ("flex_olmo",), ("FlexOlmoSparseMoeBlock",), scoring=IF_FLAGGED),
+    Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeSparseMoeBlock",), scoring=IF_FLAGGED,
+           notes="Dense layers (mlp_only_layers, decoder_sparse_step) are Mlp."),
+    Family("qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"), ("Qwen3VLMoeTextSparseMoeBlock",), scoring=ALWAYS,
+           notes="Multimodal: decoder layers at model.language_model.layers."),
+    Family("qwen3_omni_moe", ("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"),
+           ("Qwen3OmniMoeThinkerTextSparseMoeBlock",), scoring=IF_FLAGGED,
+           notes="The thinker's MoE stack; the talker's is a second stack."),
+    Family("mellum", ("mellum",), ("MellumSparseMoeBlock",), scoring=IF_FLAGGED),
+    Family("jamba", ("jamba",), ("JambaSparseMoeBlock",), router="router", scoring=NEVER,
+           notes="Weights are never renormalised; mamba and attention layers interleave."),
+    Family("hunyuan_v1_moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1Moe",), logits_op="self_wg_0", scoring=ALWAYS,
+           shared=SharedExpert("shared_mlp", when="before_router"),
+           notes="The logits are the router's wg Linear output; the shared MLP runs first and is added plainly."),
+    Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeSparseMoeBlock",), scoring=IF_FLAGGED, shared=QWEN_SHARED,
+           notes="Shared expert gated by sigmoid(shared_expert_gate(x)); served after its gate."),
+    Family("qwen3_next", ("qwen3_next",), ("Qwen3NextSparseMoeBlock",), scoring=IF_FLAGGED, shared=QWEN_SHARED),
+    Family("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), ("Qwen3_5MoeSparseMoeBlock",), scoring=ALWAYS,
+           shared=QWEN_SHARED, notes="The router carries a hub-kernel decorator: use_kernels=True hides its ops."),
+    Family("qwen4_exp", ("qwen4_exp", "qwen4_exp_text"), ("Qwen4ExpTextSparseMoeBlock",), scoring=IF_FLAGGED,
+           shared=QWEN_SHARED),
+]

@@ -1,0 +1,269 @@
+"""`wrap` and `load`: an nnsight model whose MoE blocks are `Moe` components.
+
+`wrap` finds the MoE blocks of a transformers model from the model itself (a
+module whose class is a registered family's block and that holds an experts
+module), makes them `Moe` envoys and the dense MLPs of the same decoder stack
+`Mlp` envoys, and binds the standard names: ``model.layers`` is the decoder layer
+list, ``model.layers[i].mlp`` the block whatever the family calls it, and
+``model.moes`` the MoE components in layer order. Native module paths keep working.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nnsight
+import torch
+from nnsight import NNsight, TransformersModel
+from nnsight.modeling import processing
+
+from .components import Mlp, Moe
+from .components.mlp import DOWN_PROJECTIONS
+from .errors import MoelensError
+from .families import Family, registry
+from .families.entry import get_path
+
+
+@dataclass
+class Structure:
+    """Where a model's MoE blocks and dense MLPs are (module names, no envoys).
+
+    Attributes:
+        family: The family of its MoE blocks, or the family its config names, or None.
+        moe_blocks: Module names of the MoE blocks, in module order.
+        dense_blocks: Module names of the dense MLPs of the same decoder stacks.
+        layer_lists: Module names of the decoder layer lists holding the blocks.
+    """
+
+    family: Family | None = None
+    moe_blocks: list[str] = field(default_factory=list)
+    dense_blocks: list[str] = field(default_factory=list)
+    layer_lists: list[str] = field(default_factory=list)
+
+
+def _is_experts(module: Any) -> bool:
+    """Whether ``module`` is an experts module (transformers-decorated, or undecorated with weights)."""
+    return isinstance(module, torch.nn.Module) and (
+        "_is_expert_parallel" in module.__dict__ or type(module).__name__.endswith("Experts")
+    )
+
+
+def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
+    try:
+        return _is_experts(get_path(module, family.experts))
+    except AttributeError:
+        return False
+
+
+def _is_dense_mlp(module: Any) -> bool:
+    return isinstance(module, torch.nn.Module) and any(
+        isinstance(getattr(module, name, None), torch.nn.Module) for name in DOWN_PROJECTIONS
+    )
+
+
+def discover(model: torch.nn.Module) -> Structure:
+    """Find the MoE blocks, the dense MLPs beside them and the decoder layer lists."""
+    structure = Structure()
+    unknown: list[str] = []
+    for name, module in model.named_modules():
+        family = registry.for_block(module)
+        if family is not None and _holds_mixture(module, family):
+            structure.family = structure.family or family
+            structure.moe_blocks.append(name)
+            layer = name[: -len(family.block_attr) - 1] if family.block_attr else name
+            layers, _, index = layer.rpartition(".")
+            if index.isdigit() and layers not in structure.layer_lists:
+                structure.layer_lists.append(layers)
+        elif family is None and any("_is_expert_parallel" in child.__dict__ for child in module.children()):
+            unknown.append(f"{name} ({type(module).__name__})")
+    if unknown:
+        warnings.warn(
+            f"moelens found MoE blocks of no registered family: {', '.join(unknown)}. They are plain "
+            "envoys; describe them with moelens.families.register(Family(...)) to serve their routing.",
+            stacklevel=3,
+        )
+    if structure.family is None:
+        config = getattr(model, "config", None)
+        for model_type in registry.model_types(config) if config is not None else []:
+            structure.family = registry.for_model_type(model_type)
+            if structure.family is not None:
+                break
+    family = structure.family
+    if family is not None and family.block_attr:
+        moes = set(structure.moe_blocks)
+        for layers in structure.layer_lists:
+            for index, layer in enumerate(get_path(model, layers)):
+                block = getattr(layer, family.block_attr, None)
+                name = f"{layers}.{index}.{family.block_attr}"
+                if name not in moes and _is_dense_mlp(block):
+                    structure.dense_blocks.append(name)
+    return structure
+
+
+class MoeModelMixin:
+    """What moelens adds to an nnsight model: the MoE components and the family."""
+
+    _structure: Structure
+
+    @property
+    def moes(self) -> list[Moe]:
+        """The MoE components, in layer order."""
+        return [self.get(name) for name in self._structure.moe_blocks]
+
+    @property
+    def family(self) -> Family | None:
+        """The family of this model's MoE blocks (None for a model moelens does not know)."""
+        return self._structure.family
+
+    def save_all(self, values: list[str] | None = None, *, strict: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+        """Inside a trace: save every value of every MoE block, in the right order.
+
+        Returns layer index -> (value name -> saved tensor). See `Moe.save_all`.
+        """
+        return nnsight.save({moe.layer: moe.save_all(values, strict=strict) for moe in self.moes})
+
+
+class MoeTransformersModel(MoeModelMixin, TransformersModel):
+    """A transformers model with a tokenizer (string prompts, padding, generation), with moelens components."""
+
+
+class MoeNNsight(MoeModelMixin, NNsight):
+    """A transformers model without a tokenizer: token-id inputs only, with moelens components.
+
+    Several invokes are batched by left-padding their ``input_ids`` with the
+    config's pad token (0 when it has none) and masking the padding.
+    """
+
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        return processing.batch_size(inputs, kwargs)
+
+    def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        if len(invokes) <= 1:
+            return super()._batch(invokes, fn)
+        rows: list[torch.Tensor] = []
+        for inputs, kwargs in invokes:
+            ids = inputs[0] if inputs else kwargs.get("input_ids")
+            if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or set(kwargs) - {"input_ids"}:
+                raise MoelensError(
+                    "a model wrapped without a tokenizer batches several invokes only from plain "
+                    "token-id tensors; pass input_ids tensors, or wrap(model, tokenizer=...) for text, "
+                    "padding and masks."
+                )
+            rows.extend(ids.reshape(-1, ids.shape[-1]))
+        pad = getattr(self._module.config, "pad_token_id", None) or 0
+        width = max(row.shape[0] for row in rows)
+        input_ids = torch.full((len(rows), width), pad, dtype=rows[0].dtype)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, row in enumerate(rows):
+            input_ids[index, width - row.shape[0] :] = row
+            attention_mask[index, width - row.shape[0] :] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return (), {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
+    """Wrap a transformers model so its MoE blocks serve their values by name.
+
+    Args:
+        model: A transformers model instance (any family moelens knows; a model it
+            does not know is wrapped as plain nnsight, with a warning for MoE blocks).
+        tokenizer: Its tokenizer, so string prompts, padding and ``generate`` work;
+            without one the model takes token-id tensors.
+        **nnsight_kwargs: Passed to the nnsight model (``envoys``, ``rename``, ...).
+
+    Returns:
+        An nnsight model: ``.moes``, ``.layers[i].mlp`` (``Moe`` / ``Mlp``), ``.family``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise MoelensError(
+            f"wrap() takes a transformers model instance (torch.nn.Module), got {type(model).__name__}; "
+            "to load from a path or repo id use moelens.load()."
+        )
+    structure = discover(model)
+    envoys = dict(nnsight_kwargs.pop("envoys", None) or {})
+    envoys.update({name: Moe for name in structure.moe_blocks})
+    envoys.update({name: Mlp for name in structure.dense_blocks})
+    if tokenizer is not None:
+        wrapped = MoeTransformersModel(model, tokenizer=tokenizer, envoys=envoys, **nnsight_kwargs)
+    else:
+        wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
+    object.__setattr__(wrapped, "_structure", structure)
+    _bind_standard_names(wrapped, structure)
+    for moe in wrapped.moes:
+        _instrument(moe)
+    return wrapped
+
+
+def _bind(host: Any, alias: str, native: str) -> None:
+    """Alias ``host.<native>`` as ``host.<alias>`` unless the name is taken."""
+    if alias in host.__dict__ or hasattr(host._module, alias):
+        return
+    object.__setattr__(host, alias, host.get(native))
+    host._aliases[alias] = native
+
+
+def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
+    """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
+    if len(structure.layer_lists) == 1 and structure.layer_lists[0] != "layers":
+        _bind(wrapped, "layers", structure.layer_lists[0])
+    family = structure.family
+    if family is None or family.block_attr in ("", "mlp"):
+        return
+    for name in structure.moe_blocks + structure.dense_blocks:
+        layer = wrapped.get(name.rpartition(".")[0])
+        _bind(layer, "mlp", family.block_attr)
+
+
+def _instrument(moe: Moe) -> None:
+    """Source-instrument what a Moe's values are read from, before any trace runs.
+
+    A module's forward must be instrumented before it starts running for its
+    ops to be served; doing it here means a trace can ask for any value at any
+    time. Outside a trace the instrumented forwards run as the originals.
+    """
+    moe.router.source  # noqa: B018 - installs the router's op handoffs
+    if moe.family.experts_call and "_is_expert_parallel" in moe.experts._module.__dict__:
+        moe.experts.source  # noqa: B018
+    if moe.family.shared is not None and moe.family.shared.gated_op:
+        moe.source  # noqa: B018
+
+
+def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
+    """Load a model (and its tokenizer) and wrap it; with no argument, moelens-tiny.
+
+    Args:
+        path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
+            None or ``"tiny"`` loads the embedded default model, offline.
+        **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
+            ``experts_implementation``, ...).
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    if path_or_repo_id is None or str(path_or_repo_id) == "tiny":
+        from .data import TINY_MODEL_PATH
+
+        path_or_repo_id = TINY_MODEL_PATH
+    source = str(path_or_repo_id)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise MoelensError(
+            f"cannot load a model from {source!r}: {error}. Pass a local folder holding config.json "
+            "and weights (or 'tiny' for the embedded default model)."
+        ) from error
+    auto = AutoModelForCausalLM if _has_causal_lm(config) else AutoModel
+    model = auto.from_pretrained(source, **from_pretrained_kwargs).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    return wrap(model, tokenizer=tokenizer)
+
+
+def _has_causal_lm(config: Any) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
