@@ -92,13 +92,13 @@ def discover(model: torch.nn.Module) -> Structure:
             if structure.family is not None:
                 break
     family = structure.family
-    if family is not None and family.block_attr:
+    if family is not None:
+        attribute = family.block_attr or "mlp"  # a layer that is the block keeps its dense MLP as `mlp`
         moes = set(structure.moe_blocks)
         for layers in structure.layer_lists:
             for index, layer in enumerate(get_path(model, layers)):
-                block = getattr(layer, family.block_attr, None)
-                name = f"{layers}.{index}.{family.block_attr}"
-                if name not in moes and _is_dense_mlp(block):
+                name = f"{layers}.{index}.{attribute}"
+                if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
                     structure.dense_blocks.append(name)
     return structure
 

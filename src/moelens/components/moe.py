@@ -266,7 +266,8 @@ class Moe(Mlp):
         if shared is not None:
             gated = family.shared.gated_op
             location = f"{self.path}.source.{gated}.output" if gated else f"{shared.path}.output"
-            bindings["shared_expert_output"] = Binding(location, 1)
+            copy = (lambda tensor, _: tensor.clone()) if family.shared.edited_later else None
+            bindings["shared_expert_output"] = Binding(location, 1, to_view=copy)
         return bindings
 
     def _nested(self, op: str) -> str:

@@ -97,6 +97,9 @@ class SharedExpert:
             None when the module's own output is the contribution.
         gate: Path of the gate module from the block (``"shared_expert_gate"``), or None.
         when: When the served value is produced, one of `SHARED_TIMES`.
+        edited_later: The block edits the module's output in place after it is
+            served (llama4's ``out.add_``), so it is served as a copy; writing it
+            still replaces what the block uses.
     """
 
     module: str
@@ -104,15 +107,17 @@ class SharedExpert:
     gated_op: str | None = None
     gate: str | None = None
     when: str = "after_experts"
+    edited_later: bool = False
 
 
 @dataclass(frozen=True)
 class Combine:
     """How the block output (`mlp_output`) is made of the routed and shared outputs.
 
-    ``mlp_output = block_post(routed_post(routed * routed_scale) * routed_weight
-    + shared * shared_weight)``, each step skipped when unset. A shared expert on
-    the decoder layer (granite) is not part of the block output.
+    ``mlp_output = block_post(routed_post(routed * routed_scale) + shared)``, or
+    with ``mode == "average"`` the mean of the two; each step is skipped when
+    unset. A shared expert on the decoder layer (granite) is not part of the block
+    output.
 
     Attributes:
         routed_scale: Multiplier the block applies to the experts output (beam,
@@ -120,7 +125,8 @@ class Combine:
             ``"experts.num_experts"``), or None.
         routed_post: Path of a module the block applies to the (scaled) experts
             output (nemotron_h ``fc2_latent_proj``), or None.
-        routed_weight / shared_weight: Weights of the final sum (cohere2_moe averages).
+        mode: ``"sum"`` or ``"average"`` of routed and shared output, or an
+            attribute reference naming one (cohere2_moe's combination strategy).
         block_post: Path of a module applied to the sum (axk1's
             ``post_mlp_layernorm``), or None.
         output_index: Index of the hidden states in a tuple block output, or None
@@ -129,8 +135,7 @@ class Combine:
 
     routed_scale: float | str | None = None
     routed_post: str | None = None
-    routed_weight: float = 1.0
-    shared_weight: float = 1.0
+    mode: str = "sum"
     block_post: str | None = None
     output_index: int | None = None
 
@@ -184,14 +189,14 @@ class Family:
 
         A reference is a dotted string: its first component may be ``router``,
         ``experts`` or ``shared`` (this family's paths for them, whatever the model
-        calls them), ``config`` (the model config the block's parts carry) or any
-        attribute of the block. Anything else (a number, a bool, None, a plain word
+        calls them), ``block`` (the block itself), ``config`` (the model config the
+        block's parts carry) or any child of the block. Anything else (a number, a bool, None, a plain word
         such as ``"softmax"``) is a literal and returned as is.
         """
         if not isinstance(reference, str) or "." not in reference:
             return reference
         head, _, rest = reference.partition(".")
-        roots = {"router": self.router, "experts": self.experts}
+        roots = {"router": self.router, "experts": self.experts, "block": ""}
         if self.shared is not None and not self.shared.on_layer:
             roots["shared"] = self.shared.module
         try:

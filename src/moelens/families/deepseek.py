@@ -1,0 +1,71 @@
+"""DeepSeek-V2/V3-style families and their many copies.
+
+Their routers compute the logits in float32 from the unflattened input, pick
+experts with ``sorted=False`` (slot 0 is not the top-1 expert) and scale the
+weights by ``routed_scaling_factor``; the shared experts run after the routed ones
+on the unflattened residual and are added plainly.
+"""
+
+from __future__ import annotations
+
+from .entry import Combine, Family, Scoring, SharedExpert
+
+#: DeepSeek-V3: sigmoid scores, selection on score + correction bias inside the
+#: best groups (group score = sum of its top-2), weights = gathered sigmoid,
+#: renormalised if flagged, times routed_scaling_factor.
+DS3 = Scoring(
+    "sigmoid", "group_topk",
+    normalize="router.norm_topk_prob",
+    scale="router.routed_scaling_factor",
+    selection_bias="router.e_score_correction_bias",
+    groups=("router.num_group", "router.topk_group"),
+    code="DS3",
+)
+#: DeepSeek-V2: softmax scores, greedy or group-limited (group max) top-k, times rsf.
+DS2 = Scoring("softmax", "score_topk", normalize=False, scale="router.routed_scaling_factor", code="DS2")
+#: Mistral 4: softmax, group-limited top-k (no bias), renormalised, times rsf.
+SMG = Scoring(
+    "softmax", "group_topk", normalize="router.norm_topk_prob", scale="router.routed_scaling_factor",
+    groups=("router.num_group", "router.topk_group"), code="SMG",
+)
+SHARED_AFTER = SharedExpert("shared_experts", when="after_experts")
+UNSORTED = "Slots are not ranked (top-k with sorted=False): slot 0 is not the top-1 expert."
+WEIGHT_SUM = "Weights sum to routed_scaling_factor, not 1."
+
+
+def _ds3(name: str, block: str, model_types: tuple[str, ...] | None = None, **extra) -> Family:
+    extra.setdefault("shared", SHARED_AFTER)
+    extra.setdefault("notes", f"{UNSORTED} {WEIGHT_SUM}")
+    return Family(name, model_types or (name,), (block,), scoring=DS3, **extra)
+
+
+FAMILIES = [
+    Family("deepseek_v2", ("deepseek_v2",), ("DeepseekV2Moe",), scoring=DS2, shared=SHARED_AFTER,
+           notes=f"{UNSORTED} Weights are never renormalised."),
+    Family("unlimited_ocr", ("unlimited_ocr", "unlimited_ocr_text"), ("UnlimitedOcrTextMoe",), scoring=DS2,
+           shared=SHARED_AFTER, notes=UNSORTED),
+    _ds3("deepseek_v3", "DeepseekV3MoE"),
+    _ds3("deepseek_v32", "DeepseekV32MoE"),
+    _ds3("glm4_moe", "Glm4MoeMoE"),
+    _ds3("glm4_moe_lite", "Glm4MoeLiteMoE"),
+    _ds3("glm4v_moe", "Glm4vMoeTextMoE", ("glm4v_moe", "glm4v_moe_text")),
+    _ds3("glm_moe_dsa", "GlmMoeDsaMoE"),
+    _ds3("dots1", "Dots1MoE"),
+    _ds3("dots3_note", "Dots3NoteTextMoE", ("dots3_note", "dots3_note_text")),
+    _ds3("kimi_linear", "KimiLinearMoE"),
+    _ds3("bailing_hybrid", "BailingHybridMoE"),
+    _ds3("exaone_moe", "ExaoneMoeSparseMoEBlock"),
+    _ds3("solar_open", "SolarOpenMoE"),
+    _ds3("axk1", "AXK1MoE", combine=Combine(block_post="post_mlp_layernorm"),
+         notes=f"The block returns post_mlp_layernorm(routed + shared). {UNSORTED}"),
+    _ds3("axk2", "AXK2MoE"),
+    _ds3("hy_v4", "HYV4MoE"),
+    _ds3("mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
+    Family("mistral4", ("mistral4",), ("Mistral4MoE",), scoring=SMG, shared=SHARED_AFTER,
+           notes=f"Logits keep the model dtype. {UNSORTED} {WEIGHT_SUM}"),
+    Family("mistral_large4", ("mistral_large4", "mistral_large4_text"), ("MistralLarge4TextMoE",), scoring=SMG,
+           shared=SHARED_AFTER, notes=f"{UNSORTED} {WEIGHT_SUM}"),
+    _ds3("nemotron_h", "NemotronHMoE", block_attr="mixer", combine=Combine(routed_post="fc2_latent_proj"),
+         notes="The block is the layer's `mixer` (aliased mlp); experts are not gated (relu^2) and run in "
+               "moe_latent_size when set, between fc1_latent_proj and fc2_latent_proj."),
+]

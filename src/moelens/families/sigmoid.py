@@ -1,0 +1,71 @@
+"""Families that score experts with a sigmoid (or another elementwise score) and pick
+the top-k of score + a selection bias, with no expert groups."""
+
+from __future__ import annotations
+
+from .entry import Combine, Family, Scoring, SharedExpert
+
+
+def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid") -> Scoring:
+    """Sigmoid-and-bias scoring: select top-k of score + bias, weights = gathered scores."""
+    return Scoring(score, "score_topk", normalize=normalize, scale=scale, selection_bias=bias, code="SGB")
+
+
+SCALED_ROUTED = Combine(routed_scale="block.routed_scaling_factor")
+
+FAMILIES = [
+    Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
+           scoring=sgb("block.expert_bias", scale="router.route_scale"),
+           shared=SharedExpert("shared_experts", when="before_experts"),
+           notes="The selection bias is the block's expert_bias, passed to the router; the shared experts "
+                 "run between router and experts."),
+    Family("lfm2_moe", ("lfm2_moe",), ("Lfm2MoeSparseMoeBlock",), block_attr="feed_forward",
+           scoring=sgb("block.expert_bias", normalize="router.norm_topk_prob",
+                       scale="router.routed_scaling_factor"),
+           notes="The block is `feed_forward` (aliased mlp); the bias buffer lives on the block."),
+    Family("flint", ("flint",), ("FlintSparseMoeBlock",),
+           scoring=Scoring("sigmoid", "score_topk", normalize="router.norm_topk_prob", code="sigmoid"),
+           shared=SharedExpert("shared_expert", when="after_experts"),
+           notes="Logits computed in float32 with autocast off."),
+    Family("laguna", ("laguna",), ("LagunaSparseMoeBlock",),
+           scoring=sgb("router.e_score_correction_bias"),
+           shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
+           notes="The block returns routed * routed_scaling_factor + shared; optional logit softcapping."),
+    Family("minimax_m2", ("minimax_m2",), ("MiniMaxM2SparseMoeBlock",),
+           scoring=sgb("block.e_score_correction_bias"),
+           notes="The selection bias lives on the block and is passed to the router."),
+    Family("minimax_m3_vl", ("minimax_m3_vl", "minimax_m3_vl_text"), ("MiniMaxM3VLSparseMoeBlock",),
+           scoring=sgb("router.e_score_correction_bias"),
+           shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
+           notes="Clamped SwiGLU experts; the block returns routed * routed_scaling_factor + shared."),
+    Family("hy_v3", ("hy_v3",), ("HYV3MoE",),
+           scoring=sgb("block.e_score_correction_bias", scale="router.router_scaling_factor"),
+           shared=SharedExpert("shared_experts", when="after_experts"),
+           notes="Optional float32 combine of routed and shared output."),
+    Family("beam", ("beam",), ("BeamMoE",),
+           scoring=Scoring("sigmoid", "group_topk", normalize="router.norm_topk_prob",
+                           selection_bias="router.e_score_correction_bias",
+                           groups=("router.num_group", "router.topk_group"), code="DS3 (no rsf)"),
+           combine=SCALED_ROUTED, notes="The block, not the router, multiplies by routed_scaling_factor."),
+    Family("muse_spark", ("muse_spark", "muse_spark_text"), ("MuseSparkMoE",), logits_op="router_logits_1",
+           scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor"),
+           combine=Combine(routed_post="post_expert_proj"),
+           notes="Logits are scaled by output_multiplier (router_logits_1); the experts run in "
+                 "moe_hidden_size between pre_expert_proj/pre_expert_norm and post_expert_proj."),
+    Family("kolibri1", ("kolibri1",), ("Kolibri1SparseMoeBlock",), logits_op="F_linear_0",
+           scoring=Scoring("sigmoid", "logit_topk", normalize="router.norm_topk_prob",
+                           selection_bias="router.e_score_correction_bias", code="logit+bias, sigmoid"),
+           shared=SharedExpert("shared_experts", when="after_experts"),
+           notes="Selection is top-k of logits + bias; weights are the sigmoid of the chosen logits. On CUDA "
+                 "in the weights' dtype without grad the logits come from torch.mm instead (not served)."),
+    Family("deepseek_v4", ("deepseek_v4",), ("DeepseekV4SparseMoeBlock",),
+           scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
+                       scale="router.routed_scaling_factor"),
+           shared=SharedExpert("shared_experts", when="after_experts"),
+           notes="Hash layers (the first num_hash_layers) pick experts from a token-id table: there the "
+                 "logits only weight the experts, so writing them does not change which experts run."),
+    Family("inkling2", ("inkling2", "inkling2_text"), ("Inkling2SparseMoeBlock",),
+           scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
+                       scale="router.routed_scaling_factor"),
+           notes="Softcapped SwiGLU experts; the router weight must stay float32."),
+]

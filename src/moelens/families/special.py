@@ -1,0 +1,70 @@
+"""Families that break the one-component model, each with what it serves and why not the rest."""
+
+from __future__ import annotations
+
+from .entry import Combine, Family, Scoring, SharedExpert
+
+NO_SLOTS = (
+    "{family} does not call its experts as experts(hidden, top_k_index, top_k_weights) through "
+    "transformers' experts implementations, so there is no per-slot tensor"
+)
+GEMMA_NO_BLOCK = (
+    "gemma4 has no MoE block: the decoder layer adds post_feedforward_layernorm_1(mlp(x)) + "
+    "post_feedforward_layernorm_2(experts(...)) to the residual, so the layer output is not an FFN output; "
+    "read routed_output and shared_expert_output (the dense mlp) instead"
+)
+LLAMA4_NO_SLOTS = (
+    "llama4 runs all E experts on inputs pre-multiplied by their sigmoid score (no experts(hidden, "
+    "indices, weights) call), so there are no per-slot values or routed sum to serve; expert_weights and "
+    "expert_indices are recomputed from router_logits"
+)
+
+
+def _gemma(name: str, model_types: tuple[str, ...], layers: tuple[str, ...], shared_when: str) -> Family:
+    return Family(
+        name, model_types, layers, block_attr="", router="router", experts="experts", logits_op="self_proj_0",
+        scoring=Scoring("softmax", "score_topk", normalize=True, code="SM+ x per_expert_scale"),
+        top_k="router.config.top_k_experts",
+        shared=SharedExpert("mlp", when=shared_when),
+        refused={"mlp_output": GEMMA_NO_BLOCK},
+        notes="The decoder layer holds router and experts beside a dense mlp that always runs (served as the "
+              "shared expert); the router reads the pre-norm residual; weights are scaled by a learned "
+              "per_expert_scale and do not sum to 1. Only checkpoints with enable_moe_block have a mixture.",
+    )
+
+
+FAMILIES = [
+    _gemma("gemma4", ("gemma4", "gemma4_text"), ("Gemma4TextDecoderLayer",), "before_router"),
+    _gemma("diffusion_gemma", ("diffusion_gemma", "diffusion_gemma_text"),
+           ("DiffusionGemmaEncoderTextLayer", "DiffusionGemmaDecoderTextLayer"),
+           "before_router"),
+    Family("llama4", ("llama4", "llama4_text"), ("Llama4TextMoe",), block_attr="feed_forward", router="router",
+           logits_op="forward_0", scoring=Scoring("sigmoid", "logit_topk", normalize=False, code="TK->sigmoid"),
+           shared=SharedExpert("shared_expert", when="after_experts", edited_later=True),
+           combine=Combine(output_index=0), top_k="router.top_k", num_experts="router.num_experts",
+           experts_call=False, derived_routing=True,
+           refused={name: LLAMA4_NO_SLOTS for name in ("expert_activations", "expert_outputs", "routed_output")},
+           notes="Experts are not decorated; the shared expert's output is edited in place by the block, so it "
+                 "is served as a copy."),
+    Family("dbrx", ("dbrx",), ("DbrxFFN",), block_attr="ffn", router="router", logits_op="self_layer_0",
+           scoring=Scoring("softmax", "score_topk", normalize="block.moe_normalize_expert_weights",
+                           code="SM, p-norm"),
+           top_k="block.top_k",
+           refused={name: NO_SLOTS.format(family="dbrx") + " (its experts run an eager loop only)"
+                    for name in ("expert_activations", "expert_outputs")},
+           notes="Layers are transformer.blocks[i].ffn; weights are normalised by a p-norm."),
+    Family("zaya", ("zaya",), ("ZayaSparseMoeBlock",), logits_op="self_router_mlp_0",
+           scoring=Scoring("softmax", "skip_topk", normalize=False, code="SM over E+1 (skip)"),
+           combine=Combine(output_index=0),
+           notes="Logits have E+1 columns: the last is a 'skip' class. Skip slots come as index 0 with weight 0, "
+                 "so index 0 does not always mean expert 0 ran. The router carries state across layers."),
+    Family("phimoe", ("phimoe",), ("PhimoeSparseMoeBlock",), router="router", logits_op="forward_0",
+           scoring=Scoring("softmax", "sparsemixer", code="SPM"), top_k=2,
+           notes="Sparse-mixer routing picks exactly 2 experts whatever num_experts_per_tok says; weights are "
+                 "masked softmaxes and sum to about 2."),
+    Family("ernie4_5_moe", ("ernie4_5_moe",), ("Ernie4_5_MoeSparseMoeBlock",),
+           scoring=Scoring("softmax", "score_topk", normalize=True,
+                           selection_bias="router.moe_statics.e_score_correction_bias", code="SM+ bias"),
+           shared=SharedExpert("shared_experts", when="before_router"),
+           notes="Selection adds a correction bias to the softmax; weights are renormalised with a clamp."),
+]

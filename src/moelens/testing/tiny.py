@@ -1,0 +1,524 @@
+"""Tiny, seeded, randomly initialised models for every MoE family in transformers 5.23.
+
+Nothing is downloaded: every model is built from a config with :func:`tiny_config`, then
+``from_config``. The sizes are the same for every family where the config allows it:
+
+* ``hidden_size`` 32, 4 decoder layers, 4 attention heads, 2 key/value heads, ``head_dim`` 8;
+* 8 routed experts, top-2 (zaya: top-1, the only value it supports), expert intermediate size 16;
+* ``vocab_size`` 128, ``max_position_embeddings`` 128.
+
+Where a family can interleave dense and MoE layers, the 4 layers hold at least one dense layer and
+at least two MoE layers (usually layer 0 dense, layers 1-3 MoE). Optional shared experts are on.
+Multimodal families are built as their text decoder only (text config + text causal LM, or the text
+model when the family has no text causal LM).
+
+Example::
+
+    from moelens.testing import tiny_model, tiny_inputs
+    model = tiny_model("mixtral", experts_implementation="batched_mm")
+    out = model(**tiny_inputs(model))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig, PreTrainedModel
+
+__all__ = [
+    "COMMON_SIZES",
+    "EXPERTS_IMPLEMENTATIONS",
+    "FAMILIES",
+    "TINY_OVERRIDES",
+    "UNBUILDABLE",
+    "config_class",
+    "model_class",
+    "tiny_config",
+    "tiny_inputs",
+    "tiny_model",
+]
+
+#: Sizes shared by every family. A key is applied only when the family's config class has a field
+#: of that name (so ``head_dim`` is skipped where the config derives it); ``TINY_OVERRIDES`` wins.
+COMMON_SIZES: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 128,
+    "max_position_embeddings": 128,
+    "intermediate_size": 32,
+    "moe_intermediate_size": 16,
+    # Special tokens inside the tiny vocab (several families default to ids >= 100k).
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# Dense/MoE layout used by the families that take a per-layer list.
+_DSSS = ["dense", "sparse", "sparse", "sparse"]
+
+# Multi-head latent attention (DeepSeek-V2/V3 style) sizes.
+_MLA = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "num_key_value_heads": 4,  # MLA expands the latent to one key/value per query head
+}
+# DeepSeek sparse-attention indexer sizes.
+_INDEXER = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}
+
+#: Per-family config overrides, applied on top of ``COMMON_SIZES``. Pure data.
+TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "afmoe": {
+        "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "num_dense_layers": 1,
+        "global_attn_every_n_layers": 2, "sliding_window": 16,
+    },
+    "aria": {"moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 1, "intermediate_size": 16},
+    "axk1": {
+        **_MLA, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
+    },
+    "axk2": {
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
+        "gated_norm_rank": 4,
+    },
+    "bailing_hybrid": {
+        **_MLA, "num_local_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "layer_group_size": 2,
+        "num_mtp_layers": 0,
+    },
+    "beam": {
+        "num_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "mlp_layer_types": _DSSS, "sliding_window": 16,
+    },
+    "cohere2_moe": {
+        "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "intermediate_size": 16,
+        "mlp_layer_types": _DSSS, "prefix_dense_intermediate_size": 32, "sliding_window": 16,
+        "sliding_window_pattern": 2,
+    },
+    "deepseek_ocr2": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "mlp_layer_types": _DSSS,
+    },
+    "deepseek_v2": {
+        **_MLA, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+    },
+    "deepseek_v3": {
+        **_MLA, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+        "num_mtp_layers": 0,
+    },
+    "deepseek_v32": {
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+    },
+    "deepseek_v4": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "num_key_value_heads": 1,
+        "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 8,
+        "index_topk": 4, "hc_mult": 2, "hc_sinkhorn_iters": 2, "sliding_window": 16,
+        "num_nextn_predict_layers": 0, "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    },
+    "diffusion_gemma": {
+        "num_experts": 8, "top_k_experts": 2, "sliding_window": 16, "hidden_size_per_layer_input": 8,
+    },
+    "dots1": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
+        "topk_group": 2, "first_k_dense_replace": 1, "sliding_window": 16, "max_window_layers": 4,
+    },
+    "dots3_note": {
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
+        "shared_experts_intermediate_size": 16,
+    },
+    "ernie4_5_moe": {
+        "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+        "moe_layer_end_index": 3, "moe_layer_interval": 1,
+    },
+    "ernie4_5_vl_moe": {
+        "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": [16, 16],
+        "mlp_layer_types": _DSSS,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [1, 1, 2]},
+    },
+    "exaone_moe": {
+        "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "n_group": 4, "topk_group": 2,
+        "mlp_layer_types": _DSSS, "sliding_window": 16, "sliding_window_pattern": 2,
+    },
+    "flex_olmo": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
+    "flint": {
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "mlp_only_layers": [0], "sliding_window": 16,
+    },
+    "gemma4": {
+        "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "sliding_window": 16,
+        "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8, "global_head_dim": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    },
+    "glm4_moe": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
+        "topk_group": 2, "first_k_dense_replace": 1, "num_mtp_layers": 0,
+    },
+    "glm4_moe_lite": {
+        **_MLA, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
+        "topk_group": 2, "mlp_layer_types": _DSSS,
+    },
+    "glm4v_moe": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
+        "topk_group": 2, "first_k_dense_replace": 1,
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "mrope_section": [1, 1, 0],
+        },
+    },
+    "glm5_next": {
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
+        "linear_head_dim": 8, "linear_num_heads": 4, "hc_mult": 2, "hc_sinkhorn_iters": 2,
+        "index_kpool": 2, "qk_rope_head_dim": 0,
+    },
+    "glm_moe_dsa": {
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
+    },
+    "gpt_oss": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 16,
+    },
+    "granitemoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
+    "granitemoe_swa": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16,
+        "shared_intermediate_size": 16, "sliding_window": 16,
+    },
+    "granitemoehybrid": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16,
+        "shared_intermediate_size": 16,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "mamba_n_heads": 4, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_chunk_size": 8,
+    },
+    "granitemoeshared": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16,
+        "shared_intermediate_size": 16,
+    },
+    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2, "intermediate_size": 16},
+    "hy_v3": {
+        "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "mlp_layer_types": _DSSS,
+    },
+    "hy_v4": {
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS, "hc_mult": 2,
+    },
+    "inkling": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "mlp_layer_types": _DSSS,
+        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8,
+        "sliding_window_size": 16, "d_rel": 4, "rel_extent": 16,
+    },
+    "inkling2": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 16, "d_rel": 4,
+        "rel_extent": 16, "unpadded_vocab_size": 128, "n_layers_per_attn_res_block": 2,
+    },
+    "jamba": {
+        "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "expert_layer_period": 2,
+        "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 0, "use_mamba_kernels": False,
+        "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4,
+    },
+    "kimi_linear": {
+        **_MLA, "num_local_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
+        "topk_group": 2, "mlp_layer_types": _DSSS, "linear_head_dim": 8, "linear_num_heads": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    },
+    "kolibri1": {
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "sliding_window": 16,
+    },
+    "laguna": {
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "mlp_layer_types": _DSSS, "sliding_window": 16,
+    },
+    "lfm2_moe": {
+        "num_experts": 8, "num_experts_per_tok": 2, "num_dense_layers": 1,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+    },
+    "mellum": {
+        "num_experts": 8, "num_experts_per_tok": 2, "mlp_layer_types": _DSSS, "sliding_window": 16,
+    },
+    "mimo_v2_flash": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+        "mlp_layer_types": _DSSS, "v_head_dim": 8, "sliding_window": 16,
+    },
+    "minimax": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "block_size": 4,
+    },
+    "minimax_m2": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
+    "minimax_m3_vl": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16,
+        "dense_intermediate_size": 32, "shared_intermediate_size": 16, "rotary_dim": 8,
+        "mlp_layer_types": _DSSS, "index_n_heads": 2, "index_head_dim": 8, "index_block_size": 2,
+        "index_topk_blocks": 2,
+    },
+    "mistral4": {
+        **_MLA, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
+        "topk_group": 2, "first_k_dense_replace": 1,
+    },
+    "mistral_large4": {
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
+    },
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
+    "muse_spark": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "moe_hidden_size": 16,
+        "mlp_layer_types": _DSSS, "sliding_window": 16,
+    },
+    "nemotron_h": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
+        "topk_group": 2, "moe_shared_expert_intermediate_size": 16,
+        "layers_block_type": ["full_attention", "moe", "mlp", "moe"],
+        "ssm_state_size": 8, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1, "chunk_size": 8,
+        "use_mamba_kernels": False,
+    },
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
+    "openai_privacy_filter": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 16,
+    },
+    "phimoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
+    "qwen2_moe": {
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "mlp_only_layers": [0],
+    },
+    "qwen3_5_moe": {
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0]},
+    "qwen3_next": {
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "mlp_only_layers": [0], "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    },
+    "qwen3_omni_moe": {"num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0]},
+    "qwen3_vl_moe": {"num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0]},
+    "qwen4_exp": {
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "hc_count": 2, "hc_lowrank": 4, "indexer_n_heads": 2,
+        "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8, "indexer_compress_ratio": 2,
+    },
+    "solar_open": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+    },
+    "unlimited_ocr": {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "mlp_layer_types": _DSSS,
+        "sliding_window": 16,
+    },
+    "zaya": {"num_experts": 8, "num_experts_per_tok": 1, "router_hidden_size": 16},
+    "llama4": {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16,
+        "intermediate_size_mlp": 32, "moe_layers": [1, 2, 3], "attention_chunk_size": 16,
+    },
+    "dbrx": {
+        "d_model": 32, "n_heads": 4, "n_layers": 4, "max_seq_len": 128,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 16},
+    },
+}
+
+# Config class to use when it is not the family's main config (multimodal -> text config).
+_CONFIG_CLASS: dict[str, str] = {
+    "aria": "AriaTextConfig",
+    "deepseek_ocr2": "DeepseekOcr2TextConfig",
+    "diffusion_gemma": "DiffusionGemmaTextConfig",
+    "dots3_note": "Dots3NoteTextConfig",
+    "ernie4_5_vl_moe": "Ernie4_5_VLMoeTextConfig",
+    "gemma4": "Gemma4TextConfig",
+    "glm4v_moe": "Glm4vMoeTextConfig",
+    "glm5_next": "Glm5NextTextConfig",
+    "inkling": "InklingTextConfig",
+    "inkling2": "Inkling2TextConfig",
+    "minimax_m3_vl": "MiniMaxM3VLTextConfig",
+    "mistral_large4": "MistralLarge4TextConfig",
+    "muse_spark": "MuseSparkTextConfig",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+    "qwen3_omni_moe": "Qwen3OmniMoeTextConfig",
+    "qwen3_vl_moe": "Qwen3VLMoeTextConfig",
+    "qwen4_exp": "Qwen4ExpTextConfig",
+    "unlimited_ocr": "UnlimitedOcrTextConfig",
+    "llama4": "Llama4TextConfig",
+}
+
+# Model class to use when AutoModelForCausalLM has no entry for the config.
+_MODEL_CLASS: dict[str, str] = {
+    "deepseek_ocr2": "DeepseekOcr2TextModel",
+    "diffusion_gemma": "DiffusionGemmaEncoderTextModel",
+    "ernie4_5_vl_moe": "Ernie4_5_VLMoeTextModel",
+    "glm4v_moe": "Glm4vMoeTextModel",
+    "glm5_next": "Glm5NextTextModel",
+    "mistral4": "Mistral4ForCausalLM",
+    "mistral_large4": "MistralLarge4TextModel",
+    "muse_spark": "MuseSparkTextModel",
+    "openai_privacy_filter": "OpenAIPrivacyFilterModel",
+    "qwen3_omni_moe": "Qwen3OmniMoeThinkerTextModel",
+    "qwen3_vl_moe": "Qwen3VLMoeTextModel",
+    "unlimited_ocr": "UnlimitedOcrTextModel",
+}
+
+_NOT_DECORATED = ("llama4", "dbrx")
+
+#: Families that cannot be built with a tiny config in transformers 5.23, with the reason.
+UNBUILDABLE: dict[str, str] = {}
+
+#: Every family :func:`tiny_model` can build (transformers ``model_type`` folder names).
+FAMILIES: tuple[str, ...] = tuple(sorted(f for f in TINY_OVERRIDES if f not in UNBUILDABLE))
+
+_ALL_IMPLS = ("eager", "batched_mm", "grouped_mm")
+#: Experts implementations each family honours (llama4 / dbrx are not decorated: eager only).
+EXPERTS_IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
+    f: (("eager",) if f in _NOT_DECORATED else _ALL_IMPLS) for f in FAMILIES
+}
+
+
+def _module(family: str, kind: str):
+    return importlib.import_module(f"transformers.models.{family}.{kind}_{family}")
+
+
+def config_class(family: str) -> type[PreTrainedConfig]:
+    """The config class :func:`tiny_config` instantiates for ``family`` (the text config for multimodal ones)."""
+    _check(family)
+    mod = _module(family, "configuration")
+    if family in _CONFIG_CLASS:
+        return getattr(mod, _CONFIG_CLASS[family])
+    for value in vars(mod).values():
+        if (
+            isinstance(value, type)
+            and issubclass(value, PreTrainedConfig)
+            and value.__module__ == mod.__name__
+            and getattr(value, "model_type", None) == family
+        ):
+            return value
+    raise LookupError(f"no config class with model_type {family!r}")
+
+
+def model_class(family: str) -> type[PreTrainedModel]:
+    """The model class :func:`tiny_model` builds for ``family`` (causal LM where one exists)."""
+    _check(family)
+    if family in _MODEL_CLASS:
+        return getattr(_module(family, "modeling"), _MODEL_CLASS[family])
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config_class(family).model_type]
+    return getattr(_module(family, "modeling"), name)
+
+
+def _check(family: str) -> None:
+    if family in UNBUILDABLE:
+        raise ValueError(f"{family!r} cannot be built tiny: {UNBUILDABLE[family]}")
+    if family not in TINY_OVERRIDES:
+        raise KeyError(f"unknown MoE family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def _field_names(cls: type) -> set[str]:
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    return names | set(getattr(cls, "attribute_map", {}))
+
+
+def tiny_config(family: str, **overrides: Any) -> PreTrainedConfig:
+    """A tiny config for ``family``: ``COMMON_SIZES`` (where the class has the field), then
+    ``TINY_OVERRIDES[family]``, then ``overrides``."""
+    cls = config_class(family)
+    fields = _field_names(cls)
+    kwargs: dict[str, Any] = {k: v for k, v in COMMON_SIZES.items() if k in fields}
+    kwargs.update(_copy(TINY_OVERRIDES[family]))
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+_NORM_HINTS = ("norm", "ln_", "layernorm")
+# Selection-bias tensors (parameters or buffers) that get small random values.
+_BIAS_BUFFERS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
+
+
+def _seed_for(name: str, seed: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _reinit(model: torch.nn.Module, seed: int) -> list[str]:
+    """Give all-zero floating parameters (not norms) and correction-bias tensors seeded random values.
+
+    Returns the names of the tensors that were changed."""
+    changed: list[str] = []
+    with torch.no_grad():
+        tensors = dict(model.named_parameters())
+        for name, tensor in model.named_buffers():
+            if name.rsplit(".", 1)[-1] in _BIAS_BUFFERS:
+                tensors[name] = tensor
+        for name, tensor in tensors.items():
+            if not tensor.is_floating_point() or not tensor.numel():
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            owner = name.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower() if "." in name else ""
+            gen = torch.Generator().manual_seed(_seed_for(name, seed))
+            if leaf in _BIAS_BUFFERS:
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.01)
+            elif not any(h in owner for h in _NORM_HINTS) and not tensor.any():
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.02)
+            else:
+                continue
+            changed.append(name)
+    return changed
+
+
+def tiny_model(
+    family: str,
+    *,
+    seed: int = 0,
+    experts_implementation: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> PreTrainedModel:
+    """A tiny random model of ``family`` in ``eval()`` mode.
+
+    Built under ``torch.manual_seed(seed)`` with ``from_config`` (``experts_implementation`` is passed
+    only when not ``None``; the family default is used otherwise). ``overrides`` go to :func:`tiny_config`.
+
+    Random init in transformers 5 leaves some weights exactly zero (some routers, biases), which makes
+    routing degenerate (ties in top-k). After building, every floating parameter that is all zeros,
+    except norm weights/biases, is re-drawn from a normal(0, 0.02) seeded by ``seed`` and its name.
+    Correction-bias tensors (``e_score_correction_bias``, ``expert_bias``) get normal(0, 0.01) values
+    so the selection-bias code paths are exercised.
+    """
+    cfg = tiny_config(family, **overrides)
+    cls = model_class(family)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg, **kwargs)
+    model._tiny_reinitialised = tuple(_reinit(model, seed))
+    return model.eval()
+
+
+def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Model inputs for a tiny model: seeded ``input_ids`` ``[batch, seq]`` in the vocab and an all-ones
+    ``attention_mask``."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = getattr(model.config, "vocab_size", 128)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
