@@ -34,6 +34,7 @@ __all__ = [
     "COMMON_SIZES",
     "EXPERTS_IMPLEMENTATIONS",
     "FAMILIES",
+    "MOE_EVERY_LAYER",
     "TINY_OVERRIDES",
     "UNBUILDABLE",
     "config_class",
@@ -128,8 +129,9 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "index_topk": 4, "hc_mult": 2, "hc_sinkhorn_iters": 2, "sliding_window": 16,
         "num_nextn_predict_layers": 0, "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
     },
-    "diffusion_gemma": {
-        "num_experts": 8, "top_k_experts": 2, "sliding_window": 16, "hidden_size_per_layer_input": 8,
+    "diffusion_gemma": {  # no enable_moe_block field: every layer has the MoE path
+        "num_experts": 8, "top_k_experts": 2, "sliding_window": 16, "global_head_dim": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     },
     "dots1": {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
@@ -138,7 +140,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "dots3_note": {
         **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
-        "shared_experts_intermediate_size": 16,
+        "shared_experts_intermediate_size": 16, "sliding_window": 16,
+        # Sliding-attention layers get their own MLA sizes (popped in __post_init__).
+        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16,
+        "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 8,
     },
     "ernie4_5_moe": {
         "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
@@ -191,6 +196,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "gpt_oss": {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 16,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 32,
+        },
     },
     "granitemoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
     "granitemoe_swa": {
@@ -228,7 +237,7 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "jamba": {
         "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "expert_layer_period": 2,
-        "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 0, "use_mamba_kernels": False,
+        "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 0,
         "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4,
     },
     "kimi_linear": {
@@ -268,10 +277,19 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral4": {
         **_MLA, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4,
         "topk_group": 2, "first_k_dense_replace": 1,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
     },
     "mistral_large4": {
         **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0,
+        },
     },
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
     "muse_spark": {
@@ -283,11 +301,14 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "topk_group": 2, "moe_shared_expert_intermediate_size": 16,
         "layers_block_type": ["full_attention", "moe", "mlp", "moe"],
         "ssm_state_size": 8, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1, "chunk_size": 8,
-        "use_mamba_kernels": False,
     },
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
     "openai_privacy_filter": {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 16,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 32,
+        },
     },
     "phimoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
     "qwen2_moe": {
@@ -375,6 +396,36 @@ _NOT_DECORATED = ("llama4", "dbrx")
 
 #: Families that cannot be built with a tiny config in transformers 5.23, with the reason.
 UNBUILDABLE: dict[str, str] = {}
+
+_NO_SWITCH = "the decoder layer always builds the MoE block (no dense/MoE switch in the config)"
+#: Families whose every decoder layer is MoE (dense layers cannot be mixed in), with the reason.
+#: Every other family's tiny model has at least one dense and at least two MoE layers.
+MOE_EVERY_LAYER: dict[str, str] = {
+    "aria": _NO_SWITCH,
+    "dbrx": _NO_SWITCH,
+    "deepseek_v4": "mlp_layer_types only chooses hash_moe vs moe (layer 0 is hash-routed here)",
+    "diffusion_gemma": "router/experts are built on every text layer, next to the dense mlp",
+    "flex_olmo": _NO_SWITCH,
+    "gemma4": "enable_moe_block is global: all layers or none (each layer also keeps its dense mlp)",
+    "gpt_oss": _NO_SWITCH,
+    "granitemoe": _NO_SWITCH,
+    "granitemoe_swa": _NO_SWITCH,
+    "granitemoehybrid": "the block is dropped only when num_local_experts == 0, for every layer at once",
+    "granitemoeshared": _NO_SWITCH,
+    "hunyuan_v1_moe": "num_experts may be a per-layer list, but every layer still builds the MoE block",
+    "inkling2": _NO_SWITCH,
+    "kolibri1": _NO_SWITCH,
+    "minimax": _NO_SWITCH,
+    "minimax_m2": _NO_SWITCH,
+    "mixtral": _NO_SWITCH,
+    "olmoe": _NO_SWITCH,
+    "openai_privacy_filter": _NO_SWITCH,
+    "phimoe": _NO_SWITCH,
+    "qwen3_5_moe": _NO_SWITCH,
+    "qwen4_exp": _NO_SWITCH,
+    "solar_open": _NO_SWITCH,
+    "zaya": _NO_SWITCH,
+}
 
 #: Every family :func:`tiny_model` can build (transformers ``model_type`` folder names).
 FAMILIES: tuple[str, ...] = tuple(sorted(f for f in TINY_OVERRIDES if f not in UNBUILDABLE))
@@ -516,9 +567,12 @@ def tiny_model(
 
 
 def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Model inputs for a tiny model: seeded ``input_ids`` ``[batch, seq]`` in the vocab and an all-ones
-    ``attention_mask``."""
+    """Inputs for a tiny model's forward: ``input_ids`` ``[batch, seq]`` (seeded, drawn from
+    ``3 .. vocab_size-1`` so no pad/bos/eos token appears) and an all-ones ``attention_mask``.
+
+    Every family's forward needs only these (deepseek_v4's hash-routed layers read ``input_ids``;
+    text-only multimodal decoders derive their M-RoPE positions themselves)."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = getattr(model.config, "vocab_size", 128)
-    input_ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    vocab = int(getattr(model.config, "vocab_size", None) or COMMON_SIZES["vocab_size"])
+    input_ids = torch.randint(3, vocab, (batch, seq), generator=gen)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}

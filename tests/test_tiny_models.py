@@ -1,0 +1,157 @@
+"""Every tiny MoE family builds, runs a forward, and gives the same output under every experts implementation."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from moelens.testing import (
+    EXPERTS_IMPLEMENTATIONS,
+    FAMILIES,
+    MOE_EVERY_LAYER,
+    TINY_OVERRIDES,
+    UNBUILDABLE,
+    tiny_config,
+    tiny_inputs,
+    tiny_model,
+)
+
+# Config fields that switch an optional shared expert on (the tiny configs turn them on).
+_SHARED_FIELDS = (
+    "n_shared_experts",
+    "num_shared_experts",
+    "moe_num_shared_experts",
+    "shared_intermediate_size",
+    "shared_expert_intermediate_size",
+    "shared_experts_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+)
+_UNDECORATED_EXPERTS = ("Llama4TextExperts", "DbrxExperts")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread (and far faster when the machine is shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.lru_cache(maxsize=None)
+def _model(family: str, impl: str | None = None):
+    return tiny_model(family, experts_implementation=impl)
+
+
+def _forward(model) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**tiny_inputs(model))
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out.last_hidden_state
+
+
+def _experts_modules(model) -> list[torch.nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if (hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")) or type(m).__name__ in _UNDECORATED_EXPERTS
+    ]
+
+
+def test_family_tables_are_consistent():
+    assert set(FAMILIES) == set(TINY_OVERRIDES) - set(UNBUILDABLE)
+    assert set(EXPERTS_IMPLEMENTATIONS) == set(FAMILIES)
+    assert set(MOE_EVERY_LAYER) <= set(FAMILIES)
+    assert len(FAMILIES) == 66  # 64 decorated folders + llama4 + dbrx
+    for family, impls in EXPERTS_IMPLEMENTATIONS.items():
+        want = ("eager",) if family in ("llama4", "dbrx") else ("eager", "batched_mm", "grouped_mm")
+        assert impls == want, family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_all_experts_implementations(family: str):
+    model = _model(family)
+    assert not model.training
+    reference = _forward(model)
+    assert reference.shape[:2] == (2, 5)
+    assert torch.isfinite(reference).all(), family
+    for impl in EXPERTS_IMPLEMENTATIONS[family]:
+        other = _model(family, impl)
+        if family not in ("llama4", "dbrx"):
+            assert other.config._experts_implementation == impl
+        out = _forward(other)
+        assert torch.isfinite(out).all(), (family, impl)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5, msg=f"{family}: {impl} vs default")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_sizes_and_layout(family: str):
+    model = _model(family)
+    experts = _experts_modules(model)
+    assert experts, family
+    for module in experts:
+        assert getattr(module, "num_experts", None) == 8, family
+    n_layers = tiny_config(family).num_hidden_layers
+    assert n_layers == 4
+    moe_layers = {_layer_index(name) for name, m in model.named_modules() if m in experts}
+    if family in MOE_EVERY_LAYER:
+        assert moe_layers == {0, 1, 2, 3}, family
+    else:
+        assert len(moe_layers) >= 2 and len(moe_layers) < 4, (family, moe_layers)
+
+
+def _layer_index(name: str) -> int:
+    parts = name.split(".")
+    for prev, part in zip(parts, parts[1:]):
+        if prev in ("layers", "blocks") and part.isdigit():
+            return int(part)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_optional_shared_expert_is_on(family: str):
+    cfg = tiny_config(family)
+    if not any(getattr(cfg, f, None) for f in _SHARED_FIELDS if _has_field(cfg, f)):
+        pytest.skip("no optional shared expert in this family")
+    names = [n for n, _ in _model(family).named_modules() if "shared" in n.rsplit(".", 1)[-1]]
+    assert names, family
+
+
+def _has_field(cfg, name: str) -> bool:
+    try:
+        return hasattr(cfg, name)
+    except Exception:  # noqa: BLE001 - heterogeneous configs refuse some global reads
+        return False
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_all_zero_weights_and_biased_selection(family: str):
+    model = _model(family)
+    for name, p in model.named_parameters():
+        owner = name.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower()
+        if p.is_floating_point() and p.numel() and not any(h in owner for h in ("norm", "ln_", "layernorm")):
+            assert p.any(), f"{family}: {name} is all zeros"
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, t in tensors.items():
+        if name.rsplit(".", 1)[-1] in ("e_score_correction_bias", "expert_bias", "balancing_biases"):
+            assert t.any() and t.abs().max() < 0.1, f"{family}: {name}"
+
+
+def test_seeding_is_deterministic():
+    a = tiny_model("mixtral", seed=1).state_dict()
+    b = tiny_model("mixtral", seed=1).state_dict()
+    c = tiny_model("mixtral", seed=2).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    assert torch.equal(tiny_inputs(_model("mixtral"))["input_ids"], tiny_inputs(_model("mixtral"))["input_ids"])
+
+
+def test_overrides_and_errors():
+    cfg = tiny_config("qwen3_moe", num_experts=4, mlp_only_layers=[])
+    assert cfg.num_experts == 4 and cfg.hidden_size == 32
+    model = tiny_model("qwen3_moe", num_experts=4, mlp_only_layers=[], dtype=torch.float32)
+    assert all(m.num_experts == 4 for m in _experts_modules(model))
+    with pytest.raises(KeyError):
+        tiny_config("not_a_family")
