@@ -10,10 +10,11 @@ from . import families
 from .components import Mlp, Moe
 from .errors import FamilyError, MoelensError, OrderError, ValueUnavailable, WriteError
 from .families import Family, Scoring, SharedExpert
+from .interventions import ablate, force, reroute, steer
 from .model import load, wrap
 
 __all__ = [
     "Family", "FamilyError", "Mlp", "Moe", "MoelensError", "OrderError", "Scoring", "SharedExpert",
-    "ValueUnavailable", "WriteError", "families", "load", "wrap",
+    "ValueUnavailable", "WriteError", "ablate", "families", "force", "load", "reroute", "steer", "wrap",
 ]
 __version__ = "0.1.0"

@@ -64,6 +64,13 @@ def _is_dense_mlp(module: Any) -> bool:
     )
 
 
+def _layer_list(name: str) -> str | None:
+    """The module list a block sits in: ``model.layers`` for ``model.layers.3.mlp``."""
+    parts = name.split(".")
+    indices = [position for position, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[: indices[-1]]) if indices else None
+
+
 def discover(model: torch.nn.Module) -> Structure:
     """Find the MoE blocks, the dense MLPs beside them and the decoder layer lists."""
     structure = Structure()
@@ -73,9 +80,8 @@ def discover(model: torch.nn.Module) -> Structure:
         if family is not None and _holds_mixture(module, family):
             structure.family = structure.family or family
             structure.moe_blocks.append(name)
-            layer = name[: -len(family.block_attr) - 1] if family.block_attr else name
-            layers, _, index = layer.rpartition(".")
-            if index.isdigit() and layers not in structure.layer_lists:
+            layers = _layer_list(name)
+            if layers is not None and layers not in structure.layer_lists:
                 structure.layer_lists.append(layers)
         elif family is None and any("_is_expert_parallel" in child.__dict__ for child in module.children()):
             unknown.append(f"{name} ({type(module).__name__})")

@@ -208,6 +208,25 @@ class Family:
                 "the family entry does not match this model."
             ) from None
 
+    def combined(self, block: Any, routed: Any, shared: Any = None) -> Any:
+        """The block output this family makes of ``routed`` and ``shared`` (see `Combine`).
+
+        ``block`` is the live block module (its scaling factors and post modules
+        are read from it); tensors may be ``[T, D]`` or ``[b, s, D]``.
+        """
+        combine = self.combine
+        scale = self.resolve(combine.routed_scale, block)
+        output = routed * scale if scale is not None else routed
+        if combine.routed_post:
+            output = get_path(block, combine.routed_post)(output)
+        if shared is not None and not (self.shared is not None and self.shared.on_layer):
+            output = output + shared
+            if self.resolve(combine.mode, block) == "average":
+                output = output / 2
+        if combine.block_post:
+            output = get_path(block, combine.block_post)(output)
+        return output
+
     def order(self) -> tuple[str, ...]:
         """The served values in the order the model produces them for this family."""
         routed = [

@@ -64,6 +64,13 @@ FAMILIES = [
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Hash layers (the first num_hash_layers) pick experts from a token-id table: there the "
                  "logits only weight the experts, so writing them does not change which experts run."),
+    Family("inkling", ("inkling", "inkling_text"), ("InklingMoE",),
+           scoring=Scoring("sigmoid", "score_topk", normalize=True, scale="router.route_scale",
+                           selection_bias="router.e_score_correction_bias", code="SGB, logsigmoid-normalised"),
+           shared=SharedExpert("shared_experts", when="after_experts"),
+           notes="router_logits has E + n_shared columns: the last are the shared experts' gate logits, "
+                 "normalised with the k routed ones into the shared experts' gammas. Writing them changes the "
+                 "routing and the shared experts' weight."),
     Family("inkling2", ("inkling2", "inkling2_text"), ("Inkling2SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
                        scale="router.routed_scaling_factor"),

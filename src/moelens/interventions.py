@@ -1,0 +1,146 @@
+"""Interventions on MoE blocks: plain functions usable inside any trace.
+
+Each says whether it changes the *routing* (which experts run, with which
+weights: it writes `router_logits` and lets the family's own scoring do the rest)
+or only the *outputs* (it writes the experts call's weights or indices, so the
+router's choice stands and only what flows on changes).
+
+============================  ===================  =============================================
+call                          changes              how
+============================  ===================  =============================================
+``ablate(moe, e)``            outputs              weight of every slot routed to ``e`` set to 0
+``ablate(.., "route_around")`` routing             ``e``'s logit set to -inf: the router picks the
+                                                   best other experts, weights renormalised by
+                                                   the family's scoring
+``ablate(.., "swap", to=j)``  outputs              slots routed to ``e`` run expert ``j``, same weight
+``reroute(moe, tokens, ex)``  outputs              the given tokens' slots run experts ``ex``
+``steer(moe, e, bias)``       routing              ``bias`` added to ``e``'s logit (SteerMoE style)
+``force(moe, experts)``       routing              the given experts put first in every token's
+                                                   ranking, so they fill the top slots
+============================  ===================  =============================================
+
+Read values of a block before calling an intervention on it (values are served
+in execution order) and call interventions that change routing before those that
+change outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .components import Moe
+from .errors import WriteError
+
+#: What each intervention changes: "routing" (writes router_logits) or "outputs".
+CHANGES = {"ablate:zero": "outputs", "ablate:route_around": "routing", "ablate:swap": "outputs",
+           "reroute": "outputs", "steer": "routing", "force": "routing"}
+
+ABLATION_MODES = ("zero", "route_around", "swap")
+
+
+def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
+    if isinstance(expert, torch.Tensor):
+        expert = expert.item() if expert.numel() == 1 else expert
+    if not isinstance(expert, int) or isinstance(expert, bool):
+        raise WriteError(f"{what} must be an int expert id in [0, {moe.num_experts}), got {expert!r}.")
+    if not 0 <= expert < moe.num_experts:
+        raise WriteError(f"{what} {expert} is out of range: {moe.path} has experts 0..{moe.num_experts - 1}.")
+    return expert
+
+
+def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> None:
+    """Remove expert ``expert`` from block ``moe`` for the tokens of this invoke.
+
+    Args:
+        moe: The MoE component (``model.moes[i]`` or ``model.layers[i].mlp``).
+        expert: The expert id to ablate.
+        mode: ``"zero"``: its slots keep their place but contribute nothing (routing
+            unchanged, outputs change); ``"route_around"``: the router never picks it,
+            choosing the best other experts and renormalising as the family does
+            (changes routing); ``"swap"``: its slots run expert ``to`` instead, with
+            the same weight (outputs change).
+        to: The replacement expert for ``mode="swap"``.
+    """
+    expert = _expert(moe, expert)
+    if mode not in ABLATION_MODES:
+        raise WriteError(f"ablate mode {mode!r} is not one of {ABLATION_MODES}.")
+    if mode != "swap" and to is not None:
+        raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
+    if mode == "route_around":
+        logits = moe.router_logits
+        logits[..., expert] = float("-inf")
+        return
+    indices = moe.expert_indices
+    routed_here = indices == expert
+    if mode == "zero":
+        weights = moe.expert_weights
+        moe.expert_weights = weights.masked_fill(routed_here, 0.0)
+        return
+    if to is None:
+        raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over>.")
+    moe.expert_indices = indices.masked_fill(routed_here, _expert(moe, to, "to"))
+
+
+def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) -> None:
+    """Send the given tokens' slots to the given experts (their weights stay; outputs change).
+
+    Args:
+        moe: The MoE component.
+        tokens: Which tokens of this invoke, as an index into ``[batch, seq]``: a
+            ``[batch, seq]`` bool mask, a ``(batch_index, seq_index)`` tuple, or
+            ``(slice(None), positions)``.
+        experts: One expert id for every slot, or ``k`` ids (one per slot), or a
+            tensor broadcastable to the selected ``[n, k]`` slots.
+    """
+    indices = moe.expert_indices.clone()
+    selected = indices[tokens]
+    replacement = torch.as_tensor(experts, dtype=indices.dtype, device=indices.device)
+    if replacement.numel() and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
+        raise WriteError(
+            f"reroute: expert ids {replacement.tolist()} must be in [0, {moe.num_experts}) for {moe.path}."
+        )
+    try:
+        indices[tokens] = replacement.expand_as(selected)
+    except RuntimeError as error:
+        raise WriteError(
+            f"reroute: experts of shape {tuple(replacement.shape)} do not fit the {tuple(selected.shape)} "
+            f"slots selected by tokens; give one id, k={moe.top_k} ids, or one row per selected token."
+        ) from error
+    moe.expert_indices = indices
+
+
+def steer(moe: Moe, expert: int, bias: float) -> None:
+    """Add ``bias`` to expert ``expert``'s router logit for every token (changes routing).
+
+    A positive bias makes the router pick the expert more often, a negative one
+    less (SteerMoE). The family's scoring turns the biased logits into weights.
+    """
+    expert = _expert(moe, expert)
+    logits = moe.router_logits
+    logits[..., expert] += float(bias)
+
+
+def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
+    """Make every token (or the given ``tokens``) route to ``experts`` first (changes routing).
+
+    The forced experts' logits are raised above every other expert's, keeping
+    their order among themselves, so they fill the top ``len(experts)`` slots;
+    weights follow from the family's scoring of the raised logits (with sigmoid
+    scores they saturate towards 1).
+    """
+    chosen = [experts] if isinstance(experts, int) else list(experts)
+    chosen = [_expert(moe, expert) for expert in chosen]
+    if len(chosen) > moe.top_k:
+        raise WriteError(f"force: {len(chosen)} experts given but {moe.path} routes each token to only {moe.top_k}.")
+    logits = moe.router_logits
+    rows = logits if tokens is None else logits[tokens]
+    finite = rows.masked_fill(~torch.isfinite(rows), 0)
+    lift = finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0
+    raised = rows.clone()
+    raised[..., chosen] = rows[..., chosen].masked_fill(~torch.isfinite(rows[..., chosen]), 0) + lift
+    if tokens is None:
+        logits[...] = raised
+    else:
+        logits[tokens] = raised

@@ -1,0 +1,127 @@
+"""Every family x every experts implementation: values equal their ground truth.
+
+Ground truth is plain nnsight (a module cache on an unwrapped copy of the model)
+and experts recomputed from their weights; see `groundtruth`.
+"""
+
+from __future__ import annotations
+
+import nnsight
+import pytest
+import torch
+
+from groundtruth import (
+    CASES, EXTRA_LOGIT_COLUMNS, IDS, built, first_tensor, raw_values, slots_by_hand,
+)
+from moelens.families.entry import get_path
+from moelens.families.scoring import score
+
+ATOL = 1e-6
+#: Families whose shared experts take a router-made gate as a second input.
+SHARED_GATED_BY_ROUTER = {"inkling"}
+
+
+def running_moes(wrapped):
+    """The MoE blocks that run on text-only input (ernie4_5_vl_moe's vision blocks do not)."""
+    return [moe for moe in wrapped.moes if not moe.path.endswith("vision_moe")]
+
+
+@pytest.fixture(scope="module")
+def observed():
+    """case -> (wrapped, hf, inputs, per-block served values, model output, plain output, raw values)."""
+    results = {}
+
+    def observe(family: str, impl: str):
+        if (family, impl) not in results:
+            hf, wrapped, inputs, plain, reference = built(family, impl)
+            moes = running_moes(wrapped)
+            with wrapped.trace(**inputs):
+                served = nnsight.save([moe.save_all() for moe in moes])
+                output = wrapped.output.save()
+            names = [moe.path.removeprefix("model.") for moe in moes]
+            raw = raw_values(reference, inputs, names, wrapped.family)
+            results[(family, impl)] = (wrapped, hf, inputs, served, output, plain, [raw[n] for n in names])
+        return results[(family, impl)]
+
+    return observe
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL) -> None:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_pass_through_is_bit_identical(observed, family, impl):
+    wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
+    assert wrapped.moes, f"{family}: no MoE block found"
+    assert torch.equal(first_tensor(output), plain)
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_routing_values_match_plain_nnsight(observed, family, impl):
+    wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
+    batch, seq = inputs["input_ids"].shape
+    for moe, values, truth in zip(running_moes(wrapped), served, raw):
+        logits = values["router_logits"]
+        assert logits.shape[:2] == (batch, seq)
+        expected = truth.logits.reshape(batch, seq, -1)
+        if family in EXTRA_LOGIT_COLUMNS:
+            logits = logits[..., : expected.shape[-1]]
+        close(logits, expected)
+        score_name = moe.family.resolve(moe.family.scoring.score, moe._module)
+        close(values["router_probs"], score(score_name, expected if family not in EXTRA_LOGIT_COLUMNS else values["router_logits"]))
+        if moe.family.derived_routing:
+            top, indices = torch.topk(expected, moe.top_k, dim=-1)
+            assert torch.equal(values["expert_indices"], indices)
+            close(values["expert_weights"], score(score_name, top))
+            continue
+        _, indices, weights = truth.experts_args[:3]
+        assert values["expert_indices"].dtype == torch.int64
+        assert torch.equal(values["expert_indices"], indices.reshape(batch, seq, -1))
+        close(values["expert_weights"], weights.reshape(batch, seq, -1))
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_outputs_match_plain_nnsight_and_weights(observed, family, impl):
+    wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
+    batch, seq = inputs["input_ids"].shape
+    for moe, values, truth in zip(running_moes(wrapped), served, raw):
+        if "routed_output" in values:
+            close(values["routed_output"], truth.experts_output.reshape(batch, seq, -1))
+        if "mlp_output" in values:
+            block_output = truth.block_output[0] if isinstance(truth.block_output, tuple) else truth.block_output
+            close(values["mlp_output"], block_output.reshape(batch, seq, -1))
+        if impl == "eager" or not moe.family.experts_call or "expert_outputs" not in values:
+            continue
+        hidden, indices, weights = truth.experts_args[:3]
+        activations, outputs = slots_by_hand(moe.experts._module, hidden, indices, weights)
+        close(values["expert_outputs"], outputs.reshape(batch, seq, *outputs.shape[1:]), atol=1e-5)
+        close(values["expert_activations"], activations.reshape(batch, seq, *activations.shape[1:]), atol=1e-5)
+        close(values["expert_outputs"].sum(2), values["routed_output"], atol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_shared_expert_and_recombination(observed, family, impl):
+    wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
+    batch, seq = inputs["input_ids"].shape
+    for moe, values, truth in zip(running_moes(wrapped), served, raw):
+        block = moe._module
+        if "shared_expert_output" in values:
+            shared = moe.shared_experts._module
+            spec = moe.family.shared
+            with torch.no_grad():
+                if spec.on_layer or not moe.family.block_attr or family in SHARED_GATED_BY_ROUTER:
+                    # its input (or its gate) is not the block input: checked through the recombination
+                    expected = None
+                else:
+                    shared_in = truth.block_input
+                    expected = shared(shared_in)
+                    if spec.gate is not None:
+                        expected = torch.sigmoid(get_path(block, spec.gate)(shared_in)) * expected
+            if expected is not None:
+                close(values["shared_expert_output"], expected.reshape(batch, seq, -1), atol=1e-5)
+        if "mlp_output" in values and "routed_output" in values:
+            with torch.no_grad():
+                combined = moe.family.combined(block, values["routed_output"], values.get("shared_expert_output"))
+            close(combined, values["mlp_output"], atol=1e-5)
