@@ -135,6 +135,24 @@ REFERENCE_OUTPUT_QUIRK = {
 }
 _UNDECORATED_EXPERTS = ("Llama4TextExperts", "DbrxExperts")
 
+#: Places where the reference notes (or the task brief) turned out wrong or out of date, found while
+#: building the tiny models; the per-family checks above add any they detect to "reference_errors".
+REFERENCE_CORRECTIONS: list[str] = [
+    "glm5_next: the reference says its tiny config fails the config's own validation and lists it as "
+    "read-only. It builds and runs: Glm5NextTextConfig.validate_architecture requires NoPE for the DSA "
+    "attention (qk_rope_head_dim == 0), num_key_value_heads == num_attention_heads, a q_lora_rank, and "
+    "index_topk divisible by index_kpool. With qk_rope_head_dim=0 the tiny model passes every check here.",
+    "Coverage: the reference probed 61 decorated folders and left deepseek_ocr2, ernie4_5_vl_moe and "
+    "glm5_next read-only; all 64 decorated folders (plus llama4 and dbrx) build and are probed here.",
+    "ernie4_5_vl_moe: besides text_moe/vision_moe (quirk 11), the outer Ernie4_5_VLMoeMoeBlock holds the "
+    "shared expert (mlp.shared_experts), which runs before the text/vision blocks; with text-only input "
+    "vision_moe is not called at all, and text_moe returns (flat_out [T*D], flat_logits [T*E]).",
+    "diffusion_gemma: DiffusionGemmaTextConfig has no enable_moe_block field (the task brief asked to "
+    "enable it); every encoder text layer always builds router + experts next to its dense mlp.",
+    "kolibri1 on CPU: the logits op is F_linear_0 with binding router_logits_1 (torch_mm_0 / "
+    "router_logits_0 are in the source but do not run), as the reference says for the non-CUDA path.",
+]
+
 
 # --------------------------------------------------------------------------------------------
 # Static structure
@@ -422,6 +440,9 @@ def hook_pass(model: torch.nn.Module, layers_path: str, layers: dict[int, dict[s
                     "args": _describe_value(list(args)),
                 }
                 block_info["experts_output"] = _describe_value(e_out)
+                if len(args) >= 2 and isinstance(args[1], torch.Tensor) and not args[1].is_floating_point():
+                    # How many different experts the 10 tokens were sent to (degenerate routing -> few).
+                    block_info["distinct_experts_selected"] = int(args[1].unique().numel())
                 block_info["router_to_experts"] = _match_router_to_experts(r_out, args)
             block_info["shared_position"] = _shared_position(block_info, order, b, in_layer)
 
@@ -513,6 +534,9 @@ def _op_names(envoy: Any) -> list[str]:
     return [op.name for op in envoy.source]
 
 
+_GLOBAL_LISTINGS: dict[str, list[str]] = {}
+
+
 def source_pass(nm: Any, layers_path: str, layers: dict[int, dict[str, Any]], listings: dict[str, str]) -> None:
     """Record ``.source`` op names of routers, blocks and experts (outside a trace)."""
     for i, info in layers.items():
@@ -535,8 +559,11 @@ def source_pass(nm: Any, layers_path: str, layers: dict[int, dict[str, Any]], li
                     continue
                 try:
                     block_info[key] = _op_names(env)
-                    if cls not in listings:
+                    # The decorated experts wrapper is the same everywhere: listed once, globally.
+                    if cls not in listings and not (key == "experts_source_ops" and block_info["experts"]["decorated"]):
                         listings[cls] = str(env.source)
+                    elif key == "experts_source_ops" and "experts_wrapper" not in _GLOBAL_LISTINGS:
+                        _GLOBAL_LISTINGS["experts_wrapper"] = str(env.source).splitlines()
                 except Exception as exc:  # noqa: BLE001 - recorded
                     block_info[key] = None
                     block_info.setdefault("errors", []).append(f"{key}: {type(exc).__name__}: {exc}")
@@ -780,12 +807,91 @@ def probe(family: str) -> dict[str, Any]:
         rec["trace"] = trace_pass(nm, family, layers_path, layers, inputs)
         rec["reference"] = _reference_summary(family)
         rec["reference_mismatches"] = check_reference(family, rec)
+        rec["summary"] = family_summary(rec)
+        rec["layers"] = _dedupe_layers(layers, layers_path)
         rec["ok"] = rec["trace"]["ok"] and not rec.get("errors")
     except Exception as exc:  # noqa: BLE001 - recorded
         rec.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}")
         rec["traceback"] = traceback.format_exc().splitlines()[-12:]
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     return rec
+
+
+def _dedupe_layers(layers: dict[int, dict[str, Any]], layers_path: str) -> dict[int, dict[str, Any]]:
+    """Replace a layer identical to an earlier one (up to its index) by ``{"kind", "same_as"}``."""
+    out: dict[int, dict[str, Any]] = {}
+    seen: dict[str, int] = {}
+    for i, info in layers.items():
+        key = json.dumps(info, sort_keys=True, default=str).replace(f"{layers_path}.{i}.", f"{layers_path}.<i>.")
+        if key in seen:
+            out[i] = {"kind": info["kind"], "same_as": seen[key]}
+        else:
+            seen[key] = i
+            out[i] = info
+    return out
+
+
+def family_summary(rec: dict[str, Any]) -> dict[str, Any]:
+    """The facts a family table needs, from the first MoE layer (and the first dense layer)."""
+    out: dict[str, Any] = {
+        "model_class": rec.get("model_class"),
+        "layers_path": rec.get("layers_path"),
+        "moe_layers": rec.get("moe_layers"),
+        "dense_layers": rec.get("dense_layers"),
+        "default_experts_implementation": rec.get("default_experts_implementation"),
+    }
+    layers = rec.get("layers", {})
+    moe = [layers[i] for i in rec.get("moe_layers", [])]
+    if moe:
+        blocks = moe[0]["blocks"]
+        b = blocks[0]
+        router = b.get("router") or {}
+        lt = b.get("logits_trace") or {}
+        out.update(
+            {
+                "block_paths": [x["block_path"] for x in blocks],
+                "block_class": b["block_class"],
+                "block_children": b["block_children"],
+                "block_call_order": b.get("call_order"),
+                "block_output": b.get("block_output"),
+                "router": f"{router.get('name')} -> {router.get('class')}",
+                "router_children": router.get("children"),
+                "router_input": b.get("router_inputs"),
+                "router_output": b.get("router_output"),
+                "router_to_experts": b.get("router_to_experts"),
+                "top_k": router.get("top_k"),
+                "top_k_from": router.get("top_k_from"),
+                "logits_op": lt.get("op"),
+                "logits_op_output": lt.get("op_output"),
+                "logits_op_relations": lt.get("op_relations"),
+                "logits_binding": lt.get("binding"),
+                "logits_binding_relations": lt.get("binding_relations"),
+                "experts": f"{b['experts']['name']} -> {b['experts']['class']}",
+                "experts_decorated": b["experts"]["decorated"],
+                "experts_flags": {k: v for k, v in b["experts"]["flags"].items() if k != "_is_expert_parallel"},
+                "experts_params": b["experts"]["params"],
+                "num_experts": b["experts"]["num_experts"],
+                "distinct_experts_selected": b.get("distinct_experts_selected"),
+                "experts_call": (b.get("experts_call") or {}).get("args"),
+                "shared": [f"{s['on']}.{s['name']} -> {s['class']}" for s in b.get("shared", [])],
+                "shared_position": b.get("shared_position"),
+                "parallel_dense_mlp": [d["attr"] for d in b.get("parallel_dense_mlp", [])],
+                "other_block_children": b.get("other_block_children"),
+                "router_params_and_buffers": {
+                    **router.get("params", {}),
+                    **{f"{k} (buffer)": v for k, v in router.get("buffers", {}).items()},
+                },
+                "block_params_and_buffers": {
+                    **b.get("block_params", {}),
+                    **{f"{k} (buffer)": v for k, v in b.get("block_buffers", {}).items()},
+                },
+            }
+        )
+    dense = [layers[i] for i in rec.get("dense_layers", [])]
+    if dense and dense[0].get("dense_mlp"):
+        d = dense[0]["dense_mlp"][0]
+        out["dense_mlp"] = f"{d['attr']} -> {d['class']} {d['children']}"
+    return out
 
 
 def _reference_summary(family: str) -> dict[str, Any] | None:
@@ -870,13 +976,35 @@ def main(argv: list[str] | None = None) -> int:
         for m in rec.get("reference_mismatches", []):
             print(f"    ! {m}", flush=True)
     errors = {f: r["reference_mismatches"] for f, r in records.items() if r.get("reference_mismatches")}
+    front = ("family", "ok", "summary", "reference_mismatches", "errors")
+    records = {f: {**{k: r[k] for k in front if k in r}, **{k: v for k, v in r.items() if k not in front}}
+               for f, r in records.items()}
     doc = {
         "about": (
-            "Structure of every tiny MoE family as seen by nnsight; written by scripts/probe_families.py. "
-            "Layer paths are relative to the built model (text decoder only for multimodal families); "
-            "block_path is relative to the decoder layer ('' = the layer itself). 'reference_mismatches' "
-            "list statements of the reference notes that the probe found to be wrong."
+            "Structure of every tiny MoE family (moelens.testing.tiny_model, default experts implementation, "
+            "batch 2 x seq 5 = 10 tokens, hidden 32, 8 experts, top-2) as seen by PyTorch hooks and nnsight; "
+            "written by scripts/probe_families.py. Multimodal families are built as their text decoder only."
         ),
+        "fields": {
+            "summary": "the facts a family table needs, from the first MoE layer (and first dense layer)",
+            "layers_path": "path of the decoder-layer ModuleList in the built model",
+            "layers[i].kind": "'moe' (holds a decorated experts module, or llama4/dbrx experts), 'dense' (plain "
+            "MLP), 'none' (no MLP, e.g. a nemotron_h attention layer); {'same_as': j} = identical to layer j",
+            "block_path": "MoE block relative to the decoder layer; '' = the layer itself (gemma4-style)",
+            "shared[].on": "'block', 'layer' (sibling on the decoder layer) or the path of an enclosing module",
+            "shared_position": "when the shared expert runs: 'first' (before the router), 'between' (router, "
+            "shared, experts), 'after' (after the experts, inside the block), 'layer' (on the decoder layer, after "
+            "the block), 'outer-before-block' (enclosing module, before the block)",
+            "call_order": "order in which the block's children were first called (hooks)",
+            "router_to_experts": "which router.output index is the experts' indices / weights argument",
+            "logits_trace": "one nnsight trace: the logits op and its binding op of router.source, compared with "
+            "router.output; relations: 'output[j]: equal' (torch.equal), 'close' (allclose 1e-6), "
+            "'-after-reshape' (op.reshape(-1, last dim)), 'softmax->output[j]' (softmax of the op), "
+            "'[..., :E]->output[j]' (first E columns)",
+            "tensor descriptions": "'dtype[shape]'",
+            "reference_mismatches": "statements of the reference notes that the probe found wrong for this family",
+            "reference_corrections": "reference (or brief) statements found wrong while building the tiny models",
+        },
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -889,6 +1017,8 @@ def main(argv: list[str] | None = None) -> int:
         "n_ok": sum(1 for r in records.values() if r["ok"]),
         "seconds": round(time.perf_counter() - t0, 1),
         "reference_errors": errors,
+        "reference_corrections": REFERENCE_CORRECTIONS,
+        "source_listings": _GLOBAL_LISTINGS,
         "families": records,
     }
     if not args.families or args.out != DEFAULT_OUT:

@@ -139,6 +139,30 @@ def test_no_all_zero_weights_and_biased_selection(family: str):
             assert t.any() and t.abs().max() < 0.1, f"{family}: {name}"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routing_is_not_degenerate(family: str):
+    model = _model(family)
+    seen: list[torch.Tensor] = []
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: seen.append(args[1]) if len(args) >= 3 else None)
+        for m in _experts_modules(model)
+    ]
+    try:
+        _forward(model)
+    finally:
+        for h in handles:
+            h.remove()
+    if family == "llama4":  # experts(hidden.repeat(E) * scores): no indices argument
+        assert not seen
+        return
+    assert seen, family
+    for idx in seen:
+        assert idx.dtype == torch.int64 and idx.dim() == 2
+        # the k experts of a token are distinct (a zero hash table would send every slot to expert 0)
+        assert all(len(set(row.tolist())) == idx.shape[1] for row in idx), family
+    assert max(int(idx.unique().numel()) for idx in seen) >= 3, family
+
+
 def test_seeding_is_deterministic():
     a = tiny_model("mixtral", seed=1).state_dict()
     b = tiny_model("mixtral", seed=1).state_dict()

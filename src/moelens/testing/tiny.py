@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -341,7 +342,9 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "mlp_layer_types": _DSSS,
         "sliding_window": 16,
     },
-    "zaya": {"num_experts": 8, "num_experts_per_tok": 1, "router_hidden_size": 16},
+    "zaya": {  # top-1 only (validated); its 3-layer router MLP is near-uniform at std 0.02
+        "num_experts": 8, "num_experts_per_tok": 1, "router_hidden_size": 16, "initializer_range": 0.1,
+    },
     "llama4": {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16,
         "intermediate_size_mlp": 32, "moe_layers": [1, 2, 3], "attention_chunk_size": 16,
@@ -501,8 +504,17 @@ def _copy(value: Any) -> Any:
 
 
 _NORM_HINTS = ("norm", "ln_", "layernorm")
-# Selection-bias tensors (parameters or buffers) that get small random values.
-_BIAS_BUFFERS = ("e_score_correction_bias", "expert_bias", "balancing_biases")
+#: Selection-bias tensors (parameters or buffers) replaced by seeded normal(0, std) values, by name.
+#: zaya's router probabilities differ by ~1e-4 in a tiny model, so its balancing biases (one per
+#: expert plus the "skip" class, default 0 and -1) get a much smaller std: the router then decides,
+#: and the skip class is picked for some tokens (so the skip path runs).
+_BIAS_STD: dict[str, float] = {
+    "e_score_correction_bias": 0.01,
+    "expert_bias": 0.01,
+    "balancing_biases": 1e-5,
+}
+#: Static token -> experts tables (deepseek_v4 hash routing), zero at init: filled with k distinct experts per token.
+_HASH_TABLES = ("tid2eid",)
 
 
 def _seed_for(name: str, seed: int) -> int:
@@ -510,29 +522,74 @@ def _seed_for(name: str, seed: int) -> int:
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _reinit(model: torch.nn.Module, seed: int) -> list[str]:
-    """Give all-zero floating parameters (not norms) and correction-bias tensors seeded random values.
+def _is_norm(model: torch.nn.Module, param_name: str) -> bool:
+    owner_path = param_name.rsplit(".", 1)[0] if "." in param_name else ""
+    owner_name = owner_path.rsplit(".", 1)[-1].lower()
+    owner = model.get_submodule(owner_path) if owner_path else model
+    return any(h in owner_name for h in _NORM_HINTS) or "norm" in type(owner).__name__.lower()
 
-    Returns the names of the tensors that were changed."""
+
+def _reinit(model: torch.nn.Module, seed: int) -> list[str]:
+    """Seeded values for all-zero floating parameters (not norms), selection-bias tensors and
+    zero hash-routing tables. Returns the names of the tensors that were changed."""
     changed: list[str] = []
     with torch.no_grad():
         tensors = dict(model.named_parameters())
         for name, tensor in model.named_buffers():
-            if name.rsplit(".", 1)[-1] in _BIAS_BUFFERS:
+            if name.rsplit(".", 1)[-1] in (*_BIAS_STD, *_HASH_TABLES):
                 tensors[name] = tensor
         for name, tensor in tensors.items():
-            if not tensor.is_floating_point() or not tensor.numel():
+            if not tensor.numel():
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            owner = name.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower() if "." in name else ""
             gen = torch.Generator().manual_seed(_seed_for(name, seed))
-            if leaf in _BIAS_BUFFERS:
-                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.01)
-            elif not any(h in owner for h in _NORM_HINTS) and not tensor.any():
+            if leaf in _HASH_TABLES and not tensor.is_floating_point():
+                if tensor.any() or tensor.dim() != 2:
+                    continue
+                n_experts = _num_experts_near(model, name)
+                rows = [torch.randperm(n_experts, generator=gen)[: tensor.shape[1]] for _ in range(tensor.shape[0])]
+                tensor.copy_(torch.stack(rows).to(tensor.dtype))
+            elif not tensor.is_floating_point():
+                continue
+            elif leaf in _BIAS_STD:
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * _BIAS_STD[leaf])
+            elif not tensor.any() and not _is_norm(model, name):
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.02)
             else:
                 continue
             changed.append(name)
+    return changed
+
+
+def _num_experts_near(model: torch.nn.Module, name: str) -> int:
+    """Number of experts of the router owning ``name`` (its ``num_experts``, else the config's)."""
+    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    for attr in ("num_experts", "n_routed_experts"):
+        value = getattr(owner, attr, None)
+        if isinstance(value, int):
+            return value
+    cfg = model.config
+    for attr in ("n_routed_experts", "num_experts", "num_local_experts"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int):
+            return value
+    raise LookupError(f"number of experts for {name}")
+
+
+def _keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
+    """Upcast what ``from_pretrained`` would keep in float32 at ``dtype`` (``_keep_in_fp32_modules_strict``
+    for bf16/fp16, ``_keep_in_fp32_modules`` for fp16); ``from_config`` does not do it. Returns the names."""
+    get_plan = getattr(model, "_get_dtype_plan", None)
+    patterns = list(get_plan(dtype)) if get_plan is not None else []
+    if not patterns:
+        return []
+    regex = re.compile("|".join(p.replace("*", ".*") for p in patterns))
+    changed = []
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if tensor.is_floating_point() and tensor.dtype != torch.float32 and regex.search(name):
+                tensor.data = tensor.data.to(torch.float32)
+                changed.append(name)
     return changed
 
 
@@ -549,11 +606,22 @@ def tiny_model(
     Built under ``torch.manual_seed(seed)`` with ``from_config`` (``experts_implementation`` is passed
     only when not ``None``; the family default is used otherwise). ``overrides`` go to :func:`tiny_config`.
 
-    Random init in transformers 5 leaves some weights exactly zero (some routers, biases), which makes
-    routing degenerate (ties in top-k). After building, every floating parameter that is all zeros,
-    except norm weights/biases, is re-drawn from a normal(0, 0.02) seeded by ``seed`` and its name.
-    Correction-bias tensors (``e_score_correction_bias``, ``expert_bias``) get normal(0, 0.01) values
-    so the selection-bias code paths are exercised.
+    Random init in transformers 5 leaves some weights exactly zero (afmoe's router, biases,
+    attention sinks, ...), which makes routing degenerate (ties in top-k). After building:
+
+    * every floating parameter that is all zeros, except norm weights/biases (modules whose name or
+      class says norm), is re-drawn from normal(0, 0.02), seeded by ``seed`` and the parameter name;
+    * selection-bias tensors (``e_score_correction_bias``, ``expert_bias``: normal(0, 0.01); zaya's
+      ``balancing_biases``: normal(0, 1e-5), so its near-uniform tiny router still decides and the
+      skip class is chosen for some tokens) get seeded random values, so the biased-selection code
+      paths are exercised;
+    * deepseek_v4's zero hash table ``tid2eid`` gets k distinct random experts per token id.
+
+    The names of the tensors changed this way are kept in ``model._tiny_reinitialised``.
+
+    For a bf16/fp16 ``dtype``, the tensors the family keeps in float32 when loaded with
+    ``from_pretrained`` (``_keep_in_fp32_modules_strict``: e.g. ernie/beam/flint router weights,
+    inkling2's router, which fails otherwise) are upcast as ``from_pretrained`` would.
     """
     cfg = tiny_config(family, **overrides)
     cls = model_class(family)
@@ -563,6 +631,8 @@ def tiny_model(
     torch.manual_seed(seed)
     model = cls._from_config(cfg, **kwargs)
     model._tiny_reinitialised = tuple(_reinit(model, seed))
+    if dtype != torch.float32:
+        _keep_in_fp32(model, dtype)
     return model.eval()
 
 
