@@ -1,16 +1,23 @@
 """Tiny, seeded, randomly initialised models for every MoE family in transformers 5.23.
 
-Nothing is downloaded: every model is built from a config with :func:`tiny_config`, then
-``from_config``. The sizes are the same for every family where the config allows it:
+Nothing is downloaded: every model is built from a config made by :func:`tiny_config`, with
+``from_config`` under ``torch.manual_seed(seed)``. The sizes are the same for every family where
+the config allows it (``COMMON_SIZES``, then the family's ``TINY_OVERRIDES``):
 
-* ``hidden_size`` 32, 4 decoder layers, 4 attention heads, 2 key/value heads, ``head_dim`` 8;
-* 8 routed experts, top-2 (zaya: top-1, the only value it supports), expert intermediate size 16;
-* ``vocab_size`` 128, ``max_position_embeddings`` 128.
+* ``hidden_size`` 32, 4 decoder layers, 4 attention heads, 2 key/value heads (4 with multi-head
+  latent attention, which needs one per head), ``head_dim`` 8 where the config has the field;
+* 8 routed experts, top-2 (zaya: top-1, the only value it accepts), expert intermediate size 16,
+  dense MLP intermediate size 32;
+* ``vocab_size`` 128, ``max_position_embeddings`` 128, pad/bos/eos ids 0/1/2;
+* family fixes: MLA and indexer sizes, mamba / linear-attention sizes, expert groups that divide
+  8 experts (``n_group`` 4, ``topk_group`` 2), scaled-down YaRN, per-layer attention variants.
 
-Where a family can interleave dense and MoE layers, the 4 layers hold at least one dense layer and
-at least two MoE layers (usually layer 0 dense, layers 1-3 MoE). Optional shared experts are on.
-Multimodal families are built as their text decoder only (text config + text causal LM, or the text
-model when the family has no text causal LM).
+Layout: where a family can interleave dense and MoE layers, the 4 layers hold at least one dense
+layer and at least two MoE layers (usually layer 0 dense, 1-3 MoE; jamba 0/2 dense; nemotron_h
+attention, MoE, MLP, MoE). ``MOE_EVERY_LAYER`` lists the families that cannot mix (and why).
+Optional shared experts are on; gemma4's MoE block is enabled. Multimodal families are built as
+their text decoder only: the text config with the text causal LM, or with the text model when the
+family has no text causal LM (``model_class``); openai_privacy_filter is an encoder (base model).
 
 Example::
 
@@ -124,8 +131,8 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
     },
-    "deepseek_v4": {
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "num_key_value_heads": 1,
+    "deepseek_v4": {  # intermediate_size is an alias of moe_intermediate_size here
+        "intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "num_key_value_heads": 1,
         "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 8,
         "index_topk": 4, "hc_mult": 2, "hc_sinkhorn_iters": 2, "sliding_window": 16,
         "num_nextn_predict_layers": 0, "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
@@ -231,8 +238,8 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8,
         "sliding_window_size": 16, "d_rel": 4, "rel_extent": 16,
     },
-    "inkling2": {
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "swa_num_attention_heads": 4,
+    "inkling2": {  # intermediate_size is an alias of moe_intermediate_size here
+        "intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "swa_num_attention_heads": 4,
         "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 16, "d_rel": 4,
         "rel_extent": 16, "unpadded_vocab_size": 128, "n_layers_per_attn_res_block": 2,
     },
