@@ -135,6 +135,80 @@ REFERENCE_OUTPUT_QUIRK = {
 }
 _UNDECORATED_EXPERTS = ("Llama4TextExperts", "DbrxExperts")
 
+_DS3_ROUTER = [
+    "F_linear_0", "router_logits_0", "router_logits_sigmoid_0", "scores_0", "scores_for_choice_0",
+    "scores_for_choice_view_0", "topk_0", "sum_0", "torch_topk_0", "group_mask_scatter__0",
+    "scores_for_choice_masked_fill_0", "torch_topk_1", "topk_indices_0", "scores_gather_0", "topk_weights_0",
+]
+_DS_BLOCK = ["self_gate_0", "self_experts_0", "self_shared_experts_0"]
+_SM_ROUTER = ["F_linear_0", "router_logits_0", "torch_nn_functional_softmax_0", "torch_topk_0"]
+_QWEN_BLOCK = ["self_shared_expert_0", "self_gate_0", "self_experts_0", "self_shared_expert_gate_0", "F_sigmoid_0",
+               "expert_output_0"]
+#: Op names the reference's per-family notes mention, for the router's and the block's ``.source``
+#: ("block" is the decoder layer for gemma4 / diffusion_gemma). Checked for presence.
+REFERENCE_OPS: dict[str, dict[str, list[str]]] = {
+    "mixtral": {"router": [*_SM_ROUTER, "router_logits_float_0", "router_top_value_sum_0"],
+                "block": ["self_gate_0", "self_experts_0"]},
+    "minimax": {"router": [*_SM_ROUTER, "router_logits_float_0", "router_top_value_sum_0"],
+                "block": ["self_gate_0", "self_experts_0"]},
+    **{f: {"router": [*_SM_ROUTER, "router_top_value_to_0"]}
+       for f in ("olmoe", "flex_olmo", "qwen3_moe", "qwen3_vl_moe", "qwen3_omni_moe", "mellum", "qwen2_moe",
+                 "qwen3_next", "qwen3_5_moe", "qwen4_exp")},
+    "hunyuan_v1_moe": {"router": ["self_wg_0", "router_logits_0", "F_softmax_0", "torch_topk_0", "routing_weights_to_0"],
+                       "block": ["self_shared_mlp_0", "self_gate_0", "self_experts_0"]},
+    "jamba": {"router": ["F_linear_0", "router_logits_0", "torch_nn_functional_softmax_0", "top_k_weights_to_0"],
+              "block": ["self_router_0", "self_experts_0"]},
+    "ernie4_5_moe": {"router": ["hidden_states_float_0", "F_linear_0", "router_logits_0", "F_softmax_0",
+                                "self_moe_statics_0", "torch_topk_0", "torch_gather_0"]},
+    "gemma4": {"router": ["self_norm_0", "self_proj_0", "expert_scores_0", "nn_functional_softmax_0",
+                          "router_probabilities_0", "torch_topk_0", "top_k_weights_sum_0", "top_k_weights_0"],
+               "block": ["self_mlp_0", "self_post_feedforward_layernorm_1_0", "self_router_0",
+                         "self_pre_feedforward_layernorm_2_0", "self_experts_0", "self_post_feedforward_layernorm_2_0"]},
+    "diffusion_gemma": {"router": ["self_norm_0", "self_proj_0", "expert_scores_0", "nn_functional_softmax_0",
+                                   "router_probabilities_0", "torch_topk_0"],
+                        "block": ["self_mlp_0", "self_router_0", "self_pre_feedforward_layernorm_2_0", "self_experts_0"]},
+    "gpt_oss": {"router": ["F_linear_0", "router_logits_0", "torch_topk_0", "torch_nn_functional_softmax_0",
+                           "router_scores_0"],
+                "block": ["self_router_0", "self_experts_0"]},
+    **{f: {"router": ["F_linear_0", "router_logits_0", "router_logits_topk_0", "torch_softmax_0"],
+           "block": ["self_router_0", "self_experts_0"]}
+       for f in ("granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid")},
+    "aria": {"router": ["nn_functional_linear_0", "router_logits_0"]},
+    "cohere2_moe": {"router": ["F_linear_0", "torch_topk_0", "F_softmax_0"]},
+    "phimoe": {"router": ["forward_0", "router_logits_0", "sparsemixer_0"]},
+    "deepseek_v2": {"router": ["hidden_states_type_0", "F_linear_0", "router_logits_0", "router_logits_softmax_0",
+                               "torch_topk_0"], "block": _DS_BLOCK},
+    "unlimited_ocr": {"router": ["F_linear_0", "router_logits_0", "router_logits_softmax_0"], "block": _DS_BLOCK},
+    **{f: {"router": _DS3_ROUTER, "block": _DS_BLOCK}
+       for f in ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm_moe_dsa", "glm5_next",
+                 "dots1", "dots3_note", "kimi_linear", "bailing_hybrid", "exaone_moe", "solar_open", "axk2", "hy_v4")},
+    "axk1": {"router": _DS3_ROUTER, "block": [*_DS_BLOCK, "self_post_mlp_layernorm_0"]},
+    "nemotron_h": {"router": _DS3_ROUTER,
+                   "block": [*_DS_BLOCK, "self_fc1_latent_proj_0", "self_fc2_latent_proj_0"]},
+    "kolibri1": {"router": ["torch_mm_0", "router_logits_0", "F_linear_0", "router_logits_1"]},
+    "afmoe": {"router": ["self_gate_0", "to_0", "router_logits_0", "torch_sigmoid_0", "torch_topk_0",
+                         "scores_gather_0"],
+              "block": ["self_router_0", "self_shared_experts_0", "self_experts_0"]},
+    "hy_v3": {"block": ["routed_output_0", "self_shared_experts_0", "self_shared_experts_1"]},
+    "laguna": {"router": ["F_linear_0", "float_0", "router_logits_0", "torch_tanh_0", "router_logits_1"],
+               "block": ["self_shared_experts_0", "self_gate_0", "self_experts_0"]},
+    "minimax_m3_vl": {"block": ["self_shared_experts_0", "self_gate_0", "self_experts_0"]},
+    "muse_spark": {"router": ["F_linear_0", "router_logits_0", "router_logits_1"],
+                   "block": ["self_gate_0", "self_pre_expert_proj_0", "self_pre_expert_norm_0", "self_experts_0",
+                             "self_post_expert_proj_0"]},
+    "deepseek_v4": {"router": ["F_linear_0", "logits_0", "self_score_fn_0"], "block": ["self_gate_0", "self_gate_1"]},
+    "inkling2": {"router": ["F_linear_0", "logits_0", "self_score_fn_0"]},
+    "inkling": {"router": ["F_linear_0", "router_logits_0", "routed_logits_0", "shared_gammas_0"]},
+    "zaya": {"router": ["self_down_proj_0", "self_router_mlp_0", "router_logits_0", "torch_softmax_0"]},
+    "llama4": {"router": ["forward_0", "router_logits_0", "torch_topk_0"], "block": ["self_experts_0"]},
+    "dbrx": {"router": ["self_layer_0", "router_logits_0"],
+             "block": ["self_router_0", "self_route_tokens_to_experts_0", "self_experts_0"]},
+}
+for _f in ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen4_exp"):
+    REFERENCE_OPS[_f]["block"] = _QWEN_BLOCK
+#: The decorated experts wrapper's ops (every decorated family).
+REFERENCE_EXPERTS_OPS = ["experts_interface_get_interface_0", "experts_forward_0", "experts_forward_1"]
+
 #: Places where the reference notes (or the task brief) turned out wrong or out of date, found while
 #: building the tiny models; the per-family checks above add any they detect to "reference_errors".
 REFERENCE_CORRECTIONS: list[str] = [
@@ -719,6 +793,16 @@ def check_reference(family: str, rec: dict[str, Any]) -> list[str]:
                 pos = block.get("shared_position")
                 if ref[5] and pos != ref[5]:
                     bad.append(f"{where}: shared expert position {pos!r}, reference says {ref[5]!r}")
+            ref_ops = REFERENCE_OPS.get(family, {})
+            for part, key in (("router", "router_source_ops"), ("block", "block_source_ops")):
+                ops = block.get(key)
+                if ops is None or block["block_path"].endswith("vision_moe"):
+                    continue
+                missing = [o for o in ref_ops.get(part, []) if o not in ops]
+                if missing:
+                    bad.append(f"{where}: {part}.source lacks {missing} named by the reference")
+            if decorated and block.get("experts_source_ops") != REFERENCE_EXPERTS_OPS:
+                bad.append(f"{where}: experts.source ops {block.get('experts_source_ops')}")
             if decorated:
                 flags = block["experts"]["flags"]
                 want_flags = {**_DEFAULT_FLAGS, **REFERENCE_FLAGS.get(family, {})}

@@ -132,10 +132,13 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
     },
     "deepseek_v4": {  # intermediate_size is an alias of moe_intermediate_size here
-        "intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "num_key_value_heads": 1,
+        "intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "num_key_value_heads": 1,
         "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 8,
         "index_topk": 4, "hc_mult": 2, "hc_sinkhorn_iters": 2, "sliding_window": 16,
         "num_nextn_predict_layers": 0, "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "partial_rotary_factor": 0.5,  # default 64/512 would give a 1-dim RoPE at head_dim 8
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
     },
     "diffusion_gemma": {  # no enable_moe_block field: every layer has the MoE path
         "num_experts": 8, "top_k_experts": 2, "sliding_window": 16, "global_head_dim": 8,
