@@ -223,6 +223,9 @@ REFERENCE_CORRECTIONS: list[str] = [
     "vision_moe is not called at all, and text_moe returns (flat_out [T*D], flat_logits [T*E]).",
     "diffusion_gemma: DiffusionGemmaTextConfig has no enable_moe_block field (the task brief asked to "
     "enable it); every encoder text layer always builds router + experts next to its dense mlp.",
+    "axk2: the reference's DS3 op list (scores_for_choice_view_0, topk_0, sum_0, group_mask_scatter__0, "
+    "scores_for_choice_masked_fill_0, torch_topk_1) does not apply: the group-limited step is a helper "
+    "method (op self_apply_group_scoring_0, run only when n_group is set) and the expert top-k is torch_topk_0.",
     "kolibri1 on CPU: the logits op is F_linear_0 with binding router_logits_1 (torch_mm_0 / "
     "router_logits_0 are in the source but do not run), as the reference says for the non-CUDA path.",
 ]
@@ -892,6 +895,9 @@ def probe(family: str) -> dict[str, Any]:
         rec["reference"] = _reference_summary(family)
         rec["reference_mismatches"] = check_reference(family, rec)
         rec["summary"] = family_summary(rec)
+        checks = extra_checks(family)
+        if checks:
+            rec["extra_checks"] = checks
         rec["layers"] = _dedupe_layers(layers, layers_path)
         rec["ok"] = rec["trace"]["ok"] and not rec.get("errors")
     except Exception as exc:  # noqa: BLE001 - recorded
@@ -912,6 +918,63 @@ def _dedupe_layers(layers: dict[int, dict[str, Any]], layers_path: str) -> dict[
         else:
             seen[key] = i
             out[i] = info
+    return out
+
+
+def _experts_index_shapes(model: torch.nn.Module) -> list[tuple[Any, Any]]:
+    """(hidden, indices) arguments of every decorated experts call in one forward."""
+    seen: list[tuple[Any, Any]] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args: seen.append((args[0], args[1])))
+        for m in model.modules()
+        if _is_decorated_experts(m)
+    ]
+    try:
+        with torch.no_grad():
+            model(**tiny_inputs(model))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def extra_checks(family: str) -> dict[str, Any]:
+    """Family quirks the reference states that need a non-default config or a closer look."""
+    out: dict[str, Any] = {}
+    try:
+        if family == "phimoe":
+            model = tiny_model(family, num_experts_per_tok=4)
+            calls = _experts_index_shapes(model)
+            out["num_experts_per_tok=4"] = {
+                "router.top_k": model.model.layers[0].mlp.router.top_k,
+                "experts_indices": _describe_value(calls[0][1]),
+                "note": "selection is hard-coded to 2 slots whatever router.top_k says",
+            }
+        elif family == "nemotron_h":
+            model = tiny_model(family, moe_latent_size=16)
+            calls = _experts_index_shapes(model)
+            out["moe_latent_size=16"] = {
+                "experts_hidden": _describe_value(calls[0][0]),
+                "fc1_latent_proj": type(model.model.layers[1].mixer.fc1_latent_proj).__name__,
+                "note": "experts run in the latent size (default None: fc1/fc2_latent_proj are Identity)",
+            }
+        elif family == "zaya":
+            model = tiny_model(family)
+            outs: list[Any] = []
+            hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: outs.append(o)) for layer in model.model.layers]
+            try:
+                with torch.no_grad():
+                    model(**tiny_inputs(model))
+            finally:
+                for h in hooks:
+                    h.remove()
+            skips = [int((o[1] == 0).sum()) for o in outs]
+            out["skip_class"] = {
+                "skipped_slots_per_layer (weight 0)": skips,
+                "note": "skip slots come back as index 0 with weight 0",
+            }
+    except Exception as exc:  # noqa: BLE001 - recorded
+        out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
