@@ -907,16 +907,31 @@ def probe(family: str) -> dict[str, Any]:
     return rec
 
 
+_VOLATILE = ("distinct_experts_selected",)
+
+
 def _dedupe_layers(layers: dict[int, dict[str, Any]], layers_path: str) -> dict[int, dict[str, Any]]:
-    """Replace a layer identical to an earlier one (up to its index) by ``{"kind", "same_as"}``."""
+    """Replace a layer identical to an earlier one (up to its index and the data-dependent
+    ``distinct_experts_selected``) by ``{"kind", "same_as", "distinct_experts_selected"}``."""
+
+    def key(info: dict[str, Any], i: int) -> str:
+        stripped = {
+            **info,
+            "blocks": [{k: v for k, v in b.items() if k not in _VOLATILE} for b in info.get("blocks", [])],
+        }
+        text = json.dumps(stripped, sort_keys=True, default=str)
+        return text.replace(f"{layers_path}.{i}.", f"{layers_path}.<i>.")
+
     out: dict[int, dict[str, Any]] = {}
     seen: dict[str, int] = {}
     for i, info in layers.items():
-        key = json.dumps(info, sort_keys=True, default=str).replace(f"{layers_path}.{i}.", f"{layers_path}.<i>.")
-        if key in seen:
-            out[i] = {"kind": info["kind"], "same_as": seen[key]}
+        k = key(info, i)
+        if k in seen:
+            out[i] = {"kind": info["kind"], "same_as": seen[k]}
+            if info.get("blocks"):
+                out[i]["distinct_experts_selected"] = [b.get("distinct_experts_selected") for b in info["blocks"]]
         else:
-            seen[key] = i
+            seen[k] = i
             out[i] = info
     return out
 
@@ -1136,7 +1151,8 @@ def main(argv: list[str] | None = None) -> int:
             "summary": "the facts a family table needs, from the first MoE layer (and first dense layer)",
             "layers_path": "path of the decoder-layer ModuleList in the built model",
             "layers[i].kind": "'moe' (holds a decorated experts module, or llama4/dbrx experts), 'dense' (plain "
-            "MLP), 'none' (no MLP, e.g. a nemotron_h attention layer); {'same_as': j} = identical to layer j",
+            "MLP), 'none' (no MLP, e.g. a nemotron_h attention layer); {'same_as': j} = identical to layer j "
+            "except distinct_experts_selected (how many experts the 10 tokens were routed to)",
             "block_path": "MoE block relative to the decoder layer; '' = the layer itself (gemma4-style)",
             "shared[].on": "'block', 'layer' (sibling on the decoder layer) or the path of an enclosing module",
             "shared_position": "when the shared expert runs: 'first' (before the router), 'between' (router, "
