@@ -32,7 +32,6 @@ from typing import Any, Iterable
 import nnsight
 import torch
 from jaxtyping import Float, Int
-from nnsight.intervention.interleaver import OutOfOrderError
 from torch import Tensor
 
 from ..errors import ValueUnavailable, WriteError
@@ -42,7 +41,7 @@ from ..families.scoring import score, top_logits
 from . import tokens
 from .implementations import IMPLEMENTATION_CALL, ops_for, serving
 from .mlp import Mlp
-from .served import INDEX, Binding, argument, output_of, request, served
+from .served import INDEX, Binding, argument, order_errors, output_of, request, served
 
 
 class _SharedAlias:
@@ -275,10 +274,9 @@ class Moe(Mlp):
 
     def _drill(self) -> None:
         """Make the ops inside the experts implementation addressable in this run."""
-        try:
+        call = f"{self.experts.path}.source.{IMPLEMENTATION_CALL}"
+        with order_errors(call, lambda: self._order_error("expert_outputs")):
             getattr(self.experts.source, IMPLEMENTATION_CALL).source
-        except OutOfOrderError as error:
-            raise self._order_error("expert_outputs") from error
 
     def _slot_binding(self, name: str) -> Binding:
         ops = ops_for(self.experts_implementation)

@@ -16,8 +16,9 @@ before the model consumes them, and copies an edited non-view back.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from nnsight.intervention.eproperty import WriteBack, eproperty
@@ -117,17 +118,28 @@ class served(eproperty):
         obj._write(self, value)
 
 
-def request(location: str, what: str, on_order_error: Callable[[], Exception]) -> Any:
-    """Park until the model reaches ``location`` and return what is served there.
+@contextmanager
+def order_errors(location: str, on_order_error: Callable[[], Exception]) -> Iterator[None]:
+    """Re-raise nnsight's out-of-order error for ``location`` as ``on_order_error()``.
 
-    An out-of-order request (the model had already run past the location) is
-    reported by nnsight only when the run ends; it is re-raised as the moelens
-    error ``on_order_error`` builds, which names the right order.
+    nnsight reports a request the model had already run past only when the run
+    ends; the moelens error names the right order. A request from inside a
+    ``tracer.iter`` loop for a step the run did not make is how an open loop
+    ends, so nnsight's own error goes through untouched (it turns it into a
+    warning).
     """
     try:
-        return Mediator.value(location)
+        yield
     except OutOfOrderError as error:
+        if Mediator.current(location).iteration != 0:
+            raise
         raise on_order_error() from error
+
+
+def request(location: str, what: str, on_order_error: Callable[[], Exception]) -> Any:
+    """Park until the model reaches ``location`` and return what is served there."""
+    with order_errors(location, on_order_error):
+        return Mediator.value(location)
 
 
 def read(component: "Component", descriptor: served, binding: Binding) -> torch.Tensor:

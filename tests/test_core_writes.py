@@ -1,0 +1,220 @@
+"""Every family x every experts implementation: writes land and do what they say.
+
+Each intervention is compared with the same edit made with plain nnsight on an
+unwrapped copy (raw experts-call arguments, the raw logits op), and zero / swap
+ablations also with a copy of the model whose expert weights were edited.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import nnsight
+import pytest
+import torch
+
+import moelens
+from groundtruth import CASES, IDS, built, first_tensor
+
+HASH_LAYERS = "is_hash"  # deepseek_v4 blocks that route by a token table
+
+
+def running_moes(wrapped):
+    return [moe for moe in wrapped.moes if not moe.path.endswith("vision_moe")]
+
+
+def routes_by_logits(moe) -> bool:
+    return not getattr(moe._module, HASH_LAYERS, False)
+
+
+def chosen_experts(wrapped, inputs) -> list[int]:
+    """For each running block, an expert the first token is routed to (so editing it matters)."""
+    moes = running_moes(wrapped)
+    with wrapped.trace(**inputs):
+        picks = nnsight.save([moe.expert_indices[0, 0, 0] for moe in moes])
+    return [int(pick) for pick in picks]
+
+
+def plain_edit(reference, inputs, moes, edit) -> torch.Tensor:
+    """The model output with ``edit(envoy_of_block, moe, index)`` applied by plain nnsight."""
+    plain = nnsight.NNsight(reference)
+    with plain.trace(**inputs):
+        for index, moe in enumerate(moes):
+            edit(plain.get(moe.path.removeprefix("model.")), moe, index)
+        output = plain.output.save()
+    return first_tensor(output)
+
+
+def swap_call_args(block, moe, change):
+    """Rewrite the experts call's (hidden, indices, weights) with ``change``."""
+    experts = block.get(moe.family.experts)
+    (hidden, indices, weights, *rest), kwargs = experts.inputs
+    indices, weights = change(indices, weights)
+    experts.inputs = ((hidden, indices, weights, *rest), kwargs)
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_large_logit_bias_puts_expert_in_every_top_k(family, impl):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = [moe for moe in running_moes(wrapped) if routes_by_logits(moe)]
+    target = 3
+    with wrapped.trace(**inputs):
+        picked = []
+        for moe in moes:
+            moelens.steer(moe, target, 1e4)
+            picked.append(moe.expert_indices.save())
+        picked = nnsight.save(picked)
+    for moe, indices in zip(moes, picked):
+        assert (indices == target).any(-1).all(), f"{moe.path}: expert {target} not in every token's top-k"
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+@pytest.mark.parametrize("mode", ["zero", "route_around", "swap"])
+def test_ablation_matches_the_same_edit_in_plain_nnsight(family, impl, mode):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = running_moes(wrapped)
+    experts = chosen_experts(wrapped, inputs)
+    replacement = [(expert + 1) % moe.num_experts for expert, moe in zip(experts, moes)]
+    if moes[0].family.derived_routing and mode != "route_around":
+        with pytest.raises(moelens.WriteError, match="recomputed from router_logits"):
+            with wrapped.trace(**inputs):
+                moelens.ablate(moes[0], experts[0], mode, to=replacement[0] if mode == "swap" else None)
+        return
+    with wrapped.trace(**inputs):
+        for moe, expert, to in zip(moes, experts, replacement):
+            moelens.ablate(moe, expert, mode, to=to if mode == "swap" else None)
+        output = wrapped.output.save()
+
+    def edit(block, moe, index):
+        expert, to = experts[index], replacement[index]
+        if mode == "route_around":
+            block.get(moe.family.router).source.__getattr__(moe.family.logits_op).output[..., expert] = float("-inf")
+        elif mode == "zero":
+            swap_call_args(block, moe, lambda i, w: (i, w.masked_fill(i == expert, 0.0)))
+        else:
+            swap_call_args(block, moe, lambda i, w: (i.masked_fill(i == expert, to), w))
+
+    expected = plain_edit(reference, inputs, moes, edit)
+    ablated = first_tensor(output)
+    torch.testing.assert_close(ablated, expected, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(ablated, plain), "the ablation changed nothing: the test would not notice a no-op"
+
+
+def edited_weights_copy(reference, moes, experts, replacement, mode):
+    """A copy of the model whose expert weights do what the ablation does."""
+    model = copy.deepcopy(reference)
+    with torch.no_grad():
+        for moe, expert, to in zip(moes, experts, replacement):
+            module = model.get_submodule(moe.path.removeprefix("model.") + "." + moe.family.experts)
+            params = dict(module.named_parameters(recurse=False))
+            for name, param in params.items():
+                if mode == "swap":
+                    param[expert] = param[to]
+                elif name.startswith("down_proj"):
+                    param[expert] = 0
+    return model
+
+
+@pytest.mark.parametrize(("family", "impl"), [case for case in CASES if case[0] not in ("llama4", "dbrx")],
+                         ids=[i for case, i in zip(CASES, IDS) if case[0] not in ("llama4", "dbrx")])
+@pytest.mark.parametrize("mode", ["zero", "swap"])
+def test_zero_and_swap_match_edited_expert_weights(family, impl, mode):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = running_moes(wrapped)
+    experts = chosen_experts(wrapped, inputs)
+    replacement = [(expert + 1) % moe.num_experts for expert, moe in zip(experts, moes)]
+    if mode == "zero" and any(getattr(moe.experts._module, "has_post_expert_norm", False) for moe in moes):
+        pytest.skip("a post-expert norm of a zeroed expert is not zero: no weight edit equals zeroing its slot")
+    with wrapped.trace(**inputs):
+        for moe, expert, to in zip(moes, experts, replacement):
+            moelens.ablate(moe, expert, mode, to=to if mode == "swap" else None)
+        output = wrapped.output.save()
+    model = edited_weights_copy(reference, moes, experts, replacement, mode)
+    with torch.no_grad():
+        expected = first_tensor(model(**inputs))
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_reroute_matches_plain_nnsight(family, impl):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = [moe for moe in running_moes(wrapped) if not moe.family.derived_routing]
+    if not moes:
+        pytest.skip("routing is recomputed from the logits: nothing to reroute")
+    tokens = (slice(None), [1, 3])
+    with wrapped.trace(**inputs):
+        for moe in moes:
+            moelens.reroute(moe, tokens, 5)
+        output = wrapped.output.save()
+
+    def edit(block, moe, index):
+        def change(indices, weights):
+            batch, seq = inputs["input_ids"].shape
+            grid = indices.view(batch, seq, -1).clone()
+            grid[:, [1, 3]] = 5
+            return grid.view_as(indices), weights
+
+        swap_call_args(block, moe, change)
+
+    expected = plain_edit(reference, inputs, moes, edit)
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "impl"), [c for c in CASES if c[1] != "eager"],
+                         ids=[i for c, i in zip(CASES, IDS) if c[1] != "eager"])
+def test_slot_writes_land(family, impl):
+    """Doubling a slot's activations doubles its output; zeroing slot outputs removes them."""
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = [moe for moe in running_moes(wrapped) if moe.family.experts_call and "expert_outputs" in moe.order()]
+    if not moes:
+        pytest.skip("no per-slot values in this family")
+    moe = moes[0]
+    linear_down = not any(
+        getattr(moe.experts._module, flag, False) for flag in ("has_bias", "has_post_expert_norm")
+    )
+    with wrapped.trace(**inputs):
+        before = moe.expert_outputs.save()
+    last = moe.top_k - 1
+    with wrapped.trace(**inputs):
+        activations = moe.expert_activations
+        activations[:, :, 0] *= 2  # in place: lands through the write-back
+        slots = moe.expert_outputs.save()
+        slots[:, :, last] = 0  # in place, on a view of the model's tensor
+        routed = moe.routed_output.save()
+    if linear_down and last:
+        torch.testing.assert_close(slots[:, :, 0], 2 * before[:, :, 0], atol=1e-5, rtol=1e-4)
+    assert torch.equal(slots[:, :, last], torch.zeros_like(slots[:, :, last]))
+    torch.testing.assert_close(routed, slots.sum(2), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_output_writes_match_plain_nnsight(family, impl):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moe = running_moes(wrapped)[0]
+    order = moe.order()
+    name = "routed_output" if "routed_output" in order else "shared_expert_output"
+    with wrapped.trace(**inputs):
+        value = getattr(moe, name)
+        setattr(moe, name, value * 0.5)
+        output = wrapped.output.save()
+
+    def edit(block, moe_, index):
+        if index:
+            return
+        module = block.get(moe.family.experts) if name == "routed_output" else moe_.shared_experts
+        if name == "shared_expert_output":
+            module = plain_shared(block, moe_)
+        if name == "routed_output" or not moe.family.shared.gated_op:
+            module.output = module.output * 0.5
+        else:
+            op = block.source.__getattr__(moe.family.shared.gated_op)
+            op.output = op.output * 0.5
+
+    expected = plain_edit(reference, inputs, [moe], edit)
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(first_tensor(output), plain)
+
+
+def plain_shared(block, moe):
+    spec = moe.family.shared
+    return (block.parent if spec.on_layer else block).get(spec.module)
