@@ -22,7 +22,7 @@ from nnsight.modeling import processing
 
 from .components import Mlp, Moe
 from .components.mlp import DOWN_PROJECTIONS
-from .errors import MoelensError
+from .errors import FamilyError, MoelensError
 from .families import Family, registry
 from .families.entry import get_path
 
@@ -230,11 +230,22 @@ def _instrument(moe: Moe) -> None:
     ops to be served; doing it here means a trace can ask for any value at any
     time. Outside a trace the instrumented forwards run as the originals.
     """
-    moe.router.source  # noqa: B018 - installs the router's op handoffs
-    if moe.family.experts_call and "_is_expert_parallel" in moe.experts._module.__dict__:
-        moe.experts.source  # noqa: B018
-    if moe.family.shared is not None and moe.family.shared.gated_op:
-        moe.source  # noqa: B018
+    family = moe.family
+    _require_op(moe.router, family.logits_op, family, "logits_op")
+    if family.experts_call and "_is_expert_parallel" in moe.experts._module.__dict__:
+        moe.experts.source  # noqa: B018 - installs the experts' op handoffs
+    if family.shared is not None and family.shared.gated_op:
+        _require_op(moe, family.shared.gated_op, family, "shared.gated_op")
+
+
+def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
+    """Source-instrument ``envoy`` and check its forward has the op the family names."""
+    names = envoy.source.names
+    if op not in names:
+        raise FamilyError(
+            f"family {family.name!r}: {field}={op!r} is not an operation of "
+            f"{type(envoy._module).__name__}.forward; its operations are {', '.join(names)}."
+        )
 
 
 def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:

@@ -1,0 +1,268 @@
+"""Bad input gets a clear moelens error; unavailable values say why; traces leave nothing behind."""
+
+from __future__ import annotations
+
+import copy
+
+import nnsight
+import pytest
+import torch
+from transformers.integrations.moe import use_experts_implementation
+from transformers.models.mixtral.configuration_mixtral import MixtralConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+import moelens
+from groundtruth import built, first_tensor
+from moelens import Family, OrderError, ValueUnavailable, WriteError
+from moelens.testing import tiny_inputs, tiny_model
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    return wrapped, inputs
+
+
+def write_fails(wrapped, inputs, write, match):
+    with pytest.raises(WriteError, match=match):
+        with wrapped.trace(**inputs):
+            write(wrapped.moes[0])
+
+
+@pytest.mark.parametrize(
+    ("write", "match"),
+    [
+        (lambda moe: setattr(moe, "expert_indices", torch.full_like(moe.expert_indices, 8)), r"index 8.*\[0, 8\)"),
+        (lambda moe: setattr(moe, "expert_indices", moe.expert_indices * 0 - 1), r"index -1"),
+        (lambda moe: setattr(moe, "expert_indices", moe.expert_indices.float()), r"float32 indices.*int64"),
+        (lambda moe: setattr(moe, "expert_weights", moe.expert_weights[..., :1]), r"shape \(2, 5, 1\), expected \(2, 5, 2\)"),
+        (lambda moe: setattr(moe, "router_logits", moe.router_logits * float("nan")), r"NaN"),
+        (lambda moe: setattr(moe, "router_logits", torch.full_like(moe.router_logits, float("-inf"))), r"-inf"),
+        (lambda moe: setattr(moe, "expert_weights", moe.expert_indices), r"int64 tensor, expected a floating"),
+        (lambda moe: moe.expert_indices.__setitem__((0, 0, 0), 99), r"index 99"),  # in place: checked on write-back
+        (lambda moe: moe.expert_outputs.__setitem__((0, 0), float("nan")), r"NaN"),
+        (lambda moe: setattr(moe, "router_probs", moe.router_probs), r"derived from router_logits"),
+    ],
+    ids=["index-too-big", "index-negative", "float-index", "wrong-shape", "nan", "all-neg-inf", "int-weights",
+         "in-place-index", "in-place-nan", "probs-read-only"],
+)
+def test_bad_writes_raise_clear_errors(mixtral, write, match):
+    wrapped, inputs = mixtral
+    write_fails(wrapped, inputs, write, match)
+
+
+def test_errors_name_the_value(mixtral):
+    wrapped, inputs = mixtral
+    with pytest.raises(WriteError) as caught:
+        with wrapped.trace(**inputs):
+            wrapped.moes[1].expert_indices = torch.full_like(wrapped.moes[1].expert_indices, 8)
+    assert "model.model.layers.1.mlp.expert_indices" in str(caught.value)
+
+
+def test_per_slot_values_under_eager_say_how_to_switch():
+    hf, wrapped, inputs, plain, reference = built("mixtral", "eager")
+    with pytest.raises(ValueUnavailable, match=r'set_experts_implementation\("grouped_mm"\)'):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].expert_outputs.save()
+    with pytest.raises(ValueUnavailable, match="eager"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].expert_activations.save()
+
+
+def test_missing_shared_expert_says_why(mixtral):
+    wrapped, inputs = mixtral
+    with pytest.raises(ValueUnavailable, match="mixtral family has no shared expert"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].shared_expert_output.save()
+    with pytest.raises(ValueUnavailable, match="no shared expert"):
+        wrapped.moes[0].shared_experts  # noqa: B018 - outside a trace too
+
+
+def test_shared_expert_turned_off_by_config_says_so():
+    hf = tiny_model("granitemoeshared", shared_intermediate_size=0)
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(ValueUnavailable, match="config turns it off"):
+        with wrapped.trace(**tiny_inputs(hf)):
+            wrapped.moes[0].shared_expert_output.save()
+
+
+def test_dense_block_refuses_mixture_values_with_the_moe_layers():
+    hf, wrapped, inputs, plain, reference = built("qwen2_moe", "grouped_mm")
+    dense = wrapped.layers[0].mlp
+    assert isinstance(dense, moelens.Mlp) and not isinstance(dense, moelens.Moe)
+    with pytest.raises(ValueUnavailable, match=r"dense MLP.*MoE layers are \[1, 2, 3\]"):
+        with wrapped.trace(**inputs):
+            dense.router_logits.save()
+
+
+def test_moe_refuses_dense_activation_and_points_to_slots():
+    hf, wrapped, inputs, plain, reference = built("qwen2_moe", "grouped_mm")
+    with pytest.raises(ValueUnavailable, match="expert_activations"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].mlp_activation.save()
+
+
+@pytest.mark.parametrize(("family", "value", "match"), [
+    ("llama4", "expert_outputs", "pre-multiplied by their sigmoid score"),
+    ("llama4", "routed_output", "no experts"),
+    ("gemma4", "mlp_output", "gemma4 has no MoE block"),
+    ("dbrx", "expert_outputs", "eager loop only"),
+])
+def test_family_refusals_give_the_reason(family, value, match):
+    impl = "eager" if family in ("llama4", "dbrx") else "grouped_mm"
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    with pytest.raises(ValueUnavailable, match=match):
+        with wrapped.trace(**inputs):
+            getattr(wrapped.moes[0], value).save()
+
+
+def test_reading_out_of_order_names_the_order(mixtral):
+    wrapped, inputs = mixtral
+    with pytest.raises(OrderError, match=r"router_logits -> .* -> routed_output"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].routed_output.save()
+            wrapped.moes[0].router_logits.save()
+    with pytest.raises(OrderError, match="layer order"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[2].router_logits.save()
+            wrapped.moes[1].router_logits.save()
+
+
+def test_value_errors_are_never_attribute_errors(mixtral):
+    wrapped, inputs = mixtral
+    for name in ("shared_expert_output", "mlp_activation"):
+        with pytest.raises(ValueUnavailable):
+            with wrapped.trace(**inputs):
+                getattr(wrapped.moes[0], name)
+
+
+def test_traces_leave_no_hooks_or_edits_behind():
+    hf, wrapped, inputs, plain, reference = built("qwen2_moe", "grouped_mm")
+    weights = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    grads = {name: p.requires_grad for name, p in hf.named_parameters()}
+    with wrapped.trace(**inputs):
+        moelens.ablate(wrapped.moes[0], 1, "route_around")
+        moelens.steer(wrapped.moes[1], 2, 5.0)
+        moelens.ablate(wrapped.moes[1], 3)
+        wrapped.moes[2].expert_outputs[:] = 0
+        wrapped.moes[2].shared_expert_output = wrapped.moes[2].shared_expert_output * 2
+    with torch.no_grad():
+        after = first_tensor(hf(**inputs))
+    assert torch.equal(after, plain)
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    assert grads == {name: p.requires_grad for name, p in hf.named_parameters()}
+    for module in hf.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks and not module._backward_hooks
+
+
+def test_wrap_and_load_reject_bad_input(tmp_path):
+    with pytest.raises(moelens.MoelensError, match="transformers model instance"):
+        moelens.wrap("mixtral")
+    with pytest.raises(moelens.MoelensError, match="cannot load a model"):
+        moelens.load(tmp_path / "nothing-here")
+
+
+def test_unknown_intervention_input(mixtral):
+    wrapped, inputs = mixtral
+    with pytest.raises(WriteError, match="ablate mode 'drop'"):
+        with wrapped.trace(**inputs):
+            moelens.ablate(wrapped.moes[0], 1, "drop")
+    with pytest.raises(WriteError, match="out of range"):
+        with wrapped.trace(**inputs):
+            moelens.steer(wrapped.moes[0], 8, 1.0)
+    with pytest.raises(WriteError, match="needs to="):
+        with wrapped.trace(**inputs):
+            moelens.ablate(wrapped.moes[0], 1, "swap")
+
+
+# -- a custom family, registered without editing moelens --------------------------------------
+
+
+class LinearRouter(torch.nn.Module):
+    def __init__(self, hidden: int, experts: int, k: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+        self.top_k = k
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        top, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, top, index
+
+
+class CustomBlock(torch.nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.chooser = LinearRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
+        self.pool = MixtralExperts(config)
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        flat = hidden.reshape(-1, d)
+        _, weights, index = self.chooser(flat)
+        return self.pool(flat, index, weights).reshape(b, s, d)
+
+
+class CustomModel(torch.nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, config.hidden_size)
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"ffn": CustomBlock(config)}) for _ in range(2)])
+        self.config = config
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = hidden + layer["ffn"](hidden)
+        return hidden
+
+
+def test_a_registered_custom_family_is_served():
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    model = CustomModel(config).eval()
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    family = moelens.families.register(Family(
+        "custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser", experts="pool",
+        logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk", normalize=False),
+    ))
+    try:
+        assert family in moelens.families.supported()
+        wrapped = moelens.wrap(model)
+        assert [moe.layer for moe in wrapped.moes] == [0, 1]
+        assert wrapped.layers[1].mlp is wrapped.moes[1]  # `ffn` aliased as the standard `mlp`
+        ids = torch.randint(0, 64, (2, 3))
+        with wrapped.trace(ids):
+            values = wrapped.moes[1].save_all()
+        plain = nnsight.NNsight(copy.deepcopy(model))
+        with plain.trace(ids) as tracer:
+            cache = tracer.cache(modules=["model.layers.1.ffn.chooser", "model.layers.1.ffn.pool"])
+        logits, weights, index = cache["model.layers.1.ffn.chooser"].output
+        torch.testing.assert_close(values["router_logits"], logits.reshape(2, 3, -1))
+        assert torch.equal(values["expert_indices"], index.reshape(2, 3, -1))
+        torch.testing.assert_close(values["routed_output"], cache["model.layers.1.ffn.pool"].output.reshape(2, 3, -1))
+        torch.testing.assert_close(values["expert_outputs"].sum(2), values["routed_output"])
+    finally:
+        moelens.families.unregister("custom")
+
+
+def test_a_family_naming_a_missing_op_is_refused_at_wrap():
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    moelens.families.register(Family("custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser",
+                                     experts="pool"))
+    try:
+        with pytest.raises(moelens.FamilyError, match="logits_op='F_linear_0'.*torch_nn_functional_linear_0"):
+            moelens.wrap(CustomModel(config))
+    finally:
+        moelens.families.unregister("custom")
+
+
+def test_every_transformers_family_is_registered():
+    from moelens.testing import FAMILIES
+
+    names = {family.name for family in moelens.families.supported()}
+    assert set(FAMILIES) <= names
+    assert use_experts_implementation  # the decorator the detection relies on is importable
