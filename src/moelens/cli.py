@@ -1,0 +1,54 @@
+"""The ``moelens`` command.
+
+Each feature area adds its subcommands from its own module: a module listed in
+`COMMAND_MODULES` defines ``register(subparsers)``, adding parsers whose
+``func(args) -> int`` runs the command. Errors moelens raises on purpose are
+printed as one clear line (exit status 2), not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import MoelensError
+
+#: Modules that add subcommands (``demo``, ``inspect``, ``stats``, ``export`` ...).
+COMMAND_MODULES = ("moelens.analysis.cli", "moelens.export.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="moelens",
+        description="Look inside Mixture-of-Experts language models: routing, experts, export.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name is None or not name.startswith(error.name):
+                raise
+            continue  # that feature area is not installed in this build
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``moelens`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 1
+    try:
+        return int(args.func(args) or 0)
+    except MoelensError as error:
+        print(f"moelens {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
