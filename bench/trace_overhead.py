@@ -1,0 +1,106 @@
+"""Trace overhead: reading every Moe value on every MoE layer vs the plain forward.
+
+A Mixtral-shaped model (hidden 256, 8 layers, 8 experts, top-2, grouped_mm, float32,
+random weights) is run in the same process, interleaved, for each configuration:
+
+* ``plain``: the model's own forward (no nnsight), under ``torch.no_grad``;
+* ``nnsight-module``: a plain nnsight trace reading each block's router and experts
+  module outputs (the anchor for nnsight's own cost);
+* ``nnsight-source``: a plain nnsight trace reading the same values moelens reads, by
+  raw op names (router logits op, experts call arguments, the per-slot op inside the
+  implementation, experts output, block output): what a user writes without moelens;
+* ``moelens``: ``moe.save_all()`` on every MoE block (every value, token views, checks).
+
+Prints the median wall time of each and its ratio to ``plain`` at batch 4 x 256
+tokens and 1 x 8 tokens. Targets: moelens at most 1.05x plain at 4 x 256 and 1.5x
+at 1 x 8. Run: ``python bench/trace_overhead.py [--repeats 30] [--threads 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import nnsight
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+import moelens
+
+
+def build(seed: int = 0) -> MixtralForCausalLM:
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512,
+    )
+    return AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm").eval()
+
+
+def measure(batch: int, seq: int, repeats: int) -> dict[str, float]:
+    hf = build()
+    untouched = copy.deepcopy(hf)  # the plain baseline never sees nnsight
+    ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(1))
+    wrapped = moelens.wrap(hf)  # instruments the MoE blocks' sources, as a user of moelens gets
+    raw = nnsight.NNsight(hf)  # a second, plain nnsight wrap of the same modules
+    blocks = [f"model.layers.{i}.mlp" for i in range(8)]
+
+    def plain() -> None:
+        with torch.no_grad():
+            untouched(ids)
+
+    def nnsight_module() -> None:
+        with torch.no_grad(), raw.trace(ids):
+            for name in blocks:
+                block = raw.get(name)
+                block.gate.output[0].save()
+                block.experts.output.save()
+
+    def nnsight_source() -> None:
+        with torch.no_grad(), raw.trace(ids):
+            for name in blocks:
+                block = raw.get(name)
+                block.gate.source.F_linear_0.output.save()
+                (_, index, weights), _ = block.experts.inputs
+                index.save(), weights.save()
+                block.experts.source.experts_forward_1.source.weighted_out_view_0.output.save()
+                block.experts.output.save()
+                block.output.save()
+
+    def with_moelens() -> None:
+        with torch.no_grad(), wrapped.trace(ids):
+            for moe in wrapped.moes:
+                moe.save_all()
+
+    runs = {"plain": plain, "nnsight-module": nnsight_module, "nnsight-source": nnsight_source, "moelens": with_moelens}
+    for run in runs.values():  # warm up every path (source instrumentation, caches)
+        for _ in range(3):
+            run()
+    results = {name: [] for name in runs}
+    for _ in range(repeats):  # interleave so drift hits every configuration alike
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            results[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} interleaved repeats")
+    print(f"{'shape':>9} | {'configuration':>14} | {'median ms':>9} | {'x plain':>7}")
+    for batch, seq in ((4, 256), (1, 8)):
+        results = measure(batch, seq, args.repeats)
+        for name, seconds in results.items():
+            print(f"{batch:>3} x {seq:<3} | {name:>14} | {seconds * 1e3:9.2f} | {seconds / results['plain']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The family table of the docs, generated from the registry (``docs/families.md``).
+
+``python -m moelens.families.table > docs/families.md`` regenerates it; a test
+checks the committed file is current.
+"""
+
+from __future__ import annotations
+
+from .entry import Family
+from .registry import supported
+
+HEADER = """# Supported families
+
+Generated from `moelens.families.supported()` by `python -m moelens.families.table`; do not edit by hand.
+Every family is tested on a tiny seeded model built from its transformers config, under each experts
+implementation it supports (see `tests/test_core_*.py`).
+
+Columns: the block (its attribute on the decoder layer and its class), the router and experts children,
+the router op whose output moelens serves as `router_logits`, the scoring (see `docs/values.md`), the
+shared expert (its module and when its served value is produced), and what the family cannot serve.
+
+| family | block | router / experts | logits op | scoring | shared expert | not served | notes |
+|---|---|---|---|---|---|---|---|
+"""
+
+
+def _shared(family: Family) -> str:
+    shared = family.shared
+    if shared is None:
+        return "–"
+    where = "layer." if shared.on_layer else ""
+    gate = f", gated by `{shared.gate}`" if shared.gate else ""
+    return f"`{where}{shared.module}`{gate} ({shared.when.replace('_', ' ')})"
+
+
+def _row(family: Family) -> str:
+    block = f"`{family.block_attr or '(the decoder layer)'}` {', '.join(family.block_classes)}"
+    refused = ", ".join(f"`{name}`" for name in family.refused) or "–"
+    routing = f"`{family.router}` / `{family.experts}`" + ("" if family.experts_call else " (no experts call)")
+    cells = [family.name, block, routing, f"`{family.logits_op}`", family.scoring.describe(), _shared(family),
+             refused, family.notes.replace("|", "\\|")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(families: list[Family] | None = None) -> str:
+    """The docs' family table for ``families`` (default: every registered family)."""
+    rows = [_row(family) for family in (families if families is not None else supported())]
+    return HEADER + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
