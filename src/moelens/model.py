@@ -124,12 +124,19 @@ class MoeModelMixin:
         """The family of this model's MoE blocks (None for a model moelens does not know)."""
         return self._structure.family
 
-    def save_all(self, values: list[str] | None = None, *, strict: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-        """Inside a trace: save every value of every MoE block, in the right order.
+    def save_all(
+        self, values: list[str] | None = None, *, strict: bool = False, moes: list[Moe] | None = None
+    ) -> dict[int | str, dict[str, torch.Tensor]]:
+        """Inside a trace: save every value of every MoE block (or of ``moes``), in the right order.
 
-        Returns layer index -> (value name -> saved tensor). See `Moe.save_all`.
+        Returns layer index -> (value name -> saved tensor); keyed by block path
+        instead when a layer holds several MoE blocks (ernie4_5_vl_moe). See
+        `Moe.save_all`.
         """
-        return nnsight.save({moe.layer: moe.save_all(values, strict=strict) for moe in self.moes})
+        blocks = self.moes if moes is None else moes
+        layers = [moe.layer for moe in blocks]
+        keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
+        return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})
 
 
 class MoeTransformersModel(MoeModelMixin, TransformersModel):
