@@ -1,0 +1,198 @@
+"""All-to-all dispatch and combine of (token, expert) pairs over an EP group.
+
+Every rank holds its own tokens (data parallel) and ``L = E / ep`` of the E
+experts (rank ``r``: ``[r*L, (r+1)*L)``). For one MoE layer:
+
+1. each rank sorts its ``T*k`` (token, slot) pairs by global expert id, which groups
+   them by owner rank, and the ranks exchange per-expert counts (one small
+   int64 all-to-all, which also carries a layer tag to catch ranks that diverged);
+2. the token rows go to the owners (`Plan.dispatch`, an uneven all-to-all);
+3. the owner runs its experts on what it received, grouped by local expert;
+4. the outputs go back the same way (`Plan.to_sender`, the reverse all-to-all)
+   into token-slot order, and the sender applies the routing weights once.
+
+The split sizes are read back to the host once per layer. Both exchanges are
+differentiable (their backward is the reverse exchange), so gradients reach the
+tokens, the routing weights and the experts on every rank. A rank may send or
+receive no rows at all; ids outside ``[0, E)`` (e.g. -1) are dropped (those slots
+contribute zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..errors import MoelensError
+from .comm import exchange, exchange_counts, group_rank, group_size
+
+
+class RankDivergence(MoelensError):
+    """The ranks of an EP group reached different experts calls (an intervention ran on some ranks only)."""
+
+
+@dataclass
+class Plan:
+    """Where this rank's (token, slot) pairs go and where the rows it receives came from.
+
+    Attributes:
+        group: The EP process group (None: one rank).
+        num_slots: ``T * k``, this rank's (token, slot) pairs.
+        top_k: k.
+        send_order: Slot indices (into the flattened ``[T*k]``) of the valid pairs,
+            sorted by global expert id: the order rows are sent in.
+        send_sizes: Rows sent to each rank of the group.
+        recv_sizes: Rows received from each rank.
+        by_expert: Permutation putting the received rows in local-expert order.
+        from_expert: Its inverse.
+        local_ids: Local expert id of each row, in local-expert order.
+        tokens_per_expert: Rows each local expert runs on ``[L]``.
+        offsets: Cumulative ``tokens_per_expert`` (int32), for grouped GEMMs.
+        serve: Whether the activations make a round trip to the senders (a trace
+            reads per-slot values on some rank of the group).
+        tag: The layer tag the exchanges are recorded under.
+    """
+
+    group: Any
+    num_slots: int
+    top_k: int
+    send_order: Tensor
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    by_expert: Tensor
+    from_expert: Tensor
+    local_ids: Tensor
+    tokens_per_expert: Tensor
+    offsets: Tensor
+    serve: bool
+    tag: int
+
+    @property
+    def received(self) -> int:
+        """Rows this rank's experts run on."""
+        return int(self.local_ids.shape[0])
+
+    def dispatch(self, hidden_states: Float[Tensor, "t d"]) -> Float[Tensor, "r d"]:
+        """The token rows each of this rank's experts runs on, grouped by local expert."""
+        return self._to_owner(hidden_states[self.send_order // self.top_k], "dispatch")
+
+    def to_owner(self, slot_rows: Float[Tensor, "tk f"], kind: str = "activations_out") -> Float[Tensor, "r f"]:
+        """Token-slot rows ``[T*k, F]`` to the experts' owners (grouped by local expert there)."""
+        return self._to_owner(slot_rows[self.send_order], kind)
+
+    def _to_owner(self, rows: Tensor, kind: str) -> Tensor:
+        received = exchange(rows, self.recv_sizes, self.send_sizes, self.group, kind, self.tag)
+        return received[self.by_expert]
+
+    def to_sender(self, rows: Float[Tensor, "r f"], kind: str = "combine") -> Float[Tensor, "tk f"]:
+        """Rows computed by this rank's experts back to their tokens: ``[T*k, F]`` in
+        token-slot order on the rank that sent them, zeros for dropped slots."""
+        back = exchange(rows[self.from_expert], self.send_sizes, self.recv_sizes, self.group, kind, self.tag)
+        return back.new_zeros((self.num_slots, *back.shape[1:])).index_copy(0, self.send_order, back)
+
+
+def plan_dispatch(
+    group: Any,
+    topk_idx: Int[Tensor, "t k"],
+    num_global_experts: int,
+    num_local_experts: int,
+    *,
+    serve: bool = False,
+    tag: int = 0,
+) -> Plan:
+    """Exchange per-expert counts over ``group`` and work out every row's way there and back.
+
+    Args:
+        group: The EP process group (None: a single rank owning every expert).
+        topk_idx: Global expert id of each (token, slot) ``[T, k]``.
+        num_global_experts: E.
+        num_local_experts: L; ``L * group size`` must be E.
+        serve: This rank wants the activation round trip (the group does it if any rank does).
+        tag: This call's layer tag; every rank of the group must send the same one,
+            else `RankDivergence` is raised (rank-divergent experts calls).
+    """
+    ep, rank = group_size(group), group_rank(group)
+    if num_local_experts * ep != num_global_experts:
+        raise MoelensError(
+            f"expert parallelism: {num_global_experts} experts over {ep} ranks is not {num_local_experts} per rank; "
+            "shard the experts with moelens.parallel.shard_experts over the same group."
+        )
+    device = topk_idx.device
+    flat = topk_idx.reshape(-1)
+    valid = (flat >= 0) & (flat < num_global_experts)
+    keyed = torch.where(valid, flat, torch.full_like(flat, num_global_experts))
+    order = torch.argsort(keyed, stable=True)
+    counts = torch.bincount(keyed, minlength=num_global_experts + 1)[:num_global_experts]
+    send_counts = counts.view(ep, num_local_experts)
+    meta = torch.tensor([[int(serve), int(tag)]], dtype=torch.long, device=device).expand(ep, 2)
+    received = exchange_counts(torch.cat([send_counts, meta], dim=1), group, tag)
+    recv_counts = received[:, :num_local_experts]
+    sizes = torch.stack([send_counts.sum(1), recv_counts.sum(1)])
+    # One host sync per layer: split sizes, and the tags and flags of every rank.
+    (send_sizes, recv_sizes), flags, tags = sizes.tolist(), received[:, -2].tolist(), received[:, -1].tolist()
+    if any(other != tag for other in tags):
+        raise RankDivergence(
+            f"expert parallelism: rank {rank} of the EP group ran the experts call tagged {tag} (layer tag) while "
+            f"the group's ranks ran {tags}: an experts call was skipped or added on some ranks only (a .skip() "
+            "of an experts module, an extra experts call, or a forward on some ranks only). Every rank must run "
+            "the same interventions' control flow; see docs/parallel.md."
+        )
+    local_ids = torch.arange(num_local_experts, device=device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    by_expert = torch.argsort(local_ids, stable=True)
+    tokens_per_expert = recv_counts.sum(0)
+    return Plan(
+        group=group,
+        num_slots=flat.shape[0],
+        top_k=topk_idx.shape[-1],
+        send_order=order[: sum(send_sizes)],
+        send_sizes=send_sizes,
+        recv_sizes=recv_sizes,
+        by_expert=by_expert,
+        from_expert=torch.argsort(by_expert),
+        local_ids=local_ids[by_expert],
+        tokens_per_expert=tokens_per_expert,
+        offsets=torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32),
+        serve=any(flags),
+        tag=tag,
+    )
+
+
+ExpertFn = Callable[[Float[Tensor, "r d"], Int[Tensor, " l"]], Float[Tensor, "r d"]]
+
+
+def a2a_moe(
+    group: Any,
+    hidden_states: Float[Tensor, "t d"],
+    topk_idx: Int[Tensor, "t k"],
+    topk_weights: Float[Tensor, "t k"],
+    num_global_experts: int,
+    num_local_experts: int,
+    expert_fn: ExpertFn,
+) -> Float[Tensor, "t d"]:
+    """The routed output of this rank's tokens, its experts sharded over ``group``.
+
+    Args:
+        group: The EP process group (None: one rank, every expert local).
+        hidden_states: This rank's tokens ``[T, D]`` (T may differ between ranks).
+        topk_idx: Global expert id of each slot ``[T, k]``.
+        topk_weights: Routing weight of each slot ``[T, k]``, applied once, on this rank.
+        num_global_experts: E.
+        num_local_experts: L, the experts this rank owns (``[rank*L, (rank+1)*L)``).
+        expert_fn: ``expert_fn(rows, tokens_per_expert)``: this rank's experts on
+            ``rows [R, D]`` grouped by local expert, ``tokens_per_expert[l]`` rows each;
+            returns ``[R, D]`` (unweighted). It is called with ``R == 0`` too.
+
+    Returns:
+        ``sum_j topk_weights[t, j] * expert_{topk_idx[t, j]}(hidden_states[t])`` ``[T, D]``.
+    """
+    num_tokens, top_k = topk_idx.shape
+    plan = plan_dispatch(group, topk_idx, num_global_experts, num_local_experts)
+    rows = plan.dispatch(hidden_states)
+    out = expert_fn(rows, plan.tokens_per_expert)
+    pair = plan.to_sender(out)
+    weighted = pair * topk_weights.reshape(-1, 1).to(pair.dtype)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

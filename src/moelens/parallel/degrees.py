@@ -1,0 +1,108 @@
+"""How many ranks share the experts, and which rank owns which expert.
+
+Expert parallelism (EP) splits a layer's E routed experts over the ``ep`` ranks
+of one EP group: rank ``r`` of the group owns the contiguous range
+``[r * E/ep, (r + 1) * E/ep)``. With more ranks than that, the world is ``ep x edp``:
+``edp`` EP groups (consecutive ranks) each hold a full copy of the experts, and
+the ranks owning the same experts across groups form an expert-data-parallel
+(EDP) group (strided ranks) over which expert gradients are summed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import MoelensError
+
+#: Config fields that hold the number of routed experts, in the order they are tried.
+NUM_EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+#: Sub-configs a multimodal or composite config keeps its language model's config in.
+SUB_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_config")
+
+
+def choose_ep_dp_degrees(world_size: int, num_experts: int) -> tuple[int, int]:
+    """``(ep, edp)`` for ``world_size`` ranks and ``num_experts`` experts.
+
+    ``ep`` is the largest degree dividing both (their gcd), so every rank of an EP
+    group owns the same number of experts and the world is ``ep * edp`` ranks. When
+    nothing larger than 1 divides both (or the model is dense) it falls back to
+    ``(1, world_size)`` (every rank keeps every expert) with a warning.
+    """
+    if world_size < 1:
+        raise MoelensError(f"choose_ep_dp_degrees: world_size must be >= 1, got {world_size}.")
+    if num_experts < 0:
+        raise MoelensError(f"choose_ep_dp_degrees: num_experts must be >= 0, got {num_experts}.")
+    ep = math.gcd(world_size, num_experts) if num_experts else 1
+    if ep == 1 and world_size > 1:
+        warnings.warn(
+            f"expert parallelism: no degree > 1 divides both the world size {world_size} and the "
+            f"{num_experts} experts; falling back to EP=1 x EDP={world_size} (every rank holds every expert). "
+            "Use a world size sharing a factor with the number of experts to shard them.",
+            stacklevel=2,
+        )
+        return 1, world_size
+    return ep, world_size // ep
+
+
+def num_experts_from_config(config: Any) -> int:
+    """The number of routed experts a model config declares (0 for a dense model).
+
+    Reads the first of `NUM_EXPERTS_FIELDS` the config has with a positive value,
+    else recurses into `SUB_CONFIGS` (``text_config``, ``llm_config``, ...).
+    """
+    for name in NUM_EXPERTS_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    for name in SUB_CONFIGS:
+        sub = getattr(config, name, None)
+        if sub is not None and sub is not config:
+            found = num_experts_from_config(sub)
+            if found:
+                return found
+    return 0
+
+
+def expert_owner(expert: int, num_experts: int, ep_size: int) -> tuple[int, int]:
+    """``(rank in the EP group, local index)`` of global expert ``expert``.
+
+    Edit expert ``e``'s weights on the rank that owns it, at its local index::
+
+        rank, local = expert_owner(e, moe.num_experts, ep_size)
+        if ep_group_rank == rank:
+            moe.experts._module.down_proj.data[local] = 0
+    """
+    if ep_size < 1 or num_experts % ep_size:
+        raise MoelensError(f"expert_owner: {num_experts} experts cannot be split over {ep_size} ranks.")
+    if not 0 <= expert < num_experts:
+        raise MoelensError(f"expert_owner: expert {expert} is out of range [0, {num_experts}).")
+    per_rank = num_experts // ep_size
+    return expert // per_rank, expert % per_rank
+
+
+def ep_groups(ep: int) -> tuple[Any, Any]:
+    """This rank's ``(EP group, EDP group)`` for EP degree ``ep`` over the whole world.
+
+    EP groups are consecutive ranks ``[g*ep, (g+1)*ep)``, EDP groups strided ranks
+    ``{r, r+ep, r+2ep, ...}``. Every rank must call this (it creates every group, in
+    the same order everywhere, as ``torch.distributed.new_group`` requires).
+    """
+    if not dist.is_initialized():
+        raise MoelensError("ep_groups: torch.distributed is not initialised; call init_process_group first.")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep < 1 or world % ep:
+        raise MoelensError(f"ep_groups: EP degree {ep} does not divide the world size {world}.")
+    mine_ep = mine_edp = None
+    for start in range(0, world, ep):
+        group = dist.new_group(list(range(start, start + ep)))
+        if start <= rank < start + ep:
+            mine_ep = group
+    for offset in range(ep):
+        group = dist.new_group(list(range(offset, world, ep)))
+        if rank % ep == offset:
+            mine_edp = group
+    return mine_ep, mine_edp

@@ -1,0 +1,167 @@
+"""``torch_a2a``: a transformers experts implementation whose experts are sharded over ranks.
+
+Registered (by `register_torch_a2a`) beside ``grouped_mm`` / ``batched_mm`` in
+transformers' ``ExpertsInterface``, it is what the decorated experts module calls
+once ``model.set_experts_implementation("torch_a2a")`` (done by `shard_experts`).
+Dense layers and routers run data parallel (each rank its own tokens, replicated
+weights); the router emits global expert ids; the experts module of each rank
+holds ``L = E / ep`` experts and exchanges (token, expert) rows with the other
+ranks of its EP group (see `a2a`).
+
+What the tracer sees. The module boundary is unchanged, so the experts call's
+``(hidden_states, top_k_index, top_k_weights)`` (global ids) and its output are
+this rank's tokens, exactly as in one process. Inside the implementation,
+``weighted_out_view_0`` is the per-slot weighted outputs ``[T, k, D]`` of this
+rank's tokens in token-slot order, summed right after (as in grouped_mm), so
+`Moe.expert_outputs` reads and writes them. Activations are computed on the
+experts' owners; when a trace drills into this call on any rank of the group
+(reading ``expert_outputs`` / ``expert_activations`` or any op inside), the
+activations make a round trip: back to the senders as ``slot_activations_0``
+(``[T*k, I]``, token-slot order, this rank's tokens; `Moe.expert_activations`)
+and, possibly edited, out again to the owners' down projections. Outside such a
+trace the layer makes two exchanges of ``D``-wide rows; inside, two more of
+``I``-wide rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from nnsight.intervention.source import STATE
+from torch import Tensor
+from transformers.integrations.moe import _grouped_linear
+
+from ..components.implementations import IMPLEMENTATION_CALL, ExpertsOps
+from .a2a import Plan, plan_dispatch
+from .comm import group_size
+
+#: The name of the implementation, in transformers' registries and moelens'.
+NAME = "torch_a2a"
+
+#: The op names `Moe` reads inside it.
+OPS = ExpertsOps(
+    slot_outputs="weighted_out_view_0",
+    gated_activations="slot_activations_0",
+    plain_activations="slot_activations_0",
+    sort=None,
+)
+
+_TAGS = itertools.count(1)
+
+
+def layer_tag(experts: torch.nn.Module) -> int:
+    """The tag this experts module's exchanges carry (same module, same tag on every rank).
+
+    `shard_experts` sets it to the block's position; a module given none gets the
+    next number of a per-process counter (the same on every rank as long as every
+    rank builds its modules in the same order).
+    """
+    tag = experts.__dict__.get("_ep_tag")
+    if tag is None:
+        tag = next(_TAGS) + 1_000_000
+        experts.__dict__["_ep_tag"] = tag
+    return tag
+
+
+def slot_values_wanted(experts: torch.nn.Module) -> bool:
+    """Whether a running nnsight trace drilled into this module's experts call.
+
+    That is, whether the call runs source-instrumented: something in the trace
+    (`Moe.expert_outputs`, `Moe.expert_activations`, or a direct
+    ``experts.source.experts_forward_1.source.<op>``) wants the per-slot values.
+    """
+    state = experts.__dict__.get(STATE)
+    if state is None:
+        return False
+    interleaver, path, _ = state.active()
+    if interleaver is None:
+        return False
+    return f"{path}.source.{IMPLEMENTATION_CALL}" in getattr(interleaver, "sourced", {})
+
+
+def _up_weight(experts: torch.nn.Module) -> Tensor:
+    return experts.gate_up_proj if getattr(experts, "has_gate", True) else experts.up_proj
+
+
+def num_local_experts(experts: torch.nn.Module) -> int:
+    """Experts this rank holds (the leading dim of the expert weights)."""
+    return int(_up_weight(experts).shape[0])
+
+
+def _stand_in(rows: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
+    """For a rank that received no rows: one row through local expert 0, so backward
+    still reaches the exchanges and the expert weights (their gradients zero)."""
+    if rows.shape[0]:
+        return rows, plan.local_ids, plan.offsets
+    offsets = torch.ones_like(plan.offsets)
+    return rows.sum(dim=0, keepdim=True), plan.local_ids.new_zeros(1), offsets
+
+
+def experts_up(experts: torch.nn.Module, rows: Float[Tensor, "r d"], plan: Plan) -> Float[Tensor, "r i"]:
+    """This rank's experts' activations (after gate / activation) on rows grouped by local expert."""
+    x, ids, offsets = _stand_in(rows, plan)
+    gated = getattr(experts, "has_gate", True)
+    weight = _up_weight(experts)
+    bias = None
+    if getattr(experts, "has_bias", False):
+        bias = (experts.gate_up_proj_bias if gated else experts.up_proj_bias)[ids]
+    out = _grouped_linear(x, weight, offsets, bias=bias, is_transposed=getattr(experts, "is_transposed", False))
+    out = experts._apply_gate(out) if gated else experts.act_fn(out)
+    return out if rows.shape[0] else out[:0]
+
+
+def experts_down(experts: torch.nn.Module, activations: Float[Tensor, "r i"], plan: Plan) -> Float[Tensor, "r d"]:
+    """This rank's experts' outputs (down projection, post-expert norm) from their activations."""
+    x, ids, offsets = _stand_in(activations, plan)
+    bias = experts.down_proj_bias[ids] if getattr(experts, "has_bias", False) else None
+    out = _grouped_linear(x, experts.down_proj, offsets, bias=bias, is_transposed=getattr(experts, "is_transposed", False))
+    if getattr(experts, "has_post_expert_norm", False):
+        out = experts.post_expert_norm(out)
+    return out if activations.shape[0] else out[:0]
+
+
+def torch_a2a_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: Float[Tensor, "t d"],
+    top_k_index: Int[Tensor, "t k"],
+    top_k_weights: Float[Tensor, "t k"],
+    process_group: Any = None,
+) -> Float[Tensor, "t d"]:
+    """The ``torch_a2a`` experts implementation (see the module docstring).
+
+    Args:
+        self: The experts module, holding this rank's ``L`` experts.
+        hidden_states: This rank's tokens ``[T, D]``.
+        top_k_index: Global expert ids ``[T, k]``.
+        top_k_weights: Routing weights ``[T, k]``.
+        process_group: The EP group (transformers' EP passes it); default: the
+            group `shard_experts` stored on the module, else none (one rank, every
+            expert local).
+    """
+    group = process_group if process_group is not None else self.__dict__.get("_ep_group")
+    num_tokens = hidden_states.size(0)
+    num_top_k = top_k_index.size(-1)
+    hidden_dim = hidden_states.size(-1)
+    num_local = num_local_experts(self)
+    plan = plan_dispatch(
+        group,
+        top_k_index,
+        num_local * group_size(group),
+        num_local,
+        serve=slot_values_wanted(self),
+        tag=layer_tag(self),
+    )
+    rows = plan.dispatch(hidden_states)
+    activations = experts_up(self, rows, plan)
+    if plan.serve:
+        # This rank's tokens' activations [T*k, I] in token-slot order; edits go to the owners.
+        slot_activations = plan.to_sender(activations, "activations_back")
+        activations = plan.to_owner(slot_activations, "activations_out")
+    expert_out = experts_down(self, activations, plan)
+    proj_out = plan.to_sender(expert_out, "combine")
+    weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
+    final_hidden_states = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final_hidden_states.to(hidden_states.dtype)

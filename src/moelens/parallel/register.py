@@ -1,0 +1,87 @@
+"""`register_torch_a2a`: make ``torch_a2a`` known to transformers and to moelens.
+
+Idempotent and lazy: nothing is registered until it is called (importing moelens
+or ``moelens.parallel`` registers nothing). It registers
+
+* ``torch_a2a`` in transformers' ``ExpertsInterface`` (``ALL_EXPERTS_FUNCTIONS``), so
+  ``model.set_experts_implementation("torch_a2a")`` works on a model whose experts
+  were sharded by `shard_experts`;
+* `TorchA2AEP` in transformers' ``EPImplementationInterface``, so
+  ``DistributedConfig(..., ep_implementation="torch_a2a")`` runs transformers' own
+  expert parallelism (``from_pretrained``) through the same exchanges;
+* the op names inside it with `moelens.components.register_implementation`, so
+  `Moe.expert_outputs` / `Moe.expert_activations` are served under it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ..components import register_implementation
+from ..errors import MoelensError
+from .experts import NAME, OPS, torch_a2a_experts_forward
+
+_registered = False
+_EP_TAGS = itertools.count(1)
+
+
+def _torch_a2a_ep_class() -> type:
+    """`TorchA2AEP`, built on transformers' `EPImplementation` (imported only here)."""
+    from transformers.distributed.expert_parallel import EPImplementation
+
+    class TorchA2AEP(EPImplementation):
+        """transformers EP implementation running moelens' ``torch_a2a`` exchanges.
+
+        transformers shards the expert weights (``grouped_gemm``), makes them local
+        around the call and hands each rank's batch here with global expert ids;
+        this runs `torch_a2a_experts_forward` over the EP mesh's group. The ranks of
+        the EP group must hold different batches (``DistributedConfig(fsdp_size=N,
+        ep_size=N)``): with ``tp_size > 1`` they share one, which ``all_to_all`` /
+        ``auto`` handle.
+        """
+
+        def __init__(self, experts: Any, ep_mesh: Any, tp_mesh: Any) -> None:
+            super().__init__(experts, ep_mesh, tp_mesh)
+            if tp_mesh.size() > 1:
+                raise ValueError(
+                    'ep_implementation="torch_a2a" needs the ranks of an expert group to hold different batches '
+                    f"(tp_size=1, e.g. DistributedConfig(fsdp_size=N, ep_size=N)); got tp_size={tp_mesh.size()}. "
+                    'Use ep_implementation="all_to_all" or "auto" with tensor parallelism.'
+                )
+            self.experts = experts
+            self.group = ep_mesh.get_group()
+            # Built in plan order on every rank, so the same module gets the same tag everywhere.
+            experts.__dict__.setdefault("_ep_tag", next(_EP_TAGS))
+
+        def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+            return torch_a2a_experts_forward(
+                self.experts, hidden_states, top_k_index, top_k_weights, process_group=self.group
+            )
+
+    return TorchA2AEP
+
+
+def register_torch_a2a() -> None:
+    """Register ``torch_a2a`` with transformers (experts and EP registries) and moelens. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as error:  # pragma: no cover - transformers is pinned
+        raise MoelensError(f"torch_a2a needs transformers' ExpertsInterface ({error}).") from error
+    ExpertsInterface.register(NAME, torch_a2a_experts_forward)
+    try:
+        from transformers.distributed.expert_parallel import EPImplementationInterface
+    except ImportError:  # torch without distributed support: only manual sharding is available
+        pass
+    else:
+        EPImplementationInterface.register(NAME, _torch_a2a_ep_class())
+    register_implementation(NAME, OPS)
+    _registered = True
+
+
+def is_registered() -> bool:
+    """Whether `register_torch_a2a` ran in this process."""
+    return _registered

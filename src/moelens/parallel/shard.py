@@ -1,0 +1,149 @@
+"""`shard_experts`: keep only this rank's experts in every MoE block and switch to ``torch_a2a``.
+
+Generic over families: the MoE blocks and their experts modules are found the
+way `moelens.wrap` finds them (`moelens.model.discover`, the family table), and
+every parameter of an experts module whose leading dim is the block's E is
+sliced to this rank's ``[rank*L, (rank+1)*L)``. Routers, shared experts, dense
+layers, attention and embeddings are left whole (data parallel).
+
+The experts module keeps its ``num_experts`` (E, what the router's ids and
+`Moe.num_experts` mean) and gains ``_ep_group``, ``_ep_rank``, ``_ep_size``,
+``_ep_first`` (its first global expert), ``_ep_tag`` and
+``_is_expert_parallel = True``. A forward pre-hook refuses any experts
+implementation but ``torch_a2a`` on it: ``grouped_mm`` / ``batched_mm`` would treat
+the ids of remote experts as out of range and drop them silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import MoelensError
+from ..families.entry import get_path
+from .comm import group_rank, group_size
+from .degrees import expert_owner
+from .experts import NAME
+from .register import register_torch_a2a
+
+
+class ShardedExpertsError(MoelensError):
+    """A sharded experts module was asked to run an implementation that cannot see remote experts."""
+
+
+def _experts_of(model: torch.nn.Module) -> list[tuple[str, Any, torch.nn.Module, torch.nn.Module]]:
+    """``(block name, family, block, experts module)`` of every MoE block, in module order."""
+    from ..families import registry
+    from ..model import discover
+
+    found = []
+    for name in discover(model).moe_blocks:
+        block = get_path(model, name)
+        family = registry.for_block(block)
+        found.append((name, family, block, get_path(block, family.experts)))
+    return found
+
+
+def _guard(experts: torch.nn.Module, args: Any) -> None:
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if implementation != NAME:
+        raise ShardedExpertsError(
+            f"{type(experts).__name__} holds only experts {experts._ep_first}..{experts._ep_first + experts._ep_num_local - 1} "
+            f"of {experts.num_experts} (sharded over {experts._ep_size} ranks by moelens.parallel.shard_experts), but "
+            f"the model runs the experts implementation {implementation!r}, which would silently drop the experts "
+            f'of other ranks. Switch back with model.set_experts_implementation("{NAME}").'
+        )
+
+
+def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
+    """Shard every MoE block's experts over ``group`` and switch the model to ``torch_a2a``.
+
+    Every rank of the group must call it on the same model (same weights, e.g.
+    built from the same seed or checkpoint). In place; returns the model.
+
+    Args:
+        model: A transformers MoE model of a family moelens knows, whose experts
+            module is decorated by transformers' ``use_experts_implementation``.
+        group: The EP process group (default: the whole world). With EP x EDP,
+            pass this rank's EP group (`ep_groups`).
+
+    Raises:
+        MoelensError: torch.distributed is not initialised, the model has no MoE
+            block, a block's experts cannot run ``torch_a2a``, or E is not a
+            multiple of the group size.
+    """
+    if not dist.is_initialized():
+        raise MoelensError("shard_experts: torch.distributed is not initialised; call init_process_group first.")
+    group = dist.group.WORLD if group is None else group
+    size, rank = group_size(group), group_rank(group)
+    blocks = _experts_of(model)
+    if not blocks:
+        raise MoelensError(f"shard_experts: {type(model).__name__} has no MoE block moelens knows.")
+    register_torch_a2a()
+    for position, (name, family, block, experts) in enumerate(blocks):
+        if "_ep_group" in experts.__dict__:
+            raise MoelensError(f"shard_experts: {name} is sharded already.")
+        if not family.experts_call or not hasattr(experts, "has_gate") or not hasattr(experts, "config"):
+            raise MoelensError(
+                f"shard_experts: {name}.{family.experts} ({type(experts).__name__}, family {family.name!r}) is not "
+                "a transformers experts module with pluggable implementations (use_experts_implementation), so "
+                "it cannot run torch_a2a."
+            )
+        num_experts = int(family.resolve(family.num_experts, block))
+        if num_experts % size:
+            raise MoelensError(
+                f"shard_experts: {name} has {num_experts} experts, not a multiple of the {size} ranks of the group; "
+                "pick the EP degree with choose_ep_dp_degrees(world_size, num_experts)."
+            )
+        per_rank = num_experts // size
+        first = rank * per_rank
+        sliced = []
+        for param_name, param in list(experts.named_parameters(recurse=False)):
+            if param.dim() and param.shape[0] == num_experts:
+                new = torch.nn.Parameter(param.data[first : first + per_rank].clone(), requires_grad=param.requires_grad)
+                setattr(experts, param_name, new)
+                sliced.append(param_name)
+        for buffer_name, buffer in list(experts.named_buffers(recurse=False)):
+            if buffer.dim() and buffer.shape[0] == num_experts:
+                experts.register_buffer(buffer_name, buffer[first : first + per_rank].clone())
+        if not sliced:
+            raise MoelensError(f"shard_experts: {name}.{family.experts} has no parameter with {num_experts} experts.")
+        experts.__dict__.update(
+            _ep_group=group, _ep_rank=rank, _ep_size=size, _ep_first=first, _ep_num_local=per_rank,
+            _ep_tag=position + 1,
+        )
+        if size > 1:
+            experts._is_expert_parallel = True
+            experts.register_forward_pre_hook(_guard)
+    model.set_experts_implementation(NAME)
+    return model
+
+
+def _experts_module(moe_or_experts: Any) -> torch.nn.Module:
+    module = getattr(moe_or_experts, "_module", moe_or_experts)
+    if "_ep_group" in getattr(module, "__dict__", {}):
+        return module
+    experts = getattr(moe_or_experts, "experts", None)
+    experts = getattr(experts, "_module", experts)
+    if experts is not None and "_ep_group" in experts.__dict__:
+        return experts
+    raise MoelensError(
+        f"{type(module).__name__} is not (and holds no) experts module sharded by moelens.parallel.shard_experts."
+    )
+
+
+def local_expert(moe_or_experts: Any, expert: int) -> int | None:
+    """This rank's local index of global expert ``expert``, or None when another rank owns it.
+
+    Takes a `Moe` (``model.moes[i]``), its experts envoy, or the sharded experts
+    module. Use it to edit an expert's weights under EP::
+
+        local = local_expert(moe, 5)
+        if local is not None:
+            moe.experts._module.down_proj.data[local] *= 0   # on the owner only
+    """
+    experts = _experts_module(moe_or_experts)
+    rank, local = expert_owner(expert, int(experts.num_experts), int(experts._ep_size))
+    return local if rank == experts._ep_rank else None
