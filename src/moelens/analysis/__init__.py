@@ -1,0 +1,35 @@
+"""Routing analysis: cache a corpus' routing, then measure and plot it.
+
+Collect once, analyse many times::
+
+    import moelens
+    from moelens import analysis
+
+    model = moelens.load()                                   # moelens-tiny
+    cache = analysis.collect_routing(model, texts, logits=True)
+    usage = analysis.expert_usage(cache)                     # [L, E] counts
+    analysis.plots.plot_usage(usage)
+
+Every function works for every family moelens serves, returns tensors or a
+small dataclass, and streams over the cache's shards (bounded memory). See
+``docs/analysis.md``.
+"""
+
+from . import plots
+from .cache import RoutingCache, Shard
+from .coactivation import Coactivation, Transitions, coactivation, expert_paths, transitions
+from .collect import collect_routing
+from .describe import LayerReport, ModelReport, describe
+from .entropy import Entropy, routing_entropy, token_entropy
+from .logit_lens import ExpertLens, expert_logit_lens
+from .specialisation import Specialisation, specialisation
+from .token_view import TokenRouting, token_routing
+from .top_tokens import ExpertTokens, top_tokens
+from .usage import LoadBalance, Usage, expert_usage, load_balance
+
+__all__ = [
+    "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "LayerReport", "LoadBalance", "ModelReport",
+    "RoutingCache", "Shard", "Specialisation", "TokenRouting", "Transitions", "Usage", "coactivation",
+    "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance", "plots",
+    "routing_entropy", "specialisation", "token_entropy", "token_routing", "top_tokens", "transitions",
+]

@@ -1,0 +1,136 @@
+"""Co-activation: which experts are chosen together, in a layer and across layers.
+
+* Within a layer (`coactivation`): ``counts[i, j]`` is the number of tokens routed
+  to both expert i and expert j (the diagonal: tokens routed to i).
+* Across layers (`transitions`): ``counts[i, j]`` is the number of tokens routed to
+  expert i in one layer and to expert j in another (``slots="top1"``: the
+  highest-weighted expert of each layer; ``"all"``: any of the k).
+* Expert trajectories (`expert_paths`): the most common sequences of each
+  token's top-1 expert through the layers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..errors import MoelensError
+from .cache import RoutingCache, Shard
+
+SLOTS = ("top1", "all")
+
+
+@dataclass
+class Coactivation:
+    """Co-activation of one layer's experts.
+
+    Attributes:
+        layer: Decoder-layer index.
+        counts: ``[E, E]`` tokens routed to both i and j (diagonal: tokens routed to i).
+        tokens: Tokens counted.
+    """
+
+    layer: int
+    counts: Int[Tensor, "e e"]
+    tokens: int
+
+    def conditional(self) -> Float[Tensor, "e e"]:
+        """``[E, E]`` P(j chosen | i chosen) = counts[i, j] / counts[i, i] (rows of unused experts are 0)."""
+        diagonal = self.counts.diagonal().double().clamp(min=1)
+        return self.counts.double() / diagonal[:, None]
+
+    def lift(self) -> Float[Tensor, "e e"]:
+        """``[E, E]`` P(i and j) / (P(i) P(j)): above 1, the pair is chosen together more than by chance."""
+        p = self.counts.diagonal().double() / max(self.tokens, 1)
+        joint = self.counts.double() / max(self.tokens, 1)
+        return joint / (p[:, None] * p[None, :]).clamp(min=torch.finfo(torch.float64).tiny)
+
+
+@dataclass
+class Transitions:
+    """How tokens move between the experts of two layers.
+
+    Attributes:
+        source: Decoder-layer index of the rows.
+        target: Decoder-layer index of the columns.
+        counts: ``[E_source, E_target]`` tokens routed to i in ``source`` and j in ``target``.
+        slots: ``"top1"`` or ``"all"``.
+        tokens: Tokens counted.
+    """
+
+    source: int
+    target: int
+    counts: Int[Tensor, "e f"]
+    slots: str
+    tokens: int
+
+    def conditional(self) -> Float[Tensor, "e f"]:
+        """``[E_source, E_target]`` P(j in target | i in source) (rows sum to 1 with top1)."""
+        return self.counts.double() / self.counts.sum(-1, keepdim=True).double().clamp(min=1)
+
+
+def top1(shard: Shard, layer: int) -> Int[Tensor, " n"]:
+    """``[n]`` each token's highest-weighted expert in ``layer``."""
+    indices = shard.indices[layer].long()
+    best = shard.weights[layer].float().argmax(-1, keepdim=True)
+    return indices.gather(-1, best).squeeze(-1)
+
+
+def multi_hot(indices: Tensor, num_experts: int) -> Tensor:
+    """``[n, E]`` 1 where a token uses an expert (once, however many slots)."""
+    hot = torch.zeros(indices.shape[0], num_experts, dtype=torch.float64)
+    hot.scatter_(1, indices.long(), 1.0)
+    return hot
+
+
+def coactivation(cache: RoutingCache, layer: int) -> Coactivation:
+    """Count, in ``layer``, the tokens routed to each pair of experts (streams over shards)."""
+    width = cache.num_experts[cache._layer(layer)]
+    counts = torch.zeros(width, width, dtype=torch.float64)
+    tokens = 0
+    for shard in cache.shards():
+        hot = multi_hot(shard.indices[layer], width)
+        counts += hot.T @ hot
+        tokens += shard.num_tokens
+    return Coactivation(layer=layer, counts=counts.round().long(), tokens=tokens)
+
+
+def _chosen(shard: Shard, layer: int, width: int, slots: str) -> Tensor:
+    if slots == "top1":
+        return torch.nn.functional.one_hot(top1(shard, layer), width).double()
+    return multi_hot(shard.indices[layer], width)
+
+
+def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top1") -> Transitions:
+    """Count the tokens routed to expert i in layer ``source`` and j in layer ``target``."""
+    if slots not in SLOTS:
+        raise MoelensError(f"slots={slots!r} is not one of {SLOTS}.")
+    rows, columns = cache.num_experts[cache._layer(source)], cache.num_experts[cache._layer(target)]
+    counts = torch.zeros(rows, columns, dtype=torch.float64)
+    tokens = 0
+    for shard in cache.shards():
+        counts += _chosen(shard, source, rows, slots).T @ _chosen(shard, target, columns, slots)
+        tokens += shard.num_tokens
+    return Transitions(source=source, target=target, counts=counts.round().long(), slots=slots, tokens=tokens)
+
+
+def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int = 20) -> list[tuple[tuple[int, ...], int]]:
+    """The ``top`` most common trajectories: each token's top-1 expert in every layer of ``layers``.
+
+    Returns:
+        ``[(path, tokens), ...]`` most common first; ``path[i]`` is the expert in ``layers[i]``.
+    """
+    layers = list(cache.layers if layers is None else layers)
+    for layer in layers:
+        cache._layer(layer)
+    paths: Counter[tuple[int, ...]] = Counter()
+    for shard in cache.shards():
+        stacked = torch.stack([top1(shard, layer) for layer in layers], dim=1)
+        unique, counts = torch.unique(stacked, dim=0, return_counts=True)
+        for path, count in zip(unique.tolist(), counts.tolist()):
+            paths[tuple(path)] += count
+    return paths.most_common(top)

@@ -1,0 +1,183 @@
+"""`collect_routing`: run a corpus through a wrapped model and cache its routing.
+
+For every batch one nnsight trace reads, block by block in the order the model
+produces them (``moe.order()``), the moelens values ``router_logits`` (when asked),
+``expert_weights`` and ``expert_indices`` of every MoE layer, keeps the real
+tokens only (the attention mask drops the padding) and stops the forward after
+the last MoE layer (the unembedding is not needed for routing). Works for every
+family moelens serves: nothing here knows one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import nnsight
+import torch
+from tqdm import tqdm
+
+from ..errors import MoelensError
+from . import corpus as corpora
+from .cache import RoutingCache, Shard, ShardWriter
+
+#: Default number of tokens per cache shard (a shard is the unit held in memory).
+SHARD_TOKENS = 65_536
+
+#: The values a routing cache reads.
+ROUTING_VALUES = ("router_logits", "expert_weights", "expert_indices")
+
+
+def moes_of(model: Any, layers: Iterable[int] | None = None) -> list[Any]:
+    """The model's MoE components (those of ``layers`` if given), with a clear error when it has none."""
+    moes = list(getattr(model, "moes", None) or [])
+    if not moes:
+        raise MoelensError(
+            f"{type(getattr(model, '_module', model)).__name__} has no Mixture-of-Experts layer moelens knows; "
+            "routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()."
+        )
+    if layers is None:
+        return moes
+    wanted = set(layers)
+    chosen = [moe for moe in moes if moe.layer in wanted]
+    missing = wanted - {moe.layer for moe in chosen}
+    if missing:
+        raise MoelensError(f"layers {sorted(missing)} are not MoE layers; the MoE layers are {[m.layer for m in moes]}.")
+    return chosen
+
+
+def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
+    """A cache with this model's layer facts and no tokens yet."""
+    family = moes[0].family
+    return RoutingCache(
+        layers=[moe.layer for moe in moes],
+        num_experts={moe.layer: moe.num_experts for moe in moes},
+        top_k={moe.layer: moe.top_k for moe in moes},
+        score={moe.layer: str(moe.family.resolve(moe.family.scoring.score, moe._module)) for moe in moes},
+        family=family.name if family is not None else None,
+        model=str(getattr(getattr(model, "_module", None), "name_or_path", "") or "") or None,
+        has_logits=logits,
+    )
+
+
+def read_routing(moes: list[Any], mask: torch.Tensor, *, logits: bool, dtype: torch.dtype) -> dict[str, dict[int, Any]]:
+    """Inside a trace: each block's routing of the real tokens, read in the model's order, saved.
+
+    Returns ``{"indices": {layer: [n, k]}, "weights": ..., "logits": ...}`` where ``n`` is the
+    number of True entries of ``mask`` ([b, s]).
+    """
+    wanted = set(ROUTING_VALUES) if logits else set(ROUTING_VALUES) - {"router_logits"}
+    read: dict[str, dict[int, Any]] = {"indices": {}, "weights": {}, "logits": {}}
+    biggest = max(moe.num_experts for moe in moes)
+    index_dtype = torch.int16 if biggest <= torch.iinfo(torch.int16).max else torch.int32
+    for moe in moes:
+        for name in moe.order():
+            if name not in wanted:
+                continue
+            value = getattr(moe, name)[mask]
+            if name == "expert_indices":
+                read["indices"][moe.layer] = value.to(index_dtype)
+            elif name == "expert_weights":
+                read["weights"][moe.layer] = value.to(dtype)
+            else:
+                read["logits"][moe.layer] = value.to(dtype)
+    return nnsight.save(read)
+
+
+def collect_routing(
+    model: Any,
+    corpus: Any,
+    *,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    logits: bool = False,
+    layers: Iterable[int] | None = None,
+    folder: str | None = None,
+    shard_tokens: int = SHARD_TOKENS,
+    dtype: torch.dtype = torch.float16,
+    stop_early: bool = True,
+    progress: bool = True,
+) -> RoutingCache:
+    """Run ``corpus`` through ``model`` batch by batch and cache every real token's routing.
+
+    Args:
+        model: A model from `moelens.wrap` / `moelens.load`.
+        corpus: Texts (needs the model's tokenizer), token-id sequences, or a ``[N, S]``
+            token-id tensor; any iterable, consumed lazily. Items longer than
+            ``max_length`` are cut into windows.
+        batch_size: Windows per forward.
+        max_length: Window length (default: the model's context, at most 512).
+        logits: Also cache router logits (``[T, E]`` per layer; lets `RoutingCache.probs`
+            and the router entropy work).
+        layers: Decoder-layer indices of the MoE layers to cache (default: all).
+        folder: Stream the cache to this folder (one file per shard) instead of
+            memory; only one shard is ever held in memory.
+        shard_tokens: Tokens per shard.
+        dtype: Storage dtype of weights and logits (float16 halves the memory).
+        stop_early: Stop each forward after the last cached layer (the rest of the
+            model does not change the routing).
+        progress: Show a tqdm progress bar (tokens).
+
+    Returns:
+        The `RoutingCache` (on disk when ``folder`` is given).
+    """
+    moes = moes_of(model, layers)
+    cache = empty_cache(model, moes, logits)
+    tokenizer = corpora.tokenizer_of(model)
+    stream = corpora.batches(
+        corpus,
+        tokenizer,
+        batch_size=batch_size,
+        max_length=max_length or corpora.default_max_length(model),
+        pad=corpora.pad_id(model),
+    )
+    writer = ShardWriter(folder, cache) if folder is not None else None
+    pending: list[Shard] = []
+    pending_tokens = 0
+    shards: list[Shard] = []
+    texts = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_tokens
+        if not pending:
+            return
+        shard = Shard.concat(pending)
+        if writer is not None:
+            writer.write(shard)
+        else:
+            shards.append(shard)
+        pending, pending_tokens = [], 0
+
+    bar = tqdm(desc="routing", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
+    try:
+        for batch in stream:
+            mask = batch.mask
+            with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
+                read = read_routing(moes, mask, logits=logits, dtype=dtype)
+                if stop_early:
+                    tracer.stop()
+            rows = mask.sum(1)
+            positions = torch.arange(mask.shape[1]).expand_as(mask)
+            pending.append(
+                Shard(
+                    token_ids=batch.input_ids[mask].to(torch.int32),
+                    text_index=batch.text_index.repeat_interleave(rows).to(torch.int32),
+                    position=(positions + batch.offset[:, None])[mask].to(torch.int32),
+                    indices=read["indices"],
+                    weights=read["weights"],
+                    logits=read["logits"],
+                )
+            )
+            texts = max(texts, int(batch.text_index.max()) + 1)
+            pending_tokens += batch.num_tokens
+            bar.update(batch.num_tokens)
+            if pending_tokens >= shard_tokens:
+                flush()
+        flush()
+    finally:
+        bar.close()
+    cache.num_texts = texts
+    if writer is not None:
+        writer.close()
+        return RoutingCache.load(folder)
+    cache._memory = shards
+    return cache

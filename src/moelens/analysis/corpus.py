@@ -1,0 +1,160 @@
+"""Turning a corpus into padded batches of token windows, lazily.
+
+A corpus is any iterable of texts (strings, tokenized with the model's
+tokenizer), of token-id sequences (lists or 1-D tensors), or a 2-D ``[N, S]``
+tensor of token ids (every row a full window, e.g. the held-out windows of
+moelens-tiny). Each item is cut into windows of at most ``max_length`` tokens;
+windows are grouped ``batch_size`` at a time and right-padded, so the real
+tokens of a row sit at positions ``0..n-1`` exactly as in an unpadded run and a
+causal model's real tokens never see the padding. Nothing is read ahead beyond
+the batch being built: a corpus streamed from disk stays streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from ..errors import MoelensError
+
+#: Longest window used when neither the caller nor the model's config says.
+DEFAULT_MAX_LENGTH = 512
+
+
+@dataclass
+class Batch:
+    """One right-padded batch of windows.
+
+    Attributes:
+        input_ids: Token ids ``[b, s]`` (padding filled with the pad id).
+        attention_mask: ``[b, s]`` 1 on real tokens, 0 on padding.
+        text_index: ``[b]`` which corpus item each row comes from.
+        offset: ``[b]`` the position in its corpus item of each row's first token.
+    """
+
+    input_ids: Int[Tensor, "b s"]
+    attention_mask: Int[Tensor, "b s"]
+    text_index: Int[Tensor, " b"]
+    offset: Int[Tensor, " b"]
+
+    @property
+    def mask(self) -> Bool[Tensor, "b s"]:
+        """The real tokens, as a bool mask."""
+        return self.attention_mask.bool()
+
+    @property
+    def num_tokens(self) -> int:
+        """How many real (non-padding) tokens the batch holds."""
+        return int(self.attention_mask.sum())
+
+    def kwargs(self) -> dict[str, Tensor]:
+        """The model inputs: ``input_ids`` and ``attention_mask``."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+
+def tokenizer_of(model: Any) -> Any:
+    """The tokenizer a wrapped model carries, or None (a model wrapped without one)."""
+    return getattr(model, "tokenizer", None)
+
+
+def pad_id(model: Any) -> int:
+    """The id used to pad: the tokenizer's pad (or eos) token, else the config's, else 0."""
+    tokenizer = tokenizer_of(model)
+    for owner, names in ((tokenizer, ("pad_token_id", "eos_token_id")), (_config(model), ("pad_token_id",))):
+        for name in names:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int):
+                return value
+    return 0
+
+
+def _config(model: Any) -> Any:
+    module = getattr(model, "_module", model)
+    return getattr(module, "config", None)
+
+
+def default_max_length(model: Any) -> int:
+    """The window length: the config's ``max_position_embeddings`` capped at `DEFAULT_MAX_LENGTH`."""
+    config = _config(model)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return min(int(limit), DEFAULT_MAX_LENGTH) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_LENGTH
+
+
+def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
+    """One corpus item as a list of token ids."""
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise MoelensError(
+                f"{what} is text but the model has no tokenizer; wrap it with "
+                "moelens.wrap(model, tokenizer=...) or pass token ids (lists or 1-D tensors)."
+            )
+        return list(tokenizer(item, add_special_tokens=False, verbose=False)["input_ids"])
+    if isinstance(item, Tensor):
+        if item.dim() != 1 or item.is_floating_point():
+            raise MoelensError(f"{what} must be a 1-D tensor of token ids, got shape {tuple(item.shape)} {item.dtype}.")
+        return item.tolist()
+    if isinstance(item, Sequence) and all(isinstance(token, int) for token in item):
+        return list(item)
+    raise MoelensError(f"{what} must be a string or a sequence of token ids, got {type(item).__name__}.")
+
+
+def items(corpus: Any) -> Iterator[Any]:
+    """The corpus as an iterator of items (a 2-D tensor yields its rows)."""
+    if isinstance(corpus, str):
+        yield corpus
+    elif isinstance(corpus, Tensor):
+        if corpus.dim() == 1:
+            yield corpus
+        elif corpus.dim() == 2:
+            yield from corpus
+        else:
+            raise MoelensError(f"a token-id corpus tensor must be 1-D or 2-D, got shape {tuple(corpus.shape)}.")
+    elif isinstance(corpus, Iterable):
+        yield from corpus
+    else:
+        raise MoelensError(f"the corpus must be texts, token-id sequences or a token-id tensor, got {type(corpus).__name__}.")
+
+
+def windows(corpus: Any, tokenizer: Any, max_length: int) -> Iterator[tuple[int, int, list[int]]]:
+    """``(text index, offset, ids)`` windows of at most ``max_length`` tokens, in corpus order."""
+    if max_length < 1:
+        raise MoelensError(f"max_length must be at least 1, got {max_length}.")
+    for index, item in enumerate(items(corpus)):
+        ids = encode(item, tokenizer, f"corpus item {index}")
+        for start in range(0, len(ids), max_length):
+            yield index, start, ids[start : start + max_length]
+
+
+def batches(
+    corpus: Any, tokenizer: Any, *, batch_size: int, max_length: int, pad: int, dtype: torch.dtype = torch.long
+) -> Iterator[Batch]:
+    """Right-padded batches of ``batch_size`` windows (empty items are skipped)."""
+    if batch_size < 1:
+        raise MoelensError(f"batch_size must be at least 1, got {batch_size}.")
+    pending: list[tuple[int, int, list[int]]] = []
+    for window in windows(corpus, tokenizer, max_length):
+        pending.append(window)
+        if len(pending) == batch_size:
+            yield _pad(pending, pad, dtype)
+            pending = []
+    if pending:
+        yield _pad(pending, pad, dtype)
+
+
+def _pad(rows: list[tuple[int, int, list[int]]], pad: int, dtype: torch.dtype) -> Batch:
+    width = max(len(ids) for _, _, ids in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=dtype)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (_, _, ids) in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=dtype)
+        attention_mask[row, : len(ids)] = 1
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        text_index=torch.tensor([index for index, _, _ in rows], dtype=torch.long),
+        offset=torch.tensor([start for _, start, _ in rows], dtype=torch.long),
+    )

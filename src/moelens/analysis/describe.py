@@ -1,0 +1,176 @@
+"""`describe`: what a wrapped model is, as moelens sees it, and what each value can serve.
+
+The facts come from the model's `Moe` components (family, E, k, scoring, shared
+expert, experts implementation); which values each block serves, and their
+shapes, from one short trace that reads every value in the model's order and
+records the reason of each value it cannot serve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import nnsight
+import torch
+
+from ..errors import MoelensError, ValueUnavailable
+from ..families.entry import VALUE_NAMES
+from . import corpus as corpora
+from .collect import moes_of
+
+#: Values a `Moe` serves read-only (derived from another value).
+READ_ONLY = ("router_probs",)
+#: Tokens of the probe input.
+PROBE_TOKENS = 4
+
+
+@dataclass
+class LayerReport:
+    """One MoE block.
+
+    Attributes:
+        layer: Decoder-layer index.
+        path: The block's module path.
+        num_experts: E.
+        top_k: k.
+        experts_implementation: The transformers experts implementation it runs.
+        shared_expert: Whether the block has a shared expert.
+        values: Value name -> its shape on a ``[1, 4]`` probe input (served values).
+        unavailable: Value name -> why this block cannot serve it.
+    """
+
+    layer: int
+    path: str
+    num_experts: int
+    top_k: int
+    experts_implementation: str | None
+    shared_expert: bool
+    values: dict[str, list[int]] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ModelReport:
+    """A model as moelens sees it.
+
+    Attributes:
+        name: The model's path or name.
+        architecture: Its transformers class.
+        model_type: Its config's model_type.
+        family: The moelens family.
+        num_layers: Decoder layers.
+        scoring: What the router logits mean and how experts are picked.
+        score: The score function name (what ``router_probs`` applies).
+        shared: How the shared expert is wired (or ``"none"``).
+        dense_layers: Decoder layers with a dense MLP.
+        moe_layers: One `LayerReport` per MoE block.
+        notes: The family entry's notes.
+    """
+
+    name: str
+    architecture: str
+    model_type: str | None
+    family: str
+    num_layers: int
+    scoring: str
+    score: str
+    shared: str
+    dense_layers: list[int]
+    moe_layers: list[LayerReport]
+    notes: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _probe_ids(model: Any) -> dict[str, torch.Tensor]:
+    config = getattr(model._module, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 0) or 128
+    ids = torch.arange(1, PROBE_TOKENS + 1).remainder(vocab)[None]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def probe_values(model: Any, moes: list[Any]) -> tuple[dict[int, dict[str, list[int]]], dict[int, dict[str, str]]]:
+    """Read every value of every block once, in order: (served shapes, unavailable reasons) per layer."""
+    with torch.no_grad(), model.trace(**_probe_ids(model)):
+        shapes: dict[int, dict[str, list[int]]] = {}
+        reasons: dict[int, dict[str, str]] = {}
+        for moe in moes:
+            shapes[moe.layer], reasons[moe.layer] = {}, {}
+            order = moe.order()
+            for name in VALUE_NAMES:
+                if name not in order:
+                    reasons[moe.layer][name] = str(moe.no_mixture(name))
+            for name in order:
+                try:
+                    shapes[moe.layer][name] = list(getattr(moe, name).shape)
+                except ValueUnavailable as error:
+                    reasons[moe.layer][name] = str(error)
+        shapes, reasons = nnsight.save(shapes), nnsight.save(reasons)
+    return shapes, reasons
+
+
+def describe(model: Any, *, probe: bool = True) -> ModelReport:
+    """Describe a wrapped MoE model: family, layers, E, k, scoring, shared expert, implementation, values.
+
+    Args:
+        model: A model from `moelens.wrap` / `moelens.load`.
+        probe: Run a 4-token trace to find which values each block serves (and their shapes).
+    """
+    module = model._module
+    config = getattr(module, "config", None)
+    moes = moes_of(model)
+    family = moes[0].family
+    shapes, reasons = probe_values(model, moes) if probe else ({}, {})
+    layers = [
+        LayerReport(
+            layer=moe.layer, path=moe.path.lstrip("."), num_experts=moe.num_experts, top_k=moe.top_k,
+            experts_implementation=moe.experts_implementation, shared_expert=moe._shared_envoy() is not None,
+            values=shapes.get(moe.layer, {}), unavailable=reasons.get(moe.layer, {}),
+        )
+        for moe in moes
+    ]
+    shared = family.shared
+    if shared is None:
+        shared_text = "none"
+    else:
+        where = "on the decoder layer" if shared.on_layer else "in the block"
+        gate = f", gated by {shared.gate}" if shared.gate else ""
+        shared_text = f"{shared.module} ({where}{gate})"
+        if not any(layer.shared_expert for layer in layers):
+            shared_text += " - absent in this checkpoint"
+    decoder_layers = getattr(model, "layers", None)
+    num_layers = len(decoder_layers) if decoder_layers is not None else int(getattr(config, "num_hidden_layers", 0) or 0)
+    moe_indices = {moe.layer for moe in moes}
+    dense = [index for index in range(num_layers) if index not in moe_indices]
+    return ModelReport(
+        name=str(getattr(module, "name_or_path", "") or type(module).__name__),
+        architecture=type(module).__name__,
+        model_type=getattr(config, "model_type", None),
+        family=family.name,
+        num_layers=num_layers,
+        scoring=family.scoring.describe(),
+        score=str(family.resolve(family.scoring.score, moes[0]._module)),
+        shared=shared_text,
+        dense_layers=dense,
+        moe_layers=layers,
+        notes=family.notes or "",
+    )
+
+
+def tokenizer_note(model: Any) -> str:
+    """Whether the model takes text (has a tokenizer) or token ids only."""
+    tokenizer = corpora.tokenizer_of(model)
+    return type(tokenizer).__name__ if tokenizer is not None else "none (token ids only)"
+
+
+def require_moe(model: Any, source: str) -> None:
+    """A clear error when ``model`` (loaded from ``source``) has no MoE layer."""
+    if not getattr(model, "moes", None):
+        config = getattr(model._module, "config", None)
+        raise MoelensError(
+            f"{source} is not a Mixture-of-Experts model moelens knows: {type(model._module).__name__} "
+            f"(model_type {getattr(config, 'model_type', None)!r}) has no MoE block. "
+            "Pass an MoE checkpoint (see docs/families.md for the supported families)."
+        )

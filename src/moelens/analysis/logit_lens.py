@@ -1,0 +1,166 @@
+"""Logit lens on experts: the vocabulary each expert's output promotes.
+
+For every expert, its weighted per-slot output (``moe.expert_outputs``) is
+averaged over the tokens routed to it in a corpus: the expert's typical
+contribution to the residual stream. That vector is read out like a final
+hidden state, through the model's final norm and unembedding
+(``lm_head(norm(v))``): the top tokens are what the expert pushes the next-token
+prediction towards. With ``relative=True`` the layer's average contribution
+(over all routed slots) is subtracted first, leaving what the expert promotes
+*more than its layer does*.
+
+Per-slot outputs exist inside the ``grouped_mm`` / ``batched_mm`` experts
+implementations; under ``eager`` the `Moe` error says how to switch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import nnsight
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm import tqdm
+
+from ..errors import MoelensError
+from . import corpus as corpora
+from .collect import moes_of
+from .text import token_strings
+
+#: Names of a model's final norm, tried in order on its base model.
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "ln_f", "final_norm", "layer_norm")
+
+
+@dataclass
+class ExpertLens:
+    """What each expert's average output promotes through the unembedding.
+
+    Attributes:
+        layers: Decoder-layer indices (rows).
+        counts: ``[L, E]`` tokens routed to each expert (what the mean is over).
+        mean_outputs: ``[L, E, D]`` each expert's mean weighted output.
+        top_ids: ``[L, E, n]`` the most promoted token ids, best first.
+        top_logits: ``[L, E, n]`` their logits.
+        tokens: ``tokens[l][e]``: the promoted tokens as printable strings.
+        relative: Whether the layer's mean contribution was subtracted first.
+        norm: The final norm used (its module name), or None.
+    """
+
+    layers: list[int]
+    counts: Int[Tensor, "l e"]
+    mean_outputs: Float[Tensor, "l e d"]
+    top_ids: Int[Tensor, "l e n"]
+    top_logits: Float[Tensor, "l e n"]
+    tokens: list[list[list[str]]]
+    relative: bool
+    norm: str | None
+
+    def promoted(self, layer: int, expert: int) -> list[str]:
+        """The tokens expert ``expert`` of decoder layer ``layer`` promotes, best first."""
+        return self.tokens[self.layers.index(layer)][expert]
+
+
+def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.nn.Module]:
+    """(final norm or None, its name, unembedding) of a wrapped transformers model."""
+    module = getattr(model, "_module", model)
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if head is None:
+        raise MoelensError(
+            f"{type(module).__name__} has no output embedding (lm_head); the expert logit lens needs a "
+            "causal LM (load the *ForCausalLM class)."
+        )
+    base = getattr(module, getattr(module, "base_model_prefix", "model"), None)
+    for owner, prefix in ((base, f"{getattr(module, 'base_model_prefix', 'model')}."), (module, "")):
+        for name in FINAL_NORMS:
+            norm = getattr(owner, name, None) if owner is not None else None
+            if isinstance(norm, torch.nn.Module):
+                return norm, prefix + name, head
+    return None, None, head
+
+
+def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
+    """Inside a trace: per layer, the sum of each expert's weighted outputs over real tokens, and counts."""
+    sums = {}
+    for moe in moes:
+        width = moe.num_experts
+        indices = None
+        for name in moe.order():
+            if name == "expert_indices":
+                indices = moe.expert_indices[mask].flatten()
+            elif name == "expert_outputs":
+                outputs = moe.expert_outputs[mask]
+                flat = outputs.reshape(-1, outputs.shape[-1]).double()
+                total = torch.zeros(width, flat.shape[-1], dtype=torch.float64).index_add_(0, indices, flat)
+                sums[moe.layer] = (total, torch.bincount(indices, minlength=width))
+    return nnsight.save(sums)
+
+
+def expert_logit_lens(
+    model: Any,
+    corpus: Any,
+    *,
+    layers: list[int] | None = None,
+    top: int = 10,
+    relative: bool = False,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = True,
+) -> ExpertLens:
+    """Average every expert's output over ``corpus`` and read the tokens it promotes.
+
+    Args:
+        model: A wrapped causal LM (`moelens.load` / `moelens.wrap`).
+        corpus: Texts or token ids (as for `collect_routing`).
+        layers: Decoder-layer indices of the MoE layers (default: all).
+        top: Tokens per expert.
+        relative: Subtract the layer's mean contribution before reading out.
+        batch_size: Windows per forward.
+        max_length: Window length (default: the model's context, at most 512).
+        progress: Show a tqdm progress bar.
+    """
+    moes = moes_of(model, layers)
+    norm, norm_name, head = unembedding(model)
+    sums = {moe.layer: torch.zeros(moe.num_experts, 0, dtype=torch.float64) for moe in moes}
+    counts = {moe.layer: torch.zeros(moe.num_experts, dtype=torch.int64) for moe in moes}
+    stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
+                             max_length=max_length or corpora.default_max_length(model), pad=corpora.pad_id(model))
+    bar = tqdm(desc="expert outputs", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
+    try:
+        for batch in stream:
+            with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
+                read = _sums(moes, batch.mask)
+                tracer.stop()
+            for layer, (total, count) in read.items():
+                sums[layer] = total if sums[layer].numel() == 0 else sums[layer] + total
+                counts[layer] += count
+            bar.update(batch.num_tokens)
+    finally:
+        bar.close()
+    if all(count.sum() == 0 for count in counts.values()):
+        raise MoelensError("the corpus has no tokens.")
+    layer_ids = [moe.layer for moe in moes]
+    width = max(moe.num_experts for moe in moes)
+    dim = next(total.shape[-1] for total in sums.values() if total.numel())
+    means = torch.zeros(len(layer_ids), width, dim, dtype=torch.float64)
+    count_rows = torch.zeros(len(layer_ids), width, dtype=torch.int64)
+    for row, layer in enumerate(layer_ids):
+        used = sums[layer].shape[0]
+        count_rows[row, :used] = counts[layer]
+        means[row, :used] = sums[layer] / counts[layer].clamp(min=1)[:, None]
+    readout = means.clone()
+    if relative:
+        layer_mean = (means * count_rows[..., None]).sum(1) / count_rows.sum(1).clamp(min=1)[:, None]
+        readout = means - layer_mean[:, None, :]
+    parameter = next(head.parameters())
+    with torch.no_grad():
+        hidden = readout.to(parameter.dtype)
+        logits = head(norm(hidden) if norm is not None else hidden).float()
+    logits[count_rows == 0] = float("-inf")
+    top_logits, top_ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
+    tokenizer = corpora.tokenizer_of(model)
+    tokens = [[token_strings(tokenizer, top_ids[row, expert].tolist()) for expert in range(width)]
+              for row in range(len(layer_ids))]
+    return ExpertLens(layers=layer_ids, counts=count_rows, mean_outputs=means.float(), top_ids=top_ids,
+                      top_logits=top_logits, tokens=tokens, relative=relative, norm=norm_name)

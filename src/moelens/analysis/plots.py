@@ -1,0 +1,254 @@
+"""Matplotlib figures of the routing analyses (each function returns a `Figure`).
+
+Figures are made with pyplot, so they show inline in a notebook
+(``%matplotlib inline``) and with ``plt.show()`` in a script. Without a display
+(a server, CI, the ``moelens`` command) the Agg backend is chosen before pyplot
+is first imported. `save` writes a PNG and closes the figure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .coactivation import Coactivation, Transitions
+from .entropy import Entropy
+from .logit_lens import ExpertLens
+from .specialisation import Specialisation
+from .token_view import TokenRouting
+from .top_tokens import ExpertTokens
+from .usage import LoadBalance, Usage
+
+
+def has_display() -> bool:
+    """Whether figures can be shown: a notebook kernel, a desktop, or an X / Wayland display."""
+    if "ipykernel" in sys.modules or sys.platform in ("darwin", "win32"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot``, with the Agg backend selected first when there is no display."""
+    if "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND") and not has_display():
+        import matplotlib
+
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
+    """Write ``figure`` as a PNG to ``path`` (folders created) and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi, bbox_inches="tight")
+    pyplot().close(figure)
+    return path
+
+
+def _categorical(count: int) -> Any:
+    plt = pyplot()
+    name = "tab10" if count <= 10 else "tab20" if count <= 20 else "turbo"
+    return plt.get_cmap(name, count)
+
+
+def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = 16) -> None:
+    rows, columns = values.shape
+    if rows > limit or columns > limit:
+        return
+    top = float(values.max()) if values.numel() else 0.0
+    for i in range(rows):
+        for j in range(columns):
+            value = float(values[i, j])
+            axes.text(j, i, format(value, fmt), ha="center", va="center", fontsize=7,
+                      color="white" if value < 0.6 * top else "black")
+
+
+def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> Any:
+    """Heatmap layers x experts of each expert's share of its layer's slots (1/E is balanced)."""
+    plt = pyplot()
+    share = usage.fraction.float()
+    figure, axes = plt.subplots(figsize=(max(4.0, 0.55 * share.shape[1] + 2), max(2.2, 0.5 * share.shape[0] + 1.2)))
+    image = axes.imshow(share, aspect="auto", cmap="viridis", vmin=0)
+    _annotate(axes, share * 100, ".0f")
+    axes.set_xlabel("expert")
+    axes.set_ylabel("layer")
+    axes.set_yticks(range(len(usage.layers)), [str(layer) for layer in usage.layers])
+    if share.shape[1] <= 32:
+        axes.set_xticks(range(share.shape[1]))
+    axes.set_title(f"{title}\n{usage.tokens} tokens; annotations in %")
+    figure.colorbar(image, ax=axes, label="share of slots")
+    return figure
+
+
+def plot_load_balance(balance: LoadBalance) -> Any:
+    """Bars per layer: coefficient of variation and max / mean of the expert counts."""
+    plt = pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
+    labels = [str(layer) for layer in balance.layers]
+    left.bar(labels, balance.cv.tolist(), color="tab:blue")
+    left.set_title("coefficient of variation (0 = balanced)")
+    right.bar(labels, balance.max_over_mean.tolist(), color="tab:orange")
+    right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    right.set_title("max / mean count (1 = balanced)")
+    for axes in (left, right):
+        axes.set_xlabel("layer")
+    figure.tight_layout()
+    return figure
+
+
+def plot_entropy(entropy: Entropy) -> Any:
+    """Histogram of the tokens' normalised routing entropy, one line per layer."""
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(6, 3.4))
+    centres = ((entropy.edges[1:] + entropy.edges[:-1]) / 2).tolist()
+    for row, layer in enumerate(entropy.layers):
+        density = entropy.histogram[row].double() / max(int(entropy.histogram[row].sum()), 1)
+        axes.plot(centres, density.tolist(), drawstyle="steps-mid",
+                  label=f"layer {layer} (mean {float(entropy.mean[row]):.2f})")
+    what = "router distribution over all experts" if entropy.source == "router" else "top-k weights"
+    axes.set_xlabel(f"normalised entropy of the {what}")
+    axes.set_ylabel("share of tokens")
+    axes.set_xlim(0, 1)
+    axes.set_title(f"Routing entropy ({entropy.tokens} tokens)")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    return figure
+
+
+def _grid(count: int, size: float = 3.2) -> tuple[Any, list[Any]]:
+    plt = pyplot()
+    columns = min(count, 4)
+    rows = (count + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(size * columns + 0.6, size * rows), squeeze=False)
+    flat = list(axes.flat)
+    for extra in flat[count:]:
+        extra.axis("off")
+    return figure, flat[:count]
+
+
+def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], value: str = "conditional") -> Any:
+    """Heatmaps of within-layer co-activation, one per layer.
+
+    Args:
+        coactivations: One `Coactivation` or several (one panel each).
+        value: ``"conditional"`` (P(column | row)), ``"lift"`` or ``"counts"``.
+    """
+    items = [coactivations] if isinstance(coactivations, Coactivation) else list(coactivations)
+    figure, panels = _grid(len(items))
+    for axes, item in zip(panels, items):
+        matrix = {"conditional": item.conditional, "lift": item.lift}.get(value, lambda: item.counts.double())()
+        matrix = matrix.clone().float()
+        matrix.fill_diagonal_(float("nan"))
+        image = axes.imshow(matrix, cmap="magma", vmin=0)
+        axes.set_title(f"layer {item.layer}", fontsize=9)
+        axes.set_xlabel("expert j")
+        axes.set_ylabel("expert i")
+        figure.colorbar(image, ax=axes, fraction=0.046)
+    label = {"conditional": "P(j chosen | i chosen)", "lift": "lift P(i,j)/(P(i)P(j))"}.get(value, "tokens routed to i and j")
+    figure.suptitle(f"Co-activation within a layer: {label}")
+    figure.tight_layout()
+    return figure
+
+
+def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> Any:
+    """Heatmaps P(expert j in the later layer | expert i in the earlier one), one per layer pair."""
+    items = [transitions] if isinstance(transitions, Transitions) else list(transitions)
+    figure, panels = _grid(len(items))
+    for axes, item in zip(panels, items):
+        image = axes.imshow(item.conditional().float(), cmap="Blues", vmin=0, vmax=1)
+        axes.set_title(f"layer {item.source} -> {item.target}", fontsize=9)
+        axes.set_xlabel(f"expert in layer {item.target}")
+        axes.set_ylabel(f"expert in layer {item.source}")
+        figure.colorbar(image, ax=axes, fraction=0.046)
+    figure.suptitle(f"Expert trajectories across layers ({items[0].slots})")
+    figure.tight_layout()
+    return figure
+
+
+def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
+    """Grid layers x tokens coloured by each token's top expert, annotated with its k experts."""
+    plt = pyplot()
+    count = min(len(view.tokens), max_tokens)
+    top = view.top1()[:, :count].float()
+    width = int(view.indices.max()) + 1 if view.indices.numel() else 1
+    if view.probs is not None:
+        width = max(width, view.probs.shape[-1])
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.32 * count + 1.5), 0.55 * len(view.layers) + 1.6))
+    image = axes.imshow(top, aspect="auto", cmap=_categorical(width), vmin=-0.5, vmax=width - 0.5,
+                        interpolation="nearest")
+    k = view.indices.shape[-1]
+    for row in range(len(view.layers)):
+        for column in range(count):
+            label = "\n".join(str(int(view.indices[row, column, slot])) for slot in range(min(k, 2)))
+            axes.text(column, row, label, ha="center", va="center", fontsize=6)
+    axes.set_xticks(range(count), view.tokens[:count], rotation=90, fontsize=7, family="monospace")
+    axes.set_yticks(range(len(view.layers)), [f"layer {layer}" for layer in view.layers])
+    axes.set_title("Per-token routing: colour = top expert, text = top experts"
+                   + (f" (first {count} of {len(view.tokens)} tokens)" if count < len(view.tokens) else ""))
+    figure.colorbar(image, ax=axes, label="top expert", ticks=range(width) if width <= 20 else None)
+    figure.tight_layout()
+    return figure
+
+
+def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> Any:
+    """One horizontal bar chart per expert: its top tokens by count (or ``value="share"``)."""
+    figure, panels = _grid(len(experts), size=2.8)
+    for axes, item in zip(panels, experts):
+        values = (item.share if value == "share" else item.counts).tolist()
+        axes.barh(range(len(values)), values, color="tab:green")
+        axes.set_yticks(range(len(values)), item.tokens, fontsize=7, family="monospace")
+        axes.invert_yaxis()
+        axes.set_title(f"layer {item.layer} expert {item.expert}", fontsize=9)
+        axes.tick_params(axis="x", labelsize=7)
+    figure.suptitle(f"Tokens each expert serves most ({value})")
+    figure.tight_layout()
+    return figure
+
+
+def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) -> Any:
+    """Table of the tokens each expert of ``layer`` promotes, coloured by logit (rows: experts)."""
+    plt = pyplot()
+    layer = lens.layers[-1] if layer is None else layer
+    row = lens.layers.index(layer)
+    used = [e for e in range(lens.counts.shape[1]) if int(lens.counts[row, e]) > 0]
+    logits = lens.top_logits[row, used, :top].float()
+    figure, axes = plt.subplots(figsize=(1.05 * logits.shape[1] + 1.5, 0.42 * len(used) + 1.2))
+    centred = logits - logits.mean(-1, keepdim=True)
+    axes.imshow(centred, aspect="auto", cmap="Oranges")
+    for i, expert in enumerate(used):
+        for j in range(logits.shape[1]):
+            axes.text(j, i, lens.tokens[row][expert][j][:10], ha="center", va="center", fontsize=7, family="monospace")
+    axes.set_yticks(range(len(used)), [f"e{e} ({int(lens.counts[row, e])})" for e in used], fontsize=7)
+    axes.set_xticks(range(logits.shape[1]), [f"#{j + 1}" for j in range(logits.shape[1])], fontsize=7)
+    kind = "relative to the layer mean" if lens.relative else "mean output"
+    axes.set_title(f"Logit lens, layer {layer}: tokens each expert promotes ({kind})", fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
+    """Heatmaps experts x classes per layer: ``"lift"`` (P(class|expert)/P(class)) or ``"share"``."""
+    figure, panels = _grid(len(spec.layers), size=2.6)
+    matrix = spec.lift() if value == "lift" else spec.share()
+    for row, (axes, layer) in enumerate(zip(panels, spec.layers)):
+        data = matrix[row].float()
+        used = spec.counts[row].sum(-1) > 0
+        data[~used] = float("nan")
+        if value == "lift":
+            image = axes.imshow(data, aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
+        else:
+            image = axes.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        axes.set_xticks(range(len(spec.classes)), spec.classes, rotation=45, fontsize=7)
+        axes.set_ylabel("expert")
+        axes.set_title(f"layer {layer}", fontsize=9)
+        _annotate(axes, torch.nan_to_num(data), ".1f" if value == "lift" else ".2f")
+        figure.colorbar(image, ax=axes, fraction=0.05)
+    figure.suptitle("Expert specialisation: " + ("P(class|expert) / P(class)" if value == "lift" else "P(class|expert)"))
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,97 @@
+"""Expert specialisation: how each expert's tokens split over classes you label.
+
+Label every cached token (``per="token"``: a tensor aligned with the cache's
+token order) or every corpus item (``per="text"``: a tensor indexed by text
+index) with a class id in ``0..C-1`` (code / prose, a language, a topic; other
+ids, e.g. 255, are ignored). Then ``share()`` is P(class | expert), ``base()``
+P(class) over all routed slots, and ``lift()`` their ratio: above 1, the expert
+gets more of that class than the layer as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..errors import MoelensError
+from .cache import RoutingCache
+
+PER = ("token", "text")
+
+
+@dataclass
+class Specialisation:
+    """Per layer and expert, the routed slots of each class.
+
+    Attributes:
+        layers: Decoder-layer indices.
+        classes: Class names (column order).
+        counts: ``[L, E, C]`` slots of class c routed to expert e.
+    """
+
+    layers: list[int]
+    classes: list[str]
+    counts: Int[Tensor, "l e c"]
+
+    def share(self) -> Float[Tensor, "l e c"]:
+        """P(class | expert): each expert's slots split over the classes (rows sum to 1)."""
+        return self.counts.double() / self.counts.sum(-1, keepdim=True).double().clamp(min=1)
+
+    def base(self) -> Float[Tensor, "l c"]:
+        """P(class) over each layer's slots."""
+        totals = self.counts.sum(1).double()
+        return totals / totals.sum(-1, keepdim=True).clamp(min=1)
+
+    def lift(self) -> Float[Tensor, "l e c"]:
+        """P(class | expert) / P(class): above 1, the expert favours the class."""
+        return self.share() / self.base()[:, None, :].clamp(min=torch.finfo(torch.float64).tiny)
+
+    def expert_share(self) -> Float[Tensor, "l e c"]:
+        """P(expert | class): how each class's slots spread over the experts (sums to 1 over experts)."""
+        return self.counts.double() / self.counts.sum(1, keepdim=True).double().clamp(min=1)
+
+
+def specialisation(
+    cache: RoutingCache, labels: Tensor, classes: list[str] | None = None, per: str = "token"
+) -> Specialisation:
+    """Count, per layer and expert, the routed slots of each labelled class (streams over shards).
+
+    Args:
+        cache: A routing cache.
+        labels: Class ids: ``[T]`` one per cached token (``per="token"``) or one per
+            corpus item (``per="text"``). Ids outside ``0..C-1`` are ignored.
+        classes: Class names (default: ``"0" .. "C-1"`` from the largest label below 255).
+        per: ``"token"`` or ``"text"``.
+    """
+    if per not in PER:
+        raise MoelensError(f"per={per!r} is not one of {PER}.")
+    labels = torch.as_tensor(labels).long().flatten()
+    if per == "token" and labels.shape[0] != cache.num_tokens:
+        raise MoelensError(
+            f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."
+        )
+    if per == "text" and labels.shape[0] < cache.num_texts:
+        raise MoelensError(f"per-text labels must cover the {cache.num_texts} corpus items, got {labels.shape[0]}.")
+    if classes is None:
+        valid = labels[(labels >= 0) & (labels < 255)]
+        classes = [str(c) for c in range(int(valid.max()) + 1 if valid.numel() else 1)]
+    num_classes = len(classes)
+    width = max(cache.num_experts.values())
+    counts = torch.zeros(len(cache.layers), width * num_classes, dtype=torch.int64)
+    start = 0
+    for shard in cache.shards():
+        if per == "token":
+            mine = labels[start : start + shard.num_tokens]
+        else:
+            mine = labels[shard.text_index.long()]
+        start += shard.num_tokens
+        keep = (mine >= 0) & (mine < num_classes)
+        for row, layer in enumerate(cache.layers):
+            indices = shard.indices[layer].long()[keep]
+            keys = indices * num_classes + mine[keep][:, None]
+            counts[row] += torch.bincount(keys.flatten(), minlength=width * num_classes)
+    return Specialisation(layers=list(cache.layers), classes=list(classes),
+                          counts=counts.view(len(cache.layers), width, num_classes))

@@ -1,0 +1,21 @@
+"""Token strings for tables and plots: one printable string per token id."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+#: What stands for characters that do not print well in a table cell or a plot label.
+REPLACEMENTS = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "\u00b7"}
+
+
+def display(piece: str) -> str:
+    """A token's text made visible: spaces as middle dots, newlines and tabs escaped."""
+    return "".join(REPLACEMENTS.get(char, char) for char in piece) or "\u2205"
+
+
+def token_strings(tokenizer: Any, ids: Iterable[int]) -> list[str]:
+    """Each id decoded on its own and made printable (``#<id>`` without a tokenizer)."""
+    ids = [int(i) for i in ids]
+    if tokenizer is None:
+        return [f"#{i}" for i in ids]
+    return [display(tokenizer.decode([i])) for i in ids]

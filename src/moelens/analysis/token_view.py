@@ -1,0 +1,84 @@
+"""The per-token expert view of one text: which experts every token goes to, in every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..errors import MoelensError
+from .collect import collect_routing
+from .corpus import tokenizer_of
+from .text import token_strings
+
+
+@dataclass
+class TokenRouting:
+    """The routing of each token of one text.
+
+    Attributes:
+        token_ids: ``[n]`` the text's token ids.
+        tokens: The tokens as printable strings.
+        layers: Decoder-layer indices of the MoE layers.
+        indices: ``[L, n, k]`` each token's experts per layer, highest weight first.
+        weights: ``[L, n, k]`` their routing weights.
+        probs: ``[L, n, E]`` the router's score of every expert (None without logits).
+    """
+
+    token_ids: Int[Tensor, " n"]
+    tokens: list[str]
+    layers: list[int]
+    indices: Int[Tensor, "l n k"]
+    weights: Float[Tensor, "l n k"]
+    probs: Float[Tensor, "l n e"] | None = None
+
+    def top1(self) -> Int[Tensor, "l n"]:
+        """``[L, n]`` each token's highest-weighted expert per layer."""
+        return self.indices[..., 0]
+
+    def table(self, layers: list[int] | None = None, width: int = 14) -> str:
+        """A text table: one row per token, one column per layer, cells ``expert:weight`` per slot."""
+        layers = self.layers if layers is None else layers
+        rows = [self.layers.index(layer) for layer in layers]
+        token_width = min(max([len(token) for token in self.tokens] + [5]), width)
+        cells = []
+        for position, token in enumerate(self.tokens):
+            slots = [
+                " ".join(
+                    f"{int(self.indices[row, position, slot])}:{float(self.weights[row, position, slot]):.2f}"
+                    for slot in range(self.indices.shape[-1])
+                )
+                for row in rows
+            ]
+            cells.append((token[:token_width], slots))
+        column = max([len(slot) for _, slots in cells for slot in slots] + [8])
+        header = f"{'token':<{token_width}}  " + "  ".join(f"{'layer ' + str(layer):<{column}}" for layer in layers)
+        lines = [header, "-" * len(header)]
+        lines += [f"{token:<{token_width}}  " + "  ".join(f"{slot:<{column}}" for slot in slots) for token, slots in cells]
+        return "\n".join(lines)
+
+
+def token_routing(model: Any, text: Any, *, logits: bool = True, layers: list[int] | None = None) -> TokenRouting:
+    """Run ``text`` (a string, or token ids) and return every token's routing in every MoE layer.
+
+    Slots are sorted by weight (highest first) whatever order the family returns them in.
+    """
+    cache = collect_routing(model, [text], batch_size=1, max_length=1 << 30, logits=logits, layers=layers,
+                            dtype=torch.float32, stop_early=True, progress=False)
+    if cache.num_tokens == 0:
+        raise MoelensError("the text has no tokens.")
+    indices = torch.stack([cache.indices(layer) for layer in cache.layers])
+    weights = torch.stack([cache.weights(layer) for layer in cache.layers])
+    order = torch.argsort(weights, dim=-1, descending=True, stable=True)
+    ids = cache.token_ids()
+    return TokenRouting(
+        token_ids=ids,
+        tokens=token_strings(tokenizer_of(model), ids.tolist()),
+        layers=list(cache.layers),
+        indices=indices.gather(-1, order),
+        weights=weights.gather(-1, order),
+        probs=torch.stack([cache.probs(layer) for layer in cache.layers]) if logits else None,
+    )

@@ -1,0 +1,113 @@
+"""The tokens each expert serves most, from a routing cache.
+
+``by="count"`` ranks the token ids an expert was routed most often;
+``by="share"`` ranks them by the fraction of that token's occurrences routed to
+the expert (tokens seen fewer than ``min_count`` times are left out), which
+shows what an expert is *for* rather than what is frequent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..errors import MoelensError
+from .cache import RoutingCache
+from .text import token_strings
+
+RANKINGS = ("count", "share")
+
+
+@dataclass
+class ExpertTokens:
+    """The tokens one expert serves most.
+
+    Attributes:
+        layer: Decoder-layer index.
+        expert: Expert id.
+        token_ids: ``[n]`` token ids, best first.
+        counts: ``[n]`` how often each was routed to the expert.
+        share: ``[n]`` the fraction of the token's occurrences routed to the expert.
+        tokens: The token ids as printable strings.
+        total: Slots routed to the expert over the whole cache.
+    """
+
+    layer: int
+    expert: int
+    token_ids: Int[Tensor, " n"]
+    counts: Int[Tensor, " n"]
+    share: Float[Tensor, " n"]
+    tokens: list[str]
+    total: int
+
+
+def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V]."""
+    cache._layer(layer)
+    stride = 1 << 32
+    keys, key_counts, occurrences = [], [], torch.zeros(0, dtype=torch.int64)
+    for shard in cache.shards():
+        ids = shard.token_ids.long()
+        pairs = shard.indices[layer].long() * stride + ids[:, None]
+        unique, counts = torch.unique(pairs.flatten(), return_counts=True)
+        keys.append(unique)
+        key_counts.append(counts)
+        seen = torch.bincount(ids)
+        if seen.shape[0] > occurrences.shape[0]:
+            seen[: occurrences.shape[0]] += occurrences
+            occurrences = seen
+        else:
+            occurrences[: seen.shape[0]] += seen
+    if not keys:
+        raise MoelensError("this routing cache holds no tokens.")
+    unique, inverse = torch.unique(torch.cat(keys), return_inverse=True)
+    counts = torch.zeros(unique.shape[0], dtype=torch.int64).index_add_(0, inverse, torch.cat(key_counts))
+    return unique // stride, unique % stride, counts, occurrences
+
+
+def top_tokens(
+    cache: RoutingCache,
+    layer: int,
+    experts: list[int] | None = None,
+    *,
+    n: int = 10,
+    by: str = "count",
+    min_count: int = 3,
+    tokenizer: Any = None,
+) -> list[ExpertTokens]:
+    """The ``n`` tokens each expert of ``layer`` serves most (one `ExpertTokens` per expert).
+
+    Args:
+        cache: A routing cache.
+        layer: Decoder-layer index of an MoE layer.
+        experts: Which experts (default: all).
+        n: Tokens per expert.
+        by: ``"count"`` (most routed) or ``"share"`` (largest share of the token's occurrences).
+        min_count: With ``by="share"``, ignore tokens seen fewer times than this.
+        tokenizer: Decodes ids into strings (a wrapped model's ``.tokenizer``).
+    """
+    if by not in RANKINGS:
+        raise MoelensError(f"by={by!r} is not one of {RANKINGS}.")
+    expert_of, token_of, counts, occurrences = pair_counts(cache, layer)
+    experts = list(range(cache.num_experts[layer])) if experts is None else list(experts)
+    result = []
+    for expert in experts:
+        mine = expert_of == expert
+        ids, served = token_of[mine], counts[mine]
+        share = served.double() / occurrences[ids].double()
+        if by == "share":
+            keep = occurrences[ids] >= min_count
+            ids, served, share = ids[keep], served[keep], share[keep]
+            ranking = torch.argsort(share + served.double() * 1e-9, descending=True, stable=True)
+        else:
+            ranking = torch.argsort(served.double() + share * 1e-3, descending=True, stable=True)
+        ranking = ranking[:n]
+        result.append(ExpertTokens(
+            layer=layer, expert=expert, token_ids=ids[ranking], counts=served[ranking], share=share[ranking],
+            tokens=token_strings(tokenizer, ids[ranking].tolist()), total=int(counts[mine].sum()),
+        ))
+    return result

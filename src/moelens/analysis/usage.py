@@ -1,0 +1,144 @@
+"""Expert usage and load balance, from a routing cache.
+
+Usage counts *slots*: a token routed to experts 3 and 5 adds one to each, so a
+layer's counts sum to ``tokens * k``. Load balance compares those counts across
+a layer's experts: the coefficient of variation (std / mean; 0 is perfectly
+balanced, ``sqrt(E - 1)`` is every slot on one expert), max / mean (1 is balanced,
+``E`` is one expert taking every slot; how much more the busiest expert works
+than the average), min / mean, the normalised entropy of the usage distribution
+(1 is uniform) and the number of experts never used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .cache import RoutingCache
+
+
+@dataclass
+class Usage:
+    """How often each expert of each MoE layer was chosen.
+
+    Attributes:
+        layers: Decoder-layer indices of the MoE layers (rows).
+        counts: ``[L, E]`` int64 slots routed to each expert (a token adds one per slot).
+        weight: ``[L, E]`` float64 the routing weight summed over those slots.
+        tokens: How many tokens were counted.
+        top_k: k per layer (row).
+    """
+
+    layers: list[int]
+    counts: Int[Tensor, "l e"]
+    weight: Float[Tensor, "l e"]
+    tokens: int
+    top_k: list[int]
+
+    @property
+    def fraction(self) -> Float[Tensor, "l e"]:
+        """``[L, E]`` each expert's share of its layer's slots (rows sum to 1)."""
+        return self.counts.double() / self.counts.sum(-1, keepdim=True).clamp(min=1)
+
+    @property
+    def token_fraction(self) -> Float[Tensor, "l e"]:
+        """``[L, E]`` the share of tokens that use each expert (rows sum to k)."""
+        return self.counts.double() / max(self.tokens, 1)
+
+    def row(self, layer: int) -> int:
+        """The row of decoder layer ``layer``."""
+        return self.layers.index(layer)
+
+    def balance(self) -> "LoadBalance":
+        """The load balance of every layer."""
+        return load_balance(self)
+
+
+@dataclass
+class LoadBalance:
+    """How evenly each MoE layer spreads its slots over its experts (one entry per layer).
+
+    Attributes:
+        layers: Decoder-layer indices.
+        cv: Coefficient of variation of the counts (population std / mean); 0 = balanced.
+        max_over_mean: Busiest expert's count / mean count; 1 = balanced, E = one expert.
+        min_over_mean: Idlest expert's count / mean count; 1 = balanced, 0 = an unused expert.
+        entropy: Entropy of the usage distribution / log(E); 1 = uniform.
+        unused: Experts never chosen.
+    """
+
+    layers: list[int]
+    cv: Float[Tensor, " l"]
+    max_over_mean: Float[Tensor, " l"]
+    min_over_mean: Float[Tensor, " l"]
+    entropy: Float[Tensor, " l"]
+    unused: Int[Tensor, " l"]
+
+    def as_rows(self) -> list[dict]:
+        """One JSON-ready dict per layer."""
+        return [
+            {
+                "layer": layer,
+                "cv": float(self.cv[row]),
+                "max_over_mean": float(self.max_over_mean[row]),
+                "min_over_mean": float(self.min_over_mean[row]),
+                "usage_entropy": float(self.entropy[row]),
+                "unused_experts": int(self.unused[row]),
+            }
+            for row, layer in enumerate(self.layers)
+        ]
+
+
+def expert_usage(cache: RoutingCache) -> Usage:
+    """Count, per MoE layer, the slots routed to each expert (streams over the cache's shards).
+
+    Layers with fewer experts than the widest one have zero columns past their E.
+    """
+    width = max(cache.num_experts.values())
+    counts = torch.zeros(len(cache.layers), width, dtype=torch.int64)
+    weight = torch.zeros(len(cache.layers), width, dtype=torch.float64)
+    tokens = 0
+    for shard in cache.shards():
+        tokens += shard.num_tokens
+        for row, layer in enumerate(cache.layers):
+            indices = shard.indices[layer].long().flatten()
+            counts[row] += torch.bincount(indices, minlength=width)[:width]
+            weight[row].index_add_(0, indices, shard.weights[layer].double().flatten())
+    return Usage(layers=list(cache.layers), counts=counts, weight=weight, tokens=tokens,
+                 top_k=[cache.top_k[layer] for layer in cache.layers])
+
+
+def balance_of(counts: Tensor) -> tuple[float, float, float, float, int]:
+    """(cv, max/mean, min/mean, normalised entropy, unused) of one layer's ``[E]`` counts."""
+    counts = counts.double()
+    mean = counts.mean()
+    if mean == 0:
+        return 0.0, 0.0, 0.0, 0.0, int(counts.numel())
+    cv = float(counts.std(correction=0) / mean)
+    share = counts / counts.sum()
+    nonzero = share[share > 0]
+    entropy = float(-(nonzero * nonzero.log()).sum() / math.log(counts.numel())) if counts.numel() > 1 else 1.0
+    return cv, float(counts.max() / mean), float(counts.min() / mean), entropy, int((counts == 0).sum())
+
+
+def load_balance(usage: Usage | RoutingCache, num_experts: list[int] | None = None) -> LoadBalance:
+    """The load balance of every layer, from a `Usage` (or a cache, counted first).
+
+    Args:
+        usage: Expert usage, or a routing cache.
+        num_experts: E per layer (default: the usage's width; a cache gives its own).
+    """
+    if isinstance(usage, RoutingCache):
+        num_experts = [usage.num_experts[layer] for layer in usage.layers]
+        usage = expert_usage(usage)
+    widths = num_experts or [usage.counts.shape[1]] * len(usage.layers)
+    values = [balance_of(usage.counts[row, :width]) for row, width in enumerate(widths)]
+    column = lambda i, dtype=torch.float64: torch.tensor([value[i] for value in values], dtype=dtype)  # noqa: E731
+    return LoadBalance(
+        layers=list(usage.layers), cv=column(0), max_over_mean=column(1), min_over_mean=column(2),
+        entropy=column(3), unused=column(4, torch.int64),
+    )
