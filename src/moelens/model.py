@@ -196,8 +196,9 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             "to load from a path or repo id use moelens.load()."
         )
     structure = discover(model)
+    moe_envoy = _expert_parallel_envoy(model)
     envoys = dict(nnsight_kwargs.pop("envoys", None) or {})
-    envoys.update({name: Moe for name in structure.moe_blocks})
+    envoys.update({name: moe_envoy for name in structure.moe_blocks})
     envoys.update({name: Mlp for name in structure.dense_blocks})
     if tokenizer is not None:
         wrapped = MoeTransformersModel(model, tokenizer=tokenizer, envoys=envoys, **nnsight_kwargs)
@@ -208,6 +209,20 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     for moe in wrapped.moes:
         _instrument(moe)
     return wrapped
+
+
+def _expert_parallel_envoy(model: torch.nn.Module) -> type[Moe]:
+    """The envoy class for MoE blocks: `Moe`, or for a model distributed with transformers'
+    own expert parallelism (``DistributedConfig(ep_size=...)``, whose experts' forward is a
+    dispatch wrapper) the one `moelens.parallel.transformers_ep` provides, after keeping
+    those wrappers as nnsight's controller bodies. See docs/parallel.md.
+    """
+    if not any(".install_forward.<locals>.ep_forward" in getattr(m.__dict__.get("forward"), "__qualname__", "")
+               for m in model.modules()):
+        return Moe
+    from .parallel.transformers_ep import keep_dispatch_forwards
+
+    return keep_dispatch_forwards(model)
 
 
 def _bind(host: Any, alias: str, native: str) -> None:

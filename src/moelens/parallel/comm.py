@@ -43,6 +43,7 @@ class Record:
         sent_bytes: Bytes sent to the other ranks of the group.
         kept_bytes: Bytes that stayed on this rank (rows for its own experts).
         rows: Rows sent to the other ranks.
+        received: Rows received (from every rank of the group, this one included).
     """
 
     kind: str
@@ -50,6 +51,7 @@ class Record:
     sent_bytes: int
     kept_bytes: int
     rows: int
+    received: int = 0
 
 
 @dataclass
@@ -82,13 +84,13 @@ def traffic() -> Iterator[Traffic]:
         _LOGS.remove(log)
 
 
-def _record(kind: str, tag: int, rows: Tensor, send_sizes: list[int], rank: int) -> None:
+def _record(kind: str, tag: int, rows: Tensor, send_sizes: list[int], recv_sizes: list[int], rank: int) -> None:
     if not _LOGS:
         return
     row_bytes = rows.element_size() * math.prod(rows.shape[1:])
-    kept = send_sizes[rank] if rank < len(send_sizes) else 0
+    kept = send_sizes[rank]
     sent_rows = sum(send_sizes) - kept
-    record = Record(kind, tag, sent_rows * row_bytes, kept * row_bytes, sent_rows)
+    record = Record(kind, tag, sent_rows * row_bytes, kept * row_bytes, sent_rows, sum(recv_sizes))
     for log in _LOGS:
         log.records.append(record)
 
@@ -105,13 +107,13 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: Tensor, recv_sizes: list[int], send_sizes: list[int], group: Any, kind: str, tag: int) -> Tensor:
         ctx.sizes, ctx.group, ctx.kind, ctx.tag = (recv_sizes, send_sizes), group, kind, tag
-        _record(kind, tag, rows, send_sizes, group_rank(group))
+        _record(kind, tag, rows, send_sizes, recv_sizes, group_rank(group))
         return _all_to_all(rows, recv_sizes, send_sizes, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
         recv_sizes, send_sizes = ctx.sizes
-        _record(f"{ctx.kind}_grad", ctx.tag, grad, recv_sizes, group_rank(ctx.group))
+        _record(f"{ctx.kind}_grad", ctx.tag, grad, recv_sizes, send_sizes, group_rank(ctx.group))
         return _all_to_all(grad, send_sizes, recv_sizes, ctx.group), None, None, None, None, None
 
 
@@ -130,5 +132,5 @@ def exchange_counts(counts: Tensor, group: Any, tag: int = 0) -> Tensor:
     if group_size(group) == 1:
         return counts
     rows = counts.shape[0]
-    _record("counts", tag, counts, [1] * rows, group_rank(group))
+    _record("counts", tag, counts, [1] * rows, [1] * rows, group_rank(group))
     return _all_to_all(counts, [1] * rows, [1] * rows, group)
