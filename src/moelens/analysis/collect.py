@@ -27,22 +27,42 @@ SHARD_TOKENS = 65_536
 ROUTING_VALUES = ("router_logits", "expert_weights", "expert_indices")
 
 
-def moes_of(model: Any, layers: Iterable[int] | None = None) -> list[Any]:
-    """The model's MoE components (those of ``layers`` if given), with a clear error when it has none."""
+def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Iterable[str] | None = None) -> list[Any]:
+    """The model's MoE components to analyse, one per decoder layer, with clear errors.
+
+    Args:
+        model: A wrapped model.
+        layers: Decoder-layer indices to keep (default: every MoE layer).
+        blocks: Keep only blocks whose module path contains this text (or one of these),
+            for models with several MoE blocks in a layer (ernie4_5_vl_moe's
+            ``text_moe`` / ``vision_moe``).
+    """
     moes = list(getattr(model, "moes", None) or [])
     if not moes:
         raise MoelensError(
             f"{type(getattr(model, '_module', model)).__name__} has no Mixture-of-Experts layer moelens knows; "
             "routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()."
         )
-    if layers is None:
-        return moes
-    wanted = set(layers)
-    chosen = [moe for moe in moes if moe.layer in wanted]
-    missing = wanted - {moe.layer for moe in chosen}
-    if missing:
-        raise MoelensError(f"layers {sorted(missing)} are not MoE layers; the MoE layers are {[m.layer for m in moes]}.")
-    return chosen
+    if blocks is not None:
+        wanted_paths = [blocks] if isinstance(blocks, str) else list(blocks)
+        moes = [moe for moe in moes if any(part in moe.path for part in wanted_paths)]
+        if not moes:
+            raise MoelensError(f"no MoE block path contains {wanted_paths}; the blocks are {[m.path for m in model.moes]}.")
+    if layers is not None:
+        wanted = set(layers)
+        chosen = [moe for moe in moes if moe.layer in wanted]
+        missing = wanted - {moe.layer for moe in chosen}
+        if missing:
+            raise MoelensError(f"layers {sorted(missing)} are not MoE layers; the MoE layers are {sorted({m.layer for m in moes})}.")
+        moes = chosen
+    shared = sorted({moe.layer for moe in moes if sum(other.layer == moe.layer for other in moes) > 1})
+    if shared:
+        paths = [moe.path for moe in moes if moe.layer == shared[0]]
+        raise MoelensError(
+            f"layers {shared} hold several MoE blocks ({', '.join(paths)}); routing analysis keys blocks by "
+            "layer, so choose one kind with blocks='<part of the path>' (e.g. blocks='text_moe')."
+        )
+    return moes
 
 
 def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
@@ -91,6 +111,7 @@ def collect_routing(
     max_length: int | None = None,
     logits: bool = False,
     layers: Iterable[int] | None = None,
+    blocks: str | Iterable[str] | None = None,
     folder: str | None = None,
     shard_tokens: int = SHARD_TOKENS,
     dtype: torch.dtype = torch.float16,
@@ -109,6 +130,7 @@ def collect_routing(
         logits: Also cache router logits (``[T, E]`` per layer; lets `RoutingCache.probs`
             and the router entropy work).
         layers: Decoder-layer indices of the MoE layers to cache (default: all).
+        blocks: Only blocks whose path contains this (models with several MoE blocks per layer).
         folder: Stream the cache to this folder (one file per shard) instead of
             memory; only one shard is ever held in memory.
         shard_tokens: Tokens per shard.
@@ -120,7 +142,7 @@ def collect_routing(
     Returns:
         The `RoutingCache` (on disk when ``folder`` is given).
     """
-    moes = moes_of(model, layers)
+    moes = moes_of(model, layers, blocks)
     cache = empty_cache(model, moes, logits)
     tokenizer = corpora.tokenizer_of(model)
     stream = corpora.batches(

@@ -14,7 +14,7 @@ from typing import Any
 import nnsight
 import torch
 
-from ..errors import MoelensError, ValueUnavailable
+from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from . import corpus as corpora
 from .collect import moes_of
@@ -91,23 +91,60 @@ def _probe_ids(model: Any) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def probe_values(model: Any, moes: list[Any]) -> tuple[dict[int, dict[str, list[int]]], dict[int, dict[str, str]]]:
-    """Read every value of every block once, in order: (served shapes, unavailable reasons) per layer."""
-    with torch.no_grad(), model.trace(**_probe_ids(model)):
-        shapes: dict[int, dict[str, list[int]]] = {}
-        reasons: dict[int, dict[str, str]] = {}
-        for moe in moes:
-            shapes[moe.layer], reasons[moe.layer] = {}, {}
-            order = moe.order()
-            for name in VALUE_NAMES:
-                if name not in order:
-                    reasons[moe.layer][name] = str(moe.no_mixture(name))
-            for name in order:
-                try:
-                    shapes[moe.layer][name] = list(getattr(moe, name).shape)
-                except ValueUnavailable as error:
-                    reasons[moe.layer][name] = str(error)
-        shapes, reasons = nnsight.save(shapes), nnsight.save(reasons)
+def reason(error: Exception) -> str:
+    """The why (and what to do) of an unavailable-value error, without the value's path."""
+    text = str(error)
+    marker = "cannot be served: "
+    return text.split(marker, 1)[1] if marker in text else text
+
+
+def _read_all(moes: list[Any], shapes: dict, reasons: dict) -> None:
+    """Inside a trace: read every value of ``moes`` in order, noting shapes and reasons."""
+    for moe in moes:
+        shapes[moe.path], reasons[moe.path] = {}, {}
+        order = moe.order()
+        for name in VALUE_NAMES:
+            if name not in order:
+                error = moe.no_shared_expert(name) if name == "shared_expert_output" else moe.no_mixture(name)
+                reasons[moe.path][name] = reason(error)
+        for name in order:
+            try:
+                shapes[moe.path][name] = list(getattr(moe, name).shape)
+            except ValueUnavailable as error:
+                reasons[moe.path][name] = reason(error)
+
+
+def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, str]]]:
+    """Read every value of every block once, in order: (served shapes, unavailable reasons) per block path.
+
+    One trace reads every block; when a block does not run on the probe input
+    (ernie4_5_vl_moe's vision experts on text), each block is probed in a trace of
+    its own and the silent ones are reported as such.
+    """
+    inputs = _probe_ids(model)
+    try:
+        with torch.no_grad(), model.trace(**inputs):
+            shapes: dict = {}
+            reasons: dict = {}
+            _read_all(moes, shapes, reasons)
+            shapes, reasons = nnsight.save(shapes), nnsight.save(reasons)
+        return shapes, reasons
+    except OrderError:
+        pass
+    shapes, reasons = {}, {}
+    for moe in moes:
+        try:
+            with torch.no_grad(), model.trace(**inputs) as tracer:
+                one_shapes: dict = {}
+                one_reasons: dict = {}
+                _read_all([moe], one_shapes, one_reasons)
+                one_shapes, one_reasons = nnsight.save(one_shapes), nnsight.save(one_reasons)
+                tracer.stop()
+            shapes.update(one_shapes)
+            reasons.update(one_reasons)
+        except OrderError:
+            shapes[moe.path] = {}
+            reasons[moe.path] = {name: "this block did not run on a text-only probe input" for name in moe.order()}
     return shapes, reasons
 
 
@@ -120,14 +157,16 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
     """
     module = model._module
     config = getattr(module, "config", None)
-    moes = moes_of(model)
+    moes = list(getattr(model, "moes", None) or [])
+    if not moes:
+        moes_of(model)  # raises the no-MoE error
     family = moes[0].family
     shapes, reasons = probe_values(model, moes) if probe else ({}, {})
     layers = [
         LayerReport(
-            layer=moe.layer, path=moe.path.lstrip("."), num_experts=moe.num_experts, top_k=moe.top_k,
+            layer=moe.layer, path=moe.path.lstrip(".").removeprefix("model."), num_experts=moe.num_experts, top_k=moe.top_k,
             experts_implementation=moe.experts_implementation, shared_expert=moe._shared_envoy() is not None,
-            values=shapes.get(moe.layer, {}), unavailable=reasons.get(moe.layer, {}),
+            values=shapes.get(moe.path, {}), unavailable=reasons.get(moe.path, {}),
         )
         for moe in moes
     ]

@@ -102,6 +102,7 @@ def expert_logit_lens(
     corpus: Any,
     *,
     layers: list[int] | None = None,
+    blocks: str | list[str] | None = None,
     top: int = 10,
     relative: bool = False,
     batch_size: int = 8,
@@ -114,13 +115,17 @@ def expert_logit_lens(
         model: A wrapped causal LM (`moelens.load` / `moelens.wrap`).
         corpus: Texts or token ids (as for `collect_routing`).
         layers: Decoder-layer indices of the MoE layers (default: all).
+        blocks: Only blocks whose path contains this (several MoE blocks per layer).
         top: Tokens per expert.
         relative: Subtract the layer's mean contribution before reading out.
         batch_size: Windows per forward.
         max_length: Window length (default: the model's context, at most 512).
         progress: Show a tqdm progress bar.
     """
-    moes = moes_of(model, layers)
+    moes = moes_of(model, layers, blocks)
+    for moe in moes:
+        if "expert_outputs" not in moe.order():
+            raise moe.no_mixture("expert_outputs")
     norm, norm_name, head = unembedding(model)
     sums = {moe.layer: torch.zeros(moe.num_experts, 0, dtype=torch.float64) for moe in moes}
     counts = {moe.layer: torch.zeros(moe.num_experts, dtype=torch.int64) for moe in moes}

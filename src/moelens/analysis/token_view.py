@@ -61,12 +61,14 @@ class TokenRouting:
         return "\n".join(lines)
 
 
-def token_routing(model: Any, text: Any, *, logits: bool = True, layers: list[int] | None = None) -> TokenRouting:
+def token_routing(
+    model: Any, text: Any, *, logits: bool = True, layers: list[int] | None = None, blocks: str | list[str] | None = None
+) -> TokenRouting:
     """Run ``text`` (a string, or token ids) and return every token's routing in every MoE layer.
 
     Slots are sorted by weight (highest first) whatever order the family returns them in.
     """
-    cache = collect_routing(model, [text], batch_size=1, max_length=1 << 30, logits=logits, layers=layers,
+    cache = collect_routing(model, [text], batch_size=1, max_length=1 << 30, logits=logits, layers=layers, blocks=blocks,
                             dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:
         raise MoelensError("the text has no tokens.")

@@ -1,0 +1,297 @@
+"""The ``moelens demo``, ``moelens inspect`` and ``moelens stats`` commands.
+
+``MODEL`` is a local folder holding a transformers checkpoint (config, weights,
+tokenizer) or ``tiny`` for the embedded moelens-tiny. Errors moelens raises on
+purpose (a missing path, a model without MoE layers, an empty text file) are
+printed as one line by ``moelens.cli`` (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import MoelensError, ValueUnavailable
+
+#: Where ``moelens demo`` writes its plots unless told otherwise.
+DEMO_OUT = Path("moelens-out") / "demo"
+
+#: The demo's sample text: a little Python and the prose that explains it.
+DEMO_TEXT = '''def mean(values):
+    """Return the arithmetic mean of a sequence of numbers."""
+    total = sum(values)
+    return total / len(values)
+
+The mean function adds the numbers and divides the sum by how many there are.
+It raises ZeroDivisionError when the sequence is empty.
+'''
+
+
+def register(subparsers: Any) -> None:
+    """Add ``demo``, ``inspect`` and ``stats`` to the ``moelens`` command."""
+    demo = subparsers.add_parser(
+        "demo",
+        help="route a sample text through moelens-tiny: routing table per layer and plots",
+        description="Load moelens-tiny (offline), run a sample text, print which experts every token goes to "
+        "in every layer, usage / load balance / entropy per layer, and write plots (PNG) to a folder.",
+    )
+    demo.add_argument("--out", type=Path, default=DEMO_OUT, help=f"folder for the plots (default: {DEMO_OUT})")
+    demo.add_argument("--text", type=Path, help="route this text file instead of the sample text")
+    demo.add_argument("--windows", type=int, default=64,
+                      help="held-out code/prose windows of moelens-tiny for the corpus plots (default 64, 0: none)")
+    demo.set_defaults(func=run_demo)
+
+    inspect = subparsers.add_parser(
+        "inspect",
+        help="what moelens sees in a model: family, MoE layers, E, k, scoring, values",
+        description="Load MODEL and print its family, MoE layers, experts E, top-k, scoring, shared expert, "
+        "experts implementation, and which values each MoE block serves (with shapes) or why not.",
+    )
+    inspect.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(func=run_inspect)
+
+    stats = subparsers.add_parser(
+        "stats",
+        help="expert usage, load balance and routing entropy per layer over a text file",
+        description="Route the text of FILE through MODEL (in windows, batched) and report per MoE layer: "
+        "expert usage, load balance (coefficient of variation, max/mean, min/mean, usage entropy, unused "
+        "experts) and routing entropy. With --out: stats.json, stats.csv, experts.csv, plots and the routing cache.",
+    )
+    stats.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    stats.add_argument("--text", type=Path, required=True, metavar="FILE", help="a UTF-8 text file to route")
+    stats.add_argument("--out", type=Path, help="write stats.json, stats.csv, experts.csv, plots and cache/ here")
+    stats.add_argument("--format", choices=("table", "json", "csv"), default="table", help="what to print (default table)")
+    stats.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
+    stats.add_argument("--max-length", type=int, help="window length in tokens (default: model context, at most 512)")
+    stats.add_argument("--no-progress", action="store_true", help="no progress bar")
+    stats.set_defaults(func=run_stats)
+
+
+# -- shared ----------------------------------------------------------------------------------
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' informational logging out of the command's output."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+
+def load_model(source: str) -> Any:
+    """Load ``source`` (``tiny`` or a local folder) and wrap it; clear errors for a bad path or a non-MoE model."""
+    import moelens
+    from moelens.data import TINY_MODEL_PATH
+
+    from .describe import require_moe
+
+    quiet_transformers()
+    if source == "tiny":
+        if not (TINY_MODEL_PATH / "config.json").is_file():
+            raise MoelensError(
+                f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "
+                "moelens, or train it with scripts/train_tiny.py."
+            )
+        model = moelens.load()
+        name = "moelens-tiny"
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise MoelensError(f"{source!r} is not a transformers checkpoint folder (no config.json in it).")
+        model = moelens.load(path)
+        name = str(path)
+    require_moe(model, name)
+    return model
+
+
+def read_text(path: Path) -> str:
+    """The text of ``path``; clear errors for a missing, unreadable or empty file."""
+    if not path.is_file():
+        raise MoelensError(f"text file {str(path)!r} does not exist.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
+    if not text.strip():
+        raise MoelensError(f"text file {str(path)!r} is empty; give it some text to route.")
+    return text
+
+
+def write_corpus_plots(cache: Any, folder: Path, prefix: str = "") -> list[Path]:
+    """Usage, load balance, entropy, co-activation and trajectory plots of ``cache``."""
+    from . import plots
+    from .coactivation import coactivation, transitions
+    from .entropy import routing_entropy
+    from .usage import expert_usage, load_balance
+
+    usage = expert_usage(cache)
+    widths = [cache.num_experts[layer] for layer in cache.layers]
+    written = [
+        plots.save(plots.plot_usage(usage), folder / f"{prefix}usage.png"),
+        plots.save(plots.plot_load_balance(load_balance(usage, widths)), folder / f"{prefix}load_balance.png"),
+        plots.save(plots.plot_entropy(routing_entropy(cache)), folder / f"{prefix}entropy.png"),
+        plots.save(plots.plot_coactivation([coactivation(cache, layer) for layer in cache.layers]),
+                   folder / f"{prefix}coactivation.png"),
+    ]
+    if len(cache.layers) > 1:
+        pairs = list(zip(cache.layers, cache.layers[1:]))
+        written.append(plots.save(plots.plot_transitions([transitions(cache, a, b) for a, b in pairs]),
+                                  folder / f"{prefix}trajectories.png"))
+    return written
+
+
+# -- demo --------------------------------------------------------------------------------------
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``moelens demo``."""
+    from safetensors.torch import load_file
+
+    from moelens.data import HELDOUT_PATH, TOKEN_CLASSES
+
+    from . import plots
+    from .collect import collect_routing
+    from .logit_lens import expert_logit_lens
+    from .report import layer_stats, table
+    from .specialisation import specialisation
+    from .token_view import token_routing
+
+    started = time.perf_counter()
+    text = read_text(args.text) if args.text is not None else DEMO_TEXT
+    print("Loading moelens-tiny (offline) ...", flush=True)
+    model = load_model("tiny")
+    moes = model.moes
+    first = moes[0]
+    print(f"{type(model._module).__name__}: {len(moes)} MoE layers, {first.num_experts} experts, top-{first.top_k}, "
+          f"family {model.family.name}, {first.experts_implementation} experts\n")
+
+    view = token_routing(model, text)
+    print(f"Routing of the {'text' if args.text else 'sample text'} ({len(view.tokens)} tokens): "
+          "expert:weight for each of the k slots, per layer\n")
+    print(view.table())
+
+    cache = collect_routing(model, [text], logits=True, progress=False)
+    stats = layer_stats(cache)
+    columns = ["layer", "tokens", "cv", "max_over_mean", "unused_experts", "router_entropy", "busiest_experts"]
+    print("\nPer layer over this text: load balance (cv: 0 = balanced) and routing entropy (0..1)\n")
+    print(table(stats.rows(), columns))
+
+    out: Path = args.out
+    written = [plots.save(plots.plot_token_routing(view), out / "token_routing.png")]
+    written += write_corpus_plots(cache, out, prefix="text_")
+
+    corpus = text
+    if args.windows > 0 and HELDOUT_PATH.is_file():
+        held = load_file(str(HELDOUT_PATH))
+        ids, classes = held["input_ids"][: args.windows].long(), held["token_class"][: args.windows].long()
+        print(f"\nRouting {ids.numel()} held-out tokens ({ids.shape[0]} windows of code and prose) ...", flush=True)
+        windows = collect_routing(model, ids, batch_size=16, progress=True)
+        written += write_corpus_plots(windows, out, prefix="heldout_")
+        spec = specialisation(windows, classes.flatten(), list(TOKEN_CLASSES))
+        written.append(plots.save(plots.plot_specialisation(spec), out / "heldout_specialisation.png"))
+        corpus = ids
+    try:
+        lens = expert_logit_lens(model, corpus, top=8, batch_size=16, progress=False)
+        written.append(plots.save(plots.plot_logit_lens(lens, lens.layers[-1]), out / "logit_lens.png"))
+    except ValueUnavailable as error:
+        print(f"(no logit lens plot: {error})")
+    print(f"\nPlots written to {out.resolve()}:")
+    for path in written:
+        print(f"  {path.name}")
+    print(f"\nDone in {time.perf_counter() - started:.1f} s. Next: moelens inspect tiny; moelens stats tiny --text FILE")
+    return 0
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+def format_report(report: Any, tokenizer: str) -> str:
+    """The text form of a `ModelReport`."""
+    layers = report.moe_layers
+    experts = sorted({(layer.num_experts, layer.top_k) for layer in layers})
+    implementations = sorted({str(layer.experts_implementation) for layer in layers})
+    lines = [
+        f"model                  {report.name}",
+        f"architecture           {report.architecture} (model_type {report.model_type})",
+        f"family                 {report.family}",
+        f"tokenizer              {tokenizer}",
+        f"decoder layers         {report.num_layers}",
+        f"MoE layers             {', '.join(str(layer.layer) for layer in layers)} ({len(layers)} of {report.num_layers})",
+        f"dense layers           {', '.join(map(str, report.dense_layers)) or 'none'}",
+        "experts E, top-k       " + "; ".join(f"E={e}, k={k}" for e, k in experts),
+        f"scoring                {report.scoring}",
+        f"router_probs           {report.score} of router_logits",
+        f"shared expert          {report.shared}",
+        f"experts implementation {', '.join(implementations)}",
+    ]
+    if report.notes:
+        lines.append(f"notes                  {report.notes}")
+    first = layers[0]
+    same = all(layer.values == first.values and layer.unavailable.keys() == first.unavailable.keys() for layer in layers)
+    groups = [(f"every MoE layer (layer {first.layer} shown)", [first])] if same else [
+        (f"layer {layer.layer}", [layer]) for layer in layers
+    ]
+    for title, (layer, *_) in groups:
+        lines.append(f"\nvalues served, {title}, shapes for a [1, 4] input:")
+        for name, shape in layer.values.items():
+            access = "read-only (derived)" if name == "router_probs" else "read/write"
+            lines.append(f"  {name:<22} [{', '.join(map(str, shape))}]".ljust(48) + access)
+        for name, reason in layer.unavailable.items():
+            lines.append(f"  {name:<22} unavailable: {reason}")
+    return "\n".join(lines)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """``moelens inspect MODEL``."""
+    from .describe import describe, tokenizer_note
+
+    model = load_model(args.model)
+    report = describe(model)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(format_report(report, tokenizer_note(model)))
+    return 0
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """``moelens stats MODEL --text FILE``."""
+    from .collect import collect_routing
+    from .corpus import tokenizer_of
+    from .report import layer_stats, table, to_csv, write_stats
+
+    text = read_text(args.text)
+    model = load_model(args.model)
+    if tokenizer_of(model) is None:
+        raise MoelensError(f"{args.model!r} has no tokenizer, so its text cannot be routed; save one with the model.")
+    folder = args.out / "cache" if args.out is not None else None
+    cache = collect_routing(model, [text], batch_size=args.batch_size, max_length=args.max_length, logits=True,
+                            folder=str(folder) if folder is not None else None, progress=not args.no_progress)
+    if cache.num_tokens == 0:
+        raise MoelensError(f"text file {str(args.text)!r} produced no tokens.")
+    stats = layer_stats(cache)
+    rows = stats.rows()
+    if args.format == "json":
+        print(json.dumps({"model": args.model, "text": str(args.text), "layers": rows}, indent=1))
+    elif args.format == "csv":
+        print(to_csv(rows), end="")
+    else:
+        print(f"{cache.num_tokens} tokens of {args.text} through {args.model} ({model.family.name}, "
+              f"{len(cache.layers)} MoE layers)\n")
+        print(table(rows))
+    if args.out is not None:
+        written = write_stats(stats, args.out, {"model": args.model, "text": str(args.text), "family": cache.family})
+        written += write_corpus_plots(cache, args.out)
+        if args.format == "table":
+            print(f"\nWrote to {args.out.resolve()}: " + ", ".join(path.name for path in written) + ", cache/")
+    return 0

@@ -1,0 +1,398 @@
+"""Routing analysis against direct computations on small cases.
+
+The ground truth is plain nnsight on an unwrapped copy of the model (the raw
+arguments of each experts call and the router's output, one text window at a
+time with no padding) and counts done by hand in Python loops; nothing goes
+through moelens values, token views or the analysis code.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import moelens
+from groundtruth import ROUTER_LOGITS, ascii_tokenizer, expert_forward, raw_values
+from moelens import analysis
+from moelens.errors import MoelensError, ValueUnavailable
+from moelens.testing import tiny_model
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "",
+    "x = [i * i for i in range(10)]",
+    "Routing sends each token to two experts.",
+]
+MAX_LENGTH = 12  # texts are cut into windows: several per text
+WEIGHT_ATOL = 2e-3  # the cache stores weights and logits as float16 by default
+
+
+@dataclass
+class Truth:
+    """Per MoE block, everything read with plain nnsight, window by window (no padding)."""
+
+    layers: list[int]
+    indices: dict[int, torch.Tensor]  # [T, k]
+    weights: dict[int, torch.Tensor]  # [T, k]
+    logits: dict[int, torch.Tensor]  # [T, E]
+    hidden: dict[int, torch.Tensor]  # [T, D] the experts' input
+    token_ids: torch.Tensor
+    text_index: torch.Tensor
+    position: torch.Tensor
+
+
+SPECIAL = {0: "<pad>", 1: "<s>", 2: "</s>", 3: "<unk>"}
+
+
+def shown(token: int) -> str:
+    """How the analysis should print an ascii-tokenizer id: its character, made visible."""
+    if token < 32:  # not in the vocabulary: decodes to nothing
+        return SPECIAL.get(token, "\u2205")
+    return analysis.text.display(chr(token))
+
+
+def windows_of(token_lists: list[list[int]], max_length: int):
+    for index, ids in enumerate(token_lists):
+        for start in range(0, len(ids), max_length):
+            yield index, start, ids[start : start + max_length]
+
+
+def plain_truth(reference: torch.nn.Module, wrapped, token_lists: list[list[int]], max_length: int) -> Truth:
+    """Plain-nnsight routing of every window, run alone (batch of one, no padding)."""
+    family = wrapped.family
+    names = [moe.path.removeprefix("model.") for moe in wrapped.moes]
+    layers = [moe.layer for moe in wrapped.moes]
+    parts: dict[str, dict[int, list]] = {key: {layer: [] for layer in layers} for key in ("i", "w", "l", "h")}
+    ids, texts, positions = [], [], []
+    for index, start, window in windows_of(token_lists, max_length):
+        inputs = {"input_ids": torch.tensor([window])}
+        raw = raw_values(reference, inputs, names, family)
+        for layer, name in zip(layers, names):
+            value = raw[name]
+            logits = value.logits.reshape(len(window), -1)
+            parts["l"][layer].append(logits)
+            if family.derived_routing:
+                top, chosen = torch.topk(logits, wrapped.moes[0].top_k, dim=-1)
+                parts["i"][layer].append(chosen)
+                parts["w"][layer].append(torch.sigmoid(top))
+                parts["h"][layer].append(torch.zeros(len(window), 1))
+            else:
+                hidden, chosen, weights = value.experts_args[:3]
+                parts["i"][layer].append(chosen.reshape(len(window), -1))
+                parts["w"][layer].append(weights.reshape(len(window), -1))
+                parts["h"][layer].append(hidden.reshape(len(window), -1))
+        ids += window
+        texts += [index] * len(window)
+        positions += list(range(start, start + len(window)))
+    cat = lambda key: {layer: torch.cat(parts[key][layer]) for layer in layers}  # noqa: E731
+    return Truth(layers, cat("i"), cat("w"), cat("l"), cat("h"), torch.tensor(ids), torch.tensor(texts),
+                 torch.tensor(positions))
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """A tiny Qwen2-MoE with a tokenizer, its cache (several shards) and the plain-nnsight truth."""
+    hf = tiny_model("qwen2_moe")
+    reference = copy.deepcopy(hf)
+    tokenizer = ascii_tokenizer()
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    cache = analysis.collect_routing(wrapped, TEXTS, batch_size=3, max_length=MAX_LENGTH, logits=True,
+                                     shard_tokens=20, progress=False)
+    token_lists = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in TEXTS]
+    truth = plain_truth(reference, wrapped, token_lists, MAX_LENGTH)
+    return wrapped, hf, cache, truth
+
+
+def test_cache_matches_plain_nnsight(qwen):
+    wrapped, hf, cache, truth = qwen
+    assert cache.layers == truth.layers == [moe.layer for moe in wrapped.moes]
+    assert cache.num_shards > 1
+    assert cache.num_tokens == truth.token_ids.numel() == sum(len(t) for t in TEXTS)
+    assert cache.num_texts == len(TEXTS)
+    assert torch.equal(cache.token_ids(), truth.token_ids)
+    assert torch.equal(cache.text_index(), truth.text_index)
+    assert torch.equal(cache.position(), truth.position)
+    for layer in cache.layers:
+        assert torch.equal(cache.indices(layer), truth.indices[layer])
+        torch.testing.assert_close(cache.weights(layer), truth.weights[layer], atol=WEIGHT_ATOL, rtol=0)
+        torch.testing.assert_close(cache.logits(layer), truth.logits[layer], atol=WEIGHT_ATOL, rtol=1e-3)
+        torch.testing.assert_close(cache.probs(layer), torch.softmax(truth.logits[layer], -1), atol=1e-3, rtol=0)
+
+
+def test_full_precision_cache_and_batch_size_do_not_matter(qwen):
+    wrapped, hf, cache, truth = qwen
+    exact = analysis.collect_routing(wrapped, TEXTS, batch_size=5, max_length=MAX_LENGTH, dtype=torch.float32,
+                                     stop_early=False, progress=False)
+    for layer in exact.layers:
+        assert torch.equal(exact.indices(layer), truth.indices[layer])
+        torch.testing.assert_close(exact.weights(layer), truth.weights[layer], atol=1e-6, rtol=1e-5)
+
+
+def test_usage_is_a_bincount_of_the_plain_indices(qwen):
+    wrapped, hf, cache, truth = qwen
+    usage = analysis.expert_usage(cache)
+    assert usage.tokens == truth.token_ids.numel()
+    for row, layer in enumerate(truth.layers):
+        indices = truth.indices[layer].flatten()
+        assert torch.equal(usage.counts[row], torch.bincount(indices, minlength=8))
+        expected = torch.zeros(8, dtype=torch.float64).index_add_(0, indices, truth.weights[layer].flatten().double())
+        torch.testing.assert_close(usage.weight[row], expected, atol=0.05, rtol=1e-3)
+        assert math.isclose(float(usage.fraction[row].sum()), 1.0)
+
+
+def test_load_balance_by_hand(qwen):
+    wrapped, hf, cache, truth = qwen
+    balance = analysis.load_balance(cache)
+    for row, layer in enumerate(truth.layers):
+        counts = [0] * 8
+        for expert in truth.indices[layer].flatten().tolist():
+            counts[expert] += 1
+        mean = sum(counts) / 8
+        std = math.sqrt(sum((c - mean) ** 2 for c in counts) / 8)
+        shares = [c / sum(counts) for c in counts]
+        entropy = -sum(s * math.log(s) for s in shares if s > 0) / math.log(8)
+        assert math.isclose(float(balance.cv[row]), std / mean, rel_tol=1e-9)
+        assert math.isclose(float(balance.max_over_mean[row]), max(counts) / mean, rel_tol=1e-9)
+        assert math.isclose(float(balance.min_over_mean[row]), min(counts) / mean, rel_tol=1e-9)
+        assert math.isclose(float(balance.entropy[row]), entropy, rel_tol=1e-9)
+        assert int(balance.unused[row]) == counts.count(0)
+
+
+def test_load_balance_extremes():
+    usage = analysis.Usage(layers=[0, 1], counts=torch.tensor([[5, 5, 5, 5], [20, 0, 0, 0]]),
+                           weight=torch.zeros(2, 4, dtype=torch.float64), tokens=10, top_k=[2, 2])
+    balance = analysis.load_balance(usage)
+    assert balance.cv.tolist() == [0.0, pytest.approx(math.sqrt(3))]
+    assert balance.max_over_mean.tolist() == [1.0, 4.0]
+    assert balance.entropy.tolist() == [pytest.approx(1.0), 0.0]
+    assert balance.unused.tolist() == [0, 3]
+
+
+def entropy_by_hand(rows: torch.Tensor) -> list[float]:
+    result = []
+    for row in rows.double().tolist():
+        total = sum(row)
+        p = [value / total for value in row]
+        result.append(-sum(x * math.log(x) for x in p if x > 0) / math.log(len(p)))
+    return result
+
+
+def test_routing_entropy_by_hand(qwen):
+    wrapped, hf, cache, truth = qwen
+    router = analysis.routing_entropy(cache, bins=10)
+    weights = analysis.routing_entropy(cache, "weights", bins=10)
+    assert router.source == "router" and weights.source == "weights"
+    for row, layer in enumerate(truth.layers):
+        expected = entropy_by_hand(torch.softmax(truth.logits[layer].double(), -1))
+        per_token = analysis.token_entropy(cache, layer)
+        torch.testing.assert_close(per_token, torch.tensor(expected, dtype=torch.float64), atol=1e-3, rtol=0)
+        assert math.isclose(float(router.mean[row]), sum(expected) / len(expected), abs_tol=1e-3)
+        assert int(router.histogram[row].sum()) == len(expected)
+        by_weight = entropy_by_hand(truth.weights[layer])
+        assert math.isclose(float(weights.mean[row]), sum(by_weight) / len(by_weight), abs_tol=1e-3)
+
+
+def test_coactivation_by_hand(qwen):
+    wrapped, hf, cache, truth = qwen
+    for layer in truth.layers:
+        expected = torch.zeros(8, 8, dtype=torch.int64)
+        for chosen in truth.indices[layer].tolist():
+            for i in set(chosen):
+                for j in set(chosen):
+                    expected[i, j] += 1
+        result = analysis.coactivation(cache, layer)
+        assert torch.equal(result.counts, expected)
+        conditional = result.conditional()
+        for i in range(8):
+            if expected[i, i]:
+                assert math.isclose(float(conditional[i, (i + 1) % 8]), int(expected[i, (i + 1) % 8]) / int(expected[i, i]))
+
+
+def top1_by_hand(truth: Truth, layer: int) -> list[int]:
+    return [chosen[max(range(len(w)), key=lambda s: w[s])]
+            for chosen, w in zip(truth.indices[layer].tolist(), truth.weights[layer].tolist())]
+
+
+def test_transitions_and_paths_by_hand(qwen):
+    wrapped, hf, cache, truth = qwen
+    first, second = truth.layers[0], truth.layers[1]
+    top = {layer: top1_by_hand(truth, layer) for layer in truth.layers}
+    expected = torch.zeros(8, 8, dtype=torch.int64)
+    for a, b in zip(top[first], top[second]):
+        expected[a, b] += 1
+    assert torch.equal(analysis.transitions(cache, first, second).counts, expected)
+    every = torch.zeros(8, 8, dtype=torch.int64)
+    for chosen_a, chosen_b in zip(truth.indices[first].tolist(), truth.indices[second].tolist()):
+        for a in chosen_a:
+            for b in chosen_b:
+                every[a, b] += 1
+    assert torch.equal(analysis.transitions(cache, first, second, slots="all").counts, every)
+    paths = Counter(zip(*(top[layer] for layer in truth.layers)))
+    result = analysis.expert_paths(cache, top=5)
+    assert [count for _, count in result] == [count for _, count in paths.most_common(5)]
+    for path, count in result:
+        assert paths[path] == count
+
+
+def test_top_tokens_by_hand(qwen):
+    wrapped, hf, cache, truth = qwen
+    layer = truth.layers[-1]
+    pairs: Counter = Counter()
+    seen = Counter(truth.token_ids.tolist())
+    for token, chosen in zip(truth.token_ids.tolist(), truth.indices[layer].tolist()):
+        for expert in chosen:
+            pairs[(expert, token)] += 1
+    for item in analysis.top_tokens(cache, layer, n=4, tokenizer=wrapped.tokenizer):
+        mine = {token: count for (expert, token), count in pairs.items() if expert == item.expert}
+        assert item.total == sum(mine.values())
+        assert item.counts.tolist() == sorted(mine.values(), reverse=True)[: len(item.counts)]
+        for token, count, share, text in zip(item.token_ids.tolist(), item.counts.tolist(), item.share.tolist(), item.tokens):
+            assert mine[token] == count
+            assert math.isclose(share, count / seen[token])
+            assert text == shown(token)
+    by_share = analysis.top_tokens(cache, layer, [0], n=3, by="share", min_count=2)[0]
+    for token, share in zip(by_share.token_ids.tolist(), by_share.share.tolist()):
+        assert seen[token] >= 2 and math.isclose(share, pairs[(0, token)] / seen[token])
+
+
+def test_specialisation_by_hand(qwen):
+    wrapped, hf, cache, truth = qwen
+    labels = torch.tensor([0, 1, 1, 0, 1])  # per text: code, prose
+    spec = analysis.specialisation(cache, labels, ["code", "prose"], per="text")
+    per_token = analysis.specialisation(cache, labels[truth.text_index], ["code", "prose"])
+    assert torch.equal(spec.counts, per_token.counts)
+    for row, layer in enumerate(truth.layers):
+        expected = torch.zeros(8, 2, dtype=torch.int64)
+        for text, chosen in zip(truth.text_index.tolist(), truth.indices[layer].tolist()):
+            for expert in chosen:
+                expected[expert, int(labels[text])] += 1
+        assert torch.equal(spec.counts[row], expected)
+        base = expected.sum(0).double() / expected.sum()
+        share = expected.double() / expected.sum(1, keepdim=True).clamp(min=1)
+        torch.testing.assert_close(spec.lift()[row], share / base)
+    ignored = analysis.specialisation(cache, torch.full((cache.num_tokens,), 255), ["code"])
+    assert int(ignored.counts.sum()) == 0
+    with pytest.raises(MoelensError, match="one entry per cached token"):
+        analysis.specialisation(cache, torch.zeros(3))
+
+
+def test_token_routing_matches_plain_nnsight(qwen):
+    wrapped, hf, cache, truth = qwen
+    text = TEXTS[0]
+    view = analysis.token_routing(wrapped, text)
+    ids = wrapped.tokenizer(text, add_special_tokens=False)["input_ids"]
+    reference = copy.deepcopy(hf)
+    one = plain_truth(reference, wrapped, [ids], 10**6)
+    assert view.tokens == [shown(token) for token in ids]
+    assert view.tokens[:4] == ["d", "e", "f", "\u00b7"]
+    for row, layer in enumerate(one.layers):
+        order = torch.argsort(one.weights[layer], dim=-1, descending=True, stable=True)
+        assert torch.equal(view.indices[row], one.indices[layer].gather(-1, order))
+        torch.testing.assert_close(view.weights[row], one.weights[layer].gather(-1, order))
+        torch.testing.assert_close(view.probs[row], torch.softmax(one.logits[layer], -1))
+    table = view.table()
+    assert table.splitlines()[0].split()[:3] == ["token", "layer", str(one.layers[0])]
+    assert len(table.splitlines()) == 2 + len(text)
+
+
+def test_expert_logit_lens_by_hand(qwen):
+    wrapped, hf, cache, truth = qwen
+    lens = analysis.expert_logit_lens(wrapped, TEXTS, top=5, batch_size=2, max_length=MAX_LENGTH, progress=False)
+    assert lens.norm == "model.norm"
+    for row, layer in enumerate(truth.layers):
+        experts = wrapped.moes[row].experts._module
+        sums = torch.zeros(8, hf.config.hidden_size, dtype=torch.float64)
+        counts = torch.zeros(8, dtype=torch.int64)
+        with torch.no_grad():
+            for token in range(truth.token_ids.numel()):
+                for slot in range(truth.indices[layer].shape[1]):
+                    expert = int(truth.indices[layer][token, slot])
+                    _, out = expert_forward(experts, truth.hidden[layer][token : token + 1], expert)
+                    sums[expert] += (out[0] * truth.weights[layer][token, slot]).double()
+                    counts[expert] += 1
+            assert torch.equal(lens.counts[row], counts)
+            means = sums / counts.clamp(min=1)[:, None]
+            torch.testing.assert_close(lens.mean_outputs[row], means.float(), atol=1e-5, rtol=1e-4)
+            logits = hf.lm_head(hf.model.norm(means.float()))
+        for expert in range(8):
+            if counts[expert]:
+                expected = logits[expert].topk(5).indices
+                assert lens.top_ids[row, expert].tolist() == expected.tolist()
+                assert lens.promoted(layer, expert) == [shown(i) for i in expected.tolist()]
+    relative = analysis.expert_logit_lens(wrapped, TEXTS[:2], top=3, relative=True, progress=False)
+    assert relative.relative and relative.top_ids.shape[-1] == 3
+
+
+# -- other families (no tokenizer: token-id corpora) ---------------------------------------------------
+
+OTHER_FAMILIES = ["mixtral", "deepseek_v3", "dbrx", "llama4"]
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_usage_matches_plain_nnsight_in_other_families(family):
+    hf = tiny_model(family)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    generator = torch.Generator().manual_seed(1)
+    token_lists = [torch.randint(4, 120, (length,), generator=generator).tolist() for length in (7, 3, 9, 5)]
+    cache = analysis.collect_routing(wrapped, token_lists, batch_size=3, max_length=8, logits=True, progress=False)
+    truth = plain_truth(reference, wrapped, token_lists, 8)
+    usage = analysis.expert_usage(cache)
+    assert cache.family == family
+    for row, layer in enumerate(truth.layers):
+        E = cache.num_experts[layer]
+        assert torch.equal(cache.indices(layer), truth.indices[layer])
+        assert torch.equal(usage.counts[row, :E], torch.bincount(truth.indices[layer].flatten(), minlength=E))
+        torch.testing.assert_close(cache.logits(layer), truth.logits[layer], atol=WEIGHT_ATOL, rtol=1e-3)
+    if wrapped.moes[0].experts_implementation == "eager":
+        with pytest.raises(ValueUnavailable, match="grouped_mm" if wrapped.family.experts_call else "expert_outputs"):
+            analysis.expert_logit_lens(wrapped, token_lists, progress=False)
+
+
+def test_no_moe_and_bad_corpus_errors(qwen):
+    wrapped, hf, cache, truth = qwen
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dense = moelens.wrap(Qwen2ForCausalLM(Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=64)))
+    with pytest.raises(MoelensError, match="no Mixture-of-Experts layer"):
+        analysis.collect_routing(dense, [[1, 2, 3]], progress=False)
+    no_tokenizer = moelens.wrap(tiny_model("mixtral"))
+    with pytest.raises(MoelensError, match="no tokenizer"):
+        analysis.collect_routing(no_tokenizer, ["text"], progress=False)
+    with pytest.raises(MoelensError, match="not MoE layers"):
+        analysis.collect_routing(wrapped, TEXTS, layers=[0], progress=False)
+    with pytest.raises(MoelensError, match="no router logits"):
+        analysis.collect_routing(wrapped, TEXTS[:1], progress=False).logits(1)
+    with pytest.raises(MoelensError, match="logits=True"):
+        analysis.routing_entropy(analysis.collect_routing(wrapped, TEXTS[:1], progress=False), "router")
+
+
+def test_plots_are_images(qwen, tmp_path):
+    wrapped, hf, cache, truth = qwen
+    plots = analysis.plots
+    usage = analysis.expert_usage(cache)
+    view = analysis.token_routing(wrapped, TEXTS[0])
+    lens = analysis.expert_logit_lens(wrapped, TEXTS[:2], top=4, progress=False)
+    spec = analysis.specialisation(cache, torch.tensor([0, 1, 1, 0, 1]), ["code", "prose"], per="text")
+    figures = {
+        "usage": plots.plot_usage(usage),
+        "balance": plots.plot_load_balance(usage.balance()),
+        "entropy": plots.plot_entropy(analysis.routing_entropy(cache)),
+        "coactivation": plots.plot_coactivation([analysis.coactivation(cache, layer) for layer in cache.layers]),
+        "transitions": plots.plot_transitions(analysis.transitions(cache, 1, 2)),
+        "tokens": plots.plot_token_routing(view),
+        "top_tokens": plots.plot_top_tokens(analysis.top_tokens(cache, 1, [0, 1], n=3)),
+        "lens": plots.plot_logit_lens(lens),
+        "specialisation": plots.plot_specialisation(spec),
+    }
+    for name, figure in figures.items():
+        path = plots.save(figure, tmp_path / f"{name}.png")
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert path.stat().st_size > 5000, name
