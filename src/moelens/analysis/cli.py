@@ -68,6 +68,8 @@ def register(subparsers: Any) -> None:
     stats.add_argument("--format", choices=("table", "json", "csv"), default="table", help="what to print (default table)")
     stats.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     stats.add_argument("--max-length", type=int, help="window length in tokens (default: model context, at most 512)")
+    stats.add_argument("--blocks", metavar="TEXT",
+                       help="only MoE blocks whose module path contains TEXT (models with several per layer)")
     stats.add_argument("--no-progress", action="store_true", help="no progress bar")
     stats.set_defaults(func=run_stats)
 
@@ -276,7 +278,8 @@ def run_stats(args: argparse.Namespace) -> int:
         raise MoelensError(f"{args.model!r} has no tokenizer, so its text cannot be routed; save one with the model.")
     folder = args.out / "cache" if args.out is not None else None
     cache = collect_routing(model, [text], batch_size=args.batch_size, max_length=args.max_length, logits=True,
-                            folder=str(folder) if folder is not None else None, progress=not args.no_progress)
+                            blocks=args.blocks, folder=str(folder) if folder is not None else None,
+                            progress=not args.no_progress)
     if cache.num_tokens == 0:
         raise MoelensError(f"text file {str(args.text)!r} produced no tokens.")
     stats = layer_stats(cache)

@@ -1,0 +1,111 @@
+"""The routing cache: saved and loaded exactly, streamed to disk in shards, corpora cut into windows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import moelens
+from moelens import analysis
+from moelens.analysis import corpus as corpora
+from moelens.analysis.cache import META_FILE, RoutingCache
+from moelens.errors import MoelensError
+from moelens.testing import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return moelens.wrap(tiny_model("mixtral"))
+
+
+def token_corpus(count: int = 9, seed: int = 3) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 120, (int(n),), generator=generator).tolist()
+            for n in torch.randint(1, 30, (count,), generator=generator)]
+
+
+def assert_same(a: RoutingCache, b: RoutingCache) -> None:
+    assert a.meta() | {"shards": None} == b.meta() | {"shards": None}
+    for name in ("token_ids", "text_index", "position"):
+        assert torch.equal(getattr(a, name)(), getattr(b, name)())
+    for layer in a.layers:
+        assert torch.equal(a.indices(layer), b.indices(layer))
+        assert torch.equal(a.weights(layer), b.weights(layer))
+        if a.has_logits:
+            assert torch.equal(a.logits(layer), b.logits(layer))
+
+
+def test_round_trip(model, tmp_path):
+    cache = analysis.collect_routing(model, token_corpus(), batch_size=4, max_length=16, logits=True,
+                                     shard_tokens=40, progress=False)
+    assert cache.num_shards > 1 and not cache.on_disk
+    folder = cache.save(tmp_path / "cache")
+    meta = json.loads((folder / META_FILE).read_text())
+    assert meta["num_tokens"] == cache.num_tokens and len(meta["shards"]) == cache.num_shards
+    loaded = RoutingCache.load(folder)
+    assert loaded.on_disk and loaded.num_shards == cache.num_shards
+    assert_same(cache, loaded)
+    assert loaded.indices(loaded.layers[0]).dtype == torch.int64
+    stored = next(loaded.shards())
+    assert stored.indices[loaded.layers[0]].dtype == torch.int16
+    assert stored.weights[loaded.layers[0]].dtype == torch.float16
+    assert_same(cache, loaded.materialize())
+    again = loaded.save(tmp_path / "copy")
+    assert_same(cache, RoutingCache.load(again))
+
+
+def test_streaming_to_disk_equals_memory_and_stats_agree(model, tmp_path):
+    corpus = token_corpus(12)
+    memory = analysis.collect_routing(model, corpus, batch_size=3, max_length=8, shard_tokens=25, progress=False)
+    disk = analysis.collect_routing(model, iter(corpus), batch_size=3, max_length=8, shard_tokens=25,
+                                    folder=str(tmp_path / "stream"), progress=False)
+    assert disk.on_disk
+    files = sorted(path.name for path in (tmp_path / "stream").glob("shard-*.safetensors"))
+    assert len(files) == disk.num_shards > 2
+    assert max(tokens for _, tokens in disk._files) < 25 + 3 * 8  # a shard never exceeds one batch past its size
+    assert_same(memory, disk)
+    assert torch.equal(analysis.expert_usage(memory).counts, analysis.expert_usage(disk).counts)
+    layer = memory.layers[1]
+    assert torch.equal(analysis.coactivation(memory, layer).counts, analysis.coactivation(disk, layer).counts)
+
+
+def test_corpus_is_read_lazily(model):
+    seen = []
+
+    def texts():
+        for index, ids in enumerate(token_corpus(6)):
+            seen.append(index)
+            yield ids
+
+    batches = corpora.batches(texts(), None, batch_size=2, max_length=64, pad=0)
+    first = next(batches)
+    assert first.input_ids.shape[0] == 2 and seen == [0, 1]
+
+
+def test_windows_padding_and_positions():
+    ids = torch.arange(10, 30).reshape(2, 10)
+    batches = list(corpora.batches(ids, None, batch_size=3, max_length=4, pad=0))
+    assert [b.input_ids.shape for b in batches] == [torch.Size([3, 4]), torch.Size([3, 4])]
+    first, last = batches
+    assert first.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]]
+    assert first.input_ids[2].tolist() == [18, 19, 0, 0]  # right padding
+    assert first.text_index.tolist() == [0, 0, 0] and first.offset.tolist() == [0, 4, 8]
+    assert last.text_index.tolist() == [1, 1, 1] and last.input_ids[0].tolist() == [20, 21, 22, 23]
+
+
+def test_load_and_corpus_errors(model, tmp_path):
+    with pytest.raises(MoelensError, match="routing.json"):
+        RoutingCache.load(tmp_path)
+    (tmp_path / META_FILE).write_text(json.dumps({"format": 99}))
+    with pytest.raises(MoelensError, match="format 99"):
+        RoutingCache.load(tmp_path)
+    with pytest.raises(MoelensError, match="token ids"):
+        analysis.collect_routing(model, [torch.zeros(2, 2)], progress=False)
+    with pytest.raises(MoelensError, match="batch_size"):
+        analysis.collect_routing(model, [[1, 2]], batch_size=0, progress=False)
+    empty = analysis.collect_routing(model, [[], []], progress=False)
+    assert empty.num_tokens == 0
+    with pytest.raises(MoelensError, match="no tokens"):
+        empty.indices(empty.layers[0])

@@ -1,0 +1,176 @@
+"""The ``moelens demo / inspect / stats`` commands: on moelens-tiny, on a tiny random model of
+another family saved to disk, and clean one-line errors on bad input."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from groundtruth import ascii_tokenizer
+from moelens import analysis
+from moelens.cli import build_parser, main
+from moelens.testing import tiny_model
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TEXT = "def add(a, b):\n    return a + b\n\nThe function add returns the sum of a and b.\n"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny random Mixtral and a dense Qwen2 (each with a tokenizer) saved as checkpoint folders, and a text file."""
+    root = tmp_path_factory.mktemp("cli")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    models = {
+        "mixtral": tiny_model("mixtral"),
+        "dense": Qwen2ForCausalLM(Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=2, vocab_size=128)),
+    }
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        ascii_tokenizer().save_pretrained(root / name)
+    (root / "text.txt").write_text(TEXT, encoding="utf-8")
+    (root / "empty.txt").write_text("  \n", encoding="utf-8")
+    return root
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    status = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def pngs(folder: Path) -> list[str]:
+    files = sorted(folder.glob("*.png"))
+    for path in files:
+        assert path.read_bytes()[:8] == PNG and path.stat().st_size > 5000, path
+    return [path.name for path in files]
+
+
+def test_help_lists_commands(capsys):
+    parser = build_parser()
+    text = parser.format_help()
+    for command in ("demo", "inspect", "stats"):
+        assert command in text
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args([command, "--help"])
+        assert exit_info.value.code == 0
+        assert "usage: moelens " + command in capsys.readouterr().out
+
+
+def test_console_script_help():
+    script = Path(sys.executable).parent / "moelens"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "moelens.cli"]
+    result = subprocess.run(command + ["stats", "--help"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "--text FILE" in result.stdout and "--out OUT" in result.stdout
+
+
+def test_demo_on_moelens_tiny(tmp_path, capsys):
+    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "8"], capsys)
+    assert status == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("token "))
+    assert header.split()[1:3] == ["layer", "0"] and "layer 3" in header
+    assert "cv" in out and "router_entropy" in out
+    names = pngs(tmp_path / "demo")
+    for name in ("token_routing.png", "text_usage.png", "heldout_specialisation.png", "logit_lens.png"):
+        assert name in names
+    assert str((tmp_path / "demo").resolve()) in out
+
+
+def test_inspect_tiny(capsys):
+    status, out, err = run(["inspect", "tiny"], capsys)
+    assert status == 0, err
+    assert "family                 qwen2_moe" in out
+    assert "E=8, k=2" in out and "shared_expert" in out
+    for value in ("router_logits", "expert_indices", "expert_outputs", "shared_expert_output", "mlp_output"):
+        assert f"  {value} " in out
+
+
+def test_inspect_other_family(saved, capsys):
+    status, out, err = run(["inspect", saved / "mixtral", "--json"], capsys)
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["family"] == "mixtral" and report["shared"] == "none"
+    assert [layer["layer"] for layer in report["moe_layers"]] == [0, 1, 2, 3]
+    first = report["moe_layers"][0]
+    assert first["num_experts"] == 8 and first["top_k"] == 2
+    assert first["values"]["router_logits"] == [1, 4, 8]
+    assert first["values"]["expert_outputs"] == [1, 4, 2, 32]
+    assert "shared_expert_output" in first["unavailable"]
+
+
+def test_stats_other_family_matches_the_analysis(saved, tmp_path, capsys):
+    out_dir = tmp_path / "stats"
+    status, out, err = run(["stats", saved / "mixtral", "--text", saved / "text.txt", "--out", out_dir,
+                            "--no-progress"], capsys)
+    assert status == 0, err
+    assert f"{len(TEXT)} tokens" in out and "max_over_mean" in out
+    document = json.loads((out_dir / "stats.json").read_text())
+    cache = analysis.RoutingCache.load(out_dir / "cache")
+    usage = analysis.expert_usage(cache)
+    assert cache.num_tokens == len(TEXT)  # the ascii tokenizer: one token per character
+    for row, layer in enumerate(document["layers"]):
+        counts = usage.counts[row].double()
+        assert layer["cv"] == pytest.approx(float(counts.std(correction=0) / counts.mean()))
+        assert layer["max_over_mean"] == pytest.approx(float(counts.max() / counts.mean()))
+    experts = list(csv.DictReader(io.StringIO((out_dir / "experts.csv").read_text())))
+    assert sum(int(row["count"]) for row in experts) == len(TEXT) * 2 * 4
+    assert len(list(csv.DictReader(io.StringIO((out_dir / "stats.csv").read_text())))) == 4
+    assert {"usage.png", "load_balance.png", "entropy.png", "coactivation.png", "trajectories.png"} <= set(pngs(out_dir))
+
+
+def test_stats_formats_on_tiny(saved, capsys):
+    status, out, err = run(["stats", "tiny", "--text", saved / "text.txt", "--format", "json", "--no-progress"], capsys)
+    assert status == 0, err
+    rows = json.loads(out)["layers"]
+    assert [row["layer"] for row in rows] == [0, 1, 2, 3]
+    assert all(0 <= row["router_entropy"] <= 1 and row["experts"] == 8 for row in rows)
+    status, out, err = run(["stats", "tiny", "--text", saved / "text.txt", "--format", "csv", "--no-progress"], capsys)
+    assert status == 0, err
+    assert out.splitlines()[0].startswith("layer,tokens,experts,top_k,cv")
+    assert len(out.splitlines()) == 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["inspect", "{root}/nowhere"], "no model at"),
+        (["inspect", "{root}"], "not a transformers checkpoint folder"),
+        (["inspect", "{root}/dense"], "not a Mixture-of-Experts model"),
+        (["stats", "{root}/dense", "--text", "{root}/text.txt"], "not a Mixture-of-Experts model"),
+        (["stats", "{root}/mixtral", "--text", "{root}/empty.txt"], "is empty"),
+        (["stats", "{root}/mixtral", "--text", "{root}/missing.txt"], "does not exist"),
+        (["demo", "--text", "{root}/empty.txt"], "is empty"),
+    ],
+    ids=["unknown-path", "not-a-checkpoint", "inspect-dense", "stats-dense", "empty-text", "missing-text", "demo-empty"],
+)
+def test_bad_input_fails_cleanly(saved, capsys, argv, message):
+    status, out, err = run([arg.format(root=saved) for arg in argv], capsys)
+    assert status == 2
+    lines = [line for line in err.splitlines() if "error" in line.lower()]  # (progress bars aside)
+    assert len(lines) == 1 and lines[0].startswith(f"moelens {argv[0]}: error: ") and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_missing_tiny_checkpoint_is_a_clean_error(monkeypatch, tmp_path, capsys):
+    import moelens.data
+
+    monkeypatch.setattr(moelens.data, "TINY_MODEL_PATH", tmp_path / "moelens-tiny")
+    status, out, err = run(["inspect", "tiny"], capsys)
+    assert status == 2 and "moelens-tiny is not installed" in err
+
+
+def test_no_command_prints_help(capsys):
+    status, out, err = run([], capsys)
+    assert status == 1 and "demo" in out
+    assert torch.get_num_threads() == 1
