@@ -8,7 +8,7 @@ on the unflattened residual and are added plainly.
 
 from __future__ import annotations
 
-from .entry import Combine, Family, Scoring, SharedExpert
+from .entry import Combine, ExpertGate, Family, Scoring, SharedExpert
 
 #: DeepSeek-V3: sigmoid scores, selection on score + correction bias inside the
 #: best groups (group score = sum of its top-2), weights = gathered sigmoid,
@@ -53,7 +53,8 @@ FAMILIES = [
     _ds3("glm4v_moe", "Glm4vMoeTextMoE", ("glm4v_moe", "glm4v_moe_text")),
     _ds3("glm_moe_dsa", "GlmMoeDsaMoE"),
     _ds3("glm5_next", "Glm5NextTextMoE", ("glm5_next", "glm5_next_text"),
-         notes=f"Clamped SwiGLU experts; hyper-connection residuals. {UNSORTED}"),
+         notes=f"Clamped SwiGLU experts; hyper-connection residuals. {UNSORTED}",
+         expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
     _ds3("dots1", "Dots1MoE"),
     _ds3("dots3_note", "Dots3NoteTextMoE", ("dots3_note", "dots3_note_text")),
     _ds3("kimi_linear", "KimiLinearMoE"),
@@ -63,7 +64,7 @@ FAMILIES = [
     _ds3("axk1", "AXK1MoE", combine=Combine(block_post="post_mlp_layernorm"),
          notes=f"The block returns post_mlp_layernorm(routed + shared). {UNSORTED}"),
     _ds3("axk2", "AXK2MoE"),
-    _ds3("hy_v4", "HYV4MoE"),
+    _ds3("hy_v4", "HYV4MoE", expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
     _ds3("mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
     Family("mistral4", ("mistral4",), ("Mistral4MoE",), scoring=SMG, shared=SHARED_AFTER,
            notes=f"Logits keep the model dtype. {UNSORTED} {WEIGHT_SUM}"),

@@ -34,6 +34,9 @@ VALUE_NAMES = (
 #: When a served shared-expert value is produced, relative to the routed path.
 SHARED_TIMES = ("before_router", "before_experts", "after_experts", "after_block")
 
+#: What gated experts may compute from their gate and up projections (`ExpertGate.kind`).
+EXPERT_GATES = ("glu", "clamped_swiglu", "clamped_glu", "softcapped_glu")
+
 
 @dataclass(frozen=True)
 class Scoring:
@@ -141,6 +144,26 @@ class Combine:
 
 
 @dataclass(frozen=True)
+class ExpertGate:
+    """What a family's gated experts compute from their gate and up projections, when the
+    experts class overrides transformers' default ``act_fn(gate) * up`` (its ``_apply_gate``).
+
+    Attributes:
+        kind: One of `EXPERT_GATES`. ``"glu"``: ``act_fn(gate) * up``, the default's maths
+            (computed in float32, say); ``"clamped_swiglu"`` (gpt-oss): ``g = min(gate, limit)``,
+            ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``;
+            ``"clamped_glu"``: ``act_fn(min(gate, limit)) * clamp(up, -limit, limit)`` (silu when
+            the experts have no act_fn); ``"softcapped_glu"``: a softcapped SwiGLU (inkling2).
+        alpha: The sigmoid's slope of ``clamped_swiglu``: attribute reference or number.
+        limit: The clamp limit: attribute reference or number.
+    """
+
+    kind: str = "glu"
+    alpha: float | str | None = None
+    limit: float | str | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     """One MoE family: where its parts live and what its values mean.
 
@@ -165,6 +188,9 @@ class Family:
         derived_routing: Weights and indices are recomputed from the logits with the
             family's scoring (read-only), for families with no experts call (llama4).
         notes: Quirks worth knowing, shown in docs and ``moelens inspect``.
+        expert_gate: What the gated experts compute when their class overrides
+            transformers' default gate, or None (``act_fn(gate) * up``; ``act_fn(up)`` for
+            ungated experts). Read by the NNEF export.
     """
 
     name: str
@@ -183,6 +209,7 @@ class Family:
     refused: Mapping[str, str] = field(default_factory=dict)
     derived_routing: bool = False
     notes: str = ""
+    expert_gate: ExpertGate | None = None
 
     def resolve(self, reference: Any, block: Any) -> Any:
         """The value an attribute reference names, read from the live block module.

@@ -3,7 +3,7 @@ the top-k of score + a selection bias, with no expert groups."""
 
 from __future__ import annotations
 
-from .entry import Combine, Family, Scoring, SharedExpert
+from .entry import Combine, ExpertGate, Family, Scoring, SharedExpert
 
 
 def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid") -> Scoring:
@@ -37,7 +37,8 @@ FAMILIES = [
     Family("minimax_m3_vl", ("minimax_m3_vl", "minimax_m3_vl_text"), ("MiniMaxM3VLSparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias"),
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
-           notes="Clamped SwiGLU experts; the block returns routed * routed_scaling_factor + shared."),
+           notes="Clamped SwiGLU experts; the block returns routed * routed_scaling_factor + shared.",
+           expert_gate=ExpertGate("clamped_swiglu", alpha="experts.swiglu_alpha", limit="experts.swiglu_limit")),
     Family("hy_v3", ("hy_v3",), ("HYV3MoE",),
            scoring=sgb("block.e_score_correction_bias", scale="router.router_scaling_factor"),
            shared=SharedExpert("shared_experts", when="after_experts"),
@@ -46,7 +47,8 @@ FAMILIES = [
            scoring=Scoring("sigmoid", "group_topk", normalize="router.norm_topk_prob",
                            selection_bias="router.e_score_correction_bias",
                            groups=("router.num_group", "router.topk_group"), code="DS3 (no rsf)"),
-           combine=SCALED_ROUTED, notes="The block, not the router, multiplies by routed_scaling_factor."),
+           combine=SCALED_ROUTED, notes="The block, not the router, multiplies by routed_scaling_factor.",
+           expert_gate=ExpertGate("glu")),
     Family("muse_spark", ("muse_spark", "muse_spark_text"), ("MuseSparkMoE",), logits_op="router_logits_1",
            scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor"),
            combine=Combine(routed_post="post_expert_proj"),
@@ -63,7 +65,8 @@ FAMILIES = [
                        scale="router.routed_scaling_factor"),
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Hash layers (the first num_hash_layers) pick experts from a token-id table: there the "
-                 "logits only weight the experts, so writing them does not change which experts run."),
+                 "logits only weight the experts, so writing them does not change which experts run.",
+           expert_gate=ExpertGate("clamped_glu", limit="experts.limit")),
     Family("inkling", ("inkling", "inkling_text"), ("InklingMoE",),
            scoring=Scoring("sigmoid", "score_topk", normalize=True, scale="router.route_scale",
                            selection_bias="router.e_score_correction_bias", code="SGB, logsigmoid-normalised"),
@@ -74,5 +77,6 @@ FAMILIES = [
     Family("inkling2", ("inkling2", "inkling2_text"), ("Inkling2SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
                        scale="router.routed_scaling_factor"),
-           notes="Softcapped SwiGLU experts; the router weight must stay float32."),
+           notes="Softcapped SwiGLU experts; the router weight must stay float32.",
+           expert_gate=ExpertGate("softcapped_glu")),
 ]

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-from .entry import Combine, Family, Scoring, SharedExpert
+from .entry import Combine, ExpertGate, Family, Scoring, SharedExpert
 
 TK_SM = Scoring("softmax", "logit_topk", normalize=True, code="TK->SM")
 GRANITE_SHARED = SharedExpert("shared_mlp", on_layer=True, when="after_block")
+#: gpt-oss experts: clamped SwiGLU with a sigmoid slope (alpha) and an offset up branch.
+CLAMPED_SWIGLU = ExpertGate("clamped_swiglu", alpha="experts.alpha", limit="experts.limit")
 
 FAMILIES = [
     Family("gpt_oss", ("gpt_oss",), ("GptOssMLP",), router="router", scoring=TK_SM,
            combine=Combine(output_index=0),
            notes="Experts: transposed weights with biases, interleaved clamped SwiGLU. The block returns "
-                 "(hidden, router_scores) and carries a hub-kernel decorator (use_kernels=True hides its ops)."),
+                 "(hidden, router_scores) and carries a hub-kernel decorator (use_kernels=True hides its ops).",
+           expert_gate=CLAMPED_SWIGLU),
     Family("openai_privacy_filter", ("openai_privacy_filter",), ("OpenAIPrivacyFilterMLP",), router="router",
            scoring=Scoring("softmax", "logit_topk", normalize=True, code="TK->SM/k"),
            combine=Combine(routed_scale="block.num_experts", output_index=0),
            notes="An encoder; defaults to the eager experts implementation. The router divides the weights by k and the "
-                 "block multiplies the experts output by num_experts."),
+                 "block multiplies the experts output by num_experts.",
+           expert_gate=CLAMPED_SWIGLU),
     Family("granitemoe", ("granitemoe",), ("GraniteMoeMoE",), block_attr="block_sparse_moe", router="router",
            scoring=TK_SM, notes="The block is `block_sparse_moe` (aliased mlp); the layer scales by residual_multiplier."),
     Family("granitemoe_swa", ("granitemoe_swa",), ("GraniteMoeSWAMoE",), block_attr="block_sparse_moe",

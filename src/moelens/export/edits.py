@@ -1,0 +1,227 @@
+"""`Edits`: moelens interventions baked into an exported model's weights.
+
+An intervention made in a trace lasts one run; an exported model has no trace. The
+ones that are the same for every token can be written into the op's inputs instead:
+
+===================  ====================================  ==================================
+edit                 moelens intervention (in a trace)     baked into the archive
+===================  ====================================  ==================================
+``ablate``           ``ablate(moe, e)`` (zero)             expert e's down projection (and its
+                                                           bias) set to zero: its slots stay,
+                                                           contributing nothing
+``route_around``     ``ablate(moe, e, "route_around")``    router bias ``wg_bias[e] = -inf``:
+                                                           the router picks the best others
+``steer``            ``steer(moe, e, bias)``               ``wg_bias[e] += bias``
+``swap``             ``ablate(moe, e, "swap", to=j)``      expert e's weights replaced by j's
+===================  ====================================  ==================================
+
+``force`` (raise experts above every other logit by a per-token amount) and ``reroute``
+(per-token) cannot be written into constant weights: an `Edits` asking for ``force`` is
+refused, not dropped. Expert weights edited in place on the torch module need no `Edits`:
+the export copies the module's current weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .errors import ExportError, ExportRefused
+from .spec import MoeSpec
+
+#: The edit kinds, in the order they are applied (routing before outputs).
+KINDS = ("steer", "route_around", "swap", "ablate", "force")
+
+
+def _experts(values: Any) -> tuple[int, ...]:
+    values = [values] if isinstance(values, int) else list(values)
+    return tuple(int(value) for value in values)
+
+
+@dataclass(frozen=True)
+class Edits:
+    """Interventions to bake into the export, by decoder layer index (``moe.layer``).
+
+    Attributes:
+        ablate: ``{layer: [experts]}``: zero ablation (the expert's slots contribute nothing).
+        route_around: ``{layer: [experts]}``: the router never picks them (route-around ablation).
+        steer: ``{layer: {expert: bias}}``: ``bias`` added to the expert's router logit.
+        swap: ``{layer: {expert: to}}``: the expert's slots run expert ``to`` instead.
+        force: ``{layer: [experts]}``: not expressible in constant weights; always refused.
+
+    Example::
+
+        edits = Edits(route_around={1: [3]}, steer={2: {5: 2.0}})
+        moelens.export.to_nnef(model, "steered.nnef.tgz", edits=edits)
+        with model.trace(ids):          # the same run in torch
+            edits.intervene(model)
+            logits = model.output.logits.save()
+    """
+
+    ablate: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    route_around: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    steer: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
+    swap: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
+    force: Mapping[int, Sequence[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Normalise: int layers, tuples of int experts, float biases.
+        object.__setattr__(self, "ablate", {int(k): _experts(v) for k, v in dict(self.ablate).items() if _experts(v)})
+        object.__setattr__(
+            self, "route_around", {int(k): _experts(v) for k, v in dict(self.route_around).items() if _experts(v)}
+        )
+        object.__setattr__(self, "force", {int(k): _experts(v) for k, v in dict(self.force).items() if _experts(v)})
+        object.__setattr__(
+            self, "steer", {int(k): {int(e): float(b) for e, b in dict(v).items()} for k, v in dict(self.steer).items() if v}
+        )
+        object.__setattr__(
+            self, "swap", {int(k): {int(e): int(t) for e, t in dict(v).items()} for k, v in dict(self.swap).items() if v}
+        )
+        for layer, biases in self.steer.items():
+            bad = [e for e, b in biases.items() if not math.isfinite(b)]
+            if bad:
+                raise ExportError(f"Edits.steer[{layer}]: the biases of experts {bad} are not finite; use "
+                                  "route_around to remove an expert.")
+
+    def __bool__(self) -> bool:
+        return any((self.ablate, self.route_around, self.steer, self.swap, self.force))
+
+    def layers(self) -> list[int]:
+        """The layers with an edit."""
+        return sorted({layer for kind in KINDS for layer in getattr(self, kind)})
+
+    # -- checking and baking -------------------------------------------------------
+
+    def check(self, blocks: Mapping[int, tuple[int, int]]) -> None:
+        """Check the edits against the model's MoE layers (layer -> (num_experts, k)).
+
+        Raises `ExportRefused` for an edit tract cannot express, `ExportError` for a wrong one.
+        """
+        if self.force:
+            layer = min(self.force)
+            raise ExportRefused(
+                f"Edits.force[{layer}] cannot be baked into the export: moelens.force raises the forced experts' "
+                "logits above every other expert's by a per-token amount (the token's logit range + 30), which no "
+                "constant router bias reproduces. Steer the experts with a large bias instead "
+                f"(Edits(steer={{{layer}: {{expert: 30.0}}}})), or export without it."
+            )
+        unknown = [layer for layer in self.layers() if layer not in blocks]
+        if unknown:
+            raise ExportError(
+                f"Edits name layers {unknown}, which hold no exported MoE block; the MoE layers are {sorted(blocks)}."
+            )
+        for layer in self.layers():
+            num_experts, k = blocks[layer]
+            named = {
+                "ablate": self.ablate.get(layer, ()),
+                "route_around": self.route_around.get(layer, ()),
+                "steer": tuple(self.steer.get(layer, {})),
+                "swap": tuple(self.swap.get(layer, {})) + tuple(self.swap.get(layer, {}).values()),
+            }
+            for kind, experts in named.items():
+                bad = [e for e in experts if not 0 <= e < num_experts]
+                if bad:
+                    raise ExportError(f"Edits.{kind}[{layer}]: experts {bad} are out of range 0..{num_experts - 1}.")
+            both = sorted(set(self.ablate.get(layer, ())) & set(self.swap.get(layer, {})))
+            if both:
+                raise ExportError(f"Edits at layer {layer}: experts {both} are both zero-ablated and swapped; pick one.")
+            left = num_experts - len(set(self.route_around.get(layer, ())))
+            if left < k:
+                raise ExportRefused(
+                    f"Edits.route_around[{layer}] leaves {left} experts for top-{k} routing: the router would have "
+                    "to pick removed experts, which a router bias of -inf cannot express."
+                )
+
+    def bake(self, spec: MoeSpec) -> MoeSpec:
+        """A copy of ``spec`` with this layer's edits written into its weights."""
+        layer = spec.layer
+        if layer not in self.layers():
+            return spec
+        spec = spec.clone()
+        biases = self.steer.get(layer, {})
+        removed = self.route_around.get(layer, ())
+        if biases or removed:
+            wg_bias = spec.wg_bias if spec.wg_bias is not None else spec.wg.new_zeros(spec.num_experts)
+            for expert, bias in biases.items():
+                wg_bias[expert] += bias
+            for expert in removed:
+                wg_bias[expert] = -math.inf
+            spec.wg_bias = wg_bias
+        originals = {name: getattr(spec, name).clone() for name in ("w1", "w2", "w3", "w1_bias", "w3_bias", "w2_bias")
+                     if getattr(spec, name) is not None}
+        for expert, to in self.swap.get(layer, {}).items():
+            for name, tensor in originals.items():
+                getattr(spec, name)[expert] = tensor[to]
+        for expert in self.ablate.get(layer, ()):
+            spec.w2[expert] = 0.0
+            if spec.w2_bias is not None:
+                spec.w2_bias[expert] = 0.0
+        spec.notes.append(f"edits: {self.describe(layer)}")
+        return spec
+
+    def describe(self, layer: int) -> str:
+        """The edits of one layer, in words."""
+        parts = []
+        if self.steer.get(layer):
+            parts.append("steer " + ", ".join(f"{e}{b:+g}" for e, b in self.steer[layer].items()))
+        if self.route_around.get(layer):
+            parts.append(f"route around {list(self.route_around[layer])}")
+        if self.swap.get(layer):
+            parts.append("swap " + ", ".join(f"{e}->{t}" for e, t in self.swap[layer].items()))
+        if self.ablate.get(layer):
+            parts.append(f"ablate {list(self.ablate[layer])}")
+        return "; ".join(parts)
+
+    # -- the same edits in a trace -----------------------------------------------------
+
+    def apply(self, moe: Any) -> None:
+        """Inside a trace: make the same edits on one `Moe` with moelens' interventions."""
+        from ..interventions import ablate, steer
+
+        layer = moe.layer
+        for expert, bias in self.steer.get(layer, {}).items():
+            steer(moe, expert, bias)
+        for expert in self.route_around.get(layer, ()):
+            ablate(moe, expert, "route_around")
+        for expert in self.ablate.get(layer, ()):
+            ablate(moe, expert, "zero")
+        for expert, to in self.swap.get(layer, {}).items():
+            ablate(moe, expert, "swap", to=to)
+
+    def intervene(self, model: Any) -> None:
+        """Inside a trace of a wrapped model: make every edit, block by block in layer order."""
+        wanted = set(self.layers())
+        for moe in model.moes:
+            if moe.layer in wanted:
+                self.apply(moe)
+
+    # -- serialisation ---------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """A JSON text of the edits (stored in the archive's properties)."""
+        data = {kind: {str(layer): (value if isinstance(value, tuple) else {str(e): v for e, v in value.items()})
+                       for layer, value in getattr(self, kind).items()}
+                for kind in KINDS if getattr(self, kind)}
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Edits":
+        """The edits a `to_json` text describes."""
+        data = json.loads(text) if text else {}
+        return cls(**{kind: data.get(kind, {}) for kind in KINDS})
+
+
+def as_edits(edits: Edits | Mapping[str, Any] | None) -> Edits:
+    """`Edits` from an `Edits`, a dict of its fields, or None."""
+    if edits is None:
+        return Edits()
+    if isinstance(edits, Edits):
+        return edits
+    if isinstance(edits, Mapping):
+        unknown = set(edits) - set(KINDS)
+        if unknown:
+            raise ExportError(f"unknown edit kinds {sorted(unknown)}; Edits takes {list(KINDS)}.")
+        return Edits(**edits)
+    raise ExportError(f"edits must be a moelens.export.Edits (or a dict of its fields), got {type(edits).__name__}.")

@@ -1,0 +1,336 @@
+"""`to_nnef`: export a wrapped model (or one block) to NNEF with one tract_moe_ffn per MoE block.
+
+The export works on a float32 deep copy of the model: each MoE block of the copy is
+replaced by an `ExportBlock` whose routed part is a `TractMoeFfn` (read from the block
+through its family entry, self-checked against the real block, edits baked in), and
+torch-to-nnef traces the rest (attention, norms, shared experts, the family's
+combination) into standard NNEF. The user's model is never changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from .archive import size, write
+from .block import ExportBlock, TractMoeFfn, check_block
+from .edits import Edits, as_edits
+from .errors import ExportError, ExportRefused
+from .spec import MoeSpec, read_spec
+from .target import Target, resolve
+
+#: Expert weight storage: None (float32) or "q4_0".
+QUANTIZATIONS = (None, "q4_0")
+#: Expert weight layouts of tract_moe_ffn.
+LAYOUTS = ("canonical", "linear")
+
+
+@dataclass
+class BlockReport:
+    """What one exported block became."""
+
+    layer: int | None
+    family: str
+    gate: str
+    activation: str
+    k: int
+    num_experts: int
+    edits: str = ""
+
+
+@dataclass
+class ExportReport:
+    """The result of `to_nnef`.
+
+    Attributes:
+        path: The archive (or folder) written.
+        kind: ``"model"`` or ``"block"``.
+        blocks: One `BlockReport` per tract_moe_ffn call, in layer order.
+        input_name, output_name: The archive's input and output.
+        bytes: Size on disk.
+        seconds: Export time (copy, checks, tracing, writing; not the verification).
+        verification: The `Verification` (None with ``verify=False``).
+    """
+
+    path: Path
+    kind: str
+    blocks: list[BlockReport] = field(default_factory=list)
+    input_name: str = ""
+    output_name: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    verification: Any = None
+
+
+def to_nnef(
+    model: Any,
+    path: str | Path,
+    *,
+    example_inputs: torch.Tensor | None = None,
+    dynamic_tokens: bool = False,
+    quantize_experts: str | None = None,
+    layout: str = "canonical",
+    verify: bool = True,
+    edits: Edits | dict | None = None,
+) -> ExportReport:
+    """Export ``model`` to NNEF for tract: one tract_moe_ffn call per MoE block.
+
+    Args:
+        model: A wrapped model (``moelens.wrap`` / ``moelens.load``) or a transformers
+            model (exported as ``input_ids -> logits``, or ``-> last_hidden_state`` for a
+            base model), or one block ``model.moes[i]`` (``hidden_states -> mlp_output``).
+        path: Where to write: ``*.nnef.tgz`` (default form), ``*.tar``, or a folder.
+        example_inputs: What the export traces: token ids ``[batch, seq]`` for a model,
+            hidden states ``[batch, seq, D]`` for a block (default: seeded ``[1, 8]``).
+            The archive's shapes are these shapes unless ``dynamic_tokens``.
+        dynamic_tokens: Make the token axis symbolic (``S``): block exports only (a whole
+            model's causal mask bakes in its traced length in torch-to-nnef).
+        quantize_experts: None (float32) or ``"q4_0"`` (expert w1/w2/w3 as tract Q4_0).
+        layout: Expert weight layout, ``"canonical"`` or ``"linear"`` (often faster with q4_0).
+        verify: Run the archive in tract on ``example_inputs`` and check it against torch
+            (see `moelens.export.verify`); raises `ExportError` when it does not match.
+        edits: `Edits` to bake in (ablations, route-around, steering, swaps).
+
+    Returns:
+        An `ExportReport`.
+
+    Raises:
+        ExportRefused: A family, block or edit tract_moe_ffn cannot express (the message
+            says which part), or something the export would drop (hooks, nnsight edits).
+        ExportError: Bad arguments, a missing ``export`` extra, a failed verification.
+    """
+    if quantize_experts not in QUANTIZATIONS:
+        raise ExportError(f"quantize_experts must be one of {QUANTIZATIONS}, got {quantize_experts!r}.")
+    if layout not in LAYOUTS:
+        raise ExportError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+    edits = as_edits(edits)
+    started = time.perf_counter()
+    target = resolve(model)
+    if dynamic_tokens and target.kind == "model":
+        raise ExportError(
+            "dynamic_tokens=True works for block exports only: torch-to-nnef bakes the traced length into a whole "
+            "model's causal mask and rotary positions. Export at the token count you run, export blocks "
+            "(model.moes[i]) with dynamic_tokens=True, or use torch-to-nnef-llm for a KV-cached decoder."
+        )
+    prepared = prepare(target, quantize_experts=quantize_experts, layout=layout, edits=edits)
+    inputs = example_inputs if example_inputs is not None else default_inputs(target)
+    inputs = _check_inputs(target, inputs)
+    path = Path(path)
+    with tempfile.TemporaryDirectory(prefix="moelens-nnef-") as folder:
+        exported = Path(folder) / "model.nnef"
+        _trace(prepared.root, inputs, exported, target, dynamic_tokens, _properties(target, prepared, quantize_experts, layout, edits))
+        write(exported, path)
+    report = ExportReport(
+        path=path, kind=target.kind, blocks=prepared.reports, input_name=input_name(target),
+        output_name=output_name(target), bytes=size(path), seconds=time.perf_counter() - started,
+    )
+    if verify:
+        from .verification import check_export
+
+        report.verification = check_export(path, model, prepared, inputs)
+    return report
+
+
+@dataclass
+class Prepared:
+    """The float32 copy ready to trace, and what each block became."""
+
+    root: torch.nn.Module
+    specs: dict[int | None, MoeSpec]
+    reports: list[BlockReport]
+
+
+class TokensToLogits(torch.nn.Module):
+    """``input_ids -> logits`` (or the last hidden state) of a transformers model, all tokens attended."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        parameters = inspect.signature(model.forward).parameters
+        keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        self._use_cache = "use_cache" in parameters or keywords
+        if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+            model.config.use_cache = False  # no KV cache: its concatenations are not part of one forward
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # An explicit mask keeps transformers off its packed-sequence detection (torch.diff with prepend),
+        # which torch-to-nnef cannot trace.
+        kwargs = {"attention_mask": torch.ones_like(input_ids)}
+        if self._use_cache:
+            kwargs["use_cache"] = False
+        output = self.model(input_ids=input_ids, **kwargs)
+        for name in ("logits", "last_hidden_state"):
+            value = getattr(output, name, None)
+            if value is not None:
+                return value
+        return output[0]
+
+
+def prepare(target: Target, *, quantize_experts: str | None = None, layout: str = "canonical",
+            edits: Edits | None = None) -> Prepared:
+    """A float32 deep copy of the target with every MoE block replaced by an `ExportBlock`.
+
+    Each block's spec is read through its family entry, checked against the real block
+    on random inputs (`check_block`), and then edited (`Edits.bake`).
+    """
+    edits = edits or Edits()
+    module = copy.deepcopy(target.module).float().eval()
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    specs: dict[int | None, MoeSpec] = {}
+    reports: list[BlockReport] = []
+    replacements: list[tuple[str, ExportBlock]] = []
+    for block in target.blocks:
+        live = module.get_submodule(block.name) if block.name else module
+        spec = read_spec(block.family, live, block.layer)
+        check_block(block.family, live, spec)
+        if block.layer in specs and edits and block.layer in edits.layers():
+            raise ExportRefused(f"layer {block.layer} holds several MoE blocks, so Edits keyed by layer are ambiguous.")
+        specs[block.layer] = spec
+    if edits:
+        edits.check({layer: (spec.num_experts, spec.k) for layer, spec in specs.items()})
+    for block in target.blocks:
+        live = module.get_submodule(block.name) if block.name else module
+        spec = edits.bake(specs[block.layer])
+        specs[block.layer] = spec
+        moe = TractMoeFfn(spec, quantize=quantize_experts, layout=layout)
+        replacements.append((block.name, ExportBlock(block.family, live, moe, root=not block.name)))
+        reports.append(BlockReport(block.layer, block.family.name, spec.gate, spec.activation, spec.k,
+                                   spec.num_experts, edits.describe(block.layer) if block.layer is not None else ""))
+    if target.kind == "block":
+        return Prepared(replacements[0][1], specs, reports)
+    for name, replacement in replacements:
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, replacement)
+    _eager_attention(module)
+    return Prepared(TokensToLogits(module), specs, reports)
+
+
+def _eager_attention(module: torch.nn.Module) -> None:
+    """Plain (eager) attention: what torch-to-nnef traces on every transformers version."""
+    setter = getattr(module, "set_attn_implementation", None)
+    try:
+        if callable(setter):
+            setter("eager")
+        elif getattr(module, "config", None) is not None:
+            module.config._attn_implementation = "eager"
+    except (ValueError, AttributeError):  # a model without eager attention keeps its own
+        pass
+
+
+def input_name(target: Target) -> str:
+    return "hidden_states" if target.kind == "block" else "input_ids"
+
+
+def output_name(target: Target) -> str:
+    return "mlp_output" if target.kind == "block" else "logits"
+
+
+def default_inputs(target: Target, tokens: int = 8, seed: int = 0) -> torch.Tensor:
+    """Seeded example inputs: ``[1, tokens]`` token ids (never 0..2) or ``[1, tokens, D]`` hidden states."""
+    generator = torch.Generator().manual_seed(seed)
+    if target.kind == "block":
+        from ..families.entry import get_path
+
+        router = get_path(target.module, target.family.router)
+        hidden = next(p.shape[-1] for p in router.parameters() if p.dim() == 2)
+        return torch.randn(1, tokens, hidden, generator=generator)
+    vocab = int(getattr(getattr(target.module, "config", None), "vocab_size", None) or 128)
+    return torch.randint(3, vocab, (1, tokens), generator=generator)
+
+
+def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:
+    if isinstance(inputs, dict):
+        inputs = inputs.get("input_ids", inputs.get("hidden_states"))
+    if not isinstance(inputs, torch.Tensor):
+        raise ExportError(f"example_inputs must be a tensor (token ids or hidden states), got {type(inputs).__name__}.")
+    if target.kind == "model" and (inputs.is_floating_point() or inputs.dim() != 2):
+        raise ExportError(f"a model export takes token ids [batch, seq] as example_inputs, got {inputs.dtype} "
+                          f"{tuple(inputs.shape)}.")
+    if target.kind == "block" and (not inputs.is_floating_point() or inputs.dim() not in (2, 3)):
+        raise ExportError(f"a block export takes hidden states [batch, seq, D] as example_inputs, got {inputs.dtype} "
+                          f"{tuple(inputs.shape)}.")
+    return inputs.float() if inputs.is_floating_point() else inputs.long()
+
+
+def _properties(target: Target, prepared: Prepared, quantize: str | None, layout: str, edits: Edits) -> dict[str, str]:
+    """What the archive records about itself (read back by `verify`)."""
+    return {
+        "moelens_version": __version__,
+        "moelens_kind": target.kind,
+        "moelens_family": target.family.name,
+        "moelens_layers": ",".join(str(r.layer) for r in prepared.reports),
+        "moelens_quantize_experts": quantize or "none",
+        "moelens_layout": layout,
+        "moelens_edits": edits.to_json(),
+    }
+
+
+def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Target, dynamic: bool,
+           properties: dict[str, str]) -> None:
+    """torch-to-nnef: trace ``root`` on ``inputs`` and write the NNEF folder."""
+    try:
+        from torch_to_nnef import export_model_to_nnef
+        from torch_to_nnef.inference_target import TractNNEF
+
+        from . import extractor  # noqa: F401 - registers the TractMoeFfn extractor
+        from .runner import tract_module
+        from .tract_cli import standin_path
+    except ImportError as error:
+        raise ExportError(
+            f"NNEF export needs the export extra ({error.name} is missing): pip install 'moelens[export]'."
+        ) from error
+
+    class MoelensTract(TractNNEF):
+        """tract target whose properties record versions and moelens' settings, nothing of the machine."""
+
+        def specific_fragments(self, model: torch.nn.Module) -> dict[str, str]:
+            fragments = super().specific_fragments(model)
+            text = fragments["tract_core_properties"]
+            text = re.sub(r'    \("(export_cmd|export_date|os|hostname|user)", "[^"\n]*"\),?\n', "", text)
+            fragments["tract_core_properties"] = text
+            return fragments
+
+    name_in, name_out = input_name(target), output_name(target)
+    version = tract_module().version()
+    tract_target = MoelensTract(
+        version,
+        check_io=False,
+        dynamic_axes={name_in: {inputs.dim() - 2: "S"}} if dynamic else None,
+        specific_tract_binary_path=standin_path(),
+        dump_identity_properties=False,
+        specific_properties=properties,
+    )
+    logging.getLogger("torch_to_nnef").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            export_model_to_nnef(
+                model=root,
+                args=(inputs,),
+                file_path_export=folder,
+                inference_target=tract_target,
+                input_names=[name_in],
+                output_names=[name_out],
+                compression_level=None,
+                log_level=logging.ERROR,
+            )
+        except ExportRefused:
+            raise
+        except Exception as error:
+            raise ExportError(
+                f"torch-to-nnef could not export this {target.kind} ({type(error).__name__}: {error}). The MoE blocks "
+                "were accepted; the failing part is elsewhere in the model (an attention or layer type "
+                "torch-to-nnef does not trace): export its MoE blocks (model.moes[i]) instead."
+            ) from error

@@ -1,0 +1,209 @@
+"""How a family's routing maps onto tract_moe_ffn's gate modes, read from `Family.scoring`.
+
+tract computes ``logits = x @ wg.T (+ wg_bias)``, takes the top-k logits and weights them
+with one of four gate modes:
+
+================  ===================================================  ==========================
+gate              weights of the k chosen experts                      moelens scoring
+================  ===================================================  ==========================
+``softmax_topk``  softmax over the k chosen logits                     softmax, renormalised
+                                                                       (``SM+``, ``TK->SM``)
+``softmax_all``   softmax over all E logits, gathered, not renormalised softmax, not renormalised
+``sigmoid``       sigmoid of each chosen logit                         sigmoid, not renormalised
+``raw``           the chosen logits themselves                         (no moelens family)
+================  ===================================================  ==========================
+
+A multiplier on the weights (``Scoring.scale``) is applied to the op's output (the weights
+enter the output linearly). What tract cannot express: a selection-only correction bias
+(``wg_bias`` shifts selection *and* weights), group-limited selection (unless it is trivial on
+the live block), sigmoid scores renormalised over the k, sparse-mixer, hash or skip-class
+selection, and score functions other than softmax and sigmoid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..families import Family
+from .errors import ExportRefused
+
+#: tract_moe_ffn's gate modes.
+GATE_MODES = ("softmax_topk", "softmax_all", "sigmoid", "raw")
+
+_SELECTIONS = {"score_topk", "logit_topk", "group_topk"}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The tract routing of one live block.
+
+    Attributes:
+        gate: One of `GATE_MODES`.
+        scale: Multiplier the router applies to the k weights (1.0 when none), applied
+            to the op's output.
+        k: Experts per token.
+        num_experts: E.
+    """
+
+    gate: str
+    scale: float
+    k: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a family exports, from its entry alone (no model needed).
+
+    Attributes:
+        status: ``"yes"``, ``"if"`` (depends on the checkpoint's config; `condition` says
+            on what) or ``"no"`` (`reason` says which part tract cannot express).
+        gate: The gate mode (or ``"softmax_topk / softmax_all"`` when a flag decides).
+        condition: For ``"if"``: what the live block must satisfy.
+        reason: For ``"no"``: what tract cannot express.
+    """
+
+    status: str
+    gate: str = ""
+    condition: str = ""
+    reason: str = ""
+
+
+def _literal(value: Any) -> bool:
+    return not (isinstance(value, str) and "." in value)
+
+
+def family_support(family: Family) -> Support:
+    """What the family entry says about exporting its blocks to tract_moe_ffn."""
+    reason = structural_refusal(family)
+    if reason:
+        return Support("no", reason=reason)
+    scoring = family.scoring
+    conditions: list[str] = []
+    if scoring.selection_bias:
+        return Support("no", reason=_selection_bias(scoring.selection_bias))
+    if scoring.select not in _SELECTIONS:
+        return Support("no", reason=_selection(scoring.select))
+    if scoring.select == "group_topk":
+        n_group, topk_group = scoring.groups or ("?", "?")
+        conditions.append(f"{n_group} == 1 or {topk_group} == {n_group} (group-limited selection is refused)")
+    scores = ("softmax", "sigmoid")
+    if _literal(scoring.score) and scoring.score not in scores:
+        return Support("no", reason=_score(scoring.score))
+    if not _literal(scoring.score):
+        conditions.append(f"{scoring.score} is softmax or sigmoid")
+    if scoring.score == "sigmoid" and scoring.normalize is True:
+        return Support("no", reason=_sigmoid_renormalised())
+    if family.expert_gate is not None and family.expert_gate.kind not in ("glu", "clamped_swiglu"):
+        return Support("no", reason=_expert_gate(family.expert_gate.kind))
+    if scoring.score == "sigmoid":
+        gate = "sigmoid"
+        if not _literal(scoring.normalize):
+            conditions.append(f"not {scoring.normalize} (sigmoid scores renormalised over the k are refused)")
+    elif not _literal(scoring.score):
+        gate = "softmax_topk / sigmoid"
+    elif scoring.select == "logit_topk" or scoring.normalize is True:
+        gate = "softmax_topk"
+    elif scoring.normalize is False:
+        gate = "softmax_all"
+    else:
+        gate = f"softmax_topk if {scoring.normalize} else softmax_all"
+    if conditions:
+        return Support("if", gate=gate, condition="; ".join(conditions))
+    return Support("yes", gate=gate)
+
+
+def structural_refusal(family: Family) -> str:
+    """Why the family's block has no shape tract_moe_ffn can take, or ``""``."""
+    if not family.experts_call or family.derived_routing:
+        reason = next(iter(family.refused.values()), "")
+        return ("the block has no experts(hidden, indices, weights) call"
+                + (f": {reason}" if reason else ""))
+    if "mlp_output" in family.refused:
+        return f"the block output is not an FFN output: {family.refused['mlp_output']}"
+    if "expert_outputs" in family.refused:
+        return ("the experts are not a transformers experts module (no gate_up_proj/down_proj layout): "
+                f"{family.refused['expert_outputs']}")
+    return ""
+
+
+def routing(family: Family, block: Any) -> Routing:
+    """The tract routing of a live block; raises `ExportRefused` naming what tract cannot express."""
+    name = family.name
+    reason = structural_refusal(family)
+    if reason:
+        raise ExportRefused(f"{name}: {reason}.")
+    scoring = family.scoring
+    if scoring.selection_bias:
+        raise ExportRefused(f"{name}: {_selection_bias(scoring.selection_bias)}.")
+    if scoring.select not in _SELECTIONS:
+        raise ExportRefused(f"{name}: {_selection(scoring.select)}.")
+    if scoring.select == "group_topk":
+        n_group, topk_group = (int(family.resolve(ref, block)) for ref in scoring.groups)
+        if n_group != 1 and topk_group < n_group:
+            raise ExportRefused(
+                f"{name}: group-limited expert selection (the best {topk_group} of {n_group} groups) cannot be "
+                "expressed: tract_moe_ffn picks the top-k over all experts."
+            )
+    score = family.resolve(scoring.score, block)
+    if score not in ("softmax", "sigmoid"):
+        raise ExportRefused(f"{name}: {_score(score)}.")
+    normalize = family.resolve(scoring.normalize, block)
+    if score == "sigmoid":
+        if normalize:
+            raise ExportRefused(f"{name}: {_sigmoid_renormalised()}.")
+        gate = "sigmoid"
+    elif scoring.select == "logit_topk" or _truthy_norm(normalize):
+        gate = "softmax_topk"
+    elif normalize in (False, None, 0):
+        gate = "softmax_all"
+    else:
+        raise ExportRefused(
+            f"{name}: the k softmax weights are normalised by {scoring.normalize} = {normalize!r}; tract_moe_ffn "
+            "renormalises them to sum to one (softmax_topk) or not at all (softmax_all)."
+        )
+    scale = family.resolve(scoring.scale, block)
+    return Routing(
+        gate=gate,
+        scale=1.0 if scale is None else float(scale),
+        k=int(family.resolve(family.top_k, block)),
+        num_experts=int(family.resolve(family.num_experts, block)),
+    )
+
+
+def _truthy_norm(normalize: Any) -> bool:
+    # True, or dbrx's p-norm with p == 1 (a sum: the weights are positive softmax values).
+    return normalize is True or (not isinstance(normalize, bool) and normalize == 1)
+
+
+def _selection_bias(reference: str) -> str:
+    return (f"the router adds a correction bias ({reference}) for expert selection only; tract_moe_ffn's router "
+            "bias (wg_bias) shifts the logits for selection and weights alike")
+
+
+def _selection(select: str) -> str:
+    what = {
+        "sparsemixer": "sparse-mixer routing (masked softmaxes per slot)",
+        "hash": "hash routing (experts picked from a token-id table)",
+        "skip_topk": "a 'skip' class in the router's softmax",
+    }.get(select, f"{select!r} expert selection")
+    return f"{what} cannot be expressed: tract_moe_ffn picks the top-k logits of one linear router"
+
+
+def _score(score: Any) -> str:
+    return f"the {score!r} score function cannot be expressed: tract_moe_ffn gates with softmax, sigmoid or raw logits"
+
+
+def _sigmoid_renormalised() -> str:
+    return ("sigmoid scores renormalised over the k chosen experts cannot be expressed: tract_moe_ffn's sigmoid "
+            "gate does not renormalise")
+
+
+def _expert_gate(kind: str) -> str:
+    what = {
+        "clamped_glu": "clamped SwiGLU without the sigmoid slope and offset (silu(min(g, l)) * clamp(u))",
+        "softcapped_glu": "softcapped SwiGLU",
+    }.get(kind, kind)
+    return (f"the experts compute a {what}; tract_moe_ffn has swiglu/silu/gelu/relu and gpt-oss's clamped SwiGLU "
+            "(act_alpha, act_limit) only")

@@ -1,0 +1,111 @@
+"""Run an NNEF archive in tract (the ``tract`` Python package) and compare with tract's tolerances."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import ExportError
+
+from .tract_cli import TOLERANCES, meets
+
+#: The oldest tract with tract_moe_ffn.
+MIN_TRACT_VERSION = "0.23.9"
+
+__all__ = ["MIN_TRACT_VERSION", "TOLERANCES", "Loaded", "load", "meets", "tolerance_met", "tract_module"]
+
+
+def tract_module() -> Any:
+    """The ``tract`` package, checked to be recent enough for tract_moe_ffn."""
+    try:
+        import tract
+    except ImportError as error:
+        raise ExportError(
+            "running NNEF archives needs the tract Python package: pip install 'moelens[export]'."
+        ) from error
+    version = tract.version()
+    if _version(version) < _version(MIN_TRACT_VERSION):
+        raise ExportError(f"tract {version} has no tract_moe_ffn; install tract>={MIN_TRACT_VERSION}.")
+    return tract
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+
+
+
+def tolerance_met(actual: np.ndarray, expected: np.ndarray) -> str | None:
+    """The tightest of tract's levels that ``actual`` meets against ``expected`` (None: not even ``ultra``)."""
+    return next((level for level in TOLERANCES if meets(actual, expected, level)), None)
+
+
+@dataclass
+class Loaded:
+    """An archive loaded into tract: the runnable, its input names and properties."""
+
+    runnable: Any
+    input_names: list[str]
+    properties: dict[str, str]
+
+    def run(self, inputs: Sequence[np.ndarray] | Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Outputs for ``inputs`` (in input order, or by input name)."""
+        if isinstance(inputs, Mapping):
+            missing = [name for name in self.input_names if name not in inputs]
+            if missing:
+                raise ExportError(f"the archive's inputs are {self.input_names}; missing {missing}.")
+            inputs = [inputs[name] for name in self.input_names]
+        values = [np.ascontiguousarray(value) for value in inputs]
+        return [output.to_numpy() for output in self.runnable.run(values)]
+
+
+def run_isolated(path: str | Path, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The archive's outputs for ``inputs``, computed by tract in a separate process.
+
+    A malformed graph can make tract abort the process it runs in (a Rust panic); run
+    in a child process, it becomes an `ExportError` instead of ending the caller's session.
+    """
+    import subprocess
+    import tempfile
+
+    from .tract_cli import standin_path
+
+    tract_module()
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"no NNEF archive at {path}.")
+    with tempfile.TemporaryDirectory(prefix="moelens-run-") as folder:
+        bundle, saved = Path(folder) / "inputs.npz", Path(folder) / "outputs.npz"
+        np.savez(bundle, **{f"input_{i}": np.ascontiguousarray(a) for i, a in enumerate(inputs)})
+        done = subprocess.run(
+            [str(standin_path()), str(path), "run", "--input-from-bundle", str(bundle), "--save-outputs-npz", str(saved)],
+            capture_output=True, text=True,
+        )
+        if done.returncode != 0 or not saved.exists():
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            detail = next((line for line in lines if "panicked" in line or "ERROR" in line), lines[-1] if lines else "")
+            raise ExportError(f"tract could not load or run {path} (exit status {done.returncode}): {detail.strip()}")
+        with np.load(saved) as outputs:
+            return [outputs[f"output_{i}"] for i in range(len(outputs.files))]
+
+
+def load(path: str | Path) -> Loaded:
+    """Load an NNEF archive (``.nnef.tgz``, ``.nnef.tar`` or a folder) into tract with its transformers ops."""
+    tract = tract_module()
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"no NNEF archive at {path}.")
+    model = tract.nnef().with_tract_transformers().with_tract_extra().load(str(path))
+    names = [model.input_name(index) for index in range(model.input_count())]
+    return Loaded(model.into_runnable(), names, properties(path))
+
+
+def properties(path: str | Path) -> dict[str, str]:
+    """The archive's ``tract_core_properties`` (versions, moelens' settings), read from its graph.nnef."""
+    from .archive import graph_text
+
+    text = graph_text(Path(path))
+    return dict(re.findall(r'\("([^"]*)", "([^"]*)"\)', text))

@@ -1,0 +1,298 @@
+"""`MoeSpec`: one MoE block as the inputs and attributes of a tract_moe_ffn call.
+
+The spec is read from the live block through its family entry (router path and
+logits op, experts path, scoring, `Family.expert_gate`) and the layout flags
+transformers stamps on every decorated experts module (``has_gate``,
+``is_transposed``, ``is_concatenated``, ``has_bias``). Its weights are copies in
+tract's canonical layout (``w1``/``w3`` ``[E, D, H]``, ``w2`` ``[E, H, D]``), so
+edits and quantisation never touch the user's model. `MoeSpec.routed` computes,
+in torch, exactly what tract computes from the spec: the reference that the
+export is checked against.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor
+
+from ..families import Family
+from ..families.entry import get_path
+from .errors import ExportRefused
+from .gate import _expert_gate, routing
+
+#: tract_moe_ffn activations: the gated one (needs w3) and the ungated ones.
+ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
+
+_LINEAR_OPS = ("F_linear_0", "nn_functional_linear_0", "torch_nn_functional_linear_0", "linear_0")
+
+
+@dataclass
+class MoeSpec:
+    """Everything one tract_moe_ffn call needs, in tract's canonical layout.
+
+    Attributes:
+        family: The family name.
+        layer: The decoder layer index (None for a block outside a layer list).
+        k: Experts per token.
+        gate: tract gate mode (`moelens.export.gate.GATE_MODES`).
+        scale: Multiplier on the routed output (the router's weight scale), 1.0 for none.
+        activation: tract activation: ``"swiglu"`` (gated silu) or, with ``w3``, the
+            gated ``"gelu"`` / ``"relu"``; without ``w3``, ``"silu"`` / ``"gelu"`` / ``"relu"``.
+        act_alpha: Sigmoid slope of gpt-oss's clamped SwiGLU, or None.
+        act_limit: Clamp limit of gpt-oss's clamped SwiGLU, or None.
+        wg: Router weight [E, D]; ``wg_bias`` [E] or None (a router bias, steering, route-around).
+        w1: Gate (or up, when ungated) projection [E, D, H]; ``w3`` up projection [E, D, H] or None.
+        w2: Down projection [E, H, D].
+        w1_bias, w3_bias: [E, H] or None; ``w2_bias`` [E, D] or None.
+    """
+
+    family: str
+    layer: int | None
+    k: int
+    gate: str
+    scale: float
+    activation: str
+    act_alpha: float | None
+    act_limit: float | None
+    wg: Float[Tensor, "e d"]
+    w1: Float[Tensor, "e d h"]
+    w2: Float[Tensor, "e h d"]
+    w3: Float[Tensor, "e d h"] | None = None
+    wg_bias: Float[Tensor, " e"] | None = None
+    w1_bias: Float[Tensor, "e h"] | None = None
+    w3_bias: Float[Tensor, "e h"] | None = None
+    w2_bias: Float[Tensor, "e d"] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return int(self.wg.shape[0])
+
+    @property
+    def has_expert_biases(self) -> bool:
+        """Whether any of the experts' projections has a bias."""
+        return any(b is not None for b in (self.w1_bias, self.w3_bias, self.w2_bias))
+
+    def with_weights(self, **weights: Tensor | None) -> "MoeSpec":
+        """A copy with some tensors replaced (the others are shared)."""
+        return replace(self, notes=list(self.notes), **weights)
+
+    def clone(self) -> "MoeSpec":
+        """A copy whose tensors can be edited without touching this one."""
+        tensors = {name: (value.clone() if isinstance(value, Tensor) else value) for name, value in self.tensors().items()}
+        return self.with_weights(**tensors)
+
+    def tensors(self) -> dict[str, Tensor | None]:
+        """The op's tensor inputs by name (``wg``, ``w1``, ``w2``, ``w3`` and the biases)."""
+        return {
+            "wg": self.wg, "w1": self.w1, "w2": self.w2, "w3": self.w3,
+            "wg_bias": self.wg_bias, "w1_bias": self.w1_bias, "w3_bias": self.w3_bias, "w2_bias": self.w2_bias,
+        }
+
+    # -- the reference ----------------------------------------------------------------
+
+    def routing_weights(self, x: Float[Tensor, "*tokens d"]) -> Float[Tensor, "*tokens e"]:
+        """Each token's weight on every expert [..., E] (zero off its k experts), as tract gates."""
+        logits = x @ self.wg.T
+        if self.wg_bias is not None:
+            logits = logits + self.wg_bias
+        values, indices = torch.topk(logits, self.k, dim=-1)
+        if self.gate == "softmax_topk":
+            weights = torch.softmax(values, dim=-1)
+        elif self.gate == "softmax_all":
+            weights = torch.softmax(logits, dim=-1).gather(-1, indices)
+        elif self.gate == "sigmoid":
+            weights = torch.sigmoid(values)
+        else:
+            weights = values
+        return torch.zeros_like(logits).scatter(-1, indices, weights)
+
+    def expert_outputs(self, x: Float[Tensor, "*tokens d"]) -> Float[Tensor, "*tokens e d"]:
+        """Every expert's output on every token [..., E, D] (dense: a reference, not fast)."""
+        gate = torch.einsum("...d,edh->...eh", x, self.w1)
+        if self.w1_bias is not None:
+            gate = gate + self.w1_bias
+        if self.act_limit is not None:
+            up = torch.einsum("...d,edh->...eh", x, self.w3)
+            if self.w3_bias is not None:
+                up = up + self.w3_bias
+            gate = gate.clamp(max=self.act_limit)
+            up = up.clamp(min=-self.act_limit, max=self.act_limit)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * self.act_alpha)
+        else:
+            act = {"swiglu": F.silu, "silu": F.silu, "relu": F.relu,
+                   "gelu": lambda t: F.gelu(t, approximate="tanh")}[self.activation]
+            hidden = act(gate)
+            if self.w3 is not None:
+                up = torch.einsum("...d,edh->...eh", x, self.w3)
+                if self.w3_bias is not None:
+                    up = up + self.w3_bias
+                hidden = hidden * up
+        out = torch.einsum("...eh,ehd->...ed", hidden, self.w2)
+        if self.w2_bias is not None:
+            out = out + self.w2_bias
+        return out
+
+    def routed(self, x: Float[Tensor, "*tokens d"]) -> Float[Tensor, "*tokens d"]:
+        """What tract_moe_ffn outputs for ``x`` (``[T, D]`` or ``[B, S, D]``), before `scale`."""
+        weights = self.routing_weights(x)
+        return torch.einsum("...e,...ed->...d", weights, self.expert_outputs(x))
+
+
+# -- reading a live block ------------------------------------------------------------------
+
+
+def read_spec(family: Family, block: torch.nn.Module, layer: int | None = None) -> MoeSpec:
+    """The tract_moe_ffn spec of a live MoE block (copies of its weights, float32).
+
+    Raises `ExportRefused` naming the part of the block tract cannot express.
+    """
+    route = routing(family, block)
+    wg, wg_bias = _router_weights(family, block, route.num_experts)
+    experts = _experts_weights(family, block)
+    spec = MoeSpec(
+        family=family.name, layer=layer, k=route.k, gate=route.gate, scale=route.scale,
+        wg=wg, wg_bias=wg_bias, **experts,
+    )
+    if spec.w1.shape[0] != route.num_experts or spec.w1.shape[1] != wg.shape[1]:
+        raise ExportRefused(
+            f"{family.name}: the experts' weights {tuple(spec.w1.shape)} do not match the router's "
+            f"{tuple(wg.shape)} ([E, D]); the block is not one router over one experts module."
+        )
+    if spec.w3 is None and (spec.has_expert_biases or spec.wg_bias is not None):
+        raise ExportRefused(
+            f"{family.name}: ungated experts with biases cannot be expressed: tract_moe_ffn binds its bias "
+            "inputs after w3, which ungated experts do not have."
+        )
+    return spec
+
+
+def _float(tensor: Tensor) -> Tensor:
+    return tensor.detach().to(torch.float32).clone()
+
+
+def _router_weights(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None]:
+    """Router weight [E, D] and bias [E] (or None) behind the family's logits op."""
+    router = get_path(block, family.router)
+    op = family.logits_op
+    named = re.fullmatch(r"self_(\w+?)_\d+", op)
+    if op in _LINEAR_OPS:
+        weight, bias = getattr(router, "weight", None), getattr(router, "bias", None)
+    elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
+        linear = getattr(router, named.group(1))
+        weight, bias = linear.weight, linear.bias
+    else:
+        weight = bias = None
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != num_experts:
+        raise ExportRefused(
+            f"{family.name}: the router's logits come from {op!r} in {type(router).__name__}.forward, which is not "
+            f"one linear layer with an [E={num_experts}, D] weight; tract_moe_ffn computes the logits as x @ wg.T."
+        )
+    return _float(weight), (_float(bias) if isinstance(bias, Tensor) else None)
+
+
+def _experts_weights(family: Family, block: torch.nn.Module) -> dict[str, Any]:
+    """w1/w2/w3, biases and activation of the family's experts module, in the canonical layout."""
+    experts = get_path(block, family.experts)
+    name = family.name
+    if not hasattr(experts, "has_gate") or not isinstance(getattr(experts, "down_proj", None), Tensor):
+        raise ExportRefused(
+            f"{name}: {type(experts).__name__} is not a transformers experts module (no has_gate/down_proj "
+            "layout), so its weights cannot be read as tract_moe_ffn's w1/w2/w3."
+        )
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ExportRefused(f"{name}: a norm after each expert (post_expert_norm) cannot be expressed in tract_moe_ffn.")
+    gated = bool(experts.has_gate)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    concatenated = bool(getattr(experts, "is_concatenated", True))
+    up = experts.gate_up_proj if gated else experts.up_proj
+    down = experts.down_proj
+    up, down = _float(up), _float(down)
+    if transposed:  # [E, D, 2H] / [E, H, D] -> [E, 2H, D] / [E, D, H]
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
+    weights: dict[str, Any] = {"w2": down.transpose(1, 2).contiguous()}
+    if gated:
+        gate_rows, up_rows = _split(up, concatenated, dim=1)
+        weights["w1"] = gate_rows.transpose(1, 2).contiguous()
+        weights["w3"] = up_rows.transpose(1, 2).contiguous()
+    else:
+        weights["w1"] = up.transpose(1, 2).contiguous()
+    if getattr(experts, "has_bias", False):
+        up_bias = _float(experts.gate_up_proj_bias if gated else experts.up_proj_bias)
+        if gated:
+            weights["w1_bias"], weights["w3_bias"] = (b.contiguous() for b in _split(up_bias, concatenated, dim=1))
+        else:
+            weights["w1_bias"] = up_bias
+        weights["w2_bias"] = _float(experts.down_proj_bias)
+    weights.update(_activation(family, experts, gated, block))
+    return weights
+
+
+def _split(tensor: Tensor, concatenated: bool, dim: int) -> tuple[Tensor, Tensor]:
+    """Gate and up halves of a fused projection: ``[gate; up]`` or interleaved ``[g0, u0, g1, u1, ...]``."""
+    if concatenated:
+        return tensor.chunk(2, dim=dim)
+    index = torch.arange(tensor.shape[dim])
+    return tensor.index_select(dim, index[0::2]), tensor.index_select(dim, index[1::2])
+
+
+def _activation(family: Family, experts: torch.nn.Module, gated: bool, block: torch.nn.Module) -> dict[str, Any]:
+    """tract activation (and clamped-SwiGLU alpha/limit) of the experts."""
+    described = family.expert_gate
+    if described is None and gated and _overrides_gate(experts):
+        raise ExportRefused(
+            f"{family.name}: {type(experts).__name__} overrides transformers' gate (_apply_gate) and the family "
+            "entry does not say what it computes (Family.expert_gate), so it cannot be mapped to a tract activation."
+        )
+    kind = described.kind if described is not None else "glu"
+    if kind == "clamped_swiglu":
+        return {
+            "activation": "swiglu",
+            "act_alpha": float(family.resolve(described.alpha, block)),
+            "act_limit": float(family.resolve(described.limit, block)),
+        }
+    if kind != "glu":
+        raise ExportRefused(f"{family.name}: {_expert_gate(kind)}.")
+    act = _identify(getattr(experts, "act_fn", None), family.name)
+    return {"activation": "swiglu" if (gated and act == "silu") else act, "act_alpha": None, "act_limit": None}
+
+
+def _overrides_gate(experts: torch.nn.Module) -> bool:
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover - transformers without the experts decorator
+        return False
+    return getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate
+
+
+def _identify(act_fn: Any, family: str) -> str:
+    """Which tract activation a torch activation is (checked on values, not class names)."""
+    if not callable(act_fn):
+        raise ExportRefused(f"{family}: the experts have no act_fn to map to a tract activation.")
+    probe = torch.linspace(-8.0, 8.0, 257)
+    with torch.no_grad():
+        values = act_fn(probe)
+    candidates = {
+        "silu": F.silu(probe),
+        "gelu": F.gelu(probe, approximate="tanh"),
+        "relu": F.relu(probe),
+    }
+    for name, expected in candidates.items():
+        if torch.allclose(values, expected, atol=1e-6, rtol=1e-5):
+            return name
+    if torch.allclose(values, F.gelu(probe), atol=1e-6):
+        raise ExportRefused(
+            f"{family}: the experts use exact (erf) GELU; tract_moe_ffn's gelu is the tanh approximation "
+            "(up to 5e-4 apart), which would not match to tract's tolerance."
+        )
+    raise ExportRefused(
+        f"{family}: the experts' activation {type(act_fn).__name__} is none of tract_moe_ffn's "
+        "silu, gelu (tanh) or relu."
+    )

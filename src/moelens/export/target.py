@@ -1,0 +1,113 @@
+"""What is being exported: a whole model or one block, found through moelens' components.
+
+`resolve` accepts a wrapped model (``moelens.wrap`` / ``moelens.load``), a plain
+transformers model, or one `Moe` component (``model.moes[i]``), and returns its
+MoE blocks as (module name, family, layer). It refuses a model that carries what an
+export would silently drop: nnsight edits (``model.edit()``) or torch hooks on an MoE
+block.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..components import Moe
+from ..families import Family, registry
+from ..model import discover
+from .errors import ExportError, ExportRefused
+
+
+@dataclass
+class Block:
+    """One MoE block of the target: its module name (relative to `Target.module`), family and layer."""
+
+    name: str
+    family: Family
+    layer: int | None
+
+
+@dataclass
+class Target:
+    """The torch module to export and its MoE blocks.
+
+    Attributes:
+        kind: ``"model"`` (token ids -> logits or hidden states) or ``"block"`` (hidden -> mlp_output).
+        module: The transformers model, or the block module.
+        blocks: The MoE blocks (for a block export: the block itself, name ``""``).
+        wrapped: The moelens-wrapped model, when there is one (used to replay edits in a trace).
+    """
+
+    kind: str
+    module: torch.nn.Module
+    blocks: list[Block] = field(default_factory=list)
+    wrapped: Any = None
+
+    @property
+    def family(self) -> Family:
+        return self.blocks[0].family
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer index in a module name (its last integer component)."""
+    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
+    return int(numbers[-1]) if numbers else None
+
+
+def resolve(model: Any) -> Target:
+    """The `Target` for a wrapped model, a transformers model or a `Moe` component."""
+    if isinstance(model, Moe):
+        _refuse_edits(getattr(model, "root", None))
+        target = Target("block", model._module, [Block("", model.family, model.layer)], wrapped=None)
+    elif hasattr(model, "_structure") and isinstance(getattr(model, "_module", None), torch.nn.Module):
+        _refuse_edits(model)
+        module = model._module
+        blocks = [Block(name, registry.for_block(module.get_submodule(name)) or model.family, layer_of(name))
+                  for name in model._structure.moe_blocks]
+        target = Target("model", module, blocks, wrapped=model)
+    elif isinstance(model, torch.nn.Module):
+        family = registry.for_block(model)
+        if family is not None:
+            target = Target("block", model, [Block("", family, None)])
+        else:
+            structure = discover(model)
+            blocks = [Block(name, registry.for_block(model.get_submodule(name)) or structure.family, layer_of(name))
+                      for name in structure.moe_blocks]
+            target = Target("model", model, blocks)
+    else:
+        raise ExportError(
+            f"to_nnef exports a wrapped model (moelens.wrap/load), a transformers model or one Moe block "
+            f"(model.moes[i]); got {type(model).__name__}."
+        )
+    if not target.blocks:
+        raise ExportError(
+            f"{type(target.module).__name__} has no MoE block of a registered moelens family, so there is no "
+            "tract_moe_ffn to export; use torch-to-nnef directly for dense models."
+        )
+    _refuse_hooks(target)
+    return target
+
+
+def _refuse_edits(wrapped: Any) -> None:
+    if wrapped is not None and getattr(wrapped, "_edits", None):
+        raise ExportRefused(
+            f"the model carries {len(wrapped._edits)} nnsight edit(s) (model.edit()): arbitrary interventions cannot "
+            "be baked into the export, and dropping them would export a different model. Pass the edits tract can "
+            "express as moelens.export.Edits(...) and call model.clear_edits() first."
+        )
+
+
+def _refuse_hooks(target: Target) -> None:
+    for block in target.blocks:
+        root = target.module.get_submodule(block.name) if block.name else target.module
+        for name, module in root.named_modules():
+            if module._forward_hooks or module._forward_pre_hooks:
+                where = ".".join(filter(None, (block.name, name))) or type(root).__name__
+                raise ExportRefused(
+                    f"{where} has a torch forward hook: the export replaces the MoE block's computation with "
+                    "tract_moe_ffn, so the hook would be dropped. Remove it (or express it as "
+                    "moelens.export.Edits) before exporting."
+                )

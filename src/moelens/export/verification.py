@@ -1,0 +1,175 @@
+"""`verify`: run an archive in tract and the model in torch on the same inputs, and compare.
+
+The torch side is the model in float32 (the archive computes in float32) with the
+archive's edits made by moelens' interventions in a trace, so an edited export is
+checked against the intervened torch run. For a block archive with edits the torch
+side is the edited block in tract's maths (`ExportBlock`), which the export has checked
+against the real block unedited. The result names the tightest of tract's tolerance
+levels the archive meets (``"approximate"``: ``|a - b| <= 1e-4 + 5e-4 |b|``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .edits import Edits, as_edits
+from .errors import ExportError
+from .runner import meets, properties, run_isolated, tolerance_met
+from .target import Target, resolve
+
+
+@dataclass
+class Verification:
+    """How an archive's tract output compares with torch.
+
+    Attributes:
+        max_abs_error: Max |tract - torch| over the output.
+        tolerance: The tightest of tract's levels met (`moelens.export.TOLERANCES`), or None.
+        reference: What the torch side was.
+        details: Further comparisons (with ``q4_0``: against the export's own dequantized
+            weights, ``"export_max_abs_error"`` and ``"export_tolerance"``).
+    """
+
+    max_abs_error: float
+    tolerance: str | None
+    reference: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def meets(self, level: str) -> bool:
+        """Whether the archive met tract's ``level`` (or a tighter one)."""
+        from .runner import TOLERANCES
+
+        order = list(TOLERANCES)
+        return self.tolerance is not None and order.index(self.tolerance) <= order.index(level)
+
+
+def run(path: str | Path, inputs: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The archive's output for ``inputs`` (token ids or hidden states), run in tract (in a child process)."""
+    array = inputs.detach().cpu().numpy() if isinstance(inputs, torch.Tensor) else np.asarray(inputs)
+    return run_isolated(path, [array])[0]
+
+
+def verify(path: str | Path, model: Any, inputs: torch.Tensor | None = None, *, edits: Edits | dict | None = None) -> Verification:
+    """Run the archive in tract and ``model`` in torch on ``inputs``; return the error and tolerance met.
+
+    Args:
+        path: An archive written by `moelens.export.to_nnef`.
+        model: What was exported: the wrapped / transformers model, or the block (``model.moes[i]``).
+        inputs: Token ids ``[batch, seq]`` (model) or hidden states ``[batch, seq, D]`` (block); the
+            archive's traced shape unless it was exported with ``dynamic_tokens``. Default: seeded inputs
+            of the archive's shape.
+        edits: The edits to make in torch (default: the ones the archive records).
+    """
+    recorded = properties(path)
+    target = resolve(model)
+    kind = recorded.get("moelens_kind", target.kind)
+    if kind != target.kind:
+        raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with.")
+    edits = Edits.from_json(recorded.get("moelens_edits", "")) if edits is None else as_edits(edits)
+    if inputs is None:
+        inputs = _default_inputs(path, target)
+    actual = run(path, inputs)
+    expected, reference = torch_reference(target, model, inputs, edits)
+    return _compare(actual, expected, reference)
+
+
+def _compare(actual: np.ndarray, expected: np.ndarray, reference: str, **details: Any) -> Verification:
+    if actual.shape != expected.shape:
+        raise ExportError(f"tract's output has shape {actual.shape}, torch's {expected.shape}.")
+    error = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max()) if actual.size else 0.0
+    return Verification(error, tolerance_met(actual, expected), reference, dict(details))
+
+
+def _default_inputs(path: str | Path, target: Target) -> torch.Tensor:
+    """Seeded inputs of the archive's input shape (8 tokens on a symbolic axis)."""
+    import re
+
+    from .archive import graph_text
+    from .exporter import default_inputs
+
+    found = re.search(r"tract_core_external\(shape = \[([^\]]*)\]", graph_text(Path(path)))
+    dims = [d.strip() for d in found.group(1).split(",")] if found else []
+    token_axis = dims[-2] if target.kind == "block" and len(dims) >= 2 else (dims[1] if len(dims) > 1 else "8")
+    return default_inputs(target, tokens=int(token_axis) if token_axis.isdigit() else 8)
+
+
+def torch_reference(target: Target, model: Any, inputs: torch.Tensor, edits: Edits) -> tuple[np.ndarray, str]:
+    """The torch output an archive of ``target`` should match, and what it is."""
+    with torch.no_grad():
+        if target.kind == "block":
+            if edits:
+                from .exporter import prepare
+
+                prepared = prepare(target, edits=edits)
+                return prepared.root(inputs.float()).numpy(), "the edited block in tract's maths (torch)"
+            block = _float_module(target.module)
+            from .block import block_output
+
+            return block_output(target.family, block(inputs.float())).float().numpy(), "the block (torch, float32)"
+        if not edits:
+            from .exporter import TokensToLogits
+
+            return TokensToLogits(_float_module(target.module))(inputs).float().numpy(), "the model (torch, float32)"
+        return _intervened(target, model, inputs, edits), "the model with the edits made by moelens in a trace"
+
+
+def _float_module(module: torch.nn.Module) -> torch.nn.Module:
+    floating = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    return module if floating <= {torch.float32} else copy.deepcopy(module).float()
+
+
+def _intervened(target: Target, model: Any, inputs: torch.Tensor, edits: Edits) -> np.ndarray:
+    """The logits of the model run in a moelens trace with ``edits`` made by its interventions."""
+    from ..model import wrap
+
+    wrapped = target.wrapped
+    floating = {p.dtype for p in target.module.parameters() if p.is_floating_point()}
+    if wrapped is None or not floating <= {torch.float32}:
+        wrapped = wrap(copy.deepcopy(target.module).float().eval())  # never instrument the user's module
+    with wrapped.trace(input_ids=inputs, attention_mask=torch.ones_like(inputs)):
+        edits.intervene(wrapped)
+        output = wrapped.output.save()
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value.float().numpy()
+    return output[0].float().numpy()
+
+
+def check_export(path: Path, model: Any, prepared: Any, inputs: torch.Tensor) -> Verification:
+    """The check `to_nnef(verify=True)` runs; raises `ExportError` when tract misses ``approximate``."""
+    recorded = properties(path)
+    actual = run(path, inputs)
+    target = resolve(model)
+    edits = Edits.from_json(recorded.get("moelens_edits", ""))
+    expected, reference = torch_reference(target, model, inputs, edits)
+    result = _compare(actual, expected, reference)
+    quantized = recorded.get("moelens_quantize_experts", "none") != "none"
+    if quantized:
+        # Against torch with the archive's own (dequantized Q4_0) expert weights: must be tight.
+        from .extractor import dequantized
+
+        for module in prepared.root.modules():
+            if hasattr(module, "spec") and hasattr(module, "quantize"):
+                module.spec = dequantized(module.spec, module.quantize, module.layout)
+        with torch.no_grad():
+            own = prepared.root(inputs).float().numpy()
+        export_check = _compare(actual, own, "the export's dequantized Q4_0 weights in torch")
+        result.details.update(export_max_abs_error=export_check.max_abs_error, export_tolerance=export_check.tolerance)
+        passed = meets(actual, own, "approximate")
+    else:
+        passed = result.meets("approximate")
+    if not passed:
+        checked = result.details.get("export_max_abs_error", result.max_abs_error)
+        raise ExportError(
+            f"{path}: tract's output differs from torch ({result.reference if not quantized else 'the Q4_0 weights'}) "
+            f"by up to {checked:.3g}, beyond tract's 'approximate' tolerance (met: {result.tolerance}). "
+            "The archive was written; please report this model."
+        )
+    return result
