@@ -195,4 +195,4 @@ def a2a_moe(
     out = expert_fn(rows, plan.tokens_per_expert)
     pair = plan.to_sender(out)
     weighted = pair * topk_weights.reshape(-1, 1).to(pair.dtype)
-    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return weighted.view(num_tokens, top_k, pair.shape[-1]).sum(dim=1).to(hidden_states.dtype)

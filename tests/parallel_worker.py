@@ -1,0 +1,492 @@
+"""One rank of the multi-process expert-parallel tests (tests/test_parallel.py).
+
+Started as ``python tests/parallel_worker.py SUITE`` with torchrun-style
+``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and ``MOELENS_TEST_STORE`` (a file
+rendezvous), ``MOELENS_TEST_OUT`` (where ``rank<r>.json`` goes) and
+``MOELENS_TEST_ARGS`` (JSON). It joins a gloo process group with a short timeout
+(a bug fails instead of hanging), runs the suite's cases, and writes per case
+either the measured differences against the single-process ground truth or the
+error. Every rank builds the same tiny models from one seed; the single-process
+reference runs on every rank, on that rank's tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import moelens  # noqa: E402
+from moelens import ablate, force, reroute, steer  # noqa: E402
+from moelens.testing import tiny_model  # noqa: E402
+
+#: Seconds a collective may wait before failing.
+TIMEOUT = float(os.environ.get("MOELENS_TEST_TIMEOUT", "60"))
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def tokens_of(rank: int, vocab: int = 128, seed: int = 1234) -> torch.Tensor:
+    """Rank ``rank``'s input ids: a different number of tokens on every rank (rank 0: two rows)."""
+    gen = torch.Generator().manual_seed(seed + rank)
+    rows = 2 if rank == 0 else 1
+    return torch.randint(3, vocab, (rows, 9 - 2 * (rank % 4)), generator=gen)
+
+
+def maxdiff(a: Any, b: Any) -> float:
+    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy (the training loss), summed over tokens."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum")
+
+
+# -- models --------------------------------------------------------------------------
+
+
+def expert_params(model: torch.nn.Module) -> set[str]:
+    """Names of the sharded expert parameters (of experts modules sharded by shard_experts)."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if "_ep_group" in module.__dict__:
+            for param_name, param in module.named_parameters(recurse=False):
+                if param.shape[0] == module._ep_num_local:
+                    names.add(f"{module_name}.{param_name}")
+    return names
+
+
+def compare_grads(ep: torch.nn.Module, ref: torch.nn.Module, edp_group: Any) -> float:
+    """Largest difference between the EP gradients (dense summed over the world, experts over
+    EDP) and the single-process gradients of the sum of every rank's loss."""
+    experts = expert_params(ep)
+    firsts = {name: module._ep_first for name, module in ep.named_modules() if "_ep_group" in module.__dict__}
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for name, param in ep.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        grad = grad.clone()
+        expected = ref_params[name].grad
+        expected = expected if expected is not None else torch.zeros_like(ref_params[name])
+        if name in experts:
+            if edp_group is not None:
+                dist.all_reduce(grad, group=edp_group)
+            first = firsts[name.rpartition(".")[0]]
+            expected = expected[first : first + grad.shape[0]]
+        else:
+            dist.all_reduce(grad)
+        worst = max(worst, maxdiff(grad, expected))
+    return worst
+
+
+def build(family: str, ep_group: Any, overrides: dict | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(single-process reference on grouped_mm, EP model sharded over ep_group): a tiny model
+    from one seed, or a checkpoint when ``family`` is a folder (moelens-tiny)."""
+    from moelens.parallel import shard_experts
+
+    if Path(family).is_dir():
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(family, experts_implementation="grouped_mm").eval()
+    else:
+        ref = tiny_model(family, experts_implementation="grouped_mm", **(overrides or {}))
+    ep = shard_experts(copy.deepcopy(ref), ep_group)
+    return ref, ep
+
+
+# -- interventions ----------------------------------------------------------------------
+
+def _interventions(E: int) -> dict[str, Callable[[Any], None]]:
+    far, near = E - 1, 0  # `far` lives on the last rank of an EP group, `near` on the first
+
+    def write_outputs(lm: Any) -> None:
+        for moe in lm.moes:
+            moe.expert_outputs[:, :, 0] *= 0.5
+
+    def write_activations(lm: Any) -> None:
+        for moe in lm.moes:
+            moe.expert_activations[:, :, 1] = 0.0
+
+    return {
+        "ablate_zero": lambda lm: [ablate(m, far) for m in lm.moes],
+        "ablate_route_around": lambda lm: [ablate(m, far, "route_around") for m in lm.moes],
+        "ablate_swap": lambda lm: [ablate(m, far, "swap", to=near) for m in lm.moes],
+        "reroute": lambda lm: [reroute(m, (slice(None), [0, 1]), [far, near]) for m in lm.moes],
+        "steer": lambda lm: [steer(m, far, 4.0) for m in lm.moes],
+        "force": lambda lm: [force(m, [far]) for m in lm.moes],
+        "write_expert_outputs": write_outputs,
+        "write_expert_activations": write_activations,
+    }
+
+
+def traced_logits(lm: Any, ids: torch.Tensor, intervene: Callable[[Any], None] | None = None) -> torch.Tensor:
+    with lm.trace(ids):
+        if intervene is not None:
+            intervene(lm)
+        logits = lm.output.logits.save()
+    return logits
+
+
+#: The interventions a quick case runs (4 ranks on 2 cores: fewer traces).
+QUICK = ("ablate_zero", "ablate_route_around", "reroute", "write_expert_activations")
+
+
+def family_checks(
+    family: str, ep_group: Any, edp_group: Any, overrides: dict | None = None, quick: bool = False
+) -> dict[str, Any]:
+    """Everything checked for one family on one rank: logits, grads, Moe values, interventions."""
+    from moelens.parallel import local_expert, traffic
+
+    ref, ep = build(family, ep_group, overrides)
+    ids_of = functools.partial(tokens_of, vocab=ref.config.get_text_config().vocab_size)
+    ids = ids_of(RANK)
+    result: dict[str, Any] = {}
+
+    # Logits and gradients (plain forward / backward, no tracer).
+    ep.train(False)
+    logits_ep = logits_of(ep(input_ids=ids))
+    result["logits"] = maxdiff(logits_ep, logits_of(ref(input_ids=ids)))
+    loss_of(logits_ep, ids).backward()
+    total = sum(loss_of(logits_of(ref(input_ids=ids_of(r))), ids_of(r)) for r in range(WORLD))
+    total.backward()
+    result["grads"] = compare_grads(ep, ref, edp_group)
+    ep.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+    # Every Moe value, this rank's tokens.
+    lm_ep, lm_ref = moelens.wrap(ep), moelens.wrap(ref)
+    E = lm_ref.moes[0].num_experts
+    result["num_experts"] = [lm_ep.moes[0].num_experts, E]
+    result["implementation"] = lm_ep.moes[0].experts_implementation
+    with traffic() as log:
+        with lm_ep.trace(ids):
+            values_ep = lm_ep.save_all()
+    with lm_ref.trace(ids):
+        values_ref = lm_ref.save_all()
+    result["served"] = sorted(values_ep[next(iter(values_ep))])
+    result["values"] = {
+        name: max(maxdiff(values_ep[layer][name], values_ref[layer][name]) for layer in values_ref)
+        for name in values_ref[next(iter(values_ref))]
+    }
+    result["missing_values"] = sorted(set(values_ref[next(iter(values_ref))]) - set(result["served"]))
+    result["round_trip"] = any(r.kind == "activations_back" for r in log.records)
+    with traffic() as log:
+        traced_logits(lm_ep, ids)
+    result["plain_trace_round_trip"] = any(r.kind == "activations_back" for r in log.records)
+
+    # Interventions: the EP run against the same intervention in one process.
+    plain_ref = traced_logits(lm_ref, ids)
+    result["interventions"] = {}
+    result["effects"] = {}
+    for name, intervene in _interventions(E).items():
+        if quick and name not in QUICK:
+            continue
+        edited = traced_logits(lm_ref, ids, intervene)
+        result["interventions"][name] = maxdiff(traced_logits(lm_ep, ids, intervene), edited)
+        result["effects"][name] = maxdiff(edited, plain_ref)
+
+    # An expert weight edit through the id mapping (expert E-1, on its owner only).
+    far = E - 1
+    for moe_ep, moe_ref in zip(lm_ep.moes, lm_ref.moes):
+        local = local_expert(moe_ep, far)
+        if local is not None:
+            moe_ep.experts._module.down_proj.data[local] *= -1.0
+        moe_ref.experts._module.down_proj.data[far] *= -1.0
+    edited = traced_logits(lm_ref, ids)
+    result["interventions"]["weight_edit"] = maxdiff(traced_logits(lm_ep, ids), edited)
+    result["effects"]["weight_edit"] = maxdiff(edited, plain_ref)
+    for moe_ep, moe_ref in zip(lm_ep.moes, lm_ref.moes):
+        local = local_expert(moe_ep, far)
+        if local is not None:
+            moe_ep.experts._module.down_proj.data[local] *= -1.0
+        moe_ref.experts._module.down_proj.data[far] *= -1.0
+
+    # No token routed to the last rank of the EP group: route around all its experts; fwd + bwd.
+    size = dist.get_world_size(ep_group) if ep_group is not None else WORLD
+    last = range(E - E // size, E)
+
+    def starve(lm: Any) -> None:
+        for moe in lm.moes:
+            for expert in last:
+                ablate(moe, expert, "route_around")
+
+    with traffic() as log:
+        with lm_ep.trace(ids):
+            starve(lm_ep)
+            starved = lm_ep.output.logits.save()
+        loss_of(starved, ids).backward()
+    result["starved_received"] = sum(r.received for r in log.records if r.kind == "dispatch")
+    with lm_ref.trace(ids):
+        starve(lm_ref)
+        expected = lm_ref.output.logits.save()
+    result["starved_logits"] = maxdiff(starved, expected)
+    for r in range(WORLD):
+        with lm_ref.trace(ids_of(r)):
+            starve(lm_ref)
+            other = lm_ref.output.logits.save()
+        loss_of(other, ids_of(r)).backward()
+    result["starved_grads"] = compare_grads(ep, ref, edp_group)
+    return result
+
+
+# -- suites -------------------------------------------------------------------------------
+
+
+def suite_families(args: dict) -> dict[str, Callable[[], Any]]:
+    from moelens.parallel import choose_ep_dp_degrees, ep_groups, num_experts_from_config
+    from moelens.testing import tiny_config
+
+    cases = {}
+    for name, family, overrides, ep in args["cases"]:
+        def run(family: str = family, overrides: dict = overrides, ep: int | None = ep) -> Any:
+            if ep is None:
+                if Path(family).is_dir():
+                    from transformers import AutoConfig
+
+                    config = AutoConfig.from_pretrained(family)
+                else:
+                    config = tiny_config(family, **overrides)
+                ep = choose_ep_dp_degrees(WORLD, num_experts_from_config(config))[0]
+            ep_group, edp_group = ep_groups(ep)
+            result = family_checks(family, ep_group, edp_group, overrides, quick=args.get("quick", False))
+            result["degrees"] = [ep, WORLD // ep]
+            return result
+
+        cases[name] = run
+    return cases
+
+
+def suite_a2a(args: dict) -> dict[str, Callable[[], Any]]:
+    """`a2a_moe` alone against a dense computation of the same experts, forward and backward."""
+    from transformers.integrations.moe import _grouped_linear
+
+    from moelens.parallel import a2a_moe, traffic
+
+    D, K, per_rank = 8, 2, 2  # rows of 32 bytes: CPU grouped_mm wants 16-byte strides
+    E = per_rank * WORLD
+    lo = RANK * per_rank
+    weights = torch.randn(E, D, D, generator=torch.Generator().manual_seed(7))
+
+    def routing(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(100 + rank)
+        T = 0 if case == "empty_rank" and rank == WORLD - 1 else 5 + 3 * rank
+        x = torch.randn(T, D, generator=gen)
+        idx = torch.randint(0, E, (T, K), generator=gen)
+        if case == "all_to_rank0":  # the other ranks receive no rows
+            idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.ones(T, dtype=torch.long) % per_rank], 1)
+        if case == "dropped_ids":  # -1 slots contribute nothing
+            idx[::2, 1] = -1
+        w = torch.rand(T, K, generator=gen)
+        return x, idx, w
+
+    def dense(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for slot in range(idx.shape[1]):
+            ok = idx[:, slot] >= 0
+            rows = torch.tanh(torch.einsum("td,tod->to", x, W[idx[:, slot].clamp(min=0)]))
+            out = out + torch.where(ok[:, None], rows * w[:, slot : slot + 1], 0.0)
+        return out
+
+    def run(case: str) -> dict[str, Any]:
+        local = weights[lo : lo + per_rank].clone().requires_grad_(True)
+
+        def expert_fn(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            if rows.shape[0] == 0:
+                return rows @ local[0] * 0.0  # keep the empty rows in the graph
+            return torch.tanh(_grouped_linear(rows, local, offsets))
+
+        x, idx, w = routing(RANK, case)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        with traffic() as log:
+            out = a2a_moe(dist.group.WORLD, x, idx, w, E, per_rank, expert_fn)
+            (out * torch.arange(1.0, D + 1)).sum().backward()
+        ref_x, ref_w = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+        W = weights.clone().requires_grad_(True)
+        expected = dense(ref_x, idx, ref_w, W)
+        (expected * torch.arange(1.0, D + 1)).sum().backward()
+        W_all = weights.clone().requires_grad_(True)
+        total = sum((dense(*routing(r, case)[:1], *routing(r, case)[1:], W_all) * torch.arange(1.0, D + 1)).sum()
+                    for r in range(WORLD))
+        total.backward()
+        return {
+            "out": maxdiff(out, expected),
+            "grad_x": maxdiff(x.grad, ref_x.grad),
+            "grad_w": maxdiff(w.grad, ref_w.grad),
+            "grad_experts": maxdiff(local.grad, W_all.grad[lo : lo + per_rank]),
+            "grad_scale": float(W_all.grad.abs().max()),
+            "received": sum(r.received for r in log.records if r.kind == "dispatch"),
+            "tokens": int(x.shape[0]),
+        }
+
+    return {case: functools.partial(run, case) for case in ("random", "all_to_rank0", "dropped_ids", "empty_rank")}
+
+
+def _error_text(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
+    """What goes wrong on purpose: a switch back to grouped_mm, rank-divergent interventions."""
+    from moelens.parallel import shard_experts
+
+    def guard() -> dict[str, Any]:
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        ep = shard_experts(copy.deepcopy(ref), None)
+        ids = tokens_of(RANK)
+        result = {}
+        for implementation in ("grouped_mm", "batched_mm"):
+            ep.set_experts_implementation(implementation)
+            result[implementation] = _error_text(lambda: ep(input_ids=ids))
+        ep.set_experts_implementation("torch_a2a")
+        result["back"] = maxdiff(logits_of(ep(input_ids=ids)), logits_of(ref(input_ids=ids)))
+        return result
+
+    def divergent_skip() -> dict[str, Any]:
+        ep = moelens.wrap(shard_experts(tiny_model("mixtral"), None))
+        ids = tokens_of(RANK)
+
+        def trace() -> None:
+            with ep.trace(ids):
+                if RANK == WORLD - 1:  # the last rank skips layer 0's experts call
+                    ep.moes[0].experts.skip(torch.zeros(ids.numel(), 32))
+                ep.output.logits.save()
+
+        error = _error_text(trace)
+        # The ranks are in step again: a plain forward still works everywhere.
+        with ep.trace(ids):
+            after = ep.output.logits.save()
+        return {"error": error, "after_ok": bool(torch.isfinite(after).all())}
+
+    def divergent_last_layer() -> dict[str, Any]:
+        # A skip at the last MoE layer leaves the other ranks waiting: the group's timeout ends it.
+        group = dist.new_group(list(range(WORLD)), timeout=timedelta(seconds=float(args.get("short_timeout", 5))))
+        ep = moelens.wrap(shard_experts(tiny_model("mixtral"), group))
+        ids = tokens_of(RANK)
+
+        def trace() -> None:
+            with ep.trace(ids):
+                if RANK == WORLD - 1:
+                    ep.moes[-1].experts.skip(torch.zeros(ids.numel(), 32))
+                ep.output.logits.save()
+
+        return {"error": _error_text(trace)}
+
+    return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer}
+
+
+def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:
+    """transformers' own EP (from_pretrained + DistributedConfig) wrapped by moelens."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from moelens.parallel import register_torch_a2a, traffic
+
+    register_torch_a2a()
+
+    def run(path: str, implementation: str) -> dict[str, Any]:
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        config = DistributedConfig(fsdp_size=WORLD, ep_size=WORLD, ep_implementation=implementation)
+        ep = AutoModelForCausalLM.from_pretrained(path, distributed_config=config).eval()
+        ids = tokens_of(RANK)
+        result: dict[str, Any] = {"logits": maxdiff(logits_of(ep(input_ids=ids)), logits_of(ref(input_ids=ids)))}
+        lm_ep, lm_ref = moelens.wrap(ep), moelens.wrap(ref)
+        E = lm_ref.moes[0].num_experts
+        result["num_experts"] = [lm_ep.moes[0].num_experts, E]
+        with traffic() as log:
+            with lm_ep.trace(ids):
+                values_ep = lm_ep.save_all()
+                logits_ep = lm_ep.output.logits.save()
+        result["a2a_exchanges"] = sum(r.kind == "dispatch" for r in log.records)
+        with lm_ref.trace(ids):
+            values_ref = lm_ref.save_all()
+        result["traced_logits"] = maxdiff(logits_ep, logits_of(ref(input_ids=ids)))
+        names = sorted(values_ep[next(iter(values_ep))])
+        result["served"] = names
+        result["values"] = {
+            name: max(maxdiff(values_ep[layer][name], values_ref[layer][name]) for layer in values_ref) for name in names
+        }
+
+        def per_slot() -> None:
+            with lm_ep.trace(ids):
+                lm_ep.moes[0].expert_outputs.save()
+
+        result["per_slot_error"] = _error_text(per_slot)
+        plain_ref = traced_logits(lm_ref, ids)
+        result["interventions"], result["effects"] = {}, {}
+        for name, intervene in _interventions(E).items():
+            if name.startswith("write_"):
+                continue
+            edited = traced_logits(lm_ref, ids, intervene)
+            result["interventions"][name] = maxdiff(traced_logits(lm_ep, ids, intervene), edited)
+            result["effects"][name] = maxdiff(edited, plain_ref)
+        return result
+
+    return {
+        f"{Path(path).name}-{implementation}": functools.partial(run, path, implementation)
+        for path in args["paths"]
+        for implementation in args["implementations"]
+    }
+
+
+SUITES = {
+    "families": suite_families,
+    "a2a": suite_a2a,
+    "hazards": suite_hazards,
+    "transformers_ep": suite_transformers_ep,
+}
+
+
+def main() -> None:
+    suite = sys.argv[1]
+    args = json.loads(os.environ.get("MOELENS_TEST_ARGS", "{}"))
+    out = Path(os.environ["MOELENS_TEST_OUT"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.environ['MOELENS_TEST_STORE']}",
+        rank=RANK,
+        world_size=WORLD,
+        timeout=timedelta(seconds=TIMEOUT),
+    )
+    results: dict[str, Any] = {}
+    for name, case in SUITES[suite](args).items():
+        try:
+            results[name] = case()
+        except Exception:  # noqa: BLE001 - recorded for the test to report
+            results[name] = {"error": traceback.format_exc()}
+        (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
