@@ -304,7 +304,7 @@ class Moe(Mlp):
 
         def prepare_sorted() -> Tensor:
             self._drill()
-            permutation = request(sort_location, name, lambda: self._order_error(name))[1]
+            permutation = request(sort_location, lambda: self._order_error(name))[1]
             rows = tokens.current_rows(sort_location)
             if rows.batching and permutation.shape[0] == rows.size:
                 raise self.unavailable(

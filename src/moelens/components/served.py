@@ -136,10 +136,48 @@ def order_errors(location: str, on_order_error: Callable[[], Exception]) -> Iter
         raise on_order_error() from error
 
 
-def request(location: str, what: str, on_order_error: Callable[[], Exception]) -> Any:
+def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
     """Park until the model reaches ``location`` and return what is served there."""
     with order_errors(location, on_order_error):
         return Mediator.value(location)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One value as served at its location, and this invoke's token view of it.
+
+    Attributes:
+        raw: What the location serves (a tensor, a tuple, an ``(args, kwargs)`` call).
+        picked: The value's tensor taken out of ``raw``.
+        token_major: ``picked`` in token-major ``[T, ...]`` order.
+        view: This invoke's ``[b, s, ...]`` view of ``token_major``.
+        rows: The invoke's rows.
+        context: What the binding's ``prepare`` returned.
+    """
+
+    raw: Any
+    picked: torch.Tensor
+    token_major: torch.Tensor
+    view: torch.Tensor
+    rows: tokens.Rows
+    context: Any
+
+
+def fetch(component: "Component", name: str, binding: Binding) -> Fetched:
+    """Request ``binding``'s location and cut this invoke's view out of what is served."""
+    context = binding.prepare() if binding.prepare is not None else None
+    raw = request(binding.location, lambda: component._order_error(name))
+    rows = tokens.current_rows(binding.location)
+    picked = binding.pick(raw)
+    token_major = binding.token_major(picked, context)
+    view = tokens.view(token_major, binding.features, rows, f"{component.path}.{name}")
+    return Fetched(raw, picked, token_major, view, rows, context)
+
+
+def replaced(binding: Binding, fetched: Fetched, new: torch.Tensor, name: str) -> Any:
+    """What to hand the model: ``fetched.raw`` with this invoke's rows set to ``new``."""
+    whole = tokens.splice(fetched.token_major, new, binding.features, fetched.rows, name)
+    return binding.put(fetched.raw, binding.model_layout(whole, fetched.context))
 
 
 def read(component: "Component", descriptor: served, binding: Binding) -> torch.Tensor:
@@ -150,46 +188,33 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     waiting = mediator.transform
     if waiting is not None and waiting.key == (descriptor, location, mediator.wanted(location)):
         return waiting.view
-    context = binding.prepare() if binding.prepare is not None else None
-    raw = request(location, name, lambda: component._order_error(name))
-    rows = tokens.current_rows(location)
-    picked = binding.pick(raw)
-    token_major = binding.token_major(picked, context)
-    view = tokens.view(token_major, binding.features, rows, f"{component.path}.{name}")
-    version = view._version
-    occurrence = mediator.wanted(location)
+    fetched = fetch(component, name, binding)
+    view, version = fetched.view, fetched.view._version
 
     def write_back() -> Any:
         if view._version == version:
-            return raw
+            return fetched.raw
         check_write(component, name, binding, view, view.shape)
-        if binding.to_view is None and _aliases(view, picked):
-            return raw
-        whole = tokens.splice(token_major, view, binding.features, rows, name)
-        return binding.put(raw, binding.model_layout(whole, context))
+        if binding.to_view is None and _aliases(view, fetched.picked):
+            return fetched.raw
+        return replaced(binding, fetched, view, name)
 
-    mediator.transform = WriteBack(write_back, view, descriptor, location, occurrence)
+    mediator.transform = WriteBack(write_back, view, descriptor, location, mediator.wanted(location))
     return view
 
 
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
     name = descriptor.name
-    location = binding.location
-    context = binding.prepare() if binding.prepare is not None else None
-    raw = request(location, name, lambda: component._order_error(name))
-    rows = tokens.current_rows(location)
-    picked = binding.pick(raw)
-    token_major = binding.token_major(picked, context)
-    current = tokens.view(token_major, binding.features, rows, name)
+    fetched = fetch(component, name, binding)
+    current = fetched.view
     if not isinstance(value, torch.Tensor):
         numbers_as = current.dtype if binding.kind == FLOAT and isinstance(value, (int, float)) else None
         value = torch.as_tensor(value, dtype=numbers_as, device=current.device)
     if value.dim() == 0:  # a scalar fills the whole view
         value = value.expand(current.shape)
     check_write(component, name, binding, value, current.shape)
-    whole = tokens.splice(token_major, value, binding.features, rows, name)
-    Mediator.swap(location, binding.put(raw, binding.model_layout(whole, context)))
+    Mediator.swap(binding.location, replaced(binding, fetched, value, name))
 
 
 def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
