@@ -20,7 +20,7 @@ import moelens
 from groundtruth import ROUTER_LOGITS, ascii_tokenizer, expert_forward, raw_values
 from moelens import analysis
 from moelens.errors import MoelensError, ValueUnavailable
-from moelens.testing import tiny_model
+from moelens.testing import FAMILIES, tiny_model
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -396,3 +396,22 @@ def test_plots_are_images(qwen, tmp_path):
         path = plots.save(figure, tmp_path / f"{name}.png")
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert path.stat().st_size > 5000, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_collects_and_counts(family):
+    """The cache reads through each family's own values: one count per slot, indices in range, probs scored."""
+    wrapped = moelens.wrap(tiny_model(family))
+    layers = [moe.layer for moe in wrapped.moes]
+    blocks = "text_moe" if len(set(layers)) < len(layers) else None  # ernie4_5_vl_moe: text and vision blocks
+    ids = torch.randint(4, 100, (3, 6), generator=torch.Generator().manual_seed(0))
+    cache = analysis.collect_routing(wrapped, ids, batch_size=2, logits=True, blocks=blocks, progress=False)
+    usage = analysis.expert_usage(cache)
+    assert cache.family == wrapped.family.name and cache.num_tokens == ids.numel()
+    for row, layer in enumerate(cache.layers):
+        indices = cache.indices(layer)
+        assert indices.shape == (ids.numel(), cache.top_k[layer])
+        assert 0 <= int(indices.min()) and int(indices.max()) < cache.num_experts[layer]
+        assert int(usage.counts[row].sum()) == indices.numel()
+        probs = cache.probs(layer)  # inkling's router adds a column past E (docs/values.md)
+        assert probs.shape[0] == ids.numel() and probs.shape[1] >= cache.num_experts[layer]

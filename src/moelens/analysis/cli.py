@@ -218,7 +218,7 @@ def format_report(report: Any, tokenizer: str) -> str:
     """The text form of a `ModelReport`."""
     layers = report.moe_layers
     experts = sorted({(layer.num_experts, layer.top_k) for layer in layers})
-    implementations = sorted({str(layer.experts_implementation) for layer in layers})
+    implementations = sorted({layer.experts_implementation or "eager" for layer in layers})
     lines = [
         f"model                  {report.name}",
         f"architecture           {report.architecture} (model_type {report.model_type})",
