@@ -1,9 +1,9 @@
 """One rank of the multi-process expert-parallel tests (tests/test_parallel.py).
 
-Started as ``python tests/parallel_worker.py SUITE`` with torchrun-style
+Started as ``python tests/parallel_worker.py SUITE...`` with torchrun-style
 ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and ``MOELENS_TEST_STORE`` (a file
 rendezvous), ``MOELENS_TEST_OUT`` (where ``rank<r>.json`` goes) and
-``MOELENS_TEST_ARGS`` (JSON). It joins a gloo process group with a short timeout
+``MOELENS_TEST_ARGS`` (JSON: suite -> arguments). It joins a gloo process group with a short timeout
 (a bug fails instead of hanging), runs the suite's cases, and writes per case
 either the measured differences against the single-process ground truth or the
 error. Every rank builds the same tiny models from one seed; the single-process
@@ -120,8 +120,8 @@ def build(family: str, ep_group: Any, overrides: dict | None = None) -> tuple[to
 
 # -- interventions ----------------------------------------------------------------------
 
-def _interventions(E: int) -> dict[str, Callable[[Any], None]]:
-    far, near = E - 1, 0  # `far` lives on the last rank of an EP group, `near` on the first
+def _interventions(far: int, near: int) -> dict[str, Callable[[Any], None]]:
+    """Each intervention, on expert ``far`` (owned by another rank) and ``near`` (this rank's)."""
 
     def write_outputs(lm: Any) -> None:
         for moe in lm.moes:
@@ -141,6 +141,15 @@ def _interventions(E: int) -> dict[str, Callable[[Any], None]]:
         "write_expert_outputs": write_outputs,
         "write_expert_activations": write_activations,
     }
+
+
+def busiest(values: dict, E: int, ep_size: int, offset: int) -> int:
+    """The expert this rank's tokens use most among those of EP-group rank (own rank + offset)."""
+    rank = RANK % ep_size
+    owner = (rank + offset) % ep_size
+    per_rank = E // ep_size
+    counts = sum(torch.bincount(v["expert_indices"].reshape(-1), minlength=E) for v in values.values())
+    return owner * per_rank + int(counts[owner * per_rank : (owner + 1) * per_rank].argmax())
 
 
 def traced_logits(lm: Any, ids: torch.Tensor, intervene: Callable[[Any], None] | None = None) -> torch.Tensor:
@@ -170,6 +179,7 @@ def family_checks(
     ep.train(False)
     logits_ep = logits_of(ep(input_ids=ids))
     result["logits"] = maxdiff(logits_ep, logits_of(ref(input_ids=ids)))
+    result["logits_scale"] = float(logits_ep.abs().max())
     loss_of(logits_ep, ids).backward()
     total = sum(loss_of(logits_of(ref(input_ids=ids_of(r))), ids_of(r)) for r in range(WORLD))
     total.backward()
@@ -192,42 +202,51 @@ def family_checks(
         name: max(maxdiff(values_ep[layer][name], values_ref[layer][name]) for layer in values_ref)
         for name in values_ref[next(iter(values_ref))]
     }
+    result["scales"] = {
+        name: max(float(values_ref[layer][name].abs().max()) for layer in values_ref)
+        for name in values_ref[next(iter(values_ref))]
+    }
     result["missing_values"] = sorted(set(values_ref[next(iter(values_ref))]) - set(result["served"]))
     result["round_trip"] = any(r.kind == "activations_back" for r in log.records)
     with traffic() as log:
         traced_logits(lm_ep, ids)
     result["plain_trace_round_trip"] = any(r.kind == "activations_back" for r in log.records)
 
-    # Interventions: the EP run against the same intervention in one process.
+    # Interventions: the EP run against the same intervention in one process, on the expert of
+    # the next rank of the EP group this rank's tokens use most (and its own most used one).
+    size = dist.get_world_size(ep_group) if ep_group is not None else WORLD
+    far, near = busiest(values_ref, E, size, 1), busiest(values_ref, E, size, 0)
+    result["experts"] = [far, near]
     plain_ref = traced_logits(lm_ref, ids)
     result["interventions"] = {}
     result["effects"] = {}
-    for name, intervene in _interventions(E).items():
+    for name, intervene in _interventions(far, near).items():
         if quick and name not in QUICK:
             continue
         edited = traced_logits(lm_ref, ids, intervene)
         result["interventions"][name] = maxdiff(traced_logits(lm_ep, ids, intervene), edited)
         result["effects"][name] = maxdiff(edited, plain_ref)
 
-    # An expert weight edit through the id mapping (expert E-1, on its owner only).
-    far = E - 1
-    for moe_ep, moe_ref in zip(lm_ep.moes, lm_ref.moes):
-        local = local_expert(moe_ep, far)
-        if local is not None:
-            moe_ep.experts._module.down_proj.data[local] *= -1.0
-        moe_ref.experts._module.down_proj.data[far] *= -1.0
+    # Expert weight edits through the id mapping: every rank names the same experts (those of the
+    # last rank of its EP group, the same set on every rank), each edit lands on its owner only.
+    last = range(E - E // size, E)
+
+    def negate_last_rank_experts() -> None:
+        for moe_ep, moe_ref in zip(lm_ep.moes, lm_ref.moes):
+            for expert in last:
+                local = local_expert(moe_ep, expert)
+                if local is not None:
+                    moe_ep.experts._module.down_proj.data[local] *= -1.0
+                moe_ref.experts._module.down_proj.data[expert] *= -1.0
+
+    negate_last_rank_experts()
     edited = traced_logits(lm_ref, ids)
     result["interventions"]["weight_edit"] = maxdiff(traced_logits(lm_ep, ids), edited)
     result["effects"]["weight_edit"] = maxdiff(edited, plain_ref)
-    for moe_ep, moe_ref in zip(lm_ep.moes, lm_ref.moes):
-        local = local_expert(moe_ep, far)
-        if local is not None:
-            moe_ep.experts._module.down_proj.data[local] *= -1.0
-        moe_ref.experts._module.down_proj.data[far] *= -1.0
+    negate_last_rank_experts()
+    result["restored"] = maxdiff(traced_logits(lm_ep, ids), plain_ref)
 
     # No token routed to the last rank of the EP group: route around all its experts; fwd + bwd.
-    size = dist.get_world_size(ep_group) if ep_group is not None else WORLD
-    last = range(E - E // size, E)
 
     def starve(lm: Any) -> None:
         for moe in lm.moes:
@@ -443,7 +462,8 @@ def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:
         result["per_slot_error"] = _error_text(per_slot)
         plain_ref = traced_logits(lm_ref, ids)
         result["interventions"], result["effects"] = {}, {}
-        for name, intervene in _interventions(E).items():
+        far, near = busiest(values_ref, E, WORLD, 1), busiest(values_ref, E, WORLD, 0)
+        for name, intervene in _interventions(far, near).items():
             if name.startswith("write_"):
                 continue
             edited = traced_logits(lm_ref, ids, intervene)
@@ -458,7 +478,42 @@ def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:
     }
 
 
+def suite_single(args: dict) -> dict[str, Callable[[], Any]]:
+    """torch_a2a in one process (no group: every expert local) against grouped_mm, and
+    shard_experts over a one-rank group."""
+    from moelens.parallel import register_torch_a2a, shard_experts
+
+    def run(family: str, sharded: bool) -> dict[str, Any]:
+        register_torch_a2a()
+        ref = tiny_model(family, experts_implementation="grouped_mm")
+        model = copy.deepcopy(ref)
+        if sharded:
+            shard_experts(model)
+        else:
+            model.set_experts_implementation("torch_a2a")
+        ids = tokens_of(0)
+        lm, lm_ref = moelens.wrap(model), moelens.wrap(ref)
+        with lm.trace(ids):
+            values = lm.save_all()
+        with lm_ref.trace(ids):
+            expected = lm_ref.save_all()
+        names = expected[next(iter(expected))]
+        return {
+            "logits": maxdiff(logits_of(model(input_ids=ids)), logits_of(ref(input_ids=ids))),
+            "implementation": lm.moes[0].experts_implementation,
+            "missing_values": sorted(set(names) - set(values[next(iter(values))])),
+            "values": {name: max(maxdiff(values[l][name], expected[l][name]) for l in expected) for name in names},
+        }
+
+    return {
+        f"{family}-{'sharded' if sharded else 'nogroup'}": functools.partial(run, family, sharded)
+        for family in args["families"]
+        for sharded in (False, True)
+    }
+
+
 SUITES = {
+    "single": suite_single,
     "families": suite_families,
     "a2a": suite_a2a,
     "hazards": suite_hazards,
@@ -467,8 +522,8 @@ SUITES = {
 
 
 def main() -> None:
-    suite = sys.argv[1]
-    args = json.loads(os.environ.get("MOELENS_TEST_ARGS", "{}"))
+    """Run the suites named on the command line (``MOELENS_TEST_ARGS``: suite -> its arguments)."""
+    arguments = json.loads(os.environ.get("MOELENS_TEST_ARGS", "{}"))
     out = Path(os.environ["MOELENS_TEST_OUT"])
     dist.init_process_group(
         "gloo",
@@ -477,13 +532,15 @@ def main() -> None:
         world_size=WORLD,
         timeout=timedelta(seconds=TIMEOUT),
     )
-    results: dict[str, Any] = {}
-    for name, case in SUITES[suite](args).items():
-        try:
-            results[name] = case()
-        except Exception:  # noqa: BLE001 - recorded for the test to report
-            results[name] = {"error": traceback.format_exc()}
-        (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
+    results: dict[str, dict[str, Any]] = {}
+    for suite in sys.argv[1:]:
+        results[suite] = {}
+        for name, case in SUITES[suite](arguments.get(suite, {})).items():
+            try:
+                results[suite][name] = case()
+            except Exception:  # noqa: BLE001 - recorded for the test to report
+                results[suite][name] = {"error": traceback.format_exc()}
+            (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
