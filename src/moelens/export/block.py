@@ -105,12 +105,16 @@ def check_block(family: Family, block: torch.nn.Module, spec: MoeSpec, *, tokens
         real = block_output(family, block(x)).float()
         mine = ExportBlock(family, block, TractMoeFfn(spec), root=True)(x)
     error = float((real - mine).abs().max())
-    bound = 1e-5 * max(1.0, float(real.abs().max()))
-    if not error <= bound:
-        raise ExportRefused(
-            f"{family.name}: on random inputs the block's output differs from what tract_moe_ffn computes from "
-            f"the family entry by up to {error:.3g} (output scale {float(real.abs().max()):.3g}): this block "
-            "computes something its family entry does not describe (a router or weight scaling, a different "
-            "selection), so it is refused rather than exported wrong."
-        )
-    return error
+    scale = float(real.abs().max())
+    bound = 1e-5 * max(1.0, scale)
+    if error <= bound:
+        return error
+    factor = float((real * mine).sum() / (mine * mine).sum().clamp_min(1e-30))
+    if float((real - factor * mine).abs().max()) <= bound:
+        what = (f"the block's output is {factor:.4g} times what tract_moe_ffn computes from the family entry: the "
+                "router or block scales the experts' weights by a factor the entry does not record")
+    else:
+        what = (f"on random inputs the block's output differs from what tract_moe_ffn computes from the family entry "
+                f"by up to {error:.3g} (output scale {scale:.3g}): the block computes something its entry does not "
+                "describe (a different selection, a weight scaling, an extra projection)")
+    raise ExportRefused(f"{family.name}: {what}, so it is refused rather than exported wrong.")

@@ -23,7 +23,6 @@ the export copies the module's current weights.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -199,18 +198,34 @@ class Edits:
 
     # -- serialisation ---------------------------------------------------------------------
 
-    def to_json(self) -> str:
-        """A JSON text of the edits (stored in the archive's properties)."""
-        data = {kind: {str(layer): (value if isinstance(value, tuple) else {str(e): v for e, v in value.items()})
-                       for layer, value in getattr(self, kind).items()}
-                for kind in KINDS if getattr(self, kind)}
-        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+    def to_text(self) -> str:
+        """A compact text form, ``kind:layer:items`` joined by ``;`` (``steer:1:2=3.0,5=-1.0;ablate:1:6``).
+
+        It has no quotes or braces, so it can be stored as an NNEF property (the archive's ``moelens_edits``).
+        """
+        parts = []
+        for kind in KINDS:
+            for layer, value in sorted(getattr(self, kind).items()):
+                items = (",".join(str(e) for e in value) if isinstance(value, tuple)
+                         else ",".join(f"{e}={v!r}" for e, v in value.items()))
+                parts.append(f"{kind}:{layer}:{items}")
+        return ";".join(parts)
 
     @classmethod
-    def from_json(cls, text: str) -> "Edits":
-        """The edits a `to_json` text describes."""
-        data = json.loads(text) if text else {}
-        return cls(**{kind: data.get(kind, {}) for kind in KINDS})
+    def from_text(cls, text: str) -> "Edits":
+        """The edits a `to_text` text describes (``""``: none)."""
+        fields: dict[str, dict] = {kind: {} for kind in KINDS}
+        for part in filter(None, (text or "").split(";")):
+            try:
+                kind, layer, items = part.split(":")
+                if kind in ("steer", "swap"):
+                    cast = float if kind == "steer" else int
+                    fields[kind][int(layer)] = {int(e): cast(v) for e, v in (item.split("=") for item in items.split(","))}
+                else:
+                    fields[kind][int(layer)] = [int(e) for e in items.split(",")]
+            except (KeyError, ValueError):
+                raise ExportError(f"cannot read edits from {text!r} (at {part!r}).") from None
+        return cls(**fields)
 
 
 def as_edits(edits: Edits | Mapping[str, Any] | None) -> Edits:

@@ -159,17 +159,16 @@ class TokensToLogits(torch.nn.Module):
         self.model = model
         parameters = inspect.signature(model.forward).parameters
         keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        self._use_cache = "use_cache" in parameters or keywords
-        if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
-            model.config.use_cache = False  # no KV cache: its concatenations are not part of one forward
+        self._flags = {flag: False for flag in ("use_cache", "output_router_logits") if flag in parameters or keywords}
+        config = getattr(model, "config", None)
+        for flag in ("use_cache", "output_router_logits"):  # no KV cache, no auxiliary loss over router logits
+            if config is not None and hasattr(config, flag):
+                setattr(config, flag, False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # An explicit mask keeps transformers off its packed-sequence detection (torch.diff with prepend),
         # which torch-to-nnef cannot trace.
-        kwargs = {"attention_mask": torch.ones_like(input_ids)}
-        if self._use_cache:
-            kwargs["use_cache"] = False
-        output = self.model(input_ids=input_ids, **kwargs)
+        output = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **self._flags)
         for name in ("logits", "last_hidden_state"):
             value = getattr(output, name, None)
             if value is not None:
@@ -200,6 +199,15 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
         specs[block.layer] = spec
     if edits:
         edits.check({layer: (spec.num_experts, spec.k) for layer, spec in specs.items()})
+    if quantize_experts == "q4_0":
+        for spec in specs.values():
+            hidden, inner = spec.wg.shape[1], spec.w1.shape[2]
+            if hidden % 32 or inner % 32:
+                raise ExportRefused(
+                    f"layer {spec.layer}: Q4_0 experts need the hidden size and the expert size to be multiples of "
+                    f"32 (tract quantizes each expert matrix row in groups of 32), here D={hidden} and H={inner}; "
+                    "export the experts in float32."
+                )
     for block in target.blocks:
         live = module.get_submodule(block.name) if block.name else module
         spec = edits.bake(specs[block.layer])
@@ -273,7 +281,7 @@ def _properties(target: Target, prepared: Prepared, quantize: str | None, layout
         "moelens_layers": ",".join(str(r.layer) for r in prepared.reports),
         "moelens_quantize_experts": quantize or "none",
         "moelens_layout": layout,
-        "moelens_edits": edits.to_json(),
+        "moelens_edits": edits.to_text(),
     }
 
 
@@ -302,6 +310,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
             fragments["tract_core_properties"] = text
             return fragments
 
+    logging.getLogger("torch_to_nnef").setLevel(logging.ERROR)
     name_in, name_out = input_name(target), output_name(target)
     version = tract_module().version()
     tract_target = MoelensTract(
@@ -312,7 +321,6 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
         dump_identity_properties=False,
         specific_properties=properties,
     )
-    logging.getLogger("torch_to_nnef").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

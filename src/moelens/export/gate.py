@@ -80,23 +80,18 @@ def family_support(family: Family) -> Support:
     if reason:
         return Support("no", reason=reason)
     scoring = family.scoring
+    reasons = _hard_refusals(family)
     conditions: list[str] = []
-    if scoring.selection_bias:
-        return Support("no", reason=_selection_bias(scoring.selection_bias))
-    if scoring.select not in _SELECTIONS:
-        return Support("no", reason=_selection(scoring.select))
     if scoring.select == "group_topk":
         n_group, topk_group = scoring.groups or ("?", "?")
-        conditions.append(f"{n_group} == 1 or {topk_group} == {n_group} (group-limited selection is refused)")
-    scores = ("softmax", "sigmoid")
-    if _literal(scoring.score) and scoring.score not in scores:
-        return Support("no", reason=_score(scoring.score))
+        if reasons:
+            reasons.append(_groups())
+        else:
+            conditions.append(f"{n_group} == 1 or {topk_group} == {n_group} (group-limited selection is refused)")
+    if reasons:
+        return Support("no", reason="; ".join(reasons))
     if not _literal(scoring.score):
         conditions.append(f"{scoring.score} is softmax or sigmoid")
-    if scoring.score == "sigmoid" and scoring.normalize is True:
-        return Support("no", reason=_sigmoid_renormalised())
-    if family.expert_gate is not None and family.expert_gate.kind not in ("glu", "clamped_swiglu"):
-        return Support("no", reason=_expert_gate(family.expert_gate.kind))
     if scoring.score == "sigmoid":
         gate = "sigmoid"
         if not _literal(scoring.normalize):
@@ -114,17 +109,33 @@ def family_support(family: Family) -> Support:
     return Support("yes", gate=gate)
 
 
+def _hard_refusals(family: Family, score: Any = None) -> list[str]:
+    """What tract cannot express whatever the checkpoint's config (from the entry; ``score`` when resolved)."""
+    scoring = family.scoring
+    reasons = []
+    if scoring.selection_bias:
+        reasons.append(_selection_bias(scoring.selection_bias))
+    if scoring.select not in _SELECTIONS:
+        reasons.append(_selection(scoring.select))
+    score = scoring.score if score is None else score
+    if _literal(score) and score not in ("softmax", "sigmoid"):
+        reasons.append(_score(score))
+    if score == "sigmoid" and scoring.normalize is True:
+        reasons.append(_sigmoid_renormalised())
+    if family.expert_gate is not None and family.expert_gate.kind not in ("glu", "clamped_swiglu"):
+        reasons.append(_expert_gate(family.expert_gate.kind))
+    return reasons
+
+
 def structural_refusal(family: Family) -> str:
     """Why the family's block has no shape tract_moe_ffn can take, or ``""``."""
     if not family.experts_call or family.derived_routing:
-        reason = next(iter(family.refused.values()), "")
-        return ("the block has no experts(hidden, indices, weights) call"
-                + (f": {reason}" if reason else ""))
+        return ("the block does not call its experts as experts(hidden, indices, weights) (they run on their own, "
+                "e.g. on score-premultiplied inputs), so it is not one routed-experts op")
     if "mlp_output" in family.refused:
-        return f"the block output is not an FFN output: {family.refused['mlp_output']}"
+        return f"the block output is not an FFN output ({family.refused['mlp_output'].split(';')[0]})"
     if "expert_outputs" in family.refused:
-        return ("the experts are not a transformers experts module (no gate_up_proj/down_proj layout): "
-                f"{family.refused['expert_outputs']}")
+        return "the experts are not a transformers experts module (no gate_up_proj/down_proj layout to read)"
     return ""
 
 
@@ -135,24 +146,18 @@ def routing(family: Family, block: Any) -> Routing:
     if reason:
         raise ExportRefused(f"{name}: {reason}.")
     scoring = family.scoring
-    if scoring.selection_bias:
-        raise ExportRefused(f"{name}: {_selection_bias(scoring.selection_bias)}.")
-    if scoring.select not in _SELECTIONS:
-        raise ExportRefused(f"{name}: {_selection(scoring.select)}.")
+    score = family.resolve(scoring.score, block)
+    reasons = _hard_refusals(family, score)
     if scoring.select == "group_topk":
         n_group, topk_group = (int(family.resolve(ref, block)) for ref in scoring.groups)
         if n_group != 1 and topk_group < n_group:
-            raise ExportRefused(
-                f"{name}: group-limited expert selection (the best {topk_group} of {n_group} groups) cannot be "
-                "expressed: tract_moe_ffn picks the top-k over all experts."
-            )
-    score = family.resolve(scoring.score, block)
-    if score not in ("softmax", "sigmoid"):
-        raise ExportRefused(f"{name}: {_score(score)}.")
+            reasons.append(_groups(f" (the best {topk_group} of {n_group} groups)"))
+    if reasons:
+        raise ExportRefused(f"{name}: " + "; ".join(reasons) + ".")
     normalize = family.resolve(scoring.normalize, block)
+    if score == "sigmoid" and normalize:
+        raise ExportRefused(f"{name}: {_sigmoid_renormalised()}.")
     if score == "sigmoid":
-        if normalize:
-            raise ExportRefused(f"{name}: {_sigmoid_renormalised()}.")
         gate = "sigmoid"
     elif scoring.select == "logit_topk" or _truthy_norm(normalize):
         gate = "softmax_topk"
@@ -178,8 +183,12 @@ def _truthy_norm(normalize: Any) -> bool:
 
 
 def _selection_bias(reference: str) -> str:
-    return (f"the router adds a correction bias ({reference}) for expert selection only; tract_moe_ffn's router "
-            "bias (wg_bias) shifts the logits for selection and weights alike")
+    return (f"a correction bias ({reference}) used for expert selection only: tract's router bias (wg_bias) "
+            "shifts selection and weights alike")
+
+
+def _groups(which: str = "") -> str:
+    return f"group-limited expert selection{which}: tract picks the top-k over all experts"
 
 
 def _selection(select: str) -> str:
@@ -188,16 +197,15 @@ def _selection(select: str) -> str:
         "hash": "hash routing (experts picked from a token-id table)",
         "skip_topk": "a 'skip' class in the router's softmax",
     }.get(select, f"{select!r} expert selection")
-    return f"{what} cannot be expressed: tract_moe_ffn picks the top-k logits of one linear router"
+    return f"{what}: tract picks the top-k logits of one linear router"
 
 
 def _score(score: Any) -> str:
-    return f"the {score!r} score function cannot be expressed: tract_moe_ffn gates with softmax, sigmoid or raw logits"
+    return f"the {score!r} score function: tract gates with softmax, sigmoid or the raw logits"
 
 
 def _sigmoid_renormalised() -> str:
-    return ("sigmoid scores renormalised over the k chosen experts cannot be expressed: tract_moe_ffn's sigmoid "
-            "gate does not renormalise")
+    return "sigmoid scores renormalised over the k chosen experts: tract's sigmoid gate does not renormalise"
 
 
 def _expert_gate(kind: str) -> str:
@@ -205,5 +213,5 @@ def _expert_gate(kind: str) -> str:
         "clamped_glu": "clamped SwiGLU without the sigmoid slope and offset (silu(min(g, l)) * clamp(u))",
         "softcapped_glu": "softcapped SwiGLU",
     }.get(kind, kind)
-    return (f"the experts compute a {what}; tract_moe_ffn has swiglu/silu/gelu/relu and gpt-oss's clamped SwiGLU "
+    return (f"experts computing a {what}: tract has swiglu/silu/gelu/relu and gpt-oss's clamped SwiGLU "
             "(act_alpha, act_limit) only")

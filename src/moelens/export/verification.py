@@ -71,7 +71,7 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | None = None, *, 
     kind = recorded.get("moelens_kind", target.kind)
     if kind != target.kind:
         raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with.")
-    edits = Edits.from_json(recorded.get("moelens_edits", "")) if edits is None else as_edits(edits)
+    edits = Edits.from_text(recorded.get("moelens_edits", "")) if edits is None else as_edits(edits)
     if inputs is None:
         inputs = _default_inputs(path, target)
     actual = run(path, inputs)
@@ -147,7 +147,7 @@ def check_export(path: Path, model: Any, prepared: Any, inputs: torch.Tensor) ->
     recorded = properties(path)
     actual = run(path, inputs)
     target = resolve(model)
-    edits = Edits.from_json(recorded.get("moelens_edits", ""))
+    edits = Edits.from_text(recorded.get("moelens_edits", ""))
     expected, reference = torch_reference(target, model, inputs, edits)
     result = _compare(actual, expected, reference)
     quantized = recorded.get("moelens_quantize_experts", "none") != "none"

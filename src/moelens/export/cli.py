@@ -1,0 +1,147 @@
+"""The ``moelens export`` command: a model (or one block) to an NNEF archive for tract.
+
+``moelens export MODEL OUT.nnef.tgz`` loads ``MODEL`` (a local checkpoint folder, or
+``tiny`` for moelens-tiny), exports it with one tract_moe_ffn per MoE block, checks it
+in tract and prints what each block became. Edits are given as ``LAYER:EXPERTS``
+(``--ablate 1:3,5``) or ``LAYER:EXPERT=VALUE`` (``--steer 2:4=1.5``, ``--swap 1:3=0``).
+``moelens export --support`` prints which families export. Imports nothing heavy until run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..errors import MoelensError
+
+
+def register(subparsers: Any) -> None:
+    """Add ``export`` to the ``moelens`` command."""
+    parser = subparsers.add_parser(
+        "export",
+        help="export a model (or one MoE block) to NNEF for tract: one tract_moe_ffn per MoE block",
+        description="Export MODEL (a checkpoint folder, or 'tiny') to OUT (.nnef.tgz, .tar or a folder) with one "
+        "tract_moe_ffn per MoE block, edits baked in, and check the archive in tract against torch. "
+        "Needs the export extra: pip install 'moelens[export]'.",
+    )
+    parser.add_argument("model", metavar="MODEL", nargs="?", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    parser.add_argument("out", metavar="OUT", nargs="?", type=Path, help="the archive to write (.nnef.tgz, .tar, or a folder)")
+    parser.add_argument("--support", action="store_true", help="print which families export (and why not) and exit")
+    parser.add_argument("--block", type=int, metavar="LAYER", help="export only the MoE block of this layer (hidden states -> mlp_output)")
+    parser.add_argument("--tokens", type=int, default=8, help="tokens of the traced example input (default 8)")
+    parser.add_argument("--dynamic-tokens", action="store_true", help="symbolic token axis (with --block only)")
+    parser.add_argument("--quantize-experts", choices=("q4_0",), help="store expert weights as tract Q4_0")
+    parser.add_argument("--layout", choices=("canonical", "linear"), default="canonical", help="expert weight layout")
+    parser.add_argument("--no-verify", action="store_true", help="do not run the archive in tract to check it")
+    parser.add_argument("--ablate", action="append", default=[], metavar="LAYER:E[,E]", help="zero-ablate experts")
+    parser.add_argument("--route-around", action="append", default=[], metavar="LAYER:E[,E]",
+                        help="route around experts (the router never picks them)")
+    parser.add_argument("--steer", action="append", default=[], metavar="LAYER:E=BIAS[,E=BIAS]",
+                        help="add BIAS to expert E's router logit")
+    parser.add_argument("--swap", action="append", default=[], metavar="LAYER:E=TO[,E=TO]",
+                        help="expert E's slots run expert TO")
+    parser.set_defaults(func=run_export)
+
+
+def parse_edits(args: argparse.Namespace) -> Any:
+    """`Edits` from the command's ``--ablate/--route-around/--steer/--swap`` options."""
+    from .edits import Edits
+
+    def split(spec: str, option: str) -> tuple[int, str]:
+        layer, sep, rest = spec.partition(":")
+        if not sep or not layer.strip().lstrip("-").isdigit() or not rest:
+            raise MoelensError(f"--{option} {spec!r}: expected LAYER:..., e.g. --{option} 1:3")
+        return int(layer), rest
+
+    def experts(values: list[str], option: str) -> dict[int, list[int]]:
+        found: dict[int, list[int]] = {}
+        for spec in values:
+            layer, rest = split(spec, option)
+            try:
+                found.setdefault(layer, []).extend(int(e) for e in rest.split(","))
+            except ValueError:
+                raise MoelensError(f"--{option} {spec!r}: experts must be integers, e.g. 1:3,5") from None
+        return found
+
+    def valued(values: list[str], option: str, kind: type) -> dict[int, dict[int, Any]]:
+        found: dict[int, dict[int, Any]] = {}
+        for spec in values:
+            layer, rest = split(spec, option)
+            for item in rest.split(","):
+                expert, sep, value = item.partition("=")
+                try:
+                    found.setdefault(layer, {})[int(expert)] = kind(value)
+                except ValueError:
+                    raise MoelensError(f"--{option} {spec!r}: expected LAYER:EXPERT=VALUE, e.g. 2:4=1.5") from None
+                if not sep:
+                    raise MoelensError(f"--{option} {spec!r}: expected LAYER:EXPERT=VALUE, e.g. 2:4=1.5")
+        return found
+
+    return Edits(
+        ablate=experts(args.ablate, "ablate"),
+        route_around=experts(args.route_around, "route-around"),
+        steer=valued(args.steer, "steer", float),
+        swap=valued(args.swap, "swap", int),
+    )
+
+
+def _load(source: str) -> Any:
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import moelens
+
+    if source == "tiny":
+        from moelens.data import TINY_MODEL_PATH
+
+        if not (TINY_MODEL_PATH / "config.json").is_file():
+            raise MoelensError(f"moelens-tiny is not installed at {TINY_MODEL_PATH}; pass a checkpoint folder.")
+        return moelens.load()
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise MoelensError(f"{source!r} is not a transformers checkpoint folder (no config.json); pass one, or 'tiny'.")
+    return moelens.load(path)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Run ``moelens export``."""
+    if args.support:
+        from .table import support_table
+
+        print(support_table(), end="")
+        return 0
+    if args.model is None or args.out is None:
+        raise MoelensError("moelens export needs MODEL and OUT (or --support).")
+    edits = parse_edits(args)
+    import torch
+
+    from .exporter import default_inputs, to_nnef
+    from .target import resolve
+
+    model = _load(args.model)
+    target: Any = model
+    if args.block is not None:
+        blocks = [moe for moe in model.moes if moe.layer == args.block]
+        if not blocks:
+            raise MoelensError(f"--block {args.block}: no MoE block there; MoE layers are {[m.layer for m in model.moes]}.")
+        target = blocks[0]
+    inputs = default_inputs(resolve(target), tokens=args.tokens)
+    with torch.no_grad():
+        report = to_nnef(target, args.out, example_inputs=inputs, dynamic_tokens=args.dynamic_tokens,
+                         quantize_experts=args.quantize_experts, layout=args.layout, verify=not args.no_verify,
+                         edits=edits)
+    print(f"wrote {report.path} ({report.bytes / 1e6:.2f} MB, {report.kind}: {report.input_name} -> "
+          f"{report.output_name}) in {report.seconds:.1f} s")
+    for block in report.blocks:
+        extra = f"; {block.edits}" if block.edits else ""
+        print(f"  layer {block.layer}: {block.family} -> tract_moe_ffn(E={block.num_experts}, k={block.k}, "
+              f"gate={block.gate}, activation={block.activation}){extra}")
+    check = report.verification
+    if check is not None:
+        line = f"tract vs {check.reference}: max abs error {check.max_abs_error:.3g} (tract tolerance: {check.tolerance})"
+        if "export_max_abs_error" in check.details:
+            line += (f"; vs the archive's Q4_0 weights in torch: {check.details['export_max_abs_error']:.3g} "
+                     f"({check.details['export_tolerance']})")
+        print(line)
+    return 0

@@ -1,0 +1,430 @@
+"""NNEF export to tract_moe_ffn, checked in the real tract runtime.
+
+Ground truth: the tiny models' own torch forward (logits, block outputs), the same
+interventions made by moelens in a trace, and tract (the ``tract`` package) running the
+archives. Needs the ``export`` extra (torch-to-nnef and tract), which CI installs.
+"""
+
+from __future__ import annotations
+
+import copy
+import getpass
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import tarfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torch_to_nnef", reason="the export extra is not installed (pip install 'moelens[export]')")
+pytest.importorskip("tract", reason="the export extra is not installed (pip install 'moelens[export]')")
+
+import moelens  # noqa: E402
+from moelens.export import Edits, ExportError, ExportRefused, run, to_nnef, verify  # noqa: E402
+from moelens.export import archive  # noqa: E402
+from moelens.testing import TINY_OVERRIDES, tiny_inputs, tiny_model  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+
+#: torch-to-nnef ships extractors for these blocks; moelens exports them through its own, from the family table.
+KNOWN_TO_T2N = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "gpt_oss", "granitemoe"]
+#: Families torch-to-nnef has no MoE support for: whole tiny models export.
+UNKNOWN_TO_T2N_MODELS = ["hunyuan_v1_moe", "flex_olmo", "mellum", "aria", "cohere2_moe", "deepseek_ocr2"]
+#: ... and these export as blocks (their other layers, mamba / linear attention, do not trace in torch-to-nnef).
+UNKNOWN_TO_T2N_BLOCKS = UNKNOWN_TO_T2N_MODELS + ["jamba", "minimax", "qwen3_next", "deepseek_v2", "qwen4_exp"]
+
+#: tract's "approximate" level in float32, which every float32 export must meet.
+ATOL, RTOL = 1e-4, 5e-4
+
+
+def small(family: str, **overrides):
+    """The family's tiny model with 2 decoder layers (per-layer lists cut to match)."""
+    extra = {"num_hidden_layers": 2}
+    for key, value in TINY_OVERRIDES[family].items():
+        if isinstance(value, list) and len(value) == 4 and key != "moe_layers":
+            extra[key] = value[:2]
+    extra.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tiny_model(family, **extra)
+
+
+def tract_moe_calls(path: Path) -> list[str]:
+    return re.findall(r"= tract_moe_ffn\((.*)\);", archive.graph_text(path))
+
+
+def close(actual: np.ndarray, expected, atol: float = ATOL) -> None:
+    expected = expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected
+    np.testing.assert_allclose(actual, expected, atol=atol, rtol=RTOL)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("nnef")
+
+
+# -- blocks ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", KNOWN_TO_T2N + UNKNOWN_TO_T2N_BLOCKS)
+def test_block_export_matches_torch_in_tract(family, out):
+    hf = small(family)
+    moe = moelens.wrap(hf).moes[0]
+    hidden = torch.randn(2, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    report = to_nnef(moe, out / f"{family}-block.nnef.tgz", example_inputs=hidden)
+    calls = tract_moe_calls(report.path)
+    assert len(calls) == 1
+    assert f"gate = '{report.blocks[0].gate}'" in calls[0]
+    with torch.no_grad():
+        expected = moe._module(hidden)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    close(run(report.path, hidden), expected)
+    assert report.verification.meets("approximate")
+
+
+def test_block_details_follow_the_family_table(out):
+    # qwen2_moe: softmax over all E without renormalisation, a sigmoid-gated shared expert in plain NNEF.
+    qwen = to_nnef(moelens.wrap(small("qwen2_moe")).moes[0], out / "qwen2-shared.nnef.tgz")
+    graph = archive.graph_text(qwen.path)
+    assert "gate = 'softmax_all'" in graph and "sigmoid(" in graph and "add(" in graph
+    # with norm_topk_prob the same family renormalises: softmax over the top-k.
+    normalised = to_nnef(moelens.wrap(small("qwen2_moe", norm_topk_prob=True)).moes[0], out / "qwen2-norm.nnef.tgz")
+    assert "gate = 'softmax_topk'" in tract_moe_calls(normalised.path)[0]
+    # gpt_oss: router and expert biases (9 inputs) and the clamped SwiGLU.
+    gpt = tract_moe_calls(to_nnef(moelens.wrap(small("gpt_oss")).moes[0], out / "gpt-oss.nnef.tgz").path)[0]
+    assert "act_alpha = 1.702" in gpt and "act_limit = 7.0" in gpt
+    assert len([a for a in gpt.split(",") if "=" not in a]) == 9
+
+
+# -- whole models ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", KNOWN_TO_T2N + UNKNOWN_TO_T2N_MODELS)
+def test_model_export_matches_torch_in_tract(family, out):
+    hf = small(family)
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=7)["input_ids"]
+    report = to_nnef(wrapped, out / f"{family}.nnef.tgz", example_inputs=ids)
+    assert len(tract_moe_calls(report.path)) == len(wrapped.moes)
+    with torch.no_grad():
+        output = hf(input_ids=ids, attention_mask=torch.ones_like(ids))
+    expected = output.logits if hasattr(output, "logits") else output.last_hidden_state  # deepseek_ocr2: a text model
+    close(run(report.path, ids), expected)
+    assert report.verification.meets("approximate")
+
+
+def tiny_default_model():
+    """moelens-tiny, or (while it is not shipped yet) its architecture from scripts/train_tiny.py, untrained."""
+    from moelens.data import TINY_MODEL_PATH
+
+    if (TINY_MODEL_PATH / "config.json").is_file():
+        return moelens.load(), "moelens-tiny"
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(**module.MOE_ARCH, vocab_size=4096)
+    return moelens.wrap(Qwen2MoeForCausalLM(config).eval()), "moelens-tiny architecture (untrained)"
+
+
+def test_moelens_tiny_exports(out):
+    model, _ = tiny_default_model()
+    ids = torch.randint(3, model._module.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    report = to_nnef(model, out / "moelens-tiny.nnef.tgz", example_inputs=ids)
+    assert len(tract_moe_calls(report.path)) == len(model.moes) == 4
+    with torch.no_grad():
+        expected = model._module(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    close(run(report.path, ids), expected)
+
+
+# -- edits ---------------------------------------------------------------------------------
+
+
+def test_edited_model_matches_the_intervened_torch_run(out):
+    hf = small("mixtral")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=9)["input_ids"]
+    edits = Edits(route_around={0: [1, 4]}, steer={1: {2: 3.0, 5: -1.0}}, ablate={1: [6]}, swap={0: {3: 7}})
+    report = to_nnef(wrapped, out / "mixtral-edited.nnef.tgz", example_inputs=ids, edits=edits)
+    with wrapped.trace(input_ids=ids, attention_mask=torch.ones_like(ids)):
+        first, second = wrapped.moes
+        moelens.ablate(first, 1, "route_around")
+        moelens.ablate(first, 4, "route_around")
+        moelens.ablate(first, 3, "swap", to=7)
+        moelens.steer(second, 2, 3.0)
+        moelens.steer(second, 5, -1.0)
+        moelens.ablate(second, 6)
+        edited = wrapped.output.logits.save()
+    with torch.no_grad():
+        plain = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert (edited - plain).abs().max() > 1e-3  # the edits change the model
+    tract_logits = run(report.path, ids)
+    close(tract_logits, edited)
+    assert report.verification.meets("approximate")
+    assert verify(report.path, wrapped, ids).meets("approximate")  # replays the archive's recorded edits
+
+
+def test_steered_block_with_router_bias_matches_moelens(out):
+    # gpt_oss has its own router bias: steering adds to it; zero ablation also zeroes the experts' down bias.
+    hf = small("gpt_oss")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=8)["input_ids"]
+    moe = wrapped.moes[1]
+    with wrapped.trace(input_ids=ids, attention_mask=torch.ones_like(ids)):
+        hidden = moe.input.save()
+        moelens.steer(moe, 4, 2.5)
+        moelens.ablate(moe, 0)
+        expected = moe.mlp_output.save()
+    edits = Edits(steer={1: {4: 2.5}}, ablate={1: [0]})
+    report = to_nnef(moe, out / "gpt-oss-steered.nnef.tgz", example_inputs=hidden, edits=edits)
+    close(run(report.path, hidden), expected)
+    with torch.no_grad():
+        assert (moe._module(hidden)[0] - expected).abs().max() > 1e-3
+
+
+def test_weights_edited_in_place_are_exported(out):
+    hf = small("olmoe")
+    with torch.no_grad():
+        hf.model.layers[1].mlp.experts.down_proj[2].mul_(-3.0)
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=6)["input_ids"]
+    report = to_nnef(wrapped, out / "olmoe-in-place.nnef.tgz", example_inputs=ids)
+    with torch.no_grad():
+        close(run(report.path, ids), hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits)
+
+
+def test_edits_tract_cannot_express_are_refused(out):
+    wrapped = moelens.wrap(small("mixtral"))
+    refused = {
+        "force": Edits(force={0: [1]}),
+        "leaves 1 experts": Edits(route_around={0: list(range(7))}),
+    }
+    for message, edits in refused.items():
+        path = out / "refused.nnef.tgz"
+        with pytest.raises(ExportRefused, match=message):
+            to_nnef(wrapped, path, edits=edits, verify=False)
+        assert not path.exists()
+    with pytest.raises(ExportError, match="out of range"):
+        to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(steer={0: {8: 1.0}}))
+    with pytest.raises(ExportError, match="hold no exported MoE block"):
+        to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(ablate={5: [0]}))
+    with pytest.raises(ExportError, match="not finite"):
+        Edits(steer={0: {1: float("inf")}})
+
+
+def test_interventions_the_export_would_drop_are_refused(out):
+    hf = small("mixtral")
+    wrapped = moelens.wrap(hf)
+    with wrapped.edit(inplace=True):
+        wrapped.moes[0].router_logits[..., 0] = 0.0
+    with pytest.raises(ExportRefused, match="nnsight edit"):
+        to_nnef(wrapped, out / "edited.nnef.tgz")
+    wrapped.clear_edits()
+    handle = hf.model.layers[1].mlp.experts.register_forward_hook(lambda module, args, output: output * 2)
+    with pytest.raises(ExportRefused, match="forward hook"):
+        to_nnef(wrapped, out / "hooked.nnef.tgz")
+    handle.remove()
+
+
+# -- refused families ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "message"),
+    [
+        ("deepseek_v3", "correction bias .* selection only.*group-limited expert selection"),
+        ("mistral4", "group-limited expert selection"),
+        ("phimoe", "sparse-mixer"),
+        ("zaya", "'skip' class"),
+        ("llama4", "does not call its experts as experts"),
+        ("flint", "sigmoid scores renormalised"),
+        ("gemma4", "not an FFN output"),
+        ("dbrx", "not a transformers experts module"),
+        ("openai_privacy_filter", "output is 0.5 times what tract_moe_ffn computes"),
+    ],
+)
+def test_families_tract_cannot_express_are_refused(family, message, out):
+    wrapped = moelens.wrap(small(family) if family not in ("llama4", "dbrx", "gemma4") else tiny_model(family))
+    path = out / f"{family}.nnef.tgz"
+    with pytest.raises(ExportRefused, match=message):
+        to_nnef(wrapped, path)
+    assert not path.exists()
+
+
+# -- the user's model, the archive --------------------------------------------------------------------
+
+
+def test_the_users_model_is_unchanged(out):
+    hf = small("qwen2_moe", moe_intermediate_size=32)
+    hf.model.layers[0].mlp.gate_proj.weight.requires_grad_(False)
+    wrapped = moelens.wrap(hf)
+    before = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    grads = {name: p.requires_grad for name, p in hf.named_parameters()}
+    types = {name: type(module) for name, module in hf.named_modules()}
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    with torch.no_grad():
+        logits = hf(input_ids=ids).logits
+    to_nnef(wrapped, out / "unchanged.nnef.tgz", example_inputs=ids, edits=Edits(ablate={1: [0]}))
+    to_nnef(wrapped.moes[0], out / "unchanged-q40.nnef.tgz", quantize_experts="q4_0", layout="linear")
+    after = hf.state_dict()
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert type(after[name]) is torch.Tensor and torch.equal(tensor, after[name]), name
+    assert all(type(p) is torch.nn.Parameter for p in hf.parameters())
+    assert grads == {name: p.requires_grad for name, p in hf.named_parameters()}
+    assert types == {name: type(module) for name, module in hf.named_modules()}
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=ids).logits, logits)
+
+
+def test_archive_has_no_machine_identity_and_is_reproducible(out):
+    moe = moelens.wrap(small("olmoe")).moes[1]
+    first = to_nnef(moe, out / "identity-a.nnef.tgz", verify=False).path
+    second = to_nnef(moe, out / "identity-b.nnef.tgz", verify=False).path
+    assert first.read_bytes() == second.read_bytes()
+    for member in archive.members(first):
+        assert (member.uid, member.gid, member.uname, member.gname, member.mtime) == (0, 0, "", "", 0)
+    with tarfile.open(first) as tar:
+        text = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.name == "graph.nnef").decode()
+    for secret in {getpass.getuser(), socket.gethostname(), os.getcwd(), str(Path.home())} - {"", "/"}:
+        assert secret not in text
+    assert "tract_target_version" in text and '("moelens_kind", "block")' in text
+    assert "export_cmd" not in text and "hostname" not in text
+
+
+def test_archive_written_as_folder_and_tar(out):
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    folder = to_nnef(moe, out / "mixtral-folder.nnef").path
+    assert (folder / "graph.nnef").is_file() and folder.is_dir()
+    tar = to_nnef(moe, out / "mixtral.nnef.tar").path
+    assert tarfile.is_tarfile(tar)
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(3))
+    close(run(folder, x), run(tar, x), atol=0)
+
+
+# -- q4_0, layouts, dynamic tokens --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["canonical", "linear"])
+def test_q4_0_experts(layout, out):
+    moe = moelens.wrap(small("mixtral", intermediate_size=32)).moes[0]
+    float_report = to_nnef(moe, out / f"f32-{layout}.nnef.tgz", layout=layout)
+    report = to_nnef(moe, out / f"q40-{layout}.nnef.tgz", quantize_experts="q4_0", layout=layout)
+    assert report.bytes < float_report.bytes * 0.6
+    for path in (report.path, float_report.path):
+        assert ("expert_layout = 'linear'" in tract_moe_calls(path)[0]) == (layout == "linear")
+    with pytest.raises(ExportRefused, match="multiples of 32"):  # the tiny expert size is 16
+        to_nnef(moelens.wrap(small("mixtral")).moes[0], out / "q40-16.nnef.tgz", quantize_experts="q4_0")
+    check = report.verification
+    assert check.details["export_tolerance"] in ("close", "approximate")  # tract's Q4_0 == torch with the same weights
+    assert check.max_abs_error > check.details["export_max_abs_error"]  # vs float32: quantisation error
+    assert float_report.verification.meets("approximate")
+
+
+def test_dynamic_tokens_block(out):
+    wrapped = moelens.wrap(small("qwen2_moe"))
+    moe = wrapped.moes[0]
+    report = to_nnef(moe, out / "dynamic.nnef.tgz", dynamic_tokens=True)
+    assert "extension tract_symbol S;" in archive.graph_text(report.path)
+    for tokens in (1, 5, 17):
+        hidden = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            close(run(report.path, hidden), moe._module(hidden))
+    with pytest.raises(ExportError, match="block exports only"):
+        to_nnef(wrapped, out / "dynamic-model.nnef.tgz", dynamic_tokens=True)
+
+
+def test_verify_reports_mismatch(out):
+    wrapped = moelens.wrap(small("mixtral"))
+    report = to_nnef(wrapped, out / "verify.nnef.tgz")
+    assert report.verification.tolerance in ("close", "approximate")
+    other = moelens.wrap(small("mixtral", seed=1))
+    mismatch = verify(report.path, other)
+    assert mismatch.max_abs_error > 1e-3 and not mismatch.meets("approximate")
+    with pytest.raises(ExportError, match="is a model export but a block was given"):
+        verify(report.path, wrapped.moes[0])
+
+
+# -- the tract command-line stand-in ------------------------------------------------------------------
+
+
+def test_tract_cli_standin_checks_outputs(out):
+    from moelens.export.tract_cli import standin_path
+
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    path = to_nnef(moe, out / "standin.nnef.tgz", verify=False).path
+    tract = str(standin_path())
+    assert subprocess.run([tract, "--version"], capture_output=True, text=True).stdout.split() == ["tract", "0.23.9"]
+    hidden = np.random.default_rng(0).standard_normal((1, 8, 32)).astype(np.float32)
+    with torch.no_grad():
+        good = moe._module(torch.from_numpy(hidden)).numpy()
+    np.savez(out / "in.npz", hidden_states=hidden)
+    for name, expected, ok in (("good", good, True), ("bad", good + 1e-2, False)):
+        np.savez(out / f"{name}.npz", mlp_output=expected)
+        done = subprocess.run(
+            [tract, str(path), "--nnef-tract-core", "--nnef-tract-transformers", "-O", "run", "--input-from-bundle",
+             str(out / "in.npz"), "--assert-output-bundle", str(out / f"{name}.npz"), "--approx", "approximate"],
+            capture_output=True, text=True,
+        )
+        assert ("ERROR" not in done.stderr) == ok, done.stderr
+
+
+# -- the command line ---------------------------------------------------------------------------------
+
+
+def test_cli_exports_a_checkpoint_with_edits(out, capsys):
+    from moelens.cli import main
+
+    folder = out / "checkpoint"
+    small("qwen3_moe").save_pretrained(folder)
+    archive_path = out / "cli.nnef.tgz"
+    status = main(["export", str(folder), str(archive_path), "--tokens", "6", "--steer", "1:2=1.5", "--ablate", "1:0,3"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "tract_moe_ffn(E=8, k=2, gate=softmax_all" in printed and "steer 2+1.5; ablate [0, 3]" in printed
+    assert "tract tolerance: close" in printed or "tract tolerance: approximate" in printed
+    assert main(["export", str(folder), str(out / "x.nnef.tgz"), "--steer", "1:2"]) == 2
+    assert "expected LAYER:EXPERT=VALUE" in capsys.readouterr().err
+    assert main(["export", str(folder), str(out / "x.nnef.tgz"), "--block", "0"]) == 2  # layer 0 is dense
+    assert "no MoE block there" in capsys.readouterr().err
+
+
+# -- the family table -------------------------------------------------------------------------------------
+
+
+def test_docs_family_table_is_current():
+    from moelens.export.table import END, START, support_table
+
+    text = (ROOT / "docs" / "export.md").read_text()
+    committed = text.split(START, 1)[1].split(END, 1)[0].strip("\n")
+    assert committed == support_table().strip("\n"), (
+        "docs/export.md's family table is stale: run `python -m moelens.export.table --write docs/export.md`"
+    )
+
+
+def test_table_agrees_with_what_exports():
+    """Every family's tiny model is exported (prepared: specs read and checked on every MoE block) or refused as the table says."""
+    from moelens.export.exporter import prepare
+    from moelens.export.table import rows
+    from moelens.export.target import resolve
+    from moelens.testing import FAMILIES
+
+    for row in rows():
+        if row.family not in FAMILIES or row.exports == "if":
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            target = resolve(tiny_model(row.family))
+        if row.exports == "no":
+            with pytest.raises(ExportRefused):
+                prepare(target)
+        else:
+            prepare(target)
