@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--text", type=Path, help="route this text file instead of the sample text")
     demo.add_argument("--windows", type=int, default=64,
                       help="held-out code/prose windows of moelens-tiny for the corpus plots (default 64, 0: none)")
+    demo.add_argument("--threads", type=int, default=1,
+                      help="torch threads (default 1: the model is tiny, one thread is fastest on a busy machine)")
     demo.set_defaults(func=run_demo)
 
     inspect = subparsers.add_parser(
@@ -70,6 +72,7 @@ def register(subparsers: Any) -> None:
     stats.add_argument("--max-length", type=int, help="window length in tokens (default: model context, at most 512)")
     stats.add_argument("--blocks", metavar="TEXT",
                        help="only MoE blocks whose module path contains TEXT (models with several per layer)")
+    stats.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     stats.add_argument("--no-progress", action="store_true", help="no progress bar")
     stats.set_defaults(func=run_stats)
 
@@ -111,6 +114,17 @@ def load_model(source: str) -> Any:
         name = str(path)
     require_moe(model, name)
     return model
+
+
+def set_threads(threads: int | None) -> None:
+    """Use ``threads`` torch threads (None: leave torch's default)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise MoelensError(f"--threads must be at least 1, got {threads}.")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def read_text(path: Path) -> str:
@@ -167,6 +181,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     text = read_text(args.text) if args.text is not None else DEMO_TEXT
+    set_threads(args.threads)
     print("Loading moelens-tiny (offline) ...", flush=True)
     model = load_model("tiny")
     moes = model.moes
@@ -273,6 +288,7 @@ def run_stats(args: argparse.Namespace) -> int:
     from .report import layer_stats, table, to_csv, write_stats
 
     text = read_text(args.text)
+    set_threads(args.threads)
     model = load_model(args.model)
     if tokenizer_of(model) is None:
         raise MoelensError(f"{args.model!r} has no tokenizer, so its text cannot be routed; save one with the model.")

@@ -57,7 +57,8 @@ def _categorical(count: int) -> Any:
     return plt.get_cmap(name, count)
 
 
-def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = 16) -> None:
+def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = 16, dark_low: bool = True) -> None:
+    """Write each cell's value on a heatmap (white on dark cells when low values are dark)."""
     rows, columns = values.shape
     if rows > limit or columns > limit:
         return
@@ -66,7 +67,7 @@ def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = 16) -> Non
         for j in range(columns):
             value = float(values[i, j])
             axes.text(j, i, format(value, fmt), ha="center", va="center", fontsize=7,
-                      color="white" if value < 0.6 * top else "black")
+                      color="white" if dark_low and value < 0.6 * top else "black")
 
 
 def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> Any:
@@ -247,7 +248,7 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
         axes.set_xticks(range(len(spec.classes)), spec.classes, rotation=45, fontsize=7)
         axes.set_ylabel("expert")
         axes.set_title(f"layer {layer}", fontsize=9)
-        _annotate(axes, torch.nan_to_num(data), ".1f" if value == "lift" else ".2f")
+        _annotate(axes, torch.nan_to_num(data), ".1f" if value == "lift" else ".2f", dark_low=value != "lift")
         figure.colorbar(image, ax=axes, fraction=0.05)
     figure.suptitle("Expert specialisation: " + ("P(class|expert) / P(class)" if value == "lift" else "P(class|expert)"))
     figure.tight_layout()
