@@ -80,13 +80,14 @@ def expert_params(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def compare_grads(ep: torch.nn.Module, ref: torch.nn.Module, edp_group: Any) -> float:
+def compare_grads(ep: torch.nn.Module, ref: torch.nn.Module, edp_group: Any) -> tuple[float, float]:
     """Largest difference between the EP gradients (dense summed over the world, experts over
-    EDP) and the single-process gradients of the sum of every rank's loss."""
+    EDP) and the single-process gradients of the sum of every rank's loss, and the largest
+    single-process gradient."""
     experts = expert_params(ep)
     firsts = {name: module._ep_first for name, module in ep.named_modules() if "_ep_group" in module.__dict__}
     ref_params = dict(ref.named_parameters())
-    worst = 0.0
+    worst = scale = 0.0
     for name, param in ep.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         grad = grad.clone()
@@ -100,7 +101,8 @@ def compare_grads(ep: torch.nn.Module, ref: torch.nn.Module, edp_group: Any) -> 
         else:
             dist.all_reduce(grad)
         worst = max(worst, maxdiff(grad, expected))
-    return worst
+        scale = max(scale, float(expected.abs().max()) if expected.numel() else 0.0)
+    return worst, scale
 
 
 def build(family: str, ep_group: Any, overrides: dict | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -183,7 +185,7 @@ def family_checks(
     loss_of(logits_ep, ids).backward()
     total = sum(loss_of(logits_of(ref(input_ids=ids_of(r))), ids_of(r)) for r in range(WORLD))
     total.backward()
-    result["grads"] = compare_grads(ep, ref, edp_group)
+    result["grads"], result["grad_scale"] = compare_grads(ep, ref, edp_group)
     ep.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
 
@@ -268,7 +270,7 @@ def family_checks(
             starve(lm_ref)
             other = lm_ref.output.logits.save()
         loss_of(other, ids_of(r)).backward()
-    result["starved_grads"] = compare_grads(ep, ref, edp_group)
+    result["starved_grads"], result["starved_grad_scale"] = compare_grads(ep, ref, edp_group)
     return result
 
 
@@ -512,7 +514,36 @@ def suite_single(args: dict) -> dict[str, Callable[[], Any]]:
     }
 
 
+def suite_all_families(args: dict) -> dict[str, Callable[[], Any]]:
+    """Every tiny family: shard_experts over the world and compare the logits (no tracer), or the
+    refusal for a family whose experts module has no pluggable implementations."""
+    from moelens import MoelensError
+    from moelens.families import registry
+    from moelens.families.entry import get_path
+    from moelens.model import discover
+    from moelens.parallel import shard_experts
+    from moelens.testing import FAMILIES, tiny_inputs
+
+    def run(family: str) -> dict[str, Any]:
+        try:
+            ref = tiny_model(family, experts_implementation="grouped_mm")
+        except ValueError:  # "does not support setting experts implementation" (dbrx, llama4)
+            ref = tiny_model(family)
+        blocks = [get_path(ref, name) for name in discover(ref).moe_blocks]
+        pluggable = all(hasattr(get_path(b, registry.for_block(b).experts), "has_gate") for b in blocks)
+        try:
+            ep = shard_experts(copy.deepcopy(ref))
+        except MoelensError as error:
+            return {"pluggable": pluggable, "refused": str(error)}
+        inputs = tiny_inputs(ref, batch=1, seq=4 + 2 * RANK, seed=RANK)
+        with torch.no_grad():
+            return {"pluggable": pluggable, "logits": maxdiff(logits_of(ep(**inputs)), logits_of(ref(**inputs)))}
+
+    return {family: functools.partial(run, family) for family in args.get("families", FAMILIES)}
+
+
 SUITES = {
+    "all_families": suite_all_families,
     "single": suite_single,
     "families": suite_families,
     "a2a": suite_a2a,
