@@ -5,11 +5,11 @@
 without editing moelens.
 """
 
-from . import deepseek, sigmoid, softmax, special, topk_softmax
+from . import deepseek, sigmoid, softmax, special, tomoe, topk_softmax
 from .entry import VALUE_NAMES, Combine, ExpertGate, Family, Scoring, SharedExpert
 from .registry import for_block, for_model_type, get, register, register_all, supported, unregister
 
-for _module in (softmax, topk_softmax, deepseek, sigmoid, special):
+for _module in (softmax, topk_softmax, deepseek, sigmoid, special, tomoe):
     register_all(_module.FAMILIES)
 
 __all__ = [

@@ -1,0 +1,323 @@
+"""`ToMoECompressor` and `tomoe`: convert a trained dense model's layers into MoE blocks moelens recognises.
+
+The steps (each in its own module):
+
+1. **Targets** (`targets`): the FFN blocks (default), or the Linear layers inside
+   attention (``target_attention_only``), or the modules named in ``target_modules``;
+   candidates that must stay dense are recorded with the reason.
+2. **Calibration** (`calibration`): one forward pass over the calibration data records
+   each target's inputs (padding left out).
+3. **Per layer** (`fit`, `build`): partition, router, compensation, refit, error; a
+   layer whose relative error on held-out calibration tokens exceeds ``max_error`` stays
+   dense (with the reason); otherwise its `ToMoEBlock` / `ToMoELinear` is installed
+   (inside the PEFT wrapper when there is one), with LoRA adapters and frozen experts
+   when asked.
+4. **Stats** (`stats`): converted and skipped layers, parameter counts, errors.
+
+The user's model is not changed unless ``inplace=True``: the conversion works on a copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import calibration as calib
+from . import targets as tg
+from .build import build_block, build_linear
+from .errors import CompressionError, NothingToConvert
+from .experts import ExpertsSettings
+from .fit import plan_layer
+from .lora import add_lora, freeze_experts
+from .options import ToMoEOptions, resolve
+from .stats import CompressionStats, LayerStats, SkippedLayer, block_counts, parameter_count
+
+logger = logging.getLogger("moelens.compress")
+
+
+class ToMoECompressor:
+    """Converts a dense model's layers into MoE blocks (see `tomoe` for every setting).
+
+    ``compress()`` returns ``(model, stats)``; ``get_compression_stats()`` and
+    ``summary()`` describe the last conversion.
+    """
+
+    def __init__(self, model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: float | None = 0.2,
+                 calibration: Any = None, shared_neurons: int = 0, lora_r: int = 0, lora_alpha: float = 16.0,
+                 freeze_experts: bool = True, target_attention_only: bool = False, target_modules: Any = None,
+                 comp_config: Any = None, **settings: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise CompressionError(f"tomoe converts a torch model (nn.Module), got {type(model).__name__}.")
+        self.model = model
+        self.calibration = calibration
+        self.options: ToMoEOptions = resolve(
+            comp_config, num_experts=num_experts, top_k=top_k, max_error=max_error, shared_neurons=shared_neurons,
+            lora_r=lora_r, lora_alpha=lora_alpha, freeze_experts=freeze_experts,
+            target_attention_only=target_attention_only, target_modules=target_modules, **settings,
+        )
+        self._stats: CompressionStats | None = None
+        #: The converted model of the last `compress` call.
+        self.result: nn.Module | None = None
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def compress(self) -> tuple[nn.Module, CompressionStats]:
+        """Convert the model; returns the converted model (a copy unless ``inplace``) and its stats."""
+        options = self.options
+        started = time.perf_counter()
+        calls = calib.batches(self.calibration)
+        original = parameter_count(self.model)
+        model = self.model if options.inplace else copy.deepcopy(self.model)
+        sites, skips = self.find_targets(model)
+        inputs = {}
+        if calls:
+            hooks = {site.name: site.hook for site in sites}
+            inputs = calib.capture(model, calls, hooks, max_tokens=options.max_tokens, seed=options.seed)
+        settings = ExpertsSettings(options.experts_implementation)
+        stats = CompressionStats(skipped=[SkippedLayer(s.name, s.reason) for s in skips],
+                                 original_parameters=original, settings=asdict(options))
+        stats.settings["target_modules"] = repr(options.target_modules)
+        stats.calibration_tokens = max((x.shape[0] for x in inputs.values()), default=0)
+        for site in tqdm(sites, desc="tomoe", unit="layer", disable=not options.progress):
+            self._convert(site, inputs, calls, settings, stats)
+        stats.new_parameters = parameter_count(model)
+        stats.active_parameters = stats.new_parameters - sum(l.new_parameters - l.active_parameters
+                                                             for l in stats.converted)
+        stats.seconds = time.perf_counter() - started
+        if not stats.converted:
+            logger.warning("tomoe converted no layer: %s", "; ".join(f"{s.name}: {s.reason}" for s in stats.skipped))
+        self._stats = stats
+        self.result = model
+        return model, stats
+
+    def get_compression_stats(self) -> CompressionStats:
+        """The stats of the last `compress` call."""
+        if self._stats is None:
+            raise CompressionError("no conversion has run yet: call compress() first.")
+        return self._stats
+
+    def summary(self) -> str:
+        """A text report of the last conversion (or of the settings, before `compress`)."""
+        if self._stats is None:
+            return f"ToMoECompressor (not run yet): {self.options}"
+        return self._stats.summary()
+
+    # -- targets -----------------------------------------------------------------------------------
+
+    def find_targets(self, model: nn.Module) -> tuple[list[tg.Site], list[tg.Skip]]:
+        """The sites to convert and the candidates skipped (with reasons) in ``model``."""
+        options = self.options
+        targeted = options.target_modules
+        linear_mode = options.target_attention_only or targeted is not None
+        sites: list[tg.Site] = []
+        skips: list[tg.Skip] = []
+        covered: list[str] = []  # module names inside an FFN site (their Linear layers are not candidates)
+        for name, module in model.named_modules():
+            if not name or _inside_converted(module) or ".base_layer" in name or "lora_" in name:
+                continue
+            found = tg.ffn_site(model, name, module)
+            if found is None:
+                continue
+            container = name
+            wanted = (not linear_mode) or (targeted is not None and (tg.matches(found.name, targeted)
+                                                                     or tg.matches(container, targeted)))
+            if not wanted:
+                continue
+            covered.append(found.name if isinstance(found, tg.Skip) else found.name)
+            if container != found.name:
+                covered.append(container)
+            if isinstance(found, tg.Skip):
+                skips.append(found)
+                continue
+            reason = self._ffn_skip_reason(found)
+            if reason:
+                skips.append(tg.Skip(found.name, reason))
+            else:
+                sites.append(found)
+        if linear_mode:
+            self._linear_targets(model, covered, sites, skips)
+        if not sites:
+            where = ("attention Linear layers" if options.target_attention_only
+                     else f"modules matching target_modules={targeted!r}" if targeted is not None
+                     else "FFN blocks (SwiGLU gate/up/down, BERT intermediate/output, GPT-2 c_fc/c_proj)")
+            detail = "; ".join(f"{s.name}: {s.reason}" for s in skips)
+            raise NothingToConvert(
+                f"nothing to convert in {type(model).__name__}: no {where} that can be converted"
+                + (f" (skipped: {detail})" if detail else "")
+                + ". Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks)."
+            )
+        return sites, skips
+
+    def _ffn_skip_reason(self, site: tg.Site) -> str:
+        layer = site.read()
+        options = self.options
+        if layer.neurons < tg.MIN_PER_EXPERT * options.num_experts:
+            return (f"too small: {layer.neurons} intermediate neurons for {options.num_experts} experts of at least "
+                    f"{tg.MIN_PER_EXPERT}")
+        if options.shared_neurons >= layer.neurons - options.num_experts:
+            return f"shared_neurons={options.shared_neurons} leaves fewer neurons than experts ({layer.neurons} in all)"
+        site.num_experts, site.top_k = options.num_experts, options.top_k
+        return ""
+
+    def _linear_targets(self, model: nn.Module, covered: list[str], sites: list[tg.Site],
+                        skips: list[tg.Skip]) -> None:
+        options = self.options
+        tied = tg.shared_weights(model)
+        candidates: list[tuple[str, nn.Module]] = []
+        for name, module in model.named_modules():
+            if not name or not tg.is_linear(module) or ".base_layer" in name or "lora_" in name:
+                continue
+            if any(name == c or name.startswith(c + ".") for c in covered) or _inside_converted(module):
+                continue
+            wanted = (options.target_attention_only and tg.in_attention(name)) or (
+                options.target_modules is not None and tg.matches(name, options.target_modules))
+            if wanted:
+                candidates.append((name, module))
+        widest: dict[str, int] = {}
+        for name, module in candidates:
+            parent = name.rpartition(".")[0]
+            out = tg.linear_weights(module)[0].shape[0]
+            if tg.in_attention(name) and not tg.protected_reason(name) and name.rpartition(".")[2] not in tg.FUSED_QKV:
+                widest[parent] = max(widest.get(parent, 0), out)
+        for name, module in candidates:
+            out = tg.linear_weights(module)[0].shape[0]
+            parent = name.rpartition(".")[0]
+            experts, k = tg.narrow_experts(out, widest.get(parent, out), options.num_experts, options.top_k)
+            reason = tg.linear_skip_reason(name, module, tied, experts)
+            if reason:
+                skips.append(tg.Skip(name, reason))
+                continue
+            site = tg.linear_site(model, name, module)
+            site.num_experts, site.top_k = experts, k
+            if experts != options.num_experts:
+                site.notes.append(f"narrow projection ({out} outputs vs {widest[parent]}): {experts} experts, top-{k}")
+            if site.peft is not None:
+                site.notes.append("PEFT wrapper kept around the converted layer")
+            sites.append(site)
+
+    # -- one layer -----------------------------------------------------------------------------------
+
+    def _convert(self, site: tg.Site, inputs: dict, calls: list, settings: ExpertsSettings,
+                 stats: CompressionStats) -> None:
+        options = self.options
+        x = inputs.get(site.name)
+        if calls and x is None:
+            stats.skipped.append(SkippedLayer(site.name, "not reached by the calibration data (its input was never seen)"))
+            return
+        layer = site.read()
+        shared = options.shared_neurons if site.kind != "linear" else 0
+        plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
+                          seed=options.seed)
+        if plan.error is not None and options.max_error is not None and plan.error > options.max_error:
+            stats.skipped.append(SkippedLayer(
+                site.name, f"relative reconstruction error {plan.error:.4f} on {plan.error_tokens} calibration tokens "
+                           f"is above max_error={options.max_error}: kept dense"))
+            return
+        reference = next(site.reference.parameters())
+        original = site.original_parameters
+        if site.kind == "linear":
+            weight, _, transposed = tg.linear_weights(site.parts[0] if site.peft is None else site.peft)
+            block = build_linear(layer, plan, settings, in_features=weight.shape[1], out_features=weight.shape[0],
+                                 transposed=transposed, dtype=reference.dtype, device=reference.device)
+        else:
+            block = build_block(layer, plan, settings, block_class=site.block_class, dropout=site.dropout,
+                                dtype=reference.dtype, device=reference.device)
+        block.train(site.reference.training)
+        if options.lora_r:
+            add_lora(block, options.lora_r, options.lora_alpha)
+        if options.freeze_experts:
+            freeze_experts(block)
+        site.install(block)
+        total, active = block_counts(block)
+        stats.converted.append(LayerStats(
+            name=site.name, kind=site.kind, num_experts=plan.num_experts, top_k=plan.top_k,
+            expert_sizes=plan.expert_sizes(), shared_neurons=int(plan.shared.numel()), error=plan.error,
+            error_tokens=plan.error_tokens, original_parameters=original, new_parameters=total,
+            active_parameters=active, lora=bool(options.lora_r), notes=list(site.notes) + list(plan.notes),
+        ))
+
+
+def _inside_converted(module: nn.Module) -> bool:
+    from .blocks import ToMoEBlock
+
+    return isinstance(module, ToMoEBlock)
+
+
+def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: float | None = 0.2,
+          calibration: Any = None, shared_neurons: int = 0, lora_r: int = 0, lora_alpha: float = 16.0,
+          freeze_experts: bool = True, target_attention_only: bool = False, target_modules: Any = None,
+          comp_config: Any = None, return_stats: bool = False, **settings: Any) -> Any:
+    """Convert a dense model's FFN blocks (or Linear layers) into MoE blocks moelens serves, exports and shards.
+
+    Args:
+        model: A trained torch / transformers model. It is not changed (the conversion works
+            on a copy) unless ``inplace=True``.
+        num_experts: E, experts per converted layer.
+        top_k: k, experts each token runs (``top_k == num_experts`` reproduces the dense model).
+        max_error: A layer whose relative reconstruction error on held-out calibration tokens is
+            above this stays dense (the reason is in the stats); None converts every layer.
+        calibration: Model inputs to calibrate on: token ids ``[batch, seq]``, a dict of model
+            inputs (a tokenizer's output), or a list of those. None converts from weights only
+            (weight clustering, centroid router, no compensation, no error gate).
+        shared_neurons: Always-active neurons per FFN block (the most active ones).
+        lora_r, lora_alpha: LoRA adapters of this rank on experts and router (0: none).
+        freeze_experts: The experts' weights do not train (adapters and router do).
+        target_attention_only: Convert the Linear layers inside attention modules
+            (`ToMoELinear`) instead of the FFN blocks.
+        target_modules: Module names (``"q_proj"``, ``"model.layers.0.mlp"``) or a regex to convert.
+        comp_config: A dict or object with these settings (also ``tomoe_num_experts``,
+            ``tomoe_top_k``, ``max_reconstruction_error``, ``tomoe_lora_r`` ...).
+        return_stats: Return ``(model, stats)`` instead of the model.
+        **settings: ``refit`` (default True), ``max_tokens`` (32768), ``experts_implementation``
+            (``"grouped_mm"``), ``inplace`` (False), ``seed`` (0), ``progress`` (True).
+
+    Returns:
+        The converted model, or ``(model, CompressionStats)`` with ``return_stats``.
+
+    Raises:
+        CompressionError: ``top_k > num_experts`` and other bad settings, an empty calibration set.
+        NothingToConvert: The model has no layer to convert.
+    """
+    compressor = ToMoECompressor(
+        model, num_experts, top_k, max_error=max_error, calibration=calibration, shared_neurons=shared_neurons,
+        lora_r=lora_r, lora_alpha=lora_alpha, freeze_experts=freeze_experts,
+        target_attention_only=target_attention_only, target_modules=target_modules, comp_config=comp_config,
+        **settings,
+    )
+    converted, stats = compressor.compress()
+    return (converted, stats) if return_stats else converted
+
+
+def inject_tomoe(model: nn.Module | None = None, **kwargs: Any) -> nn.Module | None:
+    """`tomoe` that never raises: returns the converted model, or None (the error is logged)."""
+    if model is None:
+        logger.error("inject_tomoe: no model given")
+        return None
+    try:
+        return tomoe(model, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the point of this entry is not to raise
+        logger.error("inject_tomoe failed: %s: %s", type(error).__name__, error)
+        return None
+
+
+def set_experts_implementation(model: nn.Module, implementation: str) -> nn.Module:
+    """Run every converted block of ``model`` with ``implementation`` (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` ...)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if implementation != "eager" and implementation not in ALL_EXPERTS_FUNCTIONS:
+        raise CompressionError(
+            f"unknown experts implementation {implementation!r}; known: eager, {', '.join(ALL_EXPERTS_FUNCTIONS)}."
+        )
+    from .experts import is_tomoe_experts
+
+    for module in model.modules():
+        if is_tomoe_experts(module):
+            module.config._experts_implementation = implementation
+    return model

@@ -1,0 +1,79 @@
+"""`ToMoELinear`: one Linear (or GPT-2 ``Conv1D``) split by output neurons into experts.
+
+Expert e owns a group of the layer's output neurons (``masks[e]``): it computes
+those outputs (``up_proj[e]`` holds their weight rows, ``act_fn`` is an identity)
+and a fixed 0/1 ``down_proj[e]`` (a buffer, not a parameter) puts them back in
+place. A token's skipped experts give their outputs' mean on the calibration
+tokens where they were skipped (the down biases and the shared constant carry it),
+so ``top_k == num_experts`` reproduces the dense layer. The block has the same
+router / experts / shared-expert structure as `ToMoEBlock`, so `moelens.wrap`
+serves its routing the same way.
+
+transformers' batched and grouped experts implementations need experts whose
+output has the width of their input, so a layer with ``in_features != out_features``
+(GQA key/value projections, an output projection) gets square experts of width
+``max(in, out)``: the experts' input is zero-padded, or their output carries zero
+rows that the block slices off (``routed_output`` / ``expert_outputs`` are then that
+wide; the first ``out_features`` are the layer's).
+
+``weight`` and ``bias`` rebuild the dense parameters from the experts (in the
+original layout: ``[out, in]`` for Linear, ``[in, out]`` for Conv1D).
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from .blocks import ToMoEBlock
+
+
+class ToMoELinear(ToMoEBlock):
+    """A Linear / Conv1D layer as a mixture of output-neuron experts (see the module docstring).
+
+    Attributes:
+        in_features, out_features: The dense layer's sizes.
+        transposed: The dense layer was a GPT-2 ``Conv1D`` (weight stored ``[in, out]``).
+        neuron_index: ``[E, I]``: the output neuron each expert row computes (-1: padding).
+    """
+
+    in_features: int
+    out_features: int
+    transposed: bool = False
+
+    @property
+    def nf(self) -> int:
+        """Conv1D's name for ``out_features``."""
+        return self.out_features
+
+    @property
+    def masks(self) -> Bool[Tensor, "e o"]:
+        """``[E, out_features]``: which output neurons each expert computes."""
+        masks = torch.zeros(self.num_experts, self.out_features, dtype=torch.bool, device=self.neuron_index.device)
+        for expert, rows in enumerate(self.neuron_index):
+            masks[expert, rows[rows >= 0]] = True
+        return masks
+
+    def _rebuild(self, values: Tensor, shape: tuple[int, ...]) -> Tensor:
+        out = values.new_zeros(shape)
+        for expert, rows in enumerate(self.neuron_index):
+            keep = rows >= 0
+            row_values = values[expert][keep]
+            out[rows[keep]] = row_values[:, : shape[1]] if len(shape) > 1 else row_values
+        return out
+
+    @property
+    def weight(self) -> Tensor:
+        """The dense weight rebuilt from the experts (``[out, in]``; ``[in, out]`` for Conv1D)."""
+        weight = self._rebuild(self.experts.up_proj, (self.out_features, self.in_features))
+        return weight.t() if self.transposed else weight
+
+    @property
+    def bias(self) -> Tensor:
+        """The dense bias rebuilt from the experts (zeros when the dense layer had none)."""
+        return self._rebuild(self.experts.up_proj_bias, (self.out_features,))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"experts={self.num_experts}, top_k={self.top_k}" + (", conv1d" if self.transposed else ""))

@@ -1,0 +1,126 @@
+"""`ToMoEOptions`: the settings of one conversion, from keyword arguments and ``comp_config``.
+
+``comp_config`` may be a dict or any object with the same names as attributes; it
+also accepts the spellings other configs use (`ALIASES`: ``tomoe_num_experts``,
+``tomoe_top_k``, ``max_reconstruction_error``, ``tomoe_lora_r``, ...). Explicit
+keyword arguments that differ from their defaults win over ``comp_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .errors import CompressionError
+
+#: Other spellings accepted in ``comp_config``, mapped to `ToMoEOptions` fields.
+ALIASES = {
+    "tomoe_num_experts": "num_experts",
+    "tomoe_experts": "num_experts",
+    "tomoe_top_k": "top_k",
+    "max_reconstruction_error": "max_error",
+    "tomoe_max_error": "max_error",
+    "tomoe_lora_r": "lora_r",
+    "tomoe_lora_alpha": "lora_alpha",
+    "tomoe_shared_neurons": "shared_neurons",
+    "tomoe_freeze_experts": "freeze_experts",
+    "tomoe_target_attention_only": "target_attention_only",
+    "tomoe_target_modules": "target_modules",
+}
+
+
+@dataclass(frozen=True)
+class ToMoEOptions:
+    """How to convert (see `moelens.compress.tomoe` for each setting).
+
+    Attributes:
+        num_experts: E, experts per converted layer.
+        top_k: k, experts each token runs.
+        max_error: Largest relative reconstruction error on calibration tokens for a layer
+            to be converted (None: no gate).
+        shared_neurons: Always-active neurons per FFN block (taken from the experts' budget
+            only in the sense that they always run; experts split the rest).
+        lora_r, lora_alpha: LoRA rank (0: none) and alpha on experts and router.
+        freeze_experts: Expert weights do not train (LoRA adapters and the router do).
+        target_attention_only: Convert the Linear layers inside attention modules instead of FFNs.
+        target_modules: Module names / suffixes, or a regex, to convert (FFN blocks or Linear layers).
+        refit: Refit the experts' down projections on calibration data (FFN blocks).
+        max_tokens: Calibration tokens kept per layer.
+        experts_implementation: transformers experts implementation the converted blocks run.
+        inplace: Convert the given model itself instead of a copy.
+        seed: Seed of the clustering and token sampling.
+        progress: Show a progress bar over layers.
+    """
+
+    num_experts: int = 4
+    top_k: int = 2
+    max_error: float | None = 0.2
+    shared_neurons: int = 0
+    lora_r: int = 0
+    lora_alpha: float = 16.0
+    freeze_experts: bool = True
+    target_attention_only: bool = False
+    target_modules: Any = None
+    refit: bool = True
+    max_tokens: int = 32768
+    experts_implementation: str = "grouped_mm"
+    inplace: bool = False
+    seed: int = 0
+    progress: bool = True
+
+    def validate(self) -> "ToMoEOptions":
+        """Check the settings; raises `CompressionError` naming the bad one."""
+        for name in ("num_experts", "top_k", "shared_neurons", "lora_r", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise CompressionError(f"{name} must be an int, got {value!r}.")
+        if self.num_experts < 1:
+            raise CompressionError(f"num_experts must be at least 1, got {self.num_experts}.")
+        if self.top_k < 1:
+            raise CompressionError(f"top_k must be at least 1, got {self.top_k}.")
+        if self.top_k > self.num_experts:
+            raise CompressionError(
+                f"top_k={self.top_k} is larger than num_experts={self.num_experts}: a token cannot run more experts "
+                f"than there are; use top_k <= {self.num_experts} (top_k == num_experts reproduces the dense model)."
+            )
+        if self.shared_neurons < 0 or self.lora_r < 0:
+            raise CompressionError("shared_neurons and lora_r must be >= 0.")
+        if self.max_error is not None and not self.max_error > 0:
+            raise CompressionError(f"max_error must be positive or None (no gate), got {self.max_error!r}.")
+        if self.max_tokens < 1:
+            raise CompressionError(f"max_tokens must be positive, got {self.max_tokens}.")
+        if self.target_modules is not None and not isinstance(self.target_modules, (str, list, tuple)):
+            raise CompressionError(
+                f"target_modules must be a list of module names (or a regex string), got {type(self.target_modules).__name__}."
+            )
+        return self
+
+
+def _read(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        items = dict(config)
+    else:
+        names = {f.name for f in fields(ToMoEOptions)} | set(ALIASES)
+        items = {name: getattr(config, name) for name in names if hasattr(config, name)}
+    known = {f.name for f in fields(ToMoEOptions)}
+    values: dict[str, Any] = {}
+    for key, value in items.items():
+        field_name = ALIASES.get(key, key)
+        if field_name in known:
+            values[field_name] = value
+    return values
+
+
+def resolve(comp_config: Any = None, **explicit: Any) -> ToMoEOptions:
+    """Options from ``comp_config`` overridden by the keyword arguments that differ from the defaults."""
+    defaults = ToMoEOptions()
+    unknown = set(explicit) - {f.name for f in fields(ToMoEOptions)}
+    if unknown:
+        raise CompressionError(f"unknown tomoe setting(s) {sorted(unknown)}; known: {[f.name for f in fields(ToMoEOptions)]}.")
+    values = _read(comp_config)
+    for name, value in explicit.items():
+        if name not in values or value != getattr(defaults, name):
+            values[name] = value
+    return replace(defaults, **values).validate()

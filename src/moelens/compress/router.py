@@ -1,0 +1,57 @@
+"""`ToMoERouter`: a linear router whose top-k experts run with weight exactly 1.
+
+A converted layer must equal the dense one when every expert runs, so each
+selected expert's output is added with weight 1. The router expresses that with
+a gate every runtime knows (moelens' ``logit_topk`` + ``sigmoid`` scoring, tract's
+``sigmoid`` gate mode): the logits are ``x @ W.T + b`` where ``b`` carries a large
+offset, the top-k logits are selected, and their sigmoid is exactly 1.0 in
+float32 (``sigmoid(z) == 1.0`` for every ``z > 16.7``; the offset keeps every
+selected logit of the calibration tokens above `MIN_SELECTED_LOGIT`).
+
+``router_logits - router.offset`` is the router's prediction of how much each
+expert's output matters for the token (the norm of its deviation from the mean
+contribution the block adds when it is skipped); ranking by it is what the
+top-k does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+#: The smallest selected logit the offset guarantees on the calibration tokens.
+MIN_SELECTED_LOGIT = 64.0
+
+
+class ToMoERouter(nn.Module):
+    """Linear router: ``logits = x @ weight.T + bias``; top-k logits; weights ``sigmoid`` (= 1).
+
+    Attributes:
+        weight: ``[E, D]``.
+        bias: ``[E]``, including `offset`.
+        offset: The constant added to every logit so selected weights saturate to 1.
+        top_k: k, the experts each token runs.
+        num_experts: E.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, offset: float = MIN_SELECTED_LOGIT) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.full((num_experts,), float(offset)))
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.offset = float(offset)
+
+    def forward(
+        self, hidden_states: Float[Tensor, "t d"]
+    ) -> tuple[Float[Tensor, "t e"], Float[Tensor, "t k"], Int[Tensor, "t k"]]:
+        """Logits ``[T, E]``, the selected experts' weights ``[T, k]`` (1.0) and indices ``[T, k]``."""
+        router_logits = F.linear(hidden_states, self.weight, self.bias)
+        top_values, top_k_index = torch.topk(router_logits, self.top_k, dim=-1)
+        top_k_weights = torch.sigmoid(top_values)
+        return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.weight.shape[1]}, experts={self.num_experts}, top_k={self.top_k}, offset={self.offset:g}"
