@@ -254,6 +254,7 @@ def family_checks(
         for moe in lm.moes:
             for expert in last:
                 ablate(moe, expert, "route_around")
+            moe.expert_outputs.save()  # the activation round trip runs (and is differentiated) too
 
     with traffic() as log:
         with lm_ep.trace(ids):
@@ -261,6 +262,7 @@ def family_checks(
             starved = lm_ep.output.logits.save()
         loss_of(starved, ids).backward()
     result["starved_received"] = sum(r.received for r in log.records if r.kind == "dispatch")
+    result["starved_round_trip_grads"] = any(r.kind == "activations_out_grad" for r in log.records)
     with lm_ref.trace(ids):
         starve(lm_ref)
         expected = lm_ref.output.logits.save()

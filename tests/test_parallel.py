@@ -141,6 +141,7 @@ def check_family(case: str, m: dict[str, Any]) -> list[str]:
     problems += close("logits after undoing the weight edit", m["restored"], logits_tol)
     problems += close("starved logits", m["starved_logits"], logits_tol)
     problems += close("starved grads", m["starved_grads"], TOL * max(1.0, m["starved_grad_scale"]))
+    problems += [] if m["starved_round_trip_grads"] else ["no backward through the activation round trip"]
     return problems
 
 

@@ -78,6 +78,8 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
         raise MoelensError("shard_experts: torch.distributed is not initialised; call init_process_group first.")
     group = dist.group.WORLD if group is None else group
     size, rank = group_size(group), group_rank(group)
+    if rank < 0:
+        raise MoelensError("shard_experts: this rank is not a member of the given group; pass its own EP group.")
     blocks = _experts_of(model)
     if not blocks:
         raise MoelensError(f"shard_experts: {type(model).__name__} has no MoE block moelens knows.")
