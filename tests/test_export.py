@@ -145,6 +145,29 @@ def test_moelens_tiny_exports(out):
     close(run(report.path, ids), expected)
 
 
+def test_compressor_output_exports(out):
+    """A dense model converted by moelens.compress.tomoe (tract's sigmoid gate: each selected expert weighs 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moelens.compress import exportable, tomoe
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    calibration = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = exportable(tomoe(LlamaForCausalLM(config).eval(), num_experts=4, top_k=2,
+                                     calibration=calibration, max_error=None, progress=False))
+    wrapped = moelens.wrap(converted)
+    assert len(wrapped.moes) == 2
+    ids = calibration[:1, :8]
+    report = to_nnef(wrapped, out / "tomoe.nnef.tgz", example_inputs=ids)
+    assert [block.gate for block in report.blocks] == ["sigmoid", "sigmoid"]
+    with torch.no_grad():
+        close(run(report.path, ids), converted(input_ids=ids, attention_mask=torch.ones_like(ids)).logits)
+
+
 # -- edits ---------------------------------------------------------------------------------
 
 
@@ -269,6 +292,7 @@ def test_the_users_model_is_unchanged(out):
     before = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
     grads = {name: p.requires_grad for name, p in hf.named_parameters()}
     types = {name: type(module) for name, module in hf.named_modules()}
+    config = hf.config.to_dict()
     ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
     with torch.no_grad():
         logits = hf(input_ids=ids).logits
@@ -281,6 +305,7 @@ def test_the_users_model_is_unchanged(out):
     assert all(type(p) is torch.nn.Parameter for p in hf.parameters())
     assert grads == {name: p.requires_grad for name, p in hf.named_parameters()}
     assert types == {name: type(module) for name, module in hf.named_modules()}
+    assert config == hf.config.to_dict()
     with torch.no_grad():
         assert torch.equal(hf(input_ids=ids).logits, logits)
 

@@ -151,29 +151,41 @@ class Prepared:
     reports: list[BlockReport]
 
 
+#: Flags turned off for the export: no KV cache (its concatenations are not part of one forward), no
+#: auxiliary loss over router logits (the exported blocks do not produce them).
+OFF_FLAGS = ("use_cache", "output_router_logits")
+
+
+def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits (or last hidden state) for ``input_ids``, every token attended, no cache.
+
+    An explicit all-ones mask keeps transformers off its packed-sequence detection (torch.diff
+    with prepend), which torch-to-nnef cannot trace.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    flags = {flag: False for flag in OFF_FLAGS if flag in parameters or keywords}
+    output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **flags)
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    return output[0]
+
+
 class TokensToLogits(torch.nn.Module):
-    """``input_ids -> logits`` (or the last hidden state) of a transformers model, all tokens attended."""
+    """``input_ids -> logits`` (or the last hidden state) of the exported copy of a transformers model."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
-        parameters = inspect.signature(model.forward).parameters
-        keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        self._flags = {flag: False for flag in ("use_cache", "output_router_logits") if flag in parameters or keywords}
         config = getattr(model, "config", None)
-        for flag in ("use_cache", "output_router_logits"):  # no KV cache, no auxiliary loss over router logits
+        for flag in OFF_FLAGS:  # the copy's config, so submodules that read it agree
             if config is not None and hasattr(config, flag):
                 setattr(config, flag, False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # An explicit mask keeps transformers off its packed-sequence detection (torch.diff with prepend),
-        # which torch-to-nnef cannot trace.
-        output = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **self._flags)
-        for name in ("logits", "last_hidden_state"):
-            value = getattr(output, name, None)
-            if value is not None:
-                return value
-        return output[0]
+        return logits_of(self.model, input_ids)
 
 
 def prepare(target: Target, *, quantize_experts: str | None = None, layout: str = "canonical",
@@ -269,6 +281,7 @@ def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:
     if target.kind == "block" and (not inputs.is_floating_point() or inputs.dim() not in (2, 3)):
         raise ExportError(f"a block export takes hidden states [batch, seq, D] as example_inputs, got {inputs.dtype} "
                           f"{tuple(inputs.shape)}.")
+    inputs = inputs.detach().cpu()
     return inputs.float() if inputs.is_floating_point() else inputs.long()
 
 

@@ -95,8 +95,8 @@ class TractMoeFfnExtractor(ModuleInfoExtractor):
 
         def variable(name: str, tensor: torch.Tensor):
             data = stored(name, tensor, module.quantize, module.layout)
-            if hasattr(data, "nnef_name") or module.quantize and name in EXPERT_WEIGHTS:
-                data.nnef_name = f"{prefix}_{name}"
+            if module.quantize and name in EXPERT_WEIGHTS:
+                data.nnef_name = f"{prefix}_{name}"  # a quantized tensor is written under this name
             return helper.get_or_add_tensor_variable_in_nnef(
                 g,
                 tg.TensorVariable(name=f"{prefix}_{name}", data=data, shape=list(data.shape), dtype=torch.float32),

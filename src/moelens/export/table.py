@@ -74,7 +74,7 @@ def _tiny_check(family: Family) -> tuple[str, str]:
     from .spec import read_spec
 
     if family.name not in FAMILIES:
-        return "", ""
+        return "(no tiny model)", ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = tiny_model(family.name)

@@ -100,11 +100,20 @@ def _refuse_edits(wrapped: Any) -> None:
         )
 
 
+#: Packages whose own hooks (transformers' output capturing, nnsight's) change nothing the export computes.
+OWN_HOOKS = ("transformers.", "nnsight.")
+
+
+def _foreign_hooks(module: torch.nn.Module) -> list[Any]:
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    return [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
+
+
 def _refuse_hooks(target: Target) -> None:
     for block in target.blocks:
         root = target.module.get_submodule(block.name) if block.name else target.module
         for name, module in root.named_modules():
-            if module._forward_hooks or module._forward_pre_hooks:
+            if _foreign_hooks(module):
                 where = ".".join(filter(None, (block.name, name))) or type(root).__name__
                 raise ExportRefused(
                     f"{where} has a torch forward hook: the export replaces the MoE block's computation with "

@@ -113,9 +113,9 @@ def torch_reference(target: Target, model: Any, inputs: torch.Tensor, edits: Edi
 
             return block_output(target.family, block(inputs.float())).float().numpy(), "the block (torch, float32)"
         if not edits:
-            from .exporter import TokensToLogits
+            from .exporter import logits_of
 
-            return TokensToLogits(_float_module(target.module))(inputs).float().numpy(), "the model (torch, float32)"
+            return logits_of(_float_module(target.module), inputs).float().numpy(), "the model (torch, float32)"
         return _intervened(target, model, inputs, edits), "the model with the edits made by moelens in a trace"
 
 
