@@ -201,7 +201,9 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
 def tokenizer_note(model: Any) -> str:
     """Whether the model takes text (has a tokenizer) or token ids only."""
     tokenizer = corpora.tokenizer_of(model)
-    return type(tokenizer).__name__ if tokenizer is not None else "none (token ids only)"
+    if tokenizer is None:
+        return "none (token ids only)"
+    return f"{type(tokenizer).__name__} ({len(tokenizer)} tokens)"
 
 
 def require_moe(model: Any, source: str) -> None:
