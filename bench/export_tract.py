@@ -29,7 +29,6 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import moelens  # noqa: E402

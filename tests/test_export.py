@@ -7,7 +7,6 @@ archives. Needs the ``export`` extra (torch-to-nnef and tract), which CI install
 
 from __future__ import annotations
 
-import copy
 import getpass
 import importlib.util
 import os

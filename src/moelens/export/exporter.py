@@ -320,6 +320,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
             fragments = super().specific_fragments(model)
             text = fragments["tract_core_properties"]
             text = re.sub(r'    \("(export_cmd|export_date|os|hostname|user)", "[^"\n]*"\),?\n', "", text)
+            text = re.sub(r",(\s*\];)", r"\1", text)  # the last item may have gone
             fragments["tract_core_properties"] = text
             return fragments
 
