@@ -74,7 +74,7 @@ def spawn(world: int, suites: dict[str, dict]) -> list[dict[str, dict[str, Any]]
             procs.append((subprocess.Popen([sys.executable, str(WORKER), *suites], env=env, stdout=log, stderr=log), log))
         deadline = time.monotonic() + RUN_TIMEOUT
         timed_out = False
-        for proc, log in procs:
+        for proc, _ in procs:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

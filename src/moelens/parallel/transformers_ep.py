@@ -29,7 +29,6 @@ import torch
 from nnsight.intervention.source import BODY_FORWARD
 
 from ..components import Moe
-from ..errors import ValueUnavailable
 
 #: What transformers' EP wrapper's qualified name contains.
 EP_FORWARD = ".install_forward.<locals>.ep_forward"
