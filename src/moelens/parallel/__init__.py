@@ -5,7 +5,7 @@ Importing this package registers nothing; `register_torch_a2a` (called by
 transformers and moelens. Typical use, one process per rank (``torchrun``)::
 
     import torch.distributed as dist
-    from moelens.parallel import choose_ep_dp_degrees, ep_groups, shard_experts
+    from moelens.parallel import choose_ep_dp_degrees, ep_groups, num_experts_from_config, shard_experts
 
     dist.init_process_group("gloo")                       # "nccl" on GPUs
     ep, edp = choose_ep_dp_degrees(dist.get_world_size(), num_experts_from_config(model.config))
