@@ -198,16 +198,22 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
 
 
 def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> Any:
-    """One horizontal bar chart per expert: its top tokens by count (or ``value="share"``)."""
+    """One horizontal bar chart per expert: its top tokens' counts (or ``value="share"``), the other annotated."""
     figure, panels = _grid(len(experts), size=2.8)
     for axes, item in zip(panels, experts):
         values = (item.share if value == "share" else item.counts).tolist()
+        notes = [f"{count}" for count in item.counts.tolist()] if value == "share" else [
+            f"{share:.0%}" for share in item.share.tolist()]
         axes.barh(range(len(values)), values, color="tab:green")
+        for position, (bar, note) in enumerate(zip(values, notes)):
+            axes.text(bar, position, f" {note}", va="center", fontsize=6)
         axes.set_yticks(range(len(values)), item.tokens, fontsize=7, family="monospace")
         axes.invert_yaxis()
+        axes.set_xlim(0, (max(values) if values else 1) * 1.25)
         axes.set_title(f"layer {item.layer} expert {item.expert}", fontsize=9)
         axes.tick_params(axis="x", labelsize=7)
-    figure.suptitle(f"Tokens each expert serves most ({value})")
+    other = "count" if value == "share" else "share of the token's occurrences"
+    figure.suptitle(f"Tokens each expert serves most: bars {value}, labels {other}")
     figure.tight_layout()
     return figure
 
