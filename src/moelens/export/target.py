@@ -1,8 +1,9 @@
 """What is being exported: a whole model or one block, found through moelens' components.
 
-`resolve` accepts a wrapped model (``moelens.wrap`` / ``moelens.load``), a plain
-transformers model, or one `Moe` component (``model.moes[i]``), and returns its
-MoE blocks as (module name, family, layer). It refuses a model that carries what an
+`resolve` accepts a wrapped model (``moelens.wrap`` / ``moelens.load``: its `Moe`
+components, ``model.moes``), a plain transformers model (its blocks found as
+``moelens.wrap`` finds them), or one `Moe` component (``model.moes[i]``), and returns
+its MoE blocks as (module name, family, layer). It refuses a model that carries what an
 export would silently drop: nnsight edits (``model.edit()``) or torch hooks on an MoE
 block.
 """
@@ -62,11 +63,11 @@ def resolve(model: Any) -> Target:
     if isinstance(model, Moe):
         _refuse_edits(getattr(model, "root", None))
         target = Target("block", model._module, [Block("", model.family, model.layer)], wrapped=None)
-    elif hasattr(model, "_structure") and isinstance(getattr(model, "_module", None), torch.nn.Module):
+    elif hasattr(model, "moes") and isinstance(getattr(model, "_module", None), torch.nn.Module):
         _refuse_edits(model)
         module = model._module
-        blocks = [Block(name, registry.for_block(module.get_submodule(name)) or model.family, layer_of(name))
-                  for name in model._structure.moe_blocks]
+        names = {id(child): name for name, child in module.named_modules()}
+        blocks = [Block(names[id(moe._module)], moe.family, moe.layer) for moe in model.moes]
         target = Target("model", module, blocks, wrapped=model)
     elif isinstance(model, torch.nn.Module):
         family = registry.for_block(model)
