@@ -66,13 +66,17 @@ def test_help_lists_commands(capsys):
         assert "usage: moelens " + command in capsys.readouterr().out
 
 
-def test_console_script_help():
+def test_console_script_loads_tiny_without_network():
+    """The installed ``moelens`` script loads moelens-tiny with no hub flag set and every proxy dead."""
     script = Path(sys.executable).parent / "moelens"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "moelens.cli"]
-    result = subprocess.run(command + ["stats", "--help"], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    dead = "http://127.0.0.1:9"  # the discard port: any download attempt fails at once
+    env.update(HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead, https_proxy=dead, NO_PROXY="", no_proxy="")
+    result = subprocess.run(command + ["inspect", "tiny", "--json"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
-    assert "--text FILE" in result.stdout and "--out OUT" in result.stdout
+    report = json.loads(result.stdout)
+    assert report["family"] == "qwen2_moe" and report["name"].endswith("moelens-tiny")
 
 
 def test_demo_on_moelens_tiny(tmp_path, capsys):
