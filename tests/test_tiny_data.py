@@ -1,0 +1,199 @@
+"""The shipped default models (moelens-tiny, tiny-dense) load offline and match their training records."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+from moelens.data import HELDOUT_PATH, TINY_DENSE_PATH, TINY_MODEL_PATH, TOKEN_CLASSES, training_record
+
+MB = 1024 * 1024
+
+
+def _folder_bytes(folder):
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(min(old, 2))
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH).eval()
+
+
+@pytest.fixture(scope="module")
+def dense():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TINY_DENSE_PATH).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    from safetensors.torch import load_file
+
+    return load_file(str(HELDOUT_PATH))
+
+
+def test_files_and_sizes():
+    for folder in (TINY_MODEL_PATH, TINY_DENSE_PATH):
+        for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", "special_tokens_map.json", "training.json"):
+            assert (folder / name).is_file(), folder / name
+        assert _folder_bytes(folder) <= 20 * MB
+    assert _folder_bytes(TINY_MODEL_PATH) <= 11 * MB
+    assert _folder_bytes(TINY_DENSE_PATH) <= 9 * MB
+    assert HELDOUT_PATH.stat().st_size <= 200 * 1024
+
+
+def test_training_records():
+    rec = training_record("moelens-tiny")
+    assert rec == training_record("moe")
+    assert rec["seed"] == training_record("tiny-dense")["seed"]
+    assert not rec["smoke"]
+    for r in (rec, training_record("dense")):
+        ev = r["evaluation"]
+        assert ev["heldout_ppl"] < ev["unigram_baseline_ppl"] / 4  # the models learned far more than token frequencies
+        assert r["training"]["tokens_seen"] > 1_000_000
+        assert r["corpus"]["stats"]["code"]["train"]["tokens"] > 0
+    # both models are scored on the very same held-out tokens
+    assert rec["evaluation"]["heldout_tokens_predicted"] == training_record("dense")["evaluation"]["heldout_tokens_predicted"]
+    assert rec["evaluation"]["unigram_baseline_ppl"] == training_record("dense")["evaluation"]["unigram_baseline_ppl"]
+    routing = rec["routing"]
+    assert len(routing["layers"]) == 4
+    assert routing["mean_tv_all_layers"] > routing["mean_tv_shuffled_labels_all_layers"]
+    with pytest.raises(KeyError):
+        training_record("no-such-model")
+
+
+def test_moe_config(moe):
+    from transformers import Qwen2MoeForCausalLM
+
+    cfg = moe.config
+    assert isinstance(moe, Qwen2MoeForCausalLM)
+    assert moe.dtype == torch.float32
+    assert cfg.num_hidden_layers >= 4
+    assert cfg.num_experts >= 8
+    assert cfg.num_experts_per_tok == 2
+    assert cfg.norm_topk_prob
+    assert cfg.shared_expert_intermediate_size > 0
+    assert cfg.tie_word_embeddings
+    assert cfg.output_router_logits and 0 < cfg.router_aux_loss_coef <= 0.05
+    for layer in moe.model.layers:
+        mlp = layer.mlp
+        assert hasattr(mlp, "gate") and hasattr(mlp, "experts")
+        assert hasattr(mlp, "shared_expert") and hasattr(mlp, "shared_expert_gate")
+    assert moe.lm_head.weight.data_ptr() == moe.model.embed_tokens.weight.data_ptr()
+
+
+def test_dense_config(dense, moe):
+    from transformers import Qwen2ForCausalLM
+
+    assert isinstance(dense, Qwen2ForCausalLM)
+    assert dense.config.vocab_size == moe.config.vocab_size
+    assert dense.config.hidden_size == moe.config.hidden_size
+    assert dense.config.num_hidden_layers == moe.config.num_hidden_layers
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert hasattr(dense.model.layers[0].mlp, name)
+
+
+def test_tokenizer_round_trip(tokenizer):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token == "<pad>"
+    assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert 3000 <= len(tokenizer) <= 5000
+    texts = [
+        "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n    return a + b  # sum\n",
+        "The with statement is used to wrap the execution of a block.",
+        "\tmixed\twhitespace   and trailing spaces   \n\n",
+        "unicode: héllo wörld ✓ 東京 🙂",
+        "",
+    ]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    # the dense model ships the very same tokenizer
+    assert (TINY_DENSE_PATH / "tokenizer.json").read_bytes() == (TINY_MODEL_PATH / "tokenizer.json").read_bytes()
+    other = AutoTokenizer.from_pretrained(TINY_DENSE_PATH)
+    assert other.get_vocab() == tokenizer.get_vocab()
+    assert tokenizer("import os")["input_ids"] == tokenizer("import os", add_special_tokens=False)["input_ids"]
+
+
+def test_heldout_file(heldout, tokenizer, moe):
+    x, c = heldout["input_ids"], heldout["token_class"]
+    rec = training_record()
+    assert x.shape == c.shape == (rec["heldout_eval"]["windows"], rec["heldout_eval"]["context"])
+    assert int(x.min()) >= 0 and int(x.max()) < moe.config.vocab_size
+    assert set(torch.unique(c).tolist()) <= {0, 1, 2, 3, 255}
+    assert rec["routing"]["class_token_counts"] == {
+        name: int((c == i).sum()) for i, name in enumerate(TOKEN_CLASSES)}
+    # spot-check the class rule on the first window
+    for tid, cls in zip(x[0].tolist()[:200], c[0].tolist()[:200]):
+        text = tokenizer.decode([tid])
+        if cls == 3:
+            assert text.strip() == ""
+        elif cls == 2:
+            assert text.strip() and not any(ch.isalpha() for ch in text)
+        elif cls in (0, 1):
+            assert any(ch.isalpha() for ch in text)
+
+
+def _slice_loss(model, x):
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.parametrize("name", ["moelens-tiny", "tiny-dense"])
+def test_heldout_loss_matches_record(name, request, heldout):
+    model = request.getfixturevalue("moe" if name == "moelens-tiny" else "dense")
+    ev = training_record(name)["evaluation"]
+    x = heldout["input_ids"][: ev["test_slice_windows"]].long()
+    loss = _slice_loss(model, x)
+    assert loss == pytest.approx(ev["test_slice_loss"], abs=2e-3)
+    # the slice is code windows from the start of the held-out set: same ballpark as the held-out code number
+    assert 0.5 * ev["heldout_code_ppl"] < math.exp(loss) < 2.0 * ev["heldout_code_ppl"]
+
+
+def test_every_expert_is_used(moe, heldout):
+    x = heldout["input_ids"][::32].long()  # code and prose windows
+    with torch.no_grad():
+        out = moe(input_ids=x, output_router_logits=True)
+    cfg = moe.config
+    assert len(out.router_logits) == cfg.num_hidden_layers
+    for rl in out.router_logits:
+        chosen = rl.topk(cfg.num_experts_per_tok, dim=-1).indices
+        load = torch.bincount(chosen.reshape(-1), minlength=cfg.num_experts).float()
+        assert (load > 0).all()
+        assert load.max() / load.sum() < 0.5
+
+
+def test_generate(moe, tokenizer):
+    ids = tokenizer("def main():\n    ", return_tensors="pt")
+    out = moe.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 8 or tokenizer.eos_token_id in out[0].tolist()
