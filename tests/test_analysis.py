@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import moelens
-from groundtruth import ROUTER_LOGITS, ascii_tokenizer, expert_forward, raw_values
+from groundtruth import ascii_tokenizer, expert_forward, raw_values
 from moelens import analysis
 from moelens.errors import MoelensError, ValueUnavailable
 from moelens.testing import FAMILIES, tiny_model
