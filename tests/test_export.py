@@ -36,7 +36,9 @@ KNOWN_TO_T2N = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "gpt_oss", "granit
 #: Families torch-to-nnef has no MoE support for: whole tiny models export.
 UNKNOWN_TO_T2N_MODELS = ["hunyuan_v1_moe", "flex_olmo", "mellum", "aria", "cohere2_moe", "deepseek_ocr2"]
 #: ... and these export as blocks (their other layers, mamba / linear attention, do not trace in torch-to-nnef).
-UNKNOWN_TO_T2N_BLOCKS = UNKNOWN_TO_T2N_MODELS + ["jamba", "minimax", "qwen3_next", "deepseek_v2", "qwen4_exp"]
+UNKNOWN_TO_T2N_BLOCKS = UNKNOWN_TO_T2N_MODELS + [
+    "jamba", "minimax", "qwen3_next", "deepseek_v2", "qwen4_exp", "openai_privacy_filter",
+]
 
 #: tract's "approximate" level in float32, which every float32 export must meet.
 ATOL, RTOL = 1e-4, 5e-4
@@ -270,7 +272,6 @@ def test_interventions_the_export_would_drop_are_refused(out):
         ("flint", "sigmoid scores renormalised"),
         ("gemma4", "not an FFN output"),
         ("dbrx", "not a transformers experts module"),
-        ("openai_privacy_filter", "output is 0.5 times what tract_moe_ffn computes"),
     ],
 )
 def test_families_tract_cannot_express_are_refused(family, message, out):

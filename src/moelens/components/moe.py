@@ -119,8 +119,8 @@ class Moe(Mlp):
 
     @property
     def SCORING(self) -> Scoring:
-        """What the logits mean: how this family scores them and picks experts."""
-        return self.family.scoring
+        """What the logits mean: how this block's family scores them and picks experts."""
+        return self.family.scoring_of(self._module)
 
     @property
     def experts_implementation(self) -> str | None:
@@ -211,7 +211,7 @@ class Moe(Mlp):
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
-        name = self.family.resolve(self.family.scoring.score, self._module)
+        name = self.family.resolve(self.SCORING.score, self._module)
         return score(name, self.router_logits)
 
     @router_probs.setter
@@ -232,7 +232,7 @@ class Moe(Mlp):
 
     def _read(self, descriptor: served) -> Any:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
-            weights, indices = top_logits(self.router_logits, self.top_k, self.family.scoring.score)
+            weights, indices = top_logits(self.router_logits, self.top_k, self.SCORING.score)
             return weights if descriptor.name == "expert_weights" else indices
         return super()._read(descriptor)
 

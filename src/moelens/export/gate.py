@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..families import Family
+from ..families import Family, Scoring
 from .errors import ExportRefused
 
 #: tract_moe_ffn's gate modes.
@@ -109,9 +109,9 @@ def family_support(family: Family) -> Support:
     return Support("yes", gate=gate)
 
 
-def _hard_refusals(family: Family, score: Any = None) -> list[str]:
+def _hard_refusals(family: Family, score: Any = None, scoring: Scoring | None = None) -> list[str]:
     """What tract cannot express whatever the checkpoint's config (from the entry; ``score`` when resolved)."""
-    scoring = family.scoring
+    scoring = family.scoring if scoring is None else scoring
     reasons = []
     if scoring.selection_bias:
         reasons.append(_selection_bias(scoring.selection_bias))
@@ -145,9 +145,9 @@ def routing(family: Family, block: Any) -> Routing:
     reason = structural_refusal(family)
     if reason:
         raise ExportRefused(f"{name}: {reason}.")
-    scoring = family.scoring
+    scoring = family.scoring_of(block)
     score = family.resolve(scoring.score, block)
-    reasons = _hard_refusals(family, score)
+    reasons = _hard_refusals(family, score, scoring)
     if scoring.select == "group_topk":
         n_group, topk_group = (int(family.resolve(ref, block)) for ref in scoring.groups)
         if n_group != 1 and topk_group < n_group:

@@ -28,6 +28,11 @@ SMG = Scoring(
     "softmax", "group_topk", normalize="router.norm_topk_prob", scale="router.routed_scaling_factor",
     groups=("router.num_group", "router.topk_group"), code="SMG",
 )
+#: Mistral Large 4: as Mistral 4, always renormalised (its router has no flag).
+SMG_ALWAYS = Scoring(
+    "softmax", "group_topk", normalize=True, scale="router.routed_scaling_factor",
+    groups=("router.num_group", "router.topk_group"), code="SMG",
+)
 SHARED_AFTER = SharedExpert("shared_experts", when="after_experts")
 UNSORTED = "Slots are not ranked (top-k with sorted=False): slot 0 is not the top-1 expert."
 WEIGHT_SUM = "Weights sum to routed_scaling_factor, not 1."
@@ -68,7 +73,8 @@ FAMILIES = [
     _ds3("mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
     Family("mistral4", ("mistral4",), ("Mistral4MoE",), scoring=SMG, shared=SHARED_AFTER,
            notes=f"Logits keep the model dtype. {UNSORTED} {WEIGHT_SUM}"),
-    Family("mistral_large4", ("mistral_large4", "mistral_large4_text"), ("MistralLarge4TextMoE",), scoring=SMG,
+    Family("mistral_large4", ("mistral_large4", "mistral_large4_text"), ("MistralLarge4TextMoE",),
+           scoring=SMG_ALWAYS,
            shared=SHARED_AFTER, notes=f"{UNSORTED} {WEIGHT_SUM}"),
     _ds3("nemotron_h", "NemotronHMoE", block_attr="mixer", combine=Combine(routed_post="fc2_latent_proj"),
          notes="The block is the layer's `mixer` (aliased mlp); experts are not gated (relu^2) and run in "

@@ -178,6 +178,8 @@ class Family:
         experts: Path of the experts module from the block.
         logits_op: Op in the router's forward whose output is the logits.
         scoring: How the logits are scored and experts picked.
+        scoring_by_router: Scorings of blocks whose router is another class (router
+            class name -> Scoring): deepseek_v4's hash layers. See `scoring_of`.
         shared: The shared expert, or None.
         combine: How the block output is made.
         top_k: Attribute reference of k, or an int.
@@ -201,6 +203,7 @@ class Family:
     experts: str = "experts"
     logits_op: str = "F_linear_0"
     scoring: Scoring = field(default_factory=Scoring)
+    scoring_by_router: Mapping[str, Scoring] = field(default_factory=dict)
     shared: SharedExpert | None = None
     combine: Combine = field(default_factory=Combine)
     top_k: str | int = "router.top_k"
@@ -214,7 +217,8 @@ class Family:
     def resolve(self, reference: Any, block: Any) -> Any:
         """The value an attribute reference names, read from the live block module.
 
-        A reference is a dotted string: its first component may be ``router``,
+        A reference is a dotted string, optionally prefixed ``1/`` for its
+        reciprocal (``"1/router.top_k"``); its first component may be ``router``,
         ``experts`` or ``shared`` (this family's paths for them, whatever the model
         calls them), ``block`` (the block itself), ``config`` (the model config the
         block's parts carry) or any child of the block. Anything else (a number, a bool, None, a plain word
@@ -222,6 +226,8 @@ class Family:
         """
         if not isinstance(reference, str) or "." not in reference:
             return reference
+        if reference.startswith("1/"):  # a reciprocal: "1/router.top_k"
+            return 1 / self.resolve(reference[2:], block)
         head, _, rest = reference.partition(".")
         roots = {"router": self.router, "experts": self.experts, "block": ""}
         if self.shared is not None and not self.shared.on_layer:
@@ -234,6 +240,13 @@ class Family:
                 f"family {self.name!r}: cannot read {reference!r} from {type(block).__name__} ({error}); "
                 "the family entry does not match this model."
             ) from None
+
+    def scoring_of(self, block: Any) -> Scoring:
+        """The scoring of one live block: `scoring`, unless its router's class has its own."""
+        if not self.scoring_by_router:
+            return self.scoring
+        router = get_path(block, self.router)
+        return self.scoring_by_router.get(type(router).__name__, self.scoring)
 
     def combined(self, block: Any, routed: Any, shared: Any = None) -> Any:
         """The block output this family makes of ``routed`` and ``shared`` (see `Combine`).

@@ -63,6 +63,8 @@ FAMILIES = [
     Family("deepseek_v4", ("deepseek_v4",), ("DeepseekV4SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
                        scale="router.routed_scaling_factor"),
+           scoring_by_router={"DeepseekV4HashRouter": Scoring(
+               "config.scoring_func", "hash", normalize=True, scale="router.routed_scaling_factor", code="HASH")},
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Hash layers (the first num_hash_layers) pick experts from a token-id table: there the "
                  "logits only weight the experts, so writing them does not change which experts run.",

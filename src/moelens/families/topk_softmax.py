@@ -16,7 +16,7 @@ FAMILIES = [
                  "(hidden, router_scores) and carries a hub-kernel decorator (use_kernels=True hides its ops).",
            expert_gate=CLAMPED_SWIGLU),
     Family("openai_privacy_filter", ("openai_privacy_filter",), ("OpenAIPrivacyFilterMLP",), router="router",
-           scoring=Scoring("softmax", "logit_topk", normalize=True, code="TK->SM/k"),
+           scoring=Scoring("softmax", "logit_topk", normalize=True, scale="1/router.top_k", code="TK->SM/k"),
            combine=Combine(routed_scale="block.num_experts", output_index=0),
            notes="An encoder; defaults to the eager experts implementation. The router divides the weights by k and the "
                  "block multiplies the experts output by num_experts.",
