@@ -124,9 +124,15 @@ class Moe(Mlp):
 
     @property
     def experts_implementation(self) -> str | None:
-        """The transformers experts implementation the experts module runs now."""
-        config = getattr(self.experts._module, "config", None)
-        return getattr(config, "_experts_implementation", None) if self.family.experts_call else "eager"
+        """The transformers experts implementation the experts module runs now.
+
+        ``"eager"`` for experts transformers does not dispatch (undecorated: dbrx,
+        llama4), whose forward is their own loop.
+        """
+        experts = self.experts._module
+        if not self.family.experts_call or "_is_expert_parallel" not in experts.__dict__:
+            return "eager"
+        return getattr(getattr(experts, "config", None), "_experts_implementation", None)
 
     def order(self) -> tuple[str, ...]:
         """The values this block serves, in the order the model produces them."""
