@@ -71,7 +71,8 @@ class ToMoESharedExpert(nn.Module):
 
     def forward(self, hidden_states: Float[Tensor, "t d"]) -> Float[Tensor, "t o"]:
         if not self.num_neurons:
-            return self.bias.to(hidden_states.dtype).expand(hidden_states.shape[0], -1)
+            # The constant for every token (zeros_like + broadcast: traceable by torch-to-nnef, unlike expand).
+            return torch.zeros_like(hidden_states[..., :1]) + self.bias.to(hidden_states.dtype)
         return self.down_proj(self.activations(hidden_states))
 
 

@@ -1,7 +1,8 @@
 """Turn a `Plan` into modules: a `ToMoEBlock` (or subclass) or a `ToMoELinear`.
 
 Experts hold their neurons in the plan's order, zero-padded to the largest expert
-(a padded neuron has zero weights in and out, so it adds nothing). The router's bias
+rounded up to a multiple of `SIZE_MULTIPLE` (a padded neuron has zero weights in and
+out, so it adds nothing; grouped_mm needs the alignment). The router's bias
 carries the plan's offset. Everything is built in float32 from the plan and then cast
 to the dense layer's dtype and device.
 """
@@ -21,9 +22,14 @@ from .linear import ToMoELinear
 from .router import ToMoERouter
 
 
+#: Expert sizes are padded to a multiple of this (grouped_mm needs 16-byte strides, in bf16 too).
+SIZE_MULTIPLE = 8
+
+
 def _members(plan: Plan) -> tuple[list[torch.Tensor], int]:
     members = [plan.members(expert) for expert in range(plan.num_experts)]
-    return members, max(1, max(int(m.numel()) for m in members))
+    size = max(1, max(int(m.numel()) for m in members))
+    return members, -(-size // SIZE_MULTIPLE) * SIZE_MULTIPLE
 
 
 @torch.no_grad()

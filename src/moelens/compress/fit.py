@@ -5,12 +5,14 @@ Given a `DenseLayer` and the inputs captured at it on calibration data (``X [T, 
 1. **Shared neurons** (optional): the ``S`` neurons with the largest mean output
    contribution ``|h_i| * ||down_i||`` stay always active.
 2. **Partition**: the other neurons are clustered into E equal experts
-   (`partition.balanced_kmeans`) by how their centred contribution varies over the
-   calibration tokens; without calibration data, by their normalised weights.
-3. **Router**: a ridge regression from the input to each expert's importance for
-   the token, the norm of its centred contribution
-   ``||down_e (h_e(x) - mean h_e)||``; the top-k predicted experts run. Without
-   data, each expert's router row is the centroid of its neurons' input weights.
+   (`partition.balanced_kmeans`) by their activation patterns over the calibration
+   tokens (co-activation: neurons active on the same tokens share an expert);
+   without calibration data, by their normalised weights.
+3. **Router**: each expert's importance for a token is the norm of its centred
+   contribution ``||down_e (h_e(x) - mean h_e)||``; a ridge regression from the input
+   predicts which k experts are the most important (a least-squares fit of the top-k
+   indicator), and the top-k predicted experts run. Without data, each expert's
+   router row is the centroid of its neurons' input weights.
 4. **Compensation**: a token's skipped expert contributes its mean on the
    calibration tokens that skip it (the expert's down bias is minus that mean, the
    shared constant holds their sum), so skipping costs only the deviation.
@@ -98,14 +100,13 @@ def _ridge(inputs: Float[Tensor, "t f"], targets: Float[Tensor, "t o"], strength
 
     The last input column (the constant) is not penalised when ``free_last``.
     """
-    inputs = inputs.double()
-    gram = inputs.T @ inputs
+    gram = (inputs.T @ inputs).double()  # float32 products, float64 solve
     lam = strength * float(gram.diagonal().mean().clamp_min(1e-12))
     penalty = torch.full((gram.shape[0],), lam, dtype=gram.dtype)
     if free_last:
         penalty[-1] = 0.0
-    residual = targets.double() if start is None else targets.double() - inputs @ start.double()
-    delta = torch.linalg.solve(gram + torch.diag(penalty), inputs.T @ residual)
+    residual = targets if start is None else targets - inputs @ start
+    delta = torch.linalg.solve(gram + torch.diag(penalty), (inputs.T @ residual).double())
     return (delta if start is None else start.double() + delta).float()
 
 
@@ -131,8 +132,7 @@ def neuron_features(layer: DenseLayer, hidden: Tensor | None, routed: Tensor, se
         return torch.cat([torch.nn.functional.normalize(p, dim=1) for p in parts], dim=1)
     generator = torch.Generator().manual_seed(seed)
     sample = torch.randperm(hidden.shape[0], generator=generator)[:CLUSTER_TOKENS]
-    picked = hidden[sample][:, routed]
-    return ((picked - picked.mean(0)) * layer.down_norms()[routed]).T
+    return hidden[sample][:, routed].T  # rows are normalised before clustering: scale per neuron does not matter
 
 
 def importance(layer: DenseLayer, hidden: Tensor, labels: Tensor, num_experts: int) -> Float[Tensor, "t e"]:
@@ -197,7 +197,8 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
                shared_neurons: int = 0, refit: bool = True, seed: int = 0) -> Plan:
     """Convert one dense layer (see the module docstring); ``x`` are its calibration inputs or None."""
     count = layer.neurons
-    shared = choose_shared(layer, layer.hidden(x) if x is not None else None, shared_neurons)
+    hidden = layer.hidden(x) if x is not None else None
+    shared = choose_shared(layer, hidden, shared_neurons)
     routed = torch.ones(count, dtype=torch.bool)
     routed[shared] = False
     routed_index = torch.nonzero(routed).flatten()
@@ -205,8 +206,7 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
         return _plan_from_weights(layer, num_experts, top_k, shared, routed_index, seed)
 
     fit_rows, check_rows = _split(x.shape[0], seed)
-    hidden = layer.hidden(x)
-    target = layer.output(x)
+    target = hidden @ layer.down.T + layer.down_bias if layer.down is not None else hidden
     labels = torch.full((count,), -1, dtype=torch.long)
     groups = partition.balanced_kmeans(neuron_features(layer, hidden[fit_rows], routed_index, seed), num_experts,
                                        seed=seed)
@@ -214,7 +214,8 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
 
     fit_x, fit_hidden, fit_target = x[fit_rows], hidden[fit_rows], target[fit_rows]
     ones = torch.ones(fit_x.shape[0], 1)
-    router = _ridge(torch.cat([fit_x, ones], 1), importance(layer, fit_hidden, labels, num_experts), ROUTER_RIDGE)
+    wanted = select(importance(layer, fit_hidden, labels, num_experts), top_k).float()
+    router = _ridge(torch.cat([fit_x, ones], 1), wanted, ROUTER_RIDGE)
     router_weight, router_bias = router[:-1].T.contiguous(), router[-1].contiguous()
     predicted = fit_x @ router_weight.T + router_bias
     selected = select(predicted, top_k)

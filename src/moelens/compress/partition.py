@@ -65,7 +65,7 @@ def _assign(cost: np.ndarray, sizes: list[int]) -> np.ndarray:
 
 
 def balanced_kmeans(
-    features: Float[Tensor, "n f"], groups: int, *, seed: int = 0, iterations: int = 8
+    features: Float[Tensor, "n f"], groups: int, *, seed: int = 0, iterations: int = 4
 ) -> Int[Tensor, " n"]:
     """Cluster ``n`` rows into ``groups`` groups of equal size (sizes differ by at most one).
 

@@ -20,11 +20,9 @@ UNIT = Scoring("sigmoid", "logit_topk", normalize=False, code="TK->sigmoid (=1)"
 SHARED = SharedExpert("shared_experts", when="after_experts")
 
 NOTES = (
-    "A dense layer converted by moelens.compress.tomoe. Selected experts run with weight 1: "
-    "router_logits - router.offset is the router's predicted importance of each expert, and "
-    "router_probs (their sigmoid) saturate to 1 for the experts that can be selected. The shared "
-    "expert holds the always-active neurons and a constant: the dense output bias plus the mean "
-    "contribution of the experts a token skips (each expert's down bias subtracts its share)."
+    "Converted by moelens.compress.tomoe. Selected experts weigh exactly 1 (offset logits, saturated sigmoid: "
+    "router_logits - router.offset is the predicted importance); the shared expert is the always-active neurons "
+    "plus a constant (output bias + the skipped experts' mean contribution)."
 )
 
 
@@ -37,9 +35,9 @@ def _family(name: str, block_class: str, block_attr: str, where: str) -> Family:
 
 
 FAMILIES = [
-    _family("tomoe", "ToMoEBlock", "mlp", "A whole FFN (SwiGLU mlp, GPT-2 mlp) as one block."),
+    _family("tomoe", "ToMoEBlock", "mlp", "A dense FFN (SwiGLU, GPT-2 mlp)."),
     _family("tomoe_intermediate", "ToMoEIntermediateBlock", "intermediate",
-            "A BERT FFN as one block at layer.intermediate (layer.output.dense is an identity)."),
+            "A BERT FFN at layer.intermediate (output.dense becomes an identity)."),
     _family("tomoe_linear", "ToMoELinear", "mlp",
-            "One Linear / Conv1D split by output neurons (identity activation, 0/1 down projection buffer)."),
+            "A Linear / Conv1D split by output neurons."),
 ]

@@ -1,0 +1,166 @@
+"""moelens.compress.tomoe: converted blocks compute what they should.
+
+Ground truth: the dense model's own forward (top_k == num_experts must reproduce it), the
+converted block recomputed by hand from its weights (expert by expert, no transformers
+experts implementation involved), and conditional means recomputed from the calibration
+inputs captured with plain torch hooks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moelens.compress import (ToMoEBlock, ToMoEExperts, ToMoEGatedExperts, ToMoEIntermediateBlock, ToMoELinear,
+                              set_experts_implementation, tomoe)
+from moelens.compress.calibration import batches, capture
+from test_compress_helpers import MODELS, ids, llama, run
+
+IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm"]
+BLOCKS = {"llama": ToMoEBlock, "bert": ToMoEIntermediateBlock, "gpt2": ToMoEBlock}
+
+
+def convert(model, **settings):
+    settings.setdefault("max_error", None)
+    settings.setdefault("progress", False)
+    return tomoe(model, return_stats=True, **settings)
+
+
+def blocks(model) -> list[tuple[str, ToMoEBlock]]:
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, ToMoEBlock)]
+
+
+def by_hand(block: ToMoEBlock, x: torch.Tensor) -> torch.Tensor:
+    """The block's output recomputed from its weights: top-k logits, each selected expert by hand, + shared."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    router, experts, shared = block.router, block.experts, block.shared_experts
+    logits = x @ router.weight.T + router.bias
+    chosen = torch.topk(logits, router.top_k, dim=-1).indices
+    padded = F.pad(x, (0, block.input_pad))
+    out = torch.zeros(x.shape[0], experts.down_proj.shape[1])
+    for token in range(x.shape[0]):
+        for expert in chosen[token].tolist():
+            if isinstance(experts, ToMoEGatedExperts):
+                size = experts.gate_up_proj.shape[1] // 2
+                pre = experts.gate_up_proj[expert] @ padded[token] + experts.gate_up_proj_bias[expert]
+                h = experts.act_fn(pre[:size]) * pre[size:]
+            else:
+                h = experts.act_fn(experts.up_proj[expert] @ padded[token] + experts.up_proj_bias[expert])
+            out[token] += experts.down_proj[expert] @ h + experts.down_proj_bias[expert]
+    out = out[:, : block.output_size]
+    if shared.num_neurons:
+        out = out + shared(x)
+    else:
+        out = out + shared.bias
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("calibrated", [True, False], ids=["calibrated", "weights-only"])
+def test_all_experts_reproduce_the_dense_model(family, calibrated):
+    dense = MODELS[family]()
+    tokens = ids()
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens if calibrated else None)
+    assert len(stats.converted) == 2 and not stats.skipped
+    assert all(isinstance(block, BLOCKS[family]) for _, block in blocks(converted))
+    expected = run(dense, tokens)
+    for implementation in IMPLEMENTATIONS:
+        set_experts_implementation(converted, implementation)
+        torch.testing.assert_close(run(converted, tokens), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_block_output_is_its_routing_recomputed_by_hand(family):
+    dense = MODELS[family]()
+    converted, _ = convert(dense, num_experts=4, top_k=2, calibration=ids(), shared_neurons=4)
+    name, block = blocks(converted)[0]
+    seen = {}
+    handle = block.register_forward_hook(lambda m, args, out: seen.update(x=args[0], y=out))
+    tokens = ids(2, 8, seed=1)
+    for implementation in IMPLEMENTATIONS:
+        set_experts_implementation(converted, implementation)
+        run(converted, tokens)
+        expected = by_hand(block, seen["x"]).view_as(seen["y"])
+        torch.testing.assert_close(seen["y"], expected, atol=1e-5, rtol=1e-5)
+    handle.remove()
+    weights = block.router(seen["x"].reshape(-1, seen["x"].shape[-1]))[1]
+    assert torch.equal(weights, torch.ones_like(weights)), "every selected expert must weigh exactly 1"
+
+
+def test_the_users_model_is_not_changed_unless_inplace():
+    dense = llama()
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    converted, _ = convert(dense, num_experts=4, top_k=2, calibration=ids())
+    assert converted is not dense and not blocks(dense)
+    assert all(torch.equal(before[k], v) for k, v in dense.state_dict().items())
+    same, _ = convert(dense, num_experts=4, top_k=2, calibration=ids(), inplace=True)
+    assert same is dense and len(blocks(dense)) == 2
+
+
+def test_skipped_experts_contribute_their_mean_on_the_tokens_that_skip_them():
+    """Compensation (refit off): each expert's down bias is minus its mean contribution where it was skipped."""
+    dense = llama()
+    tokens = ids(4, 16)  # 64 tokens: all used for the fit
+    inputs = capture(dense, batches(tokens), {"mlp": dense.model.layers[0].mlp})["mlp"]
+    converted, _ = convert(dense, num_experts=4, top_k=2, calibration=tokens, refit=False)
+    block = converted.model.layers[0].mlp
+    mlp = dense.model.layers[0].mlp
+    with torch.no_grad():
+        chosen = torch.topk(block.router(inputs)[0], 2, dim=-1).indices
+        activations = F.silu(mlp.gate_proj(inputs)) * mlp.up_proj(inputs)
+        total = torch.zeros(32)
+        for expert in range(4):
+            neurons = block.neuron_index[expert]
+            skipped = ~(chosen == expert).any(-1)
+            assert skipped.any()
+            mean = activations[skipped][:, neurons].mean(0) @ mlp.down_proj.weight[:, neurons].T
+            torch.testing.assert_close(block.experts.down_proj_bias[expert], -mean, atol=1e-5, rtol=1e-4)
+            total += mean
+        torch.testing.assert_close(block.shared_experts.bias, total, atol=1e-5, rtol=1e-4)
+
+
+def test_router_is_fitted_not_random():
+    """The router picks the experts that matter: the top-k of each expert's importance on the calibration tokens."""
+    from moelens.compress.fit import importance
+    from moelens.compress.targets import ffn_site
+
+    dense = llama(hidden_size=64, intermediate_size=256)
+    tokens = ids(16, 32)
+    inputs = capture(dense, batches(tokens), {"mlp": dense.model.layers[0].mlp})["mlp"]
+    converted, stats = convert(dense, num_experts=8, top_k=2, calibration=tokens, refit=False)
+    block = converted.model.layers[0].mlp
+    layer = ffn_site(dense, "model.layers.0.mlp", dense.model.layers[0].mlp).read()
+    labels = torch.full((256,), -1)
+    for expert, neurons in enumerate(block.neuron_index):
+        labels[neurons[neurons >= 0]] = expert
+    truth = importance(layer, layer.hidden(inputs), labels, 8)
+    with torch.no_grad():
+        chosen = block.router(inputs)[2]
+        best = torch.topk(truth, 2, dim=-1).indices
+        agreement = (chosen[:, :, None] == best[:, None, :]).any(-1).float().mean()
+        print(f"router agrees with the importance top-2 on {agreement:.0%} of slots (random: 25%)")
+        assert agreement > 0.5
+        target = dense.model.layers[0].mlp(inputs)
+        fitted = block(inputs)
+        block.router.weight.copy_(torch.randn_like(block.router.weight))
+        random = block(inputs)
+    error = lambda y: float((y - target).norm() / target.norm())  # noqa: E731
+    assert error(fitted) < error(random)
+    assert stats.converted[0].error == pytest.approx(error(fitted), rel=1e-3)  # measured on all 512 tokens
+
+
+def test_shared_neurons_are_always_active_and_the_most_active():
+    dense = llama()
+    tokens = ids()
+    converted, stats = convert(dense, num_experts=4, top_k=1, calibration=tokens, shared_neurons=8)
+    block = converted.model.layers[0].mlp
+    assert block.shared_experts.num_neurons == 8 and stats.converted[0].shared_neurons == 8
+    assert sorted(stats.converted[0].expert_sizes) == [14, 14, 14, 14]
+    inputs = capture(dense, batches(tokens), {"mlp": dense.model.layers[0].mlp})["mlp"]
+    mlp = dense.model.layers[0].mlp
+    with torch.no_grad():
+        activity = (F.silu(mlp.gate_proj(inputs)) * mlp.up_proj(inputs)).abs().mean(0) * mlp.down_proj.weight.norm(dim=0)
+    assert set(block.shared_index.tolist()) == set(torch.topk(activity, 8).indices.tolist())
+    used = torch.cat([block.shared_index, block.neuron_index.flatten()])
+    assert sorted(used[used >= 0].tolist()) == list(range(64))

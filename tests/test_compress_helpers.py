@@ -1,0 +1,57 @@
+"""Tiny dense models for the compressor tests (a helper module: it holds no test). Seeded, built from configs, nothing downloaded."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import (BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM)
+
+VOCAB = 128
+
+
+def _quiet(build):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        return build().eval()
+
+
+def llama(kv_heads: int = 2, **overrides) -> LlamaForCausalLM:
+    """SwiGLU FFNs (gate/up/down), GQA attention (4 query heads, ``kv_heads`` key/value heads)."""
+    config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=kv_heads, max_position_embeddings=64, pad_token_id=0)
+    config.update(overrides)
+    return _quiet(lambda: LlamaForCausalLM(LlamaConfig(**config)))
+
+
+def bert(classifier: bool = False) -> BertModel:
+    """BERT FFNs (intermediate.dense / output.dense, erf GELU)."""
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, num_labels=3)
+    return _quiet(lambda: (BertForSequenceClassification if classifier else BertModel)(config))
+
+
+def gpt2() -> GPT2LMHeadModel:
+    """GPT-2 FFNs (Conv1D c_fc / c_proj, tanh GELU), fused c_attn, tied lm_head."""
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+                        eos_token_id=2)
+    return _quiet(lambda: GPT2LMHeadModel(config))
+
+
+MODELS = {"llama": llama, "bert": bert, "gpt2": gpt2}
+
+
+def ids(batch: int = 8, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hidden(output) -> torch.Tensor:
+    """Logits or last hidden state of a transformers output."""
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+@torch.no_grad()
+def run(model, input_ids: torch.Tensor) -> torch.Tensor:
+    return hidden(model(input_ids=input_ids))
