@@ -130,9 +130,9 @@ class ToMoECompressor:
                                                                      or tg.matches(container, targeted)))
             if not wanted:
                 continue
-            covered.append(found.name if isinstance(found, tg.Skip) else found.name)
-            if container != found.name:
-                covered.append(container)
+            covered.append(found.name)
+            if container != found.name:  # a BERT layer: the FFN is intermediate + output.dense
+                covered.append(f"{container}.output.dense")
             if isinstance(found, tg.Skip):
                 skips.append(found)
                 continue

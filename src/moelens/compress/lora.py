@@ -6,8 +6,8 @@
 ``B [E, r]``. ``B`` starts at zero, so adding adapters changes nothing until they
 train. Every experts implementation reads the weights by name, so they all see the
 adapted weights; `merge_lora` folds the adapters into plain parameters again.
-With ``freeze_experts`` the experts' dense weights do not train (the adapters and
-the router do).
+With ``freeze_experts`` the routed and shared experts' weights do not train (the
+adapters and the router do).
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ def add_lora(block: nn.Module, rank: int, alpha: float) -> None:
 
 
 def freeze_experts(block: nn.Module) -> None:
-    """The experts' own weights stop training; LoRA adapters (``lora_A`` / ``lora_B``) keep training."""
-    for name, parameter in block.experts.named_parameters():
-        if "lora_" not in name.rsplit(".", 1)[-1]:
-            parameter.requires_grad_(False)
+    """The routed and shared experts' own weights stop training; LoRA adapters (``lora_A`` / ``lora_B``) keep training."""
+    for part in (block.experts, block.shared_experts):
+        for name, parameter in part.named_parameters():
+            if "lora_" not in name.rsplit(".", 1)[-1]:
+                parameter.requires_grad_(False)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

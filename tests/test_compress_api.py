@@ -1,0 +1,272 @@
+"""moelens.compress API: settings, stats (checked against the modules), skips and their reasons, errors,
+single Linear / Conv1D layers, GQA-narrow projections, PEFT wrappers and LoRA adapters."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoECompressor, ToMoELinear,
+                              get_compressor, inject_tomoe, merge_lora, tomoe)
+from test_compress_helpers import bert, gpt2, ids, llama, run
+
+
+def convert(model, **settings):
+    settings.setdefault("max_error", None)
+    settings.setdefault("progress", False)
+    return tomoe(model, return_stats=True, **settings)
+
+
+def distinct_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+# -- settings ------------------------------------------------------------------------------------------
+
+
+def test_comp_config_dict_object_and_aliases():
+    model, tokens = llama(), ids()
+    for config in ({"tomoe_num_experts": 8, "tomoe_top_k": 2, "max_reconstruction_error": None, "progress": False},
+                   SimpleNamespace(num_experts=8, tomoe_top_k=2, max_error=None, progress=False)):
+        _, stats = tomoe(model, calibration=tokens, comp_config=config, return_stats=True)
+        assert {(layer.num_experts, layer.top_k) for layer in stats.converted} == {(8, 2)}
+    # an explicit argument that differs from its default wins over comp_config
+    _, stats = tomoe(model, top_k=1, calibration=tokens, comp_config={"top_k": 3, "max_error": None, "progress": False},
+                     return_stats=True)
+    assert stats.converted[0].top_k == 1
+    _, stats = tomoe(model, calibration=tokens, comp_config={"tomoe_lora_r": 2, "max_error": None, "progress": False},
+                     return_stats=True)
+    assert all(layer.lora for layer in stats.converted)
+
+
+def test_registry_names_and_the_compressor_object():
+    for name in ("tomoe", "tomoe_compressor", "tomoe_factory", "tomoe_compressor_factory"):
+        assert get_compressor(name) is ToMoECompressor
+    compressor = get_compressor("tomoe")(llama(), num_experts=4, top_k=2, calibration=ids(), max_error=None,
+                                         progress=False)
+    assert "not run yet" in compressor.summary()
+    with pytest.raises(CompressionError, match="compress"):
+        compressor.get_compression_stats()
+    model, stats = compressor.compress()
+    assert compressor.get_compression_stats() is stats and compressor.result is model
+    assert "2 layers converted" in compressor.summary() and "model.layers.0.mlp" in compressor.summary()
+    with pytest.raises(CompressionError, match="no compressor named"):
+        get_compressor("nope")
+
+
+def test_clear_errors():
+    model = llama()
+    with pytest.raises(CompressionError, match="top_k=5 is larger than num_experts=4"):
+        tomoe(model, num_experts=4, top_k=5)
+    with pytest.raises(ValueError):  # CompressionError is a ValueError too
+        tomoe(model, num_experts=2, top_k=3)
+    for empty in ([], torch.zeros(0, 8, dtype=torch.long), [{"input_ids": torch.zeros(2, 0, dtype=torch.long)}]):
+        with pytest.raises(CompressionError, match="calibration set is empty"):
+            tomoe(model, calibration=empty, progress=False)
+    with pytest.raises(NothingToConvert, match="nothing to convert in Sequential"):
+        tomoe(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), progress=False)
+    with pytest.raises(NothingToConvert, match="protected"):
+        tomoe(bert(classifier=True), target_modules=["classifier"], progress=False)
+
+
+def test_inject_tomoe_logs_instead_of_raising(caplog):
+    with caplog.at_level(logging.ERROR, logger="moelens.compress"):
+        assert inject_tomoe() is None
+        assert inject_tomoe(llama(), num_experts=2, top_k=3) is None
+    assert "no model given" in caplog.text and "top_k=3 is larger" in caplog.text
+    converted = inject_tomoe(llama(), num_experts=4, top_k=2, calibration=ids(), max_error=None, progress=False)
+    assert isinstance(converted.model.layers[0].mlp, ToMoEBlock)
+
+
+# -- stats -------------------------------------------------------------------------------------------------
+
+
+def test_stats_counts_match_the_modules():
+    dense = llama()
+    converted, stats = convert(dense, num_experts=4, top_k=1, calibration=ids(), shared_neurons=4)
+    assert stats.original_parameters == distinct_parameters(dense)
+    assert stats.new_parameters == distinct_parameters(converted)
+    skipped = 0
+    for layer in stats.converted:
+        block = converted.get_submodule(layer.name)
+        experts = distinct_parameters(block.experts)
+        assert layer.new_parameters == distinct_parameters(block)
+        assert layer.active_parameters == layer.new_parameters - experts * 3 // 4
+        assert layer.original_parameters == distinct_parameters(dense.get_submodule(layer.name))
+        assert sum(layer.expert_sizes) + layer.shared_neurons == 64 and layer.shared_neurons == 4
+        assert layer.error is not None and 0 < layer.error < 1 and layer.error_tokens == 128
+        assert layer.active_fraction == pytest.approx((15 + 4) / 64)
+        skipped += experts * 3 // 4
+    assert stats.active_parameters == stats.new_parameters - skipped
+    assert stats.parameter_ratio == pytest.approx(stats.new_parameters / stats.original_parameters)
+    assert stats.active_ratio == pytest.approx(stats.active_parameters / stats.original_parameters)
+    assert stats.calibration_tokens == 128 and stats.seconds > 0
+    data = stats.as_dict()
+    assert data["converted"][0]["expert_sizes"] == stats.converted[0].expert_sizes and "active_ratio" in data
+
+
+def test_weights_only_conversion_records_no_error():
+    _, stats = convert(llama(), num_experts=4, top_k=2)
+    assert all(layer.error is None and "no calibration" in layer.notes[0] for layer in stats.converted)
+    assert stats.calibration_tokens == 0
+
+
+def test_error_gate_keeps_bad_layers_dense_with_the_reason():
+    dense = llama()
+    tokens = ids()
+    converted, stats = tomoe(dense, num_experts=4, top_k=1, calibration=tokens, max_error=1e-6, progress=False,
+                             return_stats=True)
+    assert not stats.converted and len(stats.skipped) == 2
+    assert all("above max_error=1e-06: kept dense" in skip.reason for skip in stats.skipped)
+    torch.testing.assert_close(run(converted, tokens), run(dense, tokens))
+
+
+# -- skips ----------------------------------------------------------------------------------------------------
+
+
+def test_protected_fused_tied_and_tiny_layers_are_skipped_with_reasons():
+    _, stats = convert(bert(classifier=True), num_experts=4, top_k=2, calibration=ids(), target_modules=r".*")
+    reasons = stats.skipped_layers
+    assert "protected (classifier" in reasons["classifier"]
+    assert "protected (pooler" in reasons["bert.pooler.dense"]
+    converted = set(stats.converted_layers)
+    assert {"bert.encoder.layer.0.intermediate", "bert.encoder.layer.0.attention.self.query"} <= converted
+
+    _, stats = convert(gpt2(), num_experts=4, top_k=2, calibration=ids(), target_attention_only=True)
+    assert "fused QKV" in stats.skipped_layers["transformer.h.0.attn.c_attn"]
+    assert stats.converted_layers == ["transformer.h.0.attn.c_proj", "transformer.h.1.attn.c_proj"]
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second, self.tiny = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+            self.second.weight = self.first.weight
+            self.big = nn.Linear(16, 32)
+
+        def forward(self, x):
+            hidden = self.second(torch.relu(self.first(x)))
+            return self.big(hidden), self.tiny(hidden)
+
+    _, stats = convert(Tied(), num_experts=4, top_k=2, target_modules=["first", "second", "tiny", "big"])
+    assert stats.skipped_layers["first"] == "tied weights (shared with second)"
+    assert stats.skipped_layers["second"] == "tied weights (shared with first)"
+    assert stats.skipped_layers["tiny"].startswith("too small (16 -> 4)")
+    assert stats.converted_layers == ["big"]
+    with pytest.raises(NothingToConvert, match=r"first: tied weights .*tiny: too small"):
+        tomoe(Tied(), num_experts=4, top_k=2, target_modules=["first", "second", "tiny"], progress=False)
+
+
+def test_gpt2_ffn_with_a_tied_head_converts_the_ffn_only():
+    dense = gpt2()
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=ids())
+    assert stats.converted_layers == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    assert converted.lm_head.weight is converted.transformer.wte.weight  # the tie survives the copy
+    torch.testing.assert_close(run(converted, ids()), run(dense, ids()), atol=2e-5, rtol=1e-5)
+
+
+# -- single Linear / Conv1D layers -------------------------------------------------------------------------------
+
+
+def test_conv1d_layers_as_tomoe_linear():
+    dense = gpt2()
+    tokens = ids()
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens, target_modules=["c_proj", "c_fc"])
+    assert len(stats.converted) == 6 and all(layer.kind == "linear" for layer in stats.converted)
+    torch.testing.assert_close(run(converted, tokens), run(dense, tokens), atol=2e-5, rtol=1e-5)
+    for name in ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_proj"):
+        layer, original = converted.get_submodule(name), dense.get_submodule(name)
+        assert isinstance(layer, ToMoELinear) and layer.transposed
+        assert torch.equal(layer.weight, original.weight) and torch.equal(layer.bias, original.bias)
+        masks = layer.masks
+        assert masks.shape == (4, original.nf) and torch.equal(masks.sum(0), torch.ones(original.nf, dtype=torch.long))
+        assert stats.converted[[l.name for l in stats.converted].index(name)].expert_sizes == masks.sum(1).tolist()
+
+
+def test_tomoe_linear_skipped_outputs_get_their_mean():
+    """With k < E a token's skipped output neurons take their mean on the calibration tokens that skip them."""
+    dense = llama(kv_heads=4)
+    tokens = ids(4, 16)
+    converted, _ = convert(dense, num_experts=4, top_k=1, calibration=tokens, target_modules=["o_proj"])
+    layer = converted.model.layers[0].self_attn.o_proj
+    seen = {}
+    handle = dense.model.layers[0].self_attn.o_proj.register_forward_hook(lambda m, a, o: seen.update(x=a[0]))
+    run(dense, tokens)
+    handle.remove()
+    x = seen["x"].reshape(-1, 32)
+    with torch.no_grad():
+        exact = dense.model.layers[0].self_attn.o_proj(x)
+        chosen = layer.router(x)[2][:, 0]
+        got = layer(x)
+    masks = layer.masks
+    for expert in range(4):
+        runs, outputs = chosen == expert, masks[expert]
+        torch.testing.assert_close(got[runs][:, outputs], exact[runs][:, outputs], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[~runs][:, outputs], exact[~runs][:, outputs].mean(0).expand_as(got[~runs][:, outputs]),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_gqa_narrow_projections_get_fewer_experts():
+    dense = llama(kv_heads=2)  # q: 32 outputs, k/v: 16
+    tokens = ids()
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens, target_attention_only=True)
+    layers = {layer.name.rsplit(".", 1)[1]: layer for layer in stats.converted if ".0." in layer.name}
+    assert (layers["q_proj"].num_experts, layers["q_proj"].top_k) == (4, 4)
+    assert (layers["k_proj"].num_experts, layers["k_proj"].top_k) == (2, 2)
+    assert "narrow projection" in layers["v_proj"].notes[0]
+    torch.testing.assert_close(run(converted, tokens), run(dense, tokens), atol=2e-5, rtol=1e-5)
+    _, stats = convert(dense, num_experts=4, top_k=2, calibration=tokens, target_attention_only=True)
+    assert {layer.top_k for layer in stats.converted if "k_proj" in layer.name} == {1}
+
+
+# -- PEFT and LoRA -----------------------------------------------------------------------------------------------------
+
+
+def test_peft_lora_wrapper_stays_around_the_converted_layer():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    tuned = peft.get_peft_model(llama(), config).eval()
+    tokens = ids()
+    converted, stats = convert(tuned, num_experts=4, top_k=4, calibration=tokens, target_attention_only=True)
+    attention = converted.base_model.model.model.layers[0].self_attn
+    assert type(attention.q_proj).__name__ == "Linear" and isinstance(attention.q_proj.base_layer, ToMoELinear)
+    assert any("PEFT wrapper kept" in note for layer in stats.converted for note in layer.notes)
+    torch.testing.assert_close(run(converted, tokens), run(tuned, tokens), atol=2e-5, rtol=1e-5)
+    with converted.disable_adapter():  # the adapters still act on top of the converted layer
+        assert not torch.allclose(run(converted, tokens), run(tuned, tokens), atol=1e-3)
+    ffn_tuned = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["up_proj"]))
+    with pytest.raises(NothingToConvert, match="layers.0.mlp: PEFT adapters on the FFN's projections"):
+        tomoe(ffn_tuned, num_experts=4, top_k=2, calibration=tokens, progress=False)
+
+
+def test_lora_adapters_on_experts_and_router_with_frozen_experts():
+    dense = llama()
+    tokens = ids()
+    plain, _ = convert(dense, num_experts=4, top_k=2, calibration=tokens)
+    adapted, stats = convert(dense, num_experts=4, top_k=2, calibration=tokens, lora_r=2, lora_alpha=4.0)
+    torch.testing.assert_close(run(adapted, tokens), run(plain, tokens))  # B starts at zero
+    block = adapted.model.layers[0].mlp
+    trainable = {name for name, p in block.named_parameters() if p.requires_grad}
+    assert trainable == {
+        "router.parametrizations.weight.original", "router.parametrizations.weight.0.lora_A",
+        "router.parametrizations.weight.0.lora_B", "router.bias",
+        "experts.parametrizations.gate_up_proj.0.lora_A", "experts.parametrizations.gate_up_proj.0.lora_B",
+        "experts.parametrizations.down_proj.0.lora_A", "experts.parametrizations.down_proj.0.lora_B",
+    }
+    assert block.experts.parametrizations.gate_up_proj[0].lora_A.shape == (4, 2, 32)
+    adapted.train()
+    run_out = adapted(input_ids=tokens).logits
+    run_out.square().mean().backward()
+    assert block.experts.parametrizations.down_proj[0].lora_B.grad.abs().sum() > 0
+    assert block.experts.parametrizations.gate_up_proj.original.grad is None
+    with torch.no_grad():
+        block.experts.parametrizations.down_proj[0].lora_B.normal_()
+    adapted.eval()
+    before = run(adapted, tokens)
+    merged = merge_lora(adapted)
+    assert "down_proj" in merged.model.layers[0].mlp.experts._parameters
+    torch.testing.assert_close(run(merged, tokens), before, atol=1e-5, rtol=1e-5)
+    assert all(layer.lora for layer in stats.converted)
