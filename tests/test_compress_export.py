@@ -1,0 +1,120 @@
+"""Converted models export to NNEF (moelens.export.to_nnef) and run in tract as in torch.
+
+Ground truth: the converted model's torch forward and the real tract runtime. The
+constructions that make tract express the blocks exactly are checked too: the
+sigmoid gate gives each selected expert a weight of exactly 1.0 in tract, and
+`exportable`'s gated form computes what the plain / identity experts it replaces compute.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torch_to_nnef", reason="the export extra is not installed (pip install 'moelens[export]')")
+pytest.importorskip("tract", reason="the export extra is not installed (pip install 'moelens[export]')")
+
+import moelens  # noqa: E402
+from moelens.compress import ToMoEGatedExperts, exportable, tomoe  # noqa: E402
+from moelens.export import ExportRefused, run, to_nnef  # noqa: E402
+from test_compress_helpers import bert, gpt2, ids, llama  # noqa: E402
+
+ATOL, RTOL = 1e-4, 5e-4  # tract's "approximate" level in float32
+
+
+def convert(model, **settings):
+    return tomoe(model, calibration=ids(), max_error=None, progress=False, **settings)
+
+
+def wrap(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return moelens.wrap(model)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("tomoe-nnef")
+
+
+@torch.no_grad()
+def logits(model, tokens):
+    return model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits.numpy()
+
+
+def test_swiglu_model_with_shared_neurons_exports(out):
+    converted = convert(llama(kv_heads=4), num_experts=4, top_k=2, shared_neurons=8)
+    tokens = ids(1, 8, seed=5)
+    report = to_nnef(wrap(converted), out / "swiglu.nnef.tgz", example_inputs=tokens)
+    assert [(b.gate, b.activation, b.k, b.num_experts) for b in report.blocks] == [("sigmoid", "swiglu", 2, 4)] * 2
+    np.testing.assert_allclose(run(report.path, tokens), logits(converted, tokens), atol=ATOL, rtol=RTOL)
+
+
+def test_selected_experts_weigh_exactly_one_in_tract(out):
+    """Every expert outputs 2**24 (its down bias) and nothing else: tract must give exactly k * 2**24.
+
+    One ulp below 1.0 (1 - 2**-24) on either weight would give 2**24 - 1 for that slot.
+    """
+    converted = convert(llama(kv_heads=4), num_experts=4, top_k=2)
+    block = converted.model.layers[0].mlp
+    with torch.no_grad():
+        block.experts.down_proj.zero_()
+        block.experts.down_proj_bias.fill_(2.0 ** 24)
+        block.shared_experts.bias.zero_()
+    hidden = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(0))
+    report = to_nnef(wrap(converted).moes[0], out / "unit.nnef.tgz", example_inputs=hidden)
+    assert report.blocks[0].gate == "sigmoid"
+    result = run(report.path, hidden)
+    assert np.array_equal(result, np.full_like(result, 2.0 * 2.0 ** 24))
+
+
+def test_exportable_form_computes_the_same():
+    tokens = ids(2, 8, seed=6)
+    for model, settings in ((gpt2(), {}), (gpt2(), {"target_modules": ["c_proj", "c_fc"]}),
+                            (llama(kv_heads=4), {"target_attention_only": True}), (bert(), {})):
+        converted = convert(model, num_experts=4, top_k=2, **settings)
+        gated = exportable(converted)
+        assert all(type(m) is ToMoEGatedExperts for n, m in gated.named_modules() if n.endswith(".experts"))
+        with torch.no_grad():
+            out_converted = converted(input_ids=tokens)[0]
+            out_gated = gated(input_ids=tokens)[0]
+        # the same numbers up to the float32 rounding of the wider gate_up matmul (1 ulp here)
+        torch.testing.assert_close(out_gated, out_converted, atol=1e-6, rtol=1e-6)
+
+
+def test_gpt2_ffn_blocks_export_in_gated_form(out):
+    """GELU (tanh) experts with biases: refused as they are, exported exactly in `exportable`'s gated form."""
+    converted = convert(gpt2(), num_experts=4, top_k=2)
+    with pytest.raises(ExportRefused, match="ungated experts with biases"):
+        to_nnef(wrap(converted).moes[0], out / "refused.nnef.tgz")
+    model = wrap(exportable(converted))
+    hidden = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    for index, moe in enumerate(model.moes):
+        report = to_nnef(moe, out / f"gpt2-{index}.nnef.tgz", example_inputs=hidden)
+        assert report.blocks[0].activation == "gelu"
+        with torch.no_grad():
+            expected = moe._module(hidden)
+        np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=ATOL, rtol=RTOL)
+
+
+def test_attention_linear_layers_export_in_gated_form(out):
+    """ToMoELinear (identity experts) as relu(0 x + 1) * (W x + b) experts, block by block in tract."""
+    converted = convert(llama(kv_heads=4), num_experts=4, top_k=2, target_attention_only=True)
+    model = wrap(exportable(converted))
+    hidden = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(2))
+    for index in (0, 3):  # q_proj and o_proj of layer 0
+        moe = model.moes[index]
+        report = to_nnef(moe, out / f"linear-{index}.nnef.tgz", example_inputs=hidden)
+        assert report.blocks[0].activation == "relu"
+        with torch.no_grad():
+            expected = moe._module(hidden)
+        np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=ATOL, rtol=RTOL)
+
+
+def test_what_tract_cannot_express_is_refused_with_the_reason(out):
+    converted = convert(bert(), num_experts=4, top_k=2)
+    with pytest.raises(ExportRefused, match="erf"):  # BERT's exact GELU: tract's gelu is the tanh approximation
+        to_nnef(wrap(exportable(converted)).moes[0], out / "bert.nnef.tgz")

@@ -1,0 +1,131 @@
+"""moelens.wrap serves every value of a converted model, and each matches a recomputation by hand.
+
+Ground truth: the block's input captured with a plain torch hook (no nnsight), and the
+routing and every expert recomputed from the module's weights.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moelens
+from moelens.compress import ToMoEGatedExperts, set_experts_implementation, tomoe
+from moelens.families.entry import VALUE_NAMES
+from test_compress_helpers import bert, gpt2, ids, llama
+
+CASES = {
+    "llama": (llama, {}, "tomoe"),
+    "bert": (bert, {}, "tomoe_intermediate"),
+    "gpt2-conv1d": (gpt2, {"target_modules": ["c_proj"]}, "tomoe_linear"),
+}
+
+
+def wrapped(case: str, implementation: str = "grouped_mm"):
+    build, settings, family = CASES[case]
+    converted = tomoe(build(), num_experts=4, top_k=2, calibration=ids(), shared_neurons=0, max_error=None,
+                      progress=False, **settings)
+    set_experts_implementation(converted, implementation)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nnsight's note on BERT's `output` submodules
+        return converted, moelens.wrap(converted), family
+
+
+def expected_values(block, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every served value of ``block`` on input ``x`` [b, s, D], recomputed from its weights."""
+    shape = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    router, experts = block.router, block.experts
+    logits = flat @ router.weight.T + router.bias
+    weights, indices = torch.topk(logits, router.top_k, dim=-1)
+    padded = F.pad(flat, (0, block.input_pad))
+    activations, outputs = [], []
+    for token in range(flat.shape[0]):
+        token_acts, token_outs = [], []
+        for expert in indices[token].tolist():
+            if isinstance(experts, ToMoEGatedExperts):
+                size = experts.gate_up_proj.shape[1] // 2
+                pre = experts.gate_up_proj[expert] @ padded[token] + experts.gate_up_proj_bias[expert]
+                h = experts.act_fn(pre[:size]) * pre[size:]
+            else:
+                h = experts.act_fn(experts.up_proj[expert] @ padded[token] + experts.up_proj_bias[expert])
+            token_acts.append(h)
+            token_outs.append(experts.down_proj[expert] @ h + experts.down_proj_bias[expert])
+        activations.append(torch.stack(token_acts))
+        outputs.append(torch.stack(token_outs))
+    expert_outputs = torch.stack(outputs)
+    routed = expert_outputs.sum(1)
+    shared = block.shared_experts.bias.expand(flat.shape[0], -1)
+    return {
+        "router_logits": logits.view(*shape, -1),
+        "router_probs": torch.sigmoid(logits).view(*shape, -1),
+        "expert_weights": torch.ones_like(weights).view(*shape, -1),
+        "expert_indices": indices.view(*shape, -1),
+        "expert_activations": torch.stack(activations).view(*shape, router.top_k, -1),
+        "expert_outputs": expert_outputs.view(*shape, router.top_k, -1),
+        "routed_output": routed.view(*shape, -1),
+        "shared_expert_output": shared.reshape(*shape, -1),
+        "mlp_output": (routed[:, : block.output_size] + shared).view(*shape, -1),
+    }
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_wrap_serves_every_value_as_recomputed(case, implementation):
+    converted, model, family = wrapped(case, implementation)
+    assert model.family.name == family and len(model.moes) == (4 if case == "gpt2-conv1d" else 2)
+    moe = model.moes[-1]
+    block = moe._module
+    assert (moe.num_experts, moe.top_k) == (4, 2) and moe.experts_implementation == implementation
+    seen = {}
+    handle = block.register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach(), y=out.detach()))
+    tokens = ids(2, 6, seed=3)
+    with model.trace(tokens):
+        values = moe.save_all()
+    handle.remove()
+    assert list(values) == list(moe.order()) == [v for v in VALUE_NAMES]
+    with torch.no_grad():
+        expected = expected_values(block, seen["x"])
+    for name, value in values.items():
+        torch.testing.assert_close(value.float(), expected[name].float(), atol=1e-5, rtol=1e-5, msg=name)
+    torch.testing.assert_close(values["mlp_output"], seen["y"])
+
+
+def test_standard_names_on_a_converted_bert():
+    _, model, _ = wrapped("bert")
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["Moe", "Moe"]
+    assert model.layers[0].mlp.path.endswith("encoder.layer.0.intermediate")
+
+
+def test_attention_only_conversion_leaves_dense_mlps_as_mlp_components():
+    converted = tomoe(llama(kv_heads=4), num_experts=4, top_k=2, calibration=ids(), target_attention_only=True,
+                      max_error=None, progress=False)
+    model = moelens.wrap(converted)
+    assert len(model.moes) == 8 and model.family.name == "tomoe_linear"
+    assert type(model.layers[0].mlp).__name__ == "Mlp"
+
+
+def test_interventions_on_a_converted_block():
+    """ablate(zero) removes exactly the ablated expert's slots from the routed sum."""
+    converted, model, _ = wrapped("llama")
+    tokens = ids(1, 6, seed=4)
+    with model.trace(tokens):
+        moe = model.moes[0]
+        indices = moe.expert_indices.save()
+        outputs = moe.expert_outputs.save()
+        routed = moe.routed_output.save()
+    with model.trace(tokens):
+        moe = model.moes[0]
+        moelens.ablate(moe, 1)
+        ablated = moe.routed_output.save()
+    kept = (indices != 1).unsqueeze(-1).float()
+    torch.testing.assert_close(ablated, (outputs * kept).sum(2), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ablated, routed)
+    with model.trace(tokens):
+        moelens.force(model.moes[0], [3])
+        forced = model.moes[0].expert_indices.save()
+        forced_weights = model.moes[0].expert_weights.save()
+    assert (forced[..., 0] == 3).all() and torch.equal(forced_weights, torch.ones_like(forced_weights))
