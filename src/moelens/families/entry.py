@@ -269,15 +269,7 @@ class Family:
 
     def order(self) -> tuple[str, ...]:
         """The served values in the order the model produces them for this family."""
-        routed = [
-            "router_logits",
-            "router_probs",
-            "expert_weights",
-            "expert_indices",
-            "expert_activations",
-            "expert_outputs",
-            "routed_output",
-        ]
+        routed = [name for name in VALUE_NAMES if name not in ("shared_expert_output", "mlp_output")]
         order = list(routed)
         if self.shared is not None:
             position = {
