@@ -6,7 +6,8 @@ Given a `DenseLayer` and the inputs captured at it on calibration data (``X [T, 
    contribution ``|h_i| * ||down_i||`` stay always active.
 2. **Partition**: the other neurons are clustered into E equal experts
    (`partition.balanced_kmeans`) by their activation patterns over the calibration
-   tokens (co-activation: neurons active on the same tokens share an expert);
+   tokens (co-activation: neurons active on the same tokens share an expert; the
+   magnitude of the signed activations of gated FFNs);
    without calibration data, by their normalised weights.
 3. **Router**: each expert's importance for a token is the norm of its centred
    contribution ``||down_e (h_e(x) - mean h_e)||``; a ridge regression from the input
@@ -132,7 +133,10 @@ def neuron_features(layer: DenseLayer, hidden: Tensor | None, routed: Tensor, se
         return torch.cat([torch.nn.functional.normalize(p, dim=1) for p in parts], dim=1)
     generator = torch.Generator().manual_seed(seed)
     sample = torch.randperm(hidden.shape[0], generator=generator)[:CLUSTER_TOKENS]
-    return hidden[sample][:, routed].T  # rows are normalised before clustering: scale per neuron does not matter
+    picked = hidden[sample][:, routed]
+    # Gated (GLU) activations are signed, so co-activation is about magnitude; plain ones (GELU, ReLU) are
+    # one-signed where they matter. Rows are normalised before clustering: a neuron's scale does not matter.
+    return (picked.abs() if layer.gated else picked).T
 
 
 def importance(layer: DenseLayer, hidden: Tensor, labels: Tensor, num_experts: int) -> Float[Tensor, "t e"]:
