@@ -164,3 +164,35 @@ def test_shared_neurons_are_always_active_and_the_most_active():
     assert set(block.shared_index.tolist()) == set(torch.topk(activity, 8).indices.tolist())
     used = torch.cat([block.shared_index, block.neuron_index.flatten()])
     assert sorted(used[used >= 0].tolist()) == list(range(64))
+
+
+def test_on_the_trained_tiny_dense_model():
+    """moelens' own trained dense LM: at 75 % active, the next-token loss stays close to dense and far from naive."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from moelens.data import HELDOUT_PATH, TINY_DENSE_PATH
+
+    if not (TINY_DENSE_PATH / "model.safetensors").is_file():
+        pytest.skip("tiny-dense is not in this checkout")
+    dense = AutoModelForCausalLM.from_pretrained(TINY_DENSE_PATH).eval()
+    windows = load_file(str(HELDOUT_PATH))["input_ids"].long()
+    calibration, evaluation = windows[0:64:2], windows[1:16:2]  # disjoint held-out windows: 8192 / 2048 tokens
+
+    def loss(model) -> float:
+        with torch.no_grad():
+            logits = model(input_ids=evaluation).logits[:, :-1]
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), evaluation[:, 1:].reshape(-1)))
+
+    converted, stats = convert(dense, num_experts=8, top_k=6, calibration=calibration)
+    assert len(stats.converted) == 4 and all(layer.error < 0.3 for layer in stats.converted)  # 0.10-0.21
+    naive, _ = convert(dense, num_experts=8, top_k=6, calibration=calibration, refit=False)
+    for _, block in blocks(naive):  # a random router and no compensation
+        with torch.no_grad():
+            block.router.weight.normal_()
+            block.experts.down_proj_bias.zero_()
+            block.shared_experts.bias.zero_()
+    base = loss(dense)
+    print(f"loss increase: tomoe {loss(converted) - base:.3f}, naive {loss(naive) - base:.3f}; "
+          f"layer errors {[round(layer.error, 3) for layer in stats.converted]}")
+    assert loss(converted) - base < 0.1 and loss(naive) - base > 2 * (loss(converted) - base)

@@ -4,7 +4,7 @@ Experts hold their neurons in the plan's order, zero-padded to the largest exper
 rounded up to a multiple of `SIZE_MULTIPLE` (a padded neuron has zero weights in and
 out, so it adds nothing; grouped_mm needs the alignment). The router's bias
 carries the plan's offset. Everything is built in float32 from the plan and then cast
-to the dense layer's dtype and device.
+to the dense layer's dtype and device (the router stays float32).
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def build_block(layer: DenseLayer, plan: Plan, settings: ExpertsSettings, *, blo
     block = block_class(router, experts, shared, dropout=dropout)
     block.neuron_index.copy_(index)
     block.shared_index = plan.shared.clone()
-    return block.to(dtype=dtype, device=device)
+    block = block.to(dtype=dtype, device=device)
+    block.router.float()  # ranking logits that carry the offset needs float32
+    return block
 
 
 def build_linear(layer: DenseLayer, plan: Plan, settings: ExpertsSettings, *, in_features: int, out_features: int,

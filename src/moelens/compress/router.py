@@ -8,6 +8,10 @@ offset, the top-k logits are selected, and their sigmoid is exactly 1.0 in
 float32 (``sigmoid(z) == 1.0`` for every ``z > 16.7``; the offset keeps every
 selected logit of the calibration tokens above `MIN_SELECTED_LOGIT`).
 
+The router keeps float32 weights in a lower-precision model (its inputs are cast up):
+the offset leaves bf16 a resolution of 0.25-0.5 around the logits, too coarse to rank
+experts.
+
 ``router_logits - router.offset`` is the router's prediction of how much each
 expert's output matters for the token (the norm of its deviation from the mean
 contribution the block adds when it is skipped); ranking by it is what the
@@ -48,7 +52,7 @@ class ToMoERouter(nn.Module):
         self, hidden_states: Float[Tensor, "t d"]
     ) -> tuple[Float[Tensor, "t e"], Float[Tensor, "t k"], Int[Tensor, "t k"]]:
         """Logits ``[T, E]``, the selected experts' weights ``[T, k]`` (1.0) and indices ``[T, k]``."""
-        router_logits = F.linear(hidden_states, self.weight, self.bias)
+        router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
         top_values, top_k_index = torch.topk(router_logits, self.top_k, dim=-1)
         top_k_weights = torch.sigmoid(top_values)
         return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
