@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelens.compress import (ToMoEBlock, ToMoEExperts, ToMoEGatedExperts, ToMoEIntermediateBlock, ToMoELinear,
-                              set_experts_implementation, tomoe)
+from moelens.compress import (ToMoEBlock, ToMoEGatedExperts, ToMoEIntermediateBlock, set_experts_implementation,
+                              tomoe)
 from moelens.compress.calibration import batches, capture
 from test_compress_helpers import MODELS, ids, llama, run
 

@@ -25,7 +25,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
