@@ -352,7 +352,7 @@ def test_usage_matches_plain_nnsight_in_other_families(family):
         torch.testing.assert_close(cache.logits(layer), truth.logits[layer], atol=WEIGHT_ATOL, rtol=1e-3)
     if wrapped.moes[0].experts_implementation == "eager":
         # the block's own reason: the switch to grouped_mm, or why the family has no per-slot tensor
-        reason = "grouped_mm" if "expert_outputs" in wrapped.moes[0].order() else "no per-slot tensor"
+        reason = "grouped_mm" if "expert_outputs" in wrapped.moes[0].order() else "no per-slot"
         with pytest.raises(ValueUnavailable, match=reason):
             analysis.expert_logit_lens(wrapped, token_lists, progress=False)
 
