@@ -118,3 +118,12 @@ def test_what_tract_cannot_express_is_refused_with_the_reason(out):
     converted = convert(bert(), num_experts=4, top_k=2)
     with pytest.raises(ExportRefused, match="erf"):  # BERT's exact GELU: tract's gelu is the tanh approximation
         to_nnef(wrap(exportable(converted)).moes[0], out / "bert.nnef.tgz")
+
+
+def test_a_layer_that_changes_width_is_refused_with_the_reason(out):
+    """A converted k_proj (32 -> 16 features, GQA) is no residual-stream FFN: refused, not a crash."""
+    converted = exportable(convert(llama(kv_heads=2), num_experts=2, top_k=1, target_modules=["k_proj"]))
+    narrow = [moe for moe in wrap(converted).moes if moe.path.endswith("k_proj")]
+    assert narrow, "the k_proj layers were not converted"
+    with pytest.raises(ExportRefused, match="maps 32 features to 16"):
+        to_nnef(narrow[0], out / "narrow.nnef.tgz")

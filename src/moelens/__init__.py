@@ -18,3 +18,15 @@ __all__ = [
     "ValueUnavailable", "WriteError", "ablate", "families", "force", "load", "reroute", "steer", "wrap",
 ]
 __version__ = "0.1.0"
+
+#: Feature areas imported on first use (``moelens.export.to_nnef(...)`` after ``import moelens``),
+#: so importing moelens stays light and registers nothing.
+_SUBPACKAGES = ("analysis", "compress", "export", "parallel", "testing", "data")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'moelens' has no attribute {name!r}")

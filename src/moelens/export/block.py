@@ -103,6 +103,11 @@ def check_block(family: Family, block: torch.nn.Module, spec: MoeSpec, *, tokens
     x = torch.randn(2, tokens // 2, spec.wg.shape[1], generator=generator)
     with torch.no_grad():
         real = block_output(family, block(x)).float()
+        if real.shape[-1] != x.shape[-1]:
+            raise ExportRefused(
+                f"{family.name}: the block maps {x.shape[-1]} features to {real.shape[-1]}, and tract_moe_ffn's "
+                "output has its input's width (a residual-stream FFN); export the model around it instead."
+            )
         mine = ExportBlock(family, block, TractMoeFfn(spec), root=True)(x)
     error = float((real - mine).abs().max())
     scale = float(real.abs().max())
