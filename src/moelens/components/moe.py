@@ -278,20 +278,16 @@ class Moe(Mlp):
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"
 
-    def _drill(self) -> None:
-        """Make the ops inside the experts implementation addressable in this run."""
+    def _drill(self, name: str) -> None:
+        """Make the ops inside the experts implementation addressable in this run (for ``name``)."""
         call = f"{self.experts.path}.source.{IMPLEMENTATION_CALL}"
-        with order_errors(call, lambda: self._order_error("expert_outputs")):
+        with order_errors(call, lambda: self._order_error(name)):
             getattr(self.experts.source, IMPLEMENTATION_CALL).source
 
     def _slot_binding(self, name: str) -> Binding:
         ops = ops_for(self.experts_implementation)
         if name == "expert_outputs":
-
-            def prepare() -> None:
-                self._drill()
-
-            return Binding(self._nested(ops.slot_outputs), features=2, prepare=prepare)
+            return Binding(self._nested(ops.slot_outputs), features=2, prepare=lambda: self._drill(name))
 
         gated = bool(getattr(self.experts._module, "has_gate", True))
         location = self._nested(ops.gated_activations if gated else ops.plain_activations)
@@ -301,7 +297,7 @@ class Moe(Mlp):
             return Binding(
                 location,
                 features=2,
-                prepare=self._drill,
+                prepare=lambda: self._drill(name),
                 to_view=lambda rows, _: rows.view(-1, k, rows.shape[-1]),
                 from_view=lambda slots, _: slots.reshape(-1, slots.shape[-1]),
             )
@@ -309,7 +305,7 @@ class Moe(Mlp):
         sort_location = self._nested(ops.sort)
 
         def prepare_sorted() -> Tensor:
-            self._drill()
+            self._drill(name)
             permutation = request(sort_location, lambda: self._order_error(name))[1]
             rows = tokens.current_rows(sort_location)
             if rows.batching and permutation.shape[0] == rows.size:
