@@ -318,12 +318,12 @@ class Moe(Mlp):
             return permutation
 
         def to_view(sorted_rows: Tensor, permutation: Tensor) -> Tensor:
-            token_slot = torch.empty_like(sorted_rows)
-            token_slot[permutation] = sorted_rows
-            return token_slot.view(-1, k, sorted_rows.shape[-1])
+            inverse = torch.empty_like(permutation)
+            inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+            return sorted_rows.index_select(0, inverse).view(-1, k, sorted_rows.shape[-1])
 
         def from_view(slots: Tensor, permutation: Tensor) -> Tensor:
-            return slots.reshape(-1, slots.shape[-1])[permutation]
+            return slots.reshape(-1, slots.shape[-1]).index_select(0, permutation)
 
         return Binding(location, features=2, prepare=prepare_sorted, to_view=to_view, from_view=from_view)
 
