@@ -7,11 +7,15 @@ random weights) is run in the same process, interleaved, for each configuration:
 * ``nnsight-module``: a plain nnsight trace reading each block's router and experts
   module outputs (the anchor for nnsight's own cost);
 * ``nnsight-source``: a plain nnsight trace reading the same values moelens reads, by
-  raw op names (router logits op, experts call arguments, the per-slot op inside the
-  implementation, experts output, block output): what a user writes without moelens;
-* ``moelens``: ``moe.save_all()`` on every MoE block (every value, token views, checks).
+  raw op names (router logits op, experts call arguments, the sort permutation, the
+  activations and the per-slot outputs inside the implementation, experts output,
+  block output): what a user writes without moelens, minus the un-sorting of the
+  activations into token-slot order and the token views;
+* ``moelens``: ``moe.save_all()`` on every MoE block (every value, token views, checks);
+* ``moelens-routing``: the same without the two per-slot values, which need nnsight to
+  instrument the experts implementation's own source (where most of the cost sits).
 
-Prints the median wall time of each and its ratio to ``plain`` at batch 4 x 256
+Prints the median wall time of each (repeats interleaved in a shuffled order) and its ratio to ``plain`` at batch 4 x 256
 tokens and 1 x 8 tokens. Targets: moelens at most 1.05x plain at 4 x 256 and 1.5x
 at 1 x 8. Run: ``python bench/trace_overhead.py [--repeats 30] [--threads 2]``.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import random
 import statistics
 import time
 
@@ -28,6 +33,10 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import moelens
+
+
+#: Every value but the two read inside the experts implementation (per-slot activations and outputs).
+ROUTING_VALUES = ("router_logits", "router_probs", "expert_weights", "expert_indices", "routed_output", "mlp_output")
 
 
 def build(seed: int = 0) -> MixtralForCausalLM:
@@ -66,7 +75,10 @@ def measure(batch: int, seq: int, repeats: int) -> dict[str, float]:
                 block.gate.source.F_linear_0.output.save()
                 (_, index, weights), _ = block.experts.inputs
                 index.save(), weights.save()
-                block.experts.source.experts_forward_1.source.weighted_out_view_0.output.save()
+                inner = block.experts.source.experts_forward_1.source
+                inner.torch_sort_0.output[1].save()  # the expert-sorted row order
+                inner.self__apply_gate_0.output.save()  # activations, in that order
+                inner.weighted_out_view_0.output.save()
                 block.experts.output.save()
                 block.output.save()
 
@@ -75,13 +87,25 @@ def measure(batch: int, seq: int, repeats: int) -> dict[str, float]:
             for moe in wrapped.moes:
                 moe.save_all()
 
-    runs = {"plain": plain, "nnsight-module": nnsight_module, "nnsight-source": nnsight_source, "moelens": with_moelens}
+    def moelens_routing() -> None:
+        with torch.no_grad(), wrapped.trace(ids):
+            for moe in wrapped.moes:
+                moe.save_all(ROUTING_VALUES)
+
+    runs = {
+        "plain": plain,
+        "nnsight-module": nnsight_module,
+        "nnsight-source": nnsight_source,
+        "moelens": with_moelens,
+        "moelens-routing": moelens_routing,
+    }
     for run in runs.values():  # warm up every path (source instrumentation, caches)
         for _ in range(3):
             run()
     results = {name: [] for name in runs}
-    for _ in range(repeats):  # interleave so drift hits every configuration alike
-        for name, run in runs.items():
+    order = random.Random(0)
+    for _ in range(repeats):  # interleave, in a fresh order each time, so drift hits every configuration alike
+        for name, run in order.sample(list(runs.items()), len(runs)):
             start = time.perf_counter()
             run()
             results[name].append(time.perf_counter() - start)
@@ -95,11 +119,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} interleaved repeats")
-    print(f"{'shape':>9} | {'configuration':>14} | {'median ms':>9} | {'x plain':>7}")
+    print(f"{'shape':>9} | {'configuration':>15} | {'median ms':>9} | {'x plain':>7}")
     for batch, seq in ((4, 256), (1, 8)):
         results = measure(batch, seq, args.repeats)
         for name, seconds in results.items():
-            print(f"{batch:>3} x {seq:<3} | {name:>14} | {seconds * 1e3:9.2f} | {seconds / results['plain']:7.3f}")
+            print(f"{batch:>3} x {seq:<3} | {name:>15} | {seconds * 1e3:9.2f} | {seconds / results['plain']:7.3f}")
 
 
 if __name__ == "__main__":
