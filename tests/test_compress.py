@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelens.compress import (ToMoEBlock, ToMoEGatedExperts, ToMoEIntermediateBlock, set_experts_implementation,
+from moelens.compress import (ToMoEBlock, ToMoEIntermediateBlock, set_experts_implementation,
                               tomoe)
 from moelens.compress.calibration import batches, capture
-from test_compress_helpers import MODELS, ids, llama, run
+from test_compress_helpers import activation_by_hand, MODELS, ids, llama, run
 
 IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm"]
 BLOCKS = {"llama": ToMoEBlock, "bert": ToMoEIntermediateBlock, "gpt2": ToMoEBlock}
@@ -41,12 +41,7 @@ def by_hand(block: ToMoEBlock, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(x.shape[0], experts.down_proj.shape[1])
     for token in range(x.shape[0]):
         for expert in chosen[token].tolist():
-            if isinstance(experts, ToMoEGatedExperts):
-                size = experts.gate_up_proj.shape[1] // 2
-                pre = experts.gate_up_proj[expert] @ padded[token] + experts.gate_up_proj_bias[expert]
-                h = experts.act_fn(pre[:size]) * pre[size:]
-            else:
-                h = experts.act_fn(experts.up_proj[expert] @ padded[token] + experts.up_proj_bias[expert])
+            h = activation_by_hand(experts, expert, padded[token])
             out[token] += experts.down_proj[expert] @ h + experts.down_proj_bias[expert]
     out = out[:, : block.output_size]
     if shared.num_neurons:

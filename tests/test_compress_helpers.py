@@ -55,3 +55,14 @@ def hidden(output) -> torch.Tensor:
 @torch.no_grad()
 def run(model, input_ids: torch.Tensor) -> torch.Tensor:
     return hidden(model(input_ids=input_ids))
+
+
+def activation_by_hand(experts, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``expert``'s hidden activations on one (padded) token ``x``, recomputed from its weights."""
+    from moelens.compress import ToMoEGatedExperts
+
+    if isinstance(experts, ToMoEGatedExperts):
+        size = experts.gate_up_proj.shape[1] // 2
+        pre = experts.gate_up_proj[expert] @ x + experts.gate_up_proj_bias[expert]
+        return experts.act_fn(pre[:size]) * pre[size:]
+    return experts.act_fn(experts.up_proj[expert] @ x + experts.up_proj_bias[expert])

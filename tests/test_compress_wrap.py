@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import moelens
-from moelens.compress import ToMoEGatedExperts, set_experts_implementation, tomoe
+from moelens.compress import set_experts_implementation, tomoe
 from moelens.families.entry import VALUE_NAMES
-from test_compress_helpers import bert, gpt2, ids, llama
+from test_compress_helpers import activation_by_hand, bert, gpt2, ids, llama
 
 CASES = {
     "llama": (llama, {}, "tomoe"),
@@ -46,12 +46,7 @@ def expected_values(block, x: torch.Tensor) -> dict[str, torch.Tensor]:
     for token in range(flat.shape[0]):
         token_acts, token_outs = [], []
         for expert in indices[token].tolist():
-            if isinstance(experts, ToMoEGatedExperts):
-                size = experts.gate_up_proj.shape[1] // 2
-                pre = experts.gate_up_proj[expert] @ padded[token] + experts.gate_up_proj_bias[expert]
-                h = experts.act_fn(pre[:size]) * pre[size:]
-            else:
-                h = experts.act_fn(experts.up_proj[expert] @ padded[token] + experts.up_proj_bias[expert])
+            h = activation_by_hand(experts, expert, padded[token])
             token_acts.append(h)
             token_outs.append(experts.down_proj[expert] @ h + experts.down_proj_bias[expert])
         activations.append(torch.stack(token_acts))

@@ -64,8 +64,36 @@ def _eager_loop(
     return out.to(hidden_states.dtype)
 
 
+class _Experts(nn.Module):
+    """What both experts classes share: sizes, the down projection, the activation, the eager loop."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, output_size: int,
+                 act_fn: nn.Module) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_size
+        self.intermediate_dim = intermediate_size
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, output_size, intermediate_size))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, output_size))
+        self.act_fn = act_fn
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate_dim
+
+    def activations(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n i"]:
+        raise NotImplementedError
+
+    def project(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n o"]:
+        """Expert ``expert``'s output (unweighted) on ``hidden``."""
+        return nn.functional.linear(self.activations(hidden, expert), self.down_proj[expert], self.down_proj_bias[expert])
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return _eager_loop(self, hidden_states, top_k_index, top_k_weights)
+
+
 @use_experts_implementation(has_gate=True, has_bias=True)
-class ToMoEGatedExperts(nn.Module):
+class ToMoEGatedExperts(_Experts):
     """E gated experts: expert e computes ``down_e(act(gate_e(x) + bg_e) * (up_e(x) + bu_e)) + bd_e``.
 
     Attributes:
@@ -80,19 +108,9 @@ class ToMoEGatedExperts(nn.Module):
 
     def __init__(self, config: ExpertsSettings, num_experts: int, hidden_size: int, intermediate_size: int,
                  output_size: int, act_fn: nn.Module) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.hidden_dim = hidden_size
-        self.intermediate_dim = intermediate_size
+        super().__init__(num_experts, hidden_size, intermediate_size, output_size, act_fn)
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
-        self.down_proj = nn.Parameter(torch.zeros(num_experts, output_size, intermediate_size))
-        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, output_size))
-        self.act_fn = act_fn
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.intermediate_dim
 
     def activations(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n i"]:
         """Expert ``expert``'s hidden activations (``act(gate) * up``) on ``hidden``."""
@@ -100,16 +118,9 @@ class ToMoEGatedExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
-    def project(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n o"]:
-        """Expert ``expert``'s output (unweighted) on ``hidden``."""
-        return nn.functional.linear(self.activations(hidden, expert), self.down_proj[expert], self.down_proj_bias[expert])
-
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return _eager_loop(self, hidden_states, top_k_index, top_k_weights)
-
 
 @use_experts_implementation(has_gate=False, has_bias=True)
-class ToMoEExperts(nn.Module):
+class ToMoEExperts(_Experts):
     """E plain experts: expert e computes ``down_e(act(up_e(x) + bu_e)) + bd_e``.
 
     Attributes:
@@ -124,30 +135,13 @@ class ToMoEExperts(nn.Module):
 
     def __init__(self, config: ExpertsSettings, num_experts: int, hidden_size: int, intermediate_size: int,
                  output_size: int, act_fn: nn.Module) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.hidden_dim = hidden_size
-        self.intermediate_dim = intermediate_size
+        super().__init__(num_experts, hidden_size, intermediate_size, output_size, act_fn)
         self.up_proj = nn.Parameter(torch.zeros(num_experts, intermediate_size, hidden_size))
         self.up_proj_bias = nn.Parameter(torch.zeros(num_experts, intermediate_size))
-        self.down_proj = nn.Parameter(torch.zeros(num_experts, output_size, intermediate_size))
-        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, output_size))
-        self.act_fn = act_fn
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.intermediate_dim
 
     def activations(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n i"]:
         """Expert ``expert``'s hidden activations (``act(up)``) on ``hidden``."""
         return self.act_fn(nn.functional.linear(hidden, self.up_proj[expert], self.up_proj_bias[expert]))
-
-    def project(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n o"]:
-        """Expert ``expert``'s output (unweighted) on ``hidden``."""
-        return nn.functional.linear(self.activations(hidden, expert), self.down_proj[expert], self.down_proj_bias[expert])
-
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return _eager_loop(self, hidden_states, top_k_index, top_k_weights)
 
 
 def experts_class(gated: bool) -> type[nn.Module]:
@@ -157,4 +151,4 @@ def experts_class(gated: bool) -> type[nn.Module]:
 
 def is_tomoe_experts(module: Any) -> bool:
     """Whether ``module`` is the experts module of a converted layer."""
-    return isinstance(module, (ToMoEGatedExperts, ToMoEExperts))
+    return isinstance(module, _Experts)

@@ -1,29 +1,6 @@
 """Test helpers: tiny seeded MoE models for every family in transformers (no downloads)."""
 
-from moelens.testing.tiny import (
-    COMMON_SIZES,
-    EXPERTS_IMPLEMENTATIONS,
-    FAMILIES,
-    MOE_EVERY_LAYER,
-    TINY_OVERRIDES,
-    UNBUILDABLE,
-    config_class,
-    model_class,
-    tiny_config,
-    tiny_inputs,
-    tiny_model,
-)
+from moelens.testing import tiny
+from moelens.testing.tiny import *  # noqa: F403 (the names in tiny.__all__)
 
-__all__ = [
-    "COMMON_SIZES",
-    "EXPERTS_IMPLEMENTATIONS",
-    "FAMILIES",
-    "MOE_EVERY_LAYER",
-    "TINY_OVERRIDES",
-    "UNBUILDABLE",
-    "config_class",
-    "model_class",
-    "tiny_config",
-    "tiny_inputs",
-    "tiny_model",
-]
+__all__ = tiny.__all__

@@ -84,6 +84,11 @@ _MLA = {
 }
 # DeepSeek sparse-attention indexer sizes.
 _INDEXER = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}
+# gpt-oss style YaRN rope.
+_GPT_OSS_YARN = {
+    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 32,
+}
 
 #: Per-family config overrides, applied on top of ``COMMON_SIZES``. Pure data.
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -207,10 +212,7 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "gpt_oss": {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 16,
-        "rope_parameters": {
-            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "truncate": False, "original_max_position_embeddings": 32,
-        },
+        "rope_parameters": _GPT_OSS_YARN,
     },
     "granitemoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
     "granitemoe_swa": {
@@ -316,10 +318,7 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
     "openai_privacy_filter": {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "sliding_window": 16,
-        "rope_parameters": {
-            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "truncate": False, "original_max_position_embeddings": 32,
-        },
+        "rope_parameters": _GPT_OSS_YARN,
     },
     "phimoe": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16},
     "qwen2_moe": {
