@@ -105,15 +105,33 @@ def compare_grads(ep: torch.nn.Module, ref: torch.nn.Module, edp_group: Any) -> 
     return worst, scale
 
 
+#: The case name of a dense model turned into MoE blocks by moelens.compress.
+COMPRESSED = "tomoe-llama"
+
+
+def compressed_llama() -> torch.nn.Module:
+    """The compress tests' tiny Llama with its FFNs turned into 4-expert top-2 blocks (trainable
+    experts), on grouped_mm, with rank 0's weights on every rank."""
+    from moelens.compress import tomoe
+    from test_compress_helpers import ids, llama
+
+    model = tomoe(llama(), num_experts=4, top_k=2, calibration=ids(8, 16, 1), max_error=1.0, freeze_experts=False)
+    for param in model.parameters():
+        dist.broadcast(param.data, 0)
+    return model.eval()
+
+
 def build(family: str, ep_group: Any, overrides: dict | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(single-process reference on grouped_mm, EP model sharded over ep_group): a tiny model
-    from one seed, or a checkpoint when ``family`` is a folder (moelens-tiny)."""
+    from one seed, a checkpoint when ``family`` is a folder (moelens-tiny), or `compressed_llama`."""
     from moelens.parallel import shard_experts
 
     if Path(family).is_dir():
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(family, experts_implementation="grouped_mm").eval()
+    elif family == COMPRESSED:
+        ref = compressed_llama()
     else:
         ref = tiny_model(family, experts_implementation="grouped_mm", **(overrides or {}))
     ep = shard_experts(copy.deepcopy(ref), ep_group)

@@ -278,15 +278,17 @@ def _tiny_case() -> list:
 
 def test_families_on_two_ranks() -> None:
     """EP 2 x EDP 1 for mixtral, qwen2_moe (shared expert), olmoe, deepseek_v3, gpt_oss (expert
-    biases) and moelens-tiny: logits, gradients, every Moe value, every intervention, and a rank
-    that receives no token. Then every tiny family: sharded logits match, or shard_experts
-    refuses a family whose experts module has no pluggable implementations."""
+    biases), moelens-tiny and a dense Llama converted by moelens.compress: logits, gradients, every
+    Moe value, every intervention, and a rank that receives no token. Then every tiny family:
+    sharded logits match, or shard_experts refuses a family whose experts module has no pluggable
+    implementations."""
     cases = [[family, family, {}, None] for family in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")]
-    results = spawn(2, {"families": {"cases": cases + [_tiny_case()]}, "all_families": {}})
+    compressed = ["tomoe-llama", "tomoe-llama", {}, 2]  # 4 experts: EP 2
+    results = spawn(2, {"families": {"cases": cases + [_tiny_case(), compressed]}, "all_families": {}})
     assert not failures(results, "families", check_family)
     assert not check_starved(results)
     assert all(m["degrees"] == [2, 1] for m in results[0]["families"].values())
-    assert len(results[0]["families"]) == 6
+    assert len(results[0]["families"]) == 7
 
     def check(family: str, m: dict[str, Any]) -> list[str]:
         if not m["pluggable"]:

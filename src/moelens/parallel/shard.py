@@ -120,6 +120,8 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
             experts._is_expert_parallel = True
             experts.register_forward_pre_hook(_guard)
     model.set_experts_implementation(NAME)
+    for _, _, _, experts in blocks:  # experts reading their own settings (moelens.compress output), not the model's config
+        experts.config._experts_implementation = NAME
     return model
 
 
