@@ -10,15 +10,12 @@ sizes with float32 and with Q4_0 experts (both layouts).
 
 Target: tract at most 0.5x torch at 64 tokens.
 
-Run: ``python bench/export_tract.py [--repeats 50] [--json out.json]``. When moelens-tiny
-is not installed yet, its architecture (scripts/train_tiny.py) is built untrained and the
-output says so: latency and sizes do not depend on the weights' values.
+Run: ``python bench/export_tract.py [--repeats 50] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -36,24 +33,6 @@ import torch  # noqa: E402
 import moelens  # noqa: E402
 from moelens.export import to_nnef  # noqa: E402
 from moelens.export.runner import load  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_model():
-    """moelens-tiny, or its architecture untrained (while it is not shipped)."""
-    from moelens.data import TINY_MODEL_PATH
-
-    if (TINY_MODEL_PATH / "config.json").is_file():
-        return moelens.load(), "moelens-tiny"
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    torch.manual_seed(0)
-    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**module.MOE_ARCH, vocab_size=4096)).eval()
-    return moelens.wrap(model), "moelens-tiny architecture, untrained (src/moelens/data/moelens-tiny/ is not there yet)"
 
 
 def median_ms(function, repeats: int, warmup: int = 5) -> float:
@@ -94,24 +73,16 @@ def paired_ms(first, second, repeats: int, chunk: int = 10, warmup: int = 5) -> 
     }
 
 
-def plain_models(model, name: str) -> dict:
-    """The same weights as plain transformers models (no nnsight wrapping), per experts implementation."""
+def plain_models() -> dict:
+    """moelens-tiny as plain transformers models (no nnsight wrapping), per experts implementation."""
     from transformers import AutoModelForCausalLM
 
     from moelens.data import TINY_MODEL_PATH
 
-    plain = {}
-    for implementation in ("eager", "grouped_mm"):
-        if name == "moelens-tiny":
-            plain[implementation] = AutoModelForCausalLM.from_pretrained(
-                TINY_MODEL_PATH, experts_implementation=implementation).eval()
-        else:
-            import copy
-
-            clone = copy.deepcopy(model._module)
-            clone.set_experts_implementation(implementation)
-            plain[implementation] = clone.eval()
-    return plain
+    return {
+        implementation: AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH, experts_implementation=implementation).eval()
+        for implementation in ("eager", "grouped_mm")
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    model, name = tiny_model()
+    model, name = moelens.load(), "moelens-tiny"
     hf = model._module
     vocab = hf.config.vocab_size
     print(f"model: {name} ({sum(p.numel() for p in hf.parameters()) / 1e6:.2f} M parameters, "
           f"{len(model.moes)} MoE layers, experts implementation {model.moes[0].experts_implementation})")
     results: dict = {"model": name, "latency": {}, "export_seconds": {}, "bytes": {}}
-    plains = plain_models(model, name)
+    plains = plain_models()
     with tempfile.TemporaryDirectory() as folder:
         for tokens in (1, 64):
             ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))

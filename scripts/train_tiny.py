@@ -45,7 +45,6 @@ import math
 import os
 import platform
 import shutil
-import sys
 import sysconfig
 import tempfile
 import time

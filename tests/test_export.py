@@ -8,7 +8,6 @@ archives. Needs the ``export`` extra (torch-to-nnef and tract), which CI install
 from __future__ import annotations
 
 import getpass
-import importlib.util
 import os
 import re
 import socket
@@ -120,24 +119,8 @@ def test_model_export_matches_torch_in_tract(family, out):
     assert report.verification.meets("approximate")
 
 
-def tiny_default_model():
-    """moelens-tiny, or (while it is not shipped yet) its architecture from scripts/train_tiny.py, untrained."""
-    from moelens.data import TINY_MODEL_PATH
-
-    if (TINY_MODEL_PATH / "config.json").is_file():
-        return moelens.load(), "moelens-tiny"
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    torch.manual_seed(0)
-    config = Qwen2MoeConfig(**module.MOE_ARCH, vocab_size=4096)
-    return moelens.wrap(Qwen2MoeForCausalLM(config).eval()), "moelens-tiny architecture (untrained)"
-
-
 def test_moelens_tiny_exports(out):
-    model, _ = tiny_default_model()
+    model = moelens.load()
     ids = torch.randint(3, model._module.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     report = to_nnef(model, out / "moelens-tiny.nnef.tgz", example_inputs=ids)
     assert len(tract_moe_calls(report.path)) == len(model.moes) == 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .entry import Combine, Family, Scoring, SharedExpert
+from .entry import Family, Scoring, SharedExpert
 
 ALWAYS = Scoring("softmax", "score_topk", normalize=True, code="SM+")
 IF_FLAGGED = Scoring("softmax", "score_topk", normalize="router.norm_topk_prob", code="SM±")
