@@ -53,7 +53,8 @@ def _guard(experts: torch.nn.Module, args: Any) -> None:
             f"{type(experts).__name__} holds only experts {experts._ep_first}..{experts._ep_first + experts._ep_num_local - 1} "
             f"of {experts.num_experts} (sharded over {experts._ep_size} ranks by moelens.parallel.shard_experts), but "
             f"the model runs the experts implementation {implementation!r}, which would silently drop the experts "
-            f'of other ranks. Switch back with model.set_experts_implementation("{NAME}").'
+            f'of other ranks. Switch back with model.set_experts_implementation("{NAME}") (blocks built by '
+            f'moelens.compress: moelens.compress.set_experts_implementation(model, "{NAME}")).'
         )
 
 
