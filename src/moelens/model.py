@@ -21,6 +21,7 @@ from nnsight import NNsight, TransformersModel
 from nnsight.modeling import processing
 
 from .components import Mlp, Moe
+from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS
 from .errors import FamilyError, MoelensError
 from .families import Family, registry
@@ -46,9 +47,7 @@ class Structure:
 
 def _is_experts(module: Any) -> bool:
     """Whether ``module`` is an experts module (transformers-decorated, or undecorated with weights)."""
-    return isinstance(module, torch.nn.Module) and (
-        "_is_expert_parallel" in module.__dict__ or type(module).__name__.endswith("Experts")
-    )
+    return isinstance(module, torch.nn.Module) and (is_dispatching(module) or type(module).__name__.endswith("Experts"))
 
 
 def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
@@ -83,7 +82,7 @@ def discover(model: torch.nn.Module) -> Structure:
             layers = _layer_list(name)
             if layers is not None and layers not in structure.layer_lists:
                 structure.layer_lists.append(layers)
-        elif family is None and any("_is_expert_parallel" in child.__dict__ for child in module.children()):
+        elif family is None and any(is_dispatching(child) for child in module.children()):
             unknown.append(f"{name} ({type(module).__name__})")
     if unknown:
         warnings.warn(
@@ -254,7 +253,7 @@ def _instrument(moe: Moe) -> None:
     """
     family = moe.family
     _require_op(moe.router, family.logits_op, family, "logits_op")
-    if family.experts_call and "_is_expert_parallel" in moe.experts._module.__dict__:
+    if family.experts_call and is_dispatching(moe.experts._module):
         moe.experts.source  # noqa: B018 - installs the experts' op handoffs
     if family.shared is not None and family.shared.gated_op:
         _require_op(moe, family.shared.gated_op, family, "shared.gated_op")

@@ -11,6 +11,7 @@ neither. An implementation registered elsewhere (moelens' expert-parallel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ _IMPLEMENTATIONS: dict[str, ExpertsOps] = {
 def register_implementation(name: str, ops: ExpertsOps) -> None:
     """Tell moelens the op names of an experts implementation registered with transformers."""
     _IMPLEMENTATIONS[name] = ops
+
+
+def is_dispatching(experts: Any) -> bool:
+    """Whether ``experts`` is decorated by transformers' ``use_experts_implementation``, so its
+    forward runs the implementation ``experts.config._experts_implementation`` names (the
+    decorator's ``__init__`` sets ``_is_expert_parallel`` on every instance)."""
+    return "_is_expert_parallel" in getattr(experts, "__dict__", {})
 
 
 def ops_for(name: str | None) -> ExpertsOps | None:

@@ -39,7 +39,7 @@ from ..families import Scoring
 from ..families.entry import VALUE_NAMES
 from ..families.scoring import score, top_logits
 from . import tokens
-from .implementations import IMPLEMENTATION_CALL, ops_for, serving
+from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .served import INDEX, Binding, argument, order_errors, output_of, request, served
 
@@ -130,7 +130,7 @@ class Moe(Mlp):
         llama4), whose forward is their own loop.
         """
         experts = self.experts._module
-        if not self.family.experts_call or "_is_expert_parallel" not in experts.__dict__:
+        if not self.family.experts_call or not is_dispatching(experts):
             return "eager"
         return getattr(getattr(experts, "config", None), "_experts_implementation", None)
 

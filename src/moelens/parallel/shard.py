@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..components.implementations import is_dispatching
 from ..errors import MoelensError
 from ..families.entry import get_path
 from .comm import group_rank, group_size
@@ -88,7 +89,7 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     for position, (name, family, block, experts) in enumerate(blocks):
         if "_ep_group" in experts.__dict__:
             raise MoelensError(f"shard_experts: {name} is sharded already.")
-        if not family.experts_call or not hasattr(experts, "has_gate") or not hasattr(experts, "config"):
+        if not family.experts_call or not is_dispatching(experts):
             raise MoelensError(
                 f"shard_experts: {name}.{family.experts} ({type(experts).__name__}, family {family.name!r}) is not "
                 "a transformers experts module with pluggable implementations (use_experts_implementation), so "
