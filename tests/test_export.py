@@ -88,6 +88,23 @@ def test_block_export_matches_torch_in_tract(family, out):
     assert report.verification.meets("approximate")
 
 
+def test_blocks_sharing_a_layer_index_keep_their_own_weights():
+    """Two MoE blocks with the same layer number (two stacks under one root) each export their own router."""
+    from moelens.export.exporter import prepare
+    from moelens.export.target import Block, Target
+    from moelens.families import registry
+
+    first, second = tiny_model("mixtral", num_hidden_layers=1), tiny_model("mixtral", num_hidden_layers=1, seed=1)
+    root = torch.nn.Module()
+    root.first, root.second = first, second
+    family = registry.get("mixtral")
+    names = ["first.model.layers.0.mlp", "second.model.layers.0.mlp"]
+    prepared = prepare(Target("model", root, [Block(name, family, 0) for name in names]))
+    for name, source in zip(names, (first, second)):
+        exported = prepared.root.model.get_submodule(name).moe.spec.wg
+        assert torch.equal(exported, source.model.layers[0].mlp.gate.weight.float()), name
+
+
 def test_block_details_follow_the_family_table(out):
     # qwen2_moe: softmax over all E without renormalisation, a sigmoid-gated shared expert in plain NNEF.
     qwen = to_nnef(moelens.wrap(small("qwen2_moe")).moes[0], out / "qwen2-shared.nnef.tgz")

@@ -28,7 +28,7 @@ from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
 from .errors import ExportError, ExportRefused
 from .spec import MoeSpec, read_spec
-from .target import Target, resolve
+from .target import Block, Target, resolve
 
 #: Expert weight storage: None (float32) or "q4_0".
 QUANTIZATIONS = (None, "q4_0")
@@ -147,7 +147,6 @@ class Prepared:
     """The float32 copy ready to trace, and what each block became."""
 
     root: torch.nn.Module
-    specs: dict[int | None, MoeSpec]
     reports: list[BlockReport]
 
 
@@ -199,20 +198,22 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
     module = copy.deepcopy(target.module).float().eval()
     for parameter in module.parameters():
         parameter.requires_grad_(False)
-    specs: dict[int | None, MoeSpec] = {}
+    read: list[tuple[Block, torch.nn.Module, MoeSpec]] = []
     reports: list[BlockReport] = []
     replacements: list[tuple[str, ExportBlock]] = []
     for block in target.blocks:
         live = module.get_submodule(block.name) if block.name else module
         spec = read_spec(block.family, live, block.layer)
         check_block(block.family, live, spec)
-        if block.layer in specs and edits and block.layer in edits.layers():
-            raise ExportRefused(f"layer {block.layer} holds several MoE blocks, so Edits keyed by layer are ambiguous.")
-        specs[block.layer] = spec
+        read.append((block, live, spec))
     if edits:
-        edits.check({layer: (spec.num_experts, spec.k) for layer, spec in specs.items()})
+        layers = [block.layer for block, _, _ in read]
+        shared = sorted({layer for layer in layers if layers.count(layer) > 1} & set(edits.layers()), key=str)
+        if shared:
+            raise ExportRefused(f"layer {shared[0]} holds several MoE blocks, so Edits keyed by layer are ambiguous.")
+        edits.check({block.layer: (spec.num_experts, spec.k) for block, _, spec in read})
     if quantize_experts == "q4_0":
-        for spec in specs.values():
+        for _, _, spec in read:
             hidden, inner = spec.wg.shape[1], spec.w1.shape[2]
             if hidden % 32 or inner % 32:
                 raise ExportRefused(
@@ -220,21 +221,19 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
                     f"32 (tract quantizes each expert matrix row in groups of 32), here D={hidden} and H={inner}; "
                     "export the experts in float32."
                 )
-    for block in target.blocks:
-        live = module.get_submodule(block.name) if block.name else module
-        spec = edits.bake(specs[block.layer])
-        specs[block.layer] = spec
+    for block, live, spec in read:
+        spec = edits.bake(spec)
         moe = TractMoeFfn(spec, quantize=quantize_experts, layout=layout)
         replacements.append((block.name, ExportBlock(block.family, live, moe, root=not block.name)))
         reports.append(BlockReport(block.layer, block.family.name, spec.gate, spec.activation, spec.k,
                                    spec.num_experts, edits.describe(block.layer) if block.layer is not None else ""))
     if target.kind == "block":
-        return Prepared(replacements[0][1], specs, reports)
+        return Prepared(replacements[0][1], reports)
     for name, replacement in replacements:
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, replacement)
     _eager_attention(module)
-    return Prepared(TokensToLogits(module), specs, reports)
+    return Prepared(TokensToLogits(module), reports)
 
 
 def _eager_attention(module: torch.nn.Module) -> None:
