@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..errors import ValueUnavailable, WriteError
 from ..families import Scoring
-from ..families.entry import VALUE_NAMES
+from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
 from . import tokens
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
@@ -174,7 +174,7 @@ class Moe(Mlp):
             raise self._routed_activation(name)
         if name in self.family.refused:
             raise self.no_mixture(name)
-        if name in ("expert_outputs", "expert_activations") and ops_for(self.experts_implementation) is None:
+        if name in PER_SLOT_VALUES and ops_for(self.experts_implementation) is None:
             raise self.needs_grouped_experts(name)
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
@@ -252,7 +252,7 @@ class Moe(Mlp):
 
     def _binding(self, name: str) -> Binding:
         self._check_available(name)
-        if name in ("expert_outputs", "expert_activations"):
+        if name in PER_SLOT_VALUES:
             return self._slot_binding(name)
         return self._static_bindings[name]
 

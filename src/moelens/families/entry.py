@@ -31,6 +31,9 @@ VALUE_NAMES = (
     "mlp_output",
 )
 
+#: The values read per slot inside the experts implementation (grouped_mm / batched_mm only).
+PER_SLOT_VALUES = ("expert_activations", "expert_outputs")
+
 #: When a served shared-expert value is produced, relative to the routed path.
 SHARED_TIMES = ("before_router", "before_experts", "after_experts", "after_block")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .entry import Combine, Family, Scoring, SharedExpert
+from .entry import PER_SLOT_VALUES, Combine, Family, Scoring, SharedExpert
 
 NO_SLOTS = (
     "{family} does not call its experts as experts(hidden, top_k_index, top_k_weights) through "
@@ -43,7 +43,7 @@ FAMILIES = [
            shared=SharedExpert("shared_expert", when="after_experts", edited_later=True),
            combine=Combine(output_index=0), top_k="router.top_k", num_experts="router.num_experts",
            experts_call=False, derived_routing=True,
-           refused={name: LLAMA4_NO_SLOTS for name in ("expert_activations", "expert_outputs", "routed_output")},
+           refused={name: LLAMA4_NO_SLOTS for name in (*PER_SLOT_VALUES, "routed_output")},
            notes="Experts are not decorated; the shared expert's output is edited in place by the block, so it "
                  "is served as a copy."),
     Family("dbrx", ("dbrx",), ("DbrxFFN",), block_attr="ffn", router="router", logits_op="self_layer_0",
@@ -51,7 +51,7 @@ FAMILIES = [
                            code="SM, p-norm"),
            top_k="block.top_k",
            refused={name: NO_SLOTS.format(family="dbrx") + " (its experts run an eager loop only)"
-                    for name in ("expert_activations", "expert_outputs")},
+                    for name in PER_SLOT_VALUES},
            notes="Layers are transformer.blocks[i].ffn; weights are normalised by a p-norm."),
     Family("zaya", ("zaya",), ("ZayaSparseMoeBlock",), logits_op="self_router_mlp_0",
            scoring=Scoring("softmax", "skip_topk", normalize=False, code="SM over E+1 (skip)"),
