@@ -174,6 +174,47 @@ def test_load_balance_extremes():
     assert balance.unused.tolist() == [0, 3]
 
 
+def balance_by_hand(counts: list[int]) -> tuple[float, float, float, float, int]:
+    """(cv, max/mean, min/mean, normalised entropy, unused) of one layer's counts, in plain Python."""
+    mean = sum(counts) / len(counts)
+    std = math.sqrt(sum((c - mean) ** 2 for c in counts) / len(counts))
+    shares = [c / sum(counts) for c in counts]
+    entropy = -sum(s * math.log(s) for s in shares if s > 0) / math.log(len(counts))
+    return std / mean, max(counts) / mean, min(counts) / mean, entropy, counts.count(0)
+
+
+def test_load_balance_counts_each_layers_own_experts():
+    """A layer with fewer experts than the widest: its padding columns are not unused experts."""
+    tokens = {0: [[0, 1]] * 10, 1: [[0, 3], [0, 3], [1, 3], [0, 3]]}  # layer 0: E=2, layer 1: E=4
+    shard = analysis.Shard(
+        token_ids=torch.arange(10, dtype=torch.int32), text_index=torch.zeros(10, dtype=torch.int32),
+        position=torch.arange(10, dtype=torch.int32),
+        indices={0: torch.tensor(tokens[0], dtype=torch.int16), 1: torch.tensor(tokens[1] * 3, dtype=torch.int16)[:10]},
+        weights={layer: torch.full((10, 2), 0.5) for layer in (0, 1)},
+    )
+    cache = analysis.RoutingCache(layers=[0, 1], num_experts={0: 2, 1: 4}, top_k={0: 2, 1: 2},
+                                  score={0: "softmax", 1: "softmax"}, _memory=[shard])
+    usage = analysis.expert_usage(cache)
+    assert usage.num_experts == [2, 4] and usage.counts.shape == (2, 4)
+    for balance in (usage.balance(), analysis.load_balance(usage), analysis.load_balance(cache)):
+        for row, layer in enumerate(cache.layers):
+            counts = [0] * cache.num_experts[layer]
+            for chosen in shard.indices[layer].tolist():
+                for expert in chosen:
+                    counts[expert] += 1
+            cv, high, low, entropy, unused = balance_by_hand(counts)
+            assert math.isclose(float(balance.cv[row]), cv, abs_tol=1e-12)
+            assert math.isclose(float(balance.max_over_mean[row]), high, rel_tol=1e-9)
+            assert math.isclose(float(balance.min_over_mean[row]), low, rel_tol=1e-9)
+            assert math.isclose(float(balance.entropy[row]), entropy, rel_tol=1e-9)
+            assert int(balance.unused[row]) == unused
+        assert float(balance.cv[0]) == 0.0 and int(balance.unused[0]) == 0
+    # a Usage built by hand takes its width as every layer's E unless told
+    wide = analysis.Usage(layers=[0], counts=torch.tensor([[10, 10, 0, 0]]), weight=torch.zeros(1, 4, dtype=torch.float64),
+                          tokens=10, top_k=[2])
+    assert wide.num_experts == [4] and int(wide.balance().unused[0]) == 2
+
+
 def entropy_by_hand(rows: torch.Tensor) -> list[float]:
     result = []
     for row in rows.double().tolist():
@@ -248,15 +289,19 @@ def test_top_tokens_by_hand(qwen):
     for token, chosen in zip(truth.token_ids.tolist(), truth.indices[layer].tolist()):
         for expert in chosen:
             pairs[(expert, token)] += 1
-    for item in analysis.top_tokens(cache, layer, n=4, tokenizer=wrapped.tokenizer):
+    items = analysis.top_tokens(cache, layer, n=4, tokenizer=wrapped.tokenizer)
+    assert [item.expert for item in items] == list(range(8))
+    for item in items:
         mine = {token: count for (expert, token), count in pairs.items() if expert == item.expert}
         assert item.total == sum(mine.values())
-        assert item.counts.tolist() == sorted(mine.values(), reverse=True)[: len(item.counts)]
+        assert len(item.counts) == len(item.token_ids) == len(item.tokens) == min(4, len(mine))
+        assert item.counts.tolist() == sorted(mine.values(), reverse=True)[:4]
         for token, count, share, text in zip(item.token_ids.tolist(), item.counts.tolist(), item.share.tolist(), item.tokens):
             assert mine[token] == count
             assert math.isclose(share, count / seen[token])
             assert text == shown(token)
     by_share = analysis.top_tokens(cache, layer, [0], n=3, by="share", min_count=2)[0]
+    assert len(by_share.token_ids) == min(3, sum(seen[token] >= 2 for (expert, token) in pairs if expert == 0)) > 0
     for token, share in zip(by_share.token_ids.tolist(), by_share.share.tolist()):
         assert seen[token] >= 2 and math.isclose(share, pairs[(0, token)] / seen[token])
 
@@ -400,20 +445,56 @@ def test_plots_are_images(qwen, tmp_path):
         assert path.stat().st_size > 5000, name
 
 
+def test_hash_routed_layers_are_described_and_scored_per_block():
+    """deepseek_v4 routes its first layers by a token table: describe and the cache say so per block."""
+    hf = tiny_model("deepseek_v4")
+    wrapped = moelens.wrap(hf)
+    hashed = [layer for layer, kind in enumerate(hf.config.mlp_layer_types) if kind == "hash_moe"]
+    routed = [layer for layer, kind in enumerate(hf.config.mlp_layer_types) if kind == "moe"]
+    assert hashed and routed
+    report = analysis.describe(wrapped, probe=False)
+    assert "config." not in report.scoring and report.score == hf.config.scoring_func
+    groups = dict(part.split(": ", 1) for part in report.scoring.split("; "))
+    assert groups[f"layer{'s' if len(hashed) > 1 else ''} {', '.join(map(str, hashed))}"].startswith(
+        f"{hf.config.scoring_func} scores, hash")
+    assert "hash" not in groups[f"layers {', '.join(map(str, routed))}"]
+    cache = analysis.collect_routing(wrapped, torch.tensor([[5, 6, 7, 8]]), progress=False)
+    assert cache.score == {layer: hf.config.scoring_func for layer in hashed + routed}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_collects_and_counts(family):
-    """The cache reads through each family's own values: one count per slot, indices in range, probs scored."""
-    wrapped = moelens.wrap(tiny_model(family))
+    """The cache reads through each family's own values: it holds the plain-nnsight routing, one count per slot."""
+    hf = tiny_model(family)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
     layers = [moe.layer for moe in wrapped.moes]
     blocks = "text_moe" if len(set(layers)) < len(layers) else None  # ernie4_5_vl_moe: text and vision blocks
     ids = torch.randint(4, 100, (3, 6), generator=torch.Generator().manual_seed(0))
     cache = analysis.collect_routing(wrapped, ids, batch_size=2, logits=True, blocks=blocks, progress=False)
     usage = analysis.expert_usage(cache)
     assert cache.family == wrapped.family.name and cache.num_tokens == ids.numel()
-    for row, layer in enumerate(cache.layers):
+    # the truth: plain nnsight on an unwrapped copy, over the same batches (no padding: equal rows)
+    moes = [moe for moe in wrapped.moes if blocks is None or blocks in moe.path]
+    names = [moe.path.removeprefix("model.") for moe in moes]
+    raws = [raw_values(reference, {"input_ids": part, "attention_mask": torch.ones_like(part)}, names, wrapped.family)
+            for part in ids.split(2)]
+    for row, (layer, name, moe) in enumerate(zip(cache.layers, names, moes)):
+        logits = torch.cat([raw[name].logits.reshape(-1, raw[name].logits.shape[-1]) for raw in raws])
+        if wrapped.family.derived_routing:
+            truth = torch.topk(logits, moe.top_k, dim=-1).indices
+        else:
+            truth = torch.cat([raw[name].experts_args[1].reshape(-1, moe.top_k) for raw in raws])
+            weights = torch.cat([raw[name].experts_args[2].reshape(-1, moe.top_k) for raw in raws])
+            torch.testing.assert_close(cache.weights(layer).float(), weights.float(), atol=WEIGHT_ATOL, rtol=1e-3)
         indices = cache.indices(layer)
         assert indices.shape == (ids.numel(), cache.top_k[layer])
+        assert torch.equal(indices.long(), truth.long())
         assert 0 <= int(indices.min()) and int(indices.max()) < cache.num_experts[layer]
-        assert int(usage.counts[row].sum()) == indices.numel()
-        probs = cache.probs(layer)  # inkling's router adds a column past E (docs/values.md)
+        assert torch.equal(usage.counts[row, : cache.num_experts[layer]],
+                           torch.bincount(truth.flatten(), minlength=cache.num_experts[layer]))
+        # inkling's router adds columns past E (docs/values.md): compare the ones the router returns
+        torch.testing.assert_close(cache.logits(layer)[:, : logits.shape[-1]].float(), logits.float(),
+                                   atol=WEIGHT_ATOL, rtol=1e-3)
+        probs = cache.probs(layer)
         assert probs.shape[0] == ids.numel() and probs.shape[1] >= cache.num_experts[layer]

@@ -175,6 +175,11 @@ def test_missing_tiny_checkpoint_is_a_clean_error(monkeypatch, tmp_path, capsys)
 
 
 def test_no_command_prints_help(capsys):
-    status, out, err = run([], capsys)
-    assert status == 1 and "demo" in out
-    assert torch.get_num_threads() == 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        status, out, err = run([], capsys)
+        assert status == 1 and "demo" in out
+        assert torch.get_num_threads() == 2  # no command: the thread count is left alone
+    finally:
+        torch.set_num_threads(threads)

@@ -210,14 +210,22 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     return wrapped
 
 
+#: What the qualified name of transformers' expert-parallel dispatch wrapper contains.
+EP_FORWARD = ".install_forward.<locals>.ep_forward"
+
+
+def has_dispatch_forward(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s instance forward is transformers' expert-parallel dispatch wrapper."""
+    return EP_FORWARD in getattr(module.__dict__.get("forward"), "__qualname__", "")
+
+
 def _expert_parallel_envoy(model: torch.nn.Module) -> type[Moe]:
     """The envoy class for MoE blocks: `Moe`, or for a model distributed with transformers'
     own expert parallelism (``DistributedConfig(ep_size=...)``, whose experts' forward is a
     dispatch wrapper) the one `moelens.parallel.transformers_ep` provides, after keeping
     those wrappers as nnsight's controller bodies. See docs/parallel.md.
     """
-    if not any(".install_forward.<locals>.ep_forward" in getattr(m.__dict__.get("forward"), "__qualname__", "")
-               for m in model.modules()):
+    if not any(has_dispatch_forward(module) for module in model.modules()):
         return Moe
     from .parallel.transformers_ep import keep_dispatch_forwards
 

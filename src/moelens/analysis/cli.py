@@ -140,19 +140,26 @@ def read_text(path: Path) -> str:
     return text
 
 
-def write_corpus_plots(cache: Any, folder: Path, prefix: str = "") -> list[Path]:
-    """Usage, load balance, entropy, co-activation and trajectory plots of ``cache``."""
+def write_corpus_plots(cache: Any, folder: Path, prefix: str = "", stats: Any = None) -> list[Path]:
+    """Usage, load balance, entropy, co-activation and trajectory plots of ``cache``.
+
+    ``stats``: the cache's `layer_stats`, when the caller has them (else usage,
+    load balance and entropy are computed here).
+    """
     from . import plots
     from .coactivation import coactivation, transitions
     from .entropy import routing_entropy
-    from .usage import expert_usage, load_balance
+    from .usage import expert_usage
 
-    usage = expert_usage(cache)
-    widths = [cache.num_experts[layer] for layer in cache.layers]
+    if stats is not None:
+        usage, balance, entropy = stats.usage, stats.balance, stats.entropy
+    else:
+        usage = expert_usage(cache)
+        balance, entropy = usage.balance(), routing_entropy(cache)
     written = [
         plots.save(plots.plot_usage(usage), folder / f"{prefix}usage.png"),
-        plots.save(plots.plot_load_balance(load_balance(usage, widths)), folder / f"{prefix}load_balance.png"),
-        plots.save(plots.plot_entropy(routing_entropy(cache)), folder / f"{prefix}entropy.png"),
+        plots.save(plots.plot_load_balance(balance), folder / f"{prefix}load_balance.png"),
+        plots.save(plots.plot_entropy(entropy), folder / f"{prefix}entropy.png"),
         plots.save(plots.plot_coactivation([coactivation(cache, layer) for layer in cache.layers]),
                    folder / f"{prefix}coactivation.png"),
     ]
@@ -202,7 +209,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     out: Path = args.out
     written = [plots.save(plots.plot_token_routing(view), out / "token_routing.png")]
-    written += write_corpus_plots(cache, out, prefix="text_")
+    written += write_corpus_plots(cache, out, prefix="text_", stats=stats)
 
     corpus = text
     if args.windows > 0 and HELDOUT_PATH.is_file():
@@ -231,6 +238,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def format_report(report: Any, tokenizer: str) -> str:
     """The text form of a `ModelReport`."""
+    from .describe import READ_ONLY
+
     layers = report.moe_layers
     experts = sorted({(layer.num_experts, layer.top_k) for layer in layers})
     implementations = sorted({layer.experts_implementation or "eager" for layer in layers})
@@ -258,7 +267,7 @@ def format_report(report: Any, tokenizer: str) -> str:
     for title, (layer, *_) in groups:
         lines.append(f"\nvalues served, {title}, shapes for a [1, 4] input:")
         for name, shape in layer.values.items():
-            access = "read-only (derived)" if name == "router_probs" else "read/write"
+            access = "read-only (derived)" if name in READ_ONLY else "read/write"
             lines.append(f"  {name:<22} [{', '.join(map(str, shape))}]".ljust(48) + access)
         for name, reason in layer.unavailable.items():
             lines.append(f"  {name:<22} unavailable: {reason}")
@@ -309,8 +318,9 @@ def run_stats(args: argparse.Namespace) -> int:
               f"{len(cache.layers)} MoE layers)\n")
         print(table(rows))
     if args.out is not None:
-        written = write_stats(stats, args.out, {"model": args.model, "text": str(args.text), "family": cache.family})
-        written += write_corpus_plots(cache, args.out)
+        meta = {"model": args.model, "text": str(args.text), "family": cache.family}
+        written = write_stats(stats, args.out, meta, rows)
+        written += write_corpus_plots(cache, args.out, stats=stats)
         if args.format == "table":
             print(f"\nWrote to {args.out.resolve()}: " + ", ".join(path.name for path in written) + ", cache/")
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import nnsight
 import torch
 from tqdm import tqdm
 
@@ -72,35 +71,27 @@ def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
         layers=[moe.layer for moe in moes],
         num_experts={moe.layer: moe.num_experts for moe in moes},
         top_k={moe.layer: moe.top_k for moe in moes},
-        score={moe.layer: str(moe.family.resolve(moe.family.scoring.score, moe._module)) for moe in moes},
+        score={moe.layer: str(moe.family.resolve(moe.SCORING.score, moe._module)) for moe in moes},
         family=family.name if family is not None else None,
         model=str(getattr(getattr(model, "_module", None), "name_or_path", "") or "") or None,
         has_logits=logits,
     )
 
 
-def read_routing(moes: list[Any], mask: torch.Tensor, *, logits: bool, dtype: torch.dtype) -> dict[str, dict[int, Any]]:
-    """Inside a trace: each block's routing of the real tokens, read in the model's order, saved.
+def real_tokens(saved: dict[int, dict[str, Any]], mask: torch.Tensor, index_dtype: torch.dtype,
+                dtype: torch.dtype) -> dict[str, dict[int, Any]]:
+    """After a trace: the routing values `MoeModelMixin.save_all` saved, at the real tokens of ``mask`` ([b, s]).
 
     Returns ``{"indices": {layer: [n, k]}, "weights": ..., "logits": ...}`` where ``n`` is the
-    number of True entries of ``mask`` ([b, s]).
+    number of True entries of ``mask``.
     """
-    wanted = set(ROUTING_VALUES) if logits else set(ROUTING_VALUES) - {"router_logits"}
     read: dict[str, dict[int, Any]] = {"indices": {}, "weights": {}, "logits": {}}
-    biggest = max(moe.num_experts for moe in moes)
-    index_dtype = torch.int16 if biggest <= torch.iinfo(torch.int16).max else torch.int32
-    for moe in moes:
-        for name in moe.order():
-            if name not in wanted:
-                continue
-            value = getattr(moe, name)[mask]
-            if name == "expert_indices":
-                read["indices"][moe.layer] = value.to(index_dtype)
-            elif name == "expert_weights":
-                read["weights"][moe.layer] = value.to(dtype)
-            else:
-                read["logits"][moe.layer] = value.to(dtype)
-    return nnsight.save(read)
+    for layer, values in saved.items():
+        read["indices"][layer] = values["expert_indices"][mask].to(index_dtype)
+        read["weights"][layer] = values["expert_weights"][mask].to(dtype)
+        if "router_logits" in values:
+            read["logits"][layer] = values["router_logits"][mask].to(dtype)
+    return read
 
 
 def collect_routing(
@@ -144,6 +135,9 @@ def collect_routing(
     """
     moes = moes_of(model, layers, blocks)
     cache = empty_cache(model, moes, logits)
+    wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]
+    biggest = max(moe.num_experts for moe in moes)
+    index_dtype = torch.int16 if biggest <= torch.iinfo(torch.int16).max else torch.int32
     tokenizer = corpora.tokenizer_of(model)
     stream = corpora.batches(
         corpus,
@@ -174,9 +168,10 @@ def collect_routing(
         for batch in stream:
             mask = batch.mask
             with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
-                read = read_routing(moes, mask, logits=logits, dtype=dtype)
+                saved = model.save_all(wanted, strict=True, moes=moes)  # keyed by layer: moes_of keeps one per layer
                 if stop_early:
                     tracer.stop()
+            read = real_tokens(saved, mask, index_dtype, dtype)
             rows = mask.sum(1)
             positions = torch.arange(mask.shape[1]).expand_as(mask)
             pending.append(

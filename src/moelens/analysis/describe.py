@@ -8,7 +8,7 @@ records the reason of each value it cannot serve.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import nnsight
@@ -60,8 +60,9 @@ class ModelReport:
         model_type: Its config's model_type.
         family: The moelens family.
         num_layers: Decoder layers.
-        scoring: What the router logits mean and how experts are picked.
-        score: The score function name (what ``router_probs`` applies).
+        scoring: What the router logits mean and how experts are picked (per group of
+            layers when blocks differ, e.g. deepseek_v4's hash-routed first layers).
+        score: The score function name (what ``router_probs`` applies), likewise.
         shared: How the shared expert is wired (or ``"none"``).
         dense_layers: Decoder layers with a dense MLP.
         moe_layers: One `LayerReport` per MoE block.
@@ -148,6 +149,27 @@ def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[
     return shapes, reasons
 
 
+def by_layers(texts: list[tuple[int, str]]) -> str:
+    """``(layer, text)`` pairs as one text, or ``"layer 0: a; layers 1, 2: b"`` when the texts differ."""
+    groups: dict[str, list[int]] = {}
+    for layer, text in texts:
+        layers = groups.setdefault(text, [])
+        if layer not in layers:
+            layers.append(layer)
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(
+        f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: {text}" for text, layers in groups.items()
+    )
+
+
+def scoring_of(moe: Any) -> tuple[str, str]:
+    """(scoring description, score name) of one block, its score reference resolved."""
+    scoring = moe.SCORING
+    score = str(moe.family.resolve(scoring.score, moe._module))
+    return replace(scoring, score=score).describe(), score
+
+
 def describe(model: Any, *, probe: bool = True) -> ModelReport:
     """Describe a wrapped MoE model: family, layers, E, k, scoring, shared expert, implementation, values.
 
@@ -183,14 +205,15 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
     num_layers = len(decoder_layers) if decoder_layers is not None else int(getattr(config, "num_hidden_layers", 0) or 0)
     moe_indices = {moe.layer for moe in moes}
     dense = [index for index in range(num_layers) if index not in moe_indices]
+    scorings = [(moe.layer, *scoring_of(moe)) for moe in moes]
     return ModelReport(
         name=str(getattr(module, "name_or_path", "") or type(module).__name__),
         architecture=type(module).__name__,
         model_type=getattr(config, "model_type", None),
         family=family.name,
         num_layers=num_layers,
-        scoring=family.scoring.describe(),
-        score=str(family.resolve(family.scoring.score, moes[0]._module)),
+        scoring=by_layers([(layer, text) for layer, text, _ in scorings]),
+        score=by_layers([(layer, score) for layer, _, score in scorings]),
         shared=shared_text,
         dense_layers=dense,
         moe_layers=layers,

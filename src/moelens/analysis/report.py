@@ -22,14 +22,14 @@ class LayerStats:
     balance: LoadBalance
     entropy: Entropy
     weight_entropy: Entropy
-    num_experts: list[int]
 
     def rows(self) -> list[dict[str, Any]]:
         """One JSON-ready dict per layer."""
         rows = []
+        fraction = self.usage.fraction
         for row, (layer, balance) in enumerate(zip(self.usage.layers, self.balance.as_rows())):
-            width = self.num_experts[row]
-            share = self.usage.fraction[row, :width]
+            width = self.usage.num_experts[row]
+            share = fraction[row, :width]
             busiest = share.argsort(descending=True)[:3].tolist()
             rows.append({
                 "layer": layer,
@@ -47,12 +47,13 @@ class LayerStats:
     def expert_rows(self) -> list[dict[str, Any]]:
         """One dict per (layer, expert): count, share of slots, mean weight."""
         rows = []
+        fraction = self.usage.fraction
         for row, layer in enumerate(self.usage.layers):
-            for expert in range(self.num_experts[row]):
+            for expert in range(self.usage.num_experts[row]):
                 count = int(self.usage.counts[row, expert])
                 rows.append({
                     "layer": layer, "expert": expert, "count": count,
-                    "share": float(self.usage.fraction[row, expert]),
+                    "share": float(fraction[row, expert]),
                     "mean_weight": float(self.usage.weight[row, expert]) / count if count else 0.0,
                 })
         return rows
@@ -61,13 +62,11 @@ class LayerStats:
 def layer_stats(cache: RoutingCache) -> LayerStats:
     """Usage, load balance and entropy (router entropy when logits are cached) of every layer."""
     usage = expert_usage(cache)
-    widths = [cache.num_experts[layer] for layer in cache.layers]
     return LayerStats(
         usage=usage,
-        balance=load_balance(usage, widths),
+        balance=load_balance(usage),
         entropy=routing_entropy(cache),
         weight_entropy=routing_entropy(cache, "weights"),
-        num_experts=widths,
     )
 
 
@@ -103,12 +102,19 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buffer.getvalue()
 
 
-def write_stats(stats: LayerStats, folder: Path, meta: dict[str, Any]) -> list[Path]:
-    """Write ``stats.json`` (layers + experts + meta), ``stats.csv`` (layers) and ``experts.csv``."""
+def write_stats(
+    stats: LayerStats, folder: Path, meta: dict[str, Any], rows: list[dict[str, Any]] | None = None
+) -> list[Path]:
+    """Write ``stats.json`` (layers + experts + meta), ``stats.csv`` (layers) and ``experts.csv``.
+
+    ``rows``: ``stats.rows()`` when the caller already has them.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "stats.json", folder / "stats.csv", folder / "experts.csv"]
-    document = {**meta, "layers": stats.rows(), "experts": stats.expert_rows()}
+    layers = stats.rows() if rows is None else rows
+    experts = stats.expert_rows()
+    document = {**meta, "layers": layers, "experts": experts}
     paths[0].write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-    paths[1].write_text(to_csv(stats.rows()), encoding="utf-8")
-    paths[2].write_text(to_csv(stats.expert_rows()), encoding="utf-8")
+    paths[1].write_text(to_csv(layers), encoding="utf-8")
+    paths[2].write_text(to_csv(experts), encoding="utf-8")
     return paths

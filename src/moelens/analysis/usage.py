@@ -12,7 +12,7 @@ than the average), min / mean, the normalised entropy of the usage distribution
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from jaxtyping import Float, Int
@@ -27,10 +27,12 @@ class Usage:
 
     Attributes:
         layers: Decoder-layer indices of the MoE layers (rows).
-        counts: ``[L, E]`` int64 slots routed to each expert (a token adds one per slot).
+        counts: ``[L, E]`` int64 slots routed to each expert (a token adds one per slot);
+            a layer with fewer experts than the widest has zero columns past its own E.
         weight: ``[L, E]`` float64 the routing weight summed over those slots.
         tokens: How many tokens were counted.
         top_k: k per layer (row).
+        num_experts: E per layer (row); default: the width of ``counts`` for every layer.
     """
 
     layers: list[int]
@@ -38,6 +40,11 @@ class Usage:
     weight: Float[Tensor, "l e"]
     tokens: int
     top_k: list[int]
+    num_experts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_experts:
+            self.num_experts = [int(self.counts.shape[1])] * len(self.layers)
 
     @property
     def fraction(self) -> Float[Tensor, "l e"]:
@@ -109,7 +116,8 @@ def expert_usage(cache: RoutingCache) -> Usage:
             counts[row] += torch.bincount(indices, minlength=width)[:width]
             weight[row].index_add_(0, indices, shard.weights[layer].double().flatten())
     return Usage(layers=list(cache.layers), counts=counts, weight=weight, tokens=tokens,
-                 top_k=[cache.top_k[layer] for layer in cache.layers])
+                 top_k=[cache.top_k[layer] for layer in cache.layers],
+                 num_experts=[cache.num_experts[layer] for layer in cache.layers])
 
 
 def balance_of(counts: Tensor) -> tuple[float, float, float, float, int]:
@@ -130,12 +138,11 @@ def load_balance(usage: Usage | RoutingCache, num_experts: list[int] | None = No
 
     Args:
         usage: Expert usage, or a routing cache.
-        num_experts: E per layer (default: the usage's width; a cache gives its own).
+        num_experts: E per layer (default: the usage's own `Usage.num_experts`).
     """
     if isinstance(usage, RoutingCache):
-        num_experts = [usage.num_experts[layer] for layer in usage.layers]
         usage = expert_usage(usage)
-    widths = num_experts or [usage.counts.shape[1]] * len(usage.layers)
+    widths = num_experts or usage.num_experts
     values = [balance_of(usage.counts[row, :width]) for row, width in enumerate(widths)]
     column = lambda i, dtype=torch.float64: torch.tensor([value[i] for value in values], dtype=dtype)  # noqa: E731
     return LoadBalance(

@@ -71,11 +71,6 @@ class Plan:
     serve: bool
     tag: int
 
-    @property
-    def received(self) -> int:
-        """Rows this rank's experts run on."""
-        return int(self.local_ids.shape[0])
-
     def dispatch(self, hidden_states: Float[Tensor, "t d"]) -> Float[Tensor, "r d"]:
         """The token rows each of this rank's experts runs on, grouped by local expert."""
         return self._to_owner(hidden_states[self.send_order // self.top_k], "dispatch")
@@ -124,16 +119,17 @@ def plan_dispatch(
     device = topk_idx.device
     flat = topk_idx.reshape(-1)
     valid = (flat >= 0) & (flat < num_global_experts)
-    keyed = torch.where(valid, flat, torch.full_like(flat, num_global_experts))
+    keyed = torch.where(valid, flat, torch.full_like(flat, num_global_experts)).long()
     order = torch.argsort(keyed, stable=True)
-    counts = torch.bincount(keyed, minlength=num_global_experts + 1)[:num_global_experts]
-    send_counts = counts.view(ep, num_local_experts)
+    # scatter_add_, not bincount: bincount reads its input's max back to the host.
+    counts = keyed.new_zeros(num_global_experts + 1).scatter_add_(0, keyed, torch.ones_like(keyed))
+    send_counts = counts[:num_global_experts].view(ep, num_local_experts)
     meta = torch.tensor([[int(serve), int(tag)]], dtype=torch.long, device=device).expand(ep, 2)
     received = exchange_counts(torch.cat([send_counts, meta], dim=1), group, tag)
     recv_counts = received[:, :num_local_experts]
-    sizes = torch.stack([send_counts.sum(1), recv_counts.sum(1)])
-    # One host sync per layer: split sizes, and the tags and flags of every rank.
-    (send_sizes, recv_sizes), flags, tags = sizes.tolist(), received[:, -2].tolist(), received[:, -1].tolist()
+    # The one host sync of the layer: split sizes, and the flags and tags of every rank.
+    host = torch.stack([send_counts.sum(1), recv_counts.sum(1), received[:, -2], received[:, -1]]).tolist()
+    send_sizes, recv_sizes, flags, tags = host
     if any(other != tag for other in tags):
         raise RankDivergence(
             f"expert parallelism: rank {rank} of the EP group ran the experts call tagged {tag} (layer tag) while "
@@ -141,7 +137,9 @@ def plan_dispatch(
             "of an experts module, an extra experts call, or a forward on some ranks only). Every rank must run "
             "the same interventions' control flow; see docs/parallel.md."
         )
-    local_ids = torch.arange(num_local_experts, device=device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    local_ids = torch.arange(num_local_experts, device=device).repeat(ep).repeat_interleave(
+        recv_counts.reshape(-1), output_size=sum(recv_sizes)
+    )
     by_expert = torch.argsort(local_ids, stable=True)
     tokens_per_expert = recv_counts.sum(0)
     return Plan(

@@ -25,7 +25,6 @@ trace the layer makes two exchanges of ``D``-wide rows; inside, two more of
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -48,23 +47,6 @@ OPS = ExpertsOps(
     plain_activations="slot_activations_0",
     sort=None,
 )
-
-_TAGS = itertools.count(1)
-
-
-def layer_tag(experts: torch.nn.Module) -> int:
-    """The tag this experts module's exchanges carry (same module, same tag on every rank).
-
-    `shard_experts` sets it to the block's position; a module given none gets the
-    next number of a per-process counter (the same on every rank as long as every
-    rank builds its modules in the same order).
-    """
-    tag = experts.__dict__.get("_ep_tag")
-    if tag is None:
-        tag = next(_TAGS) + 1_000_000
-        experts.__dict__["_ep_tag"] = tag
-    return tag
-
 
 def slot_values_wanted(experts: torch.nn.Module) -> bool:
     """Whether a running nnsight trace drilled into this module's experts call.
@@ -152,7 +134,7 @@ def torch_a2a_experts_forward(
         num_local * group_size(group),
         num_local,
         serve=slot_values_wanted(self),
-        tag=layer_tag(self),
+        tag=self.__dict__.get("_ep_tag", 0),
     )
     rows = plan.dispatch(hidden_states)
     activations = experts_up(self, rows, plan)

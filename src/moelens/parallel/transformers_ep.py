@@ -29,14 +29,8 @@ import torch
 from nnsight.intervention.source import BODY_FORWARD
 
 from ..components import Moe
-
-#: What transformers' EP wrapper's qualified name contains.
-EP_FORWARD = ".install_forward.<locals>.ep_forward"
-
-
-def has_dispatch_forward(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s instance forward is transformers' expert-parallel dispatch wrapper."""
-    return EP_FORWARD in getattr(module.__dict__.get("forward"), "__qualname__", "")
+from ..families.entry import PER_SLOT_VALUES
+from ..model import EP_FORWARD, has_dispatch_forward
 
 
 class ExpertParallelMoe(Moe):
@@ -54,7 +48,7 @@ class ExpertParallelMoe(Moe):
         return super().num_experts
 
     def _check_available(self, name: str) -> None:
-        if name in ("expert_outputs", "expert_activations"):
+        if name in PER_SLOT_VALUES:
             raise self.unavailable(
                 name,
                 "transformers' own expert parallelism (DistributedConfig(ep_size=...)) runs the experts on the "
