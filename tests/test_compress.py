@@ -1,9 +1,10 @@
 """moelens.compress.tomoe: converted blocks compute what they should.
 
 Ground truth: the dense model's own forward (top_k == num_experts must reproduce it), the
-converted block recomputed by hand from its weights (expert by expert, no transformers
-experts implementation involved), and conditional means recomputed from the calibration
-inputs captured with plain torch hooks.
+converted block recomputed by hand from its weights and the dense model's neurons (expert
+by expert, no transformers experts implementation involved), and conditional means and
+expert importances recomputed from the dense weights on the inputs captured with plain
+torch hooks.
 """
 
 from __future__ import annotations
@@ -12,27 +13,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moelens.compress import (ToMoEBlock, ToMoEIntermediateBlock, set_experts_implementation,
-                              tomoe)
-from moelens.compress.calibration import batches, capture
-from test_compress_helpers import activation_by_hand, MODELS, ids, llama, run
+from moelens.compress import ToMoEBlock, ToMoEIntermediateBlock, set_experts_implementation
+from test_compress_helpers import MODELS, activation_by_hand, convert, ids, inputs_of, llama, run
 
 IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm"]
 BLOCKS = {"llama": ToMoEBlock, "bert": ToMoEIntermediateBlock, "gpt2": ToMoEBlock}
-
-
-def convert(model, **settings):
-    settings.setdefault("max_error", None)
-    settings.setdefault("progress", False)
-    return tomoe(model, return_stats=True, **settings)
 
 
 def blocks(model) -> list[tuple[str, ToMoEBlock]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, ToMoEBlock)]
 
 
-def by_hand(block: ToMoEBlock, x: torch.Tensor) -> torch.Tensor:
-    """The block's output recomputed from its weights: top-k logits, each selected expert by hand, + shared."""
+@torch.no_grad()
+def dense_activations(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The intermediate neurons' activations ``[T, N]`` of a dense FFN (SwiGLU mlp, BERT intermediate, GPT-2 mlp)."""
+    if hasattr(module, "gate_proj"):
+        return module.act_fn(module.gate_proj(x)) * module.up_proj(x)
+    if hasattr(module, "c_fc"):
+        return module.act(module.c_fc(x))
+    return module(x)  # BERT's intermediate: act(dense(x))
+
+
+def by_hand(block: ToMoEBlock, dense: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's output recomputed from its weights: top-k logits, each selected expert by hand, + shared.
+
+    The shared expert: the activations of the dense FFN's neurons ``block.shared_index`` (``dense`` is the
+    FFN the block replaced) through the shared expert's down projection (refitted: the block's own), plus
+    its constant.
+    """
     x = x.reshape(-1, x.shape[-1]).float()
     router, experts, shared = block.router, block.experts, block.shared_experts
     logits = x @ router.weight.T + router.bias
@@ -45,10 +53,8 @@ def by_hand(block: ToMoEBlock, x: torch.Tensor) -> torch.Tensor:
             out[token] += experts.down_proj[expert] @ h + experts.down_proj_bias[expert]
     out = out[:, : block.output_size]
     if shared.num_neurons:
-        out = out + shared(x)
-    else:
-        out = out + shared.bias
-    return out
+        out = out + dense_activations(dense, x)[:, block.shared_index] @ shared.down_proj.weight.T
+    return out + shared.constant
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -58,7 +64,7 @@ def test_all_experts_reproduce_the_dense_model(family, calibrated):
     tokens = ids()
     converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens if calibrated else None)
     assert len(stats.converted) == 2 and not stats.skipped
-    assert all(isinstance(block, BLOCKS[family]) for _, block in blocks(converted))
+    assert all(type(block) is BLOCKS[family] for _, block in blocks(converted))
     expected = run(dense, tokens)
     for implementation in IMPLEMENTATIONS:
         set_experts_implementation(converted, implementation)
@@ -76,7 +82,7 @@ def test_block_output_is_its_routing_recomputed_by_hand(family):
     for implementation in IMPLEMENTATIONS:
         set_experts_implementation(converted, implementation)
         run(converted, tokens)
-        expected = by_hand(block, seen["x"]).view_as(seen["y"])
+        expected = by_hand(block, dense.get_submodule(name), seen["x"]).view_as(seen["y"])
         torch.testing.assert_close(seen["y"], expected, atol=1e-5, rtol=1e-5)
     handle.remove()
     weights = block.router(seen["x"].reshape(-1, seen["x"].shape[-1]))[1]
@@ -97,10 +103,10 @@ def test_skipped_experts_contribute_their_mean_on_the_tokens_that_skip_them():
     """Compensation (refit off): each expert's down bias is minus its mean contribution where it was skipped."""
     dense = llama()
     tokens = ids(4, 16)  # 64 tokens: all used for the fit
-    inputs = capture(dense, batches(tokens), {"mlp": dense.model.layers[0].mlp})["mlp"]
+    mlp = dense.model.layers[0].mlp
+    inputs = inputs_of(dense, mlp, tokens)
     converted, _ = convert(dense, num_experts=4, top_k=2, calibration=tokens, refit=False)
     block = converted.model.layers[0].mlp
-    mlp = dense.model.layers[0].mlp
     with torch.no_grad():
         chosen = torch.topk(block.router(inputs)[0], 2, dim=-1).indices
         activations = F.silu(mlp.gate_proj(inputs)) * mlp.up_proj(inputs)
@@ -116,27 +122,31 @@ def test_skipped_experts_contribute_their_mean_on_the_tokens_that_skip_them():
 
 
 def test_router_is_fitted_not_random():
-    """The router picks the experts that matter: the top-k of each expert's importance on the calibration tokens."""
-    from moelens.compress.fit import importance
-    from moelens.compress.targets import ffn_site
+    """The router picks the experts that matter: the top-k of each expert's importance on the calibration tokens.
 
+    An expert's importance for a token: the norm of its neurons' centred contribution to the dense output,
+    ``||down_e (h_e(x) - mean h_e)||``.
+    """
     dense = llama(hidden_size=64, intermediate_size=256)
     tokens = ids(16, 32)
-    inputs = capture(dense, batches(tokens), {"mlp": dense.model.layers[0].mlp})["mlp"]
+    mlp = dense.model.layers[0].mlp
+    inputs = inputs_of(dense, mlp, tokens)
     converted, stats = convert(dense, num_experts=8, top_k=2, calibration=tokens, refit=False)
     block = converted.model.layers[0].mlp
-    layer = ffn_site(dense, "model.layers.0.mlp", dense.model.layers[0].mlp).read()
-    labels = torch.full((256,), -1)
-    for expert, neurons in enumerate(block.neuron_index):
-        labels[neurons[neurons >= 0]] = expert
-    truth = importance(layer, layer.hidden(inputs), labels, 8)
     with torch.no_grad():
+        activations = F.silu(mlp.gate_proj(inputs)) * mlp.up_proj(inputs)
+        centred = activations - activations.mean(0)
+        importance = []
+        for neurons in block.neuron_index:
+            neurons = neurons[neurons >= 0]
+            importance.append((centred[:, neurons] @ mlp.down_proj.weight[:, neurons].T).norm(dim=1))
+        truth = torch.stack(importance, dim=1)
         chosen = block.router(inputs)[2]
         best = torch.topk(truth, 2, dim=-1).indices
         agreement = (chosen[:, :, None] == best[:, None, :]).any(-1).float().mean()
         print(f"router agrees with the importance top-2 on {agreement:.0%} of slots (random: 25%)")
         assert agreement > 0.5
-        target = dense.model.layers[0].mlp(inputs)
+        target = mlp(inputs)
         fitted = block(inputs)
         block.router.weight.copy_(torch.randn_like(block.router.weight))
         random = block(inputs)
@@ -152,8 +162,8 @@ def test_shared_neurons_are_always_active_and_the_most_active():
     block = converted.model.layers[0].mlp
     assert block.shared_experts.num_neurons == 8 and stats.converted[0].shared_neurons == 8
     assert sorted(stats.converted[0].expert_sizes) == [14, 14, 14, 14]
-    inputs = capture(dense, batches(tokens), {"mlp": dense.model.layers[0].mlp})["mlp"]
     mlp = dense.model.layers[0].mlp
+    inputs = inputs_of(dense, mlp, tokens)
     with torch.no_grad():
         activity = (F.silu(mlp.gate_proj(inputs)) * mlp.up_proj(inputs)).abs().mean(0) * mlp.down_proj.weight.norm(dim=0)
     assert set(block.shared_index.tolist()) == set(torch.topk(activity, 8).indices.tolist())

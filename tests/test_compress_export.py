@@ -18,15 +18,17 @@ pytest.importorskip("torch_to_nnef", reason="the export extra is not installed (
 pytest.importorskip("tract", reason="the export extra is not installed (pip install 'moelens[export]')")
 
 import moelens  # noqa: E402
-from moelens.compress import ToMoEGatedExperts, exportable, tomoe  # noqa: E402
+from moelens.compress import ToMoEGatedExperts, exportable  # noqa: E402
 from moelens.export import ExportRefused, run, to_nnef  # noqa: E402
 from test_compress_helpers import bert, gpt2, ids, llama  # noqa: E402
+from test_compress_helpers import convert as convert_with_stats  # noqa: E402
 
 ATOL, RTOL = 1e-4, 5e-4  # tract's "approximate" level in float32
 
 
 def convert(model, **settings):
-    return tomoe(model, calibration=ids(), max_error=None, progress=False, **settings)
+    """The model converted on the default calibration tokens (stats dropped)."""
+    return convert_with_stats(model, calibration=ids(), **settings)[0]
 
 
 def wrap(model):

@@ -8,6 +8,8 @@ import torch
 from transformers import (BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel,
                           LlamaConfig, LlamaForCausalLM)
 
+from moelens.compress import ToMoEGatedExperts, tomoe
+
 VOCAB = 128
 
 
@@ -57,10 +59,26 @@ def run(model, input_ids: torch.Tensor) -> torch.Tensor:
     return hidden(model(input_ids=input_ids))
 
 
+def convert(model, **settings):
+    """``tomoe`` keeping every layer (no error gate), without a progress bar; returns ``(converted, stats)``."""
+    settings.setdefault("max_error", None)
+    settings.setdefault("progress", False)
+    return tomoe(model, return_stats=True, **settings)
+
+
+def inputs_of(model, module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The tokens ``[T, D]`` that ``module`` receives when ``model`` runs on ``input_ids`` (a plain forward pre-hook)."""
+    seen = []
+    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    try:
+        run(model, input_ids)
+    finally:
+        handle.remove()
+    return torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
+
+
 def activation_by_hand(experts, expert: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``expert``'s hidden activations on one (padded) token ``x``, recomputed from its weights."""
-    from moelens.compress import ToMoEGatedExperts
-
     if isinstance(experts, ToMoEGatedExperts):
         size = experts.gate_up_proj.shape[1] // 2
         pre = experts.gate_up_proj[expert] @ x + experts.gate_up_proj_bias[expert]

@@ -44,7 +44,7 @@ def build_block(layer: DenseLayer, plan: Plan, settings: ExpertsSettings, *, blo
     act = nn.Identity() if linear else copy.deepcopy(layer.act)
     width = max(hidden, output) if linear else output  # square experts for a non-square Linear
     experts = experts_class(gated)(settings, plan.num_experts, max(hidden, width), size, width, act)
-    down = plan.down if plan.down is not None else None
+    down = plan.down
     scatter = torch.zeros(plan.num_experts, width, size) if linear else None
     index = torch.full((plan.num_experts, size), -1, dtype=torch.long)
     for expert, neurons in enumerate(members):

@@ -27,12 +27,14 @@ from typing import Any
 
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from . import calibration as calib
 from . import targets as tg
+from .blocks import ToMoEBlock
 from .build import build_block, build_linear
 from .errors import CompressionError, NothingToConvert
-from .experts import ExpertsSettings
+from .experts import ExpertsSettings, is_tomoe_experts
 from .fit import plan_layer
 from .lora import add_lora, freeze_experts
 from .options import ToMoEOptions, resolve
@@ -155,13 +157,12 @@ class ToMoECompressor:
         return sites, skips
 
     def _ffn_skip_reason(self, site: tg.Site) -> str:
-        layer = site.read()
         options = self.options
-        if layer.neurons < tg.MIN_PER_EXPERT * options.num_experts:
-            return (f"too small: {layer.neurons} intermediate neurons for {options.num_experts} experts of at least "
+        if site.neurons < tg.MIN_PER_EXPERT * options.num_experts:
+            return (f"too small: {site.neurons} intermediate neurons for {options.num_experts} experts of at least "
                     f"{tg.MIN_PER_EXPERT}")
-        if options.shared_neurons >= layer.neurons - options.num_experts:
-            return f"shared_neurons={options.shared_neurons} leaves fewer neurons than experts ({layer.neurons} in all)"
+        if options.shared_neurons >= site.neurons - options.num_experts:
+            return f"shared_neurons={options.shared_neurons} leaves fewer neurons than experts ({site.neurons} in all)"
         site.num_experts, site.top_k = options.num_experts, options.top_k
         return ""
 
@@ -169,7 +170,7 @@ class ToMoECompressor:
                         skips: list[tg.Skip]) -> None:
         options = self.options
         tied = tg.shared_weights(model)
-        candidates: list[tuple[str, nn.Module]] = []
+        candidates: list[tuple[str, nn.Module, int]] = []  # name, module, outputs
         for name, module in model.named_modules():
             if not name or not tg.is_linear(module) or ".base_layer" in name or "lora_" in name:
                 continue
@@ -178,15 +179,13 @@ class ToMoECompressor:
             wanted = (options.target_attention_only and tg.in_attention(name)) or (
                 options.target_modules is not None and tg.matches(name, options.target_modules))
             if wanted:
-                candidates.append((name, module))
+                candidates.append((name, module, tg.linear_shape(module)[0]))
         widest: dict[str, int] = {}
-        for name, module in candidates:
+        for name, _, out in candidates:
             parent = name.rpartition(".")[0]
-            out = tg.linear_weights(module)[0].shape[0]
             if tg.in_attention(name) and not tg.protected_reason(name) and name.rpartition(".")[2] not in tg.FUSED_QKV:
                 widest[parent] = max(widest.get(parent, 0), out)
-        for name, module in candidates:
-            out = tg.linear_weights(module)[0].shape[0]
+        for name, module, out in candidates:
             parent = name.rpartition(".")[0]
             experts, k = tg.narrow_experts(out, widest.get(parent, out), options.num_experts, options.top_k)
             reason = tg.linear_skip_reason(name, module, tied, experts)
@@ -221,10 +220,10 @@ class ToMoECompressor:
             return
         reference = next(site.reference.parameters())
         original = site.original_parameters
-        if site.kind == "linear":
-            weight, _, transposed = tg.linear_weights(site.parts[0] if site.peft is None else site.peft)
-            block = build_linear(layer, plan, settings, in_features=weight.shape[1], out_features=weight.shape[0],
-                                 transposed=transposed, dtype=reference.dtype, device=reference.device)
+        if site.kind == "linear":  # the layer's up projection is the Linear's weight [out, in]
+            block = build_linear(layer, plan, settings, in_features=layer.hidden_size, out_features=layer.neurons,
+                                 transposed=tg.is_transposed(site.parts[0]), dtype=reference.dtype,
+                                 device=reference.device)
         else:
             block = build_block(layer, plan, settings, block_class=site.block_class, dropout=site.dropout,
                                 dtype=reference.dtype, device=reference.device)
@@ -244,8 +243,6 @@ class ToMoECompressor:
 
 
 def _inside_converted(module: nn.Module) -> bool:
-    from .blocks import ToMoEBlock
-
     return isinstance(module, ToMoEBlock)
 
 
@@ -308,14 +305,10 @@ def inject_tomoe(model: nn.Module | None = None, **kwargs: Any) -> nn.Module | N
 
 def set_experts_implementation(model: nn.Module, implementation: str) -> nn.Module:
     """Run every converted block of ``model`` with ``implementation`` (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` ...)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
     if implementation != "eager" and implementation not in ALL_EXPERTS_FUNCTIONS:
         raise CompressionError(
             f"unknown experts implementation {implementation!r}; known: eager, {', '.join(ALL_EXPERTS_FUNCTIONS)}."
         )
-    from .experts import is_tomoe_experts
-
     for module in model.modules():
         if is_tomoe_experts(module):
             module.config._experts_implementation = implementation

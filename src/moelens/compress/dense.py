@@ -56,12 +56,6 @@ class DenseLayer:
     def output_size(self) -> int:
         return self.down_bias.shape[0]
 
-    def down_matrix(self) -> Float[Tensor, "o n"]:
-        """The down projection (an identity for a Linear layer)."""
-        if self.down is not None:
-            return self.down
-        return torch.eye(self.neurons, dtype=self.up.dtype)
-
     def down_norms(self) -> Float[Tensor, " n"]:
         """How much one unit of each neuron's activation moves the output: ``||down[:, i]||``."""
         return self.down.norm(dim=0) if self.down is not None else torch.ones(self.neurons)
@@ -75,9 +69,8 @@ class DenseLayer:
         return self.act(x @ self.gate.T + self.gate_bias) * up
 
     @torch.no_grad()
-    def output(self, x: Float[Tensor, "t d"]) -> Float[Tensor, "t o"]:
-        """The dense layer's output on ``x``."""
-        hidden = self.hidden(x)
+    def project(self, hidden: Float[Tensor, "t n"]) -> Float[Tensor, "t o"]:
+        """The dense layer's output from its neurons' activations (a Linear's neurons are its outputs)."""
         if self.down is None:
             return hidden
         return hidden @ self.down.T + self.down_bias

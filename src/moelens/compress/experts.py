@@ -77,10 +77,6 @@ class _Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, output_size))
         self.act_fn = act_fn
 
-    @property
-    def intermediate_size(self) -> int:
-        return self.intermediate_dim
-
     def activations(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n i"]:
         raise NotImplementedError
 
@@ -98,7 +94,8 @@ class ToMoEGatedExperts(_Experts):
 
     Attributes:
         num_experts: E.
-        intermediate_size: I, neurons per expert (smaller experts are zero-padded).
+        hidden_dim: D, the input width.
+        intermediate_dim: I, neurons per expert (smaller experts are zero-padded).
         gate_up_proj: ``[E, 2I, D]``, the gate rows then the up rows of each expert.
         gate_up_proj_bias: ``[E, 2I]``.
         down_proj: ``[E, D_out, I]``.
@@ -125,7 +122,8 @@ class ToMoEExperts(_Experts):
 
     Attributes:
         num_experts: E.
-        intermediate_size: I, neurons per expert (smaller experts are zero-padded).
+        hidden_dim: D, the input width.
+        intermediate_dim: I, neurons per expert (smaller experts are zero-padded).
         up_proj: ``[E, I, D]``.
         up_proj_bias: ``[E, I]``.
         down_proj: ``[E, D_out, I]``.

@@ -61,6 +61,5 @@ def exportable(model: nn.Module) -> nn.Module:
     model = merge_lora(copy.deepcopy(model))
     for name, module in list(model.named_modules()):
         if type(module) is ToMoEExperts:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, gated_form(module))
+            model.set_submodule(name, gated_form(module))
     return model

@@ -66,7 +66,7 @@ class Plan:
         constant: ``[D_out]`` the always-added output (dense bias + compensations).
         error: Relative reconstruction error on held-out calibration tokens, or None without data.
         error_tokens: How many tokens the error was measured on.
-        calibrated: Whether calibration data was used.
+        notes: What is worth knowing about the conversion (no calibration data ...).
     """
 
     num_experts: int
@@ -81,7 +81,6 @@ class Plan:
     down: Float[Tensor, "o n"] | None = None
     error: float | None = None
     error_tokens: int = 0
-    calibrated: bool = False
     notes: list[str] = field(default_factory=list)
 
     def members(self, expert: int) -> Int[Tensor, " m"]:
@@ -161,13 +160,16 @@ def select(logits: Float[Tensor, "t e"], k: int) -> Bool[Tensor, "t e"]:
 def conditional_means(layer: DenseLayer, hidden: Tensor, labels: Tensor, selected: Tensor,
                       num_experts: int) -> Float[Tensor, "e o"]:
     """Each expert's mean output contribution over the tokens that skip it (0 where none does)."""
-    down = layer.down_matrix()
-    means = hidden.new_zeros(num_experts, down.shape[0])
+    means = hidden.new_zeros(num_experts, layer.output_size)
     for expert in range(num_experts):
         skipped = ~selected[:, expert]
         if skipped.any():
             members = torch.nonzero(labels == expert).flatten()
-            means[expert] = hidden[skipped][:, members].mean(0) @ down[:, members].T
+            mean = hidden[skipped][:, members].mean(0)
+            if layer.linear:  # the neurons are the outputs
+                means[expert, members] = mean
+            else:
+                means[expert] = mean @ layer.down[:, members].T
     return means
 
 
@@ -185,8 +187,10 @@ def routed_output(layer: DenseLayer, plan: Plan, x: Float[Tensor, "t d"],
     hidden = layer.hidden(x) if hidden is None else hidden
     logits = x @ plan.router_weight.T + plan.router_bias
     selected = select(logits, plan.top_k)
-    down = plan.down if plan.down is not None else layer.down_matrix()
-    return (hidden * neuron_mask(selected, plan.labels)) @ down.T + selected.float() @ plan.expert_bias + plan.constant
+    routed = hidden * neuron_mask(selected, plan.labels)
+    if plan.down is not None:  # a Linear layer's neurons are its outputs
+        routed = routed @ plan.down.T
+    return routed + selected.float() @ plan.expert_bias + plan.constant
 
 
 def relative_error(predicted: Tensor, target: Tensor) -> float:
@@ -210,13 +214,12 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
         return _plan_from_weights(layer, num_experts, top_k, shared, routed_index, seed)
 
     fit_rows, check_rows = _split(x.shape[0], seed)
-    target = hidden @ layer.down.T + layer.down_bias if layer.down is not None else hidden
-    labels = torch.full((count,), -1, dtype=torch.long)
-    groups = partition.balanced_kmeans(neuron_features(layer, hidden[fit_rows], routed_index, seed), num_experts,
-                                       seed=seed)
-    labels[routed_index] = groups
-
+    target = layer.project(hidden)
     fit_x, fit_hidden, fit_target = x[fit_rows], hidden[fit_rows], target[fit_rows]
+    labels = torch.full((count,), -1, dtype=torch.long)
+    labels[routed_index] = partition.balanced_kmeans(neuron_features(layer, fit_hidden, routed_index, seed),
+                                                     num_experts, seed=seed)
+
     ones = torch.ones(fit_x.shape[0], 1)
     wanted = select(importance(layer, fit_hidden, labels, num_experts), top_k).float()
     router = _ridge(torch.cat([fit_x, ones], 1), wanted, ROUTER_RIDGE)
@@ -224,25 +227,29 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
     predicted = fit_x @ router_weight.T + router_bias
     selected = select(predicted, top_k)
 
+    down = _dense_down(layer)
     if top_k >= num_experts:
         expert_bias = fit_x.new_zeros(num_experts, layer.output_size)
         constant = layer.down_bias.clone()
-        down = None if layer.linear else layer.down.clone()
     else:
         means = conditional_means(layer, fit_hidden, labels, selected, num_experts)
         expert_bias, constant = -means, layer.down_bias + means.sum(0)
-        down = None if layer.linear else layer.down.clone()
         if refit and not layer.linear:
             down, expert_bias, constant = _refit(fit_hidden, fit_target, labels, selected, down, expert_bias, constant)
 
-    kth = torch.topk(predicted, top_k, dim=1).values[:, -1]
-    offset = max(MIN_SELECTED_LOGIT, MIN_SELECTED_LOGIT - float(kth.min()))
+    lowest = float(predicted[selected].min())  # the smallest selected logit
+    offset = max(MIN_SELECTED_LOGIT, MIN_SELECTED_LOGIT - lowest)
     plan = Plan(num_experts, top_k, labels, shared, router_weight, router_bias, offset, expert_bias, constant,
-                down=down, calibrated=True)
+                down=down)
     rows = check_rows if check_rows is not None else fit_rows
     plan.error = relative_error(routed_output(layer, plan, x[rows], hidden[rows]), target[rows])
     plan.error_tokens = int(rows.numel())
     return plan
+
+
+def _dense_down(layer: DenseLayer) -> Tensor | None:
+    """A copy of the dense down projection for the plan (None for a Linear layer)."""
+    return None if layer.linear else layer.down.clone()
 
 
 def _split(tokens: int, seed: int) -> tuple[Tensor, Tensor | None]:
@@ -278,6 +285,6 @@ def _plan_from_weights(layer: DenseLayer, num_experts: int, top_k: int, shared: 
         num_experts, top_k, labels, shared, router_weight=centroids, router_bias=torch.zeros(num_experts),
         offset=WEIGHTS_ONLY_OFFSET,
         expert_bias=torch.zeros(num_experts, layer.output_size), constant=layer.down_bias.clone(),
-        down=None if layer.linear else layer.down.clone(), calibrated=False,
+        down=_dense_down(layer),
         notes=["no calibration data: weight clustering, centroid router, no compensation, error not measured"],
     )

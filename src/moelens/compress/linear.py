@@ -43,11 +43,6 @@ class ToMoELinear(ToMoEBlock):
     transposed: bool = False
 
     @property
-    def nf(self) -> int:
-        """Conv1D's name for ``out_features``."""
-        return self.out_features
-
-    @property
     def masks(self) -> Bool[Tensor, "e o"]:
         """``[E, out_features]``: which output neurons each expert computes."""
         masks = torch.zeros(self.num_experts, self.out_features, dtype=torch.bool, device=self.neuron_index.device)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from .experts import is_tomoe_experts
+from .router import ToMoERouter
 
 
 class LoRADelta(nn.Module):
@@ -64,7 +65,7 @@ def freeze_experts(block: nn.Module) -> None:
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every LoRA adapter of the converted blocks into plain parameters (in place); returns ``model``."""
     for module in list(model.modules()):
-        if parametrize.is_parametrized(module) and (is_tomoe_experts(module) or hasattr(module, "offset")):
+        if parametrize.is_parametrized(module) and (is_tomoe_experts(module) or isinstance(module, ToMoERouter)):
             for name in list(module.parametrizations.keys()):
                 parametrize.remove_parametrizations(module, name, leave_parametrized=True)
     return model

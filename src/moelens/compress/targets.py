@@ -18,9 +18,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from .blocks import ToMoEBlock, ToMoEIntermediateBlock
 from .dense import DenseLayer
+from .linear import ToMoELinear
 
 #: Name components that mark a module as protected (never converted).
 PROTECTED = ("lm_head", "classifier", "pooler", "embed_tokens", "embeddings", "embedding", "embed", "wte", "wpe",
@@ -33,14 +35,8 @@ ATTENTION = ("attn", "attention", "self_attn", "self_attention", "crossattention
 MIN_PER_EXPERT = 2
 #: Smallest layer converted: at least this many weights.
 MIN_WEIGHTS = 256
-
-
-def conv1d_class() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover
-        return None
-    return Conv1D
+#: Why an FFN whose projections carry PEFT adapters stays dense.
+PEFT_FFN = "PEFT adapters on the FFN's projections: convert its Linear layers with target_modules to keep them"
 
 
 def is_peft_layer(module: Any) -> bool:
@@ -52,8 +48,7 @@ def is_linear(module: Any) -> bool:
     """An ``nn.Linear`` or GPT-2 ``Conv1D`` (or a PEFT layer wrapping one)."""
     if is_peft_layer(module):
         return is_linear(module.base_layer)
-    conv1d = conv1d_class()
-    return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
+    return isinstance(module, (nn.Linear, Conv1D))
 
 
 def base_of(module: nn.Module) -> nn.Module:
@@ -61,14 +56,24 @@ def base_of(module: nn.Module) -> nn.Module:
     return module.base_layer if is_peft_layer(module) else module
 
 
-def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """``(weight [out, in], bias or None, transposed)`` of a Linear / Conv1D (inside a PEFT wrapper too)."""
+def is_transposed(module: nn.Module) -> bool:
+    """The layer stores its weight ``[in, out]`` (a GPT-2 ``Conv1D``, not an ``nn.Linear``)."""
+    return not isinstance(base_of(module), nn.Linear)
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a Linear / Conv1D (inside a PEFT wrapper too), without copying weights."""
+    rows, columns = base_of(module).weight.shape
+    return (columns, rows) if is_transposed(module) else (rows, columns)
+
+
+def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight [out, in], bias [out])`` float32 copies of a Linear / Conv1D (zeros for a layer without bias)."""
     base = base_of(module)
-    transposed = not isinstance(base, nn.Linear)
     weight = base.weight.detach().float()
-    weight = weight.T if transposed else weight
-    bias = base.bias.detach().float() if getattr(base, "bias", None) is not None else None
-    return weight, bias, transposed
+    weight = weight.T if is_transposed(module) else weight
+    bias = base.bias.detach().float() if getattr(base, "bias", None) is not None else torch.zeros(weight.shape[0])
+    return weight, bias
 
 
 @dataclass
@@ -80,8 +85,9 @@ class Site:
         kind: ``"swiglu"``, ``"bert"``, ``"gpt2"`` (FFN blocks) or ``"linear"``.
         hook: The module whose input is the layer's input (calibration is captured there).
         parts: The dense modules the conversion replaces (their parameters are the "original" count).
-        read: Builds the `DenseLayer` view.
+        read: Builds the `DenseLayer` view (float32 copies of the weights).
         install: Puts the converted module in place.
+        neurons: The dense layer's neurons: intermediate neurons (FFN) or outputs (Linear).
         block_class: The block class to build.
         dropout: The dense block's output dropout, kept in the converted block (GPT-2).
         peft: The PEFT wrapper staying around the converted layer (Linear sites), or None.
@@ -94,6 +100,7 @@ class Site:
     parts: list[nn.Module]
     read: Callable[[], DenseLayer]
     install: Callable[[nn.Module], None]
+    neurons: int
     block_class: type = ToMoEBlock
     dropout: nn.Module | None = None
     peft: nn.Module | None = None
@@ -126,17 +133,22 @@ class Skip:
     reason: str
 
 
-def _setter(parent: nn.Module, child: str) -> Callable[[nn.Module], None]:
-    return lambda module: setattr(parent, child, module)
-
-
-def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    parent, _, child = name.rpartition(".")
-    return (model.get_submodule(parent) if parent else model), child
+def _setter(model: nn.Module, name: str) -> Callable[[nn.Module], None]:
+    return lambda module: model.set_submodule(name, module)
 
 
 def _tuned(*modules: nn.Module) -> bool:
     return any(is_peft_layer(module) for module in modules)
+
+
+def _plain_ffn(up: nn.Module, down: nn.Module, act: nn.Module) -> Callable[[], DenseLayer]:
+    """The reader of a plain FFN ``down(act(up(x)))`` (BERT, GPT-2)."""
+    def read() -> DenseLayer:
+        up_w, up_b = linear_weights(up)
+        down_w, down_b = linear_weights(down)
+        return DenseLayer(up=up_w, up_bias=up_b, down=down_w, down_bias=down_b, act=act)
+
+    return read
 
 
 def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | None:
@@ -147,21 +159,16 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
         if not all(is_linear(m) for m in (gate, up, down)):
             return None
         if _tuned(gate, up, down):
-            return Skip(name, "PEFT adapters on the FFN's projections: convert its Linear layers with target_modules "
-                              "to keep them")
+            return Skip(name, PEFT_FFN)
 
         def read_swiglu() -> DenseLayer:
-            gate_w, gate_b, _ = linear_weights(gate)
-            up_w, up_b, _ = linear_weights(up)
-            down_w, down_b, _ = linear_weights(down)
-            zeros = torch.zeros(up_w.shape[0])
-            return DenseLayer(up=up_w, up_bias=up_b if up_b is not None else zeros, gate=gate_w,
-                              gate_bias=gate_b if gate_b is not None else zeros, down=down_w,
-                              down_bias=down_b if down_b is not None else torch.zeros(down_w.shape[0]),
+            gate_w, gate_b = linear_weights(gate)
+            up_w, up_b = linear_weights(up)
+            down_w, down_b = linear_weights(down)
+            return DenseLayer(up=up_w, up_bias=up_b, gate=gate_w, gate_bias=gate_b, down=down_w, down_bias=down_b,
                               act=module.act_fn)
 
-        parent, child = _parent(model, name)
-        return Site(name, "swiglu", module, [module], read_swiglu, _setter(parent, child))
+        return Site(name, "swiglu", module, [module], read_swiglu, _setter(model, name), linear_shape(up)[0])
     if "gate_up_proj" in children and "down_proj" in children and is_linear(children["gate_up_proj"]):
         return Skip(name, "fused gate_up_proj FFN (one Linear for gate and up): not supported")
     intermediate, output = children.get("intermediate"), children.get("output")
@@ -170,39 +177,22 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
             and hasattr(output, "LayerNorm")):
         first, second = intermediate.dense, output.dense
         if _tuned(first, second):
-            return Skip(f"{name}.intermediate", "PEFT adapters on the FFN's projections: convert its Linear layers "
-                                                "with target_modules to keep them")
-
-        def read_bert() -> DenseLayer:
-            up_w, up_b, _ = linear_weights(first)
-            down_w, down_b, _ = linear_weights(second)
-            return DenseLayer(up=up_w, up_bias=up_b if up_b is not None else torch.zeros(up_w.shape[0]), down=down_w,
-                              down_bias=down_b if down_b is not None else torch.zeros(down_w.shape[0]),
-                              act=intermediate.intermediate_act_fn)
+            return Skip(f"{name}.intermediate", PEFT_FFN)
 
         def install_bert(block: nn.Module) -> None:
             module.intermediate = block
             output.dense = nn.Identity()
 
-        return Site(f"{name}.intermediate", "bert", intermediate, [intermediate, second], read_bert, install_bert,
-                    block_class=ToMoEIntermediateBlock)
-    conv1d = conv1d_class()
+        return Site(f"{name}.intermediate", "bert", intermediate, [intermediate, second],
+                    _plain_ffn(first, second, intermediate.intermediate_act_fn), install_bert,
+                    linear_shape(first)[0], block_class=ToMoEIntermediateBlock)
     c_fc, c_proj = children.get("c_fc"), children.get("c_proj")
-    if (conv1d is not None and c_fc is not None and c_proj is not None and callable(getattr(module, "act", None))
+    if (c_fc is not None and c_proj is not None and callable(getattr(module, "act", None))
             and is_linear(c_fc) and is_linear(c_proj)):
         if _tuned(c_fc, c_proj):
-            return Skip(name, "PEFT adapters on the FFN's projections: convert its Linear layers with target_modules "
-                              "to keep them")
-
-        def read_gpt2() -> DenseLayer:
-            up_w, up_b, _ = linear_weights(c_fc)
-            down_w, down_b, _ = linear_weights(c_proj)
-            return DenseLayer(up=up_w, up_bias=up_b if up_b is not None else torch.zeros(up_w.shape[0]), down=down_w,
-                              down_bias=down_b if down_b is not None else torch.zeros(down_w.shape[0]), act=module.act)
-
-        parent, child = _parent(model, name)
-        return Site(name, "gpt2", module, [module], read_gpt2, _setter(parent, child),
-                    dropout=getattr(module, "dropout", None))
+            return Skip(name, PEFT_FFN)
+        return Site(name, "gpt2", module, [module], _plain_ffn(c_fc, c_proj, module.act), _setter(model, name),
+                    linear_shape(c_fc)[0], dropout=getattr(module, "dropout", None))
     return None
 
 
@@ -211,22 +201,18 @@ def linear_site(model: nn.Module, name: str, module: nn.Module) -> Site:
     peft = module if is_peft_layer(module) else None
 
     def read_linear() -> DenseLayer:
-        weight, bias, _ = linear_weights(module)
-        out = weight.shape[0]
-        return DenseLayer(up=weight, up_bias=bias if bias is not None else torch.zeros(out),
-                          down_bias=torch.zeros(out), act=nn.Identity())
+        weight, bias = linear_weights(module)
+        return DenseLayer(up=weight, up_bias=bias, down_bias=torch.zeros(weight.shape[0]), act=nn.Identity())
 
     if peft is not None:
         def install(block: nn.Module) -> None:
             peft.base_layer = block
         hook = peft.base_layer
     else:
-        parent, child = _parent(model, name)
-        install = _setter(parent, child)
+        install = _setter(model, name)
         hook = module
-    from .linear import ToMoELinear
-
-    return Site(name, "linear", hook, [base_of(module)], read_linear, install, block_class=ToMoELinear, peft=peft)
+    return Site(name, "linear", hook, [base_of(module)], read_linear, install, linear_shape(module)[0],
+                block_class=ToMoELinear, peft=peft)
 
 
 def _components(name: str) -> list[str]:
@@ -279,9 +265,8 @@ def linear_skip_reason(name: str, module: nn.Module, tied: dict[int, list[str]],
         others = sorted({o for o in owners if o != name and not o.startswith(name + ".")})
         if others:
             return f"tied weights (shared with {', '.join(others)})"
-    weight, _, _ = linear_weights(module)
-    out_features, in_features = weight.shape
-    if out_features < MIN_PER_EXPERT * num_experts or weight.numel() < MIN_WEIGHTS:
+    out_features, in_features = linear_shape(module)
+    if out_features < MIN_PER_EXPERT * num_experts or out_features * in_features < MIN_WEIGHTS:
         return f"too small ({in_features} -> {out_features}) for {num_experts} experts of at least {MIN_PER_EXPERT} outputs"
     return ""
 
