@@ -20,6 +20,12 @@ from ..families import Family, registry
 from . import served as serving
 
 
+def layer_of(path: str) -> int | None:
+    """The decoder layer index in a module path: its last integer component (None when it has none)."""
+    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", path)
+    return int(numbers[-1]) if numbers else None
+
+
 class Component(Envoy):
     """Base of moelens' block envoys: family, layer, and checked value access."""
 
@@ -31,8 +37,7 @@ class Component(Envoy):
     @cached_property
     def layer(self) -> int | None:
         """Index of the decoder layer this block belongs to (the last integer in its path)."""
-        numbers = re.findall(r"\.(\d+)(?=\.|$)", self.path)
-        return int(numbers[-1]) if numbers else None
+        return layer_of(self.path)
 
     @property
     def model(self) -> Envoy:

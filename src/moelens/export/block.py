@@ -26,6 +26,8 @@ class TractMoeFfn(torch.nn.Module):
         quantize: ``"q4_0"`` to store w1/w2/w3 as tract Q4_0, or None.
         layout: ``"canonical"`` (w1/w3 [E, D, H], w2 [E, H, D]) or ``"linear"``
             (w1/w3 [E, H, D], w2 [E, D, H]).
+        stored: The expert weights as the extractor wrote them, by name: (the spec tensor
+            they came from, the stored data), kept so the export's check reuses the Q4_0 data.
     """
 
     def __init__(self, spec: MoeSpec, quantize: str | None = None, layout: str = "canonical") -> None:
@@ -33,6 +35,7 @@ class TractMoeFfn(torch.nn.Module):
         self.spec = spec
         self.quantize = quantize
         self.layout = layout
+        self.stored: dict[str, tuple[Tensor, Any]] = {}
 
     def forward(self, hidden_states: Float[Tensor, "*tokens d"]) -> Float[Tensor, "*tokens d"]:
         return self.spec.routed(hidden_states)

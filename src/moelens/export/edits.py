@@ -66,18 +66,14 @@ class Edits:
     force: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Normalise: int layers, tuples of int experts, float biases.
-        object.__setattr__(self, "ablate", {int(k): _experts(v) for k, v in dict(self.ablate).items() if _experts(v)})
-        object.__setattr__(
-            self, "route_around", {int(k): _experts(v) for k, v in dict(self.route_around).items() if _experts(v)}
-        )
-        object.__setattr__(self, "force", {int(k): _experts(v) for k, v in dict(self.force).items() if _experts(v)})
-        object.__setattr__(
-            self, "steer", {int(k): {int(e): float(b) for e, b in dict(v).items()} for k, v in dict(self.steer).items() if v}
-        )
-        object.__setattr__(
-            self, "swap", {int(k): {int(e): int(t) for e, t in dict(v).items()} for k, v in dict(self.swap).items() if v}
-        )
+        # Normalise: int layers, tuples of int experts, float biases; layers with nothing to do dropped.
+        for kind in ("ablate", "route_around", "force"):
+            listed = {int(layer): _experts(experts) for layer, experts in dict(getattr(self, kind)).items()}
+            object.__setattr__(self, kind, {layer: experts for layer, experts in listed.items() if experts})
+        for kind, cast in (("steer", float), ("swap", int)):
+            mapped = {int(layer): {int(e): cast(v) for e, v in dict(values).items()}
+                      for layer, values in dict(getattr(self, kind)).items()}
+            object.__setattr__(self, kind, {layer: values for layer, values in mapped.items() if values})
         for layer, biases in self.steer.items():
             bad = [e for e, b in biases.items() if not math.isfinite(b)]
             if bad:
@@ -138,7 +134,7 @@ class Edits:
         layer = spec.layer
         if layer not in self.layers():
             return spec
-        spec = spec.clone()
+        source, spec = spec, spec.clone()
         biases = self.steer.get(layer, {})
         removed = self.route_around.get(layer, ())
         if biases or removed:
@@ -148,11 +144,10 @@ class Edits:
             for expert in removed:
                 wg_bias[expert] = -math.inf
             spec.wg_bias = wg_bias
-        originals = {name: getattr(spec, name).clone() for name in ("w1", "w2", "w3", "w1_bias", "w3_bias", "w2_bias")
-                     if getattr(spec, name) is not None}
-        for expert, to in self.swap.get(layer, {}).items():
-            for name, tensor in originals.items():
-                getattr(spec, name)[expert] = tensor[to]
+        for expert, to in self.swap.get(layer, {}).items():  # from the unedited source: swaps do not chain
+            for name in ("w1", "w2", "w3", "w1_bias", "w3_bias", "w2_bias"):
+                if getattr(source, name) is not None:
+                    getattr(spec, name)[expert] = getattr(source, name)[to]
         for expert in self.ablate.get(layer, ()):
             spec.w2[expert] = 0.0
             if spec.w2_bias is not None:

@@ -138,7 +138,7 @@ def to_nnef(
     if verify:
         from .verification import check_export
 
-        report.verification = check_export(path, model, prepared, inputs)
+        report.verification = check_export(path, target, prepared, inputs, edits, quantize_experts)
     return report
 
 
@@ -164,7 +164,11 @@ def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     parameters = inspect.signature(model.forward).parameters
     keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     flags = {flag: False for flag in OFF_FLAGS if flag in parameters or keywords}
-    output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **flags)
+    return output_tensor(model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **flags))
+
+
+def output_tensor(output: Any) -> torch.Tensor:
+    """The logits of a transformers model's output (or its last hidden state, or its first item)."""
     for name in ("logits", "last_hidden_state"):
         value = getattr(output, name, None)
         if value is not None:
@@ -256,17 +260,17 @@ def output_name(target: Target) -> str:
     return "mlp_output" if target.kind == "block" else "logits"
 
 
-def default_inputs(target: Target, tokens: int = 8, seed: int = 0) -> torch.Tensor:
-    """Seeded example inputs: ``[1, tokens]`` token ids (never 0..2) or ``[1, tokens, D]`` hidden states."""
+def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    """Seeded example inputs: ``[batch, tokens]`` token ids (never 0..2) or ``[batch, tokens, D]`` hidden states."""
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":
         from ..families.entry import get_path
 
         router = get_path(target.module, target.family.router)
         hidden = next(p.shape[-1] for p in router.parameters() if p.dim() == 2)
-        return torch.randn(1, tokens, hidden, generator=generator)
+        return torch.randn(batch, tokens, hidden, generator=generator)
     vocab = int(getattr(getattr(target.module, "config", None), "vocab_size", None) or 128)
-    return torch.randint(3, vocab, (1, tokens), generator=generator)
+    return torch.randint(3, vocab, (batch, tokens), generator=generator)
 
 
 def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:

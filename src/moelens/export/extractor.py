@@ -38,18 +38,30 @@ def stored(name: str, tensor: torch.Tensor, quantize: str | None, layout: str) -
     return tensor
 
 
-def dequantized(spec: MoeSpec, quantize: str | None, layout: str) -> MoeSpec:
-    """The spec with each expert weight replaced by what the archive stores (dequantized)."""
-    if quantize is None:
-        return spec
+def stored_weight(module: TractMoeFfn, name: str) -> Any:
+    """`stored` of one of the module's expert weights, kept on the module (`TractMoeFfn.stored`).
+
+    Quantizing is deterministic, so the data written to the archive is reused (by `dequantized`)
+    as long as the spec still holds the tensor it came from.
+    """
+    tensor = getattr(module.spec, name)
+    kept = module.stored.get(name)
+    if kept is None or kept[0] is not tensor:
+        kept = module.stored[name] = (tensor, stored(name, tensor, module.quantize, module.layout))
+    return kept[1]
+
+
+def dequantized(module: TractMoeFfn) -> MoeSpec:
+    """The module's spec with each expert weight replaced by what the archive stores (dequantized)."""
+    if module.quantize is None:
+        return module.spec
     weights = {}
     for name in EXPERT_WEIGHTS:
-        tensor = getattr(spec, name)
-        if tensor is None:
+        if getattr(module.spec, name) is None:
             continue
-        value = stored(name, tensor, quantize, layout).decompress().to(torch.float32)
-        weights[name] = value.transpose(-1, -2).contiguous() if layout == "linear" else value
-    return spec.with_weights(**weights)
+        value = stored_weight(module, name).decompress().to(torch.float32)
+        weights[name] = value.transpose(-1, -2).contiguous() if module.layout == "linear" else value
+    return module.spec.with_weights(**weights)
 
 
 def op_inputs(spec: MoeSpec) -> list[tuple[str, torch.Tensor]]:
@@ -94,7 +106,7 @@ class TractMoeFfnExtractor(ModuleInfoExtractor):
         prefix = node.outputs[0].name
 
         def variable(name: str, tensor: torch.Tensor):
-            data = stored(name, tensor, module.quantize, module.layout)
+            data = stored_weight(module, name) if name in EXPERT_WEIGHTS else tensor
             if module.quantize and name in EXPERT_WEIGHTS:
                 data.nnef_name = f"{prefix}_{name}"  # a quantized tensor is written under this name
             return helper.get_or_add_tensor_variable_in_nnef(

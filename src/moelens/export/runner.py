@@ -10,8 +10,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .errors import ExportError
-
-from .tract_cli import TOLERANCES, meets
+from .tract_cli import TOLERANCES, load_runnable, meets
 
 #: The oldest tract with tract_moe_ffn.
 MIN_TRACT_VERSION = "0.23.9"
@@ -35,7 +34,6 @@ def tract_module() -> Any:
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
-
 
 
 def tolerance_met(actual: np.ndarray, expected: np.ndarray) -> str | None:
@@ -94,13 +92,12 @@ def run_isolated(path: str | Path, inputs: Sequence[np.ndarray]) -> list[np.ndar
 
 def load(path: str | Path) -> Loaded:
     """Load an NNEF archive (``.nnef.tgz``, ``.nnef.tar`` or a folder) into tract with its transformers ops."""
-    tract = tract_module()
+    tract_module()
     path = Path(path)
     if not path.exists():
         raise ExportError(f"no NNEF archive at {path}.")
-    model = tract.nnef().with_tract_transformers().with_tract_extra().load(str(path))
-    names = [model.input_name(index) for index in range(model.input_count())]
-    return Loaded(model.into_runnable(), names, properties(path))
+    runnable, names = load_runnable(path)
+    return Loaded(runnable, names, properties(path))
 
 
 def properties(path: str | Path) -> dict[str, str]:

@@ -119,22 +119,19 @@ class MoeSpec:
         gate = torch.einsum("...d,edh->...eh", x, self.w1)
         if self.w1_bias is not None:
             gate = gate + self.w1_bias
-        if self.act_limit is not None:
+        up = None
+        if self.w3 is not None:
             up = torch.einsum("...d,edh->...eh", x, self.w3)
             if self.w3_bias is not None:
                 up = up + self.w3_bias
+        if self.act_limit is not None:  # gpt-oss's clamped SwiGLU (always gated)
             gate = gate.clamp(max=self.act_limit)
             up = up.clamp(min=-self.act_limit, max=self.act_limit)
             hidden = (up + 1) * gate * torch.sigmoid(gate * self.act_alpha)
         else:
             act = {"swiglu": F.silu, "silu": F.silu, "relu": F.relu,
                    "gelu": lambda t: F.gelu(t, approximate="tanh")}[self.activation]
-            hidden = act(gate)
-            if self.w3 is not None:
-                up = torch.einsum("...d,edh->...eh", x, self.w3)
-                if self.w3_bias is not None:
-                    up = up + self.w3_bias
-                hidden = hidden * up
+            hidden = act(gate) if up is None else act(gate) * up
         out = torch.einsum("...eh,ehd->...ed", hidden, self.w2)
         if self.w2_bias is not None:
             out = out + self.w2_bias

@@ -110,8 +110,13 @@ def rows(families: Iterable[Family] | None = None, *, check_tiny: bool = True) -
 
 def support_table(families: Iterable[Family] | None = None) -> str:
     """The markdown table of which families export (see the module docstring)."""
+    return render(rows(families))
+
+
+def render(table: Iterable[Row]) -> str:
+    """The markdown table of ``table``'s rows."""
     lines = [HEADER.rstrip("\n")]
-    for row in rows(families):
+    for row in table:
         cells = [row.family, f"**{row.exports}**", row.gate, row.experts, row.shared, row.note.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -10,13 +10,13 @@ block.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..components import Moe
+from ..components.base import layer_of
 from ..families import Family, registry
 from ..model import discover
 from .errors import ExportError, ExportRefused
@@ -50,12 +50,6 @@ class Target:
     @property
     def family(self) -> Family:
         return self.blocks[0].family
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer index in a module name (its last integer component)."""
-    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
-    return int(numbers[-1]) if numbers else None
 
 
 def resolve(model: Any) -> Target:

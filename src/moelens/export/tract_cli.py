@@ -22,6 +22,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,10 +53,11 @@ def meets(actual, expected, level: str) -> bool:
     return a.size == 0 or (1.0 - ok.mean()) <= outliers
 
 
-def _load(path: str):
+def load_runnable(path: str | Path) -> tuple[Any, list[str]]:
+    """An archive loaded into tract with its transformers ops: the runnable and its input names."""
     import tract
 
-    model = tract.nnef().with_tract_transformers().with_tract_extra().load(path)
+    model = tract.nnef().with_tract_transformers().with_tract_extra().load(str(path))
     names = [model.input_name(index) for index in range(model.input_count())]
     return model.into_runnable(), names
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               f"are supported, got {argv}", file=sys.stderr)
         return 2
     try:
-        runnable, names = _load(argv[0])
+        runnable, names = load_runnable(argv[0])
         bundle = np.load(_option(argv, "--input-from-bundle"))
         arrays = [bundle[name] if name in bundle.files else bundle[bundle.files[i]] for i, name in enumerate(names)]
         outputs = [o.to_numpy() for o in runnable.run([np.ascontiguousarray(a) for a in arrays])]

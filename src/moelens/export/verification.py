@@ -75,7 +75,7 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | None = None, *, 
     if inputs is None:
         inputs = _default_inputs(path, target)
     actual = run(path, inputs)
-    expected, reference = torch_reference(target, model, inputs, edits)
+    expected, reference = torch_reference(target, inputs, edits)
     return _compare(actual, expected, reference)
 
 
@@ -87,7 +87,7 @@ def _compare(actual: np.ndarray, expected: np.ndarray, reference: str, **details
 
 
 def _default_inputs(path: str | Path, target: Target) -> torch.Tensor:
-    """Seeded inputs of the archive's input shape (8 tokens on a symbolic axis)."""
+    """Seeded inputs of the archive's input shape (its batch and tokens; 8 tokens on a symbolic axis)."""
     import re
 
     from .archive import graph_text
@@ -95,18 +95,28 @@ def _default_inputs(path: str | Path, target: Target) -> torch.Tensor:
 
     found = re.search(r"tract_core_external\(shape = \[([^\]]*)\]", graph_text(Path(path)))
     dims = [d.strip() for d in found.group(1).split(",")] if found else []
-    token_axis = dims[-2] if target.kind == "block" and len(dims) >= 2 else (dims[1] if len(dims) > 1 else "8")
-    return default_inputs(target, tokens=int(token_axis) if token_axis.isdigit() else 8)
+    leading = dims[:-1] if target.kind == "block" else dims  # [batch,] tokens (a block's last axis is D)
+    *batch, tokens = leading or ["8"]
+    return default_inputs(target, tokens=_size(tokens, 8), batch=_size(batch[-1], 1) if batch else 1)
 
 
-def torch_reference(target: Target, model: Any, inputs: torch.Tensor, edits: Edits) -> tuple[np.ndarray, str]:
-    """The torch output an archive of ``target`` should match, and what it is."""
+def _size(dim: str, symbolic: int) -> int:
+    return int(dim) if dim.isdigit() else symbolic
+
+
+def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared: Any = None) -> tuple[np.ndarray, str]:
+    """The torch output an archive of ``target`` should match, and what it is.
+
+    ``prepared``: the export's own `Prepared` copy (`to_nnef`), which for a block with ``edits`` is
+    the reference (else it is built here).
+    """
     with torch.no_grad():
         if target.kind == "block":
             if edits:
-                from .exporter import prepare
+                if prepared is None:
+                    from .exporter import prepare
 
-                prepared = prepare(target, edits=edits)
+                    prepared = prepare(target, edits=edits)
                 return prepared.root(inputs.float()).numpy(), "the edited block in tract's maths (torch)"
             block = _float_module(target.module)
             from .block import block_output
@@ -116,48 +126,48 @@ def torch_reference(target: Target, model: Any, inputs: torch.Tensor, edits: Edi
             from .exporter import logits_of
 
             return logits_of(_float_module(target.module), inputs).float().numpy(), "the model (torch, float32)"
-        return _intervened(target, model, inputs, edits), "the model with the edits made by moelens in a trace"
+        return _intervened(target, inputs, edits), "the model with the edits made by moelens in a trace"
+
+
+def _is_float32(module: torch.nn.Module) -> bool:
+    return {p.dtype for p in module.parameters() if p.is_floating_point()} <= {torch.float32}
 
 
 def _float_module(module: torch.nn.Module) -> torch.nn.Module:
-    floating = {p.dtype for p in module.parameters() if p.is_floating_point()}
-    return module if floating <= {torch.float32} else copy.deepcopy(module).float()
+    return module if _is_float32(module) else copy.deepcopy(module).float()
 
 
-def _intervened(target: Target, model: Any, inputs: torch.Tensor, edits: Edits) -> np.ndarray:
+def _intervened(target: Target, inputs: torch.Tensor, edits: Edits) -> np.ndarray:
     """The logits of the model run in a moelens trace with ``edits`` made by its interventions."""
     from ..model import wrap
+    from .exporter import output_tensor
 
     wrapped = target.wrapped
-    floating = {p.dtype for p in target.module.parameters() if p.is_floating_point()}
-    if wrapped is None or not floating <= {torch.float32}:
+    if wrapped is None or not _is_float32(target.module):
         wrapped = wrap(copy.deepcopy(target.module).float().eval())  # never instrument the user's module
     with wrapped.trace(input_ids=inputs, attention_mask=torch.ones_like(inputs)):
         edits.intervene(wrapped)
         output = wrapped.output.save()
-    for name in ("logits", "last_hidden_state"):
-        value = getattr(output, name, None)
-        if value is not None:
-            return value.float().numpy()
-    return output[0].float().numpy()
+    return output_tensor(output).float().numpy()
 
 
-def check_export(path: Path, model: Any, prepared: Any, inputs: torch.Tensor) -> Verification:
-    """The check `to_nnef(verify=True)` runs; raises `ExportError` when tract misses ``approximate``."""
-    recorded = properties(path)
+def check_export(path: Path, target: Target, prepared: Any, inputs: torch.Tensor, edits: Edits,
+                 quantize: str | None) -> Verification:
+    """The check `to_nnef(verify=True)` runs on the archive it wrote from ``prepared``.
+
+    Raises `ExportError` when tract misses ``approximate``.
+    """
     actual = run(path, inputs)
-    target = resolve(model)
-    edits = Edits.from_text(recorded.get("moelens_edits", ""))
-    expected, reference = torch_reference(target, model, inputs, edits)
+    expected, reference = torch_reference(target, inputs, edits, prepared)
     result = _compare(actual, expected, reference)
-    quantized = recorded.get("moelens_quantize_experts", "none") != "none"
-    if quantized:
+    if quantize:
         # Against torch with the archive's own (dequantized Q4_0) expert weights: must be tight.
+        from .block import TractMoeFfn
         from .extractor import dequantized
 
         for module in prepared.root.modules():
-            if hasattr(module, "spec") and hasattr(module, "quantize"):
-                module.spec = dequantized(module.spec, module.quantize, module.layout)
+            if isinstance(module, TractMoeFfn):
+                module.spec = dequantized(module)
         with torch.no_grad():
             own = prepared.root(inputs).float().numpy()
         export_check = _compare(actual, own, "the export's dequantized Q4_0 weights in torch")
@@ -168,7 +178,7 @@ def check_export(path: Path, model: Any, prepared: Any, inputs: torch.Tensor) ->
     if not passed:
         checked = result.details.get("export_max_abs_error", result.max_abs_error)
         raise ExportError(
-            f"{path}: tract's output differs from torch ({result.reference if not quantized else 'the Q4_0 weights'}) "
+            f"{path}: tract's output differs from torch ({result.reference if not quantize else 'the Q4_0 weights'}) "
             f"by up to {checked:.3g}, beyond tract's 'approximate' tolerance (met: {result.tolerance}). "
             "The archive was written; please report this model."
         )
