@@ -377,8 +377,51 @@ def test_dynamic_tokens_block(out):
         hidden = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():
             close(run(report.path, hidden), moe._module(hidden))
-    with pytest.raises(ExportError, match="block exports only"):
-        to_nnef(wrapped, out / "dynamic-model.nnef.tgz", dynamic_tokens=True)
+    assert report.verification.details["second_length"]["tokens"] == 2 * 8 + 3
+
+
+@pytest.mark.parametrize("family", KNOWN_TO_T2N + UNKNOWN_TO_T2N_MODELS)
+def test_dynamic_tokens_model(family, out):
+    """One archive runs every length, beyond gpt_oss' / cohere2_moe's sliding window (16) too."""
+    hf = small(family)
+    report = to_nnef(moelens.wrap(hf), out / f"dynamic-{family}.nnef.tgz", dynamic_tokens=True,
+                     example_inputs=tiny_inputs(hf, batch=2, seq=5)["input_ids"])
+    assert "extension tract_symbol S;" in archive.graph_text(report.path)
+    assert report.verification.details["second_length"]["tolerance"] in ("close", "approximate")
+    for tokens in (1, 9, 23):
+        ids = tiny_inputs(hf, batch=2, seq=tokens, seed=tokens)["input_ids"]
+        with torch.no_grad():
+            output = hf(input_ids=ids, attention_mask=torch.ones_like(ids))
+        close(run(report.path, ids), output.logits if hasattr(output, "logits") else output.last_hidden_state)
+
+
+def test_dynamic_tokens_refuses_layers_without_a_rebuilt_mask(out):
+    with pytest.raises(ExportRefused, match="linear_attention"):
+        to_nnef(moelens.wrap(small("qwen3_next")), out / "dynamic-qwen3_next.nnef.tgz", dynamic_tokens=True)
+
+
+@pytest.mark.parametrize("family, kinds", [
+    ("gpt_oss", {"full_attention", "sliding_attention"}),  # layer_types: a mask per type
+    ("mixtral", {"sliding_attention"}),  # no layer_types, a sliding_window: every layer slides
+    ("mellum", {"full_attention"}),
+])
+def test_export_masks_equal_transformers_masks(family, kinds):
+    """The tensor-op masks of a dynamic export equal transformers' own eager masks, per layer type."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    from moelens.export.masks import attention_masks, positions
+
+    config = small(family, **({"sliding_window": 4} if family == "mixtral" else {})).config
+    config._attn_implementation = "eager"
+    ids = torch.ones(2, 21, dtype=torch.long)
+    built = attention_masks(config, positions(ids))
+    masks = built if isinstance(built, dict) else {next(iter(kinds)): built}
+    assert set(masks) == kinds
+    made_by = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    for kind, mask in masks.items():
+        expected = made_by[kind](config=config, inputs_embeds=torch.zeros(2, 21, config.hidden_size),
+                                 attention_mask=torch.ones_like(ids), past_key_values=None, allow_is_causal_skip=False)
+        assert mask.shape == expected.shape and torch.equal(mask == 0, expected == 0), kind
 
 
 def test_verify_takes_the_archives_batch(out):
@@ -436,11 +479,13 @@ def test_cli_exports_a_checkpoint_with_edits(out, capsys):
     folder = out / "checkpoint"
     small("qwen3_moe").save_pretrained(folder)
     archive_path = out / "cli.nnef.tgz"
-    status = main(["export", str(folder), str(archive_path), "--tokens", "6", "--steer", "1:2=1.5", "--ablate", "1:0,3"])
+    status = main(["export", str(folder), str(archive_path), "--tokens", "6", "--steer", "1:2=1.5", "--ablate", "1:0,3",
+                   "--dynamic-tokens"])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "tract_moe_ffn(E=8, k=2, gate=softmax_all" in printed and "steer 2+1.5; ablate [0, 3]" in printed
     assert "tract tolerance: close" in printed or "tract tolerance: approximate" in printed
+    assert re.search(r"at 15 tokens: \S+ \((close|approximate)\)", printed)  # the dynamic archive, edited, at 2 * 6 + 3
     assert main(["export", str(folder), str(out / "x.nnef.tgz"), "--steer", "1:2"]) == 2
     assert "expected LAYER:EXPERT=VALUE" in capsys.readouterr().err
     assert main(["export", str(folder), str(out / "x.nnef.tgz"), "--block", "0"]) == 2  # layer 0 is dense

@@ -30,7 +30,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--support", action="store_true", help="print which families export (and why not) and exit")
     parser.add_argument("--block", type=int, metavar="LAYER", help="export only the MoE block of this layer (hidden states -> mlp_output)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens of the traced example input (default 8)")
-    parser.add_argument("--dynamic-tokens", action="store_true", help="symbolic token axis (with --block only)")
+    parser.add_argument("--dynamic-tokens", action="store_true", help="symbolic token axis S: one archive for every prompt length")
     parser.add_argument("--quantize-experts", choices=("q4_0",), help="store expert weights as tract Q4_0")
     parser.add_argument("--layout", choices=("canonical", "linear"), default="canonical", help="expert weight layout")
     parser.add_argument("--no-verify", action="store_true", help="do not run the archive in tract to check it")
@@ -143,5 +143,8 @@ def run_export(args: argparse.Namespace) -> int:
         if "export_max_abs_error" in check.details:
             line += (f"; vs the archive's Q4_0 weights in torch: {check.details['export_max_abs_error']:.3g} "
                      f"({check.details['export_tolerance']})")
+        if "second_length" in check.details:
+            second = check.details["second_length"]
+            line += f"; at {second['tokens']} tokens: {second['max_abs_error']:.3g} ({second['tolerance']})"
         print(line)
     return 0

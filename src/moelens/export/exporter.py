@@ -27,6 +27,7 @@ from .archive import size, write
 from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
 from .errors import ExportError, ExportRefused
+from .masks import attention_masks, layer_kinds, positions
 from .spec import MoeSpec, read_spec
 from .target import Block, Target, resolve
 
@@ -94,8 +95,10 @@ def to_nnef(
         example_inputs: What the export traces: token ids ``[batch, seq]`` for a model,
             hidden states ``[batch, seq, D]`` for a block (default: seeded ``[1, 8]``).
             The archive's shapes are these shapes unless ``dynamic_tokens``.
-        dynamic_tokens: Make the token axis symbolic (``S``): block exports only (a whole
-            model's causal mask bakes in its traced length in torch-to-nnef).
+        dynamic_tokens: Make the token axis symbolic (``S``): one archive for every length. For a
+            whole model the causal (and sliding-window) masks and positions are rebuilt with tensor
+            ops (`moelens.export.masks`); other layer types (chunked or linear attention, state-space
+            layers) are refused. Verified at the example length and at a second, longer one.
         quantize_experts: None (float32) or ``"q4_0"`` (expert w1/w2/w3 as tract Q4_0).
         layout: Expert weight layout, ``"canonical"`` or ``"linear"`` (often faster with q4_0).
         verify: Run the archive in tract on ``example_inputs`` and check it against torch
@@ -117,13 +120,7 @@ def to_nnef(
     edits = as_edits(edits)
     started = time.perf_counter()
     target = resolve(model)
-    if dynamic_tokens and target.kind == "model":
-        raise ExportError(
-            "dynamic_tokens=True works for block exports only: torch-to-nnef bakes the traced length into a whole "
-            "model's causal mask and rotary positions. Export at the token count you run, export blocks "
-            "(model.moes[i]) with dynamic_tokens=True, or use torch-to-nnef-llm for a KV-cached decoder."
-        )
-    prepared = prepare(target, quantize_experts=quantize_experts, layout=layout, edits=edits)
+    prepared = prepare(target, quantize_experts=quantize_experts, layout=layout, edits=edits, dynamic_tokens=dynamic_tokens)
     inputs = example_inputs if example_inputs is not None else default_inputs(target)
     inputs = _check_inputs(target, inputs)
     path = Path(path)
@@ -138,7 +135,7 @@ def to_nnef(
     if verify:
         from .verification import check_export
 
-        report.verification = check_export(path, target, prepared, inputs, edits, quantize_experts)
+        report.verification = check_export(path, target, prepared, inputs, edits, quantize_experts, dynamic_tokens)
     return report
 
 
@@ -177,22 +174,33 @@ def output_tensor(output: Any) -> torch.Tensor:
 
 
 class TokensToLogits(torch.nn.Module):
-    """``input_ids -> logits`` (or the last hidden state) of the exported copy of a transformers model."""
+    """``input_ids -> logits`` (or the last hidden state) of the exported copy of a transformers model.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    With ``dynamic``, the attention masks and position ids are built from ``input_ids`` with
+    tensor ops (`moelens.export.masks`), so the traced archive keeps its token axis symbolic.
+    """
+
+    def __init__(self, model: torch.nn.Module, dynamic: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.dynamic = dynamic
         config = getattr(model, "config", None)
         for flag in OFF_FLAGS:  # the copy's config, so submodules that read it agree
             if config is not None and hasattr(config, flag):
                 setattr(config, flag, False)
+        if dynamic:
+            layer_kinds(config)  # refuses layer types whose masks are not rebuilt
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return logits_of(self.model, input_ids)
+        if not self.dynamic:
+            return logits_of(self.model, input_ids)
+        position = positions(input_ids)
+        masks = attention_masks(self.model.config, position)
+        return output_tensor(self.model(input_ids=input_ids, attention_mask=masks, position_ids=position, use_cache=False))
 
 
 def prepare(target: Target, *, quantize_experts: str | None = None, layout: str = "canonical",
-            edits: Edits | None = None) -> Prepared:
+            edits: Edits | None = None, dynamic_tokens: bool = False) -> Prepared:
     """A float32 deep copy of the target with every MoE block replaced by an `ExportBlock`.
 
     Each block's spec is read through its family entry, checked against the real block
@@ -237,7 +245,7 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, replacement)
     _eager_attention(module)
-    return Prepared(TokensToLogits(module), reports)
+    return Prepared(TokensToLogits(module, dynamic=dynamic_tokens), reports)
 
 
 def _eager_attention(module: torch.nn.Module) -> None:
@@ -271,6 +279,11 @@ def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 
         return torch.randn(batch, tokens, hidden, generator=generator)
     vocab = int(getattr(getattr(target.module, "config", None), "vocab_size", None) or 128)
     return torch.randint(3, vocab, (batch, tokens), generator=generator)
+
+
+def token_axis(target: Target, inputs: torch.Tensor) -> int:
+    """The token axis of the archive's input: ``seq`` of token ids ``[batch, seq]``, of hidden states ``[.., seq, D]``."""
+    return 1 if target.kind == "model" else inputs.dim() - 2
 
 
 def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:
@@ -333,7 +346,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
     tract_target = MoelensTract(
         version,
         check_io=False,
-        dynamic_axes={name_in: {inputs.dim() - 2: "S"}} if dynamic else None,
+        dynamic_axes={name_in: {token_axis(target, inputs): "S"}} if dynamic else None,
         specific_tract_binary_path=standin_path(),
         dump_identity_properties=False,
         specific_properties=properties,

@@ -152,11 +152,37 @@ def _intervened(target: Target, inputs: torch.Tensor, edits: Edits) -> np.ndarra
 
 
 def check_export(path: Path, target: Target, prepared: Any, inputs: torch.Tensor, edits: Edits,
-                 quantize: str | None) -> Verification:
+                 quantize: str | None, dynamic: bool = False) -> Verification:
     """The check `to_nnef(verify=True)` runs on the archive it wrote from ``prepared``.
 
+    With ``dynamic`` (a symbolic token axis), the archive is checked again at a second, longer
+    length (`second_length`), recorded in ``details["second_length"]``.
     Raises `ExportError` when tract misses ``approximate``.
     """
+    result = _check_once(path, target, prepared, inputs, edits, quantize)
+    if dynamic:
+        from .exporter import default_inputs, token_axis
+
+        tokens = second_length(target, inputs.shape[token_axis(target, inputs)])
+        batched = target.kind == "model" or inputs.dim() == 3  # a block may take unbatched [T, D]
+        longer = default_inputs(target, tokens=tokens, seed=1, batch=inputs.shape[0] if batched else 1)
+        longer = longer if batched else longer[0]
+        again = _check_once(path, target, prepared, longer, edits, quantize)
+        result.details["second_length"] = {"tokens": tokens, "max_abs_error": again.max_abs_error,
+                                           "tolerance": again.tolerance}
+    return result
+
+
+def second_length(target: Target, tokens: int) -> int:
+    """The second length a dynamic archive is checked at: ``2 * tokens + 3``, within the model's positions."""
+    limit = getattr(getattr(target.module, "config", None), "max_position_embeddings", None)
+    longer = 2 * tokens + 3
+    return min(longer, limit) if isinstance(limit, int) and limit > tokens else longer
+
+
+def _check_once(path: Path, target: Target, prepared: Any, inputs: torch.Tensor, edits: Edits,
+                quantize: str | None) -> Verification:
+    """`check_export` at one input."""
     actual = run(path, inputs)
     expected, reference = torch_reference(target, inputs, edits, prepared)
     result = _compare(actual, expected, reference)
@@ -179,7 +205,7 @@ def check_export(path: Path, target: Target, prepared: Any, inputs: torch.Tensor
         checked = result.details.get("export_max_abs_error", result.max_abs_error)
         raise ExportError(
             f"{path}: tract's output differs from torch ({result.reference if not quantize else 'the Q4_0 weights'}) "
-            f"by up to {checked:.3g}, beyond tract's 'approximate' tolerance (met: {result.tolerance}). "
-            "The archive was written; please report this model."
+            f"at input shape {tuple(inputs.shape)} by up to {checked:.3g}, beyond tract's 'approximate' tolerance "
+            f"(met: {result.tolerance}). The archive was written; please report this model."
         )
     return result
