@@ -15,9 +15,11 @@ random weights) is run in the same process, interleaved, for each configuration:
 * ``moelens-routing``: the same without the two per-slot values, which need nnsight to
   instrument the experts implementation's own source (where most of the cost sits).
 
-Prints the median wall time of each (repeats interleaved in a shuffled order) and its ratio to ``plain`` at batch 4 x 256
-tokens and 1 x 8 tokens. Targets: moelens at most 1.05x plain at 4 x 256 and 1.5x
-at 1 x 8. Run: ``python bench/trace_overhead.py [--repeats 30] [--threads 2]``.
+Prints the median wall time and the median CPU time of the process (what it costs even when
+the shared machine deschedules it) of each (repeats interleaved in a shuffled order) and their
+ratios to ``plain`` at batch 4 x 256 tokens and 1 x 8 tokens. Targets: moelens at most 1.05x plain at 4 x 256 and 1.5x
+at 1 x 8. Run: ``python bench/trace_overhead.py [--repeats 30] [--threads 2] [--steady-malloc]``
+(``--steady-malloc``: freed memory is reused instead of returned to the system, see `steady_malloc`).
 """
 
 from __future__ import annotations
@@ -102,28 +104,53 @@ def measure(batch: int, seq: int, repeats: int) -> dict[str, float]:
     for run in runs.values():  # warm up every path (source instrumentation, caches)
         for _ in range(3):
             run()
-    results = {name: [] for name in runs}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     order = random.Random(0)
     for _ in range(repeats):  # interleave, in a fresh order each time, so drift hits every configuration alike
         for name, run in order.sample(list(runs.items()), len(runs)):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run()
-            results[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in results.items()}
+            cpu[name].append(time.process_time() - start_cpu)
+            wall[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in runs}
+
+
+def steady_malloc() -> None:
+    """Fix glibc's mmap threshold at 256 MB and never trim the heap (``mallopt``).
+
+    By default glibc serves each large tensor from fresh pages (``mmap``, or a heap it trims back),
+    so a forward pays page faults that depend on which tensors earlier runs kept alive: the plain
+    forward's time then moves by more than the overhead measured here. With this, freed memory
+    is reused and the ratios measure the work each configuration adds.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+    if not (libc.mallopt(M_MMAP_THRESHOLD, 256 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)):
+        raise SystemExit("mallopt failed: --steady-malloc needs glibc")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steady-malloc", action="store_true",
+                        help="keep freed memory in the process (glibc mallopt): no page faults from fresh allocations")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} interleaved repeats")
-    print(f"{'shape':>9} | {'configuration':>15} | {'median ms':>9} | {'x plain':>7}")
+    if args.steady_malloc:
+        steady_malloc()
+    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} interleaved repeats"
+          f"{', steady malloc' if args.steady_malloc else ''}")
+    print(f"{'shape':>9} | {'configuration':>15} | {'wall ms':>9} | {'x plain':>7} | {'CPU ms':>9} | {'x plain':>7}")
     for batch, seq in ((4, 256), (1, 8)):
         results = measure(batch, seq, args.repeats)
-        for name, seconds in results.items():
-            print(f"{batch:>3} x {seq:<3} | {name:>15} | {seconds * 1e3:9.2f} | {seconds / results['plain']:7.3f}")
+        plain_wall, plain_cpu = results["plain"]
+        for name, (wall, cpu) in results.items():
+            print(f"{batch:>3} x {seq:<3} | {name:>15} | {wall * 1e3:9.2f} | {wall / plain_wall:7.3f} | "
+                  f"{cpu * 1e3:9.2f} | {cpu / plain_cpu:7.3f}")
 
 
 if __name__ == "__main__":
