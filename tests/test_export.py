@@ -395,6 +395,19 @@ def test_dynamic_tokens_model(family, out):
         close(run(report.path, ids), output.logits if hasattr(output, "logits") else output.last_hidden_state)
 
 
+def test_dynamic_tokens_with_q4_0_experts(out):
+    """A dynamic whole-model archive with Q4_0 experts matches torch on the same Q4_0 weights at both lengths."""
+    model = moelens.load()
+    ids = torch.randint(3, model._module.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    report = to_nnef(model, out / "dynamic-q40.nnef.tgz", example_inputs=ids, dynamic_tokens=True,
+                     quantize_experts="q4_0", layout="linear")
+    details = report.verification.details
+    assert details["export_tolerance"] in ("close", "approximate")
+    assert details["second_length"]["tokens"] == 15
+    assert details["second_length"]["export_tolerance"] in ("close", "approximate")
+    assert details["second_length"]["max_abs_error"] > 10 * details["second_length"]["export_max_abs_error"]
+
+
 def test_dynamic_tokens_refuses_layers_without_a_rebuilt_mask(out):
     with pytest.raises(ExportRefused, match="linear_attention"):
         to_nnef(moelens.wrap(small("qwen3_next")), out / "dynamic-qwen3_next.nnef.tgz", dynamic_tokens=True)
