@@ -33,14 +33,14 @@ ROOT = Path(__file__).parents[1]
 #: torch-to-nnef ships extractors for these blocks; moelens exports them through its own, from the family table.
 KNOWN_TO_T2N = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "gpt_oss", "granitemoe"]
 #: Families torch-to-nnef has no MoE support for: whole tiny models export.
-UNKNOWN_TO_T2N_MODELS = ["hunyuan_v1_moe", "flex_olmo", "mellum", "aria", "cohere2_moe", "deepseek_ocr2"]
+UNKNOWN_TO_T2N_MODELS = ["hunyuan_v1_moe", "flex_olmo", "mellum", "aria", "cohere2_moe", "deepseek_ocr2", "granitemoe_swa"]
 #: ... and these export as blocks (their other layers, mamba / linear attention, do not trace in torch-to-nnef).
 UNKNOWN_TO_T2N_BLOCKS = UNKNOWN_TO_T2N_MODELS + [
     "jamba", "minimax", "qwen3_next", "deepseek_v2", "qwen4_exp", "openai_privacy_filter",
 ]
 #: ... and the other families the family table says export: every "yes" of the table is run in tract here.
 MORE_BLOCKS = [
-    "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl_moe",
+    "granitemoehybrid", "granitemoeshared", "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl_moe",
     "unlimited_ocr",
 ]
 BLOCK_FAMILIES = KNOWN_TO_T2N + UNKNOWN_TO_T2N_BLOCKS + MORE_BLOCKS
@@ -148,6 +148,17 @@ def test_model_export_matches_torch_in_tract(family, out):
     expected = output.logits if hasattr(output, "logits") else output.last_hidden_state  # deepseek_ocr2: a text model
     close(run(report.path, ids), expected)
     assert report.verification.meets("approximate")
+
+
+def test_export_leaves_torch_to_nnef_as_it_was(out):
+    """The logsumexp fix (negative axis, granitemoe_swa's attention sinks) is in force only during an export."""
+    from torch_to_nnef.op.aten import aten_ops_registry
+
+    before = dict(aten_ops_registry._registry)
+    to_nnef(moelens.wrap(small("granitemoe_swa")), out / "swa.nnef.tgz")
+    assert "logsumexp(" in archive.graph_text(out / "swa.nnef.tgz")
+    assert "axis = -1" not in archive.graph_text(out / "swa.nnef.tgz")
+    assert aten_ops_registry._registry == before
 
 
 def test_moelens_tiny_exports(out):

@@ -323,6 +323,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
 
         from . import extractor  # noqa: F401 - registers the TractMoeFfn extractor
         from .runner import tract_module
+        from .t2n_fixes import fixed_emitters
         from .tract_cli import standin_path
     except ImportError as error:
         raise ExportError(
@@ -351,7 +352,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
         dump_identity_properties=False,
         specific_properties=properties,
     )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), fixed_emitters():
         warnings.simplefilter("ignore")
         try:
             export_model_to_nnef(
