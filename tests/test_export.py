@@ -406,6 +406,14 @@ def test_dynamic_tokens_model(family, out):
         close(run(report.path, ids), output.logits if hasattr(output, "logits") else output.last_hidden_state)
 
 
+def test_dynamic_archives_second_length_stays_within_the_positions():
+    from moelens.export.target import resolve
+    from moelens.export.verification import second_length
+
+    target = resolve(moelens.wrap(small("mixtral", max_position_embeddings=64)))
+    assert [second_length(target, tokens) for tokens in (5, 40, 64)] == [13, 64, 32]
+
+
 def test_dynamic_tokens_with_q4_0_experts(out):
     """A dynamic whole-model archive with Q4_0 experts matches torch on the same Q4_0 weights at both lengths."""
     model = moelens.load()
