@@ -5,8 +5,9 @@ archive in tract (in this process, one thread) and the same weights as a plain t
 model in torch (one thread, no grad, eager and grouped_mm experts), timed in alternating
 chunks of runs, and
 prints the median latencies (CPU time of the process, robust on a shared machine, and
-wall clock) and the ratio against the faster torch, the export times, and the archive
-sizes with float32 and with Q4_0 experts (both layouts).
+wall clock) and the ratio against the faster torch, the latency of one archive exported with
+``dynamic_tokens=True`` at both lengths, the export times, and the archive sizes with float32
+and with Q4_0 experts (both layouts).
 
 Target: tract at most 0.5x torch at 64 tokens.
 
@@ -136,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{entry[clock]['ratio']:.2f}x")
 
         ids = torch.randint(3, vocab, (1, 64), generator=torch.Generator().manual_seed(64))
+        report = to_nnef(model, Path(folder) / "tiny-dynamic.nnef.tgz", example_inputs=ids[:, :8], dynamic_tokens=True)
+        runnable = load(report.path).runnable
+        for tokens in (1, 64):
+            window = ids[:, :tokens].numpy()
+            dynamic_ms = median_ms(lambda: runnable.run([window]), args.repeats)  # CPU time
+            results["latency"][f"dynamic_{tokens}"] = {"tract_ms": dynamic_ms}
+            print(f"\ndynamic tokens (one archive, traced at 8), T={tokens}: tract {dynamic_ms:.3f} ms (CPU; the archive "
+                  f"traced at {tokens}: {results['latency'][str(tokens)]['cpu']['tract_ms']:.3f} ms in its pairing above)")
         for layout in ("canonical", "linear"):
             report = to_nnef(model, Path(folder) / f"tiny-q40-{layout}.nnef.tgz", example_inputs=ids,
                              quantize_experts="q4_0", layout=layout)
