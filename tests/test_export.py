@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import platform
 import re
 import socket
 import subprocess
@@ -348,6 +349,7 @@ def test_archive_has_no_machine_identity_and_is_reproducible(out):
         assert secret not in text
     assert "tract_target_version" in text and '("moelens_kind", "block")' in text
     assert "export_cmd" not in text and "hostname" not in text
+    assert f'("py_version", "{platform.python_version()}")' in text  # no build date or compiler
 
 
 def test_archive_written_as_folder_and_tar(out):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import platform
 import re
 import tempfile
 import time
@@ -338,6 +339,8 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
             text = fragments["tract_core_properties"]
             text = re.sub(r'    \("(export_cmd|export_date|os|hostname|user)", "[^"\n]*"\),?\n', "", text)
             text = re.sub(r",(\s*\];)", r"\1", text)  # the last item may have gone
+            # the interpreter's version alone, not how and when this machine's Python was built
+            text = re.sub(r'\("py_version", "[^"\n]*"\)', f'("py_version", "{platform.python_version()}")', text)
             fragments["tract_core_properties"] = text
             return fragments
 
