@@ -87,6 +87,15 @@ def test_exportable_form_computes_the_same():
         torch.testing.assert_close(out_gated, out_converted, atol=1e-6, rtol=1e-6)
 
 
+def assert_block_runs_in_tract(moe, path, hidden, activation: str) -> None:
+    """``moe`` exported alone runs in tract as ``activation`` experts and matches the block in torch."""
+    report = to_nnef(moe, path, example_inputs=hidden)
+    assert report.blocks[0].activation == activation
+    with torch.no_grad():
+        expected = moe._module(hidden)
+    np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=ATOL, rtol=RTOL)
+
+
 def test_gpt2_ffn_blocks_export_in_gated_form(out):
     """GELU (tanh) experts with biases: refused as they are, exported exactly in `exportable`'s gated form."""
     converted = convert(gpt2(), num_experts=4, top_k=2)
@@ -95,11 +104,7 @@ def test_gpt2_ffn_blocks_export_in_gated_form(out):
     model = wrap(exportable(converted))
     hidden = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
     for index, moe in enumerate(model.moes):
-        report = to_nnef(moe, out / f"gpt2-{index}.nnef.tgz", example_inputs=hidden)
-        assert report.blocks[0].activation == "gelu"
-        with torch.no_grad():
-            expected = moe._module(hidden)
-        np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=ATOL, rtol=RTOL)
+        assert_block_runs_in_tract(moe, out / f"gpt2-{index}.nnef.tgz", hidden, "gelu")
 
 
 def test_attention_linear_layers_export_in_gated_form(out):
@@ -108,12 +113,7 @@ def test_attention_linear_layers_export_in_gated_form(out):
     model = wrap(exportable(converted))
     hidden = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(2))
     for index in (0, 3):  # q_proj and o_proj of layer 0
-        moe = model.moes[index]
-        report = to_nnef(moe, out / f"linear-{index}.nnef.tgz", example_inputs=hidden)
-        assert report.blocks[0].activation == "relu"
-        with torch.no_grad():
-            expected = moe._module(hidden)
-        np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=ATOL, rtol=RTOL)
+        assert_block_runs_in_tract(model.moes[index], out / f"linear-{index}.nnef.tgz", hidden, "relu")
 
 
 def test_what_tract_cannot_express_is_refused_with_the_reason(out):
