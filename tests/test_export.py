@@ -365,6 +365,32 @@ def test_archive_written_as_folder_and_tar(out):
 # -- q4_0, layouts, dynamic tokens --------------------------------------------------------------------
 
 
+
+def test_export_never_empties_a_folder_of_the_users(out):
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    project = out / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "work.py").write_text("kept\n")
+    with pytest.raises(ExportError, match=r"project is a folder with files of its own"):
+        to_nnef(moe, project, verify=False)
+    assert (project / "src" / "work.py").read_text() == "kept\n"
+    assert sorted(p.name for p in project.rglob("*")) == ["src", "work.py"]
+
+    earlier = to_nnef(moe, out / "again", verify=False).path  # an earlier export is replaced
+    assert to_nnef(moe, earlier, verify=False).path == earlier and (earlier / "graph.nnef").is_file()
+    empty = out / "empty"
+    empty.mkdir()
+    assert (to_nnef(moe, empty, verify=False).path / "graph.nnef").is_file()
+
+    (out / "notes").write_text("kept\n")
+    with pytest.raises(ExportError, match=r"notes is a file"):
+        to_nnef(moe, out / "notes", verify=False)
+    (out / "folder.nnef.tgz").mkdir()
+    with pytest.raises(ExportError, match=r"folder.nnef.tgz is a folder"):
+        to_nnef(moe, out / "folder.nnef.tgz", verify=False)
+    assert (out / "notes").read_text() == "kept\n" and not list((out / "folder.nnef.tgz").iterdir())
+    assert not list(out.glob("*.part"))
+
 @pytest.mark.parametrize("layout", ["canonical", "linear"])
 def test_q4_0_experts(layout, out):
     moe = moelens.wrap(small("mixtral", intermediate_size=32)).moes[0]

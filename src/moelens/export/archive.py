@@ -14,8 +14,13 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from .errors import ExportError
+
 #: Suffixes of an archive path (anything else is written as a folder).
 ARCHIVE_SUFFIXES = (".tgz", ".tar.gz", ".tar")
+
+#: Suffixes of the files an NNEF export folder holds (graph, tensors, quantization table).
+EXPORT_FILE_SUFFIXES = (".nnef", ".dat", ".quant")
 
 
 def is_archive(path: Path) -> bool:
@@ -23,9 +28,47 @@ def is_archive(path: Path) -> bool:
     return str(path).endswith(ARCHIVE_SUFFIXES)
 
 
-def write(folder: Path, path: Path) -> Path:
-    """Write the files of ``folder`` to ``path``: a reproducible archive, or a folder copy."""
+def check_destination(path: Path) -> None:
+    """Refuse a ``path`` that writing the export would clobber: nothing of the user's is replaced.
+
+    An archive path may name a file (it is overwritten) but not a folder. A folder path may be
+    new, an empty folder, or an earlier NNEF export (``graph.nnef`` and tensor files only),
+    which is replaced; a folder holding anything else is refused, not emptied.
+
+    Raises:
+        ExportError: ``path`` is a folder where an archive is asked for, a file where a folder
+            is, or a folder with files an export does not write.
+    """
     path = Path(path)
+    if is_archive(path):
+        if path.is_dir():
+            raise ExportError(f"{path} is a folder, but its name asks for an archive; choose another name.")
+        return
+    if path.exists() and not path.is_dir():
+        raise ExportError(
+            f"{path} is a file; an export path is written as a folder unless it ends in "
+            f"{', '.join(ARCHIVE_SUFFIXES)}. Name a new folder or an archive."
+        )
+    if path.is_dir() and any(path.iterdir()) and not _is_export_folder(path):
+        raise ExportError(
+            f"{path} is a folder with files of its own; moelens writes a folder export only into a new "
+            "or empty folder, or over an earlier NNEF export. Name a new folder (or an archive, *.nnef.tgz)."
+        )
+
+
+def _is_export_folder(path: Path) -> bool:
+    """Whether ``path`` holds an NNEF export and nothing else."""
+    files = [p for p in path.rglob("*") if not p.is_dir()]
+    return (path / "graph.nnef").is_file() and all(p.suffix in EXPORT_FILE_SUFFIXES for p in files)
+
+
+def write(folder: Path, path: Path) -> Path:
+    """Write the files of ``folder`` to ``path``: a reproducible archive, or a folder copy.
+
+    ``path`` is checked first (`check_destination`): only an earlier export is replaced.
+    """
+    path = Path(path)
+    check_destination(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not is_archive(path):
         if path.exists():

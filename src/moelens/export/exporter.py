@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from .archive import size, write
+from .archive import check_destination, size, write
 from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
 from .errors import ExportError, ExportRefused
@@ -92,7 +92,8 @@ def to_nnef(
         model: A wrapped model (``moelens.wrap`` / ``moelens.load``) or a transformers
             model (exported as ``input_ids -> logits``, or ``-> last_hidden_state`` for a
             base model), or one block ``model.moes[i]`` (``hidden_states -> mlp_output``).
-        path: Where to write: ``*.nnef.tgz`` (default form), ``*.tar``, or a folder.
+        path: Where to write: ``*.nnef.tgz`` (default form), ``*.tar``, or a folder (new, empty, or
+            an earlier NNEF export, which is replaced; a folder with other files is refused).
         example_inputs: What the export traces: token ids ``[batch, seq]`` for a model,
             hidden states ``[batch, seq, D]`` for a block (default: seeded ``[1, 8]``).
             The archive's shapes are these shapes unless ``dynamic_tokens``.
@@ -119,12 +120,13 @@ def to_nnef(
     if layout not in LAYOUTS:
         raise ExportError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
     edits = as_edits(edits)
+    path = Path(path)
+    check_destination(path)
     started = time.perf_counter()
     target = resolve(model)
     prepared = prepare(target, quantize_experts=quantize_experts, layout=layout, edits=edits, dynamic_tokens=dynamic_tokens)
     inputs = example_inputs if example_inputs is not None else default_inputs(target)
     inputs = _check_inputs(target, inputs)
-    path = Path(path)
     with tempfile.TemporaryDirectory(prefix="moelens-nnef-") as folder:
         exported = Path(folder) / "model.nnef"
         _trace(prepared.root, inputs, exported, target, dynamic_tokens, _properties(target, prepared, quantize_experts, layout, edits))
