@@ -222,6 +222,28 @@ def test_edited_model_matches_the_intervened_torch_run(out):
     assert verify(report.path, wrapped, ids).meets("approximate")  # replays the archive's recorded edits
 
 
+def test_swaps_of_a_layer_act_at_once(out):
+    # {1: 2, 2: 1} exchanges experts 1 and 2 in the archive and in Edits.intervene alike:
+    # ground truth is the plain model with the two experts' weights exchanged by hand.
+    hf = small("olmoe")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=12)["input_ids"]
+    edits = Edits(swap={1: {1: 2, 2: 1}})
+    report = to_nnef(wrapped, out / "olmoe-exchanged.nnef.tgz", example_inputs=ids, edits=edits)
+    with wrapped.trace(input_ids=ids, attention_mask=torch.ones_like(ids)):
+        edits.intervene(wrapped)
+        edited = wrapped.output.logits.save()
+    exchanged = small("olmoe")
+    with torch.no_grad():
+        for weight in (exchanged.model.layers[1].mlp.experts.gate_up_proj, exchanged.model.layers[1].mlp.experts.down_proj):
+            weight[[1, 2]] = weight[[2, 1]].clone()
+        expected = exchanged(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        assert (expected - hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits).abs().max() > 1e-3
+    close(edited.detach().numpy(), expected, atol=1e-5)
+    close(run(report.path, ids), expected)
+    assert report.verification.meets("approximate")
+
+
 def test_steered_block_with_router_bias_matches_moelens(out):
     # gpt_oss has its own router bias: steering adds to it; zero ablation also zeroes the experts' down bias.
     hf = small("gpt_oss")

@@ -13,6 +13,7 @@ edit                 moelens intervention (in a trace)     baked into the archiv
                                                            the router picks the best others
 ``steer``            ``steer(moe, e, bias)``               ``wg_bias[e] += bias``
 ``swap``             ``ablate(moe, e, "swap", to=j)``      expert e's weights replaced by j's
+                     (a layer's swaps at once)             (from the unedited weights)
 ===================  ====================================  ==================================
 
 ``force`` (raise experts above every other logit by a per-token amount) and ``reroute``
@@ -26,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
+
+import torch
 
 from .errors import ExportError, ExportRefused
 from .spec import MoeSpec
@@ -47,7 +50,8 @@ class Edits:
         ablate: ``{layer: [experts]}``: zero ablation (the expert's slots contribute nothing).
         route_around: ``{layer: [experts]}``: the router never picks them (route-around ablation).
         steer: ``{layer: {expert: bias}}``: ``bias`` added to the expert's router logit.
-        swap: ``{layer: {expert: to}}``: the expert's slots run expert ``to`` instead.
+        swap: ``{layer: {expert: to}}``: the expert's slots run expert ``to`` instead; a layer's
+            swaps act at once (``{1: 2, 2: 1}`` exchanges experts 1 and 2; they do not chain).
         force: ``{layer: [experts]}``: not expressible in constant weights; always refused.
 
     Example::
@@ -181,8 +185,12 @@ class Edits:
             ablate(moe, expert, "route_around")
         for expert in self.ablate.get(layer, ()):
             ablate(moe, expert, "zero")
-        for expert, to in self.swap.get(layer, {}).items():
-            ablate(moe, expert, "swap", to=to)
+        swaps = self.swap.get(layer, {})
+        if swaps:  # all at once, as baked: {1: 2, 2: 1} exchanges two experts instead of chaining
+            indices = moe.expert_indices
+            replacement = torch.arange(moe.num_experts, device=indices.device)
+            replacement[list(swaps)] = torch.tensor(list(swaps.values()), device=indices.device)
+            moe.expert_indices = replacement[indices]
 
     def intervene(self, model: Any) -> None:
         """Inside a trace of a wrapped model: make every edit, block by block in layer order."""
