@@ -650,6 +650,9 @@ def save_model(model, tokenizer, folder: Path, storage_dtype: torch.dtype):
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad,
                                                do_sample=False, max_new_tokens=64)
+    # Trained with the router aux loss; inference needs none, and transformers' aux loss on a padded
+    # batch (batched generate) fails on the mask's shape. Shipped with output_router_logits off.
+    model.config.output_router_logits = False
     if storage_dtype != torch.float32:
         copy = deepcopy(model)
         copy.to(storage_dtype).save_pretrained(str(folder))
