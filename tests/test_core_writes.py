@@ -163,7 +163,7 @@ def test_reroute_matches_plain_nnsight(family, impl):
 @pytest.mark.parametrize(("family", "impl"), [c for c in CASES if c[1] != "eager"],
                          ids=[i for c, i in zip(CASES, IDS) if c[1] != "eager"])
 def test_slot_writes_land(family, impl):
-    """Doubling a slot's activations doubles its output; zeroing slot outputs removes them."""
+    """Doubling a slot's activations (in place, or read and assigned) doubles its output; zeroing slot outputs removes them."""
     hf, wrapped, inputs, plain, reference = built(family, impl)
     moes = [moe for moe in running_moes(wrapped) if moe.family.experts_call and "expert_outputs" in moe.order()]
     if not moes:
@@ -185,6 +185,13 @@ def test_slot_writes_land(family, impl):
         torch.testing.assert_close(slots[:, :, 0], 2 * before[:, :, 0], atol=1e-5, rtol=1e-4)
     assert torch.equal(slots[:, :, last], torch.zeros_like(slots[:, :, last]))
     torch.testing.assert_close(routed, slots.sum(2), atol=1e-6, rtol=1e-6)
+    with wrapped.trace(**inputs):
+        moe.expert_activations = moe.expert_activations * 2  # read, then assign (value = f(value))
+        doubled = moe.expert_outputs.save()
+    if linear_down:
+        torch.testing.assert_close(doubled, 2 * before, atol=1e-5, rtol=1e-4)
+    else:
+        assert not torch.allclose(doubled, before)
 
 
 @pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)

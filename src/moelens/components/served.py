@@ -163,9 +163,16 @@ class Fetched:
     context: Any
 
 
-def fetch(component: "Component", name: str, binding: Binding) -> Fetched:
-    """Request ``binding``'s location and cut this invoke's view out of what is served."""
-    context = binding.prepare() if binding.prepare is not None else None
+def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched | None = None) -> Fetched:
+    """Request ``binding``'s location and cut this invoke's view out of what is served.
+
+    ``prepared``: an earlier fetch of the same value at the same visit, whose ``prepare``
+    result is reused (``prepare`` may request a location the model has run past since).
+    """
+    if prepared is not None:
+        context = prepared.context
+    else:
+        context = binding.prepare() if binding.prepare is not None else None
     raw = request(binding.location, lambda: component._order_error(name))
     rows = tokens.current_rows(binding.location)
     picked = binding.pick(raw)
@@ -199,6 +206,7 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
             return fetched.raw
         return replaced(binding, fetched, view, name)
 
+    write_back.fetched = fetched  # type: ignore[attr-defined]  # for a write of the value read (see write)
     mediator.transform = WriteBack(write_back, view, descriptor, location, mediator.wanted(location))
     return view
 
@@ -206,7 +214,11 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
     name = descriptor.name
-    fetched = fetch(component, name, binding)
+    location = binding.location
+    mediator = Mediator.current(location)
+    waiting = mediator.transform
+    read_here = waiting is not None and waiting.key == (descriptor, location, mediator.wanted(location))
+    fetched = fetch(component, name, binding, prepared=waiting.fn.fetched if read_here else None)
     current = fetched.view
     if not isinstance(value, torch.Tensor):
         numbers_as = current.dtype if binding.kind == FLOAT and isinstance(value, (int, float)) else None
