@@ -174,6 +174,34 @@ def test_unknown_intervention_input(mixtral):
     with pytest.raises(WriteError, match="needs to="):
         with wrapped.trace(**inputs):
             moelens.ablate(wrapped.moes[0], 1, "swap")
+    with pytest.raises(WriteError, match=r"reroute: expert ids must be integers, got torch.float32"):
+        with wrapped.trace(**inputs):
+            moelens.reroute(wrapped.moes[0], (0, 1), 1.7)  # was truncated to expert 1
+
+
+@pytest.mark.parametrize(
+    "intervene",
+    [lambda b: moelens.ablate(b, 1), lambda b: moelens.ablate(b, 1, "route_around"), lambda b: moelens.steer(b, 1, 2.0),
+     lambda b: moelens.force(b, 1), lambda b: moelens.reroute(b, (0, 0), 1)],
+    ids=["ablate", "route_around", "steer", "force", "reroute"],
+)
+def test_interventions_on_a_dense_block_name_the_moe_layers(intervene):
+    hf, wrapped, inputs, plain, reference = built("qwen2_moe", "grouped_mm")
+    with pytest.raises(WriteError, match=r"layers.0.mlp is a dense MLP .*MoE layers are \[1, 2, 3\]"):
+        with wrapped.trace(**inputs):
+            intervene(wrapped.layers[0].mlp)
+    with pytest.raises(WriteError, match=r"takes an MoE block .*got Tensor"):
+        intervene(torch.zeros(2))
+
+
+def test_force_takes_a_tensor_expert_id(mixtral):
+    wrapped, inputs = mixtral
+    forced = []
+    for expert in (6, torch.tensor(6)):
+        with wrapped.trace(**inputs):
+            moelens.force(wrapped.moes[0], expert)
+            forced.append(wrapped.moes[0].expert_indices.save())
+    assert torch.equal(forced[0], forced[1]) and (forced[0][..., 0] == 6).all()
 
 
 # -- a custom family, registered without editing moelens --------------------------------------

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .components import Moe
+from .components import Mlp, Moe
 from .errors import WriteError
 
 #: What each intervention changes: "routing" (writes router_logits) or "outputs".
@@ -38,6 +38,22 @@ CHANGES = {"ablate:zero": "outputs", "ablate:route_around": "routing", "ablate:s
            "reroute": "outputs", "steer": "routing", "force": "routing"}
 
 ABLATION_MODES = ("zero", "route_around", "swap")
+
+
+def _moe(block: Any, call: str) -> Moe:
+    """``block`` if it is an MoE component, else a `WriteError` that says what it is and where the MoE blocks are."""
+    if isinstance(block, Moe):
+        return block
+    if isinstance(block, Mlp):
+        moes = [moe.layer for moe in getattr(block.root, "moes", [])]
+        where = f"the MoE layers are {moes} (model.moes)" if moes else "this model has no MoE layer"
+        raise WriteError(
+            f"{call}: {block.path} is a dense MLP ({type(block._module).__name__}) and runs no mixture of experts; {where}."
+        )
+    raise WriteError(
+        f"{call} takes an MoE block (model.moes[i] or model.layers[i].mlp of a wrapped model), "
+        f"got {type(block).__name__}."
+    )
 
 
 def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
@@ -63,7 +79,7 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
             the same weight (outputs change).
         to: The replacement expert for ``mode="swap"``.
     """
-    expert = _expert(moe, expert)
+    expert = _expert(_moe(moe, "ablate"), expert)
     if mode not in ABLATION_MODES:
         raise WriteError(f"ablate mode {mode!r} is not one of {ABLATION_MODES}.")
     if mode != "swap" and to is not None:
@@ -94,9 +110,16 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
         experts: One expert id for every slot, or ``k`` ids (one per slot), or a
             tensor broadcastable to the selected ``[n, k]`` slots.
     """
+    _moe(moe, "reroute")
     indices = moe.expert_indices.clone()
     selected = indices[tokens]
-    replacement = torch.as_tensor(experts, dtype=indices.dtype, device=indices.device)
+    replacement = torch.as_tensor(experts, device=indices.device)
+    if replacement.is_floating_point() or replacement.is_complex() or replacement.dtype == torch.bool:
+        raise WriteError(
+            f"reroute: expert ids must be integers, got {replacement.dtype} {replacement.tolist()}; "
+            "pass ints (or a .long() tensor)."
+        )
+    replacement = replacement.to(indices.dtype)
     if replacement.numel() and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
         raise WriteError(
             f"reroute: expert ids {replacement.tolist()} must be in [0, {moe.num_experts}) for {moe.path}."
@@ -117,7 +140,7 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     A positive bias makes the router pick the expert more often, a negative one
     less (SteerMoE). The family's scoring turns the biased logits into weights.
     """
-    expert = _expert(moe, expert)
+    expert = _expert(_moe(moe, "steer"), expert)
     logits = moe.router_logits
     logits[..., expert] += float(bias)
 
@@ -130,6 +153,9 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     weights follow from the family's scoring of the raised logits (with sigmoid
     scores they saturate towards 1).
     """
+    _moe(moe, "force")
+    if isinstance(experts, torch.Tensor):
+        experts = experts.reshape(-1).tolist()
     chosen = [experts] if isinstance(experts, int) else list(experts)
     chosen = [_expert(moe, expert) for expert in chosen]
     if len(chosen) > moe.top_k:
