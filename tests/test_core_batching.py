@@ -19,7 +19,7 @@ NO_PADDING = {"deepseek_v4"}
 
 
 def first_moe(wrapped):
-    return next(moe for moe in wrapped.moes if not moe.path.endswith("vision_moe"))
+    return next(moe for moe in wrapped.moes if not moe.runs_only_on)
 
 
 def values_of(moe, names=VALUES):

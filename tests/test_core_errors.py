@@ -294,3 +294,23 @@ def test_every_transformers_family_is_registered():
     names = {family.name for family in moelens.families.supported()}
     assert set(FAMILIES) <= names
     assert use_experts_implementation  # the decorator the detection relies on is importable
+
+
+def test_a_block_that_runs_only_on_some_tokens():
+    # ernie4_5_vl_moe: vision_moe runs only on image tokens, so on text it never runs.
+    hf = tiny_model("ernie4_5_vl_moe")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=4)["input_ids"]
+    text = [moe for moe in wrapped.moes if moe.path.endswith("text_moe")]
+    vision = [moe for moe in wrapped.moes if moe.path.endswith("vision_moe")]
+    assert [moe.runs_only_on for moe in text] == [None] * len(text) and all("image tokens" in moe.runs_only_on for moe in vision)
+    with wrapped.trace(ids):
+        every = wrapped.save_all()  # leaves vision_moe out
+    with wrapped.trace(ids):
+        alone = nnsight.save([moe.router_logits.save() for moe in text])
+    assert list(every) == [moe.layer for moe in text]
+    for values, logits in zip(every.values(), alone):
+        assert torch.equal(values["router_logits"], logits)
+    with pytest.raises(OrderError, match=r"vision_moe.router_logits .*runs only on image tokens"):
+        with wrapped.trace(ids):
+            vision[0].router_logits.save()

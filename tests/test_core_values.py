@@ -23,7 +23,7 @@ SHARED_GATED_BY_ROUTER = {"inkling"}
 
 def running_moes(wrapped):
     """The MoE blocks that run on text-only input (ernie4_5_vl_moe's vision blocks do not)."""
-    return [moe for moe in wrapped.moes if not moe.path.endswith("vision_moe")]
+    return [moe for moe in wrapped.moes if not moe.runs_only_on]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ HASH_LAYERS = "is_hash"  # deepseek_v4 blocks that route by a token table
 
 
 def running_moes(wrapped):
-    return [moe for moe in wrapped.moes if not moe.path.endswith("vision_moe")]
+    return [moe for moe in wrapped.moes if not moe.runs_only_on]
 
 
 def routes_by_logits(moe) -> bool:

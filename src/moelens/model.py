@@ -128,11 +128,13 @@ class MoeModelMixin:
     ) -> dict[int | str, dict[str, torch.Tensor]]:
         """Inside a trace: save every value of every MoE block (or of ``moes``), in the right order.
 
+        Blocks that run only on some tokens (ernie4_5_vl_moe's ``vision_moe``: image
+        tokens; see `Moe.runs_only_on`) are left out unless ``moes`` names them.
+
         Returns layer index -> (value name -> saved tensor); keyed by block path
-        instead when a layer holds several MoE blocks (ernie4_5_vl_moe). See
-        `Moe.save_all`.
+        instead when a layer holds several MoE blocks. See `Moe.save_all`.
         """
-        blocks = self.moes if moes is None else moes
+        blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else moes
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
         return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})

@@ -62,12 +62,22 @@ class Component(Envoy):
 
     def _order_error(self, name: str) -> OrderError:
         order = " -> ".join(self._order())
+        runs_only_on = self.runs_only_on
+        maybe_idle = (
+            f" This block runs only on {runs_only_on}: on an input without them it does not run at all."
+            if runs_only_on else ""
+        )
         return OrderError(
             f"{self.path}.{name} was requested after the model had already run past it. "
             f"Within a block, read values in the order the model produces them "
             f"({order}), and blocks in layer order; or save everything at once with "
-            f"save_all()."
+            f"save_all().{maybe_idle}"
         )
+
+    @property
+    def runs_only_on(self) -> str | None:
+        """The tokens this block runs on when it does not run on every input (the family's ``runs_only_on``), else None."""
+        return self.family.runs_only_on.get(self.path.rsplit(".", 1)[-1]) if self.family is not None else None
 
     def unavailable(self, name: str, reason: str, remedy: str = "") -> ValueUnavailable:
         """The error for a value this block cannot serve: what, why, and what to do."""

@@ -193,6 +193,10 @@ class Family:
         derived_routing: Weights and indices are recomputed from the logits with the
             family's scoring (read-only), for families with no experts call (llama4).
         notes: Quirks worth knowing, shown in docs and ``moelens inspect``.
+        runs_only_on: Blocks that do not run on every input, by their attribute name
+            (the last part of the block's path) -> the tokens they run on
+            (ernie4_5_vl_moe: ``{"vision_moe": "image tokens"}``). Such a block is left
+            out of ``model.save_all()`` unless named, and its order error says it may not have run.
         expert_gate: What the gated experts compute when their class overrides
             transformers' default gate, or None (``act_fn(gate) * up``; ``act_fn(up)`` for
             ungated experts). Read by the NNEF export.
@@ -215,6 +219,7 @@ class Family:
     refused: Mapping[str, str] = field(default_factory=dict)
     derived_routing: bool = False
     notes: str = ""
+    runs_only_on: Mapping[str, str] = field(default_factory=dict)
     expert_gate: ExpertGate | None = None
 
     def resolve(self, reference: Any, block: Any) -> Any:

@@ -69,7 +69,9 @@ FAMILIES = [
                                   "the layer to scatter back by modality; read the layer's mlp.output instead"},
            notes="Each layer's mlp holds two MoE blocks, text_moe and vision_moe (model.moes lists both), each "
                  "running only on its modality's tokens. Values are served as [batch, seq, ...] only when a block "
-                 "sees every token (text-only input for text_moe); vision_moe does not run on text-only input."),
+                 "sees every token (text-only input for text_moe); vision_moe does not run on text-only input "
+                 "(model.save_all() leaves it out unless moes= names it).",
+           runs_only_on={"vision_moe": "image tokens (moe_mm_token_type_ids)"}),
     Family("ernie4_5_moe", ("ernie4_5_moe",), ("Ernie4_5_MoeSparseMoeBlock",),
            scoring=Scoring("softmax", "score_topk", normalize=True,
                            selection_bias="router.moe_statics.e_score_correction_bias", code="SM+ bias"),
