@@ -419,6 +419,30 @@ def test_no_moe_and_bad_corpus_errors(qwen):
         analysis.collect_routing(wrapped, TEXTS[:1], progress=False).logits(1)
     with pytest.raises(MoelensError, match="logits=True"):
         analysis.routing_entropy(analysis.collect_routing(wrapped, TEXTS[:1], progress=False), "router")
+    with pytest.raises(MoelensError, match="max_length must be at least 1, got 0"):
+        analysis.collect_routing(wrapped, TEXTS, max_length=0, progress=False)  # was taken as the default
+    with pytest.raises(MoelensError, match=r"experts \[42\] are not experts of layer 1, which has experts 0..7"):
+        analysis.top_tokens(cache, 1, experts=[42])
+    with pytest.raises(MoelensError, match=r"tokenizer's output with input_ids.*\['text'\]"):
+        analysis.collect_routing(wrapped, {"text": TEXTS}, progress=False)
+
+
+def test_a_tokenizers_padded_output_is_its_real_tokens(qwen):
+    # The padding of a tokenizer's output is dropped by its mask: the cache equals that of the texts.
+    wrapped, hf, cache, truth = qwen
+    texts = [text for text in TEXTS if text]
+    tokenizer = wrapped.tokenizer
+    original = tokenizer.padding_side
+    for side in ("left", "right"):
+        tokenizer.padding_side = side
+        encoded = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+        assert (encoded["attention_mask"] == 0).any()
+        padded = analysis.collect_routing(wrapped, encoded, max_length=MAX_LENGTH, progress=False)
+        plain = analysis.collect_routing(wrapped, texts, max_length=MAX_LENGTH, progress=False)
+        assert torch.equal(padded.token_ids(), plain.token_ids()) and torch.equal(padded.text_index(), plain.text_index())
+        for layer in plain.layers:
+            assert torch.equal(padded.indices(layer), plain.indices(layer))
+    tokenizer.padding_side = original
 
 
 def test_plots_are_images(qwen, tmp_path):

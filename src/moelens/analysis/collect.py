@@ -113,8 +113,9 @@ def collect_routing(
 
     Args:
         model: A model from `moelens.wrap` / `moelens.load`.
-        corpus: Texts (needs the model's tokenizer), token-id sequences, or a ``[N, S]``
-            token-id tensor; any iterable, consumed lazily. Items longer than
+        corpus: Texts (needs the model's tokenizer), token-id sequences, a ``[N, S]``
+            token-id tensor (every row real tokens), or a tokenizer's output (padding dropped
+            by its attention_mask); any iterable, consumed lazily. Items longer than
             ``max_length`` are cut into windows.
         batch_size: Windows per forward.
         max_length: Window length (default: the model's context, at most 512).
@@ -143,7 +144,7 @@ def collect_routing(
         corpus,
         tokenizer,
         batch_size=batch_size,
-        max_length=max_length or corpora.default_max_length(model),
+        max_length=corpora.default_max_length(model) if max_length is None else max_length,
         pad=corpora.pad_id(model),
     )
     writer = ShardWriter(folder, cache) if folder is not None else None

@@ -1,19 +1,21 @@
 """Turning a corpus into padded batches of token windows, lazily.
 
 A corpus is any iterable of texts (strings, tokenized with the model's
-tokenizer), of token-id sequences (lists or 1-D tensors), or a 2-D ``[N, S]``
+tokenizer), of token-id sequences (lists or 1-D tensors), a 2-D ``[N, S]``
 tensor of token ids (every row a full window, e.g. the held-out windows of
-moelens-tiny). Each item is cut into windows of at most ``max_length`` tokens;
-windows are grouped ``batch_size`` at a time and right-padded, so the real
-tokens of a row sit at positions ``0..n-1`` exactly as in an unpadded run and a
-causal model's real tokens never see the padding. Nothing is read ahead beyond
-the batch being built: a corpus streamed from disk stays streamed.
+moelens-tiny), or a tokenizer's output (``input_ids`` with an ``attention_mask``:
+each row's real tokens, its padding dropped). Each item is cut into windows of
+at most ``max_length`` tokens; windows are grouped ``batch_size`` at a time and
+right-padded, so the real tokens of a row sit at positions ``0..n-1`` exactly as
+in an unpadded run and a causal model's real tokens never see the padding.
+Nothing is read ahead beyond the batch being built: a corpus streamed from disk
+stays streamed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from jaxtyping import Bool, Int
@@ -102,6 +104,23 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
     raise MoelensError(f"{what} must be a string or a sequence of token ids, got {type(item).__name__}.")
 
 
+def tokenized(encoding: Mapping) -> Iterator[Tensor]:
+    """A tokenizer's output (``input_ids``, optional ``attention_mask``) as each row's real tokens."""
+    if "input_ids" not in encoding:
+        raise MoelensError(
+            f"a corpus given as a mapping must be a tokenizer's output with input_ids (and attention_mask); "
+            f"got the keys {list(encoding)}."
+        )
+    rows = encoding["input_ids"]
+    masks = encoding.get("attention_mask")
+    one_row = rows.dim() == 1 if isinstance(rows, Tensor) else bool(rows) and isinstance(rows[0], int)
+    if one_row:
+        rows, masks = [rows], None if masks is None else [masks]
+    for index, row in enumerate(rows):
+        row = torch.as_tensor(row)
+        yield row if masks is None else row[torch.as_tensor(masks[index]).bool()]
+
+
 def items(corpus: Any) -> Iterator[Any]:
     """The corpus as an iterator of items (a 2-D tensor yields its rows)."""
     if isinstance(corpus, str):
@@ -113,6 +132,8 @@ def items(corpus: Any) -> Iterator[Any]:
             yield from corpus
         else:
             raise MoelensError(f"a token-id corpus tensor must be 1-D or 2-D, got shape {tuple(corpus.shape)}.")
+    elif isinstance(corpus, Mapping):
+        yield from tokenized(corpus)
     elif isinstance(corpus, Iterable):
         yield from corpus
     else:

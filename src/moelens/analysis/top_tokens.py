@@ -93,7 +93,11 @@ def top_tokens(
     if by not in RANKINGS:
         raise MoelensError(f"by={by!r} is not one of {RANKINGS}.")
     expert_of, token_of, counts, occurrences = pair_counts(cache, layer)
-    experts = list(range(cache.num_experts[layer])) if experts is None else list(experts)
+    count = cache.num_experts[layer]
+    experts = list(range(count)) if experts is None else list(experts)
+    outside = [expert for expert in experts if not 0 <= int(expert) < count]
+    if outside:
+        raise MoelensError(f"experts {outside} are not experts of layer {layer}, which has experts 0..{count - 1}.")
     result = []
     for expert in experts:
         mine = expert_of == expert
