@@ -54,7 +54,8 @@ def test_clear_errors():
         tomoe(model, num_experts=4, top_k=5)
     with pytest.raises(ValueError):  # CompressionError is a ValueError too
         tomoe(model, num_experts=2, top_k=3)
-    for empty in ([], torch.zeros(0, 8, dtype=torch.long), [{"input_ids": torch.zeros(2, 0, dtype=torch.long)}]):
+    all_padding = {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.zeros(2, 5, dtype=torch.long)}
+    for empty in ([], torch.zeros(0, 8, dtype=torch.long), [{"input_ids": torch.zeros(2, 0, dtype=torch.long)}], all_padding):
         with pytest.raises(CompressionError, match="calibration set is empty"):
             tomoe(model, calibration=empty, progress=False)
     with pytest.raises(NothingToConvert, match="nothing to convert in Sequential"):

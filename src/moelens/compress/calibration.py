@@ -48,8 +48,9 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
         elif isinstance(item, Mapping):
             kwargs = dict(item)
             main = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
-            if main is None or main.numel() == 0:
-                continue
+            mask = _mask(kwargs)
+            if main is None or main.numel() == 0 or (mask is not None and not mask.any()):
+                continue  # no token, or only padding
             calls.append(((), kwargs))
         elif isinstance(item, (tuple, list)) and item and isinstance(item[0], Tensor):
             calls.append((tuple(item), {}))
@@ -59,7 +60,7 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
             )
     if not calls:
         raise CompressionError(
-            "the calibration set is empty (no batch with any token); pass token ids such as "
+            "the calibration set is empty (no batch with any real token, padding aside); pass token ids such as "
             "tokenizer(texts, return_tensors='pt', padding=True), or calibration=None to convert from weights only."
         )
     return calls
