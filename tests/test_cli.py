@@ -155,8 +155,17 @@ def test_stats_formats_on_tiny(saved, capsys):
         (["stats", "{root}/mixtral", "--text", "{root}/empty.txt"], "is empty"),
         (["stats", "{root}/mixtral", "--text", "{root}/missing.txt"], "does not exist"),
         (["demo", "--text", "{root}/empty.txt"], "is empty"),
+        (["stats", "{root}/mixtral", "--text", "{root}"], "is a folder; give a text file"),
+        (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/text.txt"], "is a file; name a folder"),
+        (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--max-length", "0"], "max_length must be at least 1, got 0"),
+        (["demo", "--out", "{root}/text.txt"], "is a file; name a folder"),
+        (["demo", "--windows", "-1"], "--windows must be 0 (none) or more"),
+        (["export", "tiny", "{root}/x.nnef.tgz", "--tokens", "0", "--no-verify"], "need at least one token"),
+        (["export", "tiny", "{root}", "--block", "0", "--no-verify"], "is a folder with files of its own"),
     ],
-    ids=["unknown-path", "not-a-checkpoint", "inspect-dense", "stats-dense", "empty-text", "missing-text", "demo-empty"],
+    ids=["unknown-path", "not-a-checkpoint", "inspect-dense", "stats-dense", "empty-text", "missing-text", "demo-empty",
+         "text-is-a-folder", "stats-out-is-a-file", "max-length-0", "demo-out-is-a-file", "negative-windows",
+         "export-no-tokens", "export-into-a-folder-of-files"],
 )
 def test_bad_input_fails_cleanly(saved, capsys, argv, message):
     status, out, err = run([arg.format(root=saved) for arg in argv], capsys)

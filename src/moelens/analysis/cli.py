@@ -127,8 +127,16 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def check_output_folder(path: Path) -> None:
+    """Refuse an ``--out`` that names a file (before any work; the folder is made when written)."""
+    if path.exists() and not path.is_dir():
+        raise MoelensError(f"--out {str(path)!r} is a file; name a folder (it is created if missing).")
+
+
 def read_text(path: Path) -> str:
     """The text of ``path``; clear errors for a missing, unreadable or empty file."""
+    if path.is_dir():
+        raise MoelensError(f"text file {str(path)!r} is a folder; give a text file.")
     if not path.is_file():
         raise MoelensError(f"text file {str(path)!r} does not exist.")
     try:
@@ -187,6 +195,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from .token_view import token_routing
 
     started = time.perf_counter()
+    check_output_folder(args.out)
+    if args.windows < 0:
+        raise MoelensError(f"--windows must be 0 (none) or more, got {args.windows}.")
     text = read_text(args.text) if args.text is not None else DEMO_TEXT
     set_threads(args.threads)
     print("Loading moelens-tiny (offline) ...", flush=True)
@@ -297,6 +308,8 @@ def run_stats(args: argparse.Namespace) -> int:
     from .report import layer_stats, table, to_csv, write_stats
 
     text = read_text(args.text)
+    if args.out is not None:
+        check_output_folder(args.out)
     set_threads(args.threads)
     model = load_model(args.model)
     if tokenizer_of(model) is None:

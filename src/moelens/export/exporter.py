@@ -273,6 +273,8 @@ def output_name(target: Target) -> str:
 
 def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 1) -> torch.Tensor:
     """Seeded example inputs: ``[batch, tokens]`` token ids (never 0..2) or ``[batch, tokens, D]`` hidden states."""
+    if tokens < 1 or batch < 1:
+        raise ExportError(f"example inputs need at least one token and one row, got tokens={tokens}, batch={batch}.")
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":
         from ..families.entry import get_path
@@ -300,6 +302,12 @@ def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:
     if target.kind == "block" and (not inputs.is_floating_point() or inputs.dim() not in (2, 3)):
         raise ExportError(f"a block export takes hidden states [batch, seq, D] as example_inputs, got {inputs.dtype} "
                           f"{tuple(inputs.shape)}.")
+    if 0 in inputs.shape:
+        raise ExportError(f"example_inputs of shape {tuple(inputs.shape)} hold no token; give at least one.")
+    vocab = getattr(getattr(target.module, "config", None), "vocab_size", None)
+    if target.kind == "model" and isinstance(vocab, int) and (int(inputs.min()) < 0 or int(inputs.max()) >= vocab):
+        bad = int(inputs.min()) if int(inputs.min()) < 0 else int(inputs.max())
+        raise ExportError(f"example_inputs holds token id {bad}, outside the model's vocabulary [0, {vocab}).")
     inputs = inputs.detach().cpu()
     return inputs.float() if inputs.is_floating_point() else inputs.long()
 
