@@ -271,8 +271,9 @@ class Moe(Mlp):
         if shared is not None:
             gated = family.shared.gated_op
             location = f"{self.path}.source.{gated}.output" if gated else f"{shared.path}.output"
+            # The block edits it in place later: the reader keeps a copy, and the model gets its own.
             copy = (lambda tensor, _: tensor.clone()) if family.shared.edited_later else None
-            bindings["shared_expert_output"] = Binding(location, 1, to_view=copy)
+            bindings["shared_expert_output"] = Binding(location, 1, to_view=copy, from_view=copy)
         return bindings
 
     def _nested(self, op: str) -> str:

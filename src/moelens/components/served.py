@@ -197,12 +197,15 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         return waiting.view
     fetched = fetch(component, name, binding)
     view, version = fetched.view, fetched.view._version
+    # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
+    # `.grad` in a `with loss.backward():` block) sees the gradient: a view alone is off the graph.
+    on_graph = view.requires_grad and view is not fetched.picked
 
     def write_back() -> Any:
-        if view._version == version:
-            return fetched.raw
-        check_write(component, name, binding, view, view.shape)
-        if binding.to_view is None and _aliases(view, fetched.picked):
+        edited = view._version != version
+        if edited:
+            check_write(component, name, binding, view, view.shape)
+        if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
             return fetched.raw
         return replaced(binding, fetched, view, name)
 

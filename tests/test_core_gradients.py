@@ -1,0 +1,74 @@
+"""Gradients at served values: ``value.grad`` inside nnsight's ``with loss.backward():`` block.
+
+Ground truth, independent of moelens: the same loss on an unwrapped copy where plain
+nnsight adds a zero leaf tensor at the raw location (the router's logits op, the experts
+call's weights argument, the experts and block outputs) and torch autograd gives the
+leaf's gradient; per-slot gradients follow from the routed sum and the expert weights.
+"""
+
+from __future__ import annotations
+
+import nnsight
+import pytest
+import torch
+
+from groundtruth import built, first_tensor
+
+GRADIENT_CASES = [(family, impl) for family in ("mixtral", "qwen2_moe") for impl in ("grouped_mm", "batched_mm")]
+
+
+def loss_of(output) -> torch.Tensor:
+    logits = first_tensor(output)
+    return logits[:, -1].log_softmax(-1)[:, 5].sum() + logits[:, 1, 7].sum()
+
+
+def plain_gradients(reference, inputs, moe) -> dict[str, torch.Tensor]:
+    """Gradients of the loss at the block's raw tensors, by zero leaves added with plain nnsight."""
+    family = moe.family
+    plain = nnsight.NNsight(reference)
+    leaves = {}
+    with plain.trace(**inputs):
+        block = plain.get(moe.path.removeprefix("model."))
+        logits = block.get(family.router).source.__getattr__(family.logits_op)
+        leaves["router_logits"] = torch.zeros_like(logits.output, requires_grad=True)
+        logits.output = logits.output + leaves["router_logits"]
+        experts = block.get(family.experts)
+        (hidden, indices, weights, *rest), kwargs = experts.inputs
+        leaves["expert_weights"] = torch.zeros_like(weights, requires_grad=True)
+        experts.inputs = ((hidden, indices, weights + leaves["expert_weights"], *rest), kwargs)
+        leaves["routed_output"] = torch.zeros_like(experts.output, requires_grad=True)
+        experts.output = experts.output + leaves["routed_output"]
+        leaves["mlp_output"] = torch.zeros_like(block.output, requires_grad=True)
+        block.output = block.output + leaves["mlp_output"]
+        slots = nnsight.save((indices, weights))
+        output = plain.output.save()
+    loss_of(output).backward()
+    shape = inputs["input_ids"].shape
+    grads = {name: leaf.grad.reshape(*shape, -1) for name, leaf in leaves.items()}
+    grads["indices"], grads["weights"] = (tensor.reshape(*shape, -1) for tensor in slots)
+    return grads
+
+
+@pytest.mark.parametrize(("family", "impl"), GRADIENT_CASES, ids=[f"{f}-{i}" for f, i in GRADIENT_CASES])
+def test_gradients_at_served_values(family, impl):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moe = wrapped.moes[-1]
+    names = [name for name in moe.order() if name not in ("expert_indices", "router_probs")]  # probs: derived, off the graph
+    with wrapped.trace(**inputs):
+        values = {name: getattr(moe, name) for name in names}
+        loss = loss_of(wrapped.output)
+        with loss.backward():
+            grads = nnsight.save({name: values[name].grad.save() for name in reversed(names)})
+    truth = plain_gradients(reference, inputs, moe)
+    close = lambda a, b: torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)  # noqa: E731
+    for name in ("router_logits", "expert_weights", "routed_output", "mlp_output"):
+        assert grads[name].abs().max() > 0, name
+        close(grads[name], truth[name])
+    if "shared_expert_output" in grads:  # qwen2_moe: block output = routed + shared
+        close(grads["shared_expert_output"], truth["mlp_output"])
+    # each slot's weighted output is summed into the routed output ...
+    close(grads["expert_outputs"], truth["routed_output"][:, :, None].expand_as(grads["expert_outputs"]))
+    # ... as weight * down_proj(activations), so d/d activations = weight * g_routed @ down_proj[expert]
+    down = moe.experts._module.down_proj.detach()[truth["indices"]]  # [b, s, k, D, I]
+    by_hand = truth["weights"][..., None] * torch.einsum("bsd,bskdi->bski", truth["routed_output"], down)
+    close(grads["expert_activations"], by_hand)
