@@ -314,3 +314,18 @@ def test_a_block_that_runs_only_on_some_tokens():
     with pytest.raises(OrderError, match=r"vision_moe.router_logits .*runs only on image tokens"):
         with wrapped.trace(ids):
             vision[0].router_logits.save()
+
+
+def test_force_says_when_a_selection_bias_outranks_it():
+    # deepseek_v3 ranks sigmoid scores + a correction bias: a saturated expert with a larger bias
+    # outranks forced experts whose raised logits can only reach a score of 1.
+    hf = tiny_model("deepseek_v3")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with torch.no_grad():
+        moe.router._module.e_score_correction_bias.copy_(torch.arange(moe.num_experts) * 0.1)
+    ids = tiny_inputs(hf, batch=1, seq=6)["input_ids"]
+    with pytest.raises(WriteError, match=r"not by the logits alone; raising the logits of experts \[0, 1\] left 6 of 6"):
+        with wrapped.trace(ids):
+            moelens.steer(moe, moe.num_experts - 1, 30.0)
+            moelens.force(moe, [0, 1])

@@ -100,6 +100,38 @@ def test_ablation_matches_the_same_edit_in_plain_nnsight(family, impl, mode):
     assert not torch.equal(ablated, plain), "the ablation changed nothing: the test would not notice a no-op"
 
 
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_force_puts_the_expert_in_every_token_or_says_why(family, impl):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = [moe for moe in running_moes(wrapped) if routes_by_logits(moe)]
+    forced = [(expert + 1) % moe.num_experts for expert, moe in zip(chosen_experts(wrapped, inputs), running_moes(wrapped))
+              if routes_by_logits(moe)]
+    not_by_logits = any(moe.SCORING.selection_bias or moe.SCORING.groups for moe in moes)
+    try:
+        with wrapped.trace(**inputs):
+            picked = nnsight.save([])
+            for moe, expert in zip(moes, forced):
+                moelens.force(moe, [expert])
+                picked.append(moe.expert_indices.save())
+            output = wrapped.output.save()
+    except moelens.WriteError as error:  # only where the router does not pick by the logits alone
+        assert not_by_logits and "not by the logits alone" in str(error)
+        return
+    for indices, expert in zip(picked, forced):
+        assert (indices == expert).any(-1).all()
+
+    def edit(block, moe, index):  # the same lift, by hand on the raw logits op
+        op = block.get(moe.family.router).source.__getattr__(moe.family.logits_op)
+        logits = op.output
+        finite = logits.masked_fill(~torch.isfinite(logits), 0)
+        lift = finite.amax(-1) - finite.amin(-1) + 30.0
+        raised = logits.clone()
+        raised[..., forced[index]] = logits[..., forced[index]] + lift
+        op.output = raised
+
+    torch.testing.assert_close(first_tensor(output), plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
+
+
 def edited_weights_copy(reference, moes, experts, replacement, mode):
     """A copy of the model whose expert weights do what the ablation does."""
     model = copy.deepcopy(reference)

@@ -75,7 +75,9 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         mode: ``"zero"``: its slots keep their place but contribute nothing (routing
             unchanged, outputs change); ``"route_around"``: the router never picks it,
             choosing the best other experts and renormalising as the family does
-            (changes routing); ``"swap"``: its slots run expert ``to`` instead, with
+            (changes routing; where the router adds a selection bias to bounded scores,
+            the bias alone can keep it in a slot with weight 0, see docs/interventions.md);
+            ``"swap"``: its slots run expert ``to`` instead, with
             the same weight (outputs change).
         to: The replacement expert for ``mode="swap"``.
     """
@@ -152,6 +154,13 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     their order among themselves, so they fill the top ``len(experts)`` slots;
     weights follow from the family's scoring of the raised logits (with sigmoid
     scores they saturate towards 1).
+
+    Where the router does not pick by the logits alone (a selection bias added to
+    bounded scores, group-limited top-k: the DS3 / SGB / SM+bias families), a raised
+    logit may still not win (a saturated competitor with a larger bias, a group left
+    out): there ``force`` reads the resulting ``expert_indices`` and raises `WriteError`
+    if a token misses a forced expert (set the slots with `reroute` instead). Read
+    routing values of the block before calling it.
     """
     _moe(moe, "force")
     if isinstance(experts, torch.Tensor):
@@ -170,3 +179,14 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         logits[...] = raised
     else:
         logits[tokens] = raised
+    scoring = moe.SCORING
+    if scoring.selection_bias or scoring.groups:
+        indices = moe.expert_indices if tokens is None else moe.expert_indices[tokens]
+        missed = ~torch.stack([(indices == expert).any(-1) for expert in chosen]).all(0)
+        if missed.any():
+            raise WriteError(
+                f"force: {moe.path} ({moe.family.name}) picks experts by {scoring.describe()}, not by the logits "
+                f"alone; raising the logits of experts {chosen} left {int(missed.sum())} of {missed.numel()} "
+                "tokens without them (a bounded score cannot outrank a larger selection bias, or their group "
+                "was left out). Set the slots with moelens.reroute(moe, tokens, experts) instead."
+            )
