@@ -3,7 +3,8 @@
 torch-to-nnef writes ``graph.nnef`` and one ``.dat`` per tensor into a folder; tar
 would record the user's name, ids and file times. moelens writes the archive itself:
 members sorted, owner root/0 with no names, time 0, and no file name or time in the
-gzip header, so the same export gives the same bytes on any machine.
+gzip header, so the same export gives the same bytes on any machine (torch-to-nnef's own
+naming follows Python's hash seed: fix ``PYTHONHASHSEED`` to compare exports across processes).
 """
 
 from __future__ import annotations
