@@ -156,6 +156,16 @@ def test_traces_leave_no_hooks_or_edits_behind():
         assert not module._forward_hooks and not module._forward_pre_hooks and not module._backward_hooks
 
 
+def test_wrap_leaves_the_users_tokenizer_as_it_was():
+    from groundtruth import ascii_tokenizer
+
+    tokenizer = ascii_tokenizer()
+    tokenizer.padding_side = "right"
+    wrapped = moelens.wrap(tiny_model("mixtral"), tokenizer=tokenizer)
+    assert tokenizer.padding_side == "right" and wrapped.tokenizer is not tokenizer
+    assert wrapped.tokenizer.padding_side == "left"  # prompts are left-padded (docs/values.md)
+
+
 def test_wrap_and_load_reject_bad_input(tmp_path):
     with pytest.raises(moelens.MoelensError, match="transformers model instance"):
         moelens.wrap("mixtral")

@@ -10,6 +10,7 @@ list, ``model.layers[i].mlp`` the block whatever the family calls it, and
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,7 +186,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         model: A transformers model instance (any family moelens knows; a model it
             does not know is wrapped as plain nnsight, with a warning for MoE blocks).
         tokenizer: Its tokenizer, so string prompts, padding and ``generate`` work;
-            without one the model takes token-id tensors.
+            without one the model takes token-id tensors. The wrapped model keeps a copy
+            (``model.tokenizer``, left-padding as nnsight sets it): yours is not changed.
         **nnsight_kwargs: Passed to the nnsight model (``envoys``, ``rename``, ...).
 
     Returns:
@@ -201,8 +203,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     envoys = dict(nnsight_kwargs.pop("envoys", None) or {})
     envoys.update({name: moe_envoy for name in structure.moe_blocks})
     envoys.update({name: Mlp for name in structure.dense_blocks})
-    if tokenizer is not None:
-        wrapped = MoeTransformersModel(model, tokenizer=tokenizer, envoys=envoys, **nnsight_kwargs)
+    if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
+        wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
     else:
         wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
     object.__setattr__(wrapped, "_structure", structure)
