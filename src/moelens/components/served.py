@@ -191,10 +191,9 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     """Serve ``binding`` as this invoke's token view and leave its write-back."""
     name = descriptor.name
     location = binding.location
-    mediator = Mediator.current(location)
-    waiting = mediator.transform
-    if waiting is not None and waiting.key == (descriptor, location, mediator.wanted(location)):
-        return waiting.view
+    pending = _pending_read(descriptor, location)
+    if pending is not None:
+        return pending.view
     fetched = fetch(component, name, binding)
     view, version = fetched.view, fetched.view._version
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
@@ -210,18 +209,24 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         return replaced(binding, fetched, view, name)
 
     write_back.fetched = fetched  # type: ignore[attr-defined]  # for a write of the value read (see write)
+    mediator = Mediator.current(location)
     mediator.transform = WriteBack(write_back, view, descriptor, location, mediator.wanted(location))
     return view
+
+
+def _pending_read(descriptor: served, location: str) -> WriteBack | None:
+    """The write-back a read of this value left at this visit, while the worker still holds it."""
+    mediator = Mediator.current(location)
+    waiting = mediator.transform
+    matches = waiting is not None and waiting.key == (descriptor, location, mediator.wanted(location))
+    return waiting if matches else None
 
 
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
     name = descriptor.name
-    location = binding.location
-    mediator = Mediator.current(location)
-    waiting = mediator.transform
-    read_here = waiting is not None and waiting.key == (descriptor, location, mediator.wanted(location))
-    fetched = fetch(component, name, binding, prepared=waiting.fn.fetched if read_here else None)
+    pending = _pending_read(descriptor, binding.location)
+    fetched = fetch(component, name, binding, prepared=pending.fn.fetched if pending is not None else None)
     current = fetched.view
     if not isinstance(value, torch.Tensor):
         numbers_as = current.dtype if binding.kind == FLOAT and isinstance(value, (int, float)) else None
