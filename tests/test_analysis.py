@@ -511,14 +511,25 @@ def test_every_family_collects_and_counts(family):
             truth = torch.cat([raw[name].experts_args[1].reshape(-1, moe.top_k) for raw in raws])
             weights = torch.cat([raw[name].experts_args[2].reshape(-1, moe.top_k) for raw in raws])
             torch.testing.assert_close(cache.weights(layer).float(), weights.float(), atol=WEIGHT_ATOL, rtol=1e-3)
+        if family == "zaya":  # the skip class (the last logit column): those slots ran no expert
+            biases = reference.get_submodule(name).get_submodule(wrapped.family.router).balancing_biases
+            chosen = torch.topk(logits.softmax(-1) + biases, moe.top_k, dim=-1).indices
+            truth = truth.masked_fill(chosen == logits.shape[-1] - 1, analysis.cache.SKIPPED)
         indices = cache.indices(layer)
         assert indices.shape == (ids.numel(), cache.top_k[layer])
         assert torch.equal(indices.long(), truth.long())
-        assert 0 <= int(indices.min()) and int(indices.max()) < cache.num_experts[layer]
+        assert analysis.cache.SKIPPED <= int(indices.min()) and int(indices.max()) < cache.num_experts[layer]
+        ran = truth[truth != analysis.cache.SKIPPED]
         assert torch.equal(usage.counts[row, : cache.num_experts[layer]],
-                           torch.bincount(truth.flatten(), minlength=cache.num_experts[layer]))
+                           torch.bincount(ran.flatten(), minlength=cache.num_experts[layer]))
+        if family == "zaya":  # every count leaves the skipped slots out
+            E = cache.num_experts[layer]
+            assert torch.equal(analysis.coactivation(cache, layer).counts.diagonal(), usage.counts[row, :E])
+            assert [item.total for item in analysis.top_tokens(cache, layer)] == usage.counts[row, :E].tolist()
         # inkling's router adds columns past E (docs/values.md): compare the ones the router returns
         torch.testing.assert_close(cache.logits(layer)[:, : logits.shape[-1]].float(), logits.float(),
                                    atol=WEIGHT_ATOL, rtol=1e-3)
         probs = cache.probs(layer)
         assert probs.shape[0] == ids.numel() and probs.shape[1] >= cache.num_experts[layer]
+    if family == "zaya":  # the logit lens averages over the slots that ran each expert
+        assert torch.equal(analysis.expert_logit_lens(wrapped, ids, progress=False).counts, usage.counts)

@@ -28,6 +28,10 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..families.scoring import score
 
+#: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
+#: expert 0 with weight 0): counted by no expert.
+SKIPPED = -1
+
 #: Version of the on-disk layout (``routing.json`` says which).
 FORMAT_VERSION = 1
 META_FILE = "routing.json"

@@ -19,7 +19,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import RoutingCache, Shard
+from .cache import SKIPPED, RoutingCache, Shard
 
 SLOTS = ("top1", "all")
 
@@ -74,17 +74,18 @@ class Transitions:
 
 
 def top1(shard: Shard, layer: int) -> Int[Tensor, " n"]:
-    """``[n]`` each token's highest-weighted expert in ``layer``."""
+    """``[n]`` each token's highest-weighted expert in ``layer`` (`SKIPPED` when every slot skipped)."""
     indices = shard.indices[layer].long()
     best = shard.weights[layer].float().argmax(-1, keepdim=True)
     return indices.gather(-1, best).squeeze(-1)
 
 
 def multi_hot(indices: Tensor, num_experts: int) -> Tensor:
-    """``[n, E]`` 1 where a token uses an expert (once, however many slots)."""
+    """``[n, E]`` 1 where a token uses an expert (once, however many slots; skipped slots none)."""
     hot = torch.zeros(indices.shape[0], num_experts, dtype=torch.float64)
-    hot.scatter_(1, indices.long(), 1.0)
-    return hot
+    indices = indices.long()
+    hot.scatter_add_(1, indices.clamp(min=0), (indices != SKIPPED).double())
+    return hot.clamp_(max=1.0)
 
 
 def coactivation(cache: RoutingCache, layer: int) -> Coactivation:
@@ -101,7 +102,7 @@ def coactivation(cache: RoutingCache, layer: int) -> Coactivation:
 
 def _chosen(shard: Shard, layer: int, width: int, slots: str) -> Tensor:
     if slots == "top1":
-        return torch.nn.functional.one_hot(top1(shard, layer), width).double()
+        return multi_hot(top1(shard, layer)[:, None], width)
     return multi_hot(shard.indices[layer], width)
 
 
@@ -122,7 +123,8 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
     """The ``top`` most common trajectories: each token's top-1 expert in every layer of ``layers``.
 
     Returns:
-        ``[(path, tokens), ...]`` most common first; ``path[i]`` is the expert in ``layers[i]``.
+        ``[(path, tokens), ...]`` most common first; ``path[i]`` is the expert in ``layers[i]``
+        (`SKIPPED`, -1, where every slot of the token skipped that layer).
     """
     layers = list(cache.layers if layers is None else layers)
     for layer in layers:

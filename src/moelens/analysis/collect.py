@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..errors import MoelensError
 from . import corpus as corpora
-from .cache import RoutingCache, Shard, ShardWriter
+from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
 
 #: Default number of tokens per cache shard (a shard is the unit held in memory).
 SHARD_TOKENS = 65_536
@@ -78,16 +78,31 @@ def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
     )
 
 
+def skips(moe: Any) -> bool:
+    """Whether ``moe``'s router has a skip class (zaya): some slots run no expert."""
+    return moe.SCORING.select == "skip_topk"
+
+
+def skipped_slots(indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The slots of a skip-class router that ran no expert: transformers hands them over as expert 0
+    with weight 0 (a slot that ran expert 0 has its softmax score, never exactly 0 in float32)."""
+    return (indices == 0) & (weights == 0)
+
+
 def real_tokens(saved: dict[int, dict[str, Any]], mask: torch.Tensor, index_dtype: torch.dtype,
-                dtype: torch.dtype) -> dict[str, dict[int, Any]]:
+                dtype: torch.dtype, skipping: set[int] = frozenset()) -> dict[str, dict[int, Any]]:
     """After a trace: the routing values `MoeModelMixin.save_all` saved, at the real tokens of ``mask`` ([b, s]).
 
     Returns ``{"indices": {layer: [n, k]}, "weights": ..., "logits": ...}`` where ``n`` is the
-    number of True entries of ``mask``.
+    number of True entries of ``mask``. In the ``skipping`` layers (a skip class, see
+    `skipped_slots`) the slots that ran no expert get the index `SKIPPED`.
     """
     read: dict[str, dict[int, Any]] = {"indices": {}, "weights": {}, "logits": {}}
     for layer, values in saved.items():
-        read["indices"][layer] = values["expert_indices"][mask].to(index_dtype)
+        indices = values["expert_indices"][mask]
+        if layer in skipping:
+            indices = indices.masked_fill(skipped_slots(indices, values["expert_weights"][mask]), SKIPPED)
+        read["indices"][layer] = indices.to(index_dtype)
         read["weights"][layer] = values["expert_weights"][mask].to(dtype)
         if "router_logits" in values:
             read["logits"][layer] = values["router_logits"][mask].to(dtype)
@@ -139,6 +154,7 @@ def collect_routing(
     wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]
     biggest = max(moe.num_experts for moe in moes)
     index_dtype = torch.int16 if biggest <= torch.iinfo(torch.int16).max else torch.int32
+    skipping = {moe.layer for moe in moes if skips(moe)}
     tokenizer = corpora.tokenizer_of(model)
     stream = corpora.batches(
         corpus,
@@ -172,7 +188,7 @@ def collect_routing(
                 saved = model.save_all(wanted, strict=True, moes=moes)  # keyed by layer: moes_of keeps one per layer
                 if stop_early:
                     tracer.stop()
-            read = real_tokens(saved, mask, index_dtype, dtype)
+            read = real_tokens(saved, mask, index_dtype, dtype, skipping)
             rows = mask.sum(1)
             positions = torch.arange(mask.shape[1]).expand_as(mask)
             pending.append(

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..errors import MoelensError
 from . import corpus as corpora
-from .collect import moes_of
+from .collect import moes_of, skipped_slots, skips
 from .text import token_strings
 
 #: Names of a model's final norm, tried in order on its base model.
@@ -85,13 +85,18 @@ def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
     sums = {}
     for moe in moes:
         width = moe.num_experts
-        indices = None
+        indices = weights = None
         for name in moe.order():
-            if name == "expert_indices":
+            if name == "expert_weights" and skips(moe):
+                weights = moe.expert_weights[mask].flatten()
+            elif name == "expert_indices":
                 indices = moe.expert_indices[mask].flatten()
             elif name == "expert_outputs":
                 outputs = moe.expert_outputs[mask]
                 flat = outputs.reshape(-1, outputs.shape[-1]).double()
+                if weights is not None:  # slots of a skip class ran no expert
+                    ran = ~skipped_slots(indices, weights)
+                    indices, flat = indices[ran], flat[ran]
                 total = torch.zeros(width, flat.shape[-1], dtype=torch.float64).index_add_(0, indices, flat)
                 sums[moe.layer] = (total, torch.bincount(indices, minlength=width))
     return nnsight.save(sums)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .cache import SKIPPED
 from .coactivation import Coactivation, Transitions
 from .entropy import Entropy
 from .logit_lens import ExpertLens
@@ -172,6 +173,10 @@ def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> Any:
     return figure
 
 
+def _expert_label(expert: int) -> str:
+    return "skip" if expert == SKIPPED else str(expert)
+
+
 def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
     """Grid layers x tokens coloured by each token's top expert, annotated with its k experts."""
     plt = pyplot()
@@ -186,7 +191,7 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
     k = view.indices.shape[-1]
     for row in range(len(view.layers)):
         for column in range(count):
-            label = "\n".join(str(int(view.indices[row, column, slot])) for slot in range(min(k, 2)))
+            label = "\n".join(_expert_label(int(view.indices[row, column, slot])) for slot in range(min(k, 2)))
             axes.text(column, row, label, ha="center", va="center", fontsize=6)
     axes.set_xticks(range(count), view.tokens[:count], rotation=90, fontsize=7, family="monospace")
     axes.set_yticks(range(len(view.layers)), [f"layer {layer}" for layer in view.layers])

@@ -17,7 +17,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import RoutingCache
+from .cache import SKIPPED, RoutingCache
 
 PER = ("token", "text")
 
@@ -92,6 +92,6 @@ def specialisation(
         for row, layer in enumerate(cache.layers):
             indices = shard.indices[layer].long()[keep]
             keys = indices * num_classes + mine[keep][:, None]
-            counts[row] += torch.bincount(keys.flatten(), minlength=width * num_classes)
+            counts[row] += torch.bincount(keys[indices != SKIPPED], minlength=width * num_classes)
     return Specialisation(layers=list(cache.layers), classes=list(classes),
                           counts=counts.view(len(cache.layers), width, num_classes))

@@ -10,6 +10,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
+from .cache import SKIPPED
 from .collect import collect_routing
 from .corpus import tokenizer_of
 from .text import token_strings
@@ -48,7 +49,7 @@ class TokenRouting:
         for position, token in enumerate(self.tokens):
             slots = [
                 " ".join(
-                    f"{int(self.indices[row, position, slot])}:{float(self.weights[row, position, slot]):.2f}"
+                    _slot(int(self.indices[row, position, slot]), float(self.weights[row, position, slot]))
                     for slot in range(self.indices.shape[-1])
                 )
                 for row in rows
@@ -59,6 +60,11 @@ class TokenRouting:
         lines = [header, "-" * len(header)]
         lines += [f"{token:<{token_width}}  " + "  ".join(f"{slot:<{column}}" for slot in slots) for token, slots in cells]
         return "\n".join(lines)
+
+
+def _slot(expert: int, weight: float) -> str:
+    """One slot of the table: ``expert:weight``, or ``skip`` for a slot that ran no expert."""
+    return "skip" if expert == SKIPPED else f"{expert}:{weight:.2f}"
 
 
 def token_routing(

@@ -16,7 +16,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import RoutingCache
+from .cache import SKIPPED, RoutingCache
 from .text import token_strings
 
 RANKINGS = ("count", "share")
@@ -52,8 +52,9 @@ def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor
     keys, key_counts, occurrences = [], [], torch.zeros(0, dtype=torch.int64)
     for shard in cache.shards():
         ids = shard.token_ids.long()
-        pairs = shard.indices[layer].long() * stride + ids[:, None]
-        unique, counts = torch.unique(pairs.flatten(), return_counts=True)
+        indices = shard.indices[layer].long()
+        pairs = indices * stride + ids[:, None]
+        unique, counts = torch.unique(pairs[indices != SKIPPED], return_counts=True)
         keys.append(unique)
         key_counts.append(counts)
         seen = torch.bincount(ids)

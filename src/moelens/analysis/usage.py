@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .cache import RoutingCache
+from .cache import SKIPPED, RoutingCache
 
 
 @dataclass
@@ -103,6 +103,8 @@ class LoadBalance:
 def expert_usage(cache: RoutingCache) -> Usage:
     """Count, per MoE layer, the slots routed to each expert (streams over the cache's shards).
 
+    Skipped slots (`SKIPPED`: zaya's skip class) count for no expert.
+
     Layers with fewer experts than the widest one have zero columns past their E.
     """
     width = max(cache.num_experts.values())
@@ -113,8 +115,9 @@ def expert_usage(cache: RoutingCache) -> Usage:
         tokens += shard.num_tokens
         for row, layer in enumerate(cache.layers):
             indices = shard.indices[layer].long().flatten()
-            counts[row] += torch.bincount(indices, minlength=width)[:width]
-            weight[row].index_add_(0, indices, shard.weights[layer].double().flatten())
+            ran = indices != SKIPPED
+            counts[row] += torch.bincount(indices[ran], minlength=width)[:width]
+            weight[row].index_add_(0, indices[ran], shard.weights[layer].double().flatten()[ran])
     return Usage(layers=list(cache.layers), counts=counts, weight=weight, tokens=tokens,
                  top_k=[cache.top_k[layer] for layer in cache.layers],
                  num_experts=[cache.num_experts[layer] for layer in cache.layers])
