@@ -13,6 +13,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import nnsight
 import pytest
 import torch
 
@@ -533,3 +534,24 @@ def test_every_family_collects_and_counts(family):
         assert probs.shape[0] == ids.numel() and probs.shape[1] >= cache.num_experts[layer]
     if family == "zaya":  # the logit lens averages over the slots that ran each expert
         assert torch.equal(analysis.expert_logit_lens(wrapped, ids, progress=False).counts, usage.counts)
+
+
+def test_logit_lens_reads_latent_experts_in_the_hidden_space():
+    # nemotron_h with moe_latent_size: experts work in a 16-wide latent space, fc2_latent_proj maps their sum back.
+    hf = tiny_model("nemotron_h", moe_latent_size=16)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    corpus = [list(range(3, 23)), list(range(30, 50))]
+    lens = analysis.expert_logit_lens(wrapped, corpus, progress=False)
+    assert lens.mean_outputs.shape[-1] == hf.config.hidden_size
+    plain = nnsight.NNsight(reference)
+    for row, moe in enumerate(wrapped.moes):
+        projection = reference.get_submodule(moe.path.removeprefix("model.")).fc2_latent_proj
+        bias = projection.bias if projection.bias is not None else torch.zeros(hf.config.hidden_size)
+        total = torch.zeros(hf.config.hidden_size, dtype=torch.float64)
+        for ids in corpus:
+            with plain.trace(torch.tensor([ids])):
+                projected = plain.get(moe.path.removeprefix("model.")).fc2_latent_proj.output.save()
+            total += (projected.reshape(-1, hf.config.hidden_size) - bias).double().detach().sum(0)
+        by_expert = (lens.mean_outputs[row].double() * lens.counts[row, :, None]).sum(0)
+        torch.testing.assert_close(by_expert, total, atol=1e-4, rtol=1e-4)

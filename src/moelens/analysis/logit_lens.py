@@ -25,6 +25,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..errors import MoelensError
+from ..families.entry import get_path
 from . import corpus as corpora
 from .collect import moes_of, skipped_slots, skips
 from .text import token_strings
@@ -78,6 +79,25 @@ def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.n
             if isinstance(norm, torch.nn.Module):
                 return norm, prefix + name, head
     return None, None, head
+
+
+def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
+    """Expert outputs in the model's hidden space: through the block's projection of the routed sum when
+    the experts work in a latent space (nemotron_h's ``fc2_latent_proj``). Only its weight: its bias is
+    added once per token to the routed sum, not per expert."""
+    post = moe.family.combine.routed_post
+    if post is None or total.numel() == 0:
+        return total
+    projection = get_path(moe._module, post)
+    weight = getattr(projection, "weight", None)
+    if isinstance(projection, torch.nn.Identity):
+        return total
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != total.shape[-1]:
+        raise MoelensError(
+            f"{moe.path}: the experts' outputs ({total.shape[-1]} wide) reach the hidden state through "
+            f"{post} ({type(projection).__name__}), which is not a linear map the logit lens can apply per expert."
+        )
+    return total @ weight.detach().double().T
 
 
 def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
@@ -135,7 +155,8 @@ def expert_logit_lens(
     sums = {moe.layer: torch.zeros(moe.num_experts, 0, dtype=torch.float64) for moe in moes}
     counts = {moe.layer: torch.zeros(moe.num_experts, dtype=torch.int64) for moe in moes}
     stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
-                             max_length=max_length or corpora.default_max_length(model), pad=corpora.pad_id(model))
+                             max_length=corpora.default_max_length(model) if max_length is None else max_length,
+                             pad=corpora.pad_id(model))
     bar = tqdm(desc="expert outputs", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
     try:
         for batch in stream:
@@ -150,6 +171,8 @@ def expert_logit_lens(
         bar.close()
     if all(count.sum() == 0 for count in counts.values()):
         raise MoelensError("the corpus has no tokens.")
+    for moe in moes:
+        sums[moe.layer] = _to_hidden(moe, sums[moe.layer])
     layer_ids = [moe.layer for moe in moes]
     width = max(moe.num_experts for moe in moes)
     dim = next(total.shape[-1] for total in sums.values() if total.numel())
