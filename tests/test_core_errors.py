@@ -166,6 +166,24 @@ def test_wrap_leaves_the_users_tokenizer_as_it_was():
     assert wrapped.tokenizer.padding_side == "left"  # prompts are left-padded (docs/values.md)
 
 
+def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
+    # No head: nnsight cannot infer a pipeline task from it, moelens names one.
+    from groundtruth import ascii_tokenizer
+
+    wrapped = moelens.wrap(tiny_model("qwen2_moe").model, tokenizer=ascii_tokenizer())
+    ids = wrapped.tokenizer("hello", return_tensors="pt")["input_ids"]
+    with wrapped.trace("hello"):
+        from_text = wrapped.moes[0].router_logits.save()
+    with wrapped.trace(ids):
+        from_ids = wrapped.moes[0].router_logits.save()
+    assert from_text.shape[:2] == (1, 5) and torch.equal(from_text, from_ids)
+    folder = tmp_path / "base"
+    tiny_model("openai_privacy_filter").save_pretrained(folder)
+    ascii_tokenizer().save_pretrained(folder)
+    loaded = moelens.load(folder)
+    assert loaded.family.name == "openai_privacy_filter" and loaded.tokenizer is not None
+
+
 def test_wrap_and_load_reject_bad_input(tmp_path):
     with pytest.raises(moelens.MoelensError, match="transformers model instance"):
         moelens.wrap("mixtral")

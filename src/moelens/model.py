@@ -204,6 +204,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     envoys.update({name: moe_envoy for name in structure.moe_blocks})
     envoys.update({name: Mlp for name in structure.dense_blocks})
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
+        if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
+            nnsight_kwargs.setdefault("task", "feature-extraction")
         wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
     else:
         wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
@@ -305,12 +307,26 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
             "and weights (or 'tiny' for the embedded default model)."
         ) from error
     auto = AutoModelForCausalLM if _has_causal_lm(config) else AutoModel
-    model = auto.from_pretrained(source, **from_pretrained_kwargs).eval()
+    try:
+        model = auto.from_pretrained(source, **from_pretrained_kwargs).eval()
+    except ValueError as error:  # a config transformers has no model class for (a sub-config saved alone)
+        raise MoelensError(
+            f"cannot load a model from {source!r}: {error}. Load it with the transformers class that fits "
+            "and pass it to moelens.wrap(model, tokenizer=...)."
+        ) from error
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return wrap(model, tokenizer=tokenizer)
+
+
+def _has_head(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a task model (``*ForCausalLM``, ``*ForMaskedLM`` ...), not a bare base model."""
+    if getattr(model, "can_generate", lambda: False)():
+        return True
+    names = getattr(getattr(model, "config", None), "architectures", None) or []
+    return any("For" in name or "LMHead" in name for name in [*names, type(model).__name__])
 
 
 def _has_causal_lm(config: Any) -> bool:
