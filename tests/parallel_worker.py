@@ -442,7 +442,13 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
 
         return {"error": _error_text(trace)}
 
-    return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer}
+    def different_models() -> dict[str, Any]:
+        # The last rank loads experts of another width: refused on every rank before any exchange.
+        width = 24 if RANK == WORLD - 1 else 16
+        return {"error": _error_text(lambda: shard_experts(tiny_model("mixtral", intermediate_size=width), None))}
+
+    return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
+            "different_models": different_models}
 
 
 def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:

@@ -200,7 +200,7 @@ def test_num_experts_from_config() -> None:
     from moelens.parallel import num_experts_from_config
     from moelens.testing import tiny_config
 
-    for family in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe", "llama4"):
+    for family in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe", "llama4", "dbrx"):
         assert num_experts_from_config(tiny_config(family)) == 8, family
     # composite configs keep their experts in the language model's config
     composite = AutoConfig.for_model("qwen3_vl_moe", text_config={"num_experts": 12})
@@ -317,7 +317,8 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
     """`a2a_moe` on 2 ranks; then what goes wrong on purpose: a sharded model switched to
     grouped_mm / batched_mm raises; an experts call skipped on one rank raises RankDivergence on
     every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
-    exchange can detect, ends with the group's timeout, not a hang."""
+    exchange can detect, ends with the group's timeout, not a hang; ranks holding models with
+    other experts are refused by shard_experts on every rank."""
     results = spawn(2, {"a2a": {}, "hazards": {"short_timeout": 5}})
     assert not check_a2a(results)
     for rank, by_suite in enumerate(results):
@@ -329,6 +330,7 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert guard["back"] <= TOL
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]
+        assert "hold different models: the experts of ranks" in cases["different_models"]["error"], cases
     last_layer = [by_suite["hazards"]["divergent_last_layer"]["error"] for by_suite in results]
     assert "Timed out" in last_layer[0] and last_layer[1] == "", last_layer
 

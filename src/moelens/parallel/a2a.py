@@ -134,8 +134,9 @@ def plan_dispatch(
         raise RankDivergence(
             f"expert parallelism: rank {rank} of the EP group ran the experts call tagged {tag} (layer tag) while "
             f"the group's ranks ran {tags}: an experts call was skipped or added on some ranks only (a .skip() "
-            "of an experts module, an extra experts call, or a forward on some ranks only). Every rank must run "
-            "the same interventions' control flow; see docs/parallel.md."
+            "of an experts module, an extra experts call, a forward on some ranks only, or a block that runs only "
+            "on some inputs, such as ernie4_5_vl_moe's vision experts when only some ranks have image tokens). "
+            "Every rank must run the same control flow; see docs/parallel.md."
         )
     local_ids = torch.arange(num_local_experts, device=device).repeat(ep).repeat_interleave(
         recv_counts.reshape(-1), output_size=sum(recv_sizes)

@@ -20,8 +20,8 @@ from ..errors import MoelensError
 
 #: Config fields that hold the number of routed experts, in the order they are tried.
 NUM_EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
-#: Sub-configs a multimodal or composite config keeps its language model's config in.
-SUB_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_config")
+#: Sub-configs a multimodal or composite config keeps its language model's config in (dbrx: its FFN's).
+SUB_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_config", "ffn_config")
 
 
 def choose_ep_dp_degrees(world_size: int, num_experts: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ the ids of remote experts as out of range and drop them silently.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -45,6 +46,34 @@ def _experts_of(model: torch.nn.Module) -> list[tuple[str, Any, torch.nn.Module,
         family = registry.for_block(block)
         found.append((name, family, block, get_path(block, family.experts)))
     return found
+
+
+def _layout(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]]) -> str:
+    """What every rank's experts must agree on: the blocks, and each experts parameter's shape."""
+    return "; ".join(
+        f"{name}: " + ", ".join(f"{key} {tuple(param.shape)}" for key, param in experts.named_parameters(recurse=False))
+        for name, _, _, experts in blocks
+    )
+
+
+def _check_same_model(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]], group: Any, rank: int) -> None:
+    """Raise on every rank when the ranks of ``group`` hold models whose experts differ in layout.
+
+    Ranks with other expert counts, widths or layers would exchange rows of other sizes
+    (a gloo abort, or silently wrong outputs); one small all-gather before sharding
+    turns that into this error.
+    """
+    layout = _layout(blocks)
+    digest = torch.tensor([zlib.crc32(layout.encode())], dtype=torch.long)
+    everyone = [torch.zeros_like(digest) for _ in range(group_size(group))]
+    dist.all_gather(everyone, digest, group=group)
+    differing = [index for index, other in enumerate(everyone) if int(other) != int(digest)]
+    if differing:
+        raise MoelensError(
+            f"shard_experts: the ranks of the group hold different models: the experts of ranks {differing} differ "
+            f"from rank {rank}'s ({layout[:300]}{'...' if len(layout) > 300 else ''}). Every rank must load the same "
+            "model (same family, layers, number and size of experts)."
+        )
 
 
 def _guard(experts: torch.nn.Module, args: Any) -> None:
@@ -85,6 +114,7 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     blocks = _experts_of(model)
     if not blocks:
         raise MoelensError(f"shard_experts: {type(model).__name__} has no MoE block moelens knows.")
+    _check_same_model(blocks, group, rank)
     register_torch_a2a()
     for position, (name, family, block, experts) in enumerate(blocks):
         if "_ep_group" in experts.__dict__:
