@@ -58,6 +58,10 @@ def test_clear_errors():
     for empty in ([], torch.zeros(0, 8, dtype=torch.long), [{"input_ids": torch.zeros(2, 0, dtype=torch.long)}], all_padding):
         with pytest.raises(CompressionError, match="calibration set is empty"):
             tomoe(model, calibration=empty, progress=False)
+    with pytest.raises(CompressionError, match="unknown experts implementation 'groupd_mm'"):
+        tomoe(model, experts_implementation="groupd_mm", progress=False)  # before any conversion
+    with pytest.raises(CompressionError, match=r"comp_config has unknown key\(s\) \['num_expert'\]"):
+        tomoe(model, comp_config={"num_expert": 8}, progress=False)
     with pytest.raises(NothingToConvert, match="nothing to convert in Sequential"):
         tomoe(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), progress=False)
     with pytest.raises(NothingToConvert, match="protected"):
@@ -260,3 +264,20 @@ def test_lora_adapters_on_experts_and_router_with_frozen_experts():
     assert "down_proj" in merged.model.layers[0].mlp.experts._parameters
     torch.testing.assert_close(run(merged, tokens), before, atol=1e-5, rtol=1e-5)
     assert all(layer.lora for layer in stats.converted)
+
+
+def test_the_error_gate_says_when_no_token_was_held_out():
+    # Below 1024 calibration tokens the error is measured on the fit tokens: tomoe warns, the stats say so.
+    with pytest.warns(UserWarning, match="fewer than 1024 calibration tokens"):
+        _, stats = tomoe(llama(), num_experts=4, top_k=2, calibration=ids(8, 16), max_error=0.9, return_stats=True,
+                         progress=False)
+    for layer in stats.converted:
+        assert layer.error_tokens == 128 and any("none held out" in note for note in layer.notes)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, stats = tomoe(llama(max_position_embeddings=128), num_experts=4, top_k=2, calibration=ids(16, 80),
+                         max_error=10.0, return_stats=True, progress=False)
+    assert len(stats.converted) == 2
+    assert all(layer.error_tokens == 1280 // 8 and not layer.notes for layer in stats.converted)

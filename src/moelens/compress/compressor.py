@@ -22,12 +22,12 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import warnings
 from dataclasses import asdict
 from typing import Any
 
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from . import calibration as calib
 from . import targets as tg
@@ -37,7 +37,7 @@ from .errors import CompressionError, NothingToConvert
 from .experts import ExpertsSettings, is_tomoe_experts
 from .fit import plan_layer
 from .lora import add_lora, freeze_experts
-from .options import ToMoEOptions, resolve
+from .options import ToMoEOptions, check_implementation, resolve
 from .stats import CompressionStats, LayerStats, SkippedLayer, block_counts, parameter_count
 
 logger = logging.getLogger("moelens.compress")
@@ -213,6 +213,13 @@ class ToMoECompressor:
         shared = options.shared_neurons if site.kind != "linear" else 0
         plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
                           seed=options.seed)
+        if plan.error is not None and not plan.held_out and options.max_error is not None:
+            warnings.warn(
+                "tomoe: fewer than 1024 calibration tokens, so the max_error gate measures each layer's error on the "
+                "tokens it was fitted on (none held out), which the refit nearly interpolates: layers far above "
+                "max_error on new text can pass. Give at least 1024 calibration tokens to gate on held-out ones.",
+                stacklevel=4,
+            )
         if plan.error is not None and options.max_error is not None and plan.error > options.max_error:
             stats.skipped.append(SkippedLayer(
                 site.name, f"relative reconstruction error {plan.error:.4f} on {plan.error_tokens} calibration tokens "
@@ -305,10 +312,7 @@ def inject_tomoe(model: nn.Module | None = None, **kwargs: Any) -> nn.Module | N
 
 def set_experts_implementation(model: nn.Module, implementation: str) -> nn.Module:
     """Run every converted block of ``model`` with ``implementation`` (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` ...)."""
-    if implementation != "eager" and implementation not in ALL_EXPERTS_FUNCTIONS:
-        raise CompressionError(
-            f"unknown experts implementation {implementation!r}; known: eager, {', '.join(ALL_EXPERTS_FUNCTIONS)}."
-        )
+    check_implementation(implementation)
     for module in model.modules():
         if is_tomoe_experts(module):
             module.config._experts_implementation = implementation

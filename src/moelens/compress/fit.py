@@ -66,6 +66,8 @@ class Plan:
         constant: ``[D_out]`` the always-added output (dense bias + compensations).
         error: Relative reconstruction error on held-out calibration tokens, or None without data.
         error_tokens: How many tokens the error was measured on.
+        held_out: Whether they were held out of the fits (False below 1024 calibration tokens:
+            the error is then measured on the fit tokens, which the refit nearly interpolates).
         notes: What is worth knowing about the conversion (no calibration data ...).
     """
 
@@ -81,6 +83,7 @@ class Plan:
     down: Float[Tensor, "o n"] | None = None
     error: float | None = None
     error_tokens: int = 0
+    held_out: bool = True
     notes: list[str] = field(default_factory=list)
 
     def members(self, expert: int) -> Int[Tensor, " m"]:
@@ -244,6 +247,10 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
     rows = check_rows if check_rows is not None else fit_rows
     plan.error = relative_error(routed_output(layer, plan, x[rows], hidden[rows]), target[rows])
     plan.error_tokens = int(rows.numel())
+    plan.held_out = check_rows is not None
+    if not plan.held_out:
+        plan.notes.append(f"error measured on the {plan.error_tokens} fit tokens (fewer than 1024 calibration tokens, "
+                          "none held out): optimistic")
     return plan
 
 

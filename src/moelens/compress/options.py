@@ -89,11 +89,22 @@ class ToMoEOptions:
             raise CompressionError(f"max_error must be positive or None (no gate), got {self.max_error!r}.")
         if self.max_tokens < 1:
             raise CompressionError(f"max_tokens must be positive, got {self.max_tokens}.")
+        check_implementation(self.experts_implementation)
         if self.target_modules is not None and not isinstance(self.target_modules, (str, list, tuple)):
             raise CompressionError(
                 f"target_modules must be a list of module names (or a regex string), got {type(self.target_modules).__name__}."
             )
         return self
+
+
+def check_implementation(implementation: str) -> None:
+    """Raise `CompressionError` unless transformers knows the experts implementation ``implementation``."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if implementation != "eager" and implementation not in ALL_EXPERTS_FUNCTIONS:
+        raise CompressionError(
+            f"unknown experts implementation {implementation!r}; known: eager, {', '.join(ALL_EXPERTS_FUNCTIONS)}."
+        )
 
 
 def _read(config: Any) -> dict[str, Any]:
@@ -105,6 +116,12 @@ def _read(config: Any) -> dict[str, Any]:
         names = {f.name for f in fields(ToMoEOptions)} | set(ALIASES)
         items = {name: getattr(config, name) for name in names if hasattr(config, name)}
     known = {f.name for f in fields(ToMoEOptions)}
+    if isinstance(config, dict):  # a dict says what it sets: a key that sets nothing is a typo
+        unknown = sorted(key for key in items if ALIASES.get(key, key) not in known)
+        if unknown:
+            raise CompressionError(
+                f"comp_config has unknown key(s) {unknown}; known: {sorted(known | set(ALIASES))}."
+            )
     values: dict[str, Any] = {}
     for key, value in items.items():
         field_name = ALIASES.get(key, key)
