@@ -316,6 +316,40 @@ def test_a_family_naming_a_missing_op_is_refused_at_wrap():
         moelens.families.unregister("custom")
 
 
+def test_a_family_with_wrong_child_paths_says_so_at_wrap():
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    for router, experts, expected in (("choser", "pool", r"no router at 'choser'; its children are \['chooser', 'pool'\]"),
+                                      ("chooser", "pol", r"hold no experts module at 'pol'")):
+        moelens.families.register(Family("custom", ("custom",), ("CustomBlock",), block_attr="ffn", router=router,
+                                         experts=experts, logits_op="torch_nn_functional_linear_0"))
+        try:
+            if router == "choser":
+                with pytest.raises(moelens.FamilyError, match=expected):
+                    moelens.wrap(CustomModel(config))
+            else:
+                with pytest.warns(UserWarning, match=expected):
+                    assert moelens.wrap(CustomModel(config)).moes == []
+        finally:
+            moelens.families.unregister("custom")
+
+
+def test_register_checks_the_description_and_unregister_gives_back_what_it_took():
+    from moelens.families import SharedExpert, registry
+
+    with pytest.raises(moelens.FamilyError, match=r"block_classes must be a tuple of names, got 'CustomBlock'"):
+        moelens.families.register(Family("custom", ("custom",), "CustomBlock"))
+    with pytest.raises(moelens.FamilyError, match=r"model_types must be a tuple of names"):
+        moelens.families.register(Family("custom", "custom", ("CustomBlock",)))
+    with pytest.raises(moelens.FamilyError, match=r"shared expert time 'after_expert' is not one of"):
+        moelens.families.register(Family("custom", ("custom",), ("CustomBlock",),
+                                         shared=SharedExpert("helper", when="after_expert")))
+    assert "custom" not in {family.name for family in moelens.families.supported()}
+    qwen = registry.get("qwen2_moe")
+    moelens.families.register(Family("takeover", ("takeover",), ("Qwen2MoeSparseMoeBlock",)), replace=True)
+    moelens.families.unregister("takeover")
+    assert moelens.wrap(tiny_model("qwen2_moe")).moes[0].family is qwen  # qwen2_moe's blocks are found again
+
+
 def test_every_transformers_family_is_registered():
     from moelens.testing import FAMILIES
 

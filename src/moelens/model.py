@@ -58,6 +58,21 @@ def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
         return False
 
 
+def _children(module: torch.nn.Module) -> list[str]:
+    return [child for child, _ in module.named_children()]
+
+
+def _check_router(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Raise a `FamilyError` when a block holding a mixture has no router where its family says."""
+    try:
+        get_path(module, family.router)
+    except AttributeError:
+        raise FamilyError(
+            f"family {family.name!r}: block {name} ({type(module).__name__}) has no router at {family.router!r}; "
+            f"its children are {_children(module)}. Fix the family's router path."
+        ) from None
+
+
 def _is_dense_mlp(module: Any) -> bool:
     return isinstance(module, torch.nn.Module) and any(
         isinstance(getattr(module, name, None), torch.nn.Module) for name in DOWN_PROJECTIONS
@@ -75,9 +90,13 @@ def discover(model: torch.nn.Module) -> Structure:
     """Find the MoE blocks, the dense MLPs beside them and the decoder layer lists."""
     structure = Structure()
     unknown: list[str] = []
+    idle: dict[str, str] = {}  # family -> a block of it that holds no experts module where it says
     for name, module in model.named_modules():
         family = registry.for_block(module)
-        if family is not None and _holds_mixture(module, family):
+        if family is not None and not _holds_mixture(module, family):
+            idle.setdefault(family.name, f"{name} ({type(module).__name__}; children {_children(module)})")
+        elif family is not None:
+            _check_router(name, module, family)
             structure.family = structure.family or family
             structure.moe_blocks.append(name)
             layers = _layer_list(name)
@@ -91,6 +110,16 @@ def discover(model: torch.nn.Module) -> Structure:
             "envoys; describe them with moelens.families.register(Family(...)) to serve their routing.",
             stacklevel=3,
         )
+    for family_name, block in idle.items():
+        if structure.family is None or structure.family.name != family_name:
+            family = registry.get(family_name)
+            warnings.warn(
+                f"moelens: blocks of family {family_name!r} hold no experts module at {family.experts!r} "
+                f"(e.g. {block}), so none is served as a Moe: a checkpoint without a mixture, or a family whose "
+                "experts path is wrong (an experts module is decorated with transformers' use_experts_implementation "
+                "or has a class name ending in 'Experts').",
+                stacklevel=3,
+            )
     if structure.family is None:
         config = getattr(model, "config", None)
         for model_type in registry.model_types(config) if config is not None else []:

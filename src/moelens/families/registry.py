@@ -13,10 +13,12 @@ from typing import Iterable
 import torch
 
 from ..errors import FamilyError
-from .entry import Family
+from .entry import SHARED_TIMES, Family
 
 _FAMILIES: dict[str, Family] = {}
 _BY_BLOCK_CLASS: dict[str, Family] = {}
+#: Block classes a family took over with ``replace=True``: class -> the family it took them from.
+_TAKEN_FROM: dict[str, Family] = {}
 
 
 def register(family: Family, *, replace: bool = False) -> Family:
@@ -34,6 +36,7 @@ def register(family: Family, *, replace: bool = False) -> Family:
             f"register() takes a moelens.families.Family, got {type(family).__name__}; "
             "build one with Family(name=..., model_types=..., block_classes=...)."
         )
+    _check_description(family)
     if not family.block_classes:
         raise FamilyError(f"family {family.name!r} names no block_classes: moelens finds blocks by their class name.")
     if not replace:
@@ -51,8 +54,26 @@ def register(family: Family, *, replace: bool = False) -> Family:
             _BY_BLOCK_CLASS.pop(name, None)
     _FAMILIES[family.name] = family
     for name in family.block_classes:
+        owner = _BY_BLOCK_CLASS.get(name)
+        if owner is not None and owner.name != family.name:
+            _TAKEN_FROM[name] = owner
         _BY_BLOCK_CLASS[name] = family
     return family
+
+
+def _check_description(family: Family) -> None:
+    """Raise a `FamilyError` for fields of the wrong kind (a string where names are listed, an unknown time)."""
+    for field_name in ("model_types", "block_classes"):
+        value = getattr(family, field_name)
+        if isinstance(value, str) or not all(isinstance(item, str) for item in value):
+            raise FamilyError(
+                f"family {family.name!r}: {field_name} must be a tuple of names, got {value!r}"
+                + (f"; write ({value!r},)." if isinstance(value, str) else ".")
+            )
+    if family.shared is not None and family.shared.when not in SHARED_TIMES:
+        raise FamilyError(
+            f"family {family.name!r}: shared expert time {family.shared.when!r} is not one of {SHARED_TIMES}."
+        )
 
 
 def register_all(families: Iterable[Family]) -> None:
@@ -62,11 +83,14 @@ def register_all(families: Iterable[Family]) -> None:
 
 
 def unregister(name: str) -> None:
-    """Remove a registered family (used by tests of custom families)."""
+    """Remove a registered family; block classes it took over go back to their earlier family."""
     family = _FAMILIES.pop(name)
     for block in family.block_classes:
         if _BY_BLOCK_CLASS.get(block) is family:
             del _BY_BLOCK_CLASS[block]
+            earlier = _TAKEN_FROM.pop(block, None)
+            if earlier is not None and _FAMILIES.get(earlier.name) is earlier:
+                _BY_BLOCK_CLASS[block] = earlier
 
 
 def supported() -> list[Family]:
