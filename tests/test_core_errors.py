@@ -378,16 +378,55 @@ def test_a_block_that_runs_only_on_some_tokens():
             vision[0].router_logits.save()
 
 
-def test_force_says_when_a_selection_bias_outranks_it():
-    # deepseek_v3 ranks sigmoid scores + a correction bias: a saturated expert with a larger bias
-    # outranks forced experts whose raised logits can only reach a score of 1.
-    hf = tiny_model("deepseek_v3")
+def biased(family: str, bias_path: str):
+    """A tiny model of ``family`` whose first MoE block's selection bias grows with the expert id (0.1 apart)."""
+    hf = tiny_model(family)
     wrapped = moelens.wrap(hf)
     moe = wrapped.moes[0]
     with torch.no_grad():
-        moe.router._module.e_score_correction_bias.copy_(torch.arange(moe.num_experts) * 0.1)
-    ids = tiny_inputs(hf, batch=1, seq=6)["input_ids"]
+        moe.family.resolve(bias_path, moe._module).copy_(torch.arange(moe.num_experts) * 0.1)
+    return wrapped, moe, tiny_inputs(hf, batch=1, seq=6)["input_ids"]
+
+
+def test_force_says_when_a_selection_bias_outranks_it():
+    # afmoe ranks sigmoid scores + a correction bias: a saturated expert with a larger bias outranks
+    # forced experts whose raised logits can only reach a score of 1.
+    wrapped, moe, ids = biased("afmoe", "block.expert_bias")
     with pytest.raises(WriteError, match=r"not by the logits alone; raising the logits of experts \[0, 1\] left 6 of 6"):
         with wrapped.trace(ids):
             moelens.steer(moe, moe.num_experts - 1, 30.0)
             moelens.force(moe, [0, 1])
+    # In the DS3 families force also ranks them first where the bias is added: it holds.
+    wrapped, moe, ids = biased("deepseek_v3", "router.e_score_correction_bias")
+    with wrapped.trace(ids):
+        moelens.steer(moe, moe.num_experts - 1, 30.0)
+        moelens.force(moe, [0, 1])
+        forced = moe.expert_indices.save()
+    assert torch.equal(forced.sort(-1).values, torch.tensor([0, 1]).expand_as(forced))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "dots1"])
+def test_route_around_outranks_the_selection_bias(family):
+    # With every logit low, a -inf logit alone would leave the expert with the largest bias selected
+    # (score 0 + bias): route_around excludes it where the router ranks score + bias.
+    wrapped, moe, ids = biased(family, "router.e_score_correction_bias")
+    top = moe.num_experts - 1
+    with wrapped.trace(ids):
+        moe.router_logits[:] = moe.router_logits - 6.0
+        moelens.ablate(moe, top, "route_around")
+        indices = moe.expert_indices.save()
+        weights = moe.expert_weights.save()
+    assert not (indices == top).any() and (weights > 0).all()
+
+
+def test_selection_scores_are_the_scores_plus_the_bias():
+    wrapped, moe, ids = biased("deepseek_v3", "router.e_score_correction_bias")
+    with wrapped.trace(ids):
+        logits = moe.router_logits.save()
+        ranked = moe.selection_scores.save()
+    bias = moe.router._module.e_score_correction_bias
+    torch.testing.assert_close(ranked, torch.sigmoid(logits.float()) + bias)
+    mixtral = moelens.wrap(tiny_model("mixtral"))
+    with pytest.raises(ValueUnavailable, match=r"selection_scores cannot be served: the mixtral router ranks no"):
+        with mixtral.trace(ids):
+            mixtral.moes[0].selection_scores.save()

@@ -87,8 +87,9 @@ def test_ablation_matches_the_same_edit_in_plain_nnsight(family, impl, mode):
 
     def edit(block, moe, index):
         expert, to = experts[index], replacement[index]
-        if mode == "route_around":
-            block.get(moe.family.router).source.__getattr__(moe.family.logits_op).output[..., expert] = float("-inf")
+        if mode == "route_around":  # at what the router ranks: the logits, or the scores + selection bias (DS3)
+            ranked = moe.SCORING.selection_op or moe.family.logits_op
+            block.get(moe.family.router).source.__getattr__(ranked).output[..., expert] = float("-inf")
         elif mode == "zero":
             swap_call_args(block, moe, lambda i, w: (i, w.masked_fill(i == expert, 0.0)))
         else:
@@ -128,6 +129,11 @@ def test_force_puts_the_expert_in_every_token_or_says_why(family, impl):
         raised = logits.clone()
         raised[..., forced[index]] = logits[..., forced[index]] + lift
         op.output = raised
+        if moe.SCORING.selection_op:  # DS3: ranked first where the selection bias is added
+            ranked = block.get(moe.family.router).source.__getattr__(moe.SCORING.selection_op)
+            first = ranked.output.clone()
+            first[..., forced[index]] = float("inf")
+            ranked.output = first
 
     torch.testing.assert_close(first_tensor(output), plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
 

@@ -9,9 +9,9 @@ router's choice stands and only what flows on changes).
 call                          changes              how
 ============================  ===================  =============================================
 ``ablate(moe, e)``            outputs              weight of every slot routed to ``e`` set to 0
-``ablate(.., "route_around")`` routing             ``e``'s logit set to -inf: the router picks the
-                                                   best other experts, weights renormalised by
-                                                   the family's scoring
+``ablate(.., "route_around")`` routing             ``e``'s logit (DS3: its selection score) set
+                                                   to -inf: the router picks the best other
+                                                   experts, weights renormalised by the family
 ``ablate(.., "swap", to=j)``  outputs              slots routed to ``e`` run expert ``j``, same weight
 ``reroute(moe, tokens, ex)``  outputs              the given tokens' slots run experts ``ex``
 ``steer(moe, e, bias)``       routing              ``bias`` added to ``e``'s logit (SteerMoE style)
@@ -75,8 +75,9 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         mode: ``"zero"``: its slots keep their place but contribute nothing (routing
             unchanged, outputs change); ``"route_around"``: the router never picks it,
             choosing the best other experts and renormalising as the family does
-            (changes routing; where the router adds a selection bias to bounded scores,
-            the bias alone can keep it in a slot with weight 0, see docs/interventions.md);
+            (changes routing; in the DS3 families its selection score is set to -inf instead,
+            since the selection bias alone could still pick it; in the other families with a
+            selection bias it can keep a slot with weight 0, see docs/interventions.md);
             ``"swap"``: its slots run expert ``to`` instead, with
             the same weight (outputs change).
         to: The replacement expert for ``mode="swap"``.
@@ -87,8 +88,10 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
     if mode != "swap" and to is not None:
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
     if mode == "route_around":
-        logits = moe.router_logits
-        logits[..., expert] = float("-inf")
+        # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
+        # at a -inf logit: exclude it from what is ranked instead.
+        ranked = moe.selection_scores if moe.SCORING.selection_op else moe.router_logits
+        ranked[..., expert] = float("-inf")
         return
     indices = moe.expert_indices
     routed_here = indices == expert
@@ -157,10 +160,12 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
 
     Where the router does not pick by the logits alone (a selection bias added to
     bounded scores, group-limited top-k: the DS3 / SGB / SM+bias families), a raised
-    logit may still not win (a saturated competitor with a larger bias, a group left
-    out): there ``force`` reads the resulting ``expert_indices`` and raises `WriteError`
+    logit may not win (a saturated competitor with a larger bias, a group left out). In
+    the DS3 families the forced experts' selection scores are also set to +inf; in all
+    of these ``force`` then reads the resulting ``expert_indices`` and raises `WriteError`
     if a token misses a forced expert (set the slots with `reroute` instead). Read
-    routing values of the block before calling it.
+    routing values of the block before calling it, and call it last among its routing
+    interventions.
     """
     _moe(moe, "force")
     if isinstance(experts, torch.Tensor):
@@ -180,6 +185,15 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     else:
         logits[tokens] = raised
     scoring = moe.SCORING
+    if scoring.selection_op:  # DS3: also rank them first where the selection bias is added
+        ranked = moe.selection_scores
+        rows = ranked if tokens is None else ranked[tokens]
+        first = rows.clone()
+        first[..., chosen] = float("inf")
+        if tokens is None:
+            ranked[...] = first
+        else:
+            ranked[tokens] = first
     if scoring.selection_bias or scoring.groups:
         indices = moe.expert_indices if tokens is None else moe.expert_indices[tokens]
         missed = ~torch.stack([(indices == expert).any(-1) for expert in chosen]).all(0)

@@ -296,6 +296,8 @@ def _instrument(moe: Moe) -> None:
     """
     family = moe.family
     _require_op(moe.router, family.logits_op, family, "logits_op")
+    if moe.SCORING.selection_op:
+        _require_op(moe.router, moe.SCORING.selection_op, family, "scoring.selection_op")
     if family.experts_call and is_dispatching(moe.experts._module):
         moe.experts.source  # noqa: B018 - installs the experts' op handoffs
     if family.shared is not None and family.shared.gated_op:

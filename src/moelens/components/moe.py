@@ -213,6 +213,10 @@ class Moe(Mlp):
     def mlp_output(self, value: Any) -> Float[Tensor, "b s h"]:
         """What the block outputs [b, s, D]: the family's combination of routed and shared output. Writing replaces it."""
 
+    @served
+    def selection_scores(self, value: Any) -> Float[Tensor, "b s e"]:
+        """What the router ranks to pick experts [b, s, E] where it adds a selection bias to the scores (DS3: sigmoid(logits) + e_score_correction_bias, the family's ``selection_op``). Writing changes which experts are picked; their weights stay the scores of the logits."""
+
     @property
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
@@ -251,6 +255,8 @@ class Moe(Mlp):
         super()._write(descriptor, value)
 
     def _binding(self, name: str) -> Binding:
+        if name == "selection_scores":
+            return self._selection_binding()
         self._check_available(name)
         if name in PER_SLOT_VALUES:
             return self._slot_binding(name)
@@ -275,6 +281,16 @@ class Moe(Mlp):
             copy = (lambda tensor, _: tensor.clone()) if family.shared.edited_later else None
             bindings["shared_expert_output"] = Binding(location, 1, to_view=copy, from_view=copy)
         return bindings
+
+    def _selection_binding(self) -> Binding:
+        op = self.SCORING.selection_op
+        if not op:
+            raise self.unavailable(
+                "selection_scores",
+                f"the {self.family.name} router ranks no separate selection score (no selection op in its family entry)",
+                "its choice follows router_logits: read or write those.",
+            )
+        return Binding(f"{self.router.path}.source.{op}.output", features=1)
 
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"

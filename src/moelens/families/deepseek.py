@@ -19,6 +19,7 @@ DS3 = Scoring(
     scale="router.routed_scaling_factor",
     selection_bias="router.e_score_correction_bias",
     groups=("router.num_group", "router.topk_group"),
+    selection_op="scores_for_choice_0",
     code="DS3",
 )
 #: DeepSeek-V2: softmax scores, greedy or group-limited (group max) top-k, times rsf.

@@ -62,6 +62,9 @@ class Scoring:
             selection only (DeepSeek-V3's ``e_score_correction_bias``), or None.
         groups: Attribute references ``(n_group, topk_group)`` of group-limited
             selection, or None.
+        selection_op: Op in the router's forward whose output is the score plus the
+            selection bias that the router ranks (DS3: ``scores_for_choice_0``), served as
+            `Moe.selection_scores`; `route_around` and `force` act there. None elsewhere.
         code: The short code the reference table uses (``"SM+"``, ``"DS3"`` ...).
     """
 
@@ -71,6 +74,7 @@ class Scoring:
     scale: float | str | None = None
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None
+    selection_op: str | None = None
     code: str = ""
 
     def describe(self) -> str:
