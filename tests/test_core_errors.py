@@ -405,11 +405,14 @@ def test_force_says_when_a_selection_bias_outranks_it():
     assert torch.equal(forced.sort(-1).values, torch.tensor([0, 1]).expand_as(forced))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "dots1"])
-def test_route_around_outranks_the_selection_bias(family):
+@pytest.mark.parametrize(("family", "bias"), [("deepseek_v3", "router.e_score_correction_bias"),
+                                            ("glm4_moe", "router.e_score_correction_bias"),
+                                            ("minimax_m2", "block.e_score_correction_bias"),
+                                            ("hy_v3", "block.e_score_correction_bias")])
+def test_route_around_outranks_the_selection_bias(family, bias):
     # With every logit low, a -inf logit alone would leave the expert with the largest bias selected
     # (score 0 + bias): route_around excludes it where the router ranks score + bias.
-    wrapped, moe, ids = biased(family, "router.e_score_correction_bias")
+    wrapped, moe, ids = biased(family, bias)
     top = moe.num_experts - 1
     with wrapped.trace(ids):
         moe.router_logits[:] = moe.router_logits - 6.0

@@ -9,7 +9,7 @@ router's choice stands and only what flows on changes).
 call                          changes              how
 ============================  ===================  =============================================
 ``ablate(moe, e)``            outputs              weight of every slot routed to ``e`` set to 0
-``ablate(.., "route_around")`` routing             ``e``'s logit (DS3: its selection score) set
+``ablate(.., "route_around")`` routing             ``e``'s logit (or selection score) set
                                                    to -inf: the router picks the best other
                                                    experts, weights renormalised by the family
 ``ablate(.., "swap", to=j)``  outputs              slots routed to ``e`` run expert ``j``, same weight
@@ -75,8 +75,9 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         mode: ``"zero"``: its slots keep their place but contribute nothing (routing
             unchanged, outputs change); ``"route_around"``: the router never picks it,
             choosing the best other experts and renormalising as the family does
-            (changes routing; in the DS3 families its selection score is set to -inf instead,
-            since the selection bias alone could still pick it; in the other families with a
+            (changes routing; where the family names the op of score + selection bias
+            (DS3 and others, ``SCORING.selection_op``) its selection score is set to -inf
+            instead, since the bias alone could still pick it; in the other families with a
             selection bias it can keep a slot with weight 0, see docs/interventions.md);
             ``"swap"``: its slots run expert ``to`` instead, with
             the same weight (outputs change).
@@ -160,12 +161,12 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
 
     Where the router does not pick by the logits alone (a selection bias added to
     bounded scores, group-limited top-k: the DS3 / SGB / SM+bias families), a raised
-    logit may not win (a saturated competitor with a larger bias, a group left out). In
-    the DS3 families the forced experts' selection scores are also set to +inf; in all
-    of these ``force`` then reads the resulting ``expert_indices`` and raises `WriteError`
-    if a token misses a forced expert (set the slots with `reroute` instead). Read
-    routing values of the block before calling it, and call it last among its routing
-    interventions.
+    logit may not win (a saturated competitor with a larger bias, a group left out).
+    Where the family names the op of score + bias (``SCORING.selection_op``) the forced
+    experts' selection scores are also set to +inf; in all of these ``force`` then reads
+    the resulting ``expert_indices`` and raises `WriteError` if a token misses a forced
+    expert (set the slots with `reroute` instead). Read routing values of the block
+    before calling it, and call it last among its routing interventions.
     """
     _moe(moe, "force")
     if isinstance(experts, torch.Tensor):

@@ -8,7 +8,7 @@ on the unflattened residual and are added plainly.
 
 from __future__ import annotations
 
-from .entry import Combine, ExpertGate, Family, Scoring, SharedExpert
+from .entry import SCORES_FOR_CHOICE, Combine, ExpertGate, Family, Scoring, SharedExpert
 
 #: DeepSeek-V3: sigmoid scores, selection on score + correction bias inside the
 #: best groups (group score = sum of its top-2), weights = gathered sigmoid,
@@ -19,7 +19,7 @@ DS3 = Scoring(
     scale="router.routed_scaling_factor",
     selection_bias="router.e_score_correction_bias",
     groups=("router.num_group", "router.topk_group"),
-    selection_op="scores_for_choice_0",
+    selection_op=SCORES_FOR_CHOICE,
     code="DS3",
 )
 #: DeepSeek-V2: softmax scores, greedy or group-limited (group max) top-k, times rsf.

@@ -41,6 +41,10 @@ SHARED_TIMES = ("before_router", "before_experts", "after_experts", "after_block
 EXPERT_GATES = ("glu", "clamped_swiglu", "clamped_glu", "softcapped_glu")
 
 
+#: The op of score + selection bias in the routers that bind it to ``scores_for_choice`` (DS3, SGB copies).
+SCORES_FOR_CHOICE = "scores_for_choice_0"
+
+
 @dataclass(frozen=True)
 class Scoring:
     """How the router turns logits into the experts' weights and indices.

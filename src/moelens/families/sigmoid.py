@@ -3,12 +3,18 @@ the top-k of score + a selection bias, with no expert groups."""
 
 from __future__ import annotations
 
-from .entry import Combine, ExpertGate, Family, Scoring, SharedExpert
+from .entry import SCORES_FOR_CHOICE, Combine, ExpertGate, Family, Scoring, SharedExpert
 
 
-def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid") -> Scoring:
-    """Sigmoid-and-bias scoring: select top-k of score + bias, weights = gathered scores."""
-    return Scoring(score, "score_topk", normalize=normalize, scale=scale, selection_bias=bias, code="SGB")
+def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid",
+        selection_op: str | None = None) -> Scoring:
+    """Sigmoid-and-bias scoring: select top-k of score + bias, weights = gathered scores.
+
+    ``selection_op``: the router op whose output is score + bias, where the router binds it
+    to a name (``scores_for_choice_0``); None where the sum has no op of its own.
+    """
+    return Scoring(score, "score_topk", normalize=normalize, scale=scale, selection_bias=bias,
+                   selection_op=selection_op, code="SGB")
 
 
 SCALED_ROUTED = Combine(routed_scale="block.routed_scaling_factor")
@@ -32,26 +38,28 @@ FAMILIES = [
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
            notes="The block returns routed * routed_scaling_factor + shared; optional logit softcapping."),
     Family("minimax_m2", ("minimax_m2",), ("MiniMaxM2SparseMoeBlock",),
-           scoring=sgb("block.e_score_correction_bias"),
+           scoring=sgb("block.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE),
            notes="The selection bias lives on the block and is passed to the router."),
     Family("minimax_m3_vl", ("minimax_m3_vl", "minimax_m3_vl_text"), ("MiniMaxM3VLSparseMoeBlock",),
-           scoring=sgb("router.e_score_correction_bias"),
+           scoring=sgb("router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE),
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
            notes="Clamped SwiGLU experts; the block returns routed * routed_scaling_factor + shared.",
            expert_gate=ExpertGate("clamped_swiglu", alpha="experts.swiglu_alpha", limit="experts.swiglu_limit")),
     Family("hy_v3", ("hy_v3",), ("HYV3MoE",),
-           scoring=sgb("block.e_score_correction_bias", scale="router.router_scaling_factor"),
+           scoring=sgb("block.e_score_correction_bias", scale="router.router_scaling_factor",
+                       selection_op=SCORES_FOR_CHOICE),
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Optional float32 combine of routed and shared output."),
     Family("beam", ("beam",), ("BeamMoE",),
            scoring=Scoring("sigmoid", "group_topk", normalize="router.norm_topk_prob",
                            selection_bias="router.e_score_correction_bias",
                            groups=("router.num_group", "router.topk_group"),
-                           selection_op="scores_for_choice_0", code="DS3 (no rsf)"),
+                           selection_op=SCORES_FOR_CHOICE, code="DS3 (no rsf)"),
            combine=SCALED_ROUTED, notes="The block, not the router, multiplies by routed_scaling_factor.",
            expert_gate=ExpertGate("glu")),
     Family("muse_spark", ("muse_spark", "muse_spark_text"), ("MuseSparkMoE",), logits_op="router_logits_1",
-           scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor"),
+           scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor",
+                       selection_op=SCORES_FOR_CHOICE),
            combine=Combine(routed_post="post_expert_proj"),
            notes="Logits are scaled by output_multiplier (router_logits_1); the experts run in "
                  "moe_hidden_size between pre_expert_proj/pre_expert_norm and post_expert_proj."),
