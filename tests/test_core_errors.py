@@ -182,6 +182,15 @@ def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
     ascii_tokenizer().save_pretrained(folder)
     loaded = moelens.load(folder)
     assert loaded.family.name == "openai_privacy_filter" and loaded.tokenizer is not None
+    # a base model loaded from a causal-LM checkpoint (its config still names the ForCausalLM class)
+    from transformers import AutoModel, AutoTokenizer
+
+    from moelens.data import TINY_MODEL_PATH
+
+    base = moelens.wrap(AutoModel.from_pretrained(TINY_MODEL_PATH), tokenizer=AutoTokenizer.from_pretrained(TINY_MODEL_PATH))
+    with base.trace("def f(x):"):
+        logits = base.moes[0].router_logits.save()
+    assert logits.shape[:2] == (1, 5)
 
 
 def test_wrap_and_load_reject_bad_input(tmp_path):

@@ -356,8 +356,8 @@ def _has_head(model: torch.nn.Module) -> bool:
     """Whether ``model`` is a task model (``*ForCausalLM``, ``*ForMaskedLM`` ...), not a bare base model."""
     if getattr(model, "can_generate", lambda: False)():
         return True
-    names = getattr(getattr(model, "config", None), "architectures", None) or []
-    return any("For" in name or "LMHead" in name for name in [*names, type(model).__name__])
+    name = type(model).__name__  # not config.architectures: a base model loaded from a task checkpoint keeps them
+    return "For" in name or "LMHead" in name
 
 
 def _has_causal_lm(config: Any) -> bool:
