@@ -151,6 +151,14 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     logits[..., expert] += float(bias)
 
 
+def _edit_rows(values: torch.Tensor, tokens: Any, edit: Any) -> None:
+    """Replace ``values`` (or its ``tokens`` rows) in place by ``edit`` of them (a new tensor)."""
+    if tokens is None:
+        values[...] = edit(values)
+    else:
+        values[tokens] = edit(values[tokens])
+
+
 def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     """Make every token (or the given ``tokens``) route to ``experts`` first (changes routing).
 
@@ -175,28 +183,21 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     chosen = [_expert(moe, expert) for expert in chosen]
     if len(chosen) > moe.top_k:
         raise WriteError(f"force: {len(chosen)} experts given but {moe.path} routes each token to only {moe.top_k}.")
-    logits = moe.router_logits
-    rows = logits if tokens is None else logits[tokens]
-    finite = rows.masked_fill(~torch.isfinite(rows), 0)
-    lift = finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0
-    raised = rows.clone()
-    raised[..., chosen] = rows[..., chosen].masked_fill(~torch.isfinite(rows[..., chosen]), 0) + lift
-    if tokens is None:
-        logits[...] = raised
-    else:
-        logits[tokens] = raised
+
+    def lifted(rows: torch.Tensor) -> torch.Tensor:
+        finite = rows.masked_fill(~torch.isfinite(rows), 0)
+        raised = rows.clone()
+        raised[..., chosen] = finite[..., chosen] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
+        return raised
+
+    _edit_rows(moe.router_logits, tokens, lifted)
     scoring = moe.SCORING
-    if scoring.selection_op:  # DS3: also rank them first where the selection bias is added
-        ranked = moe.selection_scores
-        rows = ranked if tokens is None else ranked[tokens]
-        first = rows.clone()
-        first[..., chosen] = float("inf")
-        if tokens is None:
-            ranked[...] = first
-        else:
-            ranked[tokens] = first
+    if scoring.selection_op:  # also ranked first where the selection bias is added
+        _edit_rows(moe.selection_scores, tokens,
+                   lambda rows: rows.index_fill(-1, torch.tensor(chosen, device=rows.device), float("inf")))
     if scoring.selection_bias or scoring.groups:
-        indices = moe.expert_indices if tokens is None else moe.expert_indices[tokens]
+        indices = moe.expert_indices
+        indices = indices if tokens is None else indices[tokens]
         missed = ~torch.stack([(indices == expert).any(-1) for expert in chosen]).all(0)
         if missed.any():
             raise WriteError(

@@ -94,7 +94,8 @@ def discover(model: torch.nn.Module) -> Structure:
     for name, module in model.named_modules():
         family = registry.for_block(module)
         if family is not None and not _holds_mixture(module, family):
-            idle.setdefault(family.name, f"{name} ({type(module).__name__}; children {_children(module)})")
+            if family.name not in idle:
+                idle[family.name] = f"{name} ({type(module).__name__}; children {_children(module)})"
         elif family is not None:
             _check_router(name, module, family)
             structure.family = structure.family or family

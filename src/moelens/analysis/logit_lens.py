@@ -89,9 +89,9 @@ def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
     if post is None or total.numel() == 0:
         return total
     projection = get_path(moe._module, post)
-    weight = getattr(projection, "weight", None)
     if isinstance(projection, torch.nn.Identity):
         return total
+    weight = getattr(projection, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != total.shape[-1]:
         raise MoelensError(
             f"{moe.path}: the experts' outputs ({total.shape[-1]} wide) reach the hidden state through "
