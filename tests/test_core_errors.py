@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import nnsight
 import pytest
@@ -13,8 +14,10 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 import moelens
 from groundtruth import built, first_tensor
-from moelens import Family, OrderError, ValueUnavailable, WriteError
+from moelens import Family, OrderError, ValueUnavailable, WriteError, families
 from moelens.testing import tiny_inputs, tiny_model
+from moelens.families.scoring import score
+from moelens.testing.tiny import FAMILIES as TINY_FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +355,9 @@ def test_register_checks_the_description_and_unregister_gives_back_what_it_took(
     with pytest.raises(moelens.FamilyError, match=r"shared expert time 'after_expert' is not one of"):
         moelens.families.register(Family("custom", ("custom",), ("CustomBlock",),
                                          shared=SharedExpert("helper", when="after_expert")))
+    with pytest.raises(moelens.FamilyError, match=r"selection_arg=0 needs selection_op naming the router call"):
+        moelens.families.register(Family("custom", ("custom",), ("CustomBlock",),
+                                         scoring=moelens.Scoring("sigmoid", selection_arg=0)))
     assert "custom" not in {family.name for family in moelens.families.supported()}
     qwen = registry.get("qwen2_moe")
     moelens.families.register(Family("takeover", ("takeover",), ("Qwen2MoeSparseMoeBlock",)), replace=True)
@@ -387,41 +393,53 @@ def test_a_block_that_runs_only_on_some_tokens():
             vision[0].router_logits.save()
 
 
-def biased(family: str, bias_path: str):
-    """A tiny model of ``family`` whose first MoE block's selection bias grows with the expert id (0.1 apart)."""
+def biased(family: str):
+    """A tiny model of ``family`` whose first block with a selection bias has it grow with the expert id (0.1 apart)."""
     hf = tiny_model(family)
     wrapped = moelens.wrap(hf)
-    moe = wrapped.moes[0]
+    moe = next(moe for moe in wrapped.moes if moe.SCORING.selection_bias)
     with torch.no_grad():
-        moe.family.resolve(bias_path, moe._module).copy_(torch.arange(moe.num_experts) * 0.1)
+        bias = moe.family.resolve(moe.SCORING.selection_bias, moe._module)
+        bias.copy_(torch.arange(moe.num_experts, dtype=bias.dtype) * 0.1)
     return wrapped, moe, tiny_inputs(hf, batch=1, seq=6)["input_ids"]
 
 
 def test_force_says_when_a_selection_bias_outranks_it():
-    # afmoe ranks sigmoid scores + a correction bias: a saturated expert with a larger bias outranks
+    # A family that adds a selection bias to bounded (sigmoid) scores but names no op where the sum is
+    # ranked (afmoe's entry without its selection_op): a saturated expert with a larger bias outranks
     # forced experts whose raised logits can only reach a score of 1.
-    wrapped, moe, ids = biased("afmoe", "block.expert_bias")
-    with pytest.raises(WriteError, match=r"not by the logits alone; raising the logits of experts \[0, 1\] left 6 of 6"):
+    afmoe = families.get("afmoe")
+    unbound = dataclasses.replace(afmoe, name="afmoe_unbound",
+                                  scoring=dataclasses.replace(afmoe.scoring, selection_op=None, selection_arg=None))
+    families.register(unbound, replace=True)
+    try:
+        wrapped, moe, ids = biased("afmoe")
+        with pytest.raises(WriteError, match=r"not by the logits alone; raising the logits of experts \[0, 1\] left 6 of 6"):
+            with wrapped.trace(ids):
+                moelens.steer(moe, moe.num_experts - 1, 30.0)
+                moelens.force(moe, [0, 1])
+    finally:
+        families.unregister("afmoe_unbound")
+    # Where the family names it, force also ranks them first where the bias is added: it holds.
+    for family in ("afmoe", "deepseek_v3"):
+        wrapped, moe, ids = biased(family)
         with wrapped.trace(ids):
             moelens.steer(moe, moe.num_experts - 1, 30.0)
             moelens.force(moe, [0, 1])
-    # In the DS3 families force also ranks them first where the bias is added: it holds.
-    wrapped, moe, ids = biased("deepseek_v3", "router.e_score_correction_bias")
-    with wrapped.trace(ids):
-        moelens.steer(moe, moe.num_experts - 1, 30.0)
-        moelens.force(moe, [0, 1])
-        forced = moe.expert_indices.save()
-    assert torch.equal(forced.sort(-1).values, torch.tensor([0, 1]).expand_as(forced))
+            forced = moe.expert_indices.save()
+        assert torch.equal(forced.sort(-1).values, torch.tensor([0, 1]).expand_as(forced)), family
 
 
-@pytest.mark.parametrize(("family", "bias"), [("deepseek_v3", "router.e_score_correction_bias"),
-                                            ("glm4_moe", "router.e_score_correction_bias"),
-                                            ("minimax_m2", "block.e_score_correction_bias"),
-                                            ("hy_v3", "block.e_score_correction_bias")])
-def test_route_around_outranks_the_selection_bias(family, bias):
+#: Every family whose router ranks score + a selection bias (the bias on an op's output or in its top-k call).
+SELECTION_BIASED = sorted(family.name for family in families.supported()
+                          if family.scoring.selection_op and family.name in TINY_FAMILIES)
+
+
+@pytest.mark.parametrize("family", SELECTION_BIASED)
+def test_route_around_outranks_the_selection_bias(family):
     # With every logit low, a -inf logit alone would leave the expert with the largest bias selected
     # (score 0 + bias): route_around excludes it where the router ranks score + bias.
-    wrapped, moe, ids = biased(family, bias)
+    wrapped, moe, ids = biased(family)
     top = moe.num_experts - 1
     with wrapped.trace(ids):
         moe.router_logits[:] = moe.router_logits - 6.0
@@ -431,14 +449,35 @@ def test_route_around_outranks_the_selection_bias(family, bias):
     assert not (indices == top).any() and (weights > 0).all()
 
 
-def test_selection_scores_are_the_scores_plus_the_bias():
-    wrapped, moe, ids = biased("deepseek_v3", "router.e_score_correction_bias")
+@pytest.mark.parametrize("family", SELECTION_BIASED)
+def test_selection_scores_are_the_scores_plus_the_bias(family):
+    wrapped, moe, ids = biased(family)
     with wrapped.trace(ids):
         logits = moe.router_logits.save()
         ranked = moe.selection_scores.save()
-    bias = moe.router._module.e_score_correction_bias
-    torch.testing.assert_close(ranked, torch.sigmoid(logits.float()) + bias)
+    scoring = moe.SCORING
+    experts = logits[..., : moe.num_experts].float()  # inkling: the last columns gate its shared experts
+    scores = experts if scoring.select == "logit_topk" else score(moe.family.resolve(scoring.score, moe._module), experts)
+    bias = moe.family.resolve(scoring.selection_bias, moe._module)
+    torch.testing.assert_close(ranked.float(), scores + bias.float())
+
+
+def test_selection_scores_need_a_selection_bias():
     mixtral = moelens.wrap(tiny_model("mixtral"))
+    ids = tiny_inputs(mixtral._module, batch=1, seq=4)["input_ids"]
     with pytest.raises(ValueUnavailable, match=r"selection_scores cannot be served: the mixtral router ranks no"):
         with mixtral.trace(ids):
             mixtral.moes[0].selection_scores.save()
+    # lfm2_moe ranks scores + its expert_bias only when the config has one.
+    config = tiny_model("lfm2_moe").config
+    config.use_expert_bias = False
+    unbiased = moelens.wrap(type(tiny_model("lfm2_moe"))(config))
+    moe = unbiased.moes[0]
+    assert not moe.ranks_selection_scores
+    with pytest.raises(ValueUnavailable, match=r"ranks no separate selection score \(this checkpoint has no block.expert_bias\)"):
+        with unbiased.trace(ids):
+            moe.selection_scores.save()
+    with unbiased.trace(ids):  # route_around writes the logits there
+        moelens.ablate(moe, 1, "route_around")
+        indices = moe.expert_indices.save()
+    assert not (indices == 1).any()

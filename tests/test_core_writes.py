@@ -45,6 +45,17 @@ def plain_edit(reference, inputs, moes, edit) -> torch.Tensor:
     return first_tensor(output)
 
 
+def ranked_op(block, moe):
+    """What the router ranks, as its raw op's tensor (plain nnsight): score + selection bias where the
+    router adds one (an op's output, or the argument of its top-k call), else the logits."""
+    router = block.get(moe.family.router).source
+    scoring = moe.SCORING
+    if not moe.ranks_selection_scores:
+        return router.__getattr__(moe.family.logits_op).output
+    op = router.__getattr__(scoring.selection_op)
+    return op.output if scoring.selection_arg is None else op.inputs[0][scoring.selection_arg]
+
+
 def swap_call_args(block, moe, change):
     """Rewrite the experts call's (hidden, indices, weights) with ``change``."""
     experts = block.get(moe.family.experts)
@@ -87,9 +98,8 @@ def test_ablation_matches_the_same_edit_in_plain_nnsight(family, impl, mode):
 
     def edit(block, moe, index):
         expert, to = experts[index], replacement[index]
-        if mode == "route_around":  # at what the router ranks: the logits, or the scores + selection bias (DS3)
-            ranked = moe.SCORING.selection_op or moe.family.logits_op
-            block.get(moe.family.router).source.__getattr__(ranked).output[..., expert] = float("-inf")
+        if mode == "route_around":  # at what the router ranks: the logits, or the scores + selection bias
+            ranked_op(block, moe)[..., expert] = float("-inf")
         elif mode == "zero":
             swap_call_args(block, moe, lambda i, w: (i, w.masked_fill(i == expert, 0.0)))
         else:
@@ -129,11 +139,8 @@ def test_force_puts_the_expert_in_every_token_or_says_why(family, impl):
         raised = logits.clone()
         raised[..., forced[index]] = logits[..., forced[index]] + lift
         op.output = raised
-        if moe.SCORING.selection_op:  # DS3: ranked first where the selection bias is added
-            ranked = block.get(moe.family.router).source.__getattr__(moe.SCORING.selection_op)
-            first = ranked.output.clone()
-            first[..., forced[index]] = float("inf")
-            ranked.output = first
+        if moe.ranks_selection_scores:  # ranked first where the selection bias is added
+            ranked_op(block, moe)[..., forced[index]] = float("inf")
 
     torch.testing.assert_close(first_tensor(output), plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
 

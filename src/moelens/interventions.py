@@ -75,10 +75,9 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         mode: ``"zero"``: its slots keep their place but contribute nothing (routing
             unchanged, outputs change); ``"route_around"``: the router never picks it,
             choosing the best other experts and renormalising as the family does
-            (changes routing; where the family names the op of score + selection bias
-            (DS3 and others, ``SCORING.selection_op``) its selection score is set to -inf
-            instead, since the bias alone could still pick it; in the other families with a
-            selection bias it can keep a slot with weight 0, see docs/interventions.md);
+            (changes routing; where the router ranks score + a selection bias,
+            ``moe.ranks_selection_scores``, its selection score is set to -inf instead,
+            since the bias alone could still pick it);
             ``"swap"``: its slots run expert ``to`` instead, with
             the same weight (outputs change).
         to: The replacement expert for ``mode="swap"``.
@@ -91,7 +90,7 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
     if mode == "route_around":
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
         # at a -inf logit: exclude it from what is ranked instead.
-        ranked = moe.selection_scores if moe.SCORING.selection_op else moe.router_logits
+        ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
         ranked[..., expert] = float("-inf")
         return
     indices = moe.expert_indices
@@ -170,7 +169,7 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     Where the router does not pick by the logits alone (a selection bias added to
     bounded scores, group-limited top-k: the DS3 / SGB / SM+bias families), a raised
     logit may not win (a saturated competitor with a larger bias, a group left out).
-    Where the family names the op of score + bias (``SCORING.selection_op``) the forced
+    Where the router ranks score + a selection bias (``moe.ranks_selection_scores``) the forced
     experts' selection scores are also set to +inf; in all of these ``force`` then reads
     the resulting ``expert_indices`` and raises `WriteError` if a token misses a forced
     expert (set the slots with `reroute` instead). Read routing values of the block
@@ -192,7 +191,7 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
 
     _edit_rows(moe.router_logits, tokens, lifted)
     scoring = moe.SCORING
-    if scoring.selection_op:  # also ranked first where the selection bias is added
+    if moe.ranks_selection_scores:  # also ranked first where the selection bias is added
         _edit_rows(moe.selection_scores, tokens,
                    lambda rows: rows.index_fill(-1, torch.tensor(chosen, device=rows.device), float("inf")))
     if scoring.selection_bias or scoring.groups:

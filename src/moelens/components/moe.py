@@ -215,7 +215,7 @@ class Moe(Mlp):
 
     @served
     def selection_scores(self, value: Any) -> Float[Tensor, "b s e"]:
-        """What the router ranks to pick experts [b, s, E] where it adds a selection bias to the scores (DS3: sigmoid(logits) + e_score_correction_bias, the family's ``selection_op``). Writing changes which experts are picked; their weights stay the scores of the logits."""
+        """What the router ranks to pick experts [b, s, E] where it adds a selection bias to the scores (DS3: sigmoid(logits) + e_score_correction_bias), read at the family's ``selection_op`` (its output, or the argument ``selection_arg`` of that top-k call). Writing changes which experts are picked; their weights stay the scores of the logits."""
 
     @property
     def router_probs(self) -> Float[Tensor, "b s e"]:
@@ -282,15 +282,26 @@ class Moe(Mlp):
             bindings["shared_expert_output"] = Binding(location, 1, to_view=copy, from_view=copy)
         return bindings
 
+    @property
+    def ranks_selection_scores(self) -> bool:
+        """Whether this block's router picks experts by `selection_scores` (score + a selection bias it has)."""
+        scoring = self.SCORING
+        return bool(scoring.selection_op) and self.family.holds(scoring.selection_bias, self._module)
+
     def _selection_binding(self) -> Binding:
-        op = self.SCORING.selection_op
-        if not op:
+        scoring = self.SCORING
+        if not self.ranks_selection_scores:
+            why = ("no selection op in its family entry" if not scoring.selection_op
+                   else f"this checkpoint has no {scoring.selection_bias}")
             raise self.unavailable(
                 "selection_scores",
-                f"the {self.family.name} router ranks no separate selection score (no selection op in its family entry)",
+                f"the {self.family.name} router ranks no separate selection score ({why})",
                 "its choice follows router_logits: read or write those.",
             )
-        return Binding(f"{self.router.path}.source.{op}.output", features=1)
+        op = f"{self.router.path}.source.{scoring.selection_op}"
+        if scoring.selection_arg is None:
+            return Binding(f"{op}.output", features=1)
+        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg))
 
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"

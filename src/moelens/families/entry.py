@@ -44,6 +44,10 @@ EXPERT_GATES = ("glu", "clamped_swiglu", "clamped_glu", "softcapped_glu")
 #: The op of score + selection bias in the routers that bind it to ``scores_for_choice`` (DS3, SGB copies).
 SCORES_FOR_CHOICE = "scores_for_choice_0"
 
+#: The router's first top-k call, whose first argument is score + bias where no op binds the sum
+#: (``torch.topk(scores + bias, k)``: ``selection_op=TOPK, selection_arg=0``).
+TOPK = "torch_topk_0"
+
 
 @dataclass(frozen=True)
 class Scoring:
@@ -69,6 +73,9 @@ class Scoring:
         selection_op: Op in the router's forward whose output is the score plus the
             selection bias that the router ranks (DS3: ``scores_for_choice_0``), served as
             `Moe.selection_scores`; `route_around` and `force` act there. None elsewhere.
+        selection_arg: Where the router adds the bias inside the call that ranks
+            (``torch.topk(scores + bias, k)``): the position of that sum among the
+            ``selection_op`` call's arguments, served instead of the op's output.
         code: The short code the reference table uses (``"SM+"``, ``"DS3"`` ...).
     """
 
@@ -79,6 +86,7 @@ class Scoring:
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None
     selection_op: str | None = None
+    selection_arg: int | None = None
     code: str = ""
 
     def describe(self) -> str:
@@ -256,6 +264,15 @@ class Family:
                 f"family {self.name!r}: cannot read {reference!r} from {type(block).__name__} ({error}); "
                 "the family entry does not match this model."
             ) from None
+
+    def holds(self, reference: str | None, block: Any) -> bool:
+        """Whether the live ``block`` has what the attribute reference names (a config can leave it out)."""
+        if reference is None:
+            return False
+        try:
+            return self.resolve(reference, block) is not None
+        except FamilyError:
+            return False
 
     def scoring_of(self, block: Any) -> Scoring:
         """The scoring of one live block: `scoring`, unless its router's class has its own."""

@@ -74,6 +74,13 @@ def _check_description(family: Family) -> None:
         raise FamilyError(
             f"family {family.name!r}: shared expert time {family.shared.when!r} is not one of {SHARED_TIMES}."
         )
+    for scoring in (family.scoring, *family.scoring_by_router.values()):
+        if scoring.selection_arg is not None and not (scoring.selection_op and isinstance(scoring.selection_arg, int)
+                                                      and scoring.selection_arg >= 0):
+            raise FamilyError(
+                f"family {family.name!r}: selection_arg={scoring.selection_arg!r} needs selection_op naming the "
+                "router call (e.g. torch_topk_0) and the position (an int >= 0) of the ranked argument."
+            )
 
 
 def register_all(families: Iterable[Family]) -> None:

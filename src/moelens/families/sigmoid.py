@@ -3,38 +3,39 @@ the top-k of score + a selection bias, with no expert groups."""
 
 from __future__ import annotations
 
-from .entry import SCORES_FOR_CHOICE, Combine, ExpertGate, Family, Scoring, SharedExpert
+from .entry import SCORES_FOR_CHOICE, TOPK, Combine, ExpertGate, Family, Scoring, SharedExpert
 
 
 def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid",
-        selection_op: str | None = None) -> Scoring:
+        selection_op: str | None = None, selection_arg: int | None = None) -> Scoring:
     """Sigmoid-and-bias scoring: select top-k of score + bias, weights = gathered scores.
 
     ``selection_op``: the router op whose output is score + bias, where the router binds it
-    to a name (``scores_for_choice_0``); None where the sum has no op of its own.
+    to a name (``scores_for_choice_0``), or the top-k call it is an argument of (``TOPK``, with
+    ``selection_arg=0``).
     """
     return Scoring(score, "score_topk", normalize=normalize, scale=scale, selection_bias=bias,
-                   selection_op=selection_op, code="SGB")
+                   selection_op=selection_op, selection_arg=selection_arg, code="SGB")
 
 
 SCALED_ROUTED = Combine(routed_scale="block.routed_scaling_factor")
 
 FAMILIES = [
     Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
-           scoring=sgb("block.expert_bias", scale="router.route_scale"),
+           scoring=sgb("block.expert_bias", scale="router.route_scale", selection_op=TOPK, selection_arg=0),
            shared=SharedExpert("shared_experts", when="before_experts"),
            notes="The selection bias is the block's expert_bias, passed to the router; the shared experts "
                  "run between router and experts."),
     Family("lfm2_moe", ("lfm2_moe",), ("Lfm2MoeSparseMoeBlock",), block_attr="feed_forward",
            scoring=sgb("block.expert_bias", normalize="router.norm_topk_prob",
-                       scale="router.routed_scaling_factor"),
+                       scale="router.routed_scaling_factor", selection_op="scores_for_routing_0"),
            notes="The block is `feed_forward` (aliased mlp); the bias buffer lives on the block."),
     Family("flint", ("flint",), ("FlintSparseMoeBlock",),
            scoring=Scoring("sigmoid", "score_topk", normalize="router.norm_topk_prob", code="sigmoid"),
            shared=SharedExpert("shared_expert", when="after_experts"),
            notes="Logits computed in float32 with autocast off."),
     Family("laguna", ("laguna",), ("LagunaSparseMoeBlock",),
-           scoring=sgb("router.e_score_correction_bias"),
+           scoring=sgb("router.e_score_correction_bias", selection_op="scores_for_selection_0"),
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
            notes="The block returns routed * routed_scaling_factor + shared; optional logit softcapping."),
     Family("minimax_m2", ("minimax_m2",), ("MiniMaxM2SparseMoeBlock",),
@@ -65,13 +66,14 @@ FAMILIES = [
                  "moe_hidden_size between pre_expert_proj/pre_expert_norm and post_expert_proj."),
     Family("kolibri1", ("kolibri1",), ("Kolibri1SparseMoeBlock",), logits_op="F_linear_0",
            scoring=Scoring("sigmoid", "logit_topk", normalize="router.norm_topk_prob",
-                           selection_bias="router.e_score_correction_bias", code="logit+bias, sigmoid"),
+                           selection_bias="router.e_score_correction_bias", selection_op=TOPK, selection_arg=0,
+                           code="logit+bias, sigmoid"),
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Selection is top-k of logits + bias; weights are the sigmoid of the chosen logits. On CUDA "
                  "in the weights' dtype without grad the logits come from torch.mm instead (not served)."),
     Family("deepseek_v4", ("deepseek_v4",), ("DeepseekV4SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
-                       scale="router.routed_scaling_factor"),
+                       scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
            scoring_by_router={"DeepseekV4HashRouter": Scoring(
                "config.scoring_func", "hash", normalize=True, scale="router.routed_scaling_factor", code="HASH")},
            shared=SharedExpert("shared_experts", when="after_experts"),
@@ -80,14 +82,15 @@ FAMILIES = [
            expert_gate=ExpertGate("clamped_glu", limit="experts.limit")),
     Family("inkling", ("inkling", "inkling_text"), ("InklingMoE",),
            scoring=Scoring("sigmoid", "score_topk", normalize=True, scale="router.route_scale",
-                           selection_bias="router.e_score_correction_bias", code="SGB, logsigmoid-normalised"),
+                           selection_bias="router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE,
+                           code="SGB, logsigmoid-normalised"),
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="router_logits has E + n_shared columns: the last are the shared experts' gate logits, "
                  "normalised with the k routed ones into the shared experts' gammas. Writing them changes the "
                  "routing and the shared experts' weight."),
     Family("inkling2", ("inkling2", "inkling2_text"), ("Inkling2SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
-                       scale="router.routed_scaling_factor"),
+                       scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
            notes="Softcapped SwiGLU experts; the router weight must stay float32.",
            expert_gate=ExpertGate("softcapped_glu")),
 ]

@@ -64,7 +64,8 @@ FAMILIES = [
                  "masked softmaxes and sum to about 2."),
     Family("ernie4_5_vl_moe", ("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"), ("Ernie4_5_VLMoeSparseMoeBlock",),
            scoring=Scoring("softmax", "score_topk", normalize=True,
-                           selection_bias="router.moe_statics.e_score_correction_bias", code="SM+ bias"),
+                           selection_bias="router.moe_statics.e_score_correction_bias",
+                           selection_op="self_moe_statics_0", code="SM+ bias"),
            refused={"mlp_output": "an ernie4_5_vl_moe modality block returns its output flattened to 1-D for "
                                   "the layer to scatter back by modality; read the layer's mlp.output instead"},
            notes="Each layer's mlp holds two MoE blocks, text_moe and vision_moe (model.moes lists both), each "
@@ -74,7 +75,8 @@ FAMILIES = [
            runs_only_on={"vision_moe": "image tokens (moe_mm_token_type_ids)"}),
     Family("ernie4_5_moe", ("ernie4_5_moe",), ("Ernie4_5_MoeSparseMoeBlock",),
            scoring=Scoring("softmax", "score_topk", normalize=True,
-                           selection_bias="router.moe_statics.e_score_correction_bias", code="SM+ bias"),
+                           selection_bias="router.moe_statics.e_score_correction_bias",
+                           selection_op="self_moe_statics_0", code="SM+ bias"),
            shared=SharedExpert("shared_experts", when="before_router"),
            notes="Selection adds a correction bias to the softmax; weights are renormalised with a clamp."),
 ]
