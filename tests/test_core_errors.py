@@ -45,13 +45,35 @@ def write_fails(wrapped, inputs, write, match):
         (lambda moe: moe.expert_indices.__setitem__((0, 0, 0), 99), r"index 99"),  # in place: checked on write-back
         (lambda moe: moe.expert_outputs.__setitem__((0, 0), float("nan")), r"NaN"),
         (lambda moe: setattr(moe, "router_probs", moe.router_probs), r"derived from router_logits"),
+        (lambda moe: moe.router_logits.__setitem__((..., 1), float("inf")), r"holds \+inf; a \+inf logit makes this router's softmax scores NaN"),
+        (lambda moe: moe.expert_weights.__setitem__((..., 0), float("inf")), r"expert_weights: the written tensor holds \+inf"),
+        (lambda moe: setattr(moe, "routed_output", moe.routed_output - float("inf")), r"routed_output: the written tensor holds -inf"),
     ],
     ids=["index-too-big", "index-negative", "float-index", "wrong-shape", "nan", "all-neg-inf", "int-weights",
-         "in-place-index", "in-place-nan", "probs-read-only"],
+         "in-place-index", "in-place-nan", "probs-read-only", "pos-inf-logit", "inf-weight", "neg-inf-output"],
 )
 def test_bad_writes_raise_clear_errors(mixtral, write, match):
     wrapped, inputs = mixtral
     write_fails(wrapped, inputs, write, match)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_an_infinite_logit_is_refused_or_harmless(family):
+    # A +inf logit is accepted only where the router's scores saturate (sigmoid); wherever it is
+    # accepted the model must compute no NaN from it. A -inf logit (route_around's) never makes NaN.
+    hf = tiny_model(family)
+    wrapped = moelens.wrap(hf)
+    moe = next(moe for moe in wrapped.moes if not moe.runs_only_on)
+    ids = tiny_inputs(hf, batch=1, seq=4)["input_ids"]
+    for infinity in (float("inf"), float("-inf")):
+        try:
+            with wrapped.trace(ids):
+                moe.router_logits[..., 1] = infinity
+                output = wrapped.output.save()
+        except WriteError as error:
+            assert infinity > 0 and "scores NaN" in str(error)
+            continue
+        assert not torch.isnan(first_tensor(output)).any(), f"{family}: a {infinity} logit gave NaN"
 
 
 def test_errors_name_the_value(mixtral):
@@ -167,6 +189,29 @@ def test_wrap_leaves_the_users_tokenizer_as_it_was():
     wrapped = moelens.wrap(tiny_model("mixtral"), tokenizer=tokenizer)
     assert tokenizer.padding_side == "right" and wrapped.tokenizer is not tokenizer
     assert wrapped.tokenizer.padding_side == "left"  # prompts are left-padded (docs/values.md)
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_a_deep_copy_serves_its_own_values(with_tokenizer):
+    # nnsight's own deep copy would hand the copy's values to the original's tracer (OrderError).
+    from groundtruth import ascii_tokenizer
+
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer() if with_tokenizer else None)
+    twin = copy.deepcopy(wrapped)
+    assert type(twin) is type(wrapped) and twin._module is not hf
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    with wrapped.trace(ids):
+        original = wrapped.moes[1].save_all()
+    with torch.no_grad():
+        twin._module.model.layers[1].mlp.experts.down_proj.zero_()
+    with twin.trace(ids):
+        copied = twin.moes[1].save_all()
+    assert torch.equal(copied["router_logits"], original["router_logits"])
+    assert not copied["routed_output"].any()  # the copy's own weights
+    with wrapped.trace(ids):
+        again = wrapped.moes[1].routed_output.save()
+    assert torch.equal(again, original["routed_output"])  # the original is untouched
 
 
 def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
@@ -481,3 +526,21 @@ def test_selection_scores_need_a_selection_bias():
         moelens.ablate(moe, 1, "route_around")
         indices = moe.expert_indices.save()
     assert not (indices == 1).any()
+
+
+def test_writes_work_in_scan_and_keep_their_shape_checks():
+    # model.scan runs fake tensors: a write is checked for shape and dtype only (no values to check).
+    # grouped_mm has no fake kernel for float32 on CPU in torch, so scan under batched_mm.
+    model = moelens.load()
+    model.set_experts_implementation("batched_mm")
+    moe = model.moes[1]
+    with model.scan("The quick brown fox"):
+        moelens.ablate(moe, 3, "route_around")
+        moe.expert_weights[..., 1] = 0
+        moe.routed_output = torch.zeros(moe.routed_output.shape)
+        shape = nnsight.save(model.output.logits.shape)
+    ids = model.tokenizer("The quick brown fox", return_tensors="pt")["input_ids"]
+    assert tuple(shape) == (1, ids.shape[1], model.config.vocab_size)
+    with pytest.raises(WriteError, match=rf"shape \(1, 4, 1\), expected \(1, {ids.shape[1]}, 2\)"):
+        with model.scan("The quick brown fox"):
+            moe.expert_weights = torch.zeros(1, 4, 1)

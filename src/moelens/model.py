@@ -143,6 +143,8 @@ class MoeModelMixin:
     """What moelens adds to an nnsight model: the MoE components and the family."""
 
     _structure: Structure
+    #: The nnsight keyword arguments `wrap` was given (a deep copy is wrapped with them again).
+    _wrap_options: dict[str, Any]
 
     @property
     def moes(self) -> list[Moe]:
@@ -169,6 +171,15 @@ class MoeModelMixin:
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
         return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})
+
+    def __deepcopy__(self, memo: dict) -> "MoeTransformersModel | MoeNNsight":
+        """A fresh wrap of a deep copy of the model, with the same tokenizer and wrap options.
+
+        nnsight's own deep copy of a wrapped model would still hand its values to this
+        model's tracer (its instrumented sources point back here): a copy could not serve
+        a value. Persistent edits (``model.edit(inplace=True)``) are not copied.
+        """
+        return wrap(copy.deepcopy(self._module, memo), tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
 
 
 class MoeTransformersModel(MoeModelMixin, TransformersModel):
@@ -229,6 +240,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             "to load from a path or repo id use moelens.load()."
         )
     structure = discover(model)
+    options = dict(nnsight_kwargs)
     moe_envoy = _expert_parallel_envoy(model)
     envoys = dict(nnsight_kwargs.pop("envoys", None) or {})
     envoys.update({name: moe_envoy for name in structure.moe_blocks})
@@ -240,6 +252,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     else:
         wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
     object.__setattr__(wrapped, "_structure", structure)
+    object.__setattr__(wrapped, "_wrap_options", options)
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
         _instrument(moe)

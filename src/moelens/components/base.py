@@ -71,7 +71,7 @@ class Component(Envoy):
             f"{self.path}.{name} was requested after the model had already run past it. "
             f"Within a block, read values in the order the model produces them "
             f"({order}), and blocks in layer order; or save everything at once with "
-            f"save_all().{maybe_idle}"
+            f"save_all(). A module skipped with .skip() never produces its values.{maybe_idle}"
         )
 
     @property

@@ -41,7 +41,7 @@ from ..families.scoring import score, top_logits
 from . import tokens
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
-from .served import INDEX, Binding, argument, order_errors, output_of, request, served
+from .served import ANY_INF, INDEX, MINUS_INF, Binding, argument, order_errors, output_of, request, served
 
 
 class _SharedAlias:
@@ -267,7 +267,8 @@ class Moe(Mlp):
         family = self.family
         experts = self.experts.path
         bindings = {
-            "router_logits": Binding(f"{self.router.path}.source.{family.logits_op}.output", features=1),
+            "router_logits": Binding(f"{self.router.path}.source.{family.logits_op}.output", features=1,
+                                     infinities=ANY_INF if self._scores_saturate else MINUS_INF),
             "expert_weights": Binding(f"{experts}.input", 1, *argument(2)),
             "expert_indices": Binding(f"{experts}.input", 1, *argument(1), kind=INDEX, upper=self.num_experts),
             "routed_output": Binding(f"{experts}.output", 1, *output_of(None)),
@@ -300,8 +301,13 @@ class Moe(Mlp):
             )
         op = f"{self.router.path}.source.{scoring.selection_op}"
         if scoring.selection_arg is None:
-            return Binding(f"{op}.output", features=1)
-        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg))
+            return Binding(f"{op}.output", features=1, infinities=ANY_INF)
+        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg), infinities=ANY_INF)
+
+    @property
+    def _scores_saturate(self) -> bool:
+        """Whether a +inf logit gives a finite score here (sigmoid: 1), so a write may hold one."""
+        return self.family.resolve(self.SCORING.score, self._module) == "sigmoid"
 
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
 
 #: What a write must look like.
 FLOAT, INDEX = "float", "index"
+
+#: Which infinities a float write may hold (`Binding.infinities`): none, -inf only (a logit the
+#: router then never picks), or both (what a router ranks; logits its sigmoid scores saturate).
+FINITE, MINUS_INF, ANY_INF = "finite", "-inf", "any"
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class Binding:
         put: Returns what the location serves with the value's tensor replaced.
         kind: `FLOAT` or `INDEX`: what a write is checked against.
         upper: For `INDEX` values, the exclusive upper bound of a valid index.
+        infinities: For `FLOAT` values, the infinities a write may hold (`FINITE`,
+            `MINUS_INF`, `ANY_INF`); anything else would make the model compute NaN or inf.
         prepare: Called (inside the trace) before the location is requested, e.g.
             to drill into the experts implementation so its ops are served; what it
             returns is handed to `to_view` / `from_view`.
@@ -61,6 +68,7 @@ class Binding:
     put: Callable[[Any, torch.Tensor], Any] = lambda raw, tensor: tensor
     kind: str = FLOAT
     upper: int | None = None
+    infinities: str = FINITE
     prepare: Callable[[], Any] | None = None
     to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
     from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
@@ -238,8 +246,8 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
 
 
 def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
-    """Whether ``view`` shares storage with ``base`` (so in-place edits already landed)."""
-    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    """Whether ``view`` shares storage with ``base`` (so in-place edits already landed); also for fake tensors."""
+    return torch._C._is_alias_of(view, base)
 
 
 def check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
@@ -270,8 +278,18 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
             f"{where}: wrote a {value.dtype} tensor, expected a floating-point tensor of shape "
             f"{tuple(shape)}; convert with .float() or .to(the value's dtype)."
         )
+    if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
+        return
     if torch.isnan(value).any():
         raise WriteError(f"{where}: the written tensor contains NaN; the model would propagate it.")
+    if binding.infinities != ANY_INF:
+        plus = bool(torch.isposinf(value).any())
+        if plus or (binding.infinities == FINITE and torch.isneginf(value).any()):
+            which = "+inf" if plus else "-inf"
+            why = (f"a {which} logit makes this router's {component.family.resolve(component.SCORING.score, component._module)} "
+                   "scores NaN; raise it by a large finite amount instead (moelens.steer, moelens.force)"
+                   if name == "router_logits" else "the model would compute inf or NaN from it; write finite values")
+            raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
     if name == "router_logits" and value.numel() and torch.isneginf(value).all(dim=-1).any():
         raise WriteError(
             f"{where}: every logit of some token is -inf, so its routing scores would be NaN; "
