@@ -41,3 +41,49 @@ def test_reciprocal_reference():
     hidden = torch.randn(5, moe._module.router.hidden_dim)
     logits, weights, _ = moe._module.router(hidden)
     assert torch.allclose(weights.sum(-1), torch.full((5,), 1 / moe.top_k))  # the scale the entry records
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_layer_block_has_the_standard_name(name):
+    # model.layers[i].mlp is the block of every decoder layer that has one: a Moe on MoE layers, an
+    # Mlp on dense ones, whatever the family calls it (mlp, feed_forward, block_sparse_moe, ...).
+    wrapped = moelens.wrap(tiny_model(name))
+    for moe in wrapped.moes:
+        block = wrapped.layers[moe.layer].mlp
+        assert block is moe or moe in getattr(block, "moes", [moe]) or moe.path.startswith(block.path), (name, moe.path)
+    for path in wrapped._structure.dense_blocks:
+        layer = int(path.split(".")[-2])
+        assert isinstance(wrapped.layers[layer].mlp, moelens.Mlp), (name, path)
+    hf_layers = wrapped._module.get_submodule(wrapped.layers.path.removeprefix("model."))
+    attr = wrapped.family.block_attr  # "": the decoder layer is the block (gemma4)
+    assert not attr or any(hasattr(layer, attr) for layer in hf_layers), \
+        f"{name}: no decoder layer has a {attr!r} child (the family's block_attr)"
+
+
+@pytest.mark.parametrize(("name", "off"), [("cohere2_moe", {"num_shared_experts": 0}),
+                                           ("ernie4_5_moe", {"moe_num_shared_experts": 0})])
+def test_a_config_without_its_shared_expert(name, off):
+    hf = tiny_model(name, **off)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    ids = torch.arange(3, 9).unsqueeze(0)
+    with wrapped.trace(ids):
+        values = moe.save_all()
+    assert "shared_expert_output" not in values
+    torch.testing.assert_close(values["mlp_output"], values["routed_output"])  # nothing added
+    with pytest.raises(moelens.ValueUnavailable, match="this checkpoint's .* block has no shared expert"):
+        with wrapped.trace(ids):
+            moe.shared_expert_output.save()
+
+
+def test_cohere2_sigmoid_weights_follow_norm_topk_prob():
+    from moelens.export.gate import routing
+
+    hf = tiny_model("cohere2_moe", expert_selection_fn="sigmoid", norm_topk_prob=False)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with wrapped.trace(torch.arange(3, 9).unsqueeze(0)):
+        logits, weights, indices = (moe.router_logits.save(), moe.expert_weights.save(), moe.expert_indices.save())
+    torch.testing.assert_close(weights, torch.sigmoid(logits.gather(-1, indices)))  # not renormalised
+    assert moe.family.resolve(moe.SCORING.normalize, moe._module) is False
+    assert routing(moe.family, moe._module).gate == "sigmoid"  # tract's plain sigmoid gate expresses it

@@ -61,6 +61,15 @@ class _SharedAlias:
         return envoy
 
 
+def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
+    """Whether ``module`` has the child module at dotted ``path`` (looked up on the torch module, so an
+    envoy's fallbacks, such as `_SharedAlias`, are never asked)."""
+    try:
+        return module is not None and isinstance(module.get_submodule(path), torch.nn.Module)
+    except AttributeError:
+        return False
+
+
 class Moe(Mlp):
     """A Mixture-of-Experts block. See the module docstring for the values it serves."""
 
@@ -101,10 +110,9 @@ class Moe(Mlp):
         if shared is None:
             return None
         host = self.parent if shared.on_layer else self
-        try:
-            envoy = host.get(shared.module) if host is not None else None
-        except AttributeError:
+        if host is None or not _has_submodule(host._module, shared.module):  # a config can turn it off
             return None
+        envoy = host.get(shared.module)
         return envoy if envoy is not None and envoy._module is not None else None
 
     @property

@@ -29,8 +29,9 @@ FAMILIES = [
            ("Qwen3OmniMoeThinkerTextSparseMoeBlock",), scoring=IF_FLAGGED,
            notes="The thinker's MoE stack; the talker's is a second stack."),
     Family("mellum", ("mellum",), ("MellumSparseMoeBlock",), scoring=IF_FLAGGED),
-    Family("jamba", ("jamba",), ("JambaSparseMoeBlock",), router="router", scoring=NEVER,
-           notes="Weights are never renormalised; mamba and attention layers interleave."),
+    Family("jamba", ("jamba",), ("JambaSparseMoeBlock",), router="router", scoring=NEVER, block_attr="feed_forward",
+           notes="The block is `feed_forward` (aliased mlp); weights are never renormalised; mamba and attention "
+                 "layers interleave."),
     Family("hunyuan_v1_moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1Moe",), logits_op="self_wg_0", scoring=ALWAYS,
            shared=SharedExpert("shared_mlp", when="before_router"),
            notes="The logits are the router's wg Linear output; the shared MLP runs first and is added plainly."),
