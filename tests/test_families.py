@@ -87,3 +87,24 @@ def test_cohere2_sigmoid_weights_follow_norm_topk_prob():
     torch.testing.assert_close(weights, torch.sigmoid(logits.gather(-1, indices)))  # not renormalised
     assert moe.family.resolve(moe.SCORING.normalize, moe._module) is False
     assert routing(moe.family, moe._module).gate == "sigmoid"  # tract's plain sigmoid gate expresses it
+
+
+def test_deepseek_v2_groups_apply_only_with_group_limited_greedy():
+    from moelens.export.errors import ExportRefused
+    from moelens.export.gate import routing
+
+    limited = tiny_model("deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=1,
+                         num_experts_per_tok=3)
+    wrapped = moelens.wrap(limited)
+    moe = wrapped.moes[0]
+    assert moe.family.groups_of(moe._module) == (4, 1)
+    with pytest.raises(ExportRefused, match=r"group-limited expert selection \(the best 1 of 4 groups\)"):
+        routing(moe.family, moe._module)
+    # Experts 0 and 7 sit in different groups and only one group is kept: force says so.
+    with pytest.raises(moelens.WriteError, match="not by the logits alone"):
+        with wrapped.trace(torch.arange(3, 9).unsqueeze(0)):
+            moelens.force(moe, [0, 7])
+    greedy = moelens.wrap(tiny_model("deepseek_v2", topk_method="greedy", n_group=4, topk_group=1))
+    moe = greedy.moes[0]
+    assert moe.family.groups_of(moe._module) is None
+    assert routing(moe.family, moe._module).gate == "softmax_all"

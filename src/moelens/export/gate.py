@@ -82,12 +82,13 @@ def family_support(family: Family) -> Support:
     scoring = family.scoring
     reasons = _hard_refusals(family)
     conditions: list[str] = []
-    if scoring.select == "group_topk":
-        n_group, topk_group = scoring.groups or ("?", "?")
+    if scoring.groups:
+        n_group, topk_group = scoring.groups
         if reasons:
             reasons.append(_groups())
         else:
-            conditions.append(f"{n_group} == 1 or {topk_group} == {n_group} (group-limited selection is refused)")
+            unless = f"{scoring.groups_if[0]} != {scoring.groups_if[1]!r} or " if scoring.groups_if else ""
+            conditions.append(f"{unless}{n_group} == 1 or {topk_group} == {n_group} (group-limited selection is refused)")
     if reasons:
         return Support("no", reason="; ".join(reasons))
     if not _literal(scoring.score):
@@ -148,8 +149,9 @@ def routing(family: Family, block: Any) -> Routing:
     scoring = family.scoring_of(block)
     score = family.resolve(scoring.score, block)
     reasons = _hard_refusals(family, score, scoring)
-    if scoring.select == "group_topk":
-        n_group, topk_group = (int(family.resolve(ref, block)) for ref in scoring.groups)
+    groups = family.groups_of(block)
+    if groups is not None:
+        n_group, topk_group = groups
         if n_group != 1 and topk_group < n_group:
             reasons.append(_groups(f" (the best {topk_group} of {n_group} groups)"))
     if reasons:

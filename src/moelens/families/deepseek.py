@@ -23,7 +23,9 @@ DS3 = Scoring(
     code="DS3",
 )
 #: DeepSeek-V2: softmax scores, greedy or group-limited (group max) top-k, times rsf.
-DS2 = Scoring("softmax", "score_topk", normalize=False, scale="router.routed_scaling_factor", code="DS2")
+DS2 = Scoring("softmax", "score_topk", normalize=False, scale="router.routed_scaling_factor",
+              groups=("router.num_group", "router.topk_group"),
+              groups_if=("router.topk_method", "group_limited_greedy"), code="DS2")
 #: Mistral 4: softmax, group-limited top-k (no bias), renormalised, times rsf.
 SMG = Scoring(
     "softmax", "group_topk", normalize="router.norm_topk_prob", scale="router.routed_scaling_factor",

@@ -70,6 +70,9 @@ class Scoring:
             selection only (DeepSeek-V3's ``e_score_correction_bias``), or None.
         groups: Attribute references ``(n_group, topk_group)`` of group-limited
             selection, or None.
+        groups_if: ``(attribute reference, value)``: the groups apply only when the
+            attribute has that value (DeepSeek-V2: ``router.topk_method`` is
+            ``"group_limited_greedy"``); None: whenever `groups` is set.
         selection_op: Op in the router's forward whose output is the score plus the
             selection bias that the router ranks (DS3: ``scores_for_choice_0``), served as
             `Moe.selection_scores`; `route_around` and `force` act there. None elsewhere.
@@ -85,6 +88,7 @@ class Scoring:
     scale: float | str | None = None
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None
+    groups_if: tuple[str, str] | None = None
     selection_op: str | None = None
     selection_arg: int | None = None
     code: str = ""
@@ -95,7 +99,7 @@ class Scoring:
         if self.selection_bias:
             parts.append("selection bias")
         if self.groups:
-            parts.append("group-limited")
+            parts.append("group-limited" + (f" if {self.groups_if[0]} == {self.groups_if[1]!r}" if self.groups_if else ""))
         if self.normalize is True:
             parts.append("renormalised")
         elif isinstance(self.normalize, str):
@@ -273,6 +277,18 @@ class Family:
             return self.resolve(reference, block) is not None
         except FamilyError:
             return False
+
+    def groups_of(self, block: Any) -> tuple[int, int] | None:
+        """``(n_group, topk_group)`` where the live ``block`` picks experts inside the best groups, else None."""
+        scoring = self.scoring_of(block)
+        if not scoring.groups:
+            return None
+        if scoring.groups_if is not None:
+            reference, wanted = scoring.groups_if
+            if self.resolve(reference, block) != wanted:
+                return None
+        n_group, topk_group = (int(self.resolve(reference, block)) for reference in scoring.groups)
+        return n_group, topk_group
 
     def scoring_of(self, block: Any) -> Scoring:
         """The scoring of one live block: `scoring`, unless its router's class has its own."""
