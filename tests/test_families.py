@@ -108,3 +108,18 @@ def test_deepseek_v2_groups_apply_only_with_group_limited_greedy():
     moe = greedy.moes[0]
     assert moe.family.groups_of(moe._module) is None
     assert routing(moe.family, moe._module).gate == "softmax_all"
+
+
+def test_laguna_router_probs_are_the_scores_of_the_softcapped_logits():
+    import nnsight
+
+    hf = tiny_model("laguna", moe_router_logit_softcapping=0.02)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    ids = torch.arange(3, 9).unsqueeze(0)
+    with wrapped.trace(ids):
+        probs = moe.router_probs.save()
+    raw = nnsight.NNsight(hf)
+    with raw.trace(ids):  # the router's own scores: sigmoid of the softcapped logits
+        scores = raw.get(moe.path.removeprefix("model.") + "." + moe.family.router).source.torch_sigmoid_0.output.save()
+    torch.testing.assert_close(probs, scores.view_as(probs))

@@ -229,8 +229,12 @@ class Moe(Mlp):
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
-        name = self.family.resolve(self.SCORING.score, self._module)
-        return score(name, self.router_logits)
+        scoring = self.SCORING
+        logits = self.router_logits
+        cap = self.family.resolve(scoring.softcap, self._module) if scoring.softcap else 0
+        if cap:  # the router scores softcapped logits (laguna)
+            logits = torch.tanh(logits.float() / cap) * cap
+        return score(self.family.resolve(scoring.score, self._module), logits)
 
     @router_probs.setter
     def router_probs(self, value: Any) -> None:

@@ -70,6 +70,8 @@ class Scoring:
             selection only (DeepSeek-V3's ``e_score_correction_bias``), or None.
         groups: Attribute references ``(n_group, topk_group)`` of group-limited
             selection, or None.
+        softcap: Attribute reference of a logit softcap ``c`` the router applies
+            before scoring (``tanh(logits / c) * c`` when ``c > 0``: laguna), or None.
         groups_if: ``(attribute reference, value)``: the groups apply only when the
             attribute has that value (DeepSeek-V2: ``router.topk_method`` is
             ``"group_limited_greedy"``); None: whenever `groups` is set.
@@ -89,6 +91,7 @@ class Scoring:
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None
     groups_if: tuple[str, str] | None = None
+    softcap: str | None = None
     selection_op: str | None = None
     selection_arg: int | None = None
     code: str = ""

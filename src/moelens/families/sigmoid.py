@@ -3,6 +3,8 @@ the top-k of score + a selection bias, with no expert groups."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from .entry import SCORES_FOR_CHOICE, TOPK, Combine, ExpertGate, Family, Scoring, SharedExpert
 
 
@@ -35,9 +37,11 @@ FAMILIES = [
            shared=SharedExpert("shared_expert", when="after_experts"),
            notes="Logits computed in float32 with autocast off."),
     Family("laguna", ("laguna",), ("LagunaSparseMoeBlock",),
-           scoring=sgb("router.e_score_correction_bias", selection_op="scores_for_selection_0"),
+           scoring=dataclasses.replace(sgb("router.e_score_correction_bias", selection_op="scores_for_selection_0"),
+                                       softcap="router.router_logit_softcapping"),
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
-           notes="The block returns routed * routed_scaling_factor + shared; optional logit softcapping."),
+           notes="The block returns routed * routed_scaling_factor + shared. With router_logit_softcapping > 0 the "
+                 "router scores tanh(logits / c) * c: router_logits are before the softcap, router_probs after."),
     Family("minimax_m2", ("minimax_m2",), ("MiniMaxM2SparseMoeBlock",),
            scoring=sgb("block.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE),
            notes="The selection bias lives on the block and is passed to the router."),
