@@ -27,7 +27,7 @@ pytest.importorskip("tract", reason="the export extra is not installed (pip inst
 import moelens  # noqa: E402
 from moelens.export import Edits, ExportError, ExportRefused, run, to_nnef, verify  # noqa: E402
 from moelens.export import archive  # noqa: E402
-from moelens.testing import TINY_OVERRIDES, tiny_inputs, tiny_model  # noqa: E402
+from moelens.testing import FAMILIES, TINY_OVERRIDES, tiny_inputs, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 
@@ -43,7 +43,7 @@ UNKNOWN_TO_T2N_BLOCKS = UNKNOWN_TO_T2N_MODELS + [
 MORE_BLOCKS = [
     "granitemoehybrid", "granitemoeshared", "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl_moe",
     "unlimited_ocr",
-]
+] + [family for family in ("lara_mini",) if family in FAMILIES]  # transformers 5.24
 BLOCK_FAMILIES = KNOWN_TO_T2N + UNKNOWN_TO_T2N_BLOCKS + MORE_BLOCKS
 
 #: tract's "approximate" level in float32, which every float32 export must meet.
@@ -501,8 +501,9 @@ def test_export_masks_equal_transformers_masks(family, kinds):
     assert set(masks) == kinds
     made_by = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     for kind, mask in masks.items():
-        expected = made_by[kind](config=config, inputs_embeds=torch.zeros(2, 21, config.hidden_size),
-                                 attention_mask=torch.ones_like(ids), past_key_values=None, allow_is_causal_skip=False)
+        # The cache argument by position: transformers 5.24 renames it (past_key_values -> cache).
+        expected = made_by[kind](config, torch.zeros(2, 21, config.hidden_size), torch.ones_like(ids), None,
+                                 allow_is_causal_skip=False)
         assert mask.shape == expected.shape and torch.equal(mask == 0, expected == 0), kind
 
 
@@ -587,6 +588,10 @@ def table_rows():
 
 def test_docs_family_table_is_current(table_rows):
     from moelens.export.table import END, START, render
+    from moelens.testing.tiny import UNBUILDABLE
+
+    if UNBUILDABLE:
+        pytest.skip(f"docs/export.md is generated with transformers 5.24 (here: {', '.join(UNBUILDABLE.values())})")
 
     text = (ROOT / "docs" / "export.md").read_text()
     committed = text.split(START, 1)[1].split(END, 1)[0].strip("\n")

@@ -63,8 +63,9 @@ def _experts_modules(model) -> list[torch.nn.Module]:
 def test_family_tables_are_consistent():
     assert set(FAMILIES) == set(TINY_OVERRIDES) - set(UNBUILDABLE)
     assert set(EXPERTS_IMPLEMENTATIONS) == set(FAMILIES)
-    assert set(MOE_EVERY_LAYER) <= set(FAMILIES)
-    assert len(FAMILIES) == 66  # 64 decorated folders + llama4 + dbrx
+    assert set(MOE_EVERY_LAYER) <= set(TINY_OVERRIDES)
+    # 64 decorated folders + llama4 + dbrx in transformers 5.23; 5.24 adds hy_v4_vl and lara_mini
+    assert len(FAMILIES) + len(UNBUILDABLE) == 68 and set(UNBUILDABLE) <= {"hy_v4_vl", "lara_mini"}
     for family, impls in EXPERTS_IMPLEMENTATIONS.items():
         want = ("eager",) if family in ("llama4", "dbrx") else ("eager", "batched_mm", "grouped_mm")
         assert impls == want, family

@@ -54,9 +54,9 @@ FAMILIES = [
            shared=SHARED_AFTER, notes=UNSORTED),
     Family("deepseek_ocr2", ("deepseek_ocr2", "deepseek_ocr2_text"), ("DeepseekOcr2TextMoe",), scoring=DS2,
            shared=SHARED_AFTER, notes=UNSORTED),
-    _ds3("deepseek_v3", "DeepseekV3MoE"),
+    _ds3("deepseek_v3", "DeepseekV3MoE", ("deepseek_v3", "sarvam_mla")),  # sarvam_mla: transformers 5.24
     _ds3("deepseek_v32", "DeepseekV32MoE"),
-    _ds3("glm4_moe", "Glm4MoeMoE"),
+    _ds3("glm4_moe", "Glm4MoeMoE", ("glm4_moe", "sarvam_moe")),  # sarvam_moe: transformers 5.24
     _ds3("glm4_moe_lite", "Glm4MoeLiteMoE"),
     _ds3("glm4v_moe", "Glm4vMoeTextMoE", ("glm4v_moe", "glm4v_moe_text")),
     _ds3("glm_moe_dsa", "GlmMoeDsaMoE"),
@@ -73,6 +73,8 @@ FAMILIES = [
          notes=f"The block returns post_mlp_layernorm(routed + shared). {UNSORTED}"),
     _ds3("axk2", "AXK2MoE"),
     _ds3("hy_v4", "HYV4MoE", expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
+    _ds3("hy_v4_vl", "HYV4VLMoE", ("hy_v4_vl", "hy_v4_vl_text"),  # transformers 5.24
+         expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
     _ds3("mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
     Family("mistral4", ("mistral4",), ("Mistral4MoE",), scoring=SMG, shared=SHARED_AFTER,
            notes=f"Logits keep the model dtype. {UNSORTED} {WEIGHT_SUM}"),

@@ -42,4 +42,7 @@ FAMILIES = [
            shared=QWEN_SHARED, notes="The router carries a hub-kernel decorator: use_kernels=True hides its ops."),
     Family("qwen4_exp", ("qwen4_exp", "qwen4_exp_text"), ("Qwen4ExpTextSparseMoeBlock",), scoring=IF_FLAGGED,
            shared=QWEN_SHARED),
+    Family("lara_mini", ("lara_mini",), ("LaraMiniSparseMoeBlock",), scoring=IF_FLAGGED,  # transformers 5.24
+           shared=SharedExpert("shared_expert", when="after_experts"),
+           notes="Logits in float32; the shared expert is added in full (no gate) after the experts."),
 ]

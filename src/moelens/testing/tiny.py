@@ -1,4 +1,4 @@
-"""Tiny, seeded, randomly initialised models for every MoE family in transformers 5.23.
+"""Tiny, seeded, randomly initialised models for every MoE family in transformers 5.23 and 5.24.
 
 Nothing is downloaded: every model is built from a config made by :func:`tiny_config`, with
 ``from_config`` under ``torch.manual_seed(seed)``. The sizes are the same for every family where
@@ -31,11 +31,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import transformers
 from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = [
@@ -243,6 +245,16 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8,
         "sliding_window_size": 16, "d_rel": 4, "rel_extent": 16,
     },
+    "hy_v4_vl": {  # transformers 5.24
+        **_MLA, **_INDEXER, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS, "hc_mult": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+    },
+    "lara_mini": {  # transformers 5.24
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "sliding_window": 16,
+    },
     "inkling2": {  # intermediate_size is an alias of moe_intermediate_size here
         "intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "swa_num_attention_heads": 4,
         "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 16, "d_rel": 4,
@@ -377,6 +389,7 @@ _CONFIG_CLASS: dict[str, str] = {
     "glm5_next": "Glm5NextTextConfig",
     "inkling": "InklingTextConfig",
     "inkling2": "Inkling2TextConfig",
+    "hy_v4_vl": "HYV4VLTextConfig",
     "minimax_m3_vl": "MiniMaxM3VLTextConfig",
     "mistral_large4": "MistralLarge4TextConfig",
     "muse_spark": "MuseSparkTextConfig",
@@ -395,6 +408,7 @@ _MODEL_CLASS: dict[str, str] = {
     "ernie4_5_vl_moe": "Ernie4_5_VLMoeTextModel",
     "glm4v_moe": "Glm4vMoeTextModel",
     "glm5_next": "Glm5NextTextModel",
+    "hy_v4_vl": "HYV4VLTextModel",
     "mistral4": "Mistral4ForCausalLM",
     "mistral_large4": "MistralLarge4TextModel",
     "muse_spark": "MuseSparkTextModel",
@@ -406,8 +420,13 @@ _MODEL_CLASS: dict[str, str] = {
 
 _NOT_DECORATED = ("llama4", "dbrx")
 
-#: Families that cannot be built with a tiny config in transformers 5.23, with the reason.
-UNBUILDABLE: dict[str, str] = {}
+#: Families that cannot be built with a tiny config in the installed transformers, with the reason
+#: (the families transformers 5.24 added, on 5.23).
+UNBUILDABLE: dict[str, str] = {
+    family: f"transformers {transformers.__version__} has no {family} model (added in transformers 5.24)"
+    for family in ("hy_v4_vl", "lara_mini")
+    if importlib.util.find_spec(f"transformers.models.{family}") is None
+}
 
 _NO_SWITCH = "the decoder layer always builds the MoE block (no dense/MoE switch in the config)"
 #: Families whose every decoder layer is MoE (dense layers cannot be mixed in), with the reason.
@@ -427,6 +446,7 @@ MOE_EVERY_LAYER: dict[str, str] = {
     "hunyuan_v1_moe": "num_experts may be a per-layer list, but every layer still builds the MoE block",
     "inkling2": _NO_SWITCH,
     "kolibri1": _NO_SWITCH,
+    "lara_mini": _NO_SWITCH,
     "minimax": _NO_SWITCH,
     "minimax_m2": _NO_SWITCH,
     "mixtral": _NO_SWITCH,
