@@ -70,11 +70,11 @@ class Scoring:
             selection only (DeepSeek-V3's ``e_score_correction_bias``), or None.
         groups: Attribute references ``(n_group, topk_group)`` of group-limited
             selection, or None.
-        softcap: Attribute reference of a logit softcap ``c`` the router applies
-            before scoring (``tanh(logits / c) * c`` when ``c > 0``: laguna), or None.
         groups_if: ``(attribute reference, value)``: the groups apply only when the
             attribute has that value (DeepSeek-V2: ``router.topk_method`` is
             ``"group_limited_greedy"``); None: whenever `groups` is set.
+        softcap: Attribute reference of a logit softcap ``c`` the router applies
+            before scoring (``tanh(logits / c) * c`` when ``c > 0``: laguna), or None.
         selection_op: Op in the router's forward whose output is the score plus the
             selection bias that the router ranks (DS3: ``scores_for_choice_0``), served as
             `Moe.selection_scores`; `route_around` and `force` act there. None elsewhere.
