@@ -544,3 +544,100 @@ def test_writes_work_in_scan_and_keep_their_shape_checks():
     with pytest.raises(WriteError, match=rf"shape \(1, 4, 1\), expected \(1, {ids.shape[1]}, 2\)"):
         with model.scan("The quick brown fox"):
             moe.expert_weights = torch.zeros(1, 4, 1)
+
+
+def test_route_around_leaving_fewer_than_k_experts():
+    # mixtral: the router fills the k slots with the -inf experts, at weight 0.
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    ids = tiny_inputs(hf, batch=2, seq=5)["input_ids"]
+    with wrapped.trace(ids):
+        for expert in range(1, moe.num_experts):  # only expert 0 stays
+            moelens.ablate(moe, expert, "route_around")
+        indices = moe.expert_indices.save()
+        weights = moe.expert_weights.save()
+    assert (indices == 0).any(-1).all()
+    assert not weights[indices != 0].any()
+    # Where the router ranks score + bias it would pick excluded experts at their full weight: refused.
+    for family in ("deepseek_v3", "minimax_m2", "ernie4_5_moe", "kolibri1"):
+        hf = tiny_model(family)
+        wrapped = moelens.wrap(hf)
+        moe = wrapped.moes[0]
+        with pytest.raises(WriteError, match=r"selection_scores: all but fewer than 2 entries .* excluded experts, at their full weight"):
+            with wrapped.trace(tiny_inputs(hf, batch=2, seq=5)["input_ids"]):
+                for expert in range(1, moe.num_experts):
+                    moelens.ablate(moe, expert, "route_around")
+
+
+def test_phimoe_needs_two_finite_logits():
+    hf = tiny_model("phimoe")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with pytest.raises(WriteError, match=r"router_logits: all but fewer than 2 entries of some token are -inf, so its routing scores would be NaN"):
+        with wrapped.trace(tiny_inputs(hf, batch=1, seq=4)["input_ids"]):
+            for expert in range(1, moe.num_experts):
+                moelens.ablate(moe, expert, "route_around")
+
+
+def test_token_selections_index_batch_and_position_only(mixtral):
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        plain = moe.router_logits.save()
+    with wrapped.trace(**inputs):
+        moelens.force(moe, 5, tokens=(..., 3))  # position 3 of every row, not expert column 3
+        forced = moe.router_logits.save()
+        indices = moe.expert_indices.save()
+    changed = (forced != plain).any(-1)
+    expected = torch.zeros_like(changed)
+    expected[:, 3] = True
+    assert torch.equal(changed, expected) and (indices[:, 3] == 5).any(-1).all()
+    with wrapped.trace(**inputs):
+        moelens.reroute(moe, (..., 1), [2, 4])
+        rerouted = moe.expert_indices.save()
+    assert (rerouted[:, 1] == torch.tensor([2, 4])).all()
+    for call in (lambda: moelens.force(moe, 5, tokens=(0, 99)), lambda: moelens.reroute(moe, (0, 99), 1)):
+        with pytest.raises(WriteError, match=r"tokens=\(0, 99\) is not an index into this invoke's \[batch, seq\] = \[2, 5\]"):
+            with wrapped.trace(**inputs):
+                call()
+
+
+def test_intervention_arguments(mixtral):
+    import numpy
+
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        moelens.steer(moe, numpy.int64(2), numpy.float32(1e4))
+        moelens.force(moe, numpy.array([2]))
+        indices = moe.expert_indices.save()
+    assert (indices == 2).any(-1).all()
+    for call, match in [(lambda: moelens.force(moe, []), r"force: no expert given"),
+                        (lambda: moelens.steer(moe, 1, torch.ones(2, 5)), r"steer: bias must be a number, got Tensor of shape \(2, 5\)"),
+                        (lambda: moelens.ablate(moe, numpy.bool_(True)), r"must be an int expert id")]:
+        with pytest.raises(WriteError, match=match):
+            with wrapped.trace(**inputs):
+                call()
+
+
+def test_force_refuses_a_hash_routed_layer():
+    hf = tiny_model("deepseek_v4")
+    wrapped = moelens.wrap(hf)
+    hashed = wrapped.moes[0]
+    assert hashed.SCORING.select == "hash"
+    with pytest.raises(WriteError, match=r"picks experts from a token-id table"):
+        with wrapped.trace(tiny_inputs(hf, batch=1, seq=4)["input_ids"]):
+            moelens.force(hashed, 1)
+
+
+def test_index_writes_work_in_scan():
+    model = moelens.load()
+    model.set_experts_implementation("batched_mm")
+    moe = model.moes[1]
+    with model.scan("The quick brown fox"):
+        moelens.ablate(moe, 3, "swap", to=1)
+        moelens.reroute(moe, (slice(None), 0), 2)
+        moe.expert_indices = torch.zeros(moe.expert_indices.shape, dtype=torch.long)
+        shape = nnsight.save(model.output.logits.shape)
+    assert shape[-1] == model.config.vocab_size

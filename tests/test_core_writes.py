@@ -45,14 +45,16 @@ def plain_edit(reference, inputs, moes, edit) -> torch.Tensor:
     return first_tensor(output)
 
 
-def ranked_op(block, moe):
-    """What the router ranks, as its raw op's tensor (plain nnsight): score + selection bias where the
-    router adds one (an op's output, or the argument of its top-k call), else the logits."""
-    router = block.get(moe.family.router).source
+def logits_op(block, moe):
+    """The router logits, as the raw op's output (plain nnsight)."""
+    return block.get(moe.family.router).source.__getattr__(moe.family.logits_op).output
+
+
+def selection_op(block, moe):
+    """What the router ranks where it adds a selection bias to the scores, as the raw tensor (plain
+    nnsight): the output of the op of score + bias, or the argument of its top-k call."""
     scoring = moe.SCORING
-    if not moe.ranks_selection_scores:
-        return router.__getattr__(moe.family.logits_op).output
-    op = router.__getattr__(scoring.selection_op)
+    op = block.get(moe.family.router).source.__getattr__(scoring.selection_op)
     return op.output if scoring.selection_arg is None else op.inputs[0][scoring.selection_arg]
 
 
@@ -98,8 +100,9 @@ def test_ablation_matches_the_same_edit_in_plain_nnsight(family, impl, mode):
 
     def edit(block, moe, index):
         expert, to = experts[index], replacement[index]
-        if mode == "route_around":  # at what the router ranks: the logits, or the scores + selection bias
-            ranked_op(block, moe)[..., expert] = float("-inf")
+        if mode == "route_around":  # at what the router ranks: the scores + selection bias, or the logits
+            ranked = selection_op(block, moe) if moe.ranks_selection_scores else logits_op(block, moe)
+            ranked[..., expert] = float("-inf")
         elif mode == "zero":
             swap_call_args(block, moe, lambda i, w: (i, w.masked_fill(i == expert, 0.0)))
         else:
@@ -140,7 +143,7 @@ def test_force_puts_the_expert_in_every_token_or_says_why(family, impl):
         raised[..., forced[index]] = logits[..., forced[index]] + lift
         op.output = raised
         if moe.ranks_selection_scores:  # ranked first where the selection bias is added
-            ranked_op(block, moe)[..., forced[index]] = float("inf")
+            selection_op(block, moe)[..., forced[index]] = float("inf")
 
     torch.testing.assert_close(first_tensor(output), plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
 

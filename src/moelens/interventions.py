@@ -26,8 +26,10 @@ change outputs.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
 
+import numpy
 import torch
 
 from .components import Mlp, Moe
@@ -59,8 +61,9 @@ def _moe(block: Any, call: str) -> Moe:
 def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
     if isinstance(expert, torch.Tensor):
         expert = expert.item() if expert.numel() == 1 else expert
-    if not isinstance(expert, int) or isinstance(expert, bool):
+    if not isinstance(expert, numbers.Integral) or isinstance(expert, (bool, numpy.bool_)):
         raise WriteError(f"{what} must be an int expert id in [0, {moe.num_experts}), got {expert!r}.")
+    expert = int(expert)
     if not 0 <= expert < moe.num_experts:
         raise WriteError(f"{what} {expert} is out of range: {moe.path} has experts 0..{moe.num_experts - 1}.")
     return expert
@@ -89,7 +92,8 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
     if mode == "route_around":
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
-        # at a -inf logit: exclude it from what is ranked instead.
+        # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
+        # per block, so that several experts can be routed around one after the other.)
         ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
         ranked[..., expert] = float("-inf")
         return
@@ -109,15 +113,16 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
 
     Args:
         moe: The MoE component.
-        tokens: Which tokens of this invoke, as an index into ``[batch, seq]``: a
-            ``[batch, seq]`` bool mask, a ``(batch_index, seq_index)`` tuple, or
-            ``(slice(None), positions)``.
+        tokens: Which tokens of this invoke, as an index into ``[batch, seq]`` only: a
+            ``[batch, seq]`` bool mask, a ``(batch_index, seq_index)`` tuple,
+            ``(slice(None), positions)`` or ``(..., position)``.
         experts: One expert id for every slot, or ``k`` ids (one per slot), or a
             tensor broadcastable to the selected ``[n, k]`` slots.
     """
     _moe(moe, "reroute")
     indices = moe.expert_indices.clone()
-    selected = indices[tokens]
+    rows = _token_rows(indices, tokens, "reroute")
+    selected = indices[rows]
     replacement = torch.as_tensor(experts, device=indices.device)
     if replacement.is_floating_point() or replacement.is_complex() or replacement.dtype == torch.bool:
         raise WriteError(
@@ -130,7 +135,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             f"reroute: expert ids {replacement.tolist()} must be in [0, {moe.num_experts}) for {moe.path}."
         )
     try:
-        indices[tokens] = replacement.expand_as(selected)
+        indices[rows] = replacement.expand_as(selected)
     except RuntimeError as error:
         raise WriteError(
             f"reroute: experts of shape {tuple(replacement.shape)} do not fit the {tuple(selected.shape)} "
@@ -146,42 +151,80 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     less (SteerMoE). The family's scoring turns the biased logits into weights.
     """
     expert = _expert(_moe(moe, "steer"), expert)
+    if isinstance(bias, torch.Tensor) and bias.numel() == 1:
+        bias = bias.item()
+    if not isinstance(bias, numbers.Real) or isinstance(bias, bool):
+        raise WriteError(
+            f"steer: bias must be a number, got {type(bias).__name__}"
+            f"{f' of shape {tuple(bias.shape)}' if isinstance(bias, torch.Tensor) else ''}; for a bias per "
+            "token add it to the logits yourself: moe.router_logits[..., expert] += bias."
+        )
     logits = moe.router_logits
     logits[..., expert] += float(bias)
 
 
-def _edit_rows(values: torch.Tensor, tokens: Any, edit: Any) -> None:
+def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(batch, position)`` index tensors of the tokens ``tokens`` selects in ``values`` ``[b, s, ...]``.
+
+    ``tokens`` indexes the ``[batch, seq]`` grid only (a bool mask, an int, slices,
+    ``(batch_index, seq_index)``, ``...``), so ``(..., p)`` means position ``p`` of every
+    row, never a column of the value's last axis; the selection keeps its shape.
+    """
+    batch, seq = values.shape[:2]
+    grid = torch.arange(batch * seq, device=values.device).view(batch, seq)
+    try:
+        chosen = grid[tokens]
+    except (IndexError, TypeError, RuntimeError) as error:
+        raise WriteError(
+            f"{call}: tokens={tokens!r} is not an index into this invoke's [batch, seq] = [{batch}, {seq}] "
+            f"tokens ({error}); pass a [batch, seq] bool mask, (batch_index, seq_index), or (slice(None), positions)."
+        ) from None
+    return chosen // seq, chosen % seq
+
+
+def _edit_rows(values: torch.Tensor, tokens: Any, edit: Any, call: str) -> None:
     """Replace ``values`` (or its ``tokens`` rows) in place by ``edit`` of them (a new tensor)."""
     if tokens is None:
         values[...] = edit(values)
     else:
-        values[tokens] = edit(values[tokens])
+        rows = _token_rows(values, tokens, call)
+        values[rows] = edit(values[rows])
 
 
 def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     """Make every token (or the given ``tokens``) route to ``experts`` first (changes routing).
 
-    The forced experts' logits are raised above every other expert's, keeping
-    their order among themselves, so they fill the top ``len(experts)`` slots;
-    weights follow from the family's scoring of the raised logits (with sigmoid
-    scores they saturate towards 1).
+    The forced experts' logits are raised above every other expert's (by the logits'
+    range + 30, keeping the forced experts' own logit order among themselves), so they
+    fill the top ``len(experts)`` slots; weights follow from the family's scoring of the
+    raised logits: with softmax scores the other slots keep a weight near 0, with
+    sigmoid scores the forced ones saturate towards 1.
 
-    Where the router does not pick by the logits alone (a selection bias added to
-    bounded scores, group-limited top-k: the DS3 / SGB / SM+bias families), a raised
-    logit may not win (a saturated competitor with a larger bias, a group left out).
-    Where the router ranks score + a selection bias (``moe.ranks_selection_scores``) the forced
-    experts' selection scores are also set to +inf; in all of these ``force`` then reads
+    Where the router ranks score + a selection bias (``moe.ranks_selection_scores``) the
+    forced experts' selection scores are also set to +inf, so the bias cannot overrule
+    them. Where it picks inside the best groups without one (mistral4, DeepSeek-V2's
+    group-limited greedy) a raised logit could still lose its group: ``force`` then reads
     the resulting ``expert_indices`` and raises `WriteError` if a token misses a forced
-    expert (set the slots with `reroute` instead). Read routing values of the block
-    before calling it, and call it last among its routing interventions.
+    expert (set the slots with `reroute` instead); call it last among the block's routing
+    interventions there. A hash-routed layer (deepseek_v4's first layers) picks experts
+    from a token-id table: ``force`` raises there. Read routing values of the block
+    before calling it. ``tokens`` indexes this invoke's ``[batch, seq]`` (see `reroute`).
     """
     _moe(moe, "force")
     if isinstance(experts, torch.Tensor):
         experts = experts.reshape(-1).tolist()
-    chosen = [experts] if isinstance(experts, int) else list(experts)
+    chosen = list(experts) if isinstance(experts, (Sequence, numpy.ndarray)) else [experts]
     chosen = [_expert(moe, expert) for expert in chosen]
+    if not chosen:
+        raise WriteError("force: no expert given; pass one expert id or a list of them.")
     if len(chosen) > moe.top_k:
         raise WriteError(f"force: {len(chosen)} experts given but {moe.path} routes each token to only {moe.top_k}.")
+    scoring = moe.SCORING
+    if scoring.select == "hash":
+        raise WriteError(
+            f"force: {moe.path} ({moe.family.name}) picks experts from a token-id table ({scoring.describe()}); "
+            "its logits only weight them. Set the slots with moelens.reroute(moe, tokens, experts) instead."
+        )
 
     def lifted(rows: torch.Tensor) -> torch.Tensor:
         finite = rows.masked_fill(~torch.isfinite(rows), 0)
@@ -189,14 +232,15 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         raised[..., chosen] = finite[..., chosen] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
         return raised
 
-    _edit_rows(moe.router_logits, tokens, lifted)
-    scoring = moe.SCORING
-    if moe.ranks_selection_scores:  # also ranked first where the selection bias is added
+    _edit_rows(moe.router_logits, tokens, lifted, "force")
+    if moe.ranks_selection_scores:  # also ranked first where the selection bias is added: they win
+        forced = torch.tensor(chosen, dtype=torch.long)
         _edit_rows(moe.selection_scores, tokens,
-                   lambda rows: rows.index_fill(-1, torch.tensor(chosen, device=rows.device), float("inf")))
-    if scoring.selection_bias or scoring.groups:
+                   lambda rows: rows.index_fill(-1, forced.to(rows.device), float("inf")), "force")
+    elif moe.family.groups_of(moe._module) is not None or scoring.selection_bias:
         indices = moe.expert_indices
-        indices = indices if tokens is None else indices[tokens]
+        if tokens is not None:
+            indices = indices[_token_rows(indices, tokens, "force")]
         missed = ~torch.stack([(indices == expert).any(-1) for expert in chosen]).all(0)
         if missed.any():
             raise WriteError(

@@ -280,7 +280,8 @@ class Moe(Mlp):
         experts = self.experts.path
         bindings = {
             "router_logits": Binding(f"{self.router.path}.source.{family.logits_op}.output", features=1,
-                                     infinities=ANY_INF if self._scores_saturate else MINUS_INF),
+                                     infinities=ANY_INF if self._scores_saturate else MINUS_INF,
+                                     min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
             "expert_weights": Binding(f"{experts}.input", 1, *argument(2)),
             "expert_indices": Binding(f"{experts}.input", 1, *argument(1), kind=INDEX, upper=self.num_experts),
             "routed_output": Binding(f"{experts}.output", 1, *output_of(None)),
@@ -313,8 +314,8 @@ class Moe(Mlp):
             )
         op = f"{self.router.path}.source.{scoring.selection_op}"
         if scoring.selection_arg is None:
-            return Binding(f"{op}.output", features=1, infinities=ANY_INF)
-        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg), infinities=ANY_INF)
+            return Binding(f"{op}.output", features=1, infinities=ANY_INF, min_finite=self.top_k)
+        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg), infinities=ANY_INF, min_finite=self.top_k)
 
     @property
     def _scores_saturate(self) -> bool:

@@ -53,6 +53,8 @@ class Binding:
         upper: For `INDEX` values, the exclusive upper bound of a valid index.
         infinities: For `FLOAT` values, the infinities a write may hold (`FINITE`,
             `MINUS_INF`, `ANY_INF`); anything else would make the model compute NaN or inf.
+        min_finite: The fewest entries per token a write may leave above -inf (what a
+            router ranks must leave it enough experts to pick).
         prepare: Called (inside the trace) before the location is requested, e.g.
             to drill into the experts implementation so its ops are served; what it
             returns is handed to `to_view` / `from_view`.
@@ -69,6 +71,7 @@ class Binding:
     kind: str = FLOAT
     upper: int | None = None
     infinities: str = FINITE
+    min_finite: int = 0
     prepare: Callable[[], Any] | None = None
     to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
     from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
@@ -264,7 +267,7 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
                 f"{where}: wrote {value.dtype} indices, expected integer expert indices "
                 f"(torch.int64) of shape {tuple(shape)}; convert with .long()."
             )
-        if value.numel():
+        if value.numel() and not is_fake(value):  # model.scan's fake tensors have no values to check
             low, high = int(value.min()), int(value.max())
             if low < 0 or (binding.upper is not None and high >= binding.upper):
                 bad = low if low < 0 else high
@@ -290,8 +293,12 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
                    "scores NaN; raise it by a large finite amount instead (moelens.steer, moelens.force)"
                    if name == "router_logits" else "the model would compute inf or NaN from it; write finite values")
             raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
-    if name == "router_logits" and value.numel() and torch.isneginf(value).all(dim=-1).any():
+    needed = binding.min_finite
+    if needed and value.numel() and ((~torch.isneginf(value)).sum(dim=-1) < needed).any():
+        what = "every entry" if needed == 1 else f"all but fewer than {needed} entries"
+        why = {"router_logits": "its routing scores would be NaN",
+               "selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
         raise WriteError(
-            f"{where}: every logit of some token is -inf, so its routing scores would be NaN; "
-            "leave at least one expert finite per token."
+            f"{where}: {what} of some token are -inf, so {why.get(name, 'the router could not pick')}; leave at least "
+            f"{needed} expert{'s' * (needed > 1)} above -inf per token (route_around fewer experts)."
         )
