@@ -97,4 +97,11 @@ FAMILIES = [
                        scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
            notes="Softcapped SwiGLU experts; the router weight must stay float32.",
            expert_gate=ExpertGate("softcapped_glu")),
+    Family("inkling2_loop", ("inkling2_loop", "inkling2_loop_text"), ("Inkling2LoopSparseMoeBlock",),  # 5.24
+           scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
+                       scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
+           notes="Routing as inkling2. The loop layers (loop_layer_index_start..end) run loop_num_passes times "
+                 "per forward: a value read is the first pass's; read pass i under tracer.iter[i], every pass "
+                 "under tracer.all().",
+           expert_gate=ExpertGate("softcapped_glu")),
 ]

@@ -14,10 +14,10 @@ HEADER = """# Supported families
 Generated from `moelens.families.supported()` by `python -m moelens.families.table`; do not edit by hand.
 Every family is tested on a tiny seeded model built from its transformers config, under each experts
 implementation it supports (see `tests/test_core_*.py`). moelens runs on transformers 5.23 and 5.24;
-hy_v4_vl and lara_mini exist from 5.24 on (sarvam_mla and sarvam_moe, also new in 5.24, run the
-deepseek_v3 and glm4_moe blocks). Not supported: 5.24's inkling2_loop, whose loop layers call their MoE
-block several times in one forward (moelens would serve the first call only; `wrap` warns that its
-blocks belong to no registered family).
+hy_v4_vl, lara_mini and inkling2_loop exist from 5.24 on (sarvam_mla and sarvam_moe, also new in 5.24,
+run the deepseek_v3 and glm4_moe blocks). inkling2_loop's loop layers call their block several times in
+one forward: each call's values are served under `tracer.iter[i]` (docs/values.md;
+`tests/test_looped_blocks.py`).
 
 Columns: the block (its attribute on the decoder layer and its class), the router and experts children,
 the router op whose output moelens serves as `router_logits`, the scoring (see `docs/values.md`), the

@@ -41,6 +41,7 @@ import transformers
 from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = [
+    "CALLED_SEVERAL_TIMES",
     "COMMON_SIZES",
     "EXPERTS_IMPLEMENTATIONS",
     "FAMILIES",
@@ -250,6 +251,12 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "n_group": 4, "topk_group": 2, "mlp_layer_types": _DSSS, "hc_mult": 2,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
     },
+    "inkling2_loop": {  # transformers 5.24; layers 2-3 run twice per forward
+        "intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2, "swa_head_dim": 8, "sliding_window_size": 16, "d_rel": 4,
+        "rel_extent": 16, "unpadded_vocab_size": 128, "n_layers_per_attn_res_block": 2,
+        "loop_layer_index_start": 2, "loop_layer_index_end": 4, "loop_num_passes": 2,
+    },
     "lara_mini": {  # transformers 5.24
         "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
         "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
@@ -389,6 +396,7 @@ _CONFIG_CLASS: dict[str, str] = {
     "glm5_next": "Glm5NextTextConfig",
     "inkling": "InklingTextConfig",
     "inkling2": "Inkling2TextConfig",
+    "inkling2_loop": "Inkling2LoopTextConfig",
     "hy_v4_vl": "HYV4VLTextConfig",
     "minimax_m3_vl": "MiniMaxM3VLTextConfig",
     "mistral_large4": "MistralLarge4TextConfig",
@@ -424,7 +432,7 @@ _NOT_DECORATED = ("llama4", "dbrx")
 #: (the families transformers 5.24 added, on 5.23).
 UNBUILDABLE: dict[str, str] = {
     family: f"transformers {transformers.__version__} has no {family} model (added in transformers 5.24)"
-    for family in ("hy_v4_vl", "lara_mini")
+    for family in ("hy_v4_vl", "inkling2_loop", "lara_mini")
     if importlib.util.find_spec(f"transformers.models.{family}") is None
 }
 
@@ -445,6 +453,7 @@ MOE_EVERY_LAYER: dict[str, str] = {
     "granitemoeshared": _NO_SWITCH,
     "hunyuan_v1_moe": "num_experts may be a per-layer list, but every layer still builds the MoE block",
     "inkling2": _NO_SWITCH,
+    "inkling2_loop": _NO_SWITCH,
     "kolibri1": _NO_SWITCH,
     "lara_mini": _NO_SWITCH,
     "minimax": _NO_SWITCH,
@@ -459,8 +468,14 @@ MOE_EVERY_LAYER: dict[str, str] = {
     "zaya": _NO_SWITCH,
 }
 
-#: Every family :func:`tiny_model` can build (transformers ``model_type`` folder names).
-FAMILIES: tuple[str, ...] = tuple(sorted(f for f in TINY_OVERRIDES if f not in UNBUILDABLE))
+#: Families whose blocks run several times in one forward, with the reason: each value is served per
+#: call (tracer.iter), which the tests over `FAMILIES` (one call per block) do not model; tested on their own.
+CALLED_SEVERAL_TIMES: dict[str, str] = {
+    "inkling2_loop": "the loop layers run loop_num_passes times per forward",
+}
+
+#: Every family :func:`tiny_model` can build and the tests over families run (``model_type`` folder names).
+FAMILIES: tuple[str, ...] = tuple(sorted(f for f in TINY_OVERRIDES if f not in UNBUILDABLE and f not in CALLED_SEVERAL_TIMES))
 
 _ALL_IMPLS = ("eager", "batched_mm", "grouped_mm")
 #: Experts implementations each family honours (llama4 / dbrx are not decorated: eager only).

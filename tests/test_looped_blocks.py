@@ -1,0 +1,75 @@
+"""Blocks one forward calls several times (inkling2_loop's loop layers, transformers 5.24).
+
+Each call's values are served under nnsight's ``tracer.iter[i]`` (pass i); a read outside it is
+the first pass's. Ground truth: plain nnsight's per-call values of the raw modules, and a copy
+of the model with an expert's weights zeroed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import nnsight
+import pytest
+import torch
+
+import moelens
+from moelens.testing import UNBUILDABLE, tiny_inputs, tiny_model
+
+pytestmark = pytest.mark.skipif("inkling2_loop" in UNBUILDABLE, reason=UNBUILDABLE.get("inkling2_loop", ""))
+
+PASSES = 2  # the tiny config's loop_num_passes
+
+
+@pytest.fixture(scope="module", params=["grouped_mm", "batched_mm"])
+def looped(request):
+    hf = tiny_model("inkling2_loop", experts_implementation=request.param)
+    assert hf.config.loop_num_passes == PASSES
+    wrapped = moelens.wrap(hf)
+    moe = next(moe for moe in wrapped.moes if moe.layer == hf.config.loop_layer_index_start)
+    return hf, wrapped, moe, tiny_inputs(hf, batch=2, seq=5)
+
+
+def test_each_pass_is_served_as_plain_nnsight_sees_that_call(looped):
+    hf, wrapped, moe, inputs = looped
+    raw = nnsight.NNsight(hf)
+    block = raw.get(moe.path.removeprefix("model."))
+    with raw.trace(**inputs) as tracer:
+        expected = nnsight.save([])
+        for _ in tracer.iter[0:PASSES]:
+            logits = block.gate.source.F_linear_0.output
+            (_, indices, weights), _ = block.experts.inputs
+            expected.append((logits, indices, weights, block.experts.output))
+    with wrapped.trace(**inputs) as tracer:
+        served = nnsight.save([])
+        for _ in tracer.iter[0:PASSES]:
+            served.append((moe.router_logits, moe.expert_indices, moe.expert_weights, moe.routed_output))
+    with wrapped.trace(**inputs):
+        first = moe.router_logits.save()
+    assert len(served) == len(expected) == PASSES
+    for got, want in zip(served, expected):
+        for value, raw_value in zip(got, want):
+            assert torch.equal(value.reshape(raw_value.shape), raw_value)
+    assert not torch.equal(served[0][0], served[1][0])  # the passes see different hidden states
+    assert torch.equal(first, served[0][0])
+
+
+def test_an_ablation_on_every_pass_equals_zeroed_expert_weights(looped):
+    hf, wrapped, moe, inputs = looped
+    with wrapped.trace(**inputs):
+        expert = moe.expert_indices[0, 0, 0].save()
+    expert = int(expert)
+    with wrapped.trace(**inputs) as tracer:
+        for _ in tracer.iter[0:PASSES]:
+            moelens.ablate(moe, expert, "zero")
+        every_pass = wrapped.output.save()
+    with wrapped.trace(**inputs):
+        moelens.ablate(moe, expert, "zero")  # the first pass only
+        first_pass = wrapped.output.save()
+    reference = copy.deepcopy(hf)
+    experts = reference.get_submodule(moe.path.removeprefix("model.") + ".experts")
+    with torch.no_grad():
+        experts.down_proj[expert] = 0
+        expected = reference(**inputs).logits
+    torch.testing.assert_close(every_pass.logits, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(first_pass.logits, expected, atol=1e-5, rtol=1e-5)
