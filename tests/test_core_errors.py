@@ -564,7 +564,7 @@ def test_route_around_leaving_fewer_than_k_experts():
         hf = tiny_model(family)
         wrapped = moelens.wrap(hf)
         moe = wrapped.moes[0]
-        with pytest.raises(WriteError, match=r"selection_scores: all but fewer than 2 entries .* excluded experts, at their full weight"):
+        with pytest.raises(WriteError, match=r"selection_scores: fewer than 2 entries of some token are above -inf, so the router would fill its slots with excluded experts, at their full weight"):
             with wrapped.trace(tiny_inputs(hf, batch=2, seq=5)["input_ids"]):
                 for expert in range(1, moe.num_experts):
                     moelens.ablate(moe, expert, "route_around")
@@ -574,7 +574,7 @@ def test_phimoe_needs_two_finite_logits():
     hf = tiny_model("phimoe")
     wrapped = moelens.wrap(hf)
     moe = wrapped.moes[0]
-    with pytest.raises(WriteError, match=r"router_logits: all but fewer than 2 entries of some token are -inf, so its routing scores would be NaN"):
+    with pytest.raises(WriteError, match=r"router_logits: fewer than 2 entries of some token are above -inf, so its routing scores would be NaN"):
         with wrapped.trace(tiny_inputs(hf, batch=1, seq=4)["input_ids"]):
             for expert in range(1, moe.num_experts):
                 moelens.ablate(moe, expert, "route_around")
@@ -639,5 +639,42 @@ def test_index_writes_work_in_scan():
         moelens.ablate(moe, 3, "swap", to=1)
         moelens.reroute(moe, (slice(None), 0), 2)
         moe.expert_indices = torch.zeros(moe.expert_indices.shape, dtype=torch.long)
+        shape = nnsight.save(model.output.logits.shape)
+    assert shape[-1] == model.config.vocab_size
+
+
+def test_force_checks_expert_groups_up_front_so_it_can_come_first():
+    # DS3 keeps the best topk_group groups: experts of more groups than that cannot all be picked.
+    hf = tiny_model("deepseek_v3", topk_group=1)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    n_group = moe.family.groups_of(moe._module)[0]
+    last = moe.num_experts - 1
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    with pytest.raises(WriteError, match=rf"best 1 of {n_group} expert groups, and experts \[0, {last}\] lie in 2 groups"):
+        with wrapped.trace(ids):
+            moelens.force(moe, [0, last])
+    # force reads nothing after the router, so route_around can follow it on the same block.
+    for family, overrides in [("mistral4", {}), ("deepseek_v3", {}), ("lfm2_moe", {"use_expert_bias": False})]:
+        hf = tiny_model(family, **overrides)
+        wrapped = moelens.wrap(hf)
+        moe = wrapped.moes[0]
+        with wrapped.trace(tiny_inputs(hf, batch=1, seq=5)["input_ids"]):
+            moelens.force(moe, 1)
+            moelens.ablate(moe, 2, "route_around")
+            indices = moe.expert_indices.save()
+        assert (indices == 1).any(-1).all() and not (indices == 2).any(), family
+
+
+def test_single_token_interventions_in_scan_and_numpy_scalars():
+    import numpy
+
+    model = moelens.load()
+    model.set_experts_implementation("batched_mm")
+    moe = model.moes[1]
+    with model.scan("The quick brown fox"):
+        moelens.steer(moe, 2, numpy.array(2.0))
+        moelens.force(moe, 1, tokens=(0, 2))
+        moelens.reroute(moe, (0, 2), [1, 3])
         shape = nnsight.save(model.output.logits.shape)
     assert shape[-1] == model.config.vocab_size

@@ -27,10 +27,11 @@ change outputs.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .components import Mlp, Moe
 from .errors import WriteError
@@ -58,10 +59,19 @@ def _moe(block: Any, call: str) -> Moe:
     )
 
 
+def _scalar(value: Any) -> Any:
+    """A one-element tensor or numpy array as its Python number; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (numpy.ndarray, numpy.generic)) and value.size == 1:
+        return value.item()
+    return value
+
+
 def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
-    if isinstance(expert, torch.Tensor):
-        expert = expert.item() if expert.numel() == 1 else expert
-    if not isinstance(expert, numbers.Integral) or isinstance(expert, (bool, numpy.bool_)):
+    """``expert`` as a Python int id of ``moe`` (an int, a numpy integer or a one-element tensor), checked."""
+    expert = _scalar(expert)
+    if not isinstance(expert, numbers.Integral) or isinstance(expert, bool):
         raise WriteError(f"{what} must be an int expert id in [0, {moe.num_experts}), got {expert!r}.")
     expert = int(expert)
     if not 0 <= expert < moe.num_experts:
@@ -130,7 +140,8 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             "pass ints (or a .long() tensor)."
         )
     replacement = replacement.to(indices.dtype)
-    if replacement.numel() and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
+    checkable = replacement.numel() and not is_fake(replacement)  # model.scan's fake tensors hold no ids
+    if checkable and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
         raise WriteError(
             f"reroute: expert ids {replacement.tolist()} must be in [0, {moe.num_experts}) for {moe.path}."
         )
@@ -151,8 +162,7 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     less (SteerMoE). The family's scoring turns the biased logits into weights.
     """
     expert = _expert(_moe(moe, "steer"), expert)
-    if isinstance(bias, torch.Tensor) and bias.numel() == 1:
-        bias = bias.item()
+    bias = _scalar(bias)
     if not isinstance(bias, numbers.Real) or isinstance(bias, bool):
         raise WriteError(
             f"steer: bias must be a number, got {type(bias).__name__}"
@@ -179,10 +189,11 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
             f"{call}: tokens={tokens!r} is not an index into this invoke's [batch, seq] = [{batch}, {seq}] "
             f"tokens ({error}); pass a [batch, seq] bool mask, (batch_index, seq_index), or (slice(None), positions)."
         ) from None
+    chosen = chosen.reshape(-1) if chosen.dim() == 0 else chosen  # one (batch, position) pair
     return chosen // seq, chosen % seq
 
 
-def _edit_rows(values: torch.Tensor, tokens: Any, edit: Any, call: str) -> None:
+def _edit_rows(values: torch.Tensor, tokens: Any, edit: Callable[[torch.Tensor], torch.Tensor], call: str) -> None:
     """Replace ``values`` (or its ``tokens`` rows) in place by ``edit`` of them (a new tensor)."""
     if tokens is None:
         values[...] = edit(values)
@@ -202,11 +213,12 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
 
     Where the router ranks score + a selection bias (``moe.ranks_selection_scores``) the
     forced experts' selection scores are also set to +inf, so the bias cannot overrule
-    them. Where it picks inside the best groups without one (mistral4, DeepSeek-V2's
-    group-limited greedy) a raised logit could still lose its group: ``force`` then reads
-    the resulting ``expert_indices`` and raises `WriteError` if a token misses a forced
-    expert (set the slots with `reroute` instead); call it last among the block's routing
-    interventions there. A hash-routed layer (deepseek_v4's first layers) picks experts
+    them. Where it keeps only the best groups of experts (DS3, mistral4, DeepSeek-V2's
+    group-limited greedy) a raised expert wins its group and its group a place, so
+    ``force`` raises `WriteError` up front when the experts lie in more groups than are
+    kept. (A custom family with a selection bias but no ``selection_op``: ``force`` reads
+    the resulting ``expert_indices`` and raises if a token misses a forced expert.) Call it
+    before ``route_around`` on the same block. A hash-routed layer (deepseek_v4's first layers) picks experts
     from a token-id table: ``force`` raises there. Read routing values of the block
     before calling it. ``tokens`` indexes this invoke's ``[batch, seq]`` (see `reroute`).
     """
@@ -225,6 +237,16 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
             f"force: {moe.path} ({moe.family.name}) picks experts from a token-id table ({scoring.describe()}); "
             "its logits only weight them. Set the slots with moelens.reroute(moe, tokens, experts) instead."
         )
+    groups = moe.family.groups_of(moe._module)
+    if groups is not None:  # a raised expert wins its group, and its group a place, unless too many groups
+        n_group, topk_group = groups
+        spanned = sorted({expert // (moe.num_experts // n_group) for expert in chosen})
+        if len(spanned) > topk_group:
+            raise WriteError(
+                f"force: {moe.path} picks experts inside the best {topk_group} of {n_group} expert groups, and "
+                f"experts {chosen} lie in {len(spanned)} groups {spanned}: some could never be picked. Force experts "
+                f"of at most {topk_group} groups, or set the slots with moelens.reroute(moe, tokens, experts)."
+            )
 
     def lifted(rows: torch.Tensor) -> torch.Tensor:
         finite = rows.masked_fill(~torch.isfinite(rows), 0)
@@ -237,15 +259,15 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         forced = torch.tensor(chosen, dtype=torch.long)
         _edit_rows(moe.selection_scores, tokens,
                    lambda rows: rows.index_fill(-1, forced.to(rows.device), float("inf")), "force")
-    elif moe.family.groups_of(moe._module) is not None or scoring.selection_bias:
+    elif moe.family.holds(scoring.selection_bias, moe._module):  # a bias this entry names no op for
         indices = moe.expert_indices
         if tokens is not None:
             indices = indices[_token_rows(indices, tokens, "force")]
         missed = ~torch.stack([(indices == expert).any(-1) for expert in chosen]).all(0)
-        if missed.any():
+        if not is_fake(missed) and missed.any():
             raise WriteError(
                 f"force: {moe.path} ({moe.family.name}) picks experts by {scoring.describe()}, not by the logits "
                 f"alone; raising the logits of experts {chosen} left {int(missed.sum())} of {missed.numel()} "
-                "tokens without them (a bounded score cannot outrank a larger selection bias, or their group "
-                "was left out). Set the slots with moelens.reroute(moe, tokens, experts) instead."
+                "tokens without them (a bounded score cannot outrank a larger selection bias). Set the slots "
+                "with moelens.reroute(moe, tokens, experts) instead."
             )

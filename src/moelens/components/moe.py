@@ -232,7 +232,7 @@ class Moe(Mlp):
         scoring = self.SCORING
         logits = self.router_logits
         cap = self.family.resolve(scoring.softcap, self._module) if scoring.softcap else 0
-        if cap:  # the router scores softcapped logits (laguna)
+        if cap > 0:  # the router scores softcapped logits (laguna)
             logits = torch.tanh(logits.float() / cap) * cap
         return score(self.family.resolve(scoring.score, self._module), logits)
 

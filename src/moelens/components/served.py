@@ -295,10 +295,10 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
             raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
     needed = binding.min_finite
     if needed and value.numel() and ((~torch.isneginf(value)).sum(dim=-1) < needed).any():
-        what = "every entry" if needed == 1 else f"all but fewer than {needed} entries"
         why = {"router_logits": "its routing scores would be NaN",
                "selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
         raise WriteError(
-            f"{where}: {what} of some token are -inf, so {why.get(name, 'the router could not pick')}; leave at least "
-            f"{needed} expert{'s' * (needed > 1)} above -inf per token (route_around fewer experts)."
+            f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above -inf, so "
+            f"{why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
+            "above -inf per token (route_around fewer experts)."
         )
