@@ -125,3 +125,29 @@ def test_laguna_router_probs_are_the_scores_of_the_softcapped_logits():
     with raw.trace(ids):  # the router's own scores: sigmoid of the softcapped logits
         scores = raw.get(moe.path.removeprefix("model.") + "." + moe.family.router).source.torch_sigmoid_0.output.save()
     torch.testing.assert_close(probs, scores.view_as(probs))
+
+
+@pytest.mark.parametrize(("model_type", "runs_as"), [("sarvam_mla", "deepseek_v3"), ("sarvam_moe", "glm4_moe")])
+def test_model_types_that_run_another_familys_blocks(model_type, runs_as):
+    # transformers 5.24's sarvam configs build DeepseekV3 / Glm4Moe models: their blocks are served as those.
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moelens.testing import COMMON_SIZES, TINY_OVERRIDES
+
+    if importlib.util.find_spec(f"transformers.models.{model_type}") is None:
+        pytest.skip(f"transformers has no {model_type} (added in 5.24)")
+    config = AutoConfig.for_model(model_type, **{**COMMON_SIZES, **TINY_OVERRIDES[runs_as]})
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    wrapped = moelens.wrap(hf)
+    assert wrapped.family.name == runs_as and wrapped.moes
+    ids = torch.arange(3, 9).unsqueeze(0)
+    with torch.no_grad():
+        plain = hf(ids).logits
+    with wrapped.trace(ids):
+        values = wrapped.moes[0].save_all()
+        output = wrapped.output.save()
+    assert torch.equal(output.logits, plain)
+    torch.testing.assert_close(values["expert_outputs"].sum(2), values["routed_output"])

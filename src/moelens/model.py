@@ -228,7 +228,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             does not know is wrapped as plain nnsight, with a warning for MoE blocks).
         tokenizer: Its tokenizer, so string prompts, padding and ``generate`` work;
             without one the model takes token-id tensors. The wrapped model keeps a copy
-            (``model.tokenizer``, left-padding as nnsight sets it): yours is not changed.
+            (``model.tokenizer``, left-padded for a model that generates, as nnsight sets it): yours is not changed.
         **nnsight_kwargs: Passed to the nnsight model (``envoys``, ``rename``, ...).
 
     Returns:

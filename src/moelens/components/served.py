@@ -289,9 +289,12 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
         plus = bool(torch.isposinf(value).any())
         if plus or (binding.infinities == FINITE and torch.isneginf(value).any()):
             which = "+inf" if plus else "-inf"
-            why = (f"a {which} logit makes this router's {component.family.resolve(component.SCORING.score, component._module)} "
-                   "scores NaN; raise it by a large finite amount instead (moelens.steer, moelens.force)"
-                   if name == "router_logits" else "the model would compute inf or NaN from it; write finite values")
+            if name == "router_logits":
+                scores = component.family.resolve(component.SCORING.score, component._module)
+                why = (f"a {which} logit makes this router's {scores} scores NaN; raise it by a large finite "
+                       "amount instead (moelens.steer, moelens.force)")
+            else:
+                why = "the model would compute inf or NaN from it; write finite values"
             raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
     needed = binding.min_finite
     if needed and value.numel() and ((~torch.isneginf(value)).sum(dim=-1) < needed).any():

@@ -101,7 +101,7 @@ FAMILIES = [
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
                        scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
            notes="Routing as inkling2. The loop layers (loop_layer_index_start..end) run loop_num_passes times "
-                 "per forward: a value read is the first pass's; read pass i under tracer.iter[i], every pass "
-                 "under tracer.all().",
+                 "per forward: a value read is the first pass's; read pass i under `for _ in tracer.iter[i]`, "
+                 "edit every pass under `for _ in tracer.iter[0:loop_num_passes]`; analysis reads the first pass.",
            expert_gate=ExpertGate("softcapped_glu")),
 ]
