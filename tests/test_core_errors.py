@@ -6,6 +6,7 @@ import copy
 import dataclasses
 
 import nnsight
+import numpy
 import pytest
 import torch
 from transformers.integrations.moe import use_experts_implementation
@@ -528,16 +529,22 @@ def test_selection_scores_need_a_selection_bias():
     assert not (indices == 1).any()
 
 
-def test_writes_work_in_scan_and_keep_their_shape_checks():
+@pytest.mark.parametrize("write", [
+    lambda moe: (moelens.ablate(moe, 3, "route_around"), moe.expert_weights.__setitem__((..., 1), 0),
+                 setattr(moe, "routed_output", torch.zeros(moe.routed_output.shape))),
+    lambda moe: (moelens.ablate(moe, 3, "swap", to=1), moelens.reroute(moe, (slice(None), 0), 2),
+                 setattr(moe, "expert_indices", torch.zeros(moe.expert_indices.shape, dtype=torch.long))),
+    lambda moe: (moelens.steer(moe, 2, numpy.array(2.0)), moelens.force(moe, 1, tokens=(0, 2)),
+                 moelens.reroute(moe, (0, 2), [1, 3])),
+], ids=["float-values", "indices", "single-token"])
+def test_writes_work_in_scan_and_keep_their_shape_checks(write):
     # model.scan runs fake tensors: a write is checked for shape and dtype only (no values to check).
     # grouped_mm has no fake kernel for float32 on CPU in torch, so scan under batched_mm.
     model = moelens.load()
     model.set_experts_implementation("batched_mm")
     moe = model.moes[1]
     with model.scan("The quick brown fox"):
-        moelens.ablate(moe, 3, "route_around")
-        moe.expert_weights[..., 1] = 0
-        moe.routed_output = torch.zeros(moe.routed_output.shape)
+        write(moe)
         shape = nnsight.save(model.output.logits.shape)
     ids = model.tokenizer("The quick brown fox", return_tensors="pt")["input_ids"]
     assert tuple(shape) == (1, ids.shape[1], model.config.vocab_size)
@@ -603,8 +610,6 @@ def test_token_selections_index_batch_and_position_only(mixtral):
 
 
 def test_intervention_arguments(mixtral):
-    import numpy
-
     wrapped, inputs = mixtral
     moe = wrapped.moes[0]
     with wrapped.trace(**inputs):
@@ -630,18 +635,6 @@ def test_force_refuses_a_hash_routed_layer():
             moelens.force(hashed, 1)
 
 
-def test_index_writes_work_in_scan():
-    model = moelens.load()
-    model.set_experts_implementation("batched_mm")
-    moe = model.moes[1]
-    with model.scan("The quick brown fox"):
-        moelens.ablate(moe, 3, "swap", to=1)
-        moelens.reroute(moe, (slice(None), 0), 2)
-        moe.expert_indices = torch.zeros(moe.expert_indices.shape, dtype=torch.long)
-        shape = nnsight.save(model.output.logits.shape)
-    assert shape[-1] == model.config.vocab_size
-
-
 def test_force_checks_expert_groups_up_front_so_it_can_come_first():
     # DS3 keeps the best topk_group groups: experts of more groups than that cannot all be picked.
     hf = tiny_model("deepseek_v3", topk_group=1)
@@ -665,15 +658,3 @@ def test_force_checks_expert_groups_up_front_so_it_can_come_first():
         assert (indices == 1).any(-1).all() and not (indices == 2).any(), family
 
 
-def test_single_token_interventions_in_scan_and_numpy_scalars():
-    import numpy
-
-    model = moelens.load()
-    model.set_experts_implementation("batched_mm")
-    moe = model.moes[1]
-    with model.scan("The quick brown fox"):
-        moelens.steer(moe, 2, numpy.array(2.0))
-        moelens.force(moe, 1, tokens=(0, 2))
-        moelens.reroute(moe, (0, 2), [1, 3])
-        shape = nnsight.save(model.output.logits.shape)
-    assert shape[-1] == model.config.vocab_size
