@@ -66,6 +66,32 @@ def test_clear_errors():
         tomoe(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), progress=False)
     with pytest.raises(NothingToConvert, match="protected"):
         tomoe(bert(classifier=True), target_modules=["classifier"], progress=False)
+    with pytest.raises(CompressionError, match=r"calibration dict holds no tensor .*return_tensors='pt'"):
+        tomoe(model, calibration={"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}, progress=False)
+    for setting, match in [({"inplace": "False"}, r"inplace must be True or False, got 'False'"),
+                           ({"refit": "no"}, r"refit must be True or False"),
+                           ({"max_error": "0.2"}, r"max_error must be a number, got '0.2'"),
+                           ({"lora_alpha": "x"}, r"lora_alpha must be a number"),
+                           ({"seed": "x"}, r"seed must be an int")]:
+        with pytest.raises(CompressionError, match=match):
+            tomoe(model, calibration=ids(), progress=False, **setting)
+    assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)  # nothing converted in place
+
+
+def test_a_converted_model_pickles_after_wrapping_and_is_not_loaded_as_dense(tmp_path):
+    import pickle
+
+    import moelens
+
+    converted, _ = convert(llama(), num_experts=4, top_k=2, calibration=ids())
+    moelens.wrap(converted)  # nnsight keeps the experts' decorated forward on the instance
+    copy = pickle.loads(pickle.dumps(converted))
+    with torch.no_grad():
+        torch.testing.assert_close(copy(ids()).logits, converted(ids()).logits, rtol=0, atol=0)
+    # save_pretrained keeps the dense config: loading it would leave the FFN weights random.
+    converted.save_pretrained(tmp_path)
+    with pytest.raises(moelens.MoelensError, match=r"does not match the model its config describes.*torch.save\(model\)"):
+        moelens.load(tmp_path)
 
 
 def test_inject_tomoe_logs_instead_of_raising(caplog):

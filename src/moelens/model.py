@@ -353,17 +353,38 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         ) from error
     auto = AutoModelForCausalLM if _has_causal_lm(config) else AutoModel
     try:
-        model = auto.from_pretrained(source, **from_pretrained_kwargs).eval()
+        model, info = auto.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except ValueError as error:  # a config transformers has no model class for (a sub-config saved alone)
         raise MoelensError(
             f"cannot load a model from {source!r}: {error}. Load it with the transformers class that fits "
             "and pass it to moelens.wrap(model, tokenizer=...)."
         ) from error
+    _check_weights_fit(source, info)
+    model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return wrap(model, tokenizer=tokenizer)
+
+
+def _check_weights_fit(source: str, info: dict[str, Any]) -> None:
+    """Raise when the checkpoint's weights and its config's model do not match.
+
+    Weights of the checkpoint the model has no place for, while weights of the model got
+    none, mean the config does not describe the saved modules (a model converted with
+    `moelens.compress.tomoe` and saved with ``save_pretrained``: its config is still the
+    dense model's): transformers would leave those weights random.
+    """
+    unexpected, missing = info.get("unexpected_keys") or [], info.get("missing_keys") or []
+    if unexpected and missing:
+        raise MoelensError(
+            f"the checkpoint at {source!r} does not match the model its config describes: {len(unexpected)} saved "
+            f"weights have no place in it (e.g. {sorted(unexpected)[0]!r}) and {len(missing)} of its weights are not "
+            f"saved (e.g. {sorted(missing)[0]!r}), so they would be random. A model converted with "
+            "moelens.compress.tomoe keeps its dense config: save it with torch.save(model) and load it with "
+            "torch.load(path, weights_only=False), then moelens.wrap it."
+        )
 
 
 def _has_head(model: torch.nn.Module) -> bool:

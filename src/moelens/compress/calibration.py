@@ -47,6 +47,11 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
             calls.append(((), {"input_ids": ids}) if not ids.is_floating_point() else ((ids,), {}))
         elif isinstance(item, Mapping):
             kwargs = dict(item)
+            if not any(isinstance(value, Tensor) for value in kwargs.values()) and kwargs:
+                raise CompressionError(
+                    f"calibration dict holds no tensor (its {', '.join(map(str, kwargs))} are "
+                    f"{type(next(iter(kwargs.values()))).__name__}s); tokenize with return_tensors='pt'."
+                )
             main = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
             mask = _mask(kwargs)
             if main is None or main.numel() == 0 or (mask is not None and not mask.any()):

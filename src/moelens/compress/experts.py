@@ -65,7 +65,7 @@ def _eager_loop(
 
 
 class _Experts(nn.Module):
-    """What both experts classes share: sizes, the down projection, the activation, the eager loop."""
+    """What both experts classes share: sizes, the down projection, the activation."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, output_size: int,
                  act_fn: nn.Module) -> None:
@@ -83,9 +83,6 @@ class _Experts(nn.Module):
     def project(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n o"]:
         """Expert ``expert``'s output (unweighted) on ``hidden``."""
         return nn.functional.linear(self.activations(hidden, expert), self.down_proj[expert], self.down_proj_bias[expert])
-
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return _eager_loop(self, hidden_states, top_k_index, top_k_weights)
 
 
 @use_experts_implementation(has_gate=True, has_bias=True)
@@ -115,6 +112,11 @@ class ToMoEGatedExperts(_Experts):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        # Defined on each decorated class, not inherited: the decorated forward then keeps this class's
+        # qualified name, so a wrapped model (nnsight stores it on the instance) pickles.
+        return _eager_loop(self, hidden_states, top_k_index, top_k_weights)
+
 
 @use_experts_implementation(has_gate=False, has_bias=True)
 class ToMoEExperts(_Experts):
@@ -140,6 +142,9 @@ class ToMoEExperts(_Experts):
     def activations(self, hidden: Float[Tensor, "n d"], expert: int) -> Float[Tensor, "n i"]:
         """Expert ``expert``'s hidden activations (``act(up)``) on ``hidden``."""
         return self.act_fn(nn.functional.linear(hidden, self.up_proj[expert], self.up_proj_bias[expert]))
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return _eager_loop(self, hidden_states, top_k_index, top_k_weights)  # see ToMoEGatedExperts.forward
 
 
 def experts_class(gated: bool) -> type[nn.Module]:

@@ -70,10 +70,19 @@ class ToMoEOptions:
 
     def validate(self) -> "ToMoEOptions":
         """Check the settings; raises `CompressionError` naming the bad one."""
-        for name in ("num_experts", "top_k", "shared_neurons", "lora_r", "max_tokens"):
+        for name in ("num_experts", "top_k", "shared_neurons", "lora_r", "max_tokens", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise CompressionError(f"{name} must be an int, got {value!r}.")
+        for name in ("freeze_experts", "target_attention_only", "refit", "inplace", "progress"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "False" is truthy: inplace="False" would convert the user's model
+                raise CompressionError(f"{name} must be True or False, got {value!r}.")
+        for name, value in (("lora_alpha", self.lora_alpha), ("max_error", self.max_error)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise CompressionError(f"{name} must be a number, got {value!r}.")
+        if self.lora_alpha is None:
+            raise CompressionError("lora_alpha must be a number, got None.")
         if self.num_experts < 1:
             raise CompressionError(f"num_experts must be at least 1, got {self.num_experts}.")
         if self.top_k < 1:
