@@ -352,6 +352,7 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
             "and weights (or 'tiny' for the embedded default model)."
         ) from error
     auto = AutoModelForCausalLM if _has_causal_lm(config) else AutoModel
+    from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     try:
         model, info = auto.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except ValueError as error:  # a config transformers has no model class for (a sub-config saved alone)
