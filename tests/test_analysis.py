@@ -110,6 +110,13 @@ def qwen():
     return wrapped, hf, cache, truth
 
 
+def test_empty_items_count_as_texts(qwen):
+    wrapped = qwen[0]
+    cache = analysis.collect_routing(wrapped, ["x y", "z", "", ""], progress=False)
+    assert cache.num_texts == 4 and set(cache.text_index().tolist()) == {0, 1}
+    assert analysis.collect_routing(wrapped, ["", ""], progress=False).num_texts == 2
+
+
 def test_cache_matches_plain_nnsight(qwen):
     wrapped, hf, cache, truth = qwen
     assert cache.layers == truth.layers == [moe.layer for moe in wrapped.moes]

@@ -156,18 +156,19 @@ def collect_routing(
     index_dtype = torch.int16 if biggest <= torch.iinfo(torch.int16).max else torch.int32
     skipping = {moe.layer for moe in moes if skips(moe)}
     tokenizer = corpora.tokenizer_of(model)
+    tally = corpora.Tally()
     stream = corpora.batches(
         corpus,
         tokenizer,
         batch_size=batch_size,
         max_length=corpora.default_max_length(model) if max_length is None else max_length,
         pad=corpora.pad_id(model),
+        tally=tally,
     )
     writer = ShardWriter(folder, cache) if folder is not None else None
     pending: list[Shard] = []
     pending_tokens = 0
     shards: list[Shard] = []
-    texts = 0
 
     def flush() -> None:
         nonlocal pending, pending_tokens
@@ -201,7 +202,6 @@ def collect_routing(
                     logits=read["logits"],
                 )
             )
-            texts = max(texts, int(batch.text_index.max()) + 1)
             pending_tokens += batch.num_tokens
             bar.update(batch.num_tokens)
             if pending_tokens >= shard_tokens:
@@ -209,7 +209,7 @@ def collect_routing(
         flush()
     finally:
         bar.close()
-    cache.num_texts = texts
+    cache.num_texts = tally.items  # empty items too: they have no token, but are corpus items
     if writer is not None:
         writer.close()
         return RoutingCache.load(folder)

@@ -140,24 +140,34 @@ def items(corpus: Any) -> Iterator[Any]:
         raise MoelensError(f"the corpus must be texts, token-id sequences or a token-id tensor, got {type(corpus).__name__}.")
 
 
-def windows(corpus: Any, tokenizer: Any, max_length: int) -> Iterator[tuple[int, int, list[int]]]:
-    """``(text index, offset, ids)`` windows of at most ``max_length`` tokens, in corpus order."""
+@dataclass
+class Tally:
+    """How many corpus items a pass over the corpus has read, empty ones included."""
+
+    items: int = 0
+
+
+def windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None = None) -> Iterator[tuple[int, int, list[int]]]:
+    """``(text index, offset, ids)`` windows of at most ``max_length`` tokens, in corpus order (counted in ``tally``)."""
     if max_length < 1:
         raise MoelensError(f"max_length must be at least 1, got {max_length}.")
     for index, item in enumerate(items(corpus)):
+        if tally is not None:
+            tally.items = index + 1
         ids = encode(item, tokenizer, f"corpus item {index}")
         for start in range(0, len(ids), max_length):
             yield index, start, ids[start : start + max_length]
 
 
 def batches(
-    corpus: Any, tokenizer: Any, *, batch_size: int, max_length: int, pad: int, dtype: torch.dtype = torch.long
+    corpus: Any, tokenizer: Any, *, batch_size: int, max_length: int, pad: int, dtype: torch.dtype = torch.long,
+    tally: Tally | None = None,
 ) -> Iterator[Batch]:
-    """Right-padded batches of ``batch_size`` windows (empty items are skipped)."""
+    """Right-padded batches of ``batch_size`` windows (empty items are skipped, but counted in ``tally``)."""
     if batch_size < 1:
         raise MoelensError(f"batch_size must be at least 1, got {batch_size}.")
     pending: list[tuple[int, int, list[int]]] = []
-    for window in windows(corpus, tokenizer, max_length):
+    for window in windows(corpus, tokenizer, max_length, tally):
         pending.append(window)
         if len(pending) == batch_size:
             yield _pad(pending, pad, dtype)
