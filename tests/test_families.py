@@ -112,7 +112,7 @@ def test_deepseek_v2_groups_apply_only_with_group_limited_greedy():
     assert routing(moe.family, moe._module).gate == "softmax_all"
 
 
-def test_laguna_router_probs_are_the_scores_of_the_softcapped_logits():
+def test_laguna_router_probs_are_the_scores_of_the_softcapped_logits(tmp_path):
     import nnsight
 
     hf = tiny_model("laguna", moe_router_logit_softcapping=0.02)
@@ -125,6 +125,13 @@ def test_laguna_router_probs_are_the_scores_of_the_softcapped_logits():
     with raw.trace(ids):  # the router's own scores: sigmoid of the softcapped logits
         scores = raw.get(moe.path.removeprefix("model.") + "." + moe.family.router).source.torch_sigmoid_0.output.save()
     torch.testing.assert_close(probs, scores.view_as(probs))
+    # The analysis cache applies it too (and keeps it through save / load).
+    from moelens import analysis
+
+    cache = analysis.collect_routing(wrapped, ids, logits=True, dtype=torch.float32, progress=False)
+    torch.testing.assert_close(cache.probs(moe.layer), probs.reshape(-1, probs.shape[-1]))
+    reloaded = analysis.RoutingCache.load(cache.save(tmp_path / "cache"))
+    torch.testing.assert_close(reloaded.probs(moe.layer), cache.probs(moe.layer))
 
 
 @pytest.mark.parametrize(("model_type", "runs_as"), [("sarvam_mla", "deepseek_v3"), ("sarvam_moe", "glm4_moe")])

@@ -116,6 +116,8 @@ class RoutingCache:
         top_k: Layer -> k.
         score: Layer -> the family's score function name (``"softmax"``, ``"sigmoid"``...),
             what turns cached logits into `probs`.
+        softcap: Layer -> the router's logit softcap, applied before the score (laguna);
+            layers without one are absent.
         family: The model's moelens family name.
         model: A name for the model (its path), informative only.
         num_texts: How many corpus items were read.
@@ -126,6 +128,7 @@ class RoutingCache:
     num_experts: dict[int, int]
     top_k: dict[int, int]
     score: dict[int, str]
+    softcap: dict[int, float] = field(default_factory=dict)
     family: str | None = None
     model: str | None = None
     num_texts: int = 0
@@ -192,7 +195,7 @@ class RoutingCache:
 
     def probs(self, layer: int) -> Float[Tensor, "t e"]:
         """``[T, E]`` the family's score of each expert (what ``moe.router_probs`` serves)."""
-        return score(self.score[layer], self.logits(layer))
+        return score(self.score[layer], self.logits(layer), self.softcap.get(layer, 0.0))
 
     def token_ids(self) -> Int[Tensor, " t"]:
         return self._cat("token_ids").long()
@@ -213,14 +216,15 @@ class RoutingCache:
     def _meta_fields(self) -> dict:
         return dict(
             layers=list(self.layers), num_experts=dict(self.num_experts), top_k=dict(self.top_k),
-            score=dict(self.score), family=self.family, model=self.model, num_texts=self.num_texts,
+            score=dict(self.score), softcap=dict(self.softcap), family=self.family, model=self.model,
+            num_texts=self.num_texts,
             has_logits=self.has_logits,
         )
 
     def meta(self) -> dict:
         """What ``routing.json`` holds (JSON-ready)."""
         fields = self._meta_fields()
-        for name in ("num_experts", "top_k", "score"):
+        for name in ("num_experts", "top_k", "score", "softcap"):
             fields[name] = {str(layer): value for layer, value in fields[name].items()}
         return {"format": FORMAT_VERSION, "num_tokens": self.num_tokens, **fields}
 
@@ -251,6 +255,7 @@ class RoutingCache:
             num_experts=per_layer("num_experts"),
             top_k=per_layer("top_k"),
             score=per_layer("score"),
+            softcap={int(layer): float(cap) for layer, cap in meta.get("softcap", {}).items()},
             family=meta.get("family"),
             model=meta.get("model"),
             num_texts=int(meta.get("num_texts", 0)),

@@ -75,7 +75,7 @@ def _pick_source(cache: RoutingCache, source: str | None) -> str:
 
 def _shard_entropy(cache: RoutingCache, shard: Shard, layer: int, source: str) -> Tensor:
     if source == "router":
-        return normalised_entropy(score(cache.score[layer], shard.logits[layer].float()))
+        return normalised_entropy(score(cache.score[layer], shard.logits[layer].float(), cache.softcap.get(layer, 0.0)))
     return normalised_entropy(shard.weights[layer].float())
 
 

@@ -229,12 +229,7 @@ class Moe(Mlp):
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
-        scoring = self.SCORING
-        logits = self.router_logits
-        cap = self.family.resolve(scoring.softcap, self._module) if scoring.softcap else 0
-        if cap > 0:  # the router scores softcapped logits (laguna)
-            logits = torch.tanh(logits.float() / cap) * cap
-        return score(self.family.resolve(scoring.score, self._module), logits)
+        return score(self.family.resolve(self.SCORING.score, self._module), self.router_logits, self.softcap)
 
     @router_probs.setter
     def router_probs(self, value: Any) -> None:
@@ -295,6 +290,12 @@ class Moe(Mlp):
             copy = (lambda tensor, _: tensor.clone()) if family.shared.edited_later else None
             bindings["shared_expert_output"] = Binding(location, 1, to_view=copy, from_view=copy)
         return bindings
+
+    @property
+    def softcap(self) -> float:
+        """The logit softcap this block's router applies before scoring (laguna), 0.0 for none."""
+        reference = self.SCORING.softcap
+        return float(self.family.resolve(reference, self._module) or 0.0) if reference else 0.0
 
     @property
     def ranks_selection_scores(self) -> bool:

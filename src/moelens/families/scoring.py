@@ -32,14 +32,20 @@ SCORE_FUNCTIONS = {
 }
 
 
-def score(name: str, logits: Float[torch.Tensor, "*tokens e"]) -> Float[torch.Tensor, "*tokens e"]:
-    """Apply the score function ``name`` (``"softmax"``, ``"sigmoid"``, ...) to ``logits``."""
+def score(name: str, logits: Float[torch.Tensor, "*tokens e"], softcap: float = 0.0) -> Float[torch.Tensor, "*tokens e"]:
+    """Apply the score function ``name`` (``"softmax"``, ``"sigmoid"``, ...) to ``logits``.
+
+    ``softcap``: a router's logit softcap ``c`` (``Scoring.softcap``), applied first when
+    positive: ``tanh(logits / c) * c``.
+    """
     try:
         function = SCORE_FUNCTIONS[name]
     except KeyError:
         raise FamilyError(
             f"unknown score function {name!r}; expected one of {sorted(SCORE_FUNCTIONS)}."
         ) from None
+    if softcap > 0:
+        logits = torch.tanh(logits.float() / softcap) * softcap
     return function(logits)
 
 
