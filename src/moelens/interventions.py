@@ -193,12 +193,12 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
     return chosen // seq, chosen % seq
 
 
-def _edit_rows(values: torch.Tensor, tokens: Any, edit: Callable[[torch.Tensor], torch.Tensor], call: str) -> None:
-    """Replace ``values`` (or its ``tokens`` rows) in place by ``edit`` of them (a new tensor)."""
-    if tokens is None:
+def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
+               edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace ``values`` (or its ``rows``, from `_token_rows`) in place by ``edit`` of them (a new tensor)."""
+    if rows is None:
         values[...] = edit(values)
     else:
-        rows = _token_rows(values, tokens, call)
         values[rows] = edit(values[rows])
 
 
@@ -254,15 +254,17 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         raised[..., chosen] = finite[..., chosen] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
         return raised
 
-    _edit_rows(moe.router_logits, tokens, lifted, "force")
+    logits = moe.router_logits
+    rows = None if tokens is None else _token_rows(logits, tokens, "force")  # every value below is [b, s, ...]
+    _edit_rows(logits, rows, lifted)
     if moe.ranks_selection_scores:  # also ranked first where the selection bias is added: they win
         forced = torch.tensor(chosen, dtype=torch.long)
-        _edit_rows(moe.selection_scores, tokens,
-                   lambda rows: rows.index_fill(-1, forced.to(rows.device), float("inf")), "force")
+        _edit_rows(moe.selection_scores, rows,
+                   lambda ranked: ranked.index_fill(-1, forced.to(ranked.device), float("inf")))
     elif moe.family.holds(scoring.selection_bias, moe._module):  # a bias this entry names no op for
         indices = moe.expert_indices
-        if tokens is not None:
-            indices = indices[_token_rows(indices, tokens, "force")]
+        if rows is not None:
+            indices = indices[rows]
         missed = ~torch.stack([(indices == expert).any(-1) for expert in chosen]).all(0)
         if not is_fake(missed) and missed.any():
             raise WriteError(

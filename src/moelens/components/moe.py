@@ -294,8 +294,7 @@ class Moe(Mlp):
     @property
     def softcap(self) -> float:
         """The logit softcap this block's router applies before scoring (laguna), 0.0 for none."""
-        reference = self.SCORING.softcap
-        return float(self.family.resolve(reference, self._module) or 0.0) if reference else 0.0
+        return self.family.softcap_of(self._module)
 
     @property
     def ranks_selection_scores(self) -> bool:

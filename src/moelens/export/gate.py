@@ -149,7 +149,7 @@ def routing(family: Family, block: Any) -> Routing:
     scoring = family.scoring_of(block)
     score = family.resolve(scoring.score, block)
     reasons = _hard_refusals(family, score, scoring)
-    if scoring.softcap and family.resolve(scoring.softcap, block) > 0:
+    if family.softcap_of(block) > 0:
         reasons.append("router logits softcapped before scoring (tanh(logits / c) * c): tract's gate scores "
                        "the router's linear output as it is")
     groups = family.groups_of(block)

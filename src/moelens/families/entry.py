@@ -281,6 +281,11 @@ class Family:
         except FamilyError:
             return False
 
+    def softcap_of(self, block: Any) -> float:
+        """The logit softcap the live ``block``'s router applies before scoring (laguna), 0.0 for none."""
+        reference = self.scoring_of(block).softcap
+        return float(self.resolve(reference, block) or 0.0) if reference else 0.0
+
     def groups_of(self, block: Any) -> tuple[int, int] | None:
         """``(n_group, topk_group)`` where the live ``block`` picks experts inside the best groups, else None."""
         scoring = self.scoring_of(block)

@@ -21,6 +21,9 @@ def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = N
 
 
 SCALED_ROUTED = Combine(routed_scale="block.routed_scaling_factor")
+#: inkling2 and inkling2_loop: the score from the config, bias added inside the router's top-k call.
+INKLING2 = sgb("router.e_score_correction_bias", score="config.scoring_func", scale="router.routed_scaling_factor",
+               selection_op=TOPK, selection_arg=0)
 
 FAMILIES = [
     Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
@@ -92,14 +95,11 @@ FAMILIES = [
            notes="router_logits has E + n_shared columns: the last are the shared experts' gate logits, "
                  "normalised with the k routed ones into the shared experts' gammas. Writing them changes the "
                  "routing and the shared experts' weight."),
-    Family("inkling2", ("inkling2", "inkling2_text"), ("Inkling2SparseMoeBlock",),
-           scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
-                       scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
+    Family("inkling2", ("inkling2", "inkling2_text"), ("Inkling2SparseMoeBlock",), scoring=INKLING2,
            notes="Softcapped SwiGLU experts; the router weight must stay float32.",
            expert_gate=ExpertGate("softcapped_glu")),
     Family("inkling2_loop", ("inkling2_loop", "inkling2_loop_text"), ("Inkling2LoopSparseMoeBlock",),  # 5.24
-           scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
-                       scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
+           scoring=INKLING2,
            notes="Routing as inkling2. The loop layers (loop_layer_index_start..end) run loop_num_passes times "
                  "per forward: a value read is the first pass's; read pass i under `for _ in tracer.iter[i]`, "
                  "edit every pass under `for _ in tracer.iter[0:loop_num_passes]`; analysis reads the first pass.",
