@@ -127,3 +127,45 @@ def test_bfloat16_model(family):
     if "expert_outputs" in values and "routed_output" in values:
         torch.testing.assert_close(values["expert_outputs"].sum(2).float(), values["routed_output"].float(),
                                    atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_per_slot_values_first_read_at_a_later_step_are_that_steps(family, impl):
+    """nnsight starts counting the ops inside the experts implementation at their first read, while
+    ``tracer.iter`` asks for a step counted from the start: reads and writes at steps 1 and 3 only
+    must still be those steps' (routed_output, read at the experts module, is counted from step 0)."""
+    wrapped = moelens.wrap(tiny_model(family, experts_implementation=impl), tokenizer=ascii_tokenizer())
+    moe = first_moe(wrapped)
+    steps = 5
+    with wrapped.generate("hello", max_new_tokens=steps, do_sample=False, min_new_tokens=steps) as tracer:
+        slots, routed = nnsight.save({}), nnsight.save({})
+        for step in tracer.iter[:steps]:
+            if step in (1, 3):
+                slots[step] = moe.expert_outputs.save()
+                routed[step] = moe.routed_output.save()
+    assert sorted(slots) == [1, 3]
+    for step in slots:
+        torch.testing.assert_close(slots[step].sum(2), routed[step], atol=1e-6, rtol=1e-5)
+
+    def step_logits(edit) -> list[torch.Tensor]:
+        with wrapped.generate("hello", max_new_tokens=steps, do_sample=False, min_new_tokens=steps) as tracer:
+            logits = nnsight.save([])
+            for step in tracer.iter[:steps]:
+                if step == 2:
+                    edit()
+                logits.append(wrapped.output.logits[:, -1].save())
+        return logits
+
+    def zero_first_slot_output():
+        moe.expert_outputs[..., 0, :] = 0
+
+    def zero_first_slot_weight():  # the same edit, at the experts call's arguments (counted from step 0)
+        moe.expert_weights[..., 0] = 0
+
+    by_output, by_weight = step_logits(zero_first_slot_output), step_logits(zero_first_slot_weight)
+    assert len(by_output) == len(by_weight) == steps
+    for got, expected in zip(by_output, by_weight):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    untouched = step_logits(lambda: None)
+    assert torch.equal(by_output[1], untouched[1]) and not torch.allclose(by_output[2], untouched[2])

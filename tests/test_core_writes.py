@@ -273,3 +273,56 @@ def test_output_writes_match_plain_nnsight(family, impl):
 def plain_shared(block, moe):
     spec = moe.family.shared
     return (block.parent if spec.on_layer else block).get(spec.module)
+
+
+IN_PLACE_EDITS = [
+    ("expert_indices", "expert_weights", lambda indices: indices[..., 0].fill_(100), "expert index 100"),
+    ("expert_indices", "expert_weights", lambda indices: indices[..., 0].fill_(-1), "expert index -1"),
+    ("expert_weights", "expert_indices", lambda weights: weights[..., 0].fill_(float("nan")), "NaN"),
+]
+
+
+@pytest.mark.parametrize(("edited", "read_after", "edit", "match"), IN_PLACE_EDITS)
+def test_in_place_edits_are_checked_when_the_other_call_argument_is_read_after(edited, read_after, edit, match):
+    """Weights and indices are both the experts call's arguments: reading one must not let the
+    other's later in-place edit through unchecked."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = running_moes(wrapped)[0]
+    with pytest.raises(moelens.WriteError, match=match):
+        with wrapped.trace(**inputs):
+            view = getattr(moe, edited)
+            getattr(moe, read_after)
+            edit(view)
+            wrapped.output.save()
+    with pytest.raises(moelens.WriteError, match=match):
+        with wrapped.trace(**inputs):
+            view = getattr(moe, edited)
+            setattr(moe, read_after, getattr(moe, read_after) * 1)  # a write of the other argument
+            edit(view)
+            wrapped.output.save()
+
+
+@pytest.mark.parametrize("assign_weights", [False, True], ids=["in_place", "assigned"])
+def test_edits_of_both_call_arguments_land(assign_weights):
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = running_moes(wrapped)[0]
+    with wrapped.trace(**inputs):
+        indices = moe.expert_indices
+        weights = moe.expert_weights
+        if assign_weights:
+            moe.expert_weights = weights * 0.5
+        else:
+            weights *= 0.5
+        indices[..., 0] = 5  # after the weights were read (and written)
+        output = wrapped.output.save()
+
+    def edit(block, moe, index):
+        def change(indices, weights):
+            indices = indices.clone()
+            indices[:, 0] = 5
+            return indices, weights * 0.5
+
+        swap_call_args(block, moe, change)
+
+    expected = plain_edit(reference, inputs, [moe], edit)
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)

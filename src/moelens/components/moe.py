@@ -31,6 +31,7 @@ from typing import Any, Iterable
 
 import nnsight
 import torch
+from nnsight.intervention.interleaver import Mediator
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -326,9 +327,17 @@ class Moe(Mlp):
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"
 
     def _drill(self, name: str) -> None:
-        """Make the ops inside the experts implementation addressable in this run (for ``name``)."""
+        """Make the ops inside the experts implementation addressable in this run (for ``name``).
+
+        nnsight counts the visits of those ops from the first drill of the run on, while a
+        request pinned to a ``tracer.iter`` step asks for that step's visit counted from the
+        start. So a pinned request first reads the call's input (counted from the start): that
+        visit is the step's, and the requests after it follow the model from there.
+        """
         call = f"{self.experts.path}.source.{IMPLEMENTATION_CALL}"
         with order_errors(call, lambda: self._order_error(name)):
+            if Mediator.current(call).iteration:  # pinned to a step after the first
+                request(f"{call}.input", lambda: self._order_error(name))
             getattr(self.experts.source, IMPLEMENTATION_CALL).source
 
     def _slot_binding(self, name: str) -> Binding:

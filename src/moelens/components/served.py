@@ -192,52 +192,91 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     return Fetched(raw, picked, token_major, view, rows, context)
 
 
-def replaced(binding: Binding, fetched: Fetched, new: torch.Tensor, name: str) -> Any:
-    """What to hand the model: ``fetched.raw`` with this invoke's rows set to ``new``."""
+def replaced(binding: Binding, fetched: Fetched, new: torch.Tensor, name: str, raw: Any = None) -> Any:
+    """What to hand the model: ``raw`` (default ``fetched.raw``) with this invoke's rows of the value set to ``new``."""
     whole = tokens.splice(fetched.token_major, new, binding.features, fetched.rows, name)
-    return binding.put(fetched.raw, binding.model_layout(whole, fetched.context))
+    return binding.put(fetched.raw if raw is None else raw, binding.model_layout(whole, fetched.context))
+
+
+class OpenReads:
+    """The values read at one visit of a location, whose views the worker may still edit in place.
+
+    nnsight holds one write-back per worker; a second value read at the same visit (the experts
+    call's weights, then its indices) joins this one instead of running the first's write-back
+    early, so every view read there is checked and handed back when the worker moves on.
+
+    Attributes:
+        raw: What the model goes on with where no view was edited.
+        views: Descriptor -> (its view, the fetch it came from, ``apply``: ``raw`` with that view's
+            edits, checked).
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.views: dict[served, tuple[torch.Tensor, Fetched, Callable[[Any], Any]]] = {}
+
+    def __call__(self) -> Any:
+        raw = self.raw
+        for _, _, apply in self.views.values():
+            raw = apply(raw)
+        return raw
+
+    def hold(self, mediator: Mediator, descriptor: served, location: str) -> None:
+        """Leave these reads as the worker's write-back, listed under ``descriptor``'s view."""
+        view = self.views[descriptor][0]
+        mediator.transform = WriteBack(self, view, descriptor, location, mediator.wanted(location))
+
+
+def _open_reads(mediator: Mediator, location: str) -> OpenReads | None:
+    """The reads this worker made at this visit of ``location``, if it still holds them."""
+    waiting = mediator.transform
+    if waiting is None or not isinstance(waiting.fn, OpenReads):
+        return None
+    return waiting.fn if (waiting.location, waiting.occurrence) == (location, mediator.wanted(location)) else None
 
 
 def read(component: "Component", descriptor: served, binding: Binding) -> torch.Tensor:
     """Serve ``binding`` as this invoke's token view and leave its write-back."""
     name = descriptor.name
     location = binding.location
-    pending = _pending_read(descriptor, location)
-    if pending is not None:
-        return pending.view
+    mediator = Mediator.current(location)
+    reads = _open_reads(mediator, location)
+    if reads is not None:
+        if descriptor in reads.views:  # read again: the same view, so an edit to either goes back
+            return reads.views[descriptor][0]
+        mediator.transform = None  # keep them open past this read's request
     fetched = fetch(component, name, binding)
     view, version = fetched.view, fetched.view._version
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
     # `.grad` in a `with loss.backward():` block) sees the gradient: a view alone is off the graph.
     on_graph = view.requires_grad and view is not fetched.picked
 
-    def write_back() -> Any:
+    def apply(raw: Any) -> Any:
+        """``raw`` with this view's edits (checked)."""
         edited = view._version != version
         if edited:
             check_write(component, name, binding, view, view.shape)
         if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
-            return fetched.raw
-        return replaced(binding, fetched, view, name)
+            return raw
+        return replaced(binding, fetched, view, name, raw)
 
-    write_back.fetched = fetched  # type: ignore[attr-defined]  # for a write of the value read (see write)
-    mediator = Mediator.current(location)
-    mediator.transform = WriteBack(write_back, view, descriptor, location, mediator.wanted(location))
+    reads = reads or OpenReads(fetched.raw)
+    reads.views[descriptor] = (view, fetched, apply)
+    reads.hold(Mediator.current(location), descriptor, location)
     return view
-
-
-def _pending_read(descriptor: served, location: str) -> WriteBack | None:
-    """The write-back a read of this value left at this visit, while the worker still holds it."""
-    mediator = Mediator.current(location)
-    waiting = mediator.transform
-    matches = waiting is not None and waiting.key == (descriptor, location, mediator.wanted(location))
-    return waiting if matches else None
 
 
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
     name = descriptor.name
-    pending = _pending_read(descriptor, binding.location)
-    fetched = fetch(component, name, binding, prepared=pending.fn.fetched if pending is not None else None)
+    location = binding.location
+    mediator = Mediator.current(location)
+    reads = _open_reads(mediator, location)
+    earlier = None
+    if reads is not None:
+        mediator.transform = None  # this write supersedes a view of this value; other views stay open
+        earlier = reads.views.pop(descriptor, None)
+    fetched = fetch(component, name, binding, prepared=earlier[1] if earlier is not None else None)
     current = fetched.view
     if not isinstance(value, torch.Tensor):
         numbers_as = current.dtype if binding.kind == FLOAT and isinstance(value, (int, float)) else None
@@ -245,7 +284,31 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     if value.dim() == 0:  # a scalar fills the whole view
         value = value.expand(current.shape)
     check_write(component, name, binding, value, current.shape)
-    Mediator.swap(binding.location, replaced(binding, fetched, value, name))
+    if current.requires_grad:
+        value = _KeepInGraph.apply(value, current)
+    written = replaced(binding, fetched, value, name, reads() if reads is not None else None)
+    Mediator.swap(location, written)
+    if reads is not None and reads.views:
+        reads.raw = written
+        reads.hold(Mediator.current(location), next(reversed(reads.views)), location)
+
+
+class _KeepInGraph(torch.autograd.Function):
+    """``new`` in the forward, and a zero gradient for ``old`` in the backward.
+
+    A write keeps the value it replaces in the autograd graph, so the backward runs every
+    operation that produced it whatever was written: with expert parallelism the experts'
+    exchanges are collectives every rank must run, even a rank whose value was replaced.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        ctx.old_shape, ctx.old_dtype = old.shape, old.dtype
+        return new.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_zeros(ctx.old_shape, dtype=ctx.old_dtype)
 
 
 def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
