@@ -568,7 +568,108 @@ def suite_all_families(args: dict) -> dict[str, Callable[[], Any]]:
     return {family: functools.partial(run, family) for family in args.get("families", FAMILIES)}
 
 
+def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
+    """What shard_experts leaves behind: a deep copy of a sharded model (plain and wrapped) that
+    runs on the same group; a refused model left exactly as it was."""
+    from moelens import MoelensError
+    from moelens.parallel import shard_experts
+
+    def deepcopy() -> dict[str, Any]:
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        ep = shard_experts(copy.deepcopy(ref), None)
+        hf_copy = copy.deepcopy(ep)
+        lm_ep = moelens.wrap(ep)
+        lm_copy, lm_ref = copy.deepcopy(lm_ep), moelens.wrap(ref)
+        ids = tokens_of(RANK)
+        expected = logits_of(ref(input_ids=ids))
+        result: dict[str, Any] = {
+            "hf_copy_logits": maxdiff(logits_of(hf_copy(input_ids=ids)), expected),
+            "wrapped_copy_logits": maxdiff(traced_logits(lm_copy, ids), expected),
+            "original_logits": maxdiff(logits_of(ep(input_ids=ids)), expected),
+        }
+        pairs = [(m, c) for m, c in zip(ep.modules(), hf_copy.modules()) if "_ep_group" in m.__dict__]
+        result["shares_group"] = bool(pairs) and all(c._ep_group is m._ep_group for m, c in pairs)
+        result["own_weights"] = all(
+            c.down_proj.data_ptr() != m.down_proj.data_ptr() and c._ep_first == m._ep_first for m, c in pairs
+        )
+        with lm_copy.trace(ids):
+            values = lm_copy.save_all()
+        with lm_ref.trace(ids):
+            values_ref = lm_ref.save_all()
+        result["values"] = max(maxdiff(values[l][n], values_ref[l][n]) for l in values_ref for n in values_ref[l])
+        # Training the copy: its gradients are those of one process (the copy exchanges on the same group).
+        loss_of(logits_of(hf_copy(input_ids=ids)), ids).backward()
+        sum(loss_of(logits_of(ref(input_ids=tokens_of(r))), tokens_of(r)) for r in range(WORLD)).backward()
+        result["grads"], result["grad_scale"] = compare_grads(hf_copy, ref, None)
+        return result
+
+    def refused() -> dict[str, Any]:
+        # moelens.compress on attention only: q/o get 6 experts, the GQA k/v projections 3; 3 does
+        # not split over 2 ranks, and k_proj comes after q_proj (which could be sharded).
+        from moelens.compress import tomoe
+        from test_compress_helpers import ids as make_ids, llama
+
+        model = tomoe(llama(), num_experts=6, top_k=2, calibration=make_ids(8, 16, 1), max_error=10.0,
+                      target_attention_only=True).eval()
+        for param in model.parameters():
+            dist.broadcast(param.data, 0)
+        ids = make_ids(1, 6, 10 + RANK)
+        before = {name: param.detach().clone() for name, param in model.named_parameters()}
+        with torch.no_grad():
+            logits = logits_of(model(input_ids=ids))
+        error = _error_text(lambda: shard_experts(model))
+        after = dict(model.named_parameters())
+        with torch.no_grad():
+            ran = _error_text(lambda: model(input_ids=ids)) or "ok"
+            logits_after = logits_of(model(input_ids=ids)) if ran == "ok" else None
+        return {
+            "error": error,
+            "runs": ran,
+            "logits": maxdiff(logits_after, logits) if logits_after is not None else float("inf"),
+            "params": max(maxdiff(after[name], value) for name, value in before.items()) if set(after) == set(before)
+            else float("inf"),
+            "marked": sorted(name for name, module in model.named_modules() if "_ep_group" in module.__dict__),
+        }
+
+    cases = {"deepcopy": deepcopy, "refused": refused}
+    return {name: cases[name] for name in args.get("cases", cases)}
+
+
+def suite_replace_one_rank(args: dict) -> dict[str, Callable[[], Any]]:
+    """A value replaced on one rank only (rank 0 zeroes layer 1's routed_output), then backward on
+    every rank: the ranks' graphs must still pair their backward exchanges."""
+    from moelens.parallel import shard_experts
+
+    def run() -> dict[str, Any]:
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        ep = shard_experts(copy.deepcopy(ref), None)
+        lm_ep, lm_ref = moelens.wrap(ep), moelens.wrap(ref)
+        hidden = ref.config.hidden_size
+
+        def traced_loss(lm: Any, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = tokens_of(rank)
+            with lm.trace(ids):
+                if rank == 0:
+                    lm.moes[1].routed_output = torch.zeros(*ids.shape, hidden)
+                logits = lm.output.logits.save()
+            return logits, loss_of(logits, ids)
+
+        logits, loss = traced_loss(lm_ep, RANK)
+        loss.backward()
+        expected, _ = traced_loss(lm_ref, RANK)
+        ref.zero_grad(set_to_none=True)
+        for rank in range(WORLD):
+            traced_loss(lm_ref, rank)[1].backward()
+        grads, scale = compare_grads(ep, ref, None)
+        finite = all(torch.isfinite(p.grad).all() for p in ep.parameters() if p.grad is not None)
+        return {"logits": maxdiff(logits, expected), "grads": grads, "grad_scale": scale, "finite": bool(finite)}
+
+    return {"replace_routed_output_on_rank0": run}
+
+
 SUITES = {
+    "copies": suite_copies,
+    "replace_one_rank": suite_replace_one_rank,
     "all_families": suite_all_families,
     "single": suite_single,
     "families": suite_families,

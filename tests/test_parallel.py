@@ -378,3 +378,53 @@ def test_transformers_expert_parallelism(saved_models: list[str]) -> None:
     assert not failures(results, "transformers_ep", check)
     assert len(results[0]["transformers_ep"]) == 4
     assert "shared_expert_output" in results[0]["transformers_ep"]["qwen2_moe-auto"]["served"]
+
+
+# -- copies, refusals, one-rank replacements --------------------------------------------------
+
+
+def test_deepcopy_of_a_sharded_model() -> None:
+    """copy.deepcopy of a sharded model, plain and wrapped, runs on the same group (shared, not
+    copied) with its own weights: logits, every Moe value and gradients match one process."""
+    results = spawn(2, {"copies": {"cases": ["deepcopy"]}})
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        problems = close("hf copy logits", m["hf_copy_logits"]) + close("wrapped copy logits", m["wrapped_copy_logits"])
+        problems += close("original logits", m["original_logits"]) + close("wrapped copy values", m["values"])
+        problems += close("copy grads", m["grads"], TOL * max(1.0, m["grad_scale"]))
+        problems += [] if m["shares_group"] else ["the copy does not share the original's group"]
+        problems += [] if m["own_weights"] else ["the copy shares the original's expert weights"]
+        return problems
+
+    assert not failures(results, "copies", check)
+
+
+def test_refused_shard_experts_changes_nothing() -> None:
+    """A model whose blocks hold 6 and 3 experts (moelens.compress on GQA attention) on 2 ranks:
+    shard_experts refuses before sharding any block (outputs and parameters as before), and its
+    hint names the blocks' expert counts and a degree dividing all of them."""
+    results = spawn(2, {"copies": {"cases": ["refused"]}})
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        problems = [] if m["error"].startswith("MoelensError") else [f"not refused: {m['error']!r}"]
+        for hint in ("k_proj has 3 experts", "hold 3, 6 experts", "choose_ep_dp_degrees(world_size, 3)"):
+            problems += [] if hint in m["error"] else [f"no {hint!r} in {m['error']!r}"]
+        problems += [] if m["runs"] == "ok" else [f"the refused model no longer runs: {m['runs']}"]
+        problems += close("logits after the refusal", m["logits"], 0.0) + close("parameters", m["params"], 0.0)
+        problems += [] if not m["marked"] else [f"marked as sharded: {m['marked']}"]
+        return problems
+
+    assert not failures(results, "copies", check)
+
+
+def test_replace_on_one_rank_then_backward() -> None:
+    """Rank 0 replaces layer 1's routed_output with zeros (a tensor that needs no grad), rank 1 does
+    not, both run backward: it completes, and the gradients equal one process running every rank's
+    loss with the same per-rank edits."""
+    results = spawn(2, {"replace_one_rank": {}})
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        problems = close("logits", m["logits"]) + close("grads", m["grads"], TOL * max(1.0, m["grad_scale"]))
+        return problems + ([] if m["finite"] else ["non-finite gradients"])
+
+    assert not failures(results, "replace_one_rank", check)

@@ -30,6 +30,35 @@ def group_rank(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+class SharedGroup:
+    """Holds a process group so that `copy.deepcopy` shares it instead of failing.
+
+    A ``ProcessGroup`` cannot be copied or pickled; an experts module sharded by
+    `shard_experts` keeps its group in one of these (``_ep_group``), so a deep copy of
+    the model (or of its moelens wrap) is a second model on the same group.
+    """
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __copy__(self) -> "SharedGroup":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "SharedGroup":
+        return self
+
+    def __repr__(self) -> str:
+        return f"SharedGroup({self.group!r})"
+
+
+def stored_group(module: Any) -> Any:
+    """The EP group `shard_experts` stored on an experts module (None when it stored none)."""
+    holder = getattr(module, "__dict__", {}).get("_ep_group")
+    return holder.group if isinstance(holder, SharedGroup) else holder
+
+
 @dataclass
 class Record:
     """One exchange: what it moved from this rank.

@@ -35,7 +35,7 @@ from transformers.integrations.moe import _grouped_linear
 
 from ..components.implementations import IMPLEMENTATION_CALL, ExpertsOps
 from .a2a import Plan, plan_dispatch
-from .comm import group_size
+from .comm import group_size, stored_group
 
 #: The name of the implementation, in transformers' registries and moelens'.
 NAME = "torch_a2a"
@@ -123,7 +123,7 @@ def torch_a2a_experts_forward(
             group `shard_experts` stored on the module, else none (one rank, every
             expert local).
     """
-    group = process_group if process_group is not None else self.__dict__.get("_ep_group")
+    group = process_group if process_group is not None else stored_group(self)
     num_tokens = hidden_states.size(0)
     num_top_k = top_k_index.size(-1)
     hidden_dim = hidden_states.size(-1)

@@ -7,7 +7,8 @@ sliced to this rank's ``[rank*L, (rank+1)*L)``. Routers, shared experts, dense
 layers, attention and embeddings are left whole (data parallel).
 
 The experts module keeps its ``num_experts`` (E, what the router's ids and
-`Moe.num_experts` mean) and gains ``_ep_group``, ``_ep_rank``, ``_ep_size``,
+`Moe.num_experts` mean) and gains ``_ep_group`` (the group, in a `SharedGroup`: a
+deep copy of the model shares it), ``_ep_rank``, ``_ep_size``,
 ``_ep_first`` (its first global expert), ``_ep_tag`` and
 ``_is_expert_parallel = True``. A forward pre-hook refuses any experts
 implementation but ``torch_a2a`` on it: ``grouped_mm`` / ``batched_mm`` would treat
@@ -16,6 +17,7 @@ the ids of remote experts as out of range and drop them silently.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from ..components.implementations import is_dispatching
 from ..errors import MoelensError
 from ..families.entry import get_path
-from .comm import group_rank, group_size
+from .comm import SharedGroup, group_rank, group_size
 from .degrees import expert_owner
 from .experts import NAME
 from .register import register_torch_a2a
@@ -102,8 +104,9 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
 
     Raises:
         MoelensError: torch.distributed is not initialised, the model has no MoE
-            block, a block's experts cannot run ``torch_a2a``, or E is not a
-            multiple of the group size.
+            block, a block's experts cannot run ``torch_a2a``, or a block's E is not
+            a multiple of the group size. Every block is checked before any is
+            sharded: a refused model is left as it was.
     """
     if not dist.is_initialized():
         raise MoelensError("shard_experts: torch.distributed is not initialised; call init_process_group first.")
@@ -115,8 +118,33 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     if not blocks:
         raise MoelensError(f"shard_experts: {type(model).__name__} has no MoE block moelens knows.")
     _check_same_model(blocks, group, rank)
+    counts = _expert_counts(blocks, size)  # refuses before anything is changed
     register_torch_a2a()
-    for position, (name, family, block, experts) in enumerate(blocks):
+    model.set_experts_implementation(NAME)
+    holder = SharedGroup(group)
+    for position, ((_, _, _, experts), num_experts) in enumerate(zip(blocks, counts)):
+        experts.config._experts_implementation = NAME  # experts reading their own settings (moelens.compress output)
+        per_rank = num_experts // size
+        first = rank * per_rank
+        _slice(experts, num_experts, first, per_rank)
+        experts.__dict__.update(
+            _ep_group=holder, _ep_rank=rank, _ep_size=size, _ep_first=first, _ep_num_local=per_rank,
+            _ep_tag=position + 1,
+        )
+        if size > 1:
+            experts._is_expert_parallel = True
+            experts.register_forward_pre_hook(_guard)
+    return model
+
+
+def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]], size: int) -> list[int]:
+    """Every block's E, once each block is known to be shardable over ``size`` ranks.
+
+    Checks every block before `shard_experts` changes any, so a refused model is left
+    as it was.
+    """
+    counts = []
+    for name, family, block, experts in blocks:
         if "_ep_group" in experts.__dict__:
             raise MoelensError(f"shard_experts: {name} is sharded already.")
         if not family.experts_call or not is_dispatching(experts):
@@ -126,35 +154,31 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
                 "it cannot run torch_a2a."
             )
         num_experts = int(family.resolve(family.num_experts, block))
-        if num_experts % size:
-            raise MoelensError(
-                f"shard_experts: {name} has {num_experts} experts, not a multiple of the {size} ranks of the group; "
-                "pick the EP degree with choose_ep_dp_degrees(world_size, num_experts)."
-            )
-        per_rank = num_experts // size
-        first = rank * per_rank
-        sliced = []
-        for param_name, param in list(experts.named_parameters(recurse=False)):
-            if param.dim() and param.shape[0] == num_experts:
-                new = torch.nn.Parameter(param.data[first : first + per_rank].clone(), requires_grad=param.requires_grad)
-                setattr(experts, param_name, new)
-                sliced.append(param_name)
-        for buffer_name, buffer in list(experts.named_buffers(recurse=False)):
-            if buffer.dim() and buffer.shape[0] == num_experts:
-                experts.register_buffer(buffer_name, buffer[first : first + per_rank].clone())
-        if not sliced:
+        if not any(param.dim() and param.shape[0] == num_experts for param in experts.parameters(recurse=False)):
             raise MoelensError(f"shard_experts: {name}.{family.experts} has no parameter with {num_experts} experts.")
-        experts.__dict__.update(
-            _ep_group=group, _ep_rank=rank, _ep_size=size, _ep_first=first, _ep_num_local=per_rank,
-            _ep_tag=position + 1,
+        counts.append(num_experts)
+    uneven = [(name, count) for (name, *_), count in zip(blocks, counts) if count % size]
+    if uneven:
+        name, count = uneven[0]
+        kinds = sorted(set(counts))
+        held = f" (the MoE blocks hold {', '.join(map(str, kinds))} experts)" if len(kinds) > 1 else ""
+        raise MoelensError(
+            f"shard_experts: {name} has {count} experts, not a multiple of the {size} ranks of the group{held}; "
+            f"the EP degree must divide every block's expert count: pick it with "
+            f"choose_ep_dp_degrees(world_size, {math.gcd(*counts)})."
         )
-        if size > 1:
-            experts._is_expert_parallel = True
-            experts.register_forward_pre_hook(_guard)
-    model.set_experts_implementation(NAME)
-    for _, _, _, experts in blocks:  # experts reading their own settings (moelens.compress output), not the model's config
-        experts.config._experts_implementation = NAME
-    return model
+    return counts
+
+
+def _slice(experts: torch.nn.Module, num_experts: int, first: int, per_rank: int) -> None:
+    """Keep experts ``[first, first + per_rank)`` of every parameter and buffer whose leading dim is E."""
+    for param_name, param in list(experts.named_parameters(recurse=False)):
+        if param.dim() and param.shape[0] == num_experts:
+            new = torch.nn.Parameter(param.data[first : first + per_rank].clone(), requires_grad=param.requires_grad)
+            setattr(experts, param_name, new)
+    for buffer_name, buffer in list(experts.named_buffers(recurse=False)):
+        if buffer.dim() and buffer.shape[0] == num_experts:
+            experts.register_buffer(buffer_name, buffer[first : first + per_rank].clone())
 
 
 def _experts_module(moe_or_experts: Any) -> torch.nn.Module:
