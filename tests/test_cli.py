@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ TEXT = "def add(a, b):\n    return a + b\n\nThe function add returns the sum of 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A tiny random Mixtral and a dense Qwen2 (each with a tokenizer) saved as checkpoint folders, and a text file."""
+    """A tiny random Mixtral and a dense Qwen2 (each with a tokenizer) saved as checkpoint folders, an OLMoE
+    saved without a tokenizer, a folder with the Mixtral's config.json only, and a text file."""
     root = tmp_path_factory.mktemp("cli")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -37,6 +39,9 @@ def saved(tmp_path_factory):
     for name, model in models.items():
         model.save_pretrained(root / name)
         ascii_tokenizer().save_pretrained(root / name)
+    tiny_model("olmoe").save_pretrained(root / "no-tokenizer")  # the model only: no tokenizer files
+    (root / "config-only").mkdir()
+    (root / "config-only" / "config.json").write_text((root / "mixtral" / "config.json").read_text())
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
     (root / "empty.txt").write_text("  \n", encoding="utf-8")
     return root
@@ -75,6 +80,7 @@ def test_console_script_loads_tiny_without_network():
     env.update(HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead, https_proxy=dead, NO_PROXY="", no_proxy="")
     result = subprocess.run(command + ["inspect", "tiny", "--json"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
+    assert "Loading weights" not in result.stderr  # transformers' progress bar is kept out of the commands
     report = json.loads(result.stdout)
     assert report["family"] == "qwen2_moe" and report["name"].endswith("moelens-tiny")
 
@@ -162,10 +168,20 @@ def test_stats_formats_on_tiny(saved, capsys):
         (["demo", "--windows", "-1"], "--windows must be 0 (none) or more"),
         (["export", "tiny", "{root}/x.nnef.tgz", "--tokens", "0", "--no-verify"], "need at least one token"),
         (["export", "tiny", "{root}", "--block", "0", "--no-verify"], "is a folder with files of its own"),
+        (["stats", "{root}/no-tokenizer", "--text", "{root}/text.txt"], "has no tokenizer"),
+        (["inspect", "{root}/config-only"], "holds config.json but no weights file"),
+        (["export", "{root}/config-only", "{root}/x.nnef.tgz", "--no-verify"], "holds config.json but no weights file"),
+        (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/text.txt/sub"], "which is a file"),
+        (["demo", "--out", "{root}/text.txt/sub", "--windows", "0"], "which is a file"),
+        (["export", "tiny", "{root}/text.txt/x.nnef.tgz", "--no-verify", "--tokens", "2"], "which is a file"),
+        (["export", "tiny", "{root}/x.nnef.tgz", "--no-verify", "--tokens", "2", "--steer", "2:5=1", "--steer", "2:5=2"],
+         "expert 5 of layer 2 is given twice"),
     ],
     ids=["unknown-path", "not-a-checkpoint", "inspect-dense", "stats-dense", "empty-text", "missing-text", "demo-empty",
          "text-is-a-folder", "stats-out-is-a-file", "max-length-0", "demo-out-is-a-file", "negative-windows",
-         "export-no-tokens", "export-into-a-folder-of-files"],
+         "export-no-tokens", "export-into-a-folder-of-files", "stats-no-tokenizer", "inspect-no-weights",
+         "export-no-weights", "stats-out-under-a-file", "demo-out-under-a-file", "export-under-a-file",
+         "export-steer-twice"],
 )
 def test_bad_input_fails_cleanly(saved, capsys, argv, message):
     status, out, err = run([arg.format(root=saved) for arg in argv], capsys)
@@ -173,6 +189,34 @@ def test_bad_input_fails_cleanly(saved, capsys, argv, message):
     lines = [line for line in err.splitlines() if "error" in line.lower()]  # (progress bars aside)
     assert len(lines) == 1 and lines[0].startswith(f"moelens {argv[0]}: error: ") and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_inspect_of_a_checkpoint_without_tokenizer_says_it_has_none(saved, capsys):
+    status, out, err = run(["inspect", saved / "no-tokenizer"], capsys)
+    assert status == 0, err
+    assert "tokenizer              none (token ids only)" in out
+
+
+@pytest.mark.parametrize("edits", [["--steer", "2:5=1.0", "--steer", "2:5=2.0"], ["--steer", "2:5=1,5=2"],
+                                   ["--swap", "1:2=3", "--swap", "1:2=4"]], ids=["steer", "steer-one-option", "swap"])
+def test_export_refuses_an_expert_edited_twice(edits):
+    from moelens.errors import MoelensError
+    from moelens.export.cli import parse_edits
+
+    args = build_parser().parse_args(["export", "tiny", "x.nnef.tgz", *edits])
+    with pytest.raises(MoelensError, match=r"expert \d of layer \d is given twice"):
+        parse_edits(args)
+
+
+def test_export_never_replaces_an_archive_of_the_users(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("kept\n")
+    user = tmp_path / "backup.tar"
+    with tarfile.open(user, "w") as tar:
+        tar.add(tmp_path / "notes.txt", arcname="notes.txt")
+    before = user.read_bytes()
+    status, out, err = run(["export", "tiny", user, "--no-verify", "--tokens", "2"], capsys)
+    assert status == 2 and "backup.tar is a file that is not an NNEF export" in err, err
+    assert user.read_bytes() == before
 
 
 def test_missing_tiny_checkpoint_is_a_clean_error(monkeypatch, tmp_path, capsys):

@@ -249,6 +249,32 @@ def test_wrap_and_load_reject_bad_input(tmp_path):
         moelens.load(tmp_path / "nothing-here")
 
 
+def test_load_of_a_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):
+    # transformers 5 would build a one-token placeholder from the config's model type
+    tiny_model("olmoe").save_pretrained(tmp_path / "olmoe")
+    loaded = moelens.load(tmp_path / "olmoe")
+    assert getattr(loaded, "tokenizer", None) is None
+    with loaded.trace(torch.tensor([[1, 2, 3]])):
+        logits = loaded.moes[0].router_logits.save()
+    assert logits.shape[:2] == (1, 3)
+
+
+def test_load_names_what_is_wrong_with_the_path(tmp_path):
+    folder = tmp_path / "checkpoint"
+    tiny_model("mixtral").save_pretrained(folder)
+    with pytest.raises(moelens.MoelensError, match=r"is a file; .* pass '.*checkpoint'"):
+        moelens.load(folder / "config.json")
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(moelens.MoelensError, match=r"config-only' holds config.json but no weights file"):
+        moelens.load(config_only)
+    (config_only / "config.json").write_text("{not json")
+    with pytest.raises(moelens.MoelensError, match="cannot load a model") as error:
+        moelens.load(config_only)
+    assert ".." not in str(error.value).replace(str(tmp_path), "")  # transformers' full stop is not doubled
+
+
 def test_unknown_intervention_input(mixtral):
     wrapped, inputs = mixtral
     with pytest.raises(WriteError, match="ablate mode 'drop'"):

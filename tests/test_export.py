@@ -13,6 +13,7 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 import tarfile
 import warnings
 from pathlib import Path
@@ -413,6 +414,28 @@ def test_export_never_empties_a_folder_of_the_users(out):
     assert (out / "notes").read_text() == "kept\n" and not list((out / "folder.nnef.tgz").iterdir())
     assert not list(out.glob("*.part"))
 
+def test_export_never_replaces_a_file_of_the_users(out):
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    (out / "kept.txt").write_text("kept\n")
+    user = out / "backup.tar"
+    with tarfile.open(user, "w") as tar:
+        tar.add(out / "kept.txt", arcname="kept.txt")
+    before = user.read_bytes()
+    with pytest.raises(ExportError, match=r"backup.tar is a file that is not an NNEF export"):
+        to_nnef(moe, user, verify=False)
+    assert user.read_bytes() == before
+
+    earlier = to_nnef(moe, out / "earlier.nnef.tgz", verify=False).path  # an earlier export archive is replaced
+    assert to_nnef(moe, earlier, verify=False).path == earlier and "tract_moe_ffn" in archive.graph_text(earlier)
+    (out / "touched.tar").touch()  # so is an empty file
+    assert "tract_moe_ffn" in archive.graph_text(to_nnef(moe, out / "touched.tar", verify=False).path)
+
+    for under_a_file in (out / "kept.txt" / "x.nnef.tgz", out / "kept.txt" / "deeper" / "folder"):
+        with pytest.raises(ExportError, match=r"kept.txt, which is a file, not a folder"):
+            archive.check_destination(under_a_file)  # what to_nnef checks before any work
+    assert (out / "kept.txt").read_text() == "kept\n"
+
+
 @pytest.mark.parametrize("layout", ["canonical", "linear"])
 def test_q4_0_experts(layout, out):
     moe = moelens.wrap(small("mixtral", intermediate_size=32)).moes[0]
@@ -527,6 +550,15 @@ def test_verify_reports_mismatch(out):
         verify(report.path, wrapped.moes[0])
 
 
+def test_verify_names_a_missing_or_broken_archive(out):
+    wrapped = moelens.wrap(small("mixtral"))
+    with pytest.raises(ExportError, match=r"missing.nnef.tgz does not exist"):
+        verify(out / "missing.nnef.tgz", wrapped)
+    (out / "broken.nnef.tgz").write_bytes(b"not an archive")
+    with pytest.raises(ExportError, match=r"broken.nnef.tgz is not an NNEF export"):
+        verify(out / "broken.nnef.tgz", wrapped)
+
+
 # -- the tract command-line stand-in ------------------------------------------------------------------
 
 
@@ -573,6 +605,31 @@ def test_cli_exports_a_checkpoint_with_edits(out, capsys):
     assert "expected LAYER:EXPERT=VALUE" in capsys.readouterr().err
     assert main(["export", str(folder), str(out / "x.nnef.tgz"), "--block", "0"]) == 2  # layer 0 is dense
     assert "no MoE block there" in capsys.readouterr().err
+
+
+def test_cli_keeps_transformers_quiet(out):
+    """No "Loading weights" bar and no transformers warning (``loss_type=None``) in the command's output."""
+    script = Path(sys.executable).parent / "moelens"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "moelens.cli"]
+    result = subprocess.run(command + ["export", "tiny", str(out / "quiet.nnef.tgz"), "--no-verify", "--tokens", "2"],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and "wrote" in result.stdout
+
+
+def test_cli_says_when_no_tolerance_is_met(out, monkeypatch, capsys):
+    from moelens.cli import main
+    from moelens.export import exporter
+    from moelens.export.verification import Verification
+
+    def exported(model, path, **options):  # an archive whose check met none of tract's levels
+        check = Verification(max_abs_error=0.5, tolerance=None, reference="the model (torch, float32)")
+        return exporter.ExportReport(path=Path(path), kind="model", blocks=[], input_name="input_ids",
+                                     output_name="logits", seconds=0.0, bytes=0, verification=check)
+
+    monkeypatch.setattr(exporter, "to_nnef", exported)
+    assert main(["export", "tiny", str(out / "none.nnef.tgz"), "--tokens", "2"]) == 0
+    assert "(tract tolerance: none met)" in capsys.readouterr().out
 
 
 # -- the family table -------------------------------------------------------------------------------------

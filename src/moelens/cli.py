@@ -3,7 +3,8 @@
 Each feature area adds its subcommands from its own module: a module listed in
 `COMMAND_MODULES` defines ``register(subparsers)``, adding parsers whose
 ``func(args) -> int`` runs the command. Errors moelens raises on purpose are
-printed as one clear line (exit status 2), not a traceback.
+printed as one clear line (exit status 2), not a traceback. `quiet_transformers`
+keeps transformers' logging and progress bars out of every command's output.
 """
 
 from __future__ import annotations
@@ -16,6 +17,20 @@ from .errors import MoelensError
 
 #: Modules that add subcommands (``demo``, ``inspect``, ``stats``, ``export`` ...).
 COMMAND_MODULES = ("moelens.analysis.cli", "moelens.export.cli")
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' logging and its "Loading weights" bar out of a command's output.
+
+    For the command only: ``moelens.load`` called from Python leaves transformers' settings as they are.
+    """
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
 
 
 def build_parser() -> argparse.ArgumentParser:

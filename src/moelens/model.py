@@ -331,24 +331,36 @@ def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
 def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
     """Load a model (and its tokenizer) and wrap it; with no argument, moelens-tiny.
 
+    A local folder without tokenizer files loads without a tokenizer (the model takes
+    token ids only).
+
     Args:
         path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
             None or ``"tiny"`` loads the embedded default model, offline.
         **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
             ``experts_implementation``, ...).
+
+    Raises:
+        MoelensError: ``path_or_repo_id`` is a file, has no readable config.json, or
+            holds no weights (or weights that do not fit its config).
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     if path_or_repo_id is None or str(path_or_repo_id) == "tiny":
         from .data import TINY_MODEL_PATH
 
         path_or_repo_id = TINY_MODEL_PATH
     source = str(path_or_repo_id)
+    if Path(source).is_file():
+        raise MoelensError(
+            f"{source!r} is a file; moelens.load takes the checkpoint folder holding config.json and the "
+            f"weights: pass {str(Path(source).parent)!r}."
+        )
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise MoelensError(
-            f"cannot load a model from {source!r}: {error}. Pass a local folder holding config.json "
+            f"cannot load a model from {source!r}: {_sentence(error)}. Pass a local folder holding config.json "
             "and weights (or 'tiny' for the embedded default model)."
         ) from error
     auto = AutoModelForCausalLM if _has_causal_lm(config) else AutoModel
@@ -357,16 +369,53 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         model, info = auto.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except ValueError as error:  # a config transformers has no model class for (a sub-config saved alone)
         raise MoelensError(
-            f"cannot load a model from {source!r}: {error}. Load it with the transformers class that fits "
-            "and pass it to moelens.wrap(model, tokenizer=...)."
+            f"cannot load a model from {source!r}: {_sentence(error)}. Load it with the transformers class that "
+            "fits and pass it to moelens.wrap(model, tokenizer=...)."
+        ) from error
+    except OSError as error:  # above all a folder with config.json but no weights
+        folder = Path(source)
+        if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+            raise MoelensError(
+                f"the folder {source!r} holds config.json but no weights file (model.safetensors or "
+                "pytorch_model.bin); save the model into it with model.save_pretrained(folder), or pass "
+                "the folder that holds its weights."
+            ) from error
+        raise MoelensError(
+            f"cannot load the weights of {source!r}: {_sentence(error)}. Pass a folder holding config.json and "
+            "weights saved with save_pretrained."
         ) from error
     _check_weights_fit(source, info)
     model.eval()
+    return wrap(model, tokenizer=_load_tokenizer(source))
+
+
+#: How the files of a saved tokenizer are named (tokenizer.json, tokenizer_config.json,
+#: vocab.json, vocab.txt, merges.txt, tokenizer.model, spiece.model, tekken.json ...).
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "tekken")
+
+
+def _load_tokenizer(source: str) -> Any:
+    """The tokenizer saved at ``source``, or None when there is none.
+
+    A local folder without tokenizer files has none: transformers 5 would otherwise build
+    a placeholder from the config's model type (one token), which cannot tokenize text.
+    """
+    from transformers import AutoTokenizer
+
+    folder = Path(source)
+    if folder.is_dir() and not any(
+        file.is_file() and file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
+    ):
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError):
-        tokenizer = None
-    return wrap(model, tokenizer=tokenizer)
+        return None
+
+
+def _sentence(error: Exception) -> str:
+    """``error``'s message without its final full stop, to go inside a sentence."""
+    return str(error).rstrip().rstrip(".")
 
 
 def _check_weights_fit(source: str, info: dict[str, Any]) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from ..cli import quiet_transformers
 from ..errors import MoelensError, ValueUnavailable
 
 #: Where ``moelens demo`` writes its plots unless told otherwise.
@@ -80,14 +80,6 @@ def register(subparsers: Any) -> None:
 # -- shared ----------------------------------------------------------------------------------
 
 
-def quiet_transformers() -> None:
-    """Keep transformers' informational logging out of the command's output."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-
-
 def load_model(source: str) -> Any:
     """Load ``source`` (``tiny`` or a local folder) and wrap it; clear errors for a bad path or a non-MoE model."""
     import moelens
@@ -128,9 +120,17 @@ def set_threads(threads: int | None) -> None:
 
 
 def check_output_folder(path: Path) -> None:
-    """Refuse an ``--out`` that names a file (before any work; the folder is made when written)."""
+    """Refuse an ``--out`` that names a file, or lies under one (before any work; the folder is made when written)."""
     if path.exists() and not path.is_dir():
         raise MoelensError(f"--out {str(path)!r} is a file; name a folder (it is created if missing).")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise MoelensError(
+            f"--out {str(path)!r} lies under {str(ancestor)!r}, which is a file, not a folder; name a folder "
+            "elsewhere (it is created if missing)."
+        )
 
 
 def read_text(path: Path) -> str:

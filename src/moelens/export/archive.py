@@ -32,35 +32,56 @@ def is_archive(path: Path) -> bool:
 def check_destination(path: Path) -> None:
     """Refuse a ``path`` that writing the export would clobber: nothing of the user's is replaced.
 
-    An archive path may name a file (it is overwritten) but not a folder. A folder path may be
-    new, an empty folder, or an earlier NNEF export (``graph.nnef`` and tensor files only),
-    which is replaced; a folder holding anything else is refused, not emptied.
+    An archive path may be new, an empty file, or an earlier NNEF export archive (``graph.nnef``
+    and tensor files only), which is replaced; any other file is refused, as is a folder. A folder
+    path may be new, an empty folder, or an earlier NNEF export folder, which is replaced; a folder
+    holding anything else is refused, not emptied. The nearest existing folder above ``path``
+    must be a folder, not a file.
 
     Raises:
         ExportError: ``path`` is a folder where an archive is asked for, a file where a folder
-            is, or a folder with files an export does not write.
+            is, a file or folder that is not an earlier export, or lies under a file.
     """
     path = Path(path)
     if is_archive(path):
         if path.is_dir():
             raise ExportError(f"{path} is a folder, but its name asks for an archive; choose another name.")
-        return
-    if path.exists() and not path.is_dir():
+        if path.is_file() and path.stat().st_size and not _is_export_archive(path):
+            raise ExportError(
+                f"{path} is a file that is not an NNEF export; moelens replaces only an earlier export "
+                "archive, never another file. Name a new archive (or move that file away first)."
+            )
+    elif path.exists() and not path.is_dir():
         raise ExportError(
             f"{path} is a file; an export path is written as a folder unless it ends in "
             f"{', '.join(ARCHIVE_SUFFIXES)}. Name a new folder or an archive."
         )
-    if path.is_dir() and any(path.iterdir()) and not _is_export_folder(path):
+    elif path.is_dir() and any(path.iterdir()) and not _is_export_folder(path):
         raise ExportError(
             f"{path} is a folder with files of its own; moelens writes a folder export only into a new "
             "or empty folder, or over an earlier NNEF export. Name a new folder (or an archive, *.nnef.tgz)."
         )
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ExportError(f"{path} lies under {ancestor}, which is a file, not a folder; name a path in a folder.")
 
 
 def _is_export_folder(path: Path) -> bool:
     """Whether ``path`` holds an NNEF export and nothing else."""
     files = [p for p in path.rglob("*") if not p.is_dir()]
     return (path / "graph.nnef").is_file() and all(p.suffix in EXPORT_FILE_SUFFIXES for p in files)
+
+
+def _is_export_archive(path: Path) -> bool:
+    """Whether the file ``path`` is a tar (or gzipped tar) of an NNEF export and nothing else."""
+    try:
+        with tarfile.open(path) as tar:
+            names = [member.name for member in tar.getmembers() if not member.isdir()]
+    except (OSError, tarfile.TarError, EOFError):
+        return False
+    return "graph.nnef" in names and all(Path(name).suffix in EXPORT_FILE_SUFFIXES for name in names)
 
 
 def write(folder: Path, path: Path) -> Path:
@@ -99,13 +120,24 @@ def write(folder: Path, path: Path) -> Path:
 
 
 def graph_text(path: Path) -> str:
-    """The ``graph.nnef`` text of an archive or folder."""
+    """The ``graph.nnef`` text of an archive or folder.
+
+    Raises:
+        ExportError: ``path`` is missing, or not an archive or folder holding ``graph.nnef``.
+    """
     path = Path(path)
-    if not is_archive(path):
-        return (path / "graph.nnef").read_text()
-    with tarfile.open(path) as tar:
-        member = tar.extractfile("graph.nnef")
-        return member.read().decode() if member is not None else ""
+    try:
+        if not is_archive(path):
+            return (path / "graph.nnef").read_text()
+        with tarfile.open(path) as tar:
+            member = tar.extractfile("graph.nnef")
+            return member.read().decode() if member is not None else ""
+    except (OSError, tarfile.TarError, EOFError, KeyError, UnicodeDecodeError) as error:
+        problem = "is not an NNEF export (it holds no readable graph.nnef)" if path.exists() else "does not exist"
+        raise ExportError(
+            f"{path} {problem}; pass an NNEF export written by moelens.export.to_nnef "
+            f"(an archive {', '.join(ARCHIVE_SUFFIXES)}, or a folder)."
+        ) from error
 
 
 def members(path: Path) -> list[tarfile.TarInfo]:

@@ -71,11 +71,18 @@ def parse_edits(args: argparse.Namespace) -> Any:
             for item in rest.split(","):
                 expert, sep, value = item.partition("=")
                 try:
-                    found.setdefault(layer, {})[int(expert)] = kind(value)
+                    expert_id, parsed = int(expert), kind(value)
                 except ValueError:
                     raise MoelensError(f"--{option} {spec!r}: expected LAYER:EXPERT=VALUE, e.g. 2:4=1.5") from None
                 if not sep:
                     raise MoelensError(f"--{option} {spec!r}: expected LAYER:EXPERT=VALUE, e.g. 2:4=1.5")
+                edits = found.setdefault(layer, {})
+                if expert_id in edits:
+                    raise MoelensError(
+                        f"--{option} {spec!r}: expert {expert_id} of layer {layer} is given twice "
+                        f"(={edits[expert_id]} and ={parsed}); give each expert of a layer one value."
+                    )
+                edits[expert_id] = parsed
         return found
 
     return Edits(
@@ -87,10 +94,12 @@ def parse_edits(args: argparse.Namespace) -> Any:
 
 
 def _load(source: str) -> Any:
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    """Load ``source`` (``tiny`` or a checkpoint folder) for the command, with transformers kept quiet."""
     import moelens
+
+    from ..cli import quiet_transformers
+
+    quiet_transformers()
 
     if source == "tiny":
         from moelens.data import TINY_MODEL_PATH
@@ -114,6 +123,9 @@ def run_export(args: argparse.Namespace) -> int:
     if args.model is None or args.out is None:
         raise MoelensError("moelens export needs MODEL and OUT (or --support).")
     edits = parse_edits(args)
+    from .archive import check_destination
+
+    check_destination(args.out)  # before the model loads: a refused OUT costs nothing
     import torch
 
     from .exporter import default_inputs, to_nnef
@@ -139,12 +151,18 @@ def run_export(args: argparse.Namespace) -> int:
               f"gate={block.gate}, activation={block.activation}){extra}")
     check = report.verification
     if check is not None:
-        line = f"tract vs {check.reference}: max abs error {check.max_abs_error:.3g} (tract tolerance: {check.tolerance})"
+        line = (f"tract vs {check.reference}: max abs error {check.max_abs_error:.3g} "
+                f"(tract tolerance: {_level(check.tolerance)})")
         if "export_max_abs_error" in check.details:
             line += (f"; vs the archive's Q4_0 weights in torch: {check.details['export_max_abs_error']:.3g} "
-                     f"({check.details['export_tolerance']})")
+                     f"({_level(check.details['export_tolerance'])})")
         if "second_length" in check.details:
             second = check.details["second_length"]
-            line += f"; at {second['tokens']} tokens: {second['max_abs_error']:.3g} ({second['tolerance']})"
+            line += f"; at {second['tokens']} tokens: {second['max_abs_error']:.3g} ({_level(second['tolerance'])})"
         print(line)
     return 0
+
+
+def _level(tolerance: str | None) -> str:
+    """A tolerance level as printed: its name, or "none met" when the archive met none of tract's levels."""
+    return tolerance or "none met"
