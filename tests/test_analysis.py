@@ -562,3 +562,23 @@ def test_logit_lens_reads_latent_experts_in_the_hidden_space():
             total += (projected.reshape(-1, hf.config.hidden_size) - bias).double().detach().sum(0)
         by_expert = (lens.mean_outputs[row].double() * lens.counts[row, :, None]).sum(0)
         torch.testing.assert_close(by_expert, total, atol=1e-4, rtol=1e-4)
+
+
+def test_token_routing_runs_a_text_longer_than_the_context_in_windows(qwen):
+    """Beyond ``max_position_embeddings`` the text is routed in context-long windows, as the
+    routing cache routes it (never as one pass the model was not built for)."""
+    wrapped, hf, cache, truth = qwen
+    reference = copy.deepcopy(hf)
+    context = 8
+    short = moelens.wrap(copy.deepcopy(hf), tokenizer=wrapped.tokenizer)
+    short._module.config.max_position_embeddings = context
+    text = TEXTS[1]
+    ids = wrapped.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 2 * context
+    view = analysis.token_routing(short, text)
+    windows = plain_truth(reference, wrapped, [ids], context)
+    for row, layer in enumerate(windows.layers):
+        order = torch.argsort(windows.weights[layer], dim=-1, descending=True, stable=True)
+        assert torch.equal(view.indices[row], windows.indices[layer].gather(-1, order))
+    streamed = analysis.collect_routing(short, [text], progress=False, dtype=torch.float32)
+    assert torch.equal(view.indices[0].sort(-1).values, streamed.indices(windows.layers[0]).long().sort(-1).values)
