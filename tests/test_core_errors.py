@@ -389,6 +389,61 @@ def test_a_registered_custom_family_is_served():
         moelens.families.unregister("custom")
 
 
+class LoopExperts(torch.nn.Module):
+    """Experts called like transformers' but not decorated: a loop of their own, no grouped_mm."""
+
+    def __init__(self, experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden, hidden) * 0.3)
+
+    def forward(self, hidden, index, weights):
+        out = torch.zeros_like(hidden)
+        for slot in range(index.shape[-1]):
+            out = out + weights[:, slot, None] * torch.einsum("th,thd->td", hidden, self.weight[index[:, slot]])
+        return out
+
+
+def test_undecorated_custom_experts_say_why_they_have_no_per_slot_values():
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    model = CustomModel(config).eval()
+    for layer in model.layers:
+        layer["ffn"].pool = LoopExperts(4, 16)
+    moelens.families.register(Family(
+        "custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser", experts="pool",
+        logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk", normalize=False),
+    ))
+    try:
+        wrapped = moelens.wrap(model)
+        with pytest.raises(ValueUnavailable, match="LoopExperts.*not decorated.*use_experts_implementation"):
+            with wrapped.trace(torch.randint(0, 64, (1, 3))):
+                wrapped.moes[0].expert_outputs.save()
+    finally:
+        moelens.families.unregister("custom")
+
+
+def test_a_write_that_overflows_a_half_precision_model_is_refused():
+    hf = tiny_model("mixtral", dtype=torch.float16)
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(WriteError, match=r"routed_output: the written tensor holds \+inf"):
+        with wrapped.trace(**tiny_inputs(hf)):
+            moe = wrapped.moes[0]
+            moe.routed_output = torch.full(moe.routed_output.shape, 1e6)  # finite in float32, inf in float16
+
+
+def test_a_dense_block_names_its_own_order_without_save_all():
+    hf, wrapped, inputs, plain, reference = built("qwen2_moe", "grouped_mm")
+    dense = wrapped.layers[0].mlp
+    with pytest.raises(ValueUnavailable, match="dense MLP"):
+        with wrapped.trace(**inputs):
+            dense.selection_scores.save()
+    with pytest.raises(moelens.OrderError) as error:
+        with wrapped.trace(**inputs):
+            dense.mlp_output.save()
+            dense.mlp_activation.save()
+    assert "mlp_activation -> mlp_output" in str(error.value) and "save_all" not in str(error.value)
+
+
 def test_a_family_naming_a_missing_op_is_refused_at_wrap():
     config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
     moelens.families.register(Family("custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser",

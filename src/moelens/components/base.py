@@ -67,11 +67,12 @@ class Component(Envoy):
             f" This block runs only on {runs_only_on}: on an input without them it does not run at all."
             if runs_only_on else ""
         )
+        save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
         return OrderError(
             f"{self.path}.{name} was requested after the model had already run past it. "
             f"Within a block, read values in the order the model produces them "
-            f"({order}), and blocks in layer order; or save everything at once with "
-            f"save_all(). A module skipped with .skip() never produces its values.{maybe_idle}"
+            f"({order}), and blocks in layer order{save_all}. "
+            f"A module skipped with .skip() never produces its values.{maybe_idle}"
         )
 
     @property

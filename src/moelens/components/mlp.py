@@ -23,7 +23,7 @@ from .served import Binding, argument, output_of, served
 DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "output_linear", "dense_4h_to_h", "wo", "out_proj")
 
 #: Moe values a dense block cannot serve.
-MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output")
+MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output") + ("selection_scores",)
 
 
 class Mlp(Component):

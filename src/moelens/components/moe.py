@@ -157,6 +157,15 @@ class Moe(Mlp):
 
     def needs_grouped_experts(self, name: str = "expert_outputs") -> ValueUnavailable:
         """The error for a per-slot value under an experts implementation that has none."""
+        if not is_dispatching(self.experts._module):
+            return self.unavailable(
+                name,
+                f"per-slot values exist only inside transformers' {', '.join(serving())} experts implementations, "
+                f"and this block's experts ({type(self.experts._module).__name__}) run a forward of their own "
+                "(not decorated with transformers' use_experts_implementation)",
+                "read routed_output, or decorate the experts class with "
+                "transformers.integrations.moe.use_experts_implementation so it can run grouped_mm.",
+            )
         implementation = self.experts_implementation
         return self.unavailable(
             name,
@@ -174,7 +183,7 @@ class Moe(Mlp):
         else:
             reason = (
                 f"this checkpoint's {self.family.name} block has no shared expert "
-                f"(its {shared.module!r} is absent; the config turns it off)"
+                f"(its {shared.module!r} is absent: the config turns it off, or the family entry names the wrong path)"
             )
         return self.unavailable(name, reason, "read routed_output or mlp_output instead.")
 

@@ -283,6 +283,8 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
         value = torch.as_tensor(value, dtype=numbers_as, device=current.device)
     if value.dim() == 0:  # a scalar fills the whole view
         value = value.expand(current.shape)
+    if value.is_floating_point() and current.is_floating_point():
+        value = value.to(current.dtype)  # checked as the model gets it: 1e6 is inf in float16
     check_write(component, name, binding, value, current.shape)
     if current.requires_grad:
         value = _KeepInGraph.apply(value, current)
