@@ -72,3 +72,18 @@ def test_gradients_at_served_values(family, impl):
     down = moe.experts._module.down_proj.detach()[truth["indices"]]  # [b, s, k, D, I]
     by_hand = truth["weights"][..., None] * torch.einsum("bsd,bskdi->bski", truth["routed_output"], down)
     close(grads["expert_activations"], by_hand)
+
+
+@pytest.mark.parametrize("name", ["router_logits", "expert_weights", "routed_output", "mlp_output"])
+def test_a_value_read_then_replaced_has_a_zero_gradient(name):
+    """The replaced value stays in the graph (for expert parallelism's collectives); the view the
+    user read is that value, so its gradient arrives, and is zero: nothing depends on it any more."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        read = getattr(moe, name)
+        setattr(moe, name, torch.full(read.shape, 0.3))
+        loss = loss_of(wrapped.output)
+        with loss.backward():
+            grad = read.grad.save()
+    assert grad.shape[:2] == inputs["input_ids"].shape and torch.equal(grad, torch.zeros_like(grad))

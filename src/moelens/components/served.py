@@ -286,8 +286,9 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     if value.is_floating_point() and current.is_floating_point():
         value = value.to(current.dtype)  # checked as the model gets it: 1e6 is inf in float16
     check_write(component, name, binding, value, current.shape)
-    if current.requires_grad:
-        value = _KeepInGraph.apply(value, current)
+    if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
+        old = earlier[0] if earlier is not None and earlier[0].requires_grad else current
+        value = _KeepInGraph.apply(value, old)
     written = replaced(binding, fetched, value, name, reads() if reads is not None else None)
     Mediator.swap(location, written)
     if reads is not None and reads.views:
