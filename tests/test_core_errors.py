@@ -472,6 +472,18 @@ def test_a_family_with_wrong_child_paths_says_so_at_wrap():
             moelens.families.unregister("custom")
 
 
+def test_a_family_with_a_wrong_block_attr_says_so_at_wrap():
+    # The block is found by its class at layers.N.ffn; a family saying "fnn" is refused naming the field.
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    moelens.families.register(Family("custom", ("custom",), ("CustomBlock",), block_attr="fnn", router="chooser",
+                                     experts="pool", logits_op="torch_nn_functional_linear_0"))
+    try:
+        with pytest.raises(moelens.FamilyError, match=r"block_attr='fnn'.*layers\.0\.ffn.*children are \['ffn'\]"):
+            moelens.wrap(CustomModel(config))
+    finally:
+        moelens.families.unregister("custom")
+
+
 def test_register_checks_the_description_and_unregister_gives_back_what_it_took():
     from moelens.families import SharedExpert, registry
 
@@ -490,6 +502,111 @@ def test_register_checks_the_description_and_unregister_gives_back_what_it_took(
     moelens.families.register(Family("takeover", ("takeover",), ("Qwen2MoeSparseMoeBlock",)), replace=True)
     moelens.families.unregister("takeover")
     assert moelens.wrap(tiny_model("qwen2_moe")).moes[0].family is qwen  # qwen2_moe's blocks are found again
+
+
+def served_logits(name: str) -> tuple[list[Family], list[torch.Tensor]]:
+    """The family and router_logits of every `Moe` that wrap() finds in the tiny ``name`` model."""
+    hf = tiny_model(name)
+    wrapped = moelens.wrap(hf)
+    with torch.no_grad(), wrapped.trace(**tiny_inputs(hf, batch=1, seq=4)):
+        logits = nnsight.save([moe.router_logits.save() for moe in wrapped.moes])
+    return [moe.family for moe in wrapped.moes], logits
+
+
+def assert_served_as(name: str, expected: tuple[list[Family], list[torch.Tensor]]) -> None:
+    """wrap() of the tiny ``name`` model serves the same families and router_logits as ``expected``."""
+    found, logits = served_logits(name)
+    assert found == expected[0] and len(logits) == len(expected[1]) > 0
+    for got, want in zip(logits, expected[1]):
+        assert torch.equal(got, want)
+
+
+QWEN_BLOCK = "Qwen2MoeSparseMoeBlock"
+
+
+def owner(block: str = QWEN_BLOCK) -> str | None:
+    """The name of the family that owns a block class now."""
+    found = families.for_block(type(block, (torch.nn.Module,), {})())
+    return found.name if found is not None else None
+
+
+@pytest.mark.parametrize("order", [("t2", "t1"), ("t1", "t2")])
+def test_unregister_gives_a_block_class_back_after_several_takeovers(order):
+    before = served_logits("qwen2_moe")
+    families.register(Family("t1", ("t1",), (QWEN_BLOCK,)), replace=True)
+    families.register(Family("t2", ("t2",), (QWEN_BLOCK,)), replace=True)
+    try:
+        assert owner() == "t2"
+        families.unregister(order[0])
+        assert owner() == order[1]  # the newest owner still registered
+        families.unregister(order[1])
+        assert owner() == "qwen2_moe"
+    finally:
+        for name in ("t1", "t2"):
+            if name in {family.name for family in families.supported()}:
+                families.unregister(name)
+    assert_served_as("qwen2_moe", before)
+
+
+def test_reregistering_a_family_without_a_block_class_gives_it_back_and_unregister_undoes_it():
+    before = served_logits("qwen2_moe")
+    first = families.register(Family("t1", ("t1",), (QWEN_BLOCK,)), replace=True)
+    try:
+        families.register(Family("t1", ("t1",), ("OtherBlock",)), replace=True)
+        assert owner() == "qwen2_moe" and owner("OtherBlock") == "t1"
+        assert_served_as("qwen2_moe", before)
+        families.unregister("t1")  # undoes the newest registration: the first t1 is back
+        assert families.get("t1") is first and owner() == "t1" and owner("OtherBlock") is None
+        families.unregister("t1")
+        assert owner() == "qwen2_moe"
+    finally:
+        while "t1" in {family.name for family in families.supported()}:
+            families.unregister("t1")
+    assert_served_as("qwen2_moe", before)
+
+
+def test_unregistering_a_replaced_builtin_restores_it():
+    builtin = families.get("mixtral")
+    before = served_logits("mixtral")
+    tweaked = families.register(dataclasses.replace(builtin, notes="my tweak"), replace=True)
+    try:
+        assert families.get("mixtral") is tweaked and served_logits("mixtral")[0][0] is tweaked
+    finally:
+        families.unregister("mixtral")
+    assert families.get("mixtral") is builtin and owner("MixtralSparseMoeBlock") == "mixtral"
+    assert_served_as("mixtral", before)
+    # Every built-in entry passes register()'s checks, and unregister puts each one back.
+    for family in families.supported():
+        families.register(family, replace=True)
+        families.unregister(family.name)
+        assert families.get(family.name) is family
+
+
+def test_unregister_of_an_unknown_name_says_what_is_registered():
+    with pytest.raises(moelens.FamilyError, match=r"cannot unregister 'nope'.*known families: .*mixtral"):
+        families.unregister("nope")
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        pytest.param({"name": ("custom",)}, r"name must be a non-empty string, got \('custom',\)", id="name"),
+        pytest.param({"name": ""}, r"name must be a non-empty string, got ''", id="empty_name"),
+        pytest.param({"scoring": moelens.Scoring("softmax", "top_k")}, r"Scoring.select 'top_k' is not one of \('score_topk'",
+                     id="select"),
+        pytest.param({"scoring_by_router": {"HashRouter": moelens.Scoring("softmax", "hsh")}},
+                     r"Scoring.select 'hsh' is not one of", id="select_by_router"),
+        pytest.param({"combine": families.Combine(mode="avg")}, r"Combine.mode 'avg' is not one of \('sum', 'average'\)",
+                     id="combine_mode"),
+        pytest.param({"refused": {"router_logit": "why"}},
+                     r"refused names 'router_logit', which is not one of \('router_logits'", id="refused"),
+    ],
+)
+def test_register_refuses_unknown_words(changes, match):
+    fields = {"name": "custom", "model_types": ("custom",), "block_classes": ("CustomBlock",), **changes}
+    with pytest.raises(moelens.FamilyError, match=match):
+        families.register(Family(**fields))
+    assert "custom" not in {family.name for family in families.supported()} and owner("CustomBlock") is None
 
 
 def test_every_transformers_family_is_registered():

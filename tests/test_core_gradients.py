@@ -87,3 +87,39 @@ def test_a_value_read_then_replaced_has_a_zero_gradient(name):
         with loss.backward():
             grad = read.grad.save()
     assert grad.shape[:2] == inputs["input_ids"].shape and torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize(("family", "name"), [("mixtral", "expert_indices"), ("gpt_oss", "expert_weights")])
+def test_in_place_edits_with_autograd_on_keep_the_backward_working(family, name):
+    """Autograd keeps the router's top-k indices (and gpt_oss's softmax weights) for its backward: an
+    in-place edit of the served value must not break it, and the gradients are those of plain
+    nnsight making the same edit on a copy."""
+    hf, wrapped, inputs, plain, reference = built(family, "grouped_mm")
+    hf.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)  # the models are shared between tests
+    moe = wrapped.moes[0]
+    num_experts = moe.num_experts
+
+    def edit(tensor: torch.Tensor) -> None:
+        if tensor.is_floating_point():
+            tensor[..., 0] *= 0.5
+        else:
+            tensor[..., 0] = (tensor[..., 0] + 1) % num_experts
+
+    with wrapped.trace(**inputs):
+        edit(getattr(moe, name))
+        output = wrapped.output.save()
+    loss_of(output).backward()
+
+    raw = nnsight.NNsight(reference)
+    with raw.trace(**inputs):
+        experts = raw.get(moe.path.removeprefix("model.")).get(moe.family.experts)
+        (hidden, indices, weights, *rest), kwargs = experts.inputs
+        indices, weights = indices.clone(), weights.clone()
+        edit(indices if name == "expert_indices" else weights)
+        experts.inputs = ((hidden, indices, weights, *rest), kwargs)
+        expected = raw.output.save()
+    loss_of(expected).backward()
+    torch.testing.assert_close(first_tensor(output), first_tensor(expected))
+    for (param_name, param), reference_param in zip(hf.named_parameters(), reference.parameters()):
+        if param.grad is not None or reference_param.grad is not None:
+            torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)

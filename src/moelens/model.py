@@ -73,17 +73,63 @@ def _check_router(name: str, module: torch.nn.Module, family: Family) -> None:
         ) from None
 
 
+#: Child names of the up (or gate) projection in dense MLPs. A module with a down projection
+#: (`DOWN_PROJECTIONS`) but none of these is no MLP: an SSM mixer's ``in_proj`` / ``out_proj``.
+UP_PROJECTIONS = ("up_proj", "gate_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3", "input_linear",
+                  "dense_h_to_4h", "wi", "wi_0", "wi_1")
+
+
+def _has_child(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    return any(isinstance(getattr(module, name, None), torch.nn.Module) for name in names)
+
+
 def _is_dense_mlp(module: Any) -> bool:
-    return isinstance(module, torch.nn.Module) and any(
-        isinstance(getattr(module, name, None), torch.nn.Module) for name in DOWN_PROJECTIONS
+    """Whether ``module`` is a dense MLP: it has an up (or gate) projection and a down projection."""
+    return isinstance(module, torch.nn.Module) and _has_child(module, UP_PROJECTIONS) and _has_child(
+        module, DOWN_PROJECTIONS
     )
+
+
+def _layer_path(name: str) -> str | None:
+    """The decoder layer a block sits in: ``model.layers.3`` for ``model.layers.3.mlp``."""
+    parts = name.split(".")
+    indices = [position for position, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[: indices[-1] + 1]) if indices else None
 
 
 def _layer_list(name: str) -> str | None:
     """The module list a block sits in: ``model.layers`` for ``model.layers.3.mlp``."""
-    parts = name.split(".")
-    indices = [position for position, part in enumerate(parts) if part.isdigit()]
-    return ".".join(parts[: indices[-1]]) if indices else None
+    layer = _layer_path(name)
+    return layer.rpartition(".")[0] if layer is not None else None
+
+
+def _check_block_attr(model: torch.nn.Module, name: str, family: Family) -> None:
+    """Raise a `FamilyError` when a block's decoder layer has no ``block_attr`` (aliased as ``mlp`` there).
+
+    Blocks are found by class anywhere (a converted ``self_attn.o_proj`` too), so only a
+    ``block_attr`` the layer lacks is wrong; ``"mlp"`` needs no alias and ``""`` is the layer.
+    """
+    layer = _layer_path(name)
+    if family.block_attr in ("", "mlp") or layer is None or layer == name:
+        return
+    try:
+        get_path(model.get_submodule(layer), family.block_attr)
+    except AttributeError:
+        raise FamilyError(
+            f"family {family.name!r}: block_attr={family.block_attr!r}, but the decoder layer {layer} of its block "
+            f"{name} ({type(model.get_submodule(name)).__name__}) has no {family.block_attr!r}; its children are "
+            f"{_children(model.get_submodule(layer))}. Fix the family's block_attr."
+        ) from None
+
+
+def _dense_layer_lists(model: torch.nn.Module, attribute: str) -> list[str]:
+    """The module lists (decoder layer lists) whose layers hold a dense MLP at ``attribute``."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList)
+        and any(_is_dense_mlp(getattr(layer, attribute, None)) for layer in module)
+    ]
 
 
 def discover(model: torch.nn.Module) -> Structure:
@@ -98,6 +144,7 @@ def discover(model: torch.nn.Module) -> Structure:
                 idle[family.name] = f"{name} ({type(module).__name__}; children {_children(module)})"
         elif family is not None:
             _check_router(name, module, family)
+            _check_block_attr(model, name, family)
             structure.family = structure.family or family
             structure.moe_blocks.append(name)
             layers = _layer_list(name)
@@ -128,14 +175,23 @@ def discover(model: torch.nn.Module) -> Structure:
             if structure.family is not None:
                 break
     family = structure.family
-    if family is not None:
-        attribute = family.block_attr or "mlp"  # a layer that is the block keeps its dense MLP as `mlp`
-        moes = set(structure.moe_blocks)
-        for layers in structure.layer_lists:
-            for index, layer in enumerate(get_path(model, layers)):
-                name = f"{layers}.{index}.{attribute}"
-                if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
-                    structure.dense_blocks.append(name)
+    # a layer that is the block keeps its dense MLP as `mlp`; a model of no family has its MLPs there
+    attribute = (family.block_attr if family is not None else "") or "mlp"
+    if not structure.moe_blocks:  # a dense model: its decoder layers are the lists that hold dense MLPs
+        structure.layer_lists = _dense_layer_lists(model, attribute)
+    moes = set(structure.moe_blocks)
+    for layers in structure.layer_lists:
+        for index, layer in enumerate(get_path(model, layers)):
+            name = f"{layers}.{index}.{attribute}"
+            if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
+                structure.dense_blocks.append(name)
+    if not structure.moe_blocks and not unknown and not idle:
+        warnings.warn(
+            "moelens found no MoE block in this model (no module of a registered family's block class holding "
+            f"an experts module): model.moes is [], and its {len(structure.dense_blocks)} dense MLPs (at "
+            f"layers[i].{attribute}) are Mlp components serving mlp_output and mlp_activation.",
+            stacklevel=3,
+        )
     return structure
 
 
@@ -297,8 +353,9 @@ def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     if family is None or family.block_attr in ("", "mlp"):
         return
     for name in structure.moe_blocks + structure.dense_blocks:
-        layer = wrapped.get(name.rpartition(".")[0])
-        _bind(layer, "mlp", family.block_attr)
+        layer = _layer_path(name)
+        if layer is not None and layer != name:
+            _bind(wrapped.get(layer), "mlp", family.block_attr)
 
 
 def _instrument(moe: Moe) -> None:

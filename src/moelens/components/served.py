@@ -246,7 +246,12 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
             return reads.views[descriptor][0]
         mediator.transform = None  # keep them open past this read's request
     fetched = fetch(component, name, binding)
-    view, version = fetched.view, fetched.view._version
+    view = fetched.view
+    if torch.is_grad_enabled() and binding.to_view is None:
+        # Autograd may keep the model's tensor for its backward (top-k indices, softmax weights):
+        # an in-place edit of it would fail there, so edits go to a copy and back through the write-back.
+        view = view.clone()
+    version = view._version
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
     # `.grad` in a `with loss.backward():` block) sees the gradient: a view alone is off the graph.
     on_graph = view.requires_grad and view is not fetched.picked

@@ -37,6 +37,12 @@ PER_SLOT_VALUES = ("expert_activations", "expert_outputs")
 #: When a served shared-expert value is produced, relative to the routed path.
 SHARED_TIMES = ("before_router", "before_experts", "after_experts", "after_block")
 
+#: How a router may choose its k experts (`Scoring.select`).
+SELECTIONS = ("score_topk", "logit_topk", "group_topk", "sparsemixer", "hash", "skip_topk")
+
+#: How a block may combine routed and shared output (`Combine.mode`; an attribute reference may name one).
+COMBINE_MODES = ("sum", "average")
+
 #: What gated experts may compute from their gate and up projections (`ExpertGate.kind`).
 EXPERT_GATES = ("glu", "clamped_swiglu", "clamped_glu", "softcapped_glu")
 

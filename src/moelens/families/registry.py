@@ -13,12 +13,13 @@ from typing import Iterable
 import torch
 
 from ..errors import FamilyError
-from .entry import SHARED_TIMES, Family
+from .entry import COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Family
 
 _FAMILIES: dict[str, Family] = {}
 _BY_BLOCK_CLASS: dict[str, Family] = {}
-#: Block classes a family took over with ``replace=True``: class -> the family it took them from.
-_TAKEN_FROM: dict[str, Family] = {}
+#: Every registration in force, oldest first. A later entry under a name shadows the earlier ones
+#: until it is unregistered; a block class belongs to the newest unshadowed entry naming it.
+_REGISTERED: list[Family] = []
 
 
 def register(family: Family, *, replace: bool = False) -> Family:
@@ -26,7 +27,8 @@ def register(family: Family, *, replace: bool = False) -> Family:
 
     Args:
         family: The description. Its ``block_classes`` are how blocks are found.
-        replace: Allow replacing a family (or a block class) registered earlier.
+        replace: Allow replacing a family (or a block class) registered earlier; `unregister`
+            gives back what it replaced.
 
     Returns:
         The family, so ``MY_FAMILY = register(Family(...))`` reads naturally.
@@ -48,21 +50,15 @@ def register(family: Family, *, replace: bool = False) -> Family:
                 f"block class {taken[0]!r} already belongs to family {_BY_BLOCK_CLASS[taken[0]].name!r}; "
                 "pass replace=True to take it over."
             )
-    previous = _FAMILIES.get(family.name)
-    if previous is not None:
-        for name in previous.block_classes:
-            _BY_BLOCK_CLASS.pop(name, None)
-    _FAMILIES[family.name] = family
-    for name in family.block_classes:
-        owner = _BY_BLOCK_CLASS.get(name)
-        if owner is not None and owner.name != family.name:
-            _TAKEN_FROM[name] = owner
-        _BY_BLOCK_CLASS[name] = family
+    _REGISTERED.append(family)
+    _rebuild()
     return family
 
 
 def _check_description(family: Family) -> None:
-    """Raise a `FamilyError` for fields of the wrong kind (a string where names are listed, an unknown time)."""
+    """Raise a `FamilyError` for fields of the wrong kind (a string where names are listed) or an unknown word."""
+    if not isinstance(family.name, str) or not family.name:
+        raise FamilyError(f"a family's name must be a non-empty string, got {family.name!r}.")
     for field_name in ("model_types", "block_classes"):
         value = getattr(family, field_name)
         if isinstance(value, str) or not all(isinstance(item, str) for item in value):
@@ -75,12 +71,23 @@ def _check_description(family: Family) -> None:
             f"family {family.name!r}: shared expert time {family.shared.when!r} is not one of {SHARED_TIMES}."
         )
     for scoring in (family.scoring, *family.scoring_by_router.values()):
+        if scoring.select not in SELECTIONS:
+            raise FamilyError(f"family {family.name!r}: Scoring.select {scoring.select!r} is not one of {SELECTIONS}.")
         if scoring.selection_arg is not None and not (scoring.selection_op and isinstance(scoring.selection_arg, int)
                                                       and scoring.selection_arg >= 0):
             raise FamilyError(
                 f"family {family.name!r}: selection_arg={scoring.selection_arg!r} needs selection_op naming the "
                 "router call (e.g. torch_topk_0) and the position (an int >= 0) of the ranked argument."
             )
+    mode = family.combine.mode
+    if not isinstance(mode, str) or not (mode in COMBINE_MODES or "." in mode):
+        raise FamilyError(
+            f"family {family.name!r}: Combine.mode {mode!r} is not one of {COMBINE_MODES} "
+            "nor an attribute reference naming one (\"block.combination_strategy\")."
+        )
+    unknown = [name for name in family.refused if name not in VALUE_NAMES]
+    if unknown:
+        raise FamilyError(f"family {family.name!r}: refused names {unknown[0]!r}, which is not one of {VALUE_NAMES}.")
 
 
 def register_all(families: Iterable[Family]) -> None:
@@ -90,14 +97,33 @@ def register_all(families: Iterable[Family]) -> None:
 
 
 def unregister(name: str) -> None:
-    """Remove a registered family; block classes it took over go back to their earlier family."""
-    family = _FAMILIES.pop(name)
-    for block in family.block_classes:
-        if _BY_BLOCK_CLASS.get(block) is family:
-            del _BY_BLOCK_CLASS[block]
-            earlier = _TAKEN_FROM.pop(block, None)
-            if earlier is not None and _FAMILIES.get(earlier.name) is earlier:
-                _BY_BLOCK_CLASS[block] = earlier
+    """Undo the newest `register` of ``name``.
+
+    The entry it replaced under that name (a built-in, say) is in force again, and each block
+    class goes back to the newest family still registered that names it.
+    """
+    for position in range(len(_REGISTERED) - 1, -1, -1):
+        if _REGISTERED[position].name == name:
+            del _REGISTERED[position]
+            _rebuild()
+            return
+    raise FamilyError(f"cannot unregister {name!r}: no family of that name is registered; known families: {_known()}.")
+
+
+def _rebuild() -> None:
+    """Derive the entry in force per name and the owner of each block class from `_REGISTERED`."""
+    newest = {family.name: family for family in _REGISTERED}  # a name keeps its first place, its newest entry
+    _FAMILIES.clear()
+    _FAMILIES.update(newest)
+    _BY_BLOCK_CLASS.clear()
+    for family in _REGISTERED:  # oldest first: the newest entry in force naming a class ends up owning it
+        if newest[family.name] is family:
+            _BY_BLOCK_CLASS.update(dict.fromkeys(family.block_classes, family))
+
+
+def _known() -> str:
+    """The registered family names, for error messages."""
+    return ", ".join(sorted(_FAMILIES))
 
 
 def supported() -> list[Family]:
@@ -110,8 +136,7 @@ def get(name: str) -> Family:
     try:
         return _FAMILIES[name]
     except KeyError:
-        known = ", ".join(sorted(_FAMILIES))
-        raise FamilyError(f"no moelens family named {name!r}; known families: {known}.") from None
+        raise FamilyError(f"no moelens family named {name!r}; known families: {_known()}.") from None
 
 
 def for_block(module: torch.nn.Module) -> Family | None:

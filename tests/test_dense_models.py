@@ -1,0 +1,64 @@
+"""Models without an MoE block, and non-MLP layers: dense MLPs are `Mlp` components, nothing else is."""
+
+from __future__ import annotations
+
+import nnsight
+import pytest
+import torch
+from nnsight import Envoy
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import moelens
+from moelens.components import Mlp
+from moelens.testing import tiny_inputs, tiny_model
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_a_dense_model_serves_its_mlps_and_says_it_has_no_moe_block():
+    hf = llama()
+    with pytest.warns(UserWarning, match="found no MoE block"):
+        wrapped = moelens.wrap(hf)
+    assert wrapped.moes == [] and wrapped.family is None
+    assert all(isinstance(layer.mlp, Mlp) for layer in wrapped.layers)
+    assert wrapped.model.layers[0].mlp is wrapped.layers[0].mlp  # the native path is the same component
+    with pytest.raises(moelens.ValueUnavailable, match="this model has no MoE layer"):
+        wrapped.layers[0].mlp.router_logits
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    with torch.no_grad(), wrapped.trace(ids):
+        activation = wrapped.layers[1].mlp.mlp_activation.save()
+        output = wrapped.layers[1].mlp.mlp_output.save()
+    plain = nnsight.NNsight(hf)
+    with torch.no_grad(), plain.trace(ids):
+        x = plain.model.layers[1].mlp.input.save()
+        raw_activation = plain.model.layers[1].mlp.down_proj.input.save()
+        raw_output = plain.model.layers[1].mlp.output.save()
+    mlp = hf.model.layers[1].mlp
+    with torch.no_grad():
+        expected = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    assert torch.equal(activation, raw_activation) and torch.equal(output, raw_output)
+    torch.testing.assert_close(activation, expected)
+    torch.testing.assert_close(output, mlp.down_proj(expected).detach())
+
+
+def test_an_moe_family_checkpoint_without_moe_layers_gets_mlps_and_layers():
+    with pytest.warns(UserWarning, match="found no MoE block"):
+        wrapped = moelens.wrap(tiny_model("qwen2_moe", mlp_only_layers=[0, 1, 2, 3]))
+    assert wrapped.family.name == "qwen2_moe" and wrapped.moes == []
+    assert len(wrapped.layers) == 4 and all(isinstance(layer.mlp, Mlp) for layer in wrapped.layers)
+
+
+def test_a_mamba_mixer_is_not_served_as_a_dense_mlp():
+    hf = tiny_model("nemotron_h", layers_block_type=["mamba", "moe", "mlp", "moe"])
+    wrapped = moelens.wrap(hf)
+    mamba, dense = wrapped.layers[0], wrapped.layers[2]
+    assert type(mamba.mixer) is Envoy and not hasattr(mamba, "mlp")  # like an attention layer: no block there
+    assert isinstance(dense.mlp, Mlp) and [moe.layer for moe in wrapped.moes] == [1, 3]
+    with torch.no_grad(), wrapped.trace(**tiny_inputs(hf), use_cache=False):
+        activation = dense.mlp.mlp_activation.save()
+    assert activation.shape[-1] == hf.model.layers[2].mixer.down_proj.in_features
