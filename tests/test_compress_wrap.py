@@ -124,3 +124,25 @@ def test_interventions_on_a_converted_block():
         forced = model.moes[0].expert_indices.save()
         forced_weights = model.moes[0].expert_weights.save()
     assert (forced[..., 0] == 3).all() and torch.equal(forced_weights, torch.ones_like(forced_weights))
+
+
+def test_a_block_under_a_module_named_like_an_nnsight_attribute_is_served():
+    """BERT's attention output projection is ``attention.output.dense``, and nnsight serves ``.output`` as a
+    module's output: converting every linear layer must still wrap, and that block serve its values."""
+    converted = tomoe(bert(), num_experts=4, top_k=2, calibration=ids(), target_modules=r".*", shared_neurons=0,
+                      max_error=None, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nnsight's note on BERT's `output` submodules
+        model = moelens.wrap(converted)
+    moe = next(moe for moe in model.moes if moe._module is converted.encoder.layer[1].attention.output.dense)
+    block = moe._module
+    seen = {}
+    handle = block.register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach(), y=out.detach()))
+    with model.trace(ids(2, 6, seed=3)):
+        values = moe.save_all()
+    handle.remove()
+    with torch.no_grad():
+        expected = expected_values(block, seen["x"])
+    for name, value in values.items():
+        torch.testing.assert_close(value.float(), expected[name].float(), atol=1e-5, rtol=1e-5, msg=name)
+    torch.testing.assert_close(values["mlp_output"], seen["y"])

@@ -22,6 +22,7 @@ from nnsight import NNsight, TransformersModel
 from nnsight.modeling import processing
 
 from .components import Mlp, Moe
+from .components.base import envoy_at
 from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS
 from .errors import FamilyError, MoelensError
@@ -205,7 +206,7 @@ class MoeModelMixin:
     @property
     def moes(self) -> list[Moe]:
         """The MoE components, in layer order."""
-        return [self.get(name) for name in self._structure.moe_blocks]
+        return [envoy_at(self, name) for name in self._structure.moe_blocks]
 
     @property
     def family(self) -> Family | None:
@@ -341,7 +342,7 @@ def _bind(host: Any, alias: str, native: str) -> None:
     """Alias ``host.<native>`` as ``host.<alias>`` unless the name is taken."""
     if alias in host.__dict__ or hasattr(host._module, alias):
         return
-    object.__setattr__(host, alias, host.get(native))
+    object.__setattr__(host, alias, envoy_at(host, native))
     host._aliases[alias] = native
 
 
@@ -355,7 +356,7 @@ def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     for name in structure.moe_blocks + structure.dense_blocks:
         layer = _layer_path(name)
         if layer is not None and layer != name:
-            _bind(wrapped.get(layer), "mlp", family.block_attr)
+            _bind(envoy_at(wrapped, layer), "mlp", family.block_attr)
 
 
 def _instrument(moe: Moe) -> None:

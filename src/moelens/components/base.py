@@ -26,6 +26,19 @@ def layer_of(path: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
+def envoy_at(envoy: Envoy, path: str) -> Envoy:
+    """The envoy of the module at dotted module ``path`` below ``envoy``.
+
+    Walks the modules' own names, so a child named like an nnsight attribute (BERT's
+    ``attention.output``, which nnsight serves under another name) is found too; ``envoy.get``
+    would read the attribute instead.
+    """
+    for part in path.split(".") if path else ():
+        children = envoy._child_map
+        envoy = children[part] if part in children else getattr(envoy, part)
+    return envoy
+
+
 class Component(Envoy):
     """Base of moelens' block envoys: family, layer, and checked value access."""
 

@@ -41,6 +41,7 @@ from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
 from . import tokens
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
+from .base import envoy_at
 from .mlp import Mlp
 from .served import ANY_INF, INDEX, MINUS_INF, Binding, argument, order_errors, output_of, request, served
 
@@ -97,7 +98,7 @@ class Moe(Mlp):
             if alias == native or alias in self.__dict__:
                 continue
             try:
-                target = self.get(native)
+                target = envoy_at(self, native)
             except AttributeError:
                 continue
             if target is None:
@@ -113,7 +114,7 @@ class Moe(Mlp):
         host = self.parent if shared.on_layer else self
         if host is None or not _has_submodule(host._module, shared.module):  # a config can turn it off
             return None
-        envoy = host.get(shared.module)
+        envoy = envoy_at(host, shared.module)
         return envoy if envoy is not None and envoy._module is not None else None
 
     @property
