@@ -267,7 +267,7 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
 
     reads = reads or OpenReads(fetched.raw)
     reads.views[descriptor] = (view, fetched, apply)
-    reads.hold(Mediator.current(location), descriptor, location)
+    reads.hold(mediator, descriptor, location)
     return view
 
 
@@ -298,7 +298,7 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     Mediator.swap(location, written)
     if reads is not None and reads.views:
         reads.raw = written
-        reads.hold(Mediator.current(location), next(reversed(reads.views)), location)
+        reads.hold(mediator, next(reversed(reads.views)), location)
 
 
 class _KeepInGraph(torch.autograd.Function):
