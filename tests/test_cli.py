@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,18 @@ def test_no_command_prints_help(capsys):
         assert torch.get_num_threads() == 2  # no command: the thread count is left alone
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("command", [["inspect", "{root}/dense"], ["stats", "{root}/dense", "--text", "{root}/text.txt"],
+                                     ["export", "{root}/dense", "{root}/dense.nnef.tgz", "--no-verify"],
+                                     ["inspect", "{root}/mixtral/config.json"]])
+def test_refusals_of_a_checkpoint_are_one_line(saved, capsys, command):
+    """No warning comes before the error line (the dense model's 'found no MoE block'), and a file
+    inside a checkpoint is named as such."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        status, out, err = run([part.format(root=saved) for part in command], capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert not [warning for warning in caught if "moelens" in str(warning.message)]
+    if command[1].endswith("config.json"):
+        assert "is a file; pass the checkpoint folder holding it" in err

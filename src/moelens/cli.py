@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+from pathlib import Path
+from typing import Any
 
 from .errors import MoelensError
 
@@ -31,6 +34,40 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+
+
+def load_checkpoint(source: str) -> tuple[Any, str]:
+    """Load a command's MODEL: ``tiny`` (the embedded moelens-tiny) or a checkpoint folder, wrapped.
+
+    Returns:
+        The wrapped model and the name to show for it.
+
+    Raises:
+        MoelensError: moelens-tiny is not installed, or ``source`` is missing, a file, or a folder
+            without config.json (and whatever `moelens.load` refuses).
+    """
+    import moelens
+    from moelens.data import TINY_MODEL_PATH
+
+    quiet_transformers()
+    if source == "tiny":
+        if not (TINY_MODEL_PATH / "config.json").is_file():
+            raise MoelensError(
+                f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "
+                "moelens, or train it with scripts/train_tiny.py."
+            )
+        path, name = TINY_MODEL_PATH, "moelens-tiny"
+    else:
+        path, name = Path(source), source
+        if not path.exists():
+            raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
+        if path.is_file():
+            raise MoelensError(f"{source!r} is a file; pass the checkpoint folder holding it ({str(path.parent)!r}).")
+        if not (path / "config.json").is_file():
+            raise MoelensError(f"{source!r} is not a transformers checkpoint folder (no config.json in it); pass one, or 'tiny'.")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="moelens found no MoE block")  # each command refuses it in one line
+        return moelens.load(path), name
 
 
 def build_parser() -> argparse.ArgumentParser:

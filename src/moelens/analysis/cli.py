@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli import quiet_transformers
+from ..cli import load_checkpoint
 from ..errors import MoelensError, ValueUnavailable
 
 #: Where ``moelens demo`` writes its plots unless told otherwise.
@@ -82,28 +82,9 @@ def register(subparsers: Any) -> None:
 
 def load_model(source: str) -> Any:
     """Load ``source`` (``tiny`` or a local folder) and wrap it; clear errors for a bad path or a non-MoE model."""
-    import moelens
-    from moelens.data import TINY_MODEL_PATH
-
     from .describe import require_moe
 
-    quiet_transformers()
-    if source == "tiny":
-        if not (TINY_MODEL_PATH / "config.json").is_file():
-            raise MoelensError(
-                f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "
-                "moelens, or train it with scripts/train_tiny.py."
-            )
-        model = moelens.load()
-        name = "moelens-tiny"
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise MoelensError(f"{source!r} is not a transformers checkpoint folder (no config.json in it).")
-        model = moelens.load(path)
-        name = str(path)
+    model, name = load_checkpoint(source)
     require_moe(model, name)
     return model
 

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..cli import load_checkpoint
 from ..errors import MoelensError
 
 
@@ -93,26 +94,6 @@ def parse_edits(args: argparse.Namespace) -> Any:
     )
 
 
-def _load(source: str) -> Any:
-    """Load ``source`` (``tiny`` or a checkpoint folder) for the command, with transformers kept quiet."""
-    import moelens
-
-    from ..cli import quiet_transformers
-
-    quiet_transformers()
-
-    if source == "tiny":
-        from moelens.data import TINY_MODEL_PATH
-
-        if not (TINY_MODEL_PATH / "config.json").is_file():
-            raise MoelensError(f"moelens-tiny is not installed at {TINY_MODEL_PATH}; pass a checkpoint folder.")
-        return moelens.load()
-    path = Path(source)
-    if not (path / "config.json").is_file():
-        raise MoelensError(f"{source!r} is not a transformers checkpoint folder (no config.json); pass one, or 'tiny'.")
-    return moelens.load(path)
-
-
 def run_export(args: argparse.Namespace) -> int:
     """Run ``moelens export``."""
     if args.support:
@@ -131,7 +112,7 @@ def run_export(args: argparse.Namespace) -> int:
     from .exporter import default_inputs, to_nnef
     from .target import resolve
 
-    model = _load(args.model)
+    model = load_checkpoint(args.model)[0]
     target: Any = model
     if args.block is not None:
         blocks = [moe for moe in model.moes if moe.layer == args.block]
