@@ -856,3 +856,28 @@ def test_force_checks_expert_groups_up_front_so_it_can_come_first():
         assert (indices == 1).any(-1).all() and not (indices == 2).any(), family
 
 
+
+
+def test_values_outside_a_trace_say_they_exist_only_in_a_run(mixtral):
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    for use in (lambda: moe.router_logits, lambda: moe.router_probs, lambda: setattr(moe, "expert_weights", 0.5),
+                lambda: moelens.ablate(moe, 1), lambda: moe.save_all()):
+        with pytest.raises(ValueUnavailable, match=r"layers\.0\.mlp\.\w+ exists only while the model runs.*model\.trace"):
+            use()
+
+
+def test_a_moe_block_neither_lists_nor_serves_dense_values_and_says_if_it_has_a_shared_expert(mixtral):
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    assert "(mlp_activation) -> None: Not served on an MoE block" in repr(moe) and "router_logits" in repr(moe)
+    with pytest.raises(ValueUnavailable, match="expert_activations"):
+        moe.mlp_neurons  # noqa: B018
+    assert moe.has_shared_expert is False
+    assert moelens.wrap(tiny_model("qwen2_moe")).moes[0].has_shared_expert is True
+
+
+def test_wrapping_a_wrapped_model_says_so(mixtral):
+    wrapped, inputs = mixtral
+    with pytest.raises(moelens.MoelensError, match="wrapped already"):
+        moelens.wrap(wrapped)

@@ -291,6 +291,11 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     Returns:
         An nnsight model: ``.moes``, ``.layers[i].mlp`` (``Moe`` / ``Mlp``), ``.family``.
     """
+    if isinstance(model, MoeModelMixin):
+        raise MoelensError(
+            "wrap() got a model moelens has wrapped already: use it as it is (or wrap its transformers "
+            "model again: moelens.wrap(model._module, tokenizer=model.tokenizer))."
+        )
     if not isinstance(model, torch.nn.Module):
         raise MoelensError(
             f"wrap() takes a transformers model instance (torch.nn.Module), got {type(model).__name__}; "

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from nnsight.intervention.envoy import Envoy
+from nnsight.intervention.interleaver import Mediator
 
 from ..errors import OrderError, ValueUnavailable
 from ..families import Family, registry
@@ -64,10 +65,24 @@ class Component(Envoy):
         raise NotImplementedError
 
     def _read(self, descriptor: serving.served) -> Any:
-        return serving.read(self, descriptor, self._binding(descriptor.name))
+        binding = self._binding(descriptor.name)  # a value this block cannot serve says why, in a trace or not
+        self._require_trace(descriptor.name)
+        return serving.read(self, descriptor, binding)
 
     def _write(self, descriptor: serving.served, value: Any) -> None:
-        serving.write(self, descriptor, self._binding(descriptor.name), value)
+        binding = self._binding(descriptor.name)
+        self._require_trace(descriptor.name)
+        serving.write(self, descriptor, binding, value)
+
+    def _require_trace(self, name: str) -> None:
+        """Raise `ValueUnavailable` when ``name`` is asked for outside a trace (values exist only in a run)."""
+        try:
+            Mediator.current(name)
+        except ValueError:
+            raise ValueUnavailable(
+                f"{self.path}.{name} exists only while the model runs: read or write it inside a trace "
+                "(with model.trace(inputs): ..., or model.generate / model.scan / model.session)."
+            ) from None
 
     def _order(self) -> tuple[str, ...]:
         """The values this component serves, in the order the model produces them."""

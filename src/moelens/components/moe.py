@@ -236,6 +236,14 @@ class Moe(Mlp):
     def selection_scores(self, value: Any) -> Float[Tensor, "b s e"]:
         """What the router ranks to pick experts [b, s, E] where it adds a selection bias to the scores (DS3: sigmoid(logits) + e_score_correction_bias), read at the family's ``selection_op`` (its output, or the argument ``selection_arg`` of that top-k call). Writing changes which experts are picked; their weights stay the scores of the logits."""
 
+    @served
+    def mlp_activation(self, value: Any) -> None:
+        """Not served on an MoE block (each token runs k routed experts): read expert_activations [b, s, k, I]."""
+
+    @served
+    def mlp_neurons(self, value: Any) -> None:
+        """Not served on an MoE block (each token runs k routed experts): read expert_activations [b, s, k, I]."""
+
     @property
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
@@ -248,6 +256,11 @@ class Moe(Mlp):
             f"{self.path}.router_probs is derived from router_logits and cannot be written; "
             "write router_logits (or use moelens.steer) to change the routing."
         )
+
+    @property
+    def has_shared_expert(self) -> bool:
+        """Whether this block has a shared expert (``shared_experts`` and ``shared_expert_output`` raise the reason otherwise)."""
+        return self._shared_envoy() is not None
 
     def _routed_activation(self, name: str) -> ValueUnavailable:
         return self.unavailable(
@@ -409,6 +422,7 @@ class Moe(Mlp):
         Returns:
             Name -> saved tensor, in the order read.
         """
+        self._require_trace("save_all")
         order = self.order()
         wanted = set(order if values is None else values)
         unknown = wanted - set(VALUE_NAMES)
@@ -426,3 +440,4 @@ class Moe(Mlp):
                 continue
             saved[name] = value.save()
         return nnsight.save(saved)
+
