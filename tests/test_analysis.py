@@ -20,6 +20,7 @@ import torch
 import moelens
 from groundtruth import ascii_tokenizer, expert_forward, raw_values
 from moelens import analysis
+from moelens.analysis.cache import SKIPPED
 from moelens.errors import MoelensError, ValueUnavailable
 from moelens.testing import FAMILIES, tiny_model
 
@@ -582,3 +583,31 @@ def test_token_routing_runs_a_text_longer_than_the_context_in_windows(qwen):
         assert torch.equal(view.indices[row], windows.indices[layer].gather(-1, order))
     streamed = analysis.collect_routing(short, [text], progress=False, dtype=torch.float32)
     assert torch.equal(view.indices[0].sort(-1).values, streamed.indices(windows.layers[0]).long().sort(-1).values)
+
+
+def test_token_routing_of_layers_with_different_experts_and_top_k():
+    """A model converted with E=4, k=1 in one layer and E=8, k=3 in another: the view pads the smaller
+    layer with skipped slots (weight 0) and zero probabilities, and keeps each layer's own routing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    calibration = torch.randint(3, 128, (8, 32))
+    model = tomoe(LlamaForCausalLM(config).eval(), num_experts=4, top_k=1, calibration=calibration, max_error=None,
+                  target_modules=["model.layers.0.mlp"], progress=False)
+    model = tomoe(model, num_experts=8, top_k=3, calibration=calibration, max_error=None,
+                  target_modules=["model.layers.2.mlp"], progress=False)
+    wrapped = moelens.wrap(model)
+    view = analysis.token_routing(wrapped, [5, 6, 7, 8])
+    cache = analysis.collect_routing(wrapped, [[5, 6, 7, 8]], logits=True, progress=False, dtype=torch.float32)
+    assert view.indices.shape == (2, 4, 3) and view.probs.shape == (2, 4, 8)
+    for row, (layer, k, experts) in enumerate([(0, 1, 4), (2, 3, 8)]):
+        assert torch.equal(view.indices[row, :, :k].sort(-1).values, cache.indices(layer).long().sort(-1).values)
+        assert (view.indices[row, :, k:] == SKIPPED).all() and (view.weights[row, :, k:] == 0).all()
+        torch.testing.assert_close(view.probs[row, :, :experts], cache.probs(layer))
+        assert (view.probs[row, :, experts:] == 0).all()
+    assert "skip" in view.table()
+    analysis.plots.plot_token_routing(view)

@@ -24,7 +24,8 @@ class TokenRouting:
         token_ids: ``[n]`` the text's token ids.
         tokens: The tokens as printable strings.
         layers: Decoder-layer indices of the MoE layers.
-        indices: ``[L, n, k]`` each token's experts per layer, highest weight first.
+        indices: ``[L, n, k]`` each token's experts per layer, highest weight first (`SKIPPED` in
+            the slots a layer of smaller top-k lacks).
         weights: ``[L, n, k]`` their routing weights.
         probs: ``[L, n, E]`` the router's score of every expert (None without logits).
     """
@@ -74,15 +75,16 @@ def token_routing(
 
     Slots are sorted by weight (highest first) whatever order the family returns them in. A text
     longer than the model's context (``max_position_embeddings``) is run in windows of that length,
-    each from a fresh context, as `collect_routing` runs it.
+    each from a fresh context (as `collect_routing` cuts a long text, whose windows are at most
+    512 tokens unless ``max_length`` says otherwise).
     """
     context = context_length(model)
     cache = collect_routing(model, [text], batch_size=1, max_length=context or 1 << 30, logits=logits, layers=layers,
                             blocks=blocks, dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:
         raise MoelensError("the text has no tokens.")
-    indices = torch.stack([cache.indices(layer) for layer in cache.layers])
-    weights = torch.stack([cache.weights(layer) for layer in cache.layers])
+    indices = _stacked([cache.indices(layer).long() for layer in cache.layers], SKIPPED)
+    weights = _stacked([cache.weights(layer) for layer in cache.layers], 0.0)
     order = torch.argsort(weights, dim=-1, descending=True, stable=True)
     ids = cache.token_ids()
     return TokenRouting(
@@ -91,5 +93,13 @@ def token_routing(
         layers=list(cache.layers),
         indices=indices.gather(-1, order),
         weights=weights.gather(-1, order),
-        probs=torch.stack([cache.probs(layer) for layer in cache.layers]) if logits else None,
+        probs=_stacked([cache.probs(layer) for layer in cache.layers], 0.0) if logits else None,
     )
+
+
+def _stacked(per_layer: list[Tensor], fill: float) -> Tensor:
+    """``[L, n, width]`` from each layer's ``[n, width_l]``: layers of fewer experts or slots (a model
+    converted with different E or k per layer) are padded with ``fill`` (`SKIPPED` slots, weight and
+    probability 0)."""
+    width = max(tensor.shape[-1] for tensor in per_layer)
+    return torch.stack([torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]), value=fill) for tensor in per_layer])
