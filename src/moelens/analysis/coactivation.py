@@ -127,6 +127,8 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
         (`SKIPPED`, -1, where every slot of the token skipped that layer).
     """
     layers = list(cache.layers if layers is None else layers)
+    if not layers:
+        raise MoelensError(f"expert_paths: layers={layers} names no layer; the cache holds layers {list(cache.layers)}.")
     for layer in layers:
         cache._layer(layer)
     paths: Counter[tuple[int, ...]] = Counter()

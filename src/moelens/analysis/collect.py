@@ -53,6 +53,8 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
         missing = wanted - {moe.layer for moe in chosen}
         if missing:
             raise MoelensError(f"layers {sorted(missing)} are not MoE layers; the MoE layers are {sorted({m.layer for m in moes})}.")
+        if not chosen:
+            raise MoelensError(f"layers={list(layers)} selects no MoE layer; the MoE layers are {sorted({m.layer for m in moes})}.")
         moes = chosen
     shared = sorted({moe.layer for moe in moes if sum(other.layer == moe.layer for other in moes) > 1})
     if shared:
@@ -165,6 +167,7 @@ def collect_routing(
         max_length=corpora.default_max_length(model) if max_length is None else max_length,
         pad=corpora.pad_id(model),
         tally=tally,
+        vocab=corpora.vocab_size(model),
     )
     writer = ShardWriter(folder, cache) if folder is not None else None
     pending: list[Shard] = []

@@ -165,15 +165,34 @@ def windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None = 
             yield index, start, ids[start : start + max_length]
 
 
+def vocab_size(model: Any) -> int | None:
+    """The number of token ids the model embeds (its text config's ``vocab_size``), or None."""
+    config = _config(model)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def batches(
     corpus: Any, tokenizer: Any, *, batch_size: int, max_length: int, pad: int, dtype: torch.dtype = torch.long,
-    tally: Tally | None = None,
+    tally: Tally | None = None, vocab: int | None = None,
 ) -> Iterator[Batch]:
-    """Right-padded batches of ``batch_size`` windows (empty items are skipped, but counted in ``tally``)."""
+    """Right-padded batches of ``batch_size`` windows (empty items are skipped, but counted in ``tally``).
+
+    ``vocab``: the model's vocabulary size; a token id outside ``[0, vocab)`` is refused, naming its item.
+    """
     if batch_size < 1:
         raise MoelensError(f"batch_size must be at least 1, got {batch_size}.")
     pending: list[tuple[int, int, list[int]]] = []
     for window in windows(corpus, tokenizer, max_length, tally):
+        if vocab is not None and window[2] and not 0 <= min(window[2]) <= max(window[2]) < vocab:
+            bad = next(token for token in window[2] if not 0 <= token < vocab)
+            raise MoelensError(
+                f"corpus item {window[0]} holds token id {bad}, outside the model's vocabulary [0, {vocab}); "
+                "pass ids from the model's own tokenizer."
+            )
         pending.append(window)
         if len(pending) == batch_size:
             yield _pad(pending, pad, dtype)

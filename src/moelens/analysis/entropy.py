@@ -94,6 +94,8 @@ def routing_entropy(cache: RoutingCache, source: str | None = None, bins: int = 
         source: ``"router"`` or ``"weights"`` (default: router when logits were cached).
         bins: Histogram bins over [0, 1].
     """
+    if not isinstance(bins, int) or bins < 1:
+        raise MoelensError(f"bins must be a whole number of at least 1, got {bins!r}.")
     source = _pick_source(cache, source)
     histogram = torch.zeros(len(cache.layers), bins, dtype=torch.int64)
     total = torch.zeros(len(cache.layers), dtype=torch.float64)

@@ -156,7 +156,7 @@ def expert_logit_lens(
     counts = {moe.layer: torch.zeros(moe.num_experts, dtype=torch.int64) for moe in moes}
     stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
                              max_length=corpora.default_max_length(model) if max_length is None else max_length,
-                             pad=corpora.pad_id(model))
+                             pad=corpora.pad_id(model), vocab=corpora.vocab_size(model))
     bar = tqdm(desc="expert outputs", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
     try:
         for batch in stream:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import MoelensError
 from .cache import SKIPPED
 from .coactivation import Coactivation, Transitions
 from .entropy import Entropy
@@ -124,6 +125,8 @@ def plot_entropy(entropy: Entropy) -> Any:
 
 
 def _grid(count: int, size: float = 3.2) -> tuple[Any, list[Any]]:
+    if count < 1:
+        raise MoelensError("nothing to plot: pass at least one layer's (or expert's) result.")
     plt = pyplot()
     columns = min(count, 4)
     rows = (count + columns - 1) // columns
