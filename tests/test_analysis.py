@@ -628,3 +628,18 @@ def test_bad_analysis_input_gets_a_clear_error(qwen):
     for call, match in cases:
         with pytest.raises(MoelensError, match=match):
             call()
+
+
+def test_the_logit_lens_reads_through_a_final_norm_the_family_names():
+    """lfm2_moe's last norm is `embedding_norm`: the lens must apply it (a trained norm is not all ones)."""
+    hf = tiny_model("lfm2_moe")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        hf.model.embedding_norm.weight.uniform_(0.2, 3.0)
+    wrapped = moelens.wrap(hf)
+    lens = analysis.expert_logit_lens(wrapped, [[5, 6, 7, 8, 9, 10]], top=4, progress=False)
+    assert lens.norm == "model.embedding_norm"
+    with torch.no_grad():
+        logits = hf.lm_head(hf.model.embedding_norm(lens.mean_outputs[0]))
+    for expert in torch.nonzero(lens.counts[0]).flatten().tolist():
+        assert lens.top_ids[0, expert].tolist() == logits[expert].topk(4).indices.tolist()

@@ -73,8 +73,10 @@ def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.n
             "causal LM (load the *ForCausalLM class)."
         )
     base = getattr(module, getattr(module, "base_model_prefix", "model"), None)
+    family = getattr(model, "family", None)
+    names = ((family.final_norm,) if family is not None and family.final_norm else ()) + FINAL_NORMS
     for owner, prefix in ((base, f"{getattr(module, 'base_model_prefix', 'model')}."), (module, "")):
-        for name in FINAL_NORMS:
+        for name in names:
             norm = getattr(owner, name, None) if owner is not None else None
             if isinstance(norm, torch.nn.Module):
                 return norm, prefix + name, head

@@ -229,6 +229,8 @@ class Family:
         expert_gate: What the gated experts compute when their class overrides
             transformers' default gate, or None (``act_fn(gate) * up``; ``act_fn(up)`` for
             ungated experts). Read by the NNEF export.
+        final_norm: The base model's final norm where it has none of the usual names
+            (lfm2_moe: ``embedding_norm``), else "". Read by the expert logit lens.
     """
 
     name: str
@@ -250,6 +252,7 @@ class Family:
     notes: str = ""
     runs_only_on: Mapping[str, str] = field(default_factory=dict)
     expert_gate: ExpertGate | None = None
+    final_norm: str = ""
 
     def resolve(self, reference: Any, block: Any) -> Any:
         """The value an attribute reference names, read from the live block module.

@@ -34,6 +34,7 @@ FAMILIES = [
     Family("lfm2_moe", ("lfm2_moe",), ("Lfm2MoeSparseMoeBlock",), block_attr="feed_forward",
            scoring=sgb("block.expert_bias", normalize="router.norm_topk_prob",
                        scale="router.routed_scaling_factor", selection_op="scores_for_routing_0"),
+           final_norm="embedding_norm",
            notes="The block is `feed_forward` (aliased mlp); the bias buffer lives on the block."),
     Family("flint", ("flint",), ("FlintSparseMoeBlock",),
            scoring=Scoring("sigmoid", "score_topk", normalize="router.norm_topk_prob", code="sigmoid"),
