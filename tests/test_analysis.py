@@ -643,3 +643,21 @@ def test_the_logit_lens_reads_through_a_final_norm_the_family_names():
         logits = hf.lm_head(hf.model.embedding_norm(lens.mean_outputs[0]))
     for expert in torch.nonzero(lens.counts[0]).flatten().tolist():
         assert lens.top_ids[0, expert].tolist() == logits[expert].topk(4).indices.tolist()
+
+
+def test_plots_do_not_draw_experts_a_layer_lacks_or_skips_as_an_expert():
+    from moelens.analysis.token_view import TokenRouting
+    from moelens.analysis.usage import Usage
+
+    plots = analysis.plots
+    usage = Usage(layers=[0, 2], counts=torch.tensor([[3, 1, 0, 0], [1, 1, 1, 1]]),
+                  weight=torch.zeros(2, 4, dtype=torch.float64), tokens=4, top_k=[1, 1], num_experts=[2, 4])
+    figure = plots.plot_usage(usage)
+    cells = figure.axes[0].images[0].get_array()
+    assert cells.mask[0, 2:].all() or torch.isnan(torch.as_tensor(cells.data[0, 2:])).all()
+    assert len(figure.axes[0].texts) == 6  # 2 + 4 annotated cells, none for the experts layer 0 lacks
+    view = TokenRouting(token_ids=torch.tensor([1, 2]), tokens=["a", "b"], layers=[0],
+                        indices=torch.tensor([[[0, 1], [SKIPPED, SKIPPED]]]), weights=torch.ones(1, 2, 2))
+    image = plots.plot_token_routing(view).axes[0].images[0]
+    colours = image.to_rgba(image.get_array())
+    assert tuple(colours[0, 0]) != tuple(colours[0, 1])  # the skipped token is not drawn in expert 0's colour

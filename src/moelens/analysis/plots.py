@@ -64,10 +64,12 @@ def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = 16, dark_l
     rows, columns = values.shape
     if rows > limit or columns > limit:
         return
-    top = float(values.max()) if values.numel() else 0.0
+    top = float(values.nan_to_num(0.0).max()) if values.numel() else 0.0
     for i in range(rows):
         for j in range(columns):
             value = float(values[i, j])
+            if value != value:  # NaN: a cell with nothing in it (an expert the layer does not have)
+                continue
             axes.text(j, i, format(value, fmt), ha="center", va="center", fontsize=7,
                       color="white" if dark_low and value < 0.6 * top else "black")
 
@@ -75,7 +77,9 @@ def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = 16, dark_l
 def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> Any:
     """Heatmap layers x experts of each expert's share of its layer's slots (1/E is balanced)."""
     plt = pyplot()
-    share = usage.fraction.float()
+    share = usage.fraction.float().clone()
+    for row, experts in enumerate(usage.num_experts):
+        share[row, experts:] = float("nan")  # a layer of fewer experts (a converted model): no cell, not a 0
     figure, axes = plt.subplots(figsize=(max(4.0, 0.55 * share.shape[1] + 2), max(2.2, 0.5 * share.shape[0] + 1.2)))
     image = axes.imshow(share, aspect="auto", cmap="viridis", vmin=0)
     _annotate(axes, share * 100, ".0f")
@@ -185,12 +189,10 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
     plt = pyplot()
     count = min(len(view.tokens), max_tokens)
     top = view.top1()[:, :count].float()
-    width = int(view.indices.max()) + 1 if view.indices.numel() else 1
-    if view.probs is not None:
-        width = max(width, view.probs.shape[-1])
+    width = max(int(view.indices.max()) + 1, 1) if view.indices.numel() else 1
+    colours = _categorical(width).with_extremes(under="white")  # a skipped slot (-1) is white, no expert's colour
     figure, axes = plt.subplots(figsize=(max(6.0, 0.32 * count + 1.5), 0.55 * len(view.layers) + 1.6))
-    image = axes.imshow(top, aspect="auto", cmap=_categorical(width), vmin=-0.5, vmax=width - 0.5,
-                        interpolation="nearest")
+    image = axes.imshow(top, aspect="auto", cmap=colours, vmin=-0.5, vmax=width - 0.5, interpolation="nearest")
     k = view.indices.shape[-1]
     for row in range(len(view.layers)):
         for column in range(count):
