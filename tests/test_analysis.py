@@ -660,4 +660,8 @@ def test_plots_do_not_draw_experts_a_layer_lacks_or_skips_as_an_expert():
                         indices=torch.tensor([[[0, 1], [SKIPPED, SKIPPED]]]), weights=torch.ones(1, 2, 2))
     image = plots.plot_token_routing(view).axes[0].images[0]
     colours = image.to_rgba(image.get_array())
-    assert tuple(colours[0, 0]) != tuple(colours[0, 1])  # the skipped token is not drawn in expert 0's colour
+    assert tuple(colours[0, 1]) == (1.0, 1.0, 1.0, 1.0)  # the skipped token is white, no expert's colour
+    probs = torch.zeros(1, 2, 8)
+    image = plots.plot_token_routing(TokenRouting(view.token_ids, view.tokens, view.layers, view.indices, view.weights,
+                                                  probs)).axes[0].images[0]
+    assert image.get_clim() == (-0.5, 7.5)  # every expert of the layer, whichever the text uses

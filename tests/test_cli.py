@@ -251,4 +251,4 @@ def test_refusals_of_a_checkpoint_are_one_line(saved, capsys, command):
     assert status == 2 and len(err.strip().splitlines()) == 1, err
     assert not [warning for warning in caught if "moelens" in str(warning.message)]
     if command[1].endswith("config.json"):
-        assert "is a file; pass the checkpoint folder holding it" in err
+        assert "is a file; moelens.load takes the checkpoint folder" in err

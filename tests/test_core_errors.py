@@ -644,7 +644,7 @@ def biased(family: str):
     moe = next(moe for moe in wrapped.moes if moe.SCORING.selection_bias)
     with torch.no_grad():
         bias = moe.family.resolve(moe.SCORING.selection_bias, moe._module)
-        bias.copy_(torch.arange(moe.num_experts, dtype=bias.dtype) * 0.1)
+        bias[: moe.num_experts] = torch.arange(moe.num_experts, dtype=bias.dtype) * 0.1  # zaya: then its skip class
     return wrapped, moe, tiny_inputs(hf, batch=1, seq=6)["input_ids"]
 
 
@@ -700,7 +700,8 @@ def test_selection_scores_are_the_scores_plus_the_bias(family):
         logits = moe.router_logits.save()
         ranked = moe.selection_scores.save()
     scoring = moe.SCORING
-    experts = logits[..., : moe.num_experts].float()  # inkling: the last columns gate its shared experts
+    # inkling: the last columns gate its shared experts; zaya: the last is a skip class its softmax covers
+    experts = logits.float() if scoring.select == "skip_topk" else logits[..., : moe.num_experts].float()
     scores = experts if scoring.select == "logit_topk" else score(moe.family.resolve(scoring.score, moe._module), experts)
     bias = moe.family.resolve(scoring.selection_bias, moe._module)
     torch.testing.assert_close(ranked.float(), scores + bias.float())
@@ -856,14 +857,12 @@ def test_force_checks_expert_groups_up_front_so_it_can_come_first():
         assert (indices == 1).any(-1).all() and not (indices == 2).any(), family
 
 
-
-
 def test_values_outside_a_trace_say_they_exist_only_in_a_run(mixtral):
     wrapped, inputs = mixtral
     moe = wrapped.moes[0]
     for use in (lambda: moe.router_logits, lambda: moe.router_probs, lambda: setattr(moe, "expert_weights", 0.5),
                 lambda: moelens.ablate(moe, 1), lambda: moe.save_all()):
-        with pytest.raises(ValueUnavailable, match=r"layers\.0\.mlp\.\w+ exists only while the model runs.*model\.trace"):
+        with pytest.raises(ValueUnavailable, match=r"layers\.0\.mlp\.\w+: a block.s values exist only while the model runs.*model\.trace"):
             use()
 
 
@@ -881,3 +880,32 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
     wrapped, inputs = mixtral
     with pytest.raises(moelens.MoelensError, match="wrapped already"):
         moelens.wrap(wrapped)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda moe: moelens.reroute(moe, -1, 1), r"tokens=-1 is ambiguous"),
+        (lambda moe: moelens.reroute(moe, torch.tensor([0]), 1), r"is ambiguous.*\(slice\(None\), positions\)"),
+        (lambda moe: moelens.force(moe, 1, tokens=torch.zeros(2, 5, dtype=torch.long)), r"integer 0/1 mask: \.bool\(\)"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), {1, 2}), r"experts=\{1, 2\} gives no expert ids"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), None), r"experts=None gives no expert ids"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), []), r"experts=\[\] gives no expert ids"),
+    ],
+    ids=["int-tokens", "int-tensor-tokens", "int-mask", "set-experts", "none-experts", "no-experts"],
+)
+def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match):
+    wrapped, inputs = mixtral
+    write_fails(wrapped, inputs, call, match)
+
+
+def test_a_bool_mask_selects_only_its_tokens(mixtral):
+    wrapped, inputs = mixtral
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3] = True
+    with wrapped.trace(**inputs):
+        before = wrapped.moes[0].expert_indices.clone().save()
+        moelens.reroute(wrapped.moes[0], mask, 7)
+        after = wrapped.moes[0].expert_indices.save()
+    changed = (after != before).any(-1)
+    assert not changed[~mask].any() and (after[1, 3] == 7).all()

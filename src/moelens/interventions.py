@@ -133,7 +133,15 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
     selected = indices[rows]
-    replacement = torch.as_tensor(experts, device=indices.device)
+    try:
+        replacement = torch.as_tensor(experts, device=indices.device)
+    except (TypeError, RuntimeError, ValueError):
+        replacement = None
+    if replacement is None or replacement.numel() == 0:
+        raise WriteError(
+            f"reroute: experts={experts!r} gives no expert ids; pass one id, k ids (one per slot), or a tensor "
+            "of ids broadcastable to the selected tokens' [n, k] slots."
+        )
     if replacement.is_floating_point() or replacement.is_complex() or replacement.dtype == torch.bool:
         raise WriteError(
             f"reroute: expert ids must be integers, got {replacement.dtype} {replacement.tolist()}; "
@@ -176,11 +184,19 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
 def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(batch, position)`` index tensors of the tokens ``tokens`` selects in ``values`` ``[b, s, ...]``.
 
-    ``tokens`` indexes the ``[batch, seq]`` grid only (a bool mask, an int, slices,
-    ``(batch_index, seq_index)``, ``...``), so ``(..., p)`` means position ``p`` of every
-    row, never a column of the value's last axis; the selection keeps its shape.
+    ``tokens`` indexes the ``[batch, seq]`` grid only (a bool mask, ``(batch_index, seq_index)``,
+    ``(slice(None), positions)``, ``...``), so ``(..., p)`` means position ``p`` of every row, never
+    a column of the value's last axis; the selection keeps its shape. A lone index (an int, a list,
+    an integer mask) would pick batch rows and is refused as ambiguous.
     """
     batch, seq = values.shape[:2]
+    whole = tokens is Ellipsis or isinstance(tokens, slice) and tokens == slice(None)
+    if not (isinstance(tokens, tuple) or whole or _is_bool_mask(tokens)):
+        raise WriteError(
+            f"{call}: tokens={tokens!r} is ambiguous: on its own an index (an int, a list, an integer tensor or "
+            "mask) picks whole batch rows, not positions; pass a [batch, seq] bool mask (an integer 0/1 mask: "
+            ".bool()), (batch_index, seq_index), (slice(None), positions) or (..., position)."
+        )
     grid = torch.arange(batch * seq, device=values.device).view(batch, seq)
     try:
         chosen = grid[tokens]
@@ -191,6 +207,16 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
         ) from None
     chosen = chosen.reshape(-1) if chosen.dim() == 0 else chosen  # one (batch, position) pair
     return chosen // seq, chosen % seq
+
+
+def _is_bool_mask(tokens: Any) -> bool:
+    """Whether ``tokens`` is a bool tensor, array or nested list (a mask)."""
+    if isinstance(tokens, (int, slice)) or tokens is None:
+        return False
+    try:
+        return torch.as_tensor(tokens).dtype == torch.bool
+    except (TypeError, RuntimeError, ValueError):
+        return False
 
 
 def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,

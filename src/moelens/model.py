@@ -24,7 +24,7 @@ from nnsight.modeling import processing
 from .components import Mlp, Moe
 from .components.base import envoy_at
 from .components.implementations import is_dispatching
-from .components.mlp import DOWN_PROJECTIONS
+from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .errors import FamilyError, MoelensError
 from .families import Family, registry
 from .families.entry import get_path
@@ -72,12 +72,6 @@ def _check_router(name: str, module: torch.nn.Module, family: Family) -> None:
             f"family {family.name!r}: block {name} ({type(module).__name__}) has no router at {family.router!r}; "
             f"its children are {_children(module)}. Fix the family's router path."
         ) from None
-
-
-#: Child names of the up (or gate) projection in dense MLPs. A module with a down projection
-#: (`DOWN_PROJECTIONS`) but none of these is no MLP: an SSM mixer's ``in_proj`` / ``out_proj``.
-UP_PROJECTIONS = ("up_proj", "gate_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3", "input_linear",
-                  "dense_h_to_4h", "wi", "wi_0", "wi_1")
 
 
 def _has_child(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
@@ -294,7 +288,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     if isinstance(model, MoeModelMixin):
         raise MoelensError(
             "wrap() got a model moelens has wrapped already: use it as it is (or wrap its transformers "
-            "model again: moelens.wrap(model._module, tokenizer=model.tokenizer))."
+            "model again: moelens.wrap(model._module, tokenizer=getattr(model, 'tokenizer', None)))."
         )
     if not isinstance(model, torch.nn.Module):
         raise MoelensError(

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError, ValueUnavailable
+from ..paths import file_above
 
 #: Where ``moelens demo`` writes its plots unless told otherwise.
 DEMO_OUT = Path("moelens-out") / "demo"
@@ -104,10 +105,8 @@ def check_output_folder(path: Path) -> None:
     """Refuse an ``--out`` that names a file, or lies under one (before any work; the folder is made when written)."""
     if path.exists() and not path.is_dir():
         raise MoelensError(f"--out {str(path)!r} is a file; name a folder (it is created if missing).")
-    ancestor = path.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
+    ancestor = file_above(path)
+    if ancestor is not None:
         raise MoelensError(
             f"--out {str(path)!r} lies under {str(ancestor)!r}, which is a file, not a folder; name a folder "
             "elsewhere (it is created if missing)."

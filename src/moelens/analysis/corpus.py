@@ -79,17 +79,11 @@ def _config(model: Any) -> Any:
     return getattr(module, "config", None)
 
 
-def context_length(model: Any) -> int | None:
-    """The model's context: its config's ``max_position_embeddings``, or None where it has none."""
+def default_max_length(model: Any) -> int:
+    """The window length: the config's ``max_position_embeddings`` capped at `DEFAULT_MAX_LENGTH`."""
     config = _config(model)
     limit = getattr(config, "max_position_embeddings", None) if config is not None else None
-    return int(limit) if isinstance(limit, int) and limit > 0 else None
-
-
-def default_max_length(model: Any) -> int:
-    """The window length: the model's context capped at `DEFAULT_MAX_LENGTH`."""
-    context = context_length(model)
-    return DEFAULT_MAX_LENGTH if context is None else min(context, DEFAULT_MAX_LENGTH)
+    return min(int(limit), DEFAULT_MAX_LENGTH) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_LENGTH
 
 
 def encode(item: Any, tokenizer: Any, what: str) -> list[int]:

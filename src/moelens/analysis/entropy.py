@@ -15,6 +15,7 @@ Two sources, both normalised to [0, 1]:
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,9 @@ def routing_entropy(cache: RoutingCache, source: str | None = None, bins: int = 
         source: ``"router"`` or ``"weights"`` (default: router when logits were cached).
         bins: Histogram bins over [0, 1].
     """
-    if not isinstance(bins, int) or bins < 1:
+    if isinstance(bins, bool) or not hasattr(bins, "__index__") or operator.index(bins) < 1:
         raise MoelensError(f"bins must be a whole number of at least 1, got {bins!r}.")
+    bins = operator.index(bins)
     source = _pick_source(cache, source)
     histogram = torch.zeros(len(cache.layers), bins, dtype=torch.int64)
     total = torch.zeros(len(cache.layers), dtype=torch.float64)

@@ -12,7 +12,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from .cache import SKIPPED
 from .collect import collect_routing
-from .corpus import context_length, tokenizer_of
+from .corpus import tokenizer_of
 from .text import token_strings
 
 
@@ -73,14 +73,12 @@ def token_routing(
 ) -> TokenRouting:
     """Run ``text`` (a string, or token ids) and return every token's routing in every MoE layer.
 
-    Slots are sorted by weight (highest first) whatever order the family returns them in. A text
-    longer than the model's context (``max_position_embeddings``) is run in windows of that length,
-    each from a fresh context (as `collect_routing` cuts a long text, whose windows are at most
-    512 tokens unless ``max_length`` says otherwise).
+    Slots are sorted by weight (highest first) whatever order the family returns them in. A long
+    text is run in the windows `collect_routing` cuts by default (the model's context, at most 512
+    tokens), each from a fresh context.
     """
-    context = context_length(model)
-    cache = collect_routing(model, [text], batch_size=1, max_length=context or 1 << 30, logits=logits, layers=layers,
-                            blocks=blocks, dtype=torch.float32, stop_early=True, progress=False)
+    cache = collect_routing(model, [text], batch_size=1, logits=logits, layers=layers, blocks=blocks,
+                            dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:
         raise MoelensError("the text has no tokens.")
     indices = _stacked([cache.indices(layer).long() for layer in cache.layers], SKIPPED)

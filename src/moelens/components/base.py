@@ -65,14 +65,16 @@ class Component(Envoy):
         raise NotImplementedError
 
     def _read(self, descriptor: serving.served) -> Any:
-        binding = self._binding(descriptor.name)  # a value this block cannot serve says why, in a trace or not
-        self._require_trace(descriptor.name)
-        return serving.read(self, descriptor, binding)
+        return serving.read(self, descriptor, self._bound(descriptor.name))
 
     def _write(self, descriptor: serving.served, value: Any) -> None:
-        binding = self._binding(descriptor.name)
-        self._require_trace(descriptor.name)
-        serving.write(self, descriptor, binding, value)
+        serving.write(self, descriptor, self._bound(descriptor.name), value)
+
+    def _bound(self, name: str) -> serving.Binding:
+        """``name``'s binding, in a trace (a value this block cannot serve says why, in a trace or not)."""
+        binding = self._binding(name)
+        self._require_trace(name)
+        return binding
 
     def _require_trace(self, name: str) -> None:
         """Raise `ValueUnavailable` when ``name`` is asked for outside a trace (values exist only in a run)."""
@@ -80,7 +82,7 @@ class Component(Envoy):
             Mediator.current(name)
         except ValueError:
             raise ValueUnavailable(
-                f"{self.path}.{name} exists only while the model runs: read or write it inside a trace "
+                f"{self.path}.{name}: a block's values exist only while the model runs; use them inside a trace "
                 "(with model.trace(inputs): ..., or model.generate / model.scan / model.session)."
             ) from None
 

@@ -22,6 +22,11 @@ from .served import Binding, argument, output_of, served
 #: Child names of the down projection in dense MLPs, tried in order.
 DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "output_linear", "dense_4h_to_h", "wo", "out_proj")
 
+#: Child names of the up (or gate) projection in dense MLPs. A module with a down projection
+#: (`DOWN_PROJECTIONS`) but none of these is no MLP: an SSM mixer's ``in_proj`` / ``out_proj``.
+UP_PROJECTIONS = ("up_proj", "gate_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3", "input_linear",
+                  "dense_h_to_4h", "wi", "wi_0", "wi_1")
+
 #: Moe values a dense block cannot serve.
 MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output") + ("selection_scores",)
 

@@ -440,4 +440,3 @@ class Moe(Mlp):
                 continue
             saved[name] = value.save()
         return nnsight.save(saved)
-

@@ -15,6 +15,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from ..paths import file_above
 from .errors import ExportError
 
 #: Suffixes of an archive path (anything else is written as a folder).
@@ -61,17 +62,19 @@ def check_destination(path: Path) -> None:
             f"{path} is a folder with files of its own; moelens writes a folder export only into a new "
             "or empty folder, or over an earlier NNEF export. Name a new folder (or an archive, *.nnef.tgz)."
         )
-    ancestor = path.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
+    ancestor = file_above(path)
+    if ancestor is not None:
         raise ExportError(f"{path} lies under {ancestor}, which is a file, not a folder; name a path in a folder.")
+
+
+def _is_export_listing(names: list[str]) -> bool:
+    """Whether these file names (relative to the export's root) are an NNEF export and nothing else."""
+    return "graph.nnef" in names and all(Path(name).suffix in EXPORT_FILE_SUFFIXES for name in names)
 
 
 def _is_export_folder(path: Path) -> bool:
     """Whether ``path`` holds an NNEF export and nothing else."""
-    files = [p for p in path.rglob("*") if not p.is_dir()]
-    return (path / "graph.nnef").is_file() and all(p.suffix in EXPORT_FILE_SUFFIXES for p in files)
+    return _is_export_listing([p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()])
 
 
 def _is_export_archive(path: Path) -> bool:
@@ -81,7 +84,7 @@ def _is_export_archive(path: Path) -> bool:
             names = [member.name for member in tar.getmembers() if not member.isdir()]
     except (OSError, tarfile.TarError, EOFError):
         return False
-    return "graph.nnef" in names and all(Path(name).suffix in EXPORT_FILE_SUFFIXES for name in names)
+    return _is_export_listing(names)
 
 
 def write(folder: Path, path: Path) -> Path:

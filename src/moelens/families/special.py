@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .entry import PER_SLOT_VALUES, Combine, Family, Scoring, SharedExpert
+from .entry import PER_SLOT_VALUES, TOPK, Combine, Family, Scoring, SharedExpert
 
 NO_SLOTS = (
     "{family} does not call its experts as experts(hidden, top_k_index, top_k_weights) through "
@@ -54,10 +54,12 @@ FAMILIES = [
                     for name in PER_SLOT_VALUES},
            notes="Layers are transformer.blocks[i].ffn; weights are normalised by a p-norm."),
     Family("zaya", ("zaya",), ("ZayaSparseMoeBlock",), logits_op="self_router_mlp_0",
-           scoring=Scoring("softmax", "skip_topk", normalize=False, code="SM over E+1 (skip)"),
+           scoring=Scoring("softmax", "skip_topk", normalize=False, code="SM over E+1 (skip)",
+                           selection_bias="router.balancing_biases", selection_op=TOPK, selection_arg=0),
            combine=Combine(output_index=0),
            notes="Logits have E+1 columns: the last is a 'skip' class. Skip slots come as index 0 with weight 0, "
-                 "so index 0 does not always mean expert 0 ran. The router carries state across layers."),
+                 "so index 0 does not always mean expert 0 ran. The router carries state across layers; it ranks "
+                 "softmax(logits) + balancing_biases (selection_scores, E+1 columns)."),
     Family("phimoe", ("phimoe",), ("PhimoeSparseMoeBlock",), router="router", logits_op="forward_0",
            scoring=Scoring("softmax", "sparsemixer", code="SPM"), top_k=2,
            notes="Sparse-mixer routing picks exactly 2 experts whatever num_experts_per_tok says; weights are "

@@ -56,7 +56,7 @@ class SharedGroup:
 def stored_group(module: Any) -> Any:
     """The EP group `shard_experts` stored on an experts module (None when it stored none)."""
     holder = getattr(module, "__dict__", {}).get("_ep_group")
-    return holder.group if isinstance(holder, SharedGroup) else holder
+    return None if holder is None else holder.group
 
 
 @dataclass
