@@ -138,15 +138,18 @@ def test_per_slot_values_first_read_at_a_later_step_are_that_steps(family, impl)
     wrapped = moelens.wrap(tiny_model(family, experts_implementation=impl), tokenizer=ascii_tokenizer())
     moe = first_moe(wrapped)
     steps = 5
+    calls = []  # the experts module's output at every step, from a plain forward hook
+    handle = moe.experts._module.register_forward_hook(lambda module, args, out: calls.append(out.detach().clone()))
     with wrapped.generate("hello", max_new_tokens=steps, do_sample=False, min_new_tokens=steps) as tracer:
         slots, routed = nnsight.save({}), nnsight.save({})
         for step in tracer.iter[:steps]:
             if step in (1, 3):
                 slots[step] = moe.expert_outputs.save()
                 routed[step] = moe.routed_output.save()
-    assert sorted(slots) == [1, 3]
+    handle.remove()
+    assert sorted(slots) == [1, 3] and len(calls) == steps
     for step in slots:
-        torch.testing.assert_close(slots[step].sum(2), routed[step], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(slots[step].sum(2), calls[step].reshape(routed[step].shape), atol=1e-6, rtol=1e-5)
 
     def step_logits(edit) -> list[torch.Tensor]:
         with wrapped.generate("hello", max_new_tokens=steps, do_sample=False, min_new_tokens=steps) as tracer:

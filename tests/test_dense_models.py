@@ -59,6 +59,11 @@ def test_a_mamba_mixer_is_not_served_as_a_dense_mlp():
     mamba, dense = wrapped.layers[0], wrapped.layers[2]
     assert type(mamba.mixer) is Envoy and not hasattr(mamba, "mlp")  # like an attention layer: no block there
     assert isinstance(dense.mlp, Mlp) and [moe.layer for moe in wrapped.moes] == [1, 3]
+    seen = {}
+    down = hf.model.layers[2].mixer.down_proj
+    handle = down.register_forward_pre_hook(lambda module, args: seen.update(x=args[0].detach().clone()))
     with torch.no_grad(), wrapped.trace(**tiny_inputs(hf), use_cache=False):
         activation = dense.mlp.mlp_activation.save()
-    assert activation.shape[-1] == hf.model.layers[2].mixer.down_proj.in_features
+    handle.remove()
+    assert activation.shape[-1] == down.in_features
+    torch.testing.assert_close(activation, seen["x"].reshape(activation.shape))
