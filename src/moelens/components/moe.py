@@ -31,8 +31,8 @@ from typing import Any, Iterable
 
 import nnsight
 import torch
-from nnsight.intervention.interleaver import Mediator
 from jaxtyping import Float, Int
+from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
 from ..errors import ValueUnavailable, WriteError
@@ -40,8 +40,8 @@ from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
 from . import tokens
-from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .base import envoy_at
+from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .served import ANY_INF, INDEX, MINUS_INF, Binding, argument, order_errors, output_of, request, served
 
