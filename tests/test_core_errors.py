@@ -881,6 +881,9 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
     wrapped, inputs = mixtral
     with pytest.raises(moelens.MoelensError, match="wrapped already"):
         moelens.wrap(wrapped)
+    plain = nnsight.NNsight(wrapped._module)
+    with pytest.raises(moelens.MoelensError, match=r"got an nnsight model \(NNsight\).*moelens.wrap\(model._module"):
+        moelens.wrap(plain)
 
 
 @pytest.mark.parametrize(

@@ -326,3 +326,38 @@ def test_edits_of_both_call_arguments_land(assign_weights):
 
     expected = plain_edit(reference, inputs, [moe], edit)
     torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
+def test_reads_and_in_place_edits_work_under_inference_mode(impl):
+    """torch.inference_mode's tensors keep no version counter: reads still equal the raw ops and
+    the plain forward, in-place edits still land and are still checked."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", impl)
+    moe = running_moes(wrapped)[0]
+    raw = nnsight.NNsight(reference)
+    with torch.inference_mode(), raw.trace(**inputs):
+        raw_logits = logits_op(raw.get(moe.path.removeprefix("model.")), moe).save()
+    with torch.inference_mode(), wrapped.trace(**inputs):
+        values = moe.save_all()
+        output = wrapped.output.save()
+    assert torch.equal(first_tensor(output), plain)
+    assert torch.equal(values["router_logits"].reshape(raw_logits.shape), raw_logits)
+
+    with torch.inference_mode(), wrapped.trace(**inputs):
+        weights = moe.expert_weights
+        weights *= 0.5
+        edited = wrapped.output.save()
+
+    def edit(block, moe, index):
+        swap_call_args(block, moe, lambda indices, weights: (indices, weights * 0.5))
+
+    torch.testing.assert_close(first_tensor(edited), plain_edit(reference, inputs, [moe], edit), atol=1e-6, rtol=1e-6)
+    with pytest.raises(moelens.WriteError, match="expert index 100"):
+        with torch.inference_mode(), wrapped.trace(**inputs):
+            moe.expert_indices[..., 0] = 100
+            wrapped.output.save()
+    if impl != "eager":  # per-slot values: the view is un-sorted into token-slot order, its edit sorted back
+        with torch.inference_mode(), wrapped.trace(**inputs):
+            moe.expert_activations.zero_()
+            routed = moe.routed_output.save()
+        assert routed.abs().max() == 0  # bias-free down projections of zero activations

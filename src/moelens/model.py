@@ -290,6 +290,11 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             "wrap() got a model moelens has wrapped already: use it as it is (or wrap its transformers "
             "model again: moelens.wrap(model._module, tokenizer=getattr(model, 'tokenizer', None)))."
         )
+    if isinstance(model, NNsight):
+        raise MoelensError(
+            f"wrap() got an nnsight model ({type(model).__name__}); wrap the transformers model inside it: "
+            "moelens.wrap(model._module, tokenizer=getattr(model, 'tokenizer', None))."
+        )
     if not isinstance(model, torch.nn.Module):
         raise MoelensError(
             f"wrap() takes a transformers model instance (torch.nn.Module), got {type(model).__name__}; "

@@ -251,6 +251,11 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         # Autograd may keep the model's tensor for its backward (top-k indices, softmax weights):
         # an in-place edit of it would fail there, so edits go to a copy and back through the write-back.
         view = view.clone()
+    elif view.is_inference():
+        # Under torch.inference_mode the model's tensors keep no version counter, so an in-place
+        # edit could not be told from a read: the view is a normal tensor (one copy) that counts them.
+        with torch.inference_mode(False):
+            view = view.clone()
     version = view._version
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
     # `.grad` in a `with loss.backward():` block) sees the gradient: a view alone is off the graph.
