@@ -172,3 +172,31 @@ def test_per_slot_values_first_read_at_a_later_step_are_that_steps(family, impl)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     untouched = step_logits(lambda: None)
     assert torch.equal(by_output[1], untouched[1]) and not torch.allclose(by_output[2], untouched[2])
+
+
+@pytest.mark.parametrize(
+    "settings", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}], ids=["beams", "sequences"]
+)
+def test_generation_with_beams_or_sequences_serves_each_expanded_row(settings):
+    """transformers runs every prompt row as max(num_beams, num_return_sequences) consecutive
+    rows: each invoke's view holds its prompts' rows, [rows, seq, ...] at every step."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = first_moe(wrapped)
+    calls = []
+    hook = hf.get_submodule(moe.path.removeprefix("model.") + "." + moe.family.experts).register_forward_hook(
+        lambda module, args, output: calls.append(args[1].clone()))
+    try:
+        torch.manual_seed(0)
+        with wrapped.generate(max_new_tokens=2, min_new_tokens=2, **settings) as tracer:
+            with tracer.invoke(["hello", "abcde"]):
+                first = nnsight.save([moe.expert_indices.save() for _ in tracer.iter[:2]])
+            with tracer.invoke("world"):
+                second = nnsight.save([moe.expert_indices.save() for _ in tracer.iter[:2]])
+    finally:
+        hook.remove()
+    assert [tuple(x.shape) for x in first] == [(4, 5, 2), (4, 1, 2)]
+    assert [tuple(x.shape) for x in second] == [(2, 5, 2), (2, 1, 2)]
+    for step, seq in enumerate((5, 1)):
+        rows = calls[step].view(6, seq, 2)  # 3 prompts x 2 rows each, in invoke order
+        assert torch.equal(first[step], rows[:4]) and torch.equal(second[step], rows[4:])

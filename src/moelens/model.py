@@ -19,6 +19,7 @@ from typing import Any
 import nnsight
 import torch
 from nnsight import NNsight, TransformersModel
+from nnsight.intervention.envoy import traceable
 from nnsight.modeling import processing
 
 from .components import Mlp, Moe
@@ -235,6 +236,34 @@ class MoeModelMixin:
 
 class MoeTransformersModel(MoeModelMixin, TransformersModel):
     """A transformers model with a tokenizer (string prompts, padding, generation), with moelens components."""
+
+    #: Rows the model runs per prompt row while it generates: transformers repeats each row for
+    #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
+    _rows_per_prompt: int = 1
+
+    @traceable
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """nnsight's ``generate``, telling the token views how many rows each prompt becomes."""
+        self._rows_per_prompt = rows_per_prompt(self._module, kwargs)
+        try:
+            return super().generate(*inputs, **kwargs)
+        finally:
+            self._rows_per_prompt = 1
+
+
+def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
+    """How many rows transformers' ``generate`` runs for each prompt row with these arguments.
+
+    It repeats every row ``max(num_beams, num_return_sequences)`` times, in place (row i
+    becomes rows ``i * n`` to ``i * n + n - 1``), from the arguments over the
+    ``generation_config`` given or the model's own.
+    """
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+    def setting(name: str) -> int:
+        return int(kwargs.get(name) or getattr(config, name, None) or 1)
+
+    return max(setting("num_beams"), setting("num_return_sequences"))
 
 
 class MoeNNsight(MoeModelMixin, NNsight):

@@ -45,15 +45,21 @@ class Rows:
 
 
 def current_rows(location: str) -> Rows:
-    """The rows the running worker owns, read from its mediator and batcher."""
+    """The rows the running worker owns, read from its mediator and batcher.
+
+    While the model generates with beams or several returned sequences, transformers runs
+    each prompt row as that many consecutive rows (the model's ``_rows_per_prompt``): an
+    invoke owns all of its prompts' rows.
+    """
     mediator = Mediator.current(location)
     batcher = mediator.interleaver.batcher if mediator.interleaver is not None else None
-    total = batcher.total if batcher is not None and batcher.total else 1
+    per_prompt = getattr(batcher.envoy, "_rows_per_prompt", 1) if batcher is not None else 1
+    total = (batcher.total if batcher is not None and batcher.total else 1) * per_prompt
     group = mediator.batch_group
     if batcher is None or not batcher.batching or group is None:
         return Rows(total=total, start=0, size=total, batching=False)
     start, size = group
-    return Rows(total=total, start=start, size=size, batching=True)
+    return Rows(total=total, start=start * per_prompt, size=size * per_prompt, batching=True)
 
 
 def _seq_len(flat_rows: int, rows: Rows, name: str) -> int:
