@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import nnsight
 import numpy
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.integrations.moe import use_experts_implementation
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 import moelens
 from groundtruth import built, first_tensor
-from moelens import Family, OrderError, ValueUnavailable, WriteError, families
+from moelens import Family, FamilyError, OrderError, ValueUnavailable, WriteError, families
 from moelens.testing import tiny_inputs, tiny_model
 from moelens.families.scoring import score
 from moelens.testing.tiny import FAMILIES as TINY_FAMILIES
@@ -913,3 +915,39 @@ def test_a_bool_mask_selects_only_its_tokens(mixtral):
         after = wrapped.moes[0].expert_indices.save()
     changed = (after != before).any(-1)
     assert not changed[~mask].any() and (after[1, 3] == 7).all()
+
+
+@pytest.mark.parametrize("adapted", ["mlp.gate.weight", "mlp.experts.gate_up_proj"], ids=["router", "experts"])
+def test_peft_adapters_on_the_router_or_experts_say_to_merge_them(adapted):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, init_lora_weights=False, target_parameters=[adapted])
+    tuned = peft.get_peft_model(tiny_model("qwen3_moe", experts_implementation="batched_mm"), config)
+    with pytest.raises(FamilyError, match=r"wrapped by a PEFT adapter layer \(ParamWrapper\).*merge_and_unload\(\)"):
+        moelens.wrap(tuned)
+    merged = moelens.wrap(tuned.merge_and_unload())
+    block = merged.moes[0]
+    inputs = {"input_ids": torch.tensor([[5, 9, 14, 3]])}
+    with merged.trace(**inputs):
+        hidden = block.inputs[0][0].save()
+        logits = block.router_logits.save()
+    router = block.router._module  # the merged weight holds the adapter's delta
+    torch.testing.assert_close(logits, F.linear(hidden, router.weight).view_as(logits), atol=1e-6, rtol=1e-5)
+
+
+def test_a_family_path_through_a_child_named_like_a_standard_name_binds_the_family_module():
+    """A registered family whose experts live at ``experts.base_layer`` gets that module as
+    ``moe.experts``, not the block's own child named ``experts``."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, init_lora_weights=False, target_parameters=["mlp.experts.gate_up_proj"])
+    tuned = peft.get_peft_model(tiny_model("qwen3_moe", experts_implementation="batched_mm"), config)
+    qwen3 = families.get("qwen3_moe")
+    families.register(dataclasses.replace(qwen3, name="qwen3_moe_adapted", experts="experts.base_layer"), replace=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # the adapter layer is no unknown MoE block
+            wrapped = moelens.wrap(tuned)
+        moe = wrapped.moes[0]
+        assert moe.experts._module is tuned.get_submodule(moe.path.removeprefix("model.") + ".experts.base_layer")
+        assert moe.experts_implementation == "batched_mm"
+    finally:
+        families.unregister("qwen3_moe_adapted")

@@ -60,8 +60,32 @@ def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
         return False
 
 
+def _inside(name: str, blocks: list[str]) -> bool:
+    """Whether module ``name`` sits inside one of ``blocks`` (module names)."""
+    return any(name.startswith(block + ".") for block in blocks)
+
+
 def _children(module: torch.nn.Module) -> list[str]:
     return [child for child, _ in module.named_children()]
+
+
+def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Raise a `FamilyError` when PEFT wraps the block's router or experts (``target_parameters``).
+
+    moelens reads the ops of the family's own router and experts forward; a PEFT layer
+    standing in their place (its ``base_layer`` the original) has other ops.
+    """
+    for part, path in (("router", family.router), ("experts", family.experts)):
+        try:
+            target = get_path(module, path)
+        except AttributeError:
+            continue
+        if isinstance(getattr(target, "base_layer", None), torch.nn.Module) and hasattr(target, "active_adapters"):
+            raise FamilyError(
+                f"{name}.{path}, the {part} of this {family.name} block, is wrapped by a PEFT adapter layer "
+                f"({type(target).__name__}), so moelens cannot read the {part}'s own operations: merge the "
+                "adapters into the weights first (model = peft_model.merge_and_unload()) and wrap the result."
+            )
 
 
 def _check_router(name: str, module: torch.nn.Module, family: Family) -> None:
@@ -135,19 +159,21 @@ def discover(model: torch.nn.Module) -> Structure:
     idle: dict[str, str] = {}  # family -> a block of it that holds no experts module where it says
     for name, module in model.named_modules():
         family = registry.for_block(module)
-        if family is not None and not _holds_mixture(module, family):
-            if family.name not in idle:
-                idle[family.name] = f"{name} ({type(module).__name__}; children {_children(module)})"
-        elif family is not None:
-            _check_router(name, module, family)
-            _check_block_attr(model, name, family)
-            structure.family = structure.family or family
-            structure.moe_blocks.append(name)
-            layers = _layer_list(name)
-            if layers is not None and layers not in structure.layer_lists:
-                structure.layer_lists.append(layers)
-        elif family is None and any(is_dispatching(child) for child in module.children()):
-            unknown.append(f"{name} ({type(module).__name__})")
+        if family is None:
+            if any(is_dispatching(child) for child in module.children()) and not _inside(name, structure.moe_blocks):
+                unknown.append(f"{name} ({type(module).__name__})")
+            continue
+        _refuse_adapter_layers(name, module, family)
+        if not _holds_mixture(module, family):
+            idle.setdefault(family.name, f"{name} ({type(module).__name__}; children {_children(module)})")
+            continue
+        _check_router(name, module, family)
+        _check_block_attr(model, name, family)
+        structure.family = structure.family or family
+        structure.moe_blocks.append(name)
+        layers = _layer_list(name)
+        if layers is not None and layers not in structure.layer_lists:
+            structure.layer_lists.append(layers)
     if unknown:
         warnings.warn(
             f"moelens found MoE blocks of no registered family: {', '.join(unknown)}. They are plain "

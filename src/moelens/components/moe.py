@@ -95,7 +95,7 @@ class Moe(Mlp):
         if family.shared is not None and not family.shared.on_layer:
             standard["shared_experts"] = family.shared.module
         for alias, native in standard.items():
-            if alias == native or alias in self.__dict__:
+            if alias == native:
                 continue
             try:
                 target = envoy_at(self, native)
