@@ -293,6 +293,15 @@ def test_edits_tract_cannot_express_are_refused(out):
         Edits(steer={0: {1: float("inf")}})
 
 
+def test_edits_on_a_plain_block_say_it_has_no_layer(out):
+    """A transformers block exported on its own has no layer number for Edits to name; the message says so."""
+    hf = small("mixtral")
+    path = out / "plain-block-edits.nnef.tgz"
+    with pytest.raises(ExportError, match=r"has no layer number.*moelens\.wrap\(model\)\.moes\[i\]"):
+        to_nnef(hf.model.layers[1].mlp, path, edits=Edits(ablate={1: [0]}))
+    assert not path.exists()
+
+
 def test_interventions_the_export_would_drop_are_refused(out):
     hf = small("mixtral")
     wrapped = moelens.wrap(hf)
@@ -357,6 +366,46 @@ def test_the_users_model_is_unchanged(out):
     assert config == hf.config.to_dict()
     with torch.no_grad():
         assert torch.equal(hf(input_ids=ids).logits, logits)
+
+
+def test_a_model_in_train_mode_exports_and_verifies_as_in_eval_mode(out):
+    """The archive is the eval-mode model (no dropout, no router jitter): the export's check and `verify` run torch
+    in eval mode, whatever mode the user's model is in, and leave each module's own mode as it was."""
+    hf = small("mixtral", attention_dropout=0.5, router_jitter_noise=0.5)
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=8)["input_ids"]
+    hidden = torch.randn(1, 8, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the truth: the model and its block in eval mode
+        expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        block_expected = hf.model.layers[1].mlp(hidden)
+    hf.train()
+    hf.model.layers[0].self_attn.eval()  # a mix of modes, each to be left as it is
+    modes = {name: module.training for name, module in hf.named_modules()}
+    with torch.no_grad():
+        assert (hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits - expected).abs().max() > 1e-2
+    report = to_nnef(wrapped, out / "train-mode.nnef.tgz", example_inputs=ids)
+    close(run(report.path, ids), expected)
+    assert report.verification.meets("approximate") and verify(report.path, wrapped, ids).meets("approximate")
+    edited = to_nnef(wrapped, out / "train-mode-edited.nnef.tgz", example_inputs=ids, edits=Edits(ablate={1: [0]}))
+    assert edited.verification.meets("approximate") and verify(edited.path, wrapped, ids).meets("approximate")
+    block = to_nnef(wrapped.moes[1], out / "train-mode-block.nnef.tgz", example_inputs=hidden)
+    close(run(block.path, hidden), block_expected)
+    assert block.verification.meets("approximate") and verify(block.path, wrapped.moes[1], hidden).meets("approximate")
+    assert modes == {name: module.training for name, module in hf.named_modules()}
+
+
+def test_export_refuses_a_symbolic_link(out):
+    """A link to an earlier export (folder or archive) is refused before any work; link and target stay as they were."""
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    folder = to_nnef(moe, out / "linked-folder", verify=False).path
+    tgz = to_nnef(moe, out / "linked.nnef.tgz", verify=False).path
+    before = tgz.read_bytes()
+    for target, link in ((folder, out / "folder-link"), (tgz, out / "archive-link.nnef.tgz")):
+        link.symlink_to(target.name)
+        with pytest.raises(ExportError, match=rf"{link.name} is a symbolic link \(to {target.name}\)"):
+            to_nnef(moe, link, verify=False)
+        assert link.is_symlink() and os.readlink(link) == target.name
+    assert tgz.read_bytes() == before and (folder / "graph.nnef").is_file()
 
 
 def test_archive_has_no_machine_identity_and_is_reproducible(out):
@@ -540,6 +589,78 @@ def test_verify_takes_the_archives_batch(out):
     assert verify(report.path, wrapped).meets("approximate")
 
 
+def test_example_inputs_take_an_all_ones_mask_only(out):
+    """The archive takes input_ids only and attends every token: a mapping may carry an all-ones attention_mask;
+    a padding mask (which the archive would ignore) or another input is refused, with nothing written."""
+    hf = small("mixtral")
+    wrapped = moelens.wrap(hf)
+    inputs = tiny_inputs(hf, batch=2, seq=6)  # input_ids and an all-ones attention_mask
+    report = to_nnef(wrapped, out / "mask-ones.nnef.tgz", example_inputs=inputs)
+    with torch.no_grad():
+        close(run(report.path, inputs["input_ids"]), hf(**inputs).logits)
+    padding = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    refused = {
+        r"attention_mask \(shape \(2, 6\)\) is not all ones": {**inputs, "attention_mask": padding},
+        r"holds \['token_type_ids'\].*takes input_ids only": {**inputs, "token_type_ids": torch.zeros(2, 6)},
+        r"has no 'input_ids'": {"attention_mask": inputs["attention_mask"]},
+    }
+    for message, given in refused.items():
+        path = out / "mask-refused.nnef.tgz"
+        with pytest.raises(ExportError, match=message):
+            to_nnef(wrapped, path, example_inputs=given)
+        assert not path.exists()
+
+
+def test_block_example_inputs_are_batched_hidden_states_of_its_width(out):
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    path = out / "block-inputs.nnef.tgz"
+    refused = {
+        r"hidden states \[batch, seq, D\].*shape \(5, 32\); add the batch axis": torch.randn(5, 32),
+        r"shape \(1, 5, 16\) do not fit the block.*\[batch, seq, 32\] \(axis 2 must be 32\)": torch.randn(1, 5, 16),
+        r"hidden states \[batch, seq, D\] \(floats\)": torch.ones(1, 5, 32, dtype=torch.long),
+    }
+    for message, hidden in refused.items():
+        with pytest.raises(ExportError, match=message):
+            to_nnef(moe, path, example_inputs=hidden)
+        assert not path.exists()
+
+
+def test_verify_and_run_cast_and_check_their_inputs(out):
+    """verify and run take what to_nnef takes (int32 ids, numpy arrays), and name a wrong shape, dtype or token id."""
+    hf = small("mixtral")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=2, seq=6)["input_ids"].int()
+    report = to_nnef(wrapped, out / "int32.nnef.tgz", example_inputs=ids)
+    with torch.no_grad():
+        expected = hf(input_ids=ids.long(), attention_mask=torch.ones_like(ids)).logits
+    for given in (ids, ids.numpy(), ids.long().numpy()):
+        close(run(report.path, given), expected)
+        assert verify(report.path, wrapped, given).meets("approximate")
+    refused = {
+        r"shape \(1, 6\) do not fit the archive .*int32.nnef.tgz, which takes the shape \[2, 6\] \(axis 0 must be 2\)":
+            ids[:1],
+        r"\(axis 1 must be 6\)": tiny_inputs(hf, batch=2, seq=7)["input_ids"],
+        r"token id 500, outside the model's vocabulary \[0, 128\)": torch.full((2, 6), 500),
+        r"token id -1, outside": torch.full((2, 6), -1).numpy(),
+        r"takes token ids \[batch, seq\] \(integers\), but inputs is torch.float32": torch.randn(2, 6),
+    }
+    for message, given in refused.items():
+        with pytest.raises(ExportError, match=message):
+            run(report.path, given)
+        with pytest.raises(ExportError, match=message):
+            verify(report.path, wrapped, given)
+    moe = wrapped.moes[0]  # a dynamic block archive: any length, its traced batch and its D
+    block = to_nnef(moe, out / "dynamic-block-inputs.nnef.tgz", dynamic_tokens=True, verify=False)
+    hidden = np.random.default_rng(0).standard_normal((1, 11, 32))  # float64: cast to float32
+    with torch.no_grad():
+        close(run(block.path, hidden), moe._module(torch.from_numpy(hidden).float()))
+    assert verify(block.path, moe, hidden).meets("approximate")
+    with pytest.raises(ExportError, match=r"takes the shape \[1, S, 32\] \(axis 2 must be 32\)"):
+        run(block.path, hidden[..., :16])
+    with pytest.raises(ExportError, match=r"\(axis 0 must be 1\)"):
+        verify(block.path, moe, np.concatenate([hidden, hidden]))
+
+
 def test_verify_reports_mismatch(out):
     wrapped = moelens.wrap(small("mixtral"))
     report = to_nnef(wrapped, out / "verify.nnef.tgz")
@@ -656,6 +777,26 @@ def test_docs_family_table_is_current(table_rows):
     assert committed == render(table_rows).strip("\n"), (
         "docs/export.md's family table is stale: run `python -m moelens.export.table --write docs/export.md`"
     )
+
+
+def test_cohere2_sigmoid_scores_export_only_without_renormalisation(out):
+    """The table's condition for cohere2_moe is complete: a sigmoid exports only with norm_topk_prob off."""
+    from moelens.export.gate import family_support
+    from moelens.families import registry
+
+    condition = family_support(registry.get("cohere2_moe")).condition
+    assert "is softmax, or is sigmoid and not router.norm_topk_prob" in condition
+    renormalised = moelens.wrap(small("cohere2_moe", expert_selection_fn="sigmoid", norm_topk_prob=True)).moes[0]
+    with pytest.raises(ExportRefused, match="sigmoid scores renormalised"):
+        to_nnef(renormalised, out / "cohere2-sigmoid-norm.nnef.tgz")
+    hf = small("cohere2_moe", expert_selection_fn="sigmoid", norm_topk_prob=False)
+    moe = moelens.wrap(hf).moes[0]
+    hidden = torch.randn(1, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    report = to_nnef(moe, out / "cohere2-sigmoid.nnef.tgz", example_inputs=hidden)
+    assert report.blocks[0].gate == "sigmoid"
+    with torch.no_grad():
+        expected = moe._module(hidden)
+    close(run(report.path, hidden), expected[0] if isinstance(expected, tuple) else expected)
 
 
 def test_table_agrees_with_what_exports(table_rows):

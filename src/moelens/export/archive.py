@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -33,17 +34,22 @@ def is_archive(path: Path) -> bool:
 def check_destination(path: Path) -> None:
     """Refuse a ``path`` that writing the export would clobber: nothing of the user's is replaced.
 
-    An archive path may be new, an empty file, or an earlier NNEF export archive (``graph.nnef``
+    A symbolic link is refused (whatever it points to). An archive path may be new, an empty file, or an earlier NNEF export archive (``graph.nnef``
     and tensor files only), which is replaced; any other file is refused, as is a folder. A folder
     path may be new, an empty folder, or an earlier NNEF export folder, which is replaced; a folder
     holding anything else is refused, not emptied. The nearest existing folder above ``path``
     must be a folder, not a file.
 
     Raises:
-        ExportError: ``path`` is a folder where an archive is asked for, a file where a folder
+        ExportError: ``path`` is a symbolic link, a folder where an archive is asked for, a file where a folder
             is, a file or folder that is not an earlier export, or lies under a file.
     """
     path = Path(path)
+    if path.is_symlink():
+        raise ExportError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); moelens neither writes through a link nor replaces "
+            "it. Name the link's target, or a new path."
+        )
     if is_archive(path):
         if path.is_dir():
             raise ExportError(f"{path} is a folder, but its name asks for an archive; choose another name.")

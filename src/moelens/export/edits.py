@@ -93,8 +93,8 @@ class Edits:
 
     # -- checking and baking -------------------------------------------------------
 
-    def check(self, blocks: Mapping[int, tuple[int, int]]) -> None:
-        """Check the edits against the model's MoE layers (layer -> (num_experts, k)).
+    def check(self, blocks: Mapping[int | None, tuple[int, int]]) -> None:
+        """Check the edits against the model's MoE layers (layer -> (num_experts, k); None: a block with no layer).
 
         Raises `ExportRefused` for an edit tract cannot express, `ExportError` for a wrong one.
         """
@@ -107,9 +107,16 @@ class Edits:
                 f"(Edits(steer={{{layer}: {{expert: 30.0}}}})), or export without it."
             )
         unknown = [layer for layer in self.layers() if layer not in blocks]
+        numbered = sorted(layer for layer in blocks if layer is not None)
+        if unknown and not numbered:
+            raise ExportError(
+                f"Edits name layers {unknown}, but the exported block has no layer number (a transformers block "
+                "exported on its own), so Edits keyed by layer cannot name it; export moelens.wrap(model).moes[i] "
+                "instead, whose layer they name."
+            )
         if unknown:
             raise ExportError(
-                f"Edits name layers {unknown}, which hold no exported MoE block; the MoE layers are {sorted(blocks)}."
+                f"Edits name layers {unknown}, which hold no exported MoE block; the MoE layers are {numbered}."
             )
         for layer in self.layers():
             num_experts, k = blocks[layer]

@@ -19,8 +19,9 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .. import __version__
@@ -79,7 +80,7 @@ def to_nnef(
     model: Any,
     path: str | Path,
     *,
-    example_inputs: torch.Tensor | None = None,
+    example_inputs: torch.Tensor | np.ndarray | Mapping[str, Any] | None = None,
     dynamic_tokens: bool = False,
     quantize_experts: str | None = None,
     layout: str = "canonical",
@@ -95,7 +96,9 @@ def to_nnef(
         path: Where to write: ``*.nnef.tgz`` (default form), ``*.tar``, or a folder (new, empty, or
             an earlier NNEF export, which is replaced; a folder with other files is refused).
         example_inputs: What the export traces: token ids ``[batch, seq]`` for a model,
-            hidden states ``[batch, seq, D]`` for a block (default: seeded ``[1, 8]``).
+            hidden states ``[batch, seq, D]`` for a block (default: seeded ``[1, 8]``), a tensor or
+            a numpy array; or a mapping holding them (``input_ids`` / ``hidden_states``) and for a model
+            an ``attention_mask`` of all ones (the archive attends every token: a padding mask is refused).
             The archive's shapes are these shapes unless ``dynamic_tokens``.
         dynamic_tokens: Make the token axis symbolic (``S``): one archive for every length. For a
             whole model the causal (and sliding-window) masks and positions are rebuilt with tensor
@@ -124,9 +127,8 @@ def to_nnef(
     check_destination(path)
     started = time.perf_counter()
     target = resolve(model)
+    inputs = _check_inputs(target, example_inputs) if example_inputs is not None else default_inputs(target)
     prepared = prepare(target, quantize_experts=quantize_experts, layout=layout, edits=edits, dynamic_tokens=dynamic_tokens)
-    inputs = example_inputs if example_inputs is not None else default_inputs(target)
-    inputs = _check_inputs(target, inputs)
     with tempfile.TemporaryDirectory(prefix="moelens-nnef-") as folder:
         exported = Path(folder) / "model.nnef"
         _trace(prepared.root, inputs, exported, target, dynamic_tokens, _properties(target, prepared, quantize_experts, layout, edits))
@@ -271,45 +273,107 @@ def output_name(target: Target) -> str:
     return "mlp_output" if target.kind == "block" else "logits"
 
 
+#: The token axis of an archive's input: ``seq`` of token ids ``[batch, seq]`` and of hidden states ``[batch, seq, D]``.
+TOKEN_AXIS = 1
+
+
+def vocab_size(target: Target) -> int | None:
+    """The vocabulary size of a model target's config (None for a block, or when the config has none)."""
+    vocab = getattr(getattr(target.module, "config", None), "vocab_size", None)
+    return vocab if target.kind == "model" and isinstance(vocab, int) else None
+
+
+def hidden_size(target: Target) -> int:
+    """A block target's hidden size D: the input width of its router's weight."""
+    from ..families.entry import get_path
+
+    router = get_path(target.module, target.family.router)
+    return next(p.shape[-1] for p in router.parameters() if p.dim() == 2)
+
+
 def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 1) -> torch.Tensor:
     """Seeded example inputs: ``[batch, tokens]`` token ids (never 0..2) or ``[batch, tokens, D]`` hidden states."""
     if tokens < 1 or batch < 1:
         raise ExportError(f"example inputs need at least one token and one row, got tokens={tokens}, batch={batch}.")
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":
-        from ..families.entry import get_path
-
-        router = get_path(target.module, target.family.router)
-        hidden = next(p.shape[-1] for p in router.parameters() if p.dim() == 2)
-        return torch.randn(batch, tokens, hidden, generator=generator)
-    vocab = int(getattr(getattr(target.module, "config", None), "vocab_size", None) or 128)
-    return torch.randint(3, vocab, (batch, tokens), generator=generator)
+        return torch.randn(batch, tokens, hidden_size(target), generator=generator)
+    return torch.randint(3, vocab_size(target) or 128, (batch, tokens), generator=generator)
 
 
-def token_axis(target: Target, inputs: torch.Tensor) -> int:
-    """The token axis of the archive's input: ``seq`` of token ids ``[batch, seq]``, of hidden states ``[.., seq, D]``."""
-    return 1 if target.kind == "model" else inputs.dim() - 2
+def checked_inputs(inputs: Any, kind: str | None, *, dims: Sequence[int | str] | None = None,
+                   vocab: int | None = None, what: str = "example_inputs", source: str = "the export",
+                   hint: str = "") -> torch.Tensor:
+    """``inputs`` as an archive takes them: int64 token ids ``[batch, seq]`` (``kind="model"``) or float32
+    hidden states ``[batch, seq, D]`` (``"block"``), from a tensor or a numpy array.
+
+    ``dims``: the input shape ``source`` takes, an int for a fixed axis and a name for a free one
+    (default: any batch and length, and for a block any D); ``hint`` follows the message of a shape that
+    does not fit. ``vocab``: token ids must lie in ``[0, vocab)``. ``kind=None`` (an archive that does not
+    record its kind) only casts.
+
+    Raises:
+        ExportError: naming the value, what was expected and what to do.
+    """
+    if isinstance(inputs, np.ndarray):
+        inputs = torch.from_numpy(np.ascontiguousarray(inputs))
+    if not isinstance(inputs, torch.Tensor):
+        raise ExportError(f"{what} must be a tensor or a numpy array (token ids or hidden states), "
+                          f"got {type(inputs).__name__}.")
+    shape = tuple(inputs.shape)
+    if kind == "model" and (inputs.is_floating_point() or inputs.is_complex() or inputs.dim() != 2):
+        raise ExportError(f"a model archive takes token ids [batch, seq] (integers), but {what} is {inputs.dtype} "
+                          f"of shape {shape}.")
+    if kind == "block" and (not inputs.is_floating_point() or inputs.dim() != 3):
+        raise ExportError(f"a block archive takes hidden states [batch, seq, D] (floats), but {what} is {inputs.dtype} "
+                          f"of shape {shape}; add the batch axis to unbatched [seq, D] states (x[None]).")
+    if 0 in shape:
+        raise ExportError(f"{what} of shape {shape} hold no token; give at least one.")
+    if dims is not None:
+        fixed = [(axis, dim) for axis, dim in enumerate(dims) if isinstance(dim, int)]
+        wrong = next((axis for axis, dim in fixed if axis < len(shape) and shape[axis] != dim), None)
+        if len(dims) != len(shape) or wrong is not None:
+            axis = "" if wrong is None else f" (axis {wrong} must be {dims[wrong]})"
+            raise ExportError(
+                f"{what} of shape {shape} do not fit {source}, which takes the shape [{', '.join(map(str, dims))}]"
+                f"{axis}: give inputs of that shape.{hint}"
+            )
+    inputs = inputs.detach().cpu()
+    if inputs.is_floating_point():
+        return inputs.float()
+    inputs = inputs.long()
+    if vocab is not None and (int(inputs.min()) < 0 or int(inputs.max()) >= vocab):
+        bad = int(inputs.min()) if int(inputs.min()) < 0 else int(inputs.max())
+        raise ExportError(f"{what} hold token id {bad}, outside the model's vocabulary [0, {vocab}).")
+    return inputs
 
 
 def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:
-    if isinstance(inputs, dict):
-        inputs = inputs.get("input_ids", inputs.get("hidden_states"))
-    if not isinstance(inputs, torch.Tensor):
-        raise ExportError(f"example_inputs must be a tensor (token ids or hidden states), got {type(inputs).__name__}.")
-    if target.kind == "model" and (inputs.is_floating_point() or inputs.dim() != 2):
-        raise ExportError(f"a model export takes token ids [batch, seq] as example_inputs, got {inputs.dtype} "
-                          f"{tuple(inputs.shape)}.")
-    if target.kind == "block" and (not inputs.is_floating_point() or inputs.dim() not in (2, 3)):
-        raise ExportError(f"a block export takes hidden states [batch, seq, D] as example_inputs, got {inputs.dtype} "
-                          f"{tuple(inputs.shape)}.")
-    if 0 in inputs.shape:
-        raise ExportError(f"example_inputs of shape {tuple(inputs.shape)} hold no token; give at least one.")
-    vocab = getattr(getattr(target.module, "config", None), "vocab_size", None)
-    if target.kind == "model" and isinstance(vocab, int) and (int(inputs.min()) < 0 or int(inputs.max()) >= vocab):
-        bad = int(inputs.min()) if int(inputs.min()) < 0 else int(inputs.max())
-        raise ExportError(f"example_inputs holds token id {bad}, outside the model's vocabulary [0, {vocab}).")
-    inputs = inputs.detach().cpu()
-    return inputs.float() if inputs.is_floating_point() else inputs.long()
+    """``example_inputs`` checked and cast (`checked_inputs`); a mapping may hold the input and, for a model,
+    an all-ones ``attention_mask`` (the archive attends every token)."""
+    name = input_name(target)
+    mask = None
+    if isinstance(inputs, Mapping):
+        allowed = [name, "attention_mask"] if target.kind == "model" else [name]
+        unknown = sorted(set(inputs) - set(allowed), key=str)
+        if unknown or name not in inputs:
+            problem = f"holds {unknown}" if unknown else f"has no {name!r}"
+            raise ExportError(f"example_inputs {problem}, but the archive of this {target.kind} takes {name} only "
+                              f"(keys allowed: {allowed}); pass {name} alone.")
+        inputs, mask = inputs[name], inputs.get("attention_mask")
+    dims = ["batch", "seq", hidden_size(target)] if target.kind == "block" else None
+    inputs = checked_inputs(inputs, target.kind, dims=dims, vocab=vocab_size(target),
+                            source="the block (D: its hidden size)")
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        if tuple(mask.shape) != tuple(inputs.shape) or not bool((mask == 1).all()):
+            raise ExportError(
+                f"example_inputs' attention_mask (shape {tuple(mask.shape)}) is not all ones in input_ids' shape "
+                f"{tuple(inputs.shape)}: the archive takes input_ids only and attends every token, so it cannot "
+                "compute what torch does with padding. Export unpadded rows (prompts of one length, or one prompt "
+                "at a time, with dynamic_tokens=True for any length) and drop the mask."
+            )
+    return inputs
 
 
 def _properties(target: Target, prepared: Prepared, quantize: str | None, layout: str, edits: Edits) -> dict[str, str]:
@@ -322,6 +386,7 @@ def _properties(target: Target, prepared: Prepared, quantize: str | None, layout
         "moelens_quantize_experts": quantize or "none",
         "moelens_layout": layout,
         "moelens_edits": edits.to_text(),
+        **({"moelens_vocab_size": str(vocab_size(target))} if vocab_size(target) is not None else {}),
     }
 
 
@@ -360,7 +425,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
     tract_target = MoelensTract(
         version,
         check_io=False,
-        dynamic_axes={name_in: {token_axis(target, inputs): "S"}} if dynamic else None,
+        dynamic_axes={name_in: {TOKEN_AXIS: "S"}} if dynamic else None,
         specific_tract_binary_path=standin_path(),
         dump_identity_properties=False,
         specific_properties=properties,

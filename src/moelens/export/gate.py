@@ -91,20 +91,27 @@ def family_support(family: Family) -> Support:
             conditions.append(f"{unless}{n_group} == 1 or {topk_group} == {n_group} (group-limited selection is refused)")
     if reasons:
         return Support("no", reason="; ".join(reasons))
-    if not _literal(scoring.score):
-        conditions.append(f"{scoring.score} is softmax or sigmoid")
-    if scoring.score == "sigmoid":
-        gate = "sigmoid"
-        if not _literal(scoring.normalize):
-            conditions.append(f"not {scoring.normalize} (sigmoid scores renormalised over the k are refused)")
-    elif not _literal(scoring.score):
-        gate = "softmax_topk / sigmoid"
-    elif scoring.select == "logit_topk" or scoring.normalize is True:
-        gate = "softmax_topk"
-    elif scoring.normalize is False:
-        gate = "softmax_all"
+    score, normalize = scoring.score, scoring.normalize
+    if scoring.select == "logit_topk" or normalize is True:
+        softmax = "softmax_topk"
+    elif normalize is False:
+        softmax = "softmax_all"
     else:
-        gate = f"softmax_topk if {scoring.normalize} else softmax_all"
+        softmax = f"softmax_topk if {normalize} else softmax_all"
+    refused = "sigmoid scores renormalised over the k are refused"
+    if score == "sigmoid":
+        gate = "sigmoid"
+        if not _literal(normalize):
+            conditions.append(f"not {normalize} ({refused})")
+    elif _literal(score):
+        gate = softmax
+    elif normalize is True:  # a sigmoid would be renormalised
+        gate = softmax
+        conditions.append(f"{score} is softmax ({refused})")
+    else:
+        gate = f"{softmax} / sigmoid"
+        sigmoid = "or sigmoid" if normalize is False else f", or is sigmoid and not {normalize} ({refused})"
+        conditions.append(f"{score} is softmax {sigmoid}".replace(" ,", ","))
     if conditions:
         return Support("if", gate=gate, condition="; ".join(conditions))
     return Support("yes", gate=gate)

@@ -1,6 +1,6 @@
 """`verify`: run an archive in tract and the model in torch on the same inputs, and compare.
 
-The torch side is the model in float32 (the archive computes in float32) with the
+The torch side is the model in float32 (the archive computes in float32), in eval mode, with the
 archive's edits made by moelens' interventions in a trace, so an edited export is
 checked against the intervened torch run. For a block archive with edits the torch
 side is the edited block in tract's maths (`ExportBlock`), which the export has checked
@@ -11,9 +11,10 @@ levels the archive meets (``"approximate"``: ``|a - b| <= 1e-4 + 5e-4 |b|``).
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -50,31 +51,66 @@ class Verification:
 
 
 def run(path: str | Path, inputs: torch.Tensor | np.ndarray) -> np.ndarray:
-    """The archive's output for ``inputs`` (token ids or hidden states), run in tract (in a child process)."""
-    array = inputs.detach().cpu().numpy() if isinstance(inputs, torch.Tensor) else np.asarray(inputs)
-    return run_isolated(path, [array])[0]
+    """The archive's output for ``inputs`` (token ids or hidden states), run in tract (in a child process).
+
+    ``inputs`` (a tensor or a numpy array) are cast as `to_nnef` casts them (token ids to int64, hidden
+    states to float32) and checked against the archive's input shape and vocabulary first.
+    """
+    return run_isolated(path, [archive_inputs(path, inputs).numpy()])[0]
 
 
-def verify(path: str | Path, model: Any, inputs: torch.Tensor | None = None, *, edits: Edits | dict | None = None) -> Verification:
+def archive_inputs(path: str | Path, inputs: Any, vocab: int | None = None) -> torch.Tensor:
+    """``inputs`` cast and checked for the archive at ``path`` (`checked_inputs`): its kind and input shape
+    (fixed axes must match, a symbolic one is free) and token ids within ``vocab`` (default: the
+    vocabulary the archive records)."""
+    from .exporter import checked_inputs
+
+    recorded = properties(path)
+    vocab = vocab if vocab is not None else int(recorded.get("moelens_vocab_size", 0)) or None
+    return checked_inputs(inputs, recorded.get("moelens_kind"), dims=archive_input_shape(path), vocab=vocab,
+                          what="inputs", source=f"the archive {path}",
+                          hint=" A fixed axis is the size the export traced; only a symbolic token axis (S, from "
+                               "dynamic_tokens=True) takes any length.")
+
+
+def archive_input_shape(path: str | Path) -> list[int | str] | None:
+    """The archive's input shape as its graph declares it: an int per fixed axis, the symbol's name
+    for a symbolic one (``S``); None when the graph declares none."""
+    import re
+
+    from .archive import graph_text
+
+    found = re.search(r"tract_core_external\(shape = \[([^\]]*)\]", graph_text(Path(path)))
+    if not found:
+        return None
+    return [int(dim) if dim.isdigit() else dim for dim in (d.strip() for d in found.group(1).split(","))]
+
+
+def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | None = None, *,
+           edits: Edits | dict | None = None) -> Verification:
     """Run the archive in tract and ``model`` in torch on ``inputs``; return the error and tolerance met.
+
+    The archive is the eval-mode model (no dropout, no router jitter), so torch runs ``model`` in
+    eval mode whatever mode it is in (its modules' modes are restored afterwards).
 
     Args:
         path: An archive written by `moelens.export.to_nnef`.
         model: What was exported: the wrapped / transformers model, or the block (``model.moes[i]``).
-        inputs: Token ids ``[batch, seq]`` (model) or hidden states ``[batch, seq, D]`` (block); the
-            archive's traced shape unless it was exported with ``dynamic_tokens``. Default: seeded inputs
-            of the archive's shape.
+        inputs: Token ids ``[batch, seq]`` (model) or hidden states ``[batch, seq, D]`` (block), a tensor
+            or a numpy array, cast as `to_nnef` casts them; the archive's traced shape unless it was
+            exported with ``dynamic_tokens``. Default: seeded inputs of the archive's shape.
         edits: The edits to make in torch (default: the ones the archive records).
     """
+    from .exporter import vocab_size
+
     recorded = properties(path)
     target = resolve(model)
     kind = recorded.get("moelens_kind", target.kind)
     if kind != target.kind:
         raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with.")
     edits = Edits.from_text(recorded.get("moelens_edits", "")) if edits is None else as_edits(edits)
-    if inputs is None:
-        inputs = _default_inputs(path, target)
-    actual = run(path, inputs)
+    inputs = _default_inputs(path, target) if inputs is None else archive_inputs(path, inputs, vocab_size(target))
+    actual = run_isolated(path, [inputs.numpy()])[0]
     expected, reference = torch_reference(target, inputs, edits)
     return _compare(actual, expected, reference)
 
@@ -88,20 +124,16 @@ def _compare(actual: np.ndarray, expected: np.ndarray, reference: str, **details
 
 def _default_inputs(path: str | Path, target: Target) -> torch.Tensor:
     """Seeded inputs of the archive's input shape (its batch and tokens; 8 tokens on a symbolic axis)."""
-    import re
-
-    from .archive import graph_text
     from .exporter import default_inputs
 
-    found = re.search(r"tract_core_external\(shape = \[([^\]]*)\]", graph_text(Path(path)))
-    dims = [d.strip() for d in found.group(1).split(",")] if found else []
+    dims = archive_input_shape(path) or []
     leading = dims[:-1] if target.kind == "block" else dims  # [batch,] tokens (a block's last axis is D)
-    *batch, tokens = leading or ["8"]
+    *batch, tokens = leading or [8]
     return default_inputs(target, tokens=_size(tokens, 8), batch=_size(batch[-1], 1) if batch else 1)
 
 
-def _size(dim: str, symbolic: int) -> int:
-    return int(dim) if dim.isdigit() else symbolic
+def _size(dim: int | str, symbolic: int) -> int:
+    return dim if isinstance(dim, int) else symbolic
 
 
 def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared: Any = None) -> tuple[np.ndarray, str]:
@@ -110,7 +142,7 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
     ``prepared``: the export's own `Prepared` copy (`to_nnef`), which for a block with ``edits`` is
     the reference (else it is built here).
     """
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(target.module):
         if target.kind == "block":
             if edits:
                 if prepared is None:
@@ -127,6 +159,20 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
 
             return logits_of(_float_module(target.module), inputs).float().numpy(), "the model (torch, float32)"
         return _intervened(target, inputs, edits), "the model with the edits made by moelens in a trace"
+
+
+@contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``module`` with every submodule in eval mode (no dropout, no router jitter), each submodule's own
+    ``training`` flag restored afterwards: the archive is the eval-mode model, whatever mode the user's is in."""
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
+    try:
+        for submodule, _ in modes:
+            submodule.training = False
+        yield module
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
 
 
 def _is_float32(module: torch.nn.Module) -> bool:
@@ -161,12 +207,10 @@ def check_export(path: Path, target: Target, prepared: Any, inputs: torch.Tensor
     """
     result = _check_once(path, target, prepared, inputs, edits, quantize)
     if dynamic:
-        from .exporter import default_inputs, token_axis
+        from .exporter import TOKEN_AXIS, default_inputs
 
-        tokens = second_length(target, inputs.shape[token_axis(target, inputs)])
-        batched = target.kind == "model" or inputs.dim() == 3  # a block may take unbatched [T, D]
-        longer = default_inputs(target, tokens=tokens, seed=1, batch=inputs.shape[0] if batched else 1)
-        longer = longer if batched else longer[0]
+        tokens = second_length(target, inputs.shape[TOKEN_AXIS])
+        longer = default_inputs(target, tokens=tokens, seed=1, batch=inputs.shape[0])
         again = _check_once(path, target, prepared, longer, edits, quantize)
         result.details["second_length"] = {"tokens": tokens, "max_abs_error": again.max_abs_error,
                                            "tolerance": again.tolerance, **again.details}
