@@ -271,19 +271,18 @@ def test_lora_adapters_on_experts_and_router_with_frozen_experts():
     block = adapted.model.layers[0].mlp
     trainable = {name for name, p in block.named_parameters() if p.requires_grad}
     assert trainable == {
-        "router.parametrizations.weight.original", "router.parametrizations.weight.0.lora_A",
-        "router.parametrizations.weight.0.lora_B", "router.bias",
-        "experts.parametrizations.gate_up_proj.0.lora_A", "experts.parametrizations.gate_up_proj.0.lora_B",
-        "experts.parametrizations.down_proj.0.lora_A", "experts.parametrizations.down_proj.0.lora_B",
+        "router.weight", "router.lora.weight.lora_A", "router.lora.weight.lora_B", "router.bias",
+        "experts.lora.gate_up_proj.lora_A", "experts.lora.gate_up_proj.lora_B",
+        "experts.lora.down_proj.lora_A", "experts.lora.down_proj.lora_B",
     }
-    assert block.experts.parametrizations.gate_up_proj[0].lora_A.shape == (4, 2, 32)
+    assert block.experts.lora.gate_up_proj.lora_A.shape == (4, 2, 32)
     adapted.train()
     run_out = adapted(input_ids=tokens).logits
     run_out.square().mean().backward()
-    assert block.experts.parametrizations.down_proj[0].lora_B.grad.abs().sum() > 0
-    assert block.experts.parametrizations.gate_up_proj.original.grad is None
+    assert block.experts.lora.down_proj.lora_B.grad.abs().sum() > 0
+    assert block.experts._parameters["gate_up_proj"].grad is None
     with torch.no_grad():
-        block.experts.parametrizations.down_proj[0].lora_B.normal_()
+        block.experts.lora.down_proj.lora_B.normal_()
     adapted.eval()
     before = run(adapted, tokens)
     merged = merge_lora(adapted)

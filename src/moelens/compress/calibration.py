@@ -6,11 +6,16 @@ a dict of keyword arguments (a tokenizer's ``BatchEncoding``: ``input_ids``,
 pre-hooks record each target module's input; padding tokens (``attention_mask == 0``)
 are left out, and each layer keeps at most ``max_tokens`` tokens (a seeded random
 sample).
+
+The pass runs in eval mode; every module's own ``training`` flag is restored after it.
+On the deep copy a conversion works on, `without_hooks` keeps the user's forward hooks
+(copied along with the model, so they are the user's functions) from running.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +46,11 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
     calls: list[tuple[tuple, dict]] = []
     for item in items:
         if isinstance(item, Tensor):
+            if item.dim() == 0:
+                raise CompressionError(
+                    f"calibration tensor {item!r} is a single number (0-d); pass token ids [batch, seq] "
+                    "(or [seq] for one sequence), e.g. tokenizer(texts, return_tensors='pt', padding=True)."
+                )
             if item.numel() == 0:
                 continue
             ids = item if item.dim() > 1 or item.is_floating_point() else item[None]
@@ -102,19 +112,20 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
 
     for name, module in modules.items():
         handles.append(module.register_forward_pre_hook(recorder(name), with_kwargs=True))
-    training = model.training
-    model.eval()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
-        for args, kwargs in calls:
-            kwargs = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
-            args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
-            current["mask"] = _mask(kwargs)
-            model(*args, **kwargs)
+        with evaluating(model):
+            for index, (args, kwargs) in enumerate(calls):
+                kwargs = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
+                args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
+                current["mask"] = _mask(kwargs)
+                try:
+                    model(*args, **kwargs)
+                except Exception as error:  # the model refused the data: say which batch and why
+                    raise CompressionError(_failed(model, index, args, kwargs, error)) from error
     finally:
         for handle in handles:
             handle.remove()
-        model.train(training)
     generator = torch.Generator().manual_seed(seed)
     inputs = {}
     for name, pieces in found.items():
@@ -125,3 +136,73 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
             rows = rows[torch.randperm(rows.shape[0], generator=generator)[:max_tokens]]
         inputs[name] = rows
     return inputs
+
+
+#: Config attributes that bound the sequence length of models with learned position embeddings.
+POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx")
+
+
+def _failed(model: nn.Module, index: int, args: tuple, kwargs: dict, error: Exception) -> str:
+    """Why calibration batch ``index`` failed, with a hint when the data explains it."""
+    tensors = {**{f"arg {i}": a for i, a in enumerate(args)}, **kwargs}
+    shapes = ", ".join(f"{key} {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+                       for key, value in tensors.items() if isinstance(value, Tensor))
+    main = kwargs.get("input_ids", args[0] if args else None)
+    hint = ""
+    if isinstance(main, Tensor) and main.is_floating_point() and hasattr(model, "get_input_embeddings"):
+        hint = (f" The calibration tensor is {str(main.dtype).removeprefix('torch.')}, but "
+                f"{type(model).__name__} takes integer token ids: tokenize the text (or pass "
+                "{'inputs_embeds': ...} to calibrate on embeddings).")
+    config = getattr(model, "config", None)
+    if isinstance(main, Tensor) and main.dim() >= 2 and config is not None:
+        for attribute in POSITION_LIMITS:
+            limit = getattr(config, attribute, None)
+            if isinstance(limit, int) and main.shape[1] > limit:
+                hint += (f" Its sequences are {main.shape[1]} tokens long, longer than the model's {limit} positions "
+                         f"(config.{attribute}): split them into sequences of at most {limit} tokens.")
+                break
+    return (f"the calibration forward of {type(model).__name__} failed on batch {index} ({shapes}): "
+            f"{type(error).__name__}: {error}.{hint} calibration must be what the model is called with: token ids "
+            "[batch, seq], a dict of its inputs (a tokenizer's output), or a list of those.")
+
+
+@contextmanager
+def evaluating(*models: nn.Module) -> Iterator[None]:
+    """``models`` in eval mode; each module's own ``training`` flag is restored after (not ``model.train(mode)``)."""
+    modes = [(module, module.training) for model in models for module in model.modules()]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+#: The forward hook dictionaries of an ``nn.Module``.
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
+
+
+@contextmanager
+def without_hooks(*modules: nn.Module) -> Iterator[None]:
+    """The forward hooks already on ``modules`` (and their submodules) do not run inside the block.
+
+    They are put back after; hooks added inside the block stay (transformers installs its
+    output-capturing hooks on a model's first forward and marks the model as hooked).
+    """
+    saved: list[tuple[dict, dict]] = []
+    for module in {id(m): m for root in modules for m in root.modules()}.values():
+        for name in HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if isinstance(hooks, dict) and hooks:
+                saved.append((hooks, dict(hooks)))
+                hooks.clear()  # in place: the user's handles keep pointing at this dict
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            added = dict(hooks)
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)

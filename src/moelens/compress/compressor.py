@@ -7,7 +7,9 @@ The steps (each in its own module):
    candidates that must stay dense are recorded with the reason.
 2. **Calibration** (`calibration`): one forward pass over the calibration data records
    each target's inputs (padding left out).
-3. **Per layer** (`fit`, `build`): partition, router, compensation, refit, error; a
+3. **Per layer** (`fit`, `build`): a layer whose own forward is not what its weights'
+   reading computes (a norm or multipliers inside an FFN that looks like SwiGLU) stays
+   dense with the reason; then partition, router, compensation, refit, error; a
    layer whose relative error on held-out calibration tokens exceeds ``max_error`` stays
    dense (with the reason); otherwise its `ToMoEBlock` / `ToMoELinear` is installed
    (inside the PEFT wrapper when there is one), with LoRA adapters and frozen experts
@@ -19,6 +21,7 @@ The user's model is not changed unless ``inplace=True``: the conversion works on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -26,6 +29,7 @@ import warnings
 from dataclasses import asdict
 from typing import Any
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -35,12 +39,23 @@ from .blocks import ToMoEBlock
 from .build import build_block, build_linear
 from .errors import CompressionError, NothingToConvert
 from .experts import ExpertsSettings, is_tomoe_experts
-from .fit import plan_layer
+from .dense import DenseLayer
+from .fit import plan_layer, relative_error
 from .lora import add_lora, freeze_experts
 from .options import ToMoEOptions, check_implementation, resolve
 from .stats import CompressionStats, LayerStats, SkippedLayer, block_counts, parameter_count
 
 logger = logging.getLogger("moelens.compress")
+
+#: Input rows on which a layer's own forward is compared with what its weights' reading computes.
+PROBE_TOKENS = 256
+#: Largest relative difference accepted there: float32 rounding, or a half-precision model's.
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
+#: Accepted for other dtypes (bfloat16, float16).
+PROBE_TOLERANCE_LOW_PRECISION = 0.05
+#: What each kind of site is converted as.
+FORMULAS = {"swiglu": "down(act(gate(x)) * up(x))", "bert": "down(act(up(x)))", "gpt2": "down(act(up(x)))",
+            "linear": "a Linear layer"}
 
 
 class ToMoECompressor:
@@ -80,7 +95,9 @@ class ToMoECompressor:
         inputs = {}
         if calls:
             hooks = {site.name: site.hook for site in sites}
-            inputs = calib.capture(model, calls, hooks, max_tokens=options.max_tokens, seed=options.seed)
+            # On the copy, forward hooks are the user's functions (deepcopy keeps them): they do not run here.
+            with calib.without_hooks(model) if not options.inplace else contextlib.nullcontext():
+                inputs = calib.capture(model, calls, hooks, max_tokens=options.max_tokens, seed=options.seed)
         settings = ExpertsSettings(options.experts_implementation)
         stats = CompressionStats(skipped=[SkippedLayer(s.name, s.reason) for s in skips],
                                  original_parameters=original, settings=asdict(options))
@@ -120,8 +137,14 @@ class ToMoECompressor:
         sites: list[tg.Site] = []
         skips: list[tg.Skip] = []
         covered: list[str] = []  # module names inside an FFN site (their Linear layers are not candidates)
+        moe_blocks: list[str] = []  # MoE blocks (converted or the model's own): their parts stay as they are
+        owners = tg.parameter_owners(model)
         for name, module in model.named_modules():
-            if not name or _inside_converted(module) or ".base_layer" in name or "lora_" in name:
+            if not name or ".base_layer" in name or "lora_" in name:
+                continue
+            block = _enclosing(name, moe_blocks)
+            if block is None and tg.is_moe_block(module):  # named_modules lists a block before its parts
+                moe_blocks.append(name)
                 continue
             found = tg.ffn_site(model, name, module)
             if found is None:
@@ -134,16 +157,20 @@ class ToMoECompressor:
             covered.append(found.name)
             if container != found.name:  # a BERT layer: the FFN is intermediate + output.dense
                 covered.append(f"{container}.output.dense")
+            if block is not None:
+                skips.append(tg.Skip(found.name, _inside_reason(model, block)))
+                continue
             if isinstance(found, tg.Skip):
                 skips.append(found)
                 continue
-            reason = self._ffn_skip_reason(found)
+            roots = [found.name] + ([f"{container}.output.dense"] if container != found.name else [])
+            reason = tg.tied_reason(found.parts, roots, owners) or self._ffn_skip_reason(found)
             if reason:
                 skips.append(tg.Skip(found.name, reason))
             else:
                 sites.append(found)
         if linear_mode:
-            self._linear_targets(model, covered, sites, skips)
+            self._linear_targets(model, covered, moe_blocks, sites, skips)
         if not sites:
             where = ("attention Linear layers" if options.target_attention_only
                      else f"modules matching target_modules={targeted!r}" if targeted is not None
@@ -166,7 +193,7 @@ class ToMoECompressor:
         site.num_experts, site.top_k = options.num_experts, options.top_k
         return ""
 
-    def _linear_targets(self, model: nn.Module, covered: list[str], sites: list[tg.Site],
+    def _linear_targets(self, model: nn.Module, covered: list[str], moe_blocks: list[str], sites: list[tg.Site],
                         skips: list[tg.Skip]) -> None:
         options = self.options
         tied = tg.shared_weights(model)
@@ -174,11 +201,14 @@ class ToMoECompressor:
         for name, module in model.named_modules():
             if not name or not tg.is_linear(module) or ".base_layer" in name or "lora_" in name:
                 continue
-            if any(name == c or name.startswith(c + ".") for c in covered) or _inside_converted(module):
+            if any(name == c or name.startswith(c + ".") for c in covered):
                 continue
             wanted = (options.target_attention_only and tg.in_attention(name)) or (
                 options.target_modules is not None and tg.matches(name, options.target_modules))
-            if wanted:
+            block = _enclosing(name, moe_blocks)
+            if wanted and block is not None:
+                skips.append(tg.Skip(name, _inside_reason(model, block)))
+            elif wanted:
                 candidates.append((name, module, tg.linear_shape(module)[0]))
         widest: dict[str, int] = {}
         for name, _, out in candidates:
@@ -210,6 +240,10 @@ class ToMoECompressor:
             stats.skipped.append(SkippedLayer(site.name, "not reached by the calibration data (its input was never seen)"))
             return
         layer = site.read()
+        reason = self._mismatch_reason(site, layer, x)
+        if reason:
+            stats.skipped.append(SkippedLayer(site.name, reason))
+            return
         shared = options.shared_neurons if site.kind != "linear" else 0
         plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
                           seed=options.seed)
@@ -248,9 +282,40 @@ class ToMoECompressor:
             active_parameters=active, lora=bool(options.lora_r), notes=list(site.notes) + list(plan.notes),
         ))
 
+    def _mismatch_reason(self, site: tg.Site, layer: DenseLayer, x: torch.Tensor | None) -> str:
+        """Why the site stays dense because its own forward is not what ``layer`` (its weights' reading) computes,
+        or ``""``: checked on calibration inputs, or on seeded random rows without calibration data."""
+        if x is not None:
+            rows, source = x[:PROBE_TOKENS], "calibration"
+        else:
+            generator = torch.Generator().manual_seed(self.options.seed)
+            rows, source = torch.randn(PROBE_TOKENS, layer.hidden_size, generator=generator), "random"
+        reference = next(site.reference.parameters())
+        rows = rows.to(reference.dtype)  # both sides see the same (model-precision) inputs
+        try:
+            with torch.no_grad(), calib.evaluating(*site.parts), calib.without_hooks(*site.parts):
+                real = site.run(rows[None].to(reference.device))
+            real = real.reshape(-1, real.shape[-1]).float().cpu()
+        except Exception as error:  # noqa: BLE001 - a forward that needs more than the hidden states is no plain FFN
+            return f"its forward could not run on hidden states alone ({type(error).__name__}: {error}): kept dense"
+        expected = layer.project(layer.hidden(rows.float()))
+        difference = relative_error(expected, real) if expected.shape == real.shape else float("inf")
+        tolerance = PROBE_TOLERANCE.get(reference.dtype, PROBE_TOLERANCE_LOW_PRECISION)
+        if difference <= tolerance:
+            return ""
+        return (f"its forward does more than {FORMULAS[site.kind]} (its output differs from that by {difference:.3g}, "
+                f"relative, on {rows.shape[0]} {source} inputs: a norm or multipliers inside?): kept dense")
 
-def _inside_converted(module: nn.Module) -> bool:
-    return isinstance(module, ToMoEBlock)
+
+def _enclosing(name: str, blocks: list[str]) -> str | None:
+    """The block of ``blocks`` that module ``name`` sits inside, or None."""
+    return next((block for block in blocks if name.startswith(block + ".")), None)
+
+
+def _inside_reason(model: nn.Module, block: str) -> str:
+    module = model.get_submodule(block)
+    what = "converted block" if isinstance(module, ToMoEBlock) else "MoE block"
+    return f"inside the {what} {block} ({type(module).__name__}): the parts of an MoE block stay as they are"
 
 
 def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: float | None = 0.2,
@@ -285,7 +350,8 @@ def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: 
         The converted model, or ``(model, CompressionStats)`` with ``return_stats``.
 
     Raises:
-        CompressionError: ``top_k > num_experts`` and other bad settings, an empty calibration set.
+        CompressionError: ``top_k > num_experts`` and other bad settings, an empty calibration set,
+            calibration data the model refuses (the message names the batch and why).
         NothingToConvert: The model has no layer to convert.
     """
     compressor = ToMoECompressor(

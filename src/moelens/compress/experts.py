@@ -28,6 +28,8 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformers.integrations.moe import use_experts_implementation
 
+from .lora import LoRAHost
+
 
 class ExpertsSettings:
     """What transformers' experts dispatch reads from ``experts.config``.
@@ -64,8 +66,8 @@ def _eager_loop(
     return out.to(hidden_states.dtype)
 
 
-class _Experts(nn.Module):
-    """What both experts classes share: sizes, the down projection, the activation."""
+class _Experts(LoRAHost):
+    """What both experts classes share: sizes, the down projection, the activation (and LoRA adapters, `LoRAHost`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, output_size: int,
                  act_fn: nn.Module) -> None:

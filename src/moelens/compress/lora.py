@@ -1,29 +1,37 @@
-"""LoRA adapters on converted blocks (experts and router), as torch parametrizations.
+"""LoRA adapters on converted blocks (experts and router), added when the weights are read.
 
-``experts.gate_up_proj`` (or ``up_proj``) and ``experts.down_proj`` become
+``experts.gate_up_proj`` (or ``up_proj``) and ``experts.down_proj`` read as
 ``base + (alpha / r) * B @ A`` with per-expert ``A [E, r, in]`` and ``B [E, out, r]``;
-``router.weight`` becomes ``base + (alpha / r) * B @ A`` with ``A [r, D]``,
+``router.weight`` reads as ``base + (alpha / r) * B @ A`` with ``A [r, D]``,
 ``B [E, r]``. ``B`` starts at zero, so adding adapters changes nothing until they
 train. Every experts implementation reads the weights by name, so they all see the
-adapted weights; `merge_lora` folds the adapters into plain parameters again.
+adapted weights; `merge_lora` folds the adapters into the plain parameters again.
 With ``freeze_experts`` the routed and shared experts' weights do not train (the
 adapters and the router do).
+
+The adapters are plain submodules (``<module>.lora.<weight>``) that `LoRAHost` adds
+when the weight is looked up, not torch parametrizations: a parametrized module
+shares a generated class with its deep copies (merging a copy broke the original)
+and does not pickle.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
-
-from .experts import is_tomoe_experts
-from .router import ToMoERouter
 
 
 class LoRADelta(nn.Module):
-    """Parametrization ``W -> W + scale * B @ A`` for a 2-D ``[out, in]`` or a 3-D ``[E, out, in]`` weight."""
+    """The adapter of one 2-D ``[out, in]`` or 3-D ``[E, out, in]`` weight: ``W -> W + scale * B @ A``.
+
+    Attributes:
+        scale: ``alpha / rank``.
+        lora_A: ``[*batch, rank, in]``, Kaiming-uniform at start.
+        lora_B: ``[*batch, out, rank]``, zero at start (the adapter adds nothing until it trains).
+    """
 
     def __init__(self, shape: torch.Size, rank: int, alpha: float) -> None:
         super().__init__()
@@ -34,23 +42,39 @@ class LoRADelta(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A.view(-1, in_features), a=math.sqrt(5))
 
     def forward(self, weight: Tensor) -> Tensor:
+        """The adapted weight."""
         return weight + self.scale * (self.lora_B @ self.lora_A).to(weight.dtype)
 
 
-def _adapt(module: nn.Module, name: str, rank: int, alpha: float) -> None:
-    tensor = getattr(module, name)
-    if not isinstance(tensor, nn.Parameter):  # a fixed buffer (ToMoELinear's placement) is not adapted
+class LoRAHost(nn.Module):
+    """A module whose parameters named in its ``lora`` adapters (an ``nn.ModuleDict``) read as adapted.
+
+    ``module.<name>`` is ``lora[<name>](base)``, what every forward and experts implementation
+    sees; the parameter ``<name>`` in ``parameters()`` and the state dict stays the base weight.
+    Without a ``lora`` child the module is an ordinary module.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        # Parameters live in _parameters, not in __dict__, so reading one always lands here.
+        adapters = self.__dict__.get("_modules", {}).get("lora")
+        if adapters is not None and name in adapters._modules:
+            return adapters._modules[name](super().__getattr__(name))
+        return super().__getattr__(name)
+
+
+def _adapt(module: LoRAHost, name: str, rank: int, alpha: float) -> None:
+    base = module._parameters.get(name)
+    if base is None:  # a fixed buffer (ToMoELinear's placement) is not adapted
         return
-    delta = LoRADelta(tensor.shape, rank, alpha).to(device=tensor.device, dtype=tensor.dtype)
-    parametrize.register_parametrization(module, name, delta)
+    if "lora" not in module._modules:
+        module.lora = nn.ModuleDict()
+    module.lora[name] = LoRADelta(base.shape, rank, alpha).to(device=base.device, dtype=base.dtype)
 
 
 def add_lora(block: nn.Module, rank: int, alpha: float) -> None:
     """Add LoRA adapters of rank ``rank`` to a converted block's experts and router."""
-    experts = block.experts
     for name in ("gate_up_proj", "up_proj", "down_proj"):
-        if name in experts._parameters:
-            _adapt(experts, name, rank, alpha)
+        _adapt(block.experts, name, rank, alpha)
     _adapt(block.router, "weight", rank, alpha)
 
 
@@ -62,10 +86,13 @@ def freeze_experts(block: nn.Module) -> None:
                 parameter.requires_grad_(False)
 
 
+@torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every LoRA adapter of the converted blocks into plain parameters (in place); returns ``model``."""
+    """Fold every LoRA adapter of the converted blocks into its base parameter (in place); returns ``model``."""
     for module in list(model.modules()):
-        if parametrize.is_parametrized(module) and (is_tomoe_experts(module) or isinstance(module, ToMoERouter)):
-            for name in list(module.parametrizations.keys()):
-                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+        if isinstance(module, LoRAHost) and "lora" in module._modules:
+            for name, adapter in module._modules["lora"].items():
+                base = module._parameters[name]
+                base.copy_(adapter(base))
+            del module.lora
     return model

@@ -48,7 +48,7 @@ class ToMoEOptions:
         max_tokens: Calibration tokens kept per layer.
         experts_implementation: transformers experts implementation the converted blocks run.
         inplace: Convert the given model itself instead of a copy.
-        seed: Seed of the clustering and token sampling.
+        seed: Seed of the clustering and token sampling, in ``[0, 2**32)`` (scikit-learn's range).
         progress: Show a progress bar over layers.
     """
 
@@ -96,6 +96,10 @@ class ToMoEOptions:
             raise CompressionError("shared_neurons and lora_r must be >= 0.")
         if self.max_error is not None and not self.max_error > 0:
             raise CompressionError(f"max_error must be positive or None (no gate), got {self.max_error!r}.")
+        if not 0 <= self.seed < 2**32:
+            raise CompressionError(
+                f"seed must be in [0, 2**32) (scikit-learn's k-means takes seeds in that range), got {self.seed}."
+            )
         if self.max_tokens < 1:
             raise CompressionError(f"max_tokens must be positive, got {self.max_tokens}.")
         check_implementation(self.experts_implementation)

@@ -35,8 +35,11 @@ def reduce(features: Float[Tensor, "n f"], dims: int = MAX_FEATURES, seed: int =
     features = F.normalize(features.float(), dim=-1)
     if features.shape[1] <= dims or features.shape[0] <= dims:
         return features
-    torch.manual_seed(seed)
-    left, singular, _ = torch.svd_lowrank(features, q=dims, niter=4)
+    # svd_lowrank draws from torch's global CPU generator: seed it for this call only (the user's stream is restored;
+    # torch.manual_seed would also reseed every CUDA device).
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        left, singular, _ = torch.svd_lowrank(features, q=dims, niter=4)
     return left * singular
 
 

@@ -25,15 +25,17 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from .lora import LoRAHost
+
 #: The smallest selected logit the offset guarantees on the calibration tokens.
 MIN_SELECTED_LOGIT = 64.0
 
 
-class ToMoERouter(nn.Module):
+class ToMoERouter(LoRAHost):
     """Linear router: ``logits = x @ weight.T + bias``; top-k logits; weights ``sigmoid`` (= 1).
 
     Attributes:
-        weight: ``[E, D]``.
+        weight: ``[E, D]`` (with its LoRA adapter added when there is one, `LoRAHost`).
         bias: ``[E]``, including `offset`.
         offset: The constant added to every logit so selected weights saturate to 1.
         top_k: k, the experts each token runs.

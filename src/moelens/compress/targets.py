@@ -7,7 +7,9 @@ FFN blocks are recognised by their parts (`FFN_KINDS`): a SwiGLU ``mlp`` with
 ``target_attention_only`` (inside attention modules) or ``target_modules`` (names
 or a regex, as in PEFT). A candidate is skipped, with the reason, when it is
 protected (heads, embeddings, poolers, routers), a fused QKV projection, shares
-its weight with another module, or is too small for the experts asked.
+its weight with another module, sits inside an MoE block (a converted one, or one
+of a model that has MoE layers already: moelens' own detection, `is_moe_block`), or
+is too small for the experts asked.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..components.implementations import is_dispatching
+from ..families import registry
 from .blocks import ToMoEBlock, ToMoEIntermediateBlock
 from .dense import DenseLayer
 from .linear import ToMoELinear
@@ -27,6 +31,8 @@ from .linear import ToMoELinear
 #: Name components that mark a module as protected (never converted).
 PROTECTED = ("lm_head", "classifier", "pooler", "embed_tokens", "embeddings", "embedding", "embed", "wte", "wpe",
              "score", "qa_outputs", "cls", "head", "heads", "router", "gate", "predictions", "decoder_head")
+#: FFN projections whose names start like a router's (``gate_...``): not protected.
+FFN_PROJECTIONS = ("gate_proj", "gate_up_proj", "up_gate_proj")
 #: Last name components of fused query/key/value projections.
 FUSED_QKV = ("c_attn", "qkv_proj", "query_key_value", "Wqkv", "qkv", "in_proj", "W_pack", "to_qkv", "qkv_linear")
 #: Name components of attention modules (for ``target_attention_only``).
@@ -86,6 +92,8 @@ class Site:
         hook: The module whose input is the layer's input (calibration is captured there).
         parts: The dense modules the conversion replaces (their parameters are the "original" count).
         read: Builds the `DenseLayer` view (float32 copies of the weights).
+        run: The dense layer's own forward on input rows ``[T, D]``: its output ``y`` (what the
+            conversion must reproduce; checked against the `DenseLayer` view before converting).
         install: Puts the converted module in place.
         neurons: The dense layer's neurons: intermediate neurons (FFN) or outputs (Linear).
         block_class: The block class to build.
@@ -99,6 +107,7 @@ class Site:
     hook: nn.Module
     parts: list[nn.Module]
     read: Callable[[], DenseLayer]
+    run: Callable[[torch.Tensor], torch.Tensor]
     install: Callable[[nn.Module], None]
     neurons: int
     block_class: type = ToMoEBlock
@@ -168,7 +177,7 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
             return DenseLayer(up=up_w, up_bias=up_b, gate=gate_w, gate_bias=gate_b, down=down_w, down_bias=down_b,
                               act=module.act_fn)
 
-        return Site(name, "swiglu", module, [module], read_swiglu, _setter(model, name), linear_shape(up)[0])
+        return Site(name, "swiglu", module, [module], read_swiglu, module, _setter(model, name), linear_shape(up)[0])
     if "gate_up_proj" in children and "down_proj" in children and is_linear(children["gate_up_proj"]):
         return Skip(name, "fused gate_up_proj FFN (one Linear for gate and up): not supported")
     intermediate, output = children.get("intermediate"), children.get("output")
@@ -184,14 +193,14 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
             output.dense = nn.Identity()
 
         return Site(f"{name}.intermediate", "bert", intermediate, [intermediate, second],
-                    _plain_ffn(first, second, intermediate.intermediate_act_fn), install_bert,
-                    linear_shape(first)[0], block_class=ToMoEIntermediateBlock)
+                    _plain_ffn(first, second, intermediate.intermediate_act_fn), lambda x: second(intermediate(x)),
+                    install_bert, linear_shape(first)[0], block_class=ToMoEIntermediateBlock)
     c_fc, c_proj = children.get("c_fc"), children.get("c_proj")
     if (c_fc is not None and c_proj is not None and callable(getattr(module, "act", None))
             and is_linear(c_fc) and is_linear(c_proj)):
         if _tuned(c_fc, c_proj):
             return Skip(name, PEFT_FFN)
-        return Site(name, "gpt2", module, [module], _plain_ffn(c_fc, c_proj, module.act), _setter(model, name),
+        return Site(name, "gpt2", module, [module], _plain_ffn(c_fc, c_proj, module.act), module, _setter(model, name),
                     linear_shape(c_fc)[0], dropout=getattr(module, "dropout", None))
     return None
 
@@ -211,7 +220,7 @@ def linear_site(model: nn.Module, name: str, module: nn.Module) -> Site:
     else:
         install = _setter(model, name)
         hook = module
-    return Site(name, "linear", hook, [base_of(module)], read_linear, install, linear_shape(module)[0],
+    return Site(name, "linear", hook, [base_of(module)], read_linear, hook, install, linear_shape(module)[0],
                 block_class=ToMoELinear, peft=peft)
 
 
@@ -223,9 +232,40 @@ def protected_reason(name: str) -> str:
     """Why a module is protected from conversion, or ``""``."""
     for part in _components(name):
         lowered = part.lower()
+        if lowered in FFN_PROJECTIONS:
+            continue
         if lowered in PROTECTED or any(lowered.startswith(p + "_") or lowered.endswith("_" + p) for p in PROTECTED):
             return f"protected ({part}: output heads, embeddings, poolers and routers stay dense)"
     return ""
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """A block moelens serves as MoE (`moelens.wrap`'s detection): a registered family's block (a converted
+    `ToMoEBlock` too) or a module holding experts decorated with transformers' ``use_experts_implementation``."""
+    return registry.for_block(module) is not None or any(is_dispatching(child) for child in module.children())
+
+
+def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """The names of the modules holding each parameter (by ``id``), every place a shared module sits included."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                owners.setdefault(id(parameter), []).append(name)
+    return owners
+
+
+def tied_reason(parts: list[nn.Module], roots: list[str], owners: dict[int, list[str]]) -> str:
+    """Why an FFN whose modules sit at ``roots`` stays dense because a parameter of ``parts`` is also held
+    elsewhere (the same module at two places, or tied weights), or ``""``."""
+    inside = lambda owner: any(owner == root or owner.startswith(root + ".") for root in roots)  # noqa: E731
+    others = sorted({owner for part in parts for parameter in part.parameters()
+                     for owner in owners.get(id(parameter), []) if not inside(owner)})
+    if not others:
+        return ""
+    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return (f"shares weights with {shown} (the same module at two places, or tied parameters): converting it at "
+            "one place would untie them")
 
 
 def in_attention(name: str) -> bool:

@@ -1,0 +1,239 @@
+"""moelens.compress: what a conversion must not do, and what it must refuse.
+
+LoRA adapters that leave copies independent and pickle; FFNs whose forward is not what their weights
+say, FFNs inside MoE blocks and FFNs shared between places stay dense with the reason; the user's RNG,
+training flags and hooks are left alone; gate_proj is no router; bad seeds and calibration data raise
+`CompressionError`. Ground truth: the models' own outputs, torch's RNG stream, module attributes.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from transformers import BitNetConfig, BitNetForCausalLM, FalconH1Config, FalconH1ForCausalLM
+
+import moelens
+from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoELinear, ToMoESharedExpert,
+                              exportable, merge_lora, tomoe)
+from moelens.compress.targets import protected_reason
+from moelens.testing import tiny_inputs, tiny_model
+from test_compress_helpers import VOCAB, bert, convert, gpt2, ids, llama, run
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+
+
+def quiet(build):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        return build().eval()
+
+
+def with_trained_adapters(model):
+    """``model`` with every LoRA ``B`` random, so the adapters change the output."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["swiglu", "gpt2"])
+def test_exportable_and_merge_lora_of_a_copy_leave_the_model_working(make):
+    tokens = ids()
+    converted, _ = convert(make(), num_experts=4, top_k=2, calibration=tokens, lora_r=2)
+    converted = with_trained_adapters(converted)
+    before = run(converted, tokens)
+    gated = exportable(converted)
+    torch.testing.assert_close(run(gated, tokens), before, atol=1e-5, rtol=1e-5)  # the copy merged the adapters
+    torch.testing.assert_close(run(converted, tokens), before, rtol=0, atol=0)  # the model itself is unchanged
+    merged = merge_lora(copy.deepcopy(converted))
+    torch.testing.assert_close(run(merged, tokens), before, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run(converted, tokens), before, rtol=0, atol=0)
+    assert any(name.endswith("lora_A") for name, _ in converted.named_parameters())  # its adapters are still there
+    assert not any(name.endswith("lora_A") for name, _ in merged.named_parameters())
+
+
+def test_a_model_with_lora_adapters_pickles_whole():
+    tokens = ids()
+    converted, _ = convert(llama(), num_experts=4, top_k=2, calibration=tokens, lora_r=2)
+    converted = with_trained_adapters(converted)
+    moelens.wrap(converted)
+    loaded = pickle.loads(pickle.dumps(converted))
+    torch.testing.assert_close(run(loaded, tokens), run(converted, tokens), rtol=0, atol=0)
+    trainable = {name for name, p in loaded.named_parameters() if p.requires_grad and "lora_" in name}
+    assert len(trainable) == 2 * 2 * 3  # 2 layers x (A, B) x (gate_up_proj, down_proj, router weight)
+
+
+# -- FFNs that stay dense --------------------------------------------------------------------------------
+
+
+def bitnet():
+    """BitNet's FFN: gate/up/down and act_fn, with an RMSNorm (ffn_sub_norm) before down."""
+    return quiet(lambda: BitNetForCausalLM(BitNetConfig(**SMALL)))
+
+
+def falcon_h1(multipliers):
+    """Falcon-H1's FFN: gate/up/down and act_fn, gate and down scaled by ``mlp_multipliers``."""
+    config = FalconH1Config(**SMALL, mlp_multipliers=multipliers, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                            mamba_d_state=8, mamba_chunk_size=8)
+    return quiet(lambda: FalconH1ForCausalLM(config))
+
+
+@pytest.mark.parametrize("calibrated", [True, False], ids=["calibrated", "weights-only"])
+@pytest.mark.parametrize("make", [bitnet, lambda: falcon_h1([1.0, 3.0])], ids=["bitnet", "falcon_h1"])
+def test_an_ffn_that_only_looks_like_swiglu_stays_dense(make, calibrated):
+    dense, tokens = make(), ids()
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens if calibrated else None)
+    assert not stats.converted and len(stats.skipped) == 2
+    for skipped in stats.skipped:
+        assert "its forward does more than down(act(gate(x)) * up(x))" in skipped.reason
+    assert not any(isinstance(m, ToMoEBlock) for m in converted.modules())
+    torch.testing.assert_close(run(converted, tokens), run(dense, tokens), rtol=0, atol=0)
+
+
+def test_an_ffn_that_is_swiglu_in_a_new_family_still_converts():
+    dense, tokens = falcon_h1([1.0, 1.0]), ids()  # multipliers of 1: exactly SwiGLU
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens)
+    assert len(stats.converted) == 2 and not stats.skipped
+    torch.testing.assert_close(run(converted, tokens), run(dense, tokens), atol=2e-5, rtol=1e-5)
+
+
+def test_a_second_pass_leaves_the_converted_blocks_alone():
+    tokens = ids()
+    first, _ = convert(llama(), num_experts=4, top_k=2, calibration=tokens, shared_neurons=16)
+    with pytest.raises(NothingToConvert, match=r"layers.0.mlp.shared_experts: inside the converted block "
+                                               r"model.layers.0.mlp \(ToMoEBlock\)"):
+        convert(first, num_experts=4, top_k=2, calibration=tokens)
+    second, stats = convert(first, num_experts=4, top_k=2, calibration=tokens, target_modules=r".*")
+    assert all(".self_attn." in name for name in stats.converted_layers) and len(stats.converted) == 8
+    assert "inside the converted block" in stats.skipped_layers["model.layers.0.mlp.shared_experts"]
+    for layer in second.model.layers:
+        assert type(layer.mlp.shared_experts) is ToMoESharedExpert
+        assert all(type(getattr(layer.mlp.shared_experts, part)) is torch.nn.Linear
+                   for part in ("gate_proj", "up_proj", "down_proj"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_the_shared_expert_of_a_models_own_moe_block_stays_as_it_is(family):
+    dense = tiny_model(family)
+    inputs = tiny_inputs(dense, batch=4, seq=8)
+    converted, stats = convert(dense, num_experts=4, top_k=2, calibration=inputs)
+    assert stats.converted_layers == ["model.layers.0.mlp"]  # the one dense FFN
+    moe_blocks = [name for name, m in dense.named_modules() if name.endswith(".mlp") and name != "model.layers.0.mlp"]
+    for name in moe_blocks:
+        shared = next(n for n in stats.skipped_layers if n.startswith(name + "."))
+        assert stats.skipped_layers[shared].startswith(f"inside the MoE block {name} ")
+        assert type(converted.get_submodule(shared)) is type(dense.get_submodule(shared))
+    wrapped = moelens.wrap(converted)
+    assert [m.path.removeprefix("model.") for m in wrapped.moes] == ["model.layers.0.mlp"] + moe_blocks
+    with wrapped.trace(tiny_inputs(dense)["input_ids"]):  # every block read in order (nested blocks broke this)
+        for moe in wrapped.moes:
+            moe.save_all()
+
+
+def test_an_ffn_shared_between_layers_stays_dense_and_shared():
+    tokens = ids()
+    dense = llama(num_hidden_layers=3)
+    dense.model.layers[2].mlp = dense.model.layers[0].mlp  # one module at two places
+    converted, stats = convert(dense, num_experts=4, top_k=2, calibration=tokens)
+    assert stats.converted_layers == ["model.layers.1.mlp"]
+    assert stats.skipped_layers["model.layers.0.mlp"].startswith("shares weights with model.layers.2.mlp.")
+    assert converted.model.layers[0].mlp is converted.model.layers[2].mlp
+    assert type(converted.model.layers[0].mlp).__name__ == "LlamaMLP"
+
+    tied = llama(num_hidden_layers=3)
+    for part in ("gate_proj", "up_proj", "down_proj"):  # separate modules, tied weights
+        getattr(tied.model.layers[2].mlp, part).weight = getattr(tied.model.layers[0].mlp, part).weight
+    converted, stats = convert(tied, num_experts=4, top_k=2, calibration=tokens)
+    assert stats.converted_layers == ["model.layers.1.mlp"]
+    assert "model.layers.0.mlp.gate_proj" in stats.skipped_layers["model.layers.2.mlp"]
+    assert converted.model.layers[0].mlp.up_proj.weight is converted.model.layers[2].mlp.up_proj.weight
+
+
+# -- what the user owns ------------------------------------------------------------------------------------
+
+
+def test_tomoe_leaves_torchs_random_stream_alone():
+    dense, tokens = llama(intermediate_size=256), ids(8, 32)  # 256 neurons, 256 tokens: the truncated SVD runs
+    torch.manual_seed(1)
+    expected = torch.rand(4)
+    torch.manual_seed(1)
+    convert(dense, num_experts=4, top_k=2, calibration=tokens)
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
+
+
+def test_each_modules_training_flag_is_kept():
+    dense = llama()
+    dense.train()
+    dense.model.layers[1].self_attn.eval()
+    dense.model.embed_tokens.eval()
+    before = {name: module.training for name, module in dense.named_modules()}
+    converted, _ = convert(dense, num_experts=4, top_k=2, calibration=ids())
+    assert {n: m.training for n, m in converted.named_modules() if n in before} == {
+        n: t for n, t in before.items() if n in dict(converted.named_modules())}
+    convert(dense, num_experts=4, top_k=2, calibration=ids(), inplace=True)
+    assert {n: m.training for n, m in dense.named_modules() if n in before} == {
+        n: t for n, t in before.items() if n in dict(dense.named_modules())}
+
+
+def test_the_calibration_of_a_copy_does_not_call_the_users_hooks():
+    dense, tokens = llama(), ids()
+    calls = []
+    dense.model.layers[1].register_forward_hook(lambda module, args, output: calls.append(output.shape))
+    converted, _ = convert(dense, num_experts=4, top_k=2, calibration=tokens)
+    assert calls == []
+    run(dense, tokens)
+    run(converted, tokens)  # both keep the hook
+    assert len(calls) == 2
+    # transformers' own hooks, installed on the copy's first forward (the calibration), still work
+    with torch.no_grad():
+        states = converted(input_ids=tokens, output_hidden_states=True).hidden_states
+    assert len(states) == 3
+
+
+def test_gate_proj_is_an_ffn_projection_not_a_router():
+    dense, tokens = llama(), ids()
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens, target_modules=["gate_proj"])
+    assert stats.converted_layers == ["model.layers.0.mlp.gate_proj", "model.layers.1.mlp.gate_proj"]
+    assert isinstance(converted.model.layers[0].mlp.gate_proj, ToMoELinear)
+    torch.testing.assert_close(run(converted, tokens), run(dense, tokens), atol=2e-5, rtol=1e-5)
+    for router in ("model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate", "model.layers.0.router"):
+        assert protected_reason(router)
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+
+
+def test_a_seed_outside_what_kmeans_takes_is_refused():
+    for seed in (-1, 2**32):
+        with pytest.raises(CompressionError, match=rf"seed must be in \[0, 2\*\*32\).*got {seed}"):
+            tomoe(llama(), seed=seed)
+    _, stats = convert(llama(), num_experts=4, top_k=2, calibration=ids(), seed=2**32 - 1)
+    assert len(stats.converted) == 2
+
+
+@pytest.mark.parametrize("make", [gpt2, bert], ids=["gpt2", "bert"])
+def test_calibration_longer_than_the_positions_is_refused(make):
+    # learned position embeddings: 64 positions
+    with pytest.raises(CompressionError, match=r"input_ids \[1, 100\].*100 tokens long, longer than the "
+                                               r"model's 64 positions .*split them"):
+        convert(make(), calibration=ids(1, 100))
+
+
+@pytest.mark.parametrize("calibration, message", [
+    (torch.tensor(5), r"tensor\(5\) is a single number \(0-d\); pass token ids"),
+    (torch.rand(2, 8), r"arg 0 \[2, 8\] float32.*float32, but LlamaForCausalLM takes integer token ids"),
+], ids=["0-d", "float"])
+def test_calibration_that_is_no_token_ids_is_refused(calibration, message):
+    with pytest.raises(CompressionError, match=message):
+        convert(llama(), calibration=calibration)
