@@ -29,6 +29,7 @@ from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .errors import FamilyError, MoelensError
 from .families import Family, registry
 from .families.entry import get_path
+from .modules import enclosing, is_adapter_layer
 
 
 @dataclass
@@ -60,11 +61,6 @@ def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
         return False
 
 
-def _inside(name: str, blocks: list[str]) -> bool:
-    """Whether module ``name`` sits inside one of ``blocks`` (module names)."""
-    return any(name.startswith(block + ".") for block in blocks)
-
-
 def _children(module: torch.nn.Module) -> list[str]:
     return [child for child, _ in module.named_children()]
 
@@ -80,7 +76,7 @@ def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -
             target = get_path(module, path)
         except AttributeError:
             continue
-        if isinstance(getattr(target, "base_layer", None), torch.nn.Module) and hasattr(target, "active_adapters"):
+        if is_adapter_layer(target):
             raise FamilyError(
                 f"{name}.{path}, the {part} of this {family.name} block, is wrapped by a PEFT adapter layer "
                 f"({type(target).__name__}), so moelens cannot read the {part}'s own operations: merge the "
@@ -160,7 +156,7 @@ def discover(model: torch.nn.Module) -> Structure:
     for name, module in model.named_modules():
         family = registry.for_block(module)
         if family is None:
-            if any(is_dispatching(child) for child in module.children()) and not _inside(name, structure.moe_blocks):
+            if any(is_dispatching(child) for child in module.children()) and enclosing(name, structure.moe_blocks) is None:
                 unknown.append(f"{name} ({type(module).__name__})")
             continue
         _refuse_adapter_layers(name, module, family)

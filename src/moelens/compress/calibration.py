@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from ..modules import evaluating
 from .errors import CompressionError
 
 
@@ -164,19 +165,6 @@ def _failed(model: nn.Module, index: int, args: tuple, kwargs: dict, error: Exce
     return (f"the calibration forward of {type(model).__name__} failed on batch {index} ({shapes}): "
             f"{type(error).__name__}: {error}.{hint} calibration must be what the model is called with: token ids "
             "[batch, seq], a dict of its inputs (a tokenizer's output), or a list of those.")
-
-
-@contextmanager
-def evaluating(*models: nn.Module) -> Iterator[None]:
-    """``models`` in eval mode; each module's own ``training`` flag is restored after (not ``model.train(mode)``)."""
-    modes = [(module, module.training) for model in models for module in model.modules()]
-    for model in models:
-        model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 #: The forward hook dictionaries of an ``nn.Module``.

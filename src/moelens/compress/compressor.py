@@ -33,13 +33,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..modules import enclosing, evaluating
 from . import calibration as calib
 from . import targets as tg
 from .blocks import ToMoEBlock
 from .build import build_block, build_linear
 from .errors import CompressionError, NothingToConvert
-from .experts import ExpertsSettings, is_tomoe_experts
 from .dense import DenseLayer
+from .experts import ExpertsSettings, is_tomoe_experts
 from .fit import plan_layer, relative_error
 from .lora import add_lora, freeze_experts
 from .options import ToMoEOptions, check_implementation, resolve
@@ -142,7 +143,7 @@ class ToMoECompressor:
         for name, module in model.named_modules():
             if not name or ".base_layer" in name or "lora_" in name:
                 continue
-            block = _enclosing(name, moe_blocks)
+            block = enclosing(name, moe_blocks)
             if block is None and tg.is_moe_block(module):  # named_modules lists a block before its parts
                 moe_blocks.append(name)
                 continue
@@ -205,7 +206,7 @@ class ToMoECompressor:
                 continue
             wanted = (options.target_attention_only and tg.in_attention(name)) or (
                 options.target_modules is not None and tg.matches(name, options.target_modules))
-            block = _enclosing(name, moe_blocks)
+            block = enclosing(name, moe_blocks)
             if wanted and block is not None:
                 skips.append(tg.Skip(name, _inside_reason(model, block)))
             elif wanted:
@@ -293,7 +294,7 @@ class ToMoECompressor:
         reference = next(site.reference.parameters())
         rows = rows.to(reference.dtype)  # both sides see the same (model-precision) inputs
         try:
-            with torch.no_grad(), calib.evaluating(*site.parts), calib.without_hooks(*site.parts):
+            with torch.no_grad(), evaluating(*site.parts), calib.without_hooks(*site.parts):
                 real = site.run(rows[None].to(reference.device))
             real = real.reshape(-1, real.shape[-1]).float().cpu()
         except Exception as error:  # noqa: BLE001 - a forward that needs more than the hidden states is no plain FFN
@@ -305,11 +306,6 @@ class ToMoECompressor:
             return ""
         return (f"its forward does more than {FORMULAS[site.kind]} (its output differs from that by {difference:.3g}, "
                 f"relative, on {rows.shape[0]} {source} inputs: a norm or multipliers inside?): kept dense")
-
-
-def _enclosing(name: str, blocks: list[str]) -> str | None:
-    """The block of ``blocks`` that module ``name`` sits inside, or None."""
-    return next((block for block in blocks if name.startswith(block + ".")), None)
 
 
 def _inside_reason(model: nn.Module, block: str) -> str:

@@ -24,6 +24,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..components.implementations import is_dispatching
 from ..families import registry
+from ..modules import is_adapter_layer
 from .blocks import ToMoEBlock, ToMoEIntermediateBlock
 from .dense import DenseLayer
 from .linear import ToMoELinear
@@ -45,21 +46,16 @@ MIN_WEIGHTS = 256
 PEFT_FFN = "PEFT adapters on the FFN's projections: convert its Linear layers with target_modules to keep them"
 
 
-def is_peft_layer(module: Any) -> bool:
-    """A PEFT tuner layer (LoRA ...) wrapping a ``base_layer``."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
-
-
 def is_linear(module: Any) -> bool:
     """An ``nn.Linear`` or GPT-2 ``Conv1D`` (or a PEFT layer wrapping one)."""
-    if is_peft_layer(module):
+    if is_adapter_layer(module):
         return is_linear(module.base_layer)
     return isinstance(module, (nn.Linear, Conv1D))
 
 
 def base_of(module: nn.Module) -> nn.Module:
     """The Linear inside a PEFT wrapper (or the module itself)."""
-    return module.base_layer if is_peft_layer(module) else module
+    return module.base_layer if is_adapter_layer(module) else module
 
 
 def is_transposed(module: nn.Module) -> bool:
@@ -147,7 +143,7 @@ def _setter(model: nn.Module, name: str) -> Callable[[nn.Module], None]:
 
 
 def _tuned(*modules: nn.Module) -> bool:
-    return any(is_peft_layer(module) for module in modules)
+    return any(is_adapter_layer(module) for module in modules)
 
 
 def _plain_ffn(up: nn.Module, down: nn.Module, act: nn.Module) -> Callable[[], DenseLayer]:
@@ -207,7 +203,7 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
 
 def linear_site(model: nn.Module, name: str, module: nn.Module) -> Site:
     """The site of a single Linear / Conv1D layer (a PEFT wrapper stays around it)."""
-    peft = module if is_peft_layer(module) else None
+    peft = module if is_adapter_layer(module) else None
 
     def read_linear() -> DenseLayer:
         weight, bias = linear_weights(module)
@@ -297,7 +293,7 @@ def linear_skip_reason(name: str, module: nn.Module, tied: dict[int, list[str]],
         return reason
     if _components(name)[-1] in FUSED_QKV:
         return "fused QKV projection: splitting its outputs would mix queries, keys and values"
-    if is_peft_layer(module) and getattr(module, "merged", False):
+    if is_adapter_layer(module) and getattr(module, "merged", False):
         return "its PEFT adapter is merged into the weights: unmerge it first"
     base = base_of(module)
     owners = tied.get(base.weight.data_ptr())

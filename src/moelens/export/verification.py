@@ -11,14 +11,14 @@ levels the archive meets (``"approximate"``: ``|a - b| <= 1e-4 + 5e-4 |b|``).
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..modules import evaluating
 from .edits import Edits, as_edits
 from .errors import ExportError
 from .runner import meets, properties, run_isolated, tolerance_met
@@ -142,7 +142,7 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
     ``prepared``: the export's own `Prepared` copy (`to_nnef`), which for a block with ``edits`` is
     the reference (else it is built here).
     """
-    with torch.no_grad(), eval_mode(target.module):
+    with torch.no_grad(), evaluating(target.module):
         if target.kind == "block":
             if edits:
                 if prepared is None:
@@ -159,20 +159,6 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
 
             return logits_of(_float_module(target.module), inputs).float().numpy(), "the model (torch, float32)"
         return _intervened(target, inputs, edits), "the model with the edits made by moelens in a trace"
-
-
-@contextmanager
-def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """``module`` with every submodule in eval mode (no dropout, no router jitter), each submodule's own
-    ``training`` flag restored afterwards: the archive is the eval-mode model, whatever mode the user's is in."""
-    modes = [(submodule, submodule.training) for submodule in module.modules()]
-    try:
-        for submodule, _ in modes:
-            submodule.training = False
-        yield module
-    finally:
-        for submodule, training in modes:
-            submodule.training = training
 
 
 def _is_float32(module: torch.nn.Module) -> bool:

@@ -1,0 +1,33 @@
+"""Helpers over torch module trees that several parts of moelens share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+
+@contextmanager
+def evaluating(*models: nn.Module) -> Iterator[None]:
+    """``models`` in eval mode (no dropout, no router jitter) inside the block; each module's own
+    ``training`` flag is restored after (``model.train(mode)`` would set every submodule alike)."""
+    modes = [(module, module.training) for model in models for module in model.modules()]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def enclosing(name: str, blocks: Iterable[str]) -> str | None:
+    """The module name among ``blocks`` that module ``name`` sits inside (strictly below it), or None."""
+    return next((block for block in blocks if name.startswith(block + ".")), None)
+
+
+def is_adapter_layer(module: Any) -> bool:
+    """A PEFT tuner layer (LoRA, ...): it stands where a module was and wraps it as its ``base_layer``."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
