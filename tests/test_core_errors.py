@@ -897,8 +897,12 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.reroute(moe, (slice(None), 0), {1, 2}), r"experts=\{1, 2\} gives no expert ids"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), None), r"experts=None gives no expert ids"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), []), r"experts=\[\] gives no expert ids"),
+        (lambda moe: moelens.reroute(moe, torch.tensor([False, True]), 1), r"a bool mask that is not \[batch, seq\]"),
+        (lambda moe: moelens.force(moe, 1, tokens=[False, True]), r"a bool mask that is not \[batch, seq\]"),
+        (lambda moe: moelens.reroute(moe, (None, -1), 1), r"holds None, which adds an axis"),
     ],
-    ids=["int-tokens", "int-tensor-tokens", "int-mask", "set-experts", "none-experts", "no-experts"],
+    ids=["int-tokens", "int-tensor-tokens", "int-mask", "set-experts", "none-experts", "no-experts", "1d-bool-mask",
+         "1d-bool-list", "none-axis"],
 )
 def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match):
     wrapped, inputs = mixtral
@@ -951,3 +955,14 @@ def test_a_family_path_through_a_child_named_like_a_standard_name_binds_the_fami
         assert moe.experts_implementation == "batched_mm"
     finally:
         families.unregister("qwen3_moe_adapted")
+
+
+def test_a_steer_bias_beyond_the_logits_dtype_is_refused():
+    """float16 holds at most 65504: a finite bias of 1e5 would make the logit inf."""
+    hf = tiny_model("mixtral", dtype=torch.float16)
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    write_fails(wrapped, inputs, lambda moe: moelens.steer(moe, 1, 1e5), r"bias 100000.0 .* float16 logits hold \(6.55e\+04")
+    with wrapped.trace(**inputs):
+        moelens.steer(wrapped.moes[0], 1, 60.0)
+        indices = wrapped.moes[0].expert_indices.save()
+    assert (indices == 1).any(-1).all()

@@ -178,6 +178,15 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
             "token add it to the logits yourself: moe.router_logits[..., expert] += bias."
         )
     logits = moe.router_logits
+    steered = logits[..., expert].float() + float(bias)
+    largest = torch.finfo(logits.dtype).max
+    if not is_fake(steered) and bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any()):
+        raise WriteError(
+            f"steer: bias {bias} takes expert {expert}'s logits up to {float(steered.abs().max()):.4g} in "
+            f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
+            f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
+            "the routing)."
+        )
     logits[..., expert] += float(bias)
 
 
@@ -191,10 +200,16 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
     """
     batch, seq = values.shape[:2]
     whole = tokens is Ellipsis or isinstance(tokens, slice) and tokens == slice(None)
-    if not (isinstance(tokens, tuple) or whole or _is_bool_mask(tokens)):
+    if isinstance(tokens, tuple) and any(part is None for part in tokens):
+        raise WriteError(
+            f"{call}: tokens={tokens!r} holds None, which adds an axis instead of picking tokens; pass "
+            "(batch_index, seq_index), (slice(None), positions) or (..., position)."
+        )
+    if not (isinstance(tokens, tuple) or whole or _is_bool_mask(tokens) and torch.as_tensor(tokens).dim() == 2):
         raise WriteError(
             f"{call}: tokens={tokens!r} is ambiguous: on its own an index (an int, a list, an integer tensor or "
-            "mask) picks whole batch rows, not positions; pass a [batch, seq] bool mask (an integer 0/1 mask: "
+            "mask, a bool mask that is not [batch, seq]) picks whole batch rows, not positions; pass a [batch, seq] "
+            "bool mask (an integer 0/1 mask: "
             ".bool()), (batch_index, seq_index), (slice(None), positions) or (..., position)."
         )
     grid = torch.arange(batch * seq, device=values.device).view(batch, seq)
