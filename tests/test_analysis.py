@@ -290,6 +290,28 @@ def test_transitions_and_paths_by_hand(qwen):
         assert paths[path] == count
 
 
+def test_transition_conditionals_by_hand(qwen):
+    # P(j in the target layer | i in the source layer): of the tokens routed to i, the share also routed to j
+    # (with slots="all" a token routed to i has k experts in the target: its row sums to k, not 1).
+    wrapped, hf, cache, truth = qwen
+    first, second = truth.layers[0], truth.layers[1]
+    experts = {"all": {layer: truth.indices[layer].tolist() for layer in (first, second)},
+               "top1": {layer: [[expert] for expert in top1_by_hand(truth, layer)] for layer in (first, second)}}
+    for slots, chosen in experts.items():
+        result = analysis.transitions(cache, first, second, slots=slots)
+        conditional = result.conditional()
+        for i in range(8):
+            given = [n for n, source in enumerate(chosen[first]) if i in source]
+            for j in range(8):
+                expected = sum(j in chosen[second][n] for n in given) / len(given) if given else 0.0
+                assert math.isclose(float(conditional[i, j]), expected), (slots, i, j)
+            assert int(result.sources[i]) == len(given)
+        figure = analysis.plots.plot_transitions(result)
+        drawn = torch.as_tensor(figure.axes[0].images[0].get_array().data)
+        assert torch.allclose(drawn, conditional.float()) and float(drawn.max()) <= 1.0
+        analysis.plots.pyplot().close(figure)
+
+
 def test_top_tokens_by_hand(qwen):
     wrapped, hf, cache, truth = qwen
     layer = truth.layers[-1]

@@ -16,17 +16,21 @@ Layers are named by their decoder layer index (``model.layers[i]``), as in
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from jaxtyping import Float, Int
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from ..errors import MoelensError
 from ..families.scoring import score
+from ..paths import file_above
 
 #: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
 #: expert 0 with weight 0): counted by no expert.
@@ -35,6 +39,24 @@ SKIPPED = -1
 #: Version of the on-disk layout (``routing.json`` says which).
 FORMAT_VERSION = 1
 META_FILE = "routing.json"
+
+#: The names moelens gives shard files (``shard-00000.safetensors``, ...): the only files it replaces.
+SHARD_NAME = re.compile(r"shard-\d+\.safetensors")
+
+
+def layer_row(layers: Sequence[int], layer: int, what: str = "cache") -> int:
+    """The position of decoder layer ``layer`` in ``layers`` (the MoE layers of a cache or a result)."""
+    if layer not in layers:
+        raise MoelensError(f"layer {layer} is not an MoE layer of this {what}; its MoE layers are {list(layers)}.")
+    return list(layers).index(layer)
+
+
+def damaged(path: Path, problem: str) -> MoelensError:
+    """The error for a routing cache file that cannot be read."""
+    return MoelensError(
+        f"the routing cache file {str(path)!r} is damaged ({problem}); the cache cannot be read: "
+        "collect the routing again (collect_routing(..., folder=...))."
+    )
 
 
 @dataclass
@@ -165,12 +187,22 @@ class RoutingCache:
         if self._folder is None:
             yield from self._memory
             return
-        for name, _ in self._files:
-            yield Shard.from_tensors(load_file(str(self._folder / name)))
+        for name, tokens in self._files:
+            yield self._read(self._folder / name, tokens)
+
+    def _read(self, path: Path, tokens: int) -> Shard:
+        """The shard file ``path``, checked against what ``routing.json`` says of it."""
+        try:
+            shard = Shard.from_tensors(load_file(str(path)))
+        except (SafetensorError, OSError, KeyError, ValueError) as error:
+            raise damaged(path, f"{type(error).__name__}: {error}") from None
+        if shard.num_tokens != tokens or list(shard.indices) != sorted(self.layers):
+            raise damaged(path, f"it holds {shard.num_tokens} tokens of layers {list(shard.indices)}, where {META_FILE} "
+                                f"lists {tokens} tokens of layers {sorted(self.layers)}")
+        return shard
 
     def _layer(self, layer: int) -> int:
-        if layer not in self.num_experts:
-            raise MoelensError(f"layer {layer} is not an MoE layer of this cache; its MoE layers are {self.layers}.")
+        layer_row(self.layers, layer)
         return layer
 
     def _cat(self, kind: str, layer: int | None = None) -> Tensor:
@@ -246,43 +278,119 @@ class RoutingCache:
         meta_path = folder / META_FILE
         if not meta_path.is_file():
             raise MoelensError(f"{folder} holds no routing cache ({META_FILE} is missing); save one with cache.save(folder).")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise damaged(meta_path, f"not JSON: {error}") from None
+        if not isinstance(meta, dict):
+            raise damaged(meta_path, f"a JSON {type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT_VERSION:
             raise MoelensError(f"{meta_path} has format {meta.get('format')!r}; this moelens reads format {FORMAT_VERSION}.")
+        if meta.get("complete") is False:
+            raise MoelensError(
+                f"the routing cache in {str(folder)!r} is incomplete: the collection writing it stopped before the end "
+                "(interrupted, or an error); collect the routing again (collect_routing(..., folder=...))."
+            )
         per_layer = lambda name: {int(layer): value for layer, value in meta[name].items()}  # noqa: E731
-        return cls(
-            layers=[int(layer) for layer in meta["layers"]],
-            num_experts=per_layer("num_experts"),
-            top_k=per_layer("top_k"),
-            score=per_layer("score"),
-            softcap={int(layer): float(cap) for layer, cap in meta.get("softcap", {}).items()},
-            family=meta.get("family"),
-            model=meta.get("model"),
-            num_texts=int(meta.get("num_texts", 0)),
-            has_logits=bool(meta.get("has_logits")),
-            _folder=folder,
-            _files=[(entry["file"], int(entry["tokens"])) for entry in meta["shards"]],
+        try:
+            cache = cls(
+                layers=[int(layer) for layer in meta["layers"]],
+                num_experts=per_layer("num_experts"),
+                top_k=per_layer("top_k"),
+                score=per_layer("score"),
+                softcap={int(layer): float(cap) for layer, cap in meta.get("softcap", {}).items()},
+                family=meta.get("family"),
+                model=meta.get("model"),
+                num_texts=int(meta.get("num_texts", 0)),
+                has_logits=bool(meta.get("has_logits")),
+                _folder=folder,
+                _files=[(str(entry["file"]), int(entry["tokens"])) for entry in meta["shards"]],
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise damaged(meta_path, f"no {error} entry" if isinstance(error, KeyError) else str(error)) from None
+        for name, _ in cache._files:
+            if not SHARD_NAME.fullmatch(name) or not (folder / name).is_file():
+                raise damaged(meta_path, f"it lists the shard file {name!r}, which is not in {str(folder)!r}")
+        return cache
+
+
+def check_folder(path: Path, what: str) -> None:
+    """Refuse a folder to write to that is a file, lies under one, or is a symbolic link to a missing path."""
+    if path.is_symlink() and not path.exists():
+        raise MoelensError(f"{what} {str(path)!r} is a symbolic link to a missing path ({os.readlink(path)}); "
+                           "name a folder (it is created if missing).")
+    if path.exists() and not path.is_dir():
+        raise MoelensError(f"{what} {str(path)!r} is a file; name a folder (it is created if missing).")
+    ancestor = file_above(path)
+    if ancestor is not None:
+        raise MoelensError(
+            f"{what} {str(path)!r} lies under {str(ancestor)!r}, which is a file, not a folder; name a folder "
+            "elsewhere (it is created if missing)."
         )
 
 
+def listed_shards(folder: Path) -> list[str]:
+    """The shard files the ``routing.json`` in ``folder`` lists (none when it is missing or unreadable)."""
+    try:
+        entries = json.loads((folder / META_FILE).read_text(encoding="utf-8"))["shards"]
+        names = [entry["file"] for entry in entries]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return []
+    return [name for name in names if isinstance(name, str) and SHARD_NAME.fullmatch(name)]
+
+
+def check_cache_folder(folder: Path) -> list[str]:
+    """Check that a routing cache can be written to ``folder``; returns the shard files of the cache there.
+
+    Those files and ``routing.json`` are what writing a cache there replaces; a shard-named file
+    no ``routing.json`` lists (not moelens') is refused rather than overwritten.
+    """
+    check_folder(folder, "routing cache folder")
+    if not folder.is_dir():
+        return []
+    listed = listed_shards(folder)
+    others = sorted(path.name for path in folder.iterdir() if SHARD_NAME.fullmatch(path.name) and path.name not in listed)
+    if others:
+        raise MoelensError(
+            f"routing cache folder {str(folder)!r} holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}, "
+            f"which no {META_FILE} there lists; a cache written there would overwrite them: move them or name "
+            "another folder."
+        )
+    return listed
+
+
 class ShardWriter:
-    """Writes shards of a cache to a folder as they come, then its ``routing.json``."""
+    """Writes shards of a cache to a folder as they come, then its ``routing.json``.
+
+    The cache already in the folder (its ``routing.json`` and the shards it lists) is replaced; other
+    files are left alone. Until `close`, ``routing.json`` says the cache is incomplete (and lists the
+    shards written so far), so an interrupted collection fails to load instead of mixing two corpora.
+    """
 
     def __init__(self, folder: str | Path, cache: RoutingCache) -> None:
         self.folder = Path(folder)
+        old = check_cache_folder(self.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob("shard-*.safetensors"):
-            stale.unlink()
         self.cache = cache
         self.files: list[tuple[str, int]] = []
+        for name in old:
+            (self.folder / name).unlink(missing_ok=True)
+        self._write_meta(complete=False)
 
     def write(self, shard: Shard) -> None:
         name = f"shard-{len(self.files):05d}.safetensors"
-        save_file(shard.to_tensors(), str(self.folder / name))
         self.files.append((name, shard.num_tokens))
+        self._write_meta(complete=False)  # listed before it is written: a later collection replaces it
+        save_file(shard.to_tensors(), str(self.folder / name))
 
     def close(self) -> None:
+        self._write_meta(complete=True)
+
+    def _write_meta(self, complete: bool) -> None:
         meta = self.cache.meta()
         meta["num_tokens"] = sum(tokens for _, tokens in self.files)
+        meta["complete"] = complete
         meta["shards"] = [{"file": name, "tokens": tokens} for name, tokens in self.files]
-        (self.folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        partial = self.folder / f".{META_FILE}.partial"
+        partial.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        os.replace(partial, self.folder / META_FILE)  # never a half-written routing.json

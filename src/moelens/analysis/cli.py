@@ -12,14 +12,26 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError, ValueUnavailable
-from ..paths import file_above
+from .cache import check_cache_folder, check_folder
+from .report import STATS_FILES
 
 #: Where ``moelens demo`` writes its plots unless told otherwise.
 DEMO_OUT = Path("moelens-out") / "demo"
+
+#: The plots `write_corpus_plots` writes (``{prefix}{name}.png``).
+CORPUS_PLOTS = ("usage", "load_balance", "entropy", "coactivation", "trajectories")
+
+#: The files ``moelens demo`` writes to its ``--out``.
+DEMO_FILES = ("token_routing.png", *(f"{prefix}{name}.png" for prefix in ("text_", "heldout_") for name in CORPUS_PLOTS),
+              "heldout_specialisation.png", "logit_lens.png")
+
+#: The files ``moelens stats`` writes to its ``--out``, and its routing cache folder there.
+STATS_OUTPUTS = (*STATS_FILES, *(f"{name}.png" for name in CORPUS_PLOTS))
+STATS_CACHE = "cache"
 
 #: The demo's sample text: a little Python and the prose that explains it.
 DEMO_TEXT = '''def mean(values):
@@ -101,16 +113,23 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def check_output_folder(path: Path) -> None:
-    """Refuse an ``--out`` that names a file, or lies under one (before any work; the folder is made when written)."""
-    if path.exists() and not path.is_dir():
-        raise MoelensError(f"--out {str(path)!r} is a file; name a folder (it is created if missing).")
-    ancestor = file_above(path)
-    if ancestor is not None:
-        raise MoelensError(
-            f"--out {str(path)!r} lies under {str(ancestor)!r}, which is a file, not a folder; name a folder "
-            "elsewhere (it is created if missing)."
-        )
+def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None = None) -> None:
+    """Refuse an ``--out`` moelens cannot write to, before any work (the folder is made when written).
+
+    ``--out`` must not be a file, lie under one or be a symbolic link to a missing path; none of the
+    ``files`` it writes there may be a folder or a symbolic link, nor its routing cache folder
+    ``cache`` a file or a symbolic link (and a cache there is one moelens wrote: `check_cache_folder`).
+    """
+    check_folder(path, "--out")
+    for name in (*files, *([cache] if cache else [])):
+        target = path / name
+        if target.is_symlink() or (target.exists() and target.is_dir() != (name == cache)):
+            kind = "a symbolic link" if target.is_symlink() else "a folder" if target.is_dir() else "a file"
+            what = "its routing cache folder" if name == cache else "a file"
+            raise MoelensError(f"--out {str(path)!r} already holds {name!r} as {kind}, where moelens writes {what}; "
+                               "move it or name another folder.")
+    if cache:
+        check_cache_folder(path / cache)
 
 
 def read_text(path: Path) -> str:
@@ -144,18 +163,16 @@ def write_corpus_plots(cache: Any, folder: Path, prefix: str = "", stats: Any = 
     else:
         usage = expert_usage(cache)
         balance, entropy = usage.balance(), routing_entropy(cache)
-    written = [
-        plots.save(plots.plot_usage(usage), folder / f"{prefix}usage.png"),
-        plots.save(plots.plot_load_balance(balance), folder / f"{prefix}load_balance.png"),
-        plots.save(plots.plot_entropy(entropy), folder / f"{prefix}entropy.png"),
-        plots.save(plots.plot_coactivation([coactivation(cache, layer) for layer in cache.layers]),
-                   folder / f"{prefix}coactivation.png"),
-    ]
-    if len(cache.layers) > 1:
-        pairs = list(zip(cache.layers, cache.layers[1:]))
-        written.append(plots.save(plots.plot_transitions([transitions(cache, a, b) for a, b in pairs]),
-                                  folder / f"{prefix}trajectories.png"))
-    return written
+    pairs = list(zip(cache.layers, cache.layers[1:]))
+    figures = {
+        "usage": lambda: plots.plot_usage(usage),
+        "load_balance": lambda: plots.plot_load_balance(balance),
+        "entropy": lambda: plots.plot_entropy(entropy),
+        "coactivation": lambda: plots.plot_coactivation([coactivation(cache, layer) for layer in cache.layers]),
+        "trajectories": lambda: plots.plot_transitions([transitions(cache, a, b) for a, b in pairs]),
+    }
+    names = CORPUS_PLOTS if pairs else CORPUS_PLOTS[:-1]  # trajectories need two layers
+    return [plots.save(figures[name](), folder / f"{prefix}{name}.png") for name in names]
 
 
 # -- demo --------------------------------------------------------------------------------------
@@ -175,7 +192,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .token_view import token_routing
 
     started = time.perf_counter()
-    check_output_folder(args.out)
+    check_output_folder(args.out, DEMO_FILES)
     if args.windows < 0:
         raise MoelensError(f"--windows must be 0 (none) or more, got {args.windows}.")
     text = read_text(args.text) if args.text is not None else DEMO_TEXT
@@ -289,12 +306,12 @@ def run_stats(args: argparse.Namespace) -> int:
 
     text = read_text(args.text)
     if args.out is not None:
-        check_output_folder(args.out)
+        check_output_folder(args.out, STATS_OUTPUTS, STATS_CACHE)
     set_threads(args.threads)
     model = load_model(args.model)
     if tokenizer_of(model) is None:
         raise MoelensError(f"{args.model!r} has no tokenizer, so its text cannot be routed; save one with the model.")
-    folder = args.out / "cache" if args.out is not None else None
+    folder = args.out / STATS_CACHE if args.out is not None else None
     cache = collect_routing(model, [text], batch_size=args.batch_size, max_length=args.max_length, logits=True,
                             blocks=args.blocks, folder=str(folder) if folder is not None else None,
                             progress=not args.no_progress)
@@ -315,5 +332,5 @@ def run_stats(args: argparse.Namespace) -> int:
         written = write_stats(stats, args.out, meta, rows)
         written += write_corpus_plots(cache, args.out, stats=stats)
         if args.format == "table":
-            print(f"\nWrote to {args.out.resolve()}: " + ", ".join(path.name for path in written) + ", cache/")
+            print(f"\nWrote to {args.out.resolve()}: " + ", ".join(path.name for path in written) + f", {STATS_CACHE}/")
     return 0

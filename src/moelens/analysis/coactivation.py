@@ -60,6 +60,7 @@ class Transitions:
         counts: ``[E_source, E_target]`` tokens routed to i in ``source`` and j in ``target``.
         slots: ``"top1"`` or ``"all"``.
         tokens: Tokens counted.
+        sources: ``[E_source]`` tokens routed to i in ``source`` (what `conditional` divides by).
     """
 
     source: int
@@ -67,10 +68,15 @@ class Transitions:
     counts: Int[Tensor, "e f"]
     slots: str
     tokens: int
+    sources: Int[Tensor, " e"]
 
     def conditional(self) -> Float[Tensor, "e f"]:
-        """``[E_source, E_target]`` P(j in target | i in source) (rows sum to 1 with top1)."""
-        return self.counts.double() / self.counts.sum(-1, keepdim=True).double().clamp(min=1)
+        """``[E_source, E_target]`` P(j in target | i in source) = counts[i, j] / sources[i].
+
+        With ``"top1"`` a row sums to 1 (less where tokens skipped every slot of ``target``), with
+        ``"all"`` to the k of ``target`` (a token has k experts there); rows of unused experts are 0.
+        """
+        return self.counts.double() / self.sources.double().clamp(min=1)[:, None]
 
 
 def top1(shard: Shard, layer: int) -> Int[Tensor, " n"]:
@@ -112,11 +118,15 @@ def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top
         raise MoelensError(f"slots={slots!r} is not one of {SLOTS}.")
     rows, columns = cache.num_experts[cache._layer(source)], cache.num_experts[cache._layer(target)]
     counts = torch.zeros(rows, columns, dtype=torch.float64)
+    sources = torch.zeros(rows, dtype=torch.float64)
     tokens = 0
     for shard in cache.shards():
-        counts += _chosen(shard, source, rows, slots).T @ _chosen(shard, target, columns, slots)
+        chosen = _chosen(shard, source, rows, slots)
+        counts += chosen.T @ _chosen(shard, target, columns, slots)
+        sources += chosen.sum(0)
         tokens += shard.num_tokens
-    return Transitions(source=source, target=target, counts=counts.round().long(), slots=slots, tokens=tokens)
+    return Transitions(source=source, target=target, counts=counts.round().long(), slots=slots, tokens=tokens,
+                       sources=sources.round().long())
 
 
 def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int = 20) -> list[tuple[tuple[int, ...], int]]:

@@ -64,12 +64,16 @@ def tokenizer_of(model: Any) -> Any:
 
 
 def pad_id(model: Any) -> int:
-    """The id used to pad: the tokenizer's pad (or eos) token, else the config's, else 0."""
-    tokenizer = tokenizer_of(model)
+    """The id used to pad: the tokenizer's pad (or eos) token, else the config's, else 0.
+
+    Only an id the model embeds (inside its vocabulary) will do: a pad token added to a tokenizer
+    after training can lie past it. Padding is masked, so which real id pads does not matter.
+    """
+    tokenizer, vocab = tokenizer_of(model), vocab_size(model)
     for owner, names in ((tokenizer, ("pad_token_id", "eos_token_id")), (_config(model), ("pad_token_id",))):
         for name in names:
             value = getattr(owner, name, None) if owner is not None else None
-            if isinstance(value, int):
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value and (vocab is None or value < vocab):
                 return value
     return 0
 
@@ -86,8 +90,18 @@ def default_max_length(model: Any) -> int:
     return min(int(limit), DEFAULT_MAX_LENGTH) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_LENGTH
 
 
+def refuse_bytes(value: Any, what: str) -> None:
+    """Refuse bytes where text or token ids are expected (their values are not token ids)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise MoelensError(
+            f"{what} is {type(value).__name__}, not text or token ids; decode it to a string first "
+            "(e.g. data.decode('utf-8')), or pass token ids from the model's tokenizer."
+        )
+
+
 def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
-    """One corpus item as a list of token ids."""
+    """One corpus item as a list of token ids (text is tokenized without special tokens: no BOS)."""
+    refuse_bytes(item, what)
     if isinstance(item, str):
         if tokenizer is None:
             raise MoelensError(
@@ -96,12 +110,12 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
             )
         return list(tokenizer(item, add_special_tokens=False, verbose=False)["input_ids"])
     if isinstance(item, Tensor):
-        if item.dim() != 1 or item.is_floating_point():
+        if item.dim() != 1 or item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
             raise MoelensError(f"{what} must be a 1-D tensor of token ids, got shape {tuple(item.shape)} {item.dtype}.")
         return item.tolist()
-    if isinstance(item, Sequence) and all(isinstance(token, int) for token in item):
+    if isinstance(item, Sequence) and all(isinstance(token, int) and not isinstance(token, bool) for token in item):
         return list(item)
-    raise MoelensError(f"{what} must be a string or a sequence of token ids, got {type(item).__name__}.")
+    raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got {type(item).__name__}.")
 
 
 def tokenized(encoding: Mapping) -> Iterator[Tensor]:
@@ -123,6 +137,7 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
 
 def items(corpus: Any) -> Iterator[Any]:
     """The corpus as an iterator of items (a 2-D tensor yields its rows)."""
+    refuse_bytes(corpus, "the corpus")
     if isinstance(corpus, str):
         yield corpus
     elif isinstance(corpus, Tensor):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ..errors import MoelensError
 from ..families.entry import get_path
 from . import corpus as corpora
+from .cache import layer_row
 from .collect import moes_of, skipped_slots, skips
 from .text import token_strings
 
@@ -60,7 +61,7 @@ class ExpertLens:
 
     def promoted(self, layer: int, expert: int) -> list[str]:
         """The tokens expert ``expert`` of decoder layer ``layer`` promotes, best first."""
-        return self.tokens[self.layers.index(layer)][expert]
+        return self.tokens[layer_row(self.layers, layer, "expert lens")][expert]
 
 
 def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.nn.Module]:

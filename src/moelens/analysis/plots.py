@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import MoelensError
-from .cache import SKIPPED
+from .cache import SKIPPED, layer_row
 from .coactivation import Coactivation, Transitions
 from .entropy import Entropy
 from .logit_lens import ExpertLens
@@ -24,6 +24,18 @@ from .specialisation import Specialisation
 from .token_view import TokenRouting
 from .top_tokens import ExpertTokens
 from .usage import LoadBalance, Usage
+
+
+#: The ``value`` choices of `plot_coactivation` (with their titles), `plot_top_tokens` and `plot_specialisation`.
+COACTIVATION_VALUES = {"conditional": "P(j chosen | i chosen)", "lift": "lift P(i,j)/(P(i)P(j))",
+                       "counts": "tokens routed to i and j"}
+TOP_TOKEN_VALUES = ("counts", "share")
+SPECIALISATION_VALUES = ("lift", "share")
+
+
+def _check_value(value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise MoelensError(f"value={value!r} is not one of {tuple(choices)}.")
 
 
 def has_display() -> bool:
@@ -148,10 +160,11 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
         coactivations: One `Coactivation` or several (one panel each).
         value: ``"conditional"`` (P(column | row)), ``"lift"`` or ``"counts"``.
     """
+    _check_value(value, COACTIVATION_VALUES)
     items = [coactivations] if isinstance(coactivations, Coactivation) else list(coactivations)
     figure, panels = _grid(len(items))
     for axes, item in zip(panels, items):
-        matrix = {"conditional": item.conditional, "lift": item.lift}.get(value, lambda: item.counts.double())()
+        matrix = {"conditional": item.conditional, "lift": item.lift, "counts": item.counts.double}[value]()
         matrix = matrix.clone().float()
         matrix.fill_diagonal_(float("nan"))
         image = axes.imshow(matrix, cmap="magma", vmin=0)
@@ -159,8 +172,7 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
         axes.set_xlabel("expert j")
         axes.set_ylabel("expert i")
         figure.colorbar(image, ax=axes, fraction=0.046)
-    label = {"conditional": "P(j chosen | i chosen)", "lift": "lift P(i,j)/(P(i)P(j))"}.get(value, "tokens routed to i and j")
-    figure.suptitle(f"Co-activation within a layer: {label}")
+    figure.suptitle(f"Co-activation within a layer: {COACTIVATION_VALUES[value]}")
     figure.tight_layout()
     return figure
 
@@ -211,6 +223,7 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
 
 def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> Any:
     """One horizontal bar chart per expert: its top tokens' counts (or ``value="share"``), the other annotated."""
+    _check_value(value, TOP_TOKEN_VALUES)
     figure, panels = _grid(len(experts), size=2.8)
     for axes, item in zip(panels, experts):
         values = (item.share if value == "share" else item.counts).tolist()
@@ -234,7 +247,7 @@ def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) ->
     """Table of the tokens each expert of ``layer`` promotes, coloured by logit (rows: experts)."""
     plt = pyplot()
     layer = lens.layers[-1] if layer is None else layer
-    row = lens.layers.index(layer)
+    row = layer_row(lens.layers, layer, "expert lens")
     used = [e for e in range(lens.counts.shape[1]) if int(lens.counts[row, e]) > 0]
     logits = lens.top_logits[row, used, :top].float()
     figure, axes = plt.subplots(figsize=(1.05 * logits.shape[1] + 1.5, 0.42 * len(used) + 1.2))
@@ -253,6 +266,7 @@ def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) ->
 
 def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
     """Heatmaps experts x classes per layer: ``"lift"`` (P(class|expert)/P(class)) or ``"share"``."""
+    _check_value(value, SPECIALISATION_VALUES)
     figure, panels = _grid(len(spec.layers), size=2.6)
     matrix = spec.lift() if value == "lift" else spec.share()
     for row, (axes, layer) in enumerate(zip(panels, spec.layers)):

@@ -13,6 +13,9 @@ from .cache import RoutingCache
 from .entropy import Entropy, routing_entropy
 from .usage import LoadBalance, Usage, expert_usage, load_balance
 
+#: The files `write_stats` writes.
+STATS_FILES = ("stats.json", "stats.csv", "experts.csv")
+
 
 @dataclass
 class LayerStats:
@@ -110,7 +113,7 @@ def write_stats(
     ``rows``: ``stats.rows()`` when the caller already has them.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / "stats.json", folder / "stats.csv", folder / "experts.csv"]
+    paths = [folder / name for name in STATS_FILES]
     layers = stats.rows() if rows is None else rows
     experts = stats.expert_rows()
     document = {**meta, "layers": layers, "experts": experts}

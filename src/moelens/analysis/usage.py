@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .cache import SKIPPED, RoutingCache
+from .cache import SKIPPED, RoutingCache, layer_row
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Usage:
 
     def row(self, layer: int) -> int:
         """The row of decoder layer ``layer``."""
-        return self.layers.index(layer)
+        return layer_row(self.layers, layer, "expert usage")
 
     def balance(self) -> "LoadBalance":
         """The load balance of every layer."""

@@ -1,0 +1,294 @@
+"""Routing analysis on bad or unusual input: clear moelens errors before any work, caches on disk that
+never mix corpora or touch the user's files, damaged caches named as such, padding past the vocabulary.
+
+The truths are independent of the code under test: the files on disk, a collection without padding
+(batch size 1), and the result objects' own matrices for what a plot draws.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import moelens
+from groundtruth import ascii_tokenizer
+from moelens import analysis
+from moelens.analysis import cli as analysis_cli
+from moelens.analysis import corpus as corpora
+from moelens.analysis.cache import META_FILE, RoutingCache
+from moelens.cli import main
+from moelens.errors import MoelensError
+from moelens.testing import tiny_model
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "The sum.", "x = [i for i in range(9)]"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny Mixtral (4 MoE layers, 8 experts, top-2) with a character tokenizer."""
+    return moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file in ``folder`` (not recursive) and its content."""
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+def listed(folder: Path) -> list[str]:
+    return [entry["file"] for entry in json.loads((folder / META_FILE).read_text())["shards"]]
+
+
+def assert_same_routing(a: RoutingCache, b: RoutingCache, atol: float = 0.0) -> None:
+    assert torch.equal(a.token_ids(), b.token_ids()) and torch.equal(a.text_index(), b.text_index())
+    for layer in a.layers:
+        assert torch.equal(a.indices(layer), b.indices(layer))
+        torch.testing.assert_close(a.weights(layer), b.weights(layer), atol=atol, rtol=0)
+
+
+# -- caches on disk ------------------------------------------------------------------------------
+
+
+def test_an_interrupted_collection_leaves_a_cache_that_says_it_is_incomplete(model, tmp_path):
+    folder = tmp_path / "cache"
+    analysis.collect_routing(model, ["The sum of two numbers."] * 3, batch_size=1, shard_tokens=1,
+                             folder=str(folder), progress=False)
+
+    def stopped():
+        yield from TEXTS
+        raise KeyboardInterrupt  # the user stops the run after three shards
+
+    with pytest.raises(KeyboardInterrupt):
+        analysis.collect_routing(model, stopped(), batch_size=1, shard_tokens=1, folder=str(folder), progress=False)
+    assert sorted(files(folder)) == sorted([META_FILE, *listed(folder)])  # every shard there is the new run's
+    with pytest.raises(MoelensError, match=rf"routing cache in '{folder}' is incomplete.*collect the routing again"):
+        RoutingCache.load(folder)
+    again = analysis.collect_routing(model, TEXTS, batch_size=1, shard_tokens=1, folder=str(folder), progress=False)
+    assert_same_routing(again, analysis.collect_routing(model, TEXTS, batch_size=1, progress=False))
+    assert sorted(files(folder)) == sorted([META_FILE, *listed(folder)]) and again.num_shards == len(TEXTS)
+
+
+def test_saving_replaces_only_the_cache_moelens_wrote(model, tmp_path):
+    folder, outside = tmp_path / "cache", tmp_path / "outside"
+    folder.mkdir()
+    outside.mkdir()
+    own = {"shard-embeddings-final.safetensors": b"the user's own file", "notes.txt": b"the user's notes",
+           "shard-7.safetensors.bak": b"a backup"}
+    for name, content in own.items():
+        (folder / name).write_bytes(content)
+    (outside / "shard-00000.safetensors").write_bytes(b"not in the cache folder")
+    big = analysis.collect_routing(model, TEXTS * 2, batch_size=1, shard_tokens=1, progress=False)
+    big.save(folder)
+    assert len(listed(folder)) == 6
+    small = analysis.collect_routing(model, TEXTS[:2], batch_size=1, shard_tokens=1, progress=False)
+    small.save(folder)  # replaces the 6 shards of the cache there by 2
+    after = files(folder)
+    assert sorted(after) == sorted([*own, META_FILE, "shard-00000.safetensors", "shard-00001.safetensors"])
+    assert all(after[name] == content for name, content in own.items())
+    assert_same_routing(RoutingCache.load(folder), small)
+    # a routing.json listing a file outside its folder does not make moelens delete it
+    meta = json.loads((folder / META_FILE).read_text())
+    meta["shards"].append({"file": "../outside/shard-00000.safetensors", "tokens": 1})
+    (folder / META_FILE).write_text(json.dumps(meta))
+    small.save(folder)
+    assert (outside / "shard-00000.safetensors").read_bytes() == b"not in the cache folder"
+
+
+def test_a_shard_named_file_no_routing_json_lists_is_not_overwritten(model, tmp_path):
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "shard-00000.safetensors").write_bytes(b"the user's")
+    cache = analysis.collect_routing(model, TEXTS[:1], progress=False)
+    for call in (lambda: cache.save(folder), lambda: analysis.collect_routing(model, TEXTS, folder=str(folder),
+                                                                                progress=False)):
+        with pytest.raises(MoelensError, match=r"holds shard-00000.safetensors, which no routing.json there lists"):
+            call()
+    assert files(folder) == {"shard-00000.safetensors": b"the user's"}
+
+
+def test_a_cache_folder_that_cannot_be_one_is_refused_before_any_work(model, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "missing")
+    cache = analysis.collect_routing(model, TEXTS[:1], progress=False)
+    cases = [(a_file, "is a file; name a folder"), (a_file / "sub", "lies under .*which is a file"),
+             (dangling, "is a symbolic link to a missing path")]
+    for folder, message in cases:
+        for call in (lambda: cache.save(folder), lambda: analysis.collect_routing(model, TEXTS, folder=str(folder),
+                                                                                    progress=False)):
+            with pytest.raises(MoelensError, match=rf"routing cache folder '{folder}' {message}"):
+                call()
+    assert a_file.read_text() == "mine" and not (tmp_path / "missing").exists()
+
+
+def test_a_damaged_cache_names_its_file(model, tmp_path):
+    good = tmp_path / "good"
+    analysis.collect_routing(model, TEXTS, batch_size=1, shard_tokens=1, folder=str(good), progress=False)
+    meta = json.loads((good / META_FILE).read_text())
+    assert [entry["tokens"] for entry in meta["shards"]] == [len(text) for text in TEXTS]
+
+    def truncate(folder: Path) -> None:
+        shard = folder / "shard-00001.safetensors"
+        shard.write_bytes(shard.read_bytes()[:100])
+
+    def swap(folder: Path) -> None:  # shards of another length: what routing.json says no longer holds
+        first, second = folder / "shard-00000.safetensors", folder / "shard-00001.safetensors"
+        first.write_bytes(second.read_bytes())
+
+    def rewrite(edit):
+        def apply(folder: Path) -> None:
+            data = json.loads((folder / META_FILE).read_text())
+            edit(data)
+            (folder / META_FILE).write_text(json.dumps(data))
+        return apply
+
+    variants = {
+        "truncated shard": (truncate, "shard-00001.safetensors", "SafetensorError"),
+        "swapped shard": (swap, "shard-00000.safetensors", rf"holds {len(TEXTS[1])} tokens .* lists {len(TEXTS[0])} tokens"),
+        "missing shard": (lambda f: (f / "shard-00002.safetensors").unlink(), META_FILE, "shard-00002.safetensors"),
+        "truncated json": (lambda f: (f / META_FILE).write_text((good / META_FILE).read_text()[:40]), META_FILE,
+                           "not JSON"),
+        "no shards entry": (rewrite(lambda m: m.pop("shards")), META_FILE, "no 'shards' entry"),
+        "shards not a list": (rewrite(lambda m: m.update(shards=3)), META_FILE, "int"),
+        "a list": (lambda f: (f / META_FILE).write_text("[1, 2]"), META_FILE, "not an object"),
+    }
+    for name, (edit, culprit, problem) in variants.items():
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        edit(folder)
+        with pytest.raises(MoelensError) as raised:
+            analysis.expert_usage(RoutingCache.load(folder))
+        message = str(raised.value)
+        assert f"routing cache file '{folder / culprit}' is damaged" in message, (name, message)
+        assert "collect the routing again" in message, name
+        assert re.search(problem, message), (name, message)
+
+
+# -- corpora -------------------------------------------------------------------------------------
+
+
+def test_bytes_and_bools_are_not_token_ids(model):
+    text = TEXTS[0]
+    cases = [
+        ([text.encode()], r"corpus item 0 is bytes, not text or token ids; decode it.*\.decode\('utf-8'\)"),
+        ([text, bytearray(b"abc")], r"corpus item 1 is bytearray"),
+        (text.encode(), r"the corpus is bytes"),
+        ([[True, False, True]], r"corpus item 0 must be a string or a sequence of token ids \(ints, not bools\)"),
+        ([torch.tensor([True, False])], r"corpus item 0 must be a 1-D tensor of token ids.*torch.bool"),
+    ]
+    for corpus, message in cases:
+        for call in (analysis.collect_routing, analysis.expert_logit_lens):
+            with pytest.raises(MoelensError, match=message):
+                call(model, corpus, progress=False)
+    assert analysis.collect_routing(model, [[5, 6, 7]], progress=False).token_ids().tolist() == [5, 6, 7]
+
+
+def test_a_pad_token_past_the_vocabulary_pads_with_an_embedded_id():
+    tokenizer = ascii_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<x{i}>" for i in range(40)]})
+    tokenizer.add_special_tokens({"pad_token": "<newpad>"})
+    hf = tiny_model("mixtral")
+    assert tokenizer.pad_token_id >= hf.config.vocab_size
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    assert corpora.pad_id(wrapped) == tokenizer.eos_token_id  # the next candidate, inside the vocabulary
+    batched = analysis.collect_routing(wrapped, TEXTS, batch_size=3, dtype=torch.float32, progress=False)
+    alone = analysis.collect_routing(wrapped, TEXTS, batch_size=1, dtype=torch.float32, progress=False)
+    assert_same_routing(batched, alone, atol=1e-6)  # one window per batch: no padding at all
+    lens = analysis.expert_logit_lens(wrapped, TEXTS, batch_size=3, top=3, progress=False)
+    plain = analysis.expert_logit_lens(wrapped, TEXTS, batch_size=1, top=3, progress=False)
+    assert torch.equal(lens.counts, plain.counts)
+    torch.testing.assert_close(lens.mean_outputs, plain.mean_outputs, atol=1e-5, rtol=1e-4)
+
+
+# -- results, plots ------------------------------------------------------------------------------
+
+
+def test_a_layer_a_result_lacks_gets_the_cache_error(model):
+    cache = analysis.collect_routing(model, TEXTS, progress=False)
+    lens = analysis.expert_logit_lens(model, TEXTS, top=3, progress=False)
+    view = analysis.token_routing(model, TEXTS[0])
+    usage = analysis.expert_usage(cache)
+    calls = {"cache": lambda: cache.indices(7), "expert lens": lambda: analysis.plots.plot_logit_lens(lens, 7),
+             "expert lens ": lambda: lens.promoted(7, 0), "token view": lambda: view.table(layers=[0, 7]),
+             "expert usage": lambda: usage.row(7)}
+    for what, call in calls.items():
+        with pytest.raises(MoelensError, match=rf"^layer 7 is not an MoE layer of this {what.strip()}; "
+                                               r"its MoE layers are \[0, 1, 2, 3\]\.$"):
+            call()
+    assert usage.row(2) == 2 and lens.promoted(3, 0) == lens.tokens[3][0]
+
+
+def test_plot_values_are_checked_and_drawn_as_named(model):
+    plots = analysis.plots
+    cache = analysis.collect_routing(model, TEXTS, progress=False)
+    item = analysis.coactivation(cache, 1)
+    spec = analysis.specialisation(cache, torch.tensor([0, 1, 0]), ["code", "prose"], per="text")
+    experts = analysis.top_tokens(cache, 1, [0, 1], n=3, min_count=1)
+    bad = [(lambda: plots.plot_coactivation(item, value="lifts"), r"value='lifts' is not one of \('conditional', 'lift', 'counts'\)"),
+           (lambda: plots.plot_specialisation(spec, value="counts"), r"value='counts' is not one of \('lift', 'share'\)"),
+           (lambda: plots.plot_top_tokens(experts, value="shares"), r"value='shares' is not one of \('counts', 'share'\)")]
+    for call, message in bad:
+        with pytest.raises(MoelensError, match=message):
+            call()
+
+    def drawn(figure, panel: int = 0, kind: str = "image") -> torch.Tensor:
+        axes = figure.axes[panel]
+        if kind == "bars":
+            values = torch.tensor([bar.get_width() for bar in axes.patches], dtype=torch.float64)
+        else:
+            values = torch.as_tensor(axes.images[0].get_array().filled(float("nan")), dtype=torch.float64)
+        plots.pyplot().close(figure)
+        return values
+
+    off = ~torch.eye(8, dtype=torch.bool)
+    for value, matrix in (("counts", item.counts.double()), ("lift", item.lift()), ("conditional", item.conditional())):
+        torch.testing.assert_close(drawn(plots.plot_coactivation(item, value=value))[off], matrix.float().double()[off])
+    used = spec.counts[0].sum(-1) > 0
+    for value, matrix in (("share", spec.share()), ("lift", spec.lift())):
+        torch.testing.assert_close(drawn(plots.plot_specialisation(spec, value=value))[used],
+                                   matrix[0].float().double()[used])
+    for value in ("counts", "share"):
+        torch.testing.assert_close(drawn(plots.plot_top_tokens(experts, value=value), kind="bars"),
+                                   getattr(experts[0], value).double())
+
+
+# -- moelens stats --out -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda out: (out.mkdir(), (out / "cache").write_text("mine")),
+     r"--out '{out}' already holds 'cache' as a file, where moelens writes its routing cache folder"),
+    (lambda out: (out.mkdir(), (out / "usage.png").mkdir()), r"already holds 'usage.png' as a folder, where moelens writes a file"),
+    (lambda out: (out.mkdir(), (out / "experts.csv").mkdir()), r"already holds 'experts.csv' as a folder"),
+    (lambda out: out.symlink_to(out.parent / "missing"), r"--out '{out}' is a symbolic link to a missing path"),
+    (lambda out: (out.mkdir(), (out.parent / "elsewhere.json").write_text("mine"),
+                  (out / "stats.json").symlink_to(out.parent / "elsewhere.json")),
+     r"already holds 'stats.json' as a symbolic link"),
+    (lambda out: (out.mkdir(), (out / "cache").mkdir(), (out / "cache" / "shard-00000.safetensors").write_text("mine")),
+     r"routing cache folder '{out}/cache' holds shard-00000.safetensors, which no routing.json there lists"),
+], ids=["cache-is-a-file", "plot-is-a-folder", "csv-is-a-folder", "dangling-link", "linked-output", "foreign-shard"])
+def test_stats_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch, setup, message):
+    text = tmp_path / "in.txt"
+    text.write_text("some text to route\n")
+    out = tmp_path / "out"
+    setup(out)
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(analysis_cli, "load_model", no_work)
+    status = main(["stats", "tiny", "--text", str(text), "--out", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moelens stats: error: ")
+    assert re.search(message.format(out=out), lines[0]), lines[0]
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    assert os.path.islink(out) or out.is_dir()
