@@ -53,7 +53,8 @@ def current_rows(location: str) -> Rows:
     """
     mediator = Mediator.current(location)
     batcher = mediator.interleaver.batcher if mediator.interleaver is not None else None
-    per_prompt = getattr(batcher.envoy, "_rows_per_prompt", 1) if batcher is not None else 1
+    # set on the model only while it generates (an envoy's getattr of a missing name is slow: not used)
+    per_prompt = vars(batcher.envoy).get("_rows_per_prompt", 1) if batcher is not None else 1
     total = (batcher.total if batcher is not None and batcher.total else 1) * per_prompt
     group = mediator.batch_group
     if batcher is None or not batcher.batching or group is None:
