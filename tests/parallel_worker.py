@@ -631,7 +631,25 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
             "marked": sorted(name for name, module in model.named_modules() if "_ep_group" in module.__dict__),
         }
 
-    cases = {"deepcopy": deepcopy, "refused": refused}
+    def lora_refused() -> dict[str, Any]:
+        # moelens.compress with LoRA adapters on the experts: sharding them would leave the adapters whole.
+        from moelens.compress import tomoe
+        from test_compress_helpers import ids as make_ids, llama
+
+        model = tomoe(llama(), num_experts=4, top_k=2, calibration=make_ids(8, 16, 1), max_error=10.0, lora_r=2).eval()
+        for param in model.parameters():
+            dist.broadcast(param.data, 0)
+        ids = make_ids(1, 6, 10 + RANK)
+        with torch.no_grad():
+            logits = logits_of(model(input_ids=ids))
+        error = _error_text(lambda: shard_experts(model))
+        with torch.no_grad():
+            ran = _error_text(lambda: model(input_ids=ids)) or "ok"
+            logits_after = logits_of(model(input_ids=ids)) if ran == "ok" else None
+        return {"error": error, "runs": ran,
+                "logits": maxdiff(logits_after, logits) if logits_after is not None else float("inf")}
+
+    cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused}
     return {name: cases[name] for name in args.get("cases", cases)}
 
 

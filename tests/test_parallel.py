@@ -417,6 +417,18 @@ def test_refused_shard_experts_changes_nothing() -> None:
     assert not failures(results, "copies", check)
 
 
+def test_shard_experts_refuses_lora_adapters_it_would_not_slice() -> None:
+    results = spawn(2, {"copies": {"cases": ["lora_refused"]}})
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        problems = [] if "carries LoRA adapters" in m["error"] and "merge_lora" in m["error"] else [
+            f"not refused clearly: {m['error']!r}"]
+        problems += [] if m["runs"] == "ok" else [f"the refused model no longer runs: {m['runs']}"]
+        return problems + close("logits after the refusal", m["logits"], 0.0)
+
+    assert not failures(results, "copies", check)
+
+
 def test_replace_on_one_rank_then_backward() -> None:
     """Rank 0 replaces layer 1's routed_output with zeros (a tensor that needs no grad), rank 1 does
     not, both run backward: it completes, and the gradients equal one process running every rank's

@@ -153,6 +153,11 @@ def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module
                 "a transformers experts module with pluggable implementations (use_experts_implementation), so "
                 "it cannot run torch_a2a."
             )
+        if "lora" in experts._modules:  # moelens.compress adapters: slicing the experts would leave them whole
+            raise MoelensError(
+                f"shard_experts: {name}.{family.experts} carries LoRA adapters (moelens.compress with lora_r), which "
+                "sharding would not slice with its experts; fold them in first: moelens.compress.merge_lora(model)."
+            )
         num_experts = int(family.resolve(family.num_experts, block))
         if not any(param.dim() and param.shape[0] == num_experts for param in experts.parameters(recurse=False)):
             raise MoelensError(f"shard_experts: {name}.{family.experts} has no parameter with {num_experts} experts.")
