@@ -611,6 +611,19 @@ def test_example_inputs_take_an_all_ones_mask_only(out):
         assert not path.exists()
 
 
+def test_example_ids_that_are_no_numbers_are_refused(out):
+    wrapped = moelens.wrap(small("mixtral"))
+    refused = {
+        r"is torch.bool of shape \(1, 4\)": torch.ones(1, 4, dtype=torch.bool),
+        r"numpy array of object, not numbers": np.array([[5, None]], dtype=object),
+    }
+    for message, given in refused.items():
+        path = out / "ids-refused.nnef.tgz"
+        with pytest.raises(ExportError, match=message):
+            to_nnef(wrapped, path, example_inputs=given)
+        assert not path.exists()
+
+
 def test_block_example_inputs_are_batched_hidden_states_of_its_width(out):
     moe = moelens.wrap(small("mixtral")).moes[0]
     path = out / "block-inputs.nnef.tgz"

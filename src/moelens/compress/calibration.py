@@ -167,30 +167,33 @@ def _failed(model: nn.Module, index: int, args: tuple, kwargs: dict, error: Exce
             "[batch, seq], a dict of its inputs (a tokenizer's output), or a list of those.")
 
 
-#: The forward hook dictionaries of an ``nn.Module``.
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-              "_forward_hooks_always_called")
+#: The forward hook dictionaries of an ``nn.Module`` (hook id -> function; the ``*_with_kwargs`` and
+#: ``always_called`` flags are looked up by the ids these hold, so a suspended hook's flags can stay).
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def _library_hook(hook: Any) -> bool:
+    """A hook transformers installed itself (its output capturing, which router-logit losses read)."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("transformers.")
 
 
 @contextmanager
 def without_hooks(*modules: nn.Module) -> Iterator[None]:
-    """The forward hooks already on ``modules`` (and their submodules) do not run inside the block.
-
-    They are put back after; hooks added inside the block stay (transformers installs its
-    output-capturing hooks on a model's first forward and marks the model as hooked).
-    """
-    saved: list[tuple[dict, dict]] = []
+    """The forward hooks already on ``modules`` (and their submodules) do not run inside the block,
+    except transformers' own; they are put back after, in their order, beside hooks added inside."""
+    suspended: list[tuple[dict, dict]] = []
     for module in {id(m): m for root in modules for m in root.modules()}.values():
         for name in HOOK_DICTS:
             hooks = getattr(module, name, None)
-            if isinstance(hooks, dict) and hooks:
-                saved.append((hooks, dict(hooks)))
-                hooks.clear()  # in place: the user's handles keep pointing at this dict
+            users = {key: hook for key, hook in hooks.items() if not _library_hook(hook)} if hooks else {}
+            for key in users:
+                del hooks[key]  # in place: the user's handles keep pointing at this dict
+            if users:
+                suspended.append((hooks, users))
     try:
         yield
     finally:
-        for hooks, before in saved:
-            added = dict(hooks)
+        for hooks, users in suspended:
+            merged = sorted({**users, **hooks}.items())  # hook ids grow with registration order
             hooks.clear()
-            hooks.update(before)
-            hooks.update(added)
+            hooks.update(merged)

@@ -88,7 +88,7 @@ class Site:
         hook: The module whose input is the layer's input (calibration is captured there).
         parts: The dense modules the conversion replaces (their parameters are the "original" count).
         read: Builds the `DenseLayer` view (float32 copies of the weights).
-        run: The dense layer's own forward on input rows ``[T, D]``: its output ``y`` (what the
+        run: The dense layer's own forward on input rows ``[1, T, D]``: its output ``y`` (what the
             conversion must reproduce; checked against the `DenseLayer` view before converting).
         install: Puts the converted module in place.
         neurons: The dense layer's neurons: intermediate neurons (FFN) or outputs (Linear).

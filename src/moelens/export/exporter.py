@@ -278,9 +278,10 @@ TOKEN_AXIS = 1
 
 
 def vocab_size(target: Target) -> int | None:
-    """The vocabulary size of a model target's config (None for a block, or when the config has none)."""
-    vocab = getattr(getattr(target.module, "config", None), "vocab_size", None)
-    return vocab if target.kind == "model" and isinstance(vocab, int) else None
+    """The vocabulary size of a model target (its text config's; None for a block, or when the config has none)."""
+    from ..analysis.corpus import vocab_size as model_vocab_size
+
+    return model_vocab_size(target.module) if target.kind == "model" else None
 
 
 def hidden_size(target: Target) -> int:
@@ -316,12 +317,17 @@ def checked_inputs(inputs: Any, kind: str | None, *, dims: Sequence[int | str] |
         ExportError: naming the value, what was expected and what to do.
     """
     if isinstance(inputs, np.ndarray):
-        inputs = torch.from_numpy(np.ascontiguousarray(inputs))
+        try:
+            inputs = torch.from_numpy(np.ascontiguousarray(inputs))
+        except TypeError:
+            raise ExportError(f"{what} is a numpy array of {inputs.dtype}, not numbers; pass integer token ids or "
+                              "float hidden states.") from None
     if not isinstance(inputs, torch.Tensor):
         raise ExportError(f"{what} must be a tensor or a numpy array (token ids or hidden states), "
                           f"got {type(inputs).__name__}.")
     shape = tuple(inputs.shape)
-    if kind == "model" and (inputs.is_floating_point() or inputs.is_complex() or inputs.dim() != 2):
+    if kind == "model" and (inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool
+                            or inputs.dim() != 2):
         raise ExportError(f"a model archive takes token ids [batch, seq] (integers), but {what} is {inputs.dtype} "
                           f"of shape {shape}.")
     if kind == "block" and (not inputs.is_floating_point() or inputs.dim() != 3):
