@@ -110,8 +110,8 @@ def family_support(family: Family) -> Support:
         conditions.append(f"{score} is softmax ({refused})")
     else:
         gate = f"{softmax} / sigmoid"
-        sigmoid = "or sigmoid" if normalize is False else f", or is sigmoid and not {normalize} ({refused})"
-        conditions.append(f"{score} is softmax {sigmoid}".replace(" ,", ","))
+        sigmoid = " or sigmoid" if normalize is False else f", or is sigmoid and not {normalize} ({refused})"
+        conditions.append(f"{score} is softmax{sigmoid}")
     if conditions:
         return Support("if", gate=gate, condition="; ".join(conditions))
     return Support("yes", gate=gate)
