@@ -12,7 +12,6 @@ export is checked against.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from ..components.params import router_linear
 from ..families import Family
 from ..families.entry import get_path
 from .errors import ExportRefused
@@ -28,9 +28,6 @@ from .gate import _expert_gate, routing
 
 #: tract_moe_ffn activations: the gated one (needs w3) and the ungated ones.
 ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
-
-_LINEAR_OPS = ("F_linear_0", "nn_functional_linear_0", "torch_nn_functional_linear_0", "linear_0")
-
 
 @dataclass
 class MoeSpec:
@@ -177,22 +174,16 @@ def _float(tensor: Tensor) -> Tensor:
 
 def _router_weights(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None]:
     """Router weight [E, D] and bias [E] (or None) behind the family's logits op."""
-    router = get_path(block, family.router)
-    op = family.logits_op
-    named = re.fullmatch(r"self_(\w+?)_\d+", op)
-    if op in _LINEAR_OPS:
-        weight, bias = getattr(router, "weight", None), getattr(router, "bias", None)
-    elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
-        linear = getattr(router, named.group(1))
-        weight, bias = linear.weight, linear.bias
-    else:
-        weight = bias = None
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != num_experts:
+    linear = router_linear(family, block, num_experts)
+    if linear is None:
+        router = get_path(block, family.router)
         raise ExportRefused(
-            f"{family.name}: the router's logits come from {op!r} in {type(router).__name__}.forward, which is not "
-            f"one linear layer with an [E={num_experts}, D] weight; tract_moe_ffn computes the logits as x @ wg.T."
+            f"{family.name}: the router's logits come from {family.logits_op!r} in {type(router).__name__}.forward, "
+            f"which is not one linear layer with an [E={num_experts}, D] weight; tract_moe_ffn computes the logits "
+            "as x @ wg.T."
         )
-    return _float(weight), (_float(bias) if isinstance(bias, Tensor) else None)
+    weight, bias = linear
+    return _float(weight), (_float(bias) if bias is not None else None)
 
 
 def _experts_weights(family: Family, block: torch.nn.Module) -> dict[str, Any]:

@@ -6,13 +6,13 @@ without editing moelens.
 """
 
 from . import deepseek, sigmoid, softmax, special, tomoe, topk_softmax
-from .entry import COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, Family, Scoring, SharedExpert
+from .entry import COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family, Scoring, SharedExpert
 from .registry import for_block, for_model_type, get, register, register_all, supported, unregister
 
 for _module in (softmax, topk_softmax, deepseek, sigmoid, special, tomoe):
     register_all(_module.FAMILIES)
 
 __all__ = [
-    "COMBINE_MODES", "SELECTIONS", "SHARED_TIMES", "VALUE_NAMES", "Combine", "ExpertGate", "Family", "Scoring", "SharedExpert",
+    "COMBINE_MODES", "SELECTIONS", "SHARED_TIMES", "VALUE_NAMES", "Combine", "ExpertGate", "ExpertLayout", "Family", "Scoring", "SharedExpert",
     "for_block", "for_model_type", "get", "register", "supported", "unregister",
 ]

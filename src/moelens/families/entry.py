@@ -196,6 +196,40 @@ class ExpertGate:
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """Where an experts module keeps its projection weights, for experts that do not say it themselves.
+
+    Experts decorated by transformers' ``use_experts_implementation`` carry their layout
+    (``has_gate``, ``is_transposed``, ``is_concatenated``, ``has_bias``) and need no entry;
+    a family whose experts do not (llama4, dbrx) describes them here. Read by `Moe.params`.
+
+    Attributes:
+        gate_up: The fused gate and up parameter, ``[E, 2H, D]`` (``[E, D, 2H]`` when
+            ``transposed``), gate rows first; or None.
+        gate: A separate gate parameter ``[E, H, D]`` (``[E*H, D]`` when ``stacked``), or None.
+        up: A separate up parameter, as ``gate``; None when it is fused in ``gate_up``.
+        down: The down parameter ``[E, D, H]`` (``[E, H, D]`` when ``down_transposed``;
+            ``[E*H, D]`` when ``stacked`` and ``down_transposed``).
+        transposed: gate and up are stored ``[in, out]`` (used as ``x @ W``).
+        down_transposed: down is stored ``[in, out]``.
+        concatenated: ``gate_up`` holds the gate rows then the up rows; False: interleaved
+            (``gate, up, gate, up, ...``, gpt-oss).
+        stacked: 2-D parameters holding every expert's rows one after the other.
+
+    A parameter named ``<name>_bias`` beside one of these is its bias.
+    """
+
+    gate_up: str | None = None
+    gate: str | None = None
+    up: str | None = None
+    down: str = "down_proj"
+    transposed: bool = False
+    down_transposed: bool = False
+    concatenated: bool = True
+    stacked: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """One MoE family: where its parts live and what its values mean.
 
@@ -231,6 +265,8 @@ class Family:
             ungated experts). Read by the NNEF export.
         final_norm: The base model's final norm where it has none of the usual names
             (lfm2_moe: ``embedding_norm``), else "". Read by the expert logit lens.
+        expert_layout: Where undecorated experts keep their weights (`ExpertLayout`), or
+            None: decorated experts describe their own. Read by `Moe.params`.
     """
 
     name: str
@@ -253,6 +289,7 @@ class Family:
     runs_only_on: Mapping[str, str] = field(default_factory=dict)
     expert_gate: ExpertGate | None = None
     final_norm: str = ""
+    expert_layout: ExpertLayout | None = None
 
     def resolve(self, reference: Any, block: Any) -> Any:
         """The value an attribute reference names, read from the live block module.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .entry import PER_SLOT_VALUES, TOPK, Combine, Family, Scoring, SharedExpert
+from .entry import PER_SLOT_VALUES, TOPK, Combine, ExpertLayout, Family, Scoring, SharedExpert
 
 NO_SLOTS = (
     "{family} does not call its experts as experts(hidden, top_k_index, top_k_weights) through "
@@ -44,12 +44,14 @@ FAMILIES = [
            combine=Combine(output_index=0), top_k="router.top_k", num_experts="router.num_experts",
            experts_call=False, derived_routing=True,
            refused={name: LLAMA4_NO_SLOTS for name in (*PER_SLOT_VALUES, "routed_output")},
+           expert_layout=ExpertLayout(gate_up="gate_up_proj", transposed=True, down_transposed=True),
            notes="Experts are not decorated; the shared expert's output is edited in place by the block, so it "
                  "is served as a copy."),
     Family("dbrx", ("dbrx",), ("DbrxFFN",), block_attr="ffn", router="router", logits_op="self_layer_0",
            scoring=Scoring("softmax", "score_topk", normalize="block.moe_normalize_expert_weights",
                            code="SM, p-norm"),
            top_k="block.top_k",
+           expert_layout=ExpertLayout(gate="mlp.w1", up="mlp.v1", down="mlp.w2", down_transposed=True, stacked=True),
            refused={name: NO_SLOTS.format(family="dbrx") + " (its experts run an eager loop only)"
                     for name in PER_SLOT_VALUES},
            notes="Layers are transformer.blocks[i].ffn; weights are normalised by a p-norm."),

@@ -1,0 +1,186 @@
+"""`MoeParams`: a MoE block's router and expert weights as views of the model's own parameters.
+
+Transformers stores experts as fused 3-D parameters whose layout depends on the family
+(``gate_up_proj [E, 2H, D]`` or ``[E, D, 2H]``, gate and up halves concatenated or
+interleaved, dbrx's ``[E*H, D]`` stacks). `Moe.params` serves them in one convention,
+``torch.nn.Linear``'s ``[out, in]`` (``y = x @ W.T + b``), as views: reading costs no
+copy, and an in-place edit of a view (``params.down.mul_(0.5)``,
+``params.down -= r[:, None] * (r @ params.down)``) changes the model, as editing the
+parameter would. The layout comes from the flags transformers stamps on decorated
+experts (``has_gate``, ``is_transposed``, ``is_concatenated``) or, for undecorated
+experts, from the family entry (`moelens.families.ExpertLayout`).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ..errors import ValueUnavailable
+from ..families import ExpertLayout, Family
+from ..families.entry import get_path
+
+#: The logits ops that are one ``F.linear(x, router.weight, router.bias)`` call.
+LINEAR_OPS = ("F_linear_0", "nn_functional_linear_0", "torch_nn_functional_linear_0", "linear_0")
+
+
+@dataclass(frozen=True)
+class MoeParams:
+    """One MoE block's weights, as views of its parameters (``[out, in]``, like ``nn.Linear``).
+
+    From ``moe.params()`` every tensor has a leading expert axis ``[E, ...]``; from
+    ``moe.params(e)`` it is expert ``e``'s slice. Editing a view in place edits the model.
+
+    Attributes:
+        router: The weight of the linear layer whose output is the router logits,
+            ``[E, D]`` (expert ``e``'s row ``[D]``: its logit is ``row @ x + router_bias``,
+            ``x`` being what the router's linear layer reads, normed or scaled first in some
+            families); None when the logits are not one linear layer's output with E rows
+            (inkling's extra row, muse_spark's multiplier, zaya's router MLP).
+        router_bias: ``[E]`` (a scalar for one expert), or None.
+        gate: The gate projection ``[E, H, D]``, or None for ungated experts.
+        up: The up projection ``[E, H, D]`` (the only input projection of ungated experts).
+        down: The down projection ``[E, D, H]``.
+        gate_bias, up_bias: ``[E, H]`` or None; ``down_bias``: ``[E, D]`` or None.
+    """
+
+    router: Float[Tensor, "*e d"] | None
+    router_bias: Float[Tensor, " *e"] | None
+    gate: Float[Tensor, "*e h d"] | None
+    up: Float[Tensor, "*e h d"]
+    down: Float[Tensor, "*e d h"]
+    gate_bias: Float[Tensor, "*e h"] | None = None
+    up_bias: Float[Tensor, "*e h"] | None = None
+    down_bias: Float[Tensor, "*e d"] | None = None
+
+    def items(self) -> list[tuple[str, Tensor]]:
+        """``(name, view)`` for every weight this block has (the None ones left out)."""
+        return [(f.name, value) for f in fields(self) if (value := getattr(self, f.name)) is not None]
+
+
+def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None] | None:
+    """The live ``(weight [E, D], bias [E] or None)`` of the linear layer producing the logits, or None.
+
+    The logits op is one ``F.linear`` call on the router's own ``weight`` / ``bias``, a
+    ``self.<name>(...)`` call of an ``nn.Linear`` child, or (``forward_0``) the router is
+    an ``nn.Linear`` calling its own forward (llama4).
+    """
+    router = get_path(block, family.router)
+    op = family.logits_op
+    named = re.fullmatch(r"self_(\w+?)_\d+", op)
+    if op in LINEAR_OPS or (op == "forward_0" and isinstance(router, torch.nn.Linear)):
+        weight, bias = getattr(router, "weight", None), getattr(router, "bias", None)
+    elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
+        linear = getattr(router, named.group(1))
+        weight, bias = linear.weight, linear.bias
+    else:
+        return None
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != num_experts:
+        return None
+    return weight, (bias if isinstance(bias, Tensor) else None)
+
+
+def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:
+    """Where ``experts`` keeps its weights: from transformers' flags, else the family entry.
+
+    Raises `ValueUnavailable` when neither says it.
+    """
+    if hasattr(experts, "has_gate"):
+        gated, transposed = bool(experts.has_gate), bool(getattr(experts, "is_transposed", False))
+        return ExpertLayout(
+            gate_up="gate_up_proj" if gated else None, up=None if gated else "up_proj", down="down_proj",
+            transposed=transposed, down_transposed=transposed,
+            concatenated=bool(getattr(experts, "is_concatenated", True)),
+        )
+    if family.expert_layout is not None:
+        return family.expert_layout
+    raise ValueUnavailable(
+        f"{family.name}: {type(experts).__name__} carries no transformers layout flags (has_gate, is_transposed) and "
+        "the family entry has no expert_layout, so moelens does not know where its expert weights are; describe "
+        "them with Family(..., expert_layout=ExpertLayout(...))."
+    )
+
+
+def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> dict[str, Tensor | None]:
+    """``gate``, ``up``, ``down`` and their biases as ``[E, out, in]`` views of the experts' parameters."""
+    layout = layout_of(family, experts)
+
+    def parameter(path: str | None) -> Tensor | None:
+        if path is None:
+            return None
+        owner_path, _, name = path.rpartition(".")
+        value = get_path(experts, owner_path)._parameters.get(name)  # the stored tensor, never a computed one
+        if not isinstance(value, Tensor):
+            raise ValueUnavailable(
+                f"{family.name}: {type(experts).__name__}.{path} is not a weight tensor ({type(value).__name__}); "
+                "moelens serves expert weights stored as plain float parameters (not quantized storage)."
+            )
+        return value.detach()
+
+    def per_expert(tensor: Tensor | None, transposed: bool, path: str | None) -> Tensor | None:
+        if tensor is None:
+            return None
+        if layout.stacked:
+            tensor = tensor.view(num_experts, -1, tensor.shape[-1])
+        if tensor.shape[0] != num_experts:
+            raise ValueUnavailable(
+                f"{family.name}: {type(experts).__name__}.{path} has shape {tuple(tensor.shape)}, not "
+                f"[E={num_experts}, ...]; its experts are not all on this process (expert parallelism?)."
+            )
+        return tensor.transpose(-1, -2) if transposed and tensor.dim() == 3 else tensor
+
+    def bias_of(path: str | None) -> Tensor | None:
+        return None if path is None else parameter(path + "_bias") if _has_parameter(experts, path + "_bias") else None
+
+    views: dict[str, Tensor | None] = {}
+    if layout.gate_up is not None:
+        fused = per_expert(parameter(layout.gate_up), layout.transposed, layout.gate_up)
+        fused_bias = per_expert(bias_of(layout.gate_up), False, layout.gate_up + "_bias")
+        views["gate"], views["up"] = _halves(fused, layout.concatenated, dim=1)
+        views["gate_bias"], views["up_bias"] = _halves(fused_bias, layout.concatenated, dim=1)
+    else:
+        for name, path in (("gate", layout.gate), ("up", layout.up)):
+            views[name] = per_expert(parameter(path), layout.transposed, path)
+            views[f"{name}_bias"] = per_expert(bias_of(path), False, path)
+    views["down"] = per_expert(parameter(layout.down), layout.down_transposed, layout.down)
+    views["down_bias"] = per_expert(bias_of(layout.down), False, layout.down)
+    return views
+
+
+def _has_parameter(module: torch.nn.Module, path: str) -> bool:
+    owner_path, _, name = path.rpartition(".")
+    return isinstance(get_path(module, owner_path)._parameters.get(name), Tensor)
+
+
+def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor | None, Tensor | None]:
+    """The gate and up halves of a fused tensor along ``dim``, as views: ``[gate; up]`` or interleaved."""
+    if tensor is None:
+        return None, None
+    if concatenated:
+        gate, up = tensor.chunk(2, dim=dim)
+        return gate, up
+    index = [slice(None)] * tensor.dim()
+    gate_index, up_index = list(index), list(index)
+    gate_index[dim], up_index[dim] = slice(0, None, 2), slice(1, None, 2)
+    return tensor[tuple(gate_index)], tensor[tuple(up_index)]
+
+
+def check_expert(expert: Any, num_experts: int, where: str) -> int:
+    """``expert`` as an int in ``[0, E)`` (an int, a numpy int or a 0-d integer tensor), else a
+    `ValueUnavailable` saying what was expected."""
+    try:
+        index = None if isinstance(expert, bool) or getattr(expert, "dtype", None) == torch.bool else operator.index(expert)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < num_experts:
+        raise ValueUnavailable(
+            f"{where}: expert {expert!r} is not an expert index; expected an int in [0, {num_experts}) "
+            "(or None for every expert)."
+        )
+    return index

@@ -1,0 +1,161 @@
+"""`Moe.params`: router and expert weights as views of the model's parameters, on every family.
+
+Ground truth: the experts module's own forward (every token routed to one expert with
+weight 1) against that expert's maths written out from the served views, before and
+after random in-place edits of the views (so a copy, a wrong gate/up split or a wrong
+transposition fails); the router's logits from a plain nnsight trace of an unwrapped
+copy, after one router row was overwritten through its view.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nnsight
+
+import moelens
+from groundtruth import ROUTER_LOGITS, raw_values
+from moelens.errors import ValueUnavailable
+from moelens.testing import FAMILIES, tiny_inputs, tiny_model
+
+
+#: Families whose router logits are not one linear layer's output with E rows (inkling: E + 1 rows;
+#: muse_spark: times an output multiplier; zaya: a router MLP).
+LOGITS_NOT_ONE_LINEAR = {"inkling", "muse_spark", "zaya"}
+
+
+def wrapped(family: str):
+    hf = tiny_model(family)
+    return hf, moelens.wrap(hf)
+
+
+def expert_output_by_module(experts: torch.nn.Module, family, x: torch.Tensor, expert: int) -> torch.Tensor:
+    """What the experts module computes for rows ``x`` all routed to ``expert`` with weight 1."""
+    with torch.no_grad():
+        if not family.experts_call:  # llama4: every expert runs on its own rows, [E * n, D] in expert order
+            rows = x.new_zeros(experts.num_experts, *x.shape)
+            rows[expert] = x
+            return experts(rows.view(-1, x.shape[-1])).view(experts.num_experts, *x.shape)[expert]
+        index = torch.full((x.shape[0], 1), expert, dtype=torch.long)
+        return experts(x, index, torch.ones(x.shape[0], 1, dtype=x.dtype)).reshape(x.shape)
+
+
+def expert_output_by_hand(params, experts: torch.nn.Module, family, block, x: torch.Tensor) -> torch.Tensor:
+    """One expert's output from its served views: ``down @ gate_fn(gate @ x, up @ x)``, written out per kind."""
+    up = F.linear(x, params.up, params.up_bias)
+    act = getattr(experts, "act_fn", None)
+    if act is None and hasattr(experts, "mlp"):  # dbrx keeps it on its expert GLU
+        act = experts.mlp.activation_fn
+    if params.gate is None:
+        hidden = act(up)
+    else:
+        gate = F.linear(x, params.gate, params.gate_bias)
+        described = family.expert_gate
+        kind = described.kind if described is not None else "glu"
+        if kind == "glu":
+            hidden = act(gate) * up
+        elif kind == "softcapped_glu":
+            hidden = act(gate, up)
+        else:
+            limit = float(family.resolve(described.limit, block))
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            if kind == "clamped_glu":
+                hidden = (act or F.silu)(gate) * up
+            else:  # clamped_swiglu (gpt-oss)
+                hidden = (up + 1) * gate * torch.sigmoid(float(family.resolve(described.alpha, block)) * gate)
+    out = F.linear(hidden, params.down, params.down_bias)
+    if getattr(experts, "has_post_expert_norm", False):
+        out = experts.post_expert_norm(out)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_views_compute_what_the_experts_module_computes_and_edits_land(family):
+    hf, model = wrapped(family)
+    moe = model.moes[0]
+    block = moe._module
+    experts = block.get_submodule(moe.family.experts)
+    before = {name: param.detach().clone() for name, param in hf.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    for expert in (0, moe.num_experts - 1):
+        params = moe.params(expert)
+        x = torch.randn(5, params.up.shape[-1], generator=generator)
+        with torch.no_grad():
+            expected = expert_output_by_module(experts, moe.family, x, expert)
+            torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, block, x), expected)
+            for name, view in params.items():  # new weights through the views: the module must compute with them
+                view.copy_(torch.randn(view.shape, generator=generator) * 0.5)
+            edited = expert_output_by_module(experts, moe.family, x, expert)
+            torch.testing.assert_close(expert_output_by_hand(moe.params(expert), experts, moe.family, block, x), edited)
+        assert not torch.allclose(edited, expected)
+    in_block = {id(param) for param in block.parameters()}
+    changed = [param for name, param in hf.named_parameters() if not torch.equal(param, before[name])]
+    assert changed and all(id(param) in in_block for param in changed)  # the block's own weights, nothing else
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_expert_view_stacks_the_single_expert_views(family):
+    _, model = wrapped(family)
+    moe = model.moes[0]
+    stacked = dict(moe.params().items())
+    assert stacked["up"].shape[0] == moe.num_experts
+    for expert in range(moe.num_experts):
+        for name, view in moe.params(expert).items():
+            assert torch.equal(view, stacked[name][expert]), name
+            assert view.data_ptr() == stacked[name][expert].data_ptr(), name  # the same memory, no copy
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_row_is_the_experts_logit_weight(family):
+    hf, model = wrapped(family)
+    moe = model.moes[0]
+    params = moe.params()
+    if family in LOGITS_NOT_ONE_LINEAR:
+        assert params.router is None
+        pytest.skip(f"{family}: the logits are not one linear layer's [E, D] output")
+    inputs = tiny_inputs(hf)
+    block_name = next(name for name, module in hf.named_modules() if module is moe._module)
+    target, source = moe.num_experts - 1, 0
+    before = raw_values(copy.deepcopy(hf), inputs, [block_name], moe.family)[block_name].logits
+    with torch.no_grad():
+        moe.params(target).router.copy_(params.router[source])
+        if params.router_bias is not None:
+            params.router_bias[target] = params.router_bias[source]
+    after = raw_values(copy.deepcopy(hf), inputs, [block_name], moe.family)[block_name].logits
+    after, before = after.reshape(-1, after.shape[-1]), before.reshape(-1, before.shape[-1])
+    torch.testing.assert_close(after[:, target], after[:, source])  # expert `target` now scores as `source`
+    assert not torch.allclose(before[:, target], before[:, source])
+    torch.testing.assert_close(after[:, :target], before[:, :target])  # no other expert's logit moved
+    assert family in ROUTER_LOGITS or after.shape[-1] == moe.num_experts
+
+
+@pytest.mark.parametrize("expert", [-1, 8, 2.0, True, "3", torch.tensor(1.0), torch.tensor([1, 2])])
+def test_params_refuses_what_is_not_an_expert_index(expert):
+    _, model = wrapped("mixtral")
+    with pytest.raises(ValueUnavailable, match=r"expected an int in \[0, 8\)"):
+        model.moes[0].params(expert)
+
+
+def test_params_takes_numpy_and_tensor_indexes_and_works_in_a_trace():
+    import numpy as np
+
+    hf, model = wrapped("mixtral")
+    moe = model.moes[0]
+    down = moe.params(3).down
+    assert torch.equal(moe.params(np.int64(3)).down, down) and torch.equal(moe.params(torch.tensor(3)).down, down)
+    with model.trace(tiny_inputs(hf)["input_ids"]):
+        inside = nnsight.save(moe.params(3).down)
+    assert inside.data_ptr() == down.data_ptr()
+
+
+def test_params_refuses_experts_with_compress_lora_adapters():
+    from moelens.compress import tomoe
+    from test_compress_helpers import ids, llama
+
+    model = moelens.wrap(tomoe(llama(), num_experts=4, top_k=2, calibration=ids(8, 16, 1), max_error=10.0, lora_r=2))
+    with pytest.raises(ValueUnavailable, match=r"LoRA adapters.*merge_lora"):
+        model.moes[0].params(0)
