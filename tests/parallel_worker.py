@@ -649,7 +649,24 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
         return {"error": error, "runs": ran,
                 "logits": maxdiff(logits_after, logits) if logits_after is not None else float("inf")}
 
-    cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused}
+    def params() -> dict[str, Any]:
+        # Moe.params on sharded experts: this rank's experts as views of its slice, the others refused.
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        sharded, whole = moelens.wrap(shard_experts(copy.deepcopy(ref), None)).moes[0], moelens.wrap(ref).moes[0]
+        local = sharded.experts._module.__dict__["_ep_num_local"]
+        mine = range(RANK * local, (RANK + 1) * local)
+        result: dict[str, Any] = {"local": max(
+            maxdiff(view, getattr(whole.params(expert), name)) for expert in mine
+            for name, view in sharded.params(expert).items())}
+        result["other"] = _error_text(lambda: sharded.params((mine[-1] + 1) % whole.num_experts))
+        result["every"] = _error_text(lambda: sharded.params())
+        with torch.no_grad():
+            sharded.params(mine[-1]).down.zero_()
+        result["edited"] = float(sharded.experts._module.down_proj[local - 1].abs().max())
+        result["untouched"] = float(sharded.experts._module.down_proj[: local - 1].abs().min())
+        return result
+
+    cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params}
     return {name: cases[name] for name in args.get("cases", cases)}
 
 

@@ -429,6 +429,21 @@ def test_shard_experts_refuses_lora_adapters_it_would_not_slice() -> None:
     assert not failures(results, "copies", check)
 
 
+def test_params_of_sharded_experts() -> None:
+    """Moe.params on a model sharded over 2 ranks: each rank serves its own experts (equal to the
+    unsharded model's, as views of its slice) and names the rank that holds any other."""
+    results = spawn(2, {"copies": {"cases": ["params"]}})
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        problems = close("local experts' weights", m["local"], 0.0)
+        problems += [] if "params(" in m["other"] and "on rank" in m["other"] else [f"other rank: {m['other']!r}"]
+        problems += [] if "this rank holds experts" in m["every"] else [f"every expert: {m['every']!r}"]
+        problems += [] if m["edited"] == 0.0 and m["untouched"] > 0.0 else ["the edit did not land in the slice"]
+        return problems
+
+    assert not failures(results, "copies", check)
+
+
 def test_replace_on_one_rank_then_backward() -> None:
     """Rank 0 replaces layer 1's routed_output with zeros (a tensor that needs no grad), rank 1 does
     not, both run backward: it completes, and the gradients equal one process running every rank's

@@ -159,3 +159,29 @@ def test_params_refuses_experts_with_compress_lora_adapters():
     model = moelens.wrap(tomoe(llama(), num_experts=4, top_k=2, calibration=ids(8, 16, 1), max_error=10.0, lora_r=2))
     with pytest.raises(ValueUnavailable, match=r"LoRA adapters.*merge_lora"):
         model.moes[0].params(0)
+
+
+def test_a_layout_that_does_not_match_the_experts_is_named():
+    from dataclasses import replace
+
+    from moelens.families import ExpertLayout, get, register, unregister
+
+    _, model = wrapped("llama4")
+    register(replace(get("llama4"), expert_layout=ExpertLayout(gate_up="w13", transposed=True)), replace=True)
+    try:
+        with pytest.raises(ValueUnavailable, match=r"no parameter 'w13'.*expert_layout does not match"):
+            moelens.wrap(tiny_model("llama4")).moes[0].params()
+    finally:
+        unregister("llama4")
+    assert model.moes[0].params().down.shape[0] == model.moes[0].num_experts  # the built-in entry again
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(gate="w1"), dict(gate_up="w13", up="w3")])
+def test_register_refuses_a_layout_naming_no_input_projection(layout):
+    from dataclasses import replace
+
+    from moelens.errors import FamilyError
+    from moelens.families import ExpertLayout, get, register
+
+    with pytest.raises(FamilyError, match="either the fused gate_up parameter alone or a separate up"):
+        register(replace(get("llama4"), expert_layout=ExpertLayout(**layout)), replace=True)

@@ -114,29 +114,34 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
     def parameter(path: str | None) -> Tensor | None:
         if path is None:
             return None
-        owner_path, _, name = path.rpartition(".")
-        value = get_path(experts, owner_path)._parameters.get(name)  # the stored tensor, never a computed one
-        if not isinstance(value, Tensor):
+        value = _parameter_at(experts, path)  # the stored tensor, never a computed one
+        if value is None:
             raise ValueUnavailable(
-                f"{family.name}: {type(experts).__name__}.{path} is not a weight tensor ({type(value).__name__}); "
-                "moelens serves expert weights stored as plain float parameters (not quantized storage)."
+                f"{family.name}: {type(experts).__name__} has no parameter {path!r}; the family entry's "
+                "expert_layout does not match this model's experts."
+            )
+        if not value.dtype.is_floating_point:
+            raise ValueUnavailable(
+                f"{family.name}: {type(experts).__name__}.{path} is stored as {value.dtype} (quantized?); moelens "
+                "serves expert weights stored as plain floating-point parameters, where a view is the weight."
             )
         return value.detach()
 
     def per_expert(tensor: Tensor | None, transposed: bool, path: str | None) -> Tensor | None:
         if tensor is None:
             return None
-        if layout.stacked:
+        if layout.stacked and tensor.dim() == 2 and tensor.shape[0] % num_experts == 0:
             tensor = tensor.view(num_experts, -1, tensor.shape[-1])
         if tensor.shape[0] != num_experts:
+            stacked = f"[E*out={num_experts}*n, in]" if layout.stacked else f"[E={num_experts}, ...]"
             raise ValueUnavailable(
-                f"{family.name}: {type(experts).__name__}.{path} has shape {tuple(tensor.shape)}, not "
-                f"[E={num_experts}, ...]; its experts are not all on this process (expert parallelism?)."
+                f"{family.name}: {type(experts).__name__}.{path} has shape {tuple(tensor.shape)}, not {stacked}; "
+                "the family entry's expert_layout does not match this model's experts."
             )
         return tensor.transpose(-1, -2) if transposed and tensor.dim() == 3 else tensor
 
     def bias_of(path: str | None) -> Tensor | None:
-        return None if path is None else parameter(path + "_bias") if _has_parameter(experts, path + "_bias") else None
+        return None if path is None or _parameter_at(experts, path + "_bias") is None else parameter(path + "_bias")
 
     views: dict[str, Tensor | None] = {}
     if layout.gate_up is not None:
@@ -153,9 +158,14 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
     return views
 
 
-def _has_parameter(module: torch.nn.Module, path: str) -> bool:
+def _parameter_at(module: torch.nn.Module, path: str) -> Any:
+    """The parameter registered at dotted ``path`` under ``module`` (None when there is none)."""
     owner_path, _, name = path.rpartition(".")
-    return isinstance(get_path(module, owner_path)._parameters.get(name), Tensor)
+    try:
+        owner = get_path(module, owner_path)
+    except AttributeError:
+        return None
+    return owner._parameters.get(name) if isinstance(owner, torch.nn.Module) else None
 
 
 def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor | None, Tensor | None]:

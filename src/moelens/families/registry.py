@@ -85,6 +85,13 @@ def _check_description(family: Family) -> None:
             f"family {family.name!r}: Combine.mode {mode!r} is not one of {COMBINE_MODES} "
             "nor an attribute reference naming one (\"block.combination_strategy\")."
         )
+    layout = family.expert_layout
+    if layout is not None and not (layout.gate_up is not None and layout.gate is None and layout.up is None
+                                   or layout.gate_up is None and layout.up is not None):
+        raise FamilyError(
+            f"family {family.name!r}: {layout!r} must name either the fused gate_up parameter alone or a separate "
+            "up parameter (with gate for gated experts)."
+        )
     unknown = [name for name in family.refused if name not in VALUE_NAMES]
     if unknown:
         raise FamilyError(f"family {family.name!r}: refused names {unknown[0]!r}, which is not one of {VALUE_NAMES}.")
