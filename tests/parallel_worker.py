@@ -571,7 +571,6 @@ def suite_all_families(args: dict) -> dict[str, Callable[[], Any]]:
 def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
     """What shard_experts leaves behind: a deep copy of a sharded model (plain and wrapped) that
     runs on the same group; a refused model left exactly as it was."""
-    from moelens import MoelensError
     from moelens.parallel import shard_experts
 
     def deepcopy() -> dict[str, Any]:
