@@ -97,6 +97,25 @@ def test_expert_views_compute_what_the_experts_module_computes_and_edits_land(fa
     assert changed and all(id(param) in in_block for param in changed)  # the block's own weights, nothing else
 
 
+@pytest.mark.parametrize("dense", ["llama", "bert", "gpt2"])
+def test_expert_views_of_compressed_models(dense):
+    """moelens.compress output (gated SwiGLU experts, plain GELU experts, biases everywhere) as any family."""
+    from test_compress_helpers import MODELS, convert, ids
+
+    model = moelens.wrap(convert(MODELS[dense](), num_experts=4, top_k=2, calibration=ids(4, 16, 1))[0])
+    generator = torch.Generator().manual_seed(0)
+    for moe in model.moes:
+        experts = moe._module.get_submodule(moe.family.experts)
+        params = moe.params(2)
+        x = torch.randn(5, params.up.shape[-1], generator=generator)
+        with torch.no_grad():
+            expected = expert_output_by_module(experts, moe.family, x, 2)
+            torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, moe._module, x), expected)
+            params.down.mul_(2.0)
+            torch.testing.assert_close(expert_output_by_module(experts, moe.family, x, 2) - params.down_bias,
+                                       2 * (expected - params.down_bias))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_expert_view_stacks_the_single_expert_views(family):
     _, model = wrapped(family)
