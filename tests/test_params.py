@@ -204,3 +204,14 @@ def test_register_refuses_a_layout_naming_no_input_projection(layout):
 
     with pytest.raises(FamilyError, match="either the fused gate_up parameter alone or a separate up"):
         register(replace(get("llama4"), expert_layout=ExpertLayout(**layout)), replace=True)
+
+
+def test_params_refuses_weights_that_are_not_loaded():
+    from transformers import AutoModelForCausalLM
+
+    from moelens.testing import tiny_config
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+    with pytest.raises(ValueUnavailable, match="meta device.*load the model onto a real device"):
+        moelens.wrap(hf).moes[0].params(0)

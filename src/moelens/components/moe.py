@@ -37,13 +37,13 @@ from torch import Tensor
 
 from ..errors import ValueUnavailable, WriteError
 from ..families import Scoring
-from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES, get_path
+from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
 from . import tokens
 from .base import envoy_at
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
-from .params import MoeParams, check_expert, expert_views, router_linear
+from .params import MoeParams, block_params
 from .served import ANY_INF, INDEX, MINUS_INF, Binding, argument, order_errors, output_of, request, served
 
 
@@ -280,30 +280,7 @@ class Moe(Mlp):
                 rank, the experts carry moelens.compress LoRA adapters (fold them in first
                 with `moelens.compress.merge_lora`) or store no plain weight tensors.
         """
-        where = f"{self.path}.params"
-        num_experts = self.num_experts
-        index = None if expert is None else check_expert(expert, num_experts, where)
-        experts = get_path(self._module, self.family.experts)
-        if "lora" in experts._modules:
-            raise self.unavailable(
-                "params", "its experts carry LoRA adapters (moelens.compress with lora_r), so the expert weights are "
-                "the parameters plus the adapters' product", "fold them in first: moelens.compress.merge_lora(model).")
-        local, first = experts.__dict__.get("_ep_num_local"), experts.__dict__.get("_ep_first", 0)
-        if local is not None:
-            if index is None or not first <= index < first + local:
-                held = f"this rank holds experts {first} to {first + local - 1}"
-                raise self.unavailable(
-                    "params", f"its experts are sharded over ranks (moelens.parallel.shard_experts): {held}",
-                    "ask for one of those: moe.params(e) on the rank that holds e."
-                    if index is None else f"call moe.params({index}) on rank {index // local} of the EP group.")
-        weight, bias = router_linear(self.family, self._module, num_experts) or (None, None)
-        tensors = {"router": weight, "router_bias": bias}
-        tensors = {name: None if value is None else value.detach() for name, value in tensors.items()}
-        views = expert_views(self.family, experts, num_experts if local is None else local)
-        if index is not None:
-            tensors = {name: None if value is None else value[index] for name, value in tensors.items()}
-            views = {name: None if value is None else value[index - first] for name, value in views.items()}
-        return MoeParams(**tensors, **views)
+        return block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
 
     def _routed_activation(self, name: str) -> ValueUnavailable:
         return self.unavailable(

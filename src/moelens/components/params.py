@@ -64,6 +64,37 @@ class MoeParams:
         return [(f.name, value) for f in fields(self) if (value := getattr(self, f.name)) is not None]
 
 
+def block_params(family: Family, block: torch.nn.Module, num_experts: int, where: str,
+                 expert: Any = None) -> MoeParams:
+    """`MoeParams` of one live block (every expert's, or expert ``expert``'s); see `Moe.params`.
+
+    ``where`` names the call in errors (``"model.layers.1.mlp.params"``).
+    """
+    index = None if expert is None else check_expert(expert, num_experts, where)
+    experts = get_path(block, family.experts)
+    if "lora" in experts._modules:
+        raise ValueUnavailable(
+            f"{where}: the experts carry LoRA adapters (moelens.compress with lora_r), so their weights are the "
+            "parameters plus the adapters' product; fold them in first: moelens.compress.merge_lora(model)."
+        )
+    local, first = experts.__dict__.get("_ep_num_local"), experts.__dict__.get("_ep_first", 0)
+    if local is not None and (index is None or not first <= index < first + local):
+        remedy = ("ask for one of them: moe.params(e) on the rank that holds e" if index is None
+                  else f"call moe.params({index}) on rank {index // local} of the EP group")
+        raise ValueUnavailable(
+            f"{where}: the experts are sharded over ranks (moelens.parallel.shard_experts) and this rank holds "
+            f"experts {first} to {first + local - 1}; {remedy}."
+        )
+    weight, bias = router_linear(family, block, num_experts) or (None, None)
+    router = {name: None if value is None else editable(value, f"{where}: the router's {name}")
+              for name, value in (("router", weight), ("router_bias", bias))}
+    views = expert_views(family, experts, num_experts if local is None else local)
+    if index is not None:
+        router = {name: None if value is None else value[index] for name, value in router.items()}
+        views = {name: None if value is None else value[index - first] for name, value in views.items()}
+    return MoeParams(**router, **views)
+
+
 def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None] | None:
     """The live ``(weight [E, D], bias [E] or None)`` of the linear layer producing the logits, or None.
 
@@ -120,12 +151,7 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
                 f"{family.name}: {type(experts).__name__} has no parameter {path!r}; the family entry's "
                 "expert_layout does not match this model's experts."
             )
-        if not value.dtype.is_floating_point:
-            raise ValueUnavailable(
-                f"{family.name}: {type(experts).__name__}.{path} is stored as {value.dtype} (quantized?); moelens "
-                "serves expert weights stored as plain floating-point parameters, where a view is the weight."
-            )
-        return value.detach()
+        return editable(value, f"{family.name}: {type(experts).__name__}.{path}")
 
     def per_expert(tensor: Tensor | None, transposed: bool, path: str | None) -> Tensor | None:
         if tensor is None:
@@ -156,6 +182,25 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
     views["down"] = per_expert(parameter(layout.down), layout.down_transposed, layout.down)
     views["down_bias"] = per_expert(bias_of(layout.down), False, layout.down)
     return views
+
+
+def editable(weight: Tensor, name: str) -> Tensor:
+    """``weight`` detached (a view of the same memory), once it is a loaded floating-point tensor.
+
+    Raises `ValueUnavailable` for a meta tensor (nothing loaded: an edit would be lost) and for
+    integer storage (quantized weights, where a view is not the weight).
+    """
+    if weight.is_meta:
+        raise ValueUnavailable(
+            f"{name} is on the meta device (its data is not loaded: accelerate offload or init_empty_weights), so "
+            "a view of it holds no weights and an edit would be lost; load the model onto a real device first."
+        )
+    if not weight.dtype.is_floating_point:
+        raise ValueUnavailable(
+            f"{name} is stored as {weight.dtype} (quantized?); moelens serves weights stored as plain "
+            "floating-point parameters, where a view is the weight."
+        )
+    return weight.detach()
 
 
 def _parameter_at(module: torch.nn.Module, path: str) -> Any:
