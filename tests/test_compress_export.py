@@ -129,3 +129,11 @@ def test_a_layer_that_changes_width_is_refused_with_the_reason(out):
     assert narrow, "the k_proj layers were not converted"
     with pytest.raises(ExportRefused, match="maps 32 features to 16"):
         to_nnef(narrow[0], out / "narrow.nnef.tgz")
+
+
+def test_experts_with_lora_adapters_are_refused_naming_the_merge(out):
+    """LoRA adapters left on the experts: their weights are the parameters plus the adapters' product,
+    which the archive would not hold (a torch-to-nnef KeyError before)."""
+    converted = convert(llama(), num_experts=4, top_k=2, lora_r=2)
+    with pytest.raises(ExportRefused, match=r"LoRA adapters.*merge_lora.*exportable"):
+        to_nnef(wrap(converted), out / "lora.nnef.tgz", example_inputs=ids(1, 8, 2))

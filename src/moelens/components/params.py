@@ -72,11 +72,6 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     """
     index = None if expert is None else check_expert(expert, num_experts, where)
     experts = get_path(block, family.experts)
-    if "lora" in experts._modules:
-        raise ValueUnavailable(
-            f"{where}: the experts carry LoRA adapters (moelens.compress with lora_r), so their weights are the "
-            "parameters plus the adapters' product; fold them in first: moelens.compress.merge_lora(model)."
-        )
     local, first = experts.__dict__.get("_ep_num_local"), experts.__dict__.get("_ep_first", 0)
     if local is not None and (index is None or not first <= index < first + local):
         remedy = ("ask for one of them: moe.params(e) on the rank that holds e" if index is None
@@ -140,6 +135,12 @@ def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:
 
 def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> dict[str, Tensor | None]:
     """``gate``, ``up``, ``down`` and their biases as ``[E, out, in]`` views of the experts' parameters."""
+    if "lora" in experts._modules:
+        raise ValueUnavailable(
+            f"{family.name}: {type(experts).__name__} carries LoRA adapters (moelens.compress with lora_r), so its "
+            "weights are the parameters plus the adapters' product; fold them in first: "
+            "moelens.compress.merge_lora(model) (moelens.compress.exportable(model) merges them in a copy)."
+        )
     layout = layout_of(family, experts)
 
     def parameter(path: str | None) -> Tensor | None:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from ..components.params import router_linear
+from ..components.params import expert_views, router_linear
+from ..errors import ValueUnavailable
 from ..families import Family
 from ..families.entry import get_path
 from .errors import ExportRefused
@@ -28,6 +29,7 @@ from .gate import _expert_gate, routing
 
 #: tract_moe_ffn activations: the gated one (needs w3) and the ungated ones.
 ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
+
 
 @dataclass
 class MoeSpec:
@@ -198,37 +200,19 @@ def _experts_weights(family: Family, block: torch.nn.Module) -> dict[str, Any]:
     if getattr(experts, "has_post_expert_norm", False):
         raise ExportRefused(f"{name}: a norm after each expert (post_expert_norm) cannot be expressed in tract_moe_ffn.")
     gated = bool(experts.has_gate)
-    transposed = bool(getattr(experts, "is_transposed", False))
-    concatenated = bool(getattr(experts, "is_concatenated", True))
-    up = experts.gate_up_proj if gated else experts.up_proj
-    down = experts.down_proj
-    up, down = _float(up), _float(down)
-    if transposed:  # [E, D, 2H] / [E, H, D] -> [E, 2H, D] / [E, D, H]
-        up, down = up.transpose(1, 2), down.transpose(1, 2)
-    weights: dict[str, Any] = {"w2": down.transpose(1, 2).contiguous()}
-    if gated:
-        gate_rows, up_rows = _split(up, concatenated, dim=1)
-        weights["w1"] = gate_rows.transpose(1, 2).contiguous()
-        weights["w3"] = up_rows.transpose(1, 2).contiguous()
-    else:
-        weights["w1"] = up.transpose(1, 2).contiguous()
-    if getattr(experts, "has_bias", False):
-        up_bias = _float(experts.gate_up_proj_bias if gated else experts.up_proj_bias)
-        if gated:
-            weights["w1_bias"], weights["w3_bias"] = (b.contiguous() for b in _split(up_bias, concatenated, dim=1))
-        else:
-            weights["w1_bias"] = up_bias
-        weights["w2_bias"] = _float(experts.down_proj_bias)
+    try:
+        views = expert_views(family, experts, int(experts.down_proj.shape[0]))
+    except ValueUnavailable as error:
+        raise ExportRefused(str(error)) from None
+    canonical = {"w1": "gate" if gated else "up", "w3": "up" if gated else None, "w2": "down"}  # tract's names
+    weights: dict[str, Any] = {}
+    for tract_name, view in canonical.items():
+        if view is not None:
+            weights[tract_name] = _float(views[view]).transpose(1, 2).contiguous()  # [E, out, in] -> [E, in, out]
+            if views[f"{view}_bias"] is not None:
+                weights[f"{tract_name}_bias"] = _float(views[f"{view}_bias"]).contiguous()
     weights.update(_activation(family, experts, gated, block))
     return weights
-
-
-def _split(tensor: Tensor, concatenated: bool, dim: int) -> tuple[Tensor, Tensor]:
-    """Gate and up halves of a fused projection: ``[gate; up]`` or interleaved ``[g0, u0, g1, u1, ...]``."""
-    if concatenated:
-        return tensor.chunk(2, dim=dim)
-    index = torch.arange(tensor.shape[dim])
-    return tensor.index_select(dim, index[0::2]), tensor.index_select(dim, index[1::2])
 
 
 def _activation(family: Family, experts: torch.nn.Module, gated: bool, block: torch.nn.Module) -> dict[str, Any]:
