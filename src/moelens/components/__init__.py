@@ -4,5 +4,6 @@ from .base import Component
 from .implementations import ExpertsOps, register_implementation
 from .mlp import Mlp
 from .moe import Moe
+from .params import MoeParams
 
-__all__ = ["Component", "ExpertsOps", "Mlp", "Moe", "register_implementation"]
+__all__ = ["Component", "ExpertsOps", "Mlp", "Moe", "MoeParams", "register_implementation"]
