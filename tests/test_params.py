@@ -97,22 +97,28 @@ def test_expert_views_compute_what_the_experts_module_computes_and_edits_land(fa
     assert changed and all(id(param) in in_block for param in changed)  # the block's own weights, nothing else
 
 
-@pytest.mark.parametrize("dense", ["llama", "bert", "gpt2"])
+@pytest.mark.parametrize("dense", ["llama", "bert", "gpt2", "llama-attention"])
 def test_expert_views_of_compressed_models(dense):
-    """moelens.compress output (gated SwiGLU experts, plain GELU experts, biases everywhere) as any family."""
+    """moelens.compress output (gated SwiGLU experts, plain GELU experts, biases everywhere, and split
+    linear layers whose down projection is a fixed placement buffer: tomoe_linear) as any family."""
     from test_compress_helpers import MODELS, convert, ids
 
-    model = moelens.wrap(convert(MODELS[dense](), num_experts=4, top_k=2, calibration=ids(4, 16, 1))[0])
+    name, _, part = dense.partition("-")
+    converted = convert(MODELS[name](), num_experts=4, top_k=2, calibration=ids(4, 16, 1),
+                        target_attention_only=part == "attention")[0]
+    model = moelens.wrap(converted)
+    assert model.moes and all(moe.family.name == "tomoe_linear" for moe in model.moes) == (part == "attention")
     generator = torch.Generator().manual_seed(0)
     for moe in model.moes:
         experts = moe._module.get_submodule(moe.family.experts)
-        params = moe.params(2)
+        last = moe.num_experts - 1
+        params = moe.params(last)
         x = torch.randn(5, params.up.shape[-1], generator=generator)
         with torch.no_grad():
-            expected = expert_output_by_module(experts, moe.family, x, 2)
+            expected = expert_output_by_module(experts, moe.family, x, last)
             torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, moe._module, x), expected)
             params.down.mul_(2.0)
-            torch.testing.assert_close(expert_output_by_module(experts, moe.family, x, 2) - params.down_bias,
+            torch.testing.assert_close(expert_output_by_module(experts, moe.family, x, last) - params.down_bias,
                                        2 * (expected - params.down_bias))
 
 
@@ -152,7 +158,9 @@ def test_router_row_is_the_experts_logit_weight(family):
     assert family in ROUTER_LOGITS or after.shape[-1] == moe.num_experts
 
 
-@pytest.mark.parametrize("expert", [-1, 8, 2.0, True, "3", torch.tensor(1.0), torch.tensor([1, 2])])
+@pytest.mark.parametrize("expert", [-1, 8, 2.0, True, "3", torch.tensor(1.0), torch.tensor([1, 2]), torch.tensor([1]),
+                                    torch.tensor(True), torch.empty((), dtype=torch.long, device="meta")],
+                         ids=lambda value: repr(value)[:24])
 def test_params_refuses_what_is_not_an_expert_index(expert):
     _, model = wrapped("mixtral")
     with pytest.raises(ValueUnavailable, match=r"expected an int in \[0, 8\)"):
@@ -215,3 +223,40 @@ def test_params_refuses_weights_that_are_not_loaded():
         hf = AutoModelForCausalLM.from_config(tiny_config("mixtral"))
     with pytest.raises(ValueUnavailable, match="meta device.*load the model onto a real device"):
         moelens.wrap(hf).moes[0].params(0)
+
+
+def test_views_are_edited_in_place_and_other_assignments_refused():
+    from moelens.errors import WriteError
+
+    _, model = wrapped("mixtral")
+    params = model.moes[0].params(2)
+    direction = torch.nn.functional.normalize(torch.randn(params.down.shape[0]), dim=0)
+    params.down -= direction[:, None] * (direction @ params.down)  # in place, then assigned back to itself
+    assert float((direction @ model.moes[0].params(2).down).abs().max()) < 1e-5
+    with pytest.raises(WriteError, match=r"edit the view in place instead \(params\.down\.copy_"):
+        params.down = torch.zeros_like(params.down)
+
+
+@pytest.mark.parametrize("storage", ["float8", "scale"])
+def test_quantized_expert_weights_are_refused(storage):
+    hf, model = wrapped("mixtral")
+    experts = model.moes[0].experts._module
+    if storage == "float8":
+        experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().to(torch.float8_e4m3fn), requires_grad=False)
+        match = "float8_e4m3fn"
+    else:  # transformers' FP8 experts keep the inverse scales beside the weights
+        experts.register_buffer("down_proj_scale_inv", torch.ones(experts.down_proj.shape[0], 1, 1))
+        match = "down_proj is quantized"
+    with pytest.raises(ValueUnavailable, match=match):
+        model.moes[0].params()
+
+
+def test_stacked_biases_are_cut_per_expert():
+    _, model = wrapped("dbrx")
+    moe = model.moes[0]
+    glu = moe.experts._module.mlp
+    glu.w1_bias = torch.nn.Parameter(torch.randn(glu.w1.shape[0]))  # [E*H], stacked as the weights
+    params = moe.params()
+    assert params.gate_bias.shape == (moe.num_experts, glu.w1.shape[0] // moe.num_experts)
+    assert params.gate_bias.data_ptr() == glu.w1_bias.data_ptr()
+    assert torch.equal(moe.params(3).gate_bias, glu.w1_bias.detach().view(moe.num_experts, -1)[3])

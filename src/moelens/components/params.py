@@ -6,7 +6,7 @@ interleaved, dbrx's ``[E*H, D]`` stacks). `Moe.params` serves them in one conven
 ``torch.nn.Linear``'s ``[out, in]`` (``y = x @ W.T + b``), as views: reading costs no
 copy, and an in-place edit of a view (``params.down.mul_(0.5)``,
 ``params.down -= r[:, None] * (r @ params.down)``) changes the model, as editing the
-parameter would. The layout comes from the flags transformers stamps on decorated
+parameter would (assigning another tensor to a field is refused: it would not). The layout comes from the flags transformers stamps on decorated
 experts (``has_gate``, ``is_transposed``, ``is_concatenated``) or, for undecorated
 experts, from the family entry (`moelens.families.ExpertLayout`).
 """
@@ -22,15 +22,18 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..errors import ValueUnavailable
+from ..errors import ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
 from ..families.entry import get_path
+
+#: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
+QUANTIZATION_SCALES = ("_scale_inv", "_scale", "_scales")
 
 #: The logits ops that are one ``F.linear(x, router.weight, router.bias)`` call.
 LINEAR_OPS = ("F_linear_0", "nn_functional_linear_0", "torch_nn_functional_linear_0", "linear_0")
 
 
-@dataclass(frozen=True)
+@dataclass
 class MoeParams:
     """One MoE block's weights, as views of its parameters (``[out, in]``, like ``nn.Linear``).
 
@@ -58,6 +61,16 @@ class MoeParams:
     gate_bias: Float[Tensor, "*e h"] | None = None
     up_bias: Float[Tensor, "*e h"] | None = None
     down_bias: Float[Tensor, "*e d"] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``params.down -= x`` edits the view in place, then assigns it back to itself: allowed. Any
+        # other assignment would leave the model as it was, so it is refused.
+        if name in self.__dict__ and value is not self.__dict__[name]:
+            raise WriteError(
+                f"MoeParams.{name} is a view of the model's weights: assigning a new tensor would not change the "
+                f"model; edit the view in place instead (params.{name}.copy_(new), params.{name}.mul_(0.5), ...)."
+            )
+        object.__setattr__(self, name, value)
 
     def items(self) -> list[tuple[str, Tensor]]:
         """``(name, view)`` for every weight this block has (the None ones left out)."""
@@ -142,33 +155,37 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
             "moelens.compress.merge_lora(model) (moelens.compress.exportable(model) merges them in a copy)."
         )
     layout = layout_of(family, experts)
+    mismatch = ("the family entry's expert_layout does not match this model's experts" if not hasattr(experts, "has_gate")
+                else "its transformers layout flags (has_gate, is_transposed) do not match its parameters")
 
     def parameter(path: str | None) -> Tensor | None:
         if path is None:
             return None
-        value = _parameter_at(experts, path)  # the stored tensor, never a computed one
+        value = _stored_at(experts, path)
         if value is None:
+            raise ValueUnavailable(f"{family.name}: {type(experts).__name__} has no parameter {path!r}; {mismatch}.")
+        if any(_stored_at(experts, path + suffix) is not None for suffix in QUANTIZATION_SCALES):
             raise ValueUnavailable(
-                f"{family.name}: {type(experts).__name__} has no parameter {path!r}; the family entry's "
-                "expert_layout does not match this model's experts."
+                f"{family.name}: {type(experts).__name__}.{path} is quantized (it has a scale beside it), so a view "
+                "of it is not the weight; moelens serves weights stored as plain floating-point tensors."
             )
         return editable(value, f"{family.name}: {type(experts).__name__}.{path}")
 
     def per_expert(tensor: Tensor | None, transposed: bool, path: str | None) -> Tensor | None:
         if tensor is None:
             return None
-        if layout.stacked and tensor.dim() == 2 and tensor.shape[0] % num_experts == 0:
-            tensor = tensor.view(num_experts, -1, tensor.shape[-1])
+        if layout.stacked and tensor.shape[0] % num_experts == 0:
+            tensor = tensor.view(num_experts, -1, *tensor.shape[1:])
         if tensor.shape[0] != num_experts:
-            stacked = f"[E*out={num_experts}*n, in]" if layout.stacked else f"[E={num_experts}, ...]"
+            stacked = f"[E*out={num_experts}*n, ...]" if layout.stacked else f"[E={num_experts}, ...]"
             raise ValueUnavailable(
                 f"{family.name}: {type(experts).__name__}.{path} has shape {tuple(tensor.shape)}, not {stacked}; "
-                "the family entry's expert_layout does not match this model's experts."
+                f"{mismatch}."
             )
         return tensor.transpose(-1, -2) if transposed and tensor.dim() == 3 else tensor
 
     def bias_of(path: str | None) -> Tensor | None:
-        return None if path is None or _parameter_at(experts, path + "_bias") is None else parameter(path + "_bias")
+        return None if path is None or _stored_at(experts, path + "_bias") is None else parameter(path + "_bias")
 
     views: dict[str, Tensor | None] = {}
     if layout.gate_up is not None:
@@ -179,9 +196,9 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
     else:
         for name, path in (("gate", layout.gate), ("up", layout.up)):
             views[name] = per_expert(parameter(path), layout.transposed, path)
-            views[f"{name}_bias"] = per_expert(bias_of(path), False, path)
+            views[f"{name}_bias"] = per_expert(bias_of(path), False, path and path + "_bias")
     views["down"] = per_expert(parameter(layout.down), layout.down_transposed, layout.down)
-    views["down_bias"] = per_expert(bias_of(layout.down), False, layout.down)
+    views["down_bias"] = per_expert(bias_of(layout.down), False, layout.down + "_bias")
     return views
 
 
@@ -189,29 +206,33 @@ def editable(weight: Tensor, name: str) -> Tensor:
     """``weight`` detached (a view of the same memory), once it is a loaded floating-point tensor.
 
     Raises `ValueUnavailable` for a meta tensor (nothing loaded: an edit would be lost) and for
-    integer storage (quantized weights, where a view is not the weight).
+    integer or float8 storage (quantized weights, where a view is not the weight).
     """
     if weight.is_meta:
         raise ValueUnavailable(
             f"{name} is on the meta device (its data is not loaded: accelerate offload or init_empty_weights), so "
             "a view of it holds no weights and an edit would be lost; load the model onto a real device first."
         )
-    if not weight.dtype.is_floating_point:
+    if not weight.dtype.is_floating_point or weight.dtype.itemsize < 2:  # integer or float8 storage
         raise ValueUnavailable(
             f"{name} is stored as {weight.dtype} (quantized?); moelens serves weights stored as plain "
-            "floating-point parameters, where a view is the weight."
+            "floating-point tensors (16 bits or more), where a view is the weight."
         )
     return weight.detach()
 
 
-def _parameter_at(module: torch.nn.Module, path: str) -> Any:
-    """The parameter registered at dotted ``path`` under ``module`` (None when there is none)."""
+def _stored_at(module: torch.nn.Module, path: str) -> Tensor | None:
+    """The parameter or buffer registered at dotted ``path`` under ``module`` (None when there is none):
+    the stored tensor itself, never one a module computes on access."""
     owner_path, _, name = path.rpartition(".")
     try:
         owner = get_path(module, owner_path)
     except AttributeError:
         return None
-    return owner._parameters.get(name) if isinstance(owner, torch.nn.Module) else None
+    if not isinstance(owner, torch.nn.Module):
+        return None
+    stored = owner._parameters.get(name)
+    return stored if stored is not None else owner._buffers.get(name)
 
 
 def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor | None, Tensor | None]:
@@ -228,11 +249,12 @@ def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor
 
 
 def check_expert(expert: Any, num_experts: int, where: str) -> int:
-    """``expert`` as an int in ``[0, E)`` (an int, a numpy int or a 0-d integer tensor), else a
+    """``expert`` as an int in ``[0, E)`` (an int, a numpy int or a 0-d integer tensor or array), else a
     `ValueUnavailable` saying what was expected."""
+    lone = not isinstance(expert, bool) and getattr(expert, "dtype", None) != torch.bool and getattr(expert, "ndim", 0) == 0
     try:
-        index = None if isinstance(expert, bool) or getattr(expert, "dtype", None) == torch.bool else operator.index(expert)
-    except TypeError:
+        index = operator.index(expert) if lone else None
+    except (TypeError, RuntimeError):  # not an integer; a tensor with no value (meta)
         index = None
     if index is None or not 0 <= index < num_experts:
         raise ValueUnavailable(
