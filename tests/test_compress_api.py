@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoECompressor, ToMoELinear,
-                              get_compressor, inject_tomoe, merge_lora, tomoe)
+                              exportable, get_compressor, inject_tomoe, merge_lora, tomoe)
 from test_compress_helpers import bert, convert, gpt2, ids, inputs_of, llama, run
 
 
@@ -205,6 +205,8 @@ def test_conv1d_layers_as_tomoe_linear():
         layer, original = converted.get_submodule(name), dense.get_submodule(name)
         assert isinstance(layer, ToMoELinear) and layer.transposed
         assert torch.equal(layer.weight, original.weight) and torch.equal(layer.bias, original.bias)
+        gated = exportable(converted).get_submodule(name)  # identity experts in gated form: the same dense layer
+        assert torch.equal(gated.weight, original.weight) and torch.equal(gated.bias, original.bias)
         masks = layer.masks
         assert masks.shape == (4, original.nf) and torch.equal(masks.sum(0), torch.ones(original.nf, dtype=torch.long))
         assert stats.converted[[l.name for l in stats.converted].index(name)].expert_sizes == masks.sum(1).tolist()

@@ -27,6 +27,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from .blocks import ToMoEBlock
+from .experts import ToMoEGatedExperts
 
 
 class ToMoELinear(ToMoEBlock):
@@ -58,16 +59,25 @@ class ToMoELinear(ToMoEBlock):
             out[rows[keep]] = row_values[:, : shape[1]] if len(shape) > 1 else row_values
         return out
 
+    def _output_rows(self) -> tuple[Tensor, Tensor]:
+        """Each expert's output-neuron weights ``[E, I, in]`` and biases ``[E, I]``: ``up_proj``, or the up
+        half of the gated form `moelens.compress.exportable` gives identity experts (``relu(0 x + 1) * up``)."""
+        experts = self.experts
+        if isinstance(experts, ToMoEGatedExperts):
+            size = experts.gate_up_proj.shape[1] // 2
+            return experts.gate_up_proj[:, size:], experts.gate_up_proj_bias[:, size:]
+        return experts.up_proj, experts.up_proj_bias
+
     @property
     def weight(self) -> Tensor:
         """The dense weight rebuilt from the experts (``[out, in]``; ``[in, out]`` for Conv1D)."""
-        weight = self._rebuild(self.experts.up_proj, (self.out_features, self.in_features))
+        weight = self._rebuild(self._output_rows()[0], (self.out_features, self.in_features))
         return weight.t() if self.transposed else weight
 
     @property
     def bias(self) -> Tensor:
         """The dense bias rebuilt from the experts (zeros when the dense layer had none)."""
-        return self._rebuild(self.experts.up_proj_bias, (self.out_features,))
+        return self._rebuild(self._output_rows()[1], (self.out_features,))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
