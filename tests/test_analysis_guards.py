@@ -167,10 +167,37 @@ def test_a_damaged_cache_names_its_file(model, tmp_path):
         message = str(raised.value)
         assert f"routing cache file '{folder / culprit}' is damaged" in message, (name, message)
         assert "collect the routing again" in message, name
+        if culprit == META_FILE:
+            assert "into another folder, or delete this folder's routing.json" in message, name
+        if name in ("truncated json", "no shards entry", "shards not a list", "a list"):
+            # moelens no longer knows its shards there, so it will not write over them: another folder works
+            with pytest.raises(MoelensError, match="which no routing.json there lists"):
+                analysis.collect_routing(model, TEXTS, batch_size=1, folder=str(folder), progress=False)
+            again = tmp_path / f"{name} again"
+            analysis.collect_routing(model, TEXTS, batch_size=1, folder=str(again), progress=False)
         assert re.search(problem, message), (name, message)
 
 
+@pytest.mark.parametrize("setting", [{"batch_size": 0}, {"max_length": 0}, {"batch_size": 2.5}, {"max_length": True}])
+def test_bad_batching_is_refused_before_an_existing_cache_is_touched(model, tmp_path, setting):
+    folder = tmp_path / "cache"
+    analysis.collect_routing(model, TEXTS, batch_size=1, folder=str(folder), progress=False)
+    before = files(folder)
+    name, value = next(iter(setting.items()))
+    with pytest.raises(MoelensError, match=rf"{name} must be an int of at least 1, got {value!r}"):
+        analysis.collect_routing(model, TEXTS, folder=str(folder), progress=False, **setting)
+    assert files(folder) == before
+    assert RoutingCache.load(folder).num_tokens == sum(len(text) for text in TEXTS)
+
+
 # -- corpora -------------------------------------------------------------------------------------
+
+
+def test_a_numpy_tokenizer_output_is_routed_as_a_torch_one(model):
+    routed = {kind: analysis.collect_routing(model, model.tokenizer(TEXTS, return_tensors=kind, padding=True),
+                                             batch_size=1, progress=False) for kind in ("np", "pt")}
+    assert_same_routing(routed["np"], routed["pt"])
+    assert routed["np"].num_tokens == sum(len(text) for text in TEXTS)
 
 
 def test_bytes_and_bools_are_not_token_ids(model):
@@ -292,3 +319,25 @@ def test_stats_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch, set
     assert re.search(message.format(out=out), lines[0]), lines[0]
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
     assert os.path.islink(out) or out.is_dir()
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--max-length"])
+def test_stats_refuses_bad_batching_flags_before_any_work(tmp_path, capsys, monkeypatch, flag):
+    text = tmp_path / "in.txt"
+    text.write_text("some text to route\n")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(analysis_cli, "load_model", no_work)
+    status = main(["stats", "tiny", "--text", str(text), flag, "0", "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.err.strip() == f"moelens stats: error: {flag} must be at least 1, got 0."
+
+
+def test_the_demo_routes_held_out_windows_of_both_streams():
+    """moelens-tiny's held-out set is 192 code-stream windows then 64 prose-stream ones (docs/default-model.md)."""
+    picked = analysis_cli.spread(256, 64)
+    assert len(set(picked.tolist())) == 64 and picked.min() == 0 and picked.max() == 255
+    assert int((picked >= 192).sum()) == 16  # a quarter from the prose stream, as in the whole set
+    assert analysis_cli.spread(256, 1000).tolist() == list(range(256))

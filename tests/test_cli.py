@@ -164,7 +164,7 @@ def test_stats_formats_on_tiny(saved, capsys):
         (["demo", "--text", "{root}/empty.txt"], "is empty"),
         (["stats", "{root}/mixtral", "--text", "{root}"], "is a folder; give a text file"),
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/text.txt"], "is a file; name a folder"),
-        (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--max-length", "0"], "max_length must be at least 1, got 0"),
+        (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--max-length", "0"], "--max-length must be at least 1, got 0"),
         (["demo", "--out", "{root}/text.txt"], "is a file; name a folder"),
         (["demo", "--windows", "-1"], "--windows must be 0 (none) or more"),
         (["export", "tiny", "{root}/x.nnef.tgz", "--tokens", "0", "--no-verify"], "need at least one token"),

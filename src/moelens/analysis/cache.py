@@ -52,11 +52,15 @@ def layer_row(layers: Sequence[int], layer: int, what: str = "cache") -> int:
 
 
 def damaged(path: Path, problem: str) -> MoelensError:
-    """The error for a routing cache file that cannot be read."""
-    return MoelensError(
-        f"the routing cache file {str(path)!r} is damaged ({problem}); the cache cannot be read: "
-        "collect the routing again (collect_routing(..., folder=...))."
-    )
+    """The error for a routing cache file that cannot be read.
+
+    With its ``routing.json`` damaged, moelens can no longer tell its shards from other files in the
+    folder (and will not overwrite them), so the remedy is a folder without them.
+    """
+    remedy = ("collect the routing again into another folder, or delete this folder's routing.json and "
+              "shard-*.safetensors files first" if path.name == META_FILE
+              else "collect the routing again (collect_routing(..., folder=...) replaces this cache)")
+    return MoelensError(f"the routing cache file {str(path)!r} is damaged ({problem}); the cache cannot be read: {remedy}.")
 
 
 @dataclass

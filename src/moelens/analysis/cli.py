@@ -178,6 +178,14 @@ def write_corpus_plots(cache: Any, folder: Path, prefix: str = "", stats: Any = 
 # -- demo --------------------------------------------------------------------------------------
 
 
+def spread(total: int, count: int) -> "torch.Tensor":
+    """``count`` window indices spread evenly over ``range(total)``: moelens-tiny's held-out set holds
+    the code stream's windows, then the prose stream's, so a prefix would be code-stream windows only."""
+    import torch
+
+    return torch.linspace(0, total - 1, min(count, total)).round().long()
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """``moelens demo``."""
     from safetensors.torch import load_file
@@ -222,7 +230,8 @@ def run_demo(args: argparse.Namespace) -> int:
     corpus = text
     if args.windows > 0 and HELDOUT_PATH.is_file():
         held = load_file(str(HELDOUT_PATH))
-        ids, classes = held["input_ids"][: args.windows].long(), held["token_class"][: args.windows].long()
+        picked = spread(held["input_ids"].shape[0], args.windows)
+        ids, classes = held["input_ids"][picked].long(), held["token_class"][picked].long()
         print(f"\nRouting {ids.numel()} held-out tokens ({ids.shape[0]} windows of code and prose) ...", flush=True)
         windows = collect_routing(model, ids, batch_size=16, progress=True)
         written += write_corpus_plots(windows, out, prefix="heldout_")
@@ -305,6 +314,9 @@ def run_stats(args: argparse.Namespace) -> int:
     from .report import layer_stats, table, to_csv, write_stats
 
     text = read_text(args.text)
+    for flag, value in (("--batch-size", args.batch_size), ("--max-length", args.max_length)):
+        if value is not None and value < 1:
+            raise MoelensError(f"{flag} must be at least 1, got {value}.")
     if args.out is not None:
         check_output_folder(args.out, STATS_OUTPUTS, STATS_CACHE)
     set_threads(args.threads)

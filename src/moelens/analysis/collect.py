@@ -143,7 +143,7 @@ def collect_routing(
         blocks: Only blocks whose path contains this (models with several MoE blocks per layer).
         folder: Stream the cache to this folder (one file per shard) instead of
             memory; only one shard is ever held in memory.
-        shard_tokens: Tokens per shard.
+        shard_tokens: Tokens per shard (a shard is closed after the batch that reaches it).
         dtype: Storage dtype of weights and logits (float16 halves the memory).
         stop_early: Stop each forward after the last cached layer (the rest of the
             model does not change the routing).

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
@@ -119,7 +120,8 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
 
 
 def tokenized(encoding: Mapping) -> Iterator[Tensor]:
-    """A tokenizer's output (``input_ids``, optional ``attention_mask``) as each row's real tokens."""
+    """A tokenizer's output (``input_ids``, optional ``attention_mask``; lists, torch tensors or numpy
+    arrays) as each row's real tokens."""
     if "input_ids" not in encoding:
         raise MoelensError(
             f"a corpus given as a mapping must be a tokenizer's output with input_ids (and attention_mask); "
@@ -127,6 +129,7 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
         )
     rows = encoding["input_ids"]
     masks = encoding.get("attention_mask")
+    rows, masks = (torch.from_numpy(value) if isinstance(value, np.ndarray) else value for value in (rows, masks))
     one_row = rows.dim() == 1 if isinstance(rows, Tensor) else bool(rows) and isinstance(rows[0], int)
     if one_row:
         rows, masks = [rows], None if masks is None else [masks]
@@ -163,9 +166,20 @@ class Tally:
 
 
 def windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None = None) -> Iterator[tuple[int, int, list[int]]]:
-    """``(text index, offset, ids)`` windows of at most ``max_length`` tokens, in corpus order (counted in ``tally``)."""
-    if max_length < 1:
-        raise MoelensError(f"max_length must be at least 1, got {max_length}.")
+    """``(text index, offset, ids)`` windows of at most ``max_length`` tokens, in corpus order (counted in ``tally``).
+
+    A bad ``max_length`` is refused here, before anything is read."""
+    check_count("max_length", max_length)
+    return _windows(corpus, tokenizer, max_length, tally)
+
+
+def check_count(name: str, value: Any) -> None:
+    """Refuse a ``batch_size`` / ``max_length`` that is not an int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MoelensError(f"{name} must be an int of at least 1, got {value!r}.")
+
+
+def _windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None) -> Iterator[tuple[int, int, list[int]]]:
     for index, item in enumerate(items(corpus)):
         if tally is not None:
             tally.items = index + 1
@@ -191,11 +205,16 @@ def batches(
     """Right-padded batches of ``batch_size`` windows (empty items are skipped, but counted in ``tally``).
 
     ``vocab``: the model's vocabulary size; a token id outside ``[0, vocab)`` is refused, naming its item.
+    A bad ``batch_size`` or ``max_length`` is refused here, before anything is read.
     """
-    if batch_size < 1:
-        raise MoelensError(f"batch_size must be at least 1, got {batch_size}.")
+    check_count("batch_size", batch_size)
+    return _batches(windows(corpus, tokenizer, max_length, tally), batch_size, pad, dtype, vocab)
+
+
+def _batches(stream: Iterator[tuple[int, int, list[int]]], batch_size: int, pad: int, dtype: torch.dtype,
+             vocab: int | None) -> Iterator[Batch]:
     pending: list[tuple[int, int, list[int]]] = []
-    for window in windows(corpus, tokenizer, max_length, tally):
+    for window in stream:
         if vocab is not None and window[2] and not 0 <= min(window[2]) <= max(window[2]) < vocab:
             bad = next(token for token in window[2] if not 0 <= token < vocab)
             raise MoelensError(
