@@ -12,12 +12,15 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError, ValueUnavailable
 from .cache import check_cache_folder, check_folder
 from .report import STATS_FILES
+
+if TYPE_CHECKING:
+    import torch
 
 #: Where ``moelens demo`` writes its plots unless told otherwise.
 DEMO_OUT = Path("moelens-out") / "demo"
@@ -178,7 +181,7 @@ def write_corpus_plots(cache: Any, folder: Path, prefix: str = "", stats: Any = 
 # -- demo --------------------------------------------------------------------------------------
 
 
-def spread(total: int, count: int) -> "torch.Tensor":
+def spread(total: int, count: int) -> torch.Tensor:
     """``count`` window indices spread evenly over ``range(total)``: moelens-tiny's held-out set holds
     the code stream's windows, then the prose stream's, so a prefix would be code-stream windows only."""
     import torch
