@@ -94,8 +94,8 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
             f"experts {first} to {first + local - 1}; {remedy}."
         )
     weight, bias = router_linear(family, block, num_experts) or (None, None)
-    router = {name: None if value is None else editable(value, f"{where}: the router's {name}")
-              for name, value in (("router", weight), ("router_bias", bias))}
+    router = {name: None if value is None else editable(value, f"{where}: the router's {part}")
+              for name, part, value in (("router", "weight", weight), ("router_bias", "bias", bias))}
     views = expert_views(family, experts, num_experts if local is None else local)
     if index is not None:
         router = {name: None if value is None else value[index] for name, value in router.items()}
