@@ -341,3 +341,9 @@ def test_the_demo_routes_held_out_windows_of_both_streams():
     assert len(set(picked.tolist())) == 64 and picked.min() == 0 and picked.max() == 255
     assert int((picked >= 192).sum()) == 16  # a quarter from the prose stream, as in the whole set
     assert analysis_cli.spread(256, 1000).tolist() == list(range(256))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, "float16"], ids=str)
+def test_a_storage_dtype_that_cannot_hold_weights_is_refused(model, dtype):
+    with pytest.raises(MoelensError, match=rf"dtype must be a floating-point torch dtype .*got {re.escape(repr(dtype))}"):
+        analysis.collect_routing(model, TEXTS, dtype=dtype, progress=False)

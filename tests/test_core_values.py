@@ -125,3 +125,29 @@ def test_shared_expert_and_recombination(observed, family, impl):
             with torch.no_grad():
                 combined = moe.family.combined(block, values["routed_output"], values.get("shared_expert_output"))
             close(combined, values["mlp_output"], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_llama4_expert_weights_are_the_scores_its_router_returns(dtype):
+    """llama4 has no experts call: its weights are recomputed from the logits, and must equal (dtype
+    included) the router's own scores, sigmoid in float32 cast back to the model's dtype."""
+    import copy
+
+    import moelens
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("llama4", dtype=dtype)
+    inputs = tiny_inputs(hf)
+    plain = nnsight.NNsight(copy.deepcopy(hf))
+    model = moelens.wrap(hf)
+    moe = model.moes[0]
+    with torch.no_grad(), model.trace(**inputs):
+        weights, indices = moe.expert_weights.save(), moe.expert_indices.save()
+    with torch.no_grad(), plain.trace(**inputs):
+        scores = plain.get(f"{moe.path.removeprefix('model.')}.{moe.family.router}").output[0].save()  # [T, E]
+    flat_indices = indices.reshape(-1, indices.shape[-1])
+    expected = scores.reshape(flat_indices.shape[0], -1).gather(1, flat_indices)
+    assert weights.dtype == dtype
+    # float32: the same sigmoid on other shapes may differ in the last bit; in half precision the rounding must match
+    tolerance = {"rtol": 1e-6, "atol": 0.0} if dtype == torch.float32 else {"rtol": 0.0, "atol": 0.0}
+    torch.testing.assert_close(weights.reshape(expected.shape), expected, **tolerance)

@@ -152,6 +152,11 @@ def collect_routing(
     Returns:
         The `RoutingCache` (on disk when ``folder`` is given).
     """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise MoelensError(
+            f"dtype must be a floating-point torch dtype to store weights and logits in (torch.float16, "
+            f"torch.bfloat16, torch.float32), got {dtype!r}."
+        )
     moes = moes_of(model, layers, blocks)
     cache = empty_cache(model, moes, logits)
     wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]

@@ -55,7 +55,8 @@ def top_logits(
     """Weights and indices of routing that takes the top-k logits and scores them.
 
     The routing of families without an experts call (llama4: top-k of the logits,
-    then a sigmoid of each), recomputed from the logits.
+    then a sigmoid of each), recomputed from the logits. The weights come back in the
+    logits' dtype, rounded as llama4's router rounds its float32 scores.
     """
     values, indices = torch.topk(logits, k, dim=-1)
-    return score(score_name, values), indices
+    return score(score_name, values).to(logits.dtype), indices
