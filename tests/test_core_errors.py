@@ -277,6 +277,90 @@ def test_load_names_what_is_wrong_with_the_path(tmp_path):
     assert ".." not in str(error.value).replace(str(tmp_path), "")  # transformers' full stop is not doubled
 
 
+def test_a_model_without_tokenizer_refuses_text_in_one_invoke(tmp_path):
+    tiny_model("olmoe").save_pretrained(tmp_path / "olmoe")
+    loaded = moelens.load(tmp_path / "olmoe")
+    for prompt in ("def f(x):", ["a", "bc"]):
+        with pytest.raises(moelens.MoelensError, match="wrapped without a tokenizer, so it takes token ids, not text"):
+            with loaded.trace(prompt):
+                loaded.moes[0].router_logits.save()
+
+
+def test_tokenizer_files_that_do_not_load_are_named(tmp_path):
+    from groundtruth import ascii_tokenizer
+
+    folder = tmp_path / "mixtral"
+    tiny_model("mixtral").save_pretrained(folder)
+    ascii_tokenizer().save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{broken")
+    with pytest.warns(UserWarning, match=r"the tokenizer saved at .* does not load \(JSONDecodeError"):
+        loaded = moelens.load(folder)
+    assert getattr(loaded, "tokenizer", None) is None
+
+
+def test_load_reads_config_and_tokenizer_from_the_subfolder(tmp_path):
+    from groundtruth import ascii_tokenizer
+
+    tiny_model("mixtral").save_pretrained(tmp_path / "full")
+    ascii_tokenizer().save_pretrained(tmp_path / "full")
+    loaded = moelens.load(tmp_path, subfolder="full")
+    assert type(loaded._module).__name__ == "MixtralForCausalLM" and loaded.tokenizer is not None
+    with loaded.trace("def"):
+        logits = loaded.moes[0].router_logits.save()
+    assert logits.shape[:2] == (1, 3)
+
+
+def test_load_keeps_the_head_of_the_class_the_checkpoint_was_saved_from(tmp_path):
+    """A vision-language MoE (no causal-LM auto class) keeps its LM head; a base model stays a base model."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from moelens.testing import tiny_config
+
+    text = tiny_config("qwen3_vl_moe").get_text_config().to_dict()
+    config = AutoConfig.for_model(
+        "qwen3_vl_moe", text_config=text,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text["hidden_size"],
+                           deepstack_visual_indexes=[]),
+    )
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "vlm")
+    loaded = moelens.load(tmp_path / "vlm")
+    assert type(loaded._module).__name__ == "Qwen3VLMoeForConditionalGeneration" and loaded.moes
+    with loaded.trace(torch.tensor([[5, 6, 7]])):
+        logits = loaded.output.logits.save()
+    assert logits.shape == (1, 3, text["vocab_size"])
+    tiny_model("mixtral").model.save_pretrained(tmp_path / "base")
+    assert type(moelens.load(tmp_path / "base")._module).__name__ == "MixtralModel"
+
+
+def test_weights_the_config_does_not_fit_are_reported(tmp_path):
+    import json
+
+    folder = tmp_path / "mixtral"
+    tiny_model("mixtral").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    deeper = tmp_path / "deeper"  # a layer the checkpoint does not hold: it would stay random
+    deeper.mkdir()
+    (deeper / "model.safetensors").symlink_to(folder / "model.safetensors")
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    with pytest.warns(UserWarning, match=r"weights of the model are not saved at .* keep their initial \(random\)"):
+        moelens.load(deeper)
+    wider = tmp_path / "wider"  # experts of another width than the saved ones
+    wider.mkdir()
+    (wider / "model.safetensors").symlink_to(folder / "model.safetensors")
+    (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(moelens.MoelensError, match="do not fit the model its config describes"):
+        moelens.load(wider)
+
+
+def test_a_bad_from_pretrained_setting_gets_transformers_message_only(tmp_path):
+    folder = tmp_path / "mixtral"
+    tiny_model("mixtral").save_pretrained(folder)
+    with pytest.raises(moelens.MoelensError, match="experts_implementation") as error:
+        moelens.load(folder, experts_implementation="grouped")
+    assert "Load it with the transformers class" not in str(error.value)
+
+
 def test_unknown_intervention_input(mixtral):
     wrapped, inputs = mixtral
     with pytest.raises(WriteError, match="ablate mode 'drop'"):

@@ -182,7 +182,7 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     largest = torch.finfo(logits.dtype).max
     if not is_fake(steered) and bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any()):
         raise WriteError(
-            f"steer: bias {bias} takes expert {expert}'s logits up to {float(steered.abs().max()):.4g} in "
+            f"steer: bias {bias} takes expert {expert}'s logits up to {float(steered.detach().abs().max()):.4g} in "
             f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
             f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
             "the routing)."

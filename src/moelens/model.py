@@ -299,6 +299,13 @@ class MoeNNsight(MoeModelMixin, NNsight):
         return processing.batch_size(inputs, kwargs)
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        for inputs, kwargs in invokes:
+            if any(_is_text(value) for value in (*inputs, *kwargs.values())):
+                raise MoelensError(
+                    "this model was wrapped without a tokenizer, so it takes token ids, not text: pass an input_ids "
+                    "tensor, or give it a tokenizer (moelens.wrap(model, tokenizer=...), or save the tokenizer "
+                    "files beside the weights for moelens.load)."
+                )
         if len(invokes) <= 1:
             return super()._batch(invokes, fn)
         rows: list[torch.Tensor] = []
@@ -320,6 +327,11 @@ class MoeNNsight(MoeModelMixin, NNsight):
             attention_mask[index, width - row.shape[0] :] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         return (), {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def _is_text(value: Any) -> bool:
+    """A prompt string or a list of them."""
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], str))
 
 
 def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
@@ -441,24 +453,34 @@ def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
         )
 
 
+#: ``from_pretrained`` settings that say where and how to read a checkpoint: moelens passes them to the
+#: config and tokenizer loaders too, not only to the model's.
+SOURCE_SETTINGS = ("trust_remote_code", "subfolder", "revision", "token", "cache_dir", "local_files_only")
+
+
 def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
     """Load a model (and its tokenizer) and wrap it; with no argument, moelens-tiny.
 
-    A local folder without tokenizer files loads without a tokenizer (the model takes
-    token ids only).
+    The model class is the one the checkpoint was saved from (``config.architectures``), so a
+    causal LM or a vision-language model keeps its head; a local folder without tokenizer
+    files loads without a tokenizer (the model takes token ids only).
 
     Args:
         path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
             None or ``"tiny"`` loads the embedded default model, offline.
         **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
-            ``experts_implementation``, ...).
+            ``experts_implementation``, ...); the settings in `SOURCE_SETTINGS`
+            (``trust_remote_code``, ``subfolder``, ...) also to the config and tokenizer.
 
     Raises:
-        MoelensError: ``path_or_repo_id`` is a file, has no readable config.json, or
-            holds no weights (or weights that do not fit its config).
-    """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        MoelensError: ``path_or_repo_id`` is a file, has no readable config.json, holds no
+            weights, or weights that do not fit its config (saved weights left unused while
+            the model's own are missing, or of another shape).
 
+    Warns:
+        UserWarning: some saved weights have no place in the model, or some of the model's
+            weights are not saved (they stay as initialised), or tokenizer files that do not load.
+    """
     if path_or_repo_id is None or str(path_or_repo_id) == "tiny":
         from .data import TINY_MODEL_PATH
 
@@ -469,27 +491,24 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
             f"{source!r} is a file; moelens.load takes the checkpoint folder holding config.json and the "
             f"weights: pass {str(Path(source).parent)!r}."
         )
-    try:
-        config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        raise MoelensError(
-            f"cannot load a model from {source!r}: {_sentence(error)}. Pass a local folder holding config.json "
-            "and weights (or 'tiny' for the embedded default model)."
-        ) from error
-    auto = AutoModelForCausalLM if _has_causal_lm(config) else AutoModel
+    settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
+    config = _load_config(source, settings)
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     try:
-        model, info = auto.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
-    except ValueError as error:  # a config transformers has no model class for (a sub-config saved alone)
+        model, info = _model_class(config).from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
+    except ValueError as error:
+        advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
+                  if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
+        raise MoelensError(f"cannot load a model from {source!r}: {_sentence(error)}.{advice}") from error
+    except RuntimeError as error:  # weights of another shape than the config's modules
         raise MoelensError(
-            f"cannot load a model from {source!r}: {_sentence(error)}. Load it with the transformers class that "
-            "fits and pass it to moelens.wrap(model, tokenizer=...)."
+            f"the weights saved at {source!r} do not fit the model its config describes: {_sentence(error)}."
         ) from error
     except OSError as error:  # above all a folder with config.json but no weights
-        folder = Path(source)
+        folder = Path(source, settings.get("subfolder", ""))
         if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
             raise MoelensError(
-                f"the folder {source!r} holds config.json but no weights file (model.safetensors or "
+                f"the folder {str(folder)!r} holds config.json but no weights file (model.safetensors or "
                 "pytorch_model.bin); save the model into it with model.save_pretrained(folder), or pass "
                 "the folder that holds its weights."
             ) from error
@@ -499,7 +518,40 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         ) from error
     _check_weights_fit(source, info)
     model.eval()
-    return wrap(model, tokenizer=_load_tokenizer(source))
+    return wrap(model, tokenizer=_load_tokenizer(source, settings))
+
+
+def _load_config(source: str, settings: dict[str, Any]) -> Any:
+    """The checkpoint's config, or a `MoelensError` saying why there is none."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, **settings)
+    except (OSError, ValueError, StrictDataclassError) as error:  # StrictDataclassError: a config that contradicts itself
+        raise MoelensError(
+            f"cannot load a model from {source!r}: {_sentence(error)}. Pass a local folder holding config.json "
+            "and weights (or 'tiny' for the embedded default model)."
+        ) from error
+
+
+def _model_class(config: Any) -> Any:
+    """The class to load ``config``'s checkpoint with: the transformers class it was saved from, else
+    the causal-LM, image-text-to-text or base auto class (custom code: the auto classes read its auto_map)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    for name in getattr(config, "architectures", None) or ():
+        saved = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+        if isinstance(saved, type) and issubclass(saved, transformers.PreTrainedModel):
+            return saved
+    custom = getattr(config, "auto_map", None) or {}  # a checkpoint with its own code (trust_remote_code)
+    if _has_causal_lm(config) or "AutoModelForCausalLM" in custom:
+        return transformers.AutoModelForCausalLM
+    if getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
+            "AutoModelForImageTextToText" in custom):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModel
 
 
 #: How the files of a saved tokenizer are named (tokenizer.json, tokenizer_config.json,
@@ -507,22 +559,29 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
 TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "tekken")
 
 
-def _load_tokenizer(source: str) -> Any:
+def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
     """The tokenizer saved at ``source``, or None when there is none.
 
     A local folder without tokenizer files has none: transformers 5 would otherwise build
     a placeholder from the config's model type (one token), which cannot tokenize text.
+    Tokenizer files that fail to load give None and a warning naming the cause.
     """
     from transformers import AutoTokenizer
 
-    folder = Path(source)
+    folder = Path(source, settings.get("subfolder", ""))
     if folder.is_dir() and not any(
         file.is_file() and file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
     ):
         return None
     try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError):
+        return AutoTokenizer.from_pretrained(source, **settings)
+    except (OSError, ValueError, TypeError) as error:
+        warnings.warn(
+            f"moelens.load: the tokenizer saved at {source!r} does not load ({type(error).__name__}: "
+            f"{_sentence(error)}), so the model takes token ids only; fix or re-save the tokenizer files, or "
+            "pass one with moelens.wrap(model, tokenizer=...).",
+            stacklevel=3,
+        )
         return None
 
 
@@ -532,21 +591,33 @@ def _sentence(error: Exception) -> str:
 
 
 def _check_weights_fit(source: str, info: dict[str, Any]) -> None:
-    """Raise when the checkpoint's weights and its config's model do not match.
+    """Raise when the checkpoint's weights and its config's model do not match; warn when part of them do not.
 
     Weights of the checkpoint the model has no place for, while weights of the model got
     none, mean the config does not describe the saved modules (a model converted with
     `moelens.compress.tomoe` and saved with ``save_pretrained``: its config is still the
     dense model's): transformers would leave those weights random.
     """
-    unexpected, missing = info.get("unexpected_keys") or [], info.get("missing_keys") or []
+    unexpected, missing = sorted(info.get("unexpected_keys") or []), sorted(info.get("missing_keys") or [])
     if unexpected and missing:
         raise MoelensError(
             f"the checkpoint at {source!r} does not match the model its config describes: {len(unexpected)} saved "
-            f"weights have no place in it (e.g. {sorted(unexpected)[0]!r}) and {len(missing)} of its weights are not "
-            f"saved (e.g. {sorted(missing)[0]!r}), so they would be random. A model converted with "
+            f"weights have no place in it (e.g. {unexpected[0]!r}) and {len(missing)} of its weights are not "
+            f"saved (e.g. {missing[0]!r}), so they would be random. A model converted with "
             "moelens.compress.tomoe keeps its dense config: save it with torch.save(model) and load it with "
             "torch.load(path, weights_only=False), then moelens.wrap it."
+        )
+    if missing:
+        warnings.warn(
+            f"moelens.load: {len(missing)} weights of the model are not saved at {source!r} (e.g. {missing[0]!r}): "
+            "they keep their initial (random) values; check that the config matches the checkpoint.",
+            stacklevel=3,
+        )
+    if unexpected:
+        warnings.warn(
+            f"moelens.load: {len(unexpected)} weights saved at {source!r} have no place in the model (e.g. "
+            f"{unexpected[0]!r}) and are left out; check that the config matches the checkpoint.",
+            stacklevel=3,
         )
 
 
