@@ -450,7 +450,7 @@ def test_no_moe_and_bad_corpus_errors(qwen):
         analysis.collect_routing(wrapped, TEXTS[:1], progress=False).logits(1)
     with pytest.raises(MoelensError, match="logits=True"):
         analysis.routing_entropy(analysis.collect_routing(wrapped, TEXTS[:1], progress=False), "router")
-    with pytest.raises(MoelensError, match="max_length must be an int of at least 1, got 0"):
+    with pytest.raises(MoelensError, match="max_length must be an integer of at least 1, got 0"):
         analysis.collect_routing(wrapped, TEXTS, max_length=0, progress=False)  # was taken as the default
     with pytest.raises(MoelensError, match=r"experts \[42\] are not experts of layer 1, which has experts 0..7"):
         analysis.top_tokens(cache, 1, experts=[42])

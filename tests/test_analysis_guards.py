@@ -184,10 +184,19 @@ def test_bad_batching_is_refused_before_an_existing_cache_is_touched(model, tmp_
     analysis.collect_routing(model, TEXTS, batch_size=1, folder=str(folder), progress=False)
     before = files(folder)
     name, value = next(iter(setting.items()))
-    with pytest.raises(MoelensError, match=rf"{name} must be an int of at least 1, got {value!r}"):
+    with pytest.raises(MoelensError, match=rf"{name} must be an integer of at least 1, got {value!r}"):
         analysis.collect_routing(model, TEXTS, folder=str(folder), progress=False, **setting)
     assert files(folder) == before
     assert RoutingCache.load(folder).num_tokens == sum(len(text) for text in TEXTS)
+
+
+def test_batching_takes_numpy_and_tensor_integers(model):
+    import numpy as np
+
+    expected = analysis.collect_routing(model, TEXTS, batch_size=2, max_length=16, progress=False)
+    for count in (np.int64(2), torch.tensor(2)):
+        assert_same_routing(analysis.collect_routing(model, TEXTS, batch_size=count, max_length=np.int32(16),
+                                                     progress=False), expected)
 
 
 # -- corpora -------------------------------------------------------------------------------------

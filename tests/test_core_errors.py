@@ -333,6 +333,31 @@ def test_load_keeps_the_head_of_the_class_the_checkpoint_was_saved_from(tmp_path
     assert type(moelens.load(tmp_path / "base")._module).__name__ == "MixtralModel"
 
 
+def test_an_architectures_entry_for_another_model_type_is_not_trusted(tmp_path):
+    """A checkpoint whose architectures names a class of another model type (left from a conversion)
+    loads with the class its model_type gives, as transformers' auto class does."""
+    import json
+
+    folder = tmp_path / "mixtral"
+    tiny_model("mixtral").save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    assert type(moelens.load(folder)._module).__name__ == "MixtralForCausalLM"
+
+
+def test_errors_of_loading_that_are_not_a_size_mismatch_pass_through(tmp_path, monkeypatch):
+    from transformers import MixtralForCausalLM
+
+    tiny_model("mixtral").save_pretrained(tmp_path / "mixtral")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(MixtralForCausalLM, "from_pretrained", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        moelens.load(tmp_path / "mixtral")
+
+
 def test_weights_the_config_does_not_fit_are_reported(tmp_path):
     import json
 

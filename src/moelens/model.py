@@ -500,8 +500,10 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
                   if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
         raise MoelensError(f"cannot load a model from {source!r}: {_sentence(error)}.{advice}") from error
-    except RuntimeError as error:  # weights of another shape than the config's modules
-        raise MoelensError(
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
+            raise  # out of memory, a device map, the checkpoint's own code: not moelens' to reword
+        raise MoelensError(  # weights of another shape than the config's modules
             f"the weights saved at {source!r} do not fit the model its config describes: {_sentence(error)}."
         ) from error
     except OSError as error:  # above all a folder with config.json but no weights
@@ -536,14 +538,18 @@ def _load_config(source: str, settings: dict[str, Any]) -> Any:
 
 
 def _model_class(config: Any) -> Any:
-    """The class to load ``config``'s checkpoint with: the transformers class it was saved from, else
-    the causal-LM, image-text-to-text or base auto class (custom code: the auto classes read its auto_map)."""
+    """The class to load ``config``'s checkpoint with: the transformers class it was saved from (when built
+    for this config class), else the causal-LM, image-text-to-text or base auto class (custom code: the
+    auto classes read its auto_map)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     for name in getattr(config, "architectures", None) or ():
         saved = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
-        if isinstance(saved, type) and issubclass(saved, transformers.PreTrainedModel):
+        # the class must be built for this config: not custom code's own config class (trust_remote_code: the
+        # auto classes read its auto_map) nor another model type (an architectures entry left from a conversion)
+        if isinstance(saved, type) and issubclass(saved, transformers.PreTrainedModel) and (
+                getattr(saved, "config_class", None) is type(config)):
             return saved
     custom = getattr(config, "auto_map", None) or {}  # a checkpoint with its own code (trust_remote_code)
     if _has_causal_lm(config) or "AutoModelForCausalLM" in custom:

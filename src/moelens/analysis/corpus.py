@@ -14,6 +14,7 @@ stays streamed.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -174,9 +175,13 @@ def windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None = 
 
 
 def check_count(name: str, value: Any) -> None:
-    """Refuse a ``batch_size`` / ``max_length`` that is not an int of at least 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MoelensError(f"{name} must be an int of at least 1, got {value!r}.")
+    """Refuse a ``batch_size`` / ``max_length`` that is not an integer (Python, numpy or 0-d tensor) of at least 1."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise MoelensError(f"{name} must be an integer of at least 1, got {value!r}.")
 
 
 def _windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None) -> Iterator[tuple[int, int, list[int]]]:

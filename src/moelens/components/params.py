@@ -33,7 +33,7 @@ QUANTIZATION_SCALES = ("_scale_inv", "_scale", "_scales")
 LINEAR_OPS = ("F_linear_0", "nn_functional_linear_0", "torch_nn_functional_linear_0", "linear_0")
 
 
-@dataclass
+@dataclass(eq=False)  # tensors do not compare to one bool
 class MoeParams:
     """One MoE block's weights, as views of its parameters (``[out, in]``, like ``nn.Linear``).
 
