@@ -1075,3 +1075,18 @@ def test_a_steer_bias_beyond_the_logits_dtype_is_refused():
         moelens.steer(wrapped.moes[0], 1, 60.0)
         indices = wrapped.moes[0].expert_indices.save()
     assert (indices == 1).any(-1).all()
+
+
+def test_ernie_vl_shared_experts_outside_the_modality_blocks_are_named():
+    """ernie4_5_vl_moe's layer mlp adds shared experts to text_moe's / vision_moe's output: the modality
+    block refuses shared_expert_output naming where they are, and no advice points at a refused value."""
+    from moelens.testing import tiny_inputs
+
+    hf = tiny_model("ernie4_5_vl_moe")
+    model = moelens.wrap(hf)
+    text_moe = model.moes[0]
+    assert hf.get_submodule(text_moe.path.removeprefix("model.").rsplit(".", 1)[0]).shared_experts is not None
+    with pytest.raises(moelens.ValueUnavailable, match=r"mlp.shared_experts") as error:
+        with model.trace(**tiny_inputs(hf)):
+            text_moe.shared_expert_output.save()
+    assert "read routed_output or mlp_output" not in str(error.value)

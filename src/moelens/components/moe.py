@@ -187,7 +187,8 @@ class Moe(Mlp):
                 f"this checkpoint's {self.family.name} block has no shared expert "
                 f"(its {shared.module!r} is absent: the config turns it off, or the family entry names the wrong path)"
             )
-        return self.unavailable(name, reason, "read routed_output or mlp_output instead.")
+        instead = [value for value in ("routed_output", "mlp_output") if value not in self.family.refused]
+        return self.unavailable(name, reason, f"read {' or '.join(instead)} instead." if instead else "")
 
     def _check_available(self, name: str) -> None:
         if name in ("mlp_activation", "mlp_neurons"):

@@ -38,7 +38,7 @@ SMG_ALWAYS = Scoring(
 )
 SHARED_AFTER = SharedExpert("shared_experts", when="after_experts")
 UNSORTED = "Slots are not ranked (top-k with sorted=False): slot 0 is not the top-1 expert."
-WEIGHT_SUM = "Weights sum to routed_scaling_factor, not 1."
+WEIGHT_SUM = "With norm_topk_prob set (the default of most), weights sum to routed_scaling_factor, not 1."
 
 
 def _ds3(name: str, block: str, model_types: tuple[str, ...] | None = None, **extra) -> Family:
@@ -63,7 +63,8 @@ FAMILIES = [
     _ds3("glm5_next", "Glm5NextTextMoE", ("glm5_next", "glm5_next_text"),
          notes=f"Clamped SwiGLU experts; hyper-connection residuals. {UNSORTED}",
          expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
-    _ds3("dots1", "Dots1MoE"),
+    _ds3("dots1", "Dots1MoE", notes=f"{UNSORTED} Weights are renormalised only with norm_topk_prob (off by default), "
+                                   "then sum to routed_scaling_factor."),
     _ds3("dots3_note", "Dots3NoteTextMoE", ("dots3_note", "dots3_note_text")),
     _ds3("kimi_linear", "KimiLinearMoE"),
     _ds3("bailing_hybrid", "BailingHybridMoE"),

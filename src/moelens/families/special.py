@@ -65,13 +65,18 @@ FAMILIES = [
     Family("phimoe", ("phimoe",), ("PhimoeSparseMoeBlock",), router="router", logits_op="forward_0",
            scoring=Scoring("softmax", "sparsemixer", code="SPM"), top_k=2,
            notes="Sparse-mixer routing picks exactly 2 experts whatever num_experts_per_tok says; weights are "
-                 "masked softmaxes and sum to about 2."),
+                 "masked softmaxes, each at most 1, so they sum to at most 2 (2 when no other expert is within the "
+                 "jitter threshold)."),
     Family("ernie4_5_vl_moe", ("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"), ("Ernie4_5_VLMoeSparseMoeBlock",),
            scoring=Scoring("softmax", "score_topk", normalize=True,
                            selection_bias="router.moe_statics.e_score_correction_bias",
                            selection_op="self_moe_statics_0", code="SM+ bias"),
            refused={"mlp_output": "an ernie4_5_vl_moe modality block returns its output flattened to 1-D for "
-                                  "the layer to scatter back by modality; read the layer's mlp.output instead"},
+                                  "the layer to scatter back by modality; read the layer's mlp.output instead",
+                    "shared_expert_output": "the layer's mlp runs its shared experts (mlp.shared_experts, "
+                                            "moe_num_shared_experts of them) on every token outside text_moe and "
+                                            "vision_moe and adds them to their output; read the output of the "
+                                            "layer's mlp.shared_experts instead"},
            notes="Each layer's mlp holds two MoE blocks, text_moe and vision_moe (model.moes lists both), each "
                  "running only on its modality's tokens. Values are served as [batch, seq, ...] only when a block "
                  "sees every token (text-only input for text_moe); vision_moe does not run on text-only input "
