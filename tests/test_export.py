@@ -277,7 +277,7 @@ def test_weights_edited_in_place_are_exported(out):
 def test_edits_tract_cannot_express_are_refused(out):
     wrapped = moelens.wrap(small("mixtral"))
     refused = {
-        "force": Edits(force={0: [1]}),
+        r"force.*Edits\(steer=\{0: \{1: 30.0, 5: 30.0\}\}\)": Edits(force={0: [5, 1]}),  # the forced experts named
         "leaves 1 experts": Edits(route_around={0: list(range(7))}),
     }
     for message, edits in refused.items():

@@ -104,7 +104,7 @@ class Edits:
                 f"Edits.force[{layer}] cannot be baked into the export: moelens.force raises the forced experts' "
                 "logits above every other expert's by a per-token amount (the token's logit range + 30), which no "
                 "constant router bias reproduces. Steer the experts with a large bias instead "
-                f"(Edits(steer={{{layer}: {{expert: 30.0}}}})), or export without it."
+                f"(Edits(steer={{{layer}: {dict.fromkeys(sorted(self.force[layer]), 30.0)}}})), or export without it."
             )
         unknown = [layer for layer in self.layers() if layer not in blocks]
         numbered = sorted(layer for layer in blocks if layer is not None)
