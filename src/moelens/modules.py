@@ -28,6 +28,16 @@ def enclosing(name: str, blocks: Iterable[str]) -> str | None:
     return next((block for block in blocks if name.startswith(block + ".")), None)
 
 
+#: The child holding a module's moelens.compress LoRA adapters (`moelens.compress.lora.LoRAHost`).
+LORA_ADAPTERS = "lora"
+
+
+def has_lora_adapters(module: nn.Module) -> bool:
+    """Whether ``module`` carries moelens.compress LoRA adapters: its weights then read as the
+    parameters plus the adapters' product, not as the parameters alone."""
+    return LORA_ADAPTERS in module._modules
+
+
 def is_adapter_layer(module: Any) -> bool:
     """A PEFT tuner layer (LoRA, ...): it stands where a module was and wraps it as its ``base_layer``."""
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")

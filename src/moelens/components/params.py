@@ -25,6 +25,7 @@ from torch import Tensor
 from ..errors import ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
 from ..families.entry import get_path
+from ..modules import has_lora_adapters
 
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
 QUANTIZATION_SCALES = ("_scale_inv", "_scale", "_scales")
@@ -148,7 +149,7 @@ def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:
 
 def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> dict[str, Tensor | None]:
     """``gate``, ``up``, ``down`` and their biases as ``[E, out, in]`` views of the experts' parameters."""
-    if "lora" in experts._modules:
+    if has_lora_adapters(experts):
         raise ValueUnavailable(
             f"{family.name}: {type(experts).__name__} carries LoRA adapters (moelens.compress with lora_r), so its "
             "weights are the parameters plus the adapters' product; fold them in first: "

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..modules import LORA_ADAPTERS, has_lora_adapters
+
 
 class LoRADelta(nn.Module):
     """The adapter of one 2-D ``[out, in]`` or 3-D ``[E, out, in]`` weight: ``W -> W + scale * B @ A``.
@@ -56,7 +58,7 @@ class LoRAHost(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         # Parameters live in _parameters, not in __dict__, so reading one always lands here.
-        adapters = self.__dict__.get("_modules", {}).get("lora")
+        adapters = self.__dict__.get("_modules", {}).get(LORA_ADAPTERS)
         if adapters is not None and name in adapters._modules:
             return adapters._modules[name](super().__getattr__(name))
         return super().__getattr__(name)
@@ -66,9 +68,9 @@ def _adapt(module: LoRAHost, name: str, rank: int, alpha: float) -> None:
     base = module._parameters.get(name)
     if base is None:  # a fixed buffer (ToMoELinear's placement) is not adapted
         return
-    if "lora" not in module._modules:
-        module.lora = nn.ModuleDict()
-    module.lora[name] = LoRADelta(base.shape, rank, alpha).to(device=base.device, dtype=base.dtype)
+    if not has_lora_adapters(module):
+        module.add_module(LORA_ADAPTERS, nn.ModuleDict())
+    module._modules[LORA_ADAPTERS][name] = LoRADelta(base.shape, rank, alpha).to(device=base.device, dtype=base.dtype)
 
 
 def add_lora(block: nn.Module, rank: int, alpha: float) -> None:
@@ -90,9 +92,9 @@ def freeze_experts(block: nn.Module) -> None:
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every LoRA adapter of the converted blocks into its base parameter (in place); returns ``model``."""
     for module in list(model.modules()):
-        if isinstance(module, LoRAHost) and "lora" in module._modules:
-            for name, adapter in module._modules["lora"].items():
+        if isinstance(module, LoRAHost) and has_lora_adapters(module):
+            for name, adapter in module._modules[LORA_ADAPTERS].items():
                 base = module._parameters[name]
                 base.copy_(adapter(base))
-            del module.lora
+            del module._modules[LORA_ADAPTERS]
     return model

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..components.implementations import is_dispatching
 from ..errors import MoelensError
 from ..families.entry import get_path
+from ..modules import has_lora_adapters
 from .comm import SharedGroup, group_rank, group_size
 from .degrees import expert_owner
 from .experts import NAME
@@ -153,7 +154,7 @@ def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module
                 "a transformers experts module with pluggable implementations (use_experts_implementation), so "
                 "it cannot run torch_a2a."
             )
-        if "lora" in experts._modules:  # moelens.compress adapters: slicing the experts would leave them whole
+        if has_lora_adapters(experts):  # slicing the experts would leave their adapters whole
             raise MoelensError(
                 f"shard_experts: {name}.{family.experts} carries LoRA adapters (moelens.compress with lora_r), which "
                 "sharding would not slice with its experts; fold them in first: moelens.compress.merge_lora(model)."
