@@ -86,21 +86,26 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     """
     index = None if expert is None else check_expert(expert, num_experts, where)
     experts = get_path(block, family.experts)
-    local, first = experts.__dict__.get("_ep_num_local"), experts.__dict__.get("_ep_first", 0)
-    if local is not None and (index is None or not first <= index < first + local):
-        remedy = ("ask for one of them: moe.params(e) on the rank that holds e" if index is None
-                  else f"call moe.params({index}) on rank {index // local} of the EP group")
-        raise ValueUnavailable(
-            f"{where}: the experts are sharded over ranks (moelens.parallel.shard_experts) and this rank holds "
-            f"experts {first} to {first + local - 1}; {remedy}."
-        )
+    held, slot = num_experts, index  # the experts this process holds, and the asked one's place among them
+    if "_ep_size" in experts.__dict__:  # sharded by moelens.parallel.shard_experts: this rank holds a slice
+        from ..parallel.degrees import expert_owner
+
+        held, first = experts._ep_num_local, experts._ep_first
+        owner, slot = expert_owner(index, num_experts, experts._ep_size) if index is not None else (None, None)
+        if owner != experts._ep_rank:
+            remedy = ("ask for one of them: moe.params(e) on the rank that holds e" if index is None
+                      else f"call moe.params({index}) on rank {owner} of the EP group")
+            raise ValueUnavailable(
+                f"{where}: the experts are sharded over ranks (moelens.parallel.shard_experts) and this rank holds "
+                f"experts {first} to {first + held - 1}; {remedy}."
+            )
     weight, bias = router_linear(family, block, num_experts) or (None, None)
     router = {name: None if value is None else editable(value, f"{where}: the router's {part}")
               for name, part, value in (("router", "weight", weight), ("router_bias", "bias", bias))}
-    views = expert_views(family, experts, num_experts if local is None else local)
+    views = expert_views(family, experts, held)
     if index is not None:
         router = {name: None if value is None else value[index] for name, value in router.items()}
-        views = {name: None if value is None else value[index - first] for name, value in views.items()}
+        views = {name: None if value is None else value[slot] for name, value in views.items()}
     return MoeParams(**router, **views)
 
 
