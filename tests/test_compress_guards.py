@@ -163,13 +163,29 @@ def test_an_ffn_shared_between_layers_stays_dense_and_shared():
 # -- what the user owns ------------------------------------------------------------------------------------
 
 
-def test_tomoe_leaves_torchs_random_stream_alone():
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_tomoe_leaves_torchs_random_stream_alone(lora_r):
     dense, tokens = llama(intermediate_size=256), ids(8, 32)  # 256 neurons, 256 tokens: the truncated SVD runs
     torch.manual_seed(1)
     expected = torch.rand(4)
     torch.manual_seed(1)
-    convert(dense, num_experts=4, top_k=2, calibration=tokens)
+    convert(dense, num_experts=4, top_k=2, calibration=tokens, lora_r=lora_r)
     torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
+
+
+def test_the_seed_alone_decides_the_lora_adapters_start():
+    def adapters(global_seed, seed):
+        torch.manual_seed(global_seed)
+        converted, _ = convert(llama(), num_experts=4, top_k=2, calibration=ids(), lora_r=4, seed=seed)
+        return {name: p for name, p in converted.named_parameters() if "lora_A" in name}
+
+    first, again, other = adapters(1, seed=3), adapters(2, seed=3), adapters(1, seed=4)
+    assert first and first.keys() == again.keys() == other.keys()
+    for name in first:
+        torch.testing.assert_close(again[name], first[name], rtol=0, atol=0)
+    assert all(not torch.equal(other[name], first[name]) for name in first)
+    router_a = [p for name, p in first.items() if "router" in name]
+    assert len(router_a) >= 2 and not torch.equal(router_a[0], router_a[1])  # each block draws its own
 
 
 def test_each_modules_training_flag_is_kept():

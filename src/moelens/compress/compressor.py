@@ -104,8 +104,9 @@ class ToMoECompressor:
                                  original_parameters=original, settings=asdict(options))
         stats.settings["target_modules"] = repr(options.target_modules)
         stats.calibration_tokens = max((x.shape[0] for x in inputs.values()), default=0)
+        lora_init = torch.Generator().manual_seed(options.seed)  # the adapters' start, from the seed alone
         for site in tqdm(sites, desc="tomoe", unit="layer", disable=not options.progress):
-            self._convert(site, inputs, calls, settings, stats)
+            self._convert(site, inputs, calls, settings, stats, lora_init)
         stats.new_parameters = parameter_count(model)
         stats.active_parameters = stats.new_parameters - sum(l.new_parameters - l.active_parameters
                                                              for l in stats.converted)
@@ -234,7 +235,7 @@ class ToMoECompressor:
     # -- one layer -----------------------------------------------------------------------------------
 
     def _convert(self, site: tg.Site, inputs: dict, calls: list, settings: ExpertsSettings,
-                 stats: CompressionStats) -> None:
+                 stats: CompressionStats, lora_init: torch.Generator) -> None:
         options = self.options
         x = inputs.get(site.name)
         if calls and x is None:
@@ -271,7 +272,7 @@ class ToMoECompressor:
                                 dtype=reference.dtype, device=reference.device)
         block.train(site.reference.training)
         if options.lora_r:
-            add_lora(block, options.lora_r, options.lora_alpha)
+            add_lora(block, options.lora_r, options.lora_alpha, lora_init)
         if options.freeze_experts:
             freeze_experts(block)
         site.install(block)

@@ -31,17 +31,17 @@ class LoRADelta(nn.Module):
 
     Attributes:
         scale: ``alpha / rank``.
-        lora_A: ``[*batch, rank, in]``, Kaiming-uniform at start.
+        lora_A: ``[*batch, rank, in]``, Kaiming-uniform at start (drawn from ``generator``, torch's global one if None).
         lora_B: ``[*batch, out, rank]``, zero at start (the adapter adds nothing until it trains).
     """
 
-    def __init__(self, shape: torch.Size, rank: int, alpha: float) -> None:
+    def __init__(self, shape: torch.Size, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
         super().__init__()
         *batch, out_features, in_features = shape
         self.scale = alpha / rank
         self.lora_A = nn.Parameter(torch.empty(*batch, rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(*batch, out_features, rank))
-        nn.init.kaiming_uniform_(self.lora_A.view(-1, in_features), a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self.lora_A.view(-1, in_features), a=math.sqrt(5), generator=generator)
 
     def forward(self, weight: Tensor) -> Tensor:
         """The adapted weight."""
@@ -64,20 +64,20 @@ class LoRAHost(nn.Module):
         return super().__getattr__(name)
 
 
-def _adapt(module: LoRAHost, name: str, rank: int, alpha: float) -> None:
+def _adapt(module: LoRAHost, name: str, rank: int, alpha: float, generator: torch.Generator) -> None:
     base = module._parameters.get(name)
     if base is None:  # a fixed buffer (ToMoELinear's placement) is not adapted
         return
     if not has_lora_adapters(module):
         module.add_module(LORA_ADAPTERS, nn.ModuleDict())
-    module._modules[LORA_ADAPTERS][name] = LoRADelta(base.shape, rank, alpha).to(device=base.device, dtype=base.dtype)
+    module._modules[LORA_ADAPTERS][name] = LoRADelta(base.shape, rank, alpha, generator).to(device=base.device, dtype=base.dtype)
 
 
-def add_lora(block: nn.Module, rank: int, alpha: float) -> None:
-    """Add LoRA adapters of rank ``rank`` to a converted block's experts and router."""
+def add_lora(block: nn.Module, rank: int, alpha: float, generator: torch.Generator) -> None:
+    """Add LoRA adapters of rank ``rank`` to a converted block's experts and router (``lora_A`` drawn from ``generator``)."""
     for name in ("gate_up_proj", "up_proj", "down_proj"):
-        _adapt(block.experts, name, rank, alpha)
-    _adapt(block.router, "weight", rank, alpha)
+        _adapt(block.experts, name, rank, alpha, generator)
+    _adapt(block.router, "weight", rank, alpha, generator)
 
 
 def freeze_experts(block: nn.Module) -> None:

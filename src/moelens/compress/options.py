@@ -48,7 +48,7 @@ class ToMoEOptions:
         max_tokens: Calibration tokens kept per layer.
         experts_implementation: transformers experts implementation the converted blocks run.
         inplace: Convert the given model itself instead of a copy.
-        seed: Seed of the clustering and token sampling, in ``[0, 2**32)`` (scikit-learn's range).
+        seed: Seed of the clustering, the token sampling and the LoRA adapters' start, in ``[0, 2**32)`` (scikit-learn's range).
         progress: Show a progress bar over layers.
     """
 
