@@ -3,7 +3,9 @@ single Linear / Conv1D layers, GQA-narrow projections, PEFT wrappers and LoRA ad
 
 from __future__ import annotations
 
+import copy
 import logging
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -262,6 +264,23 @@ def test_peft_lora_wrapper_stays_around_the_converted_layer():
     ffn_tuned = peft.get_peft_model(llama(), peft.LoraConfig(r=2, target_modules=["up_proj"]))
     with pytest.raises(NothingToConvert, match="layers.0.mlp: PEFT adapters on the FFN's projections"):
         tomoe(ffn_tuned, num_experts=4, top_k=2, calibration=tokens, progress=False)
+
+
+def test_peft_refuses_to_merge_its_adapter_into_a_converted_layer():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    tokens = ids()
+    converted, _ = convert(peft.get_peft_model(llama(), config).eval(), num_experts=4, top_k=2, calibration=tokens,
+                           target_attention_only=True)
+    adapted = run(converted, tokens)
+    for merge in (converted.merge_and_unload, converted.merge_adapter):
+        with pytest.raises(CompressionError, match=r"self_attn\.[qv]_proj: PEFT cannot merge .* merge_and_unload\(\) on "
+                                                   "the dense model, then tomoe"):
+            merge()
+        torch.testing.assert_close(run(converted, tokens), adapted, rtol=0, atol=0)  # the adapters still act
+    copied = pickle.loads(pickle.dumps(copy.deepcopy(converted)))
+    with pytest.raises(CompressionError, match="PEFT cannot merge"):
+        copied.merge_and_unload()
 
 
 def test_lora_adapters_on_experts_and_router_with_frozen_experts():

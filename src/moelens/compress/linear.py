@@ -17,7 +17,9 @@ rows that the block slices off (``routed_output`` / ``expert_outputs`` are then 
 wide; the first ``out_features`` are the layer's).
 
 ``weight`` and ``bias`` rebuild the dense parameters from the experts (in the
-original layout: ``[out, in]`` for Linear, ``[in, out]`` for Conv1D).
+original layout: ``[out, in]`` for Linear, ``[in, out]`` for Conv1D). They are
+read-only: a PEFT wrapper kept around the layer refuses to merge its adapter
+(`refuse_adapter_merge`) instead of writing into a rebuilt copy.
 """
 
 from __future__ import annotations
@@ -27,7 +29,22 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from .blocks import ToMoEBlock
+from .errors import CompressionError
 from .experts import ToMoEGatedExperts
+
+
+def refuse_adapter_merge(layer: str, *args: object, **kwargs: object) -> None:
+    """Stands for ``merge`` on a PEFT LoRA wrapper around a `ToMoELinear` (``layer``: its name).
+
+    PEFT merges by adding to ``base_layer.weight``, which a `ToMoELinear` rebuilds from its
+    experts on each read: the merge would be lost without a word (and an adapter folded into
+    the experts would only act through the experts each token runs).
+    """
+    raise CompressionError(
+        f"{layer}: PEFT cannot merge its LoRA adapter into a moelens.compress ToMoELinear (the layer's weight is "
+        "rebuilt from its experts, so the merge would be lost). Keep the adapter unmerged (it acts on top of the "
+        "converted layer), or merge it before converting: merge_and_unload() on the dense model, then tomoe."
+    )
 
 
 class ToMoELinear(ToMoEBlock):

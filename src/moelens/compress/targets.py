@@ -14,6 +14,7 @@ is too small for the experts asked.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from ..families import registry
 from ..modules import is_adapter_layer
 from .blocks import ToMoEBlock, ToMoEIntermediateBlock
 from .dense import DenseLayer
-from .linear import ToMoELinear
+from .linear import ToMoELinear, refuse_adapter_merge
 
 #: Name components that mark a module as protected (never converted).
 PROTECTED = ("lm_head", "classifier", "pooler", "embed_tokens", "embeddings", "embedding", "embed", "wte", "wpe",
@@ -212,6 +213,7 @@ def linear_site(model: nn.Module, name: str, module: nn.Module) -> Site:
     if peft is not None:
         def install(block: nn.Module) -> None:
             peft.base_layer = block
+            peft.merge = functools.partial(refuse_adapter_merge, name)  # PEFT's merge would write into a copy
         hook = peft.base_layer
     else:
         install = _setter(model, name)
@@ -308,7 +310,8 @@ def linear_skip_reason(name: str, module: nn.Module, tied: dict[int, list[str]],
 
 
 def narrow_experts(site_out: int, widest: int, num_experts: int, top_k: int) -> tuple[int, int]:
-    """Experts for a projection narrower than its attention's widest (GQA k/v): proportionally fewer, same active share."""
+    """Experts for a projection narrower than its attention's widest converted one (GQA k/v): proportionally fewer,
+    about the same active share (both rounded to whole experts)."""
     if site_out >= widest:
         return num_experts, top_k
     experts = max(2, round(num_experts * site_out / widest))
