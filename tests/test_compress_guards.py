@@ -17,7 +17,7 @@ import torch
 from transformers import BitNetConfig, BitNetForCausalLM, FalconH1Config, FalconH1ForCausalLM
 
 import moelens
-from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoELinear, ToMoESharedExpert,
+from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoELinear, ToMoERouter, ToMoESharedExpert,
                               exportable, merge_lora, tomoe)
 from moelens.compress.targets import protected_reason
 from moelens.testing import tiny_inputs, tiny_model
@@ -263,3 +263,19 @@ def test_a_model_that_ran_keeps_transformers_own_hooks_during_calibration():
     model(input_ids=ids, labels=ids)
     converted = tomoe(model, num_experts=2, top_k=1, calibration=ids, target_attention_only=True, max_error=10.0)
     assert torch.isfinite(converted(input_ids=ids, labels=ids).aux_loss)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half()], ids=["to_bfloat16", "half"])
+def test_casting_a_converted_model_keeps_its_routers_float32(cast):
+    converted, _ = convert(llama(), num_experts=4, top_k=2, calibration=ids(), lora_r=2)
+    routers = [m for m in converted.modules() if isinstance(m, ToMoERouter)]
+    before = {name: p.clone() for name, p in converted.named_parameters() if ".router." in name}
+    low = cast(converted)
+    after = dict(low.named_parameters())
+    assert routers and before
+    for name, weight in before.items():  # bias with the offset, weight, LoRA adapters: untouched
+        assert after[name].dtype == torch.float32 and torch.equal(after[name], weight), name
+    assert next(low.model.layers[0].mlp.experts.parameters()).dtype != torch.float32  # the rest was cast
+    hidden = torch.randn(16, 32).to(next(low.model.layers[0].mlp.experts.parameters()).dtype)
+    logits = routers[0](hidden)[0]
+    torch.testing.assert_close(logits, hidden.float() @ routers[0].weight.T + routers[0].bias, rtol=0, atol=0)

@@ -10,7 +10,8 @@ selected logit of the calibration tokens above `MIN_SELECTED_LOGIT`).
 
 The router keeps float32 weights in a lower-precision model (its inputs are cast up):
 the offset leaves bf16 a resolution of 0.25-0.5 around the logits, too coarse to rank
-experts.
+experts. Casting the model later (``model.to(torch.bfloat16)``, ``.half()``) keeps them
+float32 too; moving it to another device moves them.
 
 ``router_logits - router.offset`` is the router's prediction of how much each
 expert's output matters for the token (the norm of its deviation from the mean
@@ -19,6 +20,8 @@ top-k does.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +61,17 @@ class ToMoERouter(LoRAHost):
         top_values, top_k_index = torch.topk(router_logits, self.top_k, dim=-1)
         top_k_weights = torch.sigmoid(top_values)
         return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "ToMoERouter":
+        """Move and cast like any module, except that no weight (its LoRA adapter's included) drops below float32."""
+
+        def keeping_float32(tensor: Tensor) -> Tensor:
+            applied = fn(tensor)
+            if applied.is_floating_point() and torch.finfo(applied.dtype).bits < 32:
+                return tensor.to(device=applied.device, dtype=torch.float32)
+            return applied
+
+        return super()._apply(keeping_float32, recurse)
 
     def extra_repr(self) -> str:
         return f"hidden={self.weight.shape[1]}, experts={self.num_experts}, top_k={self.top_k}, offset={self.offset:g}"
