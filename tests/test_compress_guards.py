@@ -18,7 +18,7 @@ from transformers import BitNetConfig, BitNetForCausalLM, FalconH1Config, Falcon
 
 import moelens
 from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoELinear, ToMoERouter, ToMoESharedExpert,
-                              exportable, merge_lora, tomoe)
+                              exportable, merge_lora, set_experts_implementation, tomoe)
 from moelens.compress.targets import protected_reason
 from moelens.testing import tiny_inputs, tiny_model
 from test_compress_helpers import VOCAB, bert, convert, gpt2, ids, llama, run
@@ -279,3 +279,22 @@ def test_casting_a_converted_model_keeps_its_routers_float32(cast):
     hidden = torch.randn(16, 32).to(next(low.model.layers[0].mlp.experts.parameters()).dtype)
     logits = routers[0](hidden)[0]
     torch.testing.assert_close(logits, hidden.float() @ routers[0].weight.T + routers[0].bias, rtol=0, atol=0)
+
+
+def test_the_compressor_functions_refuse_a_wrapped_model_by_name():
+    converted, _ = convert(llama(), num_experts=4, top_k=2, calibration=ids(), lora_r=2)
+    wrapped = moelens.wrap(converted)
+    calls = {
+        "tomoe": lambda: tomoe(wrapped, num_experts=4, top_k=2, progress=False),
+        "merge_lora": lambda: merge_lora(wrapped),
+        "set_experts_implementation": lambda: set_experts_implementation(wrapped, "eager"),
+        "exportable": lambda: exportable(wrapped),
+    }
+    for name, call in calls.items():  # each did nothing (the wrapper's modules are envoys) and said nothing
+        with pytest.raises(CompressionError, match=rf"^{name} takes the torch model, got the nnsight wrapper "
+                                                   r"MoeNNsight: pass the model it wraps \(model._module\)"):
+            call()
+    assert any("lora" in name for name, _ in converted.named_modules())  # nothing was merged
+    for bad in (None, "model"):
+        with pytest.raises(CompressionError, match=r"^merge_lora takes a torch model \(nn.Module\), got"):
+            merge_lora(bad)

@@ -38,7 +38,7 @@ from . import calibration as calib
 from . import targets as tg
 from .blocks import ToMoEBlock
 from .build import build_block, build_linear
-from .errors import CompressionError, NothingToConvert
+from .errors import CompressionError, NothingToConvert, torch_model
 from .dense import DenseLayer
 from .experts import ExpertsSettings, is_tomoe_experts
 from .fit import plan_layer, relative_error
@@ -70,9 +70,7 @@ class ToMoECompressor:
                  calibration: Any = None, shared_neurons: int = 0, lora_r: int = 0, lora_alpha: float = 16.0,
                  freeze_experts: bool = True, target_attention_only: bool = False, target_modules: Any = None,
                  comp_config: Any = None, **settings: Any) -> None:
-        if not isinstance(model, nn.Module):
-            raise CompressionError(f"tomoe converts a torch model (nn.Module), got {type(model).__name__}.")
-        self.model = model
+        self.model = torch_model(model, "tomoe")
         self.calibration = calibration
         self.options: ToMoEOptions = resolve(
             comp_config, num_experts=num_experts, top_k=top_k, max_error=max_error, shared_neurons=shared_neurons,
@@ -376,7 +374,7 @@ def inject_tomoe(model: nn.Module | None = None, **kwargs: Any) -> nn.Module | N
 def set_experts_implementation(model: nn.Module, implementation: str) -> nn.Module:
     """Run every converted block of ``model`` with ``implementation`` (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` ...)."""
     check_implementation(implementation)
-    for module in model.modules():
+    for module in torch_model(model, "set_experts_implementation").modules():
         if is_tomoe_experts(module):
             module.config._experts_implementation = implementation
     return model

@@ -22,6 +22,7 @@ import copy
 import torch
 from torch import nn
 
+from .errors import torch_model
 from .experts import ToMoEExperts, ToMoEGatedExperts
 from .lora import merge_lora
 
@@ -58,7 +59,7 @@ def gated_form(experts: ToMoEExperts) -> ToMoEGatedExperts:
 
 def exportable(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every plain / identity experts module in gated form (see the module docstring)."""
-    model = merge_lora(copy.deepcopy(model))
+    model = merge_lora(copy.deepcopy(torch_model(model, "exportable")))
     for name, module in list(model.named_modules()):
         if type(module) is ToMoEExperts:
             model.set_submodule(name, gated_form(module))

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..modules import LORA_ADAPTERS, has_lora_adapters
+from .errors import torch_model
 
 
 class LoRADelta(nn.Module):
@@ -91,7 +92,7 @@ def freeze_experts(block: nn.Module) -> None:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every LoRA adapter of the converted blocks into its base parameter (in place); returns ``model``."""
-    for module in list(model.modules()):
+    for module in list(torch_model(model, "merge_lora").modules()):
         if isinstance(module, LoRAHost) and has_lora_adapters(module):
             for name, adapter in module._modules[LORA_ADAPTERS].items():
                 base = module._parameters[name]
