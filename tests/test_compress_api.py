@@ -74,7 +74,9 @@ def test_clear_errors():
                            ({"refit": "no"}, r"refit must be True or False"),
                            ({"max_error": "0.2"}, r"max_error must be a number, got '0.2'"),
                            ({"lora_alpha": "x"}, r"lora_alpha must be a number"),
-                           ({"seed": "x"}, r"seed must be an int")]:
+                           ({"seed": "x"}, r"seed must be an int"),
+                           ({"target_modules": "q_proj["}, r"target_modules='q_proj\[' is not a valid regex "
+                                                           r"\(unterminated character set .*\); a string is matched")]:
         with pytest.raises(CompressionError, match=match):
             tomoe(model, calibration=ids(), progress=False, **setting)
     assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)  # nothing converted in place

@@ -8,6 +8,7 @@ keyword arguments that differ from their defaults win over ``comp_config``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -107,6 +108,14 @@ class ToMoEOptions:
             raise CompressionError(
                 f"target_modules must be a list of module names (or a regex string), got {type(self.target_modules).__name__}."
             )
+        if isinstance(self.target_modules, str):
+            try:
+                re.compile(self.target_modules)
+            except re.error as error:
+                raise CompressionError(
+                    f"target_modules={self.target_modules!r} is not a valid regex ({error}); a string is matched "
+                    "against whole module names (PEFT's rule), a list names modules or name suffixes."
+                ) from None
         return self
 
 
