@@ -287,10 +287,30 @@ def test_edits_tract_cannot_express_are_refused(out):
         assert not path.exists()
     with pytest.raises(ExportError, match="out of range"):
         to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(steer={0: {8: 1.0}}))
-    with pytest.raises(ExportError, match="hold no exported MoE block"):
+    with pytest.raises(ExportError, match=r"Edits name layers \[5\], which hold no MoE block here; the MoE layers are \[0, 1\]"):
         to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(ablate={5: [0]}))
     with pytest.raises(ExportError, match="not finite"):
         Edits(steer={0: {1: float("inf")}})
+
+
+def test_edits_made_in_a_trace_are_checked_as_the_export_checks_them():
+    """Edits.intervene / apply (what verify runs) raised a raw IndexError or dropped edits silently."""
+    wrapped = moelens.wrap(tiny_model("qwen2_moe"))  # layer 0 dense, MoE layers 1-3, 8 experts
+    ids = tiny_inputs(wrapped._module, batch=1, seq=6)["input_ids"]
+    refused = {
+        r"Edits.force\[1\] cannot be baked": Edits(force={1: [3]}),
+        r"Edits name layers \[0\], which hold no MoE block here; the MoE layers are \[1, 2, 3\]": Edits(ablate={0: [3]}),
+        r"Edits name layers \[7\], which hold no MoE block": Edits(route_around={7: [3]}),
+        r"Edits.swap\[1\]: experts \[9\] are out of range 0..7": Edits(swap={1: {9: 2}}),
+        r"Edits.swap\[1\]: experts \[-1\] are out of range 0..7": Edits(swap={1: {-1: 2}}),  # was expert 7
+    }
+    for message, edits in refused.items():
+        with pytest.raises(ExportError, match=message):
+            with wrapped.trace(ids):
+                edits.intervene(wrapped)
+    with pytest.raises(ExportError, match=r"Edits.steer\[2\]: experts \[8\] are out of range"):
+        with wrapped.trace(ids):
+            Edits(steer={2: {8: 1.0}}).apply(wrapped.moes[1])
 
 
 def test_edits_on_a_plain_block_say_it_has_no_layer(out):

@@ -98,14 +98,6 @@ class Edits:
 
         Raises `ExportRefused` for an edit tract cannot express, `ExportError` for a wrong one.
         """
-        if self.force:
-            layer = min(self.force)
-            raise ExportRefused(
-                f"Edits.force[{layer}] cannot be baked into the export: moelens.force raises the forced experts' "
-                "logits above every other expert's by a per-token amount (the token's logit range + 30), which no "
-                "constant router bias reproduces. Steer the experts with a large bias instead "
-                f"(Edits(steer={{{layer}: {dict.fromkeys(sorted(self.force[layer]), 30.0)}}})), or export without it."
-            )
         unknown = [layer for layer in self.layers() if layer not in blocks]
         numbered = sorted(layer for layer in blocks if layer is not None)
         if unknown and not numbered:
@@ -115,30 +107,38 @@ class Edits:
                 "instead, whose layer they name."
             )
         if unknown:
-            raise ExportError(
-                f"Edits name layers {unknown}, which hold no exported MoE block; the MoE layers are {numbered}."
-            )
+            raise ExportError(f"Edits name layers {unknown}, which hold no MoE block here; the MoE layers are {numbered}.")
         for layer in self.layers():
-            num_experts, k = blocks[layer]
-            named = {
-                "ablate": self.ablate.get(layer, ()),
-                "route_around": self.route_around.get(layer, ()),
-                "steer": tuple(self.steer.get(layer, {})),
-                "swap": tuple(self.swap.get(layer, {})) + tuple(self.swap.get(layer, {}).values()),
-            }
-            for kind, experts in named.items():
-                bad = [e for e in experts if not 0 <= e < num_experts]
-                if bad:
-                    raise ExportError(f"Edits.{kind}[{layer}]: experts {bad} are out of range 0..{num_experts - 1}.")
-            both = sorted(set(self.ablate.get(layer, ())) & set(self.swap.get(layer, {})))
-            if both:
-                raise ExportError(f"Edits at layer {layer}: experts {both} are both zero-ablated and swapped; pick one.")
-            left = num_experts - len(set(self.route_around.get(layer, ())))
-            if left < k:
-                raise ExportRefused(
-                    f"Edits.route_around[{layer}] leaves {left} experts for top-{k} routing: the router would have "
-                    "to pick removed experts, which a router bias of -inf cannot express."
-                )
+            self._check_layer(layer, *blocks[layer])
+
+    def _check_layer(self, layer: int, num_experts: int, k: int) -> None:
+        """`check` for one layer's edits, on a block of ``num_experts`` experts and top-``k`` routing."""
+        if layer in self.force:
+            raise ExportRefused(
+                f"Edits.force[{layer}] cannot be baked into the export: moelens.force raises the forced experts' "
+                "logits above every other expert's by a per-token amount (the token's logit range + 30), which no "
+                "constant router bias reproduces. Steer the experts with a large bias instead "
+                f"(Edits(steer={{{layer}: {dict.fromkeys(sorted(self.force[layer]), 30.0)}}})), or export without it."
+            )
+        named = {
+            "ablate": self.ablate.get(layer, ()),
+            "route_around": self.route_around.get(layer, ()),
+            "steer": tuple(self.steer.get(layer, {})),
+            "swap": tuple(self.swap.get(layer, {})) + tuple(self.swap.get(layer, {}).values()),
+        }
+        for kind, experts in named.items():
+            bad = [e for e in experts if not 0 <= e < num_experts]
+            if bad:
+                raise ExportError(f"Edits.{kind}[{layer}]: experts {bad} are out of range 0..{num_experts - 1}.")
+        both = sorted(set(self.ablate.get(layer, ())) & set(self.swap.get(layer, {})))
+        if both:
+            raise ExportError(f"Edits at layer {layer}: experts {both} are both zero-ablated and swapped; pick one.")
+        left = num_experts - len(set(self.route_around.get(layer, ())))
+        if left < k:
+            raise ExportRefused(
+                f"Edits.route_around[{layer}] leaves {left} experts for top-{k} routing: the router would have "
+                "to pick removed experts, which a router bias of -inf cannot express."
+            )
 
     def bake(self, spec: MoeSpec) -> MoeSpec:
         """A copy of ``spec`` with this layer's edits written into its weights."""
@@ -182,10 +182,12 @@ class Edits:
     # -- the same edits in a trace -----------------------------------------------------
 
     def apply(self, moe: Any) -> None:
-        """Inside a trace: make the same edits on one `Moe` with moelens' interventions."""
+        """Inside a trace: make the same edits on one `Moe` with moelens' interventions (checked as `check` does)."""
         from ..interventions import ablate, steer
 
         layer = moe.layer
+        if layer in self.layers():
+            self._check_layer(layer, moe.num_experts, moe.top_k)
         for expert, bias in self.steer.get(layer, {}).items():
             steer(moe, expert, bias)
         for expert in self.route_around.get(layer, ()):
@@ -200,9 +202,15 @@ class Edits:
             moe.expert_indices = replacement[indices]
 
     def intervene(self, model: Any) -> None:
-        """Inside a trace of a wrapped model: make every edit, block by block in layer order."""
+        """Inside a trace of a wrapped model: make every edit, block by block in layer order.
+
+        Checked first as the export checks them: an edit of a layer with no MoE block, of an expert
+        out of range, or one no export can bake (``force``) raises instead of being dropped.
+        """
+        moes = list(model.moes)
+        self.check({moe.layer: (moe.num_experts, moe.top_k) for moe in moes})
         wanted = set(self.layers())
-        for moe in model.moes:
+        for moe in moes:
             if moe.layer in wanted:
                 self.apply(moe)
 
