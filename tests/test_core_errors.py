@@ -420,11 +420,11 @@ def test_interventions_on_a_dense_block_name_the_moe_layers(intervene):
 def test_force_takes_a_tensor_expert_id(mixtral):
     wrapped, inputs = mixtral
     forced = []
-    for expert in (6, torch.tensor(6)):
+    for expert in (6, torch.tensor(6), numpy.array(6), numpy.array([6])):  # a 0-d numpy array raised TypeError
         with wrapped.trace(**inputs):
             moelens.force(wrapped.moes[0], expert)
             forced.append(wrapped.moes[0].expert_indices.save())
-    assert torch.equal(forced[0], forced[1]) and (forced[0][..., 0] == 6).all()
+    assert all(torch.equal(forced[0], other) for other in forced[1:]) and (forced[0][..., 0] == 6).all()
 
 
 # -- a custom family, registered without editing moelens --------------------------------------

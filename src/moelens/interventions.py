@@ -264,9 +264,9 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     before calling it. ``tokens`` indexes this invoke's ``[batch, seq]`` (see `reroute`).
     """
     _moe(moe, "force")
-    if isinstance(experts, torch.Tensor):
+    if isinstance(experts, (torch.Tensor, numpy.ndarray)):  # a 0-d one too
         experts = experts.reshape(-1).tolist()
-    chosen = list(experts) if isinstance(experts, (Sequence, numpy.ndarray)) else [experts]
+    chosen = list(experts) if isinstance(experts, Sequence) else [experts]
     chosen = [_expert(moe, expert) for expert in chosen]
     if not chosen:
         raise WriteError("force: no expert given; pass one expert id or a list of them.")
