@@ -183,20 +183,37 @@ def test_generation_with_beams_or_sequences_serves_each_expanded_row(settings):
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
     moe = first_moe(wrapped)
-    calls = []
-    hook = hf.get_submodule(moe.path.removeprefix("model.") + "." + moe.family.experts).register_forward_hook(
-        lambda module, args, output: calls.append(args[1].clone()))
-    try:
+    calls, outputs = [], []
+    block = hf.get_submodule(moe.path.removeprefix("model."))
+    hooks = [block.get_submodule(moe.family.experts).register_forward_hook(
+                 lambda module, args, output: calls.append(args[1].clone())),
+             block.register_forward_hook(lambda module, args, output: outputs.append(output.clone()))]
+
+    def generate(second_invoke):
         torch.manual_seed(0)
         with wrapped.generate(max_new_tokens=2, min_new_tokens=2, **settings) as tracer:
             with tracer.invoke(["hello", "abcde"]):
-                first = nnsight.save([moe.expert_indices.save() for _ in tracer.iter[:2]])
+                first = nnsight.save([(moe.expert_indices.save(), moe.mlp_output.save()) for _ in tracer.iter[:2]])
             with tracer.invoke("world"):
-                second = nnsight.save([moe.expert_indices.save() for _ in tracer.iter[:2]])
+                second = nnsight.save([second_invoke() for _ in tracer.iter[:2]])
+        return first, second
+
+    try:
+        first, second = generate(lambda: (moe.expert_indices.save(), moe.mlp_output.save()))
+        steps = outputs[:]
+        outputs.clear()
+        generate(lambda: moe.mlp_output.zero_())  # an in-place write lands on this invoke's rows
+        generate(lambda: setattr(moe, "mlp_output", torch.zeros_like(moe.mlp_output)))  # [2, s, D] spliced in
     finally:
-        hook.remove()
-    assert [tuple(x.shape) for x in first] == [(4, 5, 2), (4, 1, 2)]
-    assert [tuple(x.shape) for x in second] == [(2, 5, 2), (2, 1, 2)]
+        for hook in hooks:
+            hook.remove()
+    assert [(tuple(i.shape), tuple(o.shape)) for i, o in first] == [((4, 5, 2), (4, 5, 32)), ((4, 1, 2), (4, 1, 32))]
+    assert [(tuple(i.shape), tuple(o.shape)) for i, o in second] == [((2, 5, 2), (2, 5, 32)), ((2, 1, 2), (2, 1, 32))]
     for step, seq in enumerate((5, 1)):
         rows = calls[step].view(6, seq, 2)  # 3 prompts x 2 rows each, in invoke order
-        assert torch.equal(first[step], rows[:4]) and torch.equal(second[step], rows[4:])
+        assert torch.equal(first[step][0], rows[:4]) and torch.equal(second[step][0], rows[4:])
+        # mlp_output: the block keeps [B, S, D], which nnsight does not cut by invoke under beams
+        assert torch.equal(first[step][1], steps[step][:4]) and torch.equal(second[step][1], steps[step][4:])
+    for written in (outputs[:2], outputs[2:]):  # the zeroing run's steps, then the assigning run's
+        for step in written:
+            assert (step[4:] == 0).all() and (step[:4] != 0).any(dim=-1).all()

@@ -12,7 +12,8 @@ to an invoke's rows only where its leading dim equals the batch size, which a fl
   the other invokes' rows untouched.
 
 A tensor that already has its batch and sequence dims (a shared expert that sees
-the unflattened residual) passes through as it is.
+the unflattened residual) comes narrowed by nnsight, or is narrowed here when its
+batch counts rows nnsight does not (beams).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def _seq_len(flat_rows: int, rows: Rows, name: str) -> int:
     return flat_rows // rows.total
 
 
+def _whole_batch(served: torch.Tensor, rows: Rows) -> bool:
+    """Whether an unflattened ``[B, S, ...]`` value holds every invoke's rows (nnsight did not narrow it)."""
+    return rows.batching and rows.size < rows.total and served.shape[0] == rows.total
+
+
 def view(served: torch.Tensor, feature_dims: int, rows: Rows, name: str) -> Shaped[torch.Tensor, "b s *f"]:
     """This invoke's ``[b, s, *features]`` view of a served routing tensor.
 
@@ -84,7 +90,9 @@ def view(served: torch.Tensor, feature_dims: int, rows: Rows, name: str) -> Shap
         name: The value's name, for errors.
     """
     if served.dim() == feature_dims + 2:
-        return served
+        # nnsight narrows [B, S, ...] itself, except with beams / several returned sequences, where B
+        # counts each prompt's rows (`current_rows`) and nnsight's batch size only the prompts.
+        return served.narrow(0, rows.start, rows.size) if _whole_batch(served, rows) else served
     features = served.shape[1:]
     if rows.batching and served.shape[0] == rows.size and rows.size < rows.total:
         # nnsight already narrowed it: one token per row (a decode step).
@@ -108,6 +116,8 @@ def splice(
     """
     new = new.to(dtype=current.dtype, device=current.device)
     if current.dim() == feature_dims + 2:
+        if _whole_batch(current, rows):
+            return torch.cat([current[: rows.start], new, current[rows.start + rows.size:]], dim=0)
         return new
     flat = new.reshape(-1, *new.shape[2:])
     if not rows.batching or (current.shape[0] == rows.size and rows.size < rows.total):
