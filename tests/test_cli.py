@@ -45,6 +45,7 @@ def saved(tmp_path_factory):
     (root / "config-only" / "config.json").write_text((root / "mixtral" / "config.json").read_text())
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
     (root / "empty.txt").write_text("  \n", encoding="utf-8")
+    (root / "dangling").symlink_to(root / "missing-target")
     return root
 
 
@@ -177,12 +178,20 @@ def test_stats_formats_on_tiny(saved, capsys):
         (["export", "tiny", "{root}/text.txt/x.nnef.tgz", "--no-verify", "--tokens", "2"], "which is a file"),
         (["export", "tiny", "{root}/x.nnef.tgz", "--no-verify", "--tokens", "2", "--steer", "2:5=1", "--steer", "2:5=2"],
          "expert 5 of layer 2 is given twice"),
+        (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/dangling/sub"],
+         "dangling, which is a symbolic link to a missing path"),
+        (["demo", "--out", "{root}/dangling/sub", "--windows", "0"], "dangling, which is a symbolic link to a missing path"),
+        (["export", "tiny", "{root}/dangling/x.nnef.tgz", "--no-verify", "--tokens", "2"],
+         "dangling, which is a symbolic link to a missing path"),
+        pytest.param(["demo", "--out", "/proc/moelens-out", "--windows", "0"], "/proc",
+                     marks=pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")),
     ],
     ids=["unknown-path", "not-a-checkpoint", "inspect-dense", "stats-dense", "empty-text", "missing-text", "demo-empty",
          "text-is-a-folder", "stats-out-is-a-file", "max-length-0", "demo-out-is-a-file", "negative-windows",
          "export-no-tokens", "export-into-a-folder-of-files", "stats-no-tokenizer", "inspect-no-weights",
          "export-no-weights", "stats-out-under-a-file", "demo-out-under-a-file", "export-under-a-file",
-         "export-steer-twice"],
+         "export-steer-twice", "stats-out-under-a-dangling-link", "demo-out-under-a-dangling-link",
+         "export-under-a-dangling-link", "demo-out-the-system-refuses"],
 )
 def test_bad_input_fails_cleanly(saved, capsys, argv, message):
     status, out, err = run([arg.format(root=saved) for arg in argv], capsys)

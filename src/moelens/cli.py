@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoelensError as error:
         print(f"moelens {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a path the checks could not foresee (a folder the system refuses to create ...)
+        print(f"moelens {args.command}: error: {error}; check the path and what may be written there.", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from ..families.scoring import score
-from ..paths import file_above
+from ..paths import blocked_above
 
 #: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
 #: expert 0 with weight 0): counted by no expert.
@@ -325,11 +325,10 @@ def check_folder(path: Path, what: str) -> None:
                            "name a folder (it is created if missing).")
     if path.exists() and not path.is_dir():
         raise MoelensError(f"{what} {str(path)!r} is a file; name a folder (it is created if missing).")
-    ancestor = file_above(path)
-    if ancestor is not None:
+    blocked = blocked_above(path)
+    if blocked is not None:
         raise MoelensError(
-            f"{what} {str(path)!r} lies under {str(ancestor)!r}, which is a file, not a folder; name a folder "
-            "elsewhere (it is created if missing)."
+            f"{what} {str(path)!r} lies under {blocked}; name a folder elsewhere (it is created if missing)."
         )
 
 

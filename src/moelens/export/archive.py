@@ -16,7 +16,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from ..paths import file_above
+from ..paths import blocked_above
 from .errors import ExportError
 
 #: Suffixes of an archive path (anything else is written as a folder).
@@ -68,9 +68,9 @@ def check_destination(path: Path) -> None:
             f"{path} is a folder with files of its own; moelens writes a folder export only into a new "
             "or empty folder, or over an earlier NNEF export. Name a new folder (or an archive, *.nnef.tgz)."
         )
-    ancestor = file_above(path)
-    if ancestor is not None:
-        raise ExportError(f"{path} lies under {ancestor}, which is a file, not a folder; name a path in a folder.")
+    blocked = blocked_above(path)
+    if blocked is not None:
+        raise ExportError(f"{path} lies under {blocked}; name a path in a folder you can write to.")
 
 
 def _is_export_listing(names: list[str]) -> bool:
