@@ -356,3 +356,14 @@ def test_the_demo_routes_held_out_windows_of_both_streams():
 def test_a_storage_dtype_that_cannot_hold_weights_is_refused(model, dtype):
     with pytest.raises(MoelensError, match=rf"dtype must be a floating-point torch dtype .*got {re.escape(repr(dtype))}"):
         analysis.collect_routing(model, TEXTS, dtype=dtype, progress=False)
+
+
+def test_a_collection_refused_at_its_first_batch_leaves_the_cache_there(model, tmp_path):
+    """The writer replaced the folder's cache when it started, so a refused run lost the earlier one."""
+    folder = tmp_path / "cache"
+    analysis.collect_routing(model, TEXTS, batch_size=1, folder=str(folder), progress=False)
+    before = files(folder)
+    with pytest.raises(MoelensError, match="vocabulary"):
+        analysis.collect_routing(model, [torch.full((8,), 10**6)], folder=str(folder), progress=False)
+    assert files(folder) == before
+    assert RoutingCache.load(folder).num_tokens == sum(len(text) for text in TEXTS)
