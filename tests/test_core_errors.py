@@ -374,8 +374,18 @@ def test_weights_the_config_does_not_fit_are_reported(tmp_path):
     wider.mkdir()
     (wider / "model.safetensors").symlink_to(folder / "model.safetensors")
     (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
-    with pytest.raises(moelens.MoelensError, match="do not fit the model its config describes"):
-        moelens.load(wider)
+    with pytest.raises(moelens.MoelensError, match=r"do not fit the model its config describes: 8 weights have another "
+                                                   r"shape: model.layers.0.mlp.experts.down_proj is saved as \[8, 32, 16\], "
+                                                   r"the model has \[8, 32, 32\];.*\(and 5 more\)\. Load them with the "
+                                                   "config they were saved with"):
+        moelens.load(wider)  # transformers' own message pointed at a report moelens' CLI hides
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_text(json.dumps(config))
+    (truncated / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(moelens.MoelensError, match=r"the weights file of .* cannot be read \(.*\): it is damaged or "
+                                                   "truncated"):
+        moelens.load(truncated)  # was safetensors' own SafetensorError
 
 
 def test_a_bad_from_pretrained_setting_gets_transformers_message_only(tmp_path):

@@ -11,6 +11,7 @@ list, ``model.layers[i].mlp`` the block whatever the family calls it, and
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import nnsight
 import torch
 from nnsight import NNsight, TransformersModel
+from safetensors import SafetensorError
 from nnsight.intervention.envoy import traceable
 from nnsight.modeling import processing
 
@@ -494,8 +496,14 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
     settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
     config = _load_config(source, settings)
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
+    model_class = _model_class(config)
     try:
-        model, info = _model_class(config).from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
+        model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
+    except SafetensorError as error:
+        raise MoelensError(
+            f"the weights file of {source!r} cannot be read ({_sentence(error)}): it is damaged or truncated; "
+            "save the model again with save_pretrained, or copy it again."
+        ) from error
     except ValueError as error:
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
                   if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
@@ -503,8 +511,10 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
     except RuntimeError as error:
         if "ignore_mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
             raise  # out of memory, a device map, the checkpoint's own code: not moelens' to reword
+        listed = _size_mismatches(model_class, source, from_pretrained_kwargs) or _sentence(error)
         raise MoelensError(  # weights of another shape than the config's modules
-            f"the weights saved at {source!r} do not fit the model its config describes: {_sentence(error)}."
+            f"the weights saved at {source!r} do not fit the model its config describes: {listed}. Load them with "
+            "the config they were saved with."
         ) from error
     except OSError as error:  # above all a folder with config.json but no weights
         folder = Path(source, settings.get("subfolder", ""))
@@ -589,6 +599,28 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
             stacklevel=3,
         )
         return None
+
+
+def _size_mismatches(model_class: Any, source: str, kwargs: dict[str, Any], shown: int = 3) -> str:
+    """The saved weights whose shape is not the model's, in words (``""`` when they cannot be listed).
+
+    transformers names them only in a logged report; this loads the checkpoint once more, letting
+    the mismatches through, to name them.
+    """
+    loading_logger = logging.getLogger("transformers.modeling_utils")
+    level = loading_logger.level
+    loading_logger.setLevel(logging.ERROR)  # the report again: once was enough
+    try:
+        _, info = model_class.from_pretrained(source, **{**kwargs, "ignore_mismatched_sizes": True,
+                                                         "output_loading_info": True})
+    except Exception:  # noqa: BLE001 - only a better message is at stake
+        return ""
+    finally:
+        loading_logger.setLevel(level)
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    listed = "; ".join(f"{key} is saved as {list(saved)}, the model has {list(made)}" for key, saved, made in mismatched[:shown])
+    more = f" (and {len(mismatched) - shown} more)" if len(mismatched) > shown else ""
+    return f"{len(mismatched)} weights have another shape: {listed}{more}" if mismatched else ""
 
 
 def _sentence(error: Exception) -> str:
