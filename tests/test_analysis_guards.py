@@ -367,3 +367,32 @@ def test_a_collection_refused_at_its_first_batch_leaves_the_cache_there(model, t
         analysis.collect_routing(model, [torch.full((8,), 10**6)], folder=str(folder), progress=False)
     assert files(folder) == before
     assert RoutingCache.load(folder).num_tokens == sum(len(text) for text in TEXTS)
+
+
+def test_a_layer_with_two_moe_blocks_asks_for_one_in_both_spellings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(tiny_model("ernie4_5_vl_moe"))
+    first = next(moe.path for moe in wrapped.moes if moe.layer == 1)
+    kind = first.rpartition(".")[2]
+    with pytest.raises(MoelensError, match=rf"layers \[1, 2, 3\] hold several MoE blocks \({re.escape(first)}, .*"
+                                           rf"blocks='{kind}' \(moelens stats: --blocks {kind}\)"):
+        analysis.collect_routing(wrapped, [torch.arange(8)], progress=False)
+    cache = analysis.collect_routing(wrapped, [torch.arange(8)], blocks=kind, progress=False)
+    assert cache.num_tokens == 8
+
+
+def test_the_text_can_come_through_a_pipe(tmp_path):
+    """--text /dev/stdin or a shell's <(...) is a pipe, not a regular file: it was called missing."""
+    import threading
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_text("def f(x):\n    return x\n", encoding="utf-8"), daemon=True)
+    writer.start()
+    assert analysis_cli.read_text(pipe) == "def f(x):\n    return x\n"
+    writer.join()
+    with pytest.raises(MoelensError, match=r"text file .*missing.txt' does not exist"):
+        analysis_cli.read_text(tmp_path / "missing.txt")

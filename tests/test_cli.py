@@ -108,6 +108,23 @@ def test_inspect_tiny(capsys):
         assert f"  {value} " in out
 
 
+def test_inspect_counts_layers_not_blocks_and_names_each_block():
+    """ernie4_5_vl_moe has a text and a vision MoE block per layer: it was "6 of 4" MoE layers."""
+    import moelens
+    from moelens.analysis.cli import format_report
+    from moelens.analysis.describe import describe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = describe(moelens.wrap(tiny_model("ernie4_5_vl_moe")))
+    blocks = [layer.path for layer in report.moe_layers]
+    text = format_report(report, "none")
+    assert f"MoE layers             1, 2, 3 (3 of 4), {len(blocks)} MoE blocks" in text and len(blocks) == 6
+    titles = [line for line in text.splitlines() if line.startswith("values served, ")]
+    assert titles == [f"values served, {path}, shapes for a [1, 4] input:" for path in blocks]
+    assert any("text_moe" in path for path in blocks) and any("vision_moe" in path for path in blocks)
+
+
 def test_inspect_other_family(saved, capsys):
     status, out, err = run(["inspect", saved / "mixtral", "--json"], capsys)
     assert status == 0, err

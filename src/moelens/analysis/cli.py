@@ -136,15 +136,18 @@ def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None
 
 
 def read_text(path: Path) -> str:
-    """The text of ``path``; clear errors for a missing, unreadable or empty file."""
+    """The text of ``path`` (a file, or a pipe such as ``/dev/stdin``); clear errors for a missing, unreadable
+    or empty one."""
     if path.is_dir():
         raise MoelensError(f"text file {str(path)!r} is a folder; give a text file.")
-    if not path.is_file():
+    if not path.exists():
         raise MoelensError(f"text file {str(path)!r} does not exist.")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
+    except OSError as error:
+        raise MoelensError(f"text file {str(path)!r} cannot be read: {error.strerror or error}.") from None
     if not text.strip():
         raise MoelensError(f"text file {str(path)!r} is empty; give it some text to route.")
     return text
@@ -261,6 +264,7 @@ def format_report(report: Any, tokenizer: str) -> str:
     from .describe import READ_ONLY
 
     layers = report.moe_layers
+    moe_layers = sorted({layer.layer for layer in layers})
     experts = sorted({(layer.num_experts, layer.top_k) for layer in layers})
     implementations = sorted({layer.experts_implementation or "eager" for layer in layers})
     lines = [
@@ -269,7 +273,8 @@ def format_report(report: Any, tokenizer: str) -> str:
         f"family                 {report.family}",
         f"tokenizer              {tokenizer}",
         f"decoder layers         {report.num_layers}",
-        f"MoE layers             {', '.join(str(layer.layer) for layer in layers)} ({len(layers)} of {report.num_layers})",
+        f"MoE layers             {', '.join(map(str, moe_layers))} ({len(moe_layers)} of {report.num_layers})"
+        + (f", {len(layers)} MoE blocks" if len(layers) > len(moe_layers) else ""),
         f"dense layers           {', '.join(map(str, report.dense_layers)) or 'none'}",
         "experts E, top-k       " + "; ".join(f"E={e}, k={k}" for e, k in experts),
         f"scoring                {report.scoring}",
@@ -281,8 +286,8 @@ def format_report(report: Any, tokenizer: str) -> str:
         lines.append(f"notes                  {report.notes}")
     first = layers[0]
     same = all(layer.values == first.values and layer.unavailable.keys() == first.unavailable.keys() for layer in layers)
-    groups = [(f"every MoE layer (layer {first.layer} shown)", [first])] if same else [
-        (f"layer {layer.layer}", [layer]) for layer in layers
+    groups = [(f"every MoE block ({first.path} shown)", [first])] if same else [
+        (layer.path, [layer]) for layer in layers
     ]
     for title, (layer, *_) in groups:
         lines.append(f"\nvalues served, {title}, shapes for a [1, 4] input:")

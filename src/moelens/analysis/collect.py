@@ -61,7 +61,8 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
         paths = [moe.path for moe in moes if moe.layer == shared[0]]
         raise MoelensError(
             f"layers {shared} hold several MoE blocks ({', '.join(paths)}); routing analysis keys blocks by "
-            "layer, so choose one kind with blocks='<part of the path>' (e.g. blocks='text_moe')."
+            f"layer, so choose one kind by a part of its path: blocks={paths[0].rpartition('.')[2]!r} "
+            f"(moelens stats: --blocks {paths[0].rpartition('.')[2]})."
         )
     return moes
 
