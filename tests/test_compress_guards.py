@@ -298,3 +298,22 @@ def test_the_compressor_functions_refuse_a_wrapped_model_by_name():
     for bad in (None, "model"):
         with pytest.raises(CompressionError, match=r"^merge_lora takes a torch model \(nn.Module\), got"):
             merge_lora(bad)
+
+
+@pytest.mark.parametrize("where", ["model.layers.1.mlp", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj"])
+def test_a_layer_carrying_a_users_hook_stays_as_it_is(where):
+    """The conversion replaced the hooked modules, so the hook stopped running without a word."""
+    dense = llama()
+    ran = []
+    dense.get_submodule(where).register_forward_hook(lambda module, args, output: ran.append(where))
+    tokens = ids()
+    attention = where.endswith("q_proj")
+    converted, stats = convert(dense, num_experts=4, top_k=2, calibration=tokens, target_attention_only=attention)
+    hooked = where if attention else "model.layers.1.mlp"
+    assert [s.reason for s in stats.skipped if s.name == hooked] == [
+        f"a hook of yours on {'Linear' if attention else 'LlamaMLP'}{'.down_proj' if where.endswith('down_proj') else ''} "
+        "(a module the conversion replaces) would be dropped: remove it (handle.remove()) to convert this layer"]
+    assert hooked not in {layer.name for layer in stats.converted} and stats.converted  # the others still convert
+    ran.clear()
+    run(converted, tokens)
+    assert ran == [where]  # the hook still runs, on the layer left as it was

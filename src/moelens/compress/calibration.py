@@ -177,6 +177,16 @@ def _library_hook(hook: Any) -> bool:
     return getattr(getattr(hook, "func", hook), "__module__", "").startswith("transformers.")
 
 
+def hooked_part(module: nn.Module) -> str | None:
+    """The name (within ``module``, ``""`` for itself) of the first module that carries a hook of the
+    user's (forward, pre-forward or backward; transformers' own aside), or None."""
+    for name, part in module.named_modules():
+        for hooks in (*HOOK_DICTS, "_backward_hooks", "_backward_pre_hooks"):
+            if any(not _library_hook(hook) for hook in (getattr(part, hooks, None) or {}).values()):
+                return name
+    return None
+
+
 @contextmanager
 def without_hooks(*modules: nn.Module) -> Iterator[None]:
     """The forward hooks already on ``modules`` (and their submodules) do not run inside the block,

@@ -164,7 +164,8 @@ class ToMoECompressor:
                 skips.append(found)
                 continue
             roots = [found.name] + ([f"{container}.output.dense"] if container != found.name else [])
-            reason = tg.tied_reason(found.parts, roots, owners) or self._ffn_skip_reason(found)
+            reason = (tg.tied_reason(found.parts, roots, owners) or _hooks_reason(found)
+                      or self._ffn_skip_reason(found))
             if reason:
                 skips.append(tg.Skip(found.name, reason))
             else:
@@ -223,6 +224,10 @@ class ToMoECompressor:
                 skips.append(tg.Skip(name, reason))
                 continue
             site = tg.linear_site(model, name, module)
+            hooked = _hooks_reason(site)
+            if hooked:
+                skips.append(tg.Skip(name, hooked))
+                continue
             site.num_experts, site.top_k = experts, k
             if experts != options.num_experts:
                 site.notes.append(f"narrow projection ({out} outputs vs {widest[parent]}): {experts} experts, top-{k}")
@@ -305,6 +310,17 @@ class ToMoECompressor:
             return ""
         return (f"its forward does more than {FORMULAS[site.kind]} (its output differs from that by {difference:.3g}, "
                 f"relative, on {rows.shape[0]} {source} inputs: a norm or multipliers inside?): kept dense")
+
+
+def _hooks_reason(site: tg.Site) -> str:
+    """Why ``site`` stays as it is because a module the conversion replaces carries a hook of the user's, or ``""``."""
+    for part in site.parts:
+        inner = calib.hooked_part(part)
+        if inner is not None:
+            where = f"{type(part).__name__}{'.' + inner if inner else ''}"
+            return (f"a hook of yours on {where} (a module the conversion replaces) would be dropped: remove it "
+                    "(handle.remove()) to convert this layer")
+    return ""
 
 
 def _inside_reason(model: nn.Module, block: str) -> str:
