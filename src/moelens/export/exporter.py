@@ -9,6 +9,7 @@ combination) into standard NNEF. The user's model is never changed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -19,7 +20,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -396,6 +397,18 @@ def _properties(target: Target, prepared: Prepared, quantize: str | None, layout
     }
 
 
+@contextlib.contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """The logger ``name`` shows errors only inside the block; its own level is put back after."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Target, dynamic: bool,
            properties: dict[str, str]) -> None:
     """torch-to-nnef: trace ``root`` on ``inputs`` and write the NNEF folder."""
@@ -425,35 +438,35 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
             fragments["tract_core_properties"] = text
             return fragments
 
-    logging.getLogger("torch_to_nnef").setLevel(logging.ERROR)
-    name_in, name_out = input_name(target), output_name(target)
-    version = tract_module().version()
-    tract_target = MoelensTract(
-        version,
-        check_io=False,
-        dynamic_axes={name_in: {TOKEN_AXIS: "S"}} if dynamic else None,
-        specific_tract_binary_path=standin_path(),
-        dump_identity_properties=False,
-        specific_properties=properties,
-    )
-    with warnings.catch_warnings(), fixed_emitters():
-        warnings.simplefilter("ignore")
-        try:
-            export_model_to_nnef(
-                model=root,
-                args=(inputs,),
-                file_path_export=folder,
-                inference_target=tract_target,
-                input_names=[name_in],
-                output_names=[name_out],
-                compression_level=None,
-                log_level=logging.ERROR,
-            )
-        except ExportRefused:
-            raise
-        except Exception as error:
-            raise ExportError(
-                f"torch-to-nnef could not export this {target.kind} ({type(error).__name__}: {error}). The MoE blocks "
-                "were accepted; the failing part is elsewhere in the model (an attention or layer type "
-                "torch-to-nnef does not trace): export its MoE blocks (model.moes[i]) instead."
-            ) from error
+    with quiet_logger("torch_to_nnef"):  # its INFO lines; the user's level comes back after
+        name_in, name_out = input_name(target), output_name(target)
+        version = tract_module().version()
+        tract_target = MoelensTract(
+            version,
+            check_io=False,
+            dynamic_axes={name_in: {TOKEN_AXIS: "S"}} if dynamic else None,
+            specific_tract_binary_path=standin_path(),
+            dump_identity_properties=False,
+            specific_properties=properties,
+        )
+        with warnings.catch_warnings(), fixed_emitters():
+            warnings.simplefilter("ignore")
+            try:
+                export_model_to_nnef(
+                    model=root,
+                    args=(inputs,),
+                    file_path_export=folder,
+                    inference_target=tract_target,
+                    input_names=[name_in],
+                    output_names=[name_out],
+                    compression_level=None,
+                    log_level=logging.ERROR,
+                )
+            except ExportRefused:
+                raise
+            except Exception as error:
+                raise ExportError(
+                    f"torch-to-nnef could not export this {target.kind} ({type(error).__name__}: {error}). The MoE "
+                    "blocks were accepted; the failing part is elsewhere in the model (an attention or layer type "
+                    "torch-to-nnef does not trace): export its MoE blocks (model.moes[i]) instead."
+                ) from error
