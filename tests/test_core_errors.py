@@ -605,6 +605,30 @@ def test_a_family_with_a_wrong_block_attr_says_so_at_wrap():
         moelens.families.unregister("custom")
 
 
+def test_a_family_left_at_the_default_block_attr_finds_where_its_blocks_sit():
+    """block_attr left at "mlp" while the blocks are at layers.N.ffn: layers[i].mlp raised a raw AttributeError."""
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    moelens.families.register(Family("custom", ("custom",), ("CustomBlock",), router="chooser", experts="pool",
+                                     logits_op="torch_nn_functional_linear_0"))
+    try:
+        wrapped = moelens.wrap(CustomModel(config))
+        assert [wrapped.layers[i].mlp for i in range(2)] == list(wrapped.moes)
+    finally:
+        moelens.families.unregister("custom")
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("scoring", "softmax", "Scoring"), ("shared", "shared_expert", "SharedExpert or None"),
+    ("combine", "sum", "Combine"), ("router", None, "str"), ("refused", ("shared_expert_output",), "mapping"),
+    ("scoring_by_router", {"Router": "softmax"}, "map router classes to Scoring entries"),
+])
+def test_register_names_a_field_of_the_wrong_kind(field, value, expected):
+    """Each failed later with a raw AttributeError far from the cause (a tuple for refused: when read)."""
+    with pytest.raises(moelens.FamilyError, match=rf"family 'custom': {field} must .*{expected}"):
+        moelens.families.register(Family("custom", ("custom",), ("CustomBlock",), **{field: value}))
+    assert "custom" not in {family.name for family in moelens.families.supported()}
+
+
 def test_register_checks_the_description_and_unregister_gives_back_what_it_took():
     from moelens.families import SharedExpert, registry
 

@@ -43,12 +43,16 @@ class Structure:
         moe_blocks: Module names of the MoE blocks, in module order.
         dense_blocks: Module names of the dense MLPs of the same decoder stacks.
         layer_lists: Module names of the decoder layer lists holding the blocks.
+        block_attr: The attribute of a decoder layer that holds its block (dense or MoE; ``""``: the
+            layer is the block): the family's ``block_attr``, or where its blocks are found when it
+            keeps the default ``"mlp"`` and they sit elsewhere (`_block_attribute`).
     """
 
     family: Family | None = None
     moe_blocks: list[str] = field(default_factory=list)
     dense_blocks: list[str] = field(default_factory=list)
     layer_lists: list[str] = field(default_factory=list)
+    block_attr: str = "mlp"
 
 
 def _is_experts(module: Any) -> bool:
@@ -140,6 +144,16 @@ def _check_block_attr(model: torch.nn.Module, name: str, family: Family) -> None
         ) from None
 
 
+def _block_attribute(family: Family | None, blocks: list[str]) -> str:
+    """Where ``family``'s blocks sit in their decoder layers: its ``block_attr``; for the default ``"mlp"``,
+    the one attribute its blocks sit at directly under their layers, when that is another (a family
+    registered without ``block_attr``, a moelens.compress block at ``feed_forward``)."""
+    if family is None or family.block_attr != "mlp":
+        return family.block_attr if family is not None else "mlp"
+    places = {name.rpartition(".")[2] for name in blocks if _layer_path(name) == name.rpartition(".")[0]}
+    return places.pop() if len(places) == 1 else "mlp"
+
+
 def _dense_layer_lists(model: torch.nn.Module, attribute: str) -> list[str]:
     """The module lists (decoder layer lists) whose layers hold a dense MLP at ``attribute``."""
     return [
@@ -194,9 +208,9 @@ def discover(model: torch.nn.Module) -> Structure:
             structure.family = registry.for_model_type(model_type)
             if structure.family is not None:
                 break
-    family = structure.family
+    structure.block_attr = _block_attribute(structure.family, structure.moe_blocks)
     # a layer that is the block keeps its dense MLP as `mlp`; a model of no family has its MLPs there
-    attribute = (family.block_attr if family is not None else "") or "mlp"
+    attribute = structure.block_attr or "mlp"
     if not structure.moe_blocks:  # a dense model: its decoder layers are the lists that hold dense MLPs
         structure.layer_lists = _dense_layer_lists(model, attribute)
     moes = set(structure.moe_blocks)
@@ -419,13 +433,12 @@ def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
     if len(structure.layer_lists) == 1 and structure.layer_lists[0] != "layers":
         _bind(wrapped, "layers", structure.layer_lists[0])
-    family = structure.family
-    if family is None or family.block_attr in ("", "mlp"):
+    if structure.block_attr in ("", "mlp"):
         return
     for name in structure.moe_blocks + structure.dense_blocks:
         layer = _layer_path(name)
         if layer is not None and layer != name:
-            _bind(envoy_at(wrapped, layer), "mlp", family.block_attr)
+            _bind(envoy_at(wrapped, layer), "mlp", structure.block_attr)
 
 
 def _instrument(moe: Moe) -> None:

@@ -239,7 +239,9 @@ class Family:
         block_classes: Class names of its MoE block module (how blocks are detected).
         block_attr: Attribute of the block on the decoder layer (``"mlp"``,
             ``"block_sparse_moe"``), or ``""`` when the decoder layer itself holds the
-            router and experts (gemma4).
+            router and experts (gemma4). Left at ``"mlp"`` while the blocks sit at one
+            other attribute of their layers, that attribute is used (``layers[i].mlp``
+            names it, and dense MLPs are looked for there).
         router: Path of the router from the block.
         experts: Path of the experts module from the block.
         logits_op: Op in the router's forward whose output is the logits.

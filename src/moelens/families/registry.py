@@ -8,12 +8,13 @@ family table is generated from.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
 from ..errors import FamilyError
-from .entry import COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Family
+from .entry import (COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family,
+                    Scoring, SharedExpert)
 
 _FAMILIES: dict[str, Family] = {}
 _BY_BLOCK_CLASS: dict[str, Family] = {}
@@ -55,6 +56,14 @@ def register(family: Family, *, replace: bool = False) -> Family:
     return family
 
 
+#: The entry classes a family's fields hold (a plain string or tuple there fails later, far from the cause).
+FIELD_KINDS = {
+    "block_attr": str, "router": str, "experts": str, "logits_op": str, "scoring": Scoring, "combine": Combine,
+    "shared": (SharedExpert, type(None)), "expert_gate": (ExpertGate, type(None)),
+    "expert_layout": (ExpertLayout, type(None)),
+}
+
+
 def _check_description(family: Family) -> None:
     """Raise a `FamilyError` for fields of the wrong kind (a string where names are listed) or an unknown word."""
     if not isinstance(family.name, str) or not family.name:
@@ -66,6 +75,19 @@ def _check_description(family: Family) -> None:
                 f"family {family.name!r}: {field_name} must be a tuple of names, got {value!r}"
                 + (f"; write ({value!r},)." if isinstance(value, str) else ".")
             )
+    for field_name, kind in FIELD_KINDS.items():
+        value = getattr(family, field_name)
+        if not isinstance(value, kind):
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            expected = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise FamilyError(f"family {family.name!r}: {field_name} must be a {expected}, got {value!r}.")
+    for field_name in ("scoring_by_router", "refused", "runs_only_on"):
+        value = getattr(family, field_name)
+        if not isinstance(value, Mapping):
+            raise FamilyError(f"family {family.name!r}: {field_name} must be a mapping (a dict), got {value!r}.")
+    if not all(isinstance(scoring, Scoring) for scoring in family.scoring_by_router.values()):
+        raise FamilyError(f"family {family.name!r}: scoring_by_router must map router classes to Scoring entries, "
+                          f"got {dict(family.scoring_by_router)!r}.")
     if family.shared is not None and family.shared.when not in SHARED_TIMES:
         raise FamilyError(
             f"family {family.name!r}: shared expert time {family.shared.when!r} is not one of {SHARED_TIMES}."
