@@ -617,6 +617,32 @@ def test_a_family_left_at_the_default_block_attr_finds_where_its_blocks_sit():
         moelens.families.unregister("custom")
 
 
+def test_a_registered_selection_bias_that_names_nothing_is_warned_about():
+    """A typo there left routing ranked by the logits: route_around then missed the router's own bias."""
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    for bias, warned in (("router.bais", True), ("router.weight", False)):
+        moelens.families.register(Family(
+            "custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser", experts="pool",
+            logits_op="torch_nn_functional_linear_0",
+            scoring=moelens.Scoring("softmax", "score_topk", selection_bias=bias, selection_op="torch_topk_0")))
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                moelens.wrap(CustomModel(config))
+            messages = [str(w.message) for w in caught if "selection_bias" in str(w.message)]
+            assert messages == ([f"family 'custom': selection_bias 'router.bais' names nothing on block layers.0.ffn "
+                                 f"(family 'custom': cannot read 'router.bais' from CustomBlock ('LinearRouter' object "
+                                 "has no attribute 'bais'); the family entry does not match this model). Its routing is "
+                                 "served as ranked by router_logits, so route_around and force write the logits, not "
+                                 "what the router ranks. Fix the family's selection_bias (None when the router adds no "
+                                 "bias)."] if warned else [])
+        finally:
+            moelens.families.unregister("custom")
+    with warnings.catch_warnings():  # moelens' own entries leave the bias out where the config does
+        warnings.simplefilter("error")
+        moelens.wrap(tiny_model("lfm2_moe", use_expert_bias=False))
+
+
 @pytest.mark.parametrize("field, value, expected", [
     ("scoring", "softmax", "Scoring"), ("shared", "shared_expert", "SharedExpert or None"),
     ("combine", "sum", "Combine"), ("router", None, "str"), ("refused", ("shared_expert_output",), "mapping"),

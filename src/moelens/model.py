@@ -101,6 +101,26 @@ def _check_router(name: str, module: torch.nn.Module, family: Family) -> None:
         ) from None
 
 
+def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Warn when a registered family's ``selection_bias`` names nothing on its block (a typo there
+    would leave routing ranked by the logits, and route_around / force writing the wrong value).
+
+    moelens' own entries are not checked: their routers leave the bias out when the config does.
+    """
+    scoring = family.scoring_of(module)
+    if not (scoring.selection_op and scoring.selection_bias) or registry.is_built_in(family):
+        return
+    try:
+        family.resolve(scoring.selection_bias, module)
+    except FamilyError as error:
+        warnings.warn(
+            f"family {family.name!r}: selection_bias {scoring.selection_bias!r} names nothing on block {name} "
+            f"({_sentence(error)}). Its routing is served as ranked by router_logits, so route_around and force write the "
+            "logits, not what the router ranks. Fix the family's selection_bias (None when the router adds no bias).",
+            stacklevel=4,
+        )
+
+
 def _has_child(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
     return any(isinstance(getattr(module, name, None), torch.nn.Module) for name in names)
 
@@ -169,6 +189,7 @@ def discover(model: torch.nn.Module) -> Structure:
     structure = Structure()
     unknown: list[str] = []
     idle: dict[str, str] = {}  # family -> a block of it that holds no experts module where it says
+    checked_bias: set[str] = set()  # families whose selection_bias was looked for (on their first block)
     for name, module in model.named_modules():
         family = registry.for_block(module)
         if family is None:
@@ -181,6 +202,9 @@ def discover(model: torch.nn.Module) -> Structure:
             continue
         _check_router(name, module, family)
         _check_block_attr(model, name, family)
+        if family.name not in checked_bias:
+            checked_bias.add(family.name)
+            _check_selection_bias(name, module, family)
         structure.family = structure.family or family
         structure.moe_blocks.append(name)
         layers = _layer_list(name)

@@ -21,6 +21,8 @@ _BY_BLOCK_CLASS: dict[str, Family] = {}
 #: Every registration in force, oldest first. A later entry under a name shadows the earlier ones
 #: until it is unregistered; a block class belongs to the newest unshadowed entry naming it.
 _REGISTERED: list[Family] = []
+#: moelens' own entries (`register_all`).
+_BUILT_IN: list[Family] = []
 
 
 def register(family: Family, *, replace: bool = False) -> Family:
@@ -122,7 +124,12 @@ def _check_description(family: Family) -> None:
 def register_all(families: Iterable[Family]) -> None:
     """Register the built-in entries of one family module."""
     for family in families:
-        register(family)
+        _BUILT_IN.append(register(family))
+
+
+def is_built_in(family: Family) -> bool:
+    """Whether ``family`` is one of moelens' own entries (not one a user registered)."""
+    return any(family is entry for entry in _BUILT_IN)
 
 
 def unregister(name: str) -> None:
