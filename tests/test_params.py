@@ -260,3 +260,21 @@ def test_stacked_biases_are_cut_per_expert():
     assert params.gate_bias.shape == (moe.num_experts, glu.w1.shape[0] // moe.num_experts)
     assert params.gate_bias.data_ptr() == glu.w1_bias.data_ptr()
     assert torch.equal(moe.params(3).gate_bias, glu.w1_bias.detach().view(moe.num_experts, -1)[3])
+
+
+def test_a_router_bias_outside_the_logits_call_is_not_served_as_theirs():
+    """A router keeping a `bias` its F.linear does not pass (a selection bias): it was served as router_bias."""
+    hf = tiny_model("mixtral")
+    for layer in hf.model.layers:  # MixtralTopKRouter: F.linear(hidden_states, self.weight), no bias
+        layer.mlp.gate.bias = torch.nn.Parameter(torch.randn(8))
+    model = moelens.wrap(hf)
+    moe = model.moes[1]
+    params = moe.params()
+    assert params.router.data_ptr() == moe.router._module.weight.data_ptr() and params.router_bias is None
+    inputs = tiny_inputs(hf)
+    with torch.no_grad(), model.trace(**inputs):
+        hidden = moe.router.input.save()
+        logits = moe.router_logits.save()
+    torch.testing.assert_close(logits.reshape(-1, 8), hidden.reshape(-1, hidden.shape[-1]) @ params.router.T)
+    privacy = moelens.wrap(tiny_model("openai_privacy_filter")).moes[0]  # F.linear(x, w.float(), self.bias.float())
+    assert privacy.params().router_bias.data_ptr() == privacy.router._module.bias.data_ptr()

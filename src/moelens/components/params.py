@@ -13,13 +13,17 @@ experts, from the family entry (`moelens.families.ExpertLayout`).
 
 from __future__ import annotations
 
+import ast
+import functools
 import operator
 import re
 from dataclasses import dataclass, fields
+from types import CodeType
 from typing import Any
 
 import torch
 from jaxtyping import Float
+from nnsight.intervention.source import OP, Instrument, SourceNotAvailable, source_tree
 from torch import Tensor
 
 from ..errors import ValueUnavailable, WriteError
@@ -119,8 +123,16 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     router = get_path(block, family.router)
     op = family.logits_op
     named = re.fullmatch(r"self_(\w+?)_\d+", op)
-    if op in LINEAR_OPS or (op == "forward_0" and isinstance(router, torch.nn.Linear)):
-        weight, bias = getattr(router, "weight", None), getattr(router, "bias", None)
+    if op == "forward_0" and isinstance(router, torch.nn.Linear):
+        weight, bias = router.weight, router.bias
+    elif op in LINEAR_OPS:
+        try:
+            bias_name = linear_call_bias(type(router).forward.__code__, op)
+        except (SourceNotAvailable, AttributeError):  # no readable source: its own bias, as nn.Linear has
+            bias_name = "bias"
+        if bias_name is UNREADABLE:
+            return None
+        weight, bias = getattr(router, "weight", None), getattr(router, bias_name, None) if bias_name else None
     elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
         linear = getattr(router, named.group(1))
         weight, bias = linear.weight, linear.bias
@@ -129,6 +141,52 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != num_experts:
         return None
     return weight, (bias if isinstance(bias, Tensor) else None)
+
+
+#: Tensor methods that change only a dtype or device (what a router may call on its bias in the linear call).
+CASTS = ("float", "to", "half", "bfloat16", "double", "type_as")
+
+#: What `linear_call_bias` returns for a bias argument that is no attribute of the router.
+UNREADABLE = object()
+
+
+class _Calls(Instrument):
+    """nnsight's op numbering, keeping each call's arguments (label -> (args, keywords))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arguments: dict[str, tuple[list, list]] = {}
+
+    def wrap(self, name: str, fn: Any, args: list, keywords: list, node: Any) -> Any:
+        call = super().wrap(name, fn, args, keywords, node)
+        self.arguments[self.names[-1]] = (args, keywords)
+        return call
+
+
+@functools.lru_cache(maxsize=None)
+def linear_call_bias(forward: CodeType, op: str) -> Any:
+    """The router attribute the ``op`` call of ``forward`` passes as its bias (``F.linear(x, self.weight,
+    self.bias)``: ``"bias"``), None for a call without one, `UNREADABLE` for another expression or no such op.
+
+    Read from the source, as nnsight numbers its ops: a router may keep a ``bias`` it adds
+    elsewhere (a selection bias), which is no part of the logits.
+    """
+    calls = _Calls()
+    calls.visit(source_tree(forward)[0])
+    if op not in calls.arguments:
+        return UNREADABLE
+    args, keywords = calls.arguments[op]
+    bias = args[2] if len(args) > 2 else next((k.value for k in keywords if k.arg == "bias"), None)
+    if bias is None or isinstance(bias, ast.Constant) and bias.value is None:
+        return None
+    while isinstance(bias, ast.Call):  # self.bias.float(), which nnsight has rewritten as an op call of its own
+        method = bias.args[1] if isinstance(bias.func, ast.Name) and bias.func.id == OP and len(bias.args) > 1 else None
+        if not (isinstance(method, ast.Attribute) and method.attr in CASTS):
+            return UNREADABLE
+        bias = method.value
+    if isinstance(bias, ast.Attribute) and isinstance(bias.value, ast.Name) and bias.value.id == "self":
+        return bias.attr
+    return UNREADABLE
 
 
 def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:
