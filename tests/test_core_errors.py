@@ -510,6 +510,48 @@ def test_a_registered_custom_family_is_served():
         moelens.families.unregister("custom")
 
 
+class KeywordBlock(CustomBlock):
+    """Calls its experts with the routing as keywords: experts(x, top_k_index=..., top_k_weights=...)."""
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        flat = hidden.reshape(-1, d)
+        _, weights, index = self.chooser(flat)
+        return self.pool(flat, top_k_index=index, top_k_weights=weights).reshape(b, s, d)
+
+
+def test_experts_called_with_keywords_serve_and_take_the_routing():
+    """Reading expert_weights / expert_indices of such a call raised a raw IndexError."""
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    positional = CustomModel(config).eval()
+    for parameter in positional.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    keyword = copy.deepcopy(positional)
+    for layer in keyword.layers:
+        layer["ffn"].__class__ = KeywordBlock
+    ids = torch.randint(0, 64, (2, 3))
+    results = []
+    for model, block in ((positional, "CustomBlock"), (keyword, "KeywordBlock")):
+        moelens.families.register(Family(
+            "custom", ("custom",), (block,), block_attr="ffn", router="chooser", experts="pool",
+            logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk")))
+        try:
+            wrapped = moelens.wrap(model)
+            with torch.no_grad(), wrapped.trace(ids):
+                weights = wrapped.moes[0].expert_weights.save()
+                indices = wrapped.moes[0].expert_indices.save()
+                moelens.ablate(wrapped.moes[1], 2)
+                moelens.reroute(wrapped.moes[1], (0, 1), 3)
+                output = wrapped.output.save()
+            results.append((weights, indices, output))
+        finally:
+            moelens.families.unregister("custom")
+    for positional_value, keyword_value in zip(*results):
+        assert torch.equal(positional_value, keyword_value)
+
+
 class LoopExperts(torch.nn.Module):
     """Experts called like transformers' but not decorated: a loop of their own, no grouped_mm."""
 

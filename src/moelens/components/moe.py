@@ -322,8 +322,9 @@ class Moe(Mlp):
             "router_logits": Binding(f"{self.router.path}.source.{family.logits_op}.output", features=1,
                                      infinities=ANY_INF if self._scores_saturate else MINUS_INF,
                                      min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
-            "expert_weights": Binding(f"{experts}.input", 1, *argument(2)),
-            "expert_indices": Binding(f"{experts}.input", 1, *argument(1), kind=INDEX, upper=self.num_experts),
+            "expert_weights": Binding(f"{experts}.input", 1, *argument(2, "top_k_weights")),
+            "expert_indices": Binding(f"{experts}.input", 1, *argument(1, "top_k_index"), kind=INDEX,
+                                      upper=self.num_experts),
             "routed_output": Binding(f"{experts}.output", 1, *output_of(None)),
             "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index)),
         }

@@ -95,15 +95,25 @@ def output_of(index: int | None) -> tuple[Callable, Callable]:
     )
 
 
-def argument(position: int) -> tuple[Callable, Callable]:
-    """``pick`` / ``put`` for one positional argument of a call's ``(args, kwargs)``."""
+def argument(position: int, keyword: str | None = None) -> tuple[Callable, Callable]:
+    """``pick`` / ``put`` for one argument of a call's ``(args, kwargs)``: at ``position``, or passed as ``keyword``."""
 
     def pick(raw: Any) -> torch.Tensor:
-        args, _ = raw
-        return args[position]
+        args, kwargs = raw
+        if len(args) > position:
+            return args[position]
+        if keyword in kwargs:
+            return kwargs[keyword]
+        raise ValueUnavailable(
+            f"the call passed {len(args)} positional arguments and {sorted(kwargs) or 'no keywords'}, but moelens "
+            f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + ": call it with that argument "
+            "(experts: experts(hidden_states, top_k_index, top_k_weights), transformers' signature)."
+        )
 
     def put(raw: Any, tensor: torch.Tensor) -> Any:
         args, kwargs = raw
+        if len(args) <= position and keyword in kwargs:
+            return args, {**kwargs, keyword: tensor}
         return (*args[:position], tensor, *args[position + 1 :]), kwargs
 
     return pick, put
