@@ -510,6 +510,44 @@ def test_a_registered_custom_family_is_served():
         moelens.families.unregister("custom")
 
 
+def test_invokes_batch_for_a_plain_module_without_config_or_mask():
+    """CustomModel.forward takes input_ids only, and one copy has no config: several invokes raised raw
+    AttributeError / TypeError (moelens passed attention_mask and position_ids)."""
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    model = CustomModel(config).eval()
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    bare = copy.deepcopy(model)
+    del bare.config
+    first, second = torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])
+    moelens.families.register(Family(
+        "custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser", experts="pool",
+        logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk")))
+    try:
+        for wrapped in (moelens.wrap(model), moelens.wrap(bare)):
+            alone = []
+            for ids in (first, second):
+                with wrapped.trace(ids):
+                    alone.append(wrapped.moes[1].expert_weights.save())
+            with wrapped.trace() as tracer:
+                with tracer.invoke(first):
+                    a = wrapped.moes[1].expert_weights.save()
+                with tracer.invoke(second):
+                    b = wrapped.moes[1].expert_weights.save()
+            torch.testing.assert_close([a, b], alone)
+            with pytest.raises(moelens.MoelensError, match=r"invokes of different lengths are left-padded and masked, "
+                                                           r"but CustomModel.forward takes no attention_mask"):
+                with wrapped.trace() as tracer:
+                    with tracer.invoke(first):
+                        pass
+                    with tracer.invoke(second[:, :2]):
+                        pass
+    finally:
+        moelens.families.unregister("custom")
+
+
 class KeywordBlock(CustomBlock):
     """Calls its experts with the routing as keywords: experts(x, top_k_index=..., top_k_weights=...)."""
 

@@ -11,6 +11,7 @@ list, ``model.layers[i].mlp`` the block whatever the family calls it, and
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -332,7 +333,8 @@ class MoeNNsight(MoeModelMixin, NNsight):
     """A transformers model without a tokenizer: token-id inputs only, with moelens components.
 
     Several invokes are batched by left-padding their ``input_ids`` with the
-    config's pad token (0 when it has none) and masking the padding.
+    config's pad token (0 when it has none) and masking the padding (a forward
+    that takes no ``attention_mask`` batches invokes of one length only).
     """
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
@@ -358,7 +360,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "padding and masks."
                 )
             rows.extend(ids.reshape(-1, ids.shape[-1]))
-        pad = getattr(self._module.config, "pad_token_id", None) or 0
+        pad = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
         width = max(row.shape[0] for row in rows)
         input_ids = torch.full((len(rows), width), pad, dtype=rows[0].dtype)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -366,7 +368,23 @@ class MoeNNsight(MoeModelMixin, NNsight):
             input_ids[index, width - row.shape[0] :] = row
             attention_mask[index, width - row.shape[0] :] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return (), {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        taken = {name: value for name, value in batch.items() if name == "input_ids" or _takes(self._module, name)}
+        if "attention_mask" not in taken and not attention_mask.all():
+            raise MoelensError(
+                f"invokes of different lengths are left-padded and masked, but {type(self._module).__name__}.forward "
+                "takes no attention_mask: give every invoke the same number of tokens, or run them in separate traces."
+            )
+        return (), taken
+
+
+def _takes(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward accepts the keyword ``name`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: assume it does, as transformers models do
+        return True
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _is_text(value: Any) -> bool:
