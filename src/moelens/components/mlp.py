@@ -1,4 +1,4 @@
-"""`Mlp`: a dense feed-forward block (a dense layer of a mixed model, a shared expert).
+"""`Mlp`: a dense feed-forward block (the dense layers of a mixed or dense model).
 
 Serves what the block adds to the residual stream (`mlp_output`) and its hidden
 activations (`mlp_activation`, alias `mlp_neurons`): the input of its down

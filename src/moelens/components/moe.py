@@ -174,7 +174,8 @@ class Moe(Mlp):
             f"per-slot values exist only inside the {', '.join(serving())} experts implementations, "
             f"and this block runs {implementation!r} (a loop over experts with no [tokens, k, ...] tensor)",
             'switch with model.set_experts_implementation("grouped_mm") (or load with '
-            'experts_implementation="grouped_mm").',
+            'experts_implementation="grouped_mm"; a model that is no transformers PreTrainedModel: set '
+            '_experts_implementation = "grouped_mm" on the config its experts were built with).',
         )
 
     def no_shared_expert(self, name: str = "shared_expert_output") -> ValueUnavailable:
