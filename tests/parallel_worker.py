@@ -488,6 +488,7 @@ def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:
                 lm_ep.moes[0].expert_outputs.save()
 
         result["per_slot_error"] = _error_text(per_slot)
+        result["params_error"] = _error_text(lambda: lm_ep.moes[0].params(0).down.zero_())  # an edit would be lost
         plain_ref = traced_logits(lm_ref, ids)
         result["interventions"], result["effects"] = {}, {}
         far, near = busiest(values_ref, E, WORLD, 1), busiest(values_ref, E, WORLD, 0)
@@ -526,7 +527,14 @@ def suite_single(args: dict) -> dict[str, Callable[[], Any]]:
         with lm_ref.trace(ids):
             expected = lm_ref.save_all()
         names = expected[next(iter(expected))]
+
+        def params() -> float:  # a group of one rank holds every expert: all of them are served
+            mine, theirs = lm.moes[0].params().items(), lm_ref.moes[0].params().items()
+            assert [name for name, _ in mine] == [name for name, _ in theirs]
+            return max(maxdiff(a, b) for (_, a), (_, b) in zip(mine, theirs))
+
         return {
+            "params": _error_text(params) or params(),
             "logits": maxdiff(logits_of(model(input_ids=ids)), logits_of(ref(input_ids=ids))),
             "implementation": lm.moes[0].experts_implementation,
             "missing_values": sorted(set(names) - set(values[next(iter(values))])),

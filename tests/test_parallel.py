@@ -227,6 +227,7 @@ def test_torch_a2a_in_one_process() -> None:
     def check(case: str, m: dict[str, Any]) -> list[str]:
         problems = close("logits", m["logits"]) + [f"missing {m['missing_values']}"] * bool(m["missing_values"])
         problems += [] if m["implementation"] == "torch_a2a" else [f"runs {m['implementation']}"]
+        problems += [f"params: {m['params']}"] if isinstance(m["params"], str) else close("params", m["params"])
         for name, value in m["values"].items():
             problems += close(f"value {name}", value)
         return problems
@@ -366,6 +367,8 @@ def test_transformers_expert_parallelism(saved_models: list[str]) -> None:
             problems += close(f"value {name}", value)
         if not m["per_slot_error"].startswith("ValueUnavailable") or "shard_experts" not in m["per_slot_error"]:
             problems.append(f"per-slot read: {m['per_slot_error']!r}")
+        if not m["params_error"].startswith("ValueUnavailable") or "is a DTensor" not in m["params_error"]:
+            problems.append(f"params of DTensor experts: {m['params_error']!r}")
         for name, value in m["interventions"].items():
             problems += close(f"intervention {name}", value)
             if m["effects"][name] <= EFFECT:

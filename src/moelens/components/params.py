@@ -91,7 +91,8 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     index = None if expert is None else check_expert(expert, num_experts, where)
     experts = get_path(block, family.experts)
     held, slot = num_experts, index  # the experts this process holds, and the asked one's place among them
-    if "_ep_size" in experts.__dict__:  # sharded by moelens.parallel.shard_experts: this rank holds a slice
+    if "_ep_size" in experts.__dict__ and experts._ep_num_local < num_experts:  # moelens.parallel.shard_experts:
+        # this rank holds a slice (a group of one rank holds them all)
         from ..parallel.degrees import expert_owner
 
         held, first = experts._ep_num_local, experts._ep_first
@@ -269,9 +270,16 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
 def editable(weight: Tensor, name: str) -> Tensor:
     """``weight`` detached (a view of the same memory), once it is a loaded floating-point tensor.
 
-    Raises `ValueUnavailable` for a meta tensor (nothing loaded: an edit would be lost) and for
+    Raises `ValueUnavailable` for a DTensor or a meta tensor (an edit would be lost) and for
     integer or float8 storage (quantized weights, where a view is not the weight).
     """
+    if hasattr(weight, "device_mesh") and hasattr(weight, "placements"):  # a torch.distributed DTensor
+        raise ValueUnavailable(
+            f"{name} is a DTensor (transformers' own tensor / expert parallelism shards it over the ranks), so a view "
+            "of it is not the weights this rank keeps and an edit would be lost; edit the weights before sharding "
+            "them, or load the model whole and shard its experts with moelens.parallel.shard_experts (whose views "
+            "are the rank's own experts)."
+        )
     if weight.is_meta:
         raise ValueUnavailable(
             f"{name} is on the meta device (its data is not loaded: accelerate offload or init_empty_weights), so "
