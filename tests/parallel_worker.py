@@ -673,7 +673,24 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
         result["untouched"] = float(sharded.experts._module.down_proj[: local - 1].abs().min())
         return result
 
-    cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params}
+    def one_rank_refused() -> dict[str, Any]:
+        # rank 1 alone brings a model shard_experts refuses: every rank raises (the others waited in the
+        # exchange for rank 1, a gloo abort), whether rank 1's model is dense or carries LoRA adapters.
+        from moelens.compress import tomoe
+        from test_compress_helpers import ids as make_ids, llama
+
+        errors = {}
+        for odd in ("dense", "lora"):
+            if odd == "dense":
+                model = tiny_model("mixtral", experts_implementation="grouped_mm") if RANK == 0 else llama()
+            else:  # the same converted model, with LoRA adapters on rank 1 only (the experts' layout agrees)
+                model = tomoe(llama(), num_experts=4, top_k=2, calibration=make_ids(8, 16, 1), max_error=10.0,
+                              lora_r=2 if RANK == 1 else 0, progress=False)
+            errors[odd] = _error_text(lambda: shard_experts(model))
+        return errors
+
+    cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params,
+             "one_rank_refused": one_rank_refused}
     return {name: cases[name] for name in args.get("cases", cases)}
 
 

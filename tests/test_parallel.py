@@ -432,6 +432,18 @@ def test_shard_experts_refuses_lora_adapters_it_would_not_slice() -> None:
     assert not failures(results, "copies", check)
 
 
+def test_a_model_refused_on_one_rank_is_refused_on_every_rank() -> None:
+    results = spawn(2, {"copies": {"cases": ["one_rank_refused"]}})
+    found = []
+    for rank, by_suite in enumerate(results):
+        for odd, error in by_suite["copies"]["one_rank_refused"].items():
+            expected = ("ranks [1] of the group refused to shard their model" if rank == 0
+                        else "has no MoE block" if odd == "dense" else "carries LoRA adapters")
+            if not error.startswith("MoelensError") or expected not in error:
+                found.append(f"rank {rank}, rank 1 {odd}: {error!r}")
+    assert not found
+
+
 def test_params_of_sharded_experts() -> None:
     """Moe.params on a model sharded over 2 ranks: each rank serves its own experts (equal to the
     unsharded model's, as views of its slice) and names the rank that holds any other."""

@@ -59,18 +59,28 @@ def _layout(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]]) -> 
     )
 
 
-def _check_same_model(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]], group: Any, rank: int) -> None:
-    """Raise on every rank when the ranks of ``group`` hold models whose experts differ in layout.
+def _check_every_rank(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]], group: Any, rank: int,
+                      refusal: str) -> None:
+    """Raise on every rank of ``group`` when one of them refuses to shard (``refusal``: this rank's reason,
+    ``""`` for none) or when the ranks hold models whose experts differ in layout.
 
-    Ranks with other expert counts, widths or layers would exchange rows of other sizes
-    (a gloo abort, or silently wrong outputs); one small all-gather before sharding
-    turns that into this error.
+    A rank raising alone would leave the others waiting in the exchange (a gloo abort or a hang),
+    and ranks with other expert counts, widths or layers would exchange rows of other sizes: one
+    small all-gather before sharding turns both into this error on every rank.
     """
     layout = _layout(blocks)
-    digest = torch.tensor([zlib.crc32(layout.encode())], dtype=torch.long)
-    everyone = [torch.zeros_like(digest) for _ in range(group_size(group))]
-    dist.all_gather(everyone, digest, group=group)
-    differing = [index for index, other in enumerate(everyone) if int(other) != int(digest)]
+    mine = torch.tensor([zlib.crc32(layout.encode()), int(bool(refusal))], dtype=torch.long)
+    everyone = [torch.zeros_like(mine) for _ in range(group_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if refusal:
+        raise MoelensError(refusal)
+    refusing = [index for index, other in enumerate(everyone) if int(other[1])]
+    if refusing:
+        raise MoelensError(
+            f"shard_experts: ranks {refusing} of the group refused to shard their model (their errors say why), so "
+            "no rank shards; every rank must call it on the same model."
+        )
+    differing = [index for index, other in enumerate(everyone) if int(other[0]) != int(mine[0])]
     if differing:
         raise MoelensError(
             f"shard_experts: the ranks of the group hold different models: the experts of ranks {differing} differ "
@@ -106,7 +116,8 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     Raises:
         MoelensError: torch.distributed is not initialised, the model has no MoE
             block, a block's experts cannot run ``torch_a2a``, or a block's E is not
-            a multiple of the group size. Every block is checked before any is
+            a multiple of the group size; on every rank of the group when one rank's
+            model is refused or differs. Every block is checked before any is
             sharded: a refused model is left as it was.
     """
     if not dist.is_initialized():
@@ -116,10 +127,14 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     if rank < 0:
         raise MoelensError("shard_experts: this rank is not a member of the given group; pass its own EP group.")
     blocks = _experts_of(model)
-    if not blocks:
-        raise MoelensError(f"shard_experts: {type(model).__name__} has no MoE block moelens knows.")
-    _check_same_model(blocks, group, rank)
-    counts = _expert_counts(blocks, size)  # refuses before anything is changed
+    counts, refusal = [], ""
+    try:  # refuses before anything is changed, on every rank at once
+        if not blocks:
+            raise MoelensError(f"shard_experts: {type(model).__name__} has no MoE block moelens knows.")
+        counts = _expert_counts(blocks, size)
+    except MoelensError as error:
+        refusal = str(error)
+    _check_every_rank(blocks, group, rank, refusal)
     register_torch_a2a()
     model.set_experts_implementation(NAME)
     holder = SharedGroup(group)
