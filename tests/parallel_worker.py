@@ -689,8 +689,18 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
             errors[odd] = _error_text(lambda: shard_experts(model))
         return errors
 
+    def export_refused() -> str:
+        # an archive of a sharded model would miss the other ranks' experts; the refusal said "remove the hook"
+        import tempfile
+
+        from moelens.export import to_nnef
+
+        sharded = moelens.wrap(shard_experts(tiny_model("mixtral", experts_implementation="grouped_mm"), None))
+        with tempfile.TemporaryDirectory() as folder:
+            return _error_text(lambda: to_nnef(sharded, Path(folder) / "sharded.nnef.tgz", verify=False))
+
     cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params,
-             "one_rank_refused": one_rank_refused}
+             "one_rank_refused": one_rank_refused, "export_refused": export_refused}
     return {name: cases[name] for name in args.get("cases", cases)}
 
 

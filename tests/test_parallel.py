@@ -444,6 +444,13 @@ def test_a_model_refused_on_one_rank_is_refused_on_every_rank() -> None:
     assert not found
 
 
+def test_export_of_a_sharded_model_is_refused_as_such() -> None:
+    results = spawn(2, {"copies": {"cases": ["export_refused"]}})
+    errors = [by_suite["copies"]["export_refused"] for by_suite in results]
+    assert all(error.startswith("ExportRefused: model.layers.0.mlp: the experts are sharded over ranks") for error in errors)
+    assert "holds only experts 0 to 3" in errors[0] and "holds only experts 4 to 7" in errors[1], errors
+
+
 def test_params_of_sharded_experts() -> None:
     """Moe.params on a model sharded over 2 ranks: each rank serves its own experts (equal to the
     unsharded model's, as views of its slice) and names the rank that holds any other."""

@@ -18,6 +18,7 @@ import torch
 from ..components import Moe
 from ..components.base import layer_of
 from ..families import Family, registry
+from ..families.entry import get_path
 from ..model import discover
 from .errors import ExportError, ExportRefused
 
@@ -82,8 +83,22 @@ def resolve(model: Any) -> Target:
             f"{type(target.module).__name__} has no MoE block of a registered moelens family, so there is no "
             "tract_moe_ffn to export; use torch-to-nnef directly for dense models."
         )
+    _refuse_sharded(target)
     _refuse_hooks(target)
     return target
+
+
+def _refuse_sharded(target: Target) -> None:
+    for block in target.blocks:
+        root = target.module.get_submodule(block.name) if block.name else target.module
+        experts = get_path(root, block.family.experts)
+        if "_ep_group" in experts.__dict__ and experts._ep_num_local < experts.num_experts:
+            first = experts._ep_first
+            raise ExportRefused(
+                f"{block.name or type(root).__name__}: the experts are sharded over ranks (moelens.parallel."
+                f"shard_experts) and this rank holds only experts {first} to {first + experts._ep_num_local - 1}, so "
+                "an archive would miss the others. Export the model loaded whole, before shard_experts."
+            )
 
 
 def _refuse_edits(wrapped: Any) -> None:
