@@ -451,6 +451,13 @@ def test_export_of_a_sharded_model_is_refused_as_such() -> None:
     assert "holds only experts 0 to 3" in errors[0] and "holds only experts 4 to 7" in errors[1], errors
 
 
+def test_scan_of_a_sharded_model_says_why_it_cannot_run() -> None:
+    results = spawn(2, {"copies": {"cases": ["scan_refused"]}})
+    errors = [by_suite["copies"]["scan_refused"] for by_suite in results]
+    assert all("torch_a2a cannot run on nnsight's shape-only tensors (model.scan)" in error
+               and "Scan the model before shard_experts" in error for error in errors), errors
+
+
 def test_params_of_sharded_experts() -> None:
     """Moe.params on a model sharded over 2 ranks: each rank serves its own experts (equal to the
     unsharded model's, as views of its slice) and names the rank that holds any other."""

@@ -31,9 +31,11 @@ import torch
 from jaxtyping import Float, Int
 from nnsight.intervention.source import STATE
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from transformers.integrations.moe import _grouped_linear
 
 from ..components.implementations import IMPLEMENTATION_CALL, ExpertsOps
+from ..errors import MoelensError
 from .a2a import Plan, plan_dispatch
 from .comm import group_size, stored_group
 
@@ -124,6 +126,12 @@ def torch_a2a_experts_forward(
             expert local).
     """
     group = process_group if process_group is not None else stored_group(self)
+    if is_fake(hidden_states) and group_size(group) > 1:
+        raise MoelensError(
+            "torch_a2a cannot run on nnsight's shape-only tensors (model.scan): how many rows each rank sends "
+            "depends on the routing. Scan the model before shard_experts (or a copy loaded whole): the values' "
+            "shapes are the same, with this rank's tokens."
+        )
     num_tokens = hidden_states.size(0)
     num_top_k = top_k_index.size(-1)
     hidden_dim = hidden_states.size(-1)
