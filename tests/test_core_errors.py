@@ -156,6 +156,22 @@ def test_reading_out_of_order_names_the_order(mixtral):
             wrapped.moes[1].router_logits.save()
 
 
+def test_activations_after_a_raw_op_past_the_sort_name_the_sort(mixtral):
+    """Read in execution order from the user's side, yet refused: the message said they were not."""
+    wrapped, inputs = mixtral
+    assert wrapped.moes[0].experts_implementation == "grouped_mm"
+    with pytest.raises(OrderError, match=r"expert_activations is put into token-slot order with the sort permutation "
+                                         r"of the grouped_mm experts implementation \(torch_sort_0.*read "
+                                         r"expert_activations first"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].experts.source.experts_forward_1.source._grouped_linear_0.output.save()
+            wrapped.moes[0].expert_activations.save()
+    with wrapped.trace(**inputs):  # the documented order works
+        activations = wrapped.moes[0].expert_activations.save()
+        up = wrapped.moes[0].experts.source.experts_forward_1.source._grouped_linear_1.input.save()
+    assert activations.numel() == up.numel()
+
+
 def test_value_errors_are_never_attribute_errors(mixtral):
     wrapped, inputs = mixtral
     for name in ("shared_expert_output", "mlp_activation"):

@@ -35,7 +35,7 @@ from jaxtyping import Float, Int
 from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
-from ..errors import ValueUnavailable, WriteError
+from ..errors import OrderError, ValueUnavailable, WriteError
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
@@ -406,9 +406,17 @@ class Moe(Mlp):
 
         sort_location = self._nested(ops.sort)
 
+        def sort_passed() -> OrderError:
+            return OrderError(
+                f"{self.path}.{name} is put into token-slot order with the sort permutation of the "
+                f"{self.experts_implementation} experts implementation ({ops.sort}, which runs before the "
+                f"activations), and the model had run past that op when {name} was asked for (after an op of the "
+                f"implementation read directly, or a later value of this block): read {name} first."
+            )
+
         def prepare_sorted() -> Tensor:
             self._drill(name)
-            permutation = request(sort_location, lambda: self._order_error(name))[1]
+            permutation = request(sort_location, sort_passed)[1]
             rows = tokens.current_rows(sort_location)
             if rows.batching and permutation.shape[0] == rows.size:
                 raise self.unavailable(
