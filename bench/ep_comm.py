@@ -99,7 +99,11 @@ def _hf_bytes(model: torch.nn.Module, hidden: torch.Tensor, idx: torch.Tensor, w
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed import expert_parallel as hf_ep
 
-    experts = copy.deepcopy(model.model.layers[0].mlp.experts)
+    from moelens.families import registry
+    from moelens.model import discover
+
+    block = model.get_submodule(discover(model).moe_blocks[0])  # the first MoE block (layer 0 may be dense)
+    experts = copy.deepcopy(block.get_submodule(registry.for_block(block).experts))
     E, rank = experts.num_experts, dist.get_rank()
     L = E // world
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -266,6 +270,8 @@ def main() -> None:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.rank_mode:
         rank_main(args)
         return

@@ -49,7 +49,7 @@ def median_ms(function, repeats: int, warmup: int = 5) -> float:
 
 
 def paired_ms(first, second, repeats: int, chunk: int = 10, warmup: int = 5) -> dict[str, tuple[float, float]]:
-    """Median ms of two functions, timed in alternating chunks of ``chunk`` consecutive runs.
+    """Median ms of two functions, ``repeats`` runs each, timed in alternating chunks of ``chunk`` consecutive runs.
 
     Returns ``{"cpu": (first, second), "wall": (first, second)}``. CPU time is this
     process's (every thread: tract hands some work to its own worker threads), so it is
@@ -59,11 +59,12 @@ def paired_ms(first, second, repeats: int, chunk: int = 10, warmup: int = 5) -> 
     """
     cpu: tuple[list, list] = ([], [])
     wall: tuple[list, list] = ([], [])
-    for _ in range(max(1, repeats // chunk)):
+    chunks = [chunk] * (repeats // chunk) + ([repeats % chunk] if repeats % chunk else [])  # `repeats` runs in all
+    for size in chunks:
         for index, function in enumerate((first, second)):
             for _ in range(warmup):
                 function()
-            for _ in range(chunk):
+            for _ in range(size):
                 start, start_cpu = time.perf_counter(), time.process_time()
                 function()
                 cpu[index].append((time.process_time() - start_cpu) * 1e3)
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50, help="timed runs per measurement (default 50)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(1)
 
     model, name = moelens.load(), "moelens-tiny"

@@ -199,6 +199,8 @@ def main() -> None:
     parser.add_argument("--where", default="disk", help=argparse.SUPPRESS)
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     if args.memory_run:
         memory_run(args)

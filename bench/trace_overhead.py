@@ -139,6 +139,8 @@ def main() -> None:
     parser.add_argument("--steady-malloc", action="store_true",
                         help="keep freed memory in the process (glibc mallopt): no page faults from fresh allocations")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     if args.steady_malloc:
         steady_malloc()
