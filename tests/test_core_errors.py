@@ -495,13 +495,19 @@ class CustomModel(torch.nn.Module):
         return hidden
 
 
-def test_a_registered_custom_family_is_served():
+def custom_model() -> CustomModel:
+    """A seeded `CustomModel` (2 layers of 4 experts, top-2, grouped_mm), its weights drawn (the experts' start empty)."""
     torch.manual_seed(0)
     config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
     config._experts_implementation = "grouped_mm"
     model = CustomModel(config).eval()
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
+    return model
+
+
+def test_a_registered_custom_family_is_served():
+    model = custom_model()
     family = moelens.families.register(Family(
         "custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser", experts="pool",
         logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk", normalize=False),
@@ -529,12 +535,7 @@ def test_a_registered_custom_family_is_served():
 def test_invokes_batch_for_a_plain_module_without_config_or_mask():
     """CustomModel.forward takes input_ids only, and one copy has no config: several invokes raised raw
     AttributeError / TypeError (moelens passed attention_mask and position_ids)."""
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
-    config._experts_implementation = "grouped_mm"
-    model = CustomModel(config).eval()
-    for parameter in model.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
+    model = custom_model()
     bare = copy.deepcopy(model)
     del bare.config
     first, second = torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])
@@ -576,12 +577,7 @@ class KeywordBlock(CustomBlock):
 
 def test_experts_called_with_keywords_serve_and_take_the_routing():
     """Reading expert_weights / expert_indices of such a call raised a raw IndexError."""
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
-    config._experts_implementation = "grouped_mm"
-    positional = CustomModel(config).eval()
-    for parameter in positional.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
+    positional = custom_model()
     keyword = copy.deepcopy(positional)
     for layer in keyword.layers:
         layer["ffn"].__class__ = KeywordBlock
