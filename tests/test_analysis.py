@@ -407,7 +407,7 @@ def test_expert_logit_lens_by_hand(qwen):
 
 # -- other families (no tokenizer: token-id corpora) ---------------------------------------------------
 
-OTHER_FAMILIES = ["mixtral", "deepseek_v3", "dbrx", "llama4"]
+OTHER_FAMILIES = ["mixtral", "deepseek_v3", "dbrx", "llama4", "longcat_flash"]
 
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)

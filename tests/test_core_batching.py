@@ -8,10 +8,10 @@ import torch
 
 import moelens
 from groundtruth import CASES, IDS, ascii_tokenizer, built, first_tensor
-from moelens.testing import FAMILIES, tiny_model
+from moelens.testing import FAMILIES, NOT_DECORATED, tiny_model
 
 VALUES = ("router_logits", "expert_weights", "expert_indices", "routed_output", "mlp_output")
-DEFAULT_CASES = [case for case in CASES if case[1] == "grouped_mm" or case[0] in ("llama4", "dbrx")]
+DEFAULT_CASES = [case for case in CASES if case[1] == "grouped_mm" or case[0] in NOT_DECORATED]
 DEFAULT_IDS = [i for case, i in zip(CASES, IDS) if case in DEFAULT_CASES]
 #: Families whose forward needs more than token ids and an attention mask to batch
 #: (inputs the padding collator does not know), or whose routing reads token ids.

@@ -18,7 +18,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 import moelens
 from groundtruth import built, first_tensor
 from moelens import Family, FamilyError, OrderError, ValueUnavailable, WriteError, families
-from moelens.testing import tiny_inputs, tiny_model
+from moelens.testing import NOT_DECORATED, tiny_inputs, tiny_model
 from moelens.families.scoring import score
 from moelens.testing.tiny import FAMILIES as TINY_FAMILIES
 
@@ -135,9 +135,11 @@ def test_moe_refuses_dense_activation_and_points_to_slots():
     ("llama4", "routed_output", "no experts"),
     ("gemma4", "mlp_output", "gemma4 has no MoE block"),
     ("dbrx", "expert_outputs", "eager loop only"),
+    ("step3p7", "expert_activations", "not decorated with transformers' use_experts_implementation"),
+    ("longcat_flash", "expert_outputs", "not decorated with transformers' use_experts_implementation"),
 ])
 def test_family_refusals_give_the_reason(family, value, match):
-    impl = "eager" if family in ("llama4", "dbrx") else "grouped_mm"
+    impl = "eager" if family in NOT_DECORATED else "grouped_mm"
     hf, wrapped, inputs, plain, reference = built(family, impl)
     with pytest.raises(ValueUnavailable, match=match):
         with wrapped.trace(**inputs):

@@ -151,3 +151,28 @@ def test_llama4_expert_weights_are_the_scores_its_router_returns(dtype):
     # float32: the same sigmoid on other shapes may differ in the last bit; in half precision the rounding must match
     tolerance = {"rtol": 1e-6, "atol": 0.0} if dtype == torch.float32 else {"rtol": 0.0, "atol": 0.0}
     torch.testing.assert_close(weights.reshape(expected.shape), expected, **tolerance)
+
+
+def test_zero_compute_experts_pass_their_input_through(observed):
+    """longcat_flash: routed_output is, per slot, its weight times its expert's SwiGLU FFN of the input (from
+    the params() views), or times the input itself for one of the last zero_expert_num experts."""
+    wrapped, hf, inputs, served, output, plain, raw = observed("longcat_flash", "eager")
+    zero_compute_slots = 0
+    for moe, values, truth in zip(running_moes(wrapped), served, raw):
+        params = moe.params()
+        with_weights = params.up.shape[0]
+        assert with_weights == moe.num_experts - moe._module.experts.zero_expert_num
+        hidden = truth.experts_args[0].reshape(-1, params.up.shape[-1])
+        indices = values["expert_indices"].reshape(hidden.shape[0], -1)
+        weights = values["expert_weights"].reshape(hidden.shape[0], -1)
+        expected = torch.zeros_like(hidden)
+        with torch.no_grad():
+            for token, (row, slot_weights) in enumerate(zip(indices.tolist(), weights)):
+                for expert, weight in zip(row, slot_weights):
+                    x = hidden[token]
+                    if expert < with_weights:
+                        x = params.down[expert] @ (torch.nn.functional.silu(params.gate[expert] @ x) * (params.up[expert] @ x))
+                    expected[token] += weight * x
+        zero_compute_slots += int((indices >= with_weights).sum())
+        close(values["routed_output"], expected.reshape(values["routed_output"].shape), atol=1e-6)
+    assert zero_compute_slots  # the identity path ran

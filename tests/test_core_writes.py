@@ -28,11 +28,13 @@ def routes_by_logits(moe) -> bool:
 
 
 def chosen_experts(wrapped, inputs) -> list[int]:
-    """For each running block, an expert the first token is routed to (so editing it matters)."""
+    """For each running block, an expert with weights the first token is routed to (so editing it matters)."""
     moes = running_moes(wrapped)
     with wrapped.trace(**inputs):
-        picks = nnsight.save([moe.expert_indices[0, 0, 0] for moe in moes])
-    return [int(pick) for pick in picks]
+        picks = nnsight.save([moe.expert_indices[0, 0] for moe in moes])
+    # longcat_flash: a slot's expert with weights, not one of its zero-compute experts
+    weighted = [moe.num_experts - moe.family.identity_count(moe._module) for moe in moes]
+    return [int(next((e for e in pick.tolist() if e < limit), pick[0])) for pick, limit in zip(picks, weighted)]
 
 
 def plain_edit(reference, inputs, moes, edit) -> torch.Tensor:
@@ -54,7 +56,10 @@ def selection_op(block, moe):
     """What the router ranks where it adds a selection bias to the scores, as the raw tensor (plain
     nnsight): the output of the op of score + bias, or the argument of its top-k call."""
     scoring = moe.SCORING
-    op = block.get(moe.family.router).source.__getattr__(scoring.selection_op)
+    ops = block.get(moe.family.router).source
+    if scoring.selection_in:  # ranked inside a method of the router (longcat_flash)
+        ops = ops.__getattr__(scoring.selection_in).source
+    op = ops.__getattr__(scoring.selection_op)
     return op.output if scoring.selection_arg is None else op.inputs[0][scoring.selection_arg]
 
 

@@ -200,7 +200,8 @@ def test_num_experts_from_config() -> None:
     from moelens.parallel import num_experts_from_config
     from moelens.testing import tiny_config
 
-    for family in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe", "llama4", "dbrx"):
+    for family in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_vl_moe", "llama4", "dbrx",
+                   "step3p7", "longcat_flash"):  # longcat_flash: its experts with weights
         assert num_experts_from_config(tiny_config(family)) == 8, family
     # composite configs keep their experts in the language model's config
     composite = AutoConfig.for_model("qwen3_vl_moe", text_config={"num_experts": 12})

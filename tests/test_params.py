@@ -28,6 +28,11 @@ from moelens.testing import FAMILIES, tiny_inputs, tiny_model
 LOGITS_NOT_ONE_LINEAR = {"inkling", "muse_spark", "zaya"}
 
 
+def with_weights(moe) -> int:
+    """How many of the block's experts have weights (longcat_flash's last ones are zero-compute)."""
+    return moe.num_experts - moe.family.identity_count(moe._module)
+
+
 def wrapped(family: str):
     hf = tiny_model(family)
     return hf, moelens.wrap(hf)
@@ -40,8 +45,10 @@ def expert_output_by_module(experts: torch.nn.Module, family, x: torch.Tensor, e
             rows = x.new_zeros(experts.num_experts, *x.shape)
             rows[expert] = x
             return experts(rows.view(-1, x.shape[-1])).view(experts.num_experts, *x.shape)[expert]
-        index = torch.full((x.shape[0], 1), expert, dtype=torch.long)
-        return experts(x, index, torch.ones(x.shape[0], 1, dtype=x.dtype)).reshape(x.shape)
+        # Two slots on the expert, weights 1 and 0: longcat_flash's experts squeeze a lone slot axis away.
+        index = torch.full((x.shape[0], 2), expert, dtype=torch.long)
+        weights = torch.tensor([1.0, 0.0], dtype=x.dtype).expand(x.shape[0], 2)
+        return experts(x, index, weights).reshape(x.shape)
 
 
 def expert_output_by_hand(params, experts: torch.nn.Module, family, block, x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +69,8 @@ def expert_output_by_hand(params, experts: torch.nn.Module, family, block, x: to
             hidden = act(gate, up)
         else:
             limit = float(family.resolve(described.limit, block))
+            if kind == "glu_clamped":  # step3p7: the activation clamped after it is applied
+                return F.linear(act(gate).clamp(max=limit) * up.clamp(-limit, limit), params.down, params.down_bias)
             gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
             if kind == "clamped_glu":
                 hidden = (act or F.silu)(gate) * up
@@ -81,7 +90,7 @@ def test_expert_views_compute_what_the_experts_module_computes_and_edits_land(fa
     experts = block.get_submodule(moe.family.experts)
     before = {name: param.detach().clone() for name, param in hf.named_parameters()}
     generator = torch.Generator().manual_seed(0)
-    for expert in (0, moe.num_experts - 1):
+    for expert in (0, with_weights(moe) - 1):
         params = moe.params(expert)
         x = torch.randn(5, params.up.shape[-1], generator=generator)
         with torch.no_grad():
@@ -127,8 +136,8 @@ def test_every_expert_view_stacks_the_single_expert_views(family):
     _, model = wrapped(family)
     moe = model.moes[0]
     stacked = dict(moe.params().items())
-    assert stacked["up"].shape[0] == moe.num_experts
-    for expert in range(moe.num_experts):
+    assert stacked["up"].shape[0] == with_weights(moe)
+    for expert in range(with_weights(moe)):
         for name, view in moe.params(expert).items():
             assert torch.equal(view, stacked[name][expert]), name
             assert view.data_ptr() == stacked[name][expert].data_ptr(), name  # the same memory, no copy
@@ -144,7 +153,7 @@ def test_router_row_is_the_experts_logit_weight(family):
         pytest.skip(f"{family}: the logits are not one linear layer's [E, D] output")
     inputs = tiny_inputs(hf)
     block_name = next(name for name, module in hf.named_modules() if module is moe._module)
-    target, source = moe.num_experts - 1, 0
+    target, source = with_weights(moe) - 1, 0
     before = raw_values(copy.deepcopy(hf), inputs, [block_name], moe.family)[block_name].logits
     with torch.no_grad():
         moe.params(target).router.copy_(params.router[source])

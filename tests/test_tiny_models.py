@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from moelens.testing import (
     EXPERTS_IMPLEMENTATIONS,
     FAMILIES,
     MOE_EVERY_LAYER,
+    NOT_DECORATED,
     TINY_OVERRIDES,
     UNBUILDABLE,
     tiny_config,
@@ -29,7 +31,7 @@ _SHARED_FIELDS = (
     "shared_experts_intermediate_size",
     "moe_shared_expert_intermediate_size",
 )
-_UNDECORATED_EXPERTS = ("Llama4TextExperts", "DbrxExperts")
+_UNDECORATED_EXPERTS = ("Llama4TextExperts", "DbrxExperts", "LongcatFlashExperts", "Step3p7Experts")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,13 +67,13 @@ def test_family_tables_are_consistent():
     assert set(FAMILIES) == set(TINY_OVERRIDES) - set(UNBUILDABLE) - set(CALLED_SEVERAL_TIMES)
     assert set(EXPERTS_IMPLEMENTATIONS) == set(FAMILIES)
     assert set(MOE_EVERY_LAYER) <= set(TINY_OVERRIDES)
-    # 64 decorated folders + llama4 + dbrx in transformers 5.23; 5.24 adds hy_v4_vl, lara_mini and
-    # inkling2_loop (tested on its own, tests/test_looped_blocks.py)
+    # 64 decorated folders + 4 undecorated (llama4, dbrx, longcat_flash, step3p7) in transformers 5.23;
+    # 5.24 adds hy_v4_vl, lara_mini and inkling2_loop (tested on its own, tests/test_looped_blocks.py)
     new = {"hy_v4_vl", "lara_mini", "inkling2_loop"}
     assert set(TINY_OVERRIDES) == set(FAMILIES) | set(UNBUILDABLE) | set(CALLED_SEVERAL_TIMES)
-    assert len(TINY_OVERRIDES) == 69 and set(UNBUILDABLE) <= new
+    assert len(TINY_OVERRIDES) == 71 and set(UNBUILDABLE) <= new
     for family, impls in EXPERTS_IMPLEMENTATIONS.items():
-        want = ("eager",) if family in ("llama4", "dbrx") else ("eager", "batched_mm", "grouped_mm")
+        want = ("eager",) if family in NOT_DECORATED else ("eager", "batched_mm", "grouped_mm")
         assert impls == want, family
 
 
@@ -84,7 +86,7 @@ def test_forward_all_experts_implementations(family: str):
     assert torch.isfinite(reference).all(), family
     for impl in EXPERTS_IMPLEMENTATIONS[family]:
         other = _model(family, impl)
-        if family not in ("llama4", "dbrx"):
+        if family not in NOT_DECORATED:
             assert other.config._experts_implementation == impl
         out = _forward(other)
         assert torch.isfinite(out).all(), (family, impl)
@@ -96,9 +98,10 @@ def test_tiny_sizes_and_layout(family: str):
     model = _model(family)
     experts = _experts_modules(model)
     assert experts, family
-    for module in experts:
-        assert getattr(module, "num_experts", None) == 8, family
-    n_layers = tiny_config(family).num_hidden_layers
+    for module in experts:  # longcat_flash: 8 experts with weights (and 2 zero-compute ones)
+        assert getattr(module, "num_experts", getattr(module, "num_routed_experts", None)) == 8, family
+    # counted from the modules: longcat_flash's config counts 2 attention sublayers per layer
+    n_layers = 1 + max(_layer_index(name) for name, _ in model.named_modules() if re.search(r"(layers|blocks)\.\d", name))
     assert n_layers == 4
     moe_layers = {_layer_index(name) for name, m in model.named_modules() if m in experts}
     if family in MOE_EVERY_LAYER:

@@ -492,8 +492,11 @@ def _instrument(moe: Moe) -> None:
     """
     family = moe.family
     _require_op(moe.router, family.logits_op, family, "logits_op")
-    if moe.SCORING.selection_op:
-        _require_op(moe.router, moe.SCORING.selection_op, family, "scoring.selection_op")
+    scoring = moe.SCORING
+    if scoring.selection_in:  # its own ops are instrumented in the trace (nnsight drills only there)
+        _require_op(moe.router, scoring.selection_in, family, "scoring.selection_in")
+    elif scoring.selection_op:
+        _require_op(moe.router, scoring.selection_op, family, "scoring.selection_op")
     if family.experts_call and is_dispatching(moe.experts._module):
         moe.experts.source  # noqa: B018 - installs the experts' op handoffs
     if family.shared is not None and family.shared.gated_op:

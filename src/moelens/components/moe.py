@@ -359,10 +359,15 @@ class Moe(Mlp):
                 f"the {self.family.name} router ranks no separate selection score ({why})",
                 "its choice follows router_logits: read or write those.",
             )
-        op = f"{self.router.path}.source.{scoring.selection_op}"
+        ops, prepare = f"{self.router.path}.source", None
+        if scoring.selection_in:  # the router ranks inside a method of its own (longcat_flash)
+            ops = f"{ops}.{scoring.selection_in}.source"
+            prepare = lambda: self._drill("selection_scores", self.router, scoring.selection_in)  # noqa: E731
+        op = f"{ops}.{scoring.selection_op}"
         if scoring.selection_arg is None:
-            return Binding(f"{op}.output", features=1, infinities=ANY_INF, min_finite=self.top_k)
-        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg), infinities=ANY_INF, min_finite=self.top_k)
+            return Binding(f"{op}.output", features=1, infinities=ANY_INF, min_finite=self.top_k, prepare=prepare)
+        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg), infinities=ANY_INF,
+                       min_finite=self.top_k, prepare=prepare)
 
     @property
     def _scores_saturate(self) -> bool:
@@ -372,19 +377,21 @@ class Moe(Mlp):
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"
 
-    def _drill(self, name: str) -> None:
-        """Make the ops inside the experts implementation addressable in this run (for ``name``).
+    def _drill(self, name: str, owner: Any = None, call_op: str = IMPLEMENTATION_CALL) -> None:
+        """Make the ops inside a call of ``owner``'s forward addressable in this run (for ``name``): by
+        default the experts implementation's; the router's ranking method where it has one (longcat_flash).
 
         nnsight counts the visits of those ops from the first drill of the run on, while a
         request pinned to a ``tracer.iter`` step asks for that step's visit counted from the
         start. So a pinned request first reads the call's input (counted from the start): that
         visit is the step's, and the requests after it follow the model from there.
         """
-        call = f"{self.experts.path}.source.{IMPLEMENTATION_CALL}"
+        owner = self.experts if owner is None else owner
+        call = f"{owner.path}.source.{call_op}"
         with order_errors(call, lambda: self._order_error(name)):
             if Mediator.current(call).iteration:  # pinned to a step after the first
                 request(f"{call}.input", lambda: self._order_error(name))
-            getattr(self.experts.source, IMPLEMENTATION_CALL).source
+            getattr(owner.source, call_op).source
 
     def _slot_binding(self, name: str) -> Binding:
         ops = ops_for(self.experts_implementation)

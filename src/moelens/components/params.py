@@ -44,6 +44,8 @@ class MoeParams:
 
     From ``moe.params()`` every tensor has a leading expert axis ``[E, ...]``; from
     ``moe.params(e)`` it is expert ``e``'s slice. Editing a view in place edits the model.
+    Where the last Z experts are zero-compute (`Family.identity_experts`, longcat_flash), the
+    router keeps all E rows and the expert views the first E - Z experts, the ones with weights.
 
     Attributes:
         router: The weight of the linear layer whose output is the router logits,
@@ -90,7 +92,14 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     """
     index = None if expert is None else check_expert(expert, num_experts, where)
     experts = get_path(block, family.experts)
-    held, slot = num_experts, index  # the experts this process holds, and the asked one's place among them
+    identity = family.identity_count(block)
+    if index is not None and index >= num_experts - identity:
+        raise ValueUnavailable(
+            f"{where}: expert {index} is one of this block's {identity} zero-compute experts ({num_experts - identity} "
+            f"to {num_experts - 1}), which return their input times its weight and have no weights; ask for an "
+            f"expert in [0, {num_experts - identity})."
+        )
+    held, slot = num_experts - identity, index  # the experts this process holds, and the asked one's place among them
     if "_ep_size" in experts.__dict__ and experts._ep_num_local < num_experts:  # moelens.parallel.shard_experts:
         # this rank holds a slice (a group of one rank holds them all)
         from ..parallel.degrees import expert_owner
@@ -107,7 +116,7 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     weight, bias = router_linear(family, block, num_experts) or (None, None)
     router = {name: None if value is None else editable(value, f"{where}: the router's {part}")
               for name, part, value in (("router", "weight", weight), ("router_bias", "bias", bias))}
-    views = expert_views(family, experts, held)
+    views = expert_views(family, experts, held, identity)
     if index is not None:
         router = {name: None if value is None else value[index] for name, value in router.items()}
         views = {name: None if value is None else value[slot] for name, value in views.items()}
@@ -117,8 +126,8 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
 def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None] | None:
     """The live ``(weight [E, D], bias [E] or None)`` of the linear layer producing the logits, or None.
 
-    The logits op is one ``F.linear`` call on the router's own ``weight`` / ``bias``, a
-    ``self.<name>(...)`` call of an ``nn.Linear`` child, or (``forward_0``) the router is
+    The logits op is one ``F.linear`` call on parameters of the router (its own ``weight`` / ``bias``,
+    or a child's: longcat_flash's ``classifier.weight``), a ``self.<name>(...)`` call of an ``nn.Linear`` child, or (``forward_0``) the router is
     an ``nn.Linear`` calling its own forward (llama4).
     """
     router = get_path(block, family.router)
@@ -128,12 +137,12 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
         weight, bias = router.weight, router.bias
     elif op in LINEAR_OPS:
         try:
-            bias_name = linear_call_bias(type(router).forward.__code__, op)
-        except (SourceNotAvailable, AttributeError):  # no readable source: its own bias, as nn.Linear has
-            bias_name = "bias"
-        if bias_name is UNREADABLE:
+            weight_path, bias_path = linear_call_operands(type(router).forward.__code__, op)
+        except (SourceNotAvailable, AttributeError):  # no readable source: its own weight and bias, as nn.Linear has
+            weight_path, bias_path = "weight", "bias"
+        if weight_path in (None, UNREADABLE) or bias_path is UNREADABLE:
             return None
-        weight, bias = getattr(router, "weight", None), getattr(router, bias_name, None) if bias_name else None
+        weight, bias = _attribute(router, weight_path), _attribute(router, bias_path)
     elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
         linear = getattr(router, named.group(1))
         weight, bias = linear.weight, linear.bias
@@ -144,10 +153,10 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     return weight, (bias if isinstance(bias, Tensor) else None)
 
 
-#: Tensor methods that change only a dtype or device (what a router may call on its bias in the linear call).
-CASTS = ("float", "to", "half", "bfloat16", "double", "type_as")
+#: Tensor methods that change only a dtype or device (what a router may call on its weight or bias in the linear call).
+CASTS = ("float", "to", "type", "half", "bfloat16", "double", "type_as")
 
-#: What `linear_call_bias` returns for a bias argument that is no attribute of the router.
+#: What `linear_call_operands` returns for an operand that is no attribute of the router.
 UNREADABLE = object()
 
 
@@ -165,29 +174,51 @@ class _Calls(Instrument):
 
 
 @functools.lru_cache(maxsize=None)
-def linear_call_bias(forward: CodeType, op: str) -> Any:
-    """The router attribute the ``op`` call of ``forward`` passes as its bias (``F.linear(x, self.weight,
-    self.bias)``: ``"bias"``), None for a call without one, `UNREADABLE` for another expression or no such op.
+def linear_call_operands(forward: CodeType, op: str) -> tuple[Any, Any]:
+    """The router attributes the ``op`` call of ``forward`` passes as its weight and its bias, as paths from
+    the router: ``F.linear(x, self.weight, self.bias)`` gives ``("weight", "bias")``, longcat_flash's
+    ``F.linear(x, self.classifier.weight.type(torch.float32))`` ``("classifier.weight", None)``. None for
+    an operand not passed, `UNREADABLE` for another expression or no such op.
 
     Read from the source, as nnsight numbers its ops: a router may keep a ``bias`` it adds
-    elsewhere (a selection bias), which is no part of the logits.
+    elsewhere (a selection bias), or a linear layer whose bias its call leaves out, which is no part of the logits.
     """
     calls = _Calls()
     calls.visit(source_tree(forward)[0])
     if op not in calls.arguments:
-        return UNREADABLE
+        return UNREADABLE, UNREADABLE
     args, keywords = calls.arguments[op]
-    bias = args[2] if len(args) > 2 else next((k.value for k in keywords if k.arg == "bias"), None)
-    if bias is None or isinstance(bias, ast.Constant) and bias.value is None:
+
+    def operand(position: int, keyword: str) -> Any:
+        node = args[position] if len(args) > position else next((k.value for k in keywords if k.arg == keyword), None)
+        return _attribute_path(node)
+
+    return operand(1, "weight"), operand(2, "bias")
+
+
+def _attribute_path(node: Any) -> Any:
+    """``"a.b"`` for the expression ``self.a.b`` (cast with `CASTS` or not), None for no operand, else `UNREADABLE`."""
+    if node is None or isinstance(node, ast.Constant) and node.value is None:
         return None
-    while isinstance(bias, ast.Call):  # self.bias.float(), which nnsight has rewritten as an op call of its own
-        method = bias.args[1] if isinstance(bias.func, ast.Name) and bias.func.id == OP and len(bias.args) > 1 else None
+    while isinstance(node, ast.Call):  # self.bias.float(), which nnsight has rewritten as an op call of its own
+        method = node.args[1] if isinstance(node.func, ast.Name) and node.func.id == OP and len(node.args) > 1 else None
         if not (isinstance(method, ast.Attribute) and method.attr in CASTS):
             return UNREADABLE
-        bias = method.value
-    if isinstance(bias, ast.Attribute) and isinstance(bias.value, ast.Name) and bias.value.id == "self":
-        return bias.attr
+        node = method.value
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if parts and isinstance(node, ast.Name) and node.id == "self":
+        return ".".join(reversed(parts))
     return UNREADABLE
+
+
+def _attribute(router: torch.nn.Module, path: str | None) -> Any:
+    try:
+        return get_path(router, path) if path else None
+    except AttributeError:
+        return None
 
 
 def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:
@@ -211,8 +242,12 @@ def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:
     )
 
 
-def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> dict[str, Tensor | None]:
-    """``gate``, ``up``, ``down`` and their biases as ``[E, out, in]`` views of the experts' parameters."""
+def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, identity: int = 0) -> dict[str, Tensor | None]:
+    """``gate``, ``up``, ``down`` and their biases as ``[E, out, in]`` views of the experts' parameters.
+
+    ``identity``: how many zero-compute experts follow the ``num_experts`` with weights; rows a
+    parameter keeps for them (longcat_flash's ``gate_up_proj``, never read) are left out.
+    """
     if has_lora_adapters(experts):
         raise ValueUnavailable(
             f"{family.name}: {type(experts).__name__} carries LoRA adapters (moelens.compress with lora_r), so its "
@@ -241,6 +276,8 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int) -> 
             return None
         if layout.stacked and tensor.shape[0] % num_experts == 0:
             tensor = tensor.view(num_experts, -1, *tensor.shape[1:])
+        elif num_experts < tensor.shape[0] <= num_experts + identity:  # unused rows of the zero-compute experts
+            tensor = tensor[:num_experts]
         if tensor.shape[0] != num_experts:
             stacked = f"[E*out={num_experts}*n, ...]" if layout.stacked else f"[E={num_experts}, ...]"
             raise ValueUnavailable(

@@ -132,6 +132,9 @@ def _hard_refusals(family: Family, score: Any = None, scoring: Scoring | None = 
         reasons.append(_sigmoid_renormalised())
     if family.expert_gate is not None and family.expert_gate.kind not in ("glu", "clamped_swiglu"):
         reasons.append(_expert_gate(family.expert_gate.kind))
+    if family.identity_experts is not None:
+        reasons.append(f"zero-compute experts ({family.identity_experts}) that pass their input through: "
+                       "every tract_moe_ffn expert is an FFN with weights")
     return reasons
 
 
@@ -223,6 +226,7 @@ def _sigmoid_renormalised() -> str:
 def _expert_gate(kind: str) -> str:
     what = {
         "clamped_glu": "clamped SwiGLU without the sigmoid slope and offset (silu(min(g, l)) * clamp(u))",
+        "glu_clamped": "SwiGLU whose activation is clamped after it is applied (min(silu(g), l) * clamp(u))",
         "softcapped_glu": "softcapped SwiGLU",
     }.get(kind, kind)
     return (f"experts computing a {what}: tract has swiglu/silu/gelu/relu and gpt-oss's clamped SwiGLU "

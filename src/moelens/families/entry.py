@@ -44,7 +44,7 @@ SELECTIONS = ("score_topk", "logit_topk", "group_topk", "sparsemixer", "hash", "
 COMBINE_MODES = ("sum", "average")
 
 #: What gated experts may compute from their gate and up projections (`ExpertGate.kind`).
-EXPERT_GATES = ("glu", "clamped_swiglu", "clamped_glu", "softcapped_glu")
+EXPERT_GATES = ("glu", "clamped_swiglu", "clamped_glu", "glu_clamped", "softcapped_glu")
 
 
 #: The op of score + selection bias in the routers that bind it to ``scores_for_choice`` (DS3, SGB copies).
@@ -87,6 +87,9 @@ class Scoring:
         selection_arg: Where the router adds the bias inside the call that ranks
             (``torch.topk(scores + bias, k)``): the position of that sum among the
             ``selection_op`` call's arguments, served instead of the op's output.
+        selection_in: The call in the router's forward whose own source holds
+            `selection_op`, when the router ranks inside a method of its own
+            (longcat_flash: ``self_get_topk_indices_0``); None when the op is in the forward.
         code: The short code the reference table uses (``"SM+"``, ``"DS3"`` ...).
     """
 
@@ -100,6 +103,7 @@ class Scoring:
     softcap: str | None = None
     selection_op: str | None = None
     selection_arg: int | None = None
+    selection_in: str | None = None
     code: str = ""
 
     def describe(self) -> str:
@@ -185,7 +189,9 @@ class ExpertGate:
             (computed in float32, say); ``"clamped_swiglu"`` (gpt-oss): ``g = min(gate, limit)``,
             ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``;
             ``"clamped_glu"``: ``act_fn(min(gate, limit)) * clamp(up, -limit, limit)`` (silu when
-            the experts have no act_fn); ``"softcapped_glu"``: a softcapped SwiGLU (inkling2).
+            the experts have no act_fn); ``"glu_clamped"`` (step3p7): ``min(act_fn(gate), limit) *
+            clamp(up, -limit, limit)``, the activation clamped after it is applied;
+            ``"softcapped_glu"``: a softcapped SwiGLU (inkling2).
         alpha: The sigmoid's slope of ``clamped_swiglu``: attribute reference or number.
         limit: The clamp limit: attribute reference or number.
     """
@@ -269,6 +275,10 @@ class Family:
             (lfm2_moe: ``embedding_norm``), else "". Read by the expert logit lens.
         expert_layout: Where undecorated experts keep their weights (`ExpertLayout`), or
             None: decorated experts describe their own. Read by `Moe.params`.
+        identity_experts: Attribute reference (or int) of how many of the E experts the router
+            picks from are zero-compute experts that return their input unchanged, times
+            their weight (longcat_flash's ``zero_expert_num``): the last ones, ``[E - Z, E)``,
+            with no weights of their own. None for none.
     """
 
     name: str
@@ -292,6 +302,7 @@ class Family:
     expert_gate: ExpertGate | None = None
     final_norm: str = ""
     expert_layout: ExpertLayout | None = None
+    identity_experts: str | int | None = None
 
     def resolve(self, reference: Any, block: Any) -> Any:
         """The value an attribute reference names, read from the live block module.
@@ -345,6 +356,10 @@ class Family:
                 return None
         n_group, topk_group = (int(self.resolve(reference, block)) for reference in scoring.groups)
         return n_group, topk_group
+
+    def identity_count(self, block: Any) -> int:
+        """How many of the live ``block``'s experts are zero-compute identity experts (the last ones), 0 for none."""
+        return int(self.resolve(self.identity_experts, block) or 0)
 
     def scoring_of(self, block: Any) -> Scoring:
         """The scoring of one live block: `scoring`, unless its router's class has its own."""

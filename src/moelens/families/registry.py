@@ -103,6 +103,11 @@ def _check_description(family: Family) -> None:
                 f"family {family.name!r}: selection_arg={scoring.selection_arg!r} needs selection_op naming the "
                 "router call (e.g. torch_topk_0) and the position (an int >= 0) of the ranked argument."
             )
+        if scoring.selection_in is not None and not scoring.selection_op:
+            raise FamilyError(
+                f"family {family.name!r}: selection_in={scoring.selection_in!r} needs selection_op naming the op "
+                "inside that call whose output (or argument, with selection_arg) the router ranks."
+            )
     mode = family.combine.mode
     if not isinstance(mode, str) or not (mode in COMBINE_MODES or "." in mode):
         raise FamilyError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .entry import SCORES_FOR_CHOICE, TOPK, Combine, ExpertGate, Family, Scoring, SharedExpert
+from .entry import SCORES_FOR_CHOICE, TOPK, Combine, ExpertGate, ExpertLayout, Family, Scoring, SharedExpert
 
 
 def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid",
@@ -54,6 +54,14 @@ FAMILIES = [
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
            notes="Clamped SwiGLU experts; the block returns routed * routed_scaling_factor + shared.",
            expert_gate=ExpertGate("clamped_swiglu", alpha="experts.swiglu_alpha", limit="experts.swiglu_limit")),
+    Family("step3p7", ("step3p7", "step3p5"), ("Step3p7SparseMoeBlock",),
+           scoring=sgb("router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE),
+           shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
+           expert_layout=ExpertLayout(gate_up="gate_up_proj"),
+           expert_gate=ExpertGate("glu_clamped", limit="experts.limit"),
+           notes="Experts not decorated by transformers (an eager loop only): no per-slot values. The block returns "
+                 "routed * routed_scaling_factor + shared; layers listed in swiglu_limits clamp silu(gate) and up. "
+                 "Slots are not ranked (top-k with sorted=False). The text config's model_type is step3p5."),
     Family("hy_v3", ("hy_v3",), ("HYV3MoE",),
            scoring=sgb("block.e_score_correction_bias", scale="router.router_scaling_factor",
                        selection_op=SCORES_FOR_CHOICE),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .entry import Family, Scoring, SharedExpert
+from .entry import SCORES_FOR_CHOICE, ExpertLayout, Family, Scoring, SharedExpert
 
 ALWAYS = Scoring("softmax", "score_topk", normalize=True, code="SM+")
 IF_FLAGGED = Scoring("softmax", "score_topk", normalize="router.norm_topk_prob", code="SM±")
@@ -42,6 +42,16 @@ FAMILIES = [
            shared=QWEN_SHARED, notes="The router carries a hub-kernel decorator: use_kernels=True hides its ops."),
     Family("qwen4_exp", ("qwen4_exp", "qwen4_exp_text"), ("Qwen4ExpTextSparseMoeBlock",), scoring=IF_FLAGGED,
            shared=QWEN_SHARED),
+    Family("longcat_flash", ("longcat_flash",), ("LongcatFlashMoE",), router="router",
+           scoring=Scoring("softmax", "score_topk", scale="router.routed_scaling_factor",
+                           selection_bias="router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE,
+                           selection_in="self_get_topk_indices_0", code="SM+ bias, x rsf"),
+           num_experts="router.n_routed_experts", identity_experts="experts.zero_expert_num",
+           expert_layout=ExpertLayout(gate_up="gate_up_proj"),
+           notes="The last zero_expert_num of the E experts are zero-compute: they return their input times its "
+                 "weight (params() serves the others). Experts not decorated by transformers (an eager loop only): "
+                 "no per-slot values. The router ranks softmax + correction bias in get_topk_indices; slots are not "
+                 "ranked (sorted=False). The block is a shortcut beside the layer's two dense mlps (layers[i].mlps)."),
     Family("lara_mini", ("lara_mini",), ("LaraMiniSparseMoeBlock",), scoring=IF_FLAGGED,  # transformers 5.24
            shared=SharedExpert("shared_expert", when="after_experts"),
            notes="Logits in float32; the shared expert is added in full (no gate) after the experts."),

@@ -46,6 +46,7 @@ __all__ = [
     "EXPERTS_IMPLEMENTATIONS",
     "FAMILIES",
     "MOE_EVERY_LAYER",
+    "NOT_DECORATED",
     "TINY_OVERRIDES",
     "UNBUILDABLE",
     "config_class",
@@ -285,6 +286,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
         "mlp_layer_types": _DSSS, "sliding_window": 16,
     },
+    "longcat_flash": {  # 4 layers of 2 attention sublayers each; 2 zero-compute experts beside the 8
+        **_MLA, "num_layers": 4, "n_routed_experts": 8, "zero_expert_num": 2, "moe_topk": 2,
+        "expert_ffn_hidden_size": 16, "ffn_hidden_size": 32,
+    },
     "lfm2_moe": {
         "num_experts": 8, "num_experts_per_tok": 2, "num_dense_layers": 1,
         "layer_types": ["conv", "full_attention", "conv", "full_attention"],
@@ -366,6 +371,11 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "solar_open": {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
     },
+    "step3p7": {  # layer 1 clamps its experts and shared expert (swiglu_limits), as the checkpoint's last layers do
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "share_expert_dim": 16, "mlp_layer_types": _DSSS,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 16, "swiglu_limits": [0.0, 0.02, 0.0, 0.0], "swiglu_limits_shared": [0.0, 0.05, 0.0, 0.0],
+    },
     "unlimited_ocr": {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "mlp_layer_types": _DSSS,
         "sliding_window": 16,
@@ -405,6 +415,7 @@ _CONFIG_CLASS: dict[str, str] = {
     "qwen3_omni_moe": "Qwen3OmniMoeTextConfig",
     "qwen3_vl_moe": "Qwen3VLMoeTextConfig",
     "qwen4_exp": "Qwen4ExpTextConfig",
+    "step3p7": "Step3p7TextConfig",
     "unlimited_ocr": "UnlimitedOcrTextConfig",
     "llama4": "Llama4TextConfig",
 }
@@ -423,10 +434,13 @@ _MODEL_CLASS: dict[str, str] = {
     "openai_privacy_filter": "OpenAIPrivacyFilterModel",
     "qwen3_omni_moe": "Qwen3OmniMoeThinkerTextModel",
     "qwen3_vl_moe": "Qwen3VLMoeTextModel",
+    "step3p7": "Step3p7TextModel",
     "unlimited_ocr": "UnlimitedOcrTextModel",
 }
 
-_NOT_DECORATED = ("llama4", "dbrx")
+#: Families whose experts transformers does not decorate with ``use_experts_implementation``: they run
+#: their own eager forward whatever ``experts_implementation`` says, so they are tested under eager only.
+NOT_DECORATED: tuple[str, ...] = ("dbrx", "llama4", "longcat_flash", "step3p7")
 
 #: Families that cannot be built with a tiny config in the installed transformers, with the reason
 #: (the families transformers 5.24 added, on 5.23).
@@ -458,6 +472,7 @@ MOE_EVERY_LAYER: dict[str, str] = {
     "lara_mini": _NO_SWITCH,
     "minimax": _NO_SWITCH,
     "minimax_m2": _NO_SWITCH,
+    "longcat_flash": "every decoder layer holds the shortcut MoE block beside its two dense mlps",
     "mixtral": _NO_SWITCH,
     "olmoe": _NO_SWITCH,
     "openai_privacy_filter": _NO_SWITCH,
@@ -478,9 +493,9 @@ CALLED_SEVERAL_TIMES: dict[str, str] = {
 FAMILIES: tuple[str, ...] = tuple(sorted(f for f in TINY_OVERRIDES if f not in UNBUILDABLE and f not in CALLED_SEVERAL_TIMES))
 
 _ALL_IMPLS = ("eager", "batched_mm", "grouped_mm")
-#: Experts implementations each family honours (llama4 / dbrx are not decorated: eager only).
+#: Experts implementations each family honours (the `NOT_DECORATED` ones: eager only).
 EXPERTS_IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
-    f: (("eager",) if f in _NOT_DECORATED else _ALL_IMPLS) for f in FAMILIES
+    f: (("eager",) if f in NOT_DECORATED else _ALL_IMPLS) for f in FAMILIES
 }
 
 
