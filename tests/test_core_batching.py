@@ -77,7 +77,8 @@ def test_padded_batch_with_mask_matches_each_row(family):
             torch.testing.assert_close(value[index : index + 1, 5 - row.shape[1]:], alone[name], atol=1e-4, rtol=1e-3)
 
 
-GENERATE = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "olmoe", "jamba", "llama4"]
+GENERATE = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "olmoe", "jamba", "llama4",
+            "longcat_flash"]
 
 
 @pytest.mark.parametrize("family", GENERATE)
@@ -104,6 +105,24 @@ def test_generation_serves_values_per_step(family):
     full = full.reshape(1, generated.shape[1] - 1, -1)
     step_logits = torch.cat(logits, dim=1)
     torch.testing.assert_close(step_logits, full, atol=1e-5, rtol=1e-4)
+
+
+def test_selection_scores_ranked_inside_a_router_method_per_step():
+    """longcat_flash ranks softmax + bias inside its router's get_topk_indices (drilled into in the run): from
+    the second generation step on, selection_scores is that step's softmax(router_logits) + correction bias."""
+    hf = tiny_model("longcat_flash")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = wrapped.moes[1]
+    with wrapped.generate("hello", max_new_tokens=3, do_sample=False, min_new_tokens=3) as tracer:
+        logits, ranked = nnsight.save([]), nnsight.save([])
+        for _ in tracer.iter[1:3]:
+            logits.append(moe.router_logits.save())
+            ranked.append(moe.selection_scores.save())
+    assert len(ranked) == 2
+    bias = moe._module.router.e_score_correction_bias
+    for step_logits, step_ranked in zip(logits, ranked):
+        assert step_ranked.shape == (1, 1, moe.num_experts)
+        torch.testing.assert_close(step_ranked, step_logits.softmax(-1) + bias)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
