@@ -278,3 +278,16 @@ def test_refusals_of_a_checkpoint_are_one_line(saved, capsys, command):
     assert not [warning for warning in caught if "moelens" in str(warning.message)]
     if command[1].endswith("config.json"):
         assert "is a file; moelens.load takes the checkpoint folder" in err
+
+
+def test_a_reader_closing_the_pipe_early_ends_quietly(tmp_path):
+    """`moelens stats ... | head -1` said "Broken pipe; check the path" and exited 2."""
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. " * 20)
+    command = [sys.executable, "-m", "moelens.cli", "stats", "tiny", "--text", str(text), "--no-progress",
+               "--format", "json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the command writes
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 1
+    assert "Broken pipe" not in stderr and "Traceback" not in stderr, stderr

@@ -136,7 +136,7 @@ def test_moe_refuses_dense_activation_and_points_to_slots():
     ("gemma4", "mlp_output", "gemma4 has no MoE block"),
     ("dbrx", "expert_outputs", "eager loop only"),
     ("step3p7", "expert_activations", "not decorated with transformers' use_experts_implementation"),
-    ("longcat_flash", "expert_outputs", "not decorated with transformers' use_experts_implementation"),
+    ("longcat_flash", "expert_outputs", "last 2 experts are zero-compute"),
 ])
 def test_family_refusals_give_the_reason(family, value, match):
     impl = "eager" if family in NOT_DECORATED else "grouped_mm"
@@ -767,6 +767,47 @@ def test_register_checks_the_description_and_unregister_gives_back_what_it_took(
     moelens.families.register(Family("takeover", ("takeover",), ("Qwen2MoeSparseMoeBlock",)), replace=True)
     moelens.families.unregister("takeover")
     assert moelens.wrap(tiny_model("qwen2_moe")).moes[0].family is qwen  # qwen2_moe's blocks are found again
+
+
+def longcat_variant(**changes) -> Family:
+    """A registered copy of the longcat_flash entry (its blocks taken over) with ``changes``."""
+    scoring = {key: changes.pop(key) for key in ("selection_in", "selection_op") if key in changes}
+    base = families.get("longcat_flash")
+    return families.register(dataclasses.replace(
+        base, name="custom", scoring=dataclasses.replace(base.scoring, **scoring), **changes), replace=True)
+
+
+@pytest.mark.parametrize("scoring, match", [
+    ({"selection_op": "scores_for_choise_0"}, r"selection_op='scores_for_choise_0' is not an operation of "
+                                              r"LongcatFlashTopkRouter.get_topk_indices; its operations are .*scores_for_choice_0"),
+    ({"selection_in": "F_linear_0"}, r"selection_in='F_linear_0' is not a call of a method of LongcatFlashTopkRouter"),
+    ({"selection_in": "router_logits_softmax_0"}, r"is not a call of a method"),
+])
+def test_a_selection_op_inside_a_router_method_is_checked_at_wrap(scoring, match):
+    """Passed wrap() and later failed as an order error (a typo) or a raw nnsight error (no method)."""
+    longcat_variant(**scoring)
+    try:
+        with pytest.raises(FamilyError, match=match):
+            moelens.wrap(tiny_model("longcat_flash"))
+    finally:
+        families.unregister("custom")
+
+
+def test_identity_experts_of_the_wrong_kind_or_count_are_named():
+    """A plain word was a bare ValueError, a wrong count silently left an expert out of params(), and a
+    missing entry blamed expert_layout."""
+    with pytest.raises(FamilyError, match=r"identity_experts must be None, an int >= 0 or an attribute reference"):
+        longcat_variant(identity_experts="zero_expert_num")
+    cases = [({"identity_experts": "experts.act_fn"}, FamilyError, r"identity_experts='experts.act_fn' gives .*not a count"),
+             ({"identity_experts": 3}, ValueUnavailable, r"down_proj has shape \(8, 32, 16\), not \[E=7"),
+             ({"identity_experts": None}, ValueUnavailable, r"with 8 experts of weights among the 10: .*identity_experts")]
+    for changes, error, match in cases:
+        longcat_variant(**changes)
+        try:
+            with pytest.raises(error, match=match):
+                moelens.wrap(tiny_model("longcat_flash")).moes[0].params()
+        finally:
+            families.unregister("custom")
 
 
 def served_logits(name: str) -> tuple[list[Family], list[torch.Tensor]]:

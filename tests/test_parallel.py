@@ -485,3 +485,20 @@ def test_replace_on_one_rank_then_backward() -> None:
         return problems + ([] if m["finite"] else ["non-finite gradients"])
 
     assert not failures(results, "replace_one_rank", check)
+
+
+def test_scan_on_torch_a2a_without_a_group_says_why_it_cannot_run() -> None:
+    """A single process on torch_a2a (no group, or a group of one rank) gave a raw symbolic-shape error."""
+    import moelens
+    from moelens import MoelensError
+    from moelens.parallel import register_torch_a2a
+
+    model = moelens.load()
+    register_torch_a2a()
+    model.set_experts_implementation("torch_a2a")
+    with model.trace("def f(x):"):
+        routed = model.moes[0].routed_output.save()
+    assert routed.shape[-1] == model.config.hidden_size  # it runs; only the shape-only pass cannot
+    with pytest.raises(MoelensError, match=r"torch_a2a cannot run on nnsight's shape-only tensors \(model.scan\)"):
+        with model.scan("def f(x):"):
+            model.moes[0].routed_output.save()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoelensError as error:
         print(f"moelens {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout stopped early (| head): no error of the user's, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
+        return 1
     except OSError as error:  # a path the checks could not foresee (a folder the system refuses to create ...)
         print(f"moelens {args.command}: error: {error}; check the path and what may be written there.", file=sys.stderr)
         return 2

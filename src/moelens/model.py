@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +24,14 @@ import torch
 from nnsight import NNsight, TransformersModel
 from safetensors import SafetensorError
 from nnsight.intervention.envoy import traceable
+from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 
 from .components import Mlp, Moe
 from .components.base import envoy_at
 from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
+from .components.params import op_names
 from .errors import FamilyError, MoelensError
 from .families import Family, registry
 from .families.entry import get_path
@@ -495,6 +498,7 @@ def _instrument(moe: Moe) -> None:
     scoring = moe.SCORING
     if scoring.selection_in:  # its own ops are instrumented in the trace (nnsight drills only there)
         _require_op(moe.router, scoring.selection_in, family, "scoring.selection_in")
+        _require_method_op(moe.router._module, scoring.selection_in, scoring.selection_op, family)
     elif scoring.selection_op:
         _require_op(moe.router, scoring.selection_op, family, "scoring.selection_op")
     if family.experts_call and is_dispatching(moe.experts._module):
@@ -510,6 +514,27 @@ def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
         raise FamilyError(
             f"family {family.name!r}: {field}={op!r} is not an operation of "
             f"{type(envoy._module).__name__}.forward; its operations are {', '.join(names)}."
+        )
+
+
+def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Family) -> None:
+    """Check that ``call`` (``self_get_topk_indices_0``) calls a method of the router with Python source
+    whose ops include ``op`` (numbered as nnsight numbers them)."""
+    named = re.fullmatch(r"self_(\w+?)_\d+", call)
+    method = getattr(type(router), named.group(1), None) if named else None
+    try:
+        names = op_names(method) if callable(method) else None
+    except SourceNotAvailable:
+        names = None
+    if names is None:
+        raise FamilyError(
+            f"family {family.name!r}: scoring.selection_in={call!r} is not a call of a method of "
+            f"{type(router).__name__} with Python source (self.<method>(...)), where moelens reads selection_op."
+        )
+    if op not in names:
+        raise FamilyError(
+            f"family {family.name!r}: scoring.selection_op={op!r} is not an operation of "
+            f"{type(router).__name__}.{named.group(1)}; its operations are {', '.join(names)}."
         )
 
 

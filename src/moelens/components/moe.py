@@ -159,6 +159,15 @@ class Moe(Mlp):
 
     def needs_grouped_experts(self, name: str = "expert_outputs") -> ValueUnavailable:
         """The error for a per-slot value under an experts implementation that has none."""
+        identity = self.family.identity_count(self._module)
+        if identity:
+            return self.unavailable(
+                name,
+                f"this block's last {identity} experts are zero-compute (they pass their input through), which "
+                "transformers' grouped_mm / batched_mm experts implementations cannot run, and its experts run an "
+                "eager loop with no [tokens, k, ...] tensor",
+                "read routed_output (the slots' sum), or expert_indices and expert_weights.",
+            )
         if not is_dispatching(self.experts._module):
             return self.unavailable(
                 name,

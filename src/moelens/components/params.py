@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import operator
 import re
 from dataclasses import dataclass, fields
@@ -173,6 +174,17 @@ class _Calls(Instrument):
         return call
 
 
+def op_names(function: Any) -> list[str]:
+    """The op names nnsight gives the calls and assignments of a Python ``function`` (its decorators peeled),
+    in order; raises `SourceNotAvailable` for a function with no Python source."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        raise SourceNotAvailable(f"{function!r} has no Python source")
+    calls = _Calls()
+    calls.visit(source_tree(code)[0])
+    return calls.names
+
+
 @functools.lru_cache(maxsize=None)
 def linear_call_operands(forward: CodeType, op: str) -> tuple[Any, Any]:
     """The router attributes the ``op`` call of ``forward`` passes as its weight and its bias, as paths from
@@ -246,7 +258,7 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
     """``gate``, ``up``, ``down`` and their biases as ``[E, out, in]`` views of the experts' parameters.
 
     ``identity``: how many zero-compute experts follow the ``num_experts`` with weights; rows a
-    parameter keeps for them (longcat_flash's ``gate_up_proj``, never read) are left out.
+    parameter keeps for every expert (longcat_flash's ``gate_up_proj``, never read for them) are left out.
     """
     if has_lora_adapters(experts):
         raise ValueUnavailable(
@@ -276,13 +288,15 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
             return None
         if layout.stacked and tensor.shape[0] % num_experts == 0:
             tensor = tensor.view(num_experts, -1, *tensor.shape[1:])
-        elif num_experts < tensor.shape[0] <= num_experts + identity:  # unused rows of the zero-compute experts
+        elif identity and tensor.shape[0] == num_experts + identity:  # unused rows of the zero-compute experts
             tensor = tensor[:num_experts]
         if tensor.shape[0] != num_experts:
             stacked = f"[E*out={num_experts}*n, ...]" if layout.stacked else f"[E={num_experts}, ...]"
+            fewer = (f" (with {tensor.shape[0]} experts of weights among the {num_experts + identity}: if the others are "
+                     "zero-compute experts, say so with Family.identity_experts)" if tensor.shape[0] < num_experts else "")
             raise ValueUnavailable(
                 f"{family.name}: {type(experts).__name__}.{path} has shape {tuple(tensor.shape)}, not {stacked}; "
-                f"{mismatch}."
+                f"{mismatch}{fewer}."
             )
         return tensor.transpose(-1, -2) if transposed and tensor.dim() == 3 else tensor
 

@@ -359,7 +359,14 @@ class Family:
 
     def identity_count(self, block: Any) -> int:
         """How many of the live ``block``'s experts are zero-compute identity experts (the last ones), 0 for none."""
-        return int(self.resolve(self.identity_experts, block) or 0)
+        value = self.resolve(self.identity_experts, block) or 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FamilyError(
+                f"family {self.name!r}: identity_experts={self.identity_experts!r} gives {value!r} on "
+                f"{type(block).__name__}, not a count of experts; name the attribute that holds it "
+                "(\"experts.zero_expert_num\") or give an int >= 0."
+            )
+        return value
 
     def scoring_of(self, block: Any) -> Scoring:
         """The scoring of one live block: `scoring`, unless its router's class has its own."""

@@ -108,6 +108,13 @@ def _check_description(family: Family) -> None:
                 f"family {family.name!r}: selection_in={scoring.selection_in!r} needs selection_op naming the op "
                 "inside that call whose output (or argument, with selection_arg) the router ranks."
             )
+    identity = family.identity_experts
+    if not (identity is None or isinstance(identity, str) and "." in identity
+            or isinstance(identity, int) and not isinstance(identity, bool) and identity >= 0):
+        raise FamilyError(
+            f"family {family.name!r}: identity_experts must be None, an int >= 0 or an attribute reference "
+            f"(\"experts.zero_expert_num\"), got {identity!r}."
+        )
     mode = family.combine.mode
     if not isinstance(mode, str) or not (mode in COMBINE_MODES or "." in mode):
         raise FamilyError(

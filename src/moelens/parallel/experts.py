@@ -126,11 +126,11 @@ def torch_a2a_experts_forward(
             expert local).
     """
     group = process_group if process_group is not None else stored_group(self)
-    if is_fake(hidden_states) and group_size(group) > 1:
+    if is_fake(hidden_states):  # a group of one rank too: its dispatch plan checks the routing on the host
         raise MoelensError(
             "torch_a2a cannot run on nnsight's shape-only tensors (model.scan): how many rows each rank sends "
-            "depends on the routing. Scan the model before shard_experts (or a copy loaded whole): the values' "
-            "shapes are the same, with this rank's tokens."
+            "depends on the routing. Scan the model before shard_experts or the switch to torch_a2a (or a copy "
+            "loaded whole): the values' shapes are the same, with this rank's tokens."
         )
     num_tokens = hidden_states.size(0)
     num_top_k = top_k_index.size(-1)
