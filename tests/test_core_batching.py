@@ -236,3 +236,23 @@ def test_generation_with_beams_or_sequences_serves_each_expanded_row(settings):
     for written in (outputs[:2], outputs[2:]):  # the zeroing run's steps, then the assigning run's
         for step in written:
             assert (step[4:] == 0).all() and (step[:4] != 0).any(dim=-1).all()
+
+
+@pytest.mark.parametrize("image_tokens", [2, 3], ids=["even-split", "uneven-split"])
+def test_blocks_given_a_modality_subset_refuse_a_batch_layout(image_tokens):
+    """ernie4_5_vl_moe sends image tokens (moe_mm_token_type_ids) to vision_moe and the rest to text_moe, each
+    gathered out of the batch: with a token count divisible by the batch size both were served as
+    [batch, count / batch, ...], rows mixing tokens of different sequences."""
+    hf = tiny_model("ernie4_5_vl_moe")
+    wrapped = moelens.wrap(hf)
+    text_moe, vision_moe = wrapped.moes[0], wrapped.moes[1]
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+    types = torch.zeros_like(ids)
+    types[0, 3:3 + image_tokens] = 1  # images in the first row only
+    for moe in (text_moe, vision_moe):
+        with pytest.raises(moelens.ValueUnavailable, match=r"ran on part of the tokens, gathered out of the batch"):
+            with wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
+                moe.router_logits.save()
+    with wrapped.trace(input_ids=ids):  # text only: text_moe sees every token
+        logits = text_moe.router_logits.save()
+    assert logits.shape == (2, 8, text_moe.num_experts)

@@ -441,6 +441,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
         _instrument(moe)
+        if moe.family.runs_only_on:
+            moe.mark_gathered_calls()
     return wrapped
 
 

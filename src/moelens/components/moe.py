@@ -73,6 +73,14 @@ def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
         return False
 
 
+#: The attribute `_note_gathered` sets on a block (see `Moe.mark_gathered_calls`).
+GATHERED = "_moelens_tokens_gathered"
+
+
+def _note_gathered(module: torch.nn.Module, args: tuple) -> None:
+    setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
+
+
 class Moe(Mlp):
     """A Mixture-of-Experts block. See the module docstring for the values it serves."""
 
@@ -302,11 +310,35 @@ class Moe(Mlp):
 
     # -- reading and writing -------------------------------------------------------------
 
+    def mark_gathered_calls(self) -> None:
+        """Have the block note, as each call begins, whether it got a flat subset of the tokens (``[n * D]`` or
+        ``[n, D]``, gathered by modality: ernie4_5_vl_moe with images) instead of the batch (``[B, S, D]``), which no
+        ``[batch, seq]`` view can place. For families whose blocks may run on part of the input (`runs_only_on`).
+        """
+        if not any(getattr(hook, "__name__", "") == _note_gathered.__name__
+                   for hook in self._module._forward_pre_hooks.values()):
+            self._module.register_forward_pre_hook(_note_gathered)
+
     def _read(self, descriptor: served) -> Any:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
             weights, indices = top_logits(self.router_logits, self.top_k, self.SCORING.score)
             return weights if descriptor.name == "expert_weights" else indices
-        return super()._read(descriptor)
+        try:
+            value = super()._read(descriptor)
+        except tokens.UnevenTokens:
+            if not getattr(self._module, GATHERED, False):
+                raise
+            value = None
+        if getattr(self._module, GATHERED, False):  # set by `mark_gathered_calls` as this call of the block began
+            raise self.unavailable(
+                descriptor.name,
+                "this call of the block ran on part of the tokens, gathered out of the batch (its layer sends the "
+                "tokens of each modality to a block of their own, and this input holds more than one), so its values "
+                "have no [batch, seq] layout",
+                "read the layer's mlp.output (its router logits scattered back over every token, [batch * seq, E]), "
+                "or this block's raw nnsight values (moe.router.output, flat over its tokens).",
+            )
+        return value
 
     def _write(self, descriptor: served, value: Any) -> None:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):

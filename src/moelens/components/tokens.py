@@ -64,9 +64,13 @@ def current_rows(location: str) -> Rows:
     return Rows(total=total, start=start * per_prompt, size=size * per_prompt, batching=True)
 
 
+class UnevenTokens(ValueUnavailable):
+    """A flat value's token count is no whole number of the batch's sequences."""
+
+
 def _seq_len(flat_rows: int, rows: Rows, name: str) -> int:
     if flat_rows % rows.total:
-        raise ValueUnavailable(
+        raise UnevenTokens(
             f"{name}: the block saw {flat_rows} tokens, which is not a whole number of "
             f"sequences of a batch of {rows.total}; moelens serves flat routing tensors "
             "per [batch, seq] only when every row has the same padded length."
