@@ -65,7 +65,10 @@ FAMILIES = [
          expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
     _ds3("dots1", "Dots1MoE", notes=f"{UNSORTED} Weights are renormalised only with norm_topk_prob (off by default), "
                                    "then sum to routed_scaling_factor."),
-    _ds3("dots3_note", "Dots3NoteTextMoE", ("dots3_note", "dots3_note_text")),
+    _ds3("dots3_note", "Dots3NoteTextMoE", ("dots3_note", "dots3_note_text"),
+         notes=f"{UNSORTED} {WEIGHT_SUM} The language model's blocks are served; the full model's vision tower has "
+               "MoE blocks of its own (Dots3NoteVisionMoE, over image patches with no [batch, seq] layout), which "
+               "are not (wrap names them in its warning)."),
     _ds3("kimi_linear", "KimiLinearMoE"),
     _ds3("bailing_hybrid", "BailingHybridMoE"),
     _ds3("exaone_moe", "ExaoneMoeSparseMoEBlock"),
