@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import moelens
 from groundtruth import ascii_tokenizer
 from moelens import analysis
 from moelens.cli import build_parser, main
-from moelens.testing import tiny_model
+from moelens.testing import tiny_inputs, tiny_model
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TEXT = "def add(a, b):\n    return a + b\n\nThe function add returns the sum of a and b.\n"
@@ -291,3 +292,19 @@ def test_a_reader_closing_the_pipe_early_ends_quietly(tmp_path):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=300) == 1
     assert "Broken pipe" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("family", ["step3p7", "ernie4_5_vl_moe"])
+def test_load_a_text_decoder_saved_without_architectures(family, tmp_path):
+    """A multimodal family's text decoder (step3p7's model_type step3p5) has no auto class: without
+    `architectures` in its config, load failed with transformers' list of every config class."""
+    hf = tiny_model(family)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("architectures", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = moelens.load(tmp_path)
+    assert type(loaded._module) is type(hf) and loaded.family.name == family
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded._module(**inputs).last_hidden_state, hf(**inputs).last_hidden_state)

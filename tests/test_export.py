@@ -851,3 +851,10 @@ def test_table_agrees_with_what_exports(table_rows):
             target = resolve(tiny_model(row.family))
         with pytest.raises(ExportRefused):
             prepare(target)
+
+
+def test_a_tract_load_failure_names_its_cause(out):
+    """tract cannot fold openai_privacy_filter's abs of a symbolic length: the error said only 'opening file'."""
+    wrapped = moelens.wrap(tiny_model("openai_privacy_filter"))
+    with pytest.raises(ExportError, match=r"opening file .*caused by: 0: running pass .*Abs does not support TDim"):
+        to_nnef(wrapped, out / "privacy_filter.nnef.tgz")

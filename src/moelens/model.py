@@ -652,7 +652,30 @@ def _model_class(config: Any) -> Any:
     if getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
             "AutoModelForImageTextToText" in custom):
         return transformers.AutoModelForImageTextToText
-    return transformers.AutoModel
+    return _own_class(config) or transformers.AutoModel
+
+
+def _own_class(config: Any) -> Any:
+    """For a config no auto class maps (a multimodal model's text decoder: step3p7's ``step3p5``), the
+    class of its own transformers modeling module built for it (a causal LM first), else None."""
+    import importlib
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    package = type(config).__module__.rpartition(".")[0]
+    if getattr(config, "model_type", None) in MODEL_MAPPING_NAMES or not package.startswith("transformers.models."):
+        return None
+    try:
+        module = importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
+    except ImportError:
+        return None
+    fits = [value for value in vars(module).values()
+            if isinstance(value, type) and issubclass(value, transformers.PreTrainedModel)
+            and value.__module__ == module.__name__ and getattr(value, "config_class", None) is type(config)
+            and not value.__name__.endswith("PreTrainedModel")]
+    fits.sort(key=lambda cls: "ForCausalLM" not in cls.__name__)
+    return fits[0] if fits else None
 
 
 #: How the files of a saved tokenizer are named (tokenizer.json, tokenizer_config.json,

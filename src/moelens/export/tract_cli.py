@@ -79,6 +79,13 @@ def _option(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
 
 
+def one_line(error: BaseException) -> str:
+    """tract's error with its chain of causes on one line, without the stack backtrace it appends
+    ("opening file x; Caused by: 0: running pass PropConst(99); 1: ...")."""
+    text = str(error).split("Stack backtrace")[0]
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip()).replace("Caused by:; ", "caused by: ")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Answer the tract command lines torch-to-nnef issues; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         arrays = [bundle[name] if name in bundle.files else bundle[bundle.files[i]] for i, name in enumerate(names)]
         outputs = [o.to_numpy() for o in runnable.run([np.ascontiguousarray(a) for a in arrays])]
     except Exception as error:  # noqa: BLE001 - reported to torch-to-nnef on stderr
-        print(f"ERROR moelens tract stand-in could not run {argv[0]}: {error}", file=sys.stderr)
+        print(f"ERROR moelens tract stand-in could not run {argv[0]}: {one_line(error)}", file=sys.stderr)
         return 1
     save = _option(argv, "--save-outputs-npz")
     if save:

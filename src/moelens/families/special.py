@@ -61,7 +61,9 @@ FAMILIES = [
            combine=Combine(output_index=0),
            notes="Logits have E+1 columns: the last is a 'skip' class. Skip slots come as index 0 with weight 0, "
                  "so index 0 does not always mean expert 0 ran. The router carries state across layers; it ranks "
-                 "softmax(logits) + balancing_biases (selection_scores, E+1 columns)."),
+                 "softmax(logits) + balancing_biases (selection_scores, E+1 columns). transformers' from_pretrained "
+                 "resets the skip class's balancing bias to -1 (ZayaPreTrainedModel._init_weights): a checkpoint "
+                 "saved with another value loads with other routing, in moelens.load as in transformers."),
     Family("phimoe", ("phimoe",), ("PhimoeSparseMoeBlock",), router="router", logits_op="forward_0",
            scoring=Scoring("softmax", "sparsemixer", code="SPM"), top_k=2,
            notes="Sparse-mixer routing picks exactly 2 experts whatever num_experts_per_tok says; weights are "
