@@ -128,8 +128,8 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     """The live ``(weight [E, D], bias [E] or None)`` of the linear layer producing the logits, or None.
 
     The logits op is one ``F.linear`` call on parameters of the router (its own ``weight`` / ``bias``,
-    or a child's: longcat_flash's ``classifier.weight``), a ``self.<name>(...)`` call of an ``nn.Linear`` child, or (``forward_0``) the router is
-    an ``nn.Linear`` calling its own forward (llama4).
+    or a child's: longcat_flash's ``classifier.weight``), a ``self.<name>(...)`` call of an ``nn.Linear``
+    child, or (``forward_0``) the router is an ``nn.Linear`` calling its own forward (llama4).
     """
     router = get_path(block, family.router)
     op = family.logits_op
