@@ -155,16 +155,17 @@ def test_llama4_expert_weights_are_the_scores_its_router_returns(dtype):
 
 def test_zero_compute_experts_pass_their_input_through(observed):
     """longcat_flash: routed_output is, per slot, its weight times its expert's SwiGLU FFN of the input (from
-    the params() views), or times the input itself for one of the last zero_expert_num experts."""
+    the params() views, checked against the module in test_params), or times the input itself for one of the
+    last zero_expert_num experts."""
     wrapped, hf, inputs, served, output, plain, raw = observed("longcat_flash", "eager")
     zero_compute_slots = 0
     for moe, values, truth in zip(running_moes(wrapped), served, raw):
         params = moe.params()
         with_weights = params.up.shape[0]
         assert with_weights == moe.num_experts - moe._module.experts.zero_expert_num
-        hidden = truth.experts_args[0].reshape(-1, params.up.shape[-1])
-        indices = values["expert_indices"].reshape(hidden.shape[0], -1)
-        weights = values["expert_weights"].reshape(hidden.shape[0], -1)
+        hidden, indices, weights = truth.experts_args[:3]  # the experts call's arguments, by plain nnsight
+        hidden = hidden.reshape(-1, params.up.shape[-1])
+        indices, weights = indices.reshape(hidden.shape[0], -1), weights.reshape(hidden.shape[0], -1)
         expected = torch.zeros_like(hidden)
         with torch.no_grad():
             for token, (row, slot_weights) in enumerate(zip(indices.tolist(), weights)):

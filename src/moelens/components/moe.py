@@ -326,19 +326,24 @@ class Moe(Mlp):
         try:
             value = super()._read(descriptor)
         except tokens.UnevenTokens:
-            if not getattr(self._module, GATHERED, False):
+            if not self._gathered_call:
                 raise
-            value = None
-        if getattr(self._module, GATHERED, False):  # set by `mark_gathered_calls` as this call of the block began
-            raise self.unavailable(
-                descriptor.name,
-                "this call of the block ran on part of the tokens, gathered out of the batch (its layer sends the "
-                "tokens of each modality to a block of their own, and this input holds more than one), so its values "
-                "have no [batch, seq] layout",
-                "read the layer's mlp.output (its router logits scattered back over every token, [batch * seq, E]), "
-                "or this block's raw nnsight values (moe.router.output, flat over its tokens).",
-            )
-        return value
+        else:
+            if not self._gathered_call:
+                return value
+        raise self.unavailable(
+            descriptor.name,
+            "this call of the block ran on part of the tokens, gathered out of the batch (its layer sends the "
+            "tokens of each modality to a block of their own, and this input holds more than one), so its values "
+            "have no [batch, seq] layout",
+            "read the layer's mlp.output (its router logits scattered back over every token, [batch * seq, E]), "
+            "or this block's raw nnsight values (moe.router.output, flat over its tokens).",
+        )
+
+    @property
+    def _gathered_call(self) -> bool:
+        """Whether the running call of this block got tokens gathered out of the batch (`mark_gathered_calls`)."""
+        return bool(self.family.runs_only_on) and getattr(self._module, GATHERED, False)
 
     def _write(self, descriptor: served, value: Any) -> None:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):

@@ -180,9 +180,14 @@ def op_names(function: Any) -> list[str]:
     code = getattr(inspect.unwrap(function), "__code__", None)
     if code is None:
         raise SourceNotAvailable(f"{function!r} has no Python source")
+    return _calls(code).names
+
+
+def _calls(code: CodeType) -> _Calls:
+    """The calls of the function compiled to ``code``, numbered as nnsight numbers its ops."""
     calls = _Calls()
     calls.visit(source_tree(code)[0])
-    return calls.names
+    return calls
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,8 +200,7 @@ def linear_call_operands(forward: CodeType, op: str) -> tuple[Any, Any]:
     Read from the source, as nnsight numbers its ops: a router may keep a ``bias`` it adds
     elsewhere (a selection bias), or a linear layer whose bias its call leaves out, which is no part of the logits.
     """
-    calls = _Calls()
-    calls.visit(source_tree(forward)[0])
+    calls = _calls(forward)
     if op not in calls.arguments:
         return UNREADABLE, UNREADABLE
     args, keywords = calls.arguments[op]
