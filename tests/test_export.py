@@ -516,6 +516,15 @@ def test_export_never_replaces_a_file_of_the_users(out):
             archive.check_destination(under_a_file)  # what to_nnef checks before any work
     assert (out / "kept.txt").read_text() == "kept\n"
 
+    # the archive is written beside itself under a name of its own: files and links named like "<archive>.part" stay
+    (out / "notes.nnef.tgz.part").write_text("kept\n")
+    (out / "linked.nnef.tgz.part").symlink_to("kept.txt")
+    for name in ("notes.nnef.tgz", "linked.nnef.tgz"):
+        assert "tract_moe_ffn" in archive.graph_text(to_nnef(moe, out / name, verify=False).path)
+    assert (out / "notes.nnef.tgz.part").read_text() == "kept\n" and (out / "kept.txt").read_text() == "kept\n"
+    assert os.readlink(out / "linked.nnef.tgz.part") == "kept.txt"
+    assert not [p.name for p in out.glob(".*.part")]  # no temporary file is left
+
 
 @pytest.mark.parametrize("layout", ["canonical", "linear"])
 def test_q4_0_experts(layout, out):
@@ -704,6 +713,52 @@ def test_verify_reports_mismatch(out):
     assert mismatch.max_abs_error > 1e-3 and not mismatch.meets("approximate")
     with pytest.raises(ExportError, match="is a model export but a block was given"):
         verify(report.path, wrapped.moes[0])
+
+
+def test_verify_refuses_a_model_the_archive_was_not_exported_from(out):
+    """A model of another vocabulary, family or width is named as such (not a tract panic or a torch error)."""
+    wrapped = moelens.wrap(small("mixtral"))
+    model = to_nnef(wrapped, out / "model.nnef.tgz", verify=False).path
+    block = to_nnef(wrapped.moes[0], out / "block.nnef.tgz", verify=False).path
+    larger = moelens.wrap(small("mixtral", vocab_size=512))
+    for inputs in (None, torch.full((1, 8), 400)):  # ids the archive's embedding cannot take
+        with pytest.raises(ExportError, match=r"model.nnef.tgz was exported from a model of vocabulary size 128, but "
+                                              r"the model given has vocabulary size 512"):
+            verify(model, larger, inputs)
+    wider = moelens.wrap(small("mixtral", hidden_size=64, head_dim=16)).moes[0]
+    for inputs in (None, torch.randn(1, 8, 32)):
+        with pytest.raises(ExportError, match=r"block of hidden size 32, but the block given has hidden size 64"):
+            verify(block, wider, inputs)
+    with pytest.raises(ExportError, match=r"block of family mixtral, but the block given has family olmoe"):
+        verify(block, moelens.wrap(small("olmoe")).moes[0])
+
+
+def test_export_refuses_to_run_inside_a_trace(out):
+    wrapped = moelens.wrap(small("mixtral"))
+    ids = torch.randint(3, 128, (1, 6))
+    exported = to_nnef(wrapped, out / "outside.nnef.tgz", verify=False).path
+    before = {name: p.detach().clone() for name, p in wrapped._module.named_parameters()}
+    for export in (lambda: to_nnef(wrapped, out / "inside.nnef.tgz"), lambda: verify(exported, wrapped)):
+        with pytest.raises(ExportError, match=r"cannot do from inside a trace .* Call it after the with-block"):
+            with wrapped.trace(ids):
+                moelens.ablate(wrapped.moes[0], 1, "route_around")
+                export()
+    assert not (out / "inside.nnef.tgz").exists()
+    assert all(torch.equal(p, before[name]) for name, p in wrapped._module.named_parameters())
+    with wrapped.trace(ids):  # the model still runs
+        logits = wrapped.output.logits.save()
+    assert logits.shape == (1, 6, 128)
+
+
+def test_compare_counts_matching_nans_and_infinities_as_equal():
+    from moelens.export.verification import _compare
+
+    torch_side = np.array([1.0, np.nan, np.inf, -np.inf], dtype=np.float32)
+    same = _compare(torch_side.copy(), torch_side, "torch")
+    assert same.max_abs_error == 0.0 and same.tolerance == "exact"
+    off = _compare(np.array([1.05, np.nan, np.inf, -np.inf], dtype=np.float32), torch_side, "torch")
+    assert off.max_abs_error == pytest.approx(0.05) and off.tolerance == "very"
+    assert np.isnan(_compare(np.array([1.0, 0.0, np.inf, -np.inf], np.float32), torch_side, "torch").max_abs_error)
 
 
 def test_verify_names_a_missing_or_broken_archive(out):

@@ -13,6 +13,7 @@ import gzip
 import io
 import os
 import shutil
+import secrets
 import tarfile
 from pathlib import Path
 
@@ -117,14 +118,20 @@ def write(folder: Path, path: Path) -> Path:
             info.uname = info.gname = ""
             with open(file, "rb") as handle:
                 tar.addfile(info, handle)
-    temporary = path.with_name(path.name + ".part")
-    with open(temporary, "wb") as handle:
-        if str(path).endswith(".tar"):
-            handle.write(buffer.getvalue())
-        else:
-            with gzip.GzipFile(filename="", mode="wb", fileobj=handle, mtime=0, compresslevel=6) as gz:
-                gz.write(buffer.getvalue())
-    temporary.replace(path)
+    # A new file of a name of its own beside the archive (O_EXCL: never a file or link of the user's), renamed over it.
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.part")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            if str(path).endswith(".tar"):
+                file.write(buffer.getvalue())
+            else:
+                with gzip.GzipFile(filename="", mode="wb", fileobj=file, mtime=0, compresslevel=6) as gz:
+                    gz.write(buffer.getvalue())
+        temporary.replace(path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -4,8 +4,8 @@
 components, ``model.moes``), a plain transformers model (its blocks found as
 ``moelens.wrap`` finds them), or one `Moe` component (``model.moes[i]``), and returns
 its MoE blocks as (module name, family, layer). It refuses a model that carries what an
-export would silently drop: nnsight edits (``model.edit()``) or torch hooks on an MoE
-block.
+export would silently drop (nnsight edits, ``model.edit()``, or torch hooks on an MoE
+block), and a call from inside a trace.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from nnsight.intervention.interleaver import Mediator
 
 from ..components import Moe
 from ..components.base import layer_of
@@ -55,6 +56,7 @@ class Target:
 
 def resolve(model: Any) -> Target:
     """The `Target` for a wrapped model, a transformers model or a `Moe` component."""
+    _refuse_inside_a_trace()
     if isinstance(model, Moe):
         _refuse_edits(getattr(model, "root", None))
         target = Target("block", model._module, [Block("", model.family, model.layer)], wrapped=None)
@@ -86,6 +88,18 @@ def resolve(model: Any) -> Target:
     _refuse_sharded(target)
     _refuse_hooks(target)
     return target
+
+
+def _refuse_inside_a_trace() -> None:
+    try:
+        Mediator.current("to_nnef")
+    except ValueError:  # no intervention code is running: not inside a trace
+        return
+    raise ExportError(
+        "moelens.export runs the model itself (tracing it for the archive, and in torch to verify it), which it "
+        "cannot do from inside a trace while that trace runs the model. Call it after the with-block; make the "
+        "trace's interventions part of the export with moelens.export.Edits(...) (to_nnef(..., edits=...))."
+    )
 
 
 def _refuse_sharded(target: Target) -> None:

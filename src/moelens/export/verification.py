@@ -105,9 +105,7 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
 
     recorded = properties(path)
     target = resolve(model)
-    kind = recorded.get("moelens_kind", target.kind)
-    if kind != target.kind:
-        raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with.")
+    _check_exported_from(path, recorded, target)
     edits = Edits.from_text(recorded.get("moelens_edits", "")) if edits is None else as_edits(edits)
     inputs = _default_inputs(path, target) if inputs is None else archive_inputs(path, inputs, vocab_size(target))
     actual = run_isolated(path, [inputs.numpy()])[0]
@@ -115,10 +113,36 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
     return _compare(actual, expected, reference)
 
 
+def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Target) -> None:
+    """Refuse a model that the archive at ``path`` cannot have been exported from: another kind (model or
+    block), family, vocabulary or hidden size than the archive records or takes."""
+    from .exporter import hidden_size, vocab_size
+
+    kind = recorded.get("moelens_kind", target.kind)
+    if kind != target.kind:
+        raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with.")
+    found = {"family": (recorded.get("moelens_family"), target.family.name)}
+    if kind == "model":
+        found["vocabulary size"] = (recorded.get("moelens_vocab_size"), vocab_size(target))
+    else:
+        width = (archive_input_shape(path) or [None])[-1]
+        found["hidden size"] = (width if isinstance(width, int) else None, hidden_size(target))
+    for what, (archived, given) in found.items():
+        if archived is not None and given is not None and str(archived) != str(given):
+            raise ExportError(
+                f"{path} was exported from a {kind} of {what} {archived}, but the {kind} given has {what} {given}; "
+                "verify an archive against the model it was exported from."
+            )
+
+
 def _compare(actual: np.ndarray, expected: np.ndarray, reference: str, **details: Any) -> Verification:
     if actual.shape != expected.shape:
         raise ExportError(f"tract's output has shape {actual.shape}, torch's {expected.shape}.")
-    error = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max()) if actual.size else 0.0
+    with np.errstate(invalid="ignore"):  # inf - inf
+        difference = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    difference[actual == expected] = 0.0  # the same infinity
+    difference[np.isnan(actual) & np.isnan(expected)] = 0.0  # NaN where torch has NaN: equal, as tract compares
+    error = float(difference.max()) if actual.size else 0.0
     return Verification(error, tolerance_met(actual, expected), reference, dict(details))
 
 
