@@ -410,6 +410,11 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             result[implementation] = _error_text(lambda: ep(input_ids=ids))
         ep.set_experts_implementation("torch_a2a")
         result["back"] = maxdiff(logits_of(ep(input_ids=ids)), logits_of(ref(input_ids=ids)))
+        wrapped = moelens.wrap(copy.deepcopy(ref))  # a wrapped model is sharded through to its transformers model
+        result["wrapped_is_returned"] = shard_experts(wrapped, None) is wrapped
+        with wrapped.trace(ids):
+            logits = wrapped.output.logits.save()
+        result["wrapped"] = maxdiff(logits, logits_of(ref(input_ids=ids)))
         return result
 
     def divergent_skip() -> dict[str, Any]:

@@ -330,6 +330,7 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
             assert guard[implementation].startswith("ShardedExpertsError"), (rank, guard)
             assert "silently drop" in guard[implementation]
         assert guard["back"] <= TOL
+        assert guard["wrapped_is_returned"] and guard["wrapped"] <= TOL, guard
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]
         assert "hold different models: the experts of ranks" in cases["different_models"]["error"], cases

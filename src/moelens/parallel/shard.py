@@ -109,7 +109,8 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
 
     Args:
         model: A transformers MoE model of a family moelens knows, whose experts
-            module is decorated by transformers' ``use_experts_implementation``.
+            module is decorated by transformers' ``use_experts_implementation``, or
+            that model wrapped (``moelens.wrap`` / ``moelens.load``: its model is sharded).
         group: The EP process group (default: the whole world). With EP x EDP,
             pass this rank's EP group (`ep_groups`).
 
@@ -126,17 +127,18 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     size, rank = group_size(group), group_rank(group)
     if rank < 0:
         raise MoelensError("shard_experts: this rank is not a member of the given group; pass its own EP group.")
-    blocks = _experts_of(model)
+    module = getattr(model, "_module", model)  # a wrapped model (moelens.wrap / load): its transformers model
+    blocks = _experts_of(module)
     counts, refusal = [], ""
     try:  # refuses before anything is changed, on every rank at once
         if not blocks:
-            raise MoelensError(f"shard_experts: {type(model).__name__} has no MoE block moelens knows.")
+            raise MoelensError(f"shard_experts: {type(module).__name__} has no MoE block moelens knows.")
         counts = _expert_counts(blocks, size)
     except MoelensError as error:
         refusal = str(error)
     _check_every_rank(blocks, group, rank, refusal)
     register_torch_a2a()
-    model.set_experts_implementation(NAME)
+    module.set_experts_implementation(NAME)
     holder = SharedGroup(group)
     for position, ((_, _, _, experts), num_experts) in enumerate(zip(blocks, counts)):
         experts.config._experts_implementation = NAME  # experts reading their own settings (moelens.compress output)
