@@ -637,6 +637,65 @@ def test_undecorated_custom_experts_say_why_they_have_no_per_slot_values():
         moelens.families.unregister("custom")
 
 
+class OwnKeywordsBlock(CustomBlock):
+    """Loop experts called with keywords of its own names (index=, weights=), and a tuple (hidden, logits) returned."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.pool = LoopExperts(config.num_local_experts, config.hidden_size)
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        flat = hidden.reshape(-1, d)
+        logits, weights, index = self.chooser(flat)
+        return self.pool(flat, index=index, weights=weights).reshape(b, s, d), logits
+
+
+class TupleModel(CustomModel):
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            output = layer["ffn"](hidden)
+            hidden = hidden + (output[0] if isinstance(output, tuple) else output)
+        return hidden
+
+
+def test_a_custom_block_described_wrongly_says_what_to_fix():
+    """Experts called with other keyword names raised NameError; a tuple output read without output_index an
+    AttributeError ('Moe' has no attribute 'mlp_output'); output_index on a block returning a tensor silently
+    served its first batch row as mlp_output."""
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    tuple_model = TupleModel(config).eval()
+    for layer in tuple_model.layers:
+        layer["ffn"].__class__ = OwnKeywordsBlock
+        layer["ffn"].pool = LoopExperts(4, 16)
+    ids = torch.randint(0, 64, (2, 3))
+    cases = [
+        (tuple_model, "OwnKeywordsBlock", None, "expert_weights", ValueUnavailable,
+         r"passed 1 positional arguments and \['index', 'weights'\], but moelens reads its argument 2 \(top_k_weights\)"),
+        (tuple_model, "OwnKeywordsBlock", None, "mlp_output", moelens.FamilyError,
+         r"layers.0.ffn.mlp_output: .* serves a tuple, not a tensor.*Combine\(output_index="),
+        (custom_model(), "CustomBlock", 0, "mlp_output", moelens.FamilyError,
+         r"returned a Tensor, not a tuple, but its family entry reads element 0 .*Combine\(output_index=None\)"),
+    ]
+    for model, block, output_index, value, error, match in cases:
+        moelens.families.register(Family(
+            "custom", ("custom",), (block,), block_attr="ffn", router="chooser", experts="pool",
+            logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk"),
+            num_experts=4, combine=moelens.families.Combine(output_index=output_index)))
+        try:
+            wrapped = moelens.wrap(model)
+            with pytest.raises(error, match=match):
+                with torch.no_grad(), wrapped.trace(ids):
+                    getattr(wrapped.moes[0], value).save()
+            with torch.no_grad(), wrapped.trace(ids):  # the router's values are served all the same
+                logits = wrapped.moes[0].router_logits.save()
+            assert logits.shape == (2, 3, 4)
+        finally:
+            moelens.families.unregister("custom")
+
+
 def test_a_write_that_overflows_a_half_precision_model_is_refused():
     hf = tiny_model("mixtral", dtype=torch.float16)
     wrapped = moelens.wrap(hf)

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
-from ..errors import WriteError
+from ..errors import FamilyError, ValueUnavailable, WriteError
 from . import tokens
 
 if TYPE_CHECKING:
@@ -89,10 +89,17 @@ def output_of(index: int | None) -> tuple[Callable, Callable]:
     """``pick`` / ``put`` for a module output that may be a tuple (hidden first)."""
     if index is None:
         return (lambda raw: raw), (lambda raw, tensor: tensor)
-    return (
-        lambda raw: raw[index],
-        lambda raw, tensor: type(raw)((*raw[:index], tensor, *raw[index + 1 :])),
-    )
+
+    def pick(raw: Any) -> Any:
+        if not isinstance(raw, (tuple, list)):  # raw[index] of a tensor would be its first row
+            raise FamilyError(
+                f"the module returned a {type(raw).__name__}, not a tuple, but its family entry reads element "
+                f"{index} of its output (Combine(output_index={index})); describe a block that returns one tensor "
+                "with Combine(output_index=None)."
+            )
+        return raw[index]
+
+    return pick, lambda raw, tensor: type(raw)((*raw[:index], tensor, *raw[index + 1 :]))
 
 
 def argument(position: int, keyword: str | None = None) -> tuple[Callable, Callable]:
@@ -197,6 +204,13 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     raw = request(binding.location, lambda: component._order_error(name))
     rows = tokens.current_rows(binding.location)
     picked = binding.pick(raw)
+    if not isinstance(picked, torch.Tensor):
+        raise FamilyError(
+            f"{component.path}.{name}: {binding.location} serves a {type(picked).__name__}, not a tensor, so the "
+            f"family entry of {type(component._module).__name__} names the wrong op or output there: a block that "
+            "returns a tuple needs Combine(output_index=<the hidden state's index>), and logits_op an op whose "
+            "output is the logits tensor (see moelens.families.register)."
+        )
     token_major = binding.token_major(picked, context)
     view = tokens.view(token_major, binding.features, rows, f"{component.path}.{name}")
     return Fetched(raw, picked, token_major, view, rows, context)
