@@ -314,6 +314,34 @@ def test_lora_adapters_on_experts_and_router_with_frozen_experts():
     assert all(layer.lora for layer in stats.converted)
 
 
+def test_the_router_trains_straight_through_its_saturated_weights():
+    """The selected weights are sigmoid(logit) = 1.0 exactly, whose slope is 0: the router got no gradient at all.
+    Straight through, each selected logit gets the gradient of its weight: its expert's output (computed
+    alone, from the experts module) dotted with the gradient of the routed output."""
+    converted, _ = convert(llama(), num_experts=4, top_k=2, calibration=ids(), lora_r=2)
+    block = converted.model.layers[0].mlp
+    with torch.no_grad():
+        block.router.lora.weight.lora_B.normal_()
+    hidden = inputs_of(converted, block, ids(2, 8)).detach()
+    logits, weights, index = block.router(hidden)
+    assert torch.equal(weights, torch.ones_like(weights))  # the forward is unchanged
+    logits.retain_grad()
+    routed = block.experts(hidden, index, weights)
+    upstream = torch.randn_like(routed)
+    (routed * upstream).sum().backward()
+    expected = torch.zeros_like(logits)
+    with torch.no_grad():
+        for slot in range(index.shape[1]):
+            alone = block.experts(hidden, index[:, slot:slot + 1], torch.ones(len(hidden), 1))
+            expected.scatter_(1, index[:, slot:slot + 1], (alone * upstream).sum(-1, keepdim=True))
+    torch.testing.assert_close(logits.grad, expected)
+    assert expected.abs().sum() > 0
+    trained = {name: p.grad.abs().sum().item() for name, p in block.router.named_parameters() if p.grad is not None}
+    assert set(trained) == {"weight", "bias", "lora.weight.lora_A", "lora.weight.lora_B"} and min(trained.values()) > 0
+    with torch.no_grad():  # no straight-through ops where nothing trains
+        assert block.router(hidden)[1].grad_fn is None
+
+
 def test_the_error_gate_says_when_no_token_was_held_out():
     # Below 1024 calibration tokens the error is measured on the fit tokens: tomoe warns, the stats say so.
     with pytest.warns(UserWarning, match="fewer than 1024 calibration tokens"):

@@ -13,6 +13,10 @@ the offset leaves bf16 a resolution of 0.25-0.5 around the logits, too coarse to
 experts. Casting the model later (``model.to(torch.bfloat16)``, ``.half()``) keeps them
 float32 too; moving it to another device moves them.
 
+Training: the sigmoid is flat there, so the backward is straight-through: each selected weight's
+gradient (how much its expert's output helps the loss) goes to its logit unchanged, and the router
+(and its LoRA adapter) learn to rank the experts that help higher. The forward is unchanged (1.0).
+
 ``router_logits - router.offset`` is the router's prediction of how much each
 expert's output matters for the token (the norm of its deviation from the mean
 contribution the block adds when it is skipped); ranking by it is what the
@@ -60,6 +64,10 @@ class ToMoERouter(LoRAHost):
         router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
         top_values, top_k_index = torch.topk(router_logits, self.top_k, dim=-1)
         top_k_weights = torch.sigmoid(top_values)
+        if torch.is_grad_enabled() and top_values.requires_grad:
+            # sigmoid is flat at 1.0: a straight-through estimator hands each weight's gradient to its logit
+            # unchanged (adding exactly 0.0 in the forward), so the router and its adapter train.
+            top_k_weights = top_k_weights + (top_values - top_values.detach())
         return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "ToMoERouter":
