@@ -12,8 +12,8 @@ from __future__ import annotations
 import gzip
 import io
 import os
-import shutil
 import secrets
+import shutil
 import tarfile
 from pathlib import Path
 
