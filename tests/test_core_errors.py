@@ -1273,15 +1273,29 @@ def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match)
 
 
 def test_a_bool_mask_selects_only_its_tokens(mixtral):
+    """As a tensor, a numpy array or nested lists (which torch read as one index per axis: the wrong tokens,
+    or a refusal asking for the very mask given)."""
     wrapped, inputs = mixtral
     mask = torch.zeros(2, 5, dtype=torch.bool)
-    mask[1, 3] = True
-    with wrapped.trace(**inputs):
-        before = wrapped.moes[0].expert_indices.clone().save()
-        moelens.reroute(wrapped.moes[0], mask, 7)
-        after = wrapped.moes[0].expert_indices.save()
-    changed = (after != before).any(-1)
-    assert not changed[~mask].any() and (after[1, 3] == 7).all()
+    mask[0, 1] = mask[1, 3] = True
+    for given in (mask, mask.numpy(), mask.tolist()):
+        with wrapped.trace(**inputs):
+            before = wrapped.moes[0].expert_indices.clone().save()
+            moelens.reroute(wrapped.moes[0], given, 7)
+            after = wrapped.moes[0].expert_indices.save()
+        changed = (after != before).any(-1)
+        assert not changed[~mask].any() and (after[mask] == 7).all(), type(given)
+
+
+def test_reroute_takes_one_row_of_experts_per_selected_token(mixtral):
+    """A tuple's selection ([batch, positions]) was kept in shape: rows per token did not fit it."""
+    wrapped, inputs = mixtral
+    rows = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 0]])  # tokens (0, 0), (0, 1), (1, 0), (1, 1), row-major
+    for experts in (rows, rows.view(2, 2, 2)):
+        with wrapped.trace(**inputs):
+            moelens.reroute(wrapped.moes[0], (slice(None), [0, 1]), experts)
+            after = wrapped.moes[0].expert_indices.save()
+        assert torch.equal(after[:, :2], rows.view(2, 2, 2))
 
 
 @pytest.mark.parametrize("adapted", ["mlp.gate.weight", "mlp.experts.gate_up_proj"], ids=["router", "experts"])

@@ -127,7 +127,8 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             ``[batch, seq]`` bool mask, a ``(batch_index, seq_index)`` tuple,
             ``(slice(None), positions)`` or ``(..., position)``.
         experts: One expert id for every slot, or ``k`` ids (one per slot), or a
-            tensor broadcastable to the selected ``[n, k]`` slots.
+            tensor broadcastable to the selected ``[n, k]`` slots (one row per selected
+            token, in row-major order; a ``[b, p, k]`` one shaped like the selection also fits).
     """
     _moe(moe, "reroute")
     indices = moe.expert_indices.clone()
@@ -148,6 +149,8 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             "pass ints (or a .long() tensor)."
         )
     replacement = replacement.to(indices.dtype)
+    if replacement.dim() > 2:  # shaped like the selection's [b, p, k] slots
+        replacement = replacement.reshape(-1, replacement.shape[-1])
     checkable = replacement.numel() and not is_fake(replacement)  # model.scan's fake tensors hold no ids
     if checkable and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
         raise WriteError(
@@ -195,8 +198,9 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
 
     ``tokens`` indexes the ``[batch, seq]`` grid only (a bool mask, ``(batch_index, seq_index)``,
     ``(slice(None), positions)``, ``...``), so ``(..., p)`` means position ``p`` of every row, never
-    a column of the value's last axis; the selection keeps its shape. A lone index (an int, a list,
-    an integer mask) would pick batch rows and is refused as ambiguous.
+    a column of the value's last axis. The selected tokens come flat, in row-major order (``values[rows]``
+    is ``[n, ...]``). A lone index (an int, a list, an integer mask) would pick batch rows and is
+    refused as ambiguous.
     """
     batch, seq = values.shape[:2]
     whole = tokens is Ellipsis or isinstance(tokens, slice) and tokens == slice(None)
@@ -213,6 +217,8 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
             ".bool()), (batch_index, seq_index), (slice(None), positions) or (..., position)."
         )
     grid = torch.arange(batch * seq, device=values.device).view(batch, seq)
+    if not isinstance(tokens, (tuple, torch.Tensor)) and not whole:
+        tokens = torch.as_tensor(tokens)  # a nested list would index one axis per inner list, not as a mask
     try:
         chosen = grid[tokens]
     except (IndexError, TypeError, RuntimeError) as error:
@@ -220,7 +226,7 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
             f"{call}: tokens={tokens!r} is not an index into this invoke's [batch, seq] = [{batch}, {seq}] "
             f"tokens ({error}); pass a [batch, seq] bool mask, (batch_index, seq_index), or (slice(None), positions)."
         ) from None
-    chosen = chosen.reshape(-1) if chosen.dim() == 0 else chosen  # one (batch, position) pair
+    chosen = chosen.reshape(-1)
     return chosen // seq, chosen % seq
 
 
