@@ -443,6 +443,11 @@ def test_interventions_on_a_dense_block_name_the_moe_layers(intervene):
             intervene(wrapped.layers[0].mlp)
     with pytest.raises(WriteError, match=r"takes an MoE block .*got Tensor"):
         intervene(torch.zeros(2))
+    hf, wrapped, inputs, plain, reference = built("gemma4", "grouped_mm")  # the layer is the Moe, beside its mlp
+    with pytest.raises(WriteError, match=r"layers.2.mlp is a dense MLP .*shared expert of the MoE block "
+                                         r"model.model.layers.2, the decoder layer itself \(model.layers\[2\]\)"):
+        with wrapped.trace(**inputs):
+            intervene(wrapped.layers[2].mlp)
 
 
 def test_force_takes_a_tensor_expert_id(mixtral):

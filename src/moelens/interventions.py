@@ -50,6 +50,9 @@ def _moe(block: Any, call: str) -> Moe:
     if isinstance(block, Mlp):
         moes = [moe.layer for moe in getattr(block.root, "moes", [])]
         where = f"the MoE layers are {moes} (model.moes)" if moes else "this model has no MoE layer"
+        if isinstance(block.parent, Moe):  # gemma4: router and experts on the decoder layer, beside this MLP
+            where = (f"it runs beside the experts as the shared expert of the MoE block {block.parent.path}, the "
+                     f"decoder layer itself (model.layers[{block.parent.layer}]); pass that block")
         raise WriteError(
             f"{call}: {block.path} is a dense MLP ({type(block._module).__name__}) and runs no mixture of experts; {where}."
         )
