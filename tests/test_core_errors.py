@@ -158,6 +158,16 @@ def test_reading_out_of_order_names_the_order(mixtral):
             wrapped.moes[1].router_logits.save()
 
 
+def test_an_order_error_lists_the_selection_scores_a_route_around_read():
+    """On a DS3 block route_around writes the selection scores; reading the logits after it listed no such value."""
+    hf, wrapped, inputs, plain, reference = built("deepseek_v3", "grouped_mm")
+    moe = wrapped.moes[0]
+    with pytest.raises(OrderError, match=r"\(router_logits -> router_probs -> selection_scores -> expert_weights"):
+        with wrapped.trace(**inputs):
+            moelens.ablate(moe, 1, "route_around")
+            moe.router_logits.save()
+
+
 def test_activations_after_a_raw_op_past_the_sort_name_the_sort(mixtral):
     """Read in execution order from the user's side, yet refused: the message said they were not."""
     wrapped, inputs = mixtral

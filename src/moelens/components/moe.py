@@ -157,7 +157,13 @@ class Moe(Mlp):
         """The values this block serves, in the order the model produces them."""
         return self.family.order()
 
-    _order = order
+    def _order(self) -> tuple[str, ...]:
+        """`order`, with `selection_scores` after the logits where the router ranks them (what an order error lists;
+        ``ablate(..., "route_around")`` reads them there)."""
+        order = list(self.order())
+        if self.ranks_selection_scores:
+            order.insert(order.index("router_probs") + 1, "selection_scores")
+        return tuple(order)
 
     # -- availability ------------------------------------------------------------------
 
