@@ -275,8 +275,14 @@ def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
 def test_wrap_and_load_reject_bad_input(tmp_path):
     with pytest.raises(moelens.MoelensError, match="transformers model instance"):
         moelens.wrap("mixtral")
-    with pytest.raises(moelens.MoelensError, match="cannot load a model"):
+    with pytest.raises(moelens.MoelensError, match=r"no model at '.*nothing-here': the path does not exist"):
         moelens.load(tmp_path / "nothing-here")
+    (tmp_path / "no-config").mkdir()
+    (tmp_path / "no-config" / "tokenizer.json").write_text("{}")
+    with pytest.raises(moelens.MoelensError, match=r"no-config' is not a transformers checkpoint folder \(no config.json"):
+        moelens.load(tmp_path / "no-config")
+    with pytest.raises(moelens.MoelensError, match=r"no-config/sub' \(subfolder 'sub'\) is not a transformers"):
+        moelens.load(tmp_path / "no-config", subfolder="sub")
 
 
 def test_load_of_a_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):

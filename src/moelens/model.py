@@ -545,6 +545,23 @@ def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Fami
 SOURCE_SETTINGS = ("trust_remote_code", "subfolder", "revision", "token", "cache_dir", "local_files_only")
 
 
+def _check_local_folder(source: str, subfolder: str) -> None:
+    """Refuse a local path that holds no checkpoint: missing, or a folder without config.json. A name that
+    may be a hub id (``name`` or ``namespace/name``, no local folder of that name) is left to transformers."""
+    path = Path(source).expanduser()
+    looks_local = path.is_absolute() or source.startswith((".", "~")) or len(Path(source).parts) > 2
+    if not path.exists():
+        if looks_local:
+            raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder "
+                               "(holding config.json and the weights), or 'tiny'.")
+        return
+    folder = path / subfolder
+    if path.is_dir() and not (folder / "config.json").is_file():
+        where = f"{str(folder)!r} (subfolder {subfolder!r})" if subfolder else repr(source)
+        raise MoelensError(f"{where} is not a transformers checkpoint folder (no config.json in it); pass one, "
+                           "or 'tiny'.")
+
+
 def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
     """Load a model (and its tokenizer) and wrap it; with no argument, moelens-tiny.
 
@@ -579,6 +596,7 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
             f"weights: pass {str(Path(source).parent)!r}."
         )
     settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
+    _check_local_folder(source, settings.get("subfolder") or "")
     config = _load_config(source, settings)
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     model_class = _model_class(config)
