@@ -332,12 +332,20 @@ def check_folder(path: Path, what: str) -> None:
         )
 
 
-def listed_shards(folder: Path) -> list[str]:
-    """The shard files the ``routing.json`` in ``folder`` lists (none when it is missing or unreadable)."""
+def _cache_meta(folder: Path) -> dict | None:
+    """The ``routing.json`` in ``folder`` when it is a moelens cache's (it records the format), else None."""
     try:
-        entries = json.loads((folder / META_FILE).read_text(encoding="utf-8"))["shards"]
-        names = [entry["file"] for entry in entries]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("format"), int) else None
+
+
+def listed_shards(folder: Path) -> list[str]:
+    """The shard files the moelens ``routing.json`` in ``folder`` lists (none when it is missing, unreadable or another's)."""
+    try:
+        names = [entry["file"] for entry in (_cache_meta(folder) or {})["shards"]]
+    except (KeyError, TypeError):
         return []
     return [name for name in names if isinstance(name, str) and SHARD_NAME.fullmatch(name)]
 
@@ -346,7 +354,8 @@ def check_cache_folder(folder: Path) -> list[str]:
     """Check that a routing cache can be written to ``folder``; returns the shard files of the cache there.
 
     Those files and ``routing.json`` are what writing a cache there replaces; a shard-named file
-    no ``routing.json`` lists (not moelens') is refused rather than overwritten.
+    no ``routing.json`` lists (not moelens'), or a ``routing.json`` of another tool, is refused rather
+    than overwritten.
     """
     check_folder(folder, "routing cache folder")
     if not folder.is_dir():
@@ -358,6 +367,11 @@ def check_cache_folder(folder: Path) -> list[str]:
             f"routing cache folder {str(folder)!r} holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}, "
             f"which no {META_FILE} there lists; a cache written there would overwrite them: move them or name "
             "another folder."
+        )
+    if (folder / META_FILE).exists() and _cache_meta(folder) is None:
+        raise MoelensError(
+            f"routing cache folder {str(folder)!r} holds a {META_FILE} that is not a moelens routing cache's (no "
+            f"format recorded in it); a cache written there would overwrite it: move it or name another folder."
         )
     return listed
 
