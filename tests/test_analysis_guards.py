@@ -221,6 +221,17 @@ def test_a_numpy_tokenizer_output_is_routed_as_a_torch_one(model):
     assert routed["np"].num_tokens == sum(len(text) for text in TEXTS)
 
 
+def test_numpy_token_ids_are_routed_as_python_ones(model):
+    """A list of numpy integers and a 2-D numpy array were refused as not token ids."""
+    import numpy as np
+
+    rows = model.tokenizer(TEXTS[:2], return_tensors="np", padding=False, truncation=True, max_length=5)["input_ids"]
+    rows = np.stack([row[:5] for row in rows])
+    expected = analysis.collect_routing(model, rows.tolist(), progress=False)
+    for corpus in (list(rows), [list(row) for row in rows], rows):
+        assert_same_routing(analysis.collect_routing(model, corpus, progress=False), expected)
+
+
 def test_bytes_and_bools_are_not_token_ids(model):
     text = TEXTS[0]
     cases = [

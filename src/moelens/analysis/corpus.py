@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -111,12 +112,14 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
                 "moelens.wrap(model, tokenizer=...) or pass token ids (lists or 1-D tensors)."
             )
         return list(tokenizer(item, add_special_tokens=False, verbose=False)["input_ids"])
+    if isinstance(item, np.ndarray):
+        item = torch.from_numpy(item)
     if isinstance(item, Tensor):
         if item.dim() != 1 or item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
             raise MoelensError(f"{what} must be a 1-D tensor of token ids, got shape {tuple(item.shape)} {item.dtype}.")
         return item.tolist()
-    if isinstance(item, Sequence) and all(isinstance(token, int) and not isinstance(token, bool) for token in item):
-        return list(item)
+    if isinstance(item, Sequence) and all(isinstance(token, Integral) and not isinstance(token, bool) for token in item):
+        return [int(token) for token in item]  # numpy integers too
     raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got {type(item).__name__}.")
 
 
@@ -140,8 +143,10 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
 
 
 def items(corpus: Any) -> Iterator[Any]:
-    """The corpus as an iterator of items (a 2-D tensor yields its rows)."""
+    """The corpus as an iterator of items (a 2-D tensor or numpy array yields its rows)."""
     refuse_bytes(corpus, "the corpus")
+    if isinstance(corpus, np.ndarray):
+        corpus = torch.from_numpy(corpus)
     if isinstance(corpus, str):
         yield corpus
     elif isinstance(corpus, Tensor):
