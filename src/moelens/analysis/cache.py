@@ -341,10 +341,10 @@ def _cache_meta(folder: Path) -> dict | None:
     return meta if isinstance(meta, dict) and isinstance(meta.get("format"), int) else None
 
 
-def listed_shards(folder: Path) -> list[str]:
-    """The shard files the moelens ``routing.json`` in ``folder`` lists (none when it is missing, unreadable or another's)."""
+def listed_shards(meta: dict | None) -> list[str]:
+    """The shard files a moelens ``routing.json`` (`_cache_meta`) lists (none without one, or when it is damaged)."""
     try:
-        names = [entry["file"] for entry in (_cache_meta(folder) or {})["shards"]]
+        names = [entry["file"] for entry in (meta or {})["shards"]]
     except (KeyError, TypeError):
         return []
     return [name for name in names if isinstance(name, str) and SHARD_NAME.fullmatch(name)]
@@ -360,7 +360,8 @@ def check_cache_folder(folder: Path) -> list[str]:
     check_folder(folder, "routing cache folder")
     if not folder.is_dir():
         return []
-    listed = listed_shards(folder)
+    meta = _cache_meta(folder)
+    listed = listed_shards(meta)
     others = sorted(path.name for path in folder.iterdir() if SHARD_NAME.fullmatch(path.name) and path.name not in listed)
     if others:
         raise MoelensError(
@@ -368,7 +369,7 @@ def check_cache_folder(folder: Path) -> list[str]:
             f"which no {META_FILE} there lists; a cache written there would overwrite them: move them or name "
             "another folder."
         )
-    if (folder / META_FILE).exists() and _cache_meta(folder) is None:
+    if meta is None and (folder / META_FILE).exists():
         raise MoelensError(
             f"routing cache folder {str(folder)!r} holds a {META_FILE} that is not a moelens routing cache's (no "
             f"format recorded in it); a cache written there would overwrite it: move it or name another folder."
