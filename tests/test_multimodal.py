@@ -1,9 +1,10 @@
-"""Vision-language MoE models traced on prompts that hold images.
+"""Multimodal MoE models traced on prompts that hold images (and audio).
 
-Whole tiny qwen3_vl_moe and glm4v_moe models (a two-layer vision tower beside the tiny MoE
-decoder) run on a left-padded batch whose rows each carry one image (16 patches merged into 4
-image tokens). The decoder's MoE blocks then see text and image tokens mixed, with M-RoPE
-positions: every value moelens serves must still equal plain nnsight's (and the experts
+Whole tiny qwen3_vl_moe, glm4v_moe, qwen3_omni_moe (its thinker) and muse_spark models (a
+two-layer vision tower, and an audio encoder for the last two, beside the tiny MoE decoder) run
+on a left-padded batch whose rows each carry one image (16 patches merged into 4 image tokens)
+and, for the last two, an audio clip. The decoder's MoE blocks then see text, image and audio
+tokens mixed (with M-RoPE positions in the qwen and glm models): every value moelens serves must still equal plain nnsight's (and the experts
 recomputed from their weights), and reading them must leave the logits bit-identical.
 """
 
@@ -14,6 +15,10 @@ import copy
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers.models.qwen3_omni_moe import (
+    Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
+)
 
 import moelens
 from moelens.testing import tiny_config
@@ -21,65 +26,107 @@ from moelens.testing.tiny import _reinit
 
 from groundtruth import raw_values, slots_by_hand
 
-IMAGE, VIDEO, START, END = 100, 101, 102, 103
+IMAGE, VIDEO, START, END, AUDIO, AUDIO_START, AUDIO_END = 100, 101, 102, 103, 104, 105, 106
 #: A small vision tower whose merged patches (2 x 2) land in the decoder's hidden size of 32.
 VISION = dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2)
+#: Families whose audio encoder also feeds the decoder: the prompts carry a clip too.
+AUDIO_FAMILIES = ("qwen3_omni_moe", "muse_spark")
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
 
 
-def _config(family: str):
+def _model(family: str, impl: str) -> torch.nn.Module:
+    """The whole tiny multimodal model of ``family``: its tiny decoder, a two-layer vision tower (and audio encoder)."""
     text = tiny_config(family).to_dict()
     if family == "qwen3_vl_moe":
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
-                                   "mrope_interleaved": True}
-        return AutoConfig.for_model(
+        text["rope_parameters"] = {**MROPE, "mrope_interleaved": True}
+        config = AutoConfig.for_model(
             family, text_config=text,
             vision_config={**VISION, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
             image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
         )
-    return AutoConfig.for_model(
-        family, text_config=text, vision_config={**VISION, "image_size": 16},
-        image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=START, image_end_token_id=END,
-        video_start_token_id=104, video_end_token_id=105,
-    )
+    elif family == "glm4v_moe":
+        config = AutoConfig.for_model(
+            family, text_config=text, vision_config={**VISION, "image_size": 16},
+            image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=START, image_end_token_id=END,
+            video_start_token_id=104, video_end_token_id=105,
+        )
+    elif family == "qwen3_omni_moe":  # its thinker: the model that reads the prompt (the talker speaks)
+        text["rope_parameters"] = {**MROPE, "interleaved": True}
+        config = Qwen3OmniMoeThinkerConfig(
+            text_config=text, vision_config={**VISION, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+            audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16,
+                              d_model=16, output_dim=32, downsample_hidden_size=8),
+            image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+            audio_token_id=AUDIO, audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END,
+        )
+        return Qwen3OmniMoeThinkerForConditionalGeneration._from_config(config, experts_implementation=impl)
+    else:  # muse_spark: image and audio tokens with no markers around them
+        config = AutoConfig.for_model(
+            family, text_config=text, out_hidden_size=64, projector_hidden_size=32,
+            vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                               patch_size=4, pos_emb_height=4, pos_emb_width=4, merge_size=2, patch_temporal=2),
+            audio_config=dict(patch_sizes=[2, 2], hidden_sizes=[8, 16], depths=[1, 1], num_hidden_layers=2,
+                              out_hidden_size=32),
+            image_token_id=IMAGE, video_token_id=VIDEO, audio_token_id=AUDIO,
+        )
+    return AutoModelForImageTextToText.from_config(config, experts_implementation=impl)
 
 
-def _image_prompts(batch: int = 2) -> dict[str, torch.Tensor]:
-    """Left-padded rows of different lengths: text, one 4-token image between its markers, text."""
+def _prompts(family: str, batch: int = 2) -> dict[str, torch.Tensor]:
+    """Left-padded rows of different lengths: text, one 4-token image (between its markers where the family has
+    them), text, and for `AUDIO_FAMILIES` an audio clip's tokens and text."""
     gen = torch.Generator().manual_seed(1)
-    rows = [torch.randint(3, 90, (2 + row,), generator=gen).tolist() + [START] + [IMAGE] * 4 + [END]
-            + torch.randint(3, 90, (3,), generator=gen).tolist() for row in range(batch)]
+    marked = family != "muse_spark"
+    image = [START] + [IMAGE] * 4 + [END] if marked else [IMAGE] * 4
+    audio = {"qwen3_omni_moe": [AUDIO_START] + [AUDIO] * 5 + [AUDIO_END], "muse_spark": [AUDIO] * 2}.get(family, [])
+    rows = [torch.randint(3, 90, (2 + row,), generator=gen).tolist() + image
+            + torch.randint(3, 90, (3,), generator=gen).tolist() + audio + ([7, 8] if audio else []) for row in range(batch)]
     width = max(map(len, rows))
     ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, tokens in enumerate(rows):
         ids[row, width - len(tokens):] = torch.tensor(tokens)
         mask[row, width - len(tokens):] = 1
-    return {
-        "input_ids": ids, "attention_mask": mask, "mm_token_type_ids": (ids == IMAGE).long(),
+    prompts = {
+        "input_ids": ids, "attention_mask": mask,
         "pixel_values": torch.randn(16 * batch, 3 * 2 * 4 * 4, generator=gen),  # channels x time x patch x patch
         "image_grid_thw": torch.tensor([[1, 4, 4]] * batch),
     }
+    if family in ("qwen3_vl_moe", "glm4v_moe"):
+        prompts["mm_token_type_ids"] = (ids == IMAGE).long()
+    if family == "qwen3_omni_moe":  # 40 frames of 16 mel bins, downsampled to the 5 audio tokens
+        prompts["input_features"] = torch.randn(batch, 16, 40, generator=gen)
+        prompts["feature_attention_mask"] = torch.ones(batch, 40, dtype=torch.long)
+    if family == "muse_spark":  # 8 raw samples, patched to the 2 audio tokens
+        prompts["input_values"] = torch.randn(batch, 8, generator=gen)
+    return prompts
+
+
+def _negated(prompts: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
+    return {**prompts, key: -prompts[key]}
 
 
 @pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", *AUDIO_FAMILIES])
 def test_values_on_image_prompts_equal_plain_nnsight(family, impl):
     torch.manual_seed(0)
-    hf = AutoModelForImageTextToText.from_config(_config(family), experts_implementation=impl)
+    hf = _model(family, impl)
     _reinit(hf, 0)
     hf.eval()
-    inputs = _image_prompts()
+    inputs = _prompts(family)
     assert (inputs["input_ids"] == IMAGE).sum() == 8
     with torch.no_grad():
         plain = hf(**inputs).logits
-        other_images = hf(**{**inputs, "pixel_values": -inputs["pixel_values"]}).logits
-    assert not torch.allclose(plain, other_images)  # the images reach the decoder
+        assert not torch.allclose(plain, hf(**_negated(inputs, "pixel_values")).logits)  # the images reach the decoder
+        for clip in {"input_features", "input_values"} & set(inputs):
+            assert not torch.allclose(plain, hf(**_negated(inputs, clip)).logits)  # and the audio
     reference = copy.deepcopy(hf)
     wrapped = moelens.wrap(hf)
     blocks = [moe.path.removeprefix("model.") for moe in wrapped.moes]
     assert blocks and all(".language_model.layers." in name for name in blocks)
-    raw = raw_values(reference, inputs, blocks, wrapped.moes[0].family)
+    with torch.no_grad():  # as the trace below: some vision towers round differently with autograd on
+        raw = raw_values(reference, inputs, blocks, wrapped.moes[0].family)
 
     with torch.no_grad(), wrapped.trace(**inputs):
         values = wrapped.save_all()  # layer -> value name -> tensor, for every block
