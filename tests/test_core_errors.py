@@ -320,6 +320,17 @@ def test_a_model_without_tokenizer_refuses_text_in_one_invoke(tmp_path):
                 loaded.moes[0].router_logits.save()
 
 
+def test_a_model_without_tokenizer_refuses_a_generate_trace():
+    """nnsight traces generation only with a tokenizer: without one, model.generate would run the model's own
+    generate untraced and then fail on the with statement ('Tensor' object does not support the context manager)."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf)["input_ids"]
+    with pytest.raises(moelens.MoelensError, match=r"generate.*needs a tokenizer.*model._module.generate"):
+        with wrapped.generate(ids, max_new_tokens=2):
+            wrapped.moes[0].router_logits.save()
+
+
 def test_tokenizer_files_that_do_not_load_are_named(tmp_path):
     from groundtruth import ascii_tokenizer
 

@@ -17,7 +17,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import nnsight
 import torch
@@ -339,6 +339,15 @@ class MoeNNsight(MoeModelMixin, NNsight):
     config's pad token (0 when it has none) and masking the padding (a forward
     that takes no ``attention_mask`` batches invokes of one length only).
     """
+
+    def generate(self, *inputs: Any, **kwargs: Any) -> NoReturn:
+        """Refused: nnsight traces generation only with a tokenizer (without this, the model's own
+        ``generate`` would run untraced and the ``with`` statement fail on the tensor it returns)."""
+        raise MoelensError(
+            "model.generate: tracing a generation needs a tokenizer, and this model was wrapped without one: "
+            "moelens.wrap(model, tokenizer=...), or save the tokenizer files beside the weights for moelens.load. "
+            "To generate without tracing, call model._module.generate(...)."
+        )
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
         return processing.batch_size(inputs, kwargs)
