@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Callable
 
 import pytest
 import torch
 
 import moelens
 from moelens.families import Family
-from moelens.testing import FAMILIES, tiny_model
+from moelens.families.unserved import UNSERVED
+from moelens.testing import FAMILIES, tiny_config, tiny_model
 
 
 def references(family: Family, block: torch.nn.Module) -> list[str]:
@@ -158,3 +161,75 @@ def test_model_types_that_run_another_familys_blocks(model_type, runs_as):
         output = wrapped.output.save()
     assert torch.equal(output.logits, plain)
     torch.testing.assert_close(values["expert_outputs"].sum(2), values["routed_output"])
+
+
+#: Tiny configs of the model types moelens knows and does not serve (moelens.families.unserved).
+UNSERVED_CONFIGS = {
+    "jetmoe": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, kv_channels=8, num_key_value_heads=2,
+                   intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "switch_transformers": dict(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                                num_heads=2, num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
+    "nllb-moe": dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=4,
+                     encoder_sparse_step=1, decoder_sparse_step=1),
+    "doge": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=32, is_moe=True, num_experts=16, num_experts_per_tok=2),
+    "vitpose_backbone": dict(image_size=[16, 16], patch_size=[4, 4], hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, intermediate_size=32, num_experts=2, part_features=8),
+}
+
+
+def _unserved_model(name: str) -> torch.nn.Module:
+    from transformers import AutoBackbone, AutoConfig, AutoModel, AutoModelForImageTextToText
+
+    if name == "dots3_note":  # the whole model: a tiny served language model beside a vision tower with MoE blocks
+        vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
+                      spatial_merge_size=2, adapter_in_dim=16, adapter_out_dim=32, adapter_merge_size=2,
+                      moe_intermediate_size=16, pyramid_num_routed=[-1, 4], num_experts_per_tok=2)
+        audio = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     adapter_input_size=16, adapter_out_dim=32, feature_size=16, downsample_hidden_size=8)
+        config = AutoConfig.for_model(name, text_config=tiny_config(name).to_dict(), vision_config=vision,
+                                      audio_config=audio)
+        return AutoModelForImageTextToText.from_config(config)
+    config = AutoConfig.for_model(name, **UNSERVED_CONFIGS[name])
+    return (AutoBackbone if name == "vitpose_backbone" else AutoModel).from_config(config)
+
+
+@pytest.mark.parametrize("entry", UNSERVED, ids=[entry.name for entry in UNSERVED])
+def test_moe_blocks_moelens_does_not_serve_are_named_with_the_reason_and_never_served_as_dense(entry):
+    """jetmoe's MoE block has an input_linear and an output_linear (JetMoeParallelExperts): it was served as a
+    dense Mlp, whose mlp_activation was the expert-sorted [T * k, I] rows, and wrap said the model had no MoE."""
+    model = _unserved_model(entry.name)
+    blocks = [name for name, module in model.named_modules() if type(module).__name__ in entry.block_classes]
+    assert blocks
+    with pytest.warns(UserWarning, match=rf"does not serve these MoE blocks of {entry.name}: .*; {re.escape(entry.reason)}"):
+        wrapped = moelens.wrap(model)
+    assert not {moe.path.removeprefix("model.") for moe in wrapped.moes} & set(blocks)
+    for name in blocks:
+        assert not isinstance(wrapped.get(name), (moelens.components.Mlp, moelens.components.Moe)), name
+
+
+def test_a_block_with_a_weight_per_expert_is_not_served_as_a_dense_mlp():
+    """An unknown MoE block whose projections hold [E, out, in] weights has no dense hidden activation."""
+
+    class PerExpert(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 8, 8))
+
+    class Dense(torch.nn.Module):
+        def __init__(self, projection: type[torch.nn.Module]) -> None:
+            super().__init__()
+            self.up_proj, self.down_proj = projection(), projection()
+
+    class Layer(torch.nn.Module):
+        def __init__(self, projection: Callable[[], torch.nn.Module]) -> None:
+            super().__init__()
+            self.mlp = Dense(projection)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer(lambda: torch.nn.Linear(8, 8)), Layer(PerExpert)])
+    with pytest.warns(UserWarning, match="its 1 dense MLPs"):
+        wrapped = moelens.wrap(model)
+    assert isinstance(wrapped.get("layers.0.mlp"), moelens.components.Mlp)
+    assert not isinstance(wrapped.get("layers.1.mlp"), moelens.components.Mlp)

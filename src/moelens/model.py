@@ -34,6 +34,7 @@ from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .components.params import op_names
 from .errors import FamilyError, MoelensError
 from .families import Family, registry
+from .families.unserved import unserved_block
 from .families.entry import get_path
 from .modules import enclosing, is_adapter_layer
 
@@ -130,10 +131,14 @@ def _has_child(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
 
 
 def _is_dense_mlp(module: Any) -> bool:
-    """Whether ``module`` is a dense MLP: it has an up (or gate) projection and a down projection."""
-    return isinstance(module, torch.nn.Module) and _has_child(module, UP_PROJECTIONS) and _has_child(
-        module, DOWN_PROJECTIONS
-    )
+    """Whether ``module`` is a dense MLP: it has an up (or gate) projection and a down projection, and
+    neither holds a weight per expert (a 3-D ``[E, out, in]`` weight: an MoE block of no registered family)."""
+    if not isinstance(module, torch.nn.Module) or unserved_block(module) is not None:
+        return False
+    projections = [getattr(module, name, None) for name in (*UP_PROJECTIONS, *DOWN_PROJECTIONS)]
+    per_expert = any(getattr(getattr(child, "weight", None), "dim", lambda: 2)() > 2 for child in projections
+                     if isinstance(child, torch.nn.Module))
+    return _has_child(module, UP_PROJECTIONS) and _has_child(module, DOWN_PROJECTIONS) and not per_expert
 
 
 def _layer_path(name: str) -> str | None:
@@ -194,10 +199,14 @@ def discover(model: torch.nn.Module) -> Structure:
     unknown: list[str] = []
     idle: dict[str, str] = {}  # family -> a block of it that holds no experts module where it says
     checked_bias: set[str] = set()  # families whose selection_bias was looked for (on their first block)
+    unserved: dict[str, list[str]] = {}  # model type -> its blocks moelens knows and does not serve
     for name, module in model.named_modules():
         family = registry.for_block(module)
         if family is None:
-            if any(is_dispatching(child) for child in module.children()) and enclosing(name, structure.moe_blocks) is None:
+            known = unserved_block(module)
+            if known is not None:
+                unserved.setdefault(known.name, []).append(name)
+            elif any(is_dispatching(child) for child in module.children()) and enclosing(name, structure.moe_blocks) is None:
                 unknown.append(f"{name} ({type(module).__name__})")
             continue
         _refuse_adapter_layers(name, module, family)
@@ -214,6 +223,13 @@ def discover(model: torch.nn.Module) -> Structure:
         layers = _layer_list(name)
         if layers is not None and layers not in structure.layer_lists:
             structure.layer_lists.append(layers)
+    for model_type, blocks in unserved.items():
+        warnings.warn(
+            f"moelens does not serve these MoE blocks of {model_type}: {', '.join(blocks)}; "
+            f"{unserved_block(model.get_submodule(blocks[0])).reason}. model.moes leaves them out and they are "
+            "plain envoys: read them with plain nnsight (their .output, .inputs and their children's).",
+            stacklevel=3,
+        )
     if unknown:
         warnings.warn(
             f"moelens found MoE blocks of no registered family: {', '.join(unknown)}. They are plain "
@@ -247,7 +263,7 @@ def discover(model: torch.nn.Module) -> Structure:
             name = f"{layers}.{index}.{attribute}"
             if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
                 structure.dense_blocks.append(name)
-    if not structure.moe_blocks and not unknown and not idle:
+    if not structure.moe_blocks and not unknown and not idle and not unserved:
         warnings.warn(
             "moelens found no MoE block in this model (no module of a registered family's block class holding "
             f"an experts module): model.moes is [], and its {len(structure.dense_blocks)} dense MLPs (at "

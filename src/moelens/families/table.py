@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .entry import Family
 from .registry import supported
+from .unserved import UNSERVED
 
 HEADER = """# Supported families
 
@@ -46,10 +47,23 @@ def _row(family: Family) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+UNSERVED_HEADER = """
+## Not served
+
+MoE blocks of these model types run their experts some other way than a transformers experts call, so no
+family entry describes them: `moelens.wrap` names them in a warning with the reason, leaves them out of
+`model.moes` and keeps them plain envoys (never a dense `Mlp`). Read them with plain nnsight.
+
+| model type | blocks | why |
+|---|---|---|
+"""
+
+
 def markdown(families: list[Family] | None = None) -> str:
-    """The docs' family table for ``families`` (default: every registered family)."""
+    """The docs' family table for ``families`` (default: every registered family), and the blocks not served."""
     rows = [_row(family) for family in (families if families is not None else supported())]
-    return HEADER + "\n".join(rows) + "\n"
+    unserved = [f"| {entry.name} | {', '.join(entry.block_classes)} | {entry.reason} |" for entry in UNSERVED]
+    return HEADER + "\n".join(rows) + "\n" + UNSERVED_HEADER + "\n".join(unserved) + "\n"
 
 
 if __name__ == "__main__":
