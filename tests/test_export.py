@@ -495,6 +495,29 @@ def test_export_never_empties_a_folder_of_the_users(out):
     assert not list(out.glob("*.part"))
 
 
+def test_a_folder_export_keeps_the_folder_and_replaces_only_its_files(out, monkeypatch):
+    """The folder was deleted and made anew: its mode and owner were lost, and `.` (the current folder) failed
+    with Errno 22 after deleting an earlier export in it."""
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    shared = out / "shared"
+    shared.mkdir()
+    shared.chmod(0o2775)
+    before = shared.stat()
+    to_nnef(moe, shared, verify=False)
+    to_nnef(moe, shared, verify=False)  # over the earlier export
+    after = shared.stat()
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert (shared / "graph.nnef").is_file()
+
+    here = out / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for _ in range(2):  # into the empty current folder, then over that export
+        to_nnef(moe, ".", verify=False)
+        assert (here / "graph.nnef").is_file()
+    assert here.stat().st_ino == Path.cwd().stat().st_ino
+
+
 def test_export_never_replaces_a_file_of_the_users(out):
     moe = moelens.wrap(small("mixtral")).moes[0]
     (out / "kept.txt").write_text("kept\n")

@@ -97,15 +97,23 @@ def _is_export_archive(path: Path) -> bool:
 def write(folder: Path, path: Path) -> Path:
     """Write the files of ``folder`` to ``path``: a reproducible archive, or a folder copy.
 
-    ``path`` is checked first (`check_destination`): only an earlier export is replaced.
+    ``path`` is checked first (`check_destination`): only an earlier export is replaced (a folder's
+    files; the folder itself is kept).
     """
     path = Path(path)
     check_destination(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not is_archive(path):
-        if path.exists():
-            shutil.rmtree(path)
-        shutil.copytree(folder, path)
+        # The folder itself stays (its mode, owner, and the current folder for "."): only an earlier export's
+        # files go (`check_destination` let nothing else through).
+        path.mkdir(exist_ok=True)
+        for entry in list(path.iterdir()):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        for entry in Path(folder).iterdir():  # entry by entry: copytree would give the folder the source's mode
+            if entry.is_dir():
+                shutil.copytree(entry, path / entry.name)
+            else:
+                shutil.copy2(entry, path / entry.name)
         return path
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
