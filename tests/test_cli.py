@@ -308,3 +308,16 @@ def test_load_a_text_decoder_saved_without_architectures(family, tmp_path):
     inputs = tiny_inputs(hf)
     with torch.no_grad():
         torch.testing.assert_close(loaded._module(**inputs).last_hidden_state, hf(**inputs).last_hidden_state)
+
+
+@pytest.mark.parametrize("command", [["demo"], ["stats", "tiny", "--text"]], ids=["demo", "stats"])
+def test_an_out_folder_that_may_not_be_written_into_is_refused_before_any_work(saved, read_only_folder, command,
+                                                                                 capsys):
+    """An existing --out folder that may not be written into was found only when the demo wrote its first plot,
+    after the whole run and its printed tables."""
+    command = [*command, saved / "text.txt"] if command[0] == "stats" else command
+    status, out, err = run([*command, "--out", read_only_folder], capsys)
+    assert status == 2 and out == ""
+    assert "read-only' is a folder this user may not write into" in err
+    status, out, err = run([*command, "--out", read_only_folder / "sub"], capsys)
+    assert status == 2 and "read-only, a folder this user may not write into" in err

@@ -518,6 +518,14 @@ def test_a_folder_export_keeps_the_folder_and_replaces_only_its_files(out, monke
     assert here.stat().st_ino == Path.cwd().stat().st_ino
 
 
+def test_a_folder_that_may_not_be_written_into_is_refused_before_the_export(read_only_folder):
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    with pytest.raises(ExportError, match="read-only is a folder this user may not write into"):
+        to_nnef(moe, read_only_folder, verify=False)
+    with pytest.raises(ExportError, match="lies under .*read-only, a folder this user may not write into"):
+        to_nnef(moe, read_only_folder / "block.nnef.tgz", verify=False)
+
+
 def test_export_never_replaces_a_file_of_the_users(out):
     moe = moelens.wrap(small("mixtral")).moes[0]
     (out / "kept.txt").write_text("kept\n")

@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+
+
+def may_write_into(folder: Path) -> bool:
+    """Whether this process can create a file in the existing ``folder``: tried with a temporary file
+    (gone at once), since permission bits do not tell for root (a read-only mount, an immutable folder)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def blocked_above(path: Path) -> str | None:
@@ -19,6 +32,6 @@ def blocked_above(path: Path) -> str | None:
         return f"{ancestor}, which is a symbolic link to a missing path ({os.readlink(ancestor)})"
     if not ancestor.is_dir():
         return f"{ancestor}, which is a file, not a folder"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    if not may_write_into(ancestor):
         return f"{ancestor}, a folder this user may not write into"
     return None

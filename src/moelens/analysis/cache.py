@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from ..families.scoring import score
-from ..paths import blocked_above
+from ..paths import blocked_above, may_write_into
 
 #: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
 #: expert 0 with weight 0): counted by no expert.
@@ -319,12 +319,15 @@ class RoutingCache:
 
 
 def check_folder(path: Path, what: str) -> None:
-    """Refuse a folder to write to that is a file, lies under one, or is a symbolic link to a missing path."""
+    """Refuse a folder to write to that is a file, lies under one, is a symbolic link to a missing path, or an
+    existing folder this process may not write into."""
     if path.is_symlink() and not path.exists():
         raise MoelensError(f"{what} {str(path)!r} is a symbolic link to a missing path ({os.readlink(path)}); "
                            "name a folder (it is created if missing).")
     if path.exists() and not path.is_dir():
         raise MoelensError(f"{what} {str(path)!r} is a file; name a folder (it is created if missing).")
+    if path.is_dir() and not may_write_into(path):
+        raise MoelensError(f"{what} {str(path)!r} is a folder this user may not write into; name another folder.")
     blocked = blocked_above(path)
     if blocked is not None:
         raise MoelensError(

@@ -17,7 +17,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from ..paths import blocked_above
+from ..paths import blocked_above, may_write_into
 from .errors import ExportError
 
 #: Suffixes of an archive path (anything else is written as a folder).
@@ -64,6 +64,8 @@ def check_destination(path: Path) -> None:
             f"{path} is a file; an export path is written as a folder unless it ends in "
             f"{', '.join(ARCHIVE_SUFFIXES)}. Name a new folder or an archive."
         )
+    elif path.is_dir() and not may_write_into(path):
+        raise ExportError(f"{path} is a folder this user may not write into; name another folder or an archive.")
     elif path.is_dir() and any(path.iterdir()) and not _is_export_folder(path):
         raise ExportError(
             f"{path} is a folder with files of its own; moelens writes a folder export only into a new "
