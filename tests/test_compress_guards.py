@@ -163,13 +163,14 @@ def test_an_ffn_shared_between_layers_stays_dense_and_shared():
 # -- what the user owns ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lora_r", [0, 4])
-def test_tomoe_leaves_torchs_random_stream_alone(lora_r):
+@pytest.mark.parametrize(("lora_r", "shared_neurons"), [(0, 0), (4, 0), (0, 8)])
+def test_tomoe_leaves_torchs_random_stream_alone(lora_r, shared_neurons):
+    """With shared neurons the shared expert's nn.Linear layers drew their default initialisation from it."""
     dense, tokens = llama(intermediate_size=256), ids(8, 32)  # 256 neurons, 256 tokens: the truncated SVD runs
     torch.manual_seed(1)
     expected = torch.rand(4)
     torch.manual_seed(1)
-    convert(dense, num_experts=4, top_k=2, calibration=tokens, lora_r=lora_r)
+    convert(dense, num_experts=4, top_k=2, calibration=tokens, lora_r=lora_r, shared_neurons=shared_neurons)
     torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
+from torch.nn.utils import skip_init
 
 from .router import ToMoERouter
 
@@ -47,11 +48,12 @@ class ToMoESharedExpert(nn.Module):
         self.output_size = output_size
         self.gated = gated
         if num_neurons:
-            self.up_proj = nn.Linear(hidden_size, num_neurons, bias=True)
+            # skip_init: nn.Linear's own initialisation would draw from torch's global random stream (the user's)
+            self.up_proj = skip_init(nn.Linear, hidden_size, num_neurons, bias=True)
             if gated:
-                self.gate_proj = nn.Linear(hidden_size, num_neurons, bias=True)
+                self.gate_proj = skip_init(nn.Linear, hidden_size, num_neurons, bias=True)
             self.act_fn = act_fn
-            self.down_proj = nn.Linear(num_neurons, output_size, bias=True)
+            self.down_proj = skip_init(nn.Linear, num_neurons, output_size, bias=True)
             for linear in self.children():
                 if isinstance(linear, nn.Linear):
                     nn.init.zeros_(linear.weight)
