@@ -823,7 +823,9 @@ def run(args):
             "non_embedding_parameters": n_params - V * arch["hidden_size"],
             "weights_storage_dtype": str(storage).replace("torch.", ""),
             "load_dtype": "float32",
-            "optimizer": {"name": "AdamW", **opt, "schedule": "linear warmup then cosine decay to min_lr_ratio*lr",
+            # the steps the schedule ran (--steps / --minutes override the default in opt)
+            "optimizer": {"name": "AdamW", **opt, "steps": train["steps"],
+                          "schedule": "linear warmup then cosine decay to min_lr_ratio*lr",
                           "loss": "next-token cross-entropy" + (" + router_aux_loss_coef * mean over layers of the "
                                   "per-layer Switch load-balancing loss (transformers load_balancing_loss_func on "
                                   "each layer's router logits)" if which == "moe" else "")},

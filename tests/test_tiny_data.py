@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -80,6 +81,13 @@ def test_training_records():
     # both models are scored on the very same held-out tokens
     assert rec["evaluation"]["heldout_tokens_predicted"] == training_record("dense")["evaluation"]["heldout_tokens_predicted"]
     assert rec["evaluation"]["unigram_baseline_ppl"] == training_record("dense")["evaluation"]["unigram_baseline_ppl"]
+    for name, path in (("moelens-tiny", TINY_MODEL_PATH), ("tiny-dense", TINY_DENSE_PATH)):
+        r = training_record(name)
+        # the steps the learning-rate schedule ran: it ends at min_lr_ratio x the peak on the last step
+        opt, curve = r["optimizer"], r["training"]["curve"]
+        assert opt["steps"] == r["training"]["steps"] == curve[-1]["step"], name
+        assert curve[-1]["lr"] == pytest.approx(opt["lr"] * opt["min_lr_ratio"], rel=1e-3), name
+        assert r["checkpoint_bytes"] == sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()), name
     routing = rec["routing"]
     assert len(routing["layers"]) == 4
     assert routing["mean_tv_all_layers"] > routing["mean_tv_shuffled_labels_all_layers"]
