@@ -366,3 +366,29 @@ def test_reads_and_in_place_edits_work_under_inference_mode(impl):
             moe.expert_activations.zero_()
             routed = moe.routed_output.save()
         assert routed.abs().max() == 0  # bias-free down projections of zero activations
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("grad", ["no_grad", "autograd", "inference_mode"])
+@pytest.mark.parametrize(("edited", "later"), [("expert_weights", "expert_activations"),
+                                               ("router_logits", "expert_weights")])
+def test_an_in_place_edit_after_the_model_used_the_value_is_an_error(impl, grad, edited, later):
+    """A view edited after a later value was read had had its write-back: the edit was never checked, and it was
+    dropped or reached the model (a NaN included) by experts implementation and grad mode."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", impl)
+    moe = running_moes(wrapped)[0]
+    mode = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}[grad]
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{edited} was edited in place after the model had used it"):
+        with mode(), wrapped.trace(**inputs):
+            view = getattr(moe, edited)
+            getattr(moe, later)
+            view[..., 0] = float("nan")
+            wrapped.output.save()
+    with mode(), wrapped.trace(**inputs):  # a copy is the user's own
+        mine = getattr(moe, edited).clone()
+        getattr(moe, later)
+        mine[..., 0] = float("nan")
+        output = wrapped.output.save()
+    assert torch.equal(first_tensor(output), plain)
+    with torch.no_grad():
+        assert torch.equal(first_tensor(hf(**inputs)), plain)

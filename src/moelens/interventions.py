@@ -258,8 +258,10 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     The forced experts' logits are raised above every other expert's (by the logits'
     range + 30, keeping the forced experts' own logit order among themselves), so they
     fill the top ``len(experts)`` slots; weights follow from the family's scoring of the
-    raised logits: with softmax scores the other slots keep a weight near 0, with
-    sigmoid scores the forced ones saturate towards 1.
+    raised logits: with softmax scores the other slots keep a weight near 0 (not under
+    phimoe's sparsemixer, which weights each slot by a softmax of its own with the experts
+    picked before it masked out: the other slots keep their weight; force ``top_k`` experts
+    to fill every slot), with sigmoid scores the forced ones saturate towards 1.
 
     Where the router ranks score + a selection bias (``moe.ranks_selection_scores``) the
     forced experts' selection scores are also set to +inf, so the bias cannot overrule

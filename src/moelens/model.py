@@ -31,6 +31,7 @@ from .components import Mlp, Moe
 from .components.base import envoy_at
 from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
+from .components import served
 from .components.params import op_names
 from .errors import FamilyError, MoelensError
 from .families import Family, registry
@@ -289,6 +290,19 @@ class MoeModelMixin:
     def family(self) -> Family | None:
         """The family of this model's MoE blocks (None for a model moelens does not know)."""
         return self._structure.family
+
+    def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's run of the model with the trace's interventions; then a check that no value moelens
+        served was edited in place after the model had used it (`served.HandedBack`)."""
+        handed_back = served.HandedBack()
+        outer = vars(self).get(served.HANDED_BACK)
+        object.__setattr__(self, served.HANDED_BACK, handed_back)
+        try:
+            result = super().interleave(fn, *args, **kwargs)
+        finally:
+            object.__setattr__(self, served.HANDED_BACK, outer)
+        handed_back.check()
+        return result
 
     def save_all(
         self, values: list[str] | None = None, *, strict: bool = False, moes: list[Moe] | None = None

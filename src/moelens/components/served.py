@@ -16,6 +16,7 @@ before the model consumes them, and copies an edited non-view back.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -25,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
-from ..errors import FamilyError, ValueUnavailable, WriteError
+from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from . import tokens
 
 if TYPE_CHECKING:
@@ -286,10 +287,13 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     on_graph = view.requires_grad and view is not fetched.picked
 
     def apply(raw: Any) -> Any:
-        """``raw`` with this view's edits (checked)."""
+        """``raw`` with this view's edits (checked); a later edit is the model's no more (`HandedBack`)."""
         edited = view._version != version
         if edited:
             check_write(component, name, binding, view, view.shape)
+        handed_back = vars(component.root).get(HANDED_BACK)
+        if handed_back is not None:
+            handed_back.add(view, edited, f"{component.path}.{name}")
         if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
             return raw
         return replaced(binding, fetched, view, name, raw)
@@ -298,6 +302,44 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     reads.views[descriptor] = (view, fetched, apply)
     reads.hold(mediator, descriptor, location)
     return view
+
+
+#: The attribute of the wrapped model that holds, while it runs, its `HandedBack` views.
+HANDED_BACK = "_handed_back_views"
+
+
+class HandedBack:
+    """The views of one run whose write-back ran: the model went on from them as they were then.
+
+    An in-place edit of one after that comes too late (`check`). Views of one tensor share its
+    version counter, so a view counts as edited late only when no view of the same tensor was
+    edited in time (another invoke's rows of a block output under beams, say).
+    """
+
+    def __init__(self) -> None:
+        self.views: list[tuple[weakref.ref, int, int, str]] = []  # (view, its version then, its tensor, name)
+        self.edited_in_time: set[int] = set()  # the tensors (ids) a view of which was edited before its write-back
+
+    def add(self, view: torch.Tensor, edited: bool, where: str) -> None:
+        tensor = id(view._base if view._base is not None else view)
+        if edited:
+            self.edited_in_time.add(tensor)
+        self.views.append((weakref.ref(view), view._version, tensor, where))
+
+    def check(self) -> None:
+        """Raise `OrderError` for a view edited in place after its write-back (after a later value was read).
+
+        Such an edit is never checked, and whether the model sees it depends on the experts implementation
+        and the grad mode (a copy the model dropped, or the model's own tensor it reads again later).
+        """
+        for reference, version, tensor, where in self.views:
+            view = reference()
+            if view is not None and view._version != version and tensor not in self.edited_in_time:
+                raise OrderError(
+                    f"{where} was edited in place after the model had used it (a later value of the run was read "
+                    "first): the edit was not checked and may or may not have reached the model. Edit a value before "
+                    "reading the values after it (the block's order()), or edit a .clone() for your own analysis."
+                )
 
 
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
