@@ -27,16 +27,15 @@ from nnsight.intervention.envoy import traceable
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 
-from .components import Mlp, Moe
+from .components import Mlp, Moe, served
 from .components.base import envoy_at
 from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
-from .components import served
 from .components.params import op_names
 from .errors import FamilyError, MoelensError
 from .families import Family, registry
-from .families.unserved import unserved_block
 from .families.entry import get_path
+from .families.unserved import unserved_block
 from .modules import enclosing, is_adapter_layer
 
 
@@ -136,9 +135,8 @@ def _is_dense_mlp(module: Any) -> bool:
     neither holds a weight per expert (a 3-D ``[E, out, in]`` weight: an MoE block of no registered family)."""
     if not isinstance(module, torch.nn.Module) or unserved_block(module) is not None:
         return False
-    projections = [getattr(module, name, None) for name in (*UP_PROJECTIONS, *DOWN_PROJECTIONS)]
-    per_expert = any(getattr(getattr(child, "weight", None), "dim", lambda: 2)() > 2 for child in projections
-                     if isinstance(child, torch.nn.Module))
+    weights = [getattr(getattr(module, name, None), "weight", None) for name in (*UP_PROJECTIONS, *DOWN_PROJECTIONS)]
+    per_expert = any(isinstance(weight, torch.Tensor) and weight.dim() > 2 for weight in weights)
     return _has_child(module, UP_PROJECTIONS) and _has_child(module, DOWN_PROJECTIONS) and not per_expert
 
 
@@ -294,13 +292,16 @@ class MoeModelMixin:
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions; then a check that no value moelens
         served was edited in place after the model had used it (`served.HandedBack`)."""
-        handed_back = served.HandedBack()
-        outer = vars(self).get(served.HANDED_BACK)
-        object.__setattr__(self, served.HANDED_BACK, handed_back)
+        handed_back, interleaver = served.HandedBack(), self.interleaver
+        outer = served.RUNS.get(interleaver)
+        served.RUNS[interleaver] = handed_back
         try:
             result = super().interleave(fn, *args, **kwargs)
         finally:
-            object.__setattr__(self, served.HANDED_BACK, outer)
+            if outer is None:
+                del served.RUNS[interleaver]
+            else:
+                served.RUNS[interleaver] = outer
         handed_back.check()
         return result
 

@@ -214,12 +214,13 @@ class Moe(Mlp):
         instead = [value for value in ("routed_output", "mlp_output") if value not in self.family.refused]
         return self.unavailable(name, reason, f"read {' or '.join(instead)} instead." if instead else "")
 
-    def _check_available(self, name: str) -> None:
+    def _check_available(self, name: str, implementation: str | None = None) -> None:
+        """Raise the reason ``name`` cannot be served here (``implementation``: the experts', if read already)."""
         if name in ("mlp_activation", "mlp_neurons"):
             raise self._routed_activation(name)
         if name in self.family.refused:
             raise self.no_mixture(name)
-        if name in PER_SLOT_VALUES and ops_for(self.experts_implementation) is None:
+        if name in PER_SLOT_VALUES and ops_for(implementation or self.experts_implementation) is None:
             raise self.needs_grouped_experts(name)
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
@@ -362,10 +363,20 @@ class Moe(Mlp):
     def _binding(self, name: str) -> Binding:
         if name == "selection_scores":
             return self._selection_binding()
-        self._check_available(name)
         if name in PER_SLOT_VALUES:
-            return self._slot_binding(name)
+            implementation = self.experts_implementation  # read once: transformers' config attributes are slow
+            self._check_available(name, implementation)
+            return self._slot_bindings(implementation)[name]
+        self._check_available(name)
         return self._static_bindings[name]
+
+    def _slot_bindings(self, implementation: str) -> dict[str, Binding]:
+        """The per-slot values' bindings under ``implementation``, built once per implementation (a read
+        builds none: at 1 x 8 tokens moelens' own Python is a visible part of a trace)."""
+        built = self.__dict__.setdefault("_slot_bindings_by_implementation", {})
+        if implementation not in built:
+            built[implementation] = {name: self._slot_binding(name, implementation) for name in PER_SLOT_VALUES}
+        return built[implementation]
 
     @cached_property
     def _static_bindings(self) -> dict[str, Binding]:
@@ -443,23 +454,24 @@ class Moe(Mlp):
         with order_errors(call, lambda: self._order_error(name)):
             if Mediator.current(call).iteration:  # pinned to a step after the first
                 request(f"{call}.input", lambda: self._order_error(name))
+            elif owner.interleaver.sourced.get(call) is not None:  # drilled already in this run (another value)
+                return
             getattr(owner.source, call_op).source
 
-    def _slot_binding(self, name: str) -> Binding:
-        ops = ops_for(self.experts_implementation)
+    def _slot_binding(self, name: str, implementation: str) -> Binding:
+        ops = ops_for(implementation)
         if name == "expert_outputs":
             return Binding(self._nested(ops.slot_outputs), features=2, prepare=lambda: self._drill(name))
 
         gated = bool(getattr(self.experts._module, "has_gate", True))
         location = self._nested(ops.gated_activations if gated else ops.plain_activations)
-        k = self.top_k
 
         if ops.sort is None:
             return Binding(
                 location,
                 features=2,
                 prepare=lambda: self._drill(name),
-                to_view=lambda rows, _: rows.view(-1, k, rows.shape[-1]),
+                to_view=lambda rows, _: rows.view(-1, self.top_k, rows.shape[-1]),
                 from_view=lambda slots, _: slots.reshape(-1, slots.shape[-1]),
             )
 
@@ -468,7 +480,7 @@ class Moe(Mlp):
         def sort_passed() -> OrderError:
             return OrderError(
                 f"{self.path}.{name} is put into token-slot order with the sort permutation of the "
-                f"{self.experts_implementation} experts implementation ({ops.sort}, which runs before the "
+                f"{implementation} experts implementation ({ops.sort}, which runs before the "
                 f"activations), and the model had run past that op when {name} was asked for (after an op of the "
                 f"implementation read directly, or a later value of this block): read {name} first."
             )
@@ -489,7 +501,7 @@ class Moe(Mlp):
         def to_view(sorted_rows: Tensor, permutation: Tensor) -> Tensor:
             inverse = torch.empty_like(permutation)
             inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-            return sorted_rows.index_select(0, inverse).view(-1, k, sorted_rows.shape[-1])
+            return sorted_rows.index_select(0, inverse).view(-1, self.top_k, sorted_rows.shape[-1])
 
         def from_view(slots: Tensor, permutation: Tensor) -> Tensor:
             return slots.reshape(-1, slots.shape[-1]).index_select(0, permutation)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -166,13 +166,16 @@ def order_errors(location: str, on_order_error: Callable[[], Exception]) -> Iter
 
 
 def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
-    """Park until the model reaches ``location`` and return what is served there."""
-    with order_errors(location, on_order_error):
+    """Park until the model reaches ``location`` and return what is served there (see `order_errors`)."""
+    try:  # not `with order_errors(...)`: a request per value read, and a context manager costs more
         return Mediator.value(location)
+    except OutOfOrderError as error:
+        if Mediator.current(location).iteration != 0:
+            raise
+        raise on_order_error() from error
 
 
-@dataclass(frozen=True)
-class Fetched:
+class Fetched(NamedTuple):  # a tuple, not a dataclass: one is made per value read
     """One value as served at its location, and this invoke's token view of it.
 
     Attributes:
@@ -291,7 +294,7 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         edited = view._version != version
         if edited:
             check_write(component, name, binding, view, view.shape)
-        handed_back = vars(component.root).get(HANDED_BACK)
+        handed_back = RUNS.get(component.interleaver)
         if handed_back is not None:
             handed_back.add(view, edited, f"{component.path}.{name}")
         if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
@@ -304,8 +307,8 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     return view
 
 
-#: The attribute of the wrapped model that holds, while it runs, its `HandedBack` views.
-HANDED_BACK = "_handed_back_views"
+#: The `HandedBack` views of the run a wrapped model is in, by its interleaver (shared by all its envoys).
+RUNS: "weakref.WeakKeyDictionary[Any, HandedBack]" = weakref.WeakKeyDictionary()
 
 
 class HandedBack:

@@ -18,7 +18,7 @@ batch counts rows nnsight does not (beams).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from jaxtyping import Shaped
@@ -27,8 +27,7 @@ from nnsight.intervention.interleaver import Mediator
 from ..errors import ValueUnavailable
 
 
-@dataclass(frozen=True)
-class Rows:
+class Rows(NamedTuple):  # a tuple, not a dataclass: one is made per value read
     """Which rows of the batched forward the running invoke owns.
 
     Attributes:

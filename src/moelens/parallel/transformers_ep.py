@@ -47,7 +47,7 @@ class ExpertParallelMoe(Moe):
             return int(weight.shape[0])
         return super().num_experts
 
-    def _check_available(self, name: str) -> None:
+    def _check_available(self, name: str, implementation: str | None = None) -> None:
         if name in PER_SLOT_VALUES:
             raise self.unavailable(
                 name,
@@ -57,7 +57,7 @@ class ExpertParallelMoe(Moe):
                 "shard the experts with moelens.parallel.shard_experts (torch_a2a) to read per-slot values; "
                 "routing values, routed_output and mlp_output are served here.",
             )
-        super()._check_available(name)
+        super()._check_available(name, implementation)
 
 
 def keep_dispatch_forwards(model: torch.nn.Module) -> type[Moe]:
