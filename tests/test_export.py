@@ -271,6 +271,27 @@ def test_steered_block_with_router_bias_matches_moelens(out):
         assert (moe._module(hidden)[0] - expected).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2"])
+def test_block_with_every_baked_edit_matches_the_intervened_block(family, out):
+    """The block archive's own check compares tract with tract's maths run in torch; here the archive is compared
+    with moelens' interventions on the block in a trace (routing edits, a shared expert, group routing)."""
+    hf = small(family)
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=10)["input_ids"]
+    moe = wrapped.moes[0]
+    edits = Edits(steer={moe.layer: {5: 1.5}}, route_around={moe.layer: [1]}, ablate={moe.layer: [2]},
+                  swap={moe.layer: {3: 6}})
+    with wrapped.trace(input_ids=ids, attention_mask=torch.ones_like(ids)):
+        hidden = moe.input.save()
+        plain = moe.mlp_output.save()
+    with wrapped.trace(input_ids=ids, attention_mask=torch.ones_like(ids)):
+        edits.apply(moe)
+        expected = moe.mlp_output.save()
+    assert (expected - plain).abs().max() > 1e-4  # the edits change the block
+    report = to_nnef(moe, out / f"{family}-edited-block.nnef.tgz", example_inputs=hidden, edits=edits)
+    close(run(report.path, hidden), expected)
+
+
 def test_weights_edited_in_place_are_exported(out):
     hf = small("olmoe")
     with torch.no_grad():
