@@ -15,6 +15,7 @@ import torch
 
 import moelens
 from groundtruth import CASES, IDS, built, first_tensor
+from moelens.testing import tiny_inputs, tiny_model
 
 HASH_LAYERS = "is_hash"  # deepseek_v4 blocks that route by a token table
 
@@ -368,27 +369,60 @@ def test_reads_and_in_place_edits_work_under_inference_mode(impl):
         assert routed.abs().max() == 0  # bias-free down projections of zero activations
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("grad", ["no_grad", "autograd", "inference_mode"])
-@pytest.mark.parametrize(("edited", "later"), [("expert_weights", "expert_activations"),
-                                               ("router_logits", "expert_weights")])
-def test_an_in_place_edit_after_the_model_used_the_value_is_an_error(impl, grad, edited, later):
-    """A view edited after a later value was read had had its write-back: the edit was never checked, and it was
-    dropped or reached the model (a NaN included) by experts implementation and grad mode."""
-    hf, wrapped, inputs, plain, reference = built("mixtral", impl)
+GRAD_MODES = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize(("edited", "later", "grad"), [
+    ("expert_activations", "expert_outputs", "no_grad"),  # put in token-slot order: a copy
+    ("expert_activations", "expert_outputs", "autograd"),
+    ("expert_indices", "expert_activations", "autograd"),  # integer indices: a copy off the graph
+    ("expert_weights", "expert_activations", "inference_mode"),  # every value a copy under inference_mode
+    ("router_logits", "expert_weights", "inference_mode"),
+])
+def test_a_late_in_place_edit_of_a_copy_the_model_does_not_hold_is_an_error(edited, later, grad):
+    """A copy edited after a later value was read had had its write-back: the edit was silently lost."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
     moe = running_moes(wrapped)[0]
-    mode = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}[grad]
     with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{edited} was edited in place after the model had used it"):
-        with mode(), wrapped.trace(**inputs):
+        with GRAD_MODES[grad](), wrapped.trace(**inputs):
             view = getattr(moe, edited)
             getattr(moe, later)
-            view[..., 0] = float("nan")
+            view[..., 0] = 1
             wrapped.output.save()
-    with mode(), wrapped.trace(**inputs):  # a copy is the user's own
-        mine = getattr(moe, edited).clone()
+    with GRAD_MODES[grad](), wrapped.trace(**inputs):  # edited in time, the same edit lands
+        view = getattr(moe, edited)
+        view[..., 0] = 1
         getattr(moe, later)
-        mine[..., 0] = float("nan")
         output = wrapped.output.save()
-    assert torch.equal(first_tensor(output), plain)
+    assert not torch.equal(first_tensor(output), plain)
     with torch.no_grad():
         assert torch.equal(first_tensor(hf(**inputs)), plain)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "autograd"])
+def test_in_place_changes_by_others_to_a_served_tensor_are_no_late_edit(grad):
+    """The model's own tensors change in place by a torch hook or a plain nnsight edit: not a late edit of
+    the moelens value that shares them (served as a view of them under no_grad, handed to the model as the
+    model's tensor with autograd on)."""
+    hf = tiny_model("mixtral")
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with torch.no_grad():
+        plain = first_tensor(hf(**inputs))
+    block = hf.get_submodule(moe.path.removeprefix("model."))
+    hook = block.register_forward_hook(lambda module, args, output: output.mul_(0.5))
+    try:
+        with torch.no_grad():
+            hooked = first_tensor(hf(**inputs))
+        with GRAD_MODES[grad](), wrapped.trace(**inputs):
+            served = moe.mlp_output.save()
+            output = wrapped.output.save()
+    finally:
+        hook.remove()
+    torch.testing.assert_close(first_tensor(output), hooked)
+    with GRAD_MODES[grad](), wrapped.trace(**inputs):
+        routed = moe.routed_output.save()
+        wrapped.get(moe.path.removeprefix("model.")).output[:] = 0  # the block output: a reshape of routed_output
+        zeroed = wrapped.output.save()
+    assert not torch.equal(first_tensor(zeroed), plain)
+    assert served.shape == routed.shape == (*inputs["input_ids"].shape, hf.config.hidden_size)

@@ -290,16 +290,20 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     on_graph = view.requires_grad and view is not fetched.picked
 
     def apply(raw: Any) -> Any:
-        """``raw`` with this view's edits (checked); a later edit is the model's no more (`HandedBack`)."""
+        """``raw`` with this view's edits (checked); a later edit of a view the model does not hold is lost
+        (`HandedBack`)."""
         edited = view._version != version
         if edited:
             check_write(component, name, binding, view, view.shape)
+        if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
+            result, model_holds = raw, fetched.picked
+        else:
+            result = replaced(binding, fetched, view, name, raw)
+            model_holds = binding.pick(result)
         handed_back = RUNS.get(component.interleaver)
         if handed_back is not None:
-            handed_back.add(view, edited, f"{component.path}.{name}")
-        if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
-            return raw
-        return replaced(binding, fetched, view, name, raw)
+            handed_back.note(view, f"{component.path}.{name}", private=not _aliases(view, model_holds))
+        return result
 
     reads = reads or OpenReads(fetched.raw)
     reads.views[descriptor] = (view, fetched, apply)
@@ -312,36 +316,37 @@ RUNS: "weakref.WeakKeyDictionary[Any, HandedBack]" = weakref.WeakKeyDictionary()
 
 
 class HandedBack:
-    """The views of one run whose write-back ran: the model went on from them as they were then.
+    """The views of one run whose write-back ran and that are copies only the user holds (the activations
+    put in token-slot order, the copies served with autograd on or under inference_mode, where the model
+    went on from its own tensors): an in-place edit of one after that is lost (`check`).
 
-    An in-place edit of one after that comes too late (`check`). Views of one tensor share its
-    version counter, so a view counts as edited late only when no view of the same tensor was
-    edited in time (another invoke's rows of a block output under beams, say).
+    A late edit of a view of the model's own tensor is not told apart from an in-place change the model,
+    a torch hook or a plain nnsight edit makes to that tensor, so it is not checked (as in plain nnsight).
     """
 
     def __init__(self) -> None:
-        self.views: list[tuple[weakref.ref, int, int, str]] = []  # (view, its version then, its tensor, name)
-        self.edited_in_time: set[int] = set()  # the tensors (ids) a view of which was edited before its write-back
+        #: id(view) -> (the view, its version when last handed back, its value's name). A write of another
+        #: value at the same visit hands the open views back early; the write-back hands them back again.
+        self.views: dict[int, tuple[weakref.ref, int, str]] = {}
 
-    def add(self, view: torch.Tensor, edited: bool, where: str) -> None:
-        tensor = id(view._base if view._base is not None else view)
-        if edited:
-            self.edited_in_time.add(tensor)
-        self.views.append((weakref.ref(view), view._version, tensor, where))
+    def note(self, view: torch.Tensor, where: str, private: bool) -> None:
+        """``view`` was handed back: watched if it is a copy only the user holds, else no more."""
+        if private:
+            self.views[id(view)] = (weakref.ref(view), view._version, where)
+        else:
+            self.views.pop(id(view), None)
 
     def check(self) -> None:
-        """Raise `OrderError` for a view edited in place after its write-back (after a later value was read).
-
-        Such an edit is never checked, and whether the model sees it depends on the experts implementation
-        and the grad mode (a copy the model dropped, or the model's own tensor it reads again later).
-        """
-        for reference, version, tensor, where in self.views:
+        """Raise `OrderError` for a view edited in place after its write-back (after a later value was read):
+        the model had gone on without it, so the edit was lost, unchecked."""
+        for reference, version, where in self.views.values():
             view = reference()
-            if view is not None and view._version != version and tensor not in self.edited_in_time:
+            if view is not None and view._version != version:
                 raise OrderError(
                     f"{where} was edited in place after the model had used it (a later value of the run was read "
-                    "first): the edit was not checked and may or may not have reached the model. Edit a value before "
-                    "reading the values after it (the block's order()), or edit a .clone() for your own analysis."
+                    "first), on a copy the model does not hold: the edit did not reach the model. Edit a value "
+                    "before reading the values after it (the block's order()), or edit a .clone() for your own "
+                    "analysis."
                 )
 
 
