@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import json
 import os
 import sys
@@ -786,6 +787,10 @@ def main() -> None:
             except Exception:  # noqa: BLE001 - recorded for the test to report
                 results[suite][name] = {"error": traceback.format_exc()}
             (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
+    # Free the suites' models (envoys hold reference cycles) while the group is alive: a sharded copy's
+    # experts hold the group, and one left for the interpreter's exit sometimes aborted the process there
+    # ("terminate called without an active exception") after its results were written.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
