@@ -42,6 +42,11 @@ def saved(tmp_path_factory):
         model.save_pretrained(root / name)
         ascii_tokenizer().save_pretrained(root / name)
     tiny_model("olmoe").save_pretrained(root / "no-tokenizer")  # the model only: no tokenizer files
+    from transformers import JetMoeConfig, JetMoeForCausalLM  # MoE blocks moelens knows and does not serve
+
+    JetMoeForCausalLM(JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, kv_channels=8,
+                                   num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
+                                   num_experts_per_tok=2)).save_pretrained(root / "jetmoe")
     (root / "config-only").mkdir()
     (root / "config-only" / "config.json").write_text((root / "mixtral" / "config.json").read_text())
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
@@ -268,7 +273,8 @@ def test_no_command_prints_help(capsys):
 
 @pytest.mark.parametrize("command", [["inspect", "{root}/dense"], ["stats", "{root}/dense", "--text", "{root}/text.txt"],
                                      ["export", "{root}/dense", "{root}/dense.nnef.tgz", "--no-verify"],
-                                     ["inspect", "{root}/mixtral/config.json"]])
+                                     ["inspect", "{root}/mixtral/config.json"], ["inspect", "{root}/jetmoe"],
+                                     ["export", "{root}/jetmoe", "{root}/jetmoe.nnef.tgz", "--no-verify"]])
 def test_refusals_of_a_checkpoint_are_one_line(saved, capsys, command):
     """No warning comes before the error line (the dense model's 'found no MoE block'), and a file
     inside a checkpoint is named as such."""
@@ -279,6 +285,8 @@ def test_refusals_of_a_checkpoint_are_one_line(saved, capsys, command):
     assert not [warning for warning in caught if "moelens" in str(warning.message)]
     if command[1].endswith("config.json"):
         assert "is a file; moelens.load takes the checkpoint folder" in err
+    if command[1].endswith("jetmoe"):  # the line says why, not "has no MoE block"
+        assert "has MoE blocks moelens does not serve (JetMoeMoE, JetMoeMoA: its MLP and its attention" in err
 
 
 def test_a_reader_closing_the_pipe_early_ends_quietly(tmp_path):

@@ -62,9 +62,17 @@ def load_checkpoint(source: str) -> tuple[Any, str]:
         path, name = Path(source), source
         if not path.exists():  # a command takes local folders only (moelens.load would try a hub id)
             raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="moelens found no MoE block")  # each command refuses it in one line
-        return moelens.load(path), name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = moelens.load(path)
+    for warning in caught:  # a model with no MoE block served: each command refuses it in one line that says why
+        if not (not model.moes and str(warning.message).startswith(NO_MOE_WARNINGS)):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return model, name
+
+
+#: How wrap's warnings about a model with no MoE block it serves begin (`load_model` leaves them to the command's error).
+NO_MOE_WARNINGS = ("moelens found no MoE block", "moelens does not serve these MoE blocks")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
+from ..families.unserved import why_no_moe
 from . import corpus as corpora
 from .collect import moes_of
 
@@ -235,6 +236,6 @@ def require_moe(model: Any, source: str) -> None:
         config = getattr(model._module, "config", None)
         raise MoelensError(
             f"{source} is not a Mixture-of-Experts model moelens knows: {type(model._module).__name__} "
-            f"(model_type {getattr(config, 'model_type', None)!r}) has no MoE block. "
+            f"(model_type {getattr(config, 'model_type', None)!r}) {why_no_moe(model._module)}. "
             "Pass an MoE checkpoint (see docs/families.md for the supported families)."
         )

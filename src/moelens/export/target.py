@@ -20,6 +20,7 @@ from ..components import Moe
 from ..components.base import layer_of
 from ..families import Family, registry
 from ..families.entry import get_path
+from ..families.unserved import why_no_moe
 from ..model import discover
 from .errors import ExportError, ExportRefused
 
@@ -82,8 +83,8 @@ def resolve(model: Any) -> Target:
         )
     if not target.blocks:
         raise ExportError(
-            f"{type(target.module).__name__} has no MoE block of a registered moelens family, so there is no "
-            "tract_moe_ffn to export; use torch-to-nnef directly for dense models."
+            f"{type(target.module).__name__} {why_no_moe(target.module)}, so there is no tract_moe_ffn to export; "
+            "use torch-to-nnef directly for dense models."
         )
     _refuse_sharded(target)
     _refuse_hooks(target)
