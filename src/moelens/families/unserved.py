@@ -55,15 +55,10 @@ def unserved_block(module: object) -> Unserved | None:
     return _BY_CLASS.get(type(module).__name__)
 
 
-def unserved_in(model: object) -> Unserved | None:
-    """The `Unserved` entry of the first MoE block in ``model`` (a torch module) moelens does not serve, or None."""
-    return next((entry for module in model.modules() if (entry := unserved_block(module)) is not None), None)
-
-
 def why_no_moe(model: object) -> str:
-    """Why ``model`` has no MoE block moelens serves, in words: what it holds instead ("has no MoE block" when
-    it holds none at all)."""
-    entry = unserved_in(model)
+    """Why the torch module ``model`` has no MoE block moelens serves, in words: the first MoE block it holds
+    that moelens does not serve, and why ("has no MoE block" when it holds none)."""
+    entry = next((entry for module in model.modules() if (entry := unserved_block(module)) is not None), None)
     if entry is None:
         return "has no MoE block"
     return f"has MoE blocks moelens does not serve ({', '.join(entry.block_classes)}: {entry.reason})"
