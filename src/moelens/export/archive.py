@@ -110,7 +110,10 @@ def write(folder: Path, path: Path) -> Path:
         # files go (`check_destination` let nothing else through).
         path.mkdir(exist_ok=True)
         for entry in list(path.iterdir()):
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()  # a file, or a link (never followed)
         for entry in Path(folder).iterdir():  # entry by entry: copytree would give the folder the source's mode
             if entry.is_dir():
                 shutil.copytree(entry, path / entry.name)
