@@ -233,3 +233,18 @@ def test_a_block_with_a_weight_per_expert_is_not_served_as_a_dense_mlp():
         wrapped = moelens.wrap(model)
     assert isinstance(wrapped.get("layers.0.mlp"), moelens.components.Mlp)
     assert not isinstance(wrapped.get("layers.1.mlp"), moelens.components.Mlp)
+
+
+def test_axk2_without_expert_groups_is_not_group_limited():
+    """AXK2Config's default has no groups (n_group=None: the router skips them); moelens read them as ints and
+    force (which checks the groups) failed with a bare TypeError."""
+    from moelens.testing import tiny_inputs
+
+    hf = tiny_model("axk2", n_group=None, topk_group=None)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    assert moe.family.groups_of(moe._module) is None
+    with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
+        moelens.force(moe, 3)
+        indices = moe.expert_indices.save()
+    assert (indices == 3).any(-1).all()

@@ -75,7 +75,8 @@ FAMILIES = [
     _ds3("solar_open", "SolarOpenMoE"),
     _ds3("axk1", "AXK1MoE", combine=Combine(block_post="post_mlp_layernorm"),
          notes=f"The block returns post_mlp_layernorm(routed + shared). {UNSORTED}"),
-    _ds3("axk2", "AXK2MoE"),
+    _ds3("axk2", "AXK2MoE", notes=f"{UNSORTED} {WEIGHT_SUM} Group-limited only where the config sets n_group and "
+                                  "topk_group (its default routes without groups, as A.X-K2-Light does)."),
     _ds3("hy_v4", "HYV4MoE", expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
     _ds3("hy_v4_vl", "HYV4VLMoE", ("hy_v4_vl", "hy_v4_vl_text"),  # transformers 5.24
          expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),

@@ -354,8 +354,10 @@ class Family:
             reference, wanted = scoring.groups_if
             if self.resolve(reference, block) != wanted:
                 return None
-        n_group, topk_group = (int(self.resolve(reference, block)) for reference in scoring.groups)
-        return n_group, topk_group
+        n_group, topk_group = (self.resolve(reference, block) for reference in scoring.groups)
+        if n_group is None or topk_group is None:  # a config without groups (axk2's default): the router skips them
+            return None
+        return int(n_group), int(topk_group)
 
     def identity_count(self, block: Any) -> int:
         """How many of the live ``block``'s experts are zero-compute identity experts (the last ones), 0 for none."""

@@ -103,7 +103,8 @@ FAMILIES = [
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="router_logits has E + n_shared columns: the last are the shared experts' gate logits, "
                  "normalised with the k routed ones into the shared experts' gammas. Writing them changes the "
-                 "routing and the shared experts' weight."),
+                 "routing and the shared experts' weight. Weights are also x router.global_scale, a learned "
+                 "scalar (1 at init)."),
     Family("inkling2", ("inkling2", "inkling2_text"), ("Inkling2SparseMoeBlock",), scoring=INKLING2,
            notes="Softcapped SwiGLU experts; the router weight must stay float32.",
            expert_gate=ExpertGate("softcapped_glu")),
