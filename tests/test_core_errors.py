@@ -134,6 +134,7 @@ def test_moe_refuses_dense_activation_and_points_to_slots():
     ("llama4", "expert_outputs", "pre-multiplied by their sigmoid score"),
     ("llama4", "routed_output", "no experts"),
     ("gemma4", "mlp_output", "gemma4 has no MoE block"),
+    ("diffusion_gemma", "mlp_output", "diffusion_gemma has no MoE block"),  # it said gemma4
     ("dbrx", "expert_outputs", "eager loop only"),
     ("step3p7", "expert_activations", "not decorated with transformers' use_experts_implementation"),
     ("longcat_flash", "expert_outputs", "last 2 experts are zero-compute"),

@@ -48,11 +48,13 @@ FAMILIES = [
                  "router scores tanh(logits / c) * c: router_logits are before the softcap, router_probs after."),
     Family("minimax_m2", ("minimax_m2",), ("MiniMaxM2SparseMoeBlock",),
            scoring=sgb("block.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE),
-           notes="The selection bias lives on the block and is passed to the router."),
+           notes="The selection bias lives on the block and is passed to the router. Slots are not ranked "
+                 "(top-k with sorted=False): slot 0 is not the top-1 expert."),
     Family("minimax_m3_vl", ("minimax_m3_vl", "minimax_m3_vl_text"), ("MiniMaxM3VLSparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE),
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
-           notes="Clamped SwiGLU experts; the block returns routed * routed_scaling_factor + shared.",
+           notes="Clamped SwiGLU experts; the block returns routed * routed_scaling_factor + shared. Slots are "
+                 "not ranked (top-k with sorted=False): slot 0 is not the top-1 expert.",
            expert_gate=ExpertGate("clamped_swiglu", alpha="experts.swiglu_alpha", limit="experts.swiglu_limit")),
     Family("step3p7", ("step3p7", "step3p5"), ("Step3p7SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE),

@@ -9,7 +9,7 @@ NO_SLOTS = (
     "transformers' experts implementations, so there is no per-slot tensor"
 )
 GEMMA_NO_BLOCK = (
-    "gemma4 has no MoE block: the decoder layer adds post_feedforward_layernorm_1(mlp(x)) + "
+    "{family} has no MoE block: the decoder layer adds post_feedforward_layernorm_1(mlp(x)) + "
     "post_feedforward_layernorm_2(experts(...)) to the residual, so the layer output is not an FFN output; "
     "read routed_output and shared_expert_output (the dense mlp) instead"
 )
@@ -26,7 +26,7 @@ def _gemma(name: str, model_types: tuple[str, ...], layers: tuple[str, ...], sha
         scoring=Scoring("softmax", "score_topk", normalize=True, code="SM+ x per_expert_scale"),
         top_k="router.config.top_k_experts",
         shared=SharedExpert("mlp", when=shared_when),
-        refused={"mlp_output": GEMMA_NO_BLOCK},
+        refused={"mlp_output": GEMMA_NO_BLOCK.format(family=name)},
         notes="The decoder layer holds router and experts beside a dense mlp that always runs (served as the "
               "shared expert); the router reads the pre-norm residual; weights are scaled by a learned "
               "per_expert_scale and do not sum to 1. Only checkpoints with enable_moe_block have a mixture.",
