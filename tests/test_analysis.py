@@ -695,3 +695,35 @@ def test_plots_do_not_draw_experts_a_layer_lacks_or_skips_as_an_expert():
     image = plots.plot_token_routing(TokenRouting(view.token_ids, view.tokens, view.layers, view.indices, view.weights,
                                                   probs)).axes[0].images[0]
     assert image.get_clim() == (-0.5, 7.5)  # every expert of the layer, whichever the text uses
+
+
+def test_plots_stay_readable_at_real_expert_and_layer_counts(tmp_path):
+    """DeepSeek-V3 sizes (256 experts, 58 MoE layers): usage.png was 140 inches wide (0.55 in per expert, for
+    labels it no longer drew past 16 experts) and entropy.png's 58-entry legend covered the plot."""
+    from moelens.analysis.entropy import Entropy
+    from moelens.analysis.usage import Usage
+
+    plots = analysis.plots
+    layers, experts = list(range(3, 61)), 256
+    counts = torch.randint(0, 50, (len(layers), experts), generator=torch.Generator().manual_seed(0))
+    usage = Usage(layers=layers, counts=counts, weight=torch.zeros(len(layers), experts, dtype=torch.float64),
+                  tokens=1000, top_k=[8] * len(layers), num_experts=[experts] * len(layers))
+    figure = plots.plot_usage(usage)
+    width, height = figure.get_size_inches()
+    assert width <= 14 and height <= 12 and not figure.axes[0].texts
+    assert "annotations" not in figure.axes[0].get_title()
+    plots.save(figure, tmp_path / "usage.png")
+
+    histogram = torch.randint(0, 20, (len(layers), 20), generator=torch.Generator().manual_seed(1))
+    entropy = Entropy(layers=layers, source="router", mean=torch.rand(len(layers)), histogram=histogram,
+                      edges=torch.linspace(0, 1, 21), tokens=1000)
+    figure = plots.plot_entropy(entropy)
+    curves, means = figure.axes[0], figure.axes[1]
+    assert curves.get_legend() is None and len(curves.lines) == len(layers)
+    assert len({line.get_color() if isinstance(line.get_color(), str) else tuple(line.get_color())
+                for line in curves.lines}) == len(layers)  # one colour per layer, not a 10-colour cycle
+    assert means.lines[0].get_xdata().tolist() == layers
+    torch.testing.assert_close(torch.tensor(means.lines[0].get_ydata(), dtype=torch.float32), entropy.mean)
+    few = Entropy(layers=layers[:3], source="router", mean=entropy.mean[:3], histogram=histogram[:3],
+                  edges=entropy.edges, tokens=1000)
+    assert len(plots.plot_entropy(few).axes[0].get_legend().get_texts()) == 3

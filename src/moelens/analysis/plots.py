@@ -71,7 +71,11 @@ def _categorical(count: int) -> Any:
     return plt.get_cmap(name, count)
 
 
-def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = 16, dark_low: bool = True) -> None:
+#: Heatmaps label each cell only up to this many rows and columns.
+ANNOTATED_CELLS = 16
+
+
+def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = ANNOTATED_CELLS, dark_low: bool = True) -> None:
     """Write each cell's value on a heatmap (white on dark cells when low values are dark)."""
     rows, columns = values.shape
     if rows > limit or columns > limit:
@@ -92,7 +96,12 @@ def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's s
     share = usage.fraction.float().clone()
     for row, experts in enumerate(usage.num_experts):
         share[row, experts:] = float("nan")  # a layer of fewer experts (a converted model): no cell, not a 0
-    figure, axes = plt.subplots(figsize=(max(4.0, 0.55 * share.shape[1] + 2), max(2.2, 0.5 * share.shape[0] + 1.2)))
+    annotated = max(share.shape) <= ANNOTATED_CELLS
+    if annotated:  # room for each cell's label
+        size = (max(4.0, 0.55 * share.shape[1] + 2), max(2.2, 0.5 * share.shape[0] + 1.2))
+    else:  # no labels: a heatmap of 256 experts x 58 layers need not be 140 inches wide
+        size = (min(max(4.0, 0.1 * share.shape[1] + 4), 14.0), min(max(2.2, 0.2 * share.shape[0] + 1.2), 12.0))
+    figure, axes = plt.subplots(figsize=size)
     image = axes.imshow(share, aspect="auto", cmap="viridis", vmin=0)
     _annotate(axes, share * 100, ".0f")
     axes.set_xlabel("expert")
@@ -100,7 +109,7 @@ def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's s
     axes.set_yticks(range(len(usage.layers)), [str(layer) for layer in usage.layers])
     if share.shape[1] <= 32:
         axes.set_xticks(range(share.shape[1]))
-    axes.set_title(f"{title}\n{usage.tokens} tokens; annotations in %")
+    axes.set_title(f"{title}\n{usage.tokens} tokens" + ("; annotations in %" if annotated else ""))
     figure.colorbar(image, ax=axes, label="share of slots")
     return figure
 
@@ -121,21 +130,39 @@ def plot_load_balance(balance: LoadBalance) -> Any:
     return figure
 
 
+#: Up to this many layers `plot_entropy` names each in a legend; beyond, lines take a colour scale by layer
+#: and a second panel plots each layer's mean (a legend of 32 or 58 layers covered the plot).
+LEGEND_LAYERS = 8
+
+
 def plot_entropy(entropy: Entropy) -> Any:
-    """Histogram of the tokens' normalised routing entropy, one line per layer."""
+    """Histogram of the tokens' normalised routing entropy, one line per layer (with its mean in the legend,
+    or for more than `LEGEND_LAYERS` layers coloured by layer, beside a panel of the means)."""
     plt = pyplot()
-    figure, axes = plt.subplots(figsize=(6, 3.4))
+    many = len(entropy.layers) > LEGEND_LAYERS
+    if many:
+        figure, (axes, means) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [3, 2]})
+        scale = plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(min(entropy.layers), max(entropy.layers)))
+    else:
+        figure, axes = plt.subplots(figsize=(6, 3.4))
     centres = ((entropy.edges[1:] + entropy.edges[:-1]) / 2).tolist()
     for row, layer in enumerate(entropy.layers):
         density = entropy.histogram[row].double() / max(int(entropy.histogram[row].sum()), 1)
-        axes.plot(centres, density.tolist(), drawstyle="steps-mid",
-                  label=f"layer {layer} (mean {float(entropy.mean[row]):.2f})")
+        style = {"color": scale.to_rgba(layer)} if many else {"label": f"layer {layer} (mean {float(entropy.mean[row]):.2f})"}
+        axes.plot(centres, density.tolist(), drawstyle="steps-mid", **style)
     what = "router distribution over all experts" if entropy.source == "router" else "top-k weights"
     axes.set_xlabel(f"normalised entropy of the {what}")
     axes.set_ylabel("share of tokens")
     axes.set_xlim(0, 1)
     axes.set_title(f"Routing entropy ({entropy.tokens} tokens)")
-    axes.legend(fontsize=7)
+    if many:
+        figure.colorbar(scale, ax=axes, label="layer")
+        means.plot(entropy.layers, entropy.mean.tolist(), marker=".")
+        means.set_xlabel("layer")
+        means.set_ylabel("mean normalised entropy")
+        means.set_title("Mean per layer")
+    else:
+        axes.legend(fontsize=7)
     figure.tight_layout()
     return figure
 
