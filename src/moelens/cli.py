@@ -37,6 +37,11 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+#: How wrap's warnings about a model with no MoE block it serves begin (`load_checkpoint` leaves them to the
+#: command's error).
+NO_MOE_WARNINGS = ("moelens found no MoE block", "moelens does not serve these MoE blocks")
+
+
 def load_checkpoint(source: str) -> tuple[Any, str]:
     """Load a command's MODEL: ``tiny`` (the embedded moelens-tiny) or a checkpoint folder, wrapped.
 
@@ -65,14 +70,11 @@ def load_checkpoint(source: str) -> tuple[Any, str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = moelens.load(path)
-    for warning in caught:  # a model with no MoE block served: each command refuses it in one line that says why
-        if not (not model.moes and str(warning.message).startswith(NO_MOE_WARNINGS)):
+    refused = not model.moes  # each command refuses such a model in one line that says why: no warning before it
+    for warning in caught:
+        if not (refused and str(warning.message).startswith(NO_MOE_WARNINGS)):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return model, name
-
-
-#: How wrap's warnings about a model with no MoE block it serves begin (`load_model` leaves them to the command's error).
-NO_MOE_WARNINGS = ("moelens found no MoE block", "moelens does not serve these MoE blocks")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,9 +160,14 @@ def order_errors(location: str, on_order_error: Callable[[], Exception]) -> Iter
     try:
         yield
     except OutOfOrderError as error:
-        if Mediator.current(location).iteration != 0:
-            raise
-        raise on_order_error() from error
+        _reraise(error, location, on_order_error)
+
+
+def _reraise(error: OutOfOrderError, location: str, on_order_error: Callable[[], Exception]) -> None:
+    """`order_errors`' rule: nnsight's error inside a ``tracer.iter`` step, else ``on_order_error()``."""
+    if Mediator.current(location).iteration != 0:
+        raise error
+    raise on_order_error() from error
 
 
 def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
@@ -170,9 +175,7 @@ def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
     try:  # not `with order_errors(...)`: a request per value read, and a context manager costs more
         return Mediator.value(location)
     except OutOfOrderError as error:
-        if Mediator.current(location).iteration != 0:
-            raise
-        raise on_order_error() from error
+        _reraise(error, location, on_order_error)
 
 
 class Fetched(NamedTuple):  # a tuple, not a dataclass: one is made per value read
