@@ -419,3 +419,23 @@ def test_the_text_can_come_through_a_pipe(tmp_path):
     writer.join()
     with pytest.raises(MoelensError, match=r"text file .*missing.txt' does not exist"):
         analysis_cli.read_text(tmp_path / "missing.txt")
+
+
+def test_a_plain_model_whose_forward_takes_no_mask_is_collected_or_refused_clearly():
+    """A registered plain torch model (forward(input_ids)): every collection failed with the forward's raw
+    TypeError on the attention_mask; unpadded batches need no mask, padded ones get moelens' refusal."""
+    from custom_models import custom_family, custom_model
+
+    moelens.families.register(custom_family())
+    try:
+        wrapped = moelens.wrap(custom_model())
+        rows = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(0))
+        cache = analysis.collect_routing(wrapped, rows, batch_size=2, dtype=torch.float32, progress=False)
+        with wrapped.trace(rows):
+            indices = wrapped.moes[0].expert_indices.save()
+        assert torch.equal(cache.indices(0).long(), indices.reshape(15, -1))
+        with pytest.raises(MoelensError, match=r"CustomModel.forward takes no attention_mask, so padding"):
+            analysis.collect_routing(wrapped, [rows[0], rows[1, :3]], batch_size=2, progress=False)
+        assert analysis.collect_routing(wrapped, [rows[0], rows[1, :3]], batch_size=1, progress=False).num_tokens == 8
+    finally:
+        moelens.families.unregister("custom")

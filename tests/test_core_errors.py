@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import use_experts_implementation
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 import moelens
+from custom_models import CustomBlock, CustomModel, custom_family, custom_model
 from groundtruth import built, first_tensor
 from moelens import Family, FamilyError, OrderError, ValueUnavailable, WriteError, families
 from moelens.testing import NOT_DECORATED, tiny_inputs, tiny_model
@@ -391,6 +391,36 @@ def test_an_architectures_entry_for_another_model_type_is_not_trusted(tmp_path):
     assert type(moelens.load(folder)._module).__name__ == "MixtralForCausalLM"
 
 
+def test_load_takes_a_model_type_the_user_registered_with_transformers_auto_classes(tmp_path):
+    """A user's model type registered with AutoConfig and AutoModelForCausalLM (and AutoModel): load
+    refused it ("for this kind of AutoModel"), or with AutoModel registered too lost the LM head."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Qwen2MoeConfig
+    from transformers import Qwen2MoeForCausalLM, Qwen2MoeModel
+
+    class UsersConfig(Qwen2MoeConfig):
+        model_type = "moelens_test_users_moe"
+
+    class UsersModel(Qwen2MoeModel):
+        config_class = UsersConfig
+
+    class UsersForCausalLM(Qwen2MoeForCausalLM):
+        config_class = UsersConfig
+
+    AutoConfig.register(UsersConfig.model_type, UsersConfig, exist_ok=True)
+    AutoModelForCausalLM.register(UsersConfig, UsersForCausalLM, exist_ok=True)
+    AutoModel.register(UsersConfig, UsersModel, exist_ok=True)
+    model = tiny_model("qwen2_moe")
+    users = UsersForCausalLM(UsersConfig(**model.config.to_dict()))
+    users.load_state_dict(model.state_dict())
+    users.save_pretrained(tmp_path, save_original_format=False)  # no weight conversion is known for this type
+    loaded = moelens.load(tmp_path)
+    assert type(loaded._module) is UsersForCausalLM and len(loaded.moes) == len(moelens.wrap(model).moes)
+    ids = torch.tensor([[5, 6, 7]])
+    with loaded.trace(ids):
+        logits = loaded.output.logits.save()
+    torch.testing.assert_close(logits, model(ids).logits)
+
+
 def test_errors_of_loading_that_are_not_a_size_mismatch_pass_through(tmp_path, monkeypatch):
     from transformers import MixtralForCausalLM
 
@@ -491,56 +521,6 @@ def test_force_takes_a_tensor_expert_id(mixtral):
 # -- a custom family, registered without editing moelens --------------------------------------
 
 
-class LinearRouter(torch.nn.Module):
-    def __init__(self, hidden: int, experts: int, k: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
-        self.top_k = k
-
-    def forward(self, x):
-        logits = torch.nn.functional.linear(x, self.weight)
-        top, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
-        return logits, top, index
-
-
-class CustomBlock(torch.nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.chooser = LinearRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
-        self.pool = MixtralExperts(config)
-
-    def forward(self, hidden):
-        b, s, d = hidden.shape
-        flat = hidden.reshape(-1, d)
-        _, weights, index = self.chooser(flat)
-        return self.pool(flat, index, weights).reshape(b, s, d)
-
-
-class CustomModel(torch.nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(64, config.hidden_size)
-        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"ffn": CustomBlock(config)}) for _ in range(2)])
-        self.config = config
-
-    def forward(self, input_ids):
-        hidden = self.embed(input_ids)
-        for layer in self.layers:
-            hidden = hidden + layer["ffn"](hidden)
-        return hidden
-
-
-def custom_model() -> CustomModel:
-    """A seeded `CustomModel` (2 layers of 4 experts, top-2, grouped_mm), its weights drawn (the experts' start empty)."""
-    torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
-    config._experts_implementation = "grouped_mm"
-    model = CustomModel(config).eval()
-    for parameter in model.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    return model
-
-
 def test_a_registered_custom_family_is_served():
     model = custom_model()
     family = moelens.families.register(Family(
@@ -589,13 +569,20 @@ def test_invokes_batch_for_a_plain_module_without_config_or_mask():
                 with tracer.invoke(second):
                     b = wrapped.moes[1].expert_weights.save()
             torch.testing.assert_close([a, b], alone)
-            with pytest.raises(moelens.MoelensError, match=r"invokes of different lengths are left-padded and masked, "
-                                                           r"but CustomModel.forward takes no attention_mask"):
+            refusal = r"CustomModel.forward takes no attention_mask, so padding .* cannot be masked"
+            with pytest.raises(moelens.MoelensError, match=refusal):
                 with wrapped.trace() as tracer:
                     with tracer.invoke(first):
                         pass
                     with tracer.invoke(second[:, :2]):
                         pass
+            # an all-ones mask (what moelens' analysis and export pass) masks nothing: left out, not a TypeError
+            with wrapped.trace(input_ids=first, attention_mask=torch.ones_like(first)):
+                masked = wrapped.moes[1].expert_weights.save()
+            torch.testing.assert_close(masked, alone[0])
+            with pytest.raises(moelens.MoelensError, match=refusal):
+                with wrapped.trace(input_ids=first, attention_mask=torch.tensor([[0, 1, 1]])):
+                    pass
     finally:
         moelens.families.unregister("custom")
 
@@ -777,6 +764,22 @@ def test_a_family_with_wrong_child_paths_says_so_at_wrap():
                     assert moelens.wrap(CustomModel(config)).moes == []
         finally:
             moelens.families.unregister("custom")
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"shared": families.SharedExpert("pool", gate="pool_gat")}, r"has no gate at 'pool_gat'.* SharedExpert.gate path"),
+    ({"combine": families.Combine(routed_post="post")}, r"has no routed_post at 'post'.* Combine.routed_post path"),
+    ({"combine": families.Combine(block_post="chooser.norm")}, r"has no block_post at 'chooser.norm'"),
+])
+def test_a_registered_family_naming_a_missing_module_says_so_at_wrap(changes, expected):
+    """A misspelt shared-expert gate or post module passed wrap and reads, then failed the export with a bare
+    AttributeError naming neither the family nor the field."""
+    moelens.families.register(custom_family(**changes))
+    try:
+        with pytest.raises(moelens.FamilyError, match=rf"family 'custom': block layers.0.ffn \(CustomBlock\) {expected}"):
+            moelens.wrap(custom_model())
+    finally:
+        moelens.families.unregister("custom")
 
 
 def test_a_family_with_a_wrong_block_attr_says_so_at_wrap():
@@ -998,6 +1001,27 @@ def test_unregister_of_an_unknown_name_says_what_is_registered():
                      id="combine_mode"),
         pytest.param({"refused": {"router_logit": "why"}},
                      r"refused names 'router_logit', which is not one of \('router_logits'", id="refused"),
+        # a plain word where an attribute reference belongs was read as the literal string, failing far later
+        # (int('top_k') at every read, float('scale') in the export) with neither the family nor the field named
+        pytest.param({"top_k": "top_k"}, r"top_k must be an int >= 1 or an attribute reference .*got 'top_k'; a "
+                     r'plain word is no reference: write "block.top_k" or "config.top_k"', id="top_k_word"),
+        pytest.param({"num_experts": True}, r"num_experts must be an int >= 1 or an attribute reference", id="bool"),
+        pytest.param({"combine": families.Combine(routed_scale="routed_scale")}, r"Combine.routed_scale must be None, "
+                     r"a number or an attribute reference", id="routed_scale_word"),
+        pytest.param({"scoring": moelens.Scoring("softmax", scale="scale")}, r"Scoring.scale must be", id="scale"),
+        pytest.param({"scoring": moelens.Scoring("softmax", normalize="norm_topk_prob")},
+                     r"Scoring.normalize must be True, False or an attribute reference", id="normalize"),
+        pytest.param({"scoring": moelens.Scoring("softmaxx")}, r"Scoring.score must be one of \['sigmoid', 'softmax', "
+                     r"'sqrtsoftplus'\] or an attribute reference .*got 'softmaxx'\.$", id="score"),
+        pytest.param({"scoring": moelens.Scoring("sigmoid", selection_bias="bias")},
+                     r"Scoring.selection_bias must be None or an attribute reference", id="selection_bias"),
+        pytest.param({"scoring": moelens.Scoring("softmax", "group_topk", groups=("n_group", "router.topk_group"))},
+                     r"Scoring.groups must be an attribute reference .*got 'n_group'", id="groups"),
+        pytest.param({"scoring": moelens.Scoring("softmax", "group_topk", groups="router.n_group")},
+                     r"Scoring.groups must be None or a pair, got 'router.n_group'", id="groups_pair"),
+        pytest.param({"expert_gate": families.ExpertGate("clamped_swiglu", alpha="alpha", limit=7.0)},
+                     r"ExpertGate.alpha must be None, a number or an attribute reference", id="alpha"),
+        pytest.param({"model_types": None}, r"model_types must be a tuple of names, got None", id="model_types_none"),
     ],
 )
 def test_register_refuses_unknown_words(changes, match):

@@ -204,6 +204,50 @@ def test_compressor_output_exports(out):
         close(run(report.path, ids), converted(input_ids=ids, attention_mask=torch.ones_like(ids)).logits)
 
 
+def test_the_exported_output_of_each_kind_of_model_output():
+    from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
+
+    from moelens.export.exporter import output_tensor
+
+    logits, hidden = torch.randn(2, 3, 5), torch.randn(2, 3, 4)
+    for output, expected in ((logits, logits), ((logits, hidden), logits), (CausalLMOutput(logits=logits), logits),
+                             (BaseModelOutput(last_hidden_state=hidden), hidden)):
+        assert output_tensor(output) is expected
+    with pytest.raises(ExportError, match=r"the model returned dict, which holds no logits to export"):
+        output_tensor({"scores": logits})
+
+
+class FailsOnEightTokens(torch.nn.Module):
+    def forward(self, input_ids):
+        return self.layers[input_ids.shape[1]]  # 2 layers
+
+
+def test_a_plain_torch_model_of_a_registered_family_exports(out):
+    """A plain torch model (its forward takes input_ids only and returns a tensor): the archive kept only
+    the first batch row (the tensor's [0]) and verified it against torch's, also cut; a forward without
+    attention_mask failed; without a config the default token ids went past its 64-row embedding."""
+    from custom_models import custom_family, custom_model
+
+    moelens.families.register(custom_family())
+    try:
+        model = custom_model()
+        ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        report = to_nnef(moelens.wrap(model), out / "custom.nnef.tgz", example_inputs=ids)
+        assert report.verification.tolerance is not None and len(tract_moe_calls(report.path)) == 2
+        with torch.no_grad():
+            close(run(report.path, ids), model(ids))  # [2, 6, D]: every row
+        del model.config  # no config: the default inputs are token ids the embedding holds
+        report = to_nnef(moelens.wrap(model), out / "custom-bare.nnef.tgz")
+        assert report.verification.tolerance is not None
+        failing = custom_model()
+        failing.__class__ = FailsOnEightTokens
+        with pytest.raises(ExportError, match=r"model's forward failed in torch on the example inputs of shape "
+                                              r"\(1, 8\) \(IndexError: index 8 is out of range\), before any tracing"):
+            to_nnef(moelens.wrap(failing), out / "custom-failing.nnef.tgz")
+    finally:
+        moelens.families.unregister("custom")
+
+
 # -- edits ---------------------------------------------------------------------------------
 
 

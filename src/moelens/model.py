@@ -11,7 +11,6 @@ list, ``model.layers[i].mlp`` the block whatever the family calls it, and
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import re
 import warnings
@@ -36,7 +35,7 @@ from .errors import FamilyError, MoelensError
 from .families import Family, registry
 from .families.entry import get_path
 from .families.unserved import unserved_block
-from .modules import enclosing, is_adapter_layer
+from .modules import enclosing, is_adapter_layer, takes_keyword
 
 
 @dataclass
@@ -95,15 +94,29 @@ def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -
             )
 
 
-def _check_router(name: str, module: torch.nn.Module, family: Family) -> None:
-    """Raise a `FamilyError` when a block holding a mixture has no router where its family says."""
+def _check_paths(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Raise a `FamilyError` when a block holding a mixture lacks a module its family names: the router,
+    and (for a registered family, where a typo would surface only at export) the shared expert's gate
+    (when the block has the shared expert) and the combination's post modules."""
+    paths = {"router": family.router}
+    if not registry.is_built_in(family):
+        shared = family.shared
+        if shared is not None and shared.gate and not shared.on_layer and _has_path(module, shared.module):
+            paths["SharedExpert.gate"] = shared.gate
+        paths |= {"Combine.routed_post": family.combine.routed_post, "Combine.block_post": family.combine.block_post}
+    for field_name, path in paths.items():
+        if path and not _has_path(module, path):
+            raise FamilyError(
+                f"family {family.name!r}: block {name} ({type(module).__name__}) has no {field_name.rpartition('.')[2]} "
+                f"at {path!r}; its children are {_children(module)}. Fix the family's {field_name} path."
+            )
+
+
+def _has_path(module: torch.nn.Module, path: str) -> bool:
     try:
-        get_path(module, family.router)
+        return get_path(module, path) is not None
     except AttributeError:
-        raise FamilyError(
-            f"family {family.name!r}: block {name} ({type(module).__name__}) has no router at {family.router!r}; "
-            f"its children are {_children(module)}. Fix the family's router path."
-        ) from None
+        return False
 
 
 def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) -> None:
@@ -212,7 +225,7 @@ def discover(model: torch.nn.Module) -> Structure:
         if not _holds_mixture(module, family):
             idle.setdefault(family.name, f"{name} ({type(module).__name__}; children {_children(module)})")
             continue
-        _check_router(name, module, family)
+        _check_paths(name, module, family)
         _check_block_attr(model, name, family)
         if family.name not in checked_bias:
             checked_bias.add(family.name)
@@ -392,7 +405,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "files beside the weights for moelens.load)."
                 )
         if len(invokes) <= 1:
-            return super()._batch(invokes, fn)
+            return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
         for inputs, kwargs in invokes:
             ids = inputs[0] if inputs else kwargs.get("input_ids")
@@ -412,22 +425,22 @@ class MoeNNsight(MoeModelMixin, NNsight):
             attention_mask[index, width - row.shape[0] :] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        taken = {name: value for name, value in batch.items() if name == "input_ids" or _takes(self._module, name)}
-        if "attention_mask" not in taken and not attention_mask.all():
+        taken = {name: value for name, value in batch.items() if name == "input_ids" or takes_keyword(self._module, name)}
+        return self._mask_taken((), taken | {"attention_mask": attention_mask})
+
+    def _mask_taken(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """An invoke's inputs for a forward that may take no ``attention_mask``: an all-ones mask
+        (nothing to mask) is left out; a mask with padding is refused, since it could not be applied."""
+        mask = kwargs.get("attention_mask")
+        if mask is None or takes_keyword(self._module, "attention_mask"):
+            return inputs, kwargs
+        if not torch.as_tensor(mask).bool().all():
             raise MoelensError(
-                f"invokes of different lengths are left-padded and masked, but {type(self._module).__name__}.forward "
-                "takes no attention_mask: give every invoke the same number of tokens, or run them in separate traces."
+                f"{type(self._module).__name__}.forward takes no attention_mask, so padding (the zeros of the "
+                "attention_mask: rows or invokes of different lengths) cannot be masked: give every row the same "
+                "number of tokens, or run them one at a time (separate traces; collect_routing(batch_size=1))."
             )
-        return (), taken
-
-
-def _takes(module: torch.nn.Module, name: str) -> bool:
-    """Whether ``module``'s forward accepts the keyword ``name`` (by name or through ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):  # no signature to read: assume it does, as transformers models do
-        return True
-    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        return inputs, {name: value for name, value in kwargs.items() if name != "attention_mask"}
 
 
 def _is_text(value: Any) -> bool:
@@ -695,7 +708,10 @@ def _model_class(config: Any) -> Any:
     for this config class), else the causal-LM, image-text-to-text or base auto class (custom code: the
     auto classes read its auto_map)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     for name in getattr(config, "architectures", None) or ():
         saved = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
@@ -705,11 +721,12 @@ def _model_class(config: Any) -> Any:
                 getattr(saved, "config_class", None) is type(config)):
             return saved
     custom = getattr(config, "auto_map", None) or {}  # a checkpoint with its own code (trust_remote_code)
-    if _has_causal_lm(config) or "AutoModelForCausalLM" in custom:
-        return transformers.AutoModelForCausalLM
-    if getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
-            "AutoModelForImageTextToText" in custom):
-        return transformers.AutoModelForImageTextToText
+    model_type = getattr(config, "model_type", None)
+    for auto, names in ((transformers.AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                        (transformers.AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)):
+        # transformers' own model types, and config classes the user registered with the auto class
+        if model_type in names or type(config) in auto._model_mapping or auto.__name__ in custom:
+            return auto
     return _own_class(config) or transformers.AutoModel
 
 
@@ -831,9 +848,3 @@ def _has_head(model: torch.nn.Module) -> bool:
         return True
     name = type(model).__name__  # not config.architectures: a base model loaded from a task checkpoint keeps them
     return "For" in name or "LMHead" in name
-
-
-def _has_causal_lm(config: Any) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +22,15 @@ def evaluating(*models: nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
+
+
+def takes_keyword(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward accepts the keyword ``name`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: assume it does, as transformers models do
+        return True
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def enclosing(name: str, blocks: Iterable[str]) -> str | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import logging
 import platform
 import re
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..modules import takes_keyword
 from .archive import check_destination, size, write
 from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
@@ -164,19 +164,26 @@ def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     An explicit all-ones mask keeps transformers off its packed-sequence detection (torch.diff
     with prepend), which torch-to-nnef cannot trace.
     """
-    parameters = inspect.signature(model.forward).parameters
-    keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    flags = {flag: False for flag in OFF_FLAGS if flag in parameters or keywords}
-    return output_tensor(model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **flags))
+    keywords = {name: False for name in OFF_FLAGS} | {"attention_mask": torch.ones_like(input_ids)}
+    taken = {name: value for name, value in keywords.items() if takes_keyword(model, name)}
+    return output_tensor(model(input_ids=input_ids, **taken))
 
 
 def output_tensor(output: Any) -> torch.Tensor:
-    """The logits of a transformers model's output (or its last hidden state, or its first item)."""
+    """The logits of a model's output: a transformers output's ``logits`` (or ``last_hidden_state``),
+    a tuple's first item, or the tensor a plain module returns."""
+    if isinstance(output, torch.Tensor):
+        return output
     for name in ("logits", "last_hidden_state"):
         value = getattr(output, name, None)
         if value is not None:
             return value
-    return output[0]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ExportError(
+        f"the model returned {type(output).__name__}, which holds no logits to export: export a model whose forward "
+        "returns a tensor, a tuple starting with one, or a transformers output with logits / last_hidden_state."
+    )
 
 
 class TokensToLogits(torch.nn.Module):
@@ -409,6 +416,19 @@ def quiet_logger(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _run_once(root: torch.nn.Module, inputs: torch.Tensor, target: Target) -> None:
+    """Run the prepared copy on ``inputs`` in torch, so a forward that fails on them is named as such,
+    not blamed on torch-to-nnef's tracing."""
+    try:
+        with torch.no_grad():
+            root(inputs)
+    except Exception as error:
+        raise ExportError(
+            f"this {target.kind}'s forward failed in torch on the example inputs of shape {tuple(inputs.shape)} "
+            f"({type(error).__name__}: {error}), before any tracing: pass example_inputs it runs on."
+        ) from error
+
+
 def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Target, dynamic: bool,
            properties: dict[str, str]) -> None:
     """torch-to-nnef: trace ``root`` on ``inputs`` and write the NNEF folder."""
@@ -451,6 +471,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
         )
         with warnings.catch_warnings(), fixed_emitters():
             warnings.simplefilter("ignore")
+            _run_once(root, inputs, target)
             try:
                 export_model_to_nnef(
                     model=root,

@@ -8,11 +8,12 @@ family table is generated from.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from ..errors import FamilyError
+from .scoring import SCORE_FUNCTIONS
 from .entry import (COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family,
                     Scoring, SharedExpert)
 
@@ -72,7 +73,7 @@ def _check_description(family: Family) -> None:
         raise FamilyError(f"a family's name must be a non-empty string, got {family.name!r}.")
     for field_name in ("model_types", "block_classes"):
         value = getattr(family, field_name)
-        if isinstance(value, str) or not all(isinstance(item, str) for item in value):
+        if not isinstance(value, (tuple, list)) or not all(isinstance(item, str) for item in value):
             raise FamilyError(
                 f"family {family.name!r}: {field_name} must be a tuple of names, got {value!r}"
                 + (f"; write ({value!r},)." if isinstance(value, str) else ".")
@@ -108,13 +109,15 @@ def _check_description(family: Family) -> None:
                 f"family {family.name!r}: selection_in={scoring.selection_in!r} needs selection_op naming the op "
                 "inside that call whose output (or argument, with selection_arg) the router ranks."
             )
-    identity = family.identity_experts
-    if not (identity is None or isinstance(identity, str) and "." in identity
-            or isinstance(identity, int) and not isinstance(identity, bool) and identity >= 0):
-        raise FamilyError(
-            f"family {family.name!r}: identity_experts must be None, an int >= 0 or an attribute reference "
-            f"(\"experts.zero_expert_num\"), got {identity!r}."
-        )
+    for field_name, value, literal, allowed in _settings(family):
+        if not (_is_reference(value) or literal(value)):
+            expected = f"{allowed} or an attribute reference" if allowed else "an attribute reference"
+            word = isinstance(value, str) and field_name != "Scoring.score"  # whose literals are words themselves
+            hint = f'; a plain word is no reference: write "block.{value}" or "config.{value}"' if word else ""
+            raise FamilyError(
+                f"family {family.name!r}: {field_name} must be {expected} (\"router.top_k\", a dotted path "
+                f"from the block), got {value!r}{hint}."
+            )
     mode = family.combine.mode
     if not isinstance(mode, str) or not (mode in COMBINE_MODES or "." in mode):
         raise FamilyError(
@@ -131,6 +134,48 @@ def _check_description(family: Family) -> None:
     unknown = [name for name in family.refused if name not in VALUE_NAMES]
     if unknown:
         raise FamilyError(f"family {family.name!r}: refused names {unknown[0]!r}, which is not one of {VALUE_NAMES}.")
+
+
+def _is_reference(value: object) -> bool:
+    """An attribute reference: a dotted string (``"router.top_k"``, ``"1/router.top_k"``)."""
+    return isinstance(value, str) and "." in value
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(at_least: int) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= at_least
+
+
+def _settings(family: Family) -> Iterator[tuple[str, object, Callable[[object], bool], str]]:
+    """Each field that holds an attribute reference (or a literal): its name, value, the literals it
+    takes and how they read in an error ("" for none). A plain word there would be taken as a literal."""
+    optional_number = lambda value: value is None or _number(value)  # noqa: E731
+    only_none = lambda value: value is None  # noqa: E731
+    yield "top_k", family.top_k, _count(1), "an int >= 1"
+    yield "num_experts", family.num_experts, _count(1), "an int >= 1"
+    yield "identity_experts", family.identity_experts, lambda value: value is None or _count(0)(value), \
+        "None, an int >= 0"
+    yield "Combine.routed_scale", family.combine.routed_scale, optional_number, "None, a number"
+    for scoring in (family.scoring, *family.scoring_by_router.values()):
+        yield "Scoring.score", scoring.score, SCORE_FUNCTIONS.__contains__, f"one of {sorted(SCORE_FUNCTIONS)}"
+        yield "Scoring.normalize", scoring.normalize, lambda value: isinstance(value, bool), "True, False"
+        yield "Scoring.scale", scoring.scale, optional_number, "None, a number"
+        yield "Scoring.selection_bias", scoring.selection_bias, only_none, "None"
+        yield "Scoring.softcap", scoring.softcap, only_none, "None"
+        pairs = {"groups": scoring.groups, "groups_if": scoring.groups_if}
+        for name, pair in pairs.items():
+            if pair is not None and not (isinstance(pair, tuple) and len(pair) == 2):
+                raise FamilyError(f"family {family.name!r}: Scoring.{name} must be None or a pair, got {pair!r}.")
+        for reference in scoring.groups or ():
+            yield "Scoring.groups", reference, lambda value: False, ""
+        if scoring.groups_if is not None:
+            yield "Scoring.groups_if", scoring.groups_if[0], lambda value: False, ""
+    if family.expert_gate is not None:
+        for name in ("alpha", "limit"):
+            yield f"ExpertGate.{name}", getattr(family.expert_gate, name), optional_number, "None, a number"
 
 
 def register_all(families: Iterable[Family]) -> None:
