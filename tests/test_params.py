@@ -287,3 +287,39 @@ def test_a_router_bias_outside_the_logits_call_is_not_served_as_theirs():
     torch.testing.assert_close(logits.reshape(-1, 8), hidden.reshape(-1, hidden.shape[-1]) @ params.router.T)
     privacy = moelens.wrap(tiny_model("openai_privacy_filter")).moes[0]  # F.linear(x, w.float(), self.bias.float())
     assert privacy.params().router_bias.data_ptr() == privacy.router._module.bias.data_ptr()
+
+
+class LoopExperts(torch.nn.Module):
+    """Experts as a plain user writes them: one module per expert, run in a loop."""
+
+    def __init__(self, experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(hidden, inner), torch.nn.SiLU(), torch.nn.Linear(inner, hidden))
+            for _ in range(experts)
+        )
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for number, expert in enumerate(self.experts):
+            token, slot = torch.where(top_k_index == number)
+            out.index_add_(0, token, expert(hidden[token]) * top_k_weights[token, slot, None])
+        return out
+
+
+def test_experts_kept_as_one_module_each_say_params_cannot_serve_them():
+    """params() told the user to describe such experts with an ExpertLayout, which cannot."""
+    from custom_models import custom_family, custom_model
+
+    model = custom_model()
+    for layer in model.layers:
+        layer["ffn"].pool = LoopExperts(4, 16, 8)
+    moelens.families.register(custom_family())
+    try:
+        moe = moelens.wrap(model).moes[0]
+        with pytest.raises(ValueUnavailable, match=r"custom: LoopExperts keeps its weights in modules of its own "
+                                                   r"\(one per expert\).*read each expert module's weights directly"):
+            moe.params()
+    finally:
+        moelens.families.unregister("custom")

@@ -251,6 +251,12 @@ def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:
         )
     if family.expert_layout is not None:
         return family.expert_layout
+    if not list(experts.parameters(recurse=False)):
+        raise ValueUnavailable(
+            f"{family.name}: {type(experts).__name__} keeps its weights in modules of its own (one per expert), not "
+            "in parameters stacked over the experts, which is what params() serves and an ExpertLayout describes; "
+            "read each expert module's weights directly."
+        )
     raise ValueUnavailable(
         f"{family.name}: {type(experts).__name__} carries no transformers layout flags (has_gate, is_transposed) and "
         "the family entry has no expert_layout, so moelens does not know where its expert weights are; describe "
