@@ -146,3 +146,17 @@ def test_a_block_under_a_module_named_like_an_nnsight_attribute_is_served():
     for name, value in values.items():
         torch.testing.assert_close(value.float(), expected[name].float(), atol=1e-5, rtol=1e-5, msg=name)
     torch.testing.assert_close(values["mlp_output"], seen["y"])
+
+
+def test_the_wrapped_models_switch_runs_every_converted_block_with_the_implementation():
+    """model.set_experts_implementation on a wrapped conversion went to the dense model's class, which
+    switched nothing, without a word."""
+    converted, model, _ = wrapped("llama", "grouped_mm")
+    with model.trace(ids()):
+        before = model.moes[0].expert_outputs.save()
+    for implementation in ("batched_mm", "eager"):
+        model.set_experts_implementation(implementation)
+        assert {moe.experts_implementation for moe in model.moes} == {implementation}
+    with model.trace(ids()):
+        routed = model.moes[0].routed_output.save()
+    torch.testing.assert_close(routed, before.sum(2))

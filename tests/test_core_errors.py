@@ -782,6 +782,39 @@ def test_a_registered_family_naming_a_missing_module_says_so_at_wrap(changes, ex
         moelens.families.unregister("custom")
 
 
+def test_set_experts_implementation_switches_every_block_of_any_wrapped_model():
+    """transformers left a subclass defined outside its own files on eager (batched_mm: without a word;
+    grouped_mm: "does not support setting"), and a plain torch model had no switch, while moelens'
+    errors advised model.set_experts_implementation."""
+    from custom_models import UsersQwen2Moe
+
+    config = tiny_model("qwen2_moe").config
+    config._experts_implementation = "eager"
+    users = UsersQwen2Moe(config)
+    plain = custom_model()
+    plain.config._experts_implementation = "eager"
+    families.register(custom_family())
+    try:
+        for model in (moelens.wrap(users.eval()), moelens.wrap(plain)):
+            ids = torch.tensor([[3, 4, 5, 6]])
+            with model.trace(ids):
+                eager = model.output.save()
+            for implementation in ("batched_mm", "grouped_mm"):
+                model.set_experts_implementation(implementation)
+                assert {moe.experts_implementation for moe in model.moes} == {implementation}
+                with model.trace(ids):
+                    outputs = model.moes[-1].expert_outputs.save()
+                    routed = model.moes[-1].routed_output.save()
+                    switched = model.output.save()
+                torch.testing.assert_close(outputs.sum(2), routed)
+                torch.testing.assert_close(first_tensor(switched), first_tensor(eager))
+            with pytest.raises((moelens.MoelensError, ValueError), match=r"unknown experts implementation 'grouped'|"
+                               r'experts_implementation="grouped"` is not supported'):  # moelens' or transformers' check
+                model.set_experts_implementation("grouped")
+    finally:
+        families.unregister("custom")
+
+
 def test_a_family_with_a_wrong_block_attr_says_so_at_wrap():
     # The block is found by its class at layers.N.ffn; a family saying "fnn" is refused naming the field.
     config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)

@@ -123,3 +123,57 @@ def test_in_place_edits_with_autograd_on_keep_the_backward_working(family, name)
     for (param_name, param), reference_param in zip(hf.named_parameters(), reference.parameters()):
         if param.grad is not None or reference_param.grad is not None:
             torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)
+
+
+def checkpointed(family: str, implementation: str, on: bool, every_n_layers: int = 1):
+    """A tiny model in training mode (dropout off), its decoder layers under activation checkpointing if ``on``."""
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model(family, experts_implementation=implementation)
+    if on:
+        hf.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    hf.train()
+    for module in hf.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return hf, tiny_inputs(hf)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_reading_every_value_under_activation_checkpointing_keeps_the_backward(implementation):
+    """router_probs (a score moelens computes) and grouped_mm's activations (re-sorted by moelens) saved
+    tensors for backward that checkpointing's recomputation does not make: backward raised CheckpointError."""
+    import moelens
+
+    gradients = []
+    for on in (False, True):
+        hf, inputs = checkpointed("mixtral", implementation, on)
+        model = moelens.wrap(hf)
+        with model.trace(**inputs):
+            model.save_all()
+            output = model.output.save()
+        loss_of(output).backward()
+        gradients.append({name: p.grad for name, p in hf.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys() and len(gradients[0]) > 10
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, msg=name)
+
+
+def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
+    """The backward recomputes the layer without the trace's edit: the gradients were those of the
+    unedited model (an expert-weight write) or torch's CheckpointError (ablate, steer)."""
+    import moelens
+
+    hf, inputs = checkpointed("mixtral", "grouped_mm", True)
+    model = moelens.wrap(hf)
+    for edit in (lambda moe: moelens.steer(moe, 2, 3.0), lambda moe: moe.expert_weights.__setitem__((..., 1), 0)):
+        with pytest.raises(moelens.WriteError, match=r"model.model.layers.0.mlp.\w+ is edited inside "
+                                                     r"MixtralDecoderLayer, which runs under activation checkpointing"):
+            with model.trace(**inputs):
+                edit(model.moes[0])
+    for moe, grad in ((model.moes[0], False), (model.moes[1], True)):  # no backward; layer 1 is not checkpointed
+        model = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, every_n_layers=2)[0])
+        with torch.set_grad_enabled(grad), model.trace(**inputs):
+            moelens.steer(model.moes[moe.layer], 2, 30.0)
+            indices = model.moes[moe.layer].expert_indices.save()
+        assert (indices == 2).any(-1).all()

@@ -28,7 +28,7 @@ from nnsight.modeling import processing
 
 from .components import Mlp, Moe, served
 from .components.base import envoy_at
-from .components.implementations import is_dispatching
+from .components.implementations import check_known, is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .components.params import op_names
 from .errors import FamilyError, MoelensError
@@ -301,6 +301,33 @@ class MoeModelMixin:
     def family(self) -> Family | None:
         """The family of this model's MoE blocks (None for a model moelens does not know)."""
         return self._structure.family
+
+    def set_experts_implementation(self, implementation: str | dict[str, str]) -> None:
+        """Run every MoE block's experts with ``implementation`` (``"grouped_mm"``, ``"batched_mm"``,
+        ``"eager"``, or another transformers knows).
+
+        transformers' own switch first (a dict of sub-config names goes to it alone); then the
+        config of each decorated experts module it left on another implementation is set directly:
+        transformers switches a class only when the file defining it contains
+        ``@use_experts_implementation`` (not a subclass defined in a notebook or a script of one's
+        own), and has no switch for a plain torch model or the blocks `moelens.compress` made.
+        """
+        module = self._module
+        if isinstance(implementation, dict):
+            module.set_experts_implementation(implementation)
+            return
+        if not hasattr(module, "set_experts_implementation"):  # no transformers model
+            check_known(implementation)
+        else:
+            try:
+                module.set_experts_implementation(implementation)  # checks the name
+            except ValueError as error:  # transformers' refusal of a class its source check does not pass
+                if "does not support setting experts implementation" not in str(error):
+                    raise
+        for moe in self.moes:
+            experts = moe.experts._module
+            if is_dispatching(experts) and moe.experts_implementation != implementation:
+                experts.config._experts_implementation = implementation
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions; then a check that no value moelens

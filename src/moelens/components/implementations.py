@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import MoelensError
+
 
 @dataclass(frozen=True)
 class ExpertsOps:
@@ -54,6 +56,14 @@ def is_dispatching(experts: Any) -> bool:
     forward runs the implementation ``experts.config._experts_implementation`` names (the
     decorator's ``__init__`` sets ``_is_expert_parallel`` on every instance)."""
     return "_is_expert_parallel" in getattr(experts, "__dict__", {})
+
+
+def check_known(name: str) -> None:
+    """Raise a `MoelensError` unless transformers knows the experts implementation ``name``."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if name != "eager" and name not in ALL_EXPERTS_FUNCTIONS:
+        raise MoelensError(f"unknown experts implementation {name!r}; known: eager, {', '.join(ALL_EXPERTS_FUNCTIONS)}.")
 
 
 def ops_for(name: str | None) -> ExpertsOps | None:

@@ -44,7 +44,8 @@ from .base import envoy_at
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params
-from .served import ANY_INF, INDEX, MINUS_INF, Binding, argument, order_errors, output_of, request, served
+from .served import (ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, order_errors, output_of, request,
+                     served)
 
 
 class _SharedAlias:
@@ -197,8 +198,7 @@ class Moe(Mlp):
             f"per-slot values exist only inside the {', '.join(serving())} experts implementations, "
             f"and this block runs {implementation!r} (a loop over experts with no [tokens, k, ...] tensor)",
             'switch with model.set_experts_implementation("grouped_mm") (or load with '
-            'experts_implementation="grouped_mm"; a model that is no transformers PreTrainedModel: set '
-            '_experts_implementation = "grouped_mm" on the config its experts were built with).',
+            'experts_implementation="grouped_mm").',
         )
 
     def no_shared_expert(self, name: str = "shared_expert_output") -> ValueUnavailable:
@@ -275,7 +275,8 @@ class Moe(Mlp):
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
-        return score(self.family.resolve(self.SCORING.score, self._module), self.router_logits, self.softcap)
+        with kept_for_backward():
+            return score(self.family.resolve(self.SCORING.score, self._module), self.router_logits, self.softcap)
 
     @router_probs.setter
     def router_probs(self, value: Any) -> None:

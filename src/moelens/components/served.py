@@ -79,11 +79,31 @@ class Binding:
 
     def token_major(self, picked: torch.Tensor, context: Any) -> torch.Tensor:
         """The picked tensor in token-major ``[T, ...]`` order."""
-        return picked if self.to_view is None else self.to_view(picked, context)
+        if self.to_view is None:
+            return picked
+        with kept_for_backward():
+            return self.to_view(picked, context)
 
     def model_layout(self, token_major: torch.Tensor, context: Any) -> torch.Tensor:
         """A token-major tensor in the layout the model keeps at the location."""
-        return token_major if self.from_view is None else self.from_view(token_major, context)
+        if self.from_view is None:
+            return token_major
+        with kept_for_backward():
+            return self.from_view(token_major, context)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def kept_for_backward() -> torch.autograd.graph.saved_tensors_hooks:
+    """Autograd keeps what moelens' own ops (a re-sort, a score) save for backward as it is.
+
+    Inside a layer under activation checkpointing torch would count those among the layer's
+    tensors to recompute, and its recomputation (the model's forward alone) does not make them:
+    the backward would fail with a CheckpointError.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
 def output_of(index: int | None) -> tuple[Callable, Callable]:
@@ -298,6 +318,7 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         edited = view._version != version
         if edited:
             check_write(component, name, binding, view, view.shape)
+            check_not_recomputed(component, name)
         if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
             result, model_holds = raw, fetched.picked
         else:
@@ -373,6 +394,7 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     if value.is_floating_point() and current.is_floating_point():
         value = value.to(current.dtype)  # checked as the model gets it: 1e6 is inf in float16
     check_write(component, name, binding, value, current.shape)
+    check_not_recomputed(component, name)
     if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
         old = earlier[0] if earlier is not None and earlier[0].requires_grad else current
         value = _KeepInGraph.apply(value, old)
@@ -381,6 +403,27 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     if reads is not None and reads.views:
         reads.raw = written
         reads.hold(mediator, next(reversed(reads.views)), location)
+
+
+def check_not_recomputed(component: "Component", name: str) -> None:
+    """Refuse an edit, with autograd on, inside a layer under activation checkpointing: its backward
+    recomputes the layer with the model's forward alone, without the edit, so the gradients would be
+    those of the unedited layer (or torch's CheckpointError)."""
+    if not torch.is_grad_enabled():
+        return
+    module, flagged = component.root._module, None
+    for part in component.path.split(".")[1:]:
+        module = getattr(module, part)
+        if isinstance(getattr(module, "gradient_checkpointing", None), bool):
+            flagged = module  # the innermost flag decides: a decoder layer's (every_n_layers) over its model's
+    if flagged is not None and flagged.gradient_checkpointing and flagged.training:
+        raise WriteError(
+            f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under activation "
+            "checkpointing (gradient_checkpointing in training mode): the backward recomputes it without the "
+            "edit, so the gradients would be those of the unedited model. Turn it off for traces that edit "
+            "(model.gradient_checkpointing_disable()), or trace in eval mode or under torch.no_grad() when no "
+            "gradient is needed."
+        )
 
 
 class _KeepInGraph(torch.autograd.Function):

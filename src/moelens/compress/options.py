@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from ..errors import MoelensError
 from .errors import CompressionError
 
 #: Other spellings accepted in ``comp_config``, mapped to `ToMoEOptions` fields.
@@ -121,12 +122,12 @@ class ToMoEOptions:
 
 def check_implementation(implementation: str) -> None:
     """Raise `CompressionError` unless transformers knows the experts implementation ``implementation``."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from ..components.implementations import check_known
 
-    if implementation != "eager" and implementation not in ALL_EXPERTS_FUNCTIONS:
-        raise CompressionError(
-            f"unknown experts implementation {implementation!r}; known: eager, {', '.join(ALL_EXPERTS_FUNCTIONS)}."
-        )
+    try:
+        check_known(implementation)
+    except MoelensError as error:
+        raise CompressionError(str(error)) from None
 
 
 def _read(config: Any) -> dict[str, Any]:
