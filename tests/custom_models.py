@@ -54,7 +54,7 @@ class CustomModel(torch.nn.Module):
 def custom_model() -> CustomModel:
     """A seeded `CustomModel` (2 layers of 4 experts, top-2, grouped_mm), its weights drawn (the experts' start empty)."""
     torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)
     config._experts_implementation = "grouped_mm"
     model = CustomModel(config).eval()
     for parameter in model.parameters():

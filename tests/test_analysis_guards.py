@@ -439,3 +439,21 @@ def test_a_plain_model_whose_forward_takes_no_mask_is_collected_or_refused_clear
         assert analysis.collect_routing(wrapped, [rows[0], rows[1, :3]], batch_size=1, progress=False).num_tokens == 8
     finally:
         moelens.families.unregister("custom")
+
+
+def test_the_vocabulary_is_the_configs_capped_by_a_transformers_models_input_embedding():
+    """A plain model's first nn.Embedding (here its positions') was taken as its vocabulary over its config."""
+    from types import SimpleNamespace
+
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.positions, self.tokens = torch.nn.Embedding(16, 4), torch.nn.Embedding(100, 4)
+            self.config = SimpleNamespace(vocab_size=100)
+
+    assert corpora.vocab_size(Positions()) == 100
+    hf = tiny_model("mixtral")
+    hf.resize_token_embeddings(hf.config.vocab_size - 7)  # resize_token_embeddings keeps the config in step
+    assert corpora.vocab_size(hf) == hf.config.vocab_size == hf.get_input_embeddings().num_embeddings
+    hf.config.vocab_size += 50  # a config that names more ids than the embedding holds
+    assert corpora.vocab_size(hf) == hf.get_input_embeddings().num_embeddings

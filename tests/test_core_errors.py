@@ -808,6 +808,8 @@ def test_set_experts_implementation_switches_every_block_of_any_wrapped_model():
                     switched = model.output.save()
                 torch.testing.assert_close(outputs.sum(2), routed)
                 torch.testing.assert_close(first_tensor(switched), first_tensor(eager))
+            model.set_experts_implementation({"": "eager"})  # transformers' dict form: "" is the model's own config
+            assert {moe.experts_implementation for moe in model.moes} == {"eager"}
             with pytest.raises((moelens.MoelensError, ValueError), match=r"unknown experts implementation 'grouped'|"
                                r'experts_implementation="grouped"` is not supported'):  # moelens' or transformers' check
                 model.set_experts_implementation("grouped")

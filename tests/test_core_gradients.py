@@ -125,13 +125,13 @@ def test_in_place_edits_with_autograd_on_keep_the_backward_working(family, name)
             torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)
 
 
-def checkpointed(family: str, implementation: str, on: bool, every_n_layers: int = 1):
+def checkpointed(family: str, implementation: str, on: bool, every_n_layers: int = 1, reentrant: bool = False):
     """A tiny model in training mode (dropout off), its decoder layers under activation checkpointing if ``on``."""
     from moelens.testing import tiny_inputs, tiny_model
 
     hf = tiny_model(family, experts_implementation=implementation)
     if on:
-        hf.activation_checkpointing_enable(every_n_layers=every_n_layers)
+        hf.activation_checkpointing_enable({"use_reentrant": reentrant}, every_n_layers=every_n_layers)
     hf.train()
     for module in hf.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -171,6 +171,11 @@ def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
                                                      r"MixtralDecoderLayer, which runs under activation checkpointing"):
             with model.trace(**inputs):
                 edit(model.moes[0])
+    # reentrant checkpointing runs the layer with autograd off, and its backward recomputes it all the same
+    reentrant = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, reentrant=True)[0])
+    with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
+        with reentrant.trace(**inputs):
+            reentrant.moes[0].router_logits[..., 0] += 5  # an in-place edit, checked at its write-back
     for moe, grad in ((model.moes[0], False), (model.moes[1], True)):  # no backward; layer 1 is not checkpointed
         model = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, every_n_layers=2)[0])
         with torch.set_grad_enabled(grad), model.trace(**inputs):

@@ -236,6 +236,10 @@ def test_a_plain_torch_model_of_a_registered_family_exports(out):
         assert report.verification.tolerance is not None and len(tract_moe_calls(report.path)) == 2
         with torch.no_grad():
             close(run(report.path, ids), model(ids))  # [2, 6, D]: every row
+        dynamic = to_nnef(moelens.wrap(model), out / "custom-dynamic.nnef.tgz", dynamic_tokens=True)
+        for length in (3, 9):
+            with torch.no_grad():
+                close(run(dynamic.path, ids[:1, :length]), model(ids[:1, :length]))
         del model.config  # no config: the default inputs are token ids the embedding holds
         report = to_nnef(moelens.wrap(model), out / "custom-bare.nnef.tgz")
         assert report.verification.tolerance is not None

@@ -304,30 +304,37 @@ class MoeModelMixin:
 
     def set_experts_implementation(self, implementation: str | dict[str, str]) -> None:
         """Run every MoE block's experts with ``implementation`` (``"grouped_mm"``, ``"batched_mm"``,
-        ``"eager"``, or another transformers knows).
+        ``"eager"``, or another transformers knows; a dict of sub-config names, ``""`` for the
+        model's own config, gives one per sub-model, as transformers' switch takes it).
 
-        transformers' own switch first (a dict of sub-config names goes to it alone); then the
-        config of each decorated experts module it left on another implementation is set directly:
-        transformers switches a class only when the file defining it contains
-        ``@use_experts_implementation`` (not a subclass defined in a notebook or a script of one's
-        own), and has no switch for a plain torch model or the blocks `moelens.compress` made.
+        transformers' own switch first; then the config of each decorated experts module it left on
+        another implementation is set directly: transformers switches a class only when the file
+        defining it contains ``@use_experts_implementation`` (not a subclass defined in a notebook or a
+        script of one's own), and has no switch for a plain torch model or the blocks `moelens.compress`
+        made.
         """
         module = self._module
-        if isinstance(implementation, dict):
-            module.set_experts_implementation(implementation)
-            return
-        if not hasattr(module, "set_experts_implementation"):  # no transformers model
-            check_known(implementation)
-        else:
+        config = getattr(module, "config", None)
+        wanted = implementation if isinstance(implementation, dict) else {"": implementation}
+        for name in wanted.values():
+            check_known(name)
+        if hasattr(module, "set_experts_implementation"):
             try:
-                module.set_experts_implementation(implementation)  # checks the name
+                module.set_experts_implementation(implementation)
             except ValueError as error:  # transformers' refusal of a class its source check does not pass
                 if "does not support setting experts implementation" not in str(error):
                     raise
         for moe in self.moes:
             experts = moe.experts._module
-            if is_dispatching(experts) and moe.experts_implementation != implementation:
-                experts.config._experts_implementation = implementation
+            if not is_dispatching(experts):
+                continue
+            if isinstance(implementation, str):
+                name = implementation
+            else:  # the entry of the (sub-)config these experts were built with
+                keys = [key for key in wanted if (getattr(config, key, None) if key else config) is experts.config]
+                name = wanted[keys[0]] if keys else None
+            if name is not None and moe.experts_implementation != name:
+                experts.config._experts_implementation = name
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions; then a check that no value moelens

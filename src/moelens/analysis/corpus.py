@@ -199,24 +199,27 @@ def _windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None) 
 
 
 def vocab_size(model: Any) -> int | None:
-    """The number of token ids the model embeds: the smaller of its text config's ``vocab_size`` and
-    the rows of its input embedding (a plain torch model's first ``nn.Embedding``); None without either."""
+    """The number of token ids the model embeds: its text config's ``vocab_size``, capped by the rows of
+    a transformers model's input embedding; None for a model with neither (see `embedding_rows`)."""
     config = _config(model)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     sizes = [size for size in (getattr(text, "vocab_size", None),) if isinstance(size, int) and size > 0]
-    embedding = _input_embedding(getattr(model, "_module", model))
-    if embedding is not None:
+    module = getattr(model, "_module", model)
+    try:
+        embedding = module.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # no transformers model
+        embedding = None
+    if isinstance(embedding, torch.nn.Embedding):
         sizes.append(embedding.num_embeddings)
     return min(sizes) if sizes else None
 
 
-def _input_embedding(module: torch.nn.Module) -> torch.nn.Embedding | None:
-    """A transformers model's input embedding, or a plain model's first ``nn.Embedding``."""
-    try:
-        embedding = module.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return embedding if isinstance(embedding, torch.nn.Embedding) else None
+def embedding_rows(model: Any) -> int | None:
+    """The rows of a model's first ``nn.Embedding`` (a plain torch model's token embedding, most
+    likely), or None: what token ids are drawn below when `vocab_size` knows nothing."""
+    module = getattr(model, "_module", model)
+    embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return embedding.num_embeddings if embedding is not None else None
 
 
 def batches(

@@ -58,12 +58,20 @@ def is_dispatching(experts: Any) -> bool:
     return "_is_expert_parallel" in getattr(experts, "__dict__", {})
 
 
-def check_known(name: str) -> None:
-    """Raise a `MoelensError` unless transformers knows the experts implementation ``name``."""
+def check_known(name: str, fp8: bool = True) -> None:
+    """Raise a `MoelensError` unless transformers knows the experts implementation ``name`` (``fp8``:
+    also its implementations for FP8 weights)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    if name != "eager" and name not in ALL_EXPERTS_FUNCTIONS:
-        raise MoelensError(f"unknown experts implementation {name!r}; known: eager, {', '.join(ALL_EXPERTS_FUNCTIONS)}.")
+    known = ["eager", *ALL_EXPERTS_FUNCTIONS]
+    if fp8:
+        try:
+            from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+        except ImportError:
+            ALL_FP8_EXPERTS_FUNCTIONS = {}
+        known += [other for other in ALL_FP8_EXPERTS_FUNCTIONS if other not in known]
+    if name not in known:
+        raise MoelensError(f"unknown experts implementation {name!r}; known: {', '.join(known)}.")
 
 
 def ops_for(name: str | None) -> ExpertsOps | None:

@@ -16,6 +16,7 @@ before the model consumes them, and copies an edited non-view back.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -406,23 +407,26 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
 
 
 def check_not_recomputed(component: "Component", name: str) -> None:
-    """Refuse an edit, with autograd on, inside a layer under activation checkpointing: its backward
-    recomputes the layer with the model's forward alone, without the edit, so the gradients would be
-    those of the unedited layer (or torch's CheckpointError)."""
-    if not torch.is_grad_enabled():
-        return
+    """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
+    the recomputation runs the model's forward alone, without the edit, so the gradients would be those
+    of the unedited layer (or torch's CheckpointError). That is with autograd on, or always under
+    reentrant checkpointing, which runs the layer's forward with autograd off."""
     module, flagged = component.root._module, None
     for part in component.path.split(".")[1:]:
         module = getattr(module, part)
         if isinstance(getattr(module, "gradient_checkpointing", None), bool):
             flagged = module  # the innermost flag decides: a decoder layer's (every_n_layers) over its model's
-    if flagged is not None and flagged.gradient_checkpointing and flagged.training:
+    if flagged is None or not (flagged.gradient_checkpointing and flagged.training):
+        return
+    function = getattr(flagged, "_gradient_checkpointing_func", None)
+    reentrant = isinstance(function, functools.partial) and function.keywords.get("use_reentrant", True) is True
+    if torch.is_grad_enabled() or reentrant:
         raise WriteError(
-            f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under activation "
-            "checkpointing (gradient_checkpointing in training mode): the backward recomputes it without the "
-            "edit, so the gradients would be those of the unedited model. Turn it off for traces that edit "
-            "(model.gradient_checkpointing_disable()), or trace in eval mode or under torch.no_grad() when no "
-            "gradient is needed."
+            f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under "
+            f"{'reentrant ' if reentrant else ''}activation checkpointing (gradient_checkpointing in training mode): "
+            "the backward recomputes it without the edit, so the gradients would be those of the unedited model. "
+            "Turn it off for traces that edit (model.gradient_checkpointing_disable()), or trace in eval mode"
+            + ("." if reentrant else " or under torch.no_grad() when no gradient is needed.")
         )
 
 

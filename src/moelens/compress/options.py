@@ -125,7 +125,7 @@ def check_implementation(implementation: str) -> None:
     from ..components.implementations import check_known
 
     try:
-        check_known(implementation)
+        check_known(implementation, fp8=False)  # converted experts hold float weights
     except MoelensError as error:
         raise CompressionError(str(error)) from None
 

@@ -190,22 +190,24 @@ class TokensToLogits(torch.nn.Module):
     """``input_ids -> logits`` (or the last hidden state) of the exported copy of a transformers model.
 
     With ``dynamic``, the attention masks and position ids are built from ``input_ids`` with
-    tensor ops (`moelens.export.masks`), so the traced archive keeps its token axis symbolic.
+    tensor ops (`moelens.export.masks`), so the traced archive keeps its token axis symbolic; a
+    forward that takes no ``attention_mask`` (a plain torch model) gets ``input_ids`` alone.
     """
 
     def __init__(self, model: torch.nn.Module, dynamic: bool = False) -> None:
         super().__init__()
         self.model = model
-        self.dynamic = dynamic
         config = getattr(model, "config", None)
         for flag in OFF_FLAGS:  # the copy's config, so submodules that read it agree
             if config is not None and hasattr(config, flag):
                 setattr(config, flag, False)
-        if dynamic:
+        # a forward that takes no attention_mask (a plain torch model) builds what masks it has itself
+        self.masks = dynamic and takes_keyword(model, "attention_mask")
+        if self.masks:
             layer_kinds(config)  # refuses layer types whose masks are not rebuilt
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.dynamic:
+        if not self.masks:
             return logits_of(self.model, input_ids)
         position = positions(input_ids)
         masks = attention_masks(self.model.config, position)
@@ -307,7 +309,10 @@ def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":
         return torch.randn(batch, tokens, hidden_size(target), generator=generator)
-    return torch.randint(3, vocab_size(target) or 128, (batch, tokens), generator=generator)
+    from ..analysis.corpus import embedding_rows
+
+    high = vocab_size(target) or embedding_rows(target.module) or 128
+    return torch.randint(3 if high > 3 else 0, high, (batch, tokens), generator=generator)
 
 
 def checked_inputs(inputs: Any, kind: str | None, *, dims: Sequence[int | str] | None = None,
