@@ -16,6 +16,7 @@ before the model consumes them, and copies an edited non-view back.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from contextlib import contextmanager
@@ -97,13 +98,15 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def kept_for_backward() -> torch.autograd.graph.saved_tensors_hooks:
+def kept_for_backward() -> contextlib.AbstractContextManager:
     """Autograd keeps what moelens' own ops (a re-sort, a score) save for backward as it is.
 
     Inside a layer under activation checkpointing torch would count those among the layer's
     tensors to recompute, and its recomputation (the model's forward alone) does not make them:
     the backward would fail with a CheckpointError.
     """
+    if not torch.is_grad_enabled():  # nothing is saved for backward
+        return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
