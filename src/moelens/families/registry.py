@@ -13,9 +13,9 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from ..errors import FamilyError
-from .scoring import SCORE_FUNCTIONS
 from .entry import (COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family,
                     Scoring, SharedExpert)
+from .scoring import SCORE_FUNCTIONS
 
 _FAMILIES: dict[str, Family] = {}
 _BY_BLOCK_CLASS: dict[str, Family] = {}
