@@ -810,6 +810,11 @@ def test_set_experts_implementation_switches_every_block_of_any_wrapped_model():
                 torch.testing.assert_close(first_tensor(switched), first_tensor(eager))
             model.set_experts_implementation({"": "eager"})  # transformers' dict form: "" is the model's own config
             assert {moe.experts_implementation for moe in model.moes} == {"eager"}
+            if model._module is plain:  # an implementation for FP8 weights is transformers' to pick at load
+                with pytest.raises(moelens.MoelensError, match=r"cannot be switched to 'deepgemm_megamoe': it is "
+                                                               r"transformers' implementation for FP8 weights"):
+                    model.set_experts_implementation("deepgemm_megamoe")
+                assert {moe.experts_implementation for moe in model.moes} == {"eager"}
             with pytest.raises((moelens.MoelensError, ValueError), match=r"unknown experts implementation 'grouped'|"
                                r'experts_implementation="grouped"` is not supported'):  # moelens' or transformers' check
                 model.set_experts_implementation("grouped")

@@ -8,6 +8,8 @@ leaf's gradient; per-slot gradients follow from the routed sum and the expert we
 
 from __future__ import annotations
 
+import warnings
+
 import nnsight
 import pytest
 import torch
@@ -172,13 +174,45 @@ def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
             with model.trace(**inputs):
                 edit(model.moes[0])
     # reentrant checkpointing runs the layer with autograd off, and its backward recomputes it all the same
-    reentrant = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, reentrant=True)[0])
-    with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
-        with reentrant.trace(**inputs):
-            reentrant.moes[0].router_logits[..., 0] += 5  # an in-place edit, checked at its write-back
-    for moe, grad in ((model.moes[0], False), (model.moes[1], True)):  # no backward; layer 1 is not checkpointed
-        model = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, every_n_layers=2)[0])
-        with torch.set_grad_enabled(grad), model.trace(**inputs):
-            moelens.steer(model.moes[moe.layer], 2, 30.0)
-            indices = model.moes[moe.layer].expert_indices.save()
+    bare = checkpointed("mixtral", "grouped_mm", False)[0]
+    bare._set_gradient_checkpointing(True)  # torch's checkpoint itself, reentrant unless told otherwise (it warns)
+    warnings.filterwarnings("ignore", message="torch.utils.checkpoint: the use_reentrant parameter")
+    for hf in (checkpointed("mixtral", "grouped_mm", True, reentrant=True)[0], bare):
+        reentrant = moelens.wrap(hf)
+        with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
+            with reentrant.trace(**inputs):
+                reentrant.moes[0].router_logits[..., 0] += 5  # an in-place edit, checked at its write-back
+    every_other = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, every_n_layers=2)[0])
+    for layer, grad in ((0, False), (1, True)):  # no backward; layer 1 is not checkpointed
+        with torch.set_grad_enabled(grad), every_other.trace(**inputs):
+            moelens.steer(every_other.moes[layer], 2, 30.0)
+            indices = every_other.moes[layer].expert_indices.save()
         assert (indices == 2).any(-1).all()
+
+
+def test_an_edit_in_a_plain_model_that_checkpoints_its_own_layers_is_refused():
+    """The flag on the wrapped model itself was not looked at: CheckpointError, or with a reentrant checkpoint
+    gradients of neither the edited nor the unedited model."""
+    import moelens
+    from custom_models import CustomModel, custom_family, custom_model
+
+    class Checkpointing(CustomModel):
+        gradient_checkpointing = True
+
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+            for layer in self.layers:
+                hidden = hidden + torch.utils.checkpoint.checkpoint(layer["ffn"], hidden, use_reentrant=True)
+            return hidden
+
+    model = custom_model().train()
+    model.__class__ = Checkpointing
+    moelens.families.register(custom_family())
+    try:
+        wrapped = moelens.wrap(model)
+        with pytest.raises(moelens.WriteError, match=r"layers.1.ffn.expert_weights is edited inside Checkpointing, "
+                                                     r"which runs under reentrant activation checkpointing"):
+            with wrapped.trace(torch.tensor([[1, 2, 3]])):
+                wrapped.moes[1].expert_weights[..., 0] = 1.0
+    finally:
+        moelens.families.unregister("custom")

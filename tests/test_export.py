@@ -217,6 +217,14 @@ def test_the_exported_output_of_each_kind_of_model_output():
         output_tensor({"scores": logits})
 
 
+class TakesAMask(torch.nn.Module):
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.embed(input_ids) * attention_mask[..., None]
+        for layer in self.layers:
+            hidden = hidden + layer["ffn"](hidden)
+        return hidden
+
+
 class FailsOnEightTokens(torch.nn.Module):
     def forward(self, input_ids):
         return self.layers[input_ids.shape[1]]  # 2 layers
@@ -236,10 +244,13 @@ def test_a_plain_torch_model_of_a_registered_family_exports(out):
         assert report.verification.tolerance is not None and len(tract_moe_calls(report.path)) == 2
         with torch.no_grad():
             close(run(report.path, ids), model(ids))  # [2, 6, D]: every row
-        dynamic = to_nnef(moelens.wrap(model), out / "custom-dynamic.nnef.tgz", dynamic_tokens=True)
-        for length in (3, 9):
-            with torch.no_grad():
-                close(run(dynamic.path, ids[:1, :length]), model(ids[:1, :length]))
+        masked = custom_model()
+        masked.__class__ = TakesAMask  # a plain model's mask is its own (it got transformers' 4-D masks)
+        for plain in (model, masked):
+            dynamic = to_nnef(moelens.wrap(plain), out / "custom-dynamic.nnef.tgz", dynamic_tokens=True)
+            for length in (3, 9):
+                with torch.no_grad():
+                    close(run(dynamic.path, ids[:1, :length]), model(ids[:1, :length]))
         del model.config  # no config: the default inputs are token ids the embedding holds
         report = to_nnef(moelens.wrap(model), out / "custom-bare.nnef.tgz")
         assert report.verification.tolerance is not None

@@ -28,7 +28,7 @@ from nnsight.modeling import processing
 
 from .components import Mlp, Moe, served
 from .components.base import envoy_at
-from .components.implementations import check_known, is_dispatching
+from .components.implementations import check_known, is_dispatching, known
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .components.params import op_names
 from .errors import FamilyError, MoelensError
@@ -334,6 +334,11 @@ class MoeModelMixin:
                 keys = [key for key in wanted if (getattr(config, key, None) if key else config) is experts.config]
                 name = wanted[keys[0]] if keys else None
             if name is not None and moe.experts_implementation != name:
+                if name not in known(fp8=False):
+                    raise MoelensError(
+                        f"{moe.path}'s experts cannot be switched to {name!r}: it is transformers' implementation for "
+                        "FP8 weights, which transformers picks when it loads them; these experts hold float weights."
+                    )
                 experts.config._experts_implementation = name
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

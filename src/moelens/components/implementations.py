@@ -58,20 +58,26 @@ def is_dispatching(experts: Any) -> bool:
     return "_is_expert_parallel" in getattr(experts, "__dict__", {})
 
 
-def check_known(name: str, fp8: bool = True) -> None:
-    """Raise a `MoelensError` unless transformers knows the experts implementation ``name`` (``fp8``:
-    also its implementations for FP8 weights)."""
+def known(fp8: bool = True) -> list[str]:
+    """The experts implementations transformers knows (``fp8``: also those for FP8 weights, which it
+    picks when it loads them)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    known = ["eager", *ALL_EXPERTS_FUNCTIONS]
+    names = ["eager", *ALL_EXPERTS_FUNCTIONS]
     if fp8:
         try:
             from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
         except ImportError:
             ALL_FP8_EXPERTS_FUNCTIONS = {}
-        known += [other for other in ALL_FP8_EXPERTS_FUNCTIONS if other not in known]
-    if name not in known:
-        raise MoelensError(f"unknown experts implementation {name!r}; known: {', '.join(known)}.")
+        names += [name for name in ALL_FP8_EXPERTS_FUNCTIONS if name not in names]
+    return names
+
+
+def check_known(name: str, fp8: bool = True) -> None:
+    """Raise a `MoelensError` unless ``name`` is one of the `known` experts implementations."""
+    names = known(fp8)
+    if name not in names:
+        raise MoelensError(f"unknown experts implementation {name!r}; known: {', '.join(names)}.")
 
 
 def ops_for(name: str | None) -> ExpertsOps | None:

@@ -415,14 +415,15 @@ def check_not_recomputed(component: "Component", name: str) -> None:
     of the unedited layer (or torch's CheckpointError). That is with autograd on, or always under
     reentrant checkpointing, which runs the layer's forward with autograd off."""
     module, flagged = component.root._module, None
-    for part in component.path.split(".")[1:]:
-        module = getattr(module, part)
+    for part in ["", *component.path.split(".")[1:]]:  # the model itself, then each module down to the block
+        module = getattr(module, part) if part else module
         if isinstance(getattr(module, "gradient_checkpointing", None), bool):
             flagged = module  # the innermost flag decides: a decoder layer's (every_n_layers) over its model's
     if flagged is None or not (flagged.gradient_checkpointing and flagged.training):
         return
     function = getattr(flagged, "_gradient_checkpointing_func", None)
-    reentrant = isinstance(function, functools.partial) and function.keywords.get("use_reentrant", True) is True
+    # torch's checkpoint is reentrant unless told use_reentrant=False; a function it cannot read counts as one
+    reentrant = not (isinstance(function, functools.partial) and function.keywords.get("use_reentrant") is False)
     if torch.is_grad_enabled() or reentrant:
         raise WriteError(
             f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under "

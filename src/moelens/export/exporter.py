@@ -23,6 +23,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+from transformers import PreTrainedModel
 
 from .. import __version__
 from ..modules import takes_keyword
@@ -191,7 +192,7 @@ class TokensToLogits(torch.nn.Module):
 
     With ``dynamic``, the attention masks and position ids are built from ``input_ids`` with
     tensor ops (`moelens.export.masks`), so the traced archive keeps its token axis symbolic; a
-    forward that takes no ``attention_mask`` (a plain torch model) gets ``input_ids`` alone.
+    plain torch model gets ``input_ids`` (and an all-ones ``attention_mask`` if its forward takes one).
     """
 
     def __init__(self, model: torch.nn.Module, dynamic: bool = False) -> None:
@@ -201,8 +202,8 @@ class TokensToLogits(torch.nn.Module):
         for flag in OFF_FLAGS:  # the copy's config, so submodules that read it agree
             if config is not None and hasattr(config, flag):
                 setattr(config, flag, False)
-        # a forward that takes no attention_mask (a plain torch model) builds what masks it has itself
-        self.masks = dynamic and takes_keyword(model, "attention_mask")
+        # a plain torch model builds what masks it has itself (from what its forward takes, as logits_of gives)
+        self.masks = dynamic and isinstance(model, PreTrainedModel)
         if self.masks:
             layer_kinds(config)  # refuses layer types whose masks are not rebuilt
 
