@@ -429,7 +429,7 @@ def check_not_recomputed(component: "Component", name: str) -> None:
             f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under "
             f"{'reentrant ' if reentrant else ''}activation checkpointing (gradient_checkpointing in training mode): "
             "the backward recomputes it without the edit, so the gradients would be those of the unedited model. "
-            "Turn it off for traces that edit (model.gradient_checkpointing_disable()), or trace in eval mode"
+            "Turn it off for traces that edit (model.activation_checkpointing_disable()), or trace in eval mode"
             + ("." if reentrant else " or under torch.no_grad() when no gradient is needed.")
         )
 
