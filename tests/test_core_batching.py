@@ -256,3 +256,55 @@ def test_blocks_given_a_modality_subset_refuse_a_batch_layout(image_tokens):
     with wrapped.trace(input_ids=ids):  # text only: text_moe sees every token
         logits = text_moe.router_logits.save()
     assert logits.shape == (2, 8, text_moe.num_experts)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_a_transplant_between_invokes_at_a_barrier_lands(impl, no_grad):
+    """Routing patched from a clean invoke into a corrupted one (nnsight's tracer.barrier), the corrupted
+    invoke having read its own first: the clean invoke's write-back, landing later, handed back the
+    whole flat [T, k] tensor it had read and undid the write, silently."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", impl)
+    moe = wrapped.moes[0]
+    clean, corrupt = torch.tensor([[5, 9, 14, 3, 30]]), torch.tensor([[7, 9, 21, 3, 40]])
+    seq = clean.shape[1]
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+
+    def by_hand(positions: list[int]) -> torch.Tensor:
+        """The corrupted row's logits, run with the clean row's expert indices at ``positions``."""
+        def patched(module, args):
+            indices = args[1].clone()
+            indices[[seq + p for p in positions]] = indices[positions]
+            return (args[0], indices, args[2])
+
+        hook = experts.register_forward_pre_hook(patched)
+        try:
+            with torch.no_grad():
+                return first_tensor(reference(torch.cat([clean, corrupt])))[1]
+        finally:
+            hook.remove()
+
+    def transplant(patch) -> torch.Tensor:
+        box = []
+        with torch.set_grad_enabled(not no_grad), wrapped.trace() as tracer:
+            barrier = tracer.barrier(2)
+            with tracer.invoke(clean):
+                box.append(moe.expert_indices)
+                barrier()
+            with tracer.invoke(corrupt):
+                own = moe.expert_indices  # looked at before the barrier
+                barrier()
+                patch(own, box[0])
+                logits = first_tensor(wrapped.output)[0].save()
+        return logits.detach()
+
+    def assign(own, clean_indices):
+        moe.expert_indices = clean_indices
+
+    def position_two(own, clean_indices):
+        own[:, 2] = clean_indices[:, 2]  # in place
+
+    whole, position = transplant(assign), transplant(position_two)
+    assert not torch.allclose(whole, by_hand([]))
+    torch.testing.assert_close(whole, by_hand(list(range(seq))))
+    torch.testing.assert_close(position, by_hand([2]))

@@ -291,6 +291,8 @@ class MoeModelMixin:
     _structure: Structure
     #: The nnsight keyword arguments `wrap` was given (a deep copy is wrapped with them again).
     _wrap_options: dict[str, Any]
+    #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
+    _batcher_class = served.MoeBatcher
 
     @property
     def moes(self) -> list[Moe]:

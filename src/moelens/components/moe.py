@@ -483,7 +483,8 @@ class Moe(Mlp):
                 f"{self.path}.{name} is put into token-slot order with the sort permutation of the "
                 f"{implementation} experts implementation ({ops.sort}, which runs before the "
                 f"activations), and the model had run past that op when {name} was asked for (after an op of the "
-                f"implementation read directly, or a later value of this block): read {name} first."
+                f"implementation read directly, a later value of this block, or a tracer.barrier this invoke waited "
+                f"at while another invoke's reads moved the model on): read {name} first (before the barrier)."
             )
 
         def prepare_sorted() -> Tensor:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from nnsight.intervention.batching import Batcher
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
@@ -248,9 +249,42 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
 
 
 def replaced(binding: Binding, fetched: Fetched, new: torch.Tensor, name: str, raw: Any = None) -> Any:
-    """What to hand the model: ``raw`` (default ``fetched.raw``) with this invoke's rows of the value set to ``new``."""
-    whole = tokens.splice(fetched.token_major, new, binding.features, fetched.rows, name)
-    return binding.put(fetched.raw if raw is None else raw, binding.model_layout(whole, fetched.context))
+    """What to hand the model: ``raw`` (default ``fetched.raw``) with this invoke's rows of the value set to ``new``.
+
+    ``raw`` may hold what another invoke wrote at this visit since the fetch: the other rows are
+    taken from it, not from the fetch.
+    """
+    raw = fetched.raw if raw is None else raw
+    picked = binding.pick(raw)
+    current = fetched.token_major if picked is fetched.picked else binding.token_major(picked, fetched.context)
+    whole = tokens.splice(current, new, binding.features, fetched.rows, name)
+    return binding.put(raw, binding.model_layout(whole, fetched.context))
+
+
+class Rebase(NamedTuple):
+    """A swap built when it lands, on what the model holds then (`MoeBatcher.widen`): ``onto(current)``.
+
+    Every invoke is served the whole flat ``[T, ...]`` tensors of a visit (nnsight cannot cut them by
+    invoke), so a swap hands back the whole tensor. Built on what its invoke read, it would undo a
+    write another invoke made since (invokes lined up with tracer.barrier); built on what the model
+    holds when it lands, it changes this invoke's rows alone.
+    """
+
+    onto: Callable[[Any], Any]
+
+
+class MoeBatcher(Batcher):
+    """nnsight's batcher for a wrapped model: lands moelens' `Rebase` swaps on the current value."""
+
+    def widen(self, full: Any, group: Any, edited: Any) -> Any:
+        if isinstance(edited, Rebase):
+            edited = edited.onto(self.narrow(full, group))  # this invoke's part of the value as it is now
+        return super().widen(full, group, edited)
+
+
+def swap_value(interleaver: Any, onto: Callable[[Any], Any], raw: Any) -> Any:
+    """What to swap in: a `Rebase` where the run's batcher lands one, else ``onto(raw)``."""
+    return Rebase(onto) if isinstance(getattr(interleaver, "batcher", None), MoeBatcher) else onto(raw)
 
 
 class OpenReads:
@@ -261,20 +295,27 @@ class OpenReads:
     early, so every view read there is checked and handed back when the worker moves on.
 
     Attributes:
-        raw: What the model goes on with where no view was edited.
-        views: Descriptor -> (its view, the fetch it came from, ``apply``: ``raw`` with that view's
-            edits, checked).
+        raw: What the model held when these values were read.
+        interleaver: The run's interleaver.
+        views: Descriptor -> (its view, the fetch it came from, ``check``: whether the view was
+            edited, the edit checked; ``apply``: a value with the view's edits, given it was edited).
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, interleaver: Any) -> None:
         self.raw = raw
-        self.views: dict[served, tuple[torch.Tensor, Fetched, Callable[[Any], Any]]] = {}
+        self.interleaver = interleaver
+        self.views: dict[served, tuple[torch.Tensor, Fetched, Callable[[], bool], Callable[[Any, bool], Any]]] = {}
 
     def __call__(self) -> Any:
-        raw = self.raw
-        for _, _, apply in self.views.values():
-            raw = apply(raw)
-        return raw
+        """The write-back, as the worker moves on: the views' edits checked now, spliced in when it lands."""
+        edited = [(apply, check()) for _, _, check, apply in self.views.values()]
+
+        def onto(current: Any) -> Any:
+            for apply, changed in edited:
+                current = apply(current, changed)
+            return current
+
+        return swap_value(self.interleaver, onto, self.raw)
 
     def hold(self, mediator: Mediator, descriptor: served, location: str) -> None:
         """Leave these reads as the worker's write-back, listed under ``descriptor``'s view."""
@@ -316,25 +357,28 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     # `.grad` in a `with loss.backward():` block) sees the gradient: a view alone is off the graph.
     on_graph = view.requires_grad and view is not fetched.picked
 
-    def apply(raw: Any) -> Any:
-        """``raw`` with this view's edits (checked); a later edit of a view the model does not hold is lost
-        (`HandedBack`)."""
+    def check() -> bool:
+        """Whether the view was edited (in place), the edit checked."""
         edited = view._version != version
         if edited:
             check_write(component, name, binding, view, view.shape)
             check_not_recomputed(component, name)
-        if not on_graph and (not edited or binding.to_view is None and _aliases(view, fetched.picked)):
-            result, model_holds = raw, fetched.picked
+        return edited
+
+    def apply(raw: Any, edited: bool) -> Any:
+        """``raw`` with this view's edits; a later edit of a view the model does not hold is lost (`HandedBack`)."""
+        held = binding.pick(raw) is fetched.picked  # no other invoke's write landed here since the read
+        if not on_graph and (not edited or binding.to_view is None and held and _aliases(view, fetched.picked)):
+            result = raw
         else:
             result = replaced(binding, fetched, view, name, raw)
-            model_holds = binding.pick(result)
         handed_back = RUNS.get(component.interleaver)
         if handed_back is not None:
-            handed_back.note(view, f"{component.path}.{name}", private=not _aliases(view, model_holds))
+            handed_back.note(view, f"{component.path}.{name}", private=not _aliases(view, binding.pick(result)))
         return result
 
-    reads = reads or OpenReads(fetched.raw)
-    reads.views[descriptor] = (view, fetched, apply)
+    reads = reads or OpenReads(fetched.raw, component.interleaver)
+    reads.views[descriptor] = (view, fetched, check, apply)
     reads.hold(mediator, descriptor, location)
     return view
 
@@ -402,10 +446,9 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
         old = earlier[0] if earlier is not None and earlier[0].requires_grad else current
         value = _KeepInGraph.apply(value, old)
-    written = replaced(binding, fetched, value, name, reads() if reads is not None else None)
-    Mediator.swap(location, written)
-    if reads is not None and reads.views:
-        reads.raw = written
+    Mediator.swap(location, swap_value(component.interleaver, lambda raw: replaced(binding, fetched, value, name, raw),
+                                       fetched.raw))
+    if reads is not None and reads.views:  # the other values read here stay open; their edits land on the write
         reads.hold(mediator, next(reversed(reads.views)), location)
 
 
