@@ -262,7 +262,8 @@ def replaced(binding: Binding, fetched: Fetched, new: torch.Tensor, name: str, r
 
 
 class Rebase(NamedTuple):
-    """A swap built when it lands, on what the model holds then (`MoeBatcher.widen`): ``onto(current)``.
+    """A swap built when it lands, on what the model holds then (`MoeBatcher.widen`): ``onto(current)``;
+    none at all where it ``changes`` nothing (a write-back of views neither edited nor on the graph).
 
     Every invoke is served the whole flat ``[T, ...]`` tensors of a visit (nnsight cannot cut them by
     invoke), so a swap hands back the whole tensor. Built on what its invoke read, it would undo a
@@ -271,6 +272,7 @@ class Rebase(NamedTuple):
     """
 
     onto: Callable[[Any], Any]
+    changes: bool = True
 
 
 class MoeBatcher(Batcher):
@@ -278,13 +280,34 @@ class MoeBatcher(Batcher):
 
     def widen(self, full: Any, group: Any, edited: Any) -> Any:
         if isinstance(edited, Rebase):
+            if not edited.changes:
+                return full
             edited = edited.onto(self.narrow(full, group))  # this invoke's part of the value as it is now
         return super().widen(full, group, edited)
 
 
-def swap_value(interleaver: Any, onto: Callable[[Any], Any], raw: Any) -> Any:
+def swap_value(interleaver: Any, onto: Callable[[Any], Any], raw: Any, changes: bool = True) -> Any:
     """What to swap in: a `Rebase` where the run's batcher lands one, else ``onto(raw)``."""
-    return Rebase(onto) if isinstance(getattr(interleaver, "batcher", None), MoeBatcher) else onto(raw)
+    if isinstance(getattr(interleaver, "batcher", None), MoeBatcher):
+        return Rebase(onto, changes)
+    return onto(raw)
+
+
+class OpenView(NamedTuple):
+    """A value read at a visit and still open (`OpenReads`)."""
+
+    view: torch.Tensor
+    fetched: Fetched
+    #: Whether the view was edited (in place), the edit checked.
+    check: Callable[[], bool]
+    #: ``apply(raw, edited)``: ``raw`` with the view's edits.
+    apply: Callable[[Any, bool], Any]
+    #: The model must go on from the view itself (autograd), edited or not.
+    on_graph: bool
+    #: A copy only the user holds (`HandedBack`), as long as the model goes on with what it holds.
+    private: bool
+    #: ``model.layers.0.mlp.expert_weights``, for `HandedBack`.
+    where: str
 
 
 class OpenReads:
@@ -297,22 +320,27 @@ class OpenReads:
     Attributes:
         raw: What the model held when these values were read.
         interleaver: The run's interleaver.
-        views: Descriptor -> (its view, the fetch it came from, ``check``: whether the view was
-            edited, the edit checked; ``apply``: a value with the view's edits, given it was edited).
+        views: Descriptor -> its `OpenView`.
     """
 
     def __init__(self, raw: Any, interleaver: Any) -> None:
         self.raw = raw
         self.interleaver = interleaver
-        self.views: dict[served, tuple[torch.Tensor, Fetched, Callable[[], bool], Callable[[Any, bool], Any]]] = {}
+        self.views: dict[served, OpenView] = {}
 
     def __call__(self) -> Any:
         """The write-back, as the worker moves on: the views' edits checked now, spliced in when it lands."""
-        edited = [(apply, check()) for _, _, check, apply in self.views.values()]
+        edited = [(opened, opened.check()) for opened in self.views.values()]
+        if not any(changed or opened.on_graph for opened, changed in edited):  # the model goes on as it is
+            handed_back = RUNS.get(self.interleaver)
+            for opened, _ in edited:
+                if handed_back is not None and opened.private:
+                    handed_back.note(opened.view, opened.where, private=True)
+            return swap_value(self.interleaver, lambda current: current, self.raw, changes=False)
 
         def onto(current: Any) -> Any:
-            for apply, changed in edited:
-                current = apply(current, changed)
+            for opened, changed in edited:
+                current = opened.apply(current, changed)
             return current
 
         return swap_value(self.interleaver, onto, self.raw)
@@ -374,11 +402,12 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
             result = replaced(binding, fetched, view, name, raw)
         handed_back = RUNS.get(component.interleaver)
         if handed_back is not None:
-            handed_back.note(view, f"{component.path}.{name}", private=not _aliases(view, binding.pick(result)))
+            handed_back.note(view, where, private=not _aliases(view, binding.pick(result)))
         return result
 
     reads = reads or OpenReads(fetched.raw, component.interleaver)
-    reads.views[descriptor] = (view, fetched, check, apply)
+    where = f"{component.path}.{name}"
+    reads.views[descriptor] = OpenView(view, fetched, check, apply, on_graph, not _aliases(view, fetched.picked), where)
     reads.hold(mediator, descriptor, location)
     return view
 
