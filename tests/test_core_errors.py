@@ -183,6 +183,11 @@ def test_activations_after_a_raw_op_past_the_sort_name_the_sort(mixtral):
         activations = wrapped.moes[0].expert_activations.save()
         up = wrapped.moes[0].experts.source.experts_forward_1.source._grouped_linear_1.input.save()
     assert activations.numel() == up.numel()
+    with pytest.raises(OrderError, match=r"a write of expert_activations itself in this invoke.*keep the value you "
+                                         r"write, it is what the model uses"):  # it blamed reads that never were
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].expert_activations = torch.zeros_like(activations)
+            wrapped.moes[0].expert_activations.save()
 
 
 def test_value_errors_are_never_attribute_errors(mixtral):

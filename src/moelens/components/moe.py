@@ -483,8 +483,9 @@ class Moe(Mlp):
                 f"{self.path}.{name} is put into token-slot order with the sort permutation of the "
                 f"{implementation} experts implementation ({ops.sort}, which runs before the "
                 f"activations), and the model had run past that op when {name} was asked for (after an op of the "
-                f"implementation read directly, a later value of this block, or a tracer.barrier this invoke waited "
-                f"at while another invoke's reads moved the model on): read {name} first (before the barrier)."
+                f"implementation read directly, a later value of this block, a write of {name} itself in this "
+                f"invoke, or a tracer.barrier this invoke waited at while another invoke's reads moved the model "
+                f"on): read {name} first (before the barrier; keep the value you write, it is what the model uses)."
             )
 
         def prepare_sorted() -> Tensor:
