@@ -67,3 +67,29 @@ def test_a_mamba_mixer_is_not_served_as_a_dense_mlp():
     handle.remove()
     assert activation.shape[-1] == down.in_features
     torch.testing.assert_close(activation, seen["x"].reshape(activation.shape))
+
+
+@pytest.mark.parametrize("mode", ["autograd", "inference_mode"])
+def test_an_edit_reaches_the_model_through_an_alias_read_after_it(mode):
+    """mlp_neurons read after mlp_activation was edited in place made a second copy of the model's tensor (autograd
+    on) whose write-back undid the edit (the output was the unedited one) or showed stale values (inference_mode)."""
+    with pytest.warns(UserWarning, match="found no MoE block"):
+        wrapped = moelens.wrap(llama())
+    mlp = wrapped.layers[1].mlp
+    down = wrapped._module.model.layers[1].mlp.down_proj
+    context = torch.inference_mode() if mode == "inference_mode" else torch.enable_grad()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with context:
+        with wrapped.trace(ids):
+            activation = mlp.mlp_activation
+            activation[:, 1] = 0.5
+            neurons = mlp.mlp_neurons.save()
+            output = mlp.mlp_output.save()
+        with wrapped.trace(ids):  # a write through the alias after a read of the other name
+            mlp.mlp_activation.save()
+            mlp.mlp_neurons = torch.ones(1, 4, 48)
+            written = mlp.mlp_output.save()
+    assert (neurons[:, 1] == 0.5).all() and not (neurons[:, 0] == 0.5).all()
+    with torch.no_grad():
+        torch.testing.assert_close(output.detach(), down(neurons.detach()))
+        torch.testing.assert_close(written.detach(), down(torch.ones(1, 4, 48)))

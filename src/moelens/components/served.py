@@ -298,6 +298,7 @@ class OpenView(NamedTuple):
 
     view: torch.Tensor
     fetched: Fetched
+    binding: Binding
     #: Whether the view was edited (in place), the edit checked.
     check: Callable[[], bool]
     #: ``apply(raw, edited)``: ``raw`` with the view's edits.
@@ -328,9 +329,20 @@ class OpenReads:
         self.interleaver = interleaver
         self.views: dict[served, OpenView] = {}
 
+    def of_tensor(self, fetched: Fetched, binding: Binding) -> list[served]:
+        """The values open here that are views of the very tensor ``fetched`` is (another name for it: an
+        alias such as ``mlp_neurons``, or two values a family serves from one tensor): one view serves them all,
+        or a second copy would hand back the first one's edits undone."""
+        return [
+            descriptor for descriptor, opened in self.views.items()
+            if opened.fetched.picked is fetched.picked and opened.binding.to_view is None and binding.to_view is None
+            and opened.view.shape == fetched.view.shape
+        ]
+
     def __call__(self) -> Any:
         """The write-back, as the worker moves on: the views' edits checked now, spliced in when it lands."""
-        edited = [(opened, opened.check()) for opened in self.views.values()]
+        unique = {id(opened): opened for opened in self.views.values()}.values()  # an alias shares its view
+        edited = [(opened, opened.check()) for opened in unique]
         if not any(changed or opened.on_graph for opened, changed in edited):  # the model goes on as it is
             handed_back = RUNS.get(self.interleaver)
             for opened, _ in edited:
@@ -370,6 +382,11 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
             return reads.views[descriptor][0]
         mediator.transform = None  # keep them open past this read's request
     fetched = fetch(component, name, binding)
+    shared = reads.of_tensor(fetched, binding) if reads is not None else []
+    if shared:  # another name for a value read here: its view
+        reads.views[descriptor] = reads.views[shared[0]]
+        reads.hold(mediator, descriptor, location)
+        return reads.views[descriptor].view
     view = fetched.view
     if torch.is_grad_enabled() and binding.to_view is None:
         # Autograd may keep the model's tensor for its backward (top-k indices, softmax weights):
@@ -407,7 +424,8 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
 
     reads = reads or OpenReads(fetched.raw, component.interleaver)
     where = f"{component.path}.{name}"
-    reads.views[descriptor] = OpenView(view, fetched, check, apply, on_graph, not _aliases(view, fetched.picked), where)
+    reads.views[descriptor] = OpenView(view, fetched, binding, check, apply, on_graph, not _aliases(view, fetched.picked),
+                                       where)
     reads.hold(mediator, descriptor, location)
     return view
 
@@ -461,7 +479,9 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     if reads is not None:
         mediator.transform = None  # this write supersedes a view of this value; other views stay open
         earlier = reads.views.pop(descriptor, None)
-    fetched = fetch(component, name, binding, prepared=earlier[1] if earlier is not None else None)
+    fetched = fetch(component, name, binding, prepared=earlier.fetched if earlier is not None else None)
+    for alias in reads.of_tensor(fetched, binding) if reads is not None else []:  # the write supersedes them too
+        earlier = reads.views.pop(alias)
     current = fetched.view
     if not isinstance(value, torch.Tensor):
         numbers_as = current.dtype if binding.kind == FLOAT and isinstance(value, (int, float)) else None
@@ -473,7 +493,7 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     check_write(component, name, binding, value, current.shape)
     check_not_recomputed(component, name)
     if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
-        old = earlier[0] if earlier is not None and earlier[0].requires_grad else current
+        old = earlier.view if earlier is not None and earlier.view.requires_grad else current
         value = _KeepInGraph.apply(value, old)
     Mediator.swap(location, swap_value(component.interleaver, lambda raw: replaced(binding, fetched, value, name, raw),
                                        fetched.raw))
