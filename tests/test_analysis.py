@@ -500,6 +500,18 @@ def test_plots_are_images(qwen, tmp_path):
         assert path.stat().st_size > 5000, name
 
 
+def test_describe_lists_the_layers_that_hold_a_dense_mlp():
+    """It listed every layer that is not an MoE layer: nemotron_h's Mamba and attention layers (no MLP)
+    as dense, and a mixed model's dense layers right only by chance."""
+    from moelens.components import Mlp
+
+    for hf in (tiny_model("nemotron_h", layers_block_type=["mamba", "moe", "attention", "moe"]), tiny_model("deepseek_v3")):
+        wrapped = moelens.wrap(hf)
+        expected = [index for index, layer in enumerate(wrapped.layers) if type(getattr(layer, "mlp", None)) is Mlp]
+        assert analysis.describe(wrapped, probe=False).dense_layers == expected
+    assert expected == [0]  # deepseek_v3's first_k_dense_replace
+
+
 def test_hash_routed_layers_are_described_and_scored_per_block():
     """deepseek_v4 routes its first layers by a token table: describe and the cache say so per block."""
     hf = tiny_model("deepseek_v4")

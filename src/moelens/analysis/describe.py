@@ -14,6 +14,7 @@ from typing import Any
 import nnsight
 import torch
 
+from ..components.base import layer_of
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from ..families.unserved import why_no_moe
@@ -65,7 +66,7 @@ class ModelReport:
             layers when blocks differ, e.g. deepseek_v4's hash-routed first layers).
         score: The score function name (what ``router_probs`` applies), likewise.
         shared: How the shared expert is wired (or ``"none"``).
-        dense_layers: Decoder layers with a dense MLP.
+        dense_layers: Decoder layers with a dense MLP (an `Mlp` component), whatever else they hold.
         moe_layers: One `LayerReport` per MoE block.
         notes: The family entry's notes.
     """
@@ -204,8 +205,9 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
             shared_text += " - absent in this checkpoint"
     decoder_layers = getattr(model, "layers", None)
     num_layers = len(decoder_layers) if decoder_layers is not None else int(getattr(config, "num_hidden_layers", 0) or 0)
-    moe_indices = {moe.layer for moe in moes}
-    dense = [index for index in range(num_layers) if index not in moe_indices]
+    structure = getattr(model, "_structure", None)
+    dense_blocks = structure.dense_blocks if structure is not None else []
+    dense = sorted({layer for layer in map(layer_of, dense_blocks) if layer is not None})
     scorings = [(moe.layer, *scoring_of(moe)) for moe in moes]
     return ModelReport(
         name=str(getattr(module, "name_or_path", "") or type(module).__name__),
