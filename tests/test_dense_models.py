@@ -93,3 +93,50 @@ def test_an_edit_reaches_the_model_through_an_alias_read_after_it(mode):
     with torch.no_grad():
         torch.testing.assert_close(output.detach(), down(neurons.detach()))
         torch.testing.assert_close(written.detach(), down(torch.ones(1, 4, 48)))
+
+
+def test_dense_blocks_of_other_shapes_serve_what_they_add():
+    """bloom's MLP adds the residual stream itself: mlp_output held it too (zeroing it wiped the stream);
+    gpt-j's fc_in / fc_out MLPs were not found, nor model.layers of a dense vision-language model."""
+    from transformers import BloomConfig, BloomForCausalLM, GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4)).eval()
+    gptj = GPTJForCausalLM(GPTJConfig(vocab_size=100, n_embd=32, n_layer=2, n_head=4, rotary_dim=4)).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for hf, down in ((bloom, "dense_4h_to_h"), (gptj, "fc_out")):
+        with pytest.warns(UserWarning, match=r"its 2 dense MLPs \(at layers\[i\].mlp\)"):
+            wrapped = moelens.wrap(hf)
+        mlp = wrapped.layers[1].mlp
+        projection = getattr(mlp._module, down)
+        with torch.no_grad(), wrapped.trace(ids):
+            activation = mlp.mlp_activation.save()
+            output = mlp.mlp_output.save()
+        torch.testing.assert_close(output, projection(activation).detach())
+        with torch.no_grad(), wrapped.trace(ids):
+            mlp.mlp_output[:] = 0
+            zeroed = wrapped.output.logits.save()
+        hook = projection.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
+        try:
+            with torch.no_grad():
+                expected = hf(ids).logits
+        finally:
+            hook.remove()
+        torch.testing.assert_close(zeroed, expected)
+
+
+def test_a_dense_vision_language_model_names_its_language_models_layers():
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=16, patch_size=8),
+        text_config=llama().config.to_dict(),
+    )
+    hf = LlavaForConditionalGeneration(config).eval()
+    with pytest.warns(UserWarning, match=r"in model.vision_tower.encoder.layers, model.language_model.layers; "
+                                         r"layers is model.language_model.layers"):
+        wrapped = moelens.wrap(hf)
+    assert wrapped.layers[0].mlp is wrapped.model.language_model.layers[0].mlp
+    assert isinstance(wrapped.layers[0].mlp, Mlp)

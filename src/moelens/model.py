@@ -276,10 +276,15 @@ def discover(model: torch.nn.Module) -> Structure:
             if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
                 structure.dense_blocks.append(name)
     if not structure.moe_blocks and not unknown and not idle and not unserved:
+        layers = _decoder_layers(model, structure.layer_lists)
+        where = (f"at layers[i].{attribute}" if layers is not None and len(structure.layer_lists) == 1 else
+                 f"in {', '.join(structure.layer_lists)}" + (f"; layers is {layers}" if layers else ""))
+        found = (f"its {len(structure.dense_blocks)} dense MLPs ({where}) are Mlp components serving mlp_output and "
+                 "mlp_activation" if structure.dense_blocks else
+                 f"no dense MLP was found either (a module at layers[i].{attribute} with up and down projections)")
         warnings.warn(
             "moelens found no MoE block in this model (no module of a registered family's block class holding "
-            f"an experts module): model.moes is [], and its {len(structure.dense_blocks)} dense MLPs (at "
-            f"layers[i].{attribute}) are Mlp components serving mlp_output and mlp_activation.",
+            f"an experts module): model.moes is [], and {found}.",
             stacklevel=3,
         )
     return structure
@@ -562,6 +567,20 @@ def _expert_parallel_envoy(model: torch.nn.Module) -> type[Moe]:
     return keep_dispatch_forwards(model)
 
 
+def _decoder_layers(model: torch.nn.Module, layer_lists: list[str]) -> str | None:
+    """The layer list ``model.layers`` names: the one list, or of several (a vision tower's and a language
+    model's dense MLPs) the one inside the model's text decoder (``get_decoder()``); None otherwise."""
+    if len(layer_lists) <= 1:
+        return layer_lists[0] if layer_lists else None
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    where = next((name for name, module in model.named_modules() if module is decoder), None)
+    inside = [name for name in layer_lists if where is not None and name.startswith(f"{where}.")]
+    return inside[0] if len(inside) == 1 else None
+
+
 def _bind(host: Any, alias: str, native: str) -> None:
     """Alias ``host.<native>`` as ``host.<alias>`` unless the name is taken."""
     if alias in host.__dict__ or hasattr(host._module, alias):
@@ -572,8 +591,9 @@ def _bind(host: Any, alias: str, native: str) -> None:
 
 def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
-    if len(structure.layer_lists) == 1 and structure.layer_lists[0] != "layers":
-        _bind(wrapped, "layers", structure.layer_lists[0])
+    layers = _decoder_layers(wrapped._module, structure.layer_lists)
+    if layers is not None and layers != "layers":
+        _bind(wrapped, "layers", layers)
     if structure.block_attr in ("", "mlp"):
         return
     for name in structure.moe_blocks + structure.dense_blocks:

@@ -8,6 +8,7 @@ here with the reason (this block runs no mixture) instead of an AttributeError.
 
 from __future__ import annotations
 
+import inspect
 from functools import cached_property
 from typing import Any
 
@@ -20,12 +21,12 @@ from .base import Component
 from .served import Binding, argument, output_of, served
 
 #: Child names of the down projection in dense MLPs, tried in order.
-DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "output_linear", "dense_4h_to_h", "wo", "out_proj")
+DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "output_linear", "dense_4h_to_h", "wo", "out_proj", "fc_out")
 
 #: Child names of the up (or gate) projection in dense MLPs. A module with a down projection
 #: (`DOWN_PROJECTIONS`) but none of these is no MLP: an SSM mixer's ``in_proj`` / ``out_proj``.
 UP_PROJECTIONS = ("up_proj", "gate_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3", "input_linear",
-                  "dense_h_to_4h", "wi", "wi_0", "wi_1")
+                  "dense_h_to_4h", "wi", "wi_0", "wi_1", "fc_in")
 
 #: Moe values a dense block cannot serve.
 MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output") + ("selection_scores",)
@@ -36,7 +37,8 @@ class Mlp(Component):
 
     @served
     def mlp_output(self, value: Any) -> Float[Tensor, "b s h"]:
-        """What the block adds to the residual stream, [batch, seq, hidden]: the block's output. Writing it replaces that."""
+        """What the block adds to the residual stream, [batch, seq, hidden]: the block's output (its down
+        projection's, for a block that adds the residual itself, such as bloom's). Writing it replaces that."""
 
     @served
     def mlp_activation(self, value: Any) -> Float[Tensor, "b s i"]:
@@ -64,9 +66,19 @@ class Mlp(Component):
     def _order(self) -> tuple[str, ...]:
         return ("mlp_activation", "mlp_output")
 
+    @cached_property
+    def _adds_the_residual(self) -> bool:
+        """The block's forward takes the residual stream and returns it with its own part added (bloom)."""
+        try:
+            return "residual" in inspect.signature(self._module.forward).parameters
+        except (TypeError, ValueError):
+            return False
+
     def _binding(self, name: str) -> Binding:
         if name == "mlp_output":
             pick, put = output_of(None)
+            if self._adds_the_residual and self.down_projection is not None:  # its part: the down projection's
+                return Binding(f"{self.path}.{self.down_projection}.output", features=1, pick=pick, put=put)
             return Binding(f"{self.path}.output", features=1, pick=pick, put=put)
         if name in ("mlp_activation", "mlp_neurons"):
             if self.down_projection is None:
