@@ -85,13 +85,22 @@ def test_an_edit_reaches_the_model_through_an_alias_read_after_it(mode):
             activation[:, 1] = 0.5
             neurons = mlp.mlp_neurons.save()
             output = mlp.mlp_output.save()
+        with wrapped.trace() as tracer:  # several invokes: each request is served a fresh slice of the batch
+            with tracer.invoke(ids):
+                mlp.mlp_activation[:, 1] = 0.5
+                batched = mlp.mlp_neurons.save()
+                batched_output = mlp.mlp_output.save()
+            with tracer.invoke(ids):
+                pass
         with wrapped.trace(ids):  # a write through the alias after a read of the other name
             mlp.mlp_activation.save()
             mlp.mlp_neurons = torch.ones(1, 4, 48)
             written = mlp.mlp_output.save()
     assert (neurons[:, 1] == 0.5).all() and not (neurons[:, 0] == 0.5).all()
+    torch.testing.assert_close(batched, neurons)
     with torch.no_grad():
         torch.testing.assert_close(output.detach(), down(neurons.detach()))
+        torch.testing.assert_close(batched_output.detach(), output.detach())
         torch.testing.assert_close(written.detach(), down(torch.ones(1, 4, 48)))
 
 
@@ -123,6 +132,14 @@ def test_dense_blocks_of_other_shapes_serve_what_they_add():
         finally:
             hook.remove()
         torch.testing.assert_close(zeroed, expected)
+    bloom.config.pretraining_tp, bloom.config.slow_but_exact = 2, True  # its projection in slices, never called
+    for block in bloom.transformer.h:
+        block.mlp.pretraining_tp, block.mlp.slow_but_exact = 2, True
+    with pytest.warns(UserWarning, match="found no MoE block"):
+        wrapped = moelens.wrap(bloom)
+    with pytest.raises(moelens.ValueUnavailable, match=r"runs its down projection as slices of its weight"):
+        with wrapped.trace(ids):
+            wrapped.layers[0].mlp.mlp_output.save()
 
 
 def test_a_dense_vision_language_model_names_its_language_models_layers():

@@ -276,9 +276,10 @@ def discover(model: torch.nn.Module) -> Structure:
             if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
                 structure.dense_blocks.append(name)
     if not structure.moe_blocks and not unknown and not idle and not unserved:
-        layers = _decoder_layers(model, structure.layer_lists)
-        where = (f"at layers[i].{attribute}" if layers is not None and len(structure.layer_lists) == 1 else
-                 f"in {', '.join(structure.layer_lists)}" + (f"; layers is {layers}" if layers else ""))
+        layers = _decoder_layers(model, structure.layer_lists, dense=True)
+        where = (f"at layers[i].{attribute}" if layers is not None and structure.layer_lists == [layers] else
+                 f"in {', '.join(structure.layer_lists)}; " + (f"layers is {layers}" if layers else
+                                                              "no list of them is the text decoder's layers"))
         found = (f"its {len(structure.dense_blocks)} dense MLPs ({where}) are Mlp components serving mlp_output and "
                  "mlp_activation" if structure.dense_blocks else
                  f"no dense MLP was found either (a module at layers[i].{attribute} with up and down projections)")
@@ -567,17 +568,18 @@ def _expert_parallel_envoy(model: torch.nn.Module) -> type[Moe]:
     return keep_dispatch_forwards(model)
 
 
-def _decoder_layers(model: torch.nn.Module, layer_lists: list[str]) -> str | None:
-    """The layer list ``model.layers`` names: the one list, or of several (a vision tower's and a language
-    model's dense MLPs) the one inside the model's text decoder (``get_decoder()``); None otherwise."""
-    if len(layer_lists) <= 1:
-        return layer_lists[0] if layer_lists else None
+def _decoder_layers(model: torch.nn.Module, layer_lists: list[str], dense: bool = False) -> str | None:
+    """The layer list ``model.layers`` names: the list of the MoE blocks (when one holds them all); of a
+    ``dense`` model's lists (a vision tower's and a language model's MLPs), the one inside its text decoder
+    (``get_decoder()``), where it has one that is not the model itself; None otherwise."""
     try:
-        decoder = model.get_decoder()
+        decoder = model.get_decoder() if dense else None
     except (AttributeError, NotImplementedError, ValueError):
-        return None
-    where = next((name for name, module in model.named_modules() if module is decoder), None)
-    inside = [name for name in layer_lists if where is not None and name.startswith(f"{where}.")]
+        decoder = None
+    where = next((name for name, module in model.named_modules() if module is decoder), None) if decoder else None
+    if not where:
+        return layer_lists[0] if len(layer_lists) == 1 else None
+    inside = [name for name in layer_lists if name.startswith(f"{where}.")]
     return inside[0] if len(inside) == 1 else None
 
 
@@ -591,7 +593,7 @@ def _bind(host: Any, alias: str, native: str) -> None:
 
 def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
-    layers = _decoder_layers(wrapped._module, structure.layer_lists)
+    layers = _decoder_layers(wrapped._module, structure.layer_lists, dense=not structure.moe_blocks)
     if layers is not None and layers != "layers":
         _bind(wrapped, "layers", layers)
     if structure.block_attr in ("", "mlp"):

@@ -75,6 +75,14 @@ class Mlp(Component):
             return False
 
     def _binding(self, name: str) -> Binding:
+        sliced = getattr(self._module, "slow_but_exact", False) and getattr(self._module, "pretraining_tp", 1) > 1
+        if sliced and (name != "mlp_output" or self._adds_the_residual):
+            raise self.unavailable(  # bloom's exact tensor-parallel emulation: F.linear on slices of the weight
+                name,
+                f"{type(self._module).__name__} (pretraining_tp > 1, slow_but_exact) runs its down projection as "
+                "slices of its weight, never calling the module, and adds the residual stream itself",
+                "set slow_but_exact=False on the model's config (the same maths in one call) to read it.",
+            )
         if name == "mlp_output":
             pick, put = output_of(None)
             if self._adds_the_residual and self.down_projection is not None:  # its part: the down projection's

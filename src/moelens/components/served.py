@@ -256,9 +256,16 @@ def replaced(binding: Binding, fetched: Fetched, new: torch.Tensor, name: str, r
     """
     raw = fetched.raw if raw is None else raw
     picked = binding.pick(raw)
-    current = fetched.token_major if picked is fetched.picked else binding.token_major(picked, fetched.context)
+    current = fetched.token_major if _same_tensor(picked, fetched.picked) else binding.token_major(picked, fetched.context)
     whole = tokens.splice(current, new, binding.features, fetched.rows, name)
     return binding.put(raw, binding.model_layout(whole, fetched.context))
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same tensor: the same object, or the same memory seen alike (nnsight
+    hands each request of a batched value a fresh slice of it when a trace has several invokes)."""
+    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+                      and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 class Rebase(NamedTuple):
@@ -335,8 +342,8 @@ class OpenReads:
         or a second copy would hand back the first one's edits undone."""
         return [
             descriptor for descriptor, opened in self.views.items()
-            if opened.fetched.picked is fetched.picked and opened.binding.to_view is None and binding.to_view is None
-            and opened.view.shape == fetched.view.shape
+            if _same_tensor(opened.fetched.picked, fetched.picked) and opened.binding.to_view is None
+            and binding.to_view is None and opened.view.shape == fetched.view.shape
         ]
 
     def __call__(self) -> Any:
@@ -412,7 +419,7 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
 
     def apply(raw: Any, edited: bool) -> Any:
         """``raw`` with this view's edits; a later edit of a view the model does not hold is lost (`HandedBack`)."""
-        held = binding.pick(raw) is fetched.picked  # no other invoke's write landed here since the read
+        held = _same_tensor(binding.pick(raw), fetched.picked)  # no other invoke's write landed here since the read
         if not on_graph and (not edited or binding.to_view is None and held and _aliases(view, fetched.picked)):
             result = raw
         else:
