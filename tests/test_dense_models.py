@@ -137,9 +137,15 @@ def test_dense_blocks_of_other_shapes_serve_what_they_add():
         block.mlp.pretraining_tp, block.mlp.slow_but_exact = 2, True
     with pytest.warns(UserWarning, match="found no MoE block"):
         wrapped = moelens.wrap(bloom)
-    with pytest.raises(moelens.ValueUnavailable, match=r"runs its down projection as slices of its weight"):
+    with pytest.raises(moelens.ValueUnavailable, match=r"runs its down projection as slices of its weight.*on each "
+                                                        r"block's MLP"):
         with wrapped.trace(ids):
             wrapped.layers[0].mlp.mlp_output.save()
+    for block in bloom.transformer.h:  # what the refusal says to do
+        block.mlp.slow_but_exact = False
+    with torch.no_grad(), wrapped.trace(ids):
+        output = wrapped.layers[0].mlp.mlp_output.save()
+    assert output.shape == (1, 4, 32)
 
 
 def test_a_dense_vision_language_model_names_its_language_models_layers():

@@ -81,7 +81,8 @@ class Mlp(Component):
                 name,
                 f"{type(self._module).__name__} (pretraining_tp > 1, slow_but_exact) runs its down projection as "
                 "slices of its weight, never calling the module, and adds the residual stream itself",
-                "set slow_but_exact=False on the model's config (the same maths in one call) to read it.",
+                "set slow_but_exact = False on each block's MLP (the same maths in one call: for block in "
+                "model.transformer.h: block.mlp.slow_but_exact = False), or load with slow_but_exact=False.",
             )
         if name == "mlp_output":
             pick, put = output_of(None)

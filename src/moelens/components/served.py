@@ -352,8 +352,8 @@ class OpenReads:
         edited = [(opened, opened.check()) for opened in unique]
         if not any(changed or opened.on_graph for opened, changed in edited):  # the model goes on as it is
             handed_back = RUNS.get(self.interleaver)
-            for opened, _ in edited:
-                if handed_back is not None and opened.private:
+            for opened, _ in edited if handed_back is not None else ():
+                if opened.private:
                     handed_back.note(opened.view, opened.where, private=True)
             return swap_value(self.interleaver, lambda current: current, self.raw, changes=False)
 
@@ -366,7 +366,7 @@ class OpenReads:
 
     def hold(self, mediator: Mediator, descriptor: served, location: str) -> None:
         """Leave these reads as the worker's write-back, listed under ``descriptor``'s view."""
-        view = self.views[descriptor][0]
+        view = self.views[descriptor].view
         mediator.transform = WriteBack(self, view, descriptor, location, mediator.wanted(location))
 
 
@@ -386,7 +386,7 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
     reads = _open_reads(mediator, location)
     if reads is not None:
         if descriptor in reads.views:  # read again: the same view, so an edit to either goes back
-            return reads.views[descriptor][0]
+            return reads.views[descriptor].view
         mediator.transform = None  # keep them open past this read's request
     fetched = fetch(component, name, binding)
     shared = reads.of_tensor(fetched, binding) if reads is not None else []
