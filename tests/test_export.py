@@ -204,7 +204,12 @@ def test_compressor_output_exports(out):
         close(run(report.path, ids), converted(input_ids=ids, attention_mask=torch.ones_like(ids)).logits)
 
 
-def test_the_exported_output_of_each_kind_of_model_output():
+class ReturnsADict(torch.nn.Module):
+    def forward(self, input_ids):
+        return {"scores": self.embed(input_ids)}
+
+
+def test_the_exported_output_of_each_kind_of_model_output(tmp_path):
     from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
     from moelens.export.exporter import output_tensor
@@ -215,6 +220,16 @@ def test_the_exported_output_of_each_kind_of_model_output():
         assert output_tensor(output) is expected
     with pytest.raises(ExportError, match=r"the model returned dict, which holds no logits to export"):
         output_tensor({"scores": logits})
+    from custom_models import custom_family, custom_model
+
+    model = custom_model()
+    model.__class__ = ReturnsADict
+    moelens.families.register(custom_family())
+    try:  # refused as such, not as a forward that failed
+        with pytest.raises(ExportError, match=r"^the model returned dict, which holds no logits"):
+            to_nnef(moelens.wrap(model), Path(tmp_path) / "dict.nnef.tgz")
+    finally:
+        moelens.families.unregister("custom")
 
 
 class TakesAMask(torch.nn.Module):

@@ -428,6 +428,8 @@ def _run_once(root: torch.nn.Module, inputs: torch.Tensor, target: Target) -> No
     try:
         with torch.no_grad():
             root(inputs)
+    except ExportError:  # moelens' own refusal of what the forward returned: as it says
+        raise
     except Exception as error:
         raise ExportError(
             f"this {target.kind}'s forward failed in torch on the example inputs of shape {tuple(inputs.shape)} "
