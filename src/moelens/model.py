@@ -47,6 +47,7 @@ class Structure:
         moe_blocks: Module names of the MoE blocks, in module order.
         dense_blocks: Module names of the dense MLPs of the same decoder stacks.
         layer_lists: Module names of the decoder layer lists holding the blocks.
+        layers: The one of them ``model.layers`` names (`_decoder_layers`), or None.
         block_attr: The attribute of a decoder layer that holds its block (dense or MoE; ``""``: the
             layer is the block): the family's ``block_attr``, or where its blocks are found when it
             keeps the default ``"mlp"`` and they sit elsewhere (`_block_attribute`).
@@ -56,6 +57,7 @@ class Structure:
     moe_blocks: list[str] = field(default_factory=list)
     dense_blocks: list[str] = field(default_factory=list)
     layer_lists: list[str] = field(default_factory=list)
+    layers: str | None = None
     block_attr: str = "mlp"
 
 
@@ -275,8 +277,8 @@ def discover(model: torch.nn.Module) -> Structure:
             name = f"{layers}.{index}.{attribute}"
             if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
                 structure.dense_blocks.append(name)
+    structure.layers = layers = _decoder_layers(model, structure.layer_lists, dense=not structure.moe_blocks)
     if not structure.moe_blocks and not unknown and not idle and not unserved:
-        layers = _decoder_layers(model, structure.layer_lists, dense=True)
         where = (f"at layers[i].{attribute}" if layers is not None and structure.layer_lists == [layers] else
                  f"in {', '.join(structure.layer_lists)}; " + (f"layers is {layers}" if layers else
                                                               "no list of them is the text decoder's layers"))
@@ -593,9 +595,8 @@ def _bind(host: Any, alias: str, native: str) -> None:
 
 def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
-    layers = _decoder_layers(wrapped._module, structure.layer_lists, dense=not structure.moe_blocks)
-    if layers is not None and layers != "layers":
-        _bind(wrapped, "layers", layers)
+    if structure.layers is not None and structure.layers != "layers":
+        _bind(wrapped, "layers", structure.layers)
     if structure.block_attr in ("", "mlp"):
         return
     for name in structure.moe_blocks + structure.dense_blocks:
