@@ -100,7 +100,7 @@ def _hf_bytes(model: torch.nn.Module, hidden: torch.Tensor, idx: torch.Tensor, w
     from transformers.distributed import expert_parallel as hf_ep
 
     from moelens.families import registry
-    from moelens.model import discover
+    from moelens.discovery import discover
 
     block = model.get_submodule(discover(model).moe_blocks[0])  # the first MoE block (layer 0 may be dense)
     experts = copy.deepcopy(block.get_submodule(registry.for_block(block).experts))

@@ -560,7 +560,7 @@ def suite_all_families(args: dict) -> dict[str, Callable[[], Any]]:
     from moelens import MoelensError
     from moelens.families import registry
     from moelens.families.entry import get_path
-    from moelens.model import discover
+    from moelens.discovery import discover
     from moelens.parallel import shard_experts
     from moelens.testing import FAMILIES, tiny_inputs
 

@@ -11,7 +11,8 @@ from .components import Mlp, Moe
 from .errors import FamilyError, MoelensError, OrderError, ValueUnavailable, WriteError
 from .families import Family, Scoring, SharedExpert
 from .interventions import ablate, force, reroute, steer
-from .model import load, wrap
+from .loading import load
+from .model import wrap
 
 __all__ = [
     "Family", "FamilyError", "Mlp", "Moe", "MoelensError", "OrderError", "Scoring", "SharedExpert",

@@ -26,3 +26,8 @@ class WriteError(MoelensError, ValueError):
 
 class FamilyError(MoelensError, ValueError):
     """A model or family description moelens cannot use."""
+
+
+def sentence(error: Exception) -> str:
+    """``error``'s message without its final full stop, to go inside a sentence."""
+    return str(error).rstrip().rstrip(".")

@@ -68,7 +68,7 @@ def _shared(family: Family) -> str:
 
 def _tiny_check(family: Family) -> tuple[str, str]:
     """(experts description, refusal reason or "") of the family's tiny model's first MoE block."""
-    from ..model import discover
+    from ..discovery import discover
     from ..testing import FAMILIES, tiny_model
     from .block import check_block
     from .spec import read_spec

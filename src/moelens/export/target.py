@@ -21,7 +21,7 @@ from ..components.base import layer_of
 from ..families import Family, registry
 from ..families.entry import get_path
 from ..families.unserved import why_no_moe
-from ..model import discover
+from ..discovery import discover
 from .errors import ExportError, ExportRefused
 
 

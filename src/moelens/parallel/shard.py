@@ -1,7 +1,7 @@
 """`shard_experts`: keep only this rank's experts in every MoE block and switch to ``torch_a2a``.
 
 Generic over families: the MoE blocks and their experts modules are found the
-way `moelens.wrap` finds them (`moelens.model.discover`, the family table), and
+way `moelens.wrap` finds them (`moelens.discovery.discover`, the family table), and
 every parameter of an experts module whose leading dim is the block's E is
 sliced to this rank's ``[rank*L, (rank+1)*L)``. Routers, shared experts, dense
 layers, attention and embeddings are left whole (data parallel).
@@ -41,7 +41,7 @@ class ShardedExpertsError(MoelensError):
 def _experts_of(model: torch.nn.Module) -> list[tuple[str, Any, torch.nn.Module, torch.nn.Module]]:
     """``(block name, family, block, experts module)`` of every MoE block, in module order."""
     from ..families import registry
-    from ..model import discover
+    from ..discovery import discover
 
     found = []
     for name in discover(model).moe_blocks:

@@ -1,0 +1,293 @@
+"""Where a model's Mixture-of-Experts blocks are: `discover` finds them from the model itself.
+
+A MoE block is a module whose class is a registered family's block and that holds an experts
+module; the dense MLPs of the same decoder stacks and the decoder layer lists come with them
+(`Structure`). `moelens.wrap` makes envoys of what this finds; export, the compressor and
+expert parallelism read it too. Nothing here changes the model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .components.implementations import is_dispatching
+from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
+from .errors import FamilyError, sentence
+from .families import Family, registry
+from .families.entry import get_path
+from .families.unserved import unserved_block
+from .modules import enclosing, is_adapter_layer
+
+
+@dataclass
+class Structure:
+    """Where a model's MoE blocks and dense MLPs are (module names, no envoys).
+
+    Attributes:
+        family: The family of its MoE blocks, or the family its config names, or None.
+        moe_blocks: Module names of the MoE blocks, in module order.
+        dense_blocks: Module names of the dense MLPs of the same decoder stacks.
+        layer_lists: Module names of the decoder layer lists holding the blocks.
+        layers: The one of them ``model.layers`` names (`_decoder_layers`), or None.
+        block_attr: The attribute of a decoder layer that holds its block (dense or MoE; ``""``: the
+            layer is the block): the family's ``block_attr``, or where its blocks are found when it
+            keeps the default ``"mlp"`` and they sit elsewhere (`_block_attribute`).
+    """
+
+    family: Family | None = None
+    moe_blocks: list[str] = field(default_factory=list)
+    dense_blocks: list[str] = field(default_factory=list)
+    layer_lists: list[str] = field(default_factory=list)
+    layers: str | None = None
+    block_attr: str = "mlp"
+
+
+def _is_experts(module: Any) -> bool:
+    """Whether ``module`` is an experts module (transformers-decorated, or undecorated with weights)."""
+    return isinstance(module, torch.nn.Module) and (is_dispatching(module) or type(module).__name__.endswith("Experts"))
+
+
+def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
+    try:
+        return _is_experts(get_path(module, family.experts))
+    except AttributeError:
+        return False
+
+
+def _children(module: torch.nn.Module) -> list[str]:
+    return [child for child, _ in module.named_children()]
+
+
+def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Raise a `FamilyError` when PEFT wraps the block's router or experts (``target_parameters``).
+
+    moelens reads the ops of the family's own router and experts forward; a PEFT layer
+    standing in their place (its ``base_layer`` the original) has other ops.
+    """
+    for part, path in (("router", family.router), ("experts", family.experts)):
+        try:
+            target = get_path(module, path)
+        except AttributeError:
+            continue
+        if is_adapter_layer(target):
+            raise FamilyError(
+                f"{name}.{path}, the {part} of this {family.name} block, is wrapped by a PEFT adapter layer "
+                f"({type(target).__name__}), so moelens cannot read the {part}'s own operations: merge the "
+                "adapters into the weights first (model = peft_model.merge_and_unload()) and wrap the result."
+            )
+
+
+def _check_paths(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Raise a `FamilyError` when a block holding a mixture lacks a module its family names: the router,
+    and (for a registered family, where a typo would surface only at export) the shared expert's gate
+    (when the block has the shared expert) and the combination's post modules."""
+    paths = {"router": family.router}
+    if not registry.is_built_in(family):
+        shared = family.shared
+        if shared is not None and shared.gate and not shared.on_layer and _has_path(module, shared.module):
+            paths["SharedExpert.gate"] = shared.gate
+        paths |= {"Combine.routed_post": family.combine.routed_post, "Combine.block_post": family.combine.block_post}
+    for field_name, path in paths.items():
+        if path and not _has_path(module, path):
+            raise FamilyError(
+                f"family {family.name!r}: block {name} ({type(module).__name__}) has no {field_name.rpartition('.')[2]} "
+                f"at {path!r}; its children are {_children(module)}. Fix the family's {field_name} path."
+            )
+
+
+def _has_path(module: torch.nn.Module, path: str) -> bool:
+    try:
+        return get_path(module, path) is not None
+    except AttributeError:
+        return False
+
+
+def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Warn when a registered family's ``selection_bias`` names nothing on its block (a typo there
+    would leave routing ranked by the logits, and route_around / force writing the wrong value).
+
+    moelens' own entries are not checked: their routers leave the bias out when the config does.
+    """
+    scoring = family.scoring_of(module)
+    if not (scoring.selection_op and scoring.selection_bias) or registry.is_built_in(family):
+        return
+    try:
+        family.resolve(scoring.selection_bias, module)
+    except FamilyError as error:
+        warnings.warn(
+            f"family {family.name!r}: selection_bias {scoring.selection_bias!r} names nothing on block {name} "
+            f"({sentence(error)}). Its routing is served as ranked by router_logits, so route_around and force write the "
+            "logits, not what the router ranks. Fix the family's selection_bias (None when the router adds no bias).",
+            stacklevel=4,
+        )
+
+
+def _has_child(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    return any(isinstance(getattr(module, name, None), torch.nn.Module) for name in names)
+
+
+def _is_dense_mlp(module: Any) -> bool:
+    """Whether ``module`` is a dense MLP: it has an up (or gate) projection and a down projection, and
+    neither holds a weight per expert (a 3-D ``[E, out, in]`` weight: an MoE block of no registered family)."""
+    if not isinstance(module, torch.nn.Module) or unserved_block(module) is not None:
+        return False
+    weights = [getattr(getattr(module, name, None), "weight", None) for name in (*UP_PROJECTIONS, *DOWN_PROJECTIONS)]
+    per_expert = any(isinstance(weight, torch.Tensor) and weight.dim() > 2 for weight in weights)
+    return _has_child(module, UP_PROJECTIONS) and _has_child(module, DOWN_PROJECTIONS) and not per_expert
+
+
+def layer_path(name: str) -> str | None:
+    """The decoder layer a block sits in: ``model.layers.3`` for ``model.layers.3.mlp``."""
+    parts = name.split(".")
+    indices = [position for position, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[: indices[-1] + 1]) if indices else None
+
+
+def _layer_list(name: str) -> str | None:
+    """The module list a block sits in: ``model.layers`` for ``model.layers.3.mlp``."""
+    layer = layer_path(name)
+    return layer.rpartition(".")[0] if layer is not None else None
+
+
+def _check_block_attr(model: torch.nn.Module, name: str, family: Family) -> None:
+    """Raise a `FamilyError` when a block's decoder layer has no ``block_attr`` (aliased as ``mlp`` there).
+
+    Blocks are found by class anywhere (a converted ``self_attn.o_proj`` too), so only a
+    ``block_attr`` the layer lacks is wrong; ``"mlp"`` needs no alias and ``""`` is the layer.
+    """
+    layer = layer_path(name)
+    if family.block_attr in ("", "mlp") or layer is None or layer == name:
+        return
+    try:
+        get_path(model.get_submodule(layer), family.block_attr)
+    except AttributeError:
+        raise FamilyError(
+            f"family {family.name!r}: block_attr={family.block_attr!r}, but the decoder layer {layer} of its block "
+            f"{name} ({type(model.get_submodule(name)).__name__}) has no {family.block_attr!r}; its children are "
+            f"{_children(model.get_submodule(layer))}. Fix the family's block_attr."
+        ) from None
+
+
+def _block_attribute(family: Family | None, blocks: list[str]) -> str:
+    """Where ``family``'s blocks sit in their decoder layers: its ``block_attr``; for the default ``"mlp"``,
+    the one attribute its blocks sit at directly under their layers, when that is another (a family
+    registered without ``block_attr``, a moelens.compress block at ``feed_forward``)."""
+    if family is None or family.block_attr != "mlp":
+        return family.block_attr if family is not None else "mlp"
+    places = {name.rpartition(".")[2] for name in blocks if layer_path(name) == name.rpartition(".")[0]}
+    return places.pop() if len(places) == 1 else "mlp"
+
+
+def _dense_layer_lists(model: torch.nn.Module, attribute: str) -> list[str]:
+    """The module lists (decoder layer lists) whose layers hold a dense MLP at ``attribute``."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList)
+        and any(_is_dense_mlp(getattr(layer, attribute, None)) for layer in module)
+    ]
+
+
+def discover(model: torch.nn.Module) -> Structure:
+    """Find the MoE blocks, the dense MLPs beside them and the decoder layer lists."""
+    structure = Structure()
+    unknown: list[str] = []
+    idle: dict[str, str] = {}  # family -> a block of it that holds no experts module where it says
+    checked_bias: set[str] = set()  # families whose selection_bias was looked for (on their first block)
+    unserved: dict[str, list[str]] = {}  # model type -> its blocks moelens knows and does not serve
+    for name, module in model.named_modules():
+        family = registry.for_block(module)
+        if family is None:
+            known = unserved_block(module)
+            if known is not None:
+                unserved.setdefault(known.name, []).append(name)
+            elif any(is_dispatching(child) for child in module.children()) and enclosing(name, structure.moe_blocks) is None:
+                unknown.append(f"{name} ({type(module).__name__})")
+            continue
+        _refuse_adapter_layers(name, module, family)
+        if not _holds_mixture(module, family):
+            idle.setdefault(family.name, f"{name} ({type(module).__name__}; children {_children(module)})")
+            continue
+        _check_paths(name, module, family)
+        _check_block_attr(model, name, family)
+        if family.name not in checked_bias:
+            checked_bias.add(family.name)
+            _check_selection_bias(name, module, family)
+        structure.family = structure.family or family
+        structure.moe_blocks.append(name)
+        layers = _layer_list(name)
+        if layers is not None and layers not in structure.layer_lists:
+            structure.layer_lists.append(layers)
+    for model_type, blocks in unserved.items():
+        warnings.warn(
+            f"moelens does not serve these MoE blocks of {model_type}: {', '.join(blocks)}; "
+            f"{unserved_block(model.get_submodule(blocks[0])).reason}. model.moes leaves them out and they are "
+            "plain envoys: read them with plain nnsight (their .output, .inputs and their children's).",
+            stacklevel=3,
+        )
+    if unknown:
+        warnings.warn(
+            f"moelens found MoE blocks of no registered family: {', '.join(unknown)}. They are plain "
+            "envoys; describe them with moelens.families.register(Family(...)) to serve their routing.",
+            stacklevel=3,
+        )
+    for family_name, block in idle.items():
+        if structure.family is None or structure.family.name != family_name:
+            family = registry.get(family_name)
+            warnings.warn(
+                f"moelens: blocks of family {family_name!r} hold no experts module at {family.experts!r} "
+                f"(e.g. {block}), so none is served as a Moe: a checkpoint without a mixture, or a family whose "
+                "experts path is wrong (an experts module is decorated with transformers' use_experts_implementation "
+                "or has a class name ending in 'Experts').",
+                stacklevel=3,
+            )
+    if structure.family is None:
+        config = getattr(model, "config", None)
+        for model_type in registry.model_types(config) if config is not None else []:
+            structure.family = registry.for_model_type(model_type)
+            if structure.family is not None:
+                break
+    structure.block_attr = _block_attribute(structure.family, structure.moe_blocks)
+    # a layer that is the block keeps its dense MLP as `mlp`; a model of no family has its MLPs there
+    attribute = structure.block_attr or "mlp"
+    if not structure.moe_blocks:  # a dense model: its decoder layers are the lists that hold dense MLPs
+        structure.layer_lists = _dense_layer_lists(model, attribute)
+    moes = set(structure.moe_blocks)
+    for layers in structure.layer_lists:
+        for index, layer in enumerate(get_path(model, layers)):
+            name = f"{layers}.{index}.{attribute}"
+            if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
+                structure.dense_blocks.append(name)
+    structure.layers = layers = _decoder_layers(model, structure.layer_lists, dense=not structure.moe_blocks)
+    if not structure.moe_blocks and not unknown and not idle and not unserved:
+        where = (f"at layers[i].{attribute}" if layers is not None and structure.layer_lists == [layers] else
+                 f"in {', '.join(structure.layer_lists)}; " + (f"layers is {layers}" if layers else
+                                                              "no list of them is the text decoder's layers"))
+        found = (f"its {len(structure.dense_blocks)} dense MLPs ({where}) are Mlp components serving mlp_output and "
+                 "mlp_activation" if structure.dense_blocks else
+                 f"no dense MLP was found either (a module at layers[i].{attribute} with up and down projections)")
+        warnings.warn(
+            "moelens found no MoE block in this model (no module of a registered family's block class holding "
+            f"an experts module): model.moes is [], and {found}.",
+            stacklevel=3,
+        )
+    return structure
+
+
+def _decoder_layers(model: torch.nn.Module, layer_lists: list[str], dense: bool = False) -> str | None:
+    """The layer list ``model.layers`` names: the list of the MoE blocks (when one holds them all); of a
+    ``dense`` model's lists (a vision tower's and a language model's MLPs), the one inside its text decoder
+    (``get_decoder()``), where it has one that is not the model itself; None otherwise."""
+    try:
+        decoder = model.get_decoder() if dense else None
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = None
+    where = next((name for name, module in model.named_modules() if module is decoder), None) if decoder else None
+    if not where:
+        return layer_lists[0] if len(layer_lists) == 1 else None
+    inside = [name for name in layer_lists if name.startswith(f"{where}.")]
+    return inside[0] if len(inside) == 1 else None

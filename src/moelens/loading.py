@@ -1,0 +1,262 @@
+"""`load`: a checkpoint (a local folder, a hub id, or ``"tiny"``) loaded with its tokenizer and wrapped.
+
+The model class is the one the checkpoint was saved from; a checkpoint that does not fit its
+config (missing or unexpected weights, other shapes, a damaged weights file, no weights at all)
+is refused or warned about with what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+
+from .errors import MoelensError, sentence
+from .model import MoeNNsight, MoeTransformersModel, wrap
+
+
+#: ``from_pretrained`` settings that say where and how to read a checkpoint: moelens passes them to the
+#: config and tokenizer loaders too, not only to the model's.
+SOURCE_SETTINGS = ("trust_remote_code", "subfolder", "revision", "token", "cache_dir", "local_files_only")
+
+
+def _check_local_folder(source: str, subfolder: str) -> None:
+    """Refuse a local path that holds no checkpoint: missing, or a folder without config.json. A name that
+    may be a hub id (``name`` or ``namespace/name``, no local folder of that name) is left to transformers."""
+    path = Path(source).expanduser()
+    looks_local = path.is_absolute() or source.startswith((".", "~")) or len(Path(source).parts) > 2
+    if not path.exists():
+        if looks_local:
+            raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder "
+                               "(holding config.json and the weights), or 'tiny'.")
+        return
+    folder = path / subfolder
+    if path.is_dir() and not (folder / "config.json").is_file():
+        where = f"{str(folder)!r} (subfolder {subfolder!r})" if subfolder else repr(source)
+        raise MoelensError(f"{where} is not a transformers checkpoint folder (no config.json in it); pass one, "
+                           "or 'tiny'.")
+
+
+def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
+    """Load a model (and its tokenizer) and wrap it; with no argument, moelens-tiny.
+
+    The model class is the one the checkpoint was saved from (``config.architectures``), so a
+    causal LM or a vision-language model keeps its head; a local folder without tokenizer
+    files loads without a tokenizer (the model takes token ids only).
+
+    Args:
+        path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
+            None or ``"tiny"`` loads the embedded default model, offline.
+        **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
+            ``experts_implementation``, ...); the settings in `SOURCE_SETTINGS`
+            (``trust_remote_code``, ``subfolder``, ...) also to the config and tokenizer.
+
+    Raises:
+        MoelensError: ``path_or_repo_id`` is a file, has no readable config.json, holds no
+            weights, or weights that do not fit its config (saved weights left unused while
+            the model's own are missing, or of another shape).
+
+    Warns:
+        UserWarning: some saved weights have no place in the model, or some of the model's
+            weights are not saved (they stay as initialised), or tokenizer files that do not load.
+    """
+    if path_or_repo_id is None or str(path_or_repo_id) == "tiny":
+        from .data import TINY_MODEL_PATH
+
+        path_or_repo_id = TINY_MODEL_PATH
+    source = str(path_or_repo_id)
+    if Path(source).is_file():
+        raise MoelensError(
+            f"{source!r} is a file; moelens.load takes the checkpoint folder holding config.json and the "
+            f"weights: pass {str(Path(source).parent)!r}."
+        )
+    settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
+    _check_local_folder(source, settings.get("subfolder") or "")
+    config = _load_config(source, settings)
+    from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
+    model_class = _model_class(config)
+    try:
+        model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
+    except SafetensorError as error:
+        raise MoelensError(
+            f"the weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated; "
+            "save the model again with save_pretrained, or copy it again."
+        ) from error
+    except ValueError as error:
+        advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
+                  if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
+        raise MoelensError(f"cannot load a model from {source!r}: {sentence(error)}.{advice}") from error
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
+            raise  # out of memory, a device map, the checkpoint's own code: not moelens' to reword
+        listed = _size_mismatches(model_class, source, from_pretrained_kwargs) or sentence(error)
+        raise MoelensError(  # weights of another shape than the config's modules
+            f"the weights saved at {source!r} do not fit the model its config describes: {listed}. Load them with "
+            "the config they were saved with."
+        ) from error
+    except OSError as error:  # above all a folder with config.json but no weights
+        folder = Path(source, settings.get("subfolder", ""))
+        if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+            raise MoelensError(
+                f"the folder {str(folder)!r} holds config.json but no weights file (model.safetensors or "
+                "pytorch_model.bin); save the model into it with model.save_pretrained(folder), or pass "
+                "the folder that holds its weights."
+            ) from error
+        raise MoelensError(
+            f"cannot load the weights of {source!r}: {sentence(error)}. Pass a folder holding config.json and "
+            "weights saved with save_pretrained."
+        ) from error
+    _check_weights_fit(source, info)
+    model.eval()
+    return wrap(model, tokenizer=_load_tokenizer(source, settings))
+
+
+def _load_config(source: str, settings: dict[str, Any]) -> Any:
+    """The checkpoint's config, or a `MoelensError` saying why there is none."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, **settings)
+    except (OSError, ValueError, StrictDataclassError) as error:  # StrictDataclassError: a config that contradicts itself
+        raise MoelensError(
+            f"cannot load a model from {source!r}: {sentence(error)}. Pass a local folder holding config.json "
+            "and weights (or 'tiny' for the embedded default model)."
+        ) from error
+
+
+def _model_class(config: Any) -> Any:
+    """The class to load ``config``'s checkpoint with: the transformers class it was saved from (when built
+    for this config class), else the causal-LM, image-text-to-text or base auto class (custom code: the
+    auto classes read its auto_map)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    for name in getattr(config, "architectures", None) or ():
+        saved = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+        # the class must be built for this config: not custom code's own config class (trust_remote_code: the
+        # auto classes read its auto_map) nor another model type (an architectures entry left from a conversion)
+        if isinstance(saved, type) and issubclass(saved, transformers.PreTrainedModel) and (
+                getattr(saved, "config_class", None) is type(config)):
+            return saved
+    custom = getattr(config, "auto_map", None) or {}  # a checkpoint with its own code (trust_remote_code)
+    model_type = getattr(config, "model_type", None)
+    for auto, names in ((transformers.AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                        (transformers.AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)):
+        # transformers' own model types, and config classes the user registered with the auto class
+        if model_type in names or type(config) in auto._model_mapping or auto.__name__ in custom:
+            return auto
+    return _own_class(config) or transformers.AutoModel
+
+
+def _own_class(config: Any) -> Any:
+    """For a config no auto class maps (a multimodal model's text decoder: step3p7's ``step3p5``), the
+    class of its own transformers modeling module built for it (a causal LM first), else None."""
+    import importlib
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    package = type(config).__module__.rpartition(".")[0]
+    if getattr(config, "model_type", None) in MODEL_MAPPING_NAMES or not package.startswith("transformers.models."):
+        return None
+    try:
+        module = importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
+    except ImportError:
+        return None
+    fits = [value for value in vars(module).values()
+            if isinstance(value, type) and issubclass(value, transformers.PreTrainedModel)
+            and value.__module__ == module.__name__ and getattr(value, "config_class", None) is type(config)
+            and not value.__name__.endswith("PreTrainedModel")]
+    fits.sort(key=lambda cls: "ForCausalLM" not in cls.__name__)
+    return fits[0] if fits else None
+
+
+#: How the files of a saved tokenizer are named (tokenizer.json, tokenizer_config.json,
+#: vocab.json, vocab.txt, merges.txt, tokenizer.model, spiece.model, tekken.json ...).
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "tekken")
+
+
+def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
+    """The tokenizer saved at ``source``, or None when there is none.
+
+    A local folder without tokenizer files has none: transformers 5 would otherwise build
+    a placeholder from the config's model type (one token), which cannot tokenize text.
+    Tokenizer files that fail to load give None and a warning naming the cause.
+    """
+    from transformers import AutoTokenizer
+
+    folder = Path(source, settings.get("subfolder", ""))
+    if folder.is_dir() and not any(
+        file.is_file() and file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
+    ):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source, **settings)
+    except (OSError, ValueError, TypeError) as error:
+        warnings.warn(
+            f"moelens.load: the tokenizer saved at {source!r} does not load ({type(error).__name__}: "
+            f"{sentence(error)}), so the model takes token ids only; fix or re-save the tokenizer files, or "
+            "pass one with moelens.wrap(model, tokenizer=...).",
+            stacklevel=3,
+        )
+        return None
+
+
+def _size_mismatches(model_class: Any, source: str, kwargs: dict[str, Any], shown: int = 3) -> str:
+    """The saved weights whose shape is not the model's, in words (``""`` when they cannot be listed).
+
+    transformers names them only in a logged report; this loads the checkpoint once more, letting
+    the mismatches through, to name them.
+    """
+    loading_logger = logging.getLogger("transformers.modeling_utils")
+    level = loading_logger.level
+    loading_logger.setLevel(logging.ERROR)  # the report again: once was enough
+    try:
+        _, info = model_class.from_pretrained(source, **{**kwargs, "ignore_mismatched_sizes": True,
+                                                         "output_loading_info": True})
+    except Exception:  # noqa: BLE001 - only a better message is at stake
+        return ""
+    finally:
+        loading_logger.setLevel(level)
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    listed = "; ".join(f"{key} is saved as {list(saved)}, the model has {list(made)}" for key, saved, made in mismatched[:shown])
+    more = f" (and {len(mismatched) - shown} more)" if len(mismatched) > shown else ""
+    return f"{len(mismatched)} weights have another shape: {listed}{more}" if mismatched else ""
+
+
+def _check_weights_fit(source: str, info: dict[str, Any]) -> None:
+    """Raise when the checkpoint's weights and its config's model do not match; warn when part of them do not.
+
+    Weights of the checkpoint the model has no place for, while weights of the model got
+    none, mean the config does not describe the saved modules (a model converted with
+    `moelens.compress.tomoe` and saved with ``save_pretrained``: its config is still the
+    dense model's): transformers would leave those weights random.
+    """
+    unexpected, missing = sorted(info.get("unexpected_keys") or []), sorted(info.get("missing_keys") or [])
+    if unexpected and missing:
+        raise MoelensError(
+            f"the checkpoint at {source!r} does not match the model its config describes: {len(unexpected)} saved "
+            f"weights have no place in it (e.g. {unexpected[0]!r}) and {len(missing)} of its weights are not "
+            f"saved (e.g. {missing[0]!r}), so they would be random. A model converted with "
+            "moelens.compress.tomoe keeps its dense config: save it with torch.save(model) and load it with "
+            "torch.load(path, weights_only=False), then moelens.wrap it."
+        )
+    if missing:
+        warnings.warn(
+            f"moelens.load: {len(missing)} weights of the model are not saved at {source!r} (e.g. {missing[0]!r}): "
+            "they keep their initial (random) values; check that the config matches the checkpoint.",
+            stacklevel=3,
+        )
+    if unexpected:
+        warnings.warn(
+            f"moelens.load: {len(unexpected)} weights saved at {source!r} have no place in the model (e.g. "
+            f"{unexpected[0]!r}) and are left out; check that the config matches the checkpoint.",
+            stacklevel=3,
+        )
