@@ -60,6 +60,22 @@ def test_bad_writes_raise_clear_errors(mixtral, write, match):
     write_fails(wrapped, inputs, write, match)
 
 
+def test_index_writes_are_checked_against_the_experts_a_block_has_now():
+    """A block pruned to fewer experts after its first trace: an index write is checked against what it has."""
+    hf, wrapped, inputs, plain, reference = built("qwen3_moe", "grouped_mm")
+    moe = wrapped.moes[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moe.expert_indices.save()  # the first read builds the block's bindings
+    block, kept = moe._module, 4
+    block.gate.weight = torch.nn.Parameter(block.gate.weight[:kept].clone())
+    block.experts.gate_up_proj = torch.nn.Parameter(block.experts.gate_up_proj[:kept].clone())
+    block.experts.down_proj = torch.nn.Parameter(block.experts.down_proj[:kept].clone())
+    block.gate.num_experts = block.experts.num_experts = kept
+    assert moe.num_experts == kept
+    write_fails(wrapped, inputs, lambda moe: setattr(moe, "expert_indices", torch.full_like(moe.expert_indices, kept + 2)),
+                r"index 6, expected indices in \[0, 4\) for this block's 4 experts")
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_an_infinite_logit_is_refused_or_harmless(family):
     # A +inf logit is accepted only where the router's scores saturate (sigmoid); wherever it is

@@ -389,7 +389,7 @@ class Moe(Mlp):
                                      min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
             "expert_weights": Binding(f"{experts}.input", 1, *argument(2, "top_k_weights")),
             "expert_indices": Binding(f"{experts}.input", 1, *argument(1, "top_k_index"), kind=INDEX,
-                                      upper=self.num_experts),
+                                      upper=lambda: self.num_experts),
             "routed_output": Binding(f"{experts}.output", 1, *output_of(None)),
             "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index)),
         }

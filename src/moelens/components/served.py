@@ -54,7 +54,8 @@ class Binding:
         pick: Takes the value's tensor out of what the location serves.
         put: Returns what the location serves with the value's tensor replaced.
         kind: `FLOAT` or `INDEX`: what a write is checked against.
-        upper: For `INDEX` values, the exclusive upper bound of a valid index.
+        upper: For `INDEX` values, returns the exclusive upper bound of a valid index, asked at each
+            write (a block whose experts were pruned after wrapping has fewer).
         infinities: For `FLOAT` values, the infinities a write may hold (`FINITE`,
             `MINUS_INF`, `ANY_INF`); anything else would make the model compute NaN or inf.
         min_finite: The fewest entries per token a write may leave above -inf (what a
@@ -73,7 +74,7 @@ class Binding:
     pick: Callable[[Any], torch.Tensor] = lambda raw: raw
     put: Callable[[Any, torch.Tensor], Any] = lambda raw, tensor: tensor
     kind: str = FLOAT
-    upper: int | None = None
+    upper: Callable[[], int] | None = None
     infinities: str = FINITE
     min_finite: int = 0
     prepare: Callable[[], Any] | None = None
@@ -572,11 +573,12 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
             )
         if value.numel() and not is_fake(value):  # model.scan's fake tensors have no values to check
             low, high = int(value.min()), int(value.max())
-            if low < 0 or (binding.upper is not None and high >= binding.upper):
+            upper = binding.upper() if binding.upper is not None else None
+            if low < 0 or (upper is not None and high >= upper):
                 bad = low if low < 0 else high
                 raise WriteError(
-                    f"{where}: wrote expert index {bad}, expected indices in [0, {binding.upper}) "
-                    f"for this block's {binding.upper} experts."
+                    f"{where}: wrote expert index {bad}, expected indices in [0, {upper}) "
+                    f"for this block's {upper} experts."
                 )
         return
     if not (value.is_floating_point() or value.is_complex()):
