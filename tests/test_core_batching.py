@@ -258,6 +258,33 @@ def test_blocks_given_a_modality_subset_refuse_a_batch_layout(image_tokens):
     assert logits.shape == (2, 8, text_moe.num_experts)
 
 
+def test_the_hook_noting_gathered_calls_goes_with_its_wrapper():
+    """ernie4_5_vl_moe's blocks note each call's input shape in a forward pre-hook: it stayed on the user's
+    model once the wrapped model was gone. Each wrapper now has its own, taken off when it is collected."""
+    import gc
+
+    hf = tiny_model("ernie4_5_vl_moe")
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+    types = torch.zeros_like(ids)
+    types[0, 3:5] = 1
+    hooked = lambda: {name: len(module._forward_pre_hooks) for name, module in hf.named_modules()  # noqa: E731
+                      if module._forward_pre_hooks}
+    first, second = moelens.wrap(hf), moelens.wrap(hf)
+    blocks = {moe._module for moe in first.moes}
+    with second.trace(input_ids=ids):  # text only: served, and noted as a call on every token
+        second.moes[0].expert_indices.save()
+    assert set(hooked().values()) == {2} and len(hooked()) == len(blocks)
+    del first, second
+    locals()  # refreshes this frame's locals snapshot, which nnsight read in the trace (Python 3.11 keeps it)
+    gc.collect()
+    assert hooked() == {}
+    assert not any("_moelens_tokens_gathered" in vars(block) for block in blocks)
+    third = moelens.wrap(hf)
+    with pytest.raises(moelens.ValueUnavailable, match=r"ran on part of the tokens"):
+        with third.trace(input_ids=ids, moe_mm_token_type_ids=types):
+            third.moes[1].router_logits.save()
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("no_grad", [False, True])
 def test_a_transplant_between_invokes_at_a_barrier_lands(impl, no_grad):

@@ -26,6 +26,7 @@ reads every value of the block in that order.
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 from typing import Any, Iterable
 
@@ -80,6 +81,12 @@ GATHERED = "_moelens_tokens_gathered"
 
 def _note_gathered(module: torch.nn.Module, args: tuple) -> None:
     setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
+
+
+def _stop_noting(module: torch.nn.Module, hook: torch.utils.hooks.RemovableHandle) -> None:
+    """Take `_note_gathered` and what it noted off ``module``."""
+    hook.remove()
+    module.__dict__.pop(GATHERED, None)
 
 
 class Moe(Mlp):
@@ -322,10 +329,10 @@ class Moe(Mlp):
         """Have the block note, as each call begins, whether it got a flat subset of the tokens (``[n * D]`` or
         ``[n, D]``, gathered by modality: ernie4_5_vl_moe with images) instead of the batch (``[B, S, D]``), which no
         ``[batch, seq]`` view can place. For families whose blocks may run on part of the input (`runs_only_on`).
+        The hook goes with this component: it is removed when the wrapped model is collected (each wrapper of
+        a model has its own).
         """
-        if not any(getattr(hook, "__name__", "") == _note_gathered.__name__
-                   for hook in self._module._forward_pre_hooks.values()):
-            self._module.register_forward_pre_hook(_note_gathered)
+        weakref.finalize(self, _stop_noting, self._module, self._module.register_forward_pre_hook(_note_gathered))
 
     def _read(self, descriptor: served) -> Any:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
