@@ -1236,6 +1236,21 @@ def test_writes_work_in_scan_and_keep_their_shape_checks(write):
             moe.expert_weights = torch.zeros(1, 4, 1)
 
 
+def test_scan_never_asks_a_fake_tensor_for_its_memory(monkeypatch):
+    """save_all() in model.scan compared fake tensors by data_ptr, which torch warns is "almost definitely a
+    bug" (and says will error): fake tensors have no memory."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def no_memory(tensor):
+        raise AssertionError("data_ptr() of a fake tensor")
+
+    model = moelens.load()
+    model.set_experts_implementation("batched_mm")
+    monkeypatch.setattr(FakeTensor, "data_ptr", no_memory)
+    with model.scan("The quick brown fox"):
+        shapes = nnsight.save({name: tuple(value.shape) for name, value in model.moes[1].save_all().items()})
+    assert shapes["expert_outputs"][2:] == (model.moes[1].top_k, model.config.hidden_size)
+
 def test_route_around_leaving_fewer_than_k_experts():
     # mixtral: the router fills the k slots with the -inf experts, at weight 0.
     hf = tiny_model("mixtral")

@@ -264,8 +264,10 @@ def replaced(binding: Binding, fetched: Fetched, new: torch.Tensor, name: str, r
 
 def _same_tensor(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` are the same tensor: the same object, or the same memory seen alike (nnsight
-    hands each request of a batched value a fresh slice of it when a trace has several invokes)."""
-    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+    hands each request of a batched value a fresh slice of it when a trace has several invokes). model.scan's
+    fake tensors have no memory to compare (torch warns on their data_ptr): only the same object is the same."""
+    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not is_fake(a)
+                      and not is_fake(b) and a.data_ptr() == b.data_ptr()
                       and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
