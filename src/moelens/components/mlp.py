@@ -18,7 +18,8 @@ from torch import Tensor
 from ..errors import ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from .base import Component
-from .served import Binding, argument, output_of, served
+from .binding import Binding, argument, output_of
+from .served import served
 
 #: Child names of the down projection in dense MLPs, tried in order.
 DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "output_linear", "dense_4h_to_h", "wo", "out_proj", "fc_out")

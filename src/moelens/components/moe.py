@@ -45,8 +45,8 @@ from .base import envoy_at
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params
-from .served import (ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, order_errors, output_of, request,
-                     served)
+from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
+from .served import order_errors, request, served
 
 
 class _SharedAlias:

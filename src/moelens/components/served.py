@@ -1,11 +1,8 @@
 """Served values: how a component reads and writes one value inside a trace.
 
-A `Binding` says where a value lives in the run (an nnsight location such as
-``model.layers.0.mlp.gate.source.F_linear_0.output``), how to take the tensor out
-of what is served there (``args[2]`` of the experts call) and put one back, how
-many trailing feature dims it has, and how a write is checked. `served` is the
-descriptor a component class declares per value; reading it runs `read`, writing
-it runs `write`.
+A `Binding` (`binding`) says where a value lives in the run and how a write to it is checked
+(`write_checks`). `served` is the descriptor a component class declares per value; reading it
+runs `read`, writing it runs `write`.
 
 Reads are token views (see `tokens`): this invoke's ``[batch, seq, ...]``, a view
 of the model's tensor where one exists, so in-place edits land. Every read also
@@ -16,11 +13,8 @@ before the model consumes them, and copies an edited non-view back.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -29,128 +23,13 @@ from nnsight.intervention.batching import Batcher
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
-from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
+from ..errors import FamilyError, OrderError
 from . import tokens
+from .binding import FLOAT, Binding
+from .write_checks import check_not_recomputed, check_write
 
 if TYPE_CHECKING:
     from .base import Component
-
-#: What a write must look like.
-FLOAT, INDEX = "float", "index"
-
-#: Which infinities a float write may hold (`Binding.infinities`): none, -inf only (a logit the
-#: router then never picks), or both (what a router ranks; logits its sigmoid scores saturate).
-FINITE, MINUS_INF, ANY_INF = "finite", "-inf", "any"
-
-
-@dataclass(frozen=True)
-class Binding:
-    """Where one value lives in the run and how to read and write it there.
-
-    Attributes:
-        location: The nnsight location served at (``"<path>.output"``, an op's
-            ``".source.<op>.output"``, a module's ``".input"``).
-        features: Number of trailing feature dims of the value (1 for ``[T, E]``).
-        pick: Takes the value's tensor out of what the location serves.
-        put: Returns what the location serves with the value's tensor replaced.
-        kind: `FLOAT` or `INDEX`: what a write is checked against.
-        upper: For `INDEX` values, returns the exclusive upper bound of a valid index, asked at each
-            write (a block whose experts were pruned after wrapping has fewer).
-        infinities: For `FLOAT` values, the infinities a write may hold (`FINITE`,
-            `MINUS_INF`, `ANY_INF`); anything else would make the model compute NaN or inf.
-        min_finite: The fewest entries per token a write may leave above -inf (what a
-            router ranks must leave it enough experts to pick).
-        prepare: Called (inside the trace) before the location is requested, e.g.
-            to drill into the experts implementation so its ops are served; what it
-            returns is handed to `to_view` / `from_view`.
-        to_view / from_view: Turn the picked tensor into the token-major layout
-            that is served, and a token-major tensor back into the model's layout
-            (activations the model keeps sorted by expert). None when the picked
-            tensor is token-major already.
-    """
-
-    location: str
-    features: int
-    pick: Callable[[Any], torch.Tensor] = lambda raw: raw
-    put: Callable[[Any, torch.Tensor], Any] = lambda raw, tensor: tensor
-    kind: str = FLOAT
-    upper: Callable[[], int] | None = None
-    infinities: str = FINITE
-    min_finite: int = 0
-    prepare: Callable[[], Any] | None = None
-    to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
-    from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
-
-    def token_major(self, picked: torch.Tensor, context: Any) -> torch.Tensor:
-        """The picked tensor in token-major ``[T, ...]`` order."""
-        if self.to_view is None:
-            return picked
-        with kept_for_backward():
-            return self.to_view(picked, context)
-
-    def model_layout(self, token_major: torch.Tensor, context: Any) -> torch.Tensor:
-        """A token-major tensor in the layout the model keeps at the location."""
-        if self.from_view is None:
-            return token_major
-        with kept_for_backward():
-            return self.from_view(token_major, context)
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def kept_for_backward() -> contextlib.AbstractContextManager:
-    """Autograd keeps what moelens' own ops (a re-sort, a score) save for backward as it is.
-
-    Inside a layer under activation checkpointing torch would count those among the layer's
-    tensors to recompute, and its recomputation (the model's forward alone) does not make them:
-    the backward would fail with a CheckpointError.
-    """
-    if not torch.is_grad_enabled():  # nothing is saved for backward
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
-
-
-def output_of(index: int | None) -> tuple[Callable, Callable]:
-    """``pick`` / ``put`` for a module output that may be a tuple (hidden first)."""
-    if index is None:
-        return (lambda raw: raw), (lambda raw, tensor: tensor)
-
-    def pick(raw: Any) -> Any:
-        if not isinstance(raw, (tuple, list)):  # raw[index] of a tensor would be its first row
-            raise FamilyError(
-                f"the module returned a {type(raw).__name__}, not a tuple, but its family entry reads element "
-                f"{index} of its output (Combine(output_index={index})); describe a block that returns one tensor "
-                "with Combine(output_index=None)."
-            )
-        return raw[index]
-
-    return pick, lambda raw, tensor: type(raw)((*raw[:index], tensor, *raw[index + 1 :]))
-
-
-def argument(position: int, keyword: str | None = None) -> tuple[Callable, Callable]:
-    """``pick`` / ``put`` for one argument of a call's ``(args, kwargs)``: at ``position``, or passed as ``keyword``."""
-
-    def pick(raw: Any) -> torch.Tensor:
-        args, kwargs = raw
-        if len(args) > position:
-            return args[position]
-        if keyword in kwargs:
-            return kwargs[keyword]
-        raise ValueUnavailable(
-            f"the call passed {len(args)} positional arguments and {sorted(kwargs) or 'no keywords'}, but moelens "
-            f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + ": call it with that argument "
-            "(experts: experts(hidden_states, top_k_index, top_k_weights), transformers' signature)."
-        )
-
-    def put(raw: Any, tensor: torch.Tensor) -> Any:
-        args, kwargs = raw
-        if len(args) <= position and keyword in kwargs:
-            return args, {**kwargs, keyword: tensor}
-        return (*args[:position], tensor, *args[position + 1 :]), kwargs
-
-    return pick, put
 
 
 class served(eproperty):
@@ -511,31 +390,6 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
         reads.hold(mediator, next(reversed(reads.views)), location)
 
 
-def check_not_recomputed(component: "Component", name: str) -> None:
-    """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
-    the recomputation runs the model's forward alone, without the edit, so the gradients would be those
-    of the unedited layer (or torch's CheckpointError). That is with autograd on, or always under
-    reentrant checkpointing, which runs the layer's forward with autograd off."""
-    module, flagged = component.root._module, None
-    for part in ["", *component.path.split(".")[1:]]:  # the model itself, then each module down to the block
-        module = getattr(module, part) if part else module
-        if isinstance(getattr(module, "gradient_checkpointing", None), bool):
-            flagged = module  # the innermost flag decides: a decoder layer's (every_n_layers) over its model's
-    if flagged is None or not (flagged.gradient_checkpointing and flagged.training):
-        return
-    function = getattr(flagged, "_gradient_checkpointing_func", None)
-    # torch's checkpoint is reentrant unless told use_reentrant=False; a function it cannot read counts as one
-    reentrant = not (isinstance(function, functools.partial) and function.keywords.get("use_reentrant") is False)
-    if torch.is_grad_enabled() or reentrant:
-        raise WriteError(
-            f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under "
-            f"{'reentrant ' if reentrant else ''}activation checkpointing (gradient_checkpointing in training mode): "
-            "the backward recomputes it without the edit, so the gradients would be those of the unedited model. "
-            "Turn it off for traces that edit (model.activation_checkpointing_disable()), or trace in eval mode"
-            + ("." if reentrant else " or under torch.no_grad() when no gradient is needed.")
-        )
-
-
 class _KeepInGraph(torch.autograd.Function):
     """``new`` in the forward, and a zero gradient for ``old`` in the backward.
 
@@ -557,58 +411,3 @@ class _KeepInGraph(torch.autograd.Function):
 def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``view`` shares storage with ``base`` (so in-place edits already landed); also for fake tensors."""
     return torch._C._is_alias_of(view, base)
-
-
-def check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
-    """Raise `WriteError` for a write the model would compute something wrong from."""
-    where = f"{component.path}.{name}"
-    if tuple(value.shape) != tuple(shape):
-        raise WriteError(
-            f"{where}: wrote a tensor of shape {tuple(value.shape)}, expected {tuple(shape)} "
-            f"(this invoke's [batch, seq, ...] view); read the value first to see its shape."
-        )
-    if binding.kind == INDEX:
-        if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
-            raise WriteError(
-                f"{where}: wrote {value.dtype} indices, expected integer expert indices "
-                f"(torch.int64) of shape {tuple(shape)}; convert with .long()."
-            )
-        if value.numel() and not is_fake(value):  # model.scan's fake tensors have no values to check
-            low, high = int(value.min()), int(value.max())
-            upper = binding.upper() if binding.upper is not None else None
-            if low < 0 or (upper is not None and high >= upper):
-                bad = low if low < 0 else high
-                raise WriteError(
-                    f"{where}: wrote expert index {bad}, expected indices in [0, {upper}) "
-                    f"for this block's {upper} experts."
-                )
-        return
-    if not (value.is_floating_point() or value.is_complex()):
-        raise WriteError(
-            f"{where}: wrote a {value.dtype} tensor, expected a floating-point tensor of shape "
-            f"{tuple(shape)}; convert with .float() or .to(the value's dtype)."
-        )
-    if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
-        return
-    if torch.isnan(value).any():
-        raise WriteError(f"{where}: the written tensor contains NaN; the model would propagate it.")
-    if binding.infinities != ANY_INF:
-        plus = bool(torch.isposinf(value).any())
-        if plus or (binding.infinities == FINITE and torch.isneginf(value).any()):
-            which = "+inf" if plus else "-inf"
-            if name == "router_logits":
-                scores = component.family.resolve(component.SCORING.score, component._module)
-                why = (f"a {which} logit makes this router's {scores} scores NaN; raise it by a large finite "
-                       "amount instead (moelens.steer, moelens.force)")
-            else:
-                why = "the model would compute inf or NaN from it; write finite values"
-            raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
-    needed = binding.min_finite
-    if needed and value.numel() and ((~torch.isneginf(value)).sum(dim=-1) < needed).any():
-        why = {"router_logits": "its routing scores would be NaN",
-               "selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
-        raise WriteError(
-            f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above -inf, so "
-            f"{why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
-            "above -inf per token (route_around fewer experts)."
-        )

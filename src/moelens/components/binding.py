@@ -1,0 +1,136 @@
+"""Bindings: where a served value lives in the run, and what a write to it must look like.
+
+A `Binding` says where a value lives in the run (an nnsight location such as
+``model.layers.0.mlp.gate.source.F_linear_0.output``), how to take the tensor out of what is
+served there (``args[2]`` of the experts call, with `argument`; an element of a module's output
+tuple, with `output_of`) and put one back, how many trailing feature dims it has, and how a
+write is checked (`write_checks`). Components build one per value; `served` reads and writes
+through them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FamilyError, ValueUnavailable
+
+#: What a write must look like.
+FLOAT, INDEX = "float", "index"
+
+#: Which infinities a float write may hold (`Binding.infinities`): none, -inf only (a logit the
+#: router then never picks), or both (what a router ranks; logits its sigmoid scores saturate).
+FINITE, MINUS_INF, ANY_INF = "finite", "-inf", "any"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where one value lives in the run and how to read and write it there.
+
+    Attributes:
+        location: The nnsight location served at (``"<path>.output"``, an op's
+            ``".source.<op>.output"``, a module's ``".input"``).
+        features: Number of trailing feature dims of the value (1 for ``[T, E]``).
+        pick: Takes the value's tensor out of what the location serves.
+        put: Returns what the location serves with the value's tensor replaced.
+        kind: `FLOAT` or `INDEX`: what a write is checked against.
+        upper: For `INDEX` values, returns the exclusive upper bound of a valid index, asked at each
+            write (a block whose experts were pruned after wrapping has fewer).
+        infinities: For `FLOAT` values, the infinities a write may hold (`FINITE`,
+            `MINUS_INF`, `ANY_INF`); anything else would make the model compute NaN or inf.
+        min_finite: The fewest entries per token a write may leave above -inf (what a
+            router ranks must leave it enough experts to pick).
+        prepare: Called (inside the trace) before the location is requested, e.g.
+            to drill into the experts implementation so its ops are served; what it
+            returns is handed to `to_view` / `from_view`.
+        to_view / from_view: Turn the picked tensor into the token-major layout
+            that is served, and a token-major tensor back into the model's layout
+            (activations the model keeps sorted by expert). None when the picked
+            tensor is token-major already.
+    """
+
+    location: str
+    features: int
+    pick: Callable[[Any], torch.Tensor] = lambda raw: raw
+    put: Callable[[Any, torch.Tensor], Any] = lambda raw, tensor: tensor
+    kind: str = FLOAT
+    upper: Callable[[], int] | None = None
+    infinities: str = FINITE
+    min_finite: int = 0
+    prepare: Callable[[], Any] | None = None
+    to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+    from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+
+    def token_major(self, picked: torch.Tensor, context: Any) -> torch.Tensor:
+        """The picked tensor in token-major ``[T, ...]`` order."""
+        if self.to_view is None:
+            return picked
+        with kept_for_backward():
+            return self.to_view(picked, context)
+
+    def model_layout(self, token_major: torch.Tensor, context: Any) -> torch.Tensor:
+        """A token-major tensor in the layout the model keeps at the location."""
+        if self.from_view is None:
+            return token_major
+        with kept_for_backward():
+            return self.from_view(token_major, context)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def kept_for_backward() -> contextlib.AbstractContextManager:
+    """Autograd keeps what moelens' own ops (a re-sort, a score) save for backward as it is.
+
+    Inside a layer under activation checkpointing torch would count those among the layer's
+    tensors to recompute, and its recomputation (the model's forward alone) does not make them:
+    the backward would fail with a CheckpointError.
+    """
+    if not torch.is_grad_enabled():  # nothing is saved for backward
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def output_of(index: int | None) -> tuple[Callable, Callable]:
+    """``pick`` / ``put`` for a module output that may be a tuple (hidden first)."""
+    if index is None:
+        return (lambda raw: raw), (lambda raw, tensor: tensor)
+
+    def pick(raw: Any) -> Any:
+        if not isinstance(raw, (tuple, list)):  # raw[index] of a tensor would be its first row
+            raise FamilyError(
+                f"the module returned a {type(raw).__name__}, not a tuple, but its family entry reads element "
+                f"{index} of its output (Combine(output_index={index})); describe a block that returns one tensor "
+                "with Combine(output_index=None)."
+            )
+        return raw[index]
+
+    return pick, lambda raw, tensor: type(raw)((*raw[:index], tensor, *raw[index + 1 :]))
+
+
+def argument(position: int, keyword: str | None = None) -> tuple[Callable, Callable]:
+    """``pick`` / ``put`` for one argument of a call's ``(args, kwargs)``: at ``position``, or passed as ``keyword``."""
+
+    def pick(raw: Any) -> torch.Tensor:
+        args, kwargs = raw
+        if len(args) > position:
+            return args[position]
+        if keyword in kwargs:
+            return kwargs[keyword]
+        raise ValueUnavailable(
+            f"the call passed {len(args)} positional arguments and {sorted(kwargs) or 'no keywords'}, but moelens "
+            f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + ": call it with that argument "
+            "(experts: experts(hidden_states, top_k_index, top_k_weights), transformers' signature)."
+        )
+
+    def put(raw: Any, tensor: torch.Tensor) -> Any:
+        args, kwargs = raw
+        if len(args) <= position and keyword in kwargs:
+            return args, {**kwargs, keyword: tensor}
+        return (*args[:position], tensor, *args[position + 1 :]), kwargs
+
+    return pick, put

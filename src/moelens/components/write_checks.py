@@ -1,0 +1,101 @@
+"""What a write to a served value may hold: refusals of writes the model would compute something wrong from.
+
+`check_write` checks a written tensor against its `Binding` (shape, dtype, expert indices in
+range, no NaN or infinities the model cannot take, enough experts left to route to);
+`check_not_recomputed` refuses edits that activation checkpointing would silently drop from the
+backward. Both raise `WriteError`, naming the value, what was expected and what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from ..errors import WriteError
+from .binding import ANY_INF, FINITE, INDEX, Binding
+
+if TYPE_CHECKING:
+    from .base import Component
+
+
+def check_not_recomputed(component: "Component", name: str) -> None:
+    """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
+    the recomputation runs the model's forward alone, without the edit, so the gradients would be those
+    of the unedited layer (or torch's CheckpointError). That is with autograd on, or always under
+    reentrant checkpointing, which runs the layer's forward with autograd off."""
+    module, flagged = component.root._module, None
+    for part in ["", *component.path.split(".")[1:]]:  # the model itself, then each module down to the block
+        module = getattr(module, part) if part else module
+        if isinstance(getattr(module, "gradient_checkpointing", None), bool):
+            flagged = module  # the innermost flag decides: a decoder layer's (every_n_layers) over its model's
+    if flagged is None or not (flagged.gradient_checkpointing and flagged.training):
+        return
+    function = getattr(flagged, "_gradient_checkpointing_func", None)
+    # torch's checkpoint is reentrant unless told use_reentrant=False; a function it cannot read counts as one
+    reentrant = not (isinstance(function, functools.partial) and function.keywords.get("use_reentrant") is False)
+    if torch.is_grad_enabled() or reentrant:
+        raise WriteError(
+            f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under "
+            f"{'reentrant ' if reentrant else ''}activation checkpointing (gradient_checkpointing in training mode): "
+            "the backward recomputes it without the edit, so the gradients would be those of the unedited model. "
+            "Turn it off for traces that edit (model.activation_checkpointing_disable()), or trace in eval mode"
+            + ("." if reentrant else " or under torch.no_grad() when no gradient is needed.")
+        )
+
+
+def check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
+    """Raise `WriteError` for a write the model would compute something wrong from."""
+    where = f"{component.path}.{name}"
+    if tuple(value.shape) != tuple(shape):
+        raise WriteError(
+            f"{where}: wrote a tensor of shape {tuple(value.shape)}, expected {tuple(shape)} "
+            f"(this invoke's [batch, seq, ...] view); read the value first to see its shape."
+        )
+    if binding.kind == INDEX:
+        if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
+            raise WriteError(
+                f"{where}: wrote {value.dtype} indices, expected integer expert indices "
+                f"(torch.int64) of shape {tuple(shape)}; convert with .long()."
+            )
+        if value.numel() and not is_fake(value):  # model.scan's fake tensors have no values to check
+            low, high = int(value.min()), int(value.max())
+            upper = binding.upper() if binding.upper is not None else None
+            if low < 0 or (upper is not None and high >= upper):
+                bad = low if low < 0 else high
+                raise WriteError(
+                    f"{where}: wrote expert index {bad}, expected indices in [0, {upper}) "
+                    f"for this block's {upper} experts."
+                )
+        return
+    if not (value.is_floating_point() or value.is_complex()):
+        raise WriteError(
+            f"{where}: wrote a {value.dtype} tensor, expected a floating-point tensor of shape "
+            f"{tuple(shape)}; convert with .float() or .to(the value's dtype)."
+        )
+    if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
+        return
+    if torch.isnan(value).any():
+        raise WriteError(f"{where}: the written tensor contains NaN; the model would propagate it.")
+    if binding.infinities != ANY_INF:
+        plus = bool(torch.isposinf(value).any())
+        if plus or (binding.infinities == FINITE and torch.isneginf(value).any()):
+            which = "+inf" if plus else "-inf"
+            if name == "router_logits":
+                scores = component.family.resolve(component.SCORING.score, component._module)
+                why = (f"a {which} logit makes this router's {scores} scores NaN; raise it by a large finite "
+                       "amount instead (moelens.steer, moelens.force)")
+            else:
+                why = "the model would compute inf or NaN from it; write finite values"
+            raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
+    needed = binding.min_finite
+    if needed and value.numel() and ((~torch.isneginf(value)).sum(dim=-1) < needed).any():
+        why = {"router_logits": "its routing scores would be NaN",
+               "selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
+        raise WriteError(
+            f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above -inf, so "
+            f"{why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
+            "above -inf per token (route_around fewer experts)."
+        )
