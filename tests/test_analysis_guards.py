@@ -317,6 +317,25 @@ def test_plot_values_are_checked_and_drawn_as_named(model):
                                    getattr(experts[0], value).double())
 
 
+
+def test_expert_axes_are_ticked_at_whole_numbers():
+    """Heatmaps of a few experts had ticks between them (-0.5, 0.0, 0.5 ...): an expert id is a whole number."""
+    from moelens.analysis.coactivation import Coactivation, Transitions
+    from moelens.analysis.specialisation import Specialisation
+
+    plots = analysis.plots
+    pair = torch.tensor([[3, 1], [1, 2]])
+    figures = {"coactivation": plots.plot_coactivation(Coactivation(layer=0, counts=pair, tokens=4)),
+               "transitions": plots.plot_transitions(Transitions(0, 1, pair, "top1", 4, pair.sum(1))),
+               "specialisation": plots.plot_specialisation(Specialisation([0], ["code", "prose"], pair[None]))}
+    for name, figure in figures.items():
+        figure.canvas.draw()
+        axes = figure.axes[0]
+        ticks = [*axes.get_yticks()] + ([] if name == "specialisation" else [*axes.get_xticks()])
+        shown = [tick for tick in ticks if -0.5 <= tick <= 1.5]
+        assert shown and all(float(tick).is_integer() for tick in shown), (name, shown)
+        plots.pyplot().close(figure)
+
 # -- moelens stats --out -------------------------------------------------------------------------
 
 

@@ -167,6 +167,15 @@ def plot_entropy(entropy: Entropy) -> Any:
     return figure
 
 
+def _whole_numbers(*axes: Any) -> None:
+    """Ticks at whole numbers only on these axes (expert ids): matplotlib's own put a heatmap of two experts'
+    rows at -0.5, 0.0, 0.5 ..."""
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in axes:
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _grid(count: int, size: float = 3.2) -> tuple[Any, list[Any]]:
     if count < 1:
         raise MoelensError("nothing to plot: pass at least one layer's (or expert's) result.")
@@ -195,6 +204,7 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
         matrix = matrix.clone().float()
         matrix.fill_diagonal_(float("nan"))
         image = axes.imshow(matrix, cmap="magma", vmin=0)
+        _whole_numbers(axes.xaxis, axes.yaxis)
         axes.set_title(f"layer {item.layer}", fontsize=9)
         axes.set_xlabel("expert j")
         axes.set_ylabel("expert i")
@@ -210,6 +220,7 @@ def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> Any:
     figure, panels = _grid(len(items))
     for axes, item in zip(panels, items):
         image = axes.imshow(item.conditional().float(), cmap="Blues", vmin=0, vmax=1)
+        _whole_numbers(axes.xaxis, axes.yaxis)
         axes.set_title(f"layer {item.source} -> {item.target}", fontsize=9)
         axes.set_xlabel(f"expert in layer {item.target}")
         axes.set_ylabel(f"expert in layer {item.source}")
@@ -305,6 +316,7 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
         else:
             image = axes.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=1)
         axes.set_xticks(range(len(spec.classes)), spec.classes, rotation=45, fontsize=7)
+        _whole_numbers(axes.yaxis)
         axes.set_ylabel("expert")
         axes.set_title(f"layer {layer}", fontsize=9)
         _annotate(axes, torch.nan_to_num(data), ".1f" if value == "lift" else ".2f", dark_low=value != "lift")
