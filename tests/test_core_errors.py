@@ -1251,6 +1251,20 @@ def test_scan_never_asks_a_fake_tensor_for_its_memory(monkeypatch):
         shapes = nnsight.save({name: tuple(value.shape) for name, value in model.moes[1].save_all().items()})
     assert shapes["expert_outputs"][2:] == (model.moes[1].top_k, model.config.hidden_size)
 
+def test_a_block_of_another_model_is_refused_in_a_trace():
+    """A Moe of a second wrapped model, used in the first model's trace, was served and edited at the first
+    model's block of the same path, silently: comparing a base and a tuned model read the base twice."""
+    hf, base, inputs, plain, reference = built("mixtral", "grouped_mm")
+    tuned = moelens.wrap(copy.deepcopy(hf))
+    for use in (lambda: tuned.moes[0].router_logits.save(), lambda: moelens.ablate(tuned.moes[0], 3, "route_around"),
+                lambda: base.save_all(moes=[tuned.moes[1]])):
+        with pytest.raises(ValueUnavailable, match=r"belongs to another wrapped model than the one this trace runs"):
+            with base.trace(**inputs):
+                use()
+    with base.trace(**inputs):
+        output = first_tensor(base.output).save()
+    assert torch.equal(output, plain)
+
 def test_route_around_leaving_fewer_than_k_experts():
     # mixtral: the router fills the k slots with the -inf experts, at weight 0.
     hf = tiny_model("mixtral")
