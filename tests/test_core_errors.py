@@ -1265,6 +1265,26 @@ def test_a_block_of_another_model_is_refused_in_a_trace():
         output = first_tensor(base.output).save()
     assert torch.equal(output, plain)
 
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("num_experts", 16, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 16 experts "
+                        r"\(num_experts=16\)"),
+    ("top_k", 3, r"expert_weights holds 2 entries per token, but family 'my_mixtral' gives this block 3 slots per token "
+                 r"\(top_k=3\)"),
+])
+def test_a_family_entry_whose_counts_do_not_fit_the_model_is_refused(setting, value, message):
+    """An entry that says 16 experts on an 8-expert router took ablate(moe, 12) as a silent no-op; one that says
+    top-3 on a top-2 router failed in save_all with a raw reshape error."""
+    hf = tiny_model("mixtral")
+    ids = tiny_inputs(hf)["input_ids"]
+    families.register(dataclasses.replace(families.get("mixtral"), name="my_mixtral", **{setting: value}), replace=True)
+    try:
+        wrapped = moelens.wrap(hf)
+        with pytest.raises(FamilyError, match=message):
+            with wrapped.trace(ids):
+                wrapped.moes[0].save_all()
+    finally:
+        families.unregister("my_mixtral")
+
 def test_route_around_leaving_fewer_than_k_experts():
     # mixtral: the router fills the k slots with the -inf experts, at weight 0.
     hf = tiny_model("mixtral")

@@ -36,7 +36,7 @@ from jaxtyping import Float, Int
 from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
-from ..errors import OrderError, ValueUnavailable, WriteError
+from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
@@ -345,6 +345,7 @@ class Moe(Mlp):
                 raise
         else:
             if not self._gathered_call:
+                self._check_width(descriptor.name, value)
                 return value
         raise self.unavailable(
             descriptor.name,
@@ -354,6 +355,22 @@ class Moe(Mlp):
             "read the layer's mlp.output (its router logits scattered back over every token, [batch * seq, E]), "
             "or this block's raw nnsight values (moe.router.output, flat over its tokens).",
         )
+
+    def _check_width(self, name: str, value: Tensor) -> None:
+        """Raise `FamilyError` when the family entry's expert count or k does not fit what the model computes:
+        at least E router logits per token (a router may add a skip class or shared experts' gates), k slots."""
+        if name == "router_logits":
+            what, setting, expected, fits = "experts", "num_experts", self.num_experts, value.shape[-1] >= self.num_experts
+        elif name in ("expert_weights", "expert_indices"):
+            what, setting, expected, fits = "slots per token", "top_k", self.top_k, value.shape[-1] == self.top_k
+        else:
+            return
+        if not fits:
+            raise FamilyError(
+                f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
+                f"this block {expected} {what} ({setting}={getattr(self.family, setting)!r}): the entry names the "
+                "wrong setting; fix it and register it again (moelens.families.register(Family(...), replace=True))."
+            )
 
     @property
     def _gathered_call(self) -> bool:
