@@ -893,6 +893,26 @@ def test_a_registered_selection_bias_that_names_nothing_is_warned_about():
         moelens.wrap(tiny_model("lfm2_moe", use_expert_bias=False))
 
 
+def test_a_registered_shared_expert_path_that_names_nothing_is_warned_about():
+    """A typo there left the shared expert running but never served (mlp_output was not routed + shared_expert_output),
+    without a word. A path that fits is not warned about."""
+    qwen = families.get("qwen2_moe")
+    for path, warned in (("shared_experts", True), ("shared_expert", False)):
+        families.register(dataclasses.replace(qwen, name="my_qwen", shared=dataclasses.replace(qwen.shared, module=path)),
+                          replace=True)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrapped = moelens.wrap(tiny_model("qwen2_moe"))
+        finally:
+            families.unregister("my_qwen")
+        messages = [str(w.message) for w in caught if "SharedExpert.module" in str(w.message)]
+        assert messages == ([f"family 'my_qwen': SharedExpert.module 'shared_experts' names nothing on block "
+                             f"{wrapped.moes[0].path.removeprefix('model.')} (Qwen2MoeSparseMoeBlock), which has "
+                             "'shared_expert', 'shared_expert_gate': its shared expert runs but is not served "
+                             "(shared_expert_output unavailable, mlp_output not routed + shared). Fix the family's "
+                             "SharedExpert.module path."] if warned else []), messages
+
 @pytest.mark.parametrize("field, value, expected", [
     ("scoring", "softmax", "Scoring"), ("shared", "shared_expert", "SharedExpert or None"),
     ("combine", "sum", "Combine"), ("router", None, "str"), ("refused", ("shared_expert_output",), "mapping"),

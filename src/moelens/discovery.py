@@ -99,6 +99,24 @@ def _check_paths(name: str, module: torch.nn.Module, family: Family) -> None:
             )
 
 
+def _check_shared_path(name: str, module: torch.nn.Module, family: Family) -> None:
+    """Warn when a registered family's shared expert names nothing on a block that has a child called like one
+    (a typo there leaves the shared expert running but never served). A block without any is a config without
+    a shared expert, which families may allow. moelens' own entries are not checked."""
+    shared = family.shared
+    if shared is None or shared.on_layer or registry.is_built_in(family) or _has_path(module, shared.module):
+        return
+    lookalikes = [child for child in _children(module) if "shared" in child.lower()]
+    if lookalikes:
+        warnings.warn(
+            f"family {family.name!r}: SharedExpert.module {shared.module!r} names nothing on block {name} "
+            f"({type(module).__name__}), which has {', '.join(map(repr, lookalikes))}: its shared expert runs but is "
+            "not served (shared_expert_output unavailable, mlp_output not routed + shared). Fix the family's "
+            "SharedExpert.module path.",
+            stacklevel=4,
+        )
+
+
 def _has_path(module: torch.nn.Module, path: str) -> bool:
     try:
         return get_path(module, path) is not None
@@ -197,7 +215,7 @@ def discover(model: torch.nn.Module) -> Structure:
     structure = Structure()
     unknown: list[str] = []
     idle: dict[str, str] = {}  # family -> a block of it that holds no experts module where it says
-    checked_bias: set[str] = set()  # families whose selection_bias was looked for (on their first block)
+    checked: set[str] = set()  # families whose selection_bias and shared expert were looked for (on their first block)
     unserved: dict[str, list[str]] = {}  # model type -> its blocks moelens knows and does not serve
     for name, module in model.named_modules():
         family = registry.for_block(module)
@@ -214,9 +232,10 @@ def discover(model: torch.nn.Module) -> Structure:
             continue
         _check_paths(name, module, family)
         _check_block_attr(model, name, family)
-        if family.name not in checked_bias:
-            checked_bias.add(family.name)
+        if family.name not in checked:
+            checked.add(family.name)
             _check_selection_bias(name, module, family)
+            _check_shared_path(name, module, family)
         structure.family = structure.family or family
         structure.moe_blocks.append(name)
         layers = _layer_list(name)
