@@ -1305,6 +1305,20 @@ def test_a_family_entry_whose_counts_do_not_fit_the_model_is_refused(setting, va
     finally:
         families.unregister("my_mixtral")
 
+def test_a_misspelt_value_is_refused_and_other_attributes_are_kept(mixtral):
+    """moe.router_logit = ... (for router_logits) added an attribute to the envoy and wrote nothing, silently."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with pytest.raises(moelens.MoelensError, match=r"serves no value 'router_logit' \(did you mean 'router_logits'\?\)"):
+        with wrapped.trace(**inputs):
+            moe.router_logit = torch.zeros(2, 5, 8)
+    for name, meant in (("expert_weight", "expert_weights"), ("routed_outputs", "routed_output")):
+        with pytest.raises(moelens.MoelensError, match=rf"'{name}' \(did you mean '{meant}'\?\)"):
+            setattr(moe, name, 0)
+    moe.note, moe.router_logits_seen = "mine", 3  # a user's own attributes, not like a value
+    assert (moe.note, moe.router_logits_seen) == ("mine", 3)
+    assert families.for_block(moe) is families.for_block(moe._module) is moe.family  # the envoy or its module
+
 def test_route_around_leaving_fewer_than_k_experts():
     # mixtral: the router fills the k slots with the -inf experts, at weight 0.
     hf = tiny_model("mixtral")

@@ -8,6 +8,9 @@ the component builds them once and reads and writes values through
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import re
 from functools import cached_property
 from typing import Any
@@ -16,7 +19,7 @@ import torch
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator
 
-from ..errors import OrderError, ValueUnavailable
+from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families import Family, registry
 from . import served as serving
 
@@ -40,6 +43,13 @@ def envoy_at(envoy: Envoy, path: str) -> Envoy:
     return envoy
 
 
+@functools.cache
+def value_names(component_class: type) -> tuple[str, ...]:
+    """The values a component class serves (its `served` descriptors)."""
+    return tuple(name for name in dir(component_class)
+                 if isinstance(inspect.getattr_static(component_class, name), serving.served))
+
+
 class Component(Envoy):
     """Base of moelens' block envoys: family, layer, and checked value access."""
 
@@ -47,6 +57,17 @@ class Component(Envoy):
         super().__init__(module, *args, **kwargs)
         #: The family entry describing this block (None for a dense MLP of an unknown family).
         self.family: Family | None = registry.for_block(module)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing."""
+        if not name.startswith("_") and name not in self.__dict__ and inspect.getattr_static(type(self), name, None) is None:
+            near = difflib.get_close_matches(name, value_names(type(self)), n=1, cutoff=0.85)
+            if near:
+                raise MoelensError(
+                    f"{self.path} serves no value {name!r} (did you mean {near[0]!r}?): setting it would only add an "
+                    f"attribute to the envoy and change nothing in the model."
+                )
+        super().__setattr__(name, value)
 
     @cached_property
     def layer(self) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
+from nnsight.intervention.envoy import Envoy
 
 from ..errors import FamilyError
 from .entry import (COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family,
@@ -232,8 +233,11 @@ def get(name: str) -> Family:
         raise FamilyError(f"no moelens family named {name!r}; known families: {_known()}.") from None
 
 
-def for_block(module: torch.nn.Module) -> Family | None:
-    """The family whose MoE block ``module`` is, or None when it is no known block."""
+def for_block(module: torch.nn.Module | Envoy) -> Family | None:
+    """The family whose MoE block ``module`` (a module, or its envoy: ``model.moes[0]``) is, or None when it is no
+    known block."""
+    if isinstance(module, Envoy):
+        module = module._module
     return _BY_BLOCK_CLASS.get(type(module).__name__)
 
 
