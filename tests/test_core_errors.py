@@ -1276,11 +1276,16 @@ def test_a_block_of_another_model_is_refused_in_a_trace():
     model's block of the same path, silently: comparing a base and a tuned model read the base twice."""
     hf, base, inputs, plain, reference = built("mixtral", "grouped_mm")
     tuned = moelens.wrap(copy.deepcopy(hf))
-    for use in (lambda: tuned.moes[0].router_logits.save(), lambda: moelens.ablate(tuned.moes[0], 3, "route_around"),
-                lambda: base.save_all(moes=[tuned.moes[1]])):
+    for use in (lambda: tuned.moes[0].router_logits.save(), lambda: moelens.ablate(tuned.moes[0], 3, "route_around")):
         with pytest.raises(ValueUnavailable, match=r"belongs to another wrapped model than the one this trace runs"):
             with base.trace(**inputs):
                 use()
+    for moes, what in (([tuned.moes[1]], r"model.model.layers.1.mlp of another wrapped model"),
+                       ([base.layers[0]], r"model.model.layers.0 \(MixtralDecoderLayer\), which is no MoE block"),
+                       ([1], r"int 1")):
+        with pytest.raises(moelens.MoelensError, match=rf"save_all\(moes=...\) takes MoE blocks of this model .*got {what}\."):
+            with base.trace(**inputs):
+                base.save_all(moes=moes)
     with base.trace(**inputs):
         output = first_tensor(base.output).save()
     assert torch.equal(output, plain)
@@ -1318,6 +1323,19 @@ def test_a_misspelt_value_is_refused_and_other_attributes_are_kept(mixtral):
     moe.note, moe.router_logits_seen = "mine", 3  # a user's own attributes, not like a value
     assert (moe.note, moe.router_logits_seen) == ("mine", 3)
     assert families.for_block(moe) is families.for_block(moe._module) is moe.family  # the envoy or its module
+
+def test_load_and_wrap_say_what_they_take():
+    """load(model) failed on an over-long file name (the model's repr); wrap(one block) with a raw AttributeError."""
+    hf = tiny_model("qwen2_moe")
+    wrapped = moelens.wrap(hf)
+    for given, advice in ((wrapped, r"got a MoeNNsight: it is wrapped already, use it as it is"),
+                          (hf, r"got a Qwen2MoeForCausalLM: to wrap a model you have, use moelens.wrap\(model, tokenizer=...\)"),
+                          (3, r"got a int: pass a str or a pathlib.Path")):
+        with pytest.raises(moelens.MoelensError, match=rf"moelens.load takes a checkpoint folder, a hub id or 'tiny', {advice}"):
+            moelens.load(given)
+    with pytest.raises(moelens.MoelensError, match=r"wrap\(\) got one qwen2_moe MoE block \(Qwen2MoeSparseMoeBlock\), "
+                                                   r"not a model: wrap the whole model that holds it"):
+        moelens.wrap(hf.model.layers[1].mlp)
 
 def test_route_around_leaving_fewer_than_k_experts():
     # mixtral: the router fills the k slots with the -inf experts, at weight 0.

@@ -8,10 +8,12 @@ is refused or warned about with what is wrong and what to do.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError
 
 from .errors import MoelensError, sentence
@@ -63,6 +65,14 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         UserWarning: some saved weights have no place in the model, or some of the model's
             weights are not saved (they stay as initialised), or tokenizer files that do not load.
     """
+    if path_or_repo_id is not None and not isinstance(path_or_repo_id, (str, os.PathLike)):
+        given = type(path_or_repo_id).__name__
+        raise MoelensError(
+            f"moelens.load takes a checkpoint folder, a hub id or 'tiny', got a {given}: "
+            + ("it is wrapped already, use it as it is." if isinstance(path_or_repo_id, (MoeNNsight, MoeTransformersModel))
+               else "to wrap a model you have, use moelens.wrap(model, tokenizer=...)." if isinstance(path_or_repo_id, torch.nn.Module)
+               else "pass a str or a pathlib.Path.")
+        )
     if path_or_repo_id is None or str(path_or_repo_id) == "tiny":
         from .data import TINY_MODEL_PATH
 

@@ -26,7 +26,7 @@ from .components.implementations import check_known, is_dispatching, known
 from .components.params import op_names
 from .discovery import Structure, discover, layer_path
 from .errors import FamilyError, MoelensError
-from .families import Family
+from .families import Family, registry
 from .modules import takes_keyword
 
 
@@ -115,7 +115,13 @@ class MoeModelMixin:
         Returns layer index -> (value name -> saved tensor); keyed by block path
         instead when a layer holds several MoE blocks. See `Moe.save_all`.
         """
-        blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else moes
+        blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else list(moes)
+        for block in blocks:
+            if not isinstance(block, Moe) or block.interleaver is not self.interleaver:
+                raise MoelensError(
+                    f"save_all(moes=...) takes MoE blocks of this model (model.moes[i], model.layers[i].mlp on an MoE "
+                    f"layer); got {_described(block)}."
+                )
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
         return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})
@@ -229,6 +235,15 @@ class MoeNNsight(MoeModelMixin, NNsight):
         return inputs, {name: value for name, value in kwargs.items() if name != "attention_mask"}
 
 
+def _described(value: Any) -> str:
+    """``value`` in words for an error: an envoy by its path, else its type and repr."""
+    if isinstance(value, Moe):
+        return f"{value.path} of another wrapped model"
+    if isinstance(value, nnsight.Envoy):
+        return f"{value.path} ({type(value._module).__name__}), which is no MoE block"
+    return f"{type(value).__name__} {value!r:.60}"
+
+
 def _is_text(value: Any) -> bool:
     """A prompt string or a list of them."""
     return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], str))
@@ -262,6 +277,12 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         raise MoelensError(
             f"wrap() takes a transformers model instance (torch.nn.Module), got {type(model).__name__}; "
             "to load from a path or repo id use moelens.load()."
+        )
+    family = registry.for_block(model)
+    if family is not None:
+        raise MoelensError(
+            f"wrap() got one {family.name} MoE block ({type(model).__name__}), not a model: wrap the whole model that "
+            "holds it and read the block as model.layers[i].mlp (or model.moes[i]) in a trace of that model."
         )
     structure = discover(model)
     options = dict(nnsight_kwargs)
