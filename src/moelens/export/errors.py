@@ -1,4 +1,4 @@
-"""The errors the NNEF export raises (both are `moelens.MoelensError`)."""
+"""The errors the NNEF export raises (all are `moelens.MoelensError`)."""
 
 from __future__ import annotations
 
@@ -14,3 +14,11 @@ class ExportRefused(ExportError):
 
     The message names the part tract cannot express; nothing is written.
     """
+
+
+class TractRunFailed(ExportError):
+    """tract could not load or run an archive; ``detail`` is tract's own line saying where."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail

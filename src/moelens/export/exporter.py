@@ -30,7 +30,7 @@ from ..modules import takes_keyword
 from .archive import check_destination, size, write
 from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
-from .errors import ExportError, ExportRefused
+from .errors import ExportError, ExportRefused, TractRunFailed
 from .masks import attention_masks, layer_kinds, positions
 from .spec import MoeSpec, read_spec
 from .target import Block, Target, resolve
@@ -142,8 +142,21 @@ def to_nnef(
     if verify:
         from .verification import check_export
 
-        report.verification = check_export(path, target, prepared, inputs, edits, quantize_experts, dynamic_tokens)
+        try:
+            report.verification = check_export(path, target, prepared, inputs, edits, quantize_experts, dynamic_tokens)
+        except TractRunFailed as error:
+            raise ExportError(_unrunnable(path, target, error.detail)) from error
     return report
+
+
+def _unrunnable(path: Path, target: Target, detail: str) -> str:
+    """Why an archive torch-to-nnef wrote does not run in tract, and what to do: for a whole model whose
+    failing node is none of its MoE blocks' (``tract_moe_ffn``), export the blocks."""
+    written = f"{path}: torch-to-nnef wrote this archive, but tract cannot load or run it ({detail})"
+    if target.kind == "model" and "moe_ffn" not in detail.lower():
+        return (f"{written}. The MoE blocks were accepted; the failing part is elsewhere in the model (an attention "
+                "or layer type tract does not take): export its MoE blocks (model.moes[i]) instead.")
+    return f"{written}. Please report this model."
 
 
 @dataclass

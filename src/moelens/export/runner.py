@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ExportError
+from .errors import ExportError, TractRunFailed
 from .tract_cli import TOLERANCES, load_runnable, meets
 
 #: The oldest tract with tract_moe_ffn.
@@ -85,7 +85,8 @@ def run_isolated(path: str | Path, inputs: Sequence[np.ndarray]) -> list[np.ndar
         if done.returncode != 0 or not saved.exists():
             lines = [line for line in done.stderr.splitlines() if line.strip()]
             detail = next((line for line in lines if "panicked" in line or "ERROR" in line), lines[-1] if lines else "")
-            raise ExportError(f"tract could not load or run {path} (exit status {done.returncode}): {detail.strip()}")
+            raise TractRunFailed(f"tract could not load or run {path} (exit status {done.returncode}): {detail.strip()}",
+                                 detail.strip())
         with np.load(saved) as outputs:
             return [outputs[f"output_{i}"] for i in range(len(outputs.files))]
 
