@@ -219,3 +219,22 @@ def test_an_edit_in_a_plain_model_that_checkpoints_its_own_layers_is_refused():
                 wrapped.moes[1].expert_weights[..., 0] = 1.0
     finally:
         moelens.families.unregister("custom")
+
+
+def test_values_read_with_autograd_on_free_their_graph_once_dropped():
+    """router_probs (a softmax moelens computes, saving its output for backward) kept its own grad_fn alive
+    through a cycle in torch's C++ graph that Python's gc cannot see: each trace reading it with autograd
+    on leaked the whole forward graph behind it (hundreds of tensors, megabytes per trace)."""
+    import gc
+    import weakref
+
+    hf, wrapped, inputs, plain, reference = built("qwen2_moe", "grouped_mm")
+    for name in ("router_probs", "router_logits"):
+        with wrapped.trace(**inputs):
+            value = getattr(wrapped.moes[1], name).save()
+        assert value.requires_grad, name
+        freed = weakref.ref(value)
+        del value
+        locals()  # refreshes this frame's locals snapshot, which nnsight read in the trace (Python 3.11 keeps it)
+        gc.collect()
+        assert freed() is None, name

@@ -79,6 +79,13 @@ class Binding:
             return self.from_view(token_major, context)
 
 
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """What autograd keeps of a saved tensor: its data, without its own graph. The tensor itself would hold its
+    own grad_fn, a cycle through torch's C++ graph that Python's garbage collector cannot see (an op that saves
+    its output, a softmax, kept its whole forward graph alive)."""
+    return tensor.detach()
+
+
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -88,11 +95,12 @@ def kept_for_backward() -> contextlib.AbstractContextManager:
 
     Inside a layer under activation checkpointing torch would count those among the layer's
     tensors to recompute, and its recomputation (the model's forward alone) does not make them:
-    the backward would fail with a CheckpointError.
+    the backward would fail with a CheckpointError. What is kept is the data (`_kept`): the
+    gradients are the same, but not differentiable again (no double backward through these ops).
     """
     if not torch.is_grad_enabled():  # nothing is saved for backward
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _same)
 
 
 def output_of(index: int | None) -> tuple[Callable, Callable]:
