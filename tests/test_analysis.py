@@ -663,7 +663,7 @@ def test_bad_analysis_input_gets_a_clear_error(qwen):
         (lambda: analysis.collect_routing(wrapped, [[5, vocab, 7]], progress=False),
          rf"corpus item 0 holds token id {vocab}, outside the model's vocabulary \[0, {vocab}\)"),
         (lambda: analysis.expert_logit_lens(wrapped, [[1], [5, -1]], progress=False), r"corpus item 1 holds token id -1"),
-        (lambda: analysis.routing_entropy(cache, bins=0), "bins must be a whole number of at least 1, got 0"),
+        (lambda: analysis.routing_entropy(cache, bins=0), "bins must be an integer of at least 1, got 0"),
         (lambda: analysis.expert_paths(cache, layers=[]), r"layers=\[\] names no layer"),
         (lambda: analysis.plots.plot_coactivation([]), "nothing to plot"),
     ]

@@ -8,6 +8,7 @@ The truths are independent of the code under test: the files on disk, a collecti
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -476,3 +477,177 @@ def test_the_vocabulary_is_the_configs_capped_by_a_transformers_models_input_emb
     assert corpora.vocab_size(hf) == hf.config.vocab_size == hf.get_input_embeddings().num_embeddings
     hf.config.vocab_size += 50  # a config that names more ids than the embedding holds
     assert corpora.vocab_size(hf) == hf.get_input_embeddings().num_embeddings
+
+
+# -- arguments of the wrong kind -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def results(model):
+    """A cache with logits, its usage, an expert lens and a token view of the tiny Mixtral."""
+    from types import SimpleNamespace
+
+    cache = analysis.collect_routing(model, TEXTS, logits=True, progress=False)
+    return SimpleNamespace(cache=cache, usage=analysis.expert_usage(cache), view=analysis.token_routing(model, TEXTS[0]),
+                           lens=analysis.expert_logit_lens(model, TEXTS, top=3, progress=False))
+
+
+def unread():
+    """A corpus that fails the test when read: what is refused must be refused before any work."""
+    raise AssertionError("the corpus was read before the arguments were checked")
+    yield  # pragma: no cover
+
+
+CACHE_WANTED = r"cache must be a RoutingCache, got {}; collect one with analysis.collect_routing\(model, texts\)"
+WRAPPED_WANTED = r"model must be a model wrapped by moelens, got {}; wrap a transformers model with moelens.wrap\("
+EXPERTS_OF_1 = r"experts \[{}\] are not experts of layer 1, which has experts 0..7; pass integer expert ids"
+NOT_A_LAYER = r"layer {} is not an MoE layer of this {}; its MoE layers are \[0, 1, 2, 3\] \(pass an integer"
+BAD_ARGUMENTS = {
+    # top_tokens: a float, text or bool expert was taken as an expert with no tokens; n < 1 cut the ranking
+    "expert-float": (lambda m, r: analysis.top_tokens(r.cache, 1, [3.5]), EXPERTS_OF_1.format(r"3\.5")),
+    "expert-text": (lambda m, r: analysis.top_tokens(r.cache, 1, ["3"]), EXPERTS_OF_1.format("'3'")),
+    "expert-bool": (lambda m, r: analysis.top_tokens(r.cache, 1, [True]), EXPERTS_OF_1.format("True")),
+    "expert-float-tensor": (lambda m, r: analysis.top_tokens(r.cache, 1, torch.tensor([3.0])),
+                            EXPERTS_OF_1.format(r"tensor\(3\.\)")),
+    "one-expert": (lambda m, r: analysis.top_tokens(r.cache, 1, 3), r"experts=3 is one expert id; experts takes a list: "
+                                                                    r"experts=\[3\]"),
+    "experts-text": (lambda m, r: analysis.top_tokens(r.cache, 1, "3"),
+                     r"experts must be a list of expert ids \(integers\), got str '3'"),
+    "experts-2d": (lambda m, r: analysis.top_tokens(r.cache, 1, torch.tensor([[3]])),
+                   r"experts must be a list of expert ids \(integers\), got Tensor of shape \(1, 1\)"),
+    "n-negative": (lambda m, r: analysis.top_tokens(r.cache, 1, [3], n=-1), r"n must be an integer of at least 1, got -1"),
+    "n-zero": (lambda m, r: analysis.top_tokens(r.cache, 1, [3], n=0), r"n must be an integer of at least 1, got 0"),
+    "n-float": (lambda m, r: analysis.top_tokens(r.cache, 1, [3], n=2.5), r"n must be an integer of at least 1, got 2.5"),
+    "tokenizer-model": (lambda m, r: analysis.top_tokens(r.cache, 1, [0], tokenizer=m),
+                        r"tokenizer must be a tokenizer with a decode method, got MoeTransformersModel; pass its "
+                        r"tokenizer: tokenizer=model.tokenizer"),
+    "tokenizer-name": (lambda m, r: analysis.top_tokens(r.cache, 1, [0], tokenizer="gpt2"),
+                       r"tokenizer must be a tokenizer with a decode method, got str 'gpt2'; pass the model's tokenizer"),
+    # load_balance: num_experts of another length gave fewer rows than layers, or cut / padded the counts
+    "num-experts-short": (lambda m, r: analysis.load_balance(r.usage, num_experts=[8]),
+                          r"num_experts=\[8\] gives 1 E for the 4 layers \[0, 1, 2, 3\] of this usage; give one per "
+                          r"layer \(the usage's own: \[8, 8, 8, 8\]\)"),
+    "num-experts-too-many": (lambda m, r: analysis.load_balance(r.usage, num_experts=[100] * 4),
+                             r"num_experts gives layer 0 100 experts; it has 8: give an integer from 1 to 8"),
+    "num-experts-zero": (lambda m, r: analysis.load_balance(r.usage, num_experts=[8, 0, 8, 8]),
+                         r"num_experts gives layer 1 0 experts; it has 8"),
+    "num-experts-float": (lambda m, r: analysis.load_balance(r.usage, num_experts=[8, 8, 7.5, 8]),
+                          r"num_experts gives layer 2 7.5 experts"),
+    "num-experts-one": (lambda m, r: analysis.load_balance(r.usage, num_experts=8),
+                        r"num_experts=8 is one expert count; num_experts takes a list: one E per layer, "
+                        r"num_experts=\[8\] \* 4"),
+    # a model, a usage or a name where a cache, a usage or a wrapped model is expected
+    "usage-of-model": (lambda m, r: analysis.expert_usage(m), CACHE_WANTED.format("MoeTransformersModel")),
+    "balance-of-model": (lambda m, r: analysis.load_balance(m),
+                         r"usage must be a Usage or a RoutingCache, got MoeTransformersModel; count one with "
+                         r"analysis.expert_usage\(cache\)"),
+    "coactivation-of-usage": (lambda m, r: analysis.coactivation(r.usage, 1), CACHE_WANTED.format("Usage")),
+    "transitions-of-usage": (lambda m, r: analysis.transitions(r.usage, 0, 1), CACHE_WANTED.format("Usage")),
+    "paths-of-a-folder-name": (lambda m, r: analysis.expert_paths("cache"), CACHE_WANTED.format("str 'cache'")),
+    "entropy-of-model": (lambda m, r: analysis.routing_entropy(m), CACHE_WANTED.format("MoeTransformersModel")),
+    "token-entropy-of-usage": (lambda m, r: analysis.token_entropy(r.usage, 1), CACHE_WANTED.format("Usage")),
+    "top-tokens-of-model": (lambda m, r: analysis.top_tokens(m, 1), CACHE_WANTED.format("MoeTransformersModel")),
+    "specialisation-of-model": (lambda m, r: analysis.specialisation(m, torch.zeros(3), per="text"),
+                                CACHE_WANTED.format("MoeTransformersModel")),
+    "describe-unwrapped": (lambda m, r: analysis.describe(m._module), WRAPPED_WANTED.format("MixtralForCausalLM")),
+    "describe-a-name": (lambda m, r: analysis.describe("tiny"), WRAPPED_WANTED.format("str 'tiny'")),
+    "collect-unwrapped": (lambda m, r: analysis.collect_routing(m._module, unread(), progress=False),
+                          WRAPPED_WANTED.format("MixtralForCausalLM")),
+    "lens-unwrapped": (lambda m, r: analysis.expert_logit_lens(m._module, unread(), progress=False),
+                       WRAPPED_WANTED.format("MixtralForCausalLM")),
+    # collect_routing / expert_logit_lens: refused before the corpus is read
+    "one-layer": (lambda m, r: analysis.collect_routing(m, unread(), layers=1, progress=False),
+                  r"layers=1 is one layer; layers takes a list: layers=\[1\]"),
+    "layer-bool": (lambda m, r: analysis.collect_routing(m, unread(), layers=[True], progress=False),
+                   r"layers \[True\] are not MoE layers; the MoE layers are \[0, 1, 2, 3\] \(decoder-layer indices are "
+                   r"integers\)"),
+    "layer-float": (lambda m, r: analysis.expert_logit_lens(m, unread(), layers=[1.0], progress=False),
+                    r"layers \[1.0\] are not MoE layers"),
+    "shard-tokens-text": (lambda m, r: analysis.collect_routing(m, unread(), shard_tokens="1000", progress=False),
+                          r"shard_tokens must be an integer of at least 1, got '1000'"),
+    "shard-tokens-zero": (lambda m, r: analysis.collect_routing(m, unread(), shard_tokens=0, progress=False),
+                          r"shard_tokens must be an integer of at least 1, got 0"),
+    "batch-size-bool-tensor": (lambda m, r: analysis.collect_routing(m, unread(), batch_size=torch.tensor(True),
+                                                                     progress=False),
+                               r"batch_size must be an integer of at least 1, got tensor\(True\)"),
+    "lens-top-negative": (lambda m, r: analysis.expert_logit_lens(m, unread(), top=-1, progress=False),
+                          r"top must be an integer of at least 1, got -1"),
+    "lens-top-zero": (lambda m, r: analysis.expert_logit_lens(m, unread(), top=0, progress=False),
+                      r"top must be an integer of at least 1, got 0"),
+    # a layer that is not an integer: a bool or text was looked up as one, a float tensor failed with a KeyError
+    "cache-layer-float-tensor": (lambda m, r: r.cache.indices(torch.tensor(1.5)),
+                                 NOT_A_LAYER.format(r"tensor\(1\.5000\)", "cache")),
+    "cache-layer-bool": (lambda m, r: r.cache.weights(True), NOT_A_LAYER.format("True", "cache")),
+    "cache-layer-text": (lambda m, r: r.cache.probs("1"), NOT_A_LAYER.format("'1'", "cache")),
+    "top-tokens-layer-text": (lambda m, r: analysis.top_tokens(r.cache, "1"), NOT_A_LAYER.format("'1'", "cache")),
+    "usage-row-bool": (lambda m, r: r.usage.row(True), NOT_A_LAYER.format("True", "expert usage")),
+    "paths-one-layer": (lambda m, r: analysis.expert_paths(r.cache, layers=1),
+                        r"layers=1 is one layer; layers takes a list: layers=\[1\]"),
+    "table-one-layer": (lambda m, r: r.view.table(layers=1), r"layers=1 is one layer; layers takes a list"),
+    # experts of a lens: past the layer's, or negative (the last expert)
+    "promoted-past": (lambda m, r: r.lens.promoted(1, 99), EXPERTS_OF_1.format("99")),
+    "promoted-negative": (lambda m, r: r.lens.promoted(1, -1), EXPERTS_OF_1.format("-1")),
+    "promoted-float": (lambda m, r: r.lens.promoted(1, 2.0), EXPERTS_OF_1.format(r"2\.0")),
+    # counts that cut a result from its end
+    "paths-top-zero": (lambda m, r: analysis.expert_paths(r.cache, top=0), r"top must be an integer of at least 1, got 0"),
+    "plot-lens-top": (lambda m, r: analysis.plots.plot_logit_lens(r.lens, top=-1),
+                      r"top must be an integer of at least 1, got -1"),
+    "plot-view-max-tokens": (lambda m, r: analysis.plots.plot_token_routing(r.view, max_tokens=-2),
+                             r"max_tokens must be an integer of at least 1, got -2"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_bad_analysis_arguments_are_refused_clearly(model, results, case):
+    call, message = case
+    with pytest.raises(MoelensError, match=message):
+        call(model, results)
+
+
+def test_numpy_and_tensor_integers_are_taken_as_ints(model, results):
+    """0-d tensors were looked up as layers by identity (KeyError), 1-D tensors of layers were not MoE layers."""
+    import numpy as np
+
+    cache, usage, lens = results.cache, results.usage, results.lens
+    for layer in (np.int64(1), torch.tensor(1), np.array(1)):
+        for name in ("indices", "weights", "logits", "probs"):
+            assert torch.equal(getattr(cache, name)(layer), getattr(cache, name)(1)), name
+        assert torch.equal(analysis.coactivation(cache, layer).counts, analysis.coactivation(cache, 1).counts)
+        assert torch.equal(analysis.transitions(cache, layer, torch.tensor(2)).counts,
+                           analysis.transitions(cache, 1, 2).counts)
+        assert torch.equal(analysis.token_entropy(cache, layer), analysis.token_entropy(cache, 1))
+        assert usage.row(layer) == 1 and lens.promoted(layer, np.int32(2)) == lens.promoted(1, 2)
+    assert analysis.expert_paths(cache, layers=torch.tensor([0, 1]), top=np.int64(3)) == \
+        analysis.expert_paths(cache, layers=[0, 1], top=3)
+    assert results.view.table(layers=torch.tensor([1])) == results.view.table(layers=[1])
+
+    expected = analysis.top_tokens(cache, 1, [3, 5], n=4)
+    for layer, experts, n in ((torch.tensor(1), torch.tensor([3, 5]), np.int64(4)),
+                              (np.int64(1), np.array([3, 5]), torch.tensor(4)),
+                              (1, [np.int16(3), torch.tensor(5)], 4)):
+        got = analysis.top_tokens(cache, layer, experts, n=n)
+        assert [(item.layer, item.expert) for item in got] == [(1, 3), (1, 5)]
+        assert all(type(item.layer) is int and type(item.expert) is int for item in got)
+        for mine, theirs in zip(got, expected):
+            assert torch.equal(mine.token_ids, theirs.token_ids) and torch.equal(mine.counts, theirs.counts)
+
+    for layers in (torch.tensor([1, 2]), np.array([1, 2]), (np.int64(1), torch.tensor(2))):
+        assert_same_routing(analysis.collect_routing(model, TEXTS, layers=layers, shard_tokens=torch.tensor(4),
+                                                     progress=False),
+                            analysis.collect_routing(model, TEXTS, layers=[1, 2], shard_tokens=4, progress=False))
+    lens_np = analysis.expert_logit_lens(model, TEXTS, layers=np.array([3]), top=np.int64(3), progress=False)
+    assert lens_np.layers == [3] and torch.equal(lens_np.top_ids[0], lens.top_ids[3])
+
+
+def test_load_balance_takes_one_expert_count_per_layer(results):
+    """num_experts is E per layer, at most the layer's own: a smaller E measures the first E experts only."""
+    import numpy as np
+
+    usage = results.usage
+    plain = analysis.load_balance(usage)
+    for widths in (np.array([8] * 4), torch.tensor([8] * 4), [np.int64(8)] * 4):
+        assert torch.equal(analysis.load_balance(usage, num_experts=widths).cv, plain.cv)
+    first = analysis.load_balance(usage, num_experts=[4, 8, 8, 8])
+    counts = usage.counts[0, :4].double()
+    assert math.isclose(float(first.cv[0]), float(counts.std(correction=0) / counts.mean()), rel_tol=1e-12)
+    assert torch.equal(first.cv[1:], plain.cv[1:]) and len(first.cv) == len(usage.layers)

@@ -29,6 +29,7 @@ pytest.importorskip("tract", reason="the export extra is not installed (pip inst
 import moelens  # noqa: E402
 from moelens.export import Edits, ExportError, ExportRefused, run, to_nnef, verify  # noqa: E402
 from moelens.export import archive  # noqa: E402
+from moelens.export.edits import as_edits  # noqa: E402
 from moelens.testing import FAMILIES, TINY_OVERRIDES, tiny_inputs, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
@@ -152,6 +153,16 @@ def test_model_export_matches_torch_in_tract(family, out):
     close(run(report.path, ids), expected)
     assert report.verification.meets("approximate")
 
+
+def test_a_whole_model_tract_cannot_run_says_which_part_and_what_to_do(out):
+    """mistral4's MLA attention traces in torch-to-nnef but fails tract's declutter: the error blamed tract alone
+    and pointed nowhere; its MoE blocks export."""
+    hf = small("mistral4", n_group=1, topk_group=1)
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(ExportError, match=r"torch-to-nnef wrote this archive, but tract cannot load or run it \(.*self_attn.*\)\. "
+                                          r"The MoE blocks were accepted; .* export its MoE blocks \(model.moes\[i\]\) instead"):
+        to_nnef(wrapped, out / "mistral4-whole-model.nnef.tgz")
+    assert to_nnef(wrapped.moes[0], out / "mistral4-block.nnef.tgz").verification.meets("approximate")
 
 def test_export_leaves_torch_to_nnef_as_it_was(out):
     """The logsumexp fix (negative axis, granitemoe_swa's attention sinks) is in force only during an export."""
@@ -394,6 +405,103 @@ def test_edits_tract_cannot_express_are_refused(out):
         to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(ablate={5: [0]}))
     with pytest.raises(ExportError, match="not finite"):
         Edits(steer={0: {1: float("inf")}})
+
+
+_EXPERT_ID = r"must be an int expert id \(a Python or numpy integer, or a one-element integer tensor\), got "
+_LAYER_ID = r": layer must be an int decoder layer index \(moe\.layer: .*\), got "
+_IDS_FORM = r"; ablate maps a layer to expert ids: \{layer: \[expert, \.\.\.\]\}\.$"
+
+
+@pytest.mark.parametrize("fields, message", [
+    # ids moelens.ablate / steer refuse were truncated: [3.7] -> expert 3, True -> expert 1, layer 1.5 -> layer 1
+    ({"ablate": {1: [3.7]}}, r"^Edits\.ablate\[1\]: expert " + _EXPERT_ID + r"3\.7" + _IDS_FORM),
+    ({"ablate": {1: True}}, r"^Edits\.ablate\[1\]: expert " + _EXPERT_ID + "True" + _IDS_FORM),
+    ({"ablate": {1: 3.0}}, r"^Edits\.ablate\[1\]: expert " + _EXPERT_ID + r"3\.0" + _IDS_FORM),
+    ({"ablate": {1: [np.float64("nan")]}}, r"^Edits\.ablate\[1\]: expert " + _EXPERT_ID + r"np\.float64\(nan\)" + _IDS_FORM),
+    ({"ablate": {1: torch.tensor(3.0)}}, r"^Edits\.ablate\[1\]: expert " + _EXPERT_ID + r"tensor\(3\.\)" + _IDS_FORM),
+    ({"ablate": {1: "3"}}, r"^Edits\.ablate\[1\]: expert " + _EXPERT_ID + "'3'" + _IDS_FORM),
+    ({"ablate": {1.5: [3]}}, r"^Edits\.ablate" + _LAYER_ID + r"1\.5" + _IDS_FORM),
+    ({"ablate": {True: [3]}}, r"^Edits\.ablate" + _LAYER_ID + "True" + _IDS_FORM),
+    ({"ablate": {"1": [3]}}, r"^Edits\.ablate" + _LAYER_ID + "'1'" + _IDS_FORM),
+    ({"route_around": {1: [2, 4.0]}}, r"^Edits\.route_around\[1\]: expert " + _EXPERT_ID + r"4\.0; route_around maps"),
+    ({"force": {1: [False]}}, r"^Edits\.force\[1\]: expert " + _EXPERT_ID + "False; force maps"),
+    ({"swap": {1: {2: 3.9}}}, r"^Edits\.swap\[1\]: the replacement of expert 2 " + _EXPERT_ID
+     + r"3\.9; swap maps a layer to swaps: \{layer: \{expert: to\}\}\.$"),
+    ({"swap": {1: {2.0: 3}}}, r"^Edits\.swap\[1\]: expert " + _EXPERT_ID + r"2\.0; swap maps"),
+    ({"steer": {1: {2.5: 1.0}}}, r"^Edits\.steer\[1\]: expert " + _EXPERT_ID + r"2\.5; steer maps"),
+    ({"steer": {1.0: {2: 1.0}}}, r"^Edits\.steer" + _LAYER_ID + r"1\.0; steer maps"),
+    ({"steer": {1: {2: True}}}, r"^Edits\.steer\[1\]: the bias of expert 2 must be a number \(a Python or numpy "
+     r"number, or a one-element tensor\), got True; steer maps a layer to expert biases: \{layer: \{expert: bias\}\}\.$"),
+    ({"steer": {1: {2: "1.0"}}}, r"^Edits\.steer\[1\]: the bias of expert 2 must be a number .*, got '1\.0'; steer maps"),
+    ({"steer": {1: {2: torch.tensor([1.0, 2.0])}}}, r"^Edits\.steer\[1\]: the bias of expert 2 must be a number .*, "
+     r"got tensor\(\[1\., 2\.\]\); steer maps"),
+])
+def test_edits_refuse_ids_and_biases_the_interventions_refuse(fields, message):
+    """A float, bool or str id was truncated (int(3.7) == 3, int(True) == 1) where moelens.ablate refuses it."""
+    with pytest.raises(ExportError, match=message):
+        Edits(**fields)
+    with pytest.raises(ExportError, match=message):  # the same through to_nnef's edits={...}
+        as_edits(fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"ablate": [3]}, r"^Edits\.ablate must be a dict, got \[3\]" + _IDS_FORM),
+    ({"ablate": None}, r"^Edits\.ablate must be a dict, got None" + _IDS_FORM),
+    ({"ablate": {1: {3: 1.0}}}, r"^Edits\.ablate\[1\] must be expert ids \(one, or a list of them\), got \{3: 1\.0\}"
+     + _IDS_FORM),
+    ({"steer": {2: 1.0}}, r"^Edits\.steer\[2\] must be a dict, got 1\.0; steer maps a layer to expert biases: "
+     r"\{layer: \{expert: bias\}\}\.$"),
+    ({"steer": [(2, {5: 1.0})]}, r"^Edits\.steer must be a dict, got \[\(2, \{5: 1\.0\}\)\]; steer maps"),
+    ({"swap": {1: [2, 3]}}, r"^Edits\.swap\[1\] must be a dict, got \[2, 3\]; swap maps a layer to swaps: "
+     r"\{layer: \{expert: to\}\}\.$"),
+    # a layer or expert given twice, once as a tensor (which dict keys do not merge): one would be dropped
+    ({"ablate": {1: [3], torch.tensor(1): [4]}}, r"^Edits\.ablate names layer 1 twice \(as 1 and tensor\(1\)\); give each once\.$"),
+    ({"steer": {1: {3: 1.0, torch.tensor(3): 2.0}}}, r"^Edits\.steer\[1\] names expert 3 twice \(as 3 and tensor\(3\)\)"),
+])
+def test_edits_in_the_wrong_form_say_the_form_expected(fields, message):
+    """A lone number for steer / swap, a list for a dict: a raw TypeError ("'float' object is not iterable")."""
+    with pytest.raises(ExportError, match=message):
+        Edits(**fields)
+
+
+def _same_edits(given: dict, plain: dict) -> None:
+    edits = Edits(**given)
+    assert edits == Edits(**plain)
+    assert edits.to_text() == Edits(**plain).to_text()
+    assert all(type(layer) is int for layer in getattr(edits, next(iter(plain))))
+
+
+@pytest.mark.parametrize("given, plain", [
+    ({"ablate": {1: np.int64(3)}}, {"ablate": {1: [3]}}),
+    ({"ablate": {1: torch.tensor(3)}}, {"ablate": {1: [3]}}),
+    ({"ablate": {1: np.array(3)}}, {"ablate": {1: [3]}}),
+    ({"route_around": {1: np.int32(3)}}, {"route_around": {1: [3]}}),
+    ({"force": {1: torch.tensor(3)}}, {"force": {1: [3]}}),
+])
+def test_edits_take_a_lone_expert_id_in_every_form_an_int_is_taken(given, plain):
+    """{1: 3} was taken as [3], but np.int64(3) or torch.tensor(3) raised a raw TypeError (not iterable)."""
+    _same_edits(given, plain)
+
+
+@pytest.mark.parametrize("given, plain", [  # forms taken before too: kept as moelens' interventions take them
+    ({"ablate": {1: 3}}, {"ablate": {1: [3]}}),
+    ({"ablate": {1: torch.tensor([3])}}, {"ablate": {1: [3]}}),
+    ({"ablate": {1: torch.tensor([3, 4])}}, {"ablate": {1: [3, 4]}}),
+    ({"ablate": {1: np.array([3, 4])}}, {"ablate": {1: [3, 4]}}),
+    ({"ablate": {1: (np.int64(3), torch.tensor(4))}}, {"ablate": {1: [3, 4]}}),
+    ({"route_around": {1: range(3, 5)}}, {"route_around": {1: [3, 4]}}),
+    ({"ablate": {np.int64(1): [3]}}, {"ablate": {1: [3]}}),
+    ({"ablate": {torch.tensor(1): [3]}}, {"ablate": {1: [3]}}),
+    ({"steer": {torch.tensor(1): {np.int64(2): 1.5}}}, {"steer": {1: {2: 1.5}}}),
+    ({"steer": {1: {2: np.float32(1.5)}}}, {"steer": {1: {2: 1.5}}}),  # biases: any real number, as steer takes
+    ({"steer": {1: {2: torch.tensor(1.5)}}}, {"steer": {1: {2: 1.5}}}),
+    ({"steer": {1: {2: np.int64(2)}}}, {"steer": {1: {2: 2.0}}}),
+    ({"steer": {1: {2: 2}}}, {"steer": {1: {2: 2.0}}}),
+    ({"swap": {np.int64(1): {torch.tensor(2): np.int64(3)}}}, {"swap": {1: {2: 3}}}),
+    ({"swap": {1: {2: torch.tensor([3])}}}, {"swap": {1: {2: 3}}}),
+])
+def test_edits_still_take_ids_and_biases_in_the_forms_the_interventions_take(given, plain):
+    _same_edits(given, plain)
 
 
 def test_edits_made_in_a_trace_are_checked_as_the_export_checks_them():

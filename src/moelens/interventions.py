@@ -26,7 +26,6 @@ change outputs.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Sequence
 
 import numpy
@@ -35,6 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .components import Mlp, Moe
 from .errors import WriteError
+from .scalars import as_int, as_real, scalar
 
 #: What each intervention changes: "routing" (writes router_logits) or "outputs".
 CHANGES = {"ablate:zero": "outputs", "ablate:route_around": "routing", "ablate:swap": "outputs",
@@ -62,21 +62,12 @@ def _moe(block: Any, call: str) -> Moe:
     )
 
 
-def _scalar(value: Any) -> Any:
-    """A one-element tensor or numpy array as its Python number; anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, (numpy.ndarray, numpy.generic)) and value.size == 1:
-        return value.item()
-    return value
-
-
 def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
     """``expert`` as a Python int id of ``moe`` (an int, a numpy integer or a one-element tensor), checked."""
-    expert = _scalar(expert)
-    if not isinstance(expert, numbers.Integral) or isinstance(expert, bool):
-        raise WriteError(f"{what} must be an int expert id in [0, {moe.num_experts}), got {expert!r}.")
-    expert = int(expert)
+    index = as_int(expert)
+    if index is None:
+        raise WriteError(f"{what} must be an int expert id in [0, {moe.num_experts}), got {scalar(expert)!r}.")
+    expert = index
     if not 0 <= expert < moe.num_experts:
         raise WriteError(f"{what} {expert} is out of range: {moe.path} has experts 0..{moe.num_experts - 1}.")
     return expert
@@ -176,8 +167,8 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     less (SteerMoE). The family's scoring turns the biased logits into weights.
     """
     expert = _expert(_moe(moe, "steer"), expert)
-    bias = _scalar(bias)
-    if not isinstance(bias, numbers.Real) or isinstance(bias, bool):
+    bias = scalar(bias)
+    if as_real(bias) is None:
         raise WriteError(
             f"steer: bias must be a number, got {type(bias).__name__}"
             f"{f' of shape {tuple(bias.shape)}' if isinstance(bias, torch.Tensor) else ''}; for a bias per "

@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from jaxtyping import Float, Int
@@ -31,6 +31,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..families.scoring import score
 from ..paths import blocked_above, may_write_into
+from .checks import check_type, split_ids
 
 #: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
 #: expert 0 with weight 0): counted by no expert.
@@ -44,11 +45,14 @@ META_FILE = "routing.json"
 SHARD_NAME = re.compile(r"shard-\d+\.safetensors")
 
 
-def layer_row(layers: Sequence[int], layer: int, what: str = "cache") -> int:
-    """The position of decoder layer ``layer`` in ``layers`` (the MoE layers of a cache or a result)."""
-    if layer not in layers:
-        raise MoelensError(f"layer {layer} is not an MoE layer of this {what}; its MoE layers are {list(layers)}.")
-    return list(layers).index(layer)
+def layer_row(layers: Sequence[int], layer: Any, what: str = "cache") -> int:
+    """The position of decoder layer ``layer`` (an integer, see `checks.integer`) in ``layers`` (the MoE layers of
+    a cache or a result)."""
+    (index,), outside = split_ids([layer], layers)
+    if outside:
+        hint = "" if index is not None else " (pass an integer decoder-layer index)"
+        raise MoelensError(f"layer {layer!r} is not an MoE layer of this {what}; its MoE layers are {list(layers)}{hint}.")
+    return list(layers).index(index)
 
 
 def damaged(path: Path, problem: str) -> MoelensError:
@@ -205,9 +209,9 @@ class RoutingCache:
                                 f"lists {tokens} tokens of layers {sorted(self.layers)}")
         return shard
 
-    def _layer(self, layer: int) -> int:
-        layer_row(self.layers, layer)
-        return layer
+    def _layer(self, layer: Any) -> int:
+        """``layer`` as the int key of one of this cache's MoE layers (else a clear error)."""
+        return self.layers[layer_row(self.layers, layer)]
 
     def _cat(self, kind: str, layer: int | None = None) -> Tensor:
         parts = [getattr(s, kind) if layer is None else getattr(s, kind)[layer] for s in self.shards()]
@@ -231,6 +235,7 @@ class RoutingCache:
 
     def probs(self, layer: int) -> Float[Tensor, "t e"]:
         """``[T, E]`` the family's score of each expert (what ``moe.router_probs`` serves)."""
+        layer = self._layer(layer)
         return score(self.score[layer], self.logits(layer), self.softcap.get(layer, 0.0))
 
     def token_ids(self) -> Int[Tensor, " t"]:
@@ -316,6 +321,12 @@ class RoutingCache:
             if not SHARD_NAME.fullmatch(name) or not (folder / name).is_file():
                 raise damaged(meta_path, f"it lists the shard file {name!r}, which is not in {str(folder)!r}")
         return cache
+
+
+def check_cache(cache: Any) -> None:
+    """Refuse a ``cache`` argument that is not a `RoutingCache` (a model, a `Usage` ...)."""
+    check_type(cache, RoutingCache, "cache", "a RoutingCache",
+               "collect one with analysis.collect_routing(model, texts), or load one with RoutingCache.load(folder)")
 
 
 def check_folder(path: Path, what: str) -> None:

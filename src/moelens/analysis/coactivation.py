@@ -19,7 +19,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import SKIPPED, RoutingCache, Shard
+from .cache import SKIPPED, RoutingCache, Shard, check_cache
+from .checks import check_count, id_list
 
 SLOTS = ("top1", "all")
 
@@ -96,7 +97,9 @@ def multi_hot(indices: Tensor, num_experts: int) -> Tensor:
 
 def coactivation(cache: RoutingCache, layer: int) -> Coactivation:
     """Count, in ``layer``, the tokens routed to each pair of experts (streams over shards)."""
-    width = cache.num_experts[cache._layer(layer)]
+    check_cache(cache)
+    layer = cache._layer(layer)
+    width = cache.num_experts[layer]
     counts = torch.zeros(width, width, dtype=torch.float64)
     tokens = 0
     for shard in cache.shards():
@@ -114,9 +117,11 @@ def _chosen(shard: Shard, layer: int, width: int, slots: str) -> Tensor:
 
 def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top1") -> Transitions:
     """Count the tokens routed to expert i in layer ``source`` and j in layer ``target``."""
+    check_cache(cache)
     if slots not in SLOTS:
         raise MoelensError(f"slots={slots!r} is not one of {SLOTS}.")
-    rows, columns = cache.num_experts[cache._layer(source)], cache.num_experts[cache._layer(target)]
+    source, target = cache._layer(source), cache._layer(target)
+    rows, columns = cache.num_experts[source], cache.num_experts[target]
     counts = torch.zeros(rows, columns, dtype=torch.float64)
     sources = torch.zeros(rows, dtype=torch.float64)
     tokens = 0
@@ -136,11 +141,12 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
         ``[(path, tokens), ...]`` most common first; ``path[i]`` is the expert in ``layers[i]``
         (`SKIPPED`, -1, where every slot of the token skipped that layer).
     """
-    layers = list(cache.layers if layers is None else layers)
+    check_cache(cache)
+    top = check_count("top", top)
+    layers = list(cache.layers) if layers is None else id_list("layers", layers, "layer")
     if not layers:
         raise MoelensError(f"expert_paths: layers={layers} names no layer; the cache holds layers {list(cache.layers)}.")
-    for layer in layers:
-        cache._layer(layer)
+    layers = [cache._layer(layer) for layer in layers]
     paths: Counter[tuple[int, ...]] = Counter()
     for shard in cache.shards():
         stacked = torch.stack([top1(shard, layer) for layer in layers], dim=1)

@@ -16,8 +16,11 @@ import torch
 from tqdm import tqdm
 
 from ..errors import MoelensError
+from ..model import MoeModelMixin
+from ..scalars import as_lone_int
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
+from .checks import check_count, check_type, id_list, split_ids
 
 #: Default number of tokens per cache shard (a shard is the unit held in memory).
 SHARD_TOKENS = 65_536
@@ -26,16 +29,24 @@ SHARD_TOKENS = 65_536
 ROUTING_VALUES = ("router_logits", "expert_weights", "expert_indices")
 
 
+def check_wrapped(model: Any) -> None:
+    """Refuse a ``model`` argument that is not a model moelens wrapped (a transformers model, a name ...)."""
+    check_type(model, MoeModelMixin, "model", "a model wrapped by moelens",
+               "wrap a transformers model with moelens.wrap(model, tokenizer=tokenizer), or load one with "
+               "moelens.load(path)")
+
+
 def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Iterable[str] | None = None) -> list[Any]:
     """The model's MoE components to analyse, one per decoder layer, with clear errors.
 
     Args:
         model: A wrapped model.
-        layers: Decoder-layer indices to keep (default: every MoE layer).
+        layers: Decoder-layer indices to keep: a list (or 1-D tensor) of integers (default: every MoE layer).
         blocks: Keep only blocks whose module path contains this text (or one of these),
             for models with several MoE blocks in a layer (ernie4_5_vl_moe's
             ``text_moe`` / ``vision_moe``).
     """
+    check_wrapped(model)
     moes = list(getattr(model, "moes", None) or [])
     if not moes:
         raise MoelensError(
@@ -48,14 +59,15 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
         if not moes:
             raise MoelensError(f"no MoE block path contains {wanted_paths}; the blocks are {[m.path for m in model.moes]}.")
     if layers is not None:
-        wanted = set(layers)
-        chosen = [moe for moe in moes if moe.layer in wanted]
-        missing = wanted - {moe.layer for moe in chosen}
+        layers = id_list("layers", layers, "layer")
+        known = sorted({moe.layer for moe in moes})
+        wanted, missing = split_ids(layers, known)
         if missing:
-            raise MoelensError(f"layers {sorted(missing)} are not MoE layers; the MoE layers are {sorted({m.layer for m in moes})}.")
-        if not chosen:
-            raise MoelensError(f"layers={list(layers)} selects no MoE layer; the MoE layers are {sorted({m.layer for m in moes})}.")
-        moes = chosen
+            hint = "" if all(as_lone_int(layer) is not None for layer in missing) else " (decoder-layer indices are integers)"
+            raise MoelensError(f"layers {missing} are not MoE layers; the MoE layers are {known}{hint}.")
+        if not wanted:
+            raise MoelensError(f"layers={layers} selects no MoE layer; the MoE layers are {known}.")
+        moes = [moe for moe in moes if moe.layer in wanted]
     shared = sorted({moe.layer for moe in moes if sum(other.layer == moe.layer for other in moes) > 1})
     if shared:
         paths = [moe.path for moe in moes if moe.layer == shared[0]]
@@ -140,7 +152,7 @@ def collect_routing(
         max_length: Window length (default: the model's context, at most 512).
         logits: Also cache router logits (``[T, E]`` per layer; lets `RoutingCache.probs`
             and the router entropy work).
-        layers: Decoder-layer indices of the MoE layers to cache (default: all).
+        layers: Decoder-layer indices of the MoE layers to cache, a list (default: all).
         blocks: Only blocks whose path contains this (models with several MoE blocks per layer).
         folder: Stream the cache to this folder (one file per shard) instead of
             memory; only one shard is ever held in memory.
@@ -153,6 +165,7 @@ def collect_routing(
     Returns:
         The `RoutingCache` (on disk when ``folder`` is given).
     """
+    shard_tokens = check_count("shard_tokens", shard_tokens)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise MoelensError(
             f"dtype must be a floating-point torch dtype to store weights and logits in (torch.float16, "

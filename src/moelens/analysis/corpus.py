@@ -14,7 +14,6 @@ stays streamed.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -25,6 +24,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..errors import MoelensError
+from .checks import check_count
 
 #: Longest window used when neither the caller nor the model's config says.
 DEFAULT_MAX_LENGTH = 512
@@ -175,18 +175,7 @@ def windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None = 
     """``(text index, offset, ids)`` windows of at most ``max_length`` tokens, in corpus order (counted in ``tally``).
 
     A bad ``max_length`` is refused here, before anything is read."""
-    check_count("max_length", max_length)
-    return _windows(corpus, tokenizer, max_length, tally)
-
-
-def check_count(name: str, value: Any) -> None:
-    """Refuse a ``batch_size`` / ``max_length`` that is not an integer (Python, numpy or 0-d tensor) of at least 1."""
-    try:
-        count = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        count = None
-    if count is None or count < 1:
-        raise MoelensError(f"{name} must be an integer of at least 1, got {value!r}.")
+    return _windows(corpus, tokenizer, check_count("max_length", max_length), tally)
 
 
 def _windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None) -> Iterator[tuple[int, int, list[int]]]:
@@ -231,7 +220,7 @@ def batches(
     ``vocab``: the model's vocabulary size; a token id outside ``[0, vocab)`` is refused, naming its item.
     A bad ``batch_size`` or ``max_length`` is refused here, before anything is read.
     """
-    check_count("batch_size", batch_size)
+    batch_size = check_count("batch_size", batch_size)
     return _batches(windows(corpus, tokenizer, max_length, tally), batch_size, pad, dtype, vocab)
 
 

@@ -19,7 +19,7 @@ from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from ..families.unserved import why_no_moe
 from . import corpus as corpora
-from .collect import moes_of
+from .collect import check_wrapped, moes_of
 
 #: Values a `Moe` serves read-only (derived from another value).
 READ_ONLY = ("router_probs",)
@@ -179,6 +179,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         model: A model from `moelens.wrap` / `moelens.load`.
         probe: Run a 4-token trace to find which values each block serves (and their shapes).
     """
+    check_wrapped(model)
     module = model._module
     config = getattr(module, "config", None)
     moes = list(getattr(model, "moes", None) or [])

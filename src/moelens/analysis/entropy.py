@@ -15,7 +15,6 @@ Two sources, both normalised to [0, 1]:
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import RoutingCache, Shard
+from .cache import RoutingCache, Shard, check_cache
+from .checks import check_count
 from ..families.scoring import score
 
 SOURCES = ("router", "weights")
@@ -82,8 +82,9 @@ def _shard_entropy(cache: RoutingCache, shard: Shard, layer: int, source: str) -
 
 def token_entropy(cache: RoutingCache, layer: int, source: str | None = None) -> Float[Tensor, " t"]:
     """``[T]`` every cached token's normalised routing entropy in ``layer``."""
+    check_cache(cache)
     source = _pick_source(cache, source)
-    cache._layer(layer)
+    layer = cache._layer(layer)
     return torch.cat([_shard_entropy(cache, shard, layer, source) for shard in cache.shards()])
 
 
@@ -95,9 +96,8 @@ def routing_entropy(cache: RoutingCache, source: str | None = None, bins: int = 
         source: ``"router"`` or ``"weights"`` (default: router when logits were cached).
         bins: Histogram bins over [0, 1].
     """
-    if isinstance(bins, bool) or not hasattr(bins, "__index__") or operator.index(bins) < 1:
-        raise MoelensError(f"bins must be a whole number of at least 1, got {bins!r}.")
-    bins = operator.index(bins)
+    bins = check_count("bins", bins)
+    check_cache(cache)
     source = _pick_source(cache, source)
     histogram = torch.zeros(len(cache.layers), bins, dtype=torch.int64)
     total = torch.zeros(len(cache.layers), dtype=torch.float64)

@@ -28,6 +28,7 @@ from ..errors import MoelensError
 from ..families.entry import get_path
 from . import corpus as corpora
 from .cache import layer_row
+from .checks import check_count, expert_ids
 from .collect import moes_of, skipped_slots, skips
 from .text import token_strings
 
@@ -60,8 +61,10 @@ class ExpertLens:
     norm: str | None
 
     def promoted(self, layer: int, expert: int) -> list[str]:
-        """The tokens expert ``expert`` of decoder layer ``layer`` promotes, best first."""
-        return self.tokens[layer_row(self.layers, layer, "expert lens")][expert]
+        """The tokens expert ``expert`` (an integer id) of decoder layer ``layer`` promotes, best first."""
+        row = layer_row(self.layers, layer, "expert lens")
+        (expert,) = expert_ids([expert], len(self.tokens[row]), self.layers[row])
+        return self.tokens[row][expert]
 
 
 def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.nn.Module]:
@@ -144,12 +147,13 @@ def expert_logit_lens(
         corpus: Texts or token ids (as for `collect_routing`).
         layers: Decoder-layer indices of the MoE layers (default: all).
         blocks: Only blocks whose path contains this (several MoE blocks per layer).
-        top: Tokens per expert.
+        top: Tokens per expert (at least 1).
         relative: Subtract the layer's mean contribution before reading out.
         batch_size: Windows per forward.
         max_length: Window length (default: the model's context, at most 512).
         progress: Show a tqdm progress bar.
     """
+    top = check_count("top", top)
     moes = moes_of(model, layers, blocks)
     for moe in moes:
         if "expert_outputs" not in moe.order():

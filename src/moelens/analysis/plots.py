@@ -17,6 +17,7 @@ import torch
 
 from ..errors import MoelensError
 from .cache import SKIPPED, layer_row
+from .checks import check_count
 from .coactivation import Coactivation, Transitions
 from .entropy import Entropy
 from .logit_lens import ExpertLens
@@ -236,8 +237,8 @@ def _expert_label(expert: int) -> str:
 
 def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
     """Grid layers x tokens coloured by each token's top expert, annotated with its k experts."""
+    count = min(len(view.tokens), check_count("max_tokens", max_tokens))
     plt = pyplot()
-    count = min(len(view.tokens), max_tokens)
     top = view.top1()[:, :count].float()
     width = max(int(view.indices.max()) + 1, 1) if view.indices.numel() else 1
     if view.probs is not None:  # every expert of the model, so an expert's colour does not depend on the text
@@ -283,9 +284,10 @@ def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> A
 
 def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) -> Any:
     """Table of the tokens each expert of ``layer`` promotes, coloured by logit (rows: experts)."""
+    top = check_count("top", top)
     plt = pyplot()
-    layer = lens.layers[-1] if layer is None else layer
-    row = layer_row(lens.layers, layer, "expert lens")
+    row = len(lens.layers) - 1 if layer is None else layer_row(lens.layers, layer, "expert lens")
+    layer = lens.layers[row]
     used = [e for e in range(lens.counts.shape[1]) if int(lens.counts[row, e]) > 0]
     logits = lens.top_logits[row, used, :top].float()
     figure, axes = plt.subplots(figsize=(1.05 * logits.shape[1] + 1.5, 0.42 * len(used) + 1.2))

@@ -17,7 +17,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import SKIPPED, RoutingCache
+from .cache import SKIPPED, RoutingCache, check_cache
 
 PER = ("token", "text")
 
@@ -66,6 +66,7 @@ def specialisation(
         classes: Class names (default: ``"0" .. "C-1"`` from the largest label below 255).
         per: ``"token"`` or ``"text"``.
     """
+    check_cache(cache)
     if per not in PER:
         raise MoelensError(f"per={per!r} is not one of {PER}.")
     labels = torch.as_tensor(labels).long().flatten()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from ..errors import MoelensError
+from .checks import described
+
 #: What stands for characters that do not print well in a table cell or a plot label.
 REPLACEMENTS = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "\u00b7"}
 
@@ -11,6 +14,15 @@ REPLACEMENTS = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "\u00b7"}
 def display(piece: str) -> str:
     """A token's text made visible: spaces as middle dots, newlines and tabs escaped."""
     return "".join(REPLACEMENTS.get(char, char) for char in piece) or "\u2205"
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Refuse a ``tokenizer`` argument that cannot decode ids (a wrapped model instead of its tokenizer, say)."""
+    if tokenizer is None or callable(getattr(tokenizer, "decode", None)):
+        return
+    remedy = ("pass its tokenizer: tokenizer=model.tokenizer" if getattr(tokenizer, "tokenizer", None) is not None
+              else "pass the model's tokenizer (model.tokenizer), or None for ids shown as #<id>")
+    raise MoelensError(f"tokenizer must be a tokenizer with a decode method, got {described(tokenizer)}; {remedy}.")
 
 
 def token_strings(tokenizer: Any, ids: Iterable[int]) -> list[str]:

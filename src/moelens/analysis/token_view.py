@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from .cache import SKIPPED, layer_row
+from .checks import id_list
 from .collect import collect_routing
 from .corpus import tokenizer_of
 from .text import token_strings
@@ -43,8 +44,9 @@ class TokenRouting:
 
     def table(self, layers: list[int] | None = None, width: int = 14) -> str:
         """A text table: one row per token, one column per layer, cells ``expert:weight`` per slot."""
-        layers = self.layers if layers is None else layers
-        rows = [layer_row(self.layers, layer, "token view") for layer in layers]
+        rows = [layer_row(self.layers, layer, "token view")
+                for layer in (self.layers if layers is None else id_list("layers", layers, "layer"))]
+        layers = [self.layers[row] for row in rows]
         token_width = min(max([len(token) for token in self.tokens] + [5]), width)
         cells = []
         for position, token in enumerate(self.tokens):

@@ -16,8 +16,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import SKIPPED, RoutingCache
-from .text import token_strings
+from .cache import SKIPPED, RoutingCache, check_cache
+from .checks import check_count, expert_ids, id_list
+from .text import check_tokenizer, token_strings
 
 RANKINGS = ("count", "share")
 
@@ -47,7 +48,7 @@ class ExpertTokens:
 
 def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V]."""
-    cache._layer(layer)
+    layer = cache._layer(layer)
     stride = 1 << 32
     keys, key_counts, occurrences = [], [], torch.zeros(0, dtype=torch.int64)
     for shard in cache.shards():
@@ -85,20 +86,21 @@ def top_tokens(
     Args:
         cache: A routing cache.
         layer: Decoder-layer index of an MoE layer.
-        experts: Which experts (default: all).
+        experts: Which experts: a list of integer ids (default: all).
         n: Tokens per expert.
         by: ``"count"`` (most routed) or ``"share"`` (largest share of the token's occurrences).
         min_count: With ``by="share"``, ignore tokens seen fewer times than this.
-        tokenizer: Decodes ids into strings (a wrapped model's ``.tokenizer``).
+        tokenizer: Decodes ids into strings (a wrapped model's ``.tokenizer``, not the model).
     """
+    check_cache(cache)
     if by not in RANKINGS:
         raise MoelensError(f"by={by!r} is not one of {RANKINGS}.")
-    expert_of, token_of, counts, occurrences = pair_counts(cache, layer)
+    n = check_count("n", n)
+    check_tokenizer(tokenizer)
+    layer = cache._layer(layer)
     count = cache.num_experts[layer]
-    experts = list(range(count)) if experts is None else list(experts)
-    outside = [expert for expert in experts if not 0 <= int(expert) < count]
-    if outside:
-        raise MoelensError(f"experts {outside} are not experts of layer {layer}, which has experts 0..{count - 1}.")
+    experts = list(range(count)) if experts is None else expert_ids(id_list("experts", experts, "expert id"), count, layer)
+    expert_of, token_of, counts, occurrences = pair_counts(cache, layer)
     result = []
     for expert in experts:
         mine = expert_of == expert

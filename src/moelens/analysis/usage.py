@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .cache import SKIPPED, RoutingCache, layer_row
+from ..errors import MoelensError
+from ..scalars import as_lone_int
+from .cache import SKIPPED, RoutingCache, check_cache, layer_row
+from .checks import check_type, id_list
 
 
 @dataclass
@@ -107,6 +111,7 @@ def expert_usage(cache: RoutingCache) -> Usage:
 
     Layers with fewer experts than the widest one have zero columns past their E.
     """
+    check_cache(cache)
     width = max(cache.num_experts.values())
     counts = torch.zeros(len(cache.layers), width, dtype=torch.int64)
     weight = torch.zeros(len(cache.layers), width, dtype=torch.float64)
@@ -141,14 +146,34 @@ def load_balance(usage: Usage | RoutingCache, num_experts: list[int] | None = No
 
     Args:
         usage: Expert usage, or a routing cache.
-        num_experts: E per layer (default: the usage's own `Usage.num_experts`).
+        num_experts: E per layer, one per layer, each from 1 to the layer's own E (default: the
+            usage's own `Usage.num_experts`); a smaller E measures the layer's first E experts only.
     """
+    check_type(usage, (Usage, RoutingCache), "usage", "a Usage or a RoutingCache",
+               "count one with analysis.expert_usage(cache), from analysis.collect_routing(model, texts)")
     if isinstance(usage, RoutingCache):
         usage = expert_usage(usage)
-    widths = num_experts or usage.num_experts
+    widths = usage.num_experts if num_experts is None else _widths(usage, num_experts)
     values = [balance_of(usage.counts[row, :width]) for row, width in enumerate(widths)]
     column = lambda i, dtype=torch.float64: torch.tensor([value[i] for value in values], dtype=dtype)  # noqa: E731
     return LoadBalance(
         layers=list(usage.layers), cv=column(0), max_over_mean=column(1), min_over_mean=column(2),
         entropy=column(3), unused=column(4, torch.int64),
     )
+
+
+def _widths(usage: Usage, num_experts: Any) -> list[int]:
+    """``num_experts`` checked against ``usage``: one integer per layer, from 1 to the layer's own E."""
+    layers = len(usage.layers)
+    widths = id_list("num_experts", num_experts, "expert count", f"one E per layer, {{name}}=[{{one}}] * {layers}")
+    if len(widths) != layers:
+        raise MoelensError(f"num_experts={widths} gives {len(widths)} E for the {layers} layers {usage.layers} of this "
+                           f"usage; give one per layer (the usage's own: {usage.num_experts}).")
+    checked = []
+    for layer, width, own in zip(usage.layers, widths, usage.num_experts):
+        count = as_lone_int(width)
+        if count is None or not 1 <= count <= own:
+            raise MoelensError(f"num_experts gives layer {layer} {width!r} experts; it has {own}: give an integer "
+                               f"from 1 to {own} (a smaller E measures the first E experts only).")
+        checked.append(count)
+    return checked

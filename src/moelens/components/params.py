@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import operator
 import re
 from dataclasses import dataclass, fields
 from types import CodeType
@@ -31,6 +30,7 @@ from ..errors import ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
 from ..families.entry import get_path
 from ..modules import has_lora_adapters
+from ..scalars import as_lone_int
 
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
 QUANTIZATION_SCALES = ("_scale_inv", "_scale", "_scales")
@@ -384,11 +384,7 @@ def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor
 def check_expert(expert: Any, num_experts: int, where: str) -> int:
     """``expert`` as an int in ``[0, E)`` (an int, a numpy int or a 0-d integer tensor or array), else a
     `ValueUnavailable` saying what was expected."""
-    lone = not isinstance(expert, bool) and getattr(expert, "dtype", None) != torch.bool and getattr(expert, "ndim", 0) == 0
-    try:
-        index = operator.index(expert) if lone else None
-    except (TypeError, RuntimeError):  # not an integer; a tensor with no value (meta)
-        index = None
+    index = as_lone_int(expert)
     if index is None or not 0 <= index < num_experts:
         raise ValueUnavailable(
             f"{where}: expert {expert!r} is not an expert index; expected an int in [0, {num_experts}) "

@@ -25,21 +25,68 @@ the export copies the module's current weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..scalars import as_int, as_real
 from .errors import ExportError, ExportRefused
 from .spec import MoeSpec
 
 #: The edit kinds, in the order they are applied (routing before outputs).
 KINDS = ("steer", "route_around", "swap", "ablate", "force")
 
+#: What each kind maps, as the messages of a wrong value say it.
+_FORMS = {
+    "ablate": "a layer to expert ids: {layer: [expert, ...]}",
+    "route_around": "a layer to expert ids: {layer: [expert, ...]}",
+    "force": "a layer to expert ids: {layer: [expert, ...]}",
+    "steer": "a layer to expert biases: {layer: {expert: bias}}",
+    "swap": "a layer to swaps: {layer: {expert: to}}",
+}
+_EXPERT_ID = "an int expert id (a Python or numpy integer, or a one-element integer tensor)"
+_LAYER = "an int decoder layer index (moe.layer: a Python or numpy integer, or a one-element integer tensor)"
 
-def _experts(values: Any) -> tuple[int, ...]:
-    values = [values] if isinstance(values, int) else list(values)
-    return tuple(int(value) for value in values)
+
+def _wrong(kind: str, subject: str, expected: str, value: Any) -> ExportError:
+    """The error for ``value`` at ``subject`` of ``Edits.<kind>``, which should have been ``expected``."""
+    shown = " ".join(repr(value).split())
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ExportError(f"{subject} must be {expected}, got {shown}; {kind} maps {_FORMS[kind]}.")
+
+
+def _id(kind: str, subject: str, value: Any, expected: str = _EXPERT_ID) -> int:
+    """``value`` as an int id (what moelens' interventions take as one), else `_wrong`."""
+    index = as_int(value)
+    if index is None:
+        raise _wrong(kind, subject, expected, value)
+    return index
+
+
+def _keyed(kind: str, subject: str, mapping: Any, what: str, expected: str) -> dict[int, Any]:
+    """The dict ``mapping`` (at ``subject``) with its keys (``what``: layers or experts) as int ids, each named once."""
+    if not isinstance(mapping, Mapping):
+        raise _wrong(kind, subject, "a dict", mapping)
+    keyed: dict[int, Any] = {}
+    given: dict[int, Any] = {}
+    for key, value in mapping.items():
+        index = _id(kind, f"{subject}: {what}", key, expected)
+        if index in keyed:
+            raise ExportError(f"{subject} names {what} {index} twice (as {given[index]!r} and {key!r}); "
+                              "give each once.")
+        keyed[index], given[index] = value, key
+    return keyed
+
+
+def _experts(kind: str, layer: int, values: Any) -> tuple[int, ...]:
+    """``Edits.<kind>[layer]``: one expert id or an iterable of them, as a tuple of ints."""
+    subject = f"Edits.{kind}[{layer}]"
+    if isinstance(values, Mapping):
+        raise _wrong(kind, subject, "expert ids (one, or a list of them)", values)
+    lone = isinstance(values, (str, bytes)) or getattr(values, "ndim", None) == 0 or not isinstance(values, Iterable)
+    return tuple(_id(kind, f"{subject}: expert", value) for value in ([values] if lone else values))
 
 
 @dataclass(frozen=True)
@@ -71,18 +118,34 @@ class Edits:
 
     def __post_init__(self) -> None:
         # Normalise: int layers, tuples of int experts, float biases; layers with nothing to do dropped.
+        # Ids and biases are checked as moelens' interventions check them (moelens.scalars):
+        # a float, a bool or a str is refused, never truncated.
         for kind in ("ablate", "route_around", "force"):
-            listed = {int(layer): _experts(experts) for layer, experts in dict(getattr(self, kind)).items()}
+            layers = _keyed(kind, f"Edits.{kind}", getattr(self, kind), "layer", _LAYER)
+            listed = {layer: _experts(kind, layer, experts) for layer, experts in layers.items()}
             object.__setattr__(self, kind, {layer: experts for layer, experts in listed.items() if experts})
-        for kind, cast in (("steer", float), ("swap", int)):
-            mapped = {int(layer): {int(e): cast(v) for e, v in dict(values).items()}
-                      for layer, values in dict(getattr(self, kind)).items()}
+        for kind in ("steer", "swap"):
+            mapped = {}
+            for layer, values in _keyed(kind, f"Edits.{kind}", getattr(self, kind), "layer", _LAYER).items():
+                experts = _keyed(kind, f"Edits.{kind}[{layer}]", values, "expert", _EXPERT_ID)
+                mapped[layer] = {expert: self._value(kind, layer, expert, value) for expert, value in experts.items()}
             object.__setattr__(self, kind, {layer: values for layer, values in mapped.items() if values})
         for layer, biases in self.steer.items():
             bad = [e for e, b in biases.items() if not math.isfinite(b)]
             if bad:
                 raise ExportError(f"Edits.steer[{layer}]: the biases of experts {bad} are not finite; use "
                                   "route_around to remove an expert.")
+
+    @staticmethod
+    def _value(kind: str, layer: int, expert: int, value: Any) -> float | int:
+        """A steer bias (a float) or a swap's replacement (an int expert id), checked."""
+        if kind == "swap":
+            return _id(kind, f"Edits.swap[{layer}]: the replacement of expert {expert}", value)
+        bias = as_real(value)
+        if bias is None:
+            raise _wrong(kind, f"Edits.steer[{layer}]: the bias of expert {expert}",
+                         "a number (a Python or numpy number, or a one-element tensor)", value)
+        return bias
 
     def __bool__(self) -> bool:
         return any((self.ablate, self.route_around, self.steer, self.swap, self.force))

@@ -1,0 +1,69 @@
+"""Checks of the analysis functions' arguments, so every function words bad input the same way.
+
+An integer argument (a count, a layer, an expert) is a Python int, a numpy integer or a 0-d integer
+tensor or array; a bool, a float or text is refused, never rounded or compared as if it were one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Iterable, Mapping
+
+import numpy as np
+from torch import Tensor
+
+from ..errors import MoelensError
+from ..scalars import as_lone_int
+
+
+def check_count(name: str, value: Any) -> int:
+    """``value`` as an int: a count such as ``batch_size`` or ``top`` must be an integer of at least 1."""
+    count = as_lone_int(value)
+    if count is None or count < 1:
+        raise MoelensError(f"{name} must be an integer of at least 1, got {value!r}.")
+    return count
+
+
+def described(value: Any) -> str:
+    """A value's type, with the value itself when it is short (text, a number, None), or its shape (a tensor, an array)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return f"{type(value).__name__} {value!r:.60}"
+    if isinstance(value, (Tensor, np.ndarray)):
+        return f"{type(value).__name__} of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def check_type(value: Any, kind: type | tuple[type, ...], name: str, expected: str, remedy: str) -> None:
+    """Refuse a ``name`` that is not a ``kind`` (described as ``expected``), saying what to do (``remedy``)."""
+    if not isinstance(value, kind):
+        raise MoelensError(f"{name} must be {expected}, got {described(value)}; {remedy}.")
+
+
+def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]") -> list[Any]:
+    """``values`` as a list: a list, tuple, set, range, 1-D tensor or array (its items are checked by the caller).
+
+    One integer alone is refused, suggesting ``example`` (a template of ``name`` and that integer, ``one``),
+    as is text or anything else that is not a list; ``what`` names one item.
+    """
+    one = as_lone_int(values)
+    if one is not None:
+        raise MoelensError(f"{name}={values!r} is one {what}; {name} takes a list: {example.format(name=name, one=one)}.")
+    if (isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable)
+            or (isinstance(values, (Tensor, np.ndarray)) and values.ndim != 1)):
+        raise MoelensError(f"{name} must be a list of {what}s (integers), got {described(values)}.")
+    return list(values)
+
+
+def split_ids(values: Iterable[Any], valid: Collection[int]) -> tuple[list[int | None], list[Any]]:
+    """(``values`` as ints, those of them that are not integers in ``valid``: the ones an error names)."""
+    values = list(values)
+    ids = [as_lone_int(value) for value in values]
+    return ids, [value for value, index in zip(values, ids) if index is None or index not in valid]
+
+
+def expert_ids(experts: Iterable[Any], count: int, layer: int) -> list[int]:
+    """``experts`` as ints, every one an expert of ``layer`` (``0..count - 1``); the others are named in the error."""
+    ids, outside = split_ids(experts, range(count))
+    if outside:
+        raise MoelensError(f"experts {outside} are not experts of layer {layer}, which has experts 0..{count - 1}; "
+                           "pass integer expert ids in that range.")
+    return ids

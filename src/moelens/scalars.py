@@ -1,0 +1,48 @@
+"""Numbers as moelens takes them in arguments: a Python number, a numpy scalar, or a one-element tensor or array.
+
+An id (an expert, a layer, a count) is an integer and never a bool: a float, a bool, text or a tensor of
+several values is refused by the caller, in its own words, never rounded or taken as 0/1.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def scalar(value: Any) -> Any:
+    """A one-element tensor or numpy array (or a numpy scalar) as its Python number; anything else as it is
+    (a tensor without values, on the meta device, too)."""
+    if isinstance(value, torch.Tensor):
+        single = value.numel() == 1
+    elif isinstance(value, (np.ndarray, np.generic)):
+        single = value.size == 1
+    else:
+        return value
+    if not single:
+        return value
+    try:
+        return value.item()
+    except RuntimeError:  # a meta tensor has no value to give
+        return value
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as a Python int when it is one integer (see the module docstring), else None."""
+    value = scalar(value)
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+
+
+def as_real(value: Any) -> float | None:
+    """``value`` as a Python float when it is one real number, not a bool, else None (finiteness is the caller's)."""
+    value = scalar(value)
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+
+
+def as_lone_int(value: Any) -> int | None:
+    """`as_int` of a value with no axes: a 0-d tensor or array counts, a one-element list-like one does not (where
+    a list of ids is taken, ``tensor([3])`` is that list)."""
+    return None if getattr(value, "ndim", 0) != 0 else as_int(value)
