@@ -1475,6 +1475,8 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
     [
         (lambda moe: moelens.reroute(moe, -1, 1), r"tokens=-1 is ambiguous"),
         (lambda moe: moelens.reroute(moe, torch.tensor([0]), 1), r"is ambiguous.*\(slice\(None\), positions\)"),
+        (lambda moe: moelens.reroute(moe, (0,), 1), r"tokens=\(0,\) is ambiguous"),  # it rerouted all of batch row 0
+        (lambda moe: moelens.force(moe, 1, tokens=(slice(None),)), r"tokens=\(slice\(None, None, None\),\) is ambiguous"),
         (lambda moe: moelens.force(moe, 1, tokens=torch.zeros(2, 5, dtype=torch.long)), r"integer 0/1 mask: \.bool\(\)"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), {1, 2}), r"experts=\{1, 2\} gives no expert ids"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), None), r"experts=None gives no expert ids"),
@@ -1483,7 +1485,7 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.force(moe, 1, tokens=[False, True]), r"a bool mask that is not \[batch, seq\]"),
         (lambda moe: moelens.reroute(moe, (None, -1), 1), r"holds None, which adds an axis"),
     ],
-    ids=["int-tokens", "int-tensor-tokens", "int-mask", "set-experts", "none-experts", "no-experts", "1d-bool-mask",
+    ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts", "none-experts", "no-experts", "1d-bool-mask",
          "1d-bool-list", "none-axis"],
 )
 def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match):

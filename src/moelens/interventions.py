@@ -193,8 +193,8 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
     ``tokens`` indexes the ``[batch, seq]`` grid only (a bool mask, ``(batch_index, seq_index)``,
     ``(slice(None), positions)``, ``...``), so ``(..., p)`` means position ``p`` of every row, never
     a column of the value's last axis. The selected tokens come flat, in row-major order (``values[rows]``
-    is ``[n, ...]``). A lone index (an int, a list, an integer mask) would pick batch rows and is
-    refused as ambiguous.
+    is ``[n, ...]``). A lone index (an int, a list, an integer mask, a tuple of one) would pick batch rows
+    and is refused as ambiguous.
     """
     batch, seq = values.shape[:2]
     whole = tokens is Ellipsis or isinstance(tokens, slice) and tokens == slice(None)
@@ -203,7 +203,8 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
             f"{call}: tokens={tokens!r} holds None, which adds an axis instead of picking tokens; pass "
             "(batch_index, seq_index), (slice(None), positions) or (..., position)."
         )
-    if not (isinstance(tokens, tuple) or whole or _is_bool_mask(tokens) and torch.as_tensor(tokens).dim() == 2):
+    lone = isinstance(tokens, tuple) and len(tokens) == 1 and tokens[0] is not Ellipsis  # (0,) picks batch row 0
+    if lone or not (isinstance(tokens, tuple) or whole or _is_bool_mask(tokens) and torch.as_tensor(tokens).dim() == 2):
         raise WriteError(
             f"{call}: tokens={tokens!r} is ambiguous: on its own an index (an int, a list, an integer tensor or "
             "mask, a bool mask that is not [batch, seq]) picks whole batch rows, not positions; pass a [batch, seq] "
