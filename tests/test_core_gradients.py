@@ -238,3 +238,19 @@ def test_values_read_with_autograd_on_free_their_graph_once_dropped():
         locals()  # refreshes this frame's locals snapshot, which nnsight read in the trace (Python 3.11 keeps it)
         gc.collect()
         assert freed() is None, name
+
+
+def test_router_probs_is_differentiable_twice():
+    """Second derivatives through router_probs (create_graph=True) equal those of the family's softmax on the same
+    logits: moelens' score keeps its saved tensors as autograd does, outside activation checkpointing."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    with wrapped.trace(**inputs):
+        logits = wrapped.moes[0].router_logits.save()
+        probs = wrapped.moes[0].router_probs.save()
+
+    def second(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        first = torch.autograd.grad((probs ** 3).sum(), logits, create_graph=True)[0]
+        return torch.autograd.grad((first ** 2).sum(), logits)[0]
+
+    leaf = logits.detach().requires_grad_()
+    torch.testing.assert_close(second(logits, probs), second(leaf, leaf.float().softmax(-1)))

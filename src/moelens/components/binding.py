@@ -95,8 +95,9 @@ def kept_for_backward() -> contextlib.AbstractContextManager:
 
     Inside a layer under activation checkpointing torch would count those among the layer's
     tensors to recompute, and its recomputation (the model's forward alone) does not make them:
-    the backward would fail with a CheckpointError. What is kept is the data (`_kept`): the
-    gradients are the same, but not differentiable again (no double backward through these ops).
+    the backward would fail with a CheckpointError. What is kept is the data (`_kept`); autograd
+    links it to its graph again when the backward unpacks it, so gradients, second ones included,
+    are those of the plain ops.
     """
     if not torch.is_grad_enabled():  # nothing is saved for backward
         return contextlib.nullcontext()
