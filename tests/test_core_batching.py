@@ -285,6 +285,30 @@ def test_the_hook_noting_gathered_calls_goes_with_its_wrapper():
             third.moes[1].router_logits.save()
 
 
+def test_copies_of_a_wrapped_model_do_not_keep_its_gathered_call_hooks():
+    """copy.deepcopy copies a module's hooks: a copy of the wrapped model had its blocks noted twice, and kept one
+    hook for good once its wrapper was gone; a copy of the transformers model kept one for good."""
+    import copy
+    import gc
+
+    hf = tiny_model("ernie4_5_vl_moe")
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9]])
+    hooks = lambda model: sorted({len(module._forward_pre_hooks) for module in model.modules()  # noqa: E731
+                                  if type(module).__name__ == "Ernie4_5_VLMoeSparseMoeBlock"})
+    wrapped = moelens.wrap(hf)
+    copied = copy.deepcopy(wrapped)
+    assert hooks(copied._module) == [1] and hooks(hf) == [1]  # its own, not the original's too
+    module = copied._module
+    del copied
+    gc.collect()
+    assert hooks(module) == [0]
+    plain = copy.deepcopy(hf)  # taken while hf is wrapped: its hooks come along, and go at each block's first call
+    with torch.no_grad():
+        plain(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))  # text and image blocks
+    assert hooks(plain) == [0] and not any("_moelens_tokens_gathered" in vars(m) for m in plain.modules())
+    assert hooks(hf) == [1]
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("no_grad", [False, True])
 def test_a_transplant_between_invokes_at_a_barrier_lands(impl, no_grad):

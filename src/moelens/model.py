@@ -22,6 +22,7 @@ from nnsight.modeling import processing
 
 from .components import Mlp, Moe, served
 from .components.base import envoy_at
+from .components.moe import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known
 from .components.params import op_names
 from .discovery import Structure, discover, layer_path
@@ -133,7 +134,9 @@ class MoeModelMixin:
         model's tracer (its instrumented sources point back here): a copy could not serve
         a value. Persistent edits (``model.edit(inplace=True)``) are not copied.
         """
-        return wrap(copy.deepcopy(self._module, memo), tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
+        module = copy.deepcopy(self._module, memo)
+        drop_gathered_notes(module)  # this model's hooks, copied with the modules: the copy's wrap adds its own
+        return wrap(module, tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
 
 
 class MoeTransformersModel(MoeModelMixin, TransformersModel):

@@ -75,16 +75,40 @@ def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
         return False
 
 
-#: The attribute `_note_gathered` sets on a block (see `Moe.mark_gathered_calls`).
+#: The attribute `_GatheredNote` sets on a block (see `Moe.mark_gathered_calls`).
 GATHERED = "_moelens_tokens_gathered"
 
 
-def _note_gathered(module: torch.nn.Module, args: tuple) -> None:
-    setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
+class _GatheredNote:
+    """The forward pre-hook of `Moe.mark_gathered_calls`: notes on the block whether its call got tokens
+    gathered out of the batch (``[n * D]`` or ``[n, D]`` rather than ``[B, S, D]``). It serves one
+    component, held weakly; on a copy of the block (``copy.deepcopy`` of the model copies its hooks) or
+    once that component is gone it takes itself off instead."""
+
+    def __init__(self, component: "Moe") -> None:
+        self.component = weakref.ref(component)
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        component = self.component()
+        if component is None or component._module is not module:
+            for key, hook in list(module._forward_pre_hooks.items()):
+                if hook is self:
+                    del module._forward_pre_hooks[key]
+            return
+        setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
+
+
+def drop_gathered_notes(model: torch.nn.Module) -> None:
+    """Take every `_GatheredNote` and what they noted off the modules of ``model`` (a fresh copy no wrapper serves)."""
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, _GatheredNote):
+                del module._forward_pre_hooks[key]
+        module.__dict__.pop(GATHERED, None)
 
 
 def _stop_noting(module: torch.nn.Module, hook: torch.utils.hooks.RemovableHandle) -> None:
-    """Take `_note_gathered` and what it noted off ``module``."""
+    """Take one component's `_GatheredNote` and what it noted off ``module``."""
     hook.remove()
     module.__dict__.pop(GATHERED, None)
 
@@ -332,7 +356,7 @@ class Moe(Mlp):
         The hook goes with this component: it is removed when the wrapped model is collected (each wrapper of
         a model has its own).
         """
-        weakref.finalize(self, _stop_noting, self._module, self._module.register_forward_pre_hook(_note_gathered))
+        weakref.finalize(self, _stop_noting, self._module, self._module.register_forward_pre_hook(_GatheredNote(self)))
 
     def _read(self, descriptor: served) -> Any:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
