@@ -254,3 +254,26 @@ def test_router_probs_is_differentiable_twice():
 
     leaf = logits.detach().requires_grad_()
     torch.testing.assert_close(second(logits, probs), second(leaf, leaf.float().softmax(-1)))
+
+
+def test_router_probs_read_first_under_activation_checkpointing_keeps_the_backward():
+    """router_probs read before anything else of its block made the backward fail with CheckpointError, whether
+    the loss used it or not: its request of the logits let the model run on inside moelens' saved-tensor hooks,
+    where the checkpointed layer pushed its own. The gradients are those of the run without checkpointing."""
+    import moelens
+
+    gradients = []
+    for on in (False, True):
+        model = moelens.load()
+        if on:
+            model._module.gradient_checkpointing_enable()
+        model._module.train()
+        with model.trace("def add(a, b):\n    return a + b"):
+            probs = model.moes[0].router_probs.save()
+            output = model.output.save()
+        loss = output.logits[:, -1].log_softmax(-1)[:, 5].sum() + (probs.mean((0, 1)) ** 2).sum()
+        loss.backward()
+        gradients.append({name: p.grad for name, p in model._module.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys()
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, msg=name)

@@ -306,8 +306,9 @@ class Moe(Mlp):
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
+        logits = self.router_logits  # requested first: a request lets the model run on, and its hooks must not nest in ours
         with kept_for_backward():
-            return score(self.family.resolve(self.SCORING.score, self._module), self.router_logits, self.softcap)
+            return score(self.family.resolve(self.SCORING.score, self._module), logits, self.softcap)
 
     @router_probs.setter
     def router_probs(self, value: Any) -> None:
