@@ -74,6 +74,25 @@ def test_an_interrupted_collection_leaves_a_cache_that_says_it_is_incomplete(mod
     assert sorted(files(folder)) == sorted([META_FILE, *listed(folder)]) and again.num_shards == len(TEXTS)
 
 
+def test_a_collection_stopped_before_its_first_shard_does_not_leave_the_old_cache(model, tmp_path):
+    """With the default shard size a small corpus writes its one shard at the end: stopped before that (Ctrl-C
+    in a notebook), the folder still loaded the previous corpus's cache, as if it were the new one's."""
+    folder = tmp_path / "cache"
+    old = analysis.collect_routing(model, ["The sum of two numbers."] * 3, folder=str(folder), progress=False)
+    with pytest.raises(MoelensError, match=r"outside"):  # refused in its first batch: the old cache stays
+        analysis.collect_routing(model, [[model.config.vocab_size + 5]], folder=str(folder), progress=False)
+    assert_same_routing(RoutingCache.load(folder), old)
+
+    def stopped():
+        yield from TEXTS
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        analysis.collect_routing(model, stopped(), batch_size=1, folder=str(folder), progress=False)
+    assert listed(folder) == []
+    with pytest.raises(MoelensError, match=rf"routing cache in '{folder}' is incomplete"):
+        RoutingCache.load(folder)
+
 def test_saving_replaces_only_the_cache_moelens_wrote(model, tmp_path):
     folder, outside = tmp_path / "cache", tmp_path / "outside"
     folder.mkdir()

@@ -394,10 +394,11 @@ def check_cache_folder(folder: Path) -> list[str]:
 class ShardWriter:
     """Writes shards of a cache to a folder as they come, then its ``routing.json``.
 
-    The cache already in the folder (its ``routing.json`` and the shards it lists) is replaced when
-    the first shard comes (a collection refused before that leaves it as it was); other files are
-    left alone. Until `close`, ``routing.json`` says the cache is incomplete (and lists the shards
-    written so far), so an interrupted collection fails to load instead of mixing two corpora.
+    The cache already in the folder (its ``routing.json`` and the shards it lists) is replaced at
+    `begin`, which the collection calls once its first batch is routed (a collection refused before
+    that leaves it as it was); other files are left alone. From then until `close`, ``routing.json``
+    says the cache is incomplete (and lists the shards written so far), so an interrupted collection
+    fails to load, never as the old cache nor as a mix of two corpora.
     """
 
     def __init__(self, folder: str | Path, cache: RoutingCache) -> None:
@@ -406,7 +407,8 @@ class ShardWriter:
         self.cache = cache
         self.files: list[tuple[str, int]] = []
 
-    def _replace_old_cache(self) -> None:
+    def begin(self) -> None:
+        """Replace the old cache with an empty one marked incomplete (once; later calls do nothing)."""
         if self._replaced is None:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -416,14 +418,14 @@ class ShardWriter:
         self._write_meta(complete=False)
 
     def write(self, shard: Shard) -> None:
-        self._replace_old_cache()
+        self.begin()
         name = f"shard-{len(self.files):05d}.safetensors"
         self.files.append((name, shard.num_tokens))
         self._write_meta(complete=False)  # listed before it is written: a later collection replaces it
         save_file(shard.to_tensors(), str(self.folder / name))
 
     def close(self) -> None:
-        self._replace_old_cache()
+        self.begin()
         self._write_meta(complete=True)
 
     def _write_meta(self, complete: bool) -> None:

@@ -225,6 +225,8 @@ def collect_routing(
                     logits=read["logits"],
                 )
             )
+            if writer is not None:  # from here on, a stop leaves the folder's cache marked incomplete
+                writer.begin()
             pending_tokens += batch.num_tokens
             bar.update(batch.num_tokens)
             if pending_tokens >= shard_tokens:
