@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import nnsight
 import pytest
 import torch
@@ -307,6 +309,29 @@ def test_copies_of_a_wrapped_model_do_not_keep_its_gathered_call_hooks():
         plain(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))  # text and image blocks
     assert hooks(plain) == [0] and not any("_moelens_tokens_gathered" in vars(m) for m in plain.modules())
     assert hooks(hf) == [1]
+    saved = io.BytesIO()
+    torch.save(hf, saved)  # the hook pickles too (a weak reference did not), as a note of no wrapper
+    loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
+    loaded(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))
+    assert hooks(loaded) == [0] and hooks(hf) == [1]
+
+
+def test_a_shallow_copy_of_a_block_leaves_the_original_noted():
+    """copy.copy of a block shares its hooks: calling the copy took the original's hook off, so the original's
+    note went stale (a gathered call served as [batch, seq], rows mixing sequences)."""
+    import copy
+
+    hf = tiny_model("ernie4_5_vl_moe")
+    wrapped = moelens.wrap(hf)
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+    types = torch.zeros_like(ids)
+    types[0, 3:5] = 1
+    block = wrapped.moes[0]._module
+    with torch.no_grad():
+        copy.copy(block)(torch.zeros(2, 8, hf.config.hidden_size))  # a call of the copy, every token
+    with pytest.raises(moelens.ValueUnavailable, match=r"ran on part of the tokens"):
+        with wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
+            wrapped.moes[0].router_logits.save()
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])

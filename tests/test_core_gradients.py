@@ -277,3 +277,26 @@ def test_router_probs_read_first_under_activation_checkpointing_keeps_the_backwa
     assert gradients[0].keys() == gradients[1].keys()
     for name, gradient in gradients[0].items():
         torch.testing.assert_close(gradients[1][name], gradient, msg=name)
+
+
+@pytest.mark.parametrize("name", ["expert_weights", "expert_indices"])
+def test_derived_routing_under_activation_checkpointing_keeps_the_backward(name):
+    """llama4 has no experts call: moelens derives its weights and indices from the logits, saving tensors for
+    backward that checkpointing's recomputation does not make (CheckpointError: a different number of tensors)."""
+    import moelens
+
+    gradients = []
+    for on in (False, True):  # the truth: the plain model, no checkpointing, no nnsight
+        hf, inputs = checkpointed("llama4", "eager", on)
+        if on:
+            model = moelens.wrap(hf)
+            with model.trace(**inputs):
+                getattr(model.moes[0], name).save()
+                output = model.output.save()
+        else:
+            output = hf(**inputs)
+        loss_of(output).backward()
+        gradients.append({key: p.grad for key, p in hf.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys()
+    for key, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][key], gradient, msg=key)

@@ -82,15 +82,20 @@ GATHERED = "_moelens_tokens_gathered"
 class _GatheredNote:
     """The forward pre-hook of `Moe.mark_gathered_calls`: notes on the block whether its call got tokens
     gathered out of the batch (``[n * D]`` or ``[n, D]`` rather than ``[B, S, D]``). It serves one
-    component, held weakly; on a copy of the block (``copy.deepcopy`` of the model copies its hooks) or
-    once that component is gone it takes itself off instead."""
+    component, held weakly. A copy of the model (``copy.deepcopy``, or pickled and loaded) copies its hooks:
+    the copied note serves no component and takes itself off at its first call."""
 
-    def __init__(self, component: "Moe") -> None:
-        self.component = weakref.ref(component)
+    def __init__(self, component: "Moe | None" = None) -> None:
+        self.component = weakref.ref(component) if component is not None else None
+
+    def __deepcopy__(self, memo: dict) -> "_GatheredNote":
+        return _GatheredNote()
+
+    def __reduce__(self) -> tuple:
+        return _GatheredNote, ()
 
     def __call__(self, module: torch.nn.Module, args: tuple) -> None:
-        component = self.component()
-        if component is None or component._module is not module:
+        if self.component is None:  # a copy's: no wrapper of the copy reads it
             for key, hook in list(module._forward_pre_hooks.items()):
                 if hook is self:
                     del module._forward_pre_hooks[key]
@@ -361,7 +366,9 @@ class Moe(Mlp):
 
     def _read(self, descriptor: served) -> Any:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
-            weights, indices = top_logits(self.router_logits, self.top_k, self.SCORING.score)
+            logits = self.router_logits  # requested before moelens' saved-tensor hooks are in force (router_probs)
+            with kept_for_backward():
+                weights, indices = top_logits(logits, self.top_k, self.SCORING.score)
             return weights if descriptor.name == "expert_weights" else indices
         try:
             value = super()._read(descriptor)
