@@ -613,6 +613,31 @@ BAD_ARGUMENTS = {
                       r"top must be an integer of at least 1, got -1"),
     "plot-view-max-tokens": (lambda m, r: analysis.plots.plot_token_routing(r.view, max_tokens=-2),
                              r"max_tokens must be an integer of at least 1, got -2"),
+    # a result of another kind handed to a plot: raw AttributeError / TypeError before
+    "plot-usage-of-cache": (lambda m, r: analysis.plots.plot_usage(r.cache),
+                            r"usage must be a Usage, got RoutingCache; make one with analysis.expert_usage\(cache\)"),
+    "plot-balance-of-usage": (lambda m, r: analysis.plots.plot_load_balance(r.usage), r"balance must be a LoadBalance, got Usage"),
+    "plot-entropy-of-cache": (lambda m, r: analysis.plots.plot_entropy(r.cache), r"entropy must be an Entropy, got RoutingCache"),
+    "plot-coactivation-of-cache": (lambda m, r: analysis.plots.plot_coactivation(r.cache),
+                                   r"coactivations must hold Coactivation results \(one, or a list of them\), got RoutingCache"),
+    "plot-transitions-of-usage": (lambda m, r: analysis.plots.plot_transitions(r.usage), r"transitions must hold Transitions"),
+    "plot-top-tokens-of-usage": (lambda m, r: analysis.plots.plot_top_tokens(r.usage), r"experts must hold ExpertTokens"),
+    "plot-view-of-lens": (lambda m, r: analysis.plots.plot_token_routing(r.lens), r"view must be a TokenRouting, got ExpertLens"),
+    "plot-lens-of-view": (lambda m, r: analysis.plots.plot_logit_lens(r.view), r"lens must be an ExpertLens, got TokenRouting"),
+    "plot-spec-of-usage": (lambda m, r: analysis.plots.plot_specialisation(r.usage), r"spec must be a Specialisation, got Usage"),
+    # specialisation labels and classes, top_tokens' min_count, collect_routing's blocks
+    "labels-float": (lambda m, r: analysis.specialisation(r.cache, torch.tensor([-0.5, 1.9]), per="text"),
+                     r"labels must be integer class ids .*, got Tensor of shape \(2,\); .* never rounded"),
+    "labels-text": (lambda m, r: analysis.specialisation(r.cache, "abc"), r"labels must be integer class ids .*, got str 'abc'"),
+    "labels-none": (lambda m, r: analysis.specialisation(r.cache, None), r"labels must be integer class ids"),
+    "classes-count": (lambda m, r: analysis.specialisation(r.cache, [0, 1, 0], classes=3, per="text"),
+                      r"classes=3 is one class name; classes takes a list"),
+    "classes-text": (lambda m, r: analysis.specialisation(r.cache, [0, 1, 0], classes="ab", per="text"),
+                     r"classes must be a list of class names \(text\), got str 'ab'"),
+    "min-count-text": (lambda m, r: analysis.top_tokens(r.cache, 1, by="share", min_count="3"),
+                       r"min_count must be an integer of at least 0, got '3'"),
+    "blocks-int": (lambda m, r: analysis.collect_routing(m, unread(), blocks=5, progress=False),
+                   r"blocks must be a part of a block path or a list of them \(text\), got 5"),
 }
 
 

@@ -122,7 +122,8 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             ``(slice(None), positions)`` or ``(..., position)``.
         experts: One expert id for every slot, or ``k`` ids (one per slot), or a
             tensor broadcastable to the selected ``[n, k]`` slots (one row per selected
-            token, in row-major order; a ``[b, p, k]`` one shaped like the selection also fits).
+            token, in the order the selection gives them: row-major for a mask or slices, the given order
+            for index tensors; a ``[b, p, k]`` one shaped like the selection also fits).
     """
     _moe(moe, "reroute")
     indices = moe.expert_indices.clone()
@@ -192,7 +193,8 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
 
     ``tokens`` indexes the ``[batch, seq]`` grid only (a bool mask, ``(batch_index, seq_index)``,
     ``(slice(None), positions)``, ``...``), so ``(..., p)`` means position ``p`` of every row, never
-    a column of the value's last axis. The selected tokens come flat, in row-major order (``values[rows]``
+    a column of the value's last axis. The selected tokens come flat, in the order indexing gives them (row-major
+    for a mask or slices, the given order for index tensors; ``values[rows]``
     is ``[n, ...]``). A lone index (an int, a list, an integer mask, a tuple of one) would pick batch rows
     and is refused as ambiguous.
     """
@@ -206,8 +208,8 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
     lone = isinstance(tokens, tuple) and len(tokens) == 1 and tokens[0] is not Ellipsis  # (0,) picks batch row 0
     if lone or not (isinstance(tokens, tuple) or whole or _is_bool_mask(tokens) and torch.as_tensor(tokens).dim() == 2):
         raise WriteError(
-            f"{call}: tokens={tokens!r} is ambiguous: on its own an index (an int, a list, an integer tensor or "
-            "mask, a bool mask that is not [batch, seq]) picks whole batch rows, not positions; pass a [batch, seq] "
+            f"{call}: tokens={tokens!r} is ambiguous: on its own an index (an int, a list, a tuple of one, an integer "
+            "tensor or mask, a bool mask that is not [batch, seq]) picks whole batch rows, not positions; pass a [batch, seq] "
             "bool mask (an integer 0/1 mask: "
             ".bool()), (batch_index, seq_index), (slice(None), positions) or (..., position)."
         )

@@ -15,11 +15,11 @@ from ..errors import MoelensError
 from ..scalars import as_lone_int
 
 
-def check_count(name: str, value: Any) -> int:
-    """``value`` as an int: a count such as ``batch_size`` or ``top`` must be an integer of at least 1."""
+def check_count(name: str, value: Any, least: int = 1) -> int:
+    """``value`` as an int: a count such as ``batch_size`` or ``top`` must be an integer of at least ``least``."""
     count = as_lone_int(value)
-    if count is None or count < 1:
-        raise MoelensError(f"{name} must be an integer of at least 1, got {value!r}.")
+    if count is None or count < least:
+        raise MoelensError(f"{name} must be an integer of at least {least}, got {value!r}.")
     return count
 
 
@@ -38,18 +38,18 @@ def check_type(value: Any, kind: type | tuple[type, ...], name: str, expected: s
         raise MoelensError(f"{name} must be {expected}, got {described(value)}; {remedy}.")
 
 
-def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]") -> list[Any]:
+def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", items: str = "integers") -> list[Any]:
     """``values`` as a list: a list, tuple, set, range, 1-D tensor or array (its items are checked by the caller).
 
     One integer alone is refused, suggesting ``example`` (a template of ``name`` and that integer, ``one``),
-    as is text or anything else that is not a list; ``what`` names one item.
+    as is text or anything else that is not a list; ``what`` names one item, ``items`` what they are.
     """
     one = as_lone_int(values)
     if one is not None:
         raise MoelensError(f"{name}={values!r} is one {what}; {name} takes a list: {example.format(name=name, one=one)}.")
     if (isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable)
             or (isinstance(values, (Tensor, np.ndarray)) and values.ndim != 1)):
-        raise MoelensError(f"{name} must be a list of {what}s (integers), got {described(values)}.")
+        raise MoelensError(f"{name} must be a list of {what}s ({items}), got {described(values)}.")
     return list(values)
 
 
@@ -67,3 +67,14 @@ def expert_ids(experts: Iterable[Any], count: int, layer: int) -> list[int]:
         raise MoelensError(f"experts {outside} are not experts of layer {layer}, which has experts 0..{count - 1}; "
                            "pass integer expert ids in that range.")
     return ids
+
+
+def check_results(value: Any, kind: type, name: str, made_by: str) -> list[Any]:
+    """``value`` (one ``kind`` or a list of them) as a list, refusing anything else and saying what makes one."""
+    items = [value] if isinstance(value, kind) else value
+    if not isinstance(items, (str, bytes, Mapping)) and isinstance(items, Iterable):
+        items = list(items)
+        if all(isinstance(item, kind) for item in items):
+            return items
+    raise MoelensError(f"{name} must hold {kind.__name__} results (one, or a list of them), got {described(value)}; "
+                       f"make one with {made_by}.")

@@ -54,7 +54,10 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
             "routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()."
         )
     if blocks is not None:
-        wanted_paths = [blocks] if isinstance(blocks, str) else list(blocks)
+        wanted_paths = [blocks] if isinstance(blocks, str) else list(blocks) if isinstance(blocks, (list, tuple, set)) else [None]
+        if not wanted_paths or not all(isinstance(part, str) for part in wanted_paths):
+            raise MoelensError(f"blocks must be a part of a block path or a list of them (text), got {blocks!r}; "
+                               f"e.g. blocks={model.moes[0].path.rpartition('.')[2]!r}.")
         moes = [moe for moe in moes if any(part in moe.path for part in wanted_paths)]
         if not moes:
             raise MoelensError(f"no MoE block path contains {wanted_paths}; the blocks are {[m.path for m in model.moes]}.")

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import MoelensError
 from .cache import SKIPPED, layer_row
-from .checks import check_count
+from .checks import check_count, check_results, check_type
 from .coactivation import Coactivation, Transitions
 from .entropy import Entropy
 from .logit_lens import ExpertLens
@@ -93,6 +93,7 @@ def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = ANNOTATED_
 
 def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> Any:
     """Heatmap layers x experts of each expert's share of its layer's slots (1/E is balanced)."""
+    check_type(usage, Usage, "usage", "a Usage", "make one with analysis.expert_usage(cache)")
     plt = pyplot()
     share = usage.fraction.float().clone()
     for row, experts in enumerate(usage.num_experts):
@@ -117,6 +118,7 @@ def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's s
 
 def plot_load_balance(balance: LoadBalance) -> Any:
     """Bars per layer: coefficient of variation and max / mean of the expert counts."""
+    check_type(balance, LoadBalance, "balance", "a LoadBalance", "make one with analysis.load_balance(usage)")
     plt = pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
     labels = [str(layer) for layer in balance.layers]
@@ -139,6 +141,7 @@ LEGEND_LAYERS = 8
 def plot_entropy(entropy: Entropy) -> Any:
     """Histogram of the tokens' normalised routing entropy, one line per layer (with its mean in the legend,
     or for more than `LEGEND_LAYERS` layers coloured by layer, beside a panel of the means)."""
+    check_type(entropy, Entropy, "entropy", "an Entropy", "make one with analysis.routing_entropy(cache)")
     plt = pyplot()
     many = len(entropy.layers) > LEGEND_LAYERS
     if many:
@@ -198,7 +201,7 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
         value: ``"conditional"`` (P(column | row)), ``"lift"`` or ``"counts"``.
     """
     _check_value(value, COACTIVATION_VALUES)
-    items = [coactivations] if isinstance(coactivations, Coactivation) else list(coactivations)
+    items = check_results(coactivations, Coactivation, "coactivations", "analysis.coactivation(cache, layer)")
     figure, panels = _grid(len(items))
     for axes, item in zip(panels, items):
         matrix = {"conditional": item.conditional, "lift": item.lift, "counts": item.counts.double}[value]()
@@ -217,7 +220,7 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
 
 def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> Any:
     """Heatmaps P(expert j in the later layer | expert i in the earlier one), one per layer pair."""
-    items = [transitions] if isinstance(transitions, Transitions) else list(transitions)
+    items = check_results(transitions, Transitions, "transitions", "analysis.transitions(cache, source, target)")
     figure, panels = _grid(len(items))
     for axes, item in zip(panels, items):
         image = axes.imshow(item.conditional().float(), cmap="Blues", vmin=0, vmax=1)
@@ -237,6 +240,7 @@ def _expert_label(expert: int) -> str:
 
 def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
     """Grid layers x tokens coloured by each token's top expert, annotated with its k experts."""
+    check_type(view, TokenRouting, "view", "a TokenRouting", "make one with analysis.token_routing(model, text)")
     count = min(len(view.tokens), check_count("max_tokens", max_tokens))
     plt = pyplot()
     top = view.top1()[:, :count].float()
@@ -262,6 +266,7 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
 
 def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> Any:
     """One horizontal bar chart per expert: its top tokens' counts (or ``value="share"``), the other annotated."""
+    experts = check_results(experts, ExpertTokens, "experts", "analysis.top_tokens(cache, layer)")
     _check_value(value, TOP_TOKEN_VALUES)
     figure, panels = _grid(len(experts), size=2.8)
     for axes, item in zip(panels, experts):
@@ -284,6 +289,7 @@ def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> A
 
 def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) -> Any:
     """Table of the tokens each expert of ``layer`` promotes, coloured by logit (rows: experts)."""
+    check_type(lens, ExpertLens, "lens", "an ExpertLens", "make one with analysis.expert_logit_lens(model, texts)")
     top = check_count("top", top)
     plt = pyplot()
     row = len(lens.layers) - 1 if layer is None else layer_row(lens.layers, layer, "expert lens")
@@ -306,6 +312,7 @@ def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) ->
 
 def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
     """Heatmaps experts x classes per layer: ``"lift"`` (P(class|expert)/P(class)) or ``"share"``."""
+    check_type(spec, Specialisation, "spec", "a Specialisation", "make one with analysis.specialisation(cache, labels)")
     _check_value(value, SPECIALISATION_VALUES)
     figure, panels = _grid(len(spec.layers), size=2.6)
     matrix = spec.lift() if value == "lift" else spec.share()

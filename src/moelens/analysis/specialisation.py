@@ -11,6 +11,7 @@ gets more of that class than the layer as a whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from .cache import SKIPPED, RoutingCache, check_cache
+from .checks import described, id_list
 
 PER = ("token", "text")
 
@@ -54,6 +56,19 @@ class Specialisation:
         return self.counts.double() / self.counts.sum(1, keepdim=True).double().clamp(min=1)
 
 
+def _class_ids(labels: Any) -> Tensor:
+    """``labels`` as a flat int64 tensor of class ids; floats (which would be rounded), bools and anything that
+    is not a list, tensor or array of integers are refused."""
+    try:
+        ids = torch.as_tensor(labels)
+    except (TypeError, ValueError, RuntimeError):
+        ids = None
+    if ids is None or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise MoelensError(f"labels must be integer class ids (a list, tensor or array of ints), got {described(labels)}"
+                           "; a class id is an integer (ids outside 0..C-1 are ignored), never rounded.")
+    return ids.long().flatten()
+
+
 def specialisation(
     cache: RoutingCache, labels: Tensor, classes: list[str] | None = None, per: str = "token"
 ) -> Specialisation:
@@ -69,7 +84,9 @@ def specialisation(
     check_cache(cache)
     if per not in PER:
         raise MoelensError(f"per={per!r} is not one of {PER}.")
-    labels = torch.as_tensor(labels).long().flatten()
+    labels = _class_ids(labels)
+    if classes is not None:
+        classes = id_list("classes", classes, "class name", "{name}=['name of class 0', ...]", items="text")
     if per == "token" and labels.shape[0] != cache.num_tokens:
         raise MoelensError(
             f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."

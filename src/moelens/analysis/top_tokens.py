@@ -96,6 +96,7 @@ def top_tokens(
     if by not in RANKINGS:
         raise MoelensError(f"by={by!r} is not one of {RANKINGS}.")
     n = check_count("n", n)
+    min_count = check_count("min_count", min_count, least=0)
     check_tokenizer(tokenizer)
     layer = cache._layer(layer)
     count = cache.num_experts[layer]
