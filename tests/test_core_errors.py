@@ -1337,6 +1337,39 @@ def test_load_and_wrap_say_what_they_take():
                                                    r"not a model: wrap the whole model that holds it"):
         moelens.wrap(hf.model.layers[1].mlp)
 
+def test_a_compiled_model_is_refused_with_what_to_wrap():
+    """A compiled model was wrapped, then traces failed inside torch's dynamo on nnsight's rewritten experts forward
+    (an InternalTorchDynamoError naming __nnsight_op__), or not, depending on what the first trace read."""
+    hf = tiny_model("mixtral")
+    with pytest.raises(moelens.MoelensError, match=r"compiled with torch.compile: wrap the model it compiled, "
+                                                   r"moelens.wrap\(model._orig_mod\)"):
+        moelens.wrap(torch.compile(hf))
+    compiled_in_place = copy.deepcopy(hf)
+    compiled_in_place.model.layers[1].compile()
+    with pytest.raises(moelens.MoelensError, match=r"model.layers.1 \(MixtralDecoderLayer\) is compiled \(module.compile\(\)\)"):
+        moelens.wrap(compiled_in_place)
+    wrapped = moelens.wrap(hf)
+    hf.compile()  # after wrapping
+    with pytest.raises(moelens.MoelensError, match=r"the model \(MixtralForCausalLM\) is compiled"):
+        with wrapped.trace(tiny_inputs(hf)["input_ids"]):
+            wrapped.output.save()
+
+
+@pytest.mark.parametrize("part", ["gate", "experts", "block"])
+def test_a_block_part_two_layers_share_is_refused(part):
+    """A router (experts, block) module called by two layers served the first layer's call for both: the second
+    layer's router_logits and interventions were the first layer's, silently."""
+    hf = tiny_model("mixtral")
+    layers = hf.model.layers
+    if part == "block":
+        layers[2].mlp = layers[1].mlp
+    else:
+        setattr(layers[2].mlp, part, getattr(layers[1].mlp, part))
+    where = "mlp" if part == "block" else f"mlp.{part}"
+    with pytest.raises(FamilyError, match=rf"model.layers.2.{where} is the same {'router' if part == 'gate' else part} "
+                                          rf"module as model.layers.1.{where}"):
+        moelens.wrap(hf)
+
 def test_route_around_leaving_fewer_than_k_experts():
     # mixtral: the router fills the k slots with the -inf experts, at weight 0.
     hf = tiny_model("mixtral")

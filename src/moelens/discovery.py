@@ -117,6 +117,30 @@ def _check_shared_path(name: str, module: torch.nn.Module, family: Family) -> No
         )
 
 
+def _refuse_shared_parts(model: torch.nn.Module, blocks: list[str]) -> None:
+    """Raise a `FamilyError` when a MoE block, or its router, experts or shared expert, is one module that two
+    layers call: moelens serves values by module, in call order, so the second layer's would be the first's."""
+    block_ids = {id(model.get_submodule(name)) for name in blocks}
+    owners: dict[int, str] = {}
+    for name, block in model.named_modules(remove_duplicate=False):  # a block shared by two layers: under both names
+        if id(block) not in block_ids:
+            continue
+        family = registry.for_block(block)
+        paths = {"block": "", "router": family.router, "experts": family.experts}
+        if family.shared is not None and not family.shared.on_layer:
+            paths["shared expert"] = family.shared.module
+        for part, path in paths.items():
+            module = get_path(block, path) if _has_path(block, path) else None
+            owner = owners.setdefault(id(module), name) if module is not None else name
+            if owner != name:
+                where = f"{name}.{path}" if path else name
+                raise FamilyError(
+                    f"{where} is the same {part} module as {owner}{'.' + path if path else ''}: moelens serves a "
+                    "block's values by module, in call order, so the later layer's values and interventions would be "
+                    "the earlier one's. Give each layer its own module before wrapping (assign a copy.deepcopy of it)."
+                )
+
+
 def _has_path(module: torch.nn.Module, path: str) -> bool:
     try:
         return get_path(module, path) is not None
@@ -270,6 +294,7 @@ def discover(model: torch.nn.Module) -> Structure:
             structure.family = registry.for_model_type(model_type)
             if structure.family is not None:
                 break
+    _refuse_shared_parts(model, structure.moe_blocks)
     structure.block_attr = _block_attribute(structure.family, structure.moe_blocks)
     # a layer that is the block keeps its dense MLP as `mlp`; a model of no family has its MLPs there
     attribute = structure.block_attr or "mlp"

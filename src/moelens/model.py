@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, NoReturn
+from typing import Any, Iterable, NoReturn
 
 import nnsight
 import torch
@@ -92,6 +92,7 @@ class MoeModelMixin:
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions; then a check that no value moelens
         served was edited in place after the model had used it (`served.HandedBack`)."""
+        _refuse_compiled(self._module, [("", self._module)])  # compiled after wrapping
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
         served.RUNS[interleaver] = handed_back
@@ -287,6 +288,12 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             f"wrap() got one {family.name} MoE block ({type(model).__name__}), not a model: wrap the whole model that "
             "holds it and read the block as model.layers[i].mlp (or model.moes[i]) in a trace of that model."
         )
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):  # torch.compile(model)
+        raise MoelensError(
+            "wrap() got a model compiled with torch.compile: wrap the model it compiled, moelens.wrap(model._orig_mod). "
+            + COMPILED
+        )
+    _refuse_compiled(model)
     structure = discover(model)
     options = dict(nnsight_kwargs)
     moe_envoy = _expert_parallel_envoy(model)
@@ -307,6 +314,21 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         if moe.family.runs_only_on:
             moe.mark_gathered_calls()
     return wrapped
+
+
+#: Why a compiled model is refused.
+COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
+            "(dynamo) cannot trace: the traces would fail inside torch.")
+
+
+def _refuse_compiled(model: torch.nn.Module, modules: Iterable[tuple[str, torch.nn.Module]] | None = None) -> None:
+    """Raise a `MoelensError` when a module of ``model`` (of ``modules``) was compiled in place (``module.compile()``)."""
+    for name, module in model.named_modules() if modules is None else modules:
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            raise MoelensError(
+                f"{name or 'the model'} ({type(module).__name__}) is compiled (module.compile()): load or copy the model "
+                f"again and wrap it uncompiled. {COMPILED}"
+            )
 
 
 #: What the qualified name of transformers' expert-parallel dispatch wrapper contains.
