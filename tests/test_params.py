@@ -260,6 +260,17 @@ def test_quantized_expert_weights_are_refused(storage):
         model.moes[0].params()
 
 
+def test_a_quantized_router_is_refused_not_left_out():
+    """dbrx's router Linear quantized by torch (quantize_dynamic) gave params().router None, which the docs keep
+    for routers whose logits are not one linear layer's output."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of its eager quantization
+        quantized = torch.ao.quantization.quantize_dynamic(tiny_model("dbrx"), {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(ValueUnavailable, match=r"dbrx: the router's linear layer router.layer is a Linear \(quantized\)"):
+        moelens.wrap(quantized).moes[0].params()
+
 def test_stacked_biases_are_cut_per_expert():
     _, model = wrapped("dbrx")
     moe = model.moes[0]

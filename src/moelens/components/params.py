@@ -147,6 +147,12 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
         linear = getattr(router, named.group(1))
         weight, bias = linear.weight, linear.bias
+    elif named and hasattr(getattr(router, named.group(1), None), "_packed_params"):  # torch's quantized Linear
+        raise ValueUnavailable(
+            f"{family.name}: the router's linear layer {family.router}.{named.group(1)} is a "
+            f"{type(getattr(router, named.group(1))).__name__} (quantized): its weight is packed, not a "
+            "floating-point tensor a view could edit; take params() on the model before quantizing it."
+        )
     else:
         return None
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != num_experts:
