@@ -14,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from moelens import analysis
 from moelens.analysis import cli as analysis_cli
 from moelens.analysis import corpus as corpora
 from moelens.analysis.cache import META_FILE, RoutingCache
+from moelens.analysis.collect import moes_of
 from moelens.cli import main
 from moelens.errors import MoelensError
 from moelens.testing import tiny_model
@@ -223,7 +225,6 @@ def test_bad_batching_is_refused_before_an_existing_cache_is_touched(model, tmp_
 
 
 def test_batching_takes_numpy_and_tensor_integers(model):
-    import numpy as np
 
     expected = analysis.collect_routing(model, TEXTS, batch_size=2, max_length=16, progress=False)
     for count in (np.int64(2), torch.tensor(2)):
@@ -243,7 +244,6 @@ def test_a_numpy_tokenizer_output_is_routed_as_a_torch_one(model):
 
 def test_numpy_token_ids_are_routed_as_python_ones(model):
     """A list of numpy integers and a 2-D numpy array were refused as not token ids."""
-    import numpy as np
 
     rows = model.tokenizer(TEXTS[:2], return_tensors="np", padding=False, truncation=True, max_length=5)["input_ids"]
     rows = np.stack([row[:5] for row in rows])
@@ -650,7 +650,6 @@ def test_bad_analysis_arguments_are_refused_clearly(model, results, case):
 
 def test_numpy_and_tensor_integers_are_taken_as_ints(model, results):
     """0-d tensors were looked up as layers by identity (KeyError), 1-D tensors of layers were not MoE layers."""
-    import numpy as np
 
     cache, usage, lens = results.cache, results.usage, results.lens
     for layer in (np.int64(1), torch.tensor(1), np.array(1)):
@@ -683,9 +682,15 @@ def test_numpy_and_tensor_integers_are_taken_as_ints(model, results):
     assert lens_np.layers == [3] and torch.equal(lens_np.top_ids[0], lens.top_ids[3])
 
 
+def test_blocks_take_any_collection_of_path_parts(model):
+    """blocks= took only a list, tuple or set since its check was added: a frozenset, a generator or dict keys
+    (what its Iterable[str] type promises) were refused."""
+    expected = [moe.layer for moe in model.moes]
+    for blocks in ({"mlp"}, frozenset({"mlp"}), (part for part in ["mlp"]), {"mlp": 1}.keys(), np.array(["mlp"])):
+        assert [moe.layer for moe in moes_of(model, blocks=blocks)] == expected
+
 def test_load_balance_takes_one_expert_count_per_layer(results):
     """num_experts is E per layer, at most the layer's own: a smaller E measures the first E experts only."""
-    import numpy as np
 
     usage = results.usage
     plain = analysis.load_balance(usage)

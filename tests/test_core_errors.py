@@ -1348,11 +1348,38 @@ def test_a_compiled_model_is_refused_with_what_to_wrap():
     compiled_in_place.model.layers[1].compile()
     with pytest.raises(moelens.MoelensError, match=r"model.layers.1 \(MixtralDecoderLayer\) is compiled \(module.compile\(\)\)"):
         moelens.wrap(compiled_in_place)
+    swapped = copy.deepcopy(hf)
+    swapped.model.layers[1] = torch.compile(swapped.model.layers[1])
+    with pytest.raises(moelens.MoelensError, match=r"model.layers.1 \(OptimizedModule\) is compiled by torch.compile"):
+        moelens.wrap(swapped)
     wrapped = moelens.wrap(hf)
-    hf.compile()  # after wrapping
-    with pytest.raises(moelens.MoelensError, match=r"the model \(MixtralForCausalLM\) is compiled"):
-        with wrapped.trace(tiny_inputs(hf)["input_ids"]):
-            wrapped.output.save()
+    for compiled, name in ((hf.model.layers[1].mlp, r"model.layers.1.mlp \(MixtralSparseMoeBlock\)"),
+                           (hf.model.layers[2], r"model.layers.2 \(MixtralDecoderLayer\)"),
+                           (hf, r"the model \(MixtralForCausalLM\)")):  # after wrapping: refused at the next trace
+        compiled.compile()
+        with pytest.raises(moelens.MoelensError, match=rf"{name} is compiled \(module.compile\(\)\)"):
+            with wrapped.trace(tiny_inputs(hf)["input_ids"]):
+                wrapped.output.save()
+        compiled._compiled_call_impl = None
+
+
+def test_generation_runs_uncompiled():
+    """transformers compiles the forward for a static cache (on a GPU by itself, or with a compile_config): the
+    trace then failed inside torch's dynamo on nnsight's rewritten experts forward."""
+    from transformers import CompileConfig
+
+    model = moelens.load()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True  # what a GPU does without it
+    with pytest.raises(moelens.MoelensError, match=r"generate\(\) with a compile_config or disable_compile=False"):
+        with model.generate(ids, max_new_tokens=2, cache_implementation="static", compile_config=config):
+            pass
+    with model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static") as tracer:
+        logits = nnsight.save([])
+        with tracer.all():
+            logits.append(model.moes[1].router_logits)
+    assert [tuple(value.shape) for value in logits] == [(1, 5, 8), (1, 1, 8), (1, 1, 8)]
 
 
 @pytest.mark.parametrize("part", ["gate", "experts", "block"])

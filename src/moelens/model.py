@@ -37,6 +37,8 @@ class MoeModelMixin:
     _structure: Structure
     #: The nnsight keyword arguments `wrap` was given (a deep copy is wrapped with them again).
     _wrap_options: dict[str, Any]
+    #: The modules each trace checks are not compiled since wrapping (`_around_blocks`).
+    _watched: list[tuple[str, torch.nn.Module]]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
 
@@ -92,7 +94,7 @@ class MoeModelMixin:
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions; then a check that no value moelens
         served was edited in place after the model had used it (`served.HandedBack`)."""
-        _refuse_compiled(self._module, [("", self._module)])  # compiled after wrapping
+        _refuse_compiled(self._watched)  # compiled after wrapping
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
         served.RUNS[interleaver] = handed_back
@@ -149,7 +151,14 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
 
     @traceable
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
-        """nnsight's ``generate``, telling the token views how many rows each prompt becomes."""
+        """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
+        transformers' compilation of the forward (which a static cache on a GPU turns on by itself)."""
+        config = kwargs.get("generation_config") or getattr(self._module, "generation_config", None)
+        if kwargs.get("compile_config", getattr(config, "compile_config", None)) is not None or (
+                kwargs.get("disable_compile", getattr(config, "disable_compile", None)) is False):
+            raise MoelensError(f"generate() with a compile_config or disable_compile=False compiles the forward. {COMPILED} "
+                               "Generate without them (moelens passes disable_compile=True).")
+        kwargs.setdefault("disable_compile", True)
         self._rows_per_prompt = rows_per_prompt(self._module, kwargs)
         try:
             return super().generate(*inputs, **kwargs)
@@ -293,7 +302,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             "wrap() got a model compiled with torch.compile: wrap the model it compiled, moelens.wrap(model._orig_mod). "
             + COMPILED
         )
-    _refuse_compiled(model)
+    _refuse_compiled(model.named_modules())
     structure = discover(model)
     options = dict(nnsight_kwargs)
     moe_envoy = _expert_parallel_envoy(model)
@@ -307,6 +316,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     else:
         wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
     object.__setattr__(wrapped, "_structure", structure)
+    object.__setattr__(wrapped, "_watched", _around_blocks(model, structure.moe_blocks))
     object.__setattr__(wrapped, "_wrap_options", options)
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
@@ -321,14 +331,24 @@ COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by 
             "(dynamo) cannot trace: the traces would fail inside torch.")
 
 
-def _refuse_compiled(model: torch.nn.Module, modules: Iterable[tuple[str, torch.nn.Module]] | None = None) -> None:
-    """Raise a `MoelensError` when a module of ``model`` (of ``modules``) was compiled in place (``module.compile()``)."""
-    for name, module in model.named_modules() if modules is None else modules:
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            raise MoelensError(
-                f"{name or 'the model'} ({type(module).__name__}) is compiled (module.compile()): load or copy the model "
-                f"again and wrap it uncompiled. {COMPILED}"
-            )
+def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
+    """Raise a `MoelensError` for a module compiled in place (``module.compile()``) or by ``torch.compile`` (a
+    compiled module put in the model) among ``modules``."""
+    for name, module in modules:
+        how = ("compiled (module.compile())" if getattr(module, "_compiled_call_impl", None) is not None else
+               "compiled by torch.compile" if type(module).__name__ == "OptimizedModule" else None)
+        if how is not None:
+            raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: load or copy the model "
+                               f"again and wrap it uncompiled. {COMPILED}")
+
+
+def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The model, every module on the way down to its MoE blocks, and the blocks' own modules: where a
+    compilation made after wrapping would reach the forwards moelens reads."""
+    above = {""} | {".".join(block.split(".")[:depth]) for block in blocks for depth in range(1, block.count(".") + 1)}
+    inside = [(f"{block}.{name}".rstrip("."), module) for block in blocks
+              for name, module in model.get_submodule(block).named_modules()]
+    return [(name, model.get_submodule(name)) for name in sorted(above)] + inside
 
 
 #: What the qualified name of transformers' expert-parallel dispatch wrapper contains.

@@ -10,7 +10,7 @@ family moelens serves: nothing here knows one.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from tqdm import tqdm
@@ -54,7 +54,8 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
             "routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()."
         )
     if blocks is not None:
-        wanted_paths = [blocks] if isinstance(blocks, str) else list(blocks) if isinstance(blocks, (list, tuple, set)) else [None]
+        listed = isinstance(blocks, Iterable) and not isinstance(blocks, (str, bytes, Mapping))
+        wanted_paths = list(blocks) if listed else [blocks]
         if not wanted_paths or not all(isinstance(part, str) for part in wanted_paths):
             raise MoelensError(f"blocks must be a part of a block path or a list of them (text), got {blocks!r}; "
                                f"e.g. blocks={model.moes[0].path.rpartition('.')[2]!r}.")
