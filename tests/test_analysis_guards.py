@@ -627,7 +627,7 @@ BAD_ARGUMENTS = {
     "plot-spec-of-usage": (lambda m, r: analysis.plots.plot_specialisation(r.usage), r"spec must be a Specialisation, got Usage"),
     # specialisation labels and classes, top_tokens' min_count, collect_routing's blocks
     "labels-float": (lambda m, r: analysis.specialisation(r.cache, torch.tensor([-0.5, 1.9]), per="text"),
-                     r"labels must be integer class ids .*, got Tensor of shape \(2,\); .* never rounded"),
+                     r"labels must be integer class ids .*, got Tensor of shape \(2,\); a class id is a whole number"),
     "labels-text": (lambda m, r: analysis.specialisation(r.cache, "abc"), r"labels must be integer class ids .*, got str 'abc'"),
     "labels-none": (lambda m, r: analysis.specialisation(r.cache, None), r"labels must be integer class ids"),
     "classes-count": (lambda m, r: analysis.specialisation(r.cache, [0, 1, 0], classes=3, per="text"),
@@ -700,3 +700,13 @@ def test_load_balance_takes_one_expert_count_per_layer(results):
     counts = usage.counts[0, :4].double()
     assert math.isclose(float(first.cv[0]), float(counts.std(correction=0) / counts.mean()), rel_tol=1e-12)
     assert torch.equal(first.cv[1:], plain.cv[1:]) and len(first.cv) == len(usage.layers)
+
+
+def test_labels_as_whole_floats_or_bools_count_as_their_integers(results):
+    """Only fractions are refused (they were rounded into a class): whole-number floats (torch.zeros(n) filled in)
+    and a bool mask label the same classes as their integers."""
+    cache = results.cache
+    ids = torch.arange(cache.num_texts) % 2
+    expected = analysis.specialisation(cache, ids, per="text").counts
+    for labels in (ids.float(), ids.bool(), ids.numpy().astype("float32"), ids.tolist()):
+        assert torch.equal(analysis.specialisation(cache, labels, per="text").counts, expected)

@@ -57,15 +57,16 @@ class Specialisation:
 
 
 def _class_ids(labels: Any) -> Tensor:
-    """``labels`` as a flat int64 tensor of class ids; floats (which would be rounded), bools and anything that
-    is not a list, tensor or array of integers are refused."""
+    """``labels`` as a flat int64 tensor of class ids (floats only when they are whole numbers, bools as 0 and 1);
+    fractions, which would be rounded into a class, and anything that is no list, tensor or array of numbers are
+    refused."""
     try:
         ids = torch.as_tensor(labels)
     except (TypeError, ValueError, RuntimeError):
         ids = None
-    if ids is None or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+    if ids is None or ids.is_complex() or ids.is_floating_point() and not bool((ids == ids.round()).all()):
         raise MoelensError(f"labels must be integer class ids (a list, tensor or array of ints), got {described(labels)}"
-                           "; a class id is an integer (ids outside 0..C-1 are ignored), never rounded.")
+                           "; a class id is a whole number (ids outside 0..C-1 are ignored), never rounded.")
     return ids.long().flatten()
 
 
