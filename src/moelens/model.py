@@ -22,7 +22,7 @@ from nnsight.modeling import processing
 
 from .components import Mlp, Moe, served
 from .components.base import envoy_at
-from .components.moe import drop_gathered_notes
+from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known
 from .components.params import op_names
 from .discovery import Structure, discover, layer_path

@@ -26,7 +26,6 @@ reads every value of the block in that order.
 
 from __future__ import annotations
 
-import weakref
 from functools import cached_property
 from typing import Any, Iterable
 
@@ -42,10 +41,11 @@ from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
 from . import tokens
 from .base import envoy_at
+from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
+from .gathered import gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params
-from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
 from .served import order_errors, request, served
 
 
@@ -73,49 +73,6 @@ def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
         return module is not None and isinstance(module.get_submodule(path), torch.nn.Module)
     except AttributeError:
         return False
-
-
-#: The attribute `_GatheredNote` sets on a block (see `Moe.mark_gathered_calls`).
-GATHERED = "_moelens_tokens_gathered"
-
-
-class _GatheredNote:
-    """The forward pre-hook of `Moe.mark_gathered_calls`: notes on the block whether its call got tokens
-    gathered out of the batch (``[n * D]`` or ``[n, D]`` rather than ``[B, S, D]``). It serves one
-    component, held weakly. A copy of the model (``copy.deepcopy``, or pickled and loaded) copies its hooks:
-    the copied note serves no component and takes itself off at its first call."""
-
-    def __init__(self, component: "Moe | None" = None) -> None:
-        self.component = weakref.ref(component) if component is not None else None
-
-    def __deepcopy__(self, memo: dict) -> "_GatheredNote":
-        return _GatheredNote()
-
-    def __reduce__(self) -> tuple:
-        return _GatheredNote, ()
-
-    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
-        if self.component is None:  # a copy's: no wrapper of the copy reads it
-            for key, hook in list(module._forward_pre_hooks.items()):
-                if hook is self:
-                    del module._forward_pre_hooks[key]
-            return
-        setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
-
-
-def drop_gathered_notes(model: torch.nn.Module) -> None:
-    """Take every `_GatheredNote` and what they noted off the modules of ``model`` (a fresh copy no wrapper serves)."""
-    for module in model.modules():
-        for key, hook in list(module._forward_pre_hooks.items()):
-            if isinstance(hook, _GatheredNote):
-                del module._forward_pre_hooks[key]
-        module.__dict__.pop(GATHERED, None)
-
-
-def _stop_noting(module: torch.nn.Module, hook: torch.utils.hooks.RemovableHandle) -> None:
-    """Take one component's `_GatheredNote` and what it noted off ``module``."""
-    hook.remove()
-    module.__dict__.pop(GATHERED, None)
 
 
 class Moe(Mlp):
@@ -362,7 +319,7 @@ class Moe(Mlp):
         The hook goes with this component: it is removed when the wrapped model is collected (each wrapper of
         a model has its own).
         """
-        weakref.finalize(self, _stop_noting, self._module, self._module.register_forward_pre_hook(_GatheredNote(self)))
+        note_gathered_calls(self, self._module)
 
     def _read(self, descriptor: served) -> Any:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
@@ -407,7 +364,7 @@ class Moe(Mlp):
     @property
     def _gathered_call(self) -> bool:
         """Whether the running call of this block got tokens gathered out of the batch (`mark_gathered_calls`)."""
-        return bool(self.family.runs_only_on) and getattr(self._module, GATHERED, False)
+        return bool(self.family.runs_only_on) and gathered_call(self._module)
 
     def _write(self, descriptor: served, value: Any) -> None:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
