@@ -195,6 +195,34 @@ def test_per_slot_values_first_read_at_a_later_step_are_that_steps(family, impl)
     assert torch.equal(by_output[1], untouched[1]) and not torch.allclose(by_output[2], untouched[2])
 
 
+def test_generation_rows_follow_the_models_own_config_under_a_given_one():
+    """A generation_config that leaves num_return_sequences unset runs the model's own (2): each prompt's two rows
+    were served side by side as one [1, 10, k] row, silently; and moelens' disable_compile beside the config made
+    transformers warn that the user's call was deprecated."""
+    import warnings
+
+    from transformers import GenerationConfig
+
+    hf = tiny_model("mixtral")
+    hf.generation_config.do_sample, hf.generation_config.num_return_sequences = True, 2
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = first_moe(wrapped)
+    calls = []
+    experts = hf.get_submodule(moe.path.removeprefix("model.")).get_submodule(moe.family.experts)
+    hook = experts.register_forward_hook(lambda module, args, output: calls.append(args[1].clone()))
+    given = GenerationConfig(max_new_tokens=2, do_sample=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with wrapped.generate("hello", generation_config=given):
+                indices = moe.expert_indices.save()
+    finally:
+        hook.remove()
+    assert tuple(indices.shape) == (2, 5, 2) and torch.equal(indices, calls[0].view(2, 5, 2))
+    assert not [w for w in caught if "generation-related arguments" in str(w.message)]
+    assert given.disable_compile is not True  # the user's config is left as it was
+
+
 @pytest.mark.parametrize(
     "settings", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}], ids=["beams", "sequences"]
 )
@@ -314,6 +342,21 @@ def test_copies_of_a_wrapped_model_do_not_keep_its_gathered_call_hooks():
     loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
     loaded(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))
     assert hooks(loaded) == [0] and hooks(hf) == [1]
+
+
+def test_a_model_pickled_with_the_earlier_hook_function_loads_and_sheds_it():
+    """moelens 0.1 pickled the hook of a wrapped ernie4_5_vl_moe block as the function
+    moelens.components.moe._note_gathered: such a model still loads, its hook inert until the block's first call."""
+    import pickle
+
+    earlier = pickle.loads(b"cmoelens.components.moe\n_note_gathered\n.")  # the global such a pickle names
+    hf = tiny_model("ernie4_5_vl_moe")
+    for module in hf.modules():
+        if type(module).__name__ == "Ernie4_5_VLMoeSparseMoeBlock":
+            module.register_forward_pre_hook(earlier)  # as the loaded model holds it
+    with torch.no_grad():
+        hf(input_ids=torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9]]), moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))
+    assert not [module for module in hf.modules() if module._forward_pre_hooks or "_moelens_tokens_gathered" in vars(module)]
 
 
 def test_a_shallow_copy_of_a_block_leaves_the_original_noted():

@@ -1361,6 +1361,11 @@ def test_a_compiled_model_is_refused_with_what_to_wrap():
             with wrapped.trace(tiny_inputs(hf)["input_ids"]):
                 wrapped.output.save()
         compiled._compiled_call_impl = None
+    layer = hf.model.layers[1]
+    hf.model.layers[1] = torch.compile(layer)  # put in after wrapping: the module wrap saw is not the one that runs
+    with pytest.raises(moelens.MoelensError, match=r"model.layers.1 \(OptimizedModule\) is compiled by torch.compile"):
+        with wrapped.trace(tiny_inputs(hf)["input_ids"]):
+            wrapped.output.save()
 
 
 def test_generation_runs_uncompiled():

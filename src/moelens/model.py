@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Iterable, NoReturn
+from typing import Any, Iterable, Iterator, NoReturn
 
 import nnsight
 import torch
@@ -37,8 +37,8 @@ class MoeModelMixin:
     _structure: Structure
     #: The nnsight keyword arguments `wrap` was given (a deep copy is wrapped with them again).
     _wrap_options: dict[str, Any]
-    #: The modules each trace checks are not compiled since wrapping (`_around_blocks`).
-    _watched: list[tuple[str, torch.nn.Module]]
+    #: The module paths each trace checks hold nothing compiled since wrapping (`_around_blocks`).
+    _watched: list[str]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
 
@@ -94,7 +94,7 @@ class MoeModelMixin:
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions; then a check that no value moelens
         served was edited in place after the model had used it (`served.HandedBack`)."""
-        _refuse_compiled(self._watched)  # compiled after wrapping
+        _refuse_compiled(_present(self._module, self._watched))  # compiled since wrapping, or a compiled one put in
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
         served.RUNS[interleaver] = handed_back
@@ -153,12 +153,15 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
         transformers' compilation of the forward (which a static cache on a GPU turns on by itself)."""
-        config = kwargs.get("generation_config") or getattr(self._module, "generation_config", None)
-        if kwargs.get("compile_config", getattr(config, "compile_config", None)) is not None or (
-                kwargs.get("disable_compile", getattr(config, "disable_compile", None)) is False):
+        if generation_setting(self._module, kwargs, "compile_config") is not None or (
+                generation_setting(self._module, kwargs, "disable_compile") is False):
             raise MoelensError(f"generate() with a compile_config or disable_compile=False compiles the forward. {COMPILED} "
                                "Generate without them (moelens passes disable_compile=True).")
-        kwargs.setdefault("disable_compile", True)
+        if kwargs.get("generation_config") is not None:  # set there: a keyword beside it is deprecated in transformers
+            kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+            kwargs["generation_config"].disable_compile = True
+        else:
+            kwargs.setdefault("disable_compile", True)
         self._rows_per_prompt = rows_per_prompt(self._module, kwargs)
         try:
             return super().generate(*inputs, **kwargs)
@@ -166,19 +169,25 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             self._rows_per_prompt = 1
 
 
+def generation_setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:
+    """The generation setting ``name`` ``generate`` runs with: the keyword, else the ``generation_config`` given,
+    else the model's own (transformers fills a given config's unset settings from the model's)."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        if getattr(config, name, None) is not None:
+            return getattr(config, name)
+    return None
+
+
 def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
     """How many rows transformers' ``generate`` runs for each prompt row with these arguments.
 
     It repeats every row ``max(num_beams, num_return_sequences)`` times, in place (row i
     becomes rows ``i * n`` to ``i * n + n - 1``), from the arguments over the
-    ``generation_config`` given or the model's own.
+    ``generation_config`` given over the model's own.
     """
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-
-    def setting(name: str) -> int:
-        return int(kwargs.get(name) or getattr(config, name, None) or 1)
-
-    return max(setting("num_beams"), setting("num_return_sequences"))
+    return max(int(generation_setting(model, kwargs, name) or 1) for name in ("num_beams", "num_return_sequences"))
 
 
 class MoeNNsight(MoeModelMixin, NNsight):
@@ -342,13 +351,22 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
                                f"again and wrap it uncompiled. {COMPILED}")
 
 
-def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[tuple[str, torch.nn.Module]]:
-    """The model, every module on the way down to its MoE blocks, and the blocks' own modules: where a
-    compilation made after wrapping would reach the forwards moelens reads."""
+def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[str]:
+    """The paths of the model, every module on the way down to its MoE blocks, the blocks and their children
+    (router, experts, shared expert): where a compilation made after wrapping would reach the forwards moelens reads."""
     above = {""} | {".".join(block.split(".")[:depth]) for block in blocks for depth in range(1, block.count(".") + 1)}
-    inside = [(f"{block}.{name}".rstrip("."), module) for block in blocks
-              for name, module in model.get_submodule(block).named_modules()]
-    return [(name, model.get_submodule(name)) for name in sorted(above)] + inside
+    inside = [f"{block}.{name}".rstrip(".") for block in blocks
+              for name in ["", *(child for child, _ in model.get_submodule(block).named_children())]]
+    return sorted(above) + inside
+
+
+def _present(model: torch.nn.Module, paths: list[str]) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``(path, module)`` for each of ``paths`` that still names a module of ``model`` (one may have been swapped)."""
+    for path in paths:
+        try:
+            yield path, model.get_submodule(path)
+        except AttributeError:
+            continue
 
 
 #: What the qualified name of transformers' expert-parallel dispatch wrapper contains.

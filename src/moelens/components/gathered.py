@@ -45,6 +45,11 @@ class _GatheredNote:
         setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
 
 
+#: A note of no wrapper, for models pickled while wrapped by an earlier moelens, whose hook was the function
+#: ``moelens.components.moe._note_gathered``: loaded, it is this note, which takes itself off at the first call.
+STALE_NOTE = _GatheredNote()
+
+
 def drop_gathered_notes(model: torch.nn.Module) -> None:
     """Take every `_GatheredNote` and what they noted off the modules of ``model`` (a fresh copy no wrapper serves)."""
     for module in model.modules():

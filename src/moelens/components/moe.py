@@ -42,7 +42,7 @@ from ..families.scoring import score, top_logits
 from . import tokens
 from .base import envoy_at
 from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
-from .gathered import gathered_call, note_gathered_calls
+from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params
@@ -73,6 +73,10 @@ def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
         return module is not None and isinstance(module.get_submodule(path), torch.nn.Module)
     except AttributeError:
         return False
+
+
+#: What an earlier moelens pickled a wrapped ernie4_5_vl_moe block's hook as (see `gathered.STALE_NOTE`).
+_note_gathered = STALE_NOTE
 
 
 class Moe(Mlp):
