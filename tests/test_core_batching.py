@@ -223,6 +223,19 @@ def test_generation_rows_follow_the_models_own_config_under_a_given_one():
     assert given.disable_compile is not True  # the user's config is left as it was
 
 
+def test_beams_from_the_models_own_config_under_a_given_one():
+    """num_beams set only in the model's config, with a generation_config given: nnsight read the beams from the
+    given config alone, added its streamer, and transformers refused it under beam search."""
+    from transformers import GenerationConfig
+
+    hf = tiny_model("mixtral")
+    hf.generation_config.num_beams = 2
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    with wrapped.generate("hello", generation_config=GenerationConfig(max_new_tokens=2)):
+        indices = first_moe(wrapped).expert_indices.save()
+    assert tuple(indices.shape) == (2, 5, 2)  # two beams of the one prompt
+
+
 @pytest.mark.parametrize(
     "settings", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}], ids=["beams", "sequences"]
 )

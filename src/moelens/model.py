@@ -158,8 +158,10 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             raise MoelensError(f"generate() with a compile_config or disable_compile=False compiles the forward. {COMPILED} "
                                "Generate without them (moelens passes disable_compile=True).")
         if kwargs.get("generation_config") is not None:  # set there: a keyword beside it is deprecated in transformers
-            kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
-            kwargs["generation_config"].disable_compile = True
+            given = kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+            given.disable_compile = True
+            for name in ("num_beams", "num_return_sequences"):  # as transformers fills them, where nnsight looks
+                setattr(given, name, generation_setting(self._module, {"generation_config": given}, name))
         else:
             kwargs.setdefault("disable_compile", True)
         self._rows_per_prompt = rows_per_prompt(self._module, kwargs)
