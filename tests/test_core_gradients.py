@@ -259,21 +259,33 @@ def test_router_probs_is_differentiable_twice():
 def test_router_probs_read_first_under_activation_checkpointing_keeps_the_backward():
     """router_probs read before anything else of its block made the backward fail with CheckpointError, whether
     the loss used it or not: its request of the logits let the model run on inside moelens' saved-tensor hooks,
-    where the checkpointed layer pushed its own. The gradients are those of the run without checkpointing."""
+    where the checkpointed layer pushed its own. The gradients are those of the plain model (no nnsight, no
+    checkpointing), its router's softmax computed from the router's own input and weight."""
+    import torch.nn.functional as F
+
     import moelens
 
     gradients = []
     for on in (False, True):
         model = moelens.load()
+        hf = model._module
+        hf.train()
+        ids = model.tokenizer("def add(a, b):\n    return a + b", return_tensors="pt")["input_ids"]
         if on:
-            model._module.gradient_checkpointing_enable()
-        model._module.train()
-        with model.trace("def add(a, b):\n    return a + b"):
-            probs = model.moes[0].router_probs.save()
-            output = model.output.save()
+            hf.gradient_checkpointing_enable()
+            with model.trace(input_ids=ids, attention_mask=torch.ones_like(ids)):
+                probs = model.moes[0].router_probs.save()
+                output = model.output.save()
+        else:
+            router = hf.model.layers[0].mlp.gate
+            seen = []
+            hook = router.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+            output = hf(input_ids=ids, attention_mask=torch.ones_like(ids))
+            hook.remove()
+            probs = F.linear(seen[0], router.weight).float().softmax(-1).view(1, ids.shape[1], -1)
         loss = output.logits[:, -1].log_softmax(-1)[:, 5].sum() + (probs.mean((0, 1)) ** 2).sum()
         loss.backward()
-        gradients.append({name: p.grad for name, p in model._module.named_parameters() if p.grad is not None})
+        gradients.append({name: p.grad for name, p in hf.named_parameters() if p.grad is not None})
     assert gradients[0].keys() == gradients[1].keys()
     for name, gradient in gradients[0].items():
         torch.testing.assert_close(gradients[1][name], gradient, msg=name)
