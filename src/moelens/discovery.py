@@ -130,8 +130,9 @@ def _refuse_shared_parts(model: torch.nn.Module, blocks: list[str]) -> None:
         if family.shared is not None and not family.shared.on_layer:
             paths["shared expert"] = family.shared.module
         for part, path in paths.items():
-            module = get_path(block, path) if _has_path(block, path) else None
-            owner = owners.setdefault(id(module), name) if module is not None else name
+            if not _has_path(block, path):  # a config without a shared expert
+                continue
+            owner = owners.setdefault(id(get_path(block, path)), name)
             if owner != name:
                 where = f"{name}.{path}" if path else name
                 raise FamilyError(
