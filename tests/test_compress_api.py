@@ -82,6 +82,24 @@ def test_clear_errors():
     assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)  # nothing converted in place
 
 
+def test_numpy_and_0d_tensor_numbers_are_settings_like_python_ones():
+    import numpy as np
+
+    from moelens.compress.options import resolve
+
+    options = resolve(num_experts=np.int64(4), top_k=torch.tensor(2), seed=np.uint32(7), lora_alpha=np.float32(8.5),
+                      max_error=torch.tensor(0.25, dtype=torch.float64))
+    assert (options.num_experts, options.top_k, options.seed, options.lora_alpha, options.max_error) == (4, 2, 7, 8.5, 0.25)
+    assert all(type(value) in (int, float) for value in (options.num_experts, options.top_k, options.seed,
+                                                           options.lora_alpha, options.max_error))
+    for setting, match in [({"num_experts": torch.tensor([4])}, r"num_experts must be an int, got tensor\(\[4\]\)"),
+                           ({"top_k": np.float64(2.0)}, "top_k must be an int"),
+                           ({"lora_alpha": np.array([8.0])}, "lora_alpha must be a number"),
+                           ({"seed": True}, "seed must be an int")]:
+        with pytest.raises(CompressionError, match=match):
+            resolve(**setting)
+
+
 def test_a_converted_model_pickles_after_wrapping_and_is_not_loaded_as_dense(tmp_path):
     import pickle
 

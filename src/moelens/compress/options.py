@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import MoelensError
+from ..scalars import as_lone_int, as_real
 from .errors import CompressionError
 
 #: Other spellings accepted in ``comp_config``, mapped to `ToMoEOptions` fields.
@@ -71,18 +72,28 @@ class ToMoEOptions:
     progress: bool = True
 
     def validate(self) -> "ToMoEOptions":
-        """Check the settings; raises `CompressionError` naming the bad one."""
+        """Check the settings; raises `CompressionError` naming the bad one.
+
+        Returns these options with numbers as Python ints and floats (a numpy integer or a 0-d tensor is one).
+        """
+        parsed: dict[str, Any] = {}
         for name in ("num_experts", "top_k", "shared_neurons", "lora_r", "max_tokens", "seed"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            parsed[name] = as_lone_int(value)
+            if parsed[name] is None:
                 raise CompressionError(f"{name} must be an int, got {value!r}.")
+        for name in ("lora_alpha", "max_error"):
+            value = getattr(self, name)
+            parsed[name] = None if value is None else as_real(value)
+            if value is not None and (parsed[name] is None or getattr(value, "ndim", 0) != 0):
+                raise CompressionError(f"{name} must be a number, got {value!r}.")
         for name in ("freeze_experts", "target_attention_only", "refit", "inplace", "progress"):
             value = getattr(self, name)
             if not isinstance(value, bool):  # "False" is truthy: inplace="False" would convert the user's model
                 raise CompressionError(f"{name} must be True or False, got {value!r}.")
-        for name, value in (("lora_alpha", self.lora_alpha), ("max_error", self.max_error)):
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-                raise CompressionError(f"{name} must be a number, got {value!r}.")
+        return replace(self, **parsed)._check_ranges()
+
+    def _check_ranges(self) -> "ToMoEOptions":
         if self.lora_alpha is None:
             raise CompressionError("lora_alpha must be a number, got None.")
         if self.num_experts < 1:
