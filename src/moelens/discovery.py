@@ -18,7 +18,7 @@ from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .errors import FamilyError, sentence
 from .families import Family, registry
-from .families.entry import get_path
+from .families.entry import find_path, get_path
 from .families.unserved import unserved_block
 from .modules import enclosing, is_adapter_layer
 
@@ -52,10 +52,7 @@ def _is_experts(module: Any) -> bool:
 
 
 def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
-    try:
-        return _is_experts(get_path(module, family.experts))
-    except AttributeError:
-        return False
+    return _is_experts(find_path(module, family.experts))
 
 
 def _children(module: torch.nn.Module) -> list[str]:
@@ -69,11 +66,8 @@ def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -
     standing in their place (its ``base_layer`` the original) has other ops.
     """
     for part, path in (("router", family.router), ("experts", family.experts)):
-        try:
-            target = get_path(module, path)
-        except AttributeError:
-            continue
-        if is_adapter_layer(target):
+        target = find_path(module, path)
+        if target is not None and is_adapter_layer(target):
             raise FamilyError(
                 f"{name}.{path}, the {part} of this {family.name} block, is wrapped by a PEFT adapter layer "
                 f"({type(target).__name__}), so moelens cannot read the {part}'s own operations: merge the "
@@ -130,9 +124,10 @@ def _refuse_shared_parts(model: torch.nn.Module, blocks: list[str]) -> None:
         if family.shared is not None and not family.shared.on_layer:
             paths["shared expert"] = family.shared.module
         for part, path in paths.items():
-            if not _has_path(block, path):  # a config without a shared expert
+            part_module = find_path(block, path)
+            if part_module is None:  # a config without a shared expert
                 continue
-            owner = owners.setdefault(id(get_path(block, path)), name)
+            owner = owners.setdefault(id(part_module), name)
             if owner != name:
                 where = f"{name}.{path}" if path else name
                 raise FamilyError(
@@ -143,10 +138,7 @@ def _refuse_shared_parts(model: torch.nn.Module, blocks: list[str]) -> None:
 
 
 def _has_path(module: torch.nn.Module, path: str) -> bool:
-    try:
-        return get_path(module, path) is not None
-    except AttributeError:
-        return False
+    return find_path(module, path) is not None
 
 
 def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) -> None:

@@ -36,10 +36,6 @@ from .components import Mlp, Moe
 from .errors import WriteError
 from .scalars import as_int, as_real, scalar
 
-#: What each intervention changes: "routing" (writes router_logits) or "outputs".
-CHANGES = {"ablate:zero": "outputs", "ablate:route_around": "routing", "ablate:swap": "outputs",
-           "reroute": "outputs", "steer": "routing", "force": "routing"}
-
 ABLATION_MODES = ("zero", "route_around", "swap")
 
 

@@ -21,7 +21,7 @@ from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 
 from .components import Mlp, Moe, served
-from .components.base import envoy_at
+from .components.base import bind_alias, envoy_at
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known
 from .components.params import op_names
@@ -401,8 +401,7 @@ def _bind(host: Any, alias: str, native: str) -> None:
     """Alias ``host.<native>`` as ``host.<alias>`` unless the name is taken."""
     if alias in host.__dict__ or hasattr(host._module, alias):
         return
-    object.__setattr__(host, alias, envoy_at(host, native))
-    host._aliases[alias] = native
+    bind_alias(host, alias, native, envoy_at(host, native))
 
 
 def _bind_standard_names(wrapped: Any, structure: Structure) -> None:

@@ -46,7 +46,7 @@ SHARD_NAME = re.compile(r"shard-\d+\.safetensors")
 
 
 def layer_row(layers: Sequence[int], layer: Any, what: str = "cache") -> int:
-    """The position of decoder layer ``layer`` (an integer, see `checks.integer`) in ``layers`` (the MoE layers of
+    """The position of decoder layer ``layer`` (an integer, see `moelens.scalars.as_lone_int`) in ``layers`` (the MoE layers of
     a cache or a result)."""
     (index,), outside = split_ids([layer], layers)
     if outside:
@@ -209,8 +209,9 @@ class RoutingCache:
                                 f"lists {tokens} tokens of layers {sorted(self.layers)}")
         return shard
 
-    def _layer(self, layer: Any) -> int:
-        """``layer`` as the int key of one of this cache's MoE layers (else a clear error)."""
+    def layer_key(self, layer: Any) -> int:
+        """``layer`` (an integer decoder-layer index, or a numpy / 0-d tensor one) as the int key of one of this cache's MoE
+        layers, the key its per-layer values are stored under; a layer that is not one of them is a clear error."""
         return self.layers[layer_row(self.layers, layer)]
 
     def _cat(self, kind: str, layer: int | None = None) -> Tensor:
@@ -221,21 +222,21 @@ class RoutingCache:
 
     def indices(self, layer: int) -> Int[Tensor, "t k"]:
         """``[T, k]`` int64: the experts every cached token was routed to in ``layer``."""
-        return self._cat("indices", self._layer(layer)).long()
+        return self._cat("indices", self.layer_key(layer)).long()
 
     def weights(self, layer: int) -> Float[Tensor, "t k"]:
         """``[T, k]`` float32: each slot's routing weight in ``layer``."""
-        return self._cat("weights", self._layer(layer)).float()
+        return self._cat("weights", self.layer_key(layer)).float()
 
     def logits(self, layer: int) -> Float[Tensor, "t e"]:
         """``[T, E]`` float32: router logits in ``layer`` (collect with ``logits=True``)."""
         if not self.has_logits:
             raise MoelensError("this cache holds no router logits; collect it with collect_routing(..., logits=True).")
-        return self._cat("logits", self._layer(layer)).float()
+        return self._cat("logits", self.layer_key(layer)).float()
 
     def probs(self, layer: int) -> Float[Tensor, "t e"]:
         """``[T, E]`` the family's score of each expert (what ``moe.router_probs`` serves)."""
-        layer = self._layer(layer)
+        layer = self.layer_key(layer)
         return score(self.score[layer], self.logits(layer), self.softcap.get(layer, 0.0))
 
     def token_ids(self) -> Int[Tensor, " t"]:

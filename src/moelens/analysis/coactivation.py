@@ -98,7 +98,7 @@ def multi_hot(indices: Tensor, num_experts: int) -> Tensor:
 def coactivation(cache: RoutingCache, layer: int) -> Coactivation:
     """Count, in ``layer``, the tokens routed to each pair of experts (streams over shards)."""
     check_cache(cache)
-    layer = cache._layer(layer)
+    layer = cache.layer_key(layer)
     width = cache.num_experts[layer]
     counts = torch.zeros(width, width, dtype=torch.float64)
     tokens = 0
@@ -120,7 +120,7 @@ def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top
     check_cache(cache)
     if slots not in SLOTS:
         raise MoelensError(f"slots={slots!r} is not one of {SLOTS}.")
-    source, target = cache._layer(source), cache._layer(target)
+    source, target = cache.layer_key(source), cache.layer_key(target)
     rows, columns = cache.num_experts[source], cache.num_experts[target]
     counts = torch.zeros(rows, columns, dtype=torch.float64)
     sources = torch.zeros(rows, dtype=torch.float64)
@@ -146,7 +146,7 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
     layers = list(cache.layers) if layers is None else id_list("layers", layers, "layer")
     if not layers:
         raise MoelensError(f"expert_paths: layers={layers} names no layer; the cache holds layers {list(cache.layers)}.")
-    layers = [cache._layer(layer) for layer in layers]
+    layers = [cache.layer_key(layer) for layer in layers]
     paths: Counter[tuple[int, ...]] = Counter()
     for shard in cache.shards():
         stacked = torch.stack([top1(shard, layer) for layer in layers], dim=1)

@@ -84,7 +84,7 @@ def token_entropy(cache: RoutingCache, layer: int, source: str | None = None) ->
     """``[T]`` every cached token's normalised routing entropy in ``layer``."""
     check_cache(cache)
     source = _pick_source(cache, source)
-    layer = cache._layer(layer)
+    layer = cache.layer_key(layer)
     return torch.cat([_shard_entropy(cache, shard, layer, source) for shard in cache.shards()])
 
 

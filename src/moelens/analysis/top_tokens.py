@@ -48,7 +48,7 @@ class ExpertTokens:
 
 def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V]."""
-    layer = cache._layer(layer)
+    layer = cache.layer_key(layer)
     stride = 1 << 32
     keys, key_counts, occurrences = [], [], torch.zeros(0, dtype=torch.int64)
     for shard in cache.shards():
@@ -98,7 +98,7 @@ def top_tokens(
     n = check_count("n", n)
     min_count = check_count("min_count", min_count, least=0)
     check_tokenizer(tokenizer)
-    layer = cache._layer(layer)
+    layer = cache.layer_key(layer)
     count = cache.num_experts[layer]
     experts = list(range(count)) if experts is None else expert_ids(id_list("experts", experts, "expert id"), count, layer)
     expert_of, token_of, counts, occurrences = pair_counts(cache, layer)

@@ -11,7 +11,6 @@ than the average), min / mean, the normalised entropy of the usage distribution
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..scalars import as_lone_int
 from .cache import SKIPPED, RoutingCache, check_cache, layer_row
+from .entropy import normalised_entropy
 from .checks import check_type, id_list
 
 
@@ -128,16 +128,14 @@ def expert_usage(cache: RoutingCache) -> Usage:
                  num_experts=[cache.num_experts[layer] for layer in cache.layers])
 
 
-def balance_of(counts: Tensor) -> tuple[float, float, float, float, int]:
+def balance_of(counts: Int[Tensor, " e"]) -> tuple[float, float, float, float, int]:
     """(cv, max/mean, min/mean, normalised entropy, unused) of one layer's ``[E]`` counts."""
     counts = counts.double()
     mean = counts.mean()
     if mean == 0:
         return 0.0, 0.0, 0.0, 0.0, int(counts.numel())
     cv = float(counts.std(correction=0) / mean)
-    share = counts / counts.sum()
-    nonzero = share[share > 0]
-    entropy = float(-(nonzero * nonzero.log()).sum() / math.log(counts.numel())) if counts.numel() > 1 else 1.0
+    entropy = float(normalised_entropy(counts[None])[0]) if counts.numel() > 1 else 1.0
     return cv, float(counts.max() / mean), float(counts.min() / mean), entropy, int((counts == 0).sum())
 
 
@@ -155,11 +153,9 @@ def load_balance(usage: Usage | RoutingCache, num_experts: list[int] | None = No
         usage = expert_usage(usage)
     widths = usage.num_experts if num_experts is None else _widths(usage, num_experts)
     values = [balance_of(usage.counts[row, :width]) for row, width in enumerate(widths)]
-    column = lambda i, dtype=torch.float64: torch.tensor([value[i] for value in values], dtype=dtype)  # noqa: E731
-    return LoadBalance(
-        layers=list(usage.layers), cv=column(0), max_over_mean=column(1), min_over_mean=column(2),
-        entropy=column(3), unused=column(4, torch.int64),
-    )
+    cv, max_over_mean, min_over_mean, entropy, unused = torch.tensor(values, dtype=torch.float64).reshape(-1, 5).T
+    return LoadBalance(layers=list(usage.layers), cv=cv, max_over_mean=max_over_mean, min_over_mean=min_over_mean,
+                       entropy=entropy, unused=unused.long())
 
 
 def _widths(usage: Usage, num_experts: Any) -> list[int]:

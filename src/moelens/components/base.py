@@ -43,6 +43,12 @@ def envoy_at(envoy: Envoy, path: str) -> Envoy:
     return envoy
 
 
+def bind_alias(host: Envoy, alias: str, native: str, target: Envoy) -> None:
+    """Serve ``target``, the envoy at ``native`` below ``host``, as ``host.<alias>`` too (a standard name)."""
+    object.__setattr__(host, alias, target)  # as a plain attribute: no check or hook of a setattr applies
+    host._aliases[alias] = native
+
+
 @functools.cache
 def value_names(component_class: type) -> tuple[str, ...]:
     """The values a component class serves (its `served` descriptors)."""

@@ -40,7 +40,7 @@ from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
 from . import tokens
-from .base import envoy_at
+from .base import bind_alias, envoy_at
 from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
 from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
@@ -108,10 +108,8 @@ class Moe(Mlp):
                 target = envoy_at(self, native)
             except AttributeError:
                 continue
-            if target is None:
-                continue
-            object.__setattr__(self, alias, target)
-            self._aliases[alias] = native
+            if target is not None:
+                bind_alias(self, alias, native, target)
 
     def _shared_envoy(self) -> Any:
         """The shared-expert envoy (on the block or its decoder layer), or None."""

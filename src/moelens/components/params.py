@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..errors import ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
-from ..families.entry import get_path
+from ..families.entry import find_path, get_path
 from ..modules import has_lora_adapters
 from ..scalars import as_lone_int
 
@@ -237,10 +237,7 @@ def _attribute_path(node: Any) -> Any:
 
 
 def _attribute(router: torch.nn.Module, path: str | None) -> Any:
-    try:
-        return get_path(router, path) if path else None
-    except AttributeError:
-        return None
+    return find_path(router, path) if path else None
 
 
 def layout_of(family: Family, experts: torch.nn.Module) -> ExpertLayout:

@@ -1,6 +1,6 @@
 """What to convert: dense FFN blocks and single Linear layers found in a model, and what to skip (with why).
 
-FFN blocks are recognised by their parts (`FFN_KINDS`): a SwiGLU ``mlp`` with
+FFN blocks are recognised by their parts (`ffn_site`): a SwiGLU ``mlp`` with
 ``gate_proj / up_proj / down_proj`` (Llama, Qwen2, Mistral, Gemma ...), a BERT layer's
 ``intermediate.dense / output.dense``, a GPT-2 ``mlp`` with ``c_fc / c_proj``
 (``Conv1D``). Single Linear / Conv1D layers are candidates with

@@ -13,7 +13,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..families import Family
-from ..families.entry import get_path
+from ..families.entry import find_path, get_path
 from .errors import ExportRefused
 from .spec import MoeSpec
 
@@ -59,7 +59,7 @@ class ExportBlock(torch.nn.Module):
         shared = family.shared
         self._shared_path = shared.module if shared is not None and not shared.on_layer else None
         self._gate_path = shared.gate if self._shared_path else None
-        if self._shared_path is not None and _optional_path(block, self._shared_path) is None:
+        if self._shared_path is not None and find_path(block, self._shared_path) is None:
             self._shared_path = self._gate_path = None  # this checkpoint turns its shared expert off
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -80,13 +80,6 @@ class ExportBlock(torch.nn.Module):
         if self._family.combine.output_index is not None and not self._root:
             return (output, output)  # the second item (router scores) is unused by the layer
         return output
-
-
-def _optional_path(module: torch.nn.Module, path: str) -> Any:
-    try:
-        return get_path(module, path)
-    except AttributeError:
-        return None
 
 
 def block_output(family: Family, output: Any) -> Tensor:

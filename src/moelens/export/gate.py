@@ -131,7 +131,7 @@ def _hard_refusals(family: Family, score: Any = None, scoring: Scoring | None = 
     if score == "sigmoid" and scoring.normalize is True:
         reasons.append(_sigmoid_renormalised())
     if family.expert_gate is not None and family.expert_gate.kind not in ("glu", "clamped_swiglu"):
-        reasons.append(_expert_gate(family.expert_gate.kind))
+        reasons.append(expert_gate_refusal(family.expert_gate.kind))
     if family.identity_experts is not None:
         reasons.append(f"zero-compute experts ({family.identity_experts}) that pass their input through: "
                        "every tract_moe_ffn expert is an FFN with weights")
@@ -223,7 +223,8 @@ def _sigmoid_renormalised() -> str:
     return "sigmoid scores renormalised over the k chosen experts: tract's sigmoid gate does not renormalise"
 
 
-def _expert_gate(kind: str) -> str:
+def expert_gate_refusal(kind: str) -> str:
+    """Why tract_moe_ffn cannot run experts whose gated activation is of ``kind`` (a family's `ExpertGate` kind)."""
     what = {
         "clamped_glu": "clamped SwiGLU without the sigmoid slope and offset (silu(min(g, l)) * clamp(u))",
         "glu_clamped": "SwiGLU whose activation is clamped after it is applied (min(silu(g), l) * clamp(u))",

@@ -25,11 +25,7 @@ from ..errors import ValueUnavailable
 from ..families import Family
 from ..families.entry import get_path
 from .errors import ExportRefused
-from .gate import _expert_gate, routing
-
-#: tract_moe_ffn activations: the gated one (needs w3) and the ungated ones.
-ACTIVATIONS = ("swiglu", "silu", "gelu", "relu")
-
+from .gate import expert_gate_refusal, routing
 
 @dataclass
 class MoeSpec:
@@ -231,7 +227,7 @@ def _activation(family: Family, experts: torch.nn.Module, gated: bool, block: to
             "act_limit": float(family.resolve(described.limit, block)),
         }
     if kind != "glu":
-        raise ExportRefused(f"{family.name}: {_expert_gate(kind)}.")
+        raise ExportRefused(f"{family.name}: {expert_gate_refusal(kind)}.")
     act = _identify(getattr(experts, "act_fn", None), family.name)
     return {"activation": "swiglu" if (gated and act == "silu") else act, "act_alpha": None, "act_limit": None}
 

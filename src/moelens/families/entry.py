@@ -422,6 +422,14 @@ def get_path(root: Any, path: str) -> Any:
     return value
 
 
+def find_path(root: Any, path: str) -> Any:
+    """`get_path`, or None where a part of ``path`` is missing."""
+    try:
+        return get_path(root, path)
+    except AttributeError:
+        return None
+
+
 def find_config(module: Any) -> Any:
     """The model config a block or one of its parts carries (blocks rarely keep one)."""
     for candidate in module.modules():
