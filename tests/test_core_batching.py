@@ -440,3 +440,74 @@ def test_a_transplant_between_invokes_at_a_barrier_lands(impl, no_grad):
     assert not torch.allclose(whole, by_hand([]))
     torch.testing.assert_close(whole, by_hand(list(range(seq))))
     torch.testing.assert_close(position, by_hand([2]))
+
+
+def _prefilled(hf, prompt):
+    with torch.no_grad():
+        return hf(input_ids=prompt, use_cache=True).past_key_values
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_token_id_invokes_over_a_cache_run_at_the_cached_positions(family):
+    """Without a tokenizer, invokes of one length over a key-value cache run as transformers runs their ids
+    together (the cache attended, positions after it); the values are that step's router's."""
+    hf = tiny_model(family)
+    wrapped = moelens.wrap(hf)
+    moe = first_moe(wrapped)
+    prompt, step = torch.tensor([[5, 17, 33, 48, 60], [70, 81, 92, 11, 12]]), torch.tensor([[40], [50]])
+    with torch.no_grad():
+        expected = hf(input_ids=step, past_key_values=_prefilled(hf, prompt)).logits
+        plain = nnsight.NNsight(hf)
+        with plain.trace(input_ids=step, past_key_values=_prefilled(hf, prompt)):
+            router = plain.get(moe.path.removeprefix("model.")).get(moe.family.router)
+            expected_logits = router.source.__getattr__(moe.family.logits_op).output.save()
+        with wrapped.trace(past_key_values=_prefilled(hf, prompt)) as tracer:
+            with tracer.invoke(step[:1]):
+                first_logits, first = moe.router_logits.save(), wrapped.output.logits.save()
+            with tracer.invoke(step[1:]):
+                second_logits, second = moe.router_logits.save(), wrapped.output.logits.save()
+    torch.testing.assert_close(torch.cat([first, second]), expected, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([first_logits, second_logits]).reshape(expected_logits.shape),
+                               expected_logits, rtol=0, atol=0)
+
+
+def test_token_id_invokes_of_different_lengths_over_a_cache_need_the_traces_mask():
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    prompt = torch.tensor([[5, 17, 33], [70, 81, 92]])
+    long, short = torch.tensor([[40, 41]]), torch.tensor([[50]])
+    with pytest.raises(moelens.MoelensError, match=r"different lengths over a key-value cache .* pass attention_mask "
+                                                   r"\(over the cache and the new tokens\) and position_ids"):
+        with wrapped.trace(past_key_values=_prefilled(hf, prompt)) as tracer:
+            with tracer.invoke(long):
+                wrapped.output.logits.save()
+            with tracer.invoke(short):
+                wrapped.output.logits.save()
+    # with the trace's own mask and positions, the left-padded step is transformers' with them
+    ids = torch.tensor([[40, 41], [0, 50]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 1]])
+    positions = torch.tensor([[3, 4], [3, 3]])
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions,
+                      past_key_values=_prefilled(hf, prompt)).logits
+        with wrapped.trace(past_key_values=_prefilled(hf, prompt), attention_mask=mask, position_ids=positions) as tracer:
+            with tracer.invoke(long):
+                first = wrapped.output.logits.save()
+            with tracer.invoke(short):
+                second = wrapped.output.logits.save()
+    torch.testing.assert_close(torch.cat([first, second]), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("invoke", "named"), [
+    (lambda tracer, ids: tracer.invoke(ids, use_cache=False), r"an invoke got keyword\(s\) \['use_cache'\] beside the ids"),
+    (lambda tracer, ids: tracer.invoke(ids, torch.ones_like(ids)), r"an invoke got Tensor"),
+], ids=["keyword", "second-positional"])
+def test_token_id_invokes_with_more_than_ids_are_refused_by_name(invoke, named):
+    wrapped = moelens.wrap(tiny_model("mixtral"))
+    ids = torch.tensor([[5, 17, 33]])
+    with pytest.raises(moelens.MoelensError, match=named + r".*Pass settings that hold for the whole batch to model\.trace"):
+        with wrapped.trace() as tracer:
+            with invoke(tracer, ids):
+                wrapped.output.logits.save()
+            with tracer.invoke(ids):
+                wrapped.output.logits.save()

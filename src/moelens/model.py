@@ -225,20 +225,30 @@ class MoeNNsight(MoeModelMixin, NNsight):
         rows: list[torch.Tensor] = []
         for inputs, kwargs in invokes:
             ids = inputs[0] if inputs else kwargs.get("input_ids")
-            if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or set(kwargs) - {"input_ids"}:
+            others = sorted(set(kwargs) - {"input_ids"})
+            if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or len(inputs) > 1 or others:
+                given = f"keyword(s) {others} beside the ids" if others else f"{type(ids).__name__} {ids!r:.60}"
                 raise MoelensError(
-                    "a model wrapped without a tokenizer batches several invokes only from plain "
-                    "token-id tensors; pass input_ids tensors, or wrap(model, tokenizer=...) for text, "
-                    "padding and masks."
+                    f"a model wrapped without a tokenizer batches several invokes only from token-id tensors, one "
+                    f"per invoke (tracer.invoke(ids)); an invoke got {given}. Pass settings that hold for the whole "
+                    "batch to model.trace(...) instead, or wrap(model, tokenizer=...) for text, padding and masks."
                 )
             rows.extend(ids.reshape(-1, ids.shape[-1]))
-        pad = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
-        width = max(row.shape[0] for row in rows)
-        input_ids = torch.full((len(rows), width), pad, dtype=rows[0].dtype)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for index, row in enumerate(rows):
-            input_ids[index, width - row.shape[0] :] = row
-            attention_mask[index, width - row.shape[0] :] = 1
+        if len({row.shape[0] for row in rows}) == 1:  # nothing to pad: the rows run as one tensor of ids would
+            return (), {"input_ids": torch.stack(rows)}
+        pad_id = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
+        input_ids, attention_mask = _left_padded(rows, pad_id)
+        params = getattr(self.interleaver.batcher, "extra_kwargs", {})  # the trace's own (model.trace(...=...))
+        if _cached_tokens(params):
+            if "attention_mask" not in params:
+                raise MoelensError(
+                    "invokes of different lengths over a key-value cache (past_key_values) on a model wrapped "
+                    "without a tokenizer: moelens left-pads the new tokens, but it cannot know which cached "
+                    "positions of each row are padding, so it cannot build their attention_mask and position_ids. "
+                    "Give invokes of one length, or pass attention_mask (over the cache and the new tokens) and "
+                    "position_ids to model.trace(...)."
+                )
+            return (), {"input_ids": input_ids}  # the trace's mask (and positions) apply
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         taken = {name: value for name, value in batch.items() if name == "input_ids" or takes_keyword(self._module, name)}
@@ -257,6 +267,26 @@ class MoeNNsight(MoeModelMixin, NNsight):
                 "number of tokens, or run them one at a time (separate traces; collect_routing(batch_size=1))."
             )
         return inputs, {name: value for name, value in kwargs.items() if name != "attention_mask"}
+
+
+def _cached_tokens(params: dict[str, Any]) -> int:
+    """How many tokens the key-value cache among a trace's ``params`` holds (0: none given)."""
+    cache = params.get("past_key_values")
+    if cache is None:
+        return 0
+    length = getattr(cache, "get_seq_length", None)
+    return int(length()) if callable(length) else 1  # a cache of another kind: assume it holds tokens
+
+
+def _left_padded(rows: list[Int[torch.Tensor, " s"]], pad_id: int) -> tuple[Int[torch.Tensor, "b s"], Int[torch.Tensor, "b s"]]:
+    """The rows left-padded with ``pad_id`` to the longest one, and their attention mask (1 on real tokens)."""
+    width = max(row.shape[0] for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=rows[0].dtype)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, width - row.shape[0] :] = row
+        attention_mask[index, width - row.shape[0] :] = 1
+    return input_ids, attention_mask
 
 
 def _described(value: Any) -> str:
