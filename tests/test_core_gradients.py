@@ -193,6 +193,60 @@ def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
         assert (indices == 2).any(-1).all()
 
 
+def torch_checkpointed(family: str, reentrant: bool):
+    """A tiny model in training mode whose decoder layers torch's checkpoint_wrapper wraps (FSDP's, accelerate's)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl, apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    hf, inputs = checkpointed(family, "grouped_mm", False)
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    layer = type(hf.model.layers[0])
+    apply_activation_checkpointing(hf, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, layer))
+    return hf, inputs
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_an_edit_under_torchs_checkpoint_wrapper_is_refused_and_reads_keep_the_backward():
+    """torch's checkpoint_wrapper around decoder layers was not looked at: an expert-weight write gave the unedited
+    model's gradients silently, steer torch's CheckpointError. Reading is fine: the gradients are the plain
+    model's (no nnsight, no checkpointing); under no_grad a non-reentrant wrapper recomputes nothing."""
+    import moelens
+
+    hf, inputs = torch_checkpointed("mixtral", reentrant=False)
+    model = moelens.wrap(hf)
+    for edit in (lambda moe: moelens.steer(moe, 2, 3.0), lambda moe: moe.expert_weights.__setitem__((..., 1), 0)):
+        with pytest.raises(moelens.WriteError, match=r"layers.0._checkpoint_wrapped_module.mlp.\w+ is edited inside "
+                                                     r"CheckpointWrapper, which runs under activation checkpointing "
+                                                     r"\(torch's checkpoint_wrapper\)"):
+            with model.trace(**inputs):
+                edit(model.moes[0])
+    with torch.no_grad(), model.trace(**inputs):
+        moelens.steer(model.moes[0], 2, 30.0)
+        indices = model.moes[0].expert_indices.save()
+    assert (indices == 2).any(-1).all()
+    reentrant = moelens.wrap(torch_checkpointed("mixtral", reentrant=True)[0])
+    with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
+        with torch.no_grad(), reentrant.trace(**inputs):
+            moelens.steer(reentrant.moes[0], 2, 3.0)
+    gradients = []
+    for wrapped in (False, True):
+        hf, inputs = torch_checkpointed("mixtral", reentrant=False) if wrapped else checkpointed("mixtral", "grouped_mm", False)
+        if wrapped:
+            model = moelens.wrap(hf)
+            with model.trace(**inputs):
+                model.save_all()
+                output = model.output.save()
+        else:
+            output = hf(**inputs)
+        loss_of(output).backward()
+        gradients.append({name.replace("._checkpoint_wrapped_module", ""): p.grad for name, p in hf.named_parameters()
+                          if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys() and len(gradients[0]) > 10
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, msg=name)
+
+
 def test_an_edit_in_a_plain_model_that_checkpoints_its_own_layers_is_refused():
     """The flag on the wrapped model itself was not looked at: CheckpointError, or with a reentrant checkpoint
     gradients of neither the edited nor the unedited model."""

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+try:  # torch's activation-checkpointing wrapper (what FSDP, accelerate and torchtitan put around layers)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+except ImportError:  # a torch built without torch.distributed
+    CheckpointWrapper = None
+
 from ..errors import WriteError
 from .binding import ANY_INF, FINITE, INDEX, Binding
 
@@ -25,24 +30,36 @@ def check_not_recomputed(component: "Component", name: str) -> None:
     """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
     the recomputation runs the model's forward alone, without the edit, so the gradients would be those
     of the unedited layer (or torch's CheckpointError). That is with autograd on, or always under
-    reentrant checkpointing, which runs the layer's forward with autograd off."""
-    module, flagged = component.root._module, None
+    reentrant checkpointing, which runs the layer's forward with autograd off.
+
+    Checkpointing is transformers' (``gradient_checkpointing`` in training mode; the innermost flag on the path
+    decides, a decoder layer's over its model's) or torch's ``checkpoint_wrapper`` around a module on the path
+    (in any mode)."""
+    module, flagged, wrapper = component.root._module, None, None
     for part in ["", *component.path.split(".")[1:]]:  # the model itself, then each module down to the block
         module = getattr(module, part) if part else module
         if isinstance(getattr(module, "gradient_checkpointing", None), bool):
-            flagged = module  # the innermost flag decides: a decoder layer's (every_n_layers) over its model's
-    if flagged is None or not (flagged.gradient_checkpointing and flagged.training):
+            flagged = module
+        if CheckpointWrapper is not None and isinstance(module, CheckpointWrapper):
+            wrapper = module
+    if wrapper is not None:
+        reentrant = wrapper.checkpoint_impl == CheckpointImpl.REENTRANT
+        how = "torch's checkpoint_wrapper"
+        undo = "trace a model without the checkpoint wrapper for edits with gradients"
+    elif flagged is not None and flagged.gradient_checkpointing and flagged.training:
+        function = getattr(flagged, "_gradient_checkpointing_func", None)
+        # torch's checkpoint is reentrant unless told use_reentrant=False; a function it cannot read counts as one
+        reentrant = not (isinstance(function, functools.partial) and function.keywords.get("use_reentrant") is False)
+        how = "gradient_checkpointing in training mode"
+        undo = "turn it off for traces that edit (model.activation_checkpointing_disable()), or trace in eval mode"
+    else:
         return
-    function = getattr(flagged, "_gradient_checkpointing_func", None)
-    # torch's checkpoint is reentrant unless told use_reentrant=False; a function it cannot read counts as one
-    reentrant = not (isinstance(function, functools.partial) and function.keywords.get("use_reentrant") is False)
     if torch.is_grad_enabled() or reentrant:
         raise WriteError(
-            f"{component.path}.{name} is edited inside {type(flagged).__name__}, which runs under "
-            f"{'reentrant ' if reentrant else ''}activation checkpointing (gradient_checkpointing in training mode): "
-            "the backward recomputes it without the edit, so the gradients would be those of the unedited model. "
-            "Turn it off for traces that edit (model.activation_checkpointing_disable()), or trace in eval mode"
-            + ("." if reentrant else " or under torch.no_grad() when no gradient is needed.")
+            f"{component.path}.{name} is edited inside {type(wrapper or flagged).__name__}, which runs under "
+            f"{'reentrant ' if reentrant else ''}activation checkpointing ({how}): the backward recomputes it "
+            f"without the edit, so the gradients would be those of the unedited model. {undo[0].upper()}{undo[1:]}"
+            + ("." if reentrant else ", or trace under torch.no_grad() when no gradient is needed.")
         )
 
 
