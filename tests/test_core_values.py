@@ -153,6 +153,32 @@ def test_llama4_expert_weights_are_the_scores_its_router_returns(dtype):
     torch.testing.assert_close(weights.reshape(expected.shape), expected, **tolerance)
 
 
+def test_llama4_derived_routing_is_refused_under_a_forward_hook_on_its_router():
+    """A user's forward hook on llama4's router may change the scores the block goes on with after the logits op
+    moelens derives expert_weights from: they came out twice the weights the block used under a halving hook."""
+    import moelens
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("llama4")
+    inputs = tiny_inputs(hf)
+    model = moelens.wrap(hf)
+    moe = model.moes[0]
+    handle = moe.router._module.register_forward_hook(lambda module, args, output: (output[0] * 0.5, output[1]))
+    try:
+        with pytest.raises(moelens.ValueUnavailable, match=r"expert_weights cannot be served: the llama4 block calls no "
+                                                           r"experts module, .* the router has a forward hook"):
+            with torch.no_grad(), model.trace(**inputs):
+                moe.expert_weights.save()
+        with torch.no_grad(), model.trace(**inputs):
+            saved = moe.save_all()
+        assert "router_logits" in saved and "expert_weights" not in saved and "expert_indices" not in saved
+    finally:
+        handle.remove()
+    with torch.no_grad(), model.trace(**inputs):
+        weights = moe.expert_weights.save()
+    assert weights.shape[-1] == moe.top_k
+
+
 def test_zero_compute_experts_pass_their_input_through(observed):
     """longcat_flash: routed_output is, per slot, its weight times its expert's SwiGLU FFN of the input (from
     the params() views, checked against the module in test_params), or times the input itself for one of the

@@ -271,6 +271,60 @@ def test_a_quantized_router_is_refused_not_left_out():
     with pytest.raises(ValueUnavailable, match=r"dbrx: the router's linear layer router.layer is a Linear \(quantized\)"):
         moelens.wrap(quantized).moes[0].params()
 
+ROUTER_MAKEOVERS = {
+    "parametrize": lambda linear: torch.nn.utils.parametrize.register_parametrization(linear, "weight", Doubled()),
+    "weight_norm": lambda linear: torch.nn.utils.parametrizations.weight_norm(linear),
+    "prune": lambda linear: torch.nn.utils.prune.l1_unstructured(linear, "weight", amount=0.25),
+}
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2
+
+
+@pytest.mark.parametrize("makeover", sorted(ROUTER_MAKEOVERS))
+def test_a_weight_computed_on_access_is_refused_not_served_as_a_copy(makeover):
+    """A parametrized, weight-normed or pruned weight is computed from other tensors on each access: params() served
+    that copy, and an edit of it changed nothing (the next trace's logits were the old ones)."""
+    import torch.nn.utils.parametrize  # noqa: F401
+    import torch.nn.utils.prune  # noqa: F401
+
+    _, model = wrapped("mixtral")
+    ROUTER_MAKEOVERS[makeover](model.moes[0].router._module)
+    with pytest.raises(ValueUnavailable, match=r"layers.0.mlp.params: the router's weight is computed from other "
+                                               r"tensors each time it is used .* not stored, so a view of it is a copy"):
+        model.moes[0].params()
+    model.moes[1].params(0).down.mul_(1.0)  # the other blocks keep their views
+    experts = model.moes[1].experts._module
+    torch.nn.utils.parametrize.register_parametrization(experts, "down_proj", Doubled())
+    with pytest.raises(ValueUnavailable, match=r"MixtralExperts.down_proj is computed from other tensors"):
+        model.moes[1].params()
+
+
+def test_params_of_a_model_sharded_by_fsdp_are_refused():
+    """FSDP2 with reshard_after_forward=False leaves gathered copies of the shards in the modules after a forward:
+    params() served them and the next gather dropped the edit."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+        for layer in hf.model.layers:
+            fully_shard(layer, reshard_after_forward=False)
+        fully_shard(hf, reshard_after_forward=False)
+        with torch.no_grad():
+            hf(**tiny_inputs(hf))
+        assert not hasattr(hf.model.layers[1].mlp.experts.down_proj, "placements")  # gathered: no DTensor to refuse
+        with pytest.raises(ValueUnavailable, match=r"layers.1.mlp.params: the block sits in FSDPMixtralForCausalLM, "
+                                                   r"which FSDP shards over the ranks"):
+            model = moelens.wrap(hf)
+            model.moes[1].params()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_stacked_biases_are_cut_per_expert():
     _, model = wrapped("dbrx")
     moe = model.moes[0]

@@ -51,3 +51,14 @@ def has_lora_adapters(module: nn.Module) -> bool:
 def is_adapter_layer(module: Any) -> bool:
     """A PEFT tuner layer (LoRA, ...): it stands where a module was and wraps it as its ``base_layer``."""
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
+
+
+#: Packages whose own hooks (transformers' output capturing, nnsight's) change nothing a module computes.
+OWN_HOOKS = ("transformers.", "nnsight.")
+
+
+def foreign_hooks(module: nn.Module, pre: bool = True) -> list[Any]:
+    """The forward hooks (and, with ``pre``, forward pre-hooks) on ``module`` that neither transformers nor
+    nnsight put there: the user's (or another library's), which may change what the module computes."""
+    hooks = list(module._forward_hooks.values()) + (list(module._forward_pre_hooks.values()) if pre else [])
+    return [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]

@@ -13,7 +13,7 @@ import functools
 import inspect
 import re
 from functools import cached_property
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from nnsight.intervention.envoy import Envoy
@@ -74,6 +74,16 @@ class Component(Envoy):
                     f"attribute to the envoy and change nothing in the model."
                 )
         super().__setattr__(name, value)
+
+    def modules_down(self) -> Iterator[torch.nn.Module]:
+        """The wrapped model's module, then each module on the path down to this block's (the block's last); only the
+        block's once the wrapped model is gone (its envoys hold their parents weakly)."""
+        root = self.root
+        module = root._module
+        yield module
+        for part in filter(None, self.path[len(root.path):].split(".")):
+            module = getattr(module, part)
+            yield module
 
     @cached_property
     def layer(self) -> int | None:

@@ -39,13 +39,14 @@ from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
+from ..modules import foreign_hooks
 from . import tokens
 from .base import bind_alias, envoy_at
 from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
 from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
-from .params import MoeParams, block_params
+from .params import MoeParams, block_params, refuse_fully_sharded
 from .served import order_errors, request, served
 
 
@@ -303,6 +304,7 @@ class Moe(Mlp):
                 rank, the experts carry moelens.compress LoRA adapters (fold them in first
                 with `moelens.compress.merge_lora`) or store no plain weight tensors.
         """
+        refuse_fully_sharded(self.modules_down(), f"{self.path}.params")
         return block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
 
     def _routed_activation(self, name: str) -> ValueUnavailable:
@@ -325,6 +327,16 @@ class Moe(Mlp):
 
     def _read(self, descriptor: served) -> Any:
         if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
+            hooks = foreign_hooks(self.router._module, pre=False)
+            if hooks:
+                raise self.unavailable(
+                    descriptor.name,
+                    f"the {self.family.name} block calls no experts module, so moelens derives {descriptor.name} from "
+                    f"router_logits, read inside the router's forward, and the router has a forward hook that is not "
+                    f"moelens' ({getattr(hooks[0], '__qualname__', type(hooks[0]).__name__)}), which may change the "
+                    "scores the block goes on with",
+                    "read router_logits and apply your hook's change to them, or remove the hook for this trace.",
+                )
             logits = self.router_logits  # requested before moelens' saved-tensor hooks are in force (router_probs)
             with kept_for_backward():
                 weights, indices = top_logits(logits, self.top_k, self.SCORING.score)

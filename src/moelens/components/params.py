@@ -19,7 +19,7 @@ import inspect
 import re
 from dataclasses import dataclass, fields
 from types import CodeType
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from jaxtyping import Float
@@ -114,10 +114,15 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
                 f"{where}: the experts are sharded over ranks (moelens.parallel.shard_experts) and this rank holds "
                 f"experts {first} to {first + held - 1}; {remedy}."
             )
+    views = expert_views(family, experts, held, identity)  # first: its LoRA refusal names the router's adapter too
     weight, bias = router_linear(family, block, num_experts) or (None, None)
-    router = {name: None if value is None else editable(value, f"{where}: the router's {part}")
-              for name, part, value in (("router", "weight", weight), ("router_bias", "bias", bias))}
-    views = expert_views(family, experts, held, identity)
+    router_module = get_path(block, family.router)
+    stored = {id(tensor) for tensor in (*router_module.parameters(), *router_module.buffers())}
+    router = {}
+    for name, part, value in (("router", "weight", weight), ("router_bias", "bias", bias)):
+        if value is not None and id(value) not in stored:
+            raise computed_weight(f"{where}: the router's {part}")
+        router[name] = None if value is None else editable(value, f"{where}: the router's {part}")
     if index is not None:
         router = {name: None if value is None else value[index] for name, value in router.items()}
         views = {name: None if value is None else value[slot] for name, value in views.items()}
@@ -287,6 +292,8 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
         if path is None:
             return None
         value = _stored_at(experts, path)
+        if value is None and isinstance(find_path(experts, path), Tensor):
+            raise computed_weight(f"{family.name}: {type(experts).__name__}.{path}")
         if value is None:
             raise ValueUnavailable(f"{family.name}: {type(experts).__name__} has no parameter {path!r}; {mismatch}.")
         if any(_stored_at(experts, path + suffix) is not None for suffix in QUANTIZATION_SCALES):
@@ -331,6 +338,23 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
     return views
 
 
+def refuse_fully_sharded(modules: Iterable[torch.nn.Module], where: str) -> None:
+    """Raise `ValueUnavailable` when one of ``modules`` (the path from a model down to a block) is sharded by
+    torch's FSDP (``fully_shard`` or ``FullyShardedDataParallel``): the weights it holds between gathers are
+    copies of the shards, and the next gather overwrites an edit of them."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch built without torch.distributed
+        return
+    sharded = next((module for module in modules if isinstance(module, (FSDPModule, FullyShardedDataParallel))), None)
+    if sharded is not None:
+        raise ValueUnavailable(
+            f"{where}: the block sits in {type(sharded).__name__}, which FSDP shards over the ranks: the weights a "
+            "module holds are gathered copies of the shards (or the shards themselves), so an edit of a view would be "
+            "lost at the next gather; edit the weights before sharding the model."
+        )
+
+
 def editable(weight: Tensor, name: str) -> Tensor:
     """``weight`` detached (a view of the same memory), once it is a loaded floating-point tensor.
 
@@ -355,6 +379,16 @@ def editable(weight: Tensor, name: str) -> Tensor:
             "floating-point tensors (16 bits or more), where a view is the weight."
         )
     return weight.detach()
+
+
+def computed_weight(name: str) -> ValueUnavailable:
+    """The refusal of a weight a module computes on access instead of storing it (a view would be a copy)."""
+    return ValueUnavailable(
+        f"{name} is computed from other tensors each time it is used (torch.nn.utils.parametrize, prune, weight_norm "
+        "or spectral_norm), not stored, so a view of it is a copy and an edit would be lost; make it a plain "
+        "parameter first (parametrize.remove_parametrizations(module, 'weight'), prune.remove(module, 'weight'), "
+        "torch.nn.utils.remove_weight_norm(module), ...) or edit the tensors it is computed from."
+    )
 
 
 def _stored_at(module: torch.nn.Module, path: str) -> Tensor | None:

@@ -35,9 +35,8 @@ def check_not_recomputed(component: "Component", name: str) -> None:
     Checkpointing is transformers' (``gradient_checkpointing`` in training mode; the innermost flag on the path
     decides, a decoder layer's over its model's) or torch's ``checkpoint_wrapper`` around a module on the path
     (in any mode)."""
-    module, flagged, wrapper = component.root._module, None, None
-    for part in ["", *component.path.split(".")[1:]]:  # the model itself, then each module down to the block
-        module = getattr(module, part) if part else module
+    flagged, wrapper = None, None
+    for module in component.modules_down():
         if isinstance(getattr(module, "gradient_checkpointing", None), bool):
             flagged = module
         if CheckpointWrapper is not None and isinstance(module, CheckpointWrapper):

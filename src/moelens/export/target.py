@@ -21,6 +21,7 @@ from ..components.base import layer_of
 from ..families import Family, registry
 from ..families.entry import get_path
 from ..families.unserved import why_no_moe
+from ..modules import foreign_hooks
 from ..discovery import discover
 from .errors import ExportError, ExportRefused
 
@@ -125,20 +126,11 @@ def _refuse_edits(wrapped: Any) -> None:
         )
 
 
-#: Packages whose own hooks (transformers' output capturing, nnsight's) change nothing the export computes.
-OWN_HOOKS = ("transformers.", "nnsight.")
-
-
-def _foreign_hooks(module: torch.nn.Module) -> list[Any]:
-    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
-
-
 def _refuse_hooks(target: Target) -> None:
     for block in target.blocks:
         root = target.module.get_submodule(block.name) if block.name else target.module
         for name, module in root.named_modules():
-            if _foreign_hooks(module):
+            if foreign_hooks(module):
                 where = ".".join(filter(None, (block.name, name))) or type(root).__name__
                 raise ExportRefused(
                     f"{where} has a torch forward hook: the export replaces the MoE block's computation with "
