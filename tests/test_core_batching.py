@@ -442,6 +442,49 @@ def test_a_transplant_between_invokes_at_a_barrier_lands(impl, no_grad):
     torch.testing.assert_close(position, by_hand([2]))
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("order", ["in-place-first", "assignment-first"])
+def test_both_invokes_edit_their_own_rows_after_a_barrier(impl, grad, order):
+    """Each invoke edits its own rows of the experts call's indices after a barrier, one in place and one by
+    assignment: both land. Ground truth: the model run with both edits made by a pre-hook on its experts."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", impl)
+    moe = wrapped.moes[0]
+    first, second = torch.tensor([[5, 9, 14, 3, 30]]), torch.tensor([[7, 9, 21, 3, 40]])
+    seq = first.shape[1]
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+
+    def patched(module, args):
+        indices = args[1].clone()
+        indices[:seq, 0], indices[seq:, 0] = 1, 2
+        return (args[0], indices, args[2])
+
+    hook = experts.register_forward_pre_hook(patched)
+    try:
+        with torch.no_grad():
+            expected = first_tensor(reference(torch.cat([first, second])))
+    finally:
+        hook.remove()
+
+    def in_place(own, expert):
+        own[:, :, 0] = expert
+
+    def assignment(own, expert):
+        moe.expert_indices = own.clone().index_fill_(-1, torch.tensor([0]), expert)
+
+    edits = (in_place, assignment) if order == "in-place-first" else (assignment, in_place)
+    logits = []
+    with torch.set_grad_enabled(grad), wrapped.trace() as tracer:
+        barrier = tracer.barrier(2)
+        for ids, edit, expert in ((first, edits[0], 1), (second, edits[1], 2)):
+            with tracer.invoke(ids):
+                own = moe.expert_indices
+                barrier()
+                edit(own, expert)
+                logits.append(first_tensor(wrapped.output)[0].save())
+    torch.testing.assert_close(torch.stack([row.detach() for row in logits]), expected)
+
+
 def _prefilled(hf, prompt):
     with torch.no_grad():
         return hf(input_ids=prompt, use_cache=True).past_key_values

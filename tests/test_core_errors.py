@@ -1468,6 +1468,7 @@ def test_intervention_arguments(mixtral):
     assert (indices == 2).any(-1).all()
     for call, match in [(lambda: moelens.force(moe, []), r"force: no expert given"),
                         (lambda: moelens.steer(moe, 1, torch.ones(2, 5)), r"steer: bias must be a number, got Tensor of shape \(2, 5\)"),
+                        (lambda: moelens.steer(moe, 1, True), r"steer: bias must be a number, got bool"),
                         (lambda: moelens.ablate(moe, numpy.bool_(True)), r"must be an int expert id")]:
         with pytest.raises(WriteError, match=match):
             with wrapped.trace(**inputs):
@@ -1505,6 +1506,23 @@ def test_force_checks_expert_groups_up_front_so_it_can_come_first():
             moelens.ablate(moe, 2, "route_around")
             indices = moe.expert_indices.save()
         assert (indices == 1).any(-1).all() and not (indices == 2).any(), family
+
+
+def test_force_groups_experts_by_consecutive_blocks():
+    """DS3's groups are consecutive blocks of E / n_group experts (transformers' view(-1, n_group, E // n_group)):
+    with 8 experts in 4 groups, experts 0 and 1 share group 0 and are all picked; 0 and 4 are in groups 0 and 2."""
+    hf = tiny_model("deepseek_v3", n_group=4, topk_group=1, num_experts_per_tok=2)
+    wrapped = moelens.wrap(hf)
+    moe = next(moe for moe in wrapped.moes if moe.family.groups_of(moe._module))
+    assert (moe.num_experts, *moe.family.groups_of(moe._module)) == (8, 4, 1)
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    with torch.no_grad(), wrapped.trace(ids):
+        moelens.force(moe, [0, 1])
+        indices = moe.expert_indices.save()
+    assert (indices == 0).any(-1).all() and (indices == 1).any(-1).all()
+    with pytest.raises(WriteError, match=r"experts \[0, 4\] lie in 2 groups"):
+        with wrapped.trace(ids):
+            moelens.force(moe, [0, 4])
 
 
 def test_values_outside_a_trace_say_they_exist_only_in_a_run(mixtral):

@@ -275,6 +275,51 @@ def test_an_edit_in_a_plain_model_that_checkpoints_its_own_layers_is_refused():
         moelens.families.unregister("custom")
 
 
+@pytest.mark.parametrize("name", ["expert_weights", "routed_output", "router_logits"])
+def test_gradients_flow_through_a_written_value_to_what_it_was_made_from(name):
+    """``moe.<value> = value * scale`` passes d loss / d scale on (learned steering, attribution patching). Ground
+    truth: the plain model with the same scaling done by a torch hook on the module that consumes or makes it."""
+    import moelens
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    scale = torch.tensor(1.5, requires_grad=True)
+    with wrapped.trace(**inputs):
+        setattr(moe, name, getattr(moe, name) * scale)
+        loss = loss_of(wrapped.output).save()
+    loss.backward()
+
+    truth = torch.tensor(1.5, requires_grad=True)
+    block = hf.get_submodule(moe.path.removeprefix("model."))
+    if name == "expert_weights":
+        hook = block.experts.register_forward_pre_hook(lambda module, args: (args[0], args[1], args[2] * truth))
+    elif name == "routed_output":
+        hook = block.experts.register_forward_hook(lambda module, args, output: output * truth)
+    else:  # the router's logits, before it scores and ranks them: its linear layer's output
+        original = block.gate.forward
+
+        def forward(hidden_states):
+            hidden_states = hidden_states.reshape(-1, block.gate.hidden_dim)
+            logits = torch.nn.functional.linear(hidden_states, block.gate.weight) * truth
+            probs = logits.softmax(dim=-1, dtype=torch.float)
+            weights, indices = torch.topk(probs, block.gate.top_k, dim=-1)
+            return logits, (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype), indices
+
+        block.gate.forward = forward
+        hook = type("Restore", (), {"remove": lambda self: setattr(block.gate, "forward", original)})()
+    try:
+        expected = loss_of(hf(**inputs))
+    finally:
+        hook.remove()
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    assert truth.grad.abs() > 0
+    torch.testing.assert_close(scale.grad, truth.grad)
+
+
 def test_values_read_with_autograd_on_free_their_graph_once_dropped():
     """router_probs (a softmax moelens computes, saving its output for backward) kept its own grad_fn alive
     through a cycle in torch's C++ graph that Python's gc cannot see: each trace reading it with autograd

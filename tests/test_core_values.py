@@ -82,6 +82,36 @@ def test_routing_values_match_plain_nnsight(observed, family, impl):
         close(values["expert_weights"], weights.reshape(batch, seq, -1))
 
 
+#: Families whose weights are no function of the k chosen scores alone: inkling normalises them together with its
+#: shared experts' gate columns, phimoe's sparsemixer takes a masked softmax per slot, zaya serves a slot that
+#: chose its skip class as expert 0 with weight 0.
+WEIGHTS_NOT_FROM_CHOSEN_SCORES = {"inkling", "phimoe", "zaya"}
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_the_scoring_entry_says_how_the_model_weighs_the_chosen_experts(observed, family, impl):
+    """The family's Scoring (score, select, normalize, scale), applied by hand to the served logits and indices,
+    gives the weights the model passed its experts: a wrong score function or normalisation flag in the table
+    (which router_probs and the export's gate follow) fails here."""
+    if family in WEIGHTS_NOT_FROM_CHOSEN_SCORES:
+        pytest.skip(f"{family}: weights are no function of the chosen scores alone")
+    wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
+    for moe, values in zip(running_moes(wrapped), served):
+        scoring, block = moe.SCORING, moe._module
+        logits, indices = values["router_logits"].float(), values["expert_indices"]
+        name = moe.family.resolve(scoring.score, block)
+        if scoring.select == "logit_topk":  # the chosen logits, then their score
+            chosen = score(name, logits.gather(-1, indices))
+        else:  # the scores of all the logits (a softmax over every column), then the chosen ones
+            chosen = score(name, logits).gather(-1, indices)
+        normalize = moe.family.resolve(scoring.normalize, block)
+        if normalize is True or (not isinstance(normalize, bool) and normalize == 1):
+            chosen = chosen / chosen.sum(-1, keepdim=True)
+        if scoring.scale is not None:
+            chosen = chosen * float(moe.family.resolve(scoring.scale, block))
+        close(values["expert_weights"], chosen, atol=1e-6)
+
+
 @pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
 def test_outputs_match_plain_nnsight_and_weights(observed, family, impl):
     wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)

@@ -369,6 +369,23 @@ def test_reads_and_in_place_edits_work_under_inference_mode(impl):
         assert routed.abs().max() == 0  # bias-free down projections of zero activations
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_a_per_slot_value_read_twice_at_one_visit_is_one_view(impl):
+    """Reading expert_activations a second time in the same visit serves the view read first (grouped_mm un-sorts
+    a copy: asking the op again raised an OrderError); an edit of it lands. Ground truth: zero activations through
+    bias-free down projections give a zero routed output."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", impl)
+    moe = running_moes(wrapped)[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        first = moe.expert_activations
+        again = moe.expert_activations
+        same = nnsight.save(again is first)
+        first.zero_()
+        routed = moe.routed_output.save()
+    assert same
+    assert routed.abs().max() == 0
+
+
 GRAD_MODES = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}
 
 
