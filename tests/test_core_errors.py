@@ -317,6 +317,25 @@ def test_load_of_a_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):
     assert logits.shape[:2] == (1, 3)
 
 
+def test_a_model_whose_first_weights_accelerate_offloads_traces(tmp_path):
+    """A device_map that offloads the embeddings (accelerate disk offload) leaves the first parameter on meta, where
+    nnsight moved the trace's inputs: NotImplementedError (cannot copy out of meta). accelerate's hooks move them."""
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    hf.save_pretrained(tmp_path / "checkpoint")
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+    device_map = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu", "model.norm": "cpu",
+                  "lm_head": "cpu"}
+    loaded = moelens.load(tmp_path / "checkpoint", device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert next(loaded._module.parameters()).is_meta
+    with torch.no_grad(), loaded.trace(inputs["input_ids"]):
+        logits = loaded.moes[0].router_logits.save()
+        output = loaded.output.logits.save()
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    assert logits.shape[:2] == inputs["input_ids"].shape
+
+
 def test_load_names_what_is_wrong_with_the_path(tmp_path):
     folder = tmp_path / "checkpoint"
     tiny_model("mixtral").save_pretrained(folder)

@@ -52,6 +52,16 @@ class MoeModelMixin:
         """The family of this model's MoE blocks (None for a model moelens does not know)."""
         return self._structure.family
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where nnsight moves a trace's inputs: its first parameter's device, or None (inputs left where they are)
+        when that parameter is offloaded (on meta) by accelerate's ``device_map``, whose hooks move each module's
+        inputs to the device it runs on."""
+        device = super().device
+        if device is not None and device.type == "meta" and getattr(self._module, "hf_device_map", None):
+            return None
+        return device
+
     def set_experts_implementation(self, implementation: str | dict[str, str]) -> None:
         """Run every MoE block's experts with ``implementation`` (``"grouped_mm"``, ``"batched_mm"``,
         ``"eager"``, or another transformers knows; a dict of sub-config names, ``""`` for the
