@@ -739,3 +739,28 @@ def test_plots_stay_readable_at_real_expert_and_layer_counts(tmp_path):
     few = Entropy(layers=layers[:3], source="router", mean=entropy.mean[:3], histogram=histogram[:3],
                   edges=entropy.edges, tokens=1000)
     assert len(plots.plot_entropy(few).axes[0].get_legend().get_texts()) == 3
+
+
+def test_plots_save_writes_the_format_its_path_names_and_always_closes(tmp_path, monkeypatch):
+    """save returned a path with no suffix where matplotlib had written '<path>.png', named '~' a folder, and left
+    the figure open when matplotlib refused the path."""
+    import matplotlib.pyplot as plt
+
+    from moelens.analysis.usage import Usage
+
+    plots = analysis.plots
+    usage = Usage(layers=[0], counts=torch.tensor([[3, 1]]), weight=torch.zeros(1, 2, dtype=torch.float64), tokens=2,
+                  top_k=[2], num_experts=[2])
+    written = plots.save(plots.plot_usage(usage), tmp_path / "usage")
+    assert written == tmp_path / "usage.png" and written.read_bytes().startswith(b"\x89PNG")
+    assert plots.save(plots.plot_usage(usage), tmp_path / "usage.pdf").read_bytes().startswith(b"%PDF")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert plots.save(plots.plot_usage(usage), "~/plots/usage.png") == tmp_path / "home" / "plots" / "usage.png"
+    (tmp_path / "a-file").write_text("kept\n")
+    before = len(plt.get_fignums())
+    for path, match in ((tmp_path / "usage.docx", r"cannot save a plot as 'usage.docx': matplotlib writes .*png"),
+                        (tmp_path / "a-file" / "usage.png", r"lies under .*a-file, which is a file")):
+        with pytest.raises(MoelensError, match=match):
+            plots.save(plots.plot_usage(usage), path)
+        assert len(plt.get_fignums()) == before
+    assert (tmp_path / "a-file").read_text() == "kept\n"

@@ -109,3 +109,40 @@ def test_load_and_corpus_errors(model, tmp_path):
     assert empty.num_tokens == 0
     with pytest.raises(MoelensError, match="no tokens"):
         empty.indices(empty.layers[0])
+
+
+def test_a_cache_object_whose_folder_a_later_collection_replaced_says_so(model, tmp_path):
+    """Two corpora collected into one folder: the first cache object read the second corpus's shards under its own
+    metadata (same shard sizes), or called its intact folder damaged (other sizes)."""
+    folder = tmp_path / "routing"
+    first = analysis.collect_routing(model, torch.arange(4, 68).reshape(4, 16), folder=folder, progress=False)
+    first_ids = first.token_ids()
+    for later in (torch.arange(4, 68).reshape(2, 32).flip(-1), torch.arange(4, 44).reshape(2, 20)):
+        analysis.collect_routing(model, later, folder=folder, progress=False)
+        with pytest.raises(MoelensError, match=r"was replaced after this cache object opened it .* Open the folder "
+                                               r"again \(RoutingCache.load\(folder\)\)"):
+            first.token_ids()
+    assert torch.equal(RoutingCache.load(folder).token_ids(), torch.arange(4, 44).reshape(2, 20).flatten())
+    again = analysis.collect_routing(model, torch.arange(4, 68).reshape(4, 16), folder=tmp_path / "other", progress=False)
+    assert torch.equal(again.token_ids(), first_ids)
+
+
+def test_a_cache_opened_by_a_relative_folder_keeps_reading_it_from_elsewhere(model, tmp_path, monkeypatch):
+    (tmp_path / "project").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "project")
+    cache = analysis.collect_routing(model, token_corpus(3), folder="routing", progress=False)
+    expected = cache.token_ids()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert torch.equal(cache.token_ids(), expected)
+    assert cache._folder == tmp_path / "project" / "routing"
+
+
+def test_a_folder_named_from_the_home_folder_is_expanded(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cache = analysis.collect_routing(model, token_corpus(3), folder="~/routing", progress=False)
+    assert (tmp_path / "home" / "routing" / META_FILE).is_file() and not (tmp_path / "~").exists()
+    assert torch.equal(RoutingCache.load("~/routing").token_ids(), cache.token_ids())
+    copy = cache.save("~/copy")
+    assert copy == tmp_path / "home" / "copy" and (copy / META_FILE).is_file()

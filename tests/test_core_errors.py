@@ -336,6 +336,14 @@ def test_a_model_whose_first_weights_accelerate_offloads_traces(tmp_path):
     assert logits.shape[:2] == inputs["input_ids"].shape
 
 
+def test_load_expands_a_path_from_the_home_folder(tmp_path, monkeypatch):
+    """The folder check expanded ~ but transformers got the raw string: 'Repo id must use alphanumeric chars'."""
+    tiny_model("olmoe").save_pretrained(tmp_path / "home" / "olmoe")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    loaded = moelens.load("~/olmoe")
+    assert type(loaded._module).__name__ == "OlmoeForCausalLM" and loaded.moes
+
+
 def test_load_names_what_is_wrong_with_the_path(tmp_path):
     folder = tmp_path / "checkpoint"
     tiny_model("mixtral").save_pretrained(folder)

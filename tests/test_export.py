@@ -721,6 +721,40 @@ def test_a_folder_export_keeps_the_folder_and_replaces_only_its_files(out, monke
     assert here.stat().st_ino == Path.cwd().stat().st_ino
 
 
+def test_files_of_the_users_beside_an_earlier_export_are_never_deleted(out, monkeypatch):
+    """Any *.dat / *.nnef file, at any depth, counted as part of an earlier export: exporting again into that
+    folder deleted the user's benchmark results (a whole subfolder). Only graph.nnef, its quantization table and
+    the tensors the graph names are an export's. A copy that fails (a full disk) leaves the earlier export."""
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    folder = to_nnef(moe, out / "kept-export", verify=False).path
+    for extra in (folder / "notes.dat", folder / "benchmarks" / "run1.dat", folder / "other.nnef"):
+        extra.parent.mkdir(exist_ok=True)
+        extra.write_text("the user's\n")
+        with pytest.raises(ExportError, match=r"kept-export is a folder with files of its own"):
+            to_nnef(moe, folder, verify=False)
+        assert extra.read_text() == "the user's\n"
+        extra.unlink()
+    (folder / "benchmarks").rmdir()
+    earlier = sorted(p.name for p in folder.iterdir())
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(archive.shutil, "copytree", full_disk)
+    with pytest.raises(ExportError, match=r"writing the export to .*kept-export failed \(\[Errno 28\] No space left "
+                                          r"on device\); what was there is left as it was"):
+        to_nnef(moe, folder, verify=False)
+    assert sorted(p.name for p in folder.iterdir()) == earlier
+
+
+def test_an_export_path_from_the_home_folder_is_expanded(out, monkeypatch):
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    monkeypatch.setenv("HOME", str(out / "home"))
+    monkeypatch.chdir(out)
+    report = to_nnef(moe, "~/block.nnef.tgz", verify=False)
+    assert report.path == out / "home" / "block.nnef.tgz" and report.path.is_file() and not (out / "~").exists()
+
+
 def test_a_folder_that_may_not_be_written_into_is_refused_before_the_export(read_only_folder):
     moe = moelens.wrap(small("mixtral")).moes[0]
     with pytest.raises(ExportError, match="read-only is a folder this user may not write into"):

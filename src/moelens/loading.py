@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 
 from .errors import MoelensError, sentence
 from .model import MoeNNsight, MoeTransformersModel, wrap
+from .paths import user_path
 
 
 #: ``from_pretrained`` settings that say where and how to read a checkpoint: moelens passes them to the
@@ -77,7 +78,7 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         from .data import TINY_MODEL_PATH
 
         path_or_repo_id = TINY_MODEL_PATH
-    source = str(path_or_repo_id)
+    source = str(user_path(path_or_repo_id))  # no hub id starts with ~
     if Path(source).is_file():
         raise MoelensError(
             f"{source!r} is a file; moelens.load takes the checkpoint folder holding config.json and the "

@@ -7,6 +7,11 @@ import tempfile
 from pathlib import Path
 
 
+def user_path(path: str | os.PathLike) -> Path:
+    """A path the user named, with a leading ``~`` expanded as a shell would (never a folder named ``~``)."""
+    return Path(path).expanduser()
+
+
 def may_write_into(folder: Path) -> bool:
     """Whether this process can create a file in the existing ``folder``: tried with a temporary file
     (gone at once), since permission bits do not tell for root (a read-only mount, an immutable folder)."""

@@ -18,19 +18,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 from jaxtyping import Float, Int
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from ..errors import MoelensError
 from ..families.scoring import score
-from ..paths import blocked_above, may_write_into
+from ..paths import blocked_above, may_write_into, user_path
 from .checks import check_type, split_ids
 
 #: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
@@ -166,6 +167,8 @@ class RoutingCache:
     _memory: list[Shard] = field(default_factory=list, repr=False)
     _folder: Path | None = field(default=None, repr=False)
     _files: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    #: The id of the collection (or save) that wrote the folder's cache, in its routing.json and each shard.
+    _collection: str | None = field(default=None, repr=False)
 
     # -- size -------------------------------------------------------------------------------
 
@@ -195,15 +198,28 @@ class RoutingCache:
         if self._folder is None:
             yield from self._memory
             return
+        if self._collection is not None and (_cache_meta(self._folder) or {}).get("collection") != self._collection:
+            raise self._replaced()
         for name, tokens in self._files:
             yield self._read(self._folder / name, tokens)
+
+    def _replaced(self) -> MoelensError:
+        return MoelensError(
+            f"the routing cache in {str(self._folder)!r} was replaced after this cache object opened it (a later "
+            "collect_routing or save into that folder); its shards are another corpus's now. Open the folder again "
+            "(RoutingCache.load(folder)) for the cache it holds, or keep each corpus in a folder of its own."
+        )
 
     def _read(self, path: Path, tokens: int) -> Shard:
         """The shard file ``path``, checked against what ``routing.json`` says of it."""
         try:
-            shard = Shard.from_tensors(load_file(str(path)))
+            with safe_open(str(path), framework="pt") as file:
+                written_by = (file.metadata() or {}).get("collection")
+                shard = Shard.from_tensors({name: file.get_tensor(name) for name in file.keys()})
         except (SafetensorError, OSError, KeyError, ValueError) as error:
             raise damaged(path, f"{type(error).__name__}: {error}") from None
+        if self._collection is not None and written_by != self._collection:
+            raise self._replaced()
         if shard.num_tokens != tokens or list(shard.indices) != sorted(self.layers):
             raise damaged(path, f"it holds {shard.num_tokens} tokens of layers {list(shard.indices)}, where {META_FILE} "
                                 f"lists {tokens} tokens of layers {sorted(self.layers)}")
@@ -272,7 +288,7 @@ class RoutingCache:
 
     def save(self, folder: str | Path) -> Path:
         """Write the cache to ``folder`` (created): ``routing.json`` + one safetensors file per shard."""
-        folder = Path(folder)
+        folder = user_path(folder)
         if self._folder is not None and folder.resolve() == self._folder.resolve():
             return folder
         writer = ShardWriter(folder, self)
@@ -283,8 +299,9 @@ class RoutingCache:
 
     @classmethod
     def load(cls, folder: str | Path) -> "RoutingCache":
-        """Open a saved cache; its shards are read from disk when iterated."""
-        folder = Path(folder)
+        """Open a saved cache; its shards are read from disk when iterated (from this folder, wherever the current
+        folder is then)."""
+        folder = user_path(folder).absolute()
         meta_path = folder / META_FILE
         if not meta_path.is_file():
             raise MoelensError(f"{folder} holds no routing cache ({META_FILE} is missing); save one with cache.save(folder).")
@@ -315,6 +332,7 @@ class RoutingCache:
                 has_logits=bool(meta.get("has_logits")),
                 _folder=folder,
                 _files=[(str(entry["file"]), int(entry["tokens"])) for entry in meta["shards"]],
+                _collection=meta.get("collection"),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise damaged(meta_path, f"no {error} entry" if isinstance(error, KeyError) else str(error)) from None
@@ -403,10 +421,11 @@ class ShardWriter:
     """
 
     def __init__(self, folder: str | Path, cache: RoutingCache) -> None:
-        self.folder = Path(folder)
+        self.folder = user_path(folder)
         self._replaced = check_cache_folder(self.folder)  # None once replaced
         self.cache = cache
         self.files: list[tuple[str, int]] = []
+        self.collection = secrets.token_hex(8)  # marks routing.json and each shard as this writer's
 
     def begin(self) -> None:
         """Replace the old cache with an empty one marked incomplete (once; later calls do nothing)."""
@@ -423,7 +442,7 @@ class ShardWriter:
         name = f"shard-{len(self.files):05d}.safetensors"
         self.files.append((name, shard.num_tokens))
         self._write_meta(complete=False)  # listed before it is written: a later collection replaces it
-        save_file(shard.to_tensors(), str(self.folder / name))
+        save_file(shard.to_tensors(), str(self.folder / name), metadata={"collection": self.collection})
 
     def close(self) -> None:
         self.begin()
@@ -433,6 +452,7 @@ class ShardWriter:
         meta = self.cache.meta()
         meta["num_tokens"] = sum(tokens for _, tokens in self.files)
         meta["complete"] = complete
+        meta["collection"] = self.collection
         meta["shards"] = [{"file": name, "tokens": tokens} for name, tokens in self.files]
         partial = self.folder / f".{META_FILE}.partial"
         partial.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")

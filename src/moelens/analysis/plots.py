@@ -3,7 +3,7 @@
 Figures are made with pyplot, so they show inline in a notebook
 (``%matplotlib inline``) and with ``plt.show()`` in a script. Without a display
 (a server, CI, the ``moelens`` command) the Agg backend is chosen before pyplot
-is first imported. `save` writes a PNG and closes the figure.
+is first imported. `save` writes a figure (PNG unless the path's suffix names another format) and closes it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import MoelensError
+from ..paths import blocked_above, user_path
 from .cache import SKIPPED, layer_row
 from .checks import check_count, check_results, check_type
 from .coactivation import Coactivation, Transitions
@@ -58,11 +59,26 @@ def pyplot() -> Any:
 
 
 def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``figure`` as a PNG to ``path`` (folders created) and close it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi, bbox_inches="tight")
-    pyplot().close(figure)
+    """Write ``figure`` to ``path`` (folders created) and close it, written or not; returns the file written.
+
+    The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
+    without one gets ``.png``.
+    """
+    path = user_path(path)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    try:
+        formats = figure.canvas.get_supported_filetypes()
+        if path.suffix[1:].lower() not in formats:
+            raise MoelensError(f"cannot save a plot as {path.name!r}: matplotlib writes {', '.join(sorted(formats))}; "
+                               "end the name with one of them (or give none for .png).")
+        blocked = blocked_above(path)
+        if blocked is not None:
+            raise MoelensError(f"cannot save a plot to {path}: it lies under {blocked}; name a path elsewhere.")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=dpi, bbox_inches="tight")
+    finally:
+        pyplot().close(figure)
     return path
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import re
 import secrets
 import shutil
 import tarfile
@@ -23,8 +24,8 @@ from .errors import ExportError
 #: Suffixes of an archive path (anything else is written as a folder).
 ARCHIVE_SUFFIXES = (".tgz", ".tar.gz", ".tar")
 
-#: Suffixes of the files an NNEF export folder holds (graph, tensors, quantization table).
-EXPORT_FILE_SUFFIXES = (".nnef", ".dat", ".quant")
+#: The files of an NNEF export besides its tensors (``<label>.dat``, one per variable the graph declares).
+EXPORT_GRAPH_FILES = ("graph.nnef", "graph.quant")
 
 
 def is_archive(path: Path) -> bool:
@@ -76,14 +77,22 @@ def check_destination(path: Path) -> None:
         raise ExportError(f"{path} lies under {blocked}; name a path in a folder you can write to.")
 
 
-def _is_export_listing(names: list[str]) -> bool:
-    """Whether these file names (relative to the export's root) are an NNEF export and nothing else."""
-    return "graph.nnef" in names and all(Path(name).suffix in EXPORT_FILE_SUFFIXES for name in names)
+def _is_export_listing(names: list[str], graph: str) -> bool:
+    """Whether these file names (relative to the export's root) are an NNEF export and nothing else: its
+    ``graph.nnef`` (text ``graph``), its quantization table, and a ``<label>.dat`` for variables the graph declares."""
+    labels = set(re.findall(r"\blabel\s*=\s*'([^']*)'", graph))
+    return "graph.nnef" in names and all(
+        name in EXPORT_GRAPH_FILES or (name.endswith(".dat") and name[: -len(".dat")] in labels) for name in names
+    )
 
 
 def _is_export_folder(path: Path) -> bool:
     """Whether ``path`` holds an NNEF export and nothing else."""
-    return _is_export_listing([p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()])
+    try:
+        graph = (path / "graph.nnef").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return _is_export_listing([p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()], graph)
 
 
 def _is_export_archive(path: Path) -> bool:
@@ -91,9 +100,11 @@ def _is_export_archive(path: Path) -> bool:
     try:
         with tarfile.open(path) as tar:
             names = [member.name for member in tar.getmembers() if not member.isdir()]
-    except (OSError, tarfile.TarError, EOFError):
+            member = tar.extractfile("graph.nnef")
+            graph = member.read().decode("utf-8") if member is not None else ""
+    except (OSError, tarfile.TarError, EOFError, KeyError, UnicodeDecodeError):
         return False
-    return _is_export_listing(names)
+    return _is_export_listing(names, graph)
 
 
 def write(folder: Path, path: Path) -> Path:
@@ -106,19 +117,7 @@ def write(folder: Path, path: Path) -> Path:
     check_destination(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not is_archive(path):
-        # The folder itself stays (its mode, owner, and the current folder for "."): only an earlier export's
-        # files go (`check_destination` let nothing else through).
-        path.mkdir(exist_ok=True)
-        for entry in list(path.iterdir()):
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()  # a file, or a link (never followed)
-        for entry in Path(folder).iterdir():  # entry by entry: copytree would give the folder the source's mode
-            if entry.is_dir():
-                shutil.copytree(entry, path / entry.name)
-            else:
-                shutil.copy2(entry, path / entry.name)
+        _replace_folder(Path(folder), path)
         return path
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -142,10 +141,38 @@ def write(folder: Path, path: Path) -> Path:
                 with gzip.GzipFile(filename="", mode="wb", fileobj=file, mtime=0, compresslevel=6) as gz:
                     gz.write(buffer.getvalue())
         temporary.replace(path)
-    except BaseException:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise ExportError(f"writing the export to {path} failed ({error}); what was there is left as it was.") from error
         raise
     return path
+
+
+def _replace_folder(folder: Path, path: Path) -> None:
+    """Put the export in ``folder`` into the folder ``path``, in place of the earlier export there.
+
+    The files are first copied to a new hidden folder inside ``path``: a copy that fails (a full disk) leaves what
+    was there as it was. Then the earlier export's files go (`check_destination` let nothing else through) and the
+    new ones are moved up (renames). The folder itself stays (its mode, owner, and the current folder for ".").
+    """
+    path.mkdir(exist_ok=True)
+    staging = path / f".moelens-export-{secrets.token_hex(6)}.part"
+    try:
+        shutil.copytree(folder, staging)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise ExportError(f"writing the export to {path} failed ({error}); what was there is left as it was.") from error
+        raise
+    for entry in [entry for entry in path.iterdir() if entry != staging]:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()  # a file, or a link (never followed)
+    for entry in list(staging.iterdir()):
+        entry.replace(path / entry.name)
+    staging.rmdir()
 
 
 def graph_text(path: Path) -> str:

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from .. import __version__
 from ..modules import takes_keyword
+from ..paths import user_path
 from .archive import check_destination, size, write
 from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
@@ -125,7 +126,7 @@ def to_nnef(
     if layout not in LAYOUTS:
         raise ExportError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
     edits = as_edits(edits)
-    path = Path(path)
+    path = user_path(path)
     check_destination(path)
     started = time.perf_counter()
     target = resolve(model)
