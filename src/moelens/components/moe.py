@@ -304,8 +304,9 @@ class Moe(Mlp):
                 rank, the experts carry moelens.compress LoRA adapters (fold them in first
                 with `moelens.compress.merge_lora`) or store no plain weight tensors.
         """
-        refuse_fully_sharded(self.modules_down(), f"{self.path}.params")
-        return block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
+        params = block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
+        refuse_fully_sharded(self.modules_down(), f"{self.path}.params")  # after DTensors' refusal, which says more
+        return params
 
     def _routed_activation(self, name: str) -> ValueUnavailable:
         return self.unavailable(
