@@ -122,6 +122,8 @@ def test_a_cache_object_whose_folder_a_later_collection_replaced_says_so(model, 
         with pytest.raises(MoelensError, match=r"was replaced after this cache object opened it .* Open the folder "
                                                r"again \(RoutingCache.load\(folder\)\)"):
             first.token_ids()
+        with pytest.raises(MoelensError, match=r"was replaced after this cache object opened it"):
+            first.save(folder)  # "saved" into its own folder, which holds the other corpus now
     assert torch.equal(RoutingCache.load(folder).token_ids(), torch.arange(4, 44).reshape(2, 20).flatten())
     again = analysis.collect_routing(model, torch.arange(4, 68).reshape(4, 16), folder=tmp_path / "other", progress=False)
     assert torch.equal(again.token_ids(), first_ids)
@@ -146,3 +148,23 @@ def test_a_folder_named_from_the_home_folder_is_expanded(model, tmp_path, monkey
     assert torch.equal(RoutingCache.load("~/routing").token_ids(), cache.token_ids())
     copy = cache.save("~/copy")
     assert copy == tmp_path / "home" / "copy" and (copy / META_FILE).is_file()
+
+
+def test_a_cache_saved_before_collection_ids_loads_and_notices_a_replacement(model, tmp_path):
+    """A routing.json and shards written before moelens marked them with a collection id load and read as before,
+    and a later collection into their folder is noticed as well."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "old"
+    analysis.collect_routing(model, token_corpus(3), folder=folder, progress=False)
+    meta = json.loads((folder / META_FILE).read_text())
+    del meta["collection"]
+    (folder / META_FILE).write_text(json.dumps(meta))
+    for entry in meta["shards"]:
+        save_file(load_file(str(folder / entry["file"])), str(folder / entry["file"]))  # no metadata
+    old = RoutingCache.load(folder)
+    expected = torch.cat([torch.tensor(text) for text in token_corpus(3)])
+    assert torch.equal(old.token_ids().long(), expected)
+    analysis.collect_routing(model, token_corpus(3, seed=4), folder=folder, progress=False)
+    with pytest.raises(MoelensError, match=r"was replaced after this cache object opened it"):
+        old.token_ids()

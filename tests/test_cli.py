@@ -164,6 +164,19 @@ def test_stats_other_family_matches_the_analysis(saved, tmp_path, capsys):
     assert {"usage.png", "load_balance.png", "entropy.png", "coactivation.png", "trajectories.png"} <= set(pngs(out_dir))
 
 
+def test_paths_from_the_home_folder_land_in_one_folder(saved, tmp_path, monkeypatch, capsys):
+    """bash leaves ~ in --out=~/res as it is: the plots and the cache went to $HOME/res while stats.json went to
+    ./~/res, and the message named the second."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run(["stats", saved / "mixtral", "--text", saved / "text.txt", "--out=~/res", "--no-progress"],
+                           capsys)
+    assert status == 0, err
+    assert {"stats.json", "experts.csv", "usage.png", "cache"} <= {p.name for p in (home / "res").iterdir()}
+    assert not (tmp_path / "~").exists() and f"Wrote to {home / 'res'}" in out
+
+
 def test_stats_formats_on_tiny(saved, capsys):
     status, out, err = run(["stats", "tiny", "--text", saved / "text.txt", "--format", "json", "--no-progress"], capsys)
     assert status == 0, err

@@ -543,7 +543,7 @@ def test_token_id_invokes_of_different_lengths_over_a_cache_need_the_traces_mask
 
 @pytest.mark.parametrize(("invoke", "named"), [
     (lambda tracer, ids: tracer.invoke(ids, use_cache=False), r"an invoke got keyword\(s\) \['use_cache'\] beside the ids"),
-    (lambda tracer, ids: tracer.invoke(ids, torch.ones_like(ids)), r"an invoke got Tensor"),
+    (lambda tracer, ids: tracer.invoke(ids, torch.ones_like(ids)), r"an invoke got 2 inputs \(ids and a Tensor\)"),
 ], ids=["keyword", "second-positional"])
 def test_token_id_invokes_with_more_than_ids_are_refused_by_name(invoke, named):
     wrapped = moelens.wrap(tiny_model("mixtral"))

@@ -635,6 +635,36 @@ def test_invokes_batch_for_a_plain_module_without_config_or_mask():
         moelens.families.unregister("custom")
 
 
+class MaskedModel(CustomModel):
+    """A forward that requires the attention mask, as many hand-written models have it."""
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.embed(input_ids) * attention_mask[..., None]
+        for layer in self.layers:
+            hidden = hidden + layer["ffn"](hidden)
+        return hidden
+
+
+def test_invokes_of_one_length_pass_a_mask_to_a_forward_that_requires_one():
+    model = custom_model()
+    masked = MaskedModel(model.config).eval()
+    masked.load_state_dict(model.state_dict())
+    first, second = torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])
+    moelens.families.register(custom_family())
+    try:
+        wrapped = moelens.wrap(masked)
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke(first):
+                a = wrapped.output.save()
+            with tracer.invoke(second):
+                b = wrapped.output.save()
+        with torch.no_grad():
+            expected = masked(torch.cat([first, second]), torch.ones(2, 3, dtype=torch.long))
+        torch.testing.assert_close(torch.cat([a, b]), expected, rtol=0, atol=0)
+    finally:
+        moelens.families.unregister("custom")
+
+
 class KeywordBlock(CustomBlock):
     """Calls its experts with the routing as keywords: experts(x, top_k_index=..., top_k_weights=...)."""
 

@@ -740,6 +740,10 @@ def test_files_of_the_users_beside_an_earlier_export_are_never_deleted(out, monk
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
+    killed = folder / ".moelens-export-0123456789ab.part"  # what an export killed while copying leaves
+    (killed / "graph.nnef").parent.mkdir()
+    (killed / "graph.nnef").write_text("half\n")
+    assert to_nnef(moe, folder, verify=False).path == folder and not killed.exists()
     monkeypatch.setattr(archive.shutil, "copytree", full_disk)
     with pytest.raises(ExportError, match=r"writing the export to .*kept-export failed \(\[Errno 28\] No space left "
                                           r"on device\); what was there is left as it was"):

@@ -237,20 +237,20 @@ class MoeNNsight(MoeModelMixin, NNsight):
             ids = inputs[0] if inputs else kwargs.get("input_ids")
             others = sorted(set(kwargs) - {"input_ids"})
             if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or len(inputs) > 1 or others:
-                given = f"keyword(s) {others} beside the ids" if others else f"{type(ids).__name__} {ids!r:.60}"
+                given = (f"keyword(s) {others} beside the ids" if others
+                         else f"{len(inputs)} inputs (ids and a {type(inputs[1]).__name__})" if len(inputs) > 1
+                         else f"{type(ids).__name__} {ids!r:.60}")
                 raise MoelensError(
                     f"a model wrapped without a tokenizer batches several invokes only from token-id tensors, one "
                     f"per invoke (tracer.invoke(ids)); an invoke got {given}. Pass settings that hold for the whole "
                     "batch to model.trace(...) instead, or wrap(model, tokenizer=...) for text, padding and masks."
                 )
             rows.extend(ids.reshape(-1, ids.shape[-1]))
-        if len({row.shape[0] for row in rows}) == 1:  # nothing to pad: the rows run as one tensor of ids would
-            return (), {"input_ids": torch.stack(rows)}
         pad_id = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
         input_ids, attention_mask = _left_padded(rows, pad_id)
         params = getattr(self.interleaver.batcher, "extra_kwargs", {})  # the trace's own (model.trace(...=...))
-        if _cached_tokens(params):
-            if "attention_mask" not in params:
+        if _cached_tokens(params):  # a mask and positions of the new tokens alone would leave the cache out
+            if not attention_mask.all() and "attention_mask" not in params:
                 raise MoelensError(
                     "invokes of different lengths over a key-value cache (past_key_values) on a model wrapped "
                     "without a tokenizer: moelens left-pads the new tokens, but it cannot know which cached "
@@ -258,7 +258,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "Give invokes of one length, or pass attention_mask (over the cache and the new tokens) and "
                     "position_ids to model.trace(...)."
                 )
-            return (), {"input_ids": input_ids}  # the trace's mask (and positions) apply
+            return (), {"input_ids": input_ids}  # the model's own mask and positions after the cache, or the trace's
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         taken = {name: value for name, value in batch.items() if name == "input_ids" or takes_keyword(self._module, name)}

@@ -198,7 +198,7 @@ class RoutingCache:
         if self._folder is None:
             yield from self._memory
             return
-        if self._collection is not None and (_cache_meta(self._folder) or {}).get("collection") != self._collection:
+        if (_cache_meta(self._folder) or {}).get("collection") != self._collection:  # None: saved before ids
             raise self._replaced()
         for name, tokens in self._files:
             yield self._read(self._folder / name, tokens)
@@ -218,7 +218,7 @@ class RoutingCache:
                 shard = Shard.from_tensors({name: file.get_tensor(name) for name in file.keys()})
         except (SafetensorError, OSError, KeyError, ValueError) as error:
             raise damaged(path, f"{type(error).__name__}: {error}") from None
-        if self._collection is not None and written_by != self._collection:
+        if written_by != self._collection:
             raise self._replaced()
         if shard.num_tokens != tokens or list(shard.indices) != sorted(self.layers):
             raise damaged(path, f"it holds {shard.num_tokens} tokens of layers {list(shard.indices)}, where {META_FILE} "
@@ -290,6 +290,8 @@ class RoutingCache:
         """Write the cache to ``folder`` (created): ``routing.json`` + one safetensors file per shard."""
         folder = user_path(folder)
         if self._folder is not None and folder.resolve() == self._folder.resolve():
+            if (_cache_meta(self._folder) or {}).get("collection") != self._collection:
+                raise self._replaced()
             return folder
         writer = ShardWriter(folder, self)
         for shard in self.shards():

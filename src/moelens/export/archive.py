@@ -24,6 +24,9 @@ from .errors import ExportError
 #: Suffixes of an archive path (anything else is written as a folder).
 ARCHIVE_SUFFIXES = (".tgz", ".tar.gz", ".tar")
 
+#: The folder a folder export is copied into first, inside the target (left behind only by a killed export).
+STAGING = re.compile(r"\.moelens-export-[0-9a-f]{12}\.part")
+
 #: The files of an NNEF export besides its tensors (``<label>.dat``, one per variable the graph declares).
 EXPORT_GRAPH_FILES = ("graph.nnef", "graph.quant")
 
@@ -87,12 +90,17 @@ def _is_export_listing(names: list[str], graph: str) -> bool:
 
 
 def _is_export_folder(path: Path) -> bool:
-    """Whether ``path`` holds an NNEF export and nothing else."""
+    """Whether ``path`` holds an NNEF export and nothing else (but copies of one an interrupted export left,
+    `STAGING`, which the next export removes)."""
+    names = [p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()]
+    names = [name for name in names if not STAGING.fullmatch(name.split("/")[0])]
+    if not names:  # nothing but what a killed export left
+        return True
     try:
         graph = (path / "graph.nnef").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return False
-    return _is_export_listing([p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()], graph)
+    return _is_export_listing(names, graph)
 
 
 def _is_export_archive(path: Path) -> bool:
@@ -157,7 +165,7 @@ def _replace_folder(folder: Path, path: Path) -> None:
     new ones are moved up (renames). The folder itself stays (its mode, owner, and the current folder for ".").
     """
     path.mkdir(exist_ok=True)
-    staging = path / f".moelens-export-{secrets.token_hex(6)}.part"
+    staging = path / f".moelens-export-{secrets.token_hex(6)}.part"  # a `STAGING` name
     try:
         shutil.copytree(folder, staging)
     except BaseException as error:
