@@ -542,9 +542,24 @@ def test_interventions_the_export_would_drop_are_refused(out):
         to_nnef(wrapped, out / "edited.nnef.tgz")
     wrapped.clear_edits()
     handle = hf.model.layers[1].mlp.experts.register_forward_hook(lambda module, args, output: output * 2)
-    with pytest.raises(ExportRefused, match="forward hook"):
+    with pytest.raises(ExportRefused, match=r"layers.1.mlp.experts has a forward hook \(<lambda>\)"):
         to_nnef(wrapped, out / "hooked.nnef.tgz")
     handle.remove()
+    # accelerate's hooks wrap the forward instead (no torch hook): one that changes the router's output is refused,
+    # the device moves device_map dispatch adds everywhere are not
+    from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Halving(ModelHook):
+        def post_forward(self, module, output):
+            return (output[0], output[1] * 0.5, output[2])
+
+    router = hf.model.layers[1].mlp.gate
+    add_hook_to_module(router, Halving())
+    with pytest.raises(ExportRefused, match=r"layers.1.mlp.gate has a forward hook \(a Halving\)"):
+        to_nnef(wrapped, out / "hooked.nnef.tgz")
+    add_hook_to_module(router, AlignDevicesHook(execution_device="cpu"))
+    assert to_nnef(wrapped.moes[1], out / "moved.nnef.tgz").verification is not None
+    remove_hook_from_module(router)
 
 
 # -- refused families ------------------------------------------------------------------------------

@@ -57,8 +57,23 @@ def is_adapter_layer(module: Any) -> bool:
 OWN_HOOKS = ("transformers.", "nnsight.")
 
 
+#: accelerate's hooks that only move tensors between devices (what ``device_map`` dispatch adds to every module).
+DEVICE_HOOKS = ("AlignDevicesHook",)
+
+
 def foreign_hooks(module: nn.Module, pre: bool = True) -> list[Any]:
     """The forward hooks (and, with ``pre``, forward pre-hooks) on ``module`` that neither transformers nor
-    nnsight put there: the user's (or another library's), which may change what the module computes."""
+    nnsight put there: the user's (or another library's), which may change what the module computes; and an
+    accelerate ``ModelHook`` other than its device moves (``module._hf_hook``, which wraps the forward)."""
     hooks = list(module._forward_hooks.values()) + (list(module._forward_pre_hooks.values()) if pre else [])
-    return [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
+    foreign = [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
+    accelerate_hook = getattr(module, "_hf_hook", None)
+    parts = getattr(accelerate_hook, "hooks", (accelerate_hook,))  # a SequentialHook holds several
+    if accelerate_hook is not None and any(type(part).__name__ not in DEVICE_HOOKS for part in parts):
+        foreign.append(accelerate_hook)
+    return foreign
+
+
+def hook_name(hook: Any) -> str:
+    """A hook in words for an error: its function's name, or its class's (an accelerate ModelHook)."""
+    return getattr(hook, "__name__", None) or f"a {type(hook).__name__}"

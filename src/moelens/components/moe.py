@@ -39,7 +39,7 @@ from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
-from ..modules import foreign_hooks
+from ..modules import foreign_hooks, hook_name
 from . import tokens
 from .base import bind_alias, envoy_at
 from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
@@ -334,7 +334,7 @@ class Moe(Mlp):
                     descriptor.name,
                     f"the {self.family.name} block calls no experts module, so moelens derives {descriptor.name} from "
                     f"router_logits, read inside the router's forward, and the router has a forward hook that is not "
-                    f"moelens' ({getattr(hooks[0], '__qualname__', type(hooks[0]).__name__)}), which may change the "
+                    f"moelens' ({hook_name(hooks[0])}), which may change the "
                     "scores the block goes on with",
                     "read router_logits and apply your hook's change to them, or remove the hook for this trace.",
                 )

@@ -21,7 +21,7 @@ from ..components.base import layer_of
 from ..families import Family, registry
 from ..families.entry import get_path
 from ..families.unserved import why_no_moe
-from ..modules import foreign_hooks
+from ..modules import foreign_hooks, hook_name
 from ..discovery import discover
 from .errors import ExportError, ExportRefused
 
@@ -130,10 +130,11 @@ def _refuse_hooks(target: Target) -> None:
     for block in target.blocks:
         root = target.module.get_submodule(block.name) if block.name else target.module
         for name, module in root.named_modules():
-            if foreign_hooks(module):
+            hooks = foreign_hooks(module)
+            if hooks:
                 where = ".".join(filter(None, (block.name, name))) or type(root).__name__
                 raise ExportRefused(
-                    f"{where} has a torch forward hook: the export replaces the MoE block's computation with "
+                    f"{where} has a forward hook ({hook_name(hooks[0])}): the export replaces the MoE block's computation with "
                     "tract_moe_ffn, so the hook would be dropped. Remove it (or express it as "
                     "moelens.export.Edits) before exporting."
                 )
