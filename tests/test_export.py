@@ -560,6 +560,12 @@ def test_interventions_the_export_would_drop_are_refused(out):
     add_hook_to_module(router, AlignDevicesHook(execution_device="cpu"))
     assert to_nnef(wrapped.moes[1], out / "moved.nnef.tgz").verification is not None
     remove_hook_from_module(router)
+    every = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        with pytest.raises(ExportRefused, match=r"a forward hook registered for every module \(<lambda>"):
+            to_nnef(wrapped.moes[1], out / "global.nnef.tgz")
+    finally:
+        every.remove()
 
 
 # -- refused families ------------------------------------------------------------------------------

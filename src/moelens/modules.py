@@ -74,6 +74,15 @@ def foreign_hooks(module: nn.Module, pre: bool = True) -> list[Any]:
     return foreign
 
 
+def foreign_global_hooks() -> list[Any]:
+    """The forward (pre-)hooks registered for every module (``torch.nn.modules.module.register_module_forward_hook``)
+    that neither transformers nor nnsight put there."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = [*torch_module._global_forward_hooks.values(), *torch_module._global_forward_pre_hooks.values()]
+    return [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
+
+
 def hook_name(hook: Any) -> str:
     """A hook in words for an error: its function's name, or its class's (an accelerate ModelHook)."""
     return getattr(hook, "__name__", None) or f"a {type(hook).__name__}"

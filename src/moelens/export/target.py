@@ -21,7 +21,7 @@ from ..components.base import layer_of
 from ..families import Family, registry
 from ..families.entry import get_path
 from ..families.unserved import why_no_moe
-from ..modules import foreign_hooks, hook_name
+from ..modules import foreign_global_hooks, foreign_hooks, hook_name
 from ..discovery import discover
 from .errors import ExportError, ExportRefused
 
@@ -127,6 +127,13 @@ def _refuse_edits(wrapped: Any) -> None:
 
 
 def _refuse_hooks(target: Target) -> None:
+    hooks = foreign_global_hooks()
+    if hooks:
+        raise ExportRefused(
+            f"a forward hook registered for every module ({hook_name(hooks[0])}, torch.nn.modules.module."
+            "register_module_forward_hook) is in force: the export replaces the MoE blocks' computation with "
+            "tract_moe_ffn, so what the hook does there would be dropped. Remove it (handle.remove()) before exporting."
+        )
     for block in target.blocks:
         root = target.module.get_submodule(block.name) if block.name else target.module
         for name, module in root.named_modules():
