@@ -1719,3 +1719,64 @@ def test_ernie_vl_shared_experts_outside_the_modality_blocks_are_named():
         with model.trace(**tiny_inputs(hf)):
             text_moe.shared_expert_output.save()
     assert "read routed_output or mlp_output" not in str(error.value)
+
+
+def test_errors_name_what_the_user_called(mixtral):
+    """router_probs, an intervention and model.save_all outside a trace named router_logits, expert_indices and
+    the first block's save_all; an intervention on a block the model had run past named only the value it read."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    for use, named in [(lambda: moe.router_probs, r"layers\.0\.mlp\.router_probs: a block's values exist only"),
+                       (lambda: moelens.ablate(moe, 1), r"layers\.0\.mlp\.ablate: a block's values exist only"),
+                       (lambda: wrapped.save_all(), r"^model\.save_all: a model's values exist only while it runs")]:
+        with pytest.raises(ValueUnavailable, match=named):
+            use()
+    with pytest.raises(moelens.OrderError, match=r"layers\.0\.mlp\.router_probs was requested after the model had "):
+        with wrapped.trace(**inputs):
+            moe.expert_weights.save()
+            moe.router_probs.save()
+    with pytest.raises(moelens.OrderError, match=r"^steer: .*router_logits was requested after .* call the interventions "
+                                                 r"that change routing \(steer, force, ablate\(mode='route_around'\)\) "
+                                                 r"before those that change outputs"):
+        with wrapped.trace(**inputs):
+            moelens.ablate(moe, 2)
+            moelens.steer(moe, 1, 2.0)
+    with pytest.raises(WriteError, match=r"got model\.model\.layers\.0 \(MixtralDecoderLayer\), which holds the MoE "
+                                         r"block model\.model\.layers\.0\.mlp: pass that \(model\.layers\[0\]\.mlp\)"):
+        with wrapped.trace(**inputs):
+            moelens.ablate(wrapped.layers[0], 1)
+
+
+def test_reading_a_misspelt_value_suggests_the_name_meant(mixtral):
+    """Jupyter shows no "did you mean" of its own for an attribute error."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    for read, meant in [(lambda: moe.router_logit, "router_logits"), (lambda: moe.expert_weight, "expert_weights"),
+                        (lambda: moe.shared_expert_outputs, "shared_expert_output"), (lambda: wrapped.moe, "moes")]:
+        with pytest.raises(AttributeError, match=rf"\(did you mean '{meant}'\?\)"):
+            read()
+    with pytest.raises(AttributeError) as error:
+        moe.nothing_like_a_value
+    assert "did you mean" not in str(error.value)
+    assert not hasattr(moe, "_private_missing")
+
+
+def test_one_value_name_and_the_embedded_models_name_are_taken(mixtral):
+    wrapped, inputs = mixtral
+    with wrapped.trace(**inputs):
+        one = wrapped.moes[0].save_all("router_logits")  # was split into characters: unknown names ['_', 'e', ...]
+        every = wrapped.save_all("expert_indices")
+    assert list(one) == ["router_logits"] and all(list(values) == ["expert_indices"] for values in every.values())
+    tiny = moelens.load("moelens-tiny")  # the name the docs use went to the hub
+    assert type(tiny._module).__name__ == "Qwen2MoeForCausalLM"
+    with pytest.raises(moelens.MoelensError, match=r"token_routing routes one text .* got 2 of them"):
+        moelens.analysis.token_routing(tiny, ["a text", "another"])
+
+
+def test_reprs_say_what_a_block_and_its_weights_are(mixtral):
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[1]
+    assert repr(moe).startswith("Moe[mixtral, layer 1, E=8, k=2, grouped_mm; router_probs = softmax(router_logits)] ")
+    assert "(router_logits) -> " in repr(moe)
+    params = repr(moe.params())
+    assert params.startswith("MoeParams(router=[8, ") and "tensor(" not in params

@@ -56,7 +56,7 @@ def load_checkpoint(source: str) -> tuple[Any, str]:
     from moelens.data import TINY_MODEL_PATH
 
     quiet_transformers()
-    if source == "tiny":
+    if source in ("tiny", "moelens-tiny"):
         if not (TINY_MODEL_PATH / "config.json").is_file():
             raise MoelensError(
                 f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "

@@ -26,22 +26,45 @@ change outputs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
+import nnsight
 import numpy
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from .components import Mlp, Moe
-from .errors import WriteError
+from .errors import OrderError, WriteError
 from .scalars import as_int, as_real, scalar
 
 ABLATION_MODES = ("zero", "route_around", "swap")
+
+#: What an order error inside an intervention means (each intervention writes one value of the block).
+INTERVENTION_ORDER = (
+    "On one block, call the interventions that change routing (steer, force, ablate(mode='route_around')) before "
+    "those that change outputs (ablate with 'zero' or 'swap', reroute), and read a value before an intervention "
+    "that writes a later one: the model makes the routing first."
+)
+
+
+def _intervention(function: Callable[..., None]) -> Callable[..., None]:
+    """Name the intervention in the order error of a value it asked for after the model had run past it."""
+
+    @functools.wraps(function)
+    def run(moe: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            return function(moe, *args, **kwargs)
+        except OrderError as error:
+            raise OrderError(f"{function.__name__}: {error} {INTERVENTION_ORDER}") from None
+
+    return run
 
 
 def _moe(block: Any, call: str) -> Moe:
     """``block`` if it is an MoE component, else a `WriteError` that says what it is and where the MoE blocks are."""
     if isinstance(block, Moe):
+        block._require_trace(call)
         return block
     if isinstance(block, Mlp):
         moes = [moe.layer for moe in getattr(block.root, "moes", [])]
@@ -52,10 +75,12 @@ def _moe(block: Any, call: str) -> Moe:
         raise WriteError(
             f"{call}: {block.path} is a dense MLP ({type(block._module).__name__}) and runs no mixture of experts; {where}."
         )
-    raise WriteError(
-        f"{call} takes an MoE block (model.moes[i] or model.layers[i].mlp of a wrapped model), "
-        f"got {type(block).__name__}."
-    )
+    got = type(block).__name__
+    if isinstance(block, nnsight.Envoy):
+        inner = next((moe for moe in getattr(block.root, "moes", []) if moe.path.startswith(f"{block.path}.")), None)
+        got = f"{block.path} ({type(block._module).__name__})" + (
+            f", which holds the MoE block {inner.path}: pass that (model.layers[{inner.layer}].mlp)" if inner is not None else "")
+    raise WriteError(f"{call} takes an MoE block (model.moes[i] or model.layers[i].mlp of a wrapped model), got {got}.")
 
 
 def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
@@ -69,6 +94,7 @@ def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
     return expert
 
 
+@_intervention
 def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> None:
     """Remove expert ``expert`` from block ``moe`` for the tokens of this invoke.
 
@@ -108,6 +134,7 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
     moe.expert_indices = indices.masked_fill(routed_here, _expert(moe, to, "to"))
 
 
+@_intervention
 def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) -> None:
     """Send the given tokens' slots to the given experts (their weights stay; outputs change).
 
@@ -157,6 +184,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     moe.expert_indices = indices
 
 
+@_intervention
 def steer(moe: Moe, expert: int, bias: float) -> None:
     """Add ``bias`` to expert ``expert``'s router logit for every token (changes routing).
 
@@ -242,6 +270,7 @@ def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | N
         values[rows] = edit(values[rows])
 
 
+@_intervention
 def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     """Make every token (or the given ``tokens``) route to ``experts`` first (changes routing).
 

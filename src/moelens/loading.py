@@ -52,7 +52,7 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
 
     Args:
         path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
-            None or ``"tiny"`` loads the embedded default model, offline.
+            None, ``"tiny"`` or ``"moelens-tiny"`` loads the embedded default model, offline.
         **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
             ``experts_implementation``, ...); the settings in `SOURCE_SETTINGS`
             (``trust_remote_code``, ``subfolder``, ...) also to the config and tokenizer.
@@ -74,7 +74,7 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
                else "to wrap a model you have, use moelens.wrap(model, tokenizer=...)." if isinstance(path_or_repo_id, torch.nn.Module)
                else "pass a str or a pathlib.Path.")
         )
-    if path_or_repo_id is None or str(path_or_repo_id) == "tiny":
+    if path_or_repo_id is None or str(path_or_repo_id) in ("tiny", "moelens-tiny"):
         from .data import TINY_MODEL_PATH
 
         path_or_repo_id = TINY_MODEL_PATH

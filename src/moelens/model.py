@@ -17,16 +17,17 @@ import nnsight
 import torch
 from nnsight import NNsight, TransformersModel
 from nnsight.intervention.envoy import traceable
+from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 
 from .components import Mlp, Moe, served
-from .components.base import bind_alias, envoy_at
+from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known
 from .components.params import op_names
 from .discovery import Structure, discover, layer_path
-from .errors import FamilyError, MoelensError
+from .errors import FamilyError, MoelensError, ValueUnavailable
 from .families import Family, registry
 from .modules import takes_keyword
 
@@ -41,6 +42,12 @@ class MoeModelMixin:
     _watched: list[str]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            raise with_suggestion(error, name, ("moes", "layers", "family", "save_all", "set_experts_implementation")) from None
 
     @property
     def moes(self) -> list[Moe]:
@@ -119,7 +126,7 @@ class MoeModelMixin:
         return result
 
     def save_all(
-        self, values: list[str] | None = None, *, strict: bool = False, moes: list[Moe] | None = None
+        self, values: str | list[str] | None = None, *, strict: bool = False, moes: list[Moe] | None = None
     ) -> dict[int | str, dict[str, torch.Tensor]]:
         """Inside a trace: save every value of every MoE block (or of ``moes``), in the right order.
 
@@ -129,6 +136,13 @@ class MoeModelMixin:
         Returns layer index -> (value name -> saved tensor); keyed by block path
         instead when a layer holds several MoE blocks. See `Moe.save_all`.
         """
+        try:
+            Mediator.current("save_all")
+        except ValueError:
+            raise ValueUnavailable(
+                "model.save_all: a model's values exist only while it runs; call it inside a trace "
+                "(with model.trace(inputs): ..., or model.generate)."
+            ) from None
         blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else list(moes)
         for block in blocks:
             if not isinstance(block, Moe) or block.interleaver is not self.interleaver:

@@ -79,6 +79,13 @@ def token_routing(
     text is run in the windows `collect_routing` cuts by default (the model's context, at most 512
     tokens), each from a fresh context.
     """
+    several = (isinstance(text, (list, tuple)) and len(text) > 0 and isinstance(text[0], (str, list, tuple))) or (
+        isinstance(text, Tensor) and text.dim() > 1 and text.shape[0] > 1)
+    if several:
+        raise MoelensError(
+            f"token_routing routes one text (a string, or one sequence of token ids), got {len(text)} of them; route "
+            "each on its own, or several with analysis.collect_routing(model, texts) and read the cache."
+        )
     cache = collect_routing(model, [text], batch_size=1, logits=logits, layers=layers, blocks=blocks,
                             dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:

@@ -13,7 +13,7 @@ import functools
 import inspect
 import re
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from nnsight.intervention.envoy import Envoy
@@ -21,6 +21,7 @@ from nnsight.intervention.interleaver import Mediator
 
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families import Family, registry
+from ..families.entry import VALUE_NAMES
 from . import served as serving
 
 
@@ -49,6 +50,13 @@ def bind_alias(host: Envoy, alias: str, native: str, target: Envoy) -> None:
     host._aliases[alias] = native
 
 
+def with_suggestion(error: AttributeError, name: str, names: Iterable[str]) -> AttributeError:
+    """``error`` (a missing attribute ``name``), saying which of ``names`` was probably meant, if one is close
+    (Jupyter shows no "did you mean" of its own)."""
+    near = [] if name.startswith("_") else difflib.get_close_matches(name, sorted(set(names)), n=1, cutoff=0.8)
+    return AttributeError(f"{error} (did you mean {near[0]!r}?)") if near else error
+
+
 @functools.cache
 def value_names(component_class: type) -> tuple[str, ...]:
     """The values a component class serves (its `served` descriptors)."""
@@ -63,6 +71,12 @@ class Component(Envoy):
         super().__init__(module, *args, **kwargs)
         #: The family entry describing this block (None for a dense MLP of an unknown family).
         self.family: Family | None = registry.for_block(module)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            raise with_suggestion(error, name, (*VALUE_NAMES, *value_names(type(self)), "selection_scores")) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing."""

@@ -271,7 +271,11 @@ class Moe(Mlp):
     def router_probs(self) -> Float[Tensor, "b s e"]:
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
-        logits = self.router_logits  # requested first: a request lets the model run on, and its hooks must not nest in ours
+        self._require_trace("router_probs")
+        try:
+            logits = self.router_logits  # requested first: a request lets the model run on, and its hooks must not nest in ours
+        except OrderError:
+            raise self._order_error("router_probs") from None
         with kept_for_backward():
             return score(self.family.resolve(self.SCORING.score, self._module), logits, self.softcap)
 
@@ -307,6 +311,16 @@ class Moe(Mlp):
         params = block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
         refuse_fully_sharded(self.modules_down(), f"{self.path}.params")  # after DTensors' refusal, which says more
         return params
+
+    def __repr__(self) -> str:
+        """What the block is (family, layer, E, k, experts implementation), then nnsight's tree of its modules and values."""
+        try:
+            score_name = self.family.resolve(self.SCORING.score, self._module)
+            head = (f"Moe[{self.family.name}, layer {self.layer}, E={self.num_experts}, k={self.top_k}, "
+                    f"{self.experts_implementation}; router_probs = {score_name}(router_logits)] ")
+        except Exception:  # noqa: BLE001 - a repr never raises; the tree alone then
+            head = ""
+        return head + super().__repr__()
 
     def _routed_activation(self, name: str) -> ValueUnavailable:
         return self.unavailable(
@@ -541,7 +555,7 @@ class Moe(Mlp):
 
     # -- all values at once -------------------------------------------------------------------
 
-    def save_all(self, values: Iterable[str] | None = None, *, strict: bool = False) -> dict[str, Tensor]:
+    def save_all(self, values: str | Iterable[str] | None = None, *, strict: bool = False) -> dict[str, Tensor]:
         """Read and ``.save()`` every value of this block in the family's order.
 
         Use it inside a trace. Values this block or run cannot serve (per-slot
@@ -549,7 +563,7 @@ class Moe(Mlp):
         unless ``strict`` (then their error is raised).
 
         Args:
-            values: The names to read (default: every value in `order`).
+            values: The name or names to read (default: every value in `order`).
             strict: Raise instead of leaving out a value that cannot be served.
 
         Returns:
@@ -557,7 +571,7 @@ class Moe(Mlp):
         """
         self._require_trace("save_all")
         order = self.order()
-        wanted = set(order if values is None else values)
+        wanted = set(order if values is None else [values] if isinstance(values, str) else values)
         unknown = wanted - set(VALUE_NAMES)
         if unknown:
             raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")

@@ -80,6 +80,11 @@ class MoeParams:
             )
         object.__setattr__(self, name, value)
 
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{f.name}={list(value.shape) if value is not None else None}"
+                           for f in fields(self) for value in [getattr(self, f.name)])
+        return f"MoeParams({shapes})"
+
     def items(self) -> list[tuple[str, Tensor]]:
         """``(name, view)`` for every weight this block has (the None ones left out)."""
         return [(f.name, value) for f in fields(self) if (value := getattr(self, f.name)) is not None]
