@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, NoReturn
 
 import nnsight
 import torch
+from jaxtyping import Int
 from nnsight import NNsight, TransformersModel
 from nnsight.intervention.envoy import traceable
 from nnsight.intervention.interleaver import Mediator
