@@ -53,7 +53,7 @@ def bind_alias(host: Envoy, alias: str, native: str, target: Envoy) -> None:
 def with_suggestion(error: AttributeError, name: str, names: Iterable[str]) -> AttributeError:
     """``error`` (a missing attribute ``name``), saying which of ``names`` was probably meant, if one is close
     (Jupyter shows no "did you mean" of its own)."""
-    near = [] if name.startswith("_") else difflib.get_close_matches(name, sorted(set(names)), n=1, cutoff=0.8)
+    near = [] if name.startswith("_") else difflib.get_close_matches(name, sorted(set(names) - {name}), n=1, cutoff=0.8)
     return AttributeError(f"{error} (did you mean {near[0]!r}?)") if near else error
 
 

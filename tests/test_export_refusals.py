@@ -1,0 +1,97 @@
+"""Blocks the tract export must refuse up front, and the close neighbour it must accept.
+
+Ground truth: the documented refusals (an `ExportRefused` naming what tract cannot express, no file
+written), and for the accepted neighbour the torch block itself run on the same hidden states as the
+exported archive in tract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+import moelens
+from moelens import families
+from moelens.export import ExportRefused, run, to_nnef
+from moelens.testing import tiny_model
+
+
+def two_layer_mixtral(**overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tiny_model("mixtral", num_hidden_layers=2, **overrides)
+
+
+def test_experts_with_exact_erf_gelu_are_refused(tmp_path):
+    """Guards against exact GELU passing for tract's tanh GELU (up to 5e-4 apart): the block would not match."""
+    hf = two_layer_mixtral(hidden_act="gelu")
+    experts = hf.model.layers[0].mlp.experts
+    probe = torch.linspace(-4, 4, 101)
+    assert torch.equal(experts.act_fn(probe), F.gelu(probe))  # transformers' "gelu" is the exact one
+    path = tmp_path / "erf.nnef.tgz"
+    with pytest.raises(ExportRefused, match=r"mixtral: the experts use exact \(erf\) GELU"):
+        to_nnef(moelens.wrap(hf).moes[0], path)
+    assert not path.exists()
+
+
+def test_experts_with_tanh_gelu_export_and_match_the_block(tmp_path):
+    """The neighbour of the refusal above: tanh GELU is tract's gelu and must still export."""
+    hf = two_layer_mixtral(hidden_act="gelu_pytorch_tanh")
+    moe = moelens.wrap(hf).moes[0]
+    hidden = torch.randn(2, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    report = to_nnef(moe, tmp_path / "tanh.nnef.tgz", example_inputs=hidden)
+    assert report.blocks[0].activation == "gelu"
+    with torch.no_grad():
+        expected = hf.model.layers[0].mlp(hidden)
+    np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=1e-4, rtol=5e-4)
+
+
+class CappedRouter(MixtralTopKRouter):
+    """mixtral's router with a logit softcap: its scores are softmax(tanh(logits / c) * c)."""
+
+    logit_cap = 5.0
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight)
+        capped = torch.tanh(router_logits / self.logit_cap) * self.logit_cap
+        router_probs = torch.nn.functional.softmax(capped.float(), dim=-1)
+        router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+        return router_logits, router_top_value, router_indices
+
+
+@pytest.fixture
+def capped_family():
+    base = families.get("mixtral")
+    family = families.register(dataclasses.replace(
+        base, name="capped", scoring=dataclasses.replace(base.scoring, softcap="router.logit_cap")), replace=True)
+    yield family
+    families.unregister("capped")
+
+
+def test_a_router_softcap_is_refused_naming_it(capped_family, tmp_path):
+    """Guards against a registered family with a router softcap exporting its router as a plain softmax of the logits."""
+    hf = two_layer_mixtral()
+    for layer in hf.model.layers:
+        layer.mlp.gate.__class__ = CappedRouter
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    assert moe.family is capped_family and capped_family.softcap_of(moe._module) == 5.0
+    ids = torch.tensor([[5, 9, 40, 71, 88, 12]])
+    with torch.no_grad(), wrapped.trace(ids):
+        logits, probs, indices = moe.router_logits.save(), moe.router_probs.save(), moe.expert_indices.save()
+    # the family describes the model: the capped softmax of the logits, by hand, picks the experts it ran
+    by_hand = torch.softmax(torch.tanh(logits / 5.0) * 5.0, dim=-1)
+    torch.testing.assert_close(probs, by_hand)
+    assert torch.equal(indices.sort(-1).values, by_hand.topk(2, dim=-1).indices.sort(-1).values)
+    path = tmp_path / "capped.nnef.tgz"
+    with pytest.raises(ExportRefused, match=r"capped: router logits softcapped before scoring"):
+        to_nnef(moe, path)
+    assert not path.exists()

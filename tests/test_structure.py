@@ -1,0 +1,106 @@
+"""Where wrap() finds a model's decoder layers, dense MLPs and family, and the order it serves values in.
+
+Ground truth: the module tree itself (which ModuleList holds the decoder layers, which layer holds a
+dense MLP), the config's own sub-config model type, and the plain transformers model's call order and
+values recorded by torch forward hooks on an unwrapped copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import nnsight
+import torch
+from transformers import LlavaConfig, MixtralConfig
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP, Qwen2MoeSparseMoeBlock
+
+import moelens
+from moelens import families
+from moelens.components import Mlp
+from moelens.testing import tiny_inputs, tiny_model
+
+
+class Towers(torch.nn.Module):
+    """Decoder stacks in a numbered list (an ensemble, a multi-tower model): blocks at towers.<t>.layers.<i>.mlp."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.towers = torch.nn.ModuleList([tiny_model("qwen2_moe", mlp_only_layers=[1]).model for _ in range(count)])
+
+
+def test_layers_nested_in_a_numbered_list_are_the_inner_decoder_layers():
+    """The layer of towers.0.layers.3.mlp is cut at its last index: cut at the first (towers.0), model.layers
+    would be the list of towers and the dense MLPs beside the MoE blocks would go unfound."""
+    model = Towers(1)
+    wrapped = moelens.wrap(model)
+    decoder_layers = model.towers[0].layers
+    assert len(wrapped.layers) == len(decoder_layers) == 4
+    assert wrapped.layers[2]._module is decoder_layers[2]
+    assert isinstance(decoder_layers[1].mlp, Qwen2MoeMLP) and type(wrapped.layers[1].mlp) is Mlp
+    moes = [f"model.towers.0.layers.{index}.mlp" for index in (0, 2, 3)]
+    assert isinstance(decoder_layers[0].mlp, Qwen2MoeSparseMoeBlock)
+    assert [moe.path for moe in wrapped.moes] == moes
+
+
+def test_every_towers_dense_mlps_are_found():
+    """With two towers the dense MLPs of both (towers.<t>.layers.1.mlp) are found."""
+    model = Towers(2)
+    wrapped = moelens.wrap(model)
+    for tower in range(2):
+        assert isinstance(model.towers[tower].layers[1].mlp, Qwen2MoeMLP)
+        assert type(wrapped.towers[tower].layers[1].mlp) is Mlp
+        assert type(wrapped.towers[tower].layers[0].mlp) is not Mlp  # an MoE block (a Moe)
+
+
+class ConfigOnly(torch.nn.Module):
+    """A module with no MoE block whose config is a llava config with a mixtral text_config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = LlavaConfig(text_config=MixtralConfig().to_dict())
+        self.linear = torch.nn.Linear(2, 2)
+
+
+def test_a_model_without_blocks_takes_its_family_from_its_text_config():
+    """The sub-configs' model types count, not only the top-level one (llava): the text model is mixtral."""
+    model = ConfigOnly()
+    assert model.config.model_type == "llava" and model.config.text_config.model_type == "mixtral"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no MoE block: wrap() says so
+        wrapped = moelens.wrap(model)
+    assert wrapped.moes == [] and wrapped.family is families.get("mixtral")
+
+
+def test_a_shared_expert_run_before_the_experts_is_served_in_that_order():
+    """afmoe runs its shared experts between router and experts: order() puts shared_expert_output there, so
+    reading values in order() raises no OrderError."""
+    hf = tiny_model("afmoe", experts_implementation="grouped_mm")
+    inputs = tiny_inputs(hf)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    plain_block = reference.get_submodule(moe.path.removeprefix("model."))
+
+    calls, shared = [], []
+
+    def on_shared(module, args, output):
+        calls.append("shared")
+        shared.append(output)
+
+    handles = [plain_block.shared_experts.register_forward_hook(on_shared),
+               plain_block.experts.register_forward_hook(lambda m, a, out: calls.append("experts") and None)]
+    try:
+        with torch.no_grad():
+            reference(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == ["shared", "experts"]  # the plain model computes the shared experts first
+
+    order = moe.order()
+    assert order.index("shared_expert_output") < order.index("expert_weights")
+    with torch.no_grad(), wrapped.trace(**inputs):
+        values = nnsight.save({name: getattr(moe, name).save() for name in order})
+    assert set(values) == set(order)
+    torch.testing.assert_close(values["shared_expert_output"].reshape(shared[0].shape), shared[0])

@@ -1,0 +1,116 @@
+"""Writes and interventions moelens must refuse, and nearby ones it must accept.
+
+Ground truth: the documented refusals (a `WriteError` or `FamilyError` naming what was wrong), and, for
+the writes that must be accepted, the plain transformers model (an unwrapped copy, no moelens, no
+nnsight) with the same edit made by a torch forward hook.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moelens
+from custom_models import custom_family, custom_model
+from groundtruth import built
+from moelens import FamilyError, WriteError, families
+from moelens.testing import tiny_inputs, tiny_model
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    return wrapped, inputs, reference
+
+
+def refused(wrapped, inputs, edit, match):
+    with pytest.raises(WriteError, match=match):
+        with wrapped.trace(**inputs):
+            edit(wrapped.moes[0])
+
+
+def with_hook(model, module_name, hook, inputs):
+    """``model``'s logits with ``hook`` as a forward hook on ``module_name`` (its return value replaces the output)."""
+    handle = model.get_submodule(module_name).register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return model(**inputs).logits
+    finally:
+        handle.remove()
+
+
+def test_a_transposed_write_of_the_same_number_of_elements_is_refused(mixtral):
+    """Guards the shape check: a [5, 2, 2] tensor for a [2, 5, 2] value (same element count) would scramble tokens."""
+    wrapped, inputs, _ = mixtral
+    refused(wrapped, inputs, lambda moe: setattr(moe, "expert_weights", moe.expert_weights.transpose(0, 1)),
+            r"expert_weights: wrote a tensor of shape \(5, 2, 2\), expected \(2, 5, 2\)")
+
+
+def test_bool_expert_indices_are_refused(mixtral):
+    """Guards against a bool mask written as expert_indices being taken as expert ids 0 and 1."""
+    wrapped, inputs, _ = mixtral
+    refused(wrapped, inputs, lambda moe: setattr(moe, "expert_indices", moe.expert_indices == 3),
+            r"expert_indices: wrote torch.bool indices, expected integer expert indices")
+
+
+def test_reroute_with_bool_expert_ids_is_refused(mixtral):
+    """Guards against reroute(..., [True, False]) sending the tokens to experts 1 and 0."""
+    wrapped, inputs, _ = mixtral
+    refused(wrapped, inputs, lambda moe: moelens.reroute(moe, (..., 0), [True, False]),
+            r"reroute: expert ids must be integers, got torch.bool")
+
+
+def test_ablate_zero_with_a_swap_target_is_refused(mixtral):
+    """Guards against ablate(moe, 2, mode="zero", to=5) ignoring to= and zeroing expert 2 when a swap was meant."""
+    wrapped, inputs, _ = mixtral
+    refused(wrapped, inputs, lambda moe: moelens.ablate(moe, 2, mode="zero", to=5),
+            r"to=5\) only applies to mode='swap', not 'zero'")
+
+
+def test_an_int_scalar_written_to_a_float_value_zeroes_it(mixtral):
+    """A Python int written to a float value is that number, not an int64 tensor to refuse."""
+    wrapped, inputs, reference = mixtral
+    with torch.no_grad(), wrapped.trace(**inputs):
+        wrapped.moes[0].routed_output = 0
+        logits = wrapped.output.logits.save()
+    # mixtral's routed output is its experts module's output: zero that in the plain model
+    expected = with_hook(reference, "model.layers.0.mlp.experts", lambda m, a, out: torch.zeros_like(out), inputs)
+    untouched = with_hook(reference, "model.layers.0.mlp.experts", lambda m, a, out: None, inputs)
+    assert not torch.allclose(expected, untouched)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_an_eval_mode_model_with_gradient_checkpointing_on_takes_edits():
+    """transformers checkpoints only in training mode: an eval-mode model with checkpointing enabled runs plain
+    forwards, where an edit is safe and must not be refused by the flag alone."""
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    hf.activation_checkpointing_enable({"use_reentrant": False})
+    hf.eval()
+    inputs = tiny_inputs(hf)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    with wrapped.trace(**inputs):  # autograd on, as in training code
+        moe = wrapped.moes[0]
+        moe.expert_weights = moe.expert_weights * 0.5
+        logits = wrapped.output.logits.save()
+    # mixtral's block output is linear in the routing weights: halving them halves the block's output
+    expected = with_hook(reference, "model.layers.0.mlp", lambda m, a, out: out * 0.5, inputs)
+    untouched = with_hook(reference, "model.layers.0.mlp", lambda m, a, out: None, inputs)
+    assert not torch.allclose(expected, untouched)
+    torch.testing.assert_close(logits.detach(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_identity_experts_naming_a_bool_attribute_is_refused():
+    """Guards against a reference to a bool flag (True) counting as one identity expert, leaving an expert out."""
+    model = custom_model()
+    for layer in model.layers:
+        layer["ffn"].pool.is_routed = True  # a flag a user's reference may name by mistake
+    families.register(custom_family(identity_experts="pool.is_routed"))
+    try:
+        with pytest.raises(FamilyError, match=r"identity_experts='pool.is_routed' gives True on CustomBlock, "
+                                              r"not a count of experts"):
+            moelens.wrap(model).moes[0].params()
+    finally:
+        families.unregister("custom")
