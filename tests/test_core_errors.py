@@ -1727,7 +1727,7 @@ def test_errors_name_what_the_user_called(mixtral):
     wrapped, inputs = mixtral
     moe = wrapped.moes[0]
     for use, named in [(lambda: moe.router_probs, r"layers\.0\.mlp\.router_probs: a block's values exist only"),
-                       (lambda: moelens.ablate(moe, 1), r"layers\.0\.mlp\.ablate: a block's values exist only"),
+                       (lambda: moelens.ablate(moe, 1), r"^ablate\(model\.model\.layers\.0\.mlp, \.\.\.\): a block's values exist only"),
                        (lambda: wrapped.save_all(), r"^model\.save_all: a model's values exist only while it runs")]:
         with pytest.raises(ValueUnavailable, match=named):
             use()
@@ -1769,8 +1769,23 @@ def test_one_value_name_and_the_embedded_models_name_are_taken(mixtral):
     assert list(one) == ["router_logits"] and all(list(values) == ["expert_indices"] for values in every.values())
     tiny = moelens.load("moelens-tiny")  # the name the docs use went to the hub
     assert type(tiny._module).__name__ == "Qwen2MoeForCausalLM"
-    with pytest.raises(moelens.MoelensError, match=r"token_routing routes one text .* got 2 of them"):
+    with pytest.raises(moelens.MoelensError, match=r"token_routing routes one text .* got a list of 2 texts"):
         moelens.analysis.token_routing(tiny, ["a text", "another"])
+    with pytest.raises(moelens.MoelensError, match=r"token_routing routes one text, .* got token ids of shape \(2, 3\)"):
+        moelens.analysis.token_routing(tiny, torch.ones(2, 3, dtype=torch.long))
+    ids = tiny.tokenizer("def add(a, b):", return_tensors="pt")["input_ids"]  # a batch of one [1, n] is one text
+    assert torch.equal(moelens.analysis.token_routing(tiny, ids).indices,
+                       moelens.analysis.token_routing(tiny, "def add(a, b):").indices)
+
+
+def test_a_folder_of_the_users_named_like_the_embedded_model_wins(tmp_path, monkeypatch, capsys):
+    """scripts/train_tiny.py --out DIR writes DIR/moelens-tiny: inside DIR, that folder is the one meant."""
+    from moelens.cli import main
+
+    tiny_model("mixtral").save_pretrained(tmp_path / "moelens-tiny")
+    monkeypatch.chdir(tmp_path)
+    assert moelens.load("moelens-tiny").family.name == "mixtral"
+    assert main(["inspect", "moelens-tiny"]) == 0 and "mixtral" in capsys.readouterr().out
 
 
 def test_reprs_say_what_a_block_and_its_weights_are(mixtral):

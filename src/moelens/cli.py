@@ -53,10 +53,10 @@ def load_checkpoint(source: str) -> tuple[Any, str]:
             without config.json (and whatever `moelens.load` refuses).
     """
     import moelens
-    from moelens.data import TINY_MODEL_PATH
+    from moelens.data import TINY_MODEL_PATH, TINY_NAMES
 
     quiet_transformers()
-    if source in ("tiny", "moelens-tiny"):
+    if source in TINY_NAMES and not Path(source).exists():  # a folder of the user's of that name wins
         if not (TINY_MODEL_PATH / "config.json").is_file():
             raise MoelensError(
                 f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "

@@ -64,7 +64,7 @@ def _intervention(function: Callable[..., None]) -> Callable[..., None]:
 def _moe(block: Any, call: str) -> Moe:
     """``block`` if it is an MoE component, else a `WriteError` that says what it is and where the MoE blocks are."""
     if isinstance(block, Moe):
-        block._require_trace(call)
+        block._require_trace(call, f"{call}({block.path}, ...)")
         return block
     if isinstance(block, Mlp):
         moes = [moe.layer for moe in getattr(block.root, "moes", [])]

@@ -52,7 +52,8 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
 
     Args:
         path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
-            None, ``"tiny"`` or ``"moelens-tiny"`` loads the embedded default model, offline.
+            None, ``"tiny"`` or ``"moelens-tiny"`` (when no local folder has that name) loads the embedded
+            default model, offline.
         **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
             ``experts_implementation``, ...); the settings in `SOURCE_SETTINGS`
             (``trust_remote_code``, ``subfolder``, ...) also to the config and tokenizer.
@@ -74,9 +75,9 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
                else "to wrap a model you have, use moelens.wrap(model, tokenizer=...)." if isinstance(path_or_repo_id, torch.nn.Module)
                else "pass a str or a pathlib.Path.")
         )
-    if path_or_repo_id is None or str(path_or_repo_id) in ("tiny", "moelens-tiny"):
-        from .data import TINY_MODEL_PATH
+    from .data import TINY_MODEL_PATH, TINY_NAMES
 
+    if path_or_repo_id is None or (str(path_or_repo_id) in TINY_NAMES and not Path(str(path_or_repo_id)).exists()):
         path_or_repo_id = TINY_MODEL_PATH
     source = str(user_path(path_or_repo_id))  # no hub id starts with ~
     if Path(source).is_file():

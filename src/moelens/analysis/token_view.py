@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -73,20 +74,14 @@ def _slot(expert: int, weight: float) -> str:
 def token_routing(
     model: Any, text: Any, *, logits: bool = True, layers: list[int] | None = None, blocks: str | list[str] | None = None
 ) -> TokenRouting:
-    """Run ``text`` (a string, or token ids) and return every token's routing in every MoE layer.
+    """Run ``text`` (a string, or token ids; a batch of one, ``[1, n]``, is that one text) and return every
+    token's routing in every MoE layer.
 
     Slots are sorted by weight (highest first) whatever order the family returns them in. A long
     text is run in the windows `collect_routing` cuts by default (the model's context, at most 512
     tokens), each from a fresh context.
     """
-    several = (isinstance(text, (list, tuple)) and len(text) > 0 and isinstance(text[0], (str, list, tuple))) or (
-        isinstance(text, Tensor) and text.dim() > 1 and text.shape[0] > 1)
-    if several:
-        raise MoelensError(
-            f"token_routing routes one text (a string, or one sequence of token ids), got {len(text)} of them; route "
-            "each on its own, or several with analysis.collect_routing(model, texts) and read the cache."
-        )
-    cache = collect_routing(model, [text], batch_size=1, logits=logits, layers=layers, blocks=blocks,
+    cache = collect_routing(model, [_one_text(text)], batch_size=1, logits=logits, layers=layers, blocks=blocks,
                             dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:
         raise MoelensError("the text has no tokens.")
@@ -102,6 +97,29 @@ def token_routing(
         weights=weights.gather(-1, order),
         probs=_stacked([cache.probs(layer) for layer in cache.layers], 0.0) if logits else None,
     )
+
+
+def _one_text(text: Any) -> Any:
+    """``text`` as one corpus item: a batch of one (``[1, n]`` ids, ``["text"]``) unwrapped; several texts refused."""
+    if isinstance(text, (list, tuple)):
+        nested = [item for item in text if not isinstance(item, (int, np.integer))]
+        if len(text) == 1 and nested:
+            return text[0]
+        if nested:
+            raise MoelensError(
+                f"token_routing routes one text (a string, or one sequence of token ids), got a list of {len(text)} "
+                "texts; route each on its own, or all of them with analysis.collect_routing(model, texts) and read "
+                "the cache."
+            )
+    shape = getattr(text, "shape", None)
+    if shape is not None and len(shape) == 2 and shape[0] == 1:
+        return text[0]
+    if shape is not None and len(shape) > 1:
+        raise MoelensError(
+            f"token_routing routes one text, a sequence of token ids [n] (or a batch of one, [1, n]), got token ids "
+            f"of shape {tuple(shape)}; route each row on its own, or all with analysis.collect_routing(model, rows)."
+        )
+    return text
 
 
 def _stacked(per_layer: list[Tensor], fill: float) -> Tensor:

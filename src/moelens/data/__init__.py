@@ -25,13 +25,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["DATA_DIR", "TINY_MODEL_PATH", "TINY_DENSE_PATH", "HELDOUT_PATH", "TOKEN_CLASSES", "training_record"]
+__all__ = ["DATA_DIR", "TINY_MODEL_PATH", "TINY_NAMES", "TINY_DENSE_PATH", "HELDOUT_PATH", "TOKEN_CLASSES",
+           "training_record"]
 
 DATA_DIR: Path = Path(__file__).resolve().parent
 TINY_MODEL_PATH: Path = DATA_DIR / "moelens-tiny"
 TINY_DENSE_PATH: Path = DATA_DIR / "tiny-dense"
 HELDOUT_PATH: Path = TINY_MODEL_PATH / "heldout.safetensors"
 TOKEN_CLASSES: tuple[str, ...] = ("code", "prose", "digits_punct", "whitespace")
+#: The names ``moelens.load`` and the commands take for moelens-tiny (a local folder of that name wins).
+TINY_NAMES: tuple[str, ...] = ("tiny", "moelens-tiny")
 
 _NAMES = {"moelens-tiny": TINY_MODEL_PATH, "tiny-dense": TINY_DENSE_PATH}
 
