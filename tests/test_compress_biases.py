@@ -14,7 +14,7 @@ import torch
 
 from moelens.compress import ExpertsSettings, ToMoEExperts, ToMoEGatedExperts, set_experts_implementation
 from moelens.compress import fit, partition
-from test_compress_helpers import bert, convert, gpt2, ids, llama, run
+from test_compress_helpers import bert, convert, gpt2, ids, llama, randomised, run
 
 BIASED = {"gpt2": gpt2, "bert": bert, "llama": lambda: llama(mlp_bias=True)}
 #: The dense FFN biases of each tiny model (what the conversion has to carry over).
@@ -25,13 +25,7 @@ FFN_BIASES = {"gpt2": ("mlp.c_fc.bias", "mlp.c_proj.bias"),
 
 def with_random_biases(name: str):
     """The tiny dense model ``name`` with every bias drawn (seeded) from N(0, 0.5^2)."""
-    model = BIASED[name]()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            if parameter_name.endswith("bias"):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    return model
+    return randomised(BIASED[name](), "bias", 0.5, seed=0)
 
 
 @pytest.mark.parametrize("name", list(BIASED))

@@ -21,7 +21,7 @@ from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, To
                               exportable, merge_lora, set_experts_implementation, tomoe)
 from moelens.compress.targets import protected_reason
 from moelens.testing import tiny_inputs, tiny_model
-from test_compress_helpers import VOCAB, bert, convert, gpt2, ids, llama, run
+from test_compress_helpers import VOCAB, bert, convert, gpt2, ids, llama, randomised, run
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
@@ -36,12 +36,7 @@ def quiet(build):
 
 def with_trained_adapters(model):
     """``model`` with every LoRA ``B`` random, so the adapters change the output."""
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("lora_B"):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return model
+    return randomised(model, "lora_B", 0.1, seed=3)
 
 
 # -- LoRA adapters ---------------------------------------------------------------------------------------

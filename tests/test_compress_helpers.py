@@ -84,3 +84,13 @@ def activation_by_hand(experts, expert: int, x: torch.Tensor) -> torch.Tensor:
         pre = experts.gate_up_proj[expert] @ x + experts.gate_up_proj_bias[expert]
         return experts.act_fn(pre[:size]) * pre[size:]
     return experts.act_fn(experts.up_proj[expert] @ x + experts.up_proj_bias[expert])
+
+
+def randomised(model, suffix: str, scale: float, seed: int):
+    """``model`` with every parameter whose name ends in ``suffix`` drawn (seeded) from N(0, scale^2)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(suffix):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    return model

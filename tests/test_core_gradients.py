@@ -145,23 +145,31 @@ def checkpointed(family: str, implementation: str, on: bool, every_n_layers: int
 def test_reading_every_value_under_activation_checkpointing_keeps_the_backward(implementation):
     """router_probs (a score moelens computes) and grouped_mm's activations (re-sorted by moelens) saved
     tensors for backward that checkpointing's recomputation does not make: backward raised CheckpointError."""
+    truth = gradients_of(*checkpointed("mixtral", implementation, False), traced=False)  # no checkpointing, no nnsight
+    assert_same_gradients(gradients_of(*checkpointed("mixtral", implementation, True), traced=True), truth)
+
+
+def gradients_of(hf, inputs, traced: bool) -> dict[str, torch.Tensor]:
+    """The parameter gradients of `loss_of` ``hf`` on ``inputs``, run plainly or traced by moelens reading every
+    value (``save_all``); named as in the plain model (torch's checkpoint wrappers left out)."""
     import moelens
 
-    gradients = []
-    for on in (False, True):  # the truth: the plain model, no checkpointing, no nnsight
-        hf, inputs = checkpointed("mixtral", implementation, on)
-        if on:
-            model = moelens.wrap(hf)
-            with model.trace(**inputs):
-                model.save_all()
-                output = model.output.save()
-        else:
-            output = hf(**inputs)
-        loss_of(output).backward()
-        gradients.append({name: p.grad for name, p in hf.named_parameters() if p.grad is not None})
-    assert gradients[0].keys() == gradients[1].keys() and len(gradients[0]) > 10
-    for name, gradient in gradients[0].items():
-        torch.testing.assert_close(gradients[1][name], gradient, msg=name)
+    if traced:
+        model = moelens.wrap(hf)
+        with model.trace(**inputs):
+            model.save_all()
+            output = model.output.save()
+    else:
+        output = hf(**inputs)
+    loss_of(output).backward()
+    return {name.replace("._checkpoint_wrapped_module", ""): p.grad for name, p in hf.named_parameters()
+            if p.grad is not None}
+
+
+def assert_same_gradients(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys() and len(expected) > 10
+    for name, gradient in expected.items():
+        torch.testing.assert_close(actual[name], gradient, msg=name)
 
 
 def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
@@ -229,22 +237,8 @@ def test_an_edit_under_torchs_checkpoint_wrapper_is_refused_and_reads_keep_the_b
     with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
         with torch.no_grad(), reentrant.trace(**inputs):
             moelens.steer(reentrant.moes[0], 2, 3.0)
-    gradients = []
-    for wrapped in (False, True):
-        hf, inputs = torch_checkpointed("mixtral", reentrant=False) if wrapped else checkpointed("mixtral", "grouped_mm", False)
-        if wrapped:
-            model = moelens.wrap(hf)
-            with model.trace(**inputs):
-                model.save_all()
-                output = model.output.save()
-        else:
-            output = hf(**inputs)
-        loss_of(output).backward()
-        gradients.append({name.replace("._checkpoint_wrapped_module", ""): p.grad for name, p in hf.named_parameters()
-                          if p.grad is not None})
-    assert gradients[0].keys() == gradients[1].keys() and len(gradients[0]) > 10
-    for name, gradient in gradients[0].items():
-        torch.testing.assert_close(gradients[1][name], gradient, msg=name)
+    truth = gradients_of(*checkpointed("mixtral", "grouped_mm", False), traced=False)
+    assert_same_gradients(gradients_of(*torch_checkpointed("mixtral", reentrant=False), traced=True), truth)
 
 
 def test_an_edit_in_a_plain_model_that_checkpoints_its_own_layers_is_refused():
