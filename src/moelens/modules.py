@@ -65,8 +65,7 @@ def foreign_hooks(module: nn.Module, pre: bool = True) -> list[Any]:
     """The forward hooks (and, with ``pre``, forward pre-hooks) on ``module`` that neither transformers nor
     nnsight put there: the user's (or another library's), which may change what the module computes; and an
     accelerate ``ModelHook`` other than its device moves (``module._hf_hook``, which wraps the forward)."""
-    hooks = list(module._forward_hooks.values()) + (list(module._forward_pre_hooks.values()) if pre else [])
-    foreign = [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
+    foreign = _not_own([*module._forward_hooks.values(), *(module._forward_pre_hooks.values() if pre else ())])
     accelerate_hook = getattr(module, "_hf_hook", None)
     parts = getattr(accelerate_hook, "hooks", (accelerate_hook,))  # a SequentialHook holds several
     if accelerate_hook is not None and any(type(part).__name__ not in DEVICE_HOOKS for part in parts):
@@ -79,7 +78,10 @@ def foreign_global_hooks() -> list[Any]:
     that neither transformers nor nnsight put there."""
     from torch.nn.modules import module as torch_module
 
-    hooks = [*torch_module._global_forward_hooks.values(), *torch_module._global_forward_pre_hooks.values()]
+    return _not_own([*torch_module._global_forward_hooks.values(), *torch_module._global_forward_pre_hooks.values()])
+
+
+def _not_own(hooks: list[Any]) -> list[Any]:
     return [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
 
 

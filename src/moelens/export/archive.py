@@ -17,6 +17,7 @@ import secrets
 import shutil
 import tarfile
 from pathlib import Path
+from typing import NoReturn
 
 from ..paths import blocked_above, may_write_into
 from .errors import ExportError
@@ -151,10 +152,16 @@ def write(folder: Path, path: Path) -> Path:
         temporary.replace(path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise ExportError(f"writing the export to {path} failed ({error}); what was there is left as it was.") from error
-        raise
+        _raise_write_failed(path, error)
     return path
+
+
+def _raise_write_failed(path: Path, error: BaseException) -> NoReturn:
+    """Re-raise ``error``, raised while writing the export to ``path`` (its partial copy removed), as an
+    `ExportError` when it is the file system's (a full disk, a permission), else as it is (Ctrl-C)."""
+    if isinstance(error, OSError):
+        raise ExportError(f"writing the export to {path} failed ({error}); what was there is left as it was.") from error
+    raise error
 
 
 def _replace_folder(folder: Path, path: Path) -> None:
@@ -170,9 +177,7 @@ def _replace_folder(folder: Path, path: Path) -> None:
         shutil.copytree(folder, staging)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(error, OSError):
-            raise ExportError(f"writing the export to {path} failed ({error}); what was there is left as it was.") from error
-        raise
+        _raise_write_failed(path, error)
     for entry in [entry for entry in path.iterdir() if entry != staging]:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
