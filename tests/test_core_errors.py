@@ -336,6 +336,25 @@ def test_a_model_whose_first_weights_accelerate_offloads_traces(tmp_path):
     assert logits.shape[:2] == inputs["input_ids"].shape
 
 
+def test_a_model_with_a_tokenizer_and_offloaded_first_weights_loads_and_traces(tmp_path):
+    """With a tokenizer nnsight builds a transformers pipeline, which took the device map's first entry, "disk", for
+    a torch device: RuntimeError before any trace. Ground truth: moelens-tiny loaded whole."""
+    from moelens.data import TINY_MODEL_PATH
+
+    device_map = {"model.embed_tokens": "disk", "lm_head": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
+                  "model.norm": "cpu"}  # moelens-tiny ties its embeddings and head: both on disk
+    offloaded = moelens.load(TINY_MODEL_PATH, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert offloaded._module.hf_device_map == device_map  # as accelerate left it
+    whole = moelens.load()
+    outputs = []
+    for model in (whole, offloaded):
+        with torch.no_grad(), model.trace("def add(a, b):"):
+            logits = model.moes[1].router_logits.save()
+            output = model.output.logits.save()
+        outputs.append((logits, output))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_load_expands_a_path_from_the_home_folder(tmp_path, monkeypatch):
     """The folder check expanded ~ but transformers got the raw string: 'Repo id must use alphanumeric chars'."""
     tiny_model("olmoe").save_pretrained(tmp_path / "home" / "olmoe")

@@ -755,7 +755,14 @@ def test_files_of_the_users_beside_an_earlier_export_are_never_deleted(out, monk
             to_nnef(moe, folder, verify=False)
         assert extra.read_text() == "the user's\n"
         extra.unlink()
+    with pytest.raises(ExportError, match=r"kept-export is a folder with files of its own"):  # an empty folder too
+        to_nnef(moe, folder, verify=False)
     (folder / "benchmarks").rmdir()
+    drafts = out / "only-folders" / "notes" / "drafts"
+    drafts.mkdir(parents=True)
+    with pytest.raises(ExportError, match=r"only-folders is a folder with files of its own"):
+        to_nnef(moe, out / "only-folders", verify=False)
+    assert drafts.is_dir()
     earlier = sorted(p.name for p in folder.iterdir())
 
     def full_disk(*args, **kwargs):

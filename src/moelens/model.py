@@ -9,6 +9,7 @@ a checkpoint and wraps it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from typing import Any, Iterable, Iterator, NoReturn
@@ -314,6 +315,21 @@ def _left_padded(rows: list[Int[torch.Tensor, " s"]], pad_id: int) -> tuple[Int[
     return input_ids, attention_mask
 
 
+@contextlib.contextmanager
+def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
+    """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
+    first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not isinstance(device_map, dict) or next(iter(device_map.values()), None) not in ("disk", "meta"):
+        yield
+        return
+    model.hf_device_map = dict(sorted(device_map.items(), key=lambda item: item[1] in ("disk", "meta")))
+    try:
+        yield
+    finally:
+        model.hf_device_map = device_map
+
+
 def _described(value: Any) -> str:
     """``value`` in words for an error: an envoy by its path, else its type and repr."""
     if isinstance(value, Moe):
@@ -378,7 +394,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
         if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
             nnsight_kwargs.setdefault("task", "feature-extraction")
-        wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
+        with _real_device_first(model):
+            wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
     else:
         wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
     object.__setattr__(wrapped, "_structure", structure)

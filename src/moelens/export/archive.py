@@ -93,8 +93,10 @@ def _is_export_listing(names: list[str], graph: str) -> bool:
 def _is_export_folder(path: Path) -> bool:
     """Whether ``path`` holds an NNEF export and nothing else (but copies of one an interrupted export left,
     `STAGING`, which the next export removes)."""
-    names = [p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir()]
-    names = [name for name in names if not STAGING.fullmatch(name.split("/")[0])]
+    entries = [entry for entry in path.rglob("*") if not STAGING.fullmatch(entry.relative_to(path).parts[0])]
+    if any(entry.is_dir() for entry in entries):  # an export is flat: a folder in it is the user's, even an empty one
+        return False
+    names = [entry.relative_to(path).as_posix() for entry in entries]
     if not names:  # nothing but what a killed export left
         return True
     try:
