@@ -315,15 +315,19 @@ def _left_padded(rows: list[Int[torch.Tensor, " s"]], pad_id: int) -> tuple[Int[
     return input_ids, attention_mask
 
 
+#: accelerate device-map entries that name no torch device to run on.
+NO_TORCH_DEVICE = ("disk", "meta")
+
+
 @contextlib.contextmanager
 def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
     first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after."""
     device_map = getattr(model, "hf_device_map", None)
-    if not isinstance(device_map, dict) or next(iter(device_map.values()), None) not in ("disk", "meta"):
+    if not isinstance(device_map, dict) or next(iter(device_map.values()), None) not in NO_TORCH_DEVICE:
         yield
         return
-    model.hf_device_map = dict(sorted(device_map.items(), key=lambda item: item[1] in ("disk", "meta")))
+    model.hf_device_map = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
     try:
         yield
     finally:

@@ -198,10 +198,15 @@ class RoutingCache:
         if self._folder is None:
             yield from self._memory
             return
-        if (_cache_meta(self._folder) or {}).get("collection") != self._collection:  # None: saved before ids
-            raise self._replaced()
+        self._check_not_replaced()
         for name, tokens in self._files:
             yield self._read(self._folder / name, tokens)
+
+    def _check_not_replaced(self) -> None:
+        """Raise `_replaced` when the folder's routing.json is another collection's than this object opened (None on
+        both sides: a cache saved before collections had ids)."""
+        if (_cache_meta(self._folder) or {}).get("collection") != self._collection:
+            raise self._replaced()
 
     def _replaced(self) -> MoelensError:
         return MoelensError(
@@ -290,8 +295,7 @@ class RoutingCache:
         """Write the cache to ``folder`` (created): ``routing.json`` + one safetensors file per shard."""
         folder = user_path(folder)
         if self._folder is not None and folder.resolve() == self._folder.resolve():
-            if (_cache_meta(self._folder) or {}).get("collection") != self._collection:
-                raise self._replaced()
+            self._check_not_replaced()
             return folder
         writer = ShardWriter(folder, self)
         for shard in self.shards():
