@@ -157,6 +157,11 @@ def test_the_wrapped_models_switch_runs_every_converted_block_with_the_implement
     for implementation in ("batched_mm", "eager"):
         model.set_experts_implementation(implementation)
         assert {moe.experts_implementation for moe in model.moes} == {implementation}
+    # transformers' dict form, "" for the model's own config: the converted experts hold settings of their own
+    # (no config of the model), and were left on their implementation while the model's config said the new one
+    model.set_experts_implementation({"": "batched_mm"})
+    assert {moe.experts_implementation for moe in model.moes} == {"batched_mm"}
+    model.set_experts_implementation("eager")
     with model.trace(ids()):
         routed = model.moes[0].routed_output.save()
     torch.testing.assert_close(routed, before.sum(2))

@@ -919,6 +919,16 @@ def test_set_experts_implementation_switches_every_block_of_any_wrapped_model():
         families.unregister("custom")
 
 
+def test_set_experts_implementation_refuses_a_key_naming_no_sub_config():
+    """transformers' dict form passes over a key naming no sub-config without a word: a misspelt one switched
+    nothing."""
+    model = moelens.wrap(tiny_model("qwen2_moe"))
+    with pytest.raises(moelens.MoelensError, match=r"'text_config' names no sub-config of this model; its keys are "
+                                                   r'"" \(the model\'s own config\)\.'):
+        model.set_experts_implementation({"": "eager", "text_config": "eager"})
+    assert {moe.experts_implementation for moe in model.moes} == {"grouped_mm"}  # nothing switched before refusing
+
+
 def test_a_family_with_a_wrong_block_attr_says_so_at_wrap():
     # The block is found by its class at layers.N.ffn; a family saying "fnn" is refused naming the field.
     config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)

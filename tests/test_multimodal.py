@@ -151,3 +151,15 @@ def test_values_on_image_prompts_equal_plain_nnsight(family, impl):
         torch.testing.assert_close(saved["expert_outputs"][mask], outputs.view(*mask.shape, *outputs.shape[1:])[mask])
         torch.testing.assert_close(saved["expert_activations"].flatten(0, 1), activations)
         torch.testing.assert_close(saved["expert_outputs"].sum(2).flatten(0, 1), truth.experts_output)
+
+
+def test_set_experts_implementation_takes_the_models_sub_config_names():
+    """The dict form switches the decoder's experts by its sub-config's name, and names the keys there are when
+    one names none (transformers' switch passed over a misspelt key without a word)."""
+    model = moelens.wrap(_model("qwen3_vl_moe", "grouped_mm"))
+    model.set_experts_implementation({"text_config": "eager"})
+    assert {moe.experts_implementation for moe in model.moes} == {"eager"}
+    with pytest.raises(moelens.MoelensError, match=r"'txt_config' names no sub-config of this model; its keys are "
+                                                   r"\"\" \(the model's own config\), 'text_config', 'vision_config'\."):
+        model.set_experts_implementation({"txt_config": "batched_mm"})
+    assert {moe.experts_implementation for moe in model.moes} == {"eager"}

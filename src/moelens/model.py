@@ -22,6 +22,7 @@ from nnsight.intervention.envoy import traceable
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
+from transformers import PretrainedConfig
 
 from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
@@ -87,6 +88,7 @@ class MoeModelMixin:
         wanted = implementation if isinstance(implementation, dict) else {"": implementation}
         for name in wanted.values():
             check_known(name)
+        _check_sub_configs(config, wanted)
         if hasattr(module, "set_experts_implementation"):
             try:
                 module.set_experts_implementation(implementation)
@@ -99,9 +101,11 @@ class MoeModelMixin:
                 continue
             if isinstance(implementation, str):
                 name = implementation
-            else:  # the entry of the (sub-)config these experts were built with
+            else:  # the entry of the (sub-)config these experts were built with; the model's own ("") for
+                # experts holding settings of their own (the blocks `moelens.compress` made)
                 keys = [key for key in wanted if (getattr(config, key, None) if key else config) is experts.config]
-                name = wanted[keys[0]] if keys else None
+                own_settings = not isinstance(experts.config, PretrainedConfig)
+                name = wanted[keys[0]] if keys else wanted.get("") if own_settings else None
             if name is not None and moe.experts_implementation != name:
                 if name not in known(fp8=False):
                     raise MoelensError(
@@ -416,6 +420,18 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
 #: Why a compiled model is refused.
 COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
             "(dynamo) cannot trace: the traces would fail inside torch.")
+
+
+def _check_sub_configs(config: Any, wanted: dict[str, str]) -> None:
+    """Refuse a key of `set_experts_implementation`'s dict that names no config of the model (transformers'
+    switch passes over it without a word, so a misspelt sub-config would switch nothing)."""
+    subs = sorted(getattr(config, "sub_configs", None) or {})
+    for key in wanted:
+        if key and key not in subs:
+            raise MoelensError(
+                f"set_experts_implementation: {key!r} names no sub-config of this model; its keys are \"\" (the "
+                f"model's own config){''.join(f', {sub!r}' for sub in subs)}."
+            )
 
 
 def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
