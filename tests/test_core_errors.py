@@ -1505,8 +1505,9 @@ def test_route_around_leaving_fewer_than_k_experts():
 
 @pytest.mark.parametrize(("family", "refusal"), [
     # Where the router ranks score + bias it would pick excluded experts at their full weight.
-    *[(family, r"selection_scores: fewer than 2 entries of some token are above -inf, so the router would fill "
-               r"its slots with excluded experts, at their full weight")
+    *[(family, r"selection_scores: fewer than 2 entries of some token are above -inf( inside the best \d of its \d "
+               r"expert groups \(the router's reach\))?, so the router would fill its slots with excluded experts, at "
+               r"their full weight")
       for family in ("deepseek_v3", "minimax_m2", "ernie4_5_moe", "kolibri1")],
     # phimoe's sparse mixer picks two experts by masked softmaxes: one finite logit makes them NaN.
     ("phimoe", r"router_logits: fewer than 2 entries of some token are above -inf, so its routing scores would be NaN"),
@@ -1519,6 +1520,29 @@ def test_route_around_refuses_to_leave_too_few_experts(family, refusal):
         with wrapped.trace(tiny_inputs(hf, batch=2, seq=5)["input_ids"]):
             for expert in range(1, moe.num_experts):  # only expert 0 stays
                 moelens.ablate(moe, expert, "route_around")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_route_around_counts_the_experts_inside_the_groups_the_router_keeps(family):
+    """A group-limited router picks its k experts inside its best groups only: with fewer than k left above -inf
+    there, it filled a slot with a routed-around expert at its full weight (the whole row held enough)."""
+    hf = tiny_model(family, num_experts_per_tok=4, n_group=2, topk_group=1)  # the kept group holds exactly k = 4
+    inputs = tiny_inputs(hf, batch=4, seq=8)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with pytest.raises(WriteError, match=r"selection_scores: fewer than 4 entries of some token are above -inf inside "
+                                         r"the best 1 of its 2 expert groups \(the router's reach\).*leave at least "
+                                         r"4 experts above -inf per token in those groups"):
+        with wrapped.trace(**inputs):
+            moelens.ablate(moe, 5, "route_around")
+    hf = tiny_model(family, num_experts_per_tok=2, n_group=2, topk_group=1)  # three left in either group: enough
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    for expert in range(moe.num_experts):
+        with wrapped.trace(**inputs):
+            moelens.ablate(moe, expert, "route_around")
+            indices = moe.expert_indices.save()
+        assert not (indices == expert).any()
 
 
 def test_token_selections_index_batch_and_position_only(mixtral):

@@ -12,6 +12,8 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+from einops import rearrange
+from jaxtyping import Float, Int
 from torch._subclasses.fake_tensor import is_fake
 
 try:  # torch's activation-checkpointing wrapper (what FSDP, accelerate and torchtitan put around layers)
@@ -107,11 +109,38 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
                 why = "the model would compute inf or NaN from it; write finite values"
             raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
     needed = binding.min_finite
-    if needed and value.numel() and ((~torch.isneginf(value)).sum(dim=-1) < needed).any():
+    if not needed or not value.numel():
+        return
+    groups = _kept_groups(component, name)
+    if ((_finite_in_reach(value, groups)) < needed).any():
         why = {"router_logits": "its routing scores would be NaN",
                "selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
+        reach = f" inside the best {groups[1]} of its {groups[0]} expert groups (the router's reach)" if groups else ""
         raise WriteError(
-            f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above -inf, so "
+            f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above -inf{reach}, so "
             f"{why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
-            "above -inf per token (route_around fewer experts)."
+            f"above -inf per token{' in those groups' if groups else ''} (route_around fewer experts)."
         )
+
+
+def _kept_groups(component: "Component", name: str) -> tuple[int, int] | None:
+    """``(n_group, topk_group)`` where the router ranks ``name`` (its selection scores) to keep its best groups
+    (group score: the sum of a group's top two, ``"group_topk"``), else None."""
+    if name != "selection_scores" or component.SCORING.select != "group_topk":
+        return None
+    return component.family.groups_of(component._module)
+
+
+def _finite_in_reach(value: Float[torch.Tensor, "*tokens E"], groups: tuple[int, int] | None) -> Int[torch.Tensor, "*tokens"]:
+    """How many experts of each token above -inf the router can still pick: in the whole row, or (``groups``)
+    inside the groups it keeps, as it ranks them (the sum of each group's top two; a group scored -inf, one
+    holding fewer than two finite entries, counts none, as ties among those go either way)."""
+    finite = ~torch.isneginf(value)
+    if groups is None:
+        return finite.sum(-1)
+    n_group, topk_group = groups
+    grouped = rearrange(value, "... (g e) -> ... g e", g=n_group)
+    scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    kept = scores.topk(topk_group, dim=-1).indices
+    counts = rearrange(finite, "... (g e) -> ... g e", g=n_group).sum(-1).masked_fill(torch.isneginf(scores), 0)
+    return counts.gather(-1, kept).sum(-1)
