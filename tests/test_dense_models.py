@@ -163,3 +163,60 @@ def test_a_dense_vision_language_model_names_its_language_models_layers():
         wrapped = moelens.wrap(hf)
     assert wrapped.layers[0].mlp is wrapped.model.language_model.layers[0].mlp
     assert isinstance(wrapped.layers[0].mlp, Mlp)
+
+
+def test_falcon_mlp_output_is_the_mlps_own_though_its_layer_adds_attention_to_it_in_place():
+    """falcon's decoder layer (parallel_attn) adds the attention output to its MLP's output in place: the read
+    value was MLP + attention, patching a run's own value back changed the logits, and the tensor written was
+    changed by the model."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    hf = FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    seen = {}
+    handle = hf.transformer.h[1].mlp.register_forward_hook(lambda m, a, out: seen.update(mlp=out.detach().clone()))
+    with torch.no_grad():
+        plain = hf(ids).logits
+    handle.remove()
+
+    def zero_position_2(module, args, out):
+        out = out.clone()
+        out[:, 2] = 0
+        return out
+
+    handle = hf.transformer.h[1].mlp.register_forward_hook(zero_position_2)
+    with torch.no_grad():
+        zeroed = hf(ids).logits
+    handle.remove()
+    with pytest.warns(UserWarning, match="found no MoE block"):
+        model = moelens.wrap(hf)
+    with torch.no_grad(), model.trace(ids):
+        read = model.layers[1].mlp.mlp_output.save()
+        logits = model.output.logits.save()
+    assert torch.equal(read, seen["mlp"]) and torch.equal(logits, plain)
+    patch = read.clone()
+    with torch.no_grad(), model.trace(ids):
+        model.layers[1].mlp.mlp_output = patch
+        patched = model.output.logits.save()
+    assert torch.equal(patched, plain) and torch.equal(patch, read)  # the written tensor is left as it was
+    with torch.no_grad(), model.trace(ids):
+        model.layers[1].mlp.mlp_output[:, 2] = 0  # an in-place edit of the reader's copy still lands
+        edited = model.output.logits.save()
+    torch.testing.assert_close(edited, zeroed, rtol=0, atol=1e-6)
+
+
+def test_a_model_whose_mlps_are_not_found_says_why_it_has_no_layers():
+    """OPT keeps its MLP projections on the decoder layer itself (fc1 / fc2): no Mlp, no model.layers; the warning
+    and model.layers said only that nothing was found and that there was no attribute."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    hf = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=24, num_hidden_layers=2,
+                                  num_attention_heads=2, word_embed_proj_dim=16)).eval()
+    with pytest.warns(UserWarning, match=r"no dense MLP was found either .*, so there is no model.layers \(reach "
+                                         r"modules by their native paths\)"):
+        model = moelens.wrap(hf)
+    with pytest.raises(AttributeError, match=r"has no 'layers': moelens found no list of decoder layers"):
+        model.layers
+    assert model.model.decoder.layers[0].fc1 is not None  # native paths work

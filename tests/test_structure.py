@@ -11,6 +11,7 @@ import copy
 import warnings
 
 import nnsight
+import pytest
 import torch
 from transformers import LlavaConfig, MixtralConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP, Qwen2MoeSparseMoeBlock
@@ -51,6 +52,9 @@ def test_every_towers_dense_mlps_are_found():
         assert isinstance(model.towers[tower].layers[1].mlp, Qwen2MoeMLP)
         assert type(wrapped.towers[tower].layers[1].mlp) is Mlp
         assert type(wrapped.towers[tower].layers[0].mlp) is not Mlp  # an MoE block (a Moe)
+    with pytest.raises(AttributeError, match=r"has no 'layers': moelens found no list of decoder layers holding this "
+                                             r"model's MoE blocks or dense MLPs, or several and none of them"):
+        wrapped.layers  # two lists of layers, no single one to name (it said only "has no attribute 'layers'")
 
 
 class ConfigOnly(torch.nn.Module):

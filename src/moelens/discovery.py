@@ -307,6 +307,8 @@ def discover(model: torch.nn.Module) -> Structure:
         found = (f"its {len(structure.dense_blocks)} dense MLPs ({where}) are Mlp components serving mlp_output and "
                  "mlp_activation" if structure.dense_blocks else
                  f"no dense MLP was found either (a module at layers[i].{attribute} with up and down projections)")
+        if layers is None:
+            found += ", so there is no model.layers (reach modules by their native paths)"
         warnings.warn(
             "moelens found no MoE block in this model (no module of a registered family's block class holding "
             f"an experts module): model.moes is [], and {found}.",

@@ -50,6 +50,12 @@ class MoeModelMixin:
         try:
             return super().__getattr__(name)
         except AttributeError as error:
+            if name == "layers" and self._structure.layers is None:
+                raise AttributeError(
+                    f"{type(self).__name__} has no 'layers': moelens found no list of decoder layers holding this "
+                    "model's MoE blocks or dense MLPs, or several and none of them the text decoder's; reach modules "
+                    "by their native paths (print(model) shows them)."
+                ) from None
             raise with_suggestion(error, name, ("moes", "layers", "family", "save_all", "set_experts_implementation")) from None
 
     @property

@@ -29,6 +29,11 @@ DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc2", "w2", "output_linear", "dense_
 UP_PROJECTIONS = ("up_proj", "gate_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3", "input_linear",
                   "dense_h_to_4h", "wi", "wi_0", "wi_1", "fc_in")
 
+#: Decoder layers that edit their MLP's output in place after it returns (falcon's adds the attention output to
+#: it under ``parallel_attn`` / ``new_decoder_architecture``): the reader of `Mlp.mlp_output` keeps a copy, and
+#: the model gets its own (a read would show the sum, and a written tensor would be changed).
+EDIT_MLP_OUTPUT_LATER = ("FalconDecoderLayer",)
+
 #: Moe values a dense block cannot serve.
 MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output") + ("selection_scores",)
 
@@ -75,6 +80,12 @@ class Mlp(Component):
         except (TypeError, ValueError):
             return False
 
+    @cached_property
+    def _output_edited_later(self) -> bool:
+        """The decoder layer holding this block edits the block's output in place (`EDIT_MLP_OUTPUT_LATER`)."""
+        path = list(self.modules_down())
+        return len(path) > 1 and type(path[-2]).__name__ in EDIT_MLP_OUTPUT_LATER
+
     def _binding(self, name: str) -> Binding:
         sliced = getattr(self._module, "slow_but_exact", False) and getattr(self._module, "pretraining_tp", 1) > 1
         if sliced and (name != "mlp_output" or self._adds_the_residual):
@@ -89,7 +100,8 @@ class Mlp(Component):
             pick, put = output_of(None)
             if self._adds_the_residual and self.down_projection is not None:  # its part: the down projection's
                 return Binding(f"{self.path}.{self.down_projection}.output", features=1, pick=pick, put=put)
-            return Binding(f"{self.path}.output", features=1, pick=pick, put=put)
+            copy = (lambda tensor, _: tensor.clone()) if self._output_edited_later else None
+            return Binding(f"{self.path}.output", features=1, pick=pick, put=put, to_view=copy, from_view=copy)
         if name in ("mlp_activation", "mlp_neurons"):
             if self.down_projection is None:
                 raise self.unavailable(
