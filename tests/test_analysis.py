@@ -653,6 +653,19 @@ def test_token_routing_of_layers_with_different_experts_and_top_k():
         assert (view.probs[row, :, experts:] == 0).all()
     assert "skip" in view.table()
     analysis.plots.plot_token_routing(view)
+    # the logit lens: each layer's own E, and nothing read from a row of -inf logits (it gave ten junk tokens for
+    # an expert of a layer that has fewer, and for one no token reached)
+    lens = analysis.expert_logit_lens(wrapped, [[5, 6, 7, 8]], progress=False)
+    assert lens.num_experts == [4, 8]
+    with pytest.raises(MoelensError, match=r"experts \[6\] are not experts of layer 0, which has experts 0\.\.3"):
+        lens.promoted(0, 6)
+    for row, layer in enumerate((0, 2)):
+        ran = torch.bincount(view.indices[row][view.indices[row] != SKIPPED].flatten(), minlength=8)
+        assert torch.equal(lens.counts[row], ran)
+        for expert in range(lens.num_experts[row]):
+            promoted = lens.promoted(layer, expert)
+            assert (promoted == []) == (int(ran[expert]) == 0) and len(promoted) in (0, 10)
+    assert (lens.counts[0] == 0).any()  # 4 tokens on layer 0's experts, not every one reached
 
 
 def test_bad_analysis_input_gets_a_clear_error(qwen):
@@ -703,10 +716,13 @@ def test_plots_do_not_draw_experts_a_layer_lacks_or_skips_as_an_expert():
     image = plots.plot_token_routing(view).axes[0].images[0]
     colours = image.to_rgba(image.get_array())
     assert tuple(colours[0, 1]) == (1.0, 1.0, 1.0, 1.0)  # the skipped token is white, no expert's colour
-    probs = torch.zeros(1, 2, 8)
     image = plots.plot_token_routing(TokenRouting(view.token_ids, view.tokens, view.layers, view.indices, view.weights,
-                                                  probs)).axes[0].images[0]
+                                                  torch.zeros(1, 2, 8), [8])).axes[0].images[0]
     assert image.get_clim() == (-0.5, 7.5)  # every expert of the layer, whichever the text uses
+    # zaya's router scores a skip class past its E experts: no colour (nor colour-bar tick) for an expert 8
+    view = analysis.token_routing(moelens.wrap(tiny_model("zaya")), [5, 6, 7, 8, 9, 10, 11, 12])
+    assert view.probs.shape[-1] == 9 and view.num_experts == [8] * len(view.layers)
+    assert plots.plot_token_routing(view).axes[0].images[0].get_clim() == (-0.5, 7.5)
 
 
 def test_plots_stay_readable_at_real_expert_and_layer_counts(tmp_path):

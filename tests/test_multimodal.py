@@ -163,3 +163,23 @@ def test_set_experts_implementation_takes_the_models_sub_config_names():
                                                    r"\"\" \(the model's own config\), 'text_config', 'vision_config'\."):
         model.set_experts_implementation({"txt_config": "batched_mm"})
     assert {moe.experts_implementation for moe in model.moes} == {"eager"}
+
+
+def test_routing_windows_are_cut_at_the_text_decoders_context():
+    """A composite config keeps max_position_embeddings in its text config: the windows were 512 tokens long
+    against a decoder context of 128 here (one run over all 288 tokens, positions past the context)."""
+    from moelens.analysis import collect_routing
+
+    hf = _model("qwen3_vl_moe", "grouped_mm").eval()
+    context = hf.config.get_text_config().max_position_embeddings
+    assert getattr(hf.config, "max_position_embeddings", None) is None and 2 * context < 288
+    item = list(range(3, 99)) * 3  # one 288-token text item: windows [0, 128), [128, 256), [256, 288)
+    experts = hf.model.language_model.layers[1].mlp.experts
+    seen = []
+    handle = experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+    with torch.no_grad():
+        hf(input_ids=torch.tensor([item[context:2 * context]]))  # the second window alone, from a fresh context
+    handle.remove()
+    cache = collect_routing(moelens.wrap(hf), [item], progress=False)
+    second = (cache.position() >= context) & (cache.position() < 2 * context)
+    assert torch.equal(cache.indices(1)[second].long().sort(-1).values, seen[0].sort(-1).values)

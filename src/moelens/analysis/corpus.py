@@ -86,10 +86,15 @@ def _config(model: Any) -> Any:
     return getattr(module, "config", None)
 
 
-def default_max_length(model: Any) -> int:
-    """The window length: the config's ``max_position_embeddings`` capped at `DEFAULT_MAX_LENGTH`."""
+def _text_config(model: Any) -> Any:
+    """The config of the model's text decoder (a composite model's ``text_config``), or None."""
     config = _config(model)
-    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def default_max_length(model: Any) -> int:
+    """The window length: the (text) config's ``max_position_embeddings`` capped at `DEFAULT_MAX_LENGTH`."""
+    limit = getattr(_text_config(model), "max_position_embeddings", None)
     return min(int(limit), DEFAULT_MAX_LENGTH) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_LENGTH
 
 
@@ -190,9 +195,7 @@ def _windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None) 
 def vocab_size(model: Any) -> int | None:
     """The number of token ids the model embeds: its text config's ``vocab_size``, capped by the rows of
     a transformers model's input embedding; None for a model with neither (see `embedding_rows`)."""
-    config = _config(model)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    sizes = [size for size in (getattr(text, "vocab_size", None),) if isinstance(size, int) and size > 0]
+    sizes = [size for size in (getattr(_text_config(model), "vocab_size", None),) if isinstance(size, int) and size > 0]
     module = getattr(model, "_module", model)
     try:
         embedding = module.get_input_embeddings()

@@ -45,8 +45,10 @@ class ExpertLens:
         counts: ``[L, E]`` tokens routed to each expert (what the mean is over).
         mean_outputs: ``[L, E, D]`` each expert's mean weighted output.
         top_ids: ``[L, E, n]`` the most promoted token ids, best first.
-        top_logits: ``[L, E, n]`` their logits.
-        tokens: ``tokens[l][e]``: the promoted tokens as printable strings.
+        top_logits: ``[L, E, n]`` their logits (-inf for an expert no token reached: its ids mean nothing).
+        tokens: ``tokens[l][e]``: the promoted tokens as printable strings; empty for an expert no token
+            reached (and for the columns past a layer's own E).
+        num_experts: E of each layer (rows); a layer of fewer experts than the widest has padding columns.
         relative: Whether the layer's mean contribution was subtracted first.
         norm: The final norm used (its module name), or None.
     """
@@ -59,11 +61,13 @@ class ExpertLens:
     tokens: list[list[list[str]]]
     relative: bool
     norm: str | None
+    num_experts: list[int]
 
     def promoted(self, layer: int, expert: int) -> list[str]:
-        """The tokens expert ``expert`` (an integer id) of decoder layer ``layer`` promotes, best first."""
+        """The tokens expert ``expert`` (an integer id) of decoder layer ``layer`` promotes, best first; empty
+        when no token of the corpus reached it."""
         row = layer_row(self.layers, layer, "expert lens")
-        (expert,) = expert_ids([expert], len(self.tokens[row]), self.layers[row])
+        (expert,) = expert_ids([expert], self.num_experts[row], self.layers[row])
         return self.tokens[row][expert]
 
 
@@ -200,7 +204,8 @@ def expert_logit_lens(
     logits[count_rows == 0] = float("-inf")
     top_logits, top_ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
     tokenizer = corpora.tokenizer_of(model)
-    tokens = [[token_strings(tokenizer, top_ids[row, expert].tolist()) for expert in range(width)]
-              for row in range(len(layer_ids))]
+    tokens = [[token_strings(tokenizer, top_ids[row, expert].tolist()) if count_rows[row, expert] else []
+               for expert in range(width)] for row in range(len(layer_ids))]
     return ExpertLens(layers=layer_ids, counts=count_rows, mean_outputs=means.float(), top_ids=top_ids,
-                      top_logits=top_logits, tokens=tokens, relative=relative, norm=norm_name)
+                      top_logits=top_logits, tokens=tokens, relative=relative, norm=norm_name,
+                      num_experts=[moe.num_experts for moe in moes])

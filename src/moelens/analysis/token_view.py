@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,9 @@ class TokenRouting:
         indices: ``[L, n, k]`` each token's experts per layer, highest weight first (`SKIPPED` in
             the slots a layer of smaller top-k lacks).
         weights: ``[L, n, k]`` their routing weights.
-        probs: ``[L, n, E]`` the router's score of every expert (None without logits).
+        probs: ``[L, n, E]`` the router's score of every expert (None without logits); a router that scores
+            more columns than experts (zaya's skip class) keeps them, past E.
+        num_experts: E of each layer.
     """
 
     token_ids: Int[Tensor, " n"]
@@ -38,6 +40,7 @@ class TokenRouting:
     indices: Int[Tensor, "l n k"]
     weights: Float[Tensor, "l n k"]
     probs: Float[Tensor, "l n e"] | None = None
+    num_experts: list[int] = field(default_factory=list)
 
     def top1(self) -> Int[Tensor, "l n"]:
         """``[L, n]`` each token's highest-weighted expert per layer."""
@@ -96,6 +99,7 @@ def token_routing(
         indices=indices.gather(-1, order),
         weights=weights.gather(-1, order),
         probs=_stacked([cache.probs(layer) for layer in cache.layers], 0.0) if logits else None,
+        num_experts=[cache.num_experts[layer] for layer in cache.layers],
     )
 
 
