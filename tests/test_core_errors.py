@@ -1712,6 +1712,22 @@ def test_reroute_takes_one_row_of_experts_per_selected_token(mixtral):
         assert torch.equal(after[:, :2], rows.view(2, 2, 2))
 
 
+def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
+    """force of k + 1 experts (one would never run) and reroute to expert E (no such expert) are refused up front."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    calls = {
+        rf"force: {moe.top_k + 1} experts given but {moe.path} routes each token to only {moe.top_k}":
+            lambda: moelens.force(moe, list(range(moe.top_k + 1))),
+        rf"reroute: expert ids {moe.num_experts} must be in \[0, {moe.num_experts}\)":
+            lambda: moelens.reroute(moe, (..., 0), moe.num_experts),
+    }
+    for message, call in calls.items():
+        with pytest.raises(WriteError, match=message):
+            with wrapped.trace(**inputs):
+                call()
+
+
 @pytest.mark.parametrize("adapted", ["mlp.gate.weight", "mlp.experts.gate_up_proj"], ids=["router", "experts"])
 def test_peft_adapters_on_the_router_or_experts_say_to_merge_them(adapted):
     peft = pytest.importorskip("peft")

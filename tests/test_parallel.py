@@ -179,6 +179,7 @@ def test_importing_moelens_registers_nothing() -> None:
 
 
 def test_degrees() -> None:
+    from moelens import MoelensError
     from moelens.parallel import choose_ep_dp_degrees, expert_owner
 
     assert choose_ep_dp_degrees(2, 8) == (2, 1)
@@ -192,9 +193,14 @@ def test_degrees() -> None:
         assert choose_ep_dp_degrees(4, 0) == (1, 4)
     assert [expert_owner(e, 8, 4) for e in (0, 1, 2, 7)] == [(0, 0), (0, 1), (1, 0), (3, 1)]
     assert expert_owner(5, 6, 2) == (1, 2)
+    for expert in (8, -1):  # no rank holds them (8 gave rank 4 of 4)
+        with pytest.raises(MoelensError, match=rf"expert_owner: expert {expert} is out of range \[0, 8\)"):
+            expert_owner(expert, 8, 4)
 
 
 def test_num_experts_from_config() -> None:
+    from types import SimpleNamespace
+
     from transformers import AutoConfig, Qwen2Config
 
     from moelens.parallel import num_experts_from_config
@@ -207,6 +213,8 @@ def test_num_experts_from_config() -> None:
     composite = AutoConfig.for_model("qwen3_vl_moe", text_config={"num_experts": 12})
     assert num_experts_from_config(composite) == 12
     assert num_experts_from_config(Qwen2Config()) == 0
+    # a field holding 0 is no count: the next field the config has is read
+    assert num_experts_from_config(SimpleNamespace(num_local_experts=0, n_routed_experts=8)) == 8
 
 
 def test_shard_experts_needs_a_process_group() -> None:
