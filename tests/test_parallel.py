@@ -217,6 +217,25 @@ def test_num_experts_from_config() -> None:
     assert num_experts_from_config(SimpleNamespace(num_local_experts=0, n_routed_experts=8)) == 8
 
 
+def test_sharding_keeps_each_ranks_experts_of_every_expert_leading_parameter_and_buffer() -> None:
+    """Parameters and buffers whose leading dim is E keep this rank's experts (buffers too, as persistent or not
+    as they were); anything else is left whole."""
+    import torch
+
+    from moelens.parallel.shard import _slice
+
+    experts = torch.nn.Module()
+    experts.weight = torch.nn.Parameter(torch.arange(4 * 3.0).view(4, 3))
+    experts.register_buffer("scale", torch.arange(4.0))
+    experts.register_buffer("counts", torch.arange(4.0) + 10, persistent=False)
+    experts.register_buffer("other", torch.arange(3.0))
+    _slice(experts, num_experts=4, first=2, per_rank=2)
+    assert torch.equal(experts.weight, torch.arange(4 * 3.0).view(4, 3)[2:]) and experts.weight.requires_grad
+    assert torch.equal(experts.scale, torch.tensor([2.0, 3.0])) and torch.equal(experts.counts, torch.tensor([12.0, 13.0]))
+    assert torch.equal(experts.other, torch.arange(3.0))
+    assert set(experts.state_dict()) == {"weight", "scale", "other"}  # the non-persistent buffer stays out
+
+
 def test_shard_experts_needs_a_process_group() -> None:
     from moelens import MoelensError
     from moelens.parallel import shard_experts

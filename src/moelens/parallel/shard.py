@@ -201,7 +201,8 @@ def _slice(experts: torch.nn.Module, num_experts: int, first: int, per_rank: int
             setattr(experts, param_name, new)
     for buffer_name, buffer in list(experts.named_buffers(recurse=False)):
         if buffer.dim() and buffer.shape[0] == num_experts:
-            experts.register_buffer(buffer_name, buffer[first : first + per_rank].clone())
+            persistent = buffer_name not in experts._non_persistent_buffers_set
+            experts.register_buffer(buffer_name, buffer[first : first + per_rank].clone(), persistent=persistent)
 
 
 def _experts_module(moe_or_experts: Any) -> torch.nn.Module:
