@@ -7,7 +7,9 @@ Python loops and ``math`` (no moelens code, no torch reductions).
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -138,3 +140,180 @@ def test_router_entropy_histogram_by_hand():
     result = analysis.routing_entropy(cache, "router", bins=bins)
     assert result.histogram[0].tolist() == expected
     assert math.isclose(float(result.mean[0]), sum(entropies) / len(entropies), rel_tol=1e-6)
+
+
+# -- entropy: the router's softcap -----------------------------------------------------------------------
+
+
+def test_router_entropy_applies_the_routers_softcap_before_the_softmax():
+    """A layer with a logit softcap c scores softmax(tanh(l / c) * c): its entropy is that distribution's.
+
+    Guards against the softcap being dropped (softmax of the raw logits, far sharper at these magnitudes).
+    """
+    cap = 5.0
+    logits = [[20.0, 0.0, -5.0, 3.0], [15.0, 9.0, -30.0, 0.0], [40.0, -40.0, 8.0, 1.0]]
+
+    def capped_softmax(row: list[float]) -> list[float]:
+        capped = [math.tanh(x / cap) * cap for x in row]
+        top = max(capped)
+        exp = [math.exp(x - top) for x in capped]
+        return [x / sum(exp) for x in exp]
+
+    entropies = [entropy_by_hand(capped_softmax(row)) for row in logits]
+    raw = [entropy_by_hand([math.exp(x - max(row)) for x in row]) for row in logits]
+    assert all(abs(a - b) > 0.1 for a, b in zip(entropies, raw))  # the cap matters here
+    bins = 10
+    expected = [0] * bins
+    for entropy in entropies:
+        expected[min(math.floor(entropy * bins), bins - 1)] += 1
+    cache = cache_of([shard_of([[0, 1]] * 3, [[0.5, 0.5]] * 3, logits=logits)], has_logits=True)
+    cache.softcap = {0: cap}
+    result = analysis.routing_entropy(cache, "router", bins=bins)
+    assert result.histogram[0].tolist() == expected
+    assert math.isclose(float(result.mean[0]), sum(entropies) / len(entropies), rel_tol=1e-6)
+    per_token = analysis.token_entropy(cache, 0, "router").tolist()
+    for actual, wanted in zip(per_token, entropies):
+        assert math.isclose(actual, wanted, rel_tol=1e-6, abs_tol=1e-9)
+
+
+# -- specialisation --------------------------------------------------------------------------------------
+
+
+def test_specialisation_counts_shares_and_default_classes_by_hand():
+    """counts[e, c] = slots of class-c tokens routed to e; share() = P(class | expert) and expert_share()
+    = P(expert | class), both from a Counter of (expert, class) pairs; with no class names the classes
+    are 0 .. the largest label (the largest included).
+
+    Guards against expert_share dividing along the wrong axis and the default classes dropping the last.
+    """
+    labels = [0, 1, 2, 1, 0]  # one per token of CHOSEN
+    pairs = Counter((expert, label) for row, label in zip(tokens_by_hand(), labels) for expert in row)
+    result = analysis.specialisation(chosen_cache(), torch.tensor(labels))
+    assert result.classes == ["0", "1", "2"]
+    expected = [[pairs[(e, c)] for c in range(3)] for e in range(WIDTH)]
+    assert result.counts[0].tolist() == expected
+    by_expert = [sum(expected[e]) for e in range(WIDTH)]
+    by_class = [sum(expected[e][c] for e in range(WIDTH)) for c in range(3)]
+    share, expert_share = result.share()[0], result.expert_share()[0]
+    for e in range(WIDTH):
+        for c in range(3):
+            assert math.isclose(float(share[e, c]), expected[e][c] / by_expert[e], rel_tol=1e-12), (e, c)
+            assert math.isclose(float(expert_share[e, c]), expected[e][c] / by_class[c], rel_tol=1e-12), (e, c)
+    # class 2 is one token (experts 0 and 3): half its slots on each
+    assert float(expert_share[0, 2]) == 0.5 and float(expert_share[3, 2]) == 0.5
+
+
+def test_specialisation_ignores_labels_equal_to_the_class_count():
+    """With C named classes, a label C (one past the last) is ignored like 255, never another expert's class 0."""
+    labels = [0, 2, 1, 255, 2]  # C = 2: tokens 1 and 4 (and 3) are unlabelled
+    result = analysis.specialisation(chosen_cache(), torch.tensor(labels), classes=["a", "b"])
+    pairs = Counter((expert, label) for row, label in zip(tokens_by_hand(), labels) if label < 2 for expert in row)
+    assert result.counts[0].tolist() == [[pairs[(e, c)] for c in range(2)] for e in range(WIDTH)]
+    assert int(result.counts.sum()) == 2 * 2  # two labelled tokens, k = 2 slots each
+
+
+# -- top tokens ------------------------------------------------------------------------------------------
+
+
+def test_top_tokens_by_share_keeps_a_token_seen_exactly_min_count_times():
+    """by="share" leaves out tokens seen fewer than min_count times: one seen exactly min_count times stays;
+    `total` is every slot of the expert (the left-out tokens' too), counted by hand."""
+    token_ids = [7, 8, 7, 9, 8, 7]
+    rows = [[0, 1], [0, 2], [0, 3], [0, 1], [1, 2], [2, 3]]
+    shard = shard_of(rows, [[0.5, 0.5]] * len(rows))
+    shard.token_ids = torch.tensor(token_ids, dtype=torch.int32)
+    cache = cache_of([shard])
+    seen = Counter(token_ids)
+    assert seen[7] == 3
+    served = Counter((expert, token) for row, token in zip(rows, token_ids) for expert in row)
+    for expert in range(WIDTH):
+        (result,) = analysis.top_tokens(cache, 0, [expert], n=10, by="share", min_count=3)
+        kept = [token for token in seen if seen[token] >= 3 and served[(expert, token)]]
+        assert sorted(result.token_ids.tolist()) == sorted(kept), expert
+        for token, count, share in zip(result.token_ids.tolist(), result.counts.tolist(), result.share.tolist()):
+            assert count == served[(expert, token)]
+            assert math.isclose(share, served[(expert, token)] / seen[token], rel_tol=1e-12)
+        assert result.total == sum(expert in row for row in rows), expert
+    (zero,) = analysis.top_tokens(cache, 0, [0], by="share", min_count=3)
+    assert zero.token_ids.tolist() == [7] and zero.total == 4  # tokens 7, 8, 7, 9: only 7 is seen 3 times
+
+
+# -- load balance: unused experts ------------------------------------------------------------------------
+
+
+def test_unused_experts_are_those_with_no_slot_not_those_used_once():
+    """unused = experts with a count of 0; CHOSEN uses expert 3 once (not unused), a cache of experts 0
+    and 1 only leaves 2 unused."""
+    using = [sum(expert in row for row in tokens_by_hand()) for expert in range(WIDTH)]
+    assert using[3] == 1
+    assert int(analysis.load_balance(chosen_cache()).unused[0]) == sum(count == 0 for count in using) == 0
+    narrow = cache_of([shard_of([[0, 1], [1, 0], [0, 1]], [[0.5, 0.5]] * 3)])
+    assert int(analysis.load_balance(narrow).unused[0]) == 2
+
+
+# -- co-activation: an expert twice in one token ---------------------------------------------------------
+
+
+def test_coactivation_counts_a_token_once_per_expert_however_many_slots_hold_it():
+    """A token whose two slots both hold expert 1 is one token routed to 1: counts[i, j] = tokens whose set
+    of experts holds i and j."""
+    rows = [[1, 1], [0, 1], [2, 3]]
+    cache = cache_of([shard_of(rows, [[0.5, 0.5]] * len(rows))])
+    result = analysis.coactivation(cache, 0)
+    sets = [set(row) for row in rows]
+    assert result.counts.tolist() == [[sum(i in s and j in s for s in sets) for j in range(WIDTH)]
+                                      for i in range(WIDTH)]
+    assert int(result.counts[1, 1]) == 2 and int(result.counts[0, 1]) == 1
+    alone = analysis.coactivation(cache_of([shard_of([[1, 1]], [[0.5, 0.5]])]), 0)
+    assert int(alone.counts[1, 1]) == 1 and int(alone.counts.sum()) == 1
+
+
+# -- expert logit lens, relative ------------------------------------------------------------------------
+
+
+def test_relative_logit_lens_subtracts_the_count_weighted_layer_mean():
+    """relative=True reads out mean_e - (sum of every slot's weighted output) / (slots): the layer's mean over
+    its routed slots (experts weighted by their counts), subtracted, never added; each expert's slot outputs are
+    recomputed from the experts' weights on the inputs a plain nnsight trace saw.
+
+    Guards against the layer mean being the unweighted mean of the expert means, and against its sign.
+    """
+    from groundtruth import expert_forward, raw_values
+
+    import moelens
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("qwen2_moe")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    ids = [5, 17, 42, 9, 88, 3, 64, 23, 7, 51, 30, 12]
+    top = 4
+    lens = analysis.expert_logit_lens(wrapped, [ids], top=top, relative=True, progress=False)
+    assert lens.relative
+    names = [moe.path.removeprefix("model.") for moe in wrapped.moes]
+    raw = raw_values(reference, {"input_ids": torch.tensor([ids])}, names, wrapped.family)
+    for row, (moe, name) in enumerate(zip(wrapped.moes, names)):
+        hidden, chosen, weights = raw[name].experts_args[:3]
+        hidden, chosen, weights = (value.reshape(len(ids), -1) for value in (hidden, chosen, weights))
+        experts = reference.get_submodule(f"{name}.{wrapped.family.experts}")
+        width = moe.num_experts
+        sums = torch.zeros(width, hidden.shape[-1], dtype=torch.float64)
+        counts = [0] * width
+        with torch.no_grad():
+            for token in range(len(ids)):
+                for slot in range(chosen.shape[1]):
+                    expert = int(chosen[token, slot])
+                    _, out = expert_forward(experts, hidden[token : token + 1], expert)
+                    sums[expert] += out[0].double() * float(weights[token, slot])
+                    counts[expert] += 1
+        assert lens.counts[row, :width].tolist() == counts
+        assert len(set(counts)) > 1  # uneven counts: the weighted and unweighted layer means differ
+        layer_mean = sums.sum(0) / sum(counts)
+        readout = torch.stack([sums[e] / max(counts[e], 1) for e in range(width)]) - layer_mean
+        with torch.no_grad():
+            logits = reference.lm_head(reference.model.norm(readout.float()))
+        for expert in range(width):
+            if counts[expert]:
+                expected = logits[expert].topk(top)
+                assert lens.top_ids[row, expert].tolist() == expected.indices.tolist(), (row, expert)
+                torch.testing.assert_close(lens.top_logits[row, expert], expected.values, atol=1e-4, rtol=1e-4)
