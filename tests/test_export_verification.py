@@ -8,16 +8,18 @@ must fail, well within it the export must pass. Needs the ``export`` extra.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("torch_to_nnef", reason="the export extra is not installed (pip install 'moelens[export]')")
 pytest.importorskip("tract", reason="the export extra is not installed (pip install 'moelens[export]')")
 
 import moelens  # noqa: E402
-from moelens.export import ExportError, to_nnef  # noqa: E402
+from moelens.export import Edits, ExportError, ExportRefused, run, to_nnef  # noqa: E402
 from moelens.export import verification  # noqa: E402
 from moelens.testing import TINY_OVERRIDES, tiny_model  # noqa: E402
 
@@ -73,3 +75,114 @@ def test_export_passes_when_tract_is_within_tolerance(block, quantize, tmp_path,
     seen = perturb_tract(monkeypatch, 1e-6)
     report = to_nnef(block, tmp_path / "close.nnef.tgz", quantize_experts=quantize)
     assert seen and report.verification is not None
+
+
+# -- baked edits, the block self-check and group refusals, against independent ground truth ----------
+
+
+def _gpt_oss_block():
+    """A tiny gpt_oss (2 layers) and 16 tokens of hidden states for its first MoE block (layer 0)."""
+    from test_export import small
+
+    hf = small("gpt_oss")
+    hidden = torch.randn(2, 8, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    return hf, hidden
+
+
+def _block_output(module, hidden) -> torch.Tensor:
+    with torch.no_grad():
+        output = module(hidden)
+    return output[0] if isinstance(output, tuple) else output
+
+
+def test_a_baked_steer_adds_to_a_large_router_bias(tmp_path):
+    """Steering adds to the router's own bias (here large: -2 on the steered expert, up to +-2 elsewhere).
+
+    Ground truth: a copy of the block with the bias raised by hand, run in torch; the archive in tract must
+    match it. Guards against the bake overwriting the router bias with the steer (expert 4 would then get
+    +2.5 instead of +0.5 and be picked by most tokens); the tiny model's own router bias (~0.01) cannot.
+    """
+    from test_export import close
+
+    hf, hidden = _gpt_oss_block()
+    mlp = hf.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.router.weight.mul_(20.0)  # logits of a few units: the selection depends on the token
+        mlp.router.bias.copy_(torch.tensor([2.0, -2.0, 1.0, -1.0, -2.0, 0.5, -1.5, 0.0]))
+    moe = moelens.wrap(hf).moes[0]
+    raised, overwritten = copy.deepcopy(mlp), copy.deepcopy(mlp)
+    with torch.no_grad():
+        raised.router.bias[4] += 2.5
+        overwritten.router.bias[4] = 2.5
+    expected = _block_output(raised, hidden)
+    assert (expected - _block_output(mlp, hidden)).abs().max() > 1e-2  # the steer changes the block
+    assert (expected - _block_output(overwritten, hidden)).abs().max() > 1e-2  # and adding is not overwriting
+    edits = Edits(steer={moe.layer: {4: 2.5}})
+    report = to_nnef(moe, tmp_path / "steered.nnef.tgz", example_inputs=hidden, edits=edits)
+    close(run(report.path, hidden), expected)
+
+
+def test_a_baked_swap_exchanges_the_experts_biases_too(tmp_path):
+    """Swapping two gpt_oss experts exchanges their gate_up/down weights and their biases.
+
+    Ground truth: a copy of the block with gate_up_proj, gate_up_proj_bias, down_proj and down_proj_bias
+    exchanged by hand between experts 1 and 2, run in torch; the archive in tract must match it.
+    """
+    from test_export import close
+
+    hf, hidden = _gpt_oss_block()
+    experts = hf.model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):
+            bias.copy_(0.5 * torch.randn(bias.shape, generator=generator))
+    moe = moelens.wrap(hf).moes[0]
+    exchanged, weights_only = copy.deepcopy(hf.model.layers[0].mlp), copy.deepcopy(hf.model.layers[0].mlp)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            for mlp in (exchanged, weights_only) if not name.endswith("bias") else (exchanged,):
+                tensor = getattr(mlp.experts, name)
+                tensor[[1, 2]] = tensor[[2, 1]].clone()
+    expected = _block_output(exchanged, hidden)
+    assert (expected - _block_output(hf.model.layers[0].mlp, hidden)).abs().max() > 1e-2  # the swap changes the block
+    assert (expected - _block_output(weights_only, hidden)).abs().max() > 1e-2  # and the biases matter
+    edits = Edits(swap={moe.layer: {1: 2, 2: 1}})
+    report = to_nnef(moe, tmp_path / "swapped.nnef.tgz", example_inputs=hidden, edits=edits)
+    close(run(report.path, hidden), expected)
+
+
+def test_the_block_self_check_refuses_a_block_off_by_a_tenth_of_a_percent(block):
+    """check_block refuses a block whose output is 1.001 times what its family entry computes (an error of 1e-3
+    relative to the output, far above its 1e-5 bound), naming the factor; the same block unscaled passes."""
+    from moelens.export.block import check_block
+    from moelens.export.spec import read_spec
+
+    family = block.family
+    module = copy.deepcopy(block._module).float().eval()
+    with torch.no_grad():
+        module.experts.down_proj.mul_(1000.0)  # an output scale of a few units (the tiny block's is ~0.004)
+    spec = read_spec(family, module, block.layer)
+    x = torch.randn(2, 32, spec.wg.shape[1], generator=torch.Generator().manual_seed(0))  # check_block's inputs
+    scale = float(_block_output(module, x).abs().max())
+    assert 1e-3 * scale > 1e-5 * max(1.0, scale)  # the scaling is beyond the bound on these inputs
+    assert check_block(family, module, spec) <= 1e-5 * max(1.0, scale)  # the real block passes
+    real = module.experts.forward
+    module.experts.forward = lambda *args, **kwargs: 1.001 * real(*args, **kwargs)
+    with pytest.raises(ExportRefused, match=r"1\.001 times what tract_moe_ffn computes"):
+        check_block(family, module, spec)
+
+
+def test_group_limited_selection_of_3_of_4_groups_is_refused(tmp_path):
+    """deepseek_v3 picking experts inside its best 3 of 4 groups (not all groups) is refused, naming it; with all
+    4 groups the refusal names only the correction bias."""
+    from test_export import small
+
+    moe = moelens.wrap(small("deepseek_v3", n_group=4, topk_group=3)).moes[0]
+    path = tmp_path / "groups.nnef.tgz"
+    with pytest.raises(ExportRefused, match=r"group-limited expert selection \(the best 3 of 4 groups\)"):
+        to_nnef(moe, path)
+    assert not path.exists()
+    every = moelens.wrap(small("deepseek_v3", n_group=4, topk_group=4)).moes[0]
+    with pytest.raises(ExportRefused, match="correction bias") as caught:
+        to_nnef(every, tmp_path / "all-groups.nnef.tgz")
+    assert "group-limited" not in str(caught.value)
