@@ -1545,6 +1545,40 @@ def test_route_around_counts_the_experts_inside_the_groups_the_router_keeps(fami
         assert not (indices == expert).any()
 
 
+def test_route_around_one_expert_of_every_group_leaves_k_whichever_groups_tie():
+    """Groups of two with one expert routed around each all score -inf (the sum of their top two): whichever two
+    the router keeps hold k = 2 experts above -inf, and the write was refused."""
+    hf = tiny_model("deepseek_v3")  # 8 experts in 4 groups of 2, 2 kept, k = 2
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with wrapped.trace(**tiny_inputs(hf, batch=2, seq=6)):
+        for expert in (0, 2, 4, 6):
+            moelens.ablate(moe, expert, "route_around")
+        indices = moe.expert_indices.save()
+    assert (indices % 2 == 1).all()
+
+
+def test_route_around_on_a_router_scoring_dropped_groups_zero():
+    """axk2 puts 0.0, not -inf, in place of the groups it drops: with the kept experts below 0 (a negative
+    correction bias) an expert routed around in a dropped group came back at its full weight."""
+    hf = tiny_model("axk2")  # 8 experts in 4 groups of 2, 2 kept, k = 2
+    inputs = tiny_inputs(hf, batch=2, seq=6)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    for expert in range(moe.num_experts):  # scores around 0.5: the kept groups hold k experts above 0
+        with wrapped.trace(**inputs):
+            moelens.ablate(moe, expert, "route_around")
+            indices = moe.expert_indices.save()
+        assert not (indices == expert).any()
+    with torch.no_grad():
+        moe.router._module.e_score_correction_bias.fill_(-0.8)
+    with pytest.raises(WriteError, match=r"fewer than 2 entries of some token are above 0.0 inside the best 2 of its 4 "
+                                         r"expert groups \(the router's reach\), and it scores the experts of the groups "
+                                         r"it drops 0.0, so the router would fill its slots with excluded experts"):
+        with wrapped.trace(**inputs):
+            moelens.ablate(moe, 3, "route_around")
+
+
 def test_token_selections_index_batch_and_position_only(mixtral):
     wrapped, inputs = mixtral
     moe = wrapped.moes[0]

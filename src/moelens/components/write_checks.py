@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from einops import rearrange
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float
 from torch._subclasses.fake_tensor import is_fake
 
 try:  # torch's activation-checkpointing wrapper (what FSDP, accelerate and torchtitan put around layers)
@@ -112,14 +112,20 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
     if not needed or not value.numel():
         return
     groups = _kept_groups(component, name)
-    if ((_finite_in_reach(value, groups)) < needed).any():
+    fill = component.SCORING.group_fill if groups else float("-inf")
+    short = (~torch.isneginf(value)).sum(-1) < needed if groups is None else _picks_excluded(value, *groups, fill, needed)
+    if short.any():
         why = {"router_logits": "its routing scores would be NaN",
                "selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
-        reach = f" inside the best {groups[1]} of its {groups[0]} expert groups (the router's reach)" if groups else ""
+        above, reach = "-inf", ""
+        if groups:
+            reach = f" inside the best {groups[1]} of its {groups[0]} expert groups (the router's reach)"
+            if fill != float("-inf"):
+                above, reach = f"{fill}", f"{reach}, and it scores the experts of the groups it drops {fill}"
         raise WriteError(
-            f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above -inf{reach}, so "
-            f"{why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
-            f"above -inf per token{' in those groups' if groups else ''} (route_around fewer experts)."
+            f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above {above}{reach}, "
+            f"so {why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
+            f"above {above} per token{' in those groups' if groups else ''} (route_around fewer experts)."
         )
 
 
@@ -131,16 +137,23 @@ def _kept_groups(component: "Component", name: str) -> tuple[int, int] | None:
     return component.family.groups_of(component._module)
 
 
-def _finite_in_reach(value: Float[torch.Tensor, "*tokens E"], groups: tuple[int, int] | None) -> Int[torch.Tensor, "*tokens"]:
-    """How many experts of each token above -inf the router can still pick: in the whole row, or (``groups``)
-    inside the groups it keeps, as it ranks them (the sum of each group's top two; a group scored -inf, one
-    holding fewer than two finite entries, counts none, as ties among those go either way)."""
-    finite = ~torch.isneginf(value)
-    if groups is None:
-        return finite.sum(-1)
-    n_group, topk_group = groups
+def _picks_excluded(
+    value: Float[torch.Tensor, "*tokens e"], n_group: int, topk_group: int, fill: float, k: int
+) -> Bool[torch.Tensor, " *tokens"]:
+    """Whether a group-limited router could pick an entry written -inf for each token: it keeps the
+    ``topk_group`` groups of the best sum of their top two (torch's top-k ranks a NaN sum first), puts ``fill``
+    in place of the others' entries, and takes its top ``k``. Groups whose sums tie may go either way: the ones
+    holding the fewest entries above ``fill`` are taken as kept. With ``fill`` -inf an entry of a dropped group
+    is never picked, so too few finite entries in the kept groups is the danger; with a finite ``fill`` (axk2's
+    0.0) an expert written -inf in a dropped group comes back at ``fill``, picked once the kept groups hold
+    fewer than ``k`` entries above it."""
     grouped = rearrange(value, "... (g e) -> ... g e", g=n_group)
-    scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-    kept = scores.topk(topk_group, dim=-1).indices
-    counts = rearrange(finite, "... (g e) -> ... g e", g=n_group).sum(-1).masked_fill(torch.isneginf(scores), 0)
-    return counts.gather(-1, kept).sum(-1)
+    sums = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1).nan_to_num(nan=float("inf"))
+    counts = (grouped > fill).sum(-1)
+    by_count = counts.argsort(dim=-1, stable=True)  # then by sum, best first: ties keep the fewest entries first
+    ranked = by_count.gather(-1, sums.gather(-1, by_count).argsort(dim=-1, descending=True, stable=True))
+    short = counts.gather(-1, ranked[..., :topk_group]).sum(-1) < k
+    if fill == float("-inf"):
+        return short
+    surely_kept = sums > sums.gather(-1, ranked[..., topk_group - 1 : topk_group])
+    return short & (torch.isneginf(grouped).any(-1) & ~surely_kept).any(-1)

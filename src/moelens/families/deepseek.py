@@ -8,6 +8,8 @@ on the unflattened residual and are added plainly.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .entry import SCORES_FOR_CHOICE, Combine, ExpertGate, Family, Scoring, SharedExpert
 
 #: DeepSeek-V3: sigmoid scores, selection on score + correction bias inside the
@@ -44,7 +46,8 @@ WEIGHT_SUM = "With norm_topk_prob set (the default of most), weights sum to rout
 def _ds3(name: str, block: str, model_types: tuple[str, ...] | None = None, **extra) -> Family:
     extra.setdefault("shared", SHARED_AFTER)
     extra.setdefault("notes", f"{UNSORTED} {WEIGHT_SUM}")
-    return Family(name, model_types or (name,), (block,), scoring=DS3, **extra)
+    extra.setdefault("scoring", DS3)
+    return Family(name, model_types or (name,), (block,), **extra)
 
 
 FAMILIES = [
@@ -75,8 +78,9 @@ FAMILIES = [
     _ds3("solar_open", "SolarOpenMoE"),
     _ds3("axk1", "AXK1MoE", combine=Combine(block_post="post_mlp_layernorm"),
          notes=f"The block returns post_mlp_layernorm(routed + shared). {UNSORTED}"),
-    _ds3("axk2", "AXK2MoE", notes=f"{UNSORTED} {WEIGHT_SUM} Group-limited only where the config sets n_group and "
-                                  "topk_group (its default routes without groups, as A.X-K2-Light does)."),
+    _ds3("axk2", "AXK2MoE", scoring=dataclasses.replace(DS3, group_fill=0.0),
+         notes=f"{UNSORTED} {WEIGHT_SUM} Group-limited only where the config sets n_group and topk_group (its "
+               "default routes without groups, as A.X-K2-Light does); the groups it drops score 0.0, not -inf."),
     _ds3("hy_v4", "HYV4MoE", expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
     _ds3("hy_v4_vl", "HYV4VLMoE", ("hy_v4_vl", "hy_v4_vl_text"),  # transformers 5.24
          expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),

@@ -76,6 +76,9 @@ class Scoring:
             selection only (DeepSeek-V3's ``e_score_correction_bias``), or None.
         groups: Attribute references ``(n_group, topk_group)`` of group-limited
             selection, or None.
+        group_fill: What the router puts in place of the scores of the groups it drops before its top-k:
+            -inf (DeepSeek-V3), or 0.0 (axk2, as its reference code does: a dropped expert can still be picked
+            when the kept ones score below 0).
         groups_if: ``(attribute reference, value)``: the groups apply only when the
             attribute has that value (DeepSeek-V2: ``router.topk_method`` is
             ``"group_limited_greedy"``); None: whenever `groups` is set.
@@ -99,6 +102,7 @@ class Scoring:
     scale: float | str | None = None
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None
+    group_fill: float = float("-inf")
     groups_if: tuple[str, str] | None = None
     softcap: str | None = None
     selection_op: str | None = None
