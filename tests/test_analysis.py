@@ -716,9 +716,10 @@ def test_plots_do_not_draw_experts_a_layer_lacks_or_skips_as_an_expert():
     image = plots.plot_token_routing(view).axes[0].images[0]
     colours = image.to_rgba(image.get_array())
     assert tuple(colours[0, 1]) == (1.0, 1.0, 1.0, 1.0)  # the skipped token is white, no expert's colour
-    image = plots.plot_token_routing(TokenRouting(view.token_ids, view.tokens, view.layers, view.indices, view.weights,
-                                                  torch.zeros(1, 2, 8), [8])).axes[0].images[0]
-    assert image.get_clim() == (-0.5, 7.5)  # every expert of the layer, whichever the text uses
+    for known in ([8], []):  # E given, or only the router's scores of 8 experts
+        image = plots.plot_token_routing(TokenRouting(view.token_ids, view.tokens, view.layers, view.indices,
+                                                      view.weights, torch.zeros(1, 2, 8), known)).axes[0].images[0]
+        assert image.get_clim() == (-0.5, 7.5)  # every expert of the layer, whichever the text uses
     # zaya's router scores a skip class past its E experts: no colour (nor colour-bar tick) for an expert 8
     view = analysis.token_routing(moelens.wrap(tiny_model("zaya")), [5, 6, 7, 8, 9, 10, 11, 12])
     assert view.probs.shape[-1] == 9 and view.num_experts == [8] * len(view.layers)

@@ -919,6 +919,31 @@ def test_set_experts_implementation_switches_every_block_of_any_wrapped_model():
         families.unregister("custom")
 
 
+def test_set_experts_implementations_dict_form_reaches_layers_in_a_model_without_a_config():
+    """A torch model of one's own holding transformers decoder layers (no config of its own): {"": "eager"}
+    switched nothing, without a word, while "eager" switched every block."""
+    hf = tiny_model("mixtral")
+
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.layers, self.rotary = hf.model.embed_tokens, hf.model.layers, hf.model.rotary_emb
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed(input_ids)
+            positions = torch.arange(input_ids.shape[1])[None]
+            embeddings = self.rotary(hidden, positions)
+            for layer in self.layers:
+                hidden = layer(hidden, position_embeddings=embeddings, attention_mask=None, position_ids=positions)
+                hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            return hidden
+
+    model = moelens.wrap(Plain())
+    assert {moe.experts_implementation for moe in model.moes} == {"grouped_mm"}
+    model.set_experts_implementation({"": "eager"})
+    assert {moe.experts_implementation for moe in model.moes} == {"eager"}
+
+
 def test_set_experts_implementation_refuses_a_key_naming_no_sub_config():
     """transformers' dict form passes over a key naming no sub-config without a word: a misspelt one switched
     nothing."""

@@ -22,7 +22,6 @@ from nnsight.intervention.envoy import traceable
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
-from transformers import PretrainedConfig
 
 from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
@@ -107,11 +106,12 @@ class MoeModelMixin:
                 continue
             if isinstance(implementation, str):
                 name = implementation
-            else:  # the entry of the (sub-)config these experts were built with; the model's own ("") for
-                # experts holding settings of their own (the blocks `moelens.compress` made)
-                keys = [key for key in wanted if (getattr(config, key, None) if key else config) is experts.config]
-                own_settings = not isinstance(experts.config, PretrainedConfig)
-                name = wanted[keys[0]] if keys else wanted.get("") if own_settings else None
+            else:  # the entry of the (sub-)config these experts were built with; the model's own ("") for experts
+                # holding a config that is none of the model's sub-configs (the blocks `moelens.compress` made,
+                # transformers layers in a plain torch model)
+                subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}}
+                keys = [key for key, sub in subs.items() if sub is experts.config]
+                name = wanted.get(keys[0]) if keys else wanted.get("")
             if name is not None and moe.experts_implementation != name:
                 if name not in known(fp8=False):
                     raise MoelensError(

@@ -261,7 +261,10 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
     plt = pyplot()
     top = view.top1()[:, :count].float()
     width = max(int(view.indices.max()) + 1, 1) if view.indices.numel() else 1
-    width = max([width, *view.num_experts])  # every expert of the model: an expert's colour does not depend on the text
+    # every expert of the model, so an expert's colour does not depend on the text (the router's score columns
+    # for a view built by hand without num_experts)
+    known = view.num_experts or ([view.probs.shape[-1]] if view.probs is not None else [])
+    width = max([width, *known])
     colours = _categorical(width).with_extremes(under="white")  # a skipped slot (-1) is white, no expert's colour
     figure, axes = plt.subplots(figsize=(max(6.0, 0.32 * count + 1.5), 0.55 * len(view.layers) + 1.6))
     image = axes.imshow(top, aspect="auto", cmap=colours, vmin=-0.5, vmax=width - 0.5, interpolation="nearest")
