@@ -59,6 +59,14 @@ def shown(token: int) -> str:
     return analysis.text.display(chr(token))
 
 
+def test_token_text_shows_control_characters_escaped():
+    """Control characters went raw into tables and plot labels (an ESC moves a terminal's cursor; fonts have no
+    glyph for them, so matplotlib warned and drew nothing)."""
+    display = analysis.text.display
+    assert [display(piece) for piece in ("\x06", "a\x1b[0m", "\x7f", "\n\t", " x", "é", "")] == [
+        "\\x06", "a\\x1b[0m", "\\x7f", "\\n\\t", "\u00b7x", "é", "\u2205"]
+
+
 def windows_of(token_lists: list[list[int]], max_length: int):
     for index, ids in enumerate(token_lists):
         for start in range(0, len(ids), max_length):

@@ -51,6 +51,7 @@ def saved(tmp_path_factory):
     (root / "config-only" / "config.json").write_text((root / "mixtral" / "config.json").read_text())
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
     (root / "empty.txt").write_text("  \n", encoding="utf-8")
+    (root / "bom-only.txt").write_bytes("\ufeff".encode())  # what Notepad saves as an empty UTF-8 file
     (root / "dangling").symlink_to(root / "missing-target")
     return root
 
@@ -77,6 +78,12 @@ def test_help_lists_commands(capsys):
             parser.parse_args([command, "--help"])
         assert exit_info.value.code == 0
         assert "usage: moelens " + command in capsys.readouterr().out
+
+
+def test_python_dash_m_moelens_runs_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "moelens", "inspect", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "usage: moelens inspect" in done.stdout, done.stderr[-2000:]
 
 
 def test_console_script_loads_tiny_without_network():
@@ -177,6 +184,23 @@ def test_paths_from_the_home_folder_land_in_one_folder(saved, tmp_path, monkeypa
     assert not (tmp_path / "~").exists() and f"Wrote to {home / 'res'}" in out
 
 
+def test_a_model_folder_from_the_home_folder_and_a_byte_order_mark(saved, tmp_path, monkeypatch, capsys):
+    """MODEL '~/...' was refused as missing (moelens.load expands it); a text file starting with a UTF-8 byte-order
+    mark was routed with the mark as three tokens more."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "mixtral").symlink_to(saved / "mixtral")
+    monkeypatch.setenv("HOME", str(home))
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes("\ufeff".encode() + TEXT.encode())
+    counts = []
+    for text in (saved / "text.txt", marked):
+        status, out, err = run(["stats", "~/mixtral", "--text", text, "--format", "json", "--no-progress"], capsys)
+        assert status == 0, err
+        counts.append([row["tokens"] for row in json.loads(out)["layers"]])
+    assert counts[0] == counts[1] == [len(TEXT)] * len(counts[0])
+
+
 def test_stats_formats_on_tiny(saved, capsys):
     status, out, err = run(["stats", "tiny", "--text", saved / "text.txt", "--format", "json", "--no-progress"], capsys)
     assert status == 0, err
@@ -199,6 +223,7 @@ def test_stats_formats_on_tiny(saved, capsys):
         (["stats", "{root}/mixtral", "--text", "{root}/empty.txt"], "is empty"),
         (["stats", "{root}/mixtral", "--text", "{root}/missing.txt"], "does not exist"),
         (["demo", "--text", "{root}/empty.txt"], "is empty"),
+        (["stats", "{root}/mixtral", "--text", "{root}/bom-only.txt"], "is empty"),
         (["stats", "{root}/mixtral", "--text", "{root}"], "is a folder; give a text file"),
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/text.txt"], "is a file; name a folder"),
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--max-length", "0"], "--max-length must be at least 1, got 0"),
@@ -223,6 +248,7 @@ def test_stats_formats_on_tiny(saved, capsys):
                      marks=pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")),
     ],
     ids=["unknown-path", "not-a-checkpoint", "inspect-dense", "stats-dense", "empty-text", "missing-text", "demo-empty",
+         "byte-order-mark-only",
          "text-is-a-folder", "stats-out-is-a-file", "max-length-0", "demo-out-is-a-file", "negative-windows",
          "export-no-tokens", "export-into-a-folder-of-files", "stats-no-tokenizer", "inspect-no-weights",
          "export-no-weights", "stats-out-under-a-file", "demo-out-under-a-file", "export-under-a-file",

@@ -14,10 +14,10 @@ import importlib
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 from .errors import MoelensError
+from .paths import user_path
 
 #: Modules that add subcommands (``demo``, ``inspect``, ``stats``, ``export`` ...).
 COMMAND_MODULES = ("moelens.analysis.cli", "moelens.export.cli")
@@ -56,7 +56,7 @@ def load_checkpoint(source: str) -> tuple[Any, str]:
     from moelens.data import TINY_MODEL_PATH, TINY_NAMES
 
     quiet_transformers()
-    if source in TINY_NAMES and not Path(source).exists():  # a folder of the user's of that name wins
+    if source in TINY_NAMES and not user_path(source).exists():  # a folder of the user's of that name wins
         if not (TINY_MODEL_PATH / "config.json").is_file():
             raise MoelensError(
                 f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "
@@ -64,7 +64,7 @@ def load_checkpoint(source: str) -> tuple[Any, str]:
             )
         path, name = TINY_MODEL_PATH, "moelens-tiny"
     else:
-        path, name = Path(source), source
+        path, name = user_path(source), source
         if not path.exists():  # a command takes local folders only (moelens.load would try a hub id)
             raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
     with warnings.catch_warnings(record=True) as caught:

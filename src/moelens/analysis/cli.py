@@ -144,7 +144,7 @@ def read_text(path: Path) -> str:
     if not path.exists():
         raise MoelensError(f"text file {str(path)!r} does not exist.")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (what Notepad writes first) is no text
     except UnicodeDecodeError as error:
         raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
     except OSError as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any, Iterable
 
 from ..errors import MoelensError
@@ -12,8 +13,14 @@ REPLACEMENTS = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "\u00b7"}
 
 
 def display(piece: str) -> str:
-    """A token's text made visible: spaces as middle dots, newlines and tabs escaped."""
-    return "".join(REPLACEMENTS.get(char, char) for char in piece) or "\u2205"
+    """A token's text made visible: spaces as middle dots, newlines and tabs escaped, other control characters
+    as ``\\x..`` (they print as nothing, or move a terminal's cursor, and fonts have no glyph for them)."""
+    return "".join(REPLACEMENTS.get(char, _escaped(char)) for char in piece) or "\u2205"
+
+
+def _escaped(char: str) -> str:
+    """``char``, or its escape when it is a control character (Unicode category Cc)."""
+    return char.encode("unicode_escape").decode("ascii") if unicodedata.category(char) == "Cc" else char
 
 
 def check_tokenizer(tokenizer: Any) -> None:
