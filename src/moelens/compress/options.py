@@ -105,8 +105,9 @@ class ToMoEOptions:
                 f"top_k={self.top_k} is larger than num_experts={self.num_experts}: a token cannot run more experts "
                 f"than there are; use top_k <= {self.num_experts} (top_k == num_experts reproduces the dense model)."
             )
-        if self.shared_neurons < 0 or self.lora_r < 0:
-            raise CompressionError("shared_neurons and lora_r must be >= 0.")
+        for name in ("shared_neurons", "lora_r"):
+            if getattr(self, name) < 0:
+                raise CompressionError(f"{name} must be 0 or more, got {getattr(self, name)!r}.")
         if self.max_error is not None and not self.max_error > 0:
             raise CompressionError(f"max_error must be positive or None (no gate), got {self.max_error!r}.")
         if not 0 <= self.seed < 2**32:
