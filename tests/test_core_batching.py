@@ -554,3 +554,20 @@ def test_token_id_invokes_with_more_than_ids_are_refused_by_name(invoke, named):
                 wrapped.output.logits.save()
             with tracer.invoke(ids):
                 wrapped.output.logits.save()
+
+
+def test_top_1_activations_in_a_batched_single_token_step_are_refused_not_mixed_up():
+    """With top-1 routing nnsight cuts grouped_mm's expert-sorted rows by invoke in a decode step: the rows of
+    two invokes would be mixed up (an IndexError here); moelens refuses the read and names the way out."""
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm", num_experts_per_tok=1)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = wrapped.moes[0]
+    with pytest.raises(moelens.ValueUnavailable, match=r"nnsight cuts the expert-sorted rows by invoke, which mixes "
+                                                       r'up tokens.*set_experts_implementation\("batched_mm"\)'):
+        with torch.no_grad(), wrapped.generate(max_new_tokens=2, min_new_tokens=2) as tracer:
+            with tracer.invoke("hello"):
+                for _ in tracer.iter[:2]:
+                    moe.expert_activations.save()
+            with tracer.invoke("world"):
+                for _ in tracer.iter[:2]:
+                    moe.expert_activations.save()

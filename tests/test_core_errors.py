@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 
 import nnsight
@@ -1602,6 +1603,24 @@ def test_route_around_on_a_router_scoring_dropped_groups_zero():
                                          r"it drops 0.0, so the router would fill its slots with excluded experts"):
         with wrapped.trace(**inputs):
             moelens.ablate(moe, 3, "route_around")
+
+
+@pytest.mark.parametrize(("family", "settings", "row"), [
+    # axk2 (4 groups of 2, 2 kept, k = 2, dropped groups scored 0.0): every group sum ties at -inf; keeping the
+    # groups of -0.5 leaves fewer than k above 0.0, and a dropped -inf expert comes back at 0.0
+    ("axk2", {}, [-math.inf, 0.5, -math.inf, -0.5, -math.inf, -0.5, -math.inf, -0.5]),
+    # deepseek_v3 (2 groups of 4, 1 kept, k = 3): the groups' sums tie at 2; the one holding two finite experts
+    # may be the one kept
+    ("deepseek_v3", {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3},
+     [1.0, 1.0, -math.inf, -math.inf, 1.0, 1.0, 0.0, 0.0]),
+])
+def test_selection_writes_whose_tied_groups_could_go_the_wrong_way_are_refused(family, settings, row):
+    hf = tiny_model(family, **settings)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with pytest.raises(WriteError, match=r"selection_scores: fewer than \d entries of some token are above"):
+        with torch.no_grad(), wrapped.trace(torch.tensor([[5, 9, 14, 3]])):
+            moe.selection_scores = torch.tensor(row).expand(moe.selection_scores.shape).clone()
 
 
 def test_token_selections_index_batch_and_position_only(mixtral):

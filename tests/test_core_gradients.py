@@ -179,7 +179,9 @@ def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
 
     hf, inputs = checkpointed("mixtral", "grouped_mm", True)
     model = moelens.wrap(hf)
-    for edit in (lambda moe: moelens.steer(moe, 2, 3.0), lambda moe: moe.expert_weights.__setitem__((..., 1), 0)):
+    edits = (lambda moe: moelens.steer(moe, 2, 3.0), lambda moe: moe.expert_weights.__setitem__((..., 1), 0),
+             lambda moe: setattr(moe, "expert_weights", torch.zeros_like(moe.expert_weights)))  # an assignment too
+    for edit in edits:
         with pytest.raises(moelens.WriteError, match=r"model.model.layers.0.mlp.\w+ is edited inside "
                                                      r"MixtralDecoderLayer, which runs under activation checkpointing"):
             with model.trace(**inputs):

@@ -443,3 +443,23 @@ def test_in_place_changes_by_others_to_a_served_tensor_are_no_late_edit(grad):
         zeroed = wrapped.output.save()
     assert not torch.equal(first_tensor(zeroed), plain)
     assert served.shape == routed.shape == (*inputs["input_ids"].shape, hf.config.hidden_size)
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+def test_int32_indices_reach_the_experts_as_the_models_index_dtype(impl):
+    """Expert indices written as int32 went to the experts as int32 (eager's one_hot refuses them): the written
+    tensor is cast to the dtype (and device) of the indices the model holds; the result equals the int64 write."""
+    hf = tiny_model("mixtral", experts_implementation=impl)
+    wrapped = moelens.wrap(hf)
+    seen = []
+    hook = hf.model.layers[0].mlp.experts.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+    ids = torch.tensor([[5, 9, 14, 3, 7], [8, 2, 11, 4, 6]])
+    logits = {}
+    for dtype in (torch.int64, torch.int32):
+        with torch.no_grad(), wrapped.trace(ids):
+            moe = wrapped.moes[0]
+            moe.expert_indices = ((moe.expert_indices + 1) % moe.num_experts).to(dtype)
+            logits[dtype] = wrapped.output.logits.save()
+    hook.remove()
+    assert [index.dtype for index in seen] == [torch.int64, torch.int64]
+    assert torch.equal(logits[torch.int64], logits[torch.int32])

@@ -50,6 +50,22 @@ def test_a_given_generation_config_overrides_the_models_own_beam_count():
     assert given.num_beams == 3 and given.disable_compile is not True  # the user's config is left as it was
 
 
+def test_a_trace_after_a_beam_generation_serves_its_own_rows():
+    """After generate(num_beams=2) the next plain trace must read one row per prompt again (two rows per prompt
+    made an odd token count raise, and an even one a [2, s / 2] view of the wrong tokens)."""
+    hf = tiny_model("mixtral")
+    seen = []
+    hook = hf.model.layers[0].mlp.experts.register_forward_hook(lambda module, args, output: seen.append(args[1]))
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    with torch.no_grad(), wrapped.generate(PROMPT, max_new_tokens=2, min_new_tokens=2, num_beams=2):
+        pass
+    seen.clear()
+    with torch.no_grad(), wrapped.trace(PROMPT):
+        indices = wrapped.moes[0].expert_indices.save()
+    hook.remove()
+    assert torch.equal(indices, seen[0].view(1, PROMPT.shape[1], -1))
+
+
 def spied(hf):
     """Record the keyword arguments of every call of ``hf.generate`` (then run it)."""
     calls = []
