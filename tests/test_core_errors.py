@@ -300,6 +300,9 @@ def test_wrap_and_load_reject_bad_input(tmp_path):
         moelens.wrap("mixtral")
     with pytest.raises(moelens.MoelensError, match=r"no model at '.*nothing-here': the path does not exist"):
         moelens.load(tmp_path / "nothing-here")
+    # a relative path of three parts is no hub id (namespace/name): refused by moelens, not sent to the hub
+    with pytest.raises(moelens.MoelensError, match=r"no model at 'no/such/folder': the path does not exist"):
+        moelens.load("no/such/folder")
     (tmp_path / "no-config").mkdir()
     (tmp_path / "no-config" / "tokenizer.json").write_text("{}")
     with pytest.raises(moelens.MoelensError, match=r"no-config' is not a transformers checkpoint folder \(no config.json"):
