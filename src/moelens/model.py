@@ -93,7 +93,8 @@ class MoeModelMixin:
         wanted = implementation if isinstance(implementation, dict) else {"": implementation}
         for name in wanted.values():
             check_known(name)
-        _check_sub_configs(config, wanted)
+        subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}}
+        _check_sub_configs(subs, wanted)
         if hasattr(module, "set_experts_implementation"):
             try:
                 module.set_experts_implementation(implementation)
@@ -109,7 +110,6 @@ class MoeModelMixin:
             else:  # the entry of the (sub-)config these experts were built with; the model's own ("") for experts
                 # holding a config that is none of the model's sub-configs (the blocks `moelens.compress` made,
                 # transformers layers in a plain torch model)
-                subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}}
                 keys = [key for key, sub in subs.items() if sub is experts.config]
                 name = wanted.get(keys[0]) if keys else wanted.get("")
             if name is not None and moe.experts_implementation != name:
@@ -428,15 +428,14 @@ COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by 
             "(dynamo) cannot trace: the traces would fail inside torch.")
 
 
-def _check_sub_configs(config: Any, wanted: dict[str, str]) -> None:
-    """Refuse a key of `set_experts_implementation`'s dict that names no config of the model (transformers'
-    switch passes over it without a word, so a misspelt sub-config would switch nothing)."""
-    subs = sorted(getattr(config, "sub_configs", None) or {})
+def _check_sub_configs(subs: dict[str, Any], wanted: dict[str, str]) -> None:
+    """Refuse a key of `set_experts_implementation`'s dict that names none of the model's sub-configs ``subs``
+    (transformers' switch passes over it without a word, so a misspelt sub-config would switch nothing)."""
     for key in wanted:
         if key and key not in subs:
             raise MoelensError(
                 f"set_experts_implementation: {key!r} names no sub-config of this model; its keys are \"\" (the "
-                f"model's own config){''.join(f', {sub!r}' for sub in subs)}."
+                f"model's own config){''.join(f', {sub!r}' for sub in sorted(subs))}."
             )
 
 

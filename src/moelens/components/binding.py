@@ -79,6 +79,12 @@ class Binding:
             return self.from_view(token_major, context)
 
 
+def copied(tensor: torch.Tensor, context: Any) -> torch.Tensor:
+    """`Binding.to_view` / `from_view` for a value the model edits in place after it is read: the reader keeps a
+    copy, and the model gets its own (so neither sees the other's edits)."""
+    return tensor.clone()
+
+
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
     """What autograd keeps of a saved tensor: its data, without its own graph. The tensor itself would hold its
     own grad_fn, a cycle through torch's C++ graph that Python's garbage collector cannot see (an op that saves

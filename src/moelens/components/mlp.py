@@ -18,7 +18,7 @@ from torch import Tensor
 from ..errors import ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from .base import Component
-from .binding import Binding, argument, output_of
+from .binding import Binding, argument, copied, output_of
 from .served import served
 
 #: Child names of the down projection in dense MLPs, tried in order.
@@ -100,7 +100,7 @@ class Mlp(Component):
             pick, put = output_of(None)
             if self._adds_the_residual and self.down_projection is not None:  # its part: the down projection's
                 return Binding(f"{self.path}.{self.down_projection}.output", features=1, pick=pick, put=put)
-            copy = (lambda tensor, _: tensor.clone()) if self._output_edited_later else None
+            copy = copied if self._output_edited_later else None
             return Binding(f"{self.path}.output", features=1, pick=pick, put=put, to_view=copy, from_view=copy)
         if name in ("mlp_activation", "mlp_neurons"):
             if self.down_projection is None:

@@ -42,7 +42,7 @@ from ..families.scoring import score, top_logits
 from ..modules import foreign_hooks, hook_name
 from . import tokens
 from .base import bind_alias, envoy_at
-from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, kept_for_backward, output_of
+from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, copied, kept_for_backward, output_of
 from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
@@ -440,7 +440,7 @@ class Moe(Mlp):
             gated = family.shared.gated_op
             location = f"{self.path}.source.{gated}.output" if gated else f"{shared.path}.output"
             # The block edits it in place later: the reader keeps a copy, and the model gets its own.
-            copy = (lambda tensor, _: tensor.clone()) if family.shared.edited_later else None
+            copy = copied if family.shared.edited_later else None
             bindings["shared_expert_output"] = Binding(location, 1, to_view=copy, from_view=copy)
         return bindings
 
