@@ -244,6 +244,20 @@ def test_views_are_edited_in_place_and_other_assignments_refused():
     assert float((direction @ model.moes[0].params(2).down).abs().max()) < 1e-5
     with pytest.raises(WriteError, match=r"edit the view in place instead \(params\.down\.copy_"):
         params.down = torch.zeros_like(params.down)
+    before = params.down.clone()
+    with pytest.raises(WriteError, match=r"no field 'down_proj'.*'down'"):  # a misspelt field is no silent no-op
+        params.down_proj = torch.zeros_like(params.down)
+    assert torch.equal(model.moes[0].params(2).down, before)
+
+
+def test_assigning_a_weight_the_block_lacks_says_so():
+    from moelens.errors import WriteError
+
+    _, model = wrapped("nemotron_h")  # ungated experts
+    params = model.moes[0].params(0)
+    assert params.gate is None
+    with pytest.raises(WriteError, match="gate is None: this block has no gate weights"):
+        params.gate = torch.zeros_like(params.up)
 
 
 @pytest.mark.parametrize("storage", ["float8", "scale"])

@@ -72,8 +72,16 @@ class MoeParams:
 
     def __setattr__(self, name: str, value: Any) -> None:
         # ``params.down -= x`` edits the view in place, then assigns it back to itself: allowed. Any
-        # other assignment would leave the model as it was, so it is refused.
+        # other assignment would leave the model as it was, so it is refused, as is a name that is no field.
+        names = [f.name for f in fields(self)]
+        if name not in names:
+            raise WriteError(
+                f"MoeParams has no field {name!r} (its fields: {names}); assigning it would not change the model. "
+                f"Edit a field's view in place instead (params.down.copy_(new), params.down.mul_(0.5), ...)."
+            )
         if name in self.__dict__ and value is not self.__dict__[name]:
+            if self.__dict__[name] is None:
+                raise WriteError(f"MoeParams.{name} is None: this block has no {name} weights to edit.")
             raise WriteError(
                 f"MoeParams.{name} is a view of the model's weights: assigning a new tensor would not change the "
                 f"model; edit the view in place instead (params.{name}.copy_(new), params.{name}.mul_(0.5), ...)."
