@@ -132,8 +132,10 @@ def test_block_details_follow_the_family_table(out):
     normalised = to_nnef(moelens.wrap(small("qwen2_moe", norm_topk_prob=True)).moes[0], out / "qwen2-norm.nnef.tgz")
     assert "gate = 'softmax_topk'" in tract_moe_calls(normalised.path)[0]
     # gpt_oss: router and expert biases (9 inputs) and the clamped SwiGLU.
-    gpt = tract_moe_calls(to_nnef(moelens.wrap(small("gpt_oss")).moes[0], out / "gpt-oss.nnef.tgz").path)[0]
+    gpt_report = to_nnef(moelens.wrap(small("gpt_oss")).moes[0], out / "gpt-oss.nnef.tgz")
+    gpt = tract_moe_calls(gpt_report.path)[0]
     assert "act_alpha = 1.702" in gpt and "act_limit = 7.0" in gpt
+    assert gpt_report.blocks[0].activation == "clamped swiglu (alpha 1.702, limit 7)"  # the report says so too
     assert len([a for a in gpt.split(",") if "=" not in a]) == 9
 
 

@@ -267,7 +267,7 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
         spec = edits.bake(spec)
         moe = TractMoeFfn(spec, quantize=quantize_experts, layout=layout)
         replacements.append((block.name, ExportBlock(block.family, live, moe, root=not block.name)))
-        reports.append(BlockReport(block.layer, block.family.name, spec.gate, spec.activation, spec.k,
+        reports.append(BlockReport(block.layer, block.family.name, spec.gate, spec.activation_label, spec.k,
                                    spec.num_experts, edits.describe(block.layer) if block.layer is not None else ""))
     if target.kind == "block":
         return Prepared(replacements[0][1], reports)

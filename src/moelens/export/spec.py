@@ -71,6 +71,13 @@ class MoeSpec:
         return int(self.wg.shape[0])
 
     @property
+    def activation_label(self) -> str:
+        """The experts' activation as reports print it: gpt-oss's clamp with its alpha and limit spelt out."""
+        if self.act_limit is None:
+            return self.activation
+        return f"clamped swiglu (alpha {self.act_alpha:g}, limit {self.act_limit:g})"
+
+    @property
     def has_expert_biases(self) -> bool:
         """Whether any of the experts' projections has a bias."""
         return any(b is not None for b in (self.w1_bias, self.w3_bias, self.w2_bias))

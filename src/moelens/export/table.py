@@ -45,9 +45,7 @@ class Row:
 
 
 def _experts(spec) -> str:
-    parts = [spec.activation]
-    if spec.act_limit is not None:
-        parts[0] = f"clamped swiglu (alpha {spec.act_alpha:g}, limit {spec.act_limit:g})"
+    parts = [spec.activation_label]
     if spec.has_expert_biases:
         parts.append("biases")
     if spec.wg_bias is not None:
