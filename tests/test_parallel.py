@@ -24,13 +24,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from moelens.data import TINY_MODEL_PATH
+
+from gloo_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 #: Seconds a whole multi-process run may take before it is killed.
@@ -55,43 +56,12 @@ def spawn(world: int, suites: dict[str, dict]) -> list[dict[str, dict[str, Any]]
     """Run ``suites`` (name -> arguments) in one run of ``world`` ranks; every rank's results
     (suite -> case -> measurements or error)."""
     with tempfile.TemporaryDirectory(prefix="moelens-ep-") as folder:
-        procs = []
-        for rank in range(world):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world),
-                MOELENS_TEST_STORE=f"{folder}/store",
-                MOELENS_TEST_OUT=folder,
-                MOELENS_TEST_ARGS=json.dumps(suites),
-                OMP_NUM_THREADS="1",
-                PYTHONWARNINGS="ignore",
-            )
-            log = open(f"{folder}/log{rank}.txt", "w")
-            procs.append((subprocess.Popen([sys.executable, str(WORKER), *suites], env=env, stdout=log, stderr=log), log))
-        deadline = time.monotonic() + RUN_TIMEOUT
-        timed_out = False
-        for proc, _ in procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-        results, problems = [], []
-        for rank, (proc, _) in enumerate(procs):
-            path = Path(folder) / f"rank{rank}.json"
-            results.append(json.loads(path.read_text()) if path.exists() else {})
-            if proc.returncode != 0:
-                tail = Path(f"{folder}/log{rank}.txt").read_text()[-3000:]
-                problems.append(f"rank {rank} exited with {proc.returncode}:\n{tail}")
-        if timed_out or problems:
-            pytest.fail(f"{list(suites)} on {world} ranks {'timed out; ' if timed_out else ''}" + "\n".join(problems))
-        return results
+        env = dict(os.environ, MOELENS_TEST_STORE=f"{folder}/store", MOELENS_TEST_OUT=folder,
+                   MOELENS_TEST_ARGS=json.dumps(suites), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        problems = run_ranks(world, [sys.executable, str(WORKER), *suites], env, folder, RUN_TIMEOUT)
+        if problems:
+            pytest.fail(f"{list(suites)} on {world} ranks: " + "\n".join(problems))
+        return [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 def failures(results: list[dict[str, Any]], suite: str, check: Any) -> list[str]:

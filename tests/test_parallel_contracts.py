@@ -1,0 +1,392 @@
+"""Contracts of moelens.parallel that the end-to-end runs of test_parallel.py do not pin down.
+
+Small, hand-computed cases: the dispatch plan's split sizes and the serve flag agreed over the
+group, the bytes `traffic` counts for every exchange (forward and backward), ids outside
+``[0, E)``, the EP / EDP groups, what `shard_experts` leaves on the experts modules, and the
+refusals. In-process where no process group is needed; otherwise a short gloo run of 1 or 2
+ranks (no model larger than the tiny ones, a 30 s collective timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import textwrap
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from gloo_ranks import run_ranks
+from moelens import MoelensError
+
+TESTS = Path(__file__).parent
+
+#: What every rank runs before a case: a gloo group over a file rendezvous, `emit` for its results.
+PRELUDE = """
+import json, os, sys, traceback
+from datetime import timedelta
+import torch
+torch.set_num_threads(1)
+import torch.distributed as dist
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=RANK, world_size=WORLD,
+                        timeout=timedelta(seconds=30))
+RESULT = {}
+def emit():
+    with open(os.path.join(os.environ["OUT"], f"rank{RANK}.json"), "w") as f:
+        json.dump(RESULT, f)
+def error_of(call):
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+"""
+
+EPILOGUE = """
+emit()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def ranks(world: int, body: str, timeout: float = 120) -> list[dict[str, Any]]:
+    """Run ``body`` on ``world`` gloo ranks; every rank's ``RESULT``."""
+    with tempfile.TemporaryDirectory(prefix="moelens-ep-contracts-") as folder:
+        script = Path(folder) / "case.py"
+        script.write_text(PRELUDE + textwrap.dedent(body) + EPILOGUE)
+        env = dict(os.environ, STORE=f"{folder}/store", OUT=folder, OMP_NUM_THREADS="1",
+                   PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
+        problems = run_ranks(world, [sys.executable, str(script)], env, folder, timeout)
+        assert not problems, "\n".join(problems)
+        return [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+# -- in-process ---------------------------------------------------------------------------------
+
+
+def scaled_experts(rank: int, per_rank: int):
+    """``expert_fn`` whose global expert ``e`` multiplies its row by ``e + 1``."""
+
+    def expert_fn(rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        local = torch.arange(per_rank).repeat_interleave(tokens_per_expert)
+        return rows * (rank * per_rank + local + 1).to(rows.dtype)[:, None]
+
+    return expert_fn
+
+
+def test_ids_outside_the_experts_are_dropped_with_no_group() -> None:
+    """-1 and ids >= E contribute nothing (the module docstring: ids outside [0, E) are dropped)."""
+    from moelens.parallel import a2a_moe
+
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]])
+    idx = torch.tensor([[0, 3], [4, 1], [-1, 7]])
+    w = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 1.0]])
+    out = a2a_moe(None, x, idx, w, 4, 4, scaled_experts(0, 4))
+    # token 0: 0.25 * 1 * x + 0.75 * 4 * x; token 1: only expert 1 (0.5 * 2 * x); token 2: nothing
+    expected = torch.stack([(0.25 + 3.0) * x[0], 1.0 * x[1], torch.zeros(2)])
+    assert torch.allclose(out, expected)
+
+
+def test_plan_refuses_a_local_count_that_does_not_make_the_experts() -> None:
+    from moelens.parallel import a2a_moe, plan_dispatch
+
+    idx = torch.tensor([[0, 1]])
+    with pytest.raises(MoelensError, match="8 experts over 1 ranks is not 4 per rank"):
+        plan_dispatch(None, idx, 8, 4)
+    with pytest.raises(MoelensError, match="shard_experts"):
+        a2a_moe(None, torch.ones(1, 2), idx, torch.ones(1, 2), 8, 4, scaled_experts(0, 4))
+
+
+def test_degree_and_owner_edge_cases() -> None:
+    from moelens.parallel import choose_ep_dp_degrees, expert_owner, num_experts_from_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one rank: nothing to fall back from
+        assert choose_ep_dp_degrees(1, 8) == (1, 1)
+        assert choose_ep_dp_degrees(1, 0) == (1, 1)
+    for ranks_ in (0, -2):
+        with pytest.raises(MoelensError, match="cannot be split over"):
+            expert_owner(0, 8, ranks_)
+    # a flag is no count of experts
+    assert num_experts_from_config(SimpleNamespace(num_local_experts=True, n_routed_experts=8)) == 8
+
+
+def test_slices_are_copies_that_keep_requires_grad() -> None:
+    """Each rank keeps a copy of its experts (the whole tensor is freed, an edit of one does not reach the
+    other), trainable or frozen as before."""
+    from moelens.parallel.shard import _slice
+
+    experts = torch.nn.Module()
+    whole = torch.arange(4 * 3.0).view(4, 3)
+    experts.weight = torch.nn.Parameter(whole.clone())
+    experts.frozen = torch.nn.Parameter(whole.clone(), requires_grad=False)
+    original = experts.weight
+    _slice(experts, num_experts=4, first=0, per_rank=2)
+    assert experts.weight.requires_grad and not experts.frozen.requires_grad
+    assert experts.weight.untyped_storage().nbytes() == 2 * 3 * 4  # two experts of 3 floats, not four
+    with torch.no_grad():
+        original.zero_()
+    assert torch.equal(experts.weight, whole[:2])
+
+
+def test_local_expert_names_the_owner_only() -> None:
+    """Rank r of n owns experts [r*L, (r+1)*L) of 8 (L = 8 / n), at local index e - r*L; other ranks get None."""
+    from moelens.parallel import local_expert
+    from moelens.parallel.comm import SharedGroup
+
+    for size in (2, 4):
+        per_rank = 8 // size
+        for rank in range(size):
+            experts = torch.nn.Module()
+            experts.num_experts = 8
+            experts.__dict__.update(_ep_group=SharedGroup(None), _ep_rank=rank, _ep_size=size,
+                                    _ep_first=per_rank * rank, _ep_num_local=per_rank)
+            wrapper = SimpleNamespace(_module=SimpleNamespace(), experts=experts)  # a Moe-like holder
+            for expert in range(8):
+                first = per_rank * rank
+                expected = expert - first if first <= expert < first + per_rank else None
+                assert local_expert(experts, expert) == expected, (size, rank, expert)
+                assert local_expert(wrapper, expert) == expected, (size, rank, expert)
+
+
+def test_uneven_blocks_hint_at_a_degree_dividing_every_block() -> None:
+    """Blocks of 6 and 8 experts over 4 ranks: the hint names gcd(6, 8) = 2, a degree dividing both (not 6)."""
+    from moelens.parallel.shard import _experts_of, _expert_counts
+    from moelens.testing import tiny_model
+
+    blocks = _experts_of(tiny_model("mixtral", num_local_experts=6)) + _experts_of(tiny_model("mixtral"))
+    blocks = [blocks[0], blocks[-1]]  # 6 and 8 experts
+    blocks[1] = (blocks[1][0] + "'", *blocks[1][1:])
+    with pytest.raises(MoelensError, match=r"hold 6, 8 experts.*choose_ep_dp_degrees\(world_size, 2\)"):
+        _expert_counts(blocks, 4)
+
+
+def test_experts_without_a_parameter_of_e_experts_are_refused() -> None:
+    from moelens.parallel.shard import _experts_of, _expert_counts
+    from moelens.testing import tiny_model
+
+    blocks = _experts_of(tiny_model("mixtral"))
+    experts = blocks[0][3]
+    for name, param in list(experts.named_parameters(recurse=False)):
+        setattr(experts, name, torch.nn.Parameter(param.data[:4].clone()))  # 4 of the 8 experts
+    with pytest.raises(MoelensError, match="has no parameter with 8 experts"):
+        _expert_counts(blocks, 2)
+
+
+def test_traffic_counts_bytes_per_record_and_closes() -> None:
+    """`_record` on hand-made split sizes: rank 1 of 3 sends [2, 3, 1] rows of 4 float32 (16 bytes),
+    keeps its own 3 and receives 5; a closed log records nothing more."""
+    from moelens.parallel import traffic
+    from moelens.parallel.comm import _LOGS, _record
+
+    rows = torch.zeros(6, 4)
+    with traffic() as log:
+        _record("dispatch", 7, rows, [2, 3, 1], [1, 2, 2], 1)
+        _record("combine", 7, rows.double(), [2, 3, 1], [1, 2, 2], 1)
+    _record("dispatch", 7, rows, [2, 3, 1], [1, 2, 2], 1)
+    assert not _LOGS
+    first, second = log.records
+    assert (first.kind, first.tag, first.sent_bytes, first.kept_bytes, first.rows, first.received) == (
+        "dispatch", 7, 3 * 16, 3 * 16, 3, 5)
+    assert (second.sent_bytes, second.kept_bytes) == (3 * 32, 3 * 32)
+    assert log.sent() == 3 * 16 + 3 * 32 and log.sent("combine") == 3 * 32 and log.sent("counts") == 0
+
+
+def test_nested_traffic_logs_each_keep_their_own_records() -> None:
+    """An inner block opened and closed (its log equal to the outer one's: both empty) leaves the outer
+    one recording; each log holds the exchanges made while it was open."""
+    from moelens.parallel import traffic
+    from moelens.parallel.comm import _LOGS, _record
+
+    rows = torch.zeros(4, 2)
+    with traffic() as outer:
+        with traffic() as inner:
+            pass
+        _record("dispatch", 1, rows, [2, 2], [2, 2], 0)
+        with traffic() as last:
+            _record("combine", 1, rows, [2, 2], [2, 2], 0)
+    assert not _LOGS
+    assert [r.kind for r in outer.records] == ["dispatch", "combine"]
+    assert inner.records == [] and [r.kind for r in last.records] == ["combine"]
+
+
+def test_plain_traces_make_no_activation_round_trip() -> None:
+    """torch_a2a serves per-slot values (the round trip through `Plan.to_owner`) only when a trace reads them."""
+    import moelens
+    from moelens.parallel import register_torch_a2a
+    from moelens.parallel.a2a import Plan
+    from moelens.testing import tiny_model
+
+    register_torch_a2a()
+    lm = moelens.wrap(tiny_model("mixtral", experts_implementation="torch_a2a"))
+    calls = []
+    original = Plan.to_owner
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[1] if len(args) > 1 else kwargs.get("kind"))
+        return original(self, *args, **kwargs)
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    try:
+        Plan.to_owner = counted
+        with lm.trace(ids):
+            lm.output.logits.save()
+        plain = list(calls)
+        with lm.trace(ids):
+            lm.moes[0].expert_outputs.save()
+    finally:
+        Plan.to_owner = original
+    assert plain == [] and calls == ["activations_out"]
+
+
+def test_a_rank_receiving_no_rows_returns_zeros_and_reaches_its_experts() -> None:
+    """Every id dropped: no row reaches the experts, the output is zero, and backward still gives the
+    expert weights a (zero) gradient."""
+    from moelens.parallel import plan_dispatch, register_torch_a2a, torch_a2a_experts_forward
+    from moelens.parallel.experts import experts_down, experts_up
+    from moelens.testing import tiny_model
+
+    register_torch_a2a()
+    model = tiny_model("mixtral", experts_implementation="torch_a2a")
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(3, model.config.hidden_size, requires_grad=True)
+    out = torch_a2a_experts_forward(experts, x, torch.full((3, 2), -1), torch.ones(3, 2))
+    assert out.shape == x.shape and not out.any()
+    out.sum().backward()
+    grads = [p.grad for p in experts.parameters()]
+    assert grads and all(g is not None and not g.any() for g in grads)
+    # the owner's halves: no row in, no row out (a stand-in row sent on would not match the split sizes)
+    plan = plan_dispatch(None, torch.full((3, 2), -1), 8, 8)
+    rows = plan.dispatch(x.detach())
+    activations = experts_up(experts, rows, plan)
+    assert rows.shape[0] == 0 and activations.shape[0] == 0
+    assert experts_down(experts, activations, plan).shape == (0, model.config.hidden_size)
+
+
+def test_post_expert_norm_runs_under_torch_a2a() -> None:
+    """muse_spark normalises each expert's output: torch_a2a (no group) gives grouped_mm's logits."""
+    from moelens.parallel import register_torch_a2a
+    from moelens.testing import tiny_inputs, tiny_model
+
+    register_torch_a2a()
+    ref = tiny_model("muse_spark", experts_implementation="grouped_mm")
+    assert any(getattr(m, "has_post_expert_norm", False) for m in ref.modules())
+    model = tiny_model("muse_spark", experts_implementation="torch_a2a")
+    inputs = tiny_inputs(ref)
+    with torch.no_grad():
+        expected, got = ref(**inputs)[0], model(**inputs)[0]
+    assert (got - expected).abs().max() <= 1e-5
+
+
+# -- gloo runs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """One gloo run of 2 ranks for every two-rank case below (each rank's ``RESULT``)."""
+    return ranks(2, """
+        from moelens.parallel import RankDivergence, a2a_moe, plan_dispatch, traffic
+        idx = [torch.tensor([[0, 3], [1, 2], [3, -1]]), torch.tensor([[2, 2], [0, 5]])][RANK]
+        plan = plan_dispatch(dist.group.WORLD, idx, 4, 2, serve=RANK == 0, tag=3)
+        RESULT["plan"] = [plan.send_sizes, plan.recv_sizes, plan.tokens_per_expert.tolist(), plan.serve]
+        gen = torch.Generator().manual_seed(RANK)
+        x = torch.randn(idx.shape[0], 3, generator=gen, requires_grad=True)
+        w = torch.rand(idx.shape, generator=gen)
+
+        def expert_fn(rows, tokens_per_expert):
+            local = torch.arange(2).repeat_interleave(tokens_per_expert)
+            return rows * (RANK * 2 + local + 1).to(rows.dtype)[:, None]
+
+        with traffic() as log:
+            out = a2a_moe(dist.group.WORLD, x, idx, w, 4, 2, expert_fn)
+            out.sum().backward()
+        valid = (idx >= 0) & (idx < 4)
+        scale = (torch.where(valid, w * (idx + 1), torch.zeros_like(w))).sum(1, keepdim=True)
+        RESULT["out"] = float((out - scale * x.detach()).abs().max())
+        RESULT["grad_x"] = float((x.grad - scale.expand_as(x)).abs().max())
+        RESULT["records"] = [[r.kind, r.tag, r.sent_bytes, r.kept_bytes, r.rows, r.received] for r in log.records]
+        RESULT["sent"] = log.sent()
+        RESULT["divergent"] = error_of(lambda: plan_dispatch(dist.group.WORLD, idx, 4, 2, tag=1 + RANK))
+
+        from moelens.parallel import ep_groups, shard_experts
+        from moelens.testing import tiny_model
+        ranks_of = dist.get_process_group_ranks
+        RESULT["groups"] = {ep: [ranks_of(g) for g in ep_groups(ep)] for ep in (1, 2)}
+        RESULT["three"] = error_of(lambda: ep_groups(3))
+        only_zero = dist.new_group([0])
+        RESULT["non_member"] = error_of(lambda: shard_experts(tiny_model("mixtral"), only_zero))
+    """)
+
+
+def test_plan_split_sizes_serve_flag_and_traffic_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:
+    """E = 4 over 2 ranks (L = 2), rows of 3 float32 (12 bytes). Rank 0 routes [[0, 3], [1, 2], [3, -1]],
+    rank 1 [[2, 2], [0, 5]] (-1 and 5 dropped). By hand: rank 0 sends [2, 3] rows and receives [2, 1],
+    its experts 0, 1 run on [2, 1] rows; rank 1 sends [1, 2], receives [3, 2], experts 2, 3 on [3, 2].
+    Only rank 0 asks for the activation round trip: both make it. The output is
+    ``sum_j w * (e_j + 1) * x`` (expert e scales by e + 1); backward sends each row's gradient back."""
+    results = two_ranks
+    plans = [r["plan"] for r in results]
+    assert plans == [[[2, 3], [2, 1], [2, 1], True], [[1, 2], [3, 2], [3, 2], True]], plans
+    for rank, r in enumerate(results):
+        assert r["out"] < 1e-6 and r["grad_x"] < 1e-6, (rank, r)
+        assert r["divergent"].startswith("RankDivergence"), (rank, r["divergent"])
+    # kind, tag, sent bytes, kept bytes, rows sent, rows received (of this rank's sizes; 0: the layer tag)
+    counts = ["counts", 0, 32, 32, 1, 2]  # one row of [2 counts + serve + tag] int64 to the other rank
+    assert results[0]["records"] == [
+        counts, ["dispatch", 0, 36, 24, 3, 3], ["combine", 0, 12, 24, 1, 5],
+        ["combine_grad", 0, 36, 24, 3, 3], ["dispatch_grad", 0, 12, 24, 1, 5]], results[0]["records"]
+    assert results[1]["records"] == [
+        counts, ["dispatch", 0, 12, 24, 1, 5], ["combine", 0, 36, 24, 3, 3],
+        ["combine_grad", 0, 12, 24, 1, 5], ["dispatch_grad", 0, 36, 24, 3, 3]], results[1]["records"]
+    assert results[0]["sent"] == 32 + 36 + 12 + 36 + 12 and results[1]["sent"] == 32 + 12 + 36 + 12 + 36
+
+
+def test_ep_groups_and_non_members_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:
+    """ep_groups over 2 ranks: EP 1 gives EP {r}, EDP {0, 1}; EP 2 gives EP {0, 1}, EDP {r}; 3 does not divide 2.
+    shard_experts on a group this rank is not in is refused (rank 1, group {0}); rank 0 shards over {0}."""
+    results = two_ranks
+    for rank, r in enumerate(results):
+        assert r["groups"] == {"1": [[rank], [0, 1]], "2": [[0, 1], [rank]]}, (rank, r["groups"])
+        assert r["three"].startswith("MoelensError") and "does not divide the world size 2" in r["three"], r
+    assert results[0]["non_member"] == ""
+    assert "not a member of the given group" in results[1]["non_member"], results[1]
+
+
+def test_shard_experts_on_one_rank() -> None:
+    """A one-rank group: every expert stays local, so the model may switch back to grouped_mm; the experts
+    modules get distinct non-zero layer tags (0 means unknown); sharding again is refused; a model built by
+    moelens.compress (experts reading their own settings) is switched to torch_a2a too."""
+    results = ranks(1, """
+        import moelens
+        from moelens.parallel import shard_experts
+        from moelens.testing import tiny_model
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        model = shard_experts(tiny_model("mixtral", experts_implementation="grouped_mm"))
+        RESULT["tags"] = [m._ep_tag for m in model.modules() if "_ep_group" in m.__dict__]
+        RESULT["again"] = error_of(lambda: shard_experts(model))
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        model.set_experts_implementation("grouped_mm")
+        with torch.no_grad():
+            RESULT["grouped_mm"] = error_of(lambda: model(input_ids=ids))
+            RESULT["logits"] = float((model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max())
+
+        from moelens.compress import tomoe
+        from test_compress_helpers import ids as make_ids, llama
+        converted = tomoe(llama(), num_experts=4, top_k=2, calibration=make_ids(8, 16, 1), max_error=10.0,
+                          progress=False)
+        shard_experts(converted)
+        RESULT["converted"] = moelens.wrap(converted).moes[0].experts_implementation
+    """)
+    r = results[0]
+    assert len(r["tags"]) == 4 and 0 not in r["tags"] and len(set(r["tags"])) == 4, r["tags"]  # 4 MoE layers
+    assert "is sharded already" in r["again"], r["again"]
+    assert r["grouped_mm"] == "" and r["logits"] <= 1e-5, r
+    assert r["converted"] == "torch_a2a", r["converted"]
