@@ -98,7 +98,7 @@ def check_block(family: Family, block: torch.nn.Module, spec: MoeSpec, *, tokens
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(2, tokens // 2, spec.wg.shape[1], generator=generator)
     with torch.no_grad():
-        real = block_output(family, block(x)).float()
+        real = block_output(family, block(x.clone())).float()  # a block may edit its input in place (router jitter)
         if real.shape[-1] != x.shape[-1]:
             raise ExportRefused(
                 f"{family.name}: the block maps {x.shape[-1]} features to {real.shape[-1]}, and tract_moe_ffn's "

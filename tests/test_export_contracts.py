@@ -1,0 +1,420 @@
+"""Contracts of the NNEF export that the wider export tests leave unpinned.
+
+Each test checks one documented promise against an independent ground truth: the real transformers
+block (for the reference maths `MoeSpec.routed` that every block is checked against), hand-built
+inputs at the edge of a documented bound (the vocabulary, the self-check's 1e-5), or the archive
+writer's own files. Most stop before tracing (refusals, checks of inputs) so they run in well under a
+second; the few exports use ``verify=False`` or tiny blocks. Needs the ``export`` extra.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import tarfile
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torch_to_nnef", reason="the export extra is not installed (pip install 'moelens[export]')")
+pytest.importorskip("tract", reason="the export extra is not installed (pip install 'moelens[export]')")
+
+import moelens  # noqa: E402
+from moelens.export import Edits, ExportError, ExportRefused, to_nnef  # noqa: E402
+from moelens.export import archive  # noqa: E402
+from moelens.testing import TINY_OVERRIDES, tiny_inputs, tiny_model  # noqa: E402
+
+
+def small(family: str, **overrides):
+    """The family's tiny model with 2 decoder layers (per-layer lists cut to match)."""
+    extra = {"num_hidden_layers": 2}
+    for key, value in TINY_OVERRIDES[family].items():
+        if isinstance(value, list) and len(value) == 4 and key != "moe_layers":
+            extra[key] = value[:2]
+    extra.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tiny_model(family, **extra)
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+
+
+def test_default_token_ids_are_seeded_and_skip_the_special_ids():
+    """The default example inputs are seeded ``[1, 8]`` token ids drawn from ``3 .. vocab-1`` (never 0..2: pad,
+    bos, eos), and a block's are ``[1, 8, D]`` hidden states."""
+    from moelens.export.exporter import default_inputs
+    from moelens.export.target import resolve
+
+    wrapped = moelens.wrap(small("mixtral"))  # vocabulary 128
+    target = resolve(wrapped)
+    ids = default_inputs(target, tokens=4096)  # enough draws that each id of 0..127 comes up (~32 times each)
+    assert ids.shape == (1, 4096) and ids.dtype == torch.long
+    assert int(ids.min()) == 3 and int(ids.max()) == 127
+    assert torch.equal(default_inputs(target), default_inputs(target))
+    block = default_inputs(resolve(wrapped.moes[0]))
+    assert block.shape == (1, 8, 32) and block.dtype == torch.float32
+
+
+def test_token_ids_are_checked_against_the_vocabulary_at_its_edge():
+    """Ids must lie in ``[0, vocab)``: the last id passes, ``vocab`` itself is refused (one past the embedding)."""
+    from moelens.export.exporter import checked_inputs
+
+    assert int(checked_inputs(torch.full((1, 4), 127), "model", vocab=128).max()) == 127
+    with pytest.raises(ExportError, match=r"token id 128, outside the model's vocabulary \[0, 128\)"):
+        checked_inputs(torch.full((1, 4), 128), "model", vocab=128)
+    with pytest.raises(ExportError, match=r"token id -1, outside"):
+        checked_inputs(torch.tensor([[5, -1]]), "model", vocab=128)
+
+
+def test_inputs_of_another_rank_than_the_archive_declares_are_refused():
+    """An archive that records no kind (``kind=None``) still has its input shape checked, rank included."""
+    from moelens.export.exporter import checked_inputs
+
+    assert checked_inputs(torch.ones(1, 4), None, dims=[1, "S"]).shape == (1, 4)
+    with pytest.raises(ExportError, match=r"shape \(1, 4, 1\) do not fit the export, which takes the shape \[1, S\]"):
+        checked_inputs(torch.ones(1, 4, 1), None, dims=[1, "S"])
+    with pytest.raises(ExportError, match=r"shape \(1,\) do not fit"):
+        checked_inputs(torch.ones(1), None, dims=[1, "S"])
+
+
+def test_model_example_inputs_must_be_two_dimensional_and_hold_a_token(tmp_path):
+    """Token ids are ``[batch, seq]``: ids with an extra axis and ids with no token are refused before any work."""
+    wrapped = moelens.wrap(small("mixtral"))
+    path = tmp_path / "refused.nnef.tgz"
+    refused = {
+        r"takes token ids \[batch, seq\] \(integers\), but example_inputs is torch.int64 of shape \(1, 2, 6\)":
+            torch.randint(3, 128, (1, 2, 6)),
+        r"takes token ids \[batch, seq\].*of shape \(6,\)": torch.randint(3, 128, (6,)),
+        r"example_inputs of shape \(1, 0\) hold no token": torch.zeros(1, 0, dtype=torch.long),
+    }
+    for message, ids in refused.items():
+        with pytest.raises(ExportError, match=message):
+            to_nnef(wrapped, path, example_inputs=ids)
+        assert not path.exists()
+    with pytest.raises(ExportError, match=r"example_inputs of shape \(1, 0, 32\) hold no token"):
+        to_nnef(wrapped.moes[0], path, example_inputs=torch.zeros(1, 0, 32))
+
+
+def test_an_all_ones_mask_of_another_shape_is_refused(tmp_path):
+    """The mask must be all ones *in input_ids' shape*: ones of another shape (one row for two) are refused."""
+    hf = small("mixtral")
+    inputs = tiny_inputs(hf, batch=2, seq=6)
+    path = tmp_path / "mask.nnef.tgz"
+    for mask in (torch.ones(1, 6, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)):
+        with pytest.raises(ExportError, match=r"attention_mask \(shape \(\d, \d\)\) is not all ones in input_ids' "
+                                              r"shape \(2, 6\)"):
+            to_nnef(moelens.wrap(hf), path, example_inputs={**inputs, "attention_mask": mask})
+        assert not path.exists()
+
+
+# -- what is exported ------------------------------------------------------------------------------------
+
+
+def test_edits_keyed_by_a_layer_that_two_blocks_share_are_refused():
+    """Two MoE blocks with the same layer number (two stacks under one root): Edits keyed by that layer would
+    edit both, so they are refused; the same blocks export unedited, each with its own weights."""
+    from moelens.export.exporter import prepare
+    from moelens.export.target import Block, Target
+    from moelens.families import registry
+
+    root = torch.nn.Module()
+    root.first, root.second = tiny_model("mixtral", num_hidden_layers=1), tiny_model("mixtral", num_hidden_layers=1, seed=1)
+    family = registry.get("mixtral")
+    target = Target("model", root, [Block(f"{name}.model.layers.0.mlp", family, 0) for name in ("first", "second")])
+    with pytest.raises(ExportRefused, match=r"layer 0 holds several MoE blocks, so Edits keyed by layer are ambiguous"):
+        prepare(target, edits=Edits(ablate={0: [1]}))
+    assert len(prepare(target).reports) == 2
+
+
+def test_a_block_of_a_model_that_carries_nnsight_edits_is_refused(tmp_path):
+    """``model.edit()`` edits live on the wrapped model; exporting one of its blocks (``model.moes[i]``) would drop
+    them as a whole-model export would, so both are refused until ``clear_edits``."""
+    wrapped = moelens.wrap(small("mixtral"))
+    with wrapped.edit(inplace=True):
+        wrapped.moes[0].router_logits[..., 0] = 0.0
+    path = tmp_path / "edited-block.nnef.tgz"
+    for exported in (wrapped, wrapped.moes[0], wrapped.moes[1]):
+        with pytest.raises(ExportRefused, match=r"carries 1 nnsight edit\(s\) \(model.edit\(\)\)"):
+            to_nnef(exported, path, verify=False)
+        assert not path.exists()
+    wrapped.clear_edits()
+    assert to_nnef(wrapped.moes[0], path, verify=False).path.is_file()
+
+
+def test_a_model_sharded_over_one_rank_holds_every_expert_and_exports(tmp_path):
+    """shard_experts over a world of one rank keeps all experts on that rank: nothing is missing, so the block
+    exports (the refusal is for a rank holding only some experts)."""
+    import torch.distributed as dist
+
+    from moelens.parallel import shard_experts
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = shard_experts(small("mixtral"), None)
+        experts = sharded.model.layers[0].mlp.experts
+        assert "_ep_group" in experts.__dict__ and experts._ep_num_local == experts.num_experts == 8
+        report = to_nnef(moelens.wrap(sharded).moes[0], tmp_path / "one-rank.nnef.tgz", verify=False)
+        assert report.path.is_file() and report.blocks[0].num_experts == 8
+    finally:
+        dist.destroy_process_group()
+
+
+
+def test_a_model_configured_to_return_router_logits_exports_with_dynamic_tokens(tmp_path):
+    """A config asking for the router logits (their auxiliary loss) and a KV cache: the exported copy turns both
+    off (its blocks produce no router logits), also on the dynamic path whose forward passes no such keyword;
+    the user's config keeps them."""
+    from moelens.export import run
+
+    hf = small("mixtral", output_router_logits=True, use_cache=True)
+    report = to_nnef(moelens.wrap(hf), tmp_path / "router-logits.nnef.tgz", dynamic_tokens=True, verify=False)
+    assert (hf.config.output_router_logits, hf.config.use_cache) == (True, True)
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    torch.testing.assert_close(torch.from_numpy(run(report.path, ids)), expected, atol=1e-4, rtol=5e-4)
+
+# -- the reference maths ----------------------------------------------------------------------------------
+
+
+def test_clamped_swiglu_reference_matches_gpt_oss_where_the_clamp_bites():
+    """gpt_oss clamps the gate from above only (``gate.clamp(max=limit)``) and the up projection both ways.
+
+    Ground truth: the real transformers block. On inputs scaled so that many gate and up values lie beyond
+    +-limit (7), tract's maths in torch (`MoeSpec.routed` in `ExportBlock`, what every export is checked
+    against) equals it. With every gate pushed far below -limit (a gate bias of -30), the real experts
+    output ~0 (silu of -30): a gate clamped from below too would give gate*sigmoid(1.702 gate) at -7 instead,
+    ~ -5e-5 per neuron, a difference the large-input case alone cannot see at its scale.
+    """
+    from moelens.export.block import ExportBlock, TractMoeFfn, block_output, check_block
+    from moelens.export.spec import read_spec
+    from moelens.families import registry
+
+    family = registry.get("gpt_oss")
+    block = small("gpt_oss").model.layers[0].mlp.eval()
+    spec = read_spec(family, block, 0)
+    assert spec.act_limit == 7.0
+    x = 200.0 * torch.randn(2, 16, spec.wg.shape[1], generator=torch.Generator().manual_seed(0))
+    gate = torch.einsum("...d,edh->...eh", x, spec.w1) + spec.w1_bias
+    up = torch.einsum("...d,edh->...eh", x, spec.w3) + spec.w3_bias
+    for values in (gate, up):  # the clamps bite, both ways
+        assert (values < -7.0).float().mean() > 0.1 and (values > 7.0).float().mean() > 0.1
+    with torch.no_grad():
+        real = block_output(family, block(x)).float()
+        mine = ExportBlock(family, block, TractMoeFfn(spec), root=True)(x)
+    assert float(real.abs().max()) > 1.0
+    assert float((real - mine).abs().max()) <= 1e-5 * float(real.abs().max())
+
+    with torch.no_grad():
+        block.experts.gate_up_proj_bias[:, ::2] = -30.0  # gpt_oss interleaves gate and up columns
+        block.experts.down_proj_bias.zero_()
+        block.experts.down_proj.mul_(1000.0)
+    spec = read_spec(family, block, 0)
+    assert bool((spec.w1_bias == -30.0).all())
+    x = torch.randn(2, 16, spec.wg.shape[1], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        real = block_output(family, block(x)).float()
+        mine = ExportBlock(family, block, TractMoeFfn(spec), root=True)(x)
+    assert float(real.abs().max()) < 1e-8  # silu(-30) ~ 0: the experts output nothing
+    assert float(mine.abs().max()) < 1e-8
+    check_block(family, block, spec)
+
+
+def test_the_block_self_check_bound_is_1e_5_of_the_output_scale():
+    """check_block refuses a block whose output is off by 5e-5 of its scale (beyond its documented 1e-5 bound),
+    and passes the same block off by 2e-6 (within it).
+
+    Ground truth: the real block, its experts' output multiplied by hand; the error it causes is measured
+    on check_block's own inputs."""
+    from moelens.export.block import block_output, check_block
+    from moelens.export.spec import read_spec
+    from moelens.families import registry
+
+    family = registry.get("mixtral")
+    module = copy.deepcopy(small("mixtral").model.layers[0].mlp).float().eval()
+    with torch.no_grad():
+        module.experts.down_proj.mul_(1000.0)  # an output scale of a few units
+    spec = read_spec(family, module, 0)
+    x = torch.randn(2, 32, spec.wg.shape[1], generator=torch.Generator().manual_seed(0))  # check_block's inputs
+    with torch.no_grad():
+        scale = float(block_output(family, module(x)).abs().max())
+    assert scale > 1.0
+    real = module.experts.forward
+    for factor, refused in ((1 + 5e-5, True), (1 + 2e-6, False)):
+        module.experts.forward = lambda *args, factor=factor, **kwargs: factor * real(*args, **kwargs)
+        if refused:
+            with pytest.raises(ExportRefused, match="refused rather than exported wrong"):
+                check_block(family, module, spec)
+        else:
+            assert check_block(family, module, spec) <= 1e-5 * scale
+
+
+def test_the_block_self_check_does_not_see_the_input_the_block_edited_in_place():
+    """Mixtral's router jitter (train mode) multiplies the block's input in place: the block then computes on
+    other inputs than tract's maths, and check_block must see the difference, not run both on the jittered x."""
+    from moelens.export.block import check_block
+    from moelens.export.spec import read_spec
+    from moelens.families import registry
+
+    family = registry.get("mixtral")
+    module = copy.deepcopy(small("mixtral", router_jitter_noise=0.5).model.layers[0].mlp).float()
+    spec = read_spec(family, module, 0)
+    assert check_block(family, module.eval(), spec) <= 1e-5  # no jitter in eval mode
+    with pytest.raises(ExportRefused, match="refused rather than exported wrong"):
+        check_block(family, module.train(), spec)
+
+
+
+def test_missing_expert_biases_are_written_as_zeros_of_their_own_shapes():
+    """tract_moe_ffn binds its biases by position (wg_bias, w1_bias, w3_bias, w2_bias) after x, wg, w1, w2, w3: a
+    spec with some expert biases fills the others with zeros of the shapes the spec documents (w1/w3 biases
+    [E, H], w2_bias and the router's [E, D] / [E]), here with D != H so a swapped axis shows."""
+    from moelens.export.extractor import op_inputs
+    from moelens.export.spec import MoeSpec
+
+    experts, d, h = 3, 4, 6
+    spec = MoeSpec(family="hand", layer=0, k=2, gate="softmax_topk", scale=1.0, activation="swiglu", act_alpha=None,
+                   act_limit=None, wg=torch.randn(experts, d), w1=torch.randn(experts, d, h),
+                   w2=torch.randn(experts, h, d), w3=torch.randn(experts, d, h), w1_bias=torch.randn(experts, h))
+    inputs = op_inputs(spec)
+    assert [name for name, _ in inputs] == ["wg", "w1", "w2", "w3", "wg_bias", "w1_bias", "w3_bias", "w2_bias"]
+    shapes = {name: tuple(tensor.shape) for name, tensor in inputs}
+    assert shapes == {"wg": (3, 4), "w1": (3, 4, 6), "w2": (3, 6, 4), "w3": (3, 4, 6), "wg_bias": (3,),
+                      "w1_bias": (3, 6), "w3_bias": (3, 6), "w2_bias": (3, 4)}
+    assert inputs[5][1] is spec.w1_bias
+    assert all(not tensor.any() for name, tensor in inputs if name in ("wg_bias", "w3_bias", "w2_bias"))
+    # with no expert bias, the router's bias alone follows w3
+    router_only = spec.with_weights(w1_bias=None, wg_bias=torch.ones(experts))
+    assert [name for name, _ in op_inputs(router_only)] == ["wg", "w1", "w2", "w3", "wg_bias"]
+
+# -- the archive writer -----------------------------------------------------------------------------------
+
+
+def _export_folder(where: Path, tensors: list[str]) -> Path:
+    """A folder as torch-to-nnef writes it: graph.nnef declaring ``tensors`` and one ``<label>.dat`` each."""
+    where.mkdir(parents=True)
+    body = "\n".join(f"    {name} = variable<scalar>(shape = [1], label = '{name}');" for name in tensors)
+    (where / "graph.nnef").write_text(f"version 1.0;\ngraph g() -> ()\n{{\n{body}\n}}\n")
+    for name in tensors:
+        (where / f"{name}.dat").write_bytes(name.encode())
+    return where
+
+
+def test_a_folder_export_replaces_the_earlier_exports_tensors():
+    """Writing over an earlier folder export leaves exactly the new export's files: the earlier tensors
+    the new graph no longer names are gone (a stale .dat would make the folder two exports in one)."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder)
+        target = base / "out"
+        archive.write(_export_folder(base / "first", ["a", "b"]), target)
+        assert sorted(p.name for p in target.iterdir()) == ["a.dat", "b.dat", "graph.nnef"]
+        archive.write(_export_folder(base / "second", ["c"]), target)
+        assert sorted(p.name for p in target.iterdir()) == ["c.dat", "graph.nnef"]
+        assert (target / "c.dat").read_bytes() == b"c"
+
+
+def test_a_folder_holding_only_what_a_killed_export_left_is_written_over():
+    """A folder holding nothing but a staging copy a killed export left is an export folder: it is written into,
+    and the leftover goes."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder)
+        target = base / "out"
+        killed = target / ".moelens-export-0123456789ab.part"
+        killed.mkdir(parents=True)
+        (killed / "graph.nnef").write_text("half\n")
+        archive.check_destination(target)  # not refused as a folder of the user's
+        archive.write(_export_folder(base / "new", ["a"]), target)
+        assert sorted(p.name for p in target.iterdir()) == ["a.dat", "graph.nnef"]
+
+
+def test_a_copy_that_fails_halfway_leaves_no_staging_folder(monkeypatch):
+    """A folder export whose copy fails after some files (a full disk) removes its half-written staging copy
+    and leaves the earlier export as it was."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder)
+        target = base / "out"
+        archive.write(_export_folder(base / "first", ["a"]), target)
+        before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+        def half_copy(source, destination, *args, **kwargs):
+            Path(destination).mkdir()
+            (Path(destination) / "graph.nnef").write_text("half\n")
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(archive.shutil, "copytree", half_copy)
+        with pytest.raises(ExportError, match=r"No space left on device\); what was there is left as it was"):
+            archive.write(_export_folder(base / "second", ["b"]), target)
+        assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+def test_an_archive_that_fails_to_write_leaves_no_temporary_file(monkeypatch):
+    """An archive write that fails (a full disk) removes its temporary ``.<name>.<hex>.part`` file and keeps the
+    earlier archive as it was."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder)
+        path = base / "model.nnef.tgz"
+        archive.write(_export_folder(base / "first", ["a"]), path)
+        before = path.read_bytes()
+        with tarfile.open(path) as tar:
+            assert sorted(tar.getnames()) == ["a.dat", "graph.nnef"]
+
+        class FullDisk(gzip.GzipFile):
+            def write(self, data):
+                raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(archive.gzip, "GzipFile", FullDisk)
+        with pytest.raises(ExportError, match=r"No space left on device\); what was there is left as it was"):
+            archive.write(_export_folder(base / "second", ["b"]), path)
+        assert path.read_bytes() == before
+        assert sorted(p.name for p in base.iterdir()) == ["first", "model.nnef.tgz", "second"]
+
+
+# -- verification -----------------------------------------------------------------------------------------
+
+
+def test_a_verification_meets_its_own_level_and_every_looser_one():
+    """``Verification.meets(level)``: the archive met ``level`` or a tighter one; a tolerance equal to the level
+    meets it."""
+    from moelens.export.runner import TOLERANCES
+    from moelens.export.verification import Verification
+
+    levels = list(TOLERANCES)
+    for index, met in enumerate(levels):
+        verification = Verification(0.0, met, "torch")
+        assert [verification.meets(level) for level in levels] == [i >= index for i in range(len(levels))]
+    assert not Verification(1.0, None, "torch").meets(levels[-1])
+
+
+def test_a_bfloat16_model_is_verified_against_its_float32_copy(tmp_path):
+    """The archive computes in float32 from a float32 copy of a bfloat16 model; to_nnef's check and `verify` run
+    torch on a float32 copy too (the user's bfloat16 model is left as it is).
+
+    Ground truth: the block's weights cast to float32 by hand, run in torch, against tract's output."""
+    from moelens.export import run, verify
+
+    hf = small("mixtral", dtype=torch.bfloat16)
+    moe = moelens.wrap(hf).moes[0]
+    hidden = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(0))
+    report = to_nnef(moe, tmp_path / "bf16-block.nnef.tgz", example_inputs=hidden)
+    assert report.verification.meets("approximate")
+    with torch.no_grad():
+        expected = copy.deepcopy(hf.model.layers[0].mlp).float()(hidden)
+    torch.testing.assert_close(torch.from_numpy(run(report.path, hidden)), expected, atol=1e-4, rtol=5e-4)
+    assert verify(report.path, moe, hidden).meets("approximate")
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+
+
+def test_dynamic_position_ids_count_from_zero_in_every_row():
+    """The position ids a dynamic whole-model archive builds from input_ids are ``0 .. seq-1`` per row, as
+    transformers numbers an unpadded prompt (rotary models hide a shift, absolute position embeddings do not)."""
+    from moelens.export.masks import positions
+
+    ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(positions(ids), torch.arange(7).expand(3, 7))
+    assert torch.equal(positions(ids[:, :1]), torch.zeros(3, 1, dtype=torch.long))
