@@ -1897,6 +1897,24 @@ def test_errors_name_what_the_user_called(mixtral):
             moelens.ablate(wrapped.layers[0], 1)
 
 
+def test_a_second_force_on_a_block_ranking_selection_scores_says_what_orders_it():
+    """deepseek_v3 ranks score + correction bias: force writes the logits and then the selection scores, so a second
+    force comes after the logits; the order error says so (the generic routing-before-outputs rule was followed)."""
+    _, wrapped, inputs, _, _ = built("deepseek_v3", "grouped_mm")
+    moe = next(moe for moe in wrapped.moes if moe.ranks_selection_scores)
+    with pytest.raises(OrderError, match=r"^force: .* \(deepseek_v3\) force and ablate\(mode='route_around'\) also "
+                                         r"write the selection scores.*then at most one force"):
+        with wrapped.trace(**inputs):
+            moelens.force(moe, 2, tokens=(..., 0))
+            moelens.force(moe, 3, tokens=(..., 1))
+    with wrapped.trace(**inputs):  # the order it gives works
+        moelens.steer(moe, 1, 2.0)
+        moelens.force(moe, [2, 3])
+        moelens.ablate(moe, 5, "route_around")
+        indices = moe.expert_indices.save()
+    assert (indices[..., :2].sort(-1).values == torch.tensor([2, 3])).all()
+
+
 def test_reading_a_misspelt_value_suggests_the_name_meant(mixtral):
     """Jupyter shows no "did you mean" of its own for an attribute error."""
     wrapped, inputs = mixtral

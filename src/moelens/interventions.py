@@ -48,6 +48,17 @@ INTERVENTION_ORDER = (
 )
 
 
+def _selection_order(moe: Any) -> str:
+    """What else orders the routing writes of a block whose router ranks score + a selection bias."""
+    if not (isinstance(moe, Moe) and moe.ranks_selection_scores):
+        return ""
+    return (
+        f" On {moe.path} ({moe.family.name}) force and ablate(mode='route_around') also write the selection scores "
+        "the router computes after the logits, and force writes the logits too: steer first, then at most one force "
+        "(pass all its experts at once; for other experts on other tokens use moelens.reroute), then route_around."
+    )
+
+
 def _intervention(function: Callable[..., None]) -> Callable[..., None]:
     """Name the intervention in the order error of a value it asked for after the model had run past it."""
 
@@ -56,7 +67,7 @@ def _intervention(function: Callable[..., None]) -> Callable[..., None]:
         try:
             return function(moe, *args, **kwargs)
         except OrderError as error:
-            raise OrderError(f"{function.__name__}: {error} {INTERVENTION_ORDER}") from None
+            raise OrderError(f"{function.__name__}: {error} {INTERVENTION_ORDER}{_selection_order(moe)}") from None
 
     return run
 
