@@ -638,6 +638,21 @@ BAD_ARGUMENTS = {
                        r"min_count must be an integer of at least 0, got '3'"),
     "blocks-int": (lambda m, r: analysis.collect_routing(m, unread(), blocks=5, progress=False),
                    r"blocks must be a part of a block path or a list of them \(text\), got 5"),
+    # flags given as text: "False" is truthy, so it was taken as True
+    "collect-logits-text": (lambda m, r: analysis.collect_routing(m, unread(), logits="False", progress=False),
+                            r"logits must be True or False, got 'False' \(str\)"),
+    "collect-progress-text": (lambda m, r: analysis.collect_routing(m, unread(), progress="no"),
+                              r"progress must be True or False, got 'no'"),
+    "lens-relative-text": (lambda m, r: analysis.expert_logit_lens(m, unread(), relative="no", progress=False),
+                           r"relative must be True or False, got 'no'"),
+    "describe-probe-text": (lambda m, r: analysis.describe(m, probe="no"), r"probe must be True or False, got 'no'"),
+    # nothing to route: the messages say why and what to pass
+    "view-empty-text": (lambda m, r: analysis.token_routing(m, ""), r"the text '' has no tokens: .*pass text with words"),
+    "lens-empty-corpus": (lambda m, r: analysis.expert_logit_lens(m, [""], progress=False),
+                          r"the corpus has no tokens: .*pass texts or token ids with content"),
+    "top-tokens-empty-cache": (lambda m, r: analysis.top_tokens(analysis.collect_routing(m, [], progress=False), 0),
+                               r"holds no tokens .*analysis\.collect_routing\(model, texts\)"),
+    "view-logits-number": (lambda m, r: analysis.token_routing(m, "a b", logits=2), r"logits must be True or False, got 2"),
 }
 
 

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -277,6 +278,18 @@ def test_export_refuses_an_expert_edited_twice(edits):
 
     args = build_parser().parse_args(["export", "tiny", "x.nnef.tgz", *edits])
     with pytest.raises(MoelensError, match=r"expert \d of layer \d is given twice"):
+        parse_edits(args)
+
+
+@pytest.mark.parametrize("edit, example", [(["--swap", "1:2=2.5"], "LAYER:EXPERT=TO with TO an expert id, e.g. 2:4=0"),
+                                           (["--steer", "1:2=big"], "LAYER:EXPERT=BIAS, e.g. 2:4=1.5")],
+                         ids=["swap", "steer"])
+def test_export_edit_specs_are_explained_in_their_own_terms(edit, example):
+    from moelens.errors import MoelensError
+    from moelens.export.cli import parse_edits
+
+    args = build_parser().parse_args(["export", "tiny", "x.nnef.tgz", *edit])
+    with pytest.raises(MoelensError, match=re.escape(f"--{edit[0][2:]} {edit[1]!r}: expected {example}")):
         parse_edits(args)
 
 

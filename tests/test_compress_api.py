@@ -74,6 +74,12 @@ def test_clear_errors():
                            ({"refit": "no"}, r"refit must be True or False"),
                            ({"max_error": "0.2"}, r"max_error must be a number, got '0.2'"),
                            ({"lora_alpha": "x"}, r"lora_alpha must be a number"),
+                           ({"lora_alpha": float("nan"), "lora_r": 2}, r"lora_alpha must be a finite number, got nan"),
+                           ({"lora_alpha": float("inf"), "lora_r": 2}, r"lora_alpha must be a finite number, got inf"),
+                           ({"return_stats": "no"}, r"return_stats must be True or False, got 'no'"),
+                           ({"comp_config": "num_experts=8"}, r"comp_config must be a dict or an object with tomoe "
+                                                              r"settings as attributes .*got str 'num_experts=8'"),
+                           ({"comp_config": [("num_experts", 8)]}, r"comp_config must be a dict .*got list"),
                            ({"seed": "x"}, r"seed must be an int"),
                            ({"target_modules": "q_proj["}, r"target_modules='q_proj\[' is not a valid regex "
                                                            r"\(unterminated character set .*\); a string is matched")]:

@@ -47,14 +47,19 @@ def write_fails(wrapped, inputs, write, match):
         (lambda moe: setattr(moe, "router_logits", torch.full_like(moe.router_logits, float("-inf"))), r"-inf"),
         (lambda moe: setattr(moe, "expert_weights", moe.expert_indices), r"int64 tensor, expected a floating"),
         (lambda moe: moe.expert_indices.__setitem__((0, 0, 0), 99), r"index 99"),  # in place: checked on write-back
-        (lambda moe: moe.expert_outputs.__setitem__((0, 0), float("nan")), r"NaN"),
+        (lambda moe: moe.expert_outputs.__setitem__((0, 0), float("nan")),
+         r"expert_outputs: the written tensor holds NaN \(64 of 640, the first at \(0, 0, 0, 0\)\).*torch\.nan_to_num"),
+        (lambda moe: setattr(moe, "expert_weights", True), r"wrote a torch\.bool tensor, expected a floating-point"),
+        (lambda moe: setattr(moe, "expert_weights", None), r"expert_weights: wrote NoneType None, expected a tensor "
+                                                           r"of shape \(2, 5, 2\) and dtype torch\.float32"),
+        (lambda moe: setattr(moe, "router_logits", "big"), r"router_logits: wrote str 'big', expected a tensor"),
         (lambda moe: setattr(moe, "router_probs", moe.router_probs), r"derived from router_logits"),
         (lambda moe: moe.router_logits.__setitem__((..., 1), float("inf")), r"holds \+inf; a \+inf logit makes this router's softmax scores NaN"),
         (lambda moe: moe.expert_weights.__setitem__((..., 0), float("inf")), r"expert_weights: the written tensor holds \+inf"),
         (lambda moe: setattr(moe, "routed_output", moe.routed_output - float("inf")), r"routed_output: the written tensor holds -inf"),
     ],
     ids=["index-too-big", "index-negative", "float-index", "wrong-shape", "nan", "all-neg-inf", "int-weights",
-         "in-place-index", "in-place-nan", "probs-read-only", "pos-inf-logit", "inf-weight", "neg-inf-output"],
+         "in-place-index", "in-place-nan", "bool-number", "none", "text", "probs-read-only", "pos-inf-logit", "inf-weight", "neg-inf-output"],
 )
 def test_bad_writes_raise_clear_errors(mixtral, write, match):
     wrapped, inputs = mixtral
@@ -1895,6 +1900,15 @@ def test_errors_name_what_the_user_called(mixtral):
                                          r"block model\.model\.layers\.0\.mlp: pass that \(model\.layers\[0\]\.mlp\)"):
         with wrapped.trace(**inputs):
             moelens.ablate(wrapped.layers[0], 1)
+
+
+def test_save_all_strict_is_a_flag(mixtral):
+    """strict="no" is truthy text: it was taken as True (raising where the user asked to leave values out)."""
+    wrapped, inputs = mixtral
+    for save_all in (lambda: wrapped.save_all(strict="no"), lambda: wrapped.moes[0].save_all(strict="no")):
+        with pytest.raises(moelens.MoelensError, match=r"strict must be True or False, got 'no' \(str\)"):
+            with wrapped.trace(**inputs):
+                save_all()
 
 
 def test_a_second_force_on_a_block_ranking_selection_scores_says_what_orders_it():

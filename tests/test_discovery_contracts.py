@@ -99,6 +99,8 @@ def test_register_refuses_a_taken_name_without_replace():
     try:
         with pytest.raises(FamilyError, match="already registered; pass replace=True"):
             families.register(probe)
+        with pytest.raises(FamilyError, match=r"replace must be True or False, got 'no'"):  # truthy text: no replace
+            families.register(probe, replace="no")
     finally:
         if families.get("mixtral") is probe:  # registered after all: put the built-in back
             families.unregister("mixtral")

@@ -407,6 +407,10 @@ def test_edits_tract_cannot_express_are_refused(out):
         to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(ablate={5: [0]}))
     with pytest.raises(ExportError, match="not finite"):
         Edits(steer={0: {1: float("inf")}})
+    for flag in ("verify", "dynamic_tokens"):  # "False" is truthy: it was taken as True
+        with pytest.raises(ExportError, match=rf"^{flag} must be True or False, got 'False' \(str\)"):
+            to_nnef(wrapped, out / "bad.nnef.tgz", **{flag: "False"})
+    assert not (out / "bad.nnef.tgz").exists()
 
 
 _EXPERT_ID = r"must be an int expert id \(a Python or numpy integer, or a one-element integer tensor\), got "

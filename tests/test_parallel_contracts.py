@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -117,6 +118,19 @@ def test_degree_and_owner_edge_cases() -> None:
             expert_owner(0, 8, ranks_)
     # a flag is no count of experts
     assert num_experts_from_config(SimpleNamespace(num_local_experts=True, n_routed_experts=8)) == 8
+    # ids and counts are integers (numpy's and 0-d tensors' too); a float, a bool or text is refused, never rounded
+    assert expert_owner(numpy.int64(5), 8, torch.tensor(2)) == (1, 1)
+    for args, named in [((1.5, 8, 2), r"expert must be an integer, got 1\.5 \(float\)"),
+                        ((5, 8, 2.0), r"ep_size must be an integer, got 2\.0"),
+                        ((True, 8, 2), r"expert must be an integer, got True \(bool\)"),
+                        (("1", 8, 2), r"expert must be an integer, got '1' \(str\)")]:
+        with pytest.raises(MoelensError, match=rf"^expert_owner: {named}"):
+            expert_owner(*args)
+    for args, named in [((True, 8), r"world_size must be an integer, got True"),
+                        ((2.0, 8), r"world_size must be an integer, got 2\.0"),
+                        ((2, "8"), r"num_experts must be an integer, got '8'")]:
+        with pytest.raises(MoelensError, match=rf"^choose_ep_dp_degrees: {named}"):
+            choose_ep_dp_degrees(*args)
 
 
 def test_slices_are_copies_that_keep_requires_grad() -> None:

@@ -32,6 +32,7 @@ from .discovery import Structure, discover, layer_path
 from .errors import FamilyError, MoelensError, ValueUnavailable
 from .families import Family, registry
 from .modules import takes_keyword
+from .scalars import check_flag
 
 
 class MoeModelMixin:
@@ -155,6 +156,7 @@ class MoeModelMixin:
                 "model.save_all: a model's values exist only while it runs; call it inside a trace "
                 "(with model.trace(inputs): ..., or model.generate)."
             ) from None
+        check_flag("strict", strict)
         blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else list(moes)
         for block in blocks:
             if not isinstance(block, Moe) or block.interleaver is not self.interleaver:

@@ -1,7 +1,8 @@
 """Numbers as moelens takes them in arguments: a Python number, a numpy scalar, or a one-element tensor or array.
 
 An id (an expert, a layer, a count) is an integer and never a bool: a float, a bool, text or a tensor of
-several values is refused by the caller, in its own words, never rounded or taken as 0/1.
+several values is refused by the caller, in its own words, never rounded or taken as 0/1. A flag is True or
+False (numpy's too): text such as ``"False"`` is truthy in Python, so it is refused, not taken as True.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .errors import MoelensError
 
 
 def scalar(value: Any) -> Any:
@@ -46,3 +49,10 @@ def as_lone_int(value: Any) -> int | None:
     """`as_int` of a value with no axes: a 0-d tensor or array counts, a one-element list-like one does not (where
     a list of ids is taken, ``tensor([3])`` is that list)."""
     return None if getattr(value, "ndim", 0) != 0 else as_int(value)
+
+
+def check_flag(name: str, value: Any, error: type[MoelensError] = MoelensError) -> bool:
+    """``value`` as a Python bool; raises ``error`` naming ``name`` unless it is True or False (numpy's too)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise error(f"{name} must be True or False, got {value!r} ({type(value).__name__}).")
+    return bool(value)

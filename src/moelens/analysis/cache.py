@@ -38,6 +38,10 @@ from .checks import check_type, split_ids
 #: expert 0 with weight 0): counted by no expert.
 SKIPPED = -1
 
+#: Why a result over a cache of no tokens cannot be made, and what to do.
+EMPTY_CACHE = ("this routing cache holds no tokens (its corpus was empty, or the collection stopped before its first "
+               "batch); collect one over texts with content: analysis.collect_routing(model, texts).")
+
 #: Version of the on-disk layout (``routing.json`` says which).
 FORMAT_VERSION = 1
 META_FILE = "routing.json"
@@ -238,7 +242,7 @@ class RoutingCache:
     def _cat(self, kind: str, layer: int | None = None) -> Tensor:
         parts = [getattr(s, kind) if layer is None else getattr(s, kind)[layer] for s in self.shards()]
         if not parts:
-            raise MoelensError("this routing cache holds no tokens.")
+            raise MoelensError(EMPTY_CACHE)
         return torch.cat(parts)
 
     def indices(self, layer: int) -> Int[Tensor, "t k"]:

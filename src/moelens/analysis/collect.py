@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..errors import MoelensError
 from ..model import MoeModelMixin
-from ..scalars import as_lone_int
+from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
 from .checks import check_count, check_type, id_list, split_ids
@@ -170,6 +170,8 @@ def collect_routing(
         The `RoutingCache` (on disk when ``folder`` is given).
     """
     shard_tokens = check_count("shard_tokens", shard_tokens)
+    logits, stop_early, progress = (check_flag(name, value) for name, value in
+                                    (("logits", logits), ("stop_early", stop_early), ("progress", progress)))
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise MoelensError(
             f"dtype must be a floating-point torch dtype to store weights and logits in (torch.float16, "

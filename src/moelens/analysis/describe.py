@@ -18,6 +18,7 @@ from ..components.base import layer_of
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from ..families.unserved import why_no_moe
+from ..scalars import check_flag
 from . import corpus as corpora
 from .collect import check_wrapped, moes_of
 
@@ -180,6 +181,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         probe: Run a 4-token trace to find which values each block serves (and their shapes).
     """
     check_wrapped(model)
+    probe = check_flag("probe", probe)
     module = model._module
     config = getattr(module, "config", None)
     moes = list(getattr(model, "moes", None) or [])

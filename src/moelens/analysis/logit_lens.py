@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from ..errors import MoelensError
 from ..families.entry import get_path
+from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import layer_row
 from .checks import check_count, expert_ids
@@ -158,6 +159,7 @@ def expert_logit_lens(
         progress: Show a tqdm progress bar.
     """
     top = check_count("top", top)
+    relative, progress = check_flag("relative", relative), check_flag("progress", progress)
     moes = moes_of(model, layers, blocks)
     for moe in moes:
         if "expert_outputs" not in moe.order():
@@ -181,7 +183,8 @@ def expert_logit_lens(
     finally:
         bar.close()
     if all(count.sum() == 0 for count in counts.values()):
-        raise MoelensError("the corpus has no tokens.")
+        raise MoelensError("the corpus has no tokens: every item was empty (or only special tokens) after "
+                           "tokenizing; pass texts or token ids with content.")
     for moe in moes:
         sums[moe.layer] = _to_hidden(moe, sums[moe.layer])
     layer_ids = [moe.layer for moe in moes]

@@ -87,7 +87,8 @@ def token_routing(
     cache = collect_routing(model, [_one_text(text)], batch_size=1, logits=logits, layers=layers, blocks=blocks,
                             dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:
-        raise MoelensError("the text has no tokens.")
+        raise MoelensError(f"the text {str(text)!r:.60} has no tokens: the tokenizer made none of it (empty, or only "
+                           "special tokens); pass text with words in it.")
     indices = _stacked([cache.indices(layer).long() for layer in cache.layers], SKIPPED)
     weights = _stacked([cache.weights(layer) for layer in cache.layers], 0.0)
     order = torch.argsort(weights, dim=-1, descending=True, stable=True)

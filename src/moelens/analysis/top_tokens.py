@@ -16,7 +16,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import SKIPPED, RoutingCache, check_cache
+from .cache import EMPTY_CACHE, SKIPPED, RoutingCache, check_cache
 from .checks import check_count, expert_ids, id_list
 from .text import check_tokenizer, token_strings
 
@@ -65,7 +65,7 @@ def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor
         else:
             occurrences[: seen.shape[0]] += seen
     if not keys:
-        raise MoelensError("this routing cache holds no tokens.")
+        raise MoelensError(EMPTY_CACHE)
     unique, inverse = torch.unique(torch.cat(keys), return_inverse=True)
     counts = torch.zeros(unique.shape[0], dtype=torch.int64).index_add_(0, inverse, torch.cat(key_counts))
     return unique // stride, unique % stride, counts, occurrences

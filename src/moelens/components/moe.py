@@ -40,6 +40,7 @@ from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
 from ..modules import foreign_hooks, hook_name
+from ..scalars import check_flag
 from . import tokens
 from .base import bind_alias, envoy_at
 from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, copied, kept_for_backward, output_of
@@ -570,6 +571,7 @@ class Moe(Mlp):
             Name -> saved tensor, in the order read.
         """
         self._require_trace("save_all")
+        check_flag("strict", strict)
         order = self.order()
         wanted = set(order if values is None else [values] if isinstance(values, str) else values)
         unknown = wanted - set(VALUE_NAMES)

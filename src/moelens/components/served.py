@@ -23,7 +23,7 @@ from nnsight.intervention.batching import Batcher
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
-from ..errors import FamilyError, OrderError
+from ..errors import FamilyError, OrderError, WriteError
 from . import tokens
 from .binding import FLOAT, Binding
 from .write_checks import check_not_recomputed, check_write
@@ -358,6 +358,20 @@ class HandedBack:
                 )
 
 
+def _as_tensor(component: "Component", name: str, binding: Binding, value: Any, current: torch.Tensor) -> torch.Tensor:
+    """A written number, array or nested list as a tensor on the value's device (a Python number in its dtype for
+    a float value; a bool stays a bool, which the checks refuse); anything else raises `WriteError`."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        return torch.as_tensor(value, dtype=current.dtype if binding.kind == FLOAT and number else None,
+                               device=current.device)
+    except (TypeError, RuntimeError, ValueError):
+        raise WriteError(
+            f"{component.path}.{name}: wrote {type(value).__name__} {value!r:.60}, expected a tensor of shape "
+            f"{tuple(current.shape)} and dtype {current.dtype} (or a number to fill it with)."
+        ) from None
+
+
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
     name = descriptor.name
@@ -373,8 +387,7 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
         earlier = reads.views.pop(alias)
     current = fetched.view
     if not isinstance(value, torch.Tensor):
-        numbers_as = current.dtype if binding.kind == FLOAT and isinstance(value, (int, float)) else None
-        value = torch.as_tensor(value, dtype=numbers_as, device=current.device)
+        value = _as_tensor(component, name, binding, value, current)
     if value.dim() == 0:  # a scalar fills the whole view
         value = value.expand(current.shape)
     if value.is_floating_point() and current.is_floating_point():

@@ -95,8 +95,11 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
         )
     if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
         return
-    if torch.isnan(value).any():
-        raise WriteError(f"{where}: the written tensor contains NaN; the model would propagate it.")
+    nans = torch.isnan(value)
+    if nans.any():
+        first = tuple(int(i) for i in nans.nonzero()[0])
+        raise WriteError(f"{where}: the written tensor holds NaN ({int(nans.sum())} of {nans.numel()}, the first at "
+                         f"{first}); the model would propagate it. Write finite values (torch.nan_to_num, ...).")
     if binding.infinities != ANY_INF:
         plus = bool(torch.isposinf(value).any())
         if plus or (binding.infinities == FINITE and torch.isneginf(value).any()):

@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..modules import enclosing, evaluating
+from ..scalars import check_flag
 from . import calibration as calib
 from . import targets as tg
 from .blocks import ToMoEBlock
@@ -352,7 +353,9 @@ def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: 
             (`ToMoELinear`) instead of the FFN blocks.
         target_modules: Module names (``"q_proj"``, ``"model.layers.0.mlp"``) or a regex to convert.
         comp_config: A dict or object with these settings (also ``tomoe_num_experts``,
-            ``tomoe_top_k``, ``max_reconstruction_error``, ``tomoe_lora_r`` ...).
+            ``tomoe_top_k``, ``max_reconstruction_error``, ``tomoe_lora_r`` ...). A keyword
+            argument wins over it where it differs from its default (one equal to its default
+            cannot be told from an unset one: ``comp_config`` decides then).
         return_stats: Return ``(model, stats)`` instead of the model.
         **settings: ``refit`` (default True), ``max_tokens`` (32768), ``experts_implementation``
             (``"grouped_mm"``), ``inplace`` (False), ``seed`` (0), ``progress`` (True).
@@ -365,6 +368,7 @@ def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: 
             calibration data the model refuses (the message names the batch and why).
         NothingToConvert: The model has no layer to convert.
     """
+    check_flag("return_stats", return_stats, CompressionError)
     compressor = ToMoECompressor(
         model, num_experts, top_k, max_error=max_error, calibration=calibration, shared_neurons=shared_neurons,
         lora_r=lora_r, lora_alpha=lora_alpha, freeze_experts=freeze_experts,

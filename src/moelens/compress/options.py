@@ -8,12 +8,13 @@ keyword arguments that differ from their defaults win over ``comp_config``.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import MoelensError
-from ..scalars import as_lone_int, as_real
+from ..scalars import as_lone_int, as_real, check_flag
 from .errors import CompressionError
 
 #: Other spellings accepted in ``comp_config``, mapped to `ToMoEOptions` fields.
@@ -88,14 +89,12 @@ class ToMoEOptions:
             if value is not None and (parsed[name] is None or getattr(value, "ndim", 0) != 0):
                 raise CompressionError(f"{name} must be a number, got {value!r}.")
         for name in ("freeze_experts", "target_attention_only", "refit", "inplace", "progress"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):  # "False" is truthy: inplace="False" would convert the user's model
-                raise CompressionError(f"{name} must be True or False, got {value!r}.")
+            parsed[name] = check_flag(name, getattr(self, name), CompressionError)  # inplace="False" is truthy
         return replace(self, **parsed)._check_ranges()
 
     def _check_ranges(self) -> "ToMoEOptions":
-        if self.lora_alpha is None:
-            raise CompressionError("lora_alpha must be a number, got None.")
+        if self.lora_alpha is None or not math.isfinite(self.lora_alpha):  # the adapters' scale is alpha / r
+            raise CompressionError(f"lora_alpha must be a finite number, got {self.lora_alpha!r}.")
         if self.num_experts < 1:
             raise CompressionError(f"num_experts must be at least 1, got {self.num_experts}.")
         if self.top_k < 1:
@@ -150,6 +149,12 @@ def _read(config: Any) -> dict[str, Any]:
     else:
         names = {f.name for f in fields(ToMoEOptions)} | set(ALIASES)
         items = {name: getattr(config, name) for name in names if hasattr(config, name)}
+        if not items:  # text, a list of pairs, an unrelated object: it would set nothing
+            raise CompressionError(
+                f"comp_config must be a dict or an object with tomoe settings as attributes (num_experts, top_k, "
+                f"max_error, tomoe_num_experts, ...), got {type(config).__name__} {config!r:.80}, which sets none; "
+                "pass a dict such as comp_config={'num_experts': 8}."
+            )
     known = {f.name for f in fields(ToMoEOptions)}
     if isinstance(config, dict):  # a dict says what it sets: a key that sets nothing is a typo
         unknown = sorted(key for key in items if ALIASES.get(key, key) not in known)

@@ -65,7 +65,7 @@ def parse_edits(args: argparse.Namespace) -> Any:
                 raise MoelensError(f"--{option} {spec!r}: experts must be integers, e.g. 1:3,5") from None
         return found
 
-    def valued(values: list[str], option: str, kind: type) -> dict[int, dict[int, Any]]:
+    def valued(values: list[str], option: str, kind: type, example: str) -> dict[int, dict[int, Any]]:
         found: dict[int, dict[int, Any]] = {}
         for spec in values:
             layer, rest = split(spec, option)
@@ -74,9 +74,9 @@ def parse_edits(args: argparse.Namespace) -> Any:
                 try:
                     expert_id, parsed = int(expert), kind(value)
                 except ValueError:
-                    raise MoelensError(f"--{option} {spec!r}: expected LAYER:EXPERT=VALUE, e.g. 2:4=1.5") from None
+                    raise MoelensError(f"--{option} {spec!r}: expected {example}") from None
                 if not sep:
-                    raise MoelensError(f"--{option} {spec!r}: expected LAYER:EXPERT=VALUE, e.g. 2:4=1.5")
+                    raise MoelensError(f"--{option} {spec!r}: expected {example}")
                 edits = found.setdefault(layer, {})
                 if expert_id in edits:
                     raise MoelensError(
@@ -89,8 +89,8 @@ def parse_edits(args: argparse.Namespace) -> Any:
     return Edits(
         ablate=experts(args.ablate, "ablate"),
         route_around=experts(args.route_around, "route-around"),
-        steer=valued(args.steer, "steer", float),
-        swap=valued(args.swap, "swap", int),
+        steer=valued(args.steer, "steer", float, "LAYER:EXPERT=BIAS, e.g. 2:4=1.5"),
+        swap=valued(args.swap, "swap", int, "LAYER:EXPERT=TO with TO an expert id, e.g. 2:4=0"),
     )
 
 

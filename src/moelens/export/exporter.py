@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from .. import __version__
 from ..modules import takes_keyword
 from ..paths import user_path
+from ..scalars import check_flag
 from .archive import check_destination, size, write
 from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
@@ -125,6 +126,8 @@ def to_nnef(
         raise ExportError(f"quantize_experts must be one of {QUANTIZATIONS}, got {quantize_experts!r}.")
     if layout not in LAYOUTS:
         raise ExportError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+    dynamic_tokens = check_flag("dynamic_tokens", dynamic_tokens, ExportError)
+    verify = check_flag("verify", verify, ExportError)
     edits = as_edits(edits)
     path = user_path(path)
     check_destination(path)

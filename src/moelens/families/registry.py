@@ -14,6 +14,7 @@ import torch
 from nnsight.intervention.envoy import Envoy
 
 from ..errors import FamilyError
+from ..scalars import check_flag
 from .entry import (COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family,
                     Scoring, SharedExpert)
 from .scoring import SCORE_FUNCTIONS
@@ -44,6 +45,7 @@ def register(family: Family, *, replace: bool = False) -> Family:
             "build one with Family(name=..., model_types=..., block_classes=...)."
         )
     _check_description(family)
+    replace = check_flag("replace", replace, FamilyError)
     if not family.block_classes:
         raise FamilyError(f"family {family.name!r} names no block_classes: moelens finds blocks by their class name.")
     if not replace:

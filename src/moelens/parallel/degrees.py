@@ -17,11 +17,21 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import MoelensError
+from ..scalars import as_lone_int
 
 #: Config fields that hold the number of routed experts, in the order they are tried.
 NUM_EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 #: Sub-configs a multimodal or composite config keeps its language model's config in (dbrx: its FFN's).
 SUB_CONFIGS = ("text_config", "llm_config", "language_config", "thinker_config", "ffn_config")
+
+
+def _whole(call: str, **numbers: Any) -> list[int]:
+    """``numbers`` as ints, in order; a float, a bool or text is refused naming its argument (never rounded)."""
+    ints = [as_lone_int(value) for value in numbers.values()]
+    for (name, value), whole in zip(numbers.items(), ints):
+        if whole is None:
+            raise MoelensError(f"{call}: {name} must be an integer, got {value!r} ({type(value).__name__}).")
+    return ints
 
 
 def choose_ep_dp_degrees(world_size: int, num_experts: int) -> tuple[int, int]:
@@ -32,6 +42,7 @@ def choose_ep_dp_degrees(world_size: int, num_experts: int) -> tuple[int, int]:
     nothing larger than 1 divides both (or the model is dense) it falls back to
     ``(1, world_size)`` (every rank keeps every expert) with a warning.
     """
+    world_size, num_experts = _whole("choose_ep_dp_degrees", world_size=world_size, num_experts=num_experts)
     if world_size < 1:
         raise MoelensError(f"choose_ep_dp_degrees: world_size must be >= 1, got {world_size}.")
     if num_experts < 0:
@@ -76,6 +87,7 @@ def expert_owner(expert: int, num_experts: int, ep_size: int) -> tuple[int, int]
         if ep_group_rank == rank:
             moe.experts._module.down_proj.data[local] = 0
     """
+    expert, num_experts, ep_size = _whole("expert_owner", expert=expert, num_experts=num_experts, ep_size=ep_size)
     if ep_size < 1 or num_experts % ep_size:
         raise MoelensError(f"expert_owner: {num_experts} experts cannot be split over {ep_size} ranks.")
     if not 0 <= expert < num_experts:
@@ -91,6 +103,7 @@ def ep_groups(ep: int) -> tuple[Any, Any]:
     ``{r, r+ep, r+2ep, ...}``. Every rank must call this (it creates every group, in
     the same order everywhere, as ``torch.distributed.new_group`` requires).
     """
+    (ep,) = _whole("ep_groups", ep=ep)
     if not dist.is_initialized():
         raise MoelensError("ep_groups: torch.distributed is not initialised; call init_process_group first.")
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -132,7 +132,11 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     counts, refusal = [], ""
     try:  # refuses before anything is changed, on every rank at once
         if not blocks:
-            raise MoelensError(f"shard_experts: {type(module).__name__} has no MoE block moelens knows.")
+            raise MoelensError(
+                f"shard_experts: {type(module).__name__} has no MoE block moelens knows (moelens.wrap(model).moes lists "
+                "them); pass a model of a family moelens.families.supported() lists, or describe its blocks with "
+                "moelens.families.register(...)."
+            )
         counts = _expert_counts(blocks, size)
     except MoelensError as error:
         refusal = str(error)
