@@ -44,6 +44,39 @@ def test_layers_nested_in_a_numbered_list_are_the_inner_decoder_layers():
     assert [moe.path for moe in wrapped.moes] == moes
 
 
+def first_of(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def test_layers_are_indexed_by_layer_number_and_a_missing_layer_says_how_many_there_are():
+    """nnsight looked a key up as an attribute name: model.layers[99] raised AttributeError about attribute '99',
+    and model.layers['0'] or [1.0] were taken by name. Ground truth: the model's own ModuleList."""
+    import numpy
+
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    layers = hf.model.layers
+    count = len(layers)
+    assert [wrapped.layers[key]._module for key in (0, -1, numpy.int64(1), torch.tensor(2))] == [
+        layers[0], layers[-1], layers[1], layers[2]]
+    assert [layer._module for layer in wrapped.layers[1:3]] == list(layers[1:3])
+    assert [layer._module for layer in wrapped.layers] == list(layers)
+    for key in (count, -count - 1, 1.0, "0", True):
+        with pytest.raises(moelens.LayerIndexError, match=rf"model\.layers\[{key!r}\]: expected an integer layer in "
+                                                           rf"0\.\.{count - 1} .*the model has {count} decoder layers"):
+            wrapped.layers[key]
+    with pytest.raises(IndexError):  # a Python IndexError too
+        wrapped.layers[count]
+    seen = []
+    handle = layers[-1].register_forward_hook(lambda module, args, output: seen.append(output))
+    try:
+        with torch.no_grad(), wrapped.trace(torch.tensor([[1, 2, 3]])):
+            last = wrapped.layers[-1].output.save()
+    finally:
+        handle.remove()
+    assert torch.equal(first_of(last), first_of(seen[0]))
+
+
 def test_every_towers_dense_mlps_are_found():
     """With two towers the dense MLPs of both (towers.<t>.layers.1.mlp) are found."""
     model = Towers(2)

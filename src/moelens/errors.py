@@ -28,6 +28,10 @@ class FamilyError(MoelensError, ValueError):
     """A model or family description moelens cannot use."""
 
 
+class LayerIndexError(MoelensError, IndexError):
+    """``model.layers[key]`` with a key that is no layer of the model."""
+
+
 def sentence(error: Exception) -> str:
     """``error``'s message without its final full stop, to go inside a sentence."""
     return str(error).rstrip().rstrip(".")

@@ -27,6 +27,7 @@ from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known
+from .components.layer_list import LayerList
 from .components.params import op_names
 from .discovery import Structure, discover, layer_path
 from .errors import FamilyError, MoelensError, ValueUnavailable
@@ -407,6 +408,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     envoys = dict(nnsight_kwargs.pop("envoys", None) or {})
     envoys.update({name: moe_envoy for name in structure.moe_blocks})
     envoys.update({name: Mlp for name in structure.dense_blocks})
+    if structure.layers is not None:
+        envoys.setdefault(structure.layers, LayerList)
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
         if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
             nnsight_kwargs.setdefault("task", "feature-extraction")

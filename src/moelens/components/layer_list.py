@@ -1,0 +1,32 @@
+"""`LayerList`: the envoy of a model's decoder layer list (``model.layers``), indexed by layer number."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnsight import Envoy
+
+from ..errors import LayerIndexError
+from ..scalars import as_lone_int
+
+
+class LayerList(Envoy):
+    """``model.layers``: nnsight's envoy of the decoder layers' ``ModuleList``.
+
+    ``model.layers[i]`` takes an integer layer (a numpy integer or a 0-d tensor too; negative
+    counts from the end) or a slice; any other key, or a layer the model lacks, raises
+    `LayerIndexError` saying how many layers there are (nnsight's own envoy looks the key up as
+    an attribute name and reports an attribute such as ``'99'`` missing).
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice) or not hasattr(self._module, "__len__"):
+            return super().__getitem__(key)
+        count = len(self._module)
+        layer = as_lone_int(key)
+        if layer is None or not -count <= layer < count:
+            raise LayerIndexError(
+                f"model.layers[{key!r}]: expected an integer layer in 0..{count - 1} (or -{count}..-1 from the end), "
+                f"the model has {count} decoder layers; its MoE blocks are model.moes (model.moes[i].layer says where)."
+            )
+        return super().__getitem__(layer)
