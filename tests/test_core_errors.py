@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import math
 import warnings
+from typing import NamedTuple
 
 import nnsight
 import numpy
@@ -877,6 +878,53 @@ def test_a_family_with_wrong_child_paths_says_so_at_wrap():
     ({"combine": families.Combine(routed_post="post")}, r"has no routed_post at 'post'.* Combine.routed_post path"),
     ({"combine": families.Combine(block_post="chooser.norm")}, r"has no block_post at 'chooser.norm'"),
 ])
+class BlockOut(NamedTuple):
+    hidden: torch.Tensor
+    router_logits: torch.Tensor
+
+
+class NamedTupleBlock(CustomBlock):
+    """`CustomBlock` returning its output and the router logits as a NamedTuple."""
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        flat = hidden.reshape(-1, d)
+        logits, weights, index = self.chooser(flat)
+        return BlockOut(self.pool(flat, index, weights).reshape(b, s, d), logits)
+
+
+class NamedTupleModel(CustomModel):
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = hidden + layer["ffn"](hidden).hidden
+        return hidden
+
+
+def test_a_write_into_a_named_tuple_output_keeps_its_type():
+    """A block returning a NamedTuple: writing mlp_output rebuilt it as type(raw)(one_tuple), a TypeError. Ground
+    truth: the model run by hand with the second block's output zeroed."""
+    model = custom_model()
+    model.__class__ = NamedTupleModel
+    for layer in model.layers:
+        layer["ffn"].__class__ = NamedTupleBlock
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = model.embed(ids)
+        expected = expected + model.layers[0]["ffn"](expected).hidden
+    families.register(dataclasses.replace(custom_family(combine=moelens.families.Combine(output_index=0)),
+                                          block_classes=("NamedTupleBlock",)))
+    try:
+        wrapped = moelens.wrap(model)
+        assert len(wrapped.moes) == 2
+        with torch.no_grad(), wrapped.trace(ids):
+            wrapped.moes[1].mlp_output = torch.zeros_like(wrapped.moes[1].mlp_output)
+            output = wrapped.output.save()
+    finally:
+        families.unregister("custom")
+    assert torch.equal(output, expected)
+
+
 def test_a_registered_family_naming_a_missing_module_says_so_at_wrap(changes, expected):
     """A misspelt shared-expert gate or post module passed wrap and reads, then failed the export with a bare
     AttributeError naming neither the family nor the field."""

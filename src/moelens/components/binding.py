@@ -124,7 +124,11 @@ def output_of(index: int | None) -> tuple[Callable, Callable]:
             )
         return raw[index]
 
-    return pick, lambda raw, tensor: type(raw)((*raw[:index], tensor, *raw[index + 1 :]))
+    def put(raw: Any, tensor: Any) -> Any:
+        elements = (*raw[:index], tensor, *raw[index + 1 :])
+        return type(raw)(*elements) if hasattr(raw, "_fields") else type(raw)(elements)  # a NamedTuple takes fields
+
+    return pick, put
 
 
 def argument(position: int, keyword: str | None = None) -> tuple[Callable, Callable]:
