@@ -1119,7 +1119,7 @@ def test_cli_exports_a_checkpoint_with_edits(out, capsys):
     assert "tract tolerance: close" in printed or "tract tolerance: approximate" in printed
     assert re.search(r"at 15 tokens: \S+ \((close|approximate)\)", printed)  # the dynamic archive, edited, at 2 * 6 + 3
     assert main(["export", str(folder), str(out / "x.nnef.tgz"), "--steer", "1:2"]) == 2
-    assert "expected LAYER:EXPERT=VALUE" in capsys.readouterr().err
+    assert "expected LAYER:EXPERT=BIAS, e.g. 2:4=1.5" in capsys.readouterr().err
     assert main(["export", str(folder), str(out / "x.nnef.tgz"), "--block", "0"]) == 2  # layer 0 is dense
     assert "no MoE block there" in capsys.readouterr().err
 

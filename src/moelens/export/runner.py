@@ -37,7 +37,14 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def tolerance_met(actual: np.ndarray, expected: np.ndarray) -> str | None:
-    """The tightest of tract's levels that ``actual`` meets against ``expected`` (None: not even ``ultra``)."""
+    """The tightest of tract's levels that ``actual`` meets against ``expected`` (None: not even ``ultra``).
+
+    An infinity in ``expected`` must be the same infinity in ``actual``: tract's own rule
+    (``|a - b| <= atol + rtol |b|``, `meets`) lets any value pass against an infinite ``b``.
+    """
+    a, b = np.asarray(actual, dtype=np.float32), np.asarray(expected, dtype=np.float32)
+    if a.shape == b.shape and (np.isinf(b) & (a != b)).any():
+        return None
     return next((level for level in TOLERANCES if meets(actual, expected, level)), None)
 
 

@@ -1,0 +1,452 @@
+"""Contracts of the export's command-line parts that the wider export tests leave unpinned.
+
+The tract stand-in (`moelens.export.tract_cli`: tolerance rule, options, exit statuses), the runner's
+version gate and error reporting, the family table's rendering and writing, and the ``moelens export``
+command's wiring of its options into `to_nnef`. Ground truths are hand-computed numbers from tract's
+documented rule (``|a - b| <= atol + rtol * |b|``, all but an outlier fraction), fakes whose outputs the
+test sets (a runnable, a child process, an exporter that records what it was asked), and the command's
+own arguments. Nothing here traces or runs tract, so each test takes well under a second (the command's
+tests load moelens-tiny once, in about a second). Needs the ``export`` extra.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch_to_nnef", reason="the export extra is not installed (pip install 'moelens[export]')")
+pytest.importorskip("tract", reason="the export extra is not installed (pip install 'moelens[export]')")
+
+from moelens.export import ExportError  # noqa: E402
+from moelens.export import runner, table, tract_cli  # noqa: E402
+from moelens.export.tract_cli import meets  # noqa: E402
+
+INF, NAN = np.inf, np.nan
+
+
+# -- tract's tolerance rule -------------------------------------------------------------------------------
+
+
+def test_relative_tolerance_scales_with_the_expected_value_not_the_actual():
+    """``|a - b| <= atol + rtol * |b|`` with ``b`` the expected side. At 'ultra' (0.2, 0.1): a=0, b=0.22 is
+    within 0.2 + 0.022 = 0.222; a=0.22, b=0 is not (0.22 > 0.2 + 0)."""
+    assert meets(np.array([0.0]), np.array([0.22]), "ultra")
+    assert not meets(np.array([0.22]), np.array([0.0]), "ultra")
+    # 'very' (0.05, 0.01): 0.0505 <= 0.05 + 0.000505, but not against 0.05 + 0.
+    assert meets(np.array([0.0]), np.array([0.0505]), "very")
+    assert not meets(np.array([0.0505]), np.array([0.0]), "very")
+
+
+def test_outputs_of_another_shape_never_meet_a_level_even_when_they_broadcast():
+    zeros = np.zeros(4, dtype=np.float32)
+    assert meets(zeros, zeros, "exact")
+    assert not meets(zeros[None], zeros, "ultra")  # (1, 4) against (4,): numpy would broadcast them
+    assert not meets(np.zeros((4, 1)), zeros, "ultra")
+
+
+def test_infinities_meet_only_an_infinity_of_the_same_sign_and_nan_only_nan():
+    """At 'exact' (no tolerance) an infinity meets only the same infinity, NaN only NaN. (At a level with a
+    relative tolerance, ``|a - b| = inf <= atol + rtol * inf`` holds for any ``a`` against an infinite ``b``.)"""
+    assert meets(np.array([INF, -INF, NAN]), np.array([INF, -INF, NAN]), "exact")
+    for actual, expected in ((INF, -INF), (-INF, INF), (1.0, INF), (INF, 1.0), (NAN, 1.0), (1.0, NAN), (INF, NAN)):
+        assert not meets(np.array([actual]), np.array([expected]), "exact"), (actual, expected)
+    for actual, expected in ((NAN, 1.0), (1.0, NAN), (INF, NAN), (NAN, INF), (INF, 1e30)):
+        assert not meets(np.array([actual]), np.array([expected]), "ultra"), (actual, expected)
+
+
+def test_an_empty_output_meets_every_level():
+    empty = np.zeros((1, 0, 3), dtype=np.float32)
+    assert all(meets(empty, empty, level) for level in tract_cli.TOLERANCES)
+
+
+def test_outlier_fractions_are_counted_per_value():
+    """'super' lets 1e-4 of the values be off, 'very' none: 1 far-off value in 10 000 meets 'super', 2 do not."""
+    expected = np.zeros(10_000, dtype=np.float32)
+    one, two = expected.copy(), expected.copy()
+    one[0] = two[:2] = 10.0
+    assert meets(one, expected, "super") and meets(one, expected, "ultra")
+    assert not meets(one, expected, "very")
+    assert not meets(two, expected, "super") and meets(two, expected, "ultra")  # ultra: 5e-4 = 5 values
+
+
+def test_tolerance_met_is_the_tightest_level_by_hand():
+    """Against b = 1 the levels allow |a - b| of: exact 0, close 2e-7, approximate 6e-4, very 0.06, super 0.15,
+    ultra 0.3 (atol + rtol)."""
+    one = np.ones(3, dtype=np.float32)
+    for error, level in ((0.0, "exact"), (3e-4, "approximate"), (0.03, "very"), (0.1, "super"), (0.25, "ultra"),
+                         (0.5, None)):
+        assert runner.tolerance_met(one + np.float32(error), one) == level, error
+
+
+def test_an_infinity_torch_computes_must_be_tracts_too():
+    """tract's rule |a - b| <= atol + rtol |b| holds for any a against b = inf (inf <= inf): the stand-in keeps
+    tract's rule, verification's level does not let 5.0 or -inf pass for torch's +inf."""
+    from moelens.export.tract_cli import meets
+
+    expected = np.array([1.0, np.inf], dtype=np.float32)
+    for actual in ([1.0, 5.0], [1.0, -np.inf]):
+        actual = np.array(actual, dtype=np.float32)
+        assert meets(actual, expected, "close")  # tract's own comparison
+        assert runner.tolerance_met(actual, expected) is None
+    assert runner.tolerance_met(expected.copy(), expected) == "exact"
+    assert runner.tolerance_met(np.array([1.0, np.inf], dtype=np.float32), np.array([1.0, 5.0], dtype=np.float32)) is None
+
+
+# -- the tract stand-in's command line -----------------------------------------------------------------------
+
+
+class FakeOutput:
+    def __init__(self, value):
+        self.value = value
+
+    def to_numpy(self):
+        return self.value
+
+
+class FakeRunnable:
+    """A loaded archive that doubles its first input and records what it ran on."""
+
+    def __init__(self, count=1):
+        self.count, self.seen = count, []
+
+    def run(self, arrays):
+        self.seen.append(arrays)
+        return [FakeOutput(arrays[0] * 2 + i) for i in range(self.count)]
+
+
+@pytest.fixture
+def standin(monkeypatch, tmp_path):
+    """tract_cli.main with a fake archive of inputs ``a`` and ``b`` (output: 2 * a), and a bundle of inputs."""
+    runnable = FakeRunnable()
+    monkeypatch.setattr(tract_cli, "load_runnable", lambda path: (runnable, ["a", "b"]))
+    a = np.arange(6, dtype=np.float32).reshape(1, 6)
+    b = -np.ones((1, 2), dtype=np.float32)
+    np.savez(tmp_path / "in.npz", b=b, a=a)  # saved in the other order than the archive's inputs
+
+    def call(*argv, expected=None):
+        command = ["model.nnef.tgz", "-O", "run", "--input-from-bundle", str(tmp_path / "in.npz"), *argv]
+        if expected is not None:
+            np.savez(tmp_path / "out.npz", **expected)
+            command += ["--assert-output-bundle", str(tmp_path / "out.npz")]
+        return tract_cli.main(command)
+
+    return SimpleNamespace(call=call, runnable=runnable, a=a, b=b, folder=tmp_path)
+
+
+def test_standin_feeds_the_bundles_inputs_by_name(standin):
+    assert standin.call() == 0
+    fed = standin.runnable.seen[0]
+    assert np.array_equal(fed[0], standin.a) and np.array_equal(fed[1], standin.b)
+
+
+def test_standin_compares_at_close_unless_told_otherwise(standin, capsys):
+    """tract's ``--approx`` defaults to 'close' (1e-7, 1e-7): an output off by 1e-5 fails it, passes 'approximate'."""
+    off = {"output": standin.a * 2 + np.float32(1e-5)}
+    assert standin.call(expected=off) == 1
+    assert "ERROR output output" in capsys.readouterr().err
+    assert standin.call("--approx", "approximate", expected=off) == 0
+    assert "ERROR" not in capsys.readouterr().err
+    assert standin.call("--approx", "close", expected={"output": standin.a * 2}) == 0
+
+
+def test_standin_exit_statuses(standin, capsys):
+    """1 and an ERROR line for an output that fails its level, 2 for a level tract does not know, 1 for more
+    expected outputs than the model has, 2 for a command line that names no model first."""
+    assert standin.call("--approx", "very", expected={"output": standin.a * 2 + 1}) == 1
+    assert "exceeds tract's 'very' tolerance" in capsys.readouterr().err
+    assert standin.call("--approx", "roughly", expected={"output": standin.a * 2}) == 2
+    assert "unknown --approx level 'roughly'" in capsys.readouterr().err
+    assert standin.call(expected={"first": standin.a * 2, "second": standin.a}) == 1
+    assert "ERROR output second: the model has only 1 outputs" in capsys.readouterr().err
+    assert tract_cli.main(["--input-from-bundle", str(standin.folder / "in.npz"), "run"]) == 2
+    assert "only `--version` and `MODEL ... run" in capsys.readouterr().err
+    assert len(standin.runnable.seen) == 3  # the refused command line ran nothing
+
+
+def test_standin_saves_its_outputs(standin):
+    standin.runnable.count = 2
+    saved = standin.folder / "saved.npz"
+    assert standin.call("--save-outputs-npz", str(saved)) == 0
+    with np.load(saved) as outputs:
+        assert outputs.files == ["output_0", "output_1"]
+        assert np.array_equal(outputs["output_0"], standin.a * 2)
+        assert np.array_equal(outputs["output_1"], standin.a * 2 + 1)
+
+
+def test_one_line_joins_tracts_causes_and_drops_the_backtrace():
+    error = RuntimeError("opening file x.nnef\n\nCaused by:\n    0: running pass PropConst\n    1: Abs does not "
+                         "support TDim\n\nStack backtrace:\n   0: tract_core::model::foo\n   1: main")
+    assert tract_cli.one_line(error) == ("opening file x.nnef; caused by: 0: running pass PropConst; "
+                                         "1: Abs does not support TDim")
+
+
+# -- the runner ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version, refused", [("0.23.8", True), ("0.22.99", True), ("0.23.9", False),
+                                              ("0.23.10", False), ("0.24.0", False), ("1.0.0", False)])
+def test_tract_older_than_the_first_with_tract_moe_ffn_is_refused(monkeypatch, version, refused):
+    import tract
+
+    assert runner.MIN_TRACT_VERSION == "0.23.9"
+    monkeypatch.setattr(tract, "version", lambda: version)
+    if refused:
+        with pytest.raises(ExportError, match=rf"tract {version} has no tract_moe_ffn; install tract>=0.23.9"):
+            runner.tract_module()
+    else:
+        assert runner.tract_module() is tract
+
+
+def test_loaded_run_by_name_orders_the_inputs_and_names_a_missing_one():
+    runnable = FakeRunnable()
+    loaded = runner.Loaded(runnable, ["a", "b"], {})
+    a, b = np.ones((1, 2), np.float32), np.zeros((1, 3), np.float32)
+    assert np.array_equal(loaded.run({"b": b, "a": a})[0], a * 2)
+    assert runnable.seen[0][0] is not b and np.array_equal(runnable.seen[0][1], b)
+    with pytest.raises(ExportError, match=r"the archive's inputs are \['a', 'b'\]; missing \['b'\]"):
+        loaded.run({"a": a})
+
+
+def test_run_isolated_names_tracts_panic_line(monkeypatch, tmp_path):
+    """A Rust panic in the child: the error's detail is tract's 'panicked at' line, not its last stderr line."""
+    archive = tmp_path / "model.nnef.tgz"
+    archive.write_bytes(b"")
+    panic = ("thread 'main' panicked at src/ops/matmul.rs:12:5:\nindex out of bounds: the len is 2 but the index is 3\n"
+             "note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 134, "", panic))
+    message = r"\(exit status 134\): thread 'main' panicked at src/ops/matmul.rs"
+    with pytest.raises(ExportError, match=message) as caught:
+        runner.run_isolated(archive, [np.zeros((1, 2), np.float32)])
+    assert caught.value.detail == "thread 'main' panicked at src/ops/matmul.rs:12:5:"
+    quiet = "some warning\nlast words\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", quiet))
+    with pytest.raises(ExportError) as caught:
+        runner.run_isolated(archive, [np.zeros((1, 2), np.float32)])
+    assert caught.value.detail == "last words"
+
+
+# -- the family table -------------------------------------------------------------------------------------------
+
+
+def test_experts_and_shared_cells_by_hand():
+    spec = SimpleNamespace(activation_label="silu", has_expert_biases=True, wg_bias=np.zeros(4), scale=0.5)
+    assert table._experts(spec) == "silu, biases, router bias, x 0.5"
+    plain = SimpleNamespace(activation_label="gelu_tanh", has_expert_biases=False, wg_bias=None, scale=1.0)
+    assert table._experts(plain) == "gelu_tanh"
+    shared = SimpleNamespace
+    assert table._shared(shared(shared=None)) == "–"
+    assert table._shared(shared(shared=shared(on_layer=True, gate=None))) == "on the layer (traced)"
+    assert table._shared(shared(shared=shared(on_layer=False, gate="shared_expert_gate"))) == "sigmoid-gated subgraph"
+    assert table._shared(shared(shared=shared(on_layer=False, gate=None))) == "subgraph"
+
+
+def test_rows_follow_the_entry_and_the_tiny_block(monkeypatch):
+    """An entry's 'if' stays 'if' when its tiny block is refused (the note says so); a 'yes' whose tiny block is
+    refused becomes 'no'; a 'no' is never built."""
+    supports = {
+        "cond": SimpleNamespace(status="if", gate="softmax", condition="x is y", reason=""),
+        "yes-refused": SimpleNamespace(status="yes", gate="sigmoid", condition="", reason=""),
+        "yes": SimpleNamespace(status="yes", gate="softmax", condition="", reason=""),
+        "no": SimpleNamespace(status="no", gate="–", condition="", reason="tract has no such gate"),
+    }
+    checks = {"cond": ("", "the block is odd"), "yes-refused": ("", "bad scale"), "yes": ("silu", "")}
+    checked = []
+    monkeypatch.setattr(table, "family_support", lambda family: supports[family.name])
+    monkeypatch.setattr(table, "_tiny_check", lambda family: checked.append(family.name) or checks[family.name])
+    families = [SimpleNamespace(name=name, shared=None) for name in supports]
+    found = {row.family: row for row in table.rows(families)}
+    assert checked == ["cond", "yes-refused", "yes"]
+    assert (found["cond"].exports, found["cond"].note) == (
+        "if", "exports when x is y. The tiny model's block is refused: the block is odd")
+    assert (found["yes-refused"].exports, found["yes-refused"].note) == ("no", "the tiny model's block: bad scale")
+    assert (found["yes"].exports, found["yes"].experts, found["yes"].note) == ("yes", "silu", "")
+    assert (found["no"].exports, found["no"].note) == ("no", "tract has no such gate")
+
+
+def test_render_escapes_a_pipe_in_a_note():
+    row = table.Row("fam", "no", "–", "–", "–", "a | b")
+    assert table.render([row]).splitlines()[-1] == "| fam | **no** | – | – | – | a \\| b |"
+
+
+def test_replace_table_keeps_the_text_around_the_markers_and_needs_both():
+    text = f"intro\n{table.START}\nold table\n{table.END}\noutro\n"
+    assert table.replace_table(text, "NEW\n") == f"intro\n{table.START}\nNEW\n{table.END}\noutro\n"
+    for broken in (text.replace(table.END, ""), text.replace(table.START, "")):
+        with pytest.raises(ValueError, match="markers"):
+            table.replace_table(broken, "NEW\n")
+
+
+def test_table_write_replaces_the_table_in_the_doc(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(table, "support_table", lambda families=None: "| the | table |\n")
+    doc = tmp_path / "export.md"
+    doc.write_text(f"# Export\n{table.START}\nstale\n{table.END}\nafter\n")
+    assert table.main(["--write", str(doc)]) == 0
+    assert doc.read_text() == f"# Export\n{table.START}\n| the | table |\n{table.END}\nafter\n"
+    assert capsys.readouterr().out == ""
+    assert table.main([]) == 0 and capsys.readouterr().out == "| the | table |\n"
+
+
+# -- the moelens export command -----------------------------------------------------------------------------------
+
+
+def parsed(*argv):
+    from moelens.cli import build_parser
+
+    return build_parser().parse_args(["export", "tiny", "x.nnef.tgz", *argv])
+
+
+def test_edit_options_accumulate_per_layer_and_keep_their_kinds():
+    from moelens.export.cli import parse_edits
+
+    edits = parse_edits(parsed("--ablate", "1:3", "--ablate", "1:5,6", "--route-around", "2:0", "--steer", "1:2=0.5",
+                               "--steer", "1:4=-1", "--swap", "3:1=2"))
+    assert edits.ablate == {1: (3, 5, 6)}
+    assert edits.route_around == {2: (0,)}
+    assert edits.steer == {1: {2: 0.5, 4: -1.0}}
+    assert edits.swap == {3: {1: 2}}
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """``moelens export`` with to_nnef replaced by a recorder (nothing traced) that returns a verified report."""
+    from moelens.export import exporter
+    from moelens.export.exporter import BlockReport, ExportReport
+    from moelens.export.verification import Verification
+
+    calls = []
+
+    def to_nnef(target, path, **options):
+        calls.append(SimpleNamespace(target=target, path=path, options=options))
+        check = Verification(2e-6, "approximate", "torch", {"second_length": {"tokens": 9, "max_abs_error": 3e-6,
+                                                                             "tolerance": None}})
+        block = BlockReport(layer=0, family="mixtral", gate="softmax_topk", activation="silu", k=2, num_experts=8,
+                            edits="ablate [1]")
+        return ExportReport(path=Path(path), kind="block", blocks=[block], input_name="hidden_states",
+                            output_name="mlp_output", bytes=2_000_000, seconds=1.0, verification=check)
+
+    monkeypatch.setattr(exporter, "to_nnef", to_nnef)
+    return calls
+
+
+def test_export_passes_its_options_to_to_nnef(recorded, tmp_path, capsys):
+    from moelens.cli import main
+
+    out = tmp_path / "block.nnef.tgz"
+    status = main(["export", "tiny", str(out), "--block", "0", "--tokens", "3", "--no-verify", "--dynamic-tokens",
+                   "--quantize-experts", "q4_0", "--layout", "linear", "--ablate", "0:1"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    (call,) = recorded
+    assert call.path == out and call.target.layer == 0 and type(call.target).__name__ == "Moe"
+    inputs = call.options["example_inputs"]
+    assert inputs.shape[:2] == (1, 3) and inputs.ndim == 3 and inputs.is_floating_point()  # hidden states
+    assert call.options["verify"] is False and call.options["dynamic_tokens"] is True
+    assert call.options["quantize_experts"] == "q4_0" and call.options["layout"] == "linear"
+    assert call.options["edits"].ablate == {0: (1,)}
+    assert "layer 0: mixtral -> tract_moe_ffn(E=8, k=2, gate=softmax_topk, activation=silu); ablate [1]" in printed
+    assert "max abs error 2e-06 (tract tolerance: approximate); at 9 tokens: 3e-06 (none met)" in printed
+    recorded.clear()
+    assert main(["export", "tiny", str(out), "--tokens", "5"]) == 0  # the defaults: the whole model, verified
+    (call,) = recorded
+    assert tuple(call.options["example_inputs"].shape) == (1, 5)  # token ids: the whole model
+    assert not call.options["example_inputs"].is_floating_point() and type(call.target).__name__ != "Moe"
+    assert call.options["verify"] is True and call.options["dynamic_tokens"] is False
+    assert call.options["quantize_experts"] is None and call.options["layout"] == "canonical"
+
+
+def test_export_refuses_a_bad_out_before_loading_the_model(monkeypatch, tmp_path, capsys):
+    import moelens.export.cli as export_cli
+    from moelens.cli import main
+
+    def never(source):
+        raise AssertionError("the model was loaded for an OUT that is refused")
+
+    monkeypatch.setattr(export_cli, "load_checkpoint", never)
+    (tmp_path / "file.txt").write_text("mine\n")
+    assert main(["export", "tiny", str(tmp_path / "file.txt" / "x.nnef.tgz")]) == 2
+    assert "which is a file" in capsys.readouterr().err
+    assert main(["export", "tiny"]) == 2
+    assert "moelens export needs MODEL and OUT (or --support)" in capsys.readouterr().err
+
+
+# -- the moelens command ----------------------------------------------------------------------------------------------
+
+
+def test_a_command_module_missing_a_dependency_is_not_hidden(monkeypatch, tmp_path):
+    """A feature area that is not installed is left out of the command; an installed one whose own import fails
+    (a dependency missing) raises rather than silently dropping its subcommands."""
+    import moelens.cli as cli
+
+    (tmp_path / "moelens_probe_area.py").write_text("import moelens_surely_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("moelens.no_such_area.cli", "moelens.export.cli"))
+    assert "export" in cli.build_parser().format_help()
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("moelens_probe_area",))
+    with pytest.raises(ModuleNotFoundError, match="moelens_surely_missing_dependency"):
+        cli.build_parser()
+    sys.modules.pop("moelens_probe_area", None)
+
+
+def test_a_checkpoint_folder_named_tiny_wins_over_moelens_tiny(monkeypatch, tmp_path):
+    """``tiny`` names the embedded moelens-tiny (a qwen2_moe) only when no folder of that name is there."""
+    import warnings
+
+    from moelens.cli import load_checkpoint
+    from moelens.testing import tiny_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiny_model("mixtral").save_pretrained(tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    model, name = load_checkpoint("tiny")
+    assert name == "tiny" and model.family.name == "mixtral"
+    monkeypatch.chdir(tmp_path / "tiny")
+    model, name = load_checkpoint("tiny")
+    assert name == "moelens-tiny" and model.family.name == "qwen2_moe"
+
+
+def test_a_checkpoint_with_served_moe_blocks_keeps_the_warning_about_the_others(tmp_path):
+    """`load_checkpoint` holds back wrap's 'does not serve these MoE blocks' only for a model the command refuses
+    (no served block); dots3_note serves its language model's blocks, and its vision tower's MoE blocks are named."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from moelens.cli import load_checkpoint
+    from moelens.testing import tiny_config
+
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, patch_size=4,
+                  spatial_merge_size=2, adapter_in_dim=16, adapter_out_dim=32, adapter_merge_size=2,
+                  moe_intermediate_size=16, pyramid_num_routed=[-1, 4], num_experts_per_tok=2)
+    audio = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                 adapter_input_size=16, adapter_out_dim=32, feature_size=16, downsample_hidden_size=8)
+    config = AutoConfig.for_model("dots3_note", text_config=tiny_config("dots3_note").to_dict(), vision_config=vision,
+                                  audio_config=audio)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "dots3")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, name = load_checkpoint(str(tmp_path / "dots3"))
+    assert model.moes and all(not moe.path.startswith("model.vision_tower") for moe in model.moes)
+    assert [str(w.message) for w in caught if "does not serve these MoE blocks of dots3_note: model.vision_tower.blocks"
+            in str(w.message)]
+
+
+def test_a_model_name_that_is_no_folder_is_refused_without_asking_the_hub(monkeypatch, tmp_path, capsys):
+    """Commands take local folders only: a bare name that is not a folder here is refused before moelens.load
+    (which would take it for a hub id)."""
+    import moelens
+    from moelens.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("moelens.load was called for a path that does not exist")
+
+    monkeypatch.setattr(moelens, "load", never)
+    monkeypatch.chdir(tmp_path)
+    for command in (["inspect", "no-such-model"], ["export", "no-such-model", "x.nnef.tgz", "--no-verify"]):
+        assert main(command) == 2
+        assert "no model at 'no-such-model': the path does not exist" in capsys.readouterr().err
