@@ -13,7 +13,6 @@ import copy
 import gzip
 import tarfile
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -25,19 +24,8 @@ pytest.importorskip("tract", reason="the export extra is not installed (pip inst
 import moelens  # noqa: E402
 from moelens.export import Edits, ExportError, ExportRefused, to_nnef  # noqa: E402
 from moelens.export import archive  # noqa: E402
-from moelens.testing import TINY_OVERRIDES, tiny_inputs, tiny_model  # noqa: E402
-
-
-def small(family: str, **overrides):
-    """The family's tiny model with 2 decoder layers (per-layer lists cut to match)."""
-    extra = {"num_hidden_layers": 2}
-    for key, value in TINY_OVERRIDES[family].items():
-        if isinstance(value, list) and len(value) == 4 and key != "moe_layers":
-            extra[key] = value[:2]
-    extra.update(overrides)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return tiny_model(family, **extra)
+from moelens.testing import tiny_inputs, tiny_model  # noqa: E402
+from test_export import small  # noqa: E402
 
 
 # -- inputs -----------------------------------------------------------------------------------------
