@@ -873,11 +873,6 @@ def test_a_family_with_wrong_child_paths_says_so_at_wrap():
             moelens.families.unregister("custom")
 
 
-@pytest.mark.parametrize("changes, expected", [
-    ({"shared": families.SharedExpert("pool", gate="pool_gat")}, r"has no gate at 'pool_gat'.* SharedExpert.gate path"),
-    ({"combine": families.Combine(routed_post="post")}, r"has no routed_post at 'post'.* Combine.routed_post path"),
-    ({"combine": families.Combine(block_post="chooser.norm")}, r"has no block_post at 'chooser.norm'"),
-])
 class BlockOut(NamedTuple):
     hidden: torch.Tensor
     router_logits: torch.Tensor
@@ -925,6 +920,11 @@ def test_a_write_into_a_named_tuple_output_keeps_its_type():
     assert torch.equal(output, expected)
 
 
+@pytest.mark.parametrize("changes, expected", [
+    ({"shared": families.SharedExpert("pool", gate="pool_gat")}, r"has no gate at 'pool_gat'.* SharedExpert.gate path"),
+    ({"combine": families.Combine(routed_post="post")}, r"has no routed_post at 'post'.* Combine.routed_post path"),
+    ({"combine": families.Combine(block_post="chooser.norm")}, r"has no block_post at 'chooser.norm'"),
+])
 def test_a_registered_family_naming_a_missing_module_says_so_at_wrap(changes, expected):
     """A misspelt shared-expert gate or post module passed wrap and reads, then failed the export with a bare
     AttributeError naming neither the family nor the field."""
