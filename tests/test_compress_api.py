@@ -98,6 +98,9 @@ def test_numpy_and_0d_tensor_numbers_are_settings_like_python_ones():
     assert (options.num_experts, options.top_k, options.seed, options.lora_alpha, options.max_error) == (4, 2, 7, 8.5, 0.25)
     assert all(type(value) in (int, float) for value in (options.num_experts, options.top_k, options.seed,
                                                            options.lora_alpha, options.max_error))
+    import argparse
+
+    assert resolve(comp_config=argparse.Namespace(lr=1e-3), num_experts=8).num_experts == 8  # other attributes ignored
     for setting, match in [({"num_experts": torch.tensor([4])}, r"num_experts must be an int, got tensor\(\[4\]\)"),
                            ({"top_k": np.float64(2.0)}, "top_k must be an int"),
                            ({"lora_alpha": np.array([8.0])}, "lora_alpha must be a number"),

@@ -144,17 +144,17 @@ def check_implementation(implementation: str) -> None:
 def _read(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
+    if isinstance(config, (str, bytes, list, tuple, set, int, float)):  # text or pairs would set nothing
+        raise CompressionError(
+            f"comp_config must be a dict or an object with tomoe settings as attributes (num_experts, top_k, "
+            f"max_error, tomoe_num_experts, ...), got {type(config).__name__} {config!r:.80}; pass a dict such as "
+            "comp_config={'num_experts': 8}."
+        )
     if isinstance(config, dict):
         items = dict(config)
-    else:
+    else:  # an object's other attributes are ignored (a model's config, a script's arguments)
         names = {f.name for f in fields(ToMoEOptions)} | set(ALIASES)
         items = {name: getattr(config, name) for name in names if hasattr(config, name)}
-        if not items:  # text, a list of pairs, an unrelated object: it would set nothing
-            raise CompressionError(
-                f"comp_config must be a dict or an object with tomoe settings as attributes (num_experts, top_k, "
-                f"max_error, tomoe_num_experts, ...), got {type(config).__name__} {config!r:.80}, which sets none; "
-                "pass a dict such as comp_config={'num_experts': 8}."
-            )
     known = {f.name for f in fields(ToMoEOptions)}
     if isinstance(config, dict):  # a dict says what it sets: a key that sets nothing is a typo
         unknown = sorted(key for key in items if ALIASES.get(key, key) not in known)

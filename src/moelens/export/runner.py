@@ -40,7 +40,8 @@ def tolerance_met(actual: np.ndarray, expected: np.ndarray) -> str | None:
     """The tightest of tract's levels that ``actual`` meets against ``expected`` (None: not even ``ultra``).
 
     An infinity in ``expected`` must be the same infinity in ``actual``: tract's own rule
-    (``|a - b| <= atol + rtol |b|``, `meets`) lets any value pass against an infinite ``b``.
+    (``|a - b| <= atol + rtol |b|``, `meets`) lets any finite value pass against an infinite ``b`` from
+    ``close`` up.
     """
     a, b = np.asarray(actual, dtype=np.float32), np.asarray(expected, dtype=np.float32)
     if a.shape == b.shape and (np.isinf(b) & (a != b)).any():
