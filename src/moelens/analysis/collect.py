@@ -170,8 +170,9 @@ def collect_routing(
         The `RoutingCache` (on disk when ``folder`` is given).
     """
     shard_tokens = check_count("shard_tokens", shard_tokens)
-    logits, stop_early, progress = (check_flag(name, value) for name, value in
-                                    (("logits", logits), ("stop_early", stop_early), ("progress", progress)))
+    logits = check_flag("logits", logits)
+    stop_early = check_flag("stop_early", stop_early)
+    progress = check_flag("progress", progress)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise MoelensError(
             f"dtype must be a floating-point torch dtype to store weights and logits in (torch.float16, "
