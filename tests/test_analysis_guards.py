@@ -259,7 +259,7 @@ def test_bytes_and_bools_are_not_token_ids(model):
         ([text, bytearray(b"abc")], r"corpus item 1 is bytearray"),
         (text.encode(), r"the corpus is bytes"),
         ([[True, False, True]], r"corpus item 0 must be a string or a sequence of token ids \(ints, not bools\)"),
-        ([torch.tensor([True, False])], r"corpus item 0 must be a 1-D tensor of token ids.*torch.bool"),
+        ([torch.tensor([True, False])], r"corpus item 0 must be a 1-D tensor of integer token ids, got torch.bool"),
     ]
     for corpus, message in cases:
         for call in (analysis.collect_routing, analysis.expert_logit_lens):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import warnings
 from typing import NamedTuple
 
@@ -309,6 +310,10 @@ def test_wrap_and_load_reject_bad_input(tmp_path):
     # a relative path of three parts is no hub id (namespace/name): refused by moelens, not sent to the hub
     with pytest.raises(moelens.MoelensError, match=r"no model at 'no/such/folder': the path does not exist"):
         moelens.load("no/such/folder")
+    # "./name" and "../name" name a local folder (a Path of them drops the "./"): refused, not sent to the hub
+    for given in ("./no-such-folder", "../no-such-folder"):
+        with pytest.raises(moelens.MoelensError, match=rf"no model at '{re.escape(given)}': the path does not exist"):
+            moelens.load(given)
     (tmp_path / "no-config").mkdir()
     (tmp_path / "no-config" / "tokenizer.json").write_text("{}")
     with pytest.raises(moelens.MoelensError, match=r"no-config' is not a transformers checkpoint folder \(no config.json"):

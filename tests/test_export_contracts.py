@@ -58,6 +58,17 @@ def test_token_ids_are_checked_against_the_vocabulary_at_its_edge():
         checked_inputs(torch.tensor([[5, -1]]), "model", vocab=128)
 
 
+def test_a_block_archive_refusal_gives_the_advice_that_fits_the_input():
+    """Unbatched float states are told to add the batch axis; token ids are told the block takes hidden states."""
+    from moelens.export.exporter import checked_inputs
+
+    with pytest.raises(ExportError, match=r"of shape \(5, 32\); add the batch axis to unbatched \[seq, D\] states"):
+        checked_inputs(torch.ones(5, 32), "block")
+    with pytest.raises(ExportError, match=r"torch.int64 of shape \(1, 5\): pass the float hidden states") as refused:
+        checked_inputs(torch.ones(1, 5, dtype=torch.long), "block")
+    assert "x[None]" not in str(refused.value)
+
+
 def test_inputs_of_another_rank_than_the_archive_declares_are_refused():
     """An archive that records no kind (``kind=None``) still has its input shape checked, rank included."""
     from moelens.export.exporter import checked_inputs

@@ -26,14 +26,17 @@ from .paths import user_path
 SOURCE_SETTINGS = ("trust_remote_code", "subfolder", "revision", "token", "cache_dir", "local_files_only")
 
 
-def _check_local_folder(source: str, subfolder: str) -> None:
+def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
     """Refuse a local path that holds no checkpoint: missing, or a folder without config.json. A name that
-    may be a hub id (``name`` or ``namespace/name``, no local folder of that name) is left to transformers."""
-    path = Path(source).expanduser()
-    looks_local = path.is_absolute() or source.startswith((".", "~")) or len(Path(source).parts) > 2
+    may be a hub id (``name`` or ``namespace/name``, no local folder of that name) is left to transformers;
+    ``given`` is what the user passed (``./name`` is local, though ``Path`` turns it into ``name``)."""
+    text = os.fspath(given)
+    path = user_path(text)
+    looks_local = path.is_absolute() or text.startswith((".", "~")) or len(path.parts) > 2
+    source = str(path)
     if not path.exists():
         if looks_local:
-            raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder "
+            raise MoelensError(f"no model at {text!r}: the path does not exist. Pass a local checkpoint folder "
                                "(holding config.json and the weights), or 'tiny'.")
         return
     folder = path / subfolder
@@ -86,7 +89,7 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
             f"weights: pass {str(Path(source).parent)!r}."
         )
     settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
-    _check_local_folder(source, settings.get("subfolder") or "")
+    _check_local_folder(path_or_repo_id, settings.get("subfolder") or "")
     config = _load_config(source, settings)
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     model_class = _model_class(config)

@@ -121,7 +121,8 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
         item = torch.from_numpy(item)
     if isinstance(item, Tensor):
         if item.dim() != 1 or item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
-            raise MoelensError(f"{what} must be a 1-D tensor of token ids, got shape {tuple(item.shape)} {item.dtype}.")
+            raise MoelensError(f"{what} must be a 1-D tensor of integer token ids, got {item.dtype} of shape "
+                               f"{tuple(item.shape)}.")
         return item.tolist()
     if isinstance(item, Sequence) and all(isinstance(token, Integral) and not isinstance(token, bool) for token in item):
         return [int(token) for token in item]  # numpy integers too

@@ -362,8 +362,12 @@ def checked_inputs(inputs: Any, kind: str | None, *, dims: Sequence[int | str] |
         raise ExportError(f"a model archive takes token ids [batch, seq] (integers), but {what} is {inputs.dtype} "
                           f"of shape {shape}.")
     if kind == "block" and (not inputs.is_floating_point() or inputs.dim() != 3):
+        if inputs.is_floating_point():
+            advice = "; add the batch axis to unbatched [seq, D] states (x[None])." if inputs.dim() == 2 else "."
+        else:
+            advice = ": pass the float hidden states that reach the block (not token ids)."
         raise ExportError(f"a block archive takes hidden states [batch, seq, D] (floats), but {what} is {inputs.dtype} "
-                          f"of shape {shape}; add the batch axis to unbatched [seq, D] states (x[None]).")
+                          f"of shape {shape}{advice}")
     if 0 in shape:
         raise ExportError(f"{what} of shape {shape} hold no token; give at least one.")
     if dims is not None:
