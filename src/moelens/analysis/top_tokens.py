@@ -110,12 +110,19 @@ def top_tokens(
         if by == "share":
             keep = occurrences[ids] >= min_count
             ids, served, share = ids[keep], served[keep], share[keep]
-            ranking = torch.argsort(share + served.double() * 1e-9, descending=True, stable=True)
+            ranking = _ranked(share, served)
         else:
-            ranking = torch.argsort(served.double() + share * 1e-3, descending=True, stable=True)
+            ranking = _ranked(served, share)
         ranking = ranking[:n]
         result.append(ExpertTokens(
             layer=layer, expert=expert, token_ids=ids[ranking], counts=served[ranking], share=share[ranking],
             tokens=token_strings(tokenizer, ids[ranking].tolist()), total=int(counts[mine].sum()),
         ))
     return result
+
+
+def _ranked(first: Tensor, then: Tensor) -> Tensor:
+    """Positions in descending order of ``first``, ties broken by descending ``then`` (two stable sorts,
+    so neither key can outweigh a real difference in the other, as a weighted sum of the two would)."""
+    by_then = torch.argsort(then, descending=True, stable=True)
+    return by_then[torch.argsort(first[by_then], descending=True, stable=True)]

@@ -1,0 +1,253 @@
+"""Routing statistics (usage, balance, entropy, co-activation, specialisation, top tokens) on hand-made
+caches, against numbers worked out by hand.
+
+Ground truth: the experts and weights each token chose, written out in the test, and the statistics
+counted from them with plain Python loops, `collections.Counter` and `math` (no moelens code).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from moelens import analysis
+from moelens.errors import MoelensError
+
+
+def shard_of(rows: dict[int, list[list[int]]], weights: dict[int, list[list[float]]], *, token_ids=None,
+             text_index=None, start: int = 0) -> analysis.Shard:
+    """A shard of ``len(rows[layer])`` tokens: per layer, each token's experts and weights."""
+    count = len(next(iter(rows.values())))
+    return analysis.Shard(
+        token_ids=torch.tensor(token_ids if token_ids is not None else list(range(start, start + count)), dtype=torch.int32),
+        text_index=torch.tensor(text_index if text_index is not None else [0] * count, dtype=torch.int32),
+        position=torch.arange(start, start + count, dtype=torch.int32),
+        indices={layer: torch.tensor(value, dtype=torch.int16) for layer, value in rows.items()},
+        weights={layer: torch.tensor(value, dtype=torch.float32) for layer, value in weights.items()},
+    )
+
+
+def cache_of(shards: list[analysis.Shard], num_experts: dict[int, int], top_k: dict[int, int],
+             num_texts: int = 1) -> analysis.RoutingCache:
+    layers = sorted(num_experts)
+    return analysis.RoutingCache(layers=layers, num_experts=num_experts, top_k=top_k,
+                                 score={layer: "softmax" for layer in layers}, num_texts=num_texts, _memory=shards)
+
+
+def entropy_by_hand(p: list[float]) -> float:
+    total = sum(p)
+    p = [x / total for x in p]
+    return -sum(x * math.log(x) for x in p if x > 0) / math.log(len(p))
+
+
+# -- top-1: the highest-weighted slot, not the first -----------------------------------------------------
+
+#: Two layers (E = 4, k = 2) whose slots are NOT sorted by weight (as in families that select on biased
+#: scores and weigh by the unbiased ones): a token's top-1 expert is the slot of the larger weight.
+UNSORTED = {
+    0: ([[0, 1], [2, 3], [1, 2], [3, 0]], [[0.3, 0.7], [0.8, 0.2], [0.4, 0.6], [0.1, 0.9]]),
+    1: ([[1, 3], [0, 2], [2, 1], [3, 0]], [[0.6, 0.4], [0.35, 0.65], [0.45, 0.55], [0.2, 0.8]]),
+}
+
+
+def unsorted_cache() -> analysis.RoutingCache:
+    shard = shard_of({layer: rows for layer, (rows, _) in UNSORTED.items()},
+                     {layer: weights for layer, (_, weights) in UNSORTED.items()})
+    return cache_of([shard], {0: 4, 1: 4}, {0: 2, 1: 2})
+
+
+def top1_by_hand(layer: int) -> list[int]:
+    rows, weights = UNSORTED[layer]
+    return [row[max(range(len(row)), key=lambda slot: w[slot])] for row, w in zip(rows, weights)]
+
+
+def test_top1_transitions_and_paths_follow_the_highest_weighted_slot_not_the_first():
+    """slots="top1" and expert_paths take each token's highest-weighted expert; here it is often the
+    second slot, so reading the first slot gives other counts.
+
+    Guards against top-1 being the first slot (true only where a family sorts its slots by weight)."""
+    cache = unsorted_cache()
+    first, second = top1_by_hand(0), top1_by_hand(1)
+    assert first == [1, 2, 2, 0] and second == [1, 2, 1, 0]
+    assert first != [row[0] for row in UNSORTED[0][0]]
+    expected = [[0] * 4 for _ in range(4)]
+    for a, b in zip(first, second):
+        expected[a][b] += 1
+    result = analysis.transitions(cache, 0, 1)
+    assert result.counts.tolist() == expected
+    assert result.sources.tolist() == [first.count(e) for e in range(4)]
+    paths = Counter(zip(first, second))
+    found = analysis.expert_paths(cache, top=10)
+    assert dict(found) == dict(paths)
+
+
+# -- entropy with a single slot --------------------------------------------------------------------------
+
+
+def test_weight_entropy_of_one_slot_is_zero_not_nan():
+    """With k = 1 one slot takes all the weight: its normalised entropy is 0 (there is nothing to spread
+    over), every token in the first bin; never 0 / log 1 = nan."""
+    rows = [[0], [2], [1], [2]]
+    cache = cache_of([shard_of({0: rows}, {0: [[1.0]] * 4})], {0: 3}, {0: 1})
+    result = analysis.routing_entropy(cache, "weights", bins=5)
+    assert result.mean.tolist() == [0.0]
+    assert result.histogram[0].tolist() == [4, 0, 0, 0, 0]
+    assert analysis.token_entropy(cache, 0, "weights").tolist() == [0.0] * 4
+
+
+# -- specialisation: labels outside 0..C-1 ---------------------------------------------------------------
+
+#: One layer (E = 4, k = 2), five tokens.
+ROWS = [[0, 1], [1, 2], [2, 3], [3, 1], [0, 2]]
+
+
+def spec_cache(text_index: list[int] | None = None, num_texts: int = 1) -> analysis.RoutingCache:
+    return cache_of([shard_of({0: ROWS}, {0: [[0.5, 0.5]] * len(ROWS)}, text_index=text_index)],
+                    {0: 4}, {0: 2}, num_texts=num_texts)
+
+
+def pairs_by_hand(labels: list[int], classes: int) -> list[list[int]]:
+    pairs = Counter((expert, label) for row, label in zip(ROWS, labels) if 0 <= label < classes for expert in row)
+    return [[pairs[(e, c)] for c in range(classes)] for e in range(4)]
+
+
+def test_specialisation_ignores_negative_labels():
+    """A label of -1 is outside 0..C-1 and ignored; it is never counted as the previous expert's last class.
+
+    Token 1 (experts 1 and 2) is labelled -1: were it kept, its keys 1 * C - 1 and 2 * C - 1 would land in
+    experts 0 and 1's last class."""
+    labels = [0, -1, 1, 1, 0]
+    result = analysis.specialisation(spec_cache(), torch.tensor(labels), classes=["a", "b"])
+    assert result.counts[0].tolist() == pairs_by_hand(labels, 2)
+    assert int(result.counts.sum()) == 2 * 4  # four labelled tokens, k = 2 slots each
+
+
+def test_specialisation_default_classes_leave_out_the_ignored_label_255():
+    """With no class names the classes run to the largest label below 255: 255 marks an unlabelled token."""
+    labels = [0, 255, 1, 255, 1]
+    result = analysis.specialisation(spec_cache(), torch.tensor(labels))
+    assert result.classes == ["0", "1"]
+    assert result.counts[0].tolist() == pairs_by_hand(labels, 2)
+
+
+def test_per_text_labels_must_cover_every_text():
+    """per="text" labels index texts: one label short of the corpus is refused (here the missing text is
+    the last one, whose tokens would otherwise index past the labels or be silently dropped)."""
+    text_index = [0, 0, 1, 1, 2]
+    cache = spec_cache(text_index, num_texts=3)
+    with pytest.raises(MoelensError, match="per-text labels must cover the 3 corpus items"):
+        analysis.specialisation(cache, torch.tensor([0, 1]), per="text")
+    labels = [1, 0, 1]
+    result = analysis.specialisation(cache, torch.tensor(labels), per="text")
+    assert result.counts[0].tolist() == pairs_by_hand([labels[t] for t in text_index], 2)
+
+
+# -- load balance at the edges ---------------------------------------------------------------------------
+
+
+def test_balance_of_a_layer_nobody_used_counts_every_expert_unused():
+    """A layer whose experts got no slot (every slot skipped): all E experts are unused, the ratios 0."""
+    cache = cache_of([shard_of({0: [[-1, -1], [-1, -1]]}, {0: [[0.0, 0.0]] * 2})], {0: 3}, {0: 2})
+    usage = analysis.expert_usage(cache)
+    assert usage.counts[0].tolist() == [0, 0, 0]
+    balance = analysis.load_balance(usage)
+    assert balance.unused.tolist() == [3]
+    assert balance.cv.tolist() == [0.0] and balance.max_over_mean.tolist() == [0.0]
+
+
+def test_a_single_expert_layer_is_perfectly_balanced():
+    """With E = 1 (or num_experts=[1]) the usage is trivially uniform: entropy 1, cv 0, max/mean 1."""
+    cache = cache_of([shard_of({0: [[0], [1], [0]]}, {0: [[1.0]] * 3})], {0: 2}, {0: 1})
+    balance = analysis.load_balance(analysis.expert_usage(cache), num_experts=[1])
+    assert balance.entropy.tolist() == [1.0]
+    assert balance.cv.tolist() == [0.0] and balance.max_over_mean.tolist() == [1.0]
+
+
+def test_usage_keeps_each_layers_own_top_k():
+    """Usage.top_k is k per layer, in the cache's layer order, and each layer's counts sum to tokens * its k."""
+    shard = shard_of({2: [[0], [1], [1]], 5: [[0, 1, 2], [1, 2, 3], [3, 0, 1]]},
+                     {2: [[1.0]] * 3, 5: [[0.5, 0.3, 0.2]] * 3})
+    usage = analysis.expert_usage(cache_of([shard], {2: 2, 5: 4}, {2: 1, 5: 3}))
+    assert usage.layers == [2, 5] and usage.top_k == [1, 3] and usage.num_experts == [2, 4]
+    assert usage.counts.tolist() == [[1, 2, 0, 0], [2, 3, 2, 2]]
+    assert usage.counts.sum(-1).tolist() == [3 * 1, 3 * 3]
+
+
+# -- top tokens over several shards ----------------------------------------------------------------------
+
+
+def test_top_tokens_share_counts_a_tokens_occurrences_in_every_shard():
+    """share = slots of the token routed to the expert / the token's occurrences over the whole cache: the
+    occurrences of the first shard still count when a later shard holds a larger token id."""
+    token_ids = [[3, 5, 3], [3, 9, 5, 3]]
+    rows = [[[0], [1], [0]], [[1], [0], [0], [0]]]
+    shards, start = [], 0
+    for ids, chosen in zip(token_ids, rows):
+        shards.append(shard_of({0: chosen}, {0: [[1.0]] * len(chosen)}, token_ids=ids, start=start))
+        start += len(ids)
+    cache = cache_of(shards, {0: 2}, {0: 1})
+    seen = Counter(token for ids in token_ids for token in ids)
+    served = Counter((row[0], token) for ids, chosen in zip(token_ids, rows) for token, row in zip(ids, chosen))
+    for expert in range(2):
+        (result,) = analysis.top_tokens(cache, 0, [expert], n=10, by="count")
+        assert sorted(result.token_ids.tolist()) == sorted(t for (e, t) in served if e == expert)
+        for token, count, share in zip(result.token_ids.tolist(), result.counts.tolist(), result.share.tolist()):
+            assert count == served[(expert, token)]
+            assert math.isclose(share, served[(expert, token)] / seen[token], rel_tol=1e-12), (expert, token)
+    (zero,) = analysis.top_tokens(cache, 0, [0], by="share", min_count=4)
+    assert zero.token_ids.tolist() == [3] and math.isclose(float(zero.share[0]), 3 / 4)
+
+
+def tie_cache() -> tuple[analysis.RoutingCache, list[int], list[int]]:
+    """One layer (E = 2, k = 1): tokens 4, 5, 9 each routed to expert 0 twice, seen 8, 2 and 4 times; tokens 7
+    and 8 routed to expert 0 once each and seen twice each."""
+    token_ids, experts = [], []
+    for token, served, seen in ((4, 2, 8), (5, 2, 2), (9, 2, 4), (7, 1, 2), (8, 1, 2)):
+        token_ids += [token] * seen
+        experts += [0] * served + [1] * (seen - served)
+    shard = shard_of({0: [[e] for e in experts]}, {0: [[1.0]] * len(experts)}, token_ids=token_ids)
+    return cache_of([shard], {0: 2}, {0: 1}), token_ids, experts
+
+
+def test_top_tokens_by_count_breaks_ties_by_share():
+    """by="count": most routed first; among tokens routed equally often, the larger share first."""
+    cache, token_ids, experts = tie_cache()
+    seen = Counter(token_ids)
+    served = Counter(t for t, e in zip(token_ids, experts) if e == 0)
+    expected = sorted(served, key=lambda t: (-served[t], -served[t] / seen[t]))
+    assert expected == [5, 9, 4, 7, 8]
+    (result,) = analysis.top_tokens(cache, 0, [0], n=10, by="count")
+    assert result.token_ids.tolist() == expected
+    assert result.counts.tolist() == [served[t] for t in expected]
+
+
+def test_top_tokens_by_share_breaks_ties_by_count():
+    """by="share": the largest share first; among tokens of equal share, the one routed more often first
+    (token 9, 2 of 4, before tokens 7 and 8, 1 of 2 each: all three have a share of 1/2)."""
+    cache, token_ids, experts = tie_cache()
+    seen = Counter(token_ids)
+    served = Counter(t for t, e in zip(token_ids, experts) if e == 0)
+    expected = sorted(served, key=lambda t: (-served[t] / seen[t], -served[t]))
+    assert expected == [5, 9, 7, 8, 4]
+    (result,) = analysis.top_tokens(cache, 0, [0], n=10, by="share", min_count=0)
+    assert result.token_ids.tolist() == expected
+
+
+def test_top_tokens_by_share_lets_the_count_break_exact_ties_only():
+    """A token served 100000 times at a share of 1/2 ranks below one served 50001 times at 50001/100000: the
+    count breaks ties of share, never outweighs a real difference (a weighted sum of the two keys did)."""
+    seen, served = {7: 200_000, 8: 100_000}, {7: 100_000, 8: 50_001}
+    token_ids = torch.cat([torch.full((seen[t],), t, dtype=torch.int32) for t in seen])
+    experts = torch.cat([torch.cat([torch.zeros(served[t]), torch.ones(seen[t] - served[t])]) for t in seen])
+    count = len(token_ids)
+    shard = analysis.Shard(token_ids=token_ids, text_index=torch.zeros(count, dtype=torch.int32),
+                           position=torch.arange(count, dtype=torch.int32),
+                           indices={0: experts.to(torch.int16)[:, None]}, weights={0: torch.ones(count, 1)})
+    expected = sorted(seen, key=lambda t: -served[t] / seen[t])
+    assert expected == [8, 7]
+    (result,) = analysis.top_tokens(cache_of([shard], {0: 2}, {0: 1}), 0, [0], n=2, by="share")
+    assert result.token_ids.tolist() == expected
+    assert result.counts.tolist() == [served[t] for t in expected]
