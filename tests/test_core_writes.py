@@ -463,3 +463,33 @@ def test_int32_indices_reach_the_experts_as_the_models_index_dtype(impl):
     hook.remove()
     assert [index.dtype for index in seen] == [torch.int64, torch.int64]
     assert torch.equal(logits[torch.int64], logits[torch.int32])
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("kind", ["tensor", "numpy", "number"])
+def test_a_patched_value_is_the_models_copy_so_a_later_steer_leaves_the_users_value_alone(grad, kind):
+    """Patch the logits saved from a clean run, then steer: the model gets clean + 5 on expert 1 (plain nnsight on
+    a copy), and the tensor or array written stays as it was (it was edited in place without autograd);
+    a number written fills a tensor the steer can edit (an expanded scalar refused in-place edits)."""
+    _, wrapped, inputs, _, reference = built("mixtral", "grouped_mm")
+    moe = wrapped.moes[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        clean = moe.router_logits.save()
+    written = {"tensor": clean.clone(), "numpy": clean.clone().numpy(), "number": 0.5}[kind]
+    kept = copy.deepcopy(written)
+    with torch.set_grad_enabled(grad), wrapped.trace(**inputs):
+        moe.router_logits = written
+        moelens.steer(moe, 1, 5.0)
+        output = wrapped.output.save()
+    if kind != "number":
+        assert (kept == written).all()
+
+    patched = torch.as_tensor(written, dtype=clean.dtype).expand(clean.shape).reshape(-1, clean.shape[-1])
+
+    def edit(block, plain_moe, index):
+        if index == 0:
+            op = block.get(plain_moe.family.router).source.__getattr__(plain_moe.family.logits_op)
+            op.output = patched + 5.0 * (torch.arange(patched.shape[-1]) == 1)
+
+    expected = plain_edit(reference, inputs, wrapped.moes, edit)
+    torch.testing.assert_close(first_tensor(output).detach(), expected, atol=1e-6, rtol=1e-6)

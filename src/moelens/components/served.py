@@ -397,6 +397,8 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
         old = earlier.view if earlier is not None and earlier.view.requires_grad else current
         value = _KeepInGraph.apply(value, old)
+    else:  # the model, and any later in-place edit of the value (an intervention's), works on a copy, not the
+        value = value.clone(memory_format=torch.contiguous_format)  # user's tensor, array or expanded scalar
     Mediator.swap(location, swap_value(component.interleaver, lambda raw: replaced(binding, fetched, value, name, raw),
                                        fetched.raw))
     if reads is not None and reads.views:  # the other values read here stay open; their edits land on the write
