@@ -113,6 +113,19 @@ def test_demo_on_moelens_tiny(tmp_path, capsys):
     assert str((tmp_path / "demo").resolve()) in out
 
 
+def test_the_demo_runs_moelens_tiny_beside_a_users_folder_named_tiny(tmp_path, capsys, monkeypatch):
+    """`demo` takes no MODEL: a folder named tiny in the working folder (here a Mixtral checkpoint) is not loaded
+    in place of moelens-tiny, as `inspect tiny` would (a user's folder of that name wins where MODEL is given)."""
+    tiny_model("mixtral").save_pretrained(tmp_path / "tiny")
+    ascii_tokenizer().save_pretrained(tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "0"], capsys)
+    assert status == 0, err
+    assert "Qwen2MoeForCausalLM" in out and "Mixtral" not in out
+    status, out, err = run(["inspect", "tiny"], capsys)
+    assert status == 0 and "family                 mixtral" in out, err
+
+
 def test_inspect_tiny(capsys):
     status, out, err = run(["inspect", "tiny"], capsys)
     assert status == 0, err

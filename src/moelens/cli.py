@@ -42,8 +42,9 @@ def quiet_transformers() -> None:
 NO_MOE_WARNINGS = ("moelens found no MoE block", "moelens does not serve these MoE blocks")
 
 
-def load_checkpoint(source: str) -> tuple[Any, str]:
-    """Load a command's MODEL: ``tiny`` (the embedded moelens-tiny) or a checkpoint folder, wrapped.
+def load_checkpoint(source: str | None) -> tuple[Any, str]:
+    """Load a command's MODEL: ``tiny`` (the embedded moelens-tiny, unless a folder of that name is there) or a
+    checkpoint folder, wrapped; None: moelens-tiny whatever the working folder holds (the demo's model).
 
     Returns:
         The wrapped model and the name to show for it.
@@ -56,7 +57,7 @@ def load_checkpoint(source: str) -> tuple[Any, str]:
     from moelens.data import TINY_MODEL_PATH, TINY_NAMES
 
     quiet_transformers()
-    if source in TINY_NAMES and not user_path(source).exists():  # a folder of the user's of that name wins
+    if source is None or source in TINY_NAMES and not user_path(source).exists():  # a user's folder "tiny" wins
         if not (TINY_MODEL_PATH / "config.json").is_file():
             raise MoelensError(
                 f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "

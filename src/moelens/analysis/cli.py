@@ -97,8 +97,9 @@ def register(subparsers: Any) -> None:
 # -- shared ----------------------------------------------------------------------------------
 
 
-def load_model(source: str) -> Any:
-    """Load ``source`` (``tiny`` or a local folder) and wrap it; clear errors for a bad path or a non-MoE model."""
+def load_model(source: str | None) -> Any:
+    """Load ``source`` (``tiny`` or a local folder; None: moelens-tiny, even beside a folder named ``tiny``) and
+    wrap it; clear errors for a bad path or a non-MoE model."""
     from .describe import require_moe
 
     model, name = load_checkpoint(source)
@@ -213,7 +214,7 @@ def run_demo(args: argparse.Namespace) -> int:
     text = read_text(args.text) if args.text is not None else DEMO_TEXT
     set_threads(args.threads)
     print("Loading moelens-tiny (offline) ...", flush=True)
-    model = load_model("tiny")
+    model = load_model(None)
     moes = model.moes
     first = moes[0]
     print(f"{type(model._module).__name__}: {len(moes)} MoE layers, {first.num_experts} experts, top-{first.top_k}, "

@@ -1,0 +1,390 @@
+"""Contracts of the expert logit lens, token strings and routing plots, against independent truths.
+
+The logit lens is recomputed from a plain nnsight trace of an unwrapped copy (each experts call's raw
+arguments, one corpus item at a time, no padding), the experts' weights, and the final norm and unembedding
+applied by hand (RMSNorm written out, ``@ lm_head.weight.T``). Plots are read back from the returned figure's
+artists (image arrays, line data, bar sizes, texts, tick labels, titles) and compared with numbers computed
+by hand from the result objects' raw counts, never with another moelens computation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import moelens  # noqa: E402
+from groundtruth import expert_forward, raw_values  # noqa: E402
+from moelens import analysis  # noqa: E402
+from moelens.analysis.cache import SKIPPED  # noqa: E402
+from moelens.analysis.coactivation import Coactivation, Transitions  # noqa: E402
+from moelens.analysis.entropy import Entropy  # noqa: E402
+from moelens.analysis.logit_lens import ExpertLens  # noqa: E402
+from moelens.analysis.specialisation import Specialisation  # noqa: E402
+from moelens.analysis.token_view import TokenRouting  # noqa: E402
+from moelens.analysis.top_tokens import ExpertTokens  # noqa: E402
+from moelens.analysis.usage import LoadBalance, Usage  # noqa: E402
+from moelens.errors import MoelensError  # noqa: E402
+from moelens.testing import tiny_model  # noqa: E402
+
+plots = analysis.plots
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plots.pyplot().close("all")
+
+
+def image(axes) -> torch.Tensor:
+    """The array an axes' first image draws, masked cells as NaN."""
+    array = axes.images[0].get_array()
+    filled = array.filled(float("nan")) if hasattr(array, "filled") else array
+    return torch.as_tensor(filled, dtype=torch.float64)
+
+
+def panels(figure) -> list:
+    """The figure's grid panels (not its colour bars), in reading order."""
+    return [axes for axes in figure.axes if axes.get_label() != "<colorbar>"]
+
+
+def labels(ticks) -> list[str]:
+    return [tick.get_text() for tick in ticks]
+
+
+# -- the expert logit lens, by hand ------------------------------------------------------------------
+
+
+def lens_by_hand(reference, wrapped, corpus):
+    """Per MoE block: (sum of each expert's weighted outputs, slot counts), from raw experts-call arguments."""
+    names = [moe.path.removeprefix("model.") for moe in wrapped.moes]
+    sums = {name: torch.zeros(8, reference.config.hidden_size, dtype=torch.float64) for name in names}
+    counts = {name: torch.zeros(8, dtype=torch.int64) for name in names}
+    with torch.no_grad():
+        for ids in corpus:
+            raw = raw_values(reference, {"input_ids": torch.tensor([ids])}, names, wrapped.family)
+            for name in names:
+                hidden, chosen, weights = raw[name].experts_args[:3]
+                hidden, chosen, weights = (value.reshape(len(ids), -1) for value in (hidden, chosen, weights))
+                experts = reference.get_submodule(f"{name}.{wrapped.family.experts}")
+                for token in range(len(ids)):
+                    for slot in range(chosen.shape[1]):
+                        expert = int(chosen[token, slot])
+                        _, out = expert_forward(experts, hidden[token : token + 1], expert)
+                        sums[name][expert] += out[0].double() * float(weights[token, slot])
+                        counts[name][expert] += 1
+    return names, sums, counts
+
+
+def read_out(reference, vectors: torch.Tensor) -> torch.Tensor:
+    """lm_head(final RMSNorm(v)), the norm written out from its weight and epsilon."""
+    norm = reference.model.norm
+    v = vectors.double()
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.double()
+    return (normed @ reference.lm_head.weight.double().T).float()
+
+
+@pytest.fixture(scope="module")
+def qwen_lens():
+    hf = tiny_model("qwen2_moe")
+    torch.manual_seed(11)
+    with torch.no_grad():  # a trained norm is not all ones: dropping it changes the ranking, not only the scale
+        hf.model.norm.weight.uniform_(0.1, 3.0)
+    reference = copy.deepcopy(hf)
+    return hf, reference, moelens.wrap(hf)
+
+
+def test_logit_lens_matches_a_readout_by_hand_over_padded_batches(qwen_lens):
+    """Items of different lengths, two per batch (padding) over several batches; few enough tokens that some
+    experts are never reached. Counts, means, top ids and top logits all follow the by-hand readout; an expert
+    no token reached has a zero mean (never NaN), -inf logits and no tokens; ``top`` above the vocabulary
+    returns the whole vocabulary."""
+    hf, reference, wrapped = qwen_lens
+    corpus = [[5, 17, 42], [9], [88, 3]]
+    vocab = hf.config.vocab_size
+    lens = analysis.expert_logit_lens(wrapped, corpus, top=vocab + 7, batch_size=2, progress=False)
+    names, sums, counts = lens_by_hand(reference, wrapped, corpus)
+    assert lens.top_ids.shape[-1] == vocab and lens.norm == "model.norm"
+    unreached = 0
+    for row, name in enumerate(names):
+        assert lens.counts[row].tolist() == counts[name].tolist(), row
+        means = sums[name] / counts[name].clamp(min=1)[:, None]
+        torch.testing.assert_close(lens.mean_outputs[row].double(), means, atol=1e-5, rtol=1e-4)
+        logits = read_out(reference, means)
+        for expert in range(8):
+            if counts[name][expert]:
+                expected = logits[expert].topk(vocab)
+                assert lens.top_ids[row, expert, :5].tolist() == expected.indices[:5].tolist(), (row, expert)
+                torch.testing.assert_close(lens.top_logits[row, expert], expected.values, atol=1e-4, rtol=1e-4)
+                assert lens.tokens[row][expert] == [f"#{i}" for i in lens.top_ids[row, expert].tolist()]
+            else:
+                unreached += 1
+                assert (lens.mean_outputs[row, expert] == 0).all(), (row, expert)
+                assert torch.isneginf(lens.top_logits[row, expert]).all(), (row, expert)
+                assert lens.tokens[row][expert] == [] and lens.promoted(wrapped.moes[row].layer, expert) == []
+    assert unreached  # the corpus is short enough that some expert of some layer got no token
+
+
+def test_relative_lens_keeps_the_plain_means_and_ignores_unreached_experts(qwen_lens):
+    """relative=True subtracts the count-weighted layer mean before the readout; ``mean_outputs`` stays each
+    expert's own mean (the documented attribute), and an unreached expert does not poison the layer mean."""
+    hf, reference, wrapped = qwen_lens
+    corpus = [[5, 17, 42, 9], [88, 3]]
+    lens = analysis.expert_logit_lens(wrapped, corpus, top=4, relative=True, batch_size=1, progress=False)
+    names, sums, counts = lens_by_hand(reference, wrapped, corpus)
+    assert lens.relative
+    for row, name in enumerate(names):
+        means = sums[name] / counts[name].clamp(min=1)[:, None]
+        torch.testing.assert_close(lens.mean_outputs[row].double(), means, atol=1e-5, rtol=1e-4)
+        logits = read_out(reference, means - sums[name].sum(0) / counts[name].sum())
+        reached = torch.nonzero(counts[name]).flatten().tolist()
+        assert len(reached) < 8 or row > 0  # at least the first layer leaves an expert unreached
+        for expert in reached:
+            expected = logits[expert].topk(4)
+            assert lens.top_ids[row, expert].tolist() == expected.indices.tolist(), (row, expert)
+            torch.testing.assert_close(lens.top_logits[row, expert], expected.values, atol=1e-4, rtol=1e-4)
+
+
+def test_the_lens_averages_only_the_slots_that_ran_an_expert():
+    """zaya's router can send a slot to a skip class that runs no expert: the lens counts the slots a routing
+    cache counts (the non-skipped ones) and its means are over those slots only."""
+    hf = tiny_model("zaya")
+    wrapped = moelens.wrap(hf)
+    corpus = [list(range(5, 29))]
+    cache = analysis.collect_routing(wrapped, corpus, progress=False)
+    lens = analysis.expert_logit_lens(wrapped, corpus, progress=False)
+    skipped = 0
+    for row, layer in enumerate(cache.layers):
+        indices = cache.indices(layer).long().flatten()
+        skipped += int((indices == SKIPPED).sum())
+        ran = indices[indices != SKIPPED]
+        expected = [int((ran == expert).sum()) for expert in range(lens.counts.shape[1])]
+        assert lens.counts[row].tolist() == expected, layer
+    assert skipped  # the corpus routes some slots to the skip class
+
+
+def test_latent_experts_are_projected_without_the_projections_bias():
+    """nemotron_h with a latent space and biased projections: the block adds fc2_latent_proj's bias once per
+    token to the routed sum, so the per-expert readout is the latent mean times the weight only. Truth: what a
+    plain nnsight trace sees entering fc2_latent_proj, summed over tokens, times its weight."""
+    import nnsight
+
+    hf = tiny_model("nemotron_h", moe_latent_size=16, mlp_bias=True)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    corpus = [list(range(3, 15))]
+    lens = analysis.expert_logit_lens(wrapped, corpus, progress=False)
+    plain = nnsight.NNsight(reference)
+    for row, moe in enumerate(wrapped.moes):
+        projection = reference.get_submodule(moe.path.removeprefix("model.")).fc2_latent_proj
+        assert projection.bias is not None and projection.bias.abs().sum() > 0
+        with torch.no_grad(), plain.trace(torch.tensor(corpus)):
+            latent = plain.get(moe.path.removeprefix("model.")).fc2_latent_proj.input.save()
+        total = latent.reshape(-1, 16).double().sum(0) @ projection.weight.detach().double().T
+        by_expert = (lens.mean_outputs[row].double() * lens.counts[row, :, None]).sum(0)
+        torch.testing.assert_close(by_expert, total, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_without_a_latent_space_are_read_as_they_are():
+    """nemotron_h without moe_latent_size has an Identity fc2_latent_proj: the lens reads the experts' outputs
+    unchanged (an Identity has no weight to apply, and needs none). Truth: the experts call's output in a plain
+    nnsight trace, summed over the tokens."""
+    import nnsight
+
+    hf = tiny_model("nemotron_h")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    corpus = [list(range(3, 15))]
+    lens = analysis.expert_logit_lens(wrapped, corpus, progress=False)
+    plain = nnsight.NNsight(reference)
+    for row, moe in enumerate(wrapped.moes):
+        block = moe.path.removeprefix("model.")
+        assert isinstance(reference.get_submodule(block).fc2_latent_proj, torch.nn.Identity)
+        with torch.no_grad(), plain.trace(torch.tensor(corpus)):
+            routed = plain.get(block).experts.output.save()
+        by_expert = (lens.mean_outputs[row].double() * lens.counts[row, :, None]).sum(0)
+        torch.testing.assert_close(by_expert, routed.reshape(-1, hf.config.hidden_size).double().sum(0),
+                                   atol=1e-4, rtol=1e-4)
+
+
+# -- token strings ------------------------------------------------------------------------------------
+
+
+def test_token_strings_decode_each_id_alone_and_fall_back_to_ids():
+    class Decoder:
+        def decode(self, ids, **kwargs):
+            assert isinstance(ids, list) and len(ids) == 1 and not kwargs
+            return {1: "<s>", 2: " a", 3: "\t", 4: "\x00", 5: ""}[ids[0]]
+
+    assert analysis.text.token_strings(Decoder(), [1, 2, 3, 4, 5]) == ["<s>", "\u00b7a", "\\t", "\\x00", "\u2205"]
+    assert analysis.text.token_strings(None, torch.tensor([7, 0])) == ["#7", "#0"]
+    # only control characters (category Cc) are escaped: a no-break space or a joiner is text, not a control
+    assert analysis.text.display("a\u00a0b\u200d\x85") == "a\u00a0b\u200d\\x85"
+    analysis.text.check_tokenizer(None)  # None: ids shown as #<id>
+    with pytest.raises(MoelensError, match="tokenizer must be a tokenizer with a decode method"):
+        analysis.text.check_tokenizer(object())
+
+
+# -- plots, read back ---------------------------------------------------------------------------------
+
+
+def test_usage_plot_draws_each_layers_shares_labelled_by_layer():
+    counts = torch.tensor([[6, 2, 0, 0], [1, 1, 1, 5]])
+    usage = Usage(layers=[3, 7], counts=counts, weight=torch.zeros(2, 4, dtype=torch.float64), tokens=4,
+                  top_k=[2, 2], num_experts=[2, 4])
+    figure = plots.plot_usage(usage)
+    axes = figure.axes[0]
+    expected = torch.tensor([[6 / 8, 2 / 8, math.nan, math.nan], [1 / 8, 1 / 8, 1 / 8, 5 / 8]], dtype=torch.float64)
+    torch.testing.assert_close(image(axes), expected, equal_nan=True)
+    assert labels(axes.get_yticklabels()) == ["3", "7"]
+    assert axes.images[0].get_clim()[0] == 0
+    assert [text.get_text() for text in axes.texts] == ["75", "25", "12", "12", "12", "62"]  # percent, rounded
+    assert "4 tokens" in axes.get_title() and "annotations in %" in axes.get_title()
+    # more experts than cells get labels, few layers: no labels at all (not 4 x 20 numbers in tiny cells)
+    wide = Usage(layers=[0, 1], counts=torch.ones(2, 20, dtype=torch.int64), weight=torch.zeros(2, 20, dtype=torch.float64),
+                 tokens=10, top_k=[2, 2])
+    figure = plots.plot_usage(wide)
+    assert not figure.axes[0].texts and "annotations" not in figure.axes[0].get_title()
+
+
+def test_load_balance_plot_draws_cv_left_and_max_over_mean_right():
+    balance = LoadBalance(layers=[1, 5], cv=torch.tensor([0.25, 0.5]), max_over_mean=torch.tensor([1.5, 3.0]),
+                          min_over_mean=torch.tensor([0.5, 0.0]), entropy=torch.tensor([0.9, 0.6]),
+                          unused=torch.tensor([0, 1]))
+    left, right = plots.plot_load_balance(balance).axes
+    assert [bar.get_height() for bar in left.patches] == pytest.approx([0.25, 0.5])
+    assert [bar.get_height() for bar in right.patches] == pytest.approx([1.5, 3.0])
+    assert "variation" in left.get_title() and "max / mean" in right.get_title()
+
+
+def test_entropy_plot_draws_each_layers_own_density_at_bin_centres():
+    histogram = torch.tensor([[1, 3, 0, 4], [10, 0, 0, 0]])
+    entropy = Entropy(layers=[2, 6], source="router", mean=torch.tensor([0.6, 0.1]), histogram=histogram,
+                      edges=torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]), tokens=10)
+    axes = plots.plot_entropy(entropy).axes[0]
+    assert len(axes.lines) == 2
+    for line, row in zip(axes.lines, ([1 / 8, 3 / 8, 0, 4 / 8], [1.0, 0, 0, 0])):
+        assert list(line.get_xdata()) == pytest.approx([0.125, 0.375, 0.625, 0.875])
+        assert list(line.get_ydata()) == pytest.approx(row)
+    assert labels(axes.get_legend().get_texts()) == ["layer 2 (mean 0.60)", "layer 6 (mean 0.10)"]
+    assert axes.get_xlim() == (0, 1)
+    # up to LEGEND_LAYERS layers keep a legend; one more gets the colour scale by layer and a panel of means
+    layers = list(range(10, 10 + plots.LEGEND_LAYERS + 1))
+    many = Entropy(layers=layers, source="weights", mean=torch.linspace(0, 1, len(layers)),
+                   histogram=torch.ones(len(layers), 4, dtype=torch.int64), edges=entropy.edges, tokens=4)
+    few = Entropy(layers=layers[:-1], source="weights", mean=many.mean[:-1], histogram=many.histogram[:-1],
+                  edges=entropy.edges, tokens=4)
+    assert len(plots.plot_entropy(few).axes[0].get_legend().get_texts()) == plots.LEGEND_LAYERS
+    figure = plots.plot_entropy(many)
+    curves = figure.axes[0]
+    assert curves.get_legend() is None
+    viridis = matplotlib.colormaps["viridis"]
+    first, last = (matplotlib.colors.to_rgba(curves.lines[i].get_color()) for i in (0, -1))
+    assert first == pytest.approx(viridis(0.0)) and last == pytest.approx(viridis(1.0))  # the scale spans the layers
+
+
+def test_coactivation_plot_leaves_the_diagonal_blank():
+    counts = torch.tensor([[4, 1, 3], [1, 2, 0], [3, 0, 5]])
+    axes = plots.plot_coactivation(Coactivation(layer=1, counts=counts, tokens=6)).axes[0]
+    drawn = image(axes)
+    assert torch.isnan(drawn.diagonal()).all()  # P(i | i) = 1 would set the colour scale
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                assert float(drawn[i, j]) == pytest.approx(int(counts[i, j]) / int(counts[i, i]))
+    assert axes.get_title() == "layer 1"
+
+
+def test_transition_plot_names_source_rows_and_target_columns():
+    counts = torch.tensor([[1, 1, 0], [0, 0, 3]])  # no cell reaches 1: the colour scale must still end at 1
+    item = Transitions(source=1, target=3, counts=counts, slots="top1", tokens=6, sources=torch.tensor([2, 4]))
+    axes = plots.plot_transitions(item).axes[0]
+    torch.testing.assert_close(image(axes), torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 0.75]], dtype=torch.float64))
+    assert axes.get_title() == "layer 1 -> 3"
+    assert axes.get_ylabel() == "expert in layer 1" and axes.get_xlabel() == "expert in layer 3"
+    assert axes.images[0].get_clim() == (0, 1)  # a probability: the colour scale is [0, 1] whatever the data
+
+
+def test_token_routing_plot_cells_name_each_tokens_top_two_experts_and_cut_at_max_tokens():
+    indices = torch.tensor([[[3, 1, 0], [2, 0, 1], [SKIPPED, SKIPPED, SKIPPED], [1, 3, 2]],
+                            [[0, 2, 1], [1, 2, 3], [3, 0, 2], [2, 1, 0]]])
+    view = TokenRouting(token_ids=torch.tensor([10, 11, 12, 13]), tokens=["a", "b", "c", "d"], layers=[0, 4],
+                        indices=indices, weights=torch.ones(2, 4, 3), num_experts=[4, 4])
+    figure = plots.plot_token_routing(view, max_tokens=3)
+    axes = figure.axes[0]
+    assert image(axes).tolist() == [[3, 2, -1], [0, 1, 3]]  # the first 3 tokens' highest-weighted experts
+    assert [text.get_text() for text in axes.texts] == ["3\n1", "2\n0", "skip\nskip", "0\n2", "1\n2", "3\n0"]
+    assert labels(axes.get_xticklabels()) == ["a", "b", "c"]
+    assert labels(axes.get_yticklabels()) == ["layer 0", "layer 4"]
+    assert "(first 3 of 4 tokens)" in axes.get_title()
+
+
+def test_top_tokens_plot_annotates_the_other_value_best_first():
+    item = ExpertTokens(layer=2, expert=5, token_ids=torch.tensor([40, 41]), counts=torch.tensor([9, 4]),
+                        share=torch.tensor([0.75, 0.5]), tokens=["x", "y"], total=13)
+    for value, bars, notes in (("counts", [9, 4], [" 75%", " 50%"]), ("share", [0.75, 0.5], [" 9", " 4"])):
+        axes = plots.plot_top_tokens([item], value=value).axes[0]
+        assert [bar.get_width() for bar in axes.patches] == pytest.approx(bars)
+        assert [text.get_text() for text in axes.texts] == notes
+        assert labels(axes.get_yticklabels()) == ["x", "y"]
+        assert axes.yaxis_inverted()  # the most served token on top
+        assert axes.get_title() == "layer 2 expert 5"
+
+
+def hand_lens(relative: bool = False) -> ExpertLens:
+    """Two layers (1 and 4) of 3 experts; expert 1 of layer 4 got no token."""
+    top_logits = torch.tensor([[[5.0, 4.0, 0.0], [3.0, 2.0, 1.0], [9.0, 8.0, 4.0]],
+                               [[7.0, 6.0, 2.0], [-math.inf] * 3, [1.0, 0.5, 0.0]]])
+    tokens = [[["a0", "a1", "a2"], ["b0", "b1", "b2"], ["c0", "c1", "c2"]],
+              [["d0", "d1", "d2"], [], ["f0", "f1", "f2"]]]
+    return ExpertLens(layers=[1, 4], counts=torch.tensor([[2, 3, 1], [4, 0, 2]]), mean_outputs=torch.zeros(2, 3, 2),
+                      top_ids=torch.zeros(2, 3, 3, dtype=torch.int64), top_logits=top_logits, tokens=tokens,
+                      relative=relative, norm=None, num_experts=[3, 3])
+
+
+def test_logit_lens_plot_draws_the_last_layers_reached_experts_centred_per_row():
+    axes = plots.plot_logit_lens(hand_lens()).axes[0]  # default: the last layer
+    assert "layer 4" in axes.get_title() and "mean output" in axes.get_title()
+    torch.testing.assert_close(image(axes), torch.tensor([[2.0, 1.0, -3.0], [0.5, 0.0, -0.5]], dtype=torch.float64))
+    assert [text.get_text() for text in axes.texts] == ["d0", "d1", "d2", "f0", "f1", "f2"]
+    assert labels(axes.get_yticklabels()) == ["e0 (4)", "e2 (2)"]
+    assert labels(axes.get_xticklabels()) == ["#1", "#2", "#3"]
+    axes = plots.plot_logit_lens(hand_lens(relative=True), layer=1, top=2).axes[0]
+    assert "layer 1" in axes.get_title() and "relative to the layer mean" in axes.get_title()
+    torch.testing.assert_close(image(axes), torch.tensor([[0.5, -0.5]] * 3, dtype=torch.float64))
+    assert [text.get_text() for text in axes.texts] == ["a0", "a1", "b0", "b1", "c0", "c1"]
+    assert labels(axes.get_yticklabels()) == ["e0 (2)", "e1 (3)", "e2 (1)"]
+
+
+def test_specialisation_plot_draws_each_layer_and_blanks_unused_experts():
+    counts = torch.tensor([[[3, 1], [0, 0], [1, 3]], [[2, 0], [0, 2], [1, 1]]])
+    spec = Specialisation(layers=[0, 2], classes=["code", "prose"], counts=counts)
+    figure = plots.plot_specialisation(spec, value="share")
+    for panel, (axes, layer) in enumerate(zip(panels(figure), spec.layers)):
+        drawn = image(axes)
+        for expert in range(3):
+            total = int(counts[panel, expert].sum())
+            row = drawn[expert].tolist()
+            if total:
+                assert row == pytest.approx([int(counts[panel, expert, c]) / total for c in range(2)])
+            else:
+                assert all(math.isnan(value) for value in row)
+        assert axes.get_title() == f"layer {layer}"
+        assert labels(axes.get_xticklabels()) == ["code", "prose"]
+
+
+def test_panel_grids_wrap_at_four_columns_and_hide_the_spare_panels():
+    pair = torch.tensor([[2, 1], [1, 2]])
+    items = [Coactivation(layer=layer, counts=pair, tokens=3) for layer in range(5)]
+    figure = plots.plot_coactivation(items)
+    grid = panels(figure)
+    assert len(grid) == 8  # 2 rows x 4 columns
+    shown = [axes for axes in grid if axes.axison]
+    assert [axes.get_title() for axes in shown] == [f"layer {layer}" for layer in range(5)]
+    assert len(shown) == 5
