@@ -168,3 +168,24 @@ def test_a_cache_saved_before_collection_ids_loads_and_notices_a_replacement(mod
     analysis.collect_routing(model, token_corpus(3, seed=4), folder=folder, progress=False)
     with pytest.raises(MoelensError, match=r"was replaced after this cache object opened it"):
         old.token_ids()
+
+
+def test_editing_a_shard_handed_out_leaves_the_cache_as_collected(model, tmp_path):
+    """`shards()` hands out the caller's own shards, in memory as from disk: zeroing every expert index of one
+    leaves the usage counts (from the cached indices, counted by hand) as they were."""
+    cache = analysis.collect_routing(model, token_corpus(), batch_size=4)
+    layer = cache.layers[0]
+
+    def counts_by_hand() -> list[int]:
+        indices = cache.indices(layer).flatten().tolist()
+        return [indices.count(expert) for expert in range(cache.num_experts[layer])]
+
+    before = counts_by_hand()
+    assert before[0] < sum(before)
+    for folder in (None, tmp_path / "saved"):
+        source = cache if folder is None else RoutingCache.load(cache.save(folder))
+        for shard in source.shards():
+            shard.indices[layer].zero_()
+            shard.token_ids.zero_()
+        assert counts_by_hand() == before
+        assert analysis.expert_usage(source).counts[0].tolist() == before  # row 0: the first layer

@@ -104,6 +104,10 @@ class Shard:
                 tensors[f"{kind}.{layer}"] = tensor.contiguous()
         return tensors
 
+    def copy(self) -> "Shard":
+        """A shard of copies of these tensors."""
+        return Shard.from_tensors({name: tensor.clone() for name, tensor in self.to_tensors().items()})
+
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor]) -> "Shard":
         per_layer: dict[str, dict[int, Tensor]] = {"indices": {}, "weights": {}, "logits": {}}
@@ -198,7 +202,13 @@ class RoutingCache:
     # -- reading ----------------------------------------------------------------------------
 
     def shards(self) -> Iterator[Shard]:
-        """The shards in corpus order (from disk one at a time when the cache is on disk)."""
+        """The shards in corpus order (from disk one at a time when the cache is on disk), each the caller's own:
+        editing one changes nothing in the cache."""
+        for shard in self._shards():
+            yield shard.copy() if self._folder is None else shard
+
+    def _shards(self) -> Iterator[Shard]:
+        """The shards in corpus order, an in-memory cache's its own (for moelens' analyses, which only read them)."""
         if self._folder is None:
             yield from self._memory
             return
@@ -240,7 +250,7 @@ class RoutingCache:
         return self.layers[layer_row(self.layers, layer)]
 
     def _cat(self, kind: str, layer: int | None = None) -> Tensor:
-        parts = [getattr(s, kind) if layer is None else getattr(s, kind)[layer] for s in self.shards()]
+        parts = [getattr(s, kind) if layer is None else getattr(s, kind)[layer] for s in self._shards()]
         if not parts:
             raise MoelensError(EMPTY_CACHE)
         return torch.cat(parts)
@@ -275,7 +285,7 @@ class RoutingCache:
 
     def materialize(self) -> "RoutingCache":
         """An in-memory copy (one shard) of this cache."""
-        shards = list(self.shards())
+        shards = list(self._shards())
         return RoutingCache(**self._meta_fields(), _memory=[Shard.concat(shards)] if shards else [])
 
     # -- saving -----------------------------------------------------------------------------
@@ -302,7 +312,7 @@ class RoutingCache:
             self._check_not_replaced()
             return folder
         writer = ShardWriter(folder, self)
-        for shard in self.shards():
+        for shard in self._shards():
             writer.write(shard)
         writer.close()
         return folder

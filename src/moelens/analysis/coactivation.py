@@ -102,7 +102,7 @@ def coactivation(cache: RoutingCache, layer: int) -> Coactivation:
     width = cache.num_experts[layer]
     counts = torch.zeros(width, width, dtype=torch.float64)
     tokens = 0
-    for shard in cache.shards():
+    for shard in cache._shards():
         hot = multi_hot(shard.indices[layer], width)
         counts += hot.T @ hot
         tokens += shard.num_tokens
@@ -125,7 +125,7 @@ def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top
     counts = torch.zeros(rows, columns, dtype=torch.float64)
     sources = torch.zeros(rows, dtype=torch.float64)
     tokens = 0
-    for shard in cache.shards():
+    for shard in cache._shards():
         chosen = _chosen(shard, source, rows, slots)
         counts += chosen.T @ _chosen(shard, target, columns, slots)
         sources += chosen.sum(0)
@@ -148,7 +148,7 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
         raise MoelensError(f"expert_paths: layers={layers} names no layer; the cache holds layers {list(cache.layers)}.")
     layers = [cache.layer_key(layer) for layer in layers]
     paths: Counter[tuple[int, ...]] = Counter()
-    for shard in cache.shards():
+    for shard in cache._shards():
         stacked = torch.stack([top1(shard, layer) for layer in layers], dim=1)
         unique, counts = torch.unique(stacked, dim=0, return_counts=True)
         for path, count in zip(unique.tolist(), counts.tolist()):

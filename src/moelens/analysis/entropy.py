@@ -85,7 +85,7 @@ def token_entropy(cache: RoutingCache, layer: int, source: str | None = None) ->
     check_cache(cache)
     source = _pick_source(cache, source)
     layer = cache.layer_key(layer)
-    return torch.cat([_shard_entropy(cache, shard, layer, source) for shard in cache.shards()])
+    return torch.cat([_shard_entropy(cache, shard, layer, source) for shard in cache._shards()])
 
 
 def routing_entropy(cache: RoutingCache, source: str | None = None, bins: int = 40) -> Entropy:
@@ -102,7 +102,7 @@ def routing_entropy(cache: RoutingCache, source: str | None = None, bins: int = 
     histogram = torch.zeros(len(cache.layers), bins, dtype=torch.int64)
     total = torch.zeros(len(cache.layers), dtype=torch.float64)
     tokens = 0
-    for shard in cache.shards():
+    for shard in cache._shards():
         tokens += shard.num_tokens
         for row, layer in enumerate(cache.layers):
             values = _shard_entropy(cache, shard, layer, source)

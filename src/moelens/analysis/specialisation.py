@@ -101,7 +101,7 @@ def specialisation(
     width = max(cache.num_experts.values())
     counts = torch.zeros(len(cache.layers), width * num_classes, dtype=torch.int64)
     start = 0
-    for shard in cache.shards():
+    for shard in cache._shards():
         if per == "token":
             mine = labels[start : start + shard.num_tokens]
         else:

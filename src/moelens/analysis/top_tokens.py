@@ -51,7 +51,7 @@ def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor
     layer = cache.layer_key(layer)
     stride = 1 << 32
     keys, key_counts, occurrences = [], [], torch.zeros(0, dtype=torch.int64)
-    for shard in cache.shards():
+    for shard in cache._shards():
         ids = shard.token_ids.long()
         indices = shard.indices[layer].long()
         pairs = indices * stride + ids[:, None]

@@ -116,7 +116,7 @@ def expert_usage(cache: RoutingCache) -> Usage:
     counts = torch.zeros(len(cache.layers), width, dtype=torch.int64)
     weight = torch.zeros(len(cache.layers), width, dtype=torch.float64)
     tokens = 0
-    for shard in cache.shards():
+    for shard in cache._shards():
         tokens += shard.num_tokens
         for row, layer in enumerate(cache.layers):
             indices = shard.indices[layer].long().flatten()
