@@ -1118,6 +1118,39 @@ def test_register_checks_the_description_and_unregister_gives_back_what_it_took(
     assert moelens.wrap(tiny_model("qwen2_moe")).moes[0].family is qwen  # qwen2_moe's blocks are found again
 
 
+def test_a_family_entry_holds_its_own_read_only_lists_and_mappings():
+    """An entry is shared by every model of its family: the lists and dict a user registers with, edited after,
+    and the mappings of an entry handed out (or of a dataclasses.replace copy) never change the registry."""
+    import copy
+    import pickle
+
+    from moelens.families import registry
+
+    qwen = registry.get("qwen2_moe")
+    with pytest.raises(TypeError, match=r"a family entry is read-only: make a changed copy with dataclasses.replace"):
+        qwen.refused["router_logits"] = "scribbled"
+    llama4 = registry.get("llama4")
+    reasons = dict(llama4.refused)
+    with pytest.raises(TypeError, match="read-only"):
+        dataclasses.replace(llama4, name="mine").refused.clear()
+    assert dict(registry.get("llama4").refused) == reasons and reasons
+
+    types, classes, refused = ["mytype"], ["MyBlock"], {"expert_outputs": "not here"}
+    registered = moelens.families.register(Family("mine", types, classes, refused=refused))
+    try:
+        types[0], classes[0], refused["expert_outputs"] = "other", "OtherBlock", "changed"
+        refused["router_logits"] = "added"
+        assert registered.model_types == ("mytype",) and registered.block_classes == ("MyBlock",)
+        assert dict(registered.refused) == {"expert_outputs": "not here"}
+        assert registry.for_model_type("mytype") is registered and registry.for_model_type("other") is None
+        for again in (pickle.loads(pickle.dumps(registered)), copy.deepcopy(registered)):
+            assert again == registered
+            with pytest.raises(TypeError, match="read-only"):
+                again.refused.pop("expert_outputs")
+    finally:
+        moelens.families.unregister("mine")
+
+
 def longcat_variant(**changes) -> Family:
     """A registered copy of the longcat_flash entry (its blocks taken over) with ``changes``."""
     scoring = {key: changes.pop(key) for key in ("selection_in", "selection_op") if key in changes}

@@ -239,6 +239,20 @@ class ExpertLayout:
     stacked: bool = False
 
 
+class ReadOnlyMapping(dict):
+    """A dict that refuses changes in place: a family entry's mappings, shared by every model of the family
+    (an edit of one handed out, or of the dict given to `Family`, would have changed them all)."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a family entry is read-only: make a changed copy with "
+                        "dataclasses.replace(entry, field={...}) and register that.")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
+
+    def __reduce__(self) -> tuple[type, tuple[dict]]:  # pickle and deepcopy rebuild it whole
+        return ReadOnlyMapping, (dict(self),)
+
+
 @dataclass(frozen=True)
 class Family:
     """One MoE family: where its parts live and what its values mean.
@@ -307,6 +321,16 @@ class Family:
     final_norm: str = ""
     expert_layout: ExpertLayout | None = None
     identity_experts: str | int | None = None
+
+    def __post_init__(self) -> None:
+        """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`
+        (anything else is left for `register` to refuse with the field's name)."""
+        for name in ("model_types", "block_classes"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("scoring_by_router", "refused", "runs_only_on"):
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, ReadOnlyMapping(getattr(self, name)))
 
     def resolve(self, reference: Any, block: Any) -> Any:
         """The value an attribute reference names, read from the live block module.
