@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -491,7 +492,17 @@ def test_plots_are_images(qwen, tmp_path):
     view = analysis.token_routing(wrapped, TEXTS[0])
     lens = analysis.expert_logit_lens(wrapped, TEXTS[:2], top=4, progress=False)
     spec = analysis.specialisation(cache, torch.tensor([0, 1, 1, 0, 1]), ["code", "prose"], per="text")
-    figures = {
+    with warnings.catch_warnings():  # no deprecated path (a tensor handed to matplotlib: numpy 2's __array__ warning)
+        warnings.simplefilter("error", DeprecationWarning)
+        figures = plot_each(plots, usage, cache, view, lens, spec)
+    for name, figure in figures.items():
+        path = plots.save(figure, tmp_path / f"{name}.png")
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert path.stat().st_size > 5000, name
+
+
+def plot_each(plots, usage, cache, view, lens, spec) -> dict:
+    return {
         "usage": plots.plot_usage(usage),
         "balance": plots.plot_load_balance(usage.balance()),
         "entropy": plots.plot_entropy(analysis.routing_entropy(cache)),
@@ -502,10 +513,6 @@ def test_plots_are_images(qwen, tmp_path):
         "lens": plots.plot_logit_lens(lens),
         "specialisation": plots.plot_specialisation(spec),
     }
-    for name, figure in figures.items():
-        path = plots.save(figure, tmp_path / f"{name}.png")
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-        assert path.stat().st_size > 5000, name
 
 
 def test_describe_lists_the_layers_that_hold_a_dense_mlp():

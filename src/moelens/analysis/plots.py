@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from ..errors import MoelensError
 from ..paths import blocked_above, user_path
@@ -107,6 +109,12 @@ def _annotate(axes: Any, values: torch.Tensor, fmt: str, limit: int = ANNOTATED_
                       color="white" if dark_low and value < 0.6 * top else "black")
 
 
+def _pixels(values: Tensor) -> np.ndarray:
+    """A heatmap's cells as the float32 numpy array matplotlib takes (a tensor handed to it directly goes
+    through numpy's deprecated ``__array__`` path, a warning in a notebook)."""
+    return values.detach().cpu().float().numpy()
+
+
 def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> Any:
     """Heatmap layers x experts of each expert's share of its layer's slots (1/E is balanced)."""
     check_type(usage, Usage, "usage", "a Usage", "make one with analysis.expert_usage(cache)")
@@ -120,7 +128,7 @@ def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's s
     else:  # no labels: a heatmap of 256 experts x 58 layers need not be 140 inches wide
         size = (min(max(4.0, 0.1 * share.shape[1] + 4), 14.0), min(max(2.2, 0.2 * share.shape[0] + 1.2), 12.0))
     figure, axes = plt.subplots(figsize=size)
-    image = axes.imshow(share, aspect="auto", cmap="viridis", vmin=0)
+    image = axes.imshow(_pixels(share), aspect="auto", cmap="viridis", vmin=0)
     _annotate(axes, share * 100, ".0f")
     axes.set_xlabel("expert")
     axes.set_ylabel("layer")
@@ -223,7 +231,7 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
         matrix = {"conditional": item.conditional, "lift": item.lift, "counts": item.counts.double}[value]()
         matrix = matrix.clone().float()
         matrix.fill_diagonal_(float("nan"))
-        image = axes.imshow(matrix, cmap="magma", vmin=0)
+        image = axes.imshow(_pixels(matrix), cmap="magma", vmin=0)
         _whole_numbers(axes.xaxis, axes.yaxis)
         axes.set_title(f"layer {item.layer}", fontsize=9)
         axes.set_xlabel("expert j")
@@ -239,7 +247,7 @@ def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> Any:
     items = check_results(transitions, Transitions, "transitions", "analysis.transitions(cache, source, target)")
     figure, panels = _grid(len(items))
     for axes, item in zip(panels, items):
-        image = axes.imshow(item.conditional().float(), cmap="Blues", vmin=0, vmax=1)
+        image = axes.imshow(_pixels(item.conditional()), cmap="Blues", vmin=0, vmax=1)
         _whole_numbers(axes.xaxis, axes.yaxis)
         axes.set_title(f"layer {item.source} -> {item.target}", fontsize=9)
         axes.set_xlabel(f"expert in layer {item.target}")
@@ -267,7 +275,7 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
     width = max([width, *known])
     colours = _categorical(width).with_extremes(under="white")  # a skipped slot (-1) is white, no expert's colour
     figure, axes = plt.subplots(figsize=(max(6.0, 0.32 * count + 1.5), 0.55 * len(view.layers) + 1.6))
-    image = axes.imshow(top, aspect="auto", cmap=colours, vmin=-0.5, vmax=width - 0.5, interpolation="nearest")
+    image = axes.imshow(_pixels(top), aspect="auto", cmap=colours, vmin=-0.5, vmax=width - 0.5, interpolation="nearest")
     k = view.indices.shape[-1]
     for row in range(len(view.layers)):
         for column in range(count):
@@ -316,7 +324,7 @@ def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) ->
     logits = lens.top_logits[row, used, :top].float()
     figure, axes = plt.subplots(figsize=(1.05 * logits.shape[1] + 1.5, 0.42 * len(used) + 1.2))
     centred = logits - logits.mean(-1, keepdim=True)
-    axes.imshow(centred, aspect="auto", cmap="Oranges")
+    axes.imshow(_pixels(centred), aspect="auto", cmap="Oranges")
     for i, expert in enumerate(used):
         for j in range(logits.shape[1]):
             axes.text(j, i, lens.tokens[row][expert][j][:10], ha="center", va="center", fontsize=7, family="monospace")
@@ -339,9 +347,9 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
         used = spec.counts[row].sum(-1) > 0
         data[~used] = float("nan")
         if value == "lift":
-            image = axes.imshow(data, aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
+            image = axes.imshow(_pixels(data), aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
         else:
-            image = axes.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+            image = axes.imshow(_pixels(data), aspect="auto", cmap="viridis", vmin=0, vmax=1)
         axes.set_xticks(range(len(spec.classes)), spec.classes, rotation=45, fontsize=7)
         _whole_numbers(axes.yaxis)
         axes.set_ylabel("expert")
