@@ -417,3 +417,16 @@ def test_dynamic_position_ids_count_from_zero_in_every_row():
     ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(0))
     assert torch.equal(positions(ids), torch.arange(7).expand(3, 7))
     assert torch.equal(positions(ids[:, :1]), torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_family_support_takes_an_entry_or_its_name_and_refuses_anything_else():
+    """A name is looked up in the registry (the entry's verdict), an unknown name or another object is a FamilyError."""
+    from moelens.export import family_support
+    from moelens.families import registry
+
+    assert family_support("gpt_oss") == family_support(registry.get("gpt_oss"))
+    assert family_support("zaya").status == "no" and family_support("mixtral").status == "yes"
+    with pytest.raises(moelens.FamilyError, match=r"no moelens family named 'no_such_family'"):
+        family_support("no_such_family")
+    with pytest.raises(moelens.FamilyError, match=r"takes a family entry .* or its name, got int 3"):
+        family_support(3)

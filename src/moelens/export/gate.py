@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import families
+from ..errors import FamilyError
 from ..families import Family, Scoring
 from .errors import ExportRefused
 
@@ -74,8 +76,18 @@ def _literal(value: Any) -> bool:
     return not (isinstance(value, str) and "." in value)
 
 
-def family_support(family: Family) -> Support:
-    """What the family entry says about exporting its blocks to tract_moe_ffn."""
+def family_support(family: Family | str) -> Support:
+    """What the family entry (or the family registered under that name) says about exporting its blocks to
+    tract_moe_ffn.
+
+    Raises:
+        FamilyError: no family is registered under the name, or ``family`` is neither a name nor an entry.
+    """
+    if isinstance(family, str):
+        family = families.get(family)
+    if not isinstance(family, Family):
+        raise FamilyError(f"family_support takes a family entry (moelens.families.get(name)) or its name, got "
+                          f"{type(family).__name__} {family!r:.60}.")
     reason = structural_refusal(family)
     if reason:
         return Support("no", reason=reason)
