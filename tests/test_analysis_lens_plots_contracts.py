@@ -169,18 +169,22 @@ def test_the_lens_averages_only_the_slots_that_ran_an_expert():
     assert skipped  # the corpus routes some slots to the skip class
 
 
+def lens_beside_plain(hf):
+    """(an untouched copy of ``hf``, ``hf`` wrapped, a corpus of one text, the wrapped model's lens over it, plain
+    nnsight over the copy)."""
+    import nnsight
+
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    corpus = [list(range(3, 15))]
+    return reference, wrapped, corpus, analysis.expert_logit_lens(wrapped, corpus, progress=False), nnsight.NNsight(reference)
+
+
 def test_latent_experts_are_projected_without_the_projections_bias():
     """nemotron_h with a latent space and biased projections: the block adds fc2_latent_proj's bias once per
     token to the routed sum, so the per-expert readout is the latent mean times the weight only. Truth: what a
     plain nnsight trace sees entering fc2_latent_proj, summed over tokens, times its weight."""
-    import nnsight
-
-    hf = tiny_model("nemotron_h", moe_latent_size=16, mlp_bias=True)
-    reference = copy.deepcopy(hf)
-    wrapped = moelens.wrap(hf)
-    corpus = [list(range(3, 15))]
-    lens = analysis.expert_logit_lens(wrapped, corpus, progress=False)
-    plain = nnsight.NNsight(reference)
+    reference, wrapped, corpus, lens, plain = lens_beside_plain(tiny_model("nemotron_h", moe_latent_size=16, mlp_bias=True))
     for row, moe in enumerate(wrapped.moes):
         projection = reference.get_submodule(moe.path.removeprefix("model.")).fc2_latent_proj
         assert projection.bias is not None and projection.bias.abs().sum() > 0
@@ -195,21 +199,14 @@ def test_experts_without_a_latent_space_are_read_as_they_are():
     """nemotron_h without moe_latent_size has an Identity fc2_latent_proj: the lens reads the experts' outputs
     unchanged (an Identity has no weight to apply, and needs none). Truth: the experts call's output in a plain
     nnsight trace, summed over the tokens."""
-    import nnsight
-
-    hf = tiny_model("nemotron_h")
-    reference = copy.deepcopy(hf)
-    wrapped = moelens.wrap(hf)
-    corpus = [list(range(3, 15))]
-    lens = analysis.expert_logit_lens(wrapped, corpus, progress=False)
-    plain = nnsight.NNsight(reference)
+    reference, wrapped, corpus, lens, plain = lens_beside_plain(tiny_model("nemotron_h"))
     for row, moe in enumerate(wrapped.moes):
         block = moe.path.removeprefix("model.")
         assert isinstance(reference.get_submodule(block).fc2_latent_proj, torch.nn.Identity)
         with torch.no_grad(), plain.trace(torch.tensor(corpus)):
             routed = plain.get(block).experts.output.save()
         by_expert = (lens.mean_outputs[row].double() * lens.counts[row, :, None]).sum(0)
-        torch.testing.assert_close(by_expert, routed.reshape(-1, hf.config.hidden_size).double().sum(0),
+        torch.testing.assert_close(by_expert, routed.reshape(-1, reference.config.hidden_size).double().sum(0),
                                    atol=1e-4, rtol=1e-4)
 
 
