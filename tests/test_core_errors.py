@@ -1053,8 +1053,8 @@ def test_a_registered_selection_bias_that_names_nothing_is_warned_about():
                 warnings.simplefilter("always")
                 moelens.wrap(CustomModel(config))
             messages = [str(w.message) for w in caught if "selection_bias" in str(w.message)]
-            assert messages == ([f"family 'custom': selection_bias 'router.bais' names nothing on block layers.0.ffn "
-                                 f"(family 'custom': cannot read 'router.bais' from CustomBlock ('LinearRouter' object "
+            assert messages == (["family 'custom': selection_bias 'router.bais' names nothing on block layers.0.ffn "
+                                 "(family 'custom': cannot read 'router.bais' from CustomBlock ('LinearRouter' object "
                                  "has no attribute 'bais'); the family entry does not match this model). Its routing is "
                                  "served as ranked by router_logits, so route_around and force write the logits, not "
                                  "what the router ranks. Fix the family's selection_bias (None when the router adds no "
