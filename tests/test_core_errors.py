@@ -1477,6 +1477,31 @@ def test_scan_never_asks_a_fake_tensor_for_its_memory(monkeypatch):
         shapes = nnsight.save({name: tuple(value.shape) for name, value in model.moes[1].save_all().items()})
     assert shapes["expert_outputs"][2:] == (model.moes[1].top_k, model.config.hidden_size)
 
+
+def test_a_real_tensor_written_in_scan_is_taken_and_checked_in_full():
+    """Values saved from a trace (real tensors) written into model.scan: taken (plain nnsight takes them too;
+    checking them under the scan's fake mode raised torch's data-dependent guard error), and their values are
+    checked as in a trace (a NaN, an index out of range), since they have values."""
+    model = moelens.load()
+    model.set_experts_implementation("batched_mm")
+    moe = model.moes[1]
+    prompt = "The quick brown fox"
+    with torch.no_grad(), model.trace(prompt):
+        logits, indices, routed = moe.router_logits.save(), moe.expert_indices.save(), moe.routed_output.save()
+    for name, value in (("router_logits", logits), ("expert_indices", indices), ("routed_output", routed)):
+        with model.scan(prompt):
+            setattr(moe, name, value)
+            shape = nnsight.save(model.output.logits.shape)
+        assert tuple(shape) == (1, logits.shape[1], model.config.vocab_size)
+    broken = logits.clone()
+    broken[0, 1, 2] = float("nan")
+    for name, value, expected in (("router_logits", broken, r"holds NaN \(1 of \d+, the first at \(0, 1, 2\)\)"),
+                                  ("expert_indices", indices + moe.num_experts, r"wrote expert index \d+, expected")):
+        with pytest.raises(WriteError, match=expected):
+            with model.scan(prompt):
+                setattr(moe, name, value)
+
+
 def test_a_block_of_another_model_is_refused_in_a_trace():
     """A Moe of a second wrapped model, used in the first model's trace, was served and edited at the first
     model's block of the same path, silently: comparing a base and a tuned model read the base twice."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from einops import rearrange
 from jaxtyping import Bool, Float
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 try:  # torch's activation-checkpointing wrapper (what FSDP, accelerate and torchtitan put around layers)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
@@ -65,7 +65,16 @@ def check_not_recomputed(component: "Component", name: str) -> None:
 
 
 def check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
-    """Raise `WriteError` for a write the model would compute something wrong from."""
+    """Raise `WriteError` for a write the model would compute something wrong from.
+
+    In ``model.scan`` a fake value is checked for shape and dtype only; a real tensor written there (one saved
+    from an earlier trace) is checked in full, outside the fake mode (whose results could not be asked for truth).
+    """
+    with unset_fake_temporarily():
+        _check_write(component, name, binding, value, shape)
+
+
+def _check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
     where = f"{component.path}.{name}"
     if tuple(value.shape) != tuple(shape):
         raise WriteError(
