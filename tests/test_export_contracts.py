@@ -67,6 +67,8 @@ def test_a_block_archive_refusal_gives_the_advice_that_fits_the_input():
     with pytest.raises(ExportError, match=r"torch.int64 of shape \(1, 5\): pass the float hidden states") as refused:
         checked_inputs(torch.ones(1, 5, dtype=torch.long), "block")
     assert "x[None]" not in str(refused.value)
+    with pytest.raises(ExportError, match=r"torch.int64 of shape \(1, 5, 32\); pass them as floats"):
+        checked_inputs(torch.ones(1, 5, 32, dtype=torch.long), "block")
 
 
 def test_inputs_of_another_rank_than_the_archive_declares_are_refused():

@@ -364,8 +364,10 @@ def checked_inputs(inputs: Any, kind: str | None, *, dims: Sequence[int | str] |
     if kind == "block" and (not inputs.is_floating_point() or inputs.dim() != 3):
         if inputs.is_floating_point():
             advice = "; add the batch axis to unbatched [seq, D] states (x[None])." if inputs.dim() == 2 else "."
-        else:
+        elif inputs.dim() == 2:
             advice = ": pass the float hidden states that reach the block (not token ids)."
+        else:
+            advice = "; pass them as floats (.float())."
         raise ExportError(f"a block archive takes hidden states [batch, seq, D] (floats), but {what} is {inputs.dtype} "
                           f"of shape {shape}{advice}")
     if 0 in shape:
