@@ -1502,6 +1502,34 @@ def test_a_real_tensor_written_in_scan_is_taken_and_checked_in_full():
                 setattr(moe, name, value)
 
 
+def test_ids_with_values_are_taken_and_checked_in_scan_as_in_a_trace():
+    """In model.scan an id read in a trace (a real tensor) was read as a placeholder symbol ("got u0"), and
+    plain numbers went unchecked: both are known values, so scan takes and checks them as a trace does; ids in
+    a tensor made inside the scan (fake, no values) are refused in words."""
+    model = moelens.load()
+    model.set_experts_implementation("batched_mm")
+    moe = model.moes[1]
+    prompt = "The quick brown fox"
+    with torch.no_grad(), model.trace(prompt):
+        first = moe.expert_indices[0, 0, 0].save()
+    taken = [lambda: moelens.ablate(moe, first), lambda: moelens.ablate(moe, 2, "swap", to=torch.tensor(3)),
+             lambda: moelens.steer(moe, first, 3.0), lambda: moelens.force(moe, first),
+             lambda: moelens.force(moe, numpy.array([2, 3])),
+             lambda: moelens.reroute(model.layers[torch.tensor(1)].mlp, (slice(None), 1), first)]
+    for use in taken:
+        with model.scan(prompt):
+            use()
+            nnsight.save(model.output.logits.shape)
+    refused = [(lambda: moelens.reroute(moe, (slice(None), 1), [3, 99]), r"expert ids \[3, 99\] must be in \[0, 8\)"),
+               (lambda: moelens.steer(moe, 2, 1e39), r"bias 1e\+39 takes expert 2's logits up to 1e\+39"),
+               (lambda: moelens.force(moe, first + 8), r"expert \d+ is out of range"),
+               (lambda: moelens.force(moe, torch.tensor([2, 3])), r"force: expert ids in a tensor made inside model.scan")]
+    for use, expected in refused:
+        with pytest.raises(WriteError, match=expected):
+            with model.scan(prompt):
+                use()
+
+
 def test_a_block_of_another_model_is_refused_in_a_trace():
     """A Moe of a second wrapped model, used in the first model's trace, was served and edited at the first
     model's block of the same path, silently: comparing a base and a tuned model read the base twice."""

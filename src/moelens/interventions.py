@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import nnsight
 import numpy
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
 from .errors import OrderError, WriteError
@@ -164,7 +164,8 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     rows = _token_rows(indices, tokens, "reroute")
     selected = indices[rows]
     try:
-        replacement = torch.as_tensor(experts, device=indices.device)
+        with unset_fake_temporarily():  # in model.scan: ids given as numbers or a real tensor keep their values
+            replacement = torch.as_tensor(experts, device=indices.device)
     except (TypeError, RuntimeError, ValueError):
         replacement = None
     if replacement is None or replacement.numel() == 0:
@@ -172,19 +173,17 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             f"reroute: experts={experts!r} gives no expert ids; pass one id, k ids (one per slot), or a tensor "
             "of ids broadcastable to the selected tokens' [n, k] slots."
         )
-    if replacement.is_floating_point() or replacement.is_complex() or replacement.dtype == torch.bool:
-        raise WriteError(
-            f"reroute: expert ids must be integers, got {replacement.dtype} {replacement.tolist()}; "
-            "pass ints (or a .long() tensor)."
-        )
+    known = not is_fake(replacement)  # model.scan's fake tensors (made inside it) hold no ids to show or check
+    with unset_fake_temporarily():
+        shown = f" {replacement.tolist()}" if known else ""
+        if replacement.is_floating_point() or replacement.is_complex() or replacement.dtype == torch.bool:
+            raise WriteError(f"reroute: expert ids must be integers, got {replacement.dtype}{shown}; pass ints (or a "
+                             ".long() tensor).")
+        if known and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
+            raise WriteError(f"reroute: expert ids{shown} must be in [0, {moe.num_experts}) for {moe.path}.")
     replacement = replacement.to(indices.dtype)
     if replacement.dim() > 2:  # shaped like the selection's [b, p, k] slots
         replacement = replacement.reshape(-1, replacement.shape[-1])
-    checkable = replacement.numel() and not is_fake(replacement)  # model.scan's fake tensors hold no ids
-    if checkable and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
-        raise WriteError(
-            f"reroute: expert ids {replacement.tolist()} must be in [0, {moe.num_experts}) for {moe.path}."
-        )
     try:
         indices[rows] = replacement.expand_as(selected)
     except RuntimeError as error:
@@ -213,9 +212,15 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     logits = moe.router_logits
     steered = logits[..., expert].float() + float(bias)
     largest = torch.finfo(logits.dtype).max
-    if not is_fake(steered) and bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any()):
+    if is_fake(steered):  # model.scan: no logits to add to, but a bias the dtype cannot hold overflows any of them
+        overflow = abs(float(bias)) > largest
+        reached = abs(float(bias))
+    else:
+        overflow = bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any())
+        reached = float(steered.detach().abs().max()) if overflow else 0.0
+    if overflow:
         raise WriteError(
-            f"steer: bias {bias} takes expert {expert}'s logits up to {float(steered.detach().abs().max()):.4g} in "
+            f"steer: bias {bias} takes expert {expert}'s logits up to {reached:.4g} in "
             f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
             f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
             "the routing)."
@@ -305,8 +310,12 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     before calling it. ``tokens`` indexes this invoke's ``[batch, seq]`` (see `reroute`).
     """
     _moe(moe, "force")
+    if isinstance(experts, torch.Tensor) and is_fake(experts) and experts.numel() > 1:
+        raise WriteError("force: expert ids in a tensor made inside model.scan have no values there (its tensors are "
+                         "fake); pass a list of ints, or a tensor made before the scan.")
     if isinstance(experts, (torch.Tensor, numpy.ndarray)):  # a 0-d one too
-        experts = experts.reshape(-1).tolist()
+        with unset_fake_temporarily():  # in model.scan: a real tensor's ids, not placeholder symbols
+            experts = [scalar(expert) for expert in experts.reshape(-1)]
     chosen = list(experts) if isinstance(experts, Sequence) else [experts]
     chosen = [_expert(moe, expert) for expert in chosen]
     if not chosen:

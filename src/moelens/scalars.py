@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .errors import MoelensError
 
@@ -28,9 +29,12 @@ def scalar(value: Any) -> Any:
     if not single:
         return value
     try:
-        return value.item()
+        with unset_fake_temporarily():  # in model.scan a real tensor's value, not a placeholder symbol for it
+            number = value.item()
     except RuntimeError:  # a meta tensor has no value to give
         return value
+    # a fake tensor computed inside model.scan gives a placeholder (torch.SymInt): it has no value either
+    return value if isinstance(number, (torch.SymInt, torch.SymFloat, torch.SymBool)) else number
 
 
 def as_int(value: Any) -> int | None:
