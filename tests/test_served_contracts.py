@@ -1,0 +1,148 @@
+"""Contracts of the read / write / write-back machinery of served values (`moelens.components.served`).
+
+Ground truth, independent of moelens: the unwrapped copy of the model run with a torch pre-hook or forward
+hook that makes the same edit on the experts call, and the linearity of the experts' bias-free down projection.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelens
+from groundtruth import built, first_tensor
+from moelens.testing import tiny_inputs, tiny_model
+
+
+def _with_pre_hook(module: torch.nn.Module, hook, run):
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            return run()
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+def test_an_in_place_edit_made_after_another_invokes_write_landed_at_the_same_visit_lands(grad):
+    """Invoke 1 assigns its expert indices, and only once that write has landed (a second barrier) invoke 2
+    edits its own view in place. Invoke 2's view is a view of the tensor the model held before the write: the
+    write-back must splice it into what the model holds now, or the edit is silently lost. Ground truth: the
+    unwrapped model run with both edits made by a pre-hook on its experts."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = wrapped.moes[0]
+    first, second = torch.tensor([[5, 9, 14, 3, 30]]), torch.tensor([[7, 9, 21, 3, 40]])
+    seq = first.shape[1]
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+
+    def patched(module, args):
+        indices = args[1].clone()
+        indices[:seq, 0], indices[seq:, 0] = 1, 2
+        return (args[0], indices, args[2])
+
+    expected = _with_pre_hook(experts, patched, lambda: first_tensor(reference(torch.cat([first, second]))))
+    logits = []
+    with torch.set_grad_enabled(grad), wrapped.trace() as tracer:
+        read, written = tracer.barrier(2), tracer.barrier(2)
+        with tracer.invoke(first):
+            own = moe.expert_indices
+            read()
+            moe.expert_indices = own.clone().index_fill_(-1, torch.tensor([0]), 1)
+            written()
+            logits.append(first_tensor(wrapped.output)[0].save())
+        with tracer.invoke(second):
+            other = moe.expert_indices
+            read()
+            written()
+            other[:, :, 0] = 2
+            logits.append(first_tensor(wrapped.output)[0].save())
+    torch.testing.assert_close(torch.stack([row.detach() for row in logits]), expected)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+def test_a_per_slot_value_read_then_written_at_one_visit_is_written(grad):
+    """grouped_mm's expert_activations read, then written (scaled) at the same visit: the write reuses what the
+    read's sort permutation request returned (asking for it again, past the sort, would be refused). Ground
+    truth: mixtral's down projections are bias-free and linear, so activations x 2 give a routed output x 2 of
+    the unwrapped model's, taken by a forward hook on its experts."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = wrapped.moes[0]
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+    assert all(getattr(experts, name, None) is None for name in ("down_proj_bias", "down_bias"))
+    seen = []
+    handle = experts.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+    try:
+        with torch.no_grad():
+            reference(**inputs)
+    finally:
+        handle.remove()
+    with torch.set_grad_enabled(grad), wrapped.trace(**inputs):
+        activations = moe.expert_activations
+        moe.expert_activations = activations * 2
+        routed = moe.routed_output.save()
+    torch.testing.assert_close(routed.detach(), 2 * seen[0].reshape(routed.shape), atol=1e-5, rtol=1e-5)
+
+
+def test_a_float32_tensor_written_to_a_float16_value_is_checked_as_the_model_gets_it():
+    """1e6 is finite in float32 and inf in float16: a float32 tensor written to a float16 model's routed output
+    is checked after the cast to float16, so the write is refused rather than the model silently computing
+    with inf."""
+    hf = tiny_model("mixtral", dtype=torch.float16)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    inputs = tiny_inputs(hf)
+    value = torch.full((*inputs["input_ids"].shape, hf.config.hidden_size), 1e6, dtype=torch.float32)
+    assert torch.isfinite(value).all() and torch.isinf(value.half()).all()
+    with pytest.raises(moelens.WriteError, match=r"routed_output: the written tensor holds \+inf"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moe.routed_output = value
+            wrapped.output.save()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+def test_the_model_gets_a_copy_of_the_tensor_written_so_a_later_edit_of_the_users_tensor_does_not_reach_it(grad):
+    """A tensor written, then edited in place by the user before the model moves on: the model computes with the
+    value as written (its own copy, with autograd on as off). Ground truth: plain nnsight on the unwrapped copy
+    setting the raw logits op's output to the value as written."""
+    import nnsight
+
+    _, wrapped, inputs, _, reference = built("mixtral", "grouped_mm")
+    moe = wrapped.moes[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        clean = moe.router_logits.save()
+    patched = clean.clone()
+    patched[..., 2] += 3.0
+    written = patched.clone()
+    with torch.set_grad_enabled(grad), wrapped.trace(**inputs):
+        moe.router_logits = written
+        written.add_(100.0)  # the user's tensor, after the write
+        output = wrapped.output.save()
+    plain = nnsight.NNsight(reference)
+    with torch.no_grad(), plain.trace(**inputs):
+        block = plain.get(moe.path.removeprefix("model."))
+        op = block.get(moe.family.router).source.__getattr__(moe.family.logits_op)
+        op.output = patched.reshape(-1, patched.shape[-1])
+        expected = plain.output.save()
+    torch.testing.assert_close(first_tensor(output).detach(), first_tensor(expected), atol=1e-6, rtol=1e-6)
+
+
+def test_the_gathered_call_note_covers_both_flat_shapes_and_calls_by_keyword():
+    """The note on an ernie4_5_vl_moe block says a call got tokens gathered out of the batch for ``[n * D]`` and
+    ``[n, D]`` inputs, not for ``[B, S, D]``; a call of the block with its input by keyword still runs (the
+    hook sees no positional argument)."""
+    from moelens.components.gathered import gathered_call
+
+    hf = tiny_model("ernie4_5_vl_moe")
+    wrapped = moelens.wrap(hf)
+    block = wrapped.moes[0]._module
+    hidden = hf.config.text_config.hidden_size if hasattr(hf.config, "text_config") else hf.config.hidden_size
+    x = torch.randn(2, 4, hidden)
+    noted = {}
+    with torch.no_grad():
+        for name, value in (("batch", x), ("rows", x.reshape(8, hidden)), ("flat", x.reshape(-1))):
+            block(value)
+            noted[name] = gathered_call(block)
+        expected = block(x)
+        by_keyword = block(hidden_states=x)
+    assert noted == {"batch": False, "rows": True, "flat": True}
+    torch.testing.assert_close(first_tensor(by_keyword), first_tensor(expected))
