@@ -432,3 +432,25 @@ def test_family_support_takes_an_entry_or_its_name_and_refuses_anything_else():
         family_support("no_such_family")
     with pytest.raises(moelens.FamilyError, match=r"takes a family entry .* or its name, got int 3"):
         family_support(3)
+
+
+def test_a_model_with_offloaded_weights_is_refused_up_front_naming_them(tmp_path):
+    """accelerate's disk offload leaves weights on the meta device: an offloaded router or shared expert failed
+    deep in the export (torch-to-nnef's NamedTensor error blaming attention, or a block-check mismatch of random
+    size); the export refuses them up front, naming the weights, and writes nothing."""
+    tiny_model("qwen2_moe").save_pretrained(tmp_path / "checkpoint")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  "model.layers.0": "cpu", "model.layers.2": "cpu", "model.layers.3": "cpu", "model.layers.1.self_attn": "cpu", "model.layers.1.input_layernorm": "cpu",
+                  "model.layers.1.post_attention_layernorm": "cpu", "model.layers.1.mlp.gate": "disk",
+                  "model.layers.1.mlp.experts": "cpu", "model.layers.1.mlp.shared_expert": "cpu",
+                  "model.layers.1.mlp.shared_expert_gate": "cpu"}
+    model = moelens.load(tmp_path / "checkpoint", device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert model._module.model.layers[1].mlp.gate.weight.is_meta
+    out = tmp_path / "out.nnef.tgz"
+    assert model.moes[0].layer == 1  # layer 0 is dense
+    for target, named in ((model.moes[0], r"the block to export has weights that are not loaded \(gate.weight on the "
+                           r"meta device"), (model, r"the model to export .*\(model.layers.1.mlp.gate.weight on")):
+        with pytest.raises(ExportError, match=named):
+            to_nnef(target, out)
+        assert not out.exists()
+    to_nnef(model.moes[1], out)  # a block whose weights are all loaded exports

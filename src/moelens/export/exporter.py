@@ -232,6 +232,20 @@ class TokensToLogits(torch.nn.Module):
         return output_tensor(self.model(input_ids=input_ids, attention_mask=masks, position_ids=position, use_cache=False))
 
 
+def _refuse_unloaded_weights(target: Target) -> None:
+    """Raise `ExportError` when weights of the target are not loaded (on the meta device: accelerate's disk or
+    cpu offload, ``init_empty_weights``): the archive holds every weight, so every weight must be there."""
+    unloaded = [name for name, tensor in (*target.module.named_parameters(), *target.module.named_buffers())
+                if tensor.is_meta]
+    if unloaded:
+        shown = ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
+        raise ExportError(
+            f"the {target.kind} to export has weights that are not loaded ({shown} on the meta device: offloaded by "
+            "a device_map, or made under init_empty_weights), and the archive holds every weight; load the model "
+            "without offloading (no device_map, or one that keeps every weight on a device) to export it."
+        )
+
+
 def prepare(target: Target, *, quantize_experts: str | None = None, layout: str = "canonical",
             edits: Edits | None = None, dynamic_tokens: bool = False) -> Prepared:
     """A float32 deep copy of the target with every MoE block replaced by an `ExportBlock`.
@@ -240,6 +254,7 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
     on random inputs (`check_block`), and then edited (`Edits.bake`).
     """
     edits = edits or Edits()
+    _refuse_unloaded_weights(target)
     module = copy.deepcopy(target.module).float().eval()
     for parameter in module.parameters():
         parameter.requires_grad_(False)
