@@ -127,7 +127,10 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
                 f"{where}: the experts are sharded over ranks (moelens.parallel.shard_experts) and this rank holds "
                 f"experts {first} to {first + held - 1}; {remedy}."
             )
-    views = expert_views(family, experts, held, identity)  # first: its LoRA refusal names the router's adapter too
+    try:  # first: its LoRA refusal names the router's adapter too
+        views = expert_views(family, experts, held, identity)
+    except ValueUnavailable as error:  # said of the experts' class: name the block too
+        raise ValueUnavailable(f"{where}: {error}") from None
     weight, bias = router_linear(family, block, num_experts) or (None, None)
     router_module = get_path(block, family.router)
     stored = {id(tensor) for tensor in (*router_module.parameters(), *router_module.buffers())}
