@@ -251,3 +251,19 @@ def test_top_tokens_by_share_lets_the_count_break_exact_ties_only():
     (result,) = analysis.top_tokens(cache_of([shard], {0: 2}, {0: 1}), 0, [0], n=2, by="share")
     assert result.token_ids.tolist() == expected
     assert result.counts.tolist() == [served[t] for t in expected]
+
+
+def test_expert_paths_of_equal_count_come_in_path_order_however_the_cache_is_sharded():
+    """Four paths seen once each, split over two shards or in one: the top two are the two smallest paths
+    (ties were broken by the order shards first saw them, so the cut at ``top`` depended on the sharding)."""
+    rows = {0: [[3], [2], [1], [0]], 1: [[3], [2], [1], [0]]}
+    weights = {0: [[1.0]] * 4, 1: [[1.0]] * 4}
+    halves = [shard_of({layer: value[:2] for layer, value in rows.items()},
+                       {layer: value[:2] for layer, value in weights.items()}),
+              shard_of({layer: value[2:] for layer, value in rows.items()},
+                       {layer: value[2:] for layer, value in weights.items()}, start=2)]
+    paths = [tuple(rows[layer][token][0] for layer in (0, 1)) for token in range(4)]
+    expected = [(path, 1) for path in sorted(paths)[:2]]
+    assert expected == [((0, 0), 1), ((1, 1), 1)]
+    for shards in (halves, [shard_of(rows, weights)]):
+        assert analysis.expert_paths(cache_of(shards, {0: 4, 1: 4}, {0: 1, 1: 1}), top=2) == expected

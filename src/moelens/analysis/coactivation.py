@@ -138,7 +138,8 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
     """The ``top`` most common trajectories: each token's top-1 expert in every layer of ``layers``.
 
     Returns:
-        ``[(path, tokens), ...]`` most common first; ``path[i]`` is the expert in ``layers[i]``
+        ``[(path, tokens), ...]`` most common first, paths of equal count in ascending order (so the cut at
+        ``top`` does not depend on how the cache is sharded); ``path[i]`` is the expert in ``layers[i]``
         (`SKIPPED`, -1, where every slot of the token skipped that layer).
     """
     check_cache(cache)
@@ -153,4 +154,4 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
         unique, counts = torch.unique(stacked, dim=0, return_counts=True)
         for path, count in zip(unique.tolist(), counts.tolist()):
             paths[tuple(path)] += count
-    return paths.most_common(top)
+    return sorted(paths.items(), key=lambda item: (-item[1], item[0]))[:top]
