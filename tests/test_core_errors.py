@@ -1495,7 +1495,9 @@ def test_a_real_tensor_written_in_scan_is_taken_and_checked_in_full():
         assert tuple(shape) == (1, logits.shape[1], model.config.vocab_size)
     broken = logits.clone()
     broken[0, 1, 2] = float("nan")
-    for name, value, expected in (("router_logits", broken, r"holds NaN \(1 of \d+, the first at \(0, 1, 2\)\)"),
+    nan = r"holds NaN \(1 of \d+, the first at \(0, 1, 2\)\)"
+    for name, value, expected in (("router_logits", broken, nan), ("router_logits", broken.double(), nan),
+                                  ("router_logits", broken.numpy(), nan), ("router_logits", float("nan"), r"holds NaN"),
                                   ("expert_indices", indices + moe.num_experts, r"wrote expert index \d+, expected")):
         with pytest.raises(WriteError, match=expected):
             with model.scan(prompt):

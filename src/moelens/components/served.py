@@ -14,11 +14,11 @@ before the model consumes them, and copies an edited non-view back.
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from nnsight.intervention.batching import Batcher
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
@@ -386,12 +386,15 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
     for alias in reads.of_tensor(fetched, binding) if reads is not None else []:  # the write supersedes them too
         earlier = reads.views.pop(alias)
     current = fetched.view
-    if not isinstance(value, torch.Tensor):
-        value = _as_tensor(component, name, binding, value, current)
-    if value.dim() == 0:  # a scalar fills the whole view
-        value = value.expand(current.shape)
-    if value.is_floating_point() and current.is_floating_point():
-        value = value.to(current.dtype)  # checked as the model gets it: 1e6 is inf in float16
+    # in model.scan a value with values (a number, an array, a tensor saved from a trace) stays real through the
+    # conversions, so that the checks see its values
+    with nullcontext() if isinstance(value, torch.Tensor) and is_fake(value) else unset_fake_temporarily():
+        if not isinstance(value, torch.Tensor):
+            value = _as_tensor(component, name, binding, value, current)
+        if value.dim() == 0:  # a scalar fills the whole view
+            value = value.expand(current.shape)
+        if value.is_floating_point() and current.is_floating_point():
+            value = value.to(current.dtype)  # checked as the model gets it: 1e6 is inf in float16
     check_write(component, name, binding, value, current.shape)
     check_not_recomputed(component, name)
     if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
