@@ -1,0 +1,304 @@
+"""Contracts of the interventions (ablate, reroute, steer, force) the other tests left open.
+
+Ground truth is independent of moelens: the same edit made with plain nnsight on an unwrapped
+copy of the model (the raw router logits op, the raw experts call's arguments), or hand-built
+expectations on a tiny seeded model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import nnsight
+import pytest
+import torch
+
+import moelens
+from groundtruth import built, first_tensor
+from moelens import WriteError
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    return wrapped, inputs
+
+
+def running_moes(wrapped):
+    return [moe for moe in wrapped.moes if not moe.runs_only_on]
+
+
+def plain_edit(reference, inputs, moes, edit) -> torch.Tensor:
+    """The model output with ``edit(envoy_of_block, moe)`` applied by plain nnsight on the unwrapped copy."""
+    plain = nnsight.NNsight(reference)
+    with plain.trace(**inputs):
+        for moe in moes:
+            edit(plain.get(moe.path.removeprefix("model.")), moe)
+        output = plain.output.save()
+    return first_tensor(output)
+
+
+def logits_op(block, moe):
+    """The router's raw logits op (plain nnsight)."""
+    return block.get(moe.family.router).source.__getattr__(moe.family.logits_op)
+
+
+def fails(wrapped, inputs, call, match):
+    with pytest.raises(WriteError, match=match):
+        with wrapped.trace(**inputs):
+            call(wrapped.moes[0])
+
+
+# -- steer ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_steer_adds_its_bias_to_the_raw_logit(family):
+    """steer adds the bias to the expert's logit (it does not set the logit to the bias): the same as adding it
+    to the router's raw logits op output by hand, group-limited routing (deepseek_v3) included."""
+    hf, wrapped, inputs, plain, reference = built(family, "grouped_mm" if family != "deepseek_v3" else "eager")
+    moes = running_moes(wrapped)
+    expert, bias = 2, 1.5
+    with wrapped.trace(**inputs):
+        for moe in moes:
+            moelens.steer(moe, expert, bias)
+        output = wrapped.output.save()
+
+    def edit(block, moe):
+        op = logits_op(block, moe)
+        logits = op.output.clone()
+        logits[..., expert] += bias
+        op.output = logits
+
+    expected = plain_edit(reference, inputs, moes, edit)
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(first_tensor(output), plain), "a bias of 1.5 changed nothing: the test would not notice"
+
+
+def test_steer_of_a_routed_around_expert_leaves_its_minus_inf_logit_alone(mixtral):
+    """A -inf logit (route_around) plus a finite bias is -inf, not an overflow: the steer is taken, the expert
+    stays out of every token's top-k."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        moelens.ablate(moe, 3, "route_around")
+        moelens.steer(moe, 3, 5.0)
+        logits = moe.router_logits.save()
+        indices = moe.expert_indices.save()
+    assert torch.isneginf(logits[..., 3]).all() and not (indices == 3).any()
+
+
+# -- ids checked ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda moe: moelens.steer(moe, -1, 1.0), r"expert -1 is out of range"),  # would steer the last expert
+    (lambda moe: moelens.ablate(moe, -1), r"expert -1 is out of range"),  # would ablate nothing
+    (lambda moe: moelens.ablate(moe, -1, "route_around"), r"expert -1 is out of range"),
+    (lambda moe: moelens.force(moe, [-1]), r"expert -1 is out of range"),
+    (lambda moe: moelens.ablate(moe, 1, "swap", to=2.5), r"to must be an int expert id in \[0, 8\), got 2.5"),
+    (lambda moe: moelens.ablate(moe, 1, "swap", to=True), r"to must be an int expert id in \[0, 8\), got True"),
+    (lambda moe: moelens.ablate(moe, 1, "swap", to=8), r"to 8 is out of range"),
+    (lambda moe: moelens.ablate(moe, 1, "swap", to=-1), r"to -1 is out of range"),
+    (lambda moe: moelens.ablate(moe, 1, "route_around", to=2), r"to=2\) only applies to mode='swap', not 'route_around'"),
+    (lambda moe: moelens.reroute(moe, (..., 0), -1), r"reroute: expert ids -1 must be in \[0, 8\)"),
+    (lambda moe: moelens.reroute(moe, (..., 0), [2, -3]), r"reroute: expert ids \[2, -3\] must be in \[0, 8\)"),
+], ids=["steer-neg", "zero-neg", "route-around-neg", "force-neg", "swap-to-float", "swap-to-bool", "swap-to-E",
+        "swap-to-neg", "route-around-to", "reroute-neg", "reroute-neg-row"])
+def test_expert_ids_outside_the_block_are_refused_by_the_intervention(mixtral, call, match):
+    wrapped, inputs = mixtral
+    fails(wrapped, inputs, call, match)
+
+
+# -- token selection -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [slice(None), Ellipsis, (slice(None), slice(None))], ids=["slice", "ellipsis", "tuple"])
+def test_a_whole_selection_forces_every_token_as_no_selection_does(mixtral, tokens):
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        moelens.force(moe, 6)
+        everywhere = moe.router_logits.save()
+    with wrapped.trace(**inputs):
+        moelens.force(moe, 6, tokens=tokens)
+        selected = moe.router_logits.save()
+        indices = moe.expert_indices.save()
+    assert torch.equal(selected, everywhere) and (indices == 6).any(-1).all()
+
+
+# -- model.scan ----------------------------------------------------------------------------------
+
+
+def test_reroute_in_scan_takes_a_tensor_of_ids_made_there():
+    """In model.scan a tensor made inside it is fake (no ids to show or check): reroute takes it, unchecked, as
+    it takes one made before the scan (checked)."""
+    model = moelens.load()
+    model.set_experts_implementation("batched_mm")  # grouped_mm has no fake float32 kernel on CPU
+    moe = model.moes[1]
+    prompt = "The quick brown fox"
+    with model.scan(prompt):
+        moelens.reroute(moe, (..., 0), torch.tensor([1, 2]))
+        shape = nnsight.save(model.output.logits.shape)
+    ids = model.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert tuple(shape) == (1, ids.shape[1], model.config.vocab_size)
+
+
+# -- force ---------------------------------------------------------------------------------------
+
+
+def lift(logits: torch.Tensor, experts: list[int]) -> torch.Tensor:
+    """force's lift written out: the experts' logits (non-finite ones taken as 0) plus the finite logits' range + 30."""
+    finite = logits.masked_fill(~torch.isfinite(logits), 0)
+    raised = logits.clone()
+    raised[..., experts] = finite[..., experts] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
+    return raised
+
+
+def test_force_after_route_around_lifts_by_the_finite_logits_range(mixtral):
+    """A routed-around expert's -inf logit is left out of the range force lifts by (else the lift is inf and the
+    softmax weights NaN): the same as route_around then the lift, by hand on the raw logits op."""
+    _, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moes = running_moes(wrapped)
+    with wrapped.trace(**inputs):
+        for moe in moes:
+            moelens.ablate(moe, 3, "route_around")
+            moelens.force(moe, 5)
+        output = wrapped.output.save()
+
+    def edit(block, moe):
+        op = logits_op(block, moe)
+        logits = op.output.clone()
+        logits[..., 3] = float("-inf")
+        op.output = lift(logits, [5])
+
+    expected = plain_edit(reference, inputs, moes, edit)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_force_lifts_by_the_logits_range_plus_30(mixtral):
+    """The documented lift: the forced experts' logits go up by each token's logits range + 30 (max - min + 30),
+    so a forced expert 30 below the others still comes first; every other logit stays."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        clean = moe.router_logits.clone().save()
+    shifted = clean.clone()
+    shifted[..., 1] -= 60.0  # expert 1 far below the rest: only max - min + 30 lifts it above them
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moe.router_logits = shifted
+        moelens.force(moe, [1, 4])
+        logits = moe.router_logits.save()
+        indices = moe.expert_indices.save()
+    torch.testing.assert_close(logits, lift(shifted, [1, 4]), atol=1e-5, rtol=1e-6)
+    assert (indices.sort(-1).values == torch.tensor([1, 4])).all()
+
+
+def test_force_raises_an_expert_whose_logit_is_minus_inf(mixtral):
+    """force puts its experts first whatever their logit: one written to -inf is lifted from 0 and picked."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        moe.router_logits[..., 5] = float("-inf")
+        moelens.force(moe, 5)
+        logits = moe.router_logits.save()
+        indices = moe.expert_indices.save()
+    assert torch.isfinite(logits).all() and (indices == 5).any(-1).all()
+
+
+@pytest.mark.parametrize("tokens", [(..., 1), "mask"], ids=["position", "mask"])
+def test_force_on_some_tokens_of_a_group_limited_router_matches_plain_nnsight(tokens):
+    """deepseek_v3 (4 groups of 2, 2 kept, score + correction bias ranked): force on some tokens lifts their logits
+    and sets their selection scores to +inf, and leaves every other token's routing as the router made it."""
+    _, wrapped, inputs, plain, reference = built("deepseek_v3", "eager")
+    moes = [moe for moe in running_moes(wrapped) if moe.ranks_selection_scores]
+    assert moes and all(moe.family.groups_of(moe._module) for moe in moes)
+    batch, seq = inputs["input_ids"].shape
+    mask = torch.zeros(batch, seq, dtype=torch.bool)
+    if tokens == "mask":
+        mask[0, 3] = mask[1, 0] = True
+        tokens = mask
+    else:
+        mask[:, 1] = True
+    forced = [6, 7]  # one group
+    with wrapped.trace(**inputs):
+        routed = nnsight.save([moe.expert_indices for moe in moes])
+    with wrapped.trace(**inputs):
+        picked = nnsight.save([])
+        for moe in moes:
+            moelens.force(moe, forced, tokens=tokens)
+            picked.append(moe.expert_indices)
+        output = wrapped.output.save()
+    for before, after in zip(routed, picked):
+        assert torch.equal(after[~mask], before[~mask])
+        assert (after[mask].sort(-1).values == torch.tensor(forced)).all()
+    rows = mask.reshape(-1)  # the raw ops hold the tokens flat, [batch * seq, E]
+
+    def edit(block, moe):
+        op = logits_op(block, moe)
+        logits = op.output.clone()
+        logits[rows] = lift(logits[rows], forced)
+        op.output = logits
+        selection = block.get(moe.family.router).source.__getattr__(moe.SCORING.selection_op)
+        scores = selection.output.clone()
+        scores[rows.nonzero()[:, :1], torch.tensor(forced)] = float("inf")
+        selection.output = scores
+
+    torch.testing.assert_close(first_tensor(output), plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
+
+
+@pytest.fixture
+def afmoe_without_selection_op():
+    """afmoe (sigmoid scores + a selection bias) registered without the op where score + bias is ranked: force
+    can only raise the logits there and checks the resulting indices. The bias grows with the expert id."""
+    from moelens import families
+    from moelens.testing import tiny_inputs, tiny_model
+
+    afmoe = families.get("afmoe")
+    unbound = dataclasses.replace(afmoe, name="afmoe_unbound",
+                                  scoring=dataclasses.replace(afmoe.scoring, selection_op=None, selection_arg=None))
+    families.register(unbound, replace=True)
+    try:
+        hf = tiny_model("afmoe")
+        wrapped = moelens.wrap(hf)
+        moe = next(moe for moe in wrapped.moes if moe.SCORING.selection_bias)
+        assert moe.family.name == "afmoe_unbound" and not moe.ranks_selection_scores
+        with torch.no_grad():
+            bias = moe.family.resolve(moe.SCORING.selection_bias, moe._module)
+            bias[:] = torch.arange(moe.num_experts, dtype=bias.dtype) * 0.1
+        yield wrapped, moe, tiny_inputs(hf, batch=1, seq=6)["input_ids"]
+    finally:
+        families.unregister("afmoe_unbound")
+
+
+def test_force_checks_that_every_forced_expert_reached_the_tokens(afmoe_without_selection_op):
+    """Forced [E-2, 0] under a steered expert E-1: E-2 (bias 0.6) still makes the top 2, 0 (bias 0) does not, so
+    the tokens miss one forced expert: refused, though each holds some forced expert."""
+    wrapped, moe, ids = afmoe_without_selection_op
+    assert moe.top_k == 2
+    last = moe.num_experts - 1
+    with wrapped.trace(ids):
+        moelens.steer(moe, last, 30.0)
+        moelens.force(moe, [last - 1])  # one forced expert alone: it outranks all but the steered one
+        indices = moe.expert_indices.save()
+    assert (indices.sort(-1).values == torch.tensor([last - 1, last])).all()
+    with pytest.raises(WriteError, match=rf"raising the logits of experts \[{last - 1}, 0\] left 6 of 6 tokens"):
+        with wrapped.trace(ids):
+            moelens.steer(moe, last, 30.0)
+            moelens.force(moe, [last - 1, 0])
+
+
+def test_force_on_some_tokens_checks_only_those_tokens(afmoe_without_selection_op):
+    """The check after force looks at the forced tokens: the others keep the router's choice, without the expert."""
+    wrapped, moe, ids = afmoe_without_selection_op
+    with torch.no_grad():  # no bias: a forced expert's saturated score (1) outranks every other
+        moe.family.resolve(moe.SCORING.selection_bias, moe._module).zero_()
+    with wrapped.trace(ids):
+        routed = moe.expert_indices.save()
+    expert = next(e for e in range(moe.num_experts) if not (routed[0] == e).any(-1).all())
+    with wrapped.trace(ids):
+        moelens.force(moe, [expert], tokens=(..., 0))
+        forced = moe.expert_indices.save()
+    assert (forced[0, 0] == expert).any() and torch.equal(forced[0, 1:], routed[0, 1:])
+    assert not (forced[0] == expert).any(-1).all()  # so a check of every token would refuse it
