@@ -442,12 +442,10 @@ def test_a_transplant_between_invokes_at_a_barrier_lands(impl, no_grad):
     torch.testing.assert_close(position, by_hand([2]))
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-@pytest.mark.parametrize("grad", [False, True])
-@pytest.mark.parametrize("order", ["in-place-first", "assignment-first"])
-def test_both_invokes_edit_their_own_rows_after_a_barrier(impl, grad, order):
-    """Each invoke edits its own rows of the experts call's indices after a barrier, one in place and one by
-    assignment: both land. Ground truth: the model run with both edits made by a pre-hook on its experts."""
+def two_invokes_edited_by_hand(impl: str):
+    """(the wrapped mixtral, its first block, two prompts' ids, the logits of the unwrapped model run on both with
+    slot 0 of the first prompt's tokens sent to expert 1 and of the second's to expert 2 by a pre-hook on its
+    experts): the ground truth of edits made in two invokes."""
     hf, wrapped, inputs, plain, reference = built("mixtral", impl)
     moe = wrapped.moes[0]
     first, second = torch.tensor([[5, 9, 14, 3, 30]]), torch.tensor([[7, 9, 21, 3, 40]])
@@ -465,6 +463,16 @@ def test_both_invokes_edit_their_own_rows_after_a_barrier(impl, grad, order):
             expected = first_tensor(reference(torch.cat([first, second])))
     finally:
         hook.remove()
+    return wrapped, moe, first, second, expected
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("order", ["in-place-first", "assignment-first"])
+def test_both_invokes_edit_their_own_rows_after_a_barrier(impl, grad, order):
+    """Each invoke edits its own rows of the experts call's indices after a barrier, one in place and one by
+    assignment: both land. Ground truth: the model run with both edits made by a pre-hook on its experts."""
+    wrapped, moe, first, second, expected = two_invokes_edited_by_hand(impl)
 
     def in_place(own, expert):
         own[:, :, 0] = expert

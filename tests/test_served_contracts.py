@@ -11,16 +11,8 @@ import torch
 
 import moelens
 from groundtruth import built, first_tensor
+from test_core_batching import two_invokes_edited_by_hand
 from moelens.testing import tiny_inputs, tiny_model
-
-
-def _with_pre_hook(module: torch.nn.Module, hook, run):
-    handle = module.register_forward_pre_hook(hook)
-    try:
-        with torch.no_grad():
-            return run()
-    finally:
-        handle.remove()
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
@@ -29,18 +21,7 @@ def test_an_in_place_edit_made_after_another_invokes_write_landed_at_the_same_vi
     edits its own view in place. Invoke 2's view is a view of the tensor the model held before the write: the
     write-back must splice it into what the model holds now, or the edit is silently lost. Ground truth: the
     unwrapped model run with both edits made by a pre-hook on its experts."""
-    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
-    moe = wrapped.moes[0]
-    first, second = torch.tensor([[5, 9, 14, 3, 30]]), torch.tensor([[7, 9, 21, 3, 40]])
-    seq = first.shape[1]
-    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
-
-    def patched(module, args):
-        indices = args[1].clone()
-        indices[:seq, 0], indices[seq:, 0] = 1, 2
-        return (args[0], indices, args[2])
-
-    expected = _with_pre_hook(experts, patched, lambda: first_tensor(reference(torch.cat([first, second]))))
+    wrapped, moe, first, second, expected = two_invokes_edited_by_hand("grouped_mm")
     logits = []
     with torch.set_grad_enabled(grad), wrapped.trace() as tracer:
         read, written = tracer.barrier(2), tracer.barrier(2)
