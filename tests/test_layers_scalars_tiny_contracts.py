@@ -275,6 +275,7 @@ def demo_spies(monkeypatch):
 
     monkeypatch.setattr(collect, "collect_routing", spy_collect)
     monkeypatch.setattr(special, "specialisation", spy_spec)
+
     def no_lens(model, corpus, **kwargs):  # a stand-in lens over every decoder layer of the model
         from types import SimpleNamespace
 

@@ -175,12 +175,12 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
         )
     known = not is_fake(replacement)  # model.scan's fake tensors (made inside it) hold no ids to show or check
     with unset_fake_temporarily():
-        shown = f" {replacement.tolist()}" if known else ""
+        shown = lambda: f" {replacement.tolist()}" if known else ""  # noqa: E731 - only for a refusal
         if replacement.is_floating_point() or replacement.is_complex() or replacement.dtype == torch.bool:
-            raise WriteError(f"reroute: expert ids must be integers, got {replacement.dtype}{shown}; pass ints (or a "
+            raise WriteError(f"reroute: expert ids must be integers, got {replacement.dtype}{shown()}; pass ints (or a "
                              ".long() tensor).")
         if known and (int(replacement.min()) < 0 or int(replacement.max()) >= moe.num_experts):
-            raise WriteError(f"reroute: expert ids{shown} must be in [0, {moe.num_experts}) for {moe.path}.")
+            raise WriteError(f"reroute: expert ids{shown()} must be in [0, {moe.num_experts}) for {moe.path}.")
     replacement = replacement.to(indices.dtype)
     if replacement.dim() > 2:  # shaped like the selection's [b, p, k] slots
         replacement = replacement.reshape(-1, replacement.shape[-1])
@@ -213,8 +213,8 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     steered = logits[..., expert].float() + float(bias)
     largest = torch.finfo(logits.dtype).max
     if is_fake(steered):  # model.scan: no logits to add to, but a bias the dtype cannot hold overflows any of them
-        overflow = abs(float(bias)) > largest
         reached = abs(float(bias))
+        overflow = reached > largest
     else:
         overflow = bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any())
         reached = float(steered.detach().abs().max()) if overflow else 0.0
