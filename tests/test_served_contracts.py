@@ -127,3 +127,43 @@ def test_the_gathered_call_note_covers_both_flat_shapes_and_calls_by_keyword():
         by_keyword = block(hidden_states=x)
     assert noted == {"batch": False, "rows": True, "flat": True}
     torch.testing.assert_close(first_tensor(by_keyword), first_tensor(expected))
+
+
+def test_reads_left_unedited_swap_nothing_into_the_model_and_an_edit_still_lands(monkeypatch):
+    """Each read leaves a write-back; one whose views were not edited is dropped as the next value is read,
+    instead of a round trip that swaps the model's own tensor back in. Counted at nnsight's batcher, which lands
+    every swap: a trace that reads every value of every block swaps at most the last read back (nnsight's own
+    request for the output flushes it); an in-place edit of expert_weights is one swap that changes something,
+    and lands (ground truth: the unwrapped copy with the same edit made by a pre-hook on its experts)."""
+    from moelens.components.served import MoeBatcher
+
+    _, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    swaps = []
+    widen = MoeBatcher.widen
+    monkeypatch.setattr(MoeBatcher, "widen", lambda self, *args: swaps.append(args) or widen(self, *args))
+    with torch.no_grad(), wrapped.trace(**inputs):
+        wrapped.save_all()
+        untouched = wrapped.output.save()
+    assert len(swaps) <= 1
+    torch.testing.assert_close(first_tensor(untouched), plain, atol=0, rtol=0)
+    swaps.clear()
+
+    moe = wrapped.moes[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moe.expert_weights[..., 0] = 0.0
+        moe.routed_output.save()
+        edited = wrapped.output.save()
+    assert [rebase.changes for *_, rebase in swaps].count(True) == 1
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+
+    def zero_first_slot(module, args):
+        hidden, indices, weights = args
+        return hidden, indices, weights.clone().index_fill_(-1, torch.tensor([0]), 0.0)
+
+    handle = experts.register_forward_pre_hook(zero_first_slot)
+    try:
+        with torch.no_grad():
+            expected = first_tensor(reference(**inputs))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(first_tensor(edited), expected, atol=1e-6, rtol=1e-6)

@@ -109,6 +109,7 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     ``prepared``: an earlier fetch of the same value at the same visit, whose ``prepare``
     result is reused (``prepare`` may request a location the model has run past since).
     """
+    settle_open_reads(Mediator.current(binding.location))
     if prepared is not None:
         context = prepared.context
     else:
@@ -188,6 +189,8 @@ class OpenView(NamedTuple):
     view: torch.Tensor
     fetched: Fetched
     binding: Binding
+    #: The view's version counter when it was read (an in-place edit moves it).
+    version: int
     #: Whether the view was edited (in place), the edit checked.
     check: Callable[[], bool]
     #: ``apply(raw, edited)``: ``raw`` with the view's edits.
@@ -228,16 +231,26 @@ class OpenReads:
             and binding.to_view is None and opened.view.shape == fetched.view.shape
         ]
 
+    def _unique(self) -> list[OpenView]:
+        return list({id(opened): opened for opened in self.views.values()}.values())  # an alias shares its view
+
+    def settled(self) -> bool:
+        """Whether the model goes on as it is (no view edited, none on the graph): then the copies only the user
+        holds are noted as handed back, and there is nothing to swap in."""
+        unique = self._unique()
+        if any(opened.on_graph or opened.view._version != opened.version for opened in unique):
+            return False
+        handed_back = RUNS.get(self.interleaver)
+        for opened in unique if handed_back is not None else ():
+            if opened.private:
+                handed_back.note(opened.view, opened.where, private=True)
+        return True
+
     def __call__(self) -> Any:
         """The write-back, as the worker moves on: the views' edits checked now, spliced in when it lands."""
-        unique = {id(opened): opened for opened in self.views.values()}.values()  # an alias shares its view
-        edited = [(opened, opened.check()) for opened in unique]
-        if not any(changed or opened.on_graph for opened, changed in edited):  # the model goes on as it is
-            handed_back = RUNS.get(self.interleaver)
-            for opened, _ in edited if handed_back is not None else ():
-                if opened.private:
-                    handed_back.note(opened.view, opened.where, private=True)
+        if self.settled():
             return swap_value(self.interleaver, lambda current: current, self.raw, changes=False)
+        edited = [(opened, opened.check()) for opened in self._unique()]
 
         def onto(current: Any) -> Any:
             for opened, changed in edited:
@@ -250,6 +263,17 @@ class OpenReads:
         """Leave these reads as the worker's write-back, listed under ``descriptor``'s view."""
         view = self.views[descriptor].view
         mediator.transform = WriteBack(self, view, descriptor, location, mediator.wanted(location))
+
+
+def settle_open_reads(mediator: Mediator) -> None:
+    """Drop the worker's waiting write-back of moelens reads when the model goes on as it is (`OpenReads.settled`).
+
+    nnsight would swap it in as the worker moves on: a round trip to the model that changes nothing, at every
+    location a trace reads.
+    """
+    waiting = mediator.transform
+    if waiting is not None and isinstance(waiting.fn, OpenReads) and waiting.fn.settled():
+        mediator.transform = None
 
 
 def _open_reads(mediator: Mediator, location: str) -> OpenReads | None:
@@ -313,7 +337,7 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
 
     reads = reads or OpenReads(fetched.raw, component.interleaver)
     where = f"{component.path}.{name}"
-    reads.views[descriptor] = OpenView(view, fetched, binding, check, apply, on_graph, not _aliases(view, fetched.picked),
+    reads.views[descriptor] = OpenView(view, fetched, binding, version, check, apply, on_graph, not _aliases(view, fetched.picked),
                                        where)
     reads.hold(mediator, descriptor, location)
     return view
