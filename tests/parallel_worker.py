@@ -448,13 +448,60 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
 
         return {"error": _error_text(trace)}
 
+    def error_on_some_ranks() -> dict[str, Any]:
+        """A trace that raises on some ranks only, then traces that differ (the last rank's experts negated for
+        the first): each must pair with the same trace on every rank, not the other ranks' next one."""
+        from moelens.parallel import local_expert
+
+        ref = tiny_model("mixtral")
+        sharded = shard_experts(copy.deepcopy(ref), None)
+        lm = moelens.wrap(sharded)
+        ids = tokens_of(RANK)  # rank 0 has two rows, the others one: token (1, 0) exists on rank 0 only
+        E = ref.config.num_local_experts
+        last = range(E - E // WORLD, E)
+
+        def negate_last_rank_experts() -> None:
+            for moe in lm.moes:
+                for expert in last:
+                    local = local_expert(moe, expert)
+                    if local is not None:
+                        moe.experts._module.down_proj.data[local] *= -1.0
+            for layer in ref.model.layers:
+                layer.mlp.experts.down_proj.data[list(last)] *= -1.0
+
+        def reroute_second_row(layer: int) -> Callable[[], None]:
+            def trace() -> None:
+                with lm.trace(ids):
+                    reroute(lm.moes[layer], (1, 0), [1, E - 1])
+                    lm.output.logits.save()
+            return trace
+
+        def params_of_expert_zero() -> None:  # owned by rank 0: the other ranks raise before the forward
+            with lm.trace(ids):
+                lm.moes[0].params(expert=0)
+                lm.output.logits.save()
+
+        result = {}
+        for name, failing in (("layer 0", reroute_second_row(0)), ("layer 1", reroute_second_row(1)),
+                              ("before the forward", params_of_expert_zero)):
+            case = {"error": _error_text(failing)}
+            negate_last_rank_experts()
+            with torch.no_grad():
+                case["negated"] = maxdiff(traced_logits(lm, ids), logits_of(ref(input_ids=ids)))
+            negate_last_rank_experts()
+            with torch.no_grad():
+                case["restored"] = maxdiff(traced_logits(lm, ids), logits_of(ref(input_ids=ids)))
+                case["forward"] = maxdiff(logits_of(sharded(input_ids=ids)), logits_of(ref(input_ids=ids)))
+            result[name] = case
+        return result
+
     def different_models() -> dict[str, Any]:
         # The last rank loads experts of another width: refused on every rank before any exchange.
         width = 24 if RANK == WORLD - 1 else 16
         return {"error": _error_text(lambda: shard_experts(tiny_model("mixtral", intermediate_size=width), None))}
 
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
-            "different_models": different_models}
+            "error_on_some_ranks": error_on_some_ranks, "different_models": different_models}
 
 
 def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:

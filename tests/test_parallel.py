@@ -316,8 +316,11 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
     """`a2a_moe` on 2 ranks; then what goes wrong on purpose: a sharded model switched to
     grouped_mm / batched_mm raises; an experts call skipped on one rank raises RankDivergence on
     every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
-    exchange can detect, ends with the group's timeout, not a hang; ranks holding models with
-    other experts are refused by shard_experts on every rank."""
+    exchange can detect, ends with the group's timeout, not a hang; a trace raising on one rank only
+    (an intervention refused for its tokens, at layer 0, at layer 1 or before the forward) raises
+    RankDivergence on the others in that trace, and the next traces (one with the last rank's experts
+    negated, ground truth: the single-process model edited alike) and forwards pair on every rank;
+    ranks holding models with other experts are refused by shard_experts on every rank."""
     results = spawn(2, {"a2a": {}, "hazards": {"short_timeout": 5}})
     assert not check_a2a(results)
     for rank, by_suite in enumerate(results):
@@ -331,6 +334,12 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]
         assert "hold different models: the experts of ranks" in cases["different_models"]["error"], cases
+        assert "error" not in cases["error_on_some_ranks"], (rank, cases["error_on_some_ranks"]["error"][-2000:])
+        for name, case in cases["error_on_some_ranks"].items():
+            expected = ("RankDivergence" if rank == 0 else "ValueUnavailable" if name == "before the forward"
+                        else "WriteError")
+            assert case["error"].startswith(expected), (rank, name, case["error"])
+            assert max(case["negated"], case["restored"], case["forward"]) <= TOL, (rank, name, case)
     last_layer = [by_suite["hazards"]["divergent_last_layer"]["error"] for by_suite in results]
     assert "Timed out" in last_layer[0] and last_layer[1] == "", last_layer
 

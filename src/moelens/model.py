@@ -123,15 +123,22 @@ class MoeModelMixin:
                 experts.config._experts_implementation = name
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """nnsight's run of the model with the trace's interventions; then a check that no value moelens
-        served was edited in place after the model had used it (`served.HandedBack`)."""
-        _refuse_compiled(_present(self._module, self._watched))  # compiled since wrapping, or a compiled one put in
+        """nnsight's run of the model with the trace's interventions (one run of each EP group the experts are
+        sharded over, `parallel.runs`); then a check that no value moelens served was edited in place after the
+        model had used it (`served.HandedBack`)."""
+        watched = list(_present(self._module, self._watched))
+        _refuse_compiled(watched)  # compiled since wrapping, or a compiled one put in
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
         served.RUNS[interleaver] = handed_back
+        ep_runs = {id(runs): runs for _, module in watched if (runs := module.__dict__.get("_ep_runs")) is not None}
+        for runs in ep_runs.values():
+            runs.trace_begins()
         try:
             result = super().interleave(fn, *args, **kwargs)
         finally:
+            for runs in ep_runs.values():
+                runs.trace_ends()
             if outer is None:
                 del served.RUNS[interleaver]
             else:

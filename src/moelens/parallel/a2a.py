@@ -5,7 +5,8 @@ experts (rank ``r``: ``[r*L, (r+1)*L)``). For one MoE layer:
 
 1. each rank sorts its ``T*k`` (token, slot) pairs by global expert id, which groups
    them by owner rank, and the ranks exchange per-expert counts (one small
-   int64 all-to-all, which also carries a layer tag to catch ranks that diverged);
+   int64 all-to-all, which also carries a layer tag and a run id to catch ranks that
+   diverged, see `moelens.parallel.runs`);
 2. the token rows go to the owners (`Plan.dispatch`, an uneven all-to-all);
 3. the owner runs its experts on what it received, grouped by local expert;
 4. the outputs go back the same way (`Plan.to_sender`, the reverse all-to-all)
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from .comm import exchange, exchange_counts, group_rank, group_size
+from .runs import Runs
 
 
 class RankDivergence(MoelensError):
@@ -98,6 +100,7 @@ def plan_dispatch(
     *,
     serve: bool = False,
     tag: int = 0,
+    runs: Runs | None = None,
 ) -> Plan:
     """Exchange per-expert counts over ``group`` and work out every row's way there and back.
 
@@ -109,6 +112,9 @@ def plan_dispatch(
         serve: This rank wants the activation round trip (the group does it if any rank does).
         tag: This call's layer tag; every rank of the group must send the same one,
             else `RankDivergence` is raised (rank-divergent experts calls).
+        runs: The group's run ids (`moelens.parallel.runs`): a rank in an older run than another ends it
+            with `RankDivergence`, and the ranks in the newest run ask again until every rank is in it.
+            None: no run ids (every rank sends 0).
     """
     ep, rank = group_size(group), group_rank(group)
     if num_local_experts * ep != num_global_experts:
@@ -124,12 +130,29 @@ def plan_dispatch(
     # scatter_add_, not bincount: bincount reads its input's max back to the host.
     counts = keyed.new_zeros(num_global_experts + 1).scatter_add_(0, keyed, torch.ones_like(keyed))
     send_counts = counts[:num_global_experts].view(ep, num_local_experts)
-    meta = torch.tensor([[int(serve), int(tag)]], dtype=torch.long, device=device).expand(ep, 2)
-    received = exchange_counts(torch.cat([send_counts, meta], dim=1), group, tag)
-    recv_counts = received[:, :num_local_experts]
-    # The one host sync of the layer: split sizes, and the flags and tags of every rank.
-    host = torch.stack([send_counts.sum(1), recv_counts.sum(1), received[:, -2], received[:, -1]]).tolist()
-    send_sizes, recv_sizes, flags, tags = host
+    run = runs.current if runs is not None else 0
+    meta = torch.tensor([[int(serve), int(tag), run]], dtype=torch.long, device=device).expand(ep, 3)
+    while True:
+        received = exchange_counts(torch.cat([send_counts, meta], dim=1), group, tag)
+        recv_counts = received[:, :num_local_experts]
+        # The one host sync of the layer: split sizes, and the flags, tags and run ids of every rank.
+        host = torch.stack([send_counts.sum(1), recv_counts.sum(1), *received[:, -3:].T]).tolist()
+        send_sizes, recv_sizes, flags, tags, run_ids = host
+        newest = max(run_ids)
+        if run < newest:
+            if runs is not None:
+                runs.catch_up(newest)
+            ahead = [index for index, other in enumerate(run_ids) if other == newest]
+            raise RankDivergence(
+                f"expert parallelism: ranks {ahead} of the EP group ended the run this rank is in (a trace, or a "
+                f"forward outside one) before this experts call (layer tag {tag}) and started their next one, which "
+                "waits for this rank: a run raised an error on those ranks only (an intervention refused for their "
+                "tokens, ...). This run is given up here so that every rank starts the next one together; make "
+                "the failing run work on every rank (see docs/parallel.md)."
+            )
+        if min(run_ids) == newest:
+            break
+        # Some ranks are still in a run this rank's group left: they give it up (above) and come back in this one.
     if any(other != tag for other in tags):
         raise RankDivergence(
             f"expert parallelism: rank {rank} of the EP group ran the experts call tagged {tag} (layer tag) while "

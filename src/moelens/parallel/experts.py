@@ -143,6 +143,7 @@ def torch_a2a_experts_forward(
         num_local,
         serve=slot_values_wanted(self),
         tag=self.__dict__.get("_ep_tag", 0),
+        runs=self.__dict__.get("_ep_runs"),
     )
     rows = plan.dispatch(hidden_states)
     activations = experts_up(self, rows, plan)

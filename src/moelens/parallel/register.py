@@ -21,6 +21,7 @@ from typing import Any
 from ..components import register_implementation
 from ..errors import MoelensError
 from .experts import NAME, OPS, torch_a2a_experts_forward
+from .runs import runs_of
 
 _registered = False
 _EP_TAGS = itertools.count(1)
@@ -53,6 +54,7 @@ def _torch_a2a_ep_class() -> type:
             self.group = ep_mesh.get_group()
             # Built in plan order on every rank, so the same module gets the same tag everywhere.
             experts.__dict__.setdefault("_ep_tag", next(_EP_TAGS))
+            experts.__dict__.setdefault("_ep_runs", runs_of(self.group))  # traces count runs (no forward hook here)
 
         def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
             return torch_a2a_experts_forward(

@@ -9,14 +9,16 @@ layers, attention and embeddings are left whole (data parallel).
 The experts module keeps its ``num_experts`` (E, what the router's ids and
 `Moe.num_experts` mean) and gains ``_ep_group`` (the group, in a `SharedGroup`: a
 deep copy of the model shares it), ``_ep_rank``, ``_ep_size``,
-``_ep_first`` (its first global expert), ``_ep_tag`` and
-``_is_expert_parallel = True``. A forward pre-hook refuses any experts
+``_ep_first`` (its first global expert), ``_ep_tag``, ``_ep_runs`` (the group's run ids,
+`moelens.parallel.runs`) and ``_is_expert_parallel = True``. A forward pre-hook refuses any experts
 implementation but ``torch_a2a`` on it: ``grouped_mm`` / ``batched_mm`` would treat
-the ids of remote experts as out of range and drop them silently.
+the ids of remote experts as out of range and drop them silently. The model gains a forward
+pre-hook that starts a run for each forward outside a moelens trace.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Any
@@ -32,6 +34,7 @@ from .comm import SharedGroup, group_rank, group_size
 from .degrees import expert_owner
 from .experts import NAME
 from .register import register_torch_a2a
+from .runs import forward_started, runs_of
 
 
 class ShardedExpertsError(MoelensError):
@@ -143,7 +146,7 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     _check_every_rank(blocks, group, rank, refusal)
     register_torch_a2a()
     module.set_experts_implementation(NAME)
-    holder = SharedGroup(group)
+    holder, runs = SharedGroup(group), runs_of(group)
     for position, ((_, _, _, experts), num_experts) in enumerate(zip(blocks, counts)):
         experts.config._experts_implementation = NAME  # experts reading their own settings (moelens.compress output)
         per_rank = num_experts // size
@@ -151,11 +154,13 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
         _slice(experts, num_experts, first, per_rank)
         experts.__dict__.update(
             _ep_group=holder, _ep_rank=rank, _ep_size=size, _ep_first=first, _ep_num_local=per_rank,
-            _ep_tag=position + 1,
+            _ep_tag=position + 1, _ep_runs=runs,
         )
         if size > 1:
             experts._is_expert_parallel = True
             experts.register_forward_pre_hook(_guard)
+    if size > 1:
+        module.register_forward_pre_hook(functools.partial(forward_started, runs))
     return model
 
 

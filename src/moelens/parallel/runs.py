@@ -1,0 +1,78 @@
+"""Run ids: which run of a sharded model each rank of its EP group is in.
+
+Every MoE layer's count exchange (`a2a.plan_dispatch`) carries the id of the run the rank is in.
+A run is a trace of the wrapped model (`MoeNNsight.interleave` finds the experts modules' ``_ep_runs``,
+set by `shard_experts` and by transformers' expert parallelism through ``torch_a2a``), however many
+forwards it makes, or a forward of the model outside one (a forward pre-hook `shard_experts` puts on
+the model).
+
+A run that raises on some ranks only, before one of its exchanges (an intervention refused for
+this rank's tokens), leaves the other ranks waiting in that exchange while the ranks that raised
+move on to their next run. The exchanges of two runs look alike (same layer, same sizes), so
+without ids the waiting ranks would go on paired with those ranks' next run: their results
+silently wrong, and one run left waiting at the end. With ids, a rank that meets a newer run
+ends its own with `RankDivergence` and gives its next run the newest id (`Runs.catch_up`), while
+the ranks in the newest run ask again: that next run is paired on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Runs:
+    """The runs this process started on the models sharded over one EP group (`runs_of`).
+
+    Attributes:
+        current: The id of the run this rank is in (0 before the first).
+        floor: The smallest id the next run may take: the newest run another rank was found in.
+        tracing: How many moelens traces of such a model are running (their forwards start no run).
+    """
+
+    __slots__ = ("current", "floor", "tracing")
+
+    def __init__(self) -> None:
+        self.current, self.floor, self.tracing = 0, 0, 0
+
+    def __copy__(self) -> "Runs":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Runs":  # a deep copy of a sharded model is on the same group
+        return self
+
+    def start(self) -> None:
+        """A run begins: the next id, or the newest run another rank of the group is in."""
+        self.current = max(self.current + 1, self.floor)
+
+    def trace_begins(self) -> None:
+        """A moelens trace of a sharded model begins: a run, whatever forwards it makes."""
+        self.start()
+        self.tracing += 1
+
+    def trace_ends(self) -> None:
+        self.tracing -= 1
+
+    def catch_up(self, newest: int) -> None:
+        """Other ranks of the group are in run ``newest`` already: this rank's next run is that one."""
+        self.floor = max(self.floor, newest)
+
+    def __repr__(self) -> str:
+        return f"Runs(current={self.current}, floor={self.floor}, tracing={self.tracing})"
+
+
+#: One `Runs` per EP group this process exchanges over.
+_BY_GROUP: dict[Any, Runs] = {}
+
+
+def runs_of(group: Any) -> Runs:
+    """The `Runs` of ``group`` (every model sharded over it shares them)."""
+    return _BY_GROUP.setdefault(group, Runs())
+
+
+def forward_started(runs: Runs, module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook of a model `shard_experts` sharded: a forward outside a moelens trace is a run."""
+    if not runs.tracing:
+        runs.start()
+
