@@ -8,7 +8,8 @@ Reads are token views (see `tokens`): this invoke's ``[batch, seq, ...]``, a vie
 of the model's tensor where one exists, so in-place edits land. Every read also
 leaves a write-back with nnsight (`Mediator.transform`) that runs when the
 intervention moves on: it checks in-place edits (an index out of range, a NaN)
-before the model consumes them, and copies an edited non-view back.
+before the model consumes them, and copies an edited non-view back; one with
+nothing edited is dropped when the next value is read (`settle_open_reads`).
 """
 
 from __future__ import annotations
