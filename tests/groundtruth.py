@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import moelens
-from moelens.testing import EXPERTS_IMPLEMENTATIONS, FAMILIES, tiny_inputs, tiny_model
+from moelens.testing import EXPERTS_IMPLEMENTATIONS, FAMILIES, tiny_config, tiny_inputs, tiny_model
 
 #: Where a family's router returns its logits, when not at output[0].
 ROUTER_LOGITS = {
@@ -43,6 +43,15 @@ def ascii_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+
+
+@lru_cache(maxsize=None)
+def indexer_fields(family: str) -> frozenset[str]:
+    """The sparse-attention indexer fields set in ``family``'s tiny (text) config: transformers sizes its
+    ``*Indexer`` modules with config fields named ``index_*`` / ``indexer_*`` (``index_topk``: the
+    DeepSeek-style top-k over tokens)."""
+    config = tiny_config(family).get_text_config()
+    return frozenset(name for name, value in vars(config).items() if name.startswith("index") and value is not None)
 
 
 CASES = [(family, impl) for family in FAMILIES for impl in EXPERTS_IMPLEMENTATIONS[family]]

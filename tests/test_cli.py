@@ -227,6 +227,38 @@ def test_stats_formats_on_tiny(saved, capsys):
     assert len(out.splitlines()) == 5
 
 
+@pytest.mark.parametrize("command, how", [
+    *(("stats", how) for how in ("same-path", "link-to-it", "out-through-a-link", "hard-link", "in-the-cache")),
+    *(("demo", how) for how in ("same-path", "link-to-it", "out-through-a-link", "hard-link")),  # no cache
+])
+def test_a_text_file_the_results_would_overwrite_is_refused_before_any_work(saved, tmp_path, capsys, command, how):
+    """`moelens stats tiny --text notes/stats.csv --out notes` wrote its results CSV over its own input text."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    written = {"stats": "stats.csv", "demo": "text_usage.png"}[command]
+    target = out / ("cache/notes.txt" if how == "in-the-cache" else written)
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(TEXT)
+    text, out_arg = target, out
+    if how == "link-to-it":
+        text = tmp_path / "text-link.txt"
+        text.symlink_to(target)
+    elif how == "out-through-a-link":
+        out_arg = tmp_path / "notes-link"
+        out_arg.symlink_to(out, target_is_directory=True)
+    elif how == "hard-link":
+        text = tmp_path / "hard.txt"
+        os.link(target, text)
+    before = sorted(path.relative_to(out) for path in out.rglob("*"))
+    argv = ["stats", saved / "mixtral", "--no-progress"] if command == "stats" else ["demo", "--windows", "0"]
+    status, printed, err = run([*argv, "--text", text, "--out", out_arg], capsys)
+    assert status == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith(f"moelens {command}: error: --text {str(text)!r} "), err
+    assert "overwrite" in lines[0] or "routing cache folder 'cache'" in lines[0], lines[0]
+    assert target.read_text() == TEXT and sorted(path.relative_to(out) for path in out.rglob("*")) == before
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -1,8 +1,11 @@
 """The generated docs are current."""
 
+import re
 from pathlib import Path
 
+from groundtruth import indexer_fields
 from moelens.families import table
+from moelens.testing import FAMILIES
 
 DOCS = Path(__file__).parents[1] / "docs"
 
@@ -25,3 +28,23 @@ def test_core_api_lists_every_family_field():
     for description in (Family, Scoring, SharedExpert, Combine, ExpertGate, ExpertLayout):
         missing = [field.name for field in dataclasses.fields(description) if field.name not in words]
         assert not missing, f"docs/dev/core-api.md does not list {description.__name__} fields {missing}"
+
+
+def _padding_paragraph() -> str:
+    text = (DOCS / "analysis.md").read_text()
+    return text[text.index("**Batched, padding excluded**"):text.index("**How it reads**")]
+
+
+def test_analysis_names_every_family_with_a_sparse_attention_indexer():
+    """Every family whose tiny config sizes an indexer is named where docs/analysis.md says what padding does:
+    those with ``index_topk`` (a top-k over tokens) in its exception, the others after it."""
+    paragraph = _padding_paragraph()
+    exception = paragraph[paragraph.index("One exception"):paragraph.index("use `batch_size=1` there")]
+    named = set(re.findall(r"\w+", paragraph))
+    topk = [family for family in FAMILIES if "index_topk" in indexer_fields(family)]
+    assert topk, "no tiny config has index_topk: the marker of the exception is gone"
+    missing = [family for family in topk if family not in set(re.findall(r"\w+", exception))]
+    assert not missing, f"docs/analysis.md's padding exception does not name {missing} (they have index_topk)"
+    other = [family for family in FAMILIES if indexer_fields(family) and family not in topk]
+    missing = [family for family in other if family not in named]
+    assert not missing, f"docs/analysis.md's padding paragraph does not name the indexer families {missing}"

@@ -463,6 +463,10 @@ def test_edits_refuse_ids_and_biases_the_interventions_refuse(fields, message):
     # a layer or expert given twice, once as a tensor (which dict keys do not merge): one would be dropped
     ({"ablate": {1: [3], torch.tensor(1): [4]}}, r"^Edits\.ablate names layer 1 twice \(as 1 and tensor\(1\)\); give each once\.$"),
     ({"steer": {1: {3: 1.0, torch.tensor(3): 2.0}}}, r"^Edits\.steer\[1\] names expert 3 twice \(as 3 and tensor\(3\)\)"),
+    # an expert listed twice was kept twice (the archive recorded ablate:1:2,2) where steer / swap refuse it
+    ({"ablate": {1: [2, 2]}}, r"^Edits\.ablate\[1\] names expert 2 twice \(as 2 and 2\); give each expert once\.$"),
+    ({"ablate": {1: [2, 5, np.int64(2)]}}, r"^Edits\.ablate\[1\] names expert 2 twice \(as 2 and np\.int64\(2\)\)"),
+    ({"route_around": {0: torch.tensor([4, 4])}}, r"^Edits\.route_around\[0\] names expert 4 twice"),
 ])
 def test_edits_in_the_wrong_form_say_the_form_expected(fields, message):
     """A lone number for steer / swap, a list for a dict: a raw TypeError ("'float' object is not iterable")."""

@@ -311,6 +311,23 @@ def test_edit_options_accumulate_per_layer_and_keep_their_kinds():
     assert edits.swap == {3: {1: 2}}
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--ablate", "3:0,0"], "--ablate '3:0,0': expert 0 of layer 3 is given twice; give each expert of a layer once."),
+    (["--ablate", "3:1", "--ablate", "3:2,1"], "--ablate '3:2,1': expert 1 of layer 3 is given twice"),
+    (["--route-around", "2:5,4,5"], "--route-around '2:5,4,5': expert 5 of layer 2 is given twice"),
+])
+def test_an_expert_given_twice_to_ablate_is_refused_as_for_steer_and_swap(tmp_path, capsys, argv, message):
+    """`--ablate 3:0,0` exported with `ablate [0, 0]` in its summary and archive, where --steer / --swap refuse
+    an expert given twice; refused in one line, before the model loads (nothing is written)."""
+    from moelens.cli import main
+
+    out = tmp_path / "x.nnef.tgz"
+    status = main(["export", "tiny", str(out), "--no-verify", "--tokens", "2", *argv])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith(f"moelens export: error: {message}"), err
+    assert not out.exists()
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     """``moelens export`` with to_nnef replaced by a recorder (nothing traced) that returns a verified report."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -118,14 +119,19 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None = None) -> None:
+def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None = None,
+                        text: Path | None = None) -> None:
     """Refuse an ``--out`` moelens cannot write to, before any work (the folder is made when written).
 
     ``--out`` must not be a file, lie under one or be a symbolic link to a missing path; none of the
     ``files`` it writes there may be a folder or a symbolic link, nor its routing cache folder
     ``cache`` a file or a symbolic link (and a cache there is one moelens wrote: `check_cache_folder`).
+    The ``--text`` file read, ``text``, may be none of those files nor lie in that cache (compared after
+    resolving symbolic links, and as the same file on disk): writing the results would overwrite it.
     """
     check_folder(path, "--out")
+    if text is not None:
+        check_not_written(text, path, files, cache)
     for name in (*files, *([cache] if cache else [])):
         target = path / name
         if target.is_symlink() or (target.exists() and target.is_dir() != (name == cache)):
@@ -135,6 +141,21 @@ def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None
                                "move it or name another folder.")
     if cache:
         check_cache_folder(path / cache)
+
+
+def check_not_written(text: Path, path: Path, files: Sequence[str], cache: str | None) -> None:
+    """Refuse a ``--text`` file ``text`` that the command writes over in ``--out`` ``path``: one of its
+    ``files``, or anything in its routing cache folder ``cache``."""
+    read = text.resolve()
+    folder = path.resolve()
+    for name in files:
+        target = folder / name
+        if read == target or (read.is_file() and target.is_file() and os.path.samefile(read, target)):
+            raise MoelensError(f"--text {str(text)!r} is the file {name!r} that moelens writes to --out {str(path)!r}, "
+                               "so the results would overwrite it; name another --out, or copy the text elsewhere.")
+    if cache and read.is_relative_to(folder / cache):
+        raise MoelensError(f"--text {str(text)!r} lies in the routing cache folder {cache!r} that moelens writes to "
+                           f"--out {str(path)!r}; name another --out, or copy the text elsewhere.")
 
 
 def read_text(path: Path) -> str:
@@ -208,7 +229,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .token_view import token_routing
 
     started = time.perf_counter()
-    check_output_folder(args.out, DEMO_FILES)
+    check_output_folder(args.out, DEMO_FILES, text=args.text)
     if args.windows < 0:
         raise MoelensError(f"--windows must be 0 (none) or more, got {args.windows}.")
     text = read_text(args.text) if args.text is not None else DEMO_TEXT
@@ -323,12 +344,12 @@ def run_stats(args: argparse.Namespace) -> int:
     from .corpus import tokenizer_of
     from .report import layer_stats, table, to_csv, write_stats
 
+    if args.out is not None:  # before the text is read: --text may be a file the results would overwrite
+        check_output_folder(args.out, STATS_OUTPUTS, STATS_CACHE, text=args.text)
     text = read_text(args.text)
     for flag, value in (("--batch-size", args.batch_size), ("--max-length", args.max_length)):
         if value is not None and value < 1:
             raise MoelensError(f"{flag} must be at least 1, got {value}.")
-    if args.out is not None:
-        check_output_folder(args.out, STATS_OUTPUTS, STATS_CACHE)
     set_threads(args.threads)
     model = load_model(args.model)
     if tokenizer_of(model) is None:

@@ -131,7 +131,10 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
 
 def tokenized(encoding: Mapping) -> Iterator[Tensor]:
     """A tokenizer's output (``input_ids``, optional ``attention_mask``; lists, torch tensors or numpy
-    arrays) as each row's real tokens."""
+    arrays) as each row's real tokens.
+
+    An empty text is an empty row (``tokenizer("")`` is one empty row, as ``tokenizer([""])`` is: a
+    tokenizer refuses an empty batch)."""
     if "input_ids" not in encoding:
         raise MoelensError(
             f"a corpus given as a mapping must be a tokenizer's output with input_ids (and attention_mask); "
@@ -140,11 +143,13 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
     rows = encoding["input_ids"]
     masks = encoding.get("attention_mask")
     rows, masks = (torch.from_numpy(value) if isinstance(value, np.ndarray) else value for value in (rows, masks))
-    one_row = rows.dim() == 1 if isinstance(rows, Tensor) else bool(rows) and isinstance(rows[0], int)
+    one_row = rows.dim() == 1 if isinstance(rows, Tensor) else not rows or isinstance(rows[0], int)
     if one_row:
         rows, masks = [rows], None if masks is None else [masks]
     for index, row in enumerate(rows):
         row = torch.as_tensor(row)
+        if row.numel() == 0:  # torch.as_tensor([]) is float32: an empty row holds no token ids to check
+            row = row.long()
         yield row if masks is None else row[torch.as_tensor(masks[index]).bool()]
 
 

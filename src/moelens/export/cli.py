@@ -60,9 +60,15 @@ def parse_edits(args: argparse.Namespace) -> Any:
         for spec in values:
             layer, rest = split(spec, option)
             try:
-                found.setdefault(layer, []).extend(int(e) for e in rest.split(","))
+                given = [int(e) for e in rest.split(",")]
             except ValueError:
                 raise MoelensError(f"--{option} {spec!r}: experts must be integers, e.g. 1:3,5") from None
+            listed = found.setdefault(layer, [])
+            for expert_id in given:
+                if expert_id in listed:
+                    raise MoelensError(f"--{option} {spec!r}: expert {expert_id} of layer {layer} is given twice; "
+                                       "give each expert of a layer once.")
+                listed.append(expert_id)
         return found
 
     def valued(values: list[str], option: str, kind: type, example: str) -> dict[int, dict[int, Any]]:

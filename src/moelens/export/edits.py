@@ -81,12 +81,19 @@ def _keyed(kind: str, subject: str, mapping: Any, what: str, expected: str) -> d
 
 
 def _experts(kind: str, layer: int, values: Any) -> tuple[int, ...]:
-    """``Edits.<kind>[layer]``: one expert id or an iterable of them, as a tuple of ints."""
+    """``Edits.<kind>[layer]``: one expert id or an iterable of them, as a tuple of ints, each expert named once."""
     subject = f"Edits.{kind}[{layer}]"
     if isinstance(values, Mapping):
         raise _wrong(kind, subject, "expert ids (one, or a list of them)", values)
     lone = isinstance(values, (str, bytes)) or getattr(values, "ndim", None) == 0 or not isinstance(values, Iterable)
-    return tuple(_id(kind, f"{subject}: expert", value) for value in ([values] if lone else values))
+    experts: dict[int, Any] = {}
+    for value in [values] if lone else values:
+        expert = _id(kind, f"{subject}: expert", value)
+        if expert in experts:
+            raise ExportError(f"{subject} names expert {expert} twice (as {experts[expert]!r} and {value!r}); "
+                              "give each expert once.")
+        experts[expert] = value
+    return tuple(experts)
 
 
 @dataclass(frozen=True)
