@@ -339,8 +339,9 @@ def recorded(monkeypatch):
 
     def to_nnef(target, path, **options):
         calls.append(SimpleNamespace(target=target, path=path, options=options))
-        check = Verification(2e-6, "approximate", "torch", {"second_length": {"tokens": 9, "max_abs_error": 3e-6,
-                                                                             "tolerance": None}})
+        q4_0 = {"export_max_abs_error": 4e-7, "export_tolerance": "close"}  # the archive's own weights in torch
+        check = Verification(2e-6, "approximate", "torch", {**q4_0, "second_length": {
+            "tokens": 9, "max_abs_error": 3e-6, "tolerance": None, **q4_0, "export_max_abs_error": 5e-7}})
         block = BlockReport(layer=0, family="mixtral", gate="softmax_topk", activation="silu", k=2, num_experts=8,
                             edits="ablate [1]")
         return ExportReport(path=Path(path), kind="block", blocks=[block], input_name="hidden_states",
@@ -366,7 +367,8 @@ def test_export_passes_its_options_to_to_nnef(recorded, tmp_path, capsys):
     assert call.options["quantize_experts"] == "q4_0" and call.options["layout"] == "linear"
     assert call.options["edits"].ablate == {0: (1,)}
     assert "layer 0: mixtral -> tract_moe_ffn(E=8, k=2, gate=softmax_topk, activation=silu); ablate [1]" in printed
-    assert "max abs error 2e-06 (tract tolerance: approximate); at 9 tokens: 3e-06 (none met)" in printed
+    assert ("max abs error 2e-06 (tract tolerance: approximate); vs the archive's Q4_0 weights in torch: 4e-07 "
+            "(close); at 9 tokens: 3e-06 (none met); vs the archive's Q4_0 weights in torch: 5e-07 (close)") in printed
     recorded.clear()
     assert main(["export", "tiny", str(out), "--tokens", "5"]) == 0  # the defaults: the whole model, verified
     (call,) = recorded

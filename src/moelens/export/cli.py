@@ -139,15 +139,21 @@ def run_export(args: argparse.Namespace) -> int:
     check = report.verification
     if check is not None:
         line = (f"tract vs {check.reference}: max abs error {check.max_abs_error:.3g} "
-                f"(tract tolerance: {_level(check.tolerance)})")
-        if "export_max_abs_error" in check.details:
-            line += (f"; vs the archive's Q4_0 weights in torch: {check.details['export_max_abs_error']:.3g} "
-                     f"({_level(check.details['export_tolerance'])})")
+                f"(tract tolerance: {_level(check.tolerance)}){_quantized(check.details)}")
         if "second_length" in check.details:
             second = check.details["second_length"]
-            line += f"; at {second['tokens']} tokens: {second['max_abs_error']:.3g} ({_level(second['tolerance'])})"
+            line += (f"; at {second['tokens']} tokens: {second['max_abs_error']:.3g} ({_level(second['tolerance'])})"
+                     f"{_quantized(second)}")
         print(line)
     return 0
+
+
+def _quantized(details: dict[str, Any]) -> str:
+    """The check against the archive's own Q4_0 expert weights in torch, as printed ("" without one)."""
+    if "export_max_abs_error" not in details:
+        return ""
+    return (f"; vs the archive's Q4_0 weights in torch: {details['export_max_abs_error']:.3g} "
+            f"({_level(details['export_tolerance'])})")
 
 
 def _level(tolerance: str | None) -> str:
