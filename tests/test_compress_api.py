@@ -35,6 +35,24 @@ def test_comp_config_dict_object_and_aliases():
     assert all(layer.lora for layer in stats.converted)
 
 
+def test_a_setting_named_twice_in_comp_config_with_different_values_is_refused():
+    from moelens.compress.options import resolve
+
+    model = llama()
+    for config, match in [({"num_experts": 8, "tomoe_num_experts": 2}, r"num_experts=8 and tomoe_num_experts=2"),
+                          ({"tomoe_num_experts": 2, "num_experts": 8}, r"num_experts=8 and tomoe_num_experts=2"),
+                          ({"max_error": 0.5, "max_reconstruction_error": 0.1},
+                           r"max_error=0.5 and max_reconstruction_error=0.1"),
+                          (SimpleNamespace(tomoe_top_k=1, top_k=3), r"top_k=3 and tomoe_top_k=1")]:
+        with pytest.raises(CompressionError, match=r"comp_config sets \w+ under two names with different values: "
+                                                   + match + r"; keep one of the two keys"):
+            ToMoECompressor(model, comp_config=config)
+    # the same value under both names is one setting
+    options = resolve(comp_config={"num_experts": 8, "tomoe_num_experts": 8, "max_error": None,
+                                   "max_reconstruction_error": None})
+    assert (options.num_experts, options.max_error) == (8, None)
+
+
 def test_registry_names_and_the_compressor_object():
     for name in ("tomoe", "tomoe_compressor", "tomoe_factory", "tomoe_compressor_factory"):
         assert get_compressor(name) is ToMoECompressor

@@ -1,15 +1,17 @@
 """moelens.compress: what a conversion must not do, and what it must refuse.
 
 LoRA adapters that leave copies independent and pickle; FFNs whose forward is not what their weights
-say, FFNs inside MoE blocks and FFNs shared between places stay dense with the reason; the user's RNG,
-training flags and hooks are left alone; gate_proj is no router; bad seeds and calibration data raise
-`CompressionError`. Ground truth: the models' own outputs, torch's RNG stream, module attributes.
+say, FFNs inside MoE blocks and FFNs shared between places stay dense with the reason, and a second pass lists the
+blocks the first converted; the user's RNG, training flags and hooks are left alone; gate_proj is no router; bad
+seeds, calibration data and grouped_mm for a float64 model raise `CompressionError`. Ground truth: the models' own
+outputs, torch's RNG stream, module attributes.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
+import re
 import warnings
 
 import pytest
@@ -116,6 +118,29 @@ def test_a_second_pass_leaves_the_converted_blocks_alone():
         assert type(layer.mlp.shared_experts) is ToMoESharedExpert
         assert all(type(getattr(layer.mlp.shared_experts, part)) is torch.nn.Linear
                    for part in ("gate_proj", "up_proj", "down_proj"))
+
+
+@pytest.mark.parametrize("make", [llama, bert], ids=["swiglu", "bert"])
+def test_a_second_pass_lists_the_blocks_the_first_converted_as_skipped(make):
+    tokens = ids()
+    first, done = convert(make(), num_experts=4, top_k=2, calibration=tokens)
+    assert len(done.converted) == 2
+    with pytest.raises(NothingToConvert) as refused:
+        convert(first, num_experts=8, top_k=2, calibration=tokens)
+    for name in done.converted_layers:  # what the first pass converted, with the reason
+        assert re.search(rf"{re.escape(name)}: a block converted by an earlier tomoe pass \(ToMoE\w*Block\)",
+                         str(refused.value)), (name, str(refused.value))
+
+
+def test_a_second_pass_lists_converted_layers_only_where_it_would_convert():
+    tokens = ids()
+    attention, done = convert(llama(), num_experts=4, top_k=2, calibration=tokens, target_attention_only=True)
+    with pytest.raises(NothingToConvert) as refused:  # the attention Linear layers again
+        convert(attention, num_experts=4, top_k=2, calibration=tokens, target_attention_only=True)
+    for name in done.converted_layers:
+        assert f"{name}: a block converted by an earlier tomoe pass (ToMoELinear)" in str(refused.value)
+    _, stats = convert(attention, num_experts=4, top_k=2, calibration=tokens)  # the FFNs: the attention is no target
+    assert stats.converted_layers == ["model.layers.0.mlp", "model.layers.1.mlp"] and not stats.skipped
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
@@ -275,6 +300,24 @@ def test_casting_a_converted_model_keeps_its_routers_float32(cast):
     hidden = torch.randn(16, 32).to(next(low.model.layers[0].mlp.experts.parameters()).dtype)
     logits = routers[0](hidden)[0]
     torch.testing.assert_close(logits, hidden.float() @ routers[0].weight.T + routers[0].bias, rtol=0, atol=0)
+
+
+def test_a_float64_model_is_refused_with_grouped_mm_and_converts_with_batched_mm_or_eager():
+    dense, tokens = llama().double(), ids()
+    with pytest.raises(CompressionError, match=r"experts_implementation='grouped_mm' cannot run the model's float64 "
+                                               r"weights .*pass experts_implementation='batched_mm' or 'eager', or "
+                                               r"convert a float32 copy \(model.float\(\)\)"):
+        convert(dense, num_experts=4, top_k=2, calibration=tokens, inplace=True)
+    assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in dense.model.layers)  # refused before any work
+    for implementation in ("batched_mm", "eager"):  # every expert runs: the dense model's float64 output
+        converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens,
+                                   experts_implementation=implementation)
+        experts = converted.model.layers[0].mlp.experts
+        assert len(stats.converted) == 2 and next(experts.parameters()).dtype == torch.float64
+        torch.testing.assert_close(run(converted, tokens), run(dense, tokens), rtol=1e-9, atol=1e-9)
+    with pytest.raises(CompressionError, match=r"'grouped_mm' cannot run the converted experts' float64 weights"):
+        set_experts_implementation(converted, "grouped_mm")
+    torch.testing.assert_close(run(converted, tokens), run(dense, tokens), rtol=1e-9, atol=1e-9)  # still eager
 
 
 def test_the_compressor_functions_refuse_a_wrapped_model_by_name():

@@ -4,7 +4,8 @@ width (Conv1D's transposed weight included), the size limits are inclusive and n
 on an FFN (merged ones on a Linear) keep it dense, fused gate/up FFNs are skipped with the reason, a shared FFN
 stays dense whatever its sibling's name, unregistered MoE blocks are found by their dispatching experts, camel-case
 attention modules count, string targets are full-match regexes, GQA's narrowest projections get two experts;
-calibration: one 1-D sequence, padding off flattened inputs, a random sample from every batch, eval mode, no hook
+calibration: one 1-D sequence, padding off flattened inputs, a tuple item as the positional arguments (a
+sentence-transformers model's dict), a random sample from every batch, eval mode, no hook
 left behind, backward hooks respected, hooks put back in order; blocks: GPT-2's dropout applies, outputs and
 routing weights keep the tokens' precision, the straight-through term adds nothing; stats: tied weights count once,
 ``as_dict`` carries each layer's active fraction."""
@@ -23,7 +24,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralE
 from transformers.models.t5.modeling_t5 import T5Attention
 from transformers.pytorch_utils import Conv1D
 
-from moelens.compress import NothingToConvert, ToMoEBlock, ToMoELinear, ToMoERouter, set_experts_implementation, tomoe
+from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoELinear, ToMoERouter,
+                              set_experts_implementation, tomoe)
 from moelens.compress import calibration as cal
 from moelens.compress import targets as tg
 from test_compress_helpers import VOCAB, bert, convert, gpt2, ids, inputs_of, llama, run
@@ -218,6 +220,68 @@ def test_padding_is_left_out_of_an_ffn_that_sees_flattened_tokens():
     with torch.no_grad():
         expected = model.embed_tokens(tokens)[mask.bool()]
     torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+
+
+class _Features(nn.Module):
+    """A sentence-transformers-like model: its forward takes the tokenizer's dict as one positional argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, 32)
+        self.mlp = LlamaMLP(_mlp_config())
+
+    def forward(self, features: dict) -> dict:
+        return {"token_embeddings": self.mlp(self.embed_tokens(features["input_ids"]))}
+
+
+def test_a_tuple_item_is_the_models_positional_arguments_and_its_dicts_mask_leaves_padding_out():
+    model = _quiet(_Features)
+    tokens = ids(4, 16)
+    mask = torch.ones_like(tokens)
+    mask[:, 10:] = 0
+    features = {"input_ids": tokens, "attention_mask": mask}
+    rows = cal.capture(model, cal.batches([(features,)]), {"mlp": model.mlp})["mlp"]
+    with torch.no_grad():
+        expected = model.embed_tokens(tokens)[mask.bool()]
+    torch.testing.assert_close(rows, expected, rtol=0, atol=0)
+    _, stats = convert(model, num_experts=4, top_k=2, calibration=[(features,)])
+    assert stats.converted_layers == ["mlp"] and stats.calibration_tokens == 40
+    with pytest.raises(CompressionError, match="calibration set is empty"):  # only padding: left out
+        convert(model, calibration=[({"input_ids": tokens, "attention_mask": torch.zeros_like(tokens)},)])
+    with pytest.raises(CompressionError, match=r"arg 0 input_ids \[4, 16\] int64.*takes 2 positional arguments"):
+        convert(model, calibration=[(features, features)])  # the call's failure shows the dict's tensors
+    with pytest.raises(CompressionError, match=r"_Features.forward wants the positional argument 'features', and a "
+                                               r"tensor or dict item is passed as keyword arguments .*"
+                                               r"calibration=\[\(features,\)\]"):
+        convert(model, calibration=features)
+    with pytest.raises(CompressionError, match=r"calibration items must be .* tuples of the model's positional "
+                                               r"arguments; got an empty tuple"):
+        convert(model, calibration=[()])
+
+
+def test_a_sentence_transformer_calibrates_like_its_inner_model(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers import models
+    from transformers import BertTokenizerFast
+
+    bert().save_pretrained(tmp_path)  # the tiny seeded BERT, saved and loaded: nothing downloaded
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                                                 + [f"w{i}" for i in range(VOCAB - 5)]))
+    BertTokenizerFast(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = st.SentenceTransformer(modules=[models.Transformer(str(tmp_path)), models.Pooling(32)],
+                                       device="cpu").eval()
+    tokens = ids(4, 16)
+    mask = torch.ones_like(tokens)
+    mask[:2, 12:] = 0
+    features = {"input_ids": tokens, "token_type_ids": torch.zeros_like(tokens), "attention_mask": mask}
+    converted, stats = convert(model, num_experts=4, top_k=2, calibration=[(features,)])
+    inner, _ = convert(model[0].auto_model, num_experts=4, top_k=2, calibration=features)  # the inner model itself
+    assert len(stats.converted) == 2 and stats.calibration_tokens == int(mask.sum())
+    with torch.no_grad():
+        torch.testing.assert_close(converted[0].auto_model(**features).last_hidden_state,
+                                   inner(**features).last_hidden_state, rtol=0, atol=0)
 
 
 def test_max_tokens_samples_every_batch():

@@ -2,8 +2,10 @@
 
 ``calibration`` is what the model is called with: a token-id tensor ``[batch, seq]``,
 a dict of keyword arguments (a tokenizer's ``BatchEncoding``: ``input_ids``,
-``attention_mask`` ...), or a list / iterable of those (one forward each). Forward
-pre-hooks record each target module's input; padding tokens (``attention_mask == 0``)
+``attention_mask`` ...), a tuple of positional arguments (``(features,)`` calls
+``model(features)``, as a sentence-transformers model takes the tokenizer's dict), or a
+list / iterable of those (one forward each). Forward pre-hooks record each target
+module's input; padding tokens (``attention_mask == 0``, also inside a positional dict)
 are left out, and each layer keeps at most ``max_tokens`` tokens (a seeded random
 sample).
 
@@ -14,6 +16,7 @@ On the deep copy a conversion works on, `without_hooks` keeps the user's forward
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +30,12 @@ from .errors import CompressionError
 
 
 def batches(calibration: Any) -> list[tuple[tuple, dict]]:
-    """``calibration`` as a list of ``(args, kwargs)`` forward calls; raises on an empty or unusable set."""
+    """``calibration`` as a list of ``(args, kwargs)`` forward calls; raises on an empty or unusable set.
+
+    A tensor item is token ids (keyword ``input_ids``; a float tensor is the positional input), a dict item is
+    keyword arguments, a tuple item is positional arguments whatever they are (a dict among them is checked
+    for tokens like a dict item); an item without a real token (padding aside) is left out.
+    """
     if calibration is None:
         return []
     if isinstance(calibration, (Tensor, Mapping)):
@@ -58,21 +66,20 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
             calls.append(((), {"input_ids": ids}) if not ids.is_floating_point() else ((ids,), {}))
         elif isinstance(item, Mapping):
             kwargs = dict(item)
-            if not any(isinstance(value, Tensor) for value in kwargs.values()) and kwargs:
-                raise CompressionError(
-                    f"calibration dict holds no tensor (its {', '.join(map(str, kwargs))} are "
-                    f"{type(next(iter(kwargs.values()))).__name__}s); tokenize with return_tensors='pt'."
-                )
-            main = next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
-            mask = _mask(kwargs)
-            if main is None or main.numel() == 0 or (mask is not None and not mask.any()):
-                continue  # no token, or only padding
-            calls.append(((), kwargs))
-        elif isinstance(item, (tuple, list)) and item and isinstance(item[0], Tensor):
+            if _has_tokens(kwargs):
+                calls.append(((), kwargs))
+        elif isinstance(item, tuple) and item:  # the model's positional arguments, whatever they are
+            features = _features(item, {})
+            if features is None or _has_tokens(dict(features)):
+                calls.append((item, {}))
+        elif isinstance(item, list) and item and isinstance(item[0], Tensor):
             calls.append((tuple(item), {}))
         else:
+            got = "an empty tuple" if isinstance(item, tuple) else type(item).__name__
             raise CompressionError(
-                f"calibration items must be token-id tensors or dicts of model inputs; got {type(item).__name__}."
+                f"calibration items must be token-id tensors, dicts of model inputs (keyword arguments) or tuples of "
+                f"the model's positional arguments; got {got}. A model that takes the tokenizer's dict as one "
+                "positional argument (a sentence-transformers model) is calibrated with [(features,)]."
             )
     if not calls:
         raise CompressionError(
@@ -82,8 +89,29 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
     return calls
 
 
-def _mask(kwargs: dict) -> Tensor | None:
-    mask = kwargs.get("attention_mask")
+def _has_tokens(inputs: dict) -> bool:
+    """Whether the dict of model inputs ``inputs`` holds a real token (padding aside); raises when it holds
+    no tensor."""
+    if not any(isinstance(value, Tensor) for value in inputs.values()) and inputs:
+        raise CompressionError(
+            f"calibration dict holds no tensor (its {', '.join(map(str, inputs))} are "
+            f"{type(next(iter(inputs.values()))).__name__}s); tokenize with return_tensors='pt'."
+        )
+    main = next((v for v in inputs.values() if isinstance(v, Tensor)), None)
+    mask = _mask(inputs)
+    return not (main is None or main.numel() == 0 or (mask is not None and not mask.any()))  # no token, or only padding
+
+
+def _features(args: tuple, kwargs: dict) -> Mapping | None:
+    """The dict of model inputs of one call: its keyword arguments, else the first dict among its positional
+    arguments (a sentence-transformers model's ``features``), else None."""
+    if kwargs:
+        return kwargs
+    return next((arg for arg in args if isinstance(arg, Mapping)), None)
+
+
+def _mask(kwargs: Mapping | None) -> Tensor | None:
+    mask = kwargs.get("attention_mask") if kwargs is not None else None
     return mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
 
@@ -117,9 +145,9 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
     try:
         with evaluating(model):
             for index, (args, kwargs) in enumerate(calls):
-                kwargs = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in kwargs.items()}
-                args = tuple(a.to(device) if isinstance(a, Tensor) else a for a in args)
-                current["mask"] = _mask(kwargs)
+                kwargs = _to(kwargs, device)
+                args = tuple(_to(a, device) for a in args)
+                current["mask"] = _mask(_features(args, kwargs))
                 try:
                     model(*args, **kwargs)
                 except Exception as error:  # the model refused the data: say which batch and why
@@ -139,17 +167,44 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
     return inputs
 
 
+def _to(value: Any, device: torch.device) -> Any:
+    """``value`` on ``device``: a tensor, or a dict of model inputs (as a plain dict) with its tensors moved."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in value.items()}
+    return value
+
+
+def _positional(model: nn.Module, kwargs: dict) -> str | None:
+    """The first required positional parameter of ``model.forward`` that ``kwargs`` does not give, or None."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    return next((p.name for p in parameters if p.default is p.empty and p.name not in kwargs
+                 and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+
+
 #: Config attributes that bound the sequence length of models with learned position embeddings.
 POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx")
 
 
 def _failed(model: nn.Module, index: int, args: tuple, kwargs: dict, error: Exception) -> str:
     """Why calibration batch ``index`` failed, with a hint when the data explains it."""
-    tensors = {**{f"arg {i}": a for i, a in enumerate(args)}, **kwargs}
+    tensors = dict(kwargs)
+    for i, arg in enumerate(args):  # a positional dict of model inputs shows its tensors
+        tensors.update({f"arg {i} {k}": v for k, v in arg.items()} if isinstance(arg, Mapping) else {f"arg {i}": arg})
     shapes = ", ".join(f"{key} {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
                        for key, value in tensors.items() if isinstance(value, Tensor))
-    main = kwargs.get("input_ids", args[0] if args else None)
+    main = (_features(args, kwargs) or {}).get("input_ids", args[0] if args else None)
     hint = ""
+    wanted = _positional(model, kwargs) if kwargs and not args else None
+    if wanted:
+        hint = (f" {type(model).__name__}.forward wants the positional argument {wanted!r}, and a tensor or dict item "
+                "is passed as keyword arguments (token ids as input_ids=...): give a call's positional arguments as a "
+                "tuple item, e.g. calibration=[(features,)] for a model that takes the tokenizer's dict as one "
+                "argument (a sentence-transformers model).")
     if isinstance(main, Tensor) and main.is_floating_point() and hasattr(model, "get_input_embeddings"):
         hint = (f" The calibration tensor is {str(main.dtype).removeprefix('torch.')}, but "
                 f"{type(model).__name__} takes integer token ids: tokenize the text (or pass "
@@ -164,7 +219,8 @@ def _failed(model: nn.Module, index: int, args: tuple, kwargs: dict, error: Exce
                 break
     return (f"the calibration forward of {type(model).__name__} failed on batch {index} ({shapes}): "
             f"{type(error).__name__}: {error}.{hint} calibration must be what the model is called with: token ids "
-            "[batch, seq], a dict of its inputs (a tokenizer's output), or a list of those.")
+            "[batch, seq], a dict of its keyword inputs (a tokenizer's output), a tuple of its positional "
+            "arguments, or a list of those.")
 
 
 #: The forward hook dictionaries of an ``nn.Module`` (hook id -> function; the ``*_with_kwargs`` and

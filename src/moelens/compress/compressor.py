@@ -43,8 +43,9 @@ from .errors import CompressionError, NothingToConvert, torch_model
 from .dense import DenseLayer
 from .experts import ExpertsSettings, is_tomoe_experts
 from .fit import plan_layer, relative_error
+from .linear import ToMoELinear
 from .lora import add_lora, freeze_experts
-from .options import ToMoEOptions, check_implementation, resolve
+from .options import ToMoEOptions, check_dtype, check_implementation, resolve
 from .stats import CompressionStats, LayerStats, SkippedLayer, block_counts, parameter_count
 
 logger = logging.getLogger("moelens.compress")
@@ -88,6 +89,7 @@ class ToMoECompressor:
         """Convert the model; returns the converted model (a copy unless ``inplace``) and its stats."""
         options = self.options
         started = time.perf_counter()
+        check_dtype(options.experts_implementation, _float_dtypes(self.model), "the model's")  # before any work
         calls = calib.batches(self.calibration)
         original = parameter_count(self.model)
         model = self.model if options.inplace else copy.deepcopy(self.model)
@@ -146,6 +148,9 @@ class ToMoECompressor:
             block = enclosing(name, moe_blocks)
             if block is None and tg.is_moe_block(module):  # named_modules lists a block before its parts
                 moe_blocks.append(name)
+                if isinstance(module, ToMoEBlock) and self._wanted_again(name, module):
+                    skips.append(tg.Skip(name, f"a block converted by an earlier tomoe pass ({type(module).__name__}): "
+                                               "it stays as it is"))
                 continue
             found = tg.ffn_site(model, name, module)
             if found is None:
@@ -184,6 +189,17 @@ class ToMoECompressor:
                 + ". Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks)."
             )
         return sites, skips
+
+    def _wanted_again(self, name: str, block: ToMoEBlock) -> bool:
+        """Whether this conversion would target ``block`` (named ``name``, converted by an earlier pass) were it
+        still dense: an FFN block by default, a `ToMoELinear` inside attention with ``target_attention_only``,
+        anything ``target_modules`` names."""
+        options = self.options
+        if options.target_modules is not None and tg.matches(name, options.target_modules):
+            return True
+        if options.target_attention_only:
+            return isinstance(block, ToMoELinear) and tg.in_attention(name)
+        return options.target_modules is None and not isinstance(block, ToMoELinear)
 
     def _ffn_skip_reason(self, site: tg.Site) -> str:
         options = self.options
@@ -324,6 +340,11 @@ def _hooks_reason(site: tg.Site) -> str:
     return ""
 
 
+def _float_dtypes(model: nn.Module) -> set[torch.dtype]:
+    """The floating-point dtypes of ``model``'s parameters (what its converted blocks' weights will be)."""
+    return {parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()}
+
+
 def _inside_reason(model: nn.Module, block: str) -> str:
     module = model.get_submodule(block)
     what = "converted block" if isinstance(module, ToMoEBlock) else "MoE block"
@@ -344,8 +365,10 @@ def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: 
         max_error: A layer whose relative reconstruction error on held-out calibration tokens is
             above this stays dense (the reason is in the stats); None converts every layer.
         calibration: Model inputs to calibrate on: token ids ``[batch, seq]``, a dict of model
-            inputs (a tokenizer's output), or a list of those. None converts from weights only
-            (weight clustering, centroid router, no compensation, no error gate).
+            inputs (keyword arguments: a tokenizer's output), a tuple of positional arguments
+            (``[(features,)]`` for a sentence-transformers model, which takes the tokenizer's dict as
+            one), or a list of those. None converts from weights only (weight clustering, centroid
+            router, no compensation, no error gate).
         shared_neurons: Always-active neurons per FFN block (the most active ones).
         lora_r, lora_alpha: LoRA adapters of this rank on experts and router (0: none).
         freeze_experts: The experts' weights do not train (adapters and router do).
@@ -364,8 +387,10 @@ def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: 
         The converted model, or ``(model, CompressionStats)`` with ``return_stats``.
 
     Raises:
-        CompressionError: ``top_k > num_experts`` and other bad settings, an empty calibration set,
-            calibration data the model refuses (the message names the batch and why).
+        CompressionError: ``top_k > num_experts`` and other bad settings (a setting named twice in
+            ``comp_config`` with different values; ``experts_implementation="grouped_mm"``, the default, for
+            a float64 model: pass ``"batched_mm"`` or ``"eager"``), an empty calibration set, calibration
+            data the model refuses (the message names the batch and why).
         NothingToConvert: The model has no layer to convert.
     """
     check_flag("return_stats", return_stats, CompressionError)
@@ -392,9 +417,16 @@ def inject_tomoe(model: nn.Module | None = None, **kwargs: Any) -> nn.Module | N
 
 
 def set_experts_implementation(model: nn.Module, implementation: str) -> nn.Module:
-    """Run every converted block of ``model`` with ``implementation`` (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` ...)."""
+    """Run every converted block of ``model`` with ``implementation`` (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` ...).
+
+    Raises `CompressionError` for an unknown implementation, or one that cannot run the experts' dtype
+    (``grouped_mm`` with float64 experts).
+    """
     check_implementation(implementation)
-    for module in torch_model(model, "set_experts_implementation").modules():
-        if is_tomoe_experts(module):
-            module.config._experts_implementation = implementation
+    experts = [module for module in torch_model(model, "set_experts_implementation").modules()
+               if is_tomoe_experts(module)]
+    dtypes = {dtype for module in experts for dtype in _float_dtypes(module)}
+    check_dtype(implementation, dtypes, "the converted experts'")
+    for module in experts:
+        module.config._experts_implementation = implementation
     return model

@@ -3,15 +3,19 @@
 ``comp_config`` may be a dict or any object with the same names as attributes; it
 also accepts the spellings other configs use (`ALIASES`: ``tomoe_num_experts``,
 ``tomoe_top_k``, ``max_reconstruction_error``, ``tomoe_lora_r``, ...). Explicit
-keyword arguments that differ from their defaults win over ``comp_config``.
+keyword arguments that differ from their defaults win over ``comp_config``. A setting named
+twice (its own name and an alias, or two aliases) with different values is refused.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+import torch
 
 from ..errors import MoelensError
 from ..scalars import as_lone_int, as_real, check_flag
@@ -141,6 +145,23 @@ def check_implementation(implementation: str) -> None:
         raise CompressionError(str(error)) from None
 
 
+#: Weight dtypes an experts implementation cannot run (torch's ``grouped_mm`` takes float32, bfloat16 and float16).
+UNSUPPORTED_DTYPES = {"grouped_mm": (torch.float64,)}
+
+
+def check_dtype(implementation: str, dtypes: Iterable[torch.dtype], whose: str) -> None:
+    """Raise `CompressionError` when experts implementation ``implementation`` cannot run ``whose`` weights of
+    ``dtypes`` (a float64 model with ``grouped_mm``, which would fail only at its first forward)."""
+    bad = sorted({str(dtype).removeprefix("torch.") for dtype in dtypes
+                  if dtype in UNSUPPORTED_DTYPES.get(implementation, ())})
+    if bad:
+        raise CompressionError(
+            f"experts_implementation={implementation!r} cannot run {whose} {', '.join(bad)} weights (torch's "
+            f"{implementation} takes float32, bfloat16 and float16; converted experts keep the model's dtype): pass "
+            "experts_implementation='batched_mm' or 'eager', or convert a float32 copy (model.float())."
+        )
+
+
 def _read(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
@@ -163,11 +184,30 @@ def _read(config: Any) -> dict[str, Any]:
                 f"comp_config has unknown key(s) {unknown}; known: {sorted(known | set(ALIASES))}."
             )
     values: dict[str, Any] = {}
-    for key, value in items.items():
+    keys: dict[str, str] = {}  # field -> the key that set it
+    for key in sorted(items, key=lambda key: (ALIASES.get(key, key), key in ALIASES, key)):  # own name first
         field_name = ALIASES.get(key, key)
-        if field_name in known:
-            values[field_name] = value
+        if field_name not in known:
+            continue
+        if field_name in values and not _same(values[field_name], items[key]):
+            raise CompressionError(
+                f"comp_config sets {field_name} under two names with different values: "
+                f"{keys[field_name]}={values[field_name]!r} and {key}={items[key]!r}; keep one of the two keys "
+                "(they name the same setting)."
+            )
+        values.setdefault(field_name, items[key])
+        keys.setdefault(field_name, key)
     return values
+
+
+def _same(first: Any, second: Any) -> bool:
+    """``first`` and ``second`` are the same setting (equal values under two names of one setting may coexist)."""
+    if first is second:
+        return True
+    try:
+        return bool(first == second)
+    except Exception:  # noqa: BLE001 - an array of several values has no single truth value: not the same
+        return False
 
 
 def resolve(comp_config: Any = None, **explicit: Any) -> ToMoEOptions:
