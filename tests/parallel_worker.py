@@ -476,15 +476,17 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
                     lm.output.logits.save()
             return trace
 
-        def params_of_expert_zero() -> None:  # owned by rank 0: the other ranks raise before the forward
-            with lm.trace(ids):
-                lm.moes[0].params(expert=0)
-                lm.output.logits.save()
+        def params_of(expert: int) -> Callable[[], None]:  # experts of rank 0: the others raise before the forward
+            def trace() -> None:
+                with lm.trace(ids):
+                    lm.moes[0].params(expert=expert)
+                    lm.output.logits.save()
+            return trace
 
         result = {}
-        for name, failing in (("layer 0", reroute_second_row(0)), ("layer 1", reroute_second_row(1)),
-                              ("before the forward", params_of_expert_zero)):
-            case = {"error": _error_text(failing)}
+        for name, failing in (("layer 0", [reroute_second_row(0)]), ("layer 1", [reroute_second_row(1)]),
+                              ("before the forward, twice", [params_of(0), params_of(1)])):
+            case = {"errors": [_error_text(trace) for trace in failing]}
             negate_last_rank_experts()
             with torch.no_grad():
                 case["negated"] = maxdiff(traced_logits(lm, ids), logits_of(ref(input_ids=ids)))

@@ -113,7 +113,8 @@ def plan_dispatch(
         tag: This call's layer tag; every rank of the group must send the same one,
             else `RankDivergence` is raised (rank-divergent experts calls).
         runs: The group's run ids (`moelens.parallel.runs`): a rank in an older run than another ends it
-            with `RankDivergence`, and the ranks in the newest run ask again until every rank is in it.
+            with `RankDivergence`, and the ranks in the newest run ask again until every rank is in it
+            (a rank several runs behind ends each of them).
             None: no run ids (every rank sends 0).
     """
     ep, rank = group_size(group), group_rank(group)
@@ -140,15 +141,13 @@ def plan_dispatch(
         send_sizes, recv_sizes, flags, tags, run_ids = host
         newest = max(run_ids)
         if run < newest:
-            if runs is not None:
-                runs.catch_up(newest)
             ahead = [index for index, other in enumerate(run_ids) if other == newest]
             raise RankDivergence(
                 f"expert parallelism: ranks {ahead} of the EP group ended the run this rank is in (a trace, or a "
                 f"forward outside one) before this experts call (layer tag {tag}) and started their next one, which "
                 "waits for this rank: a run raised an error on those ranks only (an intervention refused for their "
-                "tokens, ...). This run is given up here so that every rank starts the next one together; make "
-                "the failing run work on every rank (see docs/parallel.md)."
+                "tokens, ...). This run is given up here, as each run of this rank the others gave up is, until this "
+                "rank comes to theirs; make the failing run work on every rank (see docs/parallel.md)."
             )
         if min(run_ids) == newest:
             break

@@ -11,8 +11,8 @@ this rank's tokens), leaves the other ranks waiting in that exchange while the r
 move on to their next run. The exchanges of two runs look alike (same layer, same sizes), so
 without ids the waiting ranks would go on paired with those ranks' next run: their results
 silently wrong, and one run left waiting at the end. With ids, a rank that meets a newer run
-ends its own with `RankDivergence` and gives its next run the newest id (`Runs.catch_up`), while
-the ranks in the newest run ask again: that next run is paired on every rank.
+ends its own with `RankDivergence` (so does each run of its that the others gave up), while the
+ranks in the newest run ask again until every rank is in it: from there, runs pair on every rank.
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ class Runs:
     """The runs this process started on the models sharded over one EP group (`runs_of`).
 
     Attributes:
-        current: The id of the run this rank is in (0 before the first).
-        floor: The smallest id the next run may take: the newest run another rank was found in.
+        current: The id of the run this rank is in (0 before the first): how many it started.
         tracing: How many moelens traces of such a model are running (their forwards start no run).
     """
 
-    __slots__ = ("current", "floor", "tracing")
+    __slots__ = ("current", "tracing")
 
     def __init__(self) -> None:
-        self.current, self.floor, self.tracing = 0, 0, 0
+        self.current, self.tracing = 0, 0
 
     def __copy__(self) -> "Runs":
         return self
@@ -43,8 +42,8 @@ class Runs:
         return self
 
     def start(self) -> None:
-        """A run begins: the next id, or the newest run another rank of the group is in."""
-        self.current = max(self.current + 1, self.floor)
+        """A run begins (the next id)."""
+        self.current += 1
 
     def trace_begins(self) -> None:
         """A moelens trace of a sharded model begins: a run, whatever forwards it makes."""
@@ -54,12 +53,8 @@ class Runs:
     def trace_ends(self) -> None:
         self.tracing -= 1
 
-    def catch_up(self, newest: int) -> None:
-        """Other ranks of the group are in run ``newest`` already: this rank's next run is that one."""
-        self.floor = max(self.floor, newest)
-
     def __repr__(self) -> str:
-        return f"Runs(current={self.current}, floor={self.floor}, tracing={self.tracing})"
+        return f"Runs(current={self.current}, tracing={self.tracing})"
 
 
 #: One `Runs` per EP group this process exchanges over.
