@@ -317,6 +317,9 @@ def test_a_float64_model_is_refused_with_grouped_mm_and_converts_with_batched_mm
         torch.testing.assert_close(run(converted, tokens), run(dense, tokens), rtol=1e-9, atol=1e-9)
     with pytest.raises(CompressionError, match=r"'grouped_mm' cannot run the converted experts' float64 weights"):
         set_experts_implementation(converted, "grouped_mm")
+    with pytest.raises(moelens.MoelensError, match=r"model.layers.0.mlp's experts hold float64 weights, which "
+                                                   r"torch's grouped_mm does not run"):
+        moelens.wrap(converted).set_experts_implementation("grouped_mm")  # the wrapper's switch refuses alike
     torch.testing.assert_close(run(converted, tokens), run(dense, tokens), rtol=1e-9, atol=1e-9)  # still eager
 
 

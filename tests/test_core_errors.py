@@ -1016,6 +1016,24 @@ def test_set_experts_implementation_refuses_a_key_naming_no_sub_config():
     assert {moe.experts_implementation for moe in model.moes} == {"grouped_mm"}  # nothing switched before refusing
 
 
+def test_set_experts_implementation_refuses_grouped_mm_for_float64_experts_before_switching_anything():
+    """torch's grouped_mm runs no float64 matrices: the switch took it and the next forward failed with torch's
+    "Expected mat_a to be Float32, BFloat16 or Float16 matrix". Ground truth: the float64 model's own forward on
+    batched_mm, which the refused switch left in place."""
+    hf = tiny_model("mixtral", experts_implementation="batched_mm").double()
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+    model = moelens.wrap(hf)
+    with pytest.raises(moelens.MoelensError, match=r"model.layers.0.mlp's experts hold float64 weights, which torch's "
+                                                   r'grouped_mm does not run .*pass "batched_mm" or "eager"'):
+        model.set_experts_implementation("grouped_mm")
+    assert {moe.experts_implementation for moe in model.moes} == {"batched_mm"}
+    with torch.no_grad(), model.trace(**inputs):
+        logits = model.output.logits.save()
+    assert torch.equal(logits, expected)
+
+
 def test_a_family_with_a_wrong_block_attr_says_so_at_wrap():
     # The block is found by its class at layers.N.ffn; a family saying "fnn" is refused naming the field.
     config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)

@@ -88,7 +88,8 @@ class MoeModelMixin:
         another implementation is set directly: transformers switches a class only when the file
         defining it contains ``@use_experts_implementation`` (not a subclass defined in a notebook or a
         script of one's own), and has no switch for a plain torch model or the blocks `moelens.compress`
-        made.
+        made. ``"grouped_mm"`` for experts holding float64 weights (which torch's grouped_mm cannot run) is
+        refused before anything is switched.
         """
         module = self._module
         config = getattr(module, "config", None)
@@ -97,6 +98,10 @@ class MoeModelMixin:
             check_known(name)
         subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}}
         _check_sub_configs(subs, wanted)
+        for moe in self.moes:  # before anything is switched
+            experts = moe.experts._module
+            if is_dispatching(experts) and _wanted_for(experts, implementation, subs, wanted) == "grouped_mm":
+                _refuse_float64_grouped_mm(moe.path, experts)
         if hasattr(module, "set_experts_implementation"):
             try:
                 module.set_experts_implementation(implementation)
@@ -107,13 +112,7 @@ class MoeModelMixin:
             experts = moe.experts._module
             if not is_dispatching(experts):
                 continue
-            if isinstance(implementation, str):
-                name = implementation
-            else:  # the entry of the (sub-)config these experts were built with; the model's own ("") for experts
-                # holding a config that is none of the model's sub-configs (the blocks `moelens.compress` made,
-                # transformers layers in a plain torch model)
-                keys = [key for key, sub in subs.items() if sub is experts.config]
-                name = wanted.get(keys[0]) if keys else wanted.get("")
+            name = _wanted_for(experts, implementation, subs, wanted)
             if name is not None and moe.experts_implementation != name:
                 if name not in known(fp8=False):
                     raise MoelensError(
@@ -449,6 +448,27 @@ def _check_sub_configs(subs: dict[str, Any], wanted: dict[str, str]) -> None:
                 f"set_experts_implementation: {key!r} names no sub-config of this model; its keys are \"\" (the "
                 f"model's own config){''.join(f', {sub!r}' for sub in sorted(subs))}."
             )
+
+
+def _wanted_for(experts: torch.nn.Module, implementation: str | dict[str, str], subs: dict[str, Any],
+                wanted: dict[str, str]) -> str | None:
+    """The implementation `set_experts_implementation` asks of ``experts``: ``implementation`` itself, or the entry of
+    the (sub-)config they were built with; the model's own (``""``) for experts holding a config that is none of the
+    model's sub-configs (the blocks `moelens.compress` made, transformers layers in a plain torch model)."""
+    if isinstance(implementation, str):
+        return implementation
+    keys = [key for key, sub in subs.items() if sub is experts.config]
+    return wanted.get(keys[0]) if keys else wanted.get("")
+
+
+def _refuse_float64_grouped_mm(path: str, experts: torch.nn.Module) -> None:
+    """Raise a `MoelensError` when ``experts`` hold float64 weights, which torch's grouped_mm cannot run (its first
+    forward would fail with torch's own error)."""
+    if any(parameter.dtype == torch.float64 for parameter in experts.parameters(recurse=False)):
+        raise MoelensError(
+            f"{path}'s experts hold float64 weights, which torch's grouped_mm does not run (float32, bfloat16 and "
+            'float16 only): pass "batched_mm" or "eager", or cast the model to float32 (model.float()).'
+        )
 
 
 def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
