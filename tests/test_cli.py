@@ -426,3 +426,33 @@ def test_an_out_folder_that_may_not_be_written_into_is_refused_before_any_work(s
     assert "read-only' is a folder this user may not write into" in err
     status, out, err = run([*command, "--out", read_only_folder / "sub"], capsys)
     assert status == 2 and "read-only, a folder this user may not write into" in err
+
+def _out_with_cache_text(tmp_path, nested: bool):
+    from moelens.analysis.cli import STATS_CACHE
+
+    out = tmp_path / "notes"
+    target = out / STATS_CACHE / ("sub/notes.txt" if nested else "notes.txt")
+    target.parent.mkdir(parents=True)
+    target.write_text("some text\n")
+    return out, target
+
+
+@pytest.mark.parametrize("how", ["nested", "text-link", "out-link"])
+def test_a_text_in_the_routing_cache_is_refused_however_it_is_reached(tmp_path, how):
+    """The file lies in --out's cache folder: deeper in it, through a link to it, or with --out given as a link."""
+    from moelens.analysis.cli import STATS_CACHE, STATS_OUTPUTS, check_output_folder
+    from moelens.errors import MoelensError
+
+    out, target = _out_with_cache_text(tmp_path, nested=how == "nested")
+    text, out_arg = target, out
+    if how == "text-link":
+        text = tmp_path / "text-link.txt"
+        text.symlink_to(target)
+    elif how == "out-link":
+        out_arg = tmp_path / "notes-link"
+        out_arg.symlink_to(out, target_is_directory=True)
+        text = out_arg / STATS_CACHE / "notes.txt"
+    assert text.resolve().is_relative_to((out / STATS_CACHE).resolve())  # the file system's own answer
+    with pytest.raises(MoelensError, match=r"lies in the routing cache folder 'cache'"):
+        check_output_folder(out_arg, STATS_OUTPUTS, STATS_CACHE, text=text)
+    check_output_folder(out_arg, STATS_OUTPUTS, STATS_CACHE, text=tmp_path / "elsewhere.txt")  # another text: fine

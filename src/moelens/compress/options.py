@@ -202,7 +202,8 @@ def _read(config: Any) -> dict[str, Any]:
 
 def _same(first: Any, second: Any) -> bool:
     """``first`` and ``second`` are the same setting (equal values under two names of one setting may coexist)."""
-    if first is second:
+    if first is second or (isinstance(first, float) and isinstance(second, float) and math.isnan(first)
+                           and math.isnan(second)):  # one NaN under two names: refused as a value, not as two
         return True
     try:
         return bool(first == second)
