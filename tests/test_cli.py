@@ -227,6 +227,23 @@ def test_stats_formats_on_tiny(saved, capsys):
     assert len(out.splitlines()) == 5
 
 
+def _linked(tmp_path, target, out, how: str):
+    """(--text, --out) for the file ``target`` and the folder ``out`` reached as ``how`` says: through a symbolic link
+    to the file ("link-to-it"), with --out given as a symbolic link ("out-through-a-link"), through a hard link to the
+    file ("hard-link"), else directly."""
+    text, out_arg = target, out
+    if how == "link-to-it":
+        text = tmp_path / "text-link.txt"
+        text.symlink_to(target)
+    elif how == "out-through-a-link":
+        out_arg = tmp_path / "notes-link"
+        out_arg.symlink_to(out, target_is_directory=True)
+    elif how == "hard-link":
+        text = tmp_path / "hard.txt"
+        os.link(target, text)
+    return text, out_arg
+
+
 @pytest.mark.parametrize("command, how", [
     *(("stats", how) for how in ("same-path", "link-to-it", "out-through-a-link", "hard-link", "in-the-cache")),
     *(("demo", how) for how in ("same-path", "link-to-it", "out-through-a-link", "hard-link")),  # no cache
@@ -239,16 +256,7 @@ def test_a_text_file_the_results_would_overwrite_is_refused_before_any_work(save
     target = out / ("cache/notes.txt" if how == "in-the-cache" else written)
     target.parent.mkdir(exist_ok=True)
     target.write_text(TEXT)
-    text, out_arg = target, out
-    if how == "link-to-it":
-        text = tmp_path / "text-link.txt"
-        text.symlink_to(target)
-    elif how == "out-through-a-link":
-        out_arg = tmp_path / "notes-link"
-        out_arg.symlink_to(out, target_is_directory=True)
-    elif how == "hard-link":
-        text = tmp_path / "hard.txt"
-        os.link(target, text)
+    text, out_arg = _linked(tmp_path, target, out, how)
     before = sorted(path.relative_to(out) for path in out.rglob("*"))
     argv = ["stats", saved / "mixtral", "--no-progress"] if command == "stats" else ["demo", "--windows", "0"]
     status, printed, err = run([*argv, "--text", text, "--out", out_arg], capsys)
@@ -437,20 +445,15 @@ def _out_with_cache_text(tmp_path, nested: bool):
     return out, target
 
 
-@pytest.mark.parametrize("how", ["nested", "text-link", "out-link"])
+@pytest.mark.parametrize("how", ["nested", "link-to-it", "out-through-a-link"])
 def test_a_text_in_the_routing_cache_is_refused_however_it_is_reached(tmp_path, how):
     """The file lies in --out's cache folder: deeper in it, through a link to it, or with --out given as a link."""
     from moelens.analysis.cli import STATS_CACHE, STATS_OUTPUTS, check_output_folder
     from moelens.errors import MoelensError
 
     out, target = _out_with_cache_text(tmp_path, nested=how == "nested")
-    text, out_arg = target, out
-    if how == "text-link":
-        text = tmp_path / "text-link.txt"
-        text.symlink_to(target)
-    elif how == "out-link":
-        out_arg = tmp_path / "notes-link"
-        out_arg.symlink_to(out, target_is_directory=True)
+    text, out_arg = _linked(tmp_path, target, out, how)
+    if how == "out-through-a-link":
         text = out_arg / STATS_CACHE / "notes.txt"
     assert text.resolve().is_relative_to((out / STATS_CACHE).resolve())  # the file system's own answer
     with pytest.raises(MoelensError, match=r"lies in the routing cache folder 'cache'"):
