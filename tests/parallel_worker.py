@@ -454,7 +454,16 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         from moelens.parallel import local_expert
 
         ref = tiny_model("mixtral")
-        sharded = shard_experts(copy.deepcopy(ref), None)
+        refusing = {"on": False}
+
+        def refuse(module: Any, args: Any) -> None:  # a user's check failing on the last rank only
+            if refusing["on"] and RANK == WORLD - 1:
+                raise RuntimeError("refused on this rank")
+
+        unsharded = copy.deepcopy(ref)
+        unsharded.register_forward_pre_hook(refuse)  # registered before shard_experts' own hooks
+        unsharded.model.layers[1].register_forward_pre_hook(refuse)
+        sharded = shard_experts(unsharded, None)
         lm = moelens.wrap(sharded)
         ids = tokens_of(RANK)  # rank 0 has two rows, the others one: token (1, 0) exists on rank 0 only
         E = ref.config.num_local_experts
@@ -483,9 +492,21 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
                     lm.output.logits.save()
             return trace
 
+        def refused(call: Callable[[], Any]) -> Callable[[], None]:
+            def run() -> None:
+                refusing["on"] = True
+                try:
+                    with torch.no_grad():
+                        call()
+                finally:
+                    refusing["on"] = False
+            return run
+
         result = {}
         for name, failing in (("layer 0", [reroute_second_row(0)]), ("layer 1", [reroute_second_row(1)]),
-                              ("before the forward, twice", [params_of(0), params_of(1)])):
+                              ("before the forward, twice", [params_of(0), params_of(1)]),
+                              ("a forward, by an earlier hook", [refused(lambda: sharded(input_ids=ids))]),
+                              ("a base model forward, at layer 1", [refused(lambda: sharded.model(input_ids=ids))])):
             case = {"errors": [_error_text(trace) for trace in failing]}
             negate_last_rank_experts()
             with torch.no_grad():

@@ -318,7 +318,9 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
     every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
     exchange can detect, ends with the group's timeout, not a hang; a trace raising on one rank only
     (an intervention refused for its tokens, at layer 0, at layer 1, or before the forward in two traces
-    in a row) raises RankDivergence on the others in that trace (each of the two), and the next traces (one with the last rank's experts
+    in a row), or a forward outside a trace raising on one rank only (a user's hook registered before
+    shard_experts' own; a forward of the base model), raises RankDivergence on the others in that trace
+    or forward (each of the two), and the next traces (one with the last rank's experts
     negated, ground truth: the single-process model edited alike) and forwards pair on every rank;
     ranks holding models with other experts are refused by shard_experts on every rank."""
     results = spawn(2, {"a2a": {}, "hazards": {"short_timeout": 5}})
@@ -337,7 +339,7 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert "error" not in cases["error_on_some_ranks"], (rank, cases["error_on_some_ranks"]["error"][-2000:])
         for name, case in cases["error_on_some_ranks"].items():
             expected = ("RankDivergence" if rank == 0 else "ValueUnavailable" if name.startswith("before the forward")
-                        else "WriteError")
+                        else "RuntimeError: refused on this rank" if name.startswith("a ") else "WriteError")
             assert case["errors"] and all(error.startswith(expected) for error in case["errors"]), (rank, name, case)
             assert max(case["negated"], case["restored"], case["forward"]) <= TOL, (rank, name, case)
     last_layer = [by_suite["hazards"]["divergent_last_layer"]["error"] for by_suite in results]

@@ -39,7 +39,9 @@ def _torch_a2a_ep_class() -> type:
         this runs `torch_a2a_experts_forward` over the EP mesh's group. The ranks of
         the EP group must hold different batches (``DistributedConfig(fsdp_size=N,
         ep_size=N)``): with ``tp_size > 1`` they share one, which ``all_to_all`` /
-        ``auto`` handle.
+        ``auto`` handle. Traces count runs (`moelens.parallel.runs`); with FSDP, a trace
+        raising on some ranks only leaves the others waiting in FSDP's parameter gather
+        until the group's timeout (docs/parallel.md, hazards).
         """
 
         def __init__(self, experts: Any, ep_mesh: Any, tp_mesh: Any) -> None:

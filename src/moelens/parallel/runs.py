@@ -3,8 +3,9 @@
 Every MoE layer's count exchange (`a2a.plan_dispatch`) carries the id of the run the rank is in.
 A run is a trace of the wrapped model (`MoeNNsight.interleave` finds the experts modules' ``_ep_runs``,
 set by `shard_experts` and by transformers' expert parallelism through ``torch_a2a``), however many
-forwards it makes, or a forward of the model outside one (a forward pre-hook `shard_experts` puts on
-the model).
+forwards it makes, or a forward outside one of a module holding the experts (the model, its base
+model, a decoder layer, a block: `shard_experts` hooks each, `forward_enters` / `forward_leaves`; the
+outermost call is the run).
 
 A run that raises on some ranks only, before one of its exchanges (an intervention refused for
 this rank's tokens), leaves the other ranks waiting in that exchange while the ranks that raised
@@ -28,12 +29,13 @@ class Runs:
     Attributes:
         current: The id of the run this rank is in (0 before the first): how many it started.
         tracing: How many moelens traces of such a model are running (their forwards start no run).
+        depth: How many calls of hooked modules are running (only the outermost starts a run).
     """
 
-    __slots__ = ("current", "tracing")
+    __slots__ = ("current", "tracing", "depth")
 
     def __init__(self) -> None:
-        self.current, self.tracing = 0, 0
+        self.current, self.tracing, self.depth = 0, 0, 0
 
     def __copy__(self) -> "Runs":
         return self
@@ -66,8 +68,15 @@ def runs_of(group: Any) -> Runs:
     return _BY_GROUP.setdefault(group, Runs())
 
 
-def forward_started(runs: Runs, module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook of a model `shard_experts` sharded: a forward outside a moelens trace is a run."""
-    if not runs.tracing:
+def forward_enters(runs: Runs, module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook (put first) of a module holding sharded experts: its outermost call outside a moelens
+    trace is a run."""
+    if not runs.depth and not runs.tracing:
         runs.start()
+    runs.depth += 1
+
+
+def forward_leaves(runs: Runs, module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (always called, also when the forward raised) matching `forward_enters`."""
+    runs.depth = max(runs.depth - 1, 0)  # a pre-hook put before it may have raised before it counted
 

@@ -12,8 +12,9 @@ deep copy of the model shares it), ``_ep_rank``, ``_ep_size``,
 ``_ep_first`` (its first global expert), ``_ep_tag``, ``_ep_runs`` (the group's run ids,
 `moelens.parallel.runs`) and ``_is_expert_parallel = True``. A forward pre-hook refuses any experts
 implementation but ``torch_a2a`` on it: ``grouped_mm`` / ``batched_mm`` would treat
-the ids of remote experts as out of range and drop them silently. The model gains a forward
-pre-hook that starts a run for each forward outside a moelens trace.
+the ids of remote experts as out of range and drop them silently. The model, every module on the
+way down to the blocks and the blocks gain a forward pre-hook and an always-called forward hook
+that start a run for each outermost forward outside a moelens trace (`moelens.parallel.runs`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .comm import SharedGroup, group_rank, group_size
 from .degrees import expert_owner
 from .experts import NAME
 from .register import register_torch_a2a
-from .runs import forward_started, runs_of
+from .runs import forward_enters, forward_leaves, runs_of
 
 
 class ShardedExpertsError(MoelensError):
@@ -160,8 +161,17 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
             experts._is_expert_parallel = True
             experts.register_forward_pre_hook(_guard)
     if size > 1:
-        module.register_forward_pre_hook(functools.partial(forward_started, runs))
+        for reaching in _holding_experts(module, [name for name, *_ in blocks]):
+            reaching.register_forward_pre_hook(functools.partial(forward_enters, runs), prepend=True)
+            reaching.register_forward_hook(functools.partial(forward_leaves, runs), always_call=True)
     return model
+
+
+def _holding_experts(model: torch.nn.Module, blocks: list[str]) -> list[torch.nn.Module]:
+    """The modules whose forward reaches the MoE blocks ``blocks`` (paths in ``model``): the model, every module on
+    the way down, the blocks."""
+    paths = {""} | {".".join(block.split(".")[:depth]) for block in blocks for depth in range(1, block.count(".") + 2)}
+    return [model.get_submodule(path) for path in sorted(paths)]
 
 
 def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]], size: int) -> list[int]:
