@@ -175,6 +175,11 @@ def _is_dense_mlp(module: Any) -> bool:
     return _has_child(module, UP_PROJECTIONS) and _has_child(module, DOWN_PROJECTIONS) and not per_expert
 
 
+def paths_above(paths: list[str]) -> set[str]:
+    """The module paths on the way down to each of ``paths``: the model's own (``""``) and every enclosing one."""
+    return {""} | {".".join(path.split(".")[:depth]) for path in paths for depth in range(1, path.count(".") + 1)}
+
+
 def layer_path(name: str) -> str | None:
     """The decoder layer a block sits in: ``model.layers.3`` for ``model.layers.3.mlp``."""
     parts = name.split(".")

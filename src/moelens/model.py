@@ -29,7 +29,7 @@ from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known
 from .components.layer_list import LayerList
 from .components.params import op_names
-from .discovery import Structure, discover, layer_path
+from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, ValueUnavailable
 from .families import Family, registry
 from .modules import takes_keyword
@@ -485,7 +485,7 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
 def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[str]:
     """The paths of the model, every module on the way down to its MoE blocks, the blocks and their children
     (router, experts, shared expert): where a compilation made after wrapping would reach the forwards moelens reads."""
-    above = {""} | {".".join(block.split(".")[:depth]) for block in blocks for depth in range(1, block.count(".") + 1)}
+    above = paths_above(blocks)
     inside = [f"{block}.{name}".rstrip(".") for block in blocks
               for name in ["", *(child for child, _ in model.get_submodule(block).named_children())]]
     return sorted(above) + inside

@@ -170,8 +170,9 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
 def _holding_experts(model: torch.nn.Module, blocks: list[str]) -> list[torch.nn.Module]:
     """The modules whose forward reaches the MoE blocks ``blocks`` (paths in ``model``): the model, every module on
     the way down, the blocks."""
-    paths = {""} | {".".join(block.split(".")[:depth]) for block in blocks for depth in range(1, block.count(".") + 2)}
-    return [model.get_submodule(path) for path in sorted(paths)]
+    from ..discovery import paths_above
+
+    return [model.get_submodule(path) for path in sorted(paths_above(blocks) | set(blocks))]
 
 
 def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]], size: int) -> list[int]:
