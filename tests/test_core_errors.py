@@ -2136,3 +2136,30 @@ def test_reprs_say_what_a_block_and_its_weights_are(mixtral):
     assert "(router_logits) -> " in repr(moe)
     params = repr(moe.params())
     assert params.startswith("MoeParams(router=[8, ") and "tensor(" not in params
+
+
+def test_wrapping_leaves_nnsight_forwards_on_the_modules_as_the_docs_say():
+    # docs/getting-started.md: wrapping sets nnsight's forward on each module instance, for good; outputs
+    # stay the model's own, a class patch made afterwards does not reach it, and a wrapped copy keeps the
+    # original as it was.
+    hf = tiny_model("mixtral")
+    kept = copy.deepcopy(hf)
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    with torch.no_grad():
+        before = first_tensor(hf(ids))
+    wrapped = moelens.wrap(hf)
+    copied = moelens.wrap(copy.deepcopy(kept))
+    block = hf.model.layers[0].mlp
+    assert "forward" in vars(block) and "forward" not in vars(kept.model.layers[0].mlp)
+    del wrapped, copied
+    with torch.no_grad():
+        assert torch.equal(first_tensor(hf(ids)), before)
+    block_class = type(block)
+    original = block_class.forward
+    try:
+        block_class.forward = lambda self, hidden_states: torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            assert torch.equal(first_tensor(hf(ids)), before)  # wrapped: still the forward it had
+            assert not torch.equal(first_tensor(kept(ids)), before)  # never wrapped: follows the patch
+    finally:
+        block_class.forward = original
