@@ -167,3 +167,73 @@ def test_reads_left_unedited_swap_nothing_into_the_model_and_an_edit_still_lands
     finally:
         handle.remove()
     torch.testing.assert_close(first_tensor(edited), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "autograd", "inference_mode"])
+def test_a_refused_write_caught_in_the_trace_keeps_the_edits_made_before_it_at_that_visit(mode):
+    """expert_weights edited in place, then a refused write of expert_indices at the same visit, caught by the
+    user: the edit made in time still reaches the model (the refusal must not drop the open reads' write-back,
+    which with autograd on or under inference_mode carries a copy). Ground truth: the unwrapped model with the
+    first slot's weight zeroed by a pre-hook on its experts."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "batched_mm")
+    moe = wrapped.moes[1]
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+
+    def zero_first_slot(module, args):
+        hidden, indices, weights = args
+        return hidden, indices, weights.clone().index_fill_(-1, torch.tensor([0]), 0.0)
+
+    handle = experts.register_forward_pre_hook(zero_first_slot)
+    try:
+        with torch.no_grad():
+            expected = first_tensor(reference(**inputs))
+    finally:
+        handle.remove()
+    context = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}[mode]
+    with context(), wrapped.trace(**inputs):
+        weights = moe.expert_weights
+        weights[..., 0] = 0
+        try:
+            moe.expert_indices = 10**6
+        except moelens.WriteError:
+            pass
+        edited = first_tensor(wrapped.output).save()
+    torch.testing.assert_close(edited.detach(), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(expected, plain)
+
+
+@pytest.mark.parametrize("mode", ["autograd", "inference_mode"])
+def test_a_read_that_fails_at_the_same_visit_keeps_the_edits_made_before_it(mode, monkeypatch):
+    """expert_weights edited in place (a copy, under autograd and inference_mode), then expert_indices at the
+    same visit fails as it is cut into this invoke's view (made to fail here), and the user goes on: the edit
+    still reaches the model. Ground truth: the unwrapped model with the first slot's weight zeroed by a pre-hook."""
+    from moelens.components import served
+
+    hf, wrapped, inputs, plain, reference = built("mixtral", "batched_mm")
+    moe = wrapped.moes[1]
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+    handle = experts.register_forward_pre_hook(
+        lambda module, args: (args[0], args[1], args[2].clone().index_fill_(-1, torch.tensor([0]), 0.0)))
+    try:
+        with torch.no_grad():
+            expected = first_tensor(reference(**inputs))
+    finally:
+        handle.remove()
+    cut = served.tokens.view
+
+    def failing_for_indices(tensor, features, rows, name):
+        if name.endswith("expert_indices"):
+            raise moelens.ValueUnavailable(f"{name}: made to fail")
+        return cut(tensor, features, rows, name)
+
+    monkeypatch.setattr(served.tokens, "view", failing_for_indices)
+    context = {"autograd": torch.enable_grad, "inference_mode": torch.inference_mode}[mode]
+    with context(), wrapped.trace(**inputs):
+        weights = moe.expert_weights
+        weights[..., 0] = 0
+        try:
+            moe.expert_indices
+        except moelens.ValueUnavailable:
+            pass
+        edited = first_tensor(wrapped.output).save()
+    torch.testing.assert_close(edited.detach(), expected, atol=1e-6, rtol=1e-6)

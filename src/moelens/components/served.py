@@ -295,7 +295,12 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         if descriptor in reads.views:  # read again: the same view, so an edit to either goes back
             return reads.views[descriptor].view
         mediator.transform = None  # keep them open past this read's request
-    fetched = fetch(component, name, binding)
+    try:
+        fetched = fetch(component, name, binding)
+    except BaseException:
+        if reads is not None:  # nothing read: the values read here stay open, their edits still to land
+            reads.hold(mediator, next(reversed(reads.views)), location)
+        raise
     shared = reads.of_tensor(fetched, binding) if reads is not None else []
     if shared:  # another name for a value read here: its view
         reads.views[descriptor] = reads.views[shared[0]]
@@ -399,17 +404,28 @@ def _as_tensor(component: "Component", name: str, binding: Binding, value: Any, 
 
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
-    name = descriptor.name
     location = binding.location
     mediator = Mediator.current(location)
     reads = _open_reads(mediator, location)
-    earlier = None
-    if reads is not None:
-        mediator.transform = None  # this write supersedes a view of this value; other views stay open
-        earlier = reads.views.pop(descriptor, None)
-    fetched = fetch(component, name, binding, prepared=earlier.fetched if earlier is not None else None)
-    for alias in reads.of_tensor(fetched, binding) if reads is not None else []:  # the write supersedes them too
-        earlier = reads.views.pop(alias)
+    if reads is None:
+        _write(component, descriptor, binding, value, None)
+        return
+    mediator.transform = None  # open past this write's request
+    try:
+        _write(component, descriptor, binding, value, reads)
+    finally:  # the other values read here stay open, the write refused or not: their edits land as the worker moves on
+        if reads.views:
+            reads.hold(mediator, next(reversed(reads.views)), location)
+
+
+def _write(component: "Component", descriptor: served, binding: Binding, value: Any, reads: OpenReads | None) -> None:
+    """`write`, ``reads`` being the values read at this visit: the write supersedes a view of this value (or of
+    another name for its tensor), dropped from them once the write passed its checks."""
+    name = descriptor.name
+    location = binding.location
+    own = reads.views.get(descriptor) if reads is not None else None
+    fetched = fetch(component, name, binding, prepared=own.fetched if own is not None else None)
+    superseded = dict.fromkeys([descriptor, *reads.of_tensor(fetched, binding)]) if reads is not None else {}
     current = fetched.view
     # in model.scan a value with values (a number, an array, a tensor saved from a trace) stays real through the
     # conversions, so that the checks see its values
@@ -422,6 +438,9 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
             value = value.to(current.dtype)  # checked as the model gets it: 1e6 is inf in float16
     check_write(component, name, binding, value, current.shape)
     check_not_recomputed(component, name)
+    earlier = None
+    for other in superseded:
+        earlier = reads.views.pop(other, None) or earlier
     if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
         old = earlier.view if earlier is not None and earlier.view.requires_grad else current
         value = _KeepInGraph.apply(value, old)
@@ -429,8 +448,6 @@ def write(component: "Component", descriptor: served, binding: Binding, value: A
         value = value.clone(memory_format=torch.contiguous_format)  # user's tensor, array or expanded scalar
     Mediator.swap(location, swap_value(component.interleaver, lambda raw: replaced(binding, fetched, value, name, raw),
                                        fetched.raw))
-    if reads is not None and reads.views:  # the other values read here stay open; their edits land on the write
-        reads.hold(mediator, next(reversed(reads.views)), location)
 
 
 class _KeepInGraph(torch.autograd.Function):
