@@ -403,3 +403,23 @@ def test_experts_kept_as_one_module_each_say_params_cannot_serve_them():
             moe.params()
     finally:
         moelens.families.unregister("custom")
+
+
+@pytest.mark.parametrize("bias", ["gate_up_proj_bias", "down_proj_bias"])
+@pytest.mark.parametrize("makeover", ["parametrize", "prune"])
+def test_an_expert_bias_computed_on_access_is_refused_not_served_as_none(bias, makeover):
+    """gpt_oss' expert biases parametrized or pruned are no longer stored under their names: params() served them as
+    None (a bias-free expert), though the module still adds them."""
+    import torch.nn.utils.parametrize  # noqa: F401
+    import torch.nn.utils.prune  # noqa: F401
+
+    _, model = wrapped("gpt_oss")
+    experts = model.moes[0].experts._module
+    assert model.moes[0].params(0).down_bias is not None
+    if makeover == "parametrize":
+        torch.nn.utils.parametrize.register_parametrization(experts, bias, Doubled())
+    else:
+        torch.nn.utils.prune.identity(experts, bias)
+    assert isinstance(getattr(experts, bias), torch.Tensor)  # the module still adds it
+    with pytest.raises(ValueUnavailable, match=rf"GptOssExperts.{bias} is computed from other tensors"):
+        model.moes[0].params()

@@ -336,8 +336,8 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
             )
         return tensor.transpose(-1, -2) if transposed and tensor.dim() == 3 else tensor
 
-    def bias_of(path: str | None) -> Tensor | None:
-        return None if path is None or _stored_at(experts, path + "_bias") is None else parameter(path + "_bias")
+    def bias_of(path: str | None) -> Tensor | None:  # None where the experts have none (a computed one is refused)
+        return None if path is None or not isinstance(find_path(experts, path + "_bias"), Tensor) else parameter(path + "_bias")
 
     views: dict[str, Tensor | None] = {}
     if layout.gate_up is not None:
