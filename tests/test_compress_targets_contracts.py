@@ -409,3 +409,38 @@ def test_stats_as_dict_carries_each_layers_active_fraction():
         sizes = sorted(layer["expert_sizes"], reverse=True)
         assert sum(sizes) + layer["shared_neurons"] == 64
         assert layer["active_fraction"] == pytest.approx((sizes[0] + 8) / 64)
+
+
+@pytest.mark.parametrize("padded", ["encoder", "decoder"])
+def test_an_encoder_decoder_leaves_out_each_stacks_own_padding(padded):
+    """T5: the encoder's tokens are masked by attention_mask, the decoder's by decoder_attention_mask (all of them
+    where there is none). The encoder's mask was applied to the decoder's rows, whose shape matched: real decoder
+    tokens were dropped and its padding calibrated on. Ground truth: each wo's inputs taken by a plain pre-hook,
+    masked by hand."""
+    from transformers import T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=1,
+                                                num_heads=4, decoder_start_token_id=0, pad_token_id=0)).eval()
+    encoder_ids, decoder_ids = ids(2, 8), ids(2, 8, seed=1)
+    short = torch.ones_like(encoder_ids)
+    short[1, 2:] = 0
+    masks = {"encoder": short, "decoder": torch.ones_like(short)} if padded == "encoder" else \
+        {"encoder": torch.ones_like(short), "decoder": short}
+    call = {"input_ids": encoder_ids, "attention_mask": masks["encoder"], "decoder_input_ids": decoder_ids}
+    if padded == "decoder":
+        call["decoder_attention_mask"] = masks["decoder"]
+    modules = {"encoder": model.encoder.block[0].layer[1].DenseReluDense.wo,
+               "decoder": model.decoder.block[0].layer[2].DenseReluDense.wo}
+    seen = {}
+    handles = [module.register_forward_pre_hook(lambda module, args, stack=stack: seen.__setitem__(stack, args[0]))
+               for stack, module in modules.items()]
+    try:
+        with torch.no_grad():
+            model(**call)
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = cal.capture(model, cal.batches(call), modules)
+    for stack in modules:
+        torch.testing.assert_close(rows[stack], seen[stack][masks[stack].bool()], rtol=0, atol=0)

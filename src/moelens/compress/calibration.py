@@ -5,8 +5,8 @@ a dict of keyword arguments (a tokenizer's ``BatchEncoding``: ``input_ids``,
 ``attention_mask`` ...), a tuple of positional arguments (``(features,)`` calls
 ``model(features)``, as a sentence-transformers model takes the tokenizer's dict), or a
 list / iterable of those (one forward each). Forward pre-hooks record each target
-module's input; padding tokens (``attention_mask == 0``, also inside a positional dict)
-are left out, and each layer keeps at most ``max_tokens`` tokens (a seeded random
+module's input; padding tokens (``attention_mask == 0``, also inside a positional dict;
+``decoder_attention_mask`` in an encoder-decoder model's decoder) are left out, and each layer keeps at most ``max_tokens`` tokens (a seeded random
 sample).
 
 The pass runs in eval mode; every module's own ``training`` flag is restored after it.
@@ -110,8 +110,8 @@ def _features(args: tuple, kwargs: dict) -> Mapping | None:
     return next((arg for arg in args if isinstance(arg, Mapping)), None)
 
 
-def _mask(kwargs: Mapping | None) -> Tensor | None:
-    mask = kwargs.get("attention_mask") if kwargs is not None else None
+def _mask(kwargs: Mapping | None, key: str = "attention_mask") -> Tensor | None:
+    mask = kwargs.get(key) if kwargs is not None else None
     return mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
 
@@ -130,24 +130,26 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
             max_tokens: int = 32768, seed: int = 0) -> dict[str, Float[Tensor, "t d"]]:
     """Run ``model`` on every call and return each module's input tokens ``[T, D]`` (float32, on CPU)."""
     found: dict[str, list[Tensor]] = {name: [] for name in modules}
-    current: dict[str, Tensor | None] = {"mask": None}
+    current: dict[str, Mapping | None] = {"features": None}
     handles = []
+    decoder = _decoder_modules(model)
 
-    def recorder(name: str):
+    def recorder(name: str, mask_key: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = args[0] if args else next(iter(kwargs.values()))
-            found[name].append(_valid_rows(hidden.detach(), current["mask"]).float().cpu())
+            found[name].append(_valid_rows(hidden.detach(), _mask(current["features"], mask_key)).float().cpu())
         return hook
 
     for name, module in modules.items():
-        handles.append(module.register_forward_pre_hook(recorder(name), with_kwargs=True))
+        mask_key = "decoder_attention_mask" if id(module) in decoder else "attention_mask"
+        handles.append(module.register_forward_pre_hook(recorder(name, mask_key), with_kwargs=True))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         with evaluating(model):
             for index, (args, kwargs) in enumerate(calls):
                 kwargs = _to(kwargs, device)
                 args = tuple(_to(a, device) for a in args)
-                current["mask"] = _mask(_features(args, kwargs))
+                current["features"] = _features(args, kwargs)
                 try:
                     model(*args, **kwargs)
                 except Exception as error:  # the model refused the data: say which batch and why
@@ -165,6 +167,15 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
             rows = rows[torch.randperm(rows.shape[0], generator=generator)[:max_tokens]]
         inputs[name] = rows
     return inputs
+
+
+def _decoder_modules(model: nn.Module) -> set[int]:
+    """The ids of an encoder-decoder model's decoder modules, whose tokens ``decoder_attention_mask`` marks (the
+    encoder's are ``attention_mask``'s; a decoder without a mask runs every token): empty for other models."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
+        return set()
+    return {id(module) for module in model.get_decoder().modules()}
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -166,9 +166,11 @@ def read_spec(family: Family, block: torch.nn.Module, layer: int | None = None) 
             f"{tuple(wg.shape)} ([E, D]); the block is not one router over one experts module."
         )
     if spec.w3 is None and (spec.has_expert_biases or spec.wg_bias is not None):
+        converted = (" This block is moelens.compress' output: export moelens.compress.exportable(model), a copy whose "
+                     "experts compute the same in gated form." if family.name.startswith("tomoe") else "")
         raise ExportRefused(
             f"{family.name}: ungated experts with biases cannot be expressed: tract_moe_ffn binds its bias "
-            "inputs after w3, which ungated experts do not have."
+            f"inputs after w3, which ungated experts do not have.{converted}"
         )
     return spec
 
