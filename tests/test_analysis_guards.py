@@ -447,6 +447,23 @@ def test_stats_refuses_bad_batching_flags_before_any_work(tmp_path, capsys, monk
     assert status == 2 and captured.err.strip() == f"moelens stats: error: {flag} must be at least 1, got 0."
 
 
+def test_a_window_longer_than_the_models_context_is_refused(model, tmp_path, capsys):
+    """max_length past max_position_embeddings ran windows past the context: an absolute-position model (BERT)
+    failed with torch's size mismatch, a rotary one (moelens-tiny, 256) routed 1024-token windows without a word."""
+    context = model.config.max_position_embeddings
+    refusal = rf"max_length={context + 1} is longer than the model's context \(max_position_embeddings={context}\)"
+    with pytest.raises(MoelensError, match=refusal):
+        analysis.collect_routing(model, TEXTS, max_length=context + 1, progress=False)
+    with pytest.raises(MoelensError, match=refusal):
+        analysis.expert_logit_lens(model, TEXTS, max_length=context + 1, progress=False)
+    at_the_limit = analysis.collect_routing(model, ["x" * (context + 3)], max_length=context, progress=False)
+    assert at_the_limit.num_tokens == context + 3
+    text = tmp_path / "in.txt"
+    text.write_text("some text to route\n")
+    status = main(["stats", "tiny", "--text", str(text), "--max-length", "1024", "--no-progress"])
+    assert status != 0 and "max_length=1024 is longer than the model's context (max_position_embeddings=256)" in capsys.readouterr().err
+
+
 def test_the_demo_routes_held_out_windows_of_both_streams():
     """moelens-tiny's held-out set is 192 code-stream windows then 64 prose-stream ones (docs/default-model.md)."""
     picked = analysis_cli.spread(256, 64)

@@ -190,7 +190,7 @@ def collect_routing(
         corpus,
         tokenizer,
         batch_size=batch_size,
-        max_length=corpora.default_max_length(model) if max_length is None else max_length,
+        max_length=corpora.window_length(model, max_length),
         pad=corpora.pad_id(model),
         tally=tally,
         vocab=corpora.vocab_size(model),

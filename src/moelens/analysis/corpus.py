@@ -98,6 +98,22 @@ def default_max_length(model: Any) -> int:
     return min(int(limit), DEFAULT_MAX_LENGTH) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_LENGTH
 
 
+def window_length(model: Any, max_length: Any) -> int:
+    """The window length asked for (`default_max_length` when None), refused when it is no count or longer than the
+    model's context (``max_position_embeddings``: positions past it have no embedding or were never trained on)."""
+    if max_length is None:
+        return default_max_length(model)
+    max_length = check_count("max_length", max_length)
+    limit = getattr(_text_config(model), "max_position_embeddings", None)
+    if isinstance(limit, int) and 0 < limit < max_length:
+        raise MoelensError(
+            f"max_length={max_length} is longer than the model's context (max_position_embeddings={limit}): its "
+            f"windows would run positions the model has no embedding for or was never trained on; use a max_length "
+            f"of at most {limit} (longer texts are cut into windows of that length)."
+        )
+    return max_length
+
+
 def refuse_bytes(value: Any, what: str) -> None:
     """Refuse bytes where text or token ids are expected (their values are not token ids)."""
     if isinstance(value, (bytes, bytearray, memoryview)):

@@ -168,7 +168,7 @@ def expert_logit_lens(
     sums = {moe.layer: torch.zeros(moe.num_experts, 0, dtype=torch.float64) for moe in moes}
     counts = {moe.layer: torch.zeros(moe.num_experts, dtype=torch.int64) for moe in moes}
     stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
-                             max_length=corpora.default_max_length(model) if max_length is None else max_length,
+                             max_length=corpora.window_length(model, max_length),
                              pad=corpora.pad_id(model), vocab=corpora.vocab_size(model))
     bar = tqdm(desc="expert outputs", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
     try:
