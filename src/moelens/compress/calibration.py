@@ -6,8 +6,8 @@ a dict of keyword arguments (a tokenizer's ``BatchEncoding``: ``input_ids``,
 ``model(features)``, as a sentence-transformers model takes the tokenizer's dict), or a
 list / iterable of those (one forward each). Forward pre-hooks record each target
 module's input; padding tokens (``attention_mask == 0``, also inside a positional dict;
-``decoder_attention_mask`` in an encoder-decoder model's decoder) are left out, and each layer keeps at most ``max_tokens`` tokens (a seeded random
-sample).
+``decoder_attention_mask`` in an encoder-decoder model's decoder) are left out, and each
+layer keeps at most ``max_tokens`` tokens (a seeded random sample).
 
 The pass runs in eval mode; every module's own ``training`` flag is restored after it.
 On the deep copy a conversion works on, `without_hooks` keeps the user's forward hooks
