@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import nnsight
@@ -299,6 +300,33 @@ def test_blocks_given_a_modality_subset_refuse_a_batch_layout(image_tokens):
     with wrapped.trace(input_ids=ids):  # text only: text_moe sees every token
         logits = text_moe.router_logits.save()
     assert logits.shape == (2, 8, text_moe.num_experts)
+
+
+@pytest.mark.parametrize("name", ["router_logits", "expert_weights", "expert_indices"])
+def test_blocks_given_a_modality_subset_refuse_a_write_too(name):
+    """A write to a block whose call got tokens gathered out of the batch was laid flat over them, as if they were
+    [batch, count / batch]: half of row 0's values landed on row 1's tokens, with no error. It is refused as the
+    read is; caught in the trace, the model runs unedited (ground truth: the unwrapped model's output)."""
+    hf = tiny_model("ernie4_5_vl_moe")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    text_moe = wrapped.moes[0]
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+    types = torch.zeros_like(ids)
+    types[0, 3:5] = 1  # 14 text tokens: a made-up [2, 7, ...] view would fit
+    with torch.no_grad():
+        plain = first_tensor(reference(input_ids=ids, moe_mm_token_type_ids=types))
+    width = text_moe.num_experts if name == "router_logits" else text_moe.top_k
+    refusals = []
+    with torch.no_grad(), wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
+        written = torch.zeros(2, 7, width, dtype=torch.long if name == "expert_indices" else torch.float32)
+        try:
+            setattr(text_moe, name, written)
+        except moelens.ValueUnavailable as refusal:
+            refusals.append(str(refusal))
+        logits = first_tensor(wrapped.output).save()
+    assert len(refusals) == 1 and "ran on part of the tokens, gathered out of the batch" in refusals[0]
+    torch.testing.assert_close(logits, plain, rtol=0, atol=0)
 
 
 def test_the_hook_noting_gathered_calls_goes_with_its_wrapper():

@@ -183,3 +183,22 @@ def test_routing_windows_are_cut_at_the_text_decoders_context():
     cache = collect_routing(moelens.wrap(hf), [item], progress=False)
     second = (cache.position() >= context) & (cache.position() < 2 * context)
     assert torch.equal(cache.indices(1)[second].long().sort(-1).values, seen[0].sort(-1).values)
+
+
+def test_image_inputs_split_between_invokes_are_refused_with_the_way_to_batch_them():
+    """A model wrapped without a tokenizer refused several invokes carrying images by advising to pass them to
+    model.trace(...), where nnsight then refused every invoke; the refusal says how to batch them instead."""
+    wrapped = moelens.wrap(_model("qwen3_vl_moe", "batched_mm"))
+    prompts = _prompts("qwen3_vl_moe")
+    one = {name: value[:16] if name == "pixel_values" else value[:1] for name, value in prompts.items()}
+    with pytest.raises(moelens.MoelensError, match=r"Inputs of other modalities \(image_grid_thw, pixel_values\) "
+                                                   r"cannot be split between invokes: give the processor's whole batch"):
+        with wrapped.trace() as tracer:
+            with tracer.invoke(**one):
+                wrapped.moes[0].expert_indices.save()
+            with tracer.invoke(**one):
+                wrapped.moes[0].expert_indices.save()
+    with wrapped.trace() as tracer:
+        with tracer.invoke(**prompts):  # the whole batch in one invoke
+            indices = wrapped.moes[0].expert_indices.save()
+    assert indices.shape[:2] == prompts["input_ids"].shape

@@ -275,10 +275,14 @@ class MoeNNsight(MoeModelMixin, NNsight):
                 given = (f"keyword(s) {others} beside the ids" if others
                          else f"{len(inputs)} inputs (ids and a {type(inputs[1]).__name__})" if len(inputs) > 1
                          else f"{type(ids).__name__} {ids!r:.60}")
+                modality = [name for name in others if any(part in name for part in MODALITY_INPUTS)]
+                remedy = (f"Inputs of other modalities ({', '.join(modality)}) cannot be split between invokes: give "
+                          "the processor's whole batch to one invoke, or to model.trace(...) with no invokes."
+                          if modality else "Pass settings that hold for the whole batch to model.trace(...) instead, "
+                          "or wrap(model, tokenizer=...) for text, padding and masks.")
                 raise MoelensError(
                     f"a model wrapped without a tokenizer batches several invokes only from token-id tensors, one "
-                    f"per invoke (tracer.invoke(ids)); an invoke got {given}. Pass settings that hold for the whole "
-                    "batch to model.trace(...) instead, or wrap(model, tokenizer=...) for text, padding and masks."
+                    f"per invoke (tracer.invoke(ids)); an invoke got {given}. {remedy}"
                 )
             rows.extend(ids.reshape(-1, ids.shape[-1]))
         pad_id = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
@@ -333,6 +337,10 @@ def _left_padded(rows: list[Int[torch.Tensor, " s"]], pad_id: int) -> tuple[Int[
         attention_mask[index, width - row.shape[0] :] = 1
     return input_ids, attention_mask
 
+
+#: Parts of the names of a processor's image, video and audio inputs (pixel_values, image_grid_thw,
+#: input_features, input_values).
+MODALITY_INPUTS = ("pixel", "image", "video", "audio", "input_features", "input_values")
 
 #: accelerate device-map entries that name no torch device to run on.
 NO_TORCH_DEVICE = ("disk", "meta")

@@ -121,6 +121,10 @@ class Component(Envoy):
     def _write(self, descriptor: serving.served, value: Any) -> None:
         serving.write(self, descriptor, self._bound(descriptor.name), value)
 
+    def _check_call(self, name: str) -> None:
+        """Raise `ValueUnavailable` when the running call of this component cannot serve ``name`` (asked as the
+        model reaches it, before a read is cut or a write is placed); every call can, unless a component says."""
+
     def _bound(self, name: str) -> serving.Binding:
         """``name``'s binding, in a trace (a value this block cannot serve says why, in a trace or not)."""
         binding = self._binding(name)

@@ -357,17 +357,17 @@ class Moe(Mlp):
             with kept_for_backward():
                 weights, indices = top_logits(logits, self.top_k, self.SCORING.score)
             return weights if descriptor.name == "expert_weights" else indices
-        try:
-            value = super()._read(descriptor)
-        except tokens.UnevenTokens:
-            if not self._gathered_call:
-                raise
-        else:
-            if not self._gathered_call:
-                self._check_width(descriptor.name, value)
-                return value
+        value = super()._read(descriptor)
+        self._check_width(descriptor.name, value)
+        return value
+
+    def _check_call(self, name: str) -> None:
+        """Refuse ``name``, read or written, when this call of the block got tokens gathered out of the batch: no
+        ``[batch, seq]`` view places them (a write laid flat over them would land on other tokens)."""
+        if not self._gathered_call:
+            return
         raise self.unavailable(
-            descriptor.name,
+            name,
             "this call of the block ran on part of the tokens, gathered out of the batch (its layer sends the "
             "tokens of each modality to a block of their own, and this input holds more than one), so its values "
             "have no [batch, seq] layout",

@@ -116,6 +116,7 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     else:
         context = binding.prepare() if binding.prepare is not None else None
     raw = request(binding.location, lambda: component._order_error(name))
+    component._check_call(name)
     rows = tokens.current_rows(binding.location)
     picked = binding.pick(raw)
     if not isinstance(picked, torch.Tensor):
