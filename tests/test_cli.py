@@ -126,6 +126,37 @@ def test_the_demo_runs_moelens_tiny_beside_a_users_folder_named_tiny(tmp_path, c
     assert status == 0 and "family                 mixtral" in out, err
 
 
+def test_a_file_named_tiny_in_the_working_folder_leaves_moelens_tiny_to_the_name(tmp_path, capsys, monkeypatch):
+    """docs/cli.md: a *folder* named tiny is taken for the user's. A file of that name hid moelens-tiny too (with the
+    advice to pass '.', which holds no checkpoint), and an empty folder's refusal advised passing 'tiny'."""
+    import moelens
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("notes\n")
+    status, out, err = run(["inspect", "tiny"], capsys)
+    assert status == 0 and "family                 qwen2_moe" in out, err
+    assert moelens.load("tiny").config.model_type == "qwen2_moe"
+    (tmp_path / "tiny").unlink()
+    (tmp_path / "tiny").mkdir()
+    status, out, err = run(["inspect", "tiny"], capsys)
+    assert status == 2 and "no config.json in it); a folder named 'tiny' in the working folder is taken for yours, " \
+        "and it hides the built-in moelens-tiny: pass 'moelens-tiny' for it." in err
+    status, out, err = run(["inspect", "moelens-tiny"], capsys)
+    assert status == 0 and "family                 qwen2_moe" in out, err
+
+
+def test_a_file_passed_as_a_checkpoint_is_refused_with_its_folder_only_where_that_holds_one(tmp_path):
+    import moelens
+
+    loose = tmp_path / "weights.bin"
+    loose.write_bytes(b"")
+    with pytest.raises(moelens.MoelensError, match=r"is a file; .* holding config.json and the weights: pass that folder\."):
+        moelens.load(loose)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: pass {re.escape(repr(str(tmp_path)))}\."):
+        moelens.load(loose)
+
+
 def test_inspect_tiny(capsys):
     status, out, err = run(["inspect", "tiny"], capsys)
     assert status == 0, err

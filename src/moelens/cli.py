@@ -57,7 +57,7 @@ def load_checkpoint(source: str | None) -> tuple[Any, str]:
     from moelens.data import TINY_MODEL_PATH, TINY_NAMES
 
     quiet_transformers()
-    if source is None or source in TINY_NAMES and not user_path(source).exists():  # a user's folder "tiny" wins
+    if source is None or source in TINY_NAMES and not user_path(source).is_dir():  # a user's folder "tiny" wins
         if not (TINY_MODEL_PATH / "config.json").is_file():
             raise MoelensError(
                 f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "

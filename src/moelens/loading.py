@@ -42,8 +42,21 @@ def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
     folder = path / subfolder
     if path.is_dir() and not (folder / "config.json").is_file():
         where = f"{str(folder)!r} (subfolder {subfolder!r})" if subfolder else repr(source)
-        raise MoelensError(f"{where} is not a transformers checkpoint folder (no config.json in it); pass one, "
-                           "or 'tiny'.")
+        raise MoelensError(f"{where} is not a transformers checkpoint folder (no config.json in it); "
+                           f"{_hides_tiny(text) or 'pass one, or ' + repr('tiny')}.")
+
+
+def _hides_tiny(given: str) -> str:
+    """What to do when ``given`` names moelens-tiny but a folder of that name in the working folder was taken for the
+    user's ('' when it does not name moelens-tiny)."""
+    from .data import TINY_NAMES
+
+    if given not in TINY_NAMES:
+        return ""
+    others = [name for name in TINY_NAMES if name != given and not Path(name).is_dir()]
+    way = f"pass {others[0]!r} for it" if others else "rename that folder to load it"
+    return (f"a folder named {given!r} in the working folder is taken for yours, and it hides the built-in "
+            f"moelens-tiny: {way}")
 
 
 def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
@@ -80,13 +93,15 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         )
     from .data import TINY_MODEL_PATH, TINY_NAMES
 
-    if path_or_repo_id is None or (str(path_or_repo_id) in TINY_NAMES and not Path(str(path_or_repo_id)).exists()):
-        path_or_repo_id = TINY_MODEL_PATH
+    if path_or_repo_id is None or (str(path_or_repo_id) in TINY_NAMES and not Path(str(path_or_repo_id)).is_dir()):
+        path_or_repo_id = TINY_MODEL_PATH  # a user's folder of that name wins, a file of that name does not
     source = str(user_path(path_or_repo_id))  # no hub id starts with ~
     if Path(source).is_file():
+        parent = Path(source).parent
+        advice = f"pass {str(parent)!r}" if (parent / "config.json").is_file() else "pass that folder"
         raise MoelensError(
             f"{source!r} is a file; moelens.load takes the checkpoint folder holding config.json and the "
-            f"weights: pass {str(Path(source).parent)!r}."
+            f"weights: {advice}."
         )
     settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
     _check_local_folder(path_or_repo_id, settings.get("subfolder") or "")
