@@ -266,6 +266,18 @@ def test_stats_rows_and_expert_rows_by_hand():
     assert row["router_entropy"] == pytest.approx(router_entropy, rel=1e-5)
 
 
+def test_the_busiest_experts_leave_out_experts_no_token_chose():
+    """One token routed to experts 2 and 1 of four: the busiest were listed as three, the third an expert with a
+    share of 0."""
+    shard = analysis.Shard(token_ids=torch.arange(1, dtype=torch.int32), text_index=torch.zeros(1, dtype=torch.int32),
+                           position=torch.arange(1, dtype=torch.int32), indices={0: torch.tensor([[2, 1]], dtype=torch.int16)},
+                           weights={0: torch.tensor([[0.75, 0.25]], dtype=torch.float16)}, logits={})
+    cache = RoutingCache(layers=[0], num_experts={0: 4}, top_k={0: 2}, score={0: "softmax"}, num_texts=1, has_logits=False,
+                         _memory=[shard])
+    (row,) = layer_stats(cache).rows()
+    assert sorted(row["busiest_experts"]) == [1, 2] and row["busiest_shares"] == [0.5, 0.5]
+
+
 def test_a_tokenizers_output_for_one_text_as_lists_is_one_item(model):
     """tokenizer("text") without return_tensors holds one row as a flat list of ids (and its mask as a flat list):
     that is one corpus item, not one item per token."""

@@ -95,3 +95,23 @@ def test_a_router_softcap_is_refused_naming_it(capped_family, tmp_path):
     with pytest.raises(ExportRefused, match=r"capped: router logits softcapped before scoring"):
         to_nnef(moe, path)
     assert not path.exists()
+
+
+def test_inputs_longer_than_the_models_context_are_refused_before_anything_is_written(tmp_path, capsys):
+    """moelens-tiny's context is 256 positions: `export --tokens 300` baked 300 positions into the archive without a
+    word (and a huge --tokens just ran). A block takes no positions, so its inputs may be longer."""
+    from moelens.cli import main
+    from moelens.export import ExportError
+
+    model = moelens.load()
+    context = model.config.max_position_embeddings
+    ids = torch.randint(3, 100, (1, context + 1))
+    with pytest.raises(ExportError, match=rf"{context + 1} tokens is longer than the model's context "
+                                          rf"\(max_position_embeddings={context}\)"):
+        to_nnef(model, tmp_path / "model.nnef.tgz", example_inputs=ids, verify=False)
+    assert main(["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--tokens", str(context + 1)]) == 2
+    assert f"tokens={context + 1}: {context + 1} tokens is longer than the model's context" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    block = to_nnef(model.moes[0], tmp_path / "block.nnef.tgz", example_inputs=torch.randn(1, context + 1, model.config.hidden_size),
+                    verify=False)
+    assert block.path.exists()

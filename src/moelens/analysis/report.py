@@ -33,7 +33,7 @@ class LayerStats:
         for row, (layer, balance) in enumerate(zip(self.usage.layers, self.balance.as_rows())):
             width = self.usage.num_experts[row]
             share = fraction[row, :width]
-            busiest = share.argsort(descending=True)[:3].tolist()
+            busiest = [expert for expert in share.argsort(descending=True)[:3].tolist() if share[expert] > 0]
             rows.append({
                 "layer": layer,
                 "tokens": self.usage.tokens,

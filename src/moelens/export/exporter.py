@@ -339,6 +339,7 @@ def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 
     """Seeded example inputs: ``[batch, tokens]`` token ids (never 0..2) or ``[batch, tokens, D]`` hidden states."""
     if tokens < 1 or batch < 1:
         raise ExportError(f"example inputs need at least one token and one row, got tokens={tokens}, batch={batch}.")
+    check_context(target, tokens, f"tokens={tokens}")
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":
         return torch.randn(batch, tokens, hidden_size(target), generator=generator)
@@ -346,6 +347,17 @@ def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 
 
     high = vocab_size(target) or embedding_rows(target.module) or 128
     return torch.randint(3 if high > 3 else 0, high, (batch, tokens), generator=generator)
+
+
+def check_context(target: Target, tokens: int, what: str) -> None:
+    """Refuse a whole model's inputs longer than its context (``max_position_embeddings``): positions past it have no
+    embedding or were never trained on, and the archive would bake them in. A block takes no positions."""
+    limit = getattr(getattr(target.module, "config", None), "max_position_embeddings", None)
+    if target.kind == "model" and isinstance(limit, int) and 0 < limit < tokens:
+        raise ExportError(
+            f"{what}: {tokens} tokens is longer than the model's context (max_position_embeddings={limit}); export at "
+            f"a length of at most {limit} (an archive with dynamic_tokens=True takes other lengths at run time)."
+        )
 
 
 def checked_inputs(inputs: Any, kind: str | None, *, dims: Sequence[int | str] | None = None,
@@ -422,6 +434,7 @@ def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:
     dims = ["batch", "seq", hidden_size(target)] if target.kind == "block" else None
     inputs = checked_inputs(inputs, target.kind, dims=dims, vocab=vocab_size(target),
                             source="the block (D: its hidden size)")
+    check_context(target, inputs.shape[-1], f"example_inputs of shape {tuple(inputs.shape)}")
     if mask is not None:
         mask = torch.as_tensor(mask)
         if tuple(mask.shape) != tuple(inputs.shape) or not bool((mask == 1).all()):
