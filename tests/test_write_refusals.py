@@ -114,3 +114,40 @@ def test_identity_experts_naming_a_bool_attribute_is_refused():
             moelens.wrap(model).moes[0].params()
     finally:
         families.unregister("custom")
+
+
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_per_slot_outputs_whose_sum_overflows_the_hidden_dtype_are_refused(impl):
+    """float16 mixtral weights its slots in float32, so expert_outputs is float32 and 1e6 was finite there; the model
+    adds a token's slots and casts the sum to float16, which is inf, and the logits came out NaN. A sum that fits is
+    written, and the block's output is its float16 cast (ground truth: the slots summed by hand)."""
+    hf = tiny_model("mixtral", dtype=torch.float16, experts_implementation=impl)
+    wrapped = moelens.wrap(hf)
+    inputs = tiny_inputs(hf)
+    moe = wrapped.moes[0]
+    for value in (1e6, 4e4):  # 4e4 fits float16 alone, two slots of it do not
+        with pytest.raises(WriteError, match=r"expert_outputs: the written slots of a token add up to .*, which is inf "
+                                             r"in torch.float16"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                slots = moe.expert_outputs
+                moe.expert_outputs = torch.full_like(slots, value)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        slots = moe.expert_outputs
+        assert slots.dtype == torch.float32
+        moe.expert_outputs = torch.full_like(slots, 3e4)
+        routed = moe.routed_output.save()
+        logits = wrapped.output.logits.save()
+    assert routed.dtype == torch.float16 and torch.equal(routed, torch.full_like(routed, 6e4))
+    assert torch.isfinite(logits).all()
+
+
+def test_force_whose_lift_overflows_the_logits_dtype_is_refused_naming_force():
+    """float16: steer by 4e4, then force the same expert: its lift (the logits' span + 30) overflowed to +inf, and the
+    write check blamed a '+inf logit' write, advising moelens.force."""
+    hf = tiny_model("mixtral", dtype=torch.float16)
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(WriteError, match=r"force: .* router logits span .*overflows torch.float16 .* steer by less"):
+        with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
+            moe = wrapped.moes[0]
+            moelens.steer(moe, 0, 4e4)
+            moelens.force(moe, [0])

@@ -343,6 +343,13 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         finite = rows.masked_fill(~torch.isfinite(rows), 0)
         raised = rows.clone()
         raised[..., chosen] = finite[..., chosen] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
+        if torch.isinf(raised[..., chosen]).any():
+            span = float((finite.amax(-1) - finite.amin(-1)).max())
+            raise WriteError(
+                f"force: {moe.path}'s router logits span {span:.4g}, so raising experts {chosen} above the others "
+                f"(by the span + 30) overflows {rows.dtype} (at most {torch.finfo(rows.dtype).max:.4g}); steer by "
+                "less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
+            )
         return raised
 
     logits = moe.router_logits

@@ -46,6 +46,9 @@ class Binding:
         prepare: Called (inside the trace) before the location is requested, e.g.
             to drill into the experts implementation so its ops are served; what it
             returns is handed to `to_view` / `from_view`.
+        summed_into: For per-slot values the model adds up over a token's slots and casts (``[..., k, D]``),
+            returns the dtype of that sum (the block's hidden states), asked at each write: a write whose sum
+            overflows it is refused. None where nothing is summed.
         to_view / from_view: Turn the picked tensor into the token-major layout
             that is served, and a token-major tensor back into the model's layout
             (activations the model keeps sorted by expert). None when the picked
@@ -61,6 +64,7 @@ class Binding:
     infinities: str = FINITE
     min_finite: int = 0
     prepare: Callable[[], Any] | None = None
+    summed_into: Callable[[], torch.dtype | None] | None = None
     to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
     from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
 

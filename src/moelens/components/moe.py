@@ -502,10 +502,17 @@ class Moe(Mlp):
                 return
             getattr(owner.source, call_op).source
 
+    def _hidden_dtype(self) -> torch.dtype | None:
+        """The dtype the experts implementation casts the sum of a token's slots to: its hidden states', which are
+        the experts' weights' (None where those are not floating point: quantized)."""
+        weights = next(iter(self.experts._module.parameters()), None)
+        return weights.dtype if weights is not None and weights.is_floating_point() else None
+
     def _slot_binding(self, name: str, implementation: str) -> Binding:
         ops = ops_for(implementation)
         if name == "expert_outputs":
-            return Binding(self._nested(ops.slot_outputs), features=2, prepare=lambda: self._drill(name))
+            return Binding(self._nested(ops.slot_outputs), features=2, prepare=lambda: self._drill(name),
+                           summed_into=self._hidden_dtype)
 
         gated = bool(getattr(self.experts._module, "has_gate", True))
         location = self._nested(ops.gated_activations if gated else ops.plain_activations)

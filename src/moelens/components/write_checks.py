@@ -120,6 +120,15 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
             else:
                 why = "the model would compute inf or NaN from it; write finite values"
             raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
+    summed = binding.summed_into() if binding.summed_into is not None else None
+    if summed is not None and value.numel():  # the model adds up a token's slots and casts the sum to ``summed``
+        total = value.float().sum(-2).abs().max()
+        if total > torch.finfo(summed).max:
+            raise WriteError(
+                f"{where}: the written slots of a token add up to {float(total):.4g}, which is inf in {summed} (at most "
+                f"{torch.finfo(summed).max:.4g}), the dtype the block's output is cast to from their sum; write smaller "
+                "values."
+            )
     needed = binding.min_finite
     if not needed or not value.numel():
         return
