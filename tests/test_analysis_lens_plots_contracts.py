@@ -385,3 +385,28 @@ def test_panel_grids_wrap_at_four_columns_and_hide_the_spare_panels():
     shown = [axes for axes in grid if axes.axison]
     assert [axes.get_title() for axes in shown] == [f"layer {layer}" for layer in range(5)]
     assert len(shown) == 5
+
+
+@pytest.mark.parametrize("bad", [None, 1.5, ["x.png"]], ids=["none", "float", "list"])
+def test_a_path_that_is_no_path_is_refused_naming_the_argument_and_the_figure_is_closed(bad, tmp_path):
+    """Every path argument gave pathlib's bare TypeError ("expected str, bytes or os.PathLike object"), and
+    plots.save left the figure open though it promises to close it, written or not."""
+    from matplotlib import pyplot
+
+    from moelens.analysis import plots
+    from moelens.analysis.cache import RoutingCache
+
+    figure = pyplot.figure()
+    with pytest.raises(MoelensError, match=rf"path must be a path \(a str or a pathlib.Path\), got {type(bad).__name__}"):
+        plots.save(figure, bad)
+    assert not pyplot.fignum_exists(figure.number)
+    for dpi in (1.5, True, "x", 10**6):
+        figure = pyplot.figure()
+        with pytest.raises(MoelensError, match=r"save: dpi must be a number of dots per inch from 10 to 2000"):
+            plots.save(figure, tmp_path / "dpi.png", dpi=dpi)
+        assert not pyplot.fignum_exists(figure.number)
+    with pytest.raises(MoelensError, match=r"save: figure must be a matplotlib Figure .* got NoneType"):
+        plots.save(None, tmp_path / "none.png")
+    with pytest.raises(MoelensError, match=r"RoutingCache.load's folder must be a path"):
+        RoutingCache.load(bad)
+    assert list(tmp_path.iterdir()) == []

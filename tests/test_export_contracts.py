@@ -39,8 +39,9 @@ def test_default_token_ids_are_seeded_and_skip_the_special_ids():
 
     wrapped = moelens.wrap(small("mixtral"))  # vocabulary 128
     target = resolve(wrapped)
-    ids = default_inputs(target, tokens=4096)  # enough draws that each id of 0..127 comes up (~32 times each)
-    assert ids.shape == (1, 4096) and ids.dtype == torch.long
+    context = wrapped.config.max_position_embeddings
+    ids = default_inputs(target, tokens=context, batch=32)  # enough draws that each id of 0..127 comes up (~32 times)
+    assert ids.shape == (32, context) and ids.dtype == torch.long
     assert int(ids.min()) == 3 and int(ids.max()) == 127
     assert torch.equal(default_inputs(target), default_inputs(target))
     block = default_inputs(resolve(wrapped.moes[0]))

@@ -115,3 +115,18 @@ def test_inputs_longer_than_the_models_context_are_refused_before_anything_is_wr
     block = to_nnef(model.moes[0], tmp_path / "block.nnef.tgz", example_inputs=torch.randn(1, context + 1, model.config.hidden_size),
                     verify=False)
     assert block.path.exists()
+
+
+def test_the_archive_and_the_model_given_in_the_wrong_order_are_refused_saying_which_comes_first(tmp_path):
+    """to_nnef(model, path) and verify(path, model) take their arguments in opposite orders; swapped, they failed with
+    pathlib's bare TypeError."""
+    from moelens.export import ExportError, verify
+
+    model = moelens.wrap(tiny_model("mixtral"))
+    with pytest.raises(ExportError, match=r"verify's path must be a path .* got MoeNNsight \(verify takes the archive "
+                                          r"first: verify\(path, model\)"):
+        verify(model, tmp_path / "x.nnef.tgz")
+    with pytest.raises(ExportError, match=r"to_nnef.s path must be a path .* got MoeNNsight \(to_nnef takes the model first"):
+        to_nnef(tmp_path / "x.nnef.tgz", model)
+    with pytest.raises(ExportError, match=r"path must be a path \(a str or a pathlib.Path\), got NoneType"):
+        run(None, torch.zeros(1, 4, dtype=torch.long))

@@ -6,9 +6,21 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import MoelensError
 
-def user_path(path: str | os.PathLike) -> Path:
-    """A path the user named, with a leading ``~`` expanded as a shell would (never a folder named ``~``)."""
+
+def user_path(path: str | os.PathLike, name: str = "path", error: type[MoelensError] = MoelensError,
+              hint: str = "") -> Path:
+    """A path the user named, with a leading ``~`` expanded as a shell would (never a folder named ``~``).
+
+    Raises:
+        MoelensError (or ``error``): ``path`` is no str or path object; the message names the argument (``name``),
+            what it got, and ``hint``.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        shown = repr(path)
+        shown = f" {shown}" if len(shown) <= 60 and "\n" not in shown else ""  # not a model's whole repr
+        raise error(f"{name} must be a path (a str or a pathlib.Path), got {type(path).__name__}{shown}{hint}.")
     return Path(path).expanduser()
 
 

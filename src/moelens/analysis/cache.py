@@ -307,7 +307,7 @@ class RoutingCache:
 
     def save(self, folder: str | Path) -> Path:
         """Write the cache to ``folder`` (created): ``routing.json`` + one safetensors file per shard."""
-        folder = user_path(folder)
+        folder = user_path(folder, "cache.save's folder")
         if self._folder is not None and folder.resolve() == self._folder.resolve():
             self._check_not_replaced()
             return folder
@@ -321,7 +321,7 @@ class RoutingCache:
     def load(cls, folder: str | Path) -> "RoutingCache":
         """Open a saved cache; its shards are read from disk when iterated (from this folder, wherever the current
         folder is then)."""
-        folder = user_path(folder).absolute()
+        folder = user_path(folder, "RoutingCache.load's folder").absolute()
         meta_path = folder / META_FILE
         if not meta_path.is_file():
             raise MoelensError(f"{folder} holds no routing cache ({META_FILE} is missing); save one with cache.save(folder).")
@@ -441,7 +441,7 @@ class ShardWriter:
     """
 
     def __init__(self, folder: str | Path, cache: RoutingCache) -> None:
-        self.folder = user_path(folder)
+        self.folder = user_path(folder, "folder")
         self._replaced = check_cache_folder(self.folder)  # None once replaced
         self.cache = cache
         self.files: list[tuple[str, int]] = []

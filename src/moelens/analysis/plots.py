@@ -66,10 +66,17 @@ def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
     The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
     without one gets ``.png``.
     """
-    path = user_path(path)
-    if not path.suffix:
-        path = path.with_name(path.name + ".png")
+    from matplotlib.figure import Figure
+
+    if not isinstance(figure, Figure):
+        raise MoelensError(f"save: figure must be a matplotlib Figure (what the plot_* functions return), got "
+                           f"{type(figure).__name__}.")
     try:
+        path = user_path(path)
+        if not path.suffix:
+            path = path.with_name(path.name + ".png")
+        if not isinstance(dpi, (int, float)) or isinstance(dpi, bool) or not 10 <= dpi <= 2000:
+            raise MoelensError(f"save: dpi must be a number of dots per inch from 10 to 2000, got {dpi!r}.")
         formats = figure.canvas.get_supported_filetypes()
         if path.suffix[1:].lower() not in formats:
             raise MoelensError(f"cannot save a plot as {path.name!r}: matplotlib writes {', '.join(sorted(formats))}; "

@@ -19,7 +19,7 @@ import tarfile
 from pathlib import Path
 from typing import NoReturn
 
-from ..paths import blocked_above, may_write_into
+from ..paths import blocked_above, may_write_into, user_path
 from .errors import ExportError
 
 #: Suffixes of an archive path (anything else is written as a folder).
@@ -50,7 +50,7 @@ def check_destination(path: Path) -> None:
         ExportError: ``path`` is a symbolic link, a folder where an archive is asked for, a file where a folder
             is, a file or folder that is not an earlier export, or lies under a file.
     """
-    path = Path(path)
+    path = user_path(path, error=ExportError)
     if path.is_symlink():
         raise ExportError(
             f"{path} is a symbolic link (to {os.readlink(path)}); moelens neither writes through a link nor replaces "
@@ -124,7 +124,7 @@ def write(folder: Path, path: Path) -> Path:
     ``path`` is checked first (`check_destination`): only an earlier export is replaced (a folder's
     files; the folder itself is kept).
     """
-    path = Path(path)
+    path = user_path(path, error=ExportError)
     check_destination(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not is_archive(path):
@@ -196,7 +196,7 @@ def graph_text(path: Path) -> str:
     Raises:
         ExportError: ``path`` is missing, or not an archive or folder holding ``graph.nnef``.
     """
-    path = Path(path)
+    path = user_path(path, error=ExportError)
     try:
         if not is_archive(path):
             return (path / "graph.nnef").read_text()
@@ -219,7 +219,7 @@ def members(path: Path) -> list[tarfile.TarInfo]:
 
 def size(path: Path) -> int:
     """Bytes on disk of an archive, or of a folder's files."""
-    path = Path(path)
+    path = user_path(path, error=ExportError)
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return path.stat().st_size

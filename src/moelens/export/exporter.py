@@ -129,7 +129,7 @@ def to_nnef(
     dynamic_tokens = check_flag("dynamic_tokens", dynamic_tokens, ExportError)
     verify = check_flag("verify", verify, ExportError)
     edits = as_edits(edits)
-    path = user_path(path)
+    path = user_path(path, "to_nnef's path", ExportError, " (to_nnef takes the model first: to_nnef(model, path))")
     check_destination(path)
     started = time.perf_counter()
     target = resolve(model)

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..paths import user_path
 from .errors import ExportError, TractRunFailed
 from .tract_cli import TOLERANCES, load_runnable, meets
 
@@ -80,7 +81,7 @@ def run_isolated(path: str | Path, inputs: Sequence[np.ndarray]) -> list[np.ndar
     from .tract_cli import standin_path
 
     tract_module()
-    path = Path(path)
+    path = user_path(path, error=ExportError)
     if not path.exists():
         raise ExportError(f"no NNEF archive at {path}.")
     with tempfile.TemporaryDirectory(prefix="moelens-run-") as folder:
@@ -102,7 +103,7 @@ def run_isolated(path: str | Path, inputs: Sequence[np.ndarray]) -> list[np.ndar
 def load(path: str | Path) -> Loaded:
     """Load an NNEF archive (``.nnef.tgz``, ``.nnef.tar`` or a folder) into tract with its transformers ops."""
     tract_module()
-    path = Path(path)
+    path = user_path(path, error=ExportError)
     if not path.exists():
         raise ExportError(f"no NNEF archive at {path}.")
     runnable, names = load_runnable(path)
@@ -113,5 +114,5 @@ def properties(path: str | Path) -> dict[str, str]:
     """The archive's ``tract_core_properties`` (versions, moelens' settings), read from its graph.nnef."""
     from .archive import graph_text
 
-    text = graph_text(Path(path))
+    text = graph_text(path)
     return dict(re.findall(r'\("([^"]*)", "([^"]*)"\)', text))

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..modules import evaluating
+from ..paths import user_path
 from .edits import Edits, as_edits
 from .errors import ExportError
 from .runner import meets, properties, run_isolated, tolerance_met
@@ -80,7 +81,7 @@ def archive_input_shape(path: str | Path) -> list[int | str] | None:
 
     from .archive import graph_text
 
-    found = re.search(r"tract_core_external\(shape = \[([^\]]*)\]", graph_text(Path(path)))
+    found = re.search(r"tract_core_external\(shape = \[([^\]]*)\]", graph_text(path))
     if not found:
         return None
     return [int(dim) if dim.isdigit() else dim for dim in (d.strip() for d in found.group(1).split(","))]
@@ -103,6 +104,7 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
     """
     from .exporter import vocab_size
 
+    path = user_path(path, "verify's path", ExportError, " (verify takes the archive first: verify(path, model))")
     recorded = properties(path)
     target = resolve(model)
     _check_exported_from(path, recorded, target)
