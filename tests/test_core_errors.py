@@ -2165,3 +2165,43 @@ def test_wrapping_leaves_nnsight_forwards_on_the_modules_as_the_docs_say():
             assert not torch.equal(first_tensor(kept(ids)), before)  # never wrapped: follows the patch
     finally:
         block_class.forward = original
+
+
+def test_moes_is_indexed_by_block_and_a_bad_index_says_how_many_blocks_there_are():
+    """model.moes[i] raised a list's bare IndexError / TypeError, unlike model.layers[i]; deepseek_v3's tiny model
+    has a dense first layer, so block i is layer i + 1."""
+    from moelens.components.layer_list import MoeList
+
+    wrapped = moelens.wrap(tiny_model("deepseek_v3"))
+    blocks = wrapped.moes
+    layers = [moe.layer for moe in blocks]
+    assert isinstance(blocks, MoeList) and blocks[-1].layer == layers[-1] and blocks[numpy.int64(0)].layer == layers[0]
+    assert [moe.layer for moe in blocks[1:]] == layers[1:] and isinstance(blocks[1:], MoeList)
+    for key in (len(blocks), "1", 1.5, None):
+        with pytest.raises(moelens.LayerIndexError, match=rf"model.moes\[{re.escape(repr(key))}\]: .* counts the "
+                                                          rf"{len(blocks)} MoE blocks, not the layers \(they sit on layers "
+                                                          rf"{re.escape(str(layers))}\)"):
+            blocks[key]
+    with pytest.raises(moelens.LayerIndexError, match=r"this model has no MoE block"):
+        moelens.wrap(tiny_model("mixtral")).moes[:0][0]
+
+
+def test_save_all_arguments_of_the_wrong_type_are_refused_by_name():
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=4)["input_ids"]
+    for call, message in ((lambda: wrapped.moes[0].save_all(1), r"save_all: values must be a value name or a list of "
+                                                                 r"them .* got int"),
+                          (lambda: wrapped.moes[0].save_all(torch.zeros(2)), r"save_all: values must be .* got Tensor"),
+                          (lambda: wrapped.save_all(values=[1]), r"save_all: values must be .* got list"),
+                          (lambda: wrapped.save_all(moes=3), r"save_all\(moes=...\) takes a list of MoE blocks .* got int")):
+        with pytest.raises(moelens.MoelensError, match=message):
+            with wrapped.trace(ids):
+                call()
+
+
+@pytest.mark.parametrize("tokenizer", [5, "gpt2", torch.zeros(2)], ids=["int", "str", "tensor"])
+def test_a_tokenizer_that_is_no_tokenizer_is_refused_at_wrap(tokenizer):
+    with pytest.raises(moelens.MoelensError, match=rf"wrap\(tokenizer=...\) takes the model's transformers tokenizer .* "
+                                                   rf"got {type(tokenizer).__name__}"):
+        moelens.wrap(tiny_model("mixtral"), tokenizer=tokenizer)

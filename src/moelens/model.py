@@ -27,7 +27,7 @@ from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known
-from .components.layer_list import LayerList
+from .components.layer_list import LayerList, MoeList
 from .components.params import op_names
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, ValueUnavailable
@@ -60,9 +60,9 @@ class MoeModelMixin:
             raise with_suggestion(error, name, ("moes", "layers", "family", "save_all", "set_experts_implementation")) from None
 
     @property
-    def moes(self) -> list[Moe]:
-        """The MoE components, in layer order."""
-        return [envoy_at(self, name) for name in self._structure.moe_blocks]
+    def moes(self) -> MoeList:
+        """The MoE components, in layer order (indexed by block: `MoeList`)."""
+        return MoeList(envoy_at(self, name) for name in self._structure.moe_blocks)
 
     @property
     def family(self) -> Family | None:
@@ -164,6 +164,9 @@ class MoeModelMixin:
                 "(with model.trace(inputs): ..., or model.generate)."
             ) from None
         check_flag("strict", strict)
+        if moes is not None and (not isinstance(moes, Iterable) or isinstance(moes, torch.Tensor)):
+            raise MoelensError(f"save_all(moes=...) takes a list of MoE blocks of this model (model.moes[1:3]); got "
+                               f"{_described(moes)}.")
         blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else list(moes)
         for block in blocks:
             if not isinstance(block, Moe) or block.interleaver is not self.interleaver:
@@ -414,6 +417,11 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         raise MoelensError(
             "wrap() got a model compiled with torch.compile: wrap the model it compiled, moelens.wrap(model._orig_mod). "
             + COMPILED
+        )
+    if tokenizer is not None and not (callable(tokenizer) and hasattr(tokenizer, "pad_token_id")):
+        raise MoelensError(
+            f"wrap(tokenizer=...) takes the model's transformers tokenizer (AutoTokenizer.from_pretrained(...)), got "
+            f"{type(tokenizer).__name__}; leave it out for a model that takes token ids."
         )
     _refuse_compiled(model.named_modules())
     structure = discover(model)

@@ -30,3 +30,28 @@ class LayerList(Envoy):
                 f"the model has {count} decoder layers; its MoE blocks are model.moes (model.moes[i].layer says where)."
             )
         return super().__getitem__(layer)
+
+
+class MoeList(list):
+    """``model.moes``: the MoE blocks in layer order, a list indexed by block (not by layer).
+
+    ``model.moes[i]`` takes what a list takes (an integer, negative from the end, or a slice; a numpy integer or a
+    0-d tensor too); any other key, or an index past the blocks, raises `LayerIndexError` saying how many blocks
+    there are and where layer ``i``'s block is (a Python list's bare IndexError or TypeError named neither).
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return MoeList(super().__getitem__(key))
+        count = len(self)
+        index = as_lone_int(key)
+        if index is None or not -count <= index < count:
+            if not count:
+                raise LayerIndexError(f"model.moes[{key!r}]: this model has no MoE block (model.moes is empty).")
+            layers = [moe.layer for moe in self]
+            raise LayerIndexError(
+                f"model.moes[{key!r}]: expected an integer block index in 0..{count - 1} (or -{count}..-1 from the "
+                f"end): model.moes counts the {count} MoE blocks, not the layers (they sit on layers {layers}); "
+                "layer i's block is model.layers[i].mlp."
+            )
+        return super().__getitem__(index)

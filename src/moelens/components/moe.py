@@ -27,7 +27,7 @@ reads every value of the block in that order.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import nnsight
 import torch
@@ -79,6 +79,15 @@ def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
 
 #: What an earlier moelens pickled a wrapped ernie4_5_vl_moe block's hook as (see `gathered.STALE_NOTE`).
 _note_gathered = STALE_NOTE
+
+
+def value_names(values: Any) -> list[str]:
+    """``values`` of `Moe.save_all` as a list of names (a str, or an iterable of them), else `ValueUnavailable`."""
+    names = list(values) if isinstance(values, Iterable) and not isinstance(values, (torch.Tensor, Mapping)) else None
+    if names is None or not all(isinstance(name, str) for name in names):
+        raise ValueUnavailable(f"save_all: values must be a value name or a list of them (from {VALUE_NAMES}), got "
+                               f"{type(values).__name__}.")
+    return names
 
 
 class Moe(Mlp):
@@ -580,7 +589,7 @@ class Moe(Mlp):
         self._require_trace("save_all")
         check_flag("strict", strict)
         order = self.order()
-        wanted = set(order if values is None else [values] if isinstance(values, str) else values)
+        wanted = set(order if values is None else [values] if isinstance(values, str) else value_names(values))
         unknown = wanted - set(VALUE_NAMES)
         if unknown:
             raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
