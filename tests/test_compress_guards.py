@@ -359,3 +359,19 @@ def test_a_layer_carrying_a_users_hook_stays_as_it_is(where):
     ran.clear()
     run(converted, tokens)
     assert ran == [where]  # the hook still runs, on the layer left as it was
+
+
+@pytest.mark.parametrize(("factory", "names", "message"), [
+    (None, ("broken",), r"register_compressor takes a callable factory\(model, \*\*settings\) first, got NoneType"),
+    (lambda model, **settings: model, (None,), r"register_compressor's names must be non-empty strings, got None"),
+    (lambda model, **settings: model, ("",), r"register_compressor's names must be non-empty strings, got ''"),
+])
+def test_register_compressor_refuses_what_it_could_not_call_or_find(factory, names, message):
+    """A None factory was registered (get_compressor then returned None, which failed when called) and a None name
+    listed among the compressors."""
+    from moelens.compress import compressors, register_compressor
+
+    before = compressors()
+    with pytest.raises(CompressionError, match=message):
+        register_compressor(factory, *names)
+    assert compressors() == before

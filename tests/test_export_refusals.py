@@ -130,3 +130,12 @@ def test_the_archive_and_the_model_given_in_the_wrong_order_are_refused_saying_w
         to_nnef(tmp_path / "x.nnef.tgz", model)
     with pytest.raises(ExportError, match=r"path must be a path \(a str or a pathlib.Path\), got NoneType"):
         run(None, torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("given", [3, "mixtral", ["mixtral"]], ids=["int", "str", "list-of-names"])
+def test_the_support_table_takes_family_entries_only(given):
+    from moelens.export import ExportError, support_table
+
+    with pytest.raises(ExportError, match=r"support_table\(families=...\) takes a list of Family entries"):
+        support_table(given)
+    assert "| mixtral |" in support_table([families.get("mixtral")])

@@ -7,12 +7,12 @@ Collect once, analyse many times::
 
     model = moelens.load()                                   # moelens-tiny
     cache = analysis.collect_routing(model, texts, logits=True)
-    usage = analysis.expert_usage(cache)                     # [L, E] counts
+    usage = analysis.expert_usage(cache)                     # Usage: .counts [L, E], .fraction, ...
     analysis.plots.plot_usage(usage)
 
-Every function works for every family moelens serves, returns tensors or a
-small dataclass, and streams over the cache's shards (bounded memory). See
-``docs/analysis.md``.
+Every function works for every family moelens serves, returns a small dataclass of
+tensors (lists of records for ``expert_paths`` and ``top_tokens``), and streams over the
+cache's shards (bounded memory). See ``docs/analysis.md``.
 """
 
 from . import plots

@@ -8,6 +8,9 @@ is first imported. `save` writes a figure (PNG unless the path's suffix names an
 
 from __future__ import annotations
 
+__all__ = ["has_display", "pyplot", "save", "plot_usage", "plot_load_balance", "plot_entropy", "plot_coactivation",
+           "plot_transitions", "plot_token_routing", "plot_top_tokens", "plot_logit_lens", "plot_specialisation"]
+
 import os
 import sys
 from pathlib import Path

@@ -18,6 +18,12 @@ def register_compressor(factory: Callable, *names: str) -> Callable:
     """Register ``factory`` (called as ``factory(model, **settings)``) under ``names``; returns it."""
     if not names:
         raise CompressionError("register_compressor needs at least one name.")
+    if not callable(factory):
+        raise CompressionError(f"register_compressor takes a callable factory(model, **settings) first, got "
+                               f"{type(factory).__name__}.")
+    bad = [name for name in names if not isinstance(name, str) or not name]
+    if bad:
+        raise CompressionError(f"register_compressor's names must be non-empty strings, got {bad[0]!r}.")
     for name in names:
         _COMPRESSORS[name] = factory
     return factory
