@@ -42,8 +42,8 @@ def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
     folder = path / subfolder
     if path.is_dir() and not (folder / "config.json").is_file():
         where = f"{str(folder)!r} (subfolder {subfolder!r})" if subfolder else repr(source)
-        raise MoelensError(f"{where} is not a transformers checkpoint folder (no config.json in it); "
-                           f"{_hides_tiny(text) or 'pass one, or ' + repr('tiny')}.")
+        remedy = _hides_tiny(text) or "pass one, or 'tiny'"
+        raise MoelensError(f"{where} is not a transformers checkpoint folder (no config.json in it); {remedy}.")
 
 
 def _hides_tiny(given: str) -> str:
