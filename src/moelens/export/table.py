@@ -89,13 +89,6 @@ def _tiny_check(family: Family) -> tuple[str, str]:
 
 def rows(families: Iterable[Family] | None = None, *, check_tiny: bool = True) -> list[Row]:
     """The support of each family (default: every registered family)."""
-    if families is not None:
-        given = list(families) if isinstance(families, Iterable) and not isinstance(families, (str, Family)) else None
-        wrong = families if given is None else next((item for item in given if not isinstance(item, Family)), None)
-        if given is None or wrong is not None:
-            raise ExportError("support_table(families=...) takes a list of Family entries (moelens.families.get(name)), "
-                              f"got {type(wrong).__name__} {wrong!r:.40}.")
-        families = given
     result = []
     for family in families if families is not None else supported():
         support = family_support(family)
@@ -116,6 +109,13 @@ def rows(families: Iterable[Family] | None = None, *, check_tiny: bool = True) -
 
 def support_table(families: Iterable[Family] | None = None) -> str:
     """The markdown table of which families export (see the module docstring)."""
+    if families is not None:
+        given = list(families) if isinstance(families, Iterable) and not isinstance(families, (str, Family)) else None
+        wrong = families if given is None else next((item for item in given if not isinstance(item, Family)), None)
+        if given is None or wrong is not None:
+            raise ExportError("support_table(families=...) takes a list of Family entries (moelens.families.get(name)), "
+                              f"got {type(wrong).__name__} {wrong!r:.40}.")
+        families = given
     return render(rows(families))
 
 
