@@ -29,6 +29,7 @@ from moelens.errors import MoelensError, ValueUnavailable
 from moelens.testing import tiny_model
 from test_compress_helpers import VOCAB, gpt2, ids
 from test_compress_helpers import convert as convert_with_stats
+from test_served_contracts import GRAD_MODES, with_first_slot_zeroed
 
 # -- served: a refused write of the value read keeps its in-place edit ------------------------------------------
 
@@ -41,17 +42,9 @@ def test_a_refused_write_of_the_value_read_keeps_its_in_place_edit(mode):
     with the first slot's weight zeroed by a pre-hook on its experts."""
     hf, wrapped, inputs, plain, reference = built("mixtral", "batched_mm")
     moe = wrapped.moes[1]
-    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
-    handle = experts.register_forward_pre_hook(
-        lambda module, args: (args[0], args[1], args[2].clone().index_fill_(-1, torch.tensor([0]), 0.0)))
-    try:
-        with torch.no_grad():
-            expected = first_tensor(reference(**inputs))
-    finally:
-        handle.remove()
+    expected = with_first_slot_zeroed(reference, moe, inputs)
     assert not torch.equal(expected, plain)
-    context = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}[mode]
-    with context(), wrapped.trace(**inputs):
+    with GRAD_MODES[mode](), wrapped.trace(**inputs):
         weights = moe.expert_weights
         weights[..., 0] = 0
         try:

@@ -15,6 +15,23 @@ from test_core_batching import two_invokes_edited_by_hand
 from moelens.testing import tiny_inputs, tiny_model
 
 
+#: The grad modes a read is served in: a view of the model's tensor (no_grad), or a copy (autograd for the routing
+#: values, inference_mode for every value).
+GRAD_MODES = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}
+
+
+def with_first_slot_zeroed(reference: torch.nn.Module, moe, inputs: dict) -> torch.Tensor:
+    """The unwrapped model's output with ``moe``'s first slot weighted 0 by a pre-hook on its experts."""
+    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
+    handle = experts.register_forward_pre_hook(
+        lambda module, args: (args[0], args[1], args[2].clone().index_fill_(-1, torch.tensor([0]), 0.0)))
+    try:
+        with torch.no_grad():
+            return first_tensor(reference(**inputs))
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
 def test_an_in_place_edit_made_after_another_invokes_write_landed_at_the_same_visit_lands(grad):
     """Invoke 1 assigns its expert indices, and only once that write has landed (a second barrier) invoke 2
@@ -154,18 +171,7 @@ def test_reads_left_unedited_swap_nothing_into_the_model_and_an_edit_still_lands
         moe.routed_output.save()
         edited = wrapped.output.save()
     assert [rebase.changes for *_, rebase in swaps].count(True) == 1
-    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
-
-    def zero_first_slot(module, args):
-        hidden, indices, weights = args
-        return hidden, indices, weights.clone().index_fill_(-1, torch.tensor([0]), 0.0)
-
-    handle = experts.register_forward_pre_hook(zero_first_slot)
-    try:
-        with torch.no_grad():
-            expected = first_tensor(reference(**inputs))
-    finally:
-        handle.remove()
+    expected = with_first_slot_zeroed(reference, moe, inputs)
     torch.testing.assert_close(first_tensor(edited), expected, atol=1e-6, rtol=1e-6)
 
 
@@ -177,20 +183,8 @@ def test_a_refused_write_caught_in_the_trace_keeps_the_edits_made_before_it_at_t
     first slot's weight zeroed by a pre-hook on its experts."""
     hf, wrapped, inputs, plain, reference = built("mixtral", "batched_mm")
     moe = wrapped.moes[1]
-    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
-
-    def zero_first_slot(module, args):
-        hidden, indices, weights = args
-        return hidden, indices, weights.clone().index_fill_(-1, torch.tensor([0]), 0.0)
-
-    handle = experts.register_forward_pre_hook(zero_first_slot)
-    try:
-        with torch.no_grad():
-            expected = first_tensor(reference(**inputs))
-    finally:
-        handle.remove()
-    context = {"no_grad": torch.no_grad, "autograd": torch.enable_grad, "inference_mode": torch.inference_mode}[mode]
-    with context(), wrapped.trace(**inputs):
+    expected = with_first_slot_zeroed(reference, moe, inputs)
+    with GRAD_MODES[mode](), wrapped.trace(**inputs):
         weights = moe.expert_weights
         weights[..., 0] = 0
         try:
@@ -211,14 +205,7 @@ def test_a_read_that_fails_at_the_same_visit_keeps_the_edits_made_before_it(mode
 
     hf, wrapped, inputs, plain, reference = built("mixtral", "batched_mm")
     moe = wrapped.moes[1]
-    experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
-    handle = experts.register_forward_pre_hook(
-        lambda module, args: (args[0], args[1], args[2].clone().index_fill_(-1, torch.tensor([0]), 0.0)))
-    try:
-        with torch.no_grad():
-            expected = first_tensor(reference(**inputs))
-    finally:
-        handle.remove()
+    expected = with_first_slot_zeroed(reference, moe, inputs)
     cut = served.tokens.view
 
     def failing_for_indices(tensor, features, rows, name):
@@ -227,8 +214,7 @@ def test_a_read_that_fails_at_the_same_visit_keeps_the_edits_made_before_it(mode
         return cut(tensor, features, rows, name)
 
     monkeypatch.setattr(served.tokens, "view", failing_for_indices)
-    context = {"autograd": torch.enable_grad, "inference_mode": torch.inference_mode}[mode]
-    with context(), wrapped.trace(**inputs):
+    with GRAD_MODES[mode](), wrapped.trace(**inputs):
         weights = moe.expert_weights
         weights[..., 0] = 0
         try:
