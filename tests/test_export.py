@@ -166,19 +166,33 @@ def test_a_whole_model_tract_cannot_run_says_which_part_and_what_to_do(out):
         to_nnef(wrapped, out / "mistral4-whole-model.nnef.tgz")
     assert to_nnef(wrapped.moes[0], out / "mistral4-block.nnef.tgz").verification.meets("approximate")
 
-def test_export_leaves_torch_to_nnef_as_it_was(out):
-    """The logsumexp fix (negative axis, granitemoe_swa's attention sinks) is in force only during an export."""
+def test_export_leaves_torch_to_nnef_as_it_was(out, monkeypatch):
+    """The logsumexp fix (negative axis, granitemoe_swa's attention sinks) is in force only during an export, and so
+    are the quieted loggers: torch_to_nnef's INFO lines and transformers' loss_type notice, which the tracer's walk
+    over the model's attributes triggered (it showed in notebook 04)."""
+    import torch_to_nnef
     from torch_to_nnef.op.aten import aten_ops_registry
 
     before = dict(aten_ops_registry._registry)
-    logger = logging.getLogger("torch_to_nnef")
-    level = logger.level
-    logger.setLevel(logging.DEBUG)  # the user's choice: the export quiets the library only while it runs
+    loggers = [logging.getLogger(name) for name in ("torch_to_nnef", "transformers.modeling_utils")]
+    levels = [logger.level for logger in loggers]
+    during = []
+    exporting = torch_to_nnef.export_model_to_nnef
+
+    def watched(*args, **kwargs):
+        during.append([logger.getEffectiveLevel() for logger in loggers])
+        return exporting(*args, **kwargs)
+
+    monkeypatch.setattr(torch_to_nnef, "export_model_to_nnef", watched)
+    for logger in loggers:
+        logger.setLevel(logging.DEBUG)  # the user's choice: the export quiets the libraries only while it runs
     try:
         to_nnef(moelens.wrap(small("granitemoe_swa")), out / "swa.nnef.tgz")
-        assert logger.level == logging.DEBUG
+        assert [logger.level for logger in loggers] == [logging.DEBUG] * 2
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    assert during == [[logging.ERROR] * 2]
     assert "logsumexp(" in archive.graph_text(out / "swa.nnef.tgz")
     assert "axis = -1" not in archive.graph_text(out / "swa.nnef.tgz")
     assert aten_ops_registry._registry == before

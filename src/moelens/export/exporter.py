@@ -517,7 +517,9 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
             fragments["tract_core_properties"] = text
             return fragments
 
-    with quiet_logger("torch_to_nnef"):  # its INFO lines; the user's level comes back after
+    # torch_to_nnef's INFO lines, and transformers' loss_type notice that the tracer's walk over the model's
+    # attributes triggers (its loss_function property); the user's levels come back after
+    with quiet_logger("torch_to_nnef"), quiet_logger("transformers.modeling_utils"):
         name_in, name_out = input_name(target), output_name(target)
         version = tract_module().version()
         tract_target = MoelensTract(
