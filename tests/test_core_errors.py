@@ -2205,3 +2205,11 @@ def test_a_tokenizer_that_is_no_tokenizer_is_refused_at_wrap(tokenizer):
     with pytest.raises(moelens.MoelensError, match=rf"wrap\(tokenizer=...\) takes the model's transformers tokenizer .* "
                                                    rf"got {type(tokenizer).__name__}"):
         moelens.wrap(tiny_model("mixtral"), tokenizer=tokenizer)
+
+
+def test_scan_of_a_model_wrapped_without_a_tokenizer_says_what_it_needs():
+    """nnsight's scan comes with a tokenizer's model class: without one it was a bare AttributeError."""
+    wrapped = moelens.wrap(tiny_model("mixtral"))
+    with pytest.raises(moelens.MoelensError, match=r"model.scan: shape inference needs a model wrapped with a tokenizer"):
+        with wrapped.scan(torch.tensor([[5, 6, 7]])):
+            wrapped.moes[0].expert_indices.save()

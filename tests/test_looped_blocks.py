@@ -73,3 +73,20 @@ def test_an_ablation_on_every_pass_equals_zeroed_expert_weights(looped):
         expected = reference(**inputs).logits
     torch.testing.assert_close(every_pass.logits, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(first_pass.logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_scan_without_use_cache_false_is_refused_before_it_runs():
+    """inkling2_loop's forward deep-copies its key-value cache: under scan's fake tensors torch failed with a raw
+    storage error and the process could crash on its next allocation. A scan with use_cache=False serves the
+    shapes a real trace does."""
+    from groundtruth import ascii_tokenizer
+
+    wrapped = moelens.wrap(tiny_model("inkling2_loop", experts_implementation="batched_mm"), tokenizer=ascii_tokenizer())
+    with pytest.raises(moelens.MoelensError, match=r"model.scan of this inkling2_loop model needs use_cache=False"):
+        with wrapped.scan("hello"):
+            wrapped.moes[0].expert_indices.save()
+    with wrapped.scan("hello", use_cache=False):
+        shape = nnsight.save(tuple(wrapped.moes[0].expert_indices.shape))
+    with wrapped.trace("hello"):
+        real = nnsight.save(tuple(wrapped.moes[0].expert_indices.shape))
+    assert shape == real

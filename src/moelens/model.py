@@ -197,6 +197,18 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
     _rows_per_prompt: int = 1
 
+    def scan(self, *inputs: Any, **kwargs: Any) -> Any:
+        """nnsight's ``scan``; refused with the way out for a family whose forward deep-copies its key-value cache
+        (`Family.scan_without_cache`): under fake tensors that fails inside torch and can leave the process broken."""
+        family = self.family
+        if family is not None and family.scan_without_cache and kwargs.get("use_cache") is not False:
+            raise MoelensError(
+                f"model.scan of this {family.name} model needs use_cache=False: its forward deep-copies the key-value "
+                "cache, which scan's fake tensors cannot be (torch fails, and can leave the process unstable); "
+                "pass model.scan(..., use_cache=False)."
+            )
+        return super().scan(*inputs, **kwargs)
+
     @traceable
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
@@ -255,6 +267,14 @@ class MoeNNsight(MoeModelMixin, NNsight):
             "model.generate: tracing a generation needs a tokenizer, and this model was wrapped without one: "
             "moelens.wrap(model, tokenizer=...), or save the tokenizer files beside the weights for moelens.load. "
             "To generate without tracing, call model._module.generate(...)."
+        )
+
+    def scan(self, *inputs: Any, **kwargs: Any) -> NoReturn:
+        """Refused: nnsight's ``scan`` (shape inference on fake tensors) comes with a tokenizer's model class."""
+        raise MoelensError(
+            "model.scan: shape inference needs a model wrapped with a tokenizer, and this one was wrapped without one: "
+            "moelens.wrap(model, tokenizer=...), or save the tokenizer files beside the weights for moelens.load; "
+            "or run a real trace on a short input."
         )
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:

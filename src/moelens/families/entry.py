@@ -297,6 +297,8 @@ class Family:
             picks from are zero-compute experts that return their input unchanged, times
             their weight (longcat_flash's ``zero_expert_num``): the last ones, ``[E - Z, E)``,
             with no weights of their own. None for none.
+        scan_without_cache: The model's forward deep-copies its key-value cache, which ``model.scan``'s
+            fake tensors cannot survive (inkling2_loop): a scan is refused unless ``use_cache=False``.
     """
 
     name: str
@@ -321,6 +323,7 @@ class Family:
     final_norm: str = ""
     expert_layout: ExpertLayout | None = None
     identity_experts: str | int | None = None
+    scan_without_cache: bool = False
 
     def __post_init__(self) -> None:
         """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`

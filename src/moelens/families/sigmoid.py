@@ -115,5 +115,5 @@ FAMILIES = [
            notes="Routing as inkling2. The loop layers (loop_layer_index_start..end) run loop_num_passes times "
                  "per forward: a value read is the first pass's; read pass i under `for _ in tracer.iter[i]`, "
                  "edit every pass under `for _ in tracer.iter[0:loop_num_passes]`; analysis reads the first pass.",
-           expert_gate=ExpertGate("softcapped_glu")),
+           expert_gate=ExpertGate("softcapped_glu"), scan_without_cache=True),
 ]
