@@ -26,7 +26,7 @@ from nnsight.modeling import processing
 from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
-from .components.implementations import check_known, is_dispatching, known
+from .components.implementations import check_known, is_dispatching, known, unsupported_dtypes
 from .components.layer_list import LayerList, MoeList
 from .components.params import op_names
 from .discovery import Structure, discover, layer_path, paths_above
@@ -100,8 +100,8 @@ class MoeModelMixin:
         _check_sub_configs(subs, wanted)
         for moe in self.moes:  # before anything is switched
             experts = moe.experts._module
-            if is_dispatching(experts) and _wanted_for(experts, implementation, subs, wanted) == "grouped_mm":
-                _refuse_float64_grouped_mm(moe.path, experts)
+            if is_dispatching(experts):
+                _refuse_unsupported_dtypes(moe.path, experts, _wanted_for(experts, implementation, subs, wanted) or "")
         if hasattr(module, "set_experts_implementation"):
             try:
                 module.set_experts_implementation(implementation)
@@ -497,13 +497,14 @@ def _wanted_for(experts: torch.nn.Module, implementation: str | dict[str, str], 
     return wanted.get(keys[0]) if keys else wanted.get("")
 
 
-def _refuse_float64_grouped_mm(path: str, experts: torch.nn.Module) -> None:
-    """Raise a `MoelensError` when ``experts`` hold float64 weights, which torch's grouped_mm cannot run (its first
-    forward would fail with torch's own error)."""
-    if any(parameter.dtype == torch.float64 for parameter in experts.parameters(recurse=False)):
+def _refuse_unsupported_dtypes(path: str, experts: torch.nn.Module, implementation: str) -> None:
+    """Raise a `MoelensError` when ``experts`` hold weights ``implementation`` cannot run (float64 under grouped_mm:
+    its first forward would fail with torch's own error)."""
+    bad = unsupported_dtypes(implementation, (parameter.dtype for parameter in experts.parameters(recurse=False)))
+    if bad:
         raise MoelensError(
-            f"{path}'s experts hold float64 weights, which torch's grouped_mm does not run (float32, bfloat16 and "
-            'float16 only): pass "batched_mm" or "eager", or cast the model to float32 (model.float()).'
+            f"{path}'s experts hold {', '.join(bad)} weights, which torch's {implementation} does not run (float32, "
+            'bfloat16 and float16 only): pass "batched_mm" or "eager", or cast the model to float32 (model.float()).'
         )
 
 

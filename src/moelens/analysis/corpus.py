@@ -92,10 +92,16 @@ def _text_config(model: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def default_max_length(model: Any) -> int:
-    """The window length: the (text) config's ``max_position_embeddings`` capped at `DEFAULT_MAX_LENGTH`."""
+def context_length(model: Any) -> int | None:
+    """The (text) config's ``max_position_embeddings``: the positions the model has, None where it says none."""
     limit = getattr(_text_config(model), "max_position_embeddings", None)
-    return min(int(limit), DEFAULT_MAX_LENGTH) if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_LENGTH
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def default_max_length(model: Any) -> int:
+    """The window length: the model's `context_length` capped at `DEFAULT_MAX_LENGTH`."""
+    limit = context_length(model)
+    return min(limit, DEFAULT_MAX_LENGTH) if limit is not None else DEFAULT_MAX_LENGTH
 
 
 def window_length(model: Any, max_length: Any) -> int:
@@ -104,8 +110,8 @@ def window_length(model: Any, max_length: Any) -> int:
     if max_length is None:
         return default_max_length(model)
     max_length = check_count("max_length", max_length)
-    limit = getattr(_text_config(model), "max_position_embeddings", None)
-    if isinstance(limit, int) and 0 < limit < max_length:
+    limit = context_length(model)
+    if limit is not None and limit < max_length:
         raise MoelensError(
             f"max_length={max_length} is longer than the model's context (max_position_embeddings={limit}): its "
             f"windows would run positions the model has no embedding for or was never trained on; use a max_length "

@@ -10,8 +10,11 @@ neither. An implementation registered elsewhere (moelens' expert-parallel
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ..errors import MoelensError
 
@@ -44,6 +47,16 @@ _IMPLEMENTATIONS: dict[str, ExpertsOps] = {
     "grouped_mm": ExpertsOps(sort="torch_sort_0"),
     "batched_mm": ExpertsOps(),
 }
+
+
+#: Weight dtypes an experts implementation cannot run (torch's ``grouped_mm`` takes float32, bfloat16 and float16).
+UNSUPPORTED_DTYPES: dict[str, tuple[torch.dtype, ...]] = {"grouped_mm": (torch.float64,)}
+
+
+def unsupported_dtypes(implementation: str, dtypes: Iterable[torch.dtype]) -> list[str]:
+    """The names of those of ``dtypes`` that ``implementation`` cannot run its experts' weights in (sorted)."""
+    return sorted({str(dtype).removeprefix("torch.") for dtype in dtypes
+                   if dtype in UNSUPPORTED_DTYPES.get(implementation, ())})
 
 
 def register_implementation(name: str, ops: ExpertsOps) -> None:

@@ -145,15 +145,12 @@ def check_implementation(implementation: str) -> None:
         raise CompressionError(str(error)) from None
 
 
-#: Weight dtypes an experts implementation cannot run (torch's ``grouped_mm`` takes float32, bfloat16 and float16).
-UNSUPPORTED_DTYPES = {"grouped_mm": (torch.float64,)}
-
-
 def check_dtype(implementation: str, dtypes: Iterable[torch.dtype], whose: str) -> None:
     """Raise `CompressionError` when experts implementation ``implementation`` cannot run ``whose`` weights of
     ``dtypes`` (a float64 model with ``grouped_mm``, which would fail only at its first forward)."""
-    bad = sorted({str(dtype).removeprefix("torch.") for dtype in dtypes
-                  if dtype in UNSUPPORTED_DTYPES.get(implementation, ())})
+    from ..components.implementations import unsupported_dtypes
+
+    bad = unsupported_dtypes(implementation, dtypes)
     if bad:
         raise CompressionError(
             f"experts_implementation={implementation!r} cannot run {whose} {', '.join(bad)} weights (torch's "

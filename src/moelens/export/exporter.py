@@ -352,8 +352,8 @@ def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 
 def check_context(target: Target, tokens: int, what: str) -> None:
     """Refuse a whole model's inputs longer than its context (``max_position_embeddings``): positions past it have no
     embedding or were never trained on, and the archive would bake them in. A block takes no positions."""
-    limit = getattr(getattr(target.module, "config", None), "max_position_embeddings", None)
-    if target.kind == "model" and isinstance(limit, int) and 0 < limit < tokens:
+    limit = target.context_length
+    if target.kind == "model" and limit is not None and limit < tokens:
         raise ExportError(
             f"{what}: {tokens} tokens is longer than the model's context (max_position_embeddings={limit}); export at "
             f"a length of at most {limit} (an archive with dynamic_tokens=True takes other lengths at run time)."

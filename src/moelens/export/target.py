@@ -55,6 +55,12 @@ class Target:
     def family(self) -> Family:
         return self.blocks[0].family
 
+    @property
+    def context_length(self) -> int | None:
+        """The positions the module's config gives it (``max_position_embeddings``), None where it names none."""
+        limit = getattr(getattr(self.module, "config", None), "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
 
 def resolve(model: Any) -> Target:
     """The `Target` for a wrapped model, a transformers model or a `Moe` component."""

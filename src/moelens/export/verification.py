@@ -232,8 +232,8 @@ def check_export(path: Path, target: Target, prepared: Any, inputs: torch.Tensor
 def second_length(target: Target, tokens: int) -> int:
     """The second length a dynamic archive is checked at: ``2 * tokens + 3`` within the model's
     positions (``max_position_embeddings``), or half ``tokens`` when no longer length fits."""
-    limit = getattr(getattr(target.module, "config", None), "max_position_embeddings", None)
-    if not isinstance(limit, int):
+    limit = target.context_length
+    if limit is None:
         return 2 * tokens + 3
     return min(2 * tokens + 3, limit) if limit > tokens else max(1, tokens // 2)
 
