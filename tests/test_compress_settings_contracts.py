@@ -179,3 +179,24 @@ def test_a_models_own_moe_block_is_not_called_converted_by_tomoe():
     _, stats = convert(dense, num_experts=4, top_k=2, calibration=tiny_inputs(dense, batch=4, seq=8))
     assert stats.converted_layers == ["model.layers.0.mlp"]
     assert not [skip.name for skip in stats.skipped if EARLIER in skip.reason]
+
+
+# -- lora_r: refused above full rank before any work ------------------------------------------------------------
+
+
+def test_a_lora_rank_above_the_layers_input_width_is_refused_before_the_model_is_touched():
+    """Every weight of a converted block has the dense layer's input width (hidden size 32 here) as one side, so
+    rank 32 is a full update: 33 only costs memory (10**7 was gigabytes and a killed process). Refused up front,
+    even in place: the user's model keeps its dense layers and weights."""
+    dense = _quiet(llama)
+    width = dense.config.hidden_size
+    before = {name: value.clone() for name, value in dense.state_dict().items()}
+    for rank in (width + 1, 10**7):
+        with pytest.raises(CompressionError, match=rf"lora_r={rank} is above the input width of "
+                                                  rf"model\.layers\.0\.mlp \({width}\).*use lora_r <= {width}"):
+            convert(dense, num_experts=4, top_k=2, lora_r=rank, inplace=True)
+    assert type(dense.model.layers[0].mlp) is LlamaMLP
+    assert all(torch.equal(before[name], value) for name, value in dense.state_dict().items())
+    converted, stats = convert(dense, num_experts=4, top_k=2, lora_r=width)  # full rank itself is allowed
+    assert stats.converted and all(layer.lora for layer in stats.converted)
+    assert converted.model.layers[0].mlp.experts.lora.down_proj.lora_A.shape[-2] == width

@@ -94,6 +94,7 @@ class ToMoECompressor:
         original = parameter_count(self.model)
         model = self.model if options.inplace else copy.deepcopy(self.model)
         sites, skips = self.find_targets(model)
+        _check_lora_rank(options.lora_r, sites)
         inputs = {}
         if calls:
             hooks = {site.name: site.hook for site in sites}
@@ -349,6 +350,22 @@ def _inside_reason(model: nn.Module, block: str) -> str:
     module = model.get_submodule(block)
     what = "converted block" if isinstance(module, ToMoEBlock) else "MoE block"
     return f"inside the {what} {block} ({type(module).__name__}): the parts of an MoE block stay as they are"
+
+
+def _check_lora_rank(rank: int, sites: list[tg.Site]) -> None:
+    """Raise `CompressionError` when LoRA adapters of ``rank`` would be wider than full rank on a site to convert.
+
+    Every weight a converted block has (experts ``[E, out, in]``, router ``[E, D]``) has the dense layer's input
+    width as one side, so its rank is at most that width: a larger adapter adds memory (it can be gigabytes), not
+    expressiveness. Checked before calibration, so a typo is refused before any work.
+    """
+    narrowest = min(sites, key=lambda site: site.width)
+    if rank > narrowest.width:
+        raise CompressionError(
+            f"lora_r={rank} is above the input width of {narrowest.name} ({narrowest.width}), one side of every "
+            f"weight its converted block has, so an adapter of rank {narrowest.width} is already a full-rank update "
+            f"and a larger one only costs memory; use lora_r <= {narrowest.width} (LoRA ranks are usually 4 to 64)."
+        )
 
 
 def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: float | None = 0.2,

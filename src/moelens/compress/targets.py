@@ -93,6 +93,7 @@ class Site:
             conversion must reproduce; checked against the `DenseLayer` view before converting).
         install: Puts the converted module in place.
         neurons: The dense layer's neurons: intermediate neurons (FFN) or outputs (Linear).
+        width: The dense layer's input width (hidden size): one side of every weight the converted block has.
         block_class: The block class to build.
         dropout: The dense block's output dropout, kept in the converted block (GPT-2).
         peft: The PEFT wrapper staying around the converted layer (Linear sites), or None.
@@ -107,6 +108,7 @@ class Site:
     run: Callable[[torch.Tensor], torch.Tensor]
     install: Callable[[nn.Module], None]
     neurons: int
+    width: int
     block_class: type = ToMoEBlock
     dropout: nn.Module | None = None
     peft: nn.Module | None = None
@@ -174,7 +176,7 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
             return DenseLayer(up=up_w, up_bias=up_b, gate=gate_w, gate_bias=gate_b, down=down_w, down_bias=down_b,
                               act=module.act_fn)
 
-        return Site(name, "swiglu", module, [module], read_swiglu, module, _setter(model, name), linear_shape(up)[0])
+        return Site(name, "swiglu", module, [module], read_swiglu, module, _setter(model, name), *linear_shape(up))
     if "gate_up_proj" in children and "down_proj" in children and is_linear(children["gate_up_proj"]):
         return Skip(name, "fused gate_up_proj FFN (one Linear for gate and up): not supported")
     intermediate, output = children.get("intermediate"), children.get("output")
@@ -191,14 +193,14 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
 
         return Site(f"{name}.intermediate", "bert", intermediate, [intermediate, second],
                     _plain_ffn(first, second, intermediate.intermediate_act_fn), lambda x: second(intermediate(x)),
-                    install_bert, linear_shape(first)[0], block_class=ToMoEIntermediateBlock)
+                    install_bert, *linear_shape(first), block_class=ToMoEIntermediateBlock)
     c_fc, c_proj = children.get("c_fc"), children.get("c_proj")
     if (c_fc is not None and c_proj is not None and callable(getattr(module, "act", None))
             and is_linear(c_fc) and is_linear(c_proj)):
         if _tuned(c_fc, c_proj):
             return Skip(name, PEFT_FFN)
         return Site(name, "gpt2", module, [module], _plain_ffn(c_fc, c_proj, module.act), module, _setter(model, name),
-                    linear_shape(c_fc)[0], dropout=getattr(module, "dropout", None))
+                    *linear_shape(c_fc), dropout=getattr(module, "dropout", None))
     return None
 
 
@@ -218,7 +220,7 @@ def linear_site(model: nn.Module, name: str, module: nn.Module) -> Site:
     else:
         install = _setter(model, name)
         hook = module
-    return Site(name, "linear", hook, [base_of(module)], read_linear, hook, install, linear_shape(module)[0],
+    return Site(name, "linear", hook, [base_of(module)], read_linear, hook, install, *linear_shape(module),
                 block_class=ToMoELinear, peft=peft)
 
 
