@@ -187,3 +187,19 @@ def test_overrides_and_errors():
     assert all(m.num_experts == 4 for m in _experts_modules(model))
     with pytest.raises(KeyError):
         tiny_config("not_a_family")
+
+
+def test_a_misspelt_override_is_refused_not_left_as_a_stray_attribute():
+    """A config keeps any keyword as an attribute: ``num_local_expert=4`` built 8 experts without a word."""
+    assert tiny_config("mixtral").num_local_experts == 8
+    with pytest.raises(TypeError, match=r"MixtralConfig has no field 'num_local_expert' "
+                                        r"\(did you mean 'num_local_experts'\?\)"):
+        tiny_model("mixtral", num_local_expert=4)
+
+
+@pytest.mark.parametrize("size", [{"batch": 0}, {"seq": 0}, {"seq": -1}, {"batch": 2.0}, {"seq": True}])
+def test_tiny_inputs_refuse_sizes_that_are_no_positive_int(size):
+    """An empty batch reached the model as a shape error deep in its forward; -1 as torch's negative dimension."""
+    (name, value), = size.items()
+    with pytest.raises(ValueError, match=rf"tiny_inputs: {name} must be a positive int .* got {value!r}"):
+        tiny_inputs(_model("mixtral"), **size)

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -548,6 +549,15 @@ def tiny_config(family: str, **overrides: Any) -> PreTrainedConfig:
     ``TINY_OVERRIDES[family]``, then ``overrides``."""
     cls = config_class(family)
     fields = _field_names(cls)
+    unknown = sorted(set(overrides) - fields) if fields else []
+    if unknown:  # a config keeps any keyword as an attribute, so a misspelt size would be silently left at its default
+        near = {name: difflib.get_close_matches(name, sorted(fields), n=1) for name in unknown}
+        raise TypeError(
+            f"tiny_config({family!r}): {cls.__name__} has no field "
+            + ", ".join(f"{name!r}" + (f" (did you mean {near[name][0]!r}?)" if near[name] else "") for name in unknown)
+            + f"; overrides must name fields of {cls.__name__} (a multimodal family's tiny model is its text "
+            "decoder, sized by the text config's fields)."
+        )
     kwargs: dict[str, Any] = {k: v for k, v in COMMON_SIZES.items() if k in fields}
     kwargs.update(_copy(TINY_OVERRIDES[family]))
     kwargs.update(overrides)
@@ -701,6 +711,9 @@ def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int 
 
     Every family's forward needs only these (deepseek_v4's hash-routed layers read ``input_ids``;
     text-only multimodal decoders derive their M-RoPE positions themselves)."""
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"tiny_inputs: {name} must be a positive int (rows, tokens per row), got {value!r}.")
     gen = torch.Generator().manual_seed(seed)
     vocab = int(getattr(model.config, "vocab_size", None) or COMMON_SIZES["vocab_size"])
     input_ids = torch.randint(3, vocab, (batch, seq), generator=gen)
