@@ -809,7 +809,7 @@ def test_a_custom_block_described_wrongly_says_what_to_fix():
         (tuple_model, "OwnKeywordsBlock", None, "expert_weights", ValueUnavailable,
          r"passed 1 positional arguments and \['index', 'weights'\], but moelens reads its argument 2 \(top_k_weights\)"),
         (tuple_model, "OwnKeywordsBlock", None, "mlp_output", moelens.FamilyError,
-         r"layers.0.ffn.mlp_output: .* serves a tuple, not a tensor.*Combine\(output_index="),
+         r"layers.0.ffn.mlp_output: .* serves a tuple, not values per token.*Combine\(output_index="),
         (custom_model(), "CustomBlock", 0, "mlp_output", moelens.FamilyError,
          r"returned a Tensor, not a tuple, but its family entry reads element 0 .*Combine\(output_index=None\)"),
     ]
@@ -1075,7 +1075,8 @@ def test_a_registered_selection_bias_that_names_nothing_is_warned_about():
             messages = [str(w.message) for w in caught if "selection_bias" in str(w.message)]
             assert messages == (["family 'custom': selection_bias 'router.bais' names nothing on block layers.0.ffn "
                                  "(family 'custom': cannot read 'router.bais' from CustomBlock ('LinearRouter' object "
-                                 "has no attribute 'bais'); the family entry does not match this model). Its routing is "
+                                 "has no attribute 'bais'); it is the entry's scoring.selection_bias; set that to a value, "
+                                 "or to a reference to what this model has). Its routing is "
                                  "served as ranked by router_logits, so route_around and force write the logits, not "
                                  "what the router ranks. Fix the family's selection_bias (None when the router adds no "
                                  "bias)."] if warned else [])
@@ -1572,14 +1573,17 @@ def test_a_block_of_another_model_is_refused_in_a_trace():
     assert torch.equal(output, plain)
 
 @pytest.mark.parametrize(("setting", "value", "message"), [
-    ("num_experts", 16, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 16 experts "
-                        r"\(num_experts=16\)"),
+    ("num_experts", 16, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 16 router "
+                        r"logits per token \(num_experts=16\)"),
+    ("num_experts", 4, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 4 router "
+                       r"logits per token \(num_experts=4\).*extra_logits"),
     ("top_k", 3, r"expert_weights holds 2 entries per token, but family 'my_mixtral' gives this block 3 slots per token "
                  r"\(top_k=3\)"),
 ])
 def test_a_family_entry_whose_counts_do_not_fit_the_model_is_refused(setting, value, message):
-    """An entry that says 16 experts on an 8-expert router took ablate(moe, 12) as a silent no-op; one that says
-    top-3 on a top-2 router failed in save_all with a raw reshape error."""
+    """An entry that says 16 experts on an 8-expert router took ablate(moe, 12) as a silent no-op; one that says 4
+    served indices up to 7 for a block of "4 experts" (analysis failed with a bare IndexError); one that says top-3
+    on a top-2 router failed in save_all with a raw reshape error."""
     hf = tiny_model("mixtral")
     ids = tiny_inputs(hf)["input_ids"]
     families.register(dataclasses.replace(families.get("mixtral"), name="my_mixtral", **{setting: value}), replace=True)

@@ -52,7 +52,13 @@ def _is_experts(module: Any) -> bool:
 
 
 def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
-    return _is_experts(find_path(module, family.experts))
+    """Whether the block holds its experts where its family says: for moelens' own entries an experts module (a
+    block class can hold a dense MLP instead in some checkpoints), for a registered entry any module there that is
+    no container (the user named the path)."""
+    experts = find_path(module, family.experts)
+    if registry.is_built_in(family):
+        return _is_experts(experts)
+    return isinstance(experts, torch.nn.Module) and not isinstance(experts, (torch.nn.ModuleList, torch.nn.ModuleDict))
 
 
 def _children(module: torch.nn.Module) -> list[str]:
@@ -282,8 +288,8 @@ def discover(model: torch.nn.Module) -> Structure:
             warnings.warn(
                 f"moelens: blocks of family {family_name!r} hold no experts module at {family.experts!r} "
                 f"(e.g. {block}), so none is served as a Moe: a checkpoint without a mixture, or a family whose "
-                "experts path is wrong (an experts module is decorated with transformers' use_experts_implementation "
-                "or has a class name ending in 'Experts').",
+                "experts path is wrong (there, moelens takes a module decorated with transformers' use_experts_implementation "
+                "or with a class name ending in 'Experts'; for a registered family, any module but a ModuleList).",
                 stacklevel=3,
             )
     if structure.family is None:

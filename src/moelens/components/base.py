@@ -160,11 +160,16 @@ class Component(Envoy):
             if runs_only_on else ""
         )
         save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
+        registered = (
+            f" Family {self.family.name!r} is a registered entry: when save_all() or this order fails, the order "
+            "the entry gives (shared.when) is not the one the block's forward runs; fix the entry."
+            if self.family is not None and not registry.is_built_in(self.family) else ""
+        )
         return OrderError(
             f"{self.path}.{name} was requested after the model had already run past it. "
             f"Within a block, read values in the order the model produces them "
             f"({order}), and blocks in layer order{save_all}. "
-            f"A module skipped with .skip() never produces its values.{maybe_idle}"
+            f"A module skipped with .skip() never produces its values.{maybe_idle}{registered}"
         )
 
     @property

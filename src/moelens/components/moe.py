@@ -385,19 +385,30 @@ class Moe(Mlp):
         )
 
     def _check_width(self, name: str, value: Tensor) -> None:
-        """Raise `FamilyError` when the family entry's expert count or k does not fit what the model computes:
-        at least E router logits per token (a router may add a skip class or shared experts' gates), k slots."""
+        """Raise `FamilyError` when what the model computes does not fit the family entry: E router logits per token
+        (plus the entry's `extra_logits`), k slots, integer expert indices and floating-point weights."""
+        if name in ("expert_weights", "expert_indices") and value.is_floating_point() != (name == "expert_weights"):
+            raise FamilyError(
+                f"{self.path}.{name} is a {value.dtype} tensor: moelens reads the experts call as "
+                f"experts(hidden, top_k_index, top_k_weights), and {type(self.experts._module).__name__} gets its "
+                "expert indices and weights in another order. Call the experts module in that order (transformers' "
+                "own, which its implementations expect), or wrap it in a module that takes them so."
+            )
         if name == "router_logits":
-            what, setting, expected, fits = "experts", "num_experts", self.num_experts, value.shape[-1] >= self.num_experts
+            extra = int(self.family.resolve(self.family.extra_logits, self._module))
+            what, expected = "router logits", self.num_experts + extra
+            setting = f"num_experts={self.family.num_experts!r}" + (
+                f" plus extra_logits={self.family.extra_logits!r}" if extra else "")
         elif name in ("expert_weights", "expert_indices"):
-            what, setting, expected, fits = "slots per token", "top_k", self.top_k, value.shape[-1] == self.top_k
+            what, expected, setting = "slots", self.top_k, f"top_k={self.family.top_k!r}"
         else:
             return
-        if not fits:
+        if value.shape[-1] != expected:
             raise FamilyError(
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
-                f"this block {expected} {what} ({setting}={getattr(self.family, setting)!r}): the entry names the "
-                "wrong setting; fix it and register it again (moelens.families.register(Family(...), replace=True))."
+                f"this block {expected} {what} per token ({setting}): the entry names the wrong setting (a router "
+                "with columns past its experts' own, a skip class or shared experts' gates, names how many in "
+                "extra_logits); fix it and register it again (moelens.families.register(Family(...), replace=True))."
             )
 
     @property

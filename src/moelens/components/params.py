@@ -351,7 +351,25 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
             views[f"{name}_bias"] = per_expert(bias_of(path), False, path and path + "_bias")
     views["down"] = per_expert(parameter(layout.down), layout.down_transposed, layout.down)
     views["down_bias"] = per_expert(bias_of(layout.down), False, layout.down + "_bias")
+    _check_chain(views, f"{family.name}: {type(experts).__name__}", mismatch)
     return views
+
+
+def _check_chain(views: dict[str, Tensor | None], where: str, mismatch: str) -> None:
+    """Raise `ValueUnavailable` unless the views chain as an expert computes: gate and up ``[E, I, D]`` alike, down
+    ``[E, D, I]`` (a wrong layout flag or path reads the stored tensors with their sides swapped)."""
+    shapes = {name: tuple(views[name].shape) for name in ("gate", "up", "down") if views.get(name) is not None}
+    first = shapes.get("up", shapes.get("gate"))
+    if first is None or "down" not in shapes:
+        return
+    chained = shapes["down"][1:] == first[:0:-1] and shapes.get("gate", first) == first
+    if not chained:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueUnavailable(
+            f"{where}: the weights read as {listed}, which do not chain as an expert's (gate and up [E, I, D] alike, "
+            f"down [E, D, I]); {mismatch} (ExpertLayout: which parameter is gate_up / gate / up / down, transposed, "
+            "down_transposed)."
+        )
 
 
 def refuse_fully_sharded(modules: Iterable[torch.nn.Module], where: str) -> None:

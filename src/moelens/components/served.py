@@ -104,6 +104,13 @@ class Fetched(NamedTuple):  # a tuple, not a dataclass: one is made per value re
     context: Any
 
 
+def _what(served_value: Any) -> str:
+    """What a location served, for `fetch`'s error when it holds no tensor of values per token."""
+    if isinstance(served_value, torch.Tensor):  # not its value: under model.scan it is a fake tensor
+        return "a 0-d tensor (one number, such as an auxiliary loss)"
+    return f"a {type(served_value).__name__}"
+
+
 def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched | None = None) -> Fetched:
     """Request ``binding``'s location and cut this invoke's view out of what is served.
 
@@ -119,9 +126,9 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     component._check_call(name)
     rows = tokens.current_rows(binding.location)
     picked = binding.pick(raw)
-    if not isinstance(picked, torch.Tensor):
+    if not isinstance(picked, torch.Tensor) or picked.dim() == 0:
         raise FamilyError(
-            f"{component.path}.{name}: {binding.location} serves a {type(picked).__name__}, not a tensor, so the "
+            f"{component.path}.{name}: {binding.location} serves {_what(picked)}, not values per token, so the "
             f"family entry of {type(component._module).__name__} names the wrong op or output there: a block that "
             "returns a tuple needs Combine(output_index=<the hidden state's index>), and logits_op an op whose "
             "output is the logits tensor (see moelens.families.register)."

@@ -13,7 +13,7 @@ checkpoint of the family whatever its sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from ..errors import FamilyError
@@ -267,7 +267,8 @@ class Family:
             other attribute of their layers, that attribute is used (``layers[i].mlp``
             names it, and dense MLPs are looked for there).
         router: Path of the router from the block.
-        experts: Path of the experts module from the block.
+        experts: Path of the experts module from the block, called as ``experts(hidden, top_k_index,
+            top_k_weights)`` (a registered entry's may be any module there but a ModuleList).
         logits_op: Op in the router's forward whose output is the logits.
         scoring: How the logits are scored and experts picked.
         scoring_by_router: Scorings of blocks whose router is another class (router
@@ -299,6 +300,9 @@ class Family:
             with no weights of their own. None for none.
         scan_without_cache: The model's forward deep-copies its key-value cache, which ``model.scan``'s
             fake tensors cannot survive (inkling2_loop): a scan is refused unless ``use_cache=False``.
+        extra_logits: Attribute reference (or int) of how many router logits follow the E experts' own: inkling's
+            shared experts' gates (``router.n_shared_experts``), zaya's skip class (1). `router_logits` must hold
+            exactly E plus these per token.
     """
 
     name: str
@@ -324,6 +328,7 @@ class Family:
     expert_layout: ExpertLayout | None = None
     identity_experts: str | int | None = None
     scan_without_cache: bool = False
+    extra_logits: str | int = 0
 
     def __post_init__(self) -> None:
         """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`
@@ -359,8 +364,17 @@ class Family:
         except AttributeError as error:
             raise FamilyError(
                 f"family {self.name!r}: cannot read {reference!r} from {type(block).__name__} ({error}); "
-                "the family entry does not match this model."
+                + self._fix(reference)
             ) from None
+
+    def _fix(self, reference: str) -> str:
+        """What to change for `resolve`'s error: the settings of this entry that hold ``reference``."""
+        settings = [(f"scoring.{item.name}" if owner is self.scoring else item.name, item.default)
+                    for owner in (self, self.scoring) for item in fields(owner) if getattr(owner, item.name) == reference]
+        if not settings:  # a reference made elsewhere (a shared expert's, a layout's)
+            return "the family entry does not match this model."
+        named = " and ".join(name + (" (left at its default)" if default == reference else "") for name, default in settings)
+        return f"it is the entry's {named}; set that to a value, or to a reference to what this model has."
 
     def holds(self, reference: str | None, block: Any) -> bool:
         """Whether the live ``block`` has what the attribute reference names (a config can leave it out)."""

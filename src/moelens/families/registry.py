@@ -57,6 +57,13 @@ def register(family: Family, *, replace: bool = False) -> Family:
                 f"block class {taken[0]!r} already belongs to family {_BY_BLOCK_CLASS[taken[0]].name!r}; "
                 "pass replace=True to take it over."
             )
+        owners = [(model_type, for_model_type(model_type)) for model_type in family.model_types]
+        taken = [(model_type, owner) for model_type, owner in owners if owner is not None]
+        if taken:
+            raise FamilyError(
+                f"model type {taken[0][0]!r} already belongs to family {taken[0][1].name!r}; pass replace=True to "
+                "take it over (models of that type are then described by this entry)."
+            )
     _REGISTERED.append(family)
     _rebuild()
     return family
@@ -200,6 +207,13 @@ def unregister(name: str) -> None:
     """
     for position in range(len(_REGISTERED) - 1, -1, -1):
         if _REGISTERED[position].name == name:
+            entry = _REGISTERED[position]
+            if is_built_in(entry) and not any(earlier is entry for earlier in _REGISTERED[:position]):
+                # moelens' own registration of it: a re-run notebook cell would take the built-in entry away
+                raise FamilyError(
+                    f"cannot unregister {name!r}: the entry in force is moelens' own (what you registered under that "
+                    "name is already taken back); unregister undoes only your own register calls."
+                )
             del _REGISTERED[position]
             _rebuild()
             return
@@ -244,9 +258,9 @@ def for_block(module: torch.nn.Module | Envoy) -> Family | None:
 
 
 def for_model_type(model_type: str) -> Family | None:
-    """The family a ``config.model_type`` belongs to, or None."""
-    for family in _FAMILIES.values():
-        if model_type in family.model_types:
+    """The family a ``config.model_type`` belongs to (the newest entry in force that names it), or None."""
+    for family in reversed(_REGISTERED):
+        if model_type in family.model_types and _FAMILIES[family.name] is family:
             return family
     return None
 

@@ -102,7 +102,7 @@ FAMILIES = [
            scoring=Scoring("sigmoid", "score_topk", normalize=True, scale="router.route_scale",
                            selection_bias="router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE,
                            code="SGB, logsigmoid-normalised"),
-           shared=SharedExpert("shared_experts", when="after_experts"),
+           shared=SharedExpert("shared_experts", when="after_experts"), extra_logits="router.n_shared_experts",
            notes="router_logits has E + n_shared columns: the last are the shared experts' gate logits, "
                  "normalised with the k routed ones into the shared experts' gammas. Writing them changes the "
                  "routing and the shared experts' weight. Weights are also x router.global_scale, a learned "

@@ -58,7 +58,7 @@ FAMILIES = [
     Family("zaya", ("zaya",), ("ZayaSparseMoeBlock",), logits_op="self_router_mlp_0",
            scoring=Scoring("softmax", "skip_topk", normalize=False, code="SM over E+1 (skip)",
                            selection_bias="router.balancing_biases", selection_op=TOPK, selection_arg=0),
-           combine=Combine(output_index=0),
+           combine=Combine(output_index=0), extra_logits=1,
            notes="Logits have E+1 columns: the last is a 'skip' class. Skip slots come as index 0 with weight 0, "
                  "so index 0 does not always mean expert 0 ran. The router carries state across layers; it ranks "
                  "softmax(logits) + balancing_biases (selection_scores, E+1 columns). transformers' from_pretrained "

@@ -1,0 +1,241 @@
+"""Mistakes a user makes describing a hand-written MoE with `moelens.families.register`, each refused with what to fix
+(they served silently wrong values, or failed far from the cause).
+
+The model is plain torch (no transformers class): a router returning ``(logits, weights, indices)``, experts with
+stacked weights ``gate_up [E, 2I, D]`` / ``down [E, D, I]`` (I != D, so sides cannot be confused by their sizes), a
+shared MLP after the experts, and a block returning ``(hidden, aux_loss)``. Ground truth: the module's own tensors and
+its forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moelens
+from moelens import Family, FamilyError, OrderError, Scoring, SharedExpert, ValueUnavailable, families
+from moelens.families import Combine, ExpertLayout
+from moelens.testing import tiny_inputs, tiny_model
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 16, 12, 6, 2
+
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, HIDDEN) * 0.5)
+        self.top_k = TOP_K
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        weights, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, weights / weights.sum(-1, keepdim=True), index
+
+
+class ExpertBank(nn.Module):
+    """Stacked SwiGLU experts, called ``(x, index, weights)``; the class name does not end in "Experts"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = EXPERTS
+        self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.3)
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(index == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, -1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+
+
+class SwappedBank(ExpertBank):
+    """Experts taking the weights before the indices: a common hand-written order."""
+
+    def forward(self, x, weights, index):
+        return super().forward(x, index, weights)
+
+
+class Block(nn.Module):
+    def __init__(self, swapped: bool = False) -> None:
+        super().__init__()
+        self.router = Router()
+        self.swapped = swapped
+        self.experts = SwappedBank() if swapped else ExpertBank()
+        self.shared = nn.Sequential(nn.Linear(HIDDEN, INTERMEDIATE), nn.GELU(), nn.Linear(INTERMEDIATE, HIDDEN))
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        x = hidden.reshape(-1, d)
+        logits, weights, index = self.router(x)
+        routed = self.experts(x, weights, index) if self.swapped else self.experts(x, index, weights)
+        aux = (logits.softmax(-1).mean(0) ** 2).sum() * EXPERTS
+        return (routed + self.shared(x)).reshape(b, s, d), aux
+
+
+class Model(nn.Module):
+    def __init__(self, swapped: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, HIDDEN)
+        self.layers = nn.ModuleList([nn.ModuleDict({"moe": Block(swapped)}) for _ in range(2)])
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = hidden + layer["moe"](hidden)[0]
+        return hidden
+
+
+def model(swapped: bool = False) -> Model:
+    torch.manual_seed(0)
+    return Model(swapped).eval()
+
+
+IDS = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+
+ENTRY = Family("hand", ("hand",), ("Block",), block_attr="moe", router="router", experts="experts",
+               logits_op="F_linear_0", scoring=Scoring("softmax", "score_topk", normalize=True),
+               shared=SharedExpert("shared", when="after_experts"), combine=Combine(output_index=0),
+               expert_layout=ExpertLayout(gate_up="gate_up_proj", down="down_proj"))
+
+
+@pytest.fixture
+def registered():
+    """Registers ``ENTRY`` with the given changes for one test (taken back after it)."""
+    names = []
+
+    def register(**changes) -> Family:
+        entry = families.register(dataclasses.replace(ENTRY, **changes), replace=True)
+        names.append(entry.name)
+        return entry
+
+    yield register
+    for name in reversed(names):
+        families.unregister(name)
+
+
+def test_the_right_entry_serves_the_models_own_values(registered):
+    """The reference for the mistakes below: experts of any class name at the named path are served (a class name
+    not ending in 'Experts' left the model with no Moe and a warning about a missing experts module)."""
+    registered()
+    hand = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped = moelens.wrap(hand)
+    assert [moe.path for moe in wrapped.moes] == ["model.layers.0.moe", "model.layers.1.moe"]
+    block = hand.layers[0]["moe"]
+    x = hand.embed(IDS).reshape(-1, HIDDEN)
+    logits, weights, index = block.router(x)
+    with torch.no_grad(), wrapped.trace(IDS):
+        values = wrapped.moes[0].save_all()
+    assert torch.equal(values["router_logits"], logits.reshape(2, 5, EXPERTS))
+    assert torch.equal(values["expert_indices"], index.reshape(2, 5, TOP_K))
+    assert torch.allclose(values["expert_weights"], weights.reshape(2, 5, TOP_K))
+    params = wrapped.moes[0].params()
+    assert torch.equal(params.down, block.experts.down_proj) and torch.equal(params.up, block.experts.gate_up_proj[:, 12:])
+
+
+def test_experts_that_take_the_weights_before_the_indices_are_refused_at_the_read(registered):
+    """They were served swapped: expert_weights an int64 tensor, expert_indices floats, and ablate failed with a
+    write error about a value the user never wrote."""
+    registered()
+    wrapped = moelens.wrap(model(swapped=True))
+    for name, dtype in (("expert_weights", "torch.int64"), ("expert_indices", "torch.float32")):
+        with pytest.raises(FamilyError, match=rf"layers\.0\.moe\.{name} is a {dtype} tensor: moelens reads the experts "
+                                              r"call as experts\(hidden, top_k_index, top_k_weights\), and SwappedBank"):
+            with wrapped.trace(IDS):
+                getattr(wrapped.moes[0], name).save()
+
+
+def test_an_output_index_at_the_auxiliary_loss_is_refused_with_the_setting(registered):
+    """It failed with a bare IndexError inside the token view (the scalar loss has no token axis)."""
+    registered(combine=Combine(output_index=1))
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"mlp_output: model\.layers\.0\.moe\.output serves a 0-d tensor \(one number, such as "
+                                          r"an auxiliary loss\), not values per token.*Combine\(output_index="):
+        with wrapped.trace(IDS):
+            wrapped.moes[0].mlp_output.save()
+
+
+def test_a_wrong_shared_expert_time_names_the_entry_in_the_order_error(registered):
+    """save_all() raised an order error telling the user to use save_all(); the registration was the cause."""
+    registered(shared=SharedExpert("shared", when="before_router"))
+    wrapped = moelens.wrap(model())
+    with pytest.raises(OrderError, match=r"Family 'hand' is a registered entry: .* \(shared\.when\) is not the one the "
+                                         r"block's forward runs; fix the entry"):
+        with wrapped.trace(IDS):
+            wrapped.moes[0].save_all()
+
+
+def test_moelens_own_order_error_does_not_blame_the_entry():
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(OrderError) as caught:
+        with wrapped.trace(**tiny_inputs(hf)):
+            wrapped.moes[0].expert_indices.save()
+            wrapped.moes[0].router_logits.save()
+    assert "registered entry" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("layout", "shapes"), [
+    (ExpertLayout(gate_up="gate_up_proj", down="down_proj", transposed=True),
+     r"gate \(6, 8, 24\), up \(6, 8, 24\), down \(6, 16, 12\)"),
+    (ExpertLayout(gate="gate_up_proj", up="gate_up_proj", down="down_proj"),
+     r"gate \(6, 24, 16\), up \(6, 24, 16\), down \(6, 16, 12\)"),
+])
+def test_params_through_a_wrong_expert_layout_are_refused(registered, layout, shapes):
+    """Views of [E, I, D] sides swapped were served as the experts' weights (an edit landed on the wrong entries)."""
+    registered(expert_layout=layout)
+    wrapped = moelens.wrap(model())
+    with pytest.raises(ValueUnavailable, match=rf"hand: ExpertBank: the weights read as {shapes}, which do not chain as "
+                                               r"an expert's .*ExpertLayout"):
+        wrapped.moes[0].params()
+
+
+def test_a_count_left_at_its_default_names_the_setting(registered):
+    """The error named 'router.top_k', a reference the user never wrote."""
+    registered(top_k="block.k_per_token")
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"cannot read 'block\.k_per_token' .*; it is the entry's top_k; set that"):
+        wrapped.moes[0].top_k
+    registered(name="hand_default_k", router="router", top_k=Family.__dataclass_fields__["top_k"].default,
+               num_experts="experts.num_experts")
+    wrapped = moelens.wrap(model())
+    assert wrapped.moes[0].top_k == TOP_K  # the default reference fits this router
+    registered(name="hand_no_count", num_experts=Family.__dataclass_fields__["num_experts"].default,
+               experts="experts")
+    delattr(wrapped.moes[0]._module.experts, "num_experts")
+    with pytest.raises(FamilyError, match=r"cannot read 'experts\.num_experts' .*; it is the entry's num_experts "
+                                          r"\(left at its default\); set that to a value"):
+        wrapped.moes[0].num_experts
+
+
+def test_unregister_takes_back_only_the_users_own_registrations():
+    """A re-run notebook cell calling unregister("mixtral") twice removed moelens' own entry for the process."""
+    builtin = families.get("mixtral")
+    families.register(dataclasses.replace(builtin, notes="mine"), replace=True)
+    families.unregister("mixtral")
+    with pytest.raises(FamilyError, match=r"cannot unregister 'mixtral': the entry in force is moelens' own"):
+        families.unregister("mixtral")
+    assert families.get("mixtral") is builtin
+    assert moelens.wrap(tiny_model("mixtral")).moes[0].family is builtin
+
+
+def test_a_model_type_taken_by_another_family_needs_replace():
+    """A user entry naming model type 'mixtral' was accepted, and the built-in kept answering for it."""
+    mine = dataclasses.replace(ENTRY, name="mine", model_types=("mixtral",))
+    with pytest.raises(FamilyError, match=r"model type 'mixtral' already belongs to family 'mixtral'; pass replace=True"):
+        families.register(mine)
+    families.register(mine, replace=True)
+    try:
+        assert families.for_model_type("mixtral") is mine
+    finally:
+        families.unregister("mine")
+    assert families.for_model_type("mixtral") is families.get("mixtral")
