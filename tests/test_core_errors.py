@@ -2144,6 +2144,30 @@ def test_reprs_say_what_a_block_and_its_weights_are(mixtral):
     assert params.startswith("MoeParams(router=[8, ") and "tensor(" not in params
 
 
+@pytest.mark.parametrize(("family", "implementation", "unserved"), [
+    ("mixtral", "eager", {"expert_activations", "expert_outputs", "shared_expert_output", "selection_scores"}),
+    ("qwen2_moe", "grouped_mm", {"selection_scores"}),
+    ("deepseek_v3", "grouped_mm", set()),
+])
+def test_a_blocks_repr_lists_the_values_it_cannot_serve_as_such(family, implementation, unserved):
+    """The tree listed every value with its description, as if served (selection_scores on a router with no selection
+    bias, a shared expert on mixtral): each listed value is read here, and is marked unserved exactly when the read
+    refuses it."""
+    hf = tiny_model(family, experts_implementation=implementation)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    listed = {line.strip()[1:].partition(")")[0]: line for line in repr(moe).splitlines() if ") -> " in line}
+    refused = set()
+    for name in set(listed) - {"mlp_activation", "mlp_neurons"}:
+        try:
+            with wrapped.trace(**tiny_inputs(hf)):
+                getattr(wrapped.moes[0], name).save()
+        except ValueUnavailable:
+            refused.add(name)
+    assert refused == unserved
+    assert {name for name, line in listed.items() if "not served by this block" in line} == unserved
+
+
 def test_wrapping_leaves_nnsight_forwards_on_the_modules_as_the_docs_say():
     # docs/getting-started.md: wrapping sets nnsight's forward on each module instance, for good; outputs
     # stay the model's own, a class patch made afterwards does not reach it, and a wrapped copy keeps the

@@ -180,4 +180,4 @@ class Component(Envoy):
     def unavailable(self, name: str, reason: str, remedy: str = "") -> ValueUnavailable:
         """The error for a value this block cannot serve: what, why, and what to do."""
         what = f"{self.path}.{name} cannot be served: {reason}"
-        return ValueUnavailable(f"{what}. {remedy}".strip() if remedy else what + ".")
+        return ValueUnavailable(f"{what}. {remedy[:1].upper()}{remedy[1:]}" if remedy else what + ".")

@@ -90,6 +90,12 @@ def value_names(values: Any) -> list[str]:
     return names
 
 
+def _listed_value(line: str) -> str | None:
+    """The value a line of nnsight's envoy tree lists (``"  (router_logits) -> ..."``), or None for another line."""
+    name, arrow, _ = line.strip().partition(") -> ")
+    return name[1:] if arrow and name.startswith("(") else None
+
+
 class Moe(Mlp):
     """A Mixture-of-Experts block. See the module docstring for the values it serves."""
 
@@ -330,7 +336,29 @@ class Moe(Mlp):
                     f"{self.experts_implementation}; router_probs = {score_name}(router_logits)] ")
         except Exception:  # noqa: BLE001 - a repr never raises; the tree alone then
             head = ""
-        return head + super().__repr__()
+        unserved = self._unserved()
+        lines = [
+            f"{line.split(') -> ')[0]}) -> not served by this block: {unserved[name]}" if name in unserved else line
+            for line in super().__repr__().split("\n") for name in [_listed_value(line)]
+        ]
+        return head + "\n".join(lines)
+
+    def _unserved(self) -> dict[str, str]:
+        """The values nnsight's tree lists that this block cannot serve, each with the reason (for `__repr__`)."""
+        unserved = {}
+        for name in VALUE_NAMES:
+            try:
+                self._check_available(name)
+            except ValueUnavailable as error:
+                unserved[name] = str(error).partition("cannot be served: ")[2] or str(error)
+            except Exception:  # noqa: BLE001 - a repr never raises
+                continue
+        try:
+            if not self.ranks_selection_scores:
+                unserved["selection_scores"] = "its router ranks no score other than router_probs' (no selection bias)"
+        except Exception:  # noqa: BLE001 - a repr never raises
+            pass
+        return unserved
 
     def _routed_activation(self, name: str) -> ValueUnavailable:
         return self.unavailable(
