@@ -713,6 +713,19 @@ def test_archive_written_as_folder_and_tar(out):
     close(run(folder, x), run(tar, x), atol=0)
 
 
+@pytest.mark.parametrize(("named", "message"), [
+    ("", r"to_nnef's path is empty: name an archive"),  # was the current folder
+    ("{out}/block.nnef.tgz/", r"ends like an archive and with a slash"),  # an archive file was written
+    ("{out}/BLOCK.NNEF.TGZ", r"ends like an archive in another case, which would be written as a folder"),
+])
+def test_an_export_name_that_leaves_archive_or_folder_in_doubt_is_refused(tmp_path, monkeypatch, named, message):
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ExportError, match=message):
+        to_nnef(moe, named.format(out=tmp_path), verify=False)
+    assert not list(tmp_path.iterdir())
+
+
 # -- q4_0, layouts, dynamic tokens --------------------------------------------------------------------
 
 

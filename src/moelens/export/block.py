@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..families import Family
 from ..families.entry import find_path, get_path
+from ..families.tomoe import converted
 from .errors import ExportRefused
 from .spec import MoeSpec
 
@@ -100,9 +101,12 @@ def check_block(family: Family, block: torch.nn.Module, spec: MoeSpec, *, tokens
     with torch.no_grad():
         real = block_output(family, block(x.clone())).float()  # a block may edit its input in place (router jitter)
         if real.shape[-1] != x.shape[-1]:
+            remedy = ("convert only layers whose outputs are as wide as their inputs (target_modules=[...], e.g. "
+                      "q_proj and o_proj), or the FFN blocks" if converted(family)
+                      else "export the model around it instead")
             raise ExportRefused(
                 f"{family.name}: the block maps {x.shape[-1]} features to {real.shape[-1]}, and tract_moe_ffn's "
-                "output has its input's width (a residual-stream FFN); export the model around it instead."
+                f"output has its input's width (a residual-stream FFN); {remedy}."
             )
         mine = ExportBlock(family, block, TractMoeFfn(spec), root=True)(x)
     error = float((real - mine).abs().max())

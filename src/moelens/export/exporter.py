@@ -29,7 +29,7 @@ from .. import __version__
 from ..modules import takes_keyword
 from ..paths import user_path
 from ..scalars import check_flag
-from .archive import check_destination, size, write
+from .archive import check_archive_name, check_destination, size, write
 from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
 from .errors import ExportError, ExportRefused, TractRunFailed
@@ -129,7 +129,9 @@ def to_nnef(
     dynamic_tokens = check_flag("dynamic_tokens", dynamic_tokens, ExportError)
     verify = check_flag("verify", verify, ExportError)
     edits = as_edits(edits)
+    named = path
     path = user_path(path, "to_nnef's path", ExportError, " (to_nnef takes the model first: to_nnef(model, path))")
+    check_archive_name(named)
     check_destination(path)
     started = time.perf_counter()
     target = resolve(model)

@@ -28,6 +28,7 @@ from typing import Any
 from .. import families
 from ..errors import FamilyError
 from ..families import Family, Scoring
+from ..families.tomoe import converted
 from .errors import ExportRefused
 
 #: tract_moe_ffn's gate modes.
@@ -124,6 +125,9 @@ def family_support(family: Family | str) -> Support:
         gate = f"{softmax} / sigmoid"
         sigmoid = " or sigmoid" if normalize is False else f", or is sigmoid and not {normalize} ({refused})"
         conditions.append(f"{score} is softmax{sigmoid}")
+    if converted(family):
+        conditions.append("its experts are gated (a SwiGLU FFN converted): other conversions (GPT-2 and BERT FFNs, "
+                          "Linear layers as wide out as in) export as moelens.compress.exportable(model)")
     if conditions:
         return Support("if", gate=gate, condition="; ".join(conditions))
     return Support("yes", gate=gate)

@@ -24,6 +24,7 @@ from ..components.params import expert_views, router_linear
 from ..errors import ValueUnavailable
 from ..families import Family
 from ..families.entry import get_path
+from ..families.tomoe import EXPORTABLE, converted
 from .errors import ExportRefused
 from .gate import expert_gate_refusal, routing
 
@@ -166,13 +167,16 @@ def read_spec(family: Family, block: torch.nn.Module, layer: int | None = None) 
             f"{tuple(wg.shape)} ([E, D]); the block is not one router over one experts module."
         )
     if spec.w3 is None and (spec.has_expert_biases or spec.wg_bias is not None):
-        converted = (" This block is moelens.compress' output: export moelens.compress.exportable(model), a copy whose "
-                     "experts compute the same in gated form." if family.name.startswith("tomoe") else "")
         raise ExportRefused(
             f"{family.name}: ungated experts with biases cannot be expressed: tract_moe_ffn binds its bias "
-            f"inputs after w3, which ungated experts do not have.{converted}"
+            f"inputs after w3, which ungated experts do not have.{_converted_hint(family)}"
         )
     return spec
+
+
+def _converted_hint(family: Family) -> str:
+    """For a block moelens.compress made: what to export instead (a sentence after a refusal), else ""."""
+    return f" This block is moelens.compress' output: {EXPORTABLE}." if converted(family) else ""
 
 
 def _float(tensor: Tensor) -> Tensor:
@@ -237,7 +241,7 @@ def _activation(family: Family, experts: torch.nn.Module, gated: bool, block: to
         }
     if kind != "glu":
         raise ExportRefused(f"{family.name}: {expert_gate_refusal(kind)}.")
-    act = _identify(getattr(experts, "act_fn", None), family.name)
+    act = _identify(getattr(experts, "act_fn", None), family)
     return {"activation": "swiglu" if (gated and act == "silu") else act, "act_alpha": None, "act_limit": None}
 
 
@@ -249,10 +253,10 @@ def _overrides_gate(experts: torch.nn.Module) -> bool:
     return getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate
 
 
-def _identify(act_fn: Any, family: str) -> str:
+def _identify(act_fn: Any, family: Family) -> str:
     """Which tract activation a torch activation is (checked on values, not class names)."""
     if not callable(act_fn):
-        raise ExportRefused(f"{family}: the experts have no act_fn to map to a tract activation.")
+        raise ExportRefused(f"{family.name}: the experts have no act_fn to map to a tract activation.")
     probe = torch.linspace(-8.0, 8.0, 257)
     with torch.no_grad():
         values = act_fn(probe)
@@ -266,10 +270,10 @@ def _identify(act_fn: Any, family: str) -> str:
             return name
     if torch.allclose(values, F.gelu(probe), atol=1e-6):
         raise ExportRefused(
-            f"{family}: the experts use exact (erf) GELU; tract_moe_ffn's gelu is the tanh approximation "
+            f"{family.name}: the experts use exact (erf) GELU; tract_moe_ffn's gelu is the tanh approximation "
             "(up to 5e-4 apart), which would not match to tract's tolerance."
         )
     raise ExportRefused(
-        f"{family}: the experts' activation {type(act_fn).__name__} is none of tract_moe_ffn's "
-        "silu, gelu (tanh) or relu."
+        f"{family.name}: the experts' activation {type(act_fn).__name__} is none of tract_moe_ffn's "
+        f"silu, gelu (tanh) or relu.{_converted_hint(family)}"
     )

@@ -65,6 +65,9 @@ def _shared(family: Family) -> str:
     return "sigmoid-gated subgraph" if shared.gate else "subgraph"
 
 
+NO_TINY_MODEL = "(no tiny model)"
+
+
 def _tiny_check(family: Family) -> tuple[str, str]:
     """(experts description, refusal reason or "") of the family's tiny model's first MoE block."""
     from ..discovery import discover
@@ -73,7 +76,7 @@ def _tiny_check(family: Family) -> tuple[str, str]:
     from .spec import read_spec
 
     if family.name not in FAMILIES:
-        return "(no tiny model)", ""
+        return NO_TINY_MODEL, ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = tiny_model(family.name)
@@ -98,7 +101,8 @@ def rows(families: Iterable[Family] | None = None, *, check_tiny: bool = True) -
         elif refusal and support.status == "yes":
             row = Row(family.name, "no", support.gate, "–", _shared(family), f"the tiny model's block: {refusal}")
         elif support.status == "if":
-            tiny = f" The tiny model's block is refused: {refusal}" if refusal else " The tiny model's block exports."
+            tiny = (f" The tiny model's block is refused: {refusal}" if refusal
+                    else "" if experts == NO_TINY_MODEL else " The tiny model's block exports.")
             row = Row(family.name, "if", support.gate, experts or "–", _shared(family),
                       f"exports when {support.condition}.{tiny}")
         else:

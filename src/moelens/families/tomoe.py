@@ -41,3 +41,13 @@ FAMILIES = [
     _family("tomoe_linear", "ToMoELinear", "mlp",
             "A Linear / Conv1D split by output neurons."),
 ]
+
+
+def converted(family: Family) -> bool:
+    """Whether ``family`` is one of moelens' converted blocks (`moelens.compress.tomoe`'s output)."""
+    return any(family is entry for entry in FAMILIES)
+
+
+#: What the export says about converted blocks it cannot write as they are.
+EXPORTABLE = ("moelens.compress.exportable(model) is a copy whose ungated converted experts (GPT-2 and BERT FFNs, "
+              "Linear layers) compute the same in gated form; export that")
