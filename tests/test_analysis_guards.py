@@ -762,6 +762,14 @@ def test_blocks_take_any_collection_of_path_parts(model):
     for blocks in ({"mlp"}, frozenset({"mlp"}), (part for part in ["mlp"]), {"mlp": 1}.keys(), np.array(["mlp"])):
         assert [moe.layer for moe in moes_of(model, blocks=blocks)] == expected
 
+
+def test_blocks_listing_several_parts_keep_the_blocks_matching_any_of_them(model):
+    """A list is a union (a block path containing one of the parts): parts that each name one layer keep both."""
+    first, last = model.moes[0], model.moes[-1]
+    parts = [first.path.rpartition(".")[0] + ".", last.path.rpartition(".")[0] + "."]
+    assert [moe.path for moe in moes_of(model, blocks=parts)] == [first.path, last.path]
+
+
 def test_load_balance_takes_one_expert_count_per_layer(results):
     """num_experts is E per layer, at most the layer's own: a smaller E measures the first E experts only."""
 

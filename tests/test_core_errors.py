@@ -1963,6 +1963,16 @@ def test_reroute_takes_one_row_of_experts_per_selected_token(mixtral):
         assert torch.equal(after[:, :2], rows.view(2, 2, 2))
 
 
+def test_reroute_keeps_the_order_an_index_tensor_gives_the_tokens(mixtral):
+    """Rows of experts go to the tokens in the order given, not sorted by position (a sort swapped the tokens'
+    experts without a word, and every other test selected positions in ascending order)."""
+    wrapped, inputs = mixtral
+    with wrapped.trace(**inputs):
+        moelens.reroute(wrapped.moes[0], (0, torch.tensor([3, 1])), [[1, 2], [5, 6]])
+        after = wrapped.moes[0].expert_indices.save()
+    assert after[0, 3].tolist() == [1, 2] and after[0, 1].tolist() == [5, 6]
+
+
 def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
     """force of k + 1 experts (one would never run) and reroute to expert E (no such expert) are refused up front."""
     wrapped, inputs = mixtral
