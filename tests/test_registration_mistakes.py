@@ -20,7 +20,7 @@ from torch import nn
 import moelens
 from moelens import Family, FamilyError, OrderError, Scoring, SharedExpert, ValueUnavailable, families
 from moelens.families import Combine, ExpertLayout
-from moelens.testing import tiny_inputs, tiny_model
+from moelens.testing import FAMILIES as TINY_FAMILIES, tiny_inputs, tiny_model
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 16, 12, 6, 2
 
@@ -239,3 +239,44 @@ def test_a_model_type_taken_by_another_family_needs_replace():
     finally:
         families.unregister("mine")
     assert families.for_model_type("mixtral") is families.get("mixtral")
+
+
+# -- families.check: what no read refuses --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_check_passes_moelens_own_entries(family):
+    """No false alarm: every built-in entry (each checked against transformers' own values elsewhere) describes
+    its tiny model's weights and block output."""
+    hf = tiny_model(family)
+    wrapped = moelens.wrap(hf)
+    if not wrapped.moes:
+        pytest.skip(f"{family}: its tiny model serves no Moe block")
+    assert families.check(wrapped, **tiny_inputs(hf)) == [moe.path for moe in wrapped.moes if not moe.runs_only_on]
+
+
+def test_check_names_the_scoring_that_gives_the_weights(registered):
+    """The hand model (softmax over every expert, top-2, renormalised) registered as sigmoid: every read is served,
+    router_probs is sigmoid(logits) (rows summing to ~3), and nothing said so."""
+    registered(scoring=Scoring("sigmoid", "score_topk"))
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"layers\.0\.moe: the weights its experts got are not what family 'hand''s "
+                                          r"scoring gives \(score='sigmoid', select='score_topk', normalize=False, "
+                                          r"scale=None; largest difference .*\): Scoring\('softmax', 'score_topk', "
+                                          r"normalize=True\) gives them"):
+        families.check(wrapped, IDS)
+    registered(name="hand_scaled", scoring=Scoring("softmax", "score_topk", normalize=True, scale=2.0))
+    with pytest.raises(FamilyError, match=r"largest difference .*: Scoring\('softmax', 'score_topk', normalize=True\) "
+                                          r"gives them \(times a scale"):
+        families.check(moelens.wrap(model()), IDS)
+
+
+def test_check_finds_a_block_output_the_entry_does_not_make(registered):
+    """An entry without the shared expert: the block output is routed + shared, the entry says routed alone."""
+    registered(shared=None)
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"layers\.0\.moe: family 'hand''s Combine .* of routed_output, without a "
+                                          r"shared expert .*, is not the block's output"):
+        families.check(wrapped, IDS)
+    registered(name="hand_right")
+    assert families.check(moelens.wrap(model()), IDS) == ["model.layers.0.moe", "model.layers.1.moe"]

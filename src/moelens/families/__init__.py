@@ -6,6 +6,7 @@ without editing moelens.
 """
 
 from . import deepseek, sigmoid, softmax, special, tomoe, topk_softmax
+from .check import check
 from .entry import COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family, Scoring, SharedExpert
 from .registry import for_block, for_model_type, get, register, register_all, supported, unregister
 
@@ -14,5 +15,5 @@ for _module in (softmax, topk_softmax, deepseek, sigmoid, special, tomoe):
 
 __all__ = [
     "COMBINE_MODES", "SELECTIONS", "SHARED_TIMES", "VALUE_NAMES", "Combine", "ExpertGate", "ExpertLayout", "Family", "Scoring", "SharedExpert",
-    "for_block", "for_model_type", "get", "register", "supported", "unregister",
+    "check", "for_block", "for_model_type", "get", "register", "supported", "unregister",
 ]
