@@ -229,3 +229,14 @@ def test_weights_only_router_is_the_mean_normalised_gate_row_of_each_expert():
         rows = [unit(layer.gate[i].tolist()) for i in range(6) if plan.labels[i] == expert]
         expected = [sum(column) / len(rows) for column in zip(*rows)]
         torch.testing.assert_close(plan.router_weight[expert], torch.tensor(expected))
+
+
+def test_the_seed_moves_the_clustering_and_the_held_out_tokens():
+    """`seed` seeds the k-means start and which calibration tokens are held out (docs/compress.md): a fixed
+    seed in either passed every test, since only the other seeded steps changed."""
+    features = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    labels = [partition.balanced_kmeans(features, 8, seed=seed) for seed in (0, 0, 1)]
+    assert torch.equal(labels[0], labels[1]) and not torch.equal(labels[0], labels[2])
+    held = [fit._split(2048, seed)[1] for seed in (0, 0, 1)]
+    assert torch.equal(held[0], held[1]) and not torch.equal(held[0], held[2])
+    assert held[0].shape == (256,) and fit._split(1023, 0)[1] is None  # every eighth token, from 1024 tokens

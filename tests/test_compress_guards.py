@@ -87,7 +87,8 @@ def falcon_h1(multipliers):
 
 
 @pytest.mark.parametrize("calibrated", [True, False], ids=["calibrated", "weights-only"])
-@pytest.mark.parametrize("make", [bitnet, lambda: falcon_h1([1.0, 3.0])], ids=["bitnet", "falcon_h1"])
+@pytest.mark.parametrize("make", [bitnet, lambda: falcon_h1([1.0, 3.0]), lambda: falcon_h1([1.0, 1.05])],
+                         ids=["bitnet", "falcon_h1", "falcon_h1-near-1"])
 def test_an_ffn_that_only_looks_like_swiglu_stays_dense(make, calibrated):
     dense, tokens = make(), ids()
     converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens if calibrated else None)

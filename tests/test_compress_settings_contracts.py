@@ -200,3 +200,16 @@ def test_a_lora_rank_above_the_layers_input_width_is_refused_before_the_model_is
     converted, stats = convert(dense, num_experts=4, top_k=2, lora_r=width)  # full rank itself is allowed
     assert stats.converted and all(layer.lora for layer in stats.converted)
     assert converted.model.layers[0].mlp.experts.lora.down_proj.lora_A.shape[-2] == width
+
+
+# -- refit: what it buys ------------------------------------------------------------------------------------------
+
+
+def test_the_refit_lowers_the_held_out_error():
+    """The ridge refit of the down projection (on by default) is most of a conversion's quality: switched off, the
+    held-out error of a 256-neuron FFN into 8 experts, top-2, rose from about 0.51 to 0.80 and no test saw it."""
+    dense, tokens = _quiet(lambda: llama(intermediate_size=256)), ids(16, 64)  # 1024 tokens: 128 held out
+    errors = {refit: [layer.error for layer in convert(dense, num_experts=8, top_k=2, calibration=tokens,
+                                                        refit=refit)[1].converted] for refit in (True, False)}
+    assert len(errors[True]) == len(errors[False]) == 2
+    assert all(fitted < 0.8 * plain for fitted, plain in zip(errors[True], errors[False])), errors

@@ -67,7 +67,7 @@ def test_a_sites_original_parameters_count_a_tied_weight_once():
     """A BERT-like FFN whose two halves share a weight (square, tied) counts it once, as torch does."""
     first, second = nn.Linear(16, 16), nn.Linear(16, 16)
     second.weight = first.weight
-    site = tg.Site("ffn", "bert", first, [first, second], lambda: None, first, lambda block: None, 16)
+    site = tg.Site("ffn", "bert", first, [first, second], lambda: None, first, lambda block: None, 16, 16)
     assert site.original_parameters == sum(p.numel() for p in nn.ModuleList([first, second]).parameters()) == 256 + 32
 
 

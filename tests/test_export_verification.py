@@ -77,6 +77,25 @@ def test_export_passes_when_tract_is_within_tolerance(block, quantize, tmp_path,
     assert seen and report.verification is not None
 
 
+@pytest.mark.parametrize(("times", "fails"), [(3.0, True), (0.5, False)], ids=["3x-bound", "half-bound"])
+def test_the_check_is_tracts_approximate_bound_itself(block, times, fails, tmp_path, monkeypatch):
+    """tract's first output element moved by a multiple of its own bound 1e-4 + 5e-4 |b|: three times fails, half
+    passes (a check loosened a hundredfold passed the 0.05 shift above's neighbours unseen)."""
+    real = verification.run
+
+    def moved(path, inputs):
+        output = np.array(real(path, inputs), copy=True)
+        output.flat[0] += times * (1e-4 + 5e-4 * abs(float(output.flat[0])))
+        return output
+
+    monkeypatch.setattr(verification, "run", moved)
+    if fails:
+        with pytest.raises(ExportError, match="beyond tract's 'approximate' tolerance"):
+            to_nnef(block, tmp_path / "off.nnef.tgz")
+    else:
+        assert to_nnef(block, tmp_path / "close.nnef.tgz").verification is not None
+
+
 # -- baked edits, the block self-check and group refusals, against independent ground truth ----------
 
 
