@@ -27,7 +27,7 @@ def test_a_dense_model_serves_its_mlps_and_says_it_has_no_moe_block():
     assert wrapped.moes == [] and wrapped.family is None
     assert all(isinstance(layer.mlp, Mlp) for layer in wrapped.layers)
     assert wrapped.model.layers[0].mlp is wrapped.layers[0].mlp  # the native path is the same component
-    with pytest.raises(moelens.ValueUnavailable, match="this model has no MoE layer"):
+    with pytest.raises(moelens.ValueUnavailable, match="This model has no MoE layer"):
         wrapped.layers[0].mlp.router_logits
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     with torch.no_grad(), wrapped.trace(ids):
