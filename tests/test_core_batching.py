@@ -373,6 +373,8 @@ def test_copies_of_a_wrapped_model_do_not_keep_its_gathered_call_hooks():
     del copied
     gc.collect()
     assert hooks(module) == [0]
+    with torch.no_grad(), wrapped.trace(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]])):
+        wrapped.output.save()  # the blocks' calls noted on them: the copy below takes the notes along (kept for good)
     plain = copy.deepcopy(hf)  # taken while hf is wrapped: its hooks come along, and go at each block's first call
     with torch.no_grad():
         plain(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))  # text and image blocks

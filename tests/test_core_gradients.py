@@ -189,8 +189,10 @@ def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
     # reentrant checkpointing runs the layer with autograd off, and its backward recomputes it all the same
     bare = checkpointed("mixtral", "grouped_mm", False)[0]
     bare._set_gradient_checkpointing(True)  # torch's checkpoint itself, reentrant unless told otherwise (it warns)
+    unsaid = checkpointed("mixtral", "grouped_mm", False)[0]  # a partial of it that says nothing about reentrancy
+    unsaid.activation_checkpointing_enable(activation_checkpointing_kwargs={"preserve_rng_state": True})
     warnings.filterwarnings("ignore", message="torch.utils.checkpoint: the use_reentrant parameter")
-    for hf in (checkpointed("mixtral", "grouped_mm", True, reentrant=True)[0], bare):
+    for hf in (checkpointed("mixtral", "grouped_mm", True, reentrant=True)[0], bare, unsaid):
         reentrant = moelens.wrap(hf)
         with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
             with reentrant.trace(**inputs):

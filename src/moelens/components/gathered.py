@@ -37,10 +37,11 @@ class _GatheredNote:
         return _GatheredNote, ()
 
     def __call__(self, module: torch.nn.Module, args: tuple) -> None:
-        if self.component is None:  # a copy's: no wrapper of the copy reads it
+        if self.component is None:  # a copy's: no wrapper of the copy reads it, nor what the original noted
             for key, hook in list(module._forward_pre_hooks.items()):
                 if hook is self:
                     del module._forward_pre_hooks[key]
+            module.__dict__.pop(GATHERED, None)
             return
         setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
 
