@@ -174,6 +174,24 @@ def test_a_wrong_shared_expert_time_names_the_entry_in_the_order_error(registere
             wrapped.moes[0].save_all()
 
 
+@pytest.mark.parametrize("extra", [None, "n_shared", -1, True])
+def test_extra_logits_take_a_count_or_a_reference(extra):
+    """None failed at the first read as int(None); a plain word as int('n_shared'); -1 and True later still."""
+    with pytest.raises(FamilyError, match=rf"extra_logits must be an int >= 0 or an attribute reference .*got {extra!r}"):
+        families.register(dataclasses.replace(ENTRY, name="hand_extra", extra_logits=extra))
+
+
+def test_an_order_error_of_a_registered_entry_without_a_shared_expert_blames_the_read(registered):
+    """The hint names shared.when, which an entry without a shared expert has no say in."""
+    registered(shared=None)
+    wrapped = moelens.wrap(model())
+    with pytest.raises(OrderError) as caught:
+        with wrapped.trace(IDS):
+            wrapped.moes[0].expert_indices.save()
+            wrapped.moes[0].router_logits.save()
+    assert "registered entry" not in str(caught.value)
+
+
 def test_moelens_own_order_error_does_not_blame_the_entry():
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf)
@@ -222,7 +240,8 @@ def test_unregister_takes_back_only_the_users_own_registrations():
     builtin = families.get("mixtral")
     families.register(dataclasses.replace(builtin, notes="mine"), replace=True)
     families.unregister("mixtral")
-    with pytest.raises(FamilyError, match=r"cannot unregister 'mixtral': the entry in force is moelens' own"):
+    with pytest.raises(FamilyError, match=r"cannot unregister 'mixtral': the entry in force is moelens' own, and "
+                                          r"unregister undoes only your own register calls \(none is left"):
         families.unregister("mixtral")
     assert families.get("mixtral") is builtin
     assert moelens.wrap(tiny_model("mixtral")).moes[0].family is builtin
@@ -260,22 +279,27 @@ def test_check_names_the_scoring_that_gives_the_weights(registered):
     router_probs is sigmoid(logits) (rows summing to ~3), and nothing said so."""
     registered(scoring=Scoring("sigmoid", "score_topk"))
     wrapped = moelens.wrap(model())
-    with pytest.raises(FamilyError, match=r"layers\.0\.moe: the weights its experts got are not what family 'hand''s "
-                                          r"scoring gives \(score='sigmoid', select='score_topk', normalize=False, "
-                                          r"scale=None; largest difference .*\): Scoring\('softmax', 'score_topk', "
-                                          r"normalize=True\) gives them"):
+    with pytest.raises(FamilyError, match=r"layers\.0\.moe: the weights its experts got are not what the scoring of "
+                                          r"family 'hand' gives \(score='sigmoid', select='score_topk', normalize=False, "
+                                          r"scale=None; largest difference .*\): with score='softmax', normalize=True "
+                                          r"\(the entry's other settings as they are\) it gives them"):
         families.check(wrapped, IDS)
     registered(name="hand_scaled", scoring=Scoring("softmax", "score_topk", normalize=True, scale=2.0))
-    with pytest.raises(FamilyError, match=r"largest difference .*: Scoring\('softmax', 'score_topk', normalize=True\) "
-                                          r"gives them \(times a scale"):
+    with pytest.raises(FamilyError, match=r"largest difference .*: with scale=1 \(the entry's other settings"):
         families.check(moelens.wrap(model()), IDS)
+    deepseek = tiny_model("deepseek_v3")  # only the scale wrong: the groups and the selection bias stay
+    entry = families.get("deepseek_v3")
+    registered(**{field.name: getattr(entry, field.name) for field in dataclasses.fields(entry)}
+               | {"name": "my_deepseek", "scoring": dataclasses.replace(entry.scoring, scale=None)})
+    with pytest.raises(FamilyError, match=r"with scale=2\.5 \(the entry's other settings as they are\)"):
+        families.check(moelens.wrap(deepseek), **tiny_inputs(deepseek))
 
 
 def test_check_finds_a_block_output_the_entry_does_not_make(registered):
     """An entry without the shared expert: the block output is routed + shared, the entry says routed alone."""
     registered(shared=None)
     wrapped = moelens.wrap(model())
-    with pytest.raises(FamilyError, match=r"layers\.0\.moe: family 'hand''s Combine .* of routed_output, without a "
+    with pytest.raises(FamilyError, match=r"layers\.0\.moe: the Combine of family 'hand' .* of routed_output, without a "
                                           r"shared expert .*, is not the block's output"):
         families.check(wrapped, IDS)
     registered(name="hand_right")

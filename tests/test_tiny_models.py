@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,6 +196,8 @@ def test_a_misspelt_override_is_refused_not_left_as_a_stray_attribute():
     with pytest.raises(TypeError, match=r"MixtralConfig has no field 'num_local_expert' "
                                         r"\(did you mean 'num_local_experts'\?\)"):
         tiny_model("mixtral", num_local_expert=4)
+    # what every transformers config takes besides its fields stays accepted
+    assert tiny_config("mixtral", attn_implementation="eager", output_attentions=True)._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("size", [{"batch": 0}, {"seq": 0}, {"seq": -1}, {"batch": 2.0}, {"seq": True}])
@@ -203,3 +206,7 @@ def test_tiny_inputs_refuse_sizes_that_are_no_positive_int(size):
     (name, value), = size.items()
     with pytest.raises(ValueError, match=rf"tiny_inputs: {name} must be a positive int .* got {value!r}"):
         tiny_inputs(_model("mixtral"), **size)
+
+
+def test_tiny_inputs_take_numpy_and_tensor_integers():
+    assert tiny_inputs(_model("mixtral"), batch=np.int64(3), seq=torch.tensor(4))["input_ids"].shape == (3, 4)

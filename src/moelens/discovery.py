@@ -289,7 +289,7 @@ def discover(model: torch.nn.Module) -> Structure:
                 f"moelens: blocks of family {family_name!r} hold no experts module at {family.experts!r} "
                 f"(e.g. {block}), so none is served as a Moe: a checkpoint without a mixture, or a family whose "
                 "experts path is wrong (there, moelens takes a module decorated with transformers' use_experts_implementation "
-                "or with a class name ending in 'Experts'; for a registered family, any module but a ModuleList).",
+                "or with a class name ending in 'Experts'; for a registered family, any module but a ModuleList or ModuleDict).",
                 stacklevel=3,
             )
     if structure.family is None:

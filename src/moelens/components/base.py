@@ -163,7 +163,8 @@ class Component(Envoy):
         registered = (
             f" Family {self.family.name!r} is a registered entry: when save_all() or this order fails, the order "
             "the entry gives (shared.when) is not the one the block's forward runs; fix the entry."
-            if self.family is not None and not registry.is_built_in(self.family) else ""
+            if self.family is not None and self.family.shared is not None and not registry.is_built_in(self.family)
+            else ""
         )
         return OrderError(
             f"{self.path}.{name} was requested after the model had already run past it. "

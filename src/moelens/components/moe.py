@@ -91,9 +91,10 @@ def value_names(values: Any) -> list[str]:
 
 
 def _listed_value(line: str) -> str | None:
-    """The value a line of nnsight's envoy tree lists (``"  (router_logits) -> ..."``), or None for another line."""
-    name, arrow, _ = line.strip().partition(") -> ")
-    return name[1:] if arrow and name.startswith("(") else None
+    """The value a line of nnsight's envoy tree lists for the block itself (``"  (router_logits) -> ..."``, one level
+    in: a child's own values are deeper), or None for another line."""
+    name, arrow, _ = line.partition(") -> ")
+    return name[3:] if arrow and name.startswith("  (") and not name.startswith("   ") else None
 
 
 class Moe(Mlp):
@@ -423,7 +424,7 @@ class Moe(Mlp):
                 "own, which its implementations expect), or wrap it in a module that takes them so."
             )
         if name == "router_logits":
-            extra = int(self.family.resolve(self.family.extra_logits, self._module))
+            extra = int(self.family.resolve(self.family.extra_logits, self._module) or 0)
             what, expected = "router logits", self.num_experts + extra
             setting = f"num_experts={self.family.num_experts!r}" + (
                 f" plus extra_logits={self.family.extra_logits!r}" if extra else "")

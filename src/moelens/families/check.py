@@ -10,6 +10,7 @@ served in that run.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import torch
@@ -40,8 +41,8 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         The paths of the blocks checked.
 
     Raises:
-        FamilyError: what does not match, block by block, with the setting to fix (and, for the weights, the
-            ``Scoring`` among softmax / sigmoid, score_topk / logit_topk, normalised or not that does match).
+        FamilyError: what does not match, block by block, with the settings to fix (for the weights: which of
+            score, select, normalize and scale to change so that the scoring gives them, where one does).
     """
     from ..analysis.collect import check_wrapped  # analysis imports the components, which import the families
 
@@ -60,8 +61,12 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     return [moe.path for moe in moes]
 
 
-def _tolerance(tensor: torch.Tensor) -> dict[str, float]:
-    return {"atol": 1e-5, "rtol": 1e-4} if tensor.dtype in (torch.float32, torch.float64) else {"atol": 1e-2, "rtol": 1e-2}
+def _tolerance(*tensors: torch.Tensor | None) -> dict[str, float]:
+    """How far a recomputation may be from ``tensors`` (what it was made of and what it is compared with): the
+    rounding of the least precise of them."""
+    full = all(tensor is None or tensor.dtype in (torch.float32, torch.float64, torch.int64, torch.int32)
+               for tensor in tensors)
+    return {"atol": 1e-5, "rtol": 1e-4} if full else {"atol": 1e-2, "rtol": 1e-2}
 
 
 def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str, normalize: bool,
@@ -85,31 +90,51 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     if family.derived_routing or scoring.select in UNCHECKED_SELECTIONS or family.resolve(family.extra_logits, block):
         return ""  # derived from the logits by moelens itself, or not from the chosen scores alone
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
-    normalize = family.resolve(scoring.normalize, block)
+    score_name = family.resolve(scoring.score, block)
+    normalize = bool(family.resolve(scoring.normalize, block))
     scale = family.resolve(scoring.scale, block)
+    scale = None if scale is None else float(scale)
     softcap = family.softcap_of(block)
-    entry = chosen_weights(logits, indices, family.resolve(scoring.score, block), scoring.select, bool(normalize),
-                           None if scale is None else float(scale), softcap)
-    tolerance = _tolerance(weights)
+    entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap)
+    tolerance = _tolerance(logits, weights)
     if torch.allclose(weights.float(), entry, **tolerance):
         return ""
-    fits = [
-        f"Scoring({name!r}, {select!r}, normalize={renormalised})"
-        for name, select, renormalised in itertools.product(("softmax", "sigmoid"), ("score_topk", "logit_topk"), (True, False))
-        if _scaled_alike(weights.float(), chosen_weights(logits, indices, name, select, renormalised, None, softcap),
-                         tolerance)
-    ]
-    found = (f"{fits[0]} gives them (times a scale of its own, where the weights are scaled)" if fits else
-             "no softmax / sigmoid, score_topk / logit_topk scoring, normalised or not, gives them")
-    return (f"the weights its experts got are not what family {family.name!r}'s scoring gives ({_described(scoring)}; "
-            f"largest difference {float((weights.float() - entry).abs().max()):.3g}): {found}. router_probs, the "
-            "routing analysis and the export follow the entry: fix it and register it again.")
+    difference = float((weights.float() - entry).abs().max())
+    return (f"the weights its experts got are not what the scoring of family {family.name!r} gives "
+            f"({_described(scoring)}; largest difference {difference:.3g}): "
+            f"{_fitting(weights.float(), logits, indices, (score_name, scoring.select, normalize), scale, softcap, tolerance)}. "
+            "router_probs, the routing analysis and the export follow the entry: fix it and register it again.")
 
 
-def _scaled_alike(weights: torch.Tensor, candidate: torch.Tensor, tolerance: dict[str, float]) -> bool:
-    """Whether ``weights`` are ``candidate`` times one constant (a router's scale)."""
+def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, own: tuple[str, str, bool],
+             scale: float | None, softcap: float, tolerance: dict[str, float]) -> str:
+    """Which settings to change so the scoring gives ``weights``: the entry's own score, selection and
+    normalisation up to a factor (the scale), else the softmax / sigmoid, normalised or not, that fits (named by
+    what differs from the entry)."""
+    score_name, select, normalize = own
+    ranks_logits = select == "logit_topk"
+    for name, by_logits, renormalised in itertools.product(
+            dict.fromkeys((score_name, "softmax", "sigmoid")), (ranks_logits, not ranks_logits), (normalize, not normalize)):
+        candidate = chosen_weights(logits, indices, name, "logit_topk" if by_logits else "score_topk", renormalised,
+                                   None, softcap)
+        ratio = _factor(weights, candidate, tolerance)
+        if ratio is None:
+            continue
+        changes = [f"score={name!r}"] * (name != score_name) + [
+            "select='logit_topk'" if by_logits else "select='score_topk'"] * (by_logits != ranks_logits) + [
+            f"normalize={renormalised}"] * (renormalised != normalize)
+        if not math.isclose(ratio, scale if scale is not None else 1.0, rel_tol=1e-3):
+            changes.append(f"scale={ratio:.4g}")
+        return f"with {', '.join(changes)} (the entry's other settings as they are) it gives them"
+    return "no softmax / sigmoid scoring of the logits or of the chosen ones, normalised or not, gives them"
+
+
+def _factor(weights: torch.Tensor, candidate: torch.Tensor, tolerance: dict[str, float]) -> float | None:
+    """The constant ``weights`` are ``candidate`` times (a router's scale), or None when they are not."""
     ratio = weights.sum() / candidate.sum()
-    return bool(torch.isfinite(ratio)) and torch.allclose(weights, candidate * ratio, **tolerance)
+    if not torch.isfinite(ratio) or not torch.allclose(weights, candidate * ratio, **tolerance):
+        return None
+    return float(ratio)
 
 
 def _described(scoring: Any) -> str:
@@ -125,10 +150,11 @@ def _output_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     with torch.no_grad():
         combined = family.combined(block, values["routed_output"], values.get("shared_expert_output"))
     output = values["mlp_output"]
-    if torch.allclose(combined.float(), output.float(), **_tolerance(output)):
+    if torch.allclose(combined.float(), output.float(),
+                      **_tolerance(output, values["routed_output"], values.get("shared_expert_output"))):
         return ""
     shared = ("with the shared expert's output" if "shared_expert_output" in values
               else "without a shared expert (the entry names none, or the block has none)")
-    return (f"family {family.name!r}'s Combine ({family.combine}) of routed_output, {shared}, is not the block's output "
+    return (f"the Combine of family {family.name!r} ({family.combine}) of routed_output, {shared}, is not the block's output "
             f"(largest difference {float((combined.float() - output.float()).abs().max()):.3g}): check Combine "
             "(routed_scale, mode, routed_post, block_post) and SharedExpert (the module, its gate).")

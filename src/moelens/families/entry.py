@@ -268,7 +268,7 @@ class Family:
             names it, and dense MLPs are looked for there).
         router: Path of the router from the block.
         experts: Path of the experts module from the block, called as ``experts(hidden, top_k_index,
-            top_k_weights)`` (a registered entry's may be any module there but a ModuleList).
+            top_k_weights)`` (a registered entry's may be any module there but a ModuleList or ModuleDict).
         logits_op: Op in the router's forward whose output is the logits.
         scoring: How the logits are scored and experts picked.
         scoring_by_router: Scorings of blocks whose router is another class (router

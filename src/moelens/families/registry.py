@@ -168,6 +168,7 @@ def _settings(family: Family) -> Iterator[tuple[str, object, Callable[[object], 
     yield "num_experts", family.num_experts, _count(1), "an int >= 1"
     yield "identity_experts", family.identity_experts, lambda value: value is None or _count(0)(value), \
         "None, an int >= 0"
+    yield "extra_logits", family.extra_logits, _count(0), "an int >= 0"
     yield "Combine.routed_scale", family.combine.routed_scale, optional_number, "None, a number"
     for scoring in (family.scoring, *family.scoring_by_router.values()):
         yield "Scoring.score", scoring.score, SCORE_FUNCTIONS.__contains__, f"one of {sorted(SCORE_FUNCTIONS)}"
@@ -211,8 +212,8 @@ def unregister(name: str) -> None:
             if is_built_in(entry) and not any(earlier is entry for earlier in _REGISTERED[:position]):
                 # moelens' own registration of it: a re-run notebook cell would take the built-in entry away
                 raise FamilyError(
-                    f"cannot unregister {name!r}: the entry in force is moelens' own (what you registered under that "
-                    "name is already taken back); unregister undoes only your own register calls."
+                    f"cannot unregister {name!r}: the entry in force is moelens' own, and unregister undoes only your "
+                    "own register calls (none is left under that name)."
                 )
             del _REGISTERED[position]
             _rebuild()

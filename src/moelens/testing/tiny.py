@@ -33,6 +33,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -544,12 +545,17 @@ def _field_names(cls: type) -> set[str]:
     return names | set(getattr(cls, "attribute_map", {}))
 
 
+#: Keywords every transformers config takes besides its fields (``PreTrainedConfig.__init__`` acts on them).
+CONFIG_SETTINGS = frozenset({"attn_implementation", "experts_implementation", "output_attentions", "per_layer_config",
+                             "rope_scaling", "rope_theta", "name_or_path"})
+
+
 def tiny_config(family: str, **overrides: Any) -> PreTrainedConfig:
     """A tiny config for ``family``: ``COMMON_SIZES`` (where the class has the field), then
     ``TINY_OVERRIDES[family]``, then ``overrides``."""
     cls = config_class(family)
     fields = _field_names(cls)
-    unknown = sorted(set(overrides) - fields) if fields else []
+    unknown = sorted(set(overrides) - fields - CONFIG_SETTINGS) if fields else []
     if unknown:  # a config keeps any keyword as an attribute, so a misspelt size would be silently left at its default
         near = {name: difflib.get_close_matches(name, sorted(fields), n=1) for name in unknown}
         raise TypeError(
@@ -711,9 +717,15 @@ def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int 
 
     Every family's forward needs only these (deepseek_v4's hash-routed layers read ``input_ids``;
     text-only multimodal decoders derive their M-RoPE positions themselves)."""
+    sizes = {}
     for name, value in (("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        try:
+            sizes[name] = operator.index(value) if not isinstance(value, bool) else 0
+        except TypeError:
+            sizes[name] = 0
+        if sizes[name] < 1:
             raise ValueError(f"tiny_inputs: {name} must be a positive int (rows, tokens per row), got {value!r}.")
+    batch, seq = sizes["batch"], sizes["seq"]
     gen = torch.Generator().manual_seed(seed)
     vocab = int(getattr(model.config, "vocab_size", None) or COMMON_SIZES["vocab_size"])
     input_ids = torch.randint(3, vocab, (batch, seq), generator=gen)
