@@ -254,6 +254,26 @@ def test_wrap_leaves_the_users_tokenizer_as_it_was():
     assert wrapped.tokenizer.padding_side == "left"  # prompts are left-padded (docs/values.md)
 
 
+def test_wrap_and_a_trace_leave_the_users_model_as_it_was():
+    """Config, weights and mode: nothing compared them before and after wrapping (use_cache turned off by wrap
+    would have gone unseen, and the user's own generate would have run without a cache)."""
+    hf = tiny_model("mixtral").train()
+    config, weights = hf.config.to_dict(), {name: value.clone() for name, value in hf.state_dict().items()}
+    modes = {name: module.training for name, module in hf.named_modules()}
+    wrapped = moelens.wrap(hf)
+    with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
+        wrapped.moes[0].save_all()
+    assert hf.config.to_dict() == config
+    assert hf.state_dict().keys() == weights.keys() and all(torch.equal(hf.state_dict()[n], w) for n, w in weights.items())
+    assert {name: module.training for name, module in hf.named_modules()} == modes
+
+
+def test_moes_are_in_layer_order_past_ten_layers():
+    """model.moes[i] is the i-th MoE layer by number (a sort by path would put layers.10 before layers.2)."""
+    hf = tiny_model("mixtral", num_hidden_layers=12)
+    assert [moe.layer for moe in moelens.wrap(hf).moes] == list(range(12))
+
+
 @pytest.mark.parametrize("with_tokenizer", [True, False])
 def test_a_deep_copy_serves_its_own_values(with_tokenizer):
     # nnsight's own deep copy would hand the copy's values to the original's tracer (OrderError).

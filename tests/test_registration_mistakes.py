@@ -295,6 +295,14 @@ def test_check_names_the_scoring_that_gives_the_weights(registered):
         families.check(moelens.wrap(deepseek), **tiny_inputs(deepseek))
 
 
+def test_check_refuses_a_scale_five_percent_off(registered):
+    """Near misses count: an entry scaling the weights by 1.05 on a router that scales nothing is wrong (router_probs
+    and the export gate would follow it)."""
+    registered(scoring=Scoring("softmax", "score_topk", normalize=True, scale=1.05))
+    with pytest.raises(FamilyError, match=r"with scale=1 \(the entry's other settings"):
+        families.check(moelens.wrap(model()), IDS)
+
+
 def test_check_finds_a_block_output_the_entry_does_not_make(registered):
     """An entry without the shared expert: the block output is routed + shared, the entry says routed alone."""
     registered(shared=None)
