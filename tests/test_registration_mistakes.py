@@ -312,3 +312,58 @@ def test_check_finds_a_block_output_the_entry_does_not_make(registered):
         families.check(wrapped, IDS)
     registered(name="hand_right")
     assert families.check(moelens.wrap(model()), IDS) == ["model.layers.0.moe", "model.layers.1.moe"]
+
+
+def test_check_says_when_it_cannot_run():
+    """Inside an open trace it failed with nnsight's AttributeError; with no input or a misspelt keyword it told the
+    user to call save_all inside a trace."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(FamilyError, match=r"check runs the model itself, .* call it after the with-block"):
+        with wrapped.trace(**tiny_inputs(hf)):
+            families.check(wrapped, **tiny_inputs(hf))
+    with pytest.raises(FamilyError, match=r"check runs the model once on inputs: check\(model, \"some text\"\)"):
+        families.check(wrapped)
+    with pytest.raises(FamilyError, match=r"the model did not run on the inputs given \(keywords \['input_idz'\]\)"):
+        families.check(wrapped, input_idz=tiny_inputs(hf)["input_ids"])
+
+
+def test_check_warns_of_blocks_whose_weights_it_cannot_recompute():
+    """zaya's skip class: the block output is checked, the weights are not, and the user is told (they were listed
+    as checked without a word)."""
+    hf = tiny_model("zaya")
+    wrapped = moelens.wrap(hf)
+    with pytest.warns(UserWarning, match=r"check: .*: its block output is checked, its expert weights are not \(a slot "
+                                         r"that chose the skip class"):
+        families.check(wrapped, **tiny_inputs(hf))
+
+
+def test_check_passes_a_converted_linear_narrower_out_than_in():
+    """A compressed k_proj (32 -> 16, GQA) pads its experts square and cuts the routed output: check crashed adding
+    the 32-wide routed output to the 16-wide shared one."""
+    from moelens.compress import tomoe
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    converted = tomoe(dense, num_experts=2, top_k=1, target_modules=["k_proj"], max_error=None, progress=False)
+    wrapped = moelens.wrap(converted)
+    assert families.check(wrapped, torch.randint(0, 64, (2, 6))) == ["model.model.layers.0.self_attn.k_proj"]
+
+
+def test_a_shared_gate_and_its_op_go_together():
+    """An entry with the gate and no gated_op (or the reverse) passed check and was exported with another gate."""
+    for shared in (SharedExpert("shared", gate="gate"), SharedExpert("shared", gated_op="mul_0")):
+        with pytest.raises(FamilyError, match=r"SharedExpert gate=.* and gated_op=.* go together"):
+            families.register(dataclasses.replace(ENTRY, name="hand_gate", shared=shared))
+
+
+@pytest.mark.parametrize(("combine", "fix"), [
+    (Combine(output_index=0, mode="average"), r"with Combine mode='sum' \(the rest as it is\) it is"),
+    (Combine(output_index=0, routed_scale=0.5), r"with Combine routed_scale=1 \(the rest as it is\) it is"),
+])
+def test_check_names_the_combine_that_makes_the_block_output(registered, combine, fix):
+    registered(combine=combine)
+    with pytest.raises(FamilyError, match=rf"the Combine of family 'hand' .* is not the block's output .*: {fix}"):
+        families.check(moelens.wrap(model()), IDS)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import Any
 
 import torch
+from nnsight.intervention.interleaver import Mediator
 
 from ..errors import FamilyError
 from .scoring import score
+from .tomoe import converted
 
 #: Routers whose weights are no function of the chosen experts' scores alone, so the check cannot recompute them.
 UNCHECKED_SELECTIONS = {
@@ -38,19 +41,28 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     own (`register`) on a model you trust: moelens' own entries pass on every family's tiny model.
 
     Returns:
-        The paths of the blocks checked.
+        The paths of the blocks checked (a block whose weights are no function of its logits and indices alone,
+        `UNCHECKED_SELECTIONS` or extra logit columns, has its output checked, and a warning says so).
 
     Raises:
-        FamilyError: what does not match, block by block, with the settings to fix (for the weights: which of
-            score, select, normalize and scale to change so that the scoring gives them, where one does).
+        FamilyError: what does not match, block by block, with the settings to fix where some fit (for the
+            weights: score, select, normalize, scale; for the output: Combine's mode and routed_scale); also when
+            called inside a trace or without inputs the model runs on.
     """
     from ..analysis.collect import check_wrapped  # analysis imports the components, which import the families
 
     check_wrapped(model)
+    if _running():
+        raise FamilyError("check runs the model itself, which it cannot do from inside a trace while that trace runs "
+                          "the model: call it after the with-block.")
+    if not args and not kwargs:
+        raise FamilyError(f"check runs the model once on inputs: {USAGE}.")
     moes = [moe for moe in model.moes if not moe.runs_only_on]
     if not moes:
         raise FamilyError("check: the model has no MoE block that runs on every input; nothing to check.")
     with torch.no_grad(), model.trace(*args, **kwargs):
+        if not _running():  # nnsight takes keywords it does not know for no input at all
+            raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
         saved = model.save_all(list(CHECKED_VALUES), moes=moes)
     problems = []
     for moe, values in zip(moes, saved.values()):
@@ -58,7 +70,38 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
                      if problem]
     if problems:
         raise FamilyError(f"the family entry does not describe what the model computes:\n- " + "\n- ".join(problems))
+    for moe in moes:
+        unchecked = _unchecked_weights(moe)
+        if unchecked:
+            warnings.warn(f"moelens.families.check: {moe.path}: its block output is checked, its expert weights are "
+                          f"not ({unchecked}).", stacklevel=2)
     return [moe.path for moe in moes]
+
+
+#: How `check` is called, for its errors.
+USAGE = "check(model, \"some text\") or check(model, input_ids=..., attention_mask=...), as model.trace takes them"
+
+
+def _running() -> bool:
+    """Whether intervention code of a running trace is calling (nnsight's mediator is set)."""
+    try:
+        Mediator.current("check")
+    except ValueError:
+        return False
+    return True
+
+
+def _unchecked_weights(moe: Any) -> str:
+    """Why ``moe``'s expert weights cannot be recomputed from its logits and indices, or ""."""
+    family, block = moe.family, moe._module
+    select = moe.SCORING.select
+    if family.derived_routing:
+        return "moelens derives them from the logits with the entry's scoring itself"
+    if select in UNCHECKED_SELECTIONS:
+        return UNCHECKED_SELECTIONS[select]
+    if family.resolve(family.extra_logits, block):
+        return "the router normalises them together with its extra logit columns"
+    return ""
 
 
 def _tolerance(*tensors: torch.Tensor | None) -> dict[str, float]:
@@ -87,8 +130,8 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
 def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the entry's scoring on this block's run, or ""."""
     family, block, scoring = moe.family, moe._module, moe.SCORING
-    if family.derived_routing or scoring.select in UNCHECKED_SELECTIONS or family.resolve(family.extra_logits, block):
-        return ""  # derived from the logits by moelens itself, or not from the chosen scores alone
+    if _unchecked_weights(moe):
+        return ""
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     score_name = family.resolve(scoring.score, block)
     normalize = bool(family.resolve(scoring.normalize, block))
@@ -147,14 +190,38 @@ def _output_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     if "mlp_output" not in values or "routed_output" not in values:
         return ""
     family, block = moe.family, moe._module
+    routed, shared, output = values["routed_output"], values.get("shared_expert_output"), values["mlp_output"]
+    if converted(family) and routed.shape[-1] > output.shape[-1]:
+        routed = routed[..., : output.shape[-1]]  # a converted Linear pads its experts square, then cuts (ToMoEBlock)
     with torch.no_grad():
-        combined = family.combined(block, values["routed_output"], values.get("shared_expert_output"))
-    output = values["mlp_output"]
-    if torch.allclose(combined.float(), output.float(),
-                      **_tolerance(output, values["routed_output"], values.get("shared_expert_output"))):
+        combined = family.combined(block, routed, shared)
+    tolerance = _tolerance(output, routed, shared)
+    if torch.allclose(combined.float(), output.float(), **tolerance):
         return ""
-    shared = ("with the shared expert's output" if "shared_expert_output" in values
-              else "without a shared expert (the entry names none, or the block has none)")
-    return (f"the Combine of family {family.name!r} ({family.combine}) of routed_output, {shared}, is not the block's output "
-            f"(largest difference {float((combined.float() - output.float()).abs().max()):.3g}): check Combine "
-            "(routed_scale, mode, routed_post, block_post) and SharedExpert (the module, its gate).")
+    with_shared = ("with the shared expert's output" if shared is not None
+                   else "without a shared expert (the entry names none, or the block has none)")
+    return (f"the Combine of family {family.name!r} ({family.combine}) of routed_output, {with_shared}, is not the "
+            f"block's output (largest difference {float((combined.float() - output.float()).abs().max()):.3g}): "
+            f"{_combine_fitting(family, block, routed, shared, output, tolerance)}.")
+
+
+def _combine_fitting(family: Any, block: Any, routed: torch.Tensor, shared: torch.Tensor | None, output: torch.Tensor,
+                     tolerance: dict[str, float]) -> str:
+    """The routed_scale and mode that make ``output`` of ``routed`` and ``shared`` (for an entry with no post
+    modules), named by what differs from the entry; else which settings to look at."""
+    combine = family.combine
+    generic = "check Combine (routed_scale, mode, routed_post, block_post) and SharedExpert (the module, gate, gated_op)"
+    if combine.routed_post or combine.block_post:
+        return generic
+    routed, output = routed.float(), output.float()
+    rest = torch.zeros_like(output) if shared is None else shared.float()
+    own_mode, own_scale = family.resolve(combine.mode, block), family.resolve(combine.routed_scale, block)
+    for mode in dict.fromkeys((own_mode, "sum", "average")):
+        target = output * 2 - rest if mode == "average" else output - rest  # what the scaled routed output must be
+        scale = float((target * routed).sum() / (routed * routed).sum())
+        if math.isfinite(scale) and torch.allclose(routed * scale, target, **tolerance):
+            changes = [f"mode={mode!r}"] * (mode != own_mode)
+            if not math.isclose(scale, 1.0 if own_scale is None else float(own_scale), rel_tol=1e-3):
+                changes.append(f"routed_scale={scale:.4g}")
+            return f"with Combine {', '.join(changes)} (the rest as it is) it is"
+    return generic

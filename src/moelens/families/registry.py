@@ -105,6 +105,12 @@ def _check_description(family: Family) -> None:
         raise FamilyError(
             f"family {family.name!r}: shared expert time {family.shared.when!r} is not one of {SHARED_TIMES}."
         )
+    if family.shared is not None and (family.shared.gate is None) != (family.shared.gated_op is None):
+        raise FamilyError(
+            f"family {family.name!r}: SharedExpert gate={family.shared.gate!r} and gated_op={family.shared.gated_op!r} "
+            "go together: a gated shared expert names its gate module (gate, which the export applies) and the op "
+            "where the block has applied it (gated_op, where shared_expert_output is read); an ungated one, neither."
+        )
     for scoring in (family.scoring, *family.scoring_by_router.values()):
         if scoring.select not in SELECTIONS:
             raise FamilyError(f"family {family.name!r}: Scoring.select {scoring.select!r} is not one of {SELECTIONS}.")
