@@ -410,3 +410,19 @@ def test_a_path_that_is_no_path_is_refused_naming_the_argument_and_the_figure_is
     with pytest.raises(MoelensError, match=r"RoutingCache.load's folder must be a path"):
         RoutingCache.load(bad)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_writes_at_the_dpi_asked(tmp_path):
+    """Four times the dpi is four times the pixels each way (the dpi could be dropped for the default unseen; the
+    tight bounding box pads the 2 x 1 inch figure by 0.1 inch a side)."""
+    import struct
+
+    from matplotlib import pyplot
+    from moelens.analysis import plots
+
+    sizes = []
+    for dpi in (50, 200):
+        figure = pyplot.figure(figsize=(2, 1))
+        header = plots.save(figure, tmp_path / f"at-{dpi}.png", dpi=dpi).read_bytes()[16:24]
+        sizes.append(struct.unpack(">II", header))  # the PNG's IHDR width and height
+    assert sizes == [(110, 60), (440, 240)]

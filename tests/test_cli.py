@@ -101,15 +101,23 @@ def test_console_script_loads_tiny_without_network():
     assert report["family"] == "qwen2_moe" and report["name"].endswith("moelens-tiny")
 
 
-def test_demo_on_moelens_tiny(tmp_path, capsys):
-    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "8"], capsys)
+def test_demo_on_moelens_tiny(tmp_path, capsys, monkeypatch):
+    """Every plot the demo names lands in --out (the held-out ones could go to the working folder unseen), and
+    --text is the text routed and shown (the sample's routing could be shown under the file's name)."""
+    from moelens.analysis.cli import DEMO_FILES
+
+    (tmp_path / "mine.txt").write_text("zebra quagga okapi", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "8", "--text", tmp_path / "mine.txt"],
+                           capsys)
     assert status == 0, err
     header = next(line for line in out.splitlines() if line.startswith("token "))
     assert header.split()[1:3] == ["layer", "0"] and "layer 3" in header
     assert "cv" in out and "router_entropy" in out
-    names = pngs(tmp_path / "demo")
-    for name in ("token_routing.png", "text_usage.png", "heldout_specialisation.png", "logit_lens.png"):
-        assert name in names
+    table = out[out.index(header):].split("\n\n")[0].splitlines()[2:]  # below the header and its rule
+    assert "".join(row.split()[0] for row in table).replace("·", " ").startswith("zebra quagga"), table[:6]
+    assert set(DEMO_FILES) <= set(pngs(tmp_path / "demo"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["demo", "mine.txt"]  # nothing beside --out
     assert str((tmp_path / "demo").resolve()) in out
 
 
@@ -178,6 +186,7 @@ def test_inspect_counts_layers_not_blocks_and_names_each_block():
     blocks = [layer.path for layer in report.moe_layers]
     text = format_report(report, "none")
     assert f"MoE layers             1, 2, 3 (3 of 4), {len(blocks)} MoE blocks" in text and len(blocks) == 6
+    assert "dense layers           0\n" in text
     titles = [line for line in text.splitlines() if line.startswith("values served, ")]
     assert titles == [f"values served, {path}, shapes for a [1, 4] input:" for path in blocks]
     assert any("text_moe" in path for path in blocks) and any("vision_moe" in path for path in blocks)
@@ -244,6 +253,45 @@ def test_a_model_folder_from_the_home_folder_and_a_byte_order_mark(saved, tmp_pa
         assert status == 0, err
         counts.append([row["tokens"] for row in json.loads(out)["layers"]])
     assert counts[0] == counts[1] == [len(TEXT)] * len(counts[0])
+
+
+def test_stats_passes_its_options_on_and_names_the_text(saved, capsys, monkeypatch):
+    """--max-length, --blocks and --threads reach the collection (each could be dropped unseen: only their
+    refusals were tested), and the JSON names the text file."""
+    from moelens.analysis import cli as analysis_cli
+    from moelens.analysis import collect
+
+    seen, threads = {}, []
+    real = collect.collect_routing
+
+    def spy(model, texts, **kwargs):
+        seen.update(kwargs)
+        return real(model, texts, **kwargs)
+
+    monkeypatch.setattr(collect, "collect_routing", spy)
+    monkeypatch.setattr(analysis_cli, "set_threads", threads.append)
+    status, out, err = run(["stats", saved / "mixtral", "--text", saved / "text.txt", "--max-length", "8", "--blocks",
+                            "mlp", "--threads", "1", "--format", "json", "--no-progress"], capsys)
+    assert status == 0, err
+    assert seen["max_length"] == 8 and seen["blocks"] == "mlp" and threads == [1]
+    assert json.loads(out)["text"] == str(saved / "text.txt")
+
+
+def test_corpus_plots_draw_every_layer_and_consecutive_layers_forward(monkeypatch, tmp_path):
+    """The trajectories are layer i -> i+1 (not reversed) and co-activation has one panel per layer."""
+    import moelens
+    from moelens.analysis import plots
+    from moelens.analysis.cli import write_corpus_plots
+
+    drawn = {}
+    for name in ("plot_coactivation", "plot_transitions"):
+        real = getattr(plots, name)
+        monkeypatch.setattr(plots, name, lambda items, real=real, name=name: drawn.setdefault(name, items) and real(items))
+    hf = tiny_model("mixtral")
+    cache = analysis.collect_routing(moelens.wrap(hf), [tiny_inputs(hf)["input_ids"][0]], progress=False)
+    write_corpus_plots(cache, tmp_path)
+    assert [panel.layer for panel in drawn["plot_coactivation"]] == cache.layers
+    assert [(pair.source, pair.target) for pair in drawn["plot_transitions"]] == list(zip(cache.layers, cache.layers[1:]))
 
 
 def test_stats_formats_on_tiny(saved, capsys):
