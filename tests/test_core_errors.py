@@ -948,7 +948,7 @@ def test_a_write_into_a_named_tuple_output_keeps_its_type():
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({"shared": families.SharedExpert("pool", gate="pool_gat")}, r"has no gate at 'pool_gat'.* SharedExpert.gate path"),
+    ({"shared": families.SharedExpert("pool", gate="pool_gat", gated_op="mul_0")}, r"has no gate at 'pool_gat'.* SharedExpert.gate path"),
     ({"combine": families.Combine(routed_post="post")}, r"has no routed_post at 'post'.* Combine.routed_post path"),
     ({"combine": families.Combine(block_post="chooser.norm")}, r"has no block_post at 'chooser.norm'"),
 ])
