@@ -69,7 +69,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         problems += [f"{moe.path}: {problem}" for problem in (_weights_problem(moe, values), _output_problem(moe, values))
                      if problem]
     if problems:
-        raise FamilyError(f"the family entry does not describe what the model computes:\n- " + "\n- ".join(problems))
+        raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems))
     for moe in moes:
         unchecked = _unchecked_weights(moe)
         if unchecked:
