@@ -294,6 +294,20 @@ def test_corpus_plots_draw_every_layer_and_consecutive_layers_forward(monkeypatc
     assert [(pair.source, pair.target) for pair in drawn["plot_transitions"]] == list(zip(cache.layers, cache.layers[1:]))
 
 
+def test_a_system_error_on_a_path_is_bad_input_in_one_line(saved, tmp_path, capsys, monkeypatch):
+    """An OSError no check foresaw (here: writing a plot is refused) exits 2, as docs/cli.md says of bad input."""
+    from moelens.analysis import plots
+
+    def refused(figure, path, dpi=110):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(plots, "save", refused)
+    status, out, err = run(["stats", saved / "mixtral", "--text", saved / "text.txt", "--out", tmp_path / "s",
+                            "--no-progress"], capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("moelens stats: error: [Errno 13] Permission denied") and "check the path" in err
+
+
 def test_stats_formats_on_tiny(saved, capsys):
     status, out, err = run(["stats", "tiny", "--text", saved / "text.txt", "--format", "json", "--no-progress"], capsys)
     assert status == 0, err
