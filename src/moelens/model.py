@@ -19,7 +19,6 @@ import torch
 from jaxtyping import Int
 from nnsight import NNsight, TransformersModel
 from nnsight.intervention.envoy import traceable
-from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 
@@ -156,13 +155,11 @@ class MoeModelMixin:
         Returns layer index -> (value name -> saved tensor); keyed by block path
         instead when a layer holds several MoE blocks. See `Moe.save_all`.
         """
-        try:
-            Mediator.current("save_all")
-        except ValueError:
+        if not served.trace_running("save_all"):
             raise ValueUnavailable(
                 "model.save_all: a model's values exist only while it runs; call it inside a trace "
                 "(with model.trace(inputs): ..., or model.generate)."
-            ) from None
+            )
         check_flag("strict", strict)
         if moes is not None and (not isinstance(moes, Iterable) or isinstance(moes, torch.Tensor)):
             raise MoelensError(f"save_all(moes=...) takes a list of MoE blocks of this model (model.moes[1:3]); got "

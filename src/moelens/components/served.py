@@ -76,6 +76,16 @@ def _reraise(error: OutOfOrderError, location: str, on_order_error: Callable[[],
     raise on_order_error() from error
 
 
+def trace_running(asker: str) -> bool:
+    """Whether the intervention code of a running trace is calling (nnsight's mediator is set); ``asker`` names the
+    caller to nnsight."""
+    try:
+        Mediator.current(asker)
+    except ValueError:
+        return False
+    return True
+
+
 def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
     """Park until the model reaches ``location`` and return what is served there (see `order_errors`)."""
     try:  # not `with order_errors(...)`: a request per value read, and a context manager costs more

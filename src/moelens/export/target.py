@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from nnsight.intervention.interleaver import Mediator
 
 from ..components import Moe
 from ..components.base import layer_of
+from ..components.served import trace_running
 from ..families import Family, registry
 from ..families.entry import get_path
 from ..families.unserved import why_no_moe
@@ -99,9 +99,7 @@ def resolve(model: Any) -> Target:
 
 
 def _refuse_inside_a_trace() -> None:
-    try:
-        Mediator.current("to_nnef")
-    except ValueError:  # no intervention code is running: not inside a trace
+    if not trace_running("to_nnef"):
         return
     raise ExportError(
         "moelens.export runs the model itself (tracing it for the archive, and in torch to verify it), which it "

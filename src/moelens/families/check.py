@@ -15,7 +15,6 @@ import warnings
 from typing import Any
 
 import torch
-from nnsight.intervention.interleaver import Mediator
 
 from ..errors import FamilyError
 from .scoring import score
@@ -49,10 +48,11 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             weights: score, select, normalize, scale; for the output: Combine's mode and routed_scale); also when
             called inside a trace or without inputs the model runs on.
     """
-    from ..analysis.collect import check_wrapped  # analysis imports the components, which import the families
+    from ..analysis.collect import check_wrapped  # analysis and the components import the families
+    from ..components.served import trace_running
 
     check_wrapped(model)
-    if _running():
+    if trace_running("check"):
         raise FamilyError("check runs the model itself, which it cannot do from inside a trace while that trace runs "
                           "the model: call it after the with-block.")
     if not args and not kwargs:
@@ -61,34 +61,25 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     if not moes:
         raise FamilyError("check: the model has no MoE block that runs on every input; nothing to check.")
     with torch.no_grad(), model.trace(*args, **kwargs):
-        if not _running():  # nnsight takes keywords it does not know for no input at all
+        if not trace_running("check"):  # nnsight takes keywords it does not know for no input at all
             raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
         saved = model.save_all(list(CHECKED_VALUES), moes=moes)
+    unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
     problems = []
     for moe, values in zip(moes, saved.values()):
-        problems += [f"{moe.path}: {problem}" for problem in (_weights_problem(moe, values), _output_problem(moe, values))
-                     if problem]
+        found = ("" if unchecked[moe.path] else _weights_problem(moe, values), _output_problem(moe, values))
+        problems += [f"{moe.path}: {problem}" for problem in found if problem]
     if problems:
         raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems))
-    for moe in moes:
-        unchecked = _unchecked_weights(moe)
-        if unchecked:
-            warnings.warn(f"moelens.families.check: {moe.path}: its block output is checked, its expert weights are "
-                          f"not ({unchecked}).", stacklevel=2)
+    for path, reason in unchecked.items():
+        if reason:
+            warnings.warn(f"moelens.families.check: {path}: its block output is checked, its expert weights are "
+                          f"not ({reason}).", stacklevel=2)
     return [moe.path for moe in moes]
 
 
 #: How `check` is called, for its errors.
 USAGE = "check(model, \"some text\") or check(model, input_ids=..., attention_mask=...), as model.trace takes them"
-
-
-def _running() -> bool:
-    """Whether intervention code of a running trace is calling (nnsight's mediator is set)."""
-    try:
-        Mediator.current("check")
-    except ValueError:
-        return False
-    return True
 
 
 def _unchecked_weights(moe: Any) -> str:
@@ -128,10 +119,8 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
 
 
 def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
-    """What is wrong with the entry's scoring on this block's run, or ""."""
+    """What is wrong with the entry's scoring on this block's run (one whose weights it can recompute), or ""."""
     family, block, scoring = moe.family, moe._module, moe.SCORING
-    if _unchecked_weights(moe):
-        return ""
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     score_name = family.resolve(scoring.score, block)
     normalize = bool(family.resolve(scoring.normalize, block))
