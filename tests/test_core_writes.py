@@ -493,3 +493,20 @@ def test_a_patched_value_is_the_models_copy_so_a_later_steer_leaves_the_users_va
 
     expected = plain_edit(reference, inputs, wrapped.moes, edit)
     torch.testing.assert_close(first_tensor(output).detach(), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["expert_weights", "expert_indices"])
+def test_an_in_place_edit_of_routing_moelens_derives_is_an_error(name):
+    """llama4 calls no experts module: moelens recomputes its weights and indices from the logits, and the model
+    never reads them. An in-place edit of one was lost silently (assignment was refused already)."""
+    hf, wrapped, inputs, plain, reference = built("llama4", "eager")
+    moe = running_moes(wrapped)[0]
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{name} was edited in place, but .* never reads"):
+        with wrapped.trace(**inputs):
+            value = getattr(moe, name).save()
+            value[..., 0] = 0
+    with wrapped.trace(**inputs):  # read, or edited as a clone, it raises nothing and the output is the plain one
+        value = getattr(moe, name).save()
+        value.clone()[..., 0] = 0
+        output = wrapped.output.logits.save()
+    assert torch.equal(output, plain)

@@ -48,7 +48,7 @@ from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params, refuse_fully_sharded
-from .served import order_errors, request, served
+from .served import RUNS, order_errors, request, served
 
 
 class _SharedAlias:
@@ -394,7 +394,15 @@ class Moe(Mlp):
             logits = self.router_logits  # requested before moelens' saved-tensor hooks are in force (router_probs)
             with kept_for_backward():
                 weights, indices = top_logits(logits, self.top_k, self.SCORING.score)
-            return weights if descriptor.name == "expert_weights" else indices
+            value = weights if descriptor.name == "expert_weights" else indices
+            handed_back = RUNS.get(self.interleaver)
+            if handed_back is not None:  # an in-place edit of it is lost: the trace says so as it ends
+                handed_back.note(value, f"{self.path}.{descriptor.name}", private=True, never_used=(
+                    f"{self.path}.{descriptor.name} was edited in place, but it is moelens' recomputation from "
+                    f"router_logits (the {self.family.name} block calls no experts module), which the model never "
+                    "reads: the edit did not reach the model. Write router_logits to change the routing (steer, "
+                    "force)."))
+            return value
         value = super()._read(descriptor)
         self._check_width(descriptor.name, value)
         return value

@@ -381,29 +381,34 @@ class HandedBack:
     """
 
     def __init__(self) -> None:
-        #: id(view) -> (the view, its version when last handed back, its value's name). A write of another
-        #: value at the same visit hands the open views back early; the write-back hands them back again.
-        self.views: dict[int, tuple[weakref.ref, int, str]] = {}
+        #: id(view) -> (the view, its version when last handed back, its value's name, the error an edit of it
+        #: raises where it is not the default's). A write of another value at the same visit hands the open views
+        #: back early; the write-back hands them back again.
+        self.views: dict[int, tuple[weakref.ref, int, str, str | None]] = {}
 
-    def note(self, view: torch.Tensor, where: str, private: bool) -> None:
-        """``view`` was handed back: watched if it is a copy only the user holds, else no more."""
+    def note(self, view: torch.Tensor, where: str, private: bool, never_used: str | None = None) -> None:
+        """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``never_used``: the
+        error an edit raises where the model never reads the value at all (one moelens derives)."""
         if private:
-            self.views[id(view)] = (weakref.ref(view), view._version, where)
+            self.views[id(view)] = (weakref.ref(view), view._version, where, never_used)
         else:
             self.views.pop(id(view), None)
 
     def check(self) -> None:
-        """Raise `OrderError` for a view edited in place after its write-back (after a later value was read):
-        the model had gone on without it, so the edit was lost, unchecked."""
-        for reference, version, where in self.views.values():
+        """Raise `OrderError` for a view edited in place after its write-back (after a later value was read), or
+        for a value the model never reads: the model went on without it, so the edit was lost, unchecked."""
+        for reference, version, where, never_used in self.views.values():
             view = reference()
-            if view is not None and view._version != version:
-                raise OrderError(
-                    f"{where} was edited in place after the model had used it (a later value of the run was read "
-                    "first), on a copy the model does not hold: the edit did not reach the model. Edit a value "
-                    "before reading the values after it (the block's order()), or edit a .clone() for your own "
-                    "analysis."
-                )
+            if view is None or view._version == version:
+                continue
+            if never_used is not None:
+                raise OrderError(never_used)
+            raise OrderError(
+                f"{where} was edited in place after the model had used it (a later value of the run was read "
+                "first), on a copy the model does not hold: the edit did not reach the model. Edit a value "
+                "before reading the values after it (the block's order()), or edit a .clone() for your own "
+                "analysis."
+            )
 
 
 def _as_tensor(component: "Component", name: str, binding: Binding, value: Any, current: torch.Tensor) -> torch.Tensor:
