@@ -455,3 +455,21 @@ def test_a_model_with_offloaded_weights_is_refused_up_front_naming_them(tmp_path
             to_nnef(target, out)
         assert not out.exists()
     to_nnef(model.moes[1], out)  # a block whose weights are all loaded exports
+
+
+@pytest.mark.parametrize("text", ["my own notes, not moelens output\n", "graph g() -> ()\n{\n}\n",
+                                  "version 1.0;\nnotes without a graph\n"])
+def test_a_graph_nnef_that_is_no_nnef_document_is_the_users_not_an_export(text):
+    """A folder or archive whose only file is named graph.nnef but holds no NNEF graph (a version line and a graph
+    declaration) is the user's: refused, not replaced (any text passed when there were no tensors to match)."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder)
+        (base / "mine").mkdir()
+        (base / "mine" / "graph.nnef").write_text(text)
+        with tarfile.open(base / "mine.nnef.tgz", "w:gz") as tar:
+            tar.add(base / "mine" / "graph.nnef", arcname="graph.nnef")
+        with pytest.raises(ExportError, match="mine is a folder with files of its own"):
+            archive.check_destination(base / "mine")
+        with pytest.raises(ExportError, match="mine.nnef.tgz is a file that is not an NNEF export"):
+            archive.check_destination(base / "mine.nnef.tgz")
+        archive.check_destination(_export_folder(base / "earlier", []))  # an export with no tensors is one

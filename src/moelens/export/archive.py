@@ -100,9 +100,17 @@ def check_destination(path: Path) -> None:
         raise ExportError(f"{path} lies under {blocked}; name a path in a folder you can write to.")
 
 
+#: How an NNEF graph file begins (after comments) and declares its graph.
+NNEF_VERSION = re.compile(r"(?:\s|#[^\n]*\n)*version\s+\d+\.\d+\s*;")
+NNEF_GRAPH = re.compile(r"^\s*graph\s+\w+\s*\(", re.MULTILINE)
+
+
 def _is_export_listing(names: list[str], graph: str) -> bool:
     """Whether these file names (relative to the export's root) are an NNEF export and nothing else: its
-    ``graph.nnef`` (text ``graph``), its quantization table, and a ``<label>.dat`` for variables the graph declares."""
+    ``graph.nnef`` (text ``graph``: an NNEF document, with its version and graph declaration), its quantization
+    table, and a ``<label>.dat`` for variables the graph declares."""
+    if not (NNEF_VERSION.match(graph) and NNEF_GRAPH.search(graph)):
+        return False
     labels = set(re.findall(r"\blabel\s*=\s*'([^']*)'", graph))
     return "graph.nnef" in names and all(
         name in EXPORT_GRAPH_FILES or (name.endswith(".dat") and name[: -len(".dat")] in labels) for name in names
