@@ -409,9 +409,13 @@ def test_expert_axes_are_ticked_at_whole_numbers():
     (lambda out: (out.mkdir(), (out.parent / "elsewhere.json").write_text("mine"),
                   (out / "stats.json").symlink_to(out.parent / "elsewhere.json")),
      r"already holds 'stats.json' as a symbolic link"),
+    (lambda out: (out.mkdir(), (out.parent / "notes.json").write_text("mine"),
+                  os.link(out.parent / "notes.json", out / "usage.png")),
+     r"already holds 'usage.png' as a hard link of a file with another name \(writing it would change that file\)"),
     (lambda out: (out.mkdir(), (out / "cache").mkdir(), (out / "cache" / "shard-00000.safetensors").write_text("mine")),
      r"routing cache folder '{out}/cache' holds shard-00000.safetensors, which no routing.json there lists"),
-], ids=["cache-is-a-file", "plot-is-a-folder", "csv-is-a-folder", "dangling-link", "linked-output", "foreign-shard"])
+], ids=["cache-is-a-file", "plot-is-a-folder", "csv-is-a-folder", "dangling-link", "linked-output", "hard-linked-output",
+                                                                                        "foreign-shard"])
 def test_stats_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch, setup, message):
     text = tmp_path / "in.txt"
     text.write_text("some text to route\n")

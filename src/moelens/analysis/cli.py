@@ -124,7 +124,8 @@ def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None
     """Refuse an ``--out`` moelens cannot write to, before any work (the folder is made when written).
 
     ``--out`` must not be a file, lie under one or be a symbolic link to a missing path; none of the
-    ``files`` it writes there may be a folder or a symbolic link, nor its routing cache folder
+    ``files`` it writes there may be a folder, a symbolic link or a hard link (a file with another name too,
+    which writing it would change), nor its routing cache folder
     ``cache`` a file or a symbolic link (and a cache there is one moelens wrote: `check_cache_folder`).
     The ``--text`` file read, ``text``, may be none of those files nor lie in that cache (compared after
     resolving symbolic links, and as the same file on disk): writing the results would overwrite it.
@@ -134,8 +135,11 @@ def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None
         check_not_written(text, path, files, cache)
     for name in (*files, *([cache] if cache else [])):
         target = path / name
-        if target.is_symlink() or (target.exists() and target.is_dir() != (name == cache)):
-            kind = "a symbolic link" if target.is_symlink() else "a folder" if target.is_dir() else "a file"
+        linked = target.is_file() and not target.is_symlink() and name != cache and target.stat().st_nlink > 1
+        if target.is_symlink() or linked or (target.exists() and target.is_dir() != (name == cache)):
+            kind = ("a symbolic link" if target.is_symlink() else "a folder" if target.is_dir()
+                    else "a hard link of a file with another name (writing it would change that file)" if linked
+                    else "a file")
             what = "its routing cache folder" if name == cache else "a file"
             raise MoelensError(f"--out {str(path)!r} already holds {name!r} as {kind}, where moelens writes {what}; "
                                "move it or name another folder.")
