@@ -2271,3 +2271,52 @@ def test_scan_of_a_model_wrapped_without_a_tokenizer_says_what_it_needs():
     with pytest.raises(moelens.MoelensError, match=r"model.scan: shape inference needs a model wrapped with a tokenizer"):
         with wrapped.scan(torch.tensor([[5, 6, 7]])):
             wrapped.moes[0].expert_indices.save()
+
+
+def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
+    """nnsight keeps one interleaver per model: a second thread's trace joined the running one's workers and its
+    end cleared them, so a trace could end with its body unfinished and no error (a stale .save())."""
+    import threading
+
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        plain = hf(**inputs).logits
+    wrapped = moelens.wrap(hf)
+    inside, refused = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def first() -> None:
+        with torch.no_grad(), wrapped.trace(**inputs):
+            weights = wrapped.moes[0].expert_weights.save()
+            inside.set()
+            refused.wait(30)  # the model is mid-run, in this thread, while the other thread tries
+            logits = wrapped.output.logits.save()
+        results["first"] = (weights, logits)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(30)
+    with pytest.raises(moelens.MoelensError, match="running a trace .* another thread began"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            wrapped.output.save()
+    refused.set()
+    thread.join(30)
+    weights, logits = results["first"]
+    assert torch.equal(logits, plain) and weights.shape[-1] == 2  # the first trace ran to its end, unharmed
+    for failing in (True, False):  # once it is over, another thread traces: after a failed trace too
+        def later(failing=failing) -> None:
+            try:
+                with torch.no_grad(), wrapped.trace(**inputs):
+                    if failing:
+                        wrapped.moes[0].expert_indices[..., 0] = 99
+                    results["later"] = wrapped.output.logits.save()
+            except WriteError:
+                results["later"] = "refused"
+        thread = threading.Thread(target=later)
+        thread.start()
+        thread.join(30)
+        assert results.pop("later") == "refused" if failing else torch.equal(results.pop("later"), plain)
+    with torch.no_grad(), wrapped.trace(**inputs):  # and so does this one
+        logits = wrapped.output.logits.save()
+    assert torch.equal(logits, plain)

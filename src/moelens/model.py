@@ -28,6 +28,7 @@ from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known, unsupported_dtypes
 from .components.layer_list import LayerList, MoeList
 from .components.params import op_names
+from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, ValueUnavailable
 from .families import Family, registry
@@ -135,6 +136,8 @@ class MoeModelMixin:
         try:
             result = super().interleave(fn, *args, **kwargs)
         finally:
+            if isinstance(interleaver, MoeInterleaver):  # a forward that failed before nnsight's clean-up ran
+                interleaver.release()
             for runs in ep_runs.values():
                 runs.trace_ends()
             if outer is None:
@@ -449,6 +452,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     envoys.update({name: Mlp for name in structure.dense_blocks})
     if structure.layers is not None:
         envoys.setdefault(structure.layers, LayerList)
+    nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
         if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
             nnsight_kwargs.setdefault("task", "feature-extraction")

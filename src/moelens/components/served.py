@@ -27,6 +27,7 @@ from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from ..errors import FamilyError, OrderError, WriteError
 from . import tokens
 from .binding import FLOAT, Binding
+from .run_owner import MoeInterleaver
 from .write_checks import check_not_recomputed, check_write
 
 if TYPE_CHECKING:
@@ -185,7 +186,13 @@ class Rebase(NamedTuple):
 
 
 class MoeBatcher(Batcher):
-    """nnsight's batcher for a wrapped model: lands moelens' `Rebase` swaps on the current value."""
+    """nnsight's batcher for a wrapped model: lands moelens' `Rebase` swaps on the current value. Made as a run
+    begins, it claims the model for this thread (`run_owner`)."""
+
+    def __init__(self, envoy: Any, kwargs: dict | None = None) -> None:
+        if isinstance(envoy.interleaver, MoeInterleaver):
+            envoy.interleaver.claim()
+        super().__init__(envoy, kwargs)
 
     def widen(self, full: Any, group: Any, edited: Any) -> Any:
         if isinstance(edited, Rebase):

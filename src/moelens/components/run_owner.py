@@ -1,0 +1,54 @@
+"""One run of a wrapped model at a time: a run belongs to the thread that began it.
+
+nnsight keeps one interleaver per model, which holds the workers of the run going on. A trace begun in a
+second thread while the first runs adds its workers to the first's, and its end clears them all: the first
+trace could end with its body unfinished and no error (a ``.save()``d variable keeping an older value). A
+wrapped model's interleaver (`MoeInterleaver`) therefore refuses a run begun while another thread's is going
+on, before that run touches anything.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from nnsight.intervention.interleaver import Interleaver
+
+from ..errors import MoelensError
+
+#: Guards the look-and-claim of `MoeInterleaver.claim` (one for all: a lock is no attribute a model's deep copy can copy).
+_CLAIMING = threading.Lock()
+
+
+class MoeInterleaver(Interleaver):
+    """nnsight's interleaver for a wrapped model, owned by the thread whose run is going on (`claim`)."""
+
+    #: The thread whose run is going on (`threading.get_ident`), None between runs.
+    owner: int | None = None
+
+    def claim(self) -> None:
+        """Begin a run in this thread (as its inputs are first batched, before the run adds its workers).
+
+        Raises:
+            MoelensError: a run another thread began is going on.
+        """
+        thread = threading.get_ident()
+        with _CLAIMING:
+            if self.owner is not None and self.owner != thread:
+                raise MoelensError(
+                    "this model is running a trace (or a forward) another thread began; a wrapped model runs one at a "
+                    "time, and nnsight would mix the two runs' interventions up. Trace it from one thread at a time "
+                    "(a lock around the trace), or give each thread a model of its own (copy.deepcopy(model))."
+                )
+            self.owner = thread
+
+    def release(self) -> None:
+        """End this thread's run (a call from another thread leaves its run alone)."""
+        if self.owner == threading.get_ident():
+            self.owner = None
+
+    def cancel(self) -> None:
+        """nnsight's clean-up after a run, failed or not; then the run is over."""
+        try:
+            super().cancel()
+        finally:
+            self.release()
