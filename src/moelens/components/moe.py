@@ -397,7 +397,7 @@ class Moe(Mlp):
             value = weights if descriptor.name == "expert_weights" else indices
             handed_back = RUNS.get(self.interleaver)
             if handed_back is not None:  # an in-place edit of it is lost: the trace says so as it ends
-                handed_back.note(value, f"{self.path}.{descriptor.name}", private=True, never_used=(
+                handed_back.note(value, f"{self.path}.{descriptor.name}", private=True, edit_error=(
                     f"{self.path}.{descriptor.name} was edited in place, but it is moelens' recomputation from "
                     f"router_logits (the {self.family.name} block calls no experts module), which the model never "
                     "reads: the edit did not reach the model. Write router_logits to change the routing (steer, "

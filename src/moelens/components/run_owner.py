@@ -15,8 +15,9 @@ from nnsight.intervention.interleaver import Interleaver
 
 from ..errors import MoelensError
 
-#: Guards the look-and-claim of `MoeInterleaver.claim` (one for all: a lock is no attribute a model's deep copy can copy).
-_CLAIMING = threading.Lock()
+#: Guards `MoeInterleaver.claim` and `cancel` (one for all: a lock is no attribute a model's deep copy can copy;
+#: reentrant: a clean-up runs the interrupted interventions' ``finally`` blocks, which may run a model).
+_CLAIMING = threading.RLock()
 
 
 class MoeInterleaver(Interleaver):
@@ -47,8 +48,15 @@ class MoeInterleaver(Interleaver):
             self.owner = None
 
     def cancel(self) -> None:
-        """nnsight's clean-up after a run, failed or not; then the run is over."""
-        try:
-            super().cancel()
-        finally:
-            self.release()
+        """nnsight's clean-up after a run, failed or not; then the run is over.
+
+        A trace cleans up twice (at the end of the run, then of the trace): by the second, another thread may have
+        begun a run, which that clean-up leaves alone.
+        """
+        with _CLAIMING:
+            if self.owner is not None and self.owner != threading.get_ident():
+                return
+            try:
+                super().cancel()
+            finally:
+                self.release()

@@ -393,23 +393,23 @@ class HandedBack:
         #: back early; the write-back hands them back again.
         self.views: dict[int, tuple[weakref.ref, int, str, str | None]] = {}
 
-    def note(self, view: torch.Tensor, where: str, private: bool, never_used: str | None = None) -> None:
-        """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``never_used``: the
-        error an edit raises where the model never reads the value at all (one moelens derives)."""
+    def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
+        """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``edit_error``: the
+        error an edit of it raises where the model never reads the value at all (one moelens derives)."""
         if private:
-            self.views[id(view)] = (weakref.ref(view), view._version, where, never_used)
+            self.views[id(view)] = (weakref.ref(view), view._version, where, edit_error)
         else:
             self.views.pop(id(view), None)
 
     def check(self) -> None:
         """Raise `OrderError` for a view edited in place after its write-back (after a later value was read), or
         for a value the model never reads: the model went on without it, so the edit was lost, unchecked."""
-        for reference, version, where, never_used in self.views.values():
+        for reference, version, where, edit_error in self.views.values():
             view = reference()
             if view is None or view._version == version:
                 continue
-            if never_used is not None:
-                raise OrderError(never_used)
+            if edit_error is not None:
+                raise OrderError(edit_error)
             raise OrderError(
                 f"{where} was edited in place after the model had used it (a later value of the run was read "
                 "first), on a copy the model does not hold: the edit did not reach the model. Edit a value "
