@@ -9,6 +9,7 @@ through moelens values, token views or the analysis code.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 from collections import Counter
@@ -190,6 +191,18 @@ def test_load_balance_extremes():
     assert balance.max_over_mean.tolist() == [1.0, 4.0]
     assert balance.entropy.tolist() == [pytest.approx(1.0), 0.0]
     assert balance.unused.tolist() == [0, 3]
+
+
+def test_the_balance_of_experts_no_token_chose_is_nan_not_balanced():
+    """load_balance(num_experts=...) keeping only experts no token chose gave cv 0, which reads "balanced"."""
+    usage = analysis.Usage(layers=[0, 1], counts=torch.tensor([[5, 5, 5, 5], [0, 0, 10, 10]]),
+                           weight=torch.zeros(2, 4, dtype=torch.float64), tokens=10, top_k=[2, 2])
+    balance = analysis.load_balance(usage, num_experts=[4, 2])
+    assert balance.cv[0] == 0.0 and balance.unused.tolist() == [0, 2]
+    for measure in (balance.cv, balance.max_over_mean, balance.min_over_mean, balance.entropy):
+        assert math.isnan(float(measure[1]))
+    row = balance.as_rows()[1]
+    assert row["cv"] is None and row["usage_entropy"] is None and json.loads(json.dumps(row, allow_nan=False))
 
 
 def balance_by_hand(counts: list[int]) -> tuple[float, float, float, float, int]:
@@ -412,6 +425,23 @@ def test_expert_logit_lens_by_hand(qwen):
                 assert lens.promoted(layer, expert) == [shown(i) for i in expected.tolist()]
     relative = analysis.expert_logit_lens(wrapped, TEXTS[:2], top=3, relative=True, progress=False)
     assert relative.relative and relative.top_ids.shape[-1] == 3
+
+
+def test_the_logit_lens_of_a_bfloat16_model_reads_out_in_float32():
+    """The readout ran in the model's bfloat16: logits of ~3 digits, near tokens tied and ranked by rounding."""
+    hf = tiny_model("qwen2_moe").to(torch.bfloat16)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    lens = analysis.expert_logit_lens(wrapped, TEXTS, top=5, progress=False)
+    norm, head = hf.model.norm, hf.lm_head
+    assert norm.weight.dtype == head.weight.dtype == torch.bfloat16  # left as they were
+    means = lens.mean_outputs.double()  # by hand, in float64: RMSNorm, then the unembedding
+    normed = means * torch.rsqrt(means.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.double()
+    logits = normed @ head.weight.double().T
+    for row in range(len(lens.layers)):
+        for expert in torch.nonzero(lens.counts[row]).flatten().tolist():
+            expected = logits[row, expert].topk(5)
+            torch.testing.assert_close(lens.top_logits[row, expert].double(), expected.values, atol=1e-6, rtol=1e-4)
+            assert lens.top_ids[row, expert].tolist() == expected.indices.tolist()
 
 
 # -- other families (no tokenizer: token-id corpora) ---------------------------------------------------

@@ -373,6 +373,14 @@ def test_plot_values_are_checked_and_drawn_as_named(model):
     for value, matrix in (("share", spec.share()), ("lift", spec.lift())):
         torch.testing.assert_close(drawn(plots.plot_specialisation(spec, value=value))[used],
                                    matrix[0].float().double()[used])
+    # an expert no token chose is a blank row, with no number written on it ("0.00" read as "never this class")
+    from moelens.analysis.specialisation import Specialisation
+    sparse = Specialisation([0], ["code", "prose"], torch.tensor([[[0, 0], [2, 1]]]))
+    for value in ("share", "lift"):
+        figure = plots.plot_specialisation(sparse, value=value)
+        rows = sorted({round(text.get_position()[1]) for text in figure.axes[0].texts})
+        plots.pyplot().close(figure)
+        assert rows == [1], (value, rows)
     for value in ("counts", "share"):
         torch.testing.assert_close(drawn(plots.plot_top_tokens(experts, value=value), kind="bars"),
                                    getattr(experts[0], value).double())
@@ -795,3 +803,26 @@ def test_labels_as_whole_floats_or_bools_count_as_their_integers(results):
     expected = analysis.specialisation(cache, ids, per="text").counts
     for labels in (ids.float(), ids.bool(), ids.numpy().astype("float32"), ids.tolist()):
         assert torch.equal(analysis.specialisation(cache, labels, per="text").counts, expected)
+
+
+def test_every_statistic_of_a_cache_of_no_tokens_is_refused(model):
+    """token_entropy raised torch's own error, load_balance gave cv 0 ("balanced") and routing_entropy a mean of 0
+    ("router certain"): measurements of nothing, read as results."""
+    empty = analysis.collect_routing(model, ["", ""], logits=True, progress=False)
+    layer = empty.layers[0]
+    statistics = {
+        "expert_usage": lambda: analysis.expert_usage(empty),
+        "load_balance": lambda: analysis.load_balance(empty),
+        "routing_entropy": lambda: analysis.routing_entropy(empty),
+        "token_entropy": lambda: analysis.token_entropy(empty, layer),
+        "coactivation": lambda: analysis.coactivation(empty, layer),
+        "transitions": lambda: analysis.transitions(empty, layer, empty.layers[1]),
+        "expert_paths": lambda: analysis.expert_paths(empty),
+        "specialisation": lambda: analysis.specialisation(empty, [0, 1], per="text"),
+        "top_tokens": lambda: analysis.top_tokens(empty, layer),
+    }
+    for name, statistic in statistics.items():
+        with pytest.raises(MoelensError, match=r"holds no tokens .*analysis\.collect_routing\(model, texts\)"):
+            statistic()
+            pytest.fail(f"{name} measured a cache of no tokens")
+

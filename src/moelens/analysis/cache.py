@@ -363,9 +363,12 @@ class RoutingCache:
 
 
 def check_cache(cache: Any) -> None:
-    """Refuse a ``cache`` argument that is not a `RoutingCache` (a model, a `Usage` ...)."""
+    """Refuse a ``cache`` argument that is not a `RoutingCache` (a model, a `Usage` ...), or one of no tokens (whose
+    statistics would read as measurements: a balance of 0, an entropy of 0)."""
     check_type(cache, RoutingCache, "cache", "a RoutingCache",
                "collect one with analysis.collect_routing(model, texts), or load one with RoutingCache.load(folder)")
+    if cache.num_tokens == 0:
+        raise MoelensError(EMPTY_CACHE)
 
 
 def check_folder(path: Path, what: str) -> None:

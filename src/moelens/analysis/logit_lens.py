@@ -15,6 +15,7 @@ implementations; under ``eager`` the `Moe` error says how to switch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,14 @@ def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
     return nnsight.save(sums)
 
 
+def in_float32(module: torch.nn.Module, inputs: Tensor) -> Tensor:
+    """``module(inputs)`` with float32 copies of its floating-point weights (the module is left as it is): the lens
+    reads E vectors per layer, and a bfloat16 readout rounds their logits to ~3 digits, where near tokens tie."""
+    weights = {name: tensor.float() if tensor.is_floating_point() else tensor
+               for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers())}
+    return torch.func.functional_call(module, weights, (inputs,)).float()
+
+
 def expert_logit_lens(
     model: Any,
     corpus: Any,
@@ -200,10 +209,10 @@ def expert_logit_lens(
     if relative:
         layer_mean = (means * count_rows[..., None]).sum(1) / count_rows.sum(1).clamp(min=1)[:, None]
         readout = means - layer_mean[:, None, :]
-    parameter = next(head.parameters())
+    device = next(head.parameters()).device
     with torch.no_grad():
-        hidden = readout.to(parameter.dtype)
-        logits = head(norm(hidden) if norm is not None else hidden).float()
+        hidden = readout.to(device=device, dtype=torch.float32)
+        logits = in_float32(head, in_float32(norm, hidden) if norm is not None else hidden).cpu()
     logits[count_rows == 0] = float("-inf")
     top_logits, top_ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
     tokenizer = corpora.tokenizer_of(model)

@@ -74,6 +74,8 @@ def layer_stats(cache: RoutingCache) -> LayerStats:
 
 
 def _cell(value: Any) -> str:
+    if value is None:  # a measure of nothing (a layer whose experts took no token)
+        return "-"
     if isinstance(value, float):
         return f"{value:.3f}"
     if isinstance(value, list):

@@ -11,6 +11,7 @@ than the average), min / mean, the normalised entropy of the usage distribution
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,9 @@ class LoadBalance:
         min_over_mean: Idlest expert's count / mean count; 1 = balanced, 0 = an unused expert.
         entropy: Entropy of the usage distribution / log(E); 1 = uniform.
         unused: Experts never chosen.
+
+    The four measures are NaN for a layer whose experts measured took no tokens (``load_balance(num_experts=...)``
+    keeping only experts no token chose): there is no load to balance.
     """
 
     layers: list[int]
@@ -90,14 +94,17 @@ class LoadBalance:
     unused: Int[Tensor, " l"]
 
     def as_rows(self) -> list[dict]:
-        """One JSON-ready dict per layer."""
+        """One JSON-ready dict per layer (a NaN measure is None: JSON has no NaN)."""
+        def number(value: Tensor) -> float | None:
+            return None if value.isnan() else float(value)
+
         return [
             {
                 "layer": layer,
-                "cv": float(self.cv[row]),
-                "max_over_mean": float(self.max_over_mean[row]),
-                "min_over_mean": float(self.min_over_mean[row]),
-                "usage_entropy": float(self.entropy[row]),
+                "cv": number(self.cv[row]),
+                "max_over_mean": number(self.max_over_mean[row]),
+                "min_over_mean": number(self.min_over_mean[row]),
+                "usage_entropy": number(self.entropy[row]),
                 "unused_experts": int(self.unused[row]),
             }
             for row, layer in enumerate(self.layers)
@@ -129,11 +136,12 @@ def expert_usage(cache: RoutingCache) -> Usage:
 
 
 def balance_of(counts: Int[Tensor, " e"]) -> tuple[float, float, float, float, int]:
-    """(cv, max/mean, min/mean, normalised entropy, unused) of one layer's ``[E]`` counts."""
+    """(cv, max/mean, min/mean, normalised entropy, unused) of one layer's ``[E]`` counts; NaN for the four
+    measures where those experts took no tokens (no load to balance)."""
     counts = counts.double()
     mean = counts.mean()
     if mean == 0:
-        return 0.0, 0.0, 0.0, 0.0, int(counts.numel())
+        return math.nan, math.nan, math.nan, math.nan, int(counts.numel())
     cv = float(counts.std(correction=0) / mean)
     entropy = float(normalised_entropy(counts[None])[0]) if counts.numel() > 1 else 1.0
     return cv, float(counts.max() / mean), float(counts.min() / mean), entropy, int((counts == 0).sum())
