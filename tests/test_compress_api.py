@@ -389,7 +389,7 @@ def test_the_router_trains_straight_through_its_saturated_weights():
 
 def test_the_error_gate_says_when_no_token_was_held_out():
     # Below 1024 calibration tokens the error is measured on the fit tokens: tomoe warns, the stats say so.
-    with pytest.warns(UserWarning, match="fewer than 1024 calibration tokens"):
+    with pytest.warns(UserWarning, match=r"fewer than 1024 calibration tokens, .*Give at least 1024 calibration"):
         _, stats = tomoe(llama(), num_experts=4, top_k=2, calibration=ids(8, 16), max_error=0.9, return_stats=True,
                          progress=False)
     for layer in stats.converted:
@@ -402,3 +402,19 @@ def test_the_error_gate_says_when_no_token_was_held_out():
                          max_error=10.0, return_stats=True, progress=False)
     assert len(stats.converted) == 2
     assert all(layer.error_tokens == 1280 // 8 and not layer.notes for layer in stats.converted)
+
+
+def test_the_held_out_warning_names_max_tokens_when_it_cut_the_tokens():
+    """2048 calibration tokens cut to 500 by max_tokens: the warning asked for more calibration tokens."""
+    with pytest.warns(UserWarning, match=r"fewer than 1024 calibration tokens \(max_tokens=500\), .*Raise max_tokens"):
+        tomoe(llama(), num_experts=4, top_k=2, calibration=ids(64, 32), max_tokens=500, max_error=0.9, progress=False)
+
+
+def test_a_model_whose_weights_are_not_loaded_is_refused_before_any_work():
+    """A model built on the meta device came back unconverted, each layer "needing more than hidden states"."""
+    with torch.device("meta"):
+        empty = llama()
+    for calibration in (None, ids(8, 16)):
+        with pytest.raises(CompressionError, match=r"weights are not loaded: model\.embed_tokens\.weight is on the "
+                                                   r"meta device .*load its weights"):
+            tomoe(empty, num_experts=4, top_k=2, calibration=calibration, progress=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import time
 import warnings
@@ -90,6 +91,7 @@ class ToMoECompressor:
         options = self.options
         started = time.perf_counter()
         check_dtype(options.experts_implementation, _float_dtypes(self.model), "the model's")  # before any work
+        _check_weights_loaded(self.model)
         calls = calib.batches(self.calibration)
         original = parameter_count(self.model)
         model = self.model if options.inplace else copy.deepcopy(self.model)
@@ -271,10 +273,13 @@ class ToMoECompressor:
         plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
                           seed=options.seed)
         if plan.error is not None and not plan.held_out and options.max_error is not None:
+            capped = x.shape[0] >= options.max_tokens  # the cap cut the tokens, not the data
             warnings.warn(
-                "tomoe: fewer than 1024 calibration tokens, so the max_error gate measures each layer's error on the "
-                "tokens it was fitted on (none held out), which the refit nearly interpolates: layers far above "
-                "max_error on new text can pass. Give at least 1024 calibration tokens to gate on held-out ones.",
+                f"tomoe: fewer than 1024 calibration tokens{f' (max_tokens={options.max_tokens})' if capped else ''}, "
+                "so the max_error gate measures each layer's error on the tokens it was fitted on (none held out), "
+                "which the refit nearly interpolates: layers far above max_error on new text can pass. "
+                + ("Raise max_tokens to at least 1024" if capped else "Give at least 1024 calibration tokens")
+                + " to gate on held-out ones.",
                 stacklevel=4,
             )
         if plan.error is not None and options.max_error is not None and plan.error > options.max_error:
@@ -339,6 +344,18 @@ def _hooks_reason(site: tg.Site) -> str:
             return (f"a hook of yours on {where} (a module the conversion replaces) would be dropped: remove it "
                     "(handle.remove()) to convert this layer")
     return ""
+
+
+def _check_weights_loaded(model: nn.Module) -> None:
+    """Refuse a model whose weights are on the meta device (built empty, as ``init_empty_weights`` does): there is
+    nothing to split into experts (its forward would fail as a layer "needing more than hidden states")."""
+    empty = next((name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+                  if tensor.is_meta), None)
+    if empty is not None:
+        raise CompressionError(
+            f"the model's weights are not loaded: {empty} is on the meta device (no data), as in a model built with "
+            "init_empty_weights or device='meta'; load its weights (from_pretrained, load_state_dict) before tomoe."
+        )
 
 
 def _float_dtypes(model: nn.Module) -> set[torch.dtype]:
