@@ -723,6 +723,11 @@ BAD_ARGUMENTS = {
     "top-tokens-empty-cache": (lambda m, r: analysis.top_tokens(analysis.collect_routing(m, [], progress=False), 0),
                                r"holds no tokens .*analysis\.collect_routing\(model, texts\)"),
     "view-logits-number": (lambda m, r: analysis.token_routing(m, "a b", logits=2), r"logits must be True or False, got 2"),
+    # a processor's output: the images were dropped and their placeholder tokens routed as text, silently
+    "corpus-with-images": (lambda m, r: analysis.collect_routing(
+        m, {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]], "pixel_values": torch.zeros(1, 3, 4, 4),
+            "image_grid_thw": [[1, 2, 2]]}, progress=False),
+        r"holds inputs of other modalities \(pixel_values, image_grid_thw\), which routing analysis does not pass"),
 }
 
 

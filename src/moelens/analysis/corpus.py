@@ -24,6 +24,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..errors import MoelensError
+from ..model import MODALITY_INPUTS
 from .checks import check_count
 
 #: Longest window used when neither the caller nor the model's config says.
@@ -161,6 +162,14 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
         raise MoelensError(
             f"a corpus given as a mapping must be a tokenizer's output with input_ids (and attention_mask); "
             f"got the keys {list(encoding)}."
+        )
+    modality = [key for key in encoding if any(part in str(key) for part in MODALITY_INPUTS)]
+    if modality:  # a processor's output: its images would be left out, their placeholder tokens routed as text
+        raise MoelensError(
+            f"the corpus holds inputs of other modalities ({', '.join(map(str, modality))}), which routing analysis "
+            "does not pass to the model: it routes token ids only, so the image or audio placeholder tokens would be "
+            "routed as text. Pass text (or its token ids), or read the routing of one processor batch in a trace "
+            "(with model.trace(**inputs): model.save_all())."
         )
     rows = encoding["input_ids"]
     masks = encoding.get("attention_mask")
