@@ -505,6 +505,9 @@ def test_an_in_place_edit_of_routing_moelens_derives_is_an_error(name):
         with wrapped.trace(**inputs):
             value = getattr(moe, name).save()
             value[..., 0] = 0
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{name} was edited in place, but .* never reads"):
+        with wrapped.trace(**inputs):  # edited as it is read, no reference kept: as nnsight users edit
+            getattr(moe, name)[..., 0] = 0
     with wrapped.trace(**inputs):  # read, or edited as a clone, it raises nothing and the output is the plain one
         value = getattr(moe, name).save()
         value.clone()[..., 0] = 0

@@ -302,3 +302,23 @@ def test_force_on_some_tokens_checks_only_those_tokens(afmoe_without_selection_o
         forced = moe.expert_indices.save()
     assert (forced[0, 0] == expert).any() and torch.equal(forced[0, 1:], routed[0, 1:])
     assert not (forced[0] == expert).any(-1).all()  # so a check of every token would refuse it
+
+
+def test_force_refuses_logits_too_coarse_to_stay_above_the_others():
+    """bfloat16 after a steer of 1e4: the raised logit rounded into a tie with the steered one, and the forced
+    expert was silently not picked."""
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", dtype=torch.bfloat16, num_experts_per_tok=1)
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):  # where bfloat16 still steps finely enough, the forced expert is every token's
+        moelens.steer(moe, 0, 1000.0)
+        moelens.force(moe, [5])
+        indices = moe.expert_indices.save()
+    assert (indices == 5).all()
+    with pytest.raises(WriteError, match=r"router logits reach 9984, where torch.bfloat16 is too coarse .* experts "
+                                         r"\[5\] raised above the others to stay above them; steer by less"):
+        with wrapped.trace(**inputs):
+            moelens.steer(moe, 0, 1e4)
+            moelens.force(moe, [5])

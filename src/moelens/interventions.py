@@ -350,6 +350,15 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
                 f"(by the span + 30) overflows {rows.dtype} (at most {torch.finfo(rows.dtype).max:.4g}); steer by "
                 "less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
             )
+        others = raised.clone()
+        others[..., chosen] = float("-inf")
+        if not is_fake(rows) and (raised[..., chosen].amin(-1) <= others.amax(-1)).any():  # rounded into a tie
+            top = float(finite.abs().amax())
+            raise WriteError(
+                f"force: {moe.path}'s router logits reach {top:.4g}, where {rows.dtype} is too coarse (steps of about "
+                f"{torch.finfo(rows.dtype).eps * top:.3g}) for experts {chosen} raised above the others to stay above "
+                "them; steer by less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
+            )
         return raised
 
     logits = moe.router_logits

@@ -392,10 +392,15 @@ class HandedBack:
         #: raises where it is not the default's). A write of another value at the same visit hands the open views
         #: back early; the write-back hands them back again.
         self.views: dict[int, tuple[weakref.ref, int, str, str | None]] = {}
+        #: The values moelens derives, kept to the run's end: one edited in place as it is read
+        #: (``moe.expert_weights[..., 0] = 0``) is dropped by the user at once, and must still be checked.
+        self.derived: list[torch.Tensor] = []
 
     def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
         """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``edit_error``: the
         error an edit of it raises where the model never reads the value at all (one moelens derives)."""
+        if edit_error is not None:
+            self.derived.append(view)
         if private:
             self.views[id(view)] = (weakref.ref(view), view._version, where, edit_error)
         else:
