@@ -1068,6 +1068,11 @@ def test_verify_refuses_a_model_the_archive_was_not_exported_from(out):
             verify(block, wider, inputs)
     with pytest.raises(ExportError, match=r"block of family mixtral, but the block given has family olmoe"):
         verify(block, moelens.wrap(small("olmoe")).moes[0])
+    # another layer's block of the same model: compared, it read as a broken export (an error of 1.5, no level met)
+    with pytest.raises(ExportError, match=r"block.nnef.tgz was exported from a block of MoE layer\(s\) 0, but the "
+                                          r"block given has MoE layer\(s\) 1"):
+        verify(block, wrapped.moes[1])
+    assert verify(block, wrapped._module.model.layers[0].mlp).meets("approximate")  # a bare module: no layer known
 
 
 def test_export_refuses_to_run_inside_a_trace(out):

@@ -117,13 +117,16 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
 
 def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Target) -> None:
     """Refuse a model that the archive at ``path`` cannot have been exported from: another kind (model or
-    block), family, vocabulary or hidden size than the archive records or takes."""
+    block), family, MoE layers, vocabulary or hidden size than the archive records or takes."""
     from .exporter import hidden_size, vocab_size
 
     kind = recorded.get("moelens_kind", target.kind)
     if kind != target.kind:
         raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with.")
-    found = {"family": (recorded.get("moelens_family"), target.family.name)}
+    layers = ",".join(str(block.layer) for block in target.blocks)
+    known = "None" not in layers and "None" not in recorded.get("moelens_layers", "None")  # a block outside a model
+    found = {"family": (recorded.get("moelens_family"), target.family.name),
+             "MoE layer(s)": (recorded.get("moelens_layers"), layers) if known else (None, None)}
     if kind == "model":
         found["vocabulary size"] = (recorded.get("moelens_vocab_size"), vocab_size(target))
     else:
