@@ -502,8 +502,13 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
                     refusing["on"] = False
             return run
 
+        def empty_batch_on_the_last_rank() -> None:  # its body raises before the model runs: still its run
+            with lm.trace(ids[:0] if RANK == WORLD - 1 else ids):
+                lm.output.logits.save()
+
         result = {}
         for name, failing in (("layer 0", [reroute_second_row(0)]), ("layer 1", [reroute_second_row(1)]),
+                              ("an empty batch, before the model runs", [empty_batch_on_the_last_rank]),
                               ("before the forward, twice", [params_of(0), params_of(1)]),
                               ("a forward, by an earlier hook", [refused(lambda: sharded(input_ids=ids))]),
                               ("a base model forward, at layer 1", [refused(lambda: sharded.model(input_ids=ids))])):
@@ -519,9 +524,12 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         return result
 
     def different_models() -> dict[str, Any]:
-        # The last rank loads experts of another width: refused on every rank before any exchange.
+        # The last rank loads experts of another width, or dtype: refused on every rank before any exchange (rows
+        # of another size made gloo abort a process).
         width = 24 if RANK == WORLD - 1 else 16
-        return {"error": _error_text(lambda: shard_experts(tiny_model("mixtral", intermediate_size=width), None))}
+        dtype = torch.bfloat16 if RANK == WORLD - 1 else torch.float32
+        return {"error": _error_text(lambda: shard_experts(tiny_model("mixtral", intermediate_size=width), None)),
+                "dtype": _error_text(lambda: shard_experts(tiny_model("mixtral", dtype=dtype), None))}
 
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
             "error_on_some_ranks": error_on_some_ranks, "different_models": different_models}

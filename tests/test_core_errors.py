@@ -390,6 +390,11 @@ def test_a_model_with_a_tokenizer_and_offloaded_first_weights_loads_and_traces(t
             output = model.output.logits.save()
         outputs.append((logits, output))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+    from moelens import analysis  # the expert logit lens reads out through the offloaded head too
+
+    lenses = [analysis.expert_logit_lens(model, ["def add(a, b):\n    return a + b\n"], progress=False)
+              for model in (whole, offloaded)]
+    assert torch.equal(lenses[1].top_ids, lenses[0].top_ids)
 
 
 def test_load_expands_a_path_from_the_home_folder(tmp_path, monkeypatch):
@@ -2278,11 +2283,17 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
     end cleared them, so a trace could end with its body unfinished and no error (a stale .save())."""
     import threading
 
+    from moelens.components import served
+    from moelens.parallel.runs import Runs
+
     hf = tiny_model("mixtral")
     inputs = tiny_inputs(hf)
     with torch.no_grad():
         plain = hf(**inputs).logits
     wrapped = moelens.wrap(hf)
+    runs = Runs()
+    for moe in wrapped.moes:  # as shard_experts marks the experts it shards: a run id per run (parallel.runs)
+        moe.experts._module.__dict__["_ep_runs"] = runs
     inside, refused = threading.Event(), threading.Event()
     results: dict[str, object] = {}
 
@@ -2297,9 +2308,13 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
     thread = threading.Thread(target=first)
     thread.start()
     assert inside.wait(30)
+    running = (runs.current, served.RUNS.get(wrapped.interleaver))
     with pytest.raises(moelens.MoelensError, match="running a trace .* another thread began"):
         with torch.no_grad(), wrapped.trace(**inputs):
             wrapped.output.save()
+    with pytest.raises(moelens.MoelensError, match="running a trace .* another thread began"):
+        wrapped.trace(**inputs, trace=False)  # a run without a with-block: refused before it touches the run's state
+    assert (runs.current, served.RUNS.get(wrapped.interleaver)) == running
     # a trace of this thread that ended just before the other began cleans up once more as it returns (nnsight's
     # tracer does, after the run's own clean-up): that leaves the other thread's run alone
     wrapped.interleaver.cancel()
@@ -2307,6 +2322,7 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
     thread.join(30)
     weights, logits = results["first"]
     assert torch.equal(logits, plain) and weights.shape[-1] == 2  # the first trace ran to its end, unharmed
+    assert runs.current == 1 and served.RUNS.get(wrapped.interleaver) is None
     for failing in (True, False):  # once it is over, another thread traces: after a failed trace too
         def later(failing=failing) -> None:
             try:

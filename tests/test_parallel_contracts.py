@@ -404,3 +404,24 @@ def test_shard_experts_on_one_rank() -> None:
     assert "is sharded already" in r["again"], r["again"]
     assert r["grouped_mm"] == "" and r["logits"] <= 1e-5, r
     assert r["converted"] == "torch_a2a", r["converted"]
+
+
+def test_a_trace_counts_its_run_as_it_begins_even_if_its_body_fails_before_the_model_runs():
+    """A rank whose trace of an empty batch raised in its body (before the model ran) counted no run: the other
+    ranks' trace paired with its next one, silently wrong (parallel.runs). One run per trace, however it ends."""
+    import moelens
+    from moelens.parallel.runs import Runs
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral")
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    runs = Runs()
+    for moe in wrapped.moes:  # as shard_experts marks the experts it shards
+        moe.experts._module.__dict__["_ep_runs"] = runs
+    with pytest.raises(ValueError, match="outside of interleaving"):
+        with wrapped.trace():  # no input: the body runs before, and here instead of, the model
+            wrapped.output.save()
+    assert (runs.current, runs.tracing) == (1, 0)
+    with wrapped.trace(**inputs):
+        wrapped.output.save()
+    assert (runs.current, runs.tracing) == (2, 0)

@@ -124,21 +124,35 @@ class MoeModelMixin:
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions (one run of each EP group the experts are
         sharded over, `parallel.runs`); then a check that no value moelens served was edited in place after the
-        model had used it (`served.HandedBack`)."""
+        model had used it (`served.HandedBack`). The run belongs to this thread (`run_owner`) until it is over:
+        another thread's run is refused before it touches anything."""
+        interleaver = self.interleaver
+        if not isinstance(interleaver, MoeInterleaver):  # one of the user's (wrap(interleaver=...))
+            return self._run(fn, *args, **kwargs)
+        interleaver.claim()
+        interleaver.running += 1
+        try:
+            return self._run(fn, *args, **kwargs)
+        finally:
+            interleaver.running -= 1
+            if not interleaver.running:
+                interleaver.release()
+
+    def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`interleave`, in the thread that owns the run."""
         watched = list(_present(self._module, self._watched))
         _refuse_compiled(watched)  # compiled since wrapping, or a compiled one put in
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
         served.RUNS[interleaver] = handed_back
-        ep_runs = {id(runs): runs for _, module in watched if (runs := module.__dict__.get("_ep_runs")) is not None}
-        for runs in ep_runs.values():
-            runs.trace_begins()
+        ep_runs = self._ep_runs(watched)
+        begun = getattr(kwargs.get("batcher"), "runs_begun", ())  # a trace's run, counted as it began
+        for runs in ep_runs:
+            runs.trace_begins(counted=any(runs is other for other in begun))
         try:
             result = super().interleave(fn, *args, **kwargs)
         finally:
-            if isinstance(interleaver, MoeInterleaver):  # a forward that failed before nnsight's clean-up ran
-                interleaver.release()
-            for runs in ep_runs.values():
+            for runs in ep_runs:
                 runs.trace_ends()
             if outer is None:
                 del served.RUNS[interleaver]
@@ -146,6 +160,20 @@ class MoeModelMixin:
                 served.RUNS[interleaver] = outer
         handed_back.check()
         return result
+
+    def _ep_runs(self, watched: list[tuple[str, torch.nn.Module]] | None = None) -> list[Any]:
+        """The `parallel.runs.Runs` of each EP group this model's experts are sharded over (none unsharded)."""
+        watched = _present(self._module, self._watched) if watched is None else watched
+        found = {id(runs): runs for _, module in watched if (runs := module.__dict__.get("_ep_runs")) is not None}
+        return list(found.values())
+
+    def _begin_runs(self) -> tuple[Any, ...]:
+        """Count a run of each EP group the experts are sharded over, as a trace begins (before its body runs:
+        a body that raises on some ranks only, before the model runs, still counts its run there)."""
+        begun = tuple(self._ep_runs())
+        for runs in begun:
+            runs.start()
+        return begun
 
     def save_all(
         self, values: str | list[str] | None = None, *, strict: bool = False, moes: list[Moe] | None = None

@@ -134,12 +134,17 @@ def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
     return nnsight.save(sums)
 
 
-def in_float32(module: torch.nn.Module, inputs: Tensor) -> Tensor:
-    """``module(inputs)`` with float32 copies of its floating-point weights (the module is left as it is): the lens
-    reads E vectors per layer, and a bfloat16 readout rounds their logits to ~3 digits, where near tokens tie."""
-    weights = {name: tensor.float() if tensor.is_floating_point() else tensor
-               for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers())}
-    return torch.func.functional_call(module, weights, (inputs,)).float()
+def read_out(module: torch.nn.Module, inputs: Tensor) -> Tensor:
+    """``module(inputs)`` in float32, with float32 copies of its floating-point weights (the module is left as it is):
+    the lens reads E vectors per layer, and a bfloat16 readout rounds their logits to ~3 digits, where near tokens
+    tie. A module accelerate offloaded (its weights on the meta device until its hook loads them) runs as it is."""
+    tensors = dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+    if any(tensor.is_meta for tensor in tensors.values()):
+        dtype = next((tensor.dtype for tensor in tensors.values() if tensor.is_floating_point()), inputs.dtype)
+        return module(inputs.to(dtype)).float()
+    device = next(iter(tensors.values())).device if tensors else inputs.device
+    weights = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in tensors.items()}
+    return torch.func.functional_call(module, weights, (inputs.to(device=device, dtype=torch.float32),)).float()
 
 
 def expert_logit_lens(
@@ -209,10 +214,9 @@ def expert_logit_lens(
     if relative:
         layer_mean = (means * count_rows[..., None]).sum(1) / count_rows.sum(1).clamp(min=1)[:, None]
         readout = means - layer_mean[:, None, :]
-    device = next(head.parameters()).device
     with torch.no_grad():
-        hidden = readout.to(device=device, dtype=torch.float32)
-        logits = in_float32(head, in_float32(norm, hidden) if norm is not None else hidden).cpu()
+        hidden = readout.float()
+        logits = read_out(head, read_out(norm, hidden) if norm is not None else hidden).cpu()
     logits[count_rows == 0] = float("-inf")
     top_logits, top_ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
     tokenizer = corpora.tokenizer_of(model)

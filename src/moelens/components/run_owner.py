@@ -25,6 +25,9 @@ class MoeInterleaver(Interleaver):
 
     #: The thread whose run is going on (`threading.get_ident`), None between runs.
     owner: int | None = None
+    #: moelens' runs of the model in progress in the owner's thread (`MoeModelMixin.interleave`): the run ends as
+    #: the outermost returns, after its own clean-up, not at nnsight's clean-up inside it.
+    running: int = 0
 
     def claim(self) -> None:
         """Begin a run in this thread (as its inputs are first batched, before the run adds its workers).
@@ -48,7 +51,8 @@ class MoeInterleaver(Interleaver):
             self.owner = None
 
     def cancel(self) -> None:
-        """nnsight's clean-up after a run, failed or not; then the run is over.
+        """nnsight's clean-up after a run, failed or not; outside a run of moelens' (a trace whose body failed
+        before the model ran), the run is over then.
 
         A trace cleans up twice (at the end of the run, then of the trace): by the second, another thread may have
         begun a run, which that clean-up leaves alone.
@@ -59,4 +63,5 @@ class MoeInterleaver(Interleaver):
             try:
                 super().cancel()
             finally:
-                self.release()
+                if not self.running:
+                    self.release()

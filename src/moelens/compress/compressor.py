@@ -347,14 +347,17 @@ def _hooks_reason(site: tg.Site) -> str:
 
 
 def _check_weights_loaded(model: nn.Module) -> None:
-    """Refuse a model whose weights are on the meta device (built empty, as ``init_empty_weights`` does): there is
-    nothing to split into experts (its forward would fail as a layer "needing more than hidden states")."""
-    empty = next((name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
-                  if tensor.is_meta), None)
-    if empty is not None:
+    """Refuse a model whose weights are on the meta device (offloaded by a device_map, or built empty under
+    ``init_empty_weights``): tomoe splits the weights it reads (a layer's forward failed as "needing more than
+    hidden states")."""
+    unloaded = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+                if tensor.is_meta]
+    if unloaded:
+        shown = ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
         raise CompressionError(
-            f"the model's weights are not loaded: {empty} is on the meta device (no data), as in a model built with "
-            "init_empty_weights or device='meta'; load its weights (from_pretrained, load_state_dict) before tomoe."
+            f"the model has weights that are not loaded ({shown} on the meta device: offloaded by a device_map, or "
+            "made under init_empty_weights), and tomoe reads the weights it splits into experts; load the model "
+            "without offloading (no device_map, or one that keeps every weight on a device) to convert it."
         )
 
 

@@ -47,9 +47,11 @@ class Runs:
         """A run begins (the next id)."""
         self.current += 1
 
-    def trace_begins(self) -> None:
-        """A moelens trace of a sharded model begins: a run, whatever forwards it makes."""
-        self.start()
+    def trace_begins(self, counted: bool = False) -> None:
+        """A moelens trace of a sharded model runs the model: a run, whatever forwards it makes (``counted``: its id
+        was taken as the trace began, `MoeModelMixin._begin_runs`)."""
+        if not counted:
+            self.start()
         self.tracing += 1
 
     def trace_ends(self) -> None:

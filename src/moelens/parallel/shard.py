@@ -56,9 +56,11 @@ def _experts_of(model: torch.nn.Module) -> list[tuple[str, Any, torch.nn.Module,
 
 
 def _layout(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]]) -> str:
-    """What every rank's experts must agree on: the blocks, and each experts parameter's shape."""
+    """What every rank's experts must agree on: the blocks, and each experts parameter's shape and dtype (rows of
+    another dtype are another number of bytes: gloo aborts the process that receives them)."""
     return "; ".join(
-        f"{name}: " + ", ".join(f"{key} {tuple(param.shape)}" for key, param in experts.named_parameters(recurse=False))
+        f"{name}: " + ", ".join(f"{key} {tuple(param.shape)} {str(param.dtype).removeprefix('torch.')}"
+                                for key, param in experts.named_parameters(recurse=False))
         for name, _, _, experts in blocks
     )
 
@@ -89,7 +91,7 @@ def _check_every_rank(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Mod
         raise MoelensError(
             f"shard_experts: the ranks of the group hold different models: the experts of ranks {differing} differ "
             f"from rank {rank}'s ({layout[:300]}{'...' if len(layout) > 300 else ''}). Every rank must load the same "
-            "model (same family, layers, number and size of experts)."
+            "model (same family, layers, number and size of experts) in the same dtype."
         )
 
 
