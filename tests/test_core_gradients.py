@@ -131,7 +131,13 @@ def checkpointed(family: str, implementation: str, on: bool, every_n_layers: int
     """A tiny model in training mode (dropout off), its decoder layers under activation checkpointing if ``on``."""
     from moelens.testing import tiny_inputs, tiny_model
 
-    hf = tiny_model(family, experts_implementation=implementation)
+    if implementation == "torch_a2a":  # moelens' expert-parallel implementation, here on one process
+        from moelens.parallel import register_torch_a2a
+
+        register_torch_a2a()
+    hf = tiny_model(family, experts_implementation="grouped_mm" if implementation == "torch_a2a" else implementation)
+    if implementation == "torch_a2a":
+        hf.set_experts_implementation(implementation)
     if on:
         hf.activation_checkpointing_enable({"use_reentrant": reentrant}, every_n_layers=every_n_layers)
     hf.train()
@@ -141,10 +147,11 @@ def checkpointed(family: str, implementation: str, on: bool, every_n_layers: int
     return hf, tiny_inputs(hf)
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager", "torch_a2a"])
 def test_reading_every_value_under_activation_checkpointing_keeps_the_backward(implementation):
-    """router_probs (a score moelens computes) and grouped_mm's activations (re-sorted by moelens) saved
-    tensors for backward that checkpointing's recomputation does not make: backward raised CheckpointError."""
+    """router_probs (a score moelens computes), grouped_mm's activations (re-sorted by moelens) and torch_a2a's
+    round trip of the activations saved tensors for backward that checkpointing's recomputation does not make:
+    backward raised CheckpointError."""
     truth = gradients_of(*checkpointed("mixtral", implementation, False), traced=False)  # no checkpointing, no nnsight
     assert_same_gradients(gradients_of(*checkpointed("mixtral", implementation, True), traced=True), truth)
 

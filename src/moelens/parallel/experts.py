@@ -34,6 +34,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from transformers.integrations.moe import _grouped_linear
 
+from ..components.binding import kept_for_backward
 from ..components.implementations import IMPLEMENTATION_CALL, ExpertsOps
 from ..errors import MoelensError
 from .a2a import Plan, plan_dispatch
@@ -148,9 +149,11 @@ def torch_a2a_experts_forward(
     rows = plan.dispatch(hidden_states)
     activations = experts_up(self, rows, plan)
     if plan.serve:
-        # This rank's tokens' activations [T*k, I] in token-slot order; edits go to the owners.
-        slot_activations = plan.to_sender(activations, "activations_back")
-        activations = plan.to_owner(slot_activations, "activations_out")
+        # This rank's tokens' activations [T*k, I] in token-slot order; edits go to the owners. What the round trip
+        # keeps for backward is not a checkpointed layer's to recompute: its recomputation, after the trace, makes none.
+        with kept_for_backward():
+            slot_activations = plan.to_sender(activations, "activations_back")
+            activations = plan.to_owner(slot_activations, "activations_out")
     expert_out = experts_down(self, activations, plan)
     proj_out = plan.to_sender(expert_out, "combine")
     weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
