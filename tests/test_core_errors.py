@@ -19,7 +19,7 @@ from transformers.models.mixtral.configuration_mixtral import MixtralConfig
 
 import moelens
 from custom_models import CustomBlock, CustomModel, custom_family, custom_model
-from groundtruth import built, first_tensor
+from groundtruth import ascii_tokenizer, built, first_tensor
 from moelens import Family, FamilyError, OrderError, ValueUnavailable, WriteError, families
 from moelens.testing import NOT_DECORATED, tiny_inputs, tiny_model
 from moelens.families.scoring import score
@@ -2290,7 +2290,7 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
     inputs = tiny_inputs(hf)
     with torch.no_grad():
         plain = hf(**inputs).logits
-    wrapped = moelens.wrap(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
     runs = Runs()
     for moe in wrapped.moes:  # as shard_experts marks the experts it shards: a run id per run (parallel.runs)
         moe.experts._module.__dict__["_ep_runs"] = runs
@@ -2314,6 +2314,8 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
             wrapped.output.save()
     with pytest.raises(moelens.MoelensError, match="running a trace .* another thread began"):
         wrapped.trace(**inputs, trace=False)  # a run without a with-block: refused before it touches the run's state
+    with pytest.raises(moelens.MoelensError, match="running a trace .* another thread began"):
+        wrapped.generate(inputs["input_ids"], max_new_tokens=1)  # nnsight ran it inside the other thread's run
     assert (runs.current, served.RUNS.get(wrapped.interleaver)) == running
     # a trace of this thread that ended just before the other began cleans up once more as it returns (nnsight's
     # tracer does, after the run's own clean-up): that leaves the other thread's run alone
@@ -2339,3 +2341,41 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
     with torch.no_grad(), wrapped.trace(**inputs):  # and so does this one
         logits = wrapped.output.logits.save()
     assert torch.equal(logits, plain)
+
+
+def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlock():
+    """A trace fails while an invoke waits in a thread pool whose job traces another model (one model per thread, as
+    the docs advise): nnsight's clean-up ran that invoke's pool exit, which waited for the job, under the lock the
+    job's trace needed to begin."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    model, other = moelens.wrap(hf), moelens.wrap(copy.deepcopy(hf))
+    outcome: dict[str, object] = {}
+
+    def job() -> str:
+        import time
+
+        time.sleep(0.5)  # the other invoke's refused write fails the run meanwhile
+        with torch.no_grad(), other.trace(**inputs):
+            other.output.save()
+        outcome["job"] = "traced"
+
+    def scenario() -> None:
+        try:
+            with torch.no_grad(), model.trace() as tracer:
+                with tracer.invoke(inputs["input_ids"]):
+                    with ThreadPoolExecutor(1) as pool:  # its exit waits for the job
+                        pool.submit(job)
+                        model.moes[1].expert_indices.save()  # parked here when the run fails
+                with tracer.invoke(inputs["input_ids"]):
+                    model.moes[0].expert_indices[..., 0] = 999
+        except BaseException as error:  # noqa: BLE001 - compared below
+            outcome["trace"] = type(error).__name__
+
+    thread = threading.Thread(target=scenario, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and outcome == {"job": "traced", "trace": "WriteError"}

@@ -241,6 +241,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
         transformers' compilation of the forward (which a static cache on a GPU turns on by itself)."""
+        if isinstance(self.interleaver, MoeInterleaver):  # called during another thread's run, nnsight runs it in it
+            self.interleaver.refuse_other_threads()
         if generation_setting(self._module, kwargs, "compile_config") is not None or (
                 generation_setting(self._module, kwargs, "disable_compile") is False):
             raise MoelensError(f"generate() with a compile_config or disable_compile=False compiles the forward. {COMPILED} "

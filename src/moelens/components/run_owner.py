@@ -15,9 +15,9 @@ from nnsight.intervention.interleaver import Interleaver
 
 from ..errors import MoelensError
 
-#: Guards `MoeInterleaver.claim` and `cancel` (one for all: a lock is no attribute a model's deep copy can copy;
-#: reentrant: a clean-up runs the interrupted interventions' ``finally`` blocks, which may run a model).
-_CLAIMING = threading.RLock()
+#: Guards the look-and-claim of `MoeInterleaver.claim` and `cancel` (one for all: a lock is no attribute a model's
+#: deep copy can copy).
+_CLAIMING = threading.Lock()
 
 
 class MoeInterleaver(Interleaver):
@@ -35,15 +35,18 @@ class MoeInterleaver(Interleaver):
         Raises:
             MoelensError: a run another thread began is going on.
         """
-        thread = threading.get_ident()
         with _CLAIMING:
-            if self.owner is not None and self.owner != thread:
-                raise MoelensError(
-                    "this model is running a trace (or a forward) another thread began; a wrapped model runs one at a "
-                    "time, and nnsight would mix the two runs' interventions up. Trace it from one thread at a time "
-                    "(a lock around the trace), or give each thread a model of its own (copy.deepcopy(model))."
-                )
-            self.owner = thread
+            self.refuse_other_threads()
+            self.owner = threading.get_ident()
+
+    def refuse_other_threads(self) -> None:
+        """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses)."""
+        if self.owner is not None and self.owner != threading.get_ident():
+            raise MoelensError(
+                "this model is running a trace (or a forward) another thread began; a wrapped model runs one at a "
+                "time, and nnsight would mix the two runs' interventions up. Trace it from one thread at a time "
+                "(a lock around the trace), or give each thread a model of its own (copy.deepcopy(model))."
+            )
 
     def release(self) -> None:
         """End this thread's run (a call from another thread leaves its run alone)."""
@@ -57,11 +60,12 @@ class MoeInterleaver(Interleaver):
         A trace cleans up twice (at the end of the run, then of the trace): by the second, another thread may have
         begun a run, which that clean-up leaves alone.
         """
-        with _CLAIMING:
+        with _CLAIMING:  # not held through the clean-up: it runs the workers' finally blocks, which may wait on threads
             if self.owner is not None and self.owner != threading.get_ident():
                 return
-            try:
-                super().cancel()
-            finally:
-                if not self.running:
-                    self.release()
+            self.owner = threading.get_ident()  # the clean-up is still this thread's run: another thread's is refused
+        try:
+            super().cancel()
+        finally:
+            if not self.running:
+                self.release()
