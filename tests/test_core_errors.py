@@ -344,6 +344,25 @@ def test_wrap_and_load_reject_bad_input(tmp_path):
         moelens.load(tmp_path / "no-config", subfolder="sub")
 
 
+def test_a_typo_in_a_relative_path_and_a_config_transformers_cannot_read_are_named(tmp_path, monkeypatch):
+    """'ckpts/mixtral-tokk' (ckpts a folder here) was sent to the hub as a repo id: 24 s of retries, then an internet
+    error; a config.json of an unknown model type got transformers' paragraph and advice to pass a config.json."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpts").mkdir()
+    with pytest.raises(moelens.MoelensError, match=r"no model at 'ckpts/mixtral-tokk': the path does not exist"):
+        moelens.load("ckpts/mixtral-tokk")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "frobnicator"}))
+    with pytest.raises(moelens.MoelensError) as refused:
+        moelens.load(tmp_path / "odd")
+    message = str(refused.value)
+    assert "\n" not in message and "model type `frobnicator`" in message
+    assert message.endswith("Its config.json is not one this transformers can read: fix it (or update transformers "
+                            "for a model type it does not know).")
+
+
 def test_load_of_a_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):
     # transformers 5 would build a one-token placeholder from the config's model type
     tiny_model("olmoe").save_pretrained(tmp_path / "olmoe")

@@ -202,3 +202,29 @@ def test_image_inputs_split_between_invokes_are_refused_with_the_way_to_batch_th
         with tracer.invoke(**prompts):  # the whole batch in one invoke
             indices = wrapped.moes[0].expert_indices.save()
     assert indices.shape[:2] == prompts["input_ids"].shape
+
+
+def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_error():
+    """nnsight builds a text-generation pipeline for it, and transformers logged a 4.5 KB error ("... is not supported
+    for text-generation. Supported models are [~250 names]") on every load, the CLI's included: tracing needs none."""
+    import logging
+
+    from groundtruth import ascii_tokenizer
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    records, logger = Records(), logging.getLogger("transformers")  # transformers' own loggers do not propagate
+    logger.addHandler(records)
+    try:
+        wrapped = moelens.wrap(_model("qwen3_vl_moe", "eager"), tokenizer=ascii_tokenizer())
+    finally:
+        logger.removeHandler(records)
+    with wrapped.trace("hello"):
+        logits = wrapped.output.logits.save()
+    assert logits.shape[:2] == (1, 5) and not [message for message in records.messages if "not supported for" in message]

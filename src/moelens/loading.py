@@ -32,7 +32,9 @@ def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
     ``given`` is what the user passed (``./name`` is local, though ``Path`` turns it into ``name``)."""
     text = os.fspath(given)
     path = user_path(text)
-    looks_local = path.is_absolute() or text.startswith((".", "~")) or len(path.parts) > 2
+    # a hub id is `name` or `namespace/name`: a path whose first folder exists here is a local one (a typo's)
+    looks_local = (path.is_absolute() or text.startswith((".", "~")) or len(path.parts) > 2
+                   or (len(path.parts) == 2 and Path(path.parts[0]).is_dir()))
     source = str(path)
     if not path.exists():
         if looks_local:
@@ -152,10 +154,12 @@ def _load_config(source: str, settings: dict[str, Any]) -> Any:
     try:
         return AutoConfig.from_pretrained(source, **settings)
     except (OSError, ValueError, StrictDataclassError) as error:  # StrictDataclassError: a config that contradicts itself
-        raise MoelensError(
-            f"cannot load a model from {source!r}: {sentence(error)}. Pass a local folder holding config.json "
-            "and weights (or 'tiny' for the embedded default model)."
-        ) from error
+        has_config = (user_path(source) / settings.get("subfolder", "") / "config.json").is_file()
+        remedy = ("Its config.json is not one this transformers can read: fix it (or update transformers for a "
+                  "model type it does not know)." if has_config else
+                  "Pass a local folder holding config.json and weights (or 'tiny' for the embedded default model).")
+        reason = " ".join(sentence(error).split())  # one line: transformers' messages run over several
+        raise MoelensError(f"cannot load a model from {source!r}: {reason}. {remedy}") from error
 
 
 def _model_class(config: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import re
 from typing import Any, Iterable, Iterator, NoReturn
 
@@ -414,6 +415,25 @@ def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
         model.hf_device_map = device_map
 
 
+class _PipelineTaskComplaint(logging.Filter):
+    """Drops transformers' "The model 'X' is not supported for text-generation" error record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is not supported for" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _no_pipeline_task_complaint() -> Iterator[None]:
+    """While nnsight builds its transformers pipeline: transformers logs an error, with ~250 class names, for a model
+    that generates but is no causal LM (a vision-language model), though tracing needs no pipeline task of it."""
+    logger, complaint = logging.getLogger("transformers.pipelines.base"), _PipelineTaskComplaint()
+    logger.addFilter(complaint)
+    try:
+        yield
+    finally:
+        logger.removeFilter(complaint)
+
+
 def _described(value: Any) -> str:
     """``value`` in words for an error: an envoy by its path, else its type and repr."""
     if isinstance(value, Moe):
@@ -486,7 +506,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
         if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
             nnsight_kwargs.setdefault("task", "feature-extraction")
-        with _real_device_first(model):
+        with _real_device_first(model), _no_pipeline_task_complaint():
             wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
     else:
         wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
