@@ -364,7 +364,7 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
         _whole_numbers(axes.yaxis)
         axes.set_ylabel("expert")
         axes.set_title(f"layer {layer}", fontsize=9)
-        _annotate(axes, data, ".1f" if value == "lift" else ".2f", dark_low=value != "lift")  # no number on a blank cell
+        _annotate(axes, data, ".1f" if value == "lift" else ".2f", dark_low=value != "lift")  # blank cells: no number
         figure.colorbar(image, ax=axes, fraction=0.05)
     figure.suptitle("Expert specialisation: " + ("P(class|expert) / P(class)" if value == "lift" else "P(class|expert)"))
     figure.tight_layout()

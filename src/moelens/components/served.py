@@ -193,8 +193,8 @@ class MoeBatcher(Batcher):
         if isinstance(envoy.interleaver, MoeInterleaver):
             envoy.interleaver.claim()
         super().__init__(envoy, kwargs)
-        #: The EP groups' runs this trace counted as it began (`MoeModelMixin._begin_runs`); a forward outside a trace makes
-        #: its batcher inside the run, which counts itself.
+        #: The EP groups' runs this trace counted as it began (`MoeModelMixin._begin_runs`); a forward outside a
+        #: trace makes its batcher inside the run, which counts itself.
         self.runs_begun = () if envoy.interleaver in RUNS or not hasattr(envoy, "_begin_runs") else envoy._begin_runs()
 
     def widen(self, full: Any, group: Any, edited: Any) -> Any:

@@ -83,8 +83,8 @@ FAMILIES = [
                  "running only on its modality's tokens. Values are served as [batch, seq, ...] only when a block "
                  "sees every token (text-only input for text_moe): on an input with image tokens both blocks run on "
                  "tokens gathered out of the batch and their values raise the reason; vision_moe does not run on "
-                 "text-only input "
-                 "(model.save_all() leaves it out; named in moes=, it raises OrderError there, strict or not: the run ended without it).",
+                 "text-only input (model.save_all() leaves it out; named in moes=, it raises OrderError there, "
+                 "strict or not: the run ended without it).",
            runs_only_on={"vision_moe": "image tokens (moe_mm_token_type_ids)"}),
     Family("ernie4_5_moe", ("ernie4_5_moe",), ("Ernie4_5_MoeSparseMoeBlock",),
            scoring=Scoring("softmax", "score_topk", normalize=True,
