@@ -88,3 +88,12 @@ def _not_own(hooks: list[Any]) -> list[Any]:
 def hook_name(hook: Any) -> str:
     """A hook in words for an error: its function's name, or its class's (an accelerate ModelHook)."""
     return getattr(hook, "__name__", None) or f"a {type(hook).__name__}"
+
+
+def unloaded_weights(module: nn.Module) -> str | None:
+    """``module``'s weights on the meta device (offloaded by a device_map, or made under ``init_empty_weights``),
+    named for an error ("a.weight, b.bias and 4 more"); None when every weight is loaded."""
+    unloaded = [name for name, tensor in (*module.named_parameters(), *module.named_buffers()) if tensor.is_meta]
+    if not unloaded:
+        return None
+    return ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")

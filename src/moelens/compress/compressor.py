@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import logging
 import time
 import warnings
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..modules import enclosing, evaluating
+from ..modules import enclosing, evaluating, unloaded_weights
 from ..scalars import check_flag
 from . import calibration as calib
 from . import targets as tg
@@ -350,10 +349,8 @@ def _check_weights_loaded(model: nn.Module) -> None:
     """Refuse a model whose weights are on the meta device (offloaded by a device_map, or built empty under
     ``init_empty_weights``): tomoe splits the weights it reads (a layer's forward failed as "needing more than
     hidden states")."""
-    unloaded = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
-                if tensor.is_meta]
-    if unloaded:
-        shown = ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
+    shown = unloaded_weights(model)
+    if shown:
         raise CompressionError(
             f"the model has weights that are not loaded ({shown} on the meta device: offloaded by a device_map, or "
             "made under init_empty_weights), and tomoe reads the weights it splits into experts; load the model "

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import __version__
-from ..modules import takes_keyword
+from ..modules import takes_keyword, unloaded_weights
 from ..paths import user_path
 from ..scalars import check_flag
 from .archive import check_archive_name, check_destination, size, write
@@ -237,10 +237,8 @@ class TokensToLogits(torch.nn.Module):
 def _refuse_unloaded_weights(target: Target) -> None:
     """Raise `ExportError` when weights of the target are not loaded (on the meta device: accelerate's disk or
     cpu offload, ``init_empty_weights``): the archive holds every weight, so every weight must be there."""
-    unloaded = [name for name, tensor in (*target.module.named_parameters(), *target.module.named_buffers())
-                if tensor.is_meta]
-    if unloaded:
-        shown = ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
+    shown = unloaded_weights(target.module)
+    if shown:
         raise ExportError(
             f"the {target.kind} to export has weights that are not loaded ({shown} on the meta device: offloaded by "
             "a device_map, or made under init_empty_weights), and the archive holds every weight; load the model "
