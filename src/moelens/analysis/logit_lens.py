@@ -134,7 +134,7 @@ def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
     return nnsight.save(sums)
 
 
-def read_out(module: torch.nn.Module, inputs: Tensor) -> Tensor:
+def _read_out(module: torch.nn.Module, inputs: Tensor) -> Tensor:
     """``module(inputs)`` in float32, with float32 copies of its floating-point weights (the module is left as it is):
     the lens reads E vectors per layer, and a bfloat16 readout rounds their logits to ~3 digits, where near tokens
     tie. A module accelerate offloaded (its weights on the meta device until its hook loads them) runs as it is."""
@@ -216,7 +216,7 @@ def expert_logit_lens(
         readout = means - layer_mean[:, None, :]
     with torch.no_grad():
         hidden = readout.float()
-        logits = read_out(head, read_out(norm, hidden) if norm is not None else hidden).cpu()
+        logits = _read_out(head, _read_out(norm, hidden) if norm is not None else hidden).cpu()
     logits[count_rows == 0] = float("-inf")
     top_logits, top_ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
     tokenizer = corpora.tokenizer_of(model)

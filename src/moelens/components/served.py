@@ -195,7 +195,7 @@ class MoeBatcher(Batcher):
         super().__init__(envoy, kwargs)
         #: The EP groups' runs this trace counted as it began (`MoeModelMixin._begin_runs`); a forward outside a
         #: trace makes its batcher inside the run, which counts itself.
-        self.runs_begun = () if envoy.interleaver in RUNS or not hasattr(envoy, "_begin_runs") else envoy._begin_runs()
+        self.runs_begun = () if envoy.interleaver in RUNS else envoy._begin_runs()
 
     def widen(self, full: Any, group: Any, edited: Any) -> Any:
         if isinstance(edited, Rebase):
