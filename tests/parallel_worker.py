@@ -416,6 +416,13 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         with wrapped.trace(ids):
             logits = wrapped.output.logits.save()
         result["wrapped"] = maxdiff(logits, logits_of(ref(input_ids=ids)))
+        # A checkpoint of a sharded model would hold this rank's experts under a config naming all of them.
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            result["save"] = [_error_text(lambda: model.save_pretrained(Path(folder) / "saved")) for model in (ep, wrapped)]
+            result["saved_files"] = sorted(path.name for path in Path(folder).rglob("*"))
+        result["unsharded_saves"] = _error_text(lambda: ref.save_pretrained(Path(tempfile.mkdtemp()) / "ref"))
         return result
 
     def divergent_skip() -> dict[str, Any]:

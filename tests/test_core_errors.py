@@ -2398,3 +2398,18 @@ def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlo
     thread.start()
     thread.join(60)
     assert not thread.is_alive() and outcome == {"job": "traced", "trace": "WriteError"}
+
+@pytest.mark.parametrize(("family", "sizes"), [("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 5}),
+                                             ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 6}),
+                                             ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 5,
+                                                              "n_group": 1, "topk_group": 1})])
+def test_a_top_k_above_the_expert_count_is_refused_at_wrap(family, sizes):
+    """A config routing each token to more experts than a block has wrapped, then every trace failed inside the router
+    with torch's "selected index k out of range", naming neither value."""
+    hf = tiny_model(family, **sizes)
+    experts, k = next(v for n, v in sizes.items() if "experts" in n and "tok" not in n), sizes["num_experts_per_tok"]
+    with pytest.raises(moelens.MoelensError, match=rf"the {family} block model.layers.\d.mlp routes each token to its top_k={k} "
+                                                   rf"experts, but it has {experts} \(num_experts\)"):
+        moelens.wrap(hf)
+    with pytest.raises(RuntimeError, match="out of range"):  # what the unwrapped model does with it
+        hf(torch.tensor([[1, 2, 3]]))

@@ -314,7 +314,7 @@ def test_four_ranks() -> None:
 
 def test_a2a_and_hazards_on_two_ranks() -> None:
     """`a2a_moe` on 2 ranks; then what goes wrong on purpose: a sharded model switched to
-    grouped_mm / batched_mm raises; an experts call skipped on one rank raises RankDivergence on
+    grouped_mm / batched_mm raises, and so does its save_pretrained (plain or wrapped; nothing written); an experts call skipped on one rank raises RankDivergence on
     every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
     exchange can detect, ends with the group's timeout, not a hang; a trace raising on one rank only
     (an intervention refused for its tokens, at layer 0, at layer 1, or before the forward in two traces
@@ -333,6 +333,11 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
             assert "silently drop" in guard[implementation]
         assert guard["back"] <= TOL
         assert guard["wrapped_is_returned"] and guard["wrapped"] <= TOL, guard
+        for error in guard["save"]:  # the sharded model, and it wrapped: refused, and nothing written
+            assert error.startswith("ShardedExpertsError: save_pretrained: MixtralForCausalLM's experts are sharded "
+                                    "over 2 ranks"), (rank, error)
+            assert f"this rank ({rank}) holds experts {rank * 4}..{rank * 4 + 3} of 8" in error, error
+        assert guard["saved_files"] == [] and guard["unsharded_saves"] == "", guard
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]
         assert "hold different models: the experts of ranks" in cases["different_models"]["error"], cases

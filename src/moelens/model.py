@@ -515,6 +515,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     object.__setattr__(wrapped, "_wrap_options", options)
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
+        _refuse_impossible_top_k(moe)
         _instrument(moe)
         if moe.family.runs_only_on:
             moe.mark_gathered_calls()
@@ -524,6 +525,21 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
 #: Why a compiled model is refused.
 COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
             "(dynamo) cannot trace: the traces would fail inside torch.")
+
+
+def _refuse_impossible_top_k(moe: Moe) -> None:
+    """Refuse a block whose config routes each token to more experts than it has (or to none): its router's
+    ``topk`` fails in every forward with torch's "selected index k out of range", which names neither value."""
+    try:
+        experts, k = moe.num_experts, moe.top_k
+    except FamilyError:  # an entry that cannot read them: its error comes where they are read
+        return
+    if not 1 <= k <= experts:
+        raise MoelensError(
+            f"the {moe.family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but it has "
+            f"{experts} (num_experts): its router cannot pick them, and every forward would fail. Fix the model's "
+            f"config (top_k between 1 and {experts}) before building the model."
+        )
 
 
 def _check_sub_configs(subs: dict[str, Any], wanted: dict[str, str]) -> None:
