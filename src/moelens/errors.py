@@ -13,7 +13,14 @@ class MoelensError(Exception):
 
 
 class ValueUnavailable(MoelensError):
-    """A value that this family, this block or this run cannot serve (and why)."""
+    """A value that this family, this block or this run cannot serve (and why).
+
+    ``why`` is the reason and the remedy without the value's path (what ``describe`` and a block's repr list).
+    """
+
+    def __init__(self, message: str, why: str | None = None) -> None:
+        super().__init__(message)
+        self.why = message if why is None else why
 
 
 class OrderError(MoelensError):

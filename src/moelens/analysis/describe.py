@@ -95,13 +95,6 @@ def _probe_ids(model: Any) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def reason(error: Exception) -> str:
-    """The why (and what to do) of an unavailable-value error, without the value's path."""
-    text = str(error)
-    marker = "cannot be served: "
-    return text.split(marker, 1)[1] if marker in text else text
-
-
 def _read_all(moes: list[Any], shapes: dict, reasons: dict) -> None:
     """Inside a trace: read every value of ``moes`` in order, noting shapes and reasons."""
     for moe in moes:
@@ -110,12 +103,12 @@ def _read_all(moes: list[Any], shapes: dict, reasons: dict) -> None:
         for name in VALUE_NAMES:
             if name not in order:
                 error = moe.no_shared_expert(name) if name == "shared_expert_output" else moe.no_mixture(name)
-                reasons[moe.path][name] = reason(error)
+                reasons[moe.path][name] = error.why
         for name in order:
             try:
                 shapes[moe.path][name] = list(getattr(moe, name).shape)
             except ValueUnavailable as error:
-                reasons[moe.path][name] = reason(error)
+                reasons[moe.path][name] = error.why
 
 
 def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, str]]]:

@@ -180,5 +180,5 @@ class Component(Envoy):
 
     def unavailable(self, name: str, reason: str, remedy: str = "") -> ValueUnavailable:
         """The error for a value this block cannot serve: what, why, and what to do."""
-        what = f"{self.path}.{name} cannot be served: {reason}"
-        return ValueUnavailable(f"{what}. {remedy[:1].upper()}{remedy[1:]}" if remedy else what + ".")
+        why = f"{reason}. {remedy[:1].upper()}{remedy[1:]}" if remedy else reason + "."
+        return ValueUnavailable(f"{self.path}.{name} cannot be served: {why}", why=why)

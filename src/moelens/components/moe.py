@@ -351,7 +351,7 @@ class Moe(Mlp):
             try:
                 self._check_available(name)
             except ValueUnavailable as error:
-                unserved[name] = str(error).partition("cannot be served: ")[2] or str(error)
+                unserved[name] = error.why
             except Exception:  # noqa: BLE001 - a repr never raises
                 continue
         try:
