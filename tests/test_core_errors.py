@@ -2413,3 +2413,22 @@ def test_a_top_k_above_the_expert_count_is_refused_at_wrap(family, sizes):
         moelens.wrap(hf)
     with pytest.raises(RuntimeError, match="out of range"):  # what the unwrapped model does with it
         hf(torch.tensor([[1, 2, 3]]))
+
+
+def test_a_dict_of_inputs_given_positionally_without_a_tokenizer_says_to_unpack_it():
+    """model.trace(inputs) with the dict tiny_inputs (or a tokenizer) returns failed inside torch's embedding
+    ("argument 'indices' must be Tensor, not dict"); given as keywords the same inputs run."""
+    hf = tiny_model("mixtral")
+    model, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    for trace in (lambda: model.trace(inputs), lambda: model.trace(inputs, inputs)):
+        with pytest.raises(moelens.MoelensError, match=r"got a dict of inputs \(keys \['attention_mask', 'input_ids'\]\) "
+                                                       r"as a positional argument: pass it as keywords, model.trace\(\*\*inputs\)"):
+            with trace():
+                model.moes[0].router_logits.save()
+    with pytest.raises(moelens.MoelensError, match=r"got a dict of inputs"):
+        with model.trace() as tracer:
+            with tracer.invoke(inputs):
+                model.moes[0].router_logits.save()
+    with model.trace(**inputs):
+        logits = model.output.logits.save()
+    torch.testing.assert_close(logits, hf(**inputs).logits, rtol=0, atol=0)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from moelens import families
 from moelens.testing import (
     CALLED_SEVERAL_TIMES,
     EXPERTS_IMPLEMENTATIONS,
@@ -188,6 +189,11 @@ def test_overrides_and_errors():
     assert all(m.num_experts == 4 for m in _experts_modules(model))
     with pytest.raises(KeyError):
         tiny_config("not_a_family")
+    mixtral = families.get("mixtral")  # supported() lists Family entries: one failed as an unhashable key
+    for given in (mixtral, tiny_config("mixtral")):
+        with pytest.raises(TypeError, match=rf"tiny models are built by family name \(a str such as 'mixtral'\), got "
+                                            rf"{type(given).__name__}: pass its name"):
+            tiny_model(given)
 
 
 def test_a_misspelt_override_is_refused_not_left_as_a_stray_attribute():

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, NoReturn
 
 import nnsight
@@ -318,6 +319,13 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "this model was wrapped without a tokenizer, so it takes token ids, not text: pass an input_ids "
                     "tensor, or give it a tokenizer (moelens.wrap(model, tokenizer=...), or save the tokenizer "
                     "files beside the weights for moelens.load)."
+                )
+            mapping = next((value for value in inputs if isinstance(value, Mapping)), None)
+            if mapping is not None:  # the model would take it as its input_ids
+                raise MoelensError(
+                    f"a model wrapped without a tokenizer takes its forward's own arguments, and got a "
+                    f"{type(mapping).__name__} of inputs (keys {sorted(mapping)}) as a positional argument: pass it as "
+                    "keywords, model.trace(**inputs) (or tracer.invoke(**inputs)), or wrap the model with its tokenizer."
                 )
         if len(invokes) <= 1:
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)

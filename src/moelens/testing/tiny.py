@@ -534,6 +534,9 @@ def model_class(family: str) -> type[PreTrainedModel]:
 
 
 def _check(family: str) -> None:
+    if not isinstance(family, str):
+        raise TypeError(f"tiny models are built by family name (a str such as 'mixtral'), got {type(family).__name__}: "
+                        "pass its name (family.name for an entry of moelens.families.supported()).")
     if family in UNBUILDABLE:
         raise ValueError(f"{family!r} cannot be built tiny: {UNBUILDABLE[family]}")
     if family not in TINY_OVERRIDES:
