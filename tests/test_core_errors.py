@@ -1874,6 +1874,10 @@ def test_intervention_arguments(mixtral):
     for call, match in [(lambda: moelens.force(moe, []), r"force: no expert given"),
                         (lambda: moelens.steer(moe, 1, torch.ones(2, 5)), r"steer: bias must be a number, got Tensor of shape \(2, 5\)"),
                         (lambda: moelens.steer(moe, 1, True), r"steer: bias must be a number, got bool"),
+                        # NaN was added, then refused as a "written tensor" holding NaN, naming no bias
+                        (lambda: moelens.steer(moe, 1, float("nan")), r"steer: bias nan is not a number \(NaN\); "
+                                                                      r"give a finite bias"),
+                        (lambda: moelens.steer(moe, 1, torch.tensor(float("nan"))), r"steer: bias nan is not a number"),
                         (lambda: moelens.ablate(moe, numpy.bool_(True)), r"must be an int expert id")]:
         with pytest.raises(WriteError, match=match):
             with wrapped.trace(**inputs):

@@ -27,6 +27,7 @@ change outputs.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import nnsight
@@ -209,6 +210,8 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
             f"{f' of shape {tuple(bias.shape)}' if isinstance(bias, torch.Tensor) else ''}; for a bias per "
             "token add it to the logits yourself: moe.router_logits[..., expert] += bias."
         )
+    if math.isnan(as_real(bias)):
+        raise WriteError("steer: bias nan is not a number (NaN); give a finite bias (a few tens already decide the routing).")
     logits = moe.router_logits
     steered = logits[..., expert].float() + float(bias)
     largest = torch.finfo(logits.dtype).max
