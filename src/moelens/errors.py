@@ -7,6 +7,11 @@ swallowed by ``Envoy.__getattr__`` and resurfaces as "object has no attribute".
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
 
 class MoelensError(Exception):
     """Base class of every error moelens raises on purpose."""
@@ -42,3 +47,12 @@ class LayerIndexError(MoelensError, IndexError):
 def sentence(error: Exception) -> str:
     """``error``'s message without its final full stop, to go inside a sentence."""
     return str(error).rstrip().rstrip(".")
+
+
+def described(value: Any) -> str:
+    """A value in words for an error: its type, with the value itself when it is short (text, a number, None), or its shape (a tensor, an array)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return f"{type(value).__name__} {value!r:.60}"
+    if isinstance(value, (Tensor, np.ndarray)):
+        return f"{type(value).__name__} of shape {tuple(value.shape)}"
+    return type(value).__name__

@@ -32,7 +32,7 @@ from .components.layer_list import LayerList, MoeList
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
-from .errors import FamilyError, MoelensError, ValueUnavailable
+from .errors import FamilyError, MoelensError, ValueUnavailable, described
 from .families import Family, registry
 from .modules import takes_keyword
 from .scalars import check_flag
@@ -440,6 +440,13 @@ def _no_pipeline_task_complaint() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(complaint)
+
+
+def check_wrapped(model: Any) -> None:
+    """Refuse a ``model`` argument that is not a model moelens wrapped (a transformers model, a name ...)."""
+    if not isinstance(model, MoeModelMixin):
+        raise MoelensError(f"model must be a model wrapped by moelens, got {described(model)}; wrap a transformers "
+                           "model with moelens.wrap(model, tokenizer=tokenizer), or load one with moelens.load(path).")
 
 
 def _described(value: Any) -> str:

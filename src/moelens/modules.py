@@ -97,3 +97,37 @@ def unloaded_weights(module: nn.Module) -> str | None:
     if not unloaded:
         return None
     return ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
+
+
+def config_of(model: Any) -> Any:
+    """The config of a transformers model (or of a wrapped one's model), or None."""
+    module = getattr(model, "_module", model)
+    return getattr(module, "config", None)
+
+
+def text_config(model: Any) -> Any:
+    """The config of the model's text decoder (a composite model's ``text_config``), or None."""
+    config = config_of(model)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def vocab_size(model: Any) -> int | None:
+    """The number of token ids the model embeds: its text config's ``vocab_size``, capped by the rows of
+    a transformers model's input embedding; None for a model with neither (see `embedding_rows`)."""
+    sizes = [size for size in (getattr(text_config(model), "vocab_size", None),) if isinstance(size, int) and size > 0]
+    module = getattr(model, "_module", model)
+    try:
+        embedding = module.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # no transformers model
+        embedding = None
+    if isinstance(embedding, nn.Embedding):
+        sizes.append(embedding.num_embeddings)
+    return min(sizes) if sizes else None
+
+
+def embedding_rows(model: Any) -> int | None:
+    """The rows of a model's first ``nn.Embedding`` (a plain torch model's token embedding, most
+    likely), or None: the token ids to draw from when `vocab_size` knows nothing."""
+    module = getattr(model, "_module", model)
+    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding.num_embeddings if embedding is not None else None

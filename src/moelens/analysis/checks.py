@@ -11,7 +11,7 @@ from typing import Any, Collection, Iterable, Mapping
 import numpy as np
 from torch import Tensor
 
-from ..errors import MoelensError
+from ..errors import MoelensError, described
 from ..scalars import as_lone_int
 
 
@@ -21,15 +21,6 @@ def check_count(name: str, value: Any, least: int = 1) -> int:
     if count is None or count < least:
         raise MoelensError(f"{name} must be an integer of at least {least}, got {value!r}.")
     return count
-
-
-def described(value: Any) -> str:
-    """A value's type, with the value itself when it is short (text, a number, None), or its shape (a tensor, an array)."""
-    if value is None or isinstance(value, (str, int, float)):
-        return f"{type(value).__name__} {value!r:.60}"
-    if isinstance(value, (Tensor, np.ndarray)):
-        return f"{type(value).__name__} of shape {tuple(value.shape)}"
-    return type(value).__name__
 
 
 def check_type(value: Any, kind: type | tuple[type, ...], name: str, expected: str, remedy: str) -> None:

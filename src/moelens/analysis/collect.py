@@ -16,24 +16,17 @@ import torch
 from tqdm import tqdm
 
 from ..errors import MoelensError
-from ..model import MoeModelMixin
+from ..model import check_wrapped
 from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
-from .checks import check_count, check_type, id_list, split_ids
+from .checks import check_count, id_list, split_ids
 
 #: Default number of tokens per cache shard (a shard is the unit held in memory).
 SHARD_TOKENS = 65_536
 
 #: The values a routing cache reads.
 ROUTING_VALUES = ("router_logits", "expert_weights", "expert_indices")
-
-
-def check_wrapped(model: Any) -> None:
-    """Refuse a ``model`` argument that is not a model moelens wrapped (a transformers model, a name ...)."""
-    check_type(model, MoeModelMixin, "model", "a model wrapped by moelens",
-               "wrap a transformers model with moelens.wrap(model, tokenizer=tokenizer), or load one with "
-               "moelens.load(path)")
 
 
 def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Iterable[str] | None = None) -> list[Any]:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from ..model import MODALITY_INPUTS
+from ..modules import config_of, text_config, vocab_size
 from .checks import check_count
 
 #: Longest window used when neither the caller nor the model's config says.
@@ -74,7 +75,7 @@ def pad_id(model: Any) -> int:
     after training can lie past it. Padding is masked, so which real id pads does not matter.
     """
     tokenizer, vocab = tokenizer_of(model), vocab_size(model)
-    for owner, names in ((tokenizer, ("pad_token_id", "eos_token_id")), (_config(model), ("pad_token_id",))):
+    for owner, names in ((tokenizer, ("pad_token_id", "eos_token_id")), (config_of(model), ("pad_token_id",))):
         for name in names:
             value = getattr(owner, name, None) if owner is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and 0 <= value and (vocab is None or value < vocab):
@@ -82,20 +83,9 @@ def pad_id(model: Any) -> int:
     return 0
 
 
-def _config(model: Any) -> Any:
-    module = getattr(model, "_module", model)
-    return getattr(module, "config", None)
-
-
-def _text_config(model: Any) -> Any:
-    """The config of the model's text decoder (a composite model's ``text_config``), or None."""
-    config = _config(model)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def context_length(model: Any) -> int | None:
     """The (text) config's ``max_position_embeddings``: the positions the model has, None where it says none."""
-    limit = getattr(_text_config(model), "max_position_embeddings", None)
+    limit = getattr(text_config(model), "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
@@ -227,28 +217,6 @@ def _windows(corpus: Any, tokenizer: Any, max_length: int, tally: Tally | None) 
         ids = encode(item, tokenizer, f"corpus item {index}")
         for start in range(0, len(ids), max_length):
             yield index, start, ids[start : start + max_length]
-
-
-def vocab_size(model: Any) -> int | None:
-    """The number of token ids the model embeds: its text config's ``vocab_size``, capped by the rows of
-    a transformers model's input embedding; None for a model with neither (see `embedding_rows`)."""
-    sizes = [size for size in (getattr(_text_config(model), "vocab_size", None),) if isinstance(size, int) and size > 0]
-    module = getattr(model, "_module", model)
-    try:
-        embedding = module.get_input_embeddings()
-    except (AttributeError, NotImplementedError):  # no transformers model
-        embedding = None
-    if isinstance(embedding, torch.nn.Embedding):
-        sizes.append(embedding.num_embeddings)
-    return min(sizes) if sizes else None
-
-
-def embedding_rows(model: Any) -> int | None:
-    """The rows of a model's first ``nn.Embedding`` (a plain torch model's token embedding, most
-    likely), or None: what token ids are drawn below when `vocab_size` knows nothing."""
-    module = getattr(model, "_module", model)
-    embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return embedding.num_embeddings if embedding is not None else None
 
 
 def batches(

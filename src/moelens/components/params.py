@@ -115,11 +115,9 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
         )
     held, slot = num_experts - identity, index  # the experts this process holds, and the asked one's place among them
     if "_ep_size" in experts.__dict__ and experts._ep_num_local < num_experts:  # moelens.parallel.shard_experts:
-        # this rank holds a slice (a group of one rank holds them all)
-        from ..parallel.degrees import expert_owner
-
+        # this rank holds a slice of equal ones, in rank order (a group of one rank holds them all)
         held, first = experts._ep_num_local, experts._ep_first
-        owner, slot = expert_owner(index, num_experts, experts._ep_size) if index is not None else (None, None)
+        owner, slot = divmod(index, held) if index is not None else (None, None)
         if owner != experts._ep_rank:
             remedy = ("ask for one of them: moe.params(e) on the rank that holds e" if index is None
                       else f"call moe.params({index}) on rank {owner} of the EP group")

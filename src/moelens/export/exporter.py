@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import __version__
+from .. import modules
 from ..modules import takes_keyword, unloaded_weights
 from ..paths import user_path
 from ..scalars import check_flag
@@ -322,9 +323,7 @@ TOKEN_AXIS = 1
 
 def vocab_size(target: Target) -> int | None:
     """The vocabulary size of a model target (its text config's; None for a block, or when the config has none)."""
-    from ..analysis.corpus import vocab_size as model_vocab_size
-
-    return model_vocab_size(target.module) if target.kind == "model" else None
+    return modules.vocab_size(target.module) if target.kind == "model" else None
 
 
 def hidden_size(target: Target) -> int:
@@ -343,9 +342,7 @@ def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":
         return torch.randn(batch, tokens, hidden_size(target), generator=generator)
-    from ..analysis.corpus import embedding_rows
-
-    high = vocab_size(target) or embedding_rows(target.module) or 128
+    high = vocab_size(target) or modules.embedding_rows(target.module) or 128
     return torch.randint(3 if high > 3 else 0, high, (batch, tokens), generator=generator)
 
 

@@ -48,7 +48,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             weights: score, select, normalize, scale; for the output: Combine's mode and routed_scale); also when
             called inside a trace or without inputs the model runs on.
     """
-    from ..analysis.collect import check_wrapped  # analysis and the components import the families
+    from ..model import check_wrapped  # the model imports the families
     from ..components.served import trace_running
 
     check_wrapped(model)
