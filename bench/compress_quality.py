@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from arguments import at_least, output_file
 
 warnings.filterwarnings("ignore")
 
@@ -363,11 +364,13 @@ def verdicts(report: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="300 calibration / 500 held-out sentences, 32 windows")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, help="write the numbers here")
+    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--json", type=output_file, help="write the numbers here")
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--skip-tiny", action="store_true")
     args = parser.parse_args()
+    if args.skip_minilm and args.skip_tiny:
+        parser.error("--skip-minilm and --skip-tiny together leave nothing to measure; keep one of them")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     report: dict = {"experts": EXPERTS, "levels": LEVELS, "torch": torch.__version__, "python": sys.version.split()[0]}

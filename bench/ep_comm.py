@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from arguments import at_least, output_file
 
 torch.set_num_threads(1)
 
@@ -257,21 +258,20 @@ def report(results: list[dict[str, Any]]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=at_least(2), nargs="+", default=[2, 4],
+                        help="EP group sizes to measure (each at least 2: one rank exchanges nothing)")
     parser.add_argument("--family", default="mixtral")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per rank")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--json", help="also write the raw per-rank numbers here")
+    parser.add_argument("--hidden", type=at_least(1), default=256)
+    parser.add_argument("--intermediate", type=at_least(1), default=512)
+    parser.add_argument("--experts", type=at_least(1), default=8)
+    parser.add_argument("--layers", type=at_least(1), default=4)
+    parser.add_argument("--tokens", type=at_least(1), default=256, help="tokens per rank")
+    parser.add_argument("--repeats", type=at_least(1), default=10)
+    parser.add_argument("--json", type=output_file, help="also write the raw per-rank numbers here")
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.rank_mode:
         rank_main(args)
         return
@@ -281,7 +281,7 @@ def main() -> None:
         everything[world] = results
         print("\n".join(report(results)), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(everything, indent=1))
+        args.json.write_text(json.dumps(everything, indent=1))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import moelens  # noqa: E402
 from moelens.export import to_nnef  # noqa: E402
 from moelens.export.runner import load  # noqa: E402
+from arguments import at_least, output_file  # noqa: E402
 
 
 def median_ms(function, repeats: int, warmup: int = 5) -> float:
@@ -89,11 +90,9 @@ def plain_models() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=50, help="timed runs per measurement (default 50)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--repeats", type=at_least(1), default=50, help="timed runs per measurement (default 50)")
+    parser.add_argument("--json", type=output_file, help="also write the results here")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(1)
 
     model, name = moelens.load(), "moelens-tiny"

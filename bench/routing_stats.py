@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+from arguments import at_least  # noqa: E402
 
 
 def load(name: str):
@@ -187,22 +188,20 @@ def memory(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="tiny (default), a checkpoint folder, or random")
-    parser.add_argument("--windows", type=int, default=128, help="windows of the throughput corpus (default 128)")
-    parser.add_argument("--memory-windows", type=int, default=512,
+    parser.add_argument("--windows", type=at_least(1), default=128, help="windows of the throughput corpus (default 128)")
+    parser.add_argument("--memory-windows", type=at_least(1), default=512,
                         help="windows of the 1x memory corpus (default 512: past the allocator's warm-up)")
-    parser.add_argument("--window", type=int, default=256, help="tokens per window (default 256)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shard-tokens", type=int, default=8192, help="tokens per cache shard (default 8192)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--memory-run", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--window", type=at_least(1), default=256, help="tokens per window (default 256)")
+    parser.add_argument("--batch-size", type=at_least(1), default=16)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--shard-tokens", type=at_least(1), default=8192, help="tokens per cache shard (default 8192)")
+    parser.add_argument("--threads", type=at_least(1), default=1)
+    parser.add_argument("--memory-run", type=at_least(1), help=argparse.SUPPRESS)
     parser.add_argument("--where", default="disk", help=argparse.SUPPRESS)
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
-    if args.memory_run:
+    if args.memory_run is not None:
         memory_run(args)
         return
     print(f"model {args.model}, {args.threads} torch thread(s), torch {torch.__version__}")

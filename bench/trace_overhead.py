@@ -35,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import moelens
+from arguments import at_least
 
 
 #: Every value but the two read inside the experts implementation (per-slot activations and outputs).
@@ -134,13 +135,11 @@ def steady_malloc() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=30)
+    parser.add_argument("--threads", type=at_least(1), default=2)
     parser.add_argument("--steady-malloc", action="store_true",
                         help="keep freed memory in the process (glibc mallopt): no page faults from fresh allocations")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     if args.steady_malloc:
         steady_malloc()

@@ -1,0 +1,52 @@
+"""The hand-run benchmarks refuse bad arguments as the command line is read (they are not run here otherwise).
+
+Before: ``routing_stats.py --memory-windows 0`` started the whole benchmark again inside its memory step, nested;
+``--threads 0`` failed in torch, ``ep_comm.py --worlds 1`` in a division after all its runs, and ``--json`` into a
+missing folder only after the run, losing its numbers. Ground truth: each script run as a user runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+from arguments import at_least, output_file  # noqa: E402
+
+
+def test_at_least_takes_integers_from_the_minimum():
+    assert at_least(2)("2") == 2 and at_least(1)("40") == 40
+    for text in ("1", "0", "-3", "2.5", "two", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"must be an integer of at least 2, got {text!r}"):
+            at_least(2)(text)
+
+
+def test_output_file_wants_a_file_in_a_folder_that_exists(tmp_path):
+    assert output_file(str(tmp_path / "numbers.json")) == tmp_path / "numbers.json"
+    with pytest.raises(argparse.ArgumentTypeError, match=r"its folder '.*missing' does not exist; create it first"):
+        output_file(str(tmp_path / "missing" / "numbers.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match=r"is a folder; give a file name in it"):
+        output_file(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+@pytest.mark.parametrize(("script", "arguments", "said"), [
+    ("routing_stats.py", ["--memory-windows", "0"], r"--memory-windows: must be an integer of at least 1, got '0'"),
+    ("trace_overhead.py", ["--threads", "0"], r"--threads: must be an integer of at least 1, got '0'"),
+    ("ep_comm.py", ["--worlds", "2", "1"], r"--worlds: must be an integer of at least 2, got '1'"),
+    ("export_tract.py", ["--json", "no-such-folder/out.json"], r"--json: 'no-such-folder/out.json': its folder"),
+    ("compress_quality.py", ["--skip-minilm", "--skip-tiny"], r"leave nothing to measure"),
+])
+def test_each_benchmark_refuses_a_bad_argument_before_it_runs(script, arguments, said, tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH / script), *arguments], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])  # argparse's usage error
+    assert re.search(said, done.stderr), done.stderr[-2000:]
+    assert done.stdout == "" and list(tmp_path.iterdir()) == []
