@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from groundtruth import (
-    CASES, EXTRA_LOGIT_COLUMNS, IDS, built, first_tensor, raw_values, slots_by_hand,
+    CASES, EXTRA_LOGIT_COLUMNS, IDS, ascii_tokenizer, built, first_tensor, raw_values, slots_by_hand,
 )
 from moelens.families.entry import get_path
 from moelens.families.scoring import score
@@ -256,3 +256,41 @@ def test_zero_compute_experts_pass_their_input_through(observed):
         zero_compute_slots += int((indices >= with_weights).sum())
         close(values["routed_output"], expected.reshape(values["routed_output"].shape), atol=1e-6)
     assert zero_compute_slots  # the identity path ran
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_nnsights_serialised_remote_path_serves_the_same_values_and_edits(family):
+    """``remote="local"``: nnsight serialises the trace as for NDIF and runs it back here. Values, a write and an
+    intervention come out as in a plain trace (ground truth: the same reads in a plain trace, and torch hooks)."""
+    import moelens
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model(family)
+    model, inputs = moelens.wrap(hf, tokenizer=ascii_tokenizer()), tiny_inputs(hf)  # nnsight's remote path needs one
+    hooked = {}
+    handle = model.moes[1]._module.register_forward_hook(lambda module, args, output: hooked.setdefault("out", output))
+
+    def run(**kwargs):
+        with model.trace(**inputs, **kwargs):
+            values = model.moes[0].save_all()
+            moelens.steer(model.moes[1], 3, 50.0)  # expert 3 in every token's top-k
+            block = model.moes[1].mlp_output.save()
+            logits = model.output.logits.save()
+        return values, block, logits
+
+    try:
+        (values, block, logits), (local_values, local_block, local_logits) = run(remote="local"), run()
+    finally:
+        handle.remove()
+    assert values.keys() == local_values.keys() and all(torch.equal(values[n], local_values[n]) for n in values)
+    assert torch.equal(block, local_block) and torch.equal(logits, local_logits)
+    out = hooked["out"][0] if isinstance(hooked["out"], tuple) else hooked["out"]
+    torch.testing.assert_close(block, out, rtol=0, atol=0)  # the steered block's own output, seen by torch
+    with model.trace(**inputs):
+        clean = model.output.logits.save()
+    assert not torch.equal(clean, logits) and torch.equal(clean, hf(**inputs).logits)
+    bare = moelens.wrap(hf)  # remote= went to the model as an input, refused as text
+    with pytest.raises(moelens.MoelensError, match=r"remote='local' runs nnsight's remote path, which comes with "
+                                                   r"a model wrapped with its tokenizer"):
+        with bare.trace(**inputs, remote="local"):
+            bare.output.logits.save()

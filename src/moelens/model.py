@@ -314,6 +314,11 @@ class MoeNNsight(MoeModelMixin, NNsight):
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         for inputs, kwargs in invokes:
+            if "remote" in kwargs:  # plain nnsight has no remote path: it would reach the forward as an input
+                raise MoelensError(
+                    f"remote={kwargs['remote']!r} runs nnsight's remote path, which comes with a model wrapped with its "
+                    "tokenizer (nnsight's LanguageModel): moelens.wrap(model, tokenizer=...)."
+                )
             if any(_is_text(value) for value in (*inputs, *kwargs.values())):
                 raise MoelensError(
                     "this model was wrapped without a tokenizer, so it takes token ids, not text: pass an input_ids "
