@@ -2216,14 +2216,28 @@ def test_a_blocks_repr_lists_the_values_it_cannot_serve_as_such(family, implemen
     moe = wrapped.moes[0]
     listed = {line.strip()[1:].partition(")")[0]: line for line in repr(moe).splitlines() if ") -> " in line}
     refused = set()
-    for name in set(listed) - {"mlp_activation", "mlp_neurons"}:
+    for name in listed:  # the dense MLP's mlp_activation / mlp_neurons were listed as "-> None: Not served ..."
         try:
             with wrapped.trace(**tiny_inputs(hf)):
                 getattr(wrapped.moes[0], name).save()
         except ValueUnavailable:
             refused.add(name)
-    assert refused == unserved
-    assert {name for name, line in listed.items() if "not served by this block" in line} == unserved
+    assert refused == unserved | {"mlp_activation", "mlp_neurons"}
+    assert {name for name, line in listed.items() if "not served by this block" in line} == refused
+
+
+def test_a_llama4_blocks_repr_says_its_recomputed_routing_is_read_only():
+    """The tree described expert_weights as writable ("a write changes the output only"); every write is refused."""
+    hf = tiny_model("llama4")
+    wrapped = moelens.wrap(hf)
+    listed = {line.strip()[1:].partition(")")[0]: line for line in repr(wrapped.moes[0]).splitlines() if ") -> " in line}
+    for name in ("expert_weights", "expert_indices"):
+        assert f"-> read-only here: llama4 calls no experts module, so moelens recomputes {name} from router_logits" \
+            in listed[name]
+        with pytest.raises(WriteError, match=rf"{name} is recomputed from router_logits"):
+            with wrapped.trace(**tiny_inputs(hf)):
+                setattr(wrapped.moes[0], name, getattr(wrapped.moes[0], name).clone())
+    assert "Writing reroutes the slot" in repr(moelens.wrap(tiny_model("mixtral")).moes[0])  # a block with an experts call
 
 
 def test_wrapping_leaves_nnsight_forwards_on_the_modules_as_the_docs_say():
@@ -2419,6 +2433,21 @@ def test_a_top_k_above_the_expert_count_is_refused_at_wrap(family, sizes):
         hf(torch.tensor([[1, 2, 3]]))
 
 
+def test_top_k_zero_and_a_count_the_entry_cannot_read_still_wrap():
+    """The top_k refusal refused k=0, which the model runs (no expert picked), and crashed wrap with a raw TypeError
+    when an entry's top_k read None (the read itself says so later)."""
+    hf = tiny_model("mixtral", num_experts_per_tok=0)
+    assert moelens.wrap(hf).moes[0].top_k == 0 and torch.isfinite(hf(torch.tensor([[1, 2, 3]])).logits).all()
+    hf = tiny_model("mixtral")
+    hf.config.moe_k = None
+    families.register(dataclasses.replace(families.get("mixtral"), name="k_from_config", top_k="config.moe_k"),
+                      replace=True)
+    try:
+        assert moelens.wrap(hf).moes[0].family.name == "k_from_config"
+    finally:
+        families.unregister("k_from_config")
+
+
 def test_a_dict_of_inputs_given_positionally_without_a_tokenizer_says_to_unpack_it():
     """model.trace(inputs) with the dict tiny_inputs (or a tokenizer) returns failed inside torch's embedding
     ("argument 'indices' must be Tensor, not dict"); given as keywords the same inputs run."""
@@ -2426,7 +2455,7 @@ def test_a_dict_of_inputs_given_positionally_without_a_tokenizer_says_to_unpack_
     model, inputs = moelens.wrap(hf), tiny_inputs(hf)
     for trace in (lambda: model.trace(inputs), lambda: model.trace(inputs, inputs)):
         with pytest.raises(moelens.MoelensError, match=r"got a dict of inputs \(keys \['attention_mask', 'input_ids'\]\) "
-                                                       r"as a positional argument: pass it as keywords, model.trace\(\*\*inputs\)"):
+                                                       r"where its forward takes input_ids: pass it as keywords, model.trace\(\*\*inputs\)"):
             with trace():
                 model.moes[0].router_logits.save()
     with pytest.raises(moelens.MoelensError, match=r"got a dict of inputs"):
@@ -2436,3 +2465,16 @@ def test_a_dict_of_inputs_given_positionally_without_a_tokenizer_says_to_unpack_
     with model.trace(**inputs):
         logits = model.output.logits.save()
     torch.testing.assert_close(logits, hf(**inputs).logits, rtol=0, atol=0)
+
+    class TakesADict(torch.nn.Module):  # a forward whose first argument is a dict: it is the model's to take
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = hf
+
+        def forward(self, batch):
+            return self.inner(**batch).logits
+
+    own = moelens.wrap(TakesADict())
+    with own.trace(inputs):
+        taken = own.output.save()
+    torch.testing.assert_close(taken, logits, rtol=0, atol=0)

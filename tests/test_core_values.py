@@ -290,6 +290,9 @@ def test_nnsights_serialised_remote_path_serves_the_same_values_and_edits(family
         clean = model.output.logits.save()
     assert not torch.equal(clean, logits) and torch.equal(clean, hf(**inputs).logits)
     bare = moelens.wrap(hf)  # remote= went to the model as an input, refused as text
+    with bare.trace(**inputs, remote=False):  # a remote=REMOTE switch, off: a plain trace
+        off = bare.output.logits.save()
+    assert torch.equal(off, clean)
     with pytest.raises(moelens.MoelensError, match=r"remote='local' runs nnsight's remote path, which comes with "
                                                    r"a model wrapped with its tokenizer"):
         with bare.trace(**inputs, remote="local"):

@@ -1,4 +1,4 @@
-"""The package's dependencies point one way (DESIGN.md): ``families`` describe, ``components`` serve, everything else
+"""The package's dependencies point one way (docs/dev/core-api.md): ``families`` describe, ``components`` serve, everything else
 reads components, and ``export``, ``compress``, ``parallel``, ``analysis`` never import each other.
 
 Ground truth: every import statement in ``src/moelens`` (module level or inside a function), parsed with ``ast``.

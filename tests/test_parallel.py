@@ -136,6 +136,8 @@ def test_importing_moelens_registers_nothing() -> None:
         "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
         "from moelens.components.implementations import serving\n"
         "assert 'moelens.parallel' not in sys.modules\n"
+        "assert {'analysis', 'compress', 'export', 'parallel', 'testing', 'wrap'} <= set(dir(moelens))\n"  # tab completion
+        "assert not [name for name in sys.modules if name.startswith(('moelens.parallel', 'moelens.export'))]\n"
         "import moelens.parallel as p\n"
         "assert 'torch_a2a' not in ALL_EXPERTS_FUNCTIONS and 'torch_a2a' not in serving() and not p.is_registered()\n"
         "p.register_torch_a2a(); p.register_torch_a2a()\n"
@@ -337,6 +339,7 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
             assert error.startswith("ShardedExpertsError: save_pretrained: MixtralForCausalLM's experts are sharded "
                                     "over 2 ranks"), (rank, error)
             assert f"this rank ({rank}) holds experts {rank * 4}..{rank * 4 + 3} of 8" in error, error
+        assert guard["push"].startswith("ShardedExpertsError: push_to_hub: MixtralForCausalLM's experts are sharded"), guard
         assert guard["saved_files"] == [] and guard["unsharded_saves"] == "", guard
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]

@@ -190,6 +190,9 @@ def test_overrides_and_errors():
     with pytest.raises(KeyError):
         tiny_config("not_a_family")
     mixtral = families.get("mixtral")  # supported() lists Family entries: one failed as an unhashable key
+    listed = families.supported()
+    assert mixtral in listed and repr(listed).startswith(f"[{len(listed)} families: ")  # it printed 85,000 characters
+    assert "mixtral" in repr(listed) and len(repr(listed)) < 40 * len(listed)
     for given in (mixtral, tiny_config("mixtral")):
         with pytest.raises(TypeError, match=rf"tiny models are built by family name \(a str such as 'mixtral'\), got "
                                             rf"{type(given).__name__}: pass its name"):

@@ -31,3 +31,8 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'moelens' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names and the feature areas `__getattr__` imports on first use (for tab completion)."""
+    return sorted({*globals(), *_SUBPACKAGES})

@@ -34,8 +34,8 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, ValueUnavailable, described
 from .families import Family, registry
-from .modules import takes_keyword
-from .scalars import check_flag
+from .modules import first_parameter, takes_keyword
+from .scalars import as_int, check_flag
 
 
 class MoeModelMixin:
@@ -313,24 +313,20 @@ class MoeNNsight(MoeModelMixin, NNsight):
         return processing.batch_size(inputs, kwargs)
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        invokes = [(inputs, _without_remote(kwargs)) for inputs, kwargs in invokes]
         for inputs, kwargs in invokes:
-            if "remote" in kwargs:  # plain nnsight has no remote path: it would reach the forward as an input
-                raise MoelensError(
-                    f"remote={kwargs['remote']!r} runs nnsight's remote path, which comes with a model wrapped with its "
-                    "tokenizer (nnsight's LanguageModel): moelens.wrap(model, tokenizer=...)."
-                )
             if any(_is_text(value) for value in (*inputs, *kwargs.values())):
                 raise MoelensError(
                     "this model was wrapped without a tokenizer, so it takes token ids, not text: pass an input_ids "
                     "tensor, or give it a tokenizer (moelens.wrap(model, tokenizer=...), or save the tokenizer "
                     "files beside the weights for moelens.load)."
                 )
-            mapping = next((value for value in inputs if isinstance(value, Mapping)), None)
-            if mapping is not None:  # the model would take it as its input_ids
-                raise MoelensError(
+            if inputs and isinstance(inputs[0], Mapping) and first_parameter(self._module) == "input_ids":
+                raise MoelensError(  # the model would take the dict as its input_ids
                     f"a model wrapped without a tokenizer takes its forward's own arguments, and got a "
-                    f"{type(mapping).__name__} of inputs (keys {sorted(mapping)}) as a positional argument: pass it as "
-                    "keywords, model.trace(**inputs) (or tracer.invoke(**inputs)), or wrap the model with its tokenizer."
+                    f"{type(inputs[0]).__name__} of inputs (keys {sorted(map(str, inputs[0]))}) where its forward takes "
+                    "input_ids: pass it as keywords, model.trace(**inputs) (or tracer.invoke(**inputs)), or wrap the "
+                    "model with its tokenizer."
                 )
         if len(invokes) <= 1:
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
@@ -383,6 +379,17 @@ class MoeNNsight(MoeModelMixin, NNsight):
                 "number of tokens, or run them one at a time (separate traces; collect_routing(batch_size=1))."
             )
         return inputs, {name: value for name, value in kwargs.items() if name != "attention_mask"}
+
+
+def _without_remote(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An invoke's keywords without ``remote``: plain nnsight has no remote path, so a true one is refused (it would
+    reach the forward as an input) and a false one (a ``remote=REMOTE`` switch, off) dropped."""
+    if kwargs.get("remote"):
+        raise MoelensError(
+            f"remote={kwargs['remote']!r} runs nnsight's remote path, which comes with a model wrapped with its "
+            "tokenizer (nnsight's LanguageModel): moelens.wrap(model, tokenizer=...)."
+        )
+    return {name: value for name, value in kwargs.items() if name != "remote"}
 
 
 def _cached_tokens(params: dict[str, Any]) -> int:
@@ -548,17 +555,18 @@ COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by 
 
 
 def _refuse_impossible_top_k(moe: Moe) -> None:
-    """Refuse a block whose config routes each token to more experts than it has (or to none): its router's
-    ``topk`` fails in every forward with torch's "selected index k out of range", which names neither value."""
+    """Refuse a block whose config routes each token to more experts than it has (or to a negative number): its
+    router's ``topk`` fails in every forward with torch's "selected index k out of range", which names neither."""
+    family = moe.family
     try:
-        experts, k = moe.num_experts, moe.top_k
+        experts, k = (as_int(family.resolve(reference, moe._module)) for reference in (family.num_experts, family.top_k))
     except FamilyError:  # an entry that cannot read them: its error comes where they are read
         return
-    if not 1 <= k <= experts:
+    if experts is not None and k is not None and not 0 <= k <= experts:
         raise MoelensError(
-            f"the {moe.family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but it has "
-            f"{experts} (num_experts): its router cannot pick them, and every forward would fail. Fix the model's "
-            f"config (top_k between 1 and {experts}) before building the model."
+            f"the {family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but "
+            f"it has {experts} (num_experts): its router cannot pick them, and every forward would fail. Fix the "
+            f"model's config (top_k at most {experts}) before building the model."
         )
 
 

@@ -42,6 +42,17 @@ def enclosing(name: str, blocks: Iterable[str]) -> str | None:
 LORA_ADAPTERS = "lora"
 
 
+def first_parameter(module: nn.Module) -> str | None:
+    """The name of the first parameter of ``module``'s forward (``input_ids`` for a transformers model), or None.
+
+    Read off the class's forward: a wrapped module's instance forward is nnsight's, which takes ``self`` too."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    return parameters[1] if len(parameters) > 1 else None
+
+
 def has_lora_adapters(module: nn.Module) -> bool:
     """Whether ``module`` carries moelens.compress LoRA adapters: its weights then read as the
     parameters plus the adapters' product, not as the parameters alone."""

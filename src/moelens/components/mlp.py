@@ -43,8 +43,9 @@ class Mlp(Component):
 
     @served
     def mlp_output(self, value: Any) -> Float[Tensor, "b s h"]:
-        """What the block adds to the residual stream, [batch, seq, hidden]: the block's output (its down
-        projection's, for a block that adds the residual itself, such as bloom's). Writing it replaces that."""
+        """What the block adds to the residual stream [b, s, D]: its output. Writing it replaces that.
+
+        For a block that adds the residual itself (bloom's), the output of its down projection."""
 
     @served
     def mlp_activation(self, value: Any) -> Float[Tensor, "b s i"]:

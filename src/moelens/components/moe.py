@@ -337,9 +337,13 @@ class Moe(Mlp):
                     f"{self.experts_implementation}; router_probs = {score_name}(router_logits)] ")
         except Exception:  # noqa: BLE001 - a repr never raises; the tree alone then
             head = ""
-        unserved = self._unserved()
+        notes = {name: f"not served by this block: {why}" for name, why in self._unserved().items()}
+        if self.family.derived_routing:
+            for name in ("expert_weights", "expert_indices"):
+                notes[name] = (f"read-only here: {self.family.name} calls no experts module, so moelens recomputes "
+                               f"{name} from router_logits; write router_logits to change the routing.")
         lines = [
-            f"{line.split(') -> ')[0]}) -> not served by this block: {unserved[name]}" if name in unserved else line
+            f"{line.split(') -> ')[0]}) -> {notes[name]}" if name in notes else line
             for line in super().__repr__().split("\n") for name in [_listed_value(line)]
         ]
         return head + "\n".join(lines)
@@ -354,6 +358,8 @@ class Moe(Mlp):
                 unserved[name] = error.why
             except Exception:  # noqa: BLE001 - a repr never raises
                 continue
+        for name in ("mlp_activation", "mlp_neurons"):
+            unserved[name] = self._routed_activation(name).why
         try:
             if not self.ranks_selection_scores:
                 unserved["selection_scores"] = "its router ranks no score other than router_probs' (no selection bias)"

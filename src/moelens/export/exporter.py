@@ -26,8 +26,8 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import __version__
-from .. import modules
-from ..modules import takes_keyword, unloaded_weights
+from ..modules import embedding_rows, takes_keyword, unloaded_weights
+from ..modules import vocab_size as model_vocab_size
 from ..paths import user_path
 from ..scalars import check_flag
 from .archive import check_archive_name, check_destination, size, write
@@ -323,7 +323,7 @@ TOKEN_AXIS = 1
 
 def vocab_size(target: Target) -> int | None:
     """The vocabulary size of a model target (its text config's; None for a block, or when the config has none)."""
-    return modules.vocab_size(target.module) if target.kind == "model" else None
+    return model_vocab_size(target.module) if target.kind == "model" else None
 
 
 def hidden_size(target: Target) -> int:
@@ -342,7 +342,7 @@ def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":
         return torch.randn(batch, tokens, hidden_size(target), generator=generator)
-    high = vocab_size(target) or modules.embedding_rows(target.module) or 128
+    high = vocab_size(target) or embedding_rows(target.module) or 128
     return torch.randint(3 if high > 3 else 0, high, (batch, tokens), generator=generator)
 
 

@@ -243,9 +243,16 @@ def _known() -> str:
     return ", ".join(sorted(_FAMILIES))
 
 
-def supported() -> list[Family]:
-    """Every registered family, sorted by name."""
-    return [_FAMILIES[name] for name in sorted(_FAMILIES)]
+class FamilyList(list):
+    """A list of family entries that prints as their names (each entry's own repr is a page of settings)."""
+
+    def __repr__(self) -> str:
+        return f"[{len(self)} families: {', '.join(family.name for family in self)}]"
+
+
+def supported() -> FamilyList:
+    """Every registered family, sorted by name (a list of `Family` entries; it prints as their names)."""
+    return FamilyList(_FAMILIES[name] for name in sorted(_FAMILIES))
 
 
 def get(name: str) -> Family:

@@ -163,20 +163,22 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
             experts._is_expert_parallel = True
             experts.register_forward_pre_hook(_guard)
     if size > 1:
-        module.save_pretrained = functools.partial(_refuse_save, module)  # an instance attribute: `push_to_hub` too
+        for call in ("save_pretrained", "push_to_hub"):  # instance attributes (push_to_hub makes the repo first)
+            setattr(module, call, functools.partial(_refuse_save, module, call))
         for reaching in _holding_experts(module, [name for name, *_ in blocks]):
             reaching.register_forward_pre_hook(functools.partial(forward_enters, runs), prepend=True)
             reaching.register_forward_hook(functools.partial(forward_leaves, runs), always_call=True)
     return model
 
 
-def _refuse_save(model: torch.nn.Module, *args: Any, **kwargs: Any) -> NoReturn:
-    """A sharded model's ``save_pretrained``: refused before anything is written, since each rank holds only its experts
-    and the checkpoint would keep a fraction of every MoE block's experts under a config that names them all."""
+def _refuse_save(model: torch.nn.Module, call: str, *args: Any, **kwargs: Any) -> NoReturn:
+    """A sharded model's ``save_pretrained`` / ``push_to_hub`` (``call``): refused before anything is written, since
+    each rank holds only its experts and the checkpoint would keep a fraction of every MoE block's experts under a
+    config that names them all."""
     experts = next(module for module in model.modules() if "_ep_group" in module.__dict__)
     first, last = experts._ep_first, experts._ep_first + experts._ep_num_local - 1
     raise ShardedExpertsError(
-        f"save_pretrained: {type(model).__name__}'s experts are sharded over {experts._ep_size} ranks by "
+        f"{call}: {type(model).__name__}'s experts are sharded over {experts._ep_size} ranks by "
         f"moelens.parallel.shard_experts, and this rank ({experts._ep_rank}) holds experts {first}..{last} of "
         f"{experts.num_experts}: a checkpoint saved from it would hold only those under a config naming all "
         f"{experts.num_experts}. Save the model before sharding it (every rank builds it from the same checkpoint "
