@@ -177,19 +177,37 @@ def test_inspect_tiny(capsys):
 def test_inspect_counts_layers_not_blocks_and_names_each_block():
     """ernie4_5_vl_moe has a text and a vision MoE block per layer: it was "6 of 4" MoE layers."""
     import moelens
-    from moelens.analysis.cli import format_report
     from moelens.analysis.describe import describe
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = describe(moelens.wrap(tiny_model("ernie4_5_vl_moe")))
     blocks = [layer.path for layer in report.moe_layers]
-    text = format_report(report, "none")
+    text = str(report)
+    assert "tokenizer              none (token ids only)" in text
     assert f"MoE layers             1, 2, 3 (3 of 4), {len(blocks)} MoE blocks" in text and len(blocks) == 6
     assert "dense layers           0\n" in text
     titles = [line for line in text.splitlines() if line.startswith("values served, ")]
     assert titles == [f"values served, {path}, shapes for a [1, 4] input:" for path in blocks]
     assert any("text_moe" in path for path in blocks) and any("vision_moe" in path for path in blocks)
+
+
+def test_a_report_prints_as_inspect_does_and_marks_recomputed_routing_read_only():
+    """Jupyter showed a report as a one-line dataclass dump of 2,000 characters; llama4's expert_weights and
+    expert_indices, recomputed from its logits (every write refused), were listed read/write."""
+    import moelens
+    from moelens.analysis.describe import describe
+
+    pretty = pytest.importorskip("IPython.lib.pretty")
+    report = describe(moelens.wrap(tiny_model("llama4")))
+    text = str(report)
+    assert pretty.pretty(report) == text and repr(report).startswith("ModelReport(name=")
+    for name, access in (("router_logits", "read/write"), ("router_probs", "read-only (derived)"),
+                         ("expert_weights", "read-only (derived)"), ("expert_indices", "read-only (derived)"),
+                         ("mlp_output", "read/write")):
+        assert re.search(rf"\n  {name} +\[[0-9, ]+\] +{re.escape(access)}\n", text), (name, text)
+    mixtral = str(describe(moelens.wrap(tiny_model("mixtral"))))
+    assert re.search(r"\n  expert_weights +\[1, 4, 2\] +read/write\n", mixtral)
 
 
 def test_inspect_other_family(saved, capsys):

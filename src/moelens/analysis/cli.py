@@ -286,56 +286,13 @@ def run_demo(args: argparse.Namespace) -> int:
 # -- inspect -------------------------------------------------------------------------------------
 
 
-def format_report(report: Any, tokenizer: str) -> str:
-    """The text form of a `ModelReport`."""
-    from .describe import READ_ONLY
-
-    layers = report.moe_layers
-    moe_layers = sorted({layer.layer for layer in layers})
-    experts = sorted({(layer.num_experts, layer.top_k) for layer in layers})
-    implementations = sorted({layer.experts_implementation or "eager" for layer in layers})
-    lines = [
-        f"model                  {report.name}",
-        f"architecture           {report.architecture} (model_type {report.model_type})",
-        f"family                 {report.family}",
-        f"tokenizer              {tokenizer}",
-        f"decoder layers         {report.num_layers}",
-        f"MoE layers             {', '.join(map(str, moe_layers))} ({len(moe_layers)} of {report.num_layers})"
-        + (f", {len(layers)} MoE blocks" if len(layers) > len(moe_layers) else ""),
-        f"dense layers           {', '.join(map(str, report.dense_layers)) or 'none'}",
-        "experts E, top-k       " + "; ".join(f"E={e}, k={k}" for e, k in experts),
-        f"scoring                {report.scoring}",
-        f"router_probs           {report.score} of router_logits",
-        f"shared expert          {report.shared}",
-        f"experts implementation {', '.join(implementations)}",
-    ]
-    if report.notes:
-        lines.append(f"notes                  {report.notes}")
-    first = layers[0]
-    same = all(layer.values == first.values and layer.unavailable.keys() == first.unavailable.keys() for layer in layers)
-    groups = [(f"every MoE block ({first.path} shown)", [first])] if same else [
-        (layer.path, [layer]) for layer in layers
-    ]
-    for title, (layer, *_) in groups:
-        lines.append(f"\nvalues served, {title}, shapes for a [1, 4] input:")
-        for name, shape in layer.values.items():
-            access = "read-only (derived)" if name in READ_ONLY else "read/write"
-            lines.append(f"  {name:<22} [{', '.join(map(str, shape))}]".ljust(48) + access)
-        for name, reason in layer.unavailable.items():
-            lines.append(f"  {name:<22} unavailable: {reason}")
-    return "\n".join(lines)
-
-
 def run_inspect(args: argparse.Namespace) -> int:
     """``moelens inspect MODEL``."""
-    from .describe import describe, tokenizer_note
+    from .describe import describe
 
     model = load_model(args.model)
     report = describe(model)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
-    else:
-        print(format_report(report, tokenizer_note(model)))
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report)
     return 0
 
 

@@ -22,8 +22,10 @@ from ..scalars import check_flag
 from . import corpus as corpora
 from .collect import check_wrapped, moes_of
 
-#: Values a `Moe` serves read-only (derived from another value).
+#: Values every `Moe` serves read-only (derived from another value).
 READ_ONLY = ("router_probs",)
+#: Values a `Moe` of a family with ``derived_routing`` (llama4) recomputes from its logits, read-only too.
+RECOMPUTED = ("expert_weights", "expert_indices")
 #: Tokens of the probe input.
 PROBE_TOKENS = 4
 
@@ -41,6 +43,7 @@ class LayerReport:
         shared_expert: Whether the block has a shared expert.
         values: Value name -> its shape on a ``[1, 4]`` probe input (served values).
         unavailable: Value name -> why this block cannot serve it.
+        read_only: The served values a write to is refused for (derived from another value).
     """
 
     layer: int
@@ -51,6 +54,7 @@ class LayerReport:
     shared_expert: bool
     values: dict[str, list[int]] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
+    read_only: list[str] = field(default_factory=lambda: list(READ_ONLY))
 
 
 @dataclass
@@ -70,6 +74,7 @@ class ModelReport:
         dense_layers: Decoder layers with a dense MLP (an `Mlp` component), whatever else they hold.
         moe_layers: One `LayerReport` per MoE block.
         notes: The family entry's notes.
+        tokenizer: Whether the model takes text (its tokenizer) or token ids only.
     """
 
     name: str
@@ -83,9 +88,51 @@ class ModelReport:
     dense_layers: list[int]
     moe_layers: list[LayerReport]
     notes: str = ""
+    tokenizer: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def __str__(self) -> str:
+        """What ``moelens inspect`` prints: the model, then the values each block serves (or why not)."""
+        layers = self.moe_layers
+        moe_layers = sorted({layer.layer for layer in layers})
+        experts = sorted({(layer.num_experts, layer.top_k) for layer in layers})
+        implementations = sorted({layer.experts_implementation or "eager" for layer in layers})
+        lines = [
+            f"model                  {self.name}",
+            f"architecture           {self.architecture} (model_type {self.model_type})",
+            f"family                 {self.family}",
+            f"tokenizer              {self.tokenizer}",
+            f"decoder layers         {self.num_layers}",
+            f"MoE layers             {', '.join(map(str, moe_layers))} ({len(moe_layers)} of {self.num_layers})"
+            + (f", {len(layers)} MoE blocks" if len(layers) > len(moe_layers) else ""),
+            f"dense layers           {', '.join(map(str, self.dense_layers)) or 'none'}",
+            "experts E, top-k       " + "; ".join(f"E={e}, k={k}" for e, k in experts),
+            f"scoring                {self.scoring}",
+            f"router_probs           {self.score} of router_logits",
+            f"shared expert          {self.shared}",
+            f"experts implementation {', '.join(implementations)}",
+        ]
+        if self.notes:
+            lines.append(f"notes                  {self.notes}")
+        first = layers[0]
+        same = all(layer.values == first.values and layer.unavailable.keys() == first.unavailable.keys() for layer in layers)
+        groups = [(f"every MoE block ({first.path} shown)", [first])] if same else [
+            (layer.path, [layer]) for layer in layers
+        ]
+        for title, (layer, *_) in groups:
+            lines.append(f"\nvalues served, {title}, shapes for a [1, 4] input:")
+            for name, shape in layer.values.items():
+                access = "read-only (derived)" if name in layer.read_only else "read/write"
+                lines.append(f"  {name:<22} [{', '.join(map(str, shape))}]".ljust(48) + access)
+            for name, reason in layer.unavailable.items():
+                lines.append(f"  {name:<22} unavailable: {reason}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """IPython / Jupyter show the text form (``repr`` stays the dataclass's)."""
+        printer.text(str(self))
 
 
 def _probe_ids(model: Any) -> dict[str, torch.Tensor]:
@@ -187,6 +234,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
             layer=moe.layer, path=moe.path.lstrip(".").removeprefix("model."), num_experts=moe.num_experts, top_k=moe.top_k,
             experts_implementation=moe.experts_implementation, shared_expert=moe._shared_envoy() is not None,
             values=shapes.get(moe.path, {}), unavailable=reasons.get(moe.path, {}),
+            read_only=[*READ_ONLY, *(RECOMPUTED if moe.family.derived_routing else ())],
         )
         for moe in moes
     ]
@@ -217,6 +265,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         dense_layers=dense,
         moe_layers=layers,
         notes=family.notes or "",
+        tokenizer=tokenizer_note(model),
     )
 
 
