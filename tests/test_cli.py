@@ -220,7 +220,8 @@ def test_inspect_other_family(saved, capsys):
     assert first["num_experts"] == 8 and first["top_k"] == 2
     assert first["values"]["router_logits"] == [1, 4, 8]
     assert first["values"]["expert_outputs"] == [1, 4, 2, 32]
-    assert first["unavailable"]["shared_expert_output"].startswith("the mixtral family has no shared expert.")  # the why, no path
+    assert first["unavailable"]["shared_expert_output"].startswith(  # the why, without the value's path
+        "the mixtral family has no shared expert.")
 
 
 def test_stats_other_family_matches_the_analysis(saved, tmp_path, capsys):

@@ -316,8 +316,8 @@ def test_four_ranks() -> None:
 
 def test_a2a_and_hazards_on_two_ranks() -> None:
     """`a2a_moe` on 2 ranks; then what goes wrong on purpose: a sharded model switched to
-    grouped_mm / batched_mm raises, and so does its save_pretrained (plain or wrapped; nothing written); an experts call skipped on one rank raises RankDivergence on
-    every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
+    grouped_mm / batched_mm raises, and so do its save_pretrained and push_to_hub (plain or wrapped; nothing
+    written); an experts call skipped on one rank raises RankDivergence on every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
     exchange can detect, ends with the group's timeout, not a hang; a trace raising on one rank only
     (an intervention refused for its tokens, at layer 0, at layer 1, or before the forward in two traces
     in a row), or a forward outside a trace raising on one rank only (a user's hook registered before

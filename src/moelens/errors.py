@@ -50,7 +50,8 @@ def sentence(error: Exception) -> str:
 
 
 def described(value: Any) -> str:
-    """A value in words for an error: its type, with the value itself when it is short (text, a number, None), or its shape (a tensor, an array)."""
+    """A value in words for an error: its type, with the value itself when it is short (text, a number, None), or
+    its shape (a tensor, an array)."""
     if value is None or isinstance(value, (str, int, float)):
         return f"{type(value).__name__} {value!r:.60}"
     if isinstance(value, (Tensor, np.ndarray)):

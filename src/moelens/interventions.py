@@ -211,7 +211,8 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
             "token add it to the logits yourself: moe.router_logits[..., expert] += bias."
         )
     if math.isnan(as_real(bias)):
-        raise WriteError("steer: bias nan is not a number (NaN); give a finite bias (a few tens already decide the routing).")
+        raise WriteError("steer: bias nan is not a number (NaN); give a finite bias (a few tens already decide the "
+                         "routing).")
     logits = moe.router_logits
     steered = logits[..., expert].float() + float(bias)
     largest = torch.finfo(logits.dtype).max
