@@ -220,3 +220,36 @@ def test_a_model_whose_mlps_are_not_found_says_why_it_has_no_layers():
     with pytest.raises(AttributeError, match=r"has no 'layers': moelens found no list of decoder layers"):
         model.layers
     assert model.model.decoder.layers[0].fc1 is not None  # native paths work
+
+
+def test_a_converted_falcon_down_projection_serves_its_own_output_too():
+    """moelens.compress (target_modules=["dense_4h_to_h"]) turns the down projection FalconMLP returns as is into an
+    MoE block: its mlp_output read as the block's output plus the attention output, which the layer adds in place
+    (only the MLP itself was served as a copy)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    dense = FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                           ffn_hidden_size=128)).eval()
+    generator = torch.Generator().manual_seed(1)
+    converted = tomoe(dense, num_experts=4, top_k=2, calibration=torch.randint(0, 128, (4, 16), generator=generator),
+                      max_error=None, progress=False, target_modules=["dense_4h_to_h"])
+    model = moelens.wrap(converted)
+    moe, ids = model.moes[0], torch.randint(0, 128, (2, 6), generator=generator)
+    assert moe.path.endswith("h.0.mlp.dense_4h_to_h")
+    seen = {}
+    handle = moe._module.register_forward_hook(lambda module, args, out: seen.update(out=out.detach().clone()))
+    with torch.no_grad():
+        plain = converted(ids).logits
+    handle.remove()
+    mine = torch.zeros(2, 6, 48)
+    with torch.no_grad(), model.trace(ids):
+        read = moe.mlp_output.save()
+        logits = model.output.logits.save()
+    assert torch.equal(read, seen["out"].reshape(read.shape)) and torch.equal(logits, plain)
+    with torch.no_grad(), model.trace(ids):
+        moe.mlp_output = mine
+        written = model.output.logits.save()
+    assert not mine.any() and not torch.equal(written, plain)  # the written tensor is the user's still

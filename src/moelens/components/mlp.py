@@ -30,9 +30,11 @@ UP_PROJECTIONS = ("up_proj", "gate_proj", "gate_up_proj", "c_fc", "fc1", "w1", "
                   "dense_h_to_4h", "wi", "wi_0", "wi_1", "fc_in")
 
 #: Decoder layers that edit their MLP's output in place after it returns (falcon's adds the attention output to
-#: it under ``parallel_attn`` / ``new_decoder_architecture``): the reader of `Mlp.mlp_output` keeps a copy, and
-#: the model gets its own (a read would show the sum, and a written tensor would be changed).
-EDIT_MLP_OUTPUT_LATER = ("FalconDecoderLayer",)
+#: it under ``parallel_attn`` / ``new_decoder_architecture``), with the paths (from the layer) of the blocks whose
+#: output is that tensor: the MLP, and the down projection it returns as is (converted by moelens.compress
+#: ``target_modules``). The reader of their ``mlp_output`` keeps a copy, and the model gets its own (a read would
+#: show the sum, and a written tensor would be changed).
+EDIT_MLP_OUTPUT_LATER = {"FalconDecoderLayer": ("mlp", "mlp.dense_4h_to_h")}
 
 #: Moe values a dense block cannot serve.
 MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output") + ("selection_scores",)
@@ -84,8 +86,12 @@ class Mlp(Component):
     @cached_property
     def _output_edited_later(self) -> bool:
         """The decoder layer holding this block edits the block's output in place (`EDIT_MLP_OUTPUT_LATER`)."""
-        path = list(self.modules_down())
-        return len(path) > 1 and type(path[-2]).__name__ in EDIT_MLP_OUTPUT_LATER
+        modules, parts = list(self.modules_down()), self.path.split(".")
+        return any(
+            len(modules) > depth
+            and ".".join(parts[-depth:]) in EDIT_MLP_OUTPUT_LATER.get(type(modules[-1 - depth]).__name__, ())
+            for depth in (1, 2)  # the block is the layer's MLP, or the down projection inside it
+        )
 
     def _binding(self, name: str) -> Binding:
         sliced = getattr(self._module, "slow_but_exact", False) and getattr(self._module, "pretraining_tp", 1) > 1

@@ -489,6 +489,7 @@ class Moe(Mlp):
     def _static_bindings(self) -> dict[str, Binding]:
         family = self.family
         experts = self.experts.path
+        edited_later = copied if self._output_edited_later else None  # falcon adds attention to it in place
         bindings = {
             "router_logits": Binding(f"{self.router.path}.source.{family.logits_op}.output", features=1,
                                      infinities=ANY_INF if self._scores_saturate else MINUS_INF,
@@ -497,7 +498,8 @@ class Moe(Mlp):
             "expert_indices": Binding(f"{experts}.input", 1, *argument(1, "top_k_index"), kind=INDEX,
                                       upper=lambda: self.num_experts),
             "routed_output": Binding(f"{experts}.output", 1, *output_of(None)),
-            "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index)),
+            "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index),
+                                  to_view=edited_later, from_view=edited_later),
         }
         shared = self._shared_envoy()
         if shared is not None:
