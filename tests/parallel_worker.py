@@ -531,6 +531,29 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             result[name] = case
         return result
 
+    def plain_torch_model() -> dict[str, Any]:
+        # A user's own torch model (no set_experts_implementation) with decorated experts and a registered family:
+        # shard_experts failed on every rank with AttributeError before changing anything.
+        from custom_models import custom_family, custom_model
+
+        moelens.families.register(custom_family(), replace=True)
+        try:
+            ref, ids = custom_model(), tokens_of(RANK, vocab=64)
+            lm_ref, lm_ep = moelens.wrap(ref), moelens.wrap(shard_experts(custom_model(), None))
+            values = {}
+            for name, lm in (("ref", lm_ref), ("ep", lm_ep)):
+                with torch.no_grad(), lm.trace(ids):
+                    moelens.steer(lm.moes[0], 3, 20.0)
+                    indices = lm.moes[1].expert_indices.save()
+                    out = lm.output.save()
+                values[name] = (indices, out)
+            held = [tuple(module.pool.gate_up_proj.shape) for module in lm_ep._module.modules()
+                    if type(module).__name__ == "CustomBlock"]
+        finally:
+            moelens.families.unregister("custom")
+        return {"indices_equal": torch.equal(values["ref"][0], values["ep"][0]),
+                "out": maxdiff(values["ref"][1], values["ep"][1]), "held": held}
+
     def different_models() -> dict[str, Any]:
         # The last rank loads experts of another width, or dtype: refused on every rank before any exchange (rows
         # of another size made gloo abort a process).
@@ -540,7 +563,8 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
                 "dtype": _error_text(lambda: shard_experts(tiny_model("mixtral", dtype=dtype), None))}
 
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
-            "error_on_some_ranks": error_on_some_ranks, "different_models": different_models}
+            "error_on_some_ranks": error_on_some_ranks, "different_models": different_models,
+            "plain_torch_model": plain_torch_model}
 
 
 def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:

@@ -323,7 +323,8 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
     in a row), or a forward outside a trace raising on one rank only (a user's hook registered before
     shard_experts' own; a forward of the base model), raises RankDivergence on the others in that trace
     or forward (each of the two), and the next traces (one with the last rank's experts
-    negated, ground truth: the single-process model edited alike) and forwards pair on every rank;
+    negated, ground truth: the single-process model edited alike) and forwards pair on every rank; a user's plain
+    torch model of a registered family shards and matches one process;
     ranks holding models with other experts are refused by shard_experts on every rank."""
     results = spawn(2, {"a2a": {}, "hazards": {"short_timeout": 5}})
     assert not check_a2a(results)
@@ -344,6 +345,9 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]
         assert "hold different models: the experts of ranks" in cases["different_models"]["error"], cases
+        plain = cases["plain_torch_model"]  # a registered plain torch model: sharded, and the same as one process
+        assert "error" not in plain, plain.get("error", "")[-2000:]
+        assert plain["indices_equal"] and plain["out"] <= TOL and plain["held"] == [[2, 16, 16]] * 2, plain  # (JSON)
         assert "hold different models" in cases["different_models"]["dtype"] and "in the same dtype" in cases["different_models"]["dtype"]
         assert "error" not in cases["error_on_some_ranks"], (rank, cases["error_on_some_ranks"]["error"][-2000:])
         for name, case in cases["error_on_some_ranks"].items():

@@ -148,7 +148,8 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
         refusal = str(error)
     _check_every_rank(blocks, group, rank, refusal)
     register_torch_a2a()
-    module.set_experts_implementation(NAME)
+    if hasattr(module, "set_experts_implementation"):  # a transformers model (a user's torch model has none)
+        module.set_experts_implementation(NAME)
     holder, runs = SharedGroup(group), runs_of(group)
     for position, ((_, _, _, experts), num_experts) in enumerate(zip(blocks, counts)):
         experts.config._experts_implementation = NAME  # experts reading their own settings (moelens.compress output)
