@@ -135,7 +135,7 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     router = {}
     for name, part, value in (("router", "weight", weight), ("router_bias", "bias", bias)):
         if value is not None and id(value) not in stored:
-            raise computed_weight(f"{where}: the router's {part}")
+            raise computed_weight(f"{where}: the router's {part}", part)
         router[name] = None if value is None else editable(value, f"{where}: the router's {part}")
     if index is not None:
         router = {name: None if value is None else value[index] for name, value in router.items()}
@@ -307,7 +307,7 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
             return None
         value = _stored_at(experts, path)
         if value is None and isinstance(find_path(experts, path), Tensor):
-            raise computed_weight(f"{family.name}: {type(experts).__name__}.{path}")
+            raise computed_weight(f"{family.name}: {type(experts).__name__}.{path}", path.rpartition(".")[2])
         if value is None:
             raise ValueUnavailable(f"{family.name}: {type(experts).__name__} has no parameter {path!r}; {mismatch}.")
         if any(_stored_at(experts, path + suffix) is not None for suffix in QUANTIZATION_SCALES):
@@ -413,13 +413,15 @@ def editable(weight: Tensor, name: str) -> Tensor:
     return weight.detach()
 
 
-def computed_weight(name: str) -> ValueUnavailable:
-    """The refusal of a weight a module computes on access instead of storing it (a view would be a copy)."""
+def computed_weight(name: str, attribute: str) -> ValueUnavailable:
+    """The refusal of a weight a module computes on access instead of storing it (a view would be a copy);
+    ``attribute`` is its name on its module (what the remedy removes the parametrization of)."""
     return ValueUnavailable(
         f"{name} is computed from other tensors each time it is used (torch.nn.utils.parametrize, prune, weight_norm "
         "or spectral_norm), not stored, so a view of it is a copy and an edit would be lost; make it a plain "
-        "parameter first (parametrize.remove_parametrizations(module, 'weight'), prune.remove(module, 'weight'), "
-        "torch.nn.utils.remove_weight_norm(module), ...) or edit the tensors it is computed from."
+        f"parameter first (parametrize.remove_parametrizations(module, {attribute!r}), prune.remove(module, "
+        f"{attribute!r}), torch.nn.utils.remove_weight_norm(module, {attribute!r}), ...) or edit the tensors it is "
+        "computed from."
     )
 
 
