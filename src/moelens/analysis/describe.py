@@ -22,10 +22,6 @@ from ..scalars import check_flag
 from . import corpus as corpora
 from .collect import check_wrapped, moes_of
 
-#: Values every `Moe` serves read-only (derived from another value).
-READ_ONLY = ("router_probs",)
-#: Values a `Moe` of a family with ``derived_routing`` (llama4) recomputes from its logits, read-only too.
-RECOMPUTED = ("expert_weights", "expert_indices")
 #: Tokens of the probe input.
 PROBE_TOKENS = 4
 
@@ -43,7 +39,7 @@ class LayerReport:
         shared_expert: Whether the block has a shared expert.
         values: Value name -> its shape on a ``[1, 4]`` probe input (served values).
         unavailable: Value name -> why this block cannot serve it.
-        read_only: The served values a write to is refused for (derived from another value).
+        read_only: The served values a write to is refused for (`Moe.read_only`).
     """
 
     layer: int
@@ -54,7 +50,7 @@ class LayerReport:
     shared_expert: bool
     values: dict[str, list[int]] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
-    read_only: list[str] = field(default_factory=lambda: list(READ_ONLY))
+    read_only: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -234,7 +230,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
             layer=moe.layer, path=moe.path.lstrip(".").removeprefix("model."), num_experts=moe.num_experts, top_k=moe.top_k,
             experts_implementation=moe.experts_implementation, shared_expert=moe._shared_envoy() is not None,
             values=shapes.get(moe.path, {}), unavailable=reasons.get(moe.path, {}),
-            read_only=[*READ_ONLY, *(RECOMPUTED if moe.family.derived_routing else ())],
+            read_only=list(moe.read_only),
         )
         for moe in moes
     ]

@@ -77,6 +77,10 @@ def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
         return False
 
 
+#: The routing values moelens recomputes from router_logits for a family with ``derived_routing`` (llama4: no experts
+#: call to read them at), served read-only.
+DERIVED_ROUTING = ("expert_weights", "expert_indices")
+
 #: What an earlier moelens pickled a wrapped ernie4_5_vl_moe block's hook as (see `gathered.STALE_NOTE`).
 _note_gathered = STALE_NOTE
 
@@ -304,6 +308,12 @@ class Moe(Mlp):
         )
 
     @property
+    def read_only(self) -> tuple[str, ...]:
+        """The served values a write to is refused for: `router_probs` (derived), and `DERIVED_ROUTING` where the
+        family has no experts call."""
+        return ("router_probs", *(DERIVED_ROUTING if self.family.derived_routing else ()))
+
+    @property
     def has_shared_expert(self) -> bool:
         """Whether this block has a shared expert (``shared_experts`` and ``shared_expert_output`` raise the reason otherwise)."""
         return self._shared_envoy() is not None
@@ -339,7 +349,7 @@ class Moe(Mlp):
             head = ""
         notes = {name: f"not served by this block: {why}" for name, why in self._unserved().items()}
         if self.family.derived_routing:
-            for name in ("expert_weights", "expert_indices"):
+            for name in DERIVED_ROUTING:
                 notes[name] = (f"read-only here: {self.family.name} calls no experts module, so moelens recomputes "
                                f"{name} from router_logits; write router_logits to change the routing.")
         lines = [
@@ -386,7 +396,7 @@ class Moe(Mlp):
         note_gathered_calls(self, self._module)
 
     def _read(self, descriptor: served) -> Any:
-        if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
+        if self.family.derived_routing and descriptor.name in DERIVED_ROUTING:
             hooks = foreign_hooks(self.router._module, pre=False)
             if hooks:
                 raise self.unavailable(
@@ -460,7 +470,7 @@ class Moe(Mlp):
         return bool(self.family.runs_only_on) and gathered_call(self._module)
 
     def _write(self, descriptor: served, value: Any) -> None:
-        if self.family.derived_routing and descriptor.name in ("expert_weights", "expert_indices"):
+        if self.family.derived_routing and descriptor.name in DERIVED_ROUTING:
             raise WriteError(
                 f"{self.path}.{descriptor.name} is recomputed from router_logits in the "
                 f"{self.family.name} family (it has no experts call to write into); write router_logits."
