@@ -450,13 +450,13 @@ class Moe(Mlp):
         if name == "router_logits":
             extra = int(self.family.resolve(self.family.extra_logits, self._module) or 0)
             what, expected = "router logits", self.num_experts + extra
-            setting = f"num_experts={self.family.num_experts!r}" + (
-                f" plus extra_logits={self.family.extra_logits!r}" if extra else "")
         elif name in ("expert_weights", "expert_indices"):
-            what, expected, setting = "slots", self.top_k, f"top_k={self.family.top_k!r}"
+            what, expected = "slots", self.top_k
         else:
             return
         if value.shape[-1] != expected:
+            setting = (f"top_k={self.family.top_k!r}" if what == "slots" else f"num_experts={self.family.num_experts!r}"
+                       + (f" plus extra_logits={self.family.extra_logits!r}" if extra else ""))
             raise FamilyError(
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
                 f"this block {expected} {what} per token ({setting}): the entry names the wrong setting (a router "
@@ -570,11 +570,12 @@ class Moe(Mlp):
         """
         owner = self.experts if owner is None else owner
         call = f"{owner.path}.source.{call_op}"
+        pinned = Mediator.current(call).iteration  # to a step after the first
+        if not pinned and owner.interleaver.sourced.get(call) is not None:  # drilled already in this run (another value)
+            return
         with order_errors(call, lambda: self._order_error(name)):
-            if Mediator.current(call).iteration:  # pinned to a step after the first
+            if pinned:
                 request(f"{call}.input", lambda: self._order_error(name))
-            elif owner.interleaver.sourced.get(call) is not None:  # drilled already in this run (another value)
-                return
             getattr(owner.source, call_op).source
 
     def _hidden_dtype(self) -> torch.dtype | None:
@@ -627,9 +628,9 @@ class Moe(Mlp):
             return permutation
 
         def to_view(sorted_rows: Tensor, permutation: Tensor) -> Tensor:
-            inverse = torch.empty_like(permutation)
-            inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
-            return sorted_rows.index_select(0, inverse).view(-1, self.top_k, sorted_rows.shape[-1])
+            # Row i of the sorted rows is flat slot permutation[i]: copy each to its slot (two ops, no inverse).
+            slots = torch.empty_like(sorted_rows).index_copy_(0, permutation, sorted_rows)
+            return slots.view(-1, self.top_k, sorted_rows.shape[-1])
 
         def from_view(slots: Tensor, permutation: Tensor) -> Tensor:
             return slots.reshape(-1, slots.shape[-1]).index_select(0, permutation)

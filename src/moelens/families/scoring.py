@@ -14,7 +14,7 @@ from ..errors import FamilyError
 
 
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
-    return F.softmax(logits.float(), dim=-1)
+    return F.softmax(logits, dim=-1, dtype=torch.float32)  # upcast inside the op: one op, the same values
 
 
 def _sigmoid(logits: torch.Tensor) -> torch.Tensor:
