@@ -826,3 +826,23 @@ def test_plots_save_writes_the_format_its_path_names_and_always_closes(tmp_path,
             plots.save(plots.plot_usage(usage), path)
         assert len(plt.get_fignums()) == before
     assert (tmp_path / "a-file").read_text() == "kept\n"
+
+
+def test_plots_save_refuses_a_folder_and_leaves_the_file_beside_it(tmp_path):
+    """save(fig, "outdir") with outdir a folder wrote outdir.png beside it, over the user's file of that name, and
+    save(fig, "isdir.png") with isdir.png a folder raised matplotlib's IsADirectoryError."""
+    from moelens.analysis.usage import Usage
+
+    plots = analysis.plots
+    usage = Usage(layers=[0], counts=torch.tensor([[3, 1]]), weight=torch.zeros(1, 2, dtype=torch.float64), tokens=2,
+                  top_k=[2], num_experts=[2])
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "outdir.png").write_text("the user's notes\n")
+    (tmp_path / "isdir.png").mkdir()
+    (tmp_path / "bare").write_text("")
+    (tmp_path / "bare.png").mkdir()
+    for path, folder in (("outdir", "outdir"), ("isdir.png", "isdir.png"), ("bare", "bare.png")):
+        with pytest.raises(MoelensError, match=rf"cannot save a plot to .*{path}: .*{folder} is a folder; name a file"):
+            plots.save(plots.plot_usage(usage), tmp_path / path)
+    assert (tmp_path / "outdir.png").read_text() == "the user's notes\n"
+    assert not any((tmp_path / "outdir").iterdir()) and not any((tmp_path / "isdir.png").iterdir())

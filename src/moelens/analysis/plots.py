@@ -67,7 +67,7 @@ def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
     """Write ``figure`` to ``path`` (folders created) and close it, written or not; returns the file written.
 
     The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
-    without one gets ``.png``.
+    without one gets ``.png``. A path naming a folder (with or without that ``.png``) is refused.
     """
     from matplotlib.figure import Figure
 
@@ -76,8 +76,13 @@ def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
                            f"{type(figure).__name__}.")
     try:
         path = user_path(path)
+        named = path
         if not path.suffix:
             path = path.with_name(path.name + ".png")
+        for folder in {named, path}:  # a folder named: refused, not written beside it (over a file of the user's)
+            if folder.is_dir():
+                raise MoelensError(f"cannot save a plot to {named}: {folder} is a folder; name a file "
+                                   f"(such as {folder / 'plot.png'}).")
         if not isinstance(dpi, (int, float)) or isinstance(dpi, bool) or not 10 <= dpi <= 2000:
             raise MoelensError(f"save: dpi must be a number of dots per inch from 10 to 2000, got {dpi!r}.")
         formats = figure.canvas.get_supported_filetypes()
