@@ -198,6 +198,23 @@ def test_export_leaves_torch_to_nnef_as_it_was(out, monkeypatch):
     assert aten_ops_registry._registry == before
 
 
+def test_export_leaves_no_handler_on_the_root_logger(out, monkeypatch):
+    """torch-to-nnef's tracer logs with a bare logging.debug(...), which ran logging.basicConfig() on a root logger
+    without handlers (a script's, before it configures logging): a stderr handler stayed, and the user's own
+    basicConfig(filename=...) afterwards did nothing."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # as in a script (pytest's own capture handlers set aside)
+    to_nnef(moelens.wrap(small("mixtral")), out / "root-logger.nnef.tgz")
+    assert root.handlers == []
+    logging.basicConfig(filename=out / "user.log", level=logging.INFO)
+    try:
+        logging.getLogger("user.script").info("configured")
+        assert "configured" in (out / "user.log").read_text()
+    finally:
+        for handler in root.handlers:
+            handler.close()
+
+
 def test_moelens_tiny_exports(out):
     model = moelens.load()
     ids = torch.randint(3, model._module.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -470,6 +470,22 @@ def quiet_logger(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def root_logger_kept() -> Iterator[None]:
+    """The root logger's handlers and level as they were, after the block: torch-to-nnef's tracer logs through
+    ``logging.debug(...)``, which runs ``logging.basicConfig()`` where the root logger has no handler yet, and that
+    stderr handler would stay (the user's own ``basicConfig`` afterwards would then do nothing)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in [handler for handler in root.handlers if handler not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
+
+
 def _run_once(root: torch.nn.Module, inputs: torch.Tensor, target: Target) -> None:
     """Run the prepared copy on ``inputs`` in torch, so a forward that fails on them is named as such,
     not blamed on torch-to-nnef's tracing."""
@@ -515,8 +531,8 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
             return fragments
 
     # torch_to_nnef's INFO lines, and transformers' loss_type notice that the tracer's walk over the model's
-    # attributes triggers (its loss_function property); the user's levels come back after
-    with quiet_logger("torch_to_nnef"), quiet_logger("transformers.modeling_utils"):
+    # attributes triggers (its loss_function property); the user's levels and root handlers come back after
+    with quiet_logger("torch_to_nnef"), quiet_logger("transformers.modeling_utils"), root_logger_kept():
         name_in, name_out = input_name(target), output_name(target)
         version = tract_module().version()
         tract_target = MoelensTract(
