@@ -11,7 +11,7 @@ import torch
 
 import moelens
 from groundtruth import CASES, IDS, ascii_tokenizer, built, first_tensor
-from moelens.testing import FAMILIES, NOT_DECORATED, tiny_model
+from moelens.testing import FAMILIES, NOT_DECORATED, tiny_inputs, tiny_model
 
 VALUES = ("router_logits", "expert_weights", "expert_indices", "routed_output", "mlp_output")
 DEFAULT_CASES = [case for case in CASES if case[1] == "grouped_mm" or case[0] in NOT_DECORATED]
@@ -609,3 +609,33 @@ def test_top_1_activations_in_a_batched_single_token_step_are_refused_not_mixed_
             with tracer.invoke("world"):
                 for _ in tracer.iter[:2]:
                     moe.expert_activations.save()
+
+
+#: Families whose router upcasts its linear layer's output (``F.linear(x, W).float()``), read at that cast.
+UPCAST_LOGITS = [family.name for family in moelens.families.supported() if family.logits_cast_op]
+
+
+def test_upcasting_routers_are_the_families_that_name_their_cast():
+    assert {"granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid", "laguna", "afmoe"} <= set(UPCAST_LOGITS)
+
+
+@pytest.mark.parametrize("family", UPCAST_LOGITS)
+def test_a_bfloat16_router_that_upcasts_serves_and_steers_its_float32_logits(family):
+    """granitemoe's router ranks F.linear(x, W).float(): moelens served the bfloat16 linear output, so steer's bias
+    was rounded to bfloat16 (2.0 landed as 1.996 to 2.008, 1e-4 as 0) before the router upcast it."""
+    hf = tiny_model(family, dtype=torch.bfloat16)
+    inputs = tiny_inputs(hf)
+    wrapped = moelens.wrap(hf)
+    moe = first_moe(wrapped)
+    params = moe.params()  # the router's own linear layer: weight [E, D] and bias
+    expert, bias = 3, 2.0 + 2 ** -12  # no bfloat16 step of logits this size: rounded, it would be 2.0
+    with wrapped.trace(**inputs):
+        read = moe.router.inputs[0][0].save()  # what the router's linear layer reads
+    with wrapped.trace(**inputs):
+        moelens.steer(moe, expert, bias)
+        steered = moe.router_logits.save()
+    flat = read.reshape(-1, read.shape[-1])
+    expected = torch.nn.functional.linear(flat, params.router, params.router_bias).float().reshape(steered.shape)
+    expected[..., expert] += bias  # in float32, where the router ranks them
+    assert steered.dtype == torch.float32
+    assert torch.equal(steered, expected)

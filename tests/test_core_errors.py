@@ -2031,6 +2031,12 @@ def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
             lambda: moelens.force(moe, list(range(moe.top_k + 1))),
         rf"reroute: expert ids {moe.num_experts} must be in \[0, {moe.num_experts}\)":
             lambda: moelens.reroute(moe, (..., 0), moe.num_experts),
+        # was taken as force(moe, [4]): one slot filled where the call names two
+        r"force: expert 4 is given more than once in \[4, 4\]; a router picks an expert for one slot at most":
+            lambda: moelens.force(moe, [4, 4]),
+        # said "up to inf"
+        r"steer: bias -inf takes expert 1's logits down to -inf in .*, beyond what the model's float32 logits hold":
+            lambda: moelens.steer(moe, 1, float("-inf")),
     }
     for message, call in calls.items():
         with pytest.raises(WriteError, match=message):

@@ -224,7 +224,8 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
         reached = float(steered.detach().abs().max()) if overflow else 0.0
     if overflow:
         raise WriteError(
-            f"steer: bias {bias} takes expert {expert}'s logits up to {reached:.4g} in "
+            f"steer: bias {bias} takes expert {expert}'s logits {'down' if float(bias) < 0 else 'up'} to "
+            f"{'-' if float(bias) < 0 else ''}{reached:.4g} in "
             f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
             f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
             "the routing)."
@@ -324,6 +325,10 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     chosen = [_expert(moe, expert) for expert in chosen]
     if not chosen:
         raise WriteError("force: no expert given; pass one expert id or a list of them.")
+    repeated = sorted({expert for expert in chosen if chosen.count(expert) > 1})
+    if repeated:
+        raise WriteError(f"force: expert {repeated[0]} is given more than once in {chosen}; a router picks an expert "
+                         "for one slot at most: pass distinct experts (moelens.reroute sets slots to any experts).")
     if len(chosen) > moe.top_k:
         raise WriteError(f"force: {len(chosen)} experts given but {moe.path} routes each token to only {moe.top_k}.")
     scoring = moe.SCORING

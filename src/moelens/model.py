@@ -686,6 +686,8 @@ def _instrument(moe: Moe) -> None:
     """
     family = moe.family
     _require_op(moe.router, family.logits_op, family, "logits_op")
+    if family.logits_cast_op:
+        _require_op(moe.router, family.logits_cast_op, family, "logits_cast_op")
     scoring = moe.SCORING
     if scoring.selection_in:  # its own ops are instrumented in the trace (nnsight drills only there)
         _require_op(moe.router, scoring.selection_in, family, "scoring.selection_in")

@@ -501,7 +501,8 @@ class Moe(Mlp):
         experts = self.experts.path
         edited_later = copied if self._output_edited_later else None  # falcon adds attention to it in place
         bindings = {
-            "router_logits": Binding(f"{self.router.path}.source.{family.logits_op}.output", features=1,
+            "router_logits": Binding(f"{self.router.path}.source.{family.logits_cast_op or family.logits_op}.output",
+                                     features=1,
                                      infinities=ANY_INF if self._scores_saturate else MINUS_INF,
                                      min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
             "expert_weights": Binding(f"{experts}.input", 1, *argument(2, "top_k_weights")),

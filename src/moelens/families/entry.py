@@ -269,7 +269,12 @@ class Family:
         router: Path of the router from the block.
         experts: Path of the experts module from the block, called as ``experts(hidden, top_k_index,
             top_k_weights)`` (a registered entry's may be any module there but a ModuleList or ModuleDict).
-        logits_op: Op in the router's forward whose output is the logits.
+        logits_op: Op in the router's forward whose output is the logits (the router's linear layer where it has
+            one: `Moe.params` and the NNEF export take the router's weights from it).
+        logits_cast_op: Op casting ``logits_op``'s output to the dtype the router ranks the logits in, or "" for
+            none: granitemoe's ``F.linear(x, W).float()`` (``"float_0"``). `router_logits` are read and written
+            there, so in a bfloat16 model they are the float32 logits the router uses, and a write is not
+            rounded to bfloat16.
         scoring: How the logits are scored and experts picked.
         scoring_by_router: Scorings of blocks whose router is another class (router
             class name -> Scoring): deepseek_v4's hash layers. See `scoring_of`.
@@ -312,6 +317,7 @@ class Family:
     router: str = "gate"
     experts: str = "experts"
     logits_op: str = "F_linear_0"
+    logits_cast_op: str = ""
     scoring: Scoring = field(default_factory=Scoring)
     scoring_by_router: Mapping[str, Scoring] = field(default_factory=dict)
     shared: SharedExpert | None = None

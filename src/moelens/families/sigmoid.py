@@ -26,7 +26,7 @@ INKLING2 = sgb("router.e_score_correction_bias", score="config.scoring_func", sc
                selection_op=TOPK, selection_arg=0)
 
 FAMILIES = [
-    Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
+    Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0", logits_cast_op="to_0",
            scoring=sgb("block.expert_bias", scale="router.route_scale", selection_op=TOPK, selection_arg=0),
            shared=SharedExpert("shared_experts", when="before_experts"),
            notes="The selection bias is the block's expert_bias, passed to the router; the shared experts "
@@ -40,7 +40,7 @@ FAMILIES = [
            scoring=Scoring("sigmoid", "score_topk", normalize="router.norm_topk_prob", code="sigmoid"),
            shared=SharedExpert("shared_expert", when="after_experts"),
            notes="Logits computed in float32 with autocast off."),
-    Family("laguna", ("laguna",), ("LagunaSparseMoeBlock",),
+    Family("laguna", ("laguna",), ("LagunaSparseMoeBlock",), logits_cast_op="float_0",
            scoring=dataclasses.replace(sgb("router.e_score_correction_bias", selection_op="scores_for_selection_0"),
                                        softcap="router.router_logit_softcapping"),
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,

@@ -21,7 +21,8 @@ one forward: each call's values are served under `tracer.iter[i]` (docs/values.m
 `tests/test_looped_blocks.py`).
 
 Columns: the block (its attribute on the decoder layer and its class), the router and experts children,
-the router op whose output moelens serves as `router_logits`, the scoring (see `docs/values.md`), the
+the router op whose output moelens serves as `router_logits` (`linear → cast`: the router's linear layer and the
+upcast after it, where the logits are read), the scoring (see `docs/values.md`), the
 shared expert (its module and when its served value is produced), and what the family cannot serve.
 
 | family | block | router / experts | logits op | scoring | shared expert | not served | notes |
@@ -42,7 +43,7 @@ def _row(family: Family) -> str:
     block = f"`{family.block_attr or '(the decoder layer)'}` {', '.join(family.block_classes)}"
     refused = ", ".join(f"`{name}`" for name in family.refused) or "–"
     routing = f"`{family.router}` / `{family.experts}`" + ("" if family.experts_call else " (no experts call)")
-    cells = [family.name, block, routing, f"`{family.logits_op}`", family.scoring.describe(), _shared(family),
+    cells = [family.name, block, routing, f"`{family.logits_op}`" + (f" → `{family.logits_cast_op}`" if family.logits_cast_op else ""), family.scoring.describe(), _shared(family),
              refused, family.notes.replace("|", "\\|")]
     return "| " + " | ".join(cells) + " |"
 
