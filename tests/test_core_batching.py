@@ -616,7 +616,10 @@ UPCAST_LOGITS = [family.name for family in moelens.families.supported() if famil
 
 
 def test_upcasting_routers_are_the_families_that_name_their_cast():
-    assert {"granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid", "laguna", "afmoe"} <= set(UPCAST_LOGITS)
+    """Routers whose logits are ``linear(x).float()`` (or ``.to(float32)``); mixtral's softmax(router_logits.float())
+    upcasts in its scoring: its logits (as its router returns them) are the model's dtype, and no cast is named."""
+    assert set(UPCAST_LOGITS) == {"granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid", "laguna",
+                                  "afmoe"}
 
 
 @pytest.mark.parametrize("family", UPCAST_LOGITS)
