@@ -133,18 +133,18 @@ class Component(Envoy):
 
     def _require_trace(self, name: str, asked: str | None = None) -> None:
         """Raise `ValueUnavailable` when ``name`` is asked for outside a trace (values exist only in a run);
-        ``asked`` says what asked for it in the error (default ``<path>.<name>``)."""
+        ``asked`` says what asked for it in the error (default ``<path>.<name>``, built only for an error)."""
         try:
             mediator = Mediator.current(name)
         except ValueError:
             raise ValueUnavailable(
-                f"{asked or f'{self.path}.{name}'}: a block's values exist only while the model runs; use them inside a trace "
-                "(with model.trace(inputs): ..., or model.generate / model.scan / model.session)."
+                f"{asked or f'{self.path}.{name}'}: a block's values exist only while the model runs; use them inside "
+                "a trace (with model.trace(inputs): ..., or model.generate / model.scan / model.session)."
             ) from None
         if mediator.interleaver is not None and mediator.interleaver is not self.interleaver:
             raise ValueUnavailable(  # nnsight would serve the running model's module of the same path instead
-                f"{asked or f'{self.path}.{name}'}: this block belongs to another wrapped model than the one this trace runs; "
-                "read and edit a model's blocks inside a trace of that model (two models: one trace each)."
+                f"{asked or f'{self.path}.{name}'}: this block belongs to another wrapped model than the one this "
+                "trace runs; read and edit a model's blocks inside a trace of that model (two models: one trace each)."
             )
 
     def _order(self) -> tuple[str, ...]:

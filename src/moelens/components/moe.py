@@ -572,7 +572,7 @@ class Moe(Mlp):
         owner = self.experts if owner is None else owner
         call = f"{owner.path}.source.{call_op}"
         pinned = Mediator.current(call).iteration  # to a step after the first
-        if not pinned and owner.interleaver.sourced.get(call) is not None:  # drilled already in this run (another value)
+        if not pinned and owner.interleaver.sourced.get(call) is not None:  # another value drilled it in this run
             return
         with order_errors(call, lambda: self._order_error(name)):
             if pinned:

@@ -26,7 +26,8 @@ INKLING2 = sgb("router.e_score_correction_bias", score="config.scoring_func", sc
                selection_op=TOPK, selection_arg=0)
 
 FAMILIES = [
-    Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0", logits_cast_op="to_0",
+    Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
+           logits_cast_op="to_0",
            scoring=sgb("block.expert_bias", scale="router.route_scale", selection_op=TOPK, selection_arg=0),
            shared=SharedExpert("shared_experts", when="before_experts"),
            notes="The selection bias is the block's expert_bias, passed to the router; the shared experts "

@@ -43,7 +43,8 @@ def _row(family: Family) -> str:
     block = f"`{family.block_attr or '(the decoder layer)'}` {', '.join(family.block_classes)}"
     refused = ", ".join(f"`{name}`" for name in family.refused) or "–"
     routing = f"`{family.router}` / `{family.experts}`" + ("" if family.experts_call else " (no experts call)")
-    cells = [family.name, block, routing, f"`{family.logits_op}`" + (f" → `{family.logits_cast_op}`" if family.logits_cast_op else ""), family.scoring.describe(), _shared(family),
+    logits = f"`{family.logits_op}`" + (f" → `{family.logits_cast_op}`" if family.logits_cast_op else "")
+    cells = [family.name, block, routing, logits, family.scoring.describe(), _shared(family),
              refused, family.notes.replace("|", "\\|")]
     return "| " + " | ".join(cells) + " |"
 

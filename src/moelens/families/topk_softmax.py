@@ -21,7 +21,8 @@ FAMILIES = [
            notes="An encoder; defaults to the eager experts implementation. The router divides the weights by k and the "
                  "block multiplies the experts output by num_experts.",
            expert_gate=CLAMPED_SWIGLU),
-    Family("granitemoe", ("granitemoe",), ("GraniteMoeMoE",), block_attr="block_sparse_moe", router="router", logits_cast_op="float_0",
+    Family("granitemoe", ("granitemoe",), ("GraniteMoeMoE",), block_attr="block_sparse_moe", router="router",
+           logits_cast_op="float_0",
            scoring=TK_SM, notes="The block is `block_sparse_moe` (aliased mlp); the layer scales by residual_multiplier."),
     Family("granitemoe_swa", ("granitemoe_swa",), ("GraniteMoeSWAMoE",), block_attr="block_sparse_moe",
            router="router", logits_cast_op="float_0", scoring=TK_SM, shared=GRANITE_SHARED,
