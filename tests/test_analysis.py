@@ -846,3 +846,27 @@ def test_plots_save_refuses_a_folder_and_leaves_the_file_beside_it(tmp_path):
             plots.save(plots.plot_usage(usage), tmp_path / path)
     assert (tmp_path / "outdir.png").read_text() == "the user's notes\n"
     assert not any((tmp_path / "outdir").iterdir()) and not any((tmp_path / "isdir.png").iterdir())
+
+
+@pytest.mark.parametrize(("chosen", "expected"), [("", "agg"), ("svg", "svg"), ("pdf", "pdf")])
+def test_plots_pick_agg_without_a_display_only_where_the_user_chose_no_backend(chosen, expected):
+    """The first plot on a machine without a display switched a backend the user had chosen (matplotlib.use("svg"))
+    to Agg. Run in a fresh interpreter: the choice is made before pyplot is first imported."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import matplotlib, torch\n"
+        f"if {chosen!r}: matplotlib.use({chosen!r})\n"
+        "from moelens.analysis import plots\n"
+        "from moelens.analysis.usage import Usage\n"
+        "usage = Usage(layers=[0], counts=torch.tensor([[3, 1]]), weight=torch.zeros(1, 2, dtype=torch.float64), "
+        "tokens=2, top_k=[2], num_experts=[2])\n"
+        "plots.plot_usage(usage)\n"
+        "print(matplotlib.get_backend().lower())\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name not in ("DISPLAY", "WAYLAND_DISPLAY", "MPLBACKEND")}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == expected

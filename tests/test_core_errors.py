@@ -805,6 +805,7 @@ def test_undecorated_custom_experts_say_why_they_have_no_per_slot_values():
     moelens.families.register(Family(
         "custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser", experts="pool",
         logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk", normalize=False),
+        num_experts=4,  # LoopExperts keep no count
     ))
     try:
         wrapped = moelens.wrap(model)

@@ -258,6 +258,27 @@ def test_zero_compute_experts_pass_their_input_through(observed):
     assert zero_compute_slots  # the identity path ran
 
 
+def test_the_remote_path_refuses_a_moelens_that_is_not_installed(monkeypatch):
+    """Run from a source tree on the path (not pip-installed), nnsight shipped moelens by value and pickling its run
+    state failed with "TypeError: cannot pickle '_thread.lock' object"."""
+    import importlib.metadata
+
+    import moelens
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral")
+    model, inputs = moelens.wrap(hf, tokenizer=ascii_tokenizer()), tiny_inputs(hf)
+    installed = importlib.metadata.packages_distributions()
+    assert "moelens" in installed  # as the README installs it: the remote path works (the test below)
+    monkeypatch.setattr(importlib.metadata, "packages_distributions",
+                        lambda: {name: dists for name, dists in installed.items() if name != "moelens"})
+    for run in (lambda: model.trace(**inputs, remote="local"), lambda: model.session(remote="local")):
+        with pytest.raises(moelens.MoelensError, match=r"remote='local': .* moelens is not installed here .* install "
+                                                       r"it \(pip install -e <the moelens checkout>\)"):
+            with run():
+                model.output.save()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_nnsights_serialised_remote_path_serves_the_same_values_and_edits(family):
     """``remote="local"``: nnsight serialises the trace as for NDIF and runs it back here. Values, a write and an

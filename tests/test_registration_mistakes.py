@@ -218,11 +218,11 @@ def test_params_through_a_wrong_expert_layout_are_refused(registered, layout, sh
 
 
 def test_a_count_left_at_its_default_names_the_setting(registered):
-    """The error named 'router.top_k', a reference the user never wrote."""
+    """The error named 'router.top_k', a reference the user never wrote; and it came at the first read in a trace,
+    not at wrap, which checks the entry's other references."""
     registered(top_k="block.k_per_token")
-    wrapped = moelens.wrap(model())
     with pytest.raises(FamilyError, match=r"cannot read 'block\.k_per_token' .*; it is the entry's top_k; set that"):
-        wrapped.moes[0].top_k
+        moelens.wrap(model())
     registered(name="hand_default_k", router="router", top_k=Family.__dataclass_fields__["top_k"].default,
                num_experts="experts.num_experts")
     wrapped = moelens.wrap(model())
@@ -245,6 +245,17 @@ def test_unregister_takes_back_only_the_users_own_registrations():
         families.unregister("mixtral")
     assert families.get("mixtral") is builtin
     assert moelens.wrap(tiny_model("mixtral")).moes[0].family is builtin
+
+
+def test_get_takes_a_name_and_says_so_for_an_entry():
+    """An entry from supported() (which prints as names) passed to get raised TypeError: unhashable type."""
+    entry = next(iter(families.supported()))
+    with pytest.raises(FamilyError, match=rf"get takes a family's name, got a Family entry \('{entry.name}'\): give "
+                                          rf"its name, get\('{entry.name}'\)"):
+        families.get(entry)
+    with pytest.raises(FamilyError, match=r"get takes a family's name, got int 3"):
+        families.get(3)
+    assert families.get(entry.name) is entry
 
 
 def test_a_model_type_taken_by_another_family_needs_replace():

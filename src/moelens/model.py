@@ -227,6 +227,20 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
     _rows_per_prompt: int = 1
 
+    def _remote_backend(self, remote: bool | str, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's backend for ``remote=`` (a trace's or a session's), refused where nnsight would ship moelens
+        itself by value: it does so with every package importable but not installed (a source tree on the path),
+        and moelens' run state (a lock, weak references) cannot be pickled."""
+        from importlib.metadata import packages_distributions
+
+        if "moelens" not in packages_distributions():
+            raise MoelensError(
+                f"remote={remote!r}: nnsight's remote path ships the code of every package it finds importable but "
+                "not installed, by value, and moelens is not installed here (a source tree on the path), which cannot "
+                "be shipped so; install it (pip install -e <the moelens checkout>) and run the trace again."
+            )
+        return super()._remote_backend(remote, *args, **kwargs)
+
     def scan(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``scan``; refused with the way out for a family whose forward deep-copies its key-value cache
         (`Family.scan_without_cache`): under fake tensors that fails inside torch and can leave the process broken."""
@@ -560,8 +574,10 @@ def _refuse_impossible_top_k(moe: Moe) -> None:
     family = moe.family
     try:
         experts, k = (as_int(family.resolve(reference, moe._module)) for reference in (family.num_experts, family.top_k))
-    except FamilyError:  # an entry that cannot read them: its error comes where they are read
-        return
+    except FamilyError:  # a built-in entry that cannot read them: its error comes where they are read
+        if registry.is_built_in(family):
+            return
+        raise  # a user's entry that cannot read them fails at its first read: said at wrap, beside its other checks
     if experts is not None and k is not None and not 0 <= k <= experts:
         raise MoelensError(
             f"the {family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but "

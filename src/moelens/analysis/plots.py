@@ -53,11 +53,13 @@ def has_display() -> bool:
 
 
 def pyplot() -> Any:
-    """``matplotlib.pyplot``, with the Agg backend selected first when there is no display."""
+    """``matplotlib.pyplot``, with the Agg backend selected first when there is no display and no backend was chosen
+    (``matplotlib.use``, ``rcParams["backend"]``, a matplotlibrc or ``MPLBACKEND``)."""
     if "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND") and not has_display():
         import matplotlib
 
-        matplotlib.use("Agg")
+        if matplotlib.rcParams._get_backend_or_none() is None:  # matplotlib would pick one itself
+            matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt

@@ -258,6 +258,10 @@ def supported() -> FamilyList:
 
 def get(name: str) -> Family:
     """The family registered under ``name``."""
+    if not isinstance(name, str):
+        what = f"a Family entry ({name.name!r}): give its name, get({name.name!r})" if isinstance(name, Family) else \
+            f"{type(name).__name__} {name!r}"
+        raise FamilyError(f"get takes a family's name, got {what}.")
     try:
         return _FAMILIES[name]
     except KeyError:
