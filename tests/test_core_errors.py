@@ -449,6 +449,28 @@ def test_a_model_without_tokenizer_refuses_text_in_one_invoke(tmp_path):
                 loaded.moes[0].router_logits.save()
 
 
+def test_a_model_with_a_tokenizer_refuses_an_input_that_is_no_prompt_or_ids():
+    """model.trace(12345) failed inside transformers' text pipeline with "can only concatenate str (not "int") to
+    str"; ids as a list of ints and text still run."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    for given, what in ((12345, "int 12345"), (3.5, "float 3.5"), (b"abc", "bytes"), ([1.5, 2.0], "a list holding float 1.5")):
+        for run in (lambda: wrapped.trace(given), lambda: wrapped.generate(given, max_new_tokens=1)):
+            with pytest.raises(moelens.MoelensError, match=rf"a trace's input was {re.escape(what)}: a model wrapped "
+                                                           r"with a tokenizer takes text .* token ids"):
+                with run():
+                    wrapped.output.save()
+        with pytest.raises(moelens.MoelensError, match=rf"a trace's input was {re.escape(what)}"):
+            with wrapped.trace() as tracer:
+                with tracer.invoke("hello"):
+                    pass
+                with tracer.invoke(given):
+                    pass
+    with wrapped.trace([5, 6, 7]):
+        by_ids = wrapped.output.logits.save()
+    assert torch.equal(by_ids, hf(torch.tensor([[5, 6, 7]])).logits)
+
+
 def test_a_model_without_tokenizer_refuses_a_generate_trace():
     """nnsight traces generation only with a tokenizer: without one, model.generate would run the model's own
     generate untraced and then fail on the with statement ('Tensor' object does not support the context manager)."""

@@ -227,6 +227,22 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
     _rows_per_prompt: int = 1
 
+    def _batch(self, invokes: list, fn: Any) -> tuple:
+        """nnsight's batching of the invokes' inputs, after refusing an input that is no prompt, token ids or
+        tensor (a number, bytes, a list of numbers that are not ids: transformers' text pipeline failed on it with
+        "can only concatenate str")."""
+        for inputs, _ in invokes:
+            if inputs and _not_an_input(inputs[0]):
+                given = inputs[0]
+                what = described(given) if not isinstance(given, (list, tuple)) else \
+                    f"a {type(given).__name__} holding {described(next(i for i in given if _not_an_input(i)))}"
+                raise MoelensError(
+                    f"a trace's input was {what}: a model wrapped with a tokenizer takes text (a str "
+                    "or a list of them), token ids (a list of ints or an input_ids tensor), or the tokenizer's "
+                    "output as keywords (model.trace(**inputs))."
+                )
+        return super()._batch(invokes, fn)
+
     def _remote_backend(self, remote: bool | str, *args: Any, **kwargs: Any) -> Any:
         """nnsight's backend for ``remote=`` (a trace's or a session's), refused where nnsight would ship moelens
         itself by value: it does so with every package importable but not installed (a source tree on the path),
@@ -482,6 +498,14 @@ def _described(value: Any) -> str:
     if isinstance(value, nnsight.Envoy):
         return f"{value.path} ({type(value._module).__name__}), which is no MoE block"
     return f"{type(value).__name__} {value!r:.60}"
+
+
+def _not_an_input(value: Any) -> bool:
+    """A number, bytes, or a list holding a float or bytes (no prompt, token ids or tensor)."""
+    scalar = (int, float, bytes, bytearray)
+    if isinstance(value, scalar):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(item, (float, bytes, bytearray)) for item in value)
 
 
 def _is_text(value: Any) -> bool:
