@@ -2410,6 +2410,48 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
     assert torch.equal(logits, plain)
 
 
+def test_a_trace_of_another_wrapper_of_the_same_model_is_refused_while_one_runs():
+    """moelens.wrap(hf) twice shares hf's modules, whose calls nnsight hands to the run that began first: a trace of
+    one inside the other's failed with greenlet's "cyclic parent chain", and from another thread with an OrderError
+    blaming the read order or "parent cannot be on a different thread"."""
+    import threading
+
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        plain = hf(**inputs).logits
+    first, second = moelens.wrap(hf, tokenizer=ascii_tokenizer()), moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    with pytest.raises(moelens.MoelensError, match=r"another wrapper of this model .* is running a trace in this "
+                                                   r"thread \(a trace inside its trace\).* wrap a copy"):
+        with torch.no_grad(), first.trace(**inputs):
+            first.moes[0].router_logits.save()
+            with second.trace(**inputs):
+                second.output.save()
+    inside, refused = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def outer() -> None:
+        with torch.no_grad(), first.trace(**inputs):
+            first.moes[0].expert_weights.save()
+            inside.set()
+            refused.wait(30)
+            results["outer"] = first.output.logits.save()
+
+    thread = threading.Thread(target=outer)
+    thread.start()
+    assert inside.wait(30)
+    with pytest.raises(moelens.MoelensError, match=r"another wrapper of this model .* in another thread"):
+        with torch.no_grad(), second.trace(**inputs):
+            second.output.save()
+    refused.set()
+    thread.join(30)
+    assert torch.equal(results["outer"], plain)  # the running trace went on unharmed
+    for wrapped in (second, first):  # one after the other: both serve
+        with torch.no_grad(), wrapped.trace(**inputs):
+            logits = wrapped.output.logits.save()
+        assert torch.equal(logits, plain)
+
+
 def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlock():
     """A trace fails while an invoke waits in a thread pool whose job traces another model (one model per thread, as
     the docs advise): nnsight's clean-up ran that invoke's pool exit, which waited for the job, under the lock the

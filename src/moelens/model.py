@@ -575,6 +575,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
     else:
         wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
+    if isinstance(wrapped.interleaver, MoeInterleaver):
+        wrapped.interleaver.runs(model)
     object.__setattr__(wrapped, "_structure", structure)
     object.__setattr__(wrapped, "_watched", _around_blocks(model, structure.moe_blocks))
     object.__setattr__(wrapped, "_wrap_options", options)

@@ -4,13 +4,17 @@ nnsight keeps one interleaver per model, which holds the workers of the run goin
 second thread while the first runs adds its workers to the first's, and its end clears them all: the first
 trace could end with its body unfinished and no error (a ``.save()``d variable keeping an older value). A
 wrapped model's interleaver (`MoeInterleaver`) therefore refuses a run begun while another thread's is going
-on, before that run touches anything.
+on, before that run touches anything. Two wrappers of one model object (``moelens.wrap(hf)`` twice) share its
+modules, whose calls nnsight hands to whichever run began first: a run of one is refused while the other's goes on,
+in another thread or around it (a trace inside the other's trace).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
+import torch
 from nnsight.intervention.interleaver import Interleaver
 
 from ..errors import MoelensError
@@ -18,6 +22,9 @@ from ..errors import MoelensError
 #: Guards the look-and-claim of `MoeInterleaver.claim` and `cancel` (one for all: a lock is no attribute a model's
 #: deep copy can copy).
 _CLAIMING = threading.Lock()
+
+#: The interleaver whose run is going on, by the model object it runs (shared by every wrapper of that object).
+_RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, MoeInterleaver]" = weakref.WeakKeyDictionary()
 
 
 class MoeInterleaver(Interleaver):
@@ -28,16 +35,35 @@ class MoeInterleaver(Interleaver):
     #: moelens' runs of the model in progress in the owner's thread (`MoeModelMixin.interleave`): the run ends as
     #: the outermost returns, after its own clean-up, not at nnsight's clean-up inside it.
     running: int = 0
+    #: The model object this interleaver runs (`runs`), weakly: other wrappers of it are refused during a run.
+    _model: "weakref.ref[torch.nn.Module] | None" = None
+
+    def runs(self, model: torch.nn.Module) -> None:
+        """Note the model object this interleaver runs (at wrap)."""
+        self._model = weakref.ref(model)
 
     def claim(self) -> None:
         """Begin a run in this thread (as its inputs are first batched, before the run adds its workers).
 
         Raises:
-            MoelensError: a run another thread began is going on.
+            MoelensError: a run another thread began is going on, or a run of another wrapper of the same model.
         """
         with _CLAIMING:
             self.refuse_other_threads()
+            model = self._model() if self._model is not None else None
+            other = _RUNNING.get(model) if model is not None else None
+            if other is not None and other is not self and other.owner is not None:
+                where = "in this thread (a trace inside its trace)" if other.owner == threading.get_ident() else \
+                    "in another thread"
+                raise MoelensError(
+                    f"another wrapper of this model (moelens.wrap of the same model object) is running a trace {where}; "
+                    "nnsight hands the model's calls to the run that began first, so this run's values would not be "
+                    "served. Trace one wrapper at a time, or wrap a copy for the second (moelens.wrap(copy.deepcopy("
+                    "model._module)))."
+                )
             self.owner = threading.get_ident()
+            if model is not None:
+                _RUNNING[model] = self
 
     def refuse_other_threads(self) -> None:
         """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses)."""
@@ -52,6 +78,9 @@ class MoeInterleaver(Interleaver):
         """End this thread's run (a call from another thread leaves its run alone)."""
         if self.owner == threading.get_ident():
             self.owner = None
+            model = self._model() if self._model is not None else None
+            if model is not None and _RUNNING.get(model) is self:
+                del _RUNNING[model]
 
     def cancel(self) -> None:
         """nnsight's clean-up after a run, failed or not; outside a run of moelens' (a trace whose body failed
