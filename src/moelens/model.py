@@ -228,11 +228,14 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     _rows_per_prompt: int = 1
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
-        """nnsight's batching of the invokes' inputs, after refusing an input that is no prompt, token ids or
-        tensor (a number, bytes, a list of numbers that are not ids: transformers' text pipeline failed on it with
-        "can only concatenate str")."""
+        """nnsight's batching of the invokes' inputs, after refusing, on a model with a tokenizer alone (no
+        processor, feature extractor or image processor, which may take raw audio or image data), an input that is
+        no prompt, token ids or tensor (a number, bytes, a list of numbers that are not ids: transformers' text
+        pipeline failed on it with "can only concatenate str")."""
+        text_only = not any(getattr(self, name, None) is not None
+                            for name in ("processor", "feature_extractor", "image_processor"))
         for inputs, _ in invokes:
-            if inputs and _not_an_input(inputs[0]):
+            if text_only and inputs and _not_an_input(inputs[0]):
                 given = inputs[0]
                 what = described(given) if not isinstance(given, (list, tuple)) else \
                     f"a {type(given).__name__} holding {described(next(i for i in given if _not_an_input(i)))}"
