@@ -827,7 +827,6 @@ def test_undecorated_custom_experts_say_why_they_have_no_per_slot_values():
     moelens.families.register(Family(
         "custom", ("custom",), ("CustomBlock",), block_attr="ffn", router="chooser", experts="pool",
         logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk", normalize=False),
-        num_experts=4,  # LoopExperts keep no count
     ))
     try:
         wrapped = moelens.wrap(model)
@@ -2411,45 +2410,52 @@ def test_a_trace_begun_while_another_thread_traces_the_model_is_refused():
 
 
 def test_a_trace_of_another_wrapper_of_the_same_model_is_refused_while_one_runs():
-    """moelens.wrap(hf) twice shares hf's modules, whose calls nnsight hands to the run that began first: a trace of
-    one inside the other's failed with greenlet's "cyclic parent chain", and from another thread with an OrderError
-    blaming the read order or "parent cannot be on a different thread"."""
+    """moelens.wrap(hf) twice (or of hf and hf.model) shares the MoE blocks, whose calls nnsight hands to the run that
+    began first: a trace of one inside the other's failed with greenlet's "cyclic parent chain", and from another
+    thread with an OrderError blaming the read order or "parent cannot be on a different thread". A trace of the
+    other before the model runs (in an invoke-mode body, before its invokes) is no clash and runs."""
     import threading
 
     hf = tiny_model("mixtral")
     inputs = tiny_inputs(hf)
     with torch.no_grad():
         plain = hf(**inputs).logits
-    first, second = moelens.wrap(hf, tokenizer=ascii_tokenizer()), moelens.wrap(hf, tokenizer=ascii_tokenizer())
-    with pytest.raises(moelens.MoelensError, match=r"another wrapper of this model .* is running a trace in this "
-                                                   r"thread \(a trace inside its trace\).* wrap a copy"):
-        with torch.no_grad(), first.trace(**inputs):
-            first.moes[0].router_logits.save()
-            with second.trace(**inputs):
-                second.output.save()
-    inside, refused = threading.Event(), threading.Event()
-    results: dict[str, object] = {}
+    first = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    refusal = r"another wrapper of this model's MoE blocks .* is running it {}.* wrap a copy for the second"
+    for second in (moelens.wrap(hf, tokenizer=ascii_tokenizer()), moelens.wrap(hf.model)):
+        with pytest.raises(moelens.MoelensError, match=refusal.format(r"in this thread \(a trace inside its trace\)")):
+            with torch.no_grad(), first.trace(**inputs):
+                first.moes[0].router_logits.save()
+                with second.trace(input_ids=inputs["input_ids"]):
+                    second.moes[0].router_logits.save()
+        inside, refused = threading.Event(), threading.Event()
+        results: dict[str, object] = {}
 
-    def outer() -> None:
-        with torch.no_grad(), first.trace(**inputs):
-            first.moes[0].expert_weights.save()
-            inside.set()
-            refused.wait(30)
-            results["outer"] = first.output.logits.save()
+        def outer() -> None:
+            with torch.no_grad(), first.trace(**inputs):
+                first.moes[0].expert_weights.save()
+                inside.set()
+                refused.wait(30)
+                results["outer"] = first.output.logits.save()
 
-    thread = threading.Thread(target=outer)
-    thread.start()
-    assert inside.wait(30)
-    with pytest.raises(moelens.MoelensError, match=r"another wrapper of this model .* in another thread"):
-        with torch.no_grad(), second.trace(**inputs):
-            second.output.save()
-    refused.set()
-    thread.join(30)
-    assert torch.equal(results["outer"], plain)  # the running trace went on unharmed
-    for wrapped in (second, first):  # one after the other: both serve
-        with torch.no_grad(), wrapped.trace(**inputs):
-            logits = wrapped.output.logits.save()
-        assert torch.equal(logits, plain)
+        thread = threading.Thread(target=outer)
+        thread.start()
+        assert inside.wait(30)
+        with pytest.raises(moelens.MoelensError, match=refusal.format("in another thread")):
+            with torch.no_grad(), second.trace(input_ids=inputs["input_ids"]):
+                second.moes[0].router_logits.save()
+        refused.set()
+        thread.join(30)
+        assert torch.equal(results["outer"], plain)  # the running trace went on unharmed
+        with torch.no_grad(), first.trace() as tracer:  # its model has not run yet: the other's trace is no clash
+            with second.trace(input_ids=inputs["input_ids"]):
+                early = second.moes[0].router_logits.save()
+            with tracer.invoke(**inputs):
+                logits = first.output.logits.save()
+        assert torch.equal(logits, plain) and early.shape[-1] == first.moes[0].num_experts
+        with torch.no_grad(), second.trace(input_ids=inputs["input_ids"]):  # one after the other: both serve
+            after = second.moes[0].router_logits.save()
+        assert torch.equal(after, early)
 
 
 def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlock():

@@ -218,11 +218,11 @@ def test_params_through_a_wrong_expert_layout_are_refused(registered, layout, sh
 
 
 def test_a_count_left_at_its_default_names_the_setting(registered):
-    """The error named 'router.top_k', a reference the user never wrote; and it came at the first read in a trace,
-    not at wrap, which checks the entry's other references."""
+    """The error named 'router.top_k', a reference the user never wrote."""
     registered(top_k="block.k_per_token")
+    wrapped = moelens.wrap(model())
     with pytest.raises(FamilyError, match=r"cannot read 'block\.k_per_token' .*; it is the entry's top_k; set that"):
-        moelens.wrap(model())
+        wrapped.moes[0].top_k
     registered(name="hand_default_k", router="router", top_k=Family.__dataclass_fields__["top_k"].default,
                num_experts="experts.num_experts")
     wrapped = moelens.wrap(model())

@@ -4,9 +4,10 @@ nnsight keeps one interleaver per model, which holds the workers of the run goin
 second thread while the first runs adds its workers to the first's, and its end clears them all: the first
 trace could end with its body unfinished and no error (a ``.save()``d variable keeping an older value). A
 wrapped model's interleaver (`MoeInterleaver`) therefore refuses a run begun while another thread's is going
-on, before that run touches anything. Two wrappers of one model object (``moelens.wrap(hf)`` twice) share its
-modules, whose calls nnsight hands to whichever run began first: a run of one is refused while the other's goes on,
-in another thread or around it (a trace inside the other's trace).
+on, before that run touches anything. Two wrappers of one model (``moelens.wrap(hf)`` twice, or of ``hf`` and
+``hf.model``) share its MoE blocks, whose calls nnsight hands to whichever run began first: as the model starts
+running for one, a run of the other that holds those blocks is refused (in another thread, or around it: a trace
+inside the other's trace).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..errors import MoelensError
 #: deep copy can copy).
 _CLAIMING = threading.Lock()
 
-#: The interleaver whose run is going on, by the model object it runs (shared by every wrapper of that object).
+#: The interleaver whose model is running, by each MoE block module it runs (shared by every wrapper of the model).
 _RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, MoeInterleaver]" = weakref.WeakKeyDictionary()
 
 
@@ -35,35 +36,43 @@ class MoeInterleaver(Interleaver):
     #: moelens' runs of the model in progress in the owner's thread (`MoeModelMixin.interleave`): the run ends as
     #: the outermost returns, after its own clean-up, not at nnsight's clean-up inside it.
     running: int = 0
-    #: The model object this interleaver runs (`runs`), weakly: other wrappers of it are refused during a run.
-    _model: "weakref.ref[torch.nn.Module] | None" = None
+    #: The MoE block modules this interleaver runs (`runs`), weakly: other wrappers of them wait for its run.
+    _blocks: "tuple[weakref.ref[torch.nn.Module], ...]" = ()
 
-    def runs(self, model: torch.nn.Module) -> None:
-        """Note the model object this interleaver runs (at wrap)."""
-        self._model = weakref.ref(model)
+    def runs(self, blocks: list[torch.nn.Module]) -> None:
+        """Note the MoE block modules this interleaver runs (at wrap)."""
+        self._blocks = tuple(weakref.ref(block) for block in blocks)
 
     def claim(self) -> None:
         """Begin a run in this thread (as its inputs are first batched, before the run adds its workers).
 
         Raises:
-            MoelensError: a run another thread began is going on, or a run of another wrapper of the same model.
+            MoelensError: a run another thread began is going on.
         """
         with _CLAIMING:
             self.refuse_other_threads()
-            model = self._model() if self._model is not None else None
-            other = _RUNNING.get(model) if model is not None else None
-            if other is not None and other is not self and other.owner is not None:
+            self.owner = threading.get_ident()
+
+    def hold_blocks(self) -> None:
+        """As the model starts running (moelens' ``interleave``): hold its MoE blocks for this run.
+
+        Raises:
+            MoelensError: another wrapper's run holds them.
+        """
+        blocks = [block for block in (ref() for ref in self._blocks) if block is not None]
+        with _CLAIMING:
+            other = next((held for block in blocks if (held := _RUNNING.get(block)) not in (None, self)), None)
+            if other is not None:
                 where = "in this thread (a trace inside its trace)" if other.owner == threading.get_ident() else \
                     "in another thread"
                 raise MoelensError(
-                    f"another wrapper of this model (moelens.wrap of the same model object) is running a trace {where}; "
-                    "nnsight hands the model's calls to the run that began first, so this run's values would not be "
-                    "served. Trace one wrapper at a time, or wrap a copy for the second (moelens.wrap(copy.deepcopy("
-                    "model._module)))."
+                    f"another wrapper of this model's MoE blocks (moelens.wrap of the same model, or of a part of it) is "
+                    f"running it {where}; nnsight hands the blocks' calls to the run that began first, so this run's "
+                    "values could not be served. Trace one wrapper at a time, or wrap a copy for the second "
+                    "(moelens.wrap(copy.deepcopy(model._module)))."
                 )
-            self.owner = threading.get_ident()
-            if model is not None:
-                _RUNNING[model] = self
+            for block in blocks:
+                _RUNNING[block] = self
 
     def refuse_other_threads(self) -> None:
         """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses)."""
@@ -75,12 +84,13 @@ class MoeInterleaver(Interleaver):
             )
 
     def release(self) -> None:
-        """End this thread's run (a call from another thread leaves its run alone)."""
-        if self.owner == threading.get_ident():
+        """End this thread's run (a call from another thread leaves its run alone), and its hold on the blocks."""
+        with _CLAIMING:
+            if self.owner != threading.get_ident():
+                return
             self.owner = None
-            model = self._model() if self._model is not None else None
-            if model is not None and _RUNNING.get(model) is self:
-                del _RUNNING[model]
+            for block in [block for block, held in _RUNNING.items() if held is self]:
+                del _RUNNING[block]
 
     def cancel(self) -> None:
         """nnsight's clean-up after a run, failed or not; outside a run of moelens' (a trace whose body failed
