@@ -803,16 +803,21 @@ def test_plots_stay_readable_at_real_expert_and_layer_counts(tmp_path):
     assert len(plots.plot_entropy(few).axes[0].get_legend().get_texts()) == 3
 
 
+def _two_expert_usage():
+    """One layer's usage of two experts, enough to plot (for the tests of plots.save)."""
+    from moelens.analysis.usage import Usage
+
+    return Usage(layers=[0], counts=torch.tensor([[3, 1]]), weight=torch.zeros(1, 2, dtype=torch.float64), tokens=2,
+                 top_k=[2], num_experts=[2])
+
+
 def test_plots_save_writes_the_format_its_path_names_and_always_closes(tmp_path, monkeypatch):
     """save returned a path with no suffix where matplotlib had written '<path>.png', named '~' a folder, and left
     the figure open when matplotlib refused the path."""
     import matplotlib.pyplot as plt
 
-    from moelens.analysis.usage import Usage
-
     plots = analysis.plots
-    usage = Usage(layers=[0], counts=torch.tensor([[3, 1]]), weight=torch.zeros(1, 2, dtype=torch.float64), tokens=2,
-                  top_k=[2], num_experts=[2])
+    usage = _two_expert_usage()
     written = plots.save(plots.plot_usage(usage), tmp_path / "usage")
     assert written == tmp_path / "usage.png" and written.read_bytes().startswith(b"\x89PNG")
     assert plots.save(plots.plot_usage(usage), tmp_path / "usage.pdf").read_bytes().startswith(b"%PDF")
@@ -831,11 +836,8 @@ def test_plots_save_writes_the_format_its_path_names_and_always_closes(tmp_path,
 def test_plots_save_refuses_a_folder_and_leaves_the_file_beside_it(tmp_path):
     """save(fig, "outdir") with outdir a folder wrote outdir.png beside it, over the user's file of that name, and
     save(fig, "isdir.png") with isdir.png a folder raised matplotlib's IsADirectoryError."""
-    from moelens.analysis.usage import Usage
-
     plots = analysis.plots
-    usage = Usage(layers=[0], counts=torch.tensor([[3, 1]]), weight=torch.zeros(1, 2, dtype=torch.float64), tokens=2,
-                  top_k=[2], num_experts=[2])
+    usage = _two_expert_usage()
     (tmp_path / "outdir").mkdir()
     (tmp_path / "outdir.png").write_text("the user's notes\n")
     (tmp_path / "isdir.png").mkdir()

@@ -223,9 +223,10 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
         overflow = bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any())
         reached = float(steered.detach().abs().max()) if overflow else 0.0
     if overflow:
+        down = float(bias) < 0
         raise WriteError(
-            f"steer: bias {bias} takes expert {expert}'s logits {'down' if float(bias) < 0 else 'up'} to "
-            f"{'-' if float(bias) < 0 else ''}{reached:.4g} in "
+            f"steer: bias {bias} takes expert {expert}'s logits {'down' if down else 'up'} to "
+            f"{'-' if down else ''}{reached:.4g} in "
             f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
             f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
             "the routing)."
