@@ -2556,3 +2556,47 @@ def test_a_dict_of_inputs_given_positionally_without_a_tokenizer_says_to_unpack_
     with own.trace(inputs):
         taken = own.output.save()
     torch.testing.assert_close(taken, logits, rtol=0, atol=0)
+
+
+def test_save_all_strict_gives_the_reason_a_block_cannot_serve_a_value(mixtral):
+    """strict=True raised "this block runs no mixture for it" for a value the block was merely without (mixtral's
+    shared expert): the reason and the way out are the ones a direct read gives."""
+    wrapped, inputs = mixtral
+    with pytest.raises(moelens.MoelensError) as direct:
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].shared_expert_output.save()
+    with pytest.raises(moelens.MoelensError) as strict:
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].save_all(["router_logits", "shared_expert_output"], strict=True)
+    assert "mixtral family has no shared expert" in str(direct.value)
+    assert str(strict.value) == str(direct.value)
+
+
+@pytest.mark.parametrize("name", ["selection_scores", "mlp_activation"])
+def test_save_all_names_a_value_it_does_not_read_as_one_to_read_on_its_own(mixtral, name):
+    """A documented value save_all leaves to a read of its own was called an "unknown value name"."""
+    wrapped, inputs = mixtral
+    with pytest.raises(moelens.MoelensError, match=rf"save_all: \['{name}'\] is not among the values save_all reads "
+                                                   rf".*: read moe\.{name} on its own\."):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].save_all([name, "router_logits"])
+    with pytest.raises(moelens.MoelensError, match=r"save_all: unknown value names \['logits'\]; choose from"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[0].save_all([name, "logits"])
+
+
+def test_a_model_whose_config_names_no_experts_implementation_runs_eager():
+    """Built as MyModel(config), a model's config names no experts implementation and transformers runs the experts'
+    own (eager) forward: moelens said the block "runs None"."""
+    hf = custom_model()
+    hf.config._experts_implementation = None
+    moelens.families.register(custom_family())
+    try:
+        wrapped = moelens.wrap(hf)
+        moe = wrapped.moes[0]
+        assert moe.experts_implementation == "eager"
+        with pytest.raises(moelens.MoelensError, match=r"this block runs 'eager'"):
+            with wrapped.trace(torch.tensor([[1, 2, 3]])):
+                moe.expert_outputs.save()
+    finally:
+        moelens.families.unregister("custom")

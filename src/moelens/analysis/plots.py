@@ -79,9 +79,9 @@ def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
     try:
         path = user_path(path)
         named = path
-        if not path.suffix:
+        if not path.suffix and not path.is_dir():  # the current folder ("", ".") has no name to add .png to
             path = path.with_name(path.name + ".png")
-        for folder in {named, path}:  # a folder named: refused, not written beside it (over a file of the user's)
+        for folder in (named, path):  # a folder named: refused, not written beside it (over a file of the user's)
             if folder.is_dir():
                 raise MoelensError(f"cannot save a plot to {named}: {folder} is a folder; name a file "
                                    f"(such as {folder / 'plot.png'}).")

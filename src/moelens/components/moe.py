@@ -160,16 +160,18 @@ class Moe(Mlp):
         return self.family.scoring_of(self._module)
 
     @property
-    def experts_implementation(self) -> str | None:
+    def experts_implementation(self) -> str:
         """The transformers experts implementation the experts module runs now.
 
         ``"eager"`` for experts transformers does not dispatch (undecorated: dbrx,
-        llama4), whose forward is their own loop.
+        llama4), whose forward is their own loop, and for a model whose config names none
+        (built as ``MyModel(config)``: transformers then runs the experts' own forward).
         """
         experts = self.experts._module
         if not self.family.experts_call or not is_dispatching(experts):
             return "eager"
-        return getattr(getattr(experts, "config", None), "_experts_implementation", None)
+        # None (a model built without from_pretrained / from_config sets none): transformers runs the eager forward
+        return getattr(getattr(experts, "config", None), "_experts_implementation", None) or "eager"
 
     def order(self) -> tuple[str, ...]:
         """The values this block serves, in the order the model produces them."""
@@ -659,11 +661,19 @@ class Moe(Mlp):
         check_flag("strict", strict)
         order = self.order()
         wanted = set(order if values is None else [values] if isinstance(values, str) else value_names(values))
-        unknown = wanted - set(VALUE_NAMES)
+        served_apart = sorted(wanted & {"selection_scores", "mlp_activation", "mlp_neurons"})
+        unknown = wanted - set(VALUE_NAMES) - set(served_apart)
         if unknown:
             raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
+        if served_apart:
+            raise ValueUnavailable(
+                f"save_all: {served_apart} {'is' if len(served_apart) == 1 else 'are'} not among the values save_all "
+                f"reads ({VALUE_NAMES}): read {' and '.join(f'moe.{name}' for name in served_apart)} on its own."
+            )
         if strict and wanted - set(order):
-            raise self.no_mixture(sorted(wanted - set(order))[0])
+            missing = sorted(wanted - set(order))[0]
+            self._check_available(missing)  # the reason this block cannot serve it
+            raise self.no_mixture(missing)
         saved: dict[str, Tensor] = {}
         for name in (name for name in order if name in wanted):
             try:
