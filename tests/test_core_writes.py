@@ -416,6 +416,44 @@ def test_a_late_in_place_edit_of_a_copy_the_model_does_not_hold_is_an_error(edit
         assert torch.equal(first_tensor(hf(**inputs)), plain)
 
 
+@pytest.mark.parametrize("grad", list(GRAD_MODES))
+def test_save_all_leaves_each_value_as_a_read_would(grad):
+    """save_all leaves no write-back for a value it reads the next one after at once (a round trip to the model
+    for nothing): a copy among them edited after save_all is still a late edit, the last value read stays open
+    (an edit right after save_all lands, as after a read of it), and a view of the model's tensor edited in
+    place changes the model's tensor (as plain nnsight)."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = running_moes(wrapped)[0]
+    assert moe.order()[-1] == "mlp_output"
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.expert_activations was edited in place after the "
+                                                 "model had used it"):
+        with GRAD_MODES[grad](), wrapped.trace(**inputs):
+            activations = moe.save_all()["expert_activations"]
+            activations[..., 0] = 1
+            wrapped.output.save()
+    with GRAD_MODES[grad](), wrapped.trace(**inputs):
+        values = moe.save_all()
+        values["mlp_output"][:] = 0
+        output = wrapped.output.save()
+    with GRAD_MODES[grad](), wrapped.trace(**inputs):
+        moe.mlp_output[:] = 0
+        expected = wrapped.output.save()
+    torch.testing.assert_close(first_tensor(output), first_tensor(expected))
+    assert not torch.equal(first_tensor(output), plain) and values["mlp_output"].abs().max() == 0
+    if grad != "inference_mode":  # there every value is a copy
+        with GRAD_MODES[grad](), wrapped.trace(**inputs):
+            values = moe.save_all()
+        with GRAD_MODES[grad](), wrapped.trace(**inputs):
+            probs = moe.router_probs.save()
+        assert torch.equal(values["router_probs"], probs) and values["router_probs"].dtype == torch.float32
+        with pytest.raises(moelens.OrderError, match=r"expert_indices was edited in place after"):
+            with torch.enable_grad(), wrapped.trace(**inputs):  # integer indices: a copy off the graph
+                indices = moe.save_all()["expert_indices"]
+                indices[..., 0] = 1
+    with torch.no_grad():
+        assert torch.equal(first_tensor(hf(**inputs)), plain)
+
+
 @pytest.mark.parametrize("grad", ["no_grad", "autograd"])
 def test_in_place_changes_by_others_to_a_served_tensor_are_no_late_edit(grad):
     """The model's own tensors change in place by a torch hook or a plain nnsight edit: not a late edit of

@@ -110,6 +110,9 @@ class MoeModelMixin:
             except ValueError as error:  # transformers' refusal of a class its source check does not pass
                 if "does not support setting experts implementation" not in str(error):
                     raise
+        run = served.RUNS.get(self.interleaver)
+        if run is not None:  # switched while the model runs (between generate steps): read the blocks' anew
+            run.facts.clear()
         for moe in self.moes:
             experts = moe.experts._module
             if not is_dispatching(experts):
@@ -148,11 +151,11 @@ class MoeModelMixin:
         _refuse_compiled(watched)  # compiled since wrapping, or a compiled one put in
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
-        served.RUNS[interleaver] = handed_back
         ep_runs = self._ep_runs(watched)
         begun = getattr(kwargs.get("batcher"), "runs_begun", ())  # a trace's run, counted as it began
         for runs in ep_runs:
             runs.trace_begins(counted=any(runs is other for other in begun))
+        served.RUNS[interleaver] = handed_back
         try:
             result = super().interleave(fn, *args, **kwargs)
         finally:

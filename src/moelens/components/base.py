@@ -115,8 +115,9 @@ class Component(Envoy):
         """Where ``name`` lives in the run; raises `ValueUnavailable` when it cannot be served."""
         raise NotImplementedError
 
-    def _read(self, descriptor: serving.served) -> Any:
-        return serving.read(self, descriptor, self._bound(descriptor.name))
+    def _read(self, descriptor: serving.served, keep_open: bool = True) -> Any:
+        """``descriptor``'s value in this run (``keep_open``: see `serving.read`)."""
+        return serving.read(self, descriptor, self._bound(descriptor.name), keep_open)
 
     def _write(self, descriptor: serving.served, value: Any) -> None:
         serving.write(self, descriptor, self._bound(descriptor.name), value)

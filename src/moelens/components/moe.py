@@ -48,7 +48,7 @@ from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params, refuse_fully_sharded
-from .served import RUNS, order_errors, request, served
+from .served import RUNS, order_errors, request, run_fact, served
 
 
 class _SharedAlias:
@@ -147,12 +147,13 @@ class Moe(Mlp):
     @property
     def num_experts(self) -> int:
         """E: the number of routed experts of this block."""
-        return int(self.family.resolve(self.family.num_experts, self._module))
+        return run_fact(self.interleaver, self, "num_experts",
+                        lambda: int(self.family.resolve(self.family.num_experts, self._module)))
 
     @property
     def top_k(self) -> int:
         """k: how many experts each token is routed to."""
-        return int(self.family.resolve(self.family.top_k, self._module))
+        return run_fact(self.interleaver, self, "top_k", lambda: int(self.family.resolve(self.family.top_k, self._module)))
 
     @property
     def SCORING(self) -> Scoring:
@@ -167,6 +168,9 @@ class Moe(Mlp):
         llama4), whose forward is their own loop, and for a model whose config names none
         (built as ``MyModel(config)``: transformers then runs the experts' own forward).
         """
+        return run_fact(self.interleaver, self, "experts_implementation", self._experts_implementation)
+
+    def _experts_implementation(self) -> str:
         experts = self.experts._module
         if not self.family.experts_call or not is_dispatching(experts):
             return "eager"
@@ -299,6 +303,10 @@ class Moe(Mlp):
             logits = self.router_logits  # requested first: a request lets the model run on, and its hooks must not nest in ours
         except OrderError:
             raise self._order_error("router_probs") from None
+        return self._scored(logits)
+
+    def _scored(self, logits: Tensor) -> Float[Tensor, "b s e"]:
+        """`router_probs` of the router logits read in this run."""
         with kept_for_backward():
             return score(self.family.resolve(self.SCORING.score, self._module), logits, self.softcap)
 
@@ -397,7 +405,7 @@ class Moe(Mlp):
         """
         note_gathered_calls(self, self._module)
 
-    def _read(self, descriptor: served) -> Any:
+    def _read(self, descriptor: served, keep_open: bool = True) -> Any:
         if self.family.derived_routing and descriptor.name in DERIVED_ROUTING:
             hooks = foreign_hooks(self.router._module, pre=False)
             if hooks:
@@ -421,7 +429,7 @@ class Moe(Mlp):
                     "reads: the edit did not reach the model. Write router_logits to change the routing (steer, "
                     "force)."))
             return value
-        value = super()._read(descriptor)
+        value = super()._read(descriptor, keep_open)
         self._check_width(descriptor.name, value)
         return value
 
@@ -450,7 +458,8 @@ class Moe(Mlp):
                 "own, which its implementations expect), or wrap it in a module that takes them so."
             )
         if name == "router_logits":
-            extra = int(self.family.resolve(self.family.extra_logits, self._module) or 0)
+            extra = run_fact(self.interleaver, self, "extra_logits",
+                             lambda: int(self.family.resolve(self.family.extra_logits, self._module) or 0))
             what, expected = "router logits", self.num_experts + extra
         elif name in ("expert_weights", "expert_indices"):
             what, expected = "slots", self.top_k
@@ -483,7 +492,7 @@ class Moe(Mlp):
         if name == "selection_scores":
             return self._selection_binding()
         if name in PER_SLOT_VALUES:
-            implementation = self.experts_implementation  # read once: transformers' config attributes are slow
+            implementation = self.experts_implementation
             self._check_available(name, implementation)
             return self._slot_bindings(implementation)[name]
         self._check_available(name)
@@ -675,9 +684,16 @@ class Moe(Mlp):
             self._check_available(missing)  # the reason this block cannot serve it
             raise self.no_mixture(missing)
         saved: dict[str, Tensor] = {}
-        for name in (name for name in order if name in wanted):
+        names = [name for name in order if name in wanted]
+        for position, name in enumerate(names):
+            descriptor = getattr(type(self), name)
             try:
-                value = getattr(self, name)
+                if name == "router_probs" and "router_logits" in saved:
+                    value = self._scored(saved["router_logits"])
+                elif isinstance(descriptor, served):  # each but the last settled as read: the next is read at once
+                    value = self._read(descriptor, keep_open=position == len(names) - 1)
+                else:
+                    value = getattr(self, name)
             except ValueUnavailable:
                 if strict:
                     raise

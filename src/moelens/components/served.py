@@ -128,14 +128,15 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     ``prepared``: an earlier fetch of the same value at the same visit, whose ``prepare``
     result is reused (``prepare`` may request a location the model has run past since).
     """
-    settle_open_reads(Mediator.current(binding.location))
+    mediator = Mediator.current(binding.location)
+    settle_open_reads(mediator)
     if prepared is not None:
         context = prepared.context
     else:
         context = binding.prepare() if binding.prepare is not None else None
     raw = request(binding.location, lambda: component._order_error(name))
     component._check_call(name)
-    rows = tokens.current_rows(binding.location)
+    rows = run_fact(component.interleaver, mediator, "rows", lambda: tokens.current_rows(binding.location))
     picked = binding.pick(raw)
     if not isinstance(picked, torch.Tensor) or picked.dim() == 0:
         raise FamilyError(
@@ -313,8 +314,13 @@ def _open_reads(mediator: Mediator, location: str) -> OpenReads | None:
     return waiting.fn if (waiting.location, waiting.occurrence) == (location, mediator.wanted(location)) else None
 
 
-def read(component: "Component", descriptor: served, binding: Binding) -> torch.Tensor:
-    """Serve ``binding`` as this invoke's token view and leave its write-back."""
+def read(component: "Component", descriptor: served, binding: Binding, keep_open: bool = True) -> torch.Tensor:
+    """Serve ``binding`` as this invoke's token view and leave its write-back.
+
+    ``keep_open=False``: the caller reads its next value at once, so nothing can edit this one before the model
+    moves on (`Moe.save_all`); without autograd the read then leaves no write-back, as one found unedited would
+    be dropped (`OpenReads.settled`): a copy only the user holds is watched from the start (`HandedBack`).
+    """
     name = descriptor.name
     location = binding.location
     mediator = Mediator.current(location)
@@ -344,6 +350,12 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         # edit could not be told from a read: the view is a normal tensor (one copy) that counts them.
         with torch.inference_mode(False):
             view = view.clone()
+    where = f"{component.path}.{name}"
+    if not keep_open and reads is None and not torch.is_grad_enabled():
+        handed_back = RUNS.get(component.interleaver)
+        if handed_back is not None and not _aliases(view, fetched.picked):
+            handed_back.note(view, where, private=True)
+        return view
     version = view._version
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
     # `.grad` in a `with loss.backward():` block) sees the gradient: a view alone is off the graph.
@@ -370,15 +382,33 @@ def read(component: "Component", descriptor: served, binding: Binding) -> torch.
         return result
 
     reads = reads or OpenReads(fetched.raw, component.interleaver)
-    where = f"{component.path}.{name}"
     reads.views[descriptor] = OpenView(view, fetched, binding, version, check, apply, on_graph, not _aliases(view, fetched.picked),
                                        where)
     reads.hold(mediator, descriptor, location)
     return view
 
 
-#: The `HandedBack` views of the run a wrapped model is in, by its interleaver (shared by all its envoys).
-RUNS: "weakref.WeakKeyDictionary[Any, HandedBack]" = weakref.WeakKeyDictionary()
+#: The `HandedBack` views of the run a wrapped model is in, by its interleaver (shared by all its envoys); an entry
+#: lives as long as its run (a plain dict: asked at every read, where a weak one makes a weak reference each time).
+RUNS: dict[Any, HandedBack] = {}
+
+
+def run_fact(interleaver: Any, owner: object, what: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``, read once per run of the model for ``owner`` (outside a run: each time).
+
+    For what does not change while the model runs but a read asks for several times: a block's counts (its
+    router's ``top_k``, read through the family entry) and experts implementation, an invoke's rows (``owner``
+    its mediator). At 1 x 8
+    tokens moelens' own Python is a visible part of a trace.
+    """
+    run = RUNS.get(interleaver)
+    if run is None:
+        return compute()
+    key = (id(owner), what)
+    facts = run.facts
+    if key not in facts:
+        facts[key] = compute()
+    return facts[key]
 
 
 class HandedBack:
@@ -398,6 +428,9 @@ class HandedBack:
         #: The values moelens derives, kept to the run's end: one edited in place as it is read
         #: (``moe.expert_weights[..., 0] = 0``) is dropped by the user at once, and must still be checked.
         self.derived: list[torch.Tensor] = []
+        #: (id of a component or mediator, what) -> what the live modules say of it, read once in the run
+        #: (`run_fact`): a block's counts and experts implementation, an invoke's rows.
+        self.facts: dict[tuple[int, str], Any] = {}
 
     def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
         """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``edit_error``: the
