@@ -644,18 +644,20 @@ def test_a_bfloat16_router_that_upcasts_serves_and_steers_its_float32_logits(fam
     assert torch.equal(steered, expected)
 
 
-def test_an_experts_implementation_switched_between_steps_is_the_one_read_after():
-    """moelens reads a block's experts implementation once per run; a switch in the intervention code between
-    generation steps reads it anew (else the next per-slot read drilled into grouped_mm ops the eager forward
-    never runs, and the generation ended silently at that step)."""
+@pytest.mark.parametrize("switch", ["wrapper", "transformers"])
+def test_an_experts_implementation_switched_between_steps_is_the_one_read_after(switch):
+    """A switch of the experts implementation in the intervention code between generation steps (moelens' or
+    transformers' own) is the one the next read sees (read once per run, the next per-slot read drilled into
+    grouped_mm ops the eager forward never runs, and the generation ended silently at that step)."""
     wrapped = moelens.wrap(tiny_model("mixtral", experts_implementation="grouped_mm"), tokenizer=ascii_tokenizer())
     moe = first_moe(wrapped)
+    switched = wrapped if switch == "wrapper" else wrapped._module
     try:
         with pytest.raises(moelens.MoelensError, match=r"expert_outputs cannot be served: .* this block runs 'eager'"):
             with wrapped.generate("hello", max_new_tokens=3, do_sample=False, min_new_tokens=3) as tracer:
                 for step in tracer.iter[:3]:
                     if step == 1:
-                        wrapped.set_experts_implementation("eager")
+                        switched.set_experts_implementation("eager")
                         moe.expert_indices.save()
                     else:
                         moe.expert_outputs.save()
@@ -664,7 +666,7 @@ def test_an_experts_implementation_switched_between_steps_is_the_one_read_after(
             shapes = nnsight.save([])
             for step in tracer.iter[:3]:
                 if step == 1:
-                    wrapped.set_experts_implementation("batched_mm")
+                    switched.set_experts_implementation("batched_mm")
                 if step != 0:
                     shapes.append(tuple(moe.expert_outputs.save().shape))
         assert [shape[:3] for shape in shapes] == [(1, 1, 2), (1, 1, 2)]

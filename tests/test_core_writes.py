@@ -454,6 +454,23 @@ def test_save_all_leaves_each_value_as_a_read_would(grad):
         assert torch.equal(first_tensor(hf(**inputs)), plain)
 
 
+def test_an_edit_right_after_save_all_lands_when_a_value_it_was_asked_for_cannot_be_served():
+    """save_all read every value but the last one asked for without a write-back; with the last one unavailable
+    (per-slot values under eager) the value read last was a copy already handed back (inference_mode): an edit
+    of it right after save_all was lost, and the trace failed with a late-edit error."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "eager")
+    moe = running_moes(wrapped)[0]
+    with torch.inference_mode(), wrapped.trace(**inputs):
+        values = moe.save_all(["expert_weights", "expert_outputs"])
+        values["expert_weights"].mul_(0)
+        output = wrapped.output.save()
+    with torch.inference_mode(), wrapped.trace(**inputs):
+        moe.expert_weights.mul_(0)
+        expected = wrapped.output.save()
+    assert list(values) == ["expert_weights"]
+    assert torch.equal(first_tensor(output), first_tensor(expected)) and not torch.equal(first_tensor(output), plain)
+
+
 @pytest.mark.parametrize("grad", ["no_grad", "autograd"])
 def test_in_place_changes_by_others_to_a_served_tensor_are_no_late_edit(grad):
     """The model's own tensors change in place by a torch hook or a plain nnsight edit: not a late edit of

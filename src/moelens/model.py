@@ -110,9 +110,6 @@ class MoeModelMixin:
             except ValueError as error:  # transformers' refusal of a class its source check does not pass
                 if "does not support setting experts implementation" not in str(error):
                     raise
-        run = served.RUNS.get(self.interleaver)
-        if run is not None:  # switched while the model runs (between generate steps): read the blocks' anew
-            run.facts.clear()
         for moe in self.moes:
             experts = moe.experts._module
             if not is_dispatching(experts):

@@ -168,9 +168,6 @@ class Moe(Mlp):
         llama4), whose forward is their own loop, and for a model whose config names none
         (built as ``MyModel(config)``: transformers then runs the experts' own forward).
         """
-        return run_fact(self.interleaver, self, "experts_implementation", self._experts_implementation)
-
-    def _experts_implementation(self) -> str:
         experts = self.experts._module
         if not self.family.experts_call or not is_dispatching(experts):
             return "eager"
@@ -652,6 +649,17 @@ class Moe(Mlp):
 
     # -- all values at once -------------------------------------------------------------------
 
+    def _can_serve(self, name: str, strict: bool) -> bool:
+        """Whether this block can serve ``name`` in this run, as far as is known before the model reaches it (`save_all`
+        knows which value it reads last); ``strict``: raise the reason instead of answering False."""
+        try:
+            self._check_available(name)
+        except ValueUnavailable:
+            if strict:
+                raise
+            return False
+        return True
+
     def save_all(self, values: str | Iterable[str] | None = None, *, strict: bool = False) -> dict[str, Tensor]:
         """Read and ``.save()`` every value of this block in the family's order.
 
@@ -684,7 +692,7 @@ class Moe(Mlp):
             self._check_available(missing)  # the reason this block cannot serve it
             raise self.no_mixture(missing)
         saved: dict[str, Tensor] = {}
-        names = [name for name in order if name in wanted]
+        names = [name for name in order if name in wanted and self._can_serve(name, strict)]
         for position, name in enumerate(names):
             descriptor = getattr(type(self), name)
             try:

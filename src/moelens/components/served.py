@@ -397,8 +397,8 @@ def run_fact(interleaver: Any, owner: object, what: str, compute: Callable[[], A
     """``compute()``, read once per run of the model for ``owner`` (outside a run: each time).
 
     For what does not change while the model runs but a read asks for several times: a block's counts (its
-    router's ``top_k``, read through the family entry) and experts implementation, an invoke's rows (``owner``
-    its mediator). At 1 x 8 tokens moelens' own Python is a visible part of a trace.
+    router's ``top_k``, read through the family entry), an invoke's rows (``owner`` its mediator). Not the experts
+    implementation: the intervention code may switch it between generation steps (transformers' own switch too). At 1 x 8 tokens moelens' own Python is a visible part of a trace.
     """
     run = RUNS.get(interleaver)
     if run is None:
@@ -428,7 +428,7 @@ class HandedBack:
         #: (``moe.expert_weights[..., 0] = 0``) is dropped by the user at once, and must still be checked.
         self.derived: list[torch.Tensor] = []
         #: (id of a component or mediator, what) -> what the live modules say of it, read once in the run
-        #: (`run_fact`): a block's counts and experts implementation, an invoke's rows.
+        #: (`run_fact`): a block's counts, an invoke's rows.
         self.facts: dict[tuple[int, str], Any] = {}
 
     def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
