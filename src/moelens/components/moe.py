@@ -42,6 +42,7 @@ from ..families.scoring import score, top_logits
 from ..modules import foreign_hooks, hook_name
 from ..scalars import check_flag
 from . import tokens
+from . import base
 from .base import bind_alias, envoy_at
 from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, copied, kept_for_backward, output_of
 from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
@@ -678,7 +679,7 @@ class Moe(Mlp):
         check_flag("strict", strict)
         order = self.order()
         wanted = set(order if values is None else [values] if isinstance(values, str) else value_names(values))
-        served_apart = sorted(wanted & {"selection_scores", "mlp_activation", "mlp_neurons"})
+        served_apart = sorted(wanted & (set(base.value_names(type(self))) - set(VALUE_NAMES)))  # read on their own
         unknown = wanted - set(VALUE_NAMES) - set(served_apart)
         if unknown:
             raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")

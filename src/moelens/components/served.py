@@ -398,7 +398,8 @@ def run_fact(interleaver: Any, owner: object, what: str, compute: Callable[[], A
 
     For what does not change while the model runs but a read asks for several times: a block's counts (its
     router's ``top_k``, read through the family entry), an invoke's rows (``owner`` its mediator). Not the experts
-    implementation: the intervention code may switch it between generation steps (transformers' own switch too). At 1 x 8 tokens moelens' own Python is a visible part of a trace.
+    implementation: the intervention code may switch it between generation steps (transformers' own switch too).
+    At 1 x 8 tokens moelens' own Python is a visible part of a trace.
     """
     run = RUNS.get(interleaver)
     if run is None:
