@@ -115,9 +115,10 @@ class Component(Envoy):
         """Where ``name`` lives in the run; raises `ValueUnavailable` when it cannot be served."""
         raise NotImplementedError
 
-    def _read(self, descriptor: serving.served, keep_open: bool = True) -> Any:
-        """``descriptor``'s value in this run (``keep_open``: see `serving.read`)."""
-        return serving.read(self, descriptor, self._bound(descriptor.name), keep_open)
+    def _read(self, descriptor: serving.served, keep_open: bool = True, binding: serving.Binding | None = None) -> Any:
+        """``descriptor``'s value in this run (``keep_open``: see `serving.read`; ``binding``: its binding, where the
+        caller resolved it in this trace already)."""
+        return serving.read(self, descriptor, binding or self._bound(descriptor.name), keep_open)
 
     def _write(self, descriptor: serving.served, value: Any) -> None:
         serving.write(self, descriptor, self._bound(descriptor.name), value)
