@@ -558,21 +558,28 @@ def test_a_patched_value_is_the_models_copy_so_a_later_steer_leaves_the_users_va
     torch.testing.assert_close(first_tensor(output).detach(), expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("grad_mode", GRAD_MODES)
 @pytest.mark.parametrize("name", ["expert_weights", "expert_indices"])
-def test_an_in_place_edit_of_routing_moelens_derives_is_an_error(name):
+def test_an_in_place_edit_of_routing_moelens_derives_is_an_error(name, grad_mode):
     """llama4 calls no experts module: moelens recomputes its weights and indices from the logits, and the model
-    never reads them. An in-place edit of one was lost silently (assignment was refused already)."""
+    never reads them. An in-place edit of one was lost silently (assignment was refused already); under
+    inference_mode a read raised torch's "Inference tensors do not track version counter". The value read in each
+    grad mode is the one read without autograd (checked against the router's own top-k elsewhere)."""
     hf, wrapped, inputs, plain, reference = built("llama4", "eager")
     moe = running_moes(wrapped)[0]
+    mode = GRAD_MODES[grad_mode]
     with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{name} was edited in place, but .* never reads"):
-        with wrapped.trace(**inputs):
+        with mode(), wrapped.trace(**inputs):
             value = getattr(moe, name).save()
             value[..., 0] = 0
     with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{name} was edited in place, but .* never reads"):
-        with wrapped.trace(**inputs):  # edited as it is read, no reference kept: as nnsight users edit
+        with mode(), wrapped.trace(**inputs):  # edited as it is read, no reference kept: as nnsight users edit
             getattr(moe, name)[..., 0] = 0
-    with wrapped.trace(**inputs):  # read, or edited as a clone, it raises nothing and the output is the plain one
+    with mode(), wrapped.trace(**inputs):  # read, or edited as a clone, it raises nothing and the output is the plain one
         value = getattr(moe, name).save()
         value.clone()[..., 0] = 0
         output = wrapped.output.logits.save()
     assert torch.equal(output, plain)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        expected = getattr(moe, name).save()
+    assert torch.equal(value, expected)

@@ -416,7 +416,8 @@ class Moe(Mlp):
                     "read router_logits and apply your hook's change to them, or remove the hook for this trace.",
                 )
             logits = self.router_logits  # requested before moelens' saved-tensor hooks are in force (router_probs)
-            with kept_for_backward():
+            # out of inference_mode (the logits read are a normal tensor there): an edit of them is told, as of a read
+            with kept_for_backward(), torch.inference_mode(False):
                 weights, indices = top_logits(logits, self.top_k, self.SCORING.score)
             value = weights if descriptor.name == "expert_weights" else indices
             handed_back = RUNS.get(self.interleaver)
