@@ -611,6 +611,36 @@ def test_top_1_activations_in_a_batched_single_token_step_are_refused_not_mixed_
                     moe.expert_activations.save()
 
 
+
+def test_an_edit_after_save_all_whose_last_value_is_refused_late_lands_or_says_why():
+    """save_all asks for each value it was given; one refused only as the model reaches it (top-1 activations in a
+    batched single-token step) has run the model past the value read before it. Where that value is a view of the
+    model's tensor (no_grad), the model still reads the edit: zero routing weights give a zero routed output.
+    Where it is a copy (inference_mode), the edit is lost, and the late-edit error said "a later value of the run
+    was read first" of a value save_all left out: it now names the refusal."""
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm", num_experts_per_tok=1)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = wrapped.moes[0]
+
+    def edited_after_save_all(mode):
+        with mode(), wrapped.generate(max_new_tokens=2, min_new_tokens=2) as tracer:
+            with tracer.invoke("hello"):
+                for _ in tracer.iter[1:2]:  # the decode step: one token per row, both invokes batched
+                    values = moe.save_all(["expert_weights", "expert_activations"])
+                    values["expert_weights"].mul_(0)
+                    routed = moe.routed_output.save()
+                    names = nnsight.save(list(values))
+            with tracer.invoke("world"):
+                pass
+        return names, routed
+
+    names, routed = edited_after_save_all(torch.no_grad)
+    assert names == ["expert_weights"] and routed.abs().max() == 0
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.expert_weights was edited in place after the model had "
+                                                 r"used it \(a later value of the run was asked for first: read, or "
+                                                 r"refused only once the model had run on to it"):
+        edited_after_save_all(torch.inference_mode)
+
 #: Families whose router upcasts its linear layer's output (``F.linear(x, W).float()``), read at that cast.
 UPCAST_LOGITS = [family.name for family in moelens.families.supported() if family.logits_cast_op]
 
