@@ -616,8 +616,9 @@ def test_an_edit_after_save_all_whose_last_value_is_refused_late_lands_or_says_w
     """save_all asks for each value it was given; one refused only as the model reaches it (top-1 activations in a
     batched single-token step) has run the model past the value read before it. Where that value is a view of the
     model's tensor (no_grad), the model still reads the edit: zero routing weights give a zero routed output.
-    Where it is a copy (inference_mode), the edit is lost, and the late-edit error said "a later value of the run
-    was read first" of a value save_all left out: it now names the refusal."""
+    Where it is a copy (inference_mode), the edit is lost, and the late-edit error said "after the model had used
+    it (a later value of the run was read first)" of a value the model had not used and save_all left out: it now
+    says the value was handed back, and names the refusal."""
     hf = tiny_model("mixtral", experts_implementation="grouped_mm", num_experts_per_tok=1)
     wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
     moe = wrapped.moes[0]
@@ -636,9 +637,9 @@ def test_an_edit_after_save_all_whose_last_value_is_refused_late_lands_or_says_w
 
     names, routed = edited_after_save_all(torch.no_grad)
     assert names == ["expert_weights"] and routed.abs().max() == 0
-    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.expert_weights was edited in place after the model had "
-                                                 r"used it \(a later value of the run was asked for first: read, or "
-                                                 r"refused only once the model had run on to it"):
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.expert_weights was edited in place after moelens had "
+                                                 r"handed it back to the model \(once a later value of the run was "
+                                                 r"asked for: read, or refused only once the model had run on to it"):
         edited_after_save_all(torch.inference_mode)
 
 #: Families whose router upcasts its linear layer's output (``F.linear(x, W).float()``), read at that cast.

@@ -400,7 +400,7 @@ def test_a_late_in_place_edit_of_a_copy_the_model_does_not_hold_is_an_error(edit
     """A copy edited after a later value was read had had its write-back: the edit was silently lost."""
     hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
     moe = running_moes(wrapped)[0]
-    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{edited} was edited in place after the model had used it"):
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.{edited} was edited in place after moelens had handed it back"):
         with GRAD_MODES[grad](), wrapped.trace(**inputs):
             view = getattr(moe, edited)
             getattr(moe, later)
@@ -425,8 +425,8 @@ def test_save_all_leaves_each_value_as_a_read_would(grad):
     hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
     moe = running_moes(wrapped)[0]
     assert moe.order()[-1] == "mlp_output"
-    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.expert_activations was edited in place after the "
-                                                 "model had used it"):
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.expert_activations was edited in place after "
+                                                 "moelens had handed it back"):
         with GRAD_MODES[grad](), wrapped.trace(**inputs):
             activations = moe.save_all()["expert_activations"]
             activations[..., 0] = 1
@@ -583,3 +583,30 @@ def test_an_in_place_edit_of_routing_moelens_derives_is_an_error(name, grad_mode
     with torch.no_grad(), wrapped.trace(**inputs):
         expected = getattr(moe, name).save()
     assert torch.equal(value, expected)
+
+
+def test_a_granite_mlp_output_edited_after_save_all_lands_or_says_it_was_handed_back():
+    """granitemoeshared's shared MLP runs after the block, so save_all reads shared_expert_output after mlp_output.
+    Under no_grad mlp_output is the model's own tensor, which the layer adds only later: an edit after save_all
+    lands (ground truth: a forward hook zeroing the block's output). Under inference_mode it is a copy handed back
+    when shared_expert_output was read: the late-edit error said "after the model had used it", which it had not."""
+    hf, wrapped, inputs, plain, reference = built("granitemoeshared", "grouped_mm")
+    moe = running_moes(wrapped)[0]
+    assert moe.order()[-2:] == ("mlp_output", "shared_expert_output")
+    with torch.no_grad(), wrapped.trace(**inputs):
+        values = moe.save_all()
+        values["mlp_output"].zero_()
+        output = wrapped.output.save()
+    block = hf.get_submodule(moe.path.removeprefix("model."))
+    hook = block.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
+    try:
+        with torch.no_grad():
+            expected = hf(**inputs)
+    finally:
+        hook.remove()
+    assert torch.equal(first_tensor(output), first_tensor(expected)) and not torch.equal(first_tensor(output), plain)
+    with pytest.raises(moelens.OrderError, match=rf"{moe.path}.mlp_output was edited in place after moelens had "
+                                                 r"handed it back to the model \(once a later value"):
+        with torch.inference_mode(), wrapped.trace(**inputs):
+            values = moe.save_all()
+            values["mlp_output"].zero_()

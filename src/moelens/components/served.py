@@ -452,9 +452,10 @@ class HandedBack:
             if edit_error is not None:
                 raise OrderError(edit_error)
             raise OrderError(
-                f"{where} was edited in place after the model had used it (a later value of the run was asked "
-                "for first: read, or refused only once the model had run on to it, as save_all leaves out a value "
-                "the run cannot serve), on a copy the model does not hold: the edit did not reach the model. Edit "
+                f"{where} was edited in place after moelens had handed it back to the model (once a later value "
+                "of the run was asked for: read, or refused only once the model had run on to it, as save_all leaves "
+                "out a value the run cannot serve), on a copy the model does not hold: the edit did not reach the "
+                "model. Edit "
                 "a value before reading the values after it (the block's order()), or edit a .clone() for your own "
                 "analysis."
             )
