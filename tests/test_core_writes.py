@@ -610,3 +610,18 @@ def test_a_granite_mlp_output_edited_after_save_all_lands_or_says_it_was_handed_
         with torch.inference_mode(), wrapped.trace(**inputs):
             values = moe.save_all()
             values["mlp_output"].zero_()
+
+
+def test_values_saved_under_inference_mode_are_normal_tensors_router_probs_too():
+    """Every value served under torch.inference_mode is a normal copy, so a user edits it after the trace; router_probs,
+    scored by moelens, was an inference tensor there, whose edit raised torch's "Inplace update to inference tensor
+    outside InferenceMode". Ground truth: the float32 softmax of the logits read (mixtral's scoring)."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = running_moes(wrapped)[0]
+    with torch.inference_mode(), wrapped.trace(**inputs):
+        values = moe.save_all()
+    with torch.inference_mode(), wrapped.trace(**inputs):
+        alone = moe.router_probs.save()
+    assert not any(value.is_inference() for value in (*values.values(), alone))
+    assert torch.equal(values["router_probs"], torch.softmax(values["router_logits"].float(), dim=-1))
+    values["router_probs"][..., 0] = 0  # the user's own analysis copy

@@ -304,8 +304,9 @@ class Moe(Mlp):
         return self._scored(logits)
 
     def _scored(self, logits: Tensor) -> Float[Tensor, "b s e"]:
-        """`router_probs` of the router logits read in this run."""
-        with kept_for_backward():
+        """`router_probs` of the router logits read in this run (out of inference_mode, where the logits read are a
+        normal tensor: as every value served there, one the user may edit after the trace)."""
+        with kept_for_backward(), torch.inference_mode(False):
             return score(self.family.resolve(self.SCORING.score, self._module), logits, self.softcap)
 
     @router_probs.setter
