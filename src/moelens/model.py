@@ -126,8 +126,8 @@ class MoeModelMixin:
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions (one run of each EP group the experts are
         sharded over, `parallel.runs`); then a check that no value moelens served as a copy was edited in place
-        after it was handed back to the model (`served.HandedBack`). The run belongs to this thread (`run_owner`) until it is over:
-        another thread's run is refused before it touches anything."""
+        after it was handed back to the model (`served.HandedBack`). The run belongs to this thread (`run_owner`)
+        until it is over: another thread's run is refused before it touches anything."""
         interleaver = self.interleaver
         if not isinstance(interleaver, MoeInterleaver):  # one of the user's (wrap(interleaver=...))
             return self._run(fn, *args, **kwargs)

@@ -455,9 +455,8 @@ class HandedBack:
                 f"{where} was edited in place after moelens had handed it back to the model (once a later value "
                 "of the run was asked for: read, or refused only once the model had run on to it, as save_all leaves "
                 "out a value the run cannot serve), on a copy the model does not hold: the edit did not reach the "
-                "model. Edit "
-                "a value before reading the values after it (the block's order()), or edit a .clone() for your own "
-                "analysis."
+                "model. Edit a value before reading the values after it (the block's order()), or edit a .clone() "
+                "for your own analysis."
             )
 
 
