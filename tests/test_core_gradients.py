@@ -325,6 +325,46 @@ def test_gradients_flow_through_a_written_value_to_what_it_was_made_from(name):
     torch.testing.assert_close(scale.grad, truth.grad)
 
 
+
+def test_steer_with_a_bias_that_requires_grad_passes_its_gradient_on():
+    """steer(moe, e, bias) took a one-element tensor bias as a Python float: a learned steering bias got no gradient
+    (bias.grad None) and nothing said so. Ground truth: the plain model whose router adds the same tensor to expert
+    e's linear logit, backpropagated."""
+    import moelens
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    wrapped = moelens.wrap(hf)
+    moe, expert = wrapped.moes[0], 2
+    bias = torch.tensor(2.0, requires_grad=True)
+    with wrapped.trace(**inputs):
+        moelens.steer(moe, expert, bias)
+        loss = loss_of(wrapped.output).save()
+    loss.backward()
+
+    truth = torch.tensor(2.0, requires_grad=True)
+    gate = hf.get_submodule(moe.router.path.removeprefix("model."))
+    original = gate.forward
+
+    def forward(hidden_states):
+        hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, gate.weight)
+        logits = logits + truth * (torch.arange(logits.shape[-1]) == expert)
+        probs = logits.softmax(dim=-1, dtype=torch.float)
+        weights, indices = torch.topk(probs, gate.top_k, dim=-1)
+        return logits, (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype), indices
+
+    gate.forward = forward
+    try:
+        expected = loss_of(hf(**inputs))
+    finally:
+        gate.forward = original
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    assert truth.grad.abs() > 0 and bias.grad is not None
+    torch.testing.assert_close(bias.grad, truth.grad)
+
 def test_values_read_with_autograd_on_free_their_graph_once_dropped():
     """router_probs (a softmax moelens computes, saving its output for backward) kept its own grad_fn alive
     through a cycle in torch's C++ graph that Python's gc cannot see: each trace reading it with autograd

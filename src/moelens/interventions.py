@@ -201,8 +201,10 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
 
     A positive bias makes the router pick the expert more often, a negative one
     less (SteerMoE). The family's scoring turns the biased logits into weights.
+    A one-element tensor that requires grad is added as it is, so the gradient reaches it.
     """
     expert = _expert(_moe(moe, "steer"), expert)
+    learned = bias if isinstance(bias, torch.Tensor) and bias.requires_grad and bias.numel() == 1 else None
     bias = scalar(bias)
     if as_real(bias) is None:
         raise WriteError(
@@ -231,7 +233,7 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
             f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
             "the routing)."
         )
-    logits[..., expert] += float(bias)
+    logits[..., expert] += float(bias) if learned is None else learned.reshape(()).to(logits.dtype)
 
 
 def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Tensor, torch.Tensor]:
