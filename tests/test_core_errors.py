@@ -1983,6 +1983,30 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
     plain = nnsight.NNsight(wrapped._module)
     with pytest.raises(moelens.MoelensError, match=r"got an nnsight model \(NNsight\).*moelens.wrap\(model._module"):
         moelens.wrap(plain)
+    # nnsight 0.8's LanguageModel is no NNsight: it was told to use moelens.load(), as if it were a path
+    with warnings.catch_warnings():  # nnsight 0.8 deprecates it, users still build it
+        warnings.simplefilter("ignore")
+        language = nnsight.LanguageModel(wrapped._module, tokenizer=ascii_tokenizer())
+    with pytest.raises(moelens.MoelensError, match=r"got an nnsight model \(LanguageModel\).*moelens.wrap\(model._module"):
+        moelens.wrap(language)
+    with pytest.raises(moelens.MoelensError, match=rf"got {re.escape(wrapped.moes[0].path)}, a Moe of a model moelens "
+                                                   r"has wrapped already, not a model: read and edit it in a trace"):
+        moelens.wrap(wrapped.moes[0])
+
+
+def test_pickling_a_wrapped_model_says_what_to_pickle(mixtral):
+    """pickle.dumps of a wrapped model raised "Can't pickle local object 'WeakValueDictionary.__init__.<locals>.remove'"
+    (nnsight's weak references); the error now says what pickles (docs/getting-started.md#copies-and-saving), and
+    that advice works: the transformers model pickles, and a wrap of it gives the same logits."""
+    import pickle
+
+    wrapped, inputs = mixtral
+    for dump in (pickle.dumps, copy.copy):
+        with pytest.raises(moelens.MoelensError, match=r"a wrapped model does not pickle .*model._module.*deepcopy"):
+            dump(wrapped)
+    again = moelens.wrap(pickle.loads(pickle.dumps(wrapped._module)))
+    with torch.no_grad():
+        assert torch.equal(first_tensor(again._module(**inputs)), first_tensor(wrapped._module(**inputs)))
 
 
 @pytest.mark.parametrize(
