@@ -2624,3 +2624,24 @@ def test_a_model_whose_config_names_no_experts_implementation_runs_eager():
                 moe.expert_outputs.save()
     finally:
         moelens.families.unregister("custom")
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap():
+    """The embedded model's tokenizer (4096 tokens) on a tiny mixtral (128 embedding rows) was taken silently, and a
+    text trace then failed with torch's bare "index out of range in self". The warning's claim is checked too: that
+    text does fail in the embedding; the model's own tokenizer, and one that fits, warn of nothing."""
+    tokenizer = moelens.load().tokenizer
+    hf = tiny_model("mixtral")
+    rows = hf.get_input_embeddings().num_embeddings
+    with pytest.warns(UserWarning, match=rf"has {len(tokenizer)} tokens, but the model's input embeddings hold {rows} "
+                                         r"rows.*Pass the tokenizer saved with this model"):
+        wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    text = "def add(a, b):"
+    assert max(tokenizer(text)["input_ids"]) >= rows
+    with pytest.raises(IndexError, match="index out of range"):
+        with wrapped.trace(text):
+            wrapped.output.save()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
+        moelens.load()

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import logging
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, NoReturn
 
@@ -527,6 +528,24 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], str))
 
 
+def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
+    """Warn when ``tokenizer`` gives token ids past the rows of the model's input embeddings (most often the
+    tokenizer of another model): text holding one fails inside torch's embedding, "index out of range in self"."""
+    if tokenizer is None or not hasattr(model, "get_input_embeddings"):
+        return
+    try:
+        rows, tokens = model.get_input_embeddings().num_embeddings, len(tokenizer)
+    except (AttributeError, NotImplementedError, TypeError):  # no embedding layer of torch's kind, or no length
+        return
+    if tokens > rows:
+        warnings.warn(
+            f"wrap: the tokenizer ({type(tokenizer).__name__}) has {tokens} tokens, but the model's input embeddings "
+            f"hold {rows} rows: text with a token id of {rows} or more will fail in torch's embedding ('index out of "
+            "range in self'). Pass the tokenizer saved with this model.",
+            stacklevel=3,
+        )
+
+
 def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
     """Wrap a transformers model so its MoE blocks serve their values by name.
 
@@ -577,6 +596,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             f"wrap(tokenizer=...) takes the model's transformers tokenizer (AutoTokenizer.from_pretrained(...)), got "
             f"{type(tokenizer).__name__}; leave it out for a model that takes token ids."
         )
+    _warn_on_vocabulary(model, tokenizer)
     _refuse_compiled(model.named_modules())
     structure = discover(model)
     options = dict(nnsight_kwargs)
