@@ -1989,24 +1989,10 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         language = nnsight.LanguageModel(wrapped._module, tokenizer=ascii_tokenizer())
     with pytest.raises(moelens.MoelensError, match=r"got an nnsight model \(LanguageModel\).*moelens.wrap\(model._module"):
         moelens.wrap(language)
-    with pytest.raises(moelens.MoelensError, match=rf"got {re.escape(wrapped.moes[0].path)}, a Moe of a model moelens "
-                                                   r"has wrapped already, not a model: read and edit it in a trace"):
-        moelens.wrap(wrapped.moes[0])
-
-
-def test_pickling_a_wrapped_model_says_what_to_pickle(mixtral):
-    """pickle.dumps of a wrapped model raised "Can't pickle local object 'WeakValueDictionary.__init__.<locals>.remove'"
-    (nnsight's weak references); the error now says what pickles (docs/getting-started.md#copies-and-saving), and
-    that advice works: the transformers model pickles, and a wrap of it gives the same logits."""
-    import pickle
-
-    wrapped, inputs = mixtral
-    for dump in (pickle.dumps, copy.copy):
-        with pytest.raises(moelens.MoelensError, match=r"a wrapped model does not pickle .*model._module.*deepcopy"):
-            dump(wrapped)
-    again = moelens.wrap(pickle.loads(pickle.dumps(wrapped._module)))
-    with torch.no_grad():
-        assert torch.equal(first_tensor(again._module(**inputs)), first_tensor(wrapped._module(**inputs)))
+    for part in (wrapped.moes[0], wrapped.moes[0].router, plain.model.layers[0]):  # it was told to use moelens.load()
+        with pytest.raises(moelens.MoelensError, match=rf"got {re.escape(part.path)}, a {type(part).__name__} of a model "
+                                                       r"wrapped already \(by moelens or nnsight\), not a model"):
+            moelens.wrap(part)
 
 
 @pytest.mark.parametrize(

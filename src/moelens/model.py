@@ -26,7 +26,7 @@ from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 
 from .components import Mlp, Moe, served
-from .components.base import Component, bind_alias, envoy_at, with_suggestion
+from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known, unsupported_dtypes
 from .components.layer_list import LayerList, MoeList
@@ -210,15 +210,6 @@ class MoeModelMixin:
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
         return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})
-
-    def __reduce_ex__(self, protocol: Any) -> NoReturn:
-        """Refused with the way out: nnsight's envoys hold weak references, which neither pickle nor copy.copy
-        can take (their own error names only a local function of WeakValueDictionary)."""
-        raise MoelensError(
-            "a wrapped model does not pickle (nnsight's envoys hold weak references): pickle or save_pretrained its "
-            "transformers model, model._module, and wrap (or moelens.load) it again; copy.deepcopy(model) gives a "
-            "fresh wrap of a copy."
-        )
 
     def __deepcopy__(self, memo: dict) -> "MoeTransformersModel | MoeNNsight":
         """A fresh wrap of a deep copy of the model, with the same tokenizer and wrap options.
@@ -565,10 +556,11 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             "wrap() got a model moelens has wrapped already: use it as it is (or wrap its transformers "
             "model again: moelens.wrap(model._module, tokenizer=getattr(model, 'tokenizer', None)))."
         )
-    if isinstance(model, Component):
+    if isinstance(model, Envoy) and model is not model.root:  # a block or module of a wrapped model
         raise MoelensError(
-            f"wrap() got {model.path}, a {type(model).__name__} of a model moelens has wrapped already, not a model: "
-            "read and edit it in a trace of that model (with model.trace(...): model.moes[i].router_logits ...)."
+            f"wrap() got {model.path}, a {type(model).__name__} of a model wrapped already (by moelens or nnsight), "
+            "not a model: read and edit it in a trace of that model, or wrap the whole transformers model (that "
+            "model's ._module)."
         )
     if isinstance(model, Envoy):  # NNsight, and LanguageModel, which is no NNsight in nnsight 0.8
         raise MoelensError(
