@@ -1645,6 +1645,8 @@ def test_a_block_of_another_model_is_refused_in_a_trace():
                        r"logits per token \(num_experts=4\).*extra_logits"),
     ("top_k", 3, r"expert_weights holds 2 entries per token, but family 'my_mixtral' gives this block 3 slots per token "
                  r"\(top_k=3\)"),
+    ("extra_logits", 2, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 10 router "
+                        r"logits per token \(num_experts='experts.num_experts' plus extra_logits=2\)"),
 ])
 def test_a_family_entry_whose_counts_do_not_fit_the_model_is_refused(setting, value, message):
     """An entry that says 16 experts on an 8-expert router took ablate(moe, 12) as a silent no-op; one that says 4

@@ -114,6 +114,15 @@ def kept_for_backward() -> contextlib.AbstractContextManager:
     return torch.autograd.graph.saved_tensors_hooks(_kept, _same)
 
 
+def normal_tensors() -> contextlib.AbstractContextManager:
+    """Out of ``torch.inference_mode`` where a trace runs under it, else nothing to enter.
+
+    What moelens computes from values read there (a score, derived routing) is then a normal tensor, as
+    the values served there are: one the user may edit (and autograd use) after the trace.
+    """
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
 def output_of(index: int | None) -> tuple[Callable, Callable]:
     """``pick`` / ``put`` for a module output that may be a tuple (hidden first)."""
     if index is None:

@@ -44,7 +44,7 @@ from ..scalars import check_flag
 from . import tokens
 from . import base
 from .base import bind_alias, envoy_at
-from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, copied, kept_for_backward, output_of
+from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, copied, kept_for_backward, normal_tensors, output_of
 from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
@@ -81,6 +81,9 @@ def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
 #: The routing values moelens recomputes from router_logits for a family with ``derived_routing`` (llama4: no experts
 #: call to read them at), served read-only.
 DERIVED_ROUTING = ("expert_weights", "expert_indices")
+
+#: The values whose entries per token `Moe._check_width` checks against the family entry.
+_WIDTH_CHECKED = frozenset({"router_logits", "expert_weights", "expert_indices"})
 
 #: What an earlier moelens pickled a wrapped ernie4_5_vl_moe block's hook as (see `gathered.STALE_NOTE`).
 _note_gathered = STALE_NOTE
@@ -304,9 +307,9 @@ class Moe(Mlp):
         return self._scored(logits)
 
     def _scored(self, logits: Tensor) -> Float[Tensor, "b s e"]:
-        """`router_probs` of the router logits read in this run (out of inference_mode, where the logits read are a
-        normal tensor: as every value served there, one the user may edit after the trace)."""
-        with kept_for_backward(), torch.inference_mode(False):
+        """`router_probs` of the router logits read in this run (a normal tensor under inference_mode, as the logits
+        read there are: `normal_tensors`)."""
+        with kept_for_backward(), normal_tensors():
             return score(self.family.resolve(self.SCORING.score, self._module), logits, self.softcap)
 
     @router_probs.setter
@@ -417,8 +420,8 @@ class Moe(Mlp):
                     "read router_logits and apply your hook's change to them, or remove the hook for this trace.",
                 )
             logits = self.router_logits  # requested before moelens' saved-tensor hooks are in force (router_probs)
-            # out of inference_mode (the logits read are a normal tensor there): an edit of them is told, as of a read
-            with kept_for_backward(), torch.inference_mode(False):
+            # a normal tensor under inference_mode (`normal_tensors`): an edit of it is told, as of a read
+            with kept_for_backward(), normal_tensors():
                 weights, indices = top_logits(logits, self.top_k, self.SCORING.score)
             value = weights if descriptor.name == "expert_weights" else indices
             handed_back = RUNS.get(self.interleaver)
@@ -450,30 +453,32 @@ class Moe(Mlp):
     def _check_width(self, name: str, value: Tensor) -> None:
         """Raise `FamilyError` when what the model computes does not fit the family entry: E router logits per token
         (plus the entry's `extra_logits`), k slots, integer expert indices and floating-point weights."""
-        if name in ("expert_weights", "expert_indices") and value.is_floating_point() != (name == "expert_weights"):
+        if name not in _WIDTH_CHECKED:
+            return
+        if name != "router_logits" and value.is_floating_point() != (name == "expert_weights"):
             raise FamilyError(
                 f"{self.path}.{name} is a {value.dtype} tensor: moelens reads the experts call as "
                 f"experts(hidden, top_k_index, top_k_weights), and {type(self.experts._module).__name__} gets its "
                 "expert indices and weights in another order. Call the experts module in that order (transformers' "
                 "own, which its implementations expect), or wrap it in a module that takes them so."
             )
-        if name == "router_logits":
-            extra = run_fact(self.interleaver, self, "extra_logits",
-                             lambda: int(self.family.resolve(self.family.extra_logits, self._module) or 0))
-            what, expected = "router logits", self.num_experts + extra
-        elif name in ("expert_weights", "expert_indices"):
-            what, expected = "slots", self.top_k
-        else:
-            return
-        if value.shape[-1] != expected:
+        expected = run_fact(self.interleaver, self, "widths", self._widths).get(name)
+        if expected is not None and value.shape[-1] != expected:
+            what = "router logits" if name == "router_logits" else "slots"
+            extra = self.family.extra_logits if what == "router logits" and expected != self.num_experts else None
             setting = (f"top_k={self.family.top_k!r}" if what == "slots" else f"num_experts={self.family.num_experts!r}"
-                       + (f" plus extra_logits={self.family.extra_logits!r}" if extra else ""))
+                       + (f" plus extra_logits={extra!r}" if extra else ""))
             raise FamilyError(
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
                 f"this block {expected} {what} per token ({setting}): the entry names the wrong setting (a router "
                 "with columns past its experts' own, a skip class or shared experts' gates, names how many in "
                 "extra_logits); fix it and register it again (moelens.families.register(Family(...), replace=True))."
             )
+
+    def _widths(self) -> dict[str, int]:
+        """How many entries per token `_check_width` expects of the values it checks (read once per run)."""
+        extra = int(self.family.resolve(self.family.extra_logits, self._module) or 0)
+        return {"router_logits": self.num_experts + extra, "expert_weights": self.top_k, "expert_indices": self.top_k}
 
     @property
     def _gathered_call(self) -> bool:
@@ -641,11 +646,10 @@ class Moe(Mlp):
             return permutation
 
         def to_view(sorted_rows: Tensor, permutation: Tensor) -> Tensor:
-            # index_select by the inverse: on CPU three times faster than index_copy_ by the permutation at 2048 rows;
-            # the inverse by scatter_: 4.6 us at 2048 rows, against 7.8 by indexed assignment and 11.8 by argsort
-            slots = torch.arange(permutation.numel(), device=permutation.device)
-            inverse = torch.empty_like(permutation).scatter_(0, permutation, slots)
-            return sorted_rows.index_select(0, inverse).view(-1, self.top_k, sorted_rows.shape[-1])
+            # index_select by the inverse: on CPU three times faster than index_copy_ by the permutation at 2048 rows.
+            # The inverse by argsort, one op: a trace at 1 x 8 tokens pays per op (arange + scatter_ cost more there),
+            # and at 2048 rows it costs 7 us more than scatter_, against the 34 ms a layer takes at 4 x 256 tokens.
+            return sorted_rows.index_select(0, permutation.argsort()).view(-1, self.top_k, sorted_rows.shape[-1])
 
         def from_view(slots: Tensor, permutation: Tensor) -> Tensor:
             return slots.reshape(-1, slots.shape[-1]).index_select(0, permutation)
@@ -654,11 +658,22 @@ class Moe(Mlp):
 
     # -- all values at once -------------------------------------------------------------------
 
-    def _plan(self, names: list[str], strict: bool) -> dict[str, Binding | None]:
+    def _plan(self, names: tuple[str, ...], strict: bool) -> dict[str, Binding | None]:
         """The bindings of those of ``names`` this block can serve in this run, as far as is known before the model
         reaches them (`save_all` knows which value it reads last): None for `router_probs`, scored from the logits.
-        ``strict``: raise the reason for one it cannot serve instead of leaving it out."""
-        implementation = self.experts_implementation  # read once: nothing switches it while the block runs
+        ``strict``: raise the reason for one it cannot serve instead of leaving it out.
+
+        Worked out once per experts implementation (read once: nothing switches it while the block runs) and the op
+        names moelens knows for it: what a block can serve does not change between runs otherwise.
+        """
+        implementation = self.experts_implementation
+        plans = self.__dict__.setdefault("_plans", {})
+        key = (implementation, ops_for(implementation), names, strict)
+        if key not in plans:
+            plans[key] = self._planned(names, implementation, strict)
+        return plans[key]
+
+    def _planned(self, names: tuple[str, ...], implementation: str, strict: bool) -> dict[str, Binding | None]:
         plan: dict[str, Binding | None] = {}
         for name in names:
             try:
@@ -690,8 +705,9 @@ class Moe(Mlp):
         check_flag("strict", strict)
         order = self.order()
         wanted = set(order if values is None else [values] if isinstance(values, str) else value_names(values))
-        served_apart = sorted(wanted & (set(base.value_names(type(self))) - set(VALUE_NAMES)))  # read on their own
-        unknown = wanted - set(VALUE_NAMES) - set(served_apart)
+        others = wanted.difference(VALUE_NAMES)
+        served_apart = sorted(others.intersection(base.value_names(type(self)))) if others else []  # read on their own
+        unknown = others.difference(served_apart)
         if unknown:
             raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
         if served_apart:
@@ -704,7 +720,7 @@ class Moe(Mlp):
             self._check_available(missing)  # the reason this block cannot serve it
             raise self.no_mixture(missing)
         saved: dict[str, Tensor] = {}
-        plan = self._plan([name for name in order if name in wanted], strict)
+        plan = self._plan(tuple(name for name in order if name in wanted), strict)
         for position, (name, binding) in enumerate(plan.items()):
             try:
                 if binding is None:  # router_probs: scored from the logits just read (else it reads them itself)

@@ -14,6 +14,7 @@ checkpoint of the family whatever its sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any, Mapping
 
 from ..errors import FamilyError
@@ -449,6 +450,10 @@ class Family:
 
     def order(self) -> tuple[str, ...]:
         """The served values in the order the model produces them for this family."""
+        return self._order
+
+    @cached_property
+    def _order(self) -> tuple[str, ...]:  # an entry is frozen: worked out once (save_all asks at every block)
         routed = [name for name in VALUE_NAMES if name not in ("shared_expert_output", "mlp_output")]
         order = list(routed)
         if self.shared is not None:
