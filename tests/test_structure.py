@@ -141,3 +141,32 @@ def test_a_shared_expert_run_before_the_experts_is_served_in_that_order():
         values = nnsight.save({name: getattr(moe, name).save() for name in order})
     assert set(values) == set(order)
     torch.testing.assert_close(values["shared_expert_output"].reshape(shared[0].shape), shared[0])
+
+
+def test_the_modules_checked_before_each_trace_are_those_the_model_holds_then():
+    """Before every trace moelens walks the model down to its MoE blocks (to refuse a module compiled since wrapping
+    and to find expert-parallel groups): the walk finds each module the model holds at that path then, and nothing
+    under a module swapped for one without those children. Ground truth: torch's get_submodule."""
+    from moelens.model import _around_blocks, _present, _walk_steps
+
+    hf = tiny_model("qwen2_moe", mlp_only_layers=[1])
+    blocks = ["model.layers.0.mlp", "model.layers.2.mlp"]
+    paths = _around_blocks(hf, blocks)
+    steps = _walk_steps(paths)
+
+    def expected() -> dict[str, torch.nn.Module]:
+        found = {}
+        for path in paths:
+            try:
+                found[path] = hf.get_submodule(path)
+            except AttributeError:
+                continue
+        return found
+
+    assert {"", "model.layers.0.mlp.gate", "model.layers.2.mlp.shared_expert"} <= set(paths)
+    assert dict(_present(hf, steps)) == expected()
+    hf.model.layers[2].mlp = torch.nn.Identity()  # its router, experts and shared expert are gone
+    hf.model.layers[0] = torch.nn.Linear(2, 2)
+    walked = dict(_present(hf, steps))
+    assert walked == expected() and walked["model.layers.0"] is hf.model.layers[0]
+    assert not any(path.startswith(("model.layers.2.mlp.", "model.layers.0.")) for path in walked)

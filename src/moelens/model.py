@@ -45,8 +45,9 @@ class MoeModelMixin:
     _structure: Structure
     #: The nnsight keyword arguments `wrap` was given (a deep copy is wrapped with them again).
     _wrap_options: dict[str, Any]
-    #: The module paths each trace checks hold nothing compiled since wrapping (`_around_blocks`).
-    _watched: list[str]
+    #: The module paths each trace checks hold nothing compiled since wrapping (`_around_blocks`), as `_present`
+    #: walks them (`_walk_steps`).
+    _watched: tuple[tuple[str, int, str], ...]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
 
@@ -609,7 +610,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     if isinstance(wrapped.interleaver, MoeInterleaver):
         wrapped.interleaver.runs([model.get_submodule(path) for path in structure.moe_blocks])
     object.__setattr__(wrapped, "_structure", structure)
-    object.__setattr__(wrapped, "_watched", _around_blocks(model, structure.moe_blocks))
+    object.__setattr__(wrapped, "_watched", _walk_steps(_around_blocks(model, structure.moe_blocks)))
     object.__setattr__(wrapped, "_wrap_options", options)
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
@@ -694,16 +695,24 @@ def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[str]:
     return sorted(above) + inside
 
 
-def _present(model: torch.nn.Module, paths: list[str]) -> Iterator[tuple[str, torch.nn.Module]]:
-    """``(path, module)`` for each of ``paths`` that still names a module of ``model`` (one may have been swapped).
-    Walked through the registered children: run before every trace, where ``get_submodule`` costs 0.2 ms."""
-    for path in paths:
-        module = model
-        for part in path.split(".") if path else ():
-            module = module._modules.get(part)
-            if module is None:
-                break
-        else:
+def _walk_steps(paths: list[str]) -> tuple[tuple[str, int, str], ...]:
+    """How `_present` walks ``paths`` (each one's parent among them, ``""`` the model): ``(path, the position of its
+    parent's step, -1 for the model itself, its own name)``, each parent before its children."""
+    ordered = sorted(set(paths))  # a path sorts before the paths that extend it
+    position = {path: index for index, path in enumerate(ordered)}
+    return tuple((path, position[path.rpartition(".")[0]] if path else -1, path.rpartition(".")[2]) for path in ordered)
+
+
+def _present(model: torch.nn.Module, steps: tuple[tuple[str, int, str], ...]) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``(path, module)`` for each path of ``steps`` (`_walk_steps`) that still names a module of ``model`` (one may
+    have been swapped). Walked through the registered children, each module once: run before every trace, where
+    ``get_submodule`` costs 0.2 ms."""
+    found: list[torch.nn.Module | None] = []
+    for path, parent, name in steps:
+        holder = found[parent] if parent >= 0 else None
+        module = model if parent < 0 else holder._modules.get(name) if holder is not None else None
+        found.append(module)
+        if module is not None:
             yield path, module
 
 

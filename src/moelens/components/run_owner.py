@@ -38,6 +38,8 @@ class MoeInterleaver(Interleaver):
     running: int = 0
     #: The MoE block modules this interleaver runs (`runs`), weakly: other wrappers of them wait for its run.
     _blocks: "tuple[weakref.ref[torch.nn.Module], ...]" = ()
+    #: The blocks this interleaver's run holds (`hold_blocks`) until it is over (`release`).
+    _held: "list[torch.nn.Module] | tuple[()]" = ()
 
     def runs(self, blocks: list[torch.nn.Module]) -> None:
         """Note the MoE block modules this interleaver runs (at wrap)."""
@@ -73,6 +75,7 @@ class MoeInterleaver(Interleaver):
                 )
             for block in blocks:
                 _RUNNING[block] = self
+            self._held = blocks
 
     def refuse_other_threads(self) -> None:
         """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses)."""
@@ -89,8 +92,10 @@ class MoeInterleaver(Interleaver):
             if self.owner != threading.get_ident():
                 return
             self.owner = None
-            for block in [block for block, held in _RUNNING.items() if held is self]:
-                del _RUNNING[block]
+            for block in self._held:
+                if _RUNNING.get(block) is self:
+                    del _RUNNING[block]
+            self._held = ()
 
     def cancel(self) -> None:
         """nnsight's clean-up after a run, failed or not; outside a run of moelens' (a trace whose body failed
