@@ -687,6 +687,26 @@ class Moe(Mlp):
                     raise
         return plan
 
+    def _asked(self, values: str | Iterable[str], order: tuple[str, ...], strict: bool) -> tuple[str, ...]:
+        """The names `save_all` is asked to read, in ``order``; raises the reason for a name it does not read (and
+        with ``strict``, for one this block does not serve)."""
+        wanted = set([values] if isinstance(values, str) else value_names(values))
+        others = wanted.difference(VALUE_NAMES)
+        served_apart = sorted(others.intersection(base.value_names(type(self)))) if others else []  # read on their own
+        unknown = others.difference(served_apart)
+        if unknown:
+            raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
+        if served_apart:
+            raise ValueUnavailable(
+                f"save_all: {served_apart} {'is' if len(served_apart) == 1 else 'are'} not among the values save_all "
+                f"reads ({VALUE_NAMES}): read {' and '.join(f'moe.{name}' for name in served_apart)} on its own."
+            )
+        if strict and wanted.difference(order):
+            missing = sorted(wanted.difference(order))[0]
+            self._check_available(missing)  # the reason this block cannot serve it
+            raise self.no_mixture(missing)
+        return tuple(name for name in order if name in wanted)
+
     def save_all(self, values: str | Iterable[str] | None = None, *, strict: bool = False) -> dict[str, Tensor]:
         """Read and ``.save()`` every value of this block in the family's order.
 
@@ -704,29 +724,15 @@ class Moe(Mlp):
         self._require_trace("save_all")
         check_flag("strict", strict)
         order = self.order()
-        wanted = set(order if values is None else [values] if isinstance(values, str) else value_names(values))
-        others = wanted.difference(VALUE_NAMES)
-        served_apart = sorted(others.intersection(base.value_names(type(self)))) if others else []  # read on their own
-        unknown = others.difference(served_apart)
-        if unknown:
-            raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
-        if served_apart:
-            raise ValueUnavailable(
-                f"save_all: {served_apart} {'is' if len(served_apart) == 1 else 'are'} not among the values save_all "
-                f"reads ({VALUE_NAMES}): read {' and '.join(f'moe.{name}' for name in served_apart)} on its own."
-            )
-        if strict and wanted - set(order):
-            missing = sorted(wanted - set(order))[0]
-            self._check_available(missing)  # the reason this block cannot serve it
-            raise self.no_mixture(missing)
+        plan = self._plan(order if values is None else self._asked(values, order, strict), strict)
         saved: dict[str, Tensor] = {}
-        plan = self._plan(tuple(name for name in order if name in wanted), strict)
+        last = len(plan) - 1
         for position, (name, binding) in enumerate(plan.items()):
             try:
                 if binding is None:  # router_probs: scored from the logits just read (else it reads them itself)
                     value = self._scored(saved["router_logits"]) if "router_logits" in saved else self.router_probs
                 else:  # each but the last settled as read: the next is read at once
-                    value = self._read(getattr(type(self), name), keep_open=position == len(plan) - 1, binding=binding)
+                    value = self._read(getattr(type(self), name), keep_open=position == last, binding=binding)
             except ValueUnavailable:
                 if strict:
                     raise
