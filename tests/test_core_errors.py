@@ -1647,6 +1647,8 @@ def test_a_block_of_another_model_is_refused_in_a_trace():
                  r"\(top_k=3\)"),
     ("extra_logits", 2, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 10 router "
                         r"logits per token \(num_experts='experts.num_experts' plus extra_logits=2\)"),
+    ("extra_logits", "router.weight", r"family 'my_mixtral' reads extra_logits from 'router.weight', which holds a "
+                                      r"Parameter of shape \(8, \d+\) on this block, not a whole number"),
 ])
 def test_a_family_entry_whose_counts_do_not_fit_the_model_is_refused(setting, value, message):
     """An entry that says 16 experts on an 8-expert router took ablate(moe, 12) as a silent no-op; one that says 4
@@ -2582,6 +2584,37 @@ def test_save_all_strict_gives_the_reason_a_block_cannot_serve_a_value(mixtral):
             wrapped.moes[0].save_all(["router_logits", "shared_expert_output"], strict=True)
     assert "mixtral family has no shared expert" in str(direct.value)
     assert str(strict.value) == str(direct.value)
+
+
+def test_save_all_follows_a_shared_expert_turned_off_between_traces():
+    """save_all() planned a block's reads once and kept the plan: after block.shared_experts = None (ernie4_5_moe's
+    forward then runs without it) the next save_all() still waited for the shared expert's output and raised an
+    OrderError blaming the read order, where it leaves a value the block does not serve out. Ground truth: the
+    block's output is then its routed output alone."""
+    hf = tiny_model("ernie4_5_moe")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        before = moe.save_all()
+    assert "shared_expert_output" in before
+    moe._module.shared_experts = None
+    with wrapped.trace(**inputs):
+        after = moe.save_all()
+    assert "shared_expert_output" not in after and {"routed_output", "mlp_output"} <= set(after)
+    assert torch.equal(after["routed_output"].to(after["mlp_output"].dtype), after["mlp_output"])
+    with pytest.raises(moelens.MoelensError, match=r"has no shared expert \(its 'shared_experts' is absent"):
+        with wrapped.trace(**inputs):
+            moe.save_all(["router_logits", "shared_expert_output"], strict=True)
+
+
+def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):
+    """model.save_all(values=<a generator>) handed the one generator to each block: the first block used it up, and
+    every later block saved nothing, with no error."""
+    wrapped, inputs = mixtral
+    with wrapped.trace(**inputs):
+        saved = wrapped.save_all(name for name in ("router_logits", "expert_indices"))
+    assert len(saved) == len(wrapped.moes) > 1
+    assert all(set(values) == {"router_logits", "expert_indices"} for values in saved.values())
 
 
 @pytest.mark.parametrize("name", ["selection_scores", "mlp_activation"])

@@ -30,6 +30,7 @@ from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known, unsupported_dtypes
 from .components.layer_list import LayerList, MoeList
+from .components.moe import value_names
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
@@ -208,6 +209,8 @@ class MoeModelMixin:
                     f"save_all(moes=...) takes MoE blocks of this model (model.moes[i], model.layers[i].mlp on an MoE "
                     f"layer); got {_described(block)}."
                 )
+        if values is not None and not isinstance(values, str):
+            values = value_names(values)  # once: each block reads the same names (a generator would serve the first)
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
         return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})

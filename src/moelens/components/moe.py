@@ -26,6 +26,7 @@ reads every value of the block in that order.
 
 from __future__ import annotations
 
+import operator
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
@@ -35,7 +36,7 @@ from jaxtyping import Float, Int
 from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
-from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
+from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError, described
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
@@ -152,12 +153,28 @@ class Moe(Mlp):
     def num_experts(self) -> int:
         """E: the number of routed experts of this block."""
         return run_fact(self.interleaver, self, "num_experts",
-                        lambda: int(self.family.resolve(self.family.num_experts, self._module)))
+                        lambda: self._count("num_experts"))
 
     @property
     def top_k(self) -> int:
         """k: how many experts each token is routed to."""
-        return run_fact(self.interleaver, self, "top_k", lambda: int(self.family.resolve(self.family.top_k, self._module)))
+        return run_fact(self.interleaver, self, "top_k", lambda: self._count("top_k"))
+
+    def _count(self, setting: str) -> int:
+        """The family entry's count ``setting`` (``num_experts``, ``top_k``, ``extra_logits``) read from this block;
+        a `FamilyError` where the reference names no whole number there."""
+        reference = getattr(self.family, setting)
+        value = self.family.resolve(reference, self._module)
+        try:
+            return operator.index(0 if value is None and setting == "extra_logits" else value)
+        except TypeError:
+            if isinstance(value, float) and value.is_integer():  # a count a config keeps as a float
+                return int(value)
+            raise FamilyError(
+                f"{self.path}: family {self.family.name!r} reads {setting} from {reference!r}, which holds "
+                f"a {described(value)} on this block, not a whole number; name the attribute that holds the count "
+                "and register the entry again (moelens.families.register(Family(...), replace=True))."
+            ) from None
 
     @property
     def SCORING(self) -> Scoring:
@@ -477,7 +494,7 @@ class Moe(Mlp):
 
     def _widths(self) -> dict[str, int]:
         """How many entries per token `_check_width` expects of the values it checks (read once per run)."""
-        extra = int(self.family.resolve(self.family.extra_logits, self._module) or 0)
+        extra = self._count("extra_logits")
         return {"router_logits": self.num_experts + extra, "expert_weights": self.top_k, "expert_indices": self.top_k}
 
     @property
@@ -663,12 +680,14 @@ class Moe(Mlp):
         reaches them (`save_all` knows which value it reads last): None for `router_probs`, scored from the logits.
         ``strict``: raise the reason for one it cannot serve instead of leaving it out.
 
-        Worked out once per experts implementation (read once: nothing switches it while the block runs) and the op
-        names moelens knows for it: what a block can serve does not change between runs otherwise.
+        Worked out once per experts implementation (read once: nothing switches it while the block runs), the op
+        names moelens knows for it and whether the block holds its shared expert (``block.shared_experts = None``
+        turns it off in some families): what a block can serve does not change between runs otherwise.
         """
         implementation = self.experts_implementation
         plans = self.__dict__.setdefault("_plans", {})
-        key = (implementation, ops_for(implementation), names, strict)
+        shared = self.family.shared is not None and self._shared_envoy() is not None
+        key = (implementation, ops_for(implementation), shared, names, strict)
         if key not in plans:
             plans[key] = self._planned(names, implementation, strict)
         return plans[key]
