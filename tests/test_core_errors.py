@@ -2572,6 +2572,25 @@ def test_a_dict_of_inputs_given_positionally_without_a_tokenizer_says_to_unpack_
     torch.testing.assert_close(taken, logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("given", "named"), [
+    (5, "int 5"), (b"abc", "bytes"), ([1, 2, 3], "list"), (torch.ones(1, 3), r"a torch.float32 tensor of shape \(1, 3\)"),
+])
+def test_ids_that_are_no_integer_tensor_without_a_tokenizer_are_refused_by_name(given, named):
+    """model.trace(5) (or bytes, a list, float ids) on a model wrapped without a tokenizer failed inside torch's
+    embedding ("argument 'indices' must be Tensor, not int"), naming neither the input nor what to pass."""
+    hf = tiny_model("mixtral")
+    model = moelens.wrap(hf)
+    for trace in (lambda: model.trace(given), lambda: model.trace(input_ids=given)):
+        with pytest.raises(moelens.MoelensError, match=rf"without a tokenizer takes token ids as an integer tensor "
+                                                       rf"\[batch, seq\], and got {named} as its input_ids"):
+            with trace():
+                model.output.save()
+    ids = tiny_inputs(hf)["input_ids"]
+    with model.trace(ids):
+        logits = model.output.logits.save()
+    torch.testing.assert_close(logits, hf(ids).logits, rtol=0, atol=0)
+
+
 def test_save_all_strict_gives_the_reason_a_block_cannot_serve_a_value(mixtral):
     """strict=True raised "this block runs no mixture for it" for a value the block was merely without (mixtral's
     shared expert): the reason and the way out are the ones a direct read gives."""

@@ -324,6 +324,11 @@ def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
     return max(int(generation_setting(model, kwargs, name) or 1) for name in ("num_beams", "num_return_sequences"))
 
 
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` can be a model's input_ids: an integer tensor (a float one, a number or a list is not)."""
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+
+
 class MoeNNsight(MoeModelMixin, NNsight):
     """A transformers model without a tokenizer: token-id inputs only, with moelens components.
 
@@ -350,7 +355,22 @@ class MoeNNsight(MoeModelMixin, NNsight):
         )
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        self._refuse_other_ids(inputs, kwargs)  # nnsight's count of the rows fails on bytes with torch's own error
         return processing.batch_size(inputs, kwargs)
+
+    def _refuse_other_ids(self, inputs: tuple, kwargs: dict) -> None:
+        """Raise a `MoelensError` when an invoke's input_ids (first positional input, or keyword) is no integer tensor:
+        torch's embedding would fail on it with its own TypeError or RuntimeError (a dict and text are refused apart)."""
+        ids = inputs[0] if inputs else kwargs.get("input_ids")
+        if ids is None or isinstance(ids, Mapping) or _is_text(ids) or _token_ids(ids) or \
+                first_parameter(self._module) != "input_ids":
+            return
+        given = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else described(ids)
+        raise MoelensError(
+            f"a model wrapped without a tokenizer takes token ids as an integer tensor [batch, seq], and got {given} as "
+            "its input_ids: pass torch.tensor([[...]]) (the ids a tokenizer gives), or give it a tokenizer "
+            "(moelens.wrap(model, tokenizer=...))."
+        )
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         invokes = [(inputs, _without_remote(kwargs)) for inputs, kwargs in invokes]
@@ -368,6 +388,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "input_ids: pass it as keywords, model.trace(**inputs) (or tracer.invoke(**inputs)), or wrap the "
                     "model with its tokenizer."
                 )
+            self._refuse_other_ids(inputs, kwargs)
         if len(invokes) <= 1:
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
