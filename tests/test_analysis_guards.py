@@ -831,3 +831,21 @@ def test_every_statistic_of_a_cache_of_no_tokens_is_refused(model):
             statistic()
             pytest.fail(f"{name} measured a cache of no tokens")
 
+
+
+def test_a_numpy_array_of_texts_is_a_corpus_of_texts():
+    """pandas' df["text"].to_numpy() (an object array of texts) or np.array([...]) of texts failed with torch's raw
+    "can't convert np.ndarray of type numpy.object_": analysis.md takes any iterable of strings. Ground truth: the
+    routing of the same texts given as a list."""
+    model = moelens.wrap(tiny_model("qwen2_moe"), tokenizer=ascii_tokenizer())
+    texts = ["hello there", "world"]
+    expected = analysis.collect_routing(model, texts, progress=False)
+    for corpus in (np.array(texts, dtype=object), np.array(texts)):
+        routed = analysis.collect_routing(model, corpus, progress=False)
+        assert routed.num_texts == 2 and routed.num_tokens == expected.num_tokens
+        for layer in expected.layers:
+            assert torch.equal(routed.indices(layer), expected.indices(layer))
+        assert torch.equal(routed.token_ids(), expected.token_ids())
+        analysis.expert_logit_lens(model, corpus, progress=False)  # failed the same way
+    with pytest.raises(MoelensError, match=r"item 0 must be a string or a sequence of token ids"):
+        corpora.encode(np.array(["hi", "yo"]), ascii_tokenizer(), "item 0")

@@ -131,6 +131,8 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
             )
         return list(tokenizer(item, add_special_tokens=False, verbose=False)["input_ids"])
     if isinstance(item, np.ndarray):
+        if not _numeric(item):  # texts (pandas' .to_numpy() of a text column): torch takes numbers only
+            return encode(item.tolist(), tokenizer, what)
         item = torch.from_numpy(item)
     if isinstance(item, Tensor):
         if item.dim() != 1 or item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
@@ -174,11 +176,18 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
         yield row if masks is None else row[torch.as_tensor(masks[index]).bool()]
 
 
+def _numeric(array: np.ndarray) -> bool:
+    """Whether a numpy array holds numbers (torch takes those), not texts or other objects (dtype str, bytes, object:
+    pandas' ``.to_numpy()`` of a text column)."""
+    return array.dtype.kind not in "OUSV"
+
+
 def items(corpus: Any) -> Iterator[Any]:
-    """The corpus as an iterator of items (a 2-D tensor or numpy array yields its rows)."""
+    """The corpus as an iterator of items (a 2-D tensor or numpy array yields its rows; a numpy array of texts, its
+    texts)."""
     refuse_bytes(corpus, "the corpus")
     if isinstance(corpus, np.ndarray):
-        corpus = torch.from_numpy(corpus)
+        corpus = torch.from_numpy(corpus) if _numeric(corpus) else corpus.tolist()
     if isinstance(corpus, str):
         yield corpus
     elif isinstance(corpus, Tensor):
