@@ -213,6 +213,26 @@ def test_experts_without_a_latent_space_are_read_as_they_are():
 # -- token strings ------------------------------------------------------------------------------------
 
 
+def test_token_strings_keep_a_sentencepiece_word_start_apart_from_a_piece_inside_a_word():
+    """A Llama / Mixtral tokenizer (SentencePiece, "▁" word marker) drops the leading space of what it decodes: each
+    id decoded alone, "▁the" (a word start) and "the" (inside "bathe") both showed as "the" in tables and plots.
+    Truth: the tokenizer's own pieces, "▁" shown as the middle dot that stands for a space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "▁the", "the", "▁", "▁other", "▁ba", "▁a", "a", "e", "h", "t", "r", "o", "b"]
+    unigram = Tokenizer(models.Unigram([(piece, -float(len(pieces) - len(piece))) for piece in pieces], unk_id=0))
+    unigram.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    unigram.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])  # as transformers converts Llama's
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=unigram, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ids = tokenizer("the other bathe", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tokenizer.decode(ids[:1]) == tokenizer.decode(ids[3:4]) == "the"  # what each id decoded alone gave
+    expected = [piece.replace("▁", "\u00b7") for piece in tokenizer.convert_ids_to_tokens(ids)]
+    assert analysis.text.token_strings(tokenizer, ids) == expected == ["\u00b7the", "\u00b7other", "\u00b7ba", "the",
+                                                                       "</s>"]
+
+
 def test_token_strings_decode_each_id_alone_and_fall_back_to_ids():
     class Decoder:
         def decode(self, ids, **kwargs):

@@ -8,6 +8,9 @@ from typing import Any, Iterable
 from ..errors import MoelensError
 from .checks import described
 
+#: SentencePiece's mark of a piece that starts a word (it stands for the space before it).
+WORD_MARKER = "\u2581"
+
 #: What stands for characters that do not print well in a table cell or a plot label.
 REPLACEMENTS = {"\n": "\\n", "\t": "\\t", "\r": "\\r", " ": "\u00b7"}
 
@@ -33,8 +36,21 @@ def check_tokenizer(tokenizer: Any) -> None:
 
 
 def token_strings(tokenizer: Any, ids: Iterable[int]) -> list[str]:
-    """Each id decoded on its own and made printable (``#<id>`` without a tokenizer)."""
+    """Each id decoded on its own and made printable (``#<id>`` without a tokenizer).
+
+    A SentencePiece tokenizer (Llama, Mixtral) drops the leading space of what it decodes: decoded alone a word
+    start (``▁the``) and a piece inside a word (``the``) would both read ``the``, so a piece that starts with its
+    word marker gets its space back (``·the``).
+    """
     ids = [int(i) for i in ids]
     if tokenizer is None:
         return [f"#{i}" for i in ids]
-    return [display(tokenizer.decode([i])) for i in ids]
+    pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
+    strings = []
+    for i in ids:
+        text = tokenizer.decode([i])
+        piece = pieces(i) if callable(pieces) else None
+        if isinstance(piece, str) and piece.startswith(WORD_MARKER) and not text.startswith(" "):
+            text = " " + text
+        strings.append(display(text))
+    return strings
