@@ -60,6 +60,47 @@ def test_one_nan_under_two_names_is_refused_as_a_value_not_as_two_settings():
     assert str(twice.value) == str(once.value)
 
 
+def test_an_array_given_beside_comp_config_is_refused_as_a_value():
+    """tomoe(comp_config={"top_k": 2}, top_k=tensor([2, 3])) failed with torch's "Boolean value of Tensor with more than
+    one value is ambiguous" (numpy's likewise) while weighing the keyword against the default: the same value given
+    alone is refused by name."""
+    import numpy as np
+
+    for name, config, value, refusal in (("top_k", {"top_k": 2}, torch.tensor([2, 3]), r"top_k must be an int"),
+                                         ("max_error", {"max_error": .1}, np.array([.1, .2]), r"max_error must be")):
+        with pytest.raises(CompressionError, match=refusal) as alone:
+            resolve(**{name: value})
+        with pytest.raises(CompressionError) as beside:
+            resolve(comp_config=config, **{name: value})
+        assert str(beside.value) == str(alone.value)
+
+
+@pytest.mark.parametrize("entries", [[3], ["mlp", None], [b"mlp"]])
+def test_target_modules_entries_that_are_no_names_are_refused_before_the_model_is_copied(entries):
+    """target_modules=[3] (a layer index) failed deep in the name matching with "can only concatenate str (not int)
+    to str", after the model was copied."""
+    with pytest.raises(CompressionError, match=r"target_modules entries must be module names or name suffixes \(str"):
+        resolve(target_modules=entries)
+    model = llama()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(CompressionError, match=r"not by its index"):
+        convert(model, num_experts=4, top_k=2, target_modules=entries)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("on_meta", ["input_ids", "attention_mask"])
+def test_calibration_on_the_meta_device_is_refused_by_name(on_meta):
+    """Calibration ids on the meta device failed in the copy to the model's device ("Cannot copy out of meta
+    tensor"), a meta attention_mask in the padding check ("Tensor.item() cannot be called on meta tensors")."""
+    inputs = {"input_ids": ids(), "attention_mask": torch.ones(8, 16, dtype=torch.long)}
+    inputs[on_meta] = inputs[on_meta].to("meta")
+    for calibration in ((inputs["input_ids"] if on_meta == "input_ids" else inputs), inputs, [inputs]):
+        with pytest.raises(CompressionError, match=r"calibration holds a tensor on the meta device \(shape \(8, 16\)\)"):
+            cal.batches(calibration)
+    with pytest.raises(CompressionError, match=r"on the meta device"):
+        convert(llama(), num_experts=4, top_k=2, calibration=inputs)
+
+
 # -- set_experts_implementation: every converted block's dtype ----------------------------------------------------
 
 

@@ -54,6 +54,7 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
         )
     calls: list[tuple[tuple, dict]] = []
     for item in items:
+        _refuse_meta(item)
         if isinstance(item, Tensor):
             if item.dim() == 0:
                 raise CompressionError(
@@ -87,6 +88,20 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
             "tokenizer(texts, return_tensors='pt', padding=True), or calibration=None to convert from weights only."
         )
     return calls
+
+
+def _refuse_meta(item: Any) -> None:
+    """Raise `CompressionError` when a calibration item (a tensor, or a dict / tuple / list holding tensors, one
+    level down) holds a tensor on the meta device: it has a shape but no data to run the model on."""
+    values = item.values() if isinstance(item, Mapping) else item if isinstance(item, (tuple, list)) else (item,)
+    for value in values:
+        for tensor in (value.values() if isinstance(value, Mapping) else (value,)):
+            if isinstance(tensor, Tensor) and tensor.is_meta:
+                raise CompressionError(
+                    f"calibration holds a tensor on the meta device (shape {tuple(tensor.shape)}), which has a shape "
+                    "but no data to run the model on: pass real token ids or inputs (on the CPU or the model's "
+                    "device), such as tokenizer(texts, return_tensors='pt', padding=True)."
+                )
 
 
 def _has_tokens(inputs: dict) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import MoelensError
+from ..errors import MoelensError, described
 from ..scalars import as_lone_int, as_real, check_flag
 from .errors import CompressionError
 
@@ -124,6 +124,14 @@ class ToMoEOptions:
             raise CompressionError(
                 f"target_modules must be a list of module names (or a regex string), got {type(self.target_modules).__name__}."
             )
+        if isinstance(self.target_modules, (list, tuple)):
+            wrong = [name for name in self.target_modules if not isinstance(name, str)]
+            if wrong:
+                raise CompressionError(
+                    f"target_modules entries must be module names or name suffixes (str, such as 'mlp' or "
+                    f"'layers.3.mlp'), got {described(wrong[0])} among {list(self.target_modules)!r:.120}: name a "
+                    "layer's block by its path (model.layers.3.mlp), not by its index."
+                )
         if isinstance(self.target_modules, str):
             try:
                 re.compile(self.target_modules)
@@ -216,6 +224,6 @@ def resolve(comp_config: Any = None, **explicit: Any) -> ToMoEOptions:
         raise CompressionError(f"unknown tomoe setting(s) {sorted(unknown)}; known: {[f.name for f in fields(ToMoEOptions)]}.")
     values = _read(comp_config)
     for name, value in explicit.items():
-        if name not in values or value != getattr(defaults, name):
+        if name not in values or not _same(value, getattr(defaults, name)):
             values[name] = value
     return replace(defaults, **values).validate()
