@@ -2685,3 +2685,38 @@ def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap
         warnings.simplefilter("error")
         moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
         moelens.load()
+
+
+@pytest.mark.parametrize("value", ["expert_outputs", "expert_activations"])
+def test_a_per_slot_value_read_after_its_block_ran_in_a_generation_is_an_order_error(value):
+    """In model.generate, expert_outputs read after routed_output of the same block (at the first step, or in the
+    first pass of tracer.iter) was served the next step's call, silently: nnsight only counts the experts
+    implementation's ops from the drill on. Ground truth: the experts module's own output at each call (a torch
+    hook on the model)."""
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = model.moes[0]
+    settings = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with pytest.raises(OrderError, match=rf"{value} was requested after the model had already run past it"):
+        with model.generate("hello", **settings):
+            moe.routed_output.save()
+            getattr(moe, value).save()
+    with pytest.raises(OrderError, match=rf"{value} was requested after the model had already run past it"):
+        with model.generate("hello", **settings) as tracer:
+            for _ in tracer.iter[0:2]:
+                moe.routed_output.save()
+                getattr(moe, value).save()
+    calls = []
+    experts = hf.get_submodule(moe.path.removeprefix("model.")).experts
+    hook = experts.register_forward_hook(lambda module, args, output: calls.append(output.detach().clone()))
+    try:
+        with model.generate("hello", **settings) as tracer:
+            slots, routed = nnsight.save([]), nnsight.save([])
+            for _ in tracer.iter[0:2]:
+                slots.append(moe.expert_outputs)
+                routed.append(moe.routed_output)
+    finally:
+        hook.remove()
+    for step in range(2):
+        torch.testing.assert_close(slots[step].sum(2).reshape(calls[step].shape), calls[step], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(routed[step].reshape(calls[step].shape), calls[step], atol=0, rtol=0)

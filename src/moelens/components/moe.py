@@ -601,16 +601,21 @@ class Moe(Mlp):
         nnsight counts the visits of those ops from the first drill of the run on, while a
         request pinned to a ``tracer.iter`` step asks for that step's visit counted from the
         start. So a pinned request first reads the call's input (counted from the start): that
-        visit is the step's, and the requests after it follow the model from there.
+        visit is the step's, and the requests after it follow the model from there. One pinned to
+        the first step (a read outside ``tracer.iter``) is refused once the call has run: nnsight
+        would serve the next. Inside a loop's later passes (no pin) the next call is the one asked.
         """
         owner = self.experts if owner is None else owner
         call = f"{owner.path}.source.{call_op}"
-        pinned = Mediator.current(call).iteration  # to a step after the first
+        mediator = Mediator.current(call)
+        pinned = mediator.iteration  # to a step after the first
         if not pinned and owner.interleaver.sourced.get(call) is not None:  # another value drilled it in this run
             return
         with order_errors(call, lambda: self._order_error(name)):
             if pinned:
                 request(f"{call}.input", lambda: self._order_error(name))
+            elif pinned == 0 and mediator.occurrence(f"{call}.input"):  # pinned to the first call, which ran: a
+                raise self._order_error(name)  # drill now would serve the next (generation step, looped block's pass)
             getattr(owner.source, call_op).source
 
     def _hidden_dtype(self) -> torch.dtype | None:
