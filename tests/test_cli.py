@@ -571,3 +571,19 @@ def test_a_text_in_the_routing_cache_is_refused_however_it_is_reached(tmp_path, 
     with pytest.raises(MoelensError, match=r"lies in the routing cache folder 'cache'"):
         check_output_folder(out_arg, STATS_OUTPUTS, STATS_CACHE, text=text)
     check_output_folder(out_arg, STATS_OUTPUTS, STATS_CACHE, text=tmp_path / "elsewhere.txt")  # another text: fine
+
+
+@pytest.mark.parametrize("argv", [["stats", "tiny", "--text", "TEXT", "--out", ""], ["demo", "--out", ""],
+                                  ["demo", "--text", ""], ["stats", "tiny", "--text", ""], ["export", "tiny", ""]])
+def test_an_empty_path_argument_is_a_usage_error_not_the_working_folder(argv, tmp_path, capsys, monkeypatch):
+    """--out "" (an unset $OUTDIR) was taken as the working folder: stats wrote its files there, replacing a user's
+    stats.csv, and exited 0."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n")
+    (tmp_path / "stats.csv").write_text("my own notes")
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.replace("TEXT", "text.txt") for arg in argv])
+    assert exit_info.value.code == 2
+    assert re.search(r"error: argument (--out|--text|OUT): empty: name a file or folder", capsys.readouterr().err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["stats.csv", "text.txt"]
+    assert (tmp_path / "stats.csv").read_text() == "my own notes"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from pathlib import Path
@@ -14,14 +15,23 @@ def user_path(path: str | os.PathLike, name: str = "path", error: type[MoelensEr
     """A path the user named, with a leading ``~`` expanded as a shell would (never a folder named ``~``).
 
     Raises:
-        MoelensError (or ``error``): ``path`` is no str or path object; the message names the argument (``name``),
-            what it got, and ``hint``.
+        MoelensError (or ``error``): ``path`` is no str or path object, or empty; the message names the argument
+            (``name``), what it got, and ``hint``.
     """
     if not isinstance(path, (str, os.PathLike)):
         shown = repr(path)
         shown = f" {shown}" if len(shown) <= 60 and "\n" not in shown else ""  # not a model's whole repr
         raise error(f"{name} must be a path (a str or a pathlib.Path), got {type(path).__name__}{shown}{hint}.")
+    if not os.fspath(path):  # Path("") is the working folder: an unset shell variable would write there
+        raise error(f"{name} is empty: name a file or folder (an empty path would be the working folder){hint}.")
     return Path(path).expanduser()
+
+
+def argument_path(value: str) -> Path:
+    """`user_path` as argparse's ``type=`` for a command-line path: an empty one is a usage error (exit 2)."""
+    if not value:
+        raise argparse.ArgumentTypeError("empty: name a file or folder (an empty path would be the working folder)")
+    return user_path(value)
 
 
 def may_write_into(folder: Path) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError, ValueUnavailable
-from ..paths import user_path
+from ..paths import argument_path
 from .cache import check_cache_folder, check_folder
 from .report import STATS_FILES
 
@@ -57,8 +57,8 @@ def register(subparsers: Any) -> None:
         description="Load moelens-tiny (offline), run a sample text, print which experts every token goes to "
         "in every layer, usage / load balance / entropy per layer, and write plots (PNG) to a folder.",
     )
-    demo.add_argument("--out", type=user_path, default=DEMO_OUT, help=f"folder for the plots (default: {DEMO_OUT})")
-    demo.add_argument("--text", type=user_path, help="route this text file instead of the sample text")
+    demo.add_argument("--out", type=argument_path, default=DEMO_OUT, help=f"folder for the plots (default: {DEMO_OUT})")
+    demo.add_argument("--text", type=argument_path, help="route this text file instead of the sample text")
     demo.add_argument("--windows", type=int, default=64,
                       help="held-out code/prose windows of moelens-tiny for the corpus plots (default 64, 0: none)")
     demo.add_argument("--threads", type=int, default=1,
@@ -83,8 +83,8 @@ def register(subparsers: Any) -> None:
         "experts) and routing entropy. With --out: stats.json, stats.csv, experts.csv, plots and the routing cache.",
     )
     stats.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
-    stats.add_argument("--text", type=user_path, required=True, metavar="FILE", help="a UTF-8 text file to route")
-    stats.add_argument("--out", type=user_path, help="write stats.json, stats.csv, experts.csv, plots and cache/ here")
+    stats.add_argument("--text", type=argument_path, required=True, metavar="FILE", help="a UTF-8 text file to route")
+    stats.add_argument("--out", type=argument_path, help="write stats.json, stats.csv, experts.csv, plots and cache/ here")
     stats.add_argument("--format", choices=("table", "json", "csv"), default="table", help="what to print (default table)")
     stats.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     stats.add_argument("--max-length", type=int, help="window length in tokens (default: model context, at most 512)")

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError
-from ..paths import user_path
+from ..paths import argument_path
 
 
 def register(subparsers: Any) -> None:
@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
         "Needs the export extra: pip install 'moelens[export]'.",
     )
     parser.add_argument("model", metavar="MODEL", nargs="?", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
-    parser.add_argument("out", metavar="OUT", nargs="?", type=user_path, help="the archive to write (.nnef.tgz, .tar, or a folder)")
+    parser.add_argument("out", metavar="OUT", nargs="?", type=argument_path, help="the archive to write (.nnef.tgz, .tar, or a folder)")
     parser.add_argument("--support", action="store_true", help="print which families export (and why not) and exit")
     parser.add_argument("--block", type=int, metavar="LAYER", help="export only the MoE block of this layer (hidden states -> mlp_output)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens of the traced example input (default 8)")
