@@ -874,11 +874,15 @@ def test_plots_pick_agg_without_a_display_only_where_the_user_chose_no_backend(c
     assert run.stdout.split()[-1] == expected
 
 
-@pytest.mark.parametrize("path", [".", "", "./"])
-def test_plots_save_refuses_the_current_folder(tmp_path, monkeypatch, path):
+@pytest.mark.parametrize(("path", "refusal"), [
+    (".", r"cannot save a plot to \.: \. is a folder; name a file \(such as plot\.png\)"),
+    ("./", r"cannot save a plot to \.: \. is a folder; name a file \(such as plot\.png\)"),
+    ("", r"path is empty: name a file or folder \(an empty path would be the working folder\)"),
+])
+def test_plots_save_refuses_the_current_folder(tmp_path, monkeypatch, path, refusal):
     """save(fig, ".") (or "" / "./") raised pathlib's "PosixPath('.') has an empty name" before the folder check."""
     monkeypatch.chdir(tmp_path)
     plots = analysis.plots
-    with pytest.raises(MoelensError, match=r"cannot save a plot to \.: \. is a folder; name a file \(such as plot\.png\)"):
+    with pytest.raises(MoelensError, match=refusal):
         plots.save(plots.plot_usage(_two_expert_usage()), path)
     assert not any(tmp_path.iterdir())

@@ -731,7 +731,7 @@ def test_archive_written_as_folder_and_tar(out):
 
 
 @pytest.mark.parametrize(("named", "message"), [
-    ("", r"to_nnef's path is empty: name an archive"),  # was the current folder
+    ("", r"to_nnef's path is empty: name a file or folder \(an empty path would be the working folder\)"),
     ("{out}/block.nnef.tgz/", r"ends like an archive and with a slash"),  # an archive file was written
     ("{out}/BLOCK.NNEF.TGZ", r"ends like an archive in another case, which would be written as a folder"),
 ])

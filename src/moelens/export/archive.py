@@ -38,11 +38,10 @@ def is_archive(path: Path) -> bool:
 
 
 def check_archive_name(named: str | os.PathLike) -> None:
-    """Refuse an export path whose name leaves archive or folder in doubt: empty, an archive name ending with a
-    slash (``Path`` drops it, and an archive was written), or an archive suffix in another case (written as a folder)."""
+    """Refuse an export path whose name leaves archive or folder in doubt: an archive name ending with a slash
+    (``Path`` drops it, and an archive was written), or an archive suffix in another case (written as a folder).
+    An empty one is refused before, by `user_path`."""
     text = os.fspath(named)
-    if not text:
-        raise ExportError("to_nnef's path is empty: name an archive (model.nnef.tgz) or a folder (model.nnef).")
     name = text.rstrip("/" + os.sep)
     if name != text and is_archive(Path(name)):
         raise ExportError(
