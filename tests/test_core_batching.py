@@ -611,7 +611,6 @@ def test_top_1_activations_in_a_batched_single_token_step_are_refused_not_mixed_
                     moe.expert_activations.save()
 
 
-
 def test_an_edit_after_save_all_whose_last_value_is_refused_late_lands_or_says_why():
     """save_all asks for each value it was given; one refused only as the model reaches it (top-1 activations in a
     batched single-token step) has run the model past the value read before it. Where that value is a view of the
@@ -641,6 +640,7 @@ def test_an_edit_after_save_all_whose_last_value_is_refused_late_lands_or_says_w
                                                  r"handed it back to the model \(once a later value of the run was "
                                                  r"asked for: read, or refused only once the model had run on to it"):
         edited_after_save_all(torch.inference_mode)
+
 
 #: Families whose router upcasts its linear layer's output (``F.linear(x, W).float()``), read at that cast.
 UPCAST_LOGITS = [family.name for family in moelens.families.supported() if family.logits_cast_op]

@@ -325,7 +325,6 @@ def test_gradients_flow_through_a_written_value_to_what_it_was_made_from(name):
     torch.testing.assert_close(scale.grad, truth.grad)
 
 
-
 def test_steer_with_a_bias_that_requires_grad_passes_its_gradient_on():
     """steer(moe, e, bias) took a one-element tensor bias as a Python float: a learned steering bias got no gradient
     (bias.grad None) and nothing said so. Ground truth: the plain model whose router adds the same tensor to expert
@@ -364,6 +363,7 @@ def test_steer_with_a_bias_that_requires_grad_passes_its_gradient_on():
     torch.testing.assert_close(loss.detach(), expected.detach())
     assert truth.grad.abs() > 0 and bias.grad is not None
     torch.testing.assert_close(bias.grad, truth.grad)
+
 
 def test_values_read_with_autograd_on_free_their_graph_once_dropped():
     """router_probs (a softmax moelens computes, saving its output for backward) kept its own grad_fn alive

@@ -355,7 +355,8 @@ class MoeNNsight(MoeModelMixin, NNsight):
         )
 
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
-        self._refuse_other_ids(inputs, kwargs)  # nnsight's count of the rows fails on bytes with torch's own error
+        # every invoke's inputs are counted here before `_batch` (and nnsight's count fails on bytes with torch's error)
+        self._refuse_other_ids(inputs, kwargs)
         return processing.batch_size(inputs, kwargs)
 
     def _refuse_other_ids(self, inputs: tuple, kwargs: dict) -> None:
@@ -388,7 +389,6 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "input_ids: pass it as keywords, model.trace(**inputs) (or tracer.invoke(**inputs)), or wrap the "
                     "model with its tokenizer."
                 )
-            self._refuse_other_ids(inputs, kwargs)
         if len(invokes) <= 1:
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []

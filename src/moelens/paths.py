@@ -10,6 +10,10 @@ from pathlib import Path
 from .errors import MoelensError
 
 
+#: What an error about an empty path asks for.
+NAME_A_PATH = "name a file or folder (an empty path would be the working folder)"
+
+
 def user_path(path: str | os.PathLike, name: str = "path", error: type[MoelensError] = MoelensError,
               hint: str = "") -> Path:
     """A path the user named, with a leading ``~`` expanded as a shell would (never a folder named ``~``).
@@ -23,14 +27,14 @@ def user_path(path: str | os.PathLike, name: str = "path", error: type[MoelensEr
         shown = f" {shown}" if len(shown) <= 60 and "\n" not in shown else ""  # not a model's whole repr
         raise error(f"{name} must be a path (a str or a pathlib.Path), got {type(path).__name__}{shown}{hint}.")
     if not os.fspath(path):  # Path("") is the working folder: an unset shell variable would write there
-        raise error(f"{name} is empty: name a file or folder (an empty path would be the working folder){hint}.")
+        raise error(f"{name} is empty: {NAME_A_PATH}{hint}.")
     return Path(path).expanduser()
 
 
 def argument_path(value: str) -> Path:
     """`user_path` as argparse's ``type=`` for a command-line path: an empty one is a usage error (exit 2)."""
     if not value:
-        raise argparse.ArgumentTypeError("empty: name a file or folder (an empty path would be the working folder)")
+        raise argparse.ArgumentTypeError(f"empty: {NAME_A_PATH}")
     return user_path(value)
 
 

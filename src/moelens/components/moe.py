@@ -479,8 +479,8 @@ class Moe(Mlp):
                 "expert indices and weights in another order. Call the experts module in that order (transformers' "
                 "own, which its implementations expect), or wrap it in a module that takes them so."
             )
-        expected = run_fact(self.interleaver, self, "widths", self._widths).get(name)
-        if expected is not None and value.shape[-1] != expected:
+        expected = run_fact(self.interleaver, self, "widths", self._widths)[name]
+        if value.shape[-1] != expected:
             what = "router logits" if name == "router_logits" else "slots"
             extra = self.family.extra_logits if what == "router logits" and expected != self.num_experts else None
             setting = (f"top_k={self.family.top_k!r}" if what == "slots" else f"num_experts={self.family.num_experts!r}"
