@@ -2720,3 +2720,130 @@ def test_a_per_slot_value_read_after_its_block_ran_in_a_generation_is_an_order_e
     for step in range(2):
         torch.testing.assert_close(slots[step].sum(2).reshape(calls[step].shape), calls[step], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(routed[step].reshape(calls[step].shape), calls[step], atol=0, rtol=0)
+
+
+# -- inputs the model cannot run on: refused by name before torch fails deep inside ---------------------------------
+
+
+def _router_logits(model, *inputs, **kwargs):
+    with model.trace(*inputs, **kwargs):
+        logits = model.moes[0].router_logits.save()
+    return logits
+
+
+def test_a_trace_whose_invokes_are_all_empty_says_it_has_no_input():
+    """nnsight's batching failed on it with a bare "IndexError: list index out of range"."""
+    model = moelens.load()
+    with pytest.raises(moelens.MoelensError, match=r"the trace has no input: its invokes are all empty"):
+        with model.trace() as tracer:
+            with tracer.invoke():
+                model.moes[0].router_logits.save()
+
+
+def test_a_value_read_in_a_trace_given_no_input_says_to_read_it_in_an_invoke():
+    """The trace body of model.trace() (no input) runs to collect invokes, not with the model: the error said "use
+    them inside a trace" to a user inside one."""
+    model = moelens.load()
+    with pytest.raises(ValueUnavailable, match=r"A trace given no input runs the model only for its invokes: read the "
+                                               r"values inside a tracer\.invoke\(inputs\) block"):
+        with model.trace():
+            model.moes[0].router_logits.save()
+
+
+@pytest.mark.parametrize("prompts, row", [("", ""), (["", "hello there"], r" \(row 0 of the batch\)")])
+def test_a_prompt_with_no_tokens_is_refused(prompts, row):
+    """An empty string gives the model a zero-length sequence: "cannot reshape tensor of 0 elements" in attention;
+    beside a longer prompt it became a row of padding alone."""
+    model = moelens.load()
+    with pytest.raises(moelens.MoelensError, match=rf"a prompt of the trace has no tokens{row}: "):
+        _router_logits(model, prompts)
+    bare = moelens.wrap(model._module)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(moelens.MoelensError, match=r"a prompt of the trace has no tokens: "):
+        _router_logits(bare, empty)
+    with pytest.raises(moelens.MoelensError, match=r"a prompt of the trace has no tokens: "):
+        with bare.trace() as tracer:
+            with tracer.invoke(empty):
+                pass
+            with tracer.invoke(torch.tensor([[3, 4]])):
+                bare.moes[0].router_logits.save()
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_float_token_ids_are_refused_with_a_tokenizer_too(as_keyword):
+    """Without a tokenizer they were refused by name; with one they reached torch's embedding ("Expected tensor for
+    argument #1 'indices' to have one of the following scalar types")."""
+    model = moelens.load()
+    ids = torch.tensor([[5.0, 6.0]])
+    with pytest.raises(moelens.MoelensError, match=r"input_ids are a torch\.float32 tensor of shape \(1, 2\): token "
+                                                   r"ids are integers; .*\.long\(\)"):
+        _router_logits(model, input_ids=ids) if as_keyword else _router_logits(model, ids)
+
+
+@pytest.mark.parametrize("bad", [99999, -1])
+def test_a_token_id_outside_the_embeddings_is_named(bad):
+    """torch's embedding said only "IndexError: index out of range in self"; the run is refused naming the id and the
+    rows, with or without a tokenizer, in generation too, and the model runs as before afterwards."""
+    model = moelens.load()
+    rows = model._module.get_input_embeddings().num_embeddings
+    message = rf"token id {bad} is outside the model's input embeddings \({rows} rows: ids 0 to {rows - 1}; 1 of the 2"
+    with pytest.raises(moelens.MoelensError, match=message):
+        _router_logits(model, torch.tensor([[5, bad]]))
+    with pytest.raises(moelens.MoelensError, match=message):
+        with model.generate(torch.tensor([[5, bad]]), max_new_tokens=2):
+            pass
+    bare = moelens.wrap(model._module)
+    with pytest.raises(moelens.MoelensError, match=message):
+        _router_logits(bare, torch.tensor([[5, bad]]))
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        plain = model._module(ids).logits
+        with bare.trace(ids):
+            traced = bare.output.logits.save()
+    assert torch.equal(traced, plain)
+
+
+def test_a_meta_tensor_written_is_refused():
+    """A tensor on the meta device reached the NaN check: "Tensor.item() cannot be called on meta tensors"."""
+    model = moelens.load()
+    with pytest.raises(WriteError, match=r"router_logits: wrote a tensor on the meta device, which holds no values"):
+        with model.trace("hello world"):
+            shape = model.moes[0].router_logits.shape
+            model.moes[0].router_logits = torch.zeros(shape, device="meta")
+
+
+def test_scan_under_grouped_mm_on_a_float32_cpu_model_says_to_switch():
+    """torch's fake grouped_mm takes only bfloat16 on CPU: scan failed inside torch with "Expected inputs of BF16
+    type"; a bfloat16 model scans under grouped_mm."""
+    model = moelens.load()
+    model.set_experts_implementation("grouped_mm")
+    with pytest.raises(moelens.MoelensError, match=r"model\.scan: .*mlp's experts run grouped_mm, for which torch has "
+                                                   r"no fake kernel in torch\.float32 on the CPU.*'batched_mm'"):
+        with model.scan("hello"):
+            model.moes[0].expert_outputs.save()
+    half = moelens.wrap(copy.deepcopy(model._module).to(torch.bfloat16), tokenizer=model.tokenizer)
+    with half.scan("hello"):
+        shape = nnsight.save(half.moes[0].expert_outputs.shape)
+    tokens = len(model.tokenizer("hello")["input_ids"])
+    assert tuple(shape)[:3] == (1, tokens, half.moes[0].top_k)
+
+
+def test_params_of_a_dense_block_says_it_is_dense():
+    """Mlp.params() was nnsight's "'Mlp' object (nor its module) has attribute 'params'"."""
+    hf = tiny_model("qwen2_moe")
+    wrapped = moelens.wrap(hf)
+    dense = next(layer.mlp for layer in wrapped.layers if not isinstance(layer.mlp, moelens.Moe))
+    with pytest.raises(ValueUnavailable, match=r"mlp\.params\(\) cannot be served: this block \(Qwen2MoeMLP\) is a dense "
+                                               r"MLP and runs no mixture of experts\. MoE layers are \["):
+        dense.params()
+
+
+def test_a_layer_without_an_mlp_block_says_so():
+    """nemotron_h's attention and mamba layers hold no MLP: layers[i].mlp was nnsight's bare "'Envoy' object (nor its
+    module) has attribute 'mlp'"; layers with a block keep their alias."""
+    wrapped = moelens.wrap(tiny_model("nemotron_h"))
+    blockless = [i for i in range(len(wrapped.layers)) if not hasattr(wrapped.layers[i], "mlp")]
+    assert blockless and all(isinstance(wrapped.layers[moe.layer].mlp, moelens.Moe) for moe in wrapped.moes)
+    with pytest.raises(AttributeError, match=rf"layers\.{blockless[0]} \(NemotronHBlock\) has no 'mlp': this layer holds "
+                                             r"no MLP block"):
+        wrapped.layers[blockless[0]].mlp

@@ -228,3 +228,24 @@ def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_erro
     with wrapped.trace("hello"):
         logits = wrapped.output.logits.save()
     assert logits.shape[:2] == (1, 5) and not [message for message in records.messages if "not supported for" in message]
+
+
+def test_a_trace_of_the_whole_qwen3_omni_model_says_to_wrap_its_thinker():
+    """Qwen3-Omni's whole model has no forward of its own (it only generates through its thinker and talker): a trace
+    blamed padding ("takes no attention_mask"), then failed with torch's bare TypeError from _forward_unimplemented."""
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    thinker = _model("qwen3_omni_moe", "batched_mm")
+    config = Qwen3OmniMoeConfig(thinker_config=thinker.config.to_dict(), enable_audio_output=False)
+    whole = Qwen3OmniMoeForConditionalGeneration._from_config(config, experts_implementation="batched_mm").eval()
+    wrapped = moelens.wrap(whole)
+    assert [moe.path.split(".", 2)[1] for moe in wrapped.moes] == ["thinker"] * len(wrapped.moes) and wrapped.moes
+    prompts = _prompts("qwen3_omni_moe")
+    for inputs in (prompts, {"input_ids": prompts["input_ids"][1:]}):
+        with pytest.raises(moelens.MoelensError, match=r"Qwen3OmniMoeForConditionalGeneration has no forward of its own "
+                                                       r".*wrap its thinker, .*moelens\.wrap\(hf_model\.thinker"):
+            with wrapped.trace(**inputs):
+                wrapped.moes[0].router_logits.save()
+    with torch.no_grad():  # its thinker, wrapped as the message says, runs the same prompts
+        with moelens.wrap(whole.thinker).trace(**prompts) as tracer:
+            pass

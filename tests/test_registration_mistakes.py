@@ -378,3 +378,40 @@ def test_check_names_the_combine_that_makes_the_block_output(registered, combine
     registered(combine=combine)
     with pytest.raises(FamilyError, match=rf"the Combine of family 'hand' .* is not the block's output .*: {fix}"):
         families.check(moelens.wrap(model()), IDS)
+
+
+def test_check_finds_a_router_that_ranks_with_a_bias_the_entry_leaves_out(registered):
+    """kolibri1 picks the top-k of logits + e_score_correction_bias; an entry without the selection bias passed
+    check(), and route_around then left the ablated expert chosen (it ranks what the entry says)."""
+    hf = tiny_model("kolibri1")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            router = getattr(layer.mlp, "gate", None)
+            if router is not None:
+                router.e_score_correction_bias.copy_(torch.linspace(2.0, 0.0, router.e_score_correction_bias.numel()))
+    entry = families.get("kolibri1")
+    assert families.check(moelens.wrap(hf), **tiny_inputs(hf))  # the right entry passes on the biased router
+    scoring = dataclasses.replace(entry.scoring, selection_bias=None, selection_op=None, selection_arg=None)
+    registered(**{field.name: getattr(entry, field.name) for field in dataclasses.fields(entry)}
+               | {"name": "my_kolibri", "scoring": scoring})
+    with pytest.raises(FamilyError, match=r"mlp: the experts chosen for \d+ of \d+ tokens are not the top 2 of what "
+                                          r"the scoring of family 'my_kolibri' ranks \(its logits; .*name it "
+                                          r"\(Scoring\.selection_bias\)"):
+        families.check(moelens.wrap(hf), **tiny_inputs(hf))
+
+
+def test_a_scale_or_score_reference_to_no_number_or_name_is_refused_by_field(registered):
+    """Scoring.scale naming a weight gave check() torch's "only one element tensors can be converted"; Scoring.score
+    naming the router's top_k gave "unknown score function 2" naming neither the field nor the reference."""
+    registered(scoring=Scoring("softmax", "score_topk", normalize=True, scale="router.weight"))
+    with pytest.raises(FamilyError, match=r"family 'hand': Scoring\.scale='router\.weight' gives a Parameter of shape "
+                                          r"\(6, 16\) on Block, not a number"):
+        families.check(moelens.wrap(model()), IDS)
+    registered(scoring=Scoring("router.top_k", "score_topk", normalize=True))
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"family 'hand': Scoring\.score='router\.top_k' gives 2 on Block, not a score "
+                                          r"function: expected one of \['sigmoid', 'softmax', 'sqrtsoftplus'\]"):
+        with wrapped.trace(IDS):
+            wrapped.moes[0].router_probs.save()
+    registered(scoring=Scoring("softmax", "score_topk", normalize=True, scale="router.top_k"))
+    assert families.get("hand").scale_of(model().layers[0]["moe"]) == 2.0  # an attribute holding a number is taken

@@ -170,3 +170,63 @@ def test_the_modules_checked_before_each_trace_are_those_the_model_holds_then():
     walked = dict(_present(hf, steps))
     assert walked == expected() and walked["model.layers.0"] is hf.model.layers[0]
     assert not any(path.startswith(("model.layers.2.mlp.", "model.layers.0.")) for path in walked)
+
+
+class MoeBesideMlp(torch.nn.Module):
+    """A decoder whose even layers keep a dense MLP at ``mlp`` and odd layers a qwen2_moe block at ``moe``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        source = tiny_model("qwen2_moe", mlp_only_layers=[0, 2]).model
+        self.embed_tokens = source.embed_tokens
+        self.layers = torch.nn.ModuleList()
+        for index, layer in enumerate(source.layers[:4]):
+            holder = torch.nn.Module()
+            setattr(holder, "mlp" if index % 2 == 0 else "moe", layer.mlp)
+            self.layers.append(holder)
+
+    def forward(self, input_ids):
+        hidden = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            hidden = hidden + (layer.mlp if index % 2 == 0 else layer.moe)(hidden)
+        return hidden
+
+
+def test_dense_mlps_at_mlp_are_found_beside_blocks_at_another_attribute():
+    """Blocks at ``moe`` made wrap look for dense MLPs at ``moe`` alone: layers[0].mlp was a plain envoy and its
+    mlp_output nnsight's bare AttributeError. Ground truth: the dense MLP's own output, by a torch hook."""
+    model = MoeBesideMlp().eval()
+    wrapped = moelens.wrap(model)
+    assert [type(wrapped.layers[i].mlp).__name__ for i in range(4)] == ["Mlp", "Moe", "Mlp", "Moe"]
+    assert wrapped.layers[2].mlp.path == "model.layers.2.mlp" and wrapped.layers[1].mlp.path == "model.layers.1.moe"
+    seen = []
+    handle = model.layers[2].mlp.register_forward_hook(lambda module, args, output: seen.append(output))
+    ids = torch.tensor([[3, 4, 5]])
+    try:
+        with torch.no_grad(), wrapped.trace(ids):
+            dense = wrapped.layers[2].mlp.mlp_output.save()
+    finally:
+        handle.remove()
+    assert torch.equal(dense, seen[0])
+
+
+def test_a_granitemoehybrid_checkpoint_without_experts_has_its_shared_mlps_as_layers_mlp():
+    """num_local_experts=0 (a Granite-4.0-H-Micro-like dense checkpoint) keeps only shared_mlp on every layer: wrap
+    found no dense MLP ("at layers[i].block_sparse_moe") and gave no model.layers."""
+    config = tiny_model("granitemoehybrid").config
+    config.num_local_experts = 0
+    torch.manual_seed(0)
+    hf = type(tiny_model("granitemoehybrid"))(config).eval()
+    with pytest.warns(UserWarning, match=r"its \d+ dense MLPs \(at layers\[i\]\.shared_mlp\) are Mlp components"):
+        wrapped = moelens.wrap(hf)
+    assert wrapped.moes == [] and len(wrapped.layers) == config.num_hidden_layers
+    assert all(type(layer.mlp) is Mlp and layer.mlp.path.endswith(".shared_mlp") for layer in wrapped.layers)
+    seen = []
+    handle = hf.model.layers[1].shared_mlp.register_forward_hook(lambda module, args, output: seen.append(output))
+    ids = torch.tensor([[3, 4, 5]])
+    try:
+        with torch.no_grad(), wrapped.trace(ids):
+            dense = wrapped.layers[1].mlp.mlp_output.save()
+    finally:
+        handle.remove()
+    assert torch.equal(dense, seen[0])

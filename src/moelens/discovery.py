@@ -228,13 +228,13 @@ def _block_attribute(family: Family | None, blocks: list[str]) -> str:
     return places.pop() if len(places) == 1 else "mlp"
 
 
-def _dense_layer_lists(model: torch.nn.Module, attribute: str) -> list[str]:
-    """The module lists (decoder layer lists) whose layers hold a dense MLP at ``attribute``."""
+def _dense_layer_lists(model: torch.nn.Module, attributes: tuple[str, ...]) -> list[str]:
+    """The module lists (decoder layer lists) whose layers hold a dense MLP at one of ``attributes``."""
     return [
         name
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.ModuleList)
-        and any(_is_dense_mlp(getattr(layer, attribute, None)) for layer in module)
+        and any(_is_dense_mlp(getattr(layer, attribute, None)) for layer in module for attribute in attributes)
     ]
 
 
@@ -302,17 +302,24 @@ def discover(model: torch.nn.Module) -> Structure:
     structure.block_attr = _block_attribute(structure.family, structure.moe_blocks)
     # a layer that is the block keeps its dense MLP as `mlp`; a model of no family has its MLPs there
     attribute = structure.block_attr or "mlp"
+    elsewhere = _dense_elsewhere(structure.family, attribute)
     if not structure.moe_blocks:  # a dense model: its decoder layers are the lists that hold dense MLPs
-        structure.layer_lists = _dense_layer_lists(model, attribute)
+        structure.layer_lists = _dense_layer_lists(model, (attribute, *elsewhere))
     moes = set(structure.moe_blocks)
+    holding = {layer_path(name) for name in moes}
     for layers in structure.layer_lists:
         for index, layer in enumerate(get_path(model, layers)):
             name = f"{layers}.{index}.{attribute}"
             if name not in moes and _is_dense_mlp(getattr(layer, attribute, None)):
                 structure.dense_blocks.append(name)
+            elif f"{layers}.{index}" not in holding:
+                found = next((other for other in elsewhere if _is_dense_mlp(getattr(layer, other, None))), None)
+                if found is not None:
+                    structure.dense_blocks.append(f"{layers}.{index}.{found}")
     structure.layers = layers = _decoder_layers(model, structure.layer_lists, dense=not structure.moe_blocks)
     if not structure.moe_blocks and not unknown and not idle and not unserved:
-        where = (f"at layers[i].{attribute}" if layers is not None and structure.layer_lists == [layers] else
+        places = "/".join(dict.fromkeys(name[len(layer_path(name)) + 1:] for name in structure.dense_blocks)) or attribute
+        where = (f"at layers[i].{places}" if layers is not None and structure.layer_lists == [layers] else
                  f"in {', '.join(structure.layer_lists)}; " + (f"layers is {layers}" if layers else
                                                               "no list of them is the text decoder's layers"))
         found = (f"its {len(structure.dense_blocks)} dense MLPs ({where}) are Mlp components serving mlp_output and "
@@ -326,6 +333,14 @@ def discover(model: torch.nn.Module) -> Structure:
             stacklevel=3,
         )
     return structure
+
+
+def _dense_elsewhere(family: Family | None, attribute: str) -> tuple[str, ...]:
+    """Where a layer with no MoE block may keep a dense MLP other than at the blocks' ``attribute``: ``mlp`` (a
+    custom model whose MoE blocks sit at ``moe``), and the family's shared MLP on the layer (a granitemoehybrid
+    checkpoint with no experts keeps only its ``shared_mlp``)."""
+    shared = family.shared.module if family is not None and family.shared is not None and family.shared.on_layer else None
+    return tuple(name for name in dict.fromkeys(("mlp", shared)) if name and name != attribute)
 
 
 def _decoder_layers(model: torch.nn.Module, layer_lists: list[str], dense: bool = False) -> str | None:

@@ -24,12 +24,13 @@ from nnsight import NNsight, TransformersModel
 from nnsight.intervention.envoy import Envoy, traceable
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
+from torch._subclasses.fake_tensor import is_fake
 
 from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known, unsupported_dtypes
-from .components.layer_list import LayerList, MoeList
+from .components.layer_list import BlocklessLayer, LayerList, MoeList
 from .components.moe import value_names
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
@@ -158,6 +159,13 @@ class MoeModelMixin:
         served.RUNS[interleaver] = handed_back
         try:
             result = super().interleave(fn, *args, **kwargs)
+        except IndexError as error:  # torch's embedding names neither the id nor the vocabulary
+            batcher = kwargs.get("batcher")
+            given = [*getattr(batcher, "invokes", ()), (args, kwargs)]
+            refusal = _ids_past_vocabulary(self._module, given)
+            if refusal is None:
+                raise
+            raise refusal from error
         finally:
             for runs in ep_runs:
                 runs.trace_ends()
@@ -214,6 +222,33 @@ class MoeModelMixin:
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
         return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})
+
+    def _batch(self, invokes: list, fn: Any) -> tuple:
+        """nnsight's batching of the invokes' inputs into the model's, refusing a trace with no input at all and
+        input ids the model could not embed (`_refuse_unusable_ids`)."""
+        self._refuse_running_no_forward(fn)
+        if not invokes:  # nnsight's batching fails on it with a bare IndexError
+            raise MoelensError(
+                "the trace has no input: its invokes are all empty (an empty tracer.invoke() sees the rows the other "
+                "invokes give). Give the trace an input, model.trace(prompt), or an invoke one, tracer.invoke(prompt)."
+            )
+        return _refuse_unusable_ids(self._module, super()._batch(invokes, fn))
+
+    def _refuse_running_no_forward(self, fn: Any) -> None:
+        """Refuse a trace (``fn``: the model's call, not its ``generate``) of a model class with no forward of its
+        own, such as Qwen3-Omni's whole model, which only generates through its thinker and talker: torch's
+        placeholder forward would fail on the inputs with a bare TypeError."""
+        model = self._module
+        if type(model).forward is not torch.nn.Module.forward or getattr(fn, "__name__", fn) == "generate":
+            return
+        holders = [name for name, child in model.named_children() if type(child).forward is not torch.nn.Module.forward
+                   and any(path.startswith(f"{name}.") for path in self._structure.moe_blocks)]
+        remedy = (f"wrap its {holders[0]}, which holds the MoE blocks and runs them: "
+                  f"moelens.wrap(hf_model.{holders[0]}, tokenizer=...)" if holders else "wrap the part of it that runs")
+        raise MoelensError(
+            f"{type(model).__name__} has no forward of its own (it runs only through its parts' generate), so a trace "
+            f"cannot run it: {remedy}."
+        )
 
     def __deepcopy__(self, memo: dict) -> "MoeTransformersModel | MoeNNsight":
         """A fresh wrap of a deep copy of the model, with the same tokenizer and wrap options.
@@ -277,6 +312,15 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                 "cache, which scan's fake tensors cannot be (torch fails, and can leave the process unstable); "
                 "pass model.scan(..., use_cache=False)."
             )
+        for moe in self.moes:
+            weight = next(moe.experts._module.parameters(), None)
+            if moe.experts_implementation == "grouped_mm" and weight is not None and weight.device.type == "cpu" \
+                    and weight.dtype != torch.bfloat16:
+                raise MoelensError(
+                    f"model.scan: {moe.path}'s experts run grouped_mm, for which torch has no fake kernel in "
+                    f"{weight.dtype} on the CPU (scan would fail inside torch); scan under another implementation: "
+                    "model.set_experts_implementation('batched_mm')."
+                )
         return super().scan(*inputs, **kwargs)
 
     @traceable
@@ -322,6 +366,55 @@ def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
     ``generation_config`` given over the model's own.
     """
     return max(int(generation_setting(model, kwargs, name) or 1) for name in ("num_beams", "num_return_sequences"))
+
+
+def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """``batched`` (the model's inputs, as nnsight's batching built them), after refusing input_ids the model could
+    not embed: a floating-point tensor (torch's embedding fails on it) or a prompt with no tokens (an empty string:
+    the model's attention fails on a zero-length sequence)."""
+    args, kwargs = batched
+    ids = kwargs.get("input_ids")
+    if ids is None and args and first_parameter(module) == "input_ids":
+        ids = args[0]
+    if not isinstance(ids, torch.Tensor):
+        return batched
+    if not _token_ids(ids):
+        raise MoelensError(
+            f"the trace's input_ids are a {ids.dtype} tensor of shape {tuple(ids.shape)}: token ids are integers; "
+            "pass the ids a tokenizer gives (torch.long), or convert them with .long()."
+        )
+    mask = kwargs.get("attention_mask")
+    masked = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # model.scan: no values
+    empty = ids.numel() == 0 or (masked and not mask.any(-1).all())
+    if empty:
+        row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
+        raise MoelensError(
+            f"a prompt of the trace has no tokens{row}: an empty string or an empty ids tensor gives the model a "
+            "zero-length sequence, on which its attention fails. Give every prompt at least one token."
+        )
+    return batched
+
+
+def _ids_past_vocabulary(module: torch.nn.Module, given: list[tuple[tuple, dict]]) -> MoelensError | None:
+    """The error for a run that failed on token ids outside the model's input embeddings (torch's bare
+    "index out of range in self"), or None when the input_ids ``given`` (each invoke's inputs) are all in range
+    (the failure was another)."""
+    try:
+        rows = module.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError, TypeError):  # no embedding layer of torch's kind
+        return None
+    for inputs, kwargs in given:
+        ids = kwargs.get("input_ids", inputs[0] if inputs else None)
+        if not _token_ids(ids):
+            continue
+        outside = ids[(ids < 0) | (ids >= rows)]
+        if outside.numel():
+            return MoelensError(
+                f"token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 to "
+                f"{rows - 1}; {outside.numel()} of the {ids.numel()} ids of its input are outside): pass ids from this "
+                "model's tokenizer, or give the trace text."
+            )
+    return None
 
 
 def _token_ids(value: Any) -> bool:
@@ -374,6 +467,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
         )
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        self._refuse_running_no_forward(fn)
         invokes = [(inputs, _without_remote(kwargs)) for inputs, kwargs in invokes]
         for inputs, kwargs in invokes:
             if any(_is_text(value) for value in (*inputs, *kwargs.values())):
@@ -408,6 +502,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     f"a model wrapped without a tokenizer batches several invokes only from token-id tensors, one "
                     f"per invoke (tracer.invoke(ids)); an invoke got {given}. {remedy}"
                 )
+            _refuse_unusable_ids(self._module, ((), {"input_ids": ids}))
             rows.extend(ids.reshape(-1, ids.shape[-1]))
         pad_id = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
         input_ids, attention_mask = _left_padded(rows, pad_id)
@@ -623,6 +718,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     envoys.update({name: Mlp for name in structure.dense_blocks})
     if structure.layers is not None:
         envoys.setdefault(structure.layers, LayerList)
+        for name in _blockless_layers(model, structure):
+            envoys.setdefault(name, BlocklessLayer)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
         if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
@@ -762,6 +859,14 @@ def _expert_parallel_envoy(model: torch.nn.Module) -> type[Moe]:
     return keep_dispatch_forwards(model)
 
 
+def _blockless_layers(model: torch.nn.Module, structure: Structure) -> list[str]:
+    """The paths of the decoder layers (of ``model.layers``) that hold no MoE block or dense MLP."""
+    holding = {layer_path(name) for name in structure.moe_blocks + structure.dense_blocks}
+    layers = model.get_submodule(structure.layers)
+    count = len(layers) if hasattr(layers, "__len__") else 0
+    return [path for path in (f"{structure.layers}.{i}" for i in range(count)) if path not in holding]
+
+
 def _bind(host: Any, alias: str, native: str) -> None:
     """Alias ``host.<native>`` as ``host.<alias>`` unless the name is taken."""
     if alias in host.__dict__ or hasattr(host._module, alias):
@@ -773,12 +878,10 @@ def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
     if structure.layers is not None and structure.layers != "layers":
         _bind(wrapped, "layers", structure.layers)
-    if structure.block_attr in ("", "mlp"):
-        return
     for name in structure.moe_blocks + structure.dense_blocks:
         layer = layer_path(name)
-        if layer is not None and layer != name:
-            _bind(envoy_at(wrapped, layer), "mlp", structure.block_attr)
+        if layer is not None and layer != name and name[len(layer) + 1:] != "mlp":
+            _bind(envoy_at(wrapped, layer), "mlp", name[len(layer) + 1:])
 
 
 def _instrument(moe: Moe) -> None:

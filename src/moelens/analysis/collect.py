@@ -83,7 +83,7 @@ def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
         layers=[moe.layer for moe in moes],
         num_experts={moe.layer: moe.num_experts for moe in moes},
         top_k={moe.layer: moe.top_k for moe in moes},
-        score={moe.layer: str(moe.family.resolve(moe.SCORING.score, moe._module)) for moe in moes},
+        score={moe.layer: moe.family.score_of(moe._module) for moe in moes},
         softcap={moe.layer: moe.softcap for moe in moes if moe.softcap > 0},
         family=family.name if family is not None else None,
         model=str(getattr(getattr(model, "_module", None), "name_or_path", "") or "") or None,

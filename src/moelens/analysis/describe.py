@@ -205,7 +205,7 @@ def by_layers(texts: list[tuple[int, str]]) -> str:
 def scoring_of(moe: Any) -> tuple[str, str]:
     """(scoring description, score name) of one block, its score reference resolved."""
     scoring = moe.SCORING
-    score = str(moe.family.resolve(scoring.score, moe._module))
+    score = moe.family.score_of(moe._module)
     return replace(scoring, score=score).describe(), score
 
 

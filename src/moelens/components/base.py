@@ -141,7 +141,9 @@ class Component(Envoy):
         except ValueError:
             raise ValueUnavailable(
                 f"{asked or f'{self.path}.{name}'}: a block's values exist only while the model runs; use them inside "
-                "a trace (with model.trace(inputs): ..., or model.generate / model.scan / model.session)."
+                "a trace that runs it on an input (with model.trace(inputs): ..., or model.generate / model.scan / "
+                "model.session). A trace given no input runs the model only for its invokes: read the values inside "
+                "a tracer.invoke(inputs) block."
             ) from None
         if mediator.interleaver is not None and mediator.interleaver is not self.interleaver:
             raise ValueUnavailable(  # nnsight would serve the running model's module of the same path instead

@@ -32,6 +32,22 @@ class LayerList(Envoy):
         return super().__getitem__(layer)
 
 
+class BlocklessLayer(Envoy):
+    """``model.layers[i]`` of a layer that holds no MLP block (a hybrid model's attention or mamba layer, such as
+    nemotron_h's): asking it for ``mlp`` says so, where nnsight's envoy reports a bare missing attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "mlp":
+                raise
+            raise AttributeError(
+                f"{self.path} ({type(self._module).__name__}) has no 'mlp': this layer holds no MLP block (a hybrid "
+                "model's attention or mamba layer); the MoE blocks are model.moes, each saying its layer (.layer)."
+            ) from None
+
+
 class MoeList(list):
     """``model.moes``: the MoE blocks in layer order, a list indexed by block (not by layer).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cached_property
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxtyping import Float
 from torch import Tensor
@@ -71,6 +71,11 @@ class Mlp(Component):
             f"this block ({type(self._module).__name__}) is a dense MLP and runs no mixture of experts",
             f"{where}; iterate model.moes for the MoE blocks.",
         )
+
+    def params(self, expert: Any = None) -> NoReturn:
+        """Not served on a dense block: raises the reason (`Moe.params` serves a MoE block's expert weights; a dense
+        MLP's are its modules' own, ``block.<projection>.weight``)."""
+        raise self.no_mixture("params()")
 
     def _order(self) -> tuple[str, ...]:
         return ("mlp_activation", "mlp_output")

@@ -327,7 +327,7 @@ class Moe(Mlp):
         """`router_probs` of the router logits read in this run (a normal tensor under inference_mode, as the logits
         read there are: `normal_tensors`)."""
         with kept_for_backward(), normal_tensors():
-            return score(self.family.resolve(self.SCORING.score, self._module), logits, self.softcap)
+            return score(self.family.score_of(self._module), logits, self.softcap)
 
     @router_probs.setter
     def router_probs(self, value: Any) -> None:
@@ -371,7 +371,7 @@ class Moe(Mlp):
     def __repr__(self) -> str:
         """What the block is (family, layer, E, k, experts implementation), then nnsight's tree of its modules and values."""
         try:
-            score_name = self.family.resolve(self.SCORING.score, self._module)
+            score_name = self.family.score_of(self._module)
             head = (f"Moe[{self.family.name}, layer {self.layer}, E={self.num_experts}, k={self.top_k}, "
                     f"{self.experts_implementation}; router_probs = {score_name}(router_logits)] ")
         except Exception:  # noqa: BLE001 - a repr never raises; the tree alone then
@@ -439,7 +439,7 @@ class Moe(Mlp):
             logits = self.router_logits  # requested before moelens' saved-tensor hooks are in force (router_probs)
             # a normal tensor under inference_mode (`normal_tensors`): an edit of it is told, as of a read
             with kept_for_backward(), normal_tensors():
-                weights, indices = top_logits(logits, self.top_k, self.SCORING.score)
+                weights, indices = top_logits(logits, self.top_k, self.family.score_of(self._module))
             value = weights if descriptor.name == "expert_weights" else indices
             handed_back = RUNS.get(self.interleaver)
             if handed_back is not None:  # an in-place edit of it is lost: the trace says so as it ends
@@ -589,7 +589,7 @@ class Moe(Mlp):
     @property
     def _scores_saturate(self) -> bool:
         """Whether a +inf logit gives a finite score here (sigmoid: 1), so a write may hold one."""
-        return self.family.resolve(self.SCORING.score, self._module) == "sigmoid"
+        return self.family.score_of(self._module) == "sigmoid"
 
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"

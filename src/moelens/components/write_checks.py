@@ -81,6 +81,9 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
             f"{where}: wrote a tensor of shape {tuple(value.shape)}, expected {tuple(shape)} "
             f"(this invoke's [batch, seq, ...] view); read the value first to see its shape."
         )
+    if value.is_meta and not is_fake(value):
+        raise WriteError(f"{where}: wrote a tensor on the meta device, which holds no values; write a tensor with "
+                         "data (on the model's device, or on the CPU: moelens moves it).")
     if binding.kind == INDEX:
         if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
             raise WriteError(
@@ -114,7 +117,7 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
         if plus or (binding.infinities == FINITE and torch.isneginf(value).any()):
             which = "+inf" if plus else "-inf"
             if name == "router_logits":
-                scores = component.family.resolve(component.SCORING.score, component._module)
+                scores = component.family.score_of(component._module)
                 why = (f"a {which} logit makes this router's {scores} scores NaN; raise it by a large finite "
                        "amount instead (moelens.steer, moelens.force)")
             else:

@@ -173,7 +173,7 @@ def routing(family: Family, block: Any) -> Routing:
     if reason:
         raise ExportRefused(f"{name}: {reason}.")
     scoring = family.scoring_of(block)
-    score = family.resolve(scoring.score, block)
+    score = family.score_of(block)
     reasons = _hard_refusals(family, score, scoring)
     if family.softcap_of(block) > 0:
         reasons.append("router logits softcapped before scoring (tanh(logits / c) * c): tract's gate scores "
@@ -199,10 +199,10 @@ def routing(family: Family, block: Any) -> Routing:
             f"{name}: the k softmax weights are normalised by {scoring.normalize} = {normalize!r}; tract_moe_ffn "
             "renormalises them to sum to one (softmax_topk) or not at all (softmax_all)."
         )
-    scale = family.resolve(scoring.scale, block)
+    scale = family.scale_of(block)
     return Routing(
         gate=gate,
-        scale=1.0 if scale is None else float(scale),
+        scale=1.0 if scale is None else scale,
         k=int(family.resolve(family.top_k, block)),
         num_experts=int(family.resolve(family.num_experts, block)),
     )

@@ -34,7 +34,8 @@ CHECKED_VALUES = ("router_logits", "expert_weights", "expert_indices", "routed_o
 def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     """Run ``model`` once on the inputs (``model.trace(*args, **kwargs)``) and check its MoE blocks' family entries.
 
-    For each block that runs: the entry's `Scoring` (score function, normalisation, scale; `select` picks which
+    For each block that runs: under top-k selection the served experts are the top k of what the entry ranks
+    (`_selection_problem`); the entry's `Scoring` (score function, normalisation, scale; `select` picks which
     scores) applied to the served logits at the served expert indices gives the weights the experts got; and the
     entry's `Combine` of the served routed and shared outputs gives the block's output. Meant for an entry of your
     own (`register`) on a model you trust: moelens' own entries pass on every family's tiny model.
@@ -67,7 +68,8 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
     problems = []
     for moe, values in zip(moes, saved.values()):
-        found = ("" if unchecked[moe.path] else _weights_problem(moe, values), _output_problem(moe, values))
+        found = ("" if unchecked[moe.path] else _selection_problem(moe, values),
+                 "" if unchecked[moe.path] else _weights_problem(moe, values), _output_problem(moe, values))
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
     if problems:
         raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems))
@@ -118,14 +120,43 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
     return chosen * scale if scale is not None else chosen
 
 
+def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
+    """What is wrong with the experts the entry says the router picks, or "": under top-k selection (`score_topk`,
+    `logit_topk`; group-limited selection is not checked) the experts served are the top k of what the entry ranks
+    (the logits, or the scores plus the entry's selection bias). A router that ranks something else (a bias it adds
+    for selection only, left out of the entry) picks others, and `route_around` / `force` would act on the wrong
+    ranking."""
+    family, block, scoring = moe.family, moe._module, moe.SCORING
+    if scoring.select not in ("score_topk", "logit_topk") or family.groups_of(block) is not None:
+        return ""
+    logits, indices = values["router_logits"].float(), values["expert_indices"]
+    ranked, what = logits, "its logits"
+    if scoring.select == "score_topk":
+        ranked, what = score(family.score_of(block), logits, family.softcap_of(block)), f"its {family.score_of(block)} scores"
+    if family.holds(scoring.selection_bias, block):
+        ranked = ranked + family.resolve(scoring.selection_bias, block).float()
+        what += f" plus {scoring.selection_bias}"
+    tolerance = _tolerance(values["router_logits"])
+    kth = ranked.topk(indices.shape[-1], dim=-1).values[..., -1:]
+    below = (ranked.gather(-1, indices.long()) < kth - tolerance["atol"] - tolerance["rtol"] * kth.abs()).any(-1)
+    if not below.any():
+        return ""
+    remedy = ("check selection_bias and select" if scoring.selection_bias else
+              "if the router adds a bias to the scores for picking only, name it (Scoring.selection_bias) and the op "
+              "whose output it ranks (Scoring.selection_op); if it picks inside groups, Scoring.groups")
+    return (f"the experts chosen for {int(below.sum())} of {below.numel()} tokens are not the top {indices.shape[-1]} "
+            f"of what the scoring of family {family.name!r} ranks ({what}; {_described(scoring)}): the router ranks "
+            f"something else; {remedy}. route_around and force act on the entry's ranking: fix it and register it "
+            "again.")
+
+
 def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the entry's scoring on this block's run (one whose weights it can recompute), or ""."""
     family, block, scoring = moe.family, moe._module, moe.SCORING
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
-    score_name = family.resolve(scoring.score, block)
+    score_name = family.score_of(block)
     normalize = bool(family.resolve(scoring.normalize, block))
-    scale = family.resolve(scoring.scale, block)
-    scale = None if scale is None else float(scale)
+    scale = family.scale_of(block)
     softcap = family.softcap_of(block)
     entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap)
     tolerance = _tolerance(logits, weights)

@@ -18,6 +18,7 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from ..errors import FamilyError
+from .scoring import SCORE_FUNCTIONS
 
 #: Every value a `Moe` component serves, in the order a standard family produces them.
 VALUE_NAMES = (
@@ -391,6 +392,32 @@ class Family:
             return self.resolve(reference, block) is not None
         except FamilyError:
             return False
+
+    def score_of(self, block: Any) -> str:
+        """The score function the live ``block``'s router applies (`Scoring.score`, an attribute reference read)."""
+        reference = self.scoring_of(block).score
+        name = self.resolve(reference, block)
+        if not isinstance(name, str) or name not in SCORE_FUNCTIONS:
+            raise FamilyError(
+                f"family {self.name!r}: Scoring.score={reference!r} gives {name!r:.60} on {type(block).__name__}, not a "
+                f"score function: expected one of {sorted(SCORE_FUNCTIONS)}, or an attribute reference to one."
+            )
+        return name
+
+    def scale_of(self, block: Any) -> float | None:
+        """The multiplier the live ``block``'s router puts on every weight (`Scoring.scale`, read), None for none."""
+        reference = self.scoring_of(block).scale
+        value = self.resolve(reference, block)
+        if hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor or buffer
+            value = value.item()
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return None if value is None else float(value)
+        shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+        raise FamilyError(
+            f"family {self.name!r}: Scoring.scale={reference!r} gives a {type(value).__name__}{shape} on "
+            f"{type(block).__name__}, not a number: the scale is one multiplier on every expert weight; name a "
+            "number (or an attribute holding one), or leave it None (a per-expert scale is the experts' own)."
+        )
 
     def softcap_of(self, block: Any) -> float:
         """The logit softcap the live ``block``'s router applies before scoring (laguna), 0.0 for none."""

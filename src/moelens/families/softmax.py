@@ -27,7 +27,8 @@ FAMILIES = [
            notes="Multimodal: decoder layers at model.language_model.layers."),
     Family("qwen3_omni_moe", ("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"),
            ("Qwen3OmniMoeThinkerTextSparseMoeBlock",), scoring=IF_FLAGGED,
-           notes="The thinker's MoE stack. The full model's talker has a second stack "
+           notes="The thinker's MoE stack: wrap the thinker (hf_model.thinker). The full model has no forward of its "
+                 "own, so a trace of it is refused with that advice; its talker has a second stack "
                  "(Qwen3OmniMoeTalkerTextSparseMoeBlock), which is not served (wrap names it in its warning)."),
     Family("mellum", ("mellum",), ("MellumSparseMoeBlock",), scoring=IF_FLAGGED),
     Family("jamba", ("jamba",), ("JambaSparseMoeBlock",), router="router", scoring=NEVER, block_attr="feed_forward",
