@@ -247,5 +247,5 @@ def test_a_trace_of_the_whole_qwen3_omni_model_says_to_wrap_its_thinker():
             with wrapped.trace(**inputs):
                 wrapped.moes[0].router_logits.save()
     with torch.no_grad():  # its thinker, wrapped as the message says, runs the same prompts
-        with moelens.wrap(whole.thinker).trace(**prompts) as tracer:
+        with moelens.wrap(whole.thinker).trace(**prompts):
             pass

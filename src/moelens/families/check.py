@@ -132,7 +132,8 @@ def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     logits, indices = values["router_logits"].float(), values["expert_indices"]
     ranked, what = logits, "its logits"
     if scoring.select == "score_topk":
-        ranked, what = score(family.score_of(block), logits, family.softcap_of(block)), f"its {family.score_of(block)} scores"
+        score_name = family.score_of(block)
+        ranked, what = score(score_name, logits, family.softcap_of(block)), f"its {score_name} scores"
     if family.holds(scoring.selection_bias, block):
         ranked = ranked + family.resolve(scoring.selection_bias, block).float()
         what += f" plus {scoring.selection_bias}"
