@@ -249,3 +249,25 @@ def test_a_trace_of_the_whole_qwen3_omni_model_says_to_wrap_its_thinker():
     with torch.no_grad():  # its thinker, wrapped as the message says, runs the same prompts
         with moelens.wrap(whole.thinker).trace(**prompts):
             pass
+
+
+def test_the_expert_logit_lens_of_a_vision_language_model_reads_out_through_its_text_decoders_norm():
+    """The lens looked for the final norm on model and on the top module only: a *ForConditionalGeneration keeps it
+    at model.language_model.norm, so lens.norm was None and the experts were read out unnormalised (tiny models hide
+    it: their norm weights are all ones). Ground truth: lm_head(norm(mean output)) by hand."""
+    from moelens import analysis
+
+    hf = _model("qwen3_vl_moe", "grouped_mm").eval()
+    _reinit(hf, 0)
+    norm = hf.model.language_model.norm
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=torch.Generator().manual_seed(5)) * 2)
+    generator = torch.Generator().manual_seed(3)
+    corpus = [torch.randint(3, 90, (length,), generator=generator).tolist() for length in (5, 9, 13, 20)]
+    lens = analysis.expert_logit_lens(moelens.wrap(hf), corpus, progress=False, top=5)
+    assert lens.norm == "model.language_model.norm"
+    with torch.no_grad():
+        for row in range(len(lens.layers)):
+            used = lens.counts[row] > 0
+            by_hand = hf.lm_head(norm(lens.mean_outputs[row].float())).topk(5, -1).indices
+            assert used.any() and torch.equal(lens.top_ids[row][used], by_hand[used])

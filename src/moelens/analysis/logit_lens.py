@@ -82,15 +82,27 @@ def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.n
             f"{type(module).__name__} has no output embedding (lm_head); the expert logit lens needs a "
             "causal LM (load the *ForCausalLM class)."
         )
-    base = getattr(module, getattr(module, "base_model_prefix", "model"), None)
     family = getattr(model, "family", None)
     names = ((family.final_norm,) if family is not None and family.final_norm else ()) + FINAL_NORMS
-    for owner, prefix in ((base, f"{getattr(module, 'base_model_prefix', 'model')}."), (module, "")):
+    for prefix, owner in _norm_owners(module):
         for name in names:
-            norm = getattr(owner, name, None) if owner is not None else None
+            norm = getattr(owner, name, None)
             if isinstance(norm, torch.nn.Module):
                 return norm, prefix + name, head
     return None, None, head
+
+
+def _norm_owners(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name prefix, module) of where a final norm may sit, nearest the head last: the text decoder
+    (``get_decoder()``: ``model.language_model`` of a vision-language model), the base model, the model itself."""
+    try:
+        decoder = module.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = None
+    base = getattr(module, getattr(module, "base_model_prefix", "model"), None)
+    owners = [owner for owner in dict.fromkeys((decoder, base)) if isinstance(owner, torch.nn.Module) and owner is not module]
+    names = {owner: name for name, owner in module.named_modules() if owner in owners}
+    return [(f"{names[owner]}.", owner) for owner in owners if owner in names] + [("", module)]
 
 
 def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
