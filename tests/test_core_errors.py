@@ -2847,3 +2847,48 @@ def test_a_layer_without_an_mlp_block_says_so():
     with pytest.raises(AttributeError, match=rf"layers\.{blockless[0]} \(NemotronHBlock\) has no 'mlp': this layer holds "
                                              r"no MLP block"):
         wrapped.layers[blockless[0]].mlp
+
+
+class _TakesTokens(torch.nn.Module):
+    """A model whose forward calls its token ids ``tokens``: nnsight counts no rows for that keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_model("mixtral")
+
+    def forward(self, tokens):
+        return self.inner(input_ids=tokens).logits
+
+
+def test_inputs_the_model_runs_on_are_not_refused_as_empty():
+    """The refusals above keep to what cannot run: an invoke whose input is a keyword nnsight counts no rows of
+    (all invokes looked empty) and a user's mask with a row of zeros (a fixed-size batch's padding row) ran before
+    and still run, equal to the plain forward."""
+    model = moelens.wrap(_TakesTokens().eval())
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        plain = model._module(ids)
+        with model.trace() as tracer:
+            with tracer.invoke(tokens=ids):
+                logits = model.moes[0].router_logits.save()
+                out = model.output.save()
+    assert tuple(logits.shape) == (1, 3, 8) and torch.equal(out, plain)
+    tiny = moelens.load()
+    ids, mask = torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([[1, 1, 1], [0, 0, 0]])
+    with torch.no_grad():
+        plain = tiny._module(input_ids=ids, attention_mask=mask).logits
+        with tiny.trace(input_ids=ids, attention_mask=mask):
+            out = tiny.output.logits.save()
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("form", ["encoding", "list"])
+def test_a_token_id_outside_the_embeddings_is_named_in_every_input_form(form):
+    """Ids given as the tokenizer's dict or as a list of lists reached torch's bare IndexError (only a tensor was
+    looked at): the ids are read from the batch the model ran on."""
+    model = moelens.load()
+    ids = [[5, 99999]]
+    given = {"input_ids": torch.tensor(ids), "attention_mask": torch.ones(1, 2, dtype=torch.long)} if form == "encoding" \
+        else ids
+    with pytest.raises(moelens.MoelensError, match=r"token id 99999 is outside the model's input embeddings"):
+        _router_logits(model, given)

@@ -160,9 +160,7 @@ class MoeModelMixin:
         try:
             result = super().interleave(fn, *args, **kwargs)
         except IndexError as error:  # torch's embedding names neither the id nor the vocabulary
-            batcher = kwargs.get("batcher")
-            given = [*getattr(batcher, "invokes", ()), (args, kwargs)]
-            refusal = _ids_past_vocabulary(self._module, given)
+            refusal = _ids_past_vocabulary(self._module, _model_inputs(fn, args, kwargs))
             if refusal is None:
                 raise
             raise refusal from error
@@ -227,12 +225,14 @@ class MoeModelMixin:
         """nnsight's batching of the invokes' inputs into the model's, refusing a trace with no input at all and
         input ids the model could not embed (`_refuse_unusable_ids`)."""
         self._refuse_running_no_forward(fn)
-        if not invokes:  # nnsight's batching fails on it with a bare IndexError
-            raise MoelensError(
+        extra = getattr(self.interleaver.batcher, "extra_kwargs", {})  # keywords nnsight counts no rows of
+        if not invokes and not any(isinstance(value, (torch.Tensor, Mapping, list, tuple)) for value in extra.values()):
+            raise MoelensError(  # nnsight's batching fails on it with a bare IndexError
                 "the trace has no input: its invokes are all empty (an empty tracer.invoke() sees the rows the other "
                 "invokes give). Give the trace an input, model.trace(prompt), or an invoke one, tracer.invoke(prompt)."
             )
-        return _refuse_unusable_ids(self._module, super()._batch(invokes, fn))
+        from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
+        return _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text)
 
     def _refuse_running_no_forward(self, fn: Any) -> None:
         """Refuse a trace (``fn``: the model's call, not its ``generate``) of a model class with no forward of its
@@ -368,14 +368,13 @@ def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
     return max(int(generation_setting(model, kwargs, name) or 1) for name in ("num_beams", "num_return_sequences"))
 
 
-def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> tuple[tuple, dict]:
+def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False
+                         ) -> tuple[tuple, dict]:
     """``batched`` (the model's inputs, as nnsight's batching built them), after refusing input_ids the model could
-    not embed: a floating-point tensor (torch's embedding fails on it) or a prompt with no tokens (an empty string:
-    the model's attention fails on a zero-length sequence)."""
-    args, kwargs = batched
-    ids = kwargs.get("input_ids")
-    if ids is None and args and first_parameter(module) == "input_ids":
-        ids = args[0]
+    not embed: a floating-point tensor (torch's embedding fails on it) or a prompt with no tokens (an empty ids
+    tensor; ``from_text``: an empty string, a row of padding alone beside longer prompts; the model's attention
+    fails on a zero-length sequence)."""
+    ids = _input_ids(module, batched)
     if not isinstance(ids, torch.Tensor):
         return batched
     if not _token_ids(ids):
@@ -383,10 +382,9 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -
             f"the trace's input_ids are a {ids.dtype} tensor of shape {tuple(ids.shape)}: token ids are integers; "
             "pass the ids a tokenizer gives (torch.long), or convert them with .long()."
         )
-    mask = kwargs.get("attention_mask")
-    masked = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # model.scan: no values
-    empty = ids.numel() == 0 or (masked and not mask.any(-1).all())
-    if empty:
+    mask = batched[1].get("attention_mask")
+    masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
+    if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
         raise MoelensError(
             f"a prompt of the trace has no tokens{row}: an empty string or an empty ids tensor gives the model a "
@@ -395,26 +393,47 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -
     return batched
 
 
-def _ids_past_vocabulary(module: torch.nn.Module, given: list[tuple[tuple, dict]]) -> MoelensError | None:
+def _model_inputs(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs a failed run gave the model: a trace's, assembled again from its batcher (the tokenized, padded
+    batch), or the call's own; ``((), {})`` when they cannot be built again."""
+    batcher = kwargs.get("batcher")
+    if batcher is None:
+        return args, kwargs
+    try:
+        return batcher.assemble(fn)
+    except Exception:  # noqa: BLE001 - only to explain an error already raised
+        return (), {}
+
+
+def _input_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> Any:
+    """The input_ids among the model's inputs ``batched``: the keyword, or the first argument of a forward whose
+    first parameter they are."""
+    args, kwargs = batched
+    ids = kwargs.get("input_ids")
+    if ids is None and args and first_parameter(module) == "input_ids":
+        ids = args[0]
+    return ids
+
+
+def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -> MoelensError | None:
     """The error for a run that failed on token ids outside the model's input embeddings (torch's bare
-    "index out of range in self"), or None when the input_ids ``given`` (each invoke's inputs) are all in range
-    (the failure was another)."""
+    "index out of range in self"), or None when the input_ids of ``batched`` are all in range (the failure was
+    another)."""
+    ids = _input_ids(module, batched)
     try:
         rows = module.get_input_embeddings().num_embeddings
     except (AttributeError, NotImplementedError, TypeError):  # no embedding layer of torch's kind
         return None
-    for inputs, kwargs in given:
-        ids = kwargs.get("input_ids", inputs[0] if inputs else None)
-        if not _token_ids(ids):
-            continue
-        outside = ids[(ids < 0) | (ids >= rows)]
-        if outside.numel():
-            return MoelensError(
-                f"token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 to "
-                f"{rows - 1}; {outside.numel()} of the {ids.numel()} ids of its input are outside): pass ids from this "
-                "model's tokenizer, or give the trace text."
-            )
-    return None
+    if not _token_ids(ids):
+        return None
+    outside = ids[(ids < 0) | (ids >= rows)]
+    if not outside.numel():
+        return None
+    return MoelensError(
+        f"token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 to {rows - 1}; "
+        f"{outside.numel()} of the {ids.numel()} ids of the batch are outside): pass ids from this model's "
+        "tokenizer, or give the trace text."
+    )
 
 
 def _token_ids(value: Any) -> bool:
