@@ -2669,7 +2669,7 @@ def test_a_model_whose_config_names_no_experts_implementation_runs_eager():
 def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap():
     """The embedded model's tokenizer (4096 tokens) on a tiny mixtral (128 embedding rows) was taken silently, and a
     text trace then failed with torch's bare "index out of range in self". The warning's claim is checked too: that
-    text does fail in the embedding; the model's own tokenizer, and one that fits, warn of nothing."""
+    text is refused (the model cannot embed it); the model's own tokenizer, and one that fits, warn of nothing."""
     tokenizer = moelens.load().tokenizer
     hf = tiny_model("mixtral")
     rows = hf.get_input_embeddings().num_embeddings
@@ -2678,7 +2678,7 @@ def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap
         wrapped = moelens.wrap(hf, tokenizer=tokenizer)
     text = "def add(a, b):"
     assert max(tokenizer(text)["input_ids"]) >= rows
-    with pytest.raises(IndexError, match="index out of range"):
+    with pytest.raises(moelens.MoelensError, match=rf"token id \d+ is outside the model's input embeddings \({rows} rows"):
         with wrapped.trace(text):
             wrapped.output.save()
     with warnings.catch_warnings():

@@ -431,8 +431,8 @@ def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -
         return None
     return MoelensError(
         f"token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 to {rows - 1}; "
-        f"{outside.numel()} of the {ids.numel()} ids of the batch are outside): pass ids from this model's "
-        "tokenizer, or give the trace text."
+        f"{outside.numel()} of the {ids.numel()} ids of the batch are outside): the ids, and a text's tokens, must "
+        "come from this model's own tokenizer (the one saved with it)."
     )
 
 
@@ -660,7 +660,7 @@ def _is_text(value: Any) -> bool:
 
 def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
     """Warn when ``tokenizer`` gives token ids past the rows of the model's input embeddings (most often the
-    tokenizer of another model): text holding one fails inside torch's embedding, "index out of range in self"."""
+    tokenizer of another model): a trace of text holding one is refused (`_ids_past_vocabulary`)."""
     if tokenizer is None or not hasattr(model, "get_input_embeddings"):
         return
     try:
@@ -670,8 +670,8 @@ def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
     if tokens > rows:
         warnings.warn(
             f"wrap: the tokenizer ({type(tokenizer).__name__}) has {tokens} tokens, but the model's input embeddings "
-            f"hold {rows} rows: text with a token id of {rows} or more will fail in torch's embedding ('index out of "
-            "range in self'). Pass the tokenizer saved with this model.",
+            f"hold {rows} rows: a trace of text with a token id of {rows} or more will be refused (the model cannot embed "
+            "it). Pass the tokenizer saved with this model.",
             stacklevel=3,
         )
 

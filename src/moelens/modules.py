@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -46,8 +47,19 @@ def first_parameter(module: nn.Module) -> str | None:
     """The name of the first parameter of ``module``'s forward (``input_ids`` for a transformers model), or None.
 
     Read off the class's forward: a wrapped module's instance forward is nnsight's, which takes ``self`` too."""
+    forward = type(module).forward
     try:
-        parameters = list(inspect.signature(type(module).forward).parameters)
+        return _first_parameter(forward)
+    except TypeError:  # a forward that cannot be a cache key
+        return _first_parameter.__wrapped__(forward)
+
+
+@functools.cache
+def _first_parameter(forward: Any) -> str | None:
+    """`first_parameter` of one class forward (read once: a trace asks it of its model every time, and reading a
+    signature through transformers' decorators takes some 16 us)."""
+    try:
+        parameters = list(inspect.signature(forward).parameters)
     except (TypeError, ValueError):  # no signature to read
         return None
     return parameters[1] if len(parameters) > 1 else None
