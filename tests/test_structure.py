@@ -199,15 +199,7 @@ def test_dense_mlps_at_mlp_are_found_beside_blocks_at_another_attribute():
     wrapped = moelens.wrap(model)
     assert [type(wrapped.layers[i].mlp).__name__ for i in range(4)] == ["Mlp", "Moe", "Mlp", "Moe"]
     assert wrapped.layers[2].mlp.path == "model.layers.2.mlp" and wrapped.layers[1].mlp.path == "model.layers.1.moe"
-    seen = []
-    handle = model.layers[2].mlp.register_forward_hook(lambda module, args, output: seen.append(output))
-    ids = torch.tensor([[3, 4, 5]])
-    try:
-        with torch.no_grad(), wrapped.trace(ids):
-            dense = wrapped.layers[2].mlp.mlp_output.save()
-    finally:
-        handle.remove()
-    assert torch.equal(dense, seen[0])
+    _assert_mlp_output_is_the_modules(wrapped, 2, model.layers[2].mlp)
 
 
 def test_a_granitemoehybrid_checkpoint_without_experts_has_its_shared_mlps_as_layers_mlp():
@@ -221,12 +213,16 @@ def test_a_granitemoehybrid_checkpoint_without_experts_has_its_shared_mlps_as_la
         wrapped = moelens.wrap(hf)
     assert wrapped.moes == [] and len(wrapped.layers) == config.num_hidden_layers
     assert all(type(layer.mlp) is Mlp and layer.mlp.path.endswith(".shared_mlp") for layer in wrapped.layers)
+    _assert_mlp_output_is_the_modules(wrapped, 1, hf.model.layers[1].shared_mlp)
+
+
+def _assert_mlp_output_is_the_modules(wrapped, layer: int, module: torch.nn.Module) -> None:
+    """``wrapped.layers[layer].mlp.mlp_output`` equals ``module``'s own output, recorded by a torch hook."""
     seen = []
-    handle = hf.model.layers[1].shared_mlp.register_forward_hook(lambda module, args, output: seen.append(output))
-    ids = torch.tensor([[3, 4, 5]])
+    handle = module.register_forward_hook(lambda module, args, output: seen.append(output))
     try:
-        with torch.no_grad(), wrapped.trace(ids):
-            dense = wrapped.layers[1].mlp.mlp_output.save()
+        with torch.no_grad(), wrapped.trace(torch.tensor([[3, 4, 5]])):
+            dense = wrapped.layers[layer].mlp.mlp_output.save()
     finally:
         handle.remove()
     assert torch.equal(dense, seen[0])
