@@ -19,7 +19,8 @@ FAMILIES = [
            scoring=Scoring("softmax", "logit_topk", normalize=True, scale="1/router.top_k", code="TK->SM/k"),
            combine=Combine(routed_scale="block.num_experts", output_index=0),
            notes="An encoder; defaults to the eager experts implementation. The router divides the weights by k and the "
-                 "block multiplies the experts output by num_experts.",
+                 "block multiplies the experts output by k again (its attribute num_experts holds "
+                 "config.num_experts_per_tok).",
            expert_gate=CLAMPED_SWIGLU),
     Family("granitemoe", ("granitemoe",), ("GraniteMoeMoE",), block_attr="block_sparse_moe", router="router",
            logits_cast_op="float_0",
