@@ -2472,6 +2472,39 @@ def test_a_trace_of_another_wrapper_of_the_same_model_is_refused_while_one_runs(
         assert torch.equal(after, early)
 
 
+def test_a_trace_generate_or_scan_of_the_model_inside_its_own_trace_is_refused():
+    """A trace's body runs while the model runs: a trace of the same wrapper there failed with greenlet's "cyclic
+    parent chain", and generate ran transformers' own on the raw prompt ("'str' object has no attribute 'shape'").
+    A trace of it in an invoke-mode body before the invokes (the model has not run yet) is no nesting and runs."""
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        plain = hf(**inputs).logits
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    nested = {
+        "a trace": lambda: wrapped.trace(**inputs),
+        "model.generate": lambda: wrapped.generate("ab", max_new_tokens=1),
+        "model.scan": lambda: wrapped.scan("ab"),
+    }
+    for what, begin in nested.items():
+        with pytest.raises(moelens.MoelensError, match=f"{what} of this model was begun inside a trace of the same "
+                                                      r"model.*tracer\.invoke"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                wrapped.moes[0].router_logits.save()
+                with begin():
+                    wrapped.moes[0].router_logits.save()
+        assert wrapped.interleaver.owner is None and not wrapped.interleaver.running
+        with torch.no_grad(), wrapped.trace(**inputs):  # the model serves as before
+            logits = wrapped.output.logits.save()
+        assert torch.equal(logits, plain)
+    with torch.no_grad(), wrapped.trace() as tracer:
+        with wrapped.trace(**inputs):
+            early = wrapped.output.logits.save()
+        with tracer.invoke(**inputs):
+            logits = wrapped.output.logits.save()
+    assert torch.equal(early, plain) and torch.equal(logits, plain)
+
+
 def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlock():
     """A trace fails while an invoke waits in a thread pool whose job traces another model (one model per thread, as
     the docs advise): nnsight's clean-up ran that invoke's pool exit, which waited for the job, under the lock the

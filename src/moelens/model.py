@@ -305,6 +305,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def scan(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``scan``; refused with the way out for a family whose forward deep-copies its key-value cache
         (`Family.scan_without_cache`): under fake tensors that fails inside torch and can leave the process broken."""
+        if isinstance(self.interleaver, MoeInterleaver):
+            self.interleaver.refuse_nested("model.scan")
         family = self.family
         if family is not None and family.scan_without_cache and kwargs.get("use_cache") is not False:
             raise MoelensError(
@@ -327,8 +329,9 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
         transformers' compilation of the forward (which a static cache on a GPU turns on by itself)."""
-        if isinstance(self.interleaver, MoeInterleaver):  # called during another thread's run, nnsight runs it in it
+        if isinstance(self.interleaver, MoeInterleaver):  # called during a run, nnsight runs it in it
             self.interleaver.refuse_other_threads()
+            self.interleaver.refuse_nested("model.generate")
         if generation_setting(self._module, kwargs, "compile_config") is not None or (
                 generation_setting(self._module, kwargs, "disable_compile") is False):
             raise MoelensError(f"generate() with a compile_config or disable_compile=False compiles the forward. {COMPILED} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+import greenlet
 import torch
 from nnsight.intervention.interleaver import Interleaver
 
@@ -49,10 +50,11 @@ class MoeInterleaver(Interleaver):
         """Begin a run in this thread (as its inputs are first batched, before the run adds its workers).
 
         Raises:
-            MoelensError: a run another thread began is going on.
+            MoelensError: a run another thread began is going on, or this thread's (a trace begun in a trace's body).
         """
         with _CLAIMING:
             self.refuse_other_threads()
+            self.refuse_nested("a trace")
             self.owner = threading.get_ident()
 
     def hold_blocks(self) -> None:
@@ -84,6 +86,19 @@ class MoeInterleaver(Interleaver):
                 "this model is running a trace (or a forward) another thread began; a wrapped model runs one at a "
                 "time, and nnsight would mix the two runs' interventions up. Trace it from one thread at a time "
                 "(a lock around the trace), or give each thread a model of its own (copy.deepcopy(model))."
+            )
+
+    def refuse_nested(self, what: str) -> None:
+        """Raise `MoelensError` when ``what`` of this model begins inside this thread's run of it (a trace's body
+        runs while the model runs: nnsight failed with greenlet's "cyclic parent chain", and a ``generate`` there
+        ran transformers' own on the raw prompt). nnsight's own calls as the model runs come from the model's side."""
+        mediator = getattr(greenlet.getcurrent(), "mediator", None)  # set in a trace body's greenlet (nnsight)
+        if self.interleaving and self.owner == threading.get_ident() and mediator is not None and \
+                mediator().interleaver is self:
+            raise MoelensError(
+                f"{what} of this model was begun inside a trace of the same model: a trace's body runs while the "
+                "model runs, and a model cannot run inside its own run. Give one trace several inputs with "
+                "tracer.invoke(...), or begin the next trace after this one has ended (model.session() groups them)."
             )
 
     def release(self) -> None:
