@@ -2861,6 +2861,27 @@ def test_scan_under_grouped_mm_on_a_float32_cpu_model_says_to_switch():
     assert tuple(shape)[:3] == (1, tokens, half.moes[0].top_k)
 
 
+def test_scan_through_a_value_dependent_experts_loop_says_what_to_do():
+    """Scan's fake tensors cannot follow an experts loop that runs each expert on the tokens that picked it: torch's
+    GuardOnDataDependentSymNode ("Could not guard on data-dependent expression"). Under transformers' eager loop the
+    error names the switch; a family whose own loop it is (dbrx) says to run a real trace. The model traces after."""
+    model = moelens.load()
+    model.set_experts_implementation("eager")
+    with pytest.raises(moelens.MoelensError, match=r"model\.scan: the model's forward takes a path that depends on the "
+                                                   r"values .*layers\.0\.mlp's experts \(and others\) run transformers' "
+                                                   r"eager loop.*set_experts_implementation\('batched_mm'\)"):
+        with model.scan("hello"):
+            model.moes[0].router_logits.save()
+    with torch.no_grad(), model.trace("hello"):
+        logits = model.moes[0].router_logits.save()
+    assert logits.shape[-1] == model.moes[0].num_experts and torch.isfinite(logits).all()
+    dbrx = moelens.wrap(tiny_model("dbrx"), tokenizer=ascii_tokenizer())
+    with pytest.raises(moelens.MoelensError, match=r"model\.scan: .*depends on the values.*run a real trace on a short "
+                                                   r"input instead\.$"):
+        with dbrx.scan("hello"):
+            dbrx.moes[0].router_logits.save()
+
+
 def test_params_of_a_dense_block_says_it_is_dense():
     """Mlp.params() was nnsight's "'Mlp' object (nor its module) has attribute 'params'"."""
     hf = tiny_model("qwen2_moe")

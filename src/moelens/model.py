@@ -25,6 +25,7 @@ from nnsight.intervention.envoy import Envoy, traceable
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
@@ -164,6 +165,8 @@ class MoeModelMixin:
             if refusal is None:
                 raise
             raise refusal from error
+        except GuardOnDataDependentSymNode as error:  # model.scan through a forward whose shapes follow the values
+            raise self._unscannable() from error
         finally:
             for runs in ep_runs:
                 runs.trace_ends()
@@ -173,6 +176,21 @@ class MoeModelMixin:
                 served.RUNS[interleaver] = outer
         handed_back.check()
         return result
+
+    def _unscannable(self) -> MoelensError:
+        """The error for a ``model.scan`` whose fake tensors met a forward that branches on values: an experts loop
+        that runs each expert on the tokens that picked it (transformers' eager implementation, dbrx's own)."""
+        eager = [moe.path for moe in self.moes
+                 if moe.experts_implementation == "eager" and is_dispatching(moe.experts._module)]
+        way_out = (
+            f"{eager[0]}'s experts{' (and others)' if len(eager) > 1 else ''} run transformers' eager loop: scan under "
+            "another implementation, model.set_experts_implementation('batched_mm')"
+            if eager else "run a real trace on a short input instead"
+        )
+        return MoelensError(
+            "model.scan: the model's forward takes a path that depends on the values (such as an experts loop that "
+            "runs each expert on the tokens that picked it), which scan's fake tensors have none of; " + way_out + "."
+        )
 
     def _ep_runs(self, watched: list[tuple[str, torch.nn.Module]] | None = None) -> list[Any]:
         """The `parallel.runs.Runs` of each EP group this model's experts are sharded over (none unsharded)."""
