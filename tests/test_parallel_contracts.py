@@ -335,6 +335,7 @@ def two_ranks() -> list[dict[str, Any]]:
         ranks_of = dist.get_process_group_ranks
         RESULT["groups"] = {ep: [ranks_of(g) for g in ep_groups(ep)] for ep in (1, 2)}
         RESULT["three"] = error_of(lambda: ep_groups(3))
+        RESULT["zero"] = error_of(lambda: ep_groups(0))
         only_zero = dist.new_group([0])
         RESULT["non_member"] = error_of(lambda: shard_experts(tiny_model("mixtral"), only_zero))
     """)
@@ -364,12 +365,14 @@ def test_plan_split_sizes_serve_flag_and_traffic_on_two_ranks(two_ranks: list[di
 
 
 def test_ep_groups_and_non_members_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:
-    """ep_groups over 2 ranks: EP 1 gives EP {r}, EDP {0, 1}; EP 2 gives EP {0, 1}, EDP {r}; 3 does not divide 2.
+    """ep_groups over 2 ranks: EP 1 gives EP {r}, EDP {0, 1}; EP 2 gives EP {0, 1}, EDP {r}; 3 and 0 are no divisors of 2.
     shard_experts on a group this rank is not in is refused (rank 1, group {0}); rank 0 shards over {0}."""
     results = two_ranks
     for rank, r in enumerate(results):
         assert r["groups"] == {"1": [[rank], [0, 1]], "2": [[0, 1], [rank]]}, (rank, r["groups"])
-        assert r["three"].startswith("MoelensError") and "does not divide the world size 2" in r["three"], r
+        for degree in ("three", "zero"):  # 0 was "does not divide the world size" too
+            assert r[degree].startswith("MoelensError") and "is not a divisor of the world size 2; choose one of " \
+                "[1, 2]" in r[degree], r
     assert results[0]["non_member"] == ""
     assert "not a member of the given group" in results[1]["non_member"], results[1]
 

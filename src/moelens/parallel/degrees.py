@@ -108,7 +108,8 @@ def ep_groups(ep: int) -> tuple[Any, Any]:
         raise MoelensError("ep_groups: torch.distributed is not initialised; call init_process_group first.")
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep < 1 or world % ep:
-        raise MoelensError(f"ep_groups: EP degree {ep} does not divide the world size {world}.")
+        raise MoelensError(f"ep_groups: EP degree {ep} is not a divisor of the world size {world}; choose one of "
+                           f"{[d for d in range(1, world + 1) if world % d == 0]} (choose_ep_dp_degrees picks one).")
     mine_ep = mine_edp = None
     for start in range(0, world, ep):
         group = dist.new_group(list(range(start, start + ep)))
