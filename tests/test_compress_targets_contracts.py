@@ -181,8 +181,15 @@ def test_camel_case_attention_modules_count_as_attention():
 
 
 def test_a_target_string_is_a_regex_matched_against_the_whole_name():
-    with pytest.raises(NothingToConvert):
+    """PEFT's rule; the refusal of a string that is only the end of names says so (it said only "no modules
+    matching", with q_proj layers in plain sight)."""
+    with pytest.raises(NothingToConvert, match=r"A string is a regular expression that must match a whole module "
+                                               r"name \(as in PEFT\), and 'q_proj' is only the end of names such as "
+                                               r"'model\.layers\.0\.self_attn\.q_proj': give target_modules=\['q_proj'\] "
+                                               r"or '\.\*q_proj'\.$"):
         convert(llama(), num_experts=4, top_k=2, target_modules="q_proj")
+    with pytest.raises(NothingToConvert, match=r"must match a whole module name \(as in PEFT\)\.$"):
+        convert(llama(), num_experts=4, top_k=2, target_modules="nothing_here")
     _, stats = convert(llama(), num_experts=4, top_k=2, target_modules=r".*\.q_proj")
     assert stats.converted_layers == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
 

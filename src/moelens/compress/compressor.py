@@ -185,10 +185,16 @@ class ToMoECompressor:
                      else f"modules matching target_modules={targeted!r}" if targeted is not None
                      else "FFN blocks (SwiGLU gate/up/down, BERT intermediate/output, GPT-2 c_fc/c_proj)")
             detail = "; ".join(f"{s.name}: {s.reason}" for s in skips)
+            regex = ""
+            if isinstance(targeted, str):  # PEFT's rule: a string is a regex the whole module name must match
+                ending = [name for name, _ in model.named_modules() if name.endswith("." + targeted)]
+                regex = (f" A string is a regular expression that must match a whole module name (as in PEFT)"
+                         + (f", and {targeted!r} is only the end of names such as {ending[0]!r}: give "
+                            f"target_modules=[{targeted!r}] or {'.*' + targeted!r}" if ending else "") + ".")
             raise NothingToConvert(
                 f"nothing to convert in {type(model).__name__}: no {where} that can be converted"
                 + (f" (skipped: {detail})" if detail else "")
-                + ". Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks)."
+                + ". Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks)." + regex
             )
         return sites, skips
 
