@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import json
 
 import numpy as np
@@ -329,9 +330,11 @@ def test_the_demo_with_no_windows_routes_no_held_out_windows(tmp_path, demo_spie
     assert "token_routing.png" in seen["saved"] and not [name for name in seen["saved"] if name.startswith("heldout_")]
 
 
-@pytest.mark.parametrize("threads", ["0", "-2"])
-def test_the_demo_refuses_a_thread_count_below_one_in_one_line(tmp_path, monkeypatch, capsys, threads):
-    """torch.set_num_threads(0) raises a RuntimeError: the demo must refuse it first, as a one-line error (status 2)."""
+@pytest.mark.parametrize("threads", ["0", "-2", "100000"])
+def test_the_demo_refuses_a_thread_count_below_one_or_above_the_cores_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                                   threads):
+    """torch.set_num_threads(0) raises a RuntimeError, and 100000 threads ran the machine out of memory (a hang, or a
+    traceback): the demo must refuse them first, as a one-line error (status 2)."""
     from moelens.cli import main
 
     def no_work(*args, **kwargs):
@@ -341,5 +344,6 @@ def test_the_demo_refuses_a_thread_count_below_one_in_one_line(tmp_path, monkeyp
     before = torch.get_num_threads()
     status = main(["demo", "--out", str(tmp_path / "demo"), "--windows", "0", "--threads", threads])
     err = capsys.readouterr().err
-    assert status == 2 and err.strip() == f"moelens demo: error: --threads must be at least 1, got {threads}."
+    bound = "at least 1" if int(threads) < 1 else f"at most this machine's {os.cpu_count()} cores"
+    assert status == 2 and err.strip() == f"moelens demo: error: --threads must be {bound}, got {threads}."
     assert torch.get_num_threads() == before

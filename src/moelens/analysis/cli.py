@@ -114,6 +114,9 @@ def set_threads(threads: int | None) -> None:
         return
     if threads < 1:
         raise MoelensError(f"--threads must be at least 1, got {threads}.")
+    cores = os.cpu_count() or 1
+    if threads > cores:  # torch starts them all: 100000 exhausted the memory
+        raise MoelensError(f"--threads must be at most this machine's {cores} cores, got {threads}.")
     import torch
 
     torch.set_num_threads(threads)
@@ -176,7 +179,8 @@ def read_text(path: Path) -> str:
     except OSError as error:
         raise MoelensError(f"text file {str(path)!r} cannot be read: {error.strerror or error}.") from None
     if not text.strip():
-        raise MoelensError(f"text file {str(path)!r} is empty; give it some text to route.")
+        raise MoelensError(f"text file {str(path)!r} is empty{' (whitespace only)' if text else ''}; give it some text "
+                           "to route.")
     return text
 
 

@@ -16,7 +16,7 @@ QWEN_SHARED = SharedExpert(
 
 FAMILIES = [
     Family("mixtral", ("mixtral",), ("MixtralSparseMoeBlock",), scoring=ALWAYS,
-           notes="Weights are float32 in a bf16 model (the softmax runs on .float())."),
+           notes="Expert weights are float32 whatever the model's dtype (the softmax runs on .float())."),
     Family("minimax", ("minimax",), ("MiniMaxSparseMoeBlock",), scoring=ALWAYS, notes="Routing as mixtral."),
     Family("olmoe", ("olmoe",), ("OlmoeSparseMoeBlock",), scoring=IF_FLAGGED,
            notes="norm_topk_prob defaults to False: weights sum to less than 1."),
