@@ -64,9 +64,48 @@ def test_export_fails_when_tract_differs_from_torch(block, quantize, tmp_path, m
     with pytest.raises(ExportError, match="tract's output differs from torch") as caught:
         to_nnef(block, path, quantize_experts=quantize)
     assert seen, "tract was not run"
-    assert "The archive was written" in str(caught.value)
+    assert "The archive was written; please report this model." in str(caught.value)  # no tied experts to blame
     assert ("Q4_0" in str(caught.value)) == (quantize == "q4_0")
     assert path.exists()
+
+
+def test_a_failed_check_after_router_rows_were_copied_names_the_tied_experts(tmp_path):
+    """A router row copied onto another expert with moe.params() (a use interventions.md names) makes the two tie on
+    every token, and tract's top-k breaks the ties otherwise than torch's: the check failed with "please report this
+    model". It now names the tied experts per layer and the way out; a copy scaled by 1.01 exports."""
+    model = moelens.wrap(tiny_model("mixtral"))
+    with torch.no_grad():
+        for layer, moe in enumerate(model.moes):
+            moe.params((layer + 1) % 8).router.copy_(moe.params((layer + 5) % 8).router)
+    with pytest.raises(ExportError, match=r"The archive was written; its routers give experts the same row, so their "
+                                          r"logits tie on every token \(layer 0: experts 1 and 5; layer 1: experts 2 and "
+                                          r"6; layer 2: experts 3 and 7 \.\.\.\), and tract's top-k breaks ties otherwise "
+                                          r"than torch's: make the rows differ \(e\.g\. scale a copied row by 1\.01\)"):
+        to_nnef(model, tmp_path / "tied.nnef.tgz")
+    with torch.no_grad():
+        for layer, moe in enumerate(model.moes):
+            moe.params((layer + 1) % 8).router.mul_(1.01)
+    assert to_nnef(model, tmp_path / "apart.nnef.tgz").verification.tolerance is not None
+
+
+def test_tied_experts_are_selectable_experts_with_the_same_router_row_and_bias(block):
+    from moelens.export.spec import read_spec
+
+    spec = read_spec(block.family, block._module, block.layer)
+    wg = spec.wg.clone()
+    wg[1] = wg[3]
+    assert spec.with_weights(wg=wg).tied_experts() == [(1, 3)]
+    near = wg.clone()
+    near[1] = wg[3] * (1 + 1e-7)
+    assert spec.with_weights(wg=near).tied_experts() == [(1, 3)]
+    apart = wg.clone()
+    apart[1] = wg[3] * 1.01
+    assert spec.with_weights(wg=apart).tied_experts() == []
+    bias = torch.zeros(wg.shape[0])
+    assert spec.with_weights(wg=wg, wg_bias=bias + torch.eye(wg.shape[0])[1]).tied_experts() == []  # a steer apart
+    routed_around = bias.clone()
+    routed_around[[1, 3]] = float("-inf")
+    assert spec.with_weights(wg=wg, wg_bias=routed_around).tied_experts() == []  # never chosen: no tie to break
 
 
 @pytest.mark.parametrize("quantize", [None, "q4_0"], ids=["float32", "q4_0"])

@@ -83,6 +83,17 @@ class MoeSpec:
         """Whether any of the experts' projections has a bias."""
         return any(b is not None for b in (self.w1_bias, self.w3_bias, self.w2_bias))
 
+    def tied_experts(self, rtol: float = 1e-5) -> list[tuple[int, int]]:
+        """Pairs of selectable experts whose router rows and biases agree to ``rtol`` of the router's scale: their
+        logits tie (or nearly) on every token, and tract's top-k may break such ties otherwise than torch's."""
+        rows = self.wg.float()
+        bias = self.wg_bias.float() if self.wg_bias is not None else torch.zeros(rows.shape[0])
+        bound = rtol * float(rows.abs().max().clamp_min(1e-30))
+        close = torch.cdist(rows, rows, p=float("inf")) <= bound
+        close &= (bias[:, None] - bias[None, :]).abs() <= bound
+        close &= torch.isfinite(bias)[:, None] & torch.isfinite(bias)[None, :]  # routed around: never chosen
+        return [(int(a), int(b)) for a, b in torch.triu(close, diagonal=1).nonzero().tolist()]
+
     def with_weights(self, **weights: Tensor | None) -> "MoeSpec":
         """A copy with some tensors replaced (the others are shared)."""
         return replace(self, notes=list(self.notes), **weights)
