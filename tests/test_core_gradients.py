@@ -14,6 +14,7 @@ import nnsight
 import pytest
 import torch
 
+import moelens
 from groundtruth import built, first_tensor
 
 GRADIENT_CASES = [(family, impl) for family in ("mixtral", "qwen2_moe") for impl in ("grouped_mm", "batched_mm")]
@@ -125,6 +126,42 @@ def test_in_place_edits_with_autograd_on_keep_the_backward_working(family, name)
     for (param_name, param), reference_param in zip(hf.named_parameters(), reference.parameters()):
         if param.grad is not None or reference_param.grad is not None:
             torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_expert_activations_edited_in_time_or_late_with_autograd_on(impl):
+    """An in-place edit of expert_activations before the next read lands with the gradients of plain nnsight making
+    it; one after the next read is an OrderError under both implementations. Under batched_mm (activations already
+    in token-slot order) the model went on from a view of the served value, so the late edit reached what the down
+    projection keeps for its backward: torch's bare "modified by an inplace operation" at the backward."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", impl)
+    hf.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)  # the models are shared between tests
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        moe.expert_activations.mul_(2.0)
+        output = wrapped.output.save()
+    loss_of(output).backward()
+    raw = nnsight.NNsight(reference)
+    with raw.trace(**inputs):
+        inner = raw.get(moe.path.removeprefix("model.")).experts.source.experts_forward_1.source
+        inner.self__apply_gate_0.output.mul_(2.0)
+        expected = raw.output.save()
+    loss_of(expected).backward()
+    torch.testing.assert_close(first_tensor(output), first_tensor(expected))
+    for (param_name, param), reference_param in zip(hf.named_parameters(), reference.parameters()):
+        if param.grad is not None or reference_param.grad is not None:
+            torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)
+    hf.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+    with pytest.raises(moelens.OrderError, match=r"layers\.0\.mlp\.expert_activations was edited in place after "
+                                                 r"moelens had handed it back"):
+        with wrapped.trace(**inputs):
+            activations = moe.expert_activations
+            moe.expert_outputs
+            activations.mul_(0.5)
+            loss = loss_of(wrapped.output)
+            with loss.backward():
+                pass
+    hf.zero_grad(set_to_none=True)
 
 
 def checkpointed(family: str, implementation: str, on: bool, every_n_layers: int = 1, reentrant: bool = False):

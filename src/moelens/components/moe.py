@@ -634,12 +634,19 @@ class Moe(Mlp):
         location = self._nested(ops.gated_activations if gated else ops.plain_activations)
 
         if ops.sort is None:
+            def from_slots(slots: Tensor, _: Any) -> Tensor:
+                rows = slots.reshape(-1, slots.shape[-1])
+                # With autograd on, the model goes on from a tensor of its own: from a view of the served value, a
+                # late in-place edit of it reached what the down projection keeps for its backward (torch's "modified
+                # by an inplace operation"), unseen by the late-edit check (`HandedBack`), which watches it so.
+                return rows.clone() if rows.requires_grad else rows
+
             return Binding(
                 location,
                 features=2,
                 prepare=lambda: self._drill(name),
                 to_view=lambda rows, _: rows.view(-1, self.top_k, rows.shape[-1]),
-                from_view=lambda slots, _: slots.reshape(-1, slots.shape[-1]),
+                from_view=from_slots,
             )
 
         sort_location = self._nested(ops.sort)
