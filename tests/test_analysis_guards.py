@@ -257,6 +257,32 @@ def test_an_empty_text_in_a_tokenizers_output_is_an_empty_corpus_item(model):
         assert (routed.num_texts, routed.num_tokens) == (1, 0)
 
 
+def test_an_empty_array_of_token_ids_is_an_empty_corpus_item(model):
+    """np.array([]) and torch.tensor([]) are float (no ids to check): they were refused as "a 1-D tensor of integer
+    token ids, got torch.float64 of shape (0,)", where docs/analysis.md counts an empty item whatever its form."""
+    ids = [[ord(char) for char in text] for text in TEXTS[:2]]
+    for empty in (np.array([]), torch.tensor([]), torch.tensor([], dtype=torch.long), []):
+        routed = analysis.collect_routing(model, [torch.tensor(ids[0]), empty, np.array(ids[1])], progress=False)
+        assert routed.num_texts == 3 and routed.token_ids().tolist() == ids[0] + ids[1]
+        assert routed.text_index().tolist() == [0] * len(ids[0]) + [2] * len(ids[1])
+    with pytest.raises(MoelensError, match=r"must be a 1-D tensor of integer token ids, got torch\.float32 of shape"):
+        analysis.collect_routing(model, [torch.tensor([1.0, 2.0])], progress=False)
+
+
+def test_token_routing_of_no_tokens_or_no_text_names_what_it_got(model):
+    """It blamed the tokenizer and "only special tokens" for empty token ids, and said "corpus item 0" for a number
+    (token_routing takes one text, no corpus); a text of special tokens alone is routed."""
+    for empty in ([], torch.tensor([], dtype=torch.long), np.array([])):
+        with pytest.raises(MoelensError, match=r"^token_routing got no token ids; pass at least one\.$"):
+            analysis.token_routing(model, empty)
+    with pytest.raises(MoelensError, match=r"^the text '' has no tokens: the tokenizer made none of it; pass text"):
+        analysis.token_routing(model, "")
+    for wrong, kind in ((5, "int"), (None, "NoneType")):
+        with pytest.raises(MoelensError, match=rf"^token_routing routes one text: a string or a sequence of token ids, "
+                                               rf"got {kind}\.$"):
+            analysis.token_routing(model, wrong)
+
+
 def test_numpy_token_ids_are_routed_as_python_ones(model):
     """A list of numpy integers and a 2-D numpy array were refused as not token ids."""
 

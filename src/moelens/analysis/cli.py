@@ -324,7 +324,7 @@ def run_stats(args: argparse.Namespace) -> int:
                             blocks=args.blocks, folder=str(folder) if folder is not None else None,
                             progress=not args.no_progress)
     if cache.num_tokens == 0:
-        raise MoelensError(f"text file {str(args.text)!r} produced no tokens (empty, or only special tokens); "
+        raise MoelensError(f"text file {str(args.text)!r} produced no tokens (the tokenizer made none of it); "
                            "give a file with text in it.")
     stats = layer_stats(cache)
     rows = stats.rows()

@@ -135,6 +135,8 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
             return encode(item.tolist(), tokenizer, what)
         item = torch.from_numpy(item)
     if isinstance(item, Tensor):
+        if item.dim() == 1 and not item.numel():  # np.array([]) and torch.tensor([]) are float: no ids to check
+            return []
         if item.dim() != 1 or item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
             raise MoelensError(f"{what} must be a 1-D tensor of integer token ids, got {item.dtype} of shape "
                                f"{tuple(item.shape)}.")

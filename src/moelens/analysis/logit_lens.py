@@ -209,8 +209,8 @@ def expert_logit_lens(
     finally:
         bar.close()
     if all(count.sum() == 0 for count in counts.values()):
-        raise MoelensError("the corpus has no tokens: every item was empty (or only special tokens) after "
-                           "tokenizing; pass texts or token ids with content.")
+        raise MoelensError("the corpus has no tokens: every item was empty (an empty text or no token ids); pass "
+                           "texts or token ids with content.")
     for moe in moes:
         sums[moe.layer] = _to_hidden(moe, sums[moe.layer])
     layer_ids = [moe.layer for moe in moes]

@@ -87,8 +87,8 @@ def token_routing(
     cache = collect_routing(model, [_one_text(text)], batch_size=1, logits=logits, layers=layers, blocks=blocks,
                             dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:
-        raise MoelensError(f"the text {str(text)!r:.60} has no tokens: the tokenizer made none of it (empty, or only "
-                           "special tokens); pass text with words in it.")
+        raise MoelensError(f"the text {text!r:.60} has no tokens: the tokenizer made none of it; pass text with words "
+                           "in it." if isinstance(text, str) else "token_routing got no token ids; pass at least one.")
     indices = _stacked([cache.indices(layer).long() for layer in cache.layers], SKIPPED)
     weights = _stacked([cache.weights(layer) for layer in cache.layers], 0.0)
     order = torch.argsort(weights, dim=-1, descending=True, stable=True)
@@ -116,6 +116,9 @@ def _one_text(text: Any) -> Any:
                 "texts; route each on its own, or all of them with analysis.collect_routing(model, texts) and read "
                 "the cache."
             )
+    if not isinstance(text, (str, list, tuple, np.ndarray, Tensor)):
+        raise MoelensError(f"token_routing routes one text: a string or a sequence of token ids, got "
+                           f"{type(text).__name__}.")
     shape = getattr(text, "shape", None)
     if shape is not None and len(shape) == 2 and shape[0] == 1:
         return text[0]
