@@ -277,6 +277,10 @@ def test_token_routing_of_no_tokens_or_no_text_names_what_it_got(model):
             analysis.token_routing(model, empty)
     with pytest.raises(MoelensError, match=r"^the text '' has no tokens: the tokenizer made none of it; pass text"):
         analysis.token_routing(model, "")
+    ids = [ord(char) for char in TEXTS[1]]
+    for sequence in (range(ids[0], ids[0] + 3), tuple(ids)):  # any sequence of ids, as collect_routing takes
+        routed = analysis.token_routing(model, sequence)
+        assert routed.token_ids.tolist() == list(sequence)
     for wrong, kind in ((5, "int"), (None, "NoneType")):
         with pytest.raises(MoelensError, match=rf"^token_routing routes one text: a string or a sequence of token ids, "
                                                rf"got {kind}\.$"):

@@ -80,7 +80,8 @@ def test_a_failed_check_after_router_rows_were_copied_names_the_tied_experts(tmp
     with pytest.raises(ExportError, match=r"The archive was written; its routers give experts the same row, so their "
                                           r"logits tie on every token \(layer 0: experts 1 and 5; layer 1: experts 2 and "
                                           r"6; layer 2: experts 3 and 7 \.\.\.\), and tract's top-k breaks ties otherwise "
-                                          r"than torch's: make the rows differ \(e\.g\. scale a copied row by 1\.01\)"):
+                                          r"than torch's: make the rows differ \(e\.g\. scale a copied row by 1\.01\) or route "
+                                          r"around one of the experts \(ablate\(moe, e, \"route_around\"\)"):
         to_nnef(model, tmp_path / "tied.nnef.tgz")
     with torch.no_grad():
         for layer, moe in enumerate(model.moes):

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import logging
 import re
+import traceback
 import warnings
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, NoReturn
@@ -166,7 +167,10 @@ class MoeModelMixin:
                 raise
             raise refusal from error
         except GuardOnDataDependentSymNode as error:  # model.scan through a forward whose shapes follow the values
-            raise self._unscannable() from error
+            refusal = self._unscannable(error)
+            if refusal is None:  # not in an experts loop (the scan body's own `if x.sum() > 0:`): torch names the line
+                raise
+            raise refusal from error
         finally:
             for runs in ep_runs:
                 runs.trace_ends()
@@ -177,19 +181,20 @@ class MoeModelMixin:
         handed_back.check()
         return result
 
-    def _unscannable(self) -> MoelensError:
-        """The error for a ``model.scan`` whose fake tensors met a forward that branches on values: an experts loop
-        that runs each expert on the tokens that picked it (transformers' eager implementation, dbrx's own)."""
-        eager = [moe.path for moe in self.moes
-                 if moe.experts_implementation == "eager" and is_dispatching(moe.experts._module)]
-        way_out = (
-            f"{eager[0]}'s experts{' (and others)' if len(eager) > 1 else ''} run transformers' eager loop: scan under "
-            "another implementation, model.set_experts_implementation('batched_mm')"
-            if eager else "run a real trace on a short input instead"
-        )
+    def _unscannable(self, error: BaseException) -> MoelensError | None:
+        """The error for a ``model.scan`` whose fake tensors met an experts loop that runs each expert on the tokens
+        that picked it (transformers' eager implementation, dbrx's own), found in ``error``'s traceback; None where
+        the guard failed elsewhere."""
+        experts = {id(moe.experts._module): moe for moe in self.moes}
+        frames = (frame for frame, _ in traceback.walk_tb(error.__traceback__))
+        moe = next((experts[id(owner)] for frame in frames if id(owner := frame.f_locals.get("self")) in experts), None)
+        if moe is None:
+            return None
+        way_out = ("scan under another implementation: model.set_experts_implementation('batched_mm')"
+                   if is_dispatching(moe.experts._module) else "run a real trace on a short input instead")
         return MoelensError(
-            "model.scan: the model's forward takes a path that depends on the values (such as an experts loop that "
-            "runs each expert on the tokens that picked it), which scan's fake tensors have none of; " + way_out + "."
+            f"model.scan: {moe.path}'s experts run a loop that depends on the values (each expert on the tokens that "
+            f"picked it), which scan's fake tensors have none of; {way_out}."
         )
 
     def _ep_runs(self, watched: list[tuple[str, torch.nn.Module]] | None = None) -> list[Any]:

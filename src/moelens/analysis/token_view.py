@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +117,7 @@ def _one_text(text: Any) -> Any:
                 "texts; route each on its own, or all of them with analysis.collect_routing(model, texts) and read "
                 "the cache."
             )
-    if not isinstance(text, (str, list, tuple, np.ndarray, Tensor)):
+    if not isinstance(text, (Sequence, np.ndarray, Tensor)):  # a string too
         raise MoelensError(f"token_routing routes one text: a string or a sequence of token ids, got "
                            f"{type(text).__name__}.")
     shape = getattr(text, "shape", None)

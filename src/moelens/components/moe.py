@@ -636,9 +636,9 @@ class Moe(Mlp):
         if ops.sort is None:
             def from_slots(slots: Tensor, _: Any) -> Tensor:
                 rows = slots.reshape(-1, slots.shape[-1])
-                # With autograd on, the model goes on from a tensor of its own: from a view of the served value, a
-                # late in-place edit of it reached what the down projection keeps for its backward (torch's "modified
-                # by an inplace operation"), unseen by the late-edit check (`HandedBack`), which watches it so.
+                # With autograd on, the model goes on from a copy: the served value is then one only the user holds,
+                # so the late-edit check (`HandedBack`) watches it. Going on from a view of it, a late in-place edit
+                # reached what the down projection keeps for its backward (torch's "modified by an inplace operation").
                 return rows.clone() if rows.requires_grad else rows
 
             return Binding(

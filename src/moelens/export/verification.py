@@ -290,4 +290,5 @@ def _ties(prepared: Any) -> str:
         return ""
     return (f"its routers give experts the same row, so their logits tie on every token ({'; '.join(tied[:3])}"
             f"{' ...' if len(tied) > 3 else ''}), and tract's top-k breaks ties otherwise than torch's: make the rows "
-            "differ (e.g. scale a copied row by 1.01) or ablate one of the experts, and export again.")
+            "differ (e.g. scale a copied row by 1.01) or route around one of the experts (ablate(moe, e, "
+            "\"route_around\"), Edits(route_around=...)), and export again.")
