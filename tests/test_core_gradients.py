@@ -92,6 +92,14 @@ def test_a_value_read_then_replaced_has_a_zero_gradient(name):
     assert grad.shape[:2] == inputs["input_ids"].shape and torch.equal(grad, torch.zeros_like(grad))
 
 
+def assert_matches_plain(output, expected, hf, reference) -> None:
+    """The traced output and every parameter's gradient after its backward equal plain nnsight's on the copy."""
+    torch.testing.assert_close(first_tensor(output), first_tensor(expected))
+    for (param_name, param), reference_param in zip(hf.named_parameters(), reference.parameters()):
+        if param.grad is not None or reference_param.grad is not None:
+            torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)
+
+
 @pytest.mark.parametrize(("family", "name"), [("mixtral", "expert_indices"), ("gpt_oss", "expert_weights")])
 def test_in_place_edits_with_autograd_on_keep_the_backward_working(family, name):
     """Autograd keeps the router's top-k indices (and gpt_oss's softmax weights) for its backward: an
@@ -122,10 +130,7 @@ def test_in_place_edits_with_autograd_on_keep_the_backward_working(family, name)
         experts.inputs = ((hidden, indices, weights, *rest), kwargs)
         expected = raw.output.save()
     loss_of(expected).backward()
-    torch.testing.assert_close(first_tensor(output), first_tensor(expected))
-    for (param_name, param), reference_param in zip(hf.named_parameters(), reference.parameters()):
-        if param.grad is not None or reference_param.grad is not None:
-            torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)
+    assert_matches_plain(output, expected, hf, reference)
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
@@ -147,10 +152,7 @@ def test_expert_activations_edited_in_time_or_late_with_autograd_on(impl):
         inner.self__apply_gate_0.output.mul_(2.0)
         expected = raw.output.save()
     loss_of(expected).backward()
-    torch.testing.assert_close(first_tensor(output), first_tensor(expected))
-    for (param_name, param), reference_param in zip(hf.named_parameters(), reference.parameters()):
-        if param.grad is not None or reference_param.grad is not None:
-            torch.testing.assert_close(param.grad, reference_param.grad, atol=1e-6, rtol=1e-5, msg=param_name)
+    assert_matches_plain(output, expected, hf, reference)
     hf.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
     with pytest.raises(moelens.OrderError, match=r"layers\.0\.mlp\.expert_activations was edited in place after "
                                                  r"moelens had handed it back"):
