@@ -1102,6 +1102,44 @@ def test_set_experts_implementation_refuses_grouped_mm_for_float64_experts_befor
     assert torch.equal(logits, expected)
 
 
+def test_a_float64_model_on_grouped_mm_says_which_block_and_how_to_switch_as_it_runs():
+    """moelens.load(path, dtype=torch.float64) keeps transformers' default grouped_mm: the first trace failed with
+    torch's "Expected mat_a to be Float32, BFloat16 or Float16 matrix". Ground truth after the switch: the float64
+    model's own forward on batched_mm."""
+    hf = tiny_model("mixtral").double()
+    inputs = tiny_inputs(hf)
+    model = moelens.wrap(hf)
+    with pytest.raises(moelens.MoelensError, match=r"^model\.model\.layers\.0\.mlp's experts hold float64 weights, "
+                                                   r"which torch's grouped_mm does not run .*: switch with "
+                                                   r'model\.set_experts_implementation\("batched_mm"\) \(or "eager"\)'):
+        with torch.no_grad(), model.trace(**inputs):
+            model.output.save()
+    model.set_experts_implementation("batched_mm")
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+    with torch.no_grad(), model.trace(**inputs):
+        logits = model.output.logits.save()
+    assert torch.equal(logits, expected)
+
+
+def test_a_model_with_every_weight_on_meta_wraps_with_a_tokenizer_and_scans():
+    """A model built under init_empty_weights, wrapped with a tokenizer, failed in transformers' pipeline ("Cannot copy
+    out of meta tensor"): nnsight's pipeline moves a model with no device map to its device. It wraps (the model
+    keeps no device map) and scans: the shapes are those of the real model."""
+    from accelerate import init_empty_weights
+
+    from moelens.testing import model_class, tiny_config
+
+    with init_empty_weights():
+        hf = model_class("mixtral")(tiny_config("mixtral"))
+    model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    assert not hasattr(hf, "hf_device_map") and all(parameter.is_meta for parameter in hf.parameters())
+    model.set_experts_implementation("batched_mm")
+    with model.scan("hello"):
+        shape = nnsight.save(model.moes[0].router_logits.shape)
+    assert tuple(shape) == (1, len("hello"), model.moes[0].num_experts)
+
+
 def test_a_family_with_a_wrong_block_attr_says_so_at_wrap():
     # The block is found by its class at layers.N.ffn; a family saying "fnn" is refused naming the field.
     config = MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)

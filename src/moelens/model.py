@@ -171,6 +171,14 @@ class MoeModelMixin:
             if refusal is None:  # not in an experts loop (the scan body's own `if x.sum() > 0:`): torch names the line
                 raise
             raise refusal from error
+        except RuntimeError as error:  # torch's grouped_mm on float64 weights names neither the block nor the way out
+            for moe in self.moes:
+                try:
+                    _refuse_unsupported_dtypes(moe.path, moe.experts._module, moe.experts_implementation,
+                                               SWITCH_IMPLEMENTATION)
+                except MoelensError as refusal:
+                    raise refusal from error
+            raise
         finally:
             for runs in ep_runs:
                 runs.trace_ends()
@@ -624,8 +632,18 @@ NO_TORCH_DEVICE = ("disk", "meta")
 @contextlib.contextmanager
 def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
-    first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after."""
+    first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after.
+    A model with every weight on meta (built under ``init_empty_weights``) and no map gets one on the CPU meanwhile:
+    the pipeline moves a model without one to its device ("Cannot copy out of meta tensor")."""
     device_map = getattr(model, "hf_device_map", None)
+    parameters = list(model.parameters())
+    if device_map is None and parameters and all(parameter.is_meta for parameter in parameters):
+        model.hf_device_map = {"": "cpu"}
+        try:
+            yield
+        finally:
+            del model.hf_device_map
+        return
     if not isinstance(device_map, dict) or next(iter(device_map.values()), None) not in NO_TORCH_DEVICE:
         yield
         return
@@ -830,14 +848,19 @@ def _wanted_for(experts: torch.nn.Module, implementation: str | dict[str, str], 
     return wanted.get(keys[0]) if keys else wanted.get("")
 
 
-def _refuse_unsupported_dtypes(path: str, experts: torch.nn.Module, implementation: str) -> None:
+#: The way out of `_refuse_unsupported_dtypes` for a model that runs already (a trace).
+SWITCH_IMPLEMENTATION = 'switch with model.set_experts_implementation("batched_mm") (or "eager")'
+
+
+def _refuse_unsupported_dtypes(path: str, experts: torch.nn.Module, implementation: str,
+                               switch: str = 'pass "batched_mm" or "eager"') -> None:
     """Raise a `MoelensError` when ``experts`` hold weights ``implementation`` cannot run (float64 under grouped_mm:
-    its first forward would fail with torch's own error)."""
+    its first forward would fail with torch's own error); ``switch`` says how to choose another implementation."""
     bad = unsupported_dtypes(implementation, (parameter.dtype for parameter in experts.parameters(recurse=False)))
     if bad:
         raise MoelensError(
             f"{path}'s experts hold {', '.join(bad)} weights, which torch's {implementation} does not run (float32, "
-            'bfloat16 and float16 only): pass "batched_mm" or "eager", or cast the model to float32 (model.float()).'
+            f"bfloat16 and float16 only): {switch}, or cast the model to float32 (model.float())."
         )
 
 
