@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import math
 import re
+import subprocess
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -1082,6 +1084,18 @@ def test_set_experts_implementation_refuses_a_key_naming_no_sub_config():
                                                    r'"" \(the model\'s own config\)\.'):
         model.set_experts_implementation({"": "eager", "text_config": "eager"})
     assert {moe.experts_implementation for moe in model.moes} == {"grouped_mm"}  # nothing switched before refusing
+
+
+def test_torch_a2a_before_it_is_registered_says_how_to_register_it():
+    """Unregistered, torch_a2a was "unknown" with no way to it (a fresh process: registration lasts for the process)."""
+    code = ("import moelens\n"
+            "from moelens.components.implementations import check_known\n"
+            "try:\n    check_known('torch_a2a')\nexcept moelens.MoelensError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("unknown experts implementation 'torch_a2a'; known: eager, ")
+    assert result.stdout.strip().endswith("moelens' expert-parallel one is registered by "
+                                          "moelens.parallel.register_torch_a2a() (shard_experts calls it).")
 
 
 def test_set_experts_implementation_refuses_grouped_mm_for_float64_experts_before_switching_anything():

@@ -90,7 +90,9 @@ def check_known(name: str, fp8: bool = True) -> None:
     """Raise a `MoelensError` unless ``name`` is one of the `known` experts implementations."""
     names = known(fp8)
     if name not in names:
-        raise MoelensError(f"unknown experts implementation {name!r}; known: {', '.join(names)}.")
+        hint = (" moelens' expert-parallel one is registered by moelens.parallel.register_torch_a2a() (shard_experts "
+                "calls it).") if name == "torch_a2a" else ""
+        raise MoelensError(f"unknown experts implementation {name!r}; known: {', '.join(names)}.{hint}")
 
 
 def ops_for(name: str | None) -> ExpertsOps | None:
