@@ -1128,6 +1128,10 @@ def test_a_float64_model_on_grouped_mm_says_which_block_and_how_to_switch_as_it_
                                                    r'model\.set_experts_implementation\("batched_mm"\) \(or "eager"\)'):
         with torch.no_grad(), model.trace(**inputs):
             model.output.save()
+    with pytest.raises(RuntimeError, match=r"^my own error$"):  # the user's own error there is left as it is
+        with torch.no_grad(), model.trace(**inputs):
+            model.moes[0].router_logits.save()
+            raise RuntimeError("my own error")
     model.set_experts_implementation("batched_mm")
     with torch.no_grad():
         expected = hf(**inputs).logits
@@ -1148,6 +1152,10 @@ def test_a_model_with_every_weight_on_meta_wraps_with_a_tokenizer_and_scans():
         hf = model_class("mixtral")(tiny_config("mixtral"))
     model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
     assert not hasattr(hf, "hf_device_map") and all(parameter.is_meta for parameter in hf.parameters())
+    with pytest.raises(moelens.MoelensError, match=r"grouped_mm, for which torch has no fake kernel in torch\.float32 "
+                                                   r"on the meta device .*'batched_mm'"):  # torch's "Expected inputs of BF16"
+        with model.scan("hello"):
+            model.moes[0].router_logits.save()
     model.set_experts_implementation("batched_mm")
     with model.scan("hello"):
         shape = nnsight.save(model.moes[0].router_logits.shape)

@@ -172,7 +172,8 @@ class MoeModelMixin:
                 raise
             raise refusal from error
         except RuntimeError as error:  # torch's grouped_mm on float64 weights names neither the block nor the way out
-            for moe in self.moes:
+            moe = self._failing_experts(error)
+            if moe is not None:
                 try:
                     _refuse_unsupported_dtypes(moe.path, moe.experts._module, moe.experts_implementation,
                                                SWITCH_IMPLEMENTATION)
@@ -189,13 +190,17 @@ class MoeModelMixin:
         handed_back.check()
         return result
 
+    def _failing_experts(self, error: BaseException) -> Moe | None:
+        """The block whose experts module's forward ``error`` was raised in (found in its traceback), or None."""
+        experts = {id(moe.experts._module): moe for moe in self.moes}
+        frames = (frame for frame, _ in traceback.walk_tb(error.__traceback__))
+        return next((experts[id(owner)] for frame in frames if id(owner := frame.f_locals.get("self")) in experts), None)
+
     def _unscannable(self, error: BaseException) -> MoelensError | None:
         """The error for a ``model.scan`` whose fake tensors met an experts loop that runs each expert on the tokens
         that picked it (transformers' eager implementation, dbrx's own), found in ``error``'s traceback; None where
         the guard failed elsewhere."""
-        experts = {id(moe.experts._module): moe for moe in self.moes}
-        frames = (frame for frame, _ in traceback.walk_tb(error.__traceback__))
-        moe = next((experts[id(owner)] for frame in frames if id(owner := frame.f_locals.get("self")) in experts), None)
+        moe = self._failing_experts(error)
         if moe is None:
             return None
         way_out = ("scan under another implementation: model.set_experts_implementation('batched_mm')"
@@ -347,11 +352,12 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             )
         for moe in self.moes:
             weight = next(moe.experts._module.parameters(), None)
-            if moe.experts_implementation == "grouped_mm" and weight is not None and weight.device.type == "cpu" \
-                    and weight.dtype != torch.bfloat16:
+            if moe.experts_implementation == "grouped_mm" and weight is not None and \
+                    weight.device.type in ("cpu", "meta") and weight.dtype != torch.bfloat16:
+                where = "CPU" if weight.device.type == "cpu" else "meta device"
                 raise MoelensError(
                     f"model.scan: {moe.path}'s experts run grouped_mm, for which torch has no fake kernel in "
-                    f"{weight.dtype} on the CPU (scan would fail inside torch); scan under another implementation: "
+                    f"{weight.dtype} on the {where} (scan would fail inside torch); scan under another implementation: "
                     "model.set_experts_implementation('batched_mm')."
                 )
         return super().scan(*inputs, **kwargs)
@@ -636,8 +642,8 @@ def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     A model with every weight on meta (built under ``init_empty_weights``) and no map gets one on the CPU meanwhile:
     the pipeline moves a model without one to its device ("Cannot copy out of meta tensor")."""
     device_map = getattr(model, "hf_device_map", None)
-    parameters = list(model.parameters())
-    if device_map is None and parameters and all(parameter.is_meta for parameter in parameters):
+    if device_map is None and next(model.parameters(), None) is not None and all(
+            parameter.is_meta for parameter in model.parameters()):
         model.hf_device_map = {"": "cpu"}
         try:
             yield
