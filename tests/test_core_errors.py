@@ -1152,10 +1152,8 @@ def test_a_model_with_every_weight_on_meta_wraps_with_a_tokenizer_and_scans():
         hf = model_class("mixtral")(tiny_config("mixtral"))
     model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
     assert not hasattr(hf, "hf_device_map") and all(parameter.is_meta for parameter in hf.parameters())
-    with pytest.raises(moelens.MoelensError, match=r"grouped_mm, for which torch has no fake kernel in torch\.float32 "
-                                                   r"on the meta device .*'batched_mm'"):  # torch's "Expected inputs of BF16"
-        with model.scan("hello"):
-            model.moes[0].router_logits.save()
+    assert_scan_refused(model, r"grouped_mm, for which torch has no fake kernel in torch\.float32 on the meta device "
+                               r".*'batched_mm'")  # torch's "Expected inputs of BF16"
     model.set_experts_implementation("batched_mm")
     with model.scan("hello"):
         shape = nnsight.save(model.moes[0].router_logits.shape)
@@ -2905,15 +2903,20 @@ def test_a_meta_tensor_written_is_refused():
             model.moes[0].router_logits = torch.zeros(shape, device="meta")
 
 
+def assert_scan_refused(model, match: str, value: str = "router_logits") -> None:
+    """model.scan("hello") reading the first block's ``value`` raises a MoelensError matching ``match``."""
+    with pytest.raises(moelens.MoelensError, match=match):
+        with model.scan("hello"):
+            getattr(model.moes[0], value).save()
+
+
 def test_scan_under_grouped_mm_on_a_float32_cpu_model_says_to_switch():
     """torch's fake grouped_mm takes only bfloat16 on CPU: scan failed inside torch with "Expected inputs of BF16
     type"; a bfloat16 model scans under grouped_mm."""
     model = moelens.load()
     model.set_experts_implementation("grouped_mm")
-    with pytest.raises(moelens.MoelensError, match=r"model\.scan: .*mlp's experts run grouped_mm, for which torch has "
-                                                   r"no fake kernel in torch\.float32 on the CPU.*'batched_mm'"):
-        with model.scan("hello"):
-            model.moes[0].expert_outputs.save()
+    assert_scan_refused(model, r"model\.scan: .*mlp's experts run grouped_mm, for which torch has no fake kernel in "
+                               r"torch\.float32 on the CPU.*'batched_mm'", "expert_outputs")
     half = moelens.wrap(copy.deepcopy(model._module).to(torch.bfloat16), tokenizer=model.tokenizer)
     with half.scan("hello"):
         shape = nnsight.save(half.moes[0].expert_outputs.shape)
@@ -2930,18 +2933,14 @@ def test_scan_through_a_value_dependent_experts_loop_says_what_to_do():
 
     model = moelens.load()
     model.set_experts_implementation("eager")
-    with pytest.raises(moelens.MoelensError, match=r"^model\.scan: model\.model\.layers\.0\.mlp's experts run a loop "
-                                                   r"that depends on the values .*set_experts_implementation\('batched_mm'\)"):
-        with model.scan("hello"):
-            model.moes[0].router_logits.save()
+    assert_scan_refused(model, r"^model\.scan: model\.model\.layers\.0\.mlp's experts run a loop that depends on the "
+                               r"values .*set_experts_implementation\('batched_mm'\)")
     with torch.no_grad(), model.trace("hello"):
         logits = model.moes[0].router_logits.save()
     assert logits.shape[-1] == model.moes[0].num_experts and torch.isfinite(logits).all()
     dbrx = moelens.wrap(tiny_model("dbrx"), tokenizer=ascii_tokenizer())
-    with pytest.raises(moelens.MoelensError, match=r"^model\.scan: model\.transformer\.blocks\.0\.ffn's experts run a loop that depends on "
-                                                   r"the values.*run a real trace on a short input instead\.$"):
-        with dbrx.scan("hello"):
-            dbrx.moes[0].router_logits.save()
+    assert_scan_refused(dbrx, r"^model\.scan: model\.transformer\.blocks\.0\.ffn's experts run a loop that depends on "
+                              r"the values.*run a real trace on a short input instead\.$")
     model.set_experts_implementation("batched_mm")
     with pytest.raises(GuardOnDataDependentSymNode):
         with model.scan("hello"):

@@ -109,7 +109,9 @@ class MoeModelMixin:
         for moe in self.moes:  # before anything is switched
             experts = moe.experts._module
             if is_dispatching(experts):
-                _refuse_unsupported_dtypes(moe.path, experts, _wanted_for(experts, implementation, subs, wanted) or "")
+                refusal = _dtype_refusal(moe.path, experts, _wanted_for(experts, implementation, subs, wanted) or "")
+                if refusal is not None:
+                    raise refusal
         if hasattr(module, "set_experts_implementation"):
             try:
                 module.set_experts_implementation(implementation)
@@ -173,13 +175,11 @@ class MoeModelMixin:
             raise refusal from error
         except RuntimeError as error:  # torch's grouped_mm on float64 weights names neither the block nor the way out
             moe = self._failing_experts(error)
-            if moe is not None:
-                try:
-                    _refuse_unsupported_dtypes(moe.path, moe.experts._module, moe.experts_implementation,
-                                               SWITCH_IMPLEMENTATION)
-                except MoelensError as refusal:
-                    raise refusal from error
-            raise
+            refusal = None if moe is None else _dtype_refusal(moe.path, moe.experts._module,
+                                                              moe.experts_implementation, SWITCH_IMPLEMENTATION)
+            if refusal is None:
+                raise
+            raise refusal from error
         finally:
             for runs in ep_runs:
                 runs.trace_ends()
@@ -642,22 +642,24 @@ def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     A model with every weight on meta (built under ``init_empty_weights``) and no map gets one on the CPU meanwhile:
     the pipeline moves a model without one to its device ("Cannot copy out of meta tensor")."""
     device_map = getattr(model, "hf_device_map", None)
-    if device_map is None and next(model.parameters(), None) is not None and all(
-            parameter.is_meta for parameter in model.parameters()):
-        model.hf_device_map = {"": "cpu"}
-        try:
-            yield
-        finally:
-            del model.hf_device_map
-        return
-    if not isinstance(device_map, dict) or next(iter(device_map.values()), None) not in NO_TORCH_DEVICE:
+    if device_map is None:
+        on_meta = next(model.parameters(), None) is not None and all(p.is_meta for p in model.parameters())
+        meanwhile = {"": "cpu"} if on_meta else None
+    elif isinstance(device_map, dict) and next(iter(device_map.values()), None) in NO_TORCH_DEVICE:
+        meanwhile = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
+    else:
+        meanwhile = None
+    if meanwhile is None:
         yield
         return
-    model.hf_device_map = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
+    model.hf_device_map = meanwhile
     try:
         yield
     finally:
-        model.hf_device_map = device_map
+        if device_map is None:
+            del model.hf_device_map
+        else:
+            model.hf_device_map = device_map
 
 
 class _PipelineTaskComplaint(logging.Filter):
@@ -854,20 +856,21 @@ def _wanted_for(experts: torch.nn.Module, implementation: str | dict[str, str], 
     return wanted.get(keys[0]) if keys else wanted.get("")
 
 
-#: The way out of `_refuse_unsupported_dtypes` for a model that runs already (a trace).
+#: The way out of `_dtype_refusal` for a model that runs already (a trace).
 SWITCH_IMPLEMENTATION = 'switch with model.set_experts_implementation("batched_mm") (or "eager")'
 
 
-def _refuse_unsupported_dtypes(path: str, experts: torch.nn.Module, implementation: str,
-                               switch: str = 'pass "batched_mm" or "eager"') -> None:
-    """Raise a `MoelensError` when ``experts`` hold weights ``implementation`` cannot run (float64 under grouped_mm:
-    its first forward would fail with torch's own error); ``switch`` says how to choose another implementation."""
+def _dtype_refusal(path: str, experts: torch.nn.Module, implementation: str,
+                   switch: str = 'pass "batched_mm" or "eager"') -> MoelensError | None:
+    """The error for ``experts`` holding weights ``implementation`` cannot run (float64 under grouped_mm: its first
+    forward fails with torch's own error), or None; ``switch`` says how to choose another implementation."""
     bad = unsupported_dtypes(implementation, (parameter.dtype for parameter in experts.parameters(recurse=False)))
-    if bad:
-        raise MoelensError(
-            f"{path}'s experts hold {', '.join(bad)} weights, which torch's {implementation} does not run (float32, "
-            f"bfloat16 and float16 only): {switch}, or cast the model to float32 (model.float())."
-        )
+    if not bad:
+        return None
+    return MoelensError(
+        f"{path}'s experts hold {', '.join(bad)} weights, which torch's {implementation} does not run (float32, "
+        f"bfloat16 and float16 only): {switch}, or cast the model to float32 (model.float())."
+    )
 
 
 def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
