@@ -2116,6 +2116,20 @@ def test_reroute_keeps_the_order_an_index_tensor_gives_the_tokens(mixtral):
     assert after[0, 3].tolist() == [1, 2] and after[0, 1].tolist() == [5, 6]
 
 
+def test_reroute_refuses_a_token_selected_twice(mixtral):
+    """(0, [1, 1]) with two rows of experts kept the last row without a word (on CPU; undefined elsewhere)."""
+    wrapped, inputs = mixtral
+    for tokens in ((0, torch.tensor([1, 1])), (torch.tensor([0, 0]), [2, 2])):
+        with pytest.raises(WriteError, match=r"reroute: tokens=.* selects a token more than once, so which of the rows "
+                                             r"of experts given for it the token keeps is undefined; select each token once"):
+            with wrapped.trace(**inputs):
+                moelens.reroute(wrapped.moes[0], tokens, [[1, 2], [5, 6]])
+    with wrapped.trace(**inputs):  # each once: taken
+        moelens.reroute(wrapped.moes[0], (0, torch.tensor([1, 2])), [[1, 2], [5, 6]])
+        after = wrapped.moes[0].expert_indices.save()
+    assert after[0, 1].tolist() == [1, 2] and after[0, 2].tolist() == [5, 6]
+
+
 def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
     """force of k + 1 experts (one would never run) and reroute to expert E (no such expert) are refused up front."""
     wrapped, inputs = mixtral

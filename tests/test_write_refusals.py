@@ -8,6 +8,7 @@ nnsight) with the same edit made by a torch forward hook.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -146,8 +147,11 @@ def test_force_whose_lift_overflows_the_logits_dtype_is_refused_naming_force():
     write check blamed a '+inf logit' write, advising moelens.force."""
     hf = tiny_model("mixtral", dtype=torch.float16)
     wrapped = moelens.wrap(hf)
-    with pytest.raises(WriteError, match=r"force: .* router logits span .*overflows torch.float16 .* steer by less"):
-        with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
-            moe = wrapped.moes[0]
-            moelens.steer(moe, 0, 4e4)
-            moelens.force(moe, [0])
+    for grad in (False, True):  # with autograd on, the refusal's number made torch warn of a scalar taken from a
+        with pytest.raises(WriteError, match=r"force: .* router logits span .*overflows torch.float16 .* steer by less"):
+            with warnings.catch_warnings():  # tensor that requires grad
+                warnings.simplefilter("error")
+                with torch.set_grad_enabled(grad), wrapped.trace(**tiny_inputs(hf)):
+                    moe = wrapped.moes[0]
+                    moelens.steer(moe, 0, 4e4)
+                    moelens.force(moe, [0])

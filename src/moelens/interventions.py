@@ -158,11 +158,18 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
         experts: One expert id for every slot, or ``k`` ids (one per slot), or a
             tensor broadcastable to the selected ``[n, k]`` slots (one row per selected
             token, in the order the selection gives them: row-major for a mask or slices, the given order
-            for index tensors; a ``[b, p, k]`` one shaped like the selection also fits).
+            for index tensors; a ``[b, p, k]`` one shaped like the selection also fits). A selection that
+            names a token twice is refused (which of its rows it would keep is undefined).
     """
     _moe(moe, "reroute")
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
+    positions = rows[0] * indices.shape[1] + rows[1]
+    if not is_fake(positions) and positions.unique().numel() < positions.numel():
+        raise WriteError(
+            f"reroute: tokens={tokens!r} selects a token more than once, so which of the rows of experts given for it "
+            "the token keeps is undefined; select each token once."
+        )
     selected = indices[rows]
     try:
         with unset_fake_temporarily():  # in model.scan: ids given as numbers or a real tensor keep their values
@@ -356,7 +363,7 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         raised = rows.clone()
         raised[..., chosen] = finite[..., chosen] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
         if not is_fake(rows) and torch.isinf(raised[..., chosen]).any():  # model.scan: no values to check
-            span = float((finite.amax(-1) - finite.amin(-1)).max())
+            span = float((finite.amax(-1) - finite.amin(-1)).max().detach())
             raise WriteError(
                 f"force: {moe.path}'s router logits span {span:.4g}, so raising experts {chosen} above the others "
                 f"(by the span + 30) overflows {rows.dtype} (at most {torch.finfo(rows.dtype).max:.4g}); steer by "
@@ -365,7 +372,7 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         others = raised.clone()
         others[..., chosen] = float("-inf")
         if not is_fake(rows) and (raised[..., chosen].amin(-1) <= others.amax(-1)).any():  # rounded into a tie
-            top = float(finite.abs().amax())
+            top = float(finite.abs().amax().detach())
             raise WriteError(
                 f"force: {moe.path}'s router logits reach {top:.4g}, where {rows.dtype} is too coarse (steps of about "
                 f"{torch.finfo(rows.dtype).eps * top:.3g}) for experts {chosen} raised above the others to stay above "
