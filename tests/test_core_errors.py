@@ -394,6 +394,25 @@ def test_a_model_whose_first_weights_accelerate_offloads_traces(tmp_path):
     assert logits.shape[:2] == inputs["input_ids"].shape
 
 
+def test_a_model_accelerate_cpu_offload_placed_traces():
+    """accelerate.cpu_offload puts every weight on meta behind offload hooks and sets no device map: nnsight moved the
+    trace's inputs to meta (NotImplementedError: cannot copy out of meta). Ground truth: the model before offload."""
+    from accelerate import cpu_offload
+
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+    cpu_offload(hf, execution_device="cpu")
+    assert next(hf.parameters()).is_meta and getattr(hf, "hf_device_map", None) is None
+    wrapped = moelens.wrap(hf)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        logits = wrapped.moes[0].router_logits.save()
+        output = wrapped.output.logits.save()
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    assert logits.shape[:2] == inputs["input_ids"].shape
+
+
 def test_a_model_with_a_tokenizer_and_offloaded_first_weights_loads_and_traces(tmp_path):
     """With a tokenizer nnsight builds a transformers pipeline, which took the device map's first entry, "disk", for
     a torch device: RuntimeError before any trace. Ground truth: moelens-tiny loaded whole."""

@@ -80,10 +80,10 @@ class MoeModelMixin:
     @property
     def device(self) -> torch.device | None:
         """Where nnsight moves a trace's inputs: its first parameter's device, or None (inputs left where they are)
-        when that parameter is offloaded (on meta) by accelerate's ``device_map``, whose hooks move each module's
-        inputs to the device it runs on."""
+        when that parameter is offloaded (on meta) by accelerate (a ``device_map``, or ``cpu_offload`` /
+        ``disk_offload``, which set no map), whose hooks move each module's inputs to the device it runs on."""
         device = super().device
-        if device is not None and device.type == "meta" and getattr(self._module, "hf_device_map", None):
+        if device is not None and device.type == "meta" and _offloaded_by_accelerate(self._module):
             return None
         return device
 
@@ -633,6 +633,12 @@ MODALITY_INPUTS = ("pixel", "image", "video", "audio", "input_features", "input_
 
 #: accelerate device-map entries that name no torch device to run on.
 NO_TORCH_DEVICE = ("disk", "meta")
+
+
+def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
+    """Whether accelerate placed the model: a ``device_map``, or an offload hook (``_hf_hook``) on one of its modules."""
+    return bool(getattr(model, "hf_device_map", None)) or any(
+        getattr(module, "_hf_hook", None) is not None for module in model.modules())
 
 
 @contextlib.contextmanager
