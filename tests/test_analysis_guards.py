@@ -580,6 +580,29 @@ def test_a_plain_model_whose_forward_takes_no_mask_is_collected_or_refused_clear
         moelens.families.unregister("custom")
 
 
+def test_the_expert_logit_lens_reads_out_through_a_plain_models_lm_head():
+    """A plain torch LM with an lm_head Linear and no get_output_embeddings() was told it had no lm_head. Ground truth:
+    the same model giving its head through get_output_embeddings(), the path transformers' models take."""
+    from custom_models import custom_family, custom_model
+
+    moelens.families.register(custom_family())
+    try:
+        plain = custom_model()
+        rows = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(0))
+        with pytest.raises(MoelensError, match=r"CustomModel has no output embedding: .* get_output_embeddings\(\) "
+                                               r"\(transformers' \*ForCausalLM classes\) or as an lm_head Linear"):
+            analysis.expert_logit_lens(moelens.wrap(plain), rows, progress=False)
+        plain.norm = torch.nn.LayerNorm(16)
+        plain.lm_head = torch.nn.Linear(16, 64, bias=False)
+        lens = analysis.expert_logit_lens(moelens.wrap(plain), rows, top=3, progress=False)
+        assert lens.norm == "norm"
+        plain.get_output_embeddings = lambda: plain.lm_head
+        named = analysis.expert_logit_lens(moelens.wrap(plain), rows, top=3, progress=False)
+        assert torch.equal(lens.top_ids, named.top_ids) and torch.equal(lens.counts, named.counts)
+    finally:
+        moelens.families.unregister("custom")
+
+
 def test_the_vocabulary_is_the_configs_capped_by_a_transformers_models_input_embedding():
     """A plain model's first nn.Embedding (here its positions') was taken as its vocabulary over its config."""
     from types import SimpleNamespace

@@ -164,6 +164,57 @@ def test_an_output_index_at_the_auxiliary_loss_is_refused_with_the_setting(regis
             wrapped.moes[0].mlp_output.save()
 
 
+def test_an_output_index_past_the_blocks_tuple_is_refused_with_the_setting(registered):
+    """It failed with a bare IndexError (tuple index out of range)."""
+    registered(combine=Combine(output_index=2))
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"layers\.0\.moe\.mlp_output: the module returned a tuple of 2 elements, but "
+                                          r"its family entry reads element 2 of its output \(Combine\(output_index=2\)\)"):
+        with wrapped.trace(IDS):
+            wrapped.moes[0].mlp_output.save()
+
+
+class LogitsBlock(Block):
+    """Returns ``(hidden, router logits per token)``: an output index at the logits serves them as mlp_output."""
+
+    def forward(self, hidden):
+        out, _ = super().forward(hidden)
+        return out, self.router(hidden.reshape(-1, hidden.shape[-1]))[0].view(*hidden.shape[:2], -1)
+
+
+def test_check_names_an_output_index_at_another_per_token_tensor(registered):
+    """check() failed with a raw RuntimeError (the sizes of tensor a (16) and b (6) do not match)."""
+    registered(block_classes=("LogitsBlock",), combine=Combine(output_index=1))
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].__class__ = LogitsBlock
+    with pytest.raises(FamilyError, match=r"moe: mlp_output, as the entry of family 'hand' picks it \(Combine\(output_index="
+                                          r"1\)\), is \[2, 5, 6\], where the entry's combination of routed_output is "
+                                          r"\[2, 5, 16\]: name the element of the block's output that holds its hidden"):
+        families.check(moelens.wrap(hand), IDS)
+
+
+@pytest.mark.parametrize("argument, message", [
+    (1, r"torch_topk_0\.input serves an int, not values per token, so the family entry of .* names the wrong op or "
+        r"output there: fix Scoring\(selection_op='torch_topk_0', selection_arg=1\)"),
+    (3, r"the call passed 2 positional arguments and \['dim'\], but moelens reads its argument 3: the family entry "
+        r"names it \(Scoring\(selection_op='torch_topk_0', selection_arg=3\)\): name the argument that holds"),
+])
+def test_a_wrong_selection_argument_names_the_scoring_setting(registered, argument, message):
+    """selection_arg at topk's k (an int) blamed Combine and logits_op; one past its arguments told the user to call the
+    experts with transformers' signature, naming no value."""
+    hf = tiny_model("kolibri1")
+    entry = families.get("kolibri1")
+    scoring = dataclasses.replace(entry.scoring, selection_arg=argument)
+    registered(**{field.name: getattr(entry, field.name) for field in dataclasses.fields(entry)}
+               | {"name": "my_kolibri", "scoring": scoring})
+    wrapped = moelens.wrap(hf)
+    moe = next(moe for moe in wrapped.moes if moe.ranks_selection_scores)
+    with pytest.raises(FamilyError, match=rf"{moe.path}\.selection_scores: .*{message}"):
+        with wrapped.trace(**tiny_inputs(hf)):
+            moe.selection_scores.save()
+
+
 def test_a_wrong_shared_expert_time_names_the_entry_in_the_order_error(registered):
     """save_all() raised an order error telling the user to use save_all(); the registration was the cause."""
     registered(shared=SharedExpert("shared", when="before_router"))

@@ -74,13 +74,17 @@ class ExpertLens:
 
 
 def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.nn.Module]:
-    """(final norm or None, its name, unembedding) of a wrapped transformers model."""
+    """(final norm or None, its name, unembedding) of a wrapped model: the unembedding transformers' models name
+    (``get_output_embeddings()``), else a plain torch model's ``lm_head`` Linear."""
     module = getattr(model, "_module", model)
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if head is None and isinstance(getattr(module, "lm_head", None), torch.nn.Linear):
+        head = module.lm_head
     if head is None:
         raise MoelensError(
-            f"{type(module).__name__} has no output embedding (lm_head); the expert logit lens needs a "
-            "causal LM (load the *ForCausalLM class)."
+            f"{type(module).__name__} has no output embedding: the expert logit lens reads expert outputs out through "
+            "the model's unembedding, found by get_output_embeddings() (transformers' *ForCausalLM classes) or as an "
+            "lm_head Linear; load the *ForCausalLM class, or give a model of your own one of those."
         )
     family = getattr(model, "family", None)
     names = ((family.final_norm,) if family is not None and family.final_norm else ()) + FINAL_NORMS

@@ -53,6 +53,8 @@ class Binding:
             that is served, and a token-major tensor back into the model's layout
             (activations the model keeps sorted by expert). None when the picked
             tensor is token-major already.
+        named_by: The family entry's settings that name the location, for the error when what is served there
+            is no tensor of values per token (None: the settings that name most locations, logits_op and Combine).
     """
 
     location: str
@@ -67,6 +69,7 @@ class Binding:
     summed_into: Callable[[], torch.dtype | None] | None = None
     to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
     from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+    named_by: str | None = None
 
     def token_major(self, picked: torch.Tensor, context: Any) -> torch.Tensor:
         """The picked tensor in token-major ``[T, ...]`` order."""
@@ -135,6 +138,11 @@ def output_of(index: int | None) -> tuple[Callable, Callable]:
                 f"{index} of its output (Combine(output_index={index})); describe a block that returns one tensor "
                 "with Combine(output_index=None)."
             )
+        if not -len(raw) <= index < len(raw):
+            raise FamilyError(
+                f"the module returned a tuple of {len(raw)} elements, but its family entry reads element {index} of "
+                f"its output (Combine(output_index={index})); name the element that holds the block's hidden states."
+            )
         return raw[index]
 
     def put(raw: Any, tensor: Any) -> Any:
@@ -144,8 +152,15 @@ def output_of(index: int | None) -> tuple[Callable, Callable]:
     return pick, put
 
 
-def argument(position: int, keyword: str | None = None) -> tuple[Callable, Callable]:
-    """``pick`` / ``put`` for one argument of a call's ``(args, kwargs)``: at ``position``, or passed as ``keyword``."""
+#: What to do where the experts call lacks the argument moelens reads (`argument`).
+EXPERTS_SIGNATURE = ("call it with that argument (experts: experts(hidden_states, top_k_index, top_k_weights), "
+                     "transformers' signature).")
+
+
+def argument(position: int, keyword: str | None = None, missing: tuple[type[Exception], str] = (
+        ValueUnavailable, EXPERTS_SIGNATURE)) -> tuple[Callable, Callable]:
+    """``pick`` / ``put`` for one argument of a call's ``(args, kwargs)``: at ``position``, or passed as ``keyword``.
+    ``missing``: the error class and the advice where the call passes no such argument."""
 
     def pick(raw: Any) -> torch.Tensor:
         args, kwargs = raw
@@ -153,10 +168,10 @@ def argument(position: int, keyword: str | None = None) -> tuple[Callable, Calla
             return args[position]
         if keyword in kwargs:
             return kwargs[keyword]
-        raise ValueUnavailable(
+        error, advice = missing
+        raise error(
             f"the call passed {len(args)} positional arguments and {sorted(kwargs) or 'no keywords'}, but moelens "
-            f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + ": call it with that argument "
-            "(experts: experts(hidden_states, top_k_index, top_k_weights), transformers' signature)."
+            f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + f": {advice}"
         )
 
     def put(raw: Any, tensor: torch.Tensor) -> Any:

@@ -581,10 +581,14 @@ class Moe(Mlp):
             ops = f"{ops}.{scoring.selection_in}.source"
             prepare = lambda: self._drill("selection_scores", self.router, scoring.selection_in)  # noqa: E731
         op = f"{ops}.{scoring.selection_op}"
+        named_by = f"Scoring(selection_op={scoring.selection_op!r}, selection_arg={scoring.selection_arg!r})"
         if scoring.selection_arg is None:
-            return Binding(f"{op}.output", features=1, infinities=ANY_INF, min_finite=self.top_k, prepare=prepare)
-        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg), infinities=ANY_INF,
-                       min_finite=self.top_k, prepare=prepare)
+            return Binding(f"{op}.output", features=1, infinities=ANY_INF, min_finite=self.top_k, prepare=prepare,
+                           named_by=named_by)
+        wrong = (FamilyError, f"the family entry names it ({named_by}): name the argument that holds the scores the "
+                              f"router ranks (0 for torch.topk(scores + bias, k)).")
+        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg, missing=wrong), infinities=ANY_INF,
+                       min_finite=self.top_k, prepare=prepare, named_by=named_by)
 
     @property
     def _scores_saturate(self) -> bool:

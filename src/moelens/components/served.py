@@ -24,7 +24,7 @@ from nnsight.intervention.batching import Batcher
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
-from ..errors import FamilyError, OrderError, WriteError
+from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from . import tokens
 from .binding import FLOAT, Binding
 from .run_owner import MoeInterleaver
@@ -119,7 +119,8 @@ def _what(served_value: Any) -> str:
     """What a location served, for `fetch`'s error when it holds no tensor of values per token."""
     if isinstance(served_value, torch.Tensor):  # not its value: under model.scan it is a fake tensor
         return "a 0-d tensor (one number, such as an auxiliary loss)"
-    return f"a {type(served_value).__name__}"
+    kind = type(served_value).__name__
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
 
 
 def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched | None = None) -> Fetched:
@@ -137,13 +138,18 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     raw = request(binding.location, lambda: component._order_error(name))
     component._check_call(name)
     rows = run_fact(component.interleaver, mediator, "rows", lambda: tokens.current_rows(binding.location))
-    picked = binding.pick(raw)
+    try:
+        picked = binding.pick(raw)
+    except (FamilyError, ValueUnavailable) as error:  # what the location serves does not fit the entry: say where
+        raise type(error)(f"{component.path}.{name}: {error}") from None
     if not isinstance(picked, torch.Tensor) or picked.dim() == 0:
+        fix = (f"fix {binding.named_by}" if binding.named_by else
+               "a block that returns a tuple needs Combine(output_index=<the hidden state's index>), and logits_op an "
+               "op whose output is the logits tensor")
         raise FamilyError(
             f"{component.path}.{name}: {binding.location} serves {_what(picked)}, not values per token, so the "
-            f"family entry of {type(component._module).__name__} names the wrong op or output there: a block that "
-            "returns a tuple needs Combine(output_index=<the hidden state's index>), and logits_op an op whose "
-            "output is the logits tensor (see moelens.families.register)."
+            f"family entry of {type(component._module).__name__} names the wrong op or output there: {fix} (see "
+            "moelens.families.register)."
         )
     token_major = binding.token_major(picked, context)
     view = tokens.view(token_major, binding.features, rows, f"{component.path}.{name}")

@@ -216,6 +216,11 @@ def _output_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
         routed = routed[..., : output.shape[-1]]  # a converted Linear pads its experts square, then cuts (ToMoEBlock)
     with torch.no_grad():
         combined = family.combined(block, routed, shared)
+    if combined.shape != output.shape:
+        return (f"mlp_output, as the entry of family {family.name!r} picks it (Combine(output_index="
+                f"{family.combine.output_index!r})), is {list(output.shape)}, where the entry's combination of "
+                f"routed_output is {list(combined.shape)}: name the element of the block's output that holds its "
+                "hidden states (or fix the Combine).")
     tolerance = _tolerance(output, routed, shared)
     if torch.allclose(combined.float(), output.float(), **tolerance):
         return ""
