@@ -215,6 +215,29 @@ def test_a_wrong_selection_argument_names_the_scoring_setting(registered, argume
             moe.selection_scores.save()
 
 
+def test_blocks_of_a_sequential_wrap_without_claiming_the_modules_under_them(registered):
+    """Blocks named "0" and "1" (an nn.Sequential of them): nnsight matched those names against the end of every
+    module's path, so the shared MLP's first Linear ("0.shared.0") was made a Moe too and wrap failed naming it."""
+    class Stack(nn.Sequential):
+        def forward(self, hidden):
+            for block in self:
+                hidden = hidden + block(hidden)[0]
+            return hidden
+
+    registered()
+    torch.manual_seed(0)
+    stack = Stack(Block(), Block()).eval()
+    wrapped = moelens.wrap(stack)
+    assert len(wrapped.moes) == 2 and type(wrapped.get("0.shared.0")) is not type(wrapped.moes[0])
+    hidden = torch.randn(2, 5, HIDDEN)
+    with torch.no_grad(), wrapped.trace(hidden):
+        routed = wrapped.moes[1].routed_output.save()
+    with torch.no_grad():
+        x = (hidden + stack[0](hidden)[0]).reshape(-1, HIDDEN)
+        _, weights, index = stack[1].router(x)
+        torch.testing.assert_close(routed.reshape(-1, HIDDEN), stack[1].experts(x, index, weights))
+
+
 def test_a_wrong_shared_expert_time_names_the_entry_in_the_order_error(registered):
     """save_all() raised an order error telling the user to use save_all(); the registration was the cause."""
     registered(shared=SharedExpert("shared", when="before_router"))

@@ -635,6 +635,13 @@ MODALITY_INPUTS = ("pixel", "image", "video", "audio", "input_features", "input_
 NO_TORCH_DEVICE = ("disk", "meta")
 
 
+def _from_root(name: str) -> str:
+    """nnsight's path of the module named ``name`` in the model, as an ``envoys`` key: nnsight matches a key against
+    the end of each module's path, so a bare name (``"0"``, a block of an ``nn.Sequential``) would also pick every
+    module deeper down whose path ends in it (``0.experts.mlps.0``)."""
+    return f"model.{name}"
+
+
 def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
     """Whether accelerate placed the model: a ``device_map``, or an offload hook (``_hf_hook``) on one of its modules."""
     return bool(getattr(model, "hf_device_map", None)) or any(
@@ -791,12 +798,12 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     options = dict(nnsight_kwargs)
     moe_envoy = _expert_parallel_envoy(model)
     envoys = dict(nnsight_kwargs.pop("envoys", None) or {})
-    envoys.update({name: moe_envoy for name in structure.moe_blocks})
-    envoys.update({name: Mlp for name in structure.dense_blocks})
+    envoys.update({_from_root(name): moe_envoy for name in structure.moe_blocks})
+    envoys.update({_from_root(name): Mlp for name in structure.dense_blocks})
     if structure.layers is not None:
-        envoys.setdefault(structure.layers, LayerList)
+        envoys.setdefault(_from_root(structure.layers), LayerList)
         for name in _blockless_layers(model, structure):
-            envoys.setdefault(name, BlocklessLayer)
+            envoys.setdefault(_from_root(name), BlocklessLayer)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
         if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
