@@ -413,6 +413,26 @@ def test_a_model_accelerate_cpu_offload_placed_traces():
     assert logits.shape[:2] == inputs["input_ids"].shape
 
 
+def test_a_model_with_a_tokenizer_whose_embeddings_accelerate_cpu_offload_placed_traces():
+    """cpu_offload of the embeddings alone (the first weight on meta, no device map): nnsight's transformers pipeline
+    moved the model to meta's device ("Cannot copy out of meta tensor") before any trace. Ground truth: moelens-tiny
+    loaded whole."""
+    from accelerate import cpu_offload
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moelens.data import TINY_MODEL_PATH
+
+    hf = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH)
+    cpu_offload(hf.model.embed_tokens, execution_device="cpu")
+    offloaded = moelens.wrap(hf, tokenizer=AutoTokenizer.from_pretrained(TINY_MODEL_PATH))
+    outputs = []
+    for model in (moelens.load(), offloaded):
+        with torch.no_grad(), model.trace("def add(a, b):"):
+            outputs.append(model.output.logits.save())
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+    assert getattr(hf, "hf_device_map", None) is None  # the pipeline's map was taken back
+
+
 def test_a_model_with_a_tokenizer_and_offloaded_first_weights_loads_and_traces(tmp_path):
     """With a tokenizer nnsight builds a transformers pipeline, which took the device map's first entry, "disk", for
     a torch device: RuntimeError before any trace. Ground truth: moelens-tiny loaded whole."""

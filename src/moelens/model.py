@@ -652,11 +652,14 @@ def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
 def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
     first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after.
-    A model with every weight on meta (built under ``init_empty_weights``) and no map gets one on the CPU meanwhile:
-    the pipeline moves a model without one to its device ("Cannot copy out of meta tensor")."""
+    A model with no map whose first weight is on meta, with every weight there (built under ``init_empty_weights``)
+    or behind accelerate's offload hooks (``cpu_offload``, which sets no map), gets one on the CPU meanwhile: the
+    pipeline moves a model without one to its device ("Cannot copy out of meta tensor")."""
     device_map = getattr(model, "hf_device_map", None)
     if device_map is None:
-        on_meta = next(model.parameters(), None) is not None and all(p.is_meta for p in model.parameters())
+        first = next(model.parameters(), None)
+        on_meta = first is not None and first.is_meta and (
+            _offloaded_by_accelerate(model) or all(p.is_meta for p in model.parameters()))
         meanwhile = {"": "cpu"} if on_meta else None
     elif isinstance(device_map, dict) and next(iter(device_map.values()), None) in NO_TORCH_DEVICE:
         meanwhile = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
