@@ -938,12 +938,26 @@ def test_a_custom_block_described_wrongly_says_what_to_fix():
 
 
 def test_a_write_that_overflows_a_half_precision_model_is_refused():
+    """The refusal said the written tensor held +inf (the user wrote none) and, for logits, advised the large finite
+    raise they had just written."""
     hf = tiny_model("mixtral", dtype=torch.float16)
     wrapped = moelens.wrap(hf)
-    with pytest.raises(WriteError, match=r"routed_output: the written tensor holds \+inf"):
+    with pytest.raises(WriteError, match=r"routed_output: the written values reach 1e\+06, beyond what the model's "
+                                         r"torch.float16 holds \(at most 6.55e\+04\); write values within it\.$"):
         with wrapped.trace(**tiny_inputs(hf)):
             moe = wrapped.moes[0]
             moe.routed_output = torch.full(moe.routed_output.shape, 1e6)  # finite in float32, inf in float16
+    with pytest.raises(WriteError, match=r"router_logits: the written values reach 1e\+05, beyond .*float16 holds "
+                                         r"\(at most 6.55e\+04\); write values within it \(a few tens already"):
+        with wrapped.trace(**tiny_inputs(hf)):
+            moe = wrapped.moes[0]
+            logits = moe.router_logits.float()
+            logits[..., 0] = 1e5
+            moe.router_logits = logits
+    with pytest.raises(WriteError, match=r"routed_output: the written tensor holds \+inf"):  # an infinity written
+        with wrapped.trace(**tiny_inputs(hf)):
+            moe = wrapped.moes[0]
+            moe.routed_output = torch.full(moe.routed_output.shape, float("inf"))
 
 
 def test_a_dense_block_names_its_own_order_without_save_all():
@@ -2156,17 +2170,21 @@ def test_reroute_keeps_the_order_an_index_tensor_gives_the_tokens(mixtral):
 
 
 def test_reroute_refuses_a_token_selected_twice(mixtral):
-    """(0, [1, 1]) with two rows of experts kept the last row without a word (on CPU; undefined elsewhere)."""
+    """(0, [1, 1]) with two rows of experts kept the last row without a word (on CPU; undefined elsewhere); a token
+    listed twice with the same experts is no conflict."""
     wrapped, inputs = mixtral
-    for tokens in ((0, torch.tensor([1, 1])), (torch.tensor([0, 0]), [2, 2])):
-        with pytest.raises(WriteError, match=r"reroute: tokens=.* selects a token more than once, so which of the rows "
-                                             r"of experts given for it the token keeps is undefined; select each token once"):
+    for tokens in ((0, torch.tensor([1, 1])), (torch.tensor([0, 0]), [2, -3])):  # -3: position 2 of 5 again
+        with pytest.raises(WriteError, match=r"reroute: tokens=.* selects a token more than once and gives it different "
+                                             r"experts each time, so which of them it keeps is undefined"):
             with wrapped.trace(**inputs):
                 moelens.reroute(wrapped.moes[0], tokens, [[1, 2], [5, 6]])
-    with wrapped.trace(**inputs):  # each once: taken
-        moelens.reroute(wrapped.moes[0], (0, torch.tensor([1, 2])), [[1, 2], [5, 6]])
-        after = wrapped.moes[0].expert_indices.save()
-    assert after[0, 1].tolist() == [1, 2] and after[0, 2].tolist() == [5, 6]
+    for tokens, experts, second in (((0, torch.tensor([1, 2])), [[1, 2], [5, 6]], [5, 6]),  # each once
+                                    ((0, torch.tensor([1, 1, 2])), [[1, 2], [1, 2], [5, 6]], [5, 6]),  # twice, alike
+                                    ((0, torch.tensor([1, 2, 1])), [1, 2], [1, 2])):  # k ids for every slot
+        with wrapped.trace(**inputs):
+            moelens.reroute(wrapped.moes[0], tokens, experts)
+            after = wrapped.moes[0].expert_indices.save()
+        assert after[0, 1].tolist() == [1, 2] and after[0, 2].tolist() == second
 
 
 def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):

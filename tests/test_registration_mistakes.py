@@ -164,6 +164,29 @@ def test_an_output_index_at_the_auxiliary_loss_is_refused_with_the_setting(regis
             wrapped.moes[0].mlp_output.save()
 
 
+def test_a_read_error_names_the_value_and_keeps_its_reason_without_the_path(registered):
+    """Experts called by keywords of their own: the error of the read names the value; its `why` (what describe and a
+    block's repr list) stays the reason alone, as other refusals' do."""
+
+    class KeywordsBlock(Block):
+        def forward(self, hidden):
+            b, s, d = hidden.shape
+            x = hidden.reshape(-1, d)
+            logits, weights, index = self.router(x)
+            return (self.experts(x, index=index, weights=weights) + self.shared(x)).reshape(b, s, d), logits.sum()
+
+    registered(block_classes=("KeywordsBlock",))
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].__class__ = KeywordsBlock
+    wrapped = moelens.wrap(hand)
+    with pytest.raises(ValueUnavailable) as refused:
+        with wrapped.trace(IDS):
+            wrapped.moes[0].expert_weights.save()
+    assert str(refused.value).startswith("model.layers.0.moe.expert_weights: the call passed 1 positional arguments")
+    assert refused.value.why.startswith("the call passed 1 positional arguments and ['index', 'weights']")
+
+
 def test_an_output_index_past_the_blocks_tuple_is_refused_with_the_setting(registered):
     """It failed with a bare IndexError (tuple index out of range)."""
     registered(combine=Combine(output_index=2))

@@ -226,3 +226,20 @@ def _assert_mlp_output_is_the_modules(wrapped, layer: int, module: torch.nn.Modu
     finally:
         handle.remove()
     assert torch.equal(dense, seen[0])
+
+
+def test_a_users_envoys_key_that_matches_a_block_leaves_it_a_moe():
+    """wrap(..., envoys={"model.layers.0.mlp": MyEnvoy}): the user's key matched the block first, and wrap failed with
+    a raw AttributeError ('MyEnvoy' object has no attribute 'family'). Other modules keep the user's envoy."""
+    from nnsight.intervention.envoy import Envoy
+
+    from moelens.components import Moe
+    from moelens.testing import tiny_model
+
+    class MyEnvoy(Envoy):
+        pass
+
+    for key in ("model.layers.0.mlp", "mlp", "gate"):
+        wrapped = moelens.wrap(tiny_model("mixtral"), envoys={key: MyEnvoy})
+        assert all(isinstance(moe, Moe) for moe in wrapped.moes)
+        assert isinstance(wrapped.moes[0].router, MyEnvoy) == (key == "gate")

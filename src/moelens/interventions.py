@@ -159,17 +159,11 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             tensor broadcastable to the selected ``[n, k]`` slots (one row per selected
             token, in the order the selection gives them: row-major for a mask or slices, the given order
             for index tensors; a ``[b, p, k]`` one shaped like the selection also fits). A selection that
-            names a token twice is refused (which of its rows it would keep is undefined).
+            names a token twice with different experts is refused (which it would keep is undefined).
     """
     _moe(moe, "reroute")
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
-    positions = rows[0] * indices.shape[1] + rows[1]
-    if not is_fake(positions) and positions.unique().numel() < positions.numel():
-        raise WriteError(
-            f"reroute: tokens={tokens!r} selects a token more than once, so which of the rows of experts given for it "
-            "the token keeps is undefined; select each token once."
-        )
     selected = indices[rows]
     try:
         with unset_fake_temporarily():  # in model.scan: ids given as numbers or a real tensor keep their values
@@ -193,13 +187,30 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     if replacement.dim() > 2:  # shaped like the selection's [b, p, k] slots
         replacement = replacement.reshape(-1, replacement.shape[-1])
     try:
-        indices[rows] = replacement.expand_as(selected)
+        given = replacement.expand_as(selected)
     except RuntimeError as error:
         raise WriteError(
             f"reroute: experts of shape {tuple(replacement.shape)} do not fit the {tuple(selected.shape)} "
             f"slots selected by tokens; give one id, k={moe.top_k} ids, or one row per selected token."
         ) from error
+    if _conflicting_rows(rows[0] * indices.shape[1] + rows[1], given):
+        raise WriteError(
+            f"reroute: tokens={tokens!r} selects a token more than once and gives it different experts each time, so "
+            "which of them it keeps is undefined; select each token once."
+        )
+    indices[rows] = given
     moe.expert_indices = indices
+
+
+def _conflicting_rows(positions: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether a token position listed more than once in ``positions`` gets different rows of ``given`` (False in
+    model.scan, where fake tensors hold no positions to compare)."""
+    if is_fake(positions) or is_fake(given):
+        return False
+    order = positions.argsort(stable=True)
+    positions, given = positions[order], given[order]
+    repeated = positions[1:] == positions[:-1]
+    return bool((repeated & (given[1:] != given[:-1]).any(-1)).any())
 
 
 @_intervention

@@ -800,9 +800,12 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     structure = discover(model)
     options = dict(nnsight_kwargs)
     moe_envoy = _expert_parallel_envoy(model)
-    envoys = dict(nnsight_kwargs.pop("envoys", None) or {})
-    envoys.update({_from_root(name): moe_envoy for name in structure.moe_blocks})
+    # the blocks' envoys first: nnsight gives a module the first key that matches its path, and a key of the user's
+    # that matches a block ("mlp", its module name) would make it no Moe
+    envoys = {_from_root(name): moe_envoy for name in structure.moe_blocks}
     envoys.update({_from_root(name): Mlp for name in structure.dense_blocks})
+    for key, envoy in (nnsight_kwargs.pop("envoys", None) or {}).items():
+        envoys.setdefault(key, envoy)
     if structure.layers is not None:
         envoys.setdefault(_from_root(structure.layers), LayerList)
         for name in _blockless_layers(model, structure):

@@ -157,10 +157,10 @@ EXPERTS_SIGNATURE = ("call it with that argument (experts: experts(hidden_states
                      "transformers' signature).")
 
 
-def argument(position: int, keyword: str | None = None, missing: tuple[type[Exception], str] = (
-        ValueUnavailable, EXPERTS_SIGNATURE)) -> tuple[Callable, Callable]:
+def argument(position: int, keyword: str | None = None, *, error: type[Exception] = ValueUnavailable,
+             advice: str = EXPERTS_SIGNATURE) -> tuple[Callable, Callable]:
     """``pick`` / ``put`` for one argument of a call's ``(args, kwargs)``: at ``position``, or passed as ``keyword``.
-    ``missing``: the error class and the advice where the call passes no such argument."""
+    ``error`` and ``advice``: what is raised, saying what to do, where the call passes no such argument."""
 
     def pick(raw: Any) -> torch.Tensor:
         args, kwargs = raw
@@ -168,7 +168,6 @@ def argument(position: int, keyword: str | None = None, missing: tuple[type[Exce
             return args[position]
         if keyword in kwargs:
             return kwargs[keyword]
-        error, advice = missing
         raise error(
             f"the call passed {len(args)} positional arguments and {sorted(kwargs) or 'no keywords'}, but moelens "
             f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + f": {advice}"

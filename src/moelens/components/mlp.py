@@ -121,7 +121,7 @@ class Mlp(Component):
                     f"{type(self._module).__name__} has no down projection named one of {DOWN_PROJECTIONS}",
                     "read the input of its last linear layer with .inputs instead.",
                 )
-            pick, put = argument(0)
+            pick, put = argument(0, advice=f"call {self.down_projection} with its input first ({self.down_projection}(x)).")
             return Binding(f"{self.path}.{self.down_projection}.input", features=1, pick=pick, put=put)
         raise self.no_mixture(name)
 

@@ -585,10 +585,10 @@ class Moe(Mlp):
         if scoring.selection_arg is None:
             return Binding(f"{op}.output", features=1, infinities=ANY_INF, min_finite=self.top_k, prepare=prepare,
                            named_by=named_by)
-        wrong = (FamilyError, f"the family entry names it ({named_by}): name the argument that holds the scores the "
-                              f"router ranks (0 for torch.topk(scores + bias, k)).")
-        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg, missing=wrong), infinities=ANY_INF,
-                       min_finite=self.top_k, prepare=prepare, named_by=named_by)
+        advice = (f"the family entry names it ({named_by}): name the argument that holds the scores the router ranks "
+                  "(0 for torch.topk(scores + bias, k)).")
+        return Binding(f"{op}.input", 1, *argument(scoring.selection_arg, error=FamilyError, advice=advice),
+                       infinities=ANY_INF, min_finite=self.top_k, prepare=prepare, named_by=named_by)
 
     @property
     def _scores_saturate(self) -> bool:

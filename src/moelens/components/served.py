@@ -141,7 +141,8 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     try:
         picked = binding.pick(raw)
     except (FamilyError, ValueUnavailable) as error:  # what the location serves does not fit the entry: say where
-        raise type(error)(f"{component.path}.{name}: {error}") from None
+        error.args = (f"{component.path}.{name}: {error}",)  # (a ValueUnavailable's `why` stays without the path)
+        raise
     if not isinstance(picked, torch.Tensor) or picked.dim() == 0:
         fix = (f"fix {binding.named_by}" if binding.named_by else
                "a block that returns a tuple needs Combine(output_index=<the hidden state's index>), and logits_op an "
@@ -480,6 +481,23 @@ def _as_tensor(component: "Component", name: str, binding: Binding, value: Any, 
         ) from None
 
 
+def _cast(component: "Component", name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` in the value's ``dtype``; a `WriteError` where finite values written overflow it (1e6 is inf in
+    float16), which the checks after the cast would report as an infinity written."""
+    cast = value.to(dtype)
+    if cast.dtype == value.dtype or is_fake(value):
+        return cast
+    overflowed = torch.isinf(cast) & torch.isfinite(value)
+    if overflowed.any():
+        advice = (" (a few tens already decide the routing; moelens.steer and moelens.force keep within it)"
+                  if name == "router_logits" else "")
+        raise WriteError(
+            f"{component.path}.{name}: the written values reach {float(value[overflowed].abs().max()):.4g}, beyond "
+            f"what the model's {dtype} holds (at most {torch.finfo(dtype).max:.4g}); write values within it{advice}."
+        )
+    return cast
+
+
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
     location = binding.location
@@ -513,7 +531,7 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
         if value.dim() == 0:  # a scalar fills the whole view
             value = value.expand(current.shape)
         if value.is_floating_point() and current.is_floating_point():
-            value = value.to(current.dtype)  # checked as the model gets it: 1e6 is inf in float16
+            value = _cast(component, name, value, current.dtype)  # checked as the model gets it
     check_write(component, name, binding, value, current.shape)
     check_not_recomputed(component, name)
     earlier = None
