@@ -234,7 +234,6 @@ def test_a_users_envoys_key_that_matches_a_block_leaves_it_a_moe():
     from nnsight.intervention.envoy import Envoy
 
     from moelens.components import Moe
-    from moelens.testing import tiny_model
 
     class MyEnvoy(Envoy):
         pass
