@@ -154,14 +154,28 @@ def test_experts_that_take_the_weights_before_the_indices_are_refused_at_the_rea
                 getattr(wrapped.moes[0], name).save()
 
 
-def test_an_output_index_at_the_auxiliary_loss_is_refused_with_the_setting(registered):
-    """It failed with a bare IndexError inside the token view (the scalar loss has no token axis)."""
-    registered(combine=Combine(output_index=1))
+@pytest.mark.parametrize("index, message", [
+    # a bare IndexError inside the token view (the scalar loss has no token axis)
+    (1, r"mlp_output: model\.layers\.0\.moe\.output serves a 0-d tensor \(one number, such as an auxiliary loss\), not "
+        r"values per token.*Combine\(output_index="),
+    # a bare IndexError (tuple index out of range)
+    (2, r"layers\.0\.moe\.mlp_output: the module returned a tuple of 2 elements, but its family entry reads element 2 "
+        r"of its output \(Combine\(output_index=2\)\)"),
+], ids=["auxiliary-loss", "past-the-tuple"])
+def test_an_output_index_off_the_hidden_states_is_refused_with_the_setting(registered, index, message):
+    registered(combine=Combine(output_index=index))
     wrapped = moelens.wrap(model())
-    with pytest.raises(FamilyError, match=r"mlp_output: model\.layers\.0\.moe\.output serves a 0-d tensor \(one number, such as "
-                                          r"an auxiliary loss\), not values per token.*Combine\(output_index="):
+    with pytest.raises(FamilyError, match=message):
         with wrapped.trace(IDS):
             wrapped.moes[0].mlp_output.save()
+
+
+def model_of(block_class: type) -> Model:
+    """`model` with its blocks made ``block_class`` (a subclass of `Block` with another forward)."""
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].__class__ = block_class
+    return hand
 
 
 def test_a_read_error_names_the_value_and_keeps_its_reason_without_the_path(registered):
@@ -176,25 +190,12 @@ def test_a_read_error_names_the_value_and_keeps_its_reason_without_the_path(regi
             return (self.experts(x, index=index, weights=weights) + self.shared(x)).reshape(b, s, d), logits.sum()
 
     registered(block_classes=("KeywordsBlock",))
-    hand = model()
-    for layer in hand.layers:
-        layer["moe"].__class__ = KeywordsBlock
-    wrapped = moelens.wrap(hand)
+    wrapped = moelens.wrap(model_of(KeywordsBlock))
     with pytest.raises(ValueUnavailable) as refused:
         with wrapped.trace(IDS):
             wrapped.moes[0].expert_weights.save()
     assert str(refused.value).startswith("model.layers.0.moe.expert_weights: the call passed 1 positional arguments")
     assert refused.value.why.startswith("the call passed 1 positional arguments and ['index', 'weights']")
-
-
-def test_an_output_index_past_the_blocks_tuple_is_refused_with_the_setting(registered):
-    """It failed with a bare IndexError (tuple index out of range)."""
-    registered(combine=Combine(output_index=2))
-    wrapped = moelens.wrap(model())
-    with pytest.raises(FamilyError, match=r"layers\.0\.moe\.mlp_output: the module returned a tuple of 2 elements, but "
-                                          r"its family entry reads element 2 of its output \(Combine\(output_index=2\)\)"):
-        with wrapped.trace(IDS):
-            wrapped.moes[0].mlp_output.save()
 
 
 class LogitsBlock(Block):
@@ -208,13 +209,10 @@ class LogitsBlock(Block):
 def test_check_names_an_output_index_at_another_per_token_tensor(registered):
     """check() failed with a raw RuntimeError (the sizes of tensor a (16) and b (6) do not match)."""
     registered(block_classes=("LogitsBlock",), combine=Combine(output_index=1))
-    hand = model()
-    for layer in hand.layers:
-        layer["moe"].__class__ = LogitsBlock
     with pytest.raises(FamilyError, match=r"moe: mlp_output, as the entry of family 'hand' picks it \(Combine\(output_index="
                                           r"1\)\), is \[2, 5, 6\], where the entry's combination of routed_output is "
                                           r"\[2, 5, 16\]: name the element of the block's output that holds its hidden"):
-        families.check(moelens.wrap(hand), IDS)
+        families.check(moelens.wrap(model_of(LogitsBlock)), IDS)
 
 
 @pytest.mark.parametrize("argument, message", [
