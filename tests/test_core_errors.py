@@ -954,10 +954,30 @@ def test_a_write_that_overflows_a_half_precision_model_is_refused():
             logits = moe.router_logits.float()
             logits[..., 0] = 1e5
             moe.router_logits = logits
-    with pytest.raises(WriteError, match=r"routed_output: the written tensor holds \+inf"):  # an infinity written
+    with pytest.raises(WriteError, match=r"routed_output: the written tensor holds \+inf; .*\.$"):  # an infinity written
         with wrapped.trace(**tiny_inputs(hf)):
             moe = wrapped.moes[0]
             moe.routed_output = torch.full(moe.routed_output.shape, float("inf"))
+    with pytest.raises(WriteError, match=r"router_logits: the written tensor holds \+inf; .*moelens.force\) \(in "
+                                         r"torch.float16 a number beyond 6.55e\+04 is \+inf\)"):  # in place: inf there
+        with wrapped.trace(**tiny_inputs(hf)):
+            wrapped.moes[0].router_logits[..., 0] = 1e5
+
+
+def test_a_finite_write_a_sigmoid_router_takes_as_inf_is_taken():
+    """deepseek_v3's sigmoid scores saturate at +inf logits, which a write may hold: 1e39 in float64, +inf in the
+    float32 logits, was refused as an overflow while +inf itself passed. Both route alike."""
+    hf = tiny_model("deepseek_v3")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    routed = []
+    for big in (float("inf"), 1e39):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moe = wrapped.moes[0]
+            logits = moe.router_logits.double()
+            logits[..., 3] = big
+            moe.router_logits = logits
+            routed.append(moe.expert_indices.save())
+    assert torch.equal(routed[0], routed[1]) and (routed[0] == 3).any(-1).all()
 
 
 def test_a_dense_block_names_its_own_order_without_save_all():

@@ -242,3 +242,7 @@ def test_a_users_envoys_key_that_matches_a_block_leaves_it_a_moe():
         wrapped = moelens.wrap(tiny_model("mixtral"), envoys={key: MyEnvoy})
         assert all(isinstance(moe, Moe) for moe in wrapped.moes)
         assert isinstance(wrapped.moes[0].router, MyEnvoy) == (key == "gate")
+    hf = tiny_model("mixtral")  # a class key: nnsight tries it before any path
+    with pytest.raises(moelens.MoelensError, match=r"wrap\(envoys=...\) maps MixtralSparseMoeBlock to MyEnvoy, but "
+                                                   r"model.layers.0.mlp is one, and moelens makes that block its own"):
+        moelens.wrap(hf, envoys={type(hf.model.layers[0].mlp): MyEnvoy})

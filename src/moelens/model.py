@@ -635,6 +635,19 @@ MODALITY_INPUTS = ("pixel", "image", "video", "audio", "input_features", "input_
 NO_TORCH_DEVICE = ("disk", "meta")
 
 
+def _refuse_block_classes(envoys: dict, model: torch.nn.Module, blocks: list[str]) -> None:
+    """Refuse an ``envoys=`` key that is the class of a block moelens serves: nnsight gives a module the envoy of
+    its class before any path's, so the block would be no `Moe` / `Mlp`."""
+    for key in envoys:
+        claimed = [name for name in blocks if isinstance(key, type) and isinstance(model.get_submodule(name), key)]
+        if claimed:
+            raise MoelensError(
+                f"wrap(envoys=...) maps {key.__name__} to {getattr(envoys[key], '__name__', envoys[key])}, but "
+                f"{claimed[0]} is one, and moelens makes that block its own envoy (Moe or Mlp); key the envoy by "
+                "the paths of the other modules you want it on instead."
+            )
+
+
 def _from_root(name: str) -> str:
     """nnsight's path of the module named ``name`` in the model, as an ``envoys`` key: nnsight matches a key against
     the end of each module's path, so a bare name (``"0"``, a block of an ``nn.Sequential``) would also pick every
@@ -804,7 +817,9 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     # that matches a block ("mlp", its module name) would make it no Moe
     envoys = {_from_root(name): moe_envoy for name in structure.moe_blocks}
     envoys.update({_from_root(name): Mlp for name in structure.dense_blocks})
-    for key, envoy in (nnsight_kwargs.pop("envoys", None) or {}).items():
+    users = nnsight_kwargs.pop("envoys", None) or {}
+    _refuse_block_classes(users, model, [*structure.moe_blocks, *structure.dense_blocks])
+    for key, envoy in users.items():
         envoys.setdefault(key, envoy)
     if structure.layers is not None:
         envoys.setdefault(_from_root(structure.layers), LayerList)

@@ -26,7 +26,7 @@ from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
 from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from . import tokens
-from .binding import FLOAT, Binding
+from .binding import ANY_INF, FLOAT, Binding
 from .run_owner import MoeInterleaver
 from .write_checks import check_not_recomputed, check_write
 
@@ -481,11 +481,11 @@ def _as_tensor(component: "Component", name: str, binding: Binding, value: Any, 
         ) from None
 
 
-def _cast(component: "Component", name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _cast(component: "Component", name: str, binding: Binding, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``value`` in the value's ``dtype``; a `WriteError` where finite values written overflow it (1e6 is inf in
-    float16), which the checks after the cast would report as an infinity written."""
+    float16) and the value may not hold that infinity, which the checks after the cast would report as written."""
     cast = value.to(dtype)
-    if cast.dtype == value.dtype or is_fake(value):
+    if cast.dtype == value.dtype or binding.infinities == ANY_INF or is_fake(value):
         return cast
     overflowed = torch.isinf(cast) & torch.isfinite(value)
     if overflowed.any():
@@ -531,7 +531,7 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
         if value.dim() == 0:  # a scalar fills the whole view
             value = value.expand(current.shape)
         if value.is_floating_point() and current.is_floating_point():
-            value = _cast(component, name, value, current.dtype)  # checked as the model gets it
+            value = _cast(component, name, binding, value, current.dtype)  # checked as the model gets it
     check_write(component, name, binding, value, current.shape)
     check_not_recomputed(component, name)
     earlier = None

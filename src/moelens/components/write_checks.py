@@ -122,6 +122,8 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                        "amount instead (moelens.steer, moelens.force)")
             else:
                 why = "the model would compute inf or NaN from it; write finite values"
+            if value.dtype in (torch.float16, torch.bfloat16):  # an in-place edit of a finite number beyond the range
+                why += f" (in {value.dtype} a number beyond {torch.finfo(value.dtype).max:.3g} is {which})"
             raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
     summed = binding.summed_into() if binding.summed_into is not None else None
     if summed is not None and value.numel():  # the model adds up a token's slots and casts the sum to ``summed``
