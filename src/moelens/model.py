@@ -638,13 +638,14 @@ NO_TORCH_DEVICE = ("disk", "meta")
 def _refuse_block_classes(envoys: dict, model: torch.nn.Module, blocks: list[str]) -> None:
     """Refuse an ``envoys=`` key that is the class of a block moelens serves: nnsight gives a module the envoy of
     its class before any path's, so the block would be no `Moe` / `Mlp`."""
-    for key in envoys:
-        claimed = [name for name in blocks if isinstance(key, type) and isinstance(model.get_submodule(name), key)]
-        if claimed:
+    for key, envoy in envoys.items():
+        claimed = next((name for name in blocks if isinstance(key, type) and isinstance(model.get_submodule(name), key)),
+                       None)
+        if claimed is not None:
             raise MoelensError(
-                f"wrap(envoys=...) maps {key.__name__} to {getattr(envoys[key], '__name__', envoys[key])}, but "
-                f"{claimed[0]} is one, and moelens makes that block its own envoy (Moe or Mlp); key the envoy by "
-                "the paths of the other modules you want it on instead."
+                f"wrap(envoys=...) maps {key.__name__} to {getattr(envoy, '__name__', envoy)}, but {claimed} is one, "
+                "and moelens makes that block its own envoy (Moe or Mlp); key the envoy by the paths of the other "
+                "modules you want it on instead."
             )
 
 
@@ -665,15 +666,13 @@ def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
 def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
     first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after.
-    A model with no map whose first weight is on meta, with every weight there (built under ``init_empty_weights``)
-    or behind accelerate's offload hooks (``cpu_offload``, which sets no map), gets one on the CPU meanwhile: the
-    pipeline moves a model without one to its device ("Cannot copy out of meta tensor")."""
+    A model with no map whose first weight is on meta (every weight, built under ``init_empty_weights``; or behind
+    accelerate's offload hooks, ``cpu_offload``, which sets no map) gets one on the CPU meanwhile: the pipeline moves
+    a model without one to its device ("Cannot copy out of meta tensor")."""
     device_map = getattr(model, "hf_device_map", None)
     if device_map is None:
         first = next(model.parameters(), None)
-        on_meta = first is not None and first.is_meta and (
-            _offloaded_by_accelerate(model) or all(p.is_meta for p in model.parameters()))
-        meanwhile = {"": "cpu"} if on_meta else None
+        meanwhile = {"": "cpu"} if first is not None and first.is_meta else None
     elif isinstance(device_map, dict) and next(iter(device_map.values()), None) in NO_TORCH_DEVICE:
         meanwhile = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
     else:
