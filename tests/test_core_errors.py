@@ -61,9 +61,13 @@ def write_fails(wrapped, inputs, write, match):
         (lambda moe: moe.router_logits.__setitem__((..., 1), float("inf")), r"holds \+inf; a \+inf logit makes this router's softmax scores NaN"),
         (lambda moe: moe.expert_weights.__setitem__((..., 0), float("inf")), r"expert_weights: the written tensor holds \+inf"),
         (lambda moe: setattr(moe, "routed_output", moe.routed_output - float("inf")), r"routed_output: the written tensor holds -inf"),
+        # torch's raw "isposinf does not support complex inputs"
+        (lambda moe: setattr(moe, "routed_output", moe.routed_output.to(torch.complex64)),
+         r"routed_output: wrote a torch.complex64 tensor, expected a floating-point tensor .* \(of the real part: \.real\)"),
     ],
     ids=["index-too-big", "index-negative", "float-index", "wrong-shape", "nan", "all-neg-inf", "int-weights",
-         "in-place-index", "in-place-nan", "bool-number", "none", "text", "probs-read-only", "pos-inf-logit", "inf-weight", "neg-inf-output"],
+         "in-place-index", "in-place-nan", "bool-number", "none", "text", "probs-read-only", "pos-inf-logit", "inf-weight", "neg-inf-output",
+         "complex"],
 )
 def test_bad_writes_raise_clear_errors(mixtral, write, match):
     wrapped, inputs = mixtral

@@ -100,10 +100,11 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                     f"for this block's {upper} experts."
                 )
         return
-    if not (value.is_floating_point() or value.is_complex()):
+    if not value.is_floating_point():  # a complex one too: the model's values are real
         raise WriteError(
             f"{where}: wrote a {value.dtype} tensor, expected a floating-point tensor of shape "
-            f"{tuple(shape)}; convert with .float() or .to(the value's dtype)."
+            f"{tuple(shape)}; convert with .float() or .to(the value's dtype)" + (
+                " (of the real part: .real)" if value.is_complex() else "") + "."
         )
     if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
         return
