@@ -582,7 +582,8 @@ def test_a_plain_model_whose_forward_takes_no_mask_is_collected_or_refused_clear
 
 def test_the_expert_logit_lens_reads_out_through_a_plain_models_lm_head():
     """A plain torch LM with an lm_head Linear and no get_output_embeddings() was told it had no lm_head. Ground truth:
-    the same model giving its head through get_output_embeddings(), the path transformers' models take."""
+    the model's own norm and head applied by hand to the mean outputs, and the same model giving its head through
+    get_output_embeddings(), the path transformers' models take."""
     from custom_models import custom_family, custom_model
 
     moelens.families.register(custom_family())
@@ -596,6 +597,12 @@ def test_the_expert_logit_lens_reads_out_through_a_plain_models_lm_head():
         plain.lm_head = torch.nn.Linear(16, 64, bias=False)
         lens = analysis.expert_logit_lens(moelens.wrap(plain), rows, top=3, progress=False)
         assert lens.norm == "norm"
+        with torch.no_grad():  # read out by hand: the model's own norm and lm_head on each expert's mean output
+            by_hand = plain.lm_head(plain.norm(lens.mean_outputs)).topk(3, dim=-1)
+        reached = lens.counts > 0
+        assert reached.any()
+        torch.testing.assert_close(lens.top_logits[reached], by_hand.values[reached])
+        assert torch.equal(lens.top_ids[reached], by_hand.indices[reached])
         plain.get_output_embeddings = lambda: plain.lm_head
         named = analysis.expert_logit_lens(moelens.wrap(plain), rows, top=3, progress=False)
         assert torch.equal(lens.top_ids, named.top_ids) and torch.equal(lens.counts, named.counts)
