@@ -156,6 +156,18 @@ def test_model_export_matches_torch_in_tract(family, out):
     assert report.verification.meets("approximate")
 
 
+def test_a_base_models_archive_names_its_output_last_hidden_state(out):
+    """A model without its head (MixtralModel) exports its hidden states: the archive named them logits."""
+    lm = small("mixtral")
+    base, ids = lm.model, tiny_inputs(lm, batch=1, seq=5)["input_ids"]
+    report = to_nnef(moelens.wrap(base), out / "base.nnef.tgz", example_inputs=ids)
+    assert report.output_name == "last_hidden_state"
+    assert re.search(r"graph network\(\s*input_ids\s*\)\s*->\s*\(\s*last_hidden_state\s*\)", archive.graph_text(report.path))
+    with torch.no_grad():
+        close(run(report.path, ids), base(input_ids=ids).last_hidden_state)
+    assert to_nnef(moelens.wrap(lm), out / "lm.nnef.tgz", example_inputs=ids).output_name == "logits"
+
+
 def test_a_whole_model_tract_cannot_run_says_which_part_and_what_to_do(out):
     """mistral4's MLA attention traces in torch-to-nnef but fails tract's declutter: the error blamed tract alone
     and pointed nowhere; its MoE blocks export."""

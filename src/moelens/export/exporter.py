@@ -144,7 +144,7 @@ def to_nnef(
         write(exported, path)
     report = ExportReport(
         path=path, kind=target.kind, blocks=prepared.reports, input_name=input_name(target),
-        output_name=output_name(target), bytes=size(path), seconds=time.perf_counter() - started,
+        output_name=output_name(target, prepared.root), bytes=size(path), seconds=time.perf_counter() - started,
     )
     if verify:
         from .verification import check_export
@@ -180,27 +180,38 @@ OFF_FLAGS = ("use_cache", "output_router_logits")
 
 
 def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """``model``'s logits (or last hidden state) for ``input_ids``, every token attended, no cache.
+    """``model``'s logits (or last hidden state) for ``input_ids``, every token attended, no cache."""
+    return output_tensor(attended_output(model, input_ids))
+
+
+def attended_output(model: torch.nn.Module, input_ids: torch.Tensor) -> Any:
+    """``model``'s output for ``input_ids``, every token attended, no cache.
 
     An explicit all-ones mask keeps transformers off its packed-sequence detection (torch.diff
     with prepend), which torch-to-nnef cannot trace.
     """
     keywords = {name: False for name in OFF_FLAGS} | {"attention_mask": torch.ones_like(input_ids)}
     taken = {name: value for name, value in keywords.items() if takes_keyword(model, name)}
-    return output_tensor(model(input_ids=input_ids, **taken))
+    return model(input_ids=input_ids, **taken)
 
 
 def output_tensor(output: Any) -> torch.Tensor:
     """The logits of a model's output: a transformers output's ``logits`` (or ``last_hidden_state``),
     a tuple's first item, or the tensor a plain module returns."""
+    return named_output(output)[1]
+
+
+def named_output(output: Any) -> tuple[str, torch.Tensor]:
+    """`output_tensor` with the archive's name for it: the transformers output's field it is
+    (``logits``, or ``last_hidden_state`` of a base model), else ``logits``."""
     if isinstance(output, torch.Tensor):
-        return output
+        return "logits", output
     for name in ("logits", "last_hidden_state"):
         value = getattr(output, name, None)
         if value is not None:
-            return value
+            return name, value
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+        return "logits", output[0]
     raise ExportError(
         f"the model returned {type(output).__name__}, which holds no logits to export: export a model whose forward "
         "returns a tensor, a tuple starting with one, or a transformers output with logits / last_hidden_state."
@@ -215,6 +226,9 @@ class TokensToLogits(torch.nn.Module):
     plain torch model gets ``input_ids`` (and an all-ones ``attention_mask`` if its forward takes one).
     """
 
+    #: The archive's name for what the forward returns (`named_output`), recorded by each run.
+    returned: str = "logits"
+
     def __init__(self, model: torch.nn.Module, dynamic: bool = False) -> None:
         super().__init__()
         self.model = model
@@ -222,17 +236,20 @@ class TokensToLogits(torch.nn.Module):
         for flag in OFF_FLAGS:  # the copy's config, so submodules that read it agree
             if config is not None and hasattr(config, flag):
                 setattr(config, flag, False)
-        # a plain torch model builds what masks it has itself (from what its forward takes, as logits_of gives)
+        # a plain torch model builds what masks it has itself (from what its forward takes, as attended_output gives)
         self.masks = dynamic and isinstance(model, PreTrainedModel)
         if self.masks:
             layer_kinds(config)  # refuses layer types whose masks are not rebuilt
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.masks:
-            return logits_of(self.model, input_ids)
-        position = positions(input_ids)
-        masks = attention_masks(self.model.config, position)
-        return output_tensor(self.model(input_ids=input_ids, attention_mask=masks, position_ids=position, use_cache=False))
+        if self.masks:
+            position = positions(input_ids)
+            masks = attention_masks(self.model.config, position)
+            output = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position, use_cache=False)
+        else:
+            output = attended_output(self.model, input_ids)
+        self.returned, logits = named_output(output)
+        return logits
 
 
 def _refuse_unloaded_weights(target: Target) -> None:
@@ -313,8 +330,9 @@ def input_name(target: Target) -> str:
     return "hidden_states" if target.kind == "block" else "input_ids"
 
 
-def output_name(target: Target) -> str:
-    return "mlp_output" if target.kind == "block" else "logits"
+def output_name(target: Target, root: torch.nn.Module) -> str:
+    """The archive's output: a block's ``mlp_output``, else what the prepared model's run in torch returned."""
+    return "mlp_output" if target.kind == "block" else root.returned
 
 
 #: The token axis of an archive's input: ``seq`` of token ids ``[batch, seq]`` and of hidden states ``[batch, seq, D]``.
@@ -533,7 +551,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
     # torch_to_nnef's INFO lines, and transformers' loss_type notice that the tracer's walk over the model's
     # attributes triggers (its loss_function property); the user's levels and root handlers come back after
     with quiet_logger("torch_to_nnef"), quiet_logger("transformers.modeling_utils"), root_logger_kept():
-        name_in, name_out = input_name(target), output_name(target)
+        name_in = input_name(target)
         version = tract_module().version()
         tract_target = MoelensTract(
             version,
@@ -546,6 +564,7 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
         with warnings.catch_warnings(), fixed_emitters():
             warnings.simplefilter("ignore")
             _run_once(root, inputs, target)
+            name_out = output_name(target, root)  # what that run returned
             try:
                 export_model_to_nnef(
                     model=root,
