@@ -503,7 +503,7 @@ def test_a_window_longer_than_the_models_context_is_refused(model, tmp_path, cap
     text = tmp_path / "in.txt"
     text.write_text("some text to route\n")
     status = main(["stats", "tiny", "--text", str(text), "--max-length", "1024", "--no-progress"])
-    assert status != 0 and "max_length=1024 is longer than the model's context (max_position_embeddings=256)" in capsys.readouterr().err
+    assert status != 0 and "--max-length 1024 is longer than the model's context (max_position_embeddings=256)" in capsys.readouterr().err
 
 
 def test_the_demo_routes_held_out_windows_of_both_streams():

@@ -328,6 +328,55 @@ def test_an_expert_given_twice_to_ablate_is_refused_as_for_steer_and_swap(tmp_pa
     assert not out.exists()
 
 
+def test_an_edit_of_a_layer_block_does_not_export_is_refused_by_its_option(monkeypatch, tmp_path, capsys):
+    """`--block 1 --ablate 2:3` on moelens-tiny (MoE layers 0-3) said layer 2 holds no MoE block; refused before
+    the model loads, naming the option and the layer --block exports."""
+    import moelens.export.cli as export_cli
+    from moelens.cli import main
+
+    monkeypatch.setattr(export_cli, "load_checkpoint", lambda source: pytest.fail("the model was loaded"))
+    out = tmp_path / "x.nnef.tgz"
+    status = main(["export", "tiny", str(out), "--block", "1", "--ablate", "2:3", "--steer", "1:2=1", "--swap", "3:1=0"])
+    err = capsys.readouterr().err
+    assert status == 2 and err == (
+        "moelens export: error: --ablate 2:..., --swap 3:...: --block 1 exports layer 1's MoE block alone, so it "
+        "takes edits of layer 1 only; edit that layer, or export the whole model (without --block).\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "tiny", "x.nnef.tgz", "--steer", "1:3=inf"],
+     "--steer of layer 1: the biases of experts [3] are not finite; use --route-around to remove an expert."),
+    (["export", "tiny", "x.nnef.tgz", "--ablate", "1:99"], "--ablate of layer 1: experts [99] are out of range 0..7."),
+    (["export", "tiny", "x.nnef.tgz", "--tokens", "300"], "--tokens 300: 300 tokens is longer than the model's "
+     "context (max_position_embeddings=256); export at a length of at most 256 (an archive with --dynamic-tokens"),
+    (["stats", "tiny", "--text", "notes.txt", "--max-length", "9999"],
+     "--max-length 9999 is longer than the model's context (max_position_embeddings=256)"),
+])
+def test_errors_of_the_python_api_name_the_commands_options(monkeypatch, tmp_path, capsys, argv, message):
+    """The API's errors named its settings (`Edits.steer[1]`, `use route_around`, `tokens=300`,
+    `dynamic_tokens=True`, `max_length=9999`), which a user of the command cannot type."""
+    from moelens.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("Experts route tokens.\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moelens {argv[0]}: error: {message}"), err
+    assert "max_length" not in err and "route_around" not in err and "Edits." not in err
+
+
+def test_only_the_commands_options_are_respelled():
+    from moelens.cli import spelled_as_options
+
+    options = {"max_length": "--max-length", "dynamic_tokens": "--dynamic-tokens", "tokens": "--tokens",
+               "steer": "--steer"}
+    assert spelled_as_options("tokens=3 tokens, max_length=4 max_length; dynamic_tokens=True dynamic_tokens",
+                              options) == "--tokens 3 tokens, --max-length 4 --max-length; --dynamic-tokens --dynamic-tokens"
+    kept = "Edits(steer={1: {3: 30.0}}), batch_size=2, max_position_embeddings=256, Edits.swap[1], x.max_length"
+    assert spelled_as_options(kept, options) == kept
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     """``moelens export`` with to_nnef replaced by a recorder (nothing traced) that returns a verified report."""

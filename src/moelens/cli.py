@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import warnings
 from typing import Any
@@ -93,7 +94,35 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # that feature area is not installed in this build
         module.register(subparsers)
+    for command in subparsers.choices.values():
+        command.set_defaults(options={action.dest: action.option_strings[-1] for action in command._actions
+                                      if action.option_strings and action.dest != "help"})
     return parser
+
+
+#: A setting in a moelens message, as the Python API spells it: ``Edits.steer[1]`` (group 1, 2), ``dynamic_tokens=True``
+#: (group 3), ``max_length=9999`` (group 4) or a bare ``route_around`` (group 5; names with an underscore only,
+#: since a bare "tokens" is a word of the message's prose).
+API_SPELLING = re.compile(r"Edits\.(\w+)\[(-?\d+)\]|(?<![\w.(-])(?:(\w+)=True\b|(\w+)=|(\w+_\w+)\b(?!\())")
+
+
+def spelled_as_options(message: str, options: dict[str, str]) -> str:
+    """``message`` with the settings the command has options for spelled as those options.
+
+    The command passes its options to the Python API, whose errors name the API's settings
+    (``max_length=9999``, ``use route_around``); the command's user types ``--max-length``.
+    """
+
+    def respell(match: re.Match[str]) -> str:
+        edit, layer, flag, valued, bare = match.groups()
+        name = edit or flag or valued or bare
+        if name not in options:
+            return match.group(0)
+        if edit:
+            return f"{options[name]} of layer {layer}"
+        return options[name] + (" " if valued else "")
+
+    return API_SPELLING.sub(respell, message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except MoelensError as error:
-        print(f"moelens {args.command}: error: {error}", file=sys.stderr)
+        print(f"moelens {args.command}: error: {spelled_as_options(str(error), args.options)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader of stdout stopped early (| head): no error of the user's, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again

@@ -17,6 +17,10 @@ from ..errors import MoelensError
 from ..paths import argument_path
 
 
+#: The `Edits` fields the command has an option for (``--route-around`` for route_around ...).
+EDIT_OPTIONS = ("ablate", "route_around", "steer", "swap")
+
+
 def register(subparsers: Any) -> None:
     """Add ``export`` to the ``moelens`` command."""
     parser = subparsers.add_parser(
@@ -110,6 +114,8 @@ def run_export(args: argparse.Namespace) -> int:
     if args.model is None or args.out is None:
         raise MoelensError("moelens export needs MODEL and OUT (or --support).")
     edits = parse_edits(args)
+    if args.block is not None:
+        _refuse_edits_elsewhere(edits, args.block)
     from .archive import check_destination
 
     check_destination(args.out)  # before the model loads: a refused OUT costs nothing
@@ -146,6 +152,17 @@ def run_export(args: argparse.Namespace) -> int:
                      f"{_quantized(second)}")
         print(line)
     return 0
+
+
+def _refuse_edits_elsewhere(edits: Any, block: int) -> None:
+    """Raise `MoelensError` when an edit option names a layer other than ``--block``'s, the only one exported."""
+    elsewhere = [f"--{option.replace('_', '-')} {layer}:..." for option in EDIT_OPTIONS
+                 for layer in getattr(edits, option) if layer != block]
+    if elsewhere:
+        raise MoelensError(
+            f"{', '.join(elsewhere)}: --block {block} exports layer {block}'s MoE block alone, so it takes edits of "
+            f"layer {block} only; edit that layer, or export the whole model (without --block)."
+        )
 
 
 def _quantized(details: dict[str, Any]) -> str:

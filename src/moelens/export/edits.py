@@ -177,7 +177,10 @@ class Edits:
                 "instead, whose layer they name."
             )
         if unknown:
-            raise ExportError(f"Edits name layers {unknown}, which hold no MoE block here; the MoE layers are {numbered}.")
+            raise ExportError(
+                f"Edits name layers {unknown}, which hold no MoE block here; the MoE layers are {numbered}"
+                + (" (a block exported on its own takes edits of its layer only)." if len(blocks) == 1 else ".")
+            )
         for layer in self.layers():
             self._check_layer(layer, *blocks[layer])
 
