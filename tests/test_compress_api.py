@@ -94,6 +94,7 @@ def test_clear_errors():
                            ({"lora_alpha": "x"}, r"lora_alpha must be a number"),
                            ({"lora_alpha": float("nan"), "lora_r": 2}, r"lora_alpha must be a finite number, got nan"),
                            ({"lora_alpha": float("inf"), "lora_r": 2}, r"lora_alpha must be a finite number, got inf"),
+                           ({"lora_alpha": 0, "lora_r": 2}, r"lora_alpha=0 scales the rank-2 adapters .* to nothing"),
                            ({"return_stats": "no"}, r"return_stats must be True or False, got 'no'"),
                            ({"comp_config": "num_experts=8"}, r"comp_config must be a dict or an object with tomoe "
                                                               r"settings as attributes .*got str 'num_experts=8'"),

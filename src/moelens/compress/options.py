@@ -111,6 +111,11 @@ class ToMoEOptions:
         for name in ("shared_neurons", "lora_r"):
             if getattr(self, name) < 0:
                 raise CompressionError(f"{name} must be 0 or more, got {getattr(self, name)!r}.")
+        if self.lora_r and self.lora_alpha == 0:
+            raise CompressionError(
+                f"lora_alpha=0 scales the rank-{self.lora_r} adapters (by lora_alpha / lora_r) to nothing, so training "
+                "them could never change the model; pass a positive lora_alpha (default 16.0), or lora_r=0 for no adapters."
+            )
         if self.max_error is not None and not self.max_error > 0:
             raise CompressionError(f"max_error must be positive or None (no gate), got {self.max_error!r}.")
         if not 0 <= self.seed < 2**32:
