@@ -2051,9 +2051,23 @@ def test_force_refuses_a_hash_routed_layer():
     wrapped = moelens.wrap(hf)
     hashed = wrapped.moes[0]
     assert hashed.SCORING.select == "hash"
-    with pytest.raises(WriteError, match=r"picks experts from a token-id table"):
-        with wrapped.trace(tiny_inputs(hf, batch=1, seq=4)["input_ids"]):
+    ids = tiny_inputs(hf, batch=1, seq=4)["input_ids"]
+    with wrapped.trace(ids):  # ground truth: the table picks, whatever the logits say
+        hashed.router_logits[..., 1] += 100.0
+        picked = hashed.expert_indices.save()
+    assert torch.equal(picked, hf.model.layers[0].mlp.gate.tid2eid[ids])
+    with pytest.raises(WriteError, match=r"picks experts from a token-id table .*its logits only weight them"):
+        with wrapped.trace(ids):
             moelens.force(hashed, 1)
+
+
+def test_selection_scores_of_a_hash_routed_layer_say_the_table_picks():
+    """The refusal said the choice follows router_logits (read or write those), which a hash layer ignores."""
+    hf = tiny_model("deepseek_v4")
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(ValueUnavailable, match=r"layer picks experts from a token-id table .* write expert_indices"):
+        with wrapped.trace(tiny_inputs(hf, batch=1, seq=4)["input_ids"]):
+            wrapped.moes[0].selection_scores.save()
 
 
 def test_force_checks_expert_groups_up_front_so_it_can_come_first():

@@ -568,6 +568,14 @@ class Moe(Mlp):
 
     def _selection_binding(self) -> Binding:
         scoring = self.SCORING
+        if scoring.select == "hash":
+            raise self.unavailable(
+                "selection_scores",
+                f"this {self.family.name} layer picks experts from a token-id table ({scoring.describe()}), ranking no "
+                "score",
+                "its router_logits only weight the experts the table picks: to change which experts run, write "
+                "expert_indices (or use moelens.reroute).",
+            )
         if not self.ranks_selection_scores:
             why = ("no selection op in its family entry" if not scoring.selection_op
                    else f"this checkpoint has no {scoring.selection_bias}")
