@@ -144,6 +144,26 @@ def test_cache_matches_plain_nnsight(qwen):
         torch.testing.assert_close(cache.probs(layer), torch.softmax(truth.logits[layer], -1), atol=1e-3, rtol=0)
 
 
+def test_a_model_with_lasting_edits_past_the_blocks_is_analysed_to_the_end(qwen):
+    """collect_routing stopped the forward after the last block (and the logit lens after its reads), so a
+    lasting edit further on (model.edit(inplace=True)) failed the trace, blaming the user's read order."""
+    wrapped, hf, cache, truth = qwen
+    lens = analysis.expert_logit_lens(wrapped, TEXTS, max_length=MAX_LENGTH, progress=False)
+    with wrapped.edit(inplace=True):
+        wrapped.output.logits[:] = 0  # past every block: changes no routing
+    try:
+        edited = analysis.collect_routing(wrapped, TEXTS, batch_size=3, max_length=MAX_LENGTH, progress=False)
+        edited_lens = analysis.expert_logit_lens(wrapped, TEXTS, max_length=MAX_LENGTH, progress=False)
+        with torch.no_grad(), wrapped.trace(TEXTS[0]):  # the edit is there
+            logits = wrapped.output.logits.save()
+    finally:
+        wrapped.clear_edits()
+    assert not logits.any()
+    for layer in edited.layers:
+        assert torch.equal(edited.indices(layer), truth.indices[layer])
+    assert torch.equal(edited_lens.counts, lens.counts) and torch.equal(edited_lens.mean_outputs, lens.mean_outputs)
+
+
 def test_full_precision_cache_and_batch_size_do_not_matter(qwen):
     wrapped, hf, cache, truth = qwen
     exact = analysis.collect_routing(wrapped, TEXTS, batch_size=5, max_length=MAX_LENGTH, dtype=torch.float32,

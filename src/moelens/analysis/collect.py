@@ -122,6 +122,13 @@ def real_tokens(saved: dict[int, dict[str, Any]], mask: torch.Tensor, index_dtyp
     return read
 
 
+def can_stop_early(model: Any) -> bool:
+    """Whether a trace of ``model`` may stop once the values it needs are read: not when the model carries
+    lasting edits (``model.edit(inplace=True)``), which nnsight replays in every trace and which wait for
+    values further on (a stop before them fails the trace)."""
+    return not getattr(model, "_edits", None)
+
+
 def collect_routing(
     model: Any,
     corpus: Any,
@@ -156,7 +163,8 @@ def collect_routing(
         shard_tokens: Tokens per shard (a shard is closed after the batch that reaches it).
         dtype: Storage dtype of weights and logits (float16 halves the memory).
         stop_early: Stop each forward after the last cached layer (the rest of the
-            model does not change the routing).
+            model does not change the routing); a model carrying lasting nnsight edits
+            runs to the end all the same (`can_stop_early`).
         progress: Show a tqdm progress bar (tokens).
 
     Returns:
@@ -210,7 +218,7 @@ def collect_routing(
             mask = batch.mask
             with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
                 saved = model.save_all(wanted, strict=True, moes=moes)  # keyed by layer: moes_of keeps one per layer
-                if stop_early:
+                if stop_early and can_stop_early(model):
                     tracer.stop()
             read = real_tokens(saved, mask, index_dtype, dtype, skipping)
             rows = mask.sum(1)

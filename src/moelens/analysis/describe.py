@@ -20,7 +20,7 @@ from ..families.entry import VALUE_NAMES
 from ..families.unserved import why_no_moe
 from ..scalars import check_flag
 from . import corpus as corpora
-from .collect import check_wrapped, moes_of
+from .collect import can_stop_early, check_wrapped, moes_of
 
 #: Tokens of the probe input.
 PROBE_TOKENS = 4
@@ -179,7 +179,8 @@ def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[
                 one_reasons: dict = {}
                 _read_all([moe], one_shapes, one_reasons)
                 one_shapes, one_reasons = nnsight.save(one_shapes), nnsight.save(one_reasons)
-                tracer.stop()
+                if can_stop_early(model):
+                    tracer.stop()
             shapes.update(one_shapes)
             reasons.update(one_reasons)
         except OrderError:

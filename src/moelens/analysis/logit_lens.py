@@ -31,7 +31,7 @@ from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import layer_row
 from .checks import check_count, expert_ids
-from .collect import moes_of, skipped_slots, skips
+from .collect import can_stop_early, moes_of, skipped_slots, skips
 from .text import token_strings
 
 #: Names of a model's final norm, tried in order on its base model.
@@ -205,7 +205,8 @@ def expert_logit_lens(
         for batch in stream:
             with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
                 read = _sums(moes, batch.mask)
-                tracer.stop()
+                if can_stop_early(model):
+                    tracer.stop()
             for layer, (total, count) in read.items():
                 sums[layer] = total if sums[layer].numel() == 0 else sums[layer] + total
                 counts[layer] += count
