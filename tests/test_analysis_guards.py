@@ -540,8 +540,12 @@ def test_a_layer_with_two_moe_blocks_asks_for_one_in_both_spellings():
     first = next(moe.path for moe in wrapped.moes if moe.layer == 1)
     kind = first.rpartition(".")[2]
     with pytest.raises(MoelensError, match=rf"layers \[1, 2, 3\] hold several MoE blocks \({re.escape(first)}, .*"
-                                           rf"blocks='{kind}' \(moelens stats: --blocks {kind}\)"):
+                                           rf"blocks='{kind}'\.$") as refused:
         analysis.collect_routing(wrapped, [torch.arange(8)], progress=False)
+    from moelens.cli import build_parser, spelled_as_options
+
+    stats = build_parser().parse_args(["stats", "tiny", "--text", "notes.txt"])
+    assert spelled_as_options(str(refused.value), stats.options).endswith(f"by a part of its path: --blocks '{kind}'.")
     cache = analysis.collect_routing(wrapped, [torch.arange(8)], blocks=kind, progress=False)
     assert cache.num_tokens == 8
 

@@ -70,8 +70,7 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
         paths = [moe.path for moe in moes if moe.layer == shared[0]]
         raise MoelensError(
             f"layers {shared} hold several MoE blocks ({', '.join(paths)}); routing analysis keys blocks by "
-            f"layer, so choose one kind by a part of its path: blocks={paths[0].rpartition('.')[2]!r} "
-            f"(moelens stats: --blocks {paths[0].rpartition('.')[2]})."
+            f"layer, so choose one kind by a part of its path: blocks={paths[0].rpartition('.')[2]!r}."
         )
     return moes
 
