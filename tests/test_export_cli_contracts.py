@@ -375,6 +375,20 @@ def test_only_the_commands_options_are_respelled():
                               options) == "--tokens 3 tokens, --max-length 4 --max-length; --dynamic-tokens --dynamic-tokens"
     kept = "Edits(steer={1: {3: 30.0}}), batch_size=2, max_position_embeddings=256, Edits.swap[1], x.max_length"
     assert spelled_as_options(kept, options) == kept
+    # paths, file names, quoted text and the arguments of a call the message quotes stay as they are
+    code = ("text file 'max_length/notes.txt', './max_length', 'max_length', max_length.txt, "
+            "ablate(moe, e, \"route_around\"), to_nnef(model, path, dynamic_tokens=True), Edits(ablate={1: [2]}, steer={})")
+    assert spelled_as_options(code, options | {"route_around": "--route-around", "ablate": "--ablate"}) == code
+    assert spelled_as_options("(an archive with dynamic_tokens=True takes any length); use max_length.",
+                              options) == "(an archive with --dynamic-tokens takes any length); use --max-length."
+
+
+def test_a_path_named_like_an_option_is_quoted_as_given(tmp_path, capsys):
+    """`--text max_length/notes.txt` was reported as '--max-length/notes.txt' (the respelling took it for a setting)."""
+    from moelens.cli import main
+
+    assert main(["stats", "tiny", "--text", str(tmp_path / "max_length" / "notes.txt")]) == 2
+    assert f"'{tmp_path}/max_length/notes.txt' does not exist" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -102,8 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: A setting in a moelens message, as the Python API spells it: ``Edits.steer[1]`` (group 1, 2), ``dynamic_tokens=True``
 #: (group 3), ``max_length=9999`` (group 4) or a bare ``route_around`` (group 5; names with an underscore only,
-#: since a bare "tokens" is a word of the message's prose).
-API_SPELLING = re.compile(r"Edits\.(\w+)\[(-?\d+)\]|(?<![\w.(-])(?:(\w+)=True\b|(\w+)=|(\w+_\w+)\b(?!\())")
+#: since a bare "tokens" is a word of the message's prose). Not part of a path or of quoted text: nothing right
+#: before it or right after a bare name that a path, a file name
+#: or a quote has there.
+API_SPELLING = re.compile(
+    r"Edits\.(\w+)\[(-?\d+)\]|(?<![\w.(\-'\"/\\~])(?:(\w+)=True\b|(\w+)=|(\w+_\w+)\b(?![(/'\"\\]|\.\w))"
+)
 
 
 def spelled_as_options(message: str, options: dict[str, str]) -> str:
@@ -111,18 +115,30 @@ def spelled_as_options(message: str, options: dict[str, str]) -> str:
 
     The command passes its options to the Python API, whose errors name the API's settings
     (``max_length=9999``, ``use route_around``); the command's user types ``--max-length``.
+    Code the message quotes stays Python: the arguments of a call (``to_nnef(model, path,
+    dynamic_tokens=True)``) and quoted text (``ablate(moe, e, "route_around")``, a path).
     """
 
     def respell(match: re.Match[str]) -> str:
         edit, layer, flag, valued, bare = match.groups()
         name = edit or flag or valued or bare
-        if name not in options:
+        if name not in options or _in_call(message, match.start()):
             return match.group(0)
         if edit:
             return f"{options[name]} of layer {layer}"
         return options[name] + (" " if valued else "")
 
     return API_SPELLING.sub(respell, message)
+
+
+def _in_call(message: str, position: int) -> bool:
+    """Whether ``position`` lies inside the parentheses of a call in ``message`` (``name(...)``), not of prose."""
+    depth = 0
+    for index in range(position - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(message[index], 0)
+        if depth < 0:  # the innermost parenthesis open here: a call when a name comes right before it
+            return index > 0 and (message[index - 1].isalnum() or message[index - 1] == "_")
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
