@@ -470,6 +470,30 @@ def test_load_expands_a_path_from_the_home_folder(tmp_path, monkeypatch):
     assert type(loaded._module).__name__ == "OlmoeForCausalLM" and loaded.moes
 
 
+def test_load_takes_a_tokenizer_and_names_a_keyword_from_pretrained_does_not_take(tmp_path):
+    """load(path, tokenizer=...) and load(path, dispatch=True) failed with transformers' raw TypeError
+    (the model's __init__ got an unexpected keyword argument)."""
+    hf = tiny_model("olmoe")
+    hf.save_pretrained(tmp_path / "olmoe")  # no tokenizer files
+    tokenizer = ascii_tokenizer()
+    loaded = moelens.load(tmp_path / "olmoe", tokenizer=tokenizer)
+    ids = tokenizer("expert", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        with loaded.trace("expert"):
+            logits = loaded.output.logits.save()
+        torch.testing.assert_close(logits, hf(ids).logits, rtol=0, atol=0)
+    with pytest.raises(moelens.MoelensError, match=r"moelens.load passes its keywords to OlmoeForCausalLM.from_pretrained, "
+                       r"which does not take this one \(.*'dispatch'.*\); .* moelens.wrap\(model, tokenizer=\.\.\., \*\*nnsight_kwargs\)"):
+        moelens.load(tmp_path / "olmoe", dispatch=True)
+
+
+def test_a_name_that_is_no_local_folder_and_no_reachable_hub_id_says_both(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(moelens.MoelensError, match=r"cannot load a model from 'my_checkpoint': .*No local folder "
+                       r"'my_checkpoint' is here either \(in '.*'\)\. Pass a local folder"):
+        moelens.load("my_checkpoint", local_files_only=True)
+
+
 def test_load_names_what_is_wrong_with_the_path(tmp_path):
     folder = tmp_path / "checkpoint"
     tiny_model("mixtral").save_pretrained(folder)

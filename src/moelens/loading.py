@@ -61,7 +61,8 @@ def _hides_tiny(given: str) -> str:
             f"moelens-tiny: {way}")
 
 
-def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
+def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
+         **from_pretrained_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
     """Load a model (and its tokenizer) and wrap it; with no argument, moelens-tiny.
 
     The model class is the one the checkpoint was saved from (``config.architectures``), so a
@@ -72,6 +73,7 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
         path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
             None, ``"tiny"`` or ``"moelens-tiny"`` (when no local folder has that name) loads the embedded
             default model, offline.
+        tokenizer: A tokenizer to use instead of the one saved with the model (as for `wrap`).
         **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
             ``experts_implementation``, ...); the settings in `SOURCE_SETTINGS`
             (``trust_remote_code``, ``subfolder``, ...) also to the config and tokenizer.
@@ -141,9 +143,17 @@ def load(path_or_repo_id: str | Path | None = None, **from_pretrained_kwargs: An
             f"cannot load the weights of {source!r}: {sentence(error)}. Pass a folder holding config.json and "
             "weights saved with save_pretrained."
         ) from error
+    except TypeError as error:
+        if "unexpected keyword argument" not in str(error):
+            raise
+        raise MoelensError(
+            f"moelens.load passes its keywords to {model_class.__name__}.from_pretrained, which does not take "
+            f"this one ({sentence(error)}); load the model with transformers and pass settings of the nnsight "
+            "model to moelens.wrap(model, tokenizer=..., **nnsight_kwargs)."
+        ) from error
     _check_weights_fit(source, info)
     model.eval()
-    return wrap(model, tokenizer=_load_tokenizer(source, settings))
+    return wrap(model, tokenizer=tokenizer if tokenizer is not None else _load_tokenizer(source, settings))
 
 
 def _load_config(source: str, settings: dict[str, Any]) -> Any:
@@ -158,6 +168,8 @@ def _load_config(source: str, settings: dict[str, Any]) -> Any:
         remedy = ("Its config.json is not one this transformers can read: fix it (or update transformers for a "
                   "model type it does not know)." if has_config else
                   "Pass a local folder holding config.json and weights (or 'tiny' for the embedded default model).")
+        if not user_path(source).exists():  # a name taken for a hub id: say the other reading too
+            remedy = f"No local folder {source!r} is here either (in {str(Path.cwd())!r}). {remedy}"
         reason = " ".join(sentence(error).split())  # one line: transformers' messages run over several
         raise MoelensError(f"cannot load a model from {source!r}: {reason}. {remedy}") from error
 
