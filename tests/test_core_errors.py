@@ -3092,6 +3092,21 @@ def test_params_of_a_dense_block_says_it_is_dense():
         dense.params()
 
 
+def test_a_dense_blocks_missing_moe_attributes_say_it_is_dense():
+    """block.router / .num_experts / .order() on a dense layer were nnsight's "'Mlp' object (nor its module) has
+    attribute ..."; still an AttributeError, so hasattr tells the kinds of block apart."""
+    wrapped = moelens.wrap(tiny_model("qwen2_moe"))
+    dense = next(layer.mlp for layer in wrapped.layers if not isinstance(layer.mlp, moelens.Moe))
+    for name in ("router", "experts", "shared_experts", "num_experts", "top_k", "order", "save_all"):
+        assert hasattr(wrapped.moes[0], name) and not hasattr(dense, name)
+        with pytest.raises(AttributeError, match=rf"^{re.escape(dense.path)} has no {name}: this block \(Qwen2MoeMLP\) is "
+                                                 r"a dense MLP and runs no mixture of experts \(MoE layers are \["):
+            getattr(dense, name)
+    with pytest.raises(AttributeError, match=r"'Mlp' object \(nor its module\) has attribute 'routerr'"):
+        dense.routerr
+    assert isinstance(dense.gate_proj._module, torch.nn.Linear)  # its own modules as before
+
+
 def test_a_layer_without_an_mlp_block_says_so():
     """nemotron_h's attention and mamba layers hold no MLP: layers[i].mlp was nnsight's bare "'Envoy' object (nor its
     module) has attribute 'mlp'"; layers with a block keep their alias."""

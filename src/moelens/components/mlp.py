@@ -62,15 +62,31 @@ class Mlp(Component):
         """Name of the child whose input is the hidden activation, or None."""
         return next((name for name in DOWN_PROJECTIONS if name in self._child_map), None)
 
+    def __getattr__(self, name: str) -> Any:
+        """A `Moe`'s own attribute (``router``, ``num_experts``, ``order`` ...) is missing here with the reason:
+        an AttributeError still, so ``hasattr(block, "router")`` tells the kinds of block apart."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            from .moe import Moe
+
+            if name not in ("router", "experts") and (name.startswith("_") or not hasattr(Moe, name)):
+                raise
+            raise AttributeError(f"{self.path} has no {name}: {self._dense} ({self._moe_layers}).") from None
+
     def no_mixture(self, name: str = "router_logits") -> ValueUnavailable:
         """The error for a mixture value on this dense block."""
+        return self.unavailable(name, self._dense, f"{self._moe_layers}.")
+
+    @property
+    def _dense(self) -> str:
+        return f"this block ({type(self._module).__name__}) is a dense MLP and runs no mixture of experts"
+
+    @property
+    def _moe_layers(self) -> str:
         moes = [moe.layer for moe in getattr(self.root, "moes", [])]
         where = f"MoE layers are {moes}" if moes else "this model has no MoE layer"
-        return self.unavailable(
-            name,
-            f"this block ({type(self._module).__name__}) is a dense MLP and runs no mixture of experts",
-            f"{where}; iterate model.moes for the MoE blocks.",
-        )
+        return f"{where}; iterate model.moes for the MoE blocks"
 
     def params(self, expert: Any = None) -> NoReturn:
         """Not served on a dense block: raises the reason (`Moe.params` serves a MoE block's expert weights; a dense
