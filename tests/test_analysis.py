@@ -846,7 +846,7 @@ def test_plots_save_writes_the_format_its_path_names_and_always_closes(tmp_path,
     (tmp_path / "a-file").write_text("kept\n")
     before = len(plt.get_fignums())
     for path, match in ((tmp_path / "usage.docx", r"cannot save a plot as 'usage.docx': matplotlib writes .*png"),
-                        (tmp_path / "a-file" / "usage.png", r"lies under .*a-file, which is a file")):
+                        (tmp_path / "a-file" / "usage.png", r"lies under .*a-file', which is a file")):
         with pytest.raises(MoelensError, match=match):
             plots.save(plots.plot_usage(usage), path)
         assert len(plt.get_fignums()) == before

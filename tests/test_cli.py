@@ -406,10 +406,10 @@ def test_a_text_file_the_results_would_overwrite_is_refused_before_any_work(save
         (["export", "tiny", "{root}/x.nnef.tgz", "--no-verify", "--tokens", "2", "--steer", "2:5=1", "--steer", "2:5=2"],
          "expert 5 of layer 2 is given twice"),
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/dangling/sub"],
-         "dangling, which is a symbolic link to a missing path"),
-        (["demo", "--out", "{root}/dangling/sub", "--windows", "0"], "dangling, which is a symbolic link to a missing path"),
+         "dangling', which is a symbolic link to a missing path"),
+        (["demo", "--out", "{root}/dangling/sub", "--windows", "0"], "dangling', which is a symbolic link to a missing path"),
         (["export", "tiny", "{root}/dangling/x.nnef.tgz", "--no-verify", "--tokens", "2"],
-         "dangling, which is a symbolic link to a missing path"),
+         "dangling', which is a symbolic link to a missing path"),
         pytest.param(["demo", "--out", "/proc/moelens-out", "--windows", "0"], "/proc",
                      marks=pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")),
     ],
@@ -465,7 +465,7 @@ def test_export_never_replaces_an_archive_of_the_users(tmp_path, capsys):
         tar.add(tmp_path / "notes.txt", arcname="notes.txt")
     before = user.read_bytes()
     status, out, err = run(["export", "tiny", user, "--no-verify", "--tokens", "2"], capsys)
-    assert status == 2 and "backup.tar is a file that is not an NNEF export" in err, err
+    assert status == 2 and "backup.tar' is a file that is not an NNEF export" in err, err
     assert user.read_bytes() == before
 
 
@@ -545,7 +545,7 @@ def test_an_out_folder_that_may_not_be_written_into_is_refused_before_any_work(s
     assert status == 2 and out == ""
     assert "read-only' is a folder this user may not write into" in err
     status, out, err = run([*command, "--out", read_only_folder / "sub"], capsys)
-    assert status == 2 and "read-only, a folder this user may not write into" in err
+    assert status == 2 and "read-only', a folder this user may not write into" in err
 
 def _out_with_cache_text(tmp_path, nested: bool):
     from moelens.analysis.cli import STATS_CACHE

@@ -487,6 +487,20 @@ def test_load_takes_a_tokenizer_and_names_a_keyword_from_pretrained_does_not_tak
         moelens.load(tmp_path / "olmoe", dispatch=True)
 
 
+def test_an_unexpected_keyword_the_user_did_not_pass_passes_through(tmp_path, monkeypatch):
+    """A checkpoint's own code calling a helper with a keyword it does not take is not the user's keyword."""
+    from transformers import OlmoeForCausalLM
+
+    tiny_model("olmoe").save_pretrained(tmp_path / "olmoe")
+
+    def old_remote_code(cls, *args, **kwargs):
+        raise TypeError("helper() got an unexpected keyword argument 'use_legacy_cache'")
+
+    monkeypatch.setattr(OlmoeForCausalLM, "from_pretrained", classmethod(old_remote_code))
+    with pytest.raises(TypeError, match=r"^helper\(\) got an unexpected keyword argument 'use_legacy_cache'$"):
+        moelens.load(tmp_path / "olmoe", dtype=torch.float32)
+
+
 def test_a_name_that_is_no_local_folder_and_no_reachable_hub_id_says_both(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(moelens.MoelensError, match=r"cannot load a model from 'my_checkpoint': .*No local folder "

@@ -376,7 +376,7 @@ def test_only_the_commands_options_are_respelled():
     kept = "Edits(steer={1: {3: 30.0}}), batch_size=2, max_position_embeddings=256, Edits.swap[1], x.max_length"
     assert spelled_as_options(kept, options) == kept
     # paths, file names, quoted text and the arguments of a call the message quotes stay as they are
-    code = ("text file 'max_length/notes.txt', './max_length', 'max_length', max_length.txt, "
+    code = ("text file 'max_length/notes.txt', './max_length', 'max_length', max_length.txt, 'my max_length text', "
             "ablate(moe, e, \"route_around\"), to_nnef(model, path, dynamic_tokens=True), Edits(ablate={1: [2]}, steer={})")
     assert spelled_as_options(code, options | {"route_around": "--route-around", "ablate": "--ablate"}) == code
     assert spelled_as_options("(an archive with dynamic_tokens=True takes any length); use max_length.",
@@ -389,6 +389,10 @@ def test_a_path_named_like_an_option_is_quoted_as_given(tmp_path, capsys):
 
     assert main(["stats", "tiny", "--text", str(tmp_path / "max_length" / "notes.txt")]) == 2
     assert f"'{tmp_path}/max_length/notes.txt' does not exist" in capsys.readouterr().err
+    (tmp_path / "route_around").mkdir()
+    (tmp_path / "route_around" / "mine.txt").write_text("mine\n")
+    assert main(["export", "tiny", str(tmp_path / "route_around")]) == 2  # refused before the model loads
+    assert f"'{tmp_path}/route_around' is a folder with files of its own" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -468,8 +468,8 @@ def test_a_graph_nnef_that_is_no_nnef_document_is_the_users_not_an_export(text):
         (base / "mine" / "graph.nnef").write_text(text)
         with tarfile.open(base / "mine.nnef.tgz", "w:gz") as tar:
             tar.add(base / "mine" / "graph.nnef", arcname="graph.nnef")
-        with pytest.raises(ExportError, match="mine is a folder with files of its own"):
+        with pytest.raises(ExportError, match="mine' is a folder with files of its own"):
             archive.check_destination(base / "mine")
-        with pytest.raises(ExportError, match="mine.nnef.tgz is a file that is not an NNEF export"):
+        with pytest.raises(ExportError, match="mine.nnef.tgz' is a file that is not an NNEF export"):
             archive.check_destination(base / "mine.nnef.tgz")
         archive.check_destination(_export_folder(base / "earlier", []))  # an export with no tensors is one

@@ -110,7 +110,7 @@ def test_inputs_longer_than_the_models_context_are_refused_before_anything_is_wr
                                           rf"\(max_position_embeddings={context}\)"):
         to_nnef(model, tmp_path / "model.nnef.tgz", example_inputs=ids, verify=False)
     assert main(["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--tokens", str(context + 1)]) == 2
-    assert f"tokens={context + 1}: {context + 1} tokens is longer than the model's context" in capsys.readouterr().err
+    assert f"--tokens {context + 1}: {context + 1} tokens is longer than the model's context" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
     block = to_nnef(model.moes[0], tmp_path / "block.nnef.tgz", example_inputs=torch.randn(1, context + 1, model.config.hidden_size),
                     verify=False)

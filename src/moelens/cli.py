@@ -110,6 +110,10 @@ API_SPELLING = re.compile(
 )
 
 
+#: Quoted text in a message (a path, a Python string): an opening quote has no letter before it ("model's" opens none).
+QUOTED = re.compile(r"(?<!\w)'[^'\n]*'|\"[^\"\n]*\"")
+
+
 def spelled_as_options(message: str, options: dict[str, str]) -> str:
     """``message`` with the settings the command has options for spelled as those options.
 
@@ -119,10 +123,13 @@ def spelled_as_options(message: str, options: dict[str, str]) -> str:
     dynamic_tokens=True)``) and quoted text (``ablate(moe, e, "route_around")``, a path).
     """
 
+    quoted = [span.span() for span in QUOTED.finditer(message)]
+
     def respell(match: re.Match[str]) -> str:
         edit, layer, flag, valued, bare = match.groups()
         name = edit or flag or valued or bare
-        if name not in options or _in_call(message, match.start()):
+        inside_quotes = any(start < match.start() < end for start, end in quoted)
+        if name not in options or inside_quotes or _in_call(message, match.start()):
             return match.group(0)
         if edit:
             return f"{options[name]} of layer {layer}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -144,8 +145,9 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             "weights saved with save_pretrained."
         ) from error
     except TypeError as error:
-        if "unexpected keyword argument" not in str(error):
-            raise
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+        if unexpected is None or unexpected.group(1) not in from_pretrained_kwargs:
+            raise  # the checkpoint's own code: not moelens' to reword
         raise MoelensError(
             f"moelens.load passes its keywords to {model_class.__name__}.from_pretrained, which does not take "
             f"this one ({sentence(error)}); load the model with transformers and pass settings of the nnsight "

@@ -51,7 +51,7 @@ def may_write_into(folder: Path) -> bool:
 
 
 def blocked_above(path: Path) -> str | None:
-    """What stops creating ``path`` above it, in words (``"<path>, which is a file, not a folder"``), or None.
+    """What stops creating ``path`` above it, in words (``"'<path>', which is a file, not a folder"``), or None.
 
     Looks at the nearest path above ``path`` that exists or is a symbolic link: a file, a link
     to a missing path, or a folder this process may not write into leaves nothing to create below.
@@ -60,9 +60,9 @@ def blocked_above(path: Path) -> str | None:
     while not (ancestor.exists() or ancestor.is_symlink()):
         ancestor = ancestor.parent
     if not ancestor.exists():
-        return f"{ancestor}, which is a symbolic link to a missing path ({os.readlink(ancestor)})"
+        return f"{str(ancestor)!r}, which is a symbolic link to a missing path ({os.readlink(ancestor)!r})"
     if not ancestor.is_dir():
-        return f"{ancestor}, which is a file, not a folder"
+        return f"{str(ancestor)!r}, which is a file, not a folder"
     if not may_write_into(ancestor):
-        return f"{ancestor}, a folder this user may not write into"
+        return f"{str(ancestor)!r}, a folder this user may not write into"
     return None

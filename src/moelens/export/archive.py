@@ -69,34 +69,35 @@ def check_destination(path: Path) -> None:
             is, a file or folder that is not an earlier export, or lies under a file.
     """
     path = user_path(path, error=ExportError)
+    shown = repr(str(path))  # quoted: a path is no prose (the command respells setting names in prose)
     if path.is_symlink():
         raise ExportError(
-            f"{path} is a symbolic link (to {os.readlink(path)}); moelens neither writes through a link nor replaces "
+            f"{shown} is a symbolic link (to {os.readlink(path)!r}); moelens neither writes through a link nor replaces "
             "it. Name the link's target, or a new path."
         )
     if is_archive(path):
         if path.is_dir():
-            raise ExportError(f"{path} is a folder, but its name asks for an archive; choose another name.")
+            raise ExportError(f"{shown} is a folder, but its name asks for an archive; choose another name.")
         if path.is_file() and path.stat().st_size and not _is_export_archive(path):
             raise ExportError(
-                f"{path} is a file that is not an NNEF export; moelens replaces only an earlier export "
+                f"{shown} is a file that is not an NNEF export; moelens replaces only an earlier export "
                 "archive, never another file. Name a new archive (or move that file away first)."
             )
     elif path.exists() and not path.is_dir():
         raise ExportError(
-            f"{path} is a file; an export path is written as a folder unless it ends in "
+            f"{shown} is a file; an export path is written as a folder unless it ends in "
             f"{', '.join(ARCHIVE_SUFFIXES)}. Name a new folder or an archive."
         )
     elif path.is_dir() and not may_write_into(path):
-        raise ExportError(f"{path} is a folder this user may not write into; name another folder or an archive.")
+        raise ExportError(f"{shown} is a folder this user may not write into; name another folder or an archive.")
     elif path.is_dir() and any(path.iterdir()) and not _is_export_folder(path):
         raise ExportError(
-            f"{path} is a folder with files of its own; moelens writes a folder export only into a new "
+            f"{shown} is a folder with files of its own; moelens writes a folder export only into a new "
             "or empty folder, or over an earlier NNEF export. Name a new folder (or an archive, *.nnef.tgz)."
         )
     blocked = blocked_above(path)
     if blocked is not None:
-        raise ExportError(f"{path} lies under {blocked}; name a path in a folder you can write to.")
+        raise ExportError(f"{shown} lies under {blocked}; name a path in a folder you can write to.")
 
 
 #: How an NNEF graph file begins (after comments) and declares its graph.
