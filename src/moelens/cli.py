@@ -102,9 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: A setting in a moelens message, as the Python API spells it: ``Edits.steer[1]`` (group 1, 2), ``dynamic_tokens=True``
 #: (group 3), ``max_length=9999`` (group 4) or a bare ``route_around`` (group 5; names with an underscore only,
-#: since a bare "tokens" is a word of the message's prose). Not part of a path or of quoted text: nothing right
-#: before it or right after a bare name that a path, a file name
-#: or a quote has there.
+#: since a bare "tokens" is a word of the message's prose). Not a part of a path or file name: no slash,
+#: backslash, ~, dot or quote right before it, no slash, backslash, quote or .suffix right after a bare name.
 API_SPELLING = re.compile(
     r"Edits\.(\w+)\[(-?\d+)\]|(?<![\w.(\-'\"/\\~])(?:(\w+)=True\b|(\w+)=|(\w+_\w+)\b(?![(/'\"\\]|\.\w))"
 )
@@ -122,7 +121,6 @@ def spelled_as_options(message: str, options: dict[str, str]) -> str:
     Code the message quotes stays Python: the arguments of a call (``to_nnef(model, path,
     dynamic_tokens=True)``) and quoted text (``ablate(moe, e, "route_around")``, a path).
     """
-
     quoted = [span.span() for span in QUOTED.finditer(message)]
 
     def respell(match: re.Match[str]) -> str:
