@@ -82,7 +82,8 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     Raises:
         MoelensError: ``path_or_repo_id`` is a file, has no readable config.json, holds no
             weights, or weights that do not fit its config (saved weights left unused while
-            the model's own are missing, or of another shape).
+            the model's own are missing, or of another shape), or a keyword ``from_pretrained``
+            does not take.
 
     Warns:
         UserWarning: some saved weights have no place in the model, or some of the model's
