@@ -3121,6 +3121,19 @@ def test_a_dense_blocks_missing_moe_attributes_say_it_is_dense():
     assert isinstance(dense.gate_proj._module, torch.nn.Linear)  # its own modules as before
 
 
+def test_an_attribute_error_inside_a_moe_property_is_not_called_a_dense_block(monkeypatch):
+    """Python retries __getattr__ when a property raises AttributeError: on a Moe that is no dense block."""
+    moe = moelens.wrap(tiny_model("qwen2_moe")).moes[0]
+
+    def broken(self):
+        raise AttributeError("inner attribute missing")
+
+    monkeypatch.setattr(moelens.Moe, "top_k", property(broken))
+    with pytest.raises(AttributeError) as raised:
+        moe.top_k
+    assert "dense MLP" not in str(raised.value)
+
+
 def test_a_layer_without_an_mlp_block_says_so():
     """nemotron_h's attention and mamba layers hold no MLP: layers[i].mlp was nnsight's bare "'Envoy' object (nor its
     module) has attribute 'mlp'"; layers with a block keep their alias."""

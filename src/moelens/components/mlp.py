@@ -70,7 +70,8 @@ class Mlp(Component):
         except AttributeError:
             from .moe import Moe
 
-            if name not in ("router", "experts") and (name.startswith("_") or not hasattr(Moe, name)):
+            moe_only = name in ("router", "experts") or not name.startswith("_") and hasattr(Moe, name)
+            if isinstance(self, Moe) or not moe_only:  # a Moe's property that raised AttributeError comes here too
                 raise
             raise AttributeError(f"{self.path} has no {name}: {self._dense} ({self._moe_layers}).") from None
 
