@@ -153,6 +153,33 @@ def test_inject_tomoe_logs_instead_of_raising(caplog):
     assert isinstance(converted.model.layers[0].mlp, ToMoEBlock)
 
 
+
+def test_an_inplace_conversion_that_stops_partway_says_what_the_model_now_holds(monkeypatch):
+    """The user's own model is changed layer by layer with inplace=True: an error (or Ctrl-C) at a later layer
+    leaves the earlier ones converted, and the error says which."""
+    from moelens.compress import compressor
+
+    fitted = compressor.plan_layer
+    calls = []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fitted(*args, **kwargs)
+
+    monkeypatch.setattr(compressor, "plan_layer", failing_second)
+    model = llama()
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        tomoe(model, num_experts=4, top_k=2, calibration=ids(), max_error=None, progress=False, inplace=True)
+    note = " ".join(getattr(stopped.value, "__notes__", []))
+    assert "stopped at model.layers.1.mlp" in note and "['model.layers.0.mlp']" in note, note
+    assert isinstance(model.model.layers[0].mlp, ToMoEBlock) and not isinstance(model.model.layers[1].mlp, ToMoEBlock)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt) as on_a_copy:  # the user's model untouched: nothing to say
+        tomoe(llama(), num_experts=4, top_k=2, calibration=ids(), max_error=None, progress=False)
+    assert not getattr(on_a_copy.value, "__notes__", [])
+
 # -- stats -------------------------------------------------------------------------------------------------
 
 

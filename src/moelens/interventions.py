@@ -265,14 +265,15 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
     and is refused as ambiguous.
     """
     batch, seq = values.shape[:2]
-    whole = tokens is Ellipsis or isinstance(tokens, slice) and tokens == slice(None)
+    whole = tokens is Ellipsis or (isinstance(tokens, slice) and tokens == slice(None))
     if isinstance(tokens, tuple) and any(part is None for part in tokens):
         raise WriteError(
             f"{call}: tokens={tokens!r} holds None, which adds an axis instead of picking tokens; pass "
             "(batch_index, seq_index), (slice(None), positions) or (..., position)."
         )
     lone = isinstance(tokens, tuple) and len(tokens) == 1 and tokens[0] is not Ellipsis  # (0,) picks batch row 0
-    if lone or not (isinstance(tokens, tuple) or whole or _is_bool_mask(tokens) and torch.as_tensor(tokens).dim() == 2):
+    if lone or not (isinstance(tokens, tuple) or whole
+                    or (_is_bool_mask(tokens) and torch.as_tensor(tokens).dim() == 2)):  # a [batch, seq] mask
         raise WriteError(
             f"{call}: tokens={tokens!r} is ambiguous: on its own an index (an int, a list, a tuple of one, an integer "
             "tensor or mask, a bool mask that is not [batch, seq]) picks whole batch rows, not positions; pass a [batch, seq] "

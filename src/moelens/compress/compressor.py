@@ -109,7 +109,15 @@ class ToMoECompressor:
         stats.calibration_tokens = max((x.shape[0] for x in inputs.values()), default=0)
         lora_init = torch.Generator().manual_seed(options.seed)  # the adapters' start, from the seed alone
         for site in tqdm(sites, desc="tomoe", unit="layer", disable=not options.progress):
-            self._convert(site, inputs, calls, settings, stats, lora_init)
+            try:
+                self._convert(site, inputs, calls, settings, stats, lora_init)
+            except BaseException as stopped:  # an error or Ctrl-C: say what the user's own model now holds
+                if options.inplace:
+                    done = [layer.name for layer in stats.converted]
+                    stopped.add_note(f"tomoe(inplace=True) stopped at {site.name}: the model given is partly converted"
+                                     f" ({len(done)} layer(s) before it are MoE blocks now: {done}; the rest is as it "
+                                     "was).")
+                raise
         stats.new_parameters = parameter_count(model)
         stats.active_parameters = stats.new_parameters - sum(l.new_parameters - l.active_parameters
                                                              for l in stats.converted)
@@ -188,7 +196,7 @@ class ToMoECompressor:
             regex = ""
             if isinstance(targeted, str):  # PEFT's rule: a string is a regex the whole module name must match
                 ending = [name for name, _ in model.named_modules() if name.endswith("." + targeted)]
-                regex = (f" A string is a regular expression that must match a whole module name (as in PEFT)"
+                regex = (" A string is a regular expression that must match a whole module name (as in PEFT)"
                          + (f", and {targeted!r} is only the end of names such as {ending[0]!r}: give "
                             f"target_modules=[{targeted!r}] or {'.*' + targeted!r}" if ending else "") + ".")
             raise NothingToConvert(
@@ -452,7 +460,7 @@ def inject_tomoe(model: nn.Module | None = None, **kwargs: Any) -> nn.Module | N
     try:
         return tomoe(model, **kwargs)
     except Exception as error:  # noqa: BLE001 - the point of this entry is not to raise
-        logger.error("inject_tomoe failed: %s: %s", type(error).__name__, error)
+        logger.exception("inject_tomoe failed: %s: %s", type(error).__name__, error)
         return None
 
 
