@@ -149,12 +149,14 @@ def _tuned(*modules: nn.Module) -> bool:
     return any(is_adapter_layer(module) for module in modules)
 
 
-def _plain_ffn(up: nn.Module, down: nn.Module, act: nn.Module) -> Callable[[], DenseLayer]:
-    """The reader of a plain FFN ``down(act(up(x)))`` (BERT, GPT-2)."""
+def _ffn(up: nn.Module, down: nn.Module, act: nn.Module, gate: nn.Module | None = None) -> Callable[[], DenseLayer]:
+    """The reader of an FFN: ``down(act(up(x)))`` (BERT, GPT-2), or ``down(act(gate(x)) * up(x))`` with ``gate``."""
     def read() -> DenseLayer:
         up_w, up_b = linear_weights(up)
         down_w, down_b = linear_weights(down)
-        return DenseLayer(up=up_w, up_bias=up_b, down=down_w, down_bias=down_b, act=act)
+        gate_w, gate_b = linear_weights(gate) if gate is not None else (None, None)
+        return DenseLayer(up=up_w, up_bias=up_b, gate=gate_w, gate_bias=gate_b, down=down_w, down_bias=down_b,
+                          act=act)
 
     return read
 
@@ -168,15 +170,8 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
             return None
         if _tuned(gate, up, down):
             return Skip(name, PEFT_FFN)
-
-        def read_swiglu() -> DenseLayer:
-            gate_w, gate_b = linear_weights(gate)
-            up_w, up_b = linear_weights(up)
-            down_w, down_b = linear_weights(down)
-            return DenseLayer(up=up_w, up_bias=up_b, gate=gate_w, gate_bias=gate_b, down=down_w, down_bias=down_b,
-                              act=module.act_fn)
-
-        return Site(name, "swiglu", module, [module], read_swiglu, module, _setter(model, name), *linear_shape(up))
+        return Site(name, "swiglu", module, [module], _ffn(up, down, module.act_fn, gate), module, _setter(model, name),
+                    *linear_shape(up))
     if "gate_up_proj" in children and "down_proj" in children and is_linear(children["gate_up_proj"]):
         return Skip(name, "fused gate_up_proj FFN (one Linear for gate and up): not supported")
     intermediate, output = children.get("intermediate"), children.get("output")
@@ -192,14 +187,14 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
             output.dense = nn.Identity()
 
         return Site(f"{name}.intermediate", "bert", intermediate, [intermediate, second],
-                    _plain_ffn(first, second, intermediate.intermediate_act_fn), lambda x: second(intermediate(x)),
+                    _ffn(first, second, intermediate.intermediate_act_fn), lambda x: second(intermediate(x)),
                     install_bert, *linear_shape(first), block_class=ToMoEIntermediateBlock)
     c_fc, c_proj = children.get("c_fc"), children.get("c_proj")
     if (c_fc is not None and c_proj is not None and callable(getattr(module, "act", None))
             and is_linear(c_fc) and is_linear(c_proj)):
         if _tuned(c_fc, c_proj):
             return Skip(name, PEFT_FFN)
-        return Site(name, "gpt2", module, [module], _plain_ffn(c_fc, c_proj, module.act), module, _setter(model, name),
+        return Site(name, "gpt2", module, [module], _ffn(c_fc, c_proj, module.act), module, _setter(model, name),
                     *linear_shape(c_fc), dropout=getattr(module, "dropout", None))
     return None
 
