@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -2864,6 +2865,70 @@ def test_save_all_follows_a_shared_expert_turned_off_between_traces():
         with wrapped.trace(**inputs):
             moe.save_all(["router_logits", "shared_expert_output"], strict=True)
 
+
+
+def test_a_shared_expert_put_back_after_a_trace_without_it_is_served_again():
+    """The block's bindings were built once, on the first read: built while ``block.shared_experts = None``, they
+    never held shared_expert_output, and after the module was put back every read of it (and save_all) raised a bare
+    KeyError. Ground truth: the shared expert module's own output, from a torch hook."""
+    hf = tiny_model("ernie4_5_moe")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    moe = wrapped.moes[0]
+    shared = moe._module.shared_experts
+    moe._module.shared_experts = None
+    with wrapped.trace(**inputs):
+        assert "shared_expert_output" not in moe.save_all()
+    moe._module.shared_experts = shared
+    outputs = []
+    handle = shared.register_forward_hook(lambda module, args, output: outputs.append(output))
+    try:
+        with wrapped.trace(**inputs):
+            saved = moe.save_all()
+        with wrapped.trace(**inputs):
+            alone = moe.shared_expert_output.save()
+    finally:
+        handle.remove()
+    batch, seq = inputs["input_ids"].shape
+    for value, output in zip((saved["shared_expert_output"], alone), outputs):
+        torch.testing.assert_close(value, output.view(batch, seq, -1), rtol=0, atol=0)
+
+
+def test_a_router_switched_from_sigmoid_to_softmax_after_a_trace_refuses_a_plus_inf_logit():
+    """router_logits' write check was built on the first read: a cohere2_moe router switched from sigmoid (a +inf
+    logit saturates at 1) to softmax after it still took a +inf logit, and the model's output was NaN. The other
+    way round, a legal +inf was refused. Ground truth: what the model computes with the write."""
+    hf = tiny_model("cohere2_moe", expert_selection_fn="sigmoid")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+
+    routers = [module for module in hf.modules() if type(module).__name__ == "Cohere2MoeTopKRouter"]
+    for score in ("sigmoid", "softmax", "sigmoid"):
+        for router in routers:
+            router.expert_selection_fn = score
+        refused = pytest.raises(moelens.WriteError, match=r"holds \+inf; a \+inf logit makes this router's softmax "
+                                                          "scores NaN") if score == "softmax" else contextlib.nullcontext()
+        with refused, wrapped.trace(**inputs):
+            wrapped.moes[0].router_logits[0, 0, 0] = float("inf")
+            logits = wrapped.output.logits.save()
+        if score == "sigmoid":
+            assert logits.isfinite().all()
+
+
+def test_cohere2_router_probs_follow_the_routers_own_score_function():
+    """cohere2_moe's router copies config.expert_selection_fn at init and scores with its copy; moelens read the
+    config, so after the router's own was switched router_probs and the block's description named the other
+    function. Ground truth: the model's expert weights, the chosen logits' sigmoid (norm_topk_prob off)."""
+    hf = tiny_model("cohere2_moe", norm_topk_prob=False)
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    for module in hf.modules():
+        if type(module).__name__ == "Cohere2MoeTopKRouter":
+            module.expert_selection_fn = "sigmoid"
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        logits, probs = moe.router_logits.save(), moe.router_probs.save()
+        weights, indices = moe.expert_weights.save(), moe.expert_indices.save()
+    torch.testing.assert_close(weights.float(), logits.float().gather(-1, indices).sigmoid())
+    torch.testing.assert_close(probs, logits.float().sigmoid())
+    assert "sigmoid(router_logits)" in repr(moe)
 
 def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):
     """model.save_all(values=<a generator>) handed the one generator to each block: the first block used it up, and

@@ -40,7 +40,8 @@ class Binding:
         upper: For `INDEX` values, returns the exclusive upper bound of a valid index, asked at each
             write (a block whose experts were pruned after wrapping has fewer).
         infinities: For `FLOAT` values, the infinities a write may hold (`FINITE`,
-            `MINUS_INF`, `ANY_INF`); anything else would make the model compute NaN or inf.
+            `MINUS_INF`, `ANY_INF`), or a function that returns them, asked at each write (a router whose score
+            function can be switched after wrapping); anything else would make the model compute NaN or inf.
         min_finite: The fewest entries per token a write may leave above -inf (what a
             router ranks must leave it enough experts to pick).
         prepare: Called (inside the trace) before the location is requested, e.g.
@@ -63,13 +64,17 @@ class Binding:
     put: Callable[[Any, torch.Tensor], Any] = lambda raw, tensor: tensor
     kind: str = FLOAT
     upper: Callable[[], int] | None = None
-    infinities: str = FINITE
+    infinities: str | Callable[[], str] = FINITE
     min_finite: int = 0
     prepare: Callable[[], Any] | None = None
     summed_into: Callable[[], torch.dtype | None] | None = None
     to_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
     from_view: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
     named_by: str | None = None
+
+    def allowed_infinities(self) -> str:
+        """The infinities a write may hold now (`infinities`, asked where it is a function)."""
+        return self.infinities() if callable(self.infinities) else self.infinities
 
     def token_major(self, picked: torch.Tensor, context: Any) -> torch.Tensor:
         """The picked tensor in token-major ``[T, ...]`` order."""

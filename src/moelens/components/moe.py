@@ -519,7 +519,7 @@ class Moe(Mlp):
             self._check_available(name, implementation)
             return self._slot_bindings(implementation)[name]
         self._check_available(name)
-        return self._static_bindings[name]
+        return self._shared_binding if name == "shared_expert_output" else self._static_bindings[name]
 
     def _slot_bindings(self, implementation: str) -> dict[str, Binding]:
         """The per-slot values' bindings under ``implementation``, built once per implementation (a read
@@ -537,7 +537,7 @@ class Moe(Mlp):
         bindings = {
             "router_logits": Binding(f"{self.router.path}.source.{family.logits_cast_op or family.logits_op}.output",
                                      features=1,
-                                     infinities=ANY_INF if self._scores_saturate else MINUS_INF,
+                                     infinities=lambda: ANY_INF if self._scores_saturate else MINUS_INF,
                                      min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
             "expert_weights": Binding(f"{experts}.input", 1, *argument(2, "top_k_weights")),
             "expert_indices": Binding(f"{experts}.input", 1, *argument(1, "top_k_index"), kind=INDEX,
@@ -546,14 +546,18 @@ class Moe(Mlp):
             "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index),
                                   to_view=edited_later, from_view=edited_later),
         }
-        shared = self._shared_envoy()
-        if shared is not None:
-            gated = family.shared.gated_op
-            location = f"{self.path}.source.{gated}.output" if gated else f"{shared.path}.output"
-            # The block edits it in place later: the reader keeps a copy, and the model gets its own.
-            copy = copied if family.shared.edited_later else None
-            bindings["shared_expert_output"] = Binding(location, 1, to_view=copy, from_view=copy)
         return bindings
+
+    @cached_property
+    def _shared_binding(self) -> Binding:
+        """`shared_expert_output`'s binding; built on its first read, after `_check_available` found the shared
+        expert (a block may run without it for a while: ``block.shared_experts = None``)."""
+        shared = self.family.shared
+        location = (f"{self.path}.source.{shared.gated_op}.output" if shared.gated_op
+                    else f"{self._shared_envoy().path}.output")
+        # The block edits it in place later: the reader keeps a copy, and the model gets its own.
+        copy = copied if shared.edited_later else None
+        return Binding(location, 1, to_view=copy, from_view=copy)
 
     @property
     def softcap(self) -> float:

@@ -485,7 +485,7 @@ def _cast(component: "Component", name: str, binding: Binding, value: torch.Tens
     """``value`` in the value's ``dtype``; a `WriteError` where finite values written overflow it (1e6 is inf in
     float16) and the value may not hold that infinity, which the checks after the cast would report as written."""
     cast = value.to(dtype)
-    if cast.dtype == value.dtype or binding.infinities == ANY_INF or is_fake(value):
+    if cast.dtype == value.dtype or is_fake(value) or binding.allowed_infinities() == ANY_INF:
         return cast
     overflowed = torch.isinf(cast) & torch.isfinite(value)
     if overflowed.any():

@@ -113,9 +113,10 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
         first = tuple(int(i) for i in nans.nonzero()[0])
         raise WriteError(f"{where}: the written tensor holds NaN ({int(nans.sum())} of {nans.numel()}, the first at "
                          f"{first}); the model would propagate it. Write finite values (torch.nan_to_num, ...).")
-    if binding.infinities != ANY_INF:
+    allowed = binding.allowed_infinities()
+    if allowed != ANY_INF:
         plus = bool(torch.isposinf(value).any())
-        if plus or (binding.infinities == FINITE and torch.isneginf(value).any()):
+        if plus or (allowed == FINITE and torch.isneginf(value).any()):
             which = "+inf" if plus else "-inf"
             if name == "router_logits":
                 scores = component.family.score_of(component._module)

@@ -38,7 +38,7 @@ FAMILIES = [
            scoring=TK_SM, shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Experts store transposed weights."),
     Family("cohere2_moe", ("cohere2_moe",), ("Cohere2MoeSparseMoeBlock",),
-           scoring=Scoring("config.expert_selection_fn", "logit_topk", normalize="router.norm_topk_prob",
+           scoring=Scoring("router.expert_selection_fn", "logit_topk", normalize="router.norm_topk_prob",
                            code="TK->SM|sigmoid"),
            shared=SharedExpert("shared_experts", when="after_experts"),
            combine=Combine(mode="block.shared_expert_combination_strategy"),
