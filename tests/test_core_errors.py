@@ -2930,6 +2930,33 @@ def test_cohere2_router_probs_follow_the_routers_own_score_function():
     torch.testing.assert_close(probs, logits.float().sigmoid())
     assert "sigmoid(router_logits)" in repr(moe)
 
+
+@pytest.mark.parametrize("replaced", ["experts", "shared_experts"])
+def test_a_module_replaced_after_wrapping_is_named_instead_of_the_read_order(replaced):
+    """A module put in place of the block's experts or shared expert after wrapping is one nnsight never sees run:
+    a read there raised an OrderError that blamed the read order (the value was read first). Wrapped again, the
+    model serves the new module's output (ground truth: a torch hook on it)."""
+    hf = tiny_model("ernie4_5_moe")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    block = wrapped.moes[0]._module
+    new = copy.deepcopy(getattr(block, replaced))
+    setattr(block, replaced, new)
+    value = "routed_output" if replaced == "experts" else "shared_expert_output"
+    with pytest.raises(moelens.OrderError, match=rf"{value} was never produced: model\.model\.layers\.1\.mlp\.{replaced} "
+                                                 r"is no longer the module this model was wrapped with .* Wrap the model "
+                                                 r"again \(moelens\.wrap\)"):
+        with wrapped.trace(**inputs):
+            getattr(wrapped.moes[0], value).save()
+    outputs = []
+    handle = new.register_forward_hook(lambda module, args, output: outputs.append(output))
+    try:
+        again = moelens.wrap(hf)
+        with again.trace(**inputs):
+            served = getattr(again.moes[0], value).save()
+    finally:
+        handle.remove()
+    torch.testing.assert_close(served, outputs[0].view(served.shape), rtol=0, atol=0)
+
 def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):
     """model.save_all(values=<a generator>) handed the one generator to each block: the first block used it up, and
     every later block saved nothing, with no error."""

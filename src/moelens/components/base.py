@@ -31,6 +31,32 @@ def layer_of(path: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
+def replaced_modules(envoy: Envoy) -> list[str]:
+    """The paths, on the way down to ``envoy`` and below it, whose module in the torch model is no longer the one
+    their envoy wraps (``block.experts = new_module`` after wrapping; one set to None is not counted)."""
+    chain = [envoy]
+    while chain[-1].parent is not None:
+        chain.append(chain[-1].parent)
+    root = chain[-1]
+    found = []
+    for checked in [*reversed(chain[1:]), *_below(envoy)]:
+        relative = checked.path.partition(".")[2]  # the root envoy's path is "model"
+        try:
+            live = root._module.get_submodule(relative)
+        except AttributeError:
+            continue
+        if live is not checked._module and not any(checked.path.startswith(f"{path}.") for path in found):
+            found.append(checked.path)  # the modules below a replaced one are named by it
+    return found
+
+
+def _below(envoy: Envoy) -> Iterator[Envoy]:
+    """``envoy`` and every envoy under it."""
+    yield envoy
+    for child in envoy._children:
+        yield from _below(child)
+
+
 def envoy_at(envoy: Envoy, path: str) -> Envoy:
     """The envoy of the module at dotted module ``path`` below ``envoy``.
 
@@ -156,6 +182,14 @@ class Component(Envoy):
         return ()
 
     def _order_error(self, name: str) -> OrderError:
+        replaced = replaced_modules(self)
+        if replaced:  # nnsight's envoys watch the modules they wrapped: the model runs the new ones unseen
+            return OrderError(
+                f"{self.path}.{name} was never produced: {', '.join(replaced)} "
+                f"{'is no longer the module' if len(replaced) == 1 else 'are no longer the modules'} this model was "
+                "wrapped with (replaced in the torch model after moelens.wrap), so nnsight does not see it run. Wrap "
+                "the model again (moelens.wrap) after replacing modules."
+            )
         order = " -> ".join(self._order())
         runs_only_on = self.runs_only_on
         maybe_idle = (
