@@ -755,6 +755,18 @@ def test_an_export_name_that_leaves_archive_or_folder_in_doubt_is_refused(tmp_pa
     assert not list(tmp_path.iterdir())
 
 
+
+def test_an_archive_named_with_a_leading_dash_is_checked_like_any_other(tmp_path, monkeypatch):
+    """A relative archive name starting with "-" reached tract's command line as an option: the export wrote it and
+    then failed its own check, blaming the model. Ground truth: the block's own forward, through tract."""
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    monkeypatch.chdir(tmp_path)
+    result = to_nnef(moe, "-block.nnef.tgz")
+    assert result.verification is not None and (tmp_path / "-block.nnef.tgz").is_file()
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        close(run("-block.nnef.tgz", x), moe._module(x))
+
 # -- q4_0, layouts, dynamic tokens --------------------------------------------------------------------
 
 

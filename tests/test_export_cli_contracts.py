@@ -458,6 +458,11 @@ def test_export_refuses_a_bad_out_before_loading_the_model(monkeypatch, tmp_path
     assert "which is a file" in capsys.readouterr().err
     assert main(["export", "tiny"]) == 2
     assert "moelens export needs MODEL and OUT (or --support)" in capsys.readouterr().err
+    # An archive name with a trailing slash: to_nnef refuses it as unclear, and argparse's Path dropped the slash
+    # (an archive was written). Refused here too, as OUT, with nothing written.
+    assert main(["export", "tiny", f"{tmp_path}/x.nnef.tgz/", "--block", "1"]) == 2
+    assert "OUT " in (err := capsys.readouterr().err) and "ends like an archive and with a slash" in err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file.txt"]
 
 
 # -- the moelens command ----------------------------------------------------------------------------------------------

@@ -33,9 +33,15 @@ def user_path(path: str | os.PathLike, name: str = "path", error: type[MoelensEr
 
 def argument_path(value: str) -> Path:
     """`user_path` as argparse's ``type=`` for a command-line path: an empty one is a usage error (exit 2)."""
+    return user_path(argument_text(value))
+
+
+def argument_text(value: str) -> str:
+    """A command-line path kept as typed (a trailing slash says something `Path` drops): an empty one is a usage
+    error (exit 2)."""
     if not value:
         raise argparse.ArgumentTypeError(f"empty: {NAME_A_PATH}")
-    return user_path(value)
+    return value
 
 
 def may_write_into(folder: Path) -> bool:

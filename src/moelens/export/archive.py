@@ -37,20 +37,20 @@ def is_archive(path: Path) -> bool:
     return str(path).endswith(ARCHIVE_SUFFIXES)
 
 
-def check_archive_name(named: str | os.PathLike) -> None:
+def check_archive_name(named: str | os.PathLike, what: str = "to_nnef's path") -> None:
     """Refuse an export path whose name leaves archive or folder in doubt: an archive name ending with a slash
     (``Path`` drops it, and an archive was written), or an archive suffix in another case (written as a folder).
-    An empty one is refused before, by `user_path`."""
+    An empty one is refused before, by `user_path`. ``what``: how the message names the path."""
     text = os.fspath(named)
     name = text.rstrip("/" + os.sep)
     if name != text and is_archive(Path(name)):
         raise ExportError(
-            f"to_nnef's path {text!r} ends like an archive and with a slash, like a folder: drop the slash for an "
+            f"{what} {text!r} ends like an archive and with a slash, like a folder: drop the slash for an "
             f"archive, or name a folder without {', '.join(ARCHIVE_SUFFIXES)} at the end."
         )
     if not is_archive(Path(name)) and name.lower().endswith(ARCHIVE_SUFFIXES):
         raise ExportError(
-            f"to_nnef's path {text!r} ends like an archive in another case, which would be written as a folder: "
+            f"{what} {text!r} ends like an archive in another case, which would be written as a folder: "
             f"archives are named with a lower-case {', '.join(ARCHIVE_SUFFIXES)} at the end."
         )
 

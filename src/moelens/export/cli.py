@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError
-from ..paths import argument_path
+from ..paths import argument_text, user_path
 
 
 #: The `Edits` fields the command has an option for (``--route-around`` for route_around ...).
@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
         "Needs the export extra: pip install 'moelens[export]'.",
     )
     parser.add_argument("model", metavar="MODEL", nargs="?", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
-    parser.add_argument("out", metavar="OUT", nargs="?", type=argument_path, help="the archive to write (.nnef.tgz, .tar, or a folder)")
+    parser.add_argument("out", metavar="OUT", nargs="?", type=argument_text, help="the archive to write (.nnef.tgz, .tar, or a folder)")
     parser.add_argument("--support", action="store_true", help="print which families export (and why not) and exit")
     parser.add_argument("--block", type=int, metavar="LAYER", help="export only the MoE block of this layer (hidden states -> mlp_output)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens of the traced example input (default 8)")
@@ -116,9 +116,10 @@ def run_export(args: argparse.Namespace) -> int:
     edits = parse_edits(args)
     if args.block is not None:
         _refuse_edits_elsewhere(edits, args.block)
-    from .archive import check_destination
+    from .archive import check_archive_name, check_destination
 
-    check_destination(args.out)  # before the model loads: a refused OUT costs nothing
+    check_archive_name(args.out, "OUT")  # before the model loads: a refused OUT costs nothing
+    check_destination(user_path(args.out))
     import torch
 
     from .exporter import default_inputs, to_nnef

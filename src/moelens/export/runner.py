@@ -88,7 +88,7 @@ def run_isolated(path: str | Path, inputs: Sequence[np.ndarray]) -> list[np.ndar
         bundle, saved = Path(folder) / "inputs.npz", Path(folder) / "outputs.npz"
         np.savez(bundle, **{f"input_{i}": np.ascontiguousarray(a) for i, a in enumerate(inputs)})
         done = subprocess.run(
-            [str(standin_path()), str(path), "run", "--input-from-bundle", str(bundle), "--save-outputs-npz", str(saved)],
+            [str(standin_path()), str(path.absolute()), "run", "--input-from-bundle", str(bundle), "--save-outputs-npz", str(saved)],
             capture_output=True, text=True,
         )
         if done.returncode != 0 or not saved.exists():
