@@ -129,6 +129,23 @@ def test_a_cache_object_whose_folder_a_later_collection_replaced_says_so(model, 
     assert torch.equal(again.token_ids(), first_ids)
 
 
+
+def test_a_cache_object_whose_folder_was_deleted_or_damaged_says_so(model, tmp_path):
+    """A loaded cache whose folder (or routing.json) was deleted, or whose routing.json was damaged, said a later
+    collection had replaced it."""
+    import shutil
+
+    spoiled = ((lambda folder: (folder / META_FILE).write_text("{not json"), r"routing\.json' is damaged"),
+               (lambda folder: (folder / META_FILE).unlink(), r"is gone: routing\.json was deleted after"),
+               (shutil.rmtree, r"is gone: its folder was deleted after"))
+    for case, (spoil, message) in enumerate(spoiled):
+        folder = tmp_path / f"routing{case}"
+        analysis.collect_routing(model, token_corpus(3), folder=folder, progress=False)
+        lazy = RoutingCache.load(folder)
+        spoil(folder)
+        with pytest.raises(MoelensError, match=message):
+            lazy.token_ids()
+
 def test_a_cache_opened_by_a_relative_folder_keeps_reading_it_from_elsewhere(model, tmp_path, monkeypatch):
     (tmp_path / "project").mkdir()
     (tmp_path / "elsewhere").mkdir()

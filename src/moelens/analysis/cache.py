@@ -219,7 +219,18 @@ class RoutingCache:
     def _check_not_replaced(self) -> None:
         """Raise `_replaced` when the folder's routing.json is another collection's than this object opened (None on
         both sides: a cache saved before collections had ids)."""
-        if (_cache_meta(self._folder) or {}).get("collection") != self._collection:
+        meta = _cache_meta(self._folder)
+        if meta is None:  # gone, or no moelens cache's any more: nothing says another collection wrote it
+            path = self._folder / META_FILE
+            if not path.is_file():
+                what = path.name if self._folder.is_dir() else "its folder"
+                raise MoelensError(
+                    f"the routing cache in {str(self._folder)!r} is gone: {what} was deleted after this cache object "
+                    "opened it. Collect the routing again "
+                    "(collect_routing(..., folder=...)), or keep the folder while a cache object reads it."
+                )
+            raise damaged(path, "not a moelens routing cache's routing.json any more")
+        if meta.get("collection") != self._collection:
             raise self._replaced()
 
     def _replaced(self) -> MoelensError:
