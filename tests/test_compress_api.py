@@ -175,10 +175,13 @@ def test_an_inplace_conversion_that_stops_partway_says_what_the_model_now_holds(
     note = " ".join(getattr(stopped.value, "__notes__", []))
     assert "stopped at model.layers.1.mlp" in note and "['model.layers.0.mlp']" in note, note
     assert isinstance(model.model.layers[0].mlp, ToMoEBlock) and not isinstance(model.model.layers[1].mlp, ToMoEBlock)
-    calls.clear()
-    with pytest.raises(KeyboardInterrupt) as on_a_copy:  # the user's model untouched: nothing to say
-        tomoe(llama(), num_experts=4, top_k=2, calibration=ids(), max_error=None, progress=False)
-    assert not getattr(on_a_copy.value, "__notes__", [])
+    for inplace in (False, True):  # on a copy, or stopped before any layer was converted: nothing to say
+        calls[:] = [1] if inplace else []
+        untouched = llama()
+        with pytest.raises(KeyboardInterrupt) as unchanged:
+            tomoe(untouched, num_experts=4, top_k=2, calibration=ids(), max_error=None, progress=False, inplace=inplace)
+        assert not getattr(unchanged.value, "__notes__", [])
+        assert not any(isinstance(module, ToMoEBlock) for module in untouched.modules())
 
 # -- stats -------------------------------------------------------------------------------------------------
 

@@ -2947,6 +2947,10 @@ def test_a_module_replaced_after_wrapping_is_named_instead_of_the_read_order(rep
                                                  r"again \(moelens\.wrap\)"):
         with wrapped.trace(**inputs):
             getattr(wrapped.moes[0], value).save()
+    with pytest.raises(moelens.OrderError, match=r"router_logits was requested after the model had already run past"):
+        with wrapped.trace(**inputs):  # read out of order, at a module nobody replaced: the order is to blame
+            wrapped.moes[0].mlp_output.save()
+            wrapped.moes[0].router_logits.save()
     outputs = []
     handle = new.register_forward_hook(lambda module, args, output: outputs.append(output))
     try:

@@ -427,7 +427,7 @@ def test_export_passes_its_options_to_to_nnef(recorded, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert status == 0, printed
     (call,) = recorded
-    assert call.path == out and call.target.layer == 0 and type(call.target).__name__ == "Moe"
+    assert call.path == str(out) and call.target.layer == 0 and type(call.target).__name__ == "Moe"
     inputs = call.options["example_inputs"]
     assert inputs.shape[:2] == (1, 3) and inputs.ndim == 3 and inputs.is_floating_point()  # hidden states
     assert call.options["verify"] is False and call.options["dynamic_tokens"] is True

@@ -182,7 +182,8 @@ class Component(Envoy):
         return ()
 
     def _order_error(self, name: str) -> OrderError:
-        replaced = replaced_modules(self)
+        location = self._location_of(name)
+        replaced = [path for path in replaced_modules(self) if location is None or location.startswith(f"{path}.")]
         if replaced:  # nnsight's envoys watch the modules they wrapped: the model runs the new ones unseen
             return OrderError(
                 f"{self.path}.{name} was never produced: {', '.join(replaced)} "
@@ -209,6 +210,13 @@ class Component(Envoy):
             f"({order}), and blocks in layer order{save_all}. "
             f"A module skipped with .skip() never produces its values.{maybe_idle}{registered}"
         )
+
+    def _location_of(self, name: str) -> str | None:
+        """Where ``name`` is read in the run (`Binding.location`), None where that cannot be told."""
+        try:
+            return self._binding(name).location
+        except (MoelensError, KeyError):
+            return None
 
     @property
     def runs_only_on(self) -> str | None:

@@ -521,6 +521,9 @@ class Moe(Mlp):
         self._check_available(name)
         return self._shared_binding if name == "shared_expert_output" else self._static_bindings[name]
 
+    def _location_of(self, name: str) -> str | None:
+        return super()._location_of("router_logits" if name == "router_probs" else name)  # scored from the logits
+
     def _slot_bindings(self, implementation: str) -> dict[str, Binding]:
         """The per-slot values' bindings under ``implementation``, built once per implementation (a read
         builds none: at 1 x 8 tokens moelens' own Python is a visible part of a trace)."""

@@ -112,8 +112,8 @@ class ToMoECompressor:
             try:
                 self._convert(site, inputs, calls, settings, stats, lora_init)
             except BaseException as stopped:  # an error or Ctrl-C: say what the user's own model now holds
-                if options.inplace:
-                    done = [layer.name for layer in stats.converted]
+                done = [layer.name for layer in stats.converted]
+                if options.inplace and done:
                     stopped.add_note(f"tomoe(inplace=True) stopped at {site.name}: the model given is partly converted"
                                      f" ({len(done)} layer(s) before it are MoE blocks now: {done}; the rest is as it "
                                      "was).")
@@ -314,14 +314,15 @@ class ToMoECompressor:
             add_lora(block, options.lora_r, options.lora_alpha, lora_init)
         if options.freeze_experts:
             freeze_experts(block)
-        site.install(block)
         total, active = block_counts(block)
-        stats.converted.append(LayerStats(
+        converted = LayerStats(
             name=site.name, kind=site.kind, num_experts=plan.num_experts, top_k=plan.top_k,
             expert_sizes=plan.expert_sizes(), shared_neurons=int(plan.shared.numel()), error=plan.error,
             error_tokens=plan.error_tokens, original_parameters=original, new_parameters=total,
             active_parameters=active, lora=bool(options.lora_r), notes=list(site.notes) + list(plan.notes),
-        ))
+        )
+        site.install(block)  # the last step: a layer is converted and counted, or left as it was
+        stats.converted.append(converted)
 
     def _mismatch_reason(self, site: tg.Site, layer: DenseLayer, x: torch.Tensor | None) -> str:
         """Why the site stays dense because its own forward is not what ``layer`` (its weights' reading) computes,

@@ -55,7 +55,7 @@ def check_archive_name(named: str | os.PathLike, what: str = "to_nnef's path") -
         )
 
 
-def check_destination(path: Path) -> None:
+def check_destination(path: str | os.PathLike) -> None:
     """Refuse a ``path`` that writing the export would clobber: nothing of the user's is replaced.
 
     A symbolic link is refused (whatever it points to). An archive path may be new, an empty file, or an earlier NNEF export archive (``graph.nnef``

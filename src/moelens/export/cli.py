@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError
-from ..paths import argument_text, user_path
+from ..paths import argument_text
 
 
 #: The `Edits` fields the command has an option for (``--route-around`` for route_around ...).
@@ -119,7 +119,7 @@ def run_export(args: argparse.Namespace) -> int:
     from .archive import check_archive_name, check_destination
 
     check_archive_name(args.out, "OUT")  # before the model loads: a refused OUT costs nothing
-    check_destination(user_path(args.out))
+    check_destination(args.out)
     import torch
 
     from .exporter import default_inputs, to_nnef
