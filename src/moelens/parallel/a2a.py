@@ -29,6 +29,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
+from ..permutations import inverse_permutation
 from .comm import exchange, exchange_counts, group_rank, group_size
 from .runs import Runs
 
@@ -173,7 +174,7 @@ def plan_dispatch(
         send_sizes=send_sizes,
         recv_sizes=recv_sizes,
         by_expert=by_expert,
-        from_expert=torch.argsort(by_expert),
+        from_expert=inverse_permutation(by_expert),
         local_ids=local_ids[by_expert],
         tokens_per_expert=tokens_per_expert,
         offsets=torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32),
