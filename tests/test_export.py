@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
@@ -818,6 +819,25 @@ def test_a_folder_export_keeps_the_folder_and_replaces_only_its_files(out, monke
         to_nnef(moe, ".", verify=False)
         assert (here / "graph.nnef").is_file()
     assert here.stat().st_ino == Path.cwd().stat().st_ino
+
+
+def test_an_archive_export_over_an_earlier_one_keeps_its_mode(out):
+    """The renamed temporary file came with the default mode: an archive the user had made private (0600) or shared
+    with the group (0664) lost that mode when exported to again, while a folder keeps its own."""
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    for mode in (0o600, 0o664):
+        archive = to_nnef(moe, out / f"kept-{mode:o}.nnef.tgz", verify=False).path
+        archive.chmod(mode)
+        to_nnef(moe, archive, verify=False)
+        assert stat.S_IMODE(archive.stat().st_mode) == mode
+    new = to_nnef(moe, out / "new.nnef.tgz", verify=False).path
+    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_files_of_the_users_beside_an_earlier_export_are_never_deleted(out, monkeypatch):

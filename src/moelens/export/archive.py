@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tarfile
 from pathlib import Path
 from typing import NoReturn
@@ -172,6 +173,8 @@ def write(folder: Path, path: Path) -> Path:
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.part")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
+        if path.exists():  # an earlier export (or an empty file, `check_destination`): the new one keeps its mode
+            os.fchmod(descriptor, stat.S_IMODE(path.stat().st_mode))
         with os.fdopen(descriptor, "wb") as file:
             if str(path).endswith(".tar"):
                 file.write(buffer.getvalue())
