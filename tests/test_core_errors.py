@@ -3284,3 +3284,28 @@ def test_a_token_id_outside_the_embeddings_is_named_in_every_input_form(form):
         else ids
     with pytest.raises(moelens.MoelensError, match=r"token id 99999 is outside the model's input embeddings"):
         _router_logits(model, given)
+
+
+@pytest.mark.parametrize("tokenizer", [False, True])
+def test_a_run_of_a_model_whose_weights_are_not_loaded_is_refused(tokenizer):
+    """A model built on the meta device: a trace wrapped with a tokenizer failed inside transformers ("Tensor.item()
+    cannot be called on meta tensors"), and one without gave every value and the logits as meta tensors, unsaid.
+    Scan still works on it; a model whose meta weights accelerate's hooks bring in still runs."""
+    from moelens.testing import model_class, tiny_config
+
+    with torch.device("meta"):
+        hf = model_class("mixtral")(tiny_config("mixtral"))
+    model = moelens.wrap(hf, tokenizer=ascii_tokenizer() if tokenizer else None)
+    model.set_experts_implementation("batched_mm")
+    runs = [lambda: model.trace(torch.tensor([[1, 2, 3]]))]
+    if tokenizer:  # generate needs one
+        runs.append(lambda: model.generate(torch.tensor([[1, 2]]), max_new_tokens=1))
+    for run in runs:
+        with pytest.raises(moelens.MoelensError, match=r"weights are not loaded \(MixtralForCausalLM's first weight is on the "
+                                               r"meta device.*model\.scan"):
+            with run():
+                model.moes[0].router_logits.save()
+    if tokenizer:
+        with model.scan("hi"):
+            shape = nnsight.save(model.moes[0].router_logits.shape)
+        assert tuple(shape) == (1, 2, model.moes[0].num_experts)

@@ -154,6 +154,7 @@ class MoeModelMixin:
         """`interleave`, in the thread that owns the run."""
         watched = list(_present(self._module, self._watched))
         _refuse_compiled(watched)  # compiled since wrapping, or a compiled one put in
+        _refuse_unloaded(self._module)
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
         ep_runs = self._ep_runs(watched)
@@ -915,6 +916,22 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
         if how is not None:
             raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: load or copy the model "
                                f"again and wrap it uncompiled. {COMPILED}")
+
+
+def _refuse_unloaded(model: torch.nn.Module) -> None:
+    """Raise a `MoelensError` for a run (not a ``model.scan``, whose fake tensors need no weights) of a model whose
+    weights are not loaded: on the meta device, with no accelerate hooks to bring them in. It computes nothing: every
+    value and the output come back as meta tensors, or torch fails inside the model ("Tensor.item() cannot be called on
+    meta tensors", where the model builds an attention mask)."""
+    first = next(model.parameters(), None)
+    if first is None or not first.is_meta or torch._guards.detect_fake_mode() is not None:
+        return
+    if not _offloaded_by_accelerate(model):
+        raise MoelensError(
+            f"the model's weights are not loaded ({type(model).__name__}'s first weight is on the meta device: built "
+            "under torch.device('meta') or init_empty_weights), so a run computes nothing; load them (from_pretrained, "
+            "or load_state_dict(..., assign=True)) and wrap that model, or use model.scan(...) for shapes alone."
+        )
 
 
 def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[str]:
