@@ -195,6 +195,25 @@ def test_reading_every_value_under_activation_checkpointing_keeps_the_backward(i
     assert_same_gradients(gradients_of(*checkpointed("mixtral", implementation, True), traced=True), truth)
 
 
+def test_a_backward_in_the_trace_through_reentrant_checkpointing_says_to_call_it_after():
+    """torch's reentrant checkpoint reads the .grad of the inputs it recomputes, which nnsight takes for a late
+    request: the backward failed with nnsight's OutOfOrderError naming a tensor id only. Called after the trace, it
+    gives the gradients of the model run plainly."""
+    import moelens
+
+    hf, inputs = checkpointed("mixtral", "grouped_mm", True, reentrant=True)
+    model = moelens.wrap(hf)
+    with pytest.raises(moelens.MoelensError, match=r"reentrant activation checkpointing \(use_reentrant=True.*call "
+                                                   r"backward\(\) after the trace, or checkpoint with use_reentrant=False"):
+        with model.trace(**inputs):
+            output = model.output.save()
+            with loss_of(output).backward():
+                pass
+    hf.zero_grad(set_to_none=True)
+    truth = gradients_of(*checkpointed("mixtral", "grouped_mm", False), traced=False)
+    assert_same_gradients(gradients_of(hf, inputs, traced=True), truth)
+
+
 def gradients_of(hf, inputs, traced: bool) -> dict[str, torch.Tensor]:
     """The parameter gradients of `loss_of` ``hf`` on ``inputs``, run plainly or traced by moelens reading every
     value (``save_all``); named as in the plain model (torch's checkpoint wrappers left out)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import re
 import traceback
 import warnings
@@ -23,6 +24,7 @@ import torch
 from jaxtyping import Int
 from nnsight import NNsight, TransformersModel
 from nnsight.intervention.envoy import Envoy, traceable
+from nnsight.intervention.interleaver import OutOfOrderError
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 from torch._subclasses.fake_tensor import is_fake
@@ -169,6 +171,16 @@ class MoeModelMixin:
             if refusal is None:
                 raise
             raise refusal from error
+        except OutOfOrderError as error:  # nnsight's, naming a tensor id only
+            if not _in_reentrant_checkpoint_backward(error):
+                raise
+            raise MoelensError(
+                "a backward inside the trace ran through reentrant activation checkpointing (use_reentrant=True, "
+                "torch's default when it is not given), which nnsight cannot follow: torch's checkpoint reads the .grad "
+                "of the layer inputs it recomputes, and nnsight takes that read for a request of the trace that came "
+                "too late. Save the output and call backward() after the trace, or checkpoint with use_reentrant=False "
+                "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))."
+            ) from error
         except GuardOnDataDependentSymNode as error:  # model.scan through a forward whose shapes follow the values
             refusal = self._unscannable(error)
             if refusal is None:  # not in an experts loop (the scan body's own `if x.sum() > 0:`): torch names the line
@@ -916,6 +928,12 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
         if how is not None:
             raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: load or copy the model "
                                f"again and wrap it uncompiled. {COMPILED}")
+
+
+def _in_reentrant_checkpoint_backward(error: BaseException) -> bool:
+    """Whether ``error`` was raised in the backward of torch's reentrant checkpoint (``CheckpointFunction``)."""
+    return any(frame.f_code.co_name == "backward" and frame.f_code.co_filename.endswith(
+        os.path.join("torch", "utils", "checkpoint.py")) for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def _refuse_unloaded(model: torch.nn.Module) -> None:
