@@ -219,3 +219,50 @@ def test_batched_generation_matches_each_prompt_alone(moe, tokenizer):
     for row, prompt in enumerate(prompts):
         alone = moe.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=4, do_sample=False)
         assert batched[row, -4:].tolist() == alone[0, -4:].tolist()
+
+
+def _doc_rows(lines: list[str], header: str, count: int) -> list[list[str]]:
+    """The cells of the ``count`` rows under the Markdown table whose header line starts with ``header``."""
+    start = next(index for index, line in enumerate(lines) if line.startswith(header)) + 2
+    return [[cell.strip().strip("*") for cell in line.strip().strip("|").split("|")]
+            for line in lines[start:start + count]]
+
+
+@torch.no_grad()
+def test_the_routing_tables_of_the_default_model_doc_are_the_shipped_models(moe, heldout):
+    """docs/default-model.md's usage, per-class and total-variation tables, recomputed as the doc says (a plain
+    forward's router logits, softmax, top-2, `<|endoftext|>` left out) from the shipped weights: each cell within its
+    last place of the recomputed value."""
+    ids, classes = heldout["input_ids"].long(), heldout["token_class"].long().reshape(-1)
+    experts, top_k, layers = moe.config.num_experts, moe.config.num_experts_per_tok, moe.config.num_hidden_layers
+    router_logits = [torch.cat(parts) for parts in zip(*(
+        moe(input_ids=ids[start:start + 32], output_router_logits=True).router_logits for start in range(0, len(ids), 32)))]
+    counted = classes < len(TOKEN_CLASSES)
+    counts = torch.zeros(layers, len(TOKEN_CLASSES), experts, dtype=torch.float64)
+    for layer, logits in enumerate(router_logits):
+        picked = logits.float().softmax(-1).topk(top_k, dim=-1).indices[counted]
+        counts[layer].index_put_((classes[counted].repeat_interleave(top_k), picked.reshape(-1)),
+                                 torch.ones(picked.numel(), dtype=torch.float64), accumulate=True)
+    load = counts.sum(1) / counts.sum((1, 2))[:, None]
+    usage = counts / counts.sum(-1, keepdim=True)
+    pairs = [(a, b) for a in range(len(TOKEN_CLASSES)) for b in range(a + 1, len(TOKEN_CLASSES))]
+    tv = torch.stack([0.5 * (usage[:, a] - usage[:, b]).abs().sum(-1) for a, b in pairs], dim=1)
+
+    lines = (Path(__file__).parent.parent / "docs" / "default-model.md").read_text().splitlines()
+    written, expected = [], []
+    for layer, row in enumerate(_doc_rows(lines, "| layer | e0 |", layers)):
+        written.append(row[1:])
+        expected.append([*load[layer].tolist(), (load[layer].std(unbiased=False) / load[layer].mean()).item()])
+    for layer in range(layers):
+        for row in _doc_rows(lines[lines.index(next(line for line in lines if line.startswith(f"**Layer {layer}**"))):],
+                             "| class | e0 |", len(TOKEN_CLASSES)):
+            written.append(row[1:])
+            expected.append(usage[layer, TOKEN_CLASSES.index(row[0])].tolist())
+    for layer, row in enumerate(_doc_rows(lines, "| layer | mean TV |", layers)):
+        written.append([row[1], *row[3:]])
+        expected.append([tv[layer].mean().item(), *tv[layer].tolist()])
+    # Within the last place, and a little: several values lie within 1e-5 of a rounding boundary, where a top-2 tie
+    # broken the other way by another CPU's float rounding (one slot moves a fraction by 2.5e-5) rounds them over it.
+    off = [(row, column, cell, value) for row, (cells, values) in enumerate(zip(written, expected, strict=True))
+           for column, (cell, value) in enumerate(zip(cells, values, strict=True)) if abs(float(cell) - value) > 6e-4]
+    assert not off, off
