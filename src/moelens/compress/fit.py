@@ -249,8 +249,8 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
     plan.error_tokens = int(rows.numel())
     plan.held_out = check_rows is not None
     if not plan.held_out:
-        plan.notes.append(f"error measured on the {plan.error_tokens} fit tokens (fewer than 1024 calibration tokens, "
-                          "none held out): optimistic")
+        plan.notes.append(f"error measured on the {plan.error_tokens} fit tokens (fewer than 1024 tokens to fit on, "
+                          "after max_tokens; none held out): optimistic")
     return plan
 
 
