@@ -3290,7 +3290,7 @@ def test_a_token_id_outside_the_embeddings_is_named_in_every_input_form(form):
 def test_a_run_of_a_model_whose_weights_are_not_loaded_is_refused(tokenizer):
     """A model built on the meta device: a trace wrapped with a tokenizer failed inside transformers ("Tensor.item()
     cannot be called on meta tensors"), and one without gave every value and the logits as meta tensors, unsaid.
-    Scan still works on it; a model whose meta weights accelerate's hooks bring in still runs."""
+    Scan still works on it."""
     from moelens.testing import model_class, tiny_config
 
     with torch.device("meta"):
@@ -3301,11 +3301,36 @@ def test_a_run_of_a_model_whose_weights_are_not_loaded_is_refused(tokenizer):
     if tokenizer:  # generate needs one
         runs.append(lambda: model.generate(torch.tensor([[1, 2]]), max_new_tokens=1))
     for run in runs:
-        with pytest.raises(moelens.MoelensError, match=r"weights are not loaded \(MixtralForCausalLM's first weight is on the "
-                                               r"meta device.*model\.scan"):
+        with pytest.raises(moelens.MoelensError, match=r"\d+ of the model's weights and buffers are not loaded \(on the "
+                                                       r"meta device: model\.embed_tokens\.weight, .*model\.scan"):
             with run():
                 model.moes[0].router_logits.save()
     if tokenizer:
         with model.scan("hi"):
             shape = nnsight.save(model.moes[0].router_logits.shape)
         assert tuple(shape) == (1, 2, model.moes[0].num_experts)
+
+
+@pytest.mark.parametrize("loaded", ["all but the layers", "the state dict, with assign=True"])
+def test_a_run_of_a_model_loaded_in_part_is_refused_naming_what_is_not(loaded):
+    """Only the first weight was looked at: a model whose layers were never loaded failed inside torch ("Tensor on
+    device cpu is not on the expected device meta"), and one built on meta whose state dict was loaded with
+    assign=True kept its rotary embedding's buffers (not in a state dict) on meta: "Cannot copy out of meta tensor"."""
+    from moelens.testing import model_class, tiny_config
+
+    real = model_class("mixtral")(tiny_config("mixtral"))
+    with torch.device("meta"):
+        hf = model_class("mixtral")(tiny_config("mixtral"))
+    state = real.state_dict()
+    if loaded == "all but the layers":
+        hf.load_state_dict({name: value for name, value in state.items() if ".layers." not in name}, assign=True,
+                           strict=False)
+        hf.model.rotary_emb = real.model.rotary_emb
+        named = r"model\.layers\.0\.[\w.]+, model\.layers\.0\.[\w.]+, model\.layers\.0\.[\w.]+, \.\.\."
+    else:
+        hf.load_state_dict(state, assign=True)
+        named = r"model\.rotary_emb\.inv_freq, model\.rotary_emb\.original_inv_freq\)"
+    model = moelens.wrap(hf)
+    with pytest.raises(moelens.MoelensError, match=r"weights and buffers are not loaded \(on the meta device: " + named):
+        with model.trace(torch.tensor([[1, 2, 3]])):
+            model.output.save()

@@ -822,10 +822,10 @@ def test_a_folder_export_keeps_the_folder_and_replaces_only_its_files(out, monke
 
 
 def test_an_archive_export_over_an_earlier_one_keeps_its_mode(out):
-    """The renamed temporary file came with the default mode: an archive the user had made private (0600) or shared
-    with the group (0664) lost that mode when exported to again, while a folder keeps its own."""
+    """The renamed temporary file came with the default mode: an archive the user had made private (0600), group
+    writable (0664) or read-only (0444) lost that mode when exported to again, while a folder keeps its own."""
     moe = moelens.wrap(small("mixtral")).moes[0]
-    for mode in (0o600, 0o664):
+    for mode in (0o600, 0o664, 0o444):
         archive = to_nnef(moe, out / f"kept-{mode:o}.nnef.tgz", verify=False).path
         archive.chmod(mode)
         to_nnef(moe, archive, verify=False)

@@ -231,8 +231,9 @@ def _doc_rows(lines: list[str], header: str, count: int) -> list[list[str]]:
 @torch.no_grad()
 def test_the_routing_tables_of_the_default_model_doc_are_the_shipped_models(moe, heldout):
     """docs/default-model.md's usage, per-class and total-variation tables, recomputed as the doc says (a plain
-    forward's router logits, softmax, top-2, `<|endoftext|>` left out) from the shipped weights: each cell within its
-    last place of the recomputed value."""
+    forward's router logits, softmax, top-2, `<|endoftext|>` left out) from the shipped weights and rounded to 3
+    places. (Five cells had been rounded twice from training.json's 4 places, 0.09051 written as 0.090; those five
+    lie within 2e-5 of a rounding boundary, where `_rounds_to` takes either, so this test does not hold them.)"""
     ids, classes = heldout["input_ids"].long(), heldout["token_class"].long().reshape(-1)
     experts, top_k, layers = moe.config.num_experts, moe.config.num_experts_per_tok, moe.config.num_hidden_layers
     router_logits = [torch.cat(parts) for parts in zip(*(
@@ -261,8 +262,16 @@ def test_the_routing_tables_of_the_default_model_doc_are_the_shipped_models(moe,
     for layer, row in enumerate(_doc_rows(lines, "| layer | mean TV |", layers)):
         written.append([row[1], *row[3:]])
         expected.append([tv[layer].mean().item(), *tv[layer].tolist()])
-    # Within the last place, and a little: several values lie within 1e-5 of a rounding boundary, where a top-2 tie
-    # broken the other way by another CPU's float rounding (one slot moves a fraction by 2.5e-5) rounds them over it.
     off = [(row, column, cell, value) for row, (cells, values) in enumerate(zip(written, expected, strict=True))
-           for column, (cell, value) in enumerate(zip(cells, values, strict=True)) if abs(float(cell) - value) > 6e-4]
+           for column, (cell, value) in enumerate(zip(cells, values, strict=True)) if not _rounds_to(value, cell)]
     assert not off, off
+
+
+def _rounds_to(value: float, cell: str) -> bool:
+    """Whether ``cell`` is ``value`` rounded to 3 places; either way where ``value`` is within 5e-5 of a rounding
+    boundary: a top-2 tie broken the other way by another CPU's float rounding moves a fraction by 2.5e-5 a slot, and
+    several values here lie within 1e-5 of a boundary."""
+    if cell == f"{value:.3f}":
+        return True
+    boundary = (math.floor(value * 1000) + 0.5) / 1000
+    return abs(value - boundary) < 5e-5 and abs(float(cell) - value) < 5.5e-4

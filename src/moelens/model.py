@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import os
 import re
@@ -179,7 +180,7 @@ class MoeModelMixin:
                 "torch's default when it is not given), which nnsight cannot follow: torch's checkpoint reads the .grad "
                 "of the layer inputs it recomputes, and nnsight takes that read for a request of the trace that came "
                 "too late. Save the output and call backward() after the trace, or checkpoint with use_reentrant=False "
-                "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))."
+                "(model.activation_checkpointing_enable({'use_reentrant': False}))."
             ) from error
         except GuardOnDataDependentSymNode as error:  # model.scan through a forward whose shapes follow the values
             refusal = self._unscannable(error)
@@ -937,19 +938,24 @@ def _in_reentrant_checkpoint_backward(error: BaseException) -> bool:
 
 
 def _refuse_unloaded(model: torch.nn.Module) -> None:
-    """Raise a `MoelensError` for a run (not a ``model.scan``, whose fake tensors need no weights) of a model whose
-    weights are not loaded: on the meta device, with no accelerate hooks to bring them in. It computes nothing: every
-    value and the output come back as meta tensors, or torch fails inside the model ("Tensor.item() cannot be called on
-    meta tensors", where the model builds an attention mask)."""
-    first = next(model.parameters(), None)
-    if first is None or not first.is_meta or torch._guards.detect_fake_mode() is not None:
+    """Raise a `MoelensError` for a run (not a ``model.scan``, whose fake tensors need no weights) of a model with
+    weights or buffers that are not loaded: on the meta device, with no accelerate hooks to bring them in. Such a run
+    computes nothing, or fails inside torch ("Cannot copy out of meta tensor", "Tensor.item() cannot be called on meta
+    tensors", a device mismatch): a model built on meta, one loaded only in part, or one whose state dict was loaded
+    with ``assign=True`` but whose non-persistent buffers (a rotary embedding's ``inv_freq``) stayed on meta."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    if not any(tensor.is_meta for tensor in tensors) or torch._guards.detect_fake_mode() is not None:
         return
-    if not _offloaded_by_accelerate(model):
-        raise MoelensError(
-            f"the model's weights are not loaded ({type(model).__name__}'s first weight is on the meta device: built "
-            "under torch.device('meta') or init_empty_weights), so a run computes nothing; load them (from_pretrained, "
-            "or load_state_dict(..., assign=True)) and wrap that model, or use model.scan(...) for shapes alone."
-        )
+    if _offloaded_by_accelerate(model):
+        return
+    unloaded = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+                if tensor.is_meta]
+    raise MoelensError(
+        f"{len(unloaded)} of the model's weights and buffers are not loaded (on the meta device: "
+        f"{', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}), so a run computes nothing; load the model "
+        "with from_pretrained, or build it under accelerate's init_empty_weights (which keeps buffers real) before "
+        "load_state_dict(..., assign=True), and wrap that model; or use model.scan(...) for shapes alone."
+    )
 
 
 def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[str]:

@@ -173,14 +173,14 @@ def write(folder: Path, path: Path) -> Path:
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.part")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        if path.exists():  # an earlier export (or an empty file, `check_destination`): the new one keeps its mode
-            os.fchmod(descriptor, stat.S_IMODE(path.stat().st_mode))
         with os.fdopen(descriptor, "wb") as file:
             if str(path).endswith(".tar"):
                 file.write(buffer.getvalue())
             else:
                 with gzip.GzipFile(filename="", mode="wb", fileobj=file, mtime=0, compresslevel=6) as gz:
                     gz.write(buffer.getvalue())
+        if path.exists():  # an earlier export (or an empty file, `check_destination`): the new one keeps its mode
+            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
         temporary.replace(path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)
