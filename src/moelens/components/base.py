@@ -39,7 +39,7 @@ def replaced_modules(envoy: Envoy) -> list[str]:
         chain.append(chain[-1].parent)
     root = chain[-1]
     found = []
-    for checked in [*reversed(chain[1:]), *_below(envoy)]:
+    for checked in [*reversed(chain[1:]), *reversed(envoy.modules())]:  # each module before those under it
         relative = checked.path.partition(".")[2]  # the root envoy's path is "model"
         try:
             live = root._module.get_submodule(relative)
@@ -48,13 +48,6 @@ def replaced_modules(envoy: Envoy) -> list[str]:
         if live is not checked._module and not any(checked.path.startswith(f"{path}.") for path in found):
             found.append(checked.path)  # the modules below a replaced one are named by it
     return found
-
-
-def _below(envoy: Envoy) -> Iterator[Envoy]:
-    """``envoy`` and every envoy under it."""
-    yield envoy
-    for child in envoy._children:
-        yield from _below(child)
 
 
 def envoy_at(envoy: Envoy, path: str) -> Envoy:
