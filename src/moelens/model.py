@@ -13,7 +13,6 @@ import contextlib
 import copy
 import itertools
 import logging
-import os
 import re
 import traceback
 import warnings
@@ -935,8 +934,10 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
 
 def _in_reentrant_checkpoint_backward(error: BaseException) -> bool:
     """Whether ``error`` was raised in the backward of torch's reentrant checkpoint (``CheckpointFunction``)."""
-    return any(frame.f_code.co_name == "backward" and frame.f_code.co_filename.endswith(
-        os.path.join("torch", "utils", "checkpoint.py")) for frame, _ in traceback.walk_tb(error.__traceback__))
+    from torch.utils.checkpoint import CheckpointFunction
+
+    backward = CheckpointFunction.backward.__code__
+    return any(frame.f_code is backward for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def _unloaded_refusal(model: torch.nn.Module) -> MoelensError | None:
