@@ -6,14 +6,19 @@ and experts recomputed from their weights; see `groundtruth`.
 
 from __future__ import annotations
 
+import typing
+
+import jaxtyping
 import nnsight
 import pytest
 import torch
 
+from annotations import annotated_stub, assert_annotations_hold
 from groundtruth import (
     CASES, EXTRA_LOGIT_COLUMNS, IDS, ascii_tokenizer, built, first_tensor, raw_values, slots_by_hand,
 )
 from moelens.families.entry import get_path
+from moelens.components.moe import Moe
 from moelens.families.scoring import score
 from moelens.testing import NOT_DECORATED
 
@@ -178,6 +183,21 @@ def test_shared_expert_and_recombination(observed, family, impl):
             with torch.no_grad():
                 combined = moe.family.combined(block, values["routed_output"], values.get("shared_expert_output"))
             close(combined, values["mlp_output"], atol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_every_value_has_the_shape_and_dtype_its_annotation_names(observed, family, impl):
+    """Each served value's jaxtyping annotation (``Float[Tensor, "b s k h"]``, the documented shape) holds, with one
+    size per name across all of a block's values (``b``, ``s`` the input's; ``k`` every per-slot value's; ``h`` the
+    experts' width D, ``hidden`` the model's H: they differ in nemotron_h's and muse_spark's narrower experts). The
+    logits of families with extra logit columns are left out: their E is not the probabilities' (docs/values.md)."""
+    wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
+    for moe, values in zip(running_moes(wrapped), served):
+        assert_annotations_hold([("input_ids", inputs["input_ids"], jaxtyping.Int[torch.Tensor, "b s"])] + [
+            (name, value, typing.get_type_hints(annotated_stub(Moe, name))["return"]) for name, value in values.items()
+            if not (name == "router_logits" and family in EXTRA_LOGIT_COLUMNS)
+        ])
+
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

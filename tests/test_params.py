@@ -10,6 +10,7 @@ copy, after one router row was overwritten through its view.
 from __future__ import annotations
 
 import copy
+import typing
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 import nnsight
 
 import moelens
+from annotations import assert_annotations_hold
 from groundtruth import ROUTER_LOGITS, raw_values
+from moelens.components.params import MoeParams
 from moelens.errors import ValueUnavailable
 from moelens.testing import FAMILIES, tiny_inputs, tiny_model
 
@@ -141,6 +144,16 @@ def test_every_expert_view_stacks_the_single_expert_views(family):
         for name, view in moe.params(expert).items():
             assert torch.equal(view, stacked[name][expert]), name
             assert view.data_ptr() == stacked[name][expert].data_ptr(), name  # the same memory, no copy
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_views_have_the_shapes_their_annotations_name(family):
+    """MoeParams' jaxtyping annotations hold on the stacked views and on one expert's (longcat_flash's router has rows
+    for its zero-compute experts, which have no weights: the router's axis is not the experts')."""
+    _, model = wrapped(family)
+    hints = typing.get_type_hints(MoeParams)
+    for params in (model.moes[0].params(), model.moes[0].params(0)):
+        assert_annotations_hold([(name, view, hints[name]) for name, view in vars(params).items()])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -631,8 +631,9 @@ def _cached_tokens(params: dict[str, Any]) -> int:
     return int(length()) if callable(length) else 1  # a cache of another kind: assume it holds tokens
 
 
-def _left_padded(rows: list[Int[torch.Tensor, " s"]], pad_id: int) -> tuple[Int[torch.Tensor, "b s"], Int[torch.Tensor, "b s"]]:
-    """The rows left-padded with ``pad_id`` to the longest one, and their attention mask (1 on real tokens)."""
+def _left_padded(rows: list[Int[torch.Tensor, " _"]], pad_id: int) -> tuple[Int[torch.Tensor, "b w"], Int[torch.Tensor, "b w"]]:
+    """The rows (of any lengths) left-padded with ``pad_id`` to the longest one, ``w``, and their attention mask
+    (1 on real tokens)."""
     width = max(row.shape[0] for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=rows[0].dtype)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)

@@ -131,7 +131,7 @@ def _one_text(text: Any) -> Any:
     return text
 
 
-def _stacked(per_layer: list[Tensor], fill: float) -> Tensor:
+def _stacked(per_layer: list[Tensor], fill: int | float) -> Tensor:
     """``[L, n, width]`` from each layer's ``[n, width_l]``: layers of fewer experts or slots (a model
     converted with different E or k per layer) are padded with ``fill`` (`SKIPPED` slots, weight and
     probability 0)."""

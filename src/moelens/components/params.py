@@ -61,8 +61,8 @@ class MoeParams:
         gate_bias, up_bias: ``[E, H]`` or None; ``down_bias``: ``[E, D]`` or None.
     """
 
-    router: Float[Tensor, "*e d"] | None
-    router_bias: Float[Tensor, " *e"] | None
+    router: Float[Tensor, "*r d"] | None  # r: E, or E - Z experts have weights (longcat_flash)
+    router_bias: Float[Tensor, " *r"] | None
     gate: Float[Tensor, "*e h d"] | None
     up: Float[Tensor, "*e h d"]
     down: Float[Tensor, "*e d h"]
