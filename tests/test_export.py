@@ -7,6 +7,7 @@ archives. Needs the ``export`` extra (torch-to-nnef and tract), which CI install
 
 from __future__ import annotations
 
+import gc
 import getpass
 import logging
 import os
@@ -226,6 +227,27 @@ def test_export_leaves_no_handler_on_the_root_logger(out, monkeypatch):
     finally:
         for handler in root.handlers:
             handler.close()
+
+
+def test_exports_keep_no_copy_of_the_weights(out):
+    """An export kept up to two copies of the exported weights alive for good: torch-to-nnef's cache of traced
+    graphs held its tracers (each with a traced copy of a module), and torch.jit.trace made the tract_moe_ffn
+    weights, which no module held, constants of the traced graph, which TorchScript never frees."""
+    model = moelens.load()
+
+    def live_bytes() -> int:
+        gc.collect()
+        storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in gc.get_objects()
+                    if isinstance(o, torch.Tensor) and not o.is_meta}
+        return sum(storages.values())
+
+    experts = sum(p.numel() * p.element_size() for p in model.moes[1].experts._module.parameters())
+    to_nnef(model.moes[1], out / "kept.nnef.tgz", verify=False)  # the first export loads what it needs
+    before = live_bytes()
+    for _ in range(2):
+        to_nnef(model.moes[1], out / "kept.nnef.tgz", verify=False)
+        to_nnef(model, out / "kept-model.nnef.tgz", verify=False)
+    assert live_bytes() - before < experts / 4
 
 
 def test_moelens_tiny_exports(out):

@@ -38,8 +38,22 @@ class TractMoeFfn(torch.nn.Module):
         self.layout = layout
         self.stored: dict[str, tuple[Tensor, Any]] = {}
 
+    @property
+    def spec(self) -> MoeSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: MoeSpec) -> None:
+        self._spec = spec
+        for name, tensor in spec.tensors().items():
+            self.register_buffer(f"spec_{name}", tensor, persistent=False)
+
     def forward(self, hidden_states: Float[Tensor, "*tokens d"]) -> Float[Tensor, "*tokens d"]:
-        return self.spec.routed(hidden_states)
+        # The spec's tensors are read as this module's buffers (not saved), which torch.jit.trace (run by torch-to-nnef,
+        # which puts named copies in the buffers' place) traces as the module's state. A tensor no module holds becomes
+        # a constant of the traced graph, which TorchScript never frees: a copy of the expert weights per export.
+        buffers = {name: getattr(self, f"spec_{name}") for name in self._spec.tensors()}
+        return self._spec.with_weights(**buffers).routed(hidden_states)
 
 
 class ExportBlock(torch.nn.Module):

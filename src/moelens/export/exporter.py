@@ -584,3 +584,13 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
                     "blocks were accepted; the failing part is elsewhere in the model (an attention or layer type "
                     "torch-to-nnef does not trace): export its MoE blocks (model.moes[i]) instead."
                 ) from error
+            finally:
+                _forget_traces()
+
+
+def _forget_traces() -> None:
+    """Empty torch-to-nnef's cache of traced graphs. It is keyed on the export's tracers and keeps up to 128 of them
+    alive, each with a traced copy of a module and its weights: about twice the model's size after an export."""
+    from torch_to_nnef.torch_graph.ir_module_tracer import TorchModuleTracer
+
+    TorchModuleTracer.torch_graph.fget.cache_clear()
