@@ -61,7 +61,7 @@ class MoeParams:
         gate_bias, up_bias: ``[E, H]`` or None; ``down_bias``: ``[E, D]`` or None.
     """
 
-    router: Float[Tensor, "*r d"] | None  # r: E, or E - Z experts have weights (longcat_flash)
+    router: Float[Tensor, "*r d"] | None  # r: all E experts; e below: the E - Z with weights (longcat_flash)
     router_bias: Float[Tensor, " *r"] | None
     gate: Float[Tensor, "*e h d"] | None
     up: Float[Tensor, "*e h d"]

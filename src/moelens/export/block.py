@@ -40,6 +40,7 @@ class TractMoeFfn(torch.nn.Module):
 
     @property
     def spec(self) -> MoeSpec:
+        """The op's inputs and attributes; setting it makes its tensors this module's buffers too (see `forward`)."""
         return self._spec
 
     @spec.setter
