@@ -530,9 +530,14 @@ class MoeNNsight(MoeModelMixin, NNsight):
         """Raise a `MoelensError` when an invoke's input_ids (first positional input, or keyword) is no integer tensor:
         torch's embedding would fail on it with its own TypeError or RuntimeError (a dict and text are refused apart)."""
         ids = inputs[0] if inputs else kwargs.get("input_ids")
-        if ids is None or isinstance(ids, Mapping) or _is_text(ids) or _token_ids(ids) or \
+        if ids is None or isinstance(ids, Mapping) or _is_text(ids) or (_token_ids(ids) and ids.ndim == 2) or \
                 first_parameter(self._module) != "input_ids":
             return
+        if _token_ids(ids) and ids.ndim == 1:
+            raise MoelensError(
+                f"a model wrapped without a tokenizer takes token ids [batch, seq], and got one row of {ids.shape[0]} "
+                "ids without its batch axis: pass ids[None] (or ids.unsqueeze(0))."
+            )
         given = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else described(ids)
         raise MoelensError(
             f"a model wrapped without a tokenizer takes token ids as an integer tensor [batch, seq], and got {given} as "
