@@ -149,11 +149,13 @@ def test_every_expert_view_stacks_the_single_expert_views(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_views_have_the_shapes_their_annotations_name(family):
     """MoeParams' jaxtyping annotations hold on the stacked views and on one expert's (longcat_flash's router has rows
-    for its zero-compute experts, which have no weights: the router's axis is not the experts')."""
-    _, model = wrapped(family)
+    for its zero-compute experts, which have no weights: the router's axis is not the experts'; nemotron_h's router
+    reads the model's width where its experts run in a latent one)."""
     hints = typing.get_type_hints(MoeParams)
-    for params in (model.moes[0].params(), model.moes[0].params(0)):
-        assert_annotations_hold([(name, view, hints[name]) for name, view in vars(params).items()])
+    models = [wrapped(family)[1]] + ([moelens.wrap(tiny_model(family, moe_latent_size=16))] if family == "nemotron_h" else [])
+    for model in models:  # nemotron_h's router reads the model's width, its experts a latent one
+        for params in (model.moes[0].params(), model.moes[0].params(0)):
+            assert_annotations_hold([(name, view, hints[name]) for name, view in vars(params).items()])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -530,20 +530,24 @@ class MoeNNsight(MoeModelMixin, NNsight):
         """Raise a `MoelensError` when an invoke's input_ids (first positional input, or keyword) is no integer tensor:
         torch's embedding would fail on it with its own TypeError or RuntimeError (a dict and text are refused apart)."""
         ids = inputs[0] if inputs else kwargs.get("input_ids")
-        if ids is None or isinstance(ids, Mapping) or _is_text(ids) or (_token_ids(ids) and ids.ndim == 2) or \
+        if ids is None or isinstance(ids, Mapping) or _is_text(ids) or _token_ids(ids) or \
                 first_parameter(self._module) != "input_ids":
             return
-        if _token_ids(ids) and ids.ndim == 1:
-            raise MoelensError(
-                f"a model wrapped without a tokenizer takes token ids [batch, seq], and got one row of {ids.shape[0]} "
-                "ids without its batch axis: pass ids[None] (or ids.unsqueeze(0))."
-            )
         given = f"a {ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else described(ids)
         raise MoelensError(
             f"a model wrapped without a tokenizer takes token ids as an integer tensor [batch, seq], and got {given} as "
             "its input_ids: pass torch.tensor([[...]]) (the ids a tokenizer gives), or give it a tokenizer "
             "(moelens.wrap(model, tokenizer=...))."
         )
+
+    def _refuse_one_unbatched_row(self, ids: Any) -> None:
+        """Raise a `MoelensError` for the lone invoke's 1-D ids (``ids[0]`` of a batch), which the model would take
+        for a batch of one-token rows and fail on deep inside (several invokes batch such rows as rows)."""
+        if _token_ids(ids) and ids.ndim == 1 and first_parameter(self._module) == "input_ids":
+            raise MoelensError(
+                f"a model wrapped without a tokenizer takes token ids [batch, seq], and got one row of {ids.shape[0]} "
+                "ids without its batch axis: pass ids[None] (or ids.unsqueeze(0))."
+            )
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         self._refuse_running_no_forward(fn)
@@ -563,6 +567,8 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "model with its tokenizer."
                 )
         if len(invokes) <= 1:
+            for inputs, kwargs in invokes:
+                self._refuse_one_unbatched_row(inputs[0] if inputs else kwargs.get("input_ids"))
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
         for inputs, kwargs in invokes:

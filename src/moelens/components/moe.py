@@ -14,13 +14,13 @@ value                     shape             read at
 ``expert_activations``    [b, s, k, I]      each slot's activations inside grouped/batched_mm
 ``expert_outputs``        [b, s, k, D]      each slot's weighted output inside grouped/batched_mm
 ``routed_output``         [b, s, D]         the experts module's output (= expert_outputs.sum(2))
-``shared_expert_output``  [b, s, H]         the shared expert's contribution, after its gate
-``mlp_output``            [b, s, H]         the block's output
+``shared_expert_output``  [b, s, M]         the shared expert's contribution, after its gate
+``mlp_output``            [b, s, M]         the block's output
 ========================  ================  =================================================
 
-D is the experts' width and H the model's hidden size: the same but where the experts run in a
-narrower space between two projections of the block (nemotron_h's ``moe_latent_size``,
-muse_spark's ``moe_hidden_size``).
+D is the experts' width and M the model's hidden size. They differ only where the experts run
+between two projections of the block (nemotron_h's ``moe_latent_size``, muse_spark's
+``moe_hidden_size``).
 
 Writing `router_logits` changes the routing (weights and indices follow);
 writing weights, indices, per-slot values or outputs changes only what flows on.
@@ -299,11 +299,11 @@ class Moe(Mlp):
 
     @served
     def shared_expert_output(self, value: Any) -> Float[Tensor, "b s hidden"]:
-        """The shared expert's contribution [b, s, H] (after its gate, if gated). Writing replaces it."""
+        """The shared expert's contribution [b, s, M] (after its gate, if gated). Writing replaces it."""
 
     @served
     def mlp_output(self, value: Any) -> Float[Tensor, "b s hidden"]:
-        """What the block outputs [b, s, H]: the family's combination of routed and shared output. Writing replaces it."""
+        """What the block outputs [b, s, M]: the family's combination of routed and shared output. Writing replaces it."""
 
     @served
     def selection_scores(self, value: Any) -> Float[Tensor, "b s e"]:

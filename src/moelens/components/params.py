@@ -50,9 +50,10 @@ class MoeParams:
 
     Attributes:
         router: The weight of the linear layer whose output is the router logits,
-            ``[E, D]`` (expert ``e``'s row ``[D]``: its logit is ``row @ x + router_bias``,
-            ``x`` being what the router's linear layer reads, normed or scaled first in some
-            families); None when the logits are not one linear layer's output with E rows
+            ``[E, M]`` (expert ``e``'s row ``[M]``: its logit is ``row @ x + router_bias``,
+            ``x`` being what the router's linear layer reads, the model's hidden states of width
+            M, normed or scaled first in some families; M is the experts' D but where they run in
+            a latent space, nemotron_h's ``moe_latent_size``); None when the logits are not one linear layer's output with E rows
             (inkling's extra row, muse_spark's multiplier, zaya's router MLP).
         router_bias: ``[E]`` (a scalar for one expert), or None.
         gate: The gate projection ``[E, H, D]``, or None for ungated experts.
@@ -61,7 +62,7 @@ class MoeParams:
         gate_bias, up_bias: ``[E, H]`` or None; ``down_bias``: ``[E, D]`` or None.
     """
 
-    router: Float[Tensor, "*r d"] | None  # r: all E experts; e below: the E - Z with weights (longcat_flash)
+    router: Float[Tensor, "*r m"] | None  # r: all E experts, e below the E - Z with weights (longcat_flash); m: M
     router_bias: Float[Tensor, " *r"] | None
     gate: Float[Tensor, "*e h d"] | None
     up: Float[Tensor, "*e h d"]
