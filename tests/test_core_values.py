@@ -189,7 +189,7 @@ def test_shared_expert_and_recombination(observed, family, impl):
 def test_every_value_has_the_shape_and_dtype_its_annotation_names(observed, family, impl):
     """Each served value's jaxtyping annotation (``Float[Tensor, "b s k h"]``, the documented shape) holds, with one
     size per name across all of a block's values (``b``, ``s`` the input's; ``k`` every per-slot value's; ``h`` the
-    experts' width D, ``hidden`` the model's M: they differ in nemotron_h's and muse_spark's narrower experts). The
+    experts' width D, ``m`` the model's M: they differ in nemotron_h's and muse_spark's narrower experts). The
     logits of families with extra logit columns are left out: their E is not the probabilities' (docs/values.md)."""
     wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
     for moe, values in zip(running_moes(wrapped), served):

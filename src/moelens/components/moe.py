@@ -298,11 +298,11 @@ class Moe(Mlp):
         """The experts module's output [b, s, D]; equals expert_outputs.sum(2). Writing replaces the routed sum."""
 
     @served
-    def shared_expert_output(self, value: Any) -> Float[Tensor, "b s hidden"]:
+    def shared_expert_output(self, value: Any) -> Float[Tensor, "b s m"]:
         """The shared expert's contribution [b, s, M] (after its gate, if gated). Writing replaces it."""
 
     @served
-    def mlp_output(self, value: Any) -> Float[Tensor, "b s hidden"]:
+    def mlp_output(self, value: Any) -> Float[Tensor, "b s m"]:
         """What the block outputs [b, s, M]: the family's combination of routed and shared output. Writing replaces it."""
 
     @served

@@ -51,9 +51,10 @@ class MoeParams:
     Attributes:
         router: The weight of the linear layer whose output is the router logits,
             ``[E, M]`` (expert ``e``'s row ``[M]``: its logit is ``row @ x + router_bias``,
-            ``x`` being what the router's linear layer reads, the model's hidden states of width
-            M, normed or scaled first in some families; M is the experts' D but where they run in
-            a latent space, nemotron_h's ``moe_latent_size``); None when the logits are not one linear layer's output with E rows
+            ``x`` being what the router's linear layer reads: the model's hidden states, of width
+            M, normed or scaled first in some families; the experts' D differs from M only where
+            they run in a latent space, nemotron_h's ``moe_latent_size``); None when the logits
+            are not one linear layer's output with E rows
             (inkling's extra row, muse_spark's multiplier, zaya's router MLP).
         router_bias: ``[E]`` (a scalar for one expert), or None.
         gate: The gate projection ``[E, H, D]``, or None for ungated experts.
