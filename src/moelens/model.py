@@ -491,6 +491,11 @@ def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -
     )
 
 
+def _invoke_ids(inputs: tuple, kwargs: dict) -> Any:
+    """An invoke's input_ids: its first positional input, or the keyword (None where it has neither)."""
+    return inputs[0] if inputs else kwargs.get("input_ids")
+
+
 def _token_ids(value: Any) -> bool:
     """Whether ``value`` can be a model's input_ids: an integer tensor (a float one, a number or a list is not)."""
     return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
@@ -529,7 +534,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
     def _refuse_other_ids(self, inputs: tuple, kwargs: dict) -> None:
         """Raise a `MoelensError` when an invoke's input_ids (first positional input, or keyword) is no integer tensor:
         torch's embedding would fail on it with its own TypeError or RuntimeError (a dict and text are refused apart)."""
-        ids = inputs[0] if inputs else kwargs.get("input_ids")
+        ids = _invoke_ids(inputs, kwargs)
         if ids is None or isinstance(ids, Mapping) or _is_text(ids) or _token_ids(ids) or \
                 first_parameter(self._module) != "input_ids":
             return
@@ -568,11 +573,11 @@ class MoeNNsight(MoeModelMixin, NNsight):
                 )
         if len(invokes) <= 1:
             for inputs, kwargs in invokes:
-                self._refuse_one_unbatched_row(inputs[0] if inputs else kwargs.get("input_ids"))
+                self._refuse_one_unbatched_row(_invoke_ids(inputs, kwargs))
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
         for inputs, kwargs in invokes:
-            ids = inputs[0] if inputs else kwargs.get("input_ids")
+            ids = _invoke_ids(inputs, kwargs)
             others = sorted(set(kwargs) - {"input_ids"})
             if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or len(inputs) > 1 or others:
                 given = (f"keyword(s) {others} beside the ids" if others
