@@ -81,7 +81,13 @@ def first_tensor(output) -> torch.Tensor:
 
 @dataclass
 class Raw:
-    """Module-level values of one MoE block from a plain nnsight cache."""
+    """Module-level values of one MoE block from a plain nnsight cache.
+
+    ``routing``: ``(hidden, indices, weights)`` as the router chose them: the experts call's arguments, or, where
+    the block changes the choice before that call (longcat_flash from transformers 5.25 hands its zero-compute
+    slots to other experts), the router's output. ``routed_output``: the experts' output, or the block's where the
+    block adds to it (the zero-compute experts' share).
+    """
 
     router_output: object
     experts_args: tuple
@@ -89,6 +95,8 @@ class Raw:
     block_output: object
     block_input: torch.Tensor
     logits: torch.Tensor
+    routing: tuple | None = None
+    routed_output: torch.Tensor | None = None
 
 
 def raw_values(reference: torch.nn.Module, inputs: dict, block_names: list[str], family) -> dict[str, Raw]:
@@ -115,13 +123,20 @@ def raw_values(reference: torch.nn.Module, inputs: dict, block_names: list[str],
             logits = cache[f"model.{entry['logits']}"].output
         else:
             logits = ROUTER_LOGITS.get(family.name, lambda output: output[0])(router.output)
+        experts_args = experts.inputs[0] if experts.inputs is not None else None
+        routing = experts_args[:3] if experts_args is not None else None
+        if family.routing_from_router is not None:  # the block changes the router's choice before its experts call
+            weights, indices = (router.output[position] for position in family.routing_from_router)
+            routing = (experts_args[0], indices, weights)
         result[name] = Raw(
             router_output=router.output,
-            experts_args=experts.inputs[0] if experts.inputs is not None else None,
+            experts_args=experts_args,
             experts_output=experts.output,
             block_output=block.output,
             block_input=block.inputs[0][0],
             logits=logits,
+            routing=routing,
+            routed_output=block.output if family.routed_from_block else experts.output,
         )
     return result
 

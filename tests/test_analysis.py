@@ -95,7 +95,7 @@ def plain_truth(reference: torch.nn.Module, wrapped, token_lists: list[list[int]
                 parts["w"][layer].append(torch.sigmoid(top))
                 parts["h"][layer].append(torch.zeros(len(window), 1))
             else:
-                hidden, chosen, weights = value.experts_args[:3]
+                hidden, chosen, weights = value.routing
                 parts["i"][layer].append(chosen.reshape(len(window), -1))
                 parts["w"][layer].append(weights.reshape(len(window), -1))
                 parts["h"][layer].append(hidden.reshape(len(window), -1))
@@ -616,8 +616,8 @@ def test_every_family_collects_and_counts(family):
         if wrapped.family.derived_routing:
             truth = torch.topk(logits, moe.top_k, dim=-1).indices
         else:
-            truth = torch.cat([raw[name].experts_args[1].reshape(-1, moe.top_k) for raw in raws])
-            weights = torch.cat([raw[name].experts_args[2].reshape(-1, moe.top_k) for raw in raws])
+            truth = torch.cat([raw[name].routing[1].reshape(-1, moe.top_k) for raw in raws])
+            weights = torch.cat([raw[name].routing[2].reshape(-1, moe.top_k) for raw in raws])
             torch.testing.assert_close(cache.weights(layer).float(), weights.float(), atol=WEIGHT_ATOL, rtol=1e-3)
         if family == "zaya":  # the skip class (the last logit column): those slots ran no expert
             biases = reference.get_submodule(name).get_submodule(wrapped.family.router).balancing_biases

@@ -293,7 +293,7 @@ def test_relative_logit_lens_subtracts_the_count_weighted_layer_mean():
     names = [moe.path.removeprefix("model.") for moe in wrapped.moes]
     raw = raw_values(reference, {"input_ids": torch.tensor([ids])}, names, wrapped.family)
     for row, (moe, name) in enumerate(zip(wrapped.moes, names)):
-        hidden, chosen, weights = raw[name].experts_args[:3]
+        hidden, chosen, weights = raw[name].routing
         hidden, chosen, weights = (value.reshape(len(ids), -1) for value in (hidden, chosen, weights))
         experts = reference.get_submodule(f"{name}.{wrapped.family.experts}")
         width = moe.num_experts

@@ -70,7 +70,7 @@ def lens_by_hand(reference, wrapped, corpus):
         for ids in corpus:
             raw = raw_values(reference, {"input_ids": torch.tensor([ids])}, names, wrapped.family)
             for name in names:
-                hidden, chosen, weights = raw[name].experts_args[:3]
+                hidden, chosen, weights = raw[name].routing
                 hidden, chosen, weights = (value.reshape(len(ids), -1) for value in (hidden, chosen, weights))
                 experts = reference.get_submodule(f"{name}.{wrapped.family.experts}")
                 for token in range(len(ids)):

@@ -54,8 +54,9 @@ def expert_output_by_module(experts: torch.nn.Module, family, x: torch.Tensor, e
         return experts(x, index, weights).reshape(x.shape)
 
 
-def expert_output_by_hand(params, experts: torch.nn.Module, family, block, x: torch.Tensor) -> torch.Tensor:
-    """One expert's output from its served views: ``down @ gate_fn(gate @ x, up @ x)``, written out per kind."""
+def expert_output_by_hand(params, experts: torch.nn.Module, family, block, x: torch.Tensor, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s output from its served views: ``down @ gate_fn(gate @ x, up @ x)``, written out per kind,
+    then the experts' norm where they have one."""
     up = F.linear(x, params.up, params.up_bias)
     act = getattr(experts, "act_fn", None)
     if act is None and hasattr(experts, "mlp"):  # dbrx keeps it on its expert GLU
@@ -82,6 +83,8 @@ def expert_output_by_hand(params, experts: torch.nn.Module, family, block, x: to
     out = F.linear(hidden, params.down, params.down_bias)
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
+    elif hasattr(experts, "post_expert_norm"):  # ergo: a norm per expert, applied by its own forward
+        out = experts.post_expert_norm(out, torch.full(out.shape[:1], expert))
     return out
 
 
@@ -98,11 +101,11 @@ def test_expert_views_compute_what_the_experts_module_computes_and_edits_land(fa
         x = torch.randn(5, params.up.shape[-1], generator=generator)
         with torch.no_grad():
             expected = expert_output_by_module(experts, moe.family, x, expert)
-            torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, block, x), expected)
+            torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, block, x, expert), expected)
             for name, view in params.items():  # new weights through the views: the module must compute with them
                 view.copy_(torch.randn(view.shape, generator=generator) * 0.5)
             edited = expert_output_by_module(experts, moe.family, x, expert)
-            torch.testing.assert_close(expert_output_by_hand(moe.params(expert), experts, moe.family, block, x), edited)
+            torch.testing.assert_close(expert_output_by_hand(moe.params(expert), experts, moe.family, block, x, expert), edited)
         assert not torch.allclose(edited, expected)
     in_block = {id(param) for param in block.parameters()}
     changed = [param for name, param in hf.named_parameters() if not torch.equal(param, before[name])]
@@ -128,7 +131,7 @@ def test_expert_views_of_compressed_models(dense):
         x = torch.randn(5, params.up.shape[-1], generator=generator)
         with torch.no_grad():
             expected = expert_output_by_module(experts, moe.family, x, last)
-            torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, moe._module, x), expected)
+            torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, moe._module, x, last), expected)
             params.down.mul_(2.0)
             torch.testing.assert_close(expert_output_by_module(experts, moe.family, x, last) - params.down_bias,
                                        2 * (expected - params.down_bias))

@@ -134,6 +134,8 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         # per block, so that several experts can be routed around one after the other.)
         ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
         ranked[..., expert] = float("-inf")
+        if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
+            _check_bias_did_not_pick(moe, expert)  # a bias this entry names no op for (ergo)
         return
     indices = moe.expert_indices
     routed_here = indices == expert
@@ -144,6 +146,18 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
     if to is None:
         raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over>.")
     moe.expert_indices = indices.masked_fill(routed_here, _expert(moe, to, "to"))
+
+
+def _check_bias_did_not_pick(moe: Moe, expert: int) -> None:
+    """Raise where a selection bias the family entry serves no op for picked ``expert`` at a -inf logit."""
+    picked = (moe.expert_indices == expert).any(-1)
+    if not is_fake(picked) and picked.any():
+        raise WriteError(
+            f"ablate(mode='route_around'): {moe.path} ({moe.family.name}) picks experts by {moe.SCORING.describe()}, "
+            f"and its selection bias still picked expert {expert} at a -inf logit for {int(picked.sum())} of "
+            f"{picked.numel()} tokens (its family entry serves no selection_scores to rank it out). Use "
+            "ablate(moe, expert, 'zero'), or moelens.reroute to send its slots elsewhere."
+        )
 
 
 @_intervention

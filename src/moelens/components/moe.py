@@ -225,8 +225,8 @@ class Moe(Mlp):
             return self.unavailable(
                 name,
                 f"this block's last {identity} experts are zero-compute (they pass their input through), which "
-                "transformers' grouped_mm / batched_mm experts implementations cannot run, and its experts run an "
-                "eager loop with no [tokens, k, ...] tensor",
+                "transformers' experts implementations do not run (an eager loop of the experts' own runs them, or "
+                "the block adds their share itself), so no [tokens, k, ...] tensor holds their slots",
                 "read routed_output (the slots' sum), or expert_indices and expert_weights.",
             )
         if not is_dispatching(self.experts._module):
@@ -266,7 +266,9 @@ class Moe(Mlp):
             raise self._routed_activation(name)
         if name in self.family.refused:
             raise self.no_mixture(name)
-        if name in PER_SLOT_VALUES and ops_for(implementation or self.experts_implementation) is None:
+        if name in PER_SLOT_VALUES and (ops_for(implementation or self.experts_implementation) is None
+                                        or self.family.identity_experts is not None
+                                        and self.family.identity_count(self._module)):
             raise self.needs_grouped_experts(name)
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
@@ -478,6 +480,13 @@ class Moe(Mlp):
         if name not in _WIDTH_CHECKED:
             return
         if name != "router_logits" and value.is_floating_point() != (name == "expert_weights"):
+            positions = self.family.routing_from_router
+            if positions is not None:
+                raise FamilyError(
+                    f"{self.path}.{name} is a {value.dtype} tensor: family {self.family.name!r} reads the weights and "
+                    f"indices at positions {positions} of the router's output (routing_from_router), and "
+                    f"{type(self.router._module).__name__} returns them elsewhere: fix the entry's positions."
+                )
             raise FamilyError(
                 f"{self.path}.{name} is a {value.dtype} tensor: moelens reads the experts call as "
                 f"experts(hidden, top_k_index, top_k_weights), and {type(self.experts._module).__name__} gets its "
@@ -547,14 +556,23 @@ class Moe(Mlp):
                                      features=1,
                                      infinities=lambda: ANY_INF if self._scores_saturate else MINUS_INF,
                                      min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
-            "expert_weights": Binding(f"{experts}.input", 1, *argument(2, "top_k_weights")),
-            "expert_indices": Binding(f"{experts}.input", 1, *argument(1, "top_k_index"), kind=INDEX,
+            "expert_weights": Binding(*self._routing_location(2, "top_k_weights", 0)),
+            "expert_indices": Binding(*self._routing_location(1, "top_k_index", 1), kind=INDEX,
                                       upper=lambda: self.num_experts),
-            "routed_output": Binding(f"{experts}.output", 1, *output_of(None)),
+            "routed_output": Binding(f"{self.path}.output" if family.routed_from_block else f"{experts}.output", 1,
+                                     *output_of(None)),
             "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index),
                                   to_view=edited_later, from_view=edited_later),
         }
         return bindings
+
+    def _routing_location(self, argument_position: int, keyword: str, router_output: int) -> tuple:
+        """Where `expert_weights` / `expert_indices` live: the experts call's argument at ``argument_position``
+        (or ``keyword``), or the router's output, at the position the entry's `routing_from_router` gives."""
+        positions = self.family.routing_from_router
+        if positions is None:
+            return f"{self.experts.path}.input", 1, *argument(argument_position, keyword)
+        return f"{self.router.path}.output", 1, *output_of(positions[router_output])
 
     @cached_property
     def _shared_binding(self) -> Binding:

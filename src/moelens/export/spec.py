@@ -217,7 +217,7 @@ def _experts_weights(family: Family, block: torch.nn.Module) -> dict[str, Any]:
             f"{name}: {type(experts).__name__} is not a transformers experts module (no has_gate/down_proj "
             "layout), so its weights cannot be read as tract_moe_ffn's w1/w2/w3."
         )
-    if getattr(experts, "has_post_expert_norm", False):
+    if getattr(experts, "has_post_expert_norm", False) or hasattr(experts, "post_expert_norm"):  # ergo: its own
         raise ExportRefused(f"{name}: a norm after each expert (post_expert_norm) cannot be expressed in tract_moe_ffn.")
     gated = bool(experts.has_gate)
     try:

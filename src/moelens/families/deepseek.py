@@ -85,6 +85,7 @@ FAMILIES = [
     _ds3("hy_v4_vl", "HYV4VLMoE", ("hy_v4_vl", "hy_v4_vl_text"),  # transformers 5.24
          expert_gate=ExpertGate("clamped_glu", limit="experts.swiglu_limit")),
     _ds3("mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
+    _ds3("minicpm5_moe", "MiniCPM5MoeMoE"),  # transformers 5.25
     Family("mistral4", ("mistral4",), ("Mistral4MoE",), scoring=SMG, shared=SHARED_AFTER,
            notes=f"Logits keep the model dtype. {UNSORTED} {WEIGHT_SUM}"),
     Family("mistral_large4", ("mistral_large4", "mistral_large4_text"), ("MistralLarge4TextMoE",),

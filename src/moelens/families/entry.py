@@ -310,6 +310,13 @@ class Family:
         extra_logits: Attribute reference (or int) of how many router logits follow the E experts' own: inkling's
             shared experts' gates (``router.n_shared_experts``), zaya's skip class (1). `router_logits` must hold
             exactly E plus these per token.
+        routing_from_router: The positions of ``(weights, indices)`` in the router's output tuple, where the block
+            changes them before its experts call (longcat_flash from transformers 5.25 hands its zero-compute slots
+            to other experts with weight 0): `expert_weights` and `expert_indices` are read and written there, as
+            the router chose them. None: they are the experts call's arguments.
+        routed_from_block: `routed_output` is the block's output, not the experts module's, where the block adds
+            to what its experts return (longcat_flash from transformers 5.25 adds its zero-compute experts' share).
+            Only for blocks with no shared expert.
     """
 
     name: str
@@ -337,6 +344,8 @@ class Family:
     identity_experts: str | int | None = None
     scan_without_cache: bool = False
     extra_logits: str | int = 0
+    routing_from_router: tuple[int, int] | None = None
+    routed_from_block: bool = False
 
     def __post_init__(self) -> None:
         """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`

@@ -141,6 +141,20 @@ def _check_description(family: Family) -> None:
             f"family {family.name!r}: Combine.mode {mode!r} is not one of {COMBINE_MODES} "
             "nor an attribute reference naming one (\"block.combination_strategy\")."
         )
+    positions = family.routing_from_router
+    if positions is not None and not (isinstance(positions, tuple) and len(positions) == 2
+                                      and all(_count(0)(position) for position in positions)
+                                      and positions[0] != positions[1]):
+        raise FamilyError(
+            f"family {family.name!r}: routing_from_router must be None or the two positions (weights, indices) of the "
+            f"router's output tuple, ints >= 0, got {positions!r}."
+        )
+    if not isinstance(family.routed_from_block, bool) or family.routed_from_block and family.shared is not None:
+        raise FamilyError(
+            f"family {family.name!r}: routed_from_block must be True or False, and True only for a block with no "
+            f"shared expert (its output is then the routed output), got {family.routed_from_block!r} with "
+            f"shared={family.shared!r}."
+        )
     layout = family.expert_layout
     if layout is not None and not (layout.gate_up is not None and layout.gate is None and layout.up is None
                                    or layout.gate_up is None and layout.up is not None):

@@ -20,10 +20,23 @@ def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = N
                    selection_op=selection_op, selection_arg=selection_arg, code="SGB")
 
 
+#: Why ergo serves no per-slot values.
+ERGO_PER_SLOT = ("ErgoExperts runs transformers' experts implementation once per route (k = 1, unit weights) and "
+                 "applies each expert's RMSNorm (post_expert_norm) and weight after it, in its own forward: no "
+                 "[tokens, k, ...] tensor of the implementation holds the normalised, weighted slots")
 SCALED_ROUTED = Combine(routed_scale="block.routed_scaling_factor")
 #: inkling2 and inkling2_loop: the score from the config, bias added inside the router's top-k call.
 INKLING2 = sgb("router.e_score_correction_bias", score="config.scoring_func", scale="router.routed_scaling_factor",
                selection_op=TOPK, selection_arg=0)
+
+#: kolibri1's entry; kolibri1_1 (transformers 5.25) has the same MoE block.
+KOLIBRI1 = Family("kolibri1", ("kolibri1",), ("Kolibri1SparseMoeBlock",), logits_op="F_linear_0",
+                  scoring=Scoring("sigmoid", "logit_topk", normalize="router.norm_topk_prob",
+                                  selection_bias="router.e_score_correction_bias", selection_op=TOPK, selection_arg=0,
+                                  code="logit+bias, sigmoid"),
+                  shared=SharedExpert("shared_experts", when="after_experts"),
+                  notes="Selection is top-k of logits + bias; weights are the sigmoid of the chosen logits. On CUDA "
+                        "in the weights' dtype without grad the logits come from torch.mm instead (not served).")
 
 FAMILIES = [
     Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
@@ -62,7 +75,8 @@ FAMILIES = [
            shared=SharedExpert("shared_experts", when="before_router"), combine=SCALED_ROUTED,
            expert_layout=ExpertLayout(gate_up="gate_up_proj"),
            expert_gate=ExpertGate("glu_clamped", limit="experts.limit"),
-           notes="Experts not decorated by transformers (an eager loop only): no per-slot values. The block returns "
+           notes="Experts decorated by transformers from 5.25 on (up to 5.24 an eager loop only: no per-slot "
+                 "values). The block returns "
                  "routed * routed_scaling_factor + shared; layers listed in swiglu_limits clamp silu(gate) and up. "
                  "Slots are not ranked (top-k with sorted=False). The text config's model_type is step3p5."),
     Family("hy_v3", ("hy_v3",), ("HYV3MoE",),
@@ -83,13 +97,18 @@ FAMILIES = [
            combine=Combine(routed_post="post_expert_proj"),
            notes="Logits are scaled by output_multiplier (router_logits_1); the experts run in "
                  "moe_hidden_size between pre_expert_proj/pre_expert_norm and post_expert_proj."),
-    Family("kolibri1", ("kolibri1",), ("Kolibri1SparseMoeBlock",), logits_op="F_linear_0",
-           scoring=Scoring("sigmoid", "logit_topk", normalize="router.norm_topk_prob",
-                           selection_bias="router.e_score_correction_bias", selection_op=TOPK, selection_arg=0,
-                           code="logit+bias, sigmoid"),
+    KOLIBRI1,
+    # transformers 5.25: Kolibri 1.1's MoE block is kolibri1's (its attention differs)
+    dataclasses.replace(KOLIBRI1, name="kolibri1_1", model_types=("kolibri1_1",),
+                        block_classes=("Kolibri1_1SparseMoeBlock",)),
+    Family("ergo", ("ergo",), ("ErgoMoE",), logits_op="self_linear_0",  # transformers 5.25
+           scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor"),
            shared=SharedExpert("shared_experts", when="after_experts"),
-           notes="Selection is top-k of logits + bias; weights are the sigmoid of the chosen logits. On CUDA "
-                 "in the weights' dtype without grad the logits come from torch.mm instead (not served)."),
+           refused={name: ERGO_PER_SLOT for name in ("expert_activations", "expert_outputs")},
+           notes="Experts and the shared expert are relu^2 MLPs followed by an RMSNorm (per expert for the routed "
+                 "ones: post_expert_norm). Logits in float32 (the router's `linear`). The router adds the selection "
+                 "bias inside a method call (`(scores + bias).topk`) that serves no selection_scores: route_around "
+                 "and force check that the bias did not overrule them. Slots are not ranked (sorted=False)."),
     Family("deepseek_v4", ("deepseek_v4",), ("DeepseekV4SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
                        scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),

@@ -48,12 +48,16 @@ FAMILIES = [
            scoring=Scoring("softmax", "score_topk", scale="router.routed_scaling_factor",
                            selection_bias="router.e_score_correction_bias", selection_op=SCORES_FOR_CHOICE,
                            selection_in="self_get_topk_indices_0", code="SM+ bias, x rsf"),
-           num_experts="router.n_routed_experts", identity_experts="experts.zero_expert_num",
-           expert_layout=ExpertLayout(gate_up="gate_up_proj"),
+           num_experts="router.n_routed_experts", identity_experts="config.zero_expert_num",
+           routing_from_router=(1, 2), routed_from_block=True,
+           expert_layout=ExpertLayout(gate_up="gate_up_proj"),  # transformers 5.23 and 5.24: undecorated experts
            notes="The last zero_expert_num of the E experts are zero-compute: they return their input times its "
-                 "weight (params() serves the others). Experts not decorated by transformers (an eager loop only): "
-                 "no per-slot values. The router ranks softmax + correction bias in get_topk_indices; slots are not "
-                 "ranked (sorted=False). The block is a shortcut beside the layer's two dense mlps (layers[i].mlps)."),
+                 "weight (params() serves the others), so there are no per-slot values (up to transformers 5.24 an "
+                 "eager loop of the experts' own runs every expert; from 5.25 the block adds the zero-compute share "
+                 "itself and hands those slots to other experts with weight 0). expert_weights and expert_indices "
+                 "are the router's choice, routed_output the block's output. The router ranks softmax + correction "
+                 "bias in get_topk_indices; slots are not ranked (sorted=False). The block is a shortcut beside the "
+                 "layer's two dense mlps (layers[i].mlps)."),
     Family("lara_mini", ("lara_mini",), ("LaraMiniSparseMoeBlock",), scoring=IF_FLAGGED,  # transformers 5.24
            shared=SharedExpert("shared_expert", when="after_experts"),
            notes="Logits in float32; the shared expert is added in full (no gate) after the experts."),

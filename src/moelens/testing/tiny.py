@@ -1,4 +1,4 @@
-"""Tiny, seeded, randomly initialised models for every MoE family in transformers 5.23 and 5.24.
+"""Tiny, seeded, randomly initialised models for every MoE family in transformers 5.23 to 5.25.
 
 Nothing is downloaded: every model is built from a config made by :func:`tiny_config`, with
 ``from_config`` under ``torch.manual_seed(seed)``. The sizes are the same for every family where
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import transformers
+from packaging.version import Version
 from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = [
@@ -167,6 +168,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16,
         "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 8,
     },
+    "ergo": {  # transformers 5.25; layer 0 dense
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 16, "num_dense_blocks": 1,
+        "first_dense_intermediate_size": 32, "sliding_window": 16, "global_attention_every_n_layers": 2,
+    },
     "ernie4_5_moe": {
         "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
         "moe_layer_end_index": 3, "moe_layer_interval": 1,
@@ -284,6 +289,11 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
         "sliding_window": 16,
     },
+    "kolibri1_1": {  # transformers 5.25; layer 0 dense
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+        "sliding_window": 16, "mlp_only_layers": [0], "mlp_only_intermediate_size": 32,
+        "head_dim": 16, "index_num_heads": 2,  # NVFP4 rounding needs head_dim % 16 == 0
+    },
     "laguna": {
         "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
         "mlp_layer_types": _DSSS, "sliding_window": 16,
@@ -302,6 +312,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "mimo_v2_flash": {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
         "mlp_layer_types": _DSSS, "v_head_dim": 8, "sliding_window": 16,
+    },
+    "minicpm5_moe": {  # transformers 5.25
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+        "mlp_layer_types": _DSSS,
     },
     "minimax": {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 16, "block_size": 4,
@@ -440,15 +454,26 @@ _MODEL_CLASS: dict[str, str] = {
     "unlimited_ocr": "UnlimitedOcrTextModel",
 }
 
+#: The installed transformers' release, ``(5, 24, 0)``.
+TRANSFORMERS_RELEASE: tuple[int, ...] = Version(transformers.__version__).release
+
 #: Families whose experts transformers does not decorate with ``use_experts_implementation``: they run
-#: their own eager forward whatever ``experts_implementation`` says, so they are tested under eager only.
-NOT_DECORATED: tuple[str, ...] = ("dbrx", "llama4", "longcat_flash", "step3p7")
+#: their own eager forward whatever ``experts_implementation`` says, so they are tested under eager only
+#: (transformers 5.25 decorates longcat_flash's and step3p7's).
+NOT_DECORATED: tuple[str, ...] = ("dbrx", "llama4") + (
+    ("longcat_flash", "step3p7") if TRANSFORMERS_RELEASE < (5, 25) else ())
+
+#: The transformers release that added each family newer than 5.23.
+ADDED_IN: dict[str, str] = {
+    "hy_v4_vl": "5.24", "inkling2_loop": "5.24", "lara_mini": "5.24",
+    "ergo": "5.25", "kolibri1_1": "5.25", "minicpm5_moe": "5.25",
+}
 
 #: Families that cannot be built with a tiny config in the installed transformers, with the reason
-#: (the families transformers 5.24 added, on 5.23).
+#: (the families a later transformers added).
 UNBUILDABLE: dict[str, str] = {
-    family: f"transformers {transformers.__version__} has no {family} model (added in transformers 5.24)"
-    for family in ("hy_v4_vl", "inkling2_loop", "lara_mini")
+    family: f"transformers {transformers.__version__} has no {family} model (added in transformers {release})"
+    for family, release in ADDED_IN.items()
     if importlib.util.find_spec(f"transformers.models.{family}") is None
 }
 
