@@ -325,3 +325,23 @@ def test_force_refuses_logits_too_coarse_to_stay_above_the_others():
             with wrapped.trace(**inputs):
                 moelens.steer(moe, 0, 1e4)
                 moelens.force(moe, [5])
+
+
+def test_route_around_checks_that_a_selection_bias_without_an_op_did_not_pick_the_expert(afmoe_without_selection_op):
+    """Where the entry names no op for score + bias (ergo's ``(scores + bias).topk``), route_around can only set the
+    logit to -inf, and a large enough bias still picks the expert (score 0 + bias): refused, not silently kept."""
+    wrapped, moe, ids = afmoe_without_selection_op
+    last = moe.num_experts - 1
+    bias = moe.family.resolve(moe.SCORING.selection_bias, moe._module)
+    with torch.no_grad():
+        bias[last] = 5.0
+    with pytest.raises(WriteError, match=rf"its selection bias still picked expert {last} at a -inf logit for 6 of 6 "
+                                         r"tokens"):
+        with wrapped.trace(ids):
+            moelens.ablate(moe, last, "route_around")
+    with torch.no_grad():
+        bias.zero_()
+    with wrapped.trace(ids):
+        moelens.ablate(moe, last, "route_around")
+        indices = moe.expert_indices.save()
+    assert not (indices == last).any()

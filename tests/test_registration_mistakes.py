@@ -510,3 +510,61 @@ def test_a_scale_or_score_reference_to_no_number_or_name_is_refused_by_field(reg
             wrapped.moes[0].router_probs.save()
     registered(scoring=Scoring("softmax", "score_topk", normalize=True, scale="router.top_k"))
     assert families.get("hand").scale_of(model().layers[0]["moe"]) == 2.0  # an attribute holding a number is taken
+
+
+def test_routing_read_at_the_router_serves_and_edits_the_routers_choice(registered):
+    """routing_from_router=(1, 2): expert_weights / expert_indices are read at the router's output tuple (where
+    longcat_flash's block changes them before its experts call); a write there reaches the experts."""
+    registered(routing_from_router=(1, 2))
+    hand = model()
+    wrapped = moelens.wrap(hand)
+    block = hand.layers[0]["moe"]
+    x = hand.embed(IDS).reshape(-1, HIDDEN)
+    logits, weights, index = block.router(x)
+    with torch.no_grad(), wrapped.trace(IDS):
+        moe = wrapped.moes[0]
+        served = moe.save_all(("expert_weights", "expert_indices"))
+        moe.expert_indices = torch.zeros_like(moe.expert_indices)  # every slot to expert 0, at the router
+        hidden = moe.experts.inputs[0][1].save()
+    assert torch.equal(served["expert_indices"], index.reshape(2, 5, TOP_K))
+    assert torch.allclose(served["expert_weights"], weights.reshape(2, 5, TOP_K))
+    assert torch.equal(hidden, torch.zeros_like(index))  # what the experts got
+
+
+def test_routing_positions_that_do_not_hold_the_weights_and_indices_are_refused_at_the_read(registered):
+    registered(routing_from_router=(2, 1))
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"expert_weights is a torch\.int64 tensor: family 'hand' reads the weights "
+                                          r"and indices at positions \(2, 1\) of the router's output"):
+        with wrapped.trace(IDS):
+            wrapped.moes[0].expert_weights.save()
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"routing_from_router": (1,)}, r"routing_from_router must be None or the two positions"),
+    ({"routing_from_router": (1, 1)}, r"routing_from_router must be None or the two positions"),
+    ({"routing_from_router": [1, 2]}, r"routing_from_router must be None or the two positions"),
+    ({"routed_from_block": True}, r"routed_from_block must be True or False, and True only for a block with no "
+                                  r"shared expert"),
+    ({"routed_from_block": "yes", "shared": None}, r"routed_from_block must be True or False"),
+])
+def test_router_and_block_locations_are_checked_when_registered(changes, message):
+    with pytest.raises(FamilyError, match=message):
+        families.register(dataclasses.replace(ENTRY, name="hand_wrong", model_types=("hand_wrong",), **changes))
+
+
+def test_the_routed_output_read_at_the_block_is_its_output(registered):
+    """routed_from_block: routed_output is the block's output (longcat_flash from transformers 5.25 adds its
+    zero-compute experts' share after the experts call); a write to it is the block's output."""
+    registered(shared=None, routed_from_block=True, combine=Combine(output_index=0))
+    hand = model()
+    wrapped = moelens.wrap(hand)
+    with torch.no_grad(), wrapped.trace(IDS):
+        moe = wrapped.moes[0]
+        routed = moe.routed_output.save()
+        moe.routed_output = routed * 2
+        block_output = moe.output[0].save()
+    with torch.no_grad():
+        expected = hand.layers[0]["moe"](hand.embed(IDS))[0]
+    assert torch.equal(routed, expected)
+    assert torch.equal(block_output, expected * 2)

@@ -559,8 +559,8 @@ class Moe(Mlp):
             "expert_weights": Binding(*self._routing_location(2, "top_k_weights", 0)),
             "expert_indices": Binding(*self._routing_location(1, "top_k_index", 1), kind=INDEX,
                                       upper=lambda: self.num_experts),
-            "routed_output": Binding(f"{self.path}.output" if family.routed_from_block else f"{experts}.output", 1,
-                                     *output_of(None)),
+            "routed_output": (Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index))
+                              if family.routed_from_block else Binding(f"{experts}.output", 1, *output_of(None))),
             "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index),
                                   to_view=edited_later, from_view=edited_later),
         }
