@@ -161,8 +161,8 @@ def structural_refusal(family: Family) -> str:
                 "e.g. on score-premultiplied inputs), so it is not one routed-experts op")
     if "mlp_output" in family.refused:
         return f"the block output is not an FFN output ({family.refused['mlp_output'].split(';')[0]})"
-    if "expert_outputs" in family.refused:
-        return "the experts are not a transformers experts module (no gate_up_proj/down_proj layout to read)"
+    if "expert_outputs" in family.refused:  # dbrx: its own experts module; ergo: a norm per expert after the op
+        return f"the experts are not one transformers experts op: {family.refused['expert_outputs']}"
     return ""
 
 

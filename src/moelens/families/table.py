@@ -14,11 +14,11 @@ HEADER = """# Supported families
 
 Generated from `moelens.families.supported()` by `python -m moelens.families.table`; do not edit by hand.
 Every family is tested on a tiny seeded model built from its transformers config, under each experts
-implementation it supports (see `tests/test_core_*.py`). moelens runs on transformers 5.23 and 5.24;
+implementation it supports (see `tests/test_core_*.py`). moelens runs on transformers 5.23 to 5.25;
 hy_v4_vl, lara_mini and inkling2_loop exist from 5.24 on (sarvam_mla and sarvam_moe, also new in 5.24,
-run the deepseek_v3 and glm4_moe blocks). inkling2_loop's loop layers call their block several times in
-one forward: each call's values are served under `tracer.iter[i]` (docs/values.md;
-`tests/test_looped_blocks.py`).
+run the deepseek_v3 and glm4_moe blocks), ergo, kolibri1_1 and minicpm5_moe from 5.25 on. inkling2_loop's
+loop layers call their block several times in one forward: each call's values are served under
+`tracer.iter[i]` (docs/values.md; `tests/test_looped_blocks.py`).
 
 Columns: the block (its attribute on the decoder layer and its class), the router and experts children,
 the router op whose output moelens serves as `router_logits` (`linear → cast`: the router's linear layer and the
@@ -26,8 +26,9 @@ upcast after it, where the logits are read), the scoring (see `docs/values.md`),
 shared expert (its module and when its served value is produced), and what the family cannot serve whatever
 the model's settings (dbrx's and llama4's per-slot values: they call no `experts(hidden, indices, weights)`). Values
 that depend on how the experts run are in the notes: per-slot values need experts decorated by transformers' experts
-implementations and running `grouped_mm` or `batched_mm` (step3p7's and longcat_flash's experts are not decorated, so
-they have none: `moe.order()` lists them, and reading one raises the reason).
+implementations and running `grouped_mm` or `batched_mm` (up to transformers 5.24 step3p7's and longcat_flash's
+experts are not decorated, so they have none: `moe.order()` lists them, and reading one raises the reason;
+longcat_flash has none on 5.25 either, for its zero-compute experts).
 
 | family | block | router / experts | logits op | scoring | shared expert | not served | notes |
 |---|---|---|---|---|---|---|---|

@@ -216,7 +216,8 @@ def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module
                 f"shard_experts: {name}.{family.experts} carries LoRA adapters (moelens.compress with lora_r), which "
                 "sharding would not slice with its experts; fold them in first: moelens.compress.merge_lora(model)."
             )
-        num_experts = int(family.resolve(family.num_experts, block))
+        # the experts with weights: zero-compute ones (longcat_flash) are the block's, not the experts module's
+        num_experts = int(family.resolve(family.num_experts, block)) - family.identity_count(block)
         if not any(param.dim() and param.shape[0] == num_experts for param in experts.parameters(recurse=False)):
             raise MoelensError(f"shard_experts: {name}.{family.experts} has no parameter with {num_experts} experts.")
         counts.append(num_experts)
