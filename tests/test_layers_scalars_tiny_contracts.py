@@ -144,9 +144,9 @@ def test_not_decorated_lists_exactly_the_families_without_a_decorated_experts_cl
     for family in FAMILIES:
         module = importlib.import_module(model_class(family).__module__)
         classes = [value for value in vars(module).values() if isinstance(value, type)
-                   and issubclass(value, torch.nn.Module) and value.__module__ == module.__name__
-                   and value.__name__.endswith("Experts")]
-        assert classes, family
+                   and issubclass(value, torch.nn.Module) and value.__module__ == module.__name__]
+        assert any(cls.__name__.endswith("Experts") for cls in classes), family
+        # ergo decorates ErgoExpertProjections, which its ErgoExperts calls through super().forward
         if not any(cls.forward.__code__.co_filename.endswith("integrations/moe.py") for cls in classes):
             without.add(family)
     assert without == set(NOT_DECORATED)

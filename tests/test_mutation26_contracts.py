@@ -107,16 +107,18 @@ def test_a_stacked_bias_whose_rows_are_no_multiple_of_the_experts_is_refused():
 
 
 def test_a_parameter_with_more_rows_than_every_expert_is_refused_not_cut():
-    """longcat_flash keeps gate_up_proj rows for its zero-compute experts too (E + identity rows, the extra ones
-    left out): a tensor with still more rows does not match the block and must not be cut to its first E rows."""
+    """longcat_flash keeps gate_up_proj rows for its zero-compute experts too up to transformers 5.24 (E rows, the
+    identity ones left out; 5.25 keeps only the experts with weights): a tensor with still more rows than E does not
+    match the block and must not be cut to its first rows."""
     model = moelens.wrap(tiny_model("longcat_flash"))
     moe = model.moes[0]
     experts = moe.experts._module
     with_weights = moe.num_experts - moe.family.identity_count(moe._module)
-    assert experts.gate_up_proj.shape[0] == moe.num_experts > with_weights
+    rows = experts.gate_up_proj.shape[0]
+    assert rows in (moe.num_experts, with_weights) and moe.num_experts > with_weights
     assert moe.params().gate.shape[0] == with_weights
     longer = experts.gate_up_proj.detach()
-    experts.gate_up_proj = torch.nn.Parameter(torch.cat([longer, longer[:1]]))
+    experts.gate_up_proj = torch.nn.Parameter(torch.cat([longer, longer[: moe.num_experts + 1 - rows]]))
     with pytest.raises(ValueUnavailable, match=rf"gate_up_proj has shape \({moe.num_experts + 1},"):
         moe.params()
 

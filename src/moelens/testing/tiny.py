@@ -292,7 +292,12 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "kolibri1_1": {  # transformers 5.25; layer 0 dense
         "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
         "sliding_window": 16, "mlp_only_layers": [0], "mlp_only_intermediate_size": 32,
-        "head_dim": 16, "index_num_heads": 2,  # NVFP4 rounding needs head_dim % 16 == 0
+        "head_dim": 16,  # NVFP4 rounding needs head_dim % 16 == 0
+        # layers 1 and 3 run indexed attention (3 reads layer 1's keys and values), with a budget shorter than
+        # the tiny inputs so the indexer selects
+        "layer_types": ["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+        "index_num_heads": 2, "index_topk": 4, "index_pool_size": 8, "index_compression": 2,
+        "index_num_local_tokens": 2, "index_num_sink_tokens": 1,
     },
     "laguna": {
         "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
