@@ -8,6 +8,7 @@ from typing import Callable
 
 import pytest
 import torch
+import transformers
 
 import moelens
 from moelens.families import Family
@@ -138,9 +139,11 @@ def test_laguna_router_probs_are_the_scores_of_the_softcapped_logits(tmp_path):
     torch.testing.assert_close(reloaded.probs(moe.layer), cache.probs(moe.layer))
 
 
-@pytest.mark.parametrize(("model_type", "runs_as"), [("sarvam_mla", "deepseek_v3"), ("sarvam_moe", "glm4_moe")])
+@pytest.mark.parametrize(("model_type", "runs_as"), [("sarvam_mla", "deepseek_v3"), ("sarvam_moe", "glm4_moe"),
+                                                     ("param2moe", "glm4_moe")])
 def test_model_types_that_run_another_familys_blocks(model_type, runs_as):
-    # transformers 5.24's sarvam configs build DeepseekV3 / Glm4Moe models: their blocks are served as those.
+    # transformers 5.24's sarvam configs and 5.25's param2moe config build DeepseekV3 / Glm4Moe models: their blocks
+    # are served as those.
     import importlib.util
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -148,7 +151,7 @@ def test_model_types_that_run_another_familys_blocks(model_type, runs_as):
     from moelens.testing import COMMON_SIZES, TINY_OVERRIDES
 
     if importlib.util.find_spec(f"transformers.models.{model_type}") is None:
-        pytest.skip(f"transformers has no {model_type} (added in 5.24)")
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     config = AutoConfig.for_model(model_type, **{**COMMON_SIZES, **TINY_OVERRIDES[runs_as]})
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config).eval()

@@ -59,7 +59,7 @@ FAMILIES = [
            shared=SHARED_AFTER, notes=UNSORTED),
     _ds3("deepseek_v3", "DeepseekV3MoE", ("deepseek_v3", "sarvam_mla")),  # sarvam_mla: transformers 5.24
     _ds3("deepseek_v32", "DeepseekV32MoE"),
-    _ds3("glm4_moe", "Glm4MoeMoE", ("glm4_moe", "sarvam_moe")),  # sarvam_moe: transformers 5.24
+    _ds3("glm4_moe", "Glm4MoeMoE", ("glm4_moe", "sarvam_moe", "param2moe")),  # sarvam_moe: 5.24, param2moe: 5.25
     _ds3("glm4_moe_lite", "Glm4MoeLiteMoE"),
     _ds3("glm4v_moe", "Glm4vMoeTextMoE", ("glm4v_moe", "glm4v_moe_text")),
     _ds3("glm_moe_dsa", "GlmMoeDsaMoE"),

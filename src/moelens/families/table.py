@@ -16,7 +16,8 @@ Generated from `moelens.families.supported()` by `python -m moelens.families.tab
 Every family is tested on a tiny seeded model built from its transformers config, under each experts
 implementation it supports (see `tests/test_core_*.py`). moelens runs on transformers 5.23 to 5.25;
 hy_v4_vl, lara_mini and inkling2_loop exist from 5.24 on (sarvam_mla and sarvam_moe, also new in 5.24,
-run the deepseek_v3 and glm4_moe blocks), ergo, kolibri1_1 and minicpm5_moe from 5.25 on. inkling2_loop's
+run the deepseek_v3 and glm4_moe blocks), ergo, kolibri1_1 and minicpm5_moe from 5.25 on (param2moe, also new
+in 5.25, runs the glm4_moe block). inkling2_loop's
 loop layers call their block several times in one forward: each call's values are served under
 `tracer.iter[i]` (docs/values.md; `tests/test_looped_blocks.py`).
 
