@@ -17,9 +17,8 @@ Every family is tested on a tiny seeded model built from its transformers config
 implementation it supports (see `tests/test_core_*.py`). moelens runs on transformers 5.23 to 5.25;
 hy_v4_vl, lara_mini and inkling2_loop exist from 5.24 on (sarvam_mla and sarvam_moe, also new in 5.24,
 run the deepseek_v3 and glm4_moe blocks), ergo, kolibri1_1 and minicpm5_moe from 5.25 on (param2moe, also new
-in 5.25, runs the glm4_moe block). inkling2_loop's
-loop layers call their block several times in one forward: each call's values are served under
-`tracer.iter[i]` (docs/values.md; `tests/test_looped_blocks.py`).
+in 5.25, runs the glm4_moe block). inkling2_loop's loop layers call their block several times in one
+forward: each call's values are served under `tracer.iter[i]` (docs/values.md; `tests/test_looped_blocks.py`).
 
 Columns: the block (its attribute on the decoder layer and its class), the router and experts children,
 the router op whose output moelens serves as `router_logits` (`linear → cast`: the router's linear layer and the
