@@ -70,6 +70,12 @@ def built(family: str, impl: str):
     return hf, wrapped, inputs, plain, reference
 
 
+def zero_compute_experts(hf) -> int:
+    """How many zero-compute experts (input times weight, no weights) the model's config gives each block
+    (longcat_flash's ``zero_expert_num``): no experts implementation runs their slots, so no per-slot values."""
+    return hf.config.to_dict().get("zero_expert_num") or 0
+
+
 def first_tensor(output) -> torch.Tensor:
     """The logits (or last hidden state) of a model output."""
     for name in ("logits", "last_hidden_state"):
