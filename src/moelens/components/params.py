@@ -116,7 +116,7 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
             f"expert in [0, {num_experts - identity})."
         )
     held, slot = num_experts - identity, index  # the experts this process holds, and the asked one's place among them
-    if "_ep_size" in experts.__dict__ and experts._ep_num_local < num_experts:  # moelens.parallel.shard_experts:
+    if "_ep_size" in experts.__dict__ and experts._ep_num_local < held:  # moelens.parallel.shard_experts:
         # this rank holds a slice of equal ones, in rank order (a group of one rank holds them all)
         held, first = experts._ep_num_local, experts._ep_first
         owner, slot = divmod(index, held) if index is not None else (None, None)
