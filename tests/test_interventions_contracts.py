@@ -345,3 +345,24 @@ def test_route_around_checks_that_a_selection_bias_without_an_op_did_not_pick_th
         moelens.ablate(moe, last, "route_around")
         indices = moe.expert_indices.save()
     assert not (indices == last).any()
+
+
+def test_a_selection_bias_without_an_op_still_takes_several_routing_edits_on_one_block(afmoe_without_selection_op):
+    """The check after route_around / force recomputes the router's choice from the logits written so far: reading it
+    at the experts call ran the router, so a second route_around, or route_around after force (the documented
+    order), raised an OrderError on ergo. Truth: the same logit edits made by hand, read at the experts call."""
+    wrapped, moe, ids = afmoe_without_selection_op
+    with torch.no_grad():
+        moe.family.resolve(moe.SCORING.selection_bias, moe._module).zero_()
+    with wrapped.trace(ids):
+        moelens.force(moe, [0])
+        moelens.ablate(moe, 5, "route_around")
+        moelens.ablate(moe, 6, "route_around")
+        indices = moe.expert_indices.save()
+    with wrapped.trace(ids):
+        logits = moe.router_logits
+        logits[..., [5, 6]] = float("-inf")
+        logits[..., 0] = 100.0  # sigmoid 1: the top score
+        by_hand = moe.expert_indices.save()
+    assert torch.equal(indices.sort(-1).values, by_hand.sort(-1).values)
+    assert (indices == 0).any(-1).all() and not ((indices == 5) | (indices == 6)).any()

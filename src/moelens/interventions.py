@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
 from .errors import OrderError, WriteError
+from .families.scoring import score
 from .scalars import as_int, as_real, scalar
 
 ABLATION_MODES = ("zero", "route_around", "swap")
@@ -148,9 +149,24 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
     moe.expert_indices = indices.masked_fill(routed_here, _expert(moe, to, "to"))
 
 
+def _chosen_experts(moe: Moe) -> torch.Tensor:
+    """The experts ``moe``'s router picks per token, ``[b, s, k]``, for a router that adds a selection bias the
+    family entry serves no op for (ergo). Where the entry's selection is a plain top-k (of the scores or logits plus
+    that bias), they are recomputed from `router_logits` as written so far, so the block's later routing writes
+    (another route_around, a force) stay in order; otherwise they are read at the experts call (`expert_indices`)."""
+    family, block, scoring = moe.family, moe._module, moe.SCORING
+    if scoring.select not in ("score_topk", "logit_topk") or family.groups_of(block) is not None:
+        return moe.expert_indices
+    ranked = moe.router_logits[..., : moe.num_experts].float()  # without columns past the experts' (zaya, inkling)
+    if scoring.select == "score_topk":
+        ranked = score(family.score_of(block), ranked, moe.softcap)
+    ranked = ranked + family.resolve(scoring.selection_bias, block).float()
+    return ranked.topk(moe.top_k, dim=-1).indices
+
+
 def _check_bias_did_not_pick(moe: Moe, expert: int) -> None:
     """Raise where a selection bias the family entry serves no op for picked ``expert`` at a -inf logit."""
-    picked = (moe.expert_indices == expert).any(-1)
+    picked = (_chosen_experts(moe) == expert).any(-1)
     if not is_fake(picked) and picked.any():
         raise WriteError(
             f"ablate(mode='route_around'): {moe.path} ({moe.family.name}) picks experts by {moe.SCORING.describe()}, "
@@ -414,7 +430,7 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         _edit_rows(moe.selection_scores, rows,
                    lambda ranked: ranked.index_fill(-1, forced.to(ranked.device), float("inf")))
     elif moe.family.holds(scoring.selection_bias, moe._module):  # a bias this entry names no op for
-        indices = moe.expert_indices
+        indices = _chosen_experts(moe)
         if rows is not None:
             indices = indices[rows]
         missed = ~torch.stack([(indices == expert).any(-1) for expert in chosen]).all(0)
