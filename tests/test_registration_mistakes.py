@@ -531,13 +531,22 @@ def test_routing_read_at_the_router_serves_and_edits_the_routers_choice(register
     assert torch.equal(hidden, torch.zeros_like(index))  # what the experts got
 
 
-def test_routing_positions_that_do_not_hold_the_weights_and_indices_are_refused_at_the_read(registered):
-    registered(routing_from_router=(2, 1))
+@pytest.mark.parametrize(("positions", "name", "message"), [
+    ((2, 1), "expert_weights", r"expert_weights is a torch\.int64 tensor: family 'hand' reads the weights and indices at "
+                               r"positions \(2, 1\) of the router's output"),
+    # these named Combine(output_index), and top_k alone
+    ((1, 3), "expert_indices", r"tuple of 3 elements, but its family entry reads element 3 of its output "
+                               r"\(routing_from_router=\(1, 3\)\); name the positions of the router's"),
+    ((0, 2), "expert_weights", r"holds 6 entries per token.*read at the router's output with "
+                               r"routing_from_router=\(0, 2\)"),
+])
+def test_routing_positions_that_do_not_hold_the_weights_and_indices_are_refused_at_the_read(
+        registered, positions, name, message):
+    registered(routing_from_router=positions)
     wrapped = moelens.wrap(model())
-    with pytest.raises(FamilyError, match=r"expert_weights is a torch\.int64 tensor: family 'hand' reads the weights "
-                                          r"and indices at positions \(2, 1\) of the router's output"):
+    with pytest.raises(FamilyError, match=message):
         with wrapped.trace(IDS):
-            wrapped.moes[0].expert_weights.save()
+            getattr(wrapped.moes[0], name).save()
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -131,22 +131,25 @@ def normal_tensors() -> contextlib.AbstractContextManager:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
-def output_of(index: int | None) -> tuple[Callable, Callable]:
-    """``pick`` / ``put`` for a module output that may be a tuple (hidden first)."""
+def output_of(index: int | None, setting: str | None = None, fix: str | None = None) -> tuple[Callable, Callable]:
+    """``pick`` / ``put`` for a module output that may be a tuple (hidden first). ``setting``: the family entry's
+    setting that names ``index`` (default: ``Combine(output_index=...)``), and ``fix``: what to do when the
+    module's output has no such element (default: name the block's hidden states)."""
     if index is None:
         return (lambda raw: raw), (lambda raw, tensor: tensor)
+    setting = setting or f"Combine(output_index={index})"
 
     def pick(raw: Any) -> Any:
         if not isinstance(raw, (tuple, list)):  # raw[index] of a tensor would be its first row
             raise FamilyError(
                 f"the module returned a {type(raw).__name__}, not a tuple, but its family entry reads element "
-                f"{index} of its output (Combine(output_index={index})); describe a block that returns one tensor "
-                "with Combine(output_index=None)."
+                f"{index} of its output ({setting}); "
+                + (fix or "describe a block that returns one tensor with Combine(output_index=None).")
             )
         if not -len(raw) <= index < len(raw):
             raise FamilyError(
                 f"the module returned a tuple of {len(raw)} elements, but its family entry reads element {index} of "
-                f"its output (Combine(output_index={index})); name the element that holds the block's hidden states."
+                f"its output ({setting}); " + (fix or "name the element that holds the block's hidden states.")
             )
         return raw[index]
 

@@ -499,6 +499,8 @@ class Moe(Mlp):
             extra = self.family.extra_logits if what == "router logits" and expected != self.num_experts else None
             setting = (f"top_k={self.family.top_k!r}" if what == "slots" else f"num_experts={self.family.num_experts!r}"
                        + (f" plus extra_logits={extra!r}" if extra else ""))
+            if what == "slots" and self.family.routing_from_router is not None:  # or a position off the weights
+                setting += f", read at the router's output with routing_from_router={self.family.routing_from_router}"
             raise FamilyError(
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
                 f"this block {expected} {what} per token ({setting}): the entry names the wrong setting (a router "
@@ -572,7 +574,9 @@ class Moe(Mlp):
         positions = self.family.routing_from_router
         if positions is None:
             return f"{self.experts.path}.input", 1, *argument(argument_position, keyword)
-        return f"{self.router.path}.output", 1, *output_of(positions[router_output])
+        fix = "name the positions of the router's (weights, indices) there."
+        return f"{self.router.path}.output", 1, *output_of(positions[router_output],
+                                                         f"routing_from_router={positions}", fix)
 
     @cached_property
     def _shared_binding(self) -> Binding:
