@@ -345,11 +345,15 @@ def test_padding_changes_routing_exactly_in_the_indexer_families_the_docs_name(f
     wrapped = moelens.wrap(hf)
     vocab = corpora.vocab_size(wrapped)
     change = 0.0
-    for seed in (0, 1):  # whether padding changes a token depends on the corpus (deepseek_v4: not on seed 0)
+    # whether padding changes a token depends on the corpus (deepseek_v4: not on seed 0; kolibri1_1: only where a
+    # row of 9 tokens is padded to 17, on seed 3)
+    lengths = (32, 5, 17, 2, 9, 28, 5, 12)
+    for seed, lengths in ((0, lengths), (1, lengths), (3, (12, 3, 17, 5, 9))):
         generator = torch.Generator().manual_seed(seed)
-        corpus = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (32, 5, 17, 2, 9, 28, 5, 12)]
+        corpus = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
         alone = analysis.collect_routing(wrapped, corpus, batch_size=1, dtype=torch.float32, progress=False)
-        padded = analysis.collect_routing(wrapped, corpus, batch_size=8, dtype=torch.float32, progress=False)
+        padded = analysis.collect_routing(wrapped, corpus, batch_size=len(corpus), dtype=torch.float32,
+                                          progress=False)
         change = max([change] + [float((padded.weights(layer).sort(-1).values
                                         - alone.weights(layer).sort(-1).values).abs().max()) for layer in alone.layers])
     named = family in re.findall(r"\w+", exception)
