@@ -18,8 +18,10 @@ random weights) is run in the same process, interleaved, for each configuration:
 Prints the median wall time and the median CPU time of the process (what it costs even when
 the shared machine deschedules it) of each (repeats interleaved in a shuffled order) and their
 ratios to ``plain`` at batch 4 x 256 tokens and 1 x 8 tokens. Targets: moelens at most 1.05x plain at 4 x 256 and 1.5x
-at 1 x 8. Run: ``python bench/trace_overhead.py [--repeats 30] [--threads 2] [--steady-malloc]``
-(``--steady-malloc``: freed memory is reused instead of returned to the system, see `steady_malloc`).
+at 1 x 8. Run: ``python bench/trace_overhead.py [--repeats 30] [--threads 2] [--steady-malloc] [--device cuda]``
+(``--steady-malloc``: freed memory is reused instead of returned to the system, see `steady_malloc`;
+``--device``: run the model there; on an accelerator each run ends with a synchronize, and the wall
+time is the measure, since the CPU time then counts the host waiting for the device).
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ def build(seed: int = 0) -> MixtralForCausalLM:
     return AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm").eval()
 
 
-def measure(batch: int, seq: int, repeats: int) -> dict[str, float]:
-    hf = build()
+def measure(batch: int, seq: int, repeats: int, device: torch.device) -> dict[str, float]:
+    hf = build().to(device)
     untouched = copy.deepcopy(hf)  # the plain baseline never sees nnsight
-    ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    finish = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     wrapped = moelens.wrap(hf)  # instruments the MoE blocks' sources, as a user of moelens gets
     raw = nnsight.NNsight(hf)  # a second, plain nnsight wrap of the same modules
     blocks = [f"model.layers.{i}.mlp" for i in range(8)]
@@ -112,6 +115,7 @@ def measure(batch: int, seq: int, repeats: int) -> dict[str, float]:
         for name, run in order.sample(list(runs.items()), len(runs)):
             start, start_cpu = time.perf_counter(), time.process_time()
             run()
+            finish()
             cpu[name].append(time.process_time() - start_cpu)
             wall[name].append(time.perf_counter() - start)
     return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in runs}
@@ -139,15 +143,17 @@ def main() -> None:
     parser.add_argument("--threads", type=at_least(1), default=2)
     parser.add_argument("--steady-malloc", action="store_true",
                         help="keep freed memory in the process (glibc mallopt): no page faults from fresh allocations")
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"),
+                        help="where the model runs (cpu, cuda)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.steady_malloc:
         steady_malloc()
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} interleaved repeats"
-          f"{', steady malloc' if args.steady_malloc else ''}")
+          f"{', steady malloc' if args.steady_malloc else ''}, on {args.device}")
     print(f"{'shape':>9} | {'configuration':>15} | {'wall ms':>9} | {'x plain':>7} | {'CPU ms':>9} | {'x plain':>7}")
     for batch, seq in ((4, 256), (1, 8)):
-        results = measure(batch, seq, args.repeats)
+        results = measure(batch, seq, args.repeats, args.device)
         plain_wall, plain_cpu = results["plain"]
         for name, (wall, cpu) in results.items():
             print(f"{batch:>3} x {seq:<3} | {name:>15} | {wall * 1e3:9.2f} | {wall / plain_wall:7.3f} | "

@@ -3,6 +3,10 @@
 Torch runs one thread per test process: the suite runs in parallel processes
 (pytest -n 2) on small machines, where more threads per process only contend.
 Nothing here downloads anything: the hub is switched off.
+
+``MOELENS_TEST_DEVICE=cuda`` moves every tiny model the tests build onto that device (the
+tests then run the models there; tiny_inputs follows the model). CI does not set it: it is
+for a hand run on a machine with an accelerator (docs/dev/devices.md).
 """
 
 import os
@@ -19,6 +23,27 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _build_tiny_models_on(device: str) -> None:
+    """Make moelens.testing's tiny_model return its model moved to ``device`` (before any test
+    module imports it)."""
+    import functools
+
+    import moelens.testing
+    import moelens.testing.tiny
+
+    build = moelens.testing.tiny.tiny_model
+
+    @functools.wraps(build)
+    def tiny_model_on_device(*args, **kwargs):
+        return build(*args, **kwargs).to(device)
+
+    moelens.testing.tiny_model = moelens.testing.tiny.tiny_model = tiny_model_on_device
+
+
+if os.environ.get("MOELENS_TEST_DEVICE"):
+    _build_tiny_models_on(os.environ["MOELENS_TEST_DEVICE"])
 
 
 @pytest.fixture

@@ -749,7 +749,8 @@ def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int 
     ``3 .. vocab_size-1`` so no pad/bos/eos token appears) and an all-ones ``attention_mask``.
 
     Every family's forward needs only these (deepseek_v4's hash-routed layers read ``input_ids``;
-    text-only multimodal decoders derive their M-RoPE positions themselves)."""
+    text-only multimodal decoders derive their M-RoPE positions themselves). They lie on the model's
+    device, drawn on the CPU so a seed gives the same ids everywhere."""
     sizes = {}
     for name, value in (("batch", batch), ("seq", seq)):
         try:
@@ -761,5 +762,5 @@ def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int 
     batch, seq = sizes["batch"], sizes["seq"]
     gen = torch.Generator().manual_seed(seed)
     vocab = int(getattr(model.config, "vocab_size", None) or COMMON_SIZES["vocab_size"])
-    input_ids = torch.randint(3, vocab, (batch, seq), generator=gen)
+    input_ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(model.device)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
