@@ -119,7 +119,7 @@ def raw_values(reference: torch.nn.Module, inputs: dict, block_names: list[str],
             paths[name]["logits"] = f"{name}.{family.router}.{LOGITS_CHILD[family.name]}"
     modules = [f"model.{path}" for entry in paths.values() for path in entry.values()]
     with plain.trace(**inputs) as tracer:
-        cache = tracer.cache(modules=modules, include_inputs=True)
+        cache = tracer.cache(modules=modules, include_inputs=True, device=None)  # on the model's device
     result = {}
     for name, entry in paths.items():
         router = cache[f"model.{entry['router']}"]

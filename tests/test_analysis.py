@@ -102,7 +102,7 @@ def plain_truth(reference: torch.nn.Module, wrapped, token_lists: list[list[int]
         ids += window
         texts += [index] * len(window)
         positions += list(range(start, start + len(window)))
-    cat = lambda key: {layer: torch.cat(parts[key][layer]) for layer in layers}  # noqa: E731
+    cat = lambda key: {layer: torch.cat(parts[key][layer]).cpu() for layer in layers}  # noqa: E731 (a cache is on the CPU)
     return Truth(layers, cat("i"), cat("w"), cat("l"), cat("h"), torch.tensor(ids), torch.tensor(texts),
                  torch.tensor(positions))
 

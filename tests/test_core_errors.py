@@ -3052,6 +3052,34 @@ def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap
         moelens.load()
 
 
+def test_ids_outside_the_embeddings_of_a_model_on_an_accelerator_are_refused_before_it_runs(monkeypatch):
+    """On CUDA an embedding lookup of an id out of range is a device-side assert, not torch's IndexError: the run
+    failed with it, and every later CUDA call of the process failed too (seen on an H200). Where the embeddings sit
+    on an accelerator the ids are checked before the model runs (here the check is made to think so: the model never
+    runs on the bad ids); ids in range run as before."""
+    import moelens.model
+
+    hf = tiny_model("mixtral")
+    rows = hf.get_input_embeddings().num_embeddings
+    wrapped = moelens.wrap(hf)
+    monkeypatch.setattr(moelens.model, "_embeddings_on_accelerator", lambda module: True)
+    looked_up = []
+    hook = hf.get_input_embeddings().register_forward_pre_hook(lambda module, args: looked_up.append(args[0]))
+    try:
+        with pytest.raises(moelens.MoelensError, match=rf"token id {rows + 2} is outside the model's input embeddings "
+                                                      rf"\({rows} rows: ids 0 to {rows - 1}; 1 of the 8 ids"):
+            with wrapped.trace(torch.tensor([[5, 6, 7, rows + 2], [1, 2, 3, 4]])):
+                wrapped.output.save()
+        assert not looked_up
+        with torch.no_grad(), wrapped.trace(torch.tensor([[5, 6, 7, rows - 1]])):
+            logits = wrapped.output.logits.save()
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        assert torch.equal(logits, hf(torch.tensor([[5, 6, 7, rows - 1]])).logits)
+    assert len(looked_up) == 1
+
+
 @pytest.mark.parametrize("value", ["expert_outputs", "expert_activations"])
 def test_a_per_slot_value_read_after_its_block_ran_in_a_generation_is_an_order_error(value):
     """In model.generate, expert_outputs read after routed_output of the same block (at the first step, or in the

@@ -473,3 +473,25 @@ def test_a_graph_nnef_that_is_no_nnef_document_is_the_users_not_an_export(text):
         with pytest.raises(ExportError, match="mine.nnef.tgz' is a file that is not an NNEF export"):
             archive.check_destination(base / "mine.nnef.tgz")
         archive.check_destination(_export_folder(base / "earlier", []))  # an export with no tensors is one
+
+
+def test_the_export_copy_is_a_float32_cpu_copy_that_keeps_ties_and_leaves_the_model_alone():
+    """The export traces a copy of the model on the CPU (tract runs there), each tensor copied straight to the CPU
+    in float32: what ``copy.deepcopy(model).float().cpu()`` gives, ties kept, the model untouched."""
+    from moelens.modules import cpu_float_copy
+
+    hf = tiny_model("mixtral", dtype=torch.bfloat16, tie_word_embeddings=True)
+    before = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    copied = cpu_float_copy(hf)
+    expected = copy.deepcopy(hf).float().cpu()
+    assert copied.lm_head.weight is copied.model.embed_tokens.weight
+    assert copied.lm_head.weight is not hf.lm_head.weight
+    for (name, tensor), (_, reference) in zip(copied.state_dict().items(), expected.state_dict().items(), strict=True):
+        assert tensor.device.type == "cpu" and tensor.dtype == reference.dtype, name
+        assert torch.equal(tensor, reference), name
+    assert all(isinstance(p, torch.nn.Parameter) for p in copied.parameters())
+    for name, tensor in hf.state_dict().items():
+        assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), name
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(**inputs).logits, expected(**inputs).logits, rtol=0, atol=0)

@@ -9,11 +9,12 @@ from typing import Callable
 import pytest
 import torch
 import transformers
+from torch.nn import functional as F
 
 import moelens
 from moelens.families import Family
 from moelens.families.unserved import UNSERVED
-from moelens.testing import FAMILIES, tiny_config, tiny_model
+from moelens.testing import FAMILIES, tiny_config, tiny_inputs, tiny_model
 
 
 def references(family: Family, block: torch.nn.Module) -> list[str]:
@@ -252,3 +253,52 @@ def test_axk2_without_expert_groups_is_not_group_limited():
         moelens.force(moe, 3)
         indices = moe.expert_indices.save()
     assert (indices == 3).any(-1).all()
+
+
+class _MmRouter(torch.nn.Module):
+    """kolibri1's router with its CUDA branch (torch.mm instead of F.linear) taken wherever ``take_mm`` is set,
+    so the branch that skips the logits op runs on the CPU too."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.hidden_dim = router.top_k, router.norm_topk_prob, router.hidden_dim
+        self.weight, self.e_score_correction_bias = router.weight, router.e_score_correction_bias
+        self.take_mm = False
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        if self.take_mm:
+            router_logits = torch.mm(hidden_states.float(), self.weight.float().t())
+        else:
+            router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+        router_indices = torch.topk(router_logits + self.e_score_correction_bias, self.top_k, dim=-1)[1]
+        router_scores = router_logits.gather(1, router_indices).sigmoid()
+        if self.norm_topk_prob:
+            router_scores = router_scores / router_scores.sum(dim=-1, keepdim=True)
+        return router_logits, router_scores, router_indices
+
+
+def test_kolibri1_logits_skipped_by_its_cuda_branch_are_named_in_the_error():
+    """On CUDA under no_grad kolibri1's router computes its logits with torch.mm and never runs F_linear_0: a read
+    of them said the user read out of order. The error now says which branch skipped them and what to do; the
+    values after the logits still read (the experts call's arguments)."""
+    hf = tiny_model("kolibri1")
+    for layer in hf.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate = _MmRouter(layer.mlp.gate)
+    wrapped = moelens.wrap(hf)
+    inputs = tiny_inputs(hf)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        plain_logits = wrapped.moes[0].router_logits.save()
+    for router in (layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate")):
+        router.take_mm = True
+    with pytest.raises(moelens.errors.OrderError, match=r"was never produced: kolibri1's router skips F_linear_0, "
+                       r"where moelens reads its logits, on CUDA .*torch.enable_grad\(\)"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            wrapped.moes[0].router_logits.save()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        weights = wrapped.moes[0].expert_weights.save()
+    chosen = plain_logits.gather(-1, torch.topk(plain_logits + hf.model.layers[0].mlp.gate.e_score_correction_bias,
+                                                2, dim=-1).indices)
+    torch.testing.assert_close(weights, torch.sigmoid(chosen) / torch.sigmoid(chosen).sum(-1, keepdim=True)
+                               if hf.model.layers[0].mlp.gate.norm_topk_prob else torch.sigmoid(chosen))

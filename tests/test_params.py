@@ -49,8 +49,8 @@ def expert_output_by_module(experts: torch.nn.Module, family, x: torch.Tensor, e
             rows[expert] = x
             return experts(rows.view(-1, x.shape[-1])).view(experts.num_experts, *x.shape)[expert]
         # Two slots on the expert, weights 1 and 0: longcat_flash's experts squeeze a lone slot axis away.
-        index = torch.full((x.shape[0], 2), expert, dtype=torch.long)
-        weights = torch.tensor([1.0, 0.0], dtype=x.dtype).expand(x.shape[0], 2)
+        index = torch.full((x.shape[0], 2), expert, dtype=torch.long, device=x.device)
+        weights = torch.tensor([1.0, 0.0], dtype=x.dtype, device=x.device).expand(x.shape[0], 2)
         return experts(x, index, weights).reshape(x.shape)
 
 
@@ -98,12 +98,12 @@ def test_expert_views_compute_what_the_experts_module_computes_and_edits_land(fa
     generator = torch.Generator().manual_seed(0)
     for expert in (0, with_weights(moe) - 1):
         params = moe.params(expert)
-        x = torch.randn(5, params.up.shape[-1], generator=generator)
+        x = torch.randn(5, params.up.shape[-1], generator=generator).to(params.up.device)
         with torch.no_grad():
             expected = expert_output_by_module(experts, moe.family, x, expert)
             torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, block, x, expert), expected)
             for name, view in params.items():  # new weights through the views: the module must compute with them
-                view.copy_(torch.randn(view.shape, generator=generator) * 0.5)
+                view.copy_(torch.randn(view.shape, generator=generator).to(view.device) * 0.5)
             edited = expert_output_by_module(experts, moe.family, x, expert)
             torch.testing.assert_close(expert_output_by_hand(moe.params(expert), experts, moe.family, block, x, expert), edited)
         assert not torch.allclose(edited, expected)
@@ -128,7 +128,7 @@ def test_expert_views_of_compressed_models(dense):
         experts = moe._module.get_submodule(moe.family.experts)
         last = moe.num_experts - 1
         params = moe.params(last)
-        x = torch.randn(5, params.up.shape[-1], generator=generator)
+        x = torch.randn(5, params.up.shape[-1], generator=generator).to(params.up.device)
         with torch.no_grad():
             expected = expert_output_by_module(experts, moe.family, x, last)
             torch.testing.assert_close(expert_output_by_hand(params, experts, moe.family, moe._module, x, last), expected)

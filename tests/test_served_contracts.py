@@ -24,7 +24,7 @@ def with_first_slot_zeroed(reference: torch.nn.Module, moe, inputs: dict) -> tor
     """The unwrapped model's output with ``moe``'s first slot weighted 0 by a pre-hook on its experts."""
     experts = reference.get_submodule(moe.experts.path.removeprefix("model."))
     handle = experts.register_forward_pre_hook(
-        lambda module, args: (args[0], args[1], args[2].clone().index_fill_(-1, torch.tensor([0]), 0.0)))
+        lambda module, args: (args[0], args[1], args[2].clone().index_fill_(-1, torch.tensor([0], device=args[2].device), 0.0)))
     try:
         with torch.no_grad():
             return first_tensor(reference(**inputs))

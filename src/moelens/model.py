@@ -159,6 +159,10 @@ class MoeModelMixin:
         first = next(self._module.parameters(), None)
         if first is not None and first.is_meta and (refusal := _unloaded_refusal(self._module)) is not None:
             raise refusal  # a model all on meta runs without an error, into meta values
+        if _embeddings_on_accelerator(self._module):  # checked before the run: there an id out of range fails a
+            refusal = _ids_past_vocabulary(self._module, _model_inputs(fn, args, kwargs))  # device-side assert, which
+            if refusal is not None:  # leaves the device unusable for the rest of the process
+                raise refusal
         handed_back, interleaver = served.HandedBack(), self.interleaver
         outer = served.RUNS.get(interleaver)
         ep_runs = self._ep_runs(watched)
@@ -468,6 +472,16 @@ def _input_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> Any:
     if ids is None and args and first_parameter(module) == "input_ids":
         ids = args[0]
     return ids
+
+
+def _embeddings_on_accelerator(module: torch.nn.Module) -> bool:
+    """Whether the model's input embeddings sit on a device other than the CPU (and off meta), where an embedding
+    lookup of an id out of range fails a device-side assert instead of raising torch's IndexError."""
+    try:
+        weight = module.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError, TypeError):
+        return False
+    return isinstance(weight, torch.Tensor) and weight.device.type not in ("cpu", "meta")
 
 
 def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -> MoelensError | None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -111,6 +114,23 @@ def _not_own(hooks: list[Any]) -> list[Any]:
 def hook_name(hook: Any) -> str:
     """A hook in words for an error: its function's name, or its class's (an accelerate ModelHook)."""
     return getattr(hook, "__name__", None) or f"a {type(hook).__name__}"
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where ``module`` runs: the device of its first parameter or buffer (the CPU for a module with neither)."""
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def cpu_float_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` on the CPU, its floating-point parameters and buffers in float32 (what
+    ``copy.deepcopy(module).float().cpu()`` gives), each tensor copied straight to the CPU: a model on an
+    accelerator never needs room there for a second copy of itself."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        copied = tensor.detach().to("cpu", torch.float32 if tensor.is_floating_point() else tensor.dtype, copy=True)
+        memo[id(tensor)] = nn.Parameter(copied, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else copied
+    return copy.deepcopy(module, memo).cpu()  # .cpu(): a tensor registered by no module's parameters() / buffers()
 
 
 def unloaded_weights(module: nn.Module) -> str | None:

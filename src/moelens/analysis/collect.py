@@ -105,19 +105,20 @@ def real_tokens(saved: dict[int, dict[str, Any]], mask: torch.Tensor, index_dtyp
                 dtype: torch.dtype, skipping: set[int] = frozenset()) -> dict[str, dict[int, Any]]:
     """After a trace: the routing values `MoeModelMixin.save_all` saved, at the real tokens of ``mask`` ([b, s]).
 
-    Returns ``{"indices": {layer: [n, k]}, "weights": ..., "logits": ...}`` where ``n`` is the
-    number of True entries of ``mask``. In the ``skipping`` layers (a skip class, see
-    `skipped_slots`) the slots that ran no expert get the index `SKIPPED`.
+    Returns ``{"indices": {layer: [n, k]}, "weights": ..., "logits": ...}`` on the CPU (a cache over a corpus
+    lives there whatever device the model runs on), where ``n`` is the number of True entries of ``mask``. In
+    the ``skipping`` layers (a skip class, see `skipped_slots`) the slots that ran no expert get the index
+    `SKIPPED`.
     """
     read: dict[str, dict[int, Any]] = {"indices": {}, "weights": {}, "logits": {}}
     for layer, values in saved.items():
         indices = values["expert_indices"][mask]
         if layer in skipping:
             indices = indices.masked_fill(skipped_slots(indices, values["expert_weights"][mask]), SKIPPED)
-        read["indices"][layer] = indices.to(index_dtype)
-        read["weights"][layer] = values["expert_weights"][mask].to(dtype)
+        read["indices"][layer] = indices.to("cpu", index_dtype)
+        read["weights"][layer] = values["expert_weights"][mask].to("cpu", dtype)
         if "router_logits" in values:
-            read["logits"][layer] = values["router_logits"][mask].to(dtype)
+            read["logits"][layer] = values["router_logits"][mask].to("cpu", dtype)
     return read
 
 

@@ -125,7 +125,7 @@ def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
             f"{moe.path}: the experts' outputs ({total.shape[-1]} wide) reach the hidden state through "
             f"{post} ({type(projection).__name__}), which is not a linear map the logit lens can apply per expert."
         )
-    return total @ weight.detach().double().T
+    return total @ weight.detach().to(total.device, torch.float64).T
 
 
 def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
@@ -145,7 +145,7 @@ def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
                 if weights is not None:  # slots of a skip class ran no expert
                     ran = ~skipped_slots(indices, weights)
                     indices, flat = indices[ran], flat[ran]
-                total = torch.zeros(width, flat.shape[-1], dtype=torch.float64).index_add_(0, indices, flat)
+                total = flat.new_zeros(width, flat.shape[-1]).index_add_(0, indices, flat)
                 sums[moe.layer] = (total, torch.bincount(indices, minlength=width))
     return nnsight.save(sums)
 
@@ -207,7 +207,8 @@ def expert_logit_lens(
                 read = _sums(moes, batch.mask)
                 if can_stop_early(model):
                     tracer.stop()
-            for layer, (total, count) in read.items():
+            for layer, (total, count) in read.items():  # summed where the model runs, kept on the CPU
+                total, count = total.cpu(), count.cpu()
                 sums[layer] = total if sums[layer].numel() == 0 else sums[layer] + total
                 counts[layer] += count
             bar.update(batch.num_tokens)

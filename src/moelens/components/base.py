@@ -184,6 +184,10 @@ class Component(Envoy):
                 "wrapped with (replaced in the torch model after moelens.wrap), so nnsight does not see it run. Wrap "
                 "the model again (moelens.wrap) after replacing modules."
             )
+        skipped = getattr(self.family, "logits_skipped", "")
+        if skipped and location is not None and f".source.{self.family.logits_op}." in location:
+            return OrderError(f"{self.path}.{name} was never produced: {self.family.name}'s router skips "
+                              f"{self.family.logits_op}, where moelens reads its logits, {skipped}.")
         order = " -> ".join(self._order())
         runs_only_on = self.runs_only_on
         maybe_idle = (

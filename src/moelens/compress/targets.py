@@ -71,11 +71,12 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
 
 
 def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight [out, in], bias [out])`` float32 copies of a Linear / Conv1D (zeros for a layer without bias)."""
+    """``(weight [out, in], bias [out])`` of a Linear / Conv1D in float32 on the CPU, where the compressor fits
+    (its calibration rows are kept there; zeros for a layer without bias)."""
     base = base_of(module)
-    weight = base.weight.detach().float()
+    weight = base.weight.detach().float().cpu()
     weight = weight.T if is_transposed(module) else weight
-    bias = base.bias.detach().float() if getattr(base, "bias", None) is not None else torch.zeros(weight.shape[0])
+    bias = base.bias.detach().float().cpu() if getattr(base, "bias", None) is not None else torch.zeros(weight.shape[0])
     return weight, bias
 
 

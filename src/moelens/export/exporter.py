@@ -10,7 +10,6 @@ combination) into standard NNEF. The user's model is never changed.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import platform
 import re
@@ -26,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import __version__
-from ..modules import embedding_rows, takes_keyword, unloaded_weights
+from ..modules import cpu_float_copy, embedding_rows, takes_keyword, unloaded_weights
 from ..modules import vocab_size as model_vocab_size
 from ..paths import user_path
 from ..scalars import check_flag
@@ -273,7 +272,7 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
     """
     edits = edits or Edits()
     _refuse_unloaded_weights(target)
-    module = copy.deepcopy(target.module).float().eval()
+    module = cpu_float_copy(target.module).eval()  # tract runs on the CPU: so does the copy it is traced from
     for parameter in module.parameters():
         parameter.requires_grad_(False)
     read: list[tuple[Block, torch.nn.Module, MoeSpec]] = []

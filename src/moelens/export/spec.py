@@ -87,7 +87,7 @@ class MoeSpec:
         """Pairs of selectable experts whose router rows and biases agree to ``rtol`` of the router's scale: their
         logits tie (or nearly) on every token, and tract's top-k may break such ties otherwise than torch's."""
         rows = self.wg.float()
-        bias = self.wg_bias.float() if self.wg_bias is not None else torch.zeros(rows.shape[0])
+        bias = self.wg_bias.float() if self.wg_bias is not None else rows.new_zeros(rows.shape[0])
         bound = rtol * float(rows.abs().max().clamp_min(1e-30))
         close = torch.cdist(rows, rows, p=float("inf")) <= bound
         close &= (bias[:, None] - bias[None, :]).abs() <= bound

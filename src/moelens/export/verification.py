@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..modules import evaluating
+from ..modules import device_of, evaluating
 from ..paths import user_path
 from .edits import Edits, as_edits
 from .errors import ExportError
@@ -171,6 +171,7 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
     ``prepared``: the export's own `Prepared` copy (`to_nnef`), which for a block with ``edits`` is
     the reference (else it is built here).
     """
+    on_model = inputs.to(device_of(target.module))  # the user's model runs where it is
     with torch.no_grad(), evaluating(target.module):
         if target.kind == "block":
             if edits:
@@ -182,11 +183,12 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
             block = _float_module(target.module)
             from .block import block_output
 
-            return block_output(target.family, block(inputs.float())).float().numpy(), "the block (torch, float32)"
+            return (block_output(target.family, block(on_model.float())).float().cpu().numpy(),
+                    "the block (torch, float32)")
         if not edits:
             from .exporter import logits_of
 
-            return logits_of(_float_module(target.module), inputs).float().numpy(), "the model (torch, float32)"
+            return logits_of(_float_module(target.module), on_model).float().cpu().numpy(), "the model (torch, float32)"
         return _intervened(target, inputs, edits), "the model with the edits made by moelens in a trace"
 
 
@@ -209,7 +211,7 @@ def _intervened(target: Target, inputs: torch.Tensor, edits: Edits) -> np.ndarra
     with wrapped.trace(input_ids=inputs, attention_mask=torch.ones_like(inputs)):
         edits.intervene(wrapped)
         output = wrapped.output.save()
-    return output_tensor(output).float().numpy()
+    return output_tensor(output).float().cpu().numpy()
 
 
 def check_export(path: Path, target: Target, prepared: Any, inputs: torch.Tensor, edits: Edits,

@@ -317,6 +317,9 @@ class Family:
         routed_from_block: `routed_output` is the block's output, not the experts module's, where the block adds
             to what its experts return (longcat_flash from transformers 5.25 adds its zero-compute experts' share).
             Only for blocks with no shared expert.
+        logits_skipped: When the router's forward computes its logits without running ``logits_op`` (the
+            words that finish "the router skips logits_op ..."), else "": the logits and what is scored from
+            them cannot be read in such a run, and the error of a read says so.
     """
 
     name: str
@@ -343,6 +346,7 @@ class Family:
     expert_layout: ExpertLayout | None = None
     identity_experts: str | int | None = None
     scan_without_cache: bool = False
+    logits_skipped: str = ""
     extra_logits: str | int = 0
     routing_from_router: tuple[int, int] | None = None
     routed_from_block: bool = False

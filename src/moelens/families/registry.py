@@ -71,7 +71,8 @@ def register(family: Family, *, replace: bool = False) -> Family:
 
 #: The entry classes a family's fields hold (a plain string or tuple there fails later, far from the cause).
 FIELD_KINDS = {
-    "block_attr": str, "router": str, "experts": str, "logits_op": str, "logits_cast_op": str, "scoring": Scoring,
+    "block_attr": str, "router": str, "experts": str, "logits_op": str, "logits_cast_op": str, "logits_skipped": str,
+    "scoring": Scoring,
     "combine": Combine,
     "shared": (SharedExpert, type(None)), "expert_gate": (ExpertGate, type(None)),
     "expert_layout": (ExpertLayout, type(None)),

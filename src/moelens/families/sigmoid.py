@@ -36,7 +36,10 @@ KOLIBRI1 = Family("kolibri1", ("kolibri1",), ("Kolibri1SparseMoeBlock",), logits
                                   code="logit+bias, sigmoid"),
                   shared=SharedExpert("shared_experts", when="after_experts"),
                   notes="Selection is top-k of logits + bias; weights are the sigmoid of the chosen logits. On CUDA "
-                        "in the weights' dtype without grad the logits come from torch.mm instead (not served).")
+                        "in the weights' dtype without grad the logits come from torch.mm instead (not served).",
+                  logits_skipped="on CUDA when the hidden states are in the router weight's dtype and grad is off (it "
+                                 "runs torch.mm(..., out_dtype=torch.float32) instead): trace under torch.enable_grad() "
+                                 "to read them, or read only the values after them (expert_weights onwards)")
 
 FAMILIES = [
     Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
