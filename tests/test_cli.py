@@ -530,6 +530,7 @@ def test_load_a_text_decoder_saved_without_architectures(family, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     loaded = moelens.load(tmp_path)
     assert type(loaded._module) is type(hf) and loaded.family.name == family
+    loaded._module.to(hf.device)  # where the tests' tiny models run (tests/conftest.py)
     inputs = tiny_inputs(hf)
     with torch.no_grad():
         torch.testing.assert_close(loaded._module(**inputs).last_hidden_state, hf(**inputs).last_hidden_state)

@@ -281,7 +281,7 @@ def test_a_model_that_ran_keeps_transformers_own_hooks_during_calibration():
     """A model's first forward installs transformers' output-capturing hooks (router logits for the aux
     loss): calibrating a copy must keep them, while the user's own hooks stay off."""
     model = tiny_model("mixtral", output_router_logits=True)
-    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0)).to(model.device)
     model(input_ids=ids, labels=ids)
     converted = tomoe(model, num_experts=2, top_k=1, calibration=ids, target_attention_only=True, max_error=10.0)
     assert torch.isfinite(converted(input_ids=ids, labels=ids).aux_loss)

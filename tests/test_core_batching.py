@@ -311,7 +311,7 @@ def test_blocks_given_a_modality_subset_refuse_a_write_too(name):
     reference = copy.deepcopy(hf)
     wrapped = moelens.wrap(hf)
     text_moe = wrapped.moes[0]
-    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]], device=hf.device)
     types = torch.zeros_like(ids)
     types[0, 3:5] = 1  # 14 text tokens: a made-up [2, 7, ...] view would fit
     with torch.no_grad():
@@ -363,7 +363,7 @@ def test_copies_of_a_wrapped_model_do_not_keep_its_gathered_call_hooks():
     import gc
 
     hf = tiny_model("ernie4_5_vl_moe")
-    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9]])
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9]], device=hf.device)
     hooks = lambda model: sorted({len(module._forward_pre_hooks) for module in model.modules()  # noqa: E731
                                   if type(module).__name__ == "Ernie4_5_VLMoeSparseMoeBlock"})
     wrapped = moelens.wrap(hf)
@@ -377,13 +377,13 @@ def test_copies_of_a_wrapped_model_do_not_keep_its_gathered_call_hooks():
         wrapped.output.save()  # the blocks' calls noted on them: the copy below takes the notes along (kept for good)
     plain = copy.deepcopy(hf)  # taken while hf is wrapped: its hooks come along, and go at each block's first call
     with torch.no_grad():
-        plain(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))  # text and image blocks
+        plain(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]], device=hf.device))  # text and image blocks
     assert hooks(plain) == [0] and not any("_moelens_tokens_gathered" in vars(m) for m in plain.modules())
     assert hooks(hf) == [1]
     saved = io.BytesIO()
     torch.save(hf, saved)  # the hook pickles too (a weak reference did not), as a note of no wrapper
     loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=False)
-    loaded(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))
+    loaded(input_ids=ids, moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]], device=hf.device))
     assert hooks(loaded) == [0] and hooks(hf) == [1]
 
 
@@ -398,7 +398,8 @@ def test_a_model_pickled_with_the_earlier_hook_function_loads_and_sheds_it():
         if type(module).__name__ == "Ernie4_5_VLMoeSparseMoeBlock":
             module.register_forward_pre_hook(earlier)  # as the loaded model holds it
     with torch.no_grad():
-        hf(input_ids=torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9]]), moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]]))
+        hf(input_ids=torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9]], device=hf.device),
+           moe_mm_token_type_ids=torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]], device=hf.device))
     assert not [module for module in hf.modules() if module._forward_pre_hooks or "_moelens_tokens_gathered" in vars(module)]
 
 
@@ -414,7 +415,7 @@ def test_a_shallow_copy_of_a_block_leaves_the_original_noted():
     types[0, 3:5] = 1
     block = wrapped.moes[0]._module
     with torch.no_grad():
-        copy.copy(block)(torch.zeros(2, 8, hf.config.hidden_size))  # a call of the copy, every token
+        copy.copy(block)(torch.zeros(2, 8, hf.config.hidden_size, device=hf.device))  # a call of the copy, every token
     with pytest.raises(moelens.ValueUnavailable, match=r"ran on part of the tokens"):
         with wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
             wrapped.moes[0].router_logits.save()
@@ -442,7 +443,7 @@ def test_a_transplant_between_invokes_at_a_barrier_lands(impl, no_grad):
         hook = experts.register_forward_pre_hook(patched)
         try:
             with torch.no_grad():
-                return first_tensor(reference(torch.cat([clean, corrupt])))[1]
+                return first_tensor(reference(torch.cat([clean, corrupt]).to(hf.device)))[1]
         finally:
             hook.remove()
 
@@ -490,7 +491,7 @@ def two_invokes_edited_by_hand(impl: str):
     hook = experts.register_forward_pre_hook(patched)
     try:
         with torch.no_grad():
-            expected = first_tensor(reference(torch.cat([first, second])))
+            expected = first_tensor(reference(torch.cat([first, second]).to(hf.device)))
     finally:
         hook.remove()
     return wrapped, moe, first, second, expected
@@ -508,7 +509,7 @@ def test_both_invokes_edit_their_own_rows_after_a_barrier(impl, grad, order):
         own[:, :, 0] = expert
 
     def assignment(own, expert):
-        moe.expert_indices = own.clone().index_fill_(-1, torch.tensor([0]), expert)
+        moe.expert_indices = own.clone().index_fill_(-1, torch.tensor([0], device=own.device), expert)
 
     edits = (in_place, assignment) if order == "in-place-first" else (assignment, in_place)
     logits = []
@@ -535,7 +536,8 @@ def test_token_id_invokes_over_a_cache_run_at_the_cached_positions(family):
     hf = tiny_model(family)
     wrapped = moelens.wrap(hf)
     moe = first_moe(wrapped)
-    prompt, step = torch.tensor([[5, 17, 33, 48, 60], [70, 81, 92, 11, 12]]), torch.tensor([[40], [50]])
+    prompt = torch.tensor([[5, 17, 33, 48, 60], [70, 81, 92, 11, 12]], device=hf.device)
+    step = torch.tensor([[40], [50]], device=hf.device)
     with torch.no_grad():
         expected = hf(input_ids=step, past_key_values=_prefilled(hf, prompt)).logits
         plain = nnsight.NNsight(hf)
@@ -555,7 +557,7 @@ def test_token_id_invokes_over_a_cache_run_at_the_cached_positions(family):
 def test_token_id_invokes_of_different_lengths_over_a_cache_need_the_traces_mask():
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf)
-    prompt = torch.tensor([[5, 17, 33], [70, 81, 92]])
+    prompt = torch.tensor([[5, 17, 33], [70, 81, 92]], device=hf.device)
     long, short = torch.tensor([[40, 41]]), torch.tensor([[50]])
     with pytest.raises(moelens.MoelensError, match=r"different lengths over a key-value cache .* pass attention_mask "
                                                    r"\(over the cache and the new tokens\) and position_ids"):
@@ -565,9 +567,9 @@ def test_token_id_invokes_of_different_lengths_over_a_cache_need_the_traces_mask
             with tracer.invoke(short):
                 wrapped.output.logits.save()
     # with the trace's own mask and positions, the left-padded step is transformers' with them
-    ids = torch.tensor([[40, 41], [0, 50]])
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 1]])
-    positions = torch.tensor([[3, 4], [3, 3]])
+    ids = torch.tensor([[40, 41], [0, 50]], device=hf.device)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 1]], device=hf.device)
+    positions = torch.tensor([[3, 4], [3, 3]], device=hf.device)
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions,
                       past_key_values=_prefilled(hf, prompt)).logits

@@ -483,7 +483,7 @@ def test_load_takes_a_tokenizer_and_names_a_keyword_from_pretrained_does_not_tak
     with torch.no_grad():
         with loaded.trace("expert"):
             logits = loaded.output.logits.save()
-        torch.testing.assert_close(logits, hf(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(logits, hf.to(logits.device)(ids.to(logits.device)).logits, rtol=0, atol=0)
     with pytest.raises(moelens.MoelensError, match=r"moelens.load passes its keywords to OlmoeForCausalLM.from_pretrained, "
                        r"which does not take this one \(.*'dispatch'.*\); .* moelens.wrap\(model, tokenizer=\.\.\., \*\*nnsight_kwargs\)"):
         moelens.load(tmp_path / "olmoe", dispatch=True)
@@ -554,7 +554,7 @@ def test_a_model_with_a_tokenizer_refuses_an_input_that_is_no_prompt_or_ids():
                     pass
     with wrapped.trace([5, 6, 7]):
         by_ids = wrapped.output.logits.save()
-    assert torch.equal(by_ids, hf(torch.tensor([[5, 6, 7]])).logits)
+    assert torch.equal(by_ids, hf(torch.tensor([[5, 6, 7]], device=hf.device)).logits)
 
 
 def test_a_model_without_tokenizer_refuses_a_generate_trace():
@@ -654,7 +654,7 @@ def test_load_takes_a_model_type_the_user_registered_with_transformers_auto_clas
     ids = torch.tensor([[5, 6, 7]])
     with loaded.trace(ids):
         logits = loaded.output.logits.save()
-    torch.testing.assert_close(logits, model(ids).logits)
+    torch.testing.assert_close(logits, model(ids.to(model.device)).logits.to(logits.device))
 
 
 def test_errors_of_loading_that_are_not_a_size_mismatch_pass_through(tmp_path, monkeypatch):
@@ -1644,7 +1644,7 @@ def test_force_says_when_a_selection_bias_outranks_it():
             moelens.steer(moe, moe.num_experts - 1, 30.0)
             moelens.force(moe, [0, 1])
             forced = moe.expert_indices.save()
-        assert torch.equal(forced.sort(-1).values, torch.tensor([0, 1]).expand_as(forced)), family
+        assert torch.equal(forced.sort(-1).values, torch.tensor([0, 1], device=forced.device).expand_as(forced)), family
 
 
 #: Every family whose router ranks score + a selection bias (the bias on an op's output or in its top-k call).
@@ -1761,7 +1761,7 @@ def test_a_real_tensor_written_in_scan_is_taken_and_checked_in_full():
     broken[0, 1, 2] = float("nan")
     nan = r"holds NaN \(1 of \d+, the first at \(0, 1, 2\)\)"
     for name, value, expected in (("router_logits", broken, nan), ("router_logits", broken.double(), nan),
-                                  ("router_logits", broken.numpy(), nan), ("router_logits", float("nan"), r"holds NaN"),
+                                  ("router_logits", broken.cpu().numpy(), nan), ("router_logits", float("nan"), r"holds NaN"),
                                   ("expert_indices", indices + moe.num_experts, r"wrote expert index \d+, expected")):
         with pytest.raises(WriteError, match=expected):
             with model.scan(prompt):
@@ -2059,7 +2059,7 @@ def test_token_selections_index_batch_and_position_only(mixtral):
     with wrapped.trace(**inputs):
         moelens.reroute(moe, (..., 1), [2, 4])
         rerouted = moe.expert_indices.save()
-    assert (rerouted[:, 1] == torch.tensor([2, 4])).all()
+    assert (rerouted[:, 1] == torch.tensor([2, 4], device=rerouted.device)).all()
     for call in (lambda: moelens.force(moe, 5, tokens=(0, 99)), lambda: moelens.reroute(moe, (0, 99), 1)):
         with pytest.raises(WriteError, match=r"tokens=\(0, 99\) is not an index into this invoke's \[batch, seq\] = \[2, 5\]"):
             with wrapped.trace(**inputs):
@@ -2236,7 +2236,7 @@ def test_reroute_takes_one_row_of_experts_per_selected_token(mixtral):
         with wrapped.trace(**inputs):
             moelens.reroute(wrapped.moes[0], (slice(None), [0, 1]), experts)
             after = wrapped.moes[0].expert_indices.save()
-        assert torch.equal(after[:, :2], rows.view(2, 2, 2))
+        assert torch.equal(after[:, :2], rows.view(2, 2, 2).to(after.device))
 
 
 def test_reroute_keeps_the_order_an_index_tensor_gives_the_tokens(mixtral):
@@ -2401,7 +2401,7 @@ def test_a_second_force_on_a_block_ranking_selection_scores_says_what_orders_it(
         moelens.force(moe, [2, 3])
         moelens.ablate(moe, 5, "route_around")
         indices = moe.expert_indices.save()
-    assert (indices[..., :2].sort(-1).values == torch.tensor([2, 3])).all()
+    assert (indices[..., :2].sort(-1).values == torch.tensor([2, 3], device=indices.device)).all()
 
 
 def test_reading_a_misspelt_value_suggests_the_name_meant(mixtral):
@@ -2764,14 +2764,14 @@ def test_a_top_k_above_the_expert_count_is_refused_at_wrap(family, sizes):
                                                    rf"experts, but it has {experts} \(num_experts\)"):
         moelens.wrap(hf)
     with pytest.raises(RuntimeError, match="out of range"):  # what the unwrapped model does with it
-        hf(torch.tensor([[1, 2, 3]]))
+        hf(torch.tensor([[1, 2, 3]], device=hf.device))
 
 
 def test_top_k_zero_and_a_count_the_entry_cannot_read_still_wrap():
     """The top_k refusal refused k=0, which the model runs (no expert picked), and crashed wrap with a raw TypeError
     when an entry's top_k read None (the read itself says so later)."""
     hf = tiny_model("mixtral", num_experts_per_tok=0)
-    assert moelens.wrap(hf).moes[0].top_k == 0 and torch.isfinite(hf(torch.tensor([[1, 2, 3]])).logits).all()
+    assert moelens.wrap(hf).moes[0].top_k == 0 and torch.isfinite(hf(torch.tensor([[1, 2, 3]], device=hf.device)).logits).all()
     hf = tiny_model("mixtral")
     hf.config.moe_k = None
     families.register(dataclasses.replace(families.get("mixtral"), name="k_from_config", top_k="config.moe_k"),
@@ -3050,6 +3050,23 @@ def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap
         warnings.simplefilter("error")
         moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
         moelens.load()
+
+
+def test_wrap_with_a_tokenizer_leaves_the_model_on_its_device_where_an_accelerator_is_found(monkeypatch):
+    """nnsight builds a transformers pipeline for a model with a tokenizer, and a pipeline given no device moves a
+    model with no device map to the first accelerator it finds: on a machine with a GPU, moelens.wrap(cpu_model,
+    tokenizer=...) and moelens.load() moved the user's CPU model onto cuda:0 (seen on an H200). Here transformers is
+    told a GPU exists (torch has none, so a move would fail); the model stays where it was, and no map is left on it."""
+    import transformers.pipelines.base
+
+    monkeypatch.setattr(transformers.pipelines.base, "is_torch_cuda_available", lambda: True)
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    assert {parameter.device.type for parameter in hf.parameters()} == {"cpu"}
+    assert getattr(hf, "hf_device_map", None) is None
+    with torch.no_grad(), wrapped.trace("ab"):
+        logits = wrapped.output.logits.save()
+    assert logits.device.type == "cpu"
 
 
 def test_ids_outside_the_embeddings_of_a_model_on_an_accelerator_are_refused_before_it_runs(monkeypatch):

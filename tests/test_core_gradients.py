@@ -407,7 +407,7 @@ def test_steer_with_a_bias_that_requires_grad_passes_its_gradient_on():
     def forward(hidden_states):
         hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
         logits = torch.nn.functional.linear(hidden_states, gate.weight)
-        logits = logits + truth * (torch.arange(logits.shape[-1]) == expert)
+        logits = logits + truth * (torch.arange(logits.shape[-1], device=logits.device) == expert)
         probs = logits.softmax(dim=-1, dtype=torch.float)
         weights, indices = torch.topk(probs, gate.top_k, dim=-1)
         return logits, (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype), indices
@@ -472,7 +472,7 @@ def test_router_probs_read_first_under_activation_checkpointing_keeps_the_backwa
         model = moelens.load()
         hf = model._module
         hf.train()
-        ids = model.tokenizer("def add(a, b):\n    return a + b", return_tensors="pt")["input_ids"]
+        ids = model.tokenizer("def add(a, b):\n    return a + b", return_tensors="pt")["input_ids"].to(hf.device)
         if on:
             hf.gradient_checkpointing_enable()
             with model.trace(input_ids=ids, attention_mask=torch.ones_like(ids)):

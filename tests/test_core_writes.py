@@ -550,7 +550,7 @@ def test_a_patched_value_is_the_models_copy_so_a_later_steer_leaves_the_users_va
     moe = wrapped.moes[0]
     with torch.no_grad(), wrapped.trace(**inputs):
         clean = moe.router_logits.save()
-    written = {"tensor": clean.clone(), "numpy": clean.clone().numpy(), "number": 0.5}[kind]
+    written = {"tensor": clean.clone(), "numpy": clean.clone().cpu().numpy(), "number": 0.5}[kind]
     kept = copy.deepcopy(written)
     with torch.set_grad_enabled(grad), wrapped.trace(**inputs):
         moe.router_logits = written
@@ -559,12 +559,12 @@ def test_a_patched_value_is_the_models_copy_so_a_later_steer_leaves_the_users_va
     if kind != "number":
         assert (kept == written).all()
 
-    patched = torch.as_tensor(written, dtype=clean.dtype).expand(clean.shape).reshape(-1, clean.shape[-1])
+    patched = torch.as_tensor(written, dtype=clean.dtype, device=clean.device).expand(clean.shape).reshape(-1, clean.shape[-1])
 
     def edit(block, plain_moe, index):
         if index == 0:
             op = block.get(plain_moe.family.router).source.__getattr__(plain_moe.family.logits_op)
-            op.output = patched + 5.0 * (torch.arange(patched.shape[-1]) == 1)
+            op.output = patched + 5.0 * (torch.arange(patched.shape[-1], device=patched.device) == 1)
 
     expected = plain_edit(reference, inputs, wrapped.moes, edit)
     torch.testing.assert_close(first_tensor(output).detach(), expected, atol=1e-6, rtol=1e-6)

@@ -72,7 +72,7 @@ def tract_moe_calls(path: Path) -> list[str]:
 
 
 def close(actual: np.ndarray, expected, atol: float = ATOL) -> None:
-    expected = expected.detach().numpy() if isinstance(expected, torch.Tensor) else expected
+    expected = expected.detach().cpu().numpy() if isinstance(expected, torch.Tensor) else expected
     np.testing.assert_allclose(actual, expected, atol=atol, rtol=RTOL)
 
 
@@ -707,7 +707,7 @@ def test_a_model_in_train_mode_exports_and_verifies_as_in_eval_mode(out):
     hf = small("mixtral", attention_dropout=0.5, router_jitter_noise=0.5)
     wrapped = moelens.wrap(hf)
     ids = tiny_inputs(hf, batch=1, seq=8)["input_ids"]
-    hidden = torch.randn(1, 8, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(1, 8, hf.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(hf.device)
     with torch.no_grad():  # the truth: the model and its block in eval mode
         expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         block_expected = hf.model.layers[1].mlp(hidden)
@@ -788,7 +788,7 @@ def test_an_archive_named_with_a_leading_dash_is_checked_like_any_other(tmp_path
     monkeypatch.chdir(tmp_path)
     result = to_nnef(moe, "-block.nnef.tgz")
     assert result.verification is not None and (tmp_path / "-block.nnef.tgz").is_file()
-    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(3)).to(moe.device)
     with torch.no_grad():
         close(run("-block.nnef.tgz", x), moe._module(x))
 

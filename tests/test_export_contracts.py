@@ -199,7 +199,7 @@ def test_clamped_swiglu_reference_matches_gpt_oss_where_the_clamp_bites():
     from moelens.families import registry
 
     family = registry.get("gpt_oss")
-    block = small("gpt_oss").model.layers[0].mlp.eval()
+    block = small("gpt_oss").model.layers[0].mlp.eval().cpu()  # the export's maths and check_block run on the CPU
     spec = read_spec(family, block, 0)
     assert spec.act_limit == 7.0
     x = 200.0 * torch.randn(2, 16, spec.wg.shape[1], generator=torch.Generator().manual_seed(0))
@@ -239,7 +239,7 @@ def test_the_block_self_check_bound_is_1e_5_of_the_output_scale():
     from moelens.families import registry
 
     family = registry.get("mixtral")
-    module = copy.deepcopy(small("mixtral").model.layers[0].mlp).float().eval()
+    module = copy.deepcopy(small("mixtral").model.layers[0].mlp).float().eval().cpu()  # check_block runs on the CPU
     with torch.no_grad():
         module.experts.down_proj.mul_(1000.0)  # an output scale of a few units
     spec = read_spec(family, module, 0)

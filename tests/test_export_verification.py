@@ -144,7 +144,7 @@ def _gpt_oss_block():
     from test_export import small
 
     hf = small("gpt_oss")
-    hidden = torch.randn(2, 8, hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    hidden = torch.randn(2, 8, hf.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(hf.device)
     return hf, hidden
 
 
@@ -217,7 +217,7 @@ def test_the_block_self_check_refuses_a_block_off_by_a_tenth_of_a_percent(block)
     from moelens.export.spec import read_spec
 
     family = block.family
-    module = copy.deepcopy(block._module).float().eval()
+    module = copy.deepcopy(block._module).float().eval().cpu()  # check_block runs on the CPU
     with torch.no_grad():
         module.experts.down_proj.mul_(1000.0)  # an output scale of a few units (the tiny block's is ~0.004)
     spec = read_spec(family, module, block.layer)

@@ -46,9 +46,9 @@ def test_reciprocal_reference():
     wrapped = moelens.wrap(tiny_model("openai_privacy_filter"))
     moe = wrapped.moes[0]
     assert moe.family.resolve(moe.family.scoring.scale, moe._module) == pytest.approx(1 / moe.top_k)
-    hidden = torch.randn(5, moe._module.router.hidden_dim)
+    hidden = torch.randn(5, moe._module.router.hidden_dim, device=moe.device)
     logits, weights, _ = moe._module.router(hidden)
-    assert torch.allclose(weights.sum(-1), torch.full((5,), 1 / moe.top_k))  # the scale the entry records
+    assert torch.allclose(weights.sum(-1), torch.full((5,), 1 / moe.top_k, device=weights.device))  # the scale the entry records
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -135,7 +135,7 @@ def test_laguna_router_probs_are_the_scores_of_the_softcapped_logits(tmp_path):
     from moelens import analysis
 
     cache = analysis.collect_routing(wrapped, ids, logits=True, dtype=torch.float32, progress=False)
-    torch.testing.assert_close(cache.probs(moe.layer), probs.reshape(-1, probs.shape[-1]))
+    torch.testing.assert_close(cache.probs(moe.layer), probs.reshape(-1, probs.shape[-1]).cpu())  # a cache is on the CPU
     reloaded = analysis.RoutingCache.load(cache.save(tmp_path / "cache"))
     torch.testing.assert_close(reloaded.probs(moe.layer), cache.probs(moe.layer))
 

@@ -193,7 +193,7 @@ def test_force_lifts_by_the_logits_range_plus_30(mixtral):
         logits = moe.router_logits.save()
         indices = moe.expert_indices.save()
     torch.testing.assert_close(logits, lift(shifted, [1, 4]), atol=1e-5, rtol=1e-6)
-    assert (indices.sort(-1).values == torch.tensor([1, 4])).all()
+    assert (indices.sort(-1).values == torch.tensor([1, 4], device=indices.device)).all()
 
 
 def test_force_raises_an_expert_whose_logit_is_minus_inf(mixtral):
@@ -233,7 +233,7 @@ def test_force_on_some_tokens_of_a_group_limited_router_matches_plain_nnsight(to
         output = wrapped.output.save()
     for before, after in zip(routed, picked):
         assert torch.equal(after[~mask], before[~mask])
-        assert (after[mask].sort(-1).values == torch.tensor(forced)).all()
+        assert (after[mask].sort(-1).values == torch.tensor(forced, device=after.device)).all()
     rows = mask.reshape(-1)  # the raw ops hold the tokens flat, [batch * seq, E]
 
     def edit(block, moe):
@@ -283,7 +283,7 @@ def test_force_checks_that_every_forced_expert_reached_the_tokens(afmoe_without_
         moelens.steer(moe, last, 30.0)
         moelens.force(moe, [last - 1])  # one forced expert alone: it outranks all but the steered one
         indices = moe.expert_indices.save()
-    assert (indices.sort(-1).values == torch.tensor([last - 1, last])).all()
+    assert (indices.sort(-1).values == torch.tensor([last - 1, last], device=indices.device)).all()
     with pytest.raises(WriteError, match=rf"raising the logits of experts \[{last - 1}, 0\] left 6 of 6 tokens"):
         with wrapped.trace(ids):
             moelens.steer(moe, last, 30.0)

@@ -258,7 +258,7 @@ def test_views_are_edited_in_place_and_other_assignments_refused():
 
     _, model = wrapped("mixtral")
     params = model.moes[0].params(2)
-    direction = torch.nn.functional.normalize(torch.randn(params.down.shape[0]), dim=0)
+    direction = torch.nn.functional.normalize(torch.randn(params.down.shape[0], device=params.down.device), dim=0)
     params.down -= direction[:, None] * (direction @ params.down)  # in place, then assigned back to itself
     assert float((direction @ model.moes[0].params(2).down).abs().max()) < 1e-5
     with pytest.raises(WriteError, match=r"edit the view in place instead \(params\.down\.copy_"):

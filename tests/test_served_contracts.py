@@ -45,7 +45,7 @@ def test_an_in_place_edit_made_after_another_invokes_write_landed_at_the_same_vi
         with tracer.invoke(first):
             own = moe.expert_indices
             read()
-            moe.expert_indices = own.clone().index_fill_(-1, torch.tensor([0]), 1)
+            moe.expert_indices = own.clone().index_fill_(-1, torch.tensor([0], device=own.device), 1)
             written()
             logits.append(first_tensor(wrapped.output)[0].save())
         with tracer.invoke(second):
@@ -135,7 +135,7 @@ def test_the_gathered_call_note_covers_both_flat_shapes_and_calls_by_keyword():
     wrapped = moelens.wrap(hf)
     block = wrapped.moes[0]._module
     hidden = hf.config.text_config.hidden_size if hasattr(hf.config, "text_config") else hf.config.hidden_size
-    x = torch.randn(2, 4, hidden)
+    x = torch.randn(2, 4, hidden, device=hf.device)
     noted = {}
     with torch.no_grad():
         for name, value in (("batch", x), ("rows", x.reshape(8, hidden)), ("flat", x.reshape(-1))):

@@ -712,13 +712,14 @@ def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
 def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
     first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after.
-    A model with no map whose first weight is on meta (every weight, built under ``init_empty_weights``; or behind
-    accelerate's offload hooks, ``cpu_offload``, which sets no map) gets one on the CPU meanwhile: the pipeline moves
-    a model without one to its device ("Cannot copy out of meta tensor")."""
+    A model with no map gets one meanwhile that names where its first weight is: the pipeline moves a model without
+    a map to the first accelerator it finds (a CPU model onto ``cuda:0`` on a machine with a GPU), and a weight on
+    meta (every weight, built under ``init_empty_weights``; or behind accelerate's offload hooks, ``cpu_offload``,
+    which sets no map) cannot be moved at all ("Cannot copy out of meta tensor"): those get the CPU."""
     device_map = getattr(model, "hf_device_map", None)
     if device_map is None:
         first = next(model.parameters(), None)
-        meanwhile = {"": "cpu"} if first is not None and first.is_meta else None
+        meanwhile = None if first is None else {"": "cpu" if first.is_meta else str(first.device)}
     elif isinstance(device_map, dict) and next(iter(device_map.values()), None) in NO_TORCH_DEVICE:
         meanwhile = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
     else:
