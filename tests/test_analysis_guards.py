@@ -331,6 +331,10 @@ def test_a_pad_token_past_the_vocabulary_pads_with_an_embedded_id():
 
 
 _INDEXED = [family for family in FAMILIES if indexer_fields(family)]
+#: Indexers that mask padding exactly, where a padded batch still changes a selection only through rounding (the
+#: indexer rounds its scores to NVFP4): kolibri1_1 changed a 9-token row padded to 17 on one machine and nothing
+#: on another, with the same packages.
+PADDING_CHANGES_BY_ROUNDING = {"kolibri1_1"}
 
 
 @pytest.mark.parametrize("family", _INDEXED)
@@ -341,12 +345,12 @@ def test_padding_changes_routing_exactly_in_the_indexer_families_the_docs_name(f
     if not any(type(module).__name__.endswith("Indexer") for module in hf.modules()):
         pytest.skip(f"{family}'s tiny config builds no indexer")
     text = (Path(__file__).parents[1] / "docs" / "analysis.md").read_text()
-    exception = text[text.index("One exception comes from transformers"):text.index("use `batch_size=1` there")]
+    exception = text[text.index("One exception comes from transformers"):text.index("use `batch_size=1` there too")]
     wrapped = moelens.wrap(hf)
     vocab = corpora.vocab_size(wrapped)
     change = 0.0
-    # whether padding changes a token depends on the corpus (deepseek_v4: not on seed 0; kolibri1_1: only where a
-    # row of 9 tokens is padded to 17, on seed 3)
+    # whether padding changes a token depends on the corpus (deepseek_v4: not on seed 0; kolibri1_1: at most where
+    # a row of 9 tokens is padded to 17, on seed 3)
     lengths = (32, 5, 17, 2, 9, 28, 5, 12)
     for seed, lengths in ((0, lengths), (1, lengths), (3, (12, 3, 17, 5, 9))):
         generator = torch.Generator().manual_seed(seed)
@@ -357,6 +361,9 @@ def test_padding_changes_routing_exactly_in_the_indexer_families_the_docs_name(f
         change = max([change] + [float((padded.weights(layer).sort(-1).values
                                         - alone.weights(layer).sort(-1).values).abs().max()) for layer in alone.layers])
     named = family in re.findall(r"\w+", exception)
+    if family in PADDING_CHANGES_BY_ROUNDING:  # named; whether this machine's rounding flips a selection is its own
+        assert named, f"docs/analysis.md does not name {family}"
+        return
     assert (change > 1e-5) == named, f"{family}: padding changes weights by {change:.1e}; named: {named}"
 
 
