@@ -656,12 +656,13 @@ def test_logit_lens_reads_latent_experts_in_the_hidden_space():
     plain = nnsight.NNsight(reference)
     for row, moe in enumerate(wrapped.moes):
         projection = reference.get_submodule(moe.path.removeprefix("model.")).fc2_latent_proj
-        bias = projection.bias if projection.bias is not None else torch.zeros(hf.config.hidden_size)
+        bias = projection.bias if projection.bias is not None else torch.zeros(hf.config.hidden_size,
+                                                                               device=hf.device)
         total = torch.zeros(hf.config.hidden_size, dtype=torch.float64)
         for ids in corpus:
-            with plain.trace(torch.tensor([ids])):
+            with plain.trace(torch.tensor([ids], device=hf.device)):
                 projected = plain.get(moe.path.removeprefix("model.")).fc2_latent_proj.output.save()
-            total += (projected.reshape(-1, hf.config.hidden_size) - bias).double().detach().sum(0)
+            total += (projected.reshape(-1, hf.config.hidden_size) - bias).double().detach().sum(0).cpu()  # a lens is on the CPU
         by_expert = (lens.mean_outputs[row].double() * lens.counts[row, :, None]).sum(0)
         torch.testing.assert_close(by_expert, total, atol=1e-4, rtol=1e-4)
 

@@ -265,7 +265,7 @@ def test_the_block_self_check_does_not_see_the_input_the_block_edited_in_place()
     from moelens.families import registry
 
     family = registry.get("mixtral")
-    module = copy.deepcopy(small("mixtral", router_jitter_noise=0.5).model.layers[0].mlp).float()
+    module = copy.deepcopy(small("mixtral", router_jitter_noise=0.5).model.layers[0].mlp).float().cpu()  # check_block runs on the CPU
     spec = read_spec(family, module, 0)
     assert check_block(family, module.eval(), spec) <= 1e-5  # no jitter in eval mode
     with pytest.raises(ExportRefused, match="refused rather than exported wrong"):
