@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..modules import evaluating
+from ..modules import device_of, evaluating
 from .errors import CompressionError
 
 
@@ -158,7 +158,7 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
     for name, module in modules.items():
         mask_key = "decoder_attention_mask" if id(module) in decoder else "attention_mask"
         handles.append(module.register_forward_pre_hook(recorder(name, mask_key), with_kwargs=True))
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = device_of(model)
     try:
         with evaluating(model):
             for index, (args, kwargs) in enumerate(calls):
