@@ -512,6 +512,94 @@ def test_a_scale_or_score_reference_to_no_number_or_name_is_refused_by_field(reg
     assert families.get("hand").scale_of(model().layers[0]["moe"]) == 2.0  # an attribute holding a number is taken
 
 
+def test_check_says_to_wrap_again_and_the_fixed_entry_then_passes(registered):
+    """A wrapped model keeps the entry it was wrapped with: check told the user to "fix it and register it again",
+    and after doing so the same wrapped model failed check with the same message."""
+    registered(scoring=Scoring("softmax", "score_topk", normalize=False))
+    wrapped = moelens.wrap(model())
+    with pytest.raises(FamilyError, match=r"normalize=True .*\nFix the entry, register it again \(moelens\.families"
+                                          r"\.register\(Family\(\.\.\.\), replace=True\)\) and wrap the model again "
+                                          r"\(moelens\.wrap\(model\._module\)\)"):
+        families.check(wrapped, IDS)
+    registered()  # the fix, registered as the message says
+    assert wrapped.moes[0].SCORING.normalize is False  # the wrapped model keeps its entry...
+    assert families.check(moelens.wrap(wrapped._module), IDS) == ["model.layers.0.moe", "model.layers.1.moe"]
+
+
+@pytest.mark.parametrize("score_name", ["softmax", "sigmoid"])
+def test_check_warns_that_one_renormalised_expert_cannot_tell_the_score(registered, score_name):
+    """One expert per token, renormalised, weighs 1 under any score function: an entry saying sigmoid for this
+    softmax router passed check without a word, and router_probs was sigmoid(logits) (rows summing to ~3)."""
+    registered(scoring=Scoring(score_name, "score_topk", normalize=True))
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].router.top_k = 1
+    others = " or ".join(repr(name) for name in ("softmax", "sigmoid", "sqrtsoftplus") if name != score_name)
+    with pytest.warns(UserWarning, match=rf"layers\.0\.moe: its expert weights and output are checked, its score "
+                                         rf"function is not \(the weights its experts got are what {others} scoring "
+                                         rf"gives too \(1 expert\(s\) per token.*router_probs follows the entry's "
+                                         rf"'{score_name}'"):
+        assert families.check(moelens.wrap(hand), IDS) == ["model.layers.0.moe", "model.layers.1.moe"]
+    with warnings.catch_warnings():  # two experts per token tell softmax from the others
+        warnings.simplefilter("error")
+        if score_name == "softmax":
+            assert families.check(moelens.wrap(model()), IDS)
+        else:
+            with pytest.raises(FamilyError, match=r"with score='softmax'"):
+                families.check(moelens.wrap(model()), IDS)
+
+
+def test_check_divides_dbrx_weights_by_their_p_norm():
+    """dbrx divides its k weights by their p-norm, p = moe_normalize_expert_weights (1 by default): check took
+    every normalisation for a sum and refused moelens' own entry at p = 2, telling the user to fix it."""
+    from moelens.testing import tiny_config
+
+    ffn = tiny_config("dbrx").ffn_config.to_dict() | {"moe_normalize_expert_weights": 2.0}
+    hf = tiny_model("dbrx", ffn_config=ffn)
+    block, seen = hf.transformer.blocks[0].ffn, {}
+    block.router.register_forward_hook(lambda module, args, out: seen.update(logits=out))
+    block.experts.register_forward_hook(lambda module, args, out: seen.update(indices=args[1], weights=args[2]))
+    with torch.no_grad():
+        hf(**tiny_inputs(hf))
+    chosen = seen["logits"].softmax(-1).gather(-1, seen["indices"])
+    assert torch.allclose(seen["weights"], chosen / chosen.norm(p=2, dim=-1, keepdim=True))  # the model's own p-norm
+    assert not torch.allclose(seen["weights"], chosen / chosen.sum(-1, keepdim=True))  # which is no sum
+    wrapped = moelens.wrap(hf)
+    assert families.check(wrapped, **tiny_inputs(hf)) == [moe.path for moe in wrapped.moes]
+    summed = dataclasses.replace(families.get("dbrx"), name="dbrx_summed",
+                                 scoring=dataclasses.replace(families.get("dbrx").scoring, normalize=True))
+    families.register(summed, replace=True)
+    try:
+        with pytest.raises(FamilyError, match=r"the weights its experts got are not what the scoring of family "
+                                              r"'dbrx_summed' gives"):
+            families.check(moelens.wrap(hf), **tiny_inputs(hf))
+    finally:
+        families.unregister("dbrx_summed")
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"derived_routing": "yes"}, r"derived_routing must be a bool, got 'yes'"),
+    ({"experts_call": 0}, r"experts_call must be a bool, got 0"),
+    ({"notes": ["x"]}, r"notes must be a string, got \['x'\]"),
+    ({"final_norm": None}, r"final_norm must be a string, got None"),
+    ({"combine": Combine(routed_post=3)}, r"Combine\.routed_post must be a string or None, got 3"),
+    ({"shared": SharedExpert(None)}, r"SharedExpert\.module must be a string, got None"),
+    ({"expert_layout": ExpertLayout(gate_up="gate_up_proj", transposed="yes")},
+     r"ExpertLayout\.transposed must be a bool, got 'yes'"),
+    ({"scoring": Scoring("softmax", selection_arg=True, selection_op="topk_0")},
+     r"Scoring\.selection_arg must be an int or None, got True"),
+    ({"scoring": Scoring("softmax", normalize=True, scale="2.0")},
+     r"Scoring\.scale must be None, a number or an attribute reference .*got '2\.0'; a number is written without "
+     r"quotes \(2\.0\)"),
+])
+def test_plain_fields_of_the_wrong_kind_are_refused_when_registered(changes, message):
+    """Fields holding a bool or a string took anything: derived_routing="yes" switched derived weights on by
+    truthiness, and scale="2.0" (a dot, so taken for a reference) failed at check with "has no attribute '2'"."""
+    with pytest.raises(FamilyError, match=rf"family 'hand_kinds': {message}"):
+        families.register(dataclasses.replace(ENTRY, name="hand_kinds", **changes))
+    assert "hand_kinds" not in {family.name for family in families.supported()}
+
+
 def test_routing_read_at_the_router_serves_and_edits_the_routers_choice(registered):
     """routing_from_router=(1, 2): expert_weights / expert_indices are read at the router's output tuple (where
     longcat_flash's block changes them before its experts call); a write there reaches the experts."""

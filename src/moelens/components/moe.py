@@ -505,7 +505,8 @@ class Moe(Mlp):
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
                 f"this block {expected} {what} per token ({setting}): the entry names the wrong setting (a router "
                 "with columns past its experts' own, a skip class or shared experts' gates, names how many in "
-                "extra_logits); fix it and register it again (moelens.families.register(Family(...), replace=True))."
+                "extra_logits); fix it, register it again (moelens.families.register(Family(...), replace=True)) and wrap "
+                "the model again (moelens.wrap(model._module)): a wrapped model keeps the entry it was wrapped with."
             )
 
     def _widths(self) -> dict[str, int]:

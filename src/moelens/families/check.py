@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import FamilyError
-from .scoring import score
+from .scoring import SCORE_FUNCTIONS, score
 from .tomoe import converted
 
 #: Routers whose weights are no function of the chosen experts' scores alone, so the check cannot recompute them.
@@ -25,6 +25,10 @@ UNCHECKED_SELECTIONS = {
     "sparsemixer": "phimoe's sparse mixer weighs each slot by a masked softmax of its own",
     "skip_topk": "a slot that chose the skip class is served as expert 0 with weight 0",
 }
+
+#: What to do about an entry `check` finds wrong: a wrapped model keeps the entry it was wrapped with.
+REREGISTER = ("Fix the entry, register it again (moelens.families.register(Family(...), replace=True)) and wrap the "
+              "model again (moelens.wrap(model._module)): a wrapped model keeps the entry it was wrapped with.")
 
 #: Values `check` reads from every block.
 CHECKED_VALUES = ("router_logits", "expert_weights", "expert_indices", "routed_output", "shared_expert_output",
@@ -66,17 +70,24 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
         saved = model.save_all(list(CHECKED_VALUES), moes=moes)
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
-    problems = []
+    problems, unscored = [], {}
     for moe, values in zip(moes, saved.values()):
         found = ("" if unchecked[moe.path] else _selection_problem(moe, values),
                  "" if unchecked[moe.path] else _weights_problem(moe, values), _output_problem(moe, values))
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
+        if not unchecked[moe.path]:
+            unscored[moe.path] = _score_unchecked(moe, values)
     if problems:
-        raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems))
+        raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems)
+                          + f"\n{REREGISTER}")
     for path, reason in unchecked.items():
         if reason:
             warnings.warn(f"moelens.families.check: {path}: its block output is checked, its expert weights are "
                           f"not ({reason}).", stacklevel=2)
+    for path, reason in unscored.items():
+        if reason:
+            warnings.warn(f"moelens.families.check: {path}: its expert weights and output are checked, its score "
+                          f"function is not ({reason}).", stacklevel=2)
     return [moe.path for moe in moes]
 
 
@@ -105,18 +116,21 @@ def _tolerance(*tensors: torch.Tensor | None) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-4} if full else {"atol": 1e-2, "rtol": 1e-2}
 
 
-def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str, normalize: bool,
-                   scale: float | None, softcap: float = 0.0) -> torch.Tensor:
+def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str,
+                   normalize: bool | float | None, scale: float | None, softcap: float = 0.0) -> torch.Tensor:
     """The weights ``[..., k]`` a router gives the experts at ``indices``: the scores of the chosen logits
-    (``logit_topk``) or the chosen scores of every logit (any other selection), renormalised over the k if asked,
-    times ``scale``."""
+    (``logit_topk``) or the chosen scores of every logit (any other selection), renormalised over the k as
+    ``normalize`` says (True: to sum to one; a number p: by their p-norm, as dbrx's ``moe_normalize_expert_weights``;
+    False, None or 0: not at all), times ``scale``."""
     logits = logits.float()
     if select == "logit_topk":
         chosen = score(score_name, logits.gather(-1, indices), softcap)
     else:
         chosen = score(score_name, logits, softcap).gather(-1, indices)
-    if normalize:
+    if normalize is True:
         chosen = chosen / chosen.sum(-1, keepdim=True)
+    elif normalize not in (False, None, 0):
+        chosen = chosen / torch.linalg.vector_norm(chosen, ord=float(normalize), dim=-1, keepdim=True)
     return chosen * scale if scale is not None else chosen
 
 
@@ -147,18 +161,14 @@ def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
               "whose output it ranks (Scoring.selection_op); if it picks inside groups, Scoring.groups")
     return (f"the experts chosen for {int(below.sum())} of {below.numel()} tokens are not the top {indices.shape[-1]} "
             f"of what the scoring of family {family.name!r} ranks ({what}; {_described(scoring)}): the router ranks "
-            f"something else; {remedy}. route_around and force act on the entry's ranking: fix it and register it "
-            "again.")
+            f"something else; {remedy}. route_around and force act on the entry's ranking.")
 
 
 def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the entry's scoring on this block's run (one whose weights it can recompute), or ""."""
-    family, block, scoring = moe.family, moe._module, moe.SCORING
+    family, scoring = moe.family, moe.SCORING
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
-    score_name = family.score_of(block)
-    normalize = bool(family.resolve(scoring.normalize, block))
-    scale = family.scale_of(block)
-    softcap = family.softcap_of(block)
+    score_name, normalize, scale, softcap = _scoring_settings(moe)
     entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap)
     tolerance = _tolerance(logits, weights)
     if torch.allclose(weights.float(), entry, **tolerance):
@@ -167,7 +177,34 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     return (f"the weights its experts got are not what the scoring of family {family.name!r} gives "
             f"({_described(scoring)}; largest difference {difference:.3g}): "
             f"{_fitting(weights.float(), logits, indices, (score_name, scoring.select, normalize), scale, softcap, tolerance)}. "
-            "router_probs, the routing analysis and the export follow the entry: fix it and register it again.")
+            "router_probs, the routing analysis and the export follow the entry.")
+
+
+def _scoring_settings(moe: Any) -> tuple[str, bool | float | None, float | None, float]:
+    """The entry's score function, normalisation (`chosen_weights`), scale and softcap for ``moe``'s block."""
+    family, block = moe.family, moe._module
+    normalize = family.resolve(moe.SCORING.normalize, block)
+    if not isinstance(normalize, (bool, int, float)):  # None, or a config flag held as something else
+        normalize = bool(normalize)
+    return family.score_of(block), normalize, family.scale_of(block), family.softcap_of(block)
+
+
+def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
+    """Why this run's weights cannot tell the entry's score function from the others, or "": where another score
+    function gives the same weights (one expert per token, renormalised, weighs 1 under any), a wrong one passes,
+    and `router_probs` would follow it."""
+    score_name, normalize, scale, softcap = _scoring_settings(moe)
+    logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
+    tolerance = _tolerance(logits, weights)
+    alike = [other for other in SCORE_FUNCTIONS if other != score_name and torch.allclose(
+        weights.float(), chosen_weights(logits, indices, other, moe.SCORING.select, normalize, scale, softcap),
+        **tolerance)]
+    if not alike:
+        return ""
+    return (f"the weights its experts got are what {' or '.join(map(repr, alike))} scoring gives too "
+            f"({indices.shape[-1]} expert(s) per token, select={moe.SCORING.select!r}, normalize="
+            f"{moe.SCORING.normalize!r}); router_probs follows the entry's {score_name!r}: make sure the router "
+            "scores that way")
 
 
 def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, own: tuple[str, str, bool],

@@ -71,7 +71,8 @@ class Scoring:
             ``"sparsemixer"`` (phimoe); ``"hash"`` (a token-id table, the logits only
             weight); ``"skip_topk"`` (zaya: an extra "skip" class).
         normalize: Whether the k weights are renormalised to sum to one: a bool or
-            an attribute reference (``"router.norm_topk_prob"``).
+            an attribute reference (``"router.norm_topk_prob"``); a reference to a number p
+            divides them by their p-norm instead (dbrx's ``moe_normalize_expert_weights``).
         scale: A multiplier on the weights applied inside the router: a number, an
             attribute reference, or None.
         selection_bias: Attribute reference of a bias added to the scores for

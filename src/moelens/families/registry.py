@@ -8,6 +8,9 @@ family table is generated from.
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -71,12 +74,34 @@ def register(family: Family, *, replace: bool = False) -> Family:
 
 #: The entry classes a family's fields hold (a plain string or tuple there fails later, far from the cause).
 FIELD_KINDS = {
-    "block_attr": str, "router": str, "experts": str, "logits_op": str, "logits_cast_op": str, "logits_skipped": str,
     "scoring": Scoring,
     "combine": Combine,
     "shared": (SharedExpert, type(None)), "expert_gate": (ExpertGate, type(None)),
     "expert_layout": (ExpertLayout, type(None)),
 }
+
+#: The plain kinds an entry field's type hint may be made of, and what a value of each is (a bool is no number:
+#: ``derived_routing="yes"`` or ``top_k=True`` would be read by truthiness or as 1).
+PLAIN_KINDS: dict[type, tuple[str, Callable[[object], bool]]] = {
+    bool: ("a bool", lambda value: isinstance(value, bool)),
+    int: ("an int", lambda value: isinstance(value, int) and not isinstance(value, bool)),
+    float: ("a number", lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)),
+    str: ("a string", lambda value: isinstance(value, str)),
+    type(None): ("None", lambda value: value is None),
+}
+
+
+def _plain_field_problem(part: object, label: str) -> str:
+    """The first field of the entry part ``part`` (a `Family`, `Scoring`, ...) whose hint is made of plain kinds
+    (`PLAIN_KINDS`: ``bool``, ``str | None``, ``str | int``) and whose value is of none of them, or ""."""
+    hints = typing.get_type_hints(type(part))
+    for field in dataclasses.fields(part):
+        hint = hints[field.name]
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        value = getattr(part, field.name)
+        if all(kind in PLAIN_KINDS for kind in kinds) and not any(PLAIN_KINDS[kind][1](value) for kind in kinds):
+            return f"{label}{field.name} must be {' or '.join(PLAIN_KINDS[kind][0] for kind in kinds)}, got {value!r}"
+    return ""
 
 
 def _check_description(family: Family) -> None:
@@ -132,6 +157,8 @@ def _check_description(family: Family) -> None:
             expected = f"{allowed} or an attribute reference" if allowed else "an attribute reference"
             word = isinstance(value, str) and field_name != "Scoring.score"  # whose literals are words themselves
             hint = f'; a plain word is no reference: write "block.{value}" or "config.{value}"' if word else ""
+            if word and _numeral(value):
+                hint = f"; a number is written without quotes ({value.strip()})"
             raise FamilyError(
                 f"family {family.name!r}: {field_name} must be {expected} (\"router.top_k\", a dotted path "
                 f"from the block), got {value!r}{hint}."
@@ -166,11 +193,31 @@ def _check_description(family: Family) -> None:
     unknown = [name for name in family.refused if name not in VALUE_NAMES]
     if unknown:
         raise FamilyError(f"family {family.name!r}: refused names {unknown[0]!r}, which is not one of {VALUE_NAMES}.")
+    parts = [("", family), ("SharedExpert.", family.shared), ("Combine.", family.combine),  # the fields left
+             ("ExpertGate.", family.expert_gate), ("ExpertLayout.", family.expert_layout),
+             *(("Scoring.", scoring) for scoring in (family.scoring, *family.scoring_by_router.values()))]
+    for label, part in parts:
+        problem = part is not None and _plain_field_problem(part, label)
+        if problem:
+            raise FamilyError(f"family {family.name!r}: {problem}.")
 
 
 def _is_reference(value: object) -> bool:
-    """An attribute reference: a dotted string (``"router.top_k"``, ``"1/router.top_k"``)."""
-    return isinstance(value, str) and "." in value
+    """An attribute reference: a dotted path of names (``"router.top_k"``, ``"1/router.top_k"``); not a number
+    written as a string (``"2.0"``)."""
+    if not isinstance(value, str):
+        return False
+    parts = value.removeprefix("1/").split(".")
+    return len(parts) > 1 and all(part.isidentifier() for part in parts)
+
+
+def _numeral(text: str) -> bool:
+    """Whether ``text`` is a number written as a string (``"2.0"``, ``"1e-3"``)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _number(value: object) -> bool:
