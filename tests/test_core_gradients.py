@@ -77,6 +77,26 @@ def test_gradients_at_served_values(family, impl):
     close(grads["expert_activations"], by_hand)
 
 
+def test_a_value_first_asked_for_inside_the_backward_block_says_to_bind_it_before():
+    """nnsight runs a `with loss.backward():` block under an interleaver of its own: a value or an intervention
+    first asked for there was refused as belonging to "another wrapped model than the one this trace runs"."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    for use in (lambda: wrapped.moes[0].router_logits.grad.save(), lambda: moelens.ablate(wrapped.moes[0], 1)):
+        with pytest.raises(moelens.ValueUnavailable, match=r"layers\.0\.mlp.*: asked for inside a block nested in this "
+                                                           r"model's trace \(a `with loss\.backward\(\):` block\), "
+                                                           r"which serves only gradients: bind the value before"):
+            with wrapped.trace(**inputs):
+                loss = loss_of(wrapped.output)
+                with loss.backward():
+                    use()
+    with wrapped.trace(**inputs):  # as the message says
+        logits = wrapped.moes[0].router_logits
+        loss = loss_of(wrapped.output)
+        with loss.backward():
+            grad = logits.grad.save()
+    assert grad.abs().max() > 0
+
+
 @pytest.mark.parametrize("name", ["router_logits", "expert_weights", "routed_output", "mlp_output"])
 def test_a_value_read_then_replaced_has_a_zero_gradient(name):
     """The replaced value stays in the graph (for expert parallelism's collectives); the view the

@@ -165,6 +165,12 @@ class Component(Envoy):
                 "a tracer.invoke(inputs) block."
             ) from None
         if mediator.interleaver is not None and mediator.interleaver is not self.interleaver:
+            if self.interleaver.interleaving:  # this model runs: the code is in a block nested in its trace
+                raise ValueUnavailable(
+                    f"{asked or f'{self.path}.{name}'}: asked for inside a block nested in this model's trace (a "
+                    "`with loss.backward():` block), which serves only gradients: bind the value before the block "
+                    "(logits = moe.router_logits), read its gradient inside it (logits.grad), and intervene before it."
+                )
             raise ValueUnavailable(  # nnsight would serve the running model's module of the same path instead
                 f"{asked or f'{self.path}.{name}'}: this block belongs to another wrapped model than the one this "
                 "trace runs; read and edit a model's blocks inside a trace of that model (two models: one trace each)."
