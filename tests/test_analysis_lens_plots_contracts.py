@@ -233,6 +233,44 @@ def test_token_strings_keep_a_sentencepiece_word_start_apart_from_a_piece_inside
                                                                        "</s>"]
 
 
+def test_token_strings_show_the_bytes_of_a_token_that_holds_part_of_a_character():
+    """Decoded alone, a token holding part of a character's UTF-8 bytes is U+FFFD: every CJK token of moelens-tiny
+    (byte-level BPE) showed as the same "\ufffd" in tables and plots. Truth: the text's own UTF-8 bytes, which the
+    shown tokens spell (whole characters as themselves, the parts as \\x escapes)."""
+    from transformers import AutoTokenizer
+
+    from moelens.data import TINY_MODEL_PATH
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_PATH)
+    text = "中文 é, x"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert "\ufffd" in tokenizer.decode(ids[:1])  # what each id decoded alone gave
+    shown = analysis.text.token_strings(tokenizer, ids)
+    spelt = "".join(shown).replace("\u00b7", " ").encode("latin-1", errors="backslashreplace")
+    assert spelt.decode("unicode_escape").encode("latin-1") == text.encode("utf-8")
+    assert len(set(shown[:6])) == 6  # the six bytes of 中文, told apart
+
+
+def test_token_strings_show_a_sentencepiece_byte_piece_as_its_byte():
+    """SentencePiece's byte fallback (<0xE4>) decoded alone is U+FFFD too; a tokenizer with no byte pieces shows
+    the id beside it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "a", "<0xE4>", "<0xB8>", "<0xAD>"]
+    unigram = Tokenizer(models.Unigram([(piece, -1.0) for piece in pieces], unk_id=0, byte_fallback=True))
+    unigram.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=unigram, unk_token="<unk>")
+    assert tokenizer.decode([2]) == "\ufffd" and tokenizer.decode([2, 3, 4]) == "中"
+    assert analysis.text.token_strings(tokenizer, [1, 2, 3, 4]) == ["a", "\\xe4", "\\xb8", "\\xad"]
+
+    class Decoder:
+        def decode(self, ids):
+            return "\ufffd"
+
+    assert analysis.text.token_strings(Decoder(), [9]) == ["\ufffd#9"]
+
+
 def test_token_strings_decode_each_id_alone_and_fall_back_to_ids():
     class Decoder:
         def decode(self, ids, **kwargs):

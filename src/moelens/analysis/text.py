@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import unicodedata
 from typing import Any, Iterable
 
@@ -52,5 +53,36 @@ def token_strings(tokenizer: Any, ids: Iterable[int]) -> list[str]:
         piece = pieces(i) if callable(pieces) else None
         if isinstance(piece, str) and piece.startswith(WORD_MARKER) and not text.startswith(" "):
             text = " " + text
+        if REPLACEMENT_CHARACTER in text:  # part of a character's UTF-8 bytes: show the bytes
+            text = _partial_character(piece) or f"{text}#{i}"
         strings.append(display(text))
     return strings
+
+
+#: What a tokenizer decodes part of a character's UTF-8 bytes to.
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def _partial_character(piece: Any) -> str | None:
+    """The text of a token holding part of a character's UTF-8 bytes, with those bytes escaped (``\\xe4\\xb8``; a
+    whole character before them stays itself), or None where ``piece`` is no byte-level BPE piece (GPT-2's byte
+    alphabet) or SentencePiece byte piece (``<0xE4>``)."""
+    if not isinstance(piece, str):
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)]).decode("utf-8", errors="backslashreplace")
+        except ValueError:
+            return None
+    alphabet = _byte_alphabet()
+    if not piece or any(char not in alphabet for char in piece):
+        return None
+    return bytes(alphabet[char] for char in piece).decode("utf-8", errors="backslashreplace")
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """The byte each character of GPT-2's byte-level BPE alphabet stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
