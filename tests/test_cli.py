@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import moelens
 from groundtruth import ascii_tokenizer
@@ -51,7 +52,7 @@ def saved(tmp_path_factory):
     (root / "config-only").mkdir()
     (root / "config-only" / "config.json").write_text((root / "mixtral" / "config.json").read_text())
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
-    (root / "empty.txt").write_text("  \n", encoding="utf-8")
+    (root / "empty.txt").write_text("", encoding="utf-8")
     (root / "bom-only.txt").write_bytes("\ufeff".encode())  # what Notepad saves as an empty UTF-8 file
     (root / "dangling").symlink_to(root / "missing-target")
     return root
@@ -244,6 +245,22 @@ def test_stats_other_family_matches_the_analysis(saved, tmp_path, capsys):
     assert {"usage.png", "load_balance.png", "entropy.png", "coactivation.png", "trajectories.png"} <= set(pngs(out_dir))
 
 
+@pytest.mark.parametrize("content", [b"ab\r\ncd\r\n\r\nef\rg", b"  \n\t\n  "], ids=["crlf-and-cr", "whitespace-only"])
+def test_stats_routes_the_files_own_characters(saved, tmp_path, capsys, content):
+    """The file was read with universal newlines, so \\r\\n and \\r were routed as \\n (other tokens than the same text
+    given to collect_routing), and a whitespace-only file was refused as empty, though it has tokens to route.
+    Truth: the file's bytes, one token per character (the saved model's ascii tokenizer)."""
+    text = tmp_path / "file.txt"
+    text.write_bytes(content)
+    status, out, err = run(["stats", saved / "mixtral", "--text", text, "--out", tmp_path / "stats", "--no-progress"],
+                           capsys)
+    assert status == 0, err
+    cache = analysis.RoutingCache.load(tmp_path / "stats" / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(saved / "mixtral")
+    assert cache.token_ids().tolist() == tokenizer(content.decode(), add_special_tokens=False)["input_ids"]
+    assert cache.num_tokens == len(content)
+
+
 def test_paths_from_the_home_folder_land_in_one_folder(saved, tmp_path, monkeypatch, capsys):
     """bash leaves ~ in --out=~/res as it is: the plots and the cache went to $HOME/res while stats.json went to
     ./~/res, and the message named the second."""
@@ -386,7 +403,7 @@ def test_a_text_file_the_results_would_overwrite_is_refused_before_any_work(save
         (["inspect", "{root}"], "not a transformers checkpoint folder"),
         (["inspect", "{root}/dense"], "not a Mixture-of-Experts model"),
         (["stats", "{root}/dense", "--text", "{root}/text.txt"], "not a Mixture-of-Experts model"),
-        (["stats", "{root}/mixtral", "--text", "{root}/empty.txt"], "is empty (whitespace only); give it some text"),
+        (["stats", "{root}/mixtral", "--text", "{root}/empty.txt"], "empty.txt' is empty; give it some text"),
         (["stats", "{root}/mixtral", "--text", "{root}/missing.txt"], "does not exist"),
         (["demo", "--text", "{root}/empty.txt"], "is empty"),
         (["stats", "{root}/mixtral", "--text", "{root}/bom-only.txt"], "bom-only.txt' is empty; give it some text"),

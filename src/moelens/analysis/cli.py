@@ -172,15 +172,15 @@ def read_text(path: Path) -> str:
         raise MoelensError(f"text file {str(path)!r} is a folder; give a text file.")
     if not path.exists():
         raise MoelensError(f"text file {str(path)!r} does not exist.")
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (what Notepad writes first) is no text
+    try:  # a byte-order mark (what Notepad writes first) is no text; line endings are the file's own (\r\n too)
+        with path.open(encoding="utf-8-sig", newline="") as file:
+            text = file.read()
     except UnicodeDecodeError as error:
         raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
     except OSError as error:
         raise MoelensError(f"text file {str(path)!r} cannot be read: {error.strerror or error}.") from None
-    if not text.strip():
-        raise MoelensError(f"text file {str(path)!r} is empty{' (whitespace only)' if text else ''}; give it some text "
-                           "to route.")
+    if not text:  # whitespace is text the model routes (moelens-tiny has experts for it)
+        raise MoelensError(f"text file {str(path)!r} is empty; give it some text to route.")
     return text
 
 
