@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -69,6 +71,25 @@ def test_streaming_to_disk_equals_memory_and_stats_agree(model, tmp_path):
     assert torch.equal(analysis.expert_usage(memory).counts, analysis.expert_usage(disk).counts)
     layer = memory.layers[1]
     assert torch.equal(analysis.coactivation(memory, layer).counts, analysis.coactivation(disk, layer).counts)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["022", "077"])
+def test_shards_get_the_mode_the_users_umask_gives_a_new_file(model, tmp_path, umask):
+    """safetensors writes a shard through a private temporary file: shards were 0600 beside a 0644 routing.json, so
+    a cache shared with colleagues listed shards they could not read. Truth: the umask, as os.open applies it."""
+    previous = os.umask(umask)
+    try:
+        analysis.collect_routing(model, token_corpus(), max_length=16, shard_tokens=40, progress=False,
+                                 folder=tmp_path / "streamed")
+        saved = analysis.collect_routing(model, token_corpus(), max_length=16, shard_tokens=40,
+                                         progress=False).save(tmp_path / "saved")
+    finally:
+        os.umask(previous)
+    for cache in (tmp_path / "streamed", saved):
+        shards = sorted(cache.glob("shard-*.safetensors"))
+        assert len(shards) > 1
+        for path in (*shards, cache / META_FILE):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
 
 
 def test_corpus_is_read_lazily(model):

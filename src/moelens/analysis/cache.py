@@ -19,6 +19,7 @@ import json
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -477,6 +478,9 @@ class ShardWriter:
         self.files.append((name, shard.num_tokens))
         self._write_meta(complete=False)  # listed before it is written: a later collection replaces it
         save_file(shard.to_tensors(), str(self.folder / name), metadata={"collection": self.collection})
+        # safetensors writes through a private temporary file (mode 0600): give the shard routing.json's mode, the
+        # one the user's umask gives a new file, so whoever can read the cache's listing can read its shards
+        os.chmod(self.folder / name, stat.S_IMODE((self.folder / META_FILE).stat().st_mode))
 
     def close(self) -> None:
         self.begin()
