@@ -446,6 +446,25 @@ def test_expert_axes_are_ticked_at_whole_numbers():
         assert shown and all(float(tick).is_integer() for tick in shown), (name, shown)
         plots.pyplot().close(figure)
 
+@pytest.mark.parametrize("experts", [8, 20, 32, 64])
+def test_usage_tick_labels_do_not_run_into_each_other(experts):
+    """Every expert got a tick up to 32 experts, and past 16 the figure has no room for them: the labels ran
+    together ("9101112..."). Truth: the drawn labels' own boxes."""
+    from moelens.analysis.usage import Usage
+
+    counts = torch.arange(2 * experts).reshape(2, experts)
+    figure = analysis.plots.plot_usage(Usage([0, 1], counts, counts.double(), int(counts.sum()) // 2, [2, 2]))
+    figure.canvas.draw()
+    axes = figure.axes[0]
+    labels = [label for label in axes.get_xticklabels() if label.get_visible() and label.get_text()
+              and -0.5 <= label.get_position()[0] <= experts - 0.5]
+    boxes = sorted((label.get_window_extent() for label in labels), key=lambda box: box.x0)
+    assert len(boxes) >= min(experts, 5)
+    assert all(left.x1 < right.x0 for left, right in zip(boxes, boxes[1:])), [label.get_text() for label in labels]
+    assert all(float(tick).is_integer() for tick in axes.get_xticks())
+    analysis.plots.pyplot().close(figure)
+
+
 # -- moelens stats --out -------------------------------------------------------------------------
 
 

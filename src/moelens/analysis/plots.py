@@ -150,8 +150,10 @@ def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's s
     axes.set_xlabel("expert")
     axes.set_ylabel("layer")
     axes.set_yticks(range(len(usage.layers)), [str(layer) for layer in usage.layers])
-    if share.shape[1] <= 32:
+    if annotated:  # a tick per expert; past that, as many whole numbers as fit
         axes.set_xticks(range(share.shape[1]))
+    else:
+        _whole_numbers(axes.xaxis)
     axes.set_title(f"{title}\n{usage.tokens} tokens" + ("; annotations in %" if annotated else ""))
     figure.colorbar(image, ax=axes, label="share of slots")
     return figure
