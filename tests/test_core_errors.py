@@ -2025,6 +2025,32 @@ def test_route_around_on_a_router_scoring_dropped_groups_zero():
             moelens.ablate(moe, 3, "route_around")
 
 
+def test_route_around_inside_a_group_kept_whatever_the_ties_is_let_through_where_dropped_groups_score_zero():
+    """axk2, 2 groups of 4 (1 kept, k = 2), every expert but 0 biased by -1: the kept group holds one expert above
+    0.0, so the router's second slot takes a dropped group's 0.0. Routing around expert 2, in the group whose sum
+    beats the other's, was refused though it cannot come back. Truth: the same model with expert 2's correction
+    bias -inf (the router then ranks what route_around makes it rank)."""
+    hf = tiny_model("axk2", n_group=2, topk_group=1)
+    truth = copy.deepcopy(hf)
+    bias = torch.tensor([0.0] + [-1.0] * 7)
+    for model, values in ((hf, bias), (truth, bias.index_fill(0, torch.tensor([2]), -math.inf))):
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.data.copy_(values)
+    inputs = tiny_inputs(hf, batch=2, seq=6)
+    wrapped = moelens.wrap(hf)
+    indices = []
+    with torch.no_grad(), wrapped.trace(**inputs):
+        for moe in wrapped.moes:
+            moelens.ablate(moe, 2, "route_around")
+            indices.append(moe.expert_indices.save())
+        logits = wrapped.output.logits.save()
+    with torch.no_grad():
+        expected = truth(**inputs).logits
+    assert all(not (chosen == 2).any() for chosen in indices)
+    assert torch.equal(logits, expected)
+
+
 @pytest.mark.parametrize(("family", "settings", "row"), [
     # axk2 (4 groups of 2, 2 kept, k = 2, dropped groups scored 0.0): every group sum ties at -inf; keeping the
     # groups of -0.5 leaves fewer than k above 0.0, and a dropped -inf expert comes back at 0.0

@@ -104,14 +104,14 @@ def test_experts_flagged_by_an_older_transformers_without_is_concatenated_read_g
 
 def _could_pick_excluded(row: list[float], n_group: int, topk_group: int, fill: float, k: int) -> bool:
     """Brute force over what a group-limited router (deepseek_v3's ``group_topk``) may do with ``row``: for every set
-    of ``topk_group`` groups its ranking allows (a group's score: the sum of its top two; a NaN sum ranks first;
-    tied groups either way), the row with the other groups' entries replaced by ``fill``, then its top ``k`` (ties
+    of ``topk_group`` groups its ranking allows (a group's score: the sum of its top two; a NaN sum ranks first,
+    above +inf, as torch's top-k ranks it; tied groups either way), the row with the other groups' entries replaced by ``fill``, then its top ``k`` (ties
     either way). True when an entry written -inf can be among the picks."""
     size = len(row) // n_group
     sums = []
     for group in range(n_group):
         total = sum(sorted(row[group * size:(group + 1) * size], reverse=True)[:2])
-        sums.append(math.inf if math.isnan(total) else total)
+        sums.append((1, 0.0) if math.isnan(total) else (0, total))  # (NaN first, then the sum)
     for kept in itertools.combinations(range(n_group), topk_group):
         if any(sums[other] > sums[group] for group in kept for other in range(n_group) if other not in kept):
             continue  # the router's ranking never keeps these
@@ -158,6 +158,14 @@ def test_a_group_limited_router_is_never_let_pick_an_entry_written_minus_inf(set
     # hold fewer than k above it
     ([-0.5, -0.5, 1.0, -math.inf, -0.5, -math.inf, 0.5, -0.5], (4, 2, 0.0, 2), True),
     ([0.5, 0.5, 1.0, -math.inf, -0.5, -math.inf, 0.5, -0.5], (4, 2, 0.0, 2), False),
+    # the one kept group beats the dropped one (-0.1 against -1.8): its -inf entry stays -inf, and the router's
+    # second slot takes a dropped group's 0.0 (axk2 with a negative selection bias; this was refused)
+    ([0.5, -0.6, -math.inf, -0.6, -0.9, -0.9, -0.9, -0.9], (2, 1, 0.0, 2), False),
+    # the same where the two groups' sums tie: either may be dropped, and a dropped -inf entry comes back at 0.0
+    ([0.5, -0.6, -math.inf, -0.6, 0.5, -0.6, -0.9, -0.9], (2, 1, 0.0, 2), True),
+    # every group kept: only fewer than k entries above -inf lets the router pick one
+    ([0.5, -math.inf, -math.inf, -math.inf, -math.inf, -math.inf, -math.inf, -math.inf], (2, 2, 0.0, 2), True),
+    ([0.5, -0.6, -math.inf, -0.6, -0.9, -0.9, -0.9, -0.9], (2, 2, 0.0, 2), False),
 ])
 def test_group_limited_picks_by_hand(row, setting, expected):
     from moelens.components.write_checks import _picks_excluded

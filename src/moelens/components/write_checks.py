@@ -183,5 +183,8 @@ def _picks_excluded(
     short = counts.gather(-1, ranked[..., :topk_group]).sum(-1) < k
     if fill == float("-inf"):
         return short
-    surely_kept = sums > sums.gather(-1, ranked[..., topk_group - 1 : topk_group])
+    if topk_group >= n_group:  # no group is dropped, so none comes back at fill: only -inf entries are never picked
+        return (~torch.isneginf(value)).sum(-1) < k
+    # a group whose sum beats the best dropped one's is kept whatever the ties: its -inf entries stay -inf
+    surely_kept = sums > sums.gather(-1, ranked[..., topk_group : topk_group + 1])
     return short & (torch.isneginf(grouped).any(-1) & ~surely_kept).any(-1)
