@@ -596,6 +596,44 @@ def test_hash_routed_layers_are_described_and_scored_per_block():
     assert cache.score == {layer: hf.config.scoring_func for layer in hashed + routed}
 
 
+@pytest.mark.parametrize(("family", "settings", "expected", "absent"), [
+    # axk2 built without groups: its router skips group selection (groups_of None)
+    ("axk2", {"n_group": None, "topk_group": None}, "sigmoid scores, score topk, selection bias", "group"),
+    ("deepseek_v3", {"n_group": 2, "topk_group": 1}, "group-limited (best 1 of 2 groups), renormalised", "router."),
+    # deepseek_v2's groups apply only under topk_method group_limited_greedy; its scale is 1.0
+    ("deepseek_v2", {"topk_method": "greedy"}, "softmax scores, score topk (DS2)", "group"),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+     "group-limited (best 2 of 4 groups)", "=="),
+    ("qwen2_moe", {"norm_topk_prob": False}, "softmax scores, score topk", "renormalised"),
+])
+def test_describe_says_what_this_models_router_does(family, settings, expected, absent):
+    """The scoring line printed the entry's references (`renormalised if router.norm_topk_prob`, `x
+    router.routed_scaling_factor`, `group-limited if router.topk_method == ...`), and "group-limited" for an axk2
+    router with no groups. Truth: the router's own settings."""
+    hf = tiny_model(family, **settings)
+    report = analysis.describe(moelens.wrap(hf), probe=False)
+    assert expected in report.scoring and absent not in report.scoring, report.scoring
+    router = hf.model.layers[-1].mlp.gate
+    scale = getattr(router, "routed_scaling_factor", 1.0)
+    assert (f"x {scale}" in report.scoring) is (scale != 1.0), report.scoring
+
+
+def test_describe_names_the_layers_of_each_top_k_and_dbrxs_p_norm():
+    """A per-layer top-k printed "E=8, k=1; E=8, k=2; ..." with no layers; dbrx's normalisation read
+    "renormalised if block.moe_normalize_expert_weights" whatever p is."""
+    from moelens.testing import tiny_config
+
+    hf = tiny_model("hunyuan_v1_moe", moe_topk=[1, 2, 3, 2])
+    report = analysis.describe(moelens.wrap(hf), probe=False)
+    line = next(line for line in str(report).splitlines() if line.startswith("experts E, top-k"))
+    assert line.endswith("layer 0: E=8, k=1; layers 1, 3: E=8, k=2; layer 2: E=8, k=3")
+    assert [layer.mlp.gate.top_k for layer in hf.model.layers] == [1, 2, 3, 2]
+    ffn = tiny_config("dbrx").ffn_config.to_dict() | {"moe_normalize_expert_weights": 2.0}
+    hf = tiny_model("dbrx", ffn_config=ffn)
+    assert "divided by their 2-norm" in analysis.describe(moelens.wrap(hf), probe=False).scoring
+    assert "renormalised (" in analysis.describe(moelens.wrap(tiny_model("dbrx")), probe=False).scoring  # p = 1
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_collects_and_counts(family):
     """The cache reads through each family's own values: it holds the plain-nnsight routing, one count per slot."""

@@ -8,7 +8,7 @@ records the reason of each value it cannot serve.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import nnsight
@@ -93,7 +93,6 @@ class ModelReport:
         """What ``moelens inspect`` prints: the model, then the values each block serves (or why not)."""
         layers = self.moe_layers
         moe_layers = sorted({layer.layer for layer in layers})
-        experts = sorted({(layer.num_experts, layer.top_k) for layer in layers})
         implementations = sorted({layer.experts_implementation or "eager" for layer in layers})
         lines = [
             f"model                  {self.name}",
@@ -104,7 +103,8 @@ class ModelReport:
             f"MoE layers             {', '.join(map(str, moe_layers))} ({len(moe_layers)} of {self.num_layers})"
             + (f", {len(layers)} MoE blocks" if len(layers) > len(moe_layers) else ""),
             f"dense layers           {', '.join(map(str, self.dense_layers)) or 'none'}",
-            "experts E, top-k       " + "; ".join(f"E={e}, k={k}" for e, k in experts),
+            "experts E, top-k       " + by_layers([(layer.layer, f"E={layer.num_experts}, k={layer.top_k}")
+                                                   for layer in layers]),
             f"scoring                {self.scoring}",
             f"router_probs           {self.score} of router_logits",
             f"shared expert          {self.shared}",
@@ -204,10 +204,8 @@ def by_layers(texts: list[tuple[int, str]]) -> str:
 
 
 def scoring_of(moe: Any) -> tuple[str, str]:
-    """(scoring description, score name) of one block, its score reference resolved."""
-    scoring = moe.SCORING
-    score = moe.family.score_of(moe._module)
-    return replace(scoring, score=score).describe(), score
+    """(scoring description, score name) of one block, read off the block (`Family.described_on`)."""
+    return moe.family.described_on(moe._module), moe.family.score_of(moe._module)
 
 
 def describe(model: Any, *, probe: bool = True) -> ModelReport:

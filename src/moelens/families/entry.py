@@ -13,7 +13,7 @@ checkpoint of the family whatever its sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, Mapping
 
@@ -119,11 +119,16 @@ class Scoring:
         if self.selection_bias:
             parts.append("selection bias")
         if self.groups:
-            parts.append("group-limited" + (f" if {self.groups_if[0]} == {self.groups_if[1]!r}" if self.groups_if else ""))
-        if self.normalize is True:
+            kept = f" (best {self.groups[1]} of {self.groups[0]} groups)" if all(
+                isinstance(count, int) for count in self.groups) else ""  # read off a block (describe)
+            parts.append("group-limited" + kept
+                         + (f" if {self.groups_if[0]} == {self.groups_if[1]!r}" if self.groups_if else ""))
+        if self.normalize is True or type(self.normalize) in (int, float) and self.normalize == 1:
             parts.append("renormalised")
         elif isinstance(self.normalize, str):
             parts.append(f"renormalised if {self.normalize}")
+        elif type(self.normalize) in (int, float) and self.normalize:  # dbrx's p, read off a block
+            parts.append(f"divided by their {self.normalize:g}-norm")
         if self.scale is not None:
             parts.append(f"x {self.scale}")
         return ", ".join(parts) + (f" ({self.code})" if self.code else "")
@@ -406,6 +411,16 @@ class Family:
             return self.resolve(reference, block) is not None
         except FamilyError:
             return False
+
+    def described_on(self, block: Any) -> str:
+        """`Scoring.describe` of the live ``block``'s scoring, with what it reads off the block resolved there: the
+        score function, whether it picks inside groups (and how many), its normalisation and its scale."""
+        scoring = self.scoring_of(block)
+        groups, normalize, scale = self.groups_of(block), self.resolve(scoring.normalize, block), self.scale_of(block)
+        return replace(scoring, score=self.score_of(block), groups=groups, groups_if=None,
+                       select="score_topk" if scoring.select == "group_topk" and groups is None else scoring.select,
+                       normalize=normalize if isinstance(normalize, (int, float)) else bool(normalize),
+                       scale=None if scale == 1.0 else scale).describe()
 
     def score_of(self, block: Any) -> str:
         """The score function the live ``block``'s router applies (`Scoring.score`, an attribute reference read)."""
