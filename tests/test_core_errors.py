@@ -2184,6 +2184,9 @@ def test_values_outside_a_trace_say_they_exist_only_in_a_run(mixtral):
                 lambda: moelens.ablate(moe, 1), lambda: moe.save_all()):
         with pytest.raises(ValueUnavailable, match=r"layers\.0\.mlp(\.\w+|, \.\.\.\)): a block.s values exist only while the model runs.*model\.trace"):
             use()
+    with pytest.raises(ValueUnavailable, match=r"What it means: help\(type\(block\)\.router_logits\)\.$"):
+        moe.router_logits  # noqa: B018 - help(moe.router_logits) raised this, with no way to the value's documentation
+    assert type(moe).router_logits.__doc__.startswith("Router logits [b, s, E]")
 
 
 def test_a_moe_block_neither_lists_nor_serves_dense_values_and_says_if_it_has_a_shared_expert(mixtral):
@@ -2474,10 +2477,29 @@ def test_a_folder_of_the_users_named_like_the_embedded_model_wins(tmp_path, monk
 def test_reprs_say_what_a_block_and_its_weights_are(mixtral):
     wrapped, inputs = mixtral
     moe = wrapped.moes[1]
-    assert repr(moe).startswith("Moe[mixtral, layer 1, E=8, k=2, grouped_mm; router_probs = softmax(router_logits)] ")
+    assert repr(moe).startswith("Moe[mixtral, E=8, k=2, grouped_mm; router_probs = softmax(router_logits)] ")
     assert "(router_logits) -> " in repr(moe)
     params = repr(moe.params())
     assert params.startswith("MoeParams(router=[8, ") and "tensor(" not in params
+
+
+def test_a_deep_models_repr_folds_its_identical_layers_and_lists_its_blocks_a_line_each():
+    """Each block's tree named its layer, so nnsight could not fold identical layers ("(0-11): 12 x ..."): a 48-layer
+    model printed 277 KB, and model.moes each block's whole tree. Truth: plain nnsight's fold of the same model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
+                            num_hidden_layers=12, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                            num_experts=16, num_experts_per_tok=2)
+    hf = Qwen3MoeForCausalLM(config).eval()
+    assert "(0-11): 12 x Qwen3MoeDecoderLayer(" in repr(nnsight.NNsight(hf))
+    wrapped = moelens.wrap(hf)
+    shown = repr(wrapped)
+    folds = shown.count("(0-11): 12 x Qwen3MoeDecoderLayer(")  # the model's layers, and the model.layers alias
+    assert folds and shown.count("(router_logits) -> ") == folds
+    listed = repr(wrapped.moes).splitlines()
+    assert listed[0] == "MoeList of 12 MoE blocks (model.moes[i] shows one):"
+    assert listed[1:] == [f"  [{i}] model.model.layers.{i}.mlp: qwen3_moe, E=16, k=2, grouped_mm" for i in range(12)]
 
 
 @pytest.mark.parametrize(("family", "implementation", "unserved"), [

@@ -198,6 +198,9 @@ def test_overrides_and_errors():
     listed = families.supported()
     assert mixtral in listed and repr(listed).startswith(f"[{len(listed)} families: ")  # it printed 85,000 characters
     assert "mixtral" in repr(listed) and len(repr(listed)) < 40 * len(listed)
+    first = listed[:3]  # a slice printed each entry's page of settings
+    assert repr(first) == f"[3 families: {', '.join(family.name for family in listed[0:3:1])}]" and first == listed[0:3]
+    assert listed[0] is families.get(listed[0].name)
     for given in (mixtral, tiny_config("mixtral")):
         with pytest.raises(TypeError, match=rf"tiny models are built by family name \(a str such as 'mixtral'\), got "
                                             rf"{type(given).__name__}: pass its name"):

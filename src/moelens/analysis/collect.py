@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..errors import MoelensError
 from ..model import check_wrapped

@@ -23,7 +23,7 @@ import nnsight
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..errors import MoelensError
 from ..families.entry import get_path

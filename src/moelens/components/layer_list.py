@@ -71,3 +71,11 @@ class MoeList(list):
                 "layer i's block is model.layers[i].mlp."
             )
         return super().__getitem__(index)
+
+    def __repr__(self) -> str:
+        """One line per block (its path, family, E, k, experts implementation): the blocks' own trees, one per
+        block, ran to 100 KB on a real model. ``model.moes[i]`` shows block i's tree."""
+        lines = [f"  [{index}] {moe.path}: {moe.family.name}, E={moe.num_experts}, k={moe.top_k}, "
+                 f"{moe.experts_implementation}" for index, moe in enumerate(self)]
+        return "\n".join([f"MoeList of {len(self)} MoE block{'s' * (len(self) != 1)} (model.moes[i] shows one):",
+                          *lines])

@@ -376,10 +376,12 @@ class Moe(Mlp):
         return params
 
     def __repr__(self) -> str:
-        """What the block is (family, layer, E, k, experts implementation), then nnsight's tree of its modules and values."""
+        """What the block is (family, E, k, experts implementation), then nnsight's tree of its modules and values.
+        Not its layer (the model's tree labels it): identical layers then fold into one entry there, as nnsight folds
+        them (a 48-layer model's tree printed 48 copies)."""
         try:
             score_name = self.family.score_of(self._module)
-            head = (f"Moe[{self.family.name}, layer {self.layer}, E={self.num_experts}, k={self.top_k}, "
+            head = (f"Moe[{self.family.name}, E={self.num_experts}, k={self.top_k}, "
                     f"{self.experts_implementation}; router_probs = {score_name}(router_logits)] ")
         except Exception:  # noqa: BLE001 - a repr never raises; the tree alone then
             head = ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from nnsight.intervention.envoy import Envoy
@@ -308,6 +308,10 @@ def _known() -> str:
 
 class FamilyList(list):
     """A list of family entries that prints as their names (each entry's own repr is a page of settings)."""
+
+    def __getitem__(self, key: Any) -> Any:
+        picked = super().__getitem__(key)
+        return FamilyList(picked) if isinstance(key, slice) else picked  # a slice prints as names too
 
     def __repr__(self) -> str:
         return f"[{len(self)} families: {', '.join(family.name for family in self)}]"
