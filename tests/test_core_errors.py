@@ -464,6 +464,20 @@ def test_a_model_with_a_tokenizer_and_offloaded_first_weights_loads_and_traces(t
     assert torch.equal(lenses[1].top_ids, lenses[0].top_ids)
 
 
+def test_a_model_with_a_tokenizer_offloaded_whole_to_disk_loads_and_traces(tmp_path):
+    """device_map {"": "disk"} (what "auto" gives under a small max_memory) has no real device to put first: the
+    pipeline took "disk" for a torch device, RuntimeError before any trace. Ground truth: moelens-tiny loaded whole."""
+    from moelens.data import TINY_MODEL_PATH
+
+    offloaded = moelens.load(TINY_MODEL_PATH, device_map={"": "disk"}, offload_folder=str(tmp_path / "offload"))
+    assert offloaded._module.hf_device_map == {"": "disk"}  # as accelerate left it
+    outputs = []
+    for model in (moelens.load(), offloaded):
+        with torch.no_grad(), model.trace("def add(a, b):"):
+            outputs.append((model.moes[1].router_logits.save(), model.output.logits.save()))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_load_expands_a_path_from_the_home_folder(tmp_path, monkeypatch):
     """The folder check expanded ~ but transformers got the raw string: 'Repo id must use alphanumeric chars'."""
     tiny_model("olmoe").save_pretrained(tmp_path / "home" / "olmoe")

@@ -711,7 +711,8 @@ def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
-    first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none); the map is restored after.
+    first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none; a model all on disk gets the
+    CPU, where accelerate runs it); the map is restored after.
     A model with no map gets one meanwhile that names where its first weight is: the pipeline moves a model without
     a map to the first accelerator it finds (a CPU model onto ``cuda:0`` on a machine with a GPU), and a weight on
     meta (every weight, built under ``init_empty_weights``; or behind accelerate's offload hooks, ``cpu_offload``,
@@ -722,6 +723,8 @@ def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
         meanwhile = None if first is None else {"": "cpu" if first.is_meta else str(first.device)}
     elif isinstance(device_map, dict) and next(iter(device_map.values()), None) in NO_TORCH_DEVICE:
         meanwhile = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
+        if all(device in NO_TORCH_DEVICE for device in meanwhile.values()):  # all on disk: accelerate runs it on CPU
+            meanwhile = {"": "cpu"}
     else:
         meanwhile = None
     if meanwhile is None:
