@@ -330,6 +330,11 @@ def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
     with base.trace("def f(x):"):
         logits = base.moes[0].router_logits.save()
     assert logits.shape[:2] == (1, 5)
+    assert not hasattr(base._module, "generate")  # a base model cannot generate: torch's bare AttributeError was it
+    with pytest.raises(moelens.MoelensError, match=r"model\.generate: Qwen2MoeModel is a base model with no "
+                                                   r"language-model head.*AutoModelForCausalLM"):
+        with base.generate("def f(x):", max_new_tokens=2):
+            pass
 
 
 def test_wrap_and_load_reject_bad_input(tmp_path):

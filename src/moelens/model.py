@@ -385,6 +385,12 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
         transformers' compilation of the forward (which a static cache on a GPU turns on by itself)."""
+        if not callable(getattr(self._module, "generate", None)):  # torch's bare AttributeError, deep in nnsight
+            raise MoelensError(
+                f"model.generate: {type(self._module).__name__} is a base model with no language-model head, so it "
+                "cannot generate: load the checkpoint with its head (AutoModelForCausalLM, or "
+                "AutoModelForImageTextToText for a vision-language model) and wrap that; trace this one instead."
+            )
         if isinstance(self.interleaver, MoeInterleaver):  # called during a run, nnsight runs it in it
             self.interleaver.refuse_other_threads()
             self.interleaver.refuse_nested("model.generate")
