@@ -139,3 +139,24 @@ def test_the_support_table_takes_family_entries_only(given):
     with pytest.raises(ExportError, match=r"support_table\(families=...\) takes a list of Family entries"):
         support_table(given)
     assert "| mixtral |" in support_table([families.get("mixtral")])
+
+
+def test_a_torch_to_nnef_failure_is_named_in_one_line_and_kept_whole_as_the_cause(tmp_path, monkeypatch):
+    """lara_mini's whole-model export failed inside torch-to-nnef with an error that printed whole tensors: the
+    ExportError ran to 5.7 KB before saying what to do. Its message keeps the first line; the error stays chained."""
+    import torch_to_nnef
+
+    from moelens.export import ExportError
+
+    printed = "aten.linalg_solve_triangular failed on\n" + "\n".join(["tensor([[nan, inf, -2.5e31, ...]])"] * 100)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(printed)
+
+    monkeypatch.setattr(torch_to_nnef, "export_model_to_nnef", fails)
+    with pytest.raises(ExportError) as caught:
+        to_nnef(moelens.wrap(tiny_model("mixtral")), tmp_path / "model.nnef.tgz", verify=False)
+    message = str(caught.value)
+    assert "(RuntimeError: aten.linalg_solve_triangular failed on ...). The MoE blocks were accepted" in message
+    assert "tensor(" not in message and len(message) < 600
+    assert caught.value.__cause__.args == (printed,)

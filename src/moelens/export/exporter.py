@@ -579,12 +579,21 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
                 raise
             except Exception as error:
                 raise ExportError(
-                    f"torch-to-nnef could not export this {target.kind} ({type(error).__name__}: {error}). The MoE "
+                    f"torch-to-nnef could not export this {target.kind} ({type(error).__name__}: "
+                    f"{_first_line(error)}). The MoE "
                     "blocks were accepted; the failing part is elsewhere in the model (an attention or layer type "
                     "torch-to-nnef does not trace): export its MoE blocks (model.moes[i]) instead."
                 ) from error
             finally:
                 _forget_traces()
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of ``error``'s message, cut to ``limit`` characters (`` ...`` where anything was left out):
+    torch-to-nnef's errors can print whole tensors; the full error stays chained to the one moelens raises."""
+    lines = str(error).strip().splitlines() or [""]
+    cut = lines[0][:limit]
+    return cut + " ..." if len(lines) > 1 or len(lines[0]) > limit else cut
 
 
 def _forget_traces() -> None:
