@@ -278,10 +278,30 @@ class _MmRouter(torch.nn.Module):
         return router_logits, router_scores, router_indices
 
 
-def test_kolibri1_logits_skipped_by_its_cuda_branch_are_named_in_the_error():
+@pytest.mark.parametrize("family", ["kolibri1", "kolibri1_1"])
+def test_an_order_mistake_on_kolibri1_is_named_as_one_where_its_router_cannot_skip_the_logits(family):
+    """Every out-of-order read of kolibri1's logits (expert_indices first, then router_logits) blamed its CUDA torch.mm
+    branch and advised torch.enable_grad(), on the CPU and with grad on, where the router ran F_linear_0."""
+    if family not in FAMILIES:
+        pytest.skip(f"{family}: not in this transformers")
+    hf = tiny_model(family)
+    wrapped = moelens.wrap(hf)
+    for grad in (torch.enable_grad, torch.no_grad):
+        with pytest.raises(moelens.errors.OrderError, match=r"router_logits was requested after the model had already "
+                                                             r"run past it\. Within a block, read values in the order"):
+            with grad(), wrapped.trace(**tiny_inputs(hf)):
+                wrapped.moes[0].expert_indices.save()
+                wrapped.moes[0].router_logits.save()
+
+
+def test_kolibri1_logits_skipped_by_its_cuda_branch_are_named_in_the_error(monkeypatch):
     """On CUDA under no_grad kolibri1's router computes its logits with torch.mm and never runs F_linear_0: a read
     of them said the user read out of order. The error now says which branch skipped them and what to do; the
-    values after the logits still read (the experts call's arguments)."""
+    values after the logits still read (the experts call's arguments). The router here takes that branch on the CPU,
+    which is told its weights are on an accelerator."""
+    from moelens.components import base
+
+    monkeypatch.setattr(base, "router_on_accelerator", lambda component: True)
     hf = tiny_model("kolibri1")
     for layer in hf.model.layers:
         if hasattr(layer.mlp, "gate"):

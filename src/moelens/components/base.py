@@ -21,7 +21,7 @@ from nnsight.intervention.interleaver import Mediator
 
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families import Family, registry
-from ..families.entry import VALUE_NAMES
+from ..families.entry import VALUE_NAMES, find_path
 from . import served as serving
 
 
@@ -81,6 +81,14 @@ def value_names(component_class: type) -> tuple[str, ...]:
     """The values a component class serves (its `served` descriptors)."""
     return tuple(name for name in dir(component_class)
                  if isinstance(inspect.getattr_static(component_class, name), serving.served))
+
+
+def router_on_accelerator(component: Any) -> bool:
+    """Whether ``component``'s router holds its weights on an accelerator, where a router may compute its logits with
+    a kernel of its own instead of the op moelens reads (`Family.logits_skipped`: kolibri1's CUDA ``torch.mm``)."""
+    router = find_path(component._module, component.family.router) if component.family else None
+    weight = next(router.parameters(), None) if isinstance(router, torch.nn.Module) else None
+    return weight is not None and weight.device.type not in ("cpu", "meta")
 
 
 class Component(Envoy):
@@ -181,6 +189,8 @@ class Component(Envoy):
         return ()
 
     def _order_error(self, name: str) -> OrderError:
+        """The error of a read nnsight could not serve: modules replaced after wrapping, a router that skipped the op
+        of its logits (`Family.logits_skipped`, a branch only an accelerator under no_grad takes), else the order."""
         location = self._location_of(name)
         replaced = [path for path in replaced_modules(self) if location is None or location.startswith(f"{path}.")]
         if replaced:  # nnsight's envoys watch the modules they wrapped: the model runs the new ones unseen
@@ -191,7 +201,8 @@ class Component(Envoy):
                 "the model again (moelens.wrap) after replacing modules."
             )
         skipped = getattr(self.family, "logits_skipped", "")
-        if skipped and location is not None and f".source.{self.family.logits_op}." in location:
+        if (skipped and location is not None and f".source.{self.family.logits_op}." in location
+                and not torch.is_grad_enabled() and router_on_accelerator(self)):  # else a plain order mistake
             return OrderError(f"{self.path}.{name} was never produced: {self.family.name}'s router skips "
                               f"{self.family.logits_op}, where moelens reads its logits, {skipped}.")
         order = " -> ".join(self._order())

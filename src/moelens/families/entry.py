@@ -325,7 +325,8 @@ class Family:
             Only for blocks with no shared expert.
         logits_skipped: When the router's forward computes its logits without running ``logits_op`` (the
             words that finish "the router skips logits_op ..."), else "": the logits and what is scored from
-            them cannot be read in such a run, and the error of a read says so.
+            them cannot be read in such a run, and the error of a read says so (where the router's weights are on an
+            accelerator and grad is off, the branch kolibri1 takes; elsewhere it is an order mistake).
     """
 
     name: str
