@@ -386,7 +386,8 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     scoring = moe.SCORING
     if scoring.select == "hash":
         raise WriteError(
-            f"force: {moe.path} ({moe.family.name}) picks experts from a token-id table ({moe.family.described_on(moe._module)}); "
+            f"force: {moe.path} ({moe.family.name}) picks experts from a token-id table "
+            f"({moe.family.described_on(moe._module)}); "
             "its logits only weight them. Set the slots with moelens.reroute(moe, tokens, experts) instead."
         )
     groups = moe.family.groups_of(moe._module)

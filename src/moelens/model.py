@@ -41,7 +41,7 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, ValueUnavailable, described
 from .families import Family, registry
-from .modules import first_parameter, takes_keyword
+from .modules import first_parameter, on_accelerator, takes_keyword
 from .scalars import as_int, check_flag
 
 
@@ -484,10 +484,10 @@ def _embeddings_on_accelerator(module: torch.nn.Module) -> bool:
     """Whether the model's input embeddings sit on a device other than the CPU (and off meta), where an embedding
     lookup of an id out of range fails a device-side assert instead of raising torch's IndexError."""
     try:
-        weight = module.get_input_embeddings().weight
+        embeddings = module.get_input_embeddings()
     except (AttributeError, NotImplementedError, TypeError):
         return False
-    return isinstance(weight, torch.Tensor) and weight.device.type not in ("cpu", "meta")
+    return isinstance(embeddings, torch.nn.Module) and on_accelerator(embeddings)
 
 
 def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -> MoelensError | None:

@@ -122,6 +122,12 @@ def device_of(module: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
+def on_accelerator(module: nn.Module) -> bool:
+    """Whether ``module``'s weights sit on an accelerator (not the CPU, not meta): where its ops run a device's
+    kernels, which fail otherwise than torch's CPU ones (a device-side assert) or take branches of their own."""
+    return device_of(module).type not in ("cpu", "meta")
+
+
 def cpu_float_copy(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` on the CPU, its floating-point parameters and buffers in float32 (what
     ``copy.deepcopy(module).float().cpu()`` gives), each tensor copied straight to the CPU: a model on an

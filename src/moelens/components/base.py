@@ -22,6 +22,7 @@ from nnsight.intervention.interleaver import Mediator
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families import Family, registry
 from ..families.entry import VALUE_NAMES, find_path
+from ..modules import on_accelerator
 from . import served as serving
 
 
@@ -87,8 +88,7 @@ def router_on_accelerator(component: Any) -> bool:
     """Whether ``component``'s router holds its weights on an accelerator, where a router may compute its logits with
     a kernel of its own instead of the op moelens reads (`Family.logits_skipped`: kolibri1's CUDA ``torch.mm``)."""
     router = find_path(component._module, component.family.router) if component.family else None
-    weight = next(router.parameters(), None) if isinstance(router, torch.nn.Module) else None
-    return weight is not None and weight.device.type not in ("cpu", "meta")
+    return isinstance(router, torch.nn.Module) and on_accelerator(router)
 
 
 class Component(Envoy):

@@ -180,13 +180,10 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
             "router_probs, the routing analysis and the export follow the entry.")
 
 
-def _scoring_settings(moe: Any) -> tuple[str, bool | float | None, float | None, float]:
+def _scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float]:
     """The entry's score function, normalisation (`chosen_weights`), scale and softcap for ``moe``'s block."""
     family, block = moe.family, moe._module
-    normalize = family.resolve(moe.SCORING.normalize, block)
-    if not isinstance(normalize, (bool, int, float)):  # None, or a config flag held as something else
-        normalize = bool(normalize)
-    return family.score_of(block), normalize, family.scale_of(block), family.softcap_of(block)
+    return family.score_of(block), family.normalize_of(block), family.scale_of(block), family.softcap_of(block)
 
 
 def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:

@@ -413,15 +413,20 @@ class Family:
         except FamilyError:
             return False
 
+    def normalize_of(self, block: Any) -> bool | float:
+        """How the live ``block``'s router renormalises its k weights (`Scoring.normalize`, read): True (to sum to
+        one) or False, or the number p of a p-norm it divides them by (dbrx's ``moe_normalize_expert_weights``)."""
+        normalize = self.resolve(self.scoring_of(block).normalize, block)
+        return normalize if isinstance(normalize, (int, float)) else bool(normalize)  # None: not renormalised
+
     def described_on(self, block: Any) -> str:
         """`Scoring.describe` of the live ``block``'s scoring, with what it reads off the block resolved there: the
         score function, whether it picks inside groups (and how many), its normalisation and its scale."""
         scoring = self.scoring_of(block)
-        groups, normalize, scale = self.groups_of(block), self.resolve(scoring.normalize, block), self.scale_of(block)
+        groups, scale = self.groups_of(block), self.scale_of(block)
         return replace(scoring, score=self.score_of(block), groups=groups, groups_if=None,
                        select="score_topk" if scoring.select == "group_topk" and groups is None else scoring.select,
-                       normalize=normalize if isinstance(normalize, (int, float)) else bool(normalize),
-                       scale=None if scale == 1.0 else scale).describe()
+                       normalize=self.normalize_of(block), scale=None if scale == 1.0 else scale).describe()
 
     def score_of(self, block: Any) -> str:
         """The score function the live ``block``'s router applies (`Scoring.score`, an attribute reference read)."""
