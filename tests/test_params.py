@@ -24,6 +24,7 @@ from groundtruth import ROUTER_LOGITS, raw_values
 from moelens.components.params import MoeParams
 from moelens.errors import ValueUnavailable
 from moelens.testing import FAMILIES, tiny_inputs, tiny_model
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
 
 #: Families whose router logits are not one linear layer's output with E rows (inkling: E + 1 rows;
@@ -387,6 +388,26 @@ def test_a_router_bias_outside_the_logits_call_is_not_served_as_theirs():
     torch.testing.assert_close(logits.reshape(-1, 8), hidden.reshape(-1, hidden.shape[-1]) @ params.router.T)
     privacy = moelens.wrap(tiny_model("openai_privacy_filter")).moes[0]  # F.linear(x, w.float(), self.bias.float())
     assert privacy.params().router_bias.data_ptr() == privacy.router._module.bias.data_ptr()
+
+
+class RouterCallingItselfS(MixtralTopKRouter):
+    """MixtralTopKRouter's forward with its first argument named ``s`` instead of ``self``."""
+
+    def forward(s, hidden_states):
+        hidden_states = hidden_states.reshape(-1, s.hidden_dim)
+        router_logits = F.linear(hidden_states, s.weight)
+        router_top_value, router_indices = torch.topk(router_logits.float().softmax(-1), s.top_k, dim=-1)
+        return router_logits, router_top_value / router_top_value.sum(dim=-1, keepdim=True), router_indices
+
+
+def test_the_router_weight_is_found_whatever_its_forward_calls_itself():
+    """The logits call's operands were read only as `self.<name>`: a router writing `s.weight` had no router row."""
+    hf = tiny_model("mixtral")
+    for layer in hf.model.layers:
+        gate = layer.mlp.gate
+        gate.__class__ = RouterCallingItselfS
+    moe = moelens.wrap(hf).moes[0]
+    assert moe.params().router.data_ptr() == moe.router._module.weight.data_ptr()
 
 
 class LoopExperts(torch.nn.Module):

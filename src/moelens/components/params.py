@@ -221,8 +221,9 @@ def _calls(code: CodeType) -> _Calls:
 def linear_call_operands(forward: CodeType, op: str) -> tuple[Any, Any]:
     """The router attributes the ``op`` call of ``forward`` passes as its weight and its bias, as paths from
     the router: ``F.linear(x, self.weight, self.bias)`` gives ``("weight", "bias")``, longcat_flash's
-    ``F.linear(x, self.classifier.weight.type(torch.float32))`` ``("classifier.weight", None)``. None for
-    an operand not passed, `UNREADABLE` for another expression or no such op.
+    ``F.linear(x, self.classifier.weight.type(torch.float32))`` ``("classifier.weight", None)`` (``self``: whatever
+    ``forward`` names its first argument). None for an operand not passed, `UNREADABLE` for another expression or
+    no such op.
 
     Read from the source, as nnsight numbers its ops: a router may keep a ``bias`` it adds
     elsewhere (a selection bias), or a linear layer whose bias its call leaves out, which is no part of the logits.
@@ -231,16 +232,18 @@ def linear_call_operands(forward: CodeType, op: str) -> tuple[Any, Any]:
     if op not in calls.arguments:
         return UNREADABLE, UNREADABLE
     args, keywords = calls.arguments[op]
+    receiver = forward.co_varnames[0] if forward.co_argcount else None
 
     def operand(position: int, keyword: str) -> Any:
         node = args[position] if len(args) > position else next((k.value for k in keywords if k.arg == keyword), None)
-        return _attribute_path(node)
+        return _attribute_path(node, receiver)
 
     return operand(1, "weight"), operand(2, "bias")
 
 
-def _attribute_path(node: Any) -> Any:
-    """``"a.b"`` for the expression ``self.a.b`` (cast with `CASTS` or not), None for no operand, else `UNREADABLE`."""
+def _attribute_path(node: Any, receiver: str | None) -> Any:
+    """``"a.b"`` for the expression ``<receiver>.a.b`` (cast with `CASTS` or not), None for no operand, else
+    `UNREADABLE`."""
     if node is None or isinstance(node, ast.Constant) and node.value is None:
         return None
     while isinstance(node, ast.Call):  # self.bias.float(), which nnsight has rewritten as an op call of its own
@@ -252,7 +255,7 @@ def _attribute_path(node: Any) -> Any:
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
-    if parts and isinstance(node, ast.Name) and node.id == "self":
+    if parts and isinstance(node, ast.Name) and node.id == receiver:
         return ".".join(reversed(parts))
     return UNREADABLE
 
