@@ -1076,6 +1076,13 @@ def test_example_inputs_take_an_all_ones_mask_only(out):
         assert not path.exists()
 
 
+def with_values(hidden: torch.Tensor, places: list[tuple[int, int]], values: list[float]) -> torch.Tensor:
+    """``hidden`` [1, seq, D] with ``values`` at the (token, channel) ``places``."""
+    for (token, channel), value in zip(places, values):
+        hidden[0, token, channel] = value
+    return hidden
+
+
 def test_block_example_inputs_are_batched_hidden_states_of_its_width(out):
     moe = moelens.wrap(small("mixtral")).moes[0]
     path = out / "block-inputs.nnef.tgz"
@@ -1083,6 +1090,10 @@ def test_block_example_inputs_are_batched_hidden_states_of_its_width(out):
         r"hidden states \[batch, seq, D\].*shape \(5, 32\); add the batch axis": torch.randn(5, 32),
         r"shape \(1, 5, 16\) do not fit the block.*\[batch, seq, 32\] \(axis 2 must be 32\)": torch.randn(1, 5, 16),
         r"hidden states \[batch, seq, D\] \(floats\)": torch.ones(1, 5, 32, dtype=torch.long),
+        r"hold 2 NaN or infinite values \(as float32\).*Pass finite hidden states": with_values(
+            torch.randn(1, 5, 32), [(1, 0), (4, 7)], [float("nan"), -float("inf")]),
+        r"hold 1 NaN or infinite values \(as float32\)": with_values(  # finite as float64, not as float32
+            torch.randn(1, 5, 32, dtype=torch.float64), [(3, 5)], [1e39]),
     }
     for message, hidden in refused.items():
         with pytest.raises(ExportError, match=message):
@@ -1124,6 +1135,21 @@ def test_verify_and_run_cast_and_check_their_inputs(out):
         run(block.path, hidden[..., :16])
     with pytest.raises(ExportError, match=r"\(axis 0 must be 1\)"):
         verify(block.path, moe, np.concatenate([hidden, hidden]))
+
+
+def test_a_check_where_torch_computes_nan_is_refused_not_passed(out):
+    """Finite hidden states far beyond the model's scale make torch compute NaN; NaN against NaN counted as a match,
+    so to_nnef's check and verify passed at 'exact' while comparing nothing."""
+    moe = moelens.wrap(small("mixtral")).moes[0]
+    huge = torch.full((1, 5, 32), 1e30)
+    with torch.no_grad():
+        assert torch.isnan(moe._module(huge)).any()  # what the check would have compared
+    message = r"the block \(torch, float32\) computes NaN at \d+ of its 160 output values for the inputs of shape \(1, 5, 32\)"
+    with pytest.raises(ExportError, match=message):
+        to_nnef(moe, out / "huge.nnef.tgz", example_inputs=huge)
+    report = to_nnef(moe, out / "finite.nnef.tgz", example_inputs=torch.randn(1, 5, 32))
+    with pytest.raises(ExportError, match=message):
+        verify(report.path, moe, huge)
 
 
 def test_verify_reports_mismatch(out):

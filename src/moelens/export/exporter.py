@@ -424,7 +424,12 @@ def checked_inputs(inputs: Any, kind: str | None, *, dims: Sequence[int | str] |
             )
     inputs = inputs.detach().cpu()
     if inputs.is_floating_point():
-        return inputs.float()
+        inputs = inputs.float()
+        if not bool(torch.isfinite(inputs).all()):
+            raise ExportError(f"{what} hold {int((~torch.isfinite(inputs)).sum())} NaN or infinite values (as float32): "
+                              "tract and torch would be compared where neither computes a number. Pass finite hidden "
+                              "states.")
+        return inputs
     inputs = inputs.long()
     if vocab is not None and (int(inputs.min()) < 0 or int(inputs.max()) >= vocab):
         bad = int(inputs.min()) if int(inputs.min()) < 0 else int(inputs.max())

@@ -170,7 +170,22 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
 
     ``prepared``: the export's own `Prepared` copy (`to_nnef`), which for a block with ``edits`` is
     the reference (else it is built here).
+
+    Raises:
+        ExportError: torch computes NaN at ``inputs`` (a comparison there would count tract's NaN as a match).
     """
+    expected, reference = _torch_output(target, inputs, edits, prepared)
+    if np.isnan(expected).any():
+        raise ExportError(
+            f"{reference} computes NaN at {int(np.isnan(expected).sum())} of its {expected.size} output values for "
+            f"the inputs of shape {tuple(inputs.shape)}, so tract cannot be checked there (NaN against NaN counts as "
+            "a match). Check with inputs the model computes numbers from: token ids of real text, or hidden states "
+            "of the scale a trace of the model gives the block."
+        )
+    return expected, reference
+
+
+def _torch_output(target: Target, inputs: torch.Tensor, edits: Edits, prepared: Any) -> tuple[np.ndarray, str]:
     on_model = inputs.to(device_of(target.module))  # the user's model runs where it is
     with torch.no_grad(), evaluating(target.module):
         if target.kind == "block":
