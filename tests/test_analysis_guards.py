@@ -810,6 +810,20 @@ BAD_ARGUMENTS = {
     "lens-relative-text": (lambda m, r: analysis.expert_logit_lens(m, unread(), relative="no", progress=False),
                            r"relative must be True or False, got 'no'"),
     "describe-probe-text": (lambda m, r: analysis.describe(m, probe="no"), r"probe must be True or False, got 'no'"),
+    # an id given twice was counted or shown twice (expert paths of (6, 6), one expert's tokens listed twice)
+    "experts-twice": (lambda m, r: analysis.top_tokens(r.cache, 1, torch.tensor([2, 5, 2])),
+                      r"experts gives expert id \[2\] more than once; give each expert id once"),
+    "paths-layers-twice": (lambda m, r: analysis.expert_paths(r.cache, layers=[1, 3, np.int64(1)]),
+                           r"layers gives layer \[1\] more than once"),
+    "view-layers-twice": (lambda m, r: r.view.table(layers=[0, 0]), r"layers gives layer \[0\] more than once"),
+    "collect-layers-twice": (lambda m, r: analysis.collect_routing(m, unread(), layers=[2, 2], progress=False),
+                             r"layers gives layer \[2\] more than once"),
+    "classes-twice": (lambda m, r: analysis.specialisation(r.cache, torch.zeros(r.cache.num_tokens, dtype=torch.long),
+                                                           classes=["code", "code"]),
+                      r"classes gives class name \['code'\] more than once"),
+    # no class: counts [L, E, 0] and eight empty plot panels
+    "classes-empty": (lambda m, r: analysis.specialisation(r.cache, torch.zeros(r.cache.num_tokens, dtype=torch.long),
+                                                           classes=[]), r"classes is empty: name at least one class"),
     # nothing to route: the messages say why and what to pass
     "view-empty-text": (lambda m, r: analysis.token_routing(m, ""), r"the text '' has no tokens: .*pass text with words"),
     "lens-empty-corpus": (lambda m, r: analysis.expert_logit_lens(m, [""], progress=False),

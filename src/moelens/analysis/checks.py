@@ -29,11 +29,13 @@ def check_type(value: Any, kind: type | tuple[type, ...], name: str, expected: s
         raise MoelensError(f"{name} must be {expected}, got {described(value)}; {remedy}.")
 
 
-def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", items: str = "integers") -> list[Any]:
+def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", items: str = "integers",
+            distinct: bool = True) -> list[Any]:
     """``values`` as a list: a list, tuple, set, range, 1-D tensor or array (its items are checked by the caller).
 
     One integer alone is refused, suggesting ``example`` (a template of ``name`` and that integer, ``one``),
     as is text or anything else that is not a list; ``what`` names one item, ``items`` what they are.
+    ``distinct``: an item given twice is refused (it would be counted or shown twice).
     """
     one = as_lone_int(values)
     if one is not None:
@@ -41,7 +43,26 @@ def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", 
     if (isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable)
             or (isinstance(values, (Tensor, np.ndarray)) and values.ndim != 1)):
         raise MoelensError(f"{name} must be a list of {what}s ({items}), got {described(values)}.")
-    return list(values)
+    values = list(values)
+    twice = _repeated(values) if distinct else []
+    if twice:
+        raise MoelensError(f"{name} gives {what} {twice} more than once; give each {what} once.")
+    return values
+
+
+def _repeated(values: list[Any]) -> list[Any]:
+    """The items of ``values`` given more than once (integers by value, whatever their type), in order."""
+    seen: set[Any] = set()
+    twice: list[Any] = []
+    for value in values:
+        key = value if as_lone_int(value) is None else as_lone_int(value)
+        try:
+            if key in seen and key not in twice:
+                twice.append(key)
+            seen.add(key)
+        except TypeError:  # unhashable: the caller refuses it as an item
+            pass
+    return twice
 
 
 def split_ids(values: Iterable[Any], valid: Collection[int]) -> tuple[list[int | None], list[Any]]:

@@ -88,6 +88,8 @@ def specialisation(
     labels = _class_ids(labels)
     if classes is not None:
         classes = id_list("classes", classes, "class name", "{name}=['name of class 0', ...]", items="text")
+        if not classes:
+            raise MoelensError("classes is empty: name at least one class (or leave classes out to number them).")
     if per == "token" and labels.shape[0] != cache.num_tokens:
         raise MoelensError(
             f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."

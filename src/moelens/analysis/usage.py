@@ -169,7 +169,8 @@ def load_balance(usage: Usage | RoutingCache, num_experts: list[int] | None = No
 def _widths(usage: Usage, num_experts: Any) -> list[int]:
     """``num_experts`` checked against ``usage``: one integer per layer, from 1 to the layer's own E."""
     layers = len(usage.layers)
-    widths = id_list("num_experts", num_experts, "expert count", f"one E per layer, {{name}}=[{{one}}] * {layers}")
+    widths = id_list("num_experts", num_experts, "expert count", f"one E per layer, {{name}}=[{{one}}] * {layers}",
+                     distinct=False)
     if len(widths) != layers:
         raise MoelensError(f"num_experts={widths} gives {len(widths)} E for the {layers} layers {usage.layers} of this "
                            f"usage; give one per layer (the usage's own: {usage.num_experts}).")
