@@ -576,6 +576,36 @@ def test_a_model_with_a_tokenizer_refuses_an_input_that_is_no_prompt_or_ids():
     assert torch.equal(by_ids, hf(torch.tensor([[5, 6, 7]], device=hf.device)).logits)
 
 
+def test_ids_without_a_batch_and_sequence_axis_or_on_meta_are_refused_by_name():
+    """A 0-d tensor failed in nnsight's batching with a bare IndexError, [1, 1, s] ids in transformers' masking, [[]] in
+    its text pipeline ("can only concatenate str"), meta ids with torch's "Cannot copy out of meta tensor"."""
+    hf = tiny_model("mixtral")
+    ids = tiny_inputs(hf)["input_ids"][:1]
+    with_tokenizer, without = moelens.wrap(hf, tokenizer=ascii_tokenizer()), moelens.wrap(copy.deepcopy(hf))
+    zero_d = r"a trace's input was a 0-d tensor \(tensor\(5\)\), one id without a batch and a sequence axis"
+    on_meta = r"the trace's input (input_ids|argument 0) is on the meta device, which holds shapes but no values"
+    refused = [(with_tokenizer, torch.tensor(5), zero_d), (without, torch.tensor(5), zero_d),
+               (with_tokenizer, ids[None], r"token ids were of shape \(1, 1, \d+\): a model wrapped with a tokenizer "
+                                           r"takes ids \[batch, seq\]"),
+               (with_tokenizer, [[]], r"token ids were a list holding an empty row \[\[\]\]"),
+               (with_tokenizer, [[5, 6], []], r"a list holding an empty row"),
+               (with_tokenizer, ids.to("meta"), on_meta), (without, ids.to("meta"), on_meta)]
+    for wrapped, given, message in refused:
+        with pytest.raises(moelens.MoelensError, match=message):
+            with wrapped.trace(given):
+                wrapped.moes[0].router_logits.save()
+    for given, message in ((torch.tensor(5), zero_d), (ids.to("meta"), r"an invoke's token ids are on the meta device")):
+        with pytest.raises(moelens.MoelensError, match=message):
+            with without.trace() as tracer:
+                with tracer.invoke(ids):
+                    pass
+                with tracer.invoke(given):
+                    pass
+    with with_tokenizer.trace(ids[0]):  # one row [seq] is a prompt
+        logits = with_tokenizer.output.logits.save()
+    assert torch.equal(logits, hf(ids).logits)
+
+
 def test_a_model_without_tokenizer_refuses_a_generate_trace():
     """nnsight traces generation only with a tokenizer: without one, model.generate would run the model's own
     generate untraced and then fail on the with statement ('Tensor' object does not support the context manager)."""

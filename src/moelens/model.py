@@ -192,6 +192,16 @@ class MoeModelMixin:
             if refusal is None:  # not in an experts loop (the scan body's own `if x.sum() > 0:`): torch names the line
                 raise
             raise refusal from error
+        except NotImplementedError as error:  # torch's "Cannot copy out of meta tensor" names no input
+            meta = [name for name, value in _named_inputs(_model_inputs(fn, args, kwargs))
+                    if isinstance(value, torch.Tensor) and value.is_meta]
+            if not meta:
+                raise
+            raise MoelensError(
+                f"the trace's input {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, which "
+                "holds shapes but no values, so the model cannot run on it: pass inputs with values on the model's "
+                "device (model.scan(...) infers shapes from meta inputs)."
+            ) from error
         except RuntimeError as error:  # torch's grouped_mm on float64 weights names neither the block nor the way out
             moe = self._failing_experts(error)  # or a model loaded in part, on meta: torch's errors name no weight
             refusal = _unloaded_refusal(self._module) or (None if moe is None else _dtype_refusal(
@@ -286,6 +296,8 @@ class MoeModelMixin:
                 "the trace has no input: its invokes are all empty (an empty tracer.invoke() sees the rows the other "
                 "invokes give). Give the trace an input, model.trace(prompt), or an invoke one, tracer.invoke(prompt)."
             )
+        for inputs, kwargs in invokes:
+            _refuse_shapeless_ids(_invoke_ids(inputs, kwargs))
         from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
         return _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text)
 
@@ -331,7 +343,15 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         pipeline failed on it with "can only concatenate str")."""
         text_only = not any(getattr(self, name, None) is not None
                             for name in ("processor", "feature_extractor", "image_processor"))
-        for inputs, _ in invokes:
+        for inputs, kwargs in invokes:
+            ids = _invoke_ids(inputs, kwargs)
+            if isinstance(ids, torch.Tensor) and ids.dim() > 2 or isinstance(ids, (list, tuple)) and any(
+                    isinstance(row, (list, tuple)) and not row for row in ids):
+                shape = f"of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else f"a list holding an empty row {ids!r:.60}"
+                raise MoelensError(
+                    f"a trace's token ids were {shape}: a model wrapped with a tokenizer takes ids [batch, seq] (or one "
+                    "row [seq]), every row holding at least one token."
+                )
             if text_only and inputs and _not_an_input(inputs[0]):
                 given = inputs[0]
                 what = described(given) if not isinstance(given, (list, tuple)) else \
@@ -458,6 +478,13 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     return batched
 
 
+def _refuse_shapeless_ids(ids: Any) -> None:
+    """Refuse an invoke's input ids that are one 0-d tensor (nnsight's batching fails on it with a bare IndexError)."""
+    if isinstance(ids, torch.Tensor) and ids.dim() == 0:
+        raise MoelensError(f"a trace's input was a 0-d tensor ({ids!r:.40}), one id without a batch and a sequence "
+                           "axis: pass token ids [batch, seq], e.g. ids.reshape(1, 1).")
+
+
 def _model_inputs(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The inputs a failed run gave the model: a trace's, assembled again from its batcher (the tokenized, padded
     batch), or the call's own; ``((), {})`` when they cannot be built again."""
@@ -468,6 +495,13 @@ def _model_inputs(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return batcher.assemble(fn)
     except Exception:  # noqa: BLE001 - only to explain an error already raised
         return (), {}
+
+
+def _named_inputs(batched: tuple[tuple, dict]) -> Iterator[tuple[str, Any]]:
+    """The model's inputs ``batched`` with a name each: the keyword's, ``argument <i>`` for a positional one."""
+    args, kwargs = batched
+    yield from ((f"argument {index}", value) for index, value in enumerate(args))
+    yield from kwargs.items()
 
 
 def _input_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> Any:
@@ -612,6 +646,10 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     f"a model wrapped without a tokenizer batches several invokes only from token-id tensors, one "
                     f"per invoke (tracer.invoke(ids)); an invoke got {given}. {remedy}"
                 )
+            _refuse_shapeless_ids(ids)
+            if ids.is_meta:  # one invoke's meta ids reach the model (model.scan runs on them); these are padded here
+                raise MoelensError("an invoke's token ids are on the meta device, which holds shapes but no values: "
+                                   "the invokes cannot be padded into one batch. Pass ids with values.")
             _refuse_unusable_ids(self._module, ((), {"input_ids": ids}))
             rows.extend(ids.reshape(-1, ids.shape[-1]))
         pad_id = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
