@@ -14,6 +14,7 @@ import pickle
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import BitNetConfig, BitNetForCausalLM, FalconH1Config, FalconH1ForCausalLM
@@ -366,6 +367,8 @@ def test_a_layer_carrying_a_users_hook_stays_as_it_is(where):
     (None, ("broken",), r"register_compressor takes a callable factory\(model, \*\*settings\) first, got NoneType"),
     (lambda model, **settings: model, (None,), r"register_compressor's names must be non-empty strings, got None"),
     (lambda model, **settings: model, ("",), r"register_compressor's names must be non-empty strings, got ''"),
+    (lambda model, **settings: model, ("mine", "tomoe"), r"compressor name\(s\) \['tomoe'\] are registered to "
+                                                         r".*ToMoECompressor.*pass replace=True"),
 ])
 def test_register_compressor_refuses_what_it_could_not_call_or_find(factory, names, message):
     """A None factory was registered (get_compressor then returned None, which failed when called) and a None name
@@ -376,3 +379,40 @@ def test_register_compressor_refuses_what_it_could_not_call_or_find(factory, nam
     with pytest.raises(CompressionError, match=message):
         register_compressor(factory, *names)
     assert compressors() == before
+
+
+def test_register_compressor_replaces_a_taken_name_when_asked():
+    from moelens.compress import ToMoECompressor, compressors, get_compressor, register_compressor
+
+    def mine(model, **settings):
+        return model
+
+    before = compressors()
+    try:
+        assert register_compressor(mine, "tomoe", replace=True) is mine and get_compressor("tomoe") is mine
+        register_compressor(mine, "tomoe")  # the same factory again: nothing to replace
+    finally:
+        register_compressor(ToMoECompressor, "tomoe", replace=True)
+    assert compressors() == before
+
+
+@pytest.mark.parametrize("sizes", [(16, 4, 9), ("16", 4, 2), (16, 0, 1), (16, 4, 2.0), (16, 4, 2, float("nan"))],
+                         ids=str)
+def test_a_router_of_impossible_sizes_is_refused_when_built(sizes):
+    """ToMoERouter(128, 4, 9) was built and failed when it ran with torch's "selected index k out of range"."""
+    from moelens.compress import ToMoERouter
+
+    with pytest.raises(CompressionError, match=r"ToMoERouter\(hidden_size=.*the sizes must be integers of at least 1 "
+                                               r"with top_k <= num_experts, and the offset a finite number"):
+        ToMoERouter(*sizes)
+    router = ToMoERouter(np.int64(16), torch.tensor(4), 4)
+    assert (router.top_k, router.num_experts) == (4, 4) and type(router.top_k) is int
+    assert router(torch.randn(3, 16))[2].shape == (3, 4)
+
+
+def test_switching_the_experts_of_a_model_with_no_converted_block_is_refused():
+    from moelens.compress import set_experts_implementation
+
+    with pytest.raises(CompressionError, match=r"LlamaForCausalLM holds no block converted by moelens.compress, so "
+                                               r"set_experts_implementation has nothing to switch"):
+        set_experts_implementation(llama(), "eager")

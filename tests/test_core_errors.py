@@ -3506,3 +3506,30 @@ def test_a_run_of_a_model_loaded_in_part_is_refused_naming_what_is_not(loaded):
     with pytest.raises(moelens.MoelensError, match=r"weights and buffers are not loaded \(on the meta device: " + named):
         with model.trace(torch.tensor([[1, 2, 3]])):
             model.output.save()
+
+
+def test_register_implementation_checks_what_it_is_given_and_keeps_moelens_own():
+    """It took anything: ``register_implementation("grouped_mm", 3)`` replaced moelens' own entry, and a later read of
+    expert_outputs said the Moe had no such attribute."""
+    from moelens.components import ExpertsOps, register_implementation
+    from moelens.components.implementations import _IMPLEMENTATIONS
+
+    before = dict(_IMPLEMENTATIONS)
+    refused = {(None, ExpertsOps()): r"takes the name of an experts implementation .*got None",
+               ("eager", ExpertsOps()): r"other than 'eager', whose loop has no per-slot tensors\), got 'eager'",
+               ("grouped_mm", 3): r"ops must be ExpertsOps\(\.\.\.\) naming ops as str .*got 3",
+               ("mine", ExpertsOps(slot_outputs="")): r"ops must be ExpertsOps",
+               ("mine", ExpertsOps(sort=5)): r"ops must be ExpertsOps",
+               ("grouped_mm", ExpertsOps(slot_outputs="bogus_op")): r"'grouped_mm' is already registered with .*"
+                                                                    r"pass replace=True"}
+    for (name, ops), message in refused.items():
+        with pytest.raises(moelens.MoelensError, match=message):
+            register_implementation(name, ops)
+    assert _IMPLEMENTATIONS == before
+    register_implementation("batched_mm", before["batched_mm"])  # the same ops again: nothing changes
+    try:
+        register_implementation("grouped_mm", ExpertsOps(slot_outputs="bogus_op"), replace=True)
+        assert _IMPLEMENTATIONS["grouped_mm"].slot_outputs == "bogus_op"
+    finally:
+        _IMPLEMENTATIONS.clear()
+        _IMPLEMENTATIONS.update(before)

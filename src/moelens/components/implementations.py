@@ -59,8 +59,28 @@ def unsupported_dtypes(implementation: str, dtypes: Iterable[torch.dtype]) -> li
                    if dtype in UNSUPPORTED_DTYPES.get(implementation, ())})
 
 
-def register_implementation(name: str, ops: ExpertsOps) -> None:
-    """Tell moelens the op names of an experts implementation registered with transformers."""
+def register_implementation(name: str, ops: ExpertsOps, replace: bool = False) -> None:
+    """Tell moelens the op names of an experts implementation registered with transformers.
+
+    A name already registered with other ops (``grouped_mm`` and ``batched_mm`` are moelens' own) needs
+    ``replace=True``; registering the same ops again changes nothing.
+
+    Raises:
+        MoelensError: ``name`` is no non-empty str, ``eager`` (a loop with no per-slot tensors), or taken;
+            ``ops`` is no `ExpertsOps` of op names.
+    """
+    if not isinstance(name, str) or not name or name == "eager":
+        raise MoelensError(f"register_implementation takes the name of an experts implementation registered with "
+                           f"transformers (a non-empty str other than 'eager', whose loop has no per-slot tensors), "
+                           f"got {name!r}.")
+    names = {field: getattr(ops, field, None) for field in ("slot_outputs", "gated_activations", "plain_activations")}
+    if not isinstance(ops, ExpertsOps) or not all(isinstance(op, str) and op for op in names.values()) or \
+            not (ops.sort is None or isinstance(ops.sort, str) and ops.sort):
+        raise MoelensError(f"register_implementation({name!r}, ops): ops must be ExpertsOps(...) naming ops as str "
+                           f"(sort: a str or None), got {ops!r}.")
+    if _IMPLEMENTATIONS.get(name, ops) != ops and not replace:
+        raise MoelensError(f"the experts implementation {name!r} is already registered with {_IMPLEMENTATIONS[name]}; "
+                           "pass replace=True to replace its op names (every wrapped model reads the new ones).")
     _IMPLEMENTATIONS[name] = ops
 
 

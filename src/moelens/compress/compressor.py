@@ -474,6 +474,13 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> nn.Modu
     check_implementation(implementation)
     experts = [module for module in torch_model(model, "set_experts_implementation").modules()
                if is_tomoe_experts(module)]
+    if not experts:
+        raise CompressionError(
+            f"{type(torch_model(model, 'set_experts_implementation')).__name__} holds no block converted by "
+            "moelens.compress, so set_experts_implementation has nothing to switch: convert it first "
+            "(moelens.compress.tomoe), or switch a transformers MoE model's experts with "
+            "moelens.wrap(model).set_experts_implementation(...)."
+        )
     dtypes = {dtype for module in experts for dtype in _float_dtypes(module)}
     check_dtype(implementation, dtypes, "the converted experts'")
     for module in experts:

@@ -14,8 +14,11 @@ from .errors import CompressionError
 _COMPRESSORS: dict[str, Callable] = {}
 
 
-def register_compressor(factory: Callable, *names: str) -> Callable:
-    """Register ``factory`` (called as ``factory(model, **settings)``) under ``names``; returns it."""
+def register_compressor(factory: Callable, *names: str, replace: bool = False) -> Callable:
+    """Register ``factory`` (called as ``factory(model, **settings)``) under ``names``; returns it.
+
+    A name registered to another factory (``tomoe`` and its spellings are moelens' own) needs ``replace=True``.
+    """
     if not names:
         raise CompressionError("register_compressor needs at least one name.")
     if not callable(factory):
@@ -24,6 +27,10 @@ def register_compressor(factory: Callable, *names: str) -> Callable:
     bad = [name for name in names if not isinstance(name, str) or not name]
     if bad:
         raise CompressionError(f"register_compressor's names must be non-empty strings, got {bad[0]!r}.")
+    taken = [name for name in names if _COMPRESSORS.get(name, factory) is not factory]
+    if taken and not replace:
+        raise CompressionError(f"compressor name(s) {taken} are registered to {_COMPRESSORS[taken[0]]!r}; pass "
+                               "replace=True to register this factory in their place, or choose other names.")
     for name in names:
         _COMPRESSORS[name] = factory
     return factory

@@ -25,6 +25,7 @@ top-k does.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -32,6 +33,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from ..scalars import as_lone_int, as_real
+from .errors import CompressionError
 from .lora import LoRAHost
 
 #: The smallest selected logit the offset guarantees on the calibration tokens.
@@ -50,6 +53,15 @@ class ToMoERouter(LoRAHost):
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, offset: float = MIN_SELECTED_LOGIT) -> None:
+        sizes = {"hidden_size": hidden_size, "num_experts": num_experts, "top_k": top_k}
+        wrong = {name: value for name, value in sizes.items() if as_lone_int(value) is None or as_lone_int(value) < 1}
+        if wrong or not top_k <= num_experts or as_real(offset) is None or not math.isfinite(as_real(offset)):
+            raise CompressionError(
+                f"ToMoERouter(hidden_size={hidden_size!r}, num_experts={num_experts!r}, top_k={top_k!r}, "
+                f"offset={offset!r}): the sizes must be integers of at least 1 with top_k <= num_experts, and the offset "
+                "a finite number."
+            )
+        hidden_size, num_experts, top_k = (as_lone_int(value) for value in sizes.values())
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.full((num_experts,), float(offset)))
