@@ -118,6 +118,10 @@ def test_degree_and_owner_edge_cases() -> None:
             expert_owner(0, 8, ranks_)
     # a flag is no count of experts
     assert num_experts_from_config(SimpleNamespace(num_local_experts=True, n_routed_experts=8)) == 8
+    # what is no config was read as a dense model's (0 experts), and choose_ep_dp_degrees then fell back to EP=1
+    for given in (None, "mixtral", 8, {"num_local_experts": 8}):
+        with pytest.raises(MoelensError, match=r"num_experts_from_config takes a model's config \(model.config\), got"):
+            num_experts_from_config(given)
     # ids and counts are integers (numpy's and 0-d tensors' too); a float, a bool or text is refused, never rounded
     assert expert_owner(numpy.int64(5), 8, torch.tensor(2)) == (1, 1)
     for args, named in [((1.5, 8, 2), r"expert must be an integer, got 1\.5 \(float\)"),
@@ -131,6 +135,18 @@ def test_degree_and_owner_edge_cases() -> None:
                         ((2, "8"), r"num_experts must be an integer, got '8'")]:
         with pytest.raises(MoelensError, match=rf"^choose_ep_dp_degrees: {named}"):
             choose_ep_dp_degrees(*args)
+
+
+def test_exchange_refuses_sizes_that_do_not_describe_its_rows() -> None:
+    """With one rank, exchange returned the rows as they were whatever the sizes said."""
+    from moelens.parallel.comm import exchange
+
+    rows = torch.ones(2, 3)
+    assert exchange(rows, [2], [2], None) is rows
+    for recv, send in (([5], [5]), ([2], [5]), ([5], [2]), ([1, 1], [1, 1])):
+        with pytest.raises(MoelensError, match=r"exchange: send_sizes .* must give one row count per rank of the group "
+                                               r"\(1\), the send sizes adding up to the 2 rows sent"):
+            exchange(rows, recv, send, None)
 
 
 def test_slices_are_copies_that_keep_requires_grad() -> None:
@@ -389,6 +405,8 @@ def test_shard_experts_on_one_rank() -> None:
         model = shard_experts(tiny_model("mixtral", experts_implementation="grouped_mm"))
         RESULT["tags"] = [m._ep_tag for m in model.modules() if "_ep_group" in m.__dict__]
         RESULT["again"] = error_of(lambda: shard_experts(model))
+        RESULT["bad_group"] = error_of(lambda: shard_experts(tiny_model("mixtral"), "world"))
+        RESULT["no_model"] = error_of(lambda: shard_experts("tiny"))
         ids = torch.tensor([[5, 6, 7, 8, 9]])
         model.set_experts_implementation("grouped_mm")
         with torch.no_grad():
@@ -405,6 +423,8 @@ def test_shard_experts_on_one_rank() -> None:
     r = results[0]
     assert len(r["tags"]) == 4 and 0 not in r["tags"] and len(set(r["tags"])) == 4, r["tags"]  # 4 MoE layers
     assert "is sharded already" in r["again"], r["again"]
+    assert "group must be a torch.distributed process group (this rank's EP group" in r["bad_group"], r["bad_group"]
+    assert "shard_experts takes a transformers MoE model (or one wrapped by moelens), got str 'tiny'" in r["no_model"]
     assert r["grouped_mm"] == "" and r["logits"] <= 1e-5, r
     assert r["converted"] == "torch_a2a", r["converted"]
 

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..errors import MoelensError
+
 
 def group_size(group: Any) -> int:
     """Ranks in ``group`` (1 for None: no exchange)."""
@@ -150,10 +152,22 @@ def exchange(rows: Tensor, recv_sizes: list[int], send_sizes: list[int], group: 
     """Send ``rows[sum(send_sizes[:j]) : ...]`` to rank ``j``; receive ``recv_sizes[j]`` rows from each.
 
     Differentiable in ``rows``. With no group (or one rank) the rows are returned as they are.
+
+    Raises:
+        MoelensError: the sizes are not one per rank of ``group``, ``send_sizes`` do not add up to the rows, or, on
+            one rank, ``recv_sizes`` differ from ``send_sizes`` (the rows come back as they are).
     """
-    if group_size(group) == 1:
+    ranks, send_sizes, recv_sizes = group_size(group), list(send_sizes), list(recv_sizes)
+    if len(send_sizes) != ranks or len(recv_sizes) != ranks or sum(send_sizes) != rows.shape[0] or \
+            (ranks == 1 and recv_sizes != send_sizes):
+        raise MoelensError(
+            f"exchange: send_sizes {send_sizes} and recv_sizes {recv_sizes} must give one row count per rank of the "
+            f"group ({ranks}), the send sizes adding up to the {rows.shape[0]} rows sent"
+            + (" and, on one rank, the receive sizes equal to them." if ranks == 1 else ".")
+        )
+    if ranks == 1:
         return rows
-    return _Exchange.apply(rows, list(recv_sizes), list(send_sizes), group, kind, tag)
+    return _Exchange.apply(rows, recv_sizes, send_sizes, group, kind, tag)
 
 
 def exchange_counts(counts: Tensor, group: Any, tag: int = 0) -> Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -64,7 +65,16 @@ def num_experts_from_config(config: Any) -> int:
 
     Reads the first of `NUM_EXPERTS_FIELDS` the config has with a positive value,
     else recurses into `SUB_CONFIGS` (``text_config``, ``llm_config``, ...).
+
+    Raises:
+        MoelensError: ``config`` is None, a number, text or a dict (which has no fields to read), not a config.
     """
+    if config is None or isinstance(config, (str, bytes, int, float, Mapping)):
+        raise MoelensError(
+            f"num_experts_from_config takes a model's config (model.config), got {type(config).__name__} "
+            f"{config!r:.60}" + ("; load a dict with transformers.AutoConfig.for_model(**d)." if isinstance(config, Mapping)
+                                 else ".")
+        )
     for name in NUM_EXPERTS_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

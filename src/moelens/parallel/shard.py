@@ -127,13 +127,19 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
             model is refused or differs. Every block is checked before any is
             sharded: a refused model is left as it was.
     """
+    module = getattr(model, "_module", model)  # a wrapped model (moelens.wrap / load): its transformers model
+    if not isinstance(module, torch.nn.Module):
+        raise MoelensError(f"shard_experts takes a transformers MoE model (or one wrapped by moelens), got "
+                           f"{type(model).__name__} {model!r:.60}.")
     if not dist.is_initialized():
         raise MoelensError("shard_experts: torch.distributed is not initialised; call init_process_group first.")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise MoelensError(f"shard_experts: group must be a torch.distributed process group (this rank's EP group from "
+                           f"moelens.parallel.ep_groups; None: the whole world), got {type(group).__name__} {group!r:.60}.")
     group = dist.group.WORLD if group is None else group
     size, rank = group_size(group), group_rank(group)
     if rank < 0:
         raise MoelensError("shard_experts: this rank is not a member of the given group; pass its own EP group.")
-    module = getattr(model, "_module", model)  # a wrapped model (moelens.wrap / load): its transformers model
     blocks = _experts_of(module)
     counts, refusal = [], ""
     try:  # refuses before anything is changed, on every rank at once
