@@ -589,8 +589,14 @@ def test_check_divides_dbrx_weights_by_their_p_norm():
     ({"scoring": Scoring("softmax", selection_arg=True, selection_op="topk_0")},
      r"Scoring\.selection_arg must be an int or None, got True"),
     ({"scoring": Scoring("softmax", normalize=True, scale="2.0")},
-     r"Scoring\.scale must be None, a number or an attribute reference .*got '2\.0'; a number is written without "
-     r"quotes \(2\.0\)"),
+     r"Scoring\.scale must be None, a positive number or an attribute reference .*got '2\.0'; a number is written "
+     r"without quotes \(2\.0\)"),
+    # a scale that is not a positive finite number passed register; only check said the entry did not fit the model
+    ({"scoring": Scoring("softmax", normalize=True, scale=float("nan"))}, r"Scoring\.scale must be None, a positive "
+                                                                          r"number or an attribute reference .*got nan"),
+    ({"scoring": Scoring("softmax", normalize=True, scale=0.0)}, r"Scoring\.scale must be None, a positive number"),
+    ({"combine": Combine(routed_scale=-1.0)}, r"Combine\.routed_scale must be None, a positive number .*got -1\.0"),
+    ({"combine": Combine(routed_scale=float("inf"))}, r"Combine\.routed_scale must be None, a positive number"),
 ])
 def test_plain_fields_of_the_wrong_kind_are_refused_when_registered(changes, message):
     """Fields holding a bool or a string took anything: derived_routing="yes" switched derived weights on by

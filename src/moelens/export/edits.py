@@ -280,6 +280,9 @@ class Edits:
         Checked first as the export checks them: an edit of a layer with no MoE block, of an expert
         out of range, or one no export can bake (``force``) raises instead of being dropped.
         """
+        from ..model import check_wrapped
+
+        check_wrapped(model)
         moes = list(model.moes)
         self.check({moe.layer: (moe.num_experts, moe.top_k) for moe in moes})
         wanted = set(self.layers())

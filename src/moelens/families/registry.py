@@ -9,6 +9,7 @@ family table is generated from.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -231,18 +232,18 @@ def _count(at_least: int) -> Callable[[object], bool]:
 def _settings(family: Family) -> Iterator[tuple[str, object, Callable[[object], bool], str]]:
     """Each field that holds an attribute reference (or a literal): its name, value, the literals it
     takes and how they read in an error ("" for none). A plain word there would be taken as a literal."""
-    optional_number = lambda value: value is None or _number(value)  # noqa: E731
+    optional_positive = lambda value: value is None or _number(value) and math.isfinite(value) and value > 0  # noqa: E731
     only_none = lambda value: value is None  # noqa: E731
     yield "top_k", family.top_k, _count(1), "an int >= 1"
     yield "num_experts", family.num_experts, _count(1), "an int >= 1"
     yield "identity_experts", family.identity_experts, lambda value: value is None or _count(0)(value), \
         "None, an int >= 0"
     yield "extra_logits", family.extra_logits, _count(0), "an int >= 0"
-    yield "Combine.routed_scale", family.combine.routed_scale, optional_number, "None, a number"
+    yield "Combine.routed_scale", family.combine.routed_scale, optional_positive, "None, a positive number"
     for scoring in (family.scoring, *family.scoring_by_router.values()):
         yield "Scoring.score", scoring.score, SCORE_FUNCTIONS.__contains__, f"one of {sorted(SCORE_FUNCTIONS)}"
         yield "Scoring.normalize", scoring.normalize, lambda value: isinstance(value, bool), "True, False"
-        yield "Scoring.scale", scoring.scale, optional_number, "None, a number"
+        yield "Scoring.scale", scoring.scale, optional_positive, "None, a positive number"
         yield "Scoring.selection_bias", scoring.selection_bias, only_none, "None"
         yield "Scoring.softcap", scoring.softcap, only_none, "None"
         pairs = {"groups": scoring.groups, "groups_if": scoring.groups_if}
@@ -255,7 +256,7 @@ def _settings(family: Family) -> Iterator[tuple[str, object, Callable[[object], 
             yield "Scoring.groups_if", scoring.groups_if[0], lambda value: False, ""
     if family.expert_gate is not None:
         for name in ("alpha", "limit"):
-            yield f"ExpertGate.{name}", getattr(family.expert_gate, name), optional_number, "None, a number"
+            yield f"ExpertGate.{name}", getattr(family.expert_gate, name), optional_positive, "None, a positive number"
 
 
 def register_all(families: Iterable[Family]) -> None:
