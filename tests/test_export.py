@@ -598,6 +598,8 @@ def test_edits_made_in_a_trace_are_checked_as_the_export_checks_them():
     with pytest.raises(ExportError, match=r"Edits.steer\[2\]: experts \[8\] are out of range"):
         with wrapped.trace(ids):
             Edits(steer={2: {8: 1.0}}).apply(wrapped.moes[1])
+    with pytest.raises(moelens.MoelensError, match=r"model must be a model wrapped by moelens, got Qwen2MoeForCausalLM"):
+        Edits(ablate={1: [2]}).intervene(wrapped._module)  # was torch's "object has no attribute 'moes'"
 
 
 def test_edits_on_a_plain_block_say_it_has_no_layer(out):
