@@ -2864,6 +2864,13 @@ def test_a_top_k_above_the_expert_count_is_refused_at_wrap(family, sizes):
         hf(torch.tensor([[1, 2, 3]], device=hf.device))
 
 
+def test_no_experts_is_refused_with_advice_one_can_follow():
+    """With num_experts=0 the advice was "top_k at most 0"."""
+    with pytest.raises(moelens.MoelensError, match=r"top_k=2 experts, but it has 0 \(num_experts\).*Fix the model's "
+                                                   r"config \(at least one expert, and top_k at most that number\)"):
+        moelens.wrap(tiny_model("mixtral", num_local_experts=0))
+
+
 def test_top_k_zero_and_a_count_the_entry_cannot_read_still_wrap():
     """The top_k refusal refused k=0, which the model runs (no expert picked), and crashed wrap with a raw TypeError
     when an entry's top_k read None (the read itself says so later)."""

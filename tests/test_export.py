@@ -469,7 +469,7 @@ def test_edits_tract_cannot_express_are_refused(out):
         assert not path.exists()
     with pytest.raises(ExportError, match="out of range"):
         to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(steer={0: {8: 1.0}}))
-    with pytest.raises(ExportError, match=r"Edits name layers \[5\], which hold no MoE block here; the MoE layers are \[0, 1\]"):
+    with pytest.raises(ExportError, match=r"Edits.ablate\[5\] names a layer with no MoE block here; the MoE layers are \[0, 1\]"):
         to_nnef(wrapped, out / "bad.nnef.tgz", edits=Edits(ablate={5: [0]}))
     with pytest.raises(ExportError, match="not finite"):
         Edits(steer={0: {1: float("inf")}})
@@ -586,8 +586,9 @@ def test_edits_made_in_a_trace_are_checked_as_the_export_checks_them():
     ids = tiny_inputs(wrapped._module, batch=1, seq=6)["input_ids"]
     refused = {
         r"Edits.force\[1\] cannot be baked": Edits(force={1: [3]}),
-        r"Edits name layers \[0\], which hold no MoE block here; the MoE layers are \[1, 2, 3\]": Edits(ablate={0: [3]}),
-        r"Edits name layers \[7\], which hold no MoE block": Edits(route_around={7: [3]}),
+        r"Edits.ablate\[0\] names a layer with no MoE block here; the MoE layers are \[1, 2, 3\]": Edits(ablate={0: [3]}),
+        r"Edits.steer\[0\], Edits.route_around\[7\] name layers with no MoE block": Edits(route_around={7: [3]},
+                                                                                          steer={0: {1: 2.0}}),
         r"Edits.swap\[1\]: experts \[9\] are out of range 0..7": Edits(swap={1: {9: 2}}),
         r"Edits.swap\[1\]: experts \[-1\] are out of range 0..7": Edits(swap={1: {-1: 2}}),  # was expert 7
     }

@@ -348,6 +348,8 @@ def test_an_edit_of_a_layer_block_does_not_export_is_refused_by_its_option(monke
     (["export", "tiny", "x.nnef.tgz", "--steer", "1:3=inf"],
      "--steer of layer 1: the biases of experts [3] are not finite; use --route-around to remove an expert."),
     (["export", "tiny", "x.nnef.tgz", "--ablate", "1:99"], "--ablate of layer 1: experts [99] are out of range 0..7."),
+    (["export", "tiny", "x.nnef.tgz", "--ablate", "99:1", "--route-around", "7:2"], "--route-around of layer 7, "
+     "--ablate of layer 99 name layers with no MoE block here; the MoE layers are [0, 1, 2, 3]."),  # was "Edits name"
     (["export", "tiny", "x.nnef.tgz", "--tokens", "300"], "--tokens 300: 300 tokens is longer than the model's "
      "context (max_position_embeddings=256); export at a length of at most 256 (an archive with --dynamic-tokens"),
     (["stats", "tiny", "--text", "notes.txt", "--max-length", "9999"],

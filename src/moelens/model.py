@@ -954,10 +954,11 @@ def _refuse_impossible_top_k(moe: Moe) -> None:
     except FamilyError:  # an entry that cannot read them: its error comes where they are read
         return
     if experts is not None and k is not None and not 0 <= k <= experts:
+        fix = f"top_k at most {experts}" if experts > 0 else "at least one expert, and top_k at most that number"
         raise MoelensError(
             f"the {family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but "
             f"it has {experts} (num_experts): its router cannot pick them, and every forward would fail. Fix the "
-            f"model's config (top_k at most {experts}) before building the model."
+            f"model's config ({fix}) before building the model."
         )
 
 

@@ -168,17 +168,18 @@ class Edits:
 
         Raises `ExportRefused` for an edit tract cannot express, `ExportError` for a wrong one.
         """
-        unknown = [layer for layer in self.layers() if layer not in blocks]
+        unknown = [f"Edits.{kind}[{layer}]" for kind in KINDS for layer in sorted(getattr(self, kind))
+                   if layer not in blocks]
         numbered = sorted(layer for layer in blocks if layer is not None)
+        edits = f"{', '.join(unknown)} {'names a layer' if len(unknown) == 1 else 'name layers'}"
         if unknown and not numbered:
             raise ExportError(
-                f"Edits name layers {unknown}, but the exported block has no layer number (a transformers block "
-                "exported on its own), so Edits keyed by layer cannot name it; export moelens.wrap(model).moes[i] "
-                "instead, whose layer they name."
+                f"{edits}, but the exported block has no layer number (a transformers block exported on its own), so "
+                "Edits keyed by layer cannot name it; export moelens.wrap(model).moes[i] instead, whose layer they name."
             )
         if unknown:
             raise ExportError(
-                f"Edits name layers {unknown}, which hold no MoE block here; the MoE layers are {numbered}"
+                f"{edits} with no MoE block here; the MoE layers are {numbered}"
                 + (" (a block exported on its own takes edits of its layer only)." if len(blocks) == 1 else ".")
             )
         for layer in self.layers():
