@@ -122,6 +122,20 @@ def test_demo_on_moelens_tiny(tmp_path, capsys, monkeypatch):
     assert str((tmp_path / "demo").resolve()) in out
 
 
+def test_the_demo_says_when_it_routes_fewer_windows_than_asked(tmp_path, capsys, monkeypatch):
+    """--windows 999999 routed the 256 the held-out set has, saying only "256 windows"."""
+    from safetensors.torch import load_file, save_file
+
+    import moelens.data
+
+    held = load_file(str(moelens.data.HELDOUT_PATH))
+    save_file({name: tensor[:3].contiguous() for name, tensor in held.items()}, str(tmp_path / "held.safetensors"))
+    monkeypatch.setattr(moelens.data, "HELDOUT_PATH", tmp_path / "held.safetensors")
+    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "5"], capsys)
+    assert status == 0, err
+    assert "(3 windows of code and prose, all the held-out set has; --windows asked for 5)" in out
+
+
 def test_the_demo_runs_moelens_tiny_beside_a_users_folder_named_tiny(tmp_path, capsys, monkeypatch):
     """`demo` takes no MODEL: a folder named tiny in the working folder (here a Mixtral checkpoint) is not loaded
     in place of moelens-tiny, as `inspect tiny` would (a user's folder of that name wins where MODEL is given)."""

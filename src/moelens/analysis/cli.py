@@ -269,7 +269,8 @@ def run_demo(args: argparse.Namespace) -> int:
         held = load_file(str(HELDOUT_PATH))
         picked = spread(held["input_ids"].shape[0], args.windows)
         ids, classes = held["input_ids"][picked].long(), held["token_class"][picked].long()
-        print(f"\nRouting {ids.numel()} held-out tokens ({ids.shape[0]} windows of code and prose) ...", flush=True)
+        every = f", all the held-out set has; --windows asked for {args.windows}" if args.windows > ids.shape[0] else ""
+        print(f"\nRouting {ids.numel()} held-out tokens ({ids.shape[0]} windows of code and prose{every}) ...", flush=True)
         windows = collect_routing(model, ids, batch_size=16, progress=True)
         written += write_corpus_plots(windows, out, prefix="heldout_")
         spec = specialisation(windows, classes.flatten(), list(TOKEN_CLASSES))
