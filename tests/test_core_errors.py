@@ -545,6 +545,14 @@ def test_load_names_what_is_wrong_with_the_path(tmp_path):
     assert ".." not in str(error.value).replace(str(tmp_path), "")  # transformers' full stop is not doubled
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: device_map='cuda' loads")
+def test_a_device_map_this_torch_cannot_place_is_named():
+    """device_map="cuda" on a CPU-only torch raised torch's bare AssertionError."""
+    with pytest.raises(moelens.MoelensError, match=r"where device_map='cuda' places it: Torch not compiled with CUDA "
+                                                   r"enabled \(this torch build has no such device\)"):
+        moelens.load("moelens-tiny", device_map="cuda")
+
+
 def test_a_model_without_tokenizer_refuses_text_in_one_invoke(tmp_path):
     tiny_model("olmoe").save_pretrained(tmp_path / "olmoe")
     loaded = moelens.load(tmp_path / "olmoe")

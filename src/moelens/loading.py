@@ -145,6 +145,14 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             f"cannot load the weights of {source!r}: {sentence(error)}. Pass a folder holding config.json and "
             "weights saved with save_pretrained."
         ) from error
+    except AssertionError as error:  # torch's "Torch not compiled with CUDA enabled" for device_map="cuda"
+        if "not compiled with" not in str(error):
+            raise
+        raise MoelensError(
+            f"cannot load {source!r} where device_map={from_pretrained_kwargs.get('device_map')!r} places it: "
+            f"{sentence(error)} (this torch build has no such device). Load it without device_map (on the CPU), or "
+            "install a torch build for that device."
+        ) from error
     except TypeError as error:
         unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(error))
         if unexpected is None or unexpected.group(1) not in from_pretrained_kwargs:
