@@ -69,6 +69,11 @@ def test_files_and_sizes():
 
 
 def test_training_records():
+    from moelens.errors import MoelensError
+
+    for name in (None, "bogus"):  # a TypeError from pathlib, a bare KeyError
+        with pytest.raises(MoelensError, match=r"training_record takes a shipped model's name, one of .*got"):
+            training_record(name)
     rec = training_record("moelens-tiny")
     assert rec == training_record("moe")
     assert rec["seed"] == training_record("tiny-dense")["seed"]
@@ -91,8 +96,6 @@ def test_training_records():
     routing = rec["routing"]
     assert len(routing["layers"]) == 4
     assert routing["mean_tv_all_layers"] > routing["mean_tv_shuffled_labels_all_layers"]
-    with pytest.raises(KeyError):
-        training_record("no-such-model")
 
 
 def test_moe_config(moe):

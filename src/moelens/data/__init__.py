@@ -49,8 +49,11 @@ def training_record(name: str = "moelens-tiny") -> dict:
     key = aliases.get(str(name), str(name))
     folder = _NAMES.get(key)
     if folder is None:
-        folder = Path(name)
-        if not (folder / "training.json").is_file():
-            raise KeyError(f"unknown shipped model {name!r}; expected one of {sorted(_NAMES)} or a folder")
+        folder = Path(name) if isinstance(name, (str, Path)) else None
+        if folder is None or not (folder / "training.json").is_file():
+            from ..errors import MoelensError
+
+            raise MoelensError(f"training_record takes a shipped model's name, one of {sorted(_NAMES)}, or a folder "
+                               f"holding a training.json; got {name!r}.")
     with open(folder / "training.json", encoding="utf-8") as f:
         return json.load(f)
