@@ -73,8 +73,8 @@ def register_implementation(name: str, ops: ExpertsOps, replace: bool = False) -
         raise MoelensError(f"register_implementation takes the name of an experts implementation registered with "
                            f"transformers (a non-empty str other than 'eager', whose loop has no per-slot tensors), "
                            f"got {name!r}.")
-    names = {field: getattr(ops, field, None) for field in ("slot_outputs", "gated_activations", "plain_activations")}
-    if not isinstance(ops, ExpertsOps) or not all(isinstance(op, str) and op for op in names.values()) or \
+    if not isinstance(ops, ExpertsOps) or not all(isinstance(op, str) and op for op in (
+            ops.slot_outputs, ops.gated_activations, ops.plain_activations)) or \
             not (ops.sort is None or isinstance(ops.sort, str) and ops.sort):
         raise MoelensError(f"register_implementation({name!r}, ops): ops must be ExpertsOps(...) naming ops as str "
                            f"(sort: a str or None), got {ops!r}.")

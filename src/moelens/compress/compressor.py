@@ -468,16 +468,16 @@ def inject_tomoe(model: nn.Module | None = None, **kwargs: Any) -> nn.Module | N
 def set_experts_implementation(model: nn.Module, implementation: str) -> nn.Module:
     """Run every converted block of ``model`` with ``implementation`` (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` ...).
 
-    Raises `CompressionError` for an unknown implementation, or one that cannot run the experts' dtype
-    (``grouped_mm`` with float64 experts).
+    Raises `CompressionError` for an unknown implementation, one that cannot run the experts' dtype
+    (``grouped_mm`` with float64 experts), or a model with no converted block.
     """
     check_implementation(implementation)
-    experts = [module for module in torch_model(model, "set_experts_implementation").modules()
-               if is_tomoe_experts(module)]
+    root = torch_model(model, "set_experts_implementation")
+    experts = [module for module in root.modules() if is_tomoe_experts(module)]
     if not experts:
         raise CompressionError(
-            f"{type(torch_model(model, 'set_experts_implementation')).__name__} holds no block converted by "
-            "moelens.compress, so set_experts_implementation has nothing to switch: convert it first "
+            f"{type(root).__name__} holds no block converted by moelens.compress, so set_experts_implementation has "
+            "nothing to switch: convert it first "
             "(moelens.compress.tomoe), or switch a transformers MoE model's experts with "
             "moelens.wrap(model).set_experts_implementation(...)."
         )
