@@ -1678,6 +1678,31 @@ def biased(family: str):
     return wrapped, moe, tiny_inputs(hf, batch=1, seq=6)["input_ids"]
 
 
+@pytest.mark.parametrize(("family", "dtype", "bias", "settings"), [("flint", torch.float32, 20.0, {}),
+                                                                   ("lfm2_moe", torch.bfloat16, 8.0,
+                                                                    {"use_expert_bias": False})], ids=["flint", "lfm2_bf16"])
+def test_force_says_when_saturated_scores_tie_the_forced_experts(family, dtype, bias, settings):
+    """A router ranking sigmoid scores (no selection bias): two other experts steered until their sigmoid rounds to 1
+    tie the raised forced expert, and top-k left it out of some tokens without a word. A tie that only shares the
+    slot left beside the forced expert still forces it."""
+    hf = tiny_model(family, dtype=dtype, **settings)
+    wrapped, ids = moelens.wrap(hf), tiny_inputs(hf)["input_ids"]
+    moe = wrapped.moes[0]
+    assert moe.top_k == 2 and not moe.ranks_selection_scores and moe.SCORING.score == "sigmoid"
+    with pytest.raises(WriteError, match=rf"force: {re.escape(moe.path)} ranks experts by their sigmoid scores, which "
+                                         r"saturate: with the logits of experts \[0\] raised above the others, some "
+                                         r"other experts still score as high in torch\.(float32|bfloat16)"):
+        with wrapped.trace(ids):
+            moelens.steer(moe, 1, bias)
+            moelens.steer(moe, 2, bias)
+            moelens.force(moe, [0])
+    with wrapped.trace(ids):
+        moelens.steer(moe, 1, bias)
+        moelens.force(moe, [0])
+        indices = moe.expert_indices.save()
+    assert bool((indices == 0).any(-1).all()) and bool((indices == 1).any(-1).all())
+
+
 def test_force_says_when_a_selection_bias_outranks_it():
     # A family that adds a selection bias to bounded (sigmoid) scores but names no op where the sum is
     # ranked (afmoe's entry without its selection_op): a saturated expert with a larger bias outranks

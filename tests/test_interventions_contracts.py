@@ -366,3 +366,39 @@ def test_a_selection_bias_without_an_op_still_takes_several_routing_edits_on_one
         by_hand = moe.expert_indices.save()
     assert torch.equal(indices.sort(-1).values, by_hand.sort(-1).values)
     assert (indices == 0).any(-1).all() and not ((indices == 5) | (indices == 6)).any()
+
+
+def test_route_around_with_the_logit_removes_the_expert_from_an_unrenormalised_softmax():
+    """zaya weights its experts by softmax scores it does not renormalise and ranks them with a selection bias:
+    route_around (the selection score) leaves the expert's probability in the softmax, as docs/interventions.md
+    says; setting its logit to -inf first gives the weights of a router without that expert (its logit and its
+    bias -inf on an unwrapped copy), bit for bit."""
+    import copy
+
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("zaya")
+    reference, wrapped, ids = copy.deepcopy(hf), moelens.wrap(hf), tiny_inputs(hf)["input_ids"]
+    moe, expert = wrapped.moes[1], 3
+    assert moe.ranks_selection_scores and not moe.family.normalize_of(moe._module)
+    router = reference.get_submodule(moe.path.removeprefix("model.")).gate
+    with torch.no_grad():
+        router.balancing_biases[expert] = float("-inf")
+    router.router_mlp.register_forward_hook(lambda module, args, out: out.index_fill(-1, torch.tensor([expert]),
+                                                                                      float("-inf")))
+    seen = {}
+    router.register_forward_hook(lambda module, args, out: seen.update(weights=out[1], indices=out[2]))
+    with torch.no_grad():
+        reference(ids)
+    results = {}
+    for with_logit in (False, True):
+        with torch.no_grad(), wrapped.trace(ids):
+            if with_logit:
+                moe.router_logits[..., expert] = float("-inf")
+            moelens.ablate(moe, expert, "route_around")
+            results[with_logit] = (moe.expert_weights.save(), moe.expert_indices.save())
+    for weights, indices in results.values():
+        assert torch.equal(indices.reshape(seen["indices"].shape), seen["indices"])
+    assert torch.equal(results[True][0].reshape(seen["weights"].shape), seen["weights"])
+    kept = results[False][0].reshape(seen["weights"].shape)  # e's probability stays in the softmax
+    assert (kept <= seen["weights"]).all() and (kept < seen["weights"]).any()

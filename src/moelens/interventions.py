@@ -401,25 +401,49 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
                 f"of at most {topk_group} groups, or set the slots with moelens.reroute(moe, tokens, experts)."
             )
 
+    # Scores ranked by the router as they are (with a selection bias: the +inf write or the choice check below)
+    # saturate (sigmoid at 1, softmax at 0), so raised logits can still tie there. Among the top-k a tie may take
+    # a slot left beside the forced experts; inside groups it may cost a forced expert its group.
+    ranks_scores = scoring.select in ("score_topk", "group_topk") and not moe.ranks_selection_scores and \
+        not moe.family.holds(scoring.selection_bias, moe._module)
+    room = moe.top_k - len(chosen) if scoring.select == "score_topk" else 0
+    score_name = moe.family.score_of(moe._module)
+
+    def tied(ranked: torch.Tensor, room: int = 0) -> bool:
+        """Whether some token ranks more than ``room`` other experts as high as one of the forced ones in ``ranked``."""
+        others = ranked.clone()
+        others[..., chosen] = float("-inf")
+        return bool(((others >= ranked[..., chosen].amin(-1, keepdim=True)).sum(-1) > room).any())
+
     def lifted(rows: torch.Tensor) -> torch.Tensor:
         finite = rows.masked_fill(~torch.isfinite(rows), 0)
         raised = rows.clone()
         raised[..., chosen] = finite[..., chosen] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
-        if not is_fake(rows) and torch.isinf(raised[..., chosen]).any():  # model.scan: no values to check
+        if is_fake(rows):  # model.scan: no values to check
+            return raised
+        if torch.isinf(raised[..., chosen]).any():
             span = float((finite.amax(-1) - finite.amin(-1)).max().detach())
             raise WriteError(
                 f"force: {moe.path}'s router logits span {span:.4g}, so raising experts {chosen} above the others "
                 f"(by the span + 30) overflows {rows.dtype} (at most {torch.finfo(rows.dtype).max:.4g}); steer by "
                 "less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
             )
-        others = raised.clone()
-        others[..., chosen] = float("-inf")
-        if not is_fake(rows) and (raised[..., chosen].amin(-1) <= others.amax(-1)).any():  # rounded into a tie
+        if tied(raised):  # rounded into a tie
             top = float(finite.abs().amax().detach())
             raise WriteError(
                 f"force: {moe.path}'s router logits reach {top:.4g}, where {rows.dtype} is too coarse (steps of about "
                 f"{torch.finfo(rows.dtype).eps * top:.3g}) for experts {chosen} raised above the others to stay above "
                 "them; steer by less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
+            )
+        scored = score(score_name, raised, moe.softcap)[..., : moe.num_experts] if ranks_scores else None
+        saturated = next((dtype for dtype in dict.fromkeys((torch.float32, rows.dtype))
+                          if scored is not None and tied(scored.to(dtype), room)), None)
+        if saturated is not None:  # the router may score in the logits' dtype
+            raise WriteError(
+                f"force: {moe.path} ranks experts by their {score_name} scores, which saturate: with the logits of "
+                f"experts {chosen} raised above the others, some other experts still score as high in {saturated} "
+                "(their logits are too large already), so the router could leave a forced expert out. Steer by "
+                "less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
             )
         return raised
 
