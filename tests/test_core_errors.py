@@ -3573,3 +3573,25 @@ def test_register_implementation_checks_what_it_is_given_and_keeps_moelens_own()
     finally:
         _IMPLEMENTATIONS.clear()
         _IMPLEMENTATIONS.update(before)
+
+
+def test_op_names_registered_again_reach_a_block_that_served_per_slot_values():
+    """A block kept the per-slot bindings it built first for an implementation: after wrong op names were fixed
+    with register_implementation(..., replace=True), it still read the wrong ones (an OrderError) until wrapped
+    again."""
+    from moelens.components import ExpertsOps, register_implementation
+    from moelens.components.implementations import ops_for
+
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    wrapped, inputs, good = moelens.wrap(hf), tiny_inputs(hf), ops_for("batched_mm")
+    try:
+        register_implementation("batched_mm", ExpertsOps(slot_outputs="no_such_op_0"), replace=True)
+        with pytest.raises(moelens.OrderError):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                wrapped.moes[0].expert_outputs.save()
+    finally:
+        register_implementation("batched_mm", good, replace=True)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        outputs = wrapped.moes[0].expert_outputs.save()
+        routed = wrapped.moes[0].routed_output.save()
+    torch.testing.assert_close(outputs.sum(2), routed)

@@ -491,6 +491,32 @@ def test_an_edit_right_after_save_all_lands_when_a_value_it_was_asked_for_cannot
     assert torch.equal(first_tensor(output), first_tensor(expected)) and not torch.equal(first_tensor(output), plain)
 
 
+@pytest.mark.parametrize("grad", list(GRAD_MODES))
+def test_values_save_all_reads_where_its_last_one_is_read_stay_open(grad):
+    """save_all settled every value but the last as read, though expert_weights is read where expert_indices is
+    (both arguments of the experts call) and router_probs is scored from the logits: the model had not used them
+    when save_all returned, so an edit then reached the model unchecked (no_grad) or was lost with a late-edit
+    error (inference_mode). Now it lands as after plain reads, and is checked."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = running_moes(wrapped)[0]
+    experts = hf.get_submodule(moe.experts.path.removeprefix("model."))  # the same edit by a plain torch pre-hook
+    hook = experts.register_forward_pre_hook(lambda module, args: (*args[:2], args[2] * 0.5, *args[3:]))
+    try:
+        with GRAD_MODES[grad]():
+            expected = hf(**inputs)
+    finally:
+        hook.remove()
+    with GRAD_MODES[grad](), wrapped.trace(**inputs):
+        moe.save_all(["expert_weights", "expert_indices"])["expert_weights"].mul_(0.5)
+        output = wrapped.output.save()
+    torch.testing.assert_close(first_tensor(output), first_tensor(expected))
+    assert not torch.equal(first_tensor(output), plain)
+    with pytest.raises(moelens.WriteError, match=rf"{moe.path}.router_logits: the written tensor holds NaN"):
+        with GRAD_MODES[grad](), wrapped.trace(**inputs):
+            moe.save_all(["router_logits", "router_probs"])["router_logits"][0, 0, 0] = float("nan")
+            wrapped.output.save()
+
+
 @pytest.mark.parametrize("grad", ["no_grad", "autograd"])
 def test_in_place_changes_by_others_to_a_served_tensor_are_no_late_edit(grad):
     """The model's own tensors change in place by a torch hook or a plain nnsight edit: not a late edit of

@@ -547,9 +547,10 @@ class Moe(Mlp):
         """The per-slot values' bindings under ``implementation``, built once per implementation (a read
         builds none: at 1 x 8 tokens moelens' own Python is a visible part of a trace)."""
         built = self.__dict__.setdefault("_slot_bindings_by_implementation", {})
-        if implementation not in built:
-            built[implementation] = {name: self._slot_binding(name, implementation) for name in PER_SLOT_VALUES}
-        return built[implementation]
+        key = (implementation, ops_for(implementation))  # op names registered again (replace=True) are read anew
+        if key not in built:
+            built[key] = {name: self._slot_binding(name, implementation) for name in PER_SLOT_VALUES}
+        return built[key]
 
     @cached_property
     def _static_bindings(self) -> dict[str, Binding]:
@@ -735,10 +736,12 @@ class Moe(Mlp):
 
     # -- all values at once -------------------------------------------------------------------
 
-    def _plan(self, names: tuple[str, ...], strict: bool) -> dict[str, Binding | None]:
+    def _plan(self, names: tuple[str, ...], strict: bool) -> dict[str, tuple[Binding | None, bool]]:
         """The bindings of those of ``names`` this block can serve in this run, as far as is known before the model
-        reaches them (`save_all` knows which value it reads last): None for `router_probs`, scored from the logits.
-        ``strict``: raise the reason for one it cannot serve instead of leaving it out.
+        reaches them: None for `router_probs`, scored from the logits; each with whether `save_all` keeps it open
+        (a write-back for an edit after it returns): where no value after it is read at a later place in the run
+        (the last, and those read where it is, such as expert_weights beside expert_indices). ``strict``: raise
+        the reason for one it cannot serve instead of leaving it out.
 
         Worked out once per experts implementation (read once: nothing switches it while the block runs), the op
         names moelens knows for it and whether the block holds its shared expert (``block.shared_experts = None``
@@ -752,7 +755,8 @@ class Moe(Mlp):
             plans[key] = self._planned(names, implementation, strict)
         return plans[key]
 
-    def _planned(self, names: tuple[str, ...], implementation: str, strict: bool) -> dict[str, Binding | None]:
+    def _planned(self, names: tuple[str, ...], implementation: str, strict: bool
+                 ) -> dict[str, tuple[Binding | None, bool]]:
         plan: dict[str, Binding | None] = {}
         for name in names:
             try:
@@ -764,7 +768,10 @@ class Moe(Mlp):
             except ValueUnavailable:
                 if strict:
                     raise
-        return plan
+        places = [self._binding("router_logits", implementation).location if binding is None else binding.location
+                  for binding in plan.values()]  # router_probs: where the logits are read
+        return {name: (binding, all(later == places[index] for later in places[index + 1:]))
+                for index, (name, binding) in enumerate(plan.items())}
 
     def _asked(self, values: str | Iterable[str], order: tuple[str, ...], strict: bool) -> tuple[str, ...]:
         """The names `save_all` is asked to read, in ``order``; raises the reason for a name it does not read (and
@@ -805,13 +812,12 @@ class Moe(Mlp):
         order = self.order()
         plan = self._plan(order if values is None else self._asked(values, order, strict), strict)
         saved: dict[str, Tensor] = {}
-        last = len(plan) - 1
-        for position, (name, binding) in enumerate(plan.items()):
+        for name, (binding, keep_open) in plan.items():
             try:
                 if binding is None:  # router_probs: scored from the logits just read (else it reads them itself)
                     value = self._scored(saved["router_logits"]) if "router_logits" in saved else self.router_probs
-                else:  # each but the last settled as read: the next is read at once
-                    value = self._read(getattr(type(self), name), keep_open=position == last, binding=binding)
+                else:  # settled as read where a value read later moves the model on at once
+                    value = self._read(getattr(type(self), name), keep_open=keep_open, binding=binding)
             except ValueUnavailable:
                 if strict:
                     raise
