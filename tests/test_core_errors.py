@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import pathlib
 import re
 import subprocess
 import sys
@@ -3595,3 +3596,76 @@ def test_op_names_registered_again_reach_a_block_that_served_per_slot_values():
         outputs = wrapped.moes[0].expert_outputs.save()
         routed = wrapped.moes[0].routed_output.save()
     torch.testing.assert_close(outputs.sum(2), routed)
+
+
+def test_an_interrupt_as_a_trace_begins_leaves_the_model_to_other_threads(monkeypatch):
+    """Ctrl-C while nnsight built the batcher (after moelens claimed the run for this thread, before nnsight's
+    clean-up was in place) left the run claimed: every trace from another thread was refused until this thread
+    traced the wrapper again."""
+    import threading
+
+    import moelens.model
+
+    hf = tiny_model("mixtral")
+    wrapped, ids = moelens.wrap(hf), tiny_inputs(hf)["input_ids"]
+    real = moelens.model._present
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(moelens.model, "_present", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(moelens.model, "_present", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with wrapped.trace(ids):
+            wrapped.output.save()
+    assert wrapped.interleaver.owner is None
+    outcome = {}
+
+    def other_thread():
+        try:
+            with wrapped.trace(ids):
+                outcome["logits"] = wrapped.moes[0].router_logits.save()
+        except Exception as error:  # noqa: BLE001 - reported below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=other_thread, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert "error" not in outcome and outcome["logits"].shape[-1] == 8, outcome
+
+
+def test_an_interrupt_while_the_blocks_are_marked_running_leaves_them_to_other_wrappers():
+    """Ctrl-C while hold_blocks marked the blocks as this run's (before it recorded them) left them marked:
+    every other wrapper of the model was refused until this one traced again."""
+    import moelens.components.run_owner as run_owner
+
+    hf = tiny_model("mixtral")
+    first, second, ids = moelens.wrap(hf), moelens.wrap(hf), tiny_inputs(hf)["input_ids"]
+    source = pathlib.Path(run_owner.__file__).read_text().splitlines()
+    line = next(number for number, text in enumerate(source, 1) if "_RUNNING[block] = self" in text)
+    marked = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != run_owner.__file__:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == line:
+                marked.append(frame.f_lineno)
+                if len(marked) == 2:  # the first block marked, the second not yet
+                    sys.settrace(None)
+                    raise KeyboardInterrupt
+            return local
+        return local
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with first.trace(ids):
+                first.moes[0].router_logits.save()
+    finally:
+        sys.settrace(None)
+    assert len(marked) == 2 and not run_owner._RUNNING
+    with second.trace(ids):
+        logits = second.moes[0].router_logits.save()
+    assert logits.shape[-1] == 8

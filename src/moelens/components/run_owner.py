@@ -75,9 +75,9 @@ class MoeInterleaver(Interleaver):
                     "values could not be served. Trace one wrapper at a time, or wrap a copy for the second "
                     "(moelens.wrap(copy.deepcopy(model._module)))."
                 )
+            self._held = blocks  # first: an interrupt while they are marked leaves `release` all it must clear
             for block in blocks:
                 _RUNNING[block] = self
-            self._held = blocks
 
     def refuse_other_threads(self) -> None:
         """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses)."""

@@ -198,12 +198,18 @@ class MoeBatcher(Batcher):
     begins, it claims the model for this thread (`run_owner`)."""
 
     def __init__(self, envoy: Any, kwargs: dict | None = None) -> None:
-        if isinstance(envoy.interleaver, MoeInterleaver):
+        claimed = isinstance(envoy.interleaver, MoeInterleaver)
+        if claimed:
             envoy.interleaver.claim()
-        super().__init__(envoy, kwargs)
-        #: The EP groups' runs this trace counted as it began (`MoeModelMixin._begin_runs`); a forward outside a
-        #: trace makes its batcher inside the run, which counts itself.
-        self.runs_begun = () if envoy.interleaver in RUNS else envoy._begin_runs()
+        try:  # nnsight makes the batcher before the clean-up that would release the claim is in place
+            super().__init__(envoy, kwargs)
+            #: The EP groups' runs this trace counted as it began (`MoeModelMixin._begin_runs`); a forward outside a
+            #: trace makes its batcher inside the run, which counts itself.
+            self.runs_begun = () if envoy.interleaver in RUNS else envoy._begin_runs()
+        except BaseException:  # an error, or Ctrl-C, as the run begins: other threads would be refused until the next
+            if claimed:
+                envoy.interleaver.release()
+            raise
 
     def widen(self, full: Any, group: Any, edited: Any) -> Any:
         if isinstance(edited, Rebase):
