@@ -1616,7 +1616,7 @@ def test_unregister_of_an_unknown_name_says_what_is_registered():
                      r'plain word is no reference: write "block.top_k" or "config.top_k"', id="top_k_word"),
         pytest.param({"num_experts": True}, r"num_experts must be an int >= 1 or an attribute reference", id="bool"),
         pytest.param({"combine": families.Combine(routed_scale="routed_scale")}, r"Combine.routed_scale must be None, "
-                     r"a number or an attribute reference", id="routed_scale_word"),
+                     r"a positive number or an attribute reference", id="routed_scale_word"),
         pytest.param({"scoring": moelens.Scoring("softmax", scale="scale")}, r"Scoring.scale must be", id="scale"),
         pytest.param({"scoring": moelens.Scoring("softmax", normalize="norm_topk_prob")},
                      r"Scoring.normalize must be True, False or an attribute reference", id="normalize"),
@@ -1629,7 +1629,7 @@ def test_unregister_of_an_unknown_name_says_what_is_registered():
         pytest.param({"scoring": moelens.Scoring("softmax", "group_topk", groups="router.n_group")},
                      r"Scoring.groups must be None or a pair, got 'router.n_group'", id="groups_pair"),
         pytest.param({"expert_gate": families.ExpertGate("clamped_swiglu", alpha="alpha", limit=7.0)},
-                     r"ExpertGate.alpha must be None, a number or an attribute reference", id="alpha"),
+                     r"ExpertGate.alpha must be None, a positive number or an attribute reference", id="alpha"),
         pytest.param({"model_types": None}, r"model_types must be a tuple of names, got None", id="model_types_none"),
     ],
 )

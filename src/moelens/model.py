@@ -192,20 +192,11 @@ class MoeModelMixin:
             if refusal is None:  # not in an experts loop (the scan body's own `if x.sum() > 0:`): torch names the line
                 raise
             raise refusal from error
-        except NotImplementedError as error:  # torch's "Cannot copy out of meta tensor" names no input
-            meta = [name for name, value in _named_inputs(_model_inputs(fn, args, kwargs))
-                    if isinstance(value, torch.Tensor) and value.is_meta]
-            if not meta:
-                raise
-            raise MoelensError(
-                f"the trace's input {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, which "
-                "holds shapes but no values, so the model cannot run on it: pass inputs with values on the model's "
-                "device (model.scan(...) infers shapes from meta inputs)."
-            ) from error
         except RuntimeError as error:  # torch's grouped_mm on float64 weights names neither the block nor the way out
-            moe = self._failing_experts(error)  # or a model loaded in part, on meta: torch's errors name no weight
-            refusal = _unloaded_refusal(self._module) or (None if moe is None else _dtype_refusal(
-                moe.path, moe.experts._module, moe.experts_implementation, SWITCH_IMPLEMENTATION))
+            moe = self._failing_experts(error)  # or a model loaded in part, or inputs, on meta: torch names neither
+            refusal = _unloaded_refusal(self._module) or _meta_inputs_refusal(_model_inputs(fn, args, kwargs)) or (
+                None if moe is None else _dtype_refusal(moe.path, moe.experts._module, moe.experts_implementation,
+                                                        SWITCH_IMPLEMENTATION))
             if refusal is None:
                 raise
             raise refusal from error
@@ -497,11 +488,19 @@ def _model_inputs(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return (), {}
 
 
-def _named_inputs(batched: tuple[tuple, dict]) -> Iterator[tuple[str, Any]]:
-    """The model's inputs ``batched`` with a name each: the keyword's, ``argument <i>`` for a positional one."""
+def _meta_inputs_refusal(batched: tuple[tuple, dict]) -> MoelensError | None:
+    """The error for a run of the model's inputs ``batched`` that failed on inputs on the meta device (torch's "Cannot
+    copy out of meta tensor" names none), else None."""
     args, kwargs = batched
-    yield from ((f"argument {index}", value) for index, value in enumerate(args))
-    yield from kwargs.items()
+    named = [*((f"argument {index}", value) for index, value in enumerate(args)), *kwargs.items()]
+    meta = [name for name, value in named if isinstance(value, torch.Tensor) and value.is_meta]
+    if not meta:
+        return None
+    return MoelensError(
+        f"the trace's input {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, which holds "
+        "shapes but no values, so the model cannot run on it: pass inputs with values on the model's device "
+        "(model.scan(...) infers shapes from meta inputs)."
+    )
 
 
 def _input_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> Any:

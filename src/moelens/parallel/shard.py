@@ -133,7 +133,8 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
                            f"{type(model).__name__} {model!r:.60}.")
     if not dist.is_initialized():
         raise MoelensError("shard_experts: torch.distributed is not initialised; call init_process_group first.")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
+    non_member = dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives the ranks outside the group
+    if group is not None and not isinstance(group, dist.ProcessGroup) and not (type(group) is int and group == non_member):
         raise MoelensError(f"shard_experts: group must be a torch.distributed process group (this rank's EP group from "
                            f"moelens.parallel.ep_groups; None: the whole world), got {type(group).__name__} {group!r:.60}.")
     group = dist.group.WORLD if group is None else group
