@@ -644,6 +644,21 @@ def test_the_expert_logit_lens_reads_out_through_a_plain_models_lm_head():
         moelens.families.unregister("custom")
 
 
+def test_the_lens_ranks_only_tokens_the_model_can_output():
+    """inkling keeps its unembedding padded past unpadded_vocab_size and cuts its logits there; the lens ranked
+    every row of the head, listing padding rows as experts' top tokens, and the corpus took ids in the padding."""
+    hf = tiny_model("inkling", unpadded_vocab_size=100)
+    assert hf.get_output_embeddings().weight.shape[0] == 128
+    wrapped = moelens.wrap(hf)
+    ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert hf(input_ids=ids[:1]).logits.shape[-1] == 100
+    lens = analysis.expert_logit_lens(wrapped, ids, top=10, progress=False)
+    assert lens.counts.sum() > 0 and int(lens.top_ids.max()) < 100
+    with pytest.raises(MoelensError, match=r"holds token id 120, outside the model.s vocabulary \[0, 100\)"):
+        analysis.collect_routing(wrapped, torch.full((1, 4), 120), progress=False)
+
+
 def test_the_vocabulary_is_the_configs_capped_by_a_transformers_models_input_embedding():
     """A plain model's first nn.Embedding (here its positions') was taken as its vocabulary over its config."""
     from types import SimpleNamespace

@@ -161,9 +161,13 @@ def text_config(model: Any) -> Any:
 
 
 def vocab_size(model: Any) -> int | None:
-    """The number of token ids the model embeds: its text config's ``vocab_size``, capped by the rows of
-    a transformers model's input embedding; None for a model with neither (see `embedding_rows`)."""
-    sizes = [size for size in (getattr(text_config(model), "vocab_size", None),) if isinstance(size, int) and size > 0]
+    """The number of token ids the model embeds: its text config's ``vocab_size`` (``unpadded_vocab_size`` where
+    it keeps one, as inkling does: the rows past it pad the embedding, and its forward cuts its logits there),
+    capped by the rows of a transformers model's input embedding; None for a model with neither (see
+    `embedding_rows`)."""
+    config = text_config(model)
+    sizes = [size for size in (getattr(config, "vocab_size", None), getattr(config, "unpadded_vocab_size", None))
+             if isinstance(size, int) and size > 0]
     module = getattr(model, "_module", model)
     try:
         embedding = module.get_input_embeddings()

@@ -235,6 +235,7 @@ def expert_logit_lens(
     with torch.no_grad():
         hidden = readout.float()
         logits = _read_out(head, _read_out(norm, hidden) if norm is not None else hidden).cpu()
+    logits = logits[..., : corpora.vocab_size(model) or logits.shape[-1]]  # the tokens the model can output
     logits[count_rows == 0] = float("-inf")
     top_logits, top_ids = logits.topk(min(top, logits.shape[-1]), dim=-1)
     tokenizer = corpora.tokenizer_of(model)
