@@ -562,9 +562,25 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         return {"error": _error_text(lambda: shard_experts(tiny_model("mixtral", intermediate_size=width), None)),
                 "dtype": _error_text(lambda: shard_experts(tiny_model("mixtral", dtype=dtype), None))}
 
+    def traced_and_plain_generate() -> dict[str, Any]:
+        """Rank 0 looks at its generation in a trace, the others generate without one: the same forwards on every
+        rank (a traced generation counted as one run, each untraced step as its own, ended in RankDivergence)."""
+        from groundtruth import ascii_tokenizer
+
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        ep = shard_experts(copy.deepcopy(ref), None)
+        wrapped, ids = moelens.wrap(ep, tokenizer=ascii_tokenizer()), tokens_of(RANK)
+        settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        if RANK == 0:
+            with wrapped.generate(ids, **settings):
+                out = wrapped.generator.output.save()
+        else:
+            out = ep.generate(ids, **settings)
+        return {"equal": bool(torch.equal(out, ref.generate(ids, **settings)))}
+
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
             "error_on_some_ranks": error_on_some_ranks, "different_models": different_models,
-            "plain_torch_model": plain_torch_model}
+            "plain_torch_model": plain_torch_model, "traced_and_plain_generate": traced_and_plain_generate}
 
 
 def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:

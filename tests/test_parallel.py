@@ -353,6 +353,8 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert plain["indices_equal"] and plain["out"] <= TOL and plain["held"] == [[2, 16, 16]] * 2, plain  # (JSON)
         assert "hold different models" in cases["different_models"]["dtype"] and "in the same dtype" in cases["different_models"]["dtype"]
         assert "error" not in cases["error_on_some_ranks"], (rank, cases["error_on_some_ranks"]["error"][-2000:])
+        mixed = cases["traced_and_plain_generate"]  # rank 0 traces its generation, rank 1 does not
+        assert mixed.get("equal"), (rank, mixed.get("error", "")[-2000:])
         for name, case in cases["error_on_some_ranks"].items():
             expected = ("RankDivergence" if rank == 0 else "ValueUnavailable" if name.startswith("before the forward")
                         else "ValueError: Cannot access" if name.startswith("an empty batch")

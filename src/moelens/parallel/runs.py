@@ -1,11 +1,12 @@
 """Run ids: which run of a sharded model each rank of its EP group is in.
 
 Every MoE layer's count exchange (`a2a.plan_dispatch`) carries the id of the run the rank is in.
-A run is a trace of the wrapped model (`MoeNNsight.interleave` finds the experts modules' ``_ep_runs``,
-set by `shard_experts` and by transformers' expert parallelism through ``torch_a2a``), however many
-forwards it makes, or a forward outside one of a module holding the experts (the model, its base
-model, a decoder layer, a block: `shard_experts` hooks each, `forward_enters` / `forward_leaves`; the
-outermost call is the run).
+A run is a forward of a module holding the experts (the model, its base model, a decoder layer, a block:
+`shard_experts` hooks each, `forward_enters` / `forward_leaves`; the outermost call is the run), so that
+a rank generating in a trace and one generating without keep in step, a run per step. A trace of the
+wrapped model (`MoeNNsight.interleave` finds the experts modules' ``_ep_runs``, set by `shard_experts`
+and by transformers' expert parallelism through ``torch_a2a``) starts its first run as it begins,
+whether its model runs or not (a body that fails first on some ranks), and its first forward is in it.
 
 A run that raises on some ranks only, before one of its exchanges (an intervention refused for
 this rank's tokens), leaves the other ranks waiting in that exchange while the ranks that raised
@@ -28,14 +29,15 @@ class Runs:
 
     Attributes:
         current: The id of the run this rank is in (0 before the first): how many it started.
-        tracing: How many moelens traces of such a model are running (their forwards start no run).
+        tracing: How many moelens traces of such a model are running (their first forward starts no run).
         depth: How many calls of hooked modules are running (only the outermost starts a run).
+        traced_forwards: How many outermost forwards the running trace made.
     """
 
-    __slots__ = ("current", "tracing", "depth")
+    __slots__ = ("current", "tracing", "depth", "traced_forwards")
 
     def __init__(self) -> None:
-        self.current, self.tracing, self.depth = 0, 0, 0
+        self.current, self.tracing, self.depth, self.traced_forwards = 0, 0, 0, 0
 
     def __copy__(self) -> "Runs":
         return self
@@ -48,11 +50,12 @@ class Runs:
         self.current += 1
 
     def trace_begins(self, counted: bool = False) -> None:
-        """A moelens trace of a sharded model runs the model: a run, whatever forwards it makes (``counted``: its id
-        was taken as the trace began, `MoeModelMixin._begin_runs`)."""
+        """A moelens trace of a sharded model runs the model: a run, which its first forward is in (``counted``: its
+        id was taken as the trace began, `MoeModelMixin._begin_runs`)."""
         if not counted:
             self.start()
         self.tracing += 1
+        self.traced_forwards = 0
 
     def trace_ends(self) -> None:
         self.tracing -= 1
@@ -71,10 +74,12 @@ def runs_of(group: Any) -> Runs:
 
 
 def forward_enters(runs: Runs, module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook (put first) of a module holding sharded experts: its outermost call outside a moelens
-    trace is a run."""
-    if not runs.depth and not runs.tracing:
-        runs.start()
+    """Forward pre-hook (put first) of a module holding sharded experts: its outermost call is a run (in a moelens
+    trace, the first is the trace's own)."""
+    if not runs.depth:
+        if not runs.tracing or runs.traced_forwards:
+            runs.start()
+        runs.traced_forwards += bool(runs.tracing)
     runs.depth += 1
 
 
