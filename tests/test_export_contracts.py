@@ -495,3 +495,25 @@ def test_the_export_copy_is_a_float32_cpu_copy_that_keeps_ties_and_leaves_the_mo
     inputs = tiny_inputs(hf)
     with torch.no_grad():
         torch.testing.assert_close(copied(**inputs).logits, expected(**inputs).logits, rtol=0, atol=0)
+
+
+def test_router_bias_edits_of_ungated_experts_are_refused_not_bound_to_w3():
+    """steer / route_around are baked as a router bias; with ungated experts (no w3) tract_moe_ffn would have read
+    that bias in w3's place (read_spec refuses a model's own router bias there, bake made one after it)."""
+    import dataclasses
+
+    from moelens.export import Edits, ExportRefused
+    from moelens.export.spec import read_spec
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[1]
+    spec = read_spec(moe.family, moe._module, moe.layer)
+    ungated = dataclasses.replace(spec.clone(), w3=None)
+    for edits in (Edits(steer={1: {2: 1.0}}), Edits(route_around={1: [2]})):
+        with pytest.raises(ExportRefused, match=r"Edits at layer 1: steer and route_around are baked as a router bias, "
+                                                r"which ungated experts cannot take"):
+            edits.bake(ungated)
+    baked = Edits(ablate={1: [2]}).bake(ungated)  # the experts' weights: no bias needed
+    assert baked.wg_bias is None and float(baked.w2[2].abs().max()) == 0.0

@@ -222,6 +222,12 @@ class Edits:
         source, spec = spec, spec.clone()
         biases = self.steer.get(layer, {})
         removed = self.route_around.get(layer, ())
+        if (biases or removed) and spec.w3 is None:
+            raise ExportRefused(
+                f"Edits at layer {layer}: steer and route_around are baked as a router bias, which ungated experts "
+                "cannot take (tract_moe_ffn binds its bias inputs after w3, which they do not have); export this "
+                "layer without them (ablate and swap edit the experts' weights)."
+            )
         if biases or removed:
             wg_bias = spec.wg_bias if spec.wg_bias is not None else spec.wg.new_zeros(spec.num_experts)
             for expert, bias in biases.items():
