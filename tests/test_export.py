@@ -951,6 +951,23 @@ def test_export_never_replaces_a_file_of_the_users(out):
     assert not [p.name for p in out.glob(".*.part")]  # no temporary file is left
 
 
+def test_a_q4_0_check_where_torch_computes_nan_is_refused(out, monkeypatch):
+    """The Q4_0 check compares tract with torch run on the archive's dequantized weights: NaN there against NaN in
+    tract counted as a match."""
+    from moelens.export import extractor
+
+    real = extractor.dequantized
+
+    def poisoned(module):
+        spec = real(module)
+        return spec.with_weights(w2=torch.full_like(spec.w2, float("nan")))
+
+    monkeypatch.setattr(extractor, "dequantized", poisoned)
+    moe = moelens.wrap(small("mixtral", intermediate_size=32)).moes[0]
+    with pytest.raises(ExportError, match=r"torch computes NaN with the archive's dequantized Q4_0 expert weights"):
+        to_nnef(moe, out / "q40-nan.nnef.tgz", quantize_experts="q4_0")
+
+
 @pytest.mark.parametrize("layout", ["canonical", "linear"])
 def test_q4_0_experts(layout, out):
     moe = moelens.wrap(small("mixtral", intermediate_size=32)).moes[0]
