@@ -705,3 +705,47 @@ def test_an_experts_implementation_switched_between_steps_is_the_one_read_after(
         assert [shape[:3] for shape in shapes] == [(1, 1, 2), (1, 1, 2)]
     finally:
         wrapped.set_experts_implementation("grouped_mm")
+
+
+@pytest.mark.parametrize("pad_token_id", [-1, 128, 32000])
+def test_token_id_invokes_are_padded_with_an_id_the_model_embeds(pad_token_id):
+    """The padding of invokes of different lengths took the config's pad_token_id even where the model cannot embed
+    it (-1 in some configs): valid ids were refused, the padding counted as ids "outside the model's embeddings"."""
+    hf = tiny_model("mixtral")
+    hf.config.pad_token_id = pad_token_id
+    wrapped, long, short = moelens.wrap(hf), torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[10, 11, 12]])
+    with torch.no_grad():
+        expected = hf(short).logits
+    with torch.no_grad(), wrapped.trace() as tracer:
+        with tracer.invoke(long):
+            pass
+        with tracer.invoke(short):
+            logits = wrapped.output.logits.save()
+    torch.testing.assert_close(logits[:, -3:], expected, atol=1e-6, rtol=1e-6)
+
+
+def test_token_id_invokes_reach_a_forward_whose_first_argument_has_another_name():
+    """Several invokes handed the padded ids over as input_ids=, which forward(self, tokens) does not take (a bare
+    TypeError); one invoke passed them positionally."""
+    from custom_models import CustomModel, custom_family, custom_model
+
+    class TokensModel(CustomModel):
+        def forward(self, tokens):
+            return super().forward(tokens)
+
+    family = moelens.families.register(custom_family(), replace=True)
+    try:
+        base = custom_model()
+        hf = TokensModel(base.config)
+        hf.load_state_dict(base.state_dict())
+        hf.eval()
+        wrapped, first, second = moelens.wrap(hf), torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6, 7, 8]])
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke(first):
+                pass
+            with tracer.invoke(second):
+                output = wrapped.output.save()
+        with torch.no_grad():
+            torch.testing.assert_close(output, hf(second), atol=1e-6, rtol=1e-6)
+    finally:
+        moelens.families.unregister(family.name)

@@ -3669,3 +3669,13 @@ def test_an_interrupt_while_the_blocks_are_marked_running_leaves_them_to_other_w
     with second.trace(ids):
         logits = second.moes[0].router_logits.save()
     assert logits.shape[-1] == 8
+
+
+@pytest.mark.parametrize("family", ["llama4", "dbrx"])
+def test_switching_experts_that_run_their_own_loop_is_refused(family):
+    """transformers refuses the switch for these classes, and moelens found no block to switch: the call returned
+    as if it had switched them."""
+    wrapped = moelens.wrap(tiny_model(family))
+    with pytest.raises(moelens.MoelensError, match=r"has no MoE block whose experts run a pluggable implementation .*"
+                                                   r"switched nothing"):
+        wrapped.set_experts_implementation("grouped_mm")

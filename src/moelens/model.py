@@ -41,7 +41,7 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, ValueUnavailable, described
 from .families import Family, registry
-from .modules import first_parameter, on_accelerator, takes_keyword
+from .modules import first_parameter, on_accelerator, takes_keyword, vocab_size
 from .scalars import as_int, check_flag
 
 
@@ -132,6 +132,12 @@ class MoeModelMixin:
                         "FP8 weights, which transformers picks when it loads them; these experts hold float weights."
                     )
                 experts.config._experts_implementation = name
+        if not any(is_dispatching(moe.experts._module) for moe in self.moes):
+            raise MoelensError(
+                f"{type(module).__name__} has no MoE block whose experts run a pluggable implementation (their own "
+                "loop, as llama4's and dbrx's, or no MoE block at all), so set_experts_implementation switched "
+                "nothing; its experts run as they are."
+            )
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions (one run of each EP group the experts are
@@ -558,7 +564,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
     """A transformers model without a tokenizer: token-id inputs only, with moelens components.
 
     Several invokes are batched by left-padding their ``input_ids`` with the
-    config's pad token (0 when it has none) and masking the padding (a forward
+    config's pad token (0 when it has none or the model does not embed it) and masking the padding (a forward
     that takes no ``attention_mask`` batches invokes of one length only).
     """
 
@@ -651,8 +657,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                                    "the invokes cannot be padded into one batch. Pass ids with values.")
             _refuse_unusable_ids(self._module, ((), {"input_ids": ids}))
             rows.extend(ids.reshape(-1, ids.shape[-1]))
-        pad_id = getattr(getattr(self._module, "config", None), "pad_token_id", None) or 0
-        input_ids, attention_mask = _left_padded(rows, pad_id)
+        input_ids, attention_mask = _left_padded(rows, _embedded_pad_id(self._module))
         params = getattr(self.interleaver.batcher, "extra_kwargs", {})  # the trace's own (model.trace(...=...))
         if _cached_tokens(params):  # a mask and positions of the new tokens alone would leave the cache out
             if not attention_mask.all() and "attention_mask" not in params:
@@ -663,11 +668,19 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     "Give invokes of one length, or pass attention_mask (over the cache and the new tokens) and "
                     "position_ids to model.trace(...)."
                 )
-            return (), {"input_ids": input_ids}  # the model's own mask and positions after the cache, or the trace's
+            return self._ids_given(input_ids)  # the model's own mask and positions after the cache, or the trace's
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        taken = {name: value for name, value in batch.items() if name == "input_ids" or takes_keyword(self._module, name)}
-        return self._mask_taken((), taken | {"attention_mask": attention_mask})
+        taken = {name: value for name, value in (("attention_mask", attention_mask), ("position_ids", position_ids))
+                 if takes_keyword(self._module, name)}
+        inputs, kwargs = self._ids_given(input_ids)
+        return self._mask_taken(inputs, kwargs | taken | {"attention_mask": attention_mask})
+
+    def _ids_given(self, input_ids: Int[torch.Tensor, "b w"]) -> tuple[tuple, dict[str, Any]]:
+        """The batched ids as the forward takes them: the ``input_ids`` keyword, or its first argument where it has
+        another name (``forward(self, tokens)``)."""
+        if first_parameter(self._module) in ("input_ids", None) or takes_keyword(self._module, "input_ids"):
+            return (), {"input_ids": input_ids}
+        return (input_ids,), {}
 
     def _mask_taken(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """An invoke's inputs for a forward that may take no ``attention_mask``: an all-ones mask
@@ -702,6 +715,14 @@ def _cached_tokens(params: dict[str, Any]) -> int:
         return 0
     length = getattr(cache, "get_seq_length", None)
     return int(length()) if callable(length) else 1  # a cache of another kind: assume it holds tokens
+
+
+def _embedded_pad_id(model: torch.nn.Module) -> int:
+    """The id the invokes of a model without a tokenizer are padded with (masked, so any id it embeds will do): the
+    config's ``pad_token_id`` where the model embeds it, else 0 (``-1`` or an id past the vocabulary in a config)."""
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    vocab = vocab_size(model)
+    return pad_id if isinstance(pad_id, int) and 0 <= pad_id and (vocab is None or pad_id < vocab) else 0
 
 
 def _left_padded(rows: list[Int[torch.Tensor, " _"]], pad_id: int) -> tuple[Int[torch.Tensor, "b w"], Int[torch.Tensor, "b w"]]:
