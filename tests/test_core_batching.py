@@ -570,6 +570,12 @@ def test_token_id_invokes_of_different_lengths_over_a_cache_need_the_traces_mask
     ids = torch.tensor([[40, 41], [0, 50]], device=hf.device)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 1]], device=hf.device)
     positions = torch.tensor([[3, 4], [3, 3]], device=hf.device)
+    with pytest.raises(moelens.MoelensError, match=r"and position_ids to model.trace\(...\) \(not given: position_ids\)"):
+        with wrapped.trace(past_key_values=_prefilled(hf, prompt), attention_mask=mask) as tracer:  # positions from
+            with tracer.invoke(long):  # the cache alone would ignore the left padding
+                wrapped.output.logits.save()
+            with tracer.invoke(short):
+                wrapped.output.logits.save()
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions,
                       past_key_values=_prefilled(hf, prompt)).logits

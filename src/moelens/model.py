@@ -660,13 +660,15 @@ class MoeNNsight(MoeModelMixin, NNsight):
         input_ids, attention_mask = _left_padded(rows, _embedded_pad_id(self._module))
         params = getattr(self.interleaver.batcher, "extra_kwargs", {})  # the trace's own (model.trace(...=...))
         if _cached_tokens(params):  # a mask and positions of the new tokens alone would leave the cache out
-            if not attention_mask.all() and "attention_mask" not in params:
+            missing = [name for name in ("attention_mask", "position_ids")
+                       if name not in params and (name == "attention_mask" or takes_keyword(self._module, name))]
+            if not attention_mask.all() and missing:
                 raise MoelensError(
                     "invokes of different lengths over a key-value cache (past_key_values) on a model wrapped "
                     "without a tokenizer: moelens left-pads the new tokens, but it cannot know which cached "
                     "positions of each row are padding, so it cannot build their attention_mask and position_ids. "
                     "Give invokes of one length, or pass attention_mask (over the cache and the new tokens) and "
-                    "position_ids to model.trace(...)."
+                    f"position_ids to model.trace(...) (not given: {', '.join(missing)})."
                 )
             return self._ids_given(input_ids)  # the model's own mask and positions after the cache, or the trace's
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
