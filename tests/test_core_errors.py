@@ -3677,5 +3677,5 @@ def test_switching_experts_that_run_their_own_loop_is_refused(family):
     as if it had switched them."""
     wrapped = moelens.wrap(tiny_model(family))
     with pytest.raises(moelens.MoelensError, match=r"has no MoE block whose experts run a pluggable implementation .*"
-                                                   r"switched nothing"):
+                                                   r"has nothing to switch"):
         wrapped.set_experts_implementation("grouped_mm")

@@ -108,7 +108,13 @@ class MoeModelMixin:
             check_known(name)
         subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}}
         _check_sub_configs(subs, wanted)
-        for moe in self.moes:  # before anything is switched
+        if not any(is_dispatching(moe.experts._module) for moe in self.moes):  # before anything is switched
+            raise MoelensError(
+                f"{type(module).__name__} has no MoE block whose experts run a pluggable implementation (their own "
+                "loop, as llama4's and dbrx's, or no MoE block at all), so set_experts_implementation has nothing to "
+                "switch; its experts run as they are."
+            )
+        for moe in self.moes:
             experts = moe.experts._module
             if is_dispatching(experts):
                 refusal = _dtype_refusal(moe.path, experts, _wanted_for(experts, implementation, subs, wanted) or "")
@@ -132,12 +138,6 @@ class MoeModelMixin:
                         "FP8 weights, which transformers picks when it loads them; these experts hold float weights."
                     )
                 experts.config._experts_implementation = name
-        if not any(is_dispatching(moe.experts._module) for moe in self.moes):
-            raise MoelensError(
-                f"{type(module).__name__} has no MoE block whose experts run a pluggable implementation (their own "
-                "loop, as llama4's and dbrx's, or no MoE block at all), so set_experts_implementation switched "
-                "nothing; its experts run as they are."
-            )
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions (one run of each EP group the experts are
@@ -344,7 +344,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             ids = _invoke_ids(inputs, kwargs)
             if isinstance(ids, torch.Tensor) and ids.dim() > 2 or isinstance(ids, (list, tuple)) and any(
                     isinstance(row, (list, tuple)) and not row for row in ids):
-                shape = f"of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else f"a list holding an empty row {ids!r:.60}"
+                shape = (f"of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
+                         else f"a list holding an empty row {ids!r:.60}")
                 raise MoelensError(
                     f"a trace's token ids were {shape}: a model wrapped with a tokenizer takes ids [batch, seq] (or one "
                     "row [seq]), every row holding at least one token."
