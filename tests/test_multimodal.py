@@ -271,3 +271,13 @@ def test_the_expert_logit_lens_of_a_vision_language_model_reads_out_through_its_
             used = lens.counts[row] > 0
             by_hand = hf.lm_head(norm(lens.mean_outputs[row].float())).topk(5, -1).indices
             assert used.any() and torch.equal(lens.top_ids[row][used], by_hand[used])
+
+
+def test_an_export_reads_the_context_of_the_text_decoder():
+    """The export's context length read the top config's max_position_embeddings, which a composite config keeps in
+    its text config: no limit was known for a whole vision-language model."""
+    from moelens.export.target import resolve
+
+    hf = _model("qwen3_vl_moe", "grouped_mm").eval()
+    assert getattr(hf.config, "max_position_embeddings", None) is None
+    assert resolve(hf).context_length == hf.config.get_text_config().max_position_embeddings

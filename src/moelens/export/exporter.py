@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import __version__
-from ..modules import cpu_float_copy, embedding_rows, takes_keyword, unloaded_weights
+from ..modules import cpu_float_copy, embedding_rows, takes_keyword, text_config, unloaded_weights
 from ..modules import vocab_size as model_vocab_size
 from ..paths import user_path
 from ..scalars import check_flag
@@ -238,12 +238,12 @@ class TokensToLogits(torch.nn.Module):
         # a plain torch model builds what masks it has itself (from what its forward takes, as attended_output gives)
         self.masks = dynamic and isinstance(model, PreTrainedModel)
         if self.masks:
-            layer_kinds(config)  # refuses layer types whose masks are not rebuilt
+            layer_kinds(text_config(model))  # refuses layer types whose masks are not rebuilt
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.masks:
             position = positions(input_ids)
-            masks = attention_masks(self.model.config, position)
+            masks = attention_masks(text_config(self.model), position)  # a composite model's decoder settings
             output = self.model(input_ids=input_ids, attention_mask=masks, position_ids=position, use_cache=False)
         else:
             output = attended_output(self.model, input_ids)

@@ -21,7 +21,7 @@ from ..components.served import trace_running
 from ..families import Family, registry
 from ..families.entry import get_path
 from ..families.unserved import why_no_moe
-from ..modules import foreign_global_hooks, foreign_hooks, hook_name
+from ..modules import foreign_global_hooks, foreign_hooks, hook_name, text_config
 from ..discovery import discover
 from .errors import ExportError, ExportRefused
 
@@ -57,8 +57,9 @@ class Target:
 
     @property
     def context_length(self) -> int | None:
-        """The positions the module's config gives it (``max_position_embeddings``), None where it names none."""
-        limit = getattr(getattr(self.module, "config", None), "max_position_embeddings", None)
+        """The positions the module's config gives it (``max_position_embeddings``, a composite model's text
+        config's), None where it names none."""
+        limit = getattr(text_config(self.module), "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
 
