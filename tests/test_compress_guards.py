@@ -416,3 +416,56 @@ def test_switching_the_experts_of_a_model_with_no_converted_block_is_refused():
     with pytest.raises(CompressionError, match=r"LlamaForCausalLM holds no block converted by moelens.compress, so "
                                                r"set_experts_implementation has nothing to switch"):
         set_experts_implementation(llama(), "eager")
+
+
+@pytest.mark.parametrize("make", [gpt2, bert], ids=["gpt2", "bert"])
+def test_left_padded_calibration_sees_each_text_at_its_own_positions(make):
+    """Left-padded rows were run without position_ids: a model with learned position embeddings saw their real tokens
+    at the padding's positions (not what generate or a trace gives it), and was calibrated on those inputs."""
+    from moelens.compress import calibration
+
+    model = make()
+    long, short = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.tensor([[11, 12, 13]])
+    batch = {"input_ids": torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)]),
+             "attention_mask": torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])}
+    module = model.transformer.h[1].mlp if make is gpt2 else model.encoder.layer[1].intermediate
+    seen = []
+    handle = module.register_forward_pre_hook(lambda _, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        model(input_ids=long)
+        model(input_ids=short)
+    handle.remove()
+    captured = calibration.capture(model, calibration.batches(batch), {"ffn": module})["ffn"]
+    torch.testing.assert_close(captured, torch.cat(seen), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_a_chunked_feed_forward_cannot_tell_apart_is_refused():
+    """BERT's chunked feed-forward runs on parts of the sequence, whose shape does not fit the mask: every row,
+    padding included, was calibrated on and counted."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=64, chunk_size_feed_forward=4)).eval()
+    tokens = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1:, 6:] = 0
+    with pytest.raises(CompressionError, match=r"encoder.layer.0.intermediate's input of shape \(4, 4, 32\) does not "
+                                               r"fit the batch's attention_mask \(4, 16\)"):
+        convert(model, num_experts=4, top_k=2, calibration={"input_ids": tokens, "attention_mask": mask})
+    converted, stats = convert(model, num_experts=4, top_k=2, max_error=None,
+                               calibration={"input_ids": tokens, "attention_mask": torch.ones_like(mask)})
+    assert stats.calibration_tokens == 64
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["linear", "gpt2"])
+def test_exportable_keeps_frozen_experts_and_a_fixed_placement_frozen(make):
+    """exportable() made every gated-form weight a trainable Parameter: frozen experts (freeze_experts, the default)
+    and ToMoELinear's fixed 0/1 placement (a buffer) came out trainable."""
+    from moelens.compress import exportable
+
+    settings = {"target_attention_only": True} if make is llama else {}
+    converted, _ = convert(make(), num_experts=4, top_k=2, calibration=ids(8, 16), **settings)
+    for module in exportable(converted).modules():
+        if type(module).__name__ == "ToMoEGatedExperts":
+            assert not [name for name, param in module.named_parameters() if param.requires_grad], module

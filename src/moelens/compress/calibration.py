@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from ..modules import device_of, evaluating
+from ..modules import device_of, evaluating, takes_keyword
 from .errors import CompressionError
 
 
@@ -130,13 +130,24 @@ def _mask(kwargs: Mapping | None, key: str = "attention_mask") -> Tensor | None:
     return mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
 
-def _valid_rows(hidden: Tensor, mask: Tensor | None) -> Tensor:
-    """The input's token rows ``[n, D]``, without padding when the mask fits its shape."""
+def _valid_rows(hidden: Tensor, mask: Tensor | None, name: str = "the module") -> Tensor:
+    """The input's token rows ``[n, D]``, without padding.
+
+    Raises:
+        CompressionError: the batch holds padding and the input's shape does not fit the mask (a module run on
+            chunks of the sequence, as BERT's chunked feed-forward), so its padding rows cannot be told apart.
+    """
     if mask is not None:
         if hidden.dim() == 3 and tuple(hidden.shape[:2]) == tuple(mask.shape):
             return hidden[mask.to(hidden.device)]
         if hidden.dim() == 2 and hidden.shape[0] == mask.numel():
             return hidden[mask.reshape(-1).to(hidden.device)]
+        if not bool(mask.all()):
+            raise CompressionError(
+                f"{name}'s input of shape {tuple(hidden.shape)} does not fit the batch's attention_mask "
+                f"{tuple(mask.shape)} (the module runs on parts of the sequence), so its padding cannot be left out "
+                "of the calibration: calibrate with batches of one length (no padding), or one sequence a batch."
+            )
     return hidden.reshape(-1, hidden.shape[-1])
 
 
@@ -152,7 +163,7 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
     def recorder(name: str, mask_key: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = args[0] if args else next(iter(kwargs.values()))
-            found[name].append(_valid_rows(hidden.detach(), _mask(current["features"], mask_key)).float().cpu())
+            found[name].append(_valid_rows(hidden.detach(), _mask(current["features"], mask_key), name).float().cpu())
         return hook
 
     for name, module in modules.items():
@@ -165,8 +176,11 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
                 kwargs = _to(kwargs, device)
                 args = tuple(_to(a, device) for a in args)
                 current["features"] = _features(args, kwargs)
+                kwargs = _left_padding_positions(model, args, kwargs)
                 try:
                     model(*args, **kwargs)
+                except CompressionError:  # the recorder's own, which names the module
+                    raise
                 except Exception as error:  # the model refused the data: say which batch and why
                     raise CompressionError(_failed(model, index, args, kwargs, error)) from error
     finally:
@@ -191,6 +205,17 @@ def _decoder_modules(model: nn.Module) -> set[int]:
     if not getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
         return set()
     return {id(module) for module in model.get_decoder().modules()}
+
+
+def _left_padding_positions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with ``position_ids`` counted from each row's first real token where rows are left-padded and the
+    forward takes positions it is not given (as `generate` and moelens' traces give them): a model with learned
+    position embeddings (GPT-2, BERT) would otherwise put the real tokens at the padding's positions."""
+    mask = _mask(kwargs)
+    if args or mask is None or "position_ids" in kwargs or not takes_keyword(model, "position_ids") or \
+            not bool((~mask[:, 0] & mask.any(-1)).any()):
+        return kwargs
+    return {**kwargs, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
 
 
 def _to(value: Any, device: torch.device) -> Any:

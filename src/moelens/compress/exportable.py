@@ -53,6 +53,10 @@ def gated_form(experts: ToMoEExperts) -> ToMoEGatedExperts:
         gated.gate_up_proj_bias[:, size:].fill_(1.0)
     gated.down_proj.copy_(experts.down_proj)
     gated.down_proj_bias.copy_(experts.down_proj_bias)
+    sources = {"gate_up_proj": experts.up_proj, "gate_up_proj_bias": experts.up_proj_bias,
+               "down_proj": experts.down_proj, "down_proj_bias": experts.down_proj_bias}
+    for name, source in sources.items():  # frozen experts stay frozen, a fixed placement (a buffer) fixed
+        getattr(gated, name).requires_grad_(isinstance(source, nn.Parameter) and source.requires_grad)
     gated.train(experts.training)
     return gated
 
