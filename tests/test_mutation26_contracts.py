@@ -141,16 +141,17 @@ def _mlp_model(sequence_first: bool) -> nn.Module:
     return Model().eval()
 
 
-def test_an_ffn_whose_input_does_not_fit_the_mask_keeps_every_row():
-    """A sequence-first model ([S, B, D], as torch's nn.Transformer without batch_first): the [B, S] mask does not
-    fit its input, so every row is kept (no crash in the hook, no row picked by a mask of the wrong layout)."""
+def test_an_ffn_whose_input_is_sequence_first_keeps_the_real_rows():
+    """A sequence-first model ([S, B, D], as torch's nn.Transformer without batch_first): the [B, S] mask fits its
+    input transposed, so the real tokens are kept and the padding left out (every row, padding included, was kept).
+    (With S == B the layout cannot be told from the shape: it is taken for batch first, as transformers' models are.)"""
     model = _mlp_model(sequence_first=True)
     tokens = ids(4, 16)
     mask = torch.ones_like(tokens)
     mask[:, 10:] = 0
     rows = cal.capture(model, cal.batches({"input_ids": tokens, "attention_mask": mask}), {"mlp": model.mlp})["mlp"]
     with torch.no_grad():
-        expected = model.embed_tokens(tokens).transpose(0, 1).reshape(-1, 32)
+        expected = model.embed_tokens(tokens)[mask.bool()]
     torch.testing.assert_close(rows, expected, rtol=0, atol=0)
 
 

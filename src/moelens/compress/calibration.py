@@ -142,6 +142,8 @@ def _valid_rows(hidden: Tensor, mask: Tensor | None, name: str = "the module") -
             return hidden[mask.to(hidden.device)]
         if hidden.dim() == 2 and hidden.shape[0] == mask.numel():
             return hidden[mask.reshape(-1).to(hidden.device)]
+        if hidden.dim() == 3 and tuple(hidden.shape[:2]) == tuple(mask.T.shape):  # square: taken as batch first
+            return hidden.transpose(0, 1)[mask.to(hidden.device)]  # sequence first ([S, B, D], nn.Transformer's)
         if not bool(mask.all()):
             raise CompressionError(
                 f"{name}'s input of shape {tuple(hidden.shape)} does not fit the batch's attention_mask "
