@@ -671,3 +671,42 @@ def test_the_routed_output_read_at_the_block_is_its_output(registered):
         expected = hand.layers[0]["moe"](hand.embed(IDS))[0]
     assert torch.equal(routed, expected)
     assert torch.equal(block_output, expected * 2)
+
+
+@pytest.mark.parametrize(("family", "message"), [
+    ("llama4", r"its block output is not checked \(the block serves no routed_output\), nor are its expert weights"),
+    ("gemma4", r"its block output is not checked \(the block serves no mlp_output\), so the entry's Combine and "
+               r"shared expert are taken as they are"),
+])
+def test_check_says_what_it_could_not_check(family, message):
+    """llama4's check said "its block output is checked" where nothing was (the block serves no routed_output), and
+    gemma4's skipped its Combine without a word: a wrong score or Combine passed."""
+    hf = tiny_model(family)
+    with pytest.warns(UserWarning, match=message):
+        families.check(moelens.wrap(hf), **tiny_inputs(hf))
+
+
+def test_check_ranks_a_group_topk_entry_without_groups_as_a_score_topk_one():
+    """minimax_m2's entry without its selection bias was refused as score_topk but passed as group_topk (with no
+    groups read off the block, a top-k of the scores): the selection was not checked."""
+    entry = families.get("minimax_m2")
+    wrong = dataclasses.replace(entry, name="minimax_m2_group", scoring=dataclasses.replace(
+        entry.scoring, select="group_topk", selection_bias=None, selection_op=None, selection_arg=None))
+    families.register(wrong, replace=True)
+    try:
+        hf = tiny_model("minimax_m2")
+        with pytest.raises(FamilyError, match=r"the experts chosen for \d+ of \d+ tokens are not the top 2"):
+            families.check(moelens.wrap(hf), **tiny_inputs(hf))
+    finally:
+        families.unregister("minimax_m2_group")
+
+
+@pytest.mark.parametrize(("family", "overrides", "described"), [
+    ("lfm2_moe", {"use_expert_bias": False}, "sigmoid scores, score topk, renormalised (SGB)"),
+    ("laguna", {"moe_router_logit_softcapping": 2.0},
+     "logits softcapped at 2, sigmoid scores, score topk, selection bias, renormalised (SGB)"),
+])
+def test_a_block_is_described_as_its_router_scores(family, overrides, described):
+    """described_on named a selection bias the block has none of (lfm2_moe without expert_bias) and no softcap."""
+    moe = moelens.wrap(tiny_model(family, **overrides)).moes[0]
+    assert moe.family.described_on(moe._module) == described

@@ -80,10 +80,18 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     if problems:
         raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems)
                           + f"\n{REREGISTER}")
-    for path, reason in unchecked.items():
-        if reason:
-            warnings.warn(f"moelens.families.check: {path}: its block output is checked, its expert weights are "
+    for moe, values in zip(moes, saved.values()):
+        reason, output_checked = unchecked[moe.path], "mlp_output" in values and "routed_output" in values
+        if reason and output_checked:
+            warnings.warn(f"moelens.families.check: {moe.path}: its block output is checked, its expert weights are "
                           f"not ({reason}).", stacklevel=2)
+        elif reason or not output_checked:
+            served = "routed_output" if "routed_output" not in values else "mlp_output"
+            warnings.warn(
+                f"moelens.families.check: {moe.path}: its block output is not checked (the block serves no {served}), "
+                + (f"nor are its expert weights ({reason}): the entry's scoring, Combine and shared expert are taken "
+                   "as they are." if reason else "so the entry's Combine and shared expert are taken as they are."),
+                stacklevel=2)
     for path, reason in unscored.items():
         if reason:
             warnings.warn(f"moelens.families.check: {path}: its expert weights and output are checked, its score "
@@ -141,11 +149,11 @@ def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     for selection only, left out of the entry) picks others, and `route_around` / `force` would act on the wrong
     ranking."""
     family, block, scoring = moe.family, moe._module, moe.SCORING
-    if scoring.select not in ("score_topk", "logit_topk") or family.groups_of(block) is not None:
-        return ""
+    if scoring.select not in ("score_topk", "logit_topk", "group_topk") or family.groups_of(block) is not None:
+        return ""  # (group_topk with no groups read off the block: a top-k of the scores)
     logits, indices = values["router_logits"].float(), values["expert_indices"]
     ranked, what = logits, "its logits"
-    if scoring.select == "score_topk":
+    if scoring.select != "logit_topk":
         score_name = family.score_of(block)
         ranked, what = score(score_name, logits, family.softcap_of(block)), f"its {score_name} scores"
     if family.holds(scoring.selection_bias, block):

@@ -116,6 +116,9 @@ class Scoring:
     def describe(self) -> str:
         """One line saying what the logits mean and how experts are picked."""
         parts = [f"{self.score} scores", self.select.replace("_", " ")]
+        if self.softcap:  # a reference in the table, its value read off a block (described_on)
+            parts.insert(0, f"logits softcapped at {self.softcap:g}" if isinstance(self.softcap, float)
+                         else f"logits softcapped by {self.softcap}")
         if self.selection_bias:
             parts.append("selection bias")
         if self.groups:
@@ -421,12 +424,15 @@ class Family:
 
     def described_on(self, block: Any) -> str:
         """`Scoring.describe` of the live ``block``'s scoring, with what it reads off the block resolved there: the
-        score function, whether it picks inside groups (and how many), its normalisation and its scale."""
+        score function, its logit softcap, whether it adds a selection bias and picks inside groups (and how many),
+        its normalisation and its scale."""
         scoring = self.scoring_of(block)
-        groups, scale = self.groups_of(block), self.scale_of(block)
+        groups, scale, softcap = self.groups_of(block), self.scale_of(block), self.softcap_of(block)
         return replace(scoring, score=self.score_of(block), groups=groups, groups_if=None,
                        select="score_topk" if scoring.select == "group_topk" and groups is None else scoring.select,
-                       normalize=self.normalize_of(block), scale=None if scale == 1.0 else scale).describe()
+                       selection_bias=scoring.selection_bias if self.holds(scoring.selection_bias, block) else None,
+                       softcap=softcap or None, normalize=self.normalize_of(block),
+                       scale=None if scale == 1.0 else scale).describe()
 
     def score_of(self, block: Any) -> str:
         """The score function the live ``block``'s router applies (`Scoring.score`, an attribute reference read)."""
