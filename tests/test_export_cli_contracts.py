@@ -315,6 +315,9 @@ def test_edit_options_accumulate_per_layer_and_keep_their_kinds():
     (["--ablate", "3:0,0"], "--ablate '3:0,0': expert 0 of layer 3 is given twice; give each expert of a layer once."),
     (["--ablate", "3:1", "--ablate", "3:2,1"], "--ablate '3:2,1': expert 1 of layer 3 is given twice"),
     (["--route-around", "2:5,4,5"], "--route-around '2:5,4,5': expert 5 of layer 2 is given twice"),
+    # a layer that passed the digit check but not int() ended in a traceback (exit 1)
+    (["--ablate=--1:2"], "--ablate '--1:2': expected LAYER:..., e.g. --ablate 1:3"),
+    (["--route-around=\u00b2:2"], "--route-around '\u00b2:2': expected LAYER:..., e.g. --route-around 1:3"),
 ])
 def test_an_expert_given_twice_to_ablate_is_refused_as_for_steer_and_swap(tmp_path, capsys, argv, message):
     """`--ablate 3:0,0` exported with `ablate [0, 0]` in its summary and archive, where --steer / --swap refuse

@@ -55,9 +55,13 @@ def parse_edits(args: argparse.Namespace) -> Any:
 
     def split(spec: str, option: str) -> tuple[int, str]:
         layer, sep, rest = spec.partition(":")
-        if not sep or not layer.strip().lstrip("-").isdigit() or not rest:
+        try:  # int's own rule, as for the experts ("--1" and "²" are no layer)
+            number = int(layer)
+        except ValueError:
+            number = None
+        if not sep or number is None or not rest:
             raise MoelensError(f"--{option} {spec!r}: expected LAYER:..., e.g. --{option} 1:3")
-        return int(layer), rest
+        return number, rest
 
     def experts(values: list[str], option: str) -> dict[int, list[int]]:
         found: dict[int, list[int]] = {}
