@@ -3,6 +3,7 @@ another family saved to disk, and clean one-line errors on bad input."""
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -54,6 +55,8 @@ def saved(tmp_path_factory):
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
     (root / "empty.txt").write_text("", encoding="utf-8")
     (root / "bom-only.txt").write_bytes("\ufeff".encode())  # what Notepad saves as an empty UTF-8 file
+    (root / "latin1.txt").write_bytes(b"abc\xff")
+    (root / "bom-latin1.txt").write_bytes(codecs.BOM_UTF8 + b"abc\xff")  # the offset counts the mark too
     (root / "dangling").symlink_to(root / "missing-target")
     return root
 
@@ -421,6 +424,8 @@ def test_a_text_file_the_results_would_overwrite_is_refused_before_any_work(save
         (["stats", "{root}/mixtral", "--text", "{root}/missing.txt"], "does not exist"),
         (["demo", "--text", "{root}/empty.txt"], "is empty"),
         (["stats", "{root}/mixtral", "--text", "{root}/bom-only.txt"], "bom-only.txt' is empty; give it some text"),
+        (["stats", "{root}/mixtral", "--text", "{root}/latin1.txt"], "is not UTF-8 text (invalid start byte at byte 3)"),
+        (["stats", "{root}/mixtral", "--text", "{root}/bom-latin1.txt"], "is not UTF-8 text (invalid start byte at byte 6)"),
         (["stats", "{root}/mixtral", "--text", "{root}"], "is a folder; give a text file"),
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/text.txt"], "is a file; name a folder"),
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--max-length", "0"], "--max-length must be at least 1, got 0"),
@@ -445,7 +450,7 @@ def test_a_text_file_the_results_would_overwrite_is_refused_before_any_work(save
                      marks=pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")),
     ],
     ids=["unknown-path", "not-a-checkpoint", "inspect-dense", "stats-dense", "empty-text", "missing-text", "demo-empty",
-         "byte-order-mark-only",
+         "byte-order-mark-only", "not-utf8", "not-utf8-after-a-byte-order-mark",
          "text-is-a-folder", "stats-out-is-a-file", "max-length-0", "demo-out-is-a-file", "negative-windows",
          "export-no-tokens", "export-into-a-folder-of-files", "stats-no-tokenizer", "inspect-no-weights",
          "export-no-weights", "stats-out-under-a-file", "demo-out-under-a-file", "export-under-a-file",

@@ -9,6 +9,7 @@ printed as one line by ``moelens.cli`` (exit status 2).
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import time
@@ -172,13 +173,16 @@ def read_text(path: Path) -> str:
         raise MoelensError(f"text file {str(path)!r} is a folder; give a text file.")
     if not path.exists():
         raise MoelensError(f"text file {str(path)!r} does not exist.")
-    try:  # a byte-order mark (what Notepad writes first) is no text; line endings are the file's own (\r\n too)
-        with path.open(encoding="utf-8-sig", newline="") as file:
-            text = file.read()
-    except UnicodeDecodeError as error:
-        raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
+    try:
+        data = path.read_bytes()  # read once: a pipe cannot be read again
     except OSError as error:
         raise MoelensError(f"text file {str(path)!r} cannot be read: {error.strerror or error}.") from None
+    mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # what Notepad writes first: no text
+    try:  # line endings stay the file's own (\r\n too)
+        text = data[mark:].decode("utf-8")
+    except UnicodeDecodeError as error:  # its offset counted in the file, the mark included
+        raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte "
+                           f"{error.start + mark}).") from None
     if not text:  # whitespace is text the model routes (moelens-tiny has experts for it)
         raise MoelensError(f"text file {str(path)!r} is empty; give it some text to route.")
     return text
