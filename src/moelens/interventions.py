@@ -407,7 +407,7 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     ranks_scores = scoring.select in ("score_topk", "group_topk") and not moe.ranks_selection_scores and \
         not moe.family.holds(scoring.selection_bias, moe._module)
     room = moe.top_k - len(chosen) if scoring.select == "score_topk" else 0
-    score_name = moe.family.score_of(moe._module)
+    score_name = moe.family.score_of(moe._module) if ranks_scores else ""
 
     def tied(ranked: torch.Tensor, room: int = 0) -> bool:
         """Whether some token ranks more than ``room`` other experts as high as one of the forced ones in ``ranked``."""
@@ -435,16 +435,16 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
                 f"{torch.finfo(rows.dtype).eps * top:.3g}) for experts {chosen} raised above the others to stay above "
                 "them; steer by less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
             )
-        scored = score(score_name, raised, moe.softcap)[..., : moe.num_experts] if ranks_scores else None
-        saturated = next((dtype for dtype in dict.fromkeys((torch.float32, rows.dtype))
-                          if scored is not None and tied(scored.to(dtype), room)), None)
-        if saturated is not None:  # the router may score in the logits' dtype
-            raise WriteError(
-                f"force: {moe.path} ranks experts by their {score_name} scores, which saturate: with the logits of "
-                f"experts {chosen} raised above the others, some other experts still score as high in {saturated} "
-                "(their logits are too large already), so the router could leave a forced expert out. Steer by "
-                "less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
-            )
+        if ranks_scores:
+            scored = score(score_name, raised, moe.softcap)[..., : moe.num_experts]
+            for dtype in dict.fromkeys((torch.float32, rows.dtype)):  # the router may score in the logits' dtype
+                if tied(scored.to(dtype), room):
+                    raise WriteError(
+                        f"force: {moe.path} ranks experts by their {score_name} scores, which saturate: with the "
+                        f"logits of experts {chosen} raised above the others, some other experts still score as high "
+                        f"in {dtype} (their logits are too large already), so the router could leave a forced expert "
+                        "out. Steer by less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
+                    )
         return raised
 
     logits = moe.router_logits

@@ -86,7 +86,7 @@ FIELD_KINDS = {
 PLAIN_KINDS: dict[type, tuple[str, Callable[[object], bool]]] = {
     bool: ("a bool", lambda value: isinstance(value, bool)),
     int: ("an int", lambda value: isinstance(value, int) and not isinstance(value, bool)),
-    float: ("a number", lambda value: _number(value)),
+    float: ("a number", lambda value: _number(value)),  # (defined below)
     str: ("a string", lambda value: isinstance(value, str)),
     type(None): ("None", lambda value: value is None),
 }
