@@ -154,8 +154,12 @@ def test_force_puts_the_expert_in_every_token_or_says_why(family, impl):
         logits = op.output
         finite = logits.masked_fill(~torch.isfinite(logits), 0)
         lift = finite.amax(-1) - finite.amin(-1) + 30.0
-        raised = logits.clone()
-        raised[..., forced[index]] = logits[..., forced[index]] + lift
+        if moe.SCORING.select == "sparsemixer":  # the others lowered instead: its masks are relative to the top
+            raised = logits - lift.unsqueeze(-1)
+            raised[..., forced[index]] = logits[..., forced[index]]
+        else:
+            raised = logits.clone()
+            raised[..., forced[index]] = logits[..., forced[index]] + lift
         op.output = raised
         if moe.ranks_selection_scores:  # ranked first where the selection bias is added
             selection_op(block, moe)[..., forced[index]] = float("inf")

@@ -208,6 +208,63 @@ def test_force_raises_an_expert_whose_logit_is_minus_inf(mixtral):
     assert torch.isfinite(logits).all() and (indices == 5).any(-1).all()
 
 
+def experts_call_arguments(reference, inputs, moe, edit=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices and weights ``moe``'s experts module is called with on the unwrapped copy (a torch pre-hook),
+    with ``edit(logits)`` written to the raw router logits op by plain nnsight first, if given."""
+    seen = {}
+    path = moe.path.removeprefix("model.")  # the tiny models are the base models
+    experts = reference.get_submodule(path).get_submodule(moe.family.experts)
+    handle = experts.register_forward_pre_hook(lambda module, args: seen.update(indices=args[1], weights=args[2]))
+    try:
+        plain = nnsight.NNsight(reference)
+        with torch.no_grad(), plain.trace(**inputs):
+            if edit is not None:
+                op = logits_op(plain.get(path), moe)
+                op.output = edit(op.output)
+    finally:
+        handle.remove()
+    return seen["indices"], seen["weights"]
+
+
+def test_force_on_sparsemixer_keeps_the_weights_the_router_gives_the_forced_experts():
+    """phimoe's sparsemixer masks each slot's softmax by the gap to the top logit relative to its size. Forcing
+    the experts each token already picks changes neither its experts nor their weights, and forcing any top_k
+    experts weights them as the router does with every other expert out of reach (their logits -inf)."""
+    _, wrapped, inputs, plain, reference = built("phimoe", "eager")
+    moe = wrapped.moes[1]
+    natural_indices, natural_weights = experts_call_arguments(reference, inputs, moe)
+    pairs, counts = natural_indices.unique(dim=0, return_counts=True)
+    pair = pairs[counts.argmax()].tolist()  # the pair (in slot order) most tokens pick
+    same = (natural_indices == torch.tensor(pair)).all(-1).view(inputs["input_ids"].shape)
+    assert 1 < int(same.sum()) < same.numel()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moelens.force(moe, pair, tokens=same)
+        indices, weights = moe.expert_indices.save(), moe.expert_weights.save()
+    assert torch.equal(indices.reshape(natural_indices.shape), natural_indices)
+    assert torch.equal(weights.reshape(natural_weights.shape), natural_weights)
+
+    forced = [2, 6]  # expert 6 written within 1% of expert 2, so the two share slot 0's softmax (jitter 0.01)
+
+    def close(logits):
+        logits = logits.clone()
+        logits[..., 6] = logits[..., 2] * 0.99
+        return logits
+
+    def others_out_of_reach(logits):
+        out = torch.full_like(logits, float("-inf"))
+        out[..., forced] = close(logits)[..., forced]
+        return out
+
+    expected_indices, expected_weights = experts_call_arguments(reference, inputs, moe, others_out_of_reach)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moe.router_logits = close(moe.router_logits)
+        moelens.force(moe, forced)
+        indices, weights = moe.expert_indices.save(), moe.expert_weights.save()
+    assert torch.equal(indices.reshape(expected_indices.shape), expected_indices)
+    assert (expected_weights < 1).any()  # some token's second forced expert is close enough to share slot 0
+    torch.testing.assert_close(weights.reshape(expected_weights.shape), expected_weights)
+
+
 @pytest.mark.parametrize("tokens", [(..., 1), "mask"], ids=["position", "mask"])
 def test_force_on_some_tokens_of_a_group_limited_router_matches_plain_nnsight(tokens):
     """deepseek_v3 (4 groups of 2, 2 kept, score + correction bias ranked): force on some tokens lifts their logits

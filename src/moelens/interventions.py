@@ -350,10 +350,14 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     The forced experts' logits are raised above every other expert's (by the logits'
     range + 30, keeping the forced experts' own logit order among themselves), so they
     fill the top ``len(experts)`` slots; weights follow from the family's scoring of the
-    raised logits: with softmax scores the other slots keep a weight near 0 (not under
-    phimoe's sparsemixer, which weights each slot by a softmax of its own with the experts
-    picked before it masked out: the other slots keep their weight; force ``top_k`` experts
-    to fill every slot), with sigmoid scores the forced ones saturate towards 1.
+    raised logits: with softmax scores the other slots keep a weight near 0, with sigmoid
+    scores the forced ones saturate towards 1. phimoe's sparsemixer masks each slot's
+    softmax by each logit's gap to the top one relative to its size, which a raise would
+    shrink: there the other experts are lowered by as much instead, so the forced experts
+    keep the weights the router gives them among themselves (forcing the experts a token
+    already picks changes nothing), and a slot left beside them is weighted by a softmax
+    over all the lowered others (about 1 / (E - forced)): force ``top_k`` experts to fill
+    every slot.
 
     Where the router ranks score + a selection bias (``moe.ranks_selection_scores``) the
     forced experts' selection scores are also set to +inf, so the bias cannot overrule
@@ -415,17 +419,23 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
         others[..., chosen] = float("-inf")
         return bool(((others >= ranked[..., chosen].amin(-1, keepdim=True)).sum(-1) > room).any())
 
+    # phimoe's sparsemixer masks each slot's softmax by the gap to the top logit relative to its size: raising the
+    # forced experts would shrink their gaps and unmask some of them, so the others are lowered instead.
+    lowers_others = scoring.select == "sparsemixer"
+
     def lifted(rows: torch.Tensor) -> torch.Tensor:
         finite = rows.masked_fill(~torch.isfinite(rows), 0)
-        raised = rows.clone()
-        raised[..., chosen] = finite[..., chosen] + (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0)
+        gap = finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True) + 30.0
+        raised = rows - gap if lowers_others else rows.clone()  # a -inf (routed around) stays -inf
+        raised[..., chosen] = finite[..., chosen] if lowers_others else finite[..., chosen] + gap
         if is_fake(rows):  # model.scan: no values to check
             return raised
-        if torch.isinf(raised[..., chosen]).any():
+        if (torch.isinf(raised) & torch.isfinite(rows)).any() or torch.isinf(raised[..., chosen]).any():
             span = float((finite.amax(-1) - finite.amin(-1)).max().detach())
+            moved = "lowering the others below" if lowers_others else "raising them above the others"
             raise WriteError(
-                f"force: {moe.path}'s router logits span {span:.4g}, so raising experts {chosen} above the others "
-                f"(by the span + 30) overflows {rows.dtype} (at most {torch.finfo(rows.dtype).max:.4g}); steer by "
+                f"force: {moe.path}'s router logits span {span:.4g}, so forcing experts {chosen} ({moved} by the "
+                f"span + 30) overflows {rows.dtype} (at most {torch.finfo(rows.dtype).max:.4g}); steer by "
                 "less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
             )
         if tied(raised):  # rounded into a tie
