@@ -302,6 +302,31 @@ def test_blocks_given_a_modality_subset_refuse_a_batch_layout(image_tokens):
     assert logits.shape == (2, 8, text_moe.num_experts)
 
 
+def test_a_modality_block_called_by_keyword_is_refused_as_by_position():
+    """A block given its gathered tokens by keyword (block(hidden_states=x), as a custom layer may call it) was
+    noted as getting the whole batch (the note's pre-hook saw positional arguments only): its values were served
+    as a made-up [2, 7, ...] view, row 1 starting at the last text token of sequence 0."""
+    hf = tiny_model("ernie4_5_vl_moe")
+    blocks = [layer.mlp.text_moe for layer in hf.layers if hasattr(layer.mlp, "text_moe")]
+    by_keyword = lambda module, args, kwargs: ((), {"hidden_states": args[0], **kwargs}) if args else None  # noqa: E731
+    handles = [block.register_forward_pre_hook(by_keyword, with_kwargs=True) for block in blocks]  # before wrap's
+    seen = []
+    handles.append(blocks[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((len(args), kwargs["hidden_states"].dim())), with_kwargs=True))
+    try:
+        wrapped = moelens.wrap(hf)
+        ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+        types = torch.zeros_like(ids)
+        types[0, 3:5] = 1  # 14 text tokens: a made-up [2, 7, ...] view would fit
+        with pytest.raises(moelens.ValueUnavailable, match=r"ran on part of the tokens, gathered out of the batch"):
+            with wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
+                wrapped.moes[0].router_logits.save()
+        assert seen and seen[0][0] == 0 and seen[0][1] < 3  # the block did get its 14 tokens flat, by keyword
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @pytest.mark.parametrize("name", ["router_logits", "expert_weights", "expert_indices"])
 def test_blocks_given_a_modality_subset_refuse_a_write_too(name):
     """A write to a block whose call got tokens gathered out of the batch was laid flat over them, as if they were

@@ -23,7 +23,7 @@ GATHERED = "_moelens_tokens_gathered"
 
 class _GatheredNote:
     """The forward pre-hook of `Moe.mark_gathered_calls`: notes on the block whether its call got tokens
-    gathered out of the batch (``[n * D]`` or ``[n, D]`` rather than ``[B, S, D]``). It serves one
+    gathered out of the batch (``[n * D]`` or ``[n, D]`` rather than ``[B, S, D]``), passed by position or keyword. It serves one
     component, held weakly. A copy of the model (``copy.deepcopy``, or pickled and loaded) copies its hooks:
     the copied note serves no component and takes itself off at its first call."""
 
@@ -36,14 +36,17 @@ class _GatheredNote:
     def __reduce__(self) -> tuple:
         return _GatheredNote, ()
 
-    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         if self.component is None:  # a copy's: no wrapper of the copy reads it, nor what the original noted
             for key, hook in list(module._forward_pre_hooks.items()):
                 if hook is self:
                     del module._forward_pre_hooks[key]
             module.__dict__.pop(GATHERED, None)
             return
-        setattr(module, GATHERED, bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() < 3)
+        # the hidden states: the first argument, or the first tensor passed by keyword (block(hidden_states=x))
+        hidden = args[0] if args else next((value for value in (kwargs or {}).values()
+                                            if isinstance(value, torch.Tensor)), None)
+        setattr(module, GATHERED, isinstance(hidden, torch.Tensor) and hidden.dim() < 3)
 
 
 #: A note of no wrapper, for models pickled while wrapped by an earlier moelens, whose hook was the function
@@ -68,7 +71,8 @@ def _stop_noting(module: torch.nn.Module, hook: torch.utils.hooks.RemovableHandl
 
 def note_gathered_calls(component: "Moe", block: torch.nn.Module) -> None:
     """Have ``block`` note its calls for ``component``, until the component is collected."""
-    weakref.finalize(component, _stop_noting, block, block.register_forward_pre_hook(_GatheredNote(component)))
+    hook = block.register_forward_pre_hook(_GatheredNote(component), with_kwargs=True)
+    weakref.finalize(component, _stop_noting, block, hook)
 
 
 def gathered_call(block: torch.nn.Module) -> bool:
