@@ -1231,7 +1231,12 @@ def test_compare_counts_matching_nans_and_infinities_as_equal():
     assert same.max_abs_error == 0.0 and same.tolerance == "exact"
     off = _compare(np.array([1.05, np.nan, np.inf, -np.inf], dtype=np.float32), torch_side, "torch")
     assert off.max_abs_error == pytest.approx(0.05) and off.tolerance == "very"
-    assert np.isnan(_compare(np.array([1.0, 0.0, np.inf, -np.inf], np.float32), torch_side, "torch").max_abs_error)
+    stray = _compare(np.array([1.0, 0.0, np.inf, -np.inf], np.float32), torch_side, "torch")
+    assert stray.tolerance is None and stray.details == {}  # NaN in torch only: no level; tract computed numbers
+    tract_nan = _compare(np.array([1.5, np.nan, np.inf, np.nan], np.float32), torch_side, "torch")
+    # NaN where torch has a number is counted apart, and hides no finite error
+    assert tract_nan.max_abs_error == pytest.approx(0.5) and tract_nan.details == {"tract_nan": 1}
+    assert tract_nan.tolerance is None
 
 
 def test_verify_names_a_missing_or_broken_archive(out):

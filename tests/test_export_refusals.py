@@ -40,6 +40,26 @@ def test_experts_with_exact_erf_gelu_are_refused(tmp_path):
     assert not path.exists()
 
 
+class CappedSiLU(torch.nn.Module):
+    """SiLU capped at 10: silu itself on [-8, 8], not beyond."""
+
+    def forward(self, x):
+        return F.silu(x).clamp(max=10.0)
+
+
+def test_an_activation_that_is_silu_only_on_small_values_is_refused(tmp_path):
+    """The activation was identified on [-8, 8] alone: a SiLU capped at 10 exported as swiglu, and the checks
+    passed (their inputs keep pre-activations small), though the archive is 72% off the block at inputs x100."""
+    hf = two_layer_mixtral()
+    hf.model.layers[0].mlp.experts.act_fn = CappedSiLU()
+    probe = torch.linspace(-8, 8, 101)
+    assert torch.equal(CappedSiLU()(probe), F.silu(probe)) and CappedSiLU()(torch.tensor(20.0)) < 20
+    path = tmp_path / "capped.nnef.tgz"
+    with pytest.raises(ExportRefused, match=r"mixtral: the experts' activation CappedSiLU is none of"):
+        to_nnef(moelens.wrap(hf).moes[0], path)
+    assert not path.exists()
+
+
 def test_experts_with_tanh_gelu_export_and_match_the_block(tmp_path):
     """The neighbour of the refusal above: tanh GELU is tract's gelu and must still export."""
     hf = two_layer_mixtral(hidden_act="gelu_pytorch_tanh")

@@ -2,8 +2,9 @@
 
 Ground truth: tract's real output on the archive, perturbed on the way back from tract
 (``moelens.export.verification.run`` wrapped) by an amount chosen against tract's
-"approximate" tolerance (``|a - b| <= 1e-4 + 5e-4 |b|``): far beyond it the export
-must fail, well within it the export must pass. Needs the ``export`` extra.
+"approximate" tolerance, taken relative to the output's size s (``|a - b| <= 1e-4 s + 5e-4 |b|``):
+far beyond it the export must fail, well within it the export must pass; and archives edited on disk,
+run in tract against the unwrapped model in torch. Needs the ``export`` extra.
 """
 
 from __future__ import annotations
@@ -37,15 +38,15 @@ def block():
 
 
 def perturb_tract(monkeypatch, shift: float) -> list[np.ndarray]:
-    """Make tract's output (as to_nnef's check reads it) off by ``shift`` at its first element; returns
-    what tract really gave, call by call."""
+    """Make tract's output (as to_nnef's check reads it) off by ``shift`` times the output's size (its largest
+    magnitude) at its first element; returns what tract really gave, call by call."""
     real = verification.run
     seen = []
 
     def shifted(path, inputs):
         output = np.array(real(path, inputs), copy=True)
         seen.append(output.copy())
-        output.flat[0] += shift
+        output.flat[0] += shift * np.abs(output).max()
         return output
 
     monkeypatch.setattr(verification, "run", shifted)
@@ -54,7 +55,8 @@ def perturb_tract(monkeypatch, shift: float) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("quantize", [None, "q4_0"], ids=["float32", "q4_0"])
 def test_export_fails_when_tract_differs_from_torch(block, quantize, tmp_path, monkeypatch):
-    """tract off by 0.05 (far beyond 'approximate') fails the export, naming the mismatch; the archive is kept.
+    """tract off by 0.05 of the output's size (far beyond 'approximate') fails the export, naming the mismatch; the
+    archive is kept.
 
     Guards against the float32 check, or the Q4_0 check against the export's own dequantized
     weights, passing whatever tract outputs.
@@ -111,7 +113,8 @@ def test_tied_experts_are_selectable_experts_with_the_same_router_row_and_bias(b
 
 @pytest.mark.parametrize("quantize", [None, "q4_0"], ids=["float32", "q4_0"])
 def test_export_passes_when_tract_is_within_tolerance(block, quantize, tmp_path, monkeypatch):
-    """tract off by 1e-6 (well within 'approximate') still passes: the failure above is the check, not noise."""
+    """tract off by 1e-6 of the output's size (well within 'approximate') still passes: the failure above is the
+    check, not noise."""
     seen = perturb_tract(monkeypatch, 1e-6)
     report = to_nnef(block, tmp_path / "close.nnef.tgz", quantize_experts=quantize)
     assert seen and report.verification is not None
@@ -119,13 +122,15 @@ def test_export_passes_when_tract_is_within_tolerance(block, quantize, tmp_path,
 
 @pytest.mark.parametrize(("times", "fails"), [(3.0, True), (0.5, False)], ids=["3x-bound", "half-bound"])
 def test_the_check_is_tracts_approximate_bound_itself(block, times, fails, tmp_path, monkeypatch):
-    """tract's first output element moved by a multiple of its own bound 1e-4 + 5e-4 |b|: three times fails, half
-    passes (a check loosened a hundredfold passed the 0.05 shift above's neighbours unseen)."""
+    """tract's first output element moved by a multiple of the bound 1e-4 s + 5e-4 |b| (s: the output's largest
+    magnitude): three times fails, half passes (a check loosened a hundredfold passed the 0.05 shift above's
+    neighbours unseen)."""
     real = verification.run
 
     def moved(path, inputs):
         output = np.array(real(path, inputs), copy=True)
-        output.flat[0] += times * (1e-4 + 5e-4 * abs(float(output.flat[0])))
+        size = float(np.abs(output).max())
+        output.flat[0] += times * (1e-4 * size + 5e-4 * abs(float(output.flat[0])))
         return output
 
     monkeypatch.setattr(verification, "run", moved)
@@ -134,6 +139,55 @@ def test_the_check_is_tracts_approximate_bound_itself(block, times, fails, tmp_p
             to_nnef(block, tmp_path / "off.nnef.tgz")
     else:
         assert to_nnef(block, tmp_path / "close.nnef.tgz").verification is not None
+
+
+def _scale_tensor_file(path, factor: float) -> None:
+    """Multiply the float32 values of an NNEF tensor file (a 128-byte header, then the data) by ``factor``."""
+    raw = path.read_bytes()
+    data = np.frombuffer(raw[128:], dtype=np.float32) * np.float32(factor)
+    path.write_bytes(raw[:128] + data.astype(np.float32).tobytes())
+
+
+def test_verify_refuses_a_wrong_archive_of_a_block_with_small_outputs(tmp_path):
+    """olmoe's tiny block outputs at most about 3e-4, below tract's absolute 1e-4 at 'approximate': an archive
+    whose experts' down projections were scaled by 0.8 on disk (tract 20% off the unwrapped block in torch) was
+    reported as meeting it. The levels now count relative to the output's size."""
+    hf = tiny_model("olmoe")
+    reference = copy.deepcopy(hf).eval()
+    block = moelens.wrap(hf).moes[0]
+    path = tmp_path / "olmoe"
+    to_nnef(block, path)
+    _scale_tensor_file(path / "mlp_output_w2.dat", 0.8)
+    hidden = torch.randn(1, 8, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference.get_submodule(block.path.removeprefix("model."))(hidden)
+    expected = (expected[0] if isinstance(expected, tuple) else expected).numpy()
+    tract_output = run(path, hidden)
+    size = np.abs(expected).max()
+    assert size < 1e-3 and np.abs(tract_output - expected).max() > 0.1 * size  # small outputs, 10%+ off
+    checked = verification.verify(path, block, hidden)
+    assert not checked.meets("approximate") and checked.scale == pytest.approx(size, rel=1e-3)
+
+
+def test_an_archive_of_large_outputs_passes_at_float32_rounding(tmp_path):
+    """A block whose outputs reach about 3e5 (expert weights x10, inputs x300) was refused ('please report this
+    model'), though tract matches the unwrapped block in torch to float32 rounding of the output's size: outputs
+    that cancel to near 0 got only the absolute 1e-4."""
+    hf = tiny_model("mixtral")
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "experts" in name:
+                param.mul_(10)
+    reference = copy.deepcopy(hf).eval()
+    block = moelens.wrap(hf).moes[0]
+    hidden = torch.randn(1, 64, hf.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 300
+    report = to_nnef(block, tmp_path / "large", example_inputs=hidden)
+    with torch.no_grad():
+        expected = reference.get_submodule(block.path.removeprefix("model."))(hidden)
+    expected = (expected[0] if isinstance(expected, tuple) else expected).numpy()
+    size = np.abs(expected).max()
+    assert size > 1e4 and np.abs(run(tmp_path / "large", hidden) - expected).max() < 1e-5 * size
+    assert report.verification.meets("approximate")
 
 
 # -- baked edits, the block self-check and group refusals, against independent ground truth ----------

@@ -126,7 +126,7 @@ def check_block(family: Family, block: torch.nn.Module, spec: MoeSpec, *, tokens
         mine = ExportBlock(family, block, TractMoeFfn(spec), root=True)(x)
     error = float((real - mine).abs().max())
     scale = float(real.abs().max())
-    bound = 1e-5 * max(1.0, scale)
+    bound = 1e-5 * scale  # relative: a block whose outputs are small is held as closely as any other
     if error <= bound:
         return error
     factor = float((real * mine).sum() / (mine * mine).sum().clamp_min(1e-30))

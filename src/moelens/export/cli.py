@@ -149,8 +149,8 @@ def run_export(args: argparse.Namespace) -> int:
               f"gate={block.gate}, activation={block.activation}){extra}")
     check = report.verification
     if check is not None:
-        line = (f"tract vs {check.reference}: max abs error {check.max_abs_error:.3g} "
-                f"(tract tolerance: {_level(check.tolerance)}){_quantized(check.details)}")
+        line = (f"tract vs {check.reference}: max abs error {check.max_abs_error:.3g} on outputs up to "
+                f"{check.scale:.3g} (tract tolerance: {_level(check.tolerance)}){_quantized(check.details)}")
         if "second_length" in check.details:
             second = check.details["second_length"]
             line += (f"; at {second['tokens']} tokens: {second['max_abs_error']:.3g} ({_level(second['tolerance'])})"

@@ -16,7 +16,8 @@ from .tract_cli import TOLERANCES, load_runnable, meets
 #: The oldest tract with tract_moe_ffn.
 MIN_TRACT_VERSION = "0.23.9"
 
-__all__ = ["MIN_TRACT_VERSION", "TOLERANCES", "Loaded", "load", "meets", "tolerance_met", "tract_module"]
+__all__ = ["MIN_TRACT_VERSION", "TOLERANCES", "Loaded", "load", "meets", "output_scale", "tolerance_met",
+           "tract_module"]
 
 
 def tract_module() -> Any:
@@ -37,17 +38,29 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
 
 
-def tolerance_met(actual: np.ndarray, expected: np.ndarray) -> str | None:
-    """The tightest of tract's levels that ``actual`` meets against ``expected`` (None: not even ``ultra``).
+def output_scale(expected: np.ndarray) -> float:
+    """The size of an output: its largest finite magnitude (1.0 where it has none above 0)."""
+    finite = np.abs(np.asarray(expected, dtype=np.float64))
+    finite = finite[np.isfinite(finite)]
+    largest = float(finite.max()) if finite.size else 0.0
+    return largest if largest > 0 else 1.0
 
-    An infinity in ``expected`` must be the same infinity in ``actual``: tract's own rule
-    (``|a - b| <= atol + rtol |b|``, `meets`) lets any finite value pass against an infinite ``b`` from
-    ``close`` up.
+
+def tolerance_met(actual: np.ndarray, expected: np.ndarray, scale: float = 1.0) -> str | None:
+    """The tightest of tract's levels that ``actual`` meets against ``expected``, both divided by ``scale``
+    (None: not even ``ultra``). Divided by the output's size (`output_scale`), a level's absolute part
+    (``atol`` in ``|a - b| <= atol + rtol |b|``) counts relative to it: tract's own rule, on the raw
+    values, lets a whole output below ``atol`` through and fails the float32 rounding of a large one.
+
+    An infinity in ``expected`` must be the same infinity in ``actual``: tract's own rule (`meets`)
+    lets any finite value pass against an infinite ``b`` from ``close`` up.
     """
     a, b = np.asarray(actual, dtype=np.float32), np.asarray(expected, dtype=np.float32)
     if a.shape == b.shape and (np.isinf(b) & (a != b)).any():
         return None
-    return next((level for level in TOLERANCES if meets(actual, expected, level)), None)
+    if scale != 1.0:
+        a, b = a / np.float32(scale), b / np.float32(scale)
+    return next((level for level in TOLERANCES if meets(a, b, level)), None)
 
 
 @dataclass

@@ -268,7 +268,9 @@ def _identify(act_fn: Any, family: Family) -> str:
     """Which tract activation a torch activation is (checked on values, not class names)."""
     if not callable(act_fn):
         raise ExportRefused(f"{family.name}: the experts have no act_fn to map to a tract activation.")
-    probe = torch.linspace(-8.0, 8.0, 257)
+    # large values too: an activation clamped or bent beyond [-8, 8] (a capped SiLU) would agree on that range alone
+    spread = torch.logspace(1.0, 4.0, 31)
+    probe = torch.cat([torch.linspace(-8.0, 8.0, 257), spread, -spread])
     with torch.no_grad():
         values = act_fn(probe)
     candidates = {

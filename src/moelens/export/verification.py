@@ -22,7 +22,7 @@ from ..modules import device_of, evaluating
 from ..paths import user_path
 from .edits import Edits, as_edits
 from .errors import ExportError
-from .runner import meets, properties, run_isolated, tolerance_met
+from .runner import output_scale, properties, run_isolated, tolerance_met
 from .target import Target, resolve
 
 
@@ -31,17 +31,21 @@ class Verification:
     """How an archive's tract output compares with torch.
 
     Attributes:
-        max_abs_error: Max |tract - torch| over the output.
-        tolerance: The tightest of tract's levels met (`moelens.export.TOLERANCES`), or None.
+        max_abs_error: Max |tract - torch| over the values both compute as numbers (``details["tract_nan"]``
+            counts the values tract computes NaN where torch does not; then no level is met).
+        tolerance: The tightest of tract's levels (`moelens.export.TOLERANCES`) met by both outputs
+            divided by ``scale``, so a level's absolute part counts relative to the output's size; or None.
         reference: What the torch side was.
         details: Further comparisons (with ``q4_0``: against the export's own dequantized
             weights, ``"export_max_abs_error"`` and ``"export_tolerance"``).
+        scale: The largest magnitude in torch's output (1.0 where it is all zeros).
     """
 
     max_abs_error: float
     tolerance: str | None
     reference: str
     details: dict[str, Any] = field(default_factory=dict)
+    scale: float = 1.0
 
     def meets(self, level: str) -> bool:
         """Whether the archive met tract's ``level`` (or a tighter one)."""
@@ -147,8 +151,13 @@ def _compare(actual: np.ndarray, expected: np.ndarray, reference: str, **details
         difference = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
     difference[actual == expected] = 0.0  # the same infinity
     difference[np.isnan(actual) & np.isnan(expected)] = 0.0  # NaN where torch has NaN: equal, as tract compares
-    error = float(difference.max()) if actual.size else 0.0
-    return Verification(error, tolerance_met(actual, expected), reference, dict(details))
+    stray_nan = np.isnan(difference)  # NaN on one side: counted, so that it hides no finite error
+    tract_nan = int((stray_nan & np.isnan(actual)).sum())
+    if tract_nan:
+        details = {**details, "tract_nan": tract_nan}
+    error = float(difference[~stray_nan].max()) if (~stray_nan).any() else 0.0
+    scale = output_scale(expected)
+    return Verification(error, tolerance_met(actual, expected, scale), reference, dict(details), scale)
 
 
 def _default_inputs(path: str | Path, target: Target) -> torch.Tensor:
@@ -285,15 +294,17 @@ def _check_once(path: Path, target: Target, prepared: Any, inputs: torch.Tensor,
                               "experts in float32.")
         export_check = _compare(actual, own, "the export's dequantized Q4_0 weights in torch")
         result.details.update(export_max_abs_error=export_check.max_abs_error, export_tolerance=export_check.tolerance)
-        passed = meets(actual, own, "approximate")
+        checked = export_check
     else:
-        passed = result.meets("approximate")
-    if not passed:
-        checked = result.details.get("export_max_abs_error", result.max_abs_error)
+        checked = result
+    if not checked.meets("approximate"):
+        nan = checked.details.get("tract_nan")
         raise ExportError(
             f"{path}: tract's output differs from torch ({result.reference if not quantize else 'the Q4_0 weights'}) "
-            f"at input shape {tuple(inputs.shape)} by up to {checked:.3g}, beyond tract's 'approximate' tolerance "
-            f"(met: {result.tolerance}). The archive was written; " + (_ties(prepared) or "please report this model.")
+            f"at input shape {tuple(inputs.shape)} by up to {checked.max_abs_error:.3g}"
+            + (f" (and tract computes NaN at {nan} values where torch has numbers)" if nan else "")
+            + f", beyond tract's 'approximate' tolerance relative to the output's size {checked.scale:.3g} "
+            f"(met: {checked.tolerance}). The archive was written; " + (_ties(prepared) or "please report this model.")
         )
     return result
 
