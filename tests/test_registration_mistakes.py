@@ -701,6 +701,63 @@ def test_check_ranks_a_group_topk_entry_without_groups_as_a_score_topk_one():
         families.unregister("minimax_m2_group")
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("groups", [("router.num_group", "router.num_group"), ("router.num_group", "config.n_shared_experts"),
+                                    ("router.top_k", "router.topk_group")],
+                         ids=["groups-ignored", "topk_group-read-as-1", "n_group-read-as-2"])
+def test_check_finds_groups_the_router_does_not_keep(family, groups):
+    """check skipped the selection of every group-limited entry: one keeping all 4 groups, or reading topk_group or
+    n_group from the wrong attribute, passed without a word (force then refused routings the router makes).
+    Ground truth: the tiny router keeps 2 of its 4 groups, so a plain top-k of score + bias differs for some
+    tokens (recomputed here from the router module itself)."""
+    hf = tiny_model(family)
+    inputs = tiny_inputs(hf, batch=4, seq=16)
+    router = hf.model.layers[1].mlp.gate
+    seen = {}
+    handle = hf.model.layers[1].mlp.register_forward_pre_hook(lambda module, args: seen.update(hidden=args[0]))
+    with torch.no_grad():
+        hf(**inputs)
+        handle.remove()
+        logits, _, indices = router(seen["hidden"])
+        ungrouped = (logits.sigmoid() + router.e_score_correction_bias).topk(router.top_k, dim=-1).indices
+    assert (router.num_group, router.topk_group, router.top_k, hf.config.n_shared_experts) == (4, 2, 2, 1)
+    assert (ungrouped.sort(-1).values != indices.sort(-1).values).any()
+    entry = families.get(family)
+    wrong = dataclasses.replace(entry, name=f"{family}_groups", scoring=dataclasses.replace(entry.scoring, groups=groups))
+    families.register(wrong, replace=True)
+    try:
+        with pytest.raises(FamilyError, match=r"the experts chosen for \d+ of \d+ tokens are not the top 2 .* inside the "
+                                              r"best \d of \d groups .* check groups"):
+            families.check(moelens.wrap(hf), **inputs)
+    finally:
+        families.unregister(f"{family}_groups")
+
+
+def test_check_tells_a_group_s_best_two_from_its_best_one():
+    """DeepSeek-V2's group-limited greedy keeps the groups of the best expert (not the best two) and sets the
+    others' scores to 0.0; an entry scoring groups by their best two is refused, the right one passes."""
+    hf = tiny_model("deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    entry = families.get("deepseek_v2")
+    assert entry.scoring.group_score == "max"
+    wrapped = moelens.wrap(hf)
+    assert families.check(wrapped, **tiny_inputs(hf)) == [moe.path for moe in wrapped.moes]
+    wrong = dataclasses.replace(entry, name="ds2_best_two",
+                                scoring=dataclasses.replace(entry.scoring, group_score="top2_sum"))
+    families.register(wrong, replace=True)
+    try:
+        with pytest.raises(FamilyError, match=r"a group scored by the sum of its best two"):
+            families.check(moelens.wrap(hf), **tiny_inputs(hf))
+    finally:
+        families.unregister("ds2_best_two")
+
+
+def test_a_group_score_must_be_one_moelens_knows():
+    entry = families.get("deepseek_v3")
+    with pytest.raises(FamilyError, match=r"Scoring.group_score 'mean' is not one of \('top2_sum', 'max'\)"):
+        families.register(dataclasses.replace(entry, name="mean_groups",
+                                              scoring=dataclasses.replace(entry.scoring, group_score="mean")))
+
+
 @pytest.mark.parametrize(("family", "overrides", "described"), [
     ("lfm2_moe", {"use_expert_bias": False}, "sigmoid scores, score topk, renormalised (SGB)"),
     ("laguna", {"moe_router_logit_softcapping": 2.0},

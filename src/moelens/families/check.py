@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import FamilyError
-from .scoring import SCORE_FUNCTIONS, score
+from .scoring import SCORE_FUNCTIONS, kept_groups, score
 from .tomoe import converted
 
 #: Routers whose weights are no function of the chosen experts' scores alone, so the check cannot recompute them.
@@ -144,13 +144,14 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
 
 def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the experts the entry says the router picks, or "": under top-k selection (`score_topk`,
-    `logit_topk`; group-limited selection is not checked) the experts served are the top k of what the entry ranks
-    (the logits, or the scores plus the entry's selection bias). A router that ranks something else (a bias it adds
-    for selection only, left out of the entry) picks others, and `route_around` / `force` would act on the wrong
-    ranking."""
+    `logit_topk`, `group_topk`) the experts served are the top k of what the entry ranks (the logits, or the scores
+    plus the entry's selection bias), inside the best groups where the entry names groups (`kept_groups`; tokens
+    whose kept groups are a close call are left out). A router that ranks something else (a bias it adds for
+    selection only, or groups, left out of the entry or read wrong) picks others, and `route_around` / `force`
+    would act on the wrong ranking."""
     family, block, scoring = moe.family, moe._module, moe.SCORING
-    if scoring.select not in ("score_topk", "logit_topk", "group_topk") or family.groups_of(block) is not None:
-        return ""  # (group_topk with no groups read off the block: a top-k of the scores)
+    if scoring.select not in ("score_topk", "logit_topk", "group_topk"):
+        return ""
     logits, indices = values["router_logits"].float(), values["expert_indices"]
     ranked, what = logits, "its logits"
     if scoring.select != "logit_topk":
@@ -159,14 +160,24 @@ def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     if family.holds(scoring.selection_bias, block):
         ranked = ranked + family.resolve(scoring.selection_bias, block).float()
         what += f" plus {scoring.selection_bias}"
+    groups = family.groups_of(block)
+    close = torch.zeros(ranked.shape[:-1], dtype=torch.bool, device=ranked.device)
+    if groups is not None:
+        ranked, close = kept_groups(ranked, *groups, scoring.group_score, scoring.group_fill)
+        what += (f", inside the best {groups[1]} of {groups[0]} groups (a group scored by "
+                 f"{'the sum of its best two' if scoring.group_score == 'top2_sum' else 'its best expert'}, "
+                 f"the others' experts set to {scoring.group_fill})")
     tolerance = _tolerance(values["router_logits"])
     kth = ranked.topk(indices.shape[-1], dim=-1).values[..., -1:]
     below = (ranked.gather(-1, indices.long()) < kth - tolerance["atol"] - tolerance["rtol"] * kth.abs()).any(-1)
+    below &= ~close
     if not below.any():
         return ""
     remedy = ("check selection_bias and select" if scoring.selection_bias else
               "if the router adds a bias to the scores for picking only, name it (Scoring.selection_bias) and the op "
-              "whose output it ranks (Scoring.selection_op); if it picks inside groups, Scoring.groups")
+              "whose output it ranks (Scoring.selection_op)")
+    remedy += ("; check groups (what n_group and topk_group are read from), group_score and group_fill"
+               if groups is not None else "; if it picks inside groups, Scoring.groups")
     return (f"the experts chosen for {int(below.sum())} of {below.numel()} tokens are not the top {indices.shape[-1]} "
             f"of what the scoring of family {family.name!r} ranks ({what}; {_described(scoring)}): the router ranks "
             f"something else; {remedy}. route_around and force act on the entry's ranking.")

@@ -25,19 +25,17 @@ DS3 = Scoring(
     code="DS3",
 )
 #: DeepSeek-V2: softmax scores, greedy or group-limited (group max) top-k, times rsf.
+#: (group-limited greedy: groups scored by their best expert, the dropped ones' scores set to 0.0).
 DS2 = Scoring("softmax", "score_topk", normalize=False, scale="router.routed_scaling_factor",
-              groups=("router.num_group", "router.topk_group"),
+              groups=("router.num_group", "router.topk_group"), group_fill=0.0, group_score="max",
               groups_if=("router.topk_method", "group_limited_greedy"), code="DS2")
-#: Mistral 4: softmax, group-limited top-k (no bias), renormalised, times rsf.
+#: Mistral 4: softmax, group-limited top-k (no bias; the dropped groups' scores set to 0.0), renormalised, times rsf.
 SMG = Scoring(
     "softmax", "group_topk", normalize="router.norm_topk_prob", scale="router.routed_scaling_factor",
-    groups=("router.num_group", "router.topk_group"), code="SMG",
+    groups=("router.num_group", "router.topk_group"), group_fill=0.0, code="SMG",
 )
 #: Mistral Large 4: as Mistral 4, always renormalised (its router has no flag).
-SMG_ALWAYS = Scoring(
-    "softmax", "group_topk", normalize=True, scale="router.routed_scaling_factor",
-    groups=("router.num_group", "router.topk_group"), code="SMG",
-)
+SMG_ALWAYS = dataclasses.replace(SMG, normalize=True)
 SHARED_AFTER = SharedExpert("shared_experts", when="after_experts")
 UNSORTED = "Slots are not ranked (top-k with sorted=False): slot 0 is not the top-1 expert."
 WEIGHT_SUM = "With norm_topk_prob set (the default of most), weights sum to routed_scaling_factor, not 1."

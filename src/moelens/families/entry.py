@@ -42,6 +42,9 @@ SHARED_TIMES = ("before_router", "before_experts", "after_experts", "after_block
 #: How a router may choose its k experts (`Scoring.select`).
 SELECTIONS = ("score_topk", "logit_topk", "group_topk", "sparsemixer", "hash", "skip_topk")
 
+#: How a group-limited router scores a group of experts to keep the best ones (`Scoring.group_score`).
+GROUP_SCORES = ("top2_sum", "max")
+
 #: How a block may combine routed and shared output (`Combine.mode`; an attribute reference may name one).
 COMBINE_MODES = ("sum", "average")
 
@@ -80,8 +83,11 @@ class Scoring:
         groups: Attribute references ``(n_group, topk_group)`` of group-limited
             selection, or None.
         group_fill: What the router puts in place of the scores of the groups it drops before its top-k:
-            -inf (DeepSeek-V3), or 0.0 (axk2, as its reference code does: a dropped expert can still be picked
-            when the kept ones score below 0).
+            -inf (DeepSeek-V3), or 0.0 (axk2, mistral4 and DeepSeek-V2, as their code does: a dropped expert can
+            still be picked when the kept ones score below 0).
+        group_score: How a group's score is made of its experts' ranked scores, to keep the best groups:
+            ``"top2_sum"``, the sum of its best two (DeepSeek-V3, mistral4), or ``"max"`` (DeepSeek-V2's
+            group-limited greedy).
         groups_if: ``(attribute reference, value)``: the groups apply only when the
             attribute has that value (DeepSeek-V2: ``router.topk_method`` is
             ``"group_limited_greedy"``); None: whenever `groups` is set.
@@ -106,6 +112,7 @@ class Scoring:
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None
     group_fill: float = float("-inf")
+    group_score: str = "top2_sum"
     groups_if: tuple[str, str] | None = None
     softcap: str | None = None
     selection_op: str | None = None

@@ -19,8 +19,8 @@ from nnsight.intervention.envoy import Envoy
 
 from ..errors import FamilyError
 from ..scalars import check_flag
-from .entry import (COMBINE_MODES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate, ExpertLayout, Family,
-                    Scoring, SharedExpert)
+from .entry import (COMBINE_MODES, GROUP_SCORES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate,
+                    ExpertLayout, Family, Scoring, SharedExpert)
 from .scoring import SCORE_FUNCTIONS
 
 _FAMILIES: dict[str, Family] = {}
@@ -142,6 +142,9 @@ def _check_description(family: Family) -> None:
     for scoring in (family.scoring, *family.scoring_by_router.values()):
         if scoring.select not in SELECTIONS:
             raise FamilyError(f"family {family.name!r}: Scoring.select {scoring.select!r} is not one of {SELECTIONS}.")
+        if scoring.group_score not in GROUP_SCORES:
+            raise FamilyError(f"family {family.name!r}: Scoring.group_score {scoring.group_score!r} is not one of "
+                              f"{GROUP_SCORES}.")
         if scoring.selection_arg is not None and not (scoring.selection_op and isinstance(scoring.selection_arg, int)
                                                       and scoring.selection_arg >= 0):
             raise FamilyError(
