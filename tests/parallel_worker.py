@@ -578,7 +578,27 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             out = ep.generate(ids, **settings)
         return {"equal": bool(torch.equal(out, ref.generate(ids, **settings)))}
 
+    def other_width_after_an_error() -> dict[str, Any]:
+        """Two models sharded over the group, of 8 and 4 experts (4 and 2 per rank): a trace of the first raises on
+        the last rank only, then every rank traces the second. The first's waiting rank met the second's count
+        rows, of another width, and gloo aborted both processes; it must raise RankDivergence, and the second
+        trace pair on every rank."""
+        ref_wide, ref_narrow = tiny_model("mixtral"), tiny_model("mixtral", num_local_experts=4)
+        wide = moelens.wrap(shard_experts(copy.deepcopy(ref_wide), None))
+        narrow = moelens.wrap(shard_experts(copy.deepcopy(ref_narrow), None))
+        ids = tokens_of(RANK)
+
+        def params_of_an_expert_of_rank_0() -> None:  # the other ranks raise before the forward
+            with wide.trace(ids):
+                wide.moes[0].params(expert=0)
+                wide.output.logits.save()
+
+        refused = _error_text(params_of_an_expert_of_rank_0)
+        with torch.no_grad():
+            return {"refused": refused, "narrow": maxdiff(traced_logits(narrow, ids), logits_of(ref_narrow(input_ids=ids)))}
+
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
+            "other_width_after_an_error": other_width_after_an_error,
             "error_on_some_ranks": error_on_some_ranks, "different_models": different_models,
             "plain_torch_model": plain_torch_model, "traced_and_plain_generate": traced_and_plain_generate}
 

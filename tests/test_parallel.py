@@ -328,7 +328,8 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
     or forward (each of the two), and the next traces (one with the last rank's experts
     negated, ground truth: the single-process model edited alike) and forwards pair on every rank; a user's plain
     torch model of a registered family shards and matches one process;
-    ranks holding models with other experts are refused by shard_experts on every rank."""
+    ranks holding models with other experts are refused by shard_experts on every rank; a rank left waiting by an
+    error elsewhere meets the next trace's model of other expert counts with RankDivergence, not a gloo abort."""
     results = spawn(2, {"a2a": {}, "hazards": {"short_timeout": 5}})
     assert not check_a2a(results)
     for rank, by_suite in enumerate(results):
@@ -347,6 +348,10 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert guard["saved_files"] == [] and guard["unsharded_saves"] == "", guard
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]
+        other_width = cases["other_width_after_an_error"]  # a waiting rank meets a model of other expert counts
+        assert "error" not in other_width, (rank, other_width.get("error", "")[-2000:])
+        assert other_width["refused"].startswith("RankDivergence" if rank == 0 else "ValueUnavailable"), (rank, other_width)
+        assert other_width["narrow"] <= TOL, (rank, other_width)
         assert "hold different models: the experts of ranks" in cases["different_models"]["error"], cases
         plain = cases["plain_torch_model"]  # a registered plain torch model: sharded, and the same as one process
         assert "error" not in plain, plain.get("error", "")[-2000:]

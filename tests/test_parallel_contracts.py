@@ -370,14 +370,15 @@ def test_plan_split_sizes_serve_flag_and_traffic_on_two_ranks(two_ranks: list[di
         assert r["out"] < 1e-6 and r["grad_x"] < 1e-6, (rank, r)
         assert r["divergent"].startswith("RankDivergence"), (rank, r["divergent"])
     # kind, tag, sent bytes, kept bytes, rows sent, rows received (of this rank's sizes; 0: the layer tag)
-    counts = ["counts", 0, 40, 40, 1, 2]  # one row of [2 counts + serve + tag + run id] int64 to the other rank
+    # one row of [serve, tag, run id, local experts] int64 to the other rank, then one of its 2 counts
+    header, counts = ["counts", 0, 32, 32, 1, 2], ["counts", 0, 16, 16, 1, 2]
     assert results[0]["records"] == [
-        counts, ["dispatch", 0, 36, 24, 3, 3], ["combine", 0, 12, 24, 1, 5],
+        header, counts, ["dispatch", 0, 36, 24, 3, 3], ["combine", 0, 12, 24, 1, 5],
         ["combine_grad", 0, 36, 24, 3, 3], ["dispatch_grad", 0, 12, 24, 1, 5]], results[0]["records"]
     assert results[1]["records"] == [
-        counts, ["dispatch", 0, 12, 24, 1, 5], ["combine", 0, 36, 24, 3, 3],
+        header, counts, ["dispatch", 0, 12, 24, 1, 5], ["combine", 0, 36, 24, 3, 3],
         ["combine_grad", 0, 12, 24, 1, 5], ["dispatch_grad", 0, 36, 24, 3, 3]], results[1]["records"]
-    assert results[0]["sent"] == 40 + 36 + 12 + 36 + 12 and results[1]["sent"] == 40 + 12 + 36 + 12 + 36
+    assert results[0]["sent"] == 32 + 16 + 36 + 12 + 36 + 12 and results[1]["sent"] == 32 + 16 + 12 + 36 + 12 + 36
 
 
 def test_ep_groups_and_non_members_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:

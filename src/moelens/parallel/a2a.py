@@ -4,15 +4,15 @@ Every rank holds its own tokens (data parallel) and ``L = E / ep`` of the E
 experts (rank ``r``: ``[r*L, (r+1)*L)``). For one MoE layer:
 
 1. each rank sorts its ``T*k`` (token, slot) pairs by global expert id, which groups
-   them by owner rank, and the ranks exchange per-expert counts (one small
-   int64 all-to-all, which also carries a layer tag and a run id to catch ranks that
-   diverged, see `moelens.parallel.runs`);
+   them by owner rank, and the ranks exchange a fixed-width header (a layer tag, a run id and
+   the local expert count, to catch ranks that diverged, see `moelens.parallel.runs`), then
+   the per-expert counts (two small int64 all-to-alls);
 2. the token rows go to the owners (`Plan.dispatch`, an uneven all-to-all);
 3. the owner runs its experts on what it received, grouped by local expert;
 4. the outputs go back the same way (`Plan.to_sender`, the reverse all-to-all)
    into token-slot order, and the sender applies the routing weights once.
 
-The split sizes are read back to the host once per layer. Both exchanges are
+The header and the split sizes are read back to the host: two syncs per layer. Both exchanges are
 differentiable (their backward is the reverse exchange), so gradients reach the
 tokens, the routing weights and the experts on every rank. A rank may send or
 receive no rows at all; ids outside ``[0, E)`` (e.g. -1) are dropped (those slots
@@ -133,13 +133,12 @@ def plan_dispatch(
     counts = keyed.new_zeros(num_global_experts + 1).scatter_add_(0, keyed, torch.ones_like(keyed))
     send_counts = counts[:num_global_experts].view(ep, num_local_experts)
     run = runs.current if runs is not None else 0
-    meta = torch.tensor([[int(serve), int(tag), run]], dtype=torch.long, device=device).expand(ep, 3)
+    # A fixed-width header first: the counts' width (L) may differ between the blocks of a model (or two models on
+    # the group), and ranks at different blocks must meet at rows of one size to find out (gloo aborts otherwise).
+    header = torch.tensor([[int(serve), int(tag), run, num_local_experts]], dtype=torch.long, device=device)
     while True:
-        received = exchange_counts(torch.cat([send_counts, meta], dim=1), group, tag)
-        recv_counts = received[:, :num_local_experts]
-        # The one host sync of the layer: split sizes, and the flags, tags and run ids of every rank.
-        host = torch.stack([send_counts.sum(1), recv_counts.sum(1), *received[:, -3:].T]).tolist()
-        send_sizes, recv_sizes, flags, tags, run_ids = host
+        # A host sync: the flags, tags, run ids and local expert counts of every rank.
+        flags, tags, run_ids, widths = exchange_counts(header.expand(ep, 4), group, tag).T.tolist()
         newest = max(run_ids)
         if run < newest:
             ahead = [index for index, other in enumerate(run_ids) if other == newest]
@@ -161,6 +160,16 @@ def plan_dispatch(
             "on some inputs, such as ernie4_5_vl_moe's vision experts when only some ranks have image tokens). "
             "Every rank must run the same control flow; see docs/parallel.md."
         )
+    if any(other != num_local_experts for other in widths):
+        raise RankDivergence(
+            f"expert parallelism: rank {rank} of the EP group ran the experts call tagged {tag} with "
+            f"{num_local_experts} local experts ({num_global_experts} in all) while the group's ranks hold {widths}: "
+            "every rank must run the same block, its experts sharded over the group with "
+            "moelens.parallel.shard_experts."
+        )
+    recv_counts = exchange_counts(send_counts, group, tag)
+    # The layer's second host sync: the split sizes.
+    send_sizes, recv_sizes = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
     local_ids = torch.arange(num_local_experts, device=device).repeat(ep).repeat_interleave(
         recv_counts.reshape(-1), output_size=sum(recv_sizes)
     )
