@@ -624,3 +624,112 @@ def test_an_empty_path_argument_is_a_usage_error_not_the_working_folder(argv, tm
     assert re.search(r"error: argument (--out|--text|OUT): empty: name a file or folder", capsys.readouterr().err)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["stats.csv", "text.txt"]
     assert (tmp_path / "stats.csv").read_text() == "my own notes"
+
+
+def _with_reader_gone(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """A command run with the reader of its stdout gone before it writes (`| head -0`): its status and stderr."""
+    process = subprocess.Popen([sys.executable, "-m", "moelens.cli", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env)
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    return process.wait(timeout=300), stderr
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["unbuffered", "buffered"])
+def test_stats_out_is_complete_when_the_reader_of_stdout_stops_early(tmp_path, capsys, buffered):
+    """`moelens stats ... --out DIR | head -1` stopped at its first line: DIR held the new run's cache beside the
+    last run's stats.json. Unbuffered, the files are now those of a run read to the end; buffered, the output's
+    flush at exit said "Exception ignored ... BrokenPipeError" (status 120)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    env |= {"OMP_NUM_THREADS": "1"} | ({} if buffered else {"PYTHONUNBUFFERED": "1"})
+    text = tmp_path / "long.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    argv = ["stats", "tiny", "--text", str(text), "--no-progress", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:  # the run read to the end
+        assert run([*argv, "--out", reference], capsys)[0] == 0
+    finally:
+        torch.set_num_threads(threads)
+    out.mkdir()
+    for name in ("stats.json", "stats.csv", "experts.csv"):  # a last run's files, to be replaced
+        (out / name).write_text("an earlier run's\n")
+    status, stderr = _with_reader_gone([*argv, "--out", str(out)], env)
+    assert status == 1 and not re.search("Traceback|Exception ignored|Broken pipe", stderr), stderr
+    for name in ("stats.json", "stats.csv", "experts.csv"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert pngs(out) == pngs(reference)
+    assert (analysis.RoutingCache.load(out / "cache").num_tokens
+            == json.loads((out / "stats.json").read_text())["layers"][0]["tokens"])
+
+
+def test_demo_writes_every_plot_when_the_reader_of_stdout_stops_early(tmp_path):
+    """`moelens demo | head -1` ended at its second line, before any plot: --out kept an earlier run's plots."""
+    from moelens.analysis.cli import DEMO_FILES
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    for name in DEMO_FILES:
+        (out / name).write_bytes(b"an earlier run's plot")
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    status, stderr = _with_reader_gone(["demo", "--out", str(out), "--windows", "2"], env)
+    assert status == 1 and "Traceback" not in stderr, stderr
+    assert pngs(out) == sorted(DEMO_FILES)  # each one a new plot
+
+
+def _unknown_user() -> str:
+    """A user name the system's user database does not know."""
+    import pwd
+
+    name = "nosuchuser"
+    while True:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            return name
+        name += "x"
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["stats", "tiny", "--text", "{home}/t.txt"], "argument --text: path"),
+    (["stats", "tiny", "--text", "TEXT", "--out", "{home}/res"], "argument --out: path"),
+    (["inspect", "{home}/model"], "MODEL"),
+    (["export", "tiny", "{home}/x.nnef.tgz", "--no-verify"], "OUT"),
+])
+def test_a_home_folder_of_no_known_user_is_refused_by_name(saved, tmp_path, monkeypatch, capsys, argv, name):
+    """`~nosuchuser/x` anywhere ended in pathlib's traceback "Could not determine home directory"."""
+    home = "~" + _unknown_user()
+    monkeypatch.chdir(tmp_path)
+    argv = [arg.format(home=home).replace("TEXT", str(saved / "text.txt")) for arg in argv]
+    given = next(arg for arg in argv if arg.startswith(home))
+    expected = (f"{name} {given!r} begins with {home!r}, but this system knows no home folder of a user "
+                f"{home[1:]!r}; write the path out without it (a folder named {home!r} here is ./{home}).")
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:  # an option's value: argparse's usage error
+        status = exit_info.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.endswith(f"error: {expected}\n"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_api_refuses_a_home_folder_of_no_known_user_and_expands_a_known_one():
+    import pwd
+
+    from moelens.errors import MoelensError
+    from moelens.paths import user_path
+
+    home = "~" + _unknown_user()
+    with pytest.raises(MoelensError, match=re.escape(f"path '{home}/model' begins with '{home}'")):
+        moelens.load(f"{home}/model")
+    me = pwd.getpwuid(os.getuid())
+    assert user_path(f"~{me.pw_name}/x") == Path(me.pw_dir) / "x"
+
+
+@pytest.mark.parametrize("folder", ["max_length=4", "batch_size"])
+def test_a_model_folder_named_like_a_setting_is_named_as_given(saved, tmp_path, monkeypatch, capsys, folder):
+    """A dense model in a folder `max_length=4` was reported as "--max-length 4 is not a Mixture-of-Experts model"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / folder).symlink_to(saved / "dense")
+    status, out, err = run(["stats", folder, "--text", saved / "text.txt"], capsys)
+    assert status == 2 and err.startswith(f"moelens stats: error: {folder!r} is not a Mixture-of-Experts model"), err

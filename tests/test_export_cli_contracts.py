@@ -11,6 +11,7 @@ tests load moelens-tiny once, in about a second). Needs the ``export`` extra.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -461,13 +462,123 @@ def test_export_refuses_a_bad_out_before_loading_the_model(monkeypatch, tmp_path
     (tmp_path / "file.txt").write_text("mine\n")
     assert main(["export", "tiny", str(tmp_path / "file.txt" / "x.nnef.tgz")]) == 2
     assert "which is a file" in capsys.readouterr().err
-    assert main(["export", "tiny"]) == 2
-    assert "moelens export needs MODEL and OUT (or --support)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a usage error: argparse's line after the usage
+        main(["export", "tiny"])
+    assert exit_info.value.code == 2 and "error: the following arguments are required: OUT" in capsys.readouterr().err
     # An archive name with a trailing slash: to_nnef refuses it as unclear, and argparse's Path dropped the slash
     # (an archive was written). Refused here too, as OUT, with nothing written.
     assert main(["export", "tiny", f"{tmp_path}/x.nnef.tgz/", "--block", "1"]) == 2
     assert "OUT " in (err := capsys.readouterr().err) and "ends like an archive and with a slash" in err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_an_option_between_model_and_out_is_read_as_anywhere_else(recorded, tmp_path, capsys):
+    """`moelens export tiny --block 2 x.nnef.tgz` failed with "unrecognized arguments: x.nnef.tgz" (MODEL and OUT were
+    both optional, so argparse gave 'tiny' alone to the pair)."""
+    from moelens.cli import build_parser, main
+
+    out = str(tmp_path / "block.nnef.tgz")
+    first = build_parser().parse_args(["export", "--block", "2", "--tokens", "3", "tiny", out])
+    for argv in (["tiny", "--block", "2", out, "--tokens", "3"], ["tiny", out, "--block", "2", "--tokens", "3"],
+                 ["--tokens", "3", "tiny", "--block", "2", out]):
+        assert vars(build_parser().parse_args(["export", *argv])) == vars(first), argv
+    assert main(["export", "tiny", "--block", "2", out, "--no-verify"]) == 0, capsys.readouterr().err
+    (call,) = recorded
+    assert call.path == out and call.target.layer == 2
+
+
+@pytest.mark.parametrize("argv", [["export", "--support"], ["export", "tiny", "--support"]])
+def test_support_prints_the_table_without_model_and_out(argv, capsys):
+    from moelens.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    printed = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert printed == table.support_table() and "| mixtral | **yes**" in printed
+
+
+def test_block_refuses_a_layer_with_several_moe_blocks_naming_them(tmp_path, capsys):
+    """`--block 1` on ernie4_5_vl_moe (text_moe and vision_moe in layer 1) silently took the first of the two; it
+    names both, before the export's own refusal of the family (its blocks' output is no FFN output)."""
+    from moelens.cli import main
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("ernie4_5_vl_moe")
+    hf.save_pretrained(tmp_path / "ernie")
+    both = ["layers.1.mlp.text_moe", "layers.1.mlp.vision_moe"]
+    assert set(both) <= {name for name, _ in hf.named_modules()}  # the model's own two blocks of layer 1
+    out = tmp_path / "block.nnef.tgz"
+    assert main(["export", str(tmp_path / "ernie"), "--block", "1", str(out), "--no-verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moelens export: error: --block 1: layer 1 holds 2 MoE blocks (") and err.count("\n") == 1
+    named = re.findall(r"model\.moes\[\d+\] is ([\w.]+)", err)  # as loaded: under the causal LM's .model
+    assert len(named) == 2 and all(path.endswith(name) for path, name in zip(named, both)), err
+    assert "not an FFN output" not in err
+    assert not out.exists()
+
+
+# -- the export's refusal of hooks --------------------------------------------------------------------------------
+
+
+def test_moelens_own_hooks_are_not_foreign_and_a_users_are():
+    """moelens registers a `_GatheredNote` (wrapping ernie4_5_vl_moe) and shard_experts' guard and run counting
+    (partials; compress's calibration recorders are functions of moelens too); none may count as a user's, every
+    user's hook still does."""
+    import functools
+
+    import torch
+
+    from moelens.components.gathered import _GatheredNote
+    from moelens.modules import foreign_hooks
+    from moelens.parallel import runs, shard
+
+    module = torch.nn.Linear(2, 2)
+    module.register_forward_pre_hook(_GatheredNote(), with_kwargs=True)
+    module.register_forward_pre_hook(shard._guard)
+    module.register_forward_pre_hook(functools.partial(runs.forward_enters, None))
+    module.register_forward_hook(functools.partial(runs.forward_leaves, None))
+    assert foreign_hooks(module) == []
+
+    def mine(module, args, output):
+        return output
+
+    class Yours:
+        def __call__(self, module, args):
+            return None
+
+    theirs = Yours()
+    module.register_forward_hook(mine)
+    module.register_forward_pre_hook(theirs)
+    wrapped_user = functools.partial(mine)
+    module.register_forward_hook(wrapped_user)
+    assert foreign_hooks(module) == [mine, wrapped_user, theirs]
+
+
+def test_a_wrapped_ernie_is_refused_for_what_it_is_not_for_moelens_own_hook(tmp_path):
+    """Wrapped, ernie4_5_vl_moe was refused for "a forward hook (a _GatheredNote) ... Remove it", a hook moelens put
+    there; the reason is the one to_nnef gives the unwrapped model. A user's hook on a block is still refused."""
+    import moelens
+    from moelens.export import ExportRefused, to_nnef
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("ernie4_5_vl_moe")
+    with pytest.raises(ExportRefused) as unwrapped:
+        to_nnef(hf, tmp_path / "a.nnef.tgz")
+    assert "not an FFN output" in str(unwrapped.value)
+    model = moelens.wrap(hf)
+    with pytest.raises(ExportRefused) as wrapped:
+        to_nnef(model, tmp_path / "b.nnef.tgz")
+    assert str(wrapped.value) == str(unwrapped.value)
+
+    def my_hook(module, args, output):
+        return output
+
+    handle = model.moes[0]._module.register_forward_hook(my_hook)
+    with pytest.raises(ExportRefused, match=r"layers\.1\.mlp\.text_moe has a forward hook \(my_hook\)"):
+        to_nnef(model, tmp_path / "c.nnef.tgz")
+    handle.remove()
+    assert not list(tmp_path.iterdir())
 
 
 # -- the moelens command ----------------------------------------------------------------------------------------------

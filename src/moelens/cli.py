@@ -58,7 +58,7 @@ def load_checkpoint(source: str | None) -> tuple[Any, str]:
     from moelens.data import TINY_MODEL_PATH, TINY_NAMES
 
     quiet_transformers()
-    if source is None or source in TINY_NAMES and not user_path(source).is_dir():  # a user's folder "tiny" wins
+    if source is None or source in TINY_NAMES and not user_path(source, "MODEL").is_dir():  # a folder "tiny" wins
         if not (TINY_MODEL_PATH / "config.json").is_file():
             raise MoelensError(
                 f"moelens-tiny is not installed at {TINY_MODEL_PATH} (config.json is missing); reinstall "
@@ -66,7 +66,7 @@ def load_checkpoint(source: str | None) -> tuple[Any, str]:
             )
         path, name = TINY_MODEL_PATH, "moelens-tiny"
     else:
-        path, name = user_path(source), source
+        path, name = user_path(source, "MODEL"), source
         if not path.exists():  # a command takes local folders only (moelens.load would try a hub id)
             raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
     with warnings.catch_warnings(record=True) as caught:
@@ -146,8 +146,57 @@ def _in_call(message: str, position: int) -> bool:
     return False
 
 
+class ReaderMayLeave:
+    """A command's stdout whose reader may stop early (``moelens stats ... | head -1``): from then on what the
+    command prints goes nowhere, and the command goes on to finish the files it writes (``--out``, OUT)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.gone = False  # whether the reader has stopped
+
+    def write(self, text: str) -> int:
+        """Write ``text`` to stdout, unless its reader has stopped."""
+        self._guarded(self.stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush stdout, unless its reader has stopped."""
+        self._guarded(self.stream.flush)
+
+    def _guarded(self, call: Any, *args: Any) -> None:
+        """``call(*args)`` on stdout, until its reader has stopped: then stdout's file is /dev/null, so that what
+        is left in its buffer goes where the rest goes and no later flush raises again."""
+        if self.gone:
+            return
+        try:
+            call(*args)
+        except BrokenPipeError:
+            self.gone = True
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``moelens`` command; returns the exit status."""
+    """Run the ``moelens`` command; returns the exit status (1 when the reader of stdout stopped early).
+
+    Raises:
+        SystemExit: argparse's own exit (``--help``, ``--support``, a command line it cannot parse).
+    """
+    stdout = sys.stdout = ReaderMayLeave(sys.stdout)  # from the start: --help and --support print while parsing
+    try:
+        status = _run(argv)
+    finally:
+        stdout.flush()  # now, not at exit, where a reader gone would end in "Exception ignored ... BrokenPipeError"
+        sys.stdout = stdout.stream
+    return 1 if stdout.gone and status == 0 else status
+
+
+def _run(argv: list[str] | None) -> int:
+    """Parse ``argv`` and run the command; errors moelens raises on purpose are one line on stderr, status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
@@ -158,9 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     except MoelensError as error:
         print(f"moelens {args.command}: error: {spelled_as_options(str(error), args.options)}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader of stdout stopped early (| head): no error of the user's, nothing to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
-        return 1
     except OSError as error:  # a path the checks could not foresee (a folder the system refuses to create ...)
         print(f"moelens {args.command}: error: {error}; check the path and what may be written there.", file=sys.stderr)
         return 2

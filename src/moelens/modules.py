@@ -79,8 +79,10 @@ def is_adapter_layer(module: Any) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
 
 
-#: Packages whose own hooks (transformers' output capturing, nnsight's) change nothing a module computes.
-OWN_HOOKS = ("transformers.", "nnsight.")
+#: Packages whose own hooks change nothing a module computes: transformers' output capturing, nnsight's, and
+#: moelens' (a block's note of gathered calls, the recorders of compress's calibration, shard_experts' guard and
+#: run counting).
+OWN_HOOKS = ("transformers.", "nnsight.", "moelens.")
 
 
 #: accelerate's hooks that only move tensors between devices (what ``device_map`` dispatch adds to every module).
@@ -88,9 +90,10 @@ DEVICE_HOOKS = ("AlignDevicesHook",)
 
 
 def foreign_hooks(module: nn.Module, pre: bool = True) -> list[Any]:
-    """The forward hooks (and, with ``pre``, forward pre-hooks) on ``module`` that neither transformers nor
-    nnsight put there: the user's (or another library's), which may change what the module computes; and an
-    accelerate ``ModelHook`` other than its device moves (``module._hf_hook``, which wraps the forward)."""
+    """The forward hooks (and, with ``pre``, forward pre-hooks) on ``module`` that none of transformers, nnsight
+    and moelens put there (`OWN_HOOKS`): the user's (or another library's), which may change what the module
+    computes; and an accelerate ``ModelHook`` other than its device moves (``module._hf_hook``, which wraps the
+    forward)."""
     foreign = _not_own([*module._forward_hooks.values(), *(module._forward_pre_hooks.values() if pre else ())])
     accelerate_hook = getattr(module, "_hf_hook", None)
     parts = getattr(accelerate_hook, "hooks", (accelerate_hook,))  # a SequentialHook holds several
@@ -101,14 +104,21 @@ def foreign_hooks(module: nn.Module, pre: bool = True) -> list[Any]:
 
 def foreign_global_hooks() -> list[Any]:
     """The forward (pre-)hooks registered for every module (``torch.nn.modules.module.register_module_forward_hook``)
-    that neither transformers nor nnsight put there."""
+    that none of transformers, nnsight and moelens put there."""
     from torch.nn.modules import module as torch_module
 
     return _not_own([*torch_module._global_forward_hooks.values(), *torch_module._global_forward_pre_hooks.values()])
 
 
 def _not_own(hooks: list[Any]) -> list[Any]:
-    return [hook for hook in hooks if not str(getattr(hook, "__module__", "") or "").startswith(OWN_HOOKS)]
+    """``hooks`` less those of the packages of `OWN_HOOKS`: a function, a callable object (its class's module) or a
+    ``functools.partial`` of one of theirs."""
+    def module_of(hook: Any) -> str:
+        while isinstance(hook, functools.partial):
+            hook = hook.func
+        return str(getattr(hook, "__module__", "") or "")
+
+    return [hook for hook in hooks if not module_of(hook).startswith(OWN_HOOKS)]
 
 
 def hook_name(hook: Any) -> str:

@@ -16,11 +16,13 @@ NAME_A_PATH = "name a file or folder (an empty path would be the working folder)
 
 def user_path(path: str | os.PathLike, name: str = "path", error: type[MoelensError] = MoelensError,
               hint: str = "") -> Path:
-    """A path the user named, with a leading ``~`` expanded as a shell would (never a folder named ``~``).
+    """A path the user named, with a leading ``~`` or ``~user`` expanded as a shell would (never a folder named
+    ``~``); one that names no known home folder (``~nosuchuser/x``, which a shell would keep as typed) is refused.
 
     Raises:
-        MoelensError (or ``error``): ``path`` is no str or path object, or empty; the message names the argument
-            (``name``), what it got, and ``hint``.
+        MoelensError (or ``error``): ``path`` is no str or path object, or empty, or begins with a ``~`` or
+            ``~user`` whose home folder is not known here; the message names the argument (``name``), what it
+            got, and ``hint``.
     """
     if not isinstance(path, (str, os.PathLike)):
         shown = repr(path)
@@ -28,12 +30,23 @@ def user_path(path: str | os.PathLike, name: str = "path", error: type[MoelensEr
         raise error(f"{name} must be a path (a str or a pathlib.Path), got {type(path).__name__}{shown}{hint}.")
     if not os.fspath(path):  # Path("") is the working folder: an unset shell variable would write there
         raise error(f"{name} is empty: {NAME_A_PATH}{hint}.")
-    return Path(path).expanduser()
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory"
+        head = Path(path).parts[0]
+        whose = "this user (HOME is not set)" if head == "~" else f"a user {head[1:]!r}"
+        raise error(f"{name} {os.fspath(path)!r} begins with {head!r}, but this system knows no home folder of "
+                    f"{whose}; write the path out without it (a folder named {head!r} here is ./{head}){hint}."
+                    ) from None
 
 
 def argument_path(value: str) -> Path:
-    """`user_path` as argparse's ``type=`` for a command-line path: an empty one is a usage error (exit 2)."""
-    return user_path(argument_text(value))
+    """`user_path` as argparse's ``type=`` for a command-line path: an empty one, or one whose ``~user`` names no
+    home folder, is a usage error (exit 2)."""
+    try:
+        return user_path(argument_text(value))
+    except MoelensError as refused:
+        raise argparse.ArgumentTypeError(str(refused)) from None
 
 
 def argument_text(value: str) -> str:

@@ -277,7 +277,7 @@ def require_moe(model: Any, source: str) -> None:
     if not getattr(model, "moes", None):
         config = getattr(model._module, "config", None)
         raise MoelensError(
-            f"{source} is not a Mixture-of-Experts model moelens knows: {type(model._module).__name__} "
+            f"{source!r} is not a Mixture-of-Experts model moelens knows: {type(model._module).__name__} "
             f"(model_type {getattr(config, 'model_type', None)!r}) {why_no_moe(model._module)}. "
             "Pass an MoE checkpoint (see docs/families.md for the supported families)."
         )

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cli import load_checkpoint
 from ..errors import MoelensError
-from ..paths import argument_text
+from ..paths import argument_text, user_path
 
 
 #: The `Edits` fields the command has an option for (``--route-around`` for route_around ...).
@@ -30,9 +30,9 @@ def register(subparsers: Any) -> None:
         "tract_moe_ffn per MoE block, edits baked in, and check the archive in tract against torch. "
         "Needs the export extra: pip install 'moelens[export]'.",
     )
-    parser.add_argument("model", metavar="MODEL", nargs="?", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
-    parser.add_argument("out", metavar="OUT", nargs="?", type=argument_text, help="the archive to write (.nnef.tgz, .tar, or a folder)")
-    parser.add_argument("--support", action="store_true", help="print which families export (and why not) and exit")
+    parser.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    parser.add_argument("out", metavar="OUT", type=argument_text, help="the archive to write (.nnef.tgz, .tar, or a folder)")
+    parser.add_argument("--support", action=SupportAction, help="print which families export (and why not) and exit")
     parser.add_argument("--block", type=int, metavar="LAYER", help="export only the MoE block of this layer (hidden states -> mlp_output)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens of the traced example input (default 8)")
     parser.add_argument("--dynamic-tokens", action="store_true", help="symbolic token axis S: one archive for every prompt length")
@@ -47,6 +47,20 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--swap", action="append", default=[], metavar="LAYER:E=TO[,E=TO]",
                         help="expert E's slots run expert TO")
     parser.set_defaults(func=run_export)
+
+
+class SupportAction(argparse.Action):
+    """``--support``: print the family support table and exit, as ``--version`` does (no MODEL or OUT needed)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from .table import support_table
+
+        print(support_table(), end="")
+        parser.exit()
 
 
 def parse_edits(args: argparse.Namespace) -> Any:
@@ -110,13 +124,7 @@ def parse_edits(args: argparse.Namespace) -> Any:
 
 def run_export(args: argparse.Namespace) -> int:
     """Run ``moelens export``."""
-    if args.support:
-        from .table import support_table
-
-        print(support_table(), end="")
-        return 0
-    if args.model is None or args.out is None:
-        raise MoelensError("moelens export needs MODEL and OUT (or --support).")
+    user_path(args.out, "OUT")  # a ~user with no home folder is refused by its name
     edits = parse_edits(args)
     if args.block is not None:
         _refuse_edits_elsewhere(edits, args.block)
@@ -132,10 +140,7 @@ def run_export(args: argparse.Namespace) -> int:
     model = load_checkpoint(args.model)[0]
     target: Any = model
     if args.block is not None:
-        blocks = [moe for moe in model.moes if moe.layer == args.block]
-        if not blocks:
-            raise MoelensError(f"--block {args.block}: no MoE block there; MoE layers are {[m.layer for m in model.moes]}.")
-        target = blocks[0]
+        target = _block_of_layer(model, args.block)
     inputs = default_inputs(resolve(target), tokens=args.tokens)
     with torch.no_grad():
         report = to_nnef(target, args.out, example_inputs=inputs, dynamic_tokens=args.dynamic_tokens,
@@ -157,6 +162,26 @@ def run_export(args: argparse.Namespace) -> int:
                      f"{_quantized(second)}")
         print(line)
     return 0
+
+
+def _block_of_layer(model: Any, layer: int) -> Any:
+    """The one MoE block of ``model`` in ``layer`` (``--block``).
+
+    Raises:
+        MoelensError: ``layer`` holds no MoE block, or several (ernie4_5_vl_moe's text and vision experts), which
+            the message lists with their paths.
+    """
+    blocks = [(index, moe) for index, moe in enumerate(model.moes) if moe.layer == layer]
+    if not blocks:
+        raise MoelensError(f"--block {layer}: no MoE block there; MoE layers are {[m.layer for m in model.moes]}.")
+    if len(blocks) > 1:
+        listed = ", ".join(f"model.moes[{index}] is {moe.path}" for index, moe in blocks)
+        raise MoelensError(
+            f"--block {layer}: layer {layer} holds {len(blocks)} MoE blocks ({listed}) and --block exports one; "
+            "export the one you mean from Python (moelens.export.to_nnef(model.moes[i], path)), or the whole model "
+            "(without --block)."
+        )
+    return blocks[0][1]
 
 
 def _refuse_edits_elsewhere(edits: Any, block: int) -> None:
