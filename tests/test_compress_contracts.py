@@ -1,7 +1,7 @@
 """What tomoe promises and no other test pinned: the reported error is the built block's (on the held-out
-tokens, shared neurons included), padding is not calibrated on, list targets are whole name parts, LoRA scales
-by alpha / r, GPT-2 keeps its residual dropout, bad settings and too many shared neurons are refused, and the
-active fraction counts the biggest experts."""
+sequences, shared neurons included, near the error on unseen text), padding is not calibrated on, list targets are
+whole name parts, LoRA scales by alpha / r, GPT-2 keeps its residual dropout, bad settings and too many shared
+neurons are refused, and the active fraction counts the biggest experts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from moelens.compress import CompressionError, NothingToConvert, fit
 from moelens.compress.stats import LayerStats
 
-from test_compress_helpers import convert, gpt2, ids, inputs_of, llama
+from test_compress_helpers import VOCAB, convert, gpt2, ids, inputs_of, llama
 
 
 def _err(y, t):
@@ -30,16 +30,46 @@ def test_reported_error_is_the_built_blocks_error_with_shared_neurons_and_refit(
 
 
 def test_reported_error_is_measured_on_the_held_out_rows():
+    """From 1024 tokens the error is measured on whole held-out sequences (8 of the 64 here), by a fit without them:
+    it is the error there of the block a conversion calibrated on the other 56 sequences builds. The block built is
+    then fitted on all 64, so its own error there is lower."""
     dense = llama()
     tokens = ids(64, 16)  # 1024 tokens: one in eight held out
     mlp = dense.model.layers[0].mlp
-    x = inputs_of(dense, mlp, tokens)
+    x = inputs_of(dense, mlp, tokens)  # sequence by sequence: row i is from sequence i // 16
     conv, stats = convert(dense, num_experts=4, top_k=2, calibration=tokens)
-    _, held = fit._split(x.shape[0], seed=0)
+    _, held, note = fit.split(x.shape[0], 0, torch.arange(64).repeat_interleave(16))
+    sequences = (held // 16).unique().tolist()
+    assert note == "" and len(sequences) == 8
+    assert sorted(held.tolist()) == [row for s in sequences for row in range(16 * s, 16 * s + 16)]  # whole ones
+    without, _ = convert(llama(), num_experts=4, top_k=2,
+                         calibration=tokens[[s for s in range(64) if s not in sequences]])
     with torch.no_grad():
-        actual = _err(conv.model.layers[0].mlp(x[held]), mlp(x[held]))
-    assert stats.converted[0].error_tokens == 128
-    assert stats.converted[0].error == pytest.approx(actual, rel=1e-3)
+        unseen = _err(without.model.layers[0].mlp(x[held]), mlp(x[held]))
+        built = _err(conv.model.layers[0].mlp(x[held]), mlp(x[held]))
+    assert stats.converted[0].error_tokens == 128 and not stats.converted[0].notes
+    assert stats.converted[0].error == pytest.approx(unseen, rel=1e-3)
+    assert built < 0.98 * unseen  # the block built saw those sequences too
+
+
+def test_the_reported_error_is_not_measured_on_texts_the_fit_saw():
+    """Tokens of one text are alike; here each calibration sequence repeats one token, so its 16 FFN inputs are one
+    point. Held-out random tokens all had twins among the fit tokens: the reported error (0.42, 0.36) was close to
+    the error on the fit (0.40, 0.37), far below the error on sequences the conversion never saw (0.72, 0.67), and
+    the max_error gate let such layers pass. Held-out whole sequences give about the unseen sequences' error.
+    Ground truth: the untouched dense MLPs on the inputs of 61 new sequences."""
+    order = torch.randperm(VOCAB - 3, generator=torch.Generator().manual_seed(0)) + 3
+    calibration = order[:64, None].expand(64, 16).contiguous()  # 1024 tokens, 64 distinct FFN inputs
+    unseen = order[64:, None].expand(-1, 16).contiguous()
+    dense = llama()
+    converted, stats = convert(dense, num_experts=4, top_k=2, calibration=calibration)
+    for index, layer in enumerate(stats.converted):
+        mlp = dense.model.layers[index].mlp
+        x = inputs_of(dense, mlp, unseen)
+        with torch.no_grad():
+            new_text = _err(converted.model.layers[index].mlp(x), mlp(x))
+        assert layer.error_tokens == 128 and not layer.notes
+        assert layer.error > 0.8 * new_text, (layer.error, new_text)
 
 
 def test_lora_adapter_scale_is_alpha_over_r():

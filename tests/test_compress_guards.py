@@ -269,6 +269,25 @@ def test_calibration_longer_than_the_positions_is_refused(make):
         convert(make(), calibration=ids(1, 100))
 
 
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["rotary", "learned positions"])
+def test_out_of_vocabulary_ids_are_named_before_the_length(make):
+    """Ids past the vocabulary fail in the embedding (IndexError). The hint said the 100-token sequences were
+    longer than the model's 64 positions even for a rotary model, for which that is no limit (it converts
+    sequences of 100 tokens): the real cause went unsaid. Ground truth: the model's input embedding has VOCAB rows,
+    and the same ids taken into the vocabulary convert."""
+    model = make()
+    tokens = ids(2, 100 if make is llama else 10)
+    tokens[0, 3] = VOCAB + 5
+    with pytest.raises(CompressionError, match=rf"IndexError: .*\. Token ids outside the model's vocabulary of "
+                                               rf"{VOCAB}: 1 of {tokens.numel()} \(ids from \d+ to {VOCAB + 5}; the "
+                                               rf"model takes 0 to {VOCAB - 1}\): tokenize with this model's own "
+                                               rf"tokenizer") as refused:
+        convert(model, num_experts=4, top_k=2, calibration=tokens)
+    assert "positions" not in str(refused.value)
+    tokens[0, 3] = 5
+    assert len(convert(model, num_experts=4, top_k=2, calibration=tokens)[1].converted) == 2
+
+
 @pytest.mark.parametrize("calibration, message", [
     (torch.tensor(5), r"tensor\(5\) is a single number \(0-d\); pass token ids"),
     (torch.rand(2, 8), r"arg 0 \[2, 8\] float32.*float32, but LlamaForCausalLM takes integer token ids"),

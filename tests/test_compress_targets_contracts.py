@@ -4,8 +4,8 @@ width (Conv1D's transposed weight included), the size limits are inclusive and n
 on an FFN (merged ones on a Linear) keep it dense, fused gate/up FFNs are skipped with the reason, a shared FFN
 stays dense whatever its sibling's name, unregistered MoE blocks are found by their dispatching experts, camel-case
 attention modules count, string targets are full-match regexes, GQA's narrowest projections get two experts;
-calibration: one 1-D sequence, padding off flattened inputs, a tuple item as the positional arguments (a
-sentence-transformers model's dict), a random sample from every batch, eval mode, no hook
+calibration: one 1-D sequence, padding off flattened inputs, each row's sequence kept, a tuple item as the
+positional arguments (a sentence-transformers model's dict), a random sample from every batch, eval mode, no hook
 left behind, backward hooks respected, hooks put back in order; blocks: GPT-2's dropout applies, outputs and
 routing weights keep the tokens' precision, the straight-through term adds nothing; stats: tied weights count once,
 ``as_dict`` carries each layer's active fraction."""
@@ -304,6 +304,53 @@ def test_max_tokens_samples_every_batch():
 
     assert members(seen_first) + members(seen_second) == 64
     assert members(seen_first) > 0 and members(seen_second) > 0  # not just the first batch's 64
+
+
+class _FlatMLP(nn.Module):
+    """An FFN that sees the batch's tokens flattened to ``[B * T, D]`` (no attention: rows are embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, 32)
+        self.mlp = LlamaMLP(_mlp_config())
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.embed_tokens(input_ids)
+        return self.mlp(hidden.reshape(-1, hidden.shape[-1]))
+
+
+@pytest.mark.parametrize("make", [llama, lambda: _quiet(_FlatMLP)], ids=["[B, T, D]", "[B * T, D]"])
+@pytest.mark.parametrize("max_tokens", [10_000, 40])
+def test_each_captured_row_keeps_its_sequence_through_padding_and_max_tokens(make, max_tokens):
+    """Each row carries the sequence it came from, numbered over all batches, through padding removal and the
+    max_tokens sample: what the held-out split needs to hold whole sequences out. Ground truth: each sequence's
+    FFN inputs when the untouched model runs on it alone, without padding."""
+    model = make()
+    mlp = model.model.layers[0].mlp if hasattr(model, "model") else model.mlp
+    first, second, third = ids(3, 12, seed=1), ids(2, 9, seed=2), ids(2, 6, seed=3)
+    lengths = [12, 7, 3, 9, 5, 6, 6]  # real tokens of each sequence, in order; the third batch has no mask
+    masks = [torch.arange(12) < torch.tensor(lengths[:3])[:, None],
+             torch.arange(9) < torch.tensor(lengths[3:5])[:, None]]
+    calls = cal.batches([{"input_ids": first, "attention_mask": masks[0].long()},
+                         {"input_ids": second, "attention_mask": masks[1].long()}, third])
+    found = cal.capture_sequences(model, calls, {"mlp": mlp}, max_tokens=max_tokens)["mlp"]
+    texts = [first[0], first[1, :7], first[2, :3], second[0], second[1, :5], third[0], third[1]]
+    assert found.sequences is not None and found.rows.shape[0] == min(sum(lengths), max_tokens)
+    for sequence, text in enumerate(texts):
+        seen = []
+        handle = mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0].reshape(-1, 32)))
+        with torch.no_grad():
+            model(input_ids=text[None])
+        handle.remove()
+        alone = seen[0]
+        rows = found.rows[found.sequences == sequence]
+        if max_tokens > sum(lengths):
+            torch.testing.assert_close(rows, alone, rtol=1e-5, atol=1e-5)
+        else:
+            assert all(torch.isclose(alone, row, rtol=1e-5, atol=1e-5).all(-1).any() for row in rows)
+    assert set(found.sequences.tolist()) <= set(range(len(texts)))
+    torch.testing.assert_close(cal.capture(model, calls, {"mlp": mlp}, max_tokens=max_tokens)["mlp"], found.rows,
+                               rtol=0, atol=0)  # the rows alone, as before
 
 
 def test_calibration_runs_in_eval_mode_and_leaves_no_hook_behind():

@@ -7,7 +7,9 @@ a dict of keyword arguments (a tokenizer's ``BatchEncoding``: ``input_ids``,
 list / iterable of those (one forward each). Forward pre-hooks record each target
 module's input; padding tokens (``attention_mask == 0``, also inside a positional dict;
 ``decoder_attention_mask`` in an encoder-decoder model's decoder) are left out, and each
-layer keeps at most ``max_tokens`` tokens (a seeded random sample).
+layer keeps at most ``max_tokens`` tokens (a seeded random sample). Each token row keeps the
+index of the sequence it came from (its batch row, counted over all calls), so that the error
+can be measured on whole sequences held out of the fit (`fit.split`).
 
 The pass runs in eval mode; every module's own ``training`` flag is restored after it.
 On the deep copy a conversion works on, `without_hooks` keeps the user's forward hooks
@@ -19,10 +21,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ..modules import device_of, evaluating, takes_keyword
@@ -130,42 +133,82 @@ def _mask(kwargs: Mapping | None, key: str = "attention_mask") -> Tensor | None:
     return mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
 
-def _valid_rows(hidden: Tensor, mask: Tensor | None, name: str = "the module") -> Tensor:
-    """The input's token rows ``[n, D]``, without padding.
+def _token_rows(hidden: Tensor, mask: Tensor | None, name: str = "the module",
+                layout: tuple[int, int] | None = None) -> tuple[Tensor, Tensor | None]:
+    """The input's token rows ``[n, D]`` without padding, and the batch row (sequence) of each ``[n]``.
+
+    ``layout`` is the batch's ``(batch, seq)`` shape (the mask's, else the model input's); the sequences are
+    None where the input's shape does not show them (rows of unknown origin).
 
     Raises:
         CompressionError: the batch holds padding and the input's shape does not fit the mask (a module run on
             chunks of the sequence, as BERT's chunked feed-forward), so its padding rows cannot be told apart.
     """
-    if mask is not None:
-        if hidden.dim() == 3 and tuple(hidden.shape[:2]) == tuple(mask.shape):
-            return hidden[mask.to(hidden.device)]
-        if hidden.dim() == 2 and hidden.shape[0] == mask.numel():
-            return hidden[mask.reshape(-1).to(hidden.device)]
-        if hidden.dim() == 3 and tuple(hidden.shape[:2]) == tuple(mask.T.shape):  # square: taken as batch first
-            return hidden.transpose(0, 1)[mask.to(hidden.device)]  # sequence first ([S, B, D], nn.Transformer's)
-        if not bool(mask.all()):
-            raise CompressionError(
-                f"{name}'s input of shape {tuple(hidden.shape)} does not fit the batch's attention_mask "
-                f"{tuple(mask.shape)} (the module runs on parts of the sequence), so its padding cannot be left out "
-                "of the calibration: calibrate with batches of one length (no padding), or one sequence a batch."
-            )
-    return hidden.reshape(-1, hidden.shape[-1])
+    layout = tuple(mask.shape) if mask is not None else layout
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if layout is None:
+        return flat, None
+    batch, seq = layout
+    grid = torch.arange(batch)[:, None].expand(batch, seq)  # the batch row of each position
+    keep = mask.cpu() if mask is not None else torch.ones(batch, seq, dtype=torch.bool)
+    if hidden.dim() == 3 and tuple(hidden.shape[:2]) == (batch, seq):
+        return hidden[keep.to(hidden.device)], grid[keep]
+    if hidden.dim() == 2 and hidden.shape[0] == batch * seq:
+        return hidden[keep.reshape(-1).to(hidden.device)], grid[keep]
+    if hidden.dim() == 3 and tuple(hidden.shape[:2]) == (seq, batch):  # square: taken as batch first
+        return hidden.transpose(0, 1)[keep.to(hidden.device)], grid[keep]  # sequence first ([S, B, D])
+    if not bool(keep.all()):
+        raise CompressionError(
+            f"{name}'s input of shape {tuple(hidden.shape)} does not fit the batch's attention_mask "
+            f"{tuple(mask.shape)} (the module runs on parts of the sequence), so its padding cannot be left out "
+            "of the calibration: calibrate with batches of one length (no padding), or one sequence a batch."
+        )
+    if hidden.dim() == 3 and hidden.shape[0] == batch:  # batch first, other positions (chunks, a decoder)
+        return flat, torch.arange(batch).repeat_interleave(hidden.shape[1])
+    return flat, None
 
 
-@torch.no_grad()
+def _layout(features: Mapping | None, args: tuple) -> tuple[int, int] | None:
+    """``(batch, seq)`` of a call's main input (token ids, else its first tensor of two or more dimensions), or
+    None: which sequence a token row is from, where a layer's input shows no mask."""
+    values = list((features or {}).values()) + list(args)
+    main = (features or {}).get("input_ids")
+    if not isinstance(main, Tensor):
+        main = next((v for v in values if isinstance(v, Tensor) and v.dim() >= 2), None)
+    return (main.shape[0], main.shape[1]) if isinstance(main, Tensor) and main.dim() >= 2 else None
+
+
+@dataclass
+class Captured:
+    """A module's calibration input: token rows ``[T, D]`` (float32, on CPU) and the sequence of each ``[T]``
+    (distinct over the whole calibration; None when the module's input did not show them)."""
+
+    rows: Float[Tensor, "t d"]
+    sequences: Int[Tensor, " t"] | None
+
+
 def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[str, nn.Module], *,
             max_tokens: int = 32768, seed: int = 0) -> dict[str, Float[Tensor, "t d"]]:
     """Run ``model`` on every call and return each module's input tokens ``[T, D]`` (float32, on CPU)."""
-    found: dict[str, list[Tensor]] = {name: [] for name in modules}
-    current: dict[str, Mapping | None] = {"features": None}
+    return {name: found.rows for name, found in
+            capture_sequences(model, calls, modules, max_tokens=max_tokens, seed=seed).items()}
+
+
+@torch.no_grad()
+def capture_sequences(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[str, nn.Module], *,
+                      max_tokens: int = 32768, seed: int = 0) -> dict[str, Captured]:
+    """Run ``model`` on every call and return each module's input tokens with the sequence of each token."""
+    found: dict[str, list[tuple[Tensor, Tensor | None]]] = {name: [] for name in modules}
+    current: dict[str, Any] = {"features": None, "layout": None, "first": 0}
     handles = []
     decoder = _decoder_modules(model)
 
     def recorder(name: str, mask_key: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = args[0] if args else next(iter(kwargs.values()))
-            found[name].append(_valid_rows(hidden.detach(), _mask(current["features"], mask_key), name).float().cpu())
+            rows, sequences = _token_rows(hidden.detach(), _mask(current["features"], mask_key), name,
+                                          current["layout"])
+            found[name].append((rows.float().cpu(), None if sequences is None else sequences + current["first"]))
         return hook
 
     for name, module in modules.items():
@@ -178,6 +221,7 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
                 kwargs = _to(kwargs, device)
                 args = tuple(_to(a, device) for a in args)
                 current["features"] = _features(args, kwargs)
+                current["layout"] = _layout(current["features"], args)
                 kwargs = _left_padding_positions(model, args, kwargs)
                 try:
                     model(*args, **kwargs)
@@ -185,6 +229,7 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
                     raise
                 except Exception as error:  # the model refused the data: say which batch and why
                     raise CompressionError(_failed(model, index, args, kwargs, error)) from error
+                current["first"] += current["layout"][0] if current["layout"] else 1  # the next call's sequences
     finally:
         for handle in handles:
             handle.remove()
@@ -193,10 +238,13 @@ def capture(model: nn.Module, calls: list[tuple[tuple, dict]], modules: Mapping[
     for name, pieces in found.items():
         if not pieces:
             continue
-        rows = torch.cat(pieces)
+        rows = torch.cat([piece for piece, _ in pieces])
+        known = all(sequences is not None for _, sequences in pieces)
+        sequences = torch.cat([sequences for _, sequences in pieces]) if known else None
         if rows.shape[0] > max_tokens:
-            rows = rows[torch.randperm(rows.shape[0], generator=generator)[:max_tokens]]
-        inputs[name] = rows
+            keep = torch.randperm(rows.shape[0], generator=generator)[:max_tokens]
+            rows, sequences = rows[keep], None if sequences is None else sequences[keep]
+        inputs[name] = Captured(rows, sequences)
     return inputs
 
 
@@ -262,18 +310,59 @@ def _failed(model: nn.Module, index: int, args: tuple, kwargs: dict, error: Exce
         hint = (f" The calibration tensor is {str(main.dtype).removeprefix('torch.')}, but "
                 f"{type(model).__name__} takes integer token ids: tokenize the text (or pass "
                 "{'inputs_embeds': ...} to calibrate on embeddings).")
-    config = getattr(model, "config", None)
-    if isinstance(main, Tensor) and main.dim() >= 2 and config is not None:
-        for attribute in POSITION_LIMITS:
-            limit = getattr(config, attribute, None)
-            if isinstance(limit, int) and main.shape[1] > limit:
-                hint += (f" Its sequences are {main.shape[1]} tokens long, longer than the model's {limit} positions "
-                         f"(config.{attribute}): split them into sequences of at most {limit} tokens.")
-                break
+    if isinstance(main, Tensor) and not main.is_floating_point() and main.numel():
+        hint += _vocabulary_hint(model, main) + _length_hint(model, main)
     return (f"the calibration forward of {type(model).__name__} failed on batch {index} ({shapes}): "
             f"{type(error).__name__}: {error}.{hint} calibration must be what the model is called with: token ids "
             "[batch, seq], a dict of its keyword inputs (a tokenizer's output), a tuple of its positional "
             "arguments, or a list of those.")
+
+
+def _vocabulary_hint(model: nn.Module, ids: Tensor) -> str:
+    """Says which token ids lie outside the model's vocabulary (its input embedding's rows), or ``""``."""
+    vocabulary = _vocabulary(model)
+    low, high = int(ids.min()), int(ids.max())
+    if vocabulary is None or (low >= 0 and high < vocabulary):
+        return ""
+    outside = int(((ids < 0) | (ids >= vocabulary)).sum())
+    return (f" Token ids outside the model's vocabulary of {vocabulary}: {outside} of {ids.numel()} (ids from {low} to "
+            f"{high}; the model takes 0 to {vocabulary - 1}): tokenize with this model's own tokenizer.")
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (else ``config.vocab_size``), or None when neither is known."""
+    try:
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _length_hint(model: nn.Module, ids: Tensor) -> str:
+    """Says that the sequences are longer than the model's learned position embeddings, or ``""`` (also for models
+    without such a table, as rotary ones, whose ``max_position_embeddings`` is no hard limit)."""
+    config = getattr(model, "config", None)
+    if ids.dim() < 2 or config is None or not _learned_positions(model):
+        return ""
+    for attribute in POSITION_LIMITS:
+        limit = getattr(config, attribute, None)
+        if isinstance(limit, int) and ids.shape[1] > limit:
+            return (f" Its sequences are {ids.shape[1]} tokens long, longer than the model's {limit} positions "
+                    f"(config.{attribute}): split them into sequences of at most {limit} tokens.")
+    return ""
+
+
+#: Names of learned position-embedding tables (BERT's position_embeddings, GPT-2's wpe, OPT's embed_positions).
+POSITION_TABLES = ("position", "wpe")
+
+
+def _learned_positions(model: nn.Module) -> bool:
+    """Whether the model holds a learned position-embedding table (an ``nn.Embedding`` named like one)."""
+    return any(isinstance(module, nn.Embedding) and any(part in name.rpartition(".")[2] for part in POSITION_TABLES)
+               for name, module in model.named_modules())
 
 
 #: The forward hook dictionaries of an ``nn.Module`` (hook id -> function; the ``*_with_kwargs`` and

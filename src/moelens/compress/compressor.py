@@ -10,7 +10,7 @@ The steps (each in its own module):
 3. **Per layer** (`fit`, `build`): a layer whose own forward is not what its weights'
    reading computes (a norm or multipliers inside an FFN that looks like SwiGLU) stays
    dense with the reason; then partition, router, compensation, refit, error; a
-   layer whose relative error on held-out calibration tokens exceeds ``max_error`` stays
+   layer whose relative error on held-out calibration sequences exceeds ``max_error`` stays
    dense (with the reason); otherwise its `ToMoEBlock` / `ToMoELinear` is installed
    (inside the PEFT wrapper when there is one), with LoRA adapters and frozen experts
    when asked.
@@ -101,12 +101,13 @@ class ToMoECompressor:
             hooks = {site.name: site.hook for site in sites}
             # On the copy, forward hooks are the user's functions (deepcopy keeps them): they do not run here.
             with calib.without_hooks(model) if not options.inplace else contextlib.nullcontext():
-                inputs = calib.capture(model, calls, hooks, max_tokens=options.max_tokens, seed=options.seed)
+                inputs = calib.capture_sequences(model, calls, hooks, max_tokens=options.max_tokens,
+                                                 seed=options.seed)
         settings = ExpertsSettings(options.experts_implementation)
         stats = CompressionStats(skipped=[SkippedLayer(s.name, s.reason) for s in skips],
                                  original_parameters=original, settings=asdict(options))
         stats.settings["target_modules"] = repr(options.target_modules)
-        stats.calibration_tokens = max((x.shape[0] for x in inputs.values()), default=0)
+        stats.calibration_tokens = max((found.rows.shape[0] for found in inputs.values()), default=0)
         lora_init = torch.Generator().manual_seed(options.seed)  # the adapters' start, from the seed alone
         for site in tqdm(sites, desc="tomoe", unit="layer", disable=not options.progress):
             try:
@@ -273,7 +274,8 @@ class ToMoECompressor:
     def _convert(self, site: tg.Site, inputs: dict, calls: list, settings: ExpertsSettings,
                  stats: CompressionStats, lora_init: torch.Generator) -> None:
         options = self.options
-        x = inputs.get(site.name)
+        found = inputs.get(site.name)
+        x = found.rows if found is not None else None
         if calls and x is None:
             stats.skipped.append(SkippedLayer(site.name, "not reached by the calibration data (its input was never seen)"))
             return
@@ -284,7 +286,7 @@ class ToMoECompressor:
             return
         shared = options.shared_neurons if site.kind != "linear" else 0
         plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
-                          seed=options.seed)
+                          seed=options.seed, sequences=found.sequences if found is not None else None)
         if plan.error is not None and not plan.held_out and options.max_error is not None:
             capped = x.shape[0] >= options.max_tokens  # the cap cut the tokens, not the data
             warnings.warn(
@@ -411,8 +413,9 @@ def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: 
             on a copy) unless ``inplace=True``.
         num_experts: E, experts per converted layer.
         top_k: k, experts each token runs (``top_k == num_experts`` reproduces the dense model).
-        max_error: A layer whose relative reconstruction error on held-out calibration tokens is
-            above this stays dense (the reason is in the stats); None converts every layer.
+        max_error: A layer whose relative reconstruction error on held-out calibration sequences
+            (about one token in eight) is above this stays dense (the reason is in the stats); None
+            converts every layer.
         calibration: Model inputs to calibrate on: token ids ``[batch, seq]``, a dict of model
             inputs (keyword arguments: a tokenizer's output), a tuple of positional arguments
             (``[(features,)]`` for a sentence-transformers model, which takes the tokenizer's dict as

@@ -26,7 +26,8 @@ class LayerStats:
         expert_sizes: Dense neurons (FFN) or outputs (Linear) per expert.
         shared_neurons: Always-active neurons.
         error: Relative reconstruction error ``||y_moe - y||_F / ||y||_F`` on calibration tokens
-            held out of the fit (None without calibration data).
+            held out of the fit, whole sequences unless ``notes`` says otherwise (None without
+            calibration data).
         error_tokens: Tokens the error was measured on.
         original_parameters, new_parameters, active_parameters: Of this layer.
         lora: Whether LoRA adapters were added.
