@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moelens.compress import ExpertsSettings, ToMoEExperts, ToMoEGatedExperts, set_experts_implementation
-from moelens.compress import fit, partition
+from moelens.compress import CompressionError, fit, partition
 from moelens.compress.dense import DenseLayer
 from test_compress_helpers import bert, convert, gpt2, ids, llama, randomised, run
 
@@ -205,7 +205,7 @@ def test_rows_without_sequences_hold_out_random_tokens_and_say_so():
     assert plan.notes == ["error held out on 128 random tokens, not whole sequences (the layer's inputs do not "
                           "show which sequence each token is from): they share their texts with the fit tokens, so "
                           "it is optimistic"]
-    with pytest.raises(ValueError, match=r"sequences has shape \(1000,\), expected one sequence id per calibration "
+    with pytest.raises(CompressionError, match=r"sequences has shape \(1000,\), expected one sequence id per calibration "
                                          r"row \(1024,\)"):
         fit.plan_layer(layer, torch.randn(1024, 8), num_experts=4, top_k=2, sequences=torch.zeros(1000))
 

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from . import partition
 from .dense import DenseLayer
+from .errors import CompressionError
 from .router import MIN_SELECTED_LOGIT
 
 #: Ridge strength of the router fit, relative to the mean diagonal of X^T X.
@@ -310,7 +311,7 @@ def split(tokens: int, seed: int, sequences: Int[Tensor, " t"] | None = None
             "max_tokens; none held out): optimistic")
     if sequences is not None:
         if sequences.shape != (tokens,):
-            raise ValueError(f"sequences has shape {tuple(sequences.shape)}, expected one sequence id per "
+            raise CompressionError(f"sequences has shape {tuple(sequences.shape)}, expected one sequence id per "
                              f"calibration row ({tokens},): pass the ids capture_sequences gives with the rows.")
         held = _held_sequences(sequences, seed)
         if held is not None:
