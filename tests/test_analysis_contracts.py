@@ -276,6 +276,10 @@ def test_the_busiest_experts_leave_out_experts_no_token_chose():
                          _memory=[shard])
     (row,) = layer_stats(cache).rows()
     assert sorted(row["busiest_experts"]) == [1, 2] and row["busiest_shares"] == [0.5, 0.5]
+    # without logits no router entropy: the row had a "weights_entropy" column equal to weight_entropy instead
+    weights = torch.tensor([0.75, 0.25])
+    assert row["router_entropy"] is None and "weights_entropy" not in row
+    assert row["weight_entropy"] == pytest.approx(float(-(weights * weights.log()).sum() / torch.log(torch.tensor(2.0))), rel=1e-3)
 
 
 def test_a_tokenizers_output_for_one_text_as_lists_is_one_item(model):

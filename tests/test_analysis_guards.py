@@ -242,6 +242,29 @@ def test_a_numpy_tokenizer_output_is_routed_as_a_torch_one(model):
     assert routed["np"].num_tokens == sum(len(text) for text in TEXTS)
 
 
+@pytest.mark.parametrize(("corpus", "message"), [
+    ({"input_ids": [[5, 6, 7], [8, 9, 10]], "attention_mask": [[1, 1, 1]]},
+     r"the corpus' attention_mask has 1 rows but its input_ids 2; give one mask row per row of ids"),
+    ({"input_ids": [[5, 6, 7, 8, 9]], "attention_mask": [[1, 1, 1]]},
+     r"attention_mask row 0 has shape \(3,\) but its input_ids row \(5,\); give one mask entry per token id"),
+    ({"input_ids": ["ab"]}, r"the corpus' input_ids row 0 \('ab'\) is no row of token ids"),
+], ids=["fewer-mask-rows", "shorter-mask-row", "texts-as-ids"])
+def test_a_malformed_tokenizer_output_is_refused_by_name(model, corpus, message):
+    """A mask of fewer rows than the ids, a mask row shorter than its ids and texts given as ids ended in torch's
+    IndexError or TypeError."""
+    with pytest.raises(moelens.MoelensError, match=message):
+        analysis.collect_routing(model, corpus, progress=False)
+
+
+def test_a_tokenizer_output_of_numpy_ints_is_one_row(model):
+    """A list of numpy integers was read as one row per id (and refused as 0-d): it is one text's ids, as a list of
+    Python ints is; the truth is the same ids as a tensor."""
+    ids = [ord(char) for char in TEXTS[1]]
+    routed = analysis.collect_routing(model, {"input_ids": [np.int64(i) for i in ids]}, progress=False)
+    assert (routed.num_texts, routed.token_ids().tolist()) == (1, ids)
+    assert_same_routing(routed, analysis.collect_routing(model, [torch.tensor(ids)], progress=False))
+
+
 def test_an_empty_text_in_a_tokenizers_output_is_an_empty_corpus_item(model):
     """An unpadded tokenizer output's empty row (``[]``) was refused as a float32 tensor, and
     ``tokenizer("")`` read as no item at all; the truth is the token ids of the texts, by hand."""

@@ -168,14 +168,39 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
     rows = encoding["input_ids"]
     masks = encoding.get("attention_mask")
     rows, masks = (torch.from_numpy(value) if isinstance(value, np.ndarray) else value for value in (rows, masks))
-    one_row = rows.dim() == 1 if isinstance(rows, Tensor) else not rows or isinstance(rows[0], int)
+    one_row = rows.dim() == 1 if isinstance(rows, Tensor) else not rows or _token_id(rows[0])
     if one_row:
         rows, masks = [rows], None if masks is None else [masks]
+    if masks is not None and len(masks) != len(rows):
+        raise MoelensError(f"the corpus' attention_mask has {len(masks)} rows but its input_ids {len(rows)}; give "
+                           "one mask row per row of ids (a tokenizer's output as it comes).")
     for index, row in enumerate(rows):
-        row = torch.as_tensor(row)
+        try:
+            row = torch.as_tensor(row)
+        except (TypeError, ValueError, RuntimeError) as error:  # texts, ragged rows, objects
+            raise MoelensError(f"the corpus' input_ids row {index} ({_shown(row)}) is no row of token ids ({error}); "
+                               "give a tokenizer's output: lists, tensors or numpy arrays of ints.") from None
         if row.numel() == 0:  # torch.as_tensor([]) is float32: an empty row holds no token ids to check
             row = row.long()
-        yield row if masks is None else row[torch.as_tensor(masks[index]).bool()]
+        if masks is None:
+            yield row
+            continue
+        mask = torch.as_tensor(masks[index])
+        if mask.shape != row.shape:
+            raise MoelensError(f"the corpus' attention_mask row {index} has shape {tuple(mask.shape)} but its input_ids "
+                               f"row {tuple(row.shape)}; give one mask entry per token id.")
+        yield row[mask.bool()]
+
+
+def _token_id(value: Any) -> bool:
+    """Whether ``value`` is one token id (a Python or numpy int, not a bool): then a list of them is one row."""
+    return isinstance(value, Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error shows it, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _numeric(array: np.ndarray) -> bool:

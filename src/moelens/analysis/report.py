@@ -40,7 +40,8 @@ class LayerStats:
                 "experts": width,
                 "top_k": self.usage.top_k[row],
                 **{key: value for key, value in balance.items() if key != "layer"},
-                f"{self.entropy.source}_entropy": float(self.entropy.mean[row]),
+                # the router's entropy needs cached logits; without them `entropy` is the weights' own
+                "router_entropy": float(self.entropy.mean[row]) if self.entropy.source == "router" else None,
                 "weight_entropy": float(self.weight_entropy.mean[row]),
                 "busiest_experts": busiest,
                 "busiest_shares": [round(float(share[e]), 4) for e in busiest],
