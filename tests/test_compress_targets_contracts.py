@@ -207,18 +207,21 @@ def test_one_dimensional_token_ids_are_one_sequence():
     torch.testing.assert_close(run(one, ids(2, 8, seed=1)), run(batched, ids(2, 8, seed=1)), rtol=0, atol=0)
 
 
+class _FlatMLP(nn.Module):
+    """An FFN that sees the batch's tokens flattened to ``[B * T, D]`` (no attention: rows are embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, 32)
+        self.mlp = LlamaMLP(_mlp_config())
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.embed_tokens(input_ids)
+        return self.mlp(hidden.reshape(-1, hidden.shape[-1]))
+
+
 def test_padding_is_left_out_of_an_ffn_that_sees_flattened_tokens():
-    class Flat(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = nn.Embedding(VOCAB, 32)
-            self.mlp = LlamaMLP(_mlp_config())
-
-        def forward(self, input_ids, attention_mask=None):
-            hidden = self.embed_tokens(input_ids)
-            return self.mlp(hidden.reshape(-1, hidden.shape[-1]))  # [B * T, D]
-
-    model = _quiet(Flat)
+    model = _quiet(_FlatMLP)
     tokens = ids(4, 16)
     mask = torch.ones_like(tokens)
     mask[:, 10:] = 0
@@ -304,19 +307,6 @@ def test_max_tokens_samples_every_batch():
 
     assert members(seen_first) + members(seen_second) == 64
     assert members(seen_first) > 0 and members(seen_second) > 0  # not just the first batch's 64
-
-
-class _FlatMLP(nn.Module):
-    """An FFN that sees the batch's tokens flattened to ``[B * T, D]`` (no attention: rows are embeddings)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(VOCAB, 32)
-        self.mlp = LlamaMLP(_mlp_config())
-
-    def forward(self, input_ids, attention_mask=None):
-        hidden = self.embed_tokens(input_ids)
-        return self.mlp(hidden.reshape(-1, hidden.shape[-1]))
 
 
 @pytest.mark.parametrize("make", [llama, lambda: _quiet(_FlatMLP)], ids=["[B, T, D]", "[B * T, D]"])
