@@ -133,6 +133,17 @@ def test_specialisation_default_classes_leave_out_the_ignored_label_255():
     assert result.counts[0].tolist() == pairs_by_hand(labels, 2)
 
 
+def test_default_classes_refuse_class_ids_above_the_ignored_255():
+    """Labels of 300 classes without class names: the ids from 256 up were dropped without a word (6 of 18 slots
+    of a 300-class labelling uncounted); named classes count them."""
+    labels = torch.tensor([0, 299, 1, 256, 1])
+    with pytest.raises(MoelensError, match=r"labels hold class ids above 255 \(up to 299\): without classes, ids "
+                                           r"from 255 up are left out .* \(classes=\[\.\.\.\], 300 names\)"):
+        analysis.specialisation(spec_cache(), labels)
+    named = analysis.specialisation(spec_cache(), labels, classes=[str(c) for c in range(300)])
+    assert named.counts[0].tolist() == pairs_by_hand(labels.tolist(), 300)
+
+
 def test_per_text_labels_must_cover_every_text():
     """per="text" labels index texts: one label short of the corpus is refused (here the missing text is
     the last one, whose tokens would otherwise index past the labels or be silently dropped)."""

@@ -97,6 +97,12 @@ def specialisation(
     if per == "text" and labels.shape[0] < cache.num_texts:
         raise MoelensError(f"per-text labels must cover the {cache.num_texts} corpus items, got {labels.shape[0]}.")
     if classes is None:
+        if (labels > 255).any():  # 255 marks a token to leave out; a class above it would be dropped unseen
+            raise MoelensError(
+                f"labels hold class ids above 255 (up to {int(labels.max())}): without classes, ids from 255 up are "
+                f"left out (255 marks tokens to skip); name the classes (classes=[...], {int(labels.max()) + 1} "
+                "names) to count them all."
+            )
         valid = labels[(labels >= 0) & (labels < 255)]
         classes = [str(c) for c in range(int(valid.max()) + 1 if valid.numel() else 1)]
     num_classes = len(classes)
