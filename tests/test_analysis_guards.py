@@ -248,10 +248,12 @@ def test_a_numpy_tokenizer_output_is_routed_as_a_torch_one(model):
     ({"input_ids": [[5, 6, 7, 8, 9]], "attention_mask": [[1, 1, 1]]},
      r"attention_mask row 0 has shape \(3,\) but its input_ids row \(5,\); give one mask entry per token id"),
     ({"input_ids": ["ab"]}, r"the corpus' input_ids row 0 \('ab'\) is no row of token ids"),
-], ids=["fewer-mask-rows", "shorter-mask-row", "texts-as-ids"])
+    ({"input_ids": [[5, 6, 7, 8, 9]], "attention_mask": [[0, 1, 0, 1, 1]]},
+     r"attention_mask row 0 masks tokens between real ones \(positions \[2\]\): each item is routed as one run"),
+], ids=["fewer-mask-rows", "shorter-mask-row", "texts-as-ids", "mask-with-a-hole"])
 def test_a_malformed_tokenizer_output_is_refused_by_name(model, corpus, message):
     """A mask of fewer rows than the ids, a mask row shorter than its ids and texts given as ids ended in torch's
-    IndexError or TypeError."""
+    IndexError or TypeError; a mask with a hole routed the tokens around it as neighbours, without a word."""
     with pytest.raises(moelens.MoelensError, match=message):
         analysis.collect_routing(model, corpus, progress=False)
 

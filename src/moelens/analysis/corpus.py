@@ -185,11 +185,19 @@ def tokenized(encoding: Mapping) -> Iterator[Tensor]:
         if masks is None:
             yield row
             continue
-        mask = torch.as_tensor(masks[index])
+        mask = torch.as_tensor(masks[index]).bool()
         if mask.shape != row.shape:
             raise MoelensError(f"the corpus' attention_mask row {index} has shape {tuple(mask.shape)} but its input_ids "
                                f"row {tuple(row.shape)}; give one mask entry per token id.")
-        yield row[mask.bool()]
+        kept = torch.nonzero(mask).flatten()
+        if kept.numel() and int(kept[-1] - kept[0]) + 1 != kept.numel():  # a hole: the rest would be routed as adjacent
+            raise MoelensError(
+                f"the corpus' attention_mask row {index} masks tokens between real ones (positions "
+                f"{torch.nonzero(~mask[int(kept[0]):int(kept[-1])]).flatten().add(int(kept[0])).tolist()[:8]}): each "
+                "item is routed as one run of tokens, so the tokens around a hole would be routed as neighbours. Mask "
+                "only padding at the start or the end of a row, or pass the pieces as items of their own."
+            )
+        yield row[mask]
 
 
 def _token_id(value: Any) -> bool:
