@@ -23,8 +23,8 @@ GATHERED = "_moelens_tokens_gathered"
 
 class _GatheredNote:
     """The forward pre-hook of `Moe.mark_gathered_calls`: notes on the block whether its call got tokens
-    gathered out of the batch (``[n * D]`` or ``[n, D]`` rather than ``[B, S, D]``), passed by position or keyword. It serves one
-    component, held weakly. A copy of the model (``copy.deepcopy``, or pickled and loaded) copies its hooks:
+    gathered out of the batch (``[n * D]`` or ``[n, D]`` rather than ``[B, S, D]``), passed by position or
+    keyword. It serves one component, held weakly. A copy of the model (``copy.deepcopy``, or pickled and loaded) copies its hooks:
     the copied note serves no component and takes itself off at its first call."""
 
     def __init__(self, component: "Moe | None" = None) -> None:

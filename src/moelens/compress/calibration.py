@@ -28,7 +28,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..modules import device_of, evaluating, takes_keyword
+from ..modules import device_of, evaluating, takes_keyword, vocab_size
 from .errors import CompressionError
 
 
@@ -319,26 +319,14 @@ def _failed(model: nn.Module, index: int, args: tuple, kwargs: dict, error: Exce
 
 
 def _vocabulary_hint(model: nn.Module, ids: Tensor) -> str:
-    """Says which token ids lie outside the model's vocabulary (its input embedding's rows), or ``""``."""
-    vocabulary = _vocabulary(model)
+    """Says which token ids lie outside the model's vocabulary (`moelens.modules.vocab_size`), or ``""``."""
+    vocabulary = vocab_size(model)
     low, high = int(ids.min()), int(ids.max())
     if vocabulary is None or (low >= 0 and high < vocabulary):
         return ""
     outside = int(((ids < 0) | (ids >= vocabulary)).sum())
     return (f" Token ids outside the model's vocabulary of {vocabulary}: {outside} of {ids.numel()} (ids from {low} to "
             f"{high}; the model takes 0 to {vocabulary - 1}): tokenize with this model's own tokenizer.")
-
-
-def _vocabulary(model: nn.Module) -> int | None:
-    """Rows of the model's input embedding (else ``config.vocab_size``), or None when neither is known."""
-    try:
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    except (NotImplementedError, AttributeError):
-        embedding = None
-    if isinstance(embedding, nn.Embedding):
-        return embedding.num_embeddings
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    return size if isinstance(size, int) else None
 
 
 def _length_hint(model: nn.Module, ids: Tensor) -> str:

@@ -239,9 +239,9 @@ def plan_layer(layer: DenseLayer, x: Float[Tensor, "t d"] | None, num_experts: i
     plan = _fitted(layer, x, hidden, target, fit_rows, num_experts, top_k, shared_neurons, refit, seed)
     rows = check_rows if check_rows is not None else fit_rows
     error = relative_error(routed_output(layer, plan, x[rows], hidden[rows]), target[rows])
-    if check_rows is not None:  # measured: now the layer itself, fitted on 7 in 8 random tokens of them all
-        plan = _fitted(layer, x, hidden, target, _split(x.shape[0], seed)[0], num_experts, top_k, shared_neurons,
-                       refit, seed)
+    built_rows = _split(x.shape[0], seed)[0]  # the layer itself is fitted on 7 in 8 random tokens of them all
+    if check_rows is not None and not torch.equal(built_rows, fit_rows):  # (a random-token split fitted on them)
+        plan = _fitted(layer, x, hidden, target, built_rows, num_experts, top_k, shared_neurons, refit, seed)
     plan.error, plan.error_tokens, plan.held_out = error, int(rows.numel()), check_rows is not None
     if split_note:
         plan.notes.append(split_note)
@@ -312,7 +312,7 @@ def split(tokens: int, seed: int, sequences: Int[Tensor, " t"] | None = None
     if sequences is not None:
         if sequences.shape != (tokens,):
             raise CompressionError(f"sequences has shape {tuple(sequences.shape)}, expected one sequence id per "
-                             f"calibration row ({tokens},): pass the ids capture_sequences gives with the rows.")
+                                   f"calibration row ({tokens},): pass the ids capture_sequences gives with the rows.")
         held = _held_sequences(sequences, seed)
         if held is not None:
             return torch.nonzero(~held).flatten(), torch.nonzero(held).flatten(), ""

@@ -157,7 +157,7 @@ def _compare(actual: np.ndarray, expected: np.ndarray, reference: str, **details
         details = {**details, "tract_nan": tract_nan}
     error = float(difference[~stray_nan].max()) if (~stray_nan).any() else 0.0
     scale = output_scale(expected)
-    return Verification(error, tolerance_met(actual, expected, scale), reference, dict(details), scale)
+    return Verification(error, tolerance_met(actual, expected, scale), reference, details, scale)
 
 
 def _default_inputs(path: str | Path, target: Target) -> torch.Tensor:
