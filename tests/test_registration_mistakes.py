@@ -767,3 +767,165 @@ def test_a_block_is_described_as_its_router_scores(family, overrides, described)
     """described_on named a selection bias the block has none of (lfm2_moe without expert_bias) and no softcap."""
     moe = moelens.wrap(tiny_model(family, **overrides)).moes[0]
     assert moe.family.described_on(moe._module) == described
+
+
+class SquareBank(ExpertBank):
+    """Experts whose down projection is square (I == D), so a transposed reading of it keeps every shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * HIDDEN, HIDDEN) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) * 0.3)
+
+
+def square_model() -> Model:
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].experts = SquareBank()
+    return hand
+
+
+@pytest.mark.parametrize(("make", "layout", "fits"), [
+    (model, ExpertLayout(gate_up="gate_up_proj", down="down_proj", concatenated=False), "concatenated=True"),
+    (square_model, ExpertLayout(gate_up="gate_up_proj", down="down_proj", down_transposed=True),
+     "down_transposed=False"),
+])
+def test_check_finds_an_expert_layout_that_keeps_the_shapes(registered, make, layout, fits):
+    """Gate and up read interleaved from a concatenated gate_up, or a square down read transposed: params() served
+    other numbers as the weights (an edit through it landed on other rows), and check passed."""
+    hand = make()
+    registered()  # the right layout: no alarm
+    right = moelens.wrap(hand)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert families.check(right, IDS) == [moe.path for moe in right.moes]
+    registered(expert_layout=layout)
+    wrong = moelens.wrap(hand)
+    served, true = dict(wrong.moes[0].params().items()), dict(right.moes[0].params().items())
+    assert not all(torch.equal(served[name], true[name]) for name in ("gate", "up", "down"))
+    with pytest.raises(FamilyError, match=rf"expert_layout .*recomputes none of the experts' outputs; with {fits} "
+                                          r"\(the rest as it is\) they are recomputed"):
+        families.check(wrong, IDS)
+
+
+def test_check_says_an_expert_layout_it_cannot_recompute_is_not_checked(registered):
+    """Experts of an activation of their own: their layout is neither passed nor blamed, and the warning says so."""
+    class TanhBank(ExpertBank):
+        def forward(self, x, index, weights):
+            out = torch.zeros_like(x)
+            for expert in range(self.num_experts):
+                token, slot = torch.where(index == expert)
+                gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, -1)
+                out.index_add_(0, token, F.linear(torch.tanh(gate) * up, self.down_proj[expert]) * weights[token, slot, None])
+            return out
+
+    registered()
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].experts = TanhBank()
+    with pytest.warns(UserWarning, match=r"its expert_layout is not checked: no expert output is recomputed"):
+        families.check(moelens.wrap(hand), IDS)
+
+
+def test_unregister_given_the_entry_says_to_give_its_name(registered):
+    """unregister(MY_FAMILY), the entry register returned, said no family of that name was registered."""
+    entry = registered()
+    with pytest.raises(FamilyError, match=r"unregister takes a family's name, got a Family entry \('hand'\): give "
+                                          r"its name, unregister\('hand'\)"):
+        families.unregister(entry)
+    assert families.get("hand") is entry
+
+
+def test_a_block_returning_a_dict_is_told_to_return_a_tuple(registered):
+    """Each of the two errors sent the user to the other setting (output_index=None, then output_index=<index>)."""
+    class DictBlock(Block):
+        def forward(self, hidden):
+            output, aux = super().forward(hidden)
+            return {"hidden": output, "aux": aux}
+
+    class DictModel(Model):
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+            for layer in self.layers:
+                hidden = hidden + layer["moe"](hidden)["hidden"]
+            return hidden
+
+    torch.manual_seed(0)
+    hand = DictModel().eval()
+    for layer in hand.layers:
+        layer["moe"] = DictBlock()
+    for combine in (Combine(output_index=0), Combine()):
+        registered(block_classes=("DictBlock",), combine=combine)
+        wrapped = moelens.wrap(hand)
+        with pytest.raises(FamilyError, match=r"mlp_output: the module returned a dict \(keys \['hidden', 'aux'\]\), "
+                                              r"and moelens reads .* not by key: make the block's forward return"):
+            with wrapped.trace(IDS):
+                wrapped.moes[0].mlp_output.save()
+
+
+def test_a_quoted_flag_is_told_to_lose_its_quotes():
+    with pytest.raises(FamilyError, match=r"Scoring.normalize must be True, False or an attribute reference .*got "
+                                          r"'True'; True is written without quotes"):
+        families.register(dataclasses.replace(ENTRY, name="quoted", scoring=Scoring("softmax", "score_topk",
+                                                                                      normalize="True")))
+
+
+def test_a_model_running_its_layers_sequence_first_is_refused_where_a_value_shows_it(registered):
+    """A model that runs its layers on [seq, batch, hidden] (nn.Transformer's default layout) was served its block
+    output as [seq, batch, ...], and its flat routing values as if batch-major: each token got another's values."""
+    class SequenceFirst(Model):
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids).transpose(0, 1)
+            for layer in self.layers:
+                hidden = hidden + layer["moe"](hidden)[0]
+            return hidden.transpose(0, 1)
+
+    registered()
+    torch.manual_seed(0)
+    wrapped = moelens.wrap(SequenceFirst().eval())
+    with pytest.raises(FamilyError, match=r"mlp_output: the block's tensors are \[5, 2, 16\], whose first dim is "
+                                               r"not the batch of 2 \(they are sequence-first, \[seq, batch, \.\.\.\]\)"
+                                               r".*make the model run its layers batch-first"):
+        with wrapped.trace(IDS):
+            wrapped.moes[0].mlp_output.save()
+    with pytest.raises(FamilyError, match=r"sequence-first"):
+        families.check(wrapped, IDS)
+
+
+def test_experts_in_a_module_list_are_told_to_be_called_as_one_module(registered):
+    class ListBlock(Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(EXPERTS))
+
+    registered(block_classes=("ListBlock",))
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"] = ListBlock()
+    with pytest.warns(UserWarning, match=r"blocks of family 'hand' hold a ModuleList at 'experts' .*Move the block's "
+                                         r"loop over its experts into such a module's forward"):
+        moelens.wrap(hand)
+
+
+def test_a_misspelt_block_class_is_shown_beside_the_model_s_classes(registered):
+    registered(block_classes=("BLock",))
+    with pytest.warns(UserWarning, match=r"The block classes of the families you registered \('hand': BLock\) name no "
+                                         r"module of this model, whose classes are Model, Block, Router, ExpertBank"):
+        moelens.wrap(model())
+
+
+def test_a_router_without_readable_source_is_named_with_the_fix(registered):
+    """A router class defined at the interactive prompt (or by exec, python -c): wrap raised nnsight's bare
+    'callable source is unavailable'."""
+    namespace = {"nn": nn, "F": F, "torch": torch, "Router": Router}
+    exec("class PromptRouter(Router):\n    def forward(self, x):\n        logits = F.linear(x, self.weight)\n"
+         "        weights, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)\n"
+         "        return logits, weights / weights.sum(-1, keepdim=True), index\n", namespace)
+    registered()
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].router = namespace["PromptRouter"]()
+    with pytest.raises(FamilyError, match=r"family 'hand': logits_op='F_linear_0' names an operation of "
+                                          r"PromptRouter.forward, whose Python source cannot be read .*define the "
+                                          r"class in a file or module"):
+        moelens.wrap(hand)

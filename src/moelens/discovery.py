@@ -46,6 +46,10 @@ class Structure:
     block_attr: str = "mlp"
 
 
+#: Modules that hold experts without being called as one experts module.
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
 def _is_experts(module: Any) -> bool:
     """Whether ``module`` is an experts module (transformers-decorated, or undecorated with weights)."""
     return isinstance(module, torch.nn.Module) and (is_dispatching(module) or type(module).__name__.endswith("Experts"))
@@ -58,7 +62,7 @@ def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
     experts = find_path(module, family.experts)
     if registry.is_built_in(family):
         return _is_experts(experts)
-    return isinstance(experts, torch.nn.Module) and not isinstance(experts, (torch.nn.ModuleList, torch.nn.ModuleDict))
+    return isinstance(experts, torch.nn.Module) and not isinstance(experts, CONTAINERS)
 
 
 def _children(module: torch.nn.Module) -> list[str]:
@@ -256,7 +260,9 @@ def discover(model: torch.nn.Module) -> Structure:
             continue
         _refuse_adapter_layers(name, module, family)
         if not _holds_mixture(module, family):
-            idle.setdefault(family.name, f"{name} ({type(module).__name__}; children {_children(module)})")
+            held = find_path(module, family.experts)
+            idle.setdefault(family.name, (f"{name} ({type(module).__name__}; children {_children(module)})",
+                                          type(held).__name__ if isinstance(held, CONTAINERS) else None))
             continue
         _check_paths(name, module, family)
         _check_block_attr(model, name, family)
@@ -282,9 +288,18 @@ def discover(model: torch.nn.Module) -> Structure:
             "envoys; describe them with moelens.families.register(Family(...)) to serve their routing.",
             stacklevel=3,
         )
-    for family_name, block in idle.items():
+    for family_name, (block, container) in idle.items():
         if structure.family is None or structure.family.name != family_name:
             family = registry.get(family_name)
+            if container is not None and not registry.is_built_in(family):
+                warnings.warn(
+                    f"moelens: blocks of family {family_name!r} hold a {container} at {family.experts!r} (e.g. "
+                    f"{block}), whose experts the block calls one by one, so none is served as a Moe: moelens reads "
+                    "an experts module called once as experts(hidden_states, top_k_index, top_k_weights). Move the "
+                    "block's loop over its experts into such a module's forward and name it in the entry's experts.",
+                    stacklevel=3,
+                )
+                continue
             warnings.warn(
                 f"moelens: blocks of family {family_name!r} hold no experts module at {family.experts!r} "
                 f"(e.g. {block}), so none is served as a Moe: a checkpoint without a mixture, or a family whose "
@@ -327,12 +342,26 @@ def discover(model: torch.nn.Module) -> Structure:
                  f"no dense MLP was found either (a module at layers[i].{attribute} with up and down projections)")
         if layers is None:
             found += ", so there is no model.layers (reach modules by their native paths)"
+        found += _unmatched_registrations(model)
         warnings.warn(
             "moelens found no MoE block in this model (no module of a registered family's block class holding "
             f"an experts module): model.moes is [], and {found}.",
             stacklevel=3,
         )
     return structure
+
+
+def _unmatched_registrations(model: torch.nn.Module) -> str:
+    """For the no-MoE warning: the block classes of the user's own registered families (none of which is in
+    ``model``), beside the module classes the model has, so a misspelt class name shows; "" without any."""
+    own = [family for family in registry.supported() if not registry.is_built_in(family)]
+    if not own:
+        return ""
+    classes = dict.fromkeys(type(module).__name__ for module in model.modules()
+                            if not type(module).__module__.startswith("torch."))
+    named = "; ".join(f"{family.name!r}: {', '.join(family.block_classes)}" for family in own)
+    return (f". The block classes of the families you registered ({named}) name no module of this model, whose "
+            f"classes are {', '.join(list(classes)[:12])}{' ...' if len(classes) > 12 else ''}")
 
 
 def _dense_elsewhere(family: Family | None, attribute: str) -> tuple[str, ...]:

@@ -1166,7 +1166,15 @@ def _instrument(moe: Moe) -> None:
 
 def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
     """Source-instrument ``envoy`` and check its forward has the op the family names."""
-    names = envoy.source.names
+    try:
+        names = envoy.source.names
+    except SourceNotAvailable:
+        raise FamilyError(
+            f"family {family.name!r}: {field}={op!r} names an operation of {type(envoy._module).__name__}.forward, "
+            "whose Python source cannot be read (a class defined at the interactive prompt, by exec or python -c): "
+            "moelens reads a block's values at the operations of its source, so define the class in a file or "
+            "module (a notebook cell will do) and import it."
+        ) from None
     if op not in names:
         raise FamilyError(
             f"family {family.name!r}: {field}={op!r} is not an operation of "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -140,6 +140,8 @@ def output_of(index: int | None, setting: str | None = None, fix: str | None = N
     setting = setting or f"Combine(output_index={index})"
 
     def pick(raw: Any) -> Any:
+        if isinstance(raw, Mapping):
+            raise FamilyError(dict_output(raw))
         if not isinstance(raw, (tuple, list)):  # raw[index] of a tensor would be its first row
             raise FamilyError(
                 f"the module returned a {type(raw).__name__}, not a tuple, but its family entry reads element "
@@ -158,6 +160,15 @@ def output_of(index: int | None, setting: str | None = None, fix: str | None = N
         return type(raw)(*elements) if hasattr(raw, "_fields") else type(raw)(elements)  # a NamedTuple takes fields
 
     return pick, put
+
+
+def dict_output(raw: Mapping) -> str:
+    """The refusal of a module output that is a dict (or a ModelOutput): moelens reads a tensor, or one element
+    of a tuple (`output_of`), never a key."""
+    return (f"the module returned a {type(raw).__name__} (keys {list(raw)[:6]}), and moelens reads a block's output "
+            "as a tensor or as one element of a tuple (Combine(output_index=...)), not by key: make the block's "
+            "forward return its hidden states alone or in a tuple (a subclass whose forward returns "
+            "tuple(output.values()) will do).")
 
 
 #: What to do where the experts call lacks the argument moelens reads (`argument`).

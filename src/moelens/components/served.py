@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
@@ -26,7 +26,7 @@ from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 
 from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from . import tokens
-from .binding import ANY_INF, FLOAT, Binding
+from .binding import ANY_INF, FLOAT, Binding, dict_output
 from .run_owner import MoeInterleaver
 from .write_checks import check_not_recomputed, check_write
 
@@ -143,6 +143,8 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     except (FamilyError, ValueUnavailable) as error:  # what the location serves does not fit the entry: say where
         error.args = (f"{component.path}.{name}: {error}",)  # (a ValueUnavailable's `why` stays without the path)
         raise
+    if isinstance(picked, Mapping):
+        raise FamilyError(f"{component.path}.{name}: {dict_output(picked)}")
     if not isinstance(picked, torch.Tensor) or picked.dim() == 0:
         fix = (f"fix {binding.named_by}" if binding.named_by else
                "a block that returns a tuple needs Combine(output_index=<the hidden state's index>), and logits_op an "

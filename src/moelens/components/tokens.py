@@ -24,7 +24,7 @@ import torch
 from jaxtyping import Shaped
 from nnsight.intervention.interleaver import Mediator
 
-from ..errors import ValueUnavailable
+from ..errors import FamilyError, ValueUnavailable
 
 
 class Rows(NamedTuple):  # a tuple, not a dataclass: one is made per value read
@@ -82,6 +82,19 @@ def _whole_batch(served: torch.Tensor, rows: Rows) -> bool:
     return rows.batching and rows.size < rows.total and served.shape[0] == rows.total
 
 
+def _not_batch_major(served: torch.Tensor, rows: Rows, name: str) -> FamilyError:
+    """The refusal of a ``[batch, seq, ...]`` value whose first dim is not the batch (a block that runs its tokens
+    sequence-first, ``[seq, batch, ...]``)."""
+    sequence_first = served.shape[1] in (rows.total, rows.size)
+    return FamilyError(  # not one value left out (`save_all`, `families.check`): every value of the block is misplaced
+        f"{name}: the block's tensors are {list(served.shape)}, whose first dim is not the batch of {rows.total} "
+        + ("(they are sequence-first, [seq, batch, ...])" if sequence_first else "")
+        + ": moelens serves values per [batch, seq] and reads a block's flat tokens as batch-major, so it cannot serve "
+        "this block's routing; make the model run its layers batch-first ([batch, seq, hidden], transposing once "
+        "around the layers if it must)."
+    )
+
+
 def view(served: torch.Tensor, feature_dims: int, rows: Rows, name: str) -> Shaped[torch.Tensor, "b s *f"]:
     """This invoke's ``[b, s, *features]`` view of a served routing tensor.
 
@@ -95,6 +108,8 @@ def view(served: torch.Tensor, feature_dims: int, rows: Rows, name: str) -> Shap
     if served.dim() == feature_dims + 2:
         # nnsight narrows [B, S, ...] itself, except with beams / several returned sequences, where B
         # counts each prompt's rows (`current_rows`) and nnsight's batch size only the prompts.
+        if served.shape[0] not in (rows.total, rows.size):
+            raise _not_batch_major(served, rows, name)
         return served.narrow(0, rows.start, rows.size) if _whole_batch(served, rows) else served
     features = served.shape[1:]
     if rows.batching and served.shape[0] == rows.size and rows.size < rows.total:

@@ -10,6 +10,7 @@ served in that run.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import math
 import warnings
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from ..errors import FamilyError
+from . import layout_check
+from .entry import find_path
 from .scoring import SCORE_FUNCTIONS, kept_groups, score
 from .tomoe import converted
 
@@ -70,10 +73,11 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
         saved = model.save_all(list(CHECKED_VALUES), moes=moes)
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
-    problems, unscored = [], {}
+    problems, unscored, unchecked_layouts = [], {}, {}
     for moe, values in zip(moes, saved.values()):
+        layout, unchecked_layouts[moe.path] = _layout_problem(moe)
         found = ("" if unchecked[moe.path] else _selection_problem(moe, values),
-                 "" if unchecked[moe.path] else _weights_problem(moe, values), _output_problem(moe, values))
+                 "" if unchecked[moe.path] else _weights_problem(moe, values), _output_problem(moe, values), layout)
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
         if not unchecked[moe.path]:
             unscored[moe.path] = _score_unchecked(moe, values)
@@ -96,7 +100,26 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         if reason:
             warnings.warn(f"moelens.families.check: {path}: its expert weights and output are checked, its score "
                           f"function is not ({reason}).", stacklevel=2)
+    for path, reason in unchecked_layouts.items():
+        if reason:
+            warnings.warn(f"moelens.families.check: {path}: {reason}.", stacklevel=2)
     return [moe.path for moe in moes]
+
+
+def _layout_problem(moe: Any) -> tuple[str, str]:
+    """What is wrong with the entry's `ExpertLayout` for ``moe``'s experts, and why it is not checked (`layout_check`);
+    ("", "") where the layout comes from transformers' flags or the entry has none."""
+    family, block = moe.family, moe._module
+    experts = find_path(block, family.experts)
+    if not isinstance(experts, torch.nn.Module) or not layout_check.checked(family, experts):
+        return "", ""
+    from ..components.params import expert_views
+
+    identity = family.identity_count(block)
+    return layout_check.layout_problem(
+        family.expert_layout,
+        lambda layout: expert_views(replace(family, expert_layout=layout), experts, moe.num_experts - identity, identity),
+        experts, moe.top_k)
 
 
 #: How `check` is called, for its errors.

@@ -163,6 +163,8 @@ def _check_description(family: Family) -> None:
             hint = f'; a plain word is no reference: write "block.{value}" or "config.{value}"' if word else ""
             if word and _numeral(value):
                 hint = f"; a number is written without quotes ({value.strip()})"
+            elif word and value.strip() in ("True", "False", "None"):
+                hint = f"; {value.strip()} is written without quotes"
             raise FamilyError(
                 f"family {family.name!r}: {field_name} must be {expected} (\"router.top_k\", a dotted path "
                 f"from the block), got {value!r}{hint}."
@@ -279,6 +281,7 @@ def unregister(name: str) -> None:
     The entry it replaced under that name (a built-in, say) is in force again, and each block
     class goes back to the newest family still registered that names it.
     """
+    _refuse_unnamed(name, "unregister")
     for position in range(len(_REGISTERED) - 1, -1, -1):
         if _REGISTERED[position].name == name:
             entry = _REGISTERED[position]
@@ -326,12 +329,17 @@ def supported() -> FamilyList:
     return FamilyList(_FAMILIES[name] for name in sorted(_FAMILIES))
 
 
+def _refuse_unnamed(name: Any, function: str) -> None:
+    """Refuse anything but a family's name given to ``function`` (`get`, `unregister`), saying what to give."""
+    if not isinstance(name, str):
+        what = (f"a Family entry ({name.name!r}): give its name, {function}({name.name!r})" if isinstance(name, Family)
+                else f"{type(name).__name__} {name!r}")
+        raise FamilyError(f"{function} takes a family's name, got {what}.")
+
+
 def get(name: str) -> Family:
     """The family registered under ``name``."""
-    if not isinstance(name, str):
-        what = f"a Family entry ({name.name!r}): give its name, get({name.name!r})" if isinstance(name, Family) else \
-            f"{type(name).__name__} {name!r}"
-        raise FamilyError(f"get takes a family's name, got {what}.")
+    _refuse_unnamed(name, "get")
     try:
         return _FAMILIES[name]
     except KeyError:

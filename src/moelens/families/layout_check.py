@@ -1,0 +1,156 @@
+"""Check an entry's `ExpertLayout` against what its experts compute: part of `moelens.families.check`.
+
+For experts that carry no transformers layout flags, `Moe.params` reads the weights where the family entry's
+`ExpertLayout` says. A wrong flag that keeps the shapes (interleaved gate and up read as concatenated, a square down
+projection read transposed) would serve other numbers as the weights, and edits through them would land on other
+rows. This check calls the experts module on random tokens, each sent to one expert with weight 1 (its other slots
+to other experts with weight 0), and recomputes that expert's output from the weights the layout names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor
+
+from ..errors import ValueUnavailable
+from .entry import ExpertLayout, Family
+
+#: Activations tried where the experts have no ``act_fn`` that fits: transformers' usual ones.
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu (tanh)": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+#: An expert's weights by name (``gate``, ``up``, ``down``, ``<name>_bias``), ``[E, out, in]``, as `Moe.params` serves.
+Views = dict[str, Tensor | None]
+
+#: How many random tokens each probed expert gets.
+PROBE_TOKENS = 8
+
+
+def checked(family: Family, experts: torch.nn.Module) -> bool:
+    """Whether `layout_problem` applies: the layout comes from the entry (no transformers flags), the block calls
+    its experts as transformers does and they apply no gate of the entry's own (`ExpertGate`)."""
+    return (family.expert_layout is not None and not hasattr(experts, "has_gate") and family.experts_call
+            and not family.derived_routing and family.expert_gate is None
+            and "_ep_size" not in experts.__dict__)  # sharded by moelens.parallel: a probe would need every rank
+
+
+def layout_problem(layout: ExpertLayout, views_of: Callable[[ExpertLayout], Views], experts: torch.nn.Module,
+                   top_k: int) -> tuple[str, str]:
+    """What is wrong with the entry's expert ``layout`` for ``experts``, and a warning where it cannot be told.
+
+    ``views_of``: the ``[E, out, in]`` views `Moe.params` serves of the experts with weights under a layout
+    (`moelens.components.params.expert_views`), raising `ValueUnavailable` where their shapes do not chain.
+
+    Returns:
+        ``(problem, warning)``: ``problem`` names the layout flags under which the weights recompute the experts'
+        outputs where the entry's do not; ``warning`` says why the layout was not checked (the experts cannot be
+        called on the probe, or no layout and activation tried recomputes them). Both "" where the entry's layout
+        recomputes the experts' outputs.
+    """
+    candidates = {}  # the layouts whose weights chain as an expert's, the entry's first
+    for variant in (layout, *_variants(layout)):
+        try:
+            candidates[variant] = views_of(variant)
+        except ValueUnavailable as error:  # shapes that do not chain under it, or weights params() does not serve
+            if variant == layout:
+                refusal = str(error)
+    if not candidates:
+        return "", f"its expert_layout is not checked: params() serves no weights ({refusal})"
+    try:
+        probes = _probes(experts, next(iter(candidates.values())), top_k)
+    except Exception as error:  # noqa: BLE001 - whatever the user's module raises on the probe
+        return "", (f"its expert_layout is not checked: the experts module raised {type(error).__name__} when called "
+                    f"on random tokens as experts(hidden, top_k_index, top_k_weights) ({error})")
+    activations = _activations(experts)
+    fitting = next((variant for variant, views in candidates.items() if _recomputes(views, probes, activations)), None)
+    if fitting == layout:
+        return "", ""
+    if fitting is not None:
+        changed = ", ".join(f"{flag.name}={getattr(fitting, flag.name)!r}" for flag in dataclasses.fields(fitting)
+                            if getattr(fitting, flag.name) != getattr(layout, flag.name))
+        return (f"params() reads the experts' weights with the entry's expert_layout ({layout}), which "
+                f"recomputes none of the experts' outputs; with {changed} (the rest as it is) they are recomputed, so "
+                "params() would serve other numbers as the weights, and edits through it land on other rows: fix the "
+                "ExpertLayout"), ""
+    return "", ("its expert_layout is not checked: no expert output is recomputed from the weights it names with the "
+                f"experts' act_fn or {', '.join(ACTIVATIONS)} (experts that compute otherwise, or a layout wrong in a "
+                "way no flag fixes)")
+
+
+def _probes(experts: torch.nn.Module, views: Views, top_k: int) -> list[tuple[int, Tensor, Tensor]]:
+    """``(expert, tokens, output)`` for a few experts: each run alone on random tokens by the experts module."""
+    generator = torch.Generator().manual_seed(0)
+    up = views["up"]
+    num_experts = up.shape[0]
+    width = up.shape[-1]
+    chosen = sorted({0, num_experts // 2, num_experts - 1})
+    probes = []
+    with torch.no_grad():
+        for expert in chosen:
+            tokens = torch.randn(PROBE_TOKENS, width, generator=generator).to(up.dtype)
+            slots = (expert + torch.arange(top_k)) % num_experts  # other experts in the other slots, weighed 0
+            indices = slots.expand(PROBE_TOKENS, top_k).contiguous().to(up.device)
+            weights = torch.zeros(PROBE_TOKENS, top_k, dtype=up.dtype, device=up.device)
+            weights[:, 0] = 1
+            probes.append((expert, tokens.to(up.device), experts(tokens.to(up.device), indices, weights)))
+    return probes
+
+
+def _activations(experts: torch.nn.Module) -> list[Callable[[Tensor], Tensor]]:
+    act_fn = getattr(experts, "act_fn", None)
+    return ([act_fn] if callable(act_fn) else []) + list(ACTIVATIONS.values())
+
+
+def _recomputes(views: Views, probes: list[tuple[int, Tensor, Tensor]],
+                activations: list[Callable[[Tensor], Tensor]]) -> bool:
+    """Whether one of ``activations`` recomputes every probe's output from ``views``."""
+    for act in activations:
+        try:
+            if all(_close(_expert_output(views, expert, tokens, act), output) for expert, tokens, output in probes):
+                return True
+        except RuntimeError:  # weights whose sides do not fit the tokens under this layout
+            return False
+    return False
+
+
+def _expert_output(views: Views, expert: int, tokens: Float[Tensor, "t d"],
+                   act: Callable[[Tensor], Tensor]) -> Float[Tensor, "t d"]:
+    """Expert ``expert``'s output on ``tokens`` from the ``[out, in]`` weights ``views``."""
+    def linear(name: str, x: Tensor) -> Tensor:
+        bias = views[f"{name}_bias"]
+        return F.linear(x, views[name][expert], None if bias is None else bias[expert])
+
+    with torch.no_grad():
+        hidden = act(linear("up", tokens)) if views["gate"] is None else act(linear("gate", tokens)) * linear("up", tokens)
+        return linear("down", hidden)
+
+
+def _close(mine: Tensor, theirs: Any) -> bool:
+    if not isinstance(theirs, Tensor) or theirs.numel() != mine.numel():
+        return False
+    theirs = theirs.reshape(mine.shape)  # experts that give the tokens back as [T, 1, D] (dbrx's)
+    full = theirs.dtype in (torch.float32, torch.float64)
+    scale = float(theirs.float().abs().max())
+    tolerance = (1e-4 if full else 2e-2) * max(scale, 1e-30)
+    return bool((mine.float() - theirs.float()).abs().max() <= tolerance)
+
+
+def _variants(layout: ExpertLayout) -> list[ExpertLayout]:
+    """Every other setting of the layout's flags (concatenated only where gate and up are fused)."""
+    flags = ["transposed", "down_transposed"] + (["concatenated"] if layout.gate_up is not None else [])
+    variants = []
+    for values in itertools.product((False, True), repeat=len(flags)):
+        variant = dataclasses.replace(layout, **dict(zip(flags, values)))
+        if variant != layout:
+            variants.append(variant)
+    return variants
