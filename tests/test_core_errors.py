@@ -2484,9 +2484,38 @@ def test_errors_name_what_the_user_called(mixtral):
             moelens.ablate(moe, 2)
             moelens.steer(moe, 1, 2.0)
     with pytest.raises(WriteError, match=r"got model\.model\.layers\.0 \(MixtralDecoderLayer\), which holds the MoE "
-                                         r"block model\.model\.layers\.0\.mlp: pass that \(model\.layers\[0\]\.mlp\)"):
+                                         r"block model\.model\.layers\.0\.mlp \(model\.moes\[0\]\): pass that"):
         with wrapped.trace(**inputs):
             moelens.ablate(wrapped.layers[0], 1)
+
+
+def test_a_layer_mlp_holding_two_blocks_names_them():
+    """ernie4_5_vl_moe's layers[i].mlp holds text_moe and vision_moe: reading a value on it was nnsight's bare
+    AttributeError, and an intervention's error told the user to pass model.layers[i].mlp, what they had passed."""
+    hf = tiny_model("ernie4_5_vl_moe")
+    wrapped = moelens.wrap(hf)
+    layer = wrapped.moes[0].layer
+    holder = wrapped.layers[layer].mlp
+    blocks = (rf"model\.layers\.{layer}\.mlp\.text_moe \(model\.moes\[0\]\), "
+              rf"model\.layers\.{layer}\.mlp\.vision_moe \(model\.moes\[1\]\)")
+    assert not hasattr(holder, "router_logits") and hasattr(holder, "text_moe")
+    with pytest.raises(AttributeError, match=rf"is no MoE block itself: it holds the MoE blocks {blocks}, one per kind "
+                                             r"of token; read router_logits on one of them"):
+        holder.router_logits
+    with pytest.raises(WriteError, match=rf"which holds the MoE blocks {blocks}: pass one of them"):
+        with wrapped.trace(**tiny_inputs(hf)):
+            moelens.ablate(holder, 1)
+
+
+def test_gemma4s_dense_mlp_names_the_decoder_layer_as_its_block():
+    """Its value refusal said the MoE layers are [0, 1, ...], this very layer among them."""
+    hf = tiny_model("gemma4")
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(ValueUnavailable, match=r"layers\.1\.mlp\.router_logits cannot be served: .*shared expert of the "
+                                               r"MoE block model\.model\.layers\.1, the decoder layer itself "
+                                               r"\(model\.layers\[1\]\): use that block"):
+        with wrapped.trace(**tiny_inputs(hf)):
+            wrapped.layers[1].mlp.router_logits.save()
 
 
 def test_save_all_strict_is_a_flag(mixtral):

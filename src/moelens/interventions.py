@@ -80,19 +80,17 @@ def _moe(block: Any, call: str) -> Moe:
         block._require_trace(call, f"{call}({block.path}, ...)")
         return block
     if isinstance(block, Mlp):
-        moes = [moe.layer for moe in getattr(block.root, "moes", [])]
-        where = f"the MoE layers are {moes} (model.moes)" if moes else "this model has no MoE layer"
-        if isinstance(block.parent, Moe):  # gemma4: router and experts on the decoder layer, beside this MLP
-            where = (f"it runs beside the experts as the shared expert of the MoE block {block.parent.path}, the "
-                     f"decoder layer itself (model.layers[{block.parent.layer}]); pass that block")
-        raise WriteError(
-            f"{call}: {block.path} is a dense MLP ({type(block._module).__name__}) and runs no mixture of experts; {where}."
-        )
+        raise WriteError(f"{call}: {block.path} is a dense MLP ({type(block._module).__name__}) and runs no mixture of "
+                         f"experts; {block._moe_layers}.")
     got = type(block).__name__
     if isinstance(block, nnsight.Envoy):
-        inner = next((moe for moe in getattr(block.root, "moes", []) if moe.path.startswith(f"{block.path}.")), None)
-        got = f"{block.path} ({type(block._module).__name__})" + (
-            f", which holds the MoE block {inner.path}: pass that (model.layers[{inner.layer}].mlp)" if inner is not None else "")
+        inner = [f"{moe.path} (model.moes[{index}])" for index, moe in enumerate(getattr(block.root, "moes", []))
+                 if moe.path.startswith(f"{block.path}.")]
+        got = f"{block.path} ({type(block._module).__name__})"
+        if inner:
+            held = inner[0] if len(inner) == 1 else ", ".join(inner[:3]) + (" ..." if len(inner) > 3 else "")
+            got += (f", which holds the MoE block {held}: pass that" if len(inner) == 1 else
+                    f", which holds the MoE blocks {held}: pass one of them")
     raise WriteError(f"{call} takes an MoE block (model.moes[i] or model.layers[i].mlp of a wrapped model), got {got}.")
 
 

@@ -34,7 +34,7 @@ from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import check_known, is_dispatching, known, unsupported_dtypes
-from .components.layer_list import BlocklessLayer, LayerList, MoeList
+from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList
 from .components.moe import value_names
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
@@ -941,6 +941,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         envoys.setdefault(_from_root(structure.layers), LayerList)
         for name in _blockless_layers(model, structure):
             envoys.setdefault(_from_root(name), BlocklessLayer)
+    for name in _block_holders(structure):
+        envoys.setdefault(_from_root(name), BlockHolder)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
         if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
@@ -1114,6 +1116,14 @@ def _expert_parallel_envoy(model: torch.nn.Module) -> type[Moe]:
     from .parallel.transformers_ep import keep_dispatch_forwards
 
     return keep_dispatch_forwards(model)
+
+
+def _block_holders(structure: Structure) -> list[str]:
+    """The paths of the layers' MLP modules that are no block themselves but hold MoE blocks (ernie4_5_vl_moe's)."""
+    blocks = {*structure.moe_blocks, *structure.dense_blocks}
+    parents = dict.fromkeys(name.rpartition(".")[0] for name in structure.moe_blocks)
+    return [parent for parent in parents
+            if parent not in blocks and layer_path(parent) == parent.rpartition(".")[0]]
 
 
 def _blockless_layers(model: torch.nn.Module, structure: Structure) -> list[str]:

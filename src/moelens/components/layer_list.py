@@ -7,6 +7,7 @@ from typing import Any
 from nnsight import Envoy
 
 from ..errors import LayerIndexError
+from ..families.entry import VALUE_NAMES
 from ..scalars import as_lone_int
 
 
@@ -45,6 +46,30 @@ class BlocklessLayer(Envoy):
             raise AttributeError(
                 f"{self.path} ({type(self._module).__name__}) has no 'mlp': this layer holds no MLP block (a hybrid "
                 "model's attention or mamba layer); the MoE blocks are model.moes, each saying its layer (.layer)."
+            ) from None
+
+
+#: What a `Moe` answers that the module holding several blocks (`BlockHolder`) does not.
+BLOCK_NAMES = (*VALUE_NAMES, "router", "experts", "shared_experts", "num_experts", "top_k", "params", "family",
+               "SCORING", "layer")
+
+
+class BlockHolder(Envoy):
+    """``model.layers[i].mlp`` where the layer's MLP module holds MoE blocks of its own (ernie4_5_vl_moe's
+    ``text_moe`` and ``vision_moe``): asking it for what a block serves names them, where nnsight's envoy reports a
+    bare missing attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name not in BLOCK_NAMES:
+                raise
+            inner = [f"{moe.path} (model.moes[{index}])" for index, moe in enumerate(getattr(self.root, "moes", []))
+                     if moe.path.startswith(f"{self.path}.")]
+            raise AttributeError(
+                f"{self.path} ({type(self._module).__name__}) is no MoE block itself: it holds the MoE blocks "
+                f"{', '.join(inner)}, one per kind of token; read {name} on one of them."
             ) from None
 
 

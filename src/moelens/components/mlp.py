@@ -85,6 +85,11 @@ class Mlp(Component):
 
     @property
     def _moe_layers(self) -> str:
+        from .moe import Moe  # the Moe component imports this module
+
+        if isinstance(self.parent, Moe):  # gemma4: router and experts on the decoder layer, beside this MLP
+            return (f"it runs beside the experts as the shared expert of the MoE block {self.parent.path}, the decoder "
+                    f"layer itself (model.layers[{self.parent.layer}]): use that block")
         moes = [moe.layer for moe in getattr(self.root, "moes", [])]
         where = f"MoE layers are {moes}" if moes else "this model has no MoE layer"
         return f"{where}; iterate model.moes for the MoE blocks"

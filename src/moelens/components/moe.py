@@ -190,8 +190,8 @@ class Moe(Mlp):
     def experts_implementation(self) -> str:
         """The transformers experts implementation the experts module runs now.
 
-        ``"eager"`` for experts transformers does not dispatch (undecorated: dbrx,
-        llama4), whose forward is their own loop, and for a model whose config names none
+        ``"eager"`` for experts transformers does not dispatch (undecorated: dbrx's loop over its experts,
+        llama4's one batched matmul over all of them), and for a model whose config names none
         (built as ``MyModel(config)``: transformers then runs the experts' own forward).
         """
         experts = self.experts._module

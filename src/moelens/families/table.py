@@ -24,7 +24,8 @@ Columns: the block (its attribute on the decoder layer and its class), the route
 the router op whose output moelens serves as `router_logits` (`linear → cast`: the router's linear layer and the
 upcast after it, where the logits are read), the scoring (see `docs/values.md`), the
 shared expert (its module and when its served value is produced), and what the family cannot serve whatever
-the model's settings (dbrx's and llama4's per-slot values: they call no `experts(hidden, indices, weights)`). Values
+the model's settings (dbrx's and llama4's per-slot values: their experts are not decorated by transformers, so they
+run only their own forward, dbrx's a loop over its experts, llama4's one batched matmul). Values
 that depend on how the experts run are in the notes: per-slot values need experts decorated by transformers' experts
 implementations and running `grouped_mm` or `batched_mm` (up to transformers 5.24 step3p7's and longcat_flash's
 experts are not decorated, so they have none: `moe.order()` lists them, and reading one raises the reason;
