@@ -253,3 +253,43 @@ def test_a_converted_falcon_down_projection_serves_its_own_output_too():
         moe.mlp_output = mine
         written = model.output.logits.save()
     assert not mine.any() and not torch.equal(written, plain)  # the written tensor is the user's still
+
+
+def test_one_mlp_module_called_by_two_layers_is_refused():
+    """Tied layers: layers[1].mlp read and wrote layer 0's call of the shared module, without a word."""
+    model = llama()
+    model.model.layers[1].mlp = model.model.layers[0].mlp
+    with pytest.raises(moelens.FamilyError, match=r"model\.layers\.1\.mlp is the same dense MLP module as "
+                                                  r"model\.layers\.0\.mlp: .*assign a copy\.deepcopy of it"):
+        moelens.wrap(model)
+
+
+def test_a_vision_tower_mlp_on_flat_patches_is_refused_by_name():
+    """A dense Qwen2-VL's vision blocks run [patches, D] over every image: the 24 patches of two images were cut
+    into two 'rows' of 12 and served as the invoke's [batch, seq, I] (row 1 mixing both images)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=1, in_channels=3),
+        text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        image_token_id=100, vision_start_token_id=101, vision_end_token_id=102, video_token_id=103)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    wrapped = moelens.wrap(model)
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4]])  # 16 and 8 patches
+    ids = torch.tensor([[5, 101] + [100] * 4 + [102, 6, 7, 8, 9], [10, 101] + [100] * 2 + [102, 11, 12, 13, 14, 15, 16]])
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(24, 12), image_grid_thw=grid, mm_token_type_ids=(ids == 100).long())
+    vision = wrapped.model.visual.blocks[1].mlp
+    assert isinstance(vision, Mlp)
+    for name in ("mlp_activation", "mlp_output"):
+        with pytest.raises(moelens.ValueUnavailable, match=rf"visual\.blocks\.1\.mlp\.{name} cannot be served: this dense "
+                                                           r"MLP runs outside the text decoder's layers .* on 24 flat "
+                                                           r"tokens .*Read its tensors with plain nnsight"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                getattr(vision, name).save()
+    with torch.no_grad(), wrapped.trace(**inputs):  # the text decoder's MLPs are served as before
+        text = wrapped.layers[0].mlp.mlp_activation.save()
+    assert text.shape == (2, ids.shape[1], 48)

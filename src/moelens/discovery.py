@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .call_order import in_run_order
 from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .errors import FamilyError, sentence
@@ -29,7 +30,7 @@ class Structure:
 
     Attributes:
         family: The family of its MoE blocks, or the family its config names, or None.
-        moe_blocks: Module names of the MoE blocks, in module order.
+        moe_blocks: Module names of the MoE blocks, in the order the forward reaches them (`call_order`).
         dense_blocks: Module names of the dense MLPs of the same decoder stacks.
         layer_lists: Module names of the decoder layer lists holding the blocks.
         layers: The one of them ``model.layers`` names (`_decoder_layers`), or None.
@@ -145,6 +146,20 @@ def _refuse_shared_parts(model: torch.nn.Module, blocks: list[str]) -> None:
                     "block's values by module, in call order, so the later layer's values and interventions would be "
                     "the earlier one's. Give each layer its own module before wrapping (assign a copy.deepcopy of it)."
                 )
+
+
+def _refuse_shared_dense(model: torch.nn.Module, blocks: list[str]) -> None:
+    """Raise a `FamilyError` when two layers call one dense MLP module (tied layers): its `Mlp` would serve the
+    first call's values to both (`_refuse_shared_parts`, for dense blocks)."""
+    owners: dict[int, str] = {}
+    for name in blocks:
+        owner = owners.setdefault(id(model.get_submodule(name)), name)
+        if owner != name:
+            raise FamilyError(
+                f"{name} is the same dense MLP module as {owner}: moelens serves a block's values by module, in call "
+                "order, so the later layer's values and edits would be the earlier one's. Give each layer its own "
+                "module before wrapping (assign a copy.deepcopy of it)."
+            )
 
 
 def _has_path(module: torch.nn.Module, path: str) -> bool:
@@ -314,6 +329,7 @@ def discover(model: torch.nn.Module) -> Structure:
             if structure.family is not None:
                 break
     _refuse_shared_parts(model, structure.moe_blocks)
+    structure.moe_blocks = in_run_order(model, structure.moe_blocks)
     structure.block_attr = _block_attribute(structure.family, structure.moe_blocks)
     # a layer that is the block keeps its dense MLP as `mlp`; a model of no family has its MLPs there
     attribute = structure.block_attr or "mlp"
@@ -331,6 +347,7 @@ def discover(model: torch.nn.Module) -> Structure:
                 found = next((other for other in elsewhere if _is_dense_mlp(getattr(layer, other, None))), None)
                 if found is not None:
                     structure.dense_blocks.append(f"{layers}.{index}.{found}")
+    _refuse_shared_dense(model, structure.dense_blocks)
     structure.layers = layers = _decoder_layers(model, structure.layer_lists, dense=not structure.moe_blocks)
     if not structure.moe_blocks and not unknown and not idle and not unserved:
         places = "/".join(dict.fromkeys(name[len(layer_path(name)) + 1:] for name in structure.dense_blocks)) or attribute

@@ -27,9 +27,10 @@ from . import served as serving
 
 
 def layer_of(path: str) -> int | None:
-    """The decoder layer index in a module path: its last integer component (None when it has none)."""
+    """The decoder layer index in a module path: its first integer component (None when it has none). The first,
+    not the last: a layer may keep its parts in a list of its own (T5's ``encoder.block.3.layer.1``, layer 3)."""
     numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", path)
-    return int(numbers[-1]) if numbers else None
+    return int(numbers[0]) if numbers else None
 
 
 def replaced_modules(envoy: Envoy) -> list[str]:

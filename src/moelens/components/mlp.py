@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cached_property
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from jaxtyping import Float
 from torch import Tensor
@@ -133,9 +133,11 @@ class Mlp(Component):
         if name == "mlp_output":
             pick, put = output_of(None)
             if self._adds_the_residual and self.down_projection is not None:  # its part: the down projection's
-                return Binding(f"{self.path}.{self.down_projection}.output", features=1, pick=pick, put=put)
+                return Binding(f"{self.path}.{self.down_projection}.output", features=1, pick=pick, put=put,
+                               to_view=self._batched(name))
             copy = copied if self._output_edited_later else None
-            return Binding(f"{self.path}.output", features=1, pick=pick, put=put, to_view=copy, from_view=copy)
+            return Binding(f"{self.path}.output", features=1, pick=pick, put=put, to_view=self._batched(name, copy),
+                           from_view=copy)
         if name in ("mlp_activation", "mlp_neurons"):
             if self.down_projection is None:
                 raise self.unavailable(
@@ -144,8 +146,31 @@ class Mlp(Component):
                     "read the input of its last linear layer with .inputs instead.",
                 )
             pick, put = argument(0, advice=f"call {self.down_projection} with its input first ({self.down_projection}(x)).")
-            return Binding(f"{self.path}.{self.down_projection}.input", features=1, pick=pick, put=put)
+            return Binding(f"{self.path}.{self.down_projection}.input", features=1, pick=pick, put=put,
+                           to_view=self._batched(name))
         raise self.no_mixture(name)
+
+    def _batched(self, name: str, then: Callable[[Tensor, Any], Tensor] | None = None
+                 ) -> Callable[[Tensor, Any], Tensor] | None:
+        """`Binding.to_view` for a block outside the text decoder's layers (a vision tower's): it refuses flat
+        ``[tokens, ...]`` tensors, whose tokens (image patches, gathered over the images) no ``[batch, seq]`` view
+        places; ``then``: the block's own ``to_view``. None (or ``then``) for a block of the decoder's layers."""
+        structure = getattr(self.root, "_structure", None)
+        layers = getattr(structure, "layers", None)
+        if layers is None or self.path.partition(".")[2].startswith(f"{layers}."):
+            return then
+
+        def to_view(tensor: Tensor, context: Any) -> Tensor:
+            if tensor.dim() == 2:
+                raise self.unavailable(
+                    name,
+                    f"this dense MLP runs outside the text decoder's layers ({layers}) on {tensor.shape[0]} flat "
+                    "tokens (a vision tower's patches, gathered over the images), which no [batch, seq] view places",
+                    f"read its tensors with plain nnsight ({self.path}.output, or its projections' .input).",
+                )
+            return tensor if then is None else then(tensor, context)
+
+        return to_view
 
 
 def _refuse_mixture_value(name: str) -> property:

@@ -88,10 +88,12 @@ def _not_batch_major(served: torch.Tensor, rows: Rows, name: str) -> FamilyError
     sequence_first = served.shape[1] in (rows.total, rows.size)
     return FamilyError(  # not one value left out (`save_all`, `families.check`): every value of the block is misplaced
         f"{name}: the block's tensors are {list(served.shape)}, whose first dim is not the batch of {rows.total}"
-        + (" (they are sequence-first, [seq, batch, ...])" if sequence_first else "")
+        + (" (they are sequence-first, [seq, batch, ...])" if sequence_first else " (a count of its own, such as "
+           "images)")
         + ": moelens serves values per [batch, seq] and reads a block's flat tokens as batch-major, so it cannot serve "
-        "this block's routing; make the model run its layers batch-first ([batch, seq, hidden], transposing once "
-        "around the layers if it must)."
+        "this block's values. A model that runs its layers sequence-first must run them batch-first ([batch, seq, "
+        "hidden], transposing once around the layers); a block whose tokens have no [batch, seq] layout (a vision "
+        "tower's) is read with plain nnsight (its .output and .inputs)."
     )
 
 

@@ -1,0 +1,90 @@
+"""Blocks in the order the forward reaches them, and their layer numbers, on models converted by moelens.compress
+whose layers define their parts in another order than they run them (OPT) or keep them in lists of their own (T5).
+Ground truth: torch forward hooks on the converted model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import moelens
+from moelens import families
+from moelens.call_order import in_run_order
+from moelens.compress import tomoe
+
+VOCAB = 64
+
+
+def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def converted(model: torch.nn.Module, calibration, **settings) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tomoe(model, num_experts=4, top_k=2, calibration=calibration, max_error=None, progress=False, **settings)
+
+
+@pytest.fixture(scope="module")
+def opt():
+    """OPT's attention defines k_proj, v_proj, q_proj and calls q_proj first."""
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                                    pad_token_id=0)
+    model = transformers.OPTForCausalLM(config).eval()
+    return converted(model, ids(8, 16), target_attention_only=True)
+
+
+def test_blocks_are_listed_and_read_in_the_order_they_run(opt):
+    """model.save_all and families.check raised OrderError: they read q_proj after k_proj and v_proj."""
+    ran = []
+    hooks = [module.register_forward_hook(lambda module, args, output, name=name: ran.append(name))
+             for name, module in opt.named_modules() if name.endswith("_proj") and "layers.0.self_attn" in name]
+    try:
+        with torch.no_grad():
+            opt(ids(1, 5))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(opt)
+    listed = [moe.path.removeprefix("model.") for moe in wrapped.moes if ".layers.0." in moe.path]
+    assert listed == ran == [f"model.decoder.layers.0.self_attn.{part}_proj" for part in ("q", "k", "v", "out")]
+    with torch.no_grad(), wrapped.trace(ids(1, 5)):
+        saved = wrapped.save_all(["router_logits"])
+    assert list(saved) == [moe.path for moe in wrapped.moes]
+    assert families.check(wrapped, ids(1, 5)) == [moe.path for moe in wrapped.moes]
+
+
+def test_a_child_the_forward_never_names_keeps_its_place_after_those_it_does():
+    class Parent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.late = torch.nn.Linear(2, 2)
+            self.unnamed = torch.nn.Linear(2, 2)
+            self.early = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.late(self.early(x)) + getattr(self, "unnamed")(x)
+
+    assert in_run_order(Parent(), ["unnamed", "late", "early"]) == ["early", "late", "unnamed"]
+
+
+def test_a_t5_block_s_layer_is_its_block_number():
+    """Every block reported the index of its sub-layer inside T5's block (encoder blocks 0 and 1: layer 1)."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model = converted(model, {"input_ids": ids(8, 16), "decoder_input_ids": ids(8, 8, 1)}, target_modules=["wi", "wo"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(model)
+    layers = {moe.path.removeprefix("model."): moe.layer for moe in wrapped.moes}
+    assert layers == {f"{stack}.block.{block}.layer.{sub}.DenseReluDense.{part}": block
+                      for stack, sub in (("encoder", 1), ("decoder", 2)) for block in (0, 1) for part in ("wi", "wo")}
