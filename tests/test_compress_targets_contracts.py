@@ -13,6 +13,7 @@ routing weights keep the tokens' precision, the straight-through term adds nothi
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -194,6 +195,27 @@ def test_a_target_string_is_a_regex_matched_against_the_whole_name():
     assert stats.converted_layers == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
 
 
+def test_a_target_that_matches_no_recognised_ffn_names_the_linear_layers_inside_it():
+    """GPT-NeoX's ``mlp`` (dense_h_to_4h / dense_4h_to_h) is no FFN block moelens recognises: target_modules=['mlp']
+    matches it, and the refusal names the modules it matched and the Linear layers inside them (from the model's own
+    modules) to name instead."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    model = _quiet(lambda: GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                             num_hidden_layers=2, num_attention_heads=4,
+                                                             max_position_embeddings=64)))
+    inner = [name for name, _ in model.gpt_neox.layers[0].mlp.named_children() if name.startswith("dense")]
+    assert inner == ["dense_h_to_4h", "dense_4h_to_h"]
+    with pytest.raises(NothingToConvert, match=re.escape(
+            "target_modules=['mlp'] matches gpt_neox.layers.0.mlp (GPTNeoXMLP), gpt_neox.layers.1.mlp (GPTNeoXMLP), "
+            "which are neither Linear / Conv1D layers nor FFN blocks moelens recognises (SwiGLU "
+            "gate_proj/up_proj/down_proj, BERT intermediate/output, GPT-2 c_fc/c_proj); the Linear / Conv1D layers "
+            "inside are dense_h_to_4h, dense_4h_to_h: name those, target_modules=['dense_h_to_4h', 'dense_4h_to_h'].")):
+        convert(model, num_experts=4, top_k=2, calibration=ids(), target_modules=["mlp"])
+    _, stats = convert(model, num_experts=4, top_k=2, calibration=ids(), target_modules=inner)  # as the error says
+    assert len(stats.converted) == 4
+
+
 # -- calibration ------------------------------------------------------------------------------------------------
 
 
@@ -292,6 +314,78 @@ def test_a_sentence_transformer_calibrates_like_its_inner_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(converted[0].auto_model(**features).last_hidden_state,
                                    inner(**features).last_hidden_state, rtol=0, atol=0)
+
+
+def _padded(batch: int = 4, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[batch, seq]`` and a right-padding mask: row r keeps ``seq - 3 r`` tokens."""
+    tokens = ids(batch, seq)
+    mask = torch.ones_like(tokens)
+    for row in range(batch):
+        mask[row, seq - 3 * row:] = 0
+    return tokens, mask
+
+
+@pytest.mark.parametrize("make", [bert, llama], ids=["bert", "llama"])
+@pytest.mark.parametrize("form", ["dataloader", "tuple"])
+def test_a_positional_attention_mask_leaves_the_padding_out(make, form):
+    """A DataLoader over TensorDataset(ids, mask) yields [ids, mask] lists, and a tuple (ids, mask) is the model's
+    positional call: the mask is the forward's attention_mask (BERT's and Llama's second parameter), so the padding
+    is left out, as for the tokenizer's dict. Ground truth: mask.sum() and the FFN's input in the dense model's own
+    forward with attention_mask= given by name, at the real positions."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = make()
+    tokens, mask = _padded()
+    calibration = (DataLoader(TensorDataset(tokens, mask), batch_size=4) if form == "dataloader"
+                   else [(tokens, mask)])
+    _, stats = convert(model, num_experts=4, top_k=2, calibration=calibration)
+    assert stats.calibration_tokens == int(mask.sum()) < mask.numel()
+    ffn = model.encoder.layer[1].intermediate if make is bert else model.model.layers[1].mlp
+    seen = []
+    handle = ffn.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model(input_ids=tokens, attention_mask=mask)
+    handle.remove()
+    rows = cal.capture(model, cal.batches(calibration, model), {"ffn": ffn})["ffn"]
+    torch.testing.assert_close(rows, seen[0][mask.bool()], rtol=0, atol=0)
+
+
+class _Starred(nn.Module):
+    """A model whose forward takes its inputs as ``*inputs``: no parameter name to bind a positional mask to."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, 32)
+        self.mlp = LlamaMLP(_mlp_config())
+
+    def forward(self, *inputs):
+        return self.mlp(self.embed_tokens(inputs[0]))
+
+
+@pytest.mark.parametrize("make, where", [
+    (gpt2, "GPT2LMHeadModel.forward's 'past_key_values'"),
+    (lambda: _quiet(_Starred), "no named parameter of _Starred.forward"),
+], ids=["gpt2", "starred"])
+def test_a_positional_mask_the_forward_takes_as_something_else_is_refused(make, where):
+    """GPT-2's second parameter is past_key_values, and a ``*inputs`` forward names none: a second integer tensor
+    shaped like the ids (an attention mask) cannot be told to be one, so it is refused before any forward, saying to
+    pass a dict."""
+    tokens, mask = _padded()
+    message = (r"calibration item 0 holds, as positional argument 1, an integer tensor shaped like the token ids "
+               r"\[4, 16\] \(an attention mask, as a DataLoader over TensorDataset\(ids, mask\) yields\), which would "
+               rf"be {re.escape(where)}, so the padding could not be left out\. Pass each batch as a dict: "
+               r"calibration=\[\{'input_ids': ids, 'attention_mask': mask\}, \.\.\.\]")
+    with pytest.raises(CompressionError, match=message):
+        convert(make(), num_experts=4, top_k=2, calibration=[(tokens, mask)])
+    converted, stats = convert(make(), num_experts=4, top_k=2, calibration=[(tokens,)])  # the ids alone still run
+    assert stats.calibration_tokens == tokens.numel()
+
+
+def test_a_list_of_texts_is_refused_with_the_advice_to_tokenize():
+    with pytest.raises(CompressionError, match=re.escape(
+            "calibration items must be token ids or model inputs, not text (item 0 is 'def f(x): return x'); "
+            "tokenize the texts first (calibration=tokenizer(texts, return_tensors='pt', padding=True)).")):
+        convert(llama(), calibration=["def f(x): return x", "hello world"])
 
 
 def test_max_tokens_samples_every_batch():
@@ -401,6 +495,45 @@ def test_a_converted_gpt2_block_drops_out_like_the_dense_one_in_training():
         got = after(x)
     assert (expected == 0).float().mean() > 0.3  # the dense block dropped out half its outputs
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["starcoder2", "seed_oss"])
+def test_a_residual_dropout_rate_drops_out_like_the_dense_ffn_in_training(family):
+    """Starcoder2's (c_fc / c_proj) and Seed-OSS's (SwiGLU) FFNs hold their output dropout as a float rate,
+    ``residual_dropout``, passed to F.dropout in their forward: the converted block drops out the same outputs under
+    the same seed (every expert active, so it is the dense FFN)."""
+    import transformers
+
+    config_class = {"starcoder2": transformers.Starcoder2Config, "seed_oss": transformers.SeedOssConfig}[family]
+    model_class = {"starcoder2": transformers.Starcoder2ForCausalLM, "seed_oss": transformers.SeedOssForCausalLM}[family]
+    config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                          residual_dropout=0.5)
+    dense = _quiet(lambda: model_class(config))
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=ids())
+    before, after = dense.model.layers[0].mlp.train(), converted.model.layers[0].mlp.train()
+    assert isinstance(after, ToMoEBlock) and before.residual_dropout == 0.5
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.manual_seed(1)
+        expected = before(x)
+        torch.manual_seed(1)
+        got = after(x)
+    assert (expected == 0).float().mean() > 0.3  # the dense FFN dropped out about half its outputs
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_a_swiglu_ffns_inner_dropout_is_noted_not_applied_at_the_output():
+    """T5Gemma's and GTE's SwiGLU FFNs drop out act(gate(x)) * up(x), inside the FFN, which a block of experts
+    cannot: the converted block applies no dropout at its output (it would drop other numbers) and its stats say so."""
+    dense = llama()
+    mlp = dense.model.layers[0].mlp
+    mlp.dropout = nn.Dropout(0.25)  # as T5GemmaMLP holds it (its forward would apply it inside)
+    converted, stats = convert(dense, num_experts=4, top_k=4, calibration=ids())
+    block = converted.model.layers[0].mlp
+    assert isinstance(block.dropout, nn.Identity)
+    layer = next(layer for layer in stats.converted if layer.name == "model.layers.0.mlp")
+    assert "the FFN's dropout on act(gate(x)) * up(x) (p=0.25, training only) is not kept" in layer.notes
 
 
 def test_a_converted_block_under_autocast_gives_the_dense_blocks_dtype():

@@ -885,7 +885,7 @@ def test_a_model_running_its_layers_sequence_first_is_refused_where_a_value_show
     wrapped = moelens.wrap(SequenceFirst().eval())
     with pytest.raises(FamilyError, match=r"mlp_output: the block's tensors are \[5, 2, 16\], whose first dim is "
                                                r"not the batch of 2 \(they are sequence-first, \[seq, batch, \.\.\.\]\)"
-                                               r".*make the model run its layers batch-first"):
+                                               r".*must run them batch-first"):
         with wrapped.trace(IDS):
             wrapped.moes[0].mlp_output.save()
     with pytest.raises(FamilyError, match=r"sequence-first"):

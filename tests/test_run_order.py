@@ -88,3 +88,21 @@ def test_a_t5_block_s_layer_is_its_block_number():
     layers = {moe.path.removeprefix("model."): moe.layer for moe in wrapped.moes}
     assert layers == {f"{stack}.block.{block}.layer.{sub}.DenseReluDense.{part}": block
                       for stack, sub in (("encoder", 1), ("decoder", 2)) for block in (0, 1) for part in ("wi", "wo")}
+
+
+def test_describe_probes_an_encoder_decoder_model_with_decoder_tokens():
+    """describe's probe gave a converted T5 no decoder_input_ids: transformers' raw ValueError ("You must specify
+    exactly one of input_ids or inputs_embeds")."""
+    from moelens.analysis import describe
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0)
+    model = converted(transformers.T5ForConditionalGeneration(config).eval(),
+                      {"input_ids": ids(8, 16), "decoder_input_ids": ids(8, 8, 1)}, target_modules=["wi"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(model)
+    report = str(describe(wrapped, probe=True))
+    assert "router_logits          [1, 4, 4]" in report and "mlp_output             [1, 4, 64]" in report
+    assert "unavailable" not in report

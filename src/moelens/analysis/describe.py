@@ -135,7 +135,12 @@ def _probe_ids(model: Any) -> dict[str, torch.Tensor]:
     config = getattr(model._module, "config", None)
     vocab = int(getattr(config, "vocab_size", 0) or 0) or 128
     ids = torch.arange(1, PROBE_TOKENS + 1).remainder(vocab)[None]
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if getattr(config, "is_encoder_decoder", False):  # T5, BART ...: the decoder needs its own tokens
+        start = getattr(config, "decoder_start_token_id", None)
+        start = start if isinstance(start, int) else getattr(config, "pad_token_id", None) or 0
+        inputs["decoder_input_ids"] = torch.full_like(ids, start)
+    return inputs
 
 
 def _read_all(moes: list[Any], shapes: dict, reasons: dict) -> None:
@@ -171,6 +176,13 @@ def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[
         return shapes, reasons
     except OrderError:
         pass
+    except MoelensError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the model's own, on an input it does not take
+        raise MoelensError(
+            f"describe's probe runs the model on {PROBE_TOKENS} token ids ({', '.join(inputs)}), and its forward "
+            f"raised {type(error).__name__}: {error}; describe it without the probe, describe(model, probe=False)."
+        ) from error
     shapes, reasons = {}, {}
     for moe in moes:
         try:

@@ -85,7 +85,7 @@ class ToMoEBlock(nn.Module):
         router: `ToMoERouter`.
         experts: `ToMoEGatedExperts` or `ToMoEExperts`.
         shared_experts: `ToMoESharedExpert`.
-        dropout: The dense block's output dropout (GPT-2), or an identity.
+        dropout: The dense block's output dropout (GPT-2's module, Starcoder2's rate), or an identity.
         neuron_index: ``[E, I]`` long buffer: the dense intermediate neuron each expert
             slot came from (-1 for padding), so conversions can be traced back.
         shared_index: ``[S]`` long buffer: the dense neurons that became shared neurons.

@@ -4,7 +4,9 @@
 a dict of keyword arguments (a tokenizer's ``BatchEncoding``: ``input_ids``,
 ``attention_mask`` ...), a tuple of positional arguments (``(features,)`` calls
 ``model(features)``, as a sentence-transformers model takes the tokenizer's dict), or a
-list / iterable of those (one forward each). Forward pre-hooks record each target
+list / iterable of those (one forward each; a DataLoader's ``[ids, mask]`` list is a tuple). Positional
+tensors are bound to ``model.forward``'s parameters and passed by name (`bind_positional`), so a positional
+``attention_mask`` is the mask. Forward pre-hooks record each target
 module's input; padding tokens (``attention_mask == 0``, also inside a positional dict;
 ``decoder_attention_mask`` in an encoder-decoder model's decoder) are left out, and each
 layer keeps at most ``max_tokens`` tokens (a seeded random sample). Each token row keeps the
@@ -32,12 +34,14 @@ from ..modules import device_of, evaluating, takes_keyword, vocab_size
 from .errors import CompressionError
 
 
-def batches(calibration: Any) -> list[tuple[tuple, dict]]:
+def batches(calibration: Any, model: nn.Module | None = None) -> list[tuple[tuple, dict]]:
     """``calibration`` as a list of ``(args, kwargs)`` forward calls; raises on an empty or unusable set.
 
     A tensor item is token ids (keyword ``input_ids``; a float tensor is the positional input), a dict item is
-    keyword arguments, a tuple item is positional arguments whatever they are (a dict among them is checked
-    for tokens like a dict item); an item without a real token (padding aside) is left out.
+    keyword arguments, a tuple item (or a list of tensors, as a DataLoader over a ``TensorDataset`` yields) is
+    positional arguments (a dict among them is checked for tokens like a dict item); with ``model``, positional
+    tensors are passed by the names ``model.forward`` gives them (`bind_positional`). An item without a real token
+    (padding aside) is left out.
     """
     if calibration is None:
         return []
@@ -56,7 +60,7 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
             f"got {type(calibration).__name__}."
         )
     calls: list[tuple[tuple, dict]] = []
-    for item in items:
+    for number, item in enumerate(items):
         _refuse_meta(item)
         if isinstance(item, Tensor):
             if item.dim() == 0:
@@ -72,12 +76,17 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
             kwargs = dict(item)
             if _has_tokens(kwargs):
                 calls.append(((), kwargs))
-        elif isinstance(item, tuple) and item:  # the model's positional arguments, whatever they are
-            features = _features(item, {})
+        elif (isinstance(item, tuple) and item) or (isinstance(item, list) and item and isinstance(item[0], Tensor)):
+            args, kwargs = bind_positional(model, tuple(item), number)  # the model's positional arguments
+            features = _features(args, kwargs)
             if features is None or _has_tokens(dict(features)):
-                calls.append((item, {}))
-        elif isinstance(item, list) and item and isinstance(item[0], Tensor):
-            calls.append((tuple(item), {}))
+                calls.append((args, kwargs))
+        elif isinstance(item, (str, bytes)):
+            raise CompressionError(
+                f"calibration items must be token ids or model inputs, not text (item {number} is "
+                f"{item[:40]!r}); tokenize the texts first (calibration=tokenizer(texts, return_tensors='pt', "
+                "padding=True))."
+            )
         else:
             got = "an empty tuple" if isinstance(item, tuple) else type(item).__name__
             raise CompressionError(
@@ -91,6 +100,67 @@ def batches(calibration: Any) -> list[tuple[tuple, dict]]:
             "tokenizer(texts, return_tensors='pt', padding=True), or calibration=None to convert from weights only."
         )
     return calls
+
+
+#: Ends of the ``forward`` parameter names that take an integer tensor shaped like the token ids.
+ID_SHAPED = ("_ids", "mask", "labels")
+
+
+def bind_positional(model: nn.Module | None, args: tuple, index: int = 0) -> tuple[tuple, dict]:
+    """A positional calibration call ``args`` (the ``index``-th) as ``(args, kwargs)``: its arguments passed by the
+    names ``model.forward`` binds them to (``(ids, mask)`` -> ``input_ids=ids, attention_mask=mask``), so that a
+    positional attention mask leaves the padding out. A call holding a dict (a sentence-transformers model's
+    features) or binding into ``*args``, and any call without ``model``, stays positional.
+
+    Raises:
+        CompressionError: an integer tensor after the first, shaped like the token ids (an attention mask, as a
+            DataLoader over ``TensorDataset(ids, mask)`` gives), would be a parameter that takes no such tensor
+            (GPT-2's second parameter is ``past_key_values``), or cannot be matched to a parameter at all.
+    """
+    if model is None or any(isinstance(arg, Mapping) for arg in args):
+        return args, {}
+    names: list[str | None] = [None] * len(args)  # the parameter each argument binds to (None: unknown)
+    keywords: dict[str, Any] | None = None
+    try:
+        parameters = inspect.signature(model.forward).parameters
+        bound = inspect.signature(model.forward).bind_partial(*args).arguments
+    except (TypeError, ValueError):  # no signature to read, or more arguments than it takes
+        bound = None
+    if bound is not None:
+        position = 0
+        for name, value in bound.items():
+            if parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+                position += len(value)
+                continue
+            names[position] = name
+            position += 1
+        if None not in names and all(parameters[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                                     for name in names):
+            keywords = dict(bound)
+    _refuse_unbound_mask(model, args, names, index)
+    return ((), keywords) if keywords is not None else (args, {})
+
+
+def _refuse_unbound_mask(model: nn.Module, args: tuple, names: list[str | None], index: int) -> None:
+    """Raise `CompressionError` when an integer tensor of ``args`` after the first has the first's shape (the token
+    ids': an attention mask, most likely) and binds to no parameter named like one taking such a tensor
+    (`ID_SHAPED`); ``names`` holds the parameter each argument binds to (None: unknown)."""
+    ids = args[0]
+    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.dim() < 2:
+        return
+    for position, (arg, name) in enumerate(zip(args, names)):
+        if (position == 0 or not isinstance(arg, Tensor) or arg.is_floating_point() or arg.shape != ids.shape
+                or (name is not None and name.endswith(ID_SHAPED))):
+            continue
+        where = (f"{type(model).__name__}.forward's {name!r}" if name is not None
+                 else f"no named parameter of {type(model).__name__}.forward")
+        raise CompressionError(
+            f"calibration item {index} holds, as positional argument {position}, an integer tensor shaped like the "
+            f"token ids {list(ids.shape)} (an attention mask, as a DataLoader over TensorDataset(ids, mask) yields), "
+            f"which would be {where}, so the padding could not be left out. Pass each batch as a dict: "
+            "calibration=[{'input_ids': ids, 'attention_mask': mask}, ...] (a tokenizer's output, or a DataLoader "
+            "whose dataset yields such dicts)."
+        )
 
 
 def _refuse_meta(item: Any) -> None:

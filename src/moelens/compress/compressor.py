@@ -91,7 +91,7 @@ class ToMoECompressor:
         started = time.perf_counter()
         check_dtype(options.experts_implementation, _float_dtypes(self.model), "the model's")  # before any work
         _check_weights_loaded(self.model)
-        calls = calib.batches(self.calibration)
+        calls = calib.batches(self.calibration, self.model)
         original = parameter_count(self.model)
         model = self.model if options.inplace else copy.deepcopy(self.model)
         sites, skips = self.find_targets(model)
@@ -200,10 +200,11 @@ class ToMoECompressor:
                 regex = (" A string is a regular expression that must match a whole module name (as in PEFT)"
                          + (f", and {targeted!r} is only the end of names such as {ending[0]!r}: give "
                             f"target_modules=[{targeted!r}] or {'.*' + targeted!r}" if ending else "") + ".")
+            advice = (_unrecognised_targets(model, targeted) if targeted is not None else "") or (
+                " Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks).")
             raise NothingToConvert(
                 f"nothing to convert in {type(model).__name__}: no {where} that can be converted"
-                + (f" (skipped: {detail})" if detail else "")
-                + ". Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks)." + regex
+                + (f" (skipped: {detail})" if detail else "") + "." + advice + regex
             )
         return sites, skips
 
@@ -378,6 +379,26 @@ def _check_weights_loaded(model: nn.Module) -> None:
 def _float_dtypes(model: nn.Module) -> set[torch.dtype]:
     """The floating-point dtypes of ``model``'s parameters (what its converted blocks' weights will be)."""
     return {parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()}
+
+
+def _unrecognised_targets(model: nn.Module, targeted: str | list[str] | tuple[str, ...]) -> str:
+    """Says which modules ``targeted`` (``target_modules``) matches that are neither Linear / Conv1D layers nor FFN
+    blocks moelens recognises (GPT-NeoX's ``mlp``), and the Linear layers inside them to name instead; or ``""``."""
+    matched = [(name, module) for name, module in model.named_modules()
+               if name and tg.matches(name, targeted) and not tg.is_linear(module)
+               and tg.ffn_site(model, name, module) is None and not tg.is_moe_block(module)]
+    if not matched:
+        return ""
+    inner = list(dict.fromkeys(part.rpartition(".")[2] for _, module in matched
+                               for part, layer in module.named_modules()
+                               if part and tg.is_linear(layer) and ".base_layer" not in part and "lora_" not in part))
+    shown = ", ".join(f"{name} ({type(module).__name__})" for name, module in matched[:3])
+    more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
+    found = (f"; the Linear / Conv1D layers inside are {', '.join(inner)}: name those, target_modules={inner!r}"
+             if inner else "; they hold no Linear / Conv1D layer")
+    return (f" target_modules={targeted!r} matches {shown}{more}, which are neither Linear / Conv1D layers nor FFN "
+            "blocks moelens recognises (SwiGLU gate_proj/up_proj/down_proj, BERT intermediate/output, GPT-2 "
+            f"c_fc/c_proj){found}.")
 
 
 def _inside_reason(model: nn.Module, block: str) -> str:

@@ -96,7 +96,8 @@ class Site:
         neurons: The dense layer's neurons: intermediate neurons (FFN) or outputs (Linear).
         width: The dense layer's input width (hidden size): one side of every weight the converted block has.
         block_class: The block class to build.
-        dropout: The dense block's output dropout, kept in the converted block (GPT-2).
+        dropout: The dense block's output dropout, kept in the converted block (`output_dropout`: GPT-2's
+            ``dropout`` module, Starcoder2's and Seed-OSS's ``residual_dropout`` rate), or None.
         peft: The PEFT wrapper staying around the converted layer (Linear sites), or None.
         num_experts, top_k: Set per site (GQA-narrow projections get fewer experts).
     """
@@ -171,8 +172,11 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
             return None
         if _tuned(gate, up, down):
             return Skip(name, PEFT_FFN)
+        inner = getattr(module, "dropout", None)
+        notes = ([f"the FFN's dropout on act(gate(x)) * up(x) (p={inner.p}, training only) is not kept"]
+                 if isinstance(inner, nn.Dropout) and inner.p > 0 else [])
         return Site(name, "swiglu", module, [module], _ffn(up, down, module.act_fn, gate), module, _setter(model, name),
-                    *linear_shape(up))
+                    *linear_shape(up), dropout=output_dropout(module, "swiglu"), notes=notes)
     if "gate_up_proj" in children and "down_proj" in children and is_linear(children["gate_up_proj"]):
         return Skip(name, "fused gate_up_proj FFN (one Linear for gate and up): not supported")
     intermediate, output = children.get("intermediate"), children.get("output")
@@ -196,7 +200,32 @@ def ffn_site(model: nn.Module, name: str, module: nn.Module) -> Site | Skip | No
         if _tuned(c_fc, c_proj):
             return Skip(name, PEFT_FFN)
         return Site(name, "gpt2", module, [module], _ffn(c_fc, c_proj, module.act), module, _setter(model, name),
-                    *linear_shape(c_fc), dropout=getattr(module, "dropout", None))
+                    *linear_shape(c_fc), dropout=output_dropout(module, "gpt2"))
+    return None
+
+
+#: Attributes holding an FFN's output dropout rate (a float its forward passes to ``F.dropout``), in
+#: transformers' MLPs: Starcoder2 (``c_fc / c_proj``) and Seed-OSS (SwiGLU).
+DROPOUT_RATES = ("residual_dropout",)
+
+
+def output_dropout(module: nn.Module, kind: str) -> nn.Module | None:
+    """The dropout an FFN ``module`` of ``kind`` applies to its output in training, as a module the converted
+    block applies after its sum (None: no dropout there).
+
+    A GPT-2 style FFN's ``dropout`` module acts on its output (GPT-2, GPT-Neo, GPT-BigCode); a SwiGLU FFN's
+    ``dropout`` module acts inside, on ``act(gate(x)) * up(x)`` (T5Gemma, GTE), which a block of experts cannot
+    do, so it is not taken. A float rate in `DROPOUT_RATES` (``residual_dropout``) becomes ``nn.Dropout(rate)``.
+    """
+    module_dropout = getattr(module, "dropout", None)
+    if kind == "gpt2" and isinstance(module_dropout, nn.Module):
+        return module_dropout
+    for attribute in DROPOUT_RATES:
+        rate = getattr(module, attribute, None)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+            return nn.Dropout(float(rate))
+    if kind == "gpt2" and isinstance(module_dropout, (int, float)) and not isinstance(module_dropout, bool):
+        return nn.Dropout(float(module_dropout))
     return None
 
 
