@@ -37,7 +37,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=RANK, world_size=WORLD,
-                        timeout=timedelta(seconds=30))
+                        timeout=timedelta(seconds=float(os.environ["COLLECTIVE_TIMEOUT"])))
 RESULT = {}
 def emit():
     with open(os.path.join(os.environ["OUT"], f"rank{RANK}.json"), "w") as f:
@@ -57,12 +57,14 @@ dist.destroy_process_group()
 """
 
 
-def ranks(world: int, body: str, timeout: float = 120) -> list[dict[str, Any]]:
-    """Run ``body`` on ``world`` gloo ranks; every rank's ``RESULT``."""
+def ranks(world: int, body: str, timeout: float = 120, collective_timeout: float = 30) -> list[dict[str, Any]]:
+    """Run ``body`` on ``world`` gloo ranks (``collective_timeout``: the process group's, in seconds); every rank's
+    ``RESULT``."""
     with tempfile.TemporaryDirectory(prefix="moelens-ep-contracts-") as folder:
         script = Path(folder) / "case.py"
         script.write_text(PRELUDE + textwrap.dedent(body) + EPILOGUE)
         env = dict(os.environ, STORE=f"{folder}/store", OUT=folder, OMP_NUM_THREADS="1",
+                   COLLECTIVE_TIMEOUT=str(collective_timeout),
                    PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
         problems = run_ranks(world, [sys.executable, str(script)], env, folder, timeout)
@@ -350,6 +352,7 @@ def two_ranks() -> list[dict[str, Any]]:
         from moelens.testing import tiny_model
         ranks_of = dist.get_process_group_ranks
         RESULT["groups"] = {ep: [ranks_of(g) for g in ep_groups(ep)] for ep in (1, 2)}
+        RESULT["same_groups"] = ep_groups(1) == ep_groups(1) and ep_groups(2)[0] is dist.group.WORLD
         RESULT["three"] = error_of(lambda: ep_groups(3))
         RESULT["zero"] = error_of(lambda: ep_groups(0))
         only_zero = dist.new_group([0])
@@ -387,6 +390,7 @@ def test_ep_groups_and_non_members_on_two_ranks(two_ranks: list[dict[str, Any]])
     results = two_ranks
     for rank, r in enumerate(results):
         assert r["groups"] == {"1": [[rank], [0, 1]], "2": [[0, 1], [rank]]}, (rank, r["groups"])
+        assert r["same_groups"], "a second ep_groups call made other groups (or EP 2 of 2 ranks is not the world)"
         for degree in ("three", "zero"):  # 0 was "does not divide the world size" too
             assert r[degree].startswith("MoelensError") and "is not a divisor of the world size 2; choose one of " \
                 "[1, 2]" in r[degree], r
@@ -449,3 +453,215 @@ def test_a_trace_counts_its_run_as_it_begins_even_if_its_body_fails_before_the_m
     with wrapped.trace(**inputs):
         wrapped.output.save()
     assert (runs.current, runs.tracing) == (2, 0)
+
+
+# -- defects of the review of 2026-12 (each a real two-rank run) ---------------------------------
+
+
+def test_a_destroyed_group_is_freed_with_its_sockets() -> None:
+    """`parallel.runs` kept every group it met (and its gloo sockets) alive after destroy_process_group: a process
+    re-initialising the group held one more group, and more sockets, each time (`ep_groups`' groups must not
+    either)."""
+    results = ranks(2, """
+        import gc, weakref
+        from moelens.parallel import ep_groups, shard_experts
+        from moelens.parallel import runs as runs_module
+        from moelens.testing import tiny_model
+        def sockets():
+            found = 0
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    found += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+                except OSError:
+                    pass
+            return found
+        ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(RANK))
+        counts, alive = [], []
+        for cycle in range(3):
+            sub = dist.new_group([0, 1])
+            model = shard_experts(tiny_model("mixtral"), sub)
+            with torch.no_grad():
+                model(input_ids=ids)
+            shard_experts(tiny_model("mixtral"), ep_groups(1)[1])
+            refs = [weakref.ref(sub), weakref.ref(dist.group.WORLD)]
+            del model, sub
+            gc.collect()
+            dist.barrier()
+            dist.destroy_process_group()
+            gc.collect()
+            alive.append([ref() is not None for ref in refs])
+            counts.append(sockets())
+            dist.init_process_group("gloo", init_method=f"file://{os.environ['STORE']}.{cycle}", rank=RANK,
+                                    world_size=WORLD, timeout=timedelta(seconds=30))
+        RESULT.update(sockets=counts, alive=alive, runs=len(runs_module._BY_GROUP))
+    """)
+    for r in results:  # the first world group stays: importing moelens.parallel while it is up keeps it (torch)
+        assert r["alive"][0][0] is False and r["alive"][1:] == [[False, False]] * 2, r
+        assert len(set(r["sockets"])) == 1 and r["runs"] <= 1, r  # old: sockets 3, 6, 9 and 3 groups held
+
+
+def test_two_models_run_in_another_order_on_each_rank_raise_rank_divergence() -> None:
+    """Two models of one layout sharded over one group, run A then B on rank 0 and B then A on rank 1: each layer
+    of A paired with B's on the other rank (both tagged by position only), silently wrong by up to 0.02. Each
+    model's tags carry its index among the models sharded over the group, so every forward raises RankDivergence
+    (on every rank); run in the same order they match one process."""
+    results = ranks(2, """
+        import copy
+        from moelens.parallel import shard_experts
+        from moelens.testing import tiny_model
+        refs = [tiny_model("mixtral", experts_implementation="grouped_mm"),
+                tiny_model("mixtral", seed=1, experts_implementation="grouped_mm")]
+        models = [shard_experts(copy.deepcopy(ref), None) for ref in refs]
+        ids = torch.randint(3, 128, (1 + (RANK == 0), 7), generator=torch.Generator().manual_seed(RANK))
+        def difference(index):
+            return float((models[index](input_ids=ids).logits - refs[index](input_ids=ids).logits).abs().max())
+        with torch.no_grad():
+            RESULT["crossed"] = [error_of(lambda: difference(index)) for index in ([0, 1] if RANK == 0 else [1, 0])]
+            RESULT["in_step"] = [difference(0), difference(1)]
+        RESULT["tags"] = [[m._ep_tag for m in model.modules() if "_ep_tag" in m.__dict__] for model in models]
+    """)
+    for r in results:
+        assert all(error.startswith("RankDivergence") and "another order of models" in error
+                   for error in r["crossed"]), r["crossed"]
+        assert max(r["in_step"]) <= 1e-5, r["in_step"]
+        assert r["tags"] == [[1, 2, 3, 4], [65537, 65538, 65539, 65540]], r["tags"]
+
+
+def test_models_sharded_over_each_their_ep_groups_call_recover_from_an_error_on_one_rank() -> None:
+    """Models A and B each sharded over their own `ep_groups(2)[0]`: a trace of A refused on rank 1 only, then
+    every rank traces B. Each call made a new group (its own run ids and gloo communicator): rank 0 waited in A's
+    exchange while rank 1 ran B's, until the timeout. ep_groups returns one group for the ranks (here the world),
+    so rank 0 raises RankDivergence and B's trace matches one process on every rank."""
+    results = ranks(2, """
+        import copy
+        import moelens
+        from moelens.parallel import ep_groups, shard_experts
+        from moelens.testing import tiny_model
+        ref_a = tiny_model("mixtral", experts_implementation="grouped_mm")
+        ref_b = tiny_model("mixtral", seed=1, experts_implementation="grouped_mm")
+        a = moelens.wrap(shard_experts(copy.deepcopy(ref_a), ep_groups(WORLD)[0]))
+        b = moelens.wrap(shard_experts(copy.deepcopy(ref_b), ep_groups(WORLD)[0]))
+        ids = torch.randint(3, 128, (1 + (RANK == 0), 7), generator=torch.Generator().manual_seed(RANK))
+        def refused():  # expert 0 is rank 0's: rank 1 raises before the forward
+            with a.trace(ids):
+                a.moes[0].params(expert=0)
+                a.output.logits.save()
+        RESULT["refused"] = error_of(refused)
+        with torch.no_grad():
+            with b.trace(ids):
+                logits = b.output.logits.save()
+            RESULT["b"] = float((logits - ref_b(input_ids=ids).logits).abs().max())
+    """, collective_timeout=15)
+    assert results[0]["refused"].startswith("RankDivergence"), results[0]["refused"]
+    assert results[1]["refused"].startswith("ValueUnavailable"), results[1]["refused"]
+    assert all(r["b"] <= 1e-5 for r in results), results
+
+
+def test_ep_groups_wait_as_long_as_the_world_group() -> None:
+    """ep_groups made its groups with torch's default timeout (30 minutes on gloo), not the one given to
+    init_process_group (3 s here): a collective of rank 0 alone on them waited until rank 1 exited. Now it
+    times out after the world's timeout, or the one given to ep_groups (2 s)."""
+    results = ranks(2, """
+        import time
+        from moelens.parallel import ep_groups
+        def timeout_of(group):  # torch's private API: the backend's options
+            return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        ep_group, edp_group = ep_groups(1)  # {rank} and {0, 1}
+        made = {}  # {0, 1} with its own timeout
+        RESULT["explicit_refused"] = error_of(lambda: made.update(explicit=ep_groups(2, timeout=timedelta(seconds=2))[0]))
+        RESULT["world_timeout"], RESULT["ep_timeout"] = timeout_of(dist.group.WORLD), timeout_of(ep_group)
+        RESULT["refused"] = error_of(lambda: ep_groups(1, timeout=5))
+        if RANK == 0:  # alone in a collective of both ranks: it must time out, not wait for rank 1 to exit
+            for name, group in [("edp", edp_group)] + list(made.items()):
+                start = time.monotonic()
+                RESULT[name] = error_of(lambda: dist.all_reduce(torch.ones(1), group=group))
+                RESULT[name + "_seconds"] = time.monotonic() - start
+        else:
+            time.sleep(8)
+        emit()
+        os._exit(0)  # the timed-out group cannot be destroyed cleanly
+    """, collective_timeout=3)
+    first = results[0]
+    assert "Timed out" in first["edp"] and 2.5 <= first["edp_seconds"] <= 7, first
+    assert first["explicit_refused"] == "" and "Timed out" in first["explicit"] and first["explicit_seconds"] <= 5, first
+    for r in results:
+        assert r["world_timeout"] == 3.0 and r["ep_timeout"] == 3.0, r
+        assert "ep_groups: timeout must be a datetime.timedelta" in r["refused"], r["refused"]
+
+
+@pytest.fixture(scope="module")
+def saved_ep_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Checkpoints of tiny mixtral and qwen2_moe, for transformers' own expert parallelism (DistributedConfig)."""
+    pytest.importorskip("accelerate")
+    from moelens.testing import tiny_model
+
+    folder = tmp_path_factory.mktemp("dc-ep")
+    for family in ("mixtral", "qwen2_moe"):
+        tiny_model(family).save_pretrained(folder / family)
+    return {family: str(folder / family) for family in ("mixtral", "qwen2_moe")}
+
+
+#: Loads a checkpoint with transformers' own EP over moelens' torch_a2a (`load(path)`), and its unsharded twin.
+DISTRIBUTED_CONFIG = """
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+from moelens.parallel import register_torch_a2a
+register_torch_a2a()
+def load(path):
+    config = DistributedConfig(fsdp_size=WORLD, ep_size=WORLD, ep_implementation="torch_a2a")
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config).eval()
+ids = torch.randint(3, 128, (1 + (RANK == 0), 7), generator=torch.Generator().manual_seed(RANK))
+def difference(model, path):
+    with torch.no_grad():
+        return float((model(input_ids=ids).logits - AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits)
+                     .abs().max())
+"""
+
+
+def test_distributed_config_tags_do_not_depend_on_what_a_rank_loaded_before(saved_ep_models: dict[str, str]) -> None:
+    """DistributedConfig(ep_implementation="torch_a2a") tagged experts modules with a process-wide count: ranks that
+    loaded their models in another order gave one model other tags, and every forward raised a false
+    RankDivergence. Tags are positions in the model: both models match one process on every rank."""
+    paths = json.dumps(saved_ep_models)
+    results = ranks(2, DISTRIBUTED_CONFIG + textwrap.dedent(f"""
+        paths = {paths}
+        order = ["mixtral", "qwen2_moe"] if RANK == 0 else ["qwen2_moe", "mixtral"]
+        models = {{family: load(paths[family]) for family in order}}
+        RESULT["tags"] = {{family: [m._ep_tag for m in model.modules() if "_ep_tag" in m.__dict__]
+                          for family, model in models.items()}}
+        def measure(family):
+            RESULT[family] = difference(models[family], paths[family])
+        RESULT["differences"] = [error_of(lambda: measure(family)) for family in ("mixtral", "qwen2_moe")]
+    """))
+    for r in results:
+        assert r["differences"] == ["", ""], r["differences"]
+        assert r["mixtral"] <= 1e-5 and r["qwen2_moe"] <= 1e-5, r
+        assert r["tags"] == {"mixtral": [1, 2, 3, 4], "qwen2_moe": [1, 2, 3]}, r["tags"]
+
+
+def test_distributed_config_rank_tracing_while_another_runs_plain_forwards(saved_ep_models: dict[str, str]) -> None:
+    """Under DistributedConfig only traces counted runs: rank 0 tracing while rank 1 ran plain forwards raised a
+    false RankDivergence ("a run raised an error on those ranks only"), then the group timed out. Each forward is a
+    run now (counted at the model's first experts call): three steps match one process on both ranks."""
+    path = saved_ep_models["mixtral"]
+    results = ranks(2, DISTRIBUTED_CONFIG + textwrap.dedent(f"""
+        import moelens
+        path = {path!r}
+        model = load(path)
+        wrapped = moelens.wrap(model)
+        expected = AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits.detach()
+        def step():
+            with torch.no_grad():
+                if RANK == 0:
+                    with wrapped.trace(ids):
+                        logits = wrapped.output.logits.save()
+                else:
+                    logits = model(input_ids=ids).logits
+            return float((logits - expected).abs().max())
+        def measure(index):
+            RESULT[f"step{{index}}"] = step()
+        RESULT["steps"] = [error_of(lambda: measure(index)) for index in range(3)]
+    """), collective_timeout=15)
+    for r in results:
+        assert r["steps"] == ["", "", ""], r["steps"]
+        assert max(r[f"step{index}"] for index in range(3)) <= 1e-5, r

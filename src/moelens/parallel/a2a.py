@@ -31,7 +31,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..permutations import inverse_permutation
 from .comm import exchange, exchange_counts, group_rank, group_size
-from .runs import Runs
+from .runs import Runs, describe_tag
 
 
 class RankDivergence(MoelensError):
@@ -144,25 +144,27 @@ def plan_dispatch(
             ahead = [index for index, other in enumerate(run_ids) if other == newest]
             raise RankDivergence(
                 f"expert parallelism: ranks {ahead} of the EP group ended the run this rank is in (a trace, or a "
-                f"forward outside one) before this experts call (layer tag {tag}) and started their next one, which "
-                "waits for this rank: a run raised an error on those ranks only (an intervention refused for their "
-                "tokens, ...). This run is given up here, as each run of this rank the others gave up is, until this "
-                "rank comes to theirs; make the failing run work on every rank (see docs/parallel.md)."
+                f"forward outside one) before this experts call ({describe_tag(tag)}) and started their next one, "
+                "which waits for this rank: a run raised an error on those ranks only (an intervention refused for "
+                "their tokens, ...), or the ranks counted runs differently (one rank ran forwards of the model that "
+                "the others did not). This run is given up here, as each run of this rank the others gave up is, "
+                "until this rank comes to theirs; make the failing run work on every rank (see docs/parallel.md)."
             )
         if min(run_ids) == newest:
             break
         # Some ranks are still in a run this rank's group left: they give it up (above) and come back in this one.
     if any(other != tag for other in tags):
         raise RankDivergence(
-            f"expert parallelism: rank {rank} of the EP group ran the experts call tagged {tag} (layer tag) while "
-            f"the group's ranks ran {tags}: an experts call was skipped or added on some ranks only (a .skip() "
+            f"expert parallelism: rank {rank} of the EP group ran the experts call of {describe_tag(tag)} while "
+            f"the group's ranks ran tags {tags}: an experts call was skipped or added on some ranks only (a .skip() "
             "of an experts module, an extra experts call, a forward on some ranks only, or a block that runs only "
-            "on some inputs, such as ernie4_5_vl_moe's vision experts when only some ranks have image tokens). "
+            "on some inputs, such as ernie4_5_vl_moe's vision experts when only some ranks have image tokens), or "
+            "the ranks ran different models sharded over the group (another order of models on each rank). "
             "Every rank must run the same control flow; see docs/parallel.md."
         )
     if any(other != num_local_experts for other in widths):
         raise RankDivergence(
-            f"expert parallelism: rank {rank} of the EP group ran the experts call tagged {tag} with "
+            f"expert parallelism: rank {rank} of the EP group ran the experts call of {describe_tag(tag)} with "
             f"{num_local_experts} local experts ({num_global_experts} in all) while the group's ranks hold {widths}: "
             "every rank must run the same block, its experts sharded over the group with "
             "moelens.parallel.shard_experts."

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..errors import MoelensError
@@ -106,27 +109,70 @@ def expert_owner(expert: int, num_experts: int, ep_size: int) -> tuple[int, int]
     return expert // per_rank, expert % per_rank
 
 
-def ep_groups(ep: int) -> tuple[Any, Any]:
+#: The groups `ep_groups` made, per default group (held weakly: gone with ``destroy_process_group``) and
+#: ``(ep, timeout)``: a second call returns the same ones, so models sharded over "the EP group" share its run ids.
+_MADE: weakref.WeakKeyDictionary[Any, dict[tuple[int, timedelta | None], tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
+def world_timeout() -> timedelta | None:
+    """The timeout the default process group was made with (``init_process_group(timeout=...)``), or None when
+    torch does not say (torch's private API: its backend's options)."""
+    world = dist.group.WORLD
+    for device in getattr(world, "_device_types", []):
+        try:
+            timeout = world._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def ep_groups(ep: int, timeout: timedelta | None = None) -> tuple[Any, Any]:
     """This rank's ``(EP group, EDP group)`` for EP degree ``ep`` over the whole world.
 
     EP groups are consecutive ranks ``[g*ep, (g+1)*ep)``, EDP groups strided ranks
     ``{r, r+ep, r+2ep, ...}``. Every rank must call this (it creates every group, in
-    the same order everywhere, as ``torch.distributed.new_group`` requires).
+    the same order everywhere, as ``torch.distributed.new_group`` requires). A group of every
+    rank is the default group itself (unless ``timeout`` differs from its own), and a second call
+    with the same arguments returns the same groups: every model sharded over "the EP group" is
+    then on one group object, whose run ids catch a run that failed on some ranks only
+    (`moelens.parallel.runs`; two group objects of the same ranks would wait on each other).
+
+    Args:
+        ep: The EP degree, a divisor of the world size (`choose_ep_dp_degrees`).
+        timeout: How long a collective of the groups may wait; default: the one ``init_process_group`` was given
+            (torch's own default for a new group is 30 minutes on gloo, whatever the world's is).
     """
     (ep,) = _whole("ep_groups", ep=ep)
     if not dist.is_initialized():
         raise MoelensError("ep_groups: torch.distributed is not initialised; call init_process_group first.")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise MoelensError(f"ep_groups: timeout must be a datetime.timedelta (as init_process_group takes), got "
+                           f"{type(timeout).__name__} {timeout!r:.60}.")
+    own = world_timeout()
+    timeout = own if timeout is None else timeout
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep < 1 or world % ep:
         raise MoelensError(f"ep_groups: EP degree {ep} is not a divisor of the world size {world}; choose one of "
                            f"{[d for d in range(1, world + 1) if world % d == 0]} (choose_ep_dp_degrees picks one).")
+    made = _MADE.setdefault(dist.group.WORLD, {})  # the world itself is kept there as None, or it would never go
+    if (ep, timeout) in made:
+        return tuple(dist.group.WORLD if group is None else group for group in made[(ep, timeout)])
+
+    def group_of(ranks: list[int]) -> Any:
+        if len(ranks) == world and timeout == own:
+            return dist.group.WORLD
+        return dist.new_group(ranks, timeout=timeout)
+
     mine_ep = mine_edp = None
     for start in range(0, world, ep):
-        group = dist.new_group(list(range(start, start + ep)))
+        group = group_of(list(range(start, start + ep)))
         if start <= rank < start + ep:
             mine_ep = group
     for offset in range(ep):
-        group = dist.new_group(list(range(offset, world, ep)))
+        group = group_of(list(range(offset, world, ep)))
         if rank % ep == offset:
             mine_edp = group
+    made[(ep, timeout)] = tuple(None if group is dist.group.WORLD else group for group in (mine_ep, mine_edp))
     return mine_ep, mine_edp

@@ -21,10 +21,12 @@ from typing import Any
 from ..components import register_implementation
 from ..errors import MoelensError
 from .experts import NAME, OPS, torch_a2a_experts_forward
-from .runs import runs_of
+from .runs import forward_enters, forward_leaves, layer_tag, runs_of
 
 _registered = False
-_EP_TAGS = itertools.count(1)
+#: The attribute of transformers' EP mesh (one per model ``from_pretrained`` builds) counting the experts modules built
+#: on it: their positions in their model, in plan order (the same on every rank).
+_POSITIONS = "_moelens_experts_built"
 
 
 def _torch_a2a_ep_class() -> type:
@@ -39,9 +41,10 @@ def _torch_a2a_ep_class() -> type:
         this runs `torch_a2a_experts_forward` over the EP mesh's group. The ranks of
         the EP group must hold different batches (``DistributedConfig(fsdp_size=N,
         ep_size=N)``): with ``tp_size > 1`` they share one, which ``all_to_all`` /
-        ``auto`` handle. Traces count runs (`moelens.parallel.runs`); with FSDP, a trace
-        raising on some ranks only leaves the others waiting in FSDP's parameter gather
-        until the group's timeout (docs/parallel.md, hazards).
+        ``auto`` handle. Each forward of the model is a run (`moelens.parallel.runs`),
+        counted at its first experts call (a trace's first forward is in the trace's run);
+        with FSDP, a trace raising on some ranks only leaves the others waiting in FSDP's
+        parameter gather until the group's timeout (docs/parallel.md, hazards).
         """
 
         def __init__(self, experts: Any, ep_mesh: Any, tp_mesh: Any) -> None:
@@ -54,11 +57,19 @@ def _torch_a2a_ep_class() -> type:
                 )
             self.experts = experts
             self.group = ep_mesh.get_group()
-            # Built in plan order on every rank, so the same module gets the same tag everywhere.
-            experts.__dict__.setdefault("_ep_tag", next(_EP_TAGS))
-            experts.__dict__.setdefault("_ep_runs", runs_of(self.group))  # traces count runs (no forward hook here)
+            # Built in plan order on every rank, one mesh per model: the same module gets the same tag everywhere,
+            # whatever models a rank loaded before (a process-wide count gave other tags after other loads).
+            positions = ep_mesh.__dict__.setdefault(_POSITIONS, itertools.count())
+            #: This module's position among its model's experts modules (0: the first, which counts the runs).
+            self.position = next(positions)
+            experts.__dict__.setdefault("_ep_tag", layer_tag(0, self.position))
+            experts.__dict__.setdefault("_ep_runs", runs_of(self.group))
 
         def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+            runs = self.experts.__dict__["_ep_runs"]
+            if self.position == 0:  # a forward of the model begins (no forward hooks here, unlike shard_experts')
+                forward_enters(runs, self.experts, ())
+                forward_leaves(runs, self.experts, (), None)
             return torch_a2a_experts_forward(
                 self.experts, hidden_states, top_k_index, top_k_weights, process_group=self.group
             )

@@ -19,6 +19,7 @@ ranks in the newest run ask again until every rank is in it: from there, runs pa
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -32,12 +33,14 @@ class Runs:
         tracing: How many moelens traces of such a model are running (their first forward starts no run).
         depth: How many calls of hooked modules are running (only the outermost starts a run).
         traced_forwards: How many outermost forwards the running trace made.
+        models: How many models `shard_experts` sharded over the group so far: the index of the next one, the same
+            on every rank of the group (sharding is collective), which its layer tags carry (`layer_tag`).
     """
 
-    __slots__ = ("current", "tracing", "depth", "traced_forwards")
+    __slots__ = ("current", "tracing", "depth", "traced_forwards", "models")
 
     def __init__(self) -> None:
-        self.current, self.tracing, self.depth, self.traced_forwards = 0, 0, 0, 0
+        self.current, self.tracing, self.depth, self.traced_forwards, self.models = 0, 0, 0, 0, 0
 
     def __copy__(self) -> "Runs":
         return self
@@ -64,13 +67,34 @@ class Runs:
         return f"Runs(current={self.current}, tracing={self.tracing})"
 
 
-#: One `Runs` per EP group this process exchanges over.
-_BY_GROUP: dict[Any, Runs] = {}
+#: One `Runs` per EP group this process exchanges over, held weakly: a group destroyed (and no longer held by a
+#: sharded model) is freed with its sockets, as without moelens.
+_BY_GROUP: weakref.WeakKeyDictionary[Any, Runs] = weakref.WeakKeyDictionary()
+
+#: How many bits of a layer tag hold the experts call's position in its model (`layer_tag`).
+POSITION_BITS = 16
 
 
 def runs_of(group: Any) -> Runs:
-    """The `Runs` of ``group`` (every model sharded over it shares them)."""
+    """The `Runs` of ``group`` (a ``ProcessGroup``; every model sharded over it shares them)."""
     return _BY_GROUP.setdefault(group, Runs())
+
+
+def layer_tag(model: int, position: int) -> int:
+    """The tag the count exchange of an experts module carries: ``position`` (0-based) among the experts modules
+    of its model, and ``model``, the index of that model among those sharded over the group (`Runs.models`), so
+    that two models of one layout run in different orders on different ranks meet with `RankDivergence`."""
+    if not 0 <= position < (1 << POSITION_BITS) - 1:
+        raise ValueError(f"layer_tag: position {position} must be in [0, {(1 << POSITION_BITS) - 1}).")
+    return (model << POSITION_BITS) | (position + 1)
+
+
+def describe_tag(tag: int) -> str:
+    """``tag`` (`layer_tag`) in words, for error messages."""
+    if tag <= 0:
+        return f"tag {tag} (no layer tag)"
+    model, position = tag >> POSITION_BITS, (tag & ((1 << POSITION_BITS) - 1)) - 1
+    return f"tag {tag} (MoE block {position} of model {model} sharded over the group)"
 
 
 def forward_enters(runs: Runs, module: torch.nn.Module, args: Any) -> None:

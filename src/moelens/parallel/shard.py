@@ -9,7 +9,8 @@ layers, attention and embeddings are left whole (data parallel).
 The experts module keeps its ``num_experts`` (E, what the router's ids and
 `Moe.num_experts` mean) and gains ``_ep_group`` (the group, in a `SharedGroup`: a
 deep copy of the model shares it), ``_ep_rank``, ``_ep_size``,
-``_ep_first`` (its first global expert), ``_ep_tag``, ``_ep_runs`` (the group's run ids,
+``_ep_first`` (its first global expert), ``_ep_tag`` (`runs.layer_tag`: its position in the model and the model's
+index among those sharded over the group), ``_ep_runs`` (the group's run ids,
 `moelens.parallel.runs`) and ``_is_expert_parallel = True``. A forward pre-hook refuses any experts
 implementation but ``torch_a2a`` on it: ``grouped_mm`` / ``batched_mm`` would treat
 the ids of remote experts as out of range and drop them silently. The model, every module on the
@@ -35,7 +36,7 @@ from .comm import SharedGroup, group_rank, group_size
 from .degrees import expert_owner
 from .experts import NAME
 from .register import register_torch_a2a
-from .runs import forward_enters, forward_leaves, runs_of
+from .runs import forward_enters, forward_leaves, layer_tag, runs_of
 
 
 class ShardedExpertsError(MoelensError):
@@ -158,6 +159,7 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     if hasattr(module, "set_experts_implementation"):  # a transformers model (a user's torch model has none)
         module.set_experts_implementation(NAME)
     holder, runs = SharedGroup(group), runs_of(group)
+    model_index, runs.models = runs.models, runs.models + 1  # every rank of the group is here (the check above)
     for position, ((_, _, _, experts), num_experts) in enumerate(zip(blocks, counts)):
         experts.config._experts_implementation = NAME  # experts reading their own settings (moelens.compress output)
         per_rank = num_experts // size
@@ -165,7 +167,7 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
         _slice(experts, num_experts, first, per_rank)
         experts.__dict__.update(
             _ep_group=holder, _ep_rank=rank, _ep_size=size, _ep_first=first, _ep_num_local=per_rank,
-            _ep_tag=position + 1, _ep_runs=runs,
+            _ep_tag=layer_tag(model_index, position), _ep_runs=runs,
         )
         if size > 1:
             experts._is_expert_parallel = True
