@@ -61,18 +61,23 @@ def test_blocks_are_listed_and_read_in_the_order_they_run(opt):
     assert families.check(wrapped, ids(1, 5)) == [moe.path for moe in wrapped.moes]
 
 
-def test_a_child_the_forward_never_names_keeps_its_place_after_those_it_does():
+def test_siblings_sort_by_when_the_forward_runs_them_where_it_runs_them_all():
+    """Calls count after their arguments; a read that runs nothing (``self.late.weight``, as SmolVLM reads its text
+    model's embeddings before running its vision tower) is no run; a parent with a child it runs out of sight
+    (through getattr or a helper method) keeps its definition order."""
     class Parent(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.late = torch.nn.Linear(2, 2)
-            self.unnamed = torch.nn.Linear(2, 2)
+            self.unseen = torch.nn.Linear(2, 2)
             self.early = torch.nn.Linear(2, 2)
 
         def forward(self, x):
-            return self.late(self.early(x)) + getattr(self, "unnamed")(x)
+            x = x.to(self.late.weight.dtype)
+            return self.late(self.early(x)) + getattr(self, "unseen")(x)
 
-    assert in_run_order(Parent(), ["unnamed", "late", "early"]) == ["early", "late", "unnamed"]
+    assert in_run_order(Parent(), ["late", "early"]) == ["early", "late"]
+    assert in_run_order(Parent(), ["unseen", "early", "late"]) == ["late", "unseen", "early"]
 
 
 def test_a_t5_block_s_layer_is_its_block_number():
@@ -106,3 +111,20 @@ def test_describe_probes_an_encoder_decoder_model_with_decoder_tokens():
     report = str(describe(wrapped, probe=True))
     assert "router_logits          [1, 4, 4]" in report and "mlp_output             [1, 4, 64]" in report
     assert "unavailable" not in report
+
+
+def test_a_layer_is_the_first_module_list_index_of_its_path():
+    """The first integer of a path was taken: a sentence-transformers model (an nn.Sequential holding the encoder)
+    put every block at layer 0; the last one gives T5's sub-layer index. Layers kept in an nn.Sequential keep the
+    last integer."""
+    from moelens.components.base import layer_of
+
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                                          num_hidden_layers=3, num_attention_heads=2))
+    assert layer_of("0.encoder.layer.2.intermediate", torch.nn.Sequential(bert)) == 2
+    t5 = transformers.T5EncoderModel(transformers.T5Config(vocab_size=VOCAB, d_model=16, d_ff=32, d_kv=8,
+                                                           num_layers=2, num_heads=2))
+    assert layer_of("encoder.block.0.layer.1.DenseReluDense.wi", t5) == 0
+    stacked = torch.nn.Module()
+    stacked.layers = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
+    assert layer_of("layers.2", stacked) == 2

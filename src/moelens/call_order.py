@@ -17,66 +17,85 @@ from typing import Iterable
 
 import torch
 
-#: Where a child used nowhere in its parent's forward source sorts: after those it uses, in definition order.
-UNSEEN = 1 << 30
-
-
 def in_run_order(model: torch.nn.Module, paths: Iterable[str]) -> list[str]:
     """``paths`` (module names in ``model``) sorted by when the forward reaches them: at each level, siblings by
-    their first use in their parent's forward source (definition order where it has none to read)."""
-    return sorted(paths, key=lambda path: _key(model, path))
+    when their parent's forward source first runs them, where it runs every sibling among ``paths`` itself
+    (definition order otherwise: a child run through a helper method, or only read, is not seen)."""
+    paths = list(paths)
+    involved: dict[str, set[str]] = {}  # a parent's path -> its children on the way to ``paths``
+    for path in paths:
+        parts = path.split(".")
+        for depth, part in enumerate(parts):
+            involved.setdefault(".".join(parts[:depth]), set()).add(part)
+    return sorted(paths, key=lambda path: _key(model, path, involved))
 
 
-def _key(model: torch.nn.Module, path: str) -> tuple:
-    key, parent = [], model
+def _key(model: torch.nn.Module, path: str, involved: dict[str, set[str]]) -> tuple:
+    key, parent, prefix = [], model, []
     for name in path.split("."):
         children = list(parent._modules)
         definition = children.index(name) if name in children else len(children)
-        if isinstance(parent, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
-            key.append((0, definition))
-        else:
-            key.append((_first_uses(type(parent)).get(name, UNSEEN), definition))
-        parent = getattr(parent, name)
+        runs = {} if isinstance(parent, CONTAINERS) else _first_runs(type(parent))
+        siblings = involved[".".join(prefix)]
+        key.append((runs[name] if siblings <= runs.keys() else 0, definition))
+        parent, prefix = getattr(parent, name), [*prefix, name]
     return tuple(key)
 
 
+#: Modules whose children run in index order (or as their holder runs them): their forwards name none.
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
 @functools.cache
-def _first_uses(module_class: type) -> dict[str, int]:
-    """``{attribute: step}``: when ``module_class.forward`` first calls (or otherwise reads) each ``self.<attribute>``,
-    as a count in evaluation order ({} where its source cannot be read)."""
+def _first_runs(module_class: type) -> dict[str, int]:
+    """``{attribute: step}``: when ``module_class.forward`` first runs each ``self.<attribute>`` (calls it, its
+    ``forward``, an item of it, loops over it or hands it to a call), as a count in evaluation order ({} where
+    its source cannot be read). A mere read (``self.text_model.get_input_embeddings()``,
+    ``self.decoder.embed_tokens.weight.dtype``) runs nothing and is not counted."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(module_class.forward)))
     except (OSError, TypeError, SyntaxError):
         return {}
-    uses = _Uses()
-    uses.visit(tree)
-    return uses.first
+    runs = _Runs()
+    runs.visit(tree)
+    return runs.first
 
 
-class _Uses(ast.NodeVisitor):
-    """Walks a forward's syntax in evaluation order: a call of ``self.<child>(...)`` counts after its arguments
-    (``self.late(self.early(x))`` runs ``early`` first), any other read of ``self.<child>`` where it stands."""
+class _Runs(ast.NodeVisitor):
+    """Walks a forward's syntax in evaluation order, noting the first run of each ``self.<child>``: a call counts
+    after its arguments (``self.late(self.early(x))`` runs ``early`` first)."""
 
     def __init__(self) -> None:
         self.first: dict[str, int] = {}
 
-    def _use(self, name: str) -> None:
+    def _ran(self, name: str) -> None:
         self.first.setdefault(name, len(self.first))
 
     def visit_Call(self, node: ast.Call) -> None:
-        called = node.func
-        if _is_self_attribute(called):
-            for part in (*node.args, *node.keywords):
-                self.visit(part)
-            self._use(called.attr)
+        for part in (*node.args, *node.keywords):
+            self.visit(part)
+        for argument in (*node.args, *(keyword.value for keyword in node.keywords)):  # checkpoint(self.layer, x)
+            if _self_child(argument) is not None:
+                self._ran(_self_child(argument))
+        called = _self_child(node.func)  # self.x(...), self.x[i](...)
+        if called is None and isinstance(node.func, ast.Attribute) and node.func.attr == "forward":
+            called = _self_child(node.func.value)  # self.x.forward(...)
+        if called is not None:
+            self._ran(called)
         else:
-            self.generic_visit(node)
+            self.visit(node.func)
 
-    def visit_Attribute(self, node: ast.Attribute) -> None:
-        if _is_self_attribute(node):
-            self._use(node.attr)
+    def visit_For(self, node: ast.For) -> None:
+        looped = _self_child(node.iter)  # for layer in self.layers
+        if looped is not None:
+            self._ran(looped)
         self.generic_visit(node)
 
 
-def _is_self_attribute(node: ast.AST) -> bool:
-    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+def _self_child(node: ast.AST) -> str | None:
+    """``x`` of ``self.x`` or ``self.x[...]``, else None."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None

@@ -258,7 +258,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
     num_layers = len(decoder_layers) if decoder_layers is not None else int(getattr(config, "num_hidden_layers", 0) or 0)
     structure = getattr(model, "_structure", None)
     dense_blocks = structure.dense_blocks if structure is not None else []
-    dense = sorted({layer for layer in map(layer_of, dense_blocks) if layer is not None})
+    dense = sorted({layer for name in dense_blocks if (layer := layer_of(name, module)) is not None})
     scorings = [(moe.layer, *scoring_of(moe)) for moe in moes]
     return ModelReport(
         name=str(getattr(module, "name_or_path", "") or type(module).__name__),

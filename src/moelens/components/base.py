@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-import re
 from functools import cached_property
 from typing import Any, Iterable, Iterator
 
@@ -26,11 +25,22 @@ from ..modules import on_accelerator
 from . import served as serving
 
 
-def layer_of(path: str) -> int | None:
-    """The decoder layer index in a module path: its first integer component (None when it has none). The first,
-    not the last: a layer may keep its parts in a list of its own (T5's ``encoder.block.3.layer.1``, layer 3)."""
-    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", path)
-    return int(numbers[0]) if numbers else None
+def layer_of(path: str, root: torch.nn.Module | None = None) -> int | None:
+    """The decoder layer index in a module path (relative to ``root``), or None when it has no integer component.
+
+    With ``root``: the first index into a ``ModuleList`` on the way down (T5's ``encoder.block.3.layer.1`` is layer
+    3, its block's sub-layer list aside; a sentence-transformers model's leading ``nn.Sequential`` index aside),
+    else the last integer component (a model whose layers are an ``nn.Sequential``)."""
+    parts = path.split(".")
+    parent = root
+    for part in parts:
+        if parent is None:
+            break
+        if part.isdigit() and isinstance(parent, torch.nn.ModuleList):
+            return int(part)
+        parent = parent._modules.get(part)
+    numbers = [part for part in parts if part.isdigit()]
+    return int(numbers[-1]) if numbers else None
 
 
 def replaced_modules(envoy: Envoy) -> list[str]:
@@ -129,8 +139,9 @@ class Component(Envoy):
 
     @cached_property
     def layer(self) -> int | None:
-        """Index of the decoder layer this block belongs to (the last integer in its path)."""
-        return layer_of(self.path)
+        """Index of the decoder layer this block belongs to (`layer_of`: its index in the first module list of its
+        path, else the last integer in its path)."""
+        return layer_of(self.path.partition(".")[2], self.root._module)
 
     @property
     def model(self) -> Envoy:

@@ -69,7 +69,7 @@ class BlockHolder(Envoy):
                      if moe.path.startswith(f"{self.path}.")]
             raise AttributeError(
                 f"{self.path} ({type(self._module).__name__}) is no MoE block itself: it holds the MoE blocks "
-                f"{', '.join(inner)}, one per kind of token; read {name} on one of them."
+                f"{', '.join(inner)}; read {name} on one of them."
             ) from None
 
 

@@ -81,7 +81,7 @@ def resolve(model: Any) -> Target:
             target = Target("block", model, [Block("", family, None)])
         else:
             structure = discover(model)
-            blocks = [Block(name, registry.for_block(model.get_submodule(name)) or structure.family, layer_of(name))
+            blocks = [Block(name, registry.for_block(model.get_submodule(name)) or structure.family, layer_of(name, model))
                       for name in structure.moe_blocks]
             target = Target("model", model, blocks)
     else:

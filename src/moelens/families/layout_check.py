@@ -102,7 +102,9 @@ def _probes(experts: torch.nn.Module, views: Views, top_k: int) -> list[tuple[in
             indices = slots.expand(PROBE_TOKENS, top_k).contiguous().to(up.device)
             weights = torch.zeros(PROBE_TOKENS, top_k, dtype=up.dtype, device=up.device)
             weights[:, 0] = 1
-            probes.append((expert, tokens.to(up.device), experts(tokens.to(up.device), indices, weights)))
+            tokens = tokens.to(up.device)
+            # the class's forward: no hook of the user's (or nnsight's) on the module sees the probe
+            probes.append((expert, tokens, type(experts).forward(experts, tokens, indices, weights)))
     return probes
 
 
