@@ -486,14 +486,19 @@ def test_a_converted_gpt2_block_drops_out_like_the_dense_one_in_training():
     before, after = dense.transformer.h[0].mlp, converted.transformer.h[0].mlp
     assert isinstance(after, ToMoEBlock) and not isinstance(after, ToMoELinear)
     before.dropout.p = after.dropout.p = 0.5
-    before.train(), after.train()
+    assert_drops_out_alike(before.train(), after.train())
+
+
+def assert_drops_out_alike(before: torch.nn.Module, after: torch.nn.Module) -> None:
+    """The dense FFN ``before`` and the converted block ``after`` (every expert active), in training, drop out the
+    same outputs under the same seed: about half of them."""
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.manual_seed(1)
         expected = before(x)
         torch.manual_seed(1)
         got = after(x)
-    assert (expected == 0).float().mean() > 0.3  # the dense block dropped out half its outputs
+    assert (expected == 0).float().mean() > 0.3
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
@@ -513,14 +518,7 @@ def test_a_residual_dropout_rate_drops_out_like_the_dense_ffn_in_training(family
     converted, stats = convert(dense, num_experts=4, top_k=4, calibration=ids())
     before, after = dense.model.layers[0].mlp.train(), converted.model.layers[0].mlp.train()
     assert isinstance(after, ToMoEBlock) and before.residual_dropout == 0.5
-    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.manual_seed(1)
-        expected = before(x)
-        torch.manual_seed(1)
-        got = after(x)
-    assert (expected == 0).float().mean() > 0.3  # the dense FFN dropped out about half its outputs
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert_drops_out_alike(before, after)
 
 
 def test_a_swiglu_ffns_inner_dropout_is_noted_not_applied_at_the_output():
