@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+
 def in_run_order(model: torch.nn.Module, paths: Iterable[str]) -> list[str]:
     """``paths`` (module names in ``model``) sorted by when the forward reaches them: at each level, siblings by
     when their parent's forward source first runs them, where it runs every sibling among ``paths`` itself
