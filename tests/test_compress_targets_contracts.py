@@ -12,6 +12,8 @@ routing weights keep the tokens' precision, the straight-through term adds nothi
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import re
 import warnings
@@ -362,15 +364,22 @@ class _Starred(nn.Module):
         return self.mlp(self.embed_tokens(inputs[0]))
 
 
+def _second_parameter(model: nn.Module) -> str:
+    """The name ``model.forward`` gives its second positional argument (GPT-2's past_key_values, cache from
+    transformers 5.25)."""
+    return list(inspect.signature(model.forward).parameters)[1]
+
+
 @pytest.mark.parametrize("make, where", [
-    (gpt2, "GPT2LMHeadModel.forward's 'past_key_values'"),
-    (lambda: _quiet(_Starred), "no named parameter of _Starred.forward"),
+    (gpt2, lambda model: f"GPT2LMHeadModel.forward's {_second_parameter(model)!r}"),
+    (lambda: _quiet(_Starred), lambda model: "no named parameter of _Starred.forward"),
 ], ids=["gpt2", "starred"])
 def test_a_positional_mask_the_forward_takes_as_something_else_is_refused(make, where):
-    """GPT-2's second parameter is past_key_values, and a ``*inputs`` forward names none: a second integer tensor
-    shaped like the ids (an attention mask) cannot be told to be one, so it is refused before any forward, saying to
-    pass a dict."""
+    """GPT-2's second parameter is its cache, and a ``*inputs`` forward names none: a second integer tensor shaped
+    like the ids (an attention mask) cannot be told to be one, so it is refused before any forward, saying to pass a
+    dict."""
     tokens, mask = _padded()
+    where = where(make())
     message = (r"calibration item 0 holds, as positional argument 1, an integer tensor shaped like the token ids "
                r"\[4, 16\] \(an attention mask, as a DataLoader over TensorDataset\(ids, mask\) yields\), which would "
                rf"be {re.escape(where)}, so the padding could not be left out\. Pass each batch as a dict: "
