@@ -6,6 +6,7 @@ routing and every expert recomputed from the module's weights.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -165,3 +166,38 @@ def test_the_wrapped_models_switch_runs_every_converted_block_with_the_implement
     with model.trace(ids()):
         routed = model.moes[0].routed_output.save()
     torch.testing.assert_close(routed, before.sum(2))
+
+
+def test_an_expert_routed_around_that_still_fills_a_slot_weighs_zero_with_autograd_on():
+    """With every expert active (top_k = num_experts), route_around(e) leaves e in a slot at logit -inf; the
+    router's straight-through term (-inf) - (-inf) made its weight NaN under autograd (on by default in a trace), and
+    with it the whole model's output. Ground truth: the unwrapped copy, e's router bias at -inf, under no_grad."""
+    converted = tomoe(llama(), num_experts=4, top_k=4, calibration=ids(), shared_neurons=0, max_error=None,
+                      progress=False)
+    reference = copy.deepcopy(converted)
+    with torch.no_grad():
+        reference.model.layers[0].mlp.router.bias[1] = float("-inf")
+        expected = reference(ids()[:1]).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = moelens.wrap(converted)
+    with model.trace(ids()[:1]):
+        moelens.ablate(model.moes[0], 1, "route_around")
+        weights = model.moes[0].expert_weights.save()
+        logits = model.output.logits.save()
+    assert torch.is_grad_enabled() and not weights.isnan().any()
+    assert set(weights[..., -1].unique().tolist()) == {0.0}  # e fills the last slot, at weight 0
+    torch.testing.assert_close(logits, expected)
+
+
+def test_check_leaves_out_the_output_of_a_block_dropping_out_in_training():
+    """A converted GPT-2 block keeps its dense dropout; in training mode check blamed moelens' own entry (its Combine)
+    for the dropped outputs."""
+    converted = tomoe(gpt2(), num_experts=4, top_k=2, calibration=ids(), shared_neurons=0, max_error=None,
+                      progress=False).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = moelens.wrap(converted)
+    with pytest.warns(UserWarning, match=r"its block output is not checked: the block is in training mode with "
+                                         r"dropout on, .*call model\.eval\(\) first"):
+        assert moelens.families.check(model, ids()[:1]) == [moe.path for moe in model.moes]

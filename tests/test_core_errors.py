@@ -3478,8 +3478,9 @@ def test_a_layer_without_an_mlp_block_says_so():
     wrapped = moelens.wrap(tiny_model("nemotron_h"))
     blockless = [i for i in range(len(wrapped.layers)) if not hasattr(wrapped.layers[i], "mlp")]
     assert blockless and all(isinstance(wrapped.layers[moe.layer].mlp, moelens.Moe) for moe in wrapped.moes)
-    with pytest.raises(AttributeError, match=rf"layers\.{blockless[0]} \(NemotronHBlock\) has no 'mlp': this layer holds "
-                                             r"no MLP block"):
+    with pytest.raises(AttributeError, match=rf"layers\.{blockless[0]} \(NemotronHBlock\) has no 'mlp': moelens sees no "
+                                             r"MLP block it serves in this layer \(a hybrid model's attention or mamba "
+                                             r"layer, or an MLP of a kind it does not recognise"):
         wrapped.layers[blockless[0]].mlp
 
 

@@ -127,7 +127,9 @@ def test_edits_keyed_by_a_layer_that_two_blocks_share_are_refused():
     root.first, root.second = tiny_model("mixtral", num_hidden_layers=1), tiny_model("mixtral", num_hidden_layers=1, seed=1)
     family = registry.get("mixtral")
     target = Target("model", root, [Block(f"{name}.model.layers.0.mlp", family, 0) for name in ("first", "second")])
-    with pytest.raises(ExportRefused, match=r"layer 0 holds several MoE blocks, so Edits keyed by layer are ambiguous"):
+    with pytest.raises(ExportRefused, match=r"layer 0 holds several MoE blocks \(first\.model\.layers\.0\.mlp, "
+                                            r"second\.model\.layers\.0\.mlp\), so Edits keyed by layer are ambiguous: "
+                                            r"export each block on its own with its edits, to_nnef\(model\.moes\[i\]"):
         prepare(target, edits=Edits(ablate={0: [1]}))
     assert len(prepare(target).reports) == 2
 

@@ -128,3 +128,26 @@ def test_a_layer_is_the_first_module_list_index_of_its_path():
     stacked = torch.nn.Module()
     stacked.layers = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
     assert layer_of("layers.2", stacked) == 2
+
+
+def test_routing_analysis_refuses_an_encoder_decoder_model_and_names_a_telling_part():
+    """On a converted T5, collect_routing suggested blocks='wo', which both colliding blocks end in, and then failed
+    in T5's forward (no decoder tokens); describe reported 'MoE layers 0, 1, 2 (3 of 2)'."""
+    from moelens.analysis import collect_routing, describe
+    from moelens.analysis.collect import _telling_part
+
+    assert _telling_part(["m.encoder.block.0.layer.1.DenseReluDense.wo",
+                          "m.decoder.block.0.layer.2.DenseReluDense.wo"]) == "encoder"
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=3,
+                                   num_heads=4, decoder_start_token_id=0)
+    model = converted(transformers.T5ForConditionalGeneration(config).eval(),
+                      {"input_ids": ids(8, 16), "decoder_input_ids": ids(8, 8, 1)}, target_modules=["wo"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(model)
+    with pytest.raises(moelens.MoelensError, match=r"T5ForConditionalGeneration is an encoder-decoder model, whose "
+                                                   r"forward needs decoder tokens too"):
+        collect_routing(wrapped, [ids(1, 8)])
+    report = str(describe(wrapped, probe=False))
+    assert "MoE layers             0, 1, 2, 5 MoE blocks" in report

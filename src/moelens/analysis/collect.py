@@ -40,6 +40,12 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
             ``text_moe`` / ``vision_moe``).
     """
     check_wrapped(model)
+    if getattr(getattr(model._module, "config", None), "is_encoder_decoder", False):
+        raise MoelensError(
+            f"routing analysis runs the model on token ids alone, and {type(model._module).__name__} is an "
+            "encoder-decoder model, whose forward needs decoder tokens too: read its blocks' values in a trace of "
+            "your own, model.trace(input_ids=..., decoder_input_ids=...)."
+        )
     moes = list(getattr(model, "moes", None) or [])
     if not moes:
         raise MoelensError(
@@ -70,9 +76,18 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
         paths = [moe.path for moe in moes if moe.layer == shared[0]]
         raise MoelensError(
             f"layers {shared} hold several MoE blocks ({', '.join(paths)}); routing analysis keys blocks by "
-            f"layer, so choose one kind by a part of its path: blocks={paths[0].rpartition('.')[2]!r}."
+            f"layer, so choose one kind by a part of its path: blocks={_telling_part(paths)!r}."
         )
     return moes
+
+
+def _telling_part(paths: list[str]) -> str:
+    """A part of the first of ``paths`` that none of the others has (``text_moe``, ``encoder``), for the hint of
+    `moes_of`; its last part where none does."""
+    first, *others = paths
+    parts = first.split(".")
+    return next((part for part in reversed(parts) if not part.isdigit()
+                 and not any(part in other.split(".") for other in others)), parts[-1])
 
 
 def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:

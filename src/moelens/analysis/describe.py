@@ -100,7 +100,8 @@ class ModelReport:
             f"family                 {self.family}",
             f"tokenizer              {self.tokenizer}",
             f"decoder layers         {self.num_layers}",
-            f"MoE layers             {', '.join(map(str, moe_layers))} ({len(moe_layers)} of {self.num_layers})"
+            f"MoE layers             {', '.join(map(str, moe_layers))}"
+            + (f" ({len(moe_layers)} of {self.num_layers})" if len(moe_layers) <= self.num_layers else "")
             + (f", {len(layers)} MoE blocks" if len(layers) > len(moe_layers) else ""),
             f"dense layers           {', '.join(map(str, self.dense_layers)) or 'none'}",
             "experts E, top-k       " + by_layers([(layer.layer, f"E={layer.num_experts}, k={layer.top_k}")

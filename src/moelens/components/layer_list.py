@@ -44,8 +44,10 @@ class BlocklessLayer(Envoy):
             if name != "mlp":
                 raise
             raise AttributeError(
-                f"{self.path} ({type(self._module).__name__}) has no 'mlp': this layer holds no MLP block (a hybrid "
-                "model's attention or mamba layer); the MoE blocks are model.moes, each saying its layer (.layer)."
+                f"{self.path} ({type(self._module).__name__}) has no 'mlp': moelens sees no MLP block it serves in "
+                "this layer (a hybrid model's attention or mamba layer, or an MLP of a kind it does not recognise, "
+                "such as BERT's intermediate / output pair); the MoE blocks are model.moes, each saying its layer "
+                "(.layer)."
             ) from None
 
 

@@ -90,7 +90,7 @@ class Mlp(Component):
         if isinstance(self.parent, Moe):  # gemma4: router and experts on the decoder layer, beside this MLP
             return (f"it runs beside the experts as the shared expert of the MoE block {self.parent.path}, the decoder "
                     f"layer itself (model.layers[{self.parent.layer}]): use that block")
-        moes = [moe.layer for moe in getattr(self.root, "moes", [])]
+        moes = sorted({moe.layer for moe in getattr(self.root, "moes", [])}, key=lambda layer: (layer is None, layer))
         where = f"MoE layers are {moes}" if moes else "this model has no MoE layer"
         return f"{where}; iterate model.moes for the MoE blocks"
 

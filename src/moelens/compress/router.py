@@ -78,8 +78,10 @@ class ToMoERouter(LoRAHost):
         top_k_weights = torch.sigmoid(top_values)
         if torch.is_grad_enabled() and top_values.requires_grad:
             # sigmoid is flat at 1.0: a straight-through estimator hands each weight's gradient to its logit
-            # unchanged (adding exactly 0.0 in the forward), so the router and its adapter train.
-            top_k_weights = top_k_weights + (top_values - top_values.detach())
+            # unchanged (adding exactly 0.0 in the forward), so the router and its adapter train. Not at an infinite
+            # logit (an expert routed around, -inf, that still fills a slot): inf - inf would make its weight NaN.
+            straight = top_values - top_values.detach()
+            top_k_weights = top_k_weights + torch.where(top_values.isfinite(), straight, torch.zeros_like(straight))
         return router_logits, top_k_weights.to(hidden_states.dtype), top_k_index
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "ToMoERouter":

@@ -287,7 +287,10 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
         layers = [block.layer for block, _, _ in read]
         shared = sorted({layer for layer in layers if layers.count(layer) > 1} & set(edits.layers()), key=str)
         if shared:
-            raise ExportRefused(f"layer {shared[0]} holds several MoE blocks, so Edits keyed by layer are ambiguous.")
+            paths = [block.name for block, _, _ in read if block.layer == shared[0]]
+            raise ExportRefused(f"layer {shared[0]} holds several MoE blocks ({', '.join(paths)}), so Edits keyed by "
+                                "layer are ambiguous: export each block on its own with its edits, "
+                                "to_nnef(model.moes[i], path, edits=Edits(...)), or the model without edits.")
         edits.check({block.layer: (spec.num_experts, spec.k) for block, _, spec in read})
     if quantize_experts == "q4_0":
         for _, _, spec in read:

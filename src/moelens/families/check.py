@@ -76,8 +76,14 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     problems, unscored, unchecked_layouts = [], {}, {}
     for moe, values in zip(moes, saved.values()):
         layout, unchecked_layouts[moe.path] = _layout_problem(moe)
+        dropping = _drops_out(moe._module)
         found = ("" if unchecked[moe.path] else _selection_problem(moe, values),
-                 "" if unchecked[moe.path] else _weights_problem(moe, values), _output_problem(moe, values), layout)
+                 "" if unchecked[moe.path] else _weights_problem(moe, values),
+                 "" if dropping else _output_problem(moe, values), layout)
+        if dropping:
+            warnings.warn(f"moelens.families.check: {moe.path}: its block output is not checked: the block is in "
+                          "training mode with dropout on, so its output is no function of its routed and shared "
+                          "outputs; call model.eval() first to check it.", stacklevel=2)
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
         if not unchecked[moe.path]:
             unscored[moe.path] = _score_unchecked(moe, values)
@@ -104,6 +110,11 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         if reason:
             warnings.warn(f"moelens.families.check: {path}: {reason}.", stacklevel=2)
     return [moe.path for moe in moes]
+
+
+def _drops_out(block: torch.nn.Module) -> bool:
+    """Whether ``block`` drops out part of what it computes in this run (a dropout with p > 0, in training mode)."""
+    return any(isinstance(module, torch.nn.Dropout) and module.p > 0 and module.training for module in block.modules())
 
 
 def _layout_problem(moe: Any) -> tuple[str, str]:
