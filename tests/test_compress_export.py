@@ -119,6 +119,23 @@ def test_attention_linear_layers_export_in_gated_form(out):
         assert_block_runs_in_tract(model.moes[index], out / f"linear-{index}.nnef.tgz", hidden, "relu")
 
 
+def test_verify_tells_apart_two_blocks_of_one_layer(out):
+    """The archive recorded only its block's layer: verified against layer 0's q_proj, an archive of layer 0's v_proj
+    was compared and read as a broken export (no tolerance met) instead of an ExportError naming the block."""
+    from moelens.export import ExportError, verify
+
+    model = wrap(exportable(convert(llama(kv_heads=4), num_experts=4, top_k=2, target_attention_only=True)))
+    value = next(moe for moe in model.moes if moe.path.endswith("layers.0.self_attn.v_proj"))
+    query = next(moe for moe in model.moes if moe.path.endswith("layers.0.self_attn.q_proj"))
+    archive = to_nnef(value, out / "v_proj.nnef.tgz", verify=False).path
+    hidden = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0))
+    assert verify(archive, value, hidden).meets("approximate")
+    with pytest.raises(ExportError, match=r"v_proj.nnef.tgz was exported from a block of path "
+                                          r"model\.model\.layers\.0\.self_attn\.v_proj, but the block given has path "
+                                          r"model\.model\.layers\.0\.self_attn\.q_proj"):
+        verify(archive, query, hidden)
+
+
 def test_what_tract_cannot_express_is_refused_with_the_reason(out):
     converted = convert(bert(), num_experts=4, top_k=2)
     with pytest.raises(ExportRefused, match="erf"):  # BERT's exact GELU: tract's gelu is the tanh approximation

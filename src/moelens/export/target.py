@@ -28,11 +28,13 @@ from .errors import ExportError, ExportRefused
 
 @dataclass
 class Block:
-    """One MoE block of the target: its module name (relative to `Target.module`), family and layer."""
+    """One MoE block of the target: its module name (relative to `Target.module`), family and layer, and for a block
+    exported on its own from a wrapped model, its path there (`Moe.path`, or None)."""
 
     name: str
     family: Family
     layer: int | None
+    path: str | None = None
 
 
 @dataclass
@@ -68,7 +70,7 @@ def resolve(model: Any) -> Target:
     _refuse_inside_a_trace()
     if isinstance(model, Moe):
         _refuse_edits(getattr(model, "root", None))
-        target = Target("block", model._module, [Block("", model.family, model.layer)], wrapped=None)
+        target = Target("block", model._module, [Block("", model.family, model.layer, model.path)], wrapped=None)
     elif hasattr(model, "moes") and isinstance(getattr(model, "_module", None), torch.nn.Module):
         _refuse_edits(model)
         module = model._module

@@ -133,7 +133,8 @@ def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Tar
              "MoE layer(s)": (recorded.get("moelens_layers"), layers) if known else (None, None)}
     if kind == "model":
         found["vocabulary size"] = (recorded.get("moelens_vocab_size"), vocab_size(target))
-    else:
+    else:  # a layer may hold several blocks (attention projections converted by moelens.compress, ernie's two)
+        found["path"] = (recorded.get("moelens_block"), target.blocks[0].path)
         width = (archive_input_shape(path) or [None])[-1]
         found["hidden size"] = (width if isinstance(width, int) else None, hidden_size(target))
     for what, (archived, given) in found.items():
