@@ -2692,8 +2692,13 @@ def test_moes_is_indexed_by_block_and_a_bad_index_says_how_many_blocks_there_are
     for key in (len(blocks), "1", 1.5, None):
         with pytest.raises(moelens.LayerIndexError, match=rf"model.moes\[{re.escape(repr(key))}\]: .* counts the "
                                                           rf"{len(blocks)} MoE blocks, not the layers \(they sit on layers "
-                                                          rf"{re.escape(str(layers))}\)"):
+                                                          rf"{re.escape(str(layers))}\); layer i's block is "
+                                                          r"model\.layers\[i\]\.mlp\."):
             blocks[key]
+    ernie = moelens.wrap(tiny_model("ernie4_5_vl_moe")).moes  # two blocks a layer: layers[i].mlp holds them
+    with pytest.raises(moelens.LayerIndexError, match=r"not the layers \(they sit on layers .*\); each block's \.path "
+                                                      r"and \.layer say where it is\."):
+        ernie[len(ernie)]
     with pytest.raises(moelens.LayerIndexError, match=r"this model has no MoE block"):
         moelens.wrap(tiny_model("mixtral")).moes[:0][0]
 

@@ -92,10 +92,15 @@ class MoeList(list):
             if not count:
                 raise LayerIndexError(f"model.moes[{key!r}]: this model has no MoE block (model.moes is empty).")
             layers = [moe.layer for moe in self]
+            structure = getattr(self[0].root, "_structure", None)
+            decoder = getattr(structure, "layers", None)
+            by_layer = (decoder is not None and len(set(layers)) == count
+                        and all(moe.path.partition(".")[2].startswith(f"{decoder}.") for moe in self))
             raise LayerIndexError(
                 f"model.moes[{key!r}]: expected an integer block index in 0..{count - 1} (or -{count}..-1 from the "
                 f"end): model.moes counts the {count} MoE blocks, not the layers (they sit on layers {layers}); "
-                "layer i's block is model.layers[i].mlp."
+                + ("layer i's block is model.layers[i].mlp." if by_layer else
+                   "each block's .path and .layer say where it is.")
             )
         return super().__getitem__(index)
 
