@@ -36,6 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
+from .components.layer_list import held_blocks
 from .errors import OrderError, WriteError
 from .families.scoring import score
 from .scalars import as_int, as_real, scalar
@@ -84,8 +85,7 @@ def _moe(block: Any, call: str) -> Moe:
                          f"experts; {block._moe_layers}.")
     got = type(block).__name__
     if isinstance(block, nnsight.Envoy):
-        inner = [f"{moe.path} (model.moes[{index}])" for index, moe in enumerate(getattr(block.root, "moes", []))
-                 if moe.path.startswith(f"{block.path}.")]
+        inner = held_blocks(block)
         got = f"{block.path} ({type(block._module).__name__})"
         if inner:
             held = inner[0] if len(inner) == 1 else ", ".join(inner[:3]) + (" ..." if len(inner) > 3 else "")

@@ -67,12 +67,16 @@ class BlockHolder(Envoy):
         except AttributeError:
             if name not in BLOCK_NAMES:
                 raise
-            inner = [f"{moe.path} (model.moes[{index}])" for index, moe in enumerate(getattr(self.root, "moes", []))
-                     if moe.path.startswith(f"{self.path}.")]
             raise AttributeError(
                 f"{self.path} ({type(self._module).__name__}) is no MoE block itself: it holds the MoE blocks "
-                f"{', '.join(inner)}; read {name} on one of them."
+                f"{', '.join(held_blocks(self))}; read {name} on one of them."
             ) from None
+
+
+def held_blocks(envoy: Envoy) -> list[str]:
+    """The MoE blocks below ``envoy`` in its model, each named by its path and its place in ``model.moes``."""
+    return [f"{moe.path} (model.moes[{index}])" for index, moe in enumerate(getattr(envoy.root, "moes", []))
+            if moe.path.startswith(f"{envoy.path}.")]
 
 
 class MoeList(list):

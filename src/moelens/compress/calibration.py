@@ -122,8 +122,8 @@ def bind_positional(model: nn.Module | None, args: tuple, index: int = 0) -> tup
     names: list[str | None] = [None] * len(args)  # the parameter each argument binds to (None: unknown)
     keywords: dict[str, Any] | None = None
     try:
-        parameters = inspect.signature(model.forward).parameters
-        bound = inspect.signature(model.forward).bind_partial(*args).arguments
+        signature = inspect.signature(model.forward)
+        parameters, bound = signature.parameters, signature.bind_partial(*args).arguments
     except (TypeError, ValueError):  # no signature to read, or more arguments than it takes
         bound = None
     if bound is not None:

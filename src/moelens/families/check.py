@@ -10,9 +10,9 @@ served in that run.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 import math
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -74,16 +74,12 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         saved = model.save_all(list(CHECKED_VALUES), moes=moes)
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
     problems, unscored, unchecked_layouts = [], {}, {}
+    dropping = {moe.path for moe in moes if _drops_out(moe._module)}
     for moe, values in zip(moes, saved.values()):
         layout, unchecked_layouts[moe.path] = _layout_problem(moe)
-        dropping = _drops_out(moe._module)
         found = ("" if unchecked[moe.path] else _selection_problem(moe, values),
                  "" if unchecked[moe.path] else _weights_problem(moe, values),
-                 "" if dropping else _output_problem(moe, values), layout)
-        if dropping:
-            warnings.warn(f"moelens.families.check: {moe.path}: its block output is not checked: the block is in "
-                          "training mode with dropout on, so its output is no function of its routed and shared "
-                          "outputs; call model.eval() first to check it.", stacklevel=2)
+                 "" if moe.path in dropping else _output_problem(moe, values), layout)
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
         if not unchecked[moe.path]:
             unscored[moe.path] = _score_unchecked(moe, values)
@@ -109,6 +105,10 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     for path, reason in unchecked_layouts.items():
         if reason:
             warnings.warn(f"moelens.families.check: {path}: {reason}.", stacklevel=2)
+    for path in sorted(dropping):
+        warnings.warn(f"moelens.families.check: {path}: its block output is not checked: the block is in training "
+                      "mode with dropout on, so its output is no function of its routed and shared outputs; call "
+                      "model.eval() first to check it.", stacklevel=2)
     return [moe.path for moe in moes]
 
 

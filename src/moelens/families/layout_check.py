@@ -97,12 +97,11 @@ def _probes(experts: torch.nn.Module, views: Views, top_k: int) -> list[tuple[in
     probes = []
     with torch.no_grad():
         for expert in chosen:
-            tokens = torch.randn(PROBE_TOKENS, width, generator=generator).to(up.dtype)
+            tokens = torch.randn(PROBE_TOKENS, width, generator=generator).to(device=up.device, dtype=up.dtype)
             slots = (expert + torch.arange(top_k)) % num_experts  # other experts in the other slots, weighed 0
             indices = slots.expand(PROBE_TOKENS, top_k).contiguous().to(up.device)
             weights = torch.zeros(PROBE_TOKENS, top_k, dtype=up.dtype, device=up.device)
             weights[:, 0] = 1
-            tokens = tokens.to(up.device)
             # the class's forward: no hook of the user's (or nnsight's) on the module sees the probe
             probes.append((expert, tokens, type(experts).forward(experts, tokens, indices, weights)))
     return probes
