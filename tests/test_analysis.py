@@ -579,6 +579,31 @@ def test_describe_lists_the_layers_that_hold_a_dense_mlp():
     assert expected == [0]  # deepseek_v3's first_k_dense_replace
 
 
+def test_describe_counts_an_encoder_decoders_layers_per_list():
+    """T5 converted by compress (3 encoder, 2 decoder layers): describe said "decoder layers 3" (the config's
+    num_hidden_layers, the encoder's) and "MoE layers 0, 1, 2 (3 of 3)", encoder and decoder layer 0 counted
+    as one. Ground truth: the config's layer counts and the blocks' module paths."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=3, num_decoder_layers=2,
+                      decoder_start_token_id=0, pad_token_id=0)
+    ids = torch.randint(1, 64, (2, 8))
+    converted = tomoe(T5ForConditionalGeneration(config).eval(), calibration={"input_ids": ids, "decoder_input_ids": ids},
+                      num_experts=4, top_k=2, max_error=None, progress=False, target_modules=["wo"])
+    report = analysis.describe(moelens.wrap(converted), probe=False)
+    assert report.layer_stacks == {"encoder.block": config.num_layers, "decoder.block": config.num_decoder_layers}
+    assert report.num_layers == 5
+    expected = [f"{stack}.block {index}" for stack, count in (("encoder", 3), ("decoder", 2)) for index in range(count)]
+    assert [layer.label for layer in report.moe_layers] == expected
+    assert [layer.path.split(".layer.")[0].replace(".block.", ".block ") for layer in report.moe_layers] == expected
+    text = str(report)
+    assert "layers                 5 (encoder.block 3, decoder.block 2)" in text
+    assert f"MoE layers             {', '.join(expected)} (5 of 5)" in text
+
+
 def test_hash_routed_layers_are_described_and_scored_per_block():
     """deepseek_v4 routes its first layers by a token table: describe and the cache say so per block."""
     hf = tiny_model("deepseek_v4")

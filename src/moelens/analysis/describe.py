@@ -14,7 +14,7 @@ from typing import Any
 import nnsight
 import torch
 
-from ..components.base import layer_of
+from ..components.base import layer_list_of, layer_of
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from ..families.unserved import why_no_moe
@@ -31,7 +31,7 @@ class LayerReport:
     """One MoE block.
 
     Attributes:
-        layer: Decoder-layer index.
+        layer: Its layer's index in the list of layers holding it.
         path: The block's module path.
         num_experts: E.
         top_k: k.
@@ -51,6 +51,12 @@ class LayerReport:
     values: dict[str, list[int]] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
     read_only: list[str] = field(default_factory=list)
+    stack: str = ""
+
+    @property
+    def label(self) -> str | int:
+        """The layer as the report names it: its index, or ``"encoder.block 3"`` where ``stack`` is set."""
+        return f"{self.stack} {self.layer}" if self.stack else self.layer
 
 
 @dataclass
@@ -62,15 +68,18 @@ class ModelReport:
         architecture: Its transformers class.
         model_type: Its config's model_type.
         family: The moelens family.
-        num_layers: Decoder layers.
+        num_layers: Layers, counted over every list of layers holding a block (T5's encoder and decoder).
         scoring: What the router logits mean and how experts are picked (per group of
             layers when blocks differ, e.g. deepseek_v4's hash-routed first layers).
         score: The score function name (what ``router_probs`` applies), likewise.
         shared: How the shared expert is wired (or ``"none"``).
-        dense_layers: Decoder layers with a dense MLP (an `Mlp` component), whatever else they hold.
-        moe_layers: One `LayerReport` per MoE block.
+        dense_layers: Layers with a dense MLP (an `Mlp` component), whatever else they hold: indices, or
+            ``"decoder.block 1"`` where the blocks sit in several lists of layers.
+        moe_layers: One `LayerReport` per MoE block (``stack`` set where they sit in several lists of layers).
         notes: The family entry's notes.
         tokenizer: Whether the model takes text (its tokenizer) or token ids only.
+        layer_stacks: Where the blocks sit in several lists of layers (an encoder and a decoder): each list's
+            path and its number of layers; empty otherwise.
     """
 
     name: str
@@ -81,10 +90,11 @@ class ModelReport:
     scoring: str
     score: str
     shared: str
-    dense_layers: list[int]
+    dense_layers: list[int | str]
     moe_layers: list[LayerReport]
     notes: str = ""
     tokenizer: str = ""
+    layer_stacks: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,19 +102,22 @@ class ModelReport:
     def __str__(self) -> str:
         """What ``moelens inspect`` prints: the model, then the values each block serves (or why not)."""
         layers = self.moe_layers
-        moe_layers = sorted({layer.layer for layer in layers})
+        stack_rank = {stack: rank for rank, stack in enumerate(self.layer_stacks)}
+        in_order = sorted(layers, key=lambda one: (stack_rank.get(one.stack, 0), one.layer))
+        moe_layers = list(dict.fromkeys(layer.label for layer in in_order))
+        stacks = ", ".join(f"{stack} {count}" for stack, count in self.layer_stacks.items())
         implementations = sorted({layer.experts_implementation or "eager" for layer in layers})
         lines = [
             f"model                  {self.name}",
             f"architecture           {self.architecture} (model_type {self.model_type})",
             f"family                 {self.family}",
             f"tokenizer              {self.tokenizer}",
-            f"decoder layers         {self.num_layers}",
+            f"layers                 {self.num_layers}" + (f" ({stacks})" if stacks else ""),
             f"MoE layers             {', '.join(map(str, moe_layers))}"
             + (f" ({len(moe_layers)} of {self.num_layers})" if len(moe_layers) <= self.num_layers else "")
             + (f", {len(layers)} MoE blocks" if len(layers) > len(moe_layers) else ""),
             f"dense layers           {', '.join(map(str, self.dense_layers)) or 'none'}",
-            "experts E, top-k       " + by_layers([(layer.layer, f"E={layer.num_experts}, k={layer.top_k}")
+            "experts E, top-k       " + by_layers([(layer.label, f"E={layer.num_experts}, k={layer.top_k}")
                                                    for layer in layers]),
             f"scoring                {self.scoring}",
             f"router_probs           {self.score} of router_logits",
@@ -202,9 +215,9 @@ def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[
     return shapes, reasons
 
 
-def by_layers(texts: list[tuple[int, str]]) -> str:
+def by_layers(texts: list[tuple[int | str, str]]) -> str:
     """``(layer, text)`` pairs as one text, or ``"layer 0: a; layers 1, 2: b"`` when the texts differ."""
-    groups: dict[str, list[int]] = {}
+    groups: dict[str, list[int | str]] = {}
     for layer, text in texts:
         layers = groups.setdefault(text, [])
         if layer not in layers:
@@ -237,14 +250,23 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         moes_of(model)  # raises the no-MoE error
     family = moes[0].family
     shapes, reasons = probe_values(model, moes) if probe else ({}, {})
+    structure = getattr(model, "_structure", None)
+    dense_blocks = structure.dense_blocks if structure is not None else []
+    paths = [moe.path.partition(".")[2] for moe in moes]  # relative to the torch model
+    stacks = dict(found for path in [*paths, *dense_blocks] if (found := layer_list_of(path, module)) is not None)
+    several = len(stacks) > 1  # an encoder and a decoder: layer indices alone would collide
+
+    def stack_of(path: str) -> str:
+        return found[0] if several and (found := layer_list_of(path, module)) is not None else ""
+
     layers = [
         LayerReport(
-            layer=moe.layer, path=moe.path.lstrip(".").removeprefix("model."), num_experts=moe.num_experts, top_k=moe.top_k,
+            layer=moe.layer, path=path, num_experts=moe.num_experts, top_k=moe.top_k,
             experts_implementation=moe.experts_implementation, shared_expert=moe._shared_envoy() is not None,
             values=shapes.get(moe.path, {}), unavailable=reasons.get(moe.path, {}),
-            read_only=list(moe.read_only),
+            read_only=list(moe.read_only), stack=stack_of(path),
         )
-        for moe in moes
+        for moe, path in zip(moes, paths)
     ]
     shared = family.shared
     if shared is None:
@@ -255,12 +277,16 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         shared_text = f"{shared.module} ({where}{gate})"
         if not any(layer.shared_expert for layer in layers):
             shared_text += " - absent in this checkpoint"
-    decoder_layers = getattr(model, "layers", None)
-    num_layers = len(decoder_layers) if decoder_layers is not None else int(getattr(config, "num_hidden_layers", 0) or 0)
-    structure = getattr(model, "_structure", None)
-    dense_blocks = structure.dense_blocks if structure is not None else []
-    dense = sorted({layer for name in dense_blocks if (layer := layer_of(name, module)) is not None})
-    scorings = [(moe.layer, *scoring_of(moe)) for moe in moes]
+    if stacks:
+        num_layers = sum(stacks.values())
+    else:  # layers kept in an nn.Sequential
+        decoder_layers = getattr(model, "layers", None)
+        num_layers = len(decoder_layers) if decoder_layers is not None else int(getattr(config, "num_hidden_layers", 0) or 0)
+    dense_found = {(stack_of(name), layer) for name in dense_blocks if (layer := layer_of(name, module)) is not None}
+    stack_rank = {stack: rank for rank, stack in enumerate(stacks)}
+    dense = [f"{stack} {layer}" if stack else layer
+             for stack, layer in sorted(dense_found, key=lambda one: (stack_rank.get(one[0], 0), one[1]))]
+    scorings = [(layer.label, *scoring_of(moe)) for layer, moe in zip(layers, moes)]
     return ModelReport(
         name=str(getattr(module, "name_or_path", "") or type(module).__name__),
         architecture=type(module).__name__,
@@ -274,6 +300,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         moe_layers=layers,
         notes=family.notes or "",
         tokenizer=tokenizer_note(model),
+        layer_stacks=stacks if several else {},
     )
 
 

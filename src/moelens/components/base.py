@@ -43,6 +43,20 @@ def layer_of(path: str, root: torch.nn.Module | None = None) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
+def layer_list_of(path: str, root: torch.nn.Module) -> tuple[str, int] | None:
+    """The ``ModuleList`` whose index `layer_of` reads in ``path`` (relative to ``root``): its path and length
+    (``("encoder.block", 6)`` for T5's ``encoder.block.3.layer.1``), or None where no list index is on the path."""
+    parent, walked = root, []
+    for part in path.split("."):
+        if parent is None:
+            return None
+        if part.isdigit() and isinstance(parent, torch.nn.ModuleList):
+            return ".".join(walked), len(parent)
+        walked.append(part)
+        parent = parent._modules.get(part)
+    return None
+
+
 def replaced_modules(envoy: Envoy) -> list[str]:
     """The paths, on the way down to ``envoy`` and below it, whose module in the torch model is no longer the one
     their envoy wraps (``block.experts = new_module`` after wrapping; one set to None is not counted)."""
