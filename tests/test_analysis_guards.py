@@ -328,7 +328,9 @@ def test_bytes_and_bools_are_not_token_ids(model):
         ([text.encode()], r"corpus item 0 is bytes, not text or token ids; decode it.*\.decode\('utf-8'\)"),
         ([text, bytearray(b"abc")], r"corpus item 1 is bytearray"),
         (text.encode(), r"the corpus is bytes"),
-        ([[True, False, True]], r"corpus item 0 must be a string or a sequence of token ids \(ints, not bools\)"),
+        ([[True, False, True]], r"corpus item 0 must be a string or a sequence of token ids \(ints, not bools\), got a "
+                                r"list whose element 0 is True \(bool\)"),
+        ([[5, 2.5, 7]], r"corpus item 0 must be .*got a list whose element 1 is 2\.5 \(float\)"),
         ([torch.tensor([True, False])], r"corpus item 0 must be a 1-D tensor of integer token ids, got torch.bool"),
     ]
     for corpus, message in cases:

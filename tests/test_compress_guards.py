@@ -407,6 +407,10 @@ def test_register_compressor_replaces_a_taken_name_when_asked():
         return model
 
     before = compressors()
+    for flag in ("False", "no"):  # a true string replaced moelens' own tomoe
+        with pytest.raises(CompressionError, match=rf"replace must be True or False, got {flag!r}"):
+            register_compressor(mine, "tomoe", replace=flag)
+    assert compressors() == before
     try:
         assert register_compressor(mine, "tomoe", replace=True) is mine and get_compressor("tomoe") is mine
         register_compressor(mine, "tomoe")  # the same factory again: nothing to replace

@@ -1938,6 +1938,16 @@ def test_a_misspelt_value_is_refused_and_other_attributes_are_kept(mixtral):
     moe.note, moe.router_logits_seen = "mine", 3  # a user's own attributes, not like a value
     assert (moe.note, moe.router_logits_seen) == ("mine", 3)
     assert families.for_block(moe) is families.for_block(moe._module) is moe.family  # the envoy or its module
+    # its class or class name too: both answered None, as if no family knew the block
+    assert families.for_block(type(moe._module)) is families.for_block(type(moe._module).__name__) is moe.family
+    with pytest.raises(moelens.FamilyError, match=r"for_block takes an MoE block \(a torch module, its envoy, its "
+                                                  r"class or class name\), got int 3"):
+        families.for_block(3)
+    config = moe.root._module.config
+    assert families.for_model_type(config.model_type) is moe.family
+    with pytest.raises(moelens.FamilyError, match=rf"for_model_type takes a config's model_type .*got "
+                                                  rf"a {type(config).__name__}; pass config.model_type"):
+        families.for_model_type(config)  # answered None
 
 def test_load_and_wrap_say_what_they_take():
     """load(model) failed on an over-long file name (the model's repr); wrap(one block) with a raw AttributeError."""
@@ -2316,9 +2326,13 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.reroute(moe, torch.tensor([False, True]), 1), r"a bool mask that is not \[batch, seq\]"),
         (lambda moe: moelens.force(moe, 1, tokens=[False, True]), r"a bool mask that is not \[batch, seq\]"),
         (lambda moe: moelens.reroute(moe, (None, -1), 1), r"holds None, which adds an axis"),
+        # a lone bool indexes as a new axis: (..., True) rerouted every token, (..., False) none
+        (lambda moe: moelens.reroute(moe, (..., True), 1), r"tokens=\(Ellipsis, True\) holds a lone bool.*True picks every"),
+        (lambda moe: moelens.force(moe, 1, tokens=(0, torch.tensor(False))), r"holds a lone bool"),
+        (lambda moe: moelens.reroute(moe, (slice(None), numpy.True_), 1), r"holds a lone bool"),
     ],
     ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts", "none-experts", "no-experts", "1d-bool-mask",
-         "1d-bool-list", "none-axis"],
+         "1d-bool-list", "none-axis", "bool-position", "bool-tensor-position", "numpy-bool-position"],
 )
 def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match):
     wrapped, inputs = mixtral
@@ -2394,6 +2408,9 @@ def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
         # said "up to inf"
         r"steer: bias -inf takes expert 1's logits down to -inf in .*, beyond what the model's float32 logits hold":
             lambda: moelens.steer(moe, 1, float("-inf")),
+        # an int past float's range raised float()'s bare OverflowError
+        r"steer: bias inf takes expert 1's logits up to inf in .*, beyond what the model's float32 logits hold":
+            lambda: moelens.steer(moe, 1, 10**400),
     }
     for message, call in calls.items():
         with pytest.raises(WriteError, match=message):
@@ -3351,6 +3368,19 @@ def test_a_prompt_with_no_tokens_is_refused(prompts, row):
                 bare.moes[0].router_logits.save()
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int8, torch.uint8, torch.bool])
+def test_token_ids_the_embedding_cannot_take_are_refused(dtype):
+    """int16 ids (moelens-tiny's own held-out windows are stored so), int8, uint8 and bool ids reached torch's
+    embedding ("Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int")."""
+    model = moelens.load()
+    ids = torch.tensor([[5, 6]]).to(dtype)
+    with pytest.raises(moelens.MoelensError, match=rf"input_ids are a {re.escape(str(dtype))} tensor of shape \(1, 2\): "
+                                                   r"a model's embedding takes torch.long or torch.int32 ids; .*\.long\(\)"):
+        _router_logits(model, ids)
+    assert _router_logits(model, ids.long()).shape[:2] == (1, 2)
+    assert _router_logits(model, ids.int()).shape[:2] == (1, 2)  # int32 is embedded as it is
+
+
 @pytest.mark.parametrize("as_keyword", [False, True])
 def test_float_token_ids_are_refused_with_a_tokenizer_too(as_keyword):
     """Without a tokenizer they were refused by name; with one they reached torch's embedding ("Expected tensor for
@@ -3601,6 +3631,9 @@ def test_register_implementation_checks_what_it_is_given_and_keeps_moelens_own()
     for (name, ops), message in refused.items():
         with pytest.raises(moelens.MoelensError, match=message):
             register_implementation(name, ops)
+    for flag in ("False", "no", 0):  # a true string replaced moelens' own ops (a later read was another tensor)
+        with pytest.raises(moelens.MoelensError, match=rf"replace must be True or False, got {flag!r}"):
+            register_implementation("grouped_mm", ExpertsOps(slot_outputs="bogus_op"), replace=flag)
     assert _IMPLEMENTATIONS == before
     register_implementation("batched_mm", before["batched_mm"])  # the same ops again: nothing changes
     try:

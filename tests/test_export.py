@@ -540,6 +540,14 @@ def test_edits_in_the_wrong_form_say_the_form_expected(fields, message):
         Edits(**fields)
 
 
+def test_edits_from_text_reads_its_own_text_and_refuses_other_things():
+    """Edits.from_text(3) raised a bare AttributeError ('int' object has no attribute 'split')."""
+    edits = Edits(route_around={0: [1, 4]}, steer={1: {2: 3.0}}, ablate={1: [6]}, swap={0: {3: 7}})
+    assert Edits.from_text(edits.to_text()) == edits and Edits.from_text("") == Edits()
+    with pytest.raises(ExportError, match=r"^Edits\.from_text takes the text Edits\.to_text gives \(a str\), got int 3\.$"):
+        Edits.from_text(3)
+
+
 def _same_edits(given: dict, plain: dict) -> None:
     edits = Edits(**given)
     assert edits == Edits(**plain)

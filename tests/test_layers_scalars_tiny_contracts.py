@@ -62,6 +62,17 @@ def test_a_zero_d_numpy_or_tensor_layer_is_taken_and_a_one_element_list_like_is_
             wrapped.layers[key]
 
 
+def test_a_slice_of_other_than_integers_is_refused_by_name(mixtral):
+    """model.moes[0.5:2] and model.layers[0.5:2] raised a list's bare TypeError."""
+    _, wrapped = mixtral
+    for name, counted in (("moes", "MoE blocks"), ("layers", "decoder layers")):
+        for key in (slice(0.5, 2), slice("a", None), slice(None, None, 1.0)):
+            with pytest.raises(moelens.LayerIndexError, match=rf"model.{name}\[slice\(.*\)\]: a slice takes integer "
+                                                              rf"bounds \(or None\), as a list's does; there are 4 {counted}"):
+                getattr(wrapped, name)[key]
+        assert len(getattr(wrapped, name)[np.int64(1):torch.tensor(3)]) == 2  # integers of numpy and torch slice
+
+
 def test_slices_of_layers_are_the_hf_slices(mixtral):
     hf, wrapped = mixtral
     layers = list(hf.model.layers)

@@ -252,34 +252,41 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     expert = _expert(_moe(moe, "steer"), expert)
     learned = bias if isinstance(bias, torch.Tensor) and bias.requires_grad and bias.numel() == 1 else None
     bias = scalar(bias)
-    if as_real(bias) is None:
+    real = as_real(bias)  # inf for an int past float's range
+    if real is None:
         raise WriteError(
             f"steer: bias must be a number, got {type(bias).__name__}"
             f"{f' of shape {tuple(bias.shape)}' if isinstance(bias, torch.Tensor) else ''}; for a bias per "
             "token add it to the logits yourself: moe.router_logits[..., expert] += bias."
         )
-    if math.isnan(as_real(bias)):
+    if math.isnan(real):
         raise WriteError("steer: bias nan is not a number (NaN); give a finite bias (a few tens already decide the "
                          "routing).")
     logits = moe.router_logits
-    steered = logits[..., expert].float() + float(bias)
+    steered = logits[..., expert].float() + real
     largest = torch.finfo(logits.dtype).max
     if is_fake(steered):  # model.scan: no logits to add to, but a bias the dtype cannot hold overflows any of them
-        reached = abs(float(bias))
+        reached = abs(real)
         overflow = reached > largest
     else:
         overflow = bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any())
         reached = float(steered.detach().abs().max()) if overflow else 0.0
     if overflow:
-        down = float(bias) < 0
+        down = real < 0
         raise WriteError(
-            f"steer: bias {bias} takes expert {expert}'s logits {'down' if down else 'up'} to "
+            f"steer: bias {real} takes expert {expert}'s logits {'down' if down else 'up'} to "
             f"{'-' if down else ''}{reached:.4g} in "
             f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
             f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
             "the routing)."
         )
-    logits[..., expert] += float(bias) if learned is None else learned.reshape(()).to(logits.dtype)
+    logits[..., expert] += real if learned is None else learned.reshape(()).to(logits.dtype)
+
+
+def _is_lone_bool(part: Any) -> bool:
+    """Whether ``part`` of a tokens tuple is one bool (Python's, numpy's or a 0-d bool tensor)."""
+    return isinstance(part, (bool, numpy.bool_)) or (isinstance(part, torch.Tensor) and part.dtype == torch.bool
+                                                  and part.dim() == 0)
 
 
 def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,6 +305,11 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
         raise WriteError(
             f"{call}: tokens={tokens!r} holds None, which adds an axis instead of picking tokens; pass "
             "(batch_index, seq_index), (slice(None), positions) or (..., position)."
+        )
+    if isinstance(tokens, tuple) and any(_is_lone_bool(part) for part in tokens):
+        raise WriteError(
+            f"{call}: tokens={tokens!r} holds a lone bool, which indexes as a new axis (True picks every token, "
+            "False none), not a position; pass an int position, (..., position), or a [batch, seq] bool mask."
         )
     lone = isinstance(tokens, tuple) and len(tokens) == 1 and tokens[0] is not Ellipsis  # (0,) picks batch row 0
     if lone or not (isinstance(tokens, tuple) or whole

@@ -451,18 +451,23 @@ def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
     return max(int(generation_setting(model, kwargs, name) or 1) for name in ("num_beams", "num_return_sequences"))
 
 
+#: The dtypes torch's embedding looks token ids up by (int16 ids, bool ones, fail inside the model).
+EMBEDDED_ID_DTYPES = (torch.long, torch.int32)
+
+
 def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False
                          ) -> tuple[tuple, dict]:
     """``batched`` (the model's inputs, as nnsight's batching built them), after refusing input_ids the model could
-    not embed: a floating-point tensor (torch's embedding fails on it) or a prompt with no tokens (an empty ids
+    not embed: a tensor of a dtype torch's embedding does not take (float, int16, bool ...) or a prompt with no tokens (an empty ids
     tensor; ``from_text``: an empty string, a row of padding alone beside longer prompts; the model's attention
     fails on a zero-length sequence)."""
     ids = _input_ids(module, batched)
     if not isinstance(ids, torch.Tensor):
         return batched
-    if not _token_ids(ids):
+    if ids.dtype not in EMBEDDED_ID_DTYPES:
+        kind = "token ids are integers" if not _token_ids(ids) else "a model's embedding takes torch.long or torch.int32 ids"
         raise MoelensError(
-            f"the trace's input_ids are a {ids.dtype} tensor of shape {tuple(ids.shape)}: token ids are integers; "
+            f"the trace's input_ids are a {ids.dtype} tensor of shape {tuple(ids.shape)}: {kind}; "
             "pass the ids a tokenizer gives (torch.long), or convert them with .long()."
         )
     mask = batched[1].get("attention_mask")

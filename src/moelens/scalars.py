@@ -7,6 +7,7 @@ False (numpy's too): text such as ``"False"`` is truthy in Python, so it is refu
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -46,7 +47,12 @@ def as_int(value: Any) -> int | None:
 def as_real(value: Any) -> float | None:
     """``value`` as a Python float when it is one real number, not a bool, else None (finiteness is the caller's)."""
     value = scalar(value)
-    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range (10**400): infinite, which the caller refuses
+        return math.inf if value > 0 else -math.inf
 
 
 def as_lone_int(value: Any) -> int | None:

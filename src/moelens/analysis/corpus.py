@@ -143,6 +143,11 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
         return item.tolist()
     if isinstance(item, Sequence) and all(isinstance(token, Integral) and not isinstance(token, bool) for token in item):
         return [int(token) for token in item]  # numpy integers too
+    if isinstance(item, Sequence):
+        position, token = next((position, token) for position, token in enumerate(item)
+                               if not isinstance(token, Integral) or isinstance(token, bool))
+        raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got a "
+                           f"{type(item).__name__} whose element {position} is {token!r} ({type(token).__name__}).")
     raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got {type(item).__name__}.")
 
 

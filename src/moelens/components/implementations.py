@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import MoelensError
+from ..scalars import check_flag
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def register_implementation(name: str, ops: ExpertsOps, replace: bool = False) -
         MoelensError: ``name`` is no non-empty str, ``eager`` (a loop with no per-slot tensors), or taken;
             ``ops`` is no `ExpertsOps` of op names.
     """
+    replace = check_flag("replace", replace)
     if not isinstance(name, str) or not name or name == "eager":
         raise MoelensError(f"register_implementation takes the name of an experts implementation registered with "
                            f"transformers (a non-empty str other than 'eager', whose loop has no per-slot tensors), "

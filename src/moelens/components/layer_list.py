@@ -22,7 +22,7 @@ class LayerList(Envoy):
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice) or not hasattr(self._module, "__len__"):
-            return super().__getitem__(key)
+            return super().__getitem__(check_slice(key, "model.layers", "decoder layers", self._module))
         count = len(self._module)
         layer = as_lone_int(key)
         if layer is None or not -count <= layer < count:
@@ -31,6 +31,15 @@ class LayerList(Envoy):
                 f"the model has {count} decoder layers; its MoE blocks are model.moes (model.moes[i].layer says where)."
             )
         return super().__getitem__(layer)
+
+
+def check_slice(key: Any, name: str, counted: str, items: Any) -> Any:
+    """``key``, after refusing a slice whose bounds are not integers (a list's bare TypeError named neither)."""
+    if isinstance(key, slice) and not all(bound is None or as_lone_int(bound) is not None
+                                          for bound in (key.start, key.stop, key.step)):
+        raise LayerIndexError(f"{name}[{key!r}]: a slice takes integer bounds (or None), as a list's does; there are "
+                              f"{len(items)} {counted}.")
+    return key
 
 
 class BlocklessLayer(Envoy):
@@ -89,7 +98,7 @@ class MoeList(list):
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
-            return MoeList(super().__getitem__(key))
+            return MoeList(super().__getitem__(check_slice(key, "model.moes", "MoE blocks", self)))
         count = len(self)
         index = as_lone_int(key)
         if index is None or not -count <= index < count:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..scalars import check_flag
 from .errors import CompressionError
 
 _COMPRESSORS: dict[str, Callable] = {}
@@ -27,6 +28,7 @@ def register_compressor(factory: Callable, *names: str, replace: bool = False) -
     bad = [name for name in names if not isinstance(name, str) or not name]
     if bad:
         raise CompressionError(f"register_compressor's names must be non-empty strings, got {bad[0]!r}.")
+    replace = check_flag("replace", replace, CompressionError)
     taken = [name for name in names if _COMPRESSORS.get(name, factory) is not factory]
     if taken and not replace:
         raise CompressionError(f"compressor name(s) {taken} are registered to {_COMPRESSORS[taken[0]]!r}; pass "

@@ -315,6 +315,9 @@ class Edits:
     @classmethod
     def from_text(cls, text: str) -> "Edits":
         """The edits a `to_text` text describes (``""``: none)."""
+        if text is not None and not isinstance(text, str):
+            raise ExportError(f"Edits.from_text takes the text Edits.to_text gives (a str), got "
+                              f"{type(text).__name__} {text!r:.60}.")
         fields: dict[str, dict] = {kind: {} for kind in KINDS}
         for part in filter(None, (text or "").split(";")):
             try:

@@ -346,16 +346,26 @@ def get(name: str) -> Family:
         raise FamilyError(f"no moelens family named {name!r}; known families: {_known()}.") from None
 
 
-def for_block(module: torch.nn.Module | Envoy) -> Family | None:
-    """The family whose MoE block ``module`` (a module, or its envoy: ``model.moes[0]``) is, or None when it is no
-    known block."""
+def for_block(module: torch.nn.Module | Envoy | type | str) -> Family | None:
+    """The family whose MoE block ``module`` (a module, its envoy: ``model.moes[0]``, its class or class name) is, or
+    None when it is no known block."""
     if isinstance(module, Envoy):
         module = module._module
-    return _BY_BLOCK_CLASS.get(type(module).__name__)
+    if isinstance(module, torch.nn.Module):
+        return _BY_BLOCK_CLASS.get(type(module).__name__)
+    if isinstance(module, type) and issubclass(module, torch.nn.Module):
+        return _BY_BLOCK_CLASS.get(module.__name__)
+    if isinstance(module, str):
+        return _BY_BLOCK_CLASS.get(module)
+    raise FamilyError(f"for_block takes an MoE block (a torch module, its envoy, its class or class name), got "
+                      f"{type(module).__name__} {module!r:.60}.")
 
 
 def for_model_type(model_type: str) -> Family | None:
     """The family a ``config.model_type`` belongs to (the newest entry in force that names it), or None."""
+    if not isinstance(model_type, str):
+        raise FamilyError(f"for_model_type takes a config's model_type (a str such as 'mixtral'), got a "
+                          f"{type(model_type).__name__}; pass config.model_type.")
     for family in reversed(_REGISTERED):
         if model_type in family.model_types and _FAMILIES[family.name] is family:
             return family
