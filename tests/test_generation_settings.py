@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers import GenerationConfig
 
@@ -99,3 +100,98 @@ def test_generate_tells_transformers_not_to_compile_the_forward():
         wrapped.moes[0].router_logits.save()
     assert len(calls) == 2
     assert [compile_disabled(kwargs) for kwargs in calls] == [True, True]
+
+
+def _converted_t5() -> torch.nn.Module:
+    """A T5 whose FFN linears compress converted (2 encoder, 2 decoder layers)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from moelens.compress import tomoe
+
+    def ids(batch: int, length: int, seed: int) -> torch.Tensor:
+        return torch.randint(3, 64, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    return tomoe(T5ForConditionalGeneration(config).eval(), num_experts=4, top_k=2, max_error=None, progress=False,
+                 calibration={"input_ids": ids(8, 16, 0), "decoder_input_ids": ids(8, 8, 1)}, target_modules=["wi"])
+
+
+def test_an_encoders_values_under_beams_are_the_prompts():
+    """generate runs an encoder once on the prompts, before it repeats each prompt for beams: an encoder block's
+    mlp_output [2, 5, H] was refused as sequence-first (a 4-row batch expected), and its flat router logits
+    (10 tokens) were cut as 4 rows of 2 tokens. Ground truth: forward hooks on an unwrapped copy."""
+    converted = _converted_t5()
+    prompts = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+    reference = copy.deepcopy(converted)
+    block = reference.get_submodule("encoder.block.0.layer.1.DenseReluDense.wi")
+    seen = {}
+
+    def record(name: str, index: int | None = None):
+        def hook(module, args, output) -> None:  # returns None: the output is the model's
+            seen.setdefault(name, (output if index is None else output[index]).clone())
+        return hook
+
+    hooks = [block.register_forward_hook(record("output")), block.router.register_forward_hook(record("logits", 0))]
+    try:
+        with torch.no_grad():
+            expected = reference.generate(prompts, max_new_tokens=2, num_beams=2, do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    wrapped = moelens.wrap(converted, tokenizer=ascii_tokenizer())
+    encoder = wrapped.moes[0]
+    assert encoder.path.endswith("encoder.block.0.layer.1.DenseReluDense.wi") and encoder.runs_before_expansion
+    assert not wrapped.moes[-1].runs_before_expansion  # a decoder block
+    with torch.no_grad(), wrapped.generate(prompts, max_new_tokens=2, num_beams=2, do_sample=False) as tracer:
+        logits = encoder.router_logits.save()
+        output = encoder.mlp_output.save()
+        generated = tracer.result.save()
+    torch.testing.assert_close(output, seen["output"], rtol=0, atol=0)
+    torch.testing.assert_close(logits, seen["logits"].view(2, 5, -1), rtol=0, atol=0)
+    assert torch.equal(generated, expected)
+
+
+def test_a_vision_towers_mlp_under_beams_is_served_per_image():
+    """Llava's vision tower runs on the prompts' images before generate repeats them for beams: its dense MLP's
+    [2, patches, H] output was refused as not batch-major (a 4-row batch expected). Ground truth: a forward hook
+    on an unwrapped copy; zeroing it changes the generation as the same edit by a hook does."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=16, patch_size=8),
+        text_config=LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        image_token_index=99, vision_feature_layer=-1, vision_feature_select_strategy="full")
+    hf = LlavaForConditionalGeneration(config).eval()
+    inputs = dict(input_ids=torch.tensor([[5] + [99] * 5 + [6, 7, 8]] * 2),
+                  pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2)))
+    settings = dict(max_new_tokens=3, num_beams=2, do_sample=False)
+    reference = copy.deepcopy(hf)
+    mlp = reference.model.vision_tower.encoder.layers[0].mlp
+    seen = []
+    hook = mlp.register_forward_hook(lambda module, args, output: seen.append(output.clone()) and None)
+    try:
+        with torch.no_grad():
+            reference.generate(**inputs, **settings)
+    finally:
+        hook.remove()
+    hook = mlp.register_forward_hook(lambda module, args, output: torch.zeros_like(output))
+    try:
+        with torch.no_grad():
+            zeroed = reference.generate(**inputs, **settings)
+    finally:
+        hook.remove()
+    with pytest.warns(UserWarning, match="found no MoE block"):
+        wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    vision = wrapped.model.vision_tower.encoder.layers[0].mlp
+    with torch.no_grad(), wrapped.generate(**inputs, **settings):
+        output = vision.mlp_output.save()
+    assert output.shape[0] == 2 and len(seen) == 1
+    torch.testing.assert_close(output, seen[0], rtol=0, atol=0)
+    with torch.no_grad(), wrapped.generate(**inputs, **settings) as tracer:
+        vision.mlp_output = torch.zeros_like(vision.mlp_output)
+        generated = tracer.result.save()
+    assert torch.equal(generated, zeroed)

@@ -157,6 +157,19 @@ class Component(Envoy):
         path, else the last integer in its path)."""
         return layer_of(self.path.partition(".")[2], self.root._module)
 
+    @cached_property
+    def runs_before_expansion(self) -> bool:
+        """Whether the block sits in an encoder-decoder model's encoder, which ``generate`` runs once on the prompts,
+        before it repeats each prompt's row for beams or several returned sequences (the decoder runs on those)."""
+        model = self.root._module
+        if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        try:
+            encoder = model.get_encoder()
+        except (AttributeError, NotImplementedError):
+            return False
+        return isinstance(encoder, torch.nn.Module) and any(module is self._module for module in encoder.modules())
+
     @property
     def model(self) -> Envoy:
         """The wrapped model this component sits in (the root envoy)."""

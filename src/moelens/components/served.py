@@ -155,6 +155,8 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
             "moelens.families.register)."
         )
     token_major = binding.token_major(picked, context)
+    if rows.per_prompt > 1:  # generating with beams / several returned sequences
+        rows = tokens.rows_counted(token_major, binding.features, rows, component.runs_before_expansion)
     view = tokens.view(token_major, binding.features, rows, f"{component.path}.{name}")
     return Fetched(raw, picked, token_major, view, rows, context)
 

@@ -36,12 +36,19 @@ class Rows(NamedTuple):  # a tuple, not a dataclass: one is made per value read
         size: Number of rows of this invoke.
         batching: Whether nnsight narrows values for this invoke (two or more
             invokes with rows); otherwise this invoke sees the whole batch.
+        per_prompt: Rows the model runs per prompt (beams, returned sequences; 1 outside generate).
     """
 
     total: int
     start: int
     size: int
     batching: bool
+    per_prompt: int = 1
+
+    def prompts(self) -> "Rows":
+        """The same invoke counted in prompts: the rows of what runs before generate expands each prompt."""
+        per = self.per_prompt
+        return Rows(self.total // per, self.start // per, self.size // per, self.batching)
 
 
 def current_rows(location: str) -> Rows:
@@ -58,9 +65,21 @@ def current_rows(location: str) -> Rows:
     total = (batcher.total if batcher is not None and batcher.total else 1) * per_prompt
     group = mediator.batch_group
     if batcher is None or not batcher.batching or group is None:
-        return Rows(total=total, start=0, size=total, batching=False)
+        return Rows(total=total, start=0, size=total, batching=False, per_prompt=per_prompt)
     start, size = group
-    return Rows(total=total, start=start * per_prompt, size=size * per_prompt, batching=True)
+    return Rows(total=total, start=start * per_prompt, size=size * per_prompt, batching=True, per_prompt=per_prompt)
+
+
+def rows_counted(served: torch.Tensor, feature_dims: int, rows: Rows, before_expansion: bool) -> Rows:
+    """The rows ``served`` counts while generate runs several rows per prompt (``rows.per_prompt > 1``): the
+    prompts' where it was computed before transformers expanded them (``before_expansion``: an encoder's block,
+    run once on the prompts; or a ``[batch, seq, ...]`` value with as many rows as prompts, such as a vision
+    tower's), else ``rows``."""
+    prompts = rows.prompts()
+    if before_expansion or (served.dim() == feature_dims + 2 and served.shape[0] not in (rows.total, rows.size)
+                            and served.shape[0] in (prompts.total, prompts.size)):
+        return prompts
+    return rows
 
 
 class UnevenTokens(ValueUnavailable):
