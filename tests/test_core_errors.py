@@ -3381,6 +3381,20 @@ def test_token_ids_the_embedding_cannot_take_are_refused(dtype):
     assert _router_logits(model, ids.int()).shape[:2] == (1, 2)  # int32 is embedded as it is
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16])
+def test_unembeddable_ids_in_one_of_several_invokes_are_named(dtype):
+    """Float ids in the second of two invokes reached nnsight's batching: "NotImplementedError: Can't batch these
+    inputs; pass text or token ids", naming neither the invoke nor the dtype."""
+    model = moelens.load()
+    with pytest.raises(moelens.MoelensError, match=rf"the input_ids of the trace's invoke 1 are a {re.escape(str(dtype))} "
+                                                   r"tensor of shape \(1, 2\): .*\.long\(\)"):
+        with model.trace() as tracer:
+            with tracer.invoke(torch.tensor([[4, 5]])):
+                pass
+            with tracer.invoke(torch.tensor([[1, 2]]).to(dtype)):
+                pass
+
+
 @pytest.mark.parametrize("as_keyword", [False, True])
 def test_float_token_ids_are_refused_with_a_tokenizer_too(as_keyword):
     """Without a tokenizer they were refused by name; with one they reached torch's embedding ("Expected tensor for

@@ -340,8 +340,10 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         pipeline failed on it with "can only concatenate str")."""
         text_only = not any(getattr(self, name, None) is not None
                             for name in ("processor", "feature_extractor", "image_processor"))
-        for inputs, kwargs in invokes:
+        for index, (inputs, kwargs) in enumerate(invokes):
             ids = _invoke_ids(inputs, kwargs)
+            if isinstance(ids, torch.Tensor) and ids.dtype not in EMBEDDED_ID_DTYPES and len(invokes) > 1:
+                raise unembeddable_ids(ids, f"the input_ids of the trace's invoke {index}")  # nnsight cannot batch them
             if isinstance(ids, torch.Tensor) and ids.dim() > 2 or isinstance(ids, (list, tuple)) and any(
                     isinstance(row, (list, tuple)) and not row for row in ids):
                 shape = (f"of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
@@ -465,11 +467,7 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     if not isinstance(ids, torch.Tensor):
         return batched
     if ids.dtype not in EMBEDDED_ID_DTYPES:
-        kind = "token ids are integers" if not _token_ids(ids) else "a model's embedding takes torch.long or torch.int32 ids"
-        raise MoelensError(
-            f"the trace's input_ids are a {ids.dtype} tensor of shape {tuple(ids.shape)}: {kind}; "
-            "pass the ids a tokenizer gives (torch.long), or convert them with .long()."
-        )
+        raise unembeddable_ids(ids, "the trace's input_ids")
     mask = batched[1].get("attention_mask")
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
@@ -479,6 +477,13 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
             "zero-length sequence, on which its attention fails. Give every prompt at least one token."
         )
     return batched
+
+
+def unembeddable_ids(ids: torch.Tensor, named: str) -> MoelensError:
+    """The refusal of token ids ``ids`` (called ``named``) of a dtype torch's embedding does not take."""
+    kind = "token ids are integers" if not _token_ids(ids) else "a model's embedding takes torch.long or torch.int32 ids"
+    return MoelensError(f"{named} are a {ids.dtype} tensor of shape {tuple(ids.shape)}: {kind}; pass the ids a "
+                        "tokenizer gives (torch.long), or convert them with .long().")
 
 
 def _refuse_shapeless_ids(ids: Any) -> None:
