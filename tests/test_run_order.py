@@ -150,4 +150,88 @@ def test_routing_analysis_refuses_an_encoder_decoder_model_and_names_a_telling_p
                                                    r"forward needs decoder tokens too"):
         collect_routing(wrapped, [ids(1, 8)])
     report = str(describe(wrapped, probe=False))
-    assert "MoE layers             0, 1, 2, 5 MoE blocks" in report
+    assert "layers                 5 (encoder.block 2, decoder.block 3)" in report
+    assert ("MoE layers             encoder.block 0, encoder.block 1, decoder.block 0, decoder.block 1, "
+            "decoder.block 2 (5 of 5)") in report
+
+
+def ran_in_order(model: torch.nn.Module, paths: list[str], *args, **kwargs) -> list[str]:
+    """The modules at ``paths`` in the order one forward of ``model`` first runs them (torch forward hooks)."""
+    ran: list[str] = []
+    hooks = [model.get_submodule(path).register_forward_hook(lambda module, inputs, output, path=path: ran.append(path))
+             for path in paths]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return list(dict.fromkeys(ran))
+
+
+def assert_listed_and_read_in_run_order(model: torch.nn.Module, *args, **kwargs) -> None:
+    """model.moes lists the converted blocks in the order the forward runs them, and save_all reads them all."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(model)
+    listed = [moe.path.removeprefix("model.") for moe in wrapped.moes]
+    assert listed == ran_in_order(model, listed, *args, **kwargs)
+    with torch.no_grad(), wrapped.trace(*args, **kwargs):
+        saved = wrapped.save_all(["router_logits"])
+    assert list(saved) == [moe.path for moe in wrapped.moes]
+
+
+def test_blocks_of_lists_one_loop_runs_together_are_listed_layer_by_layer():
+    """XLM runs self.attentions[i] and self.ffns[i] in one `for i in range(self.n_layers)`: model.moes listed
+    every attention block before every FFN block, and save_all raised OrderError at ffns.0."""
+    torch.manual_seed(0)
+    config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=64)
+    model = converted(transformers.XLMModel(config).eval(), ids(8, 16), target_modules=["q_lin", "lin1"])
+    assert_listed_and_read_in_run_order(model, ids(1, 5))
+
+
+def test_a_child_handed_to_a_helper_that_reads_it_runs_where_the_forward_calls_it():
+    """BltModel hands self.local_encoder to compute_hash_embeddings (which reads its embeddings) before it runs
+    self.patcher, then runs the encoder: the hand-off counted as the encoder's run, model.moes listed the encoder's
+    blocks first and save_all raised OrderError at the patcher's."""
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48, vocab_size=260)
+    config = transformers.BltConfig(
+        patcher_config=dict(small), encoder_config=dict(small, hidden_size_global=64),
+        decoder_config=dict(small, hidden_size_global=64),
+        global_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48),
+        encoder_hash_byte_group_vocab=50, max_position_embeddings=128, local_attention_window_len=64,
+        patching_threshold=1.0)
+    tokens = torch.randint(4, 260, (4, 12), generator=torch.Generator().manual_seed(0))
+    model = converted(transformers.BltModel(config).eval(), {"input_ids": tokens, "use_cache": False},
+                      target_modules=["down_proj"])
+    assert_listed_and_read_in_run_order(model, tokens[:1], use_cache=False)
+
+
+def test_items_of_lists_run_in_one_loop_interleave_and_only_runners_count_hand_offs():
+    """Siblings of a parent whose loop runs two lists item by item (by index and by iterating) sort by item, then
+    by when the loop's body runs them; a child handed to a reading helper before it is called runs at its call,
+    one handed to torch's checkpoint runs there. Before, every item of the first list came first, and the read
+    counted as a run."""
+    def read(module: torch.nn.Module) -> torch.dtype:
+        return module.weight.dtype
+
+    class Parent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.late = torch.nn.Linear(2, 2)
+            self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(2) for _ in range(2))
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+            self.checkpointed = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            x = x.to(read(self.late))
+            for i, layer in enumerate(self.layers):
+                x = self.norms[i](layer(x))
+            x = torch.utils.checkpoint.checkpoint(self.checkpointed, x, use_reentrant=False)
+            return self.late(x)
+
+    parent = Parent()
+    paths = [name for name, module in parent.named_modules() if not isinstance(module, (Parent, torch.nn.ModuleList))]
+    assert in_run_order(parent, paths) == ran_in_order(parent, paths, torch.ones(1, 2)) == [
+        "layers.0", "norms.0", "layers.1", "norms.1", "checkpointed", "late"]
