@@ -1214,6 +1214,46 @@ def test_verify_refuses_a_model_the_archive_was_not_exported_from(out):
     assert verify(block, wrapped._module.model.layers[0].mlp).meets("approximate")  # a bare module: no layer known
 
 
+def test_verify_matches_a_block_wherever_its_model_was_wrapped(out):
+    """A block archive records its block's path (to tell apart blocks of one layer), but verify compared the whole
+    path, which starts where the wrapping starts: layer 1's block of a causal LM exported from moelens.wrap(lm) and
+    verified against moelens.wrap(lm.model).moes[1] (the very same module) was refused (path model.model.layers.1.mlp
+    vs model.layers.1.mlp). Another block of that layer, or of the same layer index in another stack, still is."""
+    from test_compress_helpers import convert, ids, llama
+
+    from moelens.compress import exportable
+
+    lm = small("mixtral")
+    hidden = torch.randn(1, 8, lm.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    whole, base = moelens.wrap(lm).moes[1], moelens.wrap(lm.model).moes[1]
+    assert base._module is whole._module and base.path != whole.path
+    for exported, given in ((whole, base), (base, whole)):
+        archive_path = to_nnef(exported, out / f"wrapped-{exported.path}.nnef.tgz", verify=False).path
+        with torch.no_grad():
+            close(run(archive_path, hidden), lm.model.layers[1].mlp(hidden))  # the archive is this block
+        assert verify(archive_path, given, hidden).meets("approximate")
+
+    # another block of one layer (attention projections converted by compress), exported and given wrapped differently
+    converted = exportable(convert(llama(kv_heads=4), calibration=ids(), num_experts=4, top_k=2,
+                                   target_attention_only=True)[0])
+    value = next(moe for moe in moelens.wrap(converted).moes if moe.path.endswith("layers.0.self_attn.v_proj"))
+    query = next(moe for moe in moelens.wrap(converted.model).moes if moe.path.endswith("layers.0.self_attn.q_proj"))
+    archive_path = to_nnef(value, out / "v_proj-wrapped.nnef.tgz", verify=False).path
+    with pytest.raises(ExportError, match=r"exported from a block of path model\.model\.layers\.0\.self_attn\.v_proj, "
+                                          r"but the block given has path model\.layers\.0\.self_attn\.q_proj, another"):
+        verify(archive_path, query, hidden)
+
+    # layer 0 of two stacks under one root: the same layer index, hidden size and family, another block
+    root = torch.nn.Module()
+    root.first, root.second = small("mixtral", num_hidden_layers=1), small("mixtral", num_hidden_layers=1, seed=1)
+    stacks = moelens.wrap(root).moes
+    archive_path = to_nnef(stacks[0], out / "first-stack.nnef.tgz", verify=False).path
+    assert verify(archive_path, moelens.wrap(root.first).moes[0], hidden).meets("approximate")  # wrapped alone
+    with pytest.raises(ExportError, match=r"block of path model\.first\.model\.layers\.0\.mlp, but the block given "
+                                          r"has path model\.second\.model\.layers\.0\.mlp, another block"):
+        verify(archive_path, stacks[1], hidden)
+
+
 def test_export_refuses_to_run_inside_a_trace(out):
     wrapped = moelens.wrap(small("mixtral"))
     ids = torch.randint(3, 128, (1, 6))

@@ -133,8 +133,7 @@ def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Tar
              "MoE layer(s)": (recorded.get("moelens_layers"), layers) if known else (None, None)}
     if kind == "model":
         found["vocabulary size"] = (recorded.get("moelens_vocab_size"), vocab_size(target))
-    else:  # a layer may hold several blocks (attention projections converted by moelens.compress, ernie's two)
-        found["path"] = (recorded.get("moelens_block"), target.blocks[0].path)
+    else:
         width = (archive_input_shape(path) or [None])[-1]
         found["hidden size"] = (width if isinstance(width, int) else None, hidden_size(target))
     for what, (archived, given) in found.items():
@@ -143,6 +142,32 @@ def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Tar
                 f"{path} was exported from a {kind} of {what} {archived}, but the {kind} given has {what} {given}; "
                 "verify an archive against the model it was exported from."
             )
+    if kind == "block":
+        _check_block_path(path, recorded.get("moelens_block"), target.blocks[0].path)
+
+
+def _check_block_path(path: str | Path, archived: str | None, given: str | None) -> None:
+    """Refuse another block of the archive's layer (a layer may hold several: attention projections converted
+    by moelens.compress, ernie4_5_vl_moe's text_moe and vision_moe; an encoder's and a decoder's layer i).
+
+    ``archived`` / ``given``: the blocks' `Moe.path` in the wrapped model each came from (None for a bare block).
+    Where a path starts depends on what was wrapped (the causal LM, or its base model ``causal_lm.model``), so
+    the paths match when one, seen from inside its model, is where the other sits seen from a model holding it.
+    """
+    if archived is None or given is None or _same_block_path(archived, given):
+        return
+    raise ExportError(
+        f"{path} was exported from a block of path {archived}, but the block given has path {given}, another block "
+        "(the paths differ below the models' roots, not only in the model wrapped around them); verify an archive "
+        "against the block it was exported from."
+    )
+
+
+def _same_block_path(first: str, second: str) -> bool:
+    """Whether two `Moe.path` values name one block: below the root envoy's name, equal, or one ends with the
+    other (``model.layers.2.mlp`` of a wrapped causal LM and ``layers.2.mlp`` of its wrapped base model)."""
+    first, second = first.partition(".")[2], second.partition(".")[2]
+    return first == second or first.endswith(f".{second}") or second.endswith(f".{first}")
 
 
 def _compare(actual: np.ndarray, expected: np.ndarray, reference: str, **details: Any) -> Verification:
