@@ -738,6 +738,68 @@ def test_an_experts_implementation_switched_between_steps_is_the_one_read_after(
         wrapped.set_experts_implementation("grouped_mm")
 
 
+def _experts_calls(experts, monkeypatch):
+    """A list that gets, per call of the torch module ``experts``, its (hidden, top_k_index, top_k_weights) and whether
+    it sorted its rows by expert (``torch.sort``, which grouped_mm runs and batched_mm does not): torch hooks on the
+    module, seen whatever nnsight runs inside it."""
+    calls, inside, sort = [], [False], torch.sort
+
+    def sorting(*args, **kwargs):
+        if inside[0]:
+            calls[-1]["sorted"] = True
+        return sort(*args, **kwargs)
+
+    def entered(module, args):
+        inside[0] = True
+        calls.append({"args": tuple(arg.detach().clone() for arg in args[:3]), "sorted": False})
+
+    def left(module, args, output):
+        inside[0] = False
+
+    monkeypatch.setattr(torch, "sort", sorting)
+    handles = [experts.register_forward_pre_hook(entered), experts.register_forward_hook(left)]
+    return calls, handles
+
+
+@pytest.mark.parametrize(("start", "switched_to"), [("grouped_mm", "batched_mm"), ("batched_mm", "grouped_mm"),
+                                                    ("grouped_mm", "eager")])
+def test_a_switch_between_steps_after_a_per_slot_read_runs_the_new_implementation(monkeypatch, start,
+                                                                                         switched_to):
+    """A switch between generation steps, after a per-slot read in the same generate, went on running nnsight's
+    instrumented copy of the first implementation (kept for the run under the op path of the implementation call)
+    while moelens reported and read the second: grouped_mm -> batched_mm served expert_activations in grouped_mm's
+    expert-sorted row order as token-slot order, batched_mm -> grouped_mm waited for a sort that never ran and
+    generation ended silently after the first step, and grouped_mm -> eager kept sorting (grouped_mm ran on).
+    Ground truth: what ran (torch hooks, torch.sort counted) and the slots recomputed from the experts' weights."""
+    from groundtruth import slots_by_hand
+
+    wrapped = moelens.wrap(tiny_model("mixtral", experts_implementation=start), tokenizer=ascii_tokenizer())
+    moe = first_moe(wrapped)
+    experts = moe.experts._module
+    calls, handles = _experts_calls(experts, monkeypatch)
+    ids = torch.tensor([[40, 41, 42, 43], [50, 51, 52, 53]])
+    try:
+        with wrapped.generate(ids, max_new_tokens=3, do_sample=False, min_new_tokens=3) as tracer:
+            reads = nnsight.save([])
+            for step in tracer.iter[:3]:
+                if step == 1:
+                    wrapped.set_experts_implementation(switched_to)
+                per_slot = switched_to != "eager" or step == 0  # eager's loop has no per-slot tensors
+                reads.append((moe.experts_implementation, moe.expert_activations.clone() if per_slot else None,
+                              moe.expert_outputs.clone() if per_slot else None))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [implementation for implementation, _, _ in reads] == [start, switched_to, switched_to]
+    assert [call["sorted"] for call in calls] == [implementation == "grouped_mm" for implementation, _, _ in reads]
+    for step, (_, activations, outputs) in enumerate(reads):
+        if activations is None:
+            continue
+        expected_activations, expected_outputs = slots_by_hand(experts, *calls[step]["args"])
+        torch.testing.assert_close(activations, expected_activations.view(activations.shape), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outputs, expected_outputs.view(outputs.shape), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pad_token_id", [-1, 128, 32000])
 def test_token_id_invokes_are_padded_with_an_id_the_model_embeds(pad_token_id):
     """The padding of invokes of different lengths took the config's pad_token_id even where the model cannot embed

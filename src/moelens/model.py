@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
-from .components.implementations import check_known, is_dispatching, known, unsupported_dtypes
+from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dispatching, known, unsupported_dtypes
 from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList
 from .components.moe import value_names
 from .components.params import op_names
@@ -138,6 +138,18 @@ class MoeModelMixin:
                         "FP8 weights, which transformers picks when it loads them; these experts hold float weights."
                     )
                 experts.config._experts_implementation = name
+        self._drop_instrumented_implementations()
+
+    def _drop_instrumented_implementations(self) -> None:
+        """Forget nnsight's instrumented copies of the experts implementation calls made in the running trace (a
+        switch between generation steps). nnsight keeps the copy it built at a run's first drill into a call (for a
+        per-slot value) and runs it in place of the live function for the rest of the run: the experts would go on
+        running the implementation switched from, read as the one switched to. Without it they run the live one,
+        which the next drill instruments."""
+        sourced = getattr(self.interleaver, "sourced", None)
+        if sourced:
+            for moe in self.moes:
+                sourced.pop(f"{moe.experts.path}.source.{IMPLEMENTATION_CALL}", None)
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """nnsight's run of the model with the trace's interventions (one run of each EP group the experts are
