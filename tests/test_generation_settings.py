@@ -102,8 +102,8 @@ def test_generate_tells_transformers_not_to_compile_the_forward():
     assert [compile_disabled(kwargs) for kwargs in calls] == [True, True]
 
 
-def _converted_t5() -> torch.nn.Module:
-    """A T5 whose FFN linears compress converted (2 encoder, 2 decoder layers)."""
+def _converted_t5(top_k: int = 2) -> torch.nn.Module:
+    """A T5 whose FFN linears compress converted (2 encoder, 2 decoder layers; 4 experts, ``top_k``)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     from moelens.compress import tomoe
@@ -113,7 +113,7 @@ def _converted_t5() -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = T5Config(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, decoder_start_token_id=0)
-    return tomoe(T5ForConditionalGeneration(config).eval(), num_experts=4, top_k=2, max_error=None, progress=False,
+    return tomoe(T5ForConditionalGeneration(config).eval(), num_experts=4, top_k=top_k, max_error=None, progress=False,
                  calibration={"input_ids": ids(8, 16, 0), "decoder_input_ids": ids(8, 8, 1)}, target_modules=["wi"])
 
 
@@ -195,3 +195,19 @@ def test_a_vision_towers_mlp_under_beams_is_served_per_image():
         vision.mlp_output = torch.zeros_like(vision.mlp_output)
         generated = tracer.result.save()
     assert torch.equal(generated, zeroed)
+
+
+def test_an_encoders_top_1_single_token_activations_under_beams_are_refused_as_without():
+    """Two invokes of one-token prompts, top-1 routing, grouped_mm: nnsight cuts the expert-sorted rows by invoke,
+    which moelens refuses with a ValueUnavailable; under beams an encoder's rows were counted as prompt x beam rows,
+    the refusal was skipped and the cut permutation inverted (a raw RuntimeError: index 2 is out of bounds)."""
+    wrapped = moelens.wrap(_converted_t5(top_k=1), tokenizer=ascii_tokenizer())
+    encoder = wrapped.moes[0]
+    for beams in (1, 2):
+        with pytest.raises(moelens.ValueUnavailable, match=r"expert_activations cannot be served: in a batched "
+                                                           r"single-token step with top-1 routing"):
+            with torch.no_grad(), wrapped.generate(max_new_tokens=2, num_beams=beams, do_sample=False) as tracer:
+                with tracer.invoke(torch.tensor([[5], [9]])):
+                    encoder.expert_activations.save()
+                with tracer.invoke(torch.tensor([[17]])):
+                    encoder.expert_activations.save()

@@ -715,6 +715,8 @@ class Moe(Mlp):
             self._drill(name)
             permutation = request(sort_location, sort_passed)[1]
             rows = tokens.current_rows(sort_location)
+            if rows.per_prompt > 1 and self.runs_before_expansion:  # an encoder's: one row per prompt
+                rows = rows.prompts()
             if rows.batching and permutation.shape[0] == rows.size:
                 raise self.unavailable(
                     name,
