@@ -800,6 +800,23 @@ def test_a_switch_between_steps_after_a_per_slot_read_runs_the_new_implementatio
         torch.testing.assert_close(outputs, expected_outputs.view(outputs.shape), atol=1e-5, rtol=1e-5)
 
 
+def test_a_switch_in_a_run_of_several_invokes_is_refused():
+    """With two invokes, a switch made by one took effect where its code ran, mid-step: the other invoke's pending
+    per-slot read was served from the other implementation's ops (batched_mm -> grouped_mm: expert_activations 0.02
+    off), its loop ended after one step (grouped_mm -> batched_mm), or it raised a false OrderError."""
+    wrapped = moelens.wrap(tiny_model("mixtral", experts_implementation="batched_mm"), tokenizer=ascii_tokenizer())
+    with pytest.raises(moelens.MoelensError, match=r"set_experts_implementation\('grouped_mm'\) in a run of 2 invokes: "
+                                                   r".*Switch between traces, or in a trace or generate of one invoke"):
+        with wrapped.generate(max_new_tokens=2, do_sample=False) as tracer:
+            with tracer.invoke(torch.tensor([[40, 41, 42]])):
+                first_moe(wrapped).expert_activations.save()
+            with tracer.invoke(torch.tensor([[50, 51]])):
+                wrapped.set_experts_implementation("grouped_mm")
+    assert first_moe(wrapped).experts_implementation == "batched_mm"  # nothing was switched
+    wrapped.set_experts_implementation("grouped_mm")  # outside a run, as before
+    assert first_moe(wrapped).experts_implementation == "grouped_mm"
+
+
 @pytest.mark.parametrize("pad_token_id", [-1, 128, 32000])
 def test_token_id_invokes_are_padded_with_an_id_the_model_embeds(pad_token_id):
     """The padding of invokes of different lengths took the config's pad_token_id even where the model cannot embed

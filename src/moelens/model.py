@@ -102,6 +102,14 @@ class MoeModelMixin:
         refused before anything is switched.
         """
         module = self._module
+        interleaver = self.interleaver
+        if getattr(interleaver, "interleaving", False) and len(getattr(interleaver, "mediators", ())) > 1:
+            raise MoelensError(
+                f"set_experts_implementation({implementation!r}) in a run of {len(interleaver.mediators)} invokes: it "
+                "takes effect where this invoke's code reaches it, while the other invokes wait on values of the "
+                "implementation that ran (their per-slot reads would be served from another implementation's ops). "
+                "Switch between traces, or in a trace or generate of one invoke (between generation steps)."
+            )
         config = getattr(module, "config", None)
         wanted = implementation if isinstance(implementation, dict) else {"": implementation}
         for name in wanted.values():
