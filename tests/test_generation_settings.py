@@ -102,6 +102,19 @@ def test_generate_tells_transformers_not_to_compile_the_forward():
     assert [compile_disabled(kwargs) for kwargs in calls] == [True, True]
 
 
+def test_a_generation_config_given_positionally_is_refused():
+    """model.generate(ids, GenerationConfig(num_beams=3, ...)) generated greedily with the model's own settings
+    (nnsight took the config for a part of the prompt), ignoring it silently."""
+    wrapped = moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
+    config = GenerationConfig(num_beams=3, do_sample=False, max_new_tokens=3, min_new_tokens=3)
+    with pytest.raises(moelens.MoelensError, match=r"pass it by name, model\.generate\(prompt, generation_config=config\)"):
+        with torch.no_grad(), wrapped.generate(PROMPT, config):
+            pass
+    with torch.no_grad(), wrapped.generate(PROMPT, generation_config=config) as tracer:
+        result = tracer.result.save()
+    assert result.shape == (1, PROMPT.shape[1] + 3)
+
+
 def _converted_t5(top_k: int = 2) -> torch.nn.Module:
     """A T5 whose FFN linears compress converted (2 encoder, 2 decoder layers; 4 experts, ``top_k``)."""
     from transformers import T5Config, T5ForConditionalGeneration

@@ -29,6 +29,7 @@ from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
 from .components.base import bind_alias, envoy_at, with_suggestion
@@ -315,6 +316,12 @@ class MoeModelMixin:
             )
         for inputs, kwargs in invokes:
             _refuse_shapeless_ids(_invoke_ids(inputs, kwargs))
+            if any(isinstance(given, GenerationConfig) for given in inputs):  # nnsight takes it for a prompt's part
+                raise MoelensError(
+                    "model.generate(prompt, GenerationConfig(...)): nnsight takes positional inputs for the prompt, "
+                    "so the model would generate with its own settings, ignoring the config; pass it by name, "
+                    "model.generate(prompt, generation_config=config)."
+                )
         from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
         return _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text)
 
