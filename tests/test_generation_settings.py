@@ -224,3 +224,59 @@ def test_an_encoders_top_1_single_token_activations_under_beams_are_refused_as_w
                     encoder.expert_activations.save()
                 with tracer.invoke(torch.tensor([[17]])):
                     encoder.expert_activations.save()
+
+
+def test_a_vision_towers_moe_block_under_beams_is_served_per_image():
+    """A Llava whose vision tower's first fc1 compress converted: under num_beams=2 its flat router logits (1 image
+    of 10 patch tokens) were cut as 2 beam rows of 5 tokens, while its mlp_output was [1, 10, H]. Ground truth:
+    forward hooks on an unwrapped copy."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                       image_size=24, patch_size=8),
+        text_config=LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        image_token_index=99, vision_feature_layer=-1, vision_feature_select_strategy="full")
+    converted = tomoe(LlavaForConditionalGeneration(config).eval(), num_experts=4, top_k=2, max_error=None,
+                      progress=False, target_modules=r".*vision_tower.*layers\.0\.mlp\.fc1")
+    inputs = dict(input_ids=torch.tensor([[5] + [99] * 10 + [6, 7, 8]]),
+                  pixel_values=torch.randn(1, 3, 24, 24, generator=torch.Generator().manual_seed(2)))
+    reference = copy.deepcopy(converted)
+    block = reference.model.vision_tower.encoder.layers[0].mlp.fc1
+    seen = {}
+    hook = block.router.register_forward_hook(lambda module, args, output: [seen.setdefault("logits", output[0]), None][1])
+    try:
+        with torch.no_grad():
+            reference(**inputs)
+    finally:
+        hook.remove()
+    wrapped = moelens.wrap(converted, tokenizer=ascii_tokenizer())
+    vision = wrapped.moes[0]
+    assert vision.path.endswith("vision_tower.encoder.layers.0.mlp.fc1") and vision.runs_before_expansion
+    assert not any(moe.runs_before_expansion for moe in wrapped.moes[1:])
+    with torch.no_grad(), wrapped.generate(**inputs, max_new_tokens=2, num_beams=2, do_sample=False):
+        logits = vision.router_logits.save()
+    torch.testing.assert_close(logits, seen["logits"].view(1, 10, 4), rtol=0, atol=0)
+
+
+def test_a_sequence_first_decoder_under_beams_is_still_refused():
+    """XLNet runs its layers [seq, batch, hidden]: under num_beams=2 a one-token prompt's block output [1, 2, H] (2
+    beam rows) was taken for one prompt's [batch 1, seq 2] and served, where the batch-major check refuses it."""
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    model = XLNetLMHeadModel(XLNetConfig(vocab_size=128, d_model=32, n_layer=2, n_head=4, d_inner=48, pad_token_id=0,
+                                         eos_token_id=2, bos_token_id=1)).eval()
+    wrapped = moelens.wrap(tomoe(model, num_experts=4, top_k=2, max_error=None, progress=False,
+                                 target_modules=["layer_1"]), tokenizer=ascii_tokenizer())
+    prompt = torch.tensor([[40]])
+    with pytest.raises(moelens.FamilyError, match=r"first dim is not the batch of 2 \(they are sequence-first"):
+        with torch.no_grad(), wrapped.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2,
+                                               num_beams=2, do_sample=False):
+            wrapped.moes[0].mlp_output.save()

@@ -159,16 +159,17 @@ class Component(Envoy):
 
     @cached_property
     def runs_before_expansion(self) -> bool:
-        """Whether the block sits in an encoder-decoder model's encoder, which ``generate`` runs once on the prompts,
-        before it repeats each prompt's row for beams or several returned sequences (the decoder runs on those)."""
+        """Whether the block sits outside the model's decoder (``get_decoder()``): in an encoder-decoder model's
+        encoder or a vision-language model's vision tower, which ``generate`` runs on the prompts before it repeats
+        each prompt's row for beams or several returned sequences (the decoder runs on those)."""
         model = self.root._module
-        if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            return False
         try:
-            encoder = model.get_encoder()
-        except (AttributeError, NotImplementedError):
+            decoder = model.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):
             return False
-        return isinstance(encoder, torch.nn.Module) and any(module is self._module for module in encoder.modules())
+        if not isinstance(decoder, torch.nn.Module) or decoder is model:
+            return False
+        return not any(module is self._module for module in decoder.modules())
 
     @property
     def model(self) -> Envoy:

@@ -72,14 +72,14 @@ def current_rows(location: str) -> Rows:
 
 def rows_counted(served: torch.Tensor, feature_dims: int, rows: Rows, before_expansion: bool) -> Rows:
     """The rows ``served`` counts while generate runs several rows per prompt (``rows.per_prompt > 1``): the
-    prompts' where it was computed before transformers expanded them (``before_expansion``: an encoder's block,
-    run once on the prompts; or a ``[batch, seq, ...]`` value with as many rows as prompts, such as a vision
-    tower's), else ``rows``."""
+    prompts' for a block that runs before transformers repeats them (``before_expansion``: an encoder's, a vision
+    tower's), unless its ``[batch, seq, ...]`` value shows it ran on the repeated rows after all; else ``rows``."""
+    if not before_expansion:
+        return rows
     prompts = rows.prompts()
-    if before_expansion or (served.dim() == feature_dims + 2 and served.shape[0] not in (rows.total, rows.size)
-                            and served.shape[0] in (prompts.total, prompts.size)):
-        return prompts
-    return rows
+    if served.dim() == feature_dims + 2 and served.shape[0] not in (prompts.total, prompts.size):
+        return rows
+    return prompts
 
 
 class UnevenTokens(ValueUnavailable):
