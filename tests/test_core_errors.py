@@ -2330,9 +2330,11 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.reroute(moe, (..., True), 1), r"tokens=\(Ellipsis, True\) holds a lone bool.*True picks every"),
         (lambda moe: moelens.force(moe, 1, tokens=(0, torch.tensor(False))), r"holds a lone bool"),
         (lambda moe: moelens.reroute(moe, (slice(None), numpy.True_), 1), r"holds a lone bool"),
+        (lambda moe: moelens.force(moe, 1, tokens=(0, numpy.array(True))), r"holds a lone bool"),
     ],
     ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts", "none-experts", "no-experts", "1d-bool-mask",
-         "1d-bool-list", "none-axis", "bool-position", "bool-tensor-position", "numpy-bool-position"],
+         "1d-bool-list", "none-axis", "bool-position", "bool-tensor-position", "numpy-bool-position",
+         "numpy-0d-bool-array-position"],
 )
 def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match):
     wrapped, inputs = mixtral

@@ -284,9 +284,10 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
 
 
 def _is_lone_bool(part: Any) -> bool:
-    """Whether ``part`` of a tokens tuple is one bool (Python's, numpy's or a 0-d bool tensor)."""
-    return isinstance(part, (bool, numpy.bool_)) or (isinstance(part, torch.Tensor) and part.dtype == torch.bool
-                                                  and part.dim() == 0)
+    """Whether ``part`` of a tokens tuple is one bool (Python's, numpy's, a 0-d bool array or tensor)."""
+    if isinstance(part, (torch.Tensor, numpy.ndarray)):
+        return part.ndim == 0 and part.dtype in (torch.bool, numpy.bool_)
+    return isinstance(part, (bool, numpy.bool_))
 
 
 def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Tensor, torch.Tensor]:
