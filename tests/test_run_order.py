@@ -188,6 +188,14 @@ def test_blocks_of_lists_one_loop_runs_together_are_listed_layer_by_layer():
     config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=64)
     model = converted(transformers.XLMModel(config).eval(), ids(8, 16), target_modules=["q_lin", "lin1"])
     assert_listed_and_read_in_run_order(model, ids(1, 5))
+    # describe counted the two lists as two stacks of layers: "layers 4 (attentions 2, ffns 2)"
+    from moelens.analysis import describe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = describe(moelens.wrap(model), probe=False)
+    assert (report.num_layers, report.layer_stacks) == (config.n_layers, {})
+    assert "MoE layers             0, 1 (2 of 2), 4 MoE blocks" in str(report)
 
 
 def test_a_child_handed_to_a_helper_that_reads_it_runs_where_the_forward_calls_it():

@@ -68,7 +68,7 @@ class ModelReport:
         architecture: Its transformers class.
         model_type: Its config's model_type.
         family: The moelens family.
-        num_layers: Layers, counted over every list of layers holding a block (T5's encoder and decoder).
+        num_layers: Layers (an encoder-decoder model's: its encoder's and its decoder's).
         scoring: What the router logits mean and how experts are picked (per group of
             layers when blocks differ, e.g. deepseek_v4's hash-routed first layers).
         score: The score function name (what ``router_probs`` applies), likewise.
@@ -78,8 +78,8 @@ class ModelReport:
         moe_layers: One `LayerReport` per MoE block (``stack`` set where they sit in several lists of layers).
         notes: The family entry's notes.
         tokenizer: Whether the model takes text (its tokenizer) or token ids only.
-        layer_stacks: Where the blocks sit in several lists of layers (an encoder and a decoder): each list's
-            path and its number of layers; empty otherwise.
+        layer_stacks: An encoder-decoder model's lists of layers holding blocks (its encoder's and its
+            decoder's): each list's path and its number of layers; empty otherwise.
     """
 
     name: str
@@ -254,7 +254,8 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
     dense_blocks = structure.dense_blocks if structure is not None else []
     paths = [moe.path.partition(".")[2] for moe in moes]  # relative to the torch model
     stacks = dict(found for path in [*paths, *dense_blocks] if (found := layer_list_of(path, module)) is not None)
-    several = len(stacks) > 1  # an encoder and a decoder: layer indices alone would collide
+    # an encoder's and a decoder's lists: layer indices alone would collide (not lists one loop runs together, XLM's)
+    several = len(stacks) > 1 and bool(getattr(config, "is_encoder_decoder", False))
 
     def stack_of(path: str) -> str:
         return found[0] if several and (found := layer_list_of(path, module)) is not None else ""
@@ -277,9 +278,9 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         shared_text = f"{shared.module} ({where}{gate})"
         if not any(layer.shared_expert for layer in layers):
             shared_text += " - absent in this checkpoint"
-    if stacks:
+    if several:
         num_layers = sum(stacks.values())
-    else:  # layers kept in an nn.Sequential
+    else:
         decoder_layers = getattr(model, "layers", None)
         num_layers = len(decoder_layers) if decoder_layers is not None else int(getattr(config, "num_hidden_layers", 0) or 0)
     dense_found = {(stack_of(name), layer) for name in dense_blocks if (layer := layer_of(name, module)) is not None}
