@@ -165,20 +165,25 @@ def test_an_encoders_values_under_beams_are_the_prompts():
     assert torch.equal(generated, expected)
 
 
-def test_a_vision_towers_mlp_under_beams_is_served_per_image():
-    """Llava's vision tower runs on the prompts' images before generate repeats them for beams: its dense MLP's
-    [2, patches, H] output was refused as not batch-major (a 4-row batch expected). Ground truth: a forward hook
-    on an unwrapped copy; zeroing it changes the generation as the same edit by a hook does."""
+def _tiny_llava(image_size: int) -> torch.nn.Module:
+    """A seeded tiny Llava (CLIP tower of 8-pixel patches, image token 99), in eval mode."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(0)
     config = LlavaConfig(
         vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                       image_size=16, patch_size=8),
+                                       image_size=image_size, patch_size=8),
         text_config=LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
         image_token_index=99, vision_feature_layer=-1, vision_feature_select_strategy="full")
-    hf = LlavaForConditionalGeneration(config).eval()
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def test_a_vision_towers_mlp_under_beams_is_served_per_image():
+    """Llava's vision tower runs on the prompts' images before generate repeats them for beams: its dense MLP's
+    [2, patches, H] output was refused as not batch-major (a 4-row batch expected). Ground truth: a forward hook
+    on an unwrapped copy; zeroing it changes the generation as the same edit by a hook does."""
+    hf = _tiny_llava(image_size=16)
     inputs = dict(input_ids=torch.tensor([[5] + [99] * 5 + [6, 7, 8]] * 2),
                   pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2)))
     settings = dict(max_new_tokens=3, num_beams=2, do_sample=False)
@@ -230,18 +235,9 @@ def test_a_vision_towers_moe_block_under_beams_is_served_per_image():
     """A Llava whose vision tower's first fc1 compress converted: under num_beams=2 its flat router logits (1 image
     of 10 patch tokens) were cut as 2 beam rows of 5 tokens, while its mlp_output was [1, 10, H]. Ground truth:
     forward hooks on an unwrapped copy."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
     from moelens.compress import tomoe
 
-    torch.manual_seed(0)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                       image_size=24, patch_size=8),
-        text_config=LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-        image_token_index=99, vision_feature_layer=-1, vision_feature_select_strategy="full")
-    converted = tomoe(LlavaForConditionalGeneration(config).eval(), num_experts=4, top_k=2, max_error=None,
+    converted = tomoe(_tiny_llava(image_size=24), num_experts=4, top_k=2, max_error=None,
                       progress=False, target_modules=r".*vision_tower.*layers\.0\.mlp\.fc1")
     inputs = dict(input_ids=torch.tensor([[5] + [99] * 10 + [6, 7, 8]]),
                   pixel_values=torch.randn(1, 3, 24, 24, generator=torch.Generator().manual_seed(2)))
