@@ -31,27 +31,29 @@ def layer_of(path: str, root: torch.nn.Module | None = None) -> int | None:
     With ``root``: the first index into a ``ModuleList`` on the way down (T5's ``encoder.block.3.layer.1`` is layer
     3, its block's sub-layer list aside; a sentence-transformers model's leading ``nn.Sequential`` index aside),
     else the last integer component (a model whose layers are an ``nn.Sequential``)."""
-    parts = path.split(".")
-    parent = root
-    for part in parts:
-        if parent is None:
-            break
-        if part.isdigit() and isinstance(parent, torch.nn.ModuleList):
-            return int(part)
-        parent = parent._modules.get(part)
-    numbers = [part for part in parts if part.isdigit()]
+    found = _first_list_index(path, root) if root is not None else None
+    if found is not None:
+        return found[2]
+    numbers = [part for part in path.split(".") if part.isdigit()]
     return int(numbers[-1]) if numbers else None
 
 
 def layer_list_of(path: str, root: torch.nn.Module) -> tuple[str, int] | None:
     """The ``ModuleList`` whose index `layer_of` reads in ``path`` (relative to ``root``): its path and length
     (``("encoder.block", 6)`` for T5's ``encoder.block.3.layer.1``), or None where no list index is on the path."""
+    found = _first_list_index(path, root)
+    return found[:2] if found is not None else None
+
+
+def _first_list_index(path: str, root: torch.nn.Module) -> tuple[str, int, int] | None:
+    """The first index into a ``ModuleList`` on the way down ``path`` from ``root``: (the list's path, its length,
+    the index), or None where there is none."""
     parent, walked = root, []
     for part in path.split("."):
         if parent is None:
             return None
         if part.isdigit() and isinstance(parent, torch.nn.ModuleList):
-            return ".".join(walked), len(parent)
+            return ".".join(walked), len(parent), int(part)
         walked.append(part)
         parent = parent._modules.get(part)
     return None
