@@ -7,7 +7,8 @@ attention modules count, string targets are full-match regexes, GQA's narrowest 
 calibration: one 1-D sequence, padding off flattened inputs, each row's sequence kept, a tuple item as the
 positional arguments (a sentence-transformers model's dict), a random sample from every batch, eval mode, no hook
 left behind, backward hooks respected, hooks put back in order; blocks: GPT-2's dropout applies, outputs and
-routing weights keep the tokens' precision, the straight-through term adds nothing; stats: tied weights count once,
+routing weights keep the tokens' precision, the router ranks in float32 under autocast, the straight-through
+term adds nothing; stats: tied weights count once,
 ``as_dict`` carries each layer's active fraction."""
 
 from __future__ import annotations
@@ -555,6 +556,30 @@ def test_a_converted_block_under_autocast_gives_the_dense_blocks_dtype():
         expected, got = before(x), after(x)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.05)
+
+
+def test_a_converted_router_under_autocast_selects_the_experts_its_float32_logits_rank_highest():
+    """The router's logits carry an offset of about 64, where bf16's step is 0.5: autocast used to cast the router's
+    F.linear inputs to bf16 (despite its float32 weights), so the logits tied on that grid and most tokens ran other
+    experts than the float32 router picks. Ground truth: the router's input taken by a plain forward hook, its logits
+    recomputed with F.linear in float32 outside autocast, and their top-k."""
+    converted, _ = convert(llama(), num_experts=8, top_k=2, calibration=ids(16, 32))
+    block = converted.model.layers[0].mlp
+    router = block.router
+    seen = {}
+    handle = router.register_forward_hook(
+        lambda module, args, out: seen.update(x=args[0].detach(), logits=out[0].detach(), index=out[2]))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            converted(input_ids=ids(4, 16, seed=7))
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(seen["x"].float(), router.weight, router.bias)
+    expected = logits.topk(router.top_k, dim=-1).indices
+    same = (seen["index"].sort(dim=-1).values == expected.sort(dim=-1).values).all(dim=-1)
+    assert same.all(), f"{int((~same).sum())} of {same.numel()} tokens ran other experts than float32 logits rank"
+    assert seen["logits"].dtype == torch.float32
 
 
 def test_routing_weights_are_in_the_tokens_precision_and_the_blocks_output_too():

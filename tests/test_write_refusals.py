@@ -7,9 +7,11 @@ nnsight) with the same edit made by a torch forward hook.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
+import nnsight
 import pytest
 import torch
 
@@ -140,6 +142,37 @@ def test_per_slot_outputs_whose_sum_overflows_the_hidden_dtype_are_refused(impl)
         logits = wrapped.output.logits.save()
     assert routed.dtype == torch.float16 and torch.equal(routed, torch.full_like(routed, 6e4))
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_per_slot_outputs_whose_sum_overflows_the_autocast_slot_dtype_are_refused(impl):
+    """Under torch.autocast("cpu", float16) a float32 qwen3_moe's batched_mm keeps its slots in float16 and adds a
+    token's slots up in float16 before casting to float32: the check took the sum's dtype from the weights (float32),
+    so 4e4 in each of its two slots was written and the logits came out inf. grouped_mm keeps the slots in float32
+    there, so the same write is fine, as is 3e4 (a sum of 6e4) in either. Ground truth: the same write made with plain
+    nnsight at the implementation's op on an unwrapped copy: refused exactly where it makes the logits non-finite, and
+    where accepted, the same logits."""
+    hf = tiny_model("qwen3_moe", experts_implementation=impl)
+    raw = nnsight.NNsight(copy.deepcopy(hf))
+    wrapped = moelens.wrap(hf)
+    inputs = tiny_inputs(hf)
+    moe = wrapped.moes[1]
+    overflowed = []
+    for value in (4e4, 3e4):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16), raw.trace(**inputs):
+            inner = raw.get(moe.path.removeprefix("model.")).experts.source.experts_forward_1.source
+            inner.weighted_out_view_0.output = torch.full_like(inner.weighted_out_view_0.output, value)
+            expected = raw.output.logits.save()
+        overflowed.append(not bool(torch.isfinite(expected).all()))
+        refusal = pytest.raises(WriteError, match=r"expert_outputs: the written slots of a token add up to .*, which "
+                                                  r"is inf in torch.float16 .*the dtype the model adds them up in")
+        with refusal if overflowed[-1] else contextlib.nullcontext():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16), wrapped.trace(**inputs):
+                moe.expert_outputs = torch.full(moe.expert_outputs.shape, value)
+                logits = wrapped.output.logits.save()
+        if not overflowed[-1]:
+            torch.testing.assert_close(logits, expected)
+    assert overflowed == [impl == "batched_mm", False]  # the overflow this test is about happens, only there
 
 
 def test_force_whose_lift_overflows_the_logits_dtype_is_refused_naming_force():

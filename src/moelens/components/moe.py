@@ -670,7 +670,8 @@ class Moe(Mlp):
 
     def _hidden_dtype(self) -> torch.dtype | None:
         """The dtype the experts implementation casts the sum of a token's slots to: its hidden states', which are
-        the experts' weights' (None where those are not floating point: quantized)."""
+        the experts' weights' (None where those are not floating point: quantized). It adds the slots up in their own
+        dtype first, which autocast may make narrower: the write check takes the narrower of the two."""
         weights = next(iter(self.experts._module.parameters()), None)
         return weights.dtype if weights is not None and weights.is_floating_point() else None
 

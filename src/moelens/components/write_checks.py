@@ -127,14 +127,17 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
             if value.dtype in (torch.float16, torch.bfloat16):  # an in-place edit of a finite number beyond the range
                 why += f" (in {value.dtype} a number beyond {torch.finfo(value.dtype).max:.3g} is {which})"
             raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
-    summed = binding.summed_into() if binding.summed_into is not None else None
-    if summed is not None and value.numel():  # the model adds up a token's slots and casts the sum to ``summed``
+    cast_to = binding.summed_into() if binding.summed_into is not None else None
+    if cast_to is not None and value.numel():  # the model adds up a token's slots and casts the sum to ``cast_to``
+        summed_in = _slot_sum_dtype(value)
+        narrowest = min((summed_in, cast_to), key=lambda dtype: torch.finfo(dtype).max)
         total = value.float().sum(-2).abs().max()
-        if total > torch.finfo(summed).max:
+        if total > torch.finfo(narrowest).max:
+            how = ("the dtype the model adds them up in" if narrowest == summed_in else
+                   "the dtype the block's output is cast to from their sum")
             raise WriteError(
-                f"{where}: the written slots of a token add up to {float(total):.4g}, which is inf in {summed} (at most "
-                f"{torch.finfo(summed).max:.4g}), the dtype the block's output is cast to from their sum; write smaller "
-                "values."
+                f"{where}: the written slots of a token add up to {float(total):.4g}, which is inf in {narrowest} (at "
+                f"most {torch.finfo(narrowest).max:.4g}), {how}; write smaller values."
             )
     needed = binding.min_finite
     if not needed or not value.numel():
@@ -155,6 +158,14 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
             f"so {why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
             f"above {above} per token{' in those groups' if groups else ''} (route_around fewer experts)."
         )
+
+
+def _slot_sum_dtype(slots: torch.Tensor) -> torch.dtype:
+    """The dtype the model adds up a token's per-slot values in (``.sum`` over the slot dim): torch's result dtype
+    for a sum of ``slots``' dtype (the slots' as served, which autocast may have lowered below the hidden states')
+    under the autocast in force at the write, on their device. CPU autocast keeps float16 there, CUDA's sums in
+    float32; a written tensor still on the CPU for a CUDA model reads as the former (a stricter check)."""
+    return torch.zeros((1, 1), dtype=slots.dtype, device=slots.device).sum(-2).dtype
 
 
 def _kept_groups(component: "Component", name: str) -> tuple[int, int] | None:

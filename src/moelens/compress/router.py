@@ -11,7 +11,8 @@ selected logit of the calibration tokens above `MIN_SELECTED_LOGIT`).
 The router keeps float32 weights in a lower-precision model (its inputs are cast up):
 the offset leaves bf16 a resolution of 0.25-0.5 around the logits, too coarse to rank
 experts. Casting the model later (``model.to(torch.bfloat16)``, ``.half()``) keeps them
-float32 too; moving it to another device moves them.
+float32 too; moving it to another device moves them. Its logits are computed with autocast
+off (as transformers' own routers do): autocast would cast ``F.linear``'s inputs to bf16 again.
 
 Training: the sigmoid is flat there, so the backward is straight-through: each selected weight's
 gradient (how much its expert's output helps the loss) goes to its logit unchanged, and the router
@@ -26,6 +27,7 @@ top-k does.
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable
 
 import torch
@@ -39,6 +41,17 @@ from .lora import LoRAHost
 
 #: The smallest selected logit the offset guarantees on the calibration tokens.
 MIN_SELECTED_LOGIT = 64.0
+
+
+def _autocast_off(device_type: str) -> AbstractContextManager:
+    """A context in which autocast leaves ops on ``device_type`` tensors in their own dtype.
+
+    ``torch.autocast(device_type, enabled=False)`` where autocast is on for that device; a no-op
+    otherwise (``meta`` tensors, which torch.autocast refuses, and runs without autocast).
+    """
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 class ToMoERouter(LoRAHost):
@@ -73,7 +86,8 @@ class ToMoERouter(LoRAHost):
         self, hidden_states: Float[Tensor, "t d"]
     ) -> tuple[Float[Tensor, "t e"], Float[Tensor, "t k"], Int[Tensor, "t k"]]:
         """Logits ``[T, E]``, the selected experts' weights ``[T, k]`` (1.0) and indices ``[T, k]``."""
-        router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
+        with _autocast_off(hidden_states.device.type):  # the weight (LoRA adapter added) is read in float32 too
+            router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight, self.bias)
         top_values, top_k_index = torch.topk(router_logits, self.top_k, dim=-1)
         top_k_weights = torch.sigmoid(top_values)
         if torch.is_grad_enabled() and top_values.requires_grad:
