@@ -155,6 +155,18 @@ def test_tokenizer_round_trip(tokenizer):
     assert tokenizer("import os")["input_ids"] == tokenizer("import os", add_special_tokens=False)["input_ids"]
 
 
+def test_moelens_load_gives_tiny_dense_the_tokenizer_it_was_trained_with(tokenizer):
+    """tiny-dense is a qwen2 model, for which transformers 5 swaps its saved tokenizer class for Qwen2Tokenizer,
+    another pre-tokenizer: `moelens.load` gave it ids unlike those it was trained on ('\\n  ' and ' 1' split)."""
+    import moelens
+
+    text = "def f(x):\n  return x + 1\ncafe\u0301"
+    with pytest.warns(UserWarning, match="no MoE block"):
+        dense_tokenizer = moelens.load(TINY_DENSE_PATH).tokenizer
+    assert dense_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert dense_tokenizer.decode(dense_tokenizer(text)["input_ids"]) == text
+
+
 def test_heldout_file(heldout, tokenizer, moe):
     x, c = heldout["input_ids"], heldout["token_class"]
     rec = training_record()

@@ -247,15 +247,13 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
     a placeholder from the config's model type (one token), which cannot tokenize text.
     Tokenizer files that fail to load give None and a warning naming the cause.
     """
-    from transformers import AutoTokenizer
-
     folder = Path(source, settings.get("subfolder", ""))
     if folder.is_dir() and not any(
         file.is_file() and file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
     ):
         return None
     try:
-        return AutoTokenizer.from_pretrained(source, **settings)
+        return _tokenizer_class(folder).from_pretrained(source, **settings)
     except (OSError, ValueError, TypeError) as error:
         warnings.warn(
             f"moelens.load: the tokenizer saved at {source!r} does not load ({type(error).__name__}: "
@@ -264,6 +262,17 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
             stacklevel=3,
         )
         return None
+
+
+def _tokenizer_class(folder: Path) -> Any:
+    """``AutoTokenizer``, or ``PreTrainedTokenizerFast`` for a model shipped in moelens (`moelens.data`): the
+    class its tokenizer files declare. tiny-dense is a qwen2 model, for which transformers 5 replaces that class
+    with ``Qwen2Tokenizer``, whose own pre-tokenizer splits text into other ids than the model was trained on."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from .data import DATA_DIR
+
+    return PreTrainedTokenizerFast if folder.resolve().parent == DATA_DIR else AutoTokenizer
 
 
 def _size_mismatches(model_class: Any, source: str, kwargs: dict[str, Any], shown: int = 3) -> str:
