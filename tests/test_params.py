@@ -15,6 +15,7 @@ import typing
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn import functional as fn
 
 import nnsight
 
@@ -464,3 +465,103 @@ def test_an_expert_bias_computed_on_access_is_refused_not_served_as_none(bias, m
     assert isinstance(getattr(experts, bias), torch.Tensor)  # the module still adds it
     with pytest.raises(ValueUnavailable, match=rf"GptOssExperts.{bias} is computed from other tensors"):
         model.moes[0].params()
+
+
+class AliasLinearRouter(torch.nn.Module):
+    """A router calling ``F.linear`` under another alias (``fn.linear``: nnsight names the op ``fn_linear_0``)."""
+
+    def __init__(self, hidden: int, experts: int, k: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+        self.top_k = k
+
+    def forward(self, x):
+        logits = fn.linear(x, self.weight)
+        top, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, top, index
+
+
+class NoisyTopKRouter(AliasLinearRouter):
+    """Shazeer's noisy top-k gating: the noise scale is a linear call too, so the logits are the second linear call
+    (``F_linear_1``)."""
+
+    def __init__(self, hidden: int, experts: int, k: int) -> None:
+        super().__init__(hidden, experts, k)
+        self.w_noise = torch.nn.Parameter(torch.randn(experts, hidden) * 0.1)
+
+    def forward(self, x):
+        noise_std = F.softplus(F.linear(x, self.w_noise))
+        logits = F.linear(x, self.weight)
+        if self.training:
+            logits = logits + torch.randn_like(logits) * noise_std
+        top, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, top, index
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Twice ``F.linear``: a function named like a linear call that is not one."""
+    return F.linear(x, weight) * 2.0
+
+
+class ScaledLinearRouter(AliasLinearRouter):
+    """A router whose logits op ``scaled_linear_0`` is named like a linear call but doubles one."""
+
+    def forward(self, x):
+        logits = scaled_linear(x, self.weight)
+        top, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, top, index
+
+
+def _custom_block_with(router: type, op: str, body) -> None:
+    """Run ``body(wrapped, moe)`` on the custom model whose routers are ``router``s, its entry's logits op ``op``."""
+    from custom_models import custom_family, custom_model
+
+    model = custom_model()
+    config = model.config
+    for layer in model.layers:
+        layer["ffn"].chooser = router(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
+    moelens.families.register(custom_family(logits_op=op))
+    try:
+        wrapped = moelens.wrap(model)
+        body(wrapped, wrapped.moes[1])
+    finally:
+        moelens.families.unregister("custom")
+
+
+def _logits_and_input(wrapped, moe) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's router logits and the router's input, flat over the tokens, from one trace."""
+    ids = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), wrapped.trace(ids):
+        hidden = moe.router.input.save()
+        logits = moe.router_logits.save()
+    return logits.reshape(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+
+
+@pytest.mark.parametrize("router, op", [(AliasLinearRouter, "fn_linear_0"), (NoisyTopKRouter, "F_linear_1")])
+def test_the_router_weight_is_found_whatever_the_linear_call_is_named(router, op):
+    """Only four op names (F_linear_0, ...) counted as an F.linear call: a router calling it under another alias, or
+    whose logits are its second linear call, got params().router None and export refused it as no linear layer."""
+    from moelens.export.spec import read_spec
+
+    def body(wrapped, moe):
+        weight = moe.router._module.weight
+        params = moe.params()
+        assert params.router is not None and params.router.data_ptr() == weight.data_ptr()
+        assert params.router_bias is None
+        logits, hidden = _logits_and_input(wrapped, moe)
+        torch.testing.assert_close(logits, hidden @ weight.detach().T)  # the logits are that weight's linear layer
+        assert torch.equal(read_spec(moe.family, moe._module, 1).wg, weight.detach().float())  # export reads it too
+
+    _custom_block_with(router, op, body)
+
+
+def test_a_call_named_like_linear_that_is_not_torchs_serves_no_router_weight():
+    """Accepting any ``*linear_<n>`` op must not serve the weight a function merely named so is called with."""
+
+    def body(wrapped, moe):
+        weight = moe.router._module.weight
+        logits, hidden = _logits_and_input(wrapped, moe)
+        torch.testing.assert_close(logits, 2.0 * hidden @ weight.detach().T)  # not that weight's linear layer
+        assert moe.params().router is None
+
+    _custom_block_with(ScaledLinearRouter, "scaled_linear_0", body)

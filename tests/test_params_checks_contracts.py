@@ -84,6 +84,49 @@ def test_a_router_passing_its_weight_and_bias_by_keyword_serves_them():
         moelens.families.unregister("custom")
 
 
+class RouterWithoutTopK(torch.nn.Module):
+    """A router keeping its k under a name the family entry's default ``"router.top_k"`` does not find."""
+
+    def __init__(self, hidden: int, experts: int, k: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+        self.k = k
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        top, index = torch.topk(logits.softmax(-1), self.k, dim=-1)
+        return logits, top, index
+
+
+def test_router_logits_are_read_without_the_top_k_the_entry_cannot_read():
+    """Checking router_logits' width worked out k as well (every width at once), so reading the logits of a router
+    whose k the entry cannot read raised the FamilyError that only expert_weights / expert_indices should."""
+    from custom_models import custom_family, custom_model
+
+    from moelens.errors import FamilyError
+
+    model = custom_model()
+    config = model.config
+    for layer in model.layers:
+        k = config.num_experts_per_tok
+        layer["ffn"].chooser = RouterWithoutTopK(config.hidden_size, config.num_local_experts, k)
+    moelens.families.register(custom_family())
+    try:
+        wrapped = moelens.wrap(model)
+        moe = wrapped.moes[0]
+        ids = torch.randint(0, 64, (2, 3), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), wrapped.trace(ids):
+            hidden = moe.router.input.save()
+            logits = moe.router_logits.save()
+        by_hand = hidden.reshape(-1, hidden.shape[-1]) @ moe.router._module.weight.detach().T
+        torch.testing.assert_close(logits.reshape(-1, logits.shape[-1]), by_hand)
+        with pytest.raises(FamilyError, match=r"cannot read 'router\.top_k'.*it is the entry's top_k"):
+            with torch.no_grad(), wrapped.trace(ids):
+                moe.expert_weights.save()
+    finally:
+        moelens.families.unregister("custom")
+
+
 def test_experts_flagged_by_an_older_transformers_without_is_concatenated_read_gate_then_up():
     """transformers' decorator defaults is_concatenated to True ([gate; up] along the output rows); experts
     carrying has_gate but no is_concatenated flag have that layout."""

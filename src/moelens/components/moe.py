@@ -495,7 +495,7 @@ class Moe(Mlp):
                 "expert indices and weights in another order. Call the experts module in that order (transformers' "
                 "own, which its implementations expect), or wrap it in a module that takes them so."
             )
-        expected = run_fact(self.interleaver, self, "widths", self._widths)[name]
+        expected = self._width(name)
         if value.shape[-1] != expected:
             what = "router logits" if name == "router_logits" else "slots"
             extra = self.family.extra_logits if what == "router logits" and expected != self.num_experts else None
@@ -511,10 +511,14 @@ class Moe(Mlp):
                 "the model again (moelens.wrap(model._module)): a wrapped model keeps the entry it was wrapped with."
             )
 
-    def _widths(self) -> dict[str, int]:
-        """How many entries per token `_check_width` expects of the values it checks (read once per run)."""
-        extra = self._count("extra_logits")
-        return {"router_logits": self.num_experts + extra, "expert_weights": self.top_k, "expert_indices": self.top_k}
+    def _width(self, name: str) -> int:
+        """How many entries per token `_check_width` expects of value ``name``: E plus the entry's `extra_logits` for
+        router_logits, k for the weights and indices. Each count is read (once per run) only when a value needing it
+        is checked, so a block whose k cannot be read still serves its router logits."""
+        if name == "router_logits":
+            return run_fact(self.interleaver, self, "logits width",
+                            lambda: self.num_experts + self._count("extra_logits"))
+        return self.top_k
 
     @property
     def _gathered_call(self) -> bool:

@@ -14,6 +14,7 @@ experts, from the family entry (`moelens.families.ExpertLayout`).
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import inspect
 import re
@@ -35,8 +36,10 @@ from ..scalars import as_lone_int
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
 QUANTIZATION_SCALES = ("_scale_inv", "_scale", "_scales")
 
-#: The logits ops that are one ``F.linear(x, router.weight, router.bias)`` call.
-LINEAR_OPS = ("F_linear_0", "nn_functional_linear_0", "torch_nn_functional_linear_0", "linear_0")
+#: How nnsight names a call of something called ``linear`` (``F_linear_0``, ``fn_linear_1``, ``linear_0``): the
+#: logits ops that may be one ``F.linear(x, router.weight, router.bias)`` call (`functional_linear_operands` checks
+#: the callee).
+LINEAR_OP = re.compile(r"(?:\w+_)?linear_\d+")
 
 
 @dataclass(eq=False)  # tensors do not compare to one bool
@@ -148,7 +151,8 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
 def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None] | None:
     """The live ``(weight [E, D], bias [E] or None)`` of the linear layer producing the logits, or None.
 
-    The logits op is one ``F.linear`` call on parameters of the router (its own ``weight`` / ``bias``,
+    The logits op is one ``torch.nn.functional.linear`` call (under any name: ``F.linear``, ``fn.linear``; any of the
+    forward's linear calls) on parameters of the router (its own ``weight`` / ``bias``,
     or a child's: longcat_flash's ``classifier.weight``), a ``self.<name>(...)`` call of an ``nn.Linear``
     child, or (``forward_0``) the router is an ``nn.Linear`` calling its own forward (llama4).
     """
@@ -157,14 +161,6 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     named = re.fullmatch(r"self_(\w+?)_\d+", op)
     if op == "forward_0" and isinstance(router, torch.nn.Linear):
         weight, bias = router.weight, router.bias
-    elif op in LINEAR_OPS:
-        try:
-            weight_path, bias_path = linear_call_operands(type(router).forward.__code__, op)
-        except (SourceNotAvailable, AttributeError):  # no readable source: its own weight and bias, as nn.Linear has
-            weight_path, bias_path = "weight", "bias"
-        if weight_path in (None, UNREADABLE) or bias_path is UNREADABLE:
-            return None
-        weight, bias = _attribute(router, weight_path), _attribute(router, bias_path)
     elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
         linear = getattr(router, named.group(1))
         weight, bias = linear.weight, linear.bias
@@ -174,6 +170,11 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
             f"{type(getattr(router, named.group(1))).__name__} (quantized): its weight is packed, not a "
             "floating-point tensor a view could edit; take params() on the model before quantizing it."
         )
+    elif (operands := functional_linear_operands(router, op)) is not None:
+        weight_path, bias_path = operands
+        if weight_path in (None, UNREADABLE) or bias_path is UNREADABLE:
+            return None
+        weight, bias = _attribute(router, weight_path), _attribute(router, bias_path)
     else:
         return None
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != num_experts:
@@ -189,16 +190,67 @@ UNREADABLE = object()
 
 
 class _Calls(Instrument):
-    """nnsight's op numbering, keeping each call's arguments (label -> (args, keywords))."""
+    """nnsight's op numbering, keeping each call's arguments (label -> (args, keywords)) and callee expression."""
 
     def __init__(self) -> None:
         super().__init__()
         self.arguments: dict[str, tuple[list, list]] = {}
+        self.callees: dict[str, Any] = {}
 
     def wrap(self, name: str, fn: Any, args: list, keywords: list, node: Any) -> Any:
         call = super().wrap(name, fn, args, keywords, node)
         self.arguments[self.names[-1]] = (args, keywords)
+        self.callees[self.names[-1]] = fn
         return call
+
+
+def functional_linear_operands(router: torch.nn.Module, op: str) -> tuple[Any, Any] | None:
+    """The router paths the ``op`` call of the router's forward passes as weight and bias (as `linear_call_operands`
+    reads them) when that call is ``torch.nn.functional.linear`` under any name (``F.linear``, ``fn.linear``, an
+    imported ``linear``), else None. A forward with no readable source gives the router's own ``("weight", "bias")``,
+    as nn.Linear has, for an ``op`` named like a linear call."""
+    if not LINEAR_OP.fullmatch(op):
+        return None
+    forward = inspect.unwrap(type(router).forward)
+    try:
+        callee = linear_callee(forward.__code__, op)
+    except (SourceNotAvailable, AttributeError):  # no readable source
+        return "weight", "bias"
+    if callee is None or _resolve(callee, forward) is not torch.nn.functional.linear:
+        return None
+    return linear_call_operands(forward.__code__, op)
+
+
+@functools.lru_cache(maxsize=None)
+def linear_callee(forward: CodeType, op: str) -> tuple[str, ...] | None:
+    """The callee of the ``op`` call of ``forward`` as a name and its attributes (``F.linear``: ``("F", "linear")``),
+    or None for no such op or a callee that is no such chain (``ops[0]``, ``get()``)."""
+    node = _calls(forward).callees.get(op)
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return (node.id, *reversed(parts)) if isinstance(node, ast.Name) else None
+
+
+def _resolve(path: tuple[str, ...], function: Any) -> Any:
+    """What the dotted ``path`` names inside ``function`` (its first name a closure variable, a global of its module
+    or a builtin), or None where a part is missing or the first name is a local variable of ``function`` (unknown
+    until it runs)."""
+    code = function.__code__
+    first, *rest = path
+    if first in code.co_varnames or first in code.co_cellvars:
+        return None
+    if first in code.co_freevars:
+        try:
+            value = function.__closure__[code.co_freevars.index(first)].cell_contents
+        except ValueError:  # a closure variable not bound yet
+            return None
+    else:
+        value = function.__globals__.get(first, getattr(builtins, first, None))
+    for name in rest:
+        value = getattr(value, name, None)
+    return value
 
 
 def op_names(function: Any) -> list[str]:
