@@ -929,3 +929,157 @@ def test_a_router_without_readable_source_is_named_with_the_fix(registered):
                                           r"PromptRouter.forward, whose Python source cannot be read .*define the "
                                           r"class in a file or module"):
         moelens.wrap(hand)
+
+
+class BiasRouter(Router):
+    """Picks the top-k of sigmoid scores plus a selection bias (``choice``); weighs them by the scores alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sel_bias = nn.Parameter(torch.linspace(0.6, -0.6, EXPERTS))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        scores = logits.sigmoid()
+        choice = scores + self.sel_bias
+        _, index = torch.topk(choice, self.top_k, dim=-1)
+        weights = scores.gather(-1, index)
+        return logits, weights / weights.sum(-1, keepdim=True), index
+
+
+def bias_model() -> Model:
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].router = BiasRouter()
+    return hand
+
+
+@pytest.mark.parametrize(("selection_op", "selection_arg", "message"), [
+    ("scores_0", None, r"its selection_scores, read where Scoring\(selection_op='scores_0', selection_arg=None\) names, "
+                       r"are not what the router ranks by the entry \(its sigmoid scores plus router\.sel_bias; .*Name "
+                       r"in Scoring\.selection_op .* The router's ops in its forward: .*choice_0"),
+    ("torch_topk_0", None, r"its selection_scores cannot be read \(.*torch_topk_0\.output serves a topk.*\)\. Name in "
+                           r"Scoring\.selection_op .*with Scoring\.selection_arg"),
+], ids=["scores-without-the-bias", "topk-output"])
+def test_check_finds_a_selection_op_that_reads_other_than_what_the_router_ranks(registered, selection_op,
+                                                                                 selection_arg, message):
+    """selection_op at the scores without the bias (scores_0, not choice_0) passed check: selection_scores served
+    the scores, and force wrote +inf there, so the weights became NaN; at the top-k call without selection_arg it
+    passed too and failed at the first force. check never read selection_scores."""
+    hand = bias_model()
+    sigmoid_bias = dict(score="sigmoid", select="score_topk", normalize=True, selection_bias="router.sel_bias")
+    registered(scoring=Scoring(**sigmoid_bias, selection_op="choice_0"))
+    right = moelens.wrap(hand)
+    assert families.check(right, IDS) == [moe.path for moe in right.moes]
+    block = hand.layers[0]["moe"]
+    with torch.no_grad():
+        ranked = torch.sigmoid(F.linear(hand.embed(IDS), block.router.weight)) + block.router.sel_bias
+        with right.trace(IDS):
+            served = right.moes[0].selection_scores.save()
+    assert torch.allclose(served, ranked)  # the op the right entry names holds what the router ranks
+    registered(scoring=Scoring(**sigmoid_bias, selection_op=selection_op, selection_arg=selection_arg))
+    with pytest.raises(FamilyError, match=message):
+        families.check(moelens.wrap(hand), IDS)
+    registered(scoring=Scoring(**sigmoid_bias, selection_op="torch_topk_0", selection_arg=0))
+    assert families.check(moelens.wrap(hand), IDS)
+
+
+class TemperatureRouter(Router):
+    """Scores its logits divided by a temperature: the linear op's output is not what it scores."""
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight) / 0.5
+        weights, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, weights / weights.sum(-1, keepdim=True), index
+
+
+def test_check_says_logits_op_may_name_another_tensor_than_the_router_scores(registered):
+    """logits_op at the linear op of a router that scores it divided by a temperature: check said only that no
+    softmax / sigmoid scoring gives the weights, never that logits_op may name the wrong tensor, nor which ops follow."""
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].router = TemperatureRouter()
+    registered()
+    with pytest.raises(FamilyError, match=r"no softmax / sigmoid scoring .* gives them; or the Scoring is right and "
+                                          r"logits_op is wrong: logits_op='F_linear_0' may name another tensor than "
+                                          r"the one the router scores .* The router's ops after F_linear_0: logits_0, "
+                                          r"logits_softmax_0"):
+        families.check(moelens.wrap(hand), IDS)
+    registered(logits_op="logits_0")  # the op the router scores: the same check passes
+    fixed = moelens.wrap(hand)
+    assert families.check(fixed, IDS)
+    block = hand.layers[0]["moe"]
+    with torch.no_grad(), fixed.trace(IDS):
+        logits = fixed.moes[0].router_logits.save()
+    assert torch.allclose(logits, F.linear(hand.embed(IDS), block.router.weight) / 0.5)
+
+
+class SeparateBank(ExpertBank):
+    """SwiGLU experts with separate ``w_gate`` / ``w_up`` / ``w_down`` parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.gate_up_proj, self.down_proj
+        self.w_gate = nn.Parameter(torch.randn(EXPERTS, INTERMEDIATE, HIDDEN) * 0.3)
+        self.w_up = nn.Parameter(torch.randn(EXPERTS, INTERMEDIATE, HIDDEN) * 0.3)
+        self.w_down = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.3)
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(index == expert)
+            hidden = F.silu(F.linear(x[token], self.w_gate[expert])) * F.linear(x[token], self.w_up[expert])
+            out.index_add_(0, token, F.linear(hidden, self.w_down[expert]) * weights[token, slot, None])
+        return out
+
+
+class UpFirstBank(ExpertBank):
+    """Experts whose fused ``gate_up_proj`` holds the up rows first, then the gate rows."""
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(index == expert)
+            up, gate = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, -1)
+            out.index_add_(0, token, F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None])
+        return out
+
+
+@pytest.mark.parametrize(("bank", "layout", "gate", "message"), [
+    (SeparateBank, ExpertLayout(gate="w_up", up="w_gate", down="w_down"), lambda bank: bank.w_gate,
+     r"with gate='w_gate', up='w_up' \(the rest as it is\) they are recomputed.*fix the ExpertLayout"),
+    (UpFirstBank, ExpertLayout(gate_up="gate_up_proj", down="down_proj"), lambda bank: bank.gate_up_proj[:, INTERMEDIATE:],
+     r"with the up rows of 'gate_up_proj' taken before its gate rows, they are recomputed.*No ExpertLayout field says "
+     r"that a fused gate_up holds the up rows first.*leave expert_layout out of the entry"),
+], ids=["separate-names-swapped", "fused-up-rows-first"])
+def test_check_finds_gate_and_up_swapped_in_the_expert_layout(registered, bank, layout, gate, message):
+    """An ExpertLayout naming w_up as the gate and w_gate as the up (or a fused parameter holding the up rows first):
+    check only warned that the layout was not checked, and params() served the up weights as the gate."""
+    hand = model()
+    for block in hand.layers:
+        block["moe"].experts = bank()
+    registered(expert_layout=layout)
+    wrapped = moelens.wrap(hand)
+    experts = hand.layers[0]["moe"].experts
+    assert not torch.equal(wrapped.moes[0].params().gate, gate(experts))  # what the wrong layout serves as the gate
+    with pytest.raises(FamilyError, match=message):
+        families.check(wrapped, IDS)
+
+
+class ModeBlock(Block):
+    """A block that sums its routed and shared output, and carries a word for it no Combine mode knows."""
+
+    combination = "mean"
+
+
+def test_a_combine_mode_reference_reading_an_unknown_word_is_refused(registered):
+    """Combine(mode="block.combination") reading "mean" was taken for "sum" with no word: only the exact "average"
+    halved the sum, so a misspelt or unknown mode read from the block passed check and served a sum."""
+    registered(block_classes=("ModeBlock",), combine=Combine(output_index=0, mode="block.combination"))
+    hand = model_of(ModeBlock)
+    with pytest.raises(FamilyError, match=r"family 'hand': Combine\.mode='block\.combination' reads 'mean' from "
+                                          r"ModeBlock, which is not one of \('sum', 'average'\)"):
+        families.check(moelens.wrap(hand), IDS)
+    for layer in hand.layers:
+        layer["moe"].combination = "sum"  # what the block computes: the same reference then passes
+    assert families.check(moelens.wrap(hand), IDS)

@@ -15,9 +15,10 @@ import warnings
 from dataclasses import replace
 from typing import Any
 
+import nnsight
 import torch
 
-from ..errors import FamilyError
+from ..errors import FamilyError, ValueUnavailable
 from . import layout_check
 from .entry import find_path
 from .scoring import SCORE_FUNCTIONS, kept_groups, score
@@ -39,13 +40,15 @@ CHECKED_VALUES = ("router_logits", "expert_weights", "expert_indices", "routed_o
 
 
 def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
-    """Run ``model`` once on the inputs (``model.trace(*args, **kwargs)``) and check its MoE blocks' family entries.
+    """Run ``model`` on the inputs (``model.trace(*args, **kwargs)``) and check its MoE blocks' family entries.
 
     For each block that runs: under top-k selection the served experts are the top k of what the entry ranks
-    (`_selection_problem`); the entry's `Scoring` (score function, normalisation, scale; `select` picks which
-    scores) applied to the served logits at the served expert indices gives the weights the experts got; and the
-    entry's `Combine` of the served routed and shared outputs gives the block's output. Meant for an entry of your
-    own (`register`) on a model you trust: moelens' own entries pass on every family's tiny model.
+    (`_selection_problem`); where the router ranks selection scores, the op the entry reads them at holds the
+    scores plus the selection bias (`_selection_scores_problem`, read in a second run); the entry's `Scoring`
+    (score function, normalisation, scale; `select` picks which scores) applied to the served logits at the served
+    expert indices gives the weights the experts got; and the entry's `Combine` of the served routed and shared
+    outputs gives the block's output. Meant for an entry of your own (`register`) on a model you trust: moelens'
+    own entries pass on every family's tiny model.
 
     Returns:
         The paths of the blocks checked (a block whose weights are no function of its logits and indices alone,
@@ -73,11 +76,15 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
         saved = model.save_all(list(CHECKED_VALUES), moes=moes)
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
+    selections, unread = _read_selection_scores(model, [moe for moe in moes if not unchecked[moe.path]], args, kwargs)
     problems, unscored, unchecked_layouts = [], {}, {}
+    if unread:
+        problems.append(f"its selection_scores cannot be read ({unread.rstrip('.')}). {SELECTION_FIX}")
     dropping = {moe.path for moe in moes if _drops_out(moe._module)}
     for moe, values in zip(moes, saved.values()):
         layout, unchecked_layouts[moe.path] = _layout_problem(moe)
         found = ("" if unchecked[moe.path] else _selection_problem(moe, values),
+                 _selection_scores_problem(moe, *selections[moe.path]) if moe.path in selections else "",
                  "" if unchecked[moe.path] else _weights_problem(moe, values),
                  "" if moe.path in dropping else _output_problem(moe, values), layout)
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
@@ -186,14 +193,8 @@ def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     family, block, scoring = moe.family, moe._module, moe.SCORING
     if scoring.select not in ("score_topk", "logit_topk", "group_topk"):
         return ""
-    logits, indices = values["router_logits"].float(), values["expert_indices"]
-    ranked, what = logits, "its logits"
-    if scoring.select != "logit_topk":
-        score_name = family.score_of(block)
-        ranked, what = score(score_name, logits, family.softcap_of(block)), f"its {score_name} scores"
-    if family.holds(scoring.selection_bias, block):
-        ranked = ranked + family.resolve(scoring.selection_bias, block).float()
-        what += f" plus {scoring.selection_bias}"
+    indices = values["expert_indices"]
+    ranked, what = _entry_ranking(moe, values["router_logits"])
     groups = family.groups_of(block)
     close = torch.zeros(ranked.shape[:-1], dtype=torch.bool, device=ranked.device)
     if groups is not None:
@@ -217,6 +218,78 @@ def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
             f"something else; {remedy}. route_around and force act on the entry's ranking.")
 
 
+def _entry_ranking(moe: Any, logits: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """What the entry says ``moe``'s router ranks before any group is dropped ``[..., E]`` (the ``logits`` under
+    ``logit_topk``, else their scores; plus the selection bias where the block has one), and that in words."""
+    family, block, scoring = moe.family, moe._module, moe.SCORING
+    ranked, what = logits.float(), "its logits"
+    if scoring.select != "logit_topk":
+        score_name = family.score_of(block)
+        ranked, what = score(score_name, ranked, family.softcap_of(block)), f"its {score_name} scores"
+    if family.holds(scoring.selection_bias, block):
+        ranked = ranked + family.resolve(scoring.selection_bias, block).detach().float()
+        what += f" plus {scoring.selection_bias}"
+    return ranked, what
+
+
+def _read_selection_scores(model: Any, moes: list[Any], args: tuple, kwargs: dict
+                           ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str]:
+    """``(router_logits, selection_scores)`` of each of ``moes`` whose router ranks selection scores
+    (`Moe.ranks_selection_scores`), read in one more run on the inputs; with the error that stopped the run, or ""
+    (a read at an op that holds no scores per token)."""
+    ranking = [moe for moe in moes if moe.ranks_selection_scores]
+    if not ranking:
+        return {}, ""
+    try:
+        with torch.no_grad(), model.trace(*args, **kwargs):
+            read = nnsight.save({moe.path: (moe.router_logits.save(), moe.selection_scores.save()) for moe in ranking})
+    except (FamilyError, ValueUnavailable) as error:
+        return {}, str(error)
+    return read, ""
+
+
+def _selection_scores_problem(moe: Any, logits: torch.Tensor, selection: torch.Tensor) -> str:
+    """What is wrong with the op the entry reads ``moe``'s `selection_scores` at, or "": they are what the router
+    ranks, the scores plus the selection bias (`_entry_ranking`). Read elsewhere (the scores without the bias),
+    ``force`` and ``route_around`` write at the wrong op: the router ranks other numbers, or weighs its experts by
+    the +inf written there."""
+    ranked, what = _entry_ranking(moe, logits)
+    tolerance = _tolerance(logits, selection)
+    if selection.shape == ranked.shape and torch.allclose(selection.float(), ranked, **tolerance):
+        return ""
+    difference = (f"largest difference {float((selection.float() - ranked).abs().max()):.3g}"
+                  if selection.shape == ranked.shape else f"shape {list(selection.shape)}, not {list(ranked.shape)}")
+    return (f"its selection_scores, read where {_selection_named(moe)} names, are not what the router ranks by the "
+            f"entry ({what}; {difference}): force and route_around write there, so the router would rank other "
+            f"numbers or weigh its experts by what is written. {SELECTION_FIX}"
+            + ("" if moe.SCORING.selection_in else f" {_router_ops(moe)}"))
+
+
+#: What to do about a `Scoring.selection_op` / `selection_arg` that reads no selection scores.
+SELECTION_FIX = ("Name in Scoring.selection_op the router op whose output is the scores plus the selection bias "
+                 "(choice = scores + bias), or the top-k call that ranks them with Scoring.selection_arg the position "
+                 "of its argument that holds them (0 for torch.topk(scores + bias, k)).")
+
+
+def _selection_named(moe: Any) -> str:
+    """The entry's settings that say where ``moe``'s `selection_scores` are read, as written in a `Scoring`."""
+    scoring = moe.SCORING
+    return f"Scoring(selection_op={scoring.selection_op!r}, selection_arg={scoring.selection_arg!r})"
+
+
+def _router_ops(moe: Any, after: str | None = None) -> str:
+    """The ops nnsight knows in ``moe``'s router's forward (those after the op ``after`` where it names one), as a
+    sentence for an error; "" where there are none to list."""
+    try:
+        names = list(moe.router.source.names)
+    except Exception:  # noqa: BLE001 - a router without readable source: its ops cannot be listed
+        return ""
+    where = "in its forward"
+    if after in names:
+        names, where = names[names.index(after) + 1:], f"after {after}"
+    return f"The router's ops {where}: {', '.join(names)}." if names else ""
+
+
 def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the entry's scoring on this block's run (one whose weights it can recompute), or ""."""
     family, scoring = moe.family, moe.SCORING
@@ -227,9 +300,14 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     if torch.allclose(weights.float(), entry, **tolerance):
         return ""
     difference = float((weights.float() - entry).abs().max())
+    fitting = _fitting(weights.float(), logits, indices, (score_name, scoring.select, normalize), scale, softcap,
+                       tolerance)
+    if fitting == NOTHING_FITS:
+        fitting += (f"; or the Scoring is right and logits_op is wrong: logits_op={family.logits_op!r} may name "
+                    "another tensor than the one the router scores (such as the logits before the router divides them "
+                    f"by a temperature): name the op whose output it scores. {_router_ops(moe, family.logits_op)}")
     return (f"the weights its experts got are not what the scoring of family {family.name!r} gives "
-            f"({_described(scoring)}; largest difference {difference:.3g}): "
-            f"{_fitting(weights.float(), logits, indices, (score_name, scoring.select, normalize), scale, softcap, tolerance)}. "
+            f"({_described(scoring)}; largest difference {difference:.3g}): {fitting.rstrip('.')}. "
             "router_probs, the routing analysis and the export follow the entry.")
 
 
@@ -277,7 +355,11 @@ def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor,
         if not math.isclose(ratio, scale if scale is not None else 1.0, rel_tol=1e-3):
             changes.append(f"scale={ratio:.4g}")
         return f"with {', '.join(changes)} (the entry's other settings as they are) it gives them"
-    return "no softmax / sigmoid scoring of the logits or of the chosen ones, normalised or not, gives them"
+    return NOTHING_FITS
+
+
+#: `_fitting`'s answer where no scoring gives the weights.
+NOTHING_FITS = "no softmax / sigmoid scoring of the logits or of the chosen ones, normalised or not, gives them"
 
 
 def _factor(weights: torch.Tensor, candidate: torch.Tensor, tolerance: dict[str, float]) -> float | None:
@@ -328,7 +410,7 @@ def _combine_fitting(family: Any, block: Any, routed: torch.Tensor, shared: torc
         return generic
     routed, output = routed.float(), output.float()
     rest = torch.zeros_like(output) if shared is None else shared.float()
-    own_mode, own_scale = family.resolve(combine.mode, block), family.resolve(combine.routed_scale, block)
+    own_mode, own_scale = family.mode_of(block), family.resolve(combine.routed_scale, block)
     for mode in dict.fromkeys((own_mode, "sum", "average")):
         target = output * 2 - rest if mode == "average" else output - rest  # what the scaled routed output must be
         scale = float((target * routed).sum() / (routed * routed).sum())

@@ -517,11 +517,23 @@ class Family:
             output = get_path(block, combine.routed_post)(output)
         if shared is not None and not (self.shared is not None and self.shared.on_layer):
             output = output + shared
-            if self.resolve(combine.mode, block) == "average":
+            if self.mode_of(block) == "average":
                 output = output / 2
         if combine.block_post:
             output = get_path(block, combine.block_post)(output)
         return output
+
+    def mode_of(self, block: Any) -> str:
+        """How the live ``block`` combines routed and shared output: `Combine.mode`, read from the block where it is
+        an attribute reference; one of `COMBINE_MODES`."""
+        mode = self.resolve(self.combine.mode, block)
+        if mode not in COMBINE_MODES:
+            raise FamilyError(
+                f"family {self.name!r}: Combine.mode={self.combine.mode!r} reads {mode!r} from "
+                f"{type(block).__name__}, which is not one of {COMBINE_MODES}: name the attribute that holds one of "
+                "them, or give the mode itself (Combine(mode=\"sum\"))."
+            )
+        return mode
 
     def order(self) -> tuple[str, ...]:
         """The served values in the order the model produces them for this family."""
