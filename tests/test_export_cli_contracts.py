@@ -343,7 +343,7 @@ def test_an_edit_of_a_layer_block_does_not_export_is_refused_by_its_option(monke
     status = main(["export", "tiny", str(out), "--block", "1", "--ablate", "2:3", "--steer", "1:2=1", "--swap", "3:1=0"])
     err = capsys.readouterr().err
     assert status == 2 and err == (
-        "moelens export: error: --ablate 2:..., --swap 3:...: --block 1 exports layer 1's MoE block alone, so it "
+        "moelens export: error: --ablate of layer 2, --swap of layer 3: --block 1 exports layer 1's MoE block alone, so it "
         "takes edits of layer 1 only; edit that layer, or export the whole model (without --block).\n")
     assert not out.exists()
 
@@ -506,6 +506,7 @@ def test_block_refuses_a_layer_with_several_moe_blocks_naming_them(tmp_path, cap
 
     hf = tiny_model("ernie4_5_vl_moe")
     hf.save_pretrained(tmp_path / "ernie")
+    capsys.readouterr()  # transformers' progress bar, where no command has turned them off before (run alone)
     both = ["layers.1.mlp.text_moe", "layers.1.mlp.vision_moe"]
     assert set(both) <= {name for name, _ in hf.named_modules()}  # the model's own two blocks of layer 1
     out = tmp_path / "block.nnef.tgz"

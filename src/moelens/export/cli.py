@@ -186,7 +186,7 @@ def _block_of_layer(model: Any, layer: int) -> Any:
 
 def _refuse_edits_elsewhere(edits: Any, block: int) -> None:
     """Raise `MoelensError` when an edit option names a layer other than ``--block``'s, the only one exported."""
-    elsewhere = [f"--{option.replace('_', '-')} {layer}:..." for option in EDIT_OPTIONS
+    elsewhere = [f"--{option.replace('_', '-')} of layer {layer}" for option in EDIT_OPTIONS
                  for layer in getattr(edits, option) if layer != block]
     if elsewhere:
         raise MoelensError(
