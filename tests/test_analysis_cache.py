@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -227,3 +230,92 @@ def test_editing_a_shard_handed_out_leaves_the_cache_as_collected(model, tmp_pat
             shard.token_ids.zero_()
         assert counts_by_hand() == before
         assert analysis.expert_usage(source).counts[0].tolist() == before  # row 0: the first layer
+
+
+def rewrite_shard(path: Path, change: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    """Rewrite the shard file ``path`` with ``change`` applied to its tensors (name -> tensor), keeping its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as file:
+        metadata = file.metadata()
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path), metadata=metadata)
+
+
+@pytest.mark.parametrize("change, problem", [
+    pytest.param(lambda t: t.pop("weights.1"), r"holds weights of layers \[0, 2, 3\]", id="no weights.1"),
+    pytest.param(lambda t: t.update({"indices.0": t["indices.0"][:-2]}), r"indices\.0 has shape \[7, 2\]",
+                 id="indices.0 two rows short"),
+    pytest.param(lambda t: t["indices.0"].__setitem__((0, 0), 77), r"indices\.0 hold expert 77",
+                 id="indices.0 holds expert 77"),
+    pytest.param(lambda t: t.update({"logits.0": t["logits.0"][:, :2]}), r"logits\.0 .* shape \[9, 2\]",
+                 id="logits.0 of 2 columns"),
+])
+def test_a_shard_that_does_not_hold_what_routing_json_lists_is_refused_by_name(model, tmp_path, change, problem):
+    """A shard lacking a layer's tensor, or holding one of the wrong rows, columns or experts, was accepted: analyses
+    then raised a bare KeyError or IndexError deep inside, or (too few logit columns) served [T, 2] logits of an
+    E=8 layer. Ground truth: the tensor this test took out of or spoiled in the shard file."""
+    folder = tmp_path / "routing"
+    analysis.collect_routing(model, [[5, 6, 7, 8, 9, 10], [11, 12, 13]], logits=True, folder=folder, progress=False)
+    cache = RoutingCache.load(folder)
+    assert cache.num_experts[0] == 8 and cache.top_k[0] == 2 and cache.num_tokens == 9
+    assert analysis.expert_usage(cache).counts.sum() == 9 * 2 * len(cache.layers)  # intact, it reads
+    shard = folder / "shard-00000.safetensors"
+    rewrite_shard(shard, change)
+    for read in (lambda: RoutingCache.load(folder).logits(0), lambda: analysis.expert_usage(RoutingCache.load(folder)),
+                 lambda: RoutingCache.load(folder).weights(1)):
+        with pytest.raises(MoelensError, match=rf"file '{re.escape(str(shard))}' is damaged \(.*{problem}"):
+            read()
+
+
+@pytest.mark.parametrize("entry", ["num_experts", "top_k", "score"])
+def test_a_routing_json_lacking_a_layers_entry_is_refused_by_name(model, tmp_path, entry):
+    """A routing.json whose num_experts, top_k or score lacks one of its layers loaded, and analyses raised a bare
+    KeyError. Ground truth: the entry this test deleted from the file."""
+    folder = tmp_path / "routing"
+    analysis.collect_routing(model, [[5, 6, 7, 8]], logits=True, folder=folder, progress=False)
+    meta = json.loads((folder / META_FILE).read_text())
+    del meta[entry]["1"]
+    (folder / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(MoelensError, match=rf"file '{re.escape(str(folder / META_FILE))}' is damaged \(no {entry} entry for layer 1\)"):
+        RoutingCache.load(folder)
+
+
+def test_a_shard_copied_in_from_another_cache_is_refused_by_name(model, tmp_path):
+    """A freshly loaded folder holding a shard of another collection said the cache 'was replaced after this cache
+    object opened it' and to open the folder again, which failed the same way, naming the folder and not the shard.
+    Ground truth: the shard file this test copied over from another cache."""
+    import shutil
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    analysis.collect_routing(model, [[5, 6, 7, 8]], folder=mine, progress=False)
+    analysis.collect_routing(model, [[9, 10, 11, 12]], folder=other, progress=False)
+    shard = mine / "shard-00000.safetensors"
+    shutil.copy(other / shard.name, shard)
+    for _ in range(2):  # opening again says the same: the shard is what is wrong
+        with pytest.raises(MoelensError, match=rf"file '{re.escape(str(shard))}' is damaged \(a collection other than the one "
+                                               r"routing\.json lists wrote it") as raised:
+            RoutingCache.load(mine).token_ids()
+        assert "replaced" not in str(raised.value)
+
+
+@pytest.mark.parametrize("format, message", [
+    (2, r"has format 2; this moelens reads format 1: collect the routing again with this moelens .* or read the cache "
+        r"with the moelens version that wrote it"),
+    (None, r"is not a moelens routing cache's routing\.json \(no format recorded in it\)"),
+    (True, r"is not a moelens routing cache's routing\.json \(its format is True, not a format number\)"),
+], ids=["format 2", "no format", "format true"])
+def test_a_routing_json_of_another_format_or_none_says_what_to_do(model, tmp_path, format, message):
+    """A routing.json of another format said only 'has format 2; this moelens reads format 1.', one with no format
+    (not a moelens cache) 'has format None', and one whose format is true (== 1 in Python) was read as format 1."""
+    folder = tmp_path / "routing"
+    analysis.collect_routing(model, [[5, 6, 7, 8]], folder=folder, progress=False)
+    meta = json.loads((folder / META_FILE).read_text())
+    meta.pop("format")
+    if format is not None:
+        meta["format"] = format
+    (folder / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(MoelensError, match=rf"'{re.escape(str(folder / META_FILE))}' {message}"):
+        RoutingCache.load(folder)

@@ -250,11 +250,71 @@ class RoutingCache:
         except (SafetensorError, OSError, KeyError, ValueError) as error:
             raise damaged(path, f"{type(error).__name__}: {error}") from None
         if written_by != self._collection:
-            raise self._replaced()
-        if shard.num_tokens != tokens or list(shard.indices) != sorted(self.layers):
-            raise damaged(path, f"it holds {shard.num_tokens} tokens of layers {list(shard.indices)}, where {META_FILE} "
-                                f"lists {tokens} tokens of layers {sorted(self.layers)}")
+            self._check_not_replaced()  # routing.json gone, damaged or another collection's: that is what to say
+            raise damaged(path, f"a collection other than the one {META_FILE} lists wrote it: a shard of another cache, "
+                                "copied in")
+        problem = self._shard_problem(shard, tokens)
+        if problem is not None:
+            raise damaged(path, problem)
         return shard
+
+    def _shard_problem(self, shard: Shard, tokens: int) -> str | None:
+        """What keeps ``shard`` (read from disk) from being the ``tokens`` tokens ``routing.json`` lists for it, or None
+        when it holds them: ``[tokens]`` token ids, text indices and positions, and every layer's indices, weights (and
+        logits, when the cache has them) as `_layer_problem` checks them."""
+        for name in ("token_ids", "text_index", "position"):
+            shape = list(getattr(shard, name).shape)
+            if shape != [tokens]:
+                return f"its {name} has shape {shape}, where {META_FILE} lists {tokens} tokens"
+        layers = sorted(self.layers)
+        for kind in ("indices", "weights") + (("logits",) if self.has_logits else ()):
+            held = list(getattr(shard, kind))
+            if held != layers:
+                return f"it holds {kind} of layers {held}, where {META_FILE} lists layers {layers}"
+        for layer in layers:
+            problem = self._layer_problem(shard, layer, tokens)
+            if problem is not None:
+                return problem
+        return None
+
+    def _layer_problem(self, shard: Shard, layer: int, tokens: int) -> str | None:
+        """What is wrong with ``shard``'s tensors of ``layer``, or None: indices (signed integers, each an expert of the
+        layer or `SKIPPED`) and floating-point weights of shape ``[tokens, k]``, floating-point logits of shape
+        ``[tokens, E or more]`` (some families' routers have columns past their experts': inkling's shared gates)."""
+        k, experts = self.top_k[layer], self.num_experts[layer]
+        indices, weights = shard.indices[layer], shard.weights[layer]
+        for name, tensor in (("indices", indices), ("weights", weights)):
+            if list(tensor.shape) != [tokens, k]:
+                return (f"its {name}.{layer} has shape {list(tensor.shape)}, where {META_FILE} lists {tokens} tokens "
+                        f"and top_k {k}")
+        if indices.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64) or not weights.is_floating_point():
+            return f"its indices.{layer} are {indices.dtype} and weights.{layer} {weights.dtype}, not integers and floats"
+        if indices.numel():
+            low, high = (int(bound) for bound in torch.aminmax(indices))
+            if low < SKIPPED or high >= experts:
+                return (f"its indices.{layer} hold expert {high if high >= experts else low}, where {META_FILE} lists "
+                        f"{experts} experts for the layer (0 to {experts - 1}, or {SKIPPED} for a slot that ran none)")
+        if self.has_logits:
+            logits = shard.logits[layer]
+            if logits.dim() != 2 or logits.shape[0] != tokens or logits.shape[1] < experts or not logits.is_floating_point():
+                return (f"its logits.{layer} are {logits.dtype} of shape {list(logits.shape)}, where {META_FILE} lists "
+                        f"{tokens} tokens and {experts} experts (floats of shape [{tokens}, {experts} or more])")
+        return None
+
+    def _layer_entries_problem(self) -> str | None:
+        """What keeps ``num_experts``, ``top_k`` and ``score`` (as read from ``routing.json``) from giving every layer a
+        positive integer E and k and a score function name, or None when they do."""
+        for name in ("num_experts", "top_k", "score"):
+            entries = getattr(self, name)
+            for layer in self.layers:
+                if layer not in entries:
+                    return f"no {name} entry for layer {layer}"
+                value = entries[layer]
+                if name == "score" and not isinstance(value, str):
+                    return f"its score entry for layer {layer} is {value!r}, not a score function name"
+                if name != "score" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    return f"its {name} entry for layer {layer} is {value!r}, not a positive integer"
+        return None
 
     def layer_key(self, layer: Any) -> int:
         """``layer`` (an integer decoder-layer index, or a numpy / 0-d tensor one) as the int key of one of this cache's MoE
@@ -343,8 +403,7 @@ class RoutingCache:
             raise damaged(meta_path, f"not JSON: {error}") from None
         if not isinstance(meta, dict):
             raise damaged(meta_path, f"a JSON {type(meta).__name__}, not an object")
-        if meta.get("format") != FORMAT_VERSION:
-            raise MoelensError(f"{meta_path} has format {meta.get('format')!r}; this moelens reads format {FORMAT_VERSION}.")
+        check_format(meta_path, meta)
         if meta.get("complete") is False:
             raise MoelensError(
                 f"the routing cache in {str(folder)!r} is incomplete: the collection writing it stopped before the end "
@@ -368,6 +427,9 @@ class RoutingCache:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise damaged(meta_path, f"no {error} entry" if isinstance(error, KeyError) else str(error)) from None
+        problem = cache._layer_entries_problem()
+        if problem is not None:
+            raise damaged(meta_path, problem)
         for name, _ in cache._files:
             if not SHARD_NAME.fullmatch(name) or not (folder / name).is_file():
                 raise damaged(meta_path, f"it lists the shard file {name!r}, which is not in {str(folder)!r}")
@@ -400,13 +462,32 @@ def check_folder(path: Path, what: str) -> None:
         )
 
 
+def check_format(meta_path: Path, meta: dict) -> None:
+    """Refuse a ``routing.json`` (``meta``, read from ``meta_path``) that records no format number (no moelens cache's)
+    or another format than this moelens reads."""
+    found = meta.get("format")
+    if isinstance(found, bool) or not isinstance(found, int):
+        recorded = "no format recorded in it" if found is None else f"its format is {found!r}, not a format number"
+        raise MoelensError(
+            f"{str(meta_path)!r} is not a moelens routing cache's {META_FILE} ({recorded}); open a folder that "
+            "collect_routing(..., folder=...) or cache.save(folder) wrote."
+        )
+    if found != FORMAT_VERSION:
+        raise MoelensError(
+            f"{str(meta_path)!r} has format {found}; this moelens reads format {FORMAT_VERSION}: collect the routing "
+            "again with this moelens (collect_routing(..., folder=...)), or read the cache with the moelens version "
+            "that wrote it."
+        )
+
+
 def _cache_meta(folder: Path) -> dict | None:
     """The ``routing.json`` in ``folder`` when it is a moelens cache's (it records the format), else None."""
     try:
         meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    return meta if isinstance(meta, dict) and isinstance(meta.get("format"), int) else None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    return meta if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def listed_shards(meta: dict | None) -> list[str]:
