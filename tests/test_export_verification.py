@@ -66,29 +66,85 @@ def test_export_fails_when_tract_differs_from_torch(block, quantize, tmp_path, m
     with pytest.raises(ExportError, match="tract's output differs from torch") as caught:
         to_nnef(block, path, quantize_experts=quantize)
     assert seen, "tract was not run"
-    assert "The archive was written; please report this model." in str(caught.value)  # no tied experts to blame
+    assert "The archive was written; please report this model." in str(caught.value)
     assert ("Q4_0" in str(caught.value)) == (quantize == "q4_0")
     assert path.exists()
 
 
-def test_a_failed_check_after_router_rows_were_copied_names_the_tied_experts(tmp_path):
+def test_a_router_row_copied_onto_an_expert_with_other_weights_is_refused_before_anything_is_written(tmp_path):
     """A router row copied onto another expert with moe.params() (a use interventions.md names) makes the two tie on
-    every token, and tract's top-k breaks the ties otherwise than torch's: the check failed with "please report this
-    model". It now names the tied experts per layer and the way out; a copy scaled by 1.01 exports."""
+    every token, and tract's top-k breaks the ties otherwise than torch's. The check after writing only failed where
+    the example inputs put the tied pair across the top-k boundary: with the default inputs the export passed and the
+    archive was silently wrong on other inputs (moelens-tiny: by up to 1.7). Such a tie is now refused up front,
+    naming the layer and the experts, and nothing is written; a copy scaled by 1.01 exports."""
     model = moelens.wrap(tiny_model("mixtral"))
+    moe = model.moes[2]
     with torch.no_grad():
-        for layer, moe in enumerate(model.moes):
-            moe.params((layer + 1) % 8).router.copy_(moe.params((layer + 5) % 8).router)
-    with pytest.raises(ExportError, match=r"The archive was written; its routers give experts the same row, so their "
-                                          r"logits tie on every token \(layer 0: experts 1 and 5; layer 1: experts 2 and "
-                                          r"6; layer 2: experts 3 and 7 \.\.\.\), and tract's top-k breaks ties otherwise "
-                                          r"than torch's: make the rows differ \(e\.g\. scale a copied row by 1\.01\) or route "
-                                          r"around one of the experts \(ablate\(moe, e, \"route_around\"\)"):
-        to_nnef(model, tmp_path / "tied.nnef.tgz")
+        moe.params(3).router.copy_(moe.params(5).router)
+    weights = moe.params()  # ground truth from the weights: the rows tie, the experts compute differently
+    assert torch.equal(weights.router[3], weights.router[5]) and not torch.equal(weights.down[3], weights.down[5])
+    assert moe.top_k < moe.num_experts
+    path = tmp_path / "tied.nnef.tgz"
+    with pytest.raises(ExportRefused, match=r"a router gives two experts the same row but not the same weights, so "
+                                            r"their logits tie on every token \(layer 2: experts 3 and 5\), and tract's "
+                                            r"top-k breaks ties otherwise than torch's: .* Make the rows differ \(e\.g\. "
+                                            r"scale a copied row by 1\.01\) or route around one of the experts"):
+        to_nnef(model, path)
+    assert not path.exists()
+    with pytest.raises(ExportRefused, match=r"\(layer 2: experts 3 and 5\)"):  # the block on its own, too
+        to_nnef(moe, tmp_path / "tied-block.nnef.tgz")
+    assert not (tmp_path / "tied-block.nnef.tgz").exists()
     with torch.no_grad():
-        for layer, moe in enumerate(model.moes):
-            moe.params((layer + 1) % 8).router.mul_(1.01)
+        moe.params(3).router.mul_(1.01)
     assert to_nnef(model, tmp_path / "apart.nnef.tgz").verification.tolerance is not None
+
+
+def test_an_expert_duplicated_whole_exports_and_matches_tract_on_other_inputs(tmp_path):
+    """An expert copied whole (router row and weights) ties too, but either pick computes the same, so the tie changes
+    nothing: the export goes on, and the archive run in tract matches the unwrapped model in torch on inputs other
+    than the ones it was checked on."""
+    hf = tiny_model("mixtral")
+    model = moelens.wrap(hf)
+    moe = model.moes[2]
+    with torch.no_grad():
+        source, copied = moe.params(5), moe.params(3)
+        for name in ("router", "gate", "up", "down"):
+            getattr(copied, name).copy_(getattr(source, name))
+    path = tmp_path / "duplicated.nnef.tgz"
+    assert to_nnef(model, path).verification.tolerance is not None
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(3, hf.config.vocab_size, (1, 8), generator=generator)
+        with torch.no_grad():
+            expected = hf(input_ids=ids, use_cache=False).logits.numpy()
+        error = np.abs(run(path, ids) - expected).max()
+        assert error <= 1e-3 * np.abs(expected).max(), error
+
+
+def test_only_ties_between_experts_that_compute_differently_and_that_top_k_can_split_matter(block):
+    """The refusal's rule, on the spec read from the weights: a copied router row ties the two experts; the tie matters
+    unless the experts' weights are equal too, or k covers every expert not routed around. Past three blocks the
+    refusal names the first three."""
+    from dataclasses import replace
+
+    from moelens.export.spec import read_spec, refuse_ties
+
+    spec = read_spec(block.family, block._module, block.layer)
+    wg = spec.wg.clone()
+    wg[1] = wg[3]
+    tied = spec.with_weights(wg=wg)
+    assert tied.ties_that_matter() == [(1, 3)]
+    whole = tied.clone()
+    for name in ("w1", "w2", "w3"):
+        getattr(whole, name)[1] = getattr(whole, name)[3]
+    assert whole.ties_that_matter() == []  # the same expert twice: either pick computes the same
+    bias = torch.full((wg.shape[0],), float("-inf"))
+    bias[[1, 3]] = 0.0
+    assert tied.with_weights(wg_bias=bias).ties_that_matter() == []  # k=2 of the 2 selectable: both always chosen
+    with pytest.raises(ExportRefused, match=r"\(layer 0: experts 1 and 3; layer 1: experts 1 and 3; layer 2: experts "
+                                            r"1 and 3 \.\.\.\)"):
+        refuse_ties([whole] + [replace(tied, layer=layer) for layer in range(4)])
+    refuse_ties([whole, spec])  # nothing that matters: no refusal
 
 
 def test_tied_experts_are_selectable_experts_with_the_same_router_row_and_bias(block):

@@ -34,7 +34,7 @@ from .block import ExportBlock, TractMoeFfn, check_block
 from .edits import Edits, as_edits
 from .errors import ExportError, ExportRefused, TractRunFailed
 from .masks import attention_masks, layer_kinds, positions
-from .spec import MoeSpec, read_spec
+from .spec import MoeSpec, read_spec, refuse_ties
 from .target import Block, Target, resolve
 
 #: Expert weight storage: None (float32) or "q4_0".
@@ -268,7 +268,8 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
     """A float32 deep copy of the target with every MoE block replaced by an `ExportBlock`.
 
     Each block's spec is read through its family entry, checked against the real block
-    on random inputs (`check_block`), and then edited (`Edits.bake`).
+    on random inputs (`check_block`), and then edited (`Edits.bake`). Blocks whose router ties two
+    experts that compute differently are refused (`refuse_ties`): tract would break the ties otherwise than torch.
     """
     edits = edits or Edits()
     _refuse_unloaded_weights(target)
@@ -301,8 +302,9 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
                     f"32 (tract quantizes each expert matrix row in groups of 32), here D={hidden} and H={inner}; "
                     "export the experts in float32."
                 )
-    for block, live, spec in read:
-        spec = edits.bake(spec)
+    baked = [(block, live, edits.bake(spec)) for block, live, spec in read]
+    refuse_ties(spec for _, _, spec in baked)  # edits may make ties (steer) or undo them (route_around, swap)
+    for block, live, spec in baked:
         moe = TractMoeFfn(spec, quantize=quantize_experts, layout=layout)
         replacements.append((block.name, ExportBlock(block.family, live, moe, root=not block.name)))
         reports.append(BlockReport(block.layer, block.family.name, spec.gate, spec.activation_label, spec.k,

@@ -13,7 +13,7 @@ export is checked against.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,25 @@ class MoeSpec:
         close &= torch.isfinite(bias)[:, None] & torch.isfinite(bias)[None, :]  # routed around: never chosen
         return [(int(a), int(b)) for a, b in torch.triu(close, diagonal=1).nonzero().tolist()]
 
+    @property
+    def selectable(self) -> int:
+        """How many experts the router can choose: those not routed around (a finite router bias, or none)."""
+        if self.wg_bias is None:
+            return self.num_experts
+        return int(torch.isfinite(self.wg_bias).sum())
+
+    def same_expert(self, a: int, b: int) -> bool:
+        """Whether experts ``a`` and ``b`` compute the same output on every token: equal w1/w2/w3 and biases."""
+        return all(value is None or torch.equal(value[a], value[b])
+                   for name, value in self.tensors().items() if name not in ("wg", "wg_bias"))
+
+    def ties_that_matter(self) -> list[tuple[int, int]]:
+        """The `tied_experts` pairs whose tie can change the output: the two experts' weights differ, and top-k
+        leaves some selectable expert out (so the pair can straddle its boundary). Empty when there are none."""
+        if self.k >= self.selectable:
+            return []
+        return [(a, b) for a, b in self.tied_experts() if not self.same_expert(a, b)]
+
     def with_weights(self, **weights: Tensor | None) -> "MoeSpec":
         """A copy with some tensors replaced (the others are shared)."""
         return replace(self, notes=list(self.notes), **weights)
@@ -155,6 +174,23 @@ class MoeSpec:
         """What tract_moe_ffn outputs for ``x`` (``[T, D]`` or ``[B, S, D]``), before `scale`."""
         weights = self.routing_weights(x)
         return torch.einsum("...e,...ed->...d", weights, self.expert_outputs(x))
+
+
+def refuse_ties(specs: Iterable[MoeSpec]) -> None:
+    """Raise `ExportRefused` where a block's router gives two experts with different weights the same row (a row
+    copied with ``moe.params()``): their logits tie on every token, and tract's top-k breaks such ties otherwise than
+    torch's, so the archive would compute the other expert for some tokens (`MoeSpec.ties_that_matter`)."""
+    tied = [f"{'the block' if spec.layer is None else f'layer {spec.layer}'}: experts "
+            f"{', '.join(f'{a} and {b}' for a, b in pairs)}"
+            for spec in specs if (pairs := spec.ties_that_matter())]
+    if tied:
+        raise ExportRefused(
+            f"a router gives two experts the same row but not the same weights, so their logits tie on every token "
+            f"({'; '.join(tied[:3])}{' ...' if len(tied) > 3 else ''}), and tract's top-k breaks ties otherwise than "
+            "torch's: the archive would compute the other expert for some tokens. Make the rows differ (e.g. scale a "
+            "copied row by 1.01) or route around one of the experts (ablate(moe, e, \"route_around\"), "
+            "Edits(route_around=...)), and export again (an expert copied whole, router row and weights, exports)."
+        )
 
 
 # -- reading a live block ------------------------------------------------------------------

@@ -330,23 +330,7 @@ def _check_once(path: Path, target: Target, prepared: Any, inputs: torch.Tensor,
             f"at input shape {tuple(inputs.shape)} by up to {checked.max_abs_error:.3g}"
             + (f" (and tract computes NaN at {nan} values where torch has numbers)" if nan else "")
             + f", beyond tract's 'approximate' tolerance relative to the output's size {checked.scale:.3g} "
-            f"(met: {checked.tolerance}). The archive was written; " + (_ties(prepared) or "please report this model.")
+            f"(met: {checked.tolerance}). The archive was written; please report this model."
         )
     return result
 
-
-def _ties(prepared: Any) -> str:
-    """Why tract may pick other experts than torch: blocks whose router gives two experts the same row (a row copied
-    with ``moe.params()``), so their logits tie on every token. Empty where there are none."""
-    from .block import TractMoeFfn
-
-    tied = [f"{'the block' if spec.layer is None else f'layer {spec.layer}'}: experts "
-            f"{', '.join(f'{a} and {b}' for a, b in pairs)}"
-            for module in prepared.root.modules() if isinstance(module, TractMoeFfn)
-            if (pairs := (spec := module.spec).tied_experts())]
-    if not tied:
-        return ""
-    return (f"its routers give experts the same row, so their logits tie on every token ({'; '.join(tied[:3])}"
-            f"{' ...' if len(tied) > 3 else ''}), and tract's top-k breaks ties otherwise than torch's: make the rows "
-            "differ (e.g. scale a copied row by 1.01) or route around one of the experts (ablate(moe, e, "
-            "\"route_around\"), Edits(route_around=...)), and export again.")
