@@ -546,6 +546,60 @@ def test_load_names_what_is_wrong_with_the_path(tmp_path):
     assert ".." not in str(error.value).replace(str(tmp_path), "")  # transformers' full stop is not doubled
 
 
+def test_a_damaged_shard_index_or_shard_of_a_sharded_checkpoint_is_named(tmp_path):
+    """A shard index that was not JSON gave json's bare "Expecting property name ... (char 1)" for the folder, and one
+    truncated shard of 16 "the weights file of '<folder>' cannot be read": neither named the file at fault. Ground
+    truth: the file this test damaged; the intact copy loads with the saved model's logits."""
+    import shutil
+
+    hf = tiny_model("qwen2_moe")
+    good = tmp_path / "good"
+    hf.save_pretrained(good, max_shard_size="20KB")
+    shards = sorted(good.glob("model-*.safetensors"))
+    assert len(shards) > 3 and (good / "model.safetensors.index.json").is_file()
+    ids = torch.tensor([[3, 5, 7, 11]])
+    with torch.no_grad():
+        assert torch.equal(moelens.load(good)._module(ids).logits, hf(ids).logits)
+    bad_index = tmp_path / "bad_index"
+    shutil.copytree(good, bad_index)
+    (bad_index / "model.safetensors.index.json").write_text("{bad")
+    with pytest.raises(moelens.MoelensError, match=rf"shard index {re.escape(repr(str(bad_index / 'model.safetensors.index.json')))}"
+                                                   r".* is damaged \(Expecting property name.*\); save the model again "
+                                                   r"with save_pretrained, or restore that file"):
+        moelens.load(bad_index)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    victim = truncated / shards[2].name
+    victim.write_bytes(victim.read_bytes()[:-10])
+    with pytest.raises(moelens.MoelensError, match=r"cannot be read \(.*\): it is damaged or truncated") as error:
+        moelens.load(truncated)
+    named = re.findall(r"model-\d+-of-\d+\.safetensors", str(error.value))
+    assert named == [victim.name] and repr(str(victim)) in str(error.value), str(error.value)
+    assert f"1 of its {len(shards)} weights files" in str(error.value)
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-pickle"])
+def test_a_torch_save_file_passed_to_load_is_sent_to_torch_load_not_to_a_folder(tmp_path, zipped):
+    """moelens.load("converted.pt") on a model saved with torch.save(model, path) (docs/compress.md's way to save a
+    converted model) said "pass that folder", a folder without config.json. Ground truth: the way the error names,
+    moelens.wrap(torch.load(path, weights_only=False)), gives back the saved model's logits."""
+    hf = tiny_model("mixtral")
+    path = tmp_path / "converted.pt"
+    torch.save(hf, path, _use_new_zipfile_serialization=zipped)
+    with pytest.raises(moelens.MoelensError, match=r"is a file; .*: this one was written by torch\.save, not "
+                                                   r"save_pretrained\. Open .* with moelens\.wrap\(torch\.load\(path, "
+                                                   r"weights_only=False\)\), only from a source you trust") as error:
+        moelens.load(path)
+    assert "pass that folder" not in str(error.value)
+    ids = tiny_inputs(hf)["input_ids"]
+    reopened = moelens.wrap(torch.load(path, weights_only=False))
+    with torch.no_grad():
+        assert torch.equal(reopened._module(ids).logits, hf(ids).logits)
+    (tmp_path / "config.json").write_text("{}")  # a file inside a checkpoint folder: that folder is the remedy
+    with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: pass {re.escape(repr(str(tmp_path)))}\.$"):
+        moelens.load(path)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: device_map='cuda' loads")
 def test_a_device_map_this_torch_cannot_place_is_named():
     """device_map="cuda" on a CPU-only torch raised torch's bare AssertionError."""

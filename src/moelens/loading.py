@@ -7,15 +7,17 @@ is refused or warned about with what is wrong and what to do.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from .errors import MoelensError, sentence
 from .model import MoeNNsight, MoeTransformersModel, wrap
@@ -80,8 +82,9 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             (``trust_remote_code``, ``subfolder``, ...) also to the config and tokenizer.
 
     Raises:
-        MoelensError: ``path_or_repo_id`` is a file, has no readable config.json, holds no
-            weights, or weights that do not fit its config (saved weights left unused while
+        MoelensError: ``path_or_repo_id`` is a file (a ``torch.save`` file is named as such), has no
+            readable config.json, holds no weights, damaged weights files or shard index (named), or
+            weights that do not fit its config (saved weights left unused while
             the model's own are missing, or of another shape), or a keyword ``from_pretrained``
             does not take.
 
@@ -103,11 +106,9 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
         path_or_repo_id = TINY_MODEL_PATH  # a user's folder of that name wins, a file of that name does not
     source = str(user_path(path_or_repo_id))  # no hub id starts with ~
     if Path(source).is_file():
-        parent = Path(source).parent
-        advice = f"pass {str(parent)!r}" if (parent / "config.json").is_file() else "pass that folder"
         raise MoelensError(
             f"{source!r} is a file; moelens.load takes the checkpoint folder holding config.json and the "
-            f"weights: {advice}."
+            f"weights: {_file_advice(Path(source))}."
         )
     settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
     _check_local_folder(path_or_repo_id, settings.get("subfolder") or "")
@@ -118,10 +119,12 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
         model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except SafetensorError as error:
         raise MoelensError(
-            f"the weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated; "
+            f"the weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated"
+            f"{_named_damaged(_unreadable_weights(Path(source, settings.get('subfolder', ''))))}; "
             "save the model again with save_pretrained, or copy it again."
         ) from error
     except ValueError as error:
+        _refuse_damaged_index(source, Path(source, settings.get("subfolder", "")), error)
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
                   if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
         raise MoelensError(f"cannot load a model from {source!r}: {sentence(error)}.{advice}") from error
@@ -165,6 +168,71 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     _check_weights_fit(source, info)
     model.eval()
     return wrap(model, tokenizer=tokenizer if tokenizer is not None else _load_tokenizer(source, settings))
+
+
+def _file_advice(file: Path) -> str:
+    """What to pass instead of ``file``, a file given as a checkpoint: its folder when that holds config.json; the
+    way to open a ``torch.save`` file (not a checkpoint) when ``file`` is one; else the checkpoint folder."""
+    if (file.parent / "config.json").is_file():
+        return f"pass {str(file.parent)!r}"
+    if _torch_saved(file):
+        return ("this one was written by torch.save, not save_pretrained. Open a model saved with torch.save(model, "
+                "path) with moelens.wrap(torch.load(path, weights_only=False)), only from a source you trust "
+                "(unpickling runs its code)")
+    return "pass that folder"
+
+
+def _torch_saved(file: Path) -> bool:
+    """Whether ``file`` is what ``torch.save`` writes: a zip archive holding a ``data.pkl``, or (the legacy format) a
+    pickle. Only the first bytes and the zip's listing are read: nothing is unpickled."""
+    try:
+        if zipfile.is_zipfile(file):
+            with zipfile.ZipFile(file) as archive:
+                return any(name.rpartition("/")[2] == "data.pkl" for name in archive.namelist())
+        with open(file, "rb") as handle:
+            head = handle.read(2)
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return len(head) == 2 and head[0] == 0x80 and head[1] <= 5  # pickle's PROTO opcode and a protocol it knows
+
+
+def _unreadable_weights(folder: Path) -> list[Path]:
+    """The ``*.safetensors`` files in ``folder`` whose header safetensors refuses (a damaged or truncated file, such
+    as one shard of a sharded checkpoint); only the headers are read."""
+    unreadable = []
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            unreadable.append(path)
+    return unreadable
+
+
+def _named_damaged(files: list[Path]) -> str:
+    """The damaged weights files ``files`` in words, to follow "it is damaged or truncated" ('' when none is
+    known: the error then speaks of the folder's weights as a whole)."""
+    if not files:
+        return ""
+    total = len(list(files[0].parent.glob("*.safetensors")))
+    names = ", ".join(repr(str(path)) for path in files)
+    return f" ({names}: {len(files)} of its {total} weights files)"
+
+
+def _refuse_damaged_index(source: str, folder: Path, error: ValueError) -> None:
+    """Raise, for ``error`` from loading ``source``, a `MoelensError` naming the shard index file in ``folder``
+    (``*.index.json``, which lists the shard of each weight) that is not JSON; return when every one is."""
+    if not folder.is_dir():
+        return
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            json.loads(index.read_text(encoding="utf-8"))
+        except ValueError as reason:  # not JSON, or not UTF-8 text
+            raise MoelensError(
+                f"cannot load a model from {source!r}: its shard index {str(index)!r}, which lists the weights file "
+                f"of each weight, is damaged ({sentence(reason)}); save the model again with save_pretrained, or "
+                "restore that file (copy it again)."
+            ) from error
 
 
 def _load_config(source: str, settings: dict[str, Any]) -> Any:
