@@ -567,6 +567,10 @@ def test_a_damaged_shard_index_or_shard_of_a_sharded_checkpoint_is_named(tmp_pat
                                                    r".* is damaged \(Expecting property name.*\); save the model again "
                                                    r"with save_pretrained, or restore that file"):
         moelens.load(bad_index)
+    for text in ("{}", '{"metadata": {"total_size": 1}}', '{"weight_map": []}'):  # JSON, but no weight_map object
+        (bad_index / "model.safetensors.index.json").write_text(text)  # (transformers: a bare KeyError 'weight_map')
+        with pytest.raises(moelens.MoelensError, match=r"shard index .* is damaged \(it holds no weight_map object\)"):
+            moelens.load(bad_index)
     truncated = tmp_path / "truncated"
     shutil.copytree(good, truncated)
     victim = truncated / shards[2].name
@@ -595,6 +599,11 @@ def test_a_torch_save_file_passed_to_load_is_sent_to_torch_load_not_to_a_folder(
     reopened = moelens.wrap(torch.load(path, weights_only=False))
     with torch.no_grad():
         assert torch.equal(reopened._module(ids).logits, hf(ids).logits)
+    weights = tmp_path / "weights.pt"  # weights alone: the advice says what to do with them too
+    torch.save(hf.state_dict(), weights, _use_new_zipfile_serialization=zipped)
+    with pytest.raises(moelens.MoelensError, match=r"a file of weights alone \(a state_dict\) loads into the model "
+                                                   r"built from its config \(model\.load_state_dict"):
+        moelens.load(weights)
     (tmp_path / "config.json").write_text("{}")  # a file inside a checkpoint folder: that folder is the remedy
     with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: pass {re.escape(repr(str(tmp_path)))}\.$"):
         moelens.load(path)

@@ -138,6 +138,11 @@ def test_only_ties_between_experts_that_compute_differently_and_that_top_k_can_s
     for name in ("w1", "w2", "w3"):
         getattr(whole, name)[1] = getattr(whole, name)[3]
     assert whole.ties_that_matter() == []  # the same expert twice: either pick computes the same
+    ablated = tied.clone()
+    ablated.w2[[1, 3]] = 0.0
+    assert ablated.ties_that_matter() == []  # both ablated (zero output): either pick adds nothing
+    ablated.w2[3, 0, 0] = 1.0
+    assert ablated.ties_that_matter() == [(1, 3)]
     bias = torch.full((wg.shape[0],), float("-inf"))
     bias[[1, 3]] = 0.0
     assert tied.with_weights(wg_bias=bias).ties_that_matter() == []  # k=2 of the 2 selectable: both always chosen

@@ -947,10 +947,22 @@ class BiasRouter(Router):
         return logits, weights / weights.sum(-1, keepdim=True), index
 
 
-def bias_model() -> Model:
+class CastingBiasRouter(BiasRouter):
+    """`BiasRouter` that casts its input first: an op before the logits op."""
+
+    def forward(self, x):
+        x = x.float()
+        logits = F.linear(x, self.weight)
+        scores = logits.sigmoid()
+        _, index = torch.topk(scores + self.sel_bias, self.top_k, dim=-1)
+        weights = scores.gather(-1, index)
+        return logits, weights / weights.sum(-1, keepdim=True), index
+
+
+def bias_model(router: type[Router] = BiasRouter) -> Model:
     hand = model()
     for layer in hand.layers:
-        layer["moe"].router = BiasRouter()
+        layer["moe"].router = router()
     return hand
 
 
@@ -982,6 +994,18 @@ def test_check_finds_a_selection_op_that_reads_other_than_what_the_router_ranks(
         families.check(moelens.wrap(hand), IDS)
     registered(scoring=Scoring(**sigmoid_bias, selection_op="torch_topk_0", selection_arg=0))
     assert families.check(moelens.wrap(hand), IDS)
+
+
+def test_check_names_a_selection_op_that_runs_before_the_logits_op(registered):
+    """selection_op at an op before logits_op: check's own second run raised an OrderError about the order values
+    are read in and shared.when, never naming selection_op."""
+    hand = bias_model(CastingBiasRouter)
+    sigmoid_bias = dict(score="sigmoid", select="score_topk", normalize=True, selection_bias="router.sel_bias")
+    registered(scoring=Scoring(**sigmoid_bias, selection_op="x_float_0"))
+    with pytest.raises(FamilyError, match=r"its selection_scores cannot be read \(the op Scoring\(selection_op="
+                                          r"'x_float_0', selection_arg=None\) names runs before logits_op='F_linear_0' "
+                                          r"in the router's forward.*\)\. Name in Scoring\.selection_op"):
+        families.check(moelens.wrap(hand), IDS)
 
 
 class TemperatureRouter(Router):

@@ -155,16 +155,25 @@ def test_tokenizer_round_trip(tokenizer):
     assert tokenizer("import os")["input_ids"] == tokenizer("import os", add_special_tokens=False)["input_ids"]
 
 
-def test_moelens_load_gives_tiny_dense_the_tokenizer_it_was_trained_with(tokenizer):
+def test_moelens_load_gives_tiny_dense_the_tokenizer_it_was_trained_with(tokenizer, tmp_path):
     """tiny-dense is a qwen2 model, for which transformers 5 swaps its saved tokenizer class for Qwen2Tokenizer,
-    another pre-tokenizer: `moelens.load` gave it ids unlike those it was trained on ('\\n  ' and ' 1' split)."""
+    another pre-tokenizer: `moelens.load` gave it ids unlike those it was trained on ('\\n  ' and ' 1' split), also
+    from a copy of the folder or a save_pretrained of the model and tokenizer."""
+    import shutil
+
     import moelens
 
     text = "def f(x):\n  return x + 1\ncafe\u0301"
+    shutil.copytree(TINY_DENSE_PATH, tmp_path / "copy")
     with pytest.warns(UserWarning, match="no MoE block"):
-        dense_tokenizer = moelens.load(TINY_DENSE_PATH).tokenizer
-    assert dense_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
-    assert dense_tokenizer.decode(dense_tokenizer(text)["input_ids"]) == text
+        loaded = moelens.load(TINY_DENSE_PATH)
+    loaded._module.save_pretrained(tmp_path / "saved")
+    loaded.tokenizer.save_pretrained(tmp_path / "saved")
+    for folder in (TINY_DENSE_PATH, tmp_path / "copy", tmp_path / "saved"):
+        with pytest.warns(UserWarning, match="no MoE block"):
+            dense_tokenizer = moelens.load(folder).tokenizer
+        assert dense_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"], folder
+        assert dense_tokenizer.decode(dense_tokenizer(text)["input_ids"]) == text
 
 
 def test_heldout_file(heldout, tokenizer, moe):

@@ -123,8 +123,10 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             f"{_named_damaged(_unreadable_weights(Path(source, settings.get('subfolder', ''))))}; "
             "save the model again with save_pretrained, or copy it again."
         ) from error
-    except ValueError as error:
+    except (ValueError, KeyError, AttributeError, TypeError) as error:  # the others: a shard index without its map
         _refuse_damaged_index(source, Path(source, settings.get("subfolder", "")), error)
+        if not isinstance(error, ValueError):
+            raise
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
                   if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
         raise MoelensError(f"cannot load a model from {source!r}: {sentence(error)}.{advice}") from error
@@ -178,7 +180,9 @@ def _file_advice(file: Path) -> str:
     if _torch_saved(file):
         return ("this one was written by torch.save, not save_pretrained. Open a model saved with torch.save(model, "
                 "path) with moelens.wrap(torch.load(path, weights_only=False)), only from a source you trust "
-                "(unpickling runs its code)")
+                "(unpickling runs its code); a file of weights alone (a state_dict) loads into the model built from "
+                "its config (model.load_state_dict(torch.load(path))), or save that model with save_pretrained and "
+                "pass the folder")
     return "pass that folder"
 
 
@@ -219,19 +223,24 @@ def _named_damaged(files: list[Path]) -> str:
     return f" ({names}: {len(files)} of its {total} weights files)"
 
 
-def _refuse_damaged_index(source: str, folder: Path, error: ValueError) -> None:
+def _refuse_damaged_index(source: str, folder: Path, error: Exception) -> None:
     """Raise, for ``error`` from loading ``source``, a `MoelensError` naming the shard index file in ``folder``
-    (``*.index.json``, which lists the shard of each weight) that is not JSON; return when every one is."""
+    (``*.index.json``, which lists the shard of each weight) that is not JSON or holds no ``weight_map`` object;
+    return when every one is sound."""
     if not folder.is_dir():
         return
     for index in sorted(folder.glob("*.index.json")):
         try:
-            json.loads(index.read_text(encoding="utf-8"))
-        except ValueError as reason:  # not JSON, or not UTF-8 text
+            listed = json.loads(index.read_text(encoding="utf-8"))
+            reason = "" if isinstance(listed, dict) and isinstance(listed.get("weight_map"), dict) else (
+                "it holds no weight_map object")
+        except ValueError as unreadable:  # not JSON, or not UTF-8 text
+            reason = sentence(unreadable)
+        if reason:
             raise MoelensError(
                 f"cannot load a model from {source!r}: its shard index {str(index)!r}, which lists the weights file "
-                f"of each weight, is damaged ({sentence(reason)}); save the model again with save_pretrained, or "
-                "restore that file (copy it again)."
+                f"of each weight, is damaged ({reason}); save the model again with save_pretrained, or restore that "
+                "file (copy it again)."
             ) from error
 
 
@@ -333,14 +342,25 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
 
 
 def _tokenizer_class(folder: Path) -> Any:
-    """``AutoTokenizer``, or ``PreTrainedTokenizerFast`` for a model shipped in moelens (`moelens.data`): the
-    class its tokenizer files declare. tiny-dense is a qwen2 model, for which transformers 5 replaces that class
-    with ``Qwen2Tokenizer``, whose own pre-tokenizer splits text into other ids than the model was trained on."""
+    """``PreTrainedTokenizerFast`` where the tokenizer files in ``folder`` declare that generic class (or
+    ``TokenizersBackend``) beside a ``tokenizer.json``, else ``AutoTokenizer``.
+
+    For some model types (qwen2, phi3, jamba ...) transformers 5 replaces such a declared class with the model type's
+    own tokenizer class, whose pre-tokenizer can split text into other ids than the ``tokenizer.json`` the model was
+    trained with (moelens' tiny-dense, a qwen2 model: ``"\\n  return"`` in three tokens instead of two).
+    """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from .data import DATA_DIR
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # none, not JSON, or not an object: transformers' own rules apply
+        return AutoTokenizer
+    generic = declared in GENERIC_TOKENIZER_CLASSES and (folder / "tokenizer.json").is_file()
+    return PreTrainedTokenizerFast if generic else AutoTokenizer
 
-    return PreTrainedTokenizerFast if folder.resolve().parent == DATA_DIR else AutoTokenizer
+
+#: The tokenizer classes that load a ``tokenizer.json`` as it is, whatever the model type.
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def _size_mismatches(model_class: Any, source: str, kwargs: dict[str, Any], shown: int = 3) -> str:

@@ -102,9 +102,15 @@ class MoeSpec:
         return int(torch.isfinite(self.wg_bias).sum())
 
     def same_expert(self, a: int, b: int) -> bool:
-        """Whether experts ``a`` and ``b`` compute the same output on every token: equal w1/w2/w3 and biases."""
+        """Whether experts ``a`` and ``b`` compute the same output on every token: equal w1/w2/w3 and biases, or both
+        zero out (a zero w2 and w2 bias: ablated)."""
         return all(value is None or torch.equal(value[a], value[b])
-                   for name, value in self.tensors().items() if name not in ("wg", "wg_bias"))
+                   for name, value in self.tensors().items() if name not in ("wg", "wg_bias")) or all(
+            self._outputs_zero(expert) for expert in (a, b))
+
+    def _outputs_zero(self, expert: int) -> bool:
+        """Whether ``expert``'s output is zero on every token: a zero down projection, and no or a zero bias."""
+        return not self.w2[expert].any() and (self.w2_bias is None or not self.w2_bias[expert].any())
 
     def ties_that_matter(self) -> list[tuple[int, int]]:
         """The `tied_experts` pairs whose tie can change the output: the two experts' weights differ, and top-k

@@ -18,7 +18,7 @@ from typing import Any
 import nnsight
 import torch
 
-from ..errors import FamilyError, ValueUnavailable
+from ..errors import FamilyError, OrderError, ValueUnavailable
 from . import layout_check
 from .entry import find_path
 from .scoring import SCORE_FUNCTIONS, kept_groups, score
@@ -245,6 +245,9 @@ def _read_selection_scores(model: Any, moes: list[Any], args: tuple, kwargs: dic
             read = nnsight.save({moe.path: (moe.router_logits.save(), moe.selection_scores.save()) for moe in ranking})
     except (FamilyError, ValueUnavailable) as error:
         return {}, str(error)
+    except OrderError:  # the op the entry names runs before the logits op
+        return {}, (f"the op {_selection_named(ranking[0])} names runs before logits_op={ranking[0].family.logits_op!r} "
+                    "in the router's forward, so it holds no score of those logits")
     return read, ""
 
 
