@@ -3818,6 +3818,49 @@ def test_an_interrupt_while_the_blocks_are_marked_running_leaves_them_to_other_w
     assert logits.shape[-1] == 8
 
 
+def test_a_run_lock_left_held_by_an_interrupt_hangs_no_trace(monkeypatch):
+    """A Ctrl-C landing between a `with _CLAIMING:` block's end and its __exit__ left moelens' global lock held: every
+    later trace of any wrapped model hung in claim() forever. Now the interrupted thread (a notebook's) takes it
+    again, and another thread gets an error naming the cause after CLAIM_WAIT_S. The leak is made by acquiring the
+    lock without releasing it, as the interrupted block leaves it."""
+    import threading
+
+    import moelens.components.run_owner as run_owner
+
+    hf = tiny_model("mixtral")
+    wrapped, ids = moelens.wrap(hf), tiny_inputs(hf)["input_ids"]
+    with torch.no_grad():
+        expected = hf(ids).logits
+    monkeypatch.setattr(run_owner, "CLAIM_WAIT_S", 0.5)
+    leaked, other_done, outcome = threading.Event(), threading.Event(), {}
+
+    def interrupted_thread():
+        run_owner._CLAIMING.acquire()  # left held, as by the interrupt
+        try:
+            with torch.no_grad(), wrapped.trace(ids):
+                outcome["logits"] = wrapped.output.logits.save()
+            leaked.set()
+            other_done.wait(60)
+        finally:
+            run_owner._CLAIMING.release()
+
+    thread = threading.Thread(target=interrupted_thread, daemon=True)
+    thread.start()
+    assert leaked.wait(60), "a trace in the thread that left the lock held hung"
+    try:
+        torch.testing.assert_close(outcome["logits"], expected, rtol=0, atol=0)
+        with pytest.raises(moelens.MoelensError, match=r"run registry has been held by another thread for 0\.5 s.*an "
+                                                       r"interrupt \(Ctrl-C\) in that thread left it held"):
+            with wrapped.trace(ids):
+                wrapped.output.save()
+    finally:
+        other_done.set()
+        thread.join(60)
+    with torch.no_grad(), wrapped.trace(ids):  # released: traces from any thread again
+        logits = wrapped.output.logits.save()
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", ["llama4", "dbrx"])
 def test_switching_experts_that_run_their_own_loop_is_refused(family):
     """transformers refuses the switch for these classes, and moelens found no block to switch: the call returned

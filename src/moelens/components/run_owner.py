@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from contextlib import contextmanager
+from typing import Iterator
 
 import greenlet
 import torch
@@ -22,8 +24,29 @@ from nnsight.intervention.interleaver import Interleaver
 from ..errors import MoelensError
 
 #: Guards the look-and-claim of `MoeInterleaver.claim` and `cancel` (one for all: a lock is no attribute a model's
-#: deep copy can copy).
-_CLAIMING = threading.Lock()
+#: deep copy can copy). Reentrant: a Ctrl-C landing between a ``with`` block's end and its ``__exit__`` leaves it held,
+#: and the thread that was interrupted (a notebook's) takes it again rather than waiting for itself forever.
+_CLAIMING = threading.RLock()
+
+#: How long a thread waits for `_CLAIMING` (held for microseconds at a time) before taking it as left held by an
+#: interrupt in another thread.
+CLAIM_WAIT_S = 10.0
+
+
+@contextmanager
+def _claiming() -> Iterator[None]:
+    """Hold `_CLAIMING`; raise `MoelensError` when another thread has held it for `CLAIM_WAIT_S` (an interrupt there
+    left it held) instead of hanging."""
+    if not _CLAIMING.acquire(timeout=CLAIM_WAIT_S):
+        raise MoelensError(
+            f"moelens' run registry has been held by another thread for {CLAIM_WAIT_S:g} s, where it is held for "
+            "microseconds: an interrupt (Ctrl-C) in that thread left it held. Run traces in the thread that was "
+            "interrupted, or restart the Python process."
+        )
+    try:
+        yield
+    finally:
+        _CLAIMING.release()
 
 #: The interleaver whose model is running, by each MoE block module it runs (shared by every wrapper of the model).
 _RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, MoeInterleaver]" = weakref.WeakKeyDictionary()
@@ -52,7 +75,7 @@ class MoeInterleaver(Interleaver):
         Raises:
             MoelensError: a run another thread began is going on, or this thread's (a trace begun in a trace's body).
         """
-        with _CLAIMING:
+        with _claiming():
             self.refuse_other_threads()
             self.refuse_nested("a trace")
             self.owner = threading.get_ident()
@@ -64,7 +87,7 @@ class MoeInterleaver(Interleaver):
             MoelensError: another wrapper's run holds them.
         """
         blocks = [block for block in (ref() for ref in self._blocks) if block is not None]
-        with _CLAIMING:
+        with _claiming():
             other = next((held for block in blocks if (held := _RUNNING.get(block)) not in (None, self)), None)
             if other is not None:
                 where = "in this thread (a trace inside its trace)" if other.owner == threading.get_ident() else \
@@ -103,7 +126,7 @@ class MoeInterleaver(Interleaver):
 
     def release(self) -> None:
         """End this thread's run (a call from another thread leaves its run alone), and its hold on the blocks."""
-        with _CLAIMING:
+        with _claiming():
             if self.owner != threading.get_ident():
                 return
             self.owner = None
@@ -119,7 +142,7 @@ class MoeInterleaver(Interleaver):
         A trace cleans up twice (at the end of the run, then of the trace): by the second, another thread may have
         begun a run, which that clean-up leaves alone.
         """
-        with _CLAIMING:  # not held through the clean-up: it runs the workers' finally blocks, which may wait on threads
+        with _claiming():  # not held through the clean-up: it runs the workers' finally blocks, which may wait on threads
             if self.owner is not None and self.owner != threading.get_ident():
                 return
             self.owner = threading.get_ident()  # the clean-up is still this thread's run: another thread's is refused
