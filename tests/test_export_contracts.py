@@ -521,3 +521,23 @@ def test_router_bias_edits_of_ungated_experts_are_refused_not_bound_to_w3():
             edits.bake(ungated)
     baked = Edits(ablate={1: [2]}).bake(ungated)  # the experts' weights: no bias needed
     assert baked.wg_bias is None and float(baked.w2[2].abs().max()) == 0.0
+
+
+def test_a_whole_model_with_one_moe_layer_is_not_called_a_block_exported_on_its_own(tmp_path):
+    """Edits of a layer without an MoE block were refused with "(a block exported on its own takes edits of its layer
+    only)" whenever the target had one MoE layer: so for a whole model with a single MoE layer too, in the export and
+    in Edits.intervene. The note is now given for a block export (model.moes[i]) only."""
+    hf = small("qwen3_moe")  # 2 decoder layers: layer 0 dense, layer 1 MoE
+    wrapped = moelens.wrap(hf)
+    moe_layers = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]  # from the modules
+    assert [moe.layer for moe in wrapped.moes] == moe_layers == [1]
+    edits = Edits(ablate={0: [1]})
+    plain = r"^Edits.ablate\[0\] names a layer with no MoE block here; the MoE layers are \[1\]\.$"
+    with pytest.raises(ExportError, match=plain):
+        to_nnef(wrapped, tmp_path / "model.nnef.tgz", edits=edits, verify=False)
+    with pytest.raises(ExportError, match=plain):
+        with wrapped.trace(tiny_inputs(hf, batch=1, seq=4)["input_ids"]):
+            edits.intervene(wrapped)
+    with pytest.raises(ExportError, match=r"the MoE layers are \[1\] \(a block exported on its own takes edits of "
+                                          r"its layer only\)\.$"):
+        to_nnef(wrapped.moes[0], tmp_path / "block.nnef.tgz", edits=edits, verify=False)

@@ -360,3 +360,52 @@ def test_group_limited_selection_of_3_of_4_groups_is_refused(tmp_path):
     with pytest.raises(ExportRefused, match="correction bias") as caught:
         to_nnef(every, tmp_path / "all-groups.nnef.tgz")
     assert "group-limited" not in str(caught.value)
+
+
+def _drop_output_property(folder) -> None:
+    """Make a folder export look like one written before archives recorded their output (no moelens_output)."""
+    graph = folder / "graph.nnef"
+    text = graph.read_text()
+    kept = "\n".join(line for line in text.splitlines() if '"moelens_output"' not in line)
+    graph.write_text(kept.replace('"),\n  ];', '")\n  ];') + "\n")
+
+
+def test_verify_names_a_base_model_archive_checked_against_its_causal_lm_and_the_reverse(tmp_path):
+    """An archive of the base model (moelens.wrap(causal_lm.model): last_hidden_state) verified against the causal LM
+    (wrapped or raw), or a causal LM's archive against its base model, agree on kind, family, layers and vocabulary,
+    so verify ran both and failed with a bare "tract's output has shape (1, 8, 32), torch's (1, 8, 128)". The archive
+    now records its output (moelens_output) and verify names both outputs and what to pass; an archive without the
+    property (written before) is still accepted."""
+    from moelens.export.runner import properties
+    from moelens.testing import tiny_inputs
+    from test_export import small
+
+    hf = small("qwen3_moe")
+    ids = tiny_inputs(hf, batch=1, seq=8)["input_ids"]
+    base = tmp_path / "base.nnef.tgz"
+    to_nnef(moelens.wrap(copy.deepcopy(hf).model), base, example_inputs=ids, verify=False)
+    lm = tmp_path / "lm"
+    to_nnef(moelens.wrap(hf), lm, example_inputs=ids, verify=False)
+    with torch.no_grad():  # ground truth: the unwrapped models' own outputs, and tract's on each archive
+        hidden = copy.deepcopy(hf).model(input_ids=ids).last_hidden_state.numpy()
+        logits = copy.deepcopy(hf)(input_ids=ids).logits.numpy()
+    np.testing.assert_allclose(run(base, ids), hidden, atol=1e-4, rtol=1e-3)
+    np.testing.assert_allclose(run(lm, ids), logits, atol=1e-4, rtol=1e-3)
+    assert hidden.shape != logits.shape
+
+    for given in (moelens.wrap(hf), hf):
+        with pytest.raises(ExportError, match=r"base\.nnef\.tgz computes last_hidden_state but the model given computes "
+                                              r"logits.*against the base model .*moelens\.wrap\(causal_lm\.model\)"):
+            verification.verify(base, given, ids)
+    with pytest.raises(ExportError, match=r"computes logits but the model given computes last_hidden_state.*"
+                                          r"the causal LM: moelens\.wrap\(causal_lm\)"):
+        verification.verify(lm, moelens.wrap(copy.deepcopy(hf).model), ids)
+    assert properties(base)["moelens_output"] == "last_hidden_state" and properties(lm)["moelens_output"] == "logits"
+    assert verification.verify(base, moelens.wrap(copy.deepcopy(hf).model), ids).meets("approximate")
+    assert verification.verify(lm, hf, ids).meets("approximate")
+
+    _drop_output_property(lm)  # an archive written before outputs were recorded: accepted, not checked
+    assert "moelens_output" not in properties(lm)
+    assert verification.verify(lm, moelens.wrap(hf), ids).meets("approximate")
+    with pytest.raises(ExportError, match=r"tract's output has shape \(1, 8, 128\), torch's \(1, 8, 32\)"):
+        verification.verify(lm, hf.model, ids)

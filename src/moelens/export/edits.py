@@ -163,8 +163,11 @@ class Edits:
 
     # -- checking and baking -------------------------------------------------------
 
-    def check(self, blocks: Mapping[int | None, tuple[int, int]]) -> None:
+    def check(self, blocks: Mapping[int | None, tuple[int, int]], *, block_export: bool = False) -> None:
         """Check the edits against the model's MoE layers (layer -> (num_experts, k); None: a block with no layer).
+
+        ``block_export``: the edits are for one block exported on its own (``to_nnef(model.moes[i])``), not a
+        whole model (an export of one, or a trace of one in `intervene`), even one with a single MoE layer.
 
         Raises `ExportRefused` for an edit tract cannot express, `ExportError` for a wrong one.
         """
@@ -180,7 +183,7 @@ class Edits:
         if unknown:
             raise ExportError(
                 f"{edits} with no MoE block here; the MoE layers are {numbered}"
-                + (" (a block exported on its own takes edits of its layer only)." if len(blocks) == 1 else ".")
+                + (" (a block exported on its own takes edits of its layer only)." if block_export else ".")
             )
         for layer in self.layers():
             self._check_layer(layer, *blocks[layer])

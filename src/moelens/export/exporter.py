@@ -178,11 +178,6 @@ class Prepared:
 OFF_FLAGS = ("use_cache", "output_router_logits")
 
 
-def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """``model``'s logits (or last hidden state) for ``input_ids``, every token attended, no cache."""
-    return output_tensor(attended_output(model, input_ids))
-
-
 def attended_output(model: torch.nn.Module, input_ids: torch.Tensor) -> Any:
     """``model``'s output for ``input_ids``, every token attended, no cache.
 
@@ -292,7 +287,8 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
             raise ExportRefused(f"layer {shared[0]} holds several MoE blocks ({', '.join(paths)}), so Edits keyed by "
                                 "layer are ambiguous: export each block on its own with its edits, "
                                 "to_nnef(model.moes[i], path, edits=Edits(...)), or the model without edits.")
-        edits.check({block.layer: (spec.num_experts, spec.k) for block, _, spec in read})
+        edits.check({block.layer: (spec.num_experts, spec.k) for block, _, spec in read},
+                    block_export=target.kind == "block")
     if quantize_experts == "q4_0":
         for _, _, spec in read:
             hidden, inner = spec.wg.shape[1], spec.w1.shape[2]
@@ -471,8 +467,13 @@ def _check_inputs(target: Target, inputs: Any) -> torch.Tensor:
     return inputs
 
 
+#: The property naming the archive's output (`output_name`: ``logits``, a base model's ``last_hidden_state``, a
+#: block's ``mlp_output``), which `_trace` adds to `_properties` once the prepared copy's run has returned it.
+OUTPUT_PROPERTY = "moelens_output"
+
+
 def _properties(target: Target, prepared: Prepared, quantize: str | None, layout: str, edits: Edits) -> dict[str, str]:
-    """What the archive records about itself (read back by `verify`)."""
+    """What the archive records about itself (read back by `verify`), but for its output (`OUTPUT_PROPERTY`)."""
     return {
         "moelens_version": __version__,
         "moelens_kind": target.kind,
@@ -562,19 +563,18 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
     # attributes triggers (its loss_function property); the user's levels and root handlers come back after
     with quiet_logger("torch_to_nnef"), quiet_logger("transformers.modeling_utils"), root_logger_kept():
         name_in = input_name(target)
-        version = tract_module().version()
-        tract_target = MoelensTract(
-            version,
-            check_io=False,
-            dynamic_axes={name_in: {TOKEN_AXIS: "S"}} if dynamic else None,
-            specific_tract_binary_path=standin_path(),
-            dump_identity_properties=False,
-            specific_properties=properties,
-        )
         with warnings.catch_warnings(), fixed_emitters():
             warnings.simplefilter("ignore")
             _run_once(root, inputs, target)
             name_out = output_name(target, root)  # what that run returned
+            tract_target = MoelensTract(
+                tract_module().version(),
+                check_io=False,
+                dynamic_axes={name_in: {TOKEN_AXIS: "S"}} if dynamic else None,
+                specific_tract_binary_path=standin_path(),
+                dump_identity_properties=False,
+                specific_properties={**properties, OUTPUT_PROPERTY: name_out},
+            )
             try:
                 export_model_to_nnef(
                     model=root,

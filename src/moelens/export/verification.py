@@ -105,6 +105,10 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
             or a numpy array, cast as `to_nnef` casts them; the archive's traced shape unless it was
             exported with ``dynamic_tokens``. Default: seeded inputs of the archive's shape.
         edits: The edits to make in torch (default: the ones the archive records).
+
+    Raises:
+        ExportError: ``model`` is not what the archive was exported from (another kind, family, layers,
+            vocabulary, block, or output: a causal LM for its base model's archive, or the reverse).
     """
     from .exporter import vocab_size
 
@@ -114,9 +118,35 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
     _check_exported_from(path, recorded, target)
     edits = Edits.from_text(recorded.get("moelens_edits", "")) if edits is None else as_edits(edits)
     inputs = _default_inputs(path, target) if inputs is None else archive_inputs(path, inputs, vocab_size(target))
+    expected, reference, computed = _torch_output(target, inputs, edits, None)
+    _check_output(path, recorded, computed)
+    _refuse_nan(expected, reference, inputs)
     actual = run_isolated(path, [inputs.numpy()])[0]
-    expected, reference = torch_reference(target, inputs, edits)
     return _compare(actual, expected, reference)
+
+
+#: What to verify an archive against, by the output it computes (its ``moelens_output`` property).
+_EXPORTED_FROM = {
+    "last_hidden_state": "the base model it was exported from (moelens.wrap(causal_lm.model), or causal_lm.model)",
+    "logits": "the model with the head it was exported from (the causal LM: moelens.wrap(causal_lm), or causal_lm), "
+              "not its base model",
+}
+
+
+def _check_output(path: str | Path, recorded: dict[str, str], computed: str) -> None:
+    """Refuse a model that computes another output (``computed``: ``logits`` or a base model's
+    ``last_hidden_state``) than the archive at ``path`` records: a causal LM for an archive of its base model,
+    or the other way round, which agree on everything else the archive records. An archive written before
+    outputs were recorded is not checked."""
+    from .exporter import OUTPUT_PROPERTY
+
+    archived = recorded.get(OUTPUT_PROPERTY)
+    if archived is None or archived == computed:
+        return
+    raise ExportError(
+        f"{path} computes {archived} but the model given computes {computed}, so their outputs cannot be compared; "
+        f"verify the archive against {_EXPORTED_FROM.get(archived, 'the model it was exported from')}."
+    )
 
 
 def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Target) -> None:
@@ -209,7 +239,13 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
     Raises:
         ExportError: torch computes NaN at ``inputs`` (a comparison there would count tract's NaN as a match).
     """
-    expected, reference = _torch_output(target, inputs, edits, prepared)
+    expected, reference, _ = _torch_output(target, inputs, edits, prepared)
+    _refuse_nan(expected, reference, inputs)
+    return expected, reference
+
+
+def _refuse_nan(expected: np.ndarray, reference: str, inputs: torch.Tensor) -> None:
+    """Raise `ExportError` where torch's output ``expected`` (what ``reference`` computed at ``inputs``) holds NaN."""
     if np.isnan(expected).any():
         raise ExportError(
             f"{reference} computes NaN at {int(np.isnan(expected).sum())} of its {expected.size} output values for "
@@ -217,10 +253,11 @@ def torch_reference(target: Target, inputs: torch.Tensor, edits: Edits, prepared
             "a match). Check with inputs the model computes numbers from: token ids of real text, or hidden states "
             "of the scale a trace of the model gives the block."
         )
-    return expected, reference
 
 
-def _torch_output(target: Target, inputs: torch.Tensor, edits: Edits, prepared: Any) -> tuple[np.ndarray, str]:
+def _torch_output(target: Target, inputs: torch.Tensor, edits: Edits, prepared: Any) -> tuple[np.ndarray, str, str]:
+    """torch's output for ``inputs``, what computed it, and the archive's name for it (`output_name`: a block's
+    ``mlp_output``; a model's ``logits``, or a base model's ``last_hidden_state``)."""
     on_model = inputs.to(device_of(target.module))  # the user's model runs where it is
     with torch.no_grad(), evaluating(target.module):
         if target.kind == "block":
@@ -229,17 +266,19 @@ def _torch_output(target: Target, inputs: torch.Tensor, edits: Edits, prepared: 
                     from .exporter import prepare
 
                     prepared = prepare(target, edits=edits)
-                return prepared.root(inputs.float()).numpy(), "the edited block in tract's maths (torch)"
+                return prepared.root(inputs.float()).numpy(), "the edited block in tract's maths (torch)", "mlp_output"
             block = _float_module(target.module)
             from .block import block_output
 
             return (block_output(target.family, block(on_model.float())).float().cpu().numpy(),
-                    "the block (torch, float32)")
+                    "the block (torch, float32)", "mlp_output")
         if not edits:
-            from .exporter import logits_of
+            from .exporter import attended_output, named_output
 
-            return logits_of(_float_module(target.module), on_model).float().cpu().numpy(), "the model (torch, float32)"
-        return _intervened(target, inputs, edits), "the model with the edits made by moelens in a trace"
+            name, output = named_output(attended_output(_float_module(target.module), on_model))
+            return output.float().cpu().numpy(), "the model (torch, float32)", name
+        name, output = _intervened(target, inputs, edits)
+        return output, "the model with the edits made by moelens in a trace", name
 
 
 def _is_float32(module: torch.nn.Module) -> bool:
@@ -250,10 +289,11 @@ def _float_module(module: torch.nn.Module) -> torch.nn.Module:
     return module if _is_float32(module) else copy.deepcopy(module).float()
 
 
-def _intervened(target: Target, inputs: torch.Tensor, edits: Edits) -> np.ndarray:
-    """The logits of the model run in a moelens trace with ``edits`` made by its interventions."""
+def _intervened(target: Target, inputs: torch.Tensor, edits: Edits) -> tuple[str, np.ndarray]:
+    """The logits (or a base model's last hidden state) of the model run in a moelens trace with ``edits`` made by its
+    interventions, with the archive's name for them (`named_output`)."""
     from ..model import wrap
-    from .exporter import output_tensor
+    from .exporter import named_output
 
     wrapped = target.wrapped
     if wrapped is None or not _is_float32(target.module):
@@ -261,7 +301,8 @@ def _intervened(target: Target, inputs: torch.Tensor, edits: Edits) -> np.ndarra
     with wrapped.trace(input_ids=inputs, attention_mask=torch.ones_like(inputs)):
         edits.intervene(wrapped)
         output = wrapped.output.save()
-    return output_tensor(output).float().cpu().numpy()
+    name, tensor = named_output(output)
+    return name, tensor.float().cpu().numpy()
 
 
 def check_export(path: Path, target: Target, prepared: Any, inputs: torch.Tensor, edits: Edits,
