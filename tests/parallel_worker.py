@@ -421,6 +421,8 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
 
         with tempfile.TemporaryDirectory() as folder:
             result["save"] = [_error_text(lambda: model.save_pretrained(Path(folder) / "saved")) for model in (ep, wrapped)]
+            result["base_save"] = [_error_text(lambda: model.model.save_pretrained(Path(folder) / "base"))
+                                   for model in (ep, wrapped)]  # the base model inside: refused too
             result["push"] = _error_text(lambda: ep.push_to_hub("someone/sharded"))  # before it makes the repo
             result["saved_files"] = sorted(path.name for path in Path(folder).rglob("*"))
         result["unsharded_saves"] = _error_text(lambda: ref.save_pretrained(Path(tempfile.mkdtemp()) / "ref"))

@@ -63,13 +63,15 @@ def test_a_shard_that_lacks_a_layer_routing_json_lists_is_damaged(model, tmp_pat
 
 def test_a_shard_of_another_collection_is_not_read_as_this_caches(model, tmp_path):
     """Two corpora of the same token count and layers in two folders: a shard file copied from one folder into the
-    other is another collection's (its metadata says so), and is refused rather than read as this corpus."""
+    other is another collection's (its metadata says so), and is refused naming that shard rather than read as this
+    corpus (it was called a cache replaced after it was opened, which opening it again did not mend)."""
     first, second = tmp_path / "first", tmp_path / "second"
     ids = torch.arange(4, 68).reshape(4, 16)
     analysis.collect_routing(model, ids, folder=str(first), progress=False)
     analysis.collect_routing(model, ids.flip(-1), folder=str(second), progress=False)
     shutil.copyfile(second / "shard-00000.safetensors", first / "shard-00000.safetensors")
-    with pytest.raises(MoelensError, match="was replaced after this cache object opened it"):
+    with pytest.raises(MoelensError, match=rf"routing cache file '{first / 'shard-00000.safetensors'}' is damaged \(a "
+                                           "collection other than the one routing.json lists wrote it"):
         RoutingCache.load(first).token_ids()
 
 

@@ -344,6 +344,9 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
             assert error.startswith("ShardedExpertsError: save_pretrained: MixtralForCausalLM's experts are sharded "
                                     "over 2 ranks"), (rank, error)
             assert f"this rank ({rank}) holds experts {rank * 4}..{rank * 4 + 3} of 8" in error, error
+        for error in guard["base_save"]:  # its base model (ep.model) wrote rank 0's experts under a config of all 8
+            assert error.startswith("ShardedExpertsError: save_pretrained: MixtralModel's experts are sharded over 2 "
+                                    "ranks"), (rank, error)
         assert guard["push"].startswith("ShardedExpertsError: push_to_hub: MixtralForCausalLM's experts are sharded"), guard
         assert guard["saved_files"] == [] and guard["unsharded_saves"] == "", guard
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])

@@ -158,7 +158,7 @@ def test_tokenizer_round_trip(tokenizer):
 def test_moelens_load_gives_tiny_dense_the_tokenizer_it_was_trained_with(tokenizer, tmp_path):
     """tiny-dense is a qwen2 model, for which transformers 5 swaps its saved tokenizer class for Qwen2Tokenizer,
     another pre-tokenizer: `moelens.load` gave it ids unlike those it was trained on ('\\n  ' and ' 1' split), also
-    from a copy of the folder or a save_pretrained of the model and tokenizer."""
+    from a copy of the folder, a save_pretrained of the model and tokenizer, or the hub's cache."""
     import shutil
 
     import moelens
@@ -169,9 +169,15 @@ def test_moelens_load_gives_tiny_dense_the_tokenizer_it_was_trained_with(tokeniz
         loaded = moelens.load(TINY_DENSE_PATH)
     loaded._module.save_pretrained(tmp_path / "saved")
     loaded.tokenizer.save_pretrained(tmp_path / "saved")
-    for folder in (TINY_DENSE_PATH, tmp_path / "copy", tmp_path / "saved"):
+    snapshot = tmp_path / "hub" / "models--someone--tiny-dense" / "snapshots" / ("0" * 40)  # a hub id, from the cache
+    shutil.copytree(TINY_DENSE_PATH, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    hub = {"cache_dir": str(tmp_path / "hub"), "local_files_only": True}
+    for folder, settings in ((TINY_DENSE_PATH, {}), (tmp_path / "copy", {}), (tmp_path / "saved", {}),
+                             ("someone/tiny-dense", hub)):
         with pytest.warns(UserWarning, match="no MoE block"):
-            dense_tokenizer = moelens.load(folder).tokenizer
+            dense_tokenizer = moelens.load(folder, **settings).tokenizer
         assert dense_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"], folder
         assert dense_tokenizer.decode(dense_tokenizer(text)["input_ids"]) == text
 

@@ -123,7 +123,7 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             f"{_named_damaged(_unreadable_weights(Path(source, settings.get('subfolder', ''))))}; "
             "save the model again with save_pretrained, or copy it again."
         ) from error
-    except (ValueError, KeyError, AttributeError, TypeError) as error:  # the others: a shard index without its map
+    except (ValueError, KeyError, AttributeError) as error:  # the others: a shard index without its weight_map
         _refuse_damaged_index(source, Path(source, settings.get("subfolder", "")), error)
         if not isinstance(error, ValueError):
             raise
@@ -330,7 +330,7 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
     ):
         return None
     try:
-        return _tokenizer_class(folder).from_pretrained(source, **settings)
+        return _tokenizer_class(source, settings).from_pretrained(source, **settings)
     except (OSError, ValueError, TypeError) as error:
         warnings.warn(
             f"moelens.load: the tokenizer saved at {source!r} does not load ({type(error).__name__}: "
@@ -341,21 +341,28 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
         return None
 
 
-def _tokenizer_class(folder: Path) -> Any:
-    """``PreTrainedTokenizerFast`` where the tokenizer files in ``folder`` declare that generic class (or
-    ``TokenizersBackend``) beside a ``tokenizer.json``, else ``AutoTokenizer``.
+def _tokenizer_class(source: str, settings: dict[str, Any]) -> Any:
+    """``PreTrainedTokenizerFast`` where the tokenizer files at ``source`` (a folder, or a hub id's files as
+    transformers finds them: cache, ``revision``, ``subfolder``) declare that generic class (or ``TokenizersBackend``)
+    beside a ``tokenizer.json`` and no code of their own (``auto_map``), else ``AutoTokenizer``.
 
-    For some model types (qwen2, phi3, jamba ...) transformers 5 replaces such a declared class with the model type's
+    For some model types (qwen2, qwen3_5_moe ...) transformers 5 replaces such a declared class with the model type's
     own tokenizer class, whose pre-tokenizer can split text into other ids than the ``tokenizer.json`` the model was
     trained with (moelens' tiny-dense, a qwen2 model: ``"\\n  return"`` in three tokens instead of two).
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+    from transformers.utils import cached_file
 
+    found = {name: value for name, value in settings.items() if name != "trust_remote_code"}
     try:
-        declared = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):  # none, not JSON, or not an object: transformers' own rules apply
+        declared = get_tokenizer_config(source, **found)
+        generic = (isinstance(declared, dict) and declared.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+                   and "auto_map" not in declared
+                   and cached_file(source, "tokenizer.json", _raise_exceptions_for_missing_entries=False,
+                                   _raise_exceptions_for_connection_errors=False, **found) is not None)
+    except (OSError, ValueError):  # no such files, or not JSON: transformers' own rules apply
         return AutoTokenizer
-    generic = declared in GENERIC_TOKENIZER_CLASSES and (folder / "tokenizer.json").is_file()
     return PreTrainedTokenizerFast if generic else AutoTokenizer
 
 

@@ -173,9 +173,10 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
             experts._is_expert_parallel = True
             experts.register_forward_pre_hook(_guard)
     if size > 1:
-        for call in ("save_pretrained", "push_to_hub"):  # instance attributes (push_to_hub makes the repo first)
-            setattr(module, call, functools.partial(_refuse_save, module, call))
         for reaching in _holding_experts(module, [name for name, *_ in blocks]):
+            for call in ("save_pretrained", "push_to_hub"):  # instance attributes (push_to_hub makes the repo first)
+                if reaching is module or hasattr(reaching, call):  # the model, and a base model inside it (lm.model)
+                    setattr(reaching, call, functools.partial(_refuse_save, reaching, call))
             reaching.register_forward_pre_hook(functools.partial(forward_enters, runs), prepend=True)
             reaching.register_forward_hook(functools.partial(forward_leaves, runs), always_call=True)
     return model
