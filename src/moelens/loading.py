@@ -112,6 +112,7 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
         )
     settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
     _check_local_folder(path_or_repo_id, settings.get("subfolder") or "")
+    folder = Path(source, settings.get("subfolder", ""))  # where a local checkpoint's files are
     config = _load_config(source, settings)
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     model_class = _model_class(config)
@@ -120,11 +121,11 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     except SafetensorError as error:
         raise MoelensError(
             f"the weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated"
-            f"{_named_damaged(_unreadable_weights(Path(source, settings.get('subfolder', ''))))}; "
+            f"{_named_damaged(_unreadable_weights(folder))}; "
             "save the model again with save_pretrained, or copy it again."
         ) from error
     except (ValueError, KeyError, AttributeError) as error:  # the others: a shard index without its weight_map
-        _refuse_damaged_index(source, Path(source, settings.get("subfolder", "")), error)
+        _refuse_damaged_index(source, folder, error)
         if not isinstance(error, ValueError):
             raise
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
@@ -139,7 +140,6 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             "the config they were saved with."
         ) from error
     except OSError as error:  # above all a folder with config.json but no weights
-        folder = Path(source, settings.get("subfolder", ""))
         if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
             raise MoelensError(
                 f"the folder {str(folder)!r} holds config.json but no weights file (model.safetensors or "
