@@ -21,6 +21,7 @@ import nnsight
 
 import moelens
 from annotations import assert_annotations_hold
+from custom_models import LinearRouter
 from groundtruth import ROUTER_LOGITS, raw_values
 from moelens.components.params import MoeParams
 from moelens.errors import ValueUnavailable
@@ -467,13 +468,8 @@ def test_an_expert_bias_computed_on_access_is_refused_not_served_as_none(bias, m
         model.moes[0].params()
 
 
-class AliasLinearRouter(torch.nn.Module):
+class AliasLinearRouter(LinearRouter):
     """A router calling ``F.linear`` under another alias (``fn.linear``: nnsight names the op ``fn_linear_0``)."""
-
-    def __init__(self, hidden: int, experts: int, k: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
-        self.top_k = k
 
     def forward(self, x):
         logits = fn.linear(x, self.weight)

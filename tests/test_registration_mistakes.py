@@ -50,10 +50,13 @@ class ExpertBank(nn.Module):
         out = torch.zeros_like(x)
         for expert in range(self.num_experts):
             token, slot = torch.where(index == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, -1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, token, y * weights[token, slot, None])
+            out.index_add_(0, token, self.expert_output(expert, x[token]) * weights[token, slot, None])
         return out
+
+    def expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """What expert ``expert`` computes for the tokens ``x`` routed to it (before its routing weight)."""
+        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
 
 class SwappedBank(ExpertBank):
@@ -811,13 +814,9 @@ def test_check_finds_an_expert_layout_that_keeps_the_shapes(registered, make, la
 def test_check_says_an_expert_layout_it_cannot_recompute_is_not_checked(registered):
     """Experts of an activation of their own: their layout is neither passed nor blamed, and the warning says so."""
     class TanhBank(ExpertBank):
-        def forward(self, x, index, weights):
-            out = torch.zeros_like(x)
-            for expert in range(self.num_experts):
-                token, slot = torch.where(index == expert)
-                gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, -1)
-                out.index_add_(0, token, F.linear(torch.tanh(gate) * up, self.down_proj[expert]) * weights[token, slot, None])
-            return out
+        def expert_output(self, expert, x):
+            gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, -1)
+            return F.linear(torch.tanh(gate) * up, self.down_proj[expert])
 
     registered()
     hand = model()
@@ -1048,25 +1047,16 @@ class SeparateBank(ExpertBank):
         self.w_up = nn.Parameter(torch.randn(EXPERTS, INTERMEDIATE, HIDDEN) * 0.3)
         self.w_down = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.3)
 
-    def forward(self, x, index, weights):
-        out = torch.zeros_like(x)
-        for expert in range(self.num_experts):
-            token, slot = torch.where(index == expert)
-            hidden = F.silu(F.linear(x[token], self.w_gate[expert])) * F.linear(x[token], self.w_up[expert])
-            out.index_add_(0, token, F.linear(hidden, self.w_down[expert]) * weights[token, slot, None])
-        return out
+    def expert_output(self, expert, x):
+        return F.linear(F.silu(F.linear(x, self.w_gate[expert])) * F.linear(x, self.w_up[expert]), self.w_down[expert])
 
 
 class UpFirstBank(ExpertBank):
     """Experts whose fused ``gate_up_proj`` holds the up rows first, then the gate rows."""
 
-    def forward(self, x, index, weights):
-        out = torch.zeros_like(x)
-        for expert in range(self.num_experts):
-            token, slot = torch.where(index == expert)
-            up, gate = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, -1)
-            out.index_add_(0, token, F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None])
-        return out
+    def expert_output(self, expert, x):
+        up, gate = F.linear(x, self.gate_up_proj[expert]).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
 
 @pytest.mark.parametrize(("bank", "layout", "gate", "message"), [
