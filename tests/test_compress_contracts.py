@@ -114,7 +114,7 @@ def test_bad_settings_are_refused(bad, message):
 
 
 def test_too_many_shared_neurons_are_a_skip_reason():
-    with pytest.raises(NothingToConvert, match="shared_neurons=62 leaves fewer neurons than experts"):
+    with pytest.raises(NothingToConvert, match="shared_neurons=62 leaves 2 of its 64 intermediate neurons for 4 experts, fewer than 2 per expert: pass shared_neurons=56 or fewer"):
         convert(llama(), num_experts=4, top_k=2, calibration=ids(), shared_neurons=62)
 
 

@@ -17,7 +17,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from transformers import BitNetConfig, BitNetForCausalLM, FalconH1Config, FalconH1ForCausalLM
+from torch import nn
+from transformers import BitNetConfig, BitNetForCausalLM, FalconH1Config, FalconH1ForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 import moelens
 from moelens.compress import (CompressionError, NothingToConvert, ToMoEBlock, ToMoELinear, ToMoERouter, ToMoESharedExpert,
@@ -240,6 +242,24 @@ def test_the_calibration_of_a_copy_does_not_call_the_users_hooks():
     assert len(states) == 3
 
 
+def test_shared_neurons_leave_at_least_two_neurons_per_expert():
+    """Without shared neurons a layer needs 2 neurons per expert; with them, 64 - 2 * 4 = 56 shared neurons of 64
+    for 4 experts is the most. Before, 57 to 59 built experts of 1 neuron, and 60 was refused saying it left fewer
+    neurons than experts (it left exactly as many). Ground truth: the built block's neuron index and shared expert."""
+    tokens = ids()
+    converted, stats = convert(llama(), num_experts=4, top_k=2, calibration=tokens, shared_neurons=56)
+    block = converted.model.layers[0].mlp
+    assert block.shared_experts.num_neurons == 56 and stats.converted[0].expert_sizes == [2, 2, 2, 2]
+    assert (block.neuron_index >= 0).sum(-1).tolist() == [2, 2, 2, 2]  # each expert's dense neurons (-1: padding)
+    everyone = torch.cat([block.shared_index, block.neuron_index[block.neuron_index >= 0]])
+    assert sorted(everyone.tolist()) == list(range(64))  # every neuron once: shared or in one expert
+    for shared in (57, 60):
+        message = (rf"shared_neurons={shared} leaves {64 - shared} of its 64 intermediate neurons for 4 experts, fewer "
+                   r"than 2 per expert: pass shared_neurons=56 or fewer \(or fewer experts\)")
+        with pytest.raises(NothingToConvert, match=message):
+            convert(llama(), num_experts=4, top_k=2, calibration=tokens, shared_neurons=shared)
+
+
 def test_gate_proj_is_an_ffn_projection_not_a_router():
     dense, tokens = llama(), ids()
     converted, stats = convert(dense, num_experts=4, top_k=4, calibration=tokens, target_modules=["gate_proj"])
@@ -295,6 +315,77 @@ def test_out_of_vocabulary_ids_are_named_before_the_length(make):
 def test_calibration_that_is_no_token_ids_is_refused(calibration, message):
     with pytest.raises(CompressionError, match=message):
         convert(llama(), calibration=calibration)
+
+
+def _forwards_of(model, calibration, **settings):
+    """Convert ``model`` in place on ``calibration``; returns ``(stats, calls)``, ``calls`` holding each calibration
+    forward's ``(args, kwargs)`` as a torch forward pre-hook on the model itself saw them."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args, dict(kwargs))),
+                                             with_kwargs=True)
+    try:
+        _, stats = convert(model, num_experts=4, top_k=2, calibration=calibration, inplace=True, **settings)
+    finally:
+        handle.remove()
+    return stats, calls
+
+
+def test_a_top_level_tuple_is_one_call_of_the_models_positional_arguments():
+    """calibration=(ids, mask) is the model's positional call, as documented (input_ids=ids, attention_mask=mask),
+    the same as [(ids, mask)]. Before, a top-level tuple was iterated as a list: two forwards, the second running
+    the 0/1 mask as token ids, and the padding counted as real tokens. Ground truth: a forward pre-hook on the
+    model recording what each calibration forward got, mask.sum(), and the model converted on [(ids, mask)]."""
+    tokens = ids(4, 16)
+    mask = torch.ones_like(tokens)
+    mask[:, :6] = 0  # left padding: 40 real tokens
+    stats, calls = _forwards_of(llama(), (tokens, mask))
+    assert len(calls) == 1
+    args, kwargs = calls[0]
+    assert args == () and kwargs["input_ids"] is tokens and kwargs["attention_mask"] is mask
+    listed, listed_calls = _forwards_of(llama(), [(tokens, mask)])
+    assert len(listed_calls) == 1 and stats.calibration_tokens == listed.calibration_tokens == int(mask.sum())
+    top, _ = convert(llama(), num_experts=4, top_k=2, calibration=(tokens, mask))
+    expected, _ = convert(llama(), num_experts=4, top_k=2, calibration=[(tokens, mask)])
+    torch.testing.assert_close(run(top, tokens), run(expected, tokens), rtol=0, atol=0)
+
+
+def test_a_top_level_tuple_is_refused_or_run_as_the_same_tuple_in_a_list():
+    """GPT-2's second positional parameter is its cache, so (ids, mask) is refused before any forward, as
+    [(ids, mask)] is; a model taking the tokenizer's dict as one positional argument (a sentence-transformers model)
+    calibrates with (features,) as with [(features,)]. Before, the top-level tuple was iterated: GPT-2 ran the mask
+    as token ids, and (features,) was run as model(**features) and refused, telling the user to pass a tuple."""
+    tokens = ids(4, 16)
+    mask = torch.ones_like(tokens)
+    mask[:, 12:] = 0
+    message = (r"calibration item 0 holds, as positional argument 1, an integer tensor shaped like the token ids "
+               r"\[4, 16\] .*Pass each batch as a dict")
+    for calibration in ([(tokens, mask)], (tokens, mask)):
+        with pytest.raises(CompressionError, match=message):
+            _forwards_of(gpt2(), calibration)
+    model, ran = gpt2(), []
+    model.register_forward_pre_hook(lambda module, args: ran.append(args))
+    with pytest.raises(CompressionError, match=message):
+        convert(model, num_experts=4, top_k=2, calibration=(tokens, mask), inplace=True)
+    assert ran == []  # refused before any forward
+
+    class Features(nn.Module):
+        """A sentence-transformers-like model: its forward takes the tokenizer's dict as one positional argument."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(VOCAB, 32)
+            self.mlp = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=64, hidden_act="silu"))
+
+        def forward(self, features: dict) -> torch.Tensor:
+            return self.mlp(self.embed_tokens(features["input_ids"]))
+
+    features = {"input_ids": tokens, "attention_mask": mask}
+    stats, calls = _forwards_of(quiet(Features), (features,))
+    assert len(calls) == 1 and calls[0][1] == {} and len(calls[0][0]) == 1  # model(features)
+    assert all(calls[0][0][0][key] is value for key, value in features.items())
+    listed, _ = _forwards_of(quiet(Features), [(features,)])
+    assert stats.converted_layers == listed.converted_layers == ["mlp"]
+    assert stats.calibration_tokens == listed.calibration_tokens == int(mask.sum())
 
 
 def test_a_model_that_ran_keeps_transformers_own_hooks_during_calibration():

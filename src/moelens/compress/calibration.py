@@ -37,15 +37,16 @@ from .errors import CompressionError
 def batches(calibration: Any, model: nn.Module | None = None) -> list[tuple[tuple, dict]]:
     """``calibration`` as a list of ``(args, kwargs)`` forward calls; raises on an empty or unusable set.
 
-    A tensor item is token ids (keyword ``input_ids``; a float tensor is the positional input), a dict item is
-    keyword arguments, a tuple item (or a list of tensors, as a DataLoader over a ``TensorDataset`` yields) is
-    positional arguments (a dict among them is checked for tokens like a dict item); with ``model``, positional
-    tensors are passed by the names ``model.forward`` gives them (`bind_positional`). An item without a real token
-    (padding aside) is left out.
+    A tensor, dict or tuple is one item (one call: a tuple is the call's positional arguments, so ``(ids, mask)``
+    is ``[(ids, mask)]``); a list or other iterable holds items. A tensor item is token ids (keyword ``input_ids``;
+    a float tensor is the positional input), a dict item is keyword arguments, a tuple item (or a list of tensors,
+    as a DataLoader over a ``TensorDataset`` yields) is positional arguments (a dict among them is checked for
+    tokens like a dict item); with ``model``, positional tensors are passed by the names ``model.forward`` gives
+    them (`bind_positional`). An item without a real token (padding aside) is left out.
     """
     if calibration is None:
         return []
-    if isinstance(calibration, (Tensor, Mapping)):
+    if isinstance(calibration, (Tensor, Mapping, tuple)):  # one call (a tuple: its positional arguments)
         items = [calibration]
     elif isinstance(calibration, (str, bytes)):
         raise CompressionError(

@@ -224,8 +224,12 @@ class ToMoECompressor:
         if site.neurons < tg.MIN_PER_EXPERT * options.num_experts:
             return (f"too small: {site.neurons} intermediate neurons for {options.num_experts} experts of at least "
                     f"{tg.MIN_PER_EXPERT}")
-        if options.shared_neurons >= site.neurons - options.num_experts:
-            return f"shared_neurons={options.shared_neurons} leaves fewer neurons than experts ({site.neurons} in all)"
+        largest = site.neurons - tg.MIN_PER_EXPERT * options.num_experts  # the most shared neurons this layer takes
+        if options.shared_neurons > largest:
+            return (f"shared_neurons={options.shared_neurons} leaves {site.neurons - options.shared_neurons} of its "
+                    f"{site.neurons} intermediate neurons for {options.num_experts} experts, fewer than "
+                    f"{tg.MIN_PER_EXPERT} per expert: pass shared_neurons={largest} or fewer (or fewer experts) to "
+                    "convert it")
         site.num_experts, site.top_k = options.num_experts, options.top_k
         return ""
 
