@@ -484,3 +484,72 @@ def test_save_writes_at_the_dpi_asked(tmp_path):
         header = plots.save(figure, tmp_path / f"at-{dpi}.png", dpi=dpi).read_bytes()[16:24]
         sizes.append(struct.unpack(">II", header))  # the PNG's IHDR width and height
     assert sizes == [(110, 60), (440, 240)]
+
+
+def dollar_tokenizer():
+    """A word-level tokenizer of 128 words where "$$", "$x$" and most others hold a pair of dollar signs (as LaTeX
+    vocabularies do), so every plot of tokens has some; the text's words are its tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<unk>", "$$", "$x$", "x", "=", "1"]
+    words += [f"${i}$" for i in range(128 - len(words))]
+    model = Tokenizer(models.WordLevel(vocab={word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", unk_token="<unk>")
+
+
+def drawn_texts(figure, texts) -> list:
+    """``texts(axes)`` of each panel after the figure is drawn and written as a PNG (where mathtext parses labels)."""
+    import io
+
+    figure.savefig(io.BytesIO(), format="png")
+    return [text for axes in panels(figure) for text in texts(axes)]
+
+
+def test_token_plots_draw_tokens_holding_dollar_signs_as_their_text():
+    """Tokens went to matplotlib as labels with math parsing on: a token "$$" raised ParseException when the plot was
+    drawn or saved, and "$x$" was drawn as an italic x, not as the token. Truth: the text's own words (the word-level
+    tokenizer makes one token of each) and, for the lens, the tokens the result names."""
+    text = "$$ x = 1 $$ $x$ = 1"
+    model = moelens.wrap(tiny_model("qwen2_moe"), tokenizer=dollar_tokenizer())
+    view = analysis.token_routing(model, text)
+    assert view.tokens == text.split()
+    labels_drawn = drawn_texts(plots.plot_token_routing(view), lambda axes: axes.get_xticklabels())
+    assert [label.get_text() for label in labels_drawn] == text.split()
+    assert not any(label.get_parse_math() for label in labels_drawn)
+
+    cache = analysis.collect_routing(model, [text] * 2, progress=False)
+    experts = analysis.top_tokens(cache, cache.layers[0], n=4, min_count=1, tokenizer=model.tokenizer)
+    labels_drawn = drawn_texts(plots.plot_top_tokens(experts), lambda axes: axes.get_yticklabels())
+    assert [label.get_text() for label in labels_drawn] == [token for item in experts for token in item.tokens]
+    assert {"$$", "$x$"} <= {label.get_text() for label in labels_drawn} <= set(text.split())
+    assert not any(label.get_parse_math() for label in labels_drawn)
+
+    lens = analysis.expert_logit_lens(model, [text], top=3, progress=False)
+    row = len(lens.layers) - 1
+    reached = [e for e in range(lens.counts.shape[1]) if int(lens.counts[row, e]) > 0]
+    cells = drawn_texts(plots.plot_logit_lens(lens, top=3), lambda axes: axes.texts)
+    assert [cell.get_text() for cell in cells] == [token[:10] for e in reached for token in lens.tokens[row][e][:3]]
+    assert any(cell.get_text().count("$") >= 2 for cell in cells)
+    assert not any(cell.get_parse_math() for cell in cells)
+
+
+def test_save_takes_a_numpy_or_tensor_dpi_as_matplotlib_does_and_refuses_a_bool(tmp_path):
+    """plots.save refused dpi=np.int64(200), np.float32(200) and torch.tensor(200) (which matplotlib's savefig takes)
+    as not "a number of dots per inch from 10 to 2000". Truth: the PNG is 2.2 x 1.2 inches (a 2 x 1 figure, the tight
+    box's 0.1 inch pad a side) at 200 dots per inch."""
+    import struct
+
+    import numpy as np
+    from matplotlib import pyplot
+
+    for number, dpi in enumerate((np.int64(200), np.float32(200.0), torch.tensor(200), torch.tensor(200.0))):
+        figure = pyplot.figure(figsize=(2, 1))
+        header = plots.save(figure, tmp_path / f"at-{number}.png", dpi=dpi).read_bytes()[16:24]
+        assert struct.unpack(">II", header) == (440, 240), dpi
+    for dpi in (np.bool_(True), torch.tensor(True), np.int64(5), torch.tensor([100, 200])):
+        figure = pyplot.figure()
+        with pytest.raises(MoelensError, match=r"save: dpi must be a number of dots per inch from 10 to 2000"):
+            plots.save(figure, tmp_path / "dpi.png", dpi=dpi)
+        assert not pyplot.fignum_exists(figure.number)

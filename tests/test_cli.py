@@ -733,3 +733,51 @@ def test_a_model_folder_named_like_a_setting_is_named_as_given(saved, tmp_path, 
     (tmp_path / folder).symlink_to(saved / "dense")
     status, out, err = run(["stats", folder, "--text", saved / "text.txt"], capsys)
     assert status == 2 and err.startswith(f"moelens stats: error: {folder!r} is not a Mixture-of-Experts model"), err
+
+
+def test_stats_removes_an_earlier_runs_trajectories_when_this_model_has_one_moe_layer(saved, tmp_path, capsys):
+    """docs/cli.md: --out writes trajectories.png, replacing a file of that name. A model with one MoE layer makes no
+    trajectories, and an earlier run's trajectories.png stayed beside the new stats, passing for this run's.
+    Truth: the checkpoint's config (decoder_sparse_step=2 of 2 layers: one MoE layer, layer 1)."""
+    one = tmp_path / "one-moe-layer"
+    tiny_model("qwen3_moe", num_hidden_layers=2, decoder_sparse_step=2, mlp_only_layers=[]).save_pretrained(one)
+    ascii_tokenizer().save_pretrained(one)
+    out = tmp_path / "stats"
+    (out / "mine.png").parent.mkdir()
+    (out / "mine.png").write_bytes(PNG)  # a file of the user's: no name moelens writes, so it stays
+    argv = ["--text", saved / "text.txt", "--out", out, "--no-progress"]
+    status, _, err = run(["stats", saved / "mixtral", *argv], capsys)  # four MoE layers: trajectories drawn
+    assert status == 0 and (out / "trajectories.png").is_file(), err
+    status, printed, err = run(["stats", one, *argv], capsys)
+    assert status == 0, err
+    assert [row["layer"] for row in json.loads((out / "stats.json").read_text())["layers"]] == [1]
+    assert not (out / "trajectories.png").exists() and (out / "mine.png").read_bytes() == PNG
+    assert "removed trajectories.png of an earlier run: this run routed one MoE layer (1)" in printed
+    status, _, err = run(["stats", saved / "mixtral", *argv], capsys)
+    assert status == 0 and (out / "trajectories.png").is_file(), err
+    status, printed, err = run(["stats", one, *argv, "--format", "json"], capsys)
+    assert status == 0 and json.loads(printed)["layers"][0]["layer"] == 1  # stdout stays one JSON document
+    assert "removed trajectories.png of an earlier run" in err and not (out / "trajectories.png").exists()
+
+
+def test_the_demo_without_held_out_windows_removes_an_earlier_runs_held_out_plots(tmp_path, capsys, monkeypatch):
+    """`moelens demo --windows 0` makes no heldout_*.png, and an earlier run's stayed in --out beside this run's
+    plots, passing for them. Truth: the held-out plots the first run wrote (DEMO_FILES' heldout_ names)."""
+    from safetensors.torch import load_file, save_file
+
+    import moelens.data
+    from moelens.analysis.cli import DEMO_FILES
+
+    held = load_file(str(moelens.data.HELDOUT_PATH))  # two windows: the first run stays quick
+    save_file({name: tensor[:2].contiguous() for name, tensor in held.items()}, str(tmp_path / "held.safetensors"))
+    monkeypatch.setattr(moelens.data, "HELDOUT_PATH", tmp_path / "held.safetensors")
+    out = tmp_path / "demo"
+    status, _, err = run(["demo", "--out", out, "--windows", "2"], capsys)
+    held_out = sorted(name for name in DEMO_FILES if name.startswith("heldout_"))
+    assert status == 0 and set(held_out) <= set(pngs(out)), err
+    status, printed, err = run(["demo", "--out", out, "--windows", "0"], capsys)
+    assert status == 0, err
+    assert set(pngs(out)) == set(DEMO_FILES) - set(held_out)
+    removed = [line for line in printed.splitlines() if line.startswith("removed ")]
+    assert removed == [f"removed {name} of an earlier run: --windows 0 routes no held-out windows"
+                       for name in DEMO_FILES if name.startswith("heldout_")]

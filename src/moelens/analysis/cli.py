@@ -12,6 +12,7 @@ import argparse
 import codecs
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -216,6 +217,33 @@ def write_corpus_plots(cache: Any, folder: Path, prefix: str = "", stats: Any = 
     return [plots.save(figures[name](), folder / f"{prefix}{name}.png") for name in names]
 
 
+def missing_corpus_plots(cache: Any, prefix: str = "") -> dict[str, str]:
+    """The plots `write_corpus_plots` does not draw for ``cache``: file name (``{prefix}{name}.png``) -> why."""
+    if len(cache.layers) > 1:
+        return {}
+    return {f"{prefix}trajectories.png": f"this run routed one MoE layer ({cache.layers[0]}); trajectories need two"}
+
+
+def remove_stale(folder: Path, names: Sequence[str], written: Sequence[Path],
+                 reasons: dict[str, str] | None = None) -> list[str]:
+    """Remove from ``folder`` each file of moelens' own output ``names`` that this run did not write (``written``):
+    an earlier run's plot left there would pass for this run's. Returns one line per file removed, with its
+    reason from ``reasons`` (file name -> why this run made none).
+
+    `check_output_folder` refused those names as links or folders before any work; only a plain file is removed.
+    """
+    made = {path.name for path in written}
+    reasons = reasons or {}
+    removed = []
+    for name in names:
+        target = folder / name
+        if name in made or target.is_symlink() or not target.is_file():
+            continue
+        target.unlink()
+        removed.append(f"removed {name} of an earlier run: {reasons.get(name, 'this run did not write it')}")
+    return removed
+
+
 # -- demo --------------------------------------------------------------------------------------
 
 
@@ -269,7 +297,11 @@ def run_demo(args: argparse.Namespace) -> int:
     written += write_corpus_plots(cache, out, prefix="text_", stats=stats)
 
     corpus = text
-    if args.windows > 0 and HELDOUT_PATH.is_file():
+    skipped = missing_corpus_plots(cache, prefix="text_")
+    if args.windows == 0 or not HELDOUT_PATH.is_file():
+        why = "--windows 0 routes no held-out windows" if args.windows == 0 else f"no held-out set at {HELDOUT_PATH}"
+        skipped.update({name: why for name in DEMO_FILES if name.startswith("heldout_")})
+    else:
         held = load_file(str(HELDOUT_PATH))
         picked = spread(held["input_ids"].shape[0], args.windows)
         ids, classes = held["input_ids"][picked].long(), held["token_class"][picked].long()
@@ -277,6 +309,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"\nRouting {ids.numel()} held-out tokens ({ids.shape[0]} windows of code and prose{every}) ...", flush=True)
         windows = collect_routing(model, ids, batch_size=16, progress=True)
         written += write_corpus_plots(windows, out, prefix="heldout_")
+        skipped.update(missing_corpus_plots(windows, prefix="heldout_"))
         spec = specialisation(windows, classes.flatten(), list(TOKEN_CLASSES))
         written.append(plots.save(plots.plot_specialisation(spec), out / "heldout_specialisation.png"))
         corpus = ids
@@ -285,9 +318,12 @@ def run_demo(args: argparse.Namespace) -> int:
         written.append(plots.save(plots.plot_logit_lens(lens, lens.layers[-1]), out / "logit_lens.png"))
     except ValueUnavailable as error:
         print(f"(no logit lens plot: {error})")
+        skipped["logit_lens.png"] = f"no logit lens ({error})"
     print(f"\nPlots written to {out.resolve()}:")
     for path in written:
         print(f"  {path.name}")
+    for line in remove_stale(out, DEMO_FILES, written, skipped):
+        print(line)
     print(f"\nDone in {time.perf_counter() - started:.1f} s. Next: moelens inspect tiny; moelens stats tiny --text FILE")
     return 0
 
@@ -345,6 +381,9 @@ def run_stats(args: argparse.Namespace) -> int:
         meta = {"model": args.model, "text": str(args.text), "family": cache.family}
         written = write_stats(stats, args.out, meta, rows)
         written += write_corpus_plots(cache, args.out, stats=stats)
+        removed = remove_stale(args.out, STATS_OUTPUTS, written, missing_corpus_plots(cache))
         if args.format == "table":
             print(f"\nWrote to {args.out.resolve()}: " + ", ".join(path.name for path in written) + f", {STATS_CACHE}/")
+        for line in removed:  # beside JSON or CSV on stdout: on stderr, so that output stays one document
+            print(line, file=sys.stdout if args.format == "table" else sys.stderr)
     return 0

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from ..paths import blocked_above, user_path
+from ..scalars import as_real
 from .cache import SKIPPED, layer_row
 from .checks import check_count, check_results, check_type
 from .coactivation import Coactivation, Transitions
@@ -65,7 +66,7 @@ def pyplot() -> Any:
     return plt
 
 
-def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
+def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
     """Write ``figure`` to ``path`` (folders created) and close it, written or not; returns the file written.
 
     The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
@@ -85,7 +86,8 @@ def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
             if folder.is_dir():
                 raise MoelensError(f"cannot save a plot to {named}: {folder} is a folder; name a file "
                                    f"(such as {folder / 'plot.png'}).")
-        if not isinstance(dpi, (int, float)) or isinstance(dpi, bool) or not 10 <= dpi <= 2000:
+        dots = as_real(dpi)  # a numpy number or a 0-d tensor too, as matplotlib takes them; never a bool
+        if dots is None or not 10 <= dots <= 2000:
             raise MoelensError(f"save: dpi must be a number of dots per inch from 10 to 2000, got {dpi!r}.")
         formats = figure.canvas.get_supported_filetypes()
         if path.suffix[1:].lower() not in formats:
@@ -95,7 +97,7 @@ def save(figure: Any, path: str | Path, dpi: int = 110) -> Path:
         if blocked is not None:
             raise MoelensError(f"cannot save a plot to {path}: it lies under {blocked}; name a path elsewhere.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=dpi, bbox_inches="tight")
+        figure.savefig(path, dpi=dots, bbox_inches="tight")
     finally:
         pyplot().close(figure)
     return path
@@ -300,7 +302,7 @@ def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
         for column in range(count):
             label = "\n".join(_expert_label(int(view.indices[row, column, slot])) for slot in range(min(k, 2)))
             axes.text(column, row, label, ha="center", va="center", fontsize=6)
-    axes.set_xticks(range(count), view.tokens[:count], rotation=90, fontsize=7, family="monospace")
+    axes.set_xticks(range(count), view.tokens[:count], rotation=90, fontsize=7, family="monospace", parse_math=False)
     axes.set_yticks(range(len(view.layers)), [f"layer {layer}" for layer in view.layers])
     axes.set_title("Per-token routing: colour = top expert, text = top experts"
                    + (f" (first {count} of {len(view.tokens)} tokens)" if count < len(view.tokens) else ""))
@@ -321,7 +323,7 @@ def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> A
         axes.barh(range(len(values)), values, color="tab:green")
         for position, (bar, note) in enumerate(zip(values, notes)):
             axes.text(bar, position, f" {note}", va="center", fontsize=6)
-        axes.set_yticks(range(len(values)), item.tokens, fontsize=7, family="monospace")
+        axes.set_yticks(range(len(values)), item.tokens, fontsize=7, family="monospace", parse_math=False)
         axes.invert_yaxis()
         axes.set_xlim(0, (max(values) if values else 1) * 1.25)
         axes.set_title(f"layer {item.layer} expert {item.expert}", fontsize=9)
@@ -346,7 +348,8 @@ def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) ->
     axes.imshow(_pixels(centred), aspect="auto", cmap="Oranges")
     for i, expert in enumerate(used):
         for j in range(logits.shape[1]):
-            axes.text(j, i, lens.tokens[row][expert][j][:10], ha="center", va="center", fontsize=7, family="monospace")
+            axes.text(j, i, lens.tokens[row][expert][j][:10], ha="center", va="center", fontsize=7, family="monospace",
+                      parse_math=False)
     axes.set_yticks(range(len(used)), [f"e{e} ({int(lens.counts[row, e])})" for e in used], fontsize=7)
     axes.set_xticks(range(logits.shape[1]), [f"#{j + 1}" for j in range(logits.shape[1])], fontsize=7)
     kind = "relative to the layer mean" if lens.relative else "mean output"
