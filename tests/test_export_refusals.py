@@ -117,6 +117,75 @@ def test_a_router_softcap_is_refused_naming_it(capped_family, tmp_path):
     assert not path.exists()
 
 
+class FlooredRouter(MixtralTopKRouter):
+    """mixtral's router renormalising as ernie4_5's does: its k weights divided by clamp(sum, min=norm_min)."""
+
+    norm_min = 0.9
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight)
+        router_probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
+        router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+        router_top_value = router_top_value / router_top_value.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+        return router_logits, router_top_value, router_indices
+
+
+@pytest.fixture
+def floored_family():
+    base = families.get("mixtral")
+    family = families.register(dataclasses.replace(
+        base, name="floored", scoring=dataclasses.replace(base.scoring, normalize_min="router.norm_min")), replace=True)
+    yield family
+    families.unregister("floored")
+
+
+def _floored_mixtral(norm_min: float):
+    hf = two_layer_mixtral()
+    for layer in hf.model.layers:
+        layer.mlp.gate.__class__ = FlooredRouter
+        layer.mlp.gate.norm_min = norm_min
+    return hf
+
+
+def test_a_renormalisation_floor_that_can_bind_is_refused_naming_it(floored_family, tmp_path):
+    """Guards against a router dividing by clamp(sum, min=floor) (ernie4_5's moe_norm_min) exporting as tract's
+    softmax_topk, which always renormalises to sum to one: with the floor 0.9 above k/E = 2/8 the weights differ."""
+    hf = _floored_mixtral(0.9)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    assert moe.family is floored_family
+    ids = torch.tensor([[5, 9, 40, 71, 88, 12]])
+    with torch.no_grad(), wrapped.trace(ids):
+        logits, weights = moe.router_logits.save(), moe.expert_weights.save()
+    chosen = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values
+    torch.testing.assert_close(weights.float(), chosen / chosen.sum(-1, keepdim=True).clamp(min=0.9))  # by hand
+    assert not torch.allclose(weights.float().sum(-1), torch.ones(weights.shape[:-1]))  # the floor binds here
+    assert families.check(wrapped, ids) == [moe.path for moe in wrapped.moes]  # the entry describes the model
+    path = tmp_path / "floored.nnef.tgz"
+    with pytest.raises(ExportRefused, match=r"floored: the k softmax weights are divided by their sum clamped at "
+                                            r">= 0\.9 \(Scoring\.normalize_min = 'router\.norm_min', a floor such as "
+                                            r"ernie4_5's moe_norm_min\), above k/E = 2/8"):
+        to_nnef(moe, path)
+    assert not path.exists()
+
+
+def test_a_renormalisation_floor_that_cannot_bind_exports_and_matches_the_block(floored_family, tmp_path):
+    """The neighbour of the refusal above: a floor of 1e-12 (ernie4_5's default moe_norm_min) is below the least the
+    top 2 of 8 softmax scores sum to (2/8), so tract's softmax_topk is the router's maths and the block exports."""
+    from moelens.export.gate import family_support
+
+    hf = _floored_mixtral(1e-12)
+    moe = moelens.wrap(hf).moes[0]
+    hidden = torch.randn(2, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    report = to_nnef(moe, tmp_path / "floored.nnef.tgz", example_inputs=hidden)
+    with torch.no_grad():
+        expected = hf.model.layers[0].mlp(hidden)
+    np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=1e-4, rtol=5e-4)
+    support = family_support(floored_family)
+    assert support.status == "if" and "router.norm_min <= k/E" in support.condition
+
+
 def test_inputs_longer_than_the_models_context_are_refused_before_anything_is_written(tmp_path, capsys):
     """moelens-tiny's context is 256 positions: `export --tokens 300` baked 300 positions into the archive without a
     word (and a huge --tokens just ran). A block takes no positions, so its inputs may be longer."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Callable
 
 import pytest
@@ -322,3 +323,74 @@ def test_kolibri1_logits_skipped_by_its_cuda_branch_are_named_in_the_error(monke
     finally:
         hook.remove()
     torch.testing.assert_close(weights, called[0].reshape(weights.shape), rtol=0, atol=0)
+
+
+def _ernie_norm_min_run(name: str, **overrides):
+    """A tiny ``name`` model wrapped, its first block, and that block's logits, weights and indices on the family's
+    tiny inputs."""
+    wrapped = moelens.wrap(tiny_model(name, **overrides))
+    moe = wrapped.moes[0]
+    inputs = tiny_inputs(wrapped._module)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        logits, weights, indices = moe.router_logits.save(), moe.expert_weights.save(), moe.expert_indices.save()
+    return wrapped, moe, inputs, logits, weights, indices
+
+
+@pytest.mark.parametrize("name", ["ernie4_5_moe", "ernie4_5_vl_moe"])
+def test_ernie_weights_follow_the_routers_norm_min_floor(name):
+    """ernie's router divides its k weights by clamp(sum, min=moe_norm_min). The entry said plain renormalisation:
+    with moe_norm_min=0.9 describe said "renormalised", and families.check refused moelens' own entry (the weights
+    "not what the scoring gives"). Ground truth: the weights recomputed by hand from the router's correction bias."""
+    wrapped, moe, inputs, logits, weights, indices = _ernie_norm_min_run(name, moe_norm_min=0.9)
+    bias = moe._module.gate.moe_statics.e_score_correction_bias.detach().float()
+    probs = torch.softmax(logits.float(), dim=-1)
+    by_hand_indices = torch.topk(probs + bias, moe.top_k, dim=-1).indices
+    chosen = probs.gather(-1, by_hand_indices)
+    assert (chosen.sum(-1) < 0.9).any(), "the floor never binds on these inputs: the test would prove nothing"
+    assert torch.equal(indices, by_hand_indices)
+    torch.testing.assert_close(weights.float(), chosen / chosen.sum(-1, keepdim=True).clamp(min=0.9))
+    assert moe.family.normalize_min_of(moe._module) == pytest.approx(0.9)
+    assert "renormalised (sum clamped at >= 0.9)" in moe.family.described_on(moe._module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ernie4_5_vl_moe's blocks serve no mlp_output: check warns so
+        assert moe.path in moelens.families.check(wrapped, **inputs)
+
+
+@pytest.mark.parametrize("name", ["ernie4_5_moe", "ernie4_5_vl_moe"])
+def test_ernie_with_its_default_norm_min_describes_as_plainly_renormalised(name):
+    """The default moe_norm_min (1e-12) only guards a division by zero: the description stays what it was, and the
+    weights sum to one (by hand)."""
+    _, moe, _, _, weights, _ = _ernie_norm_min_run(name)
+    assert moe.family.normalize_min_of(moe._module) == 1e-12
+    assert moe.family.described_on(moe._module) == "softmax scores, score topk, selection bias, renormalised (SM+ bias)"
+    torch.testing.assert_close(weights.float().sum(-1), torch.ones(weights.shape[:-1]))
+
+
+@pytest.mark.parametrize(("floor", "match"), [
+    ("norm_min", r"Scoring.normalize_min='norm_min' gives str 'norm_min' .* a plain word is no reference: write "
+                 r"\"router.norm_min\""),
+    (-0.5, r"Scoring.normalize_min=-0.5 gives float -0.5 on Ernie4_5_MoeSparseMoeBlock, not a floor: expected a "
+           r"finite number >= 0"),
+    ("router.top_k_missing", r"cannot read 'router.top_k_missing'"),
+])
+def test_a_scoring_floor_that_is_no_number_is_refused_naming_it(floor, match):
+    """Scoring.normalize_min is read off the block like Scoring.scale: a plain word, a negative number or a path the
+    block lacks is a FamilyError naming the field and value, not a silent misread."""
+    base = moelens.families.get("ernie4_5_moe")
+    moelens.families.register(dataclasses.replace(
+        base, name="floored_ernie", scoring=dataclasses.replace(base.scoring, normalize_min=floor)), replace=True)
+    try:
+        moe = moelens.wrap(tiny_model("ernie4_5_moe")).moes[0]
+        with pytest.raises(moelens.FamilyError, match=match):
+            moe.family.described_on(moe._module)
+    finally:
+        moelens.families.unregister("floored_ernie")
+
+
+def test_a_scoring_floor_of_the_wrong_kind_is_refused_when_registered():
+    """A bool is neither a number nor a reference: register names the field."""
+    base = moelens.families.get("ernie4_5_moe")
+    with pytest.raises(moelens.FamilyError, match=r"Scoring.normalize_min must be a number or a string or None, "
+                                                   r"got True"):
+        moelens.families.register(dataclasses.replace(
+            base, name="floored_ernie", scoring=dataclasses.replace(base.scoring, normalize_min=True)), replace=True)

@@ -16,8 +16,9 @@ gate              weights of the k chosen experts                      moelens s
 A multiplier on the weights (``Scoring.scale``) is applied to the op's output (the weights
 enter the output linearly). What tract cannot express: a selection-only correction bias
 (``wg_bias`` shifts selection *and* weights), group-limited selection (unless it is trivial on
-the live block), sigmoid scores renormalised over the k, sparse-mixer, hash or skip-class
-selection, and score functions other than softmax and sigmoid.
+the live block), sigmoid scores renormalised over the k, a floor on the renormalising sum that can
+bind (`floor_refusal`), sparse-mixer, hash or skip-class selection, and score functions other than
+softmax and sigmoid.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def family_support(family: Family | str) -> Support:
         gate = f"{softmax} / sigmoid"
         sigmoid = " or sigmoid" if normalize is False else f", or is sigmoid and not {normalize} ({refused})"
         conditions.append(f"{score} is softmax{sigmoid}")
+    if scoring.normalize_min is not None and scoring.normalize is not False and scoring.normalize_min != 0:
+        conditions.append(f"{scoring.normalize_min} <= k/E (a floor on the sum of the k weights that can bind is "
+                          "refused)")
     if converted(family):
         conditions.append("its experts are gated (a SwiGLU FFN converted): other conversions (GPT-2 and BERT FFNs, "
                           "Linear layers as wide out as in) export as moelens.compress.exportable(model)")
@@ -183,9 +187,12 @@ def routing(family: Family, block: Any) -> Routing:
         n_group, topk_group = groups
         if n_group != 1 and topk_group < n_group:
             reasons.append(_groups(f" (the best {topk_group} of {n_group} groups)"))
+    normalize = family.resolve(scoring.normalize, block)
+    floor = floor_refusal(family, block, normalize) if score == "softmax" else ""
+    if floor:
+        reasons.append(floor)
     if reasons:
         raise ExportRefused(f"{name}: " + "; ".join(reasons) + ".")
-    normalize = family.resolve(scoring.normalize, block)
     if score == "sigmoid" and normalize:
         raise ExportRefused(f"{name}: {_sigmoid_renormalised()}.")
     if score == "sigmoid":
@@ -206,6 +213,32 @@ def routing(family: Family, block: Any) -> Routing:
         k=int(family.resolve(family.top_k, block)),
         num_experts=int(family.resolve(family.num_experts, block)),
     )
+
+
+def floor_refusal(family: Family, block: Any, normalize: Any) -> str:
+    """Why tract cannot express the floor the live ``block``'s router clamps its renormalising sum at
+    (`Scoring.normalize_min`, ``normalize`` as resolved on the block), or "" where the floor cannot bind.
+
+    tract's ``softmax_topk`` always renormalises to sum to one; the router divides by ``clamp(sum, min=floor)``
+    instead, which differs only on tokens whose k chosen softmax scores sum below the floor. The k largest of E
+    softmax scores (what a router without a selection bias or groups picks, the only routers exported) sum to at
+    least k/E, and a softmax over the k chosen logits (``logit_topk``) to 1: a floor at most that never binds
+    (ernie4_5's default ``moe_norm_min=1e-12``), one above it is refused. A router that does not renormalise to a
+    sum has no sum to clamp.
+    """
+    if not _truthy_norm(normalize):
+        return ""
+    floor = family.normalize_min_of(block)
+    k, experts = int(family.resolve(family.top_k, block)), int(family.resolve(family.num_experts, block))
+    logit_topk = family.scoring_of(block).select == "logit_topk"
+    least, what = (1.0, "1, what a softmax over the k chosen logits sums to") if logit_topk else (
+        k / experts, f"k/E = {k}/{experts}, the least the k largest of E softmax scores sum to")
+    if floor <= least:
+        return ""
+    return (f"the k softmax weights are divided by their sum clamped at >= {floor:g} (Scoring.normalize_min = "
+            f"{family.scoring_of(block).normalize_min!r}, a floor such as ernie4_5's moe_norm_min), above {what}: "
+            "it binds where the chosen scores sum below it, and tract_moe_ffn's softmax_topk always renormalises "
+            "them to sum to one")
 
 
 def _truthy_norm(normalize: Any) -> bool:

@@ -45,8 +45,8 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     For each block that runs: under top-k selection the served experts are the top k of what the entry ranks
     (`_selection_problem`); where the router ranks selection scores, the op the entry reads them at holds the
     scores plus the selection bias (`_selection_scores_problem`, read in a second run); the entry's `Scoring`
-    (score function, normalisation, scale; `select` picks which scores) applied to the served logits at the served
-    expert indices gives the weights the experts got; and the entry's `Combine` of the served routed and shared
+    (score function, normalisation and its floor, scale; `select` picks which scores) applied to the served logits
+    at the served expert indices gives the weights the experts got; and the entry's `Combine` of the served routed and shared
     outputs gives the block's output. Meant for an entry of your own (`register`) on a model you trust: moelens'
     own entries pass on every family's tiny model.
 
@@ -166,20 +166,23 @@ def _tolerance(*tensors: torch.Tensor | None) -> dict[str, float]:
 
 
 def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str,
-                   normalize: bool | float | None, scale: float | None, softcap: float = 0.0) -> torch.Tensor:
+                   normalize: bool | float | None, scale: float | None, softcap: float = 0.0,
+                   normalize_min: float = 0.0) -> torch.Tensor:
     """The weights ``[..., k]`` a router gives the experts at ``indices``: the scores of the chosen logits
     (``logit_topk``) or the chosen scores of every logit (any other selection), renormalised over the k as
     ``normalize`` says (True: to sum to one; a number p: by their p-norm, as dbrx's ``moe_normalize_expert_weights``;
-    False, None or 0: not at all), times ``scale``."""
+    False, None or 0: not at all), that sum or norm clamped at >= ``normalize_min`` (ernie4_5's ``moe_norm_min``;
+    0: no floor), times ``scale``."""
     logits = logits.float()
     if select == "logit_topk":
         chosen = score(score_name, logits.gather(-1, indices), softcap)
     else:
         chosen = score(score_name, logits, softcap).gather(-1, indices)
     if normalize is True:
-        chosen = chosen / chosen.sum(-1, keepdim=True)
+        chosen = chosen / chosen.sum(-1, keepdim=True).clamp(min=normalize_min)
     elif normalize not in (False, None, 0):
-        chosen = chosen / torch.linalg.vector_norm(chosen, ord=float(normalize), dim=-1, keepdim=True)
+        norm = torch.linalg.vector_norm(chosen, ord=float(normalize), dim=-1, keepdim=True)
+        chosen = chosen / norm.clamp(min=normalize_min)
     return chosen * scale if scale is not None else chosen
 
 
@@ -297,14 +300,14 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the entry's scoring on this block's run (one whose weights it can recompute), or ""."""
     family, scoring = moe.family, moe.SCORING
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
-    score_name, normalize, scale, softcap = _scoring_settings(moe)
-    entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap)
+    score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
+    entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap, floor)
     tolerance = _tolerance(logits, weights)
     if torch.allclose(weights.float(), entry, **tolerance):
         return ""
     difference = float((weights.float() - entry).abs().max())
     fitting = _fitting(weights.float(), logits, indices, (score_name, scoring.select, normalize), scale, softcap,
-                       tolerance)
+                       tolerance, floor)
     if fitting == NOTHING_FITS:
         fitting += (f"; or the Scoring is right and logits_op is wrong: logits_op={family.logits_op!r} may name "
                     "another tensor than the one the router scores (such as the logits before the router divides them "
@@ -314,21 +317,23 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
             "router_probs, the routing analysis and the export follow the entry.")
 
 
-def _scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float]:
-    """The entry's score function, normalisation (`chosen_weights`), scale and softcap for ``moe``'s block."""
+def _scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float, float]:
+    """The entry's score function, normalisation (`chosen_weights`), scale, softcap and normalisation floor for
+    ``moe``'s block."""
     family, block = moe.family, moe._module
-    return family.score_of(block), family.normalize_of(block), family.scale_of(block), family.softcap_of(block)
+    return (family.score_of(block), family.normalize_of(block), family.scale_of(block), family.softcap_of(block),
+            family.normalize_min_of(block))
 
 
 def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """Why this run's weights cannot tell the entry's score function from the others, or "": where another score
     function gives the same weights (one expert per token, renormalised, weighs 1 under any), a wrong one passes,
     and `router_probs` would follow it."""
-    score_name, normalize, scale, softcap = _scoring_settings(moe)
+    score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     tolerance = _tolerance(logits, weights)
     alike = [other for other in SCORE_FUNCTIONS if other != score_name and torch.allclose(
-        weights.float(), chosen_weights(logits, indices, other, moe.SCORING.select, normalize, scale, softcap),
+        weights.float(), chosen_weights(logits, indices, other, moe.SCORING.select, normalize, scale, softcap, floor),
         **tolerance)]
     if not alike:
         return ""
@@ -339,16 +344,16 @@ def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
 
 
 def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, own: tuple[str, str, bool],
-             scale: float | None, softcap: float, tolerance: dict[str, float]) -> str:
+             scale: float | None, softcap: float, tolerance: dict[str, float], floor: float = 0.0) -> str:
     """Which settings to change so the scoring gives ``weights``: the entry's own score, selection and
-    normalisation up to a factor (the scale), else the softmax / sigmoid, normalised or not, that fits (named by
-    what differs from the entry)."""
+    normalisation (with its floor ``floor``) up to a factor (the scale), else the softmax / sigmoid, normalised or
+    not, that fits (named by what differs from the entry)."""
     score_name, select, normalize = own
     ranks_logits = select == "logit_topk"
     for name, by_logits, renormalised in itertools.product(
             dict.fromkeys((score_name, "softmax", "sigmoid")), (ranks_logits, not ranks_logits), (normalize, not normalize)):
         candidate = chosen_weights(logits, indices, name, "logit_topk" if by_logits else "score_topk", renormalised,
-                                   None, softcap)
+                                   None, softcap, floor)
         ratio = _factor(weights, candidate, tolerance)
         if ratio is None:
             continue
@@ -374,7 +379,8 @@ def _factor(weights: torch.Tensor, candidate: torch.Tensor, tolerance: dict[str,
 
 
 def _described(scoring: Any) -> str:
-    return (f"score={scoring.score!r}, select={scoring.select!r}, normalize={scoring.normalize!r}, "
+    floor = f", normalize_min={scoring.normalize_min!r}" if scoring.normalize_min is not None else ""
+    return (f"score={scoring.score!r}, select={scoring.select!r}, normalize={scoring.normalize!r}{floor}, "
             f"scale={scoring.scale!r}")
 
 

@@ -13,6 +13,7 @@ checkpoint of the family whatever its sizes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, Mapping
@@ -59,6 +60,12 @@ SCORES_FOR_CHOICE = "scores_for_choice_0"
 #: (``torch.topk(scores + bias, k)``: ``selection_op=TOPK, selection_arg=0``).
 TOPK = "torch_topk_0"
 
+#: The least normalisation floor (`Scoring.normalize_min`) a description names: a smaller one acts only on a token
+#: whose k chosen scores hold less than a millionth of its probability mass (a guard against dividing by zero, as
+#: ernie4_5's default ``moe_norm_min=1e-12``), so its weights read as plainly renormalised. The weights moelens
+#: recomputes (`moelens.families.check`) apply the floor whatever its size.
+NEGLIGIBLE_FLOOR = 1e-6
+
 
 @dataclass(frozen=True)
 class Scoring:
@@ -76,6 +83,10 @@ class Scoring:
         normalize: Whether the k weights are renormalised to sum to one: a bool or
             an attribute reference (``"router.norm_topk_prob"``); a reference to a number p
             divides them by their p-norm instead (dbrx's ``moe_normalize_expert_weights``).
+        normalize_min: A floor the router clamps that divisor at (the k weights' sum, or their p-norm): the weights
+            are ``w / clamp(sum(w), min=normalize_min)``, so they sum to less than one where the chosen scores sum
+            below it (ernie4_5: ``"router.norm_min"``, the config's ``moe_norm_min``). A number >= 0, an attribute
+            reference, or None (no floor). Described only from `NEGLIGIBLE_FLOOR` up.
         scale: A multiplier on the weights applied inside the router: a number, an
             attribute reference, or None.
         selection_bias: Attribute reference of a bias added to the scores for
@@ -108,6 +119,7 @@ class Scoring:
     score: str = "softmax"
     select: str = "score_topk"
     normalize: bool | str = False
+    normalize_min: float | str | None = None
     scale: float | str | None = None
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None
@@ -134,14 +146,24 @@ class Scoring:
             parts.append("group-limited" + kept
                          + (f" if {self.groups_if[0]} == {self.groups_if[1]!r}" if self.groups_if else ""))
         if self.normalize is True or type(self.normalize) in (int, float) and self.normalize == 1:
-            parts.append("renormalised")
+            parts.append("renormalised" + self._floor("sum"))
         elif isinstance(self.normalize, str):
-            parts.append(f"renormalised if {self.normalize}")
+            parts.append(f"renormalised if {self.normalize}" + self._floor("sum"))
         elif type(self.normalize) in (int, float) and self.normalize:  # dbrx's p, read off a block
-            parts.append(f"divided by their {self.normalize:g}-norm")
+            parts.append(f"divided by their {self.normalize:g}-norm" + self._floor("norm"))
         if self.scale is not None:
             parts.append(f"x {self.scale}")
         return ", ".join(parts) + (f" ({self.code})" if self.code else "")
+
+    def _floor(self, divisor: str) -> str:
+        """The words for `normalize_min` after the normalisation (``divisor``: what is clamped, "sum" or "norm"):
+        the reference where it is one, the number where it reaches `NEGLIGIBLE_FLOOR`, else ""."""
+        floor = self.normalize_min
+        if isinstance(floor, str):
+            return f" ({divisor} clamped at >= {floor})"
+        if type(floor) in (int, float) and floor >= NEGLIGIBLE_FLOOR:
+            return f" ({divisor} clamped at >= {floor:g})"
+        return ""
 
 
 @dataclass(frozen=True)
@@ -429,17 +451,37 @@ class Family:
         normalize = self.resolve(self.scoring_of(block).normalize, block)
         return normalize if isinstance(normalize, (int, float)) else bool(normalize)  # None: not renormalised
 
+    def normalize_min_of(self, block: Any) -> float:
+        """The floor the live ``block``'s router clamps the divisor of its k weights at (`Scoring.normalize_min`,
+        read: ernie4_5's ``moe_norm_min``), 0.0 for none."""
+        reference = self.scoring_of(block).normalize_min
+        value = self.resolve(reference, block)
+        if hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor or buffer
+            value = value.item()
+        if value is None:
+            return 0.0
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+            return float(value)
+        word = isinstance(reference, str) and "." not in reference
+        hint = f'; a plain word is no reference: write "router.{reference}" or "config.{reference}"' if word else ""
+        shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+        raise FamilyError(
+            f"family {self.name!r}: Scoring.normalize_min={reference!r} gives {type(value).__name__} {value!r:.60}"
+            f"{shape} on {type(block).__name__}, not a floor: expected a finite number >= 0 (the least the k weights' "
+            f"sum is divided by), an attribute reference to one (\"router.norm_min\"), or None for none{hint}."
+        )
+
     def described_on(self, block: Any) -> str:
         """`Scoring.describe` of the live ``block``'s scoring, with what it reads off the block resolved there: the
         score function, its logit softcap, whether it adds a selection bias and picks inside groups (and how many),
-        its normalisation and its scale."""
+        its normalisation (with its floor, from `NEGLIGIBLE_FLOOR` up) and its scale."""
         scoring = self.scoring_of(block)
         groups, scale, softcap = self.groups_of(block), self.scale_of(block), self.softcap_of(block)
         return replace(scoring, score=self.score_of(block), groups=groups, groups_if=None,
                        select="score_topk" if scoring.select == "group_topk" and groups is None else scoring.select,
                        selection_bias=scoring.selection_bias if self.holds(scoring.selection_bias, block) else None,
                        softcap=softcap or None, normalize=self.normalize_of(block),
-                       scale=None if scale == 1.0 else scale).describe()
+                       normalize_min=self.normalize_min_of(block), scale=None if scale == 1.0 else scale).describe()
 
     def score_of(self, block: Any) -> str:
         """The score function the live ``block``'s router applies (`Scoring.score`, an attribute reference read)."""

@@ -70,7 +70,7 @@ FAMILIES = [
                  "masked softmaxes, each at most 1, so they sum to at most 2 (2 when no other expert is within the "
                  "jitter threshold)."),
     Family("ernie4_5_vl_moe", ("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"), ("Ernie4_5_VLMoeSparseMoeBlock",),
-           scoring=Scoring("softmax", "score_topk", normalize=True,
+           scoring=Scoring("softmax", "score_topk", normalize=True, normalize_min="router.norm_min",
                            selection_bias="router.moe_statics.e_score_correction_bias",
                            selection_op="self_moe_statics_0", code="SM+ bias"),
            refused={"mlp_output": "an ernie4_5_vl_moe modality block returns its output flattened to 1-D for "
@@ -87,9 +87,10 @@ FAMILIES = [
                  "strict or not: the run ended without it).",
            runs_only_on={"vision_moe": "image tokens (moe_mm_token_type_ids)"}),
     Family("ernie4_5_moe", ("ernie4_5_moe",), ("Ernie4_5_MoeSparseMoeBlock",),
-           scoring=Scoring("softmax", "score_topk", normalize=True,
+           scoring=Scoring("softmax", "score_topk", normalize=True, normalize_min="router.norm_min",
                            selection_bias="router.moe_statics.e_score_correction_bias",
                            selection_op="self_moe_statics_0", code="SM+ bias"),
            shared=SharedExpert("shared_experts", when="before_router"),
-           notes="Selection adds a correction bias to the softmax; weights are renormalised with a clamp."),
+           notes="Selection adds a correction bias to the softmax; weights are divided by their sum clamped at >= "
+                 "moe_norm_min (1e-12 by default), so they sum to less than one where the chosen scores sum below it."),
 ]

@@ -22,7 +22,9 @@ forward: each call's values are served under `tracer.iter[i]` (docs/values.md; `
 
 Columns: the block (its attribute on the decoder layer and its class), the router and experts children,
 the router op whose output moelens serves as `router_logits` (`linear → cast`: the router's linear layer and the
-upcast after it, where the logits are read), the scoring (see `docs/values.md`), the
+upcast after it, where the logits are read), the scoring (see `docs/values.md`; "sum clamped at >= x": the
+weights are divided by `clamp(sum, min=x)`, `Scoring.normalize_min`, so they sum to less than one where the chosen
+scores sum below x), the
 shared expert (its module and when its served value is produced), and what the family cannot serve whatever
 the model's settings (dbrx's and llama4's per-slot values: their experts are not decorated by transformers, so they
 run only their own forward, dbrx's a loop over its experts, llama4's one batched matmul). Values
