@@ -630,11 +630,15 @@ def test_hash_routed_layers_are_described_and_scored_per_block():
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
      "group-limited (best 2 of 4 groups)", "=="),
     ("qwen2_moe", {"norm_topk_prob": False}, "softmax scores, score topk", "renormalised"),
+    # every group kept: plain top-k over all experts
+    ("deepseek_v3", {"n_group": 1, "topk_group": 1}, "sigmoid scores, score topk, selection bias", "group"),
+    ("deepseek_v3", {"n_group": 2, "topk_group": 2}, "sigmoid scores, score topk, selection bias", "group"),
 ])
 def test_describe_says_what_this_models_router_does(family, settings, expected, absent):
     """The scoring line printed the entry's references (`renormalised if router.norm_topk_prob`, `x
-    router.routed_scaling_factor`, `group-limited if router.topk_method == ...`), and "group-limited" for an axk2
-    router with no groups. Truth: the router's own settings."""
+    router.routed_scaling_factor`, `group-limited if router.topk_method == ...`), "group-limited" for an axk2
+    router with no groups, and "group-limited (best 1 of 1 groups)" where every group is kept. Truth: the router's
+    own settings."""
     hf = tiny_model(family, **settings)
     report = analysis.describe(moelens.wrap(hf), probe=False)
     assert expected in report.scoring and absent not in report.scoring, report.scoring

@@ -477,6 +477,8 @@ class Family:
         its normalisation (with its floor, from `NEGLIGIBLE_FLOOR` up) and its scale."""
         scoring = self.scoring_of(block)
         groups, scale, softcap = self.groups_of(block), self.scale_of(block), self.softcap_of(block)
+        if groups is not None and groups[1] >= groups[0]:  # every group kept: plain top-k, as a route reads it
+            groups = None
         return replace(scoring, score=self.score_of(block), groups=groups, groups_if=None,
                        select="score_topk" if scoring.select == "group_topk" and groups is None else scoring.select,
                        selection_bias=scoring.selection_bias if self.holds(scoring.selection_bias, block) else None,
