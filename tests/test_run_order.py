@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import nnsight
 import pytest
 import torch
 import transformers
@@ -243,3 +244,162 @@ def test_items_of_lists_run_in_one_loop_interleave_and_only_runners_count_hand_o
     paths = [name for name, module in parent.named_modules() if not isinstance(module, (Parent, torch.nn.ModuleList))]
     assert in_run_order(parent, paths) == ran_in_order(parent, paths, torch.ones(1, 2)) == [
         "layers.0", "norms.0", "layers.1", "norms.1", "checkpointed", "late"]
+
+
+STEPS = 3
+
+
+def _generated_per_call(model: torch.nn.Module, ids: torch.Tensor, paths: list[str],
+                        replace_first: dict[str, object] | None = None) -> dict[str, list]:
+    """Ground truth: what each module at ``paths`` outputs at every call of a greedy generation of ``STEPS`` tokens on
+    ``model`` (torch forward hooks, no nnsight); ``replace_first`` maps a path to what its first call outputs instead
+    (as nnsight's ``.skip(value)`` at the first step hands on)."""
+    replace_first = replace_first or {}
+    outputs: dict[str, list] = {path: [] for path in paths}
+
+    def hook(module, args, output, path):
+        if not outputs[path] and path in replace_first:
+            output = replace_first[path]
+        outputs[path].append(output)
+        return output
+
+    hooks = [model.get_submodule(path).register_forward_hook(lambda m, a, o, path=path: hook(m, a, o, path))
+             for path in paths]
+    try:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_generation():
+    """(wrapped tiny qwen2_moe, an unwrapped copy, the prompt's ids, its block, the router's and experts' paths in
+    the copy)."""
+    import copy
+
+    from groundtruth import ascii_tokenizer
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("qwen2_moe", experts_implementation="grouped_mm")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = wrapped.moes[0]
+    block = moe.path.removeprefix("model.")
+    paths = (f"{block}.{moe.family.router}", f"{block}.{moe.family.experts}")
+    ids = wrapped.tokenizer("hello", return_tensors="pt")["input_ids"]
+    return wrapped, reference, ids, moe, paths
+
+
+def _generate(wrapped, at_step) -> list:
+    """What ``at_step(step)`` returns at each step of a greedy generation of ``STEPS`` tokens on ``wrapped`` (None
+    where it returns none), and the statements after the loop ran."""
+    with torch.no_grad(), wrapped.generate("hello", max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                           do_sample=False) as tracer:
+        values = nnsight.save([])
+        for step in tracer.iter[:STEPS]:
+            values.append(at_step(step))
+        finished = nnsight.save(True)
+    assert finished
+    return values
+
+
+def test_values_read_inside_the_router_and_the_experts_are_each_step_s_own(qwen2_moe_generation):
+    """With no module skipped, router_logits (read at an op in the router's forward) and expert_outputs (inside the
+    experts implementation) at every generation step are that step's: the router's logits and the experts' output
+    of the same call of the model's own generation (torch hooks on an unwrapped copy)."""
+    wrapped, reference, ids, moe, (router, experts) = qwen2_moe_generation
+    values = _generate(wrapped, lambda step: (moe.router_logits, moe.expert_outputs))
+    truth = _generated_per_call(reference, ids, [router, experts])
+    assert len(values) == len(truth[router]) == STEPS
+    for (logits, slots), router_output, experts_output in zip(values, truth[router], truth[experts]):
+        torch.testing.assert_close(logits.reshape(router_output[0].shape), router_output[0], rtol=0, atol=0)
+        torch.testing.assert_close(slots.sum(2).reshape(experts_output.shape), experts_output, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("skipped, value", [("router", "router_logits"), ("experts", "expert_outputs")])
+@pytest.mark.parametrize("read_at", [(1, 2), (2,)])
+def test_a_value_inside_a_module_skipped_at_an_earlier_step_is_refused(qwen2_moe_generation, skipped, value, read_at):
+    """nnsight counts the runs of each op in a forward apart, and `.skip()` bypasses the forward: after the router
+    (or the experts) was skipped at step 0, router_logits (expert_outputs) read at step 1 was step 2's, and the read
+    at step 2 never came (nnsight only warned, and the statements after the loop did not run). Now refused."""
+    wrapped, reference, ids, moe, _ = qwen2_moe_generation
+    tokens, top_k, experts, hidden = ids.shape[1], moe.top_k, moe.num_experts, wrapped._module.config.hidden_size
+    module = getattr(moe, skipped)
+    replacement = ((torch.zeros(tokens, experts), torch.full((tokens, top_k), 0.5),
+                    torch.arange(top_k).repeat(tokens, 1)) if skipped == "router" else torch.zeros(tokens, hidden))
+
+    def at_step(step):
+        if step == 0:
+            module.skip(replacement)
+        return getattr(moe, value) if step in read_at else None
+
+    refused = rf"{value} cannot be served at this tracer.iter step: {module.path} was skipped with \.skip\(\) at an"
+    with pytest.raises(moelens.errors.OrderError, match=refused):
+        _generate(wrapped, at_step)
+
+
+def test_a_module_s_own_values_after_it_was_skipped_are_each_step_s_own(qwen2_moe_generation):
+    """The refusal leaves the values read at the module's own input and output alone: after the router was skipped at
+    step 0, expert_weights (the experts call's argument) and routed_output (the experts' output) at steps 1 and 2
+    are those of the copy's generation whose router's first call handed on the same replacement."""
+    wrapped, reference, ids, moe, (router, experts) = qwen2_moe_generation
+    tokens, top_k = ids.shape[1], moe.top_k
+    replacement = (torch.zeros(tokens, moe.num_experts), torch.full((tokens, top_k), 0.5),
+                   torch.arange(top_k).repeat(tokens, 1))
+
+    def at_step(step):
+        if step == 0:
+            moe.router.skip(replacement)
+            return None
+        return moe.expert_weights, moe.routed_output
+
+    values = _generate(wrapped, at_step)
+    truth = _generated_per_call(reference, ids, [router, experts], replace_first={router: replacement})
+    for step in (1, 2):
+        weights, routed = values[step]
+        torch.testing.assert_close(weights.reshape(truth[router][step][1].shape), truth[router][step][1])
+        torch.testing.assert_close(routed.reshape(truth[experts][step].shape), truth[experts][step])
+
+
+def test_llama4_derived_routing_after_the_router_s_output_reuses_the_logits_read_in_that_call():
+    """llama4 has no experts call: moelens recomputes expert_weights / expert_indices from router_logits, read at an
+    op inside the router's forward. Read after the router's output (moe.router.output), they raised an OrderError
+    naming router_logits, which the user had read in order. Now the logits read earlier in the same router call are
+    reused: the weights and indices are the router's own (top-k of its logits, the sigmoid scores it hands on; a
+    torch hook on an unwrapped copy); with no logits read before, the error names the value asked for."""
+    import copy
+
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("llama4")
+    inputs = tiny_inputs(hf)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moe.router_logits.save()
+        moe.router.output.save()
+        weights = moe.expert_weights.save()
+        indices = moe.expert_indices.save()
+    router_path = f"{moe.path.removeprefix('model.')}.{moe.family.router}"
+    called = []
+    handle = reference.get_submodule(router_path).register_forward_hook(lambda m, a, output: called.append(output))
+    try:
+        with torch.no_grad():
+            reference(**inputs)
+    finally:
+        handle.remove()
+    scores, logits = called[0]
+    expected_indices = logits.topk(moe.top_k, dim=-1).indices
+    assert torch.equal(indices.reshape(expected_indices.shape).sort(-1).values, expected_indices.sort(-1).values)
+    torch.testing.assert_close(weights.reshape(-1, moe.top_k), scores.gather(-1, indices.reshape(-1, moe.top_k)))
+    for name in ("expert_weights", "expert_indices"):
+        with pytest.raises(moelens.errors.OrderError, match=rf"{name} could not be served: the llama4 block calls no "
+                                                            rf"experts module, so moelens recomputes {name} from "
+                                                            r"router_logits, read inside the router's forward"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                moe.router.output.save()
+                getattr(moe, name).save()

@@ -230,9 +230,10 @@ class Component(Envoy):
         """The values this component serves, in the order the model produces them."""
         return ()
 
-    def _order_error(self, name: str) -> OrderError:
-        """The error of a read nnsight could not serve: modules replaced after wrapping, a router that skipped the op
-        of its logits (`Family.logits_skipped`, a branch only an accelerator under no_grad takes), else the order."""
+    def _never_produced(self, name: str) -> OrderError | None:
+        """The error of a read nnsight could not serve because the model never reaches where ``name`` is read:
+        modules replaced after wrapping, or a router that skipped the op of its logits (`Family.logits_skipped`, a
+        branch only an accelerator under no_grad takes); None where it does reach it."""
         location = self._location_of(name)
         replaced = [path for path in replaced_modules(self) if location is None or location.startswith(f"{path}.")]
         if replaced:  # nnsight's envoys watch the modules they wrapped: the model runs the new ones unseen
@@ -247,6 +248,32 @@ class Component(Envoy):
                 and not torch.is_grad_enabled() and router_on_accelerator(self)):  # else a plain order mistake
             return OrderError(f"{self.path}.{name} was never produced: {self.family.name}'s router skips "
                               f"{self.family.logits_op}, where moelens reads its logits, {skipped}.")
+        return None
+
+    def _skipped_error(self, name: str, location: str) -> OrderError:
+        """The error of a read of ``name`` at ``location``, an op inside a module's forward, pinned to a
+        ``tracer.iter`` step after that module was skipped with ``.skip()`` at an earlier step (`serving.request_step`):
+        the op's visits no longer line up with the steps (unless `_never_produced` finds the model never reaches it)."""
+        never = self._never_produced(name)
+        if never is not None:
+            return never
+        module = location.partition(".source.")[0]
+        return OrderError(
+            f"{self.path}.{name} cannot be served at this tracer.iter step: {module} was skipped with .skip() at an "
+            f"earlier step of this generation, which bypasses its forward, so {location.rpartition('.')[0]}, where "
+            f"moelens reads {name}, ran fewer times than {module}: nnsight counts each op's runs, so the op's steps no "
+            "longer line up and a read pinned to this step would get a later step's value. Read the module's own "
+            "input or output at such steps instead (moe.router.output, or routed_output for the experts), or skip by "
+            "writing the value instead of calling .skip() (moe.router_logits = ..., moe.routed_output = ..., or "
+            "module.output = ...): the module then runs and its ops keep counting."
+        )
+
+    def _order_error(self, name: str) -> OrderError:
+        """The error of a read nnsight could not serve: the model never reaches where it is read
+        (`_never_produced`), else the order."""
+        never = self._never_produced(name)
+        if never is not None:
+            return never
         order = " -> ".join(self._order())
         runs_only_on = self.runs_only_on
         maybe_idle = (

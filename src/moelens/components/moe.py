@@ -40,7 +40,7 @@ from jaxtyping import Float, Int
 from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
-from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError, described
+from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
@@ -55,7 +55,7 @@ from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params, refuse_fully_sharded
-from .served import RUNS, order_errors, request, run_fact, served
+from .served import RUNS, order_errors, request, request_step, run_fact, served
 
 
 class _SharedAlias:
@@ -324,10 +324,13 @@ class Moe(Mlp):
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
         self._require_trace("router_probs")
+        pinned = Mediator.current("router_probs").iteration  # to a step after the first: refused for a skipped router
         try:
             logits = self.router_logits  # requested first: a request lets the model run on, and its hooks must not nest in ours
         except OrderError:
-            raise self._order_error("router_probs") from None
+            location = self._static_bindings["router_logits"].location
+            error = self._skipped_error("router_probs", location) if pinned else self._order_error("router_probs")
+            raise error from None
         return self._scored(logits)
 
     def _scored(self, logits: Tensor) -> Float[Tensor, "b s e"]:
@@ -445,7 +448,7 @@ class Moe(Mlp):
                     "scores the block goes on with",
                     "read router_logits and apply your hook's change to them, or remove the hook for this trace.",
                 )
-            logits = self.router_logits  # requested before moelens' saved-tensor hooks are in force (router_probs)
+            logits = self._derived_logits(descriptor.name)  # before moelens' saved-tensor hooks are in force
             # a normal tensor under inference_mode (`normal_tensors`): an edit of it is told, as of a read
             with kept_for_backward(), normal_tensors():
                 weights, indices = top_logits(logits, self.top_k, self.family.score_of(self._module))
@@ -460,7 +463,45 @@ class Moe(Mlp):
             return value
         value = super()._read(descriptor, keep_open, binding)
         self._check_width(descriptor.name, value)
+        if self.family.derived_routing and descriptor.name == "router_logits":
+            self._note_logits(value)
         return value
+
+    def _router_call(self, mediator: Mediator) -> tuple[int, bool]:
+        """The count in this run of the router call begun last (0 for the first), and whether it is running still."""
+        begun = mediator.occurrence(f"{self.router.path}.input")
+        return begun - 1, mediator.occurrence(f"{self.router.path}.output") < begun
+
+    def _note_logits(self, logits: Tensor) -> None:
+        """Note ``logits``, router_logits just read (inside the router call that computes them), with that call,
+        for this invoke: `_derived_logits` reuses them later in the same call."""
+        run = RUNS.get(self.interleaver)
+        if run is not None:
+            mediator = Mediator.current("router_logits")
+            run.logits_read[id(mediator), self.path] = (self._router_call(mediator)[0], logits)
+
+    def _derived_logits(self, name: str) -> Tensor:
+        """The router_logits ``name`` (one of `DERIVED_ROUTING`) is recomputed from: those this invoke read earlier
+        in the router call still running (the model may have run past the op they are read at since, to the
+        router's output), else read now; an `OrderError` naming ``name`` where they cannot be read."""
+        self._require_trace(name)
+        run = RUNS.get(self.interleaver)
+        mediator = Mediator.current(name)
+        noted = run.logits_read.get((id(mediator), self.path)) if run is not None else None
+        if noted is not None:
+            call, running = self._router_call(mediator)
+            if running and noted[0] == call and mediator.iteration in (None, call):  # not pinned to another step
+                return noted[1]
+        try:
+            return self.router_logits
+        except OrderError as error:
+            raise OrderError(
+                f"{self.path}.{name} could not be served: the {self.family.name} block calls no experts module, so "
+                f"moelens recomputes {name} from router_logits, read inside the router's forward, and those could not "
+                f"be read: {sentence(error)}. Read {name} (or router_logits first: moelens reuses them within the "
+                "same router call) before anything later in the router, such as moe.router.output, and before the "
+                "values after the router."
+            ) from error
 
     def _check_call(self, name: str) -> None:
         """Refuse ``name``, read or written, when this call of the block got tokens gathered out of the batch: no
@@ -666,8 +707,9 @@ class Moe(Mlp):
         if not pinned and owner.interleaver.sourced.get(call) is not None:  # another value drilled it in this run
             return
         with order_errors(call, lambda: self._order_error(name)):
-            if pinned:
-                request(f"{call}.input", lambda: self._order_error(name))
+            if pinned:  # refused where the owner was skipped at an earlier step: its ops' steps no longer line up
+                request_step(mediator, f"{call}.input", lambda: self._order_error(name),
+                             lambda: self._skipped_error(name, f"{call}.input"))
             elif pinned == 0 and mediator.occurrence(f"{call}.input"):  # pinned to the first call, which ran: a
                 raise self._order_error(name)  # drill now would serve the next (generation step, looped block's pass)
             getattr(owner.source, call_op).source

@@ -95,6 +95,48 @@ def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
         _reraise(error, location, on_order_error)
 
 
+def _module_running(location: str) -> str | None:
+    """The module whose forward runs the op at ``location`` (``<module>.source.<op>...``), None for a location on a
+    module itself."""
+    module, drilled, _ = location.partition(".source.")
+    return module if drilled else None
+
+
+def skipped_visits(mediator: Mediator, location: str) -> int:
+    """How many finished calls of the module whose forward runs the op at ``location`` never reached that op, counted
+    for ``mediator``'s run: the module's finished calls less the op's visits. Above 0 where the module was skipped
+    (nnsight's ``.skip()`` bypasses its forward, so its ops go uncounted, while its ``.input`` and ``.output`` count
+    as any call's); 0 or less where they line up, and for a location on a module itself."""
+    module = _module_running(location)
+    return 0 if module is None else mediator.occurrence(f"{module}.output") - mediator.occurrence(location)
+
+
+def request_step(mediator: Mediator, location: str, on_order_error: Callable[[], Exception],
+                 on_skipped: Callable[[], Exception]) -> Any:
+    """`request`, refused with ``on_skipped()`` where it is pinned to a ``tracer.iter`` step after the first and the
+    module running the op at ``location`` was skipped at an earlier step (`skipped_visits`).
+
+    nnsight counts the visits of each op apart, and a skipped module's ops miss the step it was skipped at, so a
+    request pinned to step s would be served at a later step. Checked as it is asked (skipped at a step the module
+    finished), as it is served (skipped at the step still running when it was asked, or since), and where the run
+    ended without serving it after the module ran step s.
+    """
+    step = mediator.iteration
+    if not step:  # the first step, or relaxed: the next visit, whichever step that is
+        return request(location, on_order_error)
+    if skipped_visits(mediator, location) > 0:
+        raise on_skipped()
+    try:
+        served_value = Mediator.value(location)
+    except OutOfOrderError as error:
+        if skipped_visits(mediator, location) > 0 and mediator.occurrence(f"{_module_running(location)}.output") > step:
+            raise on_skipped() from error
+        _reraise(error, location, on_order_error)
+    if skipped_visits(mediator, location) > 0:
+        raise on_skipped()
+    return served_value
+
+
 class Fetched(NamedTuple):  # a tuple, not a dataclass: one is made per value read
     """One value as served at its location, and this invoke's token view of it.
 
@@ -135,7 +177,8 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
         context = prepared.context
     else:
         context = binding.prepare() if binding.prepare is not None else None
-    raw = request(binding.location, lambda: component._order_error(name))
+    raw = request_step(mediator, binding.location, lambda: component._order_error(name),
+                       lambda: component._skipped_error(name, binding.location))
     component._check_call(name)
     rows = run_fact(component.interleaver, mediator, "rows", lambda: tokens.current_rows(binding.location))
     try:
@@ -448,6 +491,10 @@ class HandedBack:
         #: (id of a component or mediator, what) -> what the live modules say of it, read once in the run
         #: (`run_fact`): a block's counts, an invoke's rows.
         self.facts: dict[tuple[int, str], Any] = {}
+        #: (id of a mediator, a block's path) -> the router call (its count in the run) at which that invoke last read
+        #: the block's router_logits, and the view it read: what moelens derives from them later in that call reuses
+        #: them (`Moe._derived_logits`), where the model has run past the op they are read at.
+        self.logits_read: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
 
     def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
         """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``edit_error``: the
