@@ -781,3 +781,61 @@ def test_the_demo_without_held_out_windows_removes_an_earlier_runs_held_out_plot
     removed = [line for line in printed.splitlines() if line.startswith("removed ")]
     assert removed == [f"removed {name} of an earlier run: --windows 0 routes no held-out windows"
                        for name in DEMO_FILES if name.startswith("heldout_")]
+
+
+def _unloadable_tokenizer(saved: Path, folder: Path) -> tuple[Path, str]:
+    """A copy of the saved Mixtral checkpoint whose tokenizer.json holds text that is no JSON, and why that file
+    does not load as json itself words it (the truth the commands must name)."""
+    import shutil
+
+    shutil.copytree(saved / "mixtral", folder)
+    (folder / "tokenizer.json").write_text("garbage\n")
+    try:
+        json.loads("garbage\n")
+    except json.JSONDecodeError as error:
+        return folder, f"JSONDecodeError: {error}"
+    raise AssertionError("'garbage' parsed as JSON")
+
+
+def test_stats_names_saved_tokenizer_files_that_do_not_load(saved, tmp_path, capsys):
+    """A checkpoint whose tokenizer files exist but do not load was refused as having "no tokenizer ... save one
+    with the model" (it has one). Truth: the folder holds tokenizer files; json's own error on tokenizer.json."""
+    folder, why = _unloadable_tokenizer(saved, tmp_path / "model")
+    assert (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()
+    status, out, err = run(["stats", folder, "--text", saved / "text.txt", "--no-progress"], capsys)
+    lines = err.splitlines()
+    assert status == 2 and len(lines) == 1, err  # the error alone: no warning saying the same before it
+    expected = f"moelens stats: error: the tokenizer saved at {str(folder)!r} does not load ({why})"
+    assert lines[0].startswith(expected), err
+    assert "fix or re-save the tokenizer files" in lines[0] and "has no tokenizer" not in err and "Traceback" not in err
+
+
+def test_a_warning_of_moelens_load_is_one_line_of_the_command(saved, tmp_path):
+    """moelens.load's warnings were re-raised with their file and line, so Python printed a path of the installed
+    package and a line of moelens' source (``  model = moelens.load(path)``) on stderr. Truth: json's own error on
+    the tokenizer.json the checkpoint holds; the command still reports the model, with no tokenizer."""
+    folder, why = _unloadable_tokenizer(saved, tmp_path / "model")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "moelens", "inspect", str(folder)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "tokenizer              none (token ids only)" in done.stdout
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"moelens inspect: warning: moelens.load: the tokenizer saved at {str(folder)!r} does "
+                               f"not load ({why}), so the model takes token ids only"), done.stderr
+    assert "moelens.load(path)" not in done.stderr and ".py:" not in done.stderr and "UserWarning" not in done.stderr
+
+
+def test_a_text_file_that_is_not_utf8_is_refused_with_how_to_convert_it(saved, capsys):
+    """The error named the file and the byte but not what to do about it. Truth: where Python's own UTF-8
+    decoder stops in the file's bytes."""
+    path = saved / "latin1.txt"
+    with pytest.raises(UnicodeDecodeError) as decoded:
+        path.read_bytes().decode("utf-8")
+    status, out, err = run(["stats", saved / "mixtral", "--text", path], capsys)
+    lines = err.splitlines()
+    assert status == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"moelens stats: error: text file {str(path)!r} is not UTF-8 text "
+                               f"({decoded.value.reason} at byte {decoded.value.start}); convert it to UTF-8"), err
+    assert "iconv -f ENCODING -t utf-8" in lines[0]

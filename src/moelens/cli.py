@@ -15,9 +15,9 @@ import os
 import re
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
-from .errors import MoelensError
+from .errors import MoelensError, sentence
 from .paths import user_path
 
 #: Modules that add subcommands (``demo``, ``inspect``, ``stats``, ``export`` ...).
@@ -42,17 +42,29 @@ def quiet_transformers() -> None:
 #: command's error).
 NO_MOE_WARNINGS = ("moelens found no MoE block", "moelens does not serve these MoE blocks")
 
+#: How moelens.load's warning about saved tokenizer files that do not load begins (`load_checkpoint` leaves it to the
+#: error of a command that needs the tokenizer).
+TOKENIZER_WARNING = "moelens.load: the tokenizer saved at"
 
-def load_checkpoint(source: str | None) -> tuple[Any, str]:
+#: A warning `moelens.load` gave, and the exception being handled when it was given (for the tokenizer warning:
+#: why the tokenizer files did not load), or None.
+CaughtWarning = tuple[warnings.WarningMessage, BaseException | None]
+
+
+def load_checkpoint(source: str | None, needs_tokenizer: bool = False) -> tuple[Any, str]:
     """Load a command's MODEL: ``tiny`` (the embedded moelens-tiny, unless a folder of that name is there) or a
     checkpoint folder, wrapped; None: moelens-tiny whatever the working folder holds (the demo's model).
+
+    ``needs_tokenizer``: the command routes text, so a served MoE model without a tokenizer is refused (a model
+    with no served MoE block is left to the command's own error).
 
     Returns:
         The wrapped model and the name to show for it.
 
     Raises:
         MoelensError: moelens-tiny is not installed, or ``source`` is missing, a file, or a folder
-            without config.json (and whatever `moelens.load` refuses).
+            without config.json (and whatever `moelens.load` refuses); with ``needs_tokenizer``, the model has
+            no tokenizer (no tokenizer files, or files that do not load: the error names why).
     """
     import moelens
     from moelens.data import TINY_MODEL_PATH, TINY_NAMES
@@ -69,14 +81,42 @@ def load_checkpoint(source: str | None) -> tuple[Any, str]:
         path, name = user_path(source, "MODEL"), source
         if not path.exists():  # a command takes local folders only (moelens.load would try a hub id)
             raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = moelens.load(path)
+    model, caught = _load_catching(moelens.load, path)
     refused = not model.moes  # each command refuses such a model in one line that says why: no warning before it
-    for warning in caught:
-        if not (refused and str(warning.message).startswith(NO_MOE_WARNINGS)):
+    untokenized = needs_tokenizer and not refused and getattr(model, "tokenizer", None) is None
+    unloaded = [(warning, cause) for warning, cause in caught if str(warning.message).startswith(TOKENIZER_WARNING)]
+    held = NO_MOE_WARNINGS if refused else TOKENIZER_WARNING if untokenized else None  # what the error says
+    for warning, _ in caught:
+        if not (held and str(warning.message).startswith(held)):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if untokenized:
+        raise MoelensError(_no_tokenizer(name, str(path), unloaded[0] if unloaded else None))
     return model, name
+
+
+def _load_catching(load: Callable[[Any], Any], path: Any) -> tuple[Any, list[CaughtWarning]]:
+    """``load(path)``, and every warning it gave with the exception being handled at the time (`CaughtWarning`)."""
+    caught: list[CaughtWarning] = []
+
+    def keep(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        caught.append((warnings.WarningMessage(message, category, filename, lineno, file, line), sys.exc_info()[1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = keep
+        model = load(path)
+    return model, caught
+
+
+def _no_tokenizer(name: str, path: str, unloaded: CaughtWarning | None) -> str:
+    """Why the model ``name`` (its folder ``path``) routes no text: no tokenizer files, or the files there do not
+    load (``unloaded``: moelens.load's warning about them and its cause)."""
+    if unloaded is None:
+        return f"{name!r} has no tokenizer, so its text cannot be routed; save one with the model."
+    warning, cause = unloaded
+    why = f"{type(cause).__name__}: {sentence(cause)}" if cause is not None else str(warning.message)
+    return (f"the tokenizer saved at {path!r} does not load ({why}), so text cannot be routed through {name!r}; fix "
+            "or re-save the tokenizer files there (tokenizer.save_pretrained(folder) with a tokenizer that loads).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,6 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if stdout.gone and status == 0 else status
 
 
+def warning_printer(command: str, options: dict[str, str]) -> Callable[..., None]:
+    """A `warnings.showwarning` for ``moelens COMMAND``: each warning one line on stderr,
+    ``moelens COMMAND: warning: MESSAGE``, the API's settings spelled as the command's ``options``."""
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        print(f"moelens {command}: warning: {spelled_as_options(str(message), options)}", file=sys.stderr)
+
+    return show
+
+
 def _run(argv: list[str] | None) -> int:
     """Parse ``argv`` and run the command; errors moelens raises on purpose are one line on stderr, status 2."""
     parser = build_parser()
@@ -203,7 +253,9 @@ def _run(argv: list[str] | None) -> int:
         parser.print_help()
         return 1
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # shown as the command's own lines, not Python's (file, line, source)
+            warnings.showwarning = warning_printer(args.command, args.options)
+            return int(args.func(args) or 0)
     except MoelensError as error:
         print(f"moelens {args.command}: error: {spelled_as_options(str(error), args.options)}", file=sys.stderr)
         return 2

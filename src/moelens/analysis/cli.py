@@ -100,12 +100,13 @@ def register(subparsers: Any) -> None:
 # -- shared ----------------------------------------------------------------------------------
 
 
-def load_model(source: str | None) -> Any:
+def load_model(source: str | None, needs_tokenizer: bool = False) -> Any:
     """Load ``source`` (``tiny`` or a local folder; None: moelens-tiny, even beside a folder named ``tiny``) and
-    wrap it; clear errors for a bad path or a non-MoE model."""
+    wrap it; clear errors for a bad path or a non-MoE model, and with ``needs_tokenizer`` (a command that routes
+    text) for a model without a tokenizer (none saved, or one that does not load)."""
     from .describe import require_moe
 
-    model, name = load_checkpoint(source)
+    model, name = load_checkpoint(source, needs_tokenizer=needs_tokenizer)
     require_moe(model, name)
     return model
 
@@ -182,8 +183,9 @@ def read_text(path: Path) -> str:
     try:  # line endings stay the file's own (\r\n too)
         text = data[mark:].decode("utf-8")
     except UnicodeDecodeError as error:  # its offset counted in the file, the mark included
-        raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte "
-                           f"{error.start + mark}).") from None
+        raise MoelensError(f"text file {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start + mark}); "
+                           "convert it to UTF-8 and give that file (e.g. iconv -f ENCODING -t utf-8 FILE > "
+                           "converted.txt, with ENCODING the file's own, such as latin1 or cp1252).") from None
     if not text:  # whitespace is text the model routes (moelens-tiny has experts for it)
         raise MoelensError(f"text file {str(path)!r} is empty; give it some text to route.")
     return text
@@ -347,7 +349,6 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_stats(args: argparse.Namespace) -> int:
     """``moelens stats MODEL --text FILE``."""
     from .collect import collect_routing
-    from .corpus import tokenizer_of
     from .report import layer_stats, table, to_csv, write_stats
 
     if args.out is not None:  # before the text is read: --text may be a file the results would overwrite
@@ -357,9 +358,7 @@ def run_stats(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise MoelensError(f"{flag} must be at least 1, got {value}.")
     set_threads(args.threads)
-    model = load_model(args.model)
-    if tokenizer_of(model) is None:
-        raise MoelensError(f"{args.model!r} has no tokenizer, so its text cannot be routed; save one with the model.")
+    model = load_model(args.model, needs_tokenizer=True)
     folder = args.out / STATS_CACHE if args.out is not None else None
     cache = collect_routing(model, [text], batch_size=args.batch_size, max_length=args.max_length, logits=True,
                             blocks=args.blocks, folder=str(folder) if folder is not None else None,

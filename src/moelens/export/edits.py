@@ -213,8 +213,8 @@ class Edits:
         left = num_experts - len(set(self.route_around.get(layer, ())))
         if left < k:
             raise ExportRefused(
-                f"Edits.route_around[{layer}] leaves {left} experts for top-{k} routing: the router would have "
-                "to pick removed experts, which a router bias of -inf cannot express."
+                f"Edits.route_around[{layer}] leaves {left} expert{'s' * (left != 1)} for top-{k} routing: the router "
+                "would have to pick removed experts, which a router bias of -inf cannot express."
             )
 
     def bake(self, spec: MoeSpec) -> MoeSpec:
