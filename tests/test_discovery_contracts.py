@@ -6,6 +6,9 @@
 - `register`: a name or block class already registered is refused unless ``replace=True``; top_k=0 is refused.
 - `discover`: blocks of a registered family that hold no experts module are warned about even when the
   model's other blocks (of another family) are served.
+- `discover`: a PEFT ``modules_to_save`` wrapper around a MoE block (or its decoder layer) or inside one (its
+  router, experts, shared expert) is refused, naming it and ``merge_and_unload()``; one elsewhere (lm_head,
+  embed_tokens) wraps as it is.
 
 Ground truth is hand-built: plain torch modules with set attributes, and the model's own module tree.
 """
@@ -18,9 +21,10 @@ import pytest
 import torch
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
+import moelens
 from moelens import Family, FamilyError, Scoring, families
 from moelens.discovery import discover
-from moelens.testing import tiny_model
+from moelens.testing import tiny_inputs, tiny_model
 
 
 class Plain(torch.nn.Module):
@@ -128,3 +132,96 @@ def test_register_refuses_a_top_k_of_zero():
     finally:
         if "top_k_probe" in [f.name for f in families.supported()]:
             families.unregister("top_k_probe")
+
+
+def _modules_to_save_model(target: str) -> torch.nn.Module:
+    """A PEFT model of tiny qwen2_moe with ``modules_to_save=[target]`` whose trainable copies differ from the frozen
+    originals (so values from the copy that does not run would show)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=[target])
+    tuned = peft.get_peft_model(tiny_model("qwen2_moe"), config).eval()
+    with torch.no_grad():
+        for module in tuned.modules():
+            if hasattr(module, "original_module"):
+                for parameter in module.modules_to_save["default"].parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.5)
+    return tuned
+
+
+def _running(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that runs in ``module``'s place: a modules_to_save wrapper's active trainable copy, or itself."""
+    return module.modules_to_save["default"] if hasattr(module, "original_module") else module
+
+
+def _hooked_values(tuned: torch.nn.Module, inputs: dict) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor]:
+    """Ground truth by torch forward hooks on the modules that run in the PEFT model: per MoE layer, the router's
+    logits and the block's output; and the model's logits."""
+    values: dict[int, dict[str, torch.Tensor]] = {}
+    handles = []
+    for index, layer in enumerate(tuned.base_model.model.model.layers):
+        block = _running(_running(layer).mlp)
+        if not hasattr(block, "experts"):
+            continue
+        record = values.setdefault(index, {})
+        handles += [
+            _running(block.gate).register_forward_hook(lambda m, a, out, r=record: r.update(router_logits=out[0])),
+            block.register_forward_hook(lambda m, a, out, r=record: r.update(mlp_output=out)),
+        ]
+    try:
+        with torch.no_grad():
+            logits = tuned(**inputs).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return values, logits
+
+
+def _assert_served_like_hooks(wrapped, values: dict, logits: torch.Tensor, inputs: dict) -> None:
+    """``wrapped`` serves each hooked layer's router logits and block output, and the model's logits, as hooked."""
+    with wrapped.trace(**inputs):
+        served = wrapped.save_all()
+        output = wrapped.output.logits.save()
+    assert sorted(served) == sorted(values) and values
+    for index, hooked in values.items():
+        for name, want in hooked.items():
+            torch.testing.assert_close(served[index][name].reshape(want.shape), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(output, logits, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("target", "where", "what"),
+    [
+        ("mlp", r"layers\.1\.mlp", r"holds the qwen2_moe MoE block .*layers\.1\.mlp twice"),
+        ("layers.1", r"layers\.1", r"holds the qwen2_moe MoE block .*layers\.1\.mlp twice"),
+        ("gate", r"layers\.1\.mlp\.gate", r"MoE block .*layers\.1\.mlp for its router \('gate'\)"),
+        ("experts", r"layers\.1\.mlp\.experts", r"MoE block .*layers\.1\.mlp for its experts \('experts'\)"),
+        ("shared_expert", r"layers\.1\.mlp\.shared_expert", r"for its shared expert \('shared_expert'\)"),
+    ],
+    ids=["block", "decoder_layer", "router", "experts", "shared_expert"],
+)
+def test_peft_modules_to_save_on_or_around_a_moe_block_is_refused(target, where, what):
+    """PEFT's modules_to_save puts a wrapper holding the frozen original (``original_module``, which no longer runs)
+    beside the trainable copy (which does). Before, around a block moelens served both as Moe blocks (model.moes[0]
+    the dead original, save_all failing with an OrderError), on the router it raised a FamilyError about a
+    ModulesToSaveWrapper op, and on the experts it warned of unknown blocks and served none. Now wrap refuses it,
+    naming the wrapper and merge_and_unload(); the merged model serves the trainable copy, as hooks on it show."""
+    tuned = _modules_to_save_model(target)
+    inputs = tiny_inputs(tuned.base_model.model)
+    values, logits = _hooked_values(tuned, inputs)
+    with pytest.raises(FamilyError, match=rf"base_model\.model\.model\.{where} \(ModulesToSaveWrapper, PEFT's "
+                                          rf"modules_to_save wrapper\) .*{what}.*merge_and_unload\(\)"):
+        moelens.wrap(tuned)
+    _assert_served_like_hooks(moelens.wrap(tuned.merge_and_unload()), values, logits, inputs)
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_peft_modules_to_save_away_from_the_moe_blocks_wraps_as_it_is(target):
+    """A modules_to_save wrapper on a module no MoE block holds or sits in is no reason to refuse: the model
+    wraps, serves every MoE block once and its values equal hooks on the PEFT model (its trainable copy runs)."""
+    tuned = _modules_to_save_model(target)
+    inputs = tiny_inputs(tuned.base_model.model)
+    values, logits = _hooked_values(tuned, inputs)
+    wrapped = moelens.wrap(tuned)
+    assert [moe.layer for moe in wrapped.moes] == sorted(values)
+    _assert_served_like_hooks(wrapped, values, logits, inputs)

@@ -21,7 +21,7 @@ from .errors import FamilyError, sentence
 from .families import Family, registry
 from .families.entry import find_path, get_path
 from .families.unserved import unserved_block
-from .modules import enclosing, is_adapter_layer
+from .modules import enclosing, is_adapter_layer, is_modules_to_save
 
 
 @dataclass
@@ -84,6 +84,54 @@ def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -
                 f"({type(target).__name__}), so moelens cannot read the {part}'s own operations: merge the "
                 "adapters into the weights first (model = peft_model.merge_and_unload()) and wrap the result."
             )
+
+
+#: What to do about a PEFT ``modules_to_save`` wrapper on or around a MoE block (`_refuse_modules_to_save`).
+MODULES_TO_SAVE_FIX = (
+    "Merge the trainable copies in first (model = peft_model.merge_and_unload()) and wrap that, or leave the MoE "
+    "blocks, their decoder layers and their parts out of modules_to_save."
+)
+
+
+def _refuse_modules_to_save(model: torch.nn.Module) -> None:
+    """Raise a `FamilyError` when a PEFT ``modules_to_save`` wrapper (`is_modules_to_save`) holds a MoE block (of a
+    registered family) or sits inside one (its router, experts, shared expert...).
+
+    Around a block, the block is there twice: the frozen ``original_module`` (which no longer runs) and the
+    trainable copy (which does), and moelens would serve both; inside one, the block's forward calls the wrapper,
+    whose operations and children are not the wrapped module's.
+    """
+    blocks = [name for name, module in model.named_modules() if registry.for_block(module) is not None]
+    for name, module in model.named_modules():
+        if not is_modules_to_save(module):
+            continue
+        where = f"{name} ({type(module).__name__}, PEFT's modules_to_save wrapper)"
+        original = f"{name}.original_module"
+        held = next((block for block in blocks if block == original or block.startswith(f"{original}.")), None)
+        if held is not None:
+            family = registry.for_block(model.get_submodule(held))
+            raise FamilyError(
+                f"{where} holds the {family.name} MoE block {name + held[len(original):]} twice: the frozen "
+                f"original under {original}, which no longer runs, and the trainable copy under "
+                f"{name}.modules_to_save, which does, so moelens cannot serve that block. {MODULES_TO_SAVE_FIX}"
+            )
+        block = enclosing(name, blocks)
+        if block is not None:
+            family = registry.for_block(model.get_submodule(block))
+            raise FamilyError(
+                f"{where} stands in the {family.name} MoE block {block} for its "
+                f"{_part_name(name[len(block) + 1:], family)}: the block calls the wrapper, whose operations and "
+                f"children are not the wrapped module's, so moelens cannot read that block. {MODULES_TO_SAVE_FIX}"
+            )
+
+
+def _part_name(path: str, family: Family) -> str:
+    """What the module at ``path`` inside a block of ``family`` is, in words: its router, experts or shared expert
+    (where the family names that path), or the module at ``path``."""
+    parts = {family.router: "router", family.experts: "experts"}
+    if family.shared is not None and not family.shared.on_layer:
+        parts[family.shared.module] = "shared expert"
+    return f"{parts[path]} ({path!r})" if path in parts else f"module {path!r}"
 
 
 def _check_paths(name: str, module: torch.nn.Module, family: Family) -> None:
@@ -264,6 +312,7 @@ def discover(model: torch.nn.Module) -> Structure:
     idle: dict[str, str] = {}  # family -> a block of it that holds no experts module where it says
     checked: set[str] = set()  # families whose selection_bias and shared expert were looked for (on their first block)
     unserved: dict[str, list[str]] = {}  # model type -> its blocks moelens knows and does not serve
+    _refuse_modules_to_save(model)
     for name, module in model.named_modules():
         family = registry.for_block(module)
         if family is None:

@@ -79,6 +79,15 @@ def is_adapter_layer(module: Any) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
 
 
+def is_modules_to_save(module: Any) -> bool:
+    """A PEFT ``modules_to_save`` wrapper (``ModulesToSaveWrapper``): it stands where a module was and holds the
+    frozen original as ``original_module`` (which no longer runs) beside the trainable copies, one per adapter, in
+    its ``modules_to_save`` (the active one runs). Duck-typed: peft is optional."""
+    return isinstance(getattr(module, "original_module", None), nn.Module) and isinstance(
+        getattr(module, "modules_to_save", None), nn.Module
+    )
+
+
 #: Packages whose own hooks change nothing a module computes: transformers' output capturing, nnsight's, and
 #: moelens' (a block's note of gathered calls, the recorders of compress's calibration, shard_experts' guard and
 #: run counting).
