@@ -1729,6 +1729,13 @@ def test_a_block_that_runs_only_on_some_tokens():
     with pytest.raises(OrderError, match=r"vision_moe.router_logits .*runs only on image tokens"):
         with wrapped.trace(ids):
             vision[0].router_logits.save()
+    # named in save_all (the block's or the model's moes=), the block's own reason stands: before, save_all said an
+    # earlier read or intervention had run the model past it, on a trace that read nothing else
+    for save in (lambda: vision[0].save_all(), lambda: wrapped.save_all(moes=[vision[0]])):
+        with pytest.raises(OrderError, match=r"vision_moe.router_logits .*runs only on image tokens") as caught:
+            with wrapped.trace(ids):
+                save()
+        assert "earlier in this trace" not in str(caught.value)
 
 
 def biased(family: str):
@@ -3546,6 +3553,78 @@ def test_scan_through_a_value_dependent_experts_loop_says_what_to_do():
         with model.scan("hello"):
             if model.moes[0].router_logits.sum() > 0:  # the body's own branch on a value
                 pass
+
+
+def test_scan_of_weights_accelerate_offloaded_to_disk_says_what_to_do(tmp_path):
+    """model.scan of a model whose weights accelerate loads from an offload folder (device_map to "disk") failed
+    inside torch ("could not determine the shape of object type 'torch.storage.UntypedStorage'", after a logged torch
+    traceback). It is refused up front with the ways out; as it says, a copy built from the config under
+    init_empty_weights(include_buffers=True) scans, into the shape a real trace of the offloaded model reads. Weights
+    accelerate keeps on the CPU (cpu_offload) still scan."""
+    from accelerate import cpu_offload, init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from moelens.data import TINY_MODEL_PATH
+
+    offloaded = moelens.load(TINY_MODEL_PATH, device_map={"": "disk"}, offload_folder=str(tmp_path / "offload"))
+    offloaded.set_experts_implementation("batched_mm")
+    assert all(parameter.is_meta for parameter in offloaded._module.parameters())
+    assert_scan_refused(offloaded, r"^model\.scan: accelerate loads some of this model's weights from disk .*Run a real "
+                                   r"trace on a short input instead, or scan a copy built without weights: "
+                                   r".*init_empty_weights\(include_buffers=True\)")
+    with torch.no_grad(), offloaded.trace("hello"):
+        truth = offloaded.moes[0].router_logits.save()
+    with init_empty_weights(include_buffers=True):
+        empty = AutoModelForCausalLM.from_config(offloaded._module.config)
+    copy_model = moelens.wrap(empty, tokenizer=offloaded.tokenizer)
+    copy_model.set_experts_implementation("batched_mm")
+    with copy_model.scan("hello"):
+        shape = nnsight.save(copy_model.moes[0].router_logits.shape)
+    assert tuple(shape) == tuple(truth.shape)
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    cpu_offload(hf, execution_device="cpu")
+    on_cpu = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    with on_cpu.scan("hello"):
+        shape = nnsight.save(on_cpu.moes[0].router_logits.shape)
+    assert tuple(shape) == (1, len("hello"), hf.config.num_local_experts)
+
+
+def test_scan_of_meta_weights_beside_real_buffers_names_the_buffers():
+    """init_empty_weights() keeps buffers real: deepseek_v3's router keeps its e_score_correction_bias on the CPU beside
+    the meta weights, and model.scan failed with torch's FakeTensorDeviceMismatchError ("found at least two devices,
+    meta and cpu"), naming neither. The error names the buffers and the ways out; as it says, include_buffers=True
+    (or moving them to meta) scans, into the router's logits shape [1, tokens, n_routed_experts]. A real rotary
+    inv_freq beside meta weights (mixtral) scans as before."""
+    from accelerate import init_empty_weights
+
+    from moelens.testing import model_class, tiny_config
+
+    config = tiny_config("deepseek_v3")
+    with init_empty_weights():
+        hf = model_class("deepseek_v3")(config)
+    real = [name for name, buffer in hf.named_buffers() if not buffer.is_meta and "e_score" in name]
+    assert real and all(parameter.is_meta for parameter in hf.parameters())
+    model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    model.set_experts_implementation("batched_mm")
+    assert_scan_refused(model, rf"^model\.scan: the model's weights are on the meta device, but {len(real)} of its "
+                               rf"buffers are real tensors on cpu \({re.escape(real[0])}, .*"
+                               r"init_empty_weights\(include_buffers=True\).*hf_model\.to\('meta'\)")
+    hf.to("meta")  # the refused model, its buffers moved to meta
+    with init_empty_weights(include_buffers=True):
+        built_empty = moelens.wrap(model_class("deepseek_v3")(config), tokenizer=ascii_tokenizer())
+    built_empty.set_experts_implementation("batched_mm")
+    for remedy in (model, built_empty):
+        with remedy.scan("hello"):
+            shape = nnsight.save(remedy.moes[0].router_logits.shape)
+        assert tuple(shape) == (1, len("hello"), config.n_routed_experts)
+    with init_empty_weights():
+        mixtral = model_class("mixtral")(tiny_config("mixtral"))
+    assert any(not buffer.is_meta for buffer in mixtral.buffers())
+    model = moelens.wrap(mixtral, tokenizer=ascii_tokenizer())
+    model.set_experts_implementation("batched_mm")
+    with model.scan("hello"):
+        shape = nnsight.save(model.moes[0].router_logits.shape)
+    assert tuple(shape) == (1, len("hello"), mixtral.config.num_local_experts)
 
 
 def test_params_of_a_dense_block_says_it_is_dense():

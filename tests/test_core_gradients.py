@@ -534,3 +534,54 @@ def test_derived_routing_under_activation_checkpointing_keeps_the_backward(name)
     assert gradients[0].keys() == gradients[1].keys()
     for key, gradient in gradients[0].items():
         torch.testing.assert_close(gradients[1][key], gradient, msg=key)
+
+
+def test_the_gradient_of_a_value_of_a_frozen_model_names_the_value_and_the_way_out():
+    """On a model frozen with requires_grad_(False) (its lm_head alone trainable, so the loss has a gradient), a
+    served value's .grad in the backward block raised torch's bare "cannot register a hook on a tensor that doesn't
+    require gradient", naming no value. As in plain torch the value has no gradient (the truth: the router logits
+    of an unwrapped frozen copy do not require grad); with the router unfrozen, as the error says, its gradient is
+    plain nnsight's on that copy."""
+    import copy
+
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    inputs = tiny_inputs(hf)
+    reference = copy.deepcopy(hf)
+    for model in (hf, reference):
+        model.requires_grad_(False)
+        model.lm_head.requires_grad_(True)
+    assert not reference(**inputs, output_router_logits=True).router_logits[1].requires_grad
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[1]
+
+    def gradient() -> torch.Tensor:
+        with wrapped.trace(**inputs):
+            logits = moe.router_logits
+            loss = loss_of(wrapped.output)
+            with loss.backward():
+                grad = logits.grad.save()
+        return grad
+
+    with pytest.raises(moelens.ValueUnavailable, match=r"layers\.1\.mlp\.router_logits\.grad: .* has no gradient: no "
+                                                       r"parameter or input upstream of it requires grad.*unfreeze "
+                                                       r"parameters .*enable_input_require_grads\(\)"):
+        gradient()
+    for model in (hf, reference):
+        model.get_submodule(moe.router.path.removeprefix("model.")).requires_grad_(True)
+    torch.testing.assert_close(gradient(), plain_gradients(reference, inputs, moe)["router_logits"])
+
+
+def test_the_gradient_of_the_expert_indices_says_integers_have_none():
+    """expert_indices.grad raised torch's bare "cannot register a hook on a tensor that doesn't require gradient"
+    (the indices are integers, which autograd gives no gradient: the truth is the experts call's int64 indices)."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    assert not plain_gradients(reference, inputs, wrapped.moes[0])["indices"].is_floating_point()
+    with pytest.raises(moelens.ValueUnavailable, match=r"layers\.0\.mlp\.expert_indices\.grad: .* holds torch\.int64 "
+                                                       r"values, and integers have no gradient"):
+        with wrapped.trace(**inputs):
+            indices = wrapped.moes[0].expert_indices
+            loss = loss_of(wrapped.output)
+            with loss.backward():
+                indices.grad.save()

@@ -403,3 +403,65 @@ def test_llama4_derived_routing_after_the_router_s_output_reuses_the_logits_read
             with torch.no_grad(), wrapped.trace(**inputs):
                 moe.router.output.save()
                 getattr(moe, name).save()
+
+
+def test_save_all_after_an_intervention_that_ran_the_model_past_a_value_says_what_to_do():
+    """moe.save_all() after moelens.ablate on the same block (mode zero writes expert_weights, so the model had run past
+    router_logits), and model.save_all() after one on a later block, raised the OrderError of a single read, whose
+    advice was "... or save everything at once with save_all()", and model.save_all's named block 0's router_logits
+    but not save_all. The error names save_all and the value, and says what to do; as it says, values= (and moes=)
+    with only the values after the intervention read them. Ground truth: torch forward pre-hooks on the experts of an
+    unwrapped copy, one zeroing the ablated expert's weights, as ablate's mode zero does."""
+    import copy
+
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    inputs = tiny_inputs(hf)
+    reference = copy.deepcopy(hf)
+    model = moelens.wrap(hf)
+    with torch.no_grad():
+        plain = ran_experts(reference, inputs, [model.moes[i].experts.path for i in (2, 3)], ablated=4)
+    advice = "save everything at once"
+    with pytest.raises(moelens.OrderError, match=r"^model\.model\.layers\.1\.mlp\.save_all\(\) could not read "
+                                                 r"router_logits: the model had already run past it .*Call save_all\(\) "
+                                                 r"before that read or intervention, or pass values= with only the "
+                                                 r"values after it") as refused:
+        with torch.no_grad(), model.trace(**inputs):
+            moelens.ablate(model.moes[1], 4)
+            model.moes[1].save_all()
+    assert advice not in str(refused.value)
+    with pytest.raises(moelens.OrderError, match=r"^model\.save_all\(\) could not read model\.model\.layers\.0\.mlp\."
+                                                 r"router_logits: .*Call model\.save_all\(\) before that read or "
+                                                 r"intervention, or pass moes= with only the blocks after") as refused:
+        with torch.no_grad(), model.trace(**inputs):
+            moelens.ablate(model.moes[2], 4)
+            model.save_all()
+    assert advice not in str(refused.value)
+    later = ["expert_weights", "expert_indices"]
+    with torch.no_grad(), model.trace(**inputs):  # as the errors say
+        moelens.ablate(model.moes[2], 4)
+        block = model.moes[2].save_all(values=later)
+        after = model.save_all(later, moes=model.moes[3:4])
+    assert (plain[0][1][plain[0][0] == 4] == 0).all() and (plain[0][0] == 4).any()
+    for values, (indices, weights) in zip((block, after[3]), plain):
+        assert torch.equal(values["expert_indices"].reshape(indices.shape), indices)
+        torch.testing.assert_close(values["expert_weights"].reshape(weights.shape), weights)
+
+
+def ran_experts(model: torch.nn.Module, inputs: dict, paths: list[str],
+                ablated: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (top-k indices, top-k weights) each experts module at ``paths`` (wrapped paths) was called with in a plain
+    forward of ``model`` where the first of them runs expert ``ablated``'s slots with weight 0."""
+    seen = []
+    first = model.get_submodule(paths[0].removeprefix("model."))
+    hooks = [first.register_forward_pre_hook(
+        lambda module, args: (args[0], args[1], args[2].masked_fill(args[1] == ablated, 0), *args[3:]))]
+    hooks += [model.get_submodule(path.removeprefix("model.")).register_forward_pre_hook(
+        lambda module, args: seen.append((args[1], args[2]))) for path in paths]
+    try:
+        model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import logging
 import re
@@ -27,7 +28,7 @@ from nnsight.intervention.envoy import Envoy, traceable
 from nnsight.intervention.interleaver import OutOfOrderError
 from nnsight.intervention.source import SourceNotAvailable
 from nnsight.modeling import processing
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
@@ -40,7 +41,7 @@ from .components.moe import value_names
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
-from .errors import FamilyError, MoelensError, ValueUnavailable, described
+from .errors import FamilyError, MoelensError, OrderError, ValueUnavailable, described
 from .families import Family, registry
 from .modules import first_parameter, on_accelerator, takes_keyword, vocab_size
 from .scalars import as_int, check_flag
@@ -220,6 +221,11 @@ class MoeModelMixin:
                 raise
             raise refusal from error
         except RuntimeError as error:  # torch's grouped_mm on float64 weights names neither the block nor the way out
+            no_gradient = _no_gradient_refusal(error, handed_back, self._module)  # torch names no value
+            if no_gradient is not None:
+                raise no_gradient from error
+            if isinstance(error, FakeTensorDeviceMismatchError) and (real := _real_buffers_refusal(self._module)):
+                raise real from error  # model.scan of weights on meta beside real buffers: torch names neither
             moe = self._failing_experts(error)  # or a model loaded in part, or inputs, on meta: torch names neither
             refusal = _unloaded_refusal(self._module) or _meta_inputs_refusal(_model_inputs(fn, args, kwargs)) or (
                 None if moe is None else _dtype_refusal(moe.path, moe.experts._module, moe.experts_implementation,
@@ -302,7 +308,23 @@ class MoeModelMixin:
             values = value_names(values)  # once: each block reads the same names (a generator would serve the first)
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
-        return nnsight.save({key: moe.save_all(values, strict=strict) for key, moe in zip(keys, blocks)})
+        saved = {}
+        for key, moe in zip(keys, blocks):
+            try:
+                saved[key] = moe.save_all(values, strict=strict)
+            except OrderError as error:  # `Moe._run_past`'s, whose advice is the block's own save_all
+                name = getattr(error, "unreached", None)
+                if name is None:
+                    raise
+                raise OrderError(
+                    f"model.save_all() could not read {moe.path}.{name}: the model had already run past it when "
+                    "save_all asked for it, moved on by a read or an intervention earlier in this trace (a value of "
+                    "this block or of a later one, or moelens.ablate / steer / force on one of them, which write its "
+                    "values). Call model.save_all() before that read or intervention, or pass moes= with only the "
+                    "blocks after the one it is on, and read that block with its own save_all, passing values= with "
+                    "only the values after it."
+                ) from None
+        return nnsight.save(saved)
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching of the invokes' inputs into the model's, refusing a trace with no input at all and
@@ -409,6 +431,14 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         (`Family.scan_without_cache`): under fake tensors that fails inside torch and can leave the process broken."""
         if isinstance(self.interleaver, MoeInterleaver):
             self.interleaver.refuse_nested("model.scan")
+        if _disk_offloaded(self._module):  # torch fails reading them, and logs its own traceback
+            raise MoelensError(
+                "model.scan: accelerate loads some of this model's weights from disk as each module runs (a device_map "
+                "offloading to an offload_folder, or disk_offload), which scan's fake tensors cannot do (torch fails "
+                "reading the offloaded storage). Run a real trace on a short input instead, or scan a copy built "
+                "without weights: AutoModelForCausalLM.from_config(config) under accelerate's "
+                "init_empty_weights(include_buffers=True), wrapped with the tokenizer."
+            )
         family = self.family
         if family is not None and family.scan_without_cache and kwargs.get("use_cache") is not False:
             raise MoelensError(
@@ -1080,6 +1110,93 @@ def _in_reentrant_checkpoint_backward(error: BaseException) -> bool:
 
     backward = CheckpointFunction.backward.__code__
     return any(frame.f_code is backward for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
+def _no_gradient_refusal(error: RuntimeError, handed_back: served.HandedBack,
+                         model: torch.nn.Module) -> ValueUnavailable | None:
+    """The error for torch's refusal to hook a value moelens served that has no gradient, read as ``.grad`` in a
+    ``with loss.backward():`` block ("cannot register a hook on a tensor that doesn't require gradient", naming no
+    value): which value, why it has none, what to do. None for another error, or a tensor moelens did not serve in
+    this run (``handed_back`` lists the values it served)."""
+    if str(error) != "cannot register a hook on a tensor that doesn't require gradient":
+        return None
+    hook = torch.Tensor.register_hook.__code__
+    hooked = next((frame.f_locals.get("self") for frame, _ in traceback.walk_tb(error.__traceback__)
+                   if frame.f_code is hook), None)
+    noted = handed_back.views.get(id(hooked)) if hooked is not None else None
+    if noted is None or noted[0]() is not hooked:
+        return None
+    where = noted[2]
+    if not hooked.is_floating_point():
+        return ValueUnavailable(
+            f"{where}.grad: {where} holds {hooked.dtype} values, and integers have no gradient; read the gradient of a "
+            "float value before it instead (router_logits.grad for the routing)."
+        )
+    checkpointed = _reentrant_checkpointing(model)
+    reentrant = (", or it was computed in a layer under reentrant activation checkpointing (use_reentrant=True, "
+                 "torch's default when it is not given), which runs the forward with autograd off") if checkpointed else ""
+    return ValueUnavailable(
+        f"{where}.grad: {where} has no gradient: no parameter or input upstream of it requires grad (a model frozen "
+        f"with requires_grad_(False)){reentrant}, so autograd computes none for it, as in plain torch. Before the "
+        "trace, unfreeze parameters it is computed from (for the routing values, the router's: "
+        "moe.router._module.requires_grad_(True)), or make the input embeddings' output require grad "
+        "(hf_model.enable_input_require_grads())" + ("; or checkpoint with use_reentrant=False" if checkpointed else "")
+        + "."
+    )
+
+
+def _disk_offloaded(model: torch.nn.Module) -> bool:
+    """Whether accelerate loads some of ``model``'s weights from disk as the modules holding them run: a
+    ``device_map`` placing modules on ``"disk"`` (with an ``offload_folder``), or ``disk_offload``; an offload hook's
+    weights map then indexes files of the offload folder. (Weights offloaded to the CPU, ``cpu_offload``, scan.)"""
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, dict) and "disk" in device_map.values():
+        return True
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for each in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
+            weights = getattr(each, "weights_map", None)
+            if getattr(getattr(weights, "dataset", weights), "index", None):  # OffloadedWeightsLoader's files on disk
+                return True
+    return False
+
+
+def _real_buffers_refusal(model: torch.nn.Module) -> MoelensError | None:
+    """The error for a ``model.scan`` whose fake tensors met two devices (torch's FakeTensorDeviceMismatchError,
+    naming neither tensor) where the model's weights are on the meta device but buffers are real: built under
+    accelerate's ``init_empty_weights()``, which keeps buffers where they are made. Names the real buffers the model
+    keeps in its state (a router's ``e_score_correction_bias``; a rotary embedding's non-persistent ``inv_freq`` is
+    moved to its input's device, and scans), else every real one; None where no weight is on meta or no buffer real."""
+    if not any(parameter.is_meta for parameter in model.parameters()):
+        return None
+    real = {name: buffer.device for name, buffer in model.named_buffers() if not buffer.is_meta}
+    if not real:
+        return None
+    kept = model.state_dict().keys()
+    named = [name for name in real if name in kept] or list(real)
+    devices = ", ".join(sorted({str(real[name]) for name in named}))
+    return MoelensError(
+        f"model.scan: the model's weights are on the meta device, but {len(named)} of its buffers are real tensors on "
+        f"{devices} ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}), which scan's fake tensors cannot "
+        "compute with beside the meta weights (torch: \"found at least two devices\"). Build the model under "
+        "accelerate's init_empty_weights(include_buffers=True), which puts buffers on meta too, or move them there "
+        "(hf_model.to('meta'))."
+    )
+
+
+def _reentrant_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` runs under reentrant activation checkpointing, which runs its forward with
+    autograd off: transformers' ``gradient_checkpointing`` in training mode with torch's checkpoint not told
+    ``use_reentrant=False``, or torch's ``checkpoint_wrapper`` with ``CheckpointImpl.REENTRANT``."""
+    for module in model.modules():
+        if type(module).__name__ == "CheckpointWrapper":
+            if getattr(getattr(module, "checkpoint_impl", None), "name", None) == "REENTRANT":
+                return True
+        elif getattr(module, "gradient_checkpointing", None) is True and module.training:
+            function = getattr(module, "_gradient_checkpointing_func", None)
+            if not (isinstance(function, functools.partial) and function.keywords.get("use_reentrant") is False):
+                return True
+    return False
 
 
 def _unloaded_refusal(model: torch.nn.Module) -> MoelensError | None:

@@ -871,5 +871,30 @@ class Moe(Mlp):
                 if strict:
                     raise
                 continue
+            except OrderError:  # its advice is save_all itself
+                past = self._run_past(name)
+                if past is None:
+                    raise
+                raise past from None
             saved[name] = value.save()
         return nnsight.save(saved)
+
+    def _run_past(self, name: str) -> OrderError | None:
+        """The error for `save_all`'s read of ``name`` refused because the model had already run past it: a read or
+        an intervention made earlier in the trace ran it on. None where the refusal had another cause (a module
+        replaced after wrapping, a router that skips the op, a module skipped at an earlier generation step, a block
+        that runs only on some tokens and did not run), whose error stands. The error's ``unreached`` is ``name``, for the model's `save_all`."""
+        mediator = Mediator.current(name)
+        if mediator.iteration != 0 or self._never_produced(name) is not None:
+            return None
+        if self.runs_only_on and not mediator.occurrence(f"{self.path}.input"):  # it never ran: its own error says why
+            return None
+        past = OrderError(
+            f"{self.path}.save_all() could not read {name}: the model had already run past it when save_all asked for "
+            "it, moved on by a read or an intervention earlier in this trace (a value of this block or of a later "
+            "one, or moelens.ablate / steer / force on this block, which write its values). Call save_all() before "
+            "that read or intervention, or pass values= with only the values after it (in the order the model "
+            f"produces them: {' -> '.join(self._order())})."
+        )
+        past.unreached = name
+        return past
