@@ -1000,3 +1000,83 @@ def test_a_numpy_array_of_texts_is_a_corpus_of_texts():
         analysis.expert_logit_lens(model, corpus, progress=False)  # failed the same way
     with pytest.raises(MoelensError, match=r"item 0 must be a string or a sequence of token ids"):
         corpora.encode(np.array(["hi", "yo"]), ascii_tokenizer(), "item 0")
+
+
+# -- sets where positions carry meaning ----------------------------------------------------------
+
+
+ORDERED = {
+    "specialisation classes": (lambda r, value: analysis.specialisation(r.cache, [0, 1, 0], classes=value, per="text"),
+                               {"code", "prose"}, r"classes=.*\{'(code|prose)', '(code|prose)'\}\)? is a set, but classes "
+                               r"gives the name of class 0, 1, \.\.\. \(the label ids\) by position: pass a list "
+                               r"\(a set has no order\)"),
+    "expert_paths layers": (lambda r, value: analysis.expert_paths(r.cache, layers=value),
+                            {3, 1}, r"layers=.*\{1, 3\}\)? is a set, but layers gives the layer of each step of a path by "
+                            r"position: pass a list \(a set has no order\)"),
+    "load_balance num_experts": (lambda r, value: analysis.load_balance(r.usage, num_experts=value),
+                                 {4, 2, 6, 8}, r"num_experts=.*\{.*\}\)? is a set, but num_experts gives the E of each "
+                                 r"layer, in layer order \[0, 1, 2, 3\], by position: pass a list \(a set has no order\)"),
+    "collect_routing corpus": (lambda r, value: analysis.collect_routing(r.model, value, progress=False),
+                               set(TEXTS), r"corpus=(frozenset\(\{|\{).* is a set, but corpus gives the text_index of its items "
+                               r"\(a token's text_index is its item's place in the corpus\) by position: pass a list"),
+}
+
+
+@pytest.mark.parametrize("case", ORDERED.values(), ids=ORDERED.keys())
+def test_a_set_is_refused_where_positions_carry_meaning(model, results, case):
+    """A set (or frozenset) was read in its iteration order, which for text follows PYTHONHASHSEED: class names were
+    attached to the wrong class ids, expert_paths' path[i] to the wrong layer, load_balance's E to the wrong layer,
+    and collect_routing's text_index numbered a set of texts arbitrarily. It is refused, naming the argument."""
+    from types import SimpleNamespace
+
+    call, value, message = case
+    both = SimpleNamespace(model=model, cache=results.cache, usage=results.usage)
+    for spelling in (value, frozenset(value)):
+        with pytest.raises(MoelensError, match=message):
+            call(both, spelling)
+
+
+def test_the_list_spellings_of_order_carrying_arguments_keep_their_positions(results):
+    """The list spellings (and dict keys, which keep their order) still work, position by position. Ground truth:
+    counts recomputed from the cache's own per-token indices and text_index."""
+    from collections import Counter
+
+    cache, usage = results.cache, results.usage
+    top1 = {layer: cache.indices(layer)[:, 0].tolist() for layer in cache.layers}
+    expected = sorted(Counter(zip(top1[3], top1[1])).items(), key=lambda item: (-item[1], item[0]))
+    for layers in ([3, 1], {3: None, 1: None}.keys(), (3, 1)):
+        assert analysis.expert_paths(cache, layers=layers, top=1000) == expected
+
+    labels = [1, 0, 1]  # text 1 is the prose
+    spec = analysis.specialisation(cache, labels, classes=["code", "prose"], per="text")
+    text_class = torch.tensor(labels)[cache.text_index().long()]
+    for row, layer in enumerate(cache.layers):
+        for c, name in enumerate(spec.classes):
+            served = cache.indices(layer)[text_class == c].flatten().long()
+            expected_counts = torch.bincount(served, minlength=cache.num_experts[layer])
+            assert torch.equal(spec.counts[row, :, spec.classes.index(name)], expected_counts)
+    assert spec.classes == ["code", "prose"]
+
+    widths = [4, 2, 6, 8]
+    for spelling in (widths, dict.fromkeys(widths).keys()):
+        balance = analysis.load_balance(usage, num_experts=spelling)
+        for row, width in enumerate(widths):
+            counts = usage.counts[row, :width].double()
+            assert math.isclose(float(balance.cv[row]), float(counts.std(correction=0) / counts.mean()), rel_tol=1e-12)
+
+
+def test_a_set_still_works_where_a_list_only_selects(model, results):
+    """Where the list is a filter (which layers to cache or read out, which experts, which table columns), a set
+    selects the same as a list: results bit-identical to the list spelling."""
+    cache, view = results.cache, results.view
+    for layers in ({2, 1}, frozenset({2, 1})):
+        assert_same_routing(analysis.collect_routing(model, TEXTS, layers=layers, progress=False),
+                            analysis.collect_routing(model, TEXTS, layers=[1, 2], progress=False))
+        assert view.table(layers=layers) == view.table(layers=[1, 2])
+    lens_set = analysis.expert_logit_lens(model, TEXTS, layers={3, 1}, top=3, progress=False)
+    lens_list = analysis.expert_logit_lens(model, TEXTS, layers=[1, 3], top=3, progress=False)
+    assert lens_set.layers == lens_list.layers and torch.equal(lens_set.top_ids, lens_list.top_ids)
+    got, expected = analysis.top_tokens(cache, 1, {5, 3}, n=4), analysis.top_tokens(cache, 1, [3, 5], n=4)
+    assert [item.expert for item in got] == [item.expert for item in expected]
+    for mine, theirs in zip(got, expected):
+        assert torch.equal(mine.token_ids, theirs.token_ids) and torch.equal(mine.counts, theirs.counts)

@@ -459,3 +459,68 @@ def test_route_around_with_the_logit_removes_the_expert_from_an_unrenormalised_s
     assert torch.equal(results[True][0].reshape(seen["weights"].shape), seen["weights"])
     kept = results[False][0].reshape(seen["weights"].shape)  # e's probability stays in the softmax
     assert (kept <= seen["weights"]).all() and (kept < seen["weights"]).any()
+
+
+# -- spellings of arguments --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["set", "generator", "dict keys", "reversed tuple"])
+def test_force_takes_any_iterable_of_expert_ids_as_the_list(mixtral, spelling):
+    """force(moe, {3, 5}), a generator or dict keys were refused ("expert must be an int expert id ... got {3, 5}")
+    though a list was taken; force does not depend on the order its experts come in, so any iterable of ids is
+    taken, with results bit-identical to the list's. Ground truth: the list spelling's run (router_logits, indices
+    and block output read after force), and its logits against the documented lift written out by hand."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    given = {"set": lambda: {5, 3}, "generator": lambda: (expert for expert in (5, 3)),
+             "dict keys": lambda: dict.fromkeys((5, 3)).keys(), "reversed tuple": lambda: (5, 3)}[spelling]
+    runs = []
+    for experts in ([3, 5], given()):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            clean = moe.router_logits.clone().save()
+            moelens.force(moe, experts)
+            runs.append((clean, moe.router_logits.save(), moe.expert_indices.save(), moe.output.save()))
+    (clean, logits, indices, output), spelled = runs
+    for value, expected in zip(spelled, runs[0]):
+        assert torch.equal(value, expected)
+    torch.testing.assert_close(logits, lift(clean, [3, 5]), atol=1e-5, rtol=1e-6)
+    assert (indices.sort(-1).values == torch.tensor([3, 5], device=indices.device)).all()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda moe: moelens.force(moe, "35"), r"^force: experts='35' is str, not expert ids; pass an int expert id, or "
+                                           r"a list of them"),
+    (lambda moe: moelens.force(moe, b"3"), r"^force: experts=b'3' is bytes, not expert ids"),
+    (lambda moe: moelens.force(moe, {3: 0.7, 5: 0.3}), r"^force: experts=\{3: 0.7, 5: 0.3\} is dict, not expert ids; "
+                                                      r".*force takes no weights"),
+    (lambda moe: moelens.reroute(moe, None, [1, 2]), r"^reroute: tokens=None selects no tokens; reroute needs the "
+                                                     r"tokens whose slots it sets: pass \(\.\.\., slice\(None\)\) "
+                                                     r"\(or \.\.\.\) for every token, or a \[batch, seq\] bool mask"),
+    (lambda moe: moelens.steer(moe, 1, torch.tensor(2.0, device="meta")),
+     r"^steer: bias is a one-element tensor on the meta device, which holds no value to add; pass the number itself"),
+    (lambda moe: moelens.steer(moe, 1, torch.tensor([2.0], device="meta")),
+     r"^steer: bias is a one-element tensor on the meta device, which holds no value"),
+], ids=["force-str", "force-bytes", "force-dict", "reroute-none", "steer-meta-0d", "steer-meta-1"])
+def test_arguments_refused_as_what_they_are(mixtral, call, match):
+    """Refusals that named something other than what was passed, or gave advice that did not fit: force(moe, "35")
+    was split into characters ("got '3'"); reroute(moe, None, ...) called None an index that picks batch rows;
+    steer with a meta scalar said to add a per-token bias by hand, not that it holds no value."""
+    wrapped, inputs = mixtral
+    fails(wrapped, inputs, call, match)
+
+
+def test_reroute_takes_every_token_as_its_refusal_of_none_says(mixtral):
+    """reroute's refusal of tokens=None names (..., slice(None)) for every token: that spelling sets every token's
+    slots, as a [batch, seq] mask of all True does (ground truth: the mask spelling's run)."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    runs = []
+    for tokens in ((..., slice(None)), None):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            if tokens is None:
+                tokens = torch.ones(moe.expert_indices.shape[:2], dtype=torch.bool)
+            moelens.reroute(moe, tokens, [2, 6])
+            runs.append((moe.expert_indices.save(), moe.output.save()))
+    (indices, output), (mask_indices, mask_output) = runs
+    assert (indices == torch.tensor([2, 6])).all()
+    assert torch.equal(indices, mask_indices) and torch.equal(output, mask_output)

@@ -364,12 +364,13 @@ def test_a_module_s_own_values_after_it_was_skipped_are_each_step_s_own(qwen2_mo
         torch.testing.assert_close(routed.reshape(truth[experts][step].shape), truth[experts][step])
 
 
-def test_llama4_derived_routing_after_the_router_s_output_reuses_the_logits_read_in_that_call():
+def test_llama4_derived_routing_after_the_router_s_output_names_the_value_asked_for():
     """llama4 has no experts call: moelens recomputes expert_weights / expert_indices from router_logits, read at an
     op inside the router's forward. Read after the router's output (moe.router.output), they raised an OrderError
-    naming router_logits, which the user had read in order. Now the logits read earlier in the same router call are
-    reused: the weights and indices are the router's own (top-k of its logits, the sigmoid scores it hands on; a
-    torch hook on an unwrapped copy); with no logits read before, the error names the value asked for."""
+    naming router_logits, which the user had read in order; the error names the value asked for (with or without
+    router_logits read before: the router's output may have been written since, and the block goes on with it). Read
+    before it, they are the router's own (top-k of its logits, the sigmoid scores it hands on; a torch hook on an
+    unwrapped copy)."""
     import copy
 
     from moelens.testing import tiny_inputs, tiny_model
@@ -381,9 +382,9 @@ def test_llama4_derived_routing_after_the_router_s_output_reuses_the_logits_read
     moe = wrapped.moes[0]
     with torch.no_grad(), wrapped.trace(**inputs):
         moe.router_logits.save()
-        moe.router.output.save()
         weights = moe.expert_weights.save()
         indices = moe.expert_indices.save()
+        moe.router.output.save()
     router_path = f"{moe.path.removeprefix('model.')}.{moe.family.router}"
     called = []
     handle = reference.get_submodule(router_path).register_forward_hook(lambda m, a, output: called.append(output))
@@ -396,13 +397,16 @@ def test_llama4_derived_routing_after_the_router_s_output_reuses_the_logits_read
     expected_indices = logits.topk(moe.top_k, dim=-1).indices
     assert torch.equal(indices.reshape(expected_indices.shape).sort(-1).values, expected_indices.sort(-1).values)
     torch.testing.assert_close(weights.reshape(-1, moe.top_k), scores.gather(-1, indices.reshape(-1, moe.top_k)))
-    for name in ("expert_weights", "expert_indices"):
-        with pytest.raises(moelens.errors.OrderError, match=rf"{name} could not be served: the llama4 block calls no "
-                                                            rf"experts module, so moelens recomputes {name} from "
-                                                            r"router_logits, read inside the router's forward"):
-            with torch.no_grad(), wrapped.trace(**inputs):
-                moe.router.output.save()
-                getattr(moe, name).save()
+    for logits_first in (False, True):
+        for name in ("expert_weights", "expert_indices"):
+            with pytest.raises(moelens.errors.OrderError, match=rf"{name} could not be served: the llama4 block calls "
+                                                                rf"no experts module, so moelens recomputes {name} from "
+                                                                r"router_logits, read inside the router's forward"):
+                with torch.no_grad(), wrapped.trace(**inputs):
+                    if logits_first:
+                        moe.router_logits.save()
+                    moe.router.output.save()
+                    getattr(moe, name).save()
 
 
 def test_save_all_after_an_intervention_that_ran_the_model_past_a_value_says_what_to_do():
@@ -465,3 +469,106 @@ def ran_experts(model: torch.nn.Module, inputs: dict, paths: list[str],
         for hook in hooks:
             hook.remove()
     return seen
+
+
+@pytest.mark.parametrize("spelling", ["reversed list", "tuple", "set", "generator"])
+def test_model_save_all_reads_the_given_blocks_in_model_order(spelling):
+    """model.save_all(moes=...) read the blocks in the order given: [moes[2], moes[0]], or a set of blocks (iterated
+    in id-hash order), raised an OrderError blaming "a read or an intervention earlier in this trace" though the trace
+    read nothing else. It reads them in model order, whatever order or collection they come in, and keys the result
+    in model order. Ground truth: forward pre-hooks on the experts modules of an unwrapped copy (the top-k indices
+    and weights each is called with), and the same blocks' own save_all, one by one in model order."""
+    import copy
+
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    inputs = tiny_inputs(hf)
+    reference = copy.deepcopy(hf)
+    model = moelens.wrap(hf)
+    chosen = [model.moes[i] for i in (3, 2, 0)]
+    given = {"reversed list": chosen, "tuple": tuple(chosen), "set": set(chosen),
+             "generator": (moe for moe in chosen)}[spelling]
+    values = ["expert_indices", "expert_weights"]
+    with torch.no_grad(), model.trace(**inputs):
+        saved = model.save_all(values, moes=given)
+    one_by_one = {}
+    with torch.no_grad(), model.trace(**inputs):
+        for i in (0, 2, 3):
+            one_by_one[model.moes[i].layer] = model.moes[i].save_all(values)
+    with torch.no_grad():
+        called = called_experts(reference, inputs, [model.moes[i].experts.path for i in (0, 2, 3)])
+    assert list(saved) == [model.moes[i].layer for i in (0, 2, 3)] == list(one_by_one)
+    for layer, (indices, weights) in zip(saved, called):
+        assert sorted(saved[layer]) == sorted(values)
+        for name in values:
+            assert torch.equal(saved[layer][name], one_by_one[layer][name])
+        assert torch.equal(saved[layer]["expert_indices"].reshape(indices.shape), indices)
+        assert torch.equal(saved[layer]["expert_weights"].reshape(weights.shape), weights)
+
+
+def test_model_save_all_refuses_a_lone_block_and_a_block_given_twice():
+    """model.save_all(moes=model.moes[1]) iterated the block's children and named its router (".mlp.gate ... which is
+    no MoE block"); moes=[moes[0], moes[0]] was accepted and switched the keys from layers to paths (saved[0] then a
+    KeyError). Each is refused up front, naming the block and what to pass."""
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    inputs = tiny_inputs(hf)
+    model = moelens.wrap(hf)
+    path = model.moes[1].path
+    with pytest.raises(moelens.errors.MoelensError, match=rf"got the one block {path}: pass it in a list, "
+                                                          r"moes=\[model\.moes\[1\]\], or call the block's own "
+                                                          r"save_all, model\.moes\[1\]\.save_all\(\)"):
+        with torch.no_grad(), model.trace(**inputs):
+            model.save_all(moes=model.moes[1])
+    first = model.moes[0].path
+    with pytest.raises(moelens.errors.MoelensError, match=rf"got the block {first} more than once.*pass each block "
+                                                          r"once"):
+        with torch.no_grad(), model.trace(**inputs):
+            model.save_all(moes=[model.moes[0], model.moes[1], model.moes[0]])
+    with pytest.raises(moelens.errors.MoelensError, match=r"takes a list of MoE blocks of this model .*got str"):
+        with torch.no_grad(), model.trace(**inputs):  # a path is no block (its characters were each refused)
+            model.save_all(moes=path)
+
+
+def called_experts(model: torch.nn.Module, inputs: dict, paths: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (top-k indices, top-k weights) each experts module at ``paths`` (wrapped paths) was called with in a plain
+    forward of ``model``."""
+    seen = []
+    hooks = [model.get_submodule(path.removeprefix("model.")).register_forward_pre_hook(
+        lambda module, args: seen.append((args[1], args[2]))) for path in paths]
+    try:
+        model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_llama4_derived_routing_after_a_write_of_router_logits_follows_the_write():
+    """llama4's expert_weights / expert_indices are recomputed from router_logits: after `moe.router_logits = new`
+    they must be those of ``new`` (a stop's attempt to reuse the logits read earlier in the router call served the
+    old ones). Ground truth: the scores the router hands on in the same trace (router.output[0], nonzero on the
+    experts it picked) and top-k of the written logits by hand."""
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("llama4")
+    inputs = tiny_inputs(hf)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    bias = torch.zeros(moe.num_experts)
+    bias[1] = 100.0
+    with torch.no_grad(), wrapped.trace(**inputs):
+        original = moe.router_logits.save()
+        moe.router_logits = moe.router_logits + bias
+        indices = moe.expert_indices.save()
+        weights = moe.expert_weights.save()
+        scores = moe.router.output[0].save()
+    flat = indices.reshape(-1, moe.top_k)
+    by_hand = (original.reshape(-1, moe.num_experts) + bias).topk(moe.top_k).indices
+    assert torch.equal(flat.sort(-1).values, by_hand.sort(-1).values)
+    assert (flat == 1).any(-1).all()
+    picked = scores.reshape(-1, moe.num_experts) > 0
+    assert torch.equal(picked, torch.zeros_like(picked).scatter(-1, flat, True))
+    torch.testing.assert_close(weights.reshape(-1, moe.top_k), scores.reshape(-1, moe.num_experts).gather(-1, flat))

@@ -89,13 +89,13 @@ def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -
 #: What to do about a PEFT ``modules_to_save`` wrapper on or around a MoE block (`_refuse_modules_to_save`).
 MODULES_TO_SAVE_FIX = (
     "Merge the trainable copies in first (model = peft_model.merge_and_unload()) and wrap that, or leave the MoE "
-    "blocks, their decoder layers and their parts out of modules_to_save."
+    "blocks, their decoder layers, routers and experts out of modules_to_save."
 )
 
 
 def _refuse_modules_to_save(model: torch.nn.Module) -> None:
     """Raise a `FamilyError` when a PEFT ``modules_to_save`` wrapper (`is_modules_to_save`) holds a MoE block (of a
-    registered family) or sits inside one (its router, experts, shared expert...).
+    registered family) or stands in one for its router or experts (`_reads_inside`).
 
     Around a block, the block is there twice: the frozen ``original_module`` (which no longer runs) and the
     trainable copy (which does), and moelens would serve both; inside one, the block's forward calls the wrapper,
@@ -116,13 +116,21 @@ def _refuse_modules_to_save(model: torch.nn.Module) -> None:
                 f"{name}.modules_to_save, which does, so moelens cannot serve that block. {MODULES_TO_SAVE_FIX}"
             )
         block = enclosing(name, blocks)
-        if block is not None:
-            family = registry.for_block(model.get_submodule(block))
+        family = registry.for_block(model.get_submodule(block)) if block is not None else None
+        if family is not None and _reads_inside(name[len(block) + 1:], family):
             raise FamilyError(
                 f"{where} stands in the {family.name} MoE block {block} for its "
                 f"{_part_name(name[len(block) + 1:], family)}: the block calls the wrapper, whose operations and "
                 f"children are not the wrapped module's, so moelens cannot read that block. {MODULES_TO_SAVE_FIX}"
             )
+
+
+def _reads_inside(path: str, family: Family) -> bool:
+    """Whether moelens reads ops inside the module at ``path`` of a block of ``family``, or inside one it holds or
+    is held in: its router or its experts. A wrapper there breaks those reads; one on another part (a shared expert,
+    its gate), whose output moelens reads at the module, serves the trainable copy's as the block uses it."""
+    return any(path == part or path.startswith(f"{part}.") or part.startswith(f"{path}.")
+               for part in (family.router, family.experts) if part)
 
 
 def _part_name(path: str, family: Family) -> str:

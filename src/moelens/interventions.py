@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Sequence
 
 import nnsight
@@ -253,6 +254,10 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
     learned = bias if isinstance(bias, torch.Tensor) and bias.requires_grad and bias.numel() == 1 else None
     bias = scalar(bias)
     real = as_real(bias)  # inf for an int past float's range
+    if isinstance(bias, torch.Tensor) and bias.numel() == 1:  # one element whose value `scalar` could not read
+        where = "made inside model.scan (a fake tensor)" if is_fake(bias) else f"on the {bias.device.type} device"
+        raise WriteError(f"steer: bias is a one-element tensor {where}, which holds no value to add; pass the number "
+                         "itself, or a tensor that holds it (on the CPU or the model's device).")
     if real is None:
         raise WriteError(
             f"steer: bias must be a number, got {type(bias).__name__}"
@@ -301,6 +306,11 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
     and is refused as ambiguous.
     """
     batch, seq = values.shape[:2]
+    if tokens is None:  # force takes None for every token before it gets here; reroute needs a selection
+        raise WriteError(
+            f"{call}: tokens=None selects no tokens; {call} needs the tokens whose slots it sets: pass "
+            "(..., slice(None)) (or ...) for every token, or a [batch, seq] bool mask for some of them."
+        )
     whole = tokens is Ellipsis or (isinstance(tokens, slice) and tokens == slice(None))
     if isinstance(tokens, tuple) and any(part is None for part in tokens):
         raise WriteError(
@@ -354,8 +364,19 @@ def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | N
         values[rows] = edit(values[rows])
 
 
+def _listed_experts(experts: Any) -> list[Any]:
+    """The expert ids ``experts`` gives force, as a list (not yet checked): the items of any iterable (a list, a set,
+    a generator, dict keys; force does not depend on their order), or ``[experts]`` for one id. Text is refused as a
+    whole: a str or bytes is iterable, but its characters are no expert ids."""
+    if isinstance(experts, (str, bytes, bytearray, Mapping)):  # a mapping's keys would pass, its values be dropped
+        raise WriteError(f"force: experts={experts!r:.80} is {type(experts).__name__}, not expert ids; pass an int "
+                         "expert id, or a list of them (force(moe, [3, 5])): force takes no weights, the router's "
+                         "scoring of the raised logits gives them.")
+    return list(experts) if isinstance(experts, Iterable) else [experts]
+
+
 @_intervention
-def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
+def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
     """Make every token (or the given ``tokens``) route to ``experts`` first (changes routing).
 
     The forced experts' logits are raised above every other expert's (by the logits'
@@ -388,8 +409,7 @@ def force(moe: Moe, experts: int | Sequence[int], tokens: Any = None) -> None:
     if isinstance(experts, (torch.Tensor, numpy.ndarray)):  # a 0-d one too
         with unset_fake_temporarily():  # in model.scan: a real tensor's ids, not placeholder symbols
             experts = [scalar(expert) for expert in experts.reshape(-1)]
-    chosen = list(experts) if isinstance(experts, Sequence) else [experts]
-    chosen = [_expert(moe, expert) for expert in chosen]
+    chosen = [_expert(moe, expert) for expert in _listed_experts(experts)]
     if not chosen:
         raise WriteError("force: no expert given; pass one expert id or a list of them.")
     repeated = sorted({expert for expert in chosen if chosen.count(expert) > 1})

@@ -285,6 +285,9 @@ class MoeModelMixin:
         Blocks that run only on some tokens (ernie4_5_vl_moe's ``vision_moe``: image
         tokens; see `Moe.runs_only_on`) are left out unless ``moes`` names them.
 
+        ``moes``: any iterable of this model's blocks, each once (a lone block is refused); they are read, and
+        keyed, in model order (the order of ``model.moes``), whatever order they come in.
+
         Returns layer index -> (value name -> saved tensor); keyed by block path
         instead when a layer holds several MoE blocks. See `Moe.save_all`.
         """
@@ -294,16 +297,7 @@ class MoeModelMixin:
                 "(with model.trace(inputs): ..., or model.generate)."
             )
         check_flag("strict", strict)
-        if moes is not None and (not isinstance(moes, Iterable) or isinstance(moes, torch.Tensor)):
-            raise MoelensError(f"save_all(moes=...) takes a list of MoE blocks of this model (model.moes[1:3]); got "
-                               f"{_described(moes)}.")
-        blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else list(moes)
-        for block in blocks:
-            if not isinstance(block, Moe) or block.interleaver is not self.interleaver:
-                raise MoelensError(
-                    f"save_all(moes=...) takes MoE blocks of this model (model.moes[i], model.layers[i].mlp on an MoE "
-                    f"layer); got {_described(block)}."
-                )
+        blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else self._given_blocks(moes)
         if values is not None and not isinstance(values, str):
             values = value_names(values)  # once: each block reads the same names (a generator would serve the first)
         layers = [moe.layer for moe in blocks]
@@ -316,15 +310,39 @@ class MoeModelMixin:
                 name = getattr(error, "unreached", None)
                 if name is None:
                     raise
-                raise OrderError(
-                    f"model.save_all() could not read {moe.path}.{name}: the model had already run past it when "
-                    "save_all asked for it, moved on by a read or an intervention earlier in this trace (a value of "
-                    "this block or of a later one, or moelens.ablate / steer / force on one of them, which write its "
-                    "values). Call model.save_all() before that read or intervention, or pass moes= with only the "
-                    "blocks after the one it is on, and read that block with its own save_all, passing values= with "
-                    "only the values after it."
-                ) from None
+                raise moe._order_error(name, by="model.save_all") from None
         return nnsight.save(saved)
+
+    def _given_blocks(self, moes: Any) -> list[Moe]:
+        """The MoE blocks of save_all's ``moes=`` (any iterable of this model's blocks, each once), in model order
+        (the order of ``model.moes``, which is the order they run in): values are served in run order, so a block given
+        before one that runs earlier would find the model already past it."""
+        if isinstance(moes, Moe):  # iterable (over its children), but one block, not a collection of them
+            listed = [index for index, moe in enumerate(self.moes) if moe.path == moes.path]
+            spelled = f"model.moes[{listed[0]}]" if listed else "block"
+            raise MoelensError(
+                f"save_all(moes=...) takes a list of MoE blocks, got the one block {moes.path}: pass it in a list, "
+                f"moes=[{spelled}], or call the block's own save_all, {spelled}.save_all()."
+            )
+        if not isinstance(moes, Iterable) or isinstance(moes, (torch.Tensor, str, bytes)):
+            raise MoelensError(f"save_all(moes=...) takes a list of MoE blocks of this model (model.moes[1:3]); got "
+                               f"{_described(moes)}.")
+        blocks = list(moes)  # once: a generator would give its blocks to the first pass only
+        for block in blocks:
+            if not isinstance(block, Moe) or block.interleaver is not self.interleaver:
+                raise MoelensError(
+                    f"save_all(moes=...) takes MoE blocks of this model (model.moes[i], model.layers[i].mlp on an MoE "
+                    f"layer); got {_described(block)}."
+                )
+        paths = [block.path for block in blocks]
+        repeated = next((path for path in paths if paths.count(path) > 1), None)
+        if repeated is not None:
+            raise MoelensError(
+                f"save_all(moes=...) got the block {repeated} more than once; a block's values are read once per "
+                "trace: pass each block once."
+            )
+        position = {moe.path: index for index, moe in enumerate(self.moes)}
+        return sorted(blocks, key=lambda block: position[block.path])
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching of the invokes' inputs into the model's, refusing a trace with no input at all and

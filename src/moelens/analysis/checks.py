@@ -29,17 +29,31 @@ def check_type(value: Any, kind: type | tuple[type, ...], name: str, expected: s
         raise MoelensError(f"{name} must be {expected}, got {described(value)}; {remedy}.")
 
 
+def refuse_set(name: str, value: Any, order: str) -> None:
+    """Refuse a set (or frozenset) ``value`` for ``name``, whose positions give ``order``: a set's iteration order
+    is arbitrary (it follows the hash seed for text), so its items would land in the wrong places silently."""
+    if isinstance(value, (set, frozenset)):
+        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
+        raise MoelensError(f"{name}={shown} is a set, but {name} gives {order} by position: pass a list "
+                           "(a set has no order) in the order you mean.")
+
+
 def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", items: str = "integers",
-            distinct: bool = True) -> list[Any]:
-    """``values`` as a list: a list, tuple, set, range, 1-D tensor or array (its items are checked by the caller).
+            distinct: bool = True, order: str | None = None) -> list[Any]:
+    """``values`` as a list: a list, tuple, range, dict keys, 1-D tensor or array, or a set where ``order`` is None
+    (its items are checked by the caller).
 
     One integer alone is refused, suggesting ``example`` (a template of ``name`` and that integer, ``one``),
     as is text or anything else that is not a list; ``what`` names one item, ``items`` what they are.
     ``distinct``: an item given twice is refused (it would be counted or shown twice).
+    ``order``: what the positions give when they carry meaning (then a set, which has no order, is refused);
+    ``None`` for a filter, whose order does not matter, so a set works as well as a list.
     """
     one = as_lone_int(values)
     if one is not None:
         raise MoelensError(f"{name}={values!r} is one {what}; {name} takes a list: {example.format(name=name, one=one)}.")
+    if order is not None:
+        refuse_set(name, values, order)
     if (isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable)
             or (isinstance(values, (Tensor, np.ndarray)) and values.ndim != 1)):
         raise MoelensError(f"{name} must be a list of {what}s ({items}), got {described(values)}.")

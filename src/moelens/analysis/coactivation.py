@@ -137,6 +137,12 @@ def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top
 def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int = 20) -> list[tuple[tuple[int, ...], int]]:
     """The ``top`` most common trajectories: each token's top-1 expert in every layer of ``layers``.
 
+    Args:
+        cache: A routing cache.
+        layers: The layers of a path, in path order (default: the cache's); a list, since ``path[i]`` is
+            the expert in ``layers[i]`` (a set, which has no order, is refused).
+        top: How many paths to return.
+
     Returns:
         ``[(path, tokens), ...]`` most common first, paths of equal count in ascending order (so the cut at
         ``top`` does not depend on how the cache is sharded); ``path[i]`` is the expert in ``layers[i]``
@@ -144,7 +150,8 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
     """
     check_cache(cache)
     top = check_count("top", top)
-    layers = list(cache.layers) if layers is None else id_list("layers", layers, "layer")
+    layers = list(cache.layers) if layers is None else id_list("layers", layers, "layer",
+                                                                order="the layer of each step of a path")
     if not layers:
         raise MoelensError(f"expert_paths: layers={layers} names no layer; the cache holds layers {list(cache.layers)}.")
     layers = [cache.layer_key(layer) for layer in layers]

@@ -20,7 +20,7 @@ from ..model import check_wrapped
 from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
-from .checks import check_count, id_list, split_ids
+from .checks import check_count, id_list, refuse_set, split_ids
 
 #: Default number of tokens per cache shard (a shard is the unit held in memory).
 SHARD_TOKENS = 65_536
@@ -166,12 +166,13 @@ def collect_routing(
         corpus: Texts (needs the model's tokenizer), token-id sequences, a ``[N, S]``
             token-id tensor (every row real tokens), or a tokenizer's output (padding dropped
             by its attention_mask); any iterable, consumed lazily. Items longer than
-            ``max_length`` are cut into windows.
+            ``max_length`` are cut into windows. A token's ``text_index`` is its item's place in
+            the corpus, so a set of texts (which has no order) is refused: pass a list.
         batch_size: Windows per forward.
         max_length: Window length (default: the model's context, at most 512).
         logits: Also cache router logits (``[T, E]`` per layer; lets `RoutingCache.probs`
             and the router entropy work).
-        layers: Decoder-layer indices of the MoE layers to cache, a list (default: all).
+        layers: Decoder-layer indices of the MoE layers to cache, a list or a set (default: all).
         blocks: Only blocks whose path contains this (models with several MoE blocks per layer).
         folder: Stream the cache to this folder (one file per shard) instead of
             memory; only one shard is ever held in memory.
@@ -185,6 +186,7 @@ def collect_routing(
     Returns:
         The `RoutingCache` (on disk when ``folder`` is given).
     """
+    refuse_set("corpus", corpus, "the text_index of its items (a token's text_index is its item's place in the corpus)")
     shard_tokens = check_count("shard_tokens", shard_tokens)
     logits = check_flag("logits", logits)
     stop_early = check_flag("stop_early", stop_early)

@@ -79,7 +79,8 @@ def specialisation(
         cache: A routing cache.
         labels: Class ids: ``[T]`` one per cached token (``per="token"``) or one per
             corpus item (``per="text"``). Ids outside ``0..C-1`` are ignored.
-        classes: Class names (default: ``"0" .. "C-1"`` from the largest label below 255).
+        classes: Class names, a list: ``classes[c]`` names class id ``c`` (a set, which has no order, is refused;
+            default: ``"0" .. "C-1"`` from the largest label below 255).
         per: ``"token"`` or ``"text"``.
     """
     check_cache(cache)
@@ -87,7 +88,8 @@ def specialisation(
         raise MoelensError(f"per={per!r} is not one of {PER}.")
     labels = _class_ids(labels)
     if classes is not None:
-        classes = id_list("classes", classes, "class name", "{name}=['name of class 0', ...]", items="text")
+        classes = id_list("classes", classes, "class name", "{name}=['name of class 0', ...]", items="text",
+                          order="the name of class 0, 1, ... (the label ids)")
         if not classes:
             raise MoelensError("classes is empty: name at least one class (or leave classes out to number them).")
     if per == "token" and labels.shape[0] != cache.num_tokens:

@@ -152,7 +152,8 @@ def load_balance(usage: Usage | RoutingCache, num_experts: list[int] | None = No
 
     Args:
         usage: Expert usage, or a routing cache.
-        num_experts: E per layer, one per layer, each from 1 to the layer's own E (default: the
+        num_experts: E per layer, a list in layer order (a set, which has no order, is refused), each from 1
+            to the layer's own E (default: the
             usage's own `Usage.num_experts`); a smaller E measures the layer's first E experts only.
     """
     check_type(usage, (Usage, RoutingCache), "usage", "a Usage or a RoutingCache",
@@ -170,7 +171,7 @@ def _widths(usage: Usage, num_experts: Any) -> list[int]:
     """``num_experts`` checked against ``usage``: one integer per layer, from 1 to the layer's own E."""
     layers = len(usage.layers)
     widths = id_list("num_experts", num_experts, "expert count", f"one E per layer, {{name}}=[{{one}}] * {layers}",
-                     distinct=False)
+                     distinct=False, order=f"the E of each layer, in layer order {usage.layers},")
     if len(widths) != layers:
         raise MoelensError(f"num_experts={widths} gives {len(widths)} E for the {layers} layers {usage.layers} of this "
                            f"usage; give one per layer (the usage's own: {usage.num_experts}).")

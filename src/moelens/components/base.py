@@ -268,9 +268,10 @@ class Component(Envoy):
             "module.output = ...): the module then runs and its ops keep counting."
         )
 
-    def _order_error(self, name: str) -> OrderError:
+    def _order_error(self, name: str, by: str = "") -> OrderError:
         """The error of a read nnsight could not serve: the model never reaches where it is read
-        (`_never_produced`), else the order."""
+        (`_never_produced`), else the order. ``by``: the call that asked for the value, the block's ``save_all`` or
+        ``model.save_all``, whose advice replaces a single read's; "" for a read of the value itself."""
         never = self._never_produced(name)
         if never is not None:
             return never
@@ -280,19 +281,28 @@ class Component(Envoy):
             f" This block runs only on {runs_only_on}: on an input without them it does not run at all."
             if runs_only_on else ""
         )
-        save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
         registered = (
             f" Family {self.family.name!r} is a registered entry: when save_all() or this order fails, the order "
             "the entry gives (shared.when) is not the one the block's forward runs; fix the entry."
             if self.family is not None and self.family.shared is not None and not registry.is_built_in(self.family)
             else ""
         )
-        return OrderError(
-            f"{self.path}.{name} was requested after the model had already run past it. "
-            f"Within a block, read values in the order the model produces them "
-            f"({order}), and blocks in layer order{save_all}. "
-            f"A module skipped with .skip() never produces its values.{maybe_idle}{registered}"
-        )
+        if by:
+            whole = by == "model.save_all"
+            asked = f"model.save_all() could not read {self.path}.{name}" if whole else \
+                f"{self.path}.save_all() could not read {name}"
+            after = ("pass moes= with only the blocks after the one that read or intervention is on, and read that "
+                     "block with its own save_all, passing values= with only the values after it" if whole else
+                     "pass values= with only the values after it")
+            what = (f"{asked}: the model had already run past it when {by}() asked for it, moved on by a read or an "
+                    "intervention earlier in this trace (moelens.ablate / steer / force write values). Call "
+                    f"{by}() before that read or intervention, or {after} (in the order the model produces them: "
+                    f"{order}).")
+        else:
+            save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
+            what = (f"{self.path}.{name} was requested after the model had already run past it. Within a block, read "
+                    f"values in the order the model produces them ({order}), and blocks in layer order{save_all}.")
+        return OrderError(f"{what} A module skipped with .skip() never produces its values.{maybe_idle}{registered}")
 
     def _location_of(self, name: str) -> str | None:
         """Where ``name`` is read in the run (`Binding.location`), None where that cannot be told."""

@@ -55,7 +55,7 @@ from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params, refuse_fully_sharded
-from .served import RUNS, order_errors, request, request_step, run_fact, served
+from .served import RUNS, order_errors, request, request_step, run_fact, served, skipped_visits
 
 
 class _SharedAlias:
@@ -324,13 +324,14 @@ class Moe(Mlp):
         """The family's score of each expert [b, s, E] (float32), derived from router_logits. Read-only."""
         self._check_available("router_probs")
         self._require_trace("router_probs")
-        pinned = Mediator.current("router_probs").iteration  # to a step after the first: refused for a skipped router
+        mediator = Mediator.current("router_probs")
         try:
             logits = self.router_logits  # requested first: a request lets the model run on, and its hooks must not nest in ours
         except OrderError:
             location = self._static_bindings["router_logits"].location
-            error = self._skipped_error("router_probs", location) if pinned else self._order_error("router_probs")
-            raise error from None
+            skipped = mediator.iteration and skipped_visits(mediator, location) > 0  # a router skipped at an earlier step
+            raise (self._skipped_error("router_probs", location) if skipped else self._order_error("router_probs")) \
+                from None
         return self._scored(logits)
 
     def _scored(self, logits: Tensor) -> Float[Tensor, "b s e"]:
@@ -463,43 +464,19 @@ class Moe(Mlp):
             return value
         value = super()._read(descriptor, keep_open, binding)
         self._check_width(descriptor.name, value)
-        if self.family.derived_routing and descriptor.name == "router_logits":
-            self._note_logits(value)
         return value
 
-    def _router_call(self, mediator: Mediator) -> tuple[int, bool]:
-        """The count in this run of the router call begun last (0 for the first), and whether it is running still."""
-        begun = mediator.occurrence(f"{self.router.path}.input")
-        return begun - 1, mediator.occurrence(f"{self.router.path}.output") < begun
-
-    def _note_logits(self, logits: Tensor) -> None:
-        """Note ``logits``, router_logits just read (inside the router call that computes them), with that call,
-        for this invoke: `_derived_logits` reuses them later in the same call."""
-        run = RUNS.get(self.interleaver)
-        if run is not None:
-            mediator = Mediator.current("router_logits")
-            run.logits_read[id(mediator), self.path] = (self._router_call(mediator)[0], logits)
-
     def _derived_logits(self, name: str) -> Tensor:
-        """The router_logits ``name`` (one of `DERIVED_ROUTING`) is recomputed from: those this invoke read earlier
-        in the router call still running (the model may have run past the op they are read at since, to the
-        router's output), else read now; an `OrderError` naming ``name`` where they cannot be read."""
-        self._require_trace(name)
-        run = RUNS.get(self.interleaver)
-        mediator = Mediator.current(name)
-        noted = run.logits_read.get((id(mediator), self.path)) if run is not None else None
-        if noted is not None:
-            call, running = self._router_call(mediator)
-            if running and noted[0] == call and mediator.iteration in (None, call):  # not pinned to another step
-                return noted[1]
+        """The router_logits ``name`` (one of `DERIVED_ROUTING`) is recomputed from, read now; an `OrderError` naming
+        ``name`` where the model has run past the op they are read at (to the router's output, say)."""
         try:
             return self.router_logits
         except OrderError as error:
             raise OrderError(
                 f"{self.path}.{name} could not be served: the {self.family.name} block calls no experts module, so "
                 f"moelens recomputes {name} from router_logits, read inside the router's forward, and those could not "
-                f"be read: {sentence(error)}. Read {name} (or router_logits first: moelens reuses them within the "
-                "same router call) before anything later in the router, such as moe.router.output, and before the "
+                f"be read: {sentence(error)}. Read {name} before anything later in the router, such as "
+                "moe.router.output (which may be written, and the block goes on with what it holds), and before the "
                 "values after the router."
             ) from error
 
@@ -880,21 +857,16 @@ class Moe(Mlp):
         return nnsight.save(saved)
 
     def _run_past(self, name: str) -> OrderError | None:
-        """The error for `save_all`'s read of ``name`` refused because the model had already run past it: a read or
-        an intervention made earlier in the trace ran it on. None where the refusal had another cause (a module
-        replaced after wrapping, a router that skips the op, a module skipped at an earlier generation step, a block
-        that runs only on some tokens and did not run), whose error stands. The error's ``unreached`` is ``name``, for the model's `save_all`."""
+        """The error for `save_all`'s read of ``name`` refused because the model had already run past it (a read or
+        an intervention made earlier in the trace ran it on), with save_all's advice. None where the refusal had
+        another cause (a module replaced after wrapping, a router that skips the op, a module skipped at an earlier
+        generation step, a block that runs only on some tokens and did not run), whose error stands. The error's
+        ``unreached`` is ``name``, for the model's `save_all`."""
         mediator = Mediator.current(name)
         if mediator.iteration != 0 or self._never_produced(name) is not None:
             return None
         if self.runs_only_on and not mediator.occurrence(f"{self.path}.input"):  # it never ran: its own error says why
             return None
-        past = OrderError(
-            f"{self.path}.save_all() could not read {name}: the model had already run past it when save_all asked for "
-            "it, moved on by a read or an intervention earlier in this trace (a value of this block or of a later "
-            "one, or moelens.ablate / steer / force on this block, which write its values). Call save_all() before "
-            "that read or intervention, or pass values= with only the values after it (in the order the model "
-            f"produces them: {' -> '.join(self._order())})."
-        )
+        past = self._order_error(name, by="save_all")
         past.unreached = name
         return past

@@ -491,10 +491,6 @@ class HandedBack:
         #: (id of a component or mediator, what) -> what the live modules say of it, read once in the run
         #: (`run_fact`): a block's counts, an invoke's rows.
         self.facts: dict[tuple[int, str], Any] = {}
-        #: (id of a mediator, a block's path) -> the router call (its count in the run) at which that invoke last read
-        #: the block's router_logits, and the view it read: what moelens derives from them later in that call reuses
-        #: them (`Moe._derived_logits`), where the model has run past the op they are read at.
-        self.logits_read: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
 
     def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
         """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``edit_error``: the
