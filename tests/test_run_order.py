@@ -454,12 +454,12 @@ def test_save_all_after_an_intervention_that_ran_the_model_past_a_value_says_wha
 
 
 def ran_experts(model: torch.nn.Module, inputs: dict, paths: list[str],
-                ablated: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                ablated: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The (top-k indices, top-k weights) each experts module at ``paths`` (wrapped paths) was called with in a plain
-    forward of ``model`` where the first of them runs expert ``ablated``'s slots with weight 0."""
+    forward of ``model``, where the first of them runs expert ``ablated``'s slots with weight 0 (None: none)."""
     seen = []
     first = model.get_submodule(paths[0].removeprefix("model."))
-    hooks = [first.register_forward_pre_hook(
+    hooks = [] if ablated is None else [first.register_forward_pre_hook(
         lambda module, args: (args[0], args[1], args[2].masked_fill(args[1] == ablated, 0), *args[3:]))]
     hooks += [model.get_submodule(path.removeprefix("model.")).register_forward_pre_hook(
         lambda module, args: seen.append((args[1], args[2]))) for path in paths]
@@ -497,7 +497,7 @@ def test_model_save_all_reads_the_given_blocks_in_model_order(spelling):
         for i in (0, 2, 3):
             one_by_one[model.moes[i].layer] = model.moes[i].save_all(values)
     with torch.no_grad():
-        called = called_experts(reference, inputs, [model.moes[i].experts.path for i in (0, 2, 3)])
+        called = ran_experts(reference, inputs, [model.moes[i].experts.path for i in (0, 2, 3)])
     assert list(saved) == [model.moes[i].layer for i in (0, 2, 3)] == list(one_by_one)
     for layer, (indices, weights) in zip(saved, called):
         assert sorted(saved[layer]) == sorted(values)
@@ -530,20 +530,6 @@ def test_model_save_all_refuses_a_lone_block_and_a_block_given_twice():
     with pytest.raises(moelens.errors.MoelensError, match=r"takes a list of MoE blocks of this model .*got str"):
         with torch.no_grad(), model.trace(**inputs):  # a path is no block (its characters were each refused)
             model.save_all(moes=path)
-
-
-def called_experts(model: torch.nn.Module, inputs: dict, paths: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (top-k indices, top-k weights) each experts module at ``paths`` (wrapped paths) was called with in a plain
-    forward of ``model``."""
-    seen = []
-    hooks = [model.get_submodule(path.removeprefix("model.")).register_forward_pre_hook(
-        lambda module, args: seen.append((args[1], args[2]))) for path in paths]
-    try:
-        model(**inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen
 
 
 def test_llama4_derived_routing_after_a_write_of_router_logits_follows_the_write():
