@@ -558,3 +558,47 @@ def test_llama4_derived_routing_after_a_write_of_router_logits_follows_the_write
     picked = scores.reshape(-1, moe.num_experts) > 0
     assert torch.equal(picked, torch.zeros_like(picked).scatter(-1, flat, True))
     torch.testing.assert_close(weights.reshape(-1, moe.top_k), scores.reshape(-1, moe.num_experts).gather(-1, flat))
+
+
+@pytest.mark.parametrize("steps", ["iter[2]", "iter[1:3]"])
+def test_a_late_read_at_the_last_step_of_a_generation_is_refused(steps):
+    """Inside tracer.iter, a value read after a later one of its block at the last step the loop reaches (there is no
+    next step whose value nnsight would serve) was never served: the loop ended with nnsight's warning that a step
+    "was never reached" (false: the step ran, as hooks on an unwrapped copy show) and the statements after the loop
+    silently did not run. It raises moelens' OrderError now; a loop asking for steps the run did not make (an open
+    loop) still ends with nnsight's warning, having read every step the run made."""
+    import copy
+    import warnings
+
+    from groundtruth import ascii_tokenizer
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("qwen2_moe", experts_implementation="grouped_mm")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = wrapped.moes[0]
+    ids = wrapped.tokenizer("hello", return_tensors="pt")["input_ids"]
+    calls = []
+    router = reference.get_submodule(f"{moe.path.removeprefix('model.')}.{moe.family.router}")
+    handle = router.register_forward_hook(lambda module, args, output: calls.append(output))
+    try:
+        with torch.no_grad():
+            reference.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    finally:
+        handle.remove()
+    assert len(calls) == 3  # the router ran at every step: the late read's step ran
+    with pytest.raises(moelens.errors.OrderError, match=r"router_logits was requested after the model had already run "
+                                                        r"past it"):
+        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+            for _ in (tracer.iter[2] if steps == "iter[2]" else tracer.iter[1:3]):
+                moe.mlp_output.save()
+                moe.router_logits.save()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+            seen = nnsight.save([])
+            for step in tracer.iter[0:5]:  # two steps more than the run makes, read in order
+                moe.router_logits.save()
+                seen.append(step)
+    assert list(seen) == [0, 1, 2]
+    assert any("never reached" in str(warning.message) for warning in caught)

@@ -62,7 +62,7 @@ def order_errors(location: str, on_order_error: Callable[[], Exception]) -> Iter
     ends; the moelens error names the right order. A request from inside a
     ``tracer.iter`` loop for a step the run did not make is how an open loop
     ends, so nnsight's own error goes through untouched (it turns it into a
-    warning).
+    warning); see `_reraise`.
     """
     try:
         yield
@@ -71,8 +71,11 @@ def order_errors(location: str, on_order_error: Callable[[], Exception]) -> Iter
 
 
 def _reraise(error: OutOfOrderError, location: str, on_order_error: Callable[[], Exception]) -> None:
-    """`order_errors`' rule: nnsight's error inside a ``tracer.iter`` step, else ``on_order_error()``."""
-    if Mediator.current(location).iteration != 0:
+    """`order_errors`' rule: nnsight's error for a request pinned to a ``tracer.iter`` step after the first (a step
+    the run did not make: how an open loop ends), else ``on_order_error()``. A request nnsight no longer pins
+    (``iteration`` None: later in a step, after its first value was served) that the run ended without serving was
+    made after the model had run past it in the last step the run made."""
+    if Mediator.current(location).iteration not in (0, None):
         raise error
     raise on_order_error() from error
 
