@@ -535,6 +535,16 @@ def test_token_plots_draw_tokens_holding_dollar_signs_as_their_text():
     assert not any(cell.get_parse_math() for cell in cells)
 
 
+def test_plot_specialisation_draws_class_names_holding_dollar_signs_as_their_text():
+    """Class names went to matplotlib as tick labels with math parsing on: "$\\foo$" raised ParseFatalException when
+    the plot was laid out and "$5 to $10" was drawn as italic math. Truth: the class names given."""
+    classes = ["$\\foo$", "$5 to $10", "a_b"]
+    spec = Specialisation([0], classes, torch.tensor([[[3, 1, 0], [1, 2, 4]]]))
+    labels_drawn = drawn_texts(plots.plot_specialisation(spec), lambda axes: axes.get_xticklabels())
+    assert [label.get_text() for label in labels_drawn] == classes
+    assert not any(label.get_parse_math() for label in labels_drawn)
+
+
 def test_save_takes_a_numpy_or_tensor_dpi_as_matplotlib_does_and_refuses_a_bool(tmp_path):
     """plots.save refused dpi=np.int64(200), np.float32(200) and torch.tensor(200) (which matplotlib's savefig takes)
     as not "a number of dots per inch from 10 to 2000". Truth: the PNG is 2.2 x 1.2 inches (a 2 x 1 figure, the tight

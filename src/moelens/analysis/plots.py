@@ -372,7 +372,7 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
             image = axes.imshow(_pixels(data), aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
         else:
             image = axes.imshow(_pixels(data), aspect="auto", cmap="viridis", vmin=0, vmax=1)
-        axes.set_xticks(range(len(spec.classes)), spec.classes, rotation=45, fontsize=7)
+        axes.set_xticks(range(len(spec.classes)), spec.classes, rotation=45, fontsize=7, parse_math=False)
         _whole_numbers(axes.yaxis)
         axes.set_ylabel("expert")
         axes.set_title(f"layer {layer}", fontsize=9)
