@@ -319,3 +319,66 @@ def test_a_routing_json_of_another_format_or_none_says_what_to_do(model, tmp_pat
     (folder / META_FILE).write_text(json.dumps(meta))
     with pytest.raises(MoelensError, match=rf"'{re.escape(str(folder / META_FILE))}' {message}"):
         RoutingCache.load(folder)
+
+
+def spoil_shard(name: str, value: object) -> Callable[[Path], None]:
+    """Set element 0 of the shard tensor ``name`` of the cache in a folder to ``value`` (a float: make it float)."""
+    def spoil(folder: Path) -> None:
+        def change(tensors: dict[str, torch.Tensor]) -> None:
+            if isinstance(value, float):
+                tensors[name] = tensors[name].float()
+            tensors[name][0] = value
+        rewrite_shard(folder / "shard-00000.safetensors", change)
+    return spoil
+
+
+def spoil_meta(change: Callable[[dict], object]) -> Callable[[Path], None]:
+    """Apply ``change`` to the routing.json of the cache in a folder."""
+    def spoil(folder: Path) -> None:
+        meta = json.loads((folder / META_FILE).read_text())
+        change(meta)
+        (folder / META_FILE).write_text(json.dumps(meta))
+    return spoil
+
+
+@pytest.mark.parametrize("spoil, spoiled, problem", [
+    pytest.param(spoil_shard("token_ids", -3), "shard-00000.safetensors",
+                 r"its token_ids holds -3, where token ids are 0 or more", id="token id -3"),
+    pytest.param(spoil_shard("token_ids", 5.5), "shard-00000.safetensors",
+                 r"its token_ids are torch\.float32, not integers", id="float token ids"),
+    pytest.param(spoil_shard("text_index", 7), "shard-00000.safetensors",
+                 r"its text_index holds 7, where routing\.json's num_texts \(how many corpus items were read\) is 2",
+                 id="text index 7 of 2 texts"),
+    pytest.param(spoil_meta(lambda meta: meta.update(num_texts=1)), "shard-00000.safetensors",
+                 r"its text_index holds 1, where routing\.json's num_texts .* is 1", id="num_texts 1 of 2 texts"),
+    pytest.param(spoil_shard("position", -1), "shard-00000.safetensors",
+                 r"its position holds -1, where positions in a corpus item are 0 or more", id="position -1"),
+    pytest.param(spoil_meta(lambda meta: meta.update(num_texts=-2)), META_FILE,
+                 r"its num_texts is -2, not a count \(an integer, 0 or more\)", id="num_texts -2"),
+    pytest.param(spoil_meta(lambda meta: meta.update(num_texts="2")), META_FILE,
+                 r"its num_texts is '2', not a count", id="num_texts a string"),
+    pytest.param(spoil_meta(lambda meta: meta["shards"][0].update(tokens=-5)), META_FILE,
+                 r"its tokens entry of the shard 'shard-00000\.safetensors' is -5, not a count", id="tokens -5"),
+    pytest.param(spoil_meta(lambda meta: meta["shards"].append(dict(meta["shards"][0]))), META_FILE,
+                 r"it lists the shard file 'shard-00000\.safetensors' more than once", id="a shard listed twice"),
+])
+def test_a_cache_whose_token_sources_or_counts_are_out_of_range_is_refused_by_name(model, tmp_path, spoil, spoiled,
+                                                                                   problem):
+    """Shard checks read only the shapes of token_ids, text_index and position, and routing.json's counts were taken
+    as they came: a negative token id crashed top_tokens in torch.bincount, a text index past num_texts crashed
+    specialisation(per="text") with an IndexError, a shard listed twice counted every token twice, and a negative
+    tokens entry made num_tokens negative. Ground truth: the value this test wrote into the file (the intact cache
+    holds 9 tokens of 2 texts)."""
+    folder = tmp_path / "routing"
+    analysis.collect_routing(model, [[5, 6, 7, 8, 9, 10], [11, 12, 13]], folder=folder, progress=False)
+    intact = RoutingCache.load(folder)
+    assert (intact.num_tokens, intact.num_texts, intact.num_shards) == (9, 2, 1)
+    assert intact.text_index().tolist() == [0] * 6 + [1] * 3 and intact.position().tolist() == [*range(6), *range(3)]
+    assert analysis.expert_usage(intact).counts.sum() == 9 * 2 * len(intact.layers)  # intact, it reads
+    spoil(folder)
+    reads = (lambda cache: analysis.top_tokens(cache, 0), lambda cache: analysis.expert_usage(cache),
+             lambda cache: analysis.specialisation(cache, torch.tensor([0, 1]), per="text"),
+             lambda cache: (cache.num_tokens, cache.position()))
+    for read in reads:
+        with pytest.raises(MoelensError, match=rf"file '{re.escape(str(folder / spoiled))}' is damaged \({problem}"):
+            read(RoutingCache.load(folder))

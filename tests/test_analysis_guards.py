@@ -341,6 +341,26 @@ def test_bytes_and_bools_are_not_token_ids(model):
     assert analysis.collect_routing(model, [[5, 6, 7]], progress=False).token_ids().tolist() == [5, 6, 7]
 
 
+def test_a_flat_list_of_token_ids_is_one_text(model):
+    """collect_routing(model, [5, 6, 7, 8]) was refused with "corpus item 0 must be a string or a sequence of token
+    ids ..., got int." (no value, no remedy), though a 1-D tensor or numpy array of the same ids is one text and
+    token_routing takes the flat list. Ground truth: the routing of the same ids as the one text of a list."""
+    ids = [ord(char) for char in TEXTS[1]]
+    expected = analysis.collect_routing(model, [ids], progress=False)
+    for corpus in (ids, tuple(ids), [np.int64(token) for token in ids], torch.tensor(ids), np.array(ids)):
+        routed = analysis.collect_routing(model, corpus, progress=False)
+        assert routed.num_texts == 1 and routed.position().tolist() == list(range(len(ids)))
+        assert_same_routing(routed, expected)
+    lens = analysis.expert_logit_lens(model, ids, progress=False)
+    assert torch.equal(lens.counts, analysis.expert_logit_lens(model, [ids], progress=False).counts)
+    with pytest.raises(MoelensError, match=r"corpus item 0 must be .*got a list whose element 2 is True \(bool\)"):
+        analysis.collect_routing(model, [ids[0], ids[1], True], progress=False)
+    # ids streamed one by one (an iterator, not a list) are items of their own: refused, saying what to pass
+    with pytest.raises(MoelensError, match=rf"^corpus item 0 is the token id {ids[0]} \(int\), not a text: .* pass the "
+                                           r"ids of one text as a list or a 1-D tensor .*a list of such texts"):
+        analysis.collect_routing(model, iter(ids), progress=False)
+
+
 def test_a_pad_token_past_the_vocabulary_pads_with_an_embedded_id():
     tokenizer = ascii_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [f"<x{i}>" for i in range(40)]})

@@ -260,12 +260,15 @@ class RoutingCache:
 
     def _shard_problem(self, shard: Shard, tokens: int) -> str | None:
         """What keeps ``shard`` (read from disk) from being the ``tokens`` tokens ``routing.json`` lists for it, or None
-        when it holds them: ``[tokens]`` token ids, text indices and positions, and every layer's indices, weights (and
-        logits, when the cache has them) as `_layer_problem` checks them."""
+        when it holds them: ``[tokens]`` token ids, text indices and positions (of the values `_source_problem` checks),
+        and every layer's indices, weights (and logits, when the cache has them) as `_layer_problem` checks them."""
         for name in ("token_ids", "text_index", "position"):
             shape = list(getattr(shard, name).shape)
             if shape != [tokens]:
                 return f"its {name} has shape {shape}, where {META_FILE} lists {tokens} tokens"
+        problem = self._source_problem(shard)
+        if problem is not None:
+            return problem
         layers = sorted(self.layers)
         for kind in ("indices", "weights") + (("logits",) if self.has_logits else ()):
             held = list(getattr(shard, kind))
@@ -275,6 +278,25 @@ class RoutingCache:
             problem = self._layer_problem(shard, layer, tokens)
             if problem is not None:
                 return problem
+        return None
+
+    def _source_problem(self, shard: Shard) -> str | None:
+        """What is wrong with the values of ``shard``'s token_ids, text_index and position (each of the right shape), or
+        None: signed integers, token ids and positions 0 or more, text indices below ``num_texts`` (the corpus items
+        ``routing.json`` lists). Only each tensor's least and greatest value are read, so a large shard stays cheap."""
+        limits = {"token_ids": (None, "token ids are 0 or more"),
+                  "text_index": (self.num_texts, f"{META_FILE}'s num_texts (how many corpus items were read) is "
+                                                 f"{self.num_texts}: a text index is 0 or more and below it"),
+                  "position": (None, "positions in a corpus item are 0 or more")}
+        for name, (end, expected) in limits.items():
+            tensor = getattr(shard, name)
+            if tensor.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+                return f"its {name} are {tensor.dtype}, not integers"
+            if not tensor.numel():
+                continue
+            low, high = (int(bound) for bound in torch.aminmax(tensor))
+            if low < 0 or (end is not None and high >= end):
+                return f"its {name} holds {low if low < 0 else high}, where {expected}"
         return None
 
     def _layer_problem(self, shard: Shard, layer: int, tokens: int) -> str | None:
@@ -419,10 +441,11 @@ class RoutingCache:
                 softcap={int(layer): float(cap) for layer, cap in meta.get("softcap", {}).items()},
                 family=meta.get("family"),
                 model=meta.get("model"),
-                num_texts=int(meta.get("num_texts", 0)),
+                num_texts=count_entry(meta.get("num_texts", 0), "num_texts"),
                 has_logits=bool(meta.get("has_logits")),
                 _folder=folder,
-                _files=[(str(entry["file"]), int(entry["tokens"])) for entry in meta["shards"]],
+                _files=[(str(entry["file"]), count_entry(entry["tokens"], f"tokens entry of the shard {entry['file']!r}"))
+                        for entry in meta["shards"]],
                 _collection=meta.get("collection"),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
@@ -430,10 +453,23 @@ class RoutingCache:
         problem = cache._layer_entries_problem()
         if problem is not None:
             raise damaged(meta_path, problem)
+        listed: set[str] = set()
         for name, _ in cache._files:
             if not SHARD_NAME.fullmatch(name) or not (folder / name).is_file():
                 raise damaged(meta_path, f"it lists the shard file {name!r}, which is not in {str(folder)!r}")
+            if name in listed:
+                raise damaged(meta_path, f"it lists the shard file {name!r} more than once, which would count its "
+                                         "tokens as often")
+            listed.add(name)
         return cache
+
+
+def count_entry(value: Any, what: str) -> int:
+    """``value``, the count ``what`` that ``routing.json`` records (of texts, of a shard's tokens), as an int; a
+    ValueError saying so when it is no integer of 0 or more (a bool, a string, a float, a negative number)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"its {what} is {value!r}, not a count (an integer, 0 or more)")
+    return value
 
 
 def check_cache(cache: Any) -> None:

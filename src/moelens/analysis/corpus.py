@@ -1,7 +1,8 @@
 """Turning a corpus into padded batches of token windows, lazily.
 
 A corpus is any iterable of texts (strings, tokenized with the model's
-tokenizer), of token-id sequences (lists or 1-D tensors), a 2-D ``[N, S]``
+tokenizer), of token-id sequences (lists or 1-D tensors), one text (a string,
+a 1-D tensor or a flat list of token ids), a 2-D ``[N, S]``
 tensor of token ids (every row a full window, e.g. the held-out windows of
 moelens-tiny), or a tokenizer's output (``input_ids`` with an ``attention_mask``:
 each row's real tokens, its padding dropped). Each item is cut into windows of
@@ -148,6 +149,11 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
                                if not isinstance(token, Integral) or isinstance(token, bool))
         raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got a "
                            f"{type(item).__name__} whose element {position} is {token!r} ({type(token).__name__}).")
+    if _token_id(item):  # an iterator of ids (a list of them is one text, `items`): each would be a text of its own
+        raise MoelensError(f"{what} is the token id {item!r} ({type(item).__name__}), not a text: a corpus is a sequence "
+                           "of texts, each a string or a sequence of token ids; pass the ids of one text as a list or "
+                           "a 1-D tensor (e.g. [5, 6, 7] or torch.tensor([5, 6, 7])), or a list of such texts "
+                           "([[5, 6, 7], [8, 9]]).")
     raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got {type(item).__name__}.")
 
 
@@ -222,13 +228,20 @@ def _numeric(array: np.ndarray) -> bool:
     return array.dtype.kind not in "OUSV"
 
 
+def _one_text_of_ids(corpus: Any) -> bool:
+    """Whether ``corpus`` is a flat sequence of token ids (a list or tuple whose first element is a Python or numpy
+    int, not a bool): one text, as a 1-D tensor is (`encode` then checks every element is a token id). No other
+    corpus holds a token id as an item, so it can be read no other way."""
+    return isinstance(corpus, Sequence) and not isinstance(corpus, str) and len(corpus) > 0 and _token_id(corpus[0])
+
+
 def items(corpus: Any) -> Iterator[Any]:
     """The corpus as an iterator of items (a 2-D tensor or numpy array yields its rows; a numpy array of texts, its
-    texts)."""
+    texts; a string, a 1-D tensor or a flat sequence of token ids is one item)."""
     refuse_bytes(corpus, "the corpus")
     if isinstance(corpus, np.ndarray):
         corpus = torch.from_numpy(corpus) if _numeric(corpus) else corpus.tolist()
-    if isinstance(corpus, str):
+    if isinstance(corpus, str) or _one_text_of_ids(corpus):
         yield corpus
     elif isinstance(corpus, Tensor):
         if corpus.dim() == 1:
