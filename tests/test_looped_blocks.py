@@ -90,3 +90,41 @@ def test_a_scan_without_use_cache_false_is_refused_before_it_runs():
     with wrapped.trace("hello"):
         real = nnsight.save(tuple(wrapped.moes[0].expert_indices.shape))
     assert shape == real
+
+
+def test_passes_read_in_order_in_one_generation_step_are_not_refused_and_a_late_read_is():
+    """A tracer.iter body of generate may read every pass of a looped block in the model's order (each value after a
+    step's first is served at the next visit): moelens refuses a read that nnsight serves in a later generation step
+    than it was asked in, which these are not. The same passes read one per body (the calls of all steps counted
+    together) serve the same values. A value of the block read after a later one at the last pass of a step was served
+    the next step's and is refused."""
+    from groundtruth import ascii_tokenizer
+
+    hf = tiny_model("inkling2_loop", experts_implementation="grouped_mm")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    start = hf.config.loop_layer_index_start
+    moe = next(moe for moe in wrapped.moes if moe.layer == start)
+    first = next(moe for moe in wrapped.moes if moe.layer < start)
+    ids = wrapped.tokenizer("hello", return_tensors="pt")["input_ids"]
+    settings = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with torch.no_grad(), wrapped.generate(ids, **settings) as tracer:
+        in_one_body = nnsight.save([])
+        for _ in tracer.iter[1:3]:
+            first.router_logits.save()  # the step's first read: pins the step
+            for _ in range(PASSES):
+                in_one_body.append(moe.router_logits.save())
+                moe.routed_output.save()
+    with torch.no_grad(), wrapped.generate(ids, **settings) as tracer:
+        per_call = nnsight.save([])
+        for _ in tracer.iter[PASSES:3 * PASSES]:
+            per_call.append(moe.router_logits.save())
+    assert len(in_one_body) == len(per_call) == 2 * PASSES
+    for got, want in zip(in_one_body, per_call):
+        assert torch.equal(got, want)
+    with pytest.raises(moelens.errors.OrderError, match=r"router_logits was requested after the model had already run"):
+        with torch.no_grad(), wrapped.generate(ids, **settings) as tracer:
+            for call in tracer.iter[PASSES:3 * PASSES]:
+                if call == 2 * PASSES - 1:  # the last pass of step 1
+                    moe.routed_output.save()
+                moe.router_logits.save()
+                moe.routed_output.save()

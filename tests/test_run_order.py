@@ -602,3 +602,48 @@ def test_a_late_read_at_the_last_step_of_a_generation_is_refused(steps):
                 seen.append(step)
     assert list(seen) == [0, 1, 2]
     assert any("never reached" in str(warning.message) for warning in caught)
+
+
+@pytest.mark.parametrize("loop", ["iter[1:3]", "iter[1]", "all()"])
+@pytest.mark.parametrize("late", ["read", "write", "layer"])
+def test_a_late_read_at_a_step_before_the_last_is_refused(qwen2_moe_generation, loop, late):
+    """Inside tracer.iter, nnsight pins only a step's first request; a value read (or written) after the model had
+    run past it at a step that is not the last was served at the next visit, the next step's: silently another step's
+    router logits (a write landed on the next step). It raises moelens' OrderError now, as at the first and the
+    last step; the same reads in the model's order keep serving each step's own values (hooks on an unwrapped copy)."""
+    wrapped, reference, ids, moe, (router, _) = qwen2_moe_generation
+    later = wrapped.moes[1]
+    loops = {"iter[1:3]": lambda tracer: tracer.iter[1:3], "iter[1]": lambda tracer: tracer.iter[1],
+             "all()": lambda tracer: tracer.all()}
+
+    def body(in_order: bool) -> None:
+        if late == "layer":  # a block read after a later block
+            first, then = (lambda: moe.mlp_output.save(), lambda: later.router_logits.save())
+        else:  # a block's value read (written) after a later value of the block
+            first = lambda: moe.router_logits.save()  # noqa: E731
+            then = (lambda: moe.mlp_output.save()) if late == "read" else \
+                (lambda: setattr(moe, "mlp_output", moe.mlp_output))
+        if in_order:
+            first()
+            then()
+        else:
+            then()
+            first()
+
+    refused = r"requested after the model had already run past it"
+    with pytest.raises(moelens.errors.OrderError, match=refused):
+        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False) as tracer:
+            for step in loops[loop](tracer):
+                body(in_order=step != 1)  # step 1 of 4: a next step whose value nnsight served
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the open loop ends with nnsight's warning
+        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                               do_sample=False) as tracer:
+            logits = nnsight.save([])
+            for step in tracer.iter[1:STEPS]:
+                logits.append(moe.router_logits.save())
+                body(in_order=True)
+    truth = _generated_per_call(reference, ids, [router])[router]
+    assert len(logits) == STEPS - 1
+    for got, want in zip(logits, truth[1:]):
+        torch.testing.assert_close(got.reshape(want[0].shape), want[0], rtol=0, atol=0)

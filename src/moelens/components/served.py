@@ -114,6 +114,20 @@ def skipped_visits(mediator: Mediator, location: str) -> int:
     return 0 if module is None else mediator.occurrence(f"{module}.output") - mediator.occurrence(location)
 
 
+def forwards_ended(mediator: Mediator, location: str) -> int:
+    """How many forwards of the whole model (generation steps) have ended so far: the visits of the root module's
+    ``.output`` (the first part of ``location``). A visit is counted after every worker waiting there has been
+    served, so a request served inside a forward (at its very end too) sees the forwards ended before it.
+
+    `fetch` compares it as a read is asked and as it is served where nnsight no longer pins the read to a
+    ``tracer.iter`` step (``iteration`` None: after the step's first value was served): a read made after the model
+    had run past its location at that step is served at the next visit, the next step's. A read nnsight pins (the
+    first of a step, or any outside ``tracer.iter``) may wait for its step, and is not compared. A looped block's
+    passes within one forward are not told apart: a read of the next pass made in the same ``tracer.iter`` body is in
+    the model's order."""
+    return mediator.interleaver.counts.get(f"{location.partition('.')[0]}.output", 0)
+
+
 def request_step(mediator: Mediator, location: str, on_order_error: Callable[[], Exception],
                  on_skipped: Callable[[], Exception]) -> Any:
     """`request`, refused with ``on_skipped()`` where it is pinned to a ``tracer.iter`` step after the first and the
@@ -176,12 +190,16 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     """
     mediator = Mediator.current(binding.location)
     settle_open_reads(mediator)
+    # no longer pinned to a tracer.iter step (after its first value): refused where served at a later generation step
+    asked = forwards_ended(mediator, binding.location) if mediator.iteration is None else None
     if prepared is not None:
         context = prepared.context
     else:
         context = binding.prepare() if binding.prepare is not None else None
     raw = request_step(mediator, binding.location, lambda: component._order_error(name),
                        lambda: component._skipped_error(name, binding.location))
+    if asked is not None and forwards_ended(mediator, binding.location) != asked:
+        raise component._order_error(name)  # the model had run past it at the step it was asked in
     component._check_call(name)
     rows = run_fact(component.interleaver, mediator, "rows", lambda: tokens.current_rows(binding.location))
     try:
