@@ -598,6 +598,11 @@ def test_check_divides_dbrx_weights_by_their_p_norm():
     ({"scoring": Scoring("softmax", normalize=True, scale=float("nan"))}, r"Scoring\.scale must be None, a positive "
                                                                           r"number or an attribute reference .*got nan"),
     ({"scoring": Scoring("softmax", normalize=True, scale=0.0)}, r"Scoring\.scale must be None, a positive number"),
+    # what the router adds to the sum it renormalises by decides whether all -inf logits are NaN (router_logits writes)
+    ({"scoring": Scoring("sigmoid", normalize=True, normalize_eps=-1e-20)},
+     r"Scoring\.normalize_eps must be a number >= 0 .*got -1e-20"),
+    ({"scoring": Scoring("sigmoid", normalize=True, normalize_eps=float("nan"))}, r"Scoring\.normalize_eps must be a"),
+    ({"scoring": Scoring("sigmoid", normalize=True, normalize_eps="1e-20")}, r"Scoring\.normalize_eps must be a number"),
     ({"combine": Combine(routed_scale=-1.0)}, r"Combine\.routed_scale must be None, a positive number .*got -1\.0"),
     ({"combine": Combine(routed_scale=float("inf"))}, r"Combine\.routed_scale must be None, a positive number"),
 ])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from unittest import mock
 
 import nnsight
 import pytest
@@ -188,3 +189,102 @@ def test_force_whose_lift_overflows_the_logits_dtype_is_refused_naming_force():
                     moe = wrapped.moes[0]
                     moelens.steer(moe, 0, 4e4)
                     moelens.force(moe, [0])
+
+
+@contextlib.contextmanager
+def router_logits_all_minus_inf(model, router_name):
+    """``model`` (plain transformers) with the logits of its router ``router_name`` all -inf: the ``F.linear`` of
+    that router's own weight (how each router here computes its logits) returns -inf. Yields the list of those
+    calls, one per forward."""
+    weight = model.get_submodule(router_name).weight
+    linear = torch.nn.functional.linear
+    calls = []
+
+    def forced(x, w, b=None):
+        out = linear(x, w, b)
+        if w.data_ptr() != weight.data_ptr():
+            return out
+        calls.append(w)
+        return torch.full_like(out, float("-inf"))
+
+    with mock.patch.object(torch.nn.functional, "linear", forced):
+        yield calls
+
+
+def _route_around_every_expert(moe):
+    for expert in range(moe.num_experts):
+        moelens.ablate(moe, expert, "route_around")
+
+
+def _write_minus_inf_logits(moe):
+    moe.router_logits = torch.full_like(moe.router_logits, float("-inf"))
+
+
+@pytest.mark.parametrize(("family", "block", "edit"), [
+    ("deepseek_v4", 0, _route_around_every_expert),  # a hash layer: sqrtsoftplus, renormalised by sum + 1e-20
+    ("deepseek_v4", 1, _write_minus_inf_logits),  # top-k of score + bias (route_around acts on selection_scores)
+    ("deepseek_v3", 0, _write_minus_inf_logits),  # sigmoid, group-limited, renormalised by sum + 1e-20
+    ("llama4", 0, _route_around_every_expert),  # sigmoid of the top-k logits, not renormalised
+], ids=["deepseek_v4-hash", "deepseek_v4-topk", "deepseek_v3", "llama4"])
+def test_router_logits_all_minus_inf_are_taken_where_the_scores_are_bounded(family, block, edit):
+    """A sigmoid or sqrtsoftplus score is 0 at -inf, and these routers divide by their k weights' sum + 1e-20 or not at
+    all, so every weight is 0, not NaN: the write was refused, saying the routing scores would be NaN. Ground truth:
+    the plain transformers model with that router's logits forced to -inf."""
+    hf = tiny_model(family)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    inputs = tiny_inputs(hf)
+    moe = wrapped.moes[block]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        edit(moe)
+        logits = wrapped.output.logits.save()
+    with torch.no_grad():
+        untouched = reference(**inputs).logits
+        with router_logits_all_minus_inf(reference, moe.router.path.removeprefix("model.")) as calls:
+            expected = reference(**inputs).logits
+    assert len(calls) == 1 and torch.isfinite(expected).all()
+    assert not torch.allclose(expected, untouched)  # the experts' share is gone
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "edit", "why"), [
+    ("mixtral", _route_around_every_expert, r"its routing scores would be NaN \(a softmax over -inf alone\)"),
+    # sigmoid scores renormalised by their plain sum: 0/0
+    ("minimax_m2", _write_minus_inf_logits, r"its routing weights would be NaN: every sigmoid score would be 0, and "
+                                            r"the router divides its k weights by their sum \(0/0\)"),
+], ids=["mixtral", "minimax_m2"])
+def test_router_logits_all_minus_inf_are_refused_where_the_weights_would_be_nan(family, edit, why):
+    """Where the plain model does compute NaN from a router's logits all -inf (a softmax; sigmoid scores divided by
+    their plain sum), the write is refused, saying why."""
+    hf = tiny_model(family)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    inputs = tiny_inputs(hf)
+    moe = wrapped.moes[0]
+    with torch.no_grad(), router_logits_all_minus_inf(reference, moe.router.path.removeprefix("model.")) as calls:
+        expected = reference(**inputs).logits
+    assert len(calls) == 1 and expected.isnan().all()
+    refused(wrapped, inputs, edit, rf"{moe.path}\.router_logits: fewer than 1 entry of some token are above -inf, "
+                                   rf"so {why}; leave at least 1 expert above -inf per token")
+
+
+def test_softcapped_router_logits_all_minus_inf_are_taken():
+    """laguna divides its sigmoid weights by their plain sum, but with router_logit_softcapping = c > 0 a -inf logit
+    is scored as tanh(-inf) * c = -c: the weights stay finite, so the write is taken. Ground truth: the plain model
+    with the same softcap and that router's logits forced to -inf."""
+    hf = tiny_model("laguna")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    router_name = moe.router.path.removeprefix("model.")
+    hf.get_submodule(router_name).router_logit_softcapping = 5.0
+    reference = copy.deepcopy(hf)
+    inputs = tiny_inputs(hf)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        _write_minus_inf_logits(moe)
+        logits = wrapped.output.logits.save()
+    with torch.no_grad(), router_logits_all_minus_inf(reference, router_name) as calls:
+        expected = reference(**inputs).logits
+    assert len(calls) == 1 and torch.isfinite(expected).all()
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    hf.get_submodule(router_name).router_logit_softcapping = 0.0  # without it, the plain sum is 0: refused
+    refused(wrapped, inputs, _write_minus_inf_logits, r"router_logits: .* its routing weights would be NaN")

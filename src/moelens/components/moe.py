@@ -583,6 +583,8 @@ class Moe(Mlp):
             "router_logits": Binding(f"{self.router.path}.source.{family.logits_cast_op or family.logits_op}.output",
                                      features=1,
                                      infinities=lambda: ANY_INF if self._scores_saturate else MINUS_INF,
+                                     # the most a write may need: `_finite_logits_needed` says what this block's
+                                     # router needs at the write (its score function can be switched after wrapping)
                                      min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
             "expert_weights": Binding(*self._routing_location(2, "top_k_weights", 0)),
             "expert_indices": Binding(*self._routing_location(1, "top_k_index", 1), kind=INDEX,
@@ -662,6 +664,28 @@ class Moe(Mlp):
     def _scores_saturate(self) -> bool:
         """Whether a +inf logit gives a finite score here (sigmoid: 1), so a write may hold one."""
         return self.family.score_of(self._module) == "sigmoid"
+
+    def _finite_logits_needed(self) -> tuple[int, str]:
+        """The fewest `router_logits` per token a write may leave above -inf on this block now, and what its router
+        would make of fewer (the end of a refusal's "so ..."). phimoe's sparse mixer needs 2 and a softmax 1: over
+        -inf alone it is NaN. A bounded score (sigmoid, sqrtsoftplus) is 0 at -inf, so the router still fills its k
+        slots, at weight 0, and needs none, unless it renormalises those k weights by their plain sum (0/0, NaN):
+        not where it pads that sum (`Scoring.normalize_eps`, DeepSeek-V3's ``+ 1e-20``) or floors it
+        (`Scoring.normalize_min`). A softcap needs none either: it takes -inf to the finite ``-c``."""
+        family, block = self.family, self._module
+        if self.SCORING.select == "sparsemixer":
+            return 2, "its routing scores would be NaN (the sparse mixer's masked softmaxes)"
+        if self.softcap > 0:
+            return 0, ""
+        score = family.score_of(block)
+        if score == "softmax":
+            return 1, "its routing scores would be NaN (a softmax over -inf alone)"
+        normalize = family.normalize_of(block)
+        if not normalize or self.SCORING.normalize_eps > 0 or family.normalize_min_of(block) > 0:
+            return 0, ""
+        divisor = "sum" if normalize is True or normalize == 1 else f"{normalize:g}-norm"
+        return 1, (f"its routing weights would be NaN: every {score} score would be 0, and the router divides its "
+                   f"k weights by their {divisor} (0/0)")
 
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"

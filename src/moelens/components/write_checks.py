@@ -27,6 +27,10 @@ from .binding import ANY_INF, FINITE, INDEX, Binding
 if TYPE_CHECKING:
     from .base import Component
 
+#: What the router would do with fewer entries above -inf than a value's `Binding.min_finite` (`router_logits`: the
+#: block says, `Moe._finite_logits_needed`).
+WHY_FINITE = {"selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
+
 
 def check_not_recomputed(component: "Component", name: str) -> None:
     """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
@@ -139,15 +143,14 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                 f"{where}: the written slots of a token add up to {float(total):.4g}, which is inf in {narrowest} (at "
                 f"most {torch.finfo(narrowest).max:.4g}), {how}; write smaller values."
             )
-    needed = binding.min_finite
+    needed, why = (component._finite_logits_needed() if name == "router_logits" and binding.min_finite
+                   else (binding.min_finite, WHY_FINITE.get(name, "the router could not pick")))
     if not needed or not value.numel():
         return
     groups = _kept_groups(component, name)
     fill = component.SCORING.group_fill if groups else float("-inf")
     short = (~torch.isneginf(value)).sum(-1) < needed if groups is None else _picks_excluded(value, *groups, fill, needed)
     if short.any():
-        why = {"router_logits": "its routing scores would be NaN",
-               "selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
         above, reach = "-inf", ""
         if groups:
             reach = f" inside the best {groups[1]} of its {groups[0]} expert groups (the router's reach)"
@@ -155,7 +158,7 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                 above, reach = f"{fill}", f"{reach}, and it scores the experts of the groups it drops {fill}"
         raise WriteError(
             f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above {above}{reach}, "
-            f"so {why.get(name, 'the router could not pick')}; leave at least {needed} expert{'s' * (needed > 1)} "
+            f"so {why}; leave at least {needed} expert{'s' * (needed > 1)} "
             f"above {above} per token{' in those groups' if groups else ''} (route_around fewer experts)."
         )
 

@@ -14,10 +14,11 @@ from .entry import SCORES_FOR_CHOICE, Combine, ExpertGate, Family, Scoring, Shar
 
 #: DeepSeek-V3: sigmoid scores, selection on score + correction bias inside the
 #: best groups (group score = sum of its top-2), weights = gathered sigmoid,
-#: renormalised if flagged, times routed_scaling_factor.
+#: renormalised if flagged (by their sum + 1e-20), times routed_scaling_factor.
 DS3 = Scoring(
     "sigmoid", "group_topk",
     normalize="router.norm_topk_prob",
+    normalize_eps=1e-20,
     scale="router.routed_scaling_factor",
     selection_bias="router.e_score_correction_bias",
     groups=("router.num_group", "router.topk_group"),

@@ -87,6 +87,11 @@ class Scoring:
             are ``w / clamp(sum(w), min=normalize_min)``, so they sum to less than one where the chosen scores sum
             below it (ernie4_5: ``"router.norm_min"``, the config's ``moe_norm_min``). A number >= 0, an attribute
             reference, or None (no floor). Described only from `NEGLIGIBLE_FLOOR` up.
+        normalize_eps: What the router adds to that divisor (``w / (sum(w) + 1e-20)``: DeepSeek-V3 and most routers
+            that renormalise sigmoid scores), 0.0 where it divides by the plain sum. Too small to change a weight, it
+            keeps a token whose k chosen scores are all 0 (every logit -inf under a sigmoid) at weights 0 instead of
+            0/0: a write of router_logits all -inf for a token is let through only where the router has it (or a
+            `normalize_min` floor, or no renormalisation). A number >= 0.
         scale: A multiplier on the weights applied inside the router: a number, an
             attribute reference, or None.
         selection_bias: Attribute reference of a bias added to the scores for
@@ -120,6 +125,7 @@ class Scoring:
     select: str = "score_topk"
     normalize: bool | str = False
     normalize_min: float | str | None = None
+    normalize_eps: float = 0.0
     scale: float | str | None = None
     selection_bias: str | None = None
     groups: tuple[str, str] | None = None

@@ -151,6 +151,12 @@ def _check_description(family: Family) -> None:
                 f"family {family.name!r}: selection_arg={scoring.selection_arg!r} needs selection_op naming the "
                 "router call (e.g. torch_topk_0) and the position (an int >= 0) of the ranked argument."
             )
+        if not (_number(scoring.normalize_eps) and math.isfinite(scoring.normalize_eps) and scoring.normalize_eps >= 0):
+            raise FamilyError(
+                f"family {family.name!r}: Scoring.normalize_eps must be a number >= 0 (what the router adds to the sum "
+                "it divides the weights by: 1e-20 in DeepSeek-V3's, 0.0 for the plain sum), got "
+                f"{scoring.normalize_eps!r}."
+            )
         if scoring.selection_in is not None and not scoring.selection_op:
             raise FamilyError(
                 f"family {family.name!r}: selection_in={scoring.selection_in!r} needs selection_op naming the op "

@@ -9,15 +9,16 @@ from .entry import SCORES_FOR_CHOICE, TOPK, Combine, ExpertGate, ExpertLayout, F
 
 
 def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid",
-        selection_op: str | None = None, selection_arg: int | None = None) -> Scoring:
+        selection_op: str | None = None, selection_arg: int | None = None, normalize_eps: float = 0.0) -> Scoring:
     """Sigmoid-and-bias scoring: select top-k of score + bias, weights = gathered scores.
 
     ``selection_op``: the router op whose output is score + bias, where the router binds it
     to a name (``scores_for_choice_0``), or the top-k call it is an argument of (``TOPK``, with
-    ``selection_arg=0``).
+    ``selection_arg=0``). ``normalize_eps``: what the router adds to the weights' sum it divides
+    by (``1e-20``), 0.0 for the plain sum (minimax_m2, laguna, step3p7).
     """
     return Scoring(score, "score_topk", normalize=normalize, scale=scale, selection_bias=bias,
-                   selection_op=selection_op, selection_arg=selection_arg, code="SGB")
+                   selection_op=selection_op, selection_arg=selection_arg, normalize_eps=normalize_eps, code="SGB")
 
 
 #: Why ergo serves no per-slot values.
@@ -27,7 +28,7 @@ ERGO_PER_SLOT = ("ErgoExperts runs transformers' experts implementation once per
 SCALED_ROUTED = Combine(routed_scale="block.routed_scaling_factor")
 #: inkling2 and inkling2_loop: the score from the config, bias added inside the router's top-k call.
 INKLING2 = sgb("router.e_score_correction_bias", score="config.scoring_func", scale="router.routed_scaling_factor",
-               selection_op=TOPK, selection_arg=0)
+               selection_op=TOPK, selection_arg=0, normalize_eps=1e-20)
 
 #: kolibri1's entry; kolibri1_1 (transformers 5.25) has the same MoE block.
 KOLIBRI1 = Family("kolibri1", ("kolibri1",), ("Kolibri1SparseMoeBlock",), logits_op="F_linear_0",
@@ -44,13 +45,14 @@ KOLIBRI1 = Family("kolibri1", ("kolibri1",), ("Kolibri1SparseMoeBlock",), logits
 FAMILIES = [
     Family("afmoe", ("afmoe",), ("AfmoeSparseMoeBlock",), router="router", logits_op="self_gate_0",
            logits_cast_op="to_0",
-           scoring=sgb("block.expert_bias", scale="router.route_scale", selection_op=TOPK, selection_arg=0),
+           scoring=sgb("block.expert_bias", scale="router.route_scale", selection_op=TOPK, selection_arg=0,
+                       normalize_eps=1e-20),
            shared=SharedExpert("shared_experts", when="before_experts"),
            notes="The selection bias is the block's expert_bias, passed to the router; the shared experts "
                  "run between router and experts."),
     Family("lfm2_moe", ("lfm2_moe",), ("Lfm2MoeSparseMoeBlock",), block_attr="feed_forward",
            scoring=sgb("block.expert_bias", normalize="router.norm_topk_prob",
-                       scale="router.routed_scaling_factor", selection_op="scores_for_routing_0"),
+                       scale="router.routed_scaling_factor", selection_op="scores_for_routing_0", normalize_eps=1e-6),
            final_norm="embedding_norm",
            notes="The block is `feed_forward` (aliased mlp); the bias buffer lives on the block."),
     Family("flint", ("flint",), ("FlintSparseMoeBlock",),
@@ -84,19 +86,19 @@ FAMILIES = [
                  "Slots are not ranked (top-k with sorted=False). The text config's model_type is step3p5."),
     Family("hy_v3", ("hy_v3",), ("HYV3MoE",),
            scoring=sgb("block.e_score_correction_bias", scale="router.router_scaling_factor",
-                       selection_op=SCORES_FOR_CHOICE),
+                       selection_op=SCORES_FOR_CHOICE, normalize_eps=1e-20),
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Optional float32 combine of routed and shared output."),
     Family("beam", ("beam",), ("BeamMoE",),
            scoring=Scoring("sigmoid", "group_topk", normalize="router.norm_topk_prob",
                            selection_bias="router.e_score_correction_bias",
                            groups=("router.num_group", "router.topk_group"),
-                           selection_op=SCORES_FOR_CHOICE, code="DS3 (no rsf)"),
+                           selection_op=SCORES_FOR_CHOICE, normalize_eps=1e-20, code="DS3 (no rsf)"),
            combine=SCALED_ROUTED, notes="The block, not the router, multiplies by routed_scaling_factor.",
            expert_gate=ExpertGate("glu")),
     Family("muse_spark", ("muse_spark", "muse_spark_text"), ("MuseSparkMoE",), logits_op="router_logits_1",
            scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor",
-                       selection_op=SCORES_FOR_CHOICE),
+                       selection_op=SCORES_FOR_CHOICE, normalize_eps=1e-15),
            combine=Combine(routed_post="post_expert_proj"),
            notes="Logits are scaled by output_multiplier (router_logits_1); the experts run in "
                  "moe_hidden_size between pre_expert_proj/pre_expert_norm and post_expert_proj."),
@@ -114,9 +116,10 @@ FAMILIES = [
                  "and force check that the bias did not overrule them. Slots are not ranked (sorted=False)."),
     Family("deepseek_v4", ("deepseek_v4",), ("DeepseekV4SparseMoeBlock",),
            scoring=sgb("router.e_score_correction_bias", score="config.scoring_func",
-                       scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0),
+                       scale="router.routed_scaling_factor", selection_op=TOPK, selection_arg=0, normalize_eps=1e-20),
            scoring_by_router={"DeepseekV4HashRouter": Scoring(
-               "config.scoring_func", "hash", normalize=True, scale="router.routed_scaling_factor", code="HASH")},
+               "config.scoring_func", "hash", normalize=True, normalize_eps=1e-20, scale="router.routed_scaling_factor",
+               code="HASH")},
            shared=SharedExpert("shared_experts", when="after_experts"),
            notes="Hash layers (the first num_hash_layers) pick experts from a token-id table: there the "
                  "logits only weight the experts, so writing them does not change which experts run.",
