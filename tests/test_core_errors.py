@@ -3627,6 +3627,82 @@ def test_scan_of_meta_weights_beside_real_buffers_names_the_buffers():
     assert tuple(shape) == (1, len("hello"), mixtral.config.num_local_experts)
 
 
+
+def _scan_device_mismatch(model, body) -> BaseException:
+    """The error ``model.scan("hello")`` running ``body(model)`` raises: torch's device mismatch of fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    model.set_experts_implementation("batched_mm")
+    with pytest.raises(FakeTensorDeviceMismatchError, match="found at least two devices, meta and cpu") as raised:
+        with model.scan("hello"):
+            body(model)
+    return raised.value
+
+
+def _add_a_cpu_tensor(model) -> None:
+    """A scan body's own mistake: adds a tensor it builds on the CPU to the first block's meta router logits."""
+    logits = model.moes[0].router_logits
+    model.moes[0].router_logits = logits + torch.ones(logits.shape[-1])
+
+
+def test_scan_does_not_blame_real_buffers_for_a_device_mismatch_they_did_not_cause():
+    """A mixtral built under init_empty_weights() keeps only its rotary inv_freq real, which scans (the same scan
+    reads the router's logits [1, tokens, experts]); a CPU tensor the scan body adds, or a real CPU lm_head weight,
+    fails on the two devices, and that was a MoelensError blaming the buffers (model.rotary_emb.inv_freq, ...),
+    whose advice (include_buffers=True) still failed. Torch's own device-mismatch error comes through instead."""
+    from accelerate import init_empty_weights
+
+    from moelens.testing import model_class, tiny_config
+
+    def empty_mixtral():
+        with init_empty_weights():
+            hf = model_class("mixtral")(tiny_config("mixtral"))
+        assert [name for name, buffer in hf.named_buffers() if not buffer.is_meta]
+        return hf
+
+    model = moelens.wrap(empty_mixtral(), tokenizer=ascii_tokenizer())
+    model.set_experts_implementation("batched_mm")
+    with model.scan("hello"):
+        shape = nnsight.save(model.moes[0].router_logits.shape)
+    assert tuple(shape) == (1, len("hello"), model._module.config.num_local_experts)
+    assert not isinstance(_scan_device_mismatch(model, _add_a_cpu_tensor), moelens.MoelensError)
+    hf = empty_mixtral()
+    hf.lm_head.weight = torch.nn.Parameter(torch.zeros(hf.lm_head.weight.shape))  # real, on the CPU
+    real_head = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    error = _scan_device_mismatch(real_head, lambda model: model.moes[0].router_logits.save())
+    assert not isinstance(error, moelens.MoelensError)
+
+
+def test_scan_blames_a_real_buffer_only_where_the_model_computes_with_it():
+    """deepseek_v3 with only its routers' e_score_correction_bias real: the scan body's own CPU tensor, added to the
+    router's logits before the router adds its bias, fails in the body, and comes through as torch's error; the
+    plain scan then fails where the router adds the real bias, and names the buffers. hy_v3's block hands its bias to
+    its router, whose scan names them too."""
+    from accelerate import init_empty_weights
+
+    from moelens.testing import model_class, tiny_config
+
+    with init_empty_weights(include_buffers=True):
+        hf = model_class("deepseek_v3")(tiny_config("deepseek_v3"))
+    biased = [name.rpartition(".")[0] for name, _ in hf.named_buffers() if name.endswith(".e_score_correction_bias")]
+    for router in biased:
+        bias = hf.get_submodule(router).e_score_correction_bias
+        hf.get_submodule(router).e_score_correction_bias = torch.nn.Buffer(torch.zeros(bias.shape))
+    assert [name for name, buffer in hf.named_buffers() if not buffer.is_meta] == [
+        f"{router}.e_score_correction_bias" for router in biased]
+    model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    assert not isinstance(_scan_device_mismatch(model, _add_a_cpu_tensor), moelens.MoelensError)
+    assert_scan_refused(model, rf"^model\.scan: the model's weights are on the meta device, but {len(biased)} of its "
+                               rf"buffers are real tensors on cpu \({re.escape(biased[0])}\.e_score_correction_bias, ")
+    with init_empty_weights():
+        handing = model_class("hy_v3")(tiny_config("hy_v3"))
+    handed = [name for name, _ in handing.named_buffers() if name.endswith(".e_score_correction_bias")]
+    assert handed and all(name.endswith(".mlp.e_score_correction_bias") for name in handed)  # not its router's
+    model = moelens.wrap(handing, tokenizer=ascii_tokenizer())
+    model.set_experts_implementation("batched_mm")
+    assert_scan_refused(model, rf"^model\.scan: the model's weights are on the meta device, but {len(handed)} of its "
+                               rf"buffers are real tensors on cpu \({re.escape(handed[0])}, ")
+
 def test_params_of_a_dense_block_says_it_is_dense():
     """Mlp.params() was nnsight's "'Mlp' object (nor its module) has attribute 'params'"."""
     hf = tiny_model("qwen2_moe")

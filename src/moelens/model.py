@@ -14,8 +14,10 @@ import copy
 import functools
 import itertools
 import logging
+import os
 import re
 import traceback
+import types
 import warnings
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, NoReturn
@@ -224,7 +226,8 @@ class MoeModelMixin:
             no_gradient = _no_gradient_refusal(error, handed_back, self._module)  # torch names no value
             if no_gradient is not None:
                 raise no_gradient from error
-            if isinstance(error, FakeTensorDeviceMismatchError) and (real := _real_buffers_refusal(self._module)):
+            if isinstance(error, FakeTensorDeviceMismatchError) and (
+                    real := _real_buffers_refusal(self._module, _failing_frame(error, self._module))):
                 raise real from error  # model.scan of weights on meta beside real buffers: torch names neither
             moe = self._failing_experts(error)  # or a model loaded in part, or inputs, on meta: torch names neither
             refusal = _unloaded_refusal(self._module) or _meta_inputs_refusal(_model_inputs(fn, args, kwargs)) or (
@@ -1179,20 +1182,42 @@ def _disk_offloaded(model: torch.nn.Module) -> bool:
     return False
 
 
-def _real_buffers_refusal(model: torch.nn.Module) -> MoelensError | None:
+def _failing_frame(error: BaseException, model: torch.nn.Module) -> types.FrameType | None:
+    """The frame of the code of a module of ``model`` that raised ``error``: the innermost frame of its traceback
+    whose ``self`` is one of ``model``'s modules, where only torch's and nnsight's code (the op, its dispatch,
+    nnsight's hooks on it) ran below it. None where other code ran there: the body of a trace or scan, run from a hook
+    inside a module's forward (a tensor it builds is no fault of the module's), moelens' own, or a plain function."""
+    modules = {id(module) for module in model.modules()}
+    machinery = tuple(os.path.join(package.__path__[0], "") for package in (torch, nnsight))
+    found = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in modules:
+            found = frame
+        elif not frame.f_code.co_filename.startswith(machinery):
+            found = None
+    return found
+
+
+def _real_buffers_refusal(model: torch.nn.Module, failing: types.FrameType | None) -> MoelensError | None:
     """The error for a ``model.scan`` whose fake tensors met two devices (torch's FakeTensorDeviceMismatchError,
-    naming neither tensor) where the model's weights are on the meta device but buffers are real: built under
-    accelerate's ``init_empty_weights()``, which keeps buffers where they are made. Names the real buffers the model
-    keeps in its state (a router's ``e_score_correction_bias``; a rotary embedding's non-persistent ``inv_freq`` is
-    moved to its input's device, and scans), else every real one; None where no weight is on meta or no buffer real."""
-    if not any(parameter.is_meta for parameter in model.parameters()):
-        return None
-    real = {name: buffer.device for name, buffer in model.named_buffers() if not buffer.is_meta}
-    if not real:
+    naming neither tensor) in the code of a module (``failing``, its frame: `_failing_frame`) that computes with a
+    real buffer, its own (a router's ``e_score_correction_bias``) or one it was handed (hy_v3's block hands its router
+    its bias), where the model's weights are on the meta device: built under accelerate's ``init_empty_weights()``,
+    which keeps buffers where they are made. Names those and the other real buffers the model keeps in its state (a
+    rotary embedding's non-persistent ``inv_freq`` is moved to its input's device, and scans). None where no weight is
+    on meta, or the failing code computes with no real buffer (the scan body's own tensor, a real weight): torch's
+    error, naming neither tensor either, tells of the mismatch then."""
+    if failing is None or not any(parameter.is_meta for parameter in model.parameters()):
         return None
     kept = model.state_dict().keys()
-    named = [name for name in real if name in kept] or list(real)
-    devices = ", ".join(sorted({str(real[name]) for name in named}))
+    real = {id(buffer): name for name, buffer in model.named_buffers() if not buffer.is_meta}
+    module = failing.f_locals["self"]
+    used = {id(buffer) for buffer in module.buffers(recurse=False)} | {id(value) for value in failing.f_locals.values()}
+    if not used & real.keys():
+        return None
+    named = [name for key, name in real.items() if name in kept or key in used]
+    devices = ", ".join(sorted({str(model.get_buffer(name).device) for name in named}))
     return MoelensError(
         f"model.scan: the model's weights are on the meta device, but {len(named)} of its buffers are real tensors on "
         f"{devices} ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}), which scan's fake tensors cannot "
