@@ -249,3 +249,68 @@ def test_a_torch_to_nnef_failure_is_named_in_one_line_and_kept_whole_as_the_caus
     assert "(RuntimeError: aten.linalg_solve_triangular failed on ...). The MoE blocks were accepted" in message
     assert "tensor(" not in message and len(message) < 600
     assert caught.value.__cause__.args == (printed,)
+
+
+def test_routing_around_too_many_experts_is_refused_saying_how_many_may_go_and_what_to_do_instead(tmp_path, capsys):
+    """Routing around 7 of a top-2 layer's 8 experts was refused naming only why (a -inf bias cannot make the router
+    pick a removed expert), not what to do: route around at most E - k = 6 and zero-ablate the rest. Ground truth: the
+    checkpoint's config (E and k), and the advice followed exporting."""
+    from moelens.cli import main
+    from moelens.export import Edits
+
+    model = moelens.load()
+    most = model.config.num_experts - model.config.num_experts_per_tok
+    assert most == 6
+    seven = list(range(most + 1))
+    advice = f"route around at most {most} of layer 1's {model.config.num_experts} experts and zero-ablate the others"
+    with pytest.raises(ExportRefused, match=r"leaves 1 expert for top-2 routing: .*cannot express; "
+                                            rf"{advice} instead \(Edits\.ablate\[1\]: their slots stay"):
+        to_nnef(model, tmp_path / "seven.nnef.tgz", edits=Edits(route_around={1: seven}), verify=False)
+    argv = ["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--no-verify",
+            "--route-around", "1:" + ",".join(map(str, seven))]
+    assert main(argv) == 2
+    assert f"{advice} instead (--ablate of layer 1: their slots stay" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    followed = Edits(route_around={1: seven[:most]}, ablate={1: seven[most:]})
+    assert to_nnef(model, tmp_path / "six.nnef.tgz", edits=followed, verify=False).path.exists()
+
+
+def test_too_few_example_tokens_are_named_as_the_option_or_argument_given(tmp_path, capsys):
+    """`moelens export --tokens 0` said "... got --tokens 0, batch=1", naming a batch the command has no option for.
+    The command's user reads --tokens alone; the Python user reads default_inputs' own argument, tokens or batch."""
+    from moelens.cli import main
+    from moelens.export import ExportError
+    from moelens.export.exporter import default_inputs
+    from moelens.export.target import resolve
+
+    for tokens in ("0", "-2"):
+        assert main(["export", "tiny", str(tmp_path / "x.nnef.tgz"), "--tokens", tokens, "--no-verify"]) == 2
+        err = capsys.readouterr().err
+        assert f"--tokens {tokens}: example inputs need at least one token; give --tokens 1 or more." in err
+        assert "batch" not in err
+    target = resolve(moelens.load())
+    with pytest.raises(ExportError, match=r"^tokens=0: example inputs need at least one token; give tokens=1 or more"):
+        default_inputs(target, tokens=0)
+    with pytest.raises(ExportError, match=r"^batch=0: example inputs need at least one row; give batch=1 or more"):
+        default_inputs(target, batch=0)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_block_refused_for_its_groups_alone_is_told_where_its_family_exports(tmp_path):
+    """tiny mistral4 (the best 2 of 4 groups) was refused without the condition family_support and docs/export.md
+    give: one group, or every group kept. Ground truth: the same block keeping all 4 groups exports; deepseek_v3,
+    refused for its selection bias too, is not told its groups would do."""
+    from moelens.export import family_support
+
+    path = tmp_path / "m4.nnef.tgz"
+    condition = "router.num_group == 1 or router.topk_group == router.num_group"
+    assert family_support("mistral4").condition.startswith(condition)
+    with pytest.raises(ExportRefused, match=r"\(the best 2 of 4 groups\): tract picks the top-k over all experts; "
+                                            r"a mistral4 block exports only where there is one group or every group is kept "
+                                            rf"\({condition}\): see moelens\.export\.family_support\('mistral4'\)\.$"):
+        to_nnef(moelens.wrap(tiny_model("mistral4")).moes[0], path)
+    assert not path.exists()
+    assert to_nnef(moelens.wrap(tiny_model("mistral4", topk_group=4)).moes[0], path, verify=False).path.exists()
+    with pytest.raises(ExportRefused, match="correction bias") as caught:
+        to_nnef(moelens.wrap(tiny_model("deepseek_v3")).moes[0], tmp_path / "d3.nnef.tgz")
+    assert "(the best 2 of 4 groups)" in str(caught.value) and "exports only where" not in str(caught.value)

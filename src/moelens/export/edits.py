@@ -96,6 +96,16 @@ def _experts(kind: str, layer: int, values: Any) -> tuple[int, ...]:
     return tuple(experts)
 
 
+def _fewer_routed_around(layer: int, num_experts: int, k: int) -> str:
+    """What to do instead of routing around too many of a layer's ``num_experts`` experts under top-``k`` routing."""
+    ablate = f"instead (Edits.ablate[{layer}]: their slots stay, contributing nothing)."
+    if num_experts <= k:
+        return (f"top-{k} routing over {num_experts} experts picks every one, so none can be routed around: "
+                f"zero-ablate them {ablate}")
+    return (f"route around at most {num_experts - k} of layer {layer}'s {num_experts} experts and zero-ablate the "
+            f"others {ablate}")
+
+
 @dataclass(frozen=True)
 class Edits:
     """Interventions to bake into the export, by decoder layer index (``moe.layer``).
@@ -214,7 +224,8 @@ class Edits:
         if left < k:
             raise ExportRefused(
                 f"Edits.route_around[{layer}] leaves {left} expert{'s' * (left != 1)} for top-{k} routing: the router "
-                "would have to pick removed experts, which a router bias of -inf cannot express."
+                "would have to pick removed experts, which a router bias of -inf cannot express; "
+                + _fewer_routed_around(layer, num_experts, k)
             )
 
     def bake(self, spec: MoeSpec) -> MoeSpec:

@@ -354,8 +354,10 @@ def hidden_size(target: Target) -> int:
 
 def default_inputs(target: Target, tokens: int = 8, seed: int = 0, batch: int = 1) -> torch.Tensor:
     """Seeded example inputs: ``[batch, tokens]`` token ids (never 0..2) or ``[batch, tokens, D]`` hidden states."""
-    if tokens < 1 or batch < 1:
-        raise ExportError(f"example inputs need at least one token and one row, got tokens={tokens}, batch={batch}.")
+    if tokens < 1:  # named as the argument: the export command's user reads --tokens (moelens.cli respells it)
+        raise ExportError(f"tokens={tokens}: example inputs need at least one token; give tokens=1 or more.")
+    if batch < 1:
+        raise ExportError(f"batch={batch}: example inputs need at least one row; give batch=1 or more.")
     check_context(target, tokens, f"tokens={tokens}")
     generator = torch.Generator().manual_seed(seed)
     if target.kind == "block":

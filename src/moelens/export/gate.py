@@ -97,12 +97,10 @@ def family_support(family: Family | str) -> Support:
     reasons = _hard_refusals(family)
     conditions: list[str] = []
     if scoring.groups:
-        n_group, topk_group = scoring.groups
         if reasons:
             reasons.append(_groups())
         else:
-            unless = f"{scoring.groups_if[0]} != {scoring.groups_if[1]!r} or " if scoring.groups_if else ""
-            conditions.append(f"{unless}{n_group} == 1 or {topk_group} == {n_group} (group-limited selection is refused)")
+            conditions.append(f"{_groups_condition(scoring)} (group-limited selection is refused)")
     if reasons:
         return Support("no", reason="; ".join(reasons))
     score, normalize = scoring.score, scoring.normalize
@@ -183,14 +181,15 @@ def routing(family: Family, block: Any) -> Routing:
         reasons.append("router logits softcapped before scoring (tanh(logits / c) * c): tract's gate scores "
                        "the router's linear output as it is")
     groups = family.groups_of(block)
-    if groups is not None:
-        n_group, topk_group = groups
-        if n_group != 1 and topk_group < n_group:
-            reasons.append(_groups(f" (the best {topk_group} of {n_group} groups)"))
+    limited = groups is not None and groups[0] != 1 and groups[1] < groups[0]
+    if limited:
+        reasons.append(_groups(f" (the best {groups[1]} of {groups[0]} groups)"))
     normalize = family.resolve(scoring.normalize, block)
     floor = floor_refusal(family, block, normalize) if score == "softmax" else ""
     if floor:
         reasons.append(floor)
+    if limited and len(reasons) == 1:  # the groups alone stand in the way: say where such a block exports
+        reasons[0] += _groups_remedy(name, scoring)
     if reasons:
         raise ExportRefused(f"{name}: " + "; ".join(reasons) + ".")
     if score == "sigmoid" and normalize:
@@ -253,6 +252,25 @@ def _selection_bias(reference: str) -> str:
 
 def _groups(which: str = "") -> str:
     return f"group-limited expert selection{which}: tract picks the top-k over all experts"
+
+
+def _groups_remedy(name: str, scoring: Scoring) -> str:
+    """What a live block refused for its group-limited selection alone is told: where a block of its family exports."""
+    where = ("its groups do not apply, " if scoring.groups_if else "") + "there is one group or every group is kept"
+    return (f"{GROUPS_REMEDY.format(name=name)} {where} ({_groups_condition(scoring)}): see "
+            f"moelens.export.family_support({name!r})")
+
+
+#: How `_groups_remedy` starts (the support table, whose row states the condition, leaves it out).
+GROUPS_REMEDY = "; a {name} block exports only where"
+
+
+def _groups_condition(scoring: Scoring) -> str:
+    """Where a block of group-limited ``scoring`` exports all the same: its groups do not apply (`Scoring.groups_if`),
+    it has one group, or it keeps every group (the references as the entry names them)."""
+    n_group, topk_group = scoring.groups
+    unless = f"{scoring.groups_if[0]} != {scoring.groups_if[1]!r} or " if scoring.groups_if else ""
+    return f"{unless}{n_group} == 1 or {topk_group} == {n_group}"
 
 
 def _selection(select: str) -> str:
