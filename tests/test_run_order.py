@@ -647,3 +647,40 @@ def test_a_late_read_at_a_step_before_the_last_is_refused(qwen2_moe_generation, 
     assert len(logits) == STEPS - 1
     for got, want in zip(logits, truth[1:]):
         torch.testing.assert_close(got.reshape(want[0].shape), want[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("skipped", "value", "read_at"), [
+    *((skipped, value, read_at) for skipped in ("block", "decoder layer")
+      for value, read_at in (("router_logits", 0), ("router_logits", 1), ("expert_outputs", 1))),
+    ("decoder layer", "mlp_output", 1),  # (the skipped block's own output still counts each step: read there, fine)
+])
+def test_a_value_inside_a_block_or_layer_skipped_at_an_earlier_step_is_refused(qwen2_moe_generation, skipped, value,
+                                                                               read_at):
+    """Skipping the block (or its decoder layer) with `.skip()` bypasses every module inside it, so they all ran one
+    step fewer than the model: a value read there at a later step (or right after the skip, at step 0) was silently
+    the next step's (its router logits, its experts' outputs). Refused now; a block of another layer keeps serving
+    each step's own values (torch hooks on an unwrapped copy)."""
+    wrapped, reference, ids, moe, (router, _) = qwen2_moe_generation
+    module = moe if skipped == "block" else wrapped.model.layers[moe.layer]
+
+    def at_step(step):
+        if step == 0:
+            module.skip(module.inputs[0][0])  # the hidden states go on unchanged
+        return getattr(moe, value) if step == read_at else None
+
+    with pytest.raises(moelens.errors.OrderError, match=rf"{value} cannot be served at this step: .* did not run at an "
+                                                        r"earlier step of this generation \(it or a module holding it"):
+        _generate(wrapped, at_step)
+
+    later = wrapped.moes[1]
+    other = later if skipped == "block" else wrapped.model.layers[later.layer]
+
+    def at_other_step(step):
+        logits = moe.router_logits
+        if step == 0:
+            other.skip(other.inputs[0][0])
+        return logits
+
+    values = _generate(wrapped, at_other_step)  # every step's, none refused
+    truth = _generated_per_call(reference, ids, [router])[router]  # the skip comes after this block: same at step 0
+    torch.testing.assert_close(values[0].reshape(truth[0][0].shape), truth[0][0], rtol=0, atol=0)

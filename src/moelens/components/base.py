@@ -268,6 +268,22 @@ class Component(Envoy):
             "module.output = ...): the module then runs and its ops keep counting."
         )
 
+    def _missed_step_error(self, name: str, location: str) -> OrderError:
+        """The error of a read of ``name`` at ``location`` pinned to a ``tracer.iter`` step (or outside one, at the
+        first) that was served at a later step (`serving.served_late`) though the module running it did not skip its
+        own ops (`_skipped_error`): a module holding it was skipped at an earlier step, or it did not run at each."""
+        never = self._never_produced(name)
+        if never is not None:
+            return never
+        module = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
+        return OrderError(
+            f"{self.path}.{name} cannot be served at this step: {module} did not run at an earlier step of this "
+            "generation (it or a module holding it, such as the block or its decoder layer, was skipped with .skip() "
+            "there, or it does not run at every step), so nnsight's count of its runs no longer lines up with the "
+            "steps and a read pinned to this step would get a later step's value. Skip by writing the value instead "
+            "of calling .skip() (layer.output = ..., moe.mlp_output = ...): the modules then run and keep counting."
+        )
+
     def _order_error(self, name: str, by: str = "") -> OrderError:
         """The error of a read nnsight could not serve: the model never reaches where it is read
         (`_never_produced`), else the order. ``by``: the call that asked for the value, the block's ``save_all`` or

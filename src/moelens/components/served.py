@@ -115,17 +115,26 @@ def skipped_visits(mediator: Mediator, location: str) -> int:
 
 
 def forwards_ended(mediator: Mediator, location: str) -> int:
-    """How many forwards of the whole model (generation steps) have ended so far: the visits of the root module's
-    ``.output`` (the first part of ``location``). A visit is counted after every worker waiting there has been
-    served, so a request served inside a forward (at its very end too) sees the forwards ended before it.
+    """How many forwards of the whole model (generation steps) have ended in ``mediator``'s run so far: the visits of
+    the root module's ``.output`` (the first part of ``location``). A visit is counted after every worker waiting
+    there has been served, so a request served inside a forward (at its very end too) sees the forwards ended before
+    it. `served_late` compares it as a read is asked and as it is served."""
+    return mediator.occurrence(f"{location.partition('.')[0]}.output")
 
-    `fetch` compares it as a read is asked and as it is served where nnsight no longer pins the read to a
-    ``tracer.iter`` step (``iteration`` None: after the step's first value was served): a read made after the model
-    had run past its location at that step is served at the next visit, the next step's. A read nnsight pins (the
-    first of a step, or any outside ``tracer.iter``) may wait for its step, and is not compared. A looped block's
-    passes within one forward are not told apart: a read of the next pass made in the same ``tracer.iter`` body is in
-    the model's order."""
-    return mediator.interleaver.counts.get(f"{location.partition('.')[0]}.output", 0)
+
+def served_late(mediator: Mediator, location: str, pinned: int | None, asked: int) -> bool:
+    """Whether a read of ``location`` asked when ``asked`` forwards had ended (`forwards_ended`) was served in a later
+    forward (generation step) than it belongs to, which nnsight does not notice.
+
+    ``pinned``: the mediator's ``iteration`` as the read was asked. None (relaxed: after a ``tracer.iter`` step's
+    first value was served) asks for the next visit: served in a later forward than asked, the model had run past it
+    at that step, and the next step's value came. An int asks for that visit of the op (0 outside ``tracer.iter``);
+    served in a forward past it, the op missed a forward before (it, or a module holding it, the block or its
+    decoder layer, was skipped with ``.skip()``, or did not run at every step), so its visits no longer line up with
+    the steps. A looped block (called several times a forward) reaches its visit ``i`` at forward ``i // passes`` at
+    the latest; a read of its next pass in the same ``tracer.iter`` body is in the model's order."""
+    served = forwards_ended(mediator, location)
+    return served != asked if pinned is None else served > pinned
 
 
 def request_step(mediator: Mediator, location: str, on_order_error: Callable[[], Exception],
@@ -190,16 +199,15 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     """
     mediator = Mediator.current(binding.location)
     settle_open_reads(mediator)
-    # no longer pinned to a tracer.iter step (after its first value): refused where served at a later generation step
-    asked = forwards_ended(mediator, binding.location) if mediator.iteration is None else None
+    pinned, asked = mediator.iteration, forwards_ended(mediator, binding.location)  # before `prepare`'s own requests
     if prepared is not None:
         context = prepared.context
     else:
         context = binding.prepare() if binding.prepare is not None else None
     raw = request_step(mediator, binding.location, lambda: component._order_error(name),
                        lambda: component._skipped_error(name, binding.location))
-    if asked is not None and forwards_ended(mediator, binding.location) != asked:
-        raise component._order_error(name)  # the model had run past it at the step it was asked in
+    if served_late(mediator, binding.location, pinned, asked):  # another step's value
+        raise component._order_error(name) if pinned is None else component._missed_step_error(name, binding.location)
     component._check_call(name)
     rows = run_fact(component.interleaver, mediator, "rows", lambda: tokens.current_rows(binding.location))
     try:
