@@ -3262,12 +3262,17 @@ def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):
     assert all(set(values) == {"router_logits", "expert_indices"} for values in saved.values())
 
 
-@pytest.mark.parametrize("name", ["selection_scores", "mlp_activation"])
-def test_save_all_names_a_value_it_does_not_read_as_one_to_read_on_its_own(mixtral, name):
-    """A documented value save_all leaves to a read of its own was called an "unknown value name"."""
+@pytest.mark.parametrize(("name", "message"), [
+    ("selection_scores", r"save_all: \['selection_scores'\] is not among the values save_all reads .*: read "
+                         r"moe\.selection_scores on its own\."),
+    # it said to read moe.mlp_activation on its own, which an MoE block refuses
+    ("mlp_activation", r"mlp_activation cannot be served: an MoE block has no single hidden activation.*expert_activations"),
+])
+def test_save_all_names_a_value_it_does_not_read_as_one_to_read_on_its_own(mixtral, name, message):
+    """A documented value save_all leaves to a read of its own was called an "unknown value name"; one the block never
+    serves gets its reason."""
     wrapped, inputs = mixtral
-    with pytest.raises(moelens.MoelensError, match=rf"save_all: \['{name}'\] is not among the values save_all reads "
-                                                   rf".*: read moe\.{name} on its own\."):
+    with pytest.raises(moelens.MoelensError, match=message):
         with wrapped.trace(**inputs):
             wrapped.moes[0].save_all([name, "router_logits"])
     with pytest.raises(moelens.MoelensError, match=r"save_all: unknown value names \['logits'\]; choose from"):

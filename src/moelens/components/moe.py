@@ -832,6 +832,8 @@ class Moe(Mlp):
         unknown = others.difference(served_apart)
         if unknown:
             raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
+        for name in served_apart:
+            self._check_available(name)  # one this block serves at no time: its reason (mlp_activation on a Moe)
         if served_apart:
             raise ValueUnavailable(
                 f"save_all: {served_apart} {'is' if len(served_apart) == 1 else 'are'} not among the values save_all "
