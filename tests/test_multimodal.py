@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import copy
 
+import nnsight
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.qwen3_omni_moe import (
+    Qwen3OmniMoeConfig,
+    Qwen3OmniMoeForConditionalGeneration,
     Qwen3OmniMoeThinkerConfig,
     Qwen3OmniMoeThinkerForConditionalGeneration,
 )
@@ -24,7 +27,7 @@ import moelens
 from moelens.testing import tiny_config
 from moelens.testing.tiny import _reinit
 
-from groundtruth import raw_values, slots_by_hand
+from groundtruth import ascii_tokenizer, raw_values, slots_by_hand
 
 IMAGE, VIDEO, START, END, AUDIO, AUDIO_START, AUDIO_END = 100, 101, 102, 103, 104, 105, 106
 #: A small vision tower whose merged patches (2 x 2) land in the decoder's hidden size of 32.
@@ -209,8 +212,6 @@ def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_erro
     for text-generation. Supported models are [~250 names]") on every load, the CLI's included: tracing needs none."""
     import logging
 
-    from groundtruth import ascii_tokenizer
-
     class Records(logging.Handler):
         def __init__(self) -> None:
             super().__init__()
@@ -230,14 +231,17 @@ def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_erro
     assert logits.shape[:2] == (1, 5) and not [message for message in records.messages if "not supported for" in message]
 
 
+def _whole_qwen3_omni() -> torch.nn.Module:
+    """The whole tiny Qwen3-Omni model (thinker only, no talker), which has no forward of its own."""
+    thinker = _model("qwen3_omni_moe", "batched_mm")
+    config = Qwen3OmniMoeConfig(thinker_config=thinker.config.to_dict(), enable_audio_output=False)
+    return Qwen3OmniMoeForConditionalGeneration._from_config(config, experts_implementation="batched_mm").eval()
+
+
 def test_a_trace_of_the_whole_qwen3_omni_model_says_to_wrap_its_thinker():
     """Qwen3-Omni's whole model has no forward of its own (it only generates through its thinker and talker): a trace
     blamed padding ("takes no attention_mask"), then failed with torch's bare TypeError from _forward_unimplemented."""
-    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
-
-    thinker = _model("qwen3_omni_moe", "batched_mm")
-    config = Qwen3OmniMoeConfig(thinker_config=thinker.config.to_dict(), enable_audio_output=False)
-    whole = Qwen3OmniMoeForConditionalGeneration._from_config(config, experts_implementation="batched_mm").eval()
+    whole = _whole_qwen3_omni()
     wrapped = moelens.wrap(whole)
     assert [moe.path.split(".", 2)[1] for moe in wrapped.moes] == ["thinker"] * len(wrapped.moes) and wrapped.moes
     prompts = _prompts("qwen3_omni_moe")
@@ -249,6 +253,36 @@ def test_a_trace_of_the_whole_qwen3_omni_model_says_to_wrap_its_thinker():
     with torch.no_grad():  # its thinker, wrapped as the message says, runs the same prompts
         with moelens.wrap(whole.thinker).trace(**prompts):
             pass
+
+
+def test_a_late_read_in_a_generation_of_the_whole_qwen3_omni_model_is_refused_at_every_step():
+    """moelens tells a generation's steps apart by the forwards of the model, which the whole Qwen3-Omni model never
+    runs (its generate runs its thinker's): a value read out of order at a step between the first and the last was
+    served the next step's, silently. Refused now, counting the thinker's forwards; in order, each step's own router
+    logits (torch hooks on an unwrapped copy)."""
+    whole = _whole_qwen3_omni()
+    reference = copy.deepcopy(whole)
+    wrapped = moelens.wrap(whole, tokenizer=ascii_tokenizer())
+    first, second = wrapped.moes[0], wrapped.moes[1]
+    ids, settings = torch.tensor([[40, 41, 42, 43]]), dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    truth = []
+    router = reference.get_submodule(f"{first.path.removeprefix('model.')}.{first.family.router}")
+    handle = router.register_forward_hook(lambda module, args, output: truth.append(output[0]))
+    with torch.no_grad():
+        reference.generate(input_ids=ids, **settings)
+    handle.remove()
+    with torch.no_grad(), wrapped.generate(input_ids=ids, **settings) as tracer:
+        in_order = nnsight.save([])
+        for _ in tracer.iter[1:3]:
+            in_order.append(first.router_logits.save())
+            second.router_logits.save()
+    for got, want in zip(in_order, truth[1:3], strict=True):
+        assert torch.equal(got.reshape(want.shape), want)
+    with pytest.raises(moelens.errors.OrderError, match=r"layers\.1\.mlp\.router_logits was requested after the model"):
+        with torch.no_grad(), wrapped.generate(input_ids=ids, **settings) as tracer:
+            for _ in tracer.iter[1:3]:
+                second.router_logits.save()
+                first.router_logits.save()
 
 
 def test_the_expert_logit_lens_of_a_vision_language_model_reads_out_through_its_text_decoders_norm():

@@ -684,3 +684,17 @@ def test_a_value_inside_a_block_or_layer_skipped_at_an_earlier_step_is_refused(q
     values = _generate(wrapped, at_other_step)  # every step's, none refused
     truth = _generated_per_call(reference, ids, [router])[router]  # the skip comes after this block: same at step 0
     torch.testing.assert_close(values[0].reshape(truth[0][0].shape), truth[0][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_save_all_after_an_intervention_at_a_later_step_keeps_its_own_advice(qwen2_moe_generation, whole):
+    """Inside tracer.iter, save_all called after an intervention that ran the model past router_logits was refused at
+    steps after the first with the advice of a single read ("or save everything at once with save_all()"), which the
+    user had called; it says to call save_all before the intervention at every step, as at the first."""
+    wrapped, _, ids, moe, _ = qwen2_moe_generation
+    advice = r"model\.save_all\(\) could not read" if whole else r"save_all"
+    with pytest.raises(moelens.errors.OrderError, match=rf"{advice}.*router_logits.*Call (model\.)?save_all\(\) before"):
+        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False) as tracer:
+            for _ in tracer.iter[1:3]:
+                moelens.ablate(moe, 1)
+                wrapped.save_all() if whole else moe.save_all()

@@ -258,7 +258,7 @@ class Component(Envoy):
         if never is not None:
             return never
         module = location.partition(".source.")[0]
-        return OrderError(
+        return _steps_apart(OrderError(
             f"{self.path}.{name} cannot be served at this tracer.iter step: {module} was skipped with .skip() at an "
             f"earlier step of this generation, which bypasses its forward, so {location.rpartition('.')[0]}, where "
             f"moelens reads {name}, ran fewer times than {module}: nnsight counts each op's runs, so the op's steps no "
@@ -266,7 +266,7 @@ class Component(Envoy):
             "input or output at such steps instead (moe.router.output, or routed_output for the experts), or skip by "
             "writing the value instead of calling .skip() (moe.router_logits = ..., moe.routed_output = ..., or "
             "module.output = ...): the module then runs and its ops keep counting."
-        )
+        ))
 
     def _missed_step_error(self, name: str, location: str) -> OrderError:
         """The error of a read of ``name`` at ``location`` pinned to a ``tracer.iter`` step (or outside one, at the
@@ -276,13 +276,13 @@ class Component(Envoy):
         if never is not None:
             return never
         module = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
-        return OrderError(
+        return _steps_apart(OrderError(
             f"{self.path}.{name} cannot be served at this step: {module} did not run at an earlier step of this "
             "generation (it or a module holding it, such as the block or its decoder layer, was skipped with .skip() "
             "there, or it does not run at every step), so nnsight's count of its runs no longer lines up with the "
             "steps and a read pinned to this step would get a later step's value. Skip by writing the value instead "
             "of calling .skip() (layer.output = ..., moe.mlp_output = ...): the modules then run and keep counting."
-        )
+        ))
 
     def _order_error(self, name: str, by: str = "") -> OrderError:
         """The error of a read nnsight could not serve: the model never reaches where it is read
@@ -336,3 +336,10 @@ class Component(Envoy):
         """The error for a value this block cannot serve: what, why, and what to do."""
         why = f"{reason}. {remedy[:1].upper()}{remedy[1:]}" if remedy else reason + "."
         return ValueUnavailable(f"{self.path}.{name} cannot be served: {why}", why=why)
+
+
+def _steps_apart(error: OrderError) -> OrderError:
+    """``error``, marked as refusing a read whose op's visits no longer line up with the generation's steps (a module
+    skipped at an earlier step), not one the model had run past: `Moe.save_all` keeps it, with no advice of its own."""
+    error.steps_apart = True
+    return error

@@ -874,22 +874,24 @@ class Moe(Mlp):
                 if strict:
                     raise
                 continue
-            except OrderError:  # its advice is save_all itself
-                past = self._run_past(name)
+            except OrderError as error:  # its advice is save_all itself
+                past = self._run_past(name, error)
                 if past is None:
                     raise
                 raise past from None
             saved[name] = value.save()
         return nnsight.save(saved)
 
-    def _run_past(self, name: str) -> OrderError | None:
-        """The error for `save_all`'s read of ``name`` refused because the model had already run past it (a read or
-        an intervention made earlier in the trace ran it on), with save_all's advice. None where the refusal had
-        another cause (a module replaced after wrapping, a router that skips the op, a module skipped at an earlier
-        generation step, a block that runs only on some tokens and did not run), whose error stands. The error's
-        ``unreached`` is ``name``, for the model's `save_all`."""
+    def _run_past(self, name: str, error: OrderError) -> OrderError | None:
+        """The error for `save_all`'s read of ``name`` refused (``error``) because the model had already run past it
+        (a read or an intervention made earlier in the trace, or in this ``tracer.iter`` step, ran it on), with
+        save_all's advice. None where the refusal had another cause (a module replaced after wrapping, a router that
+        skips the op, a module skipped at an earlier generation step, a step a loop asked for that the run did not
+        make, a block that runs only on some tokens and did not run), whose error stands. The error's ``unreached``
+        is ``name``, for the model's `save_all`."""
         mediator = Mediator.current(name)
-        if mediator.iteration != 0 or self._never_produced(name) is not None:
+        if (mediator.iteration not in (0, None) or getattr(error, "steps_apart", False)
+                or self._never_produced(name) is not None):
             return None
         if self.runs_only_on and not mediator.occurrence(f"{self.path}.input"):  # it never ran: its own error says why
             return None

@@ -116,10 +116,16 @@ def skipped_visits(mediator: Mediator, location: str) -> int:
 
 def forwards_ended(mediator: Mediator, location: str) -> int:
     """How many forwards of the whole model (generation steps) have ended in ``mediator``'s run so far: the visits of
-    the root module's ``.output`` (the first part of ``location``). A visit is counted after every worker waiting
-    there has been served, so a request served inside a forward (at its very end too) sees the forwards ended before
-    it. `served_late` compares it as a read is asked and as it is served."""
-    return mediator.occurrence(f"{location.partition('.')[0]}.output")
+    the ``.output`` of the outermost module on ``location``'s path that was called, the root's (a whole Qwen3-Omni
+    model's generate calls its thinker, never its own forward). A visit is counted after every worker waiting there
+    has been served, so a request served inside a forward (at its very end too) sees the forwards ended before it.
+    `served_late` compares it as a read is asked and as it is served."""
+    parts = location.split(".")
+    for end in range(1, len(parts)):
+        module = ".".join(parts[:end])
+        if mediator.occurrence(f"{module}.input"):
+            return mediator.occurrence(f"{module}.output")
+    return 0
 
 
 def served_late(mediator: Mediator, location: str, pinned: int | None, asked: int) -> bool:
