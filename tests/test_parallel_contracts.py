@@ -139,6 +139,49 @@ def test_degree_and_owner_edge_cases() -> None:
             choose_ep_dp_degrees(*args)
 
 
+def test_a2a_moe_refuses_inputs_that_are_not_tokens_ids_and_weights_of_one_routing() -> None:
+    """Fewer token rows than topk_idx routes raised torch's IndexError, weights [T, 1] beside ids [T, 2] a
+    RuntimeError, 1-D ids "not enough values to unpack", and float ids were truncated (2.7 ran expert 2)."""
+    from moelens.parallel import a2a_moe
+
+    x, idx, w = torch.ones(3, 2), torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.ones(3, 2)
+    for args, refusal in [
+        ((x[:2], idx, w), r"hidden_states must be the 3 tokens topk_idx routes, \[T, D\] = \[3, D\], got shape \(2, 2\)"),
+        ((x[0], idx, w), r"hidden_states must be the 3 tokens .* got shape \(2,\)"),
+        ((x, idx, w[:, :1]), r"topk_weights must hold one weight per slot of topk_idx, \[T, k\] = \[3, 2\], got shape \(3, 1\)"),
+        ((x, idx[:, 0], w), r"topk_idx must hold each token's k expert ids \[T, k\], got shape \(3,\); .*topk_idx\[:, None\]"),
+        ((x, idx + 0.7, w), r"topk_idx must hold integer expert ids, got torch.float32 \(float ids would be truncated"),
+        ((x, idx > 0, w), r"topk_idx must hold integer expert ids, got torch.bool"),
+        ((x.tolist(), idx, w), r"hidden_states must be a tensor, got list"),
+    ]:
+        with pytest.raises(MoelensError, match=rf"^a2a_moe: {refusal}"):
+            a2a_moe(None, *args, 4, 4, scaled_experts(0, 4))
+
+
+def test_dense_counts_and_ids_out_of_range_name_the_call_and_the_way_out() -> None:
+    """choose_ep_dp_degrees(8, 0) said no degree divides 0 experts (every one does); expert_owner(0, -8, 2) called
+    expert 0 out of range [0, -8); local_expert(moe, 8) named expert_owner, which the user did not call."""
+    from moelens.parallel import choose_ep_dp_degrees, expert_owner, local_expert
+    from moelens.parallel.comm import SharedGroup
+
+    with pytest.warns(UserWarning, match=r"num_experts is 0, a dense model \(no routed experts\), so there is nothing "
+                                         r"to shard; falling back to EP=1 x EDP=8") as caught:
+        assert choose_ep_dp_degrees(8, 0) == (1, 8)
+    assert not any("divides" in str(warning.message) for warning in caught)
+    for count in (-8, 0):
+        with pytest.raises(MoelensError, match=rf"^expert_owner: num_experts must be >= 1 .*got {count}"):
+            expert_owner(0, count, 2)
+    experts = torch.nn.Module()
+    experts.num_experts = 8
+    experts.__dict__.update(_ep_group=SharedGroup(None), _ep_rank=0, _ep_size=2, _ep_first=0, _ep_num_local=4)
+    for expert in (8, -1):
+        with pytest.raises(MoelensError, match=rf"^local_expert: expert {expert} is out of range \[0, 8\): pass a "
+                                               "global expert id"):
+            local_expert(experts, expert)
+    with pytest.raises(MoelensError, match=r"^local_expert: expert must be an integer, got 1\.5"):
+        local_expert(experts, 1.5)
+
+
 def test_exchange_refuses_sizes_that_do_not_describe_its_rows() -> None:
     """With one rank, exchange returned the rows as they were whatever the sizes said."""
     from moelens.parallel.comm import exchange
@@ -455,6 +498,41 @@ def test_a_trace_counts_its_run_as_it_begins_even_if_its_body_fails_before_the_m
     assert (runs.current, runs.tracing) == (2, 0)
 
 
+def test_a_refused_scan_of_torch_a2a_experts_counts_no_run() -> None:
+    """A model.scan of a model whose experts run torch_a2a made its batcher (counting a run of the EP group) before
+    torch_a2a refused scan's shape-only tensors: a scan tried on one rank put that rank a run ahead of the others,
+    and the ranks' later traces raised RankDivergence or hung. The scan is refused before it counts one, with the
+    text torch_a2a gives on those tensors itself; the next trace counts the next run and matches grouped_mm."""
+    import moelens
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from groundtruth import ascii_tokenizer
+    from moelens.parallel import register_torch_a2a, torch_a2a_experts_forward
+    from moelens.parallel.runs import Runs
+    from moelens.testing import tiny_inputs, tiny_model
+
+    register_torch_a2a()
+    reference = tiny_model("mixtral", experts_implementation="grouped_mm")
+    hf = tiny_model("mixtral")
+    hf.set_experts_implementation("torch_a2a")  # no group: one rank, every expert local
+    wrapped, ids = moelens.wrap(hf, tokenizer=ascii_tokenizer()), tiny_inputs(hf)["input_ids"]
+    runs = Runs()
+    for moe in wrapped.moes:  # as shard_experts marks the experts it shards
+        moe.experts._module.__dict__["_ep_runs"] = runs
+    with FakeTensorMode(), pytest.raises(MoelensError) as bare:  # the implementation's own refusal
+        fake = torch.empty(2, hf.config.hidden_size)
+        torch_a2a_experts_forward(wrapped.moes[0].experts._module, fake, torch.zeros(2, 2, dtype=torch.long),
+                                  torch.ones(2, 2))
+    with pytest.raises(MoelensError) as refused:
+        with wrapped.scan("def f(x):"):
+            wrapped.moes[0].router_logits.save()
+    assert str(refused.value) == str(bare.value), (str(refused.value), str(bare.value))
+    assert (runs.current, runs.tracing) == (0, 0)  # old: (1, 0)
+    with torch.no_grad(), wrapped.trace(ids):
+        logits = wrapped.output.logits.save()
+    assert (runs.current, runs.tracing) == (1, 0)
+    assert torch.allclose(logits, reference(input_ids=ids).logits, atol=1e-5)
+
+
 # -- defects of the review of 2026-12 (each a real two-rank run) ---------------------------------
 
 
@@ -555,6 +633,39 @@ def test_models_sharded_over_each_their_ep_groups_call_recover_from_an_error_on_
     assert results[0]["refused"].startswith("RankDivergence"), results[0]["refused"]
     assert results[1]["refused"].startswith("ValueUnavailable"), results[1]["refused"]
     assert all(r["b"] <= 1e-5 for r in results), results
+
+
+def test_a_scan_refused_on_one_rank_leaves_the_next_traces_paired() -> None:
+    """Rank 0 alone tries model.scan of a sharded model (refused), then both ranks trace twice. The refused scan
+    used up a run id on rank 0: rank 1's first trace raised RankDivergence and rank 0's second waited for a peer
+    that had left. Now every trace matches one process on both ranks."""
+    results = ranks(2, """
+        import moelens
+        from moelens.parallel import shard_experts
+        from moelens.testing import tiny_model
+        from groundtruth import ascii_tokenizer
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        lm = moelens.wrap(shard_experts(tiny_model("mixtral", experts_implementation="grouped_mm")),
+                          tokenizer=ascii_tokenizer())
+        ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(RANK))
+        def scan():
+            with lm.scan("def f(x):"):
+                lm.moes[0].router_logits.save()
+        RESULT["scan"] = error_of(scan) if RANK == 0 else ""
+        def trace():
+            with torch.no_grad(), lm.trace(ids):
+                logits = lm.output.logits.save()
+            return float((logits - ref(input_ids=ids).logits).abs().max())
+        RESULT["traces"] = []  # each trace's max |difference| from one process, or its error
+        for _ in range(2):
+            try:
+                RESULT["traces"].append(trace())
+            except Exception as error:
+                RESULT["traces"].append(f"{type(error).__name__}: {error}")
+    """, collective_timeout=15)
+    assert results[0]["scan"].startswith("MoelensError: torch_a2a cannot run on nnsight's shape-only tensors")
+    for r in results:
+        assert all(isinstance(t, float) and t <= 1e-5 for t in r["traces"]) and len(r["traces"]) == 2, r["traces"]
 
 
 def test_ep_groups_wait_as_long_as_the_world_group() -> None:

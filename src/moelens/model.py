@@ -449,9 +449,15 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
 
     def scan(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``scan``; refused with the way out for a family whose forward deep-copies its key-value cache
-        (`Family.scan_without_cache`): under fake tensors that fails inside torch and can leave the process broken."""
+        (`Family.scan_without_cache`): under fake tensors that fails inside torch and can leave the process broken;
+        and for experts running ``torch_a2a`` (`moelens.parallel.shard_experts`), before the scan counts a run of the
+        EP group: one rank's refused scan used up a run id there alone, and the ranks' later traces paired wrongly."""
         if isinstance(self.interleaver, MoeInterleaver):
             self.interleaver.refuse_nested("model.scan")
+        if _runs_torch_a2a(self.moes):  # before the scan's batcher counts a run of the EP group (see the docstring)
+            from .parallel.experts import SCAN_REFUSAL
+
+            raise MoelensError(SCAN_REFUSAL)
         if _disk_offloaded(self._module):  # torch fails reading them, and logs its own traceback
             raise MoelensError(
                 "model.scan: accelerate loads some of this model's weights from disk as each module runs (a device_map "
@@ -508,6 +514,19 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             return super().generate(*inputs, **kwargs)
         finally:
             self._rows_per_prompt = 1
+
+
+#: `MoeTransformersModel.scan`'s refusal of a model whose experts run ``torch_a2a``: the text the implementation itself
+#: raises on scan's shape-only tensors (`moelens.parallel.experts.torch_a2a_experts_forward`, for bare nnsight use).
+def _runs_torch_a2a(moes: Iterable[Moe]) -> bool:
+    """Whether any of ``moes``' experts run ``torch_a2a``: switched to it (`moelens.parallel.shard_experts` does, in
+    a group of any size), or run by transformers' expert parallelism through it (``ep_implementation="torch_a2a"``,
+    which gives the experts module an EP group's run ids, ``_ep_runs``, but no ``_ep_group`` of shard_experts')."""
+    for moe in moes:
+        marks = moe.experts._module.__dict__
+        if moe.experts_implementation == "torch_a2a" or ("_ep_runs" in marks and "_ep_group" not in marks):
+            return True
+    return False
 
 
 def generation_setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:

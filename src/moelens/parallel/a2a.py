@@ -197,6 +197,37 @@ def plan_dispatch(
 ExpertFn = Callable[[Float[Tensor, "r d"], Int[Tensor, " l"]], Float[Tensor, "r d"]]
 
 
+def _check_moe_inputs(hidden_states: Any, topk_idx: Any, topk_weights: Any) -> None:
+    """Refuse `a2a_moe` inputs that are not tokens ``[T, D]``, integer expert ids ``[T, k]`` and weights ``[T, k]``
+    (torch failed on them deep in the exchange, or truncated float ids to experts silently)."""
+    given = {"hidden_states": hidden_states, "topk_idx": topk_idx, "topk_weights": topk_weights}
+    for name, value in given.items():
+        if not isinstance(value, Tensor):
+            raise MoelensError(f"a2a_moe: {name} must be a tensor, got {type(value).__name__} {value!r:.60}.")
+    if topk_idx.dim() != 2:
+        raise MoelensError(
+            f"a2a_moe: topk_idx must hold each token's k expert ids [T, k], got shape {tuple(topk_idx.shape)}; "
+            "for one expert per token pass topk_idx[:, None] (and topk_weights[:, None])."
+        )
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise MoelensError(
+            f"a2a_moe: topk_idx must hold integer expert ids, got {topk_idx.dtype} (float ids would be truncated to "
+            "other experts, bools read as experts 0 and 1); pass the router's indices (torch.topk(...).indices), "
+            "or .long() of ids known to be whole."
+        )
+    num_tokens, top_k = topk_idx.shape
+    if hidden_states.dim() != 2 or hidden_states.shape[0] != num_tokens:
+        raise MoelensError(
+            f"a2a_moe: hidden_states must be the {num_tokens} tokens topk_idx routes, [T, D] = [{num_tokens}, D], got "
+            f"shape {tuple(hidden_states.shape)}; flatten a batch with hidden_states.reshape(-1, D) and route its rows."
+        )
+    if tuple(topk_weights.shape) != (num_tokens, top_k):
+        raise MoelensError(
+            f"a2a_moe: topk_weights must hold one weight per slot of topk_idx, [T, k] = [{num_tokens}, {top_k}], got "
+            f"shape {tuple(topk_weights.shape)}."
+        )
+
+
 def a2a_moe(
     group: Any,
     hidden_states: Float[Tensor, "t d"],
@@ -221,7 +252,12 @@ def a2a_moe(
 
     Returns:
         ``sum_j topk_weights[t, j] * expert_{topk_idx[t, j]}(hidden_states[t])`` ``[T, D]``.
+
+    Raises:
+        MoelensError: the inputs are not tokens ``[T, D]``, integer ids ``[T, k]`` and weights ``[T, k]``
+            (checked before anything is exchanged), or E is not L times the group size.
     """
+    _check_moe_inputs(hidden_states, topk_idx, topk_weights)
     num_tokens, top_k = topk_idx.shape
     plan = plan_dispatch(group, topk_idx, num_global_experts, num_local_experts)
     rows = plan.dispatch(hidden_states)

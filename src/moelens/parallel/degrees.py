@@ -51,7 +51,15 @@ def choose_ep_dp_degrees(world_size: int, num_experts: int) -> tuple[int, int]:
         raise MoelensError(f"choose_ep_dp_degrees: world_size must be >= 1, got {world_size}.")
     if num_experts < 0:
         raise MoelensError(f"choose_ep_dp_degrees: num_experts must be >= 0, got {num_experts}.")
-    ep = math.gcd(world_size, num_experts) if num_experts else 1
+    if not num_experts and world_size > 1:  # every degree divides 0: no gcd to take
+        warnings.warn(
+            f"expert parallelism: num_experts is 0, a dense model (no routed experts), so there is nothing to shard; "
+            f"falling back to EP=1 x EDP={world_size} (every rank holds the whole model, data parallel). For an "
+            "MoE model, pass its number of routed experts: num_experts_from_config(model.config).",
+            stacklevel=2,
+        )
+        return 1, world_size
+    ep = math.gcd(world_size, num_experts)
     if ep == 1 and world_size > 1:
         warnings.warn(
             f"expert parallelism: no degree > 1 divides both the world size {world_size} and the "
@@ -101,6 +109,9 @@ def expert_owner(expert: int, num_experts: int, ep_size: int) -> tuple[int, int]
             moe.experts._module.down_proj.data[local] = 0
     """
     expert, num_experts, ep_size = _whole("expert_owner", expert=expert, num_experts=num_experts, ep_size=ep_size)
+    if num_experts < 1:
+        raise MoelensError(f"expert_owner: num_experts must be >= 1 (the block's routed experts, moe.num_experts), "
+                           f"got {num_experts}; a dense model has no experts to own.")
     if ep_size < 1 or num_experts % ep_size:
         raise MoelensError(f"expert_owner: {num_experts} experts cannot be split over {ep_size} ranks.")
     if not 0 <= expert < num_experts:

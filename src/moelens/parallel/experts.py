@@ -108,6 +108,14 @@ def experts_down(experts: torch.nn.Module, activations: Float[Tensor, "r i"], pl
     return out if activations.shape[0] else out[:0]
 
 
+#: Why torch_a2a experts cannot be scanned (`moelens.model`'s scan refuses them up front, before a run is counted).
+SCAN_REFUSAL = (
+    "torch_a2a cannot run on nnsight's shape-only tensors (model.scan): how many rows each rank sends "
+    "depends on the routing. Scan the model before shard_experts or the switch to torch_a2a (or a copy "
+    "loaded whole): the values' shapes are the same, with this rank's tokens."
+)
+
+
 def torch_a2a_experts_forward(
     self: torch.nn.Module,
     hidden_states: Float[Tensor, "t d"],
@@ -128,11 +136,7 @@ def torch_a2a_experts_forward(
     """
     group = process_group if process_group is not None else stored_group(self)
     if is_fake(hidden_states):  # a group of one rank too: its dispatch plan checks the routing on the host
-        raise MoelensError(
-            "torch_a2a cannot run on nnsight's shape-only tensors (model.scan): how many rows each rank sends "
-            "depends on the routing. Scan the model before shard_experts or the switch to torch_a2a (or a copy "
-            "loaded whole): the values' shapes are the same, with this rank's tokens."
-        )
+        raise MoelensError(SCAN_REFUSAL)
     num_tokens = hidden_states.size(0)
     num_top_k = top_k_index.size(-1)
     hidden_dim = hidden_states.size(-1)

@@ -33,7 +33,7 @@ from ..errors import MoelensError
 from ..families.entry import get_path
 from ..modules import has_lora_adapters
 from .comm import SharedGroup, group_rank, group_size
-from .degrees import expert_owner
+from .degrees import _whole, expert_owner
 from .experts import NAME
 from .register import register_torch_a2a
 from .runs import forward_enters, forward_leaves, layer_tag, runs_of
@@ -280,5 +280,12 @@ def local_expert(moe_or_experts: Any, expert: int) -> int | None:
             moe.experts._module.down_proj.data[local] *= 0   # on the owner only
     """
     experts = _experts_module(moe_or_experts)
-    rank, local = expert_owner(expert, int(experts.num_experts), int(experts._ep_size))
+    num_experts = int(experts.num_experts)
+    (whole,) = _whole("local_expert", expert=expert)
+    if not 0 <= whole < num_experts:  # checked here: expert_owner's error would name a call the user did not make
+        raise MoelensError(
+            f"local_expert: expert {whole} is out of range [0, {num_experts}): pass a global expert id of the block "
+            f"(as the router gives them, 0..{num_experts - 1}), not a local index."
+        )
+    rank, local = expert_owner(whole, num_experts, int(experts._ep_size))
     return local if rank == experts._ep_rank else None
