@@ -628,6 +628,32 @@ def test_a_layer_with_two_moe_blocks_asks_for_one_in_both_spellings():
     assert cache.num_tokens == 8
 
 
+def test_a_block_that_runs_only_on_images_is_refused_before_the_model_runs():
+    """blocks="vision_moe" (ernie4_5_vl_moe: image tokens only) ran a whole forward on the token ids, then raised an
+    OrderError about read order and .skip(): on token ids alone that block never runs. Refused up front now, naming
+    the block to choose instead (no forward: a hook on the model counts none)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(tiny_model("ernie4_5_vl_moe"))
+    calls = []
+    handle = wrapped._module.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for collect in (lambda: analysis.collect_routing(wrapped, [torch.arange(8)], blocks="vision_moe", progress=False),
+                        lambda: analysis.token_routing(wrapped, torch.arange(8), blocks="vision_moe"),
+                        lambda: analysis.expert_logit_lens(wrapped, [torch.arange(8)], blocks="vision_moe",
+                                                           progress=False)):
+            with pytest.raises(MoelensError, match=r"vision_moe runs only on image tokens .*token ids alone, so that "
+                                                   r"block never runs here: choose the other blocks \(blocks='text_moe'"
+                                                   r"\), or read its values in a trace of your own") as refused:
+                collect()
+            assert not isinstance(refused.value, moelens.OrderError)
+    finally:
+        handle.remove()
+    assert not calls
+
+
 def test_the_text_can_come_through_a_pipe(tmp_path):
     """--text /dev/stdin or a shell's <(...) is a pipe, not a regular file: it was called missing."""
     import threading
