@@ -128,3 +128,22 @@ def test_passes_read_in_order_in_one_generation_step_are_not_refused_and_a_late_
                     moe.routed_output.save()
                 moe.router_logits.save()
                 moe.routed_output.save()
+
+
+def test_a_pass_read_after_the_block_was_skipped_at_an_earlier_pass_is_refused(looped):
+    """The block skipped with .skip() at its first pass never ran its router there, so the router's op counted one
+    visit fewer than the block's calls: router_logits read at the next pass (tracer.iter[1]) was served the pass after
+    it (the next generation step's first), silently. Refused now, as the block's own calls run ahead of the op's."""
+    from groundtruth import ascii_tokenizer
+
+    hf, _, looped_moe, inputs = looped
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = next(moe for moe in wrapped.moes if moe.path == looped_moe.path)
+    settings = dict(max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    with pytest.raises(moelens.errors.OrderError, match=r"router_logits cannot be served at this step: .* did not run"):
+        with torch.no_grad(), wrapped.generate(inputs["input_ids"], **settings) as tracer:
+            for call in tracer.iter[0:PASSES]:
+                if call == 0:
+                    moe.skip(moe.inputs[0][0])
+                else:
+                    moe.router_logits.save()

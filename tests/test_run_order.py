@@ -698,3 +698,29 @@ def test_save_all_after_an_intervention_at_a_later_step_keeps_its_own_advice(qwe
             for _ in tracer.iter[1:3]:
                 moelens.ablate(moe, 1)
                 wrapped.save_all() if whole else moe.save_all()
+
+
+def test_blocks_above_an_early_exit_layer_serve_each_of_their_calls(qwen2_moe_generation):
+    """An early-exit assistant (assistant_early_exit=1) drafts with the model's first layer alone, so the model runs
+    more forwards than the blocks above that layer: reads of those blocks were refused as if a module had been
+    skipped. Each tracer.iter call of the last block serves that call of its router (torch hooks on an unwrapped
+    copy running the same generation)."""
+    wrapped, reference, ids, _, _ = qwen2_moe_generation
+    moe = wrapped.moes[-1]
+    assert moe.layer > 1
+    settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, assistant_early_exit=1)
+    router = f"{moe.path.removeprefix('model.')}.{moe.family.router}"
+    calls = []
+    handle = reference.get_submodule(router).register_forward_hook(lambda module, args, output: calls.append(output[0]))
+    try:
+        with torch.no_grad():
+            reference.generate(ids, **settings)
+    finally:
+        handle.remove()
+    with torch.no_grad(), wrapped.generate(ids, **settings) as tracer:
+        served = nnsight.save([])
+        for _ in tracer.iter[0:2]:
+            served.append(moe.router_logits.save())
+    assert len(calls) >= 2
+    for got, want in zip(served, calls[:2], strict=True):
+        assert torch.equal(got.reshape(want.shape), want)

@@ -251,13 +251,24 @@ class Component(Envoy):
         return None
 
     def _skipped_error(self, name: str, location: str) -> OrderError:
-        """The error of a read of ``name`` at ``location``, an op inside a module's forward, pinned to a
-        ``tracer.iter`` step after that module was skipped with ``.skip()`` at an earlier step (`serving.request_step`):
-        the op's visits no longer line up with the steps (unless `_never_produced` finds the model never reaches it)."""
+        """The error of a read of ``name`` at ``location`` pinned to a ``tracer.iter`` step (or outside one, the
+        first) that the op's visits no longer line up with (`serving.request_step`, `serving.served_late`): the module
+        running it was skipped with ``.skip()`` at an earlier step, or a module holding it (the block, its decoder
+        layer) was, or did not reach it at each (unless `_never_produced` finds the model never reaches it)."""
         never = self._never_produced(name)
         if never is not None:
             return never
-        module = location.partition(".source.")[0]
+        module = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
+        mediator, holders = Mediator.current(location), serving.holders_of(location)
+        if mediator.occurrence(holders[-1]) < mediator.occurrence(holders[0]):  # its layer ran calls it missed
+            return _steps_apart(OrderError(
+                f"{self.path}.{name} cannot be served at this step: {module} did not run at an earlier step of this "
+                "generation (it or a module holding it, such as the block or its decoder layer, was skipped with "
+                ".skip() there, or it does not run at every step), so nnsight's count of its runs no longer lines up "
+                "with the steps and a read pinned to this step would get a later step's value. Skip by writing the "
+                "value instead of calling .skip() (layer.output = ..., moe.mlp_output = ...): the modules then run "
+                "and keep counting."
+            ))
         return _steps_apart(OrderError(
             f"{self.path}.{name} cannot be served at this tracer.iter step: {module} was skipped with .skip() at an "
             f"earlier step of this generation, which bypasses its forward, so {location.rpartition('.')[0]}, where "
@@ -266,22 +277,6 @@ class Component(Envoy):
             "input or output at such steps instead (moe.router.output, or routed_output for the experts), or skip by "
             "writing the value instead of calling .skip() (moe.router_logits = ..., moe.routed_output = ..., or "
             "module.output = ...): the module then runs and its ops keep counting."
-        ))
-
-    def _missed_step_error(self, name: str, location: str) -> OrderError:
-        """The error of a read of ``name`` at ``location`` pinned to a ``tracer.iter`` step (or outside one, at the
-        first) that was served at a later step (`serving.served_late`) though the module running it did not skip its
-        own ops (`_skipped_error`): a module holding it was skipped at an earlier step, or it did not run at each."""
-        never = self._never_produced(name)
-        if never is not None:
-            return never
-        module = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
-        return _steps_apart(OrderError(
-            f"{self.path}.{name} cannot be served at this step: {module} did not run at an earlier step of this "
-            "generation (it or a module holding it, such as the block or its decoder layer, was skipped with .skip() "
-            "there, or it does not run at every step), so nnsight's count of its runs no longer lines up with the "
-            "steps and a read pinned to this step would get a later step's value. Skip by writing the value instead "
-            "of calling .skip() (layer.output = ..., moe.mlp_output = ...): the modules then run and keep counting."
         ))
 
     def _order_error(self, name: str, by: str = "") -> OrderError:

@@ -14,6 +14,7 @@ nothing edited is dropped when the next value is read (`settle_open_reads`).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple
@@ -128,19 +129,33 @@ def forwards_ended(mediator: Mediator, location: str) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=4096)
+def holders_of(location: str) -> tuple[str, ...]:
+    """The ``.input`` locations of the modules holding the op (or module) at ``location`` inside its decoder layer:
+    the layer (the first numbered module on the path), the block, the router or experts, down to the module itself
+    (only that one where no numbered module holds it). A skipped module's ``.input`` still counts each call, so each
+    is called once per visit of what it holds, unless something was skipped: modules outside the layer (the root)
+    may run without it (an early-exit draft runs the first layers only)."""
+    path = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
+    parts = path.split(".")
+    layer = next((index for index, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
+    return tuple(".".join(parts[:end]) + ".input" for end in range(layer + 1, len(parts) + 1))
+
+
 def served_late(mediator: Mediator, location: str, pinned: int | None, asked: int) -> bool:
-    """Whether a read of ``location`` asked when ``asked`` forwards had ended (`forwards_ended`) was served in a later
-    forward (generation step) than it belongs to, which nnsight does not notice.
+    """Whether a read of ``location`` was served at another generation step (or looped block's pass) than it was
+    asked for, which nnsight does not notice.
 
     ``pinned``: the mediator's ``iteration`` as the read was asked. None (relaxed: after a ``tracer.iter`` step's
-    first value was served) asks for the next visit: served in a later forward than asked, the model had run past it
-    at that step, and the next step's value came. An int asks for that visit of the op (0 outside ``tracer.iter``);
-    served in a forward past it, the op missed a forward before (it, or a module holding it, the block or its
-    decoder layer, was skipped with ``.skip()``, or did not run at every step), so its visits no longer line up with
-    the steps. A looped block (called several times a forward) reaches its visit ``i`` at forward ``i // passes`` at
-    the latest; a read of its next pass in the same ``tracer.iter`` body is in the model's order."""
-    served = forwards_ended(mediator, location)
-    return served != asked if pinned is None else served > pinned
+    first value was served) asks for the next visit: served in a later forward than ``asked`` (`forwards_ended` when
+    it was asked), the model had run past it at that step, and the next step's value came. An int asks for that visit
+    of the op (0 outside ``tracer.iter``): served where a module holding it inside its layer (`holders_of`) had been
+    called more often, the op missed a call before (it, or that module, the block or its decoder layer, was skipped
+    with ``.skip()``), so its visits no longer line up with the steps (or passes). A read of a looped block's next
+    pass in the same ``tracer.iter`` body is in the model's order."""
+    if pinned is None:
+        return forwards_ended(mediator, location) != asked
+    return any(mediator.occurrence(holder) > pinned + 1 for holder in holders_of(location))  # (its call counted)
 
 
 def request_step(mediator: Mediator, location: str, on_order_error: Callable[[], Exception],
@@ -151,7 +166,9 @@ def request_step(mediator: Mediator, location: str, on_order_error: Callable[[],
     nnsight counts the visits of each op apart, and a skipped module's ops miss the step it was skipped at, so a
     request pinned to step s would be served at a later step. Checked as it is asked (skipped at a step the module
     finished), as it is served (skipped at the step still running when it was asked, or since), and where the run
-    ended without serving it after the module ran step s.
+    ended without serving it after the module ran step s. (`fetch` checks the modules holding it, the block and its
+    decoder layer, as it is served: `served_late`; a read the run ends without serving after one of those was skipped
+    ends the loop with nnsight's warning, as a block that runs only on some steps, an image prompt's, does.)
     """
     step = mediator.iteration
     if not step:  # the first step, or relaxed: the next visit, whichever step that is
@@ -205,7 +222,8 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     """
     mediator = Mediator.current(binding.location)
     settle_open_reads(mediator)
-    pinned, asked = mediator.iteration, forwards_ended(mediator, binding.location)  # before `prepare`'s own requests
+    pinned = mediator.iteration  # as asked, before `prepare`'s own requests
+    asked = forwards_ended(mediator, binding.location) if pinned is None else 0
     if prepared is not None:
         context = prepared.context
     else:
@@ -213,7 +231,7 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     raw = request_step(mediator, binding.location, lambda: component._order_error(name),
                        lambda: component._skipped_error(name, binding.location))
     if served_late(mediator, binding.location, pinned, asked):  # another step's value
-        raise component._order_error(name) if pinned is None else component._missed_step_error(name, binding.location)
+        raise component._order_error(name) if pinned is None else component._skipped_error(name, binding.location)
     component._check_call(name)
     rows = run_fact(component.interleaver, mediator, "rows", lambda: tokens.current_rows(binding.location))
     try:
