@@ -645,13 +645,17 @@ def test_a_block_that_runs_only_on_images_is_refused_before_the_model_runs():
                         lambda: analysis.expert_logit_lens(wrapped, [torch.arange(8)], blocks="vision_moe",
                                                            progress=False)):
             with pytest.raises(MoelensError, match=r"vision_moe runs only on image tokens .*token ids alone, so that "
-                                                   r"block never runs here: choose the other blocks \(blocks='text_moe'"
-                                                   r"\), or read its values in a trace of your own") as refused:
+                                                   r"block never runs here: choose the other blocks, blocks='text_moe', "
+                                                   r"or read its values in a trace of your own") as refused:
                 collect()
             assert not isinstance(refused.value, moelens.OrderError)
     finally:
         handle.remove()
     assert not calls
+    from moelens.cli import build_parser, spelled_as_options
+
+    stats = build_parser().parse_args(["stats", "tiny", "--text", "notes.txt"])
+    assert "choose the other blocks, --blocks 'text_moe', or" in spelled_as_options(str(refused.value), stats.options)
 
 
 def test_the_text_can_come_through_a_pipe(tmp_path):

@@ -3262,16 +3262,19 @@ def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):
     assert all(set(values) == {"router_logits", "expert_indices"} for values in saved.values())
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    ("selection_scores", r"save_all: \['selection_scores'\] is not among the values save_all reads .*: read "
-                         r"moe\.selection_scores on its own\."),
-    # it said to read moe.mlp_activation on its own, which an MoE block refuses
-    ("mlp_activation", r"mlp_activation cannot be served: an MoE block has no single hidden activation.*expert_activations"),
+@pytest.mark.parametrize(("family", "name", "message"), [
+    ("deepseek_v3", "selection_scores", r"save_all: \['selection_scores'\] is not among the values save_all reads .*: "
+                                        r"read moe\.selection_scores on its own\."),
+    # it said to read moe.mlp_activation (moe.selection_scores) on its own, which this block refuses
+    ("mixtral", "mlp_activation", r"mlp_activation cannot be served: an MoE block has no single hidden activation.*"
+                                  r"expert_activations"),
+    ("mixtral", "selection_scores", r"selection_scores cannot be served: the mixtral router ranks no separate "
+                                    r"selection score"),
 ])
-def test_save_all_names_a_value_it_does_not_read_as_one_to_read_on_its_own(mixtral, name, message):
+def test_save_all_names_a_value_it_does_not_read_as_one_to_read_on_its_own(family, name, message):
     """A documented value save_all leaves to a read of its own was called an "unknown value name"; one the block never
     serves gets its reason."""
-    wrapped, inputs = mixtral
+    _, wrapped, inputs, _, _ = built(family, "grouped_mm")
     with pytest.raises(moelens.MoelensError, match=message):
         with wrapped.trace(**inputs):
             wrapped.moes[0].save_all([name, "router_logits"])

@@ -20,7 +20,7 @@ import moelens
 from custom_models import custom_family, custom_model
 from groundtruth import built
 from moelens import FamilyError, WriteError, families
-from moelens.testing import tiny_inputs, tiny_model
+from moelens.testing import FAMILIES, tiny_inputs, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,8 @@ def router_logits_all_minus_inf(model, router_name):
     """``model`` (plain transformers) with the logits of its router ``router_name`` all -inf: the ``F.linear`` of
     that router's own weight (how each router here computes its logits) returns -inf. Yields the list of those
     calls, one per forward."""
-    weight = model.get_submodule(router_name).weight
+    weight = next(weight for name, weight in model.get_submodule(router_name).named_parameters()
+                  if name.endswith("weight"))  # its own, or its linear's (ergo's router.linear)
     linear = torch.nn.functional.linear
     calls = []
 
@@ -225,7 +226,8 @@ def _write_minus_inf_logits(moe):
     ("deepseek_v4", 1, _write_minus_inf_logits),  # top-k of score + bias (route_around acts on selection_scores)
     ("deepseek_v3", 0, _write_minus_inf_logits),  # sigmoid, group-limited, renormalised by sum + 1e-20
     ("llama4", 0, _route_around_every_expert),  # sigmoid of the top-k logits, not renormalised
-], ids=["deepseek_v4-hash", "deepseek_v4-topk", "deepseek_v3", "llama4"])
+    *([("ergo", 0, _write_minus_inf_logits)] if "ergo" in FAMILIES else []),  # sum + 1e-20 (transformers 5.25)
+], ids=lambda value: getattr(value, "__name__", str(value)))
 def test_router_logits_all_minus_inf_are_taken_where_the_scores_are_bounded(family, block, edit):
     """A sigmoid or sqrtsoftplus score is 0 at -inf, and these routers divide by their k weights' sum + 1e-20 or not at
     all, so every weight is 0, not NaN: the write was refused, saying the routing scores would be NaN. Ground truth:
@@ -266,6 +268,32 @@ def test_router_logits_all_minus_inf_are_refused_where_the_weights_would_be_nan(
     assert len(calls) == 1 and expected.isnan().all()
     refused(wrapped, inputs, edit, rf"{moe.path}\.router_logits: fewer than 1 entry of some token are above -inf, "
                                    rf"so {why}; leave at least 1 expert above -inf per token")
+
+
+@pytest.mark.parametrize(("family", "block", "prepare", "why"), [
+    # its routers score in the model's dtype, where their epsilon 1e-20 is 0
+    ("deepseek_v4", 1, lambda hf, router: hf.to(torch.float16),
+     r"by their sum plus 1e-20, which is 0 in torch\.float16 \(0/0\)"),
+    # a softcap takes -inf to -c, whose sigmoid is 0 in float32 from c of about 104
+    ("laguna", 0, lambda hf, router: setattr(router, "router_logit_softcapping", 200.0), r"by their sum \(0/0\)"),
+], ids=["deepseek_v4-float16", "laguna-softcap-200"])
+def test_router_logits_all_minus_inf_are_refused_where_an_epsilon_or_softcap_is_lost_in_the_dtype(family, block,
+                                                                                                prepare, why):
+    """The write was taken wherever the router adds an epsilon to the sum it divides by, or softcaps its logits, and
+    the model's output was NaN: 1e-20 is 0 in float16, and sigmoid(-200) is 0 in float32. Ground truth: the plain
+    model with that router's logits forced to -inf computes NaN too."""
+    hf = tiny_model(family)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[block]
+    router_name = moe.router.path.removeprefix("model.")
+    prepare(hf, hf.get_submodule(router_name))
+    reference = copy.deepcopy(hf)
+    inputs = tiny_inputs(hf)
+    with torch.no_grad(), router_logits_all_minus_inf(reference, router_name) as calls:
+        expected = reference(**inputs).logits
+    assert len(calls) == 1 and expected.isnan().all()
+    refused(wrapped, inputs, _write_minus_inf_logits, rf"router_logits: .* its routing weights would be NaN: every "
+                                                      rf"\w+ score would be 0, and the router divides its k weights {why}")
 
 
 def test_softcapped_router_logits_all_minus_inf_are_taken():

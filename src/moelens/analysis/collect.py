@@ -81,7 +81,7 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
     idle = next((moe for moe in moes if moe.runs_only_on), None)  # it would fail only after a whole forward
     if idle is not None:
         others = [moe.path for moe in model.moes if not moe.runs_only_on]
-        instead = f"choose the other blocks (blocks={_telling_part(others + [idle.path])!r}), or " if others else ""
+        instead = f"choose the other blocks, blocks={_telling_part(others + [idle.path])!r}, or " if others else ""
         raise MoelensError(
             f"{idle.path} runs only on {idle.runs_only_on}, and routing analysis runs the model on token ids alone, "
             f"so that block never runs here: {instead}read its values in a trace of your own on inputs holding them "

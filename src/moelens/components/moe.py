@@ -264,6 +264,9 @@ class Moe(Mlp):
         """Raise the reason ``name`` cannot be served here (``implementation``: the experts', if read already)."""
         if name in ("mlp_activation", "mlp_neurons"):
             raise self._routed_activation(name)
+        if name == "selection_scores":
+            self._selection_binding()  # raises why this block ranks no selection score
+            return
         if name in self.family.refused:
             raise self.no_mixture(name)
         if name in PER_SLOT_VALUES and (ops_for(implementation or self.experts_implementation) is None
@@ -665,27 +668,31 @@ class Moe(Mlp):
         """Whether a +inf logit gives a finite score here (sigmoid: 1), so a write may hold one."""
         return self.family.score_of(self._module) == "sigmoid"
 
-    def _finite_logits_needed(self) -> tuple[int, str]:
-        """The fewest `router_logits` per token a write may leave above -inf on this block now, and what its router
-        would make of fewer (the end of a refusal's "so ..."). phimoe's sparse mixer needs 2 and a softmax 1: over
-        -inf alone it is NaN. A bounded score (sigmoid, sqrtsoftplus) is 0 at -inf, so the router still fills its k
-        slots, at weight 0, and needs none, unless it renormalises those k weights by their plain sum (0/0, NaN):
-        not where it pads that sum (`Scoring.normalize_eps`, DeepSeek-V3's ``+ 1e-20``) or floors it
-        (`Scoring.normalize_min`). A softcap needs none either: it takes -inf to the finite ``-c``."""
+    def _finite_logits_needed(self, dtype: torch.dtype) -> tuple[int, str]:
+        """The fewest `router_logits` per token a write in ``dtype`` (the logits', which the router scores and
+        renormalises in) may leave above -inf on this block now, and what its router would make of fewer (the end of
+        a refusal's "so ..."). phimoe's sparse mixer needs 2 and a softmax 1: over -inf alone it is NaN (not under a
+        softcap, which takes -inf to the finite ``-c``). A bounded score (sigmoid, sqrtsoftplus) is 0 at -inf, so the
+        router still fills its k slots, at weight 0, and needs none, unless it renormalises those k weights by their
+        plain sum (0/0, NaN): not where it pads that sum (`Scoring.normalize_eps`, DeepSeek-V3's ``+ 1e-20``) or
+        floors it (`Scoring.normalize_min`) by an amount ``dtype`` holds (1e-20 is 0 in float16), nor where a softcap
+        leaves the scores above 0 (sigmoid(-c) is 0 in float32 from c of about 104)."""
         family, block = self.family, self._module
         if self.SCORING.select == "sparsemixer":
             return 2, "its routing scores would be NaN (the sparse mixer's masked softmaxes)"
-        if self.softcap > 0:
-            return 0, ""
-        score = family.score_of(block)
-        if score == "softmax":
-            return 1, "its routing scores would be NaN (a softmax over -inf alone)"
+        function, cap = family.score_of(block), self.softcap
+        if function == "softmax":
+            return (0, "") if cap > 0 else (1, "its routing scores would be NaN (a softmax over -inf alone)")
         normalize = family.normalize_of(block)
-        if not normalize or self.SCORING.normalize_eps > 0 or family.normalize_min_of(block) > 0:
+        pad = max(self.SCORING.normalize_eps, family.normalize_min_of(block))
+        if not normalize or torch.tensor(pad, dtype=dtype) > 0:
+            return 0, ""
+        if cap > 0 and score(function, torch.tensor(float("-inf"), dtype=dtype), cap) > 0:
             return 0, ""
         divisor = "sum" if normalize is True or normalize == 1 else f"{normalize:g}-norm"
-        return 1, (f"its routing weights would be NaN: every {score} score would be 0, and the router divides its "
-                   f"k weights by their {divisor} (0/0)")
+        padded = f" plus {pad:g}, which is 0 in {dtype}" if pad > 0 else ""
+        return 1, (f"its routing weights would be NaN: every {function} score would be 0, and the router divides its "
+                   f"k weights by their {divisor}{padded} (0/0)")
 
     def _nested(self, op: str) -> str:
         return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"

@@ -143,7 +143,7 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                 f"{where}: the written slots of a token add up to {float(total):.4g}, which is inf in {narrowest} (at "
                 f"most {torch.finfo(narrowest).max:.4g}), {how}; write smaller values."
             )
-    needed, why = (component._finite_logits_needed() if name == "router_logits" and binding.min_finite
+    needed, why = (component._finite_logits_needed(value.dtype) if name == "router_logits" and binding.min_finite
                    else (binding.min_finite, WHY_FINITE.get(name, "the router could not pick")))
     if not needed or not value.numel():
         return

@@ -107,7 +107,7 @@ FAMILIES = [
     dataclasses.replace(KOLIBRI1, name="kolibri1_1", model_types=("kolibri1_1",),
                         block_classes=("Kolibri1_1SparseMoeBlock",)),
     Family("ergo", ("ergo",), ("ErgoMoE",), logits_op="self_linear_0",  # transformers 5.25
-           scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor"),
+           scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor", normalize_eps=1e-20),
            shared=SharedExpert("shared_experts", when="after_experts"),
            refused={name: ERGO_PER_SLOT for name in ("expert_activations", "expert_outputs")},
            notes="Experts and the shared expert are relu^2 MLPs followed by an RMSNorm (per expert for the routed "
