@@ -724,3 +724,40 @@ def test_blocks_above_an_early_exit_layer_serve_each_of_their_calls(qwen2_moe_ge
     assert len(calls) >= 2
     for got, want in zip(served, calls[:2], strict=True):
         assert torch.equal(got.reshape(want.shape), want)
+
+
+def test_a_block_skipped_where_the_layers_are_no_numbered_list_is_caught_too():
+    """The modules compared with a read's step are those of its decoder layer, found as the first numbered module on
+    its path: where the layers are attributes (l0, l1, ...), only the router was compared, and a read after its block
+    was skipped at an earlier step got the next step's logits, silently. The block's parent stands for the layer."""
+    from groundtruth import ascii_tokenizer
+    from moelens.testing import tiny_model
+
+    class NamedLayers(torch.nn.Module):  # the decoder layers as attributes, not a ModuleList
+        def __init__(self, layers) -> None:
+            super().__init__()
+            for index, layer in enumerate(layers):
+                self.add_module(f"l{index}", layer)
+
+        def __getitem__(self, index):
+            return list(self._modules.values())[index]
+
+        def __iter__(self):
+            return iter(self._modules.values())
+
+        def __len__(self) -> int:
+            return len(self._modules)
+
+    hf = tiny_model("qwen2_moe", experts_implementation="grouped_mm")
+    hf.model.layers = NamedLayers(list(hf.model.layers))
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    moe = wrapped.moes[-1]
+    assert not any(part.isdigit() for part in moe.path.split("."))
+    with pytest.raises(moelens.errors.OrderError, match=r"router_logits cannot be served at this step: .* did not run"):
+        with torch.no_grad(), wrapped.generate("hello", max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                               do_sample=False) as tracer:
+            for step in tracer.iter[0:2]:
+                if step == 0:
+                    moe.skip(moe.inputs[0][0])
+                else:
+                    moe.router_logits.save()

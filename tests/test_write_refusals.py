@@ -29,10 +29,10 @@ def mixtral():
     return wrapped, inputs, reference
 
 
-def refused(wrapped, inputs, edit, match):
+def refused(wrapped, inputs, edit, match, block=0):
     with pytest.raises(WriteError, match=match):
         with wrapped.trace(**inputs):
-            edit(wrapped.moes[0])
+            edit(wrapped.moes[block])
 
 
 def with_hook(model, module_name, hook, inputs):
@@ -292,8 +292,9 @@ def test_router_logits_all_minus_inf_are_refused_where_an_epsilon_or_softcap_is_
     with torch.no_grad(), router_logits_all_minus_inf(reference, router_name) as calls:
         expected = reference(**inputs).logits
     assert len(calls) == 1 and expected.isnan().all()
-    refused(wrapped, inputs, _write_minus_inf_logits, rf"router_logits: .* its routing weights would be NaN: every "
-                                                      rf"\w+ score would be 0, and the router divides its k weights {why}")
+    refused(wrapped, inputs, _write_minus_inf_logits, rf"{moe.path}\.router_logits: .* its routing weights would be "
+                                                      rf"NaN: every \w+ score would be 0, and the router divides its k "
+                                                      rf"weights {why}", block)
 
 
 def test_softcapped_router_logits_all_minus_inf_are_taken():

@@ -259,7 +259,7 @@ class Component(Envoy):
         if never is not None:
             return never
         module = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
-        mediator, holders = Mediator.current(location), serving.holders_of(location)
+        mediator, holders = Mediator.current(location), serving.holders_of(location, self.path)
         if mediator.occurrence(holders[-1]) < mediator.occurrence(holders[0]):  # its layer ran calls it missed
             return _steps_apart(OrderError(
                 f"{self.path}.{name} cannot be served at this step: {module} did not run at an earlier step of this "

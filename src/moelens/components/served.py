@@ -130,19 +130,21 @@ def forwards_ended(mediator: Mediator, location: str) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def holders_of(location: str) -> tuple[str, ...]:
-    """The ``.input`` locations of the modules holding the op (or module) at ``location`` inside its decoder layer:
-    the layer (the first numbered module on the path), the block, the router or experts, down to the module itself
-    (only that one where no numbered module holds it). A skipped module's ``.input`` still counts each call, so each
-    is called once per visit of what it holds, unless something was skipped: modules outside the layer (the root)
-    may run without it (an early-exit draft runs the first layers only)."""
+def holders_of(location: str, block: str) -> tuple[str, ...]:
+    """The ``.input`` locations of the modules holding the op (or module) at ``location`` of ``block`` (a component's
+    path) inside its decoder layer: the layer (the first numbered module on the path, or the block's parent where it
+    comes first: a model whose layers are no numbered list), the block, the router or experts, down to the module
+    itself. A skipped module's ``.input`` still counts each call, so each is called once per visit of what it holds,
+    unless something was skipped: modules outside the layer (the root) may run without it (an early-exit draft runs
+    the first layers only)."""
     path = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
     parts = path.split(".")
-    layer = next((index for index, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
-    return tuple(".".join(parts[:end]) + ".input" for end in range(layer + 1, len(parts) + 1))
+    layer = next((index + 1 for index, part in enumerate(parts) if part.isdigit()), len(parts))
+    start = max(1, min(layer, block.count(".")))
+    return tuple(".".join(parts[:end]) + ".input" for end in range(start, len(parts) + 1))
 
 
-def served_late(mediator: Mediator, location: str, pinned: int | None, asked: int) -> bool:
+def served_late(mediator: Mediator, location: str, block: str, pinned: int | None, asked: int) -> bool:
     """Whether a read of ``location`` was served at another generation step (or looped block's pass) than it was
     asked for, which nnsight does not notice.
 
@@ -155,7 +157,7 @@ def served_late(mediator: Mediator, location: str, pinned: int | None, asked: in
     pass in the same ``tracer.iter`` body is in the model's order."""
     if pinned is None:
         return forwards_ended(mediator, location) != asked
-    return any(mediator.occurrence(holder) > pinned + 1 for holder in holders_of(location))  # (its call counted)
+    return any(mediator.occurrence(holder) > pinned + 1 for holder in holders_of(location, block))  # (its call counted)
 
 
 def request_step(mediator: Mediator, location: str, on_order_error: Callable[[], Exception],
@@ -230,7 +232,7 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
         context = binding.prepare() if binding.prepare is not None else None
     raw = request_step(mediator, binding.location, lambda: component._order_error(name),
                        lambda: component._skipped_error(name, binding.location))
-    if served_late(mediator, binding.location, pinned, asked):  # another step's value
+    if served_late(mediator, binding.location, component.path, pinned, asked):  # another step's value
         raise component._order_error(name) if pinned is None else component._skipped_error(name, binding.location)
     component._check_call(name)
     rows = run_fact(component.interleaver, mediator, "rows", lambda: tokens.current_rows(binding.location))
