@@ -258,7 +258,7 @@ class Component(Envoy):
         never = self._never_produced(name)
         if never is not None:
             return never
-        module = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
+        module = serving.module_of(location)
         mediator, holders = Mediator.current(location), serving.holders_of(location, self.path)
         if mediator.occurrence(holders[-1]) < mediator.occurrence(holders[0]):  # its layer ran calls it missed
             return _steps_apart(OrderError(

@@ -106,6 +106,11 @@ def _module_running(location: str) -> str | None:
     return module if drilled else None
 
 
+def module_of(location: str) -> str:
+    """The module whose forward runs the op at ``location``, or whose input or output ``location`` is."""
+    return _module_running(location) or location.rpartition(".")[0]
+
+
 def skipped_visits(mediator: Mediator, location: str) -> int:
     """How many finished calls of the module whose forward runs the op at ``location`` never reached that op, counted
     for ``mediator``'s run: the module's finished calls less the op's visits. Above 0 where the module was skipped
@@ -137,8 +142,7 @@ def holders_of(location: str, block: str) -> tuple[str, ...]:
     itself. A skipped module's ``.input`` still counts each call, so each is called once per visit of what it holds,
     unless something was skipped: modules outside the layer (the root) may run without it (an early-exit draft runs
     the first layers only)."""
-    path = location.partition(".source.")[0] if ".source." in location else location.rpartition(".")[0]
-    parts = path.split(".")
+    parts = module_of(location).split(".")
     layer = next((index + 1 for index, part in enumerate(parts) if part.isdigit()), len(parts))
     start = max(1, min(layer, block.count(".")))
     return tuple(".".join(parts[:end]) + ".input" for end in range(start, len(parts) + 1))
