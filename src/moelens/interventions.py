@@ -387,9 +387,11 @@ def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
     softmax by each logit's gap to the top one relative to its size, which a raise would
     shrink: there the other experts are lowered by as much instead, so the forced experts
     keep the weights the router gives them among themselves (forcing the experts a token
-    already picks changes nothing), and a slot left beside them is weighted by a softmax
-    over all the lowered others (about 1 / (E - forced)): force ``top_k`` experts to fill
-    every slot.
+    already picks changes nothing, unless other experts lie within the mixer's jitter
+    threshold of the top logit: those drop out of its masked softmaxes, and the forced
+    weights grow), and a slot left beside them takes the best other expert, weighted by a
+    softmax over the others within the threshold of it (from about 1 / (E - forced) where
+    the other logits are close, up to 1): force ``top_k`` experts to fill every slot.
 
     Where the router ranks score + a selection bias (``moe.ranks_selection_scores``) the
     forced experts' selection scores are also set to +inf, so the bias cannot overrule
