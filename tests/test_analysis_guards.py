@@ -1130,3 +1130,22 @@ def test_a_set_still_works_where_a_list_only_selects(model, results):
     assert [item.expert for item in got] == [item.expert for item in expected]
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine.token_ids, theirs.token_ids) and torch.equal(mine.counts, theirs.counts)
+
+
+def test_the_lens_refuses_experts_whose_outputs_are_not_hidden_states():
+    """A converted up-projection (tomoe of GPT-2's c_fc) writes 4 x hidden-size outputs, which the lens read out
+    through the final norm: torch's bare "expected input with shape [*, 32]" from layer_norm. Refused, naming the
+    block and both widths."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    converted = tomoe(gpt2, num_experts=4, top_k=2, calibration=ids, target_modules=["c_fc"], max_error=None,
+                      progress=False)
+    with pytest.raises(MoelensError, match=r"transformer\.h\.0\.mlp\.c_fc: its experts' outputs are 128 wide, and the "
+                                           r"unembedding reads 32-wide hidden states"):
+        analysis.expert_logit_lens(moelens.wrap(converted), ids[:2], progress=False)

@@ -217,8 +217,16 @@ def expert_logit_lens(
     if all(count.sum() == 0 for count in counts.values()):
         raise MoelensError("the corpus has no tokens: every item was empty (an empty text or no token ids); pass "
                            "texts or token ids with content.")
+    hidden_size = getattr(head, "in_features", None) or head.weight.shape[-1]
     for moe in moes:
         sums[moe.layer] = _to_hidden(moe, sums[moe.layer])
+        if sums[moe.layer].numel() and sums[moe.layer].shape[-1] != hidden_size:
+            raise MoelensError(
+                f"{moe.path}: its experts' outputs are {sums[moe.layer].shape[-1]} wide, and the unembedding reads "
+                f"{hidden_size}-wide hidden states: they are not added to the residual stream (a converted "
+                "up-projection, tomoe_linear of c_fc), so the lens cannot read them out; choose the blocks whose "
+                "outputs are (blocks=..., layers=...)."
+            )
     layer_ids = [moe.layer for moe in moes]
     width = max(moe.num_experts for moe in moes)
     dim = next(total.shape[-1] for total in sums.values() if total.numel())
