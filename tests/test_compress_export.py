@@ -150,6 +150,12 @@ def test_a_layer_that_changes_width_is_refused_with_the_reason(out):
     with pytest.raises(ExportRefused, match=r"maps 32 features to 16.*; convert only layers whose outputs are as wide as "
                                             r"their inputs \(target_modules"):
         to_nnef(narrow[0], out / "narrow.nnef.tgz")  # advised exporting "the model around it", which holds it
+    # wider (GPT-2's c_fc, 32 -> 128): refused where the experts' padded inputs are read, said to be "not one router
+    # over one experts module"
+    wide = wrap(exportable(convert(gpt2(), num_experts=4, top_k=2, target_modules=["c_fc"]))).moes[0]
+    with pytest.raises(ExportRefused, match=r"a converted Linear whose output is wider than its input .*; convert only "
+                                            r"layers whose outputs are as wide as their inputs \(target_modules"):
+        to_nnef(wide, out / "wide.nnef.tgz")
 
 
 def test_experts_with_lora_adapters_are_refused_naming_the_merge(out):

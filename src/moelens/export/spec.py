@@ -215,9 +215,13 @@ def read_spec(family: Family, block: torch.nn.Module, layer: int | None = None) 
         wg=wg, wg_bias=wg_bias, **experts,
     )
     if spec.w1.shape[0] != route.num_experts or spec.w1.shape[1] != wg.shape[1]:
+        why = ("the block is a converted Linear whose output is wider than its input (its experts' inputs are padded "
+               "to that width), and tract_moe_ffn's output has its input's width (a residual-stream FFN); convert "
+               "only layers whose outputs are as wide as their inputs (target_modules=[...], e.g. q_proj and o_proj), "
+               "or the FFN blocks" if converted(family) else "the block is not one router over one experts module")
         raise ExportRefused(
             f"{family.name}: the experts' weights {tuple(spec.w1.shape)} do not match the router's "
-            f"{tuple(wg.shape)} ([E, D]); the block is not one router over one experts module."
+            f"{tuple(wg.shape)} ([E, D]); {why}."
         )
     if spec.w3 is None and (spec.has_expert_biases or spec.wg_bias is not None):
         raise ExportRefused(
