@@ -1149,3 +1149,26 @@ def test_the_lens_refuses_experts_whose_outputs_are_not_hidden_states():
     with pytest.raises(MoelensError, match=r"transformer\.h\.0\.mlp\.c_fc: its experts' outputs are 128 wide, and the "
                                            r"unembedding reads 32-wide hidden states"):
         analysis.expert_logit_lens(moelens.wrap(converted), ids[:2], progress=False)
+
+
+def test_describe_names_every_family_of_a_model_converted_in_two_kinds_of_block():
+    """moelens.compress converting a Llama's FFNs and its q_proj makes blocks of two families (tomoe, tomoe_linear):
+    describe named the first block's family and notes alone, as if every block were a converted q_proj."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moelens.analysis.describe import describe
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=64)).eval()
+    ids = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    converted = tomoe(llama, num_experts=4, top_k=2, calibration=ids, target_modules=["mlp", "q_proj"], max_error=None,
+                      progress=False)
+    wrapped = moelens.wrap(converted)
+    kinds = {moe.path.rpartition(".")[2]: moe.family.name for moe in wrapped.moes}
+    assert kinds == {"q_proj": "tomoe_linear", "mlp": "tomoe"}
+    report = describe(wrapped, probe=False)
+    assert set(report.family.split("; ")) == {"tomoe_linear (q_proj)", "tomoe (mlp)"}
+    assert "tomoe_linear: " in report.notes and "tomoe: " in report.notes

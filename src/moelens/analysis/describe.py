@@ -248,7 +248,6 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
     moes = list(getattr(model, "moes", None) or [])
     if not moes:
         moes_of(model)  # raises the no-MoE error
-    family = moes[0].family
     shapes, reasons = probe_values(model, moes) if probe else ({}, {})
     structure = getattr(model, "_structure", None)
     dense_blocks = structure.dense_blocks if structure is not None else []
@@ -269,15 +268,9 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         )
         for moe, path in zip(moes, paths)
     ]
-    shared = family.shared
-    if shared is None:
-        shared_text = "none"
-    else:
-        where = "on the decoder layer" if shared.on_layer else "in the block"
-        gate = f", gated by {shared.gate}" if shared.gate else ""
-        shared_text = f"{shared.module} ({where}{gate})"
-        if not any(layer.shared_expert for layer in layers):
-            shared_text += " - absent in this checkpoint"
+    families = {moe.family.name: moe.family for moe in moes}  # several in a model moelens.compress converted
+    shared = {name: _shared_text(family, [layer for layer, moe in zip(layers, moes) if moe.family.name == name])
+              for name, family in families.items()}
     if several:
         num_layers = sum(stacks.values())
     else:
@@ -292,17 +285,31 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
         name=str(getattr(module, "name_or_path", "") or type(module).__name__),
         architecture=type(module).__name__,
         model_type=getattr(config, "model_type", None),
-        family=family.name,
+        family=next(iter(families)) if len(families) == 1 else "; ".join(
+            f"{name} ({', '.join(dict.fromkeys(moe.path.rpartition('.')[2] for moe in moes if moe.family.name == name))})"
+            for name in families),
         num_layers=num_layers,
         scoring=by_layers([(layer, text) for layer, text, _ in scorings]),
         score=by_layers([(layer, score) for layer, _, score in scorings]),
-        shared=shared_text,
+        shared=by_layers([(layer.label, shared[moe.family.name]) for layer, moe in zip(layers, moes)]),
         dense_layers=dense,
         moe_layers=layers,
-        notes=family.notes or "",
+        notes=(moes[0].family.notes or "") if len(families) == 1 else
+        " ".join(f"{name}: {family.notes}" for name, family in families.items() if family.notes),
         tokenizer=tokenizer_note(model),
         layer_stacks=stacks if several else {},
     )
+
+
+def _shared_text(family: Any, layers: list[LayerReport]) -> str:
+    """The shared expert ``family``'s entry names, where it sits, and whether the blocks of ``layers`` hold one."""
+    shared = family.shared
+    if shared is None:
+        return "none"
+    where = "on the decoder layer" if shared.on_layer else "in the block"
+    gate = f", gated by {shared.gate}" if shared.gate else ""
+    absent = "" if any(layer.shared_expert for layer in layers) else " - absent in this checkpoint"
+    return f"{shared.module} ({where}{gate}){absent}"
 
 
 def tokenizer_note(model: Any) -> str:
