@@ -367,15 +367,12 @@ def test_ernie_with_its_default_norm_min_describes_as_plainly_renormalised(name)
 
 
 @pytest.mark.parametrize(("floor", "match"), [
-    ("norm_min", r"Scoring.normalize_min='norm_min' gives str 'norm_min' .* a plain word is no reference: write "
-                 r"\"router.norm_min\""),
-    (-0.5, r"Scoring.normalize_min=-0.5 gives float -0.5 on Ernie4_5_MoeSparseMoeBlock, not a floor: expected a "
-           r"finite number >= 0"),
     ("router.top_k_missing", r"cannot read 'router.top_k_missing'"),
 ])
 def test_a_scoring_floor_that_is_no_number_is_refused_naming_it(floor, match):
-    """Scoring.normalize_min is read off the block like Scoring.scale: a plain word, a negative number or a path the
-    block lacks is a FamilyError naming the field and value, not a silent misread."""
+    """Scoring.normalize_min is read off the block like Scoring.scale: a path the block lacks is a FamilyError naming
+    the field and value, not a silent misread (a plain word or a negative number is refused at register:
+    test_registration_mistakes)."""
     base = moelens.families.get("ernie4_5_moe")
     moelens.families.register(dataclasses.replace(
         base, name="floored_ernie", scoring=dataclasses.replace(base.scoring, normalize_min=floor)), replace=True)

@@ -1102,3 +1102,120 @@ def test_a_combine_mode_reference_reading_an_unknown_word_is_refused(registered)
     for layer in hand.layers:
         layer["moe"].combination = "sum"  # what the block computes: the same reference then passes
     assert families.check(moelens.wrap(hand), IDS)
+
+
+def test_a_misspelt_selection_bias_without_a_selection_op_warns_and_route_around_refuses(registered):
+    """selection_bias="router.sel_bias_typo" with no selection_op: wrap said nothing (it warned only with a
+    selection_op), and route_around wrote a -inf logit the router's own bias still outranked, leaving the expert
+    chosen without a word. Ground truth: the router module itself, at a -inf logit for expert 0, still picks it."""
+    hand = bias_model()
+    block = hand.layers[0]["moe"]
+    with torch.no_grad():
+        logits = F.linear(hand.embed(IDS), block.router.weight)
+        logits[..., 0] = float("-inf")
+        picked = (logits.sigmoid() + block.router.sel_bias).topk(TOP_K, dim=-1).indices
+    assert (picked == 0).any()  # the bias alone picks expert 0: a silent route_around would leave it chosen
+    registered(scoring=Scoring("sigmoid", "score_topk", normalize=True, selection_bias="router.sel_bias_typo"))
+    with pytest.warns(UserWarning, match=r"family 'hand': selection_bias 'router\.sel_bias_typo' names nothing on "
+                                         r"block layers\.0\.moe .*route_around refuses.*wrap the model again"):
+        wrapped = moelens.wrap(hand)
+    with pytest.raises(moelens.WriteError, match=r"route_around'\): model\.layers\.0\.moe \(hand\): Scoring\."
+                                                 r"selection_bias='router\.sel_bias_typo' names nothing on the block"):
+        with wrapped.trace(IDS):
+            moelens.ablate(wrapped.moes[0], 0, "route_around")
+
+
+@pytest.mark.parametrize(("groups", "read"), [
+    (("router.topk_group", "router.num_group"), r"n_group=2, topk_group=4"),
+    (("router.three", "router.topk_group"), r"n_group=3, topk_group=2 on DeepseekV3MoE \(E=8 experts\)"),
+], ids=["topk_group-above-n_group", "n_group-not-dividing-E"])
+def test_groups_no_router_can_keep_are_refused_naming_the_setting(groups, read):
+    """Scoring.groups reading (n_group, topk_group) swapped, or an n_group that does not divide E: check failed with
+    torch's "selected index k out of range" or an einops shape error, naming neither the setting nor the values."""
+    hf = tiny_model("deepseek_v3")
+    for layer in hf.model.layers:
+        router = getattr(layer.mlp, "gate", None)
+        if router is not None:
+            router.three = 3
+            assert (router.num_group, router.topk_group, hf.config.n_routed_experts) == (4, 2, 8)
+    entry = families.get("deepseek_v3")
+    families.register(dataclasses.replace(entry, name="ds3_groups",
+                                          scoring=dataclasses.replace(entry.scoring, groups=groups)), replace=True)
+    try:
+        with pytest.raises(FamilyError, match=rf"family 'ds3_groups': Scoring\.groups=.* reads {read}.*expected whole "
+                                              r"numbers with 1 <= topk_group <= n_group and n_group dividing E"):
+            families.check(moelens.wrap(hf), **tiny_inputs(hf))
+    finally:
+        families.unregister("ds3_groups")
+
+
+@pytest.mark.parametrize(("bias", "given"), [
+    ("router.weight", r"a Parameter of shape \(6, 16\)"), ("router.top_k", r"int 2")], ids=["matrix", "int"])
+def test_a_selection_bias_naming_no_bias_per_expert_is_refused_naming_the_setting(registered, bias, given):
+    """Scoring.selection_bias naming the router's [E, D] weight or its top_k: check and route_around failed with
+    torch's "size of tensor a must match" or "'int' object has no attribute 'detach'"."""
+    registered(scoring=Scoring("sigmoid", "score_topk", normalize=True, selection_bias=bias))
+    message = rf"family 'hand': Scoring\.selection_bias='{bias}' gives {given} on Block, not a bias per expert: " \
+              r"expected a tensor of shape \(6,\)"
+    with pytest.raises(FamilyError, match=message):
+        families.check(moelens.wrap(bias_model()), IDS)
+    wrapped = moelens.wrap(bias_model())
+    with pytest.raises(FamilyError, match=message):
+        with wrapped.trace(IDS):
+            moelens.ablate(wrapped.moes[0], 0, "route_around")
+
+
+def test_a_routed_scale_naming_a_tensor_is_refused_naming_the_setting(registered):
+    """Combine.routed_scale naming a [6] tensor: check failed with torch's "size of tensor a must match"."""
+    registered(combine=Combine(output_index=0, routed_scale="router.sel_bias"))
+    with pytest.raises(FamilyError, match=r"family 'hand': Combine\.routed_scale='router\.sel_bias' gives a Parameter "
+                                          r"of shape \(6,\) on Block, not a number"):
+        families.check(moelens.wrap(bias_model()), IDS)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"scoring": Scoring("softmax", normalize=True, normalize_min=-1.0)},
+     r"Scoring\.normalize_min must be None, a finite number >= 0 or an attribute reference .*got -1\.0"),
+    ({"scoring": Scoring("softmax", normalize=True, normalize_min=float("nan"))}, r"Scoring\.normalize_min must be "
+                                                                                  r"None, a finite number >= 0 .*got nan"),
+    ({"scoring": Scoring("softmax", normalize=True, normalize_min="norm_min")},
+     r"Scoring\.normalize_min must be .*got 'norm_min'; a plain word is no reference"),
+    ({"expert_gate": moelens.families.ExpertGate("swiglu")}, r"ExpertGate kind 'swiglu' is not one of \('glu',"),
+    ({"shared": SharedExpert("")}, r"SharedExpert\(module=''\) names no module"),
+])
+def test_settings_the_docs_say_register_refuses_are_refused(changes, message):
+    """normalize_min=-1, nan or a plain word, ExpertGate("swiglu") and SharedExpert(module="") were registered
+    (the docs say register refuses them); they failed later, or served nothing, far from the cause."""
+    with pytest.raises(FamilyError, match=rf"family 'hand_kinds': {message}"):
+        families.register(dataclasses.replace(ENTRY, name="hand_kinds", **changes))
+    assert "hand_kinds" not in {family.name for family in families.supported()}
+
+
+def test_check_of_a_model_wrapped_before_its_family_was_registered_says_to_wrap_again(registered):
+    """A model wrapped before register: check said "no MoE block that runs on every input", as if its blocks ran on
+    some inputs only; it has no Moe at all, and wrapping it again serves them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # wrap warns that it finds no MoE block
+        wrapped = moelens.wrap(model())
+    registered()
+    assert wrapped.moes == []
+    with pytest.raises(FamilyError, match=r"no block of this model is served as a Moe .*if its family was registered "
+                                          r"after wrapping, wrap it again \(moelens\.wrap\(model\._module\)\)"):
+        families.check(wrapped, IDS)
+    assert families.check(moelens.wrap(wrapped._module), IDS) == ["model.layers.0.moe", "model.layers.1.moe"]
+
+
+def test_check_names_a_normalisation_floor_the_router_does_not_apply(registered):
+    """Scoring.normalize_min=5.0 on a router that renormalises by the plain sum: check tried every candidate scoring
+    with the entry's floor and never named normalize_min, saying no scoring gives the weights."""
+    registered(scoring=Scoring("softmax", "score_topk", normalize=True, normalize_min=5.0))
+    with pytest.raises(FamilyError, match=r"the weights its experts got are not what the scoring of family 'hand' "
+                                          r"gives .*: with normalize_min=None \(the entry's other settings as they are\)"):
+        families.check(moelens.wrap(model()), IDS)
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].router = TemperatureRouter()  # no scoring of the linear op's output fits
+    with pytest.raises(FamilyError, match=r"no softmax / sigmoid scoring .* gives them; check normalize_min too"):
+        families.check(moelens.wrap(hand), IDS)
+    registered()  # the router's own scoring, without a floor, passes
+    assert families.check(moelens.wrap(model()), IDS)

@@ -224,12 +224,13 @@ def _has_path(module: torch.nn.Module, path: str) -> bool:
 
 def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) -> None:
     """Warn when a registered family's ``selection_bias`` names nothing on its block (a typo there
-    would leave routing ranked by the logits, and route_around / force writing the wrong value).
+    would leave routing ranked by the logits, and route_around / force writing the wrong value), with or
+    without a ``selection_op``.
 
     moelens' own entries are not checked: their routers leave the bias out when the config does.
     """
     scoring = family.scoring_of(module)
-    if not (scoring.selection_op and scoring.selection_bias) or registry.is_built_in(family):
+    if not scoring.selection_bias or registry.is_built_in(family):
         return
     try:
         family.resolve(scoring.selection_bias, module)
@@ -237,7 +238,8 @@ def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) ->
         warnings.warn(
             f"family {family.name!r}: selection_bias {scoring.selection_bias!r} names nothing on block {name} "
             f"({sentence(error)}). Its routing is served as ranked by router_logits, so route_around and force write the "
-            "logits, not what the router ranks. Fix the family's selection_bias (None when the router adds no bias).",
+            "logits, not what the router ranks (route_around refuses). Fix the family's selection_bias (None when the "
+            "router adds no bias), register it again and wrap the model again.",
             stacklevel=4,
         )
 
@@ -357,7 +359,8 @@ def discover(model: torch.nn.Module) -> Structure:
     if unknown:
         warnings.warn(
             f"moelens found MoE blocks of no registered family: {', '.join(unknown)}. They are plain "
-            "envoys; describe them with moelens.families.register(Family(...)) to serve their routing.",
+            "envoys; describe them with moelens.families.register(Family(...)), then wrap the model again "
+            "(moelens.wrap(model._module)), to serve their routing.",
             stacklevel=3,
         )
     for family_name, (block, container) in idle.items():

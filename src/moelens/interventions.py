@@ -38,7 +38,8 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
 from .components.layer_list import held_blocks
-from .errors import OrderError, WriteError
+from .errors import FamilyError, OrderError, WriteError, sentence
+from .families import registry
 from .families.scoring import score
 from .scalars import as_int, as_real, scalar
 
@@ -132,6 +133,7 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
         # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
         # per block, so that several experts can be routed around one after the other.)
+        _refuse_unread_bias(moe)
         ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
         ranked[..., expert] = float("-inf")
         if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
@@ -159,8 +161,27 @@ def _chosen_experts(moe: Moe) -> torch.Tensor:
     ranked = moe.router_logits[..., : moe.num_experts].float()  # without columns past the experts' (zaya, inkling)
     if scoring.select == "score_topk":
         ranked = score(family.score_of(block), ranked, moe.softcap)
-    ranked = ranked + family.resolve(scoring.selection_bias, block).float()
+    ranked = ranked + family.selection_bias_of(block, moe.num_experts).float()
     return ranked.topk(moe.top_k, dim=-1).indices
+
+
+def _refuse_unread_bias(moe: Moe) -> None:
+    """Raise where a registered family's `Scoring.selection_bias` names nothing on ``moe``'s block (a typo): the router
+    may add a bias the entry cannot read, so route_around could neither rank it out nor tell that it still picks the
+    expert. (moelens' own entries leave a bias the config leaves out: nothing to refuse there.)"""
+    family, block, reference = moe.family, moe._module, moe.SCORING.selection_bias
+    if not reference or registry.is_built_in(family):
+        return
+    try:
+        family.resolve(reference, block)
+    except FamilyError as error:
+        raise WriteError(
+            f"ablate(mode='route_around'): {moe.path} ({family.name}): Scoring.selection_bias={reference!r} names "
+            f"nothing on the block ({sentence(error)}), so where the router adds a bias for picking, the expert could "
+            "still be picked and route_around could not tell. Fix the entry's selection_bias (None where the router "
+            "adds no bias), register it again and wrap the model again (moelens.wrap(model._module)); or use "
+            "ablate(moe, expert, 'zero')."
+        ) from None
 
 
 def _check_bias_did_not_pick(moe: Moe, expert: int) -> None:

@@ -68,6 +68,12 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
                           "the model: call it after the with-block.")
     if not args and not kwargs:
         raise FamilyError(f"check runs the model once on inputs: {USAGE}.")
+    if not model.moes:
+        raise FamilyError(
+            "check: no block of this model is served as a Moe (model.moes is []), so there is no family entry to "
+            "check. A model keeps what it was wrapped with: if its family was registered after wrapping, wrap it "
+            "again (moelens.wrap(model._module)) and check that."
+        )
     moes = [moe for moe in model.moes if not moe.runs_only_on]
     if not moes:
         raise FamilyError("check: the model has no MoE block that runs on every input; nothing to check.")
@@ -230,7 +236,7 @@ def _entry_ranking(moe: Any, logits: torch.Tensor) -> tuple[torch.Tensor, str]:
         score_name = family.score_of(block)
         ranked, what = score(score_name, ranked, family.softcap_of(block)), f"its {score_name} scores"
     if family.holds(scoring.selection_bias, block):
-        ranked = ranked + family.resolve(scoring.selection_bias, block).detach().float()
+        ranked = ranked + family.selection_bias_of(block, ranked.shape[-1]).detach().float()
         what += f" plus {scoring.selection_bias}"
     return ranked, what
 
@@ -308,7 +314,7 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     difference = float((weights.float() - entry).abs().max())
     fitting = _fitting(weights.float(), logits, indices, (score_name, scoring.select, normalize), scale, softcap,
                        tolerance, floor)
-    if fitting == NOTHING_FITS:
+    if fitting.startswith(NOTHING_FITS):
         fitting += (f"; or the Scoring is right and logits_op is wrong: logits_op={family.logits_op!r} may name "
                     "another tensor than the one the router scores (such as the logits before the router divides them "
                     f"by a temperature): name the op whose output it scores. {_router_ops(moe, family.logits_op)}")
@@ -347,23 +353,28 @@ def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor,
              scale: float | None, softcap: float, tolerance: dict[str, float], floor: float = 0.0) -> str:
     """Which settings to change so the scoring gives ``weights``: the entry's own score, selection and
     normalisation (with its floor ``floor``) up to a factor (the scale), else the softmax / sigmoid, normalised or
-    not, that fits (named by what differs from the entry)."""
+    not, that fits (named by what differs from the entry); where the entry has a floor, each of those without it
+    too (``normalize_min=None``)."""
     score_name, select, normalize = own
     ranks_logits = select == "logit_topk"
-    for name, by_logits, renormalised in itertools.product(
-            dict.fromkeys((score_name, "softmax", "sigmoid")), (ranks_logits, not ranks_logits), (normalize, not normalize)):
+    fits = []
+    for floored, name, by_logits, renormalised in itertools.product(
+            dict.fromkeys((floor, 0.0)), dict.fromkeys((score_name, "softmax", "sigmoid")),
+            (ranks_logits, not ranks_logits), (normalize, not normalize)):
         candidate = chosen_weights(logits, indices, name, "logit_topk" if by_logits else "score_topk", renormalised,
-                                   None, softcap, floor)
+                                   None, softcap, floored)
         ratio = _factor(weights, candidate, tolerance)
         if ratio is None:
             continue
         changes = [f"score={name!r}"] * (name != score_name) + [
             "select='logit_topk'" if by_logits else "select='score_topk'"] * (by_logits != ranks_logits) + [
-            f"normalize={renormalised}"] * (renormalised != normalize)
+            f"normalize={renormalised}"] * (renormalised != normalize) + ["normalize_min=None"] * (floored != floor)
         if not math.isclose(ratio, scale if scale is not None else 1.0, rel_tol=1e-3):
             changes.append(f"scale={ratio:.4g}")
-        return f"with {', '.join(changes)} (the entry's other settings as they are) it gives them"
-    return NOTHING_FITS
+        fits.append(changes)
+    if fits:  # the fewest changes (a floor dropped, not another selection scaled by it)
+        return f"with {', '.join(min(fits, key=len))} (the entry's other settings as they are) it gives them"
+    return NOTHING_FITS + ("; check normalize_min too (the floor the entry clamps the divisor at)" if floor else "")
 
 
 #: `_fitting`'s answer where no scoring gives the weights.
@@ -419,7 +430,7 @@ def _combine_fitting(family: Any, block: Any, routed: torch.Tensor, shared: torc
         return generic
     routed, output = routed.float(), output.float()
     rest = torch.zeros_like(output) if shared is None else shared.float()
-    own_mode, own_scale = family.mode_of(block), family.resolve(combine.routed_scale, block)
+    own_mode, own_scale = family.mode_of(block), family.routed_scale_of(block)
     for mode in dict.fromkeys((own_mode, "sum", "average")):
         target = output * 2 - rest if mode == "average" else output - rest  # what the scaled routed output must be
         scale = float((target * routed).sum() / (routed * routed).sum())

@@ -517,6 +517,38 @@ class Family:
             "number (or an attribute holding one), or leave it None (a per-expert scale is the experts' own)."
         )
 
+    def selection_bias_of(self, block: Any, experts: int) -> Any:
+        """The bias the live ``block``'s router adds to its ``experts`` scores for picking only (`Scoring.selection_bias`,
+        read): a tensor ``[experts]`` (or ``[1, experts]``), or None where the entry names none or the block has none (a config can leave it
+        out)."""
+        reference = self.scoring_of(block).selection_bias
+        value = self.resolve(reference, block)
+        if value is None or (hasattr(value, "shape") and tuple(value.shape[-1:]) == (experts,)
+                             and value.numel() == experts):
+            return value  # [E], or [1, E] (ernie4_5's moe_statics)
+        given = (f"a {type(value).__name__} of shape {tuple(value.shape)}" if hasattr(value, "shape")
+                 else f"{type(value).__name__} {value!r:.40}")
+        raise FamilyError(
+            f"family {self.name!r}: Scoring.selection_bias={reference!r} gives {given} on "
+            f"{type(block).__name__}, not a bias per expert: expected a tensor of shape ({experts},) (or (1, {experts})), "
+            "one number added to each expert's score for picking only (\"router.e_score_correction_bias\"), or None for none."
+        )
+
+    def routed_scale_of(self, block: Any) -> float | None:
+        """The multiplier the live ``block`` puts on its experts' output (`Combine.routed_scale`, read), None for none."""
+        reference = self.combine.routed_scale
+        value = self.resolve(reference, block)
+        if hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor or buffer
+            value = value.item()
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return None if value is None else float(value)
+        shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+        raise FamilyError(
+            f"family {self.name!r}: Combine.routed_scale={reference!r} gives a {type(value).__name__}{shape} on "
+            f"{type(block).__name__}, not a number: the block multiplies its whole experts output by it; name a "
+            "number (or an attribute holding one), or leave it None."
+        )
+
     def softcap_of(self, block: Any) -> float:
         """The logit softcap the live ``block``'s router applies before scoring (laguna), 0.0 for none."""
         reference = self.scoring_of(block).softcap
@@ -534,7 +566,20 @@ class Family:
         n_group, topk_group = (self.resolve(reference, block) for reference in scoring.groups)
         if n_group is None or topk_group is None:  # a config without groups (axk2's default): the router skips them
             return None
-        return int(n_group), int(topk_group)
+        groups, kept = _whole(n_group), _whole(topk_group)
+        try:
+            experts = self.resolve(self.num_experts, block)
+        except FamilyError:  # a block that does not say E where the entry looks: the groups are checked without it
+            experts = None
+        if groups is not None and kept is not None and 1 <= kept <= groups and not (
+                isinstance(experts, int) and experts % groups):
+            return groups, kept
+        raise FamilyError(
+            f"family {self.name!r}: Scoring.groups={scoring.groups!r} reads n_group={n_group!r:.40}, "
+            f"topk_group={topk_group!r:.40} on {type(block).__name__} (E={experts!r:.40} experts), which no router "
+            "groups by: expected whole numbers with 1 <= topk_group <= n_group and n_group dividing E. Name the "
+            "attributes that hold (n_group, topk_group), in that order."
+        )
 
     def identity_count(self, block: Any) -> int:
         """How many of the live ``block``'s experts are zero-compute identity experts (the last ones), 0 for none."""
@@ -561,7 +606,7 @@ class Family:
         are read from it); tensors may be ``[T, D]`` or ``[b, s, D]``.
         """
         combine = self.combine
-        scale = self.resolve(combine.routed_scale, block)
+        scale = self.routed_scale_of(block)
         output = routed * scale if scale is not None else routed
         if combine.routed_post:
             output = get_path(block, combine.routed_post)(output)
@@ -605,6 +650,13 @@ class Family:
         if self.shared is not None and self.shared.when == "after_block":
             order.append("shared_expert_output")
         return tuple(name for name in order if name not in self.refused)
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int where it is a whole number (``4``, ``4.0``), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value == int(value):
+        return int(value)
+    return None
 
 
 def get_path(root: Any, path: str) -> Any:

@@ -19,8 +19,8 @@ from nnsight.intervention.envoy import Envoy
 
 from ..errors import FamilyError
 from ..scalars import check_flag
-from .entry import (COMBINE_MODES, GROUP_SCORES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine, ExpertGate,
-                    ExpertLayout, Family, Scoring, SharedExpert)
+from .entry import (COMBINE_MODES, EXPERT_GATES, GROUP_SCORES, SELECTIONS, SHARED_TIMES, VALUE_NAMES, Combine,
+                    ExpertGate, ExpertLayout, Family, Scoring, SharedExpert)
 from .scoring import SCORE_FUNCTIONS
 
 _FAMILIES: dict[str, Family] = {}
@@ -132,6 +132,17 @@ def _check_description(family: Family) -> None:
     if family.shared is not None and family.shared.when not in SHARED_TIMES:
         raise FamilyError(
             f"family {family.name!r}: shared expert time {family.shared.when!r} is not one of {SHARED_TIMES}."
+        )
+    if family.shared is not None and isinstance(family.shared.module, str) and not family.shared.module:
+        raise FamilyError(
+            f"family {family.name!r}: SharedExpert(module='') names no module: give the path of the shared-expert "
+            "module from the block (\"shared_expert\"), or leave shared=None for a block without one."
+        )
+    if family.expert_gate is not None and family.expert_gate.kind not in EXPERT_GATES:
+        raise FamilyError(
+            f"family {family.name!r}: ExpertGate kind {family.expert_gate.kind!r} is not one of {EXPERT_GATES} "
+            "(\"glu\" is act_fn(gate) * up, SwiGLU with a silu act_fn); leave expert_gate None for transformers' "
+            "default."
         )
     if family.shared is not None and (family.shared.gate is None) != (family.shared.gated_op is None):
         raise FamilyError(
@@ -245,6 +256,9 @@ def _settings(family: Family) -> Iterator[tuple[str, object, Callable[[object], 
     takes and how they read in an error ("" for none). A plain word there would be taken as a literal."""
     optional_positive = lambda value: value is None or _number(value) and math.isfinite(value) and value > 0  # noqa: E731
     only_none = lambda value: value is None  # noqa: E731
+    # a bool passes here to be refused by its kind (_plain_field_problem): "must be a number or a string or None"
+    optional_floor = lambda value: (value is None or isinstance(value, bool)  # noqa: E731
+                                    or _number(value) and math.isfinite(value) and value >= 0)
     yield "top_k", family.top_k, _count(1), "an int >= 1"
     yield "num_experts", family.num_experts, _count(1), "an int >= 1"
     yield "identity_experts", family.identity_experts, lambda value: value is None or _count(0)(value), \
@@ -254,6 +268,7 @@ def _settings(family: Family) -> Iterator[tuple[str, object, Callable[[object], 
     for scoring in (family.scoring, *family.scoring_by_router.values()):
         yield "Scoring.score", scoring.score, SCORE_FUNCTIONS.__contains__, f"one of {sorted(SCORE_FUNCTIONS)}"
         yield "Scoring.normalize", scoring.normalize, lambda value: isinstance(value, bool), "True, False"
+        yield "Scoring.normalize_min", scoring.normalize_min, optional_floor, "None, a finite number >= 0"
         yield "Scoring.scale", scoring.scale, optional_positive, "None, a positive number"
         yield "Scoring.selection_bias", scoring.selection_bias, only_none, "None"
         yield "Scoring.softcap", scoring.softcap, only_none, "None"
