@@ -504,23 +504,14 @@ class Family:
 
     def scale_of(self, block: Any) -> float | None:
         """The multiplier the live ``block``'s router puts on every weight (`Scoring.scale`, read), None for none."""
-        reference = self.scoring_of(block).scale
-        value = self.resolve(reference, block)
-        if hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor or buffer
-            value = value.item()
-        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-            return None if value is None else float(value)
-        shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
-        raise FamilyError(
-            f"family {self.name!r}: Scoring.scale={reference!r} gives a {type(value).__name__}{shape} on "
-            f"{type(block).__name__}, not a number: the scale is one multiplier on every expert weight; name a "
-            "number (or an attribute holding one), or leave it None (a per-expert scale is the experts' own)."
-        )
+        return self._multiplier(block, "Scoring.scale", self.scoring_of(block).scale,
+                                "the scale is one multiplier on every expert weight; name a number (or an attribute "
+                                "holding one), or leave it None (a per-expert scale is the experts' own)")
 
     def selection_bias_of(self, block: Any, experts: int) -> Any:
-        """The bias the live ``block``'s router adds to its ``experts`` scores for picking only (`Scoring.selection_bias`,
-        read): a tensor ``[experts]`` (or ``[1, experts]``), or None where the entry names none or the block has none (a config can leave it
-        out)."""
+        """The bias the live ``block``'s router adds to its ``experts`` scores for picking only
+        (`Scoring.selection_bias`, read): a tensor ``[experts]`` (or ``[1, experts]``), or None where the entry names
+        none or the block has none (a config can leave it out)."""
         reference = self.scoring_of(block).selection_bias
         value = self.resolve(reference, block)
         if value is None or (hasattr(value, "shape") and tuple(value.shape[-1:]) == (experts,)
@@ -530,24 +521,29 @@ class Family:
                  else f"{type(value).__name__} {value!r:.40}")
         raise FamilyError(
             f"family {self.name!r}: Scoring.selection_bias={reference!r} gives {given} on "
-            f"{type(block).__name__}, not a bias per expert: expected a tensor of shape ({experts},) (or (1, {experts})), "
-            "one number added to each expert's score for picking only (\"router.e_score_correction_bias\"), or None for none."
+            f"{type(block).__name__}, not a bias per expert: expected a tensor of shape ({experts},) (or (1, "
+            f"{experts})), one number added to each expert's score for picking only "
+            "(\"router.e_score_correction_bias\"), or None for none."
         )
 
     def routed_scale_of(self, block: Any) -> float | None:
-        """The multiplier the live ``block`` puts on its experts' output (`Combine.routed_scale`, read), None for none."""
-        reference = self.combine.routed_scale
+        """The multiplier the live ``block`` puts on its experts' output (`Combine.routed_scale`, read), None for
+        none."""
+        return self._multiplier(block, "Combine.routed_scale", self.combine.routed_scale,
+                                "the block multiplies its whole experts output by it; name a number (or an attribute "
+                                "holding one), or leave it None")
+
+    def _multiplier(self, block: Any, field: str, reference: Any, what: str) -> float | None:
+        """The entry's setting ``field`` (``reference``) read on the live ``block`` as one number, None for none;
+        a FamilyError saying ``what`` it is where it gives something else (a per-expert tensor)."""
         value = self.resolve(reference, block)
         if hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor or buffer
             value = value.item()
         if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
             return None if value is None else float(value)
         shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
-        raise FamilyError(
-            f"family {self.name!r}: Combine.routed_scale={reference!r} gives a {type(value).__name__}{shape} on "
-            f"{type(block).__name__}, not a number: the block multiplies its whole experts output by it; name a "
-            "number (or an attribute holding one), or leave it None."
-        )
+        raise FamilyError(f"family {self.name!r}: {field}={reference!r} gives a {type(value).__name__}{shape} on "
+                          f"{type(block).__name__}, not a number: {what}.")
 
     def softcap_of(self, block: Any) -> float:
         """The logit softcap the live ``block``'s router applies before scoring (laguna), 0.0 for none."""
