@@ -1441,8 +1441,9 @@ def test_a_registered_selection_bias_that_names_nothing_is_warned_about():
                                  "has no attribute 'bais'); it is the entry's scoring.selection_bias; set that to a value, "
                                  "or to a reference to what this model has). Its routing is "
                                  "served as ranked by router_logits, so route_around and force write the logits, not "
-                                 "what the router ranks. Fix the family's selection_bias (None when the router adds no "
-                                 "bias)."] if warned else [])
+                                 "what the router ranks (route_around refuses). Fix the family's selection_bias (None "
+                                 "when the router adds no bias), register it again and wrap the model again."]
+                                if warned else [])
         finally:
             moelens.families.unregister("custom")
     with warnings.catch_warnings():  # moelens' own entries leave the bias out where the config does
