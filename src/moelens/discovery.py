@@ -223,23 +223,16 @@ def _has_path(module: torch.nn.Module, path: str) -> bool:
 
 
 def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) -> None:
-    """Warn when a registered family's ``selection_bias`` names nothing on its block (a typo there
-    would leave routing ranked by the logits, and route_around / force writing the wrong value), with or
-    without a ``selection_op``.
-
-    moelens' own entries are not checked: their routers leave the bias out when the config does.
-    """
-    scoring = family.scoring_of(module)
-    if not scoring.selection_bias or registry.is_built_in(family):
-        return
-    try:
-        family.resolve(scoring.selection_bias, module)
-    except FamilyError as error:
+    """Warn when a registered family's ``selection_bias`` names nothing on its block (`registry.unread_selection_bias`:
+    a typo there would leave routing ranked by the logits, and route_around / force writing the wrong value), with or
+    without a ``selection_op``."""
+    error = registry.unread_selection_bias(family, module)
+    if error is not None:
         warnings.warn(
-            f"family {family.name!r}: selection_bias {scoring.selection_bias!r} names nothing on block {name} "
-            f"({sentence(error)}). Its routing is served as ranked by router_logits, so route_around and force write the "
-            "logits, not what the router ranks (route_around refuses). Fix the family's selection_bias (None when the "
-            "router adds no bias), register it again and wrap the model again.",
+            f"family {family.name!r}: selection_bias {family.scoring_of(module).selection_bias!r} names nothing on "
+            f"block {name} ({sentence(error)}). Its routing is served as ranked by router_logits, so route_around and "
+            "force write the logits, not what the router ranks (route_around refuses). Fix the family's selection_bias "
+            "(None when the router adds no bias), register it again and wrap the model again.",
             stacklevel=4,
         )
 

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
 from .components.layer_list import held_blocks
-from .errors import FamilyError, OrderError, WriteError, sentence
+from .errors import OrderError, WriteError, sentence
 from .families import registry
 from .families.scoring import score
 from .scalars import as_int, as_real, scalar
@@ -166,22 +166,18 @@ def _chosen_experts(moe: Moe) -> torch.Tensor:
 
 
 def _refuse_unread_bias(moe: Moe) -> None:
-    """Raise where a registered family's `Scoring.selection_bias` names nothing on ``moe``'s block (a typo): the router
-    may add a bias the entry cannot read, so route_around could neither rank it out nor tell that it still picks the
-    expert. (moelens' own entries leave a bias the config leaves out: nothing to refuse there.)"""
-    family, block, reference = moe.family, moe._module, moe.SCORING.selection_bias
-    if not reference or registry.is_built_in(family):
-        return
-    try:
-        family.resolve(reference, block)
-    except FamilyError as error:
+    """Raise where a registered family's `Scoring.selection_bias` names nothing on ``moe``'s block (a typo:
+    `registry.unread_selection_bias`): the router may add a bias the entry cannot read, so route_around could neither
+    rank it out nor tell that it still picks the expert."""
+    error = registry.unread_selection_bias(moe.family, moe._module)
+    if error is not None:
         raise WriteError(
-            f"ablate(mode='route_around'): {moe.path} ({family.name}): Scoring.selection_bias={reference!r} names "
-            f"nothing on the block ({sentence(error)}), so where the router adds a bias for picking, the expert could "
-            "still be picked and route_around could not tell. Fix the entry's selection_bias (None where the router "
-            "adds no bias), register it again and wrap the model again (moelens.wrap(model._module)); or use "
-            "ablate(moe, expert, 'zero')."
-        ) from None
+            f"ablate(mode='route_around'): {moe.path} ({moe.family.name}): Scoring.selection_bias="
+            f"{moe.SCORING.selection_bias!r} names nothing on the block ({sentence(error)}), so where the router adds a "
+            "bias for picking, the expert could still be picked and route_around could not tell. Fix the entry's "
+            "selection_bias (None where the router adds no bias), register it again and wrap the model again "
+            "(moelens.wrap(model._module)); or use ablate(moe, expert, 'zero')."
+        )
 
 
 def _check_bias_did_not_pick(moe: Moe, expert: int) -> None:

@@ -516,8 +516,6 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             self._rows_per_prompt = 1
 
 
-#: `MoeTransformersModel.scan`'s refusal of a model whose experts run ``torch_a2a``: the text the implementation itself
-#: raises on scan's shape-only tensors (`moelens.parallel.experts.torch_a2a_experts_forward`, for bare nnsight use).
 def _runs_torch_a2a(moes: Iterable[Moe]) -> bool:
     """Whether any of ``moes``' experts run ``torch_a2a``: switched to it (`moelens.parallel.shard_experts` does, in
     a group of any size), or run by transformers' expert parallelism through it (``ep_implementation="torch_a2a"``,

@@ -296,6 +296,20 @@ def is_built_in(family: Family) -> bool:
     return any(family is entry for entry in _BUILT_IN)
 
 
+def unread_selection_bias(family: Family, block: Any) -> FamilyError | None:
+    """The error reading a registered ``family``'s `Scoring.selection_bias` on ``block`` raises (a typo: it names
+    nothing there), None where it reads or names none. moelens' own entries are not checked: their routers leave the
+    bias out when the config does."""
+    reference = family.scoring_of(block).selection_bias
+    if not reference or is_built_in(family):
+        return None
+    try:
+        family.resolve(reference, block)
+    except FamilyError as error:
+        return error
+    return None
+
+
 def unregister(name: str) -> None:
     """Undo the newest `register` of ``name``.
 
