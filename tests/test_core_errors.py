@@ -3322,6 +3322,16 @@ def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap
         moelens.load()
 
 
+def test_wrap_with_a_tokenizer_keeps_a_device_map_attribute_set_to_none():
+    """nnsight's pipeline needs a device map while wrap builds it; moelens gives a model without one a map meanwhile
+    and took it off after, also where the user's model held ``hf_device_map = None`` (set by other code): the
+    attribute was gone after wrap."""
+    hf = tiny_model("mixtral")
+    hf.hf_device_map = None
+    moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    assert "hf_device_map" in hf.__dict__ and hf.hf_device_map is None
+
+
 def test_wrap_with_a_tokenizer_leaves_the_model_on_its_device_where_an_accelerator_is_found(monkeypatch):
     """nnsight builds a transformers pipeline for a model with a tokenizer, and a pipeline given no device moves a
     model with no device map to the first accelerator it finds: on a machine with a GPU, moelens.wrap(cpu_model,

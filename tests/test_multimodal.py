@@ -190,21 +190,31 @@ def test_routing_windows_are_cut_at_the_text_decoders_context():
 
 def test_image_inputs_split_between_invokes_are_refused_with_the_way_to_batch_them():
     """A model wrapped without a tokenizer refused several invokes carrying images by advising to pass them to
-    model.trace(...), where nnsight then refused every invoke; the refusal says how to batch them instead."""
-    wrapped = moelens.wrap(_model("qwen3_vl_moe", "batched_mm"))
+    model.trace(...), where nnsight then refused every invoke; the refusal says how to batch them instead. Wrapped with
+    a tokenizer, a trace or a generation with images in one of several invokes failed with nnsight's bare "Can't batch
+    these inputs; pass text or token ids", which named no input and whose advice drops the images."""
+    hf_model = _model("qwen3_vl_moe", "batched_mm")
     prompts = _prompts("qwen3_vl_moe")
     one = {name: value[:16] if name == "pixel_values" else value[:1] for name, value in prompts.items()}
-    with pytest.raises(moelens.MoelensError, match=r"Inputs of other modalities \(image_grid_thw, pixel_values\) "
-                                                   r"cannot be split between invokes: give the processor's whole batch"):
-        with wrapped.trace() as tracer:
-            with tracer.invoke(**one):
-                wrapped.moes[0].expert_indices.save()
-            with tracer.invoke(**one):
-                wrapped.moes[0].expert_indices.save()
-    with wrapped.trace() as tracer:
-        with tracer.invoke(**prompts):  # the whole batch in one invoke
-            indices = wrapped.moes[0].expert_indices.save()
-    assert indices.shape[:2] == prompts["input_ids"].shape
+    refused = r"Inputs of other modalities \(image_grid_thw, pixel_values\) cannot be split between invokes: give " \
+              r"the processor's whole batch to one invoke, or to model\.trace\(\.\.\.\) with no invokes\."
+    plain, with_tokenizer = moelens.wrap(hf_model), moelens.wrap(hf_model, tokenizer=ascii_tokenizer())
+    generating = {"max_new_tokens": 2}
+    runs = [(plain, "trace", {}, one), (with_tokenizer, "trace", {}, one), (with_tokenizer, "generate", generating, one),
+            (with_tokenizer, "generate", generating, {"input_ids": one["input_ids"]})]  # beside an invoke of text alone
+    for wrapped, run, options, second in runs:
+        with pytest.raises(moelens.MoelensError, match=refused):
+            with getattr(wrapped, run)(**options) as tracer:
+                with tracer.invoke(**one):
+                    wrapped.moes[0].expert_indices.save()
+                with tracer.invoke(**second):
+                    wrapped.moes[0].expert_indices.save()
+    for wrapped, run, options in ((plain, "trace", {}), (with_tokenizer, "trace", {}),
+                                  (with_tokenizer, "generate", generating)):
+        with getattr(wrapped, run)(**options) as tracer:
+            with tracer.invoke(**prompts):  # the whole batch in one invoke
+                indices = wrapped.moes[0].expert_indices.save()
+        assert indices.shape[:2] == prompts["input_ids"].shape
 
 
 def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_error():

@@ -404,13 +404,21 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     _rows_per_prompt: int = 1
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
-        """nnsight's batching of the invokes' inputs, after refusing, on a model with a tokenizer alone (no
-        processor, feature extractor or image processor, which may take raw audio or image data), an input that is
-        no prompt, token ids or tensor (a number, bytes, a list of numbers that are not ids: transformers' text
-        pipeline failed on it with "can only concatenate str")."""
+        """nnsight's batching of the invokes' inputs, after refusing inputs of other modalities than text (images,
+        audio) in one of several invokes (nnsight batches invokes from text and token ids alone, and refused them with
+        "Can't batch these inputs; pass text or token ids", advice that drops the images), and, on a model with a
+        tokenizer alone (no processor, feature extractor or image processor, which may take raw audio or image data),
+        an input that is no prompt, token ids or tensor (a number, bytes, a list of numbers that are not ids:
+        transformers' text pipeline failed on it with "can only concatenate str")."""
         text_only = not any(getattr(self, name, None) is not None
                             for name in ("processor", "feature_extractor", "image_processor"))
         for index, (inputs, kwargs) in enumerate(invokes):
+            modality = _modality_inputs(_invoke_input_names(inputs, kwargs))
+            if modality and len(invokes) > 1:
+                raise MoelensError(
+                    "a model wrapped with a tokenizer batches several invokes from text and token ids alone, and "
+                    f"invoke {index} of {len(invokes)} got more. {_unsplittable(modality)}"
+                )
             ids = _invoke_ids(inputs, kwargs)
             if isinstance(ids, torch.Tensor) and ids.dtype not in EMBEDDED_ID_DTYPES and len(invokes) > 1:
                 raise unembeddable_ids(ids, f"the input_ids of the trace's invoke {index}")  # nnsight cannot batch them
@@ -661,6 +669,25 @@ def _invoke_ids(inputs: tuple, kwargs: dict) -> Any:
     return inputs[0] if inputs else kwargs.get("input_ids")
 
 
+def _modality_inputs(names: Iterable[Any]) -> list[str]:
+    """Which of ``names`` (an invoke's input names) are inputs of another modality than text (an image's
+    pixel_values and image_grid_thw, a processor's images=, audio input_features), sorted."""
+    return sorted(str(name) for name in names if any(part in str(name) for part in MODALITY_INPUTS))
+
+
+def _invoke_input_names(inputs: tuple, kwargs: dict) -> list[Any]:
+    """The names of an invoke's inputs: its keywords, and the keys of an encoding given as its first input
+    (``tracer.invoke(processor(...))``)."""
+    return [*kwargs, *(inputs[0] if inputs and isinstance(inputs[0], Mapping) else ())]
+
+
+def _unsplittable(modality: list[str]) -> str:
+    """The sentence saying that the inputs named ``modality`` (images, audio) cannot be split between invokes, and how
+    to batch them instead."""
+    return (f"Inputs of other modalities ({', '.join(modality)}) cannot be split between invokes: give the processor's "
+            "whole batch to one invoke, or to model.trace(...) with no invokes.")
+
+
 def _token_ids(value: Any) -> bool:
     """Whether ``value`` can be a model's input_ids: an integer tensor (a float one, a number or a list is not)."""
     return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
@@ -748,11 +775,9 @@ class MoeNNsight(MoeModelMixin, NNsight):
                 given = (f"keyword(s) {others} beside the ids" if others
                          else f"{len(inputs)} inputs (ids and a {type(inputs[1]).__name__})" if len(inputs) > 1
                          else f"{type(ids).__name__} {ids!r:.60}")
-                modality = [name for name in others if any(part in name for part in MODALITY_INPUTS)]
-                remedy = (f"Inputs of other modalities ({', '.join(modality)}) cannot be split between invokes: give "
-                          "the processor's whole batch to one invoke, or to model.trace(...) with no invokes."
-                          if modality else "Pass settings that hold for the whole batch to model.trace(...) instead, "
-                          "or wrap(model, tokenizer=...) for text, padding and masks.")
+                modality = _modality_inputs(others)
+                remedy = (_unsplittable(modality) if modality else "Pass settings that hold for the whole batch to "
+                          "model.trace(...) instead, or wrap(model, tokenizer=...) for text, padding and masks.")
                 raise MoelensError(
                     f"a model wrapped without a tokenizer batches several invokes only from token-id tensors, one "
                     f"per invoke (tracer.invoke(ids)); an invoke got {given}. {remedy}"
@@ -884,11 +909,13 @@ def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
 def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
     first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none; a model all on disk gets the
-    CPU, where accelerate runs it); the map is restored after.
+    CPU, where accelerate runs it); the map is restored after (an attribute set to None stays None; one that was
+    not there is taken off again).
     A model with no map gets one meanwhile that names where its first weight is: the pipeline moves a model without
     a map to the first accelerator it finds (a CPU model onto ``cuda:0`` on a machine with a GPU), and a weight on
     meta (every weight, built under ``init_empty_weights``; or behind accelerate's offload hooks, ``cpu_offload``,
     which sets no map) cannot be moved at all ("Cannot copy out of meta tensor"): those get the CPU."""
+    had_map = "hf_device_map" in model.__dict__
     device_map = getattr(model, "hf_device_map", None)
     if device_map is None:
         first = next(model.parameters(), None)
@@ -906,10 +933,10 @@ def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        if device_map is None:
-            del model.hf_device_map
-        else:
+        if had_map:
             model.hf_device_map = device_map
+        else:
+            del model.hf_device_map
 
 
 class _PipelineTaskComplaint(logging.Filter):
