@@ -5,6 +5,7 @@ Ground truth: torch forward hooks on the converted model."""
 from __future__ import annotations
 
 import warnings
+from typing import Any, Callable, NamedTuple
 
 import nnsight
 import pytest
@@ -602,6 +603,137 @@ def test_a_late_read_at_the_last_step_of_a_generation_is_refused(steps):
                 seen.append(step)
     assert list(seen) == [0, 1, 2]
     assert any("never reached" in str(warning.message) for warning in caught)
+
+
+#: Loops asking for steps a generation of ``STEPS`` tokens does not make (iter[0:5]: two more than it makes).
+OPEN_LOOPS = {"all()": lambda tracer: tracer.all(), "iter[:]": lambda tracer: tracer.iter[:],
+              "iter[0:5]": lambda tracer: tracer.iter[0:5]}
+
+
+@pytest.fixture(scope="module", params=["qwen2_moe", "mixtral"])
+def open_loop_models(request):
+    """(wrapped tiny model of the family, plain nnsight on an unwrapped copy, the prompt's ids, the wrapped model's
+    first block, that block's path in the copy)."""
+    import copy
+
+    from groundtruth import ascii_tokenizer
+    from moelens.testing import tiny_model
+
+    hf = tiny_model(request.param, experts_implementation="grouped_mm")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    with warnings.catch_warnings():  # nnsight 0.8 deprecates LanguageModel
+        warnings.simplefilter("ignore")
+        plain = nnsight.LanguageModel(reference, tokenizer=ascii_tokenizer())
+    moe = wrapped.moes[0]
+    ids = wrapped.tokenizer("hello", return_tensors="pt")["input_ids"]
+    return wrapped, plain, ids, moe, moe.path.removeprefix("model.")
+
+
+class Generated(NamedTuple):
+    """What a greedy generation of ``STEPS`` tokens did (`_generated`)."""
+
+    #: The steps the loop body ran at.
+    steps: list[int]
+    #: The token each forward picked: the argmax of the lm_head's last position (torch hook).
+    tokens: list[int]
+    #: The experts the block's router picked for each token at each forward (torch hook on ``router``).
+    picked: list[torch.Tensor]
+    #: Whether the run ended with nnsight's warning that a step "was never reached" (an open loop's end).
+    warned: bool
+
+
+def _generated(model: Any, ids: torch.Tensor, router: torch.nn.Module, loop: str | None,
+               at_step: Callable[[], None]) -> Generated:
+    """A greedy generation of ``STEPS`` tokens on ``model`` (moelens' or plain nnsight's) with ``at_step()`` the last
+    request of every step of the loop ``OPEN_LOOPS[loop]`` (no loop: None); ``router`` is the torch module whose
+    picks are recorded (its output's third item)."""
+    tokens, picked = [], []
+    hooks = [router.register_forward_hook(lambda module, args, output: picked.append(output[2])),
+             model._module.lm_head.register_forward_hook(
+                 lambda module, args, output: tokens.append(int(output[0, -1].argmax())))]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad(), model.generate(ids, max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                                 do_sample=False) as tracer:
+                steps = nnsight.save([])
+                for step in OPEN_LOOPS[loop](tracer) if loop is not None else ():
+                    at_step()
+                    steps.append(step)  # (no request: the edit's write-back still waits as the next step asks)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return Generated(list(steps), tokens, picked, any("never reached" in str(warning.message) for warning in caught))
+
+
+def _ground_truth(plain: Any, ids: torch.Tensor, moe: Any, block: str, edited: bool = True) -> Generated:
+    """Plain nnsight on the unwrapped copy, in an open loop, writing 5 into the first 8 features of the output of
+    ``moe``'s experts module (at ``block`` in the copy) in place at every step (what ``moe.routed_output[..., :8] =
+    5.0`` edits); not ``edited``: the generation alone."""
+
+    def edit() -> None:
+        plain.get(f"{block}.{moe.family.experts}").output[..., :8] = 5.0
+
+    router = plain._module.get_submodule(f"{block}.{moe.family.router}")
+    return _generated(plain, ids, router, "iter[0:5]" if edited else None, edit)
+
+
+@pytest.mark.parametrize("loop", list(OPEN_LOOPS))
+def test_an_open_loop_that_edits_in_place_ends_with_nnsight_s_warning(open_loop_models, loop):
+    """An in-place edit of a value at every step of a loop asking for steps the run did not make raised a false
+    OrderError at the end of generate (every step's edit applied), where reads alone end with nnsight's warning: the
+    edit's write-back, landed as the step the run never made was asked for, relaxed nnsight's pin to that step, and
+    the refusal took the request for a late read. It ends with the warning now, each step edited as plain nnsight on
+    an unwrapped copy editing the experts' output in place in the same loop (its tokens, which the edit changes)."""
+    wrapped, plain, ids, moe, block = open_loop_models
+    truth, unedited = _ground_truth(plain, ids, moe, block), _ground_truth(plain, ids, moe, block, edited=False)
+    assert truth.warned and truth.steps == [0, 1, 2] and truth.tokens != unedited.tokens  # the edit tells
+
+    def edit() -> None:
+        moe.routed_output[..., :8] = 5.0
+
+    run = _generated(wrapped, ids, moe.router._module, loop, edit)
+    assert run.warned
+    assert run.steps == [0, 1, 2]
+    assert run.tokens == truth.tokens
+
+
+@pytest.mark.parametrize("loop", list(OPEN_LOOPS))
+@pytest.mark.parametrize("intervention", ["steer", "route_around"])
+def test_an_open_loop_that_steers_or_routes_around_ends_with_nnsight_s_warning(open_loop_models, loop, intervention):
+    """moelens.steer and moelens.ablate(mode="route_around") write the router's logits: at every step of an open loop
+    they raised the same false OrderError at the end of generate. Now the loop ends with nnsight's warning, and the
+    router (torch hook) picked expert 1 for every token at every step (steered by +30), or for none (routed around)."""
+    wrapped, _, ids, moe, _ = open_loop_models
+
+    def intervene() -> None:
+        moelens.steer(moe, 1, 30.0) if intervention == "steer" else moelens.ablate(moe, 1, mode="route_around")
+
+    run = _generated(wrapped, ids, moe.router._module, loop, intervene)
+    assert run.warned
+    assert run.steps == [0, 1, 2]
+    assert len(run.picked) == STEPS
+    for picked in run.picked:
+        assert (picked == 1).any(-1).all() if intervention == "steer" else not (picked == 1).any()
+
+
+def test_a_lasting_edit_with_an_open_loop_serves_every_later_generation(open_loop_models):
+    """A lasting edit (model.edit(inplace=True)) editing a value in place at every step of tracer.iter[:] failed every
+    later generate with a false OrderError. Each now ends with nnsight's warning, each step edited as plain nnsight on
+    an unwrapped copy editing the experts' output in place in an open loop."""
+    wrapped, plain, ids, moe, block = open_loop_models
+    truth = _ground_truth(plain, ids, moe, block)
+    with wrapped.edit(inplace=True) as tracer:
+        for _ in tracer.iter[:]:
+            moe.routed_output[..., :8] = 5.0
+    try:
+        runs = [_generated(wrapped, ids, moe.router._module, None, lambda: None) for _ in range(2)]
+    finally:
+        wrapped.clear_edits()
+    for run in runs:
+        assert run.warned
+        assert run.tokens == truth.tokens
 
 
 @pytest.mark.parametrize("loop", ["iter[1:3]", "iter[1]", "all()"])

@@ -714,7 +714,7 @@ class Moe(Mlp):
         pinned = mediator.iteration  # to a step after the first
         if not pinned and owner.interleaver.sourced.get(call) is not None:  # another value drilled it in this run
             return
-        with order_errors(call, lambda: self._order_error(name)):
+        with order_errors(pinned, lambda: self._order_error(name)):
             if pinned:  # refused where the owner was skipped at an earlier step: its ops' steps no longer line up
                 request_step(mediator, f"{call}.input", lambda: self._order_error(name),
                              lambda: self._skipped_error(name, f"{call}.input"))

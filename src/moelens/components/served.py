@@ -56,27 +56,32 @@ class served(eproperty):
 
 
 @contextmanager
-def order_errors(location: str, on_order_error: Callable[[], Exception]) -> Iterator[None]:
-    """Re-raise nnsight's out-of-order error for ``location`` as ``on_order_error()``.
+def order_errors(pinned: int | None, on_order_error: Callable[[], Exception]) -> Iterator[None]:
+    """Re-raise nnsight's out-of-order error for a request as ``on_order_error()``.
 
     nnsight reports a request the model had already run past only when the run
     ends; the moelens error names the right order. A request from inside a
     ``tracer.iter`` loop for a step the run did not make is how an open loop
     ends, so nnsight's own error goes through untouched (it turns it into a
-    warning); see `_reraise`.
+    warning); see `_reraise`. ``pinned``: the mediator's ``iteration`` as the
+    request was made.
     """
     try:
         yield
     except OutOfOrderError as error:
-        _reraise(error, location, on_order_error)
+        _reraise(error, pinned, on_order_error)
 
 
-def _reraise(error: OutOfOrderError, location: str, on_order_error: Callable[[], Exception]) -> None:
+def _reraise(error: OutOfOrderError, pinned: int | None, on_order_error: Callable[[], Exception]) -> None:
     """`order_errors`' rule: nnsight's error for a request pinned to a ``tracer.iter`` step after the first (a step
     the run did not make: how an open loop ends), else ``on_order_error()``. A request nnsight no longer pins
     (``iteration`` None: later in a step, after its first value was served) that the run ended without serving was
-    made after the model had run past it in the last step the run made."""
-    if Mediator.current(location).iteration not in (0, None):
+    made after the model had run past it in the last step the run made.
+
+    ``pinned``: the mediator's ``iteration`` as the request was made, not as it failed: the request first lands the
+    write-back an in-place edit at the step before left waiting (nnsight's ``Mediator.flush``), and serving that
+    relaxes the pin (``iteration`` None), though the request still asks for the pinned step."""
+    if pinned not in (0, None):
         raise error
     raise on_order_error() from error
 
@@ -93,10 +98,11 @@ def trace_running(asker: str) -> bool:
 
 def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
     """Park until the model reaches ``location`` and return what is served there (see `order_errors`)."""
+    pinned = Mediator.current(location).iteration  # as asked (see `_reraise`)
     try:  # not `with order_errors(...)`: a request per value read, and a context manager costs more
         return Mediator.value(location)
     except OutOfOrderError as error:
-        _reraise(error, location, on_order_error)
+        _reraise(error, pinned, on_order_error)
 
 
 def _module_running(location: str) -> str | None:
@@ -186,7 +192,7 @@ def request_step(mediator: Mediator, location: str, on_order_error: Callable[[],
     except OutOfOrderError as error:
         if skipped_visits(mediator, location) > 0 and mediator.occurrence(f"{_module_running(location)}.output") > step:
             raise on_skipped() from error
-        _reraise(error, location, on_order_error)
+        _reraise(error, step, on_order_error)
     if skipped_visits(mediator, location) > 0:
         raise on_skipped()
     return served_value
