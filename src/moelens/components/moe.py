@@ -31,6 +31,7 @@ reads every value of the block in that order.
 from __future__ import annotations
 
 import operator
+import weakref
 from functools import cached_property
 from typing import Any, Iterable, Mapping
 
@@ -93,6 +94,13 @@ _WIDTH_CHECKED = frozenset({"router_logits", "expert_weights", "expert_indices"}
 
 #: What an earlier moelens pickled a wrapped ernie4_5_vl_moe block's hook as (see `gathered.STALE_NOTE`).
 _note_gathered = STALE_NOTE
+
+
+def _weakly(component: "Moe") -> "Moe":
+    """``component``, held weakly, for the functions of the bindings it keeps (`Moe._static_bindings`,
+    `Moe._slot_bindings`, `Moe._plan`): holding it strongly, they made a reference cycle, and a model deleted after a
+    read kept its MoE blocks' weights until Python's cycle collector ran (the memory of every expert, on a GPU too)."""
+    return weakref.proxy(component)
 
 
 def value_names(values: Any) -> list[str]:
@@ -579,19 +587,19 @@ class Moe(Mlp):
 
     @cached_property
     def _static_bindings(self) -> dict[str, Binding]:
-        family = self.family
+        family, me = self.family, _weakly(self)
         experts = self.experts.path
         edited_later = copied if self._output_edited_later else None  # falcon adds attention to it in place
         bindings = {
             "router_logits": Binding(f"{self.router.path}.source.{family.logits_cast_op or family.logits_op}.output",
                                      features=1,
-                                     infinities=lambda: ANY_INF if self._scores_saturate else MINUS_INF,
+                                     infinities=lambda: ANY_INF if me._scores_saturate else MINUS_INF,
                                      # the most a write may need: `_finite_logits_needed` says what this block's
                                      # router needs at the write (its score function can be switched after wrapping)
                                      min_finite=2 if self.SCORING.select == "sparsemixer" else 1),
             "expert_weights": Binding(*self._routing_location(2, "top_k_weights", 0)),
             "expert_indices": Binding(*self._routing_location(1, "top_k_index", 1), kind=INDEX,
-                                      upper=lambda: self.num_experts),
+                                      upper=lambda: me.num_experts),
             "routed_output": (Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index))
                               if family.routed_from_block else Binding(f"{experts}.output", 1, *output_of(None))),
             "mlp_output": Binding(f"{self.path}.output", 1, *output_of(family.combine.output_index),
@@ -652,7 +660,8 @@ class Moe(Mlp):
         ops, prepare = f"{self.router.path}.source", None
         if scoring.selection_in:  # the router ranks inside a method of its own (longcat_flash)
             ops = f"{ops}.{scoring.selection_in}.source"
-            prepare = lambda: self._drill("selection_scores", self.router, scoring.selection_in)  # noqa: E731
+            me = _weakly(self)
+            prepare = lambda: me._drill("selection_scores", me.router, scoring.selection_in)  # noqa: E731
         op = f"{ops}.{scoring.selection_op}"
         named_by = f"Scoring(selection_op={scoring.selection_op!r}, selection_arg={scoring.selection_arg!r})"
         if scoring.selection_arg is None:
@@ -730,10 +739,10 @@ class Moe(Mlp):
         return weights.dtype if weights is not None and weights.is_floating_point() else None
 
     def _slot_binding(self, name: str, implementation: str) -> Binding:
-        ops = ops_for(implementation)
+        ops, me = ops_for(implementation), _weakly(self)
         if name == "expert_outputs":
-            return Binding(self._nested(ops.slot_outputs), features=2, prepare=lambda: self._drill(name),
-                           summed_into=self._hidden_dtype)
+            return Binding(self._nested(ops.slot_outputs), features=2, prepare=lambda: me._drill(name),
+                           summed_into=lambda: me._hidden_dtype())
 
         gated = bool(getattr(self.experts._module, "has_gate", True))
         location = self._nested(ops.gated_activations if gated else ops.plain_activations)
@@ -749,8 +758,8 @@ class Moe(Mlp):
             return Binding(
                 location,
                 features=2,
-                prepare=lambda: self._drill(name),
-                to_view=lambda rows, _: rows.view(-1, self.top_k, rows.shape[-1]),
+                prepare=lambda: me._drill(name),
+                to_view=lambda rows, _: rows.view(-1, me.top_k, rows.shape[-1]),
                 from_view=from_slots,
             )
 
@@ -758,7 +767,7 @@ class Moe(Mlp):
 
         def sort_passed() -> OrderError:
             return OrderError(
-                f"{self.path}.{name} is put into token-slot order with the sort permutation of the "
+                f"{me.path}.{name} is put into token-slot order with the sort permutation of the "
                 f"{implementation} experts implementation ({ops.sort}, which runs before the "
                 f"activations), and the model had run past that op when {name} was asked for (after an op of the "
                 f"implementation read directly, a later value of this block, a write of {name} itself in this "
@@ -767,13 +776,13 @@ class Moe(Mlp):
             )
 
         def prepare_sorted() -> Tensor:
-            self._drill(name)
+            me._drill(name)
             permutation = request(sort_location, sort_passed)[1]
             rows = tokens.current_rows(sort_location)
-            if rows.per_prompt > 1 and self.runs_before_expansion:  # an encoder's: one row per prompt
+            if rows.per_prompt > 1 and me.runs_before_expansion:  # an encoder's: one row per prompt
                 rows = rows.prompts()
             if rows.batching and permutation.shape[0] == rows.size:
-                raise self.unavailable(
+                raise me.unavailable(
                     name,
                     "in a batched single-token step with top-1 routing nnsight cuts the "
                     "expert-sorted rows by invoke, which mixes up tokens",
@@ -784,7 +793,7 @@ class Moe(Mlp):
         def to_view(sorted_rows: Tensor, permutation: Tensor) -> Tensor:
             # index_select by the inverse: on CPU three times faster than index_copy_ by the permutation at 2048 rows.
             token_slot_order = inverse_permutation(permutation)
-            return sorted_rows.index_select(0, token_slot_order).view(-1, self.top_k, sorted_rows.shape[-1])
+            return sorted_rows.index_select(0, token_slot_order).view(-1, me.top_k, sorted_rows.shape[-1])
 
         def from_view(slots: Tensor, permutation: Tensor) -> Tensor:
             return slots.reshape(-1, slots.shape[-1]).index_select(0, permutation)
