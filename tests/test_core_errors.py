@@ -2969,6 +2969,80 @@ def test_a_trace_generate_or_scan_of_the_model_inside_its_own_trace_is_refused()
     assert torch.equal(early, plain) and torch.equal(logits, plain)
 
 
+def test_a_trace_generate_or_scan_begun_in_an_invoke_mode_body_after_an_invoke_is_refused():
+    """An invoke-mode trace's body runs in the caller's frame before the model runs, queuing a worker at each invoke:
+    a trace, generate or scan of the same model begun there after an invoke ran without an error, and took that
+    invoke's worker for its own (its .save() held the nested run's logits, a generation step's or a FakeTensor) and
+    dropped it. It is refused; caught in the body, the trace goes on; every trace after one runs."""
+    hf = tiny_model("mixtral")
+    ids, other = tiny_inputs(hf, 1, 5)["input_ids"], tiny_inputs(hf, 1, 5, seed=5)["input_ids"]
+    with torch.no_grad():
+        plain, plain_other = hf(ids).logits, hf(other).logits
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    interleaver = wrapped.interleaver
+
+    def trace() -> None:
+        with wrapped.trace(other):
+            wrapped.output.logits.save()
+
+    def generate() -> None:
+        with wrapped.generate(other, max_new_tokens=1):
+            wrapped.output.logits.save()
+
+    def scan() -> None:
+        with wrapped.scan(other):
+            wrapped.output.logits.save()
+
+    nested = [("a trace", trace), ("a trace", generate), ("a trace", lambda: wrapped.generate(other, max_new_tokens=1)),
+              ("model.scan", scan), ("a trace", lambda: wrapped.trace(other, trace=False))]
+    for what, begin in nested:
+        refusal = rf"{what} of this model was begun inside a trace of the same model.*tracer\.invoke"
+        refusals: list[str] = []
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke(ids):
+                first = wrapped.output.logits.save()
+            try:
+                begin()
+            except moelens.MoelensError as error:  # caught in the body: the trace goes on with its invokes
+                refusals.append(str(error))
+            with tracer.invoke(ids):
+                second = wrapped.output.logits.save()
+        assert len(refusals) == 1 and re.search(refusal, refusals[0], re.DOTALL)
+        assert torch.allclose(first, plain, atol=1e-5) and torch.allclose(second, plain, atol=1e-5)
+        with pytest.raises(moelens.MoelensError, match=refusal):
+            with torch.no_grad(), wrapped.trace() as tracer:
+                with tracer.invoke(ids):
+                    wrapped.output.logits.save()
+                begin()
+        assert interleaver.owner is None and not interleaver.running and not interleaver.mediators
+        with torch.no_grad(), wrapped.trace(ids):  # the model serves as before
+            logits = wrapped.output.logits.save()
+        assert torch.allclose(logits, plain, atol=1e-5)
+    with pytest.raises(moelens.MoelensError, match="a trace of this model was begun inside"):
+        with torch.no_grad(), wrapped.trace() as tracer:
+            trace()  # before the invokes: no clash, and its end leaves the next one after an invoke refused
+            with tracer.invoke(ids):
+                wrapped.output.logits.save()
+            trace()
+    with pytest.raises(KeyboardInterrupt):  # a trace ended in its body after an invoke leaves nothing queued
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke(ids):
+                wrapped.output.logits.save()
+            raise KeyboardInterrupt
+    with torch.no_grad(), wrapped.session():  # a session's invoke-mode traces, and a generate's invokes, run
+        with wrapped.trace() as tracer:
+            with tracer.invoke(ids):
+                one = wrapped.output.logits.save()
+        with wrapped.trace() as tracer:
+            with tracer.invoke(other):
+                two = wrapped.output.logits.save()
+    with torch.no_grad(), wrapped.generate(max_new_tokens=2) as tracer:
+        with tracer.invoke(ids):
+            generated = tracer.result.save()
+    assert torch.allclose(one, plain, atol=1e-5) and torch.allclose(two, plain_other, atol=1e-5)
+    assert generated.shape == (1, ids.shape[1] + 2)
+
+
 def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlock():
     """A trace fails while an invoke waits in a thread pool whose job traces another model (one model per thread, as
     the docs advise): nnsight's clean-up ran that invoke's pool exit, which waited for the job, under the lock the

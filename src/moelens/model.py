@@ -171,7 +171,7 @@ class MoeModelMixin:
         interleaver = self.interleaver
         if not isinstance(interleaver, MoeInterleaver):  # one of the user's (wrap(interleaver=...))
             return self._run(fn, *args, **kwargs)
-        interleaver.claim()
+        interleaver.claim(own_workers=kwargs.get("batcher") is not None)  # a trace's run, its invokes queued
         interleaver.running += 1
         try:
             if interleaver.running == 1:  # the outermost run of this model: another wrapper's must not be going on

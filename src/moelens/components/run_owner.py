@@ -69,15 +69,21 @@ class MoeInterleaver(Interleaver):
         """Note the MoE block modules this interleaver runs (at wrap)."""
         self._blocks = tuple(weakref.ref(block) for block in blocks)
 
-    def claim(self) -> None:
-        """Begin a run in this thread (as its inputs are first batched, before the run adds its workers).
+    def claim(self, own_workers: bool = False) -> None:
+        """Begin a run in this thread (as its inputs are first batched, before the run adds its workers; again as the
+        model starts running, moelens' ``interleave``).
+
+        Args:
+            own_workers: the run is the one the queued workers were added for (``interleave`` of a trace, given its
+                batcher), not one begun while a trace's invokes are queued (`collecting`).
 
         Raises:
-            MoelensError: a run another thread began is going on, or this thread's (a trace begun in a trace's body).
+            MoelensError: a run another thread began is going on, or this thread's (a trace begun in a trace's body,
+                or in an invoke-mode trace's body after an invoke).
         """
         with _claiming():
             self.refuse_other_threads()
-            self.refuse_nested("a trace")
+            self.refuse_nested("a trace", own_workers)
             self.owner = threading.get_ident()
 
     def hold_blocks(self) -> None:
@@ -111,13 +117,22 @@ class MoeInterleaver(Interleaver):
                 "(a lock around the trace), or give each thread a model of its own (copy.deepcopy(model))."
             )
 
-    def refuse_nested(self, what: str) -> None:
+    def collecting(self) -> bool:
+        """Whether a trace's invokes are queued and the model has not run yet: an invoke-mode trace's body (``with
+        model.trace() as tracer:``) runs in the caller's frame before the model, queuing a worker at each
+        ``tracer.invoke``. A run begun there would take those workers for its own (a ``.save()`` in an earlier invoke
+        held that run's value) and drop them at its end; one begun before the first invoke finds none and runs."""
+        return not self.running and bool(self.mediators)
+
+    def refuse_nested(self, what: str, own_workers: bool = False) -> None:
         """Raise `MoelensError` when ``what`` of this model begins inside this thread's run of it (a trace's body
         runs while the model runs: nnsight failed with greenlet's "cyclic parent chain", and a ``generate`` there
-        ran transformers' own on the raw prompt). nnsight's own calls as the model runs come from the model's side."""
+        ran transformers' own on the raw prompt), or while a trace's invokes are queued (`collecting`; but for the
+        run they were queued for, ``own_workers``). nnsight's own calls as the model runs come from the model's side."""
         mediator = getattr(greenlet.getcurrent(), "mediator", None)  # set in a trace body's greenlet (nnsight)
-        if self.interleaving and self.owner == threading.get_ident() and mediator is not None and \
-                mediator().interleaver is self:
+        in_body = self.interleaving and self.owner == threading.get_ident() and mediator is not None and \
+            mediator().interleaver is self
+        if in_body or (not own_workers and self.collecting()):
             raise MoelensError(
                 f"{what} of this model was begun inside a trace of the same model: a trace's body runs while the "
                 "model runs, and a model cannot run inside its own run. Give one trace several inputs with "
