@@ -573,6 +573,33 @@ def test_the_gradient_of_a_value_of_a_frozen_model_names_the_value_and_the_way_o
     torch.testing.assert_close(gradient(), plain_gradients(reference, inputs, moe)["router_logits"])
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_the_gradient_of_router_probs_of_a_frozen_model_names_it_and_router_logits(family):
+    """router_probs is moelens' score of the logits: no output depends on it. On a frozen model its .grad raised
+    torch's bare "cannot register a hook on a tensor that doesn't require gradient", naming no value (the truth: the
+    same score of the frozen router's logits, computed by hand, does not require grad either)."""
+    from moelens.families.scoring import score
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model(family, experts_implementation="grouped_mm")
+    inputs = tiny_inputs(hf)
+    hf.requires_grad_(False)
+    hf.lm_head.requires_grad_(True)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[-1]
+    router = hf.get_submodule(moe.router.path.removeprefix("model."))
+    with torch.enable_grad():
+        assert not score("sigmoid", torch.nn.functional.linear(torch.randn(3, router.weight.shape[1]), router.weight)
+                         ).requires_grad
+    with pytest.raises(moelens.ValueUnavailable, match=r"layers\.\d+\.mlp\.router_probs\.grad: router_probs is derived "
+                                                       r".*no gradient\. Read router_logits\.grad instead"):
+        with wrapped.trace(**inputs):
+            probs = moe.router_probs
+            loss = loss_of(wrapped.output)
+            with loss.backward():
+                probs.grad.save()
+
+
 def test_the_gradient_of_the_expert_indices_says_integers_have_none():
     """expert_indices.grad raised torch's bare "cannot register a hook on a tensor that doesn't require gradient"
     (the indices are integers, which autograd gives no gradient: the truth is the experts call's int64 indices)."""

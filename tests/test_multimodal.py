@@ -215,6 +215,18 @@ def test_image_inputs_split_between_invokes_are_refused_with_the_way_to_batch_th
             with tracer.invoke(**prompts):  # the whole batch in one invoke
                 indices = wrapped.moes[0].expert_indices.save()
         assert indices.shape[:2] == prompts["input_ids"].shape
+    ids = one["input_ids"]
+
+    def indices_of_two_text_invokes(**no_images) -> torch.Tensor:  # keywords set to None carry no image
+        with with_tokenizer.trace() as tracer:
+            with tracer.invoke(ids, **no_images):
+                first = with_tokenizer.moes[0].expert_indices.save()
+            with tracer.invoke(ids, **no_images):
+                second = with_tokenizer.moes[0].expert_indices.save()
+        return torch.cat([first, second])
+
+    assert torch.equal(indices_of_two_text_invokes(pixel_values=None, image_grid_thw=None),
+                       indices_of_two_text_invokes())
 
 
 def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_error():

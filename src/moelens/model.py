@@ -676,9 +676,11 @@ def _modality_inputs(names: Iterable[Any]) -> list[str]:
 
 
 def _invoke_input_names(inputs: tuple, kwargs: dict) -> list[Any]:
-    """The names of an invoke's inputs: its keywords, and the keys of an encoding given as its first input
-    (``tracer.invoke(processor(...))``)."""
-    return [*kwargs, *(inputs[0] if inputs and isinstance(inputs[0], Mapping) else ())]
+    """The names of the inputs an invoke gives data in: its keywords, and the keys of an encoding given as its first
+    input (``tracer.invoke(processor(...))``), but for those set to None or a flag (``pixel_values=None``,
+    Qwen3-Omni's ``use_audio_in_video=False``), which nnsight passes on to the model for the whole batch."""
+    given = {**(inputs[0] if inputs and isinstance(inputs[0], Mapping) else {}), **kwargs}
+    return [name for name, value in given.items() if value is not None and not isinstance(value, bool)]
 
 
 def _unsplittable(modality: list[str]) -> str:
@@ -1188,7 +1190,12 @@ def _no_gradient_refusal(error: RuntimeError, handed_back: served.HandedBack,
     hook = torch.Tensor.register_hook.__code__
     hooked = next((frame.f_locals.get("self") for frame, _ in traceback.walk_tb(error.__traceback__)
                    if frame.f_code is hook), None)
-    noted = handed_back.views.get(id(hooked)) if hooked is not None else None
+    if hooked is None:
+        return None
+    derived = handed_back.gradientless.get(id(hooked))
+    if derived is not None and derived[0]() is hooked:
+        return ValueUnavailable(derived[1])
+    noted = handed_back.views.get(id(hooked))
     if noted is None or noted[0]() is not hooked:
         return None
     where = noted[2]

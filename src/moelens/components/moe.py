@@ -349,7 +349,15 @@ class Moe(Mlp):
         """`router_probs` of the router logits read in this run (a normal tensor under inference_mode, as the logits
         read there are: `normal_tensors`)."""
         with kept_for_backward(), normal_tensors():
-            return score(self.family.score_of(self._module), logits, self.softcap)
+            probs = score(self.family.score_of(self._module), logits, self.softcap)
+        handed_back = RUNS.get(self.interleaver)
+        if handed_back is not None and torch.is_grad_enabled() and not probs.requires_grad:  # a frozen router's
+            handed_back.without_gradient(probs, (
+                f"{self.path}.router_probs.grad: router_probs is derived (moelens scores router_logits; the model goes "
+                "on from its own scores), so no output depends on it and it has no gradient. Read router_logits.grad "
+                "instead, with the router's weights unfrozen before the trace (moe.router._module.requires_grad_(True)) "
+                "or the input embeddings' output requiring grad (hf_model.enable_input_require_grads())."))
+        return probs
 
     @router_probs.setter
     def router_probs(self, value: Any) -> None:

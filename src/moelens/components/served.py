@@ -556,6 +556,14 @@ class HandedBack:
         #: (id of a component or mediator, what) -> what the live modules say of it, read once in the run
         #: (`run_fact`): a block's counts, an invoke's rows.
         self.facts: dict[tuple[int, str], Any] = {}
+        #: id(value) -> (the value, the error its ``.grad`` raises): values moelens derives that no output depends on,
+        #: served where nothing upstream requires grad, whose ``.grad`` torch refuses naming none (`without_gradient`).
+        self.gradientless: dict[int, tuple[weakref.ref, str]] = {}
+
+    def without_gradient(self, value: torch.Tensor, error: str) -> None:
+        """``value``, derived by moelens, has no gradient: reading its ``.grad`` raises ``error`` (read by
+        ``moelens.model._no_gradient_refusal``)."""
+        self.gradientless[id(value)] = (weakref.ref(value), error)
 
     def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
         """``view`` was handed back: watched if it is a copy only the user holds, else no more. ``edit_error``: the
