@@ -781,6 +781,43 @@ def test_a_late_read_at_a_step_before_the_last_is_refused(qwen2_moe_generation, 
         torch.testing.assert_close(got.reshape(want[0].shape), want[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("edit", [False, True])
+@pytest.mark.parametrize("loops", [(1, 1), (2, 1)])
+def test_a_read_pinned_to_a_step_the_model_already_ran_is_refused(qwen2_moe_generation, edit, loops):
+    """A second loop over a step (``tracer.iter[1]`` after ``tracer.iter[1]`` or ``tracer.iter[2]``) asks, pinned, for
+    a visit the model already made: nnsight serves a pinned request only at its visit, so the read waited for the
+    run's end, which ended the loop with the warning of a step the run did not make (the value never set, the code
+    after the loop not run). It raises OrderError; a loop over a later step, in the model's order, serves it (the
+    truth: the router's output at that step, hooked on an unwrapped copy)."""
+    wrapped, reference, ids, moe, (router, _) = qwen2_moe_generation
+    later = wrapped.moes[1]
+    first, second = loops
+
+    def generate(again: int) -> torch.Tensor:
+        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False) as tracer:
+            for _ in tracer.iter[first]:
+                routed = later.routed_output
+                if edit:
+                    routed[..., :4] = 5.0
+            for _ in tracer.iter[again]:
+                logits = moe.router_logits.save()
+        return logits
+
+    with pytest.raises(moelens.errors.OrderError, match=r"router_logits was requested after the model had already "
+                                                        r"run past it"):
+        generate(second)
+    if not edit:
+        seen = []
+        handle = reference.get_submodule(router).register_forward_hook(lambda module, args, output: seen.append(
+            (output[0] if isinstance(output, tuple) else output).detach().clone()))
+        try:
+            with torch.no_grad():
+                reference.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        finally:
+            handle.remove()
+        torch.testing.assert_close(generate(first + 1).reshape(seen[first + 1].shape), seen[first + 1])
+
+
 @pytest.mark.parametrize(("skipped", "value", "read_at"), [
     *((skipped, value, read_at) for skipped in ("block", "decoder layer")
       for value, read_at in (("router_logits", 0), ("router_logits", 1), ("expert_outputs", 1))),

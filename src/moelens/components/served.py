@@ -98,11 +98,22 @@ def trace_running(asker: str) -> bool:
 
 def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
     """Park until the model reaches ``location`` and return what is served there (see `order_errors`)."""
-    pinned = Mediator.current(location).iteration  # as asked (see `_reraise`)
+    mediator = Mediator.current(location)
+    pinned = mediator.iteration  # as asked (see `_reraise`)
+    if pinned and visit_passed(mediator, location, pinned):
+        raise on_order_error()
     try:  # not `with order_errors(...)`: a request per value read, and a context manager costs more
         return Mediator.value(location)
     except OutOfOrderError as error:
         _reraise(error, pinned, on_order_error)
+
+
+def visit_passed(mediator: Mediator, location: str, pinned: int) -> bool:
+    """Whether a request pinned to a ``tracer.iter`` step (``pinned`` > 0) asks for a visit of ``location`` the model
+    has already made, in a step the run has reached: nnsight serves a pinned request only at that visit, so it would
+    wait for the run's end and end the loop with the warning of a step the run did not make (its value never set,
+    the code after the loop not run). (A loop at a step the run did not reach is an open loop's end.)"""
+    return mediator.occurrence(location) > pinned and forwards_ended(mediator, location) >= pinned
 
 
 def _module_running(location: str) -> str | None:
@@ -187,6 +198,8 @@ def request_step(mediator: Mediator, location: str, on_order_error: Callable[[],
         return request(location, on_order_error)
     if skipped_visits(mediator, location) > 0:
         raise on_skipped()
+    if visit_passed(mediator, location, step):
+        raise on_order_error()
     try:
         served_value = Mediator.value(location)
     except OutOfOrderError as error:
