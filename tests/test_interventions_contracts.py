@@ -404,6 +404,39 @@ def test_route_around_checks_that_a_selection_bias_without_an_op_did_not_pick_th
     assert not (indices == last).any()
 
 
+def test_route_around_checks_that_the_bias_picks_no_expert_routed_around_before(afmoe_without_selection_op):
+    """Routing a second expert around frees a slot that the selection bias can hand to an expert routed around
+    before it (score 0 + bias): the check looked only at the expert just routed around, so expert 0 ran again, at
+    weight 0, with no error (and the other order raised). The truth: the same two logits set to -inf by hand, read
+    at the experts call, pick expert 0."""
+    wrapped, moe, ids = afmoe_without_selection_op
+    bias = moe.family.resolve(moe.SCORING.selection_bias, moe._module)
+    kept = bias.clone()
+    with torch.no_grad():
+        bias.zero_()
+        bias[[1, 2]] = 0.45  # ranked first, over every unbiased expert (sigmoid scores about 0.5)
+        bias[0] = 0.75  # at a -inf logit still over the unbiased experts, under 1 and 2
+    try:
+        with wrapped.trace(ids):
+            logits = moe.router_logits
+            logits[..., 0] = float("-inf")
+            alone = moe.expert_indices.save()
+        with wrapped.trace(ids):
+            logits = moe.router_logits
+            logits[..., [0, 1]] = float("-inf")
+            by_hand = moe.expert_indices.save()
+        assert not (alone == 0).any() and (by_hand == 0).any()
+        with wrapped.trace(ids):
+            moelens.ablate(moe, 0, "route_around")  # taken: 1 and 2 hold the slots
+        with pytest.raises(WriteError, match=r"its selection bias still picked expert 0 at a -inf logit"):
+            with wrapped.trace(ids):
+                moelens.ablate(moe, 0, "route_around")
+                moelens.ablate(moe, 1, "route_around")
+    finally:
+        with torch.no_grad():
+            bias.copy_(kept)
+
+
 def test_a_selection_bias_without_an_op_still_takes_several_routing_edits_on_one_block(afmoe_without_selection_op):
     """The check after route_around / force recomputes the router's choice from the logits written so far: reading it
     at the experts call ran the router, so a second route_around, or route_around after force (the documented

@@ -137,7 +137,7 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
         ranked[..., expert] = float("-inf")
         if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
-            _check_bias_did_not_pick(moe, expert)  # a bias this entry names no op for (ergo)
+            _check_bias_did_not_pick(moe)  # a bias this entry names no op for (ergo)
         return
     indices = moe.expert_indices
     routed_here = indices == expert
@@ -180,13 +180,19 @@ def _refuse_unread_bias(moe: Moe) -> None:
         )
 
 
-def _check_bias_did_not_pick(moe: Moe, expert: int) -> None:
-    """Raise where a selection bias the family entry serves no op for picked ``expert`` at a -inf logit."""
-    picked = (_chosen_experts(moe) == expert).any(-1)
+def _check_bias_did_not_pick(moe: Moe) -> None:
+    """Raise where a selection bias the family entry serves no op for picked an expert at a -inf logit: the one just
+    routed around, or one routed around before it on the block (ranking another expert out can hand it a slot)."""
+    logits = moe.router_logits[..., : moe.num_experts]  # first: `_chosen_experts` may run the router past it
+    chosen = _chosen_experts(moe)
+    at_minus_inf = logits.gather(-1, chosen).isneginf()
+    picked = at_minus_inf.any(-1)
     if not is_fake(picked) and picked.any():
+        experts = sorted(set(chosen[at_minus_inf].tolist()))
+        which = f"expert {experts[0]}" if len(experts) == 1 else f"experts {experts}"
         raise WriteError(
             f"ablate(mode='route_around'): {moe.path} ({moe.family.name}) picks experts by {moe.SCORING.describe()}, "
-            f"and its selection bias still picked expert {expert} at a -inf logit for {int(picked.sum())} of "
+            f"and its selection bias still picked {which} at a -inf logit for {int(picked.sum())} of "
             f"{picked.numel()} tokens (its family entry serves no selection_scores to rank it out). Use "
             "ablate(moe, expert, 'zero'), or moelens.reroute to send its slots elsewhere."
         )
