@@ -171,6 +171,12 @@ def _tolerance(*tensors: torch.Tensor | None) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-4} if full else {"atol": 1e-2, "rtol": 1e-2}
 
 
+def _weights_tolerance(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """How far the entry's recomputed weights may be from the block's: the rounding of its logits, its weights and its
+    output (a router may round its float32 weights to the hidden states' dtype and back, as ergo's does)."""
+    return _tolerance(values["router_logits"], values["expert_weights"], values.get("mlp_output"))
+
+
 def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str,
                    normalize: bool | float | None, scale: float | None, softcap: float = 0.0,
                    normalize_min: float = 0.0) -> torch.Tensor:
@@ -308,7 +314,7 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
     entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap, floor)
-    tolerance = _tolerance(logits, weights)
+    tolerance = _weights_tolerance(values)
     if torch.allclose(weights.float(), entry, **tolerance):
         return ""
     difference = float((weights.float() - entry).abs().max())
@@ -337,7 +343,7 @@ def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
     and `router_probs` would follow it."""
     score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
-    tolerance = _tolerance(logits, weights)
+    tolerance = _weights_tolerance(values)
     alike = [other for other in SCORE_FUNCTIONS if other != score_name and torch.allclose(
         weights.float(), chosen_weights(logits, indices, other, moe.SCORING.select, normalize, scale, softcap, floor),
         **tolerance)]
