@@ -392,7 +392,27 @@ def test_check_passes_moelens_own_entries_in_bfloat16(family):
         pytest.skip(f"{family} is not in this transformers version")
     hf = tiny_model(family, dtype=torch.bfloat16)
     wrapped = moelens.wrap(hf)
-    assert families.check(wrapped, **tiny_inputs(hf)) == [moe.path for moe in wrapped.moes]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert families.check(wrapped, **tiny_inputs(hf)) == [moe.path for moe in wrapped.moes]
+    assert not [warning for warning in caught if "gives too" in str(warning.message)]  # the score was checked
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_check_refuses_a_scale_off_by_two_percent_on_a_bfloat16_model(family):
+    """Their routers weigh in float32 on a bfloat16 model: a weights check at bfloat16's tolerance (1e-2) let an
+    entry whose routed scale was 2% off pass."""
+    entry = families.get(family)
+    hf = tiny_model(family, dtype=torch.bfloat16)
+    scale = entry.scale_of(moelens.wrap(hf).moes[0]._module)
+    families.register(dataclasses.replace(entry, name="off_scale", scoring=dataclasses.replace(
+        entry.scoring, scale=scale * 1.02)), replace=True)
+    try:
+        with pytest.raises(FamilyError, match=r"the weights its experts got are not what the scoring of family "
+                                              r"'off_scale' gives"):
+            families.check(moelens.wrap(hf), **tiny_inputs(hf))
+    finally:
+        families.unregister("off_scale")
 
 
 def test_check_names_the_scoring_that_gives_the_weights(registered):

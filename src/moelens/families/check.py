@@ -172,9 +172,14 @@ def _tolerance(*tensors: torch.Tensor | None) -> dict[str, float]:
 
 
 def _weights_tolerance(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """How far the entry's recomputed weights may be from the block's: the rounding of its logits, its weights and its
-    output (a router may round its float32 weights to the hidden states' dtype and back, as ergo's does)."""
-    return _tolerance(values["router_logits"], values["expert_weights"], values.get("mlp_output"))
+    """How far the entry's recomputed weights may be from the block's: the rounding of its logits and weights, and a
+    relative step of its output's dtype where that is coarser (a router may round its float32 weights to the hidden
+    states' dtype and back, as ergo's does; no more, or a wrong scale of 1.01 would pass on a bfloat16 model)."""
+    tolerance = _tolerance(values["router_logits"], values["expert_weights"])
+    output, weights = values.get("mlp_output"), values["expert_weights"]
+    if output is not None and output.is_floating_point() and weights.is_floating_point():
+        tolerance["rtol"] = max(tolerance["rtol"], torch.finfo(output.dtype).eps)
+    return tolerance
 
 
 def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str,
