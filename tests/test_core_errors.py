@@ -1969,6 +1969,27 @@ def test_a_block_of_another_model_is_refused_in_a_trace():
         output = first_tensor(base.output).save()
     assert torch.equal(output, plain)
 
+
+def test_a_value_asked_for_in_another_models_trace_nested_in_its_own_says_so():
+    """Asked for inside the trace of a second model nested in this model's trace, a value was refused as if the code
+    were in a `with loss.backward():` block (there is none); bound before the nested trace, it is served (the truth:
+    the value read alone)."""
+    hf, base, inputs, plain, reference = built("mixtral", "grouped_mm")
+    other = moelens.wrap(copy.deepcopy(hf))
+    with pytest.raises(ValueUnavailable, match=r"router_logits: asked for inside the trace of another model, nested "
+                                               r"in this model's trace.*bind this model's values before the nested"):
+        with base.trace(**inputs):
+            with other.trace(**inputs):
+                base.moes[0].router_logits.save()
+    with base.trace(**inputs):
+        logits = base.moes[0].router_logits.save()
+        with other.trace(**inputs):
+            nnsight.save(other.output)
+    with base.trace(**inputs):
+        alone = base.moes[0].router_logits.save()
+    assert torch.equal(logits, alone)
+
+
 @pytest.mark.parametrize(("setting", "value", "message"), [
     ("num_experts", 16, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 16 router "
                         r"logits per token \(num_experts=16\)"),

@@ -111,6 +111,12 @@ def value_names(component_class: type) -> tuple[str, ...]:
                  if isinstance(inspect.getattr_static(component_class, name), serving.served))
 
 
+def _in_backward_block() -> bool:
+    """Whether nnsight is running a ``with loss.backward():`` block: it serves ``.grad`` through a property it puts
+    on ``torch.Tensor`` for the block, where torch has a plain descriptor."""
+    return isinstance(inspect.getattr_static(torch.Tensor, "grad"), property)
+
+
 def router_on_accelerator(component: Any) -> bool:
     """Whether ``component``'s router holds its weights on an accelerator, where a router may compute its logits with
     a kernel of its own instead of the op moelens reads (`Family.logits_skipped`: kolibri1's CUDA ``torch.mm``)."""
@@ -215,11 +221,18 @@ class Component(Envoy):
                 "a tracer.invoke(inputs) block." + (f" What it means: help(type(block).{name})." if asked is None else "")
             ) from None
         if mediator.interleaver is not None and mediator.interleaver is not self.interleaver:
-            if self.interleaver.interleaving:  # this model runs: the code is in a block nested in its trace
+            if self.interleaver.interleaving and _in_backward_block():  # this model runs: the code is nested in it
                 raise ValueUnavailable(
                     f"{asked or f'{self.path}.{name}'}: asked for inside a block nested in this model's trace (a "
                     "`with loss.backward():` block), which serves only gradients: bind the value before the block "
                     "(logits = moe.router_logits), read its gradient inside it (logits.grad), and intervene before it."
+                )
+            if self.interleaver.interleaving:
+                raise ValueUnavailable(
+                    f"{asked or f'{self.path}.{name}'}: asked for inside the trace of another model, nested in this "
+                    "model's trace, whose body serves that model's values only: bind this model's values before the "
+                    "nested trace (logits = moe.router_logits) and intervene there, or run the two traces one after "
+                    "the other."
                 )
             raise ValueUnavailable(  # nnsight would serve the running model's module of the same path instead
                 f"{asked or f'{self.path}.{name}'}: this block belongs to another wrapped model than the one this "
