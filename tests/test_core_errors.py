@@ -840,6 +840,9 @@ def test_unknown_intervention_input(mixtral):
     with pytest.raises(WriteError, match="needs to="):
         with wrapped.trace(**inputs):
             moelens.ablate(wrapped.moes[0], 1, "swap")
+    with pytest.raises(WriteError, match=r"to=1 is the expert being ablated, so nothing would change"):
+        with wrapped.trace(**inputs):  # was taken, and the expert ran on
+            moelens.ablate(wrapped.moes[0], 1, "swap", to=numpy.int64(1))
     with pytest.raises(WriteError, match=r"reroute: expert ids must be integers, got torch.float32"):
         with wrapped.trace(**inputs):
             moelens.reroute(wrapped.moes[0], (0, 1), 1.7)  # was truncated to expert 1
@@ -886,6 +889,8 @@ def test_a_registered_custom_family_is_served():
     ))
     try:
         assert family in moelens.families.supported()
+        assert "custom" in moelens.families.supported()  # by name, as the list prints (it held entries only: False)
+        assert "costum" not in moelens.families.supported() and 3 not in moelens.families.supported()
         wrapped = moelens.wrap(model)
         assert [moe.layer for moe in wrapped.moes] == [0, 1]
         assert wrapped.layers[1].mlp is wrapped.moes[1]  # `ffn` aliased as the standard `mlp`

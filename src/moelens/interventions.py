@@ -129,6 +129,8 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         raise WriteError(f"ablate mode {mode!r} is not one of {ABLATION_MODES}.")
     if mode != "swap" and to is not None:
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
+    if mode == "swap":
+        to = _other_expert(moe, expert, to)
     if mode == "route_around":
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
         # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
@@ -145,9 +147,19 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         weights = moe.expert_weights
         moe.expert_weights = weights.masked_fill(routed_here, 0.0)
         return
+    moe.expert_indices = indices.masked_fill(routed_here, to)
+
+
+def _other_expert(moe: Moe, expert: int, to: Any) -> int:
+    """``to`` as the expert id that takes over ``expert``'s slots in a swap; refused where it is missing or
+    ``expert`` itself."""
     if to is None:
         raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over>.")
-    moe.expert_indices = indices.masked_fill(routed_here, _expert(moe, to, "to"))
+    to = _expert(moe, to, "to")
+    if to == expert:
+        raise WriteError(f"ablate(..., mode='swap'): to={to} is the expert being ablated, so nothing would change; give "
+                         "another expert to take over its slots (or use mode='zero').")
+    return to
 
 
 def _chosen_experts(moe: Moe) -> torch.Tensor:

@@ -358,6 +358,10 @@ class FamilyList(list):
     def __repr__(self) -> str:
         return f"[{len(self)} families: {', '.join(family.name for family in self)}]"
 
+    def __contains__(self, item: Any) -> bool:
+        """Whether a family of that name (``"mixtral" in supported()``, as it prints) or that entry is listed."""
+        return any(family.name == item for family in self) if isinstance(item, str) else super().__contains__(item)
+
 
 def supported() -> FamilyList:
     """Every registered family, sorted by name (a list of `Family` entries; it prints as their names)."""
