@@ -25,6 +25,7 @@ def test_a_dense_model_serves_its_mlps_and_says_it_has_no_moe_block():
     with pytest.warns(UserWarning, match="found no MoE block"):
         wrapped = moelens.wrap(hf)
     assert wrapped.moes == [] and wrapped.family is None
+    assert repr(wrapped.moes) == "MoeList of 0 MoE blocks (moelens serves no MoE block of this model)"  # no index
     assert all(isinstance(layer.mlp, Mlp) for layer in wrapped.layers)
     assert wrapped.model.layers[0].mlp is wrapped.layers[0].mlp  # the native path is the same component
     with pytest.raises(moelens.ValueUnavailable, match="This model has no MoE layer"):

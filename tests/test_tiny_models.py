@@ -227,3 +227,21 @@ def test_tiny_inputs_refuse_sizes_that_are_no_positive_int(size):
 
 def test_tiny_inputs_take_numpy_and_tensor_integers():
     assert tiny_inputs(_model("mixtral"), batch=np.int64(3), seq=torch.tensor(4))["input_ids"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("seed", [1.5, True, "1"])
+def test_a_seed_that_is_no_int_is_refused(seed):
+    """torch took 1.5 and True as seed 1, and the seeded re-draws of zero weights read the seed as text: a model
+    equal to no seed's (the truth: tiny_model('afmoe', seed=1)), built without a word."""
+    with pytest.raises(TypeError, match=rf"tiny_model: seed must be an int, got {type(seed).__name__}"):
+        tiny_model("afmoe", seed=seed)
+    with pytest.raises(TypeError, match=rf"tiny_inputs: seed must be an int, got {type(seed).__name__}"):
+        tiny_inputs(_model("mixtral"), seed=seed)
+    same = tiny_model("afmoe", seed=np.int64(1)).state_dict()
+    assert all(torch.equal(same[name], value) for name, value in tiny_model("afmoe", seed=1).state_dict().items())
+
+
+def test_tiny_inputs_refuse_what_is_no_model():
+    with pytest.raises(TypeError, match=r"tiny_inputs: model must be a transformers model \(tiny_model\(family\)\), "
+                                        r"got str 'mixtral'"):
+        tiny_inputs("mixtral")

@@ -122,5 +122,7 @@ class MoeList(list):
         block, ran to 100 KB on a real model. ``model.moes[i]`` shows block i's tree."""
         lines = [f"  [{index}] {moe.path}: {moe.family.name}, E={moe.num_experts}, k={moe.top_k}, "
                  f"{moe.experts_implementation}" for index, moe in enumerate(self)]
+        if not self:
+            return "MoeList of 0 MoE blocks (moelens serves no MoE block of this model)"
         return "\n".join([f"MoeList of {len(self)} MoE block{'s' * (len(self) != 1)} (model.moes[i] shows one):",
                           *lines])

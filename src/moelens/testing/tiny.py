@@ -43,6 +43,8 @@ import transformers
 from packaging.version import Version
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from ..scalars import as_int
+
 __all__ = [
     "CALLED_SEVERAL_TIMES",
     "COMMON_SIZES",
@@ -701,6 +703,15 @@ def _keep_in_fp32(model: PreTrainedModel, dtype: torch.dtype) -> list[str]:
     return changed
 
 
+def _seed(seed: Any, function: str) -> int:
+    """``seed`` as an int (a numpy integer or a one-element integer tensor too); refused otherwise: torch takes a
+    float or a bool seed as an int, and the seeded re-draws would read it as text, a model of no seed."""
+    index = as_int(seed)
+    if index is None:
+        raise TypeError(f"{function}: seed must be an int, got {type(seed).__name__} {seed!r:.40}.")
+    return index
+
+
 def tiny_model(
     family: str,
     *,
@@ -731,6 +742,7 @@ def tiny_model(
     ``from_pretrained`` (``_keep_in_fp32_modules_strict``: e.g. ernie/beam/flint router weights,
     inkling2's router, which fails otherwise) are upcast as ``from_pretrained`` would.
     """
+    seed = _seed(seed, "tiny_model")
     cfg = tiny_config(family, **overrides)
     cls = model_class(family)
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -760,7 +772,10 @@ def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int 
         if sizes[name] < 1:
             raise ValueError(f"tiny_inputs: {name} must be a positive int (rows, tokens per row), got {value!r}.")
     batch, seq = sizes["batch"], sizes["seq"]
-    gen = torch.Generator().manual_seed(seed)
+    if getattr(model, "config", None) is None:
+        raise TypeError(f"tiny_inputs: model must be a transformers model (tiny_model(family)), got "
+                        f"{type(model).__name__} {model!r:.40}.")
+    gen = torch.Generator().manual_seed(_seed(seed, "tiny_inputs"))
     vocab = int(getattr(model.config, "vocab_size", None) or COMMON_SIZES["vocab_size"])
     input_ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(model.device)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
