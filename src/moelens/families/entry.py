@@ -455,6 +455,12 @@ class Family:
         """How the live ``block``'s router renormalises its k weights (`Scoring.normalize`, read): True (to sum to
         one) or False, or the number p of a p-norm it divides them by (dbrx's ``moe_normalize_expert_weights``)."""
         normalize = self.resolve(self.scoring_of(block).normalize, block)
+        if isinstance(normalize, float) and normalize == 0:  # dbrx's p = 0: divided by the count of non-zero weights
+            raise FamilyError(
+                f"family {self.name!r}: this block's router divides its k weights by their 0-norm (p = 0, the count "
+                "of non-zero weights, as dbrx's moe_normalize_expert_weights=0.0 gives), which moelens does not "
+                "describe, check, export or write logits under; set it to None (no renormalisation) or a p > 0."
+            )
         return normalize if isinstance(normalize, (int, float)) else bool(normalize)  # None: not renormalised
 
     def normalize_min_of(self, block: Any) -> float:

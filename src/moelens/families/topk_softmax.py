@@ -42,6 +42,7 @@ FAMILIES = [
                            code="TK->SM|sigmoid"),
            shared=SharedExpert("shared_experts", when="after_experts"),
            combine=Combine(mode="block.shared_expert_combination_strategy"),
-           notes="Scores are a softmax or a sigmoid of the top-k logits (expert_selection_fn); with shared "
-                 "experts the block averages routed and shared output."),
+           notes="Scores are a softmax of the top-k logits (summing to one, whatever norm_topk_prob says) or a "
+                 "sigmoid of them, renormalised if norm_topk_prob (expert_selection_fn); with shared experts the "
+                 "block averages or sums routed and shared output (shared_expert_combination_strategy)."),
 ]
