@@ -79,16 +79,22 @@ def test_gradients_at_served_values(family, impl):
 
 def test_a_value_first_asked_for_inside_the_backward_block_says_to_bind_it_before():
     """nnsight runs a `with loss.backward():` block under an interleaver of its own: a value or an intervention
-    first asked for there was refused as belonging to "another wrapped model than the one this trace runs"."""
+    first asked for there was refused as belonging to "another wrapped model than the one this trace runs" (so was
+    one asked for in a backward block after the trace)."""
     hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    refused = (r"layers\.0\.mlp.*: asked for inside a `with loss\.backward\(\):` block, which serves only gradients: "
+               r"bind the value in the trace before")
     for use in (lambda: wrapped.moes[0].router_logits.grad.save(), lambda: moelens.ablate(wrapped.moes[0], 1)):
-        with pytest.raises(moelens.ValueUnavailable, match=r"layers\.0\.mlp.*: asked for inside a block nested in this "
-                                                           r"model's trace \(a `with loss\.backward\(\):` block\), "
-                                                           r"which serves only gradients: bind the value before"):
+        with pytest.raises(moelens.ValueUnavailable, match=refused):
             with wrapped.trace(**inputs):
                 loss = loss_of(wrapped.output)
                 with loss.backward():
                     use()
+        with wrapped.trace(**inputs):
+            loss = loss_of(wrapped.output).save()
+        with pytest.raises(moelens.ValueUnavailable, match=refused):
+            with loss.backward():
+                use()
     with wrapped.trace(**inputs):  # as the message says
         logits = wrapped.moes[0].router_logits
         loss = loss_of(wrapped.output)

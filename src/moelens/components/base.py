@@ -221,11 +221,11 @@ class Component(Envoy):
                 "a tracer.invoke(inputs) block." + (f" What it means: help(type(block).{name})." if asked is None else "")
             ) from None
         if mediator.interleaver is not None and mediator.interleaver is not self.interleaver:
-            if self.interleaver.interleaving and _in_backward_block():  # this model runs: the code is nested in it
+            if _in_backward_block():
                 raise ValueUnavailable(
-                    f"{asked or f'{self.path}.{name}'}: asked for inside a block nested in this model's trace (a "
-                    "`with loss.backward():` block), which serves only gradients: bind the value before the block "
-                    "(logits = moe.router_logits), read its gradient inside it (logits.grad), and intervene before it."
+                    f"{asked or f'{self.path}.{name}'}: asked for inside a `with loss.backward():` block, which "
+                    "serves only gradients: bind the value in the trace before the block (logits = "
+                    "moe.router_logits), read its gradient inside it (logits.grad), and intervene before it."
                 )
             if self.interleaver.interleaving:
                 raise ValueUnavailable(

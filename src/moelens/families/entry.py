@@ -455,7 +455,7 @@ class Family:
         """How the live ``block``'s router renormalises its k weights (`Scoring.normalize`, read): True (to sum to
         one) or False, or the number p of a p-norm it divides them by (dbrx's ``moe_normalize_expert_weights``)."""
         normalize = self.resolve(self.scoring_of(block).normalize, block)
-        if isinstance(normalize, float) and normalize == 0:  # dbrx's p = 0: divided by the count of non-zero weights
+        if isinstance(normalize, (int, float)) and not isinstance(normalize, bool) and normalize == 0:  # dbrx's p = 0
             raise FamilyError(
                 f"family {self.name!r}: this block's router divides its k weights by their 0-norm (p = 0, the count "
                 "of non-zero weights, as dbrx's moe_normalize_expert_weights=0.0 gives), which moelens does not "

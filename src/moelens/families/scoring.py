@@ -64,14 +64,16 @@ def top_logits(
 
 
 def kept_groups(
-    ranked: Float[torch.Tensor, "*tokens e"], n_group: int, topk_group: int, group_score: str, fill: float
+    ranked: Float[torch.Tensor, "*tokens e"], n_group: int, topk_group: int, group_score: str, fill: float,
+    rtol: float = 1e-5,
 ) -> tuple[Float[torch.Tensor, "*tokens e"], torch.Tensor]:
     """What a group-limited router takes its top-k of: ``ranked`` (its scores, plus a selection bias where it adds
     one) with the experts of all but the best ``topk_group`` of its ``n_group`` consecutive groups set to ``fill``.
     A group scores the sum of its best two (``group_score="top2_sum"``) or its best one (``"max"``).
 
     Also returns, per token, whether the kept groups are a close call: the last kept group's score within
-    1e-5 (relative) of the best dropped one's, where rounding may make the router keep the other.
+    ``rtol`` (relative) of the best dropped one's, where rounding may make the router keep the other (a router
+    that scores in float16 or bfloat16 rounds by more: mistral4's).
     """
     grouped = rearrange(ranked, "... (g e) -> ... g e", g=n_group)
     best = grouped.topk(min(2 if group_score == "top2_sum" else 1, grouped.shape[-1]), dim=-1).values.sum(-1)
@@ -79,7 +81,7 @@ def kept_groups(
     close = torch.zeros(best.shape[:-1], dtype=torch.bool, device=best.device)
     if topk_group < n_group:
         last, next_best = order[..., topk_group - 1], order[..., topk_group]
-        close = (last - next_best) <= 1e-5 * torch.maximum(last.abs(), next_best.abs()).clamp_min(1e-30)
+        close = (last - next_best) <= rtol * torch.maximum(last.abs(), next_best.abs()).clamp_min(1e-30)
     keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, best.topk(topk_group, dim=-1).indices, True)
     kept = grouped.masked_fill(~keep.unsqueeze(-1), fill)
     return rearrange(kept, "... g e -> ... (g e)"), close
