@@ -599,21 +599,27 @@ def test_check_warns_that_one_renormalised_expert_cannot_tell_the_score(register
                 families.check(moelens.wrap(model()), IDS)
 
 
-def test_dbrx_weights_divided_by_their_0_norm_are_refused_with_the_reason():
-    """p = 0 divides dbrx's k weights by their count (transformers skips the division only at None): moelens read 0
-    as no renormalisation, and check refused moelens' own entry, advising scale=0.5 (the truth: the experts call's
-    weights are the chosen softmax scores over k)."""
+def _dbrx_with_p(p: float) -> tuple:
+    """A tiny dbrx whose router divides its k weights by their p-norm, the weights its first block's experts call got,
+    and the softmax scores of the experts chosen there (hooks on the unwrapped model: the truth)."""
     from moelens.testing import tiny_config
 
-    ffn = tiny_config("dbrx").ffn_config.to_dict() | {"moe_normalize_expert_weights": 0.0}
+    ffn = tiny_config("dbrx").ffn_config.to_dict() | {"moe_normalize_expert_weights": p}
     hf = tiny_model("dbrx", ffn_config=ffn)
     block, seen = hf.transformer.blocks[0].ffn, {}
     block.router.register_forward_hook(lambda module, args, out: seen.update(logits=out))
     block.experts.register_forward_hook(lambda module, args, out: seen.update(indices=args[1], weights=args[2]))
     with torch.no_grad():
         hf(**tiny_inputs(hf))
-    chosen = seen["logits"].softmax(-1).gather(-1, seen["indices"])
-    assert torch.allclose(seen["weights"], chosen / chosen.shape[-1])
+    return hf, seen["weights"], seen["logits"].softmax(-1).gather(-1, seen["indices"])
+
+
+def test_dbrx_weights_divided_by_their_0_norm_are_refused_with_the_reason():
+    """p = 0 divides dbrx's k weights by their count (transformers skips the division only at None): moelens read 0
+    as no renormalisation, and check refused moelens' own entry, advising scale=0.5 (the truth: the experts call's
+    weights are the chosen softmax scores over k)."""
+    hf, weights, chosen = _dbrx_with_p(0.0)
+    assert torch.allclose(weights, chosen / chosen.shape[-1])
     with pytest.raises(FamilyError, match=r"divides its k weights by their 0-norm \(p = 0, the count of non-zero "
                                           r"weights.*set it to None"):
         families.check(moelens.wrap(hf), **tiny_inputs(hf))
@@ -622,18 +628,9 @@ def test_dbrx_weights_divided_by_their_0_norm_are_refused_with_the_reason():
 def test_check_divides_dbrx_weights_by_their_p_norm():
     """dbrx divides its k weights by their p-norm, p = moe_normalize_expert_weights (1 by default): check took
     every normalisation for a sum and refused moelens' own entry at p = 2, telling the user to fix it."""
-    from moelens.testing import tiny_config
-
-    ffn = tiny_config("dbrx").ffn_config.to_dict() | {"moe_normalize_expert_weights": 2.0}
-    hf = tiny_model("dbrx", ffn_config=ffn)
-    block, seen = hf.transformer.blocks[0].ffn, {}
-    block.router.register_forward_hook(lambda module, args, out: seen.update(logits=out))
-    block.experts.register_forward_hook(lambda module, args, out: seen.update(indices=args[1], weights=args[2]))
-    with torch.no_grad():
-        hf(**tiny_inputs(hf))
-    chosen = seen["logits"].softmax(-1).gather(-1, seen["indices"])
-    assert torch.allclose(seen["weights"], chosen / chosen.norm(p=2, dim=-1, keepdim=True))  # the model's own p-norm
-    assert not torch.allclose(seen["weights"], chosen / chosen.sum(-1, keepdim=True))  # which is no sum
+    hf, weights, chosen = _dbrx_with_p(2.0)
+    assert torch.allclose(weights, chosen / chosen.norm(p=2, dim=-1, keepdim=True))  # the model's own p-norm
+    assert not torch.allclose(weights, chosen / chosen.sum(-1, keepdim=True))  # which is no sum
     wrapped = moelens.wrap(hf)
     assert families.check(wrapped, **tiny_inputs(hf)) == [moe.path for moe in wrapped.moes]
     summed = dataclasses.replace(families.get("dbrx"), name="dbrx_summed",
