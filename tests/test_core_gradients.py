@@ -83,7 +83,7 @@ def test_a_value_first_asked_for_inside_the_backward_block_says_to_bind_it_befor
     one asked for in a backward block after the trace)."""
     hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
     refused = (r"layers\.0\.mlp.*: asked for inside a `with loss\.backward\(\):` block, which serves only gradients: "
-               r"bind the value in the trace before")
+               r"bind the value before the block, in a trace of its model")
     for use in (lambda: wrapped.moes[0].router_logits.grad.save(), lambda: moelens.ablate(wrapped.moes[0], 1)):
         with pytest.raises(moelens.ValueUnavailable, match=refused):
             with wrapped.trace(**inputs):

@@ -412,13 +412,15 @@ def test_check_passes_mistral4_whose_groups_tie_in_half_precision(dtype):
     assert families.check(moelens.wrap(full), **tiny_inputs(full, batch=4, seq=24))
 
 
+@pytest.mark.parametrize("top_k", [2, 1])
 @pytest.mark.parametrize("off", [1.02, 1.005])
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_check_refuses_a_scale_slightly_off_on_a_bfloat16_model(family, off):
+def test_check_refuses_a_scale_slightly_off_on_a_bfloat16_model(family, off, top_k):
     """Their routers weigh in float32 on a bfloat16 model: a weights check at bfloat16's tolerance (1e-2) let an
-    entry whose routed scale was 2% off pass, and at one bfloat16 step (0.8%) one 0.5% off."""
+    entry whose routed scale was 2% off pass, and at one bfloat16 step (0.8%) one 0.5% off; so did one whose weights
+    lie on bfloat16's grid by chance (top-1, renormalised: every weight is the scale)."""
     entry = families.get(family)
-    hf = tiny_model(family, dtype=torch.bfloat16)
+    hf = tiny_model(family, dtype=torch.bfloat16, num_experts_per_tok=top_k, norm_topk_prob=True)
     scale = entry.scale_of(moelens.wrap(hf).moes[0]._module)
     families.register(dataclasses.replace(entry, name="off_scale", scoring=dataclasses.replace(
         entry.scoring, scale=scale * off)), replace=True)
@@ -803,6 +805,29 @@ def test_check_finds_groups_the_router_does_not_keep(family, groups):
             families.check(moelens.wrap(hf), **inputs)
     finally:
         families.unregister(f"{family}_groups")
+
+
+@pytest.mark.parametrize("groups", [("router.num_group", "router.num_group"), ("router.top_k", "router.topk_group")],
+                         ids=["groups-ignored", "n_group-read-as-2"])
+def test_check_finds_groups_a_bfloat16_router_does_not_keep(groups):
+    """mistral4 ranks in bfloat16: the selection was checked at a fixed 1e-2 (some 10% of its softmax scores), and
+    entries keeping all groups, or reading n_group from top_k, passed (the truth: the right entry passes on the same
+    run, and the router keeps 2 of its 4 groups)."""
+    hf = tiny_model("mistral4", dtype=torch.bfloat16)
+    inputs = tiny_inputs(hf, batch=4, seq=24, seed=1)
+    wrapped = moelens.wrap(hf)
+    assert families.check(wrapped, **inputs) == [moe.path for moe in wrapped.moes]
+    router = wrapped.moes[0].router._module
+    assert (router.num_group, router.topk_group, router.top_k) == (4, 2, 2)
+    entry = families.get("mistral4")
+    wrong = dataclasses.replace(entry, name="mistral4_groups", scoring=dataclasses.replace(entry.scoring, groups=groups))
+    families.register(wrong, replace=True)
+    try:
+        with pytest.raises(FamilyError, match=r"the experts chosen for \d+ of \d+ tokens are not the top 2 .* check "
+                                              r"groups"):
+            families.check(moelens.wrap(hf), **inputs)
+    finally:
+        families.unregister("mistral4_groups")
 
 
 def test_check_tells_a_group_s_best_two_from_its_best_one():

@@ -224,7 +224,7 @@ class Component(Envoy):
             if _in_backward_block():
                 raise ValueUnavailable(
                     f"{asked or f'{self.path}.{name}'}: asked for inside a `with loss.backward():` block, which "
-                    "serves only gradients: bind the value in the trace before the block (logits = "
+                    "serves only gradients: bind the value before the block, in a trace of its model (logits = "
                     "moe.router_logits), read its gradient inside it (logits.grad), and intervene before it."
                 )
             if self.interleaver.interleaving:

@@ -171,17 +171,28 @@ def _tolerance(*tensors: torch.Tensor | None) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-4} if full else {"atol": 1e-2, "rtol": 1e-2}
 
 
+def _ranking_tolerance(logits: torch.Tensor) -> dict[str, float]:
+    """How far below the k-th best of what the entry ranks a chosen expert may lie: float32's rounding, or two steps
+    of the logits' dtype where the router ranks in float16 / bfloat16 (a fixed 1e-2 was some 10% of softmax scores
+    near 1/E, and let a wrong groups entry pass)."""
+    tolerance = _tolerance(logits)
+    if logits.dtype in (torch.float32, torch.float64):
+        return tolerance
+    return {"atol": 1e-6, "rtol": 2 * torch.finfo(logits.dtype).eps}
+
+
 def _weights_tolerance(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """How far the entry's recomputed weights may be from the block's: the rounding of its logits and weights, and a
-    relative step of its output's dtype where the weights lie on that coarser dtype's grid (a router that rounds its
-    float32 weights to the hidden states' dtype and back, as ergo's does; not for every float32 router of a bfloat16
-    model, or a scale 0.5% off would pass, and sigmoid would not be told from sqrtsoftplus)."""
+    """How far the entry's recomputed weights may be from the block's: the rounding of its logits and weights, plus
+    half a relative step of its output's dtype where the weights lie on that coarser dtype's grid (a router that
+    rounds its float32 weights to the hidden states' dtype and back, as ergo's does: there a scale off by less than
+    that half step, 0.4% in bfloat16, cannot be seen). Not for every float32 router of a bfloat16 model, or a scale
+    0.5% off would pass, and sigmoid would not be told from sqrtsoftplus."""
     tolerance = _tolerance(values["router_logits"], values["expert_weights"])
     output, weights = values.get("mlp_output"), values["expert_weights"]
     if output is not None and output.is_floating_point() and weights.is_floating_point() and \
             torch.finfo(output.dtype).eps > torch.finfo(weights.dtype).eps and \
             torch.equal(weights, weights.to(output.dtype).to(weights.dtype)):
-        tolerance["rtol"] = max(tolerance["rtol"], torch.finfo(output.dtype).eps)
+        tolerance["rtol"] += torch.finfo(output.dtype).eps / 2
     return tolerance
 
 
@@ -221,13 +232,13 @@ def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     groups = family.groups_of(block)
     close = torch.zeros(ranked.shape[:-1], dtype=torch.bool, device=ranked.device)
     if groups is not None:
-        # a router scoring in the logits' own dtype (mistral4) rounds its group scores by a few of its steps
-        rounding = 4 * torch.finfo(values["router_logits"].dtype).eps
-        ranked, close = kept_groups(ranked, *groups, scoring.group_score, scoring.group_fill, max(1e-5, rounding))
+        # a router scoring in the logits' own dtype (mistral4) rounds its group scores by a step or two
+        ranked, close = kept_groups(ranked, *groups, scoring.group_score, scoring.group_fill,
+                                    max(1e-5, 2 * torch.finfo(values["router_logits"].dtype).eps))
         what += (f", inside the best {groups[1]} of {groups[0]} groups (a group scored by "
                  f"{'the sum of its best two' if scoring.group_score == 'top2_sum' else 'its best expert'}, "
                  f"the others' experts set to {scoring.group_fill})")
-    tolerance = _tolerance(values["router_logits"])
+    tolerance = _ranking_tolerance(values["router_logits"])
     kth = ranked.topk(indices.shape[-1], dim=-1).values[..., -1:]
     below = (ranked.gather(-1, indices.long()) < kth - tolerance["atol"] - tolerance["rtol"] * kth.abs()).any(-1)
     below &= ~close
