@@ -276,3 +276,28 @@ def test_a_sequence_first_decoder_under_beams_is_still_refused():
         with torch.no_grad(), wrapped.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2,
                                                num_beams=2, do_sample=False):
             wrapped.moes[0].mlp_output.save()
+
+
+def test_a_generate_output_read_in_one_of_several_invokes_is_that_invokes_rows():
+    """With return_dict_in_generate, tracer.result read in one of several invokes failed with transformers'
+    "missing 1 required positional argument: 'sequences'" (nnsight narrows a dict by copying it, and generate's
+    outputs take their sequences by name). The truth: the plain model generating the same left-padded batch."""
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    short = torch.tensor([[40, 41, 42]])
+    settings = {"max_new_tokens": 2, "do_sample": False, "return_dict_in_generate": True, "output_scores": True,
+                "pad_token_id": 0}
+    with torch.no_grad(), wrapped.generate(**settings) as tracer:
+        with tracer.invoke(short):
+            first = tracer.result.save()
+        with tracer.invoke(PROMPT):
+            second = tracer.result.save()
+    padded = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), short], 1), PROMPT])
+    with torch.no_grad():
+        expected = reference.generate(padded, attention_mask=(padded != 0).long(), **settings)
+    assert type(first) is type(expected)
+    for row, output in enumerate((first, second)):
+        assert torch.equal(output.sequences, expected.sequences[row:row + 1])
+        for step, scores in enumerate(output.scores):
+            torch.testing.assert_close(scores, expected.scores[step][row:row + 1])

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from nnsight.intervention.batching import Batcher
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
+from transformers.utils import ModelOutput
 
 from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
 from . import tokens
@@ -335,6 +336,15 @@ class MoeBatcher(Batcher):
             if claimed:
                 envoy.interleaver.release()
             raise
+
+    def narrow(self, value: Any, group: Any) -> Any:
+        """nnsight's narrowing to an invoke's rows, field by field for a transformers output: nnsight copies a dict
+        with ``.copy()``, which builds ``type(value)(value)``, and generate's outputs (``GenerateDecoderOnlyOutput``,
+        ``return_dict_in_generate=True``) take their required ``sequences`` by name: ``tracer.result`` read in one of
+        several invokes failed with transformers' "missing 1 required positional argument: 'sequences'"."""
+        if group is not None and self.batching and isinstance(value, ModelOutput):
+            return type(value)(**{key: super(MoeBatcher, self).narrow(item, group) for key, item in value.items()})
+        return super().narrow(value, group)
 
     def widen(self, full: Any, group: Any, edited: Any) -> Any:
         if isinstance(edited, Rebase):
