@@ -2088,6 +2088,18 @@ def test_a_compiled_model_is_refused_with_what_to_wrap():
     with pytest.raises(moelens.MoelensError, match=r"model.layers.1 \(OptimizedModule\) is compiled by torch.compile"):
         with wrapped.trace(tiny_inputs(hf)["input_ids"]):
             wrapped.output.save()
+    hf.model.layers[1] = layer
+    # the form transformers' docs show, a compiled forward on the instance: a trace failed inside dynamo
+    compiled_forward = copy.deepcopy(hf)
+    compiled_forward.forward = torch.compile(compiled_forward.forward)
+    with pytest.raises(moelens.MoelensError, match=r"the model \(MixtralForCausalLM\) is run by a compiled forward"):
+        moelens.wrap(compiled_forward)
+    block = hf.model.layers[2].mlp
+    block.forward = torch.compile(block.forward)  # after wrapping, over nnsight's own
+    with pytest.raises(moelens.MoelensError, match=r"model.layers.2.mlp \(MixtralSparseMoeBlock\) is run by a "
+                                                   r"compiled forward"):
+        with wrapped.trace(tiny_inputs(hf)["input_ids"]):
+            wrapped.output.save()
 
 
 def test_generation_runs_uncompiled():

@@ -1161,11 +1161,16 @@ def _dtype_refusal(path: str, experts: torch.nn.Module, implementation: str,
 
 
 def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
-    """Raise a `MoelensError` for a module compiled in place (``module.compile()``) or by ``torch.compile`` (a
-    compiled module put in the model) among ``modules``."""
+    """Raise a `MoelensError` for a module compiled in place (``module.compile()``), by ``torch.compile`` (a
+    compiled module put in the model), or whose forward was (``module.forward = torch.compile(module.forward)``, as
+    transformers' docs show: the trace failed inside torch's compiler on nnsight's instrumented ops) among
+    ``modules``."""
     for name, module in modules:
+        forward = module.__dict__.get("forward")
         how = ("compiled (module.compile())" if getattr(module, "_compiled_call_impl", None) is not None else
-               "compiled by torch.compile" if type(module).__name__ == "OptimizedModule" else None)
+               "compiled by torch.compile" if type(module).__name__ == "OptimizedModule" else
+               "run by a compiled forward (module.forward = torch.compile(...))"
+               if getattr(forward, "_torchdynamo_orig_callable", None) is not None else None)
         if how is not None:
             raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: load or copy the model "
                                f"again and wrap it uncompiled. {COMPILED}")
