@@ -859,3 +859,24 @@ def test_token_id_invokes_reach_a_forward_whose_first_argument_has_another_name(
             torch.testing.assert_close(output, hf(second), atol=1e-6, rtol=1e-6)
     finally:
         moelens.families.unregister(family.name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_several_invokes_with_output_router_logits_serve_each_their_rows(family):
+    """With output_router_logits=True the model's output holds a 0-d aux_loss, and nnsight cut every tensor of an
+    output by its first dimension: reading the output in one of several invokes failed with an IndexError. The
+    truth: the plain model's forward of the same batch (each invoke's rows of its logits, the batch's aux_loss)."""
+    hf = tiny_model(family)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    ids = torch.randint(3, hf.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), wrapped.trace(output_router_logits=True) as tracer:
+        with tracer.invoke(ids[:1]):
+            first = wrapped.output.save()
+        with tracer.invoke(ids[1:]):
+            second = wrapped.output.logits.save()
+    with torch.no_grad():
+        expected = reference(ids, output_router_logits=True)
+    torch.testing.assert_close(first.logits, expected.logits[:1])
+    torch.testing.assert_close(second, expected.logits[1:])
+    torch.testing.assert_close(first.aux_loss, expected.aux_loss)

@@ -2095,6 +2095,11 @@ def test_a_compiled_model_is_refused_with_what_to_wrap():
     with pytest.raises(moelens.MoelensError, match=r"the model \(MixtralForCausalLM\) is run by a compiled forward"):
         moelens.wrap(compiled_forward)
     block = hf.model.layers[2].mlp
+    block.forward = torch.compiler.disable(block.forward)  # marked never to compile: runs as it is, not refused
+    with torch.no_grad(), wrapped.trace(tiny_inputs(hf)["input_ids"]):
+        logits = first_tensor(wrapped.output).save()
+    with torch.no_grad():
+        assert torch.equal(logits, copy.deepcopy(hf)(tiny_inputs(hf)["input_ids"]).logits)
     block.forward = torch.compile(block.forward)  # after wrapping, over nnsight's own
     with pytest.raises(moelens.MoelensError, match=r"model.layers.2.mlp \(MixtralSparseMoeBlock\) is run by a "
                                                    r"compiled forward"):

@@ -301,3 +301,33 @@ def test_a_generate_output_read_in_one_of_several_invokes_is_that_invokes_rows()
         assert torch.equal(output.sequences, expected.sequences[row:row + 1])
         for step, scores in enumerate(output.scores):
             torch.testing.assert_close(scores, expected.scores[step][row:row + 1])
+
+
+def test_a_beam_generate_output_read_in_one_of_several_invokes_is_refused():
+    """Under beams (or returned sequences) generate's fields hold several rows per prompt: cut by nnsight's rule, a
+    result read in an invoke had its one-row-per-prompt fields cut and the others whole, silently mixed. Refused;
+    read in an empty invoke it holds every prompt's rows (the truth: the plain model's generation)."""
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    short = torch.tensor([[40, 41, 42]])
+    settings = {"max_new_tokens": 2, "do_sample": False, "num_beams": 3, "return_dict_in_generate": True,
+                "output_scores": True, "pad_token_id": 0}
+    with pytest.raises(moelens.MoelensError, match=r"tracer.result of a generation with several rows per prompt .* "
+                                                   r"read it in an empty tracer.invoke\(\)"):
+        with torch.no_grad(), wrapped.generate(**settings) as tracer:
+            with tracer.invoke(short):
+                tracer.result.save()
+            with tracer.invoke(PROMPT):
+                pass
+    with torch.no_grad(), wrapped.generate(**settings) as tracer:
+        with tracer.invoke(short):
+            pass
+        with tracer.invoke(PROMPT):
+            pass
+        with tracer.invoke():  # every prompt's rows
+            result = tracer.result.save()
+    padded = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), short], 1), PROMPT])
+    with torch.no_grad():
+        expected = reference.generate(padded, attention_mask=(padded != 0).long(), **settings)
+    assert torch.equal(result.sequences, expected.sequences)

@@ -1170,7 +1170,8 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
         how = ("compiled (module.compile())" if getattr(module, "_compiled_call_impl", None) is not None else
                "compiled by torch.compile" if type(module).__name__ == "OptimizedModule" else
                "run by a compiled forward (module.forward = torch.compile(...))"
-               if getattr(forward, "_torchdynamo_orig_callable", None) is not None else None)
+               if getattr(forward, "_torchdynamo_orig_callable", None) is not None
+               and not getattr(forward, "_torchdynamo_disable", False) else None)  # torch.compiler.disable's: runs
         if how is not None:
             raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: load or copy the model "
                                f"again and wrap it uncompiled. {COMPILED}")

@@ -24,9 +24,10 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from nnsight.intervention.batching import Batcher
 from nnsight.intervention.eproperty import WriteBack, eproperty
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
-from transformers.utils import ModelOutput
+from transformers.generation.utils import (GenerateBeamDecoderOnlyOutput, GenerateBeamEncoderDecoderOutput,
+                                         GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput)
 
-from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError
+from ..errors import FamilyError, MoelensError, OrderError, ValueUnavailable, WriteError
 from . import tokens
 from .binding import ANY_INF, FLOAT, Binding, dict_output
 from .run_owner import MoeInterleaver
@@ -319,6 +320,20 @@ class Rebase(NamedTuple):
     changes: bool = True
 
 
+#: What ``model.generate`` returns with ``return_dict_in_generate=True``.
+GENERATE_OUTPUTS = (GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput, GenerateBeamDecoderOnlyOutput,
+                    GenerateBeamEncoderDecoderOutput)
+
+
+def _tensors_of(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``'s fields, and in the tuples they hold (generate's per-step ``scores``)."""
+    for item in value.values():
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, (tuple, list)):
+            yield from _tensors_of(dict(enumerate(item)))
+
+
 class MoeBatcher(Batcher):
     """nnsight's batcher for a wrapped model: lands moelens' `Rebase` swaps on the current value. Made as a run
     begins, it claims the model for this thread (`run_owner`)."""
@@ -338,13 +353,30 @@ class MoeBatcher(Batcher):
             raise
 
     def narrow(self, value: Any, group: Any) -> Any:
-        """nnsight's narrowing to an invoke's rows, field by field for a transformers output: nnsight copies a dict
-        with ``.copy()``, which builds ``type(value)(value)``, and generate's outputs (``GenerateDecoderOnlyOutput``,
-        ``return_dict_in_generate=True``) take their required ``sequences`` by name: ``tracer.result`` read in one of
-        several invokes failed with transformers' "missing 1 required positional argument: 'sequences'"."""
-        if group is not None and self.batching and isinstance(value, ModelOutput):
+        """nnsight's narrowing to an invoke's rows, field by field for generate's output (``return_dict_in_generate``):
+        nnsight copies a dict with ``.copy()``, which builds ``type(value)(value)``, and those classes take their
+        required ``sequences`` by name, so ``tracer.result`` read in one of several invokes failed with transformers'
+        "missing 1 required positional argument: 'sequences'". Refused where a field holds several rows per prompt
+        (beams, returned sequences): nnsight would cut the fields of one row per prompt and hand the others whole."""
+        if group is not None and self.batching and isinstance(value, GENERATE_OUTPUTS):
+            if any(tensor.dim() and tensor.shape[0] != self.total for tensor in _tensors_of(value)):
+                raise MoelensError(
+                    "tracer.result of a generation with several rows per prompt (num_beams or num_return_sequences "
+                    "above 1) was read in one of several invokes, where its fields cannot all be cut to the invoke's "
+                    "rows: read it in an empty tracer.invoke(), which sees every prompt's rows (prompt i's are i * n "
+                    "to i * n + n - 1), or generate with one invoke."
+                )
             return type(value)(**{key: super(MoeBatcher, self).narrow(item, group) for key, item in value.items()})
         return super().narrow(value, group)
+
+    def _narrow_tensor(self, tensor: torch.Tensor, group: list) -> torch.Tensor:
+        """nnsight's, but a 0-d tensor (a forward's ``aux_loss`` with ``output_router_logits=True``) is no batch: served
+        whole (nnsight read its first dimension and failed with an IndexError)."""
+        return tensor if tensor.dim() == 0 else super()._narrow_tensor(tensor, group)
+
+    def _widen_tensor(self, full: torch.Tensor, group: list, edited: torch.Tensor) -> torch.Tensor:
+        """nnsight's, but a 0-d tensor served whole is replaced by the invoke's edit of it (see `_narrow_tensor`)."""
+        return edited if full.dim() == 0 else super()._widen_tensor(full, group, edited)
 
     def widen(self, full: Any, group: Any, edited: Any) -> Any:
         if isinstance(edited, Rebase):
