@@ -398,6 +398,16 @@ def test_check_passes_moelens_own_entries_in_bfloat16(family):
     assert not [warning for warning in caught if "gives too" in str(warning.message)]  # the score was checked
 
 
+def _check_refuses(entry: Family, hf: torch.nn.Module, inputs: dict, message: str) -> None:
+    """With ``entry`` registered (for the time of the check), families.check of ``hf`` raises ``message``."""
+    families.register(entry, replace=True)
+    try:
+        with pytest.raises(FamilyError, match=message):
+            families.check(moelens.wrap(hf), **inputs)
+    finally:
+        families.unregister(entry.name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_check_passes_mistral4_whose_groups_tie_in_half_precision(dtype):
     """mistral4 scores its groups in the model's dtype: groups within a float16/bfloat16 step of each other tie
@@ -422,14 +432,9 @@ def test_check_refuses_a_scale_slightly_off_on_a_bfloat16_model(family, off, top
     entry = families.get(family)
     hf = tiny_model(family, dtype=torch.bfloat16, num_experts_per_tok=top_k, norm_topk_prob=True)
     scale = entry.scale_of(moelens.wrap(hf).moes[0]._module)
-    families.register(dataclasses.replace(entry, name="off_scale", scoring=dataclasses.replace(
-        entry.scoring, scale=scale * off)), replace=True)
-    try:
-        with pytest.raises(FamilyError, match=r"the weights its experts got are not what the scoring of family "
-                                              r"'off_scale' gives"):
-            families.check(moelens.wrap(hf), **tiny_inputs(hf))
-    finally:
-        families.unregister("off_scale")
+    off_scale = dataclasses.replace(entry, name="off_scale", scoring=dataclasses.replace(entry.scoring, scale=scale * off))
+    _check_refuses(off_scale, hf, tiny_inputs(hf), r"the weights its experts got are not what the scoring of family "
+                                                   r"'off_scale' gives")
 
 
 def test_check_names_the_scoring_that_gives_the_weights(registered):
@@ -637,13 +642,8 @@ def test_check_divides_dbrx_weights_by_their_p_norm():
     assert families.check(wrapped, **tiny_inputs(hf)) == [moe.path for moe in wrapped.moes]
     summed = dataclasses.replace(families.get("dbrx"), name="dbrx_summed",
                                  scoring=dataclasses.replace(families.get("dbrx").scoring, normalize=True))
-    families.register(summed, replace=True)
-    try:
-        with pytest.raises(FamilyError, match=r"the weights its experts got are not what the scoring of family "
-                                              r"'dbrx_summed' gives"):
-            families.check(moelens.wrap(hf), **tiny_inputs(hf))
-    finally:
-        families.unregister("dbrx_summed")
+    _check_refuses(summed, hf, tiny_inputs(hf), r"the weights its experts got are not what the scoring of family "
+                                                r"'dbrx_summed' gives")
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -821,13 +821,7 @@ def test_check_finds_groups_a_bfloat16_router_does_not_keep(groups):
     assert (router.num_group, router.topk_group, router.top_k) == (4, 2, 2)
     entry = families.get("mistral4")
     wrong = dataclasses.replace(entry, name="mistral4_groups", scoring=dataclasses.replace(entry.scoring, groups=groups))
-    families.register(wrong, replace=True)
-    try:
-        with pytest.raises(FamilyError, match=r"the experts chosen for \d+ of \d+ tokens are not the top 2 .* check "
-                                              r"groups"):
-            families.check(moelens.wrap(hf), **inputs)
-    finally:
-        families.unregister("mistral4_groups")
+    _check_refuses(wrong, hf, inputs, r"the experts chosen for \d+ of \d+ tokens are not the top 2 .* check groups")
 
 
 def test_check_tells_a_group_s_best_two_from_its_best_one():
