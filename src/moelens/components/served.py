@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
@@ -100,7 +100,11 @@ def trace_running(asker: str) -> bool:
 
 def request(location: str, on_order_error: Callable[[], Exception]) -> Any:
     """Park until the model reaches ``location`` and return what is served there (see `order_errors`)."""
-    mediator = Mediator.current(location)
+    return _request(Mediator.current(location), location, on_order_error)
+
+
+def _request(mediator: Mediator, location: str, on_order_error: Callable[[], Exception]) -> Any:
+    """`request` for the worker of ``mediator`` (a caller that holds it already)."""
     pinned = mediator.iteration  # as asked (see `_reraise`)
     if pinned and visit_passed(mediator, location, pinned):
         raise on_order_error()
@@ -197,7 +201,7 @@ def request_step(mediator: Mediator, location: str, on_order_error: Callable[[],
     """
     step = mediator.iteration
     if not step:  # the first step, or relaxed: the next visit, whichever step that is
-        return request(location, on_order_error)
+        return _request(mediator, location, on_order_error)
     if skipped_visits(mediator, location) > 0:
         raise on_skipped()
     if visit_passed(mediator, location, step):
@@ -325,13 +329,14 @@ GENERATE_OUTPUTS = (GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput, Gen
                     GenerateBeamEncoderDecoderOutput)
 
 
-def _tensors_of(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``'s fields, and in the tuples they hold (generate's per-step ``scores``)."""
-    for item in value.values():
+def _tensors_of(items: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among ``items`` (an output's fields), and in the tuples they hold (generate's per-step
+    ``scores``)."""
+    for item in items:
         if isinstance(item, torch.Tensor):
             yield item
         elif isinstance(item, (tuple, list)):
-            yield from _tensors_of(dict(enumerate(item)))
+            yield from _tensors_of(item)
 
 
 class MoeBatcher(Batcher):
@@ -359,7 +364,7 @@ class MoeBatcher(Batcher):
         "missing 1 required positional argument: 'sequences'". Refused where a field holds several rows per prompt
         (beams, returned sequences): nnsight would cut the fields of one row per prompt and hand the others whole."""
         if group is not None and self.batching and isinstance(value, GENERATE_OUTPUTS):
-            if any(tensor.dim() and tensor.shape[0] != self.total for tensor in _tensors_of(value)):
+            if any(tensor.dim() and tensor.shape[0] != self.total for tensor in _tensors_of(value.values())):
                 raise MoelensError(
                     "tracer.result of a generation with several rows per prompt (num_beams or num_return_sequences "
                     "above 1) was read in one of several invokes, where its fields cannot all be cut to the invoke's "
