@@ -1,7 +1,7 @@
 """Expert usage and load balance, from a routing cache.
 
 Usage counts *slots*: a token routed to experts 3 and 5 adds one to each, so a
-layer's counts sum to ``tokens * k``. Load balance compares those counts across
+layer's counts sum to ``tokens * k`` (less where slots were skipped: zaya's skip class counts for no expert). Load balance compares those counts across
 a layer's experts: the coefficient of variation (std / mean; 0 is perfectly
 balanced, ``sqrt(E - 1)`` is every slot on one expert), max / mean (1 is balanced,
 ``E`` is one expert taking every slot; how much more the busiest expert works
@@ -53,12 +53,13 @@ class Usage:
 
     @property
     def fraction(self) -> Float[Tensor, "l e"]:
-        """``[L, E]`` each expert's share of its layer's slots (rows sum to 1)."""
+        """``[L, E]`` each expert's share of its layer's counted slots (rows sum to 1)."""
         return self.counts.double() / self.counts.sum(-1, keepdim=True).clamp(min=1)
 
     @property
     def token_fraction(self) -> Float[Tensor, "l e"]:
-        """``[L, E]`` the share of tokens that use each expert (rows sum to k)."""
+        """``[L, E]`` the share of tokens that use each expert (rows sum to k, less where slots were
+        skipped)."""
         return self.counts.double() / max(self.tokens, 1)
 
     def row(self, layer: int) -> int:
