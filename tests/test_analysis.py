@@ -417,6 +417,10 @@ def test_token_routing_matches_plain_nnsight(qwen):
     table = view.table()
     assert table.splitlines()[0].split()[:3] == ["token", "layer", str(one.layers[0])]
     assert len(table.splitlines()) == 2 + len(text)
+    assert view.table(width=1).splitlines()[2].startswith("d  ")  # width: the characters of each token shown
+    for width in (0, -5, "14", 2.5):  # 0 showed every token as nothing; the others failed inside str.format
+        with pytest.raises(MoelensError, match=rf"width must be an integer of at least 1, got {width!r}\."):
+            view.table(width=width)
 
 
 def test_expert_logit_lens_by_hand(qwen):

@@ -144,13 +144,16 @@ def test_default_classes_refuse_class_ids_above_the_ignored_255():
     assert named.counts[0].tolist() == pairs_by_hand(labels.tolist(), 300)
 
 
-def test_per_text_labels_must_cover_every_text():
+def test_per_text_labels_must_have_one_entry_per_text():
     """per="text" labels index texts: one label short of the corpus is refused (here the missing text is
-    the last one, whose tokens would otherwise index past the labels or be silently dropped)."""
+    the last one, whose tokens would otherwise index past the labels or be silently dropped), and so is one too many
+    (labels of another corpus: the extra one was dropped and still made a class of its own)."""
     text_index = [0, 0, 1, 1, 2]
     cache = spec_cache(text_index, num_texts=3)
-    with pytest.raises(MoelensError, match="per-text labels must cover the 3 corpus items"):
-        analysis.specialisation(cache, torch.tensor([0, 1]), per="text")
+    for given in ([0, 1], [0, 1, 1, 2]):
+        with pytest.raises(MoelensError, match=rf"per-text labels must have one entry per corpus item \(3\), got "
+                                               rf"{len(given)}\."):
+            analysis.specialisation(cache, torch.tensor(given), per="text")
     labels = [1, 0, 1]
     result = analysis.specialisation(cache, torch.tensor(labels), per="text")
     assert result.counts[0].tolist() == pairs_by_hand([labels[t] for t in text_index], 2)

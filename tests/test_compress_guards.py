@@ -289,6 +289,17 @@ def test_calibration_longer_than_the_positions_is_refused(make):
         convert(make(), calibration=ids(1, 100))
 
 
+def test_calibration_past_a_rotary_models_positions_is_warned_of():
+    """A rotary model runs past its max_position_embeddings (64 here), where it was never trained: tomoe fitted
+    those activations without a word, while collect_routing and to_nnef refuse such lengths."""
+    with pytest.warns(UserWarning, match=r"tomoe: calibration sequences of up to 100 tokens run past the model's 64 "
+                                         r"positions \(config.max_position_embeddings\).*at most 64 tokens"):
+        convert(llama(), num_experts=4, top_k=2, calibration=[ids(2, 30), ids(1, 100)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tomoe: calibration sequences")
+        convert(llama(), num_experts=4, top_k=2, calibration=ids(2, 64))
+
+
 @pytest.mark.parametrize("make", [llama, gpt2], ids=["rotary", "learned positions"])
 def test_out_of_vocabulary_ids_are_named_before_the_length(make):
     """Ids past the vocabulary fail in the embedding (IndexError). The hint said the 100-token sequences were

@@ -631,6 +631,27 @@ def test_an_in_place_edit_of_routing_moelens_derives_is_an_error(name, grad_mode
     torch.testing.assert_close(value.reshape(expected.shape), expected, rtol=0, atol=1e-6)  # sigmoid's last bit
 
 
+@pytest.mark.parametrize("call", ["zero", "swap", "reroute"])
+def test_output_interventions_on_recomputed_routing_name_the_intervention(call):
+    """On llama4 (no experts call) ablate zero / swap and reroute were refused as a write of expert_weights or
+    expert_indices the user never made, saying "write router_logits"; they name the intervention and the ones that
+    apply. The routing interventions still land: route_around keeps the expert out of every token's top-k."""
+    hf, wrapped, inputs, plain, reference = built("llama4", "eager")
+    moe = running_moes(wrapped)[0]
+    intervene = {"zero": lambda: moelens.ablate(moe, 1), "swap": lambda: moelens.ablate(moe, 1, "swap", to=2),
+                 "reroute": lambda: moelens.reroute(moe, (..., 0), 2)}[call]
+    named = "reroute" if call == "reroute" else f"ablate\\(mode='{call}'\\)"
+    with pytest.raises(moelens.WriteError, match=rf"^{named}: {moe.path} \(llama4\) calls no experts module .* "
+                                                 r"only the routing interventions apply: ablate\(moe, expert, "
+                                                 r"'route_around'\)"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            intervene()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moelens.ablate(moe, 1, "route_around")
+        indices = moe.expert_indices.save()
+    assert not (indices == 1).any()
+
+
 def test_a_granite_mlp_output_edited_after_save_all_lands_or_says_it_was_handed_back():
     """granitemoeshared's shared MLP runs after the block, so save_all reads shared_expert_output after mlp_output.
     Under no_grad mlp_output is the model's own tensor, which the layer adds only later: an edit after save_all

@@ -192,9 +192,12 @@ def test_router_row_is_the_experts_logit_weight(family):
                                     torch.tensor(True), torch.empty((), dtype=torch.long, device="meta")],
                          ids=lambda value: repr(value)[:24])
 def test_params_refuses_what_is_not_an_expert_index(expert):
+    """An argument mistake, a ValueError: not a ValueUnavailable, which code catches to skip what a block does not
+    serve (a typo'd id would be skipped silently)."""
     _, model = wrapped("mixtral")
-    with pytest.raises(ValueUnavailable, match=r"expected an int in \[0, 8\)"):
+    with pytest.raises(moelens.ArgumentError, match=r"expected an int in \[0, 8\)") as refused:
         model.moes[0].params(expert)
+    assert isinstance(refused.value, ValueError) and not isinstance(refused.value, ValueUnavailable)
 
 
 def test_params_takes_numpy_and_tensor_indexes_and_works_in_a_trace():

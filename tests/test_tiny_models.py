@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moelens import families
+from moelens.errors import FamilyError
 from moelens.testing import (
     CALLED_SEVERAL_TIMES,
     EXPERTS_IMPLEMENTATIONS,
@@ -201,6 +202,9 @@ def test_overrides_and_errors():
     first = listed[:3]  # a slice printed each entry's page of settings
     assert repr(first) == f"[3 families: {', '.join(family.name for family in listed[0:3:1])}]" and first == listed[0:3]
     assert listed[0] is families.get(listed[0].name)
+    assert listed["mixtral"] is mixtral and first[listed[1].name] is listed[1]  # by name, as it prints and `in` asks
+    with pytest.raises(FamilyError, match=r"no family named 'mixtral' in this list of 3; print the list"):
+        first["mixtral"]
     for given in (mixtral, tiny_config("mixtral")):
         with pytest.raises(TypeError, match=rf"tiny models are built by family name \(a str such as 'mixtral'\), got "
                                             rf"{type(given).__name__}: pass its name"):

@@ -8,15 +8,15 @@ transformers. See ``docs/`` for the values, the families and the interventions.
 
 from . import families
 from .components import Mlp, Moe
-from .errors import FamilyError, LayerIndexError, MoelensError, OrderError, ValueUnavailable, WriteError
+from .errors import ArgumentError, FamilyError, LayerIndexError, MoelensError, OrderError, ValueUnavailable, WriteError
 from .families import Family, Scoring, SharedExpert
 from .interventions import ablate, force, reroute, steer
 from .loading import load
 from .model import wrap
 
 __all__ = [
-    "Family", "FamilyError", "LayerIndexError", "Mlp", "Moe", "MoelensError", "OrderError", "Scoring", "SharedExpert",
-    "ValueUnavailable", "WriteError", "ablate", "families", "force", "load", "reroute", "steer", "wrap",
+    "ArgumentError", "Family", "FamilyError", "LayerIndexError", "Mlp", "Moe", "MoelensError", "OrderError", "Scoring",
+    "SharedExpert", "ValueUnavailable", "WriteError", "ablate", "families", "force", "load", "reroute", "steer", "wrap",
 ]
 __version__ = "0.1.0"
 

@@ -40,6 +40,11 @@ class FamilyError(MoelensError, ValueError):
     """A model or family description moelens cannot use."""
 
 
+class ArgumentError(MoelensError, ValueError):
+    """An argument of the wrong kind or outside its range (an expert id past the block's experts, a value name that
+    is none): not a `ValueUnavailable`, which code may catch to skip the values a block does not serve."""
+
+
 class LayerIndexError(MoelensError, IndexError):
     """``model.layers[key]`` with a key that is no layer of the model."""
 

@@ -131,6 +131,8 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
     if mode == "swap":
         to = _other_expert(moe, expert, to)
+    if mode != "route_around":
+        _refuse_recomputed_routing(moe, f"ablate(mode={mode!r})")
     if mode == "route_around":
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
         # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
@@ -148,6 +150,18 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         moe.expert_weights = weights.masked_fill(routed_here, 0.0)
         return
     moe.expert_indices = indices.masked_fill(routed_here, to)
+
+
+def _refuse_recomputed_routing(moe: Moe, call: str) -> None:
+    """Raise where ``moe``'s family has no experts call (llama4): moelens recomputes its weights and indices from the
+    logits, and the model never reads them, so an intervention writing them could not land."""
+    if moe.family.derived_routing:
+        raise WriteError(
+            f"{call}: {moe.path} ({moe.family.name}) calls no experts module that takes weights and indices (moelens "
+            "recomputes them from router_logits), so writing them cannot change the model; only the routing "
+            "interventions apply: ablate(moe, expert, 'route_around'), steer or force (force(moe, experts, tokens=...) "
+            "for chosen tokens)."
+        )
 
 
 def _other_expert(moe: Moe, expert: int, to: Any) -> int:
@@ -225,7 +239,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
             for index tensors; a ``[b, p, k]`` one shaped like the selection also fits). A selection that
             names a token twice with different experts is refused (which it would keep is undefined).
     """
-    _moe(moe, "reroute")
+    _refuse_recomputed_routing(_moe(moe, "reroute"), "reroute")
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
     selected = indices[rows]

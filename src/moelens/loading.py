@@ -75,7 +75,8 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     Args:
         path_or_repo_id: A local folder (or a hub id, when the hub is reachable);
             None, ``"tiny"`` or ``"moelens-tiny"`` (when no local folder has that name) loads the embedded
-            default model, offline.
+            default model, offline; ``"tiny-dense"`` the shipped dense model (`moelens.data.TINY_DENSE_PATH`, a
+            Qwen2 LM for `moelens.compress.tomoe`).
         tokenizer: A tokenizer to use instead of the one saved with the model (as for `wrap`).
         **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
             ``experts_implementation``, ...); the settings in `SOURCE_SETTINGS`
@@ -100,10 +101,13 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
                else "to wrap a model you have, use moelens.wrap(model, tokenizer=...)." if isinstance(path_or_repo_id, torch.nn.Module)
                else "pass a str or a pathlib.Path.")
         )
-    from .data import TINY_MODEL_PATH, TINY_NAMES
+    from .data import TINY_DENSE_PATH, TINY_MODEL_PATH, TINY_NAMES
 
-    if path_or_repo_id is None or (str(path_or_repo_id) in TINY_NAMES and not Path(str(path_or_repo_id)).is_dir()):
-        path_or_repo_id = TINY_MODEL_PATH  # a user's folder of that name wins, a file of that name does not
+    shipped = {**dict.fromkeys(TINY_NAMES, TINY_MODEL_PATH), "tiny-dense": TINY_DENSE_PATH}
+    if path_or_repo_id is None:
+        path_or_repo_id = TINY_MODEL_PATH
+    elif str(path_or_repo_id) in shipped and not Path(str(path_or_repo_id)).is_dir():
+        path_or_repo_id = shipped[str(path_or_repo_id)]  # a user's folder of that name wins, a file of that name not
     source = str(user_path(path_or_repo_id))  # no hub id starts with ~
     if Path(source).is_file():
         raise MoelensError(

@@ -572,6 +572,7 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     if ids.dtype not in EMBEDDED_ID_DTYPES:
         raise unembeddable_ids(ids, "the trace's input_ids")
     mask = batched[1].get("attention_mask")
+    _refuse_misfit_mask(ids, mask, _cached_tokens(batched[1]))
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
@@ -580,6 +581,23 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
             "zero-length sequence, on which its attention fails. Give every prompt at least one token."
         )
     return batched
+
+
+def _refuse_misfit_mask(ids: Any, mask: Any, cached: int) -> None:
+    """Refuse a ``[batch, length]`` attention_mask that does not give one entry per token of the ``[batch, seq]``
+    ids (and of the ``cached`` tokens of a key-value cache before them): transformers takes it as it is, and the
+    model silently attends to the wrong positions."""
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == mask.dim() == 2):
+        return
+    rows, length = ids.shape
+    if mask.shape[0] == rows and (mask.shape[1] == length + cached or cached and mask.shape[1] > length):
+        return  # a cache of another kind than transformers' counts as holding tokens, of a length not known here
+    over = f" and the {cached} cached tokens before them" if cached else ""
+    raise MoelensError(
+        f"the attention_mask of shape {tuple(mask.shape)} does not fit the input_ids of shape {tuple(ids.shape)}"
+        f"{over}: give one entry per token (1 to attend to it, 0 for padding), shape ({rows}, {length + cached}), "
+        "as the tokenizer returns it with the ids."
+    )
 
 
 def unembeddable_ids(ids: torch.Tensor, named: str) -> MoelensError:
@@ -768,6 +786,8 @@ class MoeNNsight(MoeModelMixin, NNsight):
         if len(invokes) <= 1:
             for inputs, kwargs in invokes:
                 self._refuse_one_unbatched_row(_invoke_ids(inputs, kwargs))
+                _refuse_misfit_mask(_invoke_ids(inputs, kwargs), kwargs.get("attention_mask"), _cached_tokens(
+                    {**getattr(self.interleaver.batcher, "extra_kwargs", {}), **kwargs}))
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
         for inputs, kwargs in invokes:

@@ -96,8 +96,10 @@ def specialisation(
         raise MoelensError(
             f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."
         )
-    if per == "text" and labels.shape[0] < cache.num_texts:
-        raise MoelensError(f"per-text labels must cover the {cache.num_texts} corpus items, got {labels.shape[0]}.")
+    if per == "text" and labels.shape[0] != cache.num_texts:
+        raise MoelensError(
+            f"per-text labels must have one entry per corpus item ({cache.num_texts}), got {labels.shape[0]}."
+        )
     if classes is None:
         if (labels > 255).any():  # 255 marks a token to leave out; a class above it would be dropped unseen
             raise MoelensError(

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from .cache import SKIPPED, layer_row
-from .checks import id_list
+from .checks import check_count, id_list
 from .collect import collect_routing
 from .corpus import tokenizer_of
 from .text import token_strings
@@ -48,7 +48,9 @@ class TokenRouting:
         return self.indices[..., 0]
 
     def table(self, layers: list[int] | None = None, width: int = 14) -> str:
-        """A text table: one row per token, one column per layer, cells ``expert:weight`` per slot."""
+        """A text table: one row per token, one column per layer, cells ``expert:weight`` per slot; ``width``: the
+        most characters of each token shown (at least 1)."""
+        width = check_count("width", width)
         rows = [layer_row(self.layers, layer, "token view")
                 for layer in (self.layers if layers is None else id_list("layers", layers, "layer"))]
         layers = [self.layers[row] for row in rows]

@@ -41,7 +41,7 @@ from jaxtyping import Float, Int
 from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
-from ..errors import FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence
+from ..errors import ArgumentError, FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import score, top_logits
@@ -104,10 +104,10 @@ def _weakly(component: "Moe") -> "Moe":
 
 
 def value_names(values: Any) -> list[str]:
-    """``values`` of `Moe.save_all` as a list of names (a str, or an iterable of them), else `ValueUnavailable`."""
+    """``values`` of `Moe.save_all` as a list of names (a str, or an iterable of them), else `ArgumentError`."""
     names = list(values) if isinstance(values, Iterable) and not isinstance(values, (torch.Tensor, Mapping)) else None
     if names is None or not all(isinstance(name, str) for name in names):
-        raise ValueUnavailable(f"save_all: values must be a value name or a list of them (from {VALUE_NAMES}), got "
+        raise ArgumentError(f"save_all: values must be a value name or a list of them (from {VALUE_NAMES}), got "
                                f"{type(values).__name__}.")
     return names
 
@@ -855,7 +855,7 @@ class Moe(Mlp):
         served_apart = sorted(others.intersection(base.value_names(type(self)))) if others else []  # read on their own
         unknown = others.difference(served_apart)
         if unknown:
-            raise ValueUnavailable(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
+            raise ArgumentError(f"save_all: unknown value names {sorted(unknown)}; choose from {VALUE_NAMES}.")
         for name in served_apart:
             self._check_available(name)  # one this block serves at no time: its reason (mlp_activation on a Moe)
         if served_apart:

@@ -27,7 +27,7 @@ from jaxtyping import Float
 from nnsight.intervention.source import OP, Instrument, SourceNotAvailable, source_tree
 from torch import Tensor
 
-from ..errors import ValueUnavailable, WriteError
+from ..errors import ArgumentError, ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
 from ..modules import has_lora_adapters
@@ -511,10 +511,10 @@ def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor
 
 def check_expert(expert: Any, num_experts: int, where: str) -> int:
     """``expert`` as an int in ``[0, E)`` (an int, a numpy int or a 0-d integer tensor or array), else a
-    `ValueUnavailable` saying what was expected."""
+    `ArgumentError` saying what was expected."""
     index = as_lone_int(expert)
     if index is None or not 0 <= index < num_experts:
-        raise ValueUnavailable(
+        raise ArgumentError(
             f"{where}: expert {expert!r} is not an expert index; expected an int in [0, {num_experts}) "
             "(or None for every expert)."
         )

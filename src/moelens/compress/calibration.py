@@ -21,6 +21,7 @@ On the deep copy a conversion works on, `without_hooks` keeps the user's forward
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -416,6 +417,27 @@ def _length_hint(model: nn.Module, ids: Tensor) -> str:
 
 #: Names of learned position-embedding tables (BERT's position_embeddings, GPT-2's wpe, OPT's embed_positions).
 POSITION_TABLES = ("position", "wpe")
+
+
+def warn_past_positions(model: nn.Module, calls: list[tuple[tuple, dict]]) -> None:
+    """Warn where calibration sequences run past the positions the model was trained on (``max_position_embeddings``
+    of a rotary model, which still runs there: its activations past them are not the ones the conversion should
+    fit; a learned position table fails instead, with `_length_hint`)."""
+    config = getattr(model, "config", None)
+    named = next(((name, value) for name in POSITION_LIMITS if isinstance(value := getattr(config, name, None), int)),
+                 None)
+    if named is None or _learned_positions(model):
+        return
+    attribute, limit = named
+    lengths = [ids.shape[1] for args, kwargs in calls
+               if isinstance(ids := kwargs.get("input_ids", args[0] if args else None), Tensor) and ids.dim() > 1]
+    if lengths and max(lengths) > limit:
+        warnings.warn(
+            f"tomoe: calibration sequences of up to {max(lengths)} tokens run past the model's {limit} positions "
+            f"(config.{attribute}): it was not trained there, so the layers would be fitted to activations "
+            f"it does not have on text it takes; split the sequences into ones of at most {limit} tokens.",
+            stacklevel=4,
+        )
 
 
 def _learned_positions(model: nn.Module) -> bool:

@@ -92,6 +92,7 @@ class ToMoECompressor:
         check_dtype(options.experts_implementation, _float_dtypes(self.model), "the model's")  # before any work
         _check_weights_loaded(self.model)
         calls = calib.batches(self.calibration, self.model)
+        calib.warn_past_positions(self.model, calls)
         original = parameter_count(self.model)
         model = self.model if options.inplace else copy.deepcopy(self.model)
         sites, skips = self.find_targets(model)
