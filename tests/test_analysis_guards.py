@@ -513,6 +513,94 @@ def test_usage_tick_labels_do_not_run_into_each_other(experts):
     analysis.plots.pyplot().close(figure)
 
 
+def _shown_labels(axes, axis: str = "x") -> list:
+    """The tick labels drawn inside ``axes``' view on ``axis``, left to right (or bottom to top)."""
+    low, high = sorted(axes.get_xlim() if axis == "x" else axes.get_ylim())
+    ticks = axes.get_xticklabels() if axis == "x" else axes.get_yticklabels()
+    at = 0 if axis == "x" else 1
+    return [label for label in ticks if label.get_visible() and label.get_text()
+            and low - 1e-9 <= label.get_position()[at] <= high + 1e-9]
+
+
+def _apart(texts) -> bool:
+    """Whether no two of the drawn ``texts`` overlap (their own boxes, in pixels)."""
+    boxes = [text.get_window_extent() for text in texts]
+    return not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def test_plots_stay_readable_and_true_at_the_edges():
+    """Found by a hunt over plausible shapes: 58 layers' load-balance labels ran together; a top-1 layer's
+    co-activation (all zeros) had a colour scale of -0.1 to 0.1 (negative probabilities, zeros drawn mid-scale); one
+    expert's axis was ticked -0.5, -0.4 ... 0.5; 256 experts' labels overprinted; 10 classes' specialisation numbers
+    ran together; entropy with few bins drew only the bins' middles (bins=1: nothing); top1 and all-slot
+    transitions side by side were both titled (top1). Truth: the drawn artists' own boxes and data."""
+    from moelens.analysis.coactivation import Coactivation, Transitions
+    from moelens.analysis.entropy import Entropy
+    from moelens.analysis.specialisation import Specialisation
+    from moelens.analysis.usage import LoadBalance
+
+    plots = analysis.plots
+    layers = list(range(3, 61))  # DeepSeek-V3's 58 MoE layers
+    values = torch.rand(len(layers), generator=torch.Generator().manual_seed(0))
+    figure = plots.plot_load_balance(LoadBalance(layers, values, values + 1, values, values, torch.zeros(len(layers))))
+    figure.canvas.draw()
+    for axes, drawn in zip(figure.axes, (values, values + 1)):
+        shown = _shown_labels(axes)
+        assert _apart(shown) and len(shown) >= 8
+        assert all(layers[round(label.get_position()[0])] == int(label.get_text()) for label in shown)  # under its bar
+        assert [bar.get_height() for bar in axes.patches] == pytest.approx(drawn.tolist())
+    plots.pyplot().close(figure)
+
+    top1 = Coactivation(layer=0, counts=torch.diag(torch.tensor([3, 2, 4])), tokens=9)  # k = 1: no pair
+    for value in ("conditional", "lift", "counts"):
+        figure = plots.plot_coactivation(top1, value=value)
+        low, high = figure.axes[0].images[0].get_clim()
+        assert low == 0 and high > 0, (value, low, high)
+        plots.pyplot().close(figure)
+    pairs = Coactivation(layer=0, counts=torch.tensor([[4, 1], [1, 2]]), tokens=4)
+    assert plots.plot_coactivation(pairs, value="counts").axes[0].images[0].get_clim() == (0, 1)  # the data's top
+
+    one = torch.tensor([[5]])
+    for figure in (plots.plot_coactivation(Coactivation(layer=0, counts=one, tokens=5)),
+                   plots.plot_transitions(Transitions(0, 1, one, "top1", 5, one.sum(1))),
+                   plots.plot_specialisation(Specialisation([0], ["code"], one[None]))):
+        figure.canvas.draw()
+        assert [label.get_text() for label in _shown_labels(figure.axes[0], "y")] == ["0"]
+        plots.pyplot().close(figure)
+
+    many = torch.eye(256, dtype=torch.int64) * 3 + 1
+    for figure in (plots.plot_coactivation(Coactivation(layer=0, counts=many, tokens=9)),
+                   plots.plot_transitions(Transitions(0, 1, many, "top1", 9, many.sum(1)))):
+        figure.canvas.draw()
+        shown = _shown_labels(figure.axes[0])
+        assert _apart(shown) and len(shown) >= 4 and all(float(label.get_text()).is_integer() for label in shown)
+        plots.pyplot().close(figure)
+
+    counts = torch.randint(1, 50, (1, 8, 10), generator=torch.Generator().manual_seed(1))
+    for value in ("lift", "share"):
+        figure = plots.plot_specialisation(Specialisation([0], [f"class {c}" for c in range(10)], counts), value=value)
+        figure.canvas.draw()
+        assert len(figure.axes[0].texts) == 80 and _apart(figure.axes[0].texts), value
+        plots.pyplot().close(figure)
+
+    for bins in (1, 2):
+        histogram = torch.tensor([[4] * bins, [1] * bins])
+        entropy = Entropy(layers=[0, 1], source="router", mean=torch.tensor([0.5, 0.5]), histogram=histogram,
+                          edges=torch.linspace(0, 1, bins + 1), tokens=4)
+        figure = plots.plot_entropy(entropy)
+        for line in figure.axes[0].lines:  # each bin's share across the whole bin
+            assert (min(line.get_xdata()), max(line.get_xdata())) == (0, 1) and line.get_drawstyle() == "steps-post"
+            assert set(line.get_ydata()) == {1 / bins}
+        plots.pyplot().close(figure)
+
+    pair = torch.tensor([[3, 1], [1, 2]])
+    figure = plots.plot_transitions([Transitions(0, 1, pair, "top1", 4, pair.sum(1)),
+                                     Transitions(0, 1, pair * 2, "all", 4, pair.sum(1))])
+    assert [axes.get_title() for axes in figure.axes if axes.get_title()] == ["layer 0 -> 1 (top1)", "layer 0 -> 1 (all)"]
+    assert figure._suptitle.get_text() == "Expert trajectories across layers"
+    plots.pyplot().close(figure)
+
+
 # -- moelens stats --out -------------------------------------------------------------------------
 
 

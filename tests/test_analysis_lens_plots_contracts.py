@@ -318,15 +318,15 @@ def test_load_balance_plot_draws_cv_left_and_max_over_mean_right():
     assert "variation" in left.get_title() and "max / mean" in right.get_title()
 
 
-def test_entropy_plot_draws_each_layers_own_density_at_bin_centres():
+def test_entropy_plot_draws_each_layers_own_density_across_its_bins():
     histogram = torch.tensor([[1, 3, 0, 4], [10, 0, 0, 0]])
     entropy = Entropy(layers=[2, 6], source="router", mean=torch.tensor([0.6, 0.1]), histogram=histogram,
                       edges=torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]), tokens=10)
     axes = plots.plot_entropy(entropy).axes[0]
     assert len(axes.lines) == 2
-    for line, row in zip(axes.lines, ([1 / 8, 3 / 8, 0, 4 / 8], [1.0, 0, 0, 0])):
-        assert list(line.get_xdata()) == pytest.approx([0.125, 0.375, 0.625, 0.875])
-        assert list(line.get_ydata()) == pytest.approx(row)
+    for line, row in zip(axes.lines, ([1 / 8, 3 / 8, 0, 4 / 8], [1.0, 0, 0, 0])):  # steps from edge to edge
+        assert list(line.get_xdata()) == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+        assert list(line.get_ydata()) == pytest.approx(row + row[-1:]) and line.get_drawstyle() == "steps-post"
     assert labels(axes.get_legend().get_texts()) == ["layer 2 (mean 0.60)", "layer 6 (mean 0.10)"]
     assert axes.get_xlim() == (0, 1)
     # up to LEGEND_LAYERS layers keep a legend; one more gets the colour scale by layer and a panel of means

@@ -161,18 +161,24 @@ def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's s
     return figure
 
 
+#: `plot_load_balance` names at most this many layers under each panel's bars (58 labels ran into one another).
+BAR_LABELS = 16
+
+
 def plot_load_balance(balance: LoadBalance) -> Any:
     """Bars per layer: coefficient of variation and max / mean of the expert counts."""
     check_type(balance, LoadBalance, "balance", "a LoadBalance", "make one with analysis.load_balance(usage)")
     plt = pyplot()
-    figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
-    labels = [str(layer) for layer in balance.layers]
-    left.bar(labels, balance.cv.tolist(), color="tab:blue")
+    figure, (left, right) = plt.subplots(1, 2, figsize=(min(max(8.0, 0.2 * len(balance.layers) + 2), 14.0), 3))
+    positions = range(len(balance.layers))
+    left.bar(positions, balance.cv.tolist(), color="tab:blue")
     left.set_title("coefficient of variation (0 = balanced)")
-    right.bar(labels, balance.max_over_mean.tolist(), color="tab:orange")
+    right.bar(positions, balance.max_over_mean.tolist(), color="tab:orange")
     right.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     right.set_title("max / mean count (1 = balanced)")
+    step = -(-len(balance.layers) // BAR_LABELS)  # every layer named up to BAR_LABELS, past that every step-th
     for axes in (left, right):
+        axes.set_xticks(positions[::step], [str(layer) for layer in balance.layers[::step]])
         axes.set_xlabel("layer")
     figure.tight_layout()
     return figure
@@ -194,11 +200,11 @@ def plot_entropy(entropy: Entropy) -> Any:
         scale = plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(min(entropy.layers), max(entropy.layers)))
     else:
         figure, axes = plt.subplots(figsize=(6, 3.4))
-    centres = ((entropy.edges[1:] + entropy.edges[:-1]) / 2).tolist()
     for row, layer in enumerate(entropy.layers):
-        density = entropy.histogram[row].double() / max(int(entropy.histogram[row].sum()), 1)
+        density = (entropy.histogram[row].double() / max(int(entropy.histogram[row].sum()), 1)).tolist()
         style = {"color": scale.to_rgba(layer)} if many else {"label": f"layer {layer} (mean {float(entropy.mean[row]):.2f})"}
-        axes.plot(centres, density.tolist(), drawstyle="steps-mid", **style)
+        # each bin's share drawn across the whole bin, from edge to edge (the last value once more to end the last)
+        axes.plot(entropy.edges.tolist(), density + density[-1:], drawstyle="steps-post", **style)
     what = "router distribution over all experts" if entropy.source == "router" else "top-k weights"
     axes.set_xlabel(f"normalised entropy of the {what}")
     axes.set_ylabel("share of tokens")
@@ -218,20 +224,27 @@ def plot_entropy(entropy: Entropy) -> Any:
 
 def _whole_numbers(*axes: Any) -> None:
     """Ticks at whole numbers only on these axes (expert ids): matplotlib's own put a heatmap of two experts'
-    rows at -0.5, 0.0, 0.5 ..."""
+    rows at -0.5, 0.0, 0.5 ... (one expert: a single tick at 0), as many as the axis has room for (256 experts' labels
+    ran into one another)."""
     from matplotlib.ticker import MaxNLocator
 
     for axis in axes:
-        axis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_major_locator(MaxNLocator(nbins=8, integer=True, min_n_ticks=1))
 
 
-def _grid(count: int, size: float = 3.2) -> tuple[Any, list[Any]]:
+#: A grid of panels is at most this many inches wide (fewer panels a row where each is wide), 4 panels at most.
+GRID_WIDTH = 16.0
+
+
+def _grid(count: int, size: float = 3.2, width: float | None = None) -> tuple[Any, list[Any]]:
+    """A figure of ``count`` panels, each ``size`` inches high and ``width`` (default ``size``) wide."""
     if count < 1:
         raise MoelensError("nothing to plot: pass at least one layer's (or expert's) result.")
     plt = pyplot()
-    columns = min(count, 4)
+    width = size if width is None else width
+    columns = min(count, 4, max(1, int(GRID_WIDTH // width)))
     rows = (count + columns - 1) // columns
-    figure, axes = plt.subplots(rows, columns, figsize=(size * columns + 0.6, size * rows), squeeze=False)
+    figure, axes = plt.subplots(rows, columns, figsize=(width * columns + 0.6, size * rows), squeeze=False)
     flat = list(axes.flat)
     for extra in flat[count:]:
         extra.axis("off")
@@ -252,7 +265,8 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
         matrix = {"conditional": item.conditional, "lift": item.lift, "counts": item.counts.double}[value]()
         matrix = matrix.clone().float()
         matrix.fill_diagonal_(float("nan"))
-        image = axes.imshow(_pixels(matrix), cmap="magma", vmin=0)
+        top = float(matrix.nan_to_num(0.0).max())  # 0 where no two experts share a token (k = 1)
+        image = axes.imshow(_pixels(matrix), cmap="magma", vmin=0, vmax=top if top > 0 else 1.0)
         _whole_numbers(axes.xaxis, axes.yaxis)
         axes.set_title(f"layer {item.layer}", fontsize=9)
         axes.set_xlabel("expert j")
@@ -267,14 +281,15 @@ def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> Any:
     """Heatmaps P(expert j in the later layer | expert i in the earlier one), one per layer pair."""
     items = check_results(transitions, Transitions, "transitions", "analysis.transitions(cache, source, target)")
     figure, panels = _grid(len(items))
+    mixed = len({item.slots for item in items}) > 1  # top1 and all slots side by side: each panel says which
     for axes, item in zip(panels, items):
         image = axes.imshow(_pixels(item.conditional()), cmap="Blues", vmin=0, vmax=1)
         _whole_numbers(axes.xaxis, axes.yaxis)
-        axes.set_title(f"layer {item.source} -> {item.target}", fontsize=9)
+        axes.set_title(f"layer {item.source} -> {item.target}" + (f" ({item.slots})" if mixed else ""), fontsize=9)
         axes.set_xlabel(f"expert in layer {item.target}")
         axes.set_ylabel(f"expert in layer {item.source}")
         figure.colorbar(image, ax=axes, fraction=0.046)
-    figure.suptitle(f"Expert trajectories across layers ({items[0].slots})")
+    figure.suptitle("Expert trajectories across layers" + ("" if mixed else f" ({items[0].slots})"))
     figure.tight_layout()
     return figure
 
@@ -362,7 +377,8 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
     """Heatmaps experts x classes per layer: ``"lift"`` (P(class|expert)/P(class)) or ``"share"``."""
     check_type(spec, Specialisation, "spec", "a Specialisation", "make one with analysis.specialisation(cache, labels)")
     _check_value(value, SPECIALISATION_VALUES)
-    figure, panels = _grid(len(spec.layers), size=2.6)
+    # a cell's number needs about 0.32 inch: panels widen with the classes (10 classes' numbers ran together)
+    figure, panels = _grid(len(spec.layers), size=2.6, width=max(2.6, 0.32 * len(spec.classes) + 1.0))
     matrix = spec.lift() if value == "lift" else spec.share()
     for row, (axes, layer) in enumerate(zip(panels, spec.layers)):
         data = matrix[row].float()
