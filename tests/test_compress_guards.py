@@ -295,9 +295,11 @@ def test_calibration_past_a_rotary_models_positions_is_warned_of():
     with pytest.warns(UserWarning, match=r"tomoe: calibration sequences of up to 100 tokens run past the model's 64 "
                                          r"positions \(config.max_position_embeddings\).*at most 64 tokens"):
         convert(llama(), num_experts=4, top_k=2, calibration=[ids(2, 30), ids(1, 100)])
+    padded = {"input_ids": ids(2, 100), "attention_mask": torch.ones(2, 100, dtype=torch.long)}
+    padded["attention_mask"][:, 60:] = 0  # right padding: 60 real tokens, within the positions
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="tomoe: calibration sequences")
-        convert(llama(), num_experts=4, top_k=2, calibration=ids(2, 64))
+        convert(llama(), num_experts=4, top_k=2, calibration=[ids(2, 64), padded])
 
 
 @pytest.mark.parametrize("make", [llama, gpt2], ids=["rotary", "learned positions"])

@@ -332,10 +332,53 @@ def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
         logits = base.moes[0].router_logits.save()
     assert logits.shape[:2] == (1, 5)
     assert not hasattr(base._module, "generate")  # a base model cannot generate: torch's bare AttributeError was it
-    with pytest.raises(moelens.MoelensError, match=r"model\.generate: Qwen2MoeModel is a base model with no "
-                                                   r"language-model head.*AutoModelForCausalLM"):
+    with pytest.raises(moelens.MoelensError, match=r"model\.generate: Qwen2MoeModel has no language-model head, so "
+                                                   r"it cannot generate.*AutoModelForCausalLM"):
         with base.generate("def f(x):", max_new_tokens=2):
             pass
+
+
+@pytest.mark.parametrize("head", ["ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"])
+def test_a_classifier_with_a_tokenizer_wraps_traces_text_and_takes_its_keywords(head):
+    """Heads that cannot generate, wrapped with a tokenizer: question answering failed at wrap (nnsight infers no
+    pipeline task for it), a classifier whose config still names the causal LM (from_pretrained of a causal
+    checkpoint) failed with "'TextGenerationPipeline' object has no attribute 'assistant_model'"; keywords beside
+    text were dropped by the classifiers' pipelines (labels= gave no loss, output_hidden_states=True no hidden
+    states) or failed in them (token classification: a TypeError, generate's max_new_tokens too). Ground truth: the
+    plain forward on the tokenizer's encoding with the same keywords."""
+    import transformers
+    from groundtruth import ascii_tokenizer
+
+    config = moelens.testing.tiny_config("mixtral", num_labels=3)
+    config.architectures = ["MixtralForCausalLM"]  # what a causal LM's config.json holds
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"Mixtral{head}")(config).eval()
+    tokenizer = ascii_tokenizer()
+    encoding = tokenizer(["hello world"], return_tensors="pt")
+    labels = {"ForSequenceClassification": torch.tensor([1]), "ForTokenClassification": torch.ones_like(
+        encoding["input_ids"])}.get(head)
+    keywords = {"output_hidden_states": True, **({"labels": labels} if labels is not None else {})}
+    with torch.no_grad():
+        expected = hf(**encoding, **keywords)
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    with torch.no_grad(), wrapped.trace("hello world", **keywords):
+        output = wrapped.output.save()
+    assert len(output.hidden_states) == len(expected.hidden_states)
+    for name in ("logits", "start_logits", "loss"):
+        if getattr(expected, name, None) is not None:
+            assert torch.equal(getattr(output, name), getattr(expected, name)), name
+    with pytest.raises(moelens.MoelensError, match=r"keywords for the model's forward \(output_hidden_states.*\) beside "
+                                                   r"the text of one of several invokes: .* pass them to model\.trace"):
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke("hello", output_hidden_states=True):
+                pass
+            with tracer.invoke("world"):
+                pass
+    for model in (wrapped, moelens.wrap(hf)):  # without a tokenizer too: its own refusal said to add one
+        with pytest.raises(moelens.MoelensError, match=rf"model\.generate: Mixtral{head} has no language-model head, "
+                                                       r"so it cannot generate"):
+            with model.generate("hello" if model is wrapped else encoding["input_ids"], max_new_tokens=3):
+                pass
 
 
 def test_wrap_and_load_reject_bad_input(tmp_path):
@@ -3579,19 +3622,29 @@ def test_an_attention_mask_that_does_not_fit_the_ids_is_refused():
         with torch.no_grad(), wrapped.trace(ids, attention_mask=torch.ones(1, 3, dtype=torch.long)):
             logits = wrapped.output.logits.save()
         assert torch.equal(logits, plain.logits)
-        new = torch.tensor([[8]])  # a step after a cache of 3 tokens: the mask covers them and the new one
+        new = torch.tensor([[8, 9]])  # a step after a cache of 3 tokens: the mask covers them and the new ones
         with torch.no_grad():
-            expected = model._module(new, attention_mask=torch.ones(1, 4, dtype=torch.long),
+            expected = model._module(new, attention_mask=torch.ones(1, 5, dtype=torch.long),
                                      past_key_values=copy.deepcopy(plain.past_key_values)).logits
-        with pytest.raises(moelens.MoelensError, match=r"shape \(1, 1\) does not fit the input_ids of shape \(1, 1\) "
-                                                       r"and the 3 cached tokens before them: .* shape \(1, 4\)"):
+        with pytest.raises(moelens.MoelensError, match=r"shape \(1, 1\) does not fit the input_ids of shape \(1, 2\): "
+                                                       r".* 1 rows of at least 2, one more per cached token"):
             with torch.no_grad(), wrapped.trace(new, attention_mask=torch.ones(1, 1, dtype=torch.long),
                                                 past_key_values=copy.deepcopy(plain.past_key_values)):
                 wrapped.output.logits.save()
-        with torch.no_grad(), wrapped.trace(new, attention_mask=torch.ones(1, 4, dtype=torch.long),
+        with torch.no_grad(), wrapped.trace(new, attention_mask=torch.ones(1, 5, dtype=torch.long),
                                             past_key_values=copy.deepcopy(plain.past_key_values)):
             logits = wrapped.output.logits.save()
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+    # generate over a prefilled cache: its ids hold the cached tokens, and the mask fits them (transformers' reuse)
+    prompt = model.tokenizer("def add(a, b):", return_tensors="pt")
+    with torch.no_grad():
+        prefix = model._module(prompt["input_ids"][:, :4], use_cache=True).past_key_values
+        expected = model._module.generate(**prompt, past_key_values=copy.deepcopy(prefix), max_new_tokens=2,
+                                          do_sample=False)
+    with torch.no_grad(), model.generate(**prompt, past_key_values=copy.deepcopy(prefix), max_new_tokens=2,
+                                         do_sample=False) as tracer:
+        generated = tracer.result.save()
+    assert torch.equal(generated, expected)
 
 
 @pytest.mark.parametrize("prompts, row", [("", ""), (["", "hello there"], r" \(row 0 of the batch\)")])

@@ -131,8 +131,6 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
     if mode == "swap":
         to = _other_expert(moe, expert, to)
-    if mode != "route_around":
-        _refuse_recomputed_routing(moe, f"ablate(mode={mode!r})")
     if mode == "route_around":
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
         # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
@@ -143,6 +141,7 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
         if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
             _check_bias_did_not_pick(moe)  # a bias this entry names no op for (ergo)
         return
+    _refuse_recomputed_routing(moe, f"ablate(mode={mode!r})")
     indices = moe.expert_indices
     routed_here = indices == expert
     if mode == "zero":
@@ -157,8 +156,8 @@ def _refuse_recomputed_routing(moe: Moe, call: str) -> None:
     logits, and the model never reads them, so an intervention writing them could not land."""
     if moe.family.derived_routing:
         raise WriteError(
-            f"{call}: {moe.path} ({moe.family.name}) calls no experts module that takes weights and indices (moelens "
-            "recomputes them from router_logits), so writing them cannot change the model; only the routing "
+            f"{call}: {moe.path} ({moe.family.name}) calls no experts module that takes weights and indices (they are "
+            "recomputed from router_logits), so writing them cannot change the model; only the routing "
             "interventions apply: ablate(moe, expert, 'route_around'), steer or force (force(moe, experts, tokens=...) "
             "for chosen tokens)."
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -439,7 +440,31 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                     "or a list of them), token ids (a list of ints or an input_ids tensor), or the tokenizer's "
                     "output as keywords (model.trace(**inputs))."
                 )
-        return super()._batch(invokes, fn)
+        invokes, forward = self._forward_keywords(invokes)
+        args, kwargs = super()._batch(invokes, fn)
+        return args, {**kwargs, **forward}
+
+    def _forward_keywords(self, invokes: list) -> tuple[list, dict[str, Any]]:
+        """The invokes without, and the keywords beside a text prompt that go to the forward, on a model wrapped with
+        nnsight's feature-extraction pipeline (one that cannot generate, `wrap`): that pipeline takes only tokenizer
+        settings and dropped any other keyword silently (``labels=`` gave no loss, ``output_hidden_states=True`` no
+        hidden states), where a causal LM's passes them on. Token ids and encodings keep theirs (nnsight passes them)."""
+        if self.task != FEATURE_TASK:
+            return invokes, {}
+        tokenizing = set(inspect.signature(self.pipeline._sanitize_parameters).parameters) - {"kwargs"}
+        kept, forward = [], {}
+        for inputs, kwargs in invokes:
+            text = any(_is_text(value) for value in inputs)
+            moved = {name: value for name, value in kwargs.items() if text and name not in tokenizing}
+            kept.append((inputs, {name: value for name, value in kwargs.items() if name not in moved}))
+            forward.update(moved)
+        if forward and len(invokes) > 1:
+            raise MoelensError(
+                f"keywords for the model's forward ({', '.join(sorted(forward))}) beside the text of one of several "
+                "invokes: nnsight's batching keeps a keyword for every row, so pass them to model.trace(...) for the "
+                "whole batch."
+            )
+        return kept, forward
 
     def _remote_backend(self, remote: bool | str, *args: Any, **kwargs: Any) -> Any:
         """nnsight's backend for ``remote=`` (a trace's or a session's), refused where nnsight would ship moelens
@@ -497,12 +522,7 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
         transformers' compilation of the forward (which a static cache on a GPU turns on by itself)."""
-        if not callable(getattr(self._module, "generate", None)):  # torch's bare AttributeError, deep in nnsight
-            raise MoelensError(
-                f"model.generate: {type(self._module).__name__} is a base model with no language-model head, so it "
-                "cannot generate: load the checkpoint with its head (AutoModelForCausalLM, or "
-                "AutoModelForImageTextToText for a vision-language model) and wrap that; trace this one instead."
-            )
+        refuse_no_generate(self._module)  # torch's bare AttributeError, deep in nnsight
         if isinstance(self.interleaver, MoeInterleaver):  # called during a run, nnsight runs it in it
             self.interleaver.refuse_other_threads()
             self.interleaver.refuse_nested("model.generate")
@@ -572,7 +592,7 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     if ids.dtype not in EMBEDDED_ID_DTYPES:
         raise unembeddable_ids(ids, "the trace's input_ids")
     mask = batched[1].get("attention_mask")
-    _refuse_misfit_mask(ids, mask, _cached_tokens(batched[1]))
+    _refuse_misfit_mask(ids, mask, batched[1].get("past_key_values") is not None)
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
@@ -583,20 +603,21 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     return batched
 
 
-def _refuse_misfit_mask(ids: Any, mask: Any, cached: int) -> None:
+def _refuse_misfit_mask(ids: Any, mask: Any, cached: bool) -> None:
     """Refuse a ``[batch, length]`` attention_mask that does not give one entry per token of the ``[batch, seq]``
-    ids (and of the ``cached`` tokens of a key-value cache before them): transformers takes it as it is, and the
-    model silently attends to the wrong positions."""
+    ids: transformers takes it as it is, and the model silently attends to the wrong positions. With a key-value
+    cache (``cached``) the mask also covers the cached tokens (in a step after them; generate's ids hold them), or
+    a static cache's length: only one shorter than the ids is refused there."""
     if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == mask.dim() == 2):
         return
     rows, length = ids.shape
-    if mask.shape[0] == rows and (mask.shape[1] == length + cached or cached and mask.shape[1] > length):
-        return  # a cache of another kind than transformers' counts as holding tokens, of a length not known here
-    over = f" and the {cached} cached tokens before them" if cached else ""
+    if mask.shape[0] == rows and (mask.shape[1] == length or cached and mask.shape[1] > length):
+        return
+    expected = f"{rows} rows of at least {length}, one more per cached token" if cached else f"shape ({rows}, {length})"
     raise MoelensError(
-        f"the attention_mask of shape {tuple(mask.shape)} does not fit the input_ids of shape {tuple(ids.shape)}"
-        f"{over}: give one entry per token (1 to attend to it, 0 for padding), shape ({rows}, {length + cached}), "
-        "as the tokenizer returns it with the ids."
+        f"the attention_mask of shape {tuple(mask.shape)} does not fit the input_ids of shape {tuple(ids.shape)}: "
+        f"give one entry per token (1 to attend to it, 0 for padding), {expected}, as the tokenizer returns it with "
+        "the ids."
     )
 
 
@@ -724,6 +745,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
     def generate(self, *inputs: Any, **kwargs: Any) -> NoReturn:
         """Refused: nnsight traces generation only with a tokenizer (without this, the model's own
         ``generate`` would run untraced and the ``with`` statement fail on the tensor it returns)."""
+        refuse_no_generate(self._module)  # first: with a tokenizer it could not generate either
         raise MoelensError(
             "model.generate: tracing a generation needs a tokenizer, and this model was wrapped without one: "
             "moelens.wrap(model, tokenizer=...), or save the tokenizer files beside the weights for moelens.load. "
@@ -785,9 +807,11 @@ class MoeNNsight(MoeModelMixin, NNsight):
                 )
         if len(invokes) <= 1:
             for inputs, kwargs in invokes:
-                self._refuse_one_unbatched_row(_invoke_ids(inputs, kwargs))
-                _refuse_misfit_mask(_invoke_ids(inputs, kwargs), kwargs.get("attention_mask"), _cached_tokens(
-                    {**getattr(self.interleaver.batcher, "extra_kwargs", {}), **kwargs}))
+                ids = _invoke_ids(inputs, kwargs)
+                self._refuse_one_unbatched_row(ids)
+                cache = kwargs.get("past_key_values", getattr(self.interleaver.batcher, "extra_kwargs", {}).get(
+                    "past_key_values"))
+                _refuse_misfit_mask(ids, kwargs.get("attention_mask"), cache is not None)
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
         for inputs, kwargs in invokes:
@@ -1099,8 +1123,10 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         envoys.setdefault(_from_root(name), BlockHolder)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
-        if not _has_head(model):  # nnsight infers its pipeline task from the head; a base model has none
-            nnsight_kwargs.setdefault("task", "feature-extraction")
+        if not _can_generate(model):  # nnsight infers a pipeline task from the head, or config.architectures (stale
+            # in a classifier loaded from a causal LM's checkpoint: a text-generation pipeline failed), and knows none
+            # for a base model or question answering; tracing needs only the tokenizing
+            nnsight_kwargs.setdefault("task", FEATURE_TASK)
         with _real_device_first(model), _no_pipeline_task_complaint():
             wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
     else:
@@ -1118,6 +1144,9 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             moe.mark_gathered_calls()
     return wrapped
 
+
+#: The pipeline task `wrap` gives nnsight for a model that cannot generate: the tokenizing alone.
+FEATURE_TASK = "feature-extraction"
 
 #: Why a compiled model is refused.
 COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
@@ -1487,9 +1516,16 @@ def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Fami
         )
 
 
-def _has_head(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a task model (``*ForCausalLM``, ``*ForMaskedLM`` ...), not a bare base model."""
-    if getattr(model, "can_generate", lambda: False)():
-        return True
-    name = type(model).__name__  # not config.architectures: a base model loaded from a task checkpoint keeps them
-    return "For" in name or "LMHead" in name
+def _can_generate(model: torch.nn.Module) -> bool:
+    """Whether ``model`` generates (a causal LM, a vision-language model), not a base model or a classifier."""
+    return bool(getattr(model, "can_generate", lambda: False)())
+
+
+def refuse_no_generate(model: torch.nn.Module) -> None:
+    """Refuse ``model.generate`` on a model that cannot generate (a base model, a classifier), saying what can."""
+    if not _can_generate(model) or not callable(getattr(model, "generate", None)):
+        raise MoelensError(
+            f"model.generate: {type(model).__name__} has no language-model head, so it cannot generate: load the "
+            "checkpoint with its head (AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language "
+            "model) and wrap that; trace this one instead."
+        )

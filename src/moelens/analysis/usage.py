@@ -1,7 +1,8 @@
 """Expert usage and load balance, from a routing cache.
 
 Usage counts *slots*: a token routed to experts 3 and 5 adds one to each, so a
-layer's counts sum to ``tokens * k`` (less where slots were skipped: zaya's skip class counts for no expert). Load balance compares those counts across
+layer's counts sum to ``tokens * k`` (less where slots were skipped: zaya's skip
+class counts for no expert). Load balance compares those counts across
 a layer's experts: the coefficient of variation (std / mean; 0 is perfectly
 balanced, ``sqrt(E - 1)`` is every slot on one expert), max / mean (1 is balanced,
 ``E`` is one expert taking every slot; how much more the busiest expert works

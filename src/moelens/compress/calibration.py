@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..modules import device_of, evaluating, takes_keyword, vocab_size
+from ..modules import device_of, evaluating, takes_keyword, text_config, vocab_size
 from .errors import CompressionError
 
 
@@ -404,15 +404,19 @@ def _vocabulary_hint(model: nn.Module, ids: Tensor) -> str:
 def _length_hint(model: nn.Module, ids: Tensor) -> str:
     """Says that the sequences are longer than the model's learned position embeddings, or ``""`` (also for models
     without such a table, as rotary ones, whose ``max_position_embeddings`` is no hard limit)."""
-    config = getattr(model, "config", None)
-    if ids.dim() < 2 or config is None or not _learned_positions(model):
+    named = _position_limit(model)
+    if ids.dim() < 2 or named is None or not _learned_positions(model) or ids.shape[1] <= named[1]:
         return ""
-    for attribute in POSITION_LIMITS:
-        limit = getattr(config, attribute, None)
-        if isinstance(limit, int) and ids.shape[1] > limit:
-            return (f" Its sequences are {ids.shape[1]} tokens long, longer than the model's {limit} positions "
-                    f"(config.{attribute}): split them into sequences of at most {limit} tokens.")
-    return ""
+    attribute, limit = named
+    return (f" Its sequences are {ids.shape[1]} tokens long, longer than the model's {limit} positions "
+            f"(config.{attribute}): split them into sequences of at most {limit} tokens.")
+
+
+def _position_limit(model: nn.Module) -> tuple[str, int] | None:
+    """``(attribute, positions)``: the first of `POSITION_LIMITS` the model's (text) config sets, or None."""
+    config = text_config(model) if hasattr(model, "config") else None
+    return next(((name, value) for name in POSITION_LIMITS if isinstance(value := getattr(config, name, None), int)),
+                None)
 
 
 #: Names of learned position-embedding tables (BERT's position_embeddings, GPT-2's wpe, OPT's embed_positions).
@@ -423,13 +427,12 @@ def warn_past_positions(model: nn.Module, calls: list[tuple[tuple, dict]]) -> No
     """Warn where calibration sequences run past the positions the model was trained on (``max_position_embeddings``
     of a rotary model, which still runs there: its activations past them are not the ones the conversion should
     fit; a learned position table fails instead, with `_length_hint`)."""
-    config = getattr(model, "config", None)
-    named = next(((name, value) for name in POSITION_LIMITS if isinstance(value := getattr(config, name, None), int)),
-                 None)
+    named = _position_limit(model)
     if named is None or _learned_positions(model):
         return
     attribute, limit = named
-    lengths = [ids.shape[1] for args, kwargs in calls
+    lengths = [ids.shape[1] if (mask := _mask(kwargs)) is None else int(mask.sum(-1).max())  # padding aside
+               for args, kwargs in calls
                if isinstance(ids := kwargs.get("input_ids", args[0] if args else None), Tensor) and ids.dim() > 1]
     if lengths and max(lengths) > limit:
         warnings.warn(

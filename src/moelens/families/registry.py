@@ -354,11 +354,11 @@ class FamilyList(list):
     def __getitem__(self, key: Any) -> Any:
         """An entry by position, a slice of them, or the entry of a name (``supported()["mixtral"]``, as it prints)."""
         if isinstance(key, str):
-            named = [family for family in self if family.name == key]
-            if not named:
+            named = next((family for family in self if family.name == key), None)
+            if named is None:
                 raise FamilyError(f"no family named {key!r} in this list of {len(self)}; print the list for its names "
                                   "(moelens.families.get(name) looks a name up among every registered family).")
-            return named[0]
+            return named
         picked = super().__getitem__(key)
         return FamilyList(picked) if isinstance(key, slice) else picked  # a slice prints as names too
 

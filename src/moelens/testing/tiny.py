@@ -582,7 +582,7 @@ def _field_names(cls: type) -> set[str]:
 
 #: Keywords every transformers config takes besides its fields (``PreTrainedConfig.__init__`` acts on them).
 CONFIG_SETTINGS = frozenset({"attn_implementation", "experts_implementation", "output_attentions", "per_layer_config",
-                             "rope_scaling", "rope_theta", "name_or_path"})
+                             "rope_scaling", "rope_theta", "name_or_path", "num_labels"})
 
 
 def tiny_config(family: str, **overrides: Any) -> PreTrainedConfig:
