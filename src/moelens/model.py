@@ -440,15 +440,16 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                     "or a list of them), token ids (a list of ints or an input_ids tensor), or the tokenizer's "
                     "output as keywords (model.trace(**inputs))."
                 )
-        invokes, forward = self._forward_keywords(invokes)
+        invokes, forward = self._forward_keywords(invokes) if text_only else (invokes, {})
         args, kwargs = super()._batch(invokes, fn)
         return args, {**kwargs, **forward}
 
     def _forward_keywords(self, invokes: list) -> tuple[list, dict[str, Any]]:
         """The invokes without, and the keywords beside a text prompt that go to the forward, on a model wrapped with
-        nnsight's feature-extraction pipeline (one that cannot generate, `wrap`): that pipeline takes only tokenizer
-        settings and dropped any other keyword silently (``labels=`` gave no loss, ``output_hidden_states=True`` no
-        hidden states), where a causal LM's passes them on. Token ids and encodings keep theirs (nnsight passes them)."""
+        a tokenizer alone and nnsight's feature-extraction pipeline (one that cannot generate, `wrap`): that pipeline
+        takes only tokenizer settings and dropped any other keyword silently (``labels=`` gave no loss,
+        ``output_hidden_states=True`` no hidden states), where a causal LM's passes them on. Token ids and encodings
+        keep theirs (nnsight passes them); so does a model with a processor (images beside the text go through it)."""
         if self.task != FEATURE_TASK:
             return invokes, {}
         tokenizing = set(inspect.signature(self.pipeline._sanitize_parameters).parameters) - {"kwargs"}
