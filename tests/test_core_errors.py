@@ -3416,6 +3416,62 @@ def test_a_module_replaced_after_wrapping_is_named_instead_of_the_read_order(rep
         handle.remove()
     torch.testing.assert_close(served, outputs[0].view(served.shape), rtol=0, atol=0)
 
+def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_block_refused():
+    """nnsight's own way to swap a module, ``model...mlp.gate = new``, left moelens reading the router it had
+    instrumented: router_logits raised an OrderError blaming the read order. A block replaced in the torch model kept
+    serving params() of the detached block: editing those views changed nothing, without a word."""
+    hf = tiny_model("mixtral")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    wrapped.model.layers[1].mlp.gate = copy.deepcopy(hf.model.layers[1].mlp.gate)
+    with pytest.raises(moelens.OrderError, match=r"router_logits was never produced: model\.model\.layers\.1\.mlp\.gate "
+                                                 r"is no longer the module this model was wrapped with .* through its "
+                                                 r"envoy"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            wrapped.moes[1].router_logits.save()
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    assert wrapped.moes[1].params().down.shape[0] == 8
+    hf.model.layers[1].mlp = copy.deepcopy(hf.model.layers[1].mlp)
+    with pytest.raises(moelens.ValueUnavailable, match=r"model\.model\.layers\.1\.mlp\.params: model\.model\.layers"
+                                                       r"\.1\.mlp is no longer the module .* editing them would not "
+                                                       r"change the model"):
+        wrapped.moes[1].params()
+    assert wrapped.moes[0].params().down.shape[0] == 8  # the blocks left as they were
+
+
+@pytest.mark.parametrize("change", ["removed", "inserted", "appended"])
+def test_layers_added_or_removed_after_wrapping_are_refused_at_the_next_trace(change):
+    """model.moes and model.layers are built at wrap: with a layer inserted, moes[1] served the logits of the block
+    now at layers[2] under layer 1's name; an appended layer's block was left out of save_all; a removed one gave
+    AttributeErrors naming '_static_bindings'. Wrapped again, the model serves the blocks it runs (ground truth: a
+    torch hook on the block at layers[1])."""
+    hf = tiny_model("mixtral")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    layers = hf.model.layers
+    if change == "removed":
+        del layers[3]
+    elif change == "inserted":
+        hf.model.layers = torch.nn.ModuleList([layers[0], copy.deepcopy(layers[1]), *layers[1:]])
+    else:
+        layers.append(copy.deepcopy(layers[3]))
+    count = {"removed": 3, "inserted": 5, "appended": 5}[change]
+    with pytest.raises(moelens.MoelensError, match=rf"the model's model\.layers holds {count} layers, and moelens "
+                                                   r"wrapped it with 4 \(layers added or removed since moelens\.wrap\)"
+                                                   r".*Wrap the model again"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            wrapped.moes[1].router_logits.save()
+    again = moelens.wrap(hf)
+    assert len(again.moes) == count
+    seen = []
+    handle = hf.model.layers[1].mlp.gate.register_forward_hook(lambda module, args, output: seen.append(output))
+    try:
+        with torch.no_grad(), again.trace(**inputs):
+            logits = again.moes[1].router_logits.save()
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits.reshape(-1, 8), seen[0][0].reshape(-1, 8), rtol=0, atol=0)  # (logits, ...)
+
+
 def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):
     """model.save_all(values=<a generator>) handed the one generator to each block: the first block used it up, and
     every later block saved nothing, with no error."""

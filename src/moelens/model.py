@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
-from .components.base import bind_alias, envoy_at, with_suggestion
+from .components.base import INSTRUMENTED, bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dispatching, known, unsupported_dtypes
 from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList
@@ -59,6 +59,8 @@ class MoeModelMixin:
     #: The module paths each trace checks hold nothing compiled since wrapping (`_around_blocks`), as `_present`
     #: walks them (`_walk_steps`).
     _watched: tuple[tuple[str, int, str], ...]
+    #: ``(path, length)`` of each module list holding MoE blocks, as wrapped (`_refuse_changed_layers`).
+    _layer_lists: tuple[tuple[str, int], ...]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
 
@@ -187,6 +189,7 @@ class MoeModelMixin:
         """`interleave`, in the thread that owns the run."""
         watched = list(_present(self._module, self._watched))
         _refuse_compiled(watched)  # compiled since wrapping, or a compiled one put in
+        self._refuse_changed_layers(dict(watched))
         first = next(self._module.parameters(), None)
         if first is not None and first.is_meta and (refusal := _unloaded_refusal(self._module)) is not None:
             raise refusal  # a model all on meta runs without an error, into meta values
@@ -246,6 +249,19 @@ class MoeModelMixin:
                 served.RUNS[interleaver] = outer
         handed_back.check()
         return result
+
+    def _refuse_changed_layers(self, live: dict[str, torch.nn.Module]) -> None:
+        """Refuse a run of a model whose layer lists gained or lost layers since wrapping (``live``: path -> module,
+        `_present`): `moes` and `layers` name the blocks as they were, so a block's values would come from another
+        layer's (an inserted one shifts them) or the new layers' blocks be left out, silently."""
+        for path, length in self._layer_lists:
+            layers = live.get(path)
+            if layers is not None and len(layers) != length:
+                raise MoelensError(
+                    f"the model's {path} holds {len(layers)} layers, and moelens wrapped it with {length} (layers "
+                    "added or removed since moelens.wrap): model.moes and model.layers name the blocks as they were, "
+                    "so their values would be another layer's. Wrap the model again: moelens.wrap(model._module, ...)."
+                )
 
     def _failing_experts(self, error: BaseException) -> Moe | None:
         """The block whose experts module's forward ``error`` was raised in (found in its traceback), or None."""
@@ -1137,6 +1153,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     object.__setattr__(wrapped, "_structure", structure)
     object.__setattr__(wrapped, "_watched", _walk_steps(_around_blocks(model, structure.moe_blocks)))
     object.__setattr__(wrapped, "_wrap_options", options)
+    object.__setattr__(wrapped, "_layer_lists", tuple((path, len(model.get_submodule(path)))
+                                                      for path in structure.layer_lists))
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
         _refuse_impossible_top_k(moe)
@@ -1463,6 +1481,7 @@ def _instrument(moe: Moe) -> None:
     time. Outside a trace the instrumented forwards run as the originals.
     """
     family = moe.family
+    object.__setattr__(moe, INSTRUMENTED, {envoy.path: envoy._module for envoy in (moe, moe.router, moe.experts)})
     _require_op(moe.router, family.logits_op, family, "logits_op")
     if family.logits_cast_op:
         _require_op(moe.router, family.logits_cast_op, family, "logits_cast_op")

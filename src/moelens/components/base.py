@@ -61,21 +61,28 @@ def _first_list_index(path: str, root: torch.nn.Module) -> tuple[str, int, int] 
 
 def replaced_modules(envoy: Envoy) -> list[str]:
     """The paths, on the way down to ``envoy`` and below it, whose module in the torch model is no longer the one
-    their envoy wraps (``block.experts = new_module`` after wrapping; one set to None is not counted)."""
+    their envoy wraps (``block.experts = new_module`` after wrapping; one set to None is not counted), or no longer
+    the one moelens instrumented at wrap (`INSTRUMENTED`: ``block.router = new`` through the envoy, which follows)."""
     chain = [envoy]
     while chain[-1].parent is not None:
         chain.append(chain[-1].parent)
     root = chain[-1]
+    wrapped = {checked.path: checked._module for checked in [*reversed(chain[1:]), *reversed(envoy.modules())]}
+    wrapped.update(envoy.__dict__.get(INSTRUMENTED, {}))
     found = []
-    for checked in [*reversed(chain[1:]), *reversed(envoy.modules())]:  # each module before those under it
-        relative = checked.path.partition(".")[2]  # the root envoy's path is "model"
+    for path, module in sorted(wrapped.items()):  # each module before those under it
         try:
-            live = root._module.get_submodule(relative)
+            live = root._module.get_submodule(path.partition(".")[2])  # the root envoy's path is "model"
         except AttributeError:
             continue
-        if live is not checked._module and not any(checked.path.startswith(f"{path}.") for path in found):
-            found.append(checked.path)  # the modules below a replaced one are named by it
+        if live is not module and not any(path.startswith(f"{above}.") for above in found):
+            found.append(path)  # the modules below a replaced one are named by it
     return found
+
+
+#: The attribute of a component holding ``{path: module}``: the modules moelens instrumented at wrap
+#: (`replaced_modules`).
+INSTRUMENTED = "_instrumented_modules"
 
 
 def envoy_at(envoy: Envoy, path: str) -> Envoy:
@@ -253,8 +260,8 @@ class Component(Envoy):
             return OrderError(
                 f"{self.path}.{name} was never produced: {', '.join(replaced)} "
                 f"{'is no longer the module' if len(replaced) == 1 else 'are no longer the modules'} this model was "
-                "wrapped with (replaced in the torch model after moelens.wrap), so nnsight does not see it run. Wrap "
-                "the model again (moelens.wrap) after replacing modules."
+                "wrapped with (replaced after moelens.wrap, in the torch model or through its envoy), so nnsight does "
+                "not see it run. Wrap the model again (moelens.wrap) after replacing modules."
             )
         skipped = getattr(self.family, "logits_skipped", "")
         if (skipped and location is not None and f".source.{self.family.logits_op}." in location

@@ -390,13 +390,34 @@ class Moe(Mlp):
                 only this rank's experts can be asked for, one at a time.
 
         Raises:
-            ValueUnavailable: ``expert`` is not an int in ``[0, E)``, it lives on another
-                rank, the experts carry moelens.compress LoRA adapters (fold them in first
-                with `moelens.compress.merge_lora`) or store no plain weight tensors.
+            ArgumentError: ``expert`` is not an int in ``[0, E)``.
+            ValueUnavailable: the expert lives on another rank, the experts carry moelens.compress
+                LoRA adapters (fold them in first with `moelens.compress.merge_lora`) or store no
+                plain weight tensors, or the block (or its router or experts) was replaced or removed
+                after wrapping (its views would be the old module's).
         """
+        self._refuse_replaced(f"{self.path}.params")
         params = block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
         refuse_fully_sharded(self.modules_down(), f"{self.path}.params")  # after DTensors' refusal, which says more
         return params
+
+    def _refuse_replaced(self, where: str) -> None:
+        """Raise where this block, or a module under it moelens instrumented, is no longer in the model as wrapped
+        (replaced or removed after wrapping): what ``where`` serves would be the old module's."""
+        root = self.root
+        if root is self:  # the wrapped model was let go (envoys hold their parent weakly): nothing to compare with
+            return
+        try:
+            root._module.get_submodule(self.path.partition(".")[2])
+            replaced = base.replaced_modules(self)
+        except AttributeError:
+            replaced = [f"{self.path} (removed)"]
+        if replaced:
+            raise ValueUnavailable(
+                f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
+                "model was wrapped with (replaced or removed after moelens.wrap): the views would be the old "
+                "module's, and editing them would not change the model. Wrap the model again (moelens.wrap)."
+            )
 
     def __repr__(self) -> str:
         """What the block is (family, E, k, experts implementation), then nnsight's tree of its modules and values.
