@@ -302,6 +302,26 @@ def test_calibration_past_a_rotary_models_positions_is_warned_of():
         convert(llama(), num_experts=4, top_k=2, calibration=[ids(2, 64), padded])
 
 
+def test_a_vision_towers_position_table_is_not_the_texts():
+    """A vision-language model's vision tower holds a learned position table (glm4v's
+    ``visual.embeddings.position_embedding``): it was taken for the text's, so a rotary text decoder's calibration
+    past its positions went unwarned and a failed batch got a hint of a limit it does not have."""
+    from moelens.compress.calibration import _learned_positions
+
+    class VisionLanguage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(10, 4)  # a rotary text decoder: no position table beside it
+            self.visual = nn.Module()
+            self.visual.position_embedding = nn.Embedding(16, 4)
+
+        def get_input_embeddings(self):
+            return self.embed_tokens
+
+    assert not _learned_positions(VisionLanguage()) and not _learned_positions(llama())
+    assert _learned_positions(gpt2()) and _learned_positions(bert())  # wpe, embeddings.position_embeddings
+
+
 @pytest.mark.parametrize("make", [llama, gpt2], ids=["rotary", "learned positions"])
 def test_out_of_vocabulary_ids_are_named_before_the_length(make):
     """Ids past the vocabulary fail in the embedding (IndexError). The hint said the 100-token sequences were

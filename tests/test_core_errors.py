@@ -367,6 +367,18 @@ def test_a_classifier_with_a_tokenizer_wraps_traces_text_and_takes_its_keywords(
     for name in ("logits", "start_logits", "loss"):
         if getattr(expected, name, None) is not None:
             assert torch.equal(getattr(output, name), getattr(expected, name)), name
+    for settings in ({"truncation": True, "max_length": 4}, {"padding": "max_length", "max_length": 16},
+                     {"add_special_tokens": False}):  # the tokenizer's settings reach it (the first version sent them
+        with torch.no_grad(), wrapped.trace("hello world", **settings):  # to the forward, which swallowed them)
+            output = wrapped.output.save()
+        with torch.no_grad():
+            expected = hf(**tokenizer(["hello world"], return_tensors="pt", **settings))
+        assert torch.equal(getattr(output, "logits", None) if head != "ForQuestionAnswering" else output.start_logits,
+                           getattr(expected, "logits", None) if head != "ForQuestionAnswering" else expected.start_logits)
+    with pytest.raises(moelens.MoelensError, match=r"attention_mask beside a text prompt: the tokenizer makes the text's "
+                                                   r"ids and attention mask, .* model\.trace\(\*\*tokenizer\("):
+        with torch.no_grad(), wrapped.trace("hello world", attention_mask=torch.ones(1, 3, dtype=torch.long)):
+            wrapped.output.save()
     with pytest.raises(moelens.MoelensError, match=r"keywords for the model's forward \(output_hidden_states.*\) beside "
                                                    r"the text of one of several invokes: .* pass them to model\.trace"):
         with torch.no_grad(), wrapped.trace() as tracer:
@@ -3682,11 +3694,13 @@ def test_an_attention_mask_that_does_not_fit_the_ids_is_refused():
         with torch.no_grad():
             expected = model._module(new, attention_mask=torch.ones(1, 5, dtype=torch.long),
                                      past_key_values=copy.deepcopy(plain.past_key_values)).logits
-        with pytest.raises(moelens.MoelensError, match=r"shape \(1, 1\) does not fit the input_ids of shape \(1, 2\): "
-                                                       r".* 1 rows of at least 2, one more per cached token"):
-            with torch.no_grad(), wrapped.trace(new, attention_mask=torch.ones(1, 1, dtype=torch.long),
-                                                past_key_values=copy.deepcopy(plain.past_key_values)):
-                wrapped.output.logits.save()
+        for width in (1, 2, 4):  # 2: the mask of the new tokens alone, the usual slip (the logits moved by 4.9)
+            with pytest.raises(moelens.MoelensError, match=rf"shape \(1, {width}\) does not fit the input_ids of shape "
+                                                           r"\(1, 2\): .* and 3 more for the tokens the cache holds "
+                                                           r"before them, 1 rows of at least 5\."):
+                with torch.no_grad(), wrapped.trace(new, attention_mask=torch.ones(1, width, dtype=torch.long),
+                                                    past_key_values=copy.deepcopy(plain.past_key_values)):
+                    wrapped.output.logits.save()
         with torch.no_grad(), wrapped.trace(new, attention_mask=torch.ones(1, 5, dtype=torch.long),
                                             past_key_values=copy.deepcopy(plain.past_key_values)):
             logits = wrapped.output.logits.save()

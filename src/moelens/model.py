@@ -383,7 +383,7 @@ class MoeModelMixin:
                     "model.generate(prompt, generation_config=config)."
                 )
         from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
-        return _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text)
+        return _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text, _generating(fn))
 
     def _refuse_running_no_forward(self, fn: Any) -> None:
         """Refuse a trace (``fn``: the model's call, not its ``generate``) of a model class with no forward of its
@@ -461,20 +461,34 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         return args, {**kwargs, **forward}
 
     def _forward_keywords(self, invokes: list) -> tuple[list, dict[str, Any]]:
-        """The invokes without, and the keywords beside a text prompt that go to the forward, on a model wrapped with
-        a tokenizer alone and nnsight's feature-extraction pipeline (one that cannot generate, `wrap`): that pipeline
-        takes only tokenizer settings and dropped any other keyword silently (``labels=`` gave no loss,
-        ``output_hidden_states=True`` no hidden states), where a causal LM's passes them on. Token ids and encodings
-        keep theirs (nnsight passes them); so does a model with a processor (images beside the text go through it)."""
+        """The invokes with their keywords beside a text prompt sorted, and the ones that go to the forward, on a
+        model wrapped with a tokenizer alone and nnsight's feature-extraction pipeline (one that cannot generate,
+        `wrap`): that pipeline takes ``truncation`` and ``tokenize_kwargs`` alone and dropped any other keyword
+        silently. The tokenizer's settings (``max_length``, ``padding`` ...) go to it, as ``tokenize_kwargs``; the
+        rest (``labels``, ``output_hidden_states`` ...) to the forward, as a causal LM's pipeline passes them on.
+        Token ids and encodings keep theirs (nnsight passes them); so does a model with a processor."""
         if self.task != FEATURE_TASK:
             return invokes, {}
-        tokenizing = set(inspect.signature(self.pipeline._sanitize_parameters).parameters) - {"kwargs"}
+        settings = tokenizer_settings(type(self.tokenizer))
         kept, forward = [], {}
         for inputs, kwargs in invokes:
-            text = any(_is_text(value) for value in inputs)
-            moved = {name: value for name, value in kwargs.items() if text and name not in tokenizing}
-            kept.append((inputs, {name: value for name, value in kwargs.items() if name not in moved}))
-            forward.update(moved)
+            if not any(_is_text(value) for value in inputs):
+                kept.append((inputs, kwargs))
+                continue
+            made = [name for name in TOKENIZED if name in kwargs]
+            if made:
+                raise MoelensError(
+                    f"{', '.join(made)} beside a text prompt: the tokenizer makes the text's ids and attention mask, "
+                    "and one given beside it would replace its own; pass the tokenizer's output instead, "
+                    "model.trace(**tokenizer(texts, return_tensors='pt', padding=True)), with your mask in it."
+                )
+            own = {name: value for name, value in kwargs.items() if name in FEATURE_SETTINGS}
+            tokenizing = {name: value for name, value in kwargs.items() if name in settings and name not in own}
+            if tokenizing:
+                own["tokenize_kwargs"] = {**(own.get("tokenize_kwargs") or {}), **tokenizing}
+            forward.update({name: value for name, value in kwargs.items()
+                            if name not in own and name not in tokenizing})
+            kept.append((inputs, own))
         if forward and len(invokes) > 1:
             raise MoelensError(
                 f"keywords for the model's forward ({', '.join(sorted(forward))}) beside the text of one of several "
@@ -597,8 +611,8 @@ def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
 EMBEDDED_ID_DTYPES = (torch.long, torch.int32)
 
 
-def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False
-                         ) -> tuple[tuple, dict]:
+def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False,
+                         generating: bool = False) -> tuple[tuple, dict]:
     """``batched`` (the model's inputs, as nnsight's batching built them), after refusing input_ids the model could
     not embed: a tensor of a dtype torch's embedding does not take (float, int16, bool ...) or a prompt with no tokens (an empty ids
     tensor; ``from_text``: an empty string, a row of padding alone beside longer prompts; the model's attention
@@ -609,7 +623,7 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     if ids.dtype not in EMBEDDED_ID_DTYPES:
         raise unembeddable_ids(ids, "the trace's input_ids")
     mask = batched[1].get("attention_mask")
-    _refuse_misfit_mask(ids, mask, batched[1].get("past_key_values") is not None)
+    _refuse_misfit_mask(module, ids, mask, batched[1].get("past_key_values"), generating)
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
@@ -620,21 +634,31 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     return batched
 
 
-def _refuse_misfit_mask(ids: Any, mask: Any, cached: bool) -> None:
-    """Refuse a ``[batch, length]`` attention_mask that does not give one entry per token of the ``[batch, seq]``
-    ids: transformers takes it as it is, and the model silently attends to the wrong positions. With a key-value
-    cache (``cached``) the mask also covers the cached tokens (in a step after them; generate's ids hold them), or
-    a static cache's length: only one shorter than the ids is refused there."""
+def _generating(fn: Any) -> bool:
+    """Whether a run's ``fn`` is the model's ``generate`` (not its forward)."""
+    return getattr(fn, "__name__", fn) == "generate"
+
+
+def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any, generating: bool) -> None:
+    """Refuse a ``[batch, width]`` attention_mask that does not fit the ``[batch, seq]`` ids: transformers takes it as
+    it is, and the model silently attends to the wrong positions. It has one entry per token; over a key-value cache
+    (``cache``) in a step of a trace, one per cached token before them too (generate's ids hold the cached tokens; an
+    encoder-decoder's are the encoder's), and wider is let through there (a static cache's length)."""
     if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == mask.dim() == 2):
         return
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        cache = None
     rows, length = ids.shape
-    if mask.shape[0] == rows and (mask.shape[1] == length or cached and mask.shape[1] > length):
+    counted = getattr(cache, "get_seq_length", None)
+    cached = int(counted()) if cache is not None and not generating and callable(counted) else 0
+    least = length + cached
+    if mask.shape[0] == rows and (mask.shape[1] == least or cache is not None and mask.shape[1] > least):
         return
-    expected = f"{rows} rows of at least {length}, one more per cached token" if cached else f"shape ({rows}, {length})"
+    before = f" and {cached} more for the tokens the cache holds before them" if cached else ""
+    expected = f"{rows} rows of at least {least}" if cache is not None else f"shape ({rows}, {length})"
     raise MoelensError(
         f"the attention_mask of shape {tuple(mask.shape)} does not fit the input_ids of shape {tuple(ids.shape)}: "
-        f"give one entry per token (1 to attend to it, 0 for padding), {expected}, as the tokenizer returns it with "
-        "the ids."
+        f"give one entry per token (1 to attend to it, 0 for padding){before}, {expected}."
     )
 
 
@@ -828,7 +852,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                 self._refuse_one_unbatched_row(ids)
                 cache = kwargs.get("past_key_values", getattr(self.interleaver.batcher, "extra_kwargs", {}).get(
                     "past_key_values"))
-                _refuse_misfit_mask(ids, kwargs.get("attention_mask"), cache is not None)
+                _refuse_misfit_mask(self._module, ids, kwargs.get("attention_mask"), cache, _generating(fn))
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
         for inputs, kwargs in invokes:
@@ -1166,6 +1190,19 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
 
 #: The pipeline task `wrap` gives nnsight for a model that cannot generate: the tokenizing alone.
 FEATURE_TASK = "feature-extraction"
+#: The keywords `FEATURE_TASK`'s pipeline takes itself (`MoeTransformersModel._forward_keywords`).
+FEATURE_SETTINGS = ("truncation", "tokenize_kwargs", "return_tensors")
+#: The inputs a tokenizer makes of a text (given beside it, one would replace its own).
+TOKENIZED = ("input_ids", "attention_mask", "inputs_embeds")
+
+
+@functools.cache
+def tokenizer_settings(tokenizer_class: type) -> frozenset[str]:
+    """The settings a tokenizer class's call takes by name (``max_length``, ``padding`` ...), not the texts."""
+    parameters = inspect.signature(tokenizer_class.__call__).parameters
+    return frozenset(name for name, parameter in parameters.items() if parameter.kind is parameter.KEYWORD_ONLY or (
+        parameter.kind is parameter.POSITIONAL_OR_KEYWORD and name not in ("self", "text", "text_pair", "text_target",
+                                                                             "text_pair_target")))
 
 #: Why a compiled model is refused.
 COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
@@ -1542,8 +1579,8 @@ def _can_generate(model: torch.nn.Module) -> bool:
 
 
 def refuse_no_generate(model: torch.nn.Module) -> None:
-    """Refuse ``model.generate`` on a model that cannot generate (a base model, a classifier), saying what can."""
-    if not _can_generate(model) or not callable(getattr(model, "generate", None)):
+    """Refuse ``model.generate`` on a model with no ``generate`` (a base model, a classifier), saying what can."""
+    if not callable(getattr(model, "generate", None)):
         raise MoelensError(
             f"model.generate: {type(model).__name__} has no language-model head, so it cannot generate: load the "
             "checkpoint with its head (AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language "

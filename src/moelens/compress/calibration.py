@@ -444,9 +444,18 @@ def warn_past_positions(model: nn.Module, calls: list[tuple[tuple, dict]]) -> No
 
 
 def _learned_positions(model: nn.Module) -> bool:
-    """Whether the model holds a learned position-embedding table (an ``nn.Embedding`` named like one)."""
+    """Whether the model's text holds a learned position-embedding table: an ``nn.Embedding`` named like one beside
+    its input embeddings (BERT's ``embeddings.position_embeddings``, GPT-2's ``wpe``, OPT's ``embed_positions``; a
+    vision tower's table is not the text's), or anywhere in a model that names no input embeddings."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a sentence-transformers model, a module of the user's
+        embeddings = None
+    holder = next((module for module in model.modules() if any(child is embeddings for child in module.children())),
+                  None)
+    named = holder.named_children() if holder is not None else model.named_modules()
     return any(isinstance(module, nn.Embedding) and any(part in name.rpartition(".")[2] for part in POSITION_TABLES)
-               for name, module in model.named_modules())
+               for name, module in named)
 
 
 #: The forward hook dictionaries of an ``nn.Module`` (hook id -> function; the ``*_with_kwargs`` and
