@@ -155,7 +155,7 @@ def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's s
     if annotated:  # a tick per expert; past that, as many whole numbers as fit
         axes.set_xticks(range(share.shape[1]))
     else:
-        _whole_numbers(axes.xaxis)
+        _whole_numbers(axes.xaxis, bins=10)  # a wider axis (up to 14 inches): matplotlib's default count
     axes.set_title(f"{title}\n{usage.tokens} tokens" + ("; annotations in %" if annotated else ""))
     figure.colorbar(image, ax=axes, label="share of slots")
     return figure
@@ -222,14 +222,14 @@ def plot_entropy(entropy: Entropy) -> Any:
     return figure
 
 
-def _whole_numbers(*axes: Any) -> None:
+def _whole_numbers(*axes: Any, bins: int = 8) -> None:
     """Ticks at whole numbers only on these axes (expert ids): matplotlib's own put a heatmap of two experts'
-    rows at -0.5, 0.0, 0.5 ... (one expert: a single tick at 0), as many as the axis has room for (256 experts' labels
-    ran into one another)."""
+    rows at -0.5, 0.0, 0.5 ... (one expert: a single tick at 0), at most ``bins`` + 1 of them (matplotlib's 10 ran
+    a 3.2-inch panel's 256 experts' labels into one another)."""
     from matplotlib.ticker import MaxNLocator
 
     for axis in axes:
-        axis.set_major_locator(MaxNLocator(nbins=8, integer=True, min_n_ticks=1))
+        axis.set_major_locator(MaxNLocator(nbins=bins, integer=True, min_n_ticks=1))
 
 
 #: A grid of panels is at most this many inches wide (fewer panels a row where each is wide), 4 panels at most.
