@@ -318,8 +318,14 @@ def test_a_vision_towers_position_table_is_not_the_texts():
         def get_input_embeddings(self):
             return self.embed_tokens
 
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    bart = BartForConditionalGeneration(BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                   encoder_attention_heads=2, decoder_attention_heads=2,
+                                                   encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32))
     assert not _learned_positions(VisionLanguage()) and not _learned_positions(llama())
     assert _learned_positions(gpt2()) and _learned_positions(bert())  # wpe, embeddings.position_embeddings
+    assert _learned_positions(bart)  # embed_positions beside the encoder's embed_tokens, which shares `shared`'s weight
 
 
 @pytest.mark.parametrize("make", [llama, gpt2], ids=["rotary", "learned positions"])

@@ -375,10 +375,11 @@ def test_a_classifier_with_a_tokenizer_wraps_traces_text_and_takes_its_keywords(
             expected = hf(**tokenizer(["hello world"], return_tensors="pt", **settings))
         assert torch.equal(getattr(output, "logits", None) if head != "ForQuestionAnswering" else output.start_logits,
                            getattr(expected, "logits", None) if head != "ForQuestionAnswering" else expected.start_logits)
-    with pytest.raises(moelens.MoelensError, match=r"attention_mask beside a text prompt: the tokenizer makes the text's "
-                                                   r"ids and attention mask, .* model\.trace\(\*\*tokenizer\("):
-        with torch.no_grad(), wrapped.trace("hello world", attention_mask=torch.ones(1, 3, dtype=torch.long)):
-            wrapped.output.save()
+    for given in ({"attention_mask": torch.ones(1, 3, dtype=torch.long)}, {"text_pair": "the cat sat"}):
+        with pytest.raises(moelens.MoelensError, match=rf"{next(iter(given))} beside a text prompt: the tokenizer makes "
+                                                       r"the text's inputs .* model\.trace\(\*\*tokenizer\("):
+            with torch.no_grad(), wrapped.trace("hello world", **given):  # replaced the mask; the pair was dropped
+                wrapped.output.save()
     with pytest.raises(moelens.MoelensError, match=r"keywords for the model's forward \(output_hidden_states.*\) beside "
                                                    r"the text of one of several invokes: .* pass them to model\.trace"):
         with torch.no_grad(), wrapped.trace() as tracer:
@@ -3440,6 +3441,10 @@ def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_b
                                                  r"envoy"):
         with torch.no_grad(), wrapped.trace(**inputs):
             wrapped.moes[1].router_logits.save()
+    with pytest.raises(moelens.MoelensError, match=r"model\.model\.layers\.0\.mlp\.router is moelens' name for the "
+                                                   r"block's 'gate'; .* Replace 'gate' itself"):
+        wrapped.moes[0].router = copy.deepcopy(hf.model.layers[0].mlp.gate)  # was added beside gate, never called
+    assert "router" not in hf.model.layers[0].mlp._modules
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf)
     assert wrapped.moes[1].params().down.shape[0] == 8
@@ -3482,6 +3487,12 @@ def test_layers_added_or_removed_after_wrapping_are_refused_at_the_next_trace(ch
     finally:
         handle.remove()
     torch.testing.assert_close(logits.reshape(-1, 8), seen[0][0].reshape(-1, 8), rtol=0, atol=0)  # (logits, ...)
+    with pytest.warns(UserWarning, match="no MoE block"):  # a dense model's layers are watched too
+        dense = moelens.wrap(dense_hf := tiny_model("qwen3_moe", mlp_only_layers=[0, 1, 2, 3]))
+    dense_hf.model.layers.append(copy.deepcopy(dense_hf.model.layers[0]))
+    with pytest.raises(moelens.MoelensError, match=r"the model's model\.layers holds 5 layers, and moelens wrapped it"):
+        with torch.no_grad(), dense.trace(**tiny_inputs(dense_hf)):
+            dense.layers[1].mlp.output.save()
 
 
 def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):

@@ -478,9 +478,10 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             made = [name for name in TOKENIZED if name in kwargs]
             if made:
                 raise MoelensError(
-                    f"{', '.join(made)} beside a text prompt: the tokenizer makes the text's ids and attention mask, "
-                    "and one given beside it would replace its own; pass the tokenizer's output instead, "
-                    "model.trace(**tokenizer(texts, return_tensors='pt', padding=True)), with your mask in it."
+                    f"{', '.join(made)} beside a text prompt: the tokenizer makes the text's inputs (and pairs a second "
+                    "text with it in one call), so what is given beside it would replace them or be dropped; pass the "
+                    "tokenizer's output instead, model.trace(**tokenizer(texts, return_tensors='pt', padding=True)) "
+                    "(tokenizer(questions, contexts, ...) for pairs), with your own inputs in it."
                 )
             own = {name: value for name, value in kwargs.items() if name in FEATURE_SETTINGS}
             tokenizing = {name: value for name, value in kwargs.items() if name in settings and name not in own}
@@ -1175,7 +1176,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     if isinstance(wrapped.interleaver, MoeInterleaver):
         wrapped.interleaver.runs([model.get_submodule(path) for path in structure.moe_blocks])
     object.__setattr__(wrapped, "_structure", structure)
-    object.__setattr__(wrapped, "_watched", _walk_steps(_around_blocks(model, structure.moe_blocks)))
+    object.__setattr__(wrapped, "_watched", _walk_steps([*_around_blocks(model, structure.moe_blocks),
+                                                         *paths_above(structure.layer_lists), *structure.layer_lists]))
     object.__setattr__(wrapped, "_wrap_options", options)
     object.__setattr__(wrapped, "_layer_lists", tuple((path, len(model.get_submodule(path)))
                                                       for path in structure.layer_lists))
@@ -1192,17 +1194,22 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
 FEATURE_TASK = "feature-extraction"
 #: The keywords `FEATURE_TASK`'s pipeline takes itself (`MoeTransformersModel._forward_keywords`).
 FEATURE_SETTINGS = ("truncation", "tokenize_kwargs", "return_tensors")
-#: The inputs a tokenizer makes of a text (given beside it, one would replace its own).
-TOKENIZED = ("input_ids", "attention_mask", "inputs_embeds")
+#: The inputs a tokenizer makes of a text (given beside it, one would replace its own), and the second texts it
+#: pairs with it (a pipeline tokenizing one prompt at a time takes none).
+TOKENIZED = ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "text_pair", "text_target",
+             "text_pair_target")
 
 
 @functools.cache
 def tokenizer_settings(tokenizer_class: type) -> frozenset[str]:
-    """The settings a tokenizer class's call takes by name (``max_length``, ``padding`` ...), not the texts."""
-    parameters = inspect.signature(tokenizer_class.__call__).parameters
-    return frozenset(name for name, parameter in parameters.items() if parameter.kind is parameter.KEYWORD_ONLY or (
-        parameter.kind is parameter.POSITIONAL_OR_KEYWORD and name not in ("self", "text", "text_pair", "text_target",
-                                                                             "text_pair_target")))
+    """The settings a tokenizer class's call takes by name (``max_length``, ``padding`` ...), and those of
+    transformers' tokenizers (a call of ``(*args, **kwargs)`` names none), not the texts (`TOKENIZED`)."""
+    from transformers import PreTrainedTokenizerBase
+
+    names = {name for call in (tokenizer_class.__call__, PreTrainedTokenizerBase.__call__)
+             for name, parameter in inspect.signature(call).parameters.items()
+             if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)}
+    return frozenset(names - {"self", "text", *TOKENIZED})
 
 #: Why a compiled model is refused.
 COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "

@@ -146,7 +146,15 @@ class Component(Envoy):
             raise with_suggestion(error, name, (*VALUE_NAMES, *value_names(type(self)), "selection_scores")) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing."""
+        """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing; and a module
+        given to a standard name (``moe.router = new``), which would add a module the block never calls."""
+        native = self.__dict__.get("_aliases", {}).get(name)
+        if native is not None and native != name and isinstance(value, torch.nn.Module):
+            raise MoelensError(
+                f"{self.path}.{name} is moelens' name for the block's {native!r}; a module given to it would be added "
+                f"beside {native!r}, which the block goes on calling. Replace {native!r} itself "
+                f"({self.path}.{native} = new_module) and wrap the model again (moelens.wrap)."
+            )
         if not name.startswith("_") and name not in self.__dict__ and inspect.getattr_static(type(self), name, None) is None:
             near = difflib.get_close_matches(name, value_names(type(self)), n=1, cutoff=0.85)
             if near:

@@ -445,15 +445,17 @@ def warn_past_positions(model: nn.Module, calls: list[tuple[tuple, dict]]) -> No
 
 def _learned_positions(model: nn.Module) -> bool:
     """Whether the model's text holds a learned position-embedding table: an ``nn.Embedding`` named like one beside
-    its input embeddings (BERT's ``embeddings.position_embeddings``, GPT-2's ``wpe``, OPT's ``embed_positions``; a
-    vision tower's table is not the text's), or anywhere in a model that names no input embeddings."""
+    its input embeddings or a module sharing their weight (BERT's ``embeddings.position_embeddings``, GPT-2's
+    ``wpe``, OPT's and BART's ``embed_positions``; a vision tower's table is not the text's), or anywhere in a model
+    that names no input embeddings."""
     try:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a sentence-transformers model, a module of the user's
         embeddings = None
-    holder = next((module for module in model.modules() if any(child is embeddings for child in module.children())),
-                  None)
-    named = holder.named_children() if holder is not None else model.named_modules()
+    weight = getattr(embeddings, "weight", None)
+    holders = [module for module in model.modules() if weight is not None and any(  # BART's encoder and decoder
+        getattr(child, "weight", None) is weight for child in module.children())]  # share the weight of `shared`
+    named = [pair for holder in holders for pair in holder.named_children()] if holders else model.named_modules()
     return any(isinstance(module, nn.Embedding) and any(part in name.rpartition(".")[2] for part in POSITION_TABLES)
                for name, module in named)
 
