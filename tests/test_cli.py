@@ -839,3 +839,34 @@ def test_a_text_file_that_is_not_utf8_is_refused_with_how_to_convert_it(saved, c
     assert lines[0].startswith(f"moelens stats: error: text file {str(path)!r} is not UTF-8 text "
                                f"({decoded.value.reason} at byte {decoded.value.start}); convert it to UTF-8"), err
     assert "iconv -f ENCODING -t utf-8" in lines[0]
+
+
+def test_a_checkpoint_with_its_own_code_is_refused_without_a_prompt(tmp_path, capsys):
+    """A folder whose config.json names code of its own (auto_map): transformers asked "Do you wish to run the custom
+    code? [y/N]" on the terminal, then the command refused with advice it has no option for (pass
+    trust_remote_code=True); moelens.load added "fix your config.json" to it. (Not loaded with trust_remote_code=True:
+    transformers would copy the code into the user's module cache.)"""
+    from safetensors.torch import save_file
+
+    model = tiny_model("mixtral")
+    model.config.save_pretrained(tmp_path)
+    save_file({key: value.contiguous() for key, value in model.state_dict().items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp_path / "configuration_custom.py").write_text(
+        "from transformers import MixtralConfig\n\nclass MyConfig(MixtralConfig):\n    model_type = 'mymixtral'\n")
+    (tmp_path / "modeling_custom.py").write_text(
+        "import transformers\nfrom .configuration_custom import MyConfig\n\n"
+        "class MyForCausalLM(transformers.MixtralForCausalLM):\n    config_class = MyConfig\n")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="mymixtral", architectures=["MyForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_custom.MyConfig",
+                            "AutoModelForCausalLM": "modeling_custom.MyForCausalLM"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "holds a model with code of its own (config.json's auto_map), which moelens commands do not run; load it " \
+           "in Python, moelens.load(path, trust_remote_code=True)" in error and "[y/N]" not in error
+    with pytest.raises(moelens.MoelensError, match=r"trust_remote_code=True.*\(That code runs in this process: trust "
+                                                   r"it first\.\)$") as refused:
+        moelens.load(tmp_path, trust_remote_code=False)
+    assert "fix it" not in str(refused.value)

@@ -638,6 +638,58 @@ def test_a_damaged_shard_index_or_shard_of_a_sharded_checkpoint_is_named(tmp_pat
     assert f"1 of its {len(shards)} weights files" in str(error.value)
 
 
+def test_a_damaged_bin_shard_is_named(tmp_path):
+    """A truncated pytorch_model-*.bin shard gave torch's bare "PytorchStreamReader failed reading zip archive",
+    naming no file (a damaged .safetensors shard is named). Ground truth: the intact folder loads."""
+    import json
+
+    model = tiny_model("mixtral")
+    model.config.save_pretrained(tmp_path)
+    state = model.state_dict()
+    keys = list(state)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2],
+              "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2:]}
+    for name, names in shards.items():
+        torch.save({key: state[key].clone() for key in names}, tmp_path / name)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {key: name for name, names in shards.items() for key in names}}))
+    assert type(moelens.load(tmp_path)._module).__name__ == "MixtralForCausalLM"
+    victim = tmp_path / "pytorch_model-00002-of-00002.bin"
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(moelens.MoelensError, match=rf"cannot be read \(PytorchStreamReader.*\): it is damaged or "
+                                                   rf"truncated \({re.escape(repr(str(victim)))}: 1 of its 2 weights "
+                                                   r"files\); save the model again"):
+        moelens.load(tmp_path)
+
+
+def test_tokenizer_files_without_a_vocabulary_or_a_class_load_as_the_folder_holds_them(tmp_path):
+    """A tokenizer_config.json alone (a chat template, the vocabulary files never copied) became a one-token placeholder
+    Qwen2Tokenizer for qwen-type models: text gave no tokens, blamed on the text. A tokenizer.json with no declared
+    class (as the tokenizers library saves it) loaded as the model type's tokenizer, which splits text into other ids.
+    Ground truth: the folder's tokenizer.json through the tokenizers library."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from moelens.data import TINY_MODEL_PATH
+
+    text = "x = 1\n    return  a+b"
+    bare = tmp_path / "bare"
+    shutil.copytree(TINY_MODEL_PATH, bare)
+    for path in bare.iterdir():
+        if path.name.startswith(("tokenizer_config", "special_tokens", "chat_template")):
+            path.unlink()
+    expected = Tokenizer.from_file(str(bare / "tokenizer.json")).encode(text).ids
+    assert moelens.load(bare).tokenizer(text)["input_ids"] == expected
+    config_only = tmp_path / "config-only"
+    shutil.copytree(TINY_MODEL_PATH, config_only)
+    (config_only / "tokenizer.json").unlink()
+    with pytest.warns(UserWarning, match=r"is a tokenizer_config\.json alone, with no vocabulary .* takes token ids "
+                                         r"only"):
+        loaded = moelens.load(config_only)
+    assert getattr(loaded, "tokenizer", None) is None
+
+
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-pickle"])
 def test_a_torch_save_file_passed_to_load_is_sent_to_torch_load_not_to_a_folder(tmp_path, zipped):
     """moelens.load("converted.pt") on a model saved with torch.save(model, path) (docs/compress.md's way to save a

@@ -10,6 +10,7 @@ keeps transformers' logging and progress bars out of every command's output.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import re
@@ -81,7 +82,15 @@ def load_checkpoint(source: str | None, needs_tokenizer: bool = False) -> tuple[
         path, name = user_path(source, "MODEL"), source
         if not path.exists():  # a command takes local folders only (moelens.load would try a hub id)
             raise MoelensError(f"no model at {source!r}: the path does not exist. Pass a local checkpoint folder or 'tiny'.")
-    model, caught = _load_catching(moelens.load, path)
+    try:  # no checkpoint code runs here (transformers would ask on the terminal, then refuse)
+        model, caught = _load_catching(functools.partial(moelens.load, trust_remote_code=False), path)
+    except MoelensError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise MoelensError(
+            f"{name!r} holds a model with code of its own (config.json's auto_map), which moelens commands do not "
+            "run; load it in Python, moelens.load(path, trust_remote_code=True), if you trust that code."
+        ) from None
     refused = not model.moes  # each command refuses such a model in one line that says why: no warning before it
     untokenized = needs_tokenizer and not refused and getattr(model, "tokenizer", None) is None
     unloaded = [(warning, cause) for warning, cause in caught if str(warning.message).startswith(TOKENIZER_WARNING)]

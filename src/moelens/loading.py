@@ -136,6 +136,12 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
                   if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
         raise MoelensError(f"cannot load a model from {source!r}: {sentence(error)}.{advice}") from error
     except RuntimeError as error:
+        if "PytorchStreamReader" in str(error):  # torch's reader of a damaged .bin names no file
+            raise MoelensError(
+                f"a weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated"
+                f"{_named_damaged(_unreadable_weights(folder))}; save the model again with save_pretrained, or copy "
+                "it again."
+            ) from error
         if "ignore_mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
             raise  # out of memory, a device map, the checkpoint's own code: not moelens' to reword
         listed = _size_mismatches(model_class, source, from_pretrained_kwargs) or sentence(error)
@@ -205,14 +211,21 @@ def _torch_saved(file: Path) -> bool:
 
 
 def _unreadable_weights(folder: Path) -> list[Path]:
-    """The ``*.safetensors`` files in ``folder`` whose header safetensors refuses (a damaged or truncated file, such
-    as one shard of a sharded checkpoint); only the headers are read."""
+    """The weights files in ``folder`` that cannot be opened (a damaged or truncated file, such as one shard of a
+    sharded checkpoint): ``*.safetensors`` whose header safetensors refuses, ``*.bin`` zip archives (what torch.save
+    writes) whose listing zipfile refuses; only headers and listings are read."""
     unreadable = []
     for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
         try:
             with safe_open(str(path), framework="pt"):
                 pass
         except (SafetensorError, OSError):
+            unreadable.append(path)
+    for path in sorted(folder.glob("*.bin")) if folder.is_dir() else ():
+        try:
+            with zipfile.ZipFile(path):
+                pass
+        except (zipfile.BadZipFile, OSError):
             unreadable.append(path)
     return unreadable
 
@@ -222,7 +235,7 @@ def _named_damaged(files: list[Path]) -> str:
     known: the error then speaks of the folder's weights as a whole)."""
     if not files:
         return ""
-    total = len(list(files[0].parent.glob("*.safetensors")))
+    total = len(list(files[0].parent.glob(f"*{files[0].suffix}")))
     names = ", ".join(repr(str(path)) for path in files)
     return f" ({names}: {len(files)} of its {total} weights files)"
 
@@ -263,6 +276,8 @@ def _load_config(source: str, settings: dict[str, Any]) -> Any:
         if not user_path(source).exists():  # a name taken for a hub id: say the other reading too
             remedy = f"No local folder {source!r} is here either (in {str(Path.cwd())!r}). {remedy}"
         reason = " ".join(sentence(error).split())  # one line: transformers' messages run over several
+        if "trust_remote_code" in reason:  # custom code not trusted: transformers' advice is the remedy
+            remedy = "(That code runs in this process: trust it first.)"
         raise MoelensError(f"cannot load a model from {source!r}: {reason}. {remedy}") from error
 
 
@@ -329,10 +344,18 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
     Tokenizer files that fail to load give None and a warning naming the cause.
     """
     folder = Path(source, settings.get("subfolder", ""))
-    if folder.is_dir() and not any(
-        file.is_file() and file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
-    ):
-        return None
+    if folder.is_dir():
+        files = [file.name for file in folder.iterdir() if file.is_file()]
+        if not any(name.startswith(TOKENIZER_FILE_PREFIXES) for name in files):
+            return None
+        if not any(name.startswith(TOKENIZER_FILE_PREFIXES) and name != "tokenizer_config.json" for name in files):
+            warnings.warn(  # transformers built a one-token placeholder from it: text gave no tokens
+                f"moelens.load: the tokenizer saved at {source!r} is a tokenizer_config.json alone, with no vocabulary "
+                "(tokenizer.json, vocab.json ...), so the model takes token ids only; copy the tokenizer's other "
+                "files beside it, or pass one with moelens.wrap(model, tokenizer=...).",
+                stacklevel=3,
+            )
+            return None
     try:
         return _tokenizer_class(source, settings).from_pretrained(source, **settings)
     except (OSError, ValueError, TypeError) as error:
@@ -347,8 +370,9 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
 
 def _tokenizer_class(source: str, settings: dict[str, Any]) -> Any:
     """``PreTrainedTokenizerFast`` where the tokenizer files at ``source`` (a folder, or a hub id's files as
-    transformers finds them: cache, ``revision``, ``subfolder``) declare that generic class (or ``TokenizersBackend``)
-    beside a ``tokenizer.json`` and no code of their own (``auto_map``), else ``AutoTokenizer``.
+    transformers finds them: cache, ``revision``, ``subfolder``) declare that generic class (or ``TokenizersBackend``),
+    or no class at all (a ``tokenizer.json`` alone, as the tokenizers library saves it), beside a ``tokenizer.json``
+    and no code of their own (``auto_map``), else ``AutoTokenizer``.
 
     For some model types (qwen2, qwen3_5_moe ...) transformers 5 replaces such a declared class with the model type's
     own tokenizer class, whose pre-tokenizer can split text into other ids than the ``tokenizer.json`` the model was
@@ -361,7 +385,7 @@ def _tokenizer_class(source: str, settings: dict[str, Any]) -> Any:
     found = {name: value for name, value in settings.items() if name != "trust_remote_code"}
     try:
         declared = get_tokenizer_config(source, **found)
-        generic = (isinstance(declared, dict) and declared.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+        generic = (isinstance(declared, dict) and declared.get("tokenizer_class") in (*GENERIC_TOKENIZER_CLASSES, None)
                    and "auto_map" not in declared
                    and cached_file(source, "tokenizer.json", _raise_exceptions_for_missing_entries=False,
                                    _raise_exceptions_for_connection_errors=False, **found) is not None)

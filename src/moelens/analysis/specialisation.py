@@ -70,6 +70,14 @@ def _class_ids(labels: Any) -> Tensor:
     return ids.long().flatten()
 
 
+def _text_labels_error(labels: Tensor, cache: RoutingCache) -> MoelensError:
+    """The refusal of per-text ``labels`` that are not one per corpus item of ``cache`` (too many: another corpus's
+    labels, whose extra ones made classes of their own)."""
+    return MoelensError(
+        f"per-text labels must have one entry per corpus item ({cache.num_texts}), got {labels.shape[0]}."
+    )
+
+
 def specialisation(
     cache: RoutingCache, labels: Tensor, classes: list[str] | None = None, per: str = "token"
 ) -> Specialisation:
@@ -96,10 +104,8 @@ def specialisation(
         raise MoelensError(
             f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."
         )
-    if per == "text" and labels.shape[0] != cache.num_texts:
-        raise MoelensError(
-            f"per-text labels must have one entry per corpus item ({cache.num_texts}), got {labels.shape[0]}."
-        )
+    if per == "text" and labels.shape[0] < cache.num_texts:
+        raise _text_labels_error(labels, cache)
     if classes is None:
         if (labels > 255).any():  # 255 marks a token to leave out; a class above it would be dropped unseen
             raise MoelensError(
@@ -124,5 +130,7 @@ def specialisation(
             indices = shard.indices[layer].long()[keep]
             keys = indices * num_classes + mine[keep][:, None]
             counts[row] += torch.bincount(keys[indices != SKIPPED], minlength=width * num_classes)
+    if per == "text" and labels.shape[0] > cache.num_texts:  # after the shards: a damaged cache is named first
+        raise _text_labels_error(labels, cache)
     return Specialisation(layers=list(cache.layers), classes=list(classes),
                           counts=counts.view(len(cache.layers), width, num_classes))
