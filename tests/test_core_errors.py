@@ -667,6 +667,7 @@ def test_tokenizer_files_without_a_vocabulary_or_a_class_load_as_the_folder_hold
     Qwen2Tokenizer for qwen-type models: text gave no tokens, blamed on the text. A tokenizer.json with no declared
     class (as the tokenizers library saves it) loaded as the model type's tokenizer, which splits text into other ids.
     Ground truth: the folder's tokenizer.json through the tokenizers library."""
+    import json
     import shutil
 
     from tokenizers import Tokenizer
@@ -683,9 +684,10 @@ def test_tokenizer_files_without_a_vocabulary_or_a_class_load_as_the_folder_hold
     assert moelens.load(bare).tokenizer(text)["input_ids"] == expected
     config_only = tmp_path / "config-only"
     shutil.copytree(TINY_MODEL_PATH, config_only)
-    (config_only / "tokenizer.json").unlink()
-    with pytest.warns(UserWarning, match=r"is a tokenizer_config\.json alone, with no vocabulary .* takes token ids "
-                                         r"only"):
+    (config_only / "tokenizer.json").unlink()  # a chat template left alone: the model type's class is taken
+    (config_only / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    with pytest.warns(UserWarning, match=r"has no vocabulary \(its 2 tokens are all special or added ones: its files "
+                                         r"hold settings alone, .*\), so the model takes token ids only"):
         loaded = moelens.load(config_only)
     assert getattr(loaded, "tokenizer", None) is None
 
@@ -3494,9 +3496,15 @@ def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_b
         with torch.no_grad(), wrapped.trace(**inputs):
             wrapped.moes[1].router_logits.save()
     with pytest.raises(moelens.MoelensError, match=r"model\.model\.layers\.0\.mlp\.router is moelens' name for the "
-                                                   r"block's 'gate'; .* Replace 'gate' itself"):
+                                                   r"block's 'gate'; .* Replace 'gate' itself, where the family "
+                                                   r"keeps it"):
         wrapped.moes[0].router = copy.deepcopy(hf.model.layers[0].mlp.gate)  # was added beside gate, never called
     assert "router" not in hf.model.layers[0].mlp._modules
+    granite = tiny_model("granitemoeshared")  # its shared expert sits on the decoder layer, served by a descriptor
+    with pytest.raises(moelens.MoelensError, match=r"shared_experts is moelens' name for the block's 'shared_mlp'"):
+        moelens.wrap(granite).moes[0].shared_experts = copy.deepcopy(granite.model.layers[0].shared_mlp)
+    renamed = moelens.wrap(tiny_model("mixtral"), rename={"experts": "ffn"})  # a name of the user's own is theirs
+    renamed.moes[0].ffn = copy.deepcopy(renamed.moes[0].experts._module)
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf)
     assert wrapped.moes[1].params().down.shape[0] == 8

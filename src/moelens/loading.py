@@ -139,8 +139,8 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
         if "PytorchStreamReader" in str(error):  # torch's reader of a damaged .bin names no file
             raise MoelensError(
                 f"a weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated"
-                f"{_named_damaged(_unreadable_weights(folder))}; save the model again with save_pretrained, or copy "
-                "it again."
+                f"{_named_damaged(_unreadable_weights(folder, '.bin'))}; save the model again with save_pretrained, "
+                "or copy it again."
             ) from error
         if "ignore_mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
             raise  # out of memory, a device map, the checkpoint's own code: not moelens' to reword
@@ -210,22 +210,19 @@ def _torch_saved(file: Path) -> bool:
     return len(head) == 2 and head[0] == 0x80 and head[1] <= 5  # pickle's PROTO opcode and a protocol it knows
 
 
-def _unreadable_weights(folder: Path) -> list[Path]:
-    """The weights files in ``folder`` that cannot be opened (a damaged or truncated file, such as one shard of a
-    sharded checkpoint): ``*.safetensors`` whose header safetensors refuses, ``*.bin`` zip archives (what torch.save
-    writes) whose listing zipfile refuses; only headers and listings are read."""
+def _unreadable_weights(folder: Path, suffix: str = ".safetensors") -> list[Path]:
+    """The weights files ending in ``suffix`` in ``folder`` that cannot be opened (a damaged or truncated file, such
+    as one shard of a sharded checkpoint): ``.safetensors`` whose header safetensors refuses, ``.bin`` whose zip
+    listing (what torch.save writes) zipfile refuses, a legacy pickle aside; only headers and listings are read."""
     unreadable = []
-    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+    for path in sorted(folder.glob(f"*{suffix}")) if folder.is_dir() else ():
         try:
-            with safe_open(str(path), framework="pt"):
-                pass
+            if suffix == ".safetensors":
+                with safe_open(str(path), framework="pt"):
+                    pass
+            elif not _torch_saved(path):  # not a zip holding data.pkl, nor a legacy pickle
+                unreadable.append(path)
         except (SafetensorError, OSError):
-            unreadable.append(path)
-    for path in sorted(folder.glob("*.bin")) if folder.is_dir() else ():
-        try:
-            with zipfile.ZipFile(path):
-                pass
-        except (zipfile.BadZipFile, OSError):
             unreadable.append(path)
     return unreadable
 
@@ -344,20 +341,12 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
     Tokenizer files that fail to load give None and a warning naming the cause.
     """
     folder = Path(source, settings.get("subfolder", ""))
-    if folder.is_dir():
-        files = [file.name for file in folder.iterdir() if file.is_file()]
-        if not any(name.startswith(TOKENIZER_FILE_PREFIXES) for name in files):
-            return None
-        if not any(name.startswith(TOKENIZER_FILE_PREFIXES) and name != "tokenizer_config.json" for name in files):
-            warnings.warn(  # transformers built a one-token placeholder from it: text gave no tokens
-                f"moelens.load: the tokenizer saved at {source!r} is a tokenizer_config.json alone, with no vocabulary "
-                "(tokenizer.json, vocab.json ...), so the model takes token ids only; copy the tokenizer's other "
-                "files beside it, or pass one with moelens.wrap(model, tokenizer=...).",
-                stacklevel=3,
-            )
-            return None
+    if folder.is_dir() and not any(
+        file.is_file() and file.name.startswith(TOKENIZER_FILE_PREFIXES) for file in folder.iterdir()
+    ):
+        return None
     try:
-        return _tokenizer_class(source, settings).from_pretrained(source, **settings)
+        tokenizer = _tokenizer_class(source, settings).from_pretrained(source, **settings)
     except (OSError, ValueError, TypeError) as error:
         warnings.warn(
             f"moelens.load: the tokenizer saved at {source!r} does not load ({type(error).__name__}: "
@@ -366,12 +355,32 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
             stacklevel=3,
         )
         return None
+    if _placeholder(tokenizer):  # built by transformers without the vocabulary: text gave no tokens
+        warnings.warn(
+            f"moelens.load: the tokenizer saved at {source!r} has no vocabulary (its {len(tokenizer)} tokens are all "
+            "special or added ones: its files hold settings alone, such as a tokenizer_config.json), so the model "
+            "takes token ids only; copy the tokenizer's other files (tokenizer.json, vocab.json ...) beside it, or "
+            "pass one with moelens.wrap(model, tokenizer=...).",
+            stacklevel=3,
+        )
+        return None
+    return tokenizer
+
+
+def _placeholder(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` holds no vocabulary but its special and added tokens (transformers' placeholder for a
+    model type's tokenizer class whose vocabulary files are missing)."""
+    try:
+        return len(tokenizer.get_vocab()) <= len(tokenizer.get_added_vocab())
+    except (AttributeError, NotImplementedError, TypeError):  # a tokenizer of another kind: taken as it is
+        return False
 
 
 def _tokenizer_class(source: str, settings: dict[str, Any]) -> Any:
     """``PreTrainedTokenizerFast`` where the tokenizer files at ``source`` (a folder, or a hub id's files as
     transformers finds them: cache, ``revision``, ``subfolder``) declare that generic class (or ``TokenizersBackend``),
-    or no class at all (a ``tokenizer.json`` alone, as the tokenizers library saves it), beside a ``tokenizer.json``
+    or have no ``tokenizer_config.json`` at all (a ``tokenizer.json`` alone, as the tokenizers library saves it),
+    beside a ``tokenizer.json``
     and no code of their own (``auto_map``), else ``AutoTokenizer``.
 
     For some model types (qwen2, qwen3_5_moe ...) transformers 5 replaces such a declared class with the model type's
@@ -385,7 +394,8 @@ def _tokenizer_class(source: str, settings: dict[str, Any]) -> Any:
     found = {name: value for name, value in settings.items() if name != "trust_remote_code"}
     try:
         declared = get_tokenizer_config(source, **found)
-        generic = (isinstance(declared, dict) and declared.get("tokenizer_class") in (*GENERIC_TOKENIZER_CLASSES, None)
+        generic = (isinstance(declared, dict)  # no tokenizer_config.json at all ({}): a tokenizers library's file
+                   and (declared.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES or declared == {})
                    and "auto_map" not in declared
                    and cached_file(source, "tokenizer.json", _raise_exceptions_for_missing_entries=False,
                                    _raise_exceptions_for_connection_errors=False, **found) is not None)

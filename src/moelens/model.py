@@ -59,8 +59,10 @@ class MoeModelMixin:
     #: The module paths each trace checks hold nothing compiled since wrapping (`_around_blocks`), as `_present`
     #: walks them (`_walk_steps`).
     _watched: tuple[tuple[str, int, str], ...]
-    #: ``(path, length)`` of each module list holding MoE blocks, as wrapped (`_refuse_changed_layers`).
+    #: ``(path, length)`` of each module list holding MoE blocks (or dense MLPs), as wrapped
+    #: (`_refuse_changed_layers`), and how `_present` walks to them.
     _layer_lists: tuple[tuple[str, int], ...]
+    _layer_walk: tuple[tuple[str, int, str], ...]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
 
@@ -189,7 +191,7 @@ class MoeModelMixin:
         """`interleave`, in the thread that owns the run."""
         watched = list(_present(self._module, self._watched))
         _refuse_compiled(watched)  # compiled since wrapping, or a compiled one put in
-        self._refuse_changed_layers(dict(watched))
+        self._refuse_changed_layers(dict(_present(self._module, self._layer_walk)))
         first = next(self._module.parameters(), None)
         if first is not None and first.is_meta and (refusal := _unloaded_refusal(self._module)) is not None:
             raise refusal  # a model all on meta runs without an error, into meta values
@@ -1176,11 +1178,12 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     if isinstance(wrapped.interleaver, MoeInterleaver):
         wrapped.interleaver.runs([model.get_submodule(path) for path in structure.moe_blocks])
     object.__setattr__(wrapped, "_structure", structure)
-    object.__setattr__(wrapped, "_watched", _walk_steps([*_around_blocks(model, structure.moe_blocks),
-                                                         *paths_above(structure.layer_lists), *structure.layer_lists]))
+    object.__setattr__(wrapped, "_watched", _walk_steps(_around_blocks(model, structure.moe_blocks)))
     object.__setattr__(wrapped, "_wrap_options", options)
     object.__setattr__(wrapped, "_layer_lists", tuple((path, len(model.get_submodule(path)))
                                                       for path in structure.layer_lists))
+    object.__setattr__(wrapped, "_layer_walk", _walk_steps([*paths_above(structure.layer_lists),
+                                                            *structure.layer_lists]))
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
         _refuse_impossible_top_k(moe)

@@ -99,9 +99,17 @@ def envoy_at(envoy: Envoy, path: str) -> Envoy:
 
 
 def bind_alias(host: Envoy, alias: str, native: str, target: Envoy) -> None:
-    """Serve ``target``, the envoy at ``native`` below ``host``, as ``host.<alias>`` too (a standard name)."""
+    """Serve ``target``, the envoy at ``native`` below ``host``, as ``host.<alias>`` too (a standard name, noted in
+    `STANDARD_NAMES`: nnsight's own ``_aliases`` also hold its renames and shared modules' paths)."""
     object.__setattr__(host, alias, target)  # as a plain attribute: no check or hook of a setattr applies
     host._aliases[alias] = native
+    if STANDARD_NAMES not in host.__dict__:
+        object.__setattr__(host, STANDARD_NAMES, {})
+    host.__dict__[STANDARD_NAMES][alias] = native
+
+
+#: The attribute of an envoy holding ``{standard name: the family's own name}`` (`bind_alias`).
+STANDARD_NAMES = "_standard_names"
 
 
 def with_suggestion(error: AttributeError, name: str, names: Iterable[str]) -> AttributeError:
@@ -148,12 +156,12 @@ class Component(Envoy):
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing; and a module
         given to a standard name (``moe.router = new``), which would add a module the block never calls."""
-        native = self.__dict__.get("_aliases", {}).get(name)
-        if native is not None and native != name and isinstance(value, torch.nn.Module):
+        native = None if name.startswith("_") or not isinstance(value, torch.nn.Module) else self._standard_native(name)
+        if native is not None:
             raise MoelensError(
                 f"{self.path}.{name} is moelens' name for the block's {native!r}; a module given to it would be added "
-                f"beside {native!r}, which the block goes on calling. Replace {native!r} itself "
-                f"({self.path}.{native} = new_module) and wrap the model again (moelens.wrap)."
+                f"beside {native!r}, which the model goes on calling. Replace {native!r} itself, where the family "
+                "keeps it, and wrap the model again (moelens.wrap)."
             )
         if not name.startswith("_") and name not in self.__dict__ and inspect.getattr_static(type(self), name, None) is None:
             near = difflib.get_close_matches(name, value_names(type(self)), n=1, cutoff=0.85)
@@ -163,6 +171,10 @@ class Component(Envoy):
                     f"attribute to the envoy and change nothing in the model."
                 )
         super().__setattr__(name, value)
+
+    def _standard_native(self, name: str) -> str | None:
+        """The family's own name of the child moelens serves as ``name`` (a standard name, `bind_alias`), or None."""
+        return self.__dict__.get(STANDARD_NAMES, {}).get(name)
 
     def modules_down(self) -> Iterator[torch.nn.Module]:
         """The wrapped model's module, then each module on the path down to this block's (the block's last); only the

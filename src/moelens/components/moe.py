@@ -151,6 +151,14 @@ class Moe(Mlp):
             if target is not None:
                 bind_alias(self, alias, native, target)
 
+    def _standard_native(self, name: str) -> str | None:
+        """As `Component._standard_native`, and ``shared_experts`` for the family's shared expert (on the block or,
+        granite's, on the decoder layer: served by `_SharedAlias`)."""
+        shared = self.family.shared
+        if name == "shared_experts" and shared is not None and shared.module != name:
+            return shared.module
+        return super()._standard_native(name)
+
     def _shared_envoy(self) -> Any:
         """The shared-expert envoy (on the block or its decoder layer), or None."""
         shared = self.family.shared

@@ -452,10 +452,14 @@ def _learned_positions(model: nn.Module) -> bool:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a sentence-transformers model, a module of the user's
         embeddings = None
-    weight = getattr(embeddings, "weight", None)
-    holders = [module for module in model.modules() if weight is not None and any(  # BART's encoder and decoder
-        getattr(child, "weight", None) is weight for child in module.children())]  # share the weight of `shared`
-    named = [pair for holder in holders for pair in holder.named_children()] if holders else model.named_modules()
+    if embeddings is None:
+        named = model.named_modules()
+    else:  # BART's encoder and decoder hold embeddings sharing the weight of `shared`, the input embeddings
+        weight = getattr(embeddings, "weight", None)
+        named = [pair for module in model.modules()
+                 if any(child is embeddings or weight is not None and getattr(child, "weight", None) is weight
+                        for child in module.children())
+                 for pair in module.named_children()]
     return any(isinstance(module, nn.Embedding) and any(part in name.rpartition(".")[2] for part in POSITION_TABLES)
                for name, module in named)
 
