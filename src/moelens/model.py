@@ -556,7 +556,7 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """nnsight's ``generate``, telling the token views how many rows each prompt becomes, without
         transformers' compilation of the forward (which a static cache on a GPU turns on by itself)."""
-        refuse_no_generate(self._module)  # torch's bare AttributeError, deep in nnsight
+        _refuse_no_generate(self._module)  # torch's bare AttributeError, deep in nnsight
         if isinstance(self.interleaver, MoeInterleaver):  # called during a run, nnsight runs it in it
             self.interleaver.refuse_other_threads()
             self.interleaver.refuse_nested("model.generate")
@@ -789,7 +789,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
     def generate(self, *inputs: Any, **kwargs: Any) -> NoReturn:
         """Refused: nnsight traces generation only with a tokenizer (without this, the model's own
         ``generate`` would run untraced and the ``with`` statement fail on the tensor it returns)."""
-        refuse_no_generate(self._module)  # first: with a tokenizer it could not generate either
+        _refuse_no_generate(self._module)  # first: with a tokenizer it could not generate either
         raise MoelensError(
             "model.generate: tracing a generation needs a tokenizer, and this model was wrapped without one: "
             "moelens.wrap(model, tokenizer=...), or save the tokenizer files beside the weights for moelens.load. "
@@ -1167,9 +1167,10 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         envoys.setdefault(_from_root(name), BlockHolder)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
-        if not _can_generate(model):  # nnsight infers a pipeline task from the head, or config.architectures (stale
-            # in a classifier loaded from a causal LM's checkpoint: a text-generation pipeline failed), and knows none
-            # for a base model or question answering; tracing needs only the tokenizing
+        if not getattr(model, "can_generate", lambda: False)():
+            # nnsight infers a pipeline task from the head, or config.architectures (stale in a classifier loaded from
+            # a causal LM's checkpoint: a text-generation pipeline failed), and knows none for a base model or
+            # question answering; tracing needs only the tokenizing
             nnsight_kwargs.setdefault("task", FEATURE_TASK)
         with _real_device_first(model), _no_pipeline_task_complaint():
             wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
@@ -1213,6 +1214,7 @@ def tokenizer_settings(tokenizer_class: type) -> frozenset[str]:
              for name, parameter in inspect.signature(call).parameters.items()
              if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)}
     return frozenset(names - {"self", "text", *TOKENIZED})
+
 
 #: Why a compiled model is refused.
 COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
@@ -1583,12 +1585,7 @@ def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Fami
         )
 
 
-def _can_generate(model: torch.nn.Module) -> bool:
-    """Whether ``model`` generates (a causal LM, a vision-language model), not a base model or a classifier."""
-    return bool(getattr(model, "can_generate", lambda: False)())
-
-
-def refuse_no_generate(model: torch.nn.Module) -> None:
+def _refuse_no_generate(model: torch.nn.Module) -> None:
     """Refuse ``model.generate`` on a model with no ``generate`` (a base model, a classifier), saying what can."""
     if not callable(getattr(model, "generate", None)):
         raise MoelensError(
