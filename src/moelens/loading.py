@@ -380,8 +380,7 @@ def _tokenizer_class(source: str, settings: dict[str, Any]) -> Any:
     """``PreTrainedTokenizerFast`` where the tokenizer files at ``source`` (a folder, or a hub id's files as
     transformers finds them: cache, ``revision``, ``subfolder``) declare that generic class (or ``TokenizersBackend``),
     or have no ``tokenizer_config.json`` at all (a ``tokenizer.json`` alone, as the tokenizers library saves it),
-    beside a ``tokenizer.json``
-    and no code of their own (``auto_map``), else ``AutoTokenizer``.
+    beside a ``tokenizer.json`` and no code of their own (``auto_map``), else ``AutoTokenizer``.
 
     For some model types (qwen2, qwen3_5_moe ...) transformers 5 replaces such a declared class with the model type's
     own tokenizer class, whose pre-tokenizer can split text into other ids than the ``tokenizer.json`` the model was

@@ -392,7 +392,7 @@ class MoeModelMixin:
         own, such as Qwen3-Omni's whole model, which only generates through its thinker and talker: torch's
         placeholder forward would fail on the inputs with a bare TypeError."""
         model = self._module
-        if type(model).forward is not torch.nn.Module.forward or getattr(fn, "__name__", fn) == "generate":
+        if type(model).forward is not torch.nn.Module.forward or _generating(fn):
             return
         holders = [name for name, child in model.named_children() if type(child).forward is not torch.nn.Module.forward
                    and any(path.startswith(f"{name}.") for path in self._structure.moe_blocks)]

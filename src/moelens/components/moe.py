@@ -108,7 +108,7 @@ def value_names(values: Any) -> list[str]:
     names = list(values) if isinstance(values, Iterable) and not isinstance(values, (torch.Tensor, Mapping)) else None
     if names is None or not all(isinstance(name, str) for name in names):
         raise ArgumentError(f"save_all: values must be a value name or a list of them (from {VALUE_NAMES}), got "
-                               f"{type(values).__name__}.")
+                            f"{type(values).__name__}.")
     return names
 
 
