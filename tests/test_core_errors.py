@@ -3516,6 +3516,29 @@ def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_b
     assert wrapped.moes[0].params().down.shape[0] == 8  # the blocks left as they were
 
 
+@pytest.mark.parametrize("removal", ["del gate", "gate = None", "experts = None"])
+def test_a_router_or_experts_removed_after_wrapping_is_named(removal):
+    """A router or experts module deleted or set to None after wrapping: params() raised the torch AttributeError of
+    the family's path ('has no attribute gate') or a FamilyError advising to fix the entry, and a trace reading the
+    routing the same FamilyError (the model itself fails on calling None later). Both name the removed module now."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    block = hf.model.layers[1].mlp
+    name, _, assigned = removal.removeprefix("del ").partition(" = ")
+    if assigned:
+        setattr(block, name, None)
+    else:
+        delattr(block, name)
+    removed = rf"model\.model\.layers\.1\.mlp\.{name} \(removed\) is no longer the module"
+    with pytest.raises(moelens.ValueUnavailable, match=rf"layers\.1\.mlp\.params: {removed}"):
+        wrapped.moes[1].params()
+    if name == "experts":  # the logits are read, then their width asks the experts for E
+        with pytest.raises(moelens.ValueUnavailable, match=rf"layers\.1\.mlp\.num_experts: {removed}"):
+            with wrapped.trace(torch.tensor([[1, 2, 3]])):
+                wrapped.moes[1].router_logits.save()
+    assert wrapped.moes[0].params().down.shape[0] == 8
+
+
 @pytest.mark.parametrize("change", ["removed", "inserted", "appended"])
 def test_layers_added_or_removed_after_wrapping_are_refused_at_the_next_trace(change):
     """model.moes and model.layers are built at wrap: with a layer inserted, moes[1] served the logits of the block

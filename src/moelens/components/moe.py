@@ -185,7 +185,11 @@ class Moe(Mlp):
         """The family entry's count ``setting`` (``num_experts``, ``top_k``, ``extra_logits``) read from this block;
         a `FamilyError` where the reference names no whole number there."""
         reference = getattr(self.family, setting)
-        value = self.family.resolve(reference, self._module)
+        try:
+            value = self.family.resolve(reference, self._module)
+        except FamilyError:  # the entry's fault, unless the module it reads was removed after wrapping
+            self._refuse_replaced(f"{self.path}.{setting}", f"its {setting} cannot be read")
+            raise
         try:
             return operator.index(0 if value is None and setting == "extra_logits" else value)
         except TypeError:
@@ -404,27 +408,31 @@ class Moe(Mlp):
                 plain weight tensors, or the block (or its router or experts) was replaced or removed
                 after wrapping (its views would be the old module's).
         """
-        self._refuse_replaced(f"{self.path}.params")
+        self._refuse_replaced(f"{self.path}.params", "the views would be the old module's, and editing them would "
+                              "not change the model")
         params = block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
         refuse_fully_sharded(self.modules_down(), f"{self.path}.params")  # after DTensors' refusal, which says more
         return params
 
-    def _refuse_replaced(self, where: str) -> None:
+    def _refuse_replaced(self, where: str, consequence: str) -> None:
         """Raise where this block, or a module under it moelens instrumented, is no longer in the model as wrapped
-        (replaced or removed after wrapping): what ``where`` serves would be the old module's."""
+        (replaced or removed after wrapping): ``where`` would read the old module, with ``consequence``."""
         root = self.root
         if root is self:  # the wrapped model was let go (envoys hold their parent weakly): nothing to compare with
             return
-        try:
-            root._module.get_submodule(self.path.partition(".")[2])
-            replaced = base.replaced_modules(self)
-        except AttributeError:
-            replaced = [f"{self.path} (removed)"]
+        replaced = []
+        for path in self.__dict__.get(base.INSTRUMENTED) or [self.path]:  # the block, then its router and experts
+            try:
+                root._module.get_submodule(path.partition(".")[2])  # the root envoy's path is "model"
+            except AttributeError:  # deleted, or set to None
+                replaced = [f"{path} (removed)"]
+                break
+        replaced = replaced or base.replaced_modules(self)
         if replaced:
             raise ValueUnavailable(
                 f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
-                "model was wrapped with (replaced or removed after moelens.wrap): the views would be the old "
-                "module's, and editing them would not change the model. Wrap the model again (moelens.wrap)."
+                f"model was wrapped with (replaced or removed after moelens.wrap): {consequence}. Wrap the model "
+                "again (moelens.wrap)."
             )
 
     def __repr__(self) -> str:
