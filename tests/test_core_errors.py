@@ -3495,13 +3495,15 @@ def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_b
                                                  r"envoy"):
         with torch.no_grad(), wrapped.trace(**inputs):
             wrapped.moes[1].router_logits.save()
-    with pytest.raises(moelens.MoelensError, match=r"model\.model\.layers\.0\.mlp\.router is moelens' name for the "
-                                                   r"block's 'gate'; .* Replace 'gate' itself, where the family "
-                                                   r"keeps it"):
+    with pytest.raises(moelens.MoelensError, match=r"model\.model\.layers\.0\.mlp\.router is moelens' name for "
+                                                   r"'gate'; .* Replace 'gate' itself, where the model keeps it"):
         wrapped.moes[0].router = copy.deepcopy(hf.model.layers[0].mlp.gate)  # was added beside gate, never called
     assert "router" not in hf.model.layers[0].mlp._modules
+    with pytest.raises(moelens.MoelensError, match=r"model\.layers is moelens' name for 'model\.layers'"):
+        wrapped.layers = copy.deepcopy(hf.model.layers)  # at the root, a plain nnsight setattr added it, never called
+    assert "layers" not in hf._modules
     granite = tiny_model("granitemoeshared")  # its shared expert sits on the decoder layer, served by a descriptor
-    with pytest.raises(moelens.MoelensError, match=r"shared_experts is moelens' name for the block's 'shared_mlp'"):
+    with pytest.raises(moelens.MoelensError, match=r"shared_experts is moelens' name for 'shared_mlp'"):
         moelens.wrap(granite).moes[0].shared_experts = copy.deepcopy(granite.model.layers[0].shared_mlp)
     renamed = moelens.wrap(tiny_model("mixtral"), rename={"experts": "ffn"})  # a name of the user's own is theirs
     renamed.moes[0].ffn = copy.deepcopy(renamed.moes[0].experts._module)

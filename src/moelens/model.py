@@ -36,7 +36,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
-from .components.base import INSTRUMENTED, bind_alias, envoy_at, with_suggestion
+from .components.base import (INSTRUMENTED, Component, bind_alias, envoy_at, refuse_module_at_standard_name,
+                              with_suggestion)
 from .components.gathered import drop_gathered_notes
 from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dispatching, known, unsupported_dtypes
 from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList
@@ -65,6 +66,14 @@ class MoeModelMixin:
     _layer_walk: tuple[tuple[str, int, str], ...]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
+
+    _standard_native = Component._standard_native
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refuse a module given to a standard name (``model.layers = ModuleList(...)``), which would be added beside
+        the model's own list, never called."""
+        refuse_module_at_standard_name(self, name, value)
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:

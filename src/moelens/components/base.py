@@ -112,6 +112,19 @@ def bind_alias(host: Envoy, alias: str, native: str, target: Envoy) -> None:
 STANDARD_NAMES = "_standard_names"
 
 
+def refuse_module_at_standard_name(host: Any, name: str, value: Any) -> None:
+    """Refuse a module given to one of ``host``'s standard names (``moe.router = new``, ``model.layers = new``):
+    nnsight would add it beside the child the name serves, which the model goes on calling. ``host`` is a
+    `Component` or a wrapped model (both say which child a name serves with ``_standard_native``)."""
+    native = None if name.startswith("_") or not isinstance(value, torch.nn.Module) else host._standard_native(name)
+    if native is not None:
+        raise MoelensError(
+            f"{host.path}.{name} is moelens' name for {native!r}; a module given to it would be added beside "
+            f"{native!r}, which the model goes on calling. Replace {native!r} itself, where the model keeps it, and "
+            "wrap the model again (moelens.wrap)."
+        )
+
+
 def with_suggestion(error: AttributeError, name: str, names: Iterable[str]) -> AttributeError:
     """``error`` (a missing attribute ``name``), saying which of ``names`` was probably meant, if one is close
     (Jupyter shows no "did you mean" of its own)."""
@@ -156,13 +169,7 @@ class Component(Envoy):
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing; and a module
         given to a standard name (``moe.router = new``), which would add a module the block never calls."""
-        native = None if name.startswith("_") or not isinstance(value, torch.nn.Module) else self._standard_native(name)
-        if native is not None:
-            raise MoelensError(
-                f"{self.path}.{name} is moelens' name for the block's {native!r}; a module given to it would be added "
-                f"beside {native!r}, which the model goes on calling. Replace {native!r} itself, where the family "
-                "keeps it, and wrap the model again (moelens.wrap)."
-            )
+        refuse_module_at_standard_name(self, name, value)
         if not name.startswith("_") and name not in self.__dict__ and inspect.getattr_static(type(self), name, None) is None:
             near = difflib.get_close_matches(name, value_names(type(self)), n=1, cutoff=0.85)
             if near:
