@@ -3502,6 +3502,10 @@ def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_b
     with pytest.raises(moelens.MoelensError, match=r"model\.layers is moelens' name for 'model\.layers'"):
         wrapped.layers = copy.deepcopy(hf.model.layers)  # at the root, a plain nnsight setattr added it, never called
     assert "layers" not in hf._modules
+    granite = tiny_model("granitemoe")  # its layers call the block block_sparse_moe: mlp is a decoder layer's alias
+    with pytest.raises(moelens.MoelensError, match=r"layers\.0\.mlp is moelens' name for 'block_sparse_moe'"):
+        moelens.wrap(granite).layers[0].mlp = copy.deepcopy(granite.model.layers[0].block_sparse_moe)
+    assert "mlp" not in granite.model.layers[0]._modules
     granite = tiny_model("granitemoeshared")  # its shared expert sits on the decoder layer, served by a descriptor
     with pytest.raises(moelens.MoelensError, match=r"shared_experts is moelens' name for 'shared_mlp'"):
         moelens.wrap(granite).moes[0].shared_experts = copy.deepcopy(granite.model.layers[0].shared_mlp)

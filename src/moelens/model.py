@@ -36,11 +36,10 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
-from .components.base import (INSTRUMENTED, Component, bind_alias, envoy_at, refuse_module_at_standard_name,
-                              with_suggestion)
+from .components.base import INSTRUMENTED, StandardNames, bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dispatching, known, unsupported_dtypes
-from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList
+from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList, RenamedBlockLayer
 from .components.moe import value_names
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
@@ -51,7 +50,7 @@ from .modules import first_parameter, on_accelerator, takes_keyword, vocab_size
 from .scalars import as_int, check_flag
 
 
-class MoeModelMixin:
+class MoeModelMixin(StandardNames):
     """What moelens adds to an nnsight model: the MoE components and the family."""
 
     _structure: Structure
@@ -66,14 +65,6 @@ class MoeModelMixin:
     _layer_walk: tuple[tuple[str, int, str], ...]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
-
-    _standard_native = Component._standard_native
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Refuse a module given to a standard name (``model.layers = ModuleList(...)``), which would be added beside
-        the model's own list, never called."""
-        refuse_module_at_standard_name(self, name, value)
-        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -1172,6 +1163,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         envoys.setdefault(_from_root(structure.layers), LayerList)
         for name in _blockless_layers(model, structure):
             envoys.setdefault(_from_root(name), BlocklessLayer)
+        for name in _renamed_blocks(structure):
+            envoys.setdefault(_from_root(name), RenamedBlockLayer)
     for name in _block_holders(structure):
         envoys.setdefault(_from_root(name), BlockHolder)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
@@ -1521,14 +1514,19 @@ def _bind(host: Any, alias: str, native: str) -> None:
     bind_alias(host, alias, native, envoy_at(host, native))
 
 
+def _renamed_blocks(structure: Structure) -> dict[str, str]:
+    """``{layer path: the block's name in it}`` of the layers whose MoE block or dense MLP is not called ``mlp``."""
+    layers = {name: layer_path(name) for name in structure.moe_blocks + structure.dense_blocks}
+    return {layer: name[len(layer) + 1:] for name, layer in layers.items()
+            if layer is not None and layer != name and name[len(layer) + 1:] != "mlp"}
+
+
 def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
     """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
     if structure.layers is not None and structure.layers != "layers":
         _bind(wrapped, "layers", structure.layers)
-    for name in structure.moe_blocks + structure.dense_blocks:
-        layer = layer_path(name)
-        if layer is not None and layer != name and name[len(layer) + 1:] != "mlp":
-            _bind(envoy_at(wrapped, layer), "mlp", name[len(layer) + 1:])
+    for layer, name in _renamed_blocks(structure).items():
+        _bind(envoy_at(wrapped, layer), "mlp", name)
 
 
 def _instrument(moe: Moe) -> None:

@@ -112,17 +112,24 @@ def bind_alias(host: Envoy, alias: str, native: str, target: Envoy) -> None:
 STANDARD_NAMES = "_standard_names"
 
 
-def refuse_module_at_standard_name(host: Any, name: str, value: Any) -> None:
-    """Refuse a module given to one of ``host``'s standard names (``moe.router = new``, ``model.layers = new``):
-    nnsight would add it beside the child the name serves, which the model goes on calling. ``host`` is a
-    `Component` or a wrapped model (both say which child a name serves with ``_standard_native``)."""
-    native = None if name.startswith("_") or not isinstance(value, torch.nn.Module) else host._standard_native(name)
-    if native is not None:
-        raise MoelensError(
-            f"{host.path}.{name} is moelens' name for {native!r}; a module given to it would be added beside "
-            f"{native!r}, which the model goes on calling. Replace {native!r} itself, where the model keeps it, and "
-            "wrap the model again (moelens.wrap)."
-        )
+class StandardNames:
+    """What a host of standard names (`bind_alias`: a `Component`, a decoder layer, the wrapped model) does on a
+    setattr: refuse a module given to one (``moe.router = new``, ``model.layers = new``), which nnsight would add
+    beside the child the name serves, never called by the model."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        native = None if name.startswith("_") or not isinstance(value, torch.nn.Module) else self._standard_native(name)
+        if native is not None:
+            raise MoelensError(
+                f"{self.path}.{name} is moelens' name for {native!r}; a module given to it would be added beside "
+                f"{native!r}, which the model goes on calling. Replace {native!r} itself, where the model keeps it, "
+                "and wrap the model again (moelens.wrap)."
+            )
+        super().__setattr__(name, value)
+
+    def _standard_native(self, name: str) -> str | None:
+        """The model's own name of the child moelens serves as ``name`` (a standard name, `bind_alias`), or None."""
+        return self.__dict__.get(STANDARD_NAMES, {}).get(name)
 
 
 def with_suggestion(error: AttributeError, name: str, names: Iterable[str]) -> AttributeError:
@@ -152,7 +159,7 @@ def router_on_accelerator(component: Any) -> bool:
     return isinstance(router, torch.nn.Module) and on_accelerator(router)
 
 
-class Component(Envoy):
+class Component(StandardNames, Envoy):
     """Base of moelens' block envoys: family, layer, and checked value access."""
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -168,8 +175,8 @@ class Component(Envoy):
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing; and a module
-        given to a standard name (``moe.router = new``), which would add a module the block never calls."""
-        refuse_module_at_standard_name(self, name, value)
+        given to a standard name (``moe.router = new``, `StandardNames`), which would add a module the block never
+        calls."""
         if not name.startswith("_") and name not in self.__dict__ and inspect.getattr_static(type(self), name, None) is None:
             near = difflib.get_close_matches(name, value_names(type(self)), n=1, cutoff=0.85)
             if near:
@@ -178,10 +185,6 @@ class Component(Envoy):
                     f"attribute to the envoy and change nothing in the model."
                 )
         super().__setattr__(name, value)
-
-    def _standard_native(self, name: str) -> str | None:
-        """The family's own name of the child moelens serves as ``name`` (a standard name, `bind_alias`), or None."""
-        return self.__dict__.get(STANDARD_NAMES, {}).get(name)
 
     def modules_down(self) -> Iterator[torch.nn.Module]:
         """The wrapped model's module, then each module on the path down to this block's (the block's last); only the

@@ -9,6 +9,7 @@ from nnsight import Envoy
 from ..errors import LayerIndexError
 from ..families.entry import VALUE_NAMES
 from ..scalars import as_lone_int
+from .base import StandardNames
 
 
 class LayerList(Envoy):
@@ -58,6 +59,11 @@ class BlocklessLayer(Envoy):
                 "such as BERT's intermediate / output pair); the MoE blocks are model.moes, each saying its layer "
                 "(.layer)."
             ) from None
+
+
+class RenamedBlockLayer(StandardNames, Envoy):
+    """``model.layers[i]`` of a layer whose block moelens serves as ``mlp`` under the model's own name (granitemoe's
+    ``block_sparse_moe``): a module given to ``mlp`` is refused (`StandardNames`)."""
 
 
 #: What a `Moe` answers that the module holding several blocks (`BlockHolder`) does not.
