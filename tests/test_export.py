@@ -291,14 +291,14 @@ class ReturnsADict(torch.nn.Module):
 def test_the_exported_output_of_each_kind_of_model_output(tmp_path):
     from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
-    from moelens.export.exporter import output_tensor
+    from moelens.export.exporter import named_output
 
     logits, hidden = torch.randn(2, 3, 5), torch.randn(2, 3, 4)
     for output, expected in ((logits, logits), ((logits, hidden), logits), (CausalLMOutput(logits=logits), logits),
                              (BaseModelOutput(last_hidden_state=hidden), hidden)):
-        assert output_tensor(output) is expected
+        assert named_output(output)[1] is expected
     with pytest.raises(ExportError, match=r"the model returned dict, which holds no logits to export"):
-        output_tensor({"scores": logits})
+        named_output({"scores": logits})
     from custom_models import custom_family, custom_model
 
     model = custom_model()

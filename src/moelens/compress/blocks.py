@@ -116,7 +116,7 @@ class ToMoEBlock(nn.Module):
     def forward(self, hidden_states: Float[Tensor, "*tokens d"]) -> Float[Tensor, "*tokens o"]:
         shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, shape[-1])
-        router_logits, top_k_weights, top_k_index = self.router(hidden)
+        _, top_k_weights, top_k_index = self.router(hidden)
         expert_input = F.pad(hidden, (0, self.input_pad)) if self.input_pad else hidden
         routed = self.experts(expert_input, top_k_index, top_k_weights)
         if routed.shape[-1] != self.output_size:  # square padding of a Linear's experts

@@ -45,7 +45,7 @@ def reduce(features: Float[Tensor, "n f"], dims: int = MAX_FEATURES, seed: int =
 
 def _assign(cost: np.ndarray, sizes: list[int]) -> np.ndarray:
     """Labels minimising the total cost with exactly ``sizes[g]`` items in group g."""
-    count, groups = cost.shape
+    count = cost.shape[0]
     if count <= EXACT_LIMIT:
         from scipy.optimize import linear_sum_assignment
 

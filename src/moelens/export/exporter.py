@@ -189,15 +189,10 @@ def attended_output(model: torch.nn.Module, input_ids: torch.Tensor) -> Any:
     return model(input_ids=input_ids, **taken)
 
 
-def output_tensor(output: Any) -> torch.Tensor:
-    """The logits of a model's output: a transformers output's ``logits`` (or ``last_hidden_state``),
-    a tuple's first item, or the tensor a plain module returns."""
-    return named_output(output)[1]
-
-
 def named_output(output: Any) -> tuple[str, torch.Tensor]:
-    """`output_tensor` with the archive's name for it: the transformers output's field it is
-    (``logits``, or ``last_hidden_state`` of a base model), else ``logits``."""
+    """The logits of a model's output (a transformers output's ``logits`` or ``last_hidden_state``, a tuple's first
+    item, or the tensor a plain module returns) with the archive's name for it: the transformers output's field it is,
+    else ``logits``."""
     if isinstance(output, torch.Tensor):
         return "logits", output
     for name in ("logits", "last_hidden_state"):
