@@ -462,6 +462,45 @@ def test_a_model_whose_first_weights_accelerate_offloads_traces(tmp_path):
     assert logits.shape[:2] == inputs["input_ids"].shape
 
 
+def test_params_of_a_block_accelerate_offloads_to_disk_are_refused_in_a_trace_too(tmp_path):
+    """Outside a trace the offloaded experts' weights are on meta and params() refused them; inside one, once the
+    experts ran, accelerate had loaded a copy from the offload folder and params() served views of it: the edit held
+    for that forward and was lost at the next. Ground truth: the experts loaded whole, edited, change later runs."""
+    from moelens.data import TINY_MODEL_PATH
+
+    kept = ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head", "model.layers.0", "model.layers.2",
+            "model.layers.3", "model.layers.1.self_attn", "model.layers.1.input_layernorm",
+            "model.layers.1.post_attention_layernorm", "model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert",
+            "model.layers.1.mlp.shared_expert_gate"]
+    device_map = {**dict.fromkeys(kept, "cpu"), "model.layers.1.mlp.experts": "disk"}
+    offloaded = moelens.load(TINY_MODEL_PATH, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    refused = r"layers\.1\.mlp\.params: accelerate offloads this block's weights to disk .* an edit of a view would be lost"
+    with pytest.raises(moelens.ValueUnavailable, match=refused):
+        offloaded.moes[1].params()
+    with pytest.raises(moelens.ValueUnavailable, match=refused):
+        with torch.no_grad(), offloaded.trace("def add(a, b):"):
+            offloaded.moes[1].expert_activations.save()  # the experts ran: their weights are loaded now
+            offloaded.moes[1].params()
+    assert offloaded.moes[0].params().down.shape[0] == 8  # a block held in memory is served
+    whole = moelens.load()
+    with torch.no_grad():
+        whole.moes[1].params().down[0].zero_()  # an edit of a block in memory lasts
+    assert not whole._module.model.layers[1].mlp.experts.down_proj[0].any()
+
+
+def test_params_of_a_router_under_a_peft_adapter_are_refused():
+    """A PEFT LoRA on the router's linear layer (hunyuan's gate.wg): params().router was None without a word
+    (params(3).router.zero_(), the docs' use, raised AttributeError on None). Ground truth: without the adapter
+    params().router is the wg weight [E, D]."""
+    peft = pytest.importorskip("peft")
+    plain = tiny_model("hunyuan_v1_moe")
+    assert moelens.wrap(plain).moes[1].params().router.shape == plain.model.layers[1].mlp.gate.wg.weight.shape
+    adapted = peft.get_peft_model(tiny_model("hunyuan_v1_moe"), peft.LoraConfig(r=4, target_modules=["wg"]))
+    with pytest.raises(moelens.ValueUnavailable, match=r"layers\.1\.mlp\.params: hunyuan_v1_moe: the router's linear "
+                                                       r"layer gate\.wg is a PEFT adapter layer .*merge_and_unload"):
+        moelens.wrap(adapted).moes[1].params()
+
+
 def test_a_model_accelerate_cpu_offload_placed_traces():
     """accelerate.cpu_offload puts every weight on meta behind offload hooks and sets no device map: nnsight moved the
     trace's inputs to meta (NotImplementedError: cannot copy out of meta). Ground truth: the model before offload."""

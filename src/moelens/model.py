@@ -46,7 +46,7 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, OrderError, ValueUnavailable, described
 from .families import Family, registry
-from .modules import first_parameter, on_accelerator, takes_keyword, vocab_size
+from .modules import disk_offloaded, first_parameter, on_accelerator, takes_keyword, vocab_size
 from .scalars import as_int, check_flag
 
 
@@ -1344,18 +1344,9 @@ def _no_gradient_refusal(error: RuntimeError, handed_back: served.HandedBack,
 
 def _disk_offloaded(model: torch.nn.Module) -> bool:
     """Whether accelerate loads some of ``model``'s weights from disk as the modules holding them run: a
-    ``device_map`` placing modules on ``"disk"`` (with an ``offload_folder``), or ``disk_offload``; an offload hook's
-    weights map then indexes files of the offload folder. (Weights offloaded to the CPU, ``cpu_offload``, scan.)"""
+    ``device_map`` placing modules on ``"disk"``, or `disk_offloaded` hooks (weights offloaded to the CPU scan)."""
     device_map = getattr(model, "hf_device_map", None)
-    if isinstance(device_map, dict) and "disk" in device_map.values():
-        return True
-    for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        for each in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
-            weights = getattr(each, "weights_map", None)
-            if getattr(getattr(weights, "dataset", weights), "index", None):  # OffloadedWeightsLoader's files on disk
-                return True
-    return False
+    return isinstance(device_map, dict) and "disk" in device_map.values() or disk_offloaded(model.modules())
 
 
 def _failing_frame(error: BaseException, model: torch.nn.Module) -> types.FrameType | None:

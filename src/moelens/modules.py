@@ -8,7 +8,7 @@ import inspect
 import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -77,6 +77,19 @@ def has_lora_adapters(module: nn.Module) -> bool:
 def is_adapter_layer(module: Any) -> bool:
     """A PEFT tuner layer (LoRA, ...): it stands where a module was and wraps it as its ``base_layer``."""
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
+
+
+def disk_offloaded(modules: Iterable[nn.Module]) -> bool:
+    """Whether accelerate loads the weights of one of ``modules`` from disk each time it runs (``device_map`` with
+    ``"disk"``, ``disk_offload``): an offload hook's weights map then indexes files of the offload folder. (Weights
+    offloaded to the CPU, ``cpu_offload``, stay in the process.)"""
+    for module in modules:
+        hook = getattr(module, "_hf_hook", None)
+        for each in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
+            weights = getattr(each, "weights_map", None)
+            if getattr(getattr(weights, "dataset", weights), "index", None):  # OffloadedWeightsLoader's files on disk
+                return True
+    return False
 
 
 def is_modules_to_save(module: Any) -> bool:

@@ -30,7 +30,7 @@ from torch import Tensor
 from ..errors import ArgumentError, ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
-from ..modules import has_lora_adapters
+from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer
 from ..scalars import as_lone_int
 
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
@@ -110,6 +110,12 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     ``where`` names the call in errors (``"model.layers.1.mlp.params"``).
     """
     index = None if expert is None else check_expert(expert, num_experts, where)
+    if disk_offloaded(block.modules()):  # in a forward its weights are loaded, as a copy of the files
+        raise ValueUnavailable(
+            f"{where}: accelerate offloads this block's weights to disk (a device_map placing them on 'disk', or "
+            "disk_offload) and loads a copy of them only while the block runs, so an edit of a view would be lost; "
+            "load the model with this layer on a real device (a device_map without 'disk') to edit its weights."
+        )
     experts = get_path(block, family.experts)
     identity = family.identity_count(block)
     if index is not None and index >= num_experts - identity:
@@ -134,7 +140,10 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
         views = expert_views(family, experts, held, identity)
     except ValueUnavailable as error:  # said of the experts' class: name the block too
         raise ValueUnavailable(f"{where}: {error}") from None
-    weight, bias = router_linear(family, block, num_experts) or (None, None)
+    try:
+        weight, bias = router_linear(family, block, num_experts) or (None, None)
+    except ValueUnavailable as error:  # said of the family's router: name the block too
+        raise ValueUnavailable(f"{where}: {error}") from None
     router_module = get_path(block, family.router)
     stored = {id(tensor) for tensor in (*router_module.parameters(), *router_module.buffers())}
     router = {}
@@ -161,6 +170,14 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     named = re.fullmatch(r"self_(\w+?)_\d+", op)
     if op == "forward_0" and isinstance(router, torch.nn.Linear):
         weight, bias = router.weight, router.bias
+    elif named and is_adapter_layer(getattr(router, named.group(1), None)):
+        adapted = getattr(router, named.group(1))
+        raise ValueUnavailable(
+            f"{family.name}: the router's linear layer {family.router}.{named.group(1)} is a PEFT adapter layer "
+            f"({type(adapted).__module__}.{type(adapted).__name__}): the logits come from its base weight and the "
+            "adapters together, which no one [E, D] tensor holds; merge the adapters in first (model = "
+            "peft_model.merge_and_unload()) and wrap the result."
+        )
     elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
         linear = getattr(router, named.group(1))
         weight, bias = linear.weight, linear.bias
