@@ -314,3 +314,15 @@ def test_a_block_refused_for_its_groups_alone_is_told_where_its_family_exports(t
     with pytest.raises(ExportRefused, match="correction bias") as caught:
         to_nnef(moelens.wrap(tiny_model("deepseek_v3")).moes[0], tmp_path / "d3.nnef.tgz")
     assert "(the best 2 of 4 groups)" in str(caught.value) and "exports only where" not in str(caught.value)
+
+
+def test_a_router_linear_under_a_peft_adapter_is_refused_naming_the_adapter(tmp_path):
+    """A PEFT LoRA on hunyuan's router Linear (gate.wg): the export said the logits op 'is not one linear layer',
+    blaming the family; the logits are the base weight and the adapters together. Ground truth: the same block
+    without the adapter exports (tested for hunyuan_v1_moe with the other families)."""
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(tiny_model("hunyuan_v1_moe"), peft.LoraConfig(r=4, target_modules=["wg"]))
+    with pytest.raises(ExportRefused, match=r"the router's linear layer gate\.wg is a PEFT adapter layer .*"
+                                            r"merge_and_unload\(\)"):
+        to_nnef(moelens.wrap(adapted).moes[1], tmp_path / "block.nnef.tgz")
+    assert not list(tmp_path.iterdir())

@@ -242,7 +242,10 @@ def _float(tensor: Tensor) -> Tensor:
 
 def _router_weights(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None]:
     """Router weight [E, D] and bias [E] (or None) behind the family's logits op."""
-    linear = router_linear(family, block, num_experts)
+    try:
+        linear = router_linear(family, block, num_experts)
+    except ValueUnavailable as error:  # a quantized or PEFT-adapted router Linear
+        raise ExportRefused(str(error)) from None
     if linear is None:
         router = get_path(block, family.router)
         raise ExportRefused(
