@@ -571,15 +571,26 @@ def test_switching_the_experts_of_a_model_with_no_converted_block_is_refused():
         set_experts_implementation(llama(), "eager")
 
 
-@pytest.mark.parametrize("make", [gpt2, bert], ids=["gpt2", "bert"])
+def roberta() -> nn.Module:
+    """RoBERTa counts positions past its padding id itself (real tokens from padding_idx + 1)."""
+    from transformers import RobertaConfig, RobertaModel
+
+    torch.manual_seed(0)
+    return RobertaModel(RobertaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64, pad_token_id=1)).eval()
+
+
+@pytest.mark.parametrize("make", [gpt2, bert, roberta], ids=["gpt2", "bert", "roberta"])
 def test_left_padded_calibration_sees_each_text_at_its_own_positions(make):
     """Left-padded rows were run without position_ids: a model with learned position embeddings saw their real tokens
-    at the padding's positions (not what generate or a trace gives it), and was calibrated on those inputs."""
+    at the padding's positions (not what generate or a trace gives it), and was calibrated on those inputs. RoBERTa,
+    which counts positions past the padding itself, was then given positions from 0 (off by its padding id + 1)."""
     from moelens.compress import calibration
 
     model = make()
+    pad = model.config.pad_token_id or 0
     long, short = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.tensor([[11, 12, 13]])
-    batch = {"input_ids": torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)]),
+    batch = {"input_ids": torch.cat([long, torch.cat([torch.full((1, 3), pad), short], 1)]),
              "attention_mask": torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])}
     module = model.transformer.h[1].mlp if make is gpt2 else model.encoder.layer[1].intermediate
     seen = []

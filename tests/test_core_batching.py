@@ -549,6 +549,29 @@ def test_both_invokes_edit_their_own_rows_after_a_barrier(impl, grad, order):
     torch.testing.assert_close(torch.stack([row.detach() for row in logits]), expected)
 
 
+@pytest.mark.parametrize("second_length", [5, 9], ids=["shorter", "same-length"])
+def test_token_id_invokes_of_a_model_counting_positions_past_its_padding_run_as_alone(second_length):
+    """A model wrapped without a tokenizer, token-id invokes: moelens gave every row positions counted from 0, and
+    RoBERTa (a dense model moelens wraps too) counts its own past the padding id, from padding_idx + 1: every token
+    moved, by up to 3 in the output, also where no row was padded. Ground truth: each invoke's ids run alone."""
+    from transformers import RobertaConfig, RobertaModel
+
+    torch.manual_seed(0)
+    hf = RobertaModel(RobertaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=70, pad_token_id=1)).eval()
+    wrapped = moelens.wrap(hf)
+    first, second = torch.randint(3, 128, (1, 9)), torch.randint(3, 128, (1, second_length))
+    with torch.no_grad():
+        expected = [hf(input_ids=ids).last_hidden_state for ids in (first, second)]
+        with wrapped.trace() as tracer:
+            with tracer.invoke(first):
+                first_out = wrapped.output.last_hidden_state.save()
+            with tracer.invoke(second):
+                second_out = wrapped.output.last_hidden_state.save()
+    torch.testing.assert_close(first_out, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second_out[:, -second_length:], expected[1], rtol=1e-5, atol=1e-5)
+
+
 def _prefilled(hf, prompt):
     with torch.no_grad():
         return hf(input_ids=prompt, use_cache=True).past_key_values

@@ -46,7 +46,8 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import FamilyError, MoelensError, OrderError, ValueUnavailable, described
 from .families import Family, registry
-from .modules import disk_offloaded, first_parameter, on_accelerator, takes_keyword, vocab_size
+from .modules import (disk_offloaded, first_parameter, on_accelerator, padding_position_id, takes_keyword,
+                      vocab_size)
 from .scalars import as_int, check_flag
 
 
@@ -878,7 +879,9 @@ class MoeNNsight(MoeModelMixin, NNsight):
                                    "the invokes cannot be padded into one batch. Pass ids with values.")
             _refuse_unusable_ids(self._module, ((), {"input_ids": ids}))
             rows.extend(ids.reshape(-1, ids.shape[-1]))
-        input_ids, attention_mask = _left_padded(rows, _embedded_pad_id(self._module))
+        own_positions = padding_position_id(self._module)
+        input_ids, attention_mask = _left_padded(rows, _embedded_pad_id(self._module) if own_positions is None
+                                                 else own_positions)
         params = getattr(self.interleaver.batcher, "extra_kwargs", {})  # the trace's own (model.trace(...=...))
         if _cached_tokens(params):  # a mask and positions of the new tokens alone would leave the cache out
             missing = [name for name in ("attention_mask", "position_ids")
@@ -892,9 +895,9 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     f"position_ids to model.trace(...) (not given: {', '.join(missing)})."
                 )
             return self._ids_given(input_ids)  # the model's own mask and positions after the cache, or the trace's
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # a model counting them itself: its own
         taken = {name: value for name, value in (("attention_mask", attention_mask), ("position_ids", position_ids))
-                 if takes_keyword(self._module, name)}
+                 if takes_keyword(self._module, name) and not (name == "position_ids" and own_positions is not None)}
         inputs, kwargs = self._ids_given(input_ids)
         return self._mask_taken(inputs, kwargs | taken | {"attention_mask": attention_mask})
 

@@ -79,6 +79,14 @@ def is_adapter_layer(module: Any) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
 
 
+def padding_position_id(model: nn.Module) -> int | None:
+    """The padding id a model counts its tokens' positions past, where it counts them itself from the padding in
+    its input ids (RoBERTa and its kin: a position embedding with a ``padding_idx``, real tokens from
+    ``padding_idx + 1``), else None. Positions counted from 0 and given to such a model would move every token."""
+    return next((module.padding_idx for name, module in model.named_modules() if name.endswith("position_embeddings")
+                 and isinstance(module, nn.Embedding) and module.padding_idx is not None), None)
+
+
 def disk_offloaded(modules: Iterable[nn.Module]) -> bool:
     """Whether accelerate loads the weights of one of ``modules`` from disk each time it runs (``device_map`` with
     ``"disk"``, ``disk_offload``): an offload hook's weights map then indexes files of the offload folder. (Weights

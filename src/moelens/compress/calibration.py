@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..modules import device_of, evaluating, takes_keyword, text_config, vocab_size
+from ..modules import device_of, evaluating, padding_position_id, takes_keyword, text_config, vocab_size
 from .errors import CompressionError
 
 
@@ -332,10 +332,11 @@ def _decoder_modules(model: nn.Module) -> set[int]:
 def _left_padding_positions(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """``kwargs`` with ``position_ids`` counted from each row's first real token where rows are left-padded and the
     forward takes positions it is not given (as `generate` and moelens' traces give them): a model with learned
-    position embeddings (GPT-2, BERT) would otherwise put the real tokens at the padding's positions."""
+    position embeddings (GPT-2, BERT) would otherwise put the real tokens at the padding's positions. Not for a
+    model that counts them past the padding itself (`padding_position_id`: RoBERTa's start at its padding id + 1)."""
     mask = _mask(kwargs)
     if args or mask is None or "position_ids" in kwargs or not takes_keyword(model, "position_ids") or \
-            not bool((~mask[:, 0] & mask.any(-1)).any()):
+            not bool((~mask[:, 0] & mask.any(-1)).any()) or padding_position_id(model) is not None:
         return kwargs
     return {**kwargs, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
 
