@@ -142,6 +142,16 @@ def test_what_tract_cannot_express_is_refused_with_the_reason(out):
         to_nnef(wrap(exportable(converted)).moes[0], out / "bert.nnef.tgz")
 
 
+def test_an_activation_tract_lacks_is_refused_without_the_exportable_advice(out):
+    """A converted SwiGLU block with quick_gelu was refused with "export moelens.compress.exportable(model)", which
+    leaves gated experts as they are: following it gave the same refusal."""
+    converted = convert(llama(hidden_act="quick_gelu"), num_experts=4, top_k=2)
+    for model in (converted, exportable(converted)):
+        with pytest.raises(ExportRefused, match=r"QuickGELUActivation is none of tract_moe_ffn's silu, gelu \(tanh\) "
+                                                r"or relu\.$"):
+            to_nnef(wrap(model).moes[0], out / "quick_gelu.nnef.tgz")
+
+
 def test_a_layer_that_changes_width_is_refused_with_the_reason(out):
     """A converted k_proj (32 -> 16 features, GQA) is no residual-stream FFN: refused, not a crash."""
     converted = exportable(convert(llama(kv_heads=2), num_experts=2, top_k=1, target_modules=["k_proj"]))

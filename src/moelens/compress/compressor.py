@@ -110,9 +110,10 @@ class ToMoECompressor:
         stats.settings["target_modules"] = repr(options.target_modules)
         stats.calibration_tokens = max((found.rows.shape[0] for found in inputs.values()), default=0)
         lora_init = torch.Generator().manual_seed(options.seed)  # the adapters' start, from the seed alone
+        fitted = False  # whether a layer got as far as a fit (the error gate may keep it dense)
         for site in tqdm(sites, desc="tomoe", unit="layer", disable=not options.progress):
             try:
-                self._convert(site, inputs, calls, settings, stats, lora_init)
+                fitted |= self._convert(site, inputs, calls, settings, stats, lora_init)
             except BaseException as stopped:  # an error or Ctrl-C: say what the user's own model now holds
                 done = [layer.name for layer in stats.converted]
                 if options.inplace and done:
@@ -125,7 +126,11 @@ class ToMoECompressor:
                                                              for l in stats.converted)
         stats.seconds = time.perf_counter() - started
         if not stats.converted:
-            logger.warning("tomoe converted no layer: %s", "; ".join(f"{s.name}: {s.reason}" for s in stats.skipped))
+            detail = "; ".join(f"{s.name}: {s.reason}" for s in stats.skipped)
+            if not fitted:  # every candidate was left out before a fit: none of them is a layer tomoe converts
+                raise NothingToConvert(f"nothing to convert in {type(model).__name__}: every candidate layer was "
+                                       f"skipped ({detail}).")
+            logger.warning("tomoe converted no layer: %s", detail)
         self._stats = stats
         self.result = model
         return model, stats
@@ -278,18 +283,19 @@ class ToMoECompressor:
     # -- one layer -----------------------------------------------------------------------------------
 
     def _convert(self, site: tg.Site, inputs: dict, calls: list, settings: ExpertsSettings,
-                 stats: CompressionStats, lora_init: torch.Generator) -> None:
+                 stats: CompressionStats, lora_init: torch.Generator) -> bool:
+        """Convert one layer, or record why it stays dense; whether it was fitted (False: skipped before a fit)."""
         options = self.options
         found = inputs.get(site.name)
         x = found.rows if found is not None else None
         if calls and x is None:
             stats.skipped.append(SkippedLayer(site.name, "not reached by the calibration data (its input was never seen)"))
-            return
+            return False
         layer = site.read()
         reason = self._mismatch_reason(site, layer, x)
         if reason:
             stats.skipped.append(SkippedLayer(site.name, reason))
-            return
+            return False
         shared = options.shared_neurons if site.kind != "linear" else 0
         plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
                           seed=options.seed, sequences=found.sequences if found is not None else None)
@@ -307,7 +313,7 @@ class ToMoECompressor:
             stats.skipped.append(SkippedLayer(
                 site.name, f"relative reconstruction error {plan.error:.4f} on {plan.error_tokens} calibration tokens "
                            f"is above max_error={options.max_error}: kept dense"))
-            return
+            return True
         reference = next(site.reference.parameters())
         original = site.original_parameters
         if site.kind == "linear":  # the layer's up projection is the Linear's weight [out, in]
@@ -331,6 +337,7 @@ class ToMoECompressor:
         )
         site.install(block)  # the last step: a layer is converted and counted, or left as it was
         stats.converted.append(converted)
+        return True
 
     def _mismatch_reason(self, site: tg.Site, layer: DenseLayer, x: torch.Tensor | None) -> str:
         """Why the site stays dense because its own forward is not what ``layer`` (its weights' reading) computes,
@@ -469,7 +476,7 @@ def tomoe(model: nn.Module, num_experts: int = 4, top_k: int = 2, *, max_error: 
             ``comp_config`` with different values; ``experts_implementation="grouped_mm"``, the default, for
             a float64 model: pass ``"batched_mm"`` or ``"eager"``), an empty calibration set, calibration
             data the model refuses (the message names the batch and why).
-        NothingToConvert: The model has no layer to convert.
+        NothingToConvert: The model has no layer to convert, or every candidate was skipped before a fit.
     """
     check_flag("return_stats", return_stats, CompressionError)
     compressor = ToMoECompressor(

@@ -226,14 +226,10 @@ def read_spec(family: Family, block: torch.nn.Module, layer: int | None = None) 
     if spec.w3 is None and (spec.has_expert_biases or spec.wg_bias is not None):
         raise ExportRefused(
             f"{family.name}: ungated experts with biases cannot be expressed: tract_moe_ffn binds its bias "
-            f"inputs after w3, which ungated experts do not have.{_converted_hint(family)}"
+            f"inputs after w3, which ungated experts do not have."
+            + (f" This block is moelens.compress' output: {EXPORTABLE}." if converted(family) else "")
         )
     return spec
-
-
-def _converted_hint(family: Family) -> str:
-    """For a block moelens.compress made: what to export instead (a sentence after a refusal), else ""."""
-    return f" This block is moelens.compress' output: {EXPORTABLE}." if converted(family) else ""
 
 
 def _float(tensor: Tensor) -> Tensor:
@@ -337,5 +333,5 @@ def _identify(act_fn: Any, family: Family) -> str:
         )
     raise ExportRefused(
         f"{family.name}: the experts' activation {type(act_fn).__name__} is none of tract_moe_ffn's "
-        f"silu, gelu (tanh) or relu.{_converted_hint(family)}"
+        f"silu, gelu (tanh) or relu."
     )
