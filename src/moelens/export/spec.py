@@ -297,7 +297,13 @@ def _activation(family: Family, experts: torch.nn.Module, gated: bool, block: to
         }
     if kind != "glu":
         raise ExportRefused(f"{family.name}: {expert_gate_refusal(kind)}.")
-    act = _identify(getattr(experts, "act_fn", None), family)
+    act_fn = getattr(experts, "act_fn", None)
+    try:
+        act = _identify(act_fn, family)
+    except ExportRefused as error:
+        if converted(family) and not gated and isinstance(act_fn, torch.nn.Identity):  # a converted Linear's experts
+            raise ExportRefused(f"{error} This block is moelens.compress' output: {EXPORTABLE}.") from None
+        raise
     return {"activation": "swiglu" if (gated and act == "silu") else act, "act_alpha": None, "act_limit": None}
 
 
