@@ -82,8 +82,12 @@ def test_clear_errors():
         tomoe(model, experts_implementation="groupd_mm", progress=False)  # before any conversion
     with pytest.raises(CompressionError, match=r"comp_config has unknown key\(s\) \['num_expert'\]"):
         tomoe(model, comp_config={"num_expert": 8}, progress=False)
-    with pytest.raises(NothingToConvert, match="nothing to convert in Sequential"):
-        tomoe(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), progress=False)
+    with pytest.raises(NothingToConvert, match=r"nothing to convert in Sequential: .*FFN blocks\)\.$"):
+        tomoe(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), progress=False)  # no Linear layer to name either
+    ffn_kind_unknown = nn.ModuleDict({"fc1": nn.Linear(8, 16), "fc2": nn.Linear(16, 8)})  # as BART and OPT name theirs
+    with pytest.raises(NothingToConvert, match=r"target_modules=\[\.\.\.\] .*; this model's Linear / Conv1D layers "
+                                               r"are named fc1, fc2\.$"):
+        tomoe(ffn_kind_unknown, progress=False)
     with pytest.raises(NothingToConvert, match="protected"):
         tomoe(bert(classifier=True), target_modules=["classifier"], progress=False)
     with pytest.raises(CompressionError, match=r"calibration dict holds no tensor .*return_tensors='pt'"):

@@ -206,8 +206,10 @@ class ToMoECompressor:
                 regex = (" A string is a regular expression that must match a whole module name (as in PEFT)"
                          + (f", and {targeted!r} is only the end of names such as {ending[0]!r}: give "
                             f"target_modules=[{targeted!r}] or {'.*' + targeted!r}" if ending else "") + ".")
+            names = _linear_names(model)
             advice = (_unrecognised_targets(model, targeted) if targeted is not None else "") or (
-                " Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks).")
+                " Name the layers with target_modules=[...] (Linear / Conv1D layers or FFN blocks)"
+                + (f"; this model's Linear / Conv1D layers are named {', '.join(names)}" if names else "") + ".")
             raise NothingToConvert(
                 f"nothing to convert in {type(model).__name__}: no {where} that can be converted"
                 + (f" (skipped: {detail})" if detail else "") + "." + advice + regex
@@ -401,9 +403,7 @@ def _unrecognised_targets(model: nn.Module, targeted: str | list[str] | tuple[st
                and tg.ffn_site(model, name, module) is None and not tg.is_moe_block(module)]
     if not matched:
         return ""
-    inner = list(dict.fromkeys(part.rpartition(".")[2] for _, module in matched
-                               for part, layer in module.named_modules()
-                               if part and tg.is_linear(layer) and ".base_layer" not in part and "lora_" not in part))
+    inner = list(dict.fromkeys(name for _, module in matched for name in _linear_names(module)))
     shown = ", ".join(f"{name} ({type(module).__name__})" for name, module in matched[:3])
     more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
     found = (f"; the Linear / Conv1D layers inside are {', '.join(inner)}: name those, target_modules={inner!r}"
@@ -411,6 +411,13 @@ def _unrecognised_targets(model: nn.Module, targeted: str | list[str] | tuple[st
     return (f" target_modules={targeted!r} matches {shown}{more}, which are neither Linear / Conv1D layers nor FFN "
             "blocks moelens recognises (SwiGLU gate_proj/up_proj/down_proj, BERT intermediate/output, GPT-2 "
             f"c_fc/c_proj){found}.")
+
+
+def _linear_names(module: nn.Module) -> list[str]:
+    """The distinct last names of the Linear / Conv1D layers below ``module`` (``fc1``, ``q_proj`` ...), in module
+    order, leaving out PEFT's (``base_layer``, ``lora_A`` ...)."""
+    return list(dict.fromkeys(path.rpartition(".")[2] for path, layer in module.named_modules()
+                              if path and tg.is_linear(layer) and ".base_layer" not in path and "lora_" not in path))
 
 
 def _inside_reason(model: nn.Module, block: str) -> str:
