@@ -92,7 +92,7 @@ def falcon_h1(multipliers):
 @pytest.mark.parametrize("calibrated", [True, False], ids=["calibrated", "weights-only"])
 @pytest.mark.parametrize("make", [bitnet, lambda: falcon_h1([1.0, 3.0]), lambda: falcon_h1([1.0, 1.05])],
                          ids=["bitnet", "falcon_h1", "falcon_h1-near-1"])
-def test_an_ffn_that_only_looks_like_swiglu_stays_dense(make, calibrated):
+def test_ffns_that_only_look_like_swiglu_are_refused_naming_why(make, calibrated):
     """Every FFN skipped before a fit (here: its forward is not what its weights compute) returned the model
     unconverted with a logged warning; the docs promise NothingToConvert listing the skips, as the error gate's
     rejections (after a fit, below) do not."""

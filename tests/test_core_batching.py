@@ -549,16 +549,30 @@ def test_both_invokes_edit_their_own_rows_after_a_barrier(impl, grad, order):
     torch.testing.assert_close(torch.stack([row.detach() for row in logits]), expected)
 
 
-@pytest.mark.parametrize("second_length", [5, 9], ids=["shorter", "same-length"])
-def test_token_id_invokes_of_a_model_counting_positions_past_its_padding_run_as_alone(second_length):
-    """A model wrapped without a tokenizer, token-id invokes: moelens gave every row positions counted from 0, and
-    RoBERTa (a dense model moelens wraps too) counts its own past the padding id, from padding_idx + 1: every token
-    moved, by up to 3 in the output, also where no row was padded. Ground truth: each invoke's ids run alone."""
-    from transformers import RobertaConfig, RobertaModel
+def _encoder(kind):
+    """A tiny encoder: RoBERTa and I-BERT count positions past their padding id (from padding_idx + 1); a BERT whose
+    position table has a padding_idx (as LXMERT's) counts from 0 all the same."""
+    from transformers import BertConfig, BertModel, IBertConfig, IBertModel, RobertaConfig, RobertaModel
 
     torch.manual_seed(0)
-    hf = RobertaModel(RobertaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, max_position_embeddings=70, pad_token_id=1)).eval()
+    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=70, pad_token_id=1)
+    model_class, config_class = {"roberta": (RobertaModel, RobertaConfig), "ibert": (IBertModel, IBertConfig),
+                                 "bert-padding-idx": (BertModel, BertConfig)}[kind]
+    model = model_class(config_class(**sizes)).eval()
+    if kind == "bert-padding-idx":
+        model.embeddings.position_embeddings.padding_idx = 0
+    return model
+
+
+@pytest.mark.parametrize("kind", ["roberta", "ibert", "bert-padding-idx"])
+@pytest.mark.parametrize("second_length", [5, 9], ids=["shorter", "same-length"])
+def test_token_id_invokes_of_a_model_counting_positions_past_its_padding_run_as_alone(kind, second_length):
+    """A model wrapped without a tokenizer, token-id invokes: moelens gave every row positions counted from 0, and
+    RoBERTa and I-BERT (dense models moelens wraps too) count their own past the padding id, from padding_idx + 1:
+    every token moved, by up to 3 in the output, also where no row was padded. A model counting from 0 beside a
+    padding_idx in its position table keeps the positions moelens gives. Ground truth: each invoke's ids alone."""
+    hf = _encoder(kind)
     wrapped = moelens.wrap(hf)
     first, second = torch.randint(3, 128, (1, 9)), torch.randint(3, 128, (1, second_length))
     with torch.no_grad():

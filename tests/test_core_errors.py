@@ -488,17 +488,35 @@ def test_params_of_a_block_accelerate_offloads_to_disk_are_refused_in_a_trace_to
     assert not whole._module.model.layers[1].mlp.experts.down_proj[0].any()
 
 
-def test_params_of_a_router_under_a_peft_adapter_are_refused():
+def test_params_of_a_block_accelerate_runs_elsewhere_than_it_keeps_them_are_refused():
+    """accelerate's CPU offload onto an accelerator moves a copy of the weights to it for each forward (inside a trace,
+    an edit of a view would be lost); moelens named only disk offload that way. An execution device of "meta" stands in
+    for a GPU here."""
+    from accelerate import cpu_offload
+
+    model = tiny_model("mixtral")
+    cpu_offload(model, execution_device=torch.device("meta"))
+    with pytest.raises(moelens.ValueUnavailable, match=r"layers\.0\.mlp\.params: accelerate keeps this block's weights "
+                                                       r"offloaded on the CPU and moves a copy to meta"):
+        moelens.wrap(model).moes[0].params()
+
+
+def test_params_of_a_router_under_a_peft_adapter_are_none_with_the_reason():
     """A PEFT LoRA on the router's linear layer (hunyuan's gate.wg): params().router was None without a word
-    (params(3).router.zero_(), the docs' use, raised AttributeError on None). Ground truth: without the adapter
-    params().router is the wg weight [E, D]."""
+    (params(3).router.zero_(), the docs' use, raised AttributeError on None). The logits are the base weight and the
+    adapters together: the router is None with a warning saying why; the experts are served and their edits land.
+    Ground truth: without the adapter params().router is the wg weight [E, D]; the experts' own down_proj."""
     peft = pytest.importorskip("peft")
     plain = tiny_model("hunyuan_v1_moe")
     assert moelens.wrap(plain).moes[1].params().router.shape == plain.model.layers[1].mlp.gate.wg.weight.shape
     adapted = peft.get_peft_model(tiny_model("hunyuan_v1_moe"), peft.LoraConfig(r=4, target_modules=["wg"]))
-    with pytest.raises(moelens.ValueUnavailable, match=r"layers\.1\.mlp\.params: hunyuan_v1_moe: the router's linear "
-                                                       r"layer gate\.wg is a PEFT adapter layer .*merge_and_unload"):
-        moelens.wrap(adapted).moes[1].params()
+    with pytest.warns(UserWarning, match=r"layers\.1\.mlp\.params: router and router_bias are None: hunyuan_v1_moe: "
+                                         r"the router's linear layer gate\.wg is a PEFT adapter layer .*merge_and_unload"):
+        params = moelens.wrap(adapted).moes[1].params(3)
+    assert params.router is None and params.router_bias is None
+    with torch.no_grad():
+        params.down.zero_()
+    assert not adapted.base_model.model.model.layers[1].mlp.experts.down_proj[3].any()
 
 
 def test_a_model_accelerate_cpu_offload_placed_traces():

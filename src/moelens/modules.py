@@ -8,7 +8,7 @@ import inspect
 import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,23 +81,48 @@ def is_adapter_layer(module: Any) -> bool:
 
 def padding_position_id(model: nn.Module) -> int | None:
     """The padding id a model counts its tokens' positions past, where it counts them itself from the padding in
-    its input ids (RoBERTa and its kin: a position embedding with a ``padding_idx``, real tokens from
-    ``padding_idx + 1``), else None. Positions counted from 0 and given to such a model would move every token."""
-    return next((module.padding_idx for name, module in model.named_modules() if name.endswith("position_embeddings")
-                 and isinstance(module, nn.Embedding) and module.padding_idx is not None), None)
+    its input ids (RoBERTa and its kin, Kosmos-2's text model, I-BERT ...: real tokens from ``padding_idx + 1``),
+    else None. Positions counted from 0 and given to such a model would move every token. Told by the module doing
+    it: one with a ``padding_idx`` whose forward calls transformers' ``create_position_ids_from_input_ids``."""
+    return next((module.padding_idx for module in model.modules() if isinstance(getattr(module, "padding_idx", None), int)
+                 and _counts_positions_from_padding(type(module))), None)
+
+
+@functools.cache
+def _counts_positions_from_padding(module_class: type) -> bool:
+    code = getattr(inspect.unwrap(module_class.forward), "__code__", None)
+    return code is not None and "create_position_ids_from_input_ids" in code.co_names
+
+
+def _offload_hooks(modules: Iterable[nn.Module]) -> Iterator[Any]:
+    """accelerate's hooks on ``modules`` that offload their weights (load them into the module for each forward)."""
+    for module in modules:
+        hook = getattr(module, "_hf_hook", None)
+        for each in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
+            if getattr(each, "offload", False) and getattr(each, "weights_map", None) is not None:
+                yield each
 
 
 def disk_offloaded(modules: Iterable[nn.Module]) -> bool:
     """Whether accelerate loads the weights of one of ``modules`` from disk each time it runs (``device_map`` with
-    ``"disk"``, ``disk_offload``): an offload hook's weights map then indexes files of the offload folder. (Weights
+    ``"disk"``, ``disk_offload``): the offload folder's index lists the keys under the hook's prefix. (Weights
     offloaded to the CPU, ``cpu_offload``, stay in the process.)"""
-    for module in modules:
-        hook = getattr(module, "_hf_hook", None)
-        for each in getattr(hook, "hooks", (hook,)):  # accelerate's SequentialHook holds several
-            weights = getattr(each, "weights_map", None)
-            if getattr(getattr(weights, "dataset", weights), "index", None):  # OffloadedWeightsLoader's files on disk
-                return True
+    for hook in _offload_hooks(modules):
+        weights = hook.weights_map  # a PrefixedDataset over an OffloadedWeightsLoader (or a plain dict)
+        loader, prefix = getattr(weights, "dataset", weights), getattr(weights, "prefix", "")
+        if any(key.startswith(prefix) for key in getattr(loader, "index", None) or ()):
+            return True
     return False
+
+
+def offloaded_to(modules: Iterable[nn.Module]) -> torch.device | None:
+    """The device accelerate moves the offloaded weights of one of ``modules`` to for each forward, where that is
+    not the CPU keeping them (a forward then runs on a copy), else None."""
+    for hook in _offload_hooks(modules):
+        device = hook.execution_device
+        if device is not None and torch.device(device).type != "cpu":
+            return torch.device(device)
+    return None
 
 
 def is_modules_to_save(module: Any) -> bool:

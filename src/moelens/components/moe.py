@@ -405,10 +405,12 @@ class Moe(Mlp):
             ArgumentError: ``expert`` is not an int in ``[0, E)``.
             ValueUnavailable: the expert lives on another rank, the experts carry moelens.compress
                 LoRA adapters (fold them in first with `moelens.compress.merge_lora`) or store no
-                plain weight tensors, the router's linear layer carries a PEFT adapter, accelerate
-                offloads the block's weights (to disk: in a trace too, where they are a copy), or the
-                block (or its router or experts) was replaced or removed after wrapping (its views
-                would be the old module's).
+                plain weight tensors, accelerate offloads the block's weights (to disk or onto another
+                device: in a trace too, where they are a copy), or the block (or its router or experts)
+                was replaced or removed after wrapping (its views would be the old module's).
+
+        ``router`` is None where the logits are no one linear layer's ``[E, D]`` weight (a warning
+        says so where that layer carries a PEFT adapter).
         """
         self._refuse_replaced(f"{self.path}.params", "the views would be the old module's, and editing them would "
                               "not change the model")

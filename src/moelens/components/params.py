@@ -18,6 +18,7 @@ import builtins
 import functools
 import inspect
 import re
+import warnings
 from dataclasses import dataclass, fields
 from types import CodeType
 from typing import Any, Iterable
@@ -30,7 +31,7 @@ from torch import Tensor
 from ..errors import ArgumentError, ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
-from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer
+from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
 from ..scalars import as_lone_int
 
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
@@ -110,11 +111,15 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     ``where`` names the call in errors (``"model.layers.1.mlp.params"``).
     """
     index = None if expert is None else check_expert(expert, num_experts, where)
-    if disk_offloaded(block.modules()):  # in a forward its weights are loaded, as a copy of the files
+    copied = "disk" if disk_offloaded(block.modules()) else offloaded_to(block.modules())
+    if copied is not None:  # in a forward the weights are loaded into the block, as a copy
+        source = ("offloads this block's weights to disk (a device_map placing them on 'disk', or disk_offload) and "
+                  "loads a copy" if copied == "disk" else
+                  f"keeps this block's weights offloaded on the CPU and moves a copy to {copied}")
         raise ValueUnavailable(
-            f"{where}: accelerate offloads this block's weights to disk (a device_map placing them on 'disk', or "
-            "disk_offload) and loads a copy of them only while the block runs, so an edit of a view would be lost; "
-            "load the model with this layer on a real device (a device_map without 'disk') to edit its weights."
+            f"{where}: accelerate {source} of them only while the block runs, so an edit of a view would be lost; "
+            "load the model with this layer on the device it runs on (a device_map without 'disk' or CPU offload for "
+            "it) to edit its weights."
         )
     experts = get_path(block, family.experts)
     identity = family.identity_count(block)
@@ -142,6 +147,9 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
         raise ValueUnavailable(f"{where}: {error}") from None
     try:
         weight, bias = router_linear(family, block, num_experts) or (None, None)
+    except AdaptedRouter as error:  # the experts are still served
+        warnings.warn(f"{where}: router and router_bias are None: {error}", stacklevel=3)
+        weight = bias = None
     except ValueUnavailable as error:  # said of the family's router: name the block too
         raise ValueUnavailable(f"{where}: {error}") from None
     router_module = get_path(block, family.router)
@@ -155,6 +163,10 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
         router = {name: None if value is None else value[index] for name, value in router.items()}
         views = {name: None if value is None else value[slot] for name, value in views.items()}
     return MoeParams(**router, **views)
+
+
+class AdaptedRouter(ValueUnavailable):
+    """`router_linear`'s refusal of a router Linear under a PEFT adapter (``params()`` serves the experts beside it)."""
 
 
 def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> tuple[Tensor, Tensor | None] | None:
@@ -172,7 +184,7 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
         weight, bias = router.weight, router.bias
     elif named and is_adapter_layer(getattr(router, named.group(1), None)):
         adapted = getattr(router, named.group(1))
-        raise ValueUnavailable(
+        raise AdaptedRouter(
             f"{family.name}: the router's linear layer {family.router}.{named.group(1)} is a PEFT adapter layer "
             f"({type(adapted).__module__}.{type(adapted).__name__}): the logits come from its base weight and the "
             "adapters together, which no one [E, D] tensor holds; merge the adapters in first (model = "
