@@ -719,6 +719,23 @@ def test_a_damaged_bin_shard_is_named(tmp_path):
         moelens.load(tmp_path)
 
 
+@pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.safetensors"])
+@pytest.mark.parametrize("content", ["lfs-pointer", "junk"])
+def test_a_weights_file_that_is_no_weights_file_is_named(tmp_path, weights, content):
+    """A pytorch_model.bin that is a Git LFS pointer (a clone without git-lfs) or junk gave torch's traceback:
+    UnpicklingError advising weights_only=False (unsafe, and no help) or a bare KeyError (a number). Ground truth:
+    the file this test wrote."""
+    model = tiny_model("mixtral")
+    model.config.save_pretrained(tmp_path)
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a2146\nsize 7109896\n"
+    (tmp_path / weights).write_bytes(pointer if content == "lfs-pointer" else b"junk\n")
+    named = re.escape(f"({str(tmp_path / weights)!r}: 1 of its 1 weights files)")
+    expected = (rf"{named}: it is a Git LFS pointer, not the weights .*git lfs pull" if content == "lfs-pointer"
+                else rf"cannot be read.*: it is damaged or truncated {named}; save the model again")
+    with pytest.raises(moelens.MoelensError, match=expected):
+        moelens.load(tmp_path)
+
+
 def test_tokenizer_files_without_a_vocabulary_or_a_class_load_as_the_folder_holds_them(tmp_path):
     """A tokenizer_config.json alone (a chat template, the vocabulary files never copied) became a one-token placeholder
     Qwen2Tokenizer for qwen-type models: text gave no tokens, blamed on the text. A tokenizer.json with no declared
@@ -983,7 +1000,7 @@ def test_weights_the_config_does_not_fit_are_reported(tmp_path):
     truncated.mkdir()
     (truncated / "config.json").write_text(json.dumps(config))
     (truncated / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:1000])
-    with pytest.raises(moelens.MoelensError, match=r"the weights file of .* cannot be read \(.*\): it is damaged or "
+    with pytest.raises(moelens.MoelensError, match=r"a weights file of .* cannot be read \(.*\): it is damaged or "
                                                    "truncated"):
         moelens.load(truncated)  # was safetensors' own SafetensorError
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import warnings
 import zipfile
@@ -123,25 +124,21 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     try:
         model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except SafetensorError as error:
-        raise MoelensError(
-            f"the weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated"
-            f"{_named_damaged(_unreadable_weights(folder))}; "
-            "save the model again with save_pretrained, or copy it again."
-        ) from error
+        raise _damaged_weights(source, folder, error, ".safetensors") from error
+    except pickle.UnpicklingError as error:  # a .bin that is no torch.save file (torch advised weights_only=False)
+        raise _damaged_weights(source, folder, error, ".bin") from error
     except (ValueError, KeyError, AttributeError) as error:  # the others: a shard index without its weight_map
         _refuse_damaged_index(source, folder, error)
         if not isinstance(error, ValueError):
+            if _unreadable_weights(folder, ".bin"):  # torch's unpickling of junk: a bare KeyError
+                raise _damaged_weights(source, folder, error, ".bin") from error
             raise
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
                   if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
         raise MoelensError(f"cannot load a model from {source!r}: {sentence(error)}.{advice}") from error
     except RuntimeError as error:
         if "PytorchStreamReader" in str(error):  # torch's reader of a damaged .bin names no file
-            raise MoelensError(
-                f"a weights file of {source!r} cannot be read ({sentence(error)}): it is damaged or truncated"
-                f"{_named_damaged(_unreadable_weights(folder, '.bin'))}; save the model again with save_pretrained, "
-                "or copy it again."
-            ) from error
+            raise _damaged_weights(source, folder, error, ".bin") from error
         if "ignore_mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
             raise  # out of memory, a device map, the checkpoint's own code: not moelens' to reword
         listed = _size_mismatches(model_class, source, from_pretrained_kwargs) or sentence(error)
@@ -227,14 +224,37 @@ def _unreadable_weights(folder: Path, suffix: str = ".safetensors") -> list[Path
     return unreadable
 
 
-def _named_damaged(files: list[Path]) -> str:
-    """The damaged weights files ``files`` in words, to follow "it is damaged or truncated" ('' when none is
-    known: the error then speaks of the folder's weights as a whole)."""
-    if not files:
-        return ""
-    total = len(list(files[0].parent.glob(f"*{files[0].suffix}")))
-    names = ", ".join(repr(str(path)) for path in files)
-    return f" ({names}: {len(files)} of its {total} weights files)"
+#: How a Git LFS pointer file begins: what a checkout without git-lfs holds in place of each large file.
+LFS_POINTER = b"version https://git-lfs"
+
+
+def _starts_with(path: Path, head: bytes) -> bool:
+    with path.open("rb") as file:
+        return file.read(len(head)) == head
+
+
+def _damaged_weights(source: str, folder: Path, error: Exception, suffix: str) -> MoelensError:
+    """The refusal of loading ``source``, whose loader raised ``error`` on a weights file ending in ``suffix`` that
+    cannot be read: the files of ``folder`` that are damaged or truncated named (the folder's weights as a whole
+    where none is found), and Git LFS pointers, which a checkout without git-lfs holds instead of the weights, told."""
+    files = _unreadable_weights(folder, suffix)
+    pointers = [path for path in files if _starts_with(path, LFS_POINTER)]
+    if files:
+        total = len(list(folder.glob(f"*{suffix}")))
+        named = f" ({', '.join(repr(str(path)) for path in files)}: {len(files)} of its {total} weights files)"
+    else:
+        named = ""
+    if pointers and len(pointers) == len(files):
+        return MoelensError(
+            f"the weights of {source!r} cannot be read{named}: {'they are' if len(files) > 1 else 'it is a'} Git LFS "
+            f"pointer{'s' if len(files) > 1 else ''}, not the weights (a clone made without git-lfs); fetch them with "
+            "`git lfs pull` in that checkout, or download the checkpoint again."
+        )
+    detail = "" if isinstance(error, KeyError) else f" ({sentence(error)})"  # unpickling junk: a bare number
+    return MoelensError(
+        f"a weights file of {source!r} cannot be read{detail}: it is damaged or truncated{named}; save the model again "
+        "with save_pretrained, or copy it again."
+    )
 
 
 def _refuse_damaged_index(source: str, folder: Path, error: Exception) -> None:
