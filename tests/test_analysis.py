@@ -944,6 +944,21 @@ def test_plots_save_refuses_a_folder_and_leaves_the_file_beside_it(tmp_path):
     assert not any((tmp_path / "outdir").iterdir()) and not any((tmp_path / "isdir.png").iterdir())
 
 
+def test_plots_save_refuses_a_symbolic_link_and_a_path_ending_in_a_slash(tmp_path):
+    """save(fig, "usage.png") with usage.png a link to the user's notes.txt wrote the PNG over notes.txt, and
+    save(fig, "x.png/") (a folder, by its slash) wrote the file x.png: moelens writes through no link, as export."""
+    plots = analysis.plots
+    (tmp_path / "notes.txt").write_text("the user's notes\n")
+    (tmp_path / "usage.png").symlink_to(tmp_path / "notes.txt")
+    with pytest.raises(MoelensError, match=r"cannot save a plot to .*usage\.png: it is a symbolic link \(to .*notes"
+                                           r"\.txt'\); moelens writes through no link"):
+        plots.save(plots.plot_usage(_two_expert_usage()), tmp_path / "usage.png")
+    with pytest.raises(MoelensError, match=r"x\.png/': a path ending in a slash names a folder; name a file"):
+        plots.save(plots.plot_usage(_two_expert_usage()), f"{tmp_path}/x.png/")
+    assert (tmp_path / "notes.txt").read_text() == "the user's notes\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "usage.png"]
+
+
 @pytest.mark.parametrize(("chosen", "expected"), [("", "agg"), ("svg", "svg"), ("pdf", "pdf")])
 def test_plots_pick_agg_without_a_display_only_where_the_user_chose_no_backend(chosen, expected):
     """The first plot on a machine without a display switched a backend the user had chosen (matplotlib.use("svg"))

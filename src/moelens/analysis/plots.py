@@ -70,7 +70,8 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
     """Write ``figure`` to ``path`` (folders created) and close it, written or not; returns the file written.
 
     The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
-    without one gets ``.png``. A path naming a folder (with or without that ``.png``) is refused.
+    without one gets ``.png``. A path naming a folder (with or without that ``.png``, or ending in a slash) is
+    refused, and so is a symbolic link (moelens writes through no link: the file it points to is not the path named).
     """
     from matplotlib.figure import Figure
 
@@ -78,6 +79,7 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
         raise MoelensError(f"save: figure must be a matplotlib Figure (what the plot_* functions return), got "
                            f"{type(figure).__name__}.")
     try:
+        typed = path
         path = user_path(path)
         named = path
         if not path.suffix and not path.is_dir():  # the current folder ("", ".") has no name to add .png to
@@ -86,6 +88,12 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
             if folder.is_dir():
                 raise MoelensError(f"cannot save a plot to {named}: {folder} is a folder; name a file "
                                    f"(such as {folder / 'plot.png'}).")
+        if isinstance(typed, str) and typed.endswith(("/", os.sep)):  # Path drops the slash that says "a folder"
+            raise MoelensError(f"cannot save a plot to {typed!r}: a path ending in a slash names a folder; name a "
+                               f"file (such as {typed + 'plot.png'!r}).")
+        if path.is_symlink():
+            raise MoelensError(f"cannot save a plot to {path}: it is a symbolic link (to {os.readlink(path)!r}); moelens "
+                               "writes through no link. Name the link's target, or a new path.")
         dots = as_real(dpi)  # a numpy number or a 0-d tensor too, as matplotlib takes them; never a bool
         if dots is None or not 10 <= dots <= 2000:
             raise MoelensError(f"save: dpi must be a number of dots per inch from 10 to 2000, got {dpi!r}.")
