@@ -618,8 +618,11 @@ def test_plots_stay_readable_and_true_at_the_edges():
      r"already holds 'usage.png' as a hard link of a file with another name \(writing it would change that file\)"),
     (lambda out: (out.mkdir(), (out / "cache").mkdir(), (out / "cache" / "shard-00000.safetensors").write_text("mine")),
      r"routing cache folder '{out}/cache' holds shard-00000.safetensors, which no routing.json there lists"),
+    (lambda out: (out.mkdir(), (out / "trajectories.png").write_text("the user's notes")),  # was removed as stale
+     r"already holds 'trajectories.png' as a file that is no PNG \(not one moelens wrote\), which this run would "
+     r"replace or remove; move it"),
 ], ids=["cache-is-a-file", "plot-is-a-folder", "csv-is-a-folder", "dangling-link", "linked-output", "hard-linked-output",
-                                                                                        "foreign-shard"])
+        "foreign-shard", "users-file-named-like-a-plot"])
 def test_stats_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch, setup, message):
     text = tmp_path / "in.txt"
     text.write_text("some text to route\n")
@@ -639,6 +642,36 @@ def test_stats_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch, set
     assert re.search(message.format(out=out), lines[0]), lines[0]
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
     assert os.path.islink(out) or out.is_dir()
+
+
+def test_stats_out_holding_an_output_file_it_may_not_write_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """A read-only stats.json in --out: the model loaded and ran, the routing cache was written, and only then did the
+    run fail on writing stats.json (leaving the new cache beside the old results). Read-only for root: chattr +i."""
+    import subprocess
+
+    text, out = tmp_path / "in.txt", tmp_path / "out"
+    text.write_text("some text to route\n")
+    out.mkdir()
+    (out / "stats.json").write_text("{}")
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(out / "stats.json")], capture_output=True).returncode:
+            pytest.skip("running as root on a filesystem without chattr +i: no file root may not write")
+        restore = ["chattr", "-i", str(out / "stats.json")]
+    else:
+        (out / "stats.json").chmod(0o444)
+        restore = ["chmod", "644", str(out / "stats.json")]
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(analysis_cli, "load_model", no_work)
+    try:
+        status = main(["stats", "tiny", "--text", str(text), "--out", str(out), "--no-progress"])
+    finally:
+        subprocess.run(restore, check=True)
+    err = capsys.readouterr().err
+    assert status == 2 and "already holds 'stats.json' as a file this user may not write" in err, err
+    assert sorted(path.name for path in out.iterdir()) == ["stats.json"]
 
 
 @pytest.mark.parametrize("flag", ["--batch-size", "--max-length"])

@@ -670,7 +670,7 @@ def test_demo_writes_every_plot_when_the_reader_of_stdout_stops_early(tmp_path):
     out = tmp_path / "demo"
     out.mkdir()
     for name in DEMO_FILES:
-        (out / name).write_bytes(b"an earlier run's plot")
+        (out / name).write_bytes(PNG + b"an earlier run's plot")  # a PNG: anything else is refused as the user's
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     status, stderr = _with_reader_gone(["demo", "--out", str(out), "--windows", "2"], env)
     assert status == 1 and "Traceback" not in stderr, stderr

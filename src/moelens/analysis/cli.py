@@ -131,7 +131,8 @@ def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None
 
     ``--out`` must not be a file, lie under one or be a symbolic link to a missing path; none of the
     ``files`` it writes there may be a folder, a symbolic link or a hard link (a file with another name too,
-    which writing it would change), nor its routing cache folder
+    which writing it would change), a file this user may not write, or, for a ``.png``, a file that is no PNG (one
+    of the user's own: moelens replaces or removes its outputs); nor its routing cache folder
     ``cache`` a file or a symbolic link (and a cache there is one moelens wrote: `check_cache_folder`).
     The ``--text`` file read, ``text``, may be none of those files nor lie in that cache (compared after
     resolving symbolic links, and as the same file on disk): writing the results would overwrite it.
@@ -149,8 +150,24 @@ def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None
             what = "its routing cache folder" if name == cache else "a file"
             raise MoelensError(f"--out {str(path)!r} already holds {name!r} as {kind}, where moelens writes {what}; "
                                "move it or name another folder.")
+        if name != cache and target.is_file():
+            kind = ("a file this user may not write" if not os.access(target, os.W_OK) else
+                    "a file that is no PNG (not one moelens wrote)" if name.endswith(".png") and not _is_png(target)
+                    else None)
+            if kind is not None:
+                raise MoelensError(f"--out {str(path)!r} already holds {name!r} as {kind}, which this run would "
+                                   "replace or remove; move it or name another folder.")
     if cache:
         check_cache_folder(path / cache)
+
+
+#: How every PNG file begins.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
 
 
 def check_not_written(text: Path, path: Path, files: Sequence[str], cache: str | None) -> None:
