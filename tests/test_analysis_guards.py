@@ -95,6 +95,44 @@ def test_a_collection_stopped_before_its_first_shard_does_not_leave_the_old_cach
     with pytest.raises(MoelensError, match=rf"routing cache in '{folder}' is incomplete"):
         RoutingCache.load(folder)
 
+def test_a_collection_stopped_while_it_replaces_the_old_cache_says_it_is_incomplete(model, tmp_path, monkeypatch):
+    """Ctrl-C after the old cache's shards were removed, before routing.json was marked incomplete, left the old
+    routing.json (complete) listing removed shards: the load said "damaged" instead of "incomplete". Ctrl-C between
+    writing .routing.json.partial and its rename left that file in the user's folder."""
+    import pathlib
+
+    from moelens.analysis import cache as cache_module
+
+    folder = tmp_path / "cache"
+    analysis.collect_routing(model, TEXTS, batch_size=1, shard_tokens=1, folder=str(folder), progress=False)
+    unlink = pathlib.Path.unlink
+
+    def stopped_after_a_shard(path, missing_ok=False):
+        unlink(path, missing_ok=missing_ok)
+        if path.name.startswith("shard-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(pathlib.Path, "unlink", stopped_after_a_shard)
+    with pytest.raises(KeyboardInterrupt):
+        analysis.collect_routing(model, TEXTS, batch_size=1, shard_tokens=1, folder=str(folder), progress=False)
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    with pytest.raises(MoelensError, match=rf"routing cache in '{folder}' is incomplete"):
+        RoutingCache.load(folder)
+    again = analysis.collect_routing(model, TEXTS, batch_size=1, shard_tokens=1, folder=str(folder), progress=False)
+    assert sorted(files(folder)) == sorted([META_FILE, *listed(folder)]) and again.num_shards == len(TEXTS)
+    replace = os.replace
+
+    def stopped_before_the_rename(source, target):
+        if str(source).endswith(".partial"):
+            raise KeyboardInterrupt
+        return replace(source, target)
+
+    monkeypatch.setattr(cache_module.os, "replace", stopped_before_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        analysis.collect_routing(model, TEXTS, batch_size=1, shard_tokens=1, folder=str(folder), progress=False)
+    assert not [name for name in os.listdir(folder) if name.endswith(".partial")]
+
+
 def test_saving_replaces_only_the_cache_moelens_wrote(model, tmp_path):
     folder, outside = tmp_path / "cache", tmp_path / "outside"
     folder.mkdir()

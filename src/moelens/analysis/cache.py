@@ -584,9 +584,13 @@ class ShardWriter:
         if self._replaced is None:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        # first marked incomplete, still listing the old shards: stopped below, the folder holds an incomplete cache
+        # (not a damaged one), whose listed shards the next collection replaces
+        self.files = [(name, 0) for name in self._replaced]
+        self._write_meta(complete=False)
         for name in self._replaced:
             (self.folder / name).unlink(missing_ok=True)
-        self._replaced = None
+        self.files, self._replaced = [], None
         self._write_meta(complete=False)
 
     def write(self, shard: Shard) -> None:
@@ -610,5 +614,8 @@ class ShardWriter:
         meta["collection"] = self.collection
         meta["shards"] = [{"file": name, "tokens": tokens} for name, tokens in self.files]
         partial = self.folder / f".{META_FILE}.partial"
-        partial.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        os.replace(partial, self.folder / META_FILE)  # never a half-written routing.json
+        try:
+            partial.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+            os.replace(partial, self.folder / META_FILE)  # never a half-written routing.json
+        finally:  # stopped before the rename: not left in the user's folder
+            partial.unlink(missing_ok=True)
