@@ -903,6 +903,11 @@ def test_files_of_the_users_beside_an_earlier_export_are_never_deleted(out, monk
 
     killed = folder / ".moelens-export-0123456789ab.part"  # what an export killed while copying leaves
     (killed / "graph.nnef").parent.mkdir()
+    (killed / "notes.txt").write_text("the user's\n")  # named like one, but holding a file no export has: the user's
+    with pytest.raises(ExportError, match=r"kept-export' is a folder with files of its own"):
+        to_nnef(moe, folder, verify=False)
+    assert (killed / "notes.txt").read_text() == "the user's\n"
+    (killed / "notes.txt").unlink()
     (killed / "graph.nnef").write_text("half\n")
     assert to_nnef(moe, folder, verify=False).path == folder and not killed.exists()
     monkeypatch.setattr(archive.shutil, "copytree", full_disk)

@@ -121,6 +121,9 @@ def _is_export_listing(names: list[str], graph: str) -> bool:
 def _is_export_folder(path: Path) -> bool:
     """Whether ``path`` holds an NNEF export and nothing else (but copies of one an interrupted export left,
     `STAGING`, which the next export removes)."""
+    leftovers = [entry for entry in path.iterdir() if STAGING.fullmatch(entry.name)]
+    if not all(_is_staging_leftover(entry) for entry in leftovers):  # a folder of the user's named like one
+        return False
     entries = [entry for entry in path.rglob("*") if not STAGING.fullmatch(entry.relative_to(path).parts[0])]
     if any(entry.is_dir() for entry in entries):  # an export is flat: a folder in it is the user's, even an empty one
         return False
@@ -132,6 +135,15 @@ def _is_export_folder(path: Path) -> bool:
     except (OSError, UnicodeDecodeError):
         return False
     return _is_export_listing(names, graph)
+
+
+def _is_staging_leftover(entry: Path) -> bool:
+    """Whether ``entry`` (named like `STAGING`) is what an interrupted export left: a folder (no link) holding files
+    of an export only (``graph.nnef``, ``graph.quant``, ``.dat`` tensors), perhaps not all of them yet."""
+    if entry.is_symlink() or not entry.is_dir():
+        return False
+    return all(file.is_file() and not file.is_symlink() and (file.name in EXPORT_GRAPH_FILES or file.suffix == ".dat")
+               for file in entry.iterdir())
 
 
 def _is_export_archive(path: Path) -> bool:
