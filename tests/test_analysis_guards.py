@@ -169,14 +169,15 @@ def test_a_shard_named_file_no_routing_json_lists_is_not_overwritten(model, tmp_
         with pytest.raises(MoelensError, match=r"holds shard-00000.safetensors, which no routing.json there lists"):
             call()
     assert files(folder) == {"shard-00000.safetensors": b"the user's"}
-    # another tool's routing.json listing that file does not make it moelens' to delete
-    theirs = json.dumps({"my_tool": 1, "shards": [{"file": "shard-00000.safetensors"}]}).encode()
-    (folder / META_FILE).write_bytes(theirs)
-    for call in (lambda: cache.save(folder), lambda: analysis.collect_routing(model, TEXTS, folder=str(folder),
-                                                                                progress=False)):
-        with pytest.raises(MoelensError, match=r"holds shard-00000.safetensors, which no routing.json there lists"):
-            call()
-    assert files(folder) == {"shard-00000.safetensors": b"the user's", META_FILE: theirs}
+    # another tool's routing.json listing that file does not make it moelens' to delete, a format number in it neither
+    for theirs in (json.dumps({"my_tool": 1, "shards": [{"file": "shard-00000.safetensors"}]}).encode(),
+                   json.dumps({"format": 1, "shards": [{"file": "shard-00000.safetensors"}]}).encode()):
+        (folder / META_FILE).write_bytes(theirs)
+        for call in (lambda: cache.save(folder), lambda: analysis.collect_routing(model, TEXTS, folder=str(folder),
+                                                                                    progress=False)):
+            with pytest.raises(MoelensError, match=r"holds shard-00000.safetensors, which no routing.json there lists"):
+                call()
+        assert files(folder) == {"shard-00000.safetensors": b"the user's", META_FILE: theirs}
     (folder / "shard-00000.safetensors").unlink()  # nor is their routing.json replaced
     with pytest.raises(MoelensError, match=r"holds a routing.json that is not a moelens routing cache's"):
         cache.save(folder)

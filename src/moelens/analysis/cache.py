@@ -516,14 +516,20 @@ def check_format(meta_path: Path, meta: dict) -> None:
         )
 
 
+#: What every moelens ``routing.json`` records beside its format (`RoutingCache.meta`), since the first format.
+CACHE_KEYS = ("num_tokens", "layers", "num_experts", "top_k", "shards")
+
+
 def _cache_meta(folder: Path) -> dict | None:
-    """The ``routing.json`` in ``folder`` when it is a moelens cache's (it records the format), else None."""
+    """The ``routing.json`` in ``folder`` when it is a moelens cache's (it records the format, and `CACHE_KEYS`: another
+    tool's with a format number is not taken for one), else None."""
     try:
         meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     found = meta.get("format") if isinstance(meta, dict) else None
-    return meta if isinstance(found, int) and not isinstance(found, bool) else None
+    is_cache = isinstance(found, int) and not isinstance(found, bool) and all(key in meta for key in CACHE_KEYS)
+    return meta if is_cache else None
 
 
 def listed_shards(meta: dict | None) -> list[str]:
@@ -556,8 +562,9 @@ def check_cache_folder(folder: Path) -> list[str]:
         )
     if meta is None and (folder / META_FILE).exists():
         raise MoelensError(
-            f"routing cache folder {str(folder)!r} holds a {META_FILE} that is not a moelens routing cache's (no "
-            f"format recorded in it); a cache written there would overwrite it: move it or name another folder."
+            f"routing cache folder {str(folder)!r} holds a {META_FILE} that is not a moelens routing cache's (it "
+            f"records no format, or not the layers, experts and shards a cache records); a cache written there would "
+            "overwrite it: move it or name another folder."
         )
     return listed
 
