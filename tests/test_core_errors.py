@@ -719,6 +719,27 @@ def test_a_damaged_bin_shard_is_named(tmp_path):
         moelens.load(tmp_path)
 
 
+def test_a_checkpoint_path_that_cannot_be_read_says_why(tmp_path, monkeypatch):
+    """A dangling symbolic link was taken for a hub id ("couldn't connect to huggingface.co"); a config.json that is a
+    folder was "no config.json"; a weights file this user may not read was "No such file or directory" (and an
+    unreadable config.json "update transformers"). Unreadable is simulated through os.access: root reads anything."""
+    from moelens import loading
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing")
+    with pytest.raises(moelens.MoelensError, match=r"no model at .*dangling': it is a symbolic link to a missing path"):
+        moelens.load(tmp_path / "dangling")
+    (tmp_path / "odd" / "config.json").mkdir(parents=True)
+    with pytest.raises(moelens.MoelensError, match=r"odd' is not a transformers checkpoint folder \(its config\.json is "
+                                                   r"a folder\)"):
+        moelens.load(tmp_path / "odd")
+    tiny_model("mixtral").save_pretrained(tmp_path / "saved")
+    weights = tmp_path / "saved" / "model.safetensors"
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) != str(weights))
+    with pytest.raises(moelens.MoelensError, match=rf"this user may not read {re.escape(repr(str(weights)))} "
+                                                   r"\(permission denied\): give read access"):
+        moelens.load(tmp_path / "saved")
+
+
 @pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.safetensors"])
 @pytest.mark.parametrize("content", ["lfs-pointer", "junk"])
 def test_a_weights_file_that_is_no_weights_file_is_named(tmp_path, weights, content):

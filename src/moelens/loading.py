@@ -40,16 +40,33 @@ def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
     looks_local = (path.is_absolute() or text.startswith((".", "~")) or len(path.parts) > 2
                    or (len(path.parts) == 2 and Path(path.parts[0]).is_dir()))
     source = str(path)
+    if path.is_symlink() and not path.exists():  # not a hub id: transformers would go to the network for it
+        raise MoelensError(f"no model at {text!r}: it is a symbolic link to a missing path ({os.readlink(path)!r}). "
+                           "Pass a local checkpoint folder (holding config.json and the weights), or 'tiny'.")
     if not path.exists():
         if looks_local:
             raise MoelensError(f"no model at {text!r}: the path does not exist. Pass a local checkpoint folder "
                                "(holding config.json and the weights), or 'tiny'.")
         return
     folder = path / subfolder
+    if path.is_dir():
+        _refuse_unreadable(folder)
     if path.is_dir() and not (folder / "config.json").is_file():
         where = f"{str(folder)!r} (subfolder {subfolder!r})" if subfolder else repr(source)
         remedy = _hides_tiny(text) or "pass one, or 'tiny'"
-        raise MoelensError(f"{where} is not a transformers checkpoint folder (no config.json in it); {remedy}.")
+        held = "its config.json is a folder" if (folder / "config.json").is_dir() else "no config.json in it"
+        raise MoelensError(f"{where} is not a transformers checkpoint folder ({held}); {remedy}.")
+
+
+def _refuse_unreadable(folder: Path) -> None:
+    """Refuse a checkpoint ``folder``, or its config.json or weights files, that this user may not read (the loader
+    said "No such file" of a weights file, or advised updating transformers for a config.json)."""
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors")), *sorted(folder.glob("*.bin"))]
+    unreadable = ([folder] if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK) else
+                  [file for file in files if file.is_file() and not os.access(file, os.R_OK)])
+    if unreadable:
+        raise MoelensError(f"this user may not read {', '.join(repr(str(path)) for path in unreadable)} (permission "
+                           "denied): give read access (chmod +r), or load the checkpoint as a user who may read it.")
 
 
 def _hides_tiny(given: str) -> str:
