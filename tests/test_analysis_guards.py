@@ -184,6 +184,16 @@ def test_a_shard_named_file_no_routing_json_lists_is_not_overwritten(model, tmp_
     assert files(folder) == {META_FILE: theirs}
 
 
+def test_loading_a_cache_from_a_file_or_a_missing_path_says_which(tmp_path):
+    """RoutingCache.load of a file, or of a path that does not exist, said "routing.json is missing"."""
+    (tmp_path / "a_file").write_text("mine")
+    (tmp_path / "empty").mkdir()
+    for name, why in (("a_file", "it is a file, not a cache's folder"), ("missing", "the path does not exist"),
+                      ("empty", "routing.json is missing")):
+        with pytest.raises(MoelensError, match=rf"{name} holds no routing cache \({why}\); save one"):
+            RoutingCache.load(tmp_path / name)
+
+
 def test_a_cache_folder_that_cannot_be_one_is_refused_before_any_work(model, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("mine")

@@ -418,7 +418,9 @@ class RoutingCache:
         folder = user_path(folder, "RoutingCache.load's folder").absolute()
         meta_path = folder / META_FILE
         if not meta_path.is_file():
-            raise MoelensError(f"{folder} holds no routing cache ({META_FILE} is missing); save one with cache.save(folder).")
+            why = (f"{META_FILE} is missing" if folder.is_dir() else "it is a file, not a cache's folder"
+                   if folder.exists() else "the path does not exist")
+            raise MoelensError(f"{folder} holds no routing cache ({why}); save one with cache.save(folder).")
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
