@@ -719,6 +719,42 @@ def test_a_damaged_bin_shard_is_named(tmp_path):
         moelens.load(tmp_path)
 
 
+@pytest.mark.parametrize("stopped_at", ["router", "root"])
+def test_a_wrap_stopped_half_way_leaves_the_model_wrappable(monkeypatch, stopped_at):
+    """Ctrl-C in moelens.wrap between nnsight storing a module's state and installing its forward left the state:
+    every later wrap (and of a deep copy) warned "forward was replaced" and never served the module (an OrderError
+    blaming the read order for the router; nnsight's OutOfOrderError for the root). Ground truth: a pristine copy."""
+    import nnsight.intervention.source as source
+
+    hf = tiny_model("mixtral")
+    inputs = tiny_inputs(hf)
+    pristine = copy.deepcopy(hf)
+    stopped = hf.model.layers[0].mlp.gate if stopped_at == "router" else hf
+    controller = source.Controller
+
+    def interrupted(module, state):
+        if module is stopped:
+            raise KeyboardInterrupt
+        return controller(module, state)
+
+    monkeypatch.setattr(source, "Controller", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        moelens.wrap(hf)
+    monkeypatch.setattr(source, "Controller", controller)
+    fresh = moelens.wrap(pristine)
+    with torch.no_grad(), fresh.trace(**inputs):
+        expected_logits = fresh.moes[0].router_logits.save()
+        expected_output = fresh.output.logits.save()
+    for model in (hf, copy.deepcopy(hf)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nnsight's "forward was replaced" among them
+            wrapped = moelens.wrap(model)
+        with torch.no_grad(), wrapped.trace(**inputs):
+            logits = wrapped.moes[0].router_logits.save()
+            output = wrapped.output.logits.save()
+        torch.testing.assert_close((logits, output), (expected_logits, expected_output), rtol=0, atol=0)
+
+
 def test_a_checkpoint_path_that_cannot_be_read_says_why(tmp_path, monkeypatch):
     """A dangling symbolic link was taken for a hub id ("couldn't connect to huggingface.co"); a config.json that is a
     folder was "no config.json"; a weights file this user may not read was "No such file or directory" (and an

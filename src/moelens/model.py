@@ -29,7 +29,7 @@ from jaxtyping import Int
 from nnsight import NNsight, TransformersModel
 from nnsight.intervention.envoy import Envoy, traceable
 from nnsight.intervention.interleaver import OutOfOrderError
-from nnsight.intervention.source import SourceNotAvailable
+from nnsight.intervention.source import STATE as NNSIGHT_STATE, SourceNotAvailable
 from nnsight.modeling import processing
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -1151,6 +1151,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         )
     _warn_on_vocabulary(model, tokenizer)
     _refuse_compiled(model.named_modules())
+    _drop_stale_nnsight_state(model)
     structure = discover(model)
     options = dict(nnsight_kwargs)
     moe_envoy = _expert_parallel_envoy(model)
@@ -1499,6 +1500,16 @@ def _blockless_layers(model: torch.nn.Module, structure: Structure) -> list[str]
     layers = model.get_submodule(structure.layers)
     count = len(layers) if hasattr(layers, "__len__") else 0
     return [path for path in (f"{structure.layers}.{i}" for i in range(count)) if path not in holding]
+
+
+def _drop_stale_nnsight_state(model: torch.nn.Module) -> None:
+    """Forget the nnsight state of a module whose wrapping stopped half-way (Ctrl-C in `wrap`, between nnsight storing
+    the state and installing the forward that hands the module's calls to a trace): nnsight would keep the state,
+    warn that ``forward`` was replaced and never serve the module again, in every later wrap and deep copy. A module
+    whose ``forward`` something else replaced keeps it (nnsight's warning is right there)."""
+    for module in model.modules():
+        if NNSIGHT_STATE in module.__dict__ and "forward" not in module.__dict__:
+            del module.__dict__[NNSIGHT_STATE]
 
 
 def _bind(host: Any, alias: str, native: str) -> None:
