@@ -84,8 +84,8 @@ def padding_position_id(model: nn.Module) -> int | None:
     its input ids (RoBERTa and its kin, Kosmos-2's text model, I-BERT ...: real tokens from ``padding_idx + 1``),
     else None. Positions counted from 0 and given to such a model would move every token. Told by the module doing
     it: one with a ``padding_idx`` whose forward calls transformers' ``create_position_ids_from_input_ids``."""
-    return next((module.padding_idx for module in model.modules() if isinstance(getattr(module, "padding_idx", None), int)
-                 and _counts_positions_from_padding(type(module))), None)
+    padded = (module for module in model.modules() if isinstance(getattr(module, "padding_idx", None), int))
+    return next((module.padding_idx for module in padded if _counts_positions_from_padding(type(module))), None)
 
 
 @functools.cache

@@ -92,8 +92,8 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
             raise MoelensError(f"cannot save a plot to {typed!r}: a path ending in a slash names a folder; name a "
                                f"file (such as {typed + 'plot.png'!r}).")
         if path.is_symlink():
-            raise MoelensError(f"cannot save a plot to {path}: it is a symbolic link (to {os.readlink(path)!r}); moelens "
-                               "writes through no link. Name the link's target, or a new path.")
+            raise MoelensError(f"cannot save a plot to {path}: it is a symbolic link (to {os.readlink(path)!r}); "
+                               "moelens writes through no link. Name the link's target, or a new path.")
         dots = as_real(dpi)  # a numpy number or a 0-d tensor too, as matplotlib takes them; never a bool
         if dots is None or not 10 <= dots <= 2000:
             raise MoelensError(f"save: dpi must be a number of dots per inch from 10 to 2000, got {dpi!r}.")

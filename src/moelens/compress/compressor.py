@@ -415,7 +415,8 @@ def _unrecognised_targets(model: nn.Module, targeted: str | list[str] | tuple[st
 
 def _linear_names(module: nn.Module) -> list[str]:
     """The distinct last names of the Linear / Conv1D layers below ``module`` (``fc1``, ``q_proj`` ...), in module
-    order, leaving out PEFT's (``base_layer``, ``lora_A`` ...) and protected ones (``lm_head``, `tg.protected_reason`)."""
+    order, leaving out PEFT's (``base_layer``, ``lora_A`` ...) and protected ones (``lm_head``:
+    `tg.protected_reason`)."""
     return list(dict.fromkeys(path.rpartition(".")[2] for path, layer in module.named_modules()
                               if path and tg.is_linear(layer) and ".base_layer" not in path and "lora_" not in path
                               and not tg.protected_reason(path)))

@@ -149,7 +149,8 @@ def replace_table(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moelens.export.table", description=(__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moelens.export.table",
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--write", type=Path, metavar="DOC", help="replace the table between the markers in DOC")
     args = parser.parse_args(argv)
     table = support_table()
