@@ -769,11 +769,20 @@ def test_a_checkpoint_path_that_cannot_be_read_says_why(tmp_path, monkeypatch):
                                                    r"a folder\)"):
         moelens.load(tmp_path / "odd")
     tiny_model("mixtral").save_pretrained(tmp_path / "saved")
-    weights = tmp_path / "saved" / "model.safetensors"
-    monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) != str(weights))
+    weights, beside = tmp_path / "saved" / "model.safetensors", tmp_path / "saved" / "training_args.bin"
+    beside.write_bytes(b"a Trainer's file the loader never reads")
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) not in (str(weights), str(beside)))
     with pytest.raises(moelens.MoelensError, match=rf"this user may not read {re.escape(repr(str(weights)))} "
                                                    r"\(permission denied\): give read access"):
         moelens.load(tmp_path / "saved")
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) != str(beside))
+    assert type(moelens.load(tmp_path / "saved")._module).__name__ == "MixtralForCausalLM"  # a file beside: not read
+    snapshot = tmp_path / "snapshot"  # a hub cache's snapshot whose blob of config.json was deleted
+    snapshot.mkdir()
+    (snapshot / "config.json").symlink_to(tmp_path / "blobs" / "config")
+    with pytest.raises(moelens.MoelensError, match=r"snapshot/config\.json' \(to .*blobs/config'\) is a symbolic link "
+                                                   r"to a missing file"):
+        moelens.load(snapshot)
 
 
 @pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.safetensors"])
@@ -791,6 +800,31 @@ def test_a_weights_file_that_is_no_weights_file_is_named(tmp_path, weights, cont
                 else rf"cannot be read.*: it is damaged or truncated {named}; save the model again")
     with pytest.raises(moelens.MoelensError, match=expected):
         moelens.load(tmp_path)
+
+
+def test_a_sound_bin_holding_more_than_tensors_and_a_junk_bin_beside_the_weights_are_told_apart(tmp_path):
+    """A pytorch_model.bin holding a numpy array (torch's safe loading refuses it) was called damaged, with torch's
+    advice to pass weights_only=False inside; a config error (a rope type transformers does not know: KeyError) in a
+    folder holding a junk .bin beside model.safetensors (a GGML file the loader never reads) was blamed on that .bin.
+    Ground truth: the files this test wrote; the config error as transformers raises it without the extra file."""
+    import json
+
+    import numpy as np
+
+    model = tiny_model("mixtral")
+    model.config.save_pretrained(tmp_path / "numpy")
+    torch.save({**model.state_dict(), "extra": np.zeros(3)}, tmp_path / "numpy" / "pytorch_model.bin")
+    with pytest.raises(moelens.MoelensError, match=r"holds objects other than tensors, which torch's safe loading "
+                                                   r"\(weights_only\) refuses: save the model again") as refused:
+        moelens.load(tmp_path / "numpy")
+    assert "weights_only=False" not in str(refused.value)
+    model.save_pretrained(tmp_path / "rope")
+    config = json.loads((tmp_path / "rope" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "bogus-rope", "rope_theta": 10000.0}
+    (tmp_path / "rope" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "rope" / "ggml-model-q4_0.bin").write_bytes(b"ggjt\x03\x00\x00\x00" + b"\x00" * 64)
+    with pytest.raises(KeyError, match="bogus-rope"):
+        moelens.load(tmp_path / "rope")
 
 
 def test_tokenizer_files_without_a_vocabulary_or_a_class_load_as_the_folder_holds_them(tmp_path):

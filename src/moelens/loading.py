@@ -59,14 +59,48 @@ def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
 
 
 def _refuse_unreadable(folder: Path) -> None:
-    """Refuse a checkpoint ``folder``, or its config.json or weights files, that this user may not read (the loader
-    said "No such file" of a weights file, or advised updating transformers for a config.json)."""
-    files = [folder / "config.json", *sorted(folder.glob("*.safetensors")), *sorted(folder.glob("*.bin"))]
-    unreadable = ([folder] if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK) else
-                  [file for file in files if file.is_file() and not os.access(file, os.R_OK)])
+    """Refuse a checkpoint ``folder``, or its config.json or the weights files the loader reads (`_weights_read`),
+    that this user may not read (the loader said "No such file" of a weights file, or advised updating transformers
+    for a config.json), or that is a symbolic link to a missing file (a hub cache whose blob was deleted)."""
+    if not folder.is_dir():  # a subfolder that is not there: named by the caller
+        return
+    if not os.access(folder, os.R_OK | os.X_OK):
+        unreadable = [folder]
+    else:
+        files = [folder / "config.json", *_weights_read(folder)]
+        dangling = [file for file in files if file.is_symlink() and not file.exists()]
+        if dangling:
+            raise MoelensError(
+                f"{', '.join(f'{str(file)!r} (to {os.readlink(file)!r})' for file in dangling)} "
+                f"{'is a symbolic link' if len(dangling) == 1 else 'are symbolic links'} to a missing file (a hub "
+                "cache whose blobs were deleted?): download or copy the checkpoint again."
+            )
+        unreadable = [file for file in files if file.is_file() and not os.access(file, os.R_OK)]
     if unreadable:
         raise MoelensError(f"this user may not read {', '.join(repr(str(path)) for path in unreadable)} (permission "
                            "denied): give read access (chmod +r), or load the checkpoint as a user who may read it.")
+
+
+#: The weights files transformers reads from a checkpoint folder, in its order of preference (safetensors first),
+#: and their shard indexes.
+WEIGHTS_FILES = (("model.safetensors", "model.safetensors.index.json"),
+                 ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+
+
+def _weights_read(folder: Path) -> list[Path]:
+    """The weights files of ``folder`` the loader reads: ``model.safetensors``, else its shard index and the shards
+    it lists, else the same of ``pytorch_model.bin`` (files beside them, ``training_args.bin`` or a superseded
+    ``.bin``, are not read)."""
+    for single, index in WEIGHTS_FILES:
+        if (folder / single).is_file() or (folder / single).is_symlink():
+            return [folder / single]
+        if (folder / index).is_file() or (folder / index).is_symlink():
+            try:
+                shards = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"].values()
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # named by the loader's own check
+                shards = ()
+            return [folder / index, *(folder / name for name in sorted(set(shards)) if isinstance(name, str))]
+    return []
 
 
 def _hides_tiny(given: str) -> str:
@@ -142,12 +176,12 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
         model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except SafetensorError as error:
         raise _damaged_weights(source, folder, error, ".safetensors") from error
-    except pickle.UnpicklingError as error:  # a .bin that is no torch.save file (torch advised weights_only=False)
-        raise _damaged_weights(source, folder, error, ".bin") from error
+    except pickle.UnpicklingError as error:  # a .bin that is no torch.save file, or holds more than tensors (torch
+        raise _damaged_weights(source, folder, error, ".bin") from error  # advised weights_only=False, unsafe)
     except (ValueError, KeyError, AttributeError) as error:  # the others: a shard index without its weight_map
         _refuse_damaged_index(source, folder, error)
         if not isinstance(error, ValueError):
-            if _unreadable_weights(folder, ".bin"):  # torch's unpickling of junk: a bare KeyError
+            if _unreadable_weights(folder, ".bin"):  # torch's unpickling of a junk .bin it reads: a bare KeyError
                 raise _damaged_weights(source, folder, error, ".bin") from error
             raise
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
@@ -224,12 +258,22 @@ def _torch_saved(file: Path) -> bool:
     return len(head) == 2 and head[0] == 0x80 and head[1] <= 5  # pickle's PROTO opcode and a protocol it knows
 
 
+def _weights_files(folder: Path, suffix: str) -> list[Path]:
+    """The files ending in ``suffix`` the loader reads from ``folder`` (`_weights_read`), or every such file where the
+    folder holds none of transformers' names (a ``variant``'s)."""
+    read = _weights_read(folder)
+    return [path for path in read if path.name.endswith(suffix)] if read else sorted(folder.glob(f"*{suffix}"))
+
+
 def _unreadable_weights(folder: Path, suffix: str = ".safetensors") -> list[Path]:
-    """The weights files ending in ``suffix`` in ``folder`` that cannot be opened (a damaged or truncated file, such
-    as one shard of a sharded checkpoint): ``.safetensors`` whose header safetensors refuses, ``.bin`` whose zip
-    listing (what torch.save writes) zipfile refuses, a legacy pickle aside; only headers and listings are read."""
+    """The weights files ending in ``suffix`` in ``folder`` the loader reads (`_weights_read`; every such file where
+    the folder holds none of transformers' names) that cannot be opened (a damaged or truncated file, such as one
+    shard of a sharded checkpoint): ``.safetensors`` whose header safetensors refuses, ``.bin`` whose zip listing
+    (what torch.save writes) zipfile refuses, a legacy pickle aside; only headers and listings are read."""
+    if not folder.is_dir():
+        return []
     unreadable = []
-    for path in sorted(folder.glob(f"*{suffix}")) if folder.is_dir() else ():
+    for path in _weights_files(folder, suffix):
         try:
             if suffix == ".safetensors":
                 with safe_open(str(path), framework="pt"):
@@ -256,8 +300,13 @@ def _damaged_weights(source: str, folder: Path, error: Exception, suffix: str) -
     where none is found), and Git LFS pointers, which a checkout without git-lfs holds instead of the weights, told."""
     files = _unreadable_weights(folder, suffix)
     pointers = [path for path in files if _starts_with(path, LFS_POINTER)]
+    if not files and isinstance(error, pickle.UnpicklingError):  # a sound file holding more than tensors
+        return MoelensError(
+            f"a weights file of {source!r} holds objects other than tensors, which torch's safe loading (weights_only) "
+            "refuses: save the model again with save_pretrained (safetensors), from a source you trust."
+        )
     if files:
-        total = len(list(folder.glob(f"*{suffix}")))
+        total = len(_weights_files(folder, suffix))
         named = f" ({', '.join(repr(str(path)) for path in files)}: {len(files)} of its {total} weights files)"
     else:
         named = ""
