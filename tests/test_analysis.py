@@ -944,6 +944,16 @@ def test_plots_save_refuses_a_folder_and_leaves_the_file_beside_it(tmp_path):
     assert not any((tmp_path / "outdir").iterdir()) and not any((tmp_path / "isdir.png").iterdir())
 
 
+class _Spelled:
+    """An os.PathLike keeping the path as typed (a pathlib.Path drops a trailing slash)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
 def test_plots_save_refuses_a_symbolic_link_and_a_path_ending_in_a_slash(tmp_path):
     """save(fig, "usage.png") with usage.png a link to the user's notes.txt wrote the PNG over notes.txt, and
     save(fig, "x.png/") (a folder, by its slash) wrote the file x.png: moelens writes through no link, as export."""
@@ -953,10 +963,36 @@ def test_plots_save_refuses_a_symbolic_link_and_a_path_ending_in_a_slash(tmp_pat
     with pytest.raises(MoelensError, match=r"cannot save a plot to .*usage\.png: it is a symbolic link \(to .*notes"
                                            r"\.txt'\); moelens writes through no link"):
         plots.save(plots.plot_usage(_two_expert_usage()), tmp_path / "usage.png")
-    with pytest.raises(MoelensError, match=r"x\.png/': a path ending in a slash names a folder; name a file"):
-        plots.save(plots.plot_usage(_two_expert_usage()), f"{tmp_path}/x.png/")
+    for spelled in (f"{tmp_path}/x.png/", f"{tmp_path}/x.png/.", _Spelled(f"{tmp_path}/x.png/")):
+        with pytest.raises(MoelensError, match=r"x\.png/\.?': a path ending in a slash names a folder; name a file"):
+            plots.save(plots.plot_usage(_two_expert_usage()), spelled)
     assert (tmp_path / "notes.txt").read_text() == "the user's notes\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "usage.png"]
+
+
+def test_plots_save_replaces_the_file_at_its_path_and_no_other(tmp_path, monkeypatch):
+    """plots.save wrote into the file at its path: a hard link of the user's notes.txt got the PNG, and a write
+    stopped half-way (Ctrl-C, a full disk) left a truncated file. Now a new file is renamed over the path."""
+    import os
+
+    plots = analysis.plots
+    (tmp_path / "notes.txt").write_text("the user's notes\n")
+    os.link(tmp_path / "notes.txt", tmp_path / "hard.png")
+    written = plots.save(plots.plot_usage(_two_expert_usage()), tmp_path / "hard.png")
+    assert written.read_bytes()[:4] == b"\x89PNG" and (tmp_path / "notes.txt").read_text() == "the user's notes\n"
+    earlier = written.read_bytes()
+    written.chmod(0o640)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(plots.plot_usage(_two_expert_usage())), "savefig", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        plots.save(plots.plot_usage(_two_expert_usage()), written)
+    assert written.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["hard.png", "notes.txt"]
+    monkeypatch.undo()
+    plots.save(plots.plot_usage(_two_expert_usage()), written)
+    assert written.stat().st_mode & 0o777 == 0o640  # a replaced plot keeps the file's mode
 
 
 @pytest.mark.parametrize(("chosen", "expected"), [("", "agg"), ("svg", "svg"), ("pdf", "pdf")])

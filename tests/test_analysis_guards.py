@@ -693,6 +693,25 @@ def test_stats_out_is_checked_before_any_work(tmp_path, capsys, monkeypatch, set
     assert os.path.islink(out) or out.is_dir()
 
 
+def test_stats_out_holding_an_empty_plot_an_interrupted_run_left_goes_on(tmp_path, capsys, monkeypatch):
+    """An older moelens stopped while writing usage.png left it empty: the no-PNG refusal (for the user's files) would
+    block every later run on that folder. Ground truth: the run goes past the checks to load the model."""
+    text, out = tmp_path / "in.txt", tmp_path / "out"
+    text.write_text("some text to route\n")
+    out.mkdir()
+    (out / "usage.png").write_bytes(b"")
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(analysis_cli, "load_model", loaded)
+    with pytest.raises(Loaded):
+        main(["stats", "tiny", "--text", str(text), "--out", str(out), "--no-progress"])
+
+
 def test_stats_out_holding_an_output_file_it_may_not_write_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     """A read-only stats.json in --out: the model loaded and ran, the routing cache was written, and only then did the
     run fail on writing stats.json (leaving the new cache beside the old results). Read-only for root: chattr +i."""

@@ -153,7 +153,7 @@ def check_output_folder(path: Path, files: Sequence[str] = (), cache: str | None
         if name != cache and target.is_file():
             kind = ("a file this user may not write" if not os.access(target, os.W_OK) else
                     "a file that is no PNG (not one moelens wrote)" if name.endswith(".png") and not _is_png(target)
-                    else None)
+                    else None)  # an empty one: a plot whose writing an older moelens was stopped in
             if kind is not None:
                 raise MoelensError(f"--out {str(path)!r} already holds {name!r} as {kind}, which this run would "
                                    "replace or remove; move it or name another folder.")
@@ -166,8 +166,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _is_png(path: Path) -> bool:
+    """Whether ``path`` holds a PNG, or nothing (what writing a plot in place left where it was stopped)."""
     with path.open("rb") as file:
-        return file.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
+        return file.read(len(PNG_SIGNATURE)) in (PNG_SIGNATURE, b"")
 
 
 def check_not_written(text: Path, path: Path, files: Sequence[str], cache: str | None) -> None:

@@ -12,6 +12,8 @@ __all__ = ["has_display", "pyplot", "save", "plot_usage", "plot_load_balance", "
            "plot_transitions", "plot_token_routing", "plot_top_tokens", "plot_logit_lens", "plot_specialisation"]
 
 import os
+import secrets
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -72,6 +74,7 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
     The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
     without one gets ``.png``. A path naming a folder (with or without that ``.png``, or ending in a slash) is
     refused, and so is a symbolic link (moelens writes through no link: the file it points to is not the path named).
+    The plot is written beside ``path`` and renamed over it (`_write_replacing`).
     """
     from matplotlib.figure import Figure
 
@@ -88,9 +91,10 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
             if folder.is_dir():
                 raise MoelensError(f"cannot save a plot to {named}: {folder} is a folder; name a file "
                                    f"(such as {folder / 'plot.png'}).")
-        if isinstance(typed, str) and typed.endswith(("/", os.sep)):  # Path drops the slash that says "a folder"
-            raise MoelensError(f"cannot save a plot to {typed!r}: a path ending in a slash names a folder; name a "
-                               f"file (such as {typed + 'plot.png'!r}).")
+        spelled = os.fspath(typed) if isinstance(typed, (str, os.PathLike)) else ""
+        if spelled.endswith(("/", os.sep, "/.", f"{os.sep}.")):  # Path drops what says "a folder" there
+            raise MoelensError(f"cannot save a plot to {spelled!r}: a path ending in a slash names a folder; name a "
+                               f"file (such as {str(named / 'plot.png')!r}).")
         if path.is_symlink():
             raise MoelensError(f"cannot save a plot to {path}: it is a symbolic link (to {os.readlink(path)!r}); "
                                "moelens writes through no link. Name the link's target, or a new path.")
@@ -105,10 +109,24 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
         if blocked is not None:
             raise MoelensError(f"cannot save a plot to {path}: it lies under {blocked}; name a path elsewhere.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=dots, bbox_inches="tight")
+        _write_replacing(figure, path, dots)
     finally:
         pyplot().close(figure)
     return path
+
+
+def _write_replacing(figure: Any, path: Path, dpi: float) -> None:
+    """Write ``figure`` to a new file of its own beside ``path`` and rename it over ``path``: stopped half-way, the
+    file there stays as it was (not a truncated plot), and a file with another name too (a hard link) keeps its
+    bytes. A plot replacing a file keeps that file's mode."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.part")
+    try:
+        figure.savefig(temporary, format=path.suffix[1:].lower(), dpi=dpi, bbox_inches="tight")
+        if path.exists():
+            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _categorical(count: int) -> Any:
