@@ -1340,6 +1340,39 @@ def test_the_lens_refuses_experts_whose_outputs_are_not_hidden_states():
         analysis.expert_logit_lens(moelens.wrap(converted), ids[:2], progress=False)
 
 
+def test_the_lens_reads_out_a_converted_output_projection_narrower_than_its_input():
+    """A converted GPT-2 c_proj (128 in, 32 out) has square experts whose outputs are 128 wide, the columns past 32
+    zero (the block's forward cuts them): the lens refused it as "not added to the residual stream", though the docs
+    read out output projections. Ground truth: each expert's mean weighted output, from the values a trace serves,
+    cut to 32 and read out through ln_f and lm_head by hand."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    converted = tomoe(gpt2, num_experts=4, top_k=2, calibration=ids, target_modules=["transformer.h.1.mlp.c_proj"],
+                      max_error=None, progress=False)
+    wrapped = moelens.wrap(converted)
+    text = ids[:1, :12]
+    lens = analysis.expert_logit_lens(wrapped, text, top=3, progress=False)
+    with torch.no_grad(), wrapped.trace(input_ids=text):
+        chosen = wrapped.moes[0].expert_indices.save()
+        outputs = wrapped.moes[0].expert_outputs.save()
+    assert outputs.shape[-1] == 128 and not outputs[..., 32:].any()
+    for expert in range(4):
+        picked = chosen == expert
+        if not picked.any():
+            continue
+        mean = outputs[picked][:, :32].double().mean(0)
+        with torch.no_grad():
+            expected = converted.lm_head(converted.transformer.ln_f(mean.float())).topk(3).indices
+        assert lens.counts[0, expert] == int(picked.sum())
+        assert lens.top_ids[0, expert].tolist() == expected.tolist(), expert
+
+
 def test_describe_names_every_family_of_a_model_converted_in_two_kinds_of_block():
     """moelens.compress converting a Llama's FFNs and its q_proj makes blocks of two families (tomoe, tomoe_linear):
     describe named the first block's family and notes alone, as if every block were a converted q_proj."""

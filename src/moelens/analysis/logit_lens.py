@@ -110,9 +110,13 @@ def _norm_owners(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
-    """Expert outputs in the model's hidden space: through the block's projection of the routed sum when
+    """Expert outputs in the model's hidden space: cut to the block's ``output_size`` (a converted Linear whose
+    experts are padded square, as its forward cuts them), and through the block's projection of the routed sum when
     the experts work in a latent space (nemotron_h's ``fc2_latent_proj``). Only its weight: its bias is
     added once per token to the routed sum, not per expert."""
+    width = getattr(moe._module, "output_size", None)  # a converted Linear narrower than its input: square experts
+    if isinstance(width, int) and total.shape[-1] > width:  # whose columns past its output are zero, cut by its forward
+        total = total[..., :width]
     post = moe.family.combine.routed_post
     if post is None or total.numel() == 0:
         return total
@@ -223,9 +227,9 @@ def expert_logit_lens(
         if sums[moe.layer].numel() and sums[moe.layer].shape[-1] != hidden_size:
             raise MoelensError(
                 f"{moe.path}: its experts' outputs are {sums[moe.layer].shape[-1]} wide, and the unembedding reads "
-                f"{hidden_size}-wide hidden states: they are not added to the residual stream (a converted "
-                "up-projection, tomoe_linear of c_fc), so the lens cannot read them out; choose the blocks whose "
-                "outputs are (blocks=..., layers=...)."
+                f"{hidden_size}-wide hidden states: they are not added to the residual stream (such as a converted "
+                "up-projection: c_fc, up_proj), so the lens cannot read them out; choose the blocks whose outputs are "
+                "(blocks=..., layers=...)."
             )
     layer_ids = [moe.layer for moe in moes]
     width = max(moe.num_experts for moe in moes)
