@@ -48,9 +48,10 @@ if os.environ.get("MOELENS_TEST_DEVICE"):
 
 @pytest.fixture
 def read_only_folder(tmp_path):
-    """A folder this process may not write into: chmod 555, or for root (whom modes do not stop) chattr +i."""
+    """A folder this process may not write into: chmod 555, or for root (whom modes do not stop) chattr +i. It holds
+    one empty folder, ``writable``, that may be written into."""
     folder = tmp_path / "read-only"
-    folder.mkdir()
+    (folder / "writable").mkdir(parents=True)
     if os.geteuid() == 0:
         if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
             pytest.skip("running as root on a filesystem without chattr +i: no folder root may not write into")

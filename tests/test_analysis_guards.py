@@ -184,6 +184,16 @@ def test_a_shard_named_file_no_routing_json_lists_is_not_overwritten(model, tmp_
     assert files(folder) == {META_FILE: theirs}
 
 
+def test_a_cache_is_saved_into_a_writable_folder_under_one_that_is_not(model, read_only_folder):
+    """An existing folder this user may write into, inside one they may not, was refused as lying under it
+    (`moelens stats --out` alike), though nothing is made above it."""
+    cache = analysis.collect_routing(model, TEXTS, progress=False)
+    assert cache.save(read_only_folder / "writable") == read_only_folder / "writable"
+    assert_same_routing(RoutingCache.load(read_only_folder / "writable"), cache)
+    with pytest.raises(MoelensError, match=r"lies under .*read-only', a folder this user may not write into"):
+        cache.save(read_only_folder / "new")
+
+
 def test_loading_a_cache_from_a_file_or_a_missing_path_says_which(tmp_path):
     """RoutingCache.load of a file, or of a path that does not exist, said "routing.json is missing"."""
     (tmp_path / "a_file").write_text("mine")

@@ -786,7 +786,7 @@ def test_a_checkpoint_path_that_cannot_be_read_says_why(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.safetensors"])
-@pytest.mark.parametrize("content", ["lfs-pointer", "junk"])
+@pytest.mark.parametrize("content", ["lfs-pointer", "junk", "binary-junk"])
 def test_a_weights_file_that_is_no_weights_file_is_named(tmp_path, weights, content):
     """A pytorch_model.bin that is a Git LFS pointer (a clone without git-lfs) or junk gave torch's traceback:
     UnpicklingError advising weights_only=False (unsafe, and no help) or a bare KeyError (a number). Ground truth:
@@ -794,12 +794,14 @@ def test_a_weights_file_that_is_no_weights_file_is_named(tmp_path, weights, cont
     model = tiny_model("mixtral")
     model.config.save_pretrained(tmp_path)
     pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a2146\nsize 7109896\n"
-    (tmp_path / weights).write_bytes(pointer if content == "lfs-pointer" else b"junk\n")
+    junk = {"lfs-pointer": pointer, "junk": b"junk\n", "binary-junk": bytes(range(256)) * 4}[content]
+    (tmp_path / weights).write_bytes(junk)  # torch's unpickling: a KeyError, and an UnpicklingError for bytes
     named = re.escape(f"({str(tmp_path / weights)!r}: 1 of its 1 weights files)")
     expected = (rf"{named}: it is a Git LFS pointer, not the weights .*git lfs pull" if content == "lfs-pointer"
                 else rf"cannot be read.*: it is damaged or truncated {named}; save the model again")
-    with pytest.raises(moelens.MoelensError, match=expected):
+    with pytest.raises(moelens.MoelensError, match=expected) as refused:
         moelens.load(tmp_path)
+    assert "weights_only" not in str(refused.value)  # torch's advice to load the file unsafely, no help here
 
 
 def test_a_sound_bin_holding_more_than_tensors_and_a_junk_bin_beside_the_weights_are_told_apart(tmp_path):

@@ -931,6 +931,9 @@ def test_a_folder_that_may_not_be_written_into_is_refused_before_the_export(read
         to_nnef(moe, read_only_folder, verify=False)
     with pytest.raises(ExportError, match="lies under .*read-only', a folder this user may not write into"):
         to_nnef(moe, read_only_folder / "block.nnef.tgz", verify=False)
+    # an existing folder that may be written into is written into, whatever lies above it (it was refused)
+    assert to_nnef(moe, read_only_folder / "writable", verify=False).path == read_only_folder / "writable"
+    assert (read_only_folder / "writable" / "graph.nnef").is_file()
 
 
 def test_export_never_replaces_a_file_of_the_users(out):

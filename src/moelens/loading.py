@@ -316,7 +316,8 @@ def _damaged_weights(source: str, folder: Path, error: Exception, suffix: str) -
             f"pointer{'s' if len(files) > 1 else ''}, not the weights (a clone made without git-lfs); fetch them with "
             "`git lfs pull` in that checkout, or download the checkpoint again."
         )
-    detail = "" if isinstance(error, KeyError) else f" ({sentence(error)})"  # unpickling junk: a bare number
+    # unpickling junk: a bare number (KeyError), or torch's advice to load it unsafely (UnpicklingError)
+    detail = "" if isinstance(error, (KeyError, pickle.UnpicklingError)) else f" ({sentence(error)})"
     return MoelensError(
         f"a weights file of {source!r} cannot be read{detail}: it is damaged or truncated{named}; save the model again "
         "with save_pretrained, or copy it again."

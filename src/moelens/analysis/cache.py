@@ -493,7 +493,7 @@ def check_folder(path: Path, what: str) -> None:
         raise MoelensError(f"{what} {str(path)!r} is a file; name a folder (it is created if missing).")
     if path.is_dir() and not may_write_into(path):
         raise MoelensError(f"{what} {str(path)!r} is a folder this user may not write into; name another folder.")
-    blocked = blocked_above(path)
+    blocked = None if path.is_dir() else blocked_above(path)  # a folder there is written into, nothing made above
     if blocked is not None:
         raise MoelensError(
             f"{what} {str(path)!r} lies under {blocked}; name a folder elsewhere (it is created if missing)."

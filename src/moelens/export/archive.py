@@ -96,7 +96,8 @@ def check_destination(path: str | os.PathLike) -> None:
             f"{shown} is a folder with files of its own; moelens writes a folder export only into a new "
             "or empty folder, or over an earlier NNEF export. Name a new folder (or an archive, *.nnef.tgz)."
         )
-    blocked = blocked_above(path)
+    # an archive is written beside itself; an existing folder is written into, nothing made above it
+    blocked = None if path.is_dir() and not is_archive(path) else blocked_above(path)
     if blocked is not None:
         raise ExportError(f"{shown} lies under {blocked}; name a path in a folder you can write to.")
 
