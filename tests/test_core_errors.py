@@ -804,6 +804,39 @@ def test_a_weights_file_that_is_no_weights_file_is_named(tmp_path, weights, cont
     assert "weights_only" not in str(refused.value)  # torch's advice to load the file unsafely, no help here
 
 
+def test_the_weights_files_checked_are_those_from_pretrained_is_asked_to_read(tmp_path, monkeypatch):
+    """moelens picked the weights files transformers reads without its variant= or use_safetensors=: a damaged
+    model.fp16.safetensors read with variant="fp16" went unnamed, an unreadable one was "No such file", an LFS pointer
+    pytorch_model.bin read with use_safetensors=False beside model.safetensors was "holds objects other than tensors",
+    a junk one a bare KeyError; a model.safetensors link to a deleted blob beside a sound .bin (the loader takes the
+    .bin) blocked the load. Ground truth: the files this test wrote, and transformers loading the sound ones."""
+    from moelens import loading
+
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path / "fp16", variant="fp16")
+    variant = tmp_path / "fp16" / "model.fp16.safetensors"
+    variant.write_bytes(variant.read_bytes()[:200])
+    with pytest.raises(moelens.MoelensError, match=rf"damaged or truncated \({re.escape(repr(str(variant)))}: 1 of its 1"):
+        moelens.load(tmp_path / "fp16", variant="fp16")
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) != str(variant))
+    with pytest.raises(moelens.MoelensError, match=rf"may not read {re.escape(repr(str(variant)))} \(permission"):
+        moelens.load(tmp_path / "fp16", variant="fp16")
+    monkeypatch.undo()
+    model.save_pretrained(tmp_path / "both")
+    bin_file = tmp_path / "both" / "pytorch_model.bin"
+    for junk, refusal in ((b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 7\n", "Git LFS pointer"),
+                          (b"junk\n", "damaged or truncated")):
+        bin_file.write_bytes(junk)
+        with pytest.raises(moelens.MoelensError, match=rf"{re.escape(repr(str(bin_file)))}: 1 of its 1 weights files\)"
+                                                       rf"(: it is a|; save).*" if refusal == "Git LFS pointer"
+                                                       else rf"{refusal} \({re.escape(repr(str(bin_file)))}"):
+            moelens.load(tmp_path / "both", use_safetensors=False)
+    model.config.save_pretrained(tmp_path / "linked")
+    torch.save(model.state_dict(), tmp_path / "linked" / "pytorch_model.bin")
+    (tmp_path / "linked" / "model.safetensors").symlink_to(tmp_path / "blobs" / "deleted")
+    assert type(moelens.load(tmp_path / "linked")._module).__name__ == "MixtralForCausalLM"
+
+
 def test_a_sound_bin_holding_more_than_tensors_and_a_junk_bin_beside_the_weights_are_told_apart(tmp_path):
     """A pytorch_model.bin holding a numpy array (torch's safe loading refuses it) was called damaged, with torch's
     advice to pass weights_only=False inside; a config error (a rope type transformers does not know: KeyError) in a

@@ -14,6 +14,7 @@ import pickle
 import re
 import warnings
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ from .paths import user_path
 SOURCE_SETTINGS = ("trust_remote_code", "subfolder", "revision", "token", "cache_dir", "local_files_only")
 
 
-def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
-    """Refuse a local path that holds no checkpoint: missing, or a folder without config.json. A name that
+def _check_local_folder(given: str | os.PathLike, subfolder: str, checkpoint: Checkpoint) -> None:
+    """Refuse a local path that holds no checkpoint: missing, or a folder without config.json, or files of
+    ``checkpoint`` (the folder and subfolder) that cannot be read (`_refuse_unreadable`). A name that
     may be a hub id (``name`` or ``namespace/name``, no local folder of that name) is left to transformers;
     ``given`` is what the user passed (``./name`` is local, though ``Path`` turns it into ``name``)."""
     text = os.fspath(given)
@@ -50,7 +52,7 @@ def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
         return
     folder = path / subfolder
     if path.is_dir():
-        _refuse_unreadable(folder)
+        _refuse_unreadable(checkpoint)
     if path.is_dir() and not (folder / "config.json").is_file():
         where = f"{str(folder)!r} (subfolder {subfolder!r})" if subfolder else repr(source)
         remedy = _hides_tiny(text) or "pass one, or 'tiny'"
@@ -58,23 +60,26 @@ def _check_local_folder(given: str | os.PathLike, subfolder: str) -> None:
         raise MoelensError(f"{where} is not a transformers checkpoint folder ({held}); {remedy}.")
 
 
-def _refuse_unreadable(folder: Path) -> None:
-    """Refuse a checkpoint ``folder``, or its config.json or the weights files the loader reads (`_weights_read`),
+def _refuse_unreadable(checkpoint: Checkpoint) -> None:
+    """Refuse a checkpoint folder, or its config.json or the weights files the loader reads (`Checkpoint.weights_read`),
     that this user may not read (the loader said "No such file" of a weights file, or advised updating transformers
     for a config.json), or that is a symbolic link to a missing file (a hub cache whose blob was deleted)."""
+    folder = checkpoint.folder
     if not folder.is_dir():  # a subfolder that is not there: named by the caller
         return
     if not os.access(folder, os.R_OK | os.X_OK):
         unreadable = [folder]
     else:
-        files = [folder / "config.json", *_weights_read(folder)]
-        dangling = [file for file in files if file.is_symlink() and not file.exists()]
+        dangling = checkpoint.missing_links()
         if dangling:
             raise MoelensError(
                 f"{', '.join(f'{str(file)!r} (to {os.readlink(file)!r})' for file in dangling)} "
                 f"{'is a symbolic link' if len(dangling) == 1 else 'are symbolic links'} to a missing file (a hub "
                 "cache whose blobs were deleted?): download or copy the checkpoint again."
             )
+        read = checkpoint.weights_read()  # where the config names its own file: every weights file
+        weights = read if read is not None else [*folder.glob("*.safetensors"), *folder.glob("*.bin")]
+        files = [folder / "config.json", *weights]
         unreadable = [file for file in files if file.is_file() and not os.access(file, os.R_OK)]
     if unreadable:
         raise MoelensError(f"this user may not read {', '.join(repr(str(path)) for path in unreadable)} (permission "
@@ -87,20 +92,55 @@ WEIGHTS_FILES = (("model.safetensors", "model.safetensors.index.json"),
                  ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 
 
-def _weights_read(folder: Path) -> list[Path]:
-    """The weights files of ``folder`` the loader reads: ``model.safetensors``, else its shard index and the shards
-    it lists, else the same of ``pytorch_model.bin`` (files beside them, ``training_args.bin`` or a superseded
-    ``.bin``, are not read)."""
-    for single, index in WEIGHTS_FILES:
-        if (folder / single).is_file() or (folder / single).is_symlink():
-            return [folder / single]
-        if (folder / index).is_file() or (folder / index).is_symlink():
-            try:
-                shards = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"].values()
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # named by the loader's own check
-                shards = ()
-            return [folder / index, *(folder / name for name in sorted(set(shards)) if isinstance(name, str))]
-    return []
+@dataclass(frozen=True)
+class Checkpoint:
+    """A local checkpoint folder and what ``from_pretrained`` is asked of it that decides which weights files it
+    reads (``variant``, ``use_safetensors``)."""
+
+    folder: Path
+    variant: str | None = None
+    use_safetensors: bool | None = None
+
+    def weights_read(self) -> list[Path] | None:
+        """The weights files the loader reads, as transformers picks them: the variant's ``model.safetensors``, else
+        its shard index and the shards it lists, else the same of ``pytorch_model.bin`` (``use_safetensors`` takes
+        one kind only; files beside them, ``training_args.bin`` or a superseded ``.bin``, are not read); [] for none
+        of them; None where the config names its own weights file (``transformers_weights``), not followed here."""
+        try:
+            if "transformers_weights" in json.loads((self.folder / "config.json").read_text(encoding="utf-8")):
+                return None
+        except (OSError, ValueError):  # the config's own refusal says what is wrong with it
+            pass
+        kinds = {None: WEIGHTS_FILES, True: WEIGHTS_FILES[:1], False: WEIGHTS_FILES[1:]}.get(self.use_safetensors,
+                                                                                            WEIGHTS_FILES)
+        for single, index in ((self._named(single), self._named(index)) for single, index in kinds):
+            if single.is_file():  # a link to a missing file is none (transformers asks os.path.isfile)
+                return [single]
+            if index.is_file():
+                try:
+                    shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+                except (OSError, ValueError, KeyError, TypeError, AttributeError):  # named by the loader's own check
+                    shards = ()
+                return [index, *(self.folder / name for name in sorted(set(shards)) if isinstance(name, str))]
+        return []
+
+    def weights_files(self, suffix: str) -> list[Path]:
+        """The files ending in ``suffix`` the loader reads (`weights_read`), or every such file in the folder where
+        that is not known or none of transformers' names is there."""
+        read = self.weights_read()
+        return [path for path in read if path.name.endswith(suffix)] if read else sorted(self.folder.glob(f"*{suffix}"))
+
+    def missing_links(self) -> list[Path]:
+        """config.json, or the weights files the loader would look for, that are symbolic links to missing files."""
+        names = [self._named(name) for pair in WEIGHTS_FILES for name in pair] if not self.weights_read() else []
+        return [path for path in (self.folder / "config.json", *names) if path.is_symlink() and not path.exists()]
+
+    def _named(self, name: str) -> Path:
+        """``name`` in the folder, with the variant (transformers' ``_add_variant``: ``model.fp16.safetensors``)."""
+        if self.variant:
+            stem, _, suffix = name.rpartition(".")
+            name = f"{stem}.{self.variant}.{suffix}"
+        return self.folder / name
 
 
 def _hides_tiny(given: str) -> str:
@@ -167,29 +207,32 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             f"weights: {_file_advice(Path(source))}."
         )
     settings = {name: from_pretrained_kwargs[name] for name in SOURCE_SETTINGS if name in from_pretrained_kwargs}
-    _check_local_folder(path_or_repo_id, settings.get("subfolder") or "")
-    folder = Path(source, settings.get("subfolder", ""))  # where a local checkpoint's files are
+    folder = Path(source, settings.get("subfolder") or "")  # where a local checkpoint's files are
+    checkpoint = Checkpoint(folder, from_pretrained_kwargs.get("variant"), from_pretrained_kwargs.get("use_safetensors"))
+    _check_local_folder(path_or_repo_id, settings.get("subfolder") or "", checkpoint)
     config = _load_config(source, settings)
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     model_class = _model_class(config)
     try:
         model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except SafetensorError as error:
-        raise _damaged_weights(source, folder, error, ".safetensors") from error
+        raise _damaged_weights(source, checkpoint, error, ".safetensors") from error
     except pickle.UnpicklingError as error:  # a .bin that is no torch.save file, or holds more than tensors (torch
-        raise _damaged_weights(source, folder, error, ".bin") from error  # advised weights_only=False, unsafe)
-    except (ValueError, KeyError, AttributeError) as error:  # the others: a shard index without its weight_map
+        raise _damaged_weights(source, checkpoint, error, ".bin") from error  # advised weights_only=False, unsafe)
+    except (ValueError, KeyError, IndexError, AttributeError) as error:  # the others: a shard index without its
+        # weight_map, torch's unpickling of a junk .bin (a bare KeyError or IndexError)
         _refuse_damaged_index(source, folder, error)
         if not isinstance(error, ValueError):
-            if _unreadable_weights(folder, ".bin"):  # torch's unpickling of a junk .bin it reads: a bare KeyError
-                raise _damaged_weights(source, folder, error, ".bin") from error
+            if _unreadable_weights(checkpoint, ".bin"):  # a junk .bin the loader reads
+                raise _damaged_weights(source, checkpoint, error, ".bin") from error
             raise
         advice = (" Load it with the transformers class that fits and pass it to moelens.wrap(model, tokenizer=...)."
                   if "Unrecognized configuration class" in str(error) else "")  # a sub-config saved alone
         raise MoelensError(f"cannot load a model from {source!r}: {sentence(error)}.{advice}") from error
     except RuntimeError as error:
-        if "PytorchStreamReader" in str(error):  # torch's reader of a damaged .bin names no file
-            raise _damaged_weights(source, folder, error, ".bin") from error
+        if "PytorchStreamReader" in str(error) or "might be corrupted" in str(error):  # torch's reader of a damaged
+            # .bin (a zip, or a truncated legacy pickle) names no file
+            raise _damaged_weights(source, checkpoint, error, ".bin") from error
         if "ignore_mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
             raise  # out of memory, a device map, the checkpoint's own code: not moelens' to reword
         listed = _size_mismatches(model_class, source, from_pretrained_kwargs) or sentence(error)
@@ -258,22 +301,15 @@ def _torch_saved(file: Path) -> bool:
     return len(head) == 2 and head[0] == 0x80 and head[1] <= 5  # pickle's PROTO opcode and a protocol it knows
 
 
-def _weights_files(folder: Path, suffix: str) -> list[Path]:
-    """The files ending in ``suffix`` the loader reads from ``folder`` (`_weights_read`), or every such file where the
-    folder holds none of transformers' names (a ``variant``'s)."""
-    read = _weights_read(folder)
-    return [path for path in read if path.name.endswith(suffix)] if read else sorted(folder.glob(f"*{suffix}"))
-
-
-def _unreadable_weights(folder: Path, suffix: str = ".safetensors") -> list[Path]:
-    """The weights files ending in ``suffix`` in ``folder`` the loader reads (`_weights_read`; every such file where
-    the folder holds none of transformers' names) that cannot be opened (a damaged or truncated file, such as one
-    shard of a sharded checkpoint): ``.safetensors`` whose header safetensors refuses, ``.bin`` whose zip listing
-    (what torch.save writes) zipfile refuses, a legacy pickle aside; only headers and listings are read."""
-    if not folder.is_dir():
+def _unreadable_weights(checkpoint: Checkpoint, suffix: str = ".safetensors") -> list[Path]:
+    """The weights files ending in ``suffix`` the loader reads (`Checkpoint.weights_files`) that cannot be opened (a
+    damaged or truncated file, such as one shard of a sharded checkpoint): ``.safetensors`` whose header safetensors
+    refuses, ``.bin`` whose zip listing (what torch.save writes) zipfile refuses, a legacy pickle aside; only headers
+    and listings are read."""
+    if not checkpoint.folder.is_dir():
         return []
     unreadable = []
-    for path in _weights_files(folder, suffix):
+    for path in checkpoint.weights_files(suffix):
         try:
             if suffix == ".safetensors":
                 with safe_open(str(path), framework="pt"):
@@ -294,11 +330,11 @@ def _starts_with(path: Path, head: bytes) -> bool:
         return file.read(len(head)) == head
 
 
-def _damaged_weights(source: str, folder: Path, error: Exception, suffix: str) -> MoelensError:
+def _damaged_weights(source: str, checkpoint: Checkpoint, error: Exception, suffix: str) -> MoelensError:
     """The refusal of loading ``source``, whose loader raised ``error`` on a weights file ending in ``suffix`` that
-    cannot be read: the files of ``folder`` that are damaged or truncated named (the folder's weights as a whole
-    where none is found), and Git LFS pointers, which a checkout without git-lfs holds instead of the weights, told."""
-    files = _unreadable_weights(folder, suffix)
+    cannot be read: the files of ``checkpoint`` that are damaged or truncated named (the weights as a whole where
+    none is found), and Git LFS pointers, which a checkout without git-lfs holds instead of the weights, told."""
+    files = _unreadable_weights(checkpoint, suffix)
     pointers = [path for path in files if _starts_with(path, LFS_POINTER)]
     if not files and isinstance(error, pickle.UnpicklingError):  # a sound file holding more than tensors
         return MoelensError(
@@ -306,7 +342,7 @@ def _damaged_weights(source: str, folder: Path, error: Exception, suffix: str) -
             "refuses: save the model again with save_pretrained (safetensors), from a source you trust."
         )
     if files:
-        total = len(_weights_files(folder, suffix))
+        total = len(checkpoint.weights_files(suffix))
         named = f" ({', '.join(repr(str(path)) for path in files)}: {len(files)} of its {total} weights files)"
     else:
         named = ""
@@ -317,7 +353,7 @@ def _damaged_weights(source: str, folder: Path, error: Exception, suffix: str) -
             "`git lfs pull` in that checkout, or download the checkpoint again."
         )
     # unpickling junk: a bare number (KeyError), or torch's advice to load it unsafely (UnpicklingError)
-    detail = "" if isinstance(error, (KeyError, pickle.UnpicklingError)) else f" ({sentence(error)})"
+    detail = "" if isinstance(error, (KeyError, IndexError, pickle.UnpicklingError)) else f" ({sentence(error)})"
     return MoelensError(
         f"a weights file of {source!r} cannot be read{detail}: it is damaged or truncated{named}; save the model again "
         "with save_pretrained, or copy it again."
