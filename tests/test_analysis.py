@@ -963,8 +963,9 @@ def test_plots_save_refuses_a_symbolic_link_and_a_path_ending_in_a_slash(tmp_pat
     with pytest.raises(MoelensError, match=r"cannot save a plot to .*usage\.png: it is a symbolic link \(to .*notes"
                                            r"\.txt'\); moelens writes through no link"):
         plots.save(plots.plot_usage(_two_expert_usage()), tmp_path / "usage.png")
-    for spelled in (f"{tmp_path}/x.png/", f"{tmp_path}/x.png/.", _Spelled(f"{tmp_path}/x.png/")):
-        with pytest.raises(MoelensError, match=r"x\.png/\.?': a path ending in a slash names a folder; name a file"):
+    for spelled in (f"{tmp_path}/x.png/", f"{tmp_path}/x.png/.", f"{tmp_path}/x.png/..", _Spelled(f"{tmp_path}/x.png/")):
+        with pytest.raises(MoelensError, match=r"x\.png/(\.\.?)?': a path ending in '/', '/\.' or '/\.\.' names a "
+                                               r"folder; name a file"):
             plots.save(plots.plot_usage(_two_expert_usage()), spelled)
     assert (tmp_path / "notes.txt").read_text() == "the user's notes\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "usage.png"]
@@ -993,6 +994,29 @@ def test_plots_save_replaces_the_file_at_its_path_and_no_other(tmp_path, monkeyp
     monkeypatch.undo()
     plots.save(plots.plot_usage(_two_expert_usage()), written)
     assert written.stat().st_mode & 0o777 == 0o640  # a replaced plot keeps the file's mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hard.png", "notes.txt"]  # nothing left beside it
+    long = tmp_path / f"{'x' * 246}.png"  # a name as long as the folder takes: no longer temporary name is made
+    assert plots.save(plots.plot_usage(_two_expert_usage()), long).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plots_save_refuses_a_file_it_may_not_write_and_one_that_is_no_regular_file(tmp_path, monkeypatch):
+    """Writing beside the path and renaming replaced a plot the user had made read-only, and a named pipe. This
+    user may not write: simulated through os.access (root writes anything)."""
+    import os
+
+    from moelens.analysis import plots as plots_module
+
+    plots = analysis.plots
+    kept = tmp_path / "kept.png"
+    kept.write_bytes(b"the user's plot")
+    monkeypatch.setattr(plots_module.os, "access", lambda path, mode: str(path) != str(kept))
+    with pytest.raises(MoelensError, match=r"kept\.png: it is a file this user may not write; make it writable"):
+        plots.save(plots.plot_usage(_two_expert_usage()), kept)
+    monkeypatch.undo()
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(MoelensError, match=r"pipe\.png: it is no regular file \(a pipe or a device\)"):
+        plots.save(plots.plot_usage(_two_expert_usage()), tmp_path / "pipe.png")
+    assert kept.read_bytes() == b"the user's plot" and (tmp_path / "pipe.png").is_fifo()
 
 
 @pytest.mark.parametrize(("chosen", "expected"), [("", "agg"), ("svg", "svg"), ("pdf", "pdf")])

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..errors import MoelensError
 from ..families.entry import get_path
+from ..families.tomoe import converted
 from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import layer_row
@@ -111,12 +112,12 @@ def _norm_owners(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
     """Expert outputs in the model's hidden space: cut to the block's ``output_size`` (a converted Linear whose
-    experts are padded square, as its forward cuts them), and through the block's projection of the routed sum when
+    experts are padded square, as its forward cuts them: `moelens.compress` blocks only), and through the block's projection of the routed sum when
     the experts work in a latent space (nemotron_h's ``fc2_latent_proj``). Only its weight: its bias is
     added once per token to the routed sum, not per expert."""
     width = getattr(moe._module, "output_size", None)  # a converted Linear narrower than its input: square experts
-    if isinstance(width, int) and total.shape[-1] > width:  # whose columns past its output are zero, cut by its forward
-        total = total[..., :width]
+    if converted(moe.family) and isinstance(width, int) and total.shape[-1] > width:  # whose columns past its output
+        total = total[..., :width]  # are zero, cut by its forward
     post = moe.family.combine.routed_post
     if post is None or total.numel() == 0:
         return total

@@ -13,6 +13,7 @@ __all__ = ["has_display", "pyplot", "save", "plot_usage", "plot_load_balance", "
 
 import os
 import secrets
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -74,7 +75,8 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
     The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
     without one gets ``.png``. A path naming a folder (with or without that ``.png``, or ending in a slash) is
     refused, and so is a symbolic link (moelens writes through no link: the file it points to is not the path named).
-    The plot is written beside ``path`` and renamed over it (`_write_replacing`).
+    The plot is written beside ``path`` and moved over it (`_write_replacing`), so its folder must be one this user
+    may write into; a file at ``path`` this user may not write, or one that is no regular file, is refused.
     """
     from matplotlib.figure import Figure
 
@@ -92,12 +94,19 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
                 raise MoelensError(f"cannot save a plot to {named}: {folder} is a folder; name a file "
                                    f"(such as {folder / 'plot.png'}).")
         spelled = os.fspath(typed) if isinstance(typed, (str, os.PathLike)) else ""
-        if spelled.endswith(("/", os.sep, "/.", f"{os.sep}.")):  # Path drops what says "a folder" there
-            raise MoelensError(f"cannot save a plot to {spelled!r}: a path ending in a slash names a folder; name a "
-                               f"file (such as {str(named / 'plot.png')!r}).")
+        # Path drops what says "a folder" at the end of the path as typed
+        if spelled.endswith(("/", os.sep)) or os.path.basename(spelled) in (".", ".."):
+            raise MoelensError(f"cannot save a plot to {spelled!r}: a path ending in '/', '/.' or '/..' names a "
+                               f"folder; name a file (such as {str(named / 'plot.png')!r}).")
         if path.is_symlink():
             raise MoelensError(f"cannot save a plot to {path}: it is a symbolic link (to {os.readlink(path)!r}); "
                                "moelens writes through no link. Name the link's target, or a new path.")
+        if path.exists() and not path.is_file():
+            raise MoelensError(f"cannot save a plot to {path}: it is no regular file (a pipe or a device); name a "
+                               "file.")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise MoelensError(f"cannot save a plot to {path}: it is a file this user may not write; make it writable "
+                               "(chmod u+w) or name another path.")
         dots = as_real(dpi)  # a numpy number or a 0-d tensor too, as matplotlib takes them; never a bool
         if dots is None or not 10 <= dots <= 2000:
             raise MoelensError(f"save: dpi must be a number of dots per inch from 10 to 2000, got {dpi!r}.")
@@ -116,17 +125,22 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
 
 
 def _write_replacing(figure: Any, path: Path, dpi: float) -> None:
-    """Write ``figure`` to a new file of its own beside ``path`` and rename it over ``path``: stopped half-way, the
-    file there stays as it was (not a truncated plot), and a file with another name too (a hard link) keeps its
-    bytes. A plot replacing a file keeps that file's mode."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.part")
+    """Write ``figure`` into a new hidden folder beside ``path`` under ``path``'s own name (which a format may record,
+    or name side files after: PGF's images) and move what it wrote over the files there: stopped half-way, a file at
+    ``path`` stays as it was (not a truncated plot), and a file with another name too (a hard link) keeps its bytes.
+    A plot replacing a file keeps that file's mode."""
+    staging = path.parent / f".moelens-plot-{secrets.token_hex(6)}"
     try:
-        figure.savefig(temporary, format=path.suffix[1:].lower(), dpi=dpi, bbox_inches="tight")
+        staging.mkdir()
+        figure.savefig(staging / path.name, format=path.suffix[1:].lower(), dpi=dpi, bbox_inches="tight")
         if path.exists():
-            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
-        os.replace(temporary, path)
+            os.chmod(staging / path.name, stat.S_IMODE(path.stat().st_mode))
+        for written in staging.iterdir():
+            os.replace(written, path.parent / written.name)
+    except OSError as error:
+        raise MoelensError(f"cannot save a plot to {path}: {error.strerror or error}.") from error
     finally:
-        temporary.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _categorical(count: int) -> Any:
