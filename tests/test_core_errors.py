@@ -809,7 +809,10 @@ def test_the_weights_files_checked_are_those_from_pretrained_is_asked_to_read(tm
     model.fp16.safetensors read with variant="fp16" went unnamed, an unreadable one was "No such file", an LFS pointer
     pytorch_model.bin read with use_safetensors=False beside model.safetensors was "holds objects other than tensors",
     a junk one a bare KeyError; a model.safetensors link to a deleted blob beside a sound .bin (the loader takes the
-    .bin) blocked the load. Ground truth: the files this test wrote, and transformers loading the sound ones."""
+    .bin) blocked the load; a shard's link to a deleted blob went unnamed; a config's "transformers_weights": null made
+    every file beside count. Ground truth: the files this test wrote, and transformers loading the sound ones."""
+    import json
+
     from moelens import loading
 
     model = tiny_model("mixtral")
@@ -835,6 +838,19 @@ def test_the_weights_files_checked_are_those_from_pretrained_is_asked_to_read(tm
     torch.save(model.state_dict(), tmp_path / "linked" / "pytorch_model.bin")
     (tmp_path / "linked" / "model.safetensors").symlink_to(tmp_path / "blobs" / "deleted")
     assert type(moelens.load(tmp_path / "linked")._module).__name__ == "MixtralForCausalLM"
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")  # a shard's blob deleted in a hub cache
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    shard.symlink_to(tmp_path / "blobs" / "gone")
+    with pytest.raises(moelens.MoelensError, match=rf"{re.escape(repr(str(shard)))} \(to .*gone'\) is a symbolic link "
+                                                   r"to a missing file"):
+        moelens.load(tmp_path / "sharded")
+    config = json.loads((tmp_path / "both" / "config.json").read_text())  # a config naming no weights file of its own
+    (tmp_path / "both" / "config.json").write_text(json.dumps({**config, "transformers_weights": None}))
+    beside = tmp_path / "both" / "training_args.bin"
+    beside.write_bytes(b"a Trainer's file")
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) != str(beside))
+    assert type(moelens.load(tmp_path / "both")._module).__name__ == "MixtralForCausalLM"
 
 
 def test_a_sound_bin_holding_more_than_tensors_and_a_junk_bin_beside_the_weights_are_told_apart(tmp_path):

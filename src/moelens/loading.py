@@ -15,6 +15,7 @@ import re
 import warnings
 import zipfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ def _refuse_unreadable(checkpoint: Checkpoint) -> None:
                 f"{'is a symbolic link' if len(dangling) == 1 else 'are symbolic links'} to a missing file (a hub "
                 "cache whose blobs were deleted?): download or copy the checkpoint again."
             )
-        read = checkpoint.weights_read()  # where the config names its own file: every weights file
+        read = checkpoint.weights_read  # where the config names no file name: every weights file
         weights = read if read is not None else [*folder.glob("*.safetensors"), *folder.glob("*.bin")]
         files = [folder / "config.json", *weights]
         unreadable = [file for file in files if file.is_file() and not os.access(file, os.R_OK)]
@@ -101,38 +102,48 @@ class Checkpoint:
     variant: str | None = None
     use_safetensors: bool | None = None
 
+    @cached_property
     def weights_read(self) -> list[Path] | None:
-        """The weights files the loader reads, as transformers picks them: the variant's ``model.safetensors``, else
-        its shard index and the shards it lists, else the same of ``pytorch_model.bin`` (``use_safetensors`` takes
-        one kind only; files beside them, ``training_args.bin`` or a superseded ``.bin``, are not read); [] for none
-        of them; None where the config names its own weights file (``transformers_weights``), not followed here."""
+        """The weights files the loader reads, as transformers picks them: the file the config names
+        (``transformers_weights``), else the variant's ``model.safetensors``, else its shard index and the shards it
+        lists, else the same of ``pytorch_model.bin`` (``use_safetensors`` takes one kind only; files beside them,
+        ``training_args.bin`` or a superseded ``.bin``, are not read); [] for none of them; None where the config's
+        name is no file name (not followed here)."""
         try:
-            if "transformers_weights" in json.loads((self.folder / "config.json").read_text(encoding="utf-8")):
-                return None
-        except (OSError, ValueError):  # the config's own refusal says what is wrong with it
-            pass
+            named = json.loads((self.folder / "config.json").read_text(encoding="utf-8")).get("transformers_weights")
+        except (OSError, ValueError, AttributeError):  # the config's own refusal says what is wrong with it
+            named = None
+        if named is not None:
+            return self._with_shards(self.folder / named) if isinstance(named, str) else None
         kinds = {None: WEIGHTS_FILES, True: WEIGHTS_FILES[:1], False: WEIGHTS_FILES[1:]}.get(self.use_safetensors,
                                                                                             WEIGHTS_FILES)
         for single, index in ((self._named(single), self._named(index)) for single, index in kinds):
             if single.is_file():  # a link to a missing file is none (transformers asks os.path.isfile)
                 return [single]
             if index.is_file():
-                try:
-                    shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
-                except (OSError, ValueError, KeyError, TypeError, AttributeError):  # named by the loader's own check
-                    shards = ()
-                return [index, *(self.folder / name for name in sorted(set(shards)) if isinstance(name, str))]
+                return self._with_shards(index)
         return []
+
+    def _with_shards(self, path: Path) -> list[Path]:
+        """``path``, and where it is a shard index (``*.json``) the shards it lists."""
+        if not path.name.endswith(".json"):
+            return [path]
+        try:
+            shards = json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # named by the loader's own check
+            shards = ()
+        return [path, *(self.folder / name for name in sorted(set(shards)) if isinstance(name, str))]
 
     def weights_files(self, suffix: str) -> list[Path]:
         """The files ending in ``suffix`` the loader reads (`weights_read`), or every such file in the folder where
         that is not known or none of transformers' names is there."""
-        read = self.weights_read()
+        read = self.weights_read
         return [path for path in read if path.name.endswith(suffix)] if read else sorted(self.folder.glob(f"*{suffix}"))
 
     def missing_links(self) -> list[Path]:
-        """config.json, or the weights files the loader would look for, that are symbolic links to missing files."""
-        names = [self._named(name) for pair in WEIGHTS_FILES for name in pair] if not self.weights_read() else []
+        """config.json, the weights files the loader reads (shards too), or where it finds none the names it looks
+        for, that are symbolic links to missing files (a hub cache whose blobs were deleted)."""
+        names = self.weights_read or [self._named(name) for pair in WEIGHTS_FILES for name in pair]
         return [path for path in (self.folder / "config.json", *names) if path.is_symlink() and not path.exists()]
 
     def _named(self, name: str) -> Path:

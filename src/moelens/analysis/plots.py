@@ -12,9 +12,6 @@ __all__ = ["has_display", "pyplot", "save", "plot_usage", "plot_load_balance", "
            "plot_transitions", "plot_token_routing", "plot_top_tokens", "plot_logit_lens", "plot_specialisation"]
 
 import os
-import secrets
-import shutil
-import stat
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -75,8 +72,8 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
     The format follows the suffix (``.png``, ``.pdf``, ``.svg``, ``.jpg``, ... as matplotlib writes them); a path
     without one gets ``.png``. A path naming a folder (with or without that ``.png``, or ending in a slash) is
     refused, and so is a symbolic link (moelens writes through no link: the file it points to is not the path named).
-    The plot is written beside ``path`` and moved over it (`_write_replacing`), so its folder must be one this user
-    may write into; a file at ``path`` this user may not write, or one that is no regular file, is refused.
+    A file at ``path`` this user may not write, one that is no regular file, and a hard link (a file with another
+    name too, which writing would change) are refused; any other file there is replaced.
     """
     from matplotlib.figure import Figure
 
@@ -104,6 +101,9 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
         if path.exists() and not path.is_file():
             raise MoelensError(f"cannot save a plot to {path}: it is no regular file (a pipe or a device); name a "
                                "file.")
+        if path.is_file() and path.stat().st_nlink > 1:
+            raise MoelensError(f"cannot save a plot to {path}: it is a hard link of a file with another name too, which "
+                               "writing it would change; name another path (or remove the link first).")
         if path.exists() and not os.access(path, os.W_OK):
             raise MoelensError(f"cannot save a plot to {path}: it is a file this user may not write; make it writable "
                                "(chmod u+w) or name another path.")
@@ -118,29 +118,13 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
         if blocked is not None:
             raise MoelensError(f"cannot save a plot to {path}: it lies under {blocked}; name a path elsewhere.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_replacing(figure, path, dots)
+        try:
+            figure.savefig(path, dpi=dots, bbox_inches="tight")
+        except OSError as error:
+            raise MoelensError(f"cannot save a plot to {path}: {error.strerror or error}.") from error
     finally:
         pyplot().close(figure)
     return path
-
-
-def _write_replacing(figure: Any, path: Path, dpi: float) -> None:
-    """Write ``figure`` into a new hidden folder beside ``path`` under ``path``'s own name (which a format may record,
-    or name side files after: PGF's images) and move what it wrote over the files there: stopped half-way, a file at
-    ``path`` stays as it was (not a truncated plot), and a file with another name too (a hard link) keeps its bytes.
-    A plot replacing a file keeps that file's mode."""
-    staging = path.parent / f".moelens-plot-{secrets.token_hex(6)}"
-    try:
-        staging.mkdir()
-        figure.savefig(staging / path.name, format=path.suffix[1:].lower(), dpi=dpi, bbox_inches="tight")
-        if path.exists():
-            os.chmod(staging / path.name, stat.S_IMODE(path.stat().st_mode))
-        for written in staging.iterdir():
-            os.replace(written, path.parent / written.name)
-    except OSError as error:
-        raise MoelensError(f"cannot save a plot to {path}: {error.strerror or error}.") from error
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _categorical(count: int) -> Any:
