@@ -895,9 +895,10 @@ class MoeNNsight(MoeModelMixin, NNsight):
                     f"position_ids to model.trace(...) (not given: {', '.join(missing)})."
                 )
             return self._ids_given(input_ids)  # the model's own mask and positions after the cache, or the trace's
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # a model counting them itself: its own
-        taken = {name: value for name, value in (("attention_mask", attention_mask), ("position_ids", position_ids))
-                 if takes_keyword(self._module, name) and not (name == "position_ids" and own_positions is not None)}
+        given = {"attention_mask": attention_mask}
+        if own_positions is None:  # a model counting positions past its padding id counts them itself
+            given["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        taken = {name: value for name, value in given.items() if takes_keyword(self._module, name)}
         inputs, kwargs = self._ids_given(input_ids)
         return self._mask_taken(inputs, kwargs | taken | {"attention_mask": attention_mask})
 
