@@ -565,8 +565,8 @@ def check_cache_folder(folder: Path) -> list[str]:
     if meta is None and (folder / META_FILE).exists():
         raise MoelensError(
             f"routing cache folder {str(folder)!r} holds a {META_FILE} that is not a moelens routing cache's (it "
-            f"records no format, or not the layers, experts and shards a cache records); a cache written there would "
-            "overwrite it: move it or name another folder."
+            f"records no format, or not every key a cache records: {', '.join(CACHE_KEYS)}); a cache written there "
+            "would overwrite it: move it or name another folder."
         )
     return listed
 
