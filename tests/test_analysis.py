@@ -987,8 +987,9 @@ def test_plots_save_refuses_a_hard_link_and_takes_long_names(tmp_path):
 
 
 def test_plots_save_refuses_a_file_it_may_not_write_and_one_that_is_no_regular_file(tmp_path, monkeypatch):
-    """Writing beside the path and renaming replaced a plot the user had made read-only, and a named pipe. This
-    user may not write: simulated through os.access (root writes anything)."""
+    """A plot the user had made read-only, and a named pipe, were written over (the pipe waited for a reader); a
+    writable file in a folder this user may not write into was refused as lying under it. What this user may not
+    write is simulated (os.access, may_write_into): root writes anything."""
     import os
 
     from moelens.analysis import plots as plots_module
@@ -996,9 +997,19 @@ def test_plots_save_refuses_a_file_it_may_not_write_and_one_that_is_no_regular_f
     plots = analysis.plots
     kept = tmp_path / "kept.png"
     kept.write_bytes(b"the user's plot")
+    (tmp_path / "mine.png").write_bytes(b"the user's earlier plot, theirs to write")
     monkeypatch.setattr(plots_module.os, "access", lambda path, mode: str(path) != str(kept))
     with pytest.raises(MoelensError, match=r"kept\.png: it is a file this user may not write; make it writable"):
         plots.save(plots.plot_usage(_two_expert_usage()), kept)
+    monkeypatch.undo()
+    from moelens import paths
+
+    # a folder this user may not write into: a new file there is refused, a file of theirs there is written in place
+    monkeypatch.setattr(paths, "may_write_into", lambda folder: folder != tmp_path)
+    written = plots.save(plots.plot_usage(_two_expert_usage()), tmp_path / "mine.png")
+    assert written.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(MoelensError, match=r"new\.png: it lies under .* a folder this user may not write into"):
+        plots.save(plots.plot_usage(_two_expert_usage()), tmp_path / "new.png")
     monkeypatch.undo()
     os.mkfifo(tmp_path / "pipe.png")
     with pytest.raises(MoelensError, match=r"pipe\.png: it is no regular file \(a pipe or a device\)"):

@@ -851,6 +851,13 @@ def test_the_weights_files_checked_are_those_from_pretrained_is_asked_to_read(tm
     beside.write_bytes(b"a Trainer's file")
     monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) != str(beside))
     assert type(moelens.load(tmp_path / "both")._module).__name__ == "MixtralForCausalLM"
+    named = tmp_path / "both" / "weights" / "custom.safetensors"  # a config naming its own file: that one is read
+    named.parent.mkdir()
+    (tmp_path / "both" / "model.safetensors").rename(named)
+    (tmp_path / "both" / "config.json").write_text(json.dumps({**config, "transformers_weights": "weights/custom.safetensors"}))
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: str(path) not in (str(beside), str(named)))
+    with pytest.raises(moelens.MoelensError, match=rf"may not read {re.escape(repr(str(named)))} \(permission"):
+        moelens.load(tmp_path / "both")
 
 
 def test_a_sound_bin_holding_more_than_tensors_and_a_junk_bin_beside_the_weights_are_told_apart(tmp_path):

@@ -113,8 +113,10 @@ class Checkpoint:
             named = json.loads((self.folder / "config.json").read_text(encoding="utf-8")).get("transformers_weights")
         except (OSError, ValueError, AttributeError):  # the config's own refusal says what is wrong with it
             named = None
-        if named is not None:
-            return self._with_shards(self.folder / named) if isinstance(named, str) else None
+        if named is not None:  # transformers refuses a name outside the folder itself, naming it
+            inside = isinstance(named, str) and named and (self.folder / named).resolve().is_relative_to(
+                self.folder.resolve())
+            return self._with_shards(self.folder / named) if inside else None
         kinds = {None: WEIGHTS_FILES, True: WEIGHTS_FILES[:1], False: WEIGHTS_FILES[1:]}.get(self.use_safetensors,
                                                                                             WEIGHTS_FILES)
         for single, index in ((self._named(single), self._named(index)) for single, index in kinds):

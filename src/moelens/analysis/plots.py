@@ -73,7 +73,8 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
     without one gets ``.png``. A path naming a folder (with or without that ``.png``, or ending in a slash) is
     refused, and so is a symbolic link (moelens writes through no link: the file it points to is not the path named).
     A file at ``path`` this user may not write, one that is no regular file, and a hard link (a file with another
-    name too, which writing would change) are refused; any other file there is replaced.
+    name too, which writing would change) are refused; any other file there is written over in place (a save stopped
+    half-way leaves it partly written).
     """
     from matplotlib.figure import Figure
 
@@ -114,7 +115,7 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
         if path.suffix[1:].lower() not in formats:
             raise MoelensError(f"cannot save a plot as {path.name!r}: matplotlib writes {', '.join(sorted(formats))}; "
                                "end the name with one of them (or give none for .png).")
-        blocked = blocked_above(path)
+        blocked = None if path.is_file() else blocked_above(path)  # a file there is written in place
         if blocked is not None:
             raise MoelensError(f"cannot save a plot to {path}: it lies under {blocked}; name a path elsewhere.")
         path.parent.mkdir(parents=True, exist_ok=True)
