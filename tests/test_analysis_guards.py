@@ -1368,10 +1368,16 @@ def test_the_lens_reads_out_a_converted_output_projection_narrower_than_its_inpu
     wrapped = moelens.wrap(converted)
     text = ids[:1, :12]
     lens = analysis.expert_logit_lens(wrapped, text, top=3, progress=False)
-    with torch.no_grad(), wrapped.trace(input_ids=text):
-        chosen = wrapped.moes[0].expert_indices.save()
-        outputs = wrapped.moes[0].expert_outputs.save()
-    assert outputs.shape[-1] == 128 and not outputs[..., 32:].any()
+    raw = []  # the experts module's own output, as torch gives it: the per-slot values must add up to it
+    handle = converted.transformer.h[1].mlp.c_proj.experts.register_forward_hook(lambda *args: raw.append(args[2]))
+    try:
+        with torch.no_grad(), wrapped.trace(input_ids=text):
+            chosen = wrapped.moes[0].expert_indices.save()
+            outputs = wrapped.moes[0].expert_outputs.save()
+    finally:
+        handle.remove()
+    torch.testing.assert_close(outputs.sum(2).reshape(-1, 128), raw[0].reshape(-1, 128), atol=1e-5, rtol=1e-5)
+    assert outputs.shape[-1] == 128 and not raw[0][..., 32:].any()
     for expert in range(4):
         picked = chosen == expert
         if not picked.any():
