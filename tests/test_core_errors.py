@@ -2643,6 +2643,12 @@ def test_intervention_arguments(mixtral):
     for call, match in [(lambda: moelens.force(moe, []), r"force: no expert given"),
                         (lambda: moelens.steer(moe, 1, torch.ones(2, 5)), r"steer: bias must be a number, got Tensor of shape \(2, 5\)"),
                         (lambda: moelens.steer(moe, 1, True), r"steer: bias must be a number, got bool"),
+                        # a bias per expert ([E]) was told to add a per-token bias
+                        (lambda: moelens.steer(moe, 1, torch.ones(8)), r"for a bias per expert or per token add it to "
+                                                                       r"the logits yourself: moe\.router_logits \+= bias"),
+                        # -inf said the logits would be "inf" beyond float32: it is route_around
+                        (lambda: moelens.steer(moe, 1, -math.inf), r"steer: bias -inf would remove expert 1 from "
+                                                                   r".*moelens\.ablate\(moe, 1, 'route_around'\)"),
                         # NaN was added, then refused as a "written tensor" holding NaN, naming no bias
                         (lambda: moelens.steer(moe, 1, float("nan")), r"steer: bias nan is not a number \(NaN\); "
                                                                       r"give a finite bias"),
@@ -2767,8 +2773,14 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.reroute(moe, (0,), 1), r"tokens=\(0,\) is ambiguous"),  # it rerouted all of batch row 0
         (lambda moe: moelens.force(moe, 1, tokens=(slice(None),)), r"tokens=\(slice\(None, None, None\),\) is ambiguous"),
         (lambda moe: moelens.force(moe, 1, tokens=torch.zeros(2, 5, dtype=torch.long)), r"integer 0/1 mask: \.bool\(\)"),
-        (lambda moe: moelens.reroute(moe, (slice(None), 0), {1, 2}), r"experts=\{1, 2\} gives no expert ids"),
-        (lambda moe: moelens.reroute(moe, (slice(None), 0), None), r"experts=None gives no expert ids"),
+        # a set was said to give "no expert ids": it gives no slot order
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), {1, 2}), r"experts=\{1, 2\} is a set \(it has no order"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), (e for e in (1, 2))), r"is a generator \(it has no order"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), None), r"experts=None is a NoneType; pass one int id"),
+        # torch.as_tensor took [3, True] for experts 3 and 1
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), [3, True]), r"experts=\[3, True\] holds the bool True"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), [[False, 3]]), r"holds the bool False"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), (3, numpy.True_)), r"holds the bool"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), []), r"experts=\[\] gives no expert ids"),
         (lambda moe: moelens.reroute(moe, torch.tensor([False, True]), 1), r"a bool mask that is not \[batch, seq\]"),
         (lambda moe: moelens.force(moe, 1, tokens=[False, True]), r"a bool mask that is not \[batch, seq\]"),
@@ -2779,7 +2791,9 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.reroute(moe, (slice(None), numpy.True_), 1), r"holds a lone bool"),
         (lambda moe: moelens.force(moe, 1, tokens=(0, numpy.array(True))), r"holds a lone bool"),
     ],
-    ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts", "none-experts", "no-experts", "1d-bool-mask",
+    ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts",
+         "generator-experts", "none-experts", "bool-in-list-experts", "bool-in-nested-list-experts",
+         "numpy-bool-in-tuple-experts", "no-experts", "1d-bool-mask",
          "1d-bool-list", "none-axis", "bool-position", "bool-tensor-position", "numpy-bool-position",
          "numpy-0d-bool-array-position"],
 )
@@ -2985,10 +2999,11 @@ def test_gemma4s_dense_mlp_names_the_decoder_layer_as_its_block():
 
 
 def test_save_all_strict_is_a_flag(mixtral):
-    """strict="no" is truthy text: it was taken as True (raising where the user asked to leave values out)."""
+    """strict="no" is truthy text: it was taken as True (raising where the user asked to leave values out). Refused
+    as an `ArgumentError`, as a wrong value name is (it was a bare MoelensError)."""
     wrapped, inputs = mixtral
     for save_all in (lambda: wrapped.save_all(strict="no"), lambda: wrapped.moes[0].save_all(strict="no")):
-        with pytest.raises(moelens.MoelensError, match=r"strict must be True or False, got 'no' \(str\)"):
+        with pytest.raises(moelens.ArgumentError, match=r"strict must be True or False, got 'no' \(str\)"):
             with wrapped.trace(**inputs):
                 save_all()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import getpass
 import logging
+import math
 import os
 import platform
 import re
@@ -477,6 +478,30 @@ def test_edits_tract_cannot_express_are_refused(out):
         with pytest.raises(ExportError, match=rf"^{flag} must be True or False, got 'False' \(str\)"):
             to_nnef(wrapped, out / "bad.nnef.tgz", **{flag: "False"})
     assert not (out / "bad.nnef.tgz").exists()
+
+
+def test_edits_refuse_what_the_trace_interventions_refuse(out):
+    """A steer bias past float32 (1e39) was baked as an inf router bias (the archive computed NaN; moelens.steer
+    refuses it), a swap of an expert to itself was baked as "swap 3->3" (ablate(..., "swap", to=3) refuses it), and
+    a NaN bias was told to use route_around."""
+    wrapped = moelens.wrap(small("mixtral"))
+    ids = torch.randint(0, wrapped._module.config.vocab_size, (1, 6))
+    path = out / "refused.nnef.tgz"
+    with pytest.raises(ExportError, match=r"^Edits\.steer\[0\]: the bias 1e\+39 of expert 3 takes its router bias "
+                                          r"beyond what the block's float32 weights hold \(3\.403e\+38"):
+        to_nnef(wrapped, path, edits=Edits(steer={0: {3: 1e39}}), verify=False)
+    with torch.no_grad(), pytest.raises(moelens.WriteError, match=r"bias 1e\+39 takes expert 3's logits up"):
+        with wrapped.trace(ids):  # the trace's own refusal of the same bias
+            Edits(steer={0: {3: 1e39}}).intervene(wrapped)
+    swapped = r"^Edits\.swap\[0\]: experts \[3\] are swapped to themselves, so nothing would change"
+    with pytest.raises(ExportError, match=swapped):
+        to_nnef(wrapped, path, edits=Edits(swap={0: {3: 3, 1: 2}}), verify=False)
+    with pytest.raises(ExportError, match=swapped), torch.no_grad():
+        with wrapped.trace(ids):
+            Edits(swap={0: {3: 3}}).intervene(wrapped)
+    assert not path.exists()
+    with pytest.raises(ExportError, match=r"experts \[1, 2\] are not finite \(\[nan, -inf\]\); give finite biases"):
+        Edits(steer={0: {1: float("nan"), 2: -math.inf}})
 
 
 _EXPERT_ID = r"must be an int expert id \(a Python or numpy integer, or a one-element integer tensor\), got "

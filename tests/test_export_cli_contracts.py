@@ -350,7 +350,8 @@ def test_an_edit_of_a_layer_block_does_not_export_is_refused_by_its_option(monke
 
 @pytest.mark.parametrize("argv, message", [
     (["export", "tiny", "x.nnef.tgz", "--steer", "1:3=inf"],
-     "--steer of layer 1: the biases of experts [3] are not finite; use --route-around to remove an expert."),
+     "--steer of layer 1: the biases of experts [3] are not finite ([inf]); give finite biases (a few tens already "
+     "decide the routing), or use --route-around to remove an expert."),
     (["export", "tiny", "x.nnef.tgz", "--ablate", "1:99"], "--ablate of layer 1: experts [99] are out of range 0..7."),
     (["export", "tiny", "x.nnef.tgz", "--ablate", "99:1", "--route-around", "7:2"], "--route-around of layer 7, "
      "--ablate of layer 99 name layers with no MoE block here; the MoE layers are [0, 1, 2, 3]."),  # was "Edits name"

@@ -188,7 +188,7 @@ def test_router_row_is_the_experts_logit_weight(family):
     assert family in ROUTER_LOGITS or after.shape[-1] == moe.num_experts
 
 
-@pytest.mark.parametrize("expert", [-1, 8, 2.0, True, "3", torch.tensor(1.0), torch.tensor([1, 2]), torch.tensor([1]),
+@pytest.mark.parametrize("expert", [-1, 8, 2.0, True, "3", torch.tensor(1.0), torch.tensor([1, 2]), torch.tensor([True]),
                                     torch.tensor(True), torch.empty((), dtype=torch.long, device="meta")],
                          ids=lambda value: repr(value)[:24])
 def test_params_refuses_what_is_not_an_expert_index(expert):
@@ -207,6 +207,8 @@ def test_params_takes_numpy_and_tensor_indexes_and_works_in_a_trace():
     moe = model.moes[0]
     down = moe.params(3).down
     assert torch.equal(moe.params(np.int64(3)).down, down) and torch.equal(moe.params(torch.tensor(3)).down, down)
+    # one-element tensors and arrays, as the interventions take expert ids (they were refused here)
+    assert torch.equal(moe.params(torch.tensor([3])).down, down) and torch.equal(moe.params(np.array([3])).down, down)
     with model.trace(tiny_inputs(hf)["input_ids"]):
         inside = nnsight.save(moe.params(3).down)
     assert inside.data_ptr() == down.data_ptr()

@@ -242,6 +242,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
     selected = indices[rows]
+    _refuse_unordered_or_bool(experts)
     try:
         with unset_fake_temporarily():  # in model.scan: ids given as numbers or a real tensor keep their values
             replacement = torch.as_tensor(experts, device=indices.device)
@@ -279,6 +280,25 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     moe.expert_indices = indices
 
 
+def _refuse_unordered_or_bool(experts: Any) -> None:
+    """Refuse `reroute` ids that give no slot order (a set, a generator) or hold a bool (``torch.as_tensor`` would
+    take ``[3, True]`` for experts 3 and 1)."""
+    if not isinstance(experts, (list, tuple, torch.Tensor, numpy.ndarray)) and as_int(experts) is None:
+        order = " (it has no order, and reroute gives the ids to the slots in order)" \
+            if isinstance(experts, Iterable) and not isinstance(experts, (str, bytes)) else ""
+        raise WriteError(f"reroute: experts={experts!r} is a {type(experts).__name__}{order}; pass one int id, a list "
+                         "or tuple of k ids (one per slot), or a tensor of ids broadcastable to the selected [n, k] "
+                         "slots.")
+    leaves = [experts]
+    while leaves:
+        leaf = leaves.pop()
+        if isinstance(leaf, (list, tuple)):
+            leaves.extend(leaf)
+        elif isinstance(leaf, (bool, numpy.bool_)):
+            raise WriteError(f"reroute: experts={experts!r} holds the bool {leaf!r}; expert ids are integers (a bool "
+                             "is never taken as expert 0 or 1).")
+
+
 def _conflicting_rows(positions: torch.Tensor, given: torch.Tensor) -> bool:
     """Whether a token position listed more than once in ``positions`` gets different rows of ``given`` (False in
     model.scan, where fake tensors hold no positions to compare)."""
@@ -310,7 +330,8 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
         raise WriteError(
             f"steer: bias must be a number, got {type(bias).__name__}"
             f"{f' of shape {tuple(bias.shape)}' if isinstance(bias, torch.Tensor) else ''}; for a bias per "
-            "token add it to the logits yourself: moe.router_logits[..., expert] += bias."
+            "expert or per token add it to the logits yourself: moe.router_logits += bias ([E] or "
+            "[batch, seq, E]), or moe.router_logits[..., expert] += bias ([batch, seq])."
         )
     if math.isnan(real):
         raise WriteError("steer: bias nan is not a number (NaN); give a finite bias (a few tens already decide the "
@@ -326,6 +347,9 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
         reached = float(steered.detach().abs().max()) if overflow else 0.0
     if overflow:
         down = real < 0
+        if math.isinf(real) and down:
+            raise WriteError(f"steer: bias -inf would remove expert {expert} from {moe.path}'s routing; that is "
+                             f"route-around ablation: moelens.ablate(moe, {expert}, 'route_around').")
         raise WriteError(
             f"steer: bias {real} takes expert {expert}'s logits {'down' if down else 'up'} to "
             f"{'-' if down else ''}{reached:.4g} in "

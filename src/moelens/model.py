@@ -44,7 +44,7 @@ from .components.moe import value_names
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
-from .errors import FamilyError, MoelensError, OrderError, ValueUnavailable, described
+from .errors import ArgumentError, FamilyError, MoelensError, OrderError, ValueUnavailable, described
 from .families import Family, registry
 from .modules import (disk_offloaded, first_parameter, on_accelerator, padding_position_id, takes_keyword,
                       vocab_size)
@@ -319,7 +319,7 @@ class MoeModelMixin(StandardNames):
                 "model.save_all: a model's values exist only while it runs; call it inside a trace "
                 "(with model.trace(inputs): ..., or model.generate)."
             )
-        check_flag("strict", strict)
+        check_flag("strict", strict, ArgumentError)
         blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else self._given_blocks(moes)
         if values is not None and not isinstance(values, str):
             values = value_names(values)  # once: each block reads the same names (a generator would serve the first)

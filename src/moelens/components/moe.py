@@ -925,7 +925,7 @@ class Moe(Mlp):
             Name -> saved tensor, in the order read.
         """
         self._require_trace("save_all")
-        check_flag("strict", strict)
+        check_flag("strict", strict, ArgumentError)
         order = self.order()
         plan = self._plan(order if values is None else self._asked(values, order, strict), strict)
         saved: dict[str, Tensor] = {}

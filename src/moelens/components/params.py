@@ -32,7 +32,7 @@ from ..errors import ArgumentError, ValueUnavailable, WriteError
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
 from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
-from ..scalars import as_lone_int
+from ..scalars import as_int
 
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
 QUANTIZATION_SCALES = ("_scale_inv", "_scale", "_scales")
@@ -539,9 +539,9 @@ def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor
 
 
 def check_expert(expert: Any, num_experts: int, where: str) -> int:
-    """``expert`` as an int in ``[0, E)`` (an int, a numpy int or a 0-d integer tensor or array), else a
-    `ArgumentError` saying what was expected."""
-    index = as_lone_int(expert)
+    """``expert`` as an int in ``[0, E)`` (an int, a numpy int or a one-element integer tensor or array, as the
+    interventions take it), else an `ArgumentError` saying what was expected."""
+    index = as_int(expert)
     if index is None or not 0 <= index < num_experts:
         raise ArgumentError(
             f"{where}: expert {expert!r} is not an expert index; expected an int in [0, {num_experts}) "

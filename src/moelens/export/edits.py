@@ -148,10 +148,11 @@ class Edits:
                 mapped[layer] = {expert: self._value(kind, layer, expert, value) for expert, value in experts.items()}
             object.__setattr__(self, kind, {layer: values for layer, values in mapped.items() if values})
         for layer, biases in self.steer.items():
-            bad = [e for e, b in biases.items() if not math.isfinite(b)]
+            bad = {e: b for e, b in biases.items() if not math.isfinite(b)}
             if bad:
-                raise ExportError(f"Edits.steer[{layer}]: the biases of experts {bad} are not finite; use "
-                                  "route_around to remove an expert.")
+                raise ExportError(f"Edits.steer[{layer}]: the biases of experts {list(bad)} are not finite "
+                                  f"({list(bad.values())}); give finite biases (a few tens already decide the "
+                                  "routing), or use route_around to remove an expert.")
 
     @staticmethod
     def _value(kind: str, layer: int, expert: int, value: Any) -> float | int:
@@ -217,6 +218,10 @@ class Edits:
             bad = [e for e in experts if not 0 <= e < num_experts]
             if bad:
                 raise ExportError(f"Edits.{kind}[{layer}]: experts {bad} are out of range 0..{num_experts - 1}.")
+        unchanged = [e for e, to in self.swap.get(layer, {}).items() if e == to]
+        if unchanged:
+            raise ExportError(f"Edits.swap[{layer}]: experts {unchanged} are swapped to themselves, so nothing would "
+                              "change; give another expert to take over their slots (or use Edits.ablate).")
         both = sorted(set(self.ablate.get(layer, ())) & set(self.swap.get(layer, {})))
         if both:
             raise ExportError(f"Edits at layer {layer}: experts {both} are both zero-ablated and swapped; pick one.")
@@ -246,6 +251,12 @@ class Edits:
             wg_bias = spec.wg_bias if spec.wg_bias is not None else spec.wg.new_zeros(spec.num_experts)
             for expert, bias in biases.items():
                 wg_bias[expert] += bias
+                if not wg_bias[expert].isfinite():
+                    raise ExportError(
+                        f"Edits.steer[{layer}]: the bias {bias:g} of expert {expert} takes its router bias beyond "
+                        f"what the block's {str(wg_bias.dtype).removeprefix('torch.')} weights hold "
+                        f"({torch.finfo(wg_bias.dtype).max:.4g}, which would be inf); use a bias well inside that "
+                        "range (a few tens already decide the routing).")
             for expert in removed:
                 wg_bias[expert] = -math.inf
             spec.wg_bias = wg_bias
