@@ -1094,6 +1094,14 @@ BAD_ARGUMENTS = {
                        r"min_count must be an integer of at least 0, got '3'"),
     "blocks-int": (lambda m, r: analysis.collect_routing(m, unread(), blocks=5, progress=False),
                    r"blocks must be a part of a block path or a list of them \(text\), got 5"),
+    # a block given for its layer: the message held the block's whole repr (2,600 characters)
+    "blocks-moe": (lambda m, r: analysis.collect_routing(m, unread(), blocks=m.moes[0], progress=False),
+                   r"blocks must be .*, got the Moe model\.model\.layers\.0\.mlp; e\.g\. blocks='mlp'\.$"),
+    "collect-layers-moe": (lambda m, r: analysis.collect_routing(m, unread(), layers=[m.moes[1]], progress=False),
+                           r"^layers takes layer ids \(integers\), got the Moe model\.model\.layers\.1\.mlp: pass its "
+                           r"layer index \(moe\.layer, here 1\)\.$"),
+    "lens-layers-moe": (lambda m, r: analysis.expert_logit_lens(m, unread(), layers=[1, m.moes[1]], progress=False),
+                        r"^layers takes layer ids \(integers\), got the Moe model\.model\.layers\.1\.mlp"),
     # flags given as text: "False" is truthy, so it was taken as True
     "collect-logits-text": (lambda m, r: analysis.collect_routing(m, unread(), logits="False", progress=False),
                             r"logits must be True or False, got 'False' \(str\)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Collection, Iterable, Mapping
 
 import numpy as np
+from nnsight import Envoy
 from torch import Tensor
 
 from ..errors import MoelensError, described
@@ -58,6 +59,11 @@ def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", 
             or (isinstance(values, (Tensor, np.ndarray)) and values.ndim != 1)):
         raise MoelensError(f"{name} must be a list of {what}s ({items}), got {described(values)}.")
     values = list(values)
+    envoy = next((value for value in values if isinstance(value, Envoy)), None)
+    if envoy is not None:  # its repr is the whole module tree
+        layer = getattr(envoy, "layer", None)
+        hint = f": pass its layer index (moe.layer, here {layer})" if name == "layers" and layer is not None else ""
+        raise MoelensError(f"{name} takes {what} ids ({items}), got the {type(envoy).__name__} {envoy.path}{hint}.")
     twice = _repeated(values) if distinct else []
     if twice:
         raise MoelensError(f"{name} gives {what} {twice} more than once; give each {what} once.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 import torch
+from nnsight import Envoy
 from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..errors import MoelensError
@@ -56,7 +57,8 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
         listed = isinstance(blocks, Iterable) and not isinstance(blocks, (str, bytes, Mapping))
         wanted_paths = list(blocks) if listed else [blocks]
         if not wanted_paths or not all(isinstance(part, str) for part in wanted_paths):
-            raise MoelensError(f"blocks must be a part of a block path or a list of them (text), got {blocks!r}; "
+            shown = f"the {type(blocks).__name__} {blocks.path}" if isinstance(blocks, Envoy) else f"{blocks!r:.80}"
+            raise MoelensError(f"blocks must be a part of a block path or a list of them (text), got {shown}; "
                                f"e.g. blocks={model.moes[0].path.rpartition('.')[2]!r}.")
         moes = [moe for moe in moes if any(part in moe.path for part in wanted_paths)]
         if not moes:
