@@ -678,3 +678,11 @@ def test_a_route_around_refusal_counts_the_experts_it_leaves_in_words_that_agree
     noun = "expert" if kept == 1 else "experts"
     assert f"--route-around of layer 0 leaves {kept} {noun} for top-{k} routing" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_standin_version_without_the_tract_package_names_the_extra(monkeypatch, capsys):
+    """`--version` without the export extra was a bare ModuleNotFoundError traceback."""
+    monkeypatch.setitem(sys.modules, "tract", None)  # import tract raises ImportError
+    assert tract_cli.main(["--version"]) == 2
+    assert capsys.readouterr().err == ("ERROR moelens tract stand-in needs the tract Python package: "
+                                       "pip install 'moelens[export]'\n")

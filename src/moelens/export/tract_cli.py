@@ -10,7 +10,9 @@ stderr with ``ERROR``, which is how torch-to-nnef recognises them.
 
 The file imports nothing from moelens (torch-to-nnef calls it as a subprocess, and
 importing moelens would cost seconds per call); `moelens.export.runner` takes its
-tolerance rules from here. Run directly: ``python -m moelens.export.tract_cli --version``.
+tolerance rules from here. Run directly, as torch-to-nnef runs it, by its path:
+``python "$(python -c 'import moelens.export.tract_cli as t; print(t.__file__)')" --version``
+(``python -m`` works too, with a RuntimeWarning: ``moelens.export`` imports this module first).
 """
 
 from __future__ import annotations
@@ -90,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     """Answer the tract command lines torch-to-nnef issues; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--version" in argv or "-V" in argv:
-        import tract
-
+        try:
+            import tract
+        except ImportError:
+            print("ERROR moelens tract stand-in needs the tract Python package: pip install 'moelens[export]'",
+                  file=sys.stderr)
+            return 2
         print(f"tract {tract.version()}")
         return 0
     if "run" not in argv or not argv or argv[0].startswith("-"):
