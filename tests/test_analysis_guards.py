@@ -797,6 +797,29 @@ def test_a_storage_dtype_that_cannot_hold_weights_is_refused(model, dtype):
         analysis.collect_routing(model, TEXTS, dtype=dtype, progress=False)
 
 
+def test_logits_past_the_storage_dtype_are_refused_not_stored_as_inf():
+    """float16 storage (the default) turned router logits beyond 65504 into inf: cache.probs held NaN and the routing
+    entropy was nan, without a word. Ground truth: the logits the model computes (a raw torch hook) are finite and
+    reach past float16's range; a float32 cache stores them as they are."""
+    hf = tiny_model("mixtral")
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.weight.mul_(1e6)
+    raw = []
+    hook = hf.model.layers[1].mlp.gate.register_forward_hook(lambda module, args, out: raw.append(out[0].detach()))
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    try:
+        kept = analysis.collect_routing(wrapped, TEXTS, logits=True, dtype=torch.float32, progress=False)
+    finally:
+        hook.remove()
+    logits = torch.cat(raw)
+    assert torch.isfinite(logits).all() and logits.abs().max() > torch.finfo(torch.float16).max
+    assert torch.isfinite(kept.logits(1)).all() and kept.logits(1).abs().max() == logits.abs().max()
+    with pytest.raises(MoelensError, match=r"^layer 1's router logits reach .*, beyond what dtype=torch\.float16 holds "
+                                           r"\(6\.55e\+04\): stored, they would be inf .*dtype=torch\.float32"):
+        analysis.collect_routing(wrapped, TEXTS, logits=True, progress=False)
+    analysis.collect_routing(wrapped, TEXTS, progress=False)  # without logits: the weights fit float16
+
+
 def test_a_collection_refused_at_its_first_batch_leaves_the_cache_there(model, tmp_path):
     """The writer replaced the folder's cache when it started, so a refused run lost the earlier one."""
     folder = tmp_path / "cache"

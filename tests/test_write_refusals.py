@@ -145,6 +145,24 @@ def test_per_slot_outputs_whose_sum_overflows_the_hidden_dtype_are_refused(impl)
     assert torch.isfinite(logits).all()
 
 
+def test_float64_per_slot_outputs_whose_sum_overflows_are_refused():
+    """The slot sum was checked in float32, where float64 slots of 1e308 sum to inf and float64's largest number
+    rounds to inf too, so the write was taken and routed_output held inf (ground truth: torch adds the two slots to
+    inf in float64; one slot of 1e308 alone fits, and half of it in each slot is written)."""
+    hf = tiny_model("mixtral", dtype=torch.float64, experts_implementation="batched_mm")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[1]
+    assert torch.isinf(torch.tensor([1e308, 1e308], dtype=torch.float64).sum())
+    with pytest.raises(WriteError, match=r"expert_outputs: the written slots of a token add up to inf, which is inf "
+                                         r"in torch.float64"):
+        with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
+            moe.expert_outputs = torch.full(moe.expert_outputs.shape, 1e308, dtype=torch.float64)
+    with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
+        moe.expert_outputs = torch.full(moe.expert_outputs.shape, 5e307, dtype=torch.float64)
+        routed = moe.routed_output.save()
+    assert torch.equal(routed, torch.full_like(routed, 1e308))
+
+
 @pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
 def test_per_slot_outputs_whose_sum_overflows_the_autocast_slot_dtype_are_refused(impl):
     """Under torch.autocast("cpu", float16) a float32 qwen3_moe's batched_mm keeps its slots in float16 and adds a

@@ -142,10 +142,26 @@ def real_tokens(saved: dict[int, dict[str, Any]], mask: torch.Tensor, index_dtyp
         if layer in skipping:
             indices = indices.masked_fill(skipped_slots(indices, values["expert_weights"][mask]), SKIPPED)
         read["indices"][layer] = indices.to("cpu", index_dtype)
-        read["weights"][layer] = values["expert_weights"][mask].to("cpu", dtype)
+        read["weights"][layer] = _stored(values["expert_weights"][mask], dtype, layer, "expert weights")
         if "router_logits" in values:
-            read["logits"][layer] = values["router_logits"][mask].to("cpu", dtype)
+            read["logits"][layer] = _stored(values["router_logits"][mask], dtype, layer, "router logits")
     return read
+
+
+def _stored(value: torch.Tensor, dtype: torch.dtype, layer: int, what: str) -> torch.Tensor:
+    """``value`` on the CPU in the cache's ``dtype``, refusing finite numbers that dtype turns into inf (float16
+    holds up to 65504: their probabilities and entropies would be NaN)."""
+    stored = value.to("cpu", dtype)
+    if torch.isinf(stored).any():  # rare: check which were finite before the cast only then
+        grown = torch.isinf(stored) & torch.isfinite(value.to("cpu"))
+        if grown.any():
+            largest = float(value.to("cpu")[grown].abs().max())
+            raise MoelensError(
+                f"layer {layer}'s {what} reach {largest:.4g}, beyond what dtype={dtype} holds "
+                f"({torch.finfo(dtype).max:.4g}): stored, they would be inf (and their probabilities and entropies "
+                "NaN); collect with dtype=torch.float32 (or torch.bfloat16)."
+            )
+    return stored
 
 
 def can_stop_early(model: Any) -> bool:

@@ -47,28 +47,31 @@ class ExpertTokens:
 
 
 def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V]."""
+    """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V].
+
+    The pairs are merged after each shard, so memory follows the distinct pairs (at most experts x vocabulary), not
+    the cache's length."""
     layer = cache.layer_key(layer)
     stride = 1 << 32
-    keys, key_counts, occurrences = [], [], torch.zeros(0, dtype=torch.int64)
+    keys, counts = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    occurrences, read = torch.zeros(0, dtype=torch.int64), False
     for shard in cache._shards():
+        read = True
         ids = shard.token_ids.long()
         indices = shard.indices[layer].long()
         pairs = indices * stride + ids[:, None]
-        unique, counts = torch.unique(pairs[indices != SKIPPED], return_counts=True)
-        keys.append(unique)
-        key_counts.append(counts)
+        unique, found = torch.unique(pairs[indices != SKIPPED], return_counts=True)
+        keys, inverse = torch.unique(torch.cat([keys, unique]), return_inverse=True)
+        counts = torch.zeros(keys.shape[0], dtype=torch.int64).index_add_(0, inverse, torch.cat([counts, found]))
         seen = torch.bincount(ids)
         if seen.shape[0] > occurrences.shape[0]:
             seen[: occurrences.shape[0]] += occurrences
             occurrences = seen
         else:
             occurrences[: seen.shape[0]] += seen
-    if not keys:
+    if not read:
         raise MoelensError(EMPTY_CACHE)
-    unique, inverse = torch.unique(torch.cat(keys), return_inverse=True)
-    counts = torch.zeros(unique.shape[0], dtype=torch.int64).index_add_(0, inverse, torch.cat(key_counts))
-    return unique // stride, unique % stride, counts, occurrences
+    return keys // stride, keys % stride, counts, occurrences
 
 
 def top_tokens(

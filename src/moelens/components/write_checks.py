@@ -135,7 +135,7 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
     if cast_to is not None and value.numel():  # the model adds up a token's slots and casts the sum to ``cast_to``
         summed_in = _slot_sum_dtype(value)
         narrowest = min((summed_in, cast_to), key=lambda dtype: torch.finfo(dtype).max)
-        total = value.float().sum(-2).abs().max()
+        total = value.double().sum(-2).abs().max()  # float64: a float32 sum of float64 slots is inf already
         if total > torch.finfo(narrowest).max:
             how = ("the dtype the model adds them up in" if narrowest == summed_in else
                    "the dtype the block's output is cast to from their sum")
