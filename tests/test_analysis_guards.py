@@ -1120,11 +1120,23 @@ BAD_ARGUMENTS = {
     # a block given for its layer: the message held the block's whole repr (2,600 characters)
     "blocks-moe": (lambda m, r: analysis.collect_routing(m, unread(), blocks=m.moes[0], progress=False),
                    r"blocks must be .*, got the Moe model\.model\.layers\.0\.mlp; e\.g\. blocks='mlp'\.$"),
+    "blocks-moes": (lambda m, r: analysis.collect_routing(m, unread(), blocks=m.moes, progress=False),
+                    r"blocks must be .*, got a list holding the Moe model\.model\.layers\.0\.mlp; e\.g\."),
     "collect-layers-moe": (lambda m, r: analysis.collect_routing(m, unread(), layers=[m.moes[1]], progress=False),
-                           r"^layers takes layer ids \(integers\), got the Moe model\.model\.layers\.1\.mlp: pass its "
-                           r"layer index \(moe\.layer, here 1\)\.$"),
+                           r"^layers holds the Moe model\.model\.layers\.1\.mlp, which is no layer \(integers\): pass "
+                           r"its layer index \(moe\.layer, here 1\)\.$"),
+    # a lone block was iterated: the message named its gate
+    "collect-layers-lone-moe": (lambda m, r: analysis.collect_routing(m, unread(), layers=m.moes[1], progress=False),
+                                r"^layers must be a list of layers \(integers\), got the Moe model\.model\.layers\.1\.mlp: "
+                                r"pass its layer index \(moe\.layer, here 1\)\.$"),
     "lens-layers-moe": (lambda m, r: analysis.expert_logit_lens(m, unread(), layers=[1, m.moes[1]], progress=False),
-                        r"^layers takes layer ids \(integers\), got the Moe model\.model\.layers\.1\.mlp"),
+                        r"^layers holds the Moe model\.model\.layers\.1\.mlp"),
+    "top-tokens-layer-moe": (lambda m, r: analysis.top_tokens(r.cache, m.moes[1]),
+                             r"^layer takes a decoder-layer index, got the Moe model\.model\.layers\.1\.mlp: pass its "
+                             r"layer index \(moe\.layer, here 1\)\.$"),
+    "cache-indices-moe": (lambda m, r: r.cache.indices(m.moes[1]), r"^layer takes a decoder-layer index, got the Moe"),
+    "top-tokens-experts-moe": (lambda m, r: analysis.top_tokens(r.cache, 1, [m.moes[1]]),
+                               r"^experts holds the Moe model\.model\.layers\.1\.mlp, which is no expert id"),
     # flags given as text: "False" is truthy, so it was taken as True
     "collect-logits-text": (lambda m, r: analysis.collect_routing(m, unread(), logits="False", progress=False),
                             r"logits must be True or False, got 'False' \(str\)"),

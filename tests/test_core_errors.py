@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import collections
 import math
 import pathlib
 import re
@@ -2774,13 +2775,18 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.force(moe, 1, tokens=(slice(None),)), r"tokens=\(slice\(None, None, None\),\) is ambiguous"),
         (lambda moe: moelens.force(moe, 1, tokens=torch.zeros(2, 5, dtype=torch.long)), r"integer 0/1 mask: \.bool\(\)"),
         # a set was said to give "no expert ids": it gives no slot order
-        (lambda moe: moelens.reroute(moe, (slice(None), 0), {1, 2}), r"experts=\{1, 2\} is a set \(it has no order"),
-        (lambda moe: moelens.reroute(moe, (slice(None), 0), (e for e in (1, 2))), r"is a generator \(it has no order"),
-        (lambda moe: moelens.reroute(moe, (slice(None), 0), None), r"experts=None is a NoneType; pass one int id"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), {1, 2}), r"experts=\{1, 2\} is a set, which gives the ids "
+                                                                     r"no order"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), (e for e in (1, 2))), r"is a generator, which gives the ids no"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), {1: 2}.keys()), r"is a dict_keys, which gives the ids no"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), None), r"experts=None gives no expert ids"),
         # torch.as_tensor took [3, True] for experts 3 and 1
         (lambda moe: moelens.reroute(moe, (slice(None), 0), [3, True]), r"experts=\[3, True\] holds the bool True"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), [[False, 3]]), r"holds the bool False"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), (3, numpy.True_)), r"holds the bool"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), [torch.tensor(3), torch.tensor(True)]),
+         r"holds the bool tensor\(True\)"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), [3, numpy.array([True])]), r"holds the bool array"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), []), r"experts=\[\] gives no expert ids"),
         (lambda moe: moelens.reroute(moe, torch.tensor([False, True]), 1), r"a bool mask that is not \[batch, seq\]"),
         (lambda moe: moelens.force(moe, 1, tokens=[False, True]), r"a bool mask that is not \[batch, seq\]"),
@@ -2792,14 +2798,41 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.force(moe, 1, tokens=(0, numpy.array(True))), r"holds a lone bool"),
     ],
     ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts",
-         "generator-experts", "none-experts", "bool-in-list-experts", "bool-in-nested-list-experts",
-         "numpy-bool-in-tuple-experts", "no-experts", "1d-bool-mask",
+         "generator-experts", "dict-keys-experts", "none-experts", "bool-in-list-experts", "bool-in-nested-list-experts",
+         "numpy-bool-in-tuple-experts", "bool-tensor-in-list-experts", "bool-array-in-list-experts", "no-experts", "1d-bool-mask",
          "1d-bool-list", "none-axis", "bool-position", "bool-tensor-position", "numpy-bool-position",
          "numpy-0d-bool-array-position"],
 )
 def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match):
     wrapped, inputs = mixtral
     write_fails(wrapped, inputs, call, match)
+
+
+@pytest.mark.parametrize("given", [[3, 4], (3, 4), range(3, 5), collections.deque([3, 4]), torch.Size([3, 4]),
+                                   [numpy.int64(3), torch.tensor(4)], numpy.array([3, 4]), [[3, 4]]],
+                         ids=["list", "tuple", "range", "deque", "size", "scalars", "array", "nested"])
+def test_reroute_takes_every_ordered_sequence_of_ids(mixtral, given):
+    """The refusal of sets and generators refused ranges and deques too (ordered sequences, taken before it).
+    Ground truth: the indices read before, with the slots of position 0 set by hand."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        before = moe.expert_indices.clone().save()
+        moelens.reroute(moe, (slice(None), 0), given)
+        after = moe.expert_indices.save()
+    expected = before.clone()
+    expected[:, 0] = torch.tensor([3, 4])
+    assert torch.equal(after, expected)
+
+
+def test_a_written_list_of_indices_holding_a_bool_is_refused(mixtral):
+    """torch.as_tensor([3, True]) is [3, 1]: a bool among the written ids was taken for expert 1 (all-bool lists were
+    refused already)."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with pytest.raises(WriteError, match=r"expert_indices: the written list holds the bool True among its numbers"):
+        with wrapped.trace(**inputs):
+            moe.expert_indices = [[[3, True]] * 5] * 2
 
 
 def test_a_bool_mask_selects_only_its_tokens(mixtral):

@@ -488,7 +488,7 @@ def test_edits_refuse_what_the_trace_interventions_refuse(out):
     ids = torch.randint(0, wrapped._module.config.vocab_size, (1, 6))
     path = out / "refused.nnef.tgz"
     with pytest.raises(ExportError, match=r"^Edits\.steer\[0\]: the bias 1e\+39 of expert 3 takes its router bias "
-                                          r"beyond what the block's float32 weights hold \(3\.403e\+38"):
+                                          r"beyond what the archive's float32 router bias holds \(3\.403e\+38"):
         to_nnef(wrapped, path, edits=Edits(steer={0: {3: 1e39}}), verify=False)
     with torch.no_grad(), pytest.raises(moelens.WriteError, match=r"bias 1e\+39 takes expert 3's logits up"):
         with wrapped.trace(ids):  # the trace's own refusal of the same bias

@@ -353,6 +353,9 @@ def test_an_edit_of_a_layer_block_does_not_export_is_refused_by_its_option(monke
      "--steer of layer 1: the biases of experts [3] are not finite ([inf]); give finite biases (a few tens already "
      "decide the routing), or use --route-around to remove an expert."),
     (["export", "tiny", "x.nnef.tgz", "--ablate", "1:99"], "--ablate of layer 1: experts [99] are out of range 0..7."),
+    # a swap to itself: the advice said "Edits.ablate", which the command's user cannot type
+    (["export", "tiny", "x.nnef.tgz", "--swap", "1:3=3"], "--swap of layer 1: experts [3] are swapped to themselves, so "
+     "nothing would change; give another expert to take over their slots (or zero-ablate them: --ablate of layer 1)."),
     (["export", "tiny", "x.nnef.tgz", "--ablate", "99:1", "--route-around", "7:2"], "--route-around of layer 7, "
      "--ablate of layer 99 name layers with no MoE block here; the MoE layers are [0, 1, 2, 3]."),  # was "Edits name"
     (["export", "tiny", "x.nnef.tgz", "--tokens", "300"], "--tokens 300: 300 tokens is longer than the model's "

@@ -153,14 +153,30 @@ def test_float64_per_slot_outputs_whose_sum_overflows_are_refused():
     wrapped = moelens.wrap(hf)
     moe = wrapped.moes[1]
     assert torch.isinf(torch.tensor([1e308, 1e308], dtype=torch.float64).sum())
-    with pytest.raises(WriteError, match=r"expert_outputs: the written slots of a token add up to inf, which is inf "
-                                         r"in torch.float64"):
+    with pytest.raises(WriteError, match=r"expert_outputs: the written slots of a token add up to more than float64 "
+                                         r"holds, which is inf in torch.float64"):
         with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
             moe.expert_outputs = torch.full(moe.expert_outputs.shape, 1e308, dtype=torch.float64)
     with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
         moe.expert_outputs = torch.full(moe.expert_outputs.shape, 5e307, dtype=torch.float64)
         routed = moe.routed_output.save()
     assert torch.equal(routed, torch.full_like(routed, 1e308))
+
+
+def test_float32_per_slot_outputs_whose_sum_rounds_to_the_largest_float_are_written():
+    """Checked in float64 against float32's largest number, a sum that torch rounds to that largest number (finite)
+    was refused as inf (ground truth: torch's own float32 sum of the two slots)."""
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[1]
+    largest = torch.finfo(torch.float32).max
+    assert torch.isfinite(torch.tensor([largest, 1e30]).sum())
+    with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
+        slots = torch.zeros(moe.expert_outputs.shape)
+        slots[..., 0, :], slots[..., 1, :] = largest, 1e30
+        moe.expert_outputs = slots
+        routed = moe.routed_output.save()
+    assert torch.equal(routed, torch.full_like(routed, largest))
 
 
 @pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Callable
 
 import nnsight
 import numpy
@@ -41,7 +41,7 @@ from .components.layer_list import held_blocks
 from .errors import OrderError, WriteError, sentence
 from .families import registry
 from .families.scoring import score
-from .scalars import as_int, as_real, scalar
+from .scalars import as_int, as_real, bool_in, scalar
 
 ABLATION_MODES = ("zero", "route_around", "swap")
 
@@ -242,7 +242,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
     selected = indices[rows]
-    _refuse_unordered_or_bool(experts)
+    experts = _ordered_ids(experts)
     try:
         with unset_fake_temporarily():  # in model.scan: ids given as numbers or a real tensor keep their values
             replacement = torch.as_tensor(experts, device=indices.device)
@@ -280,23 +280,21 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     moe.expert_indices = indices
 
 
-def _refuse_unordered_or_bool(experts: Any) -> None:
-    """Refuse `reroute` ids that give no slot order (a set, a generator) or hold a bool (``torch.as_tensor`` would
-    take ``[3, True]`` for experts 3 and 1)."""
-    if not isinstance(experts, (list, tuple, torch.Tensor, numpy.ndarray)) and as_int(experts) is None:
-        order = " (it has no order, and reroute gives the ids to the slots in order)" \
-            if isinstance(experts, Iterable) and not isinstance(experts, (str, bytes)) else ""
-        raise WriteError(f"reroute: experts={experts!r} is a {type(experts).__name__}{order}; pass one int id, a list "
-                         "or tuple of k ids (one per slot), or a tensor of ids broadcastable to the selected [n, k] "
-                         "slots.")
-    leaves = [experts]
-    while leaves:
-        leaf = leaves.pop()
-        if isinstance(leaf, (list, tuple)):
-            leaves.extend(leaf)
-        elif isinstance(leaf, (bool, numpy.bool_)):
-            raise WriteError(f"reroute: experts={experts!r} holds the bool {leaf!r}; expert ids are integers (a bool "
-                             "is never taken as expert 0 or 1).")
+def _ordered_ids(experts: Any) -> Any:
+    """`reroute`'s ``experts`` as given (a list for another ordered sequence: a range, a deque); refuses what gives
+    the slots no order (a set, a mapping, a generator) and a bool among the ids (``torch.as_tensor`` would take
+    ``[3, True]`` for experts 3 and 1)."""
+    if isinstance(experts, Iterable) and not isinstance(experts, (Sequence, torch.Tensor, numpy.ndarray)):
+        raise WriteError(f"reroute: experts={experts!r:.80} is a {type(experts).__name__}, which gives the ids no "
+                         "order, and reroute gives them to the slots in order; pass one int id, a list or tuple of k "
+                         "ids (one per slot), or a tensor of ids broadcastable to the selected [n, k] slots.")
+    if isinstance(experts, Sequence) and not isinstance(experts, (list, tuple, str, bytes)):
+        experts = list(experts)
+    found = bool_in(experts)
+    if found is not None:
+        raise WriteError(f"reroute: experts={experts!r:.80} holds the bool {found!r}; expert ids are integers (a bool "
+                         "is never taken as expert 0 or 1).")
+    return experts
 
 
 def _conflicting_rows(positions: torch.Tensor, given: torch.Tensor) -> bool:

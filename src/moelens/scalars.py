@@ -61,6 +61,20 @@ def as_lone_int(value: Any) -> int | None:
     return None if getattr(value, "ndim", 0) != 0 else as_int(value)
 
 
+def bool_in(value: Any) -> Any:
+    """The first bool found inside ``value``, a list or tuple (nested) of ids, numbers, arrays or tensors, else None:
+    ``torch.as_tensor([3, True])`` is ``tensor([3, 1])``, so a bool among numbers would pass for 1 unseen."""
+    pending = list(value) if isinstance(value, (list, tuple)) else []
+    while pending:
+        item = pending.pop(0)
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif (isinstance(item, (bool, np.bool_)) or isinstance(item, torch.Tensor) and item.dtype == torch.bool
+              or isinstance(item, np.ndarray) and item.dtype == np.bool_):
+            return item
+    return None
+
+
 def check_flag(name: str, value: Any, error: type[MoelensError] = MoelensError) -> bool:
     """``value`` as a Python bool; raises ``error`` naming ``name`` unless it is True or False (numpy's too)."""
     if not isinstance(value, (bool, np.bool_)):

@@ -33,7 +33,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..families.scoring import score
 from ..paths import blocked_above, may_write_into, user_path
-from .checks import check_type, split_ids
+from .checks import check_type, layer_hint, shown, split_ids
 
 #: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
 #: expert 0 with weight 0): counted by no expert.
@@ -54,10 +54,13 @@ SHARD_NAME = re.compile(r"shard-\d+\.safetensors")
 def layer_row(layers: Sequence[int], layer: Any, what: str = "cache") -> int:
     """The position of decoder layer ``layer`` (an integer, see `moelens.scalars.as_lone_int`) in ``layers`` (the MoE layers of
     a cache or a result)."""
+    if layer_hint(layer):  # a block given for its layer (its repr is the whole module tree)
+        raise MoelensError(f"layer takes a decoder-layer index, got {shown(layer)}{layer_hint(layer)}.")
     (index,), outside = split_ids([layer], layers)
     if outside:
         hint = "" if index is not None else " (pass an integer decoder-layer index)"
-        raise MoelensError(f"layer {layer!r} is not an MoE layer of this {what}; its MoE layers are {list(layers)}{hint}.")
+        raise MoelensError(f"layer {shown(layer)} is not an MoE layer of this {what}; its MoE layers are "
+                           f"{list(layers)}{hint}.")
     return list(layers).index(index)
 
 

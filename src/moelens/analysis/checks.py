@@ -16,6 +16,21 @@ from ..errors import MoelensError, described
 from ..scalars import as_lone_int
 
 
+def shown(value: Any) -> str:
+    """``value`` for an error message: a block or module of a wrapped model by its path (its repr is the whole module
+    tree), anything else as its repr, cut at 80 characters."""
+    if isinstance(value, Envoy):
+        return f"the {type(value).__name__} {value.path}"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def layer_hint(value: Any) -> str:
+    """What to pass instead of a block given where a decoder-layer index is asked for ("" for anything else)."""
+    layer = getattr(value, "layer", None) if isinstance(value, Envoy) else None
+    return f": pass its layer index (moe.layer, here {layer})" if as_lone_int(layer) is not None else ""
+
+
 def check_count(name: str, value: Any, least: int = 1) -> int:
     """``value`` as an int: a count such as ``batch_size`` or ``top`` must be an integer of at least ``least``."""
     count = as_lone_int(value)
@@ -50,6 +65,9 @@ def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", 
     ``order``: what the positions give when they carry meaning (then a set, which has no order, is refused);
     ``None`` for a filter, whose order does not matter, so a set works as well as a list.
     """
+    if isinstance(values, Envoy):  # a block is iterable (its children): named, not iterated
+        raise MoelensError(f"{name} must be a list of {what}s ({items}), got {shown(values)}"
+                           f"{layer_hint(values) if name == 'layers' else ''}.")
     one = as_lone_int(values)
     if one is not None:
         raise MoelensError(f"{name}={values!r} is one {what}; {name} takes a list: {example.format(name=name, one=one)}.")
@@ -60,10 +78,9 @@ def id_list(name: str, values: Any, what: str, example: str = "{name}=[{one}]", 
         raise MoelensError(f"{name} must be a list of {what}s ({items}), got {described(values)}.")
     values = list(values)
     envoy = next((value for value in values if isinstance(value, Envoy)), None)
-    if envoy is not None:  # its repr is the whole module tree
-        layer = getattr(envoy, "layer", None)
-        hint = f": pass its layer index (moe.layer, here {layer})" if name == "layers" and layer is not None else ""
-        raise MoelensError(f"{name} takes {what} ids ({items}), got the {type(envoy).__name__} {envoy.path}{hint}.")
+    if envoy is not None:
+        raise MoelensError(f"{name} holds {shown(envoy)}, which is no {what} ({items})"
+                           f"{layer_hint(envoy) if name == 'layers' else ''}.")
     twice = _repeated(values) if distinct else []
     if twice:
         raise MoelensError(f"{name} gives {what} {twice} more than once; give each {what} once.")

@@ -21,7 +21,7 @@ from ..model import check_wrapped
 from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
-from .checks import check_count, id_list, refuse_set, split_ids
+from .checks import check_count, id_list, refuse_set, shown, split_ids
 
 #: Default number of tokens per cache shard (a shard is the unit held in memory).
 SHARD_TOKENS = 65_536
@@ -54,11 +54,12 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
             "routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()."
         )
     if blocks is not None:
-        listed = isinstance(blocks, Iterable) and not isinstance(blocks, (str, bytes, Mapping))
+        listed = isinstance(blocks, Iterable) and not isinstance(blocks, (str, bytes, Mapping, Envoy))
         wanted_paths = list(blocks) if listed else [blocks]
         if not wanted_paths or not all(isinstance(part, str) for part in wanted_paths):
-            shown = f"the {type(blocks).__name__} {blocks.path}" if isinstance(blocks, Envoy) else f"{blocks!r:.80}"
-            raise MoelensError(f"blocks must be a part of a block path or a list of them (text), got {shown}; "
+            wrong = next((part for part in wanted_paths if not isinstance(part, str)), blocks) if listed else blocks
+            given = f"a list holding {shown(wrong)}" if listed and wanted_paths else shown(blocks)
+            raise MoelensError(f"blocks must be a part of a block path or a list of them (text), got {given}; "
                                f"e.g. blocks={model.moes[0].path.rpartition('.')[2]!r}.")
         moes = [moe for moe in moes if any(part in moe.path for part in wanted_paths)]
         if not moes:

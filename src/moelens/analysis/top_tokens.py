@@ -49,20 +49,27 @@ class ExpertTokens:
 def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V].
 
-    The pairs are merged after each shard, so memory follows the distinct pairs (at most experts x vocabulary), not
-    the cache's length."""
+    The shards' pairs are merged once those waiting outnumber the pairs merged so far (and a few million), so memory
+    follows the distinct pairs (at most experts x vocabulary), not the cache's length, at a few merges in all."""
     layer = cache.layer_key(layer)
     stride = 1 << 32
-    keys, counts = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    keys, counts = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]
     occurrences, read = torch.zeros(0, dtype=torch.int64), False
+
+    def merged() -> tuple[list[Tensor], list[Tensor]]:
+        unique, inverse = torch.unique(torch.cat(keys), return_inverse=True)
+        return [unique], [torch.zeros(unique.shape[0], dtype=torch.int64).index_add_(0, inverse, torch.cat(counts))]
+
     for shard in cache._shards():
         read = True
         ids = shard.token_ids.long()
         indices = shard.indices[layer].long()
         pairs = indices * stride + ids[:, None]
         unique, found = torch.unique(pairs[indices != SKIPPED], return_counts=True)
-        keys, inverse = torch.unique(torch.cat([keys, unique]), return_inverse=True)
-        counts = torch.zeros(keys.shape[0], dtype=torch.int64).index_add_(0, inverse, torch.cat([counts, found]))
+        keys.append(unique)
+        counts.append(found)
+        if sum(part.shape[0] for part in keys[1:]) > max(2 * keys[0].shape[0], 1 << 22):
+            keys, counts = merged()
         seen = torch.bincount(ids)
         if seen.shape[0] > occurrences.shape[0]:
             seen[: occurrences.shape[0]] += occurrences
@@ -71,6 +78,7 @@ def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor
             occurrences[: seen.shape[0]] += seen
     if not read:
         raise MoelensError(EMPTY_CACHE)
+    (keys,), (counts,) = merged()
     return keys // stride, keys % stride, counts, occurrences
 
 

@@ -28,6 +28,7 @@ from transformers.generation.utils import (GenerateBeamDecoderOnlyOutput, Genera
                                          GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput)
 
 from ..errors import FamilyError, MoelensError, OrderError, ValueUnavailable, WriteError
+from ..scalars import bool_in
 from . import tokens
 from .binding import ANY_INF, FLOAT, Binding, dict_output
 from .run_owner import MoeInterleaver
@@ -657,6 +658,10 @@ def _as_tensor(component: "Component", name: str, binding: Binding, value: Any, 
     """A written number, array or nested list as a tensor on the value's device (a Python number in its dtype for
     a float value; a bool stays a bool, which the checks refuse); anything else raises `WriteError`."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    found = bool_in(value)
+    if found is not None:  # torch.as_tensor([3, True]) is [3, 1]
+        raise WriteError(f"{component.path}.{name}: the written list holds the bool {found!r} among its numbers; write "
+                         f"numbers only (a tensor of shape {tuple(current.shape)} and dtype {current.dtype}).")
     try:
         return torch.as_tensor(value, dtype=current.dtype if binding.kind == FLOAT and number else None,
                                device=current.device)

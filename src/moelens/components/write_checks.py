@@ -135,12 +135,14 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
     if cast_to is not None and value.numel():  # the model adds up a token's slots and casts the sum to ``cast_to``
         summed_in = _slot_sum_dtype(value)
         narrowest = min((summed_in, cast_to), key=lambda dtype: torch.finfo(dtype).max)
-        total = value.double().sum(-2).abs().max()  # float64: a float32 sum of float64 slots is inf already
-        if total > torch.finfo(narrowest).max:
+        # summed in float64 (a float32 sum of float64 slots is inf already), then rounded as the model's sum is
+        total = value.sum(-2, dtype=torch.float64).abs().max()
+        if torch.isinf(total.to(narrowest)):
             how = ("the dtype the model adds them up in" if narrowest == summed_in else
                    "the dtype the block's output is cast to from their sum")
+            reached = f"{float(total):.4g}" if torch.isfinite(total) else "more than float64 holds"
             raise WriteError(
-                f"{where}: the written slots of a token add up to {float(total):.4g}, which is inf in {narrowest} (at "
+                f"{where}: the written slots of a token add up to {reached}, which is inf in {narrowest} (at "
                 f"most {torch.finfo(narrowest).max:.4g}), {how}; write smaller values."
             )
     needed, why = (component._finite_logits_needed(value.dtype) if name == "router_logits" and binding.min_finite

@@ -221,7 +221,8 @@ class Edits:
         unchanged = [e for e, to in self.swap.get(layer, {}).items() if e == to]
         if unchanged:
             raise ExportError(f"Edits.swap[{layer}]: experts {unchanged} are swapped to themselves, so nothing would "
-                              "change; give another expert to take over their slots (or use Edits.ablate).")
+                              "change; give another expert to take over their slots (or zero-ablate them: "
+                              f"Edits.ablate[{layer}]).")
         both = sorted(set(self.ablate.get(layer, ())) & set(self.swap.get(layer, {})))
         if both:
             raise ExportError(f"Edits at layer {layer}: experts {both} are both zero-ablated and swapped; pick one.")
@@ -254,7 +255,7 @@ class Edits:
                 if not wg_bias[expert].isfinite():
                     raise ExportError(
                         f"Edits.steer[{layer}]: the bias {bias:g} of expert {expert} takes its router bias beyond "
-                        f"what the block's {str(wg_bias.dtype).removeprefix('torch.')} weights hold "
+                        f"what the archive's {str(wg_bias.dtype).removeprefix('torch.')} router bias holds "
                         f"({torch.finfo(wg_bias.dtype).max:.4g}, which would be inf); use a bias well inside that "
                         "range (a few tens already decide the routing).")
             for expert in removed:
