@@ -2901,8 +2901,8 @@ def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
         # was taken as force(moe, [4]): one slot filled where the call names two
         r"force: expert 4 is given more than once in \[4, 4\]; a router picks an expert for one slot at most":
             lambda: moelens.force(moe, [4, 4]),
-        # said "up to inf"
-        r"steer: bias -inf takes expert 1's logits down to -inf in .*, beyond what the model's float32 logits hold":
+        # said "up to inf", then that -inf is beyond float32: it is route_around
+        r"steer: bias -inf would remove expert 1 from .*'s routing; that is route-around ablation":
             lambda: moelens.steer(moe, 1, float("-inf")),
         # an int past float's range raised float()'s bare OverflowError
         r"steer: bias inf takes expert 1's logits up to inf in .*, beyond what the model's float32 logits hold":
