@@ -649,6 +649,57 @@ def test_token_id_invokes_of_different_lengths_over_a_cache_need_the_traces_mask
     torch.testing.assert_close(torch.cat([first, second]), expected, rtol=0, atol=0)
 
 
+def test_text_invokes_over_a_cache_given_to_the_trace_are_checked_as_text_given_to_it():
+    """With a tokenizer, text in an invoke over model.trace(past_key_values=...) ran with the tokenizer's mask of the new
+    tokens alone (the check looked for the cache among the invokes' keywords only): the cached tokens were not
+    attended, silently (the same text given to model.trace itself was refused). Invokes of different lengths with the
+    trace's full mask ran at positions counted from 0. Ground truth: plain transformers on the cached and new tokens
+    in one forward, each row alone."""
+    hf = tiny_model("mixtral")
+    reference = copy.deepcopy(hf)
+    tokenizer = ascii_tokenizer()
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+
+    def prefilled(*prompts):
+        with torch.no_grad(), wrapped.trace(list(prompts), use_cache=True):
+            out = wrapped.output.save()
+        return out.past_key_values
+
+    built = r"the attention_mask of shape \(1, 2\) \(the tokenizer built it for the text's own tokens: over a cache pass " \
+            r"attention_mask=, covering the cached and the new tokens, to model.trace\(...\)\) does not fit"
+    with pytest.raises(moelens.MoelensError, match=built), torch.no_grad():
+        with wrapped.trace("ab", past_key_values=prefilled("hello")):
+            wrapped.output.logits.save()
+    with pytest.raises(moelens.MoelensError, match=built), torch.no_grad():  # this one ran
+        with wrapped.trace(past_key_values=prefilled("hello")) as tracer:
+            with tracer.invoke("ab"):
+                wrapped.output.logits.save()
+    with torch.no_grad():  # with the trace's mask over the cache and the new tokens: transformers' continuation
+        with wrapped.trace(past_key_values=prefilled("hello"), attention_mask=torch.ones(1, 7, dtype=torch.long)) as tracer:
+            with tracer.invoke("ab"):
+                continued = wrapped.output.logits.save()
+        whole = reference(**tokenizer(["helloab"], return_tensors="pt")).logits
+    torch.testing.assert_close(continued[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0, 1]])
+    with pytest.raises(moelens.MoelensError, match=r"invokes of different lengths over a key-value cache .* their "
+                                                   r"position_ids are counted from 0 in each row"), torch.no_grad():
+        with wrapped.trace(past_key_values=prefilled("hello", "world"), attention_mask=mask) as tracer:
+            with tracer.invoke("ab"):
+                wrapped.output.logits.save()
+            with tracer.invoke("c"):
+                wrapped.output.logits.save()
+    with torch.no_grad():  # with positions after the cache too: each row's continuation
+        with wrapped.trace(past_key_values=prefilled("hello", "world"), attention_mask=mask,
+                           position_ids=torch.tensor([[5, 6], [5, 5]])) as tracer:
+            with tracer.invoke("ab"):
+                first = wrapped.output.logits.save()
+            with tracer.invoke("c"):
+                second = wrapped.output.logits.save()
+        alone = reference(**tokenizer(["worldc"], return_tensors="pt")).logits
+    torch.testing.assert_close(first[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[0, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("invoke", "named"), [
     (lambda tracer, ids: tracer.invoke(ids, use_cache=False), r"an invoke got keyword\(s\) \['use_cache'\] beside the ids"),
     (lambda tracer, ids: tracer.invoke(ids, torch.ones_like(ids)), r"an invoke got 2 inputs \(ids and a Tensor\)"),

@@ -386,7 +386,19 @@ class MoeModelMixin(StandardNames):
                     "model.generate(prompt, generation_config=config)."
                 )
         from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
-        return _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text, _generating(fn))
+        given = set(extra).union(*(kwargs for inputs, kwargs in invokes))
+        batched = _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text, _generating(fn), extra,
+                                       mask_built=from_text and "attention_mask" not in given)
+        mask = batched[1].get("attention_mask")
+        if (_cached_tokens({**batched[1], **extra}) and not _generating(fn) and "position_ids" in batched[1]
+                and "position_ids" not in given and isinstance(mask, torch.Tensor) and not bool(mask.all())):
+            raise MoelensError(  # nnsight counted the padded rows' positions from their own mask: from 0
+                "invokes of different lengths over a key-value cache (past_key_values): the new tokens are "
+                "left-padded, and their position_ids are counted from 0 in each row, not after the cached tokens. "
+                "Give invokes of one length, or pass position_ids (and attention_mask over the cache and the new "
+                "tokens) to model.trace(...)."
+            )
+        return batched
 
     def _refuse_running_no_forward(self, fn: Any) -> None:
         """Refuse a trace (``fn``: the model's call, not its ``generate``) of a model class with no forward of its
@@ -616,18 +628,22 @@ EMBEDDED_ID_DTYPES = (torch.long, torch.int32)
 
 
 def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False,
-                         generating: bool = False) -> tuple[tuple, dict]:
+                         generating: bool = False, trace_kwargs: Mapping[str, Any] | None = None,
+                         mask_built: bool = False) -> tuple[tuple, dict]:
     """``batched`` (the model's inputs, as nnsight's batching built them), after refusing input_ids the model could
     not embed: a tensor of a dtype torch's embedding does not take (float, int16, bool ...) or a prompt with no tokens (an empty ids
     tensor; ``from_text``: an empty string, a row of padding alone beside longer prompts; the model's attention
-    fails on a zero-length sequence)."""
+    fails on a zero-length sequence), and an attention mask that does not fit them (``trace_kwargs``: the trace's own
+    keywords, ``model.trace(past_key_values=...)``, which the model gets beside the invokes' and over them;
+    ``mask_built``: the tokenizer built the mask, for the text's own tokens)."""
     ids = _input_ids(module, batched)
     if not isinstance(ids, torch.Tensor):
         return batched
     if ids.dtype not in EMBEDDED_ID_DTYPES:
         raise unembeddable_ids(ids, "the trace's input_ids")
     mask = batched[1].get("attention_mask")
-    _refuse_misfit_mask(module, ids, mask, batched[1].get("past_key_values"), generating)
+    given = {**batched[1], **(trace_kwargs or {})}
+    _refuse_misfit_mask(module, ids, given.get("attention_mask"), given.get("past_key_values"), generating, mask_built)
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
@@ -643,7 +659,8 @@ def _generating(fn: Any) -> bool:
     return getattr(fn, "__name__", fn) == "generate"
 
 
-def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any, generating: bool) -> None:
+def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any, generating: bool,
+                        mask_built: bool = False) -> None:
     """Refuse a ``[batch, width]`` attention_mask that does not fit the ``[batch, seq]`` ids: transformers takes it as
     it is, and the model silently attends to the wrong positions. It has one entry per token; over a key-value cache
     (``cache``) in a step of a trace, one per cached token before them too (generate's ids hold the cached tokens; an
@@ -659,10 +676,12 @@ def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any
     if mask.shape[0] == rows and (mask.shape[1] == least or cache is not None and mask.shape[1] > least):
         return
     before = f" and {cached} more for the tokens the cache holds before them" if cached else ""
-    expected = f"{rows} rows of at least {least}" if cache is not None else f"shape ({rows}, {length})"
+    expected = f"{rows} row{'s' * (rows != 1)} of at least {least}" if cache is not None else f"shape ({rows}, {length})"
+    built = (" (the tokenizer built it for the text's own tokens: over a cache pass attention_mask=, covering the "
+             "cached and the new tokens, to model.trace(...))") if mask_built and cached else ""
     raise MoelensError(
-        f"the attention_mask of shape {tuple(mask.shape)} does not fit the input_ids of shape {tuple(ids.shape)}: "
-        f"give one entry per token (1 to attend to it, 0 for padding){before}, {expected}."
+        f"the attention_mask of shape {tuple(mask.shape)}{built} does not fit the input_ids of shape "
+        f"{tuple(ids.shape)}: give one entry per token (1 to attend to it, 0 for padding){before}, {expected}."
     )
 
 
