@@ -563,3 +563,14 @@ def test_save_takes_a_numpy_or_tensor_dpi_as_matplotlib_does_and_refuses_a_bool(
         with pytest.raises(MoelensError, match=r"save: dpi must be a number of dots per inch from 10 to 2000"):
             plots.save(figure, tmp_path / "dpi.png", dpi=dpi)
         assert not pyplot.fignum_exists(figure.number)
+
+
+def test_a_token_view_and_a_lens_print_as_a_summary_not_every_string():
+    """Their dataclass reprs printed every token's string and every expert's promoted tokens (632 KB for a 48-layer,
+    128-expert lens), which is what Jupyter shows for a cell's last value."""
+    view = TokenRouting(token_ids=torch.arange(500), tokens=[f"tok{i}" for i in range(500)], layers=[0, 4],
+                        indices=torch.zeros(2, 500, 3, dtype=torch.int64), weights=torch.ones(2, 500, 3),
+                        num_experts=[4, 4])
+    assert repr(view) == "TokenRouting(500 tokens, layers [0, 4], top-3 of experts [4, 4]; .table() shows them)"
+    assert repr(hand_lens()) == ("ExpertLens(layers [1, 4], experts [3, 3], top 3 tokens each, relative=False, "
+                                 "norm=None; .promoted(layer, expert) lists them)")

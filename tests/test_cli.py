@@ -125,6 +125,33 @@ def test_demo_on_moelens_tiny(tmp_path, capsys, monkeypatch):
     assert str((tmp_path / "demo").resolve()) in out
 
 
+def test_the_demo_shows_the_first_64_tokens_of_a_long_text(tmp_path, capsys):
+    """A 19 KB --text printed one table row per token (5,454 lines) while the token plot shows the first 64.
+    Ground truth: the tokenizer's count of the text's tokens."""
+    text = "def add(a, b):\n    return a + b\n" * 20
+    (tmp_path / "long.txt").write_text(text, encoding="utf-8")
+    count = len(moelens.load().tokenizer(text)["input_ids"])
+    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "0", "--text", tmp_path / "long.txt"], capsys)
+    assert status == 0, err
+    assert count > 64
+    header = next(line for line in out.splitlines() if line.startswith("token "))
+    table = out[out.index(header):].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == 65 and table[-1] == f"... {count - 64} more tokens (table(max_tokens=None) shows them all)"
+    assert f"({count} tokens)" in out
+
+
+def test_ctrl_c_ends_a_command_with_a_line(tmp_path, capsys, monkeypatch):
+    """Ctrl-C printed the traceback of wherever the model was (26 frames, down to torch's grouped_mm)."""
+    import moelens.analysis.cli as analysis_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(analysis_cli, "load_model", interrupted)
+    status, out, err = run(["demo", "--out", tmp_path / "demo"], capsys)
+    assert status == 130 and err == "\nmoelens demo: interrupted\n"
+
+
 def test_the_demo_says_when_it_routes_fewer_windows_than_asked(tmp_path, capsys, monkeypatch):
     """--windows 999999 routed the 256 the held-out set has, saying only "256 windows"."""
     from safetensors.torch import load_file, save_file

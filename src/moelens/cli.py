@@ -271,6 +271,9 @@ def _run(argv: list[str] | None) -> int:
     except OSError as error:  # a path the checks could not foresee (a folder the system refuses to create ...)
         print(f"moelens {args.command}: error: {error}; check the path and what may be written there.", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not the traceback of wherever the model was
+        print(f"\nmoelens {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ DEMO_FILES = ("token_routing.png", *(f"{prefix}{name}.png" for prefix in ("text_
 STATS_OUTPUTS = (*STATS_FILES, *(f"{name}.png" for name in CORPUS_PLOTS))
 STATS_CACHE = "cache"
 
+#: The tokens the demo's table shows (the token plot shows as many): a long --text prints the first ones.
+DEMO_TABLE_TOKENS = 64
 #: The demo's sample text: a little Python and the prose that explains it.
 DEMO_TEXT = '''def mean(values):
     """Return the arithmetic mean of a sequence of numbers."""
@@ -304,7 +306,7 @@ def run_demo(args: argparse.Namespace) -> int:
     view = token_routing(model, text)
     print(f"Routing of the {'text' if args.text else 'sample text'} ({len(view.tokens)} tokens): "
           "expert:weight for each of the k slots, per layer\n")
-    print(view.table())
+    print(view.table(max_tokens=DEMO_TABLE_TOKENS))
 
     cache = collect_routing(model, [text], logits=True, progress=False)
     stats = layer_stats(cache)
@@ -313,7 +315,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(table(stats.rows(), columns))
 
     out: Path = args.out
-    written = [plots.save(plots.plot_token_routing(view), out / "token_routing.png")]
+    written = [plots.save(plots.plot_token_routing(view, max_tokens=DEMO_TABLE_TOKENS), out / "token_routing.png")]
     written += write_corpus_plots(cache, out, prefix="text_", stats=stats)
 
     corpus = text

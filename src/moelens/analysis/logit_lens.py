@@ -66,6 +66,11 @@ class ExpertLens:
     norm: str | None
     num_experts: list[int]
 
+    def __repr__(self) -> str:  # the default dumps every expert's promoted strings (L x E x n of them)
+        top = self.top_ids.shape[-1] if self.top_ids.dim() == 3 else 0
+        return (f"ExpertLens(layers {self.layers}, experts {self.num_experts}, top {top} tokens each, "
+                f"relative={self.relative}, norm={self.norm!r}; .promoted(layer, expert) lists them)")
+
     def promoted(self, layer: int, expert: int) -> list[str]:
         """The tokens expert ``expert`` (an integer id) of decoder layer ``layer`` promotes, best first; empty
         when no token of the corpus reached it."""

@@ -43,20 +43,28 @@ class TokenRouting:
     probs: Float[Tensor, "l n e"] | None = None
     num_experts: list[int] = field(default_factory=list)
 
+    def __repr__(self) -> str:  # the default dumps every token's string and every tensor
+        k = self.indices.shape[-1] if self.indices.dim() == 3 else 0
+        probs = ", with probs" if self.probs is not None else ""
+        return (f"TokenRouting({len(self.tokens)} tokens, layers {self.layers}, top-{k} of experts {self.num_experts}"
+                f"{probs}; .table() shows them)")
+
     def top1(self) -> Int[Tensor, "l n"]:
         """``[L, n]`` each token's highest-weighted expert per layer."""
         return self.indices[..., 0]
 
-    def table(self, layers: list[int] | None = None, width: int = 14) -> str:
+    def table(self, layers: list[int] | None = None, width: int = 14, max_tokens: int | None = None) -> str:
         """A text table: one row per token, one column per layer, cells ``expert:weight`` per slot; ``width``: the
-        most characters of each token shown (at least 1)."""
+        most characters of each token shown (at least 1); ``max_tokens``: the first tokens only (None: all), with a
+        last line saying how many are left out."""
         width = check_count("width", width)
+        shown = len(self.tokens) if max_tokens is None else min(len(self.tokens), check_count("max_tokens", max_tokens))
         rows = [layer_row(self.layers, layer, "token view")
                 for layer in (self.layers if layers is None else id_list("layers", layers, "layer"))]
         layers = [self.layers[row] for row in rows]
         token_width = min(max([len(token) for token in self.tokens] + [5]), width)
         cells = []
-        for position, token in enumerate(self.tokens):
+        for position, token in enumerate(self.tokens[:shown]):
             slots = [
                 " ".join(
                     _slot(int(self.indices[row, position, slot]), float(self.weights[row, position, slot]))
@@ -69,6 +77,8 @@ class TokenRouting:
         header = f"{'token':<{token_width}}  " + "  ".join(f"{'layer ' + str(layer):<{column}}" for layer in layers)
         lines = [header, "-" * len(header)]
         lines += [f"{token:<{token_width}}  " + "  ".join(f"{slot:<{column}}" for slot in slots) for token, slots in cells]
+        if shown < len(self.tokens):
+            lines.append(f"... {len(self.tokens) - shown} more tokens (table(max_tokens=None) shows them all)")
         return "\n".join(lines)
 
 

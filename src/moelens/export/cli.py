@@ -15,6 +15,7 @@ from typing import Any
 from ..cli import load_checkpoint
 from ..errors import MoelensError
 from ..paths import argument_text, user_path
+from .tract_cli import TOLERANCES
 
 
 #: The `Edits` fields the command has an option for (``--route-around`` for route_around ...).
@@ -204,5 +205,8 @@ def _quantized(details: dict[str, Any]) -> str:
 
 
 def _level(tolerance: str | None) -> str:
-    """A tolerance level as printed: its name, or "none met" when the archive met none of tract's levels."""
-    return tolerance or "none met"
+    """A tolerance level as printed: its name and rank among tract's levels, tightest first ("ultra" reads as the
+    best, and is the loosest), or "none met" when the archive met none of them."""
+    if tolerance not in TOLERANCES:
+        return "none met"
+    return f"{tolerance}, {list(TOLERANCES).index(tolerance) + 1} of {len(TOLERANCES)} from the tightest"

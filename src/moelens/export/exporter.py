@@ -531,6 +531,9 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
            properties: dict[str, str]) -> None:
     """torch-to-nnef: trace ``root`` on ``inputs`` and write the NNEF folder."""
     try:
+        with warnings.catch_warnings():  # torch-to-nnef's import uses APIs torch deprecates: not the user's concern
+            warnings.simplefilter("ignore")
+            import torch_to_nnef  # noqa: F401
         from torch_to_nnef import export_model_to_nnef
         from torch_to_nnef.inference_target import TractNNEF
 
