@@ -20,6 +20,15 @@ def llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def test_moelens_warnings_point_at_the_users_line_whichever_entry_point_raised_them():
+    """moelens.load("tiny-dense") reached wrap's warning one call deeper than wrap does, and the warning named
+    moelens/loading.py's `return wrap(model, ...)` line. Ground truth: this test file, where the calls are."""
+    for call in (lambda: moelens.wrap(llama()), lambda: moelens.load("tiny-dense")):
+        with pytest.warns(UserWarning, match="found no MoE block") as seen:
+            call()
+        assert [w.filename for w in seen if "found no MoE block" in str(w.message)] == [__file__]
+
+
 def test_a_dense_model_serves_its_mlps_and_says_it_has_no_moe_block():
     hf = llama()
     with pytest.warns(UserWarning, match="found no MoE block"):

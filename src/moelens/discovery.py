@@ -8,7 +8,6 @@ expert parallelism read it too. Nothing here changes the model.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from .call_order import in_run_order
 from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
-from .errors import FamilyError, sentence
+from .errors import FamilyError, sentence, warn
 from .families import Family, registry
 from .families.entry import find_path, get_path
 from .families.unserved import unserved_block
@@ -169,12 +168,11 @@ def _check_shared_path(name: str, module: torch.nn.Module, family: Family) -> No
         return
     lookalikes = [child for child in _children(module) if "shared" in child.lower()]
     if lookalikes:
-        warnings.warn(
+        warn(
             f"family {family.name!r}: SharedExpert.module {shared.module!r} names nothing on block {name} "
             f"({type(module).__name__}), which has {', '.join(map(repr, lookalikes))}: its shared expert runs but is "
             "not served (shared_expert_output unavailable, mlp_output not routed + shared). Fix the family's "
             "SharedExpert.module path.",
-            stacklevel=4,
         )
 
 
@@ -228,12 +226,11 @@ def _check_selection_bias(name: str, module: torch.nn.Module, family: Family) ->
     without a ``selection_op``."""
     error = registry.unread_selection_bias(family, module)
     if error is not None:
-        warnings.warn(
+        warn(
             f"family {family.name!r}: selection_bias {family.scoring_of(module).selection_bias!r} names nothing on "
             f"block {name} ({sentence(error)}). Its routing is served as ranked by router_logits, so route_around and "
             "force write the logits, not what the router ranks (route_around refuses). Fix the family's selection_bias "
             "(None when the router adds no bias), register it again and wrap the model again.",
-            stacklevel=4,
         )
 
 
@@ -343,37 +340,33 @@ def discover(model: torch.nn.Module) -> Structure:
         if layers is not None and layers not in structure.layer_lists:
             structure.layer_lists.append(layers)
     for model_type, blocks in unserved.items():
-        warnings.warn(
+        warn(
             f"moelens does not serve these MoE blocks of {model_type}: {', '.join(blocks)}; "
             f"{unserved_block(model.get_submodule(blocks[0])).reason}. model.moes leaves them out and they are "
             "plain envoys: read them with plain nnsight (their .output, .inputs and their children's).",
-            stacklevel=3,
         )
     if unknown:
-        warnings.warn(
+        warn(
             f"moelens found MoE blocks of no registered family: {', '.join(unknown)}. They are plain "
             "envoys; describe them with moelens.families.register(Family(...)), then wrap the model again "
             "(moelens.wrap(model._module)), to serve their routing.",
-            stacklevel=3,
         )
     for family_name, (block, container) in idle.items():
         if structure.family is None or structure.family.name != family_name:
             family = registry.get(family_name)
             if container is not None and not registry.is_built_in(family):
-                warnings.warn(
+                warn(
                     f"moelens: blocks of family {family_name!r} hold a {container} at {family.experts!r} (e.g. "
                     f"{block}), whose experts the block calls one by one, so none is served as a Moe: moelens reads "
                     "an experts module called once as experts(hidden_states, top_k_index, top_k_weights). Move the "
                     "block's loop over its experts into such a module's forward and name it in the entry's experts.",
-                    stacklevel=3,
                 )
                 continue
-            warnings.warn(
+            warn(
                 f"moelens: blocks of family {family_name!r} hold no experts module at {family.experts!r} "
                 f"(e.g. {block}), so none is served as a Moe: a checkpoint without a mixture, or a family whose "
                 "experts path is wrong (there, moelens takes a module decorated with transformers' use_experts_implementation "
                 "or with a class name ending in 'Experts'; for a registered family, any module but a ModuleList or ModuleDict).",
-                stacklevel=3,
             )
     if structure.family is None:
         config = getattr(model, "config", None)
@@ -413,10 +406,9 @@ def discover(model: torch.nn.Module) -> Structure:
         if layers is None:
             found += ", so there is no model.layers (reach modules by their native paths)"
         found += _unmatched_registrations(model)
-        warnings.warn(
+        warn(
             "moelens found no MoE block in this model (no module of a registered family's block class holding "
             f"an experts module): model.moes is [], and {found}.",
-            stacklevel=3,
         )
     return structure
 

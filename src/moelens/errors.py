@@ -7,10 +7,21 @@ swallowed by ``Envoy.__getattr__`` and resurfaces as "object has no attribute".
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 import numpy as np
 from torch import Tensor
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside moelens (the user's line, not moelens' own), however
+    deep in moelens it is raised: ``moelens.load`` and ``moelens.wrap`` reach the same warning at different depths."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "moelens":
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class MoelensError(Exception):

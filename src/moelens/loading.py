@@ -12,7 +12,6 @@ import logging
 import os
 import pickle
 import re
-import warnings
 import zipfile
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import MoelensError, sentence
+from .errors import MoelensError, sentence, warn
 from .model import MoeNNsight, MoeTransformersModel, wrap
 from .paths import user_path
 
@@ -484,20 +483,18 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
     try:
         tokenizer = _tokenizer_class(source, settings).from_pretrained(source, **settings)
     except (OSError, ValueError, TypeError) as error:
-        warnings.warn(
+        warn(
             f"moelens.load: the tokenizer saved at {source!r} does not load ({type(error).__name__}: "
             f"{sentence(error)}), so the model takes token ids only; fix or re-save the tokenizer files, or "
             "pass one with moelens.wrap(model, tokenizer=...).",
-            stacklevel=3,
         )
         return None
     if _placeholder(tokenizer):  # built by transformers without the vocabulary: text gave no tokens
-        warnings.warn(
+        warn(
             f"moelens.load: the tokenizer saved at {source!r} has no vocabulary (its {len(tokenizer)} tokens are all "
             "special or added ones: its files hold settings alone, such as a tokenizer_config.json), so the model "
             "takes token ids only; copy the tokenizer's other files (tokenizer.json, vocab.json ...) beside it, or "
             "pass one with moelens.wrap(model, tokenizer=...).",
-            stacklevel=3,
         )
         return None
     return tokenizer
@@ -583,14 +580,12 @@ def _check_weights_fit(source: str, info: dict[str, Any]) -> None:
             "torch.load(path, weights_only=False), then moelens.wrap it."
         )
     if missing:
-        warnings.warn(
+        warn(
             f"moelens.load: {len(missing)} weights of the model are not saved at {source!r} (e.g. {missing[0]!r}): "
             "they keep their initial (random) values; check that the config matches the checkpoint.",
-            stacklevel=3,
         )
     if unexpected:
-        warnings.warn(
+        warn(
             f"moelens.load: {len(unexpected)} weights saved at {source!r} have no place in the model (e.g. "
             f"{unexpected[0]!r}) and are left out; check that the config matches the checkpoint.",
-            stacklevel=3,
         )

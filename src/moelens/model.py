@@ -19,7 +19,6 @@ import os
 import re
 import traceback
 import types
-import warnings
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, NoReturn
 
@@ -44,7 +43,7 @@ from .components.moe import value_names
 from .components.params import op_names
 from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
-from .errors import ArgumentError, FamilyError, MoelensError, OrderError, ValueUnavailable, described
+from .errors import ArgumentError, FamilyError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
 from .modules import (disk_offloaded, first_parameter, on_accelerator, padding_position_id, takes_keyword,
                       vocab_size)
@@ -1110,11 +1109,10 @@ def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
     except (AttributeError, NotImplementedError, TypeError):  # no embedding layer of torch's kind, or no length
         return
     if tokens > rows:
-        warnings.warn(
+        warn(
             f"wrap: the tokenizer ({type(tokenizer).__name__}) has {tokens} tokens, but the model's input embeddings "
             f"hold {rows} rows: a trace of text with a token id of {rows} or more will be refused (the model cannot embed "
             "it). Pass the tokenizer saved with this model.",
-            stacklevel=3,
         )
 
 

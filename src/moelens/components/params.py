@@ -18,7 +18,6 @@ import builtins
 import functools
 import inspect
 import re
-import warnings
 from dataclasses import dataclass, fields
 from types import CodeType
 from typing import Any, Iterable
@@ -28,7 +27,7 @@ from jaxtyping import Float
 from nnsight.intervention.source import OP, Instrument, SourceNotAvailable, source_tree
 from torch import Tensor
 
-from ..errors import ArgumentError, ValueUnavailable, WriteError
+from ..errors import ArgumentError, ValueUnavailable, WriteError, warn
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
 from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
@@ -148,7 +147,7 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
     try:
         weight, bias = router_linear(family, block, num_experts) or (None, None)
     except AdaptedRouter as error:  # the experts are still served
-        warnings.warn(f"{where}: router and router_bias are None: {error}", stacklevel=3)
+        warn(f"{where}: router and router_bias are None: {error}")
         weight = bias = None
     except ValueUnavailable as error:  # said of the family's router: name the block too
         raise ValueUnavailable(f"{where}: {error}") from None

@@ -21,7 +21,6 @@ On the deep copy a conversion works on, `without_hooks` keeps the user's forward
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from ..errors import warn
 from ..modules import device_of, evaluating, padding_position_id, takes_keyword, text_config, vocab_size
 from .errors import CompressionError
 
@@ -436,11 +436,10 @@ def warn_past_positions(model: nn.Module, calls: list[tuple[tuple, dict]]) -> No
                for args, kwargs in calls
                if isinstance(ids := kwargs.get("input_ids", args[0] if args else None), Tensor) and ids.dim() > 1]
     if lengths and max(lengths) > limit:
-        warnings.warn(
+        warn(
             f"tomoe: calibration sequences of up to {max(lengths)} tokens run past the model's {limit} positions "
             f"(config.{attribute}): it was not trained there, so the layers would be fitted to activations "
             f"it does not have on text it takes; split the sequences into ones of at most {limit} tokens.",
-            stacklevel=4,
         )
 
 

@@ -25,7 +25,6 @@ import contextlib
 import copy
 import logging
 import time
-import warnings
 from dataclasses import asdict
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..errors import warn
 from ..modules import enclosing, evaluating, unloaded_weights
 from ..scalars import check_flag
 from . import calibration as calib
@@ -80,6 +80,7 @@ class ToMoECompressor:
             target_attention_only=target_attention_only, target_modules=target_modules, **settings,
         )
         self._stats: CompressionStats | None = None
+        self._gate_warned = False  # the unheld max_error gate's warning, once a conversion
         #: The converted model of the last `compress` call.
         self.result: nn.Module | None = None
 
@@ -110,6 +111,7 @@ class ToMoECompressor:
         stats.settings["target_modules"] = repr(options.target_modules)
         stats.calibration_tokens = max((found.rows.shape[0] for found in inputs.values()), default=0)
         lora_init = torch.Generator().manual_seed(options.seed)  # the adapters' start, from the seed alone
+        self._gate_warned = False
         fitted = False  # whether a layer got as far as a fit (the error gate may keep it dense)
         for site in tqdm(sites, desc="tomoe", unit="layer", disable=not options.progress):
             try:
@@ -301,15 +303,15 @@ class ToMoECompressor:
         shared = options.shared_neurons if site.kind != "linear" else 0
         plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
                           seed=options.seed, sequences=found.sequences if found is not None else None)
-        if plan.error is not None and not plan.held_out and options.max_error is not None:
+        if plan.error is not None and not plan.held_out and options.max_error is not None and not self._gate_warned:
+            self._gate_warned = True  # a property of the calibration set: said once a call, not once a layer
             capped = x.shape[0] >= options.max_tokens  # the cap cut the tokens, not the data
-            warnings.warn(
+            warn(
                 f"tomoe: fewer than 1024 calibration tokens{f' (max_tokens={options.max_tokens})' if capped else ''}, "
                 "so the max_error gate measures each layer's error on the tokens it was fitted on (none held out), "
                 "which the refit nearly interpolates: layers far above max_error on new text can pass. "
                 + ("Raise max_tokens to at least 1024" if capped else "Give at least 1024 calibration tokens")
                 + " to gate on held-out ones.",
-                stacklevel=4,
             )
         if plan.error is not None and options.max_error is not None and plan.error > options.max_error:
             stats.skipped.append(SkippedLayer(

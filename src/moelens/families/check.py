@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from dataclasses import replace
 from typing import Any
 
 import nnsight
 import torch
 
-from ..errors import FamilyError, OrderError, ValueUnavailable
+from ..errors import FamilyError, OrderError, ValueUnavailable, warn
 from . import layout_check
 from .entry import find_path
 from .scoring import SCORE_FUNCTIONS, kept_groups, score
@@ -99,29 +98,32 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     if problems:
         raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems)
                           + f"\n{REREGISTER}")
+    notes: dict[str, list[str]] = {}  # what was left unchecked -> the blocks it was left unchecked in
     for moe, values in zip(moes, saved.values()):
         reason, output_checked = unchecked[moe.path], "mlp_output" in values and "routed_output" in values
         if reason and output_checked:
-            warnings.warn(f"moelens.families.check: {moe.path}: its block output is checked, its expert weights are "
-                          f"not ({reason}).", stacklevel=2)
+            notes.setdefault(f"its block output is checked, its expert weights are not ({reason})", []).append(moe.path)
         elif reason or not output_checked:
             served = "routed_output" if "routed_output" not in values else "mlp_output"
-            warnings.warn(
-                f"moelens.families.check: {moe.path}: its block output is not checked (the block serves no {served}), "
+            notes.setdefault(
+                f"its block output is not checked (the block serves no {served}), "
                 + (f"nor are its expert weights ({reason}): the entry's scoring, Combine and shared expert are taken "
-                   "as they are." if reason else "so the entry's Combine and shared expert are taken as they are."),
-                stacklevel=2)
+                   "as they are" if reason else "so the entry's Combine and shared expert are taken as they are"),
+                []).append(moe.path)
     for path, reason in unscored.items():
         if reason:
-            warnings.warn(f"moelens.families.check: {path}: its expert weights and output are checked, its score "
-                          f"function is not ({reason}).", stacklevel=2)
+            notes.setdefault(f"its expert weights and output are checked, its score function is not ({reason})",
+                             []).append(path)
     for path, reason in unchecked_layouts.items():
         if reason:
-            warnings.warn(f"moelens.families.check: {path}: {reason}.", stacklevel=2)
+            notes.setdefault(reason, []).append(path)
     for path in sorted(dropping):
-        warnings.warn(f"moelens.families.check: {path}: its block output is not checked: the block is in training "
-                      "mode with dropout on, so its output is no function of its routed and shared outputs; call "
-                      "model.eval() first to check it.", stacklevel=2)
+        notes.setdefault("its block output is not checked: the block is in training mode with dropout on, so its "
+                         "output is no function of its routed and shared outputs; call model.eval() first to check it",
+                         []).append(path)
+    for note, paths in notes.items():  # one warning each, not one a block (a 48-layer model printed 48)
+        blocks = ", ".join(paths) if len(paths) <= 3 else f"{len(paths)} blocks ({paths[0]} ... {paths[-1]})"
+        warn(f"moelens.families.check: {blocks}: {note}.")
     return [moe.path for moe in moes]
 
 

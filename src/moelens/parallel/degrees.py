@@ -11,7 +11,6 @@ the ranks owning the same experts across groups form an expert-data-parallel
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import MoelensError
+from ..errors import MoelensError, warn
 from ..scalars import as_lone_int
 
 #: Config fields that hold the number of routed experts, in the order they are tried.
@@ -52,20 +51,18 @@ def choose_ep_dp_degrees(world_size: int, num_experts: int) -> tuple[int, int]:
     if num_experts < 0:
         raise MoelensError(f"choose_ep_dp_degrees: num_experts must be >= 0, got {num_experts}.")
     if not num_experts and world_size > 1:  # every degree divides 0: no gcd to take
-        warnings.warn(
+        warn(
             f"expert parallelism: num_experts is 0, a dense model (no routed experts), so there is nothing to shard; "
             f"falling back to EP=1 x EDP={world_size} (every rank holds the whole model, data parallel). For an "
             "MoE model, pass its number of routed experts: num_experts_from_config(model.config).",
-            stacklevel=2,
         )
         return 1, world_size
     ep = math.gcd(world_size, num_experts)
     if ep == 1 and world_size > 1:
-        warnings.warn(
+        warn(
             f"expert parallelism: no degree > 1 divides both the world size {world_size} and the "
             f"{num_experts} experts; falling back to EP=1 x EDP={world_size} (every rank holds every expert). "
             "Use a world size sharing a factor with the number of experts to shard them.",
-            stacklevel=2,
         )
         return 1, world_size
     return ep, world_size // ep
