@@ -338,8 +338,9 @@ class Component(StandardNames, Envoy):
             return never
         order = " -> ".join(self._order())
         runs_only_on = self.runs_only_on
-        maybe_idle = (
-            f" This block runs only on {runs_only_on}: on an input without them it does not run at all."
+        maybe_idle = (  # the likelier cause, said first
+            f"{self.path} runs only on {runs_only_on}: on an input without them it does not run at all, and its "
+            f"{name} is never produced (read it in a trace whose input has them). If this input has them: "
             if runs_only_on else ""
         )
         registered = (
@@ -363,7 +364,7 @@ class Component(StandardNames, Envoy):
             save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
             what = (f"{self.path}.{name} was requested after the model had already run past it. Within a block, read "
                     f"values in the order the model produces them ({order}), and blocks in layer order{save_all}.")
-        return OrderError(f"{what} A module skipped with .skip() never produces its values.{maybe_idle}{registered}")
+        return OrderError(f"{maybe_idle}{what} A module skipped with .skip() never produces its values.{registered}")
 
     def _location_of(self, name: str) -> str | None:
         """Where ``name`` is read in the run (`Binding.location`), None where that cannot be told."""
