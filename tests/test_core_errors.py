@@ -4070,7 +4070,7 @@ def test_an_attention_mask_that_does_not_fit_the_ids_is_refused():
         for width in (1, 2, 4):  # 2: the mask of the new tokens alone, the usual slip (the logits moved by 4.9)
             with pytest.raises(moelens.MoelensError, match=rf"shape \(1, {width}\) does not fit the input_ids of shape "
                                                            r"\(1, 2\): .* and 3 more for the tokens the cache holds "
-                                                           r"before them, 1 rows of at least 5\."):
+                                                           r"before them, 1 row of at least 5\."):
                 with torch.no_grad(), wrapped.trace(new, attention_mask=torch.ones(1, width, dtype=torch.long),
                                                     past_key_values=copy.deepcopy(plain.past_key_values)):
                     wrapped.output.logits.save()
