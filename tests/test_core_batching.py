@@ -649,12 +649,13 @@ def test_token_id_invokes_of_different_lengths_over_a_cache_need_the_traces_mask
     torch.testing.assert_close(torch.cat([first, second]), expected, rtol=0, atol=0)
 
 
-def test_text_invokes_over_a_cache_given_to_the_trace_are_checked_as_text_given_to_it():
-    """With a tokenizer, text in an invoke over model.trace(past_key_values=...) ran with the tokenizer's mask of the new
+def test_text_invokes_over_a_cache_given_to_the_trace_attend_the_cache():
+    """With a tokenizer, text in an invoke over model.trace(past_key_values=...) ran with the mask built for the new
     tokens alone (the check looked for the cache among the invokes' keywords only): the cached tokens were not
-    attended, silently (the same text given to model.trace itself was refused). Invokes of different lengths with the
-    trace's full mask ran at positions counted from 0. Ground truth: plain transformers on the cached and new tokens
-    in one forward, each row alone."""
+    attended, silently (the same text given to model.trace itself was refused). An unpadded batch now runs as
+    transformers runs it over a cache without a mask; a padded one (invokes of different lengths) needs the trace's
+    mask over the cache and its positions. Ground truth: plain transformers on the cached and new tokens in one
+    forward, each row alone."""
     hf = tiny_model("mixtral")
     reference = copy.deepcopy(hf)
     tokenizer = ascii_tokenizer()
@@ -665,21 +666,32 @@ def test_text_invokes_over_a_cache_given_to_the_trace_are_checked_as_text_given_
             out = wrapped.output.save()
         return out.past_key_values
 
-    built = r"the attention_mask of shape \(1, 2\) \(the tokenizer built it for the text's own tokens: over a cache pass " \
-            r"attention_mask=, covering the cached and the new tokens, to model.trace\(...\)\) does not fit"
-    with pytest.raises(moelens.MoelensError, match=built), torch.no_grad():
+    with torch.no_grad():
+        whole = reference(**tokenizer(["helloab"], return_tensors="pt")).logits
+        alone = reference(**tokenizer(["worldc"], return_tensors="pt")).logits
         with wrapped.trace("ab", past_key_values=prefilled("hello")):
-            wrapped.output.logits.save()
-    with pytest.raises(moelens.MoelensError, match=built), torch.no_grad():  # this one ran
+            given = wrapped.output.logits.save()
         with wrapped.trace(past_key_values=prefilled("hello")) as tracer:
             with tracer.invoke("ab"):
-                wrapped.output.logits.save()
-    with torch.no_grad():  # with the trace's mask over the cache and the new tokens: transformers' continuation
+                invoked = wrapped.output.logits.save()
         with wrapped.trace(past_key_values=prefilled("hello"), attention_mask=torch.ones(1, 7, dtype=torch.long)) as tracer:
             with tracer.invoke("ab"):
-                continued = wrapped.output.logits.save()
-        whole = reference(**tokenizer(["helloab"], return_tensors="pt")).logits
-    torch.testing.assert_close(continued[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
+                masked = wrapped.output.logits.save()
+        with wrapped.trace(past_key_values=prefilled("hello", "world")) as tracer:  # one length: no padding
+            with tracer.invoke("ab"):
+                first_same = wrapped.output.logits.save()
+            with tracer.invoke("cd"):
+                wrapped.output.logits.save()
+    for continued in (given, invoked, masked, first_same):
+        torch.testing.assert_close(continued[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
+    built = r"the attention_mask of shape \(2, 2\) \(built for the invokes' own tokens, with their padding: over a cache " \
+            r"pass attention_mask=, covering the cached and the new tokens, to model.trace\(...\)\) does not fit"
+    with pytest.raises(moelens.MoelensError, match=built), torch.no_grad():
+        with wrapped.trace(past_key_values=prefilled("hello", "world")) as tracer:
+            with tracer.invoke("ab"):
+                wrapped.output.logits.save()
+            with tracer.invoke("c"):
+                wrapped.output.logits.save()
     mask = torch.tensor([[1] * 7, [1] * 5 + [0, 1]])
     with pytest.raises(moelens.MoelensError, match=r"invokes of different lengths over a key-value cache .* their "
                                                    r"position_ids are counted from 0 in each row"), torch.no_grad():
@@ -695,9 +707,23 @@ def test_text_invokes_over_a_cache_given_to_the_trace_are_checked_as_text_given_
                 first = wrapped.output.logits.save()
             with tracer.invoke("c"):
                 second = wrapped.output.logits.save()
-        alone = reference(**tokenizer(["worldc"], return_tensors="pt")).logits
     torch.testing.assert_close(first[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second[0, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_token_id_invokes_over_a_cache_on_a_model_with_a_tokenizer_attend_the_cache():
+    """The mask nnsight built for ids of an invoke covered the new tokens alone (the cache unattended, silently).
+    Ground truth: transformers on the ids over the same cache, given no mask."""
+    hf = tiny_model("mixtral")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    prompt, step = torch.tensor([[104, 101, 108, 108, 111]]), torch.tensor([[97, 98]])
+    with torch.no_grad():
+        expected = reference(input_ids=step, past_key_values=_prefilled(reference, prompt)).logits
+        with wrapped.trace(past_key_values=_prefilled(hf, prompt)) as tracer:
+            with tracer.invoke(step):
+                logits = wrapped.output.logits.save()
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("invoke", "named"), [

@@ -2066,15 +2066,17 @@ def test_a_block_that_runs_only_on_some_tokens():
     assert list(every) == [moe.layer for moe in text]
     for values, logits in zip(every.values(), alone):
         assert torch.equal(values["router_logits"], logits)
-    # the likelier cause first: the message led with the read order, and said the block's tokens last
-    with pytest.raises(OrderError, match=r"^model\.layers\.1\.mlp\.vision_moe runs only on image tokens .*: on an input "
-                                         r"without them it does not run at all, and its router_logits is never produced"):
+    # both causes, the block's tokens first: the message led with the read order and save_all, and said the block's
+    # tokens last
+    with pytest.raises(OrderError, match=r"^model\.layers\.1\.mlp\.vision_moe\.router_logits was not served: either the "
+                                         r"block did not run \(it runs only on image tokens .*\), or: "):
         with wrapped.trace(ids):
             vision[0].router_logits.save()
     # named in save_all (the block's or the model's moes=), the block's own reason stands: before, save_all said an
     # earlier read or intervention had run the model past it, on a trace that read nothing else
     for save in (lambda: vision[0].save_all(), lambda: wrapped.save_all(moes=[vision[0]])):
-        with pytest.raises(OrderError, match=r"^model\.layers\.1\.mlp\.vision_moe runs only on image tokens") as caught:
+        with pytest.raises(OrderError, match=r"^model\.layers\.1\.mlp\.vision_moe\.router_logits was not served: either") \
+                as caught:
             with wrapped.trace(ids):
                 save()
         assert "earlier in this trace" not in str(caught.value)

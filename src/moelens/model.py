@@ -386,11 +386,18 @@ class MoeModelMixin(StandardNames):
                 )
         from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
         given = set(extra).union(*(kwargs for inputs, kwargs in invokes))
-        batched = _refuse_unusable_ids(self._module, super()._batch(invokes, fn), from_text, _generating(fn), extra,
-                                       mask_built=from_text and "attention_mask" not in given)
+        batched = super()._batch(invokes, fn)
+        cached = bool(_cached_tokens({**batched[1], **extra})) and not _generating(fn)
         mask = batched[1].get("attention_mask")
-        if (_cached_tokens({**batched[1], **extra}) and not _generating(fn) and "position_ids" in batched[1]
-                and "position_ids" not in given and isinstance(mask, torch.Tensor) and not bool(mask.all())):
+        unpadded = isinstance(mask, torch.Tensor) and not is_fake(mask) and bool(mask.all())
+        if cached and "attention_mask" not in given and unpadded:
+            # built for the new tokens alone, with nothing to mask: run them as transformers runs ids over a cache
+            # given no mask (the cached tokens attended); a mask of the new tokens alone would leave the cache out
+            batched = (batched[0], {name: value for name, value in batched[1].items() if name != "attention_mask"})
+        batched = _refuse_unusable_ids(self._module, batched, from_text, _generating(fn), extra,
+                                       mask_built="attention_mask" not in given)
+        if (cached and "position_ids" in batched[1] and "position_ids" not in given
+                and isinstance(mask, torch.Tensor) and not unpadded):
             raise MoelensError(  # nnsight counted the padded rows' positions from their own mask: from 0
                 "invokes of different lengths over a key-value cache (past_key_values): the new tokens are "
                 "left-padded, and their position_ids are counted from 0 in each row, not after the cached tokens. "
@@ -634,7 +641,7 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     tensor; ``from_text``: an empty string, a row of padding alone beside longer prompts; the model's attention
     fails on a zero-length sequence), and an attention mask that does not fit them (``trace_kwargs``: the trace's own
     keywords, ``model.trace(past_key_values=...)``, which the model gets beside the invokes' and over them;
-    ``mask_built``: the tokenizer built the mask, for the text's own tokens)."""
+    ``mask_built``: the mask was built for the invokes' own tokens, not given)."""
     ids = _input_ids(module, batched)
     if not isinstance(ids, torch.Tensor):
         return batched
@@ -676,8 +683,8 @@ def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any
         return
     before = f" and {cached} more for the tokens the cache holds before them" if cached else ""
     expected = f"{rows} row{'s' * (rows != 1)} of at least {least}" if cache is not None else f"shape ({rows}, {length})"
-    built = (" (the tokenizer built it for the text's own tokens: over a cache pass attention_mask=, covering the "
-             "cached and the new tokens, to model.trace(...))") if mask_built and cached else ""
+    built = (" (built for the invokes' own tokens, with their padding: over a cache pass attention_mask=, covering "
+             "the cached and the new tokens, to model.trace(...))") if mask_built and cached else ""
     raise MoelensError(
         f"the attention_mask of shape {tuple(mask.shape)}{built} does not fit the input_ids of shape "
         f"{tuple(ids.shape)}: give one entry per token (1 to attend to it, 0 for padding){before}, {expected}."

@@ -62,11 +62,12 @@ def as_lone_int(value: Any) -> int | None:
 
 
 def bool_in(value: Any) -> Any:
-    """The first bool found inside ``value``, a list or tuple (nested) of ids, numbers, arrays or tensors, else None:
-    ``torch.as_tensor([3, True])`` is ``tensor([3, 1])``, so a bool among numbers would pass for 1 unseen."""
+    """A bool inside ``value``, a list or tuple (nested) of ids, numbers, arrays or tensors, else None:
+    ``torch.as_tensor([3, True])`` is ``tensor([3, 1])``, so a bool among numbers would pass for 1 unseen. One pass
+    over the items (a stack)."""
     pending = list(value) if isinstance(value, (list, tuple)) else []
     while pending:
-        item = pending.pop(0)
+        item = pending.pop()
         if isinstance(item, (list, tuple)):
             pending.extend(item)
         elif (isinstance(item, (bool, np.bool_)) or isinstance(item, torch.Tensor) and item.dtype == torch.bool

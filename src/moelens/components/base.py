@@ -338,9 +338,9 @@ class Component(StandardNames, Envoy):
             return never
         order = " -> ".join(self._order())
         runs_only_on = self.runs_only_on
-        maybe_idle = (  # the likelier cause, said first
-            f"{self.path} runs only on {runs_only_on}: on an input without them it does not run at all, and its "
-            f"{name} is never produced (read it in a trace whose input has them). If this input has them: "
+        maybe_idle = (  # either cause may hold: whether the block ran in this trace is not known here
+            f"{self.path}.{name} was not served: either the block did not run (it runs only on {runs_only_on}, so "
+            "an input without them does not run it: read it in a trace whose input has them), or: "
             if runs_only_on else ""
         )
         registered = (
