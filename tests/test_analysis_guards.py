@@ -1135,6 +1135,9 @@ BAD_ARGUMENTS = {
                              r"^layer takes a decoder-layer index, got the Moe model\.model\.layers\.1\.mlp: pass its "
                              r"layer index \(moe\.layer, here 1\)\.$"),
     "cache-indices-moe": (lambda m, r: r.cache.indices(m.moes[1]), r"^layer takes a decoder-layer index, got the Moe"),
+    # a decoder layer: "layer the Envoy model.model.layers.1 is not an MoE layer", of an MoE layer
+    "cache-indices-layer": (lambda m, r: r.cache.indices(m.layers[1]), r"^layer takes a decoder-layer index, got the "
+                            r"\w+ model\.model\.layers\.1: pass the index of its decoder layer \(an int\)\.$"),
     "top-tokens-experts-moe": (lambda m, r: analysis.top_tokens(r.cache, 1, [m.moes[1]]),
                                r"^experts holds the Moe model\.model\.layers\.1\.mlp, which is no expert id"),
     # flags given as text: "False" is truthy, so it was taken as True

@@ -574,3 +574,11 @@ def test_a_token_view_and_a_lens_print_as_a_summary_not_every_string():
     assert repr(view) == "TokenRouting(500 tokens, layers [0, 4], top-3 of experts [4, 4]; .table() shows them)"
     assert repr(hand_lens()) == ("ExpertLens(layers [1, 4], experts [3, 3], top 3 tokens each, relative=False, "
                                  "norm=None; .promoted(layer, expert) lists them)")
+
+
+def test_the_token_plot_takes_max_tokens_none_as_the_table_does():
+    """table(max_tokens=None) shows every token; the plot refused None ("an integer of at least 1")."""
+    view = TokenRouting(token_ids=torch.arange(70), tokens=[f"t{i}" for i in range(70)], layers=[0],
+                        indices=torch.zeros(1, 70, 2, dtype=torch.int64), weights=torch.ones(1, 70, 2), num_experts=[4])
+    assert len(plots.plot_token_routing(view, max_tokens=None).axes[0].get_xticklabels()) == 70
+    assert view.table(max_tokens=69).splitlines()[-1] == "... 1 more token"

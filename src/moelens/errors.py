@@ -19,7 +19,7 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first caller outside moelens (the user's line, not moelens' own), however
     deep in moelens it is raised: ``moelens.load`` and ``moelens.wrap`` reach the same warning at different depths."""
     frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "moelens":
+    while frame.f_back is not None and str(frame.f_globals.get("__name__")).partition(".")[0] == "moelens":
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 

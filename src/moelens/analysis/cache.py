@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from jaxtyping import Float, Int
+from nnsight import Envoy
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -54,8 +55,9 @@ SHARD_NAME = re.compile(r"shard-\d+\.safetensors")
 def layer_row(layers: Sequence[int], layer: Any, what: str = "cache") -> int:
     """The position of decoder layer ``layer`` (an integer, see `moelens.scalars.as_lone_int`) in ``layers`` (the MoE layers of
     a cache or a result)."""
-    if layer_hint(layer):  # a block given for its layer (its repr is the whole module tree)
-        raise MoelensError(f"layer takes a decoder-layer index, got {shown(layer)}{layer_hint(layer)}.")
+    if isinstance(layer, Envoy):  # a block or a decoder layer given for its index (its repr is the whole module tree)
+        raise MoelensError(f"layer takes a decoder-layer index, got {shown(layer)}"
+                           f"{layer_hint(layer) or ': pass the index of its decoder layer (an int)'}.")
     (index,), outside = split_ids([layer], layers)
     if outside:
         hint = "" if index is not None else " (pass an integer decoder-layer index)"

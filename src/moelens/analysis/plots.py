@@ -323,10 +323,11 @@ def _expert_label(expert: int) -> str:
     return "skip" if expert == SKIPPED else str(expert)
 
 
-def plot_token_routing(view: TokenRouting, max_tokens: int = 64) -> Any:
-    """Grid layers x tokens coloured by each token's top expert, annotated with its k experts."""
+def plot_token_routing(view: TokenRouting, max_tokens: int | None = 64) -> Any:
+    """Grid layers x tokens coloured by each token's top expert, annotated with its k experts (the first
+    ``max_tokens``; None: all, as `TokenRouting.table` takes it)."""
     check_type(view, TokenRouting, "view", "a TokenRouting", "make one with analysis.token_routing(model, text)")
-    count = min(len(view.tokens), check_count("max_tokens", max_tokens))
+    count = len(view.tokens) if max_tokens is None else min(len(view.tokens), check_count("max_tokens", max_tokens))
     plt = pyplot()
     top = view.top1()[:, :count].float()
     width = max(int(view.indices.max()) + 1, 1) if view.indices.numel() else 1

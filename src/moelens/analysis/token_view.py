@@ -78,7 +78,8 @@ class TokenRouting:
         lines = [header, "-" * len(header)]
         lines += [f"{token:<{token_width}}  " + "  ".join(f"{slot:<{column}}" for slot in slots) for token, slots in cells]
         if shown < len(self.tokens):
-            lines.append(f"... {len(self.tokens) - shown} more tokens (table(max_tokens=None) shows them all)")
+            left = len(self.tokens) - shown
+            lines.append(f"... {left} more token{'s' * (left != 1)}")
         return "\n".join(lines)
 
 

@@ -122,7 +122,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
                          "output is no function of its routed and shared outputs; call model.eval() first to check it",
                          []).append(path)
     for note, paths in notes.items():  # one warning each, not one a block (a 48-layer model printed 48)
-        blocks = ", ".join(paths) if len(paths) <= 3 else f"{len(paths)} blocks ({paths[0]} ... {paths[-1]})"
+        blocks = ", ".join(paths) if len(paths) <= 3 else f"{len(paths)} blocks ({paths[0]}, ..., {paths[-1]})"
         warn(f"moelens.families.check: {blocks}: {note}.")
     return [moe.path for moe in moes]
 
