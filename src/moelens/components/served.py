@@ -656,7 +656,8 @@ class HandedBack:
 
 def _as_tensor(component: "Component", name: str, binding: Binding, value: Any, current: torch.Tensor) -> torch.Tensor:
     """A written number, array or nested list as a tensor on the value's device (a Python number in its dtype for
-    a float value; a bool stays a bool, which the checks refuse); anything else raises `WriteError`."""
+    a float value; a bool stays a bool, which the checks refuse, and a list holding one is refused here, where
+    torch would turn it into 0 or 1 among numbers); anything else raises `WriteError`."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     found = bool_in(value)
     if found is not None:  # torch.as_tensor([3, True]) is [3, 1]
