@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -819,6 +820,13 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
         result: dict[str, Any] = {"local": max(
             maxdiff(view, getattr(whole.params(expert), name)) for expert in mine
             for name, view in sharded.params(expert).items())}
+        # every rank routes its own tokens with its own copy of the router: an edit of the owner's copy alone
+        # routed the other ranks' tokens apart (the router is left out, with a warning)
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            served = sharded.params(mine[0])
+        result["router"] = served.router is None and served.router_bias is None and any(
+            "every rank holds a copy of the router" in str(warning.message) for warning in told)
         result["other"] = _error_text(lambda: sharded.params((mine[-1] + 1) % whole.num_experts))
         result["every"] = _error_text(lambda: sharded.params())
         with torch.no_grad():

@@ -129,7 +129,8 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
             f"expert in [0, {num_experts - identity})."
         )
     held, slot = num_experts - identity, index  # the experts this process holds, and the asked one's place among them
-    if "_ep_size" in experts.__dict__ and experts._ep_num_local < held:  # moelens.parallel.shard_experts:
+    sharded = "_ep_size" in experts.__dict__ and experts._ep_num_local < held
+    if sharded:  # moelens.parallel.shard_experts:
         # this rank holds a slice of equal ones, in rank order (a group of one rank holds them all)
         held, first = experts._ep_num_local, experts._ep_first
         owner, slot = divmod(index, held) if index is not None else (None, None)
@@ -151,6 +152,12 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
         weight = bias = None
     except ValueUnavailable as error:  # said of the family's router: name the block too
         raise ValueUnavailable(f"{where}: {error}") from None
+    if sharded and weight is not None:  # an edit on the expert's owner alone would route the other ranks' tokens apart
+        warn(f"{where}: router and router_bias are None: the experts are sharded over ranks, and every rank holds a "
+             "copy of the router that routes its own tokens, so an edit of this rank's copy would change this rank's "
+             f"routing alone. Edit the router's weights on every rank alike (the module {family.router!r} of the "
+             "block, in model._module).")
+        weight = bias = None
     router_module = get_path(block, family.router)
     stored = {id(tensor) for tensor in (*router_module.parameters(), *router_module.buffers())}
     router = {}
