@@ -339,6 +339,28 @@ def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
             pass
 
 
+def test_tokenizer_keywords_a_generating_models_pipeline_would_drop_are_refused():
+    """Beside text, on a model that generates, nnsight's text-generation pipeline hands the tokenizer add_special_tokens,
+    padding, truncation and max_length only; text_pair, pad_to_multiple_of, padding_side went to the forward, which
+    ignored them (the pair's text was not in the ids). Ground truth: the tokenizer's own call; its settings the
+    pipeline takes still reach it."""
+    from groundtruth import ascii_tokenizer
+
+    hf = tiny_model("mixtral")
+    tokenizer = ascii_tokenizer()
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    for given in ({"text_pair": "x + y"}, {"padding": True, "pad_to_multiple_of": 16}, {"padding_side": "right"}):
+        named = next(name for name in given if name != "padding")
+        with pytest.raises(moelens.MoelensError, match=rf"^{named} beside a text prompt: a model that generates has its "
+                                                       rf"text tokenized by nnsight's text-generation pipeline, .*"
+                                                       rf"model\.tokenizer\(texts, {named}=\.\.\., return_tensors='pt'\)"):
+            with torch.no_grad(), wrapped.trace("add(a, b)", **given):
+                wrapped.output.save()
+    with torch.no_grad(), wrapped.trace("add(a, b)", truncation=True, max_length=4):
+        ids = wrapped.model.embed_tokens.input.save()
+    assert torch.equal(ids, tokenizer(["add(a, b)"], return_tensors="pt", truncation=True, max_length=4)["input_ids"])
+
+
 @pytest.mark.parametrize("head", ["ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"])
 def test_a_classifier_with_a_tokenizer_wraps_traces_text_and_takes_its_keywords(head):
     """Heads that cannot generate, wrapped with a tokenizer: question answering failed at wrap (nnsight infers no

@@ -489,6 +489,7 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         rest (``labels``, ``output_hidden_states`` ...) to the forward, as a causal LM's pipeline passes them on.
         Token ids and encodings keep theirs (nnsight passes them); so does a model with a processor."""
         if self.task != FEATURE_TASK:
+            self._refuse_ignored_text_keywords(invokes)
             return invokes, {}
         settings = tokenizer_settings(type(self.tokenizer))
         kept, forward = [], {}
@@ -518,6 +519,23 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                 "whole batch."
             )
         return kept, forward
+
+    def _refuse_ignored_text_keywords(self, invokes: list) -> None:
+        """Refuse, beside a text prompt of a model that generates, what nnsight's text-generation pipeline hands the
+        forward, which ignores it: a second text (``text_pair`` ...) and the tokenizer settings the pipeline does not
+        take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word."""
+        ignored = (tokenizer_settings(type(self.tokenizer)) - set(GENERATION_SETTINGS) - set(FEATURE_SETTINGS)
+                   - set(inspect.signature(self._module.forward).parameters)) | {"text_pair", "text_target",
+                                                                               "text_pair_target"}
+        for inputs, kwargs in invokes:
+            named = sorted(name for name in kwargs if name in ignored)
+            if named and any(_is_text(value) for value in inputs):
+                raise MoelensError(
+                    f"{', '.join(named)} beside a text prompt: a model that generates has its text tokenized by "
+                    f"nnsight's text-generation pipeline, which hands the tokenizer only {', '.join(GENERATION_SETTINGS)}"
+                    ", and the model's forward would ignore the rest; tokenize the text yourself and pass its output: "
+                    f"model.trace(**model.tokenizer(texts, {named[0]}=..., return_tensors='pt'))."
+                )
 
     def _remote_backend(self, remote: bool | str, *args: Any, **kwargs: Any) -> Any:
         """nnsight's backend for ``remote=`` (a trace's or a session's), refused where nnsight would ship moelens
@@ -1229,6 +1247,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
 FEATURE_TASK = "feature-extraction"
 #: The keywords `FEATURE_TASK`'s pipeline takes itself (`MoeTransformersModel._forward_keywords`).
 FEATURE_SETTINGS = ("truncation", "tokenize_kwargs", "return_tensors")
+#: The tokenizer settings transformers' text-generation pipeline hands the tokenizer (the rest go to the forward).
+GENERATION_SETTINGS = ("add_special_tokens", "padding", "truncation", "max_length")
 #: The inputs a tokenizer makes of a text (given beside it, one would replace its own), and the second texts it
 #: pairs with it (a pipeline tokenizing one prompt at a time takes none).
 TOKENIZED = ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "text_pair", "text_target",
