@@ -3929,6 +3929,26 @@ def test_a_model_whose_config_names_no_experts_implementation_runs_eager():
         moelens.families.unregister("custom")
 
 
+
+def test_a_pad_token_past_the_embeddings_is_named_as_the_padding():
+    """A pad token added to the tokenizer after training (id 4096 of a 4096-row model): a batch of two texts was
+    refused as if the texts' ids came from another tokenizer, while every real token was in range (ground truth:
+    the tokenizer's ids of each text alone)."""
+    tokenizer = copy.deepcopy(moelens.load().tokenizer)
+    tokenizer.pad_token = None
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    model = moelens.load()
+    rows = model._module.get_input_embeddings().num_embeddings
+    texts = ["def add(a, b):", "x"]
+    assert tokenizer.pad_token_id >= rows and all(max(tokenizer(text)["input_ids"]) < rows for text in texts)
+    with pytest.warns(UserWarning):
+        wrapped = moelens.wrap(model._module, tokenizer=tokenizer)
+    with pytest.raises(moelens.MoelensError, match=rf"^the padding's token id {tokenizer.pad_token_id} is outside the "
+                                                   r"model's input embeddings .*every real token is in range.*"
+                                                   r"model\.tokenizer\.pad_token = model\.tokenizer\.eos_token"):
+        with torch.no_grad(), wrapped.trace(texts):
+            wrapped.output.save()
+
 def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap():
     """The embedded model's tokenizer (4096 tokens) on a tiny mixtral (128 embedding rows) was taken silently, and a
     text trace then failed with torch's bare "index out of range in self". The warning's claim is checked too: that

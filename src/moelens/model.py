@@ -781,9 +781,18 @@ def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -
         return None
     if not _token_ids(ids):
         return None
-    outside = ids[(ids < 0) | (ids >= rows)]
+    past = (ids < 0) | (ids >= rows)
+    outside = ids[past]
     if not outside.numel():
         return None
+    mask = batched[1].get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape and not (past & mask.bool()).any():
+        return MoelensError(  # the padding alone: nnsight pads with the tokenizer's pad token
+            f"the padding's token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 "
+            f"to {rows - 1}); every real token is in range. The batch is padded with the tokenizer's pad token: give "
+            "it one the model embeds (model.tokenizer.pad_token = model.tokenizer.eos_token), or resize the "
+            "embeddings (model._module.resize_token_embeddings(len(model.tokenizer)))."
+        )
     return MoelensError(
         f"token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 to {rows - 1}; "
         f"{outside.numel()} of the {ids.numel()} ids of the batch are outside): the ids, and a text's tokens, must "
