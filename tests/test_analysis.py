@@ -813,7 +813,8 @@ def test_bad_analysis_input_gets_a_clear_error(qwen):
     cases = [
         (lambda: analysis.collect_routing(wrapped, [[5, 6]], layers=[], progress=False), r"layers=\[\] selects no MoE layer"),
         (lambda: analysis.collect_routing(wrapped, [[5, vocab, 7]], progress=False),
-         rf"corpus item 0 holds token id {vocab}, outside the model's vocabulary \[0, {vocab}\)"),
+         rf"corpus item 0 holds token id {vocab}, outside the model's vocabulary \[0, {vocab}\); pass ids from the "
+         r"model's own tokenizer \(a token added to it after training.*resize_token_embeddings"),  # it said "own" alone
         (lambda: analysis.expert_logit_lens(wrapped, [[1], [5, -1]], progress=False), r"corpus item 1 holds token id -1"),
         (lambda: analysis.routing_entropy(cache, bins=0), "bins must be an integer of at least 1, got 0"),
         (lambda: analysis.expert_paths(cache, layers=[]), r"layers=\[\] names no layer"),

@@ -302,7 +302,8 @@ def _batches(stream: Iterator[tuple[int, int, list[int]]], batch_size: int, pad:
             bad = next(token for token in window[2] if not 0 <= token < vocab)
             raise MoelensError(
                 f"corpus item {window[0]} holds token id {bad}, outside the model's vocabulary [0, {vocab}); "
-                "pass ids from the model's own tokenizer."
+                "pass ids from the model's own tokenizer (a token added to it after training, such as a new special "
+                "token, needs rows of its own: model._module.resize_token_embeddings(len(model.tokenizer)))."
             )
         pending.append(window)
         if len(pending) == batch_size:
