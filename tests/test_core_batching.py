@@ -684,7 +684,7 @@ def test_text_invokes_over_a_cache_given_to_the_trace_attend_the_cache():
                 wrapped.output.logits.save()
     for continued in (given, invoked, masked, first_same):
         torch.testing.assert_close(continued[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
-    built = r"the attention_mask of shape \(2, 2\) \(built for the invokes' own tokens, with their padding: over a cache " \
+    built = r"the attention_mask of shape \(2, 2\) \(built for the invokes' own tokens, not the cached ones: over a cache " \
             r"pass attention_mask=, covering the cached and the new tokens, to model.trace\(...\)\) does not fit"
     with pytest.raises(moelens.MoelensError, match=built), torch.no_grad():
         with wrapped.trace(past_key_values=prefilled("hello", "world")) as tracer:
@@ -709,6 +709,27 @@ def test_text_invokes_over_a_cache_given_to_the_trace_attend_the_cache():
                 second = wrapped.output.logits.save()
     torch.testing.assert_close(first[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second[0, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_text_over_a_cache_on_a_model_that_cannot_generate_attends_the_cache():
+    """A base model (feature-extraction pipeline): the cache given to model.trace beside text went to the forward
+    after the batch's checks, so the mask of the new tokens alone was kept and the cache not attended (off by 1.8).
+    Ground truth: transformers on the whole text in one forward."""
+    from transformers import MixtralModel
+
+    from moelens.testing import tiny_config
+
+    torch.manual_seed(0)
+    hf = MixtralModel(tiny_config("mixtral")).eval()
+    reference = copy.deepcopy(hf)
+    tokenizer = ascii_tokenizer()
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    with torch.no_grad():
+        whole = reference(**tokenizer(["helloab"], return_tensors="pt")).last_hidden_state
+        cache = reference(**tokenizer(["hello"], return_tensors="pt"), use_cache=True).past_key_values
+        with wrapped.trace("ab", past_key_values=cache):
+            continued = wrapped.output.last_hidden_state.save()
+    torch.testing.assert_close(continued[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_token_id_invokes_over_a_cache_on_a_model_with_a_tokenizer_attend_the_cache():

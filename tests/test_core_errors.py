@@ -353,12 +353,19 @@ def test_tokenizer_keywords_a_generating_models_pipeline_would_drop_are_refused(
         named = next(name for name in given if name != "padding")
         with pytest.raises(moelens.MoelensError, match=rf"^{named} beside a text prompt: a model that generates has its "
                                                        rf"text tokenized by nnsight's text-generation pipeline, .*"
-                                                       rf"model\.tokenizer\(texts, {named}=\.\.\., return_tensors='pt'\)"):
+                                                       rf"model\.tokenizer\(texts, {named}=\.\.\., return_tensors='pt'\)"
+                                                       + ("" if named == "text_pair" else
+                                                          rf"\), or pass tokenizer_encode_kwargs=\{{'{named}': \.\.\.\}}\.$")):
             with torch.no_grad(), wrapped.trace("add(a, b)", **given):
                 wrapped.output.save()
     with torch.no_grad(), wrapped.trace("add(a, b)", truncation=True, max_length=4):
         ids = wrapped.model.embed_tokens.input.save()
     assert torch.equal(ids, tokenizer(["add(a, b)"], return_tensors="pt", truncation=True, max_length=4)["input_ids"])
+    with torch.no_grad(), wrapped.trace("add(a, b)", tokenizer_encode_kwargs={"padding": "max_length", "max_length": 12,
+                                                                              "padding_side": "right"}):
+        ids = wrapped.model.embed_tokens.input.save()  # the way the refusal names
+    assert torch.equal(ids, tokenizer(["add(a, b)"], return_tensors="pt", padding="max_length", max_length=12,
+                                      padding_side="right")["input_ids"])
 
 
 @pytest.mark.parametrize("head", ["ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"])
@@ -3948,6 +3955,11 @@ def test_a_pad_token_past_the_embeddings_is_named_as_the_padding():
                                                    r"model\.tokenizer\.pad_token = model\.tokenizer\.eos_token"):
         with torch.no_grad(), wrapped.trace(texts):
             wrapped.output.save()
+    plain = moelens.wrap(tiny_model("mixtral"))  # no tokenizer, the user's own mask: the ids are theirs to fix
+    rows = plain._module.get_input_embeddings().num_embeddings
+    with pytest.raises(moelens.MoelensError, match=rf"^token id {rows + 3} is outside the model's input embeddings"):
+        with torch.no_grad(), plain.trace(torch.tensor([[5, rows + 3, 7]]), attention_mask=torch.tensor([[1, 0, 1]])):
+            plain.output.save()
 
 def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_warned_of_at_wrap():
     """The embedded model's tokenizer (4096 tokens) on a tiny mixtral (128 embedding rows) was taken silently, and a

@@ -196,7 +196,7 @@ class MoeModelMixin(StandardNames):
         if first is not None and first.is_meta and (refusal := _unloaded_refusal(self._module)) is not None:
             raise refusal  # a model all on meta runs without an error, into meta values
         if _embeddings_on_accelerator(self._module):  # checked before the run: there an id out of range fails a
-            refusal = _ids_past_vocabulary(self._module, _model_inputs(fn, args, kwargs))  # device-side assert, which
+            refusal = _ids_past_vocabulary(self, _model_inputs(fn, args, kwargs))  # device-side assert, which
             if refusal is not None:  # leaves the device unusable for the rest of the process
                 raise refusal
         handed_back, interleaver = served.HandedBack(), self.interleaver
@@ -209,7 +209,7 @@ class MoeModelMixin(StandardNames):
         try:
             result = super().interleave(fn, *args, **kwargs)
         except IndexError as error:  # torch's embedding names neither the id nor the vocabulary
-            refusal = _ids_past_vocabulary(self._module, _model_inputs(fn, args, kwargs))
+            refusal = _ids_past_vocabulary(self, _model_inputs(fn, args, kwargs))
             if refusal is None:
                 raise
             raise refusal from error
@@ -478,8 +478,9 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                     "output as keywords (model.trace(**inputs))."
                 )
         invokes, forward = self._forward_keywords(invokes) if text_only else (invokes, {})
-        args, kwargs = super()._batch(invokes, fn)
-        return args, {**kwargs, **forward}
+        if forward:  # laid over the batch as the trace's own keywords are, where the batch's checks see them
+            self.interleaver.batcher.extra_kwargs.update(forward)
+        return super()._batch(invokes, fn)
 
     def _forward_keywords(self, invokes: list) -> tuple[list, dict[str, Any]]:
         """The invokes with their keywords beside a text prompt sorted, and the ones that go to the forward, on a
@@ -532,9 +533,12 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             if named and any(_is_text(value) for value in inputs):
                 raise MoelensError(
                     f"{', '.join(named)} beside a text prompt: a model that generates has its text tokenized by "
-                    f"nnsight's text-generation pipeline, which hands the tokenizer only {', '.join(GENERATION_SETTINGS)}"
-                    ", and the model's forward would ignore the rest; tokenize the text yourself and pass its output: "
-                    f"model.trace(**model.tokenizer(texts, {named[0]}=..., return_tensors='pt'))."
+                    f"nnsight's text-generation pipeline, which hands the tokenizer {', '.join(GENERATION_SETTINGS)} "
+                    "as keywords (its other settings in tokenizer_encode_kwargs={...}), and the model's forward would "
+                    "ignore the rest; tokenize the text yourself and pass its output: "
+                    f"model.trace(**model.tokenizer(texts, {named[0]}=..., return_tensors='pt'))"
+                    + ("" if named[0].startswith("text") else f", or pass tokenizer_encode_kwargs={{'{named[0]}': ...}}")
+                    + "."
                 )
 
     def _remote_backend(self, remote: bool | str, *args: Any, **kwargs: Any) -> Any:
@@ -701,7 +705,7 @@ def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any
         return
     before = f" and {cached} more for the tokens the cache holds before them" if cached else ""
     expected = f"{rows} row{'s' * (rows != 1)} of at least {least}" if cache is not None else f"shape ({rows}, {length})"
-    built = (" (built for the invokes' own tokens, with their padding: over a cache pass attention_mask=, covering "
+    built = (" (built for the invokes' own tokens, not the cached ones: over a cache pass attention_mask=, covering "
              "the cached and the new tokens, to model.trace(...))") if mask_built and cached else ""
     raise MoelensError(
         f"the attention_mask of shape {tuple(mask.shape)}{built} does not fit the input_ids of shape "
@@ -770,10 +774,11 @@ def _embeddings_on_accelerator(module: torch.nn.Module) -> bool:
     return isinstance(embeddings, torch.nn.Module) and on_accelerator(embeddings)
 
 
-def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -> MoelensError | None:
-    """The error for a run that failed on token ids outside the model's input embeddings (torch's bare
+def _ids_past_vocabulary(model: "MoeModelMixin", batched: tuple[tuple, dict]) -> MoelensError | None:
+    """The error for a run of ``model`` that failed on token ids outside the model's input embeddings (torch's bare
     "index out of range in self"), or None when the input_ids of ``batched`` are all in range (the failure was
     another)."""
+    module = model._module
     ids = _input_ids(module, batched)
     try:
         rows = module.get_input_embeddings().num_embeddings
@@ -786,7 +791,9 @@ def _ids_past_vocabulary(module: torch.nn.Module, batched: tuple[tuple, dict]) -
     if not outside.numel():
         return None
     mask = batched[1].get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape and not (past & mask.bool()).any():
+    pad_id = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    if (pad_id is not None and bool((outside == pad_id).all()) and isinstance(mask, torch.Tensor)
+            and mask.shape == ids.shape and not (past & mask.bool()).any()):
         return MoelensError(  # the padding alone: nnsight pads with the tokenizer's pad token
             f"the padding's token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 "
             f"to {rows - 1}); every real token is in range. The batch is padded with the tokenizer's pad token: give "
