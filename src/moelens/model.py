@@ -389,7 +389,7 @@ class MoeModelMixin(StandardNames):
         batched = super()._batch(invokes, fn)
         cached = bool(_cached_tokens({**batched[1], **extra})) and not _generating(fn)
         mask = batched[1].get("attention_mask")
-        unpadded = isinstance(mask, torch.Tensor) and not is_fake(mask) and bool(mask.all())
+        unpadded = cached and isinstance(mask, torch.Tensor) and not is_fake(mask) and bool(mask.all())
         if cached and "attention_mask" not in given and unpadded:
             # built for the new tokens alone, with nothing to mask: run them as transformers runs ids over a cache
             # given no mask (the cached tokens attended); a mask of the new tokens alone would leave the cache out
@@ -525,6 +525,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         """Refuse, beside a text prompt of a model that generates, what nnsight's text-generation pipeline hands the
         forward, which ignores it: a second text (``text_pair`` ...) and the tokenizer settings the pipeline does not
         take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word."""
+        if not any(kwargs for inputs, kwargs in invokes):
+            return
         ignored = (tokenizer_settings(type(self.tokenizer)) - set(GENERATION_SETTINGS) - set(FEATURE_SETTINGS)
                    - set(inspect.signature(self._module.forward).parameters)) | {"text_pair", "text_target",
                                                                                "text_pair_target"}
