@@ -874,8 +874,25 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
 
         return _error_text(scan)
 
+    def corpus_refused_on_one_rank() -> dict[str, Any]:
+        # rank 0's corpus holds an id past the vocabulary in its second batch, refused as that batch is built,
+        # between traces: the other rank's trace of that batch paired with rank 0's next trace (and so on, the
+        # ranks a trace apart until the group's timeout)
+        from moelens import analysis
+
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        sharded = moelens.wrap(shard_experts(copy.deepcopy(ref), None))
+        vocab = ref.config.vocab_size
+        corpus = [[5, 6, 7], [8, 9, 10], [11, vocab + 5 if RANK == 0 else 12]]
+        result = {"collect": _error_text(lambda: analysis.collect_routing(sharded, corpus, batch_size=2,
+                                                                           progress=False))}
+        ids = tokens_of(RANK)
+        result["after"] = [maxdiff(traced_logits(sharded, ids), logits_of(ref(input_ids=ids))) for _ in range(2)]
+        return result
+
     cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params,
-             "one_rank_refused": one_rank_refused, "export_refused": export_refused, "scan_refused": scan_refused}
+             "one_rank_refused": one_rank_refused, "export_refused": export_refused, "scan_refused": scan_refused,
+             "corpus_refused_on_one_rank": corpus_refused_on_one_rank}
     return {name: cases[name] for name in args.get("cases", cases)}
 
 

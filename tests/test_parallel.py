@@ -510,6 +510,21 @@ def test_params_of_sharded_experts() -> None:
     assert not failures(results, "copies", check)
 
 
+def test_an_analysis_corpus_refused_on_one_rank_raises_on_every_rank_and_the_next_traces_pair() -> None:
+    """collect_routing whose corpus rank 0 refuses between traces (an id past the vocabulary in its second batch):
+    rank 1's collection went on, its trace of that batch paired with rank 0's next trace, and the ranks stayed a
+    trace apart until the group's timeout. Now rank 1's collection raises RankDivergence and the traces after pair,
+    each equal to the unsharded model's logits."""
+    results = spawn(2, {"copies": {"cases": ["corpus_refused_on_one_rank"]}})
+    collected = [by_suite["copies"]["corpus_refused_on_one_rank"]["collect"] for by_suite in results]
+    assert "outside the model's vocabulary" in collected[0] and collected[1].startswith("RankDivergence"), collected
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        return close("logits after", max(m["after"]))
+
+    assert not failures(results, "copies", check)
+
+
 def test_replace_on_one_rank_then_backward() -> None:
     """Rank 0 replaces layer 1's routed_output with zeros (a tensor that needs no grad), rank 1 does
     not, both run backward: it completes, and the gradients equal one process running every rank's

@@ -10,7 +10,7 @@ family moelens serves: nothing here knows one.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from nnsight import Envoy
@@ -165,6 +165,22 @@ def _stored(value: torch.Tensor, dtype: torch.dtype, layer: int, what: str) -> t
     return stored
 
 
+def counted_batches(model: Any, stream: Iterable[Any]) -> Iterator[Any]:
+    """``stream``'s batches. Under expert parallelism an error building one (a corpus item refused between traces,
+    on this rank only) counts a run of the model's groups first, as a trace raising there would: the other ranks'
+    trace of that batch then raises `RankDivergence` instead of pairing with this rank's next trace."""
+    batches = iter(stream)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except BaseException:
+            model._begin_runs()
+            raise
+        yield batch
+
+
 def can_stop_early(model: Any) -> bool:
     """Whether a trace of ``model`` may stop once the values it needs are read: not when the model carries
     lasting edits (``model.edit(inplace=True)``), which nnsight replays in every trace and which wait for
@@ -259,7 +275,7 @@ def collect_routing(
 
     bar = tqdm(desc="routing", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
     try:
-        for batch in stream:
+        for batch in counted_batches(model, stream):
             mask = batch.mask
             with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
                 saved = model.save_all(wanted, strict=True, moes=moes)  # keyed by layer: moes_of keeps one per layer

@@ -32,7 +32,7 @@ from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import layer_row
 from .checks import check_count, expert_ids
-from .collect import can_stop_early, moes_of, skipped_slots, skips
+from .collect import can_stop_early, counted_batches, moes_of, skipped_slots, skips
 from .text import token_strings
 
 #: Names of a model's final norm, tried in order on its base model.
@@ -212,7 +212,7 @@ def expert_logit_lens(
                              pad=corpora.pad_id(model), vocab=corpora.vocab_size(model))
     bar = tqdm(desc="expert outputs", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
     try:
-        for batch in stream:
+        for batch in counted_batches(model, stream):
             with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
                 read = _sums(moes, batch.mask)
                 if can_stop_early(model):
