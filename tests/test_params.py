@@ -207,8 +207,12 @@ def test_params_takes_numpy_and_tensor_indexes_and_works_in_a_trace():
     moe = model.moes[0]
     down = moe.params(3).down
     assert torch.equal(moe.params(np.int64(3)).down, down) and torch.equal(moe.params(torch.tensor(3)).down, down)
-    # one-element tensors and arrays, as the interventions take expert ids (they were refused here)
-    assert torch.equal(moe.params(torch.tensor([3])).down, down) and torch.equal(moe.params(np.array([3])).down, down)
+    # one-element tensors and arrays, as the interventions take expert ids (they were refused here): views of expert
+    # 3's own parameter (mixtral stores down_proj as [E, D, H], each expert's [out, in])
+    raw = hf.model.layers[0].mlp.experts.down_proj[3]
+    for given in (torch.tensor([3]), np.array([3])):
+        view = moe.params(given).down
+        assert torch.equal(view, raw) and view.data_ptr() == raw.data_ptr()
     with model.trace(tiny_inputs(hf)["input_ids"]):
         inside = nnsight.save(moe.params(3).down)
     assert inside.data_ptr() == down.data_ptr()
