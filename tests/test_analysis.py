@@ -379,6 +379,24 @@ def test_top_tokens_by_hand(qwen):
         assert seen[token] >= 2 and math.isclose(share, pairs[(0, token)] / seen[token])
 
 
+def test_top_tokens_decodes_with_the_tokenizer_the_cache_was_collected_with(qwen, tmp_path):
+    """top_tokens showed #<id> for every token unless given tokenizer= again, though the cache came from a model
+    with one; a saved cache holds no tokenizer: RoutingCache.load takes one."""
+    wrapped, hf, cache, truth = qwen
+    layer = truth.layers[-1]
+    decoded = [[shown(token) for token in item.token_ids.tolist()] for item in analysis.top_tokens(cache, layer, n=3)]
+    assert [item.tokens for item in analysis.top_tokens(cache, layer, n=3)] == decoded
+    cache.save(tmp_path / "routing")
+    loaded = analysis.RoutingCache.load(tmp_path / "routing")
+    ids = [item.token_ids.tolist() for item in analysis.top_tokens(loaded, layer, n=3)]
+    assert [item.tokens for item in analysis.top_tokens(loaded, layer, n=3)] == [[f"#{t}" for t in row] for row in ids]
+    loaded = analysis.RoutingCache.load(tmp_path / "routing", tokenizer=wrapped.tokenizer)
+    assert [item.tokens for item in analysis.top_tokens(loaded, layer, n=3)] == decoded
+    assert [item.tokens for item in analysis.top_tokens(loaded.materialize(), layer, n=3)] == decoded
+    with pytest.raises(MoelensError, match="tokenizer must be a tokenizer with a decode method"):
+        analysis.RoutingCache.load(tmp_path / "routing", tokenizer=wrapped)
+
+
 def test_specialisation_by_hand(qwen):
     wrapped, hf, cache, truth = qwen
     labels = torch.tensor([0, 1, 1, 0, 1])  # per text: code, prose

@@ -35,6 +35,7 @@ from ..errors import MoelensError
 from ..families.scoring import score
 from ..paths import blocked_above, may_write_into, user_path
 from .checks import check_type, layer_hint, shown, split_ids
+from .text import check_tokenizer
 
 #: The index of a slot that ran no expert (zaya's skip class, which transformers hands the experts as
 #: expert 0 with weight 0): counted by no expert.
@@ -167,6 +168,8 @@ class RoutingCache:
         model: A name for the model (its path), informative only.
         num_texts: How many corpus items were read.
         has_logits: Whether router logits were collected.
+        tokenizer: The tokenizer of the model the routing was collected from (held in memory, not saved: give it
+            to `load`); `top_tokens` decodes token ids with it when given none.
     """
 
     layers: list[int]
@@ -178,6 +181,7 @@ class RoutingCache:
     model: str | None = None
     num_texts: int = 0
     has_logits: bool = False
+    tokenizer: Any = field(default=None, repr=False, compare=False)
     _memory: list[Shard] = field(default_factory=list, repr=False)
     _folder: Path | None = field(default=None, repr=False)
     _files: list[tuple[str, int]] = field(default_factory=list, repr=False)
@@ -385,7 +389,8 @@ class RoutingCache:
     def materialize(self) -> "RoutingCache":
         """An in-memory copy (one shard) of this cache."""
         shards = list(self._shards())
-        return RoutingCache(**self._meta_fields(), _memory=[Shard.concat(shards)] if shards else [])
+        return RoutingCache(**self._meta_fields(), tokenizer=self.tokenizer,
+                            _memory=[Shard.concat(shards)] if shards else [])
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -417,9 +422,11 @@ class RoutingCache:
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path) -> "RoutingCache":
+    def load(cls, folder: str | Path, tokenizer: Any = None) -> "RoutingCache":
         """Open a saved cache; its shards are read from disk when iterated (from this folder, wherever the current
-        folder is then)."""
+        folder is then). ``tokenizer`` (the model's, ``model.tokenizer``) is what `top_tokens` decodes ids with:
+        a saved cache does not hold one."""
+        check_tokenizer(tokenizer)
         folder = user_path(folder, "RoutingCache.load's folder").absolute()
         meta_path = folder / META_FILE
         if not meta_path.is_file():
@@ -450,6 +457,7 @@ class RoutingCache:
                 model=meta.get("model"),
                 num_texts=count_entry(meta.get("num_texts", 0), "num_texts"),
                 has_logits=bool(meta.get("has_logits")),
+                tokenizer=tokenizer,
                 _folder=folder,
                 _files=[(str(entry["file"]), count_entry(entry["tokens"], f"tokens entry of the shard {entry['file']!r}"))
                         for entry in meta["shards"]],

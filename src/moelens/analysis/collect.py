@@ -114,6 +114,7 @@ def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
         family=family.name if family is not None else None,
         model=str(getattr(getattr(model, "_module", None), "name_or_path", "") or "") or None,
         has_logits=logits,
+        tokenizer=corpora.tokenizer_of(model),
     )
 
 
@@ -306,6 +307,6 @@ def collect_routing(
     cache.num_texts = tally.items  # empty items too: they have no token, but are corpus items
     if writer is not None:
         writer.close()
-        return RoutingCache.load(folder)
+        return RoutingCache.load(folder, tokenizer=cache.tokenizer)
     cache._memory = shards
     return cache

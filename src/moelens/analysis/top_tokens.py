@@ -101,7 +101,9 @@ def top_tokens(
         n: Tokens per expert.
         by: ``"count"`` (most routed) or ``"share"`` (largest share of the token's occurrences).
         min_count: With ``by="share"``, ignore tokens seen fewer times than this.
-        tokenizer: Decodes ids into strings (a wrapped model's ``.tokenizer``, not the model).
+        tokenizer: Decodes ids into strings (a wrapped model's ``.tokenizer``, not the model); default: the
+            cache's own (the model's it was collected from, or the one given to `RoutingCache.load`), else ids are
+            shown as ``#<id>``.
     """
     check_cache(cache)
     if by not in RANKINGS:
@@ -109,6 +111,7 @@ def top_tokens(
     n = check_count("n", n)
     min_count = check_count("min_count", min_count, least=0)
     check_tokenizer(tokenizer)
+    tokenizer = cache.tokenizer if tokenizer is None else tokenizer
     layer = cache.layer_key(layer)
     count = cache.num_experts[layer]
     experts = list(range(count)) if experts is None else expert_ids(id_list("experts", experts, "expert id"), count, layer)
