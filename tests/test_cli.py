@@ -107,14 +107,16 @@ def test_console_script_loads_tiny_without_network():
 
 def test_demo_on_moelens_tiny(tmp_path, capsys, monkeypatch):
     """Every plot the demo names lands in --out (the held-out ones could go to the working folder unseen), and
-    --text is the text routed and shown (the sample's routing could be shown under the file's name)."""
+    --text is the text routed and shown (the sample's routing could be shown under the file's name); --no-progress
+    keeps the held-out windows' progress bar out (it could not be switched off)."""
     from moelens.analysis.cli import DEMO_FILES
 
     (tmp_path / "mine.txt").write_text("zebra quagga okapi", encoding="utf-8")
     monkeypatch.chdir(tmp_path)
-    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "8", "--text", tmp_path / "mine.txt"],
-                           capsys)
+    status, out, err = run(["demo", "--out", tmp_path / "demo", "--windows", "8", "--text", tmp_path / "mine.txt",
+                            "--no-progress"], capsys)
     assert status == 0, err
+    assert "routing" not in err
     header = next(line for line in out.splitlines() if line.startswith("token "))
     assert header.split()[1:3] == ["layer", "0"] and "layer 3" in header
     assert "cv" in out and "router_entropy" in out

@@ -67,6 +67,7 @@ def register(subparsers: Any) -> None:
                       help="held-out code/prose windows of moelens-tiny for the corpus plots (default 64, 0: none)")
     demo.add_argument("--threads", type=int, default=1,
                       help="torch threads (default 1: the model is tiny, one thread is fastest on a busy machine)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=run_demo)
 
     inspect = subparsers.add_parser(
@@ -329,7 +330,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ids, classes = held["input_ids"][picked].long(), held["token_class"][picked].long()
         every = f", all the held-out set has; --windows asked for {args.windows}" if args.windows > ids.shape[0] else ""
         print(f"\nRouting {ids.numel()} held-out tokens ({ids.shape[0]} windows of code and prose{every}) ...", flush=True)
-        windows = collect_routing(model, ids, batch_size=16, progress=True)
+        windows = collect_routing(model, ids, batch_size=16, progress=not args.no_progress)
         written += write_corpus_plots(windows, out, prefix="heldout_")
         skipped.update(missing_corpus_plots(windows, prefix="heldout_"))
         spec = specialisation(windows, classes.flatten(), list(TOKEN_CLASSES))
