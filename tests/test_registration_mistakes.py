@@ -904,6 +904,84 @@ def test_check_finds_an_expert_layout_that_keeps_the_shapes(registered, make, la
         families.check(wrong, IDS)
 
 
+class InOutBank(ExpertBank):
+    """Experts stored ``[E, in, out]`` and used as ``x @ W`` (gate and up ``[E, D, I]``, down ``[E, I, D]``): read
+    as ``[E, out, in]`` they chain too, with D and I swapped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.gate_up_proj
+        self.gate_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.3)
+        self.up_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INTERMEDIATE) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(EXPERTS, INTERMEDIATE, HIDDEN) * 0.3)
+
+    def expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.gate_proj[expert]) * (x @ self.up_proj[expert])) @ self.down_proj[expert]
+
+
+class StackedBank(ExpertBank):
+    """Experts stacked in 2-D parameters: gate_up ``[E*2I, D]``, down ``[E*I, D]`` (read transposed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS * 2 * INTERMEDIATE, HIDDEN) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(EXPERTS * INTERMEDIATE, HIDDEN) * 0.3)
+
+    def expert_output(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj.view(EXPERTS, -1, HIDDEN)[expert]).chunk(2, -1)
+        return (F.silu(gate) * up) @ self.down_proj.view(EXPERTS, INTERMEDIATE, HIDDEN)[expert]
+
+
+@pytest.mark.parametrize(("bank", "wrong", "right", "message"), [
+    # the wrong layout chains with D and I swapped; the probe took its width (I) and the experts refused it: check
+    # passed with a warning blaming the user's module, and params() served the [E, D, I] tensors as [E, out, in]
+    (InOutBank, ExpertLayout(gate="gate_proj", up="up_proj", down="down_proj"),
+     ExpertLayout(gate="gate_proj", up="up_proj", down="down_proj", transposed=True, down_transposed=True),
+     r"recomputes none of the experts' outputs; with transposed=True, down_transposed=True \(the rest as it is\) they "
+     r"are recomputed, so params\(\) would serve other numbers"),
+    # params() refused the wrong layout: check passed with a warning
+    (StackedBank, ExpertLayout(gate_up="gate_up_proj", down="down_proj"),
+     ExpertLayout(gate_up="gate_up_proj", down="down_proj", down_transposed=True, stacked=True),
+     r"params\(\) cannot read the experts' weights with the entry's expert_layout .*gate_up_proj has shape \(144, 16\), "
+     r"not \[E=6, \.\.\.\].*; with down_transposed=True, stacked=True \(the rest as it is\) they are recomputed: fix"),
+], ids=["in-out-not-square", "stacked"])
+def test_check_finds_an_expert_layout_whose_shapes_differ(registered, bank, wrong, right, message):
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"].experts = bank()
+    registered(expert_layout=right)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped = moelens.wrap(hand)
+        assert families.check(wrapped, IDS) == [moe.path for moe in wrapped.moes]
+    experts, x = hand.layers[0]["moe"].experts, torch.randn(3, HIDDEN)
+    params = wrapped.moes[0].params()
+    by_hand = F.linear(F.silu(F.linear(x, params.gate[1])) * F.linear(x, params.up[1]), params.down[1])
+    assert torch.allclose(by_hand, experts.expert_output(1, x), atol=1e-6)
+    registered(expert_layout=wrong)
+    with pytest.raises(FamilyError, match=message):
+        families.check(moelens.wrap(hand), IDS)
+
+
+def test_check_of_experts_called_with_keywords_of_their_own_says_what_it_cannot_read(registered):
+    """check raised a bare KeyError('expert_indices'): the values it reads leniently were left out."""
+    class KeywordBlock(Block):
+        def forward(self, hidden):
+            b, s, d = hidden.shape
+            x = hidden.reshape(-1, d)
+            logits, weights, index = self.router(x)
+            routed = self.experts.forward(x, weights=weights, index=index)
+            return (routed + self.shared(x)).reshape(b, s, d), logits.sum()
+
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"] = KeywordBlock()
+    registered(block_classes=("KeywordBlock",))
+    with pytest.raises(FamilyError, match=r"layers\.0\.moe: its expert_weights cannot be read, so the entry's selection "
+                                          r"and scoring cannot be checked: .*call it with that argument"):
+        families.check(moelens.wrap(hand), IDS)
+
+
 def test_check_says_an_expert_layout_it_cannot_recompute_is_not_checked(registered):
     """Experts of an activation of their own: their layout is neither passed nor blamed, and the warning says so."""
     class TanhBank(ExpertBank):

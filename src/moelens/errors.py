@@ -39,6 +39,11 @@ class ValueUnavailable(MoelensError):
         self.why = message if why is None else why
 
 
+class LayoutMismatch(ValueUnavailable):
+    """Expert weights that are not where, or not shaped as, their layout says (a wrong `ExpertLayout` in a family
+    entry, or transformers' layout flags that do not match the parameters): what `Moe.params` raises for them."""
+
+
 class OrderError(MoelensError):
     """A value was requested after the model had already run past it in this trace."""
 

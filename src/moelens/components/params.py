@@ -27,7 +27,7 @@ from jaxtyping import Float
 from nnsight.intervention.source import OP, Instrument, SourceNotAvailable, source_tree
 from torch import Tensor
 
-from ..errors import ArgumentError, ValueUnavailable, WriteError, warn
+from ..errors import ArgumentError, LayoutMismatch, ValueUnavailable, WriteError, warn
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
 from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
@@ -401,7 +401,7 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
         if value is None and isinstance(find_path(experts, path), Tensor):
             raise computed_weight(f"{family.name}: {type(experts).__name__}.{path}", path.rpartition(".")[2])
         if value is None:
-            raise ValueUnavailable(f"{family.name}: {type(experts).__name__} has no parameter {path!r}; {mismatch}.")
+            raise LayoutMismatch(f"{family.name}: {type(experts).__name__} has no parameter {path!r}; {mismatch}.")
         if any(_stored_at(experts, path + suffix) is not None for suffix in QUANTIZATION_SCALES):
             raise ValueUnavailable(
                 f"{family.name}: {type(experts).__name__}.{path} is quantized (it has a scale beside it), so a view "
@@ -412,6 +412,10 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
     def per_expert(tensor: Tensor | None, transposed: bool, path: str | None) -> Tensor | None:
         if tensor is None:
             return None
+        if layout.stacked and tensor.dim() > 2:  # a stack of every expert's rows is 2-D ([E*out, in]; a bias 1-D)
+            raise LayoutMismatch(f"{family.name}: {type(experts).__name__}.{path} has shape {tuple(tensor.shape)}, not "
+                                 f"a 2-D stack of every expert's rows [E*out={num_experts}*n, in] (stacked=True); "
+                                 f"{mismatch}.")
         if layout.stacked and tensor.shape[0] % num_experts == 0:
             tensor = tensor.view(num_experts, -1, *tensor.shape[1:])
         elif identity and tensor.shape[0] == num_experts + identity:  # unused rows of the zero-compute experts
@@ -420,7 +424,7 @@ def expert_views(family: Family, experts: torch.nn.Module, num_experts: int, ide
             stacked = f"[E*out={num_experts}*n, ...]" if layout.stacked else f"[E={num_experts}, ...]"
             fewer = (f" (with {tensor.shape[0]} experts of weights among the {num_experts + identity}: if the others are "
                      "zero-compute experts, say so with Family.identity_experts)" if tensor.shape[0] < num_experts else "")
-            raise ValueUnavailable(
+            raise LayoutMismatch(
                 f"{family.name}: {type(experts).__name__}.{path} has shape {tuple(tensor.shape)}, not {stacked}; "
                 f"{mismatch}{fewer}."
             )
@@ -455,7 +459,7 @@ def _check_chain(views: dict[str, Tensor | None], where: str, mismatch: str) -> 
     chained = shapes["down"][1:] == first[:0:-1] and shapes.get("gate", first) == first
     if not chained:
         listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
-        raise ValueUnavailable(
+        raise LayoutMismatch(
             f"{where}: the weights read as {listed}, which do not chain as an expert's (gate and up [E, I, D] alike, "
             f"down [E, D, I]); {mismatch} (ExpertLayout: which parameter is gate_up / gate / up / down, transposed, "
             "down_transposed)."

@@ -37,6 +37,9 @@ REREGISTER = ("Fix the entry, register it again (moelens.families.register(Famil
 CHECKED_VALUES = ("router_logits", "expert_weights", "expert_indices", "routed_output", "shared_expert_output",
                   "mlp_output")
 
+#: The values the checks of the entry's selection and scoring are made of: a block must serve them.
+ROUTING_VALUES = CHECKED_VALUES[:3]
+
 
 def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     """Run ``model`` on the inputs (``model.trace(*args, **kwargs)``) and check its MoE blocks' family entries.
@@ -88,12 +91,14 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     dropping = {moe.path for moe in moes if _drops_out(moe._module)}
     for moe, values in zip(moes, saved.values()):
         layout, unchecked_layouts[moe.path] = _layout_problem(moe)
-        found = ("" if unchecked[moe.path] else _selection_problem(moe, values),
+        unread = "" if unchecked[moe.path] else _unread_routing(model, moe, values, args, kwargs)
+        routing = not unchecked[moe.path] and not unread
+        found = (unread, _selection_problem(moe, values) if routing else "",
                  _selection_scores_problem(moe, *selections[moe.path]) if moe.path in selections else "",
-                 "" if unchecked[moe.path] else _weights_problem(moe, values),
+                 _weights_problem(moe, values) if routing else "",
                  "" if moe.path in dropping else _output_problem(moe, values), layout)
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
-        if not unchecked[moe.path]:
+        if routing:
             unscored[moe.path] = _score_unchecked(moe, values)
     if problems:
         raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems)
@@ -268,6 +273,20 @@ def _entry_ranking(moe: Any, logits: torch.Tensor) -> tuple[torch.Tensor, str]:
         ranked = ranked + family.selection_bias_of(block, ranked.shape[-1]).detach().float()
         what += f" plus {scoring.selection_bias}"
     return ranked, what
+
+
+def _unread_routing(model: Any, moe: Any, values: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> str:
+    """Why ``moe`` serves not every one of `ROUTING_VALUES` (the reason its strict read gives, in one more run on
+    the inputs: experts called otherwise than ``experts(hidden, top_k_index, top_k_weights)``, say), or ""."""
+    missing = [name for name in ROUTING_VALUES if name not in values]
+    if not missing:
+        return ""
+    try:
+        with torch.no_grad(), model.trace(*args, **kwargs):
+            moe.save_all(missing, strict=True)
+    except (ValueUnavailable, OrderError) as error:
+        return f"its {missing[0]} cannot be read, so the entry's selection and scoring cannot be checked: {error}"
+    return f"its {', '.join(missing)} could not be read in the first run on these inputs; check the entry's names"
 
 
 def _read_selection_scores(model: Any, moes: list[Any], args: tuple, kwargs: dict

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from ..errors import ValueUnavailable
+from ..errors import LayoutMismatch, ValueUnavailable
 from .entry import ExpertLayout, Family
 
 #: Activations tried where the experts have no ``act_fn`` that fits: transformers' usual ones.
@@ -54,52 +54,76 @@ def layout_problem(layout: ExpertLayout, views_of: Callable[[ExpertLayout], View
     Returns:
         ``(problem, warning)``: ``problem`` names the layout flags (or swapped gate and up names) under which the
         weights recompute the experts' outputs where the entry's do not, or says a fused gate_up holds the up rows
-        first, which no flag expresses; ``warning`` says why the layout was not checked (the experts cannot be
+        first, which no flag expresses, or that params() cannot read the weights where the entry's layout says; ``warning`` says why the layout was not checked (the experts cannot be
         called on the probe, or no layout and activation tried recomputes them). Both "" where the entry's layout
         recomputes the experts' outputs.
     """
     candidates = {}  # (layout, up rows first) -> the views, for the layouts whose weights chain, the entry's first
+    refusal = ""
     for variant in (layout, *_variants(layout)):
         try:
             candidates[variant, False] = views_of(variant)
         except ValueUnavailable as error:  # shapes that do not chain under it, or weights params() does not serve
             if variant == layout:
                 refusal = str(error)
+                if not isinstance(error, LayoutMismatch):  # quantized or computed weights: no fault of the layout
+                    return "", f"its expert_layout is not checked: params() serves no weights ({refusal})"
+    unreadable = (f"params() cannot read the experts' weights with the entry's expert_layout ({layout}): {refusal}"
+                  if refusal else "")
     if not candidates:
-        return "", f"its expert_layout is not checked: params() serves no weights ({refusal})"
+        return unreadable, ""
     if layout.gate_up is not None:  # a fused parameter holding the up rows first: no ExpertLayout field says so
         candidates |= {(variant, True): _swapped(views) for (variant, _), views in candidates.items()}
-    try:
-        probes = _probes(experts, next(iter(candidates.values())), top_k)
-    except Exception as error:  # noqa: BLE001 - whatever the user's module raises on the probe
-        return "", (f"its expert_layout is not checked: the experts module raised {type(error).__name__} when called "
-                    f"on random tokens as experts(hidden, top_k_index, top_k_weights) ({error})")
+    probes, error = None, None
+    for views in _one_per_width(candidates.values()):  # the entry's width first: a wrong layout can swap D and H
+        try:
+            probes = _probes(experts, views, top_k)
+            break
+        except Exception as raised:  # noqa: BLE001 - whatever the user's module raises on the probe
+            error = error or raised
+    if probes is None:
+        return unreadable, (f"its expert_layout is not checked: the experts module raised {type(error).__name__} when "
+                            f"called on random tokens as experts(hidden, top_k_index, top_k_weights) ({error})")
     activations = _activations(experts)
     fitting = next((key for key, views in candidates.items() if _recomputes(views, probes, activations)), None)
     if fitting == (layout, False):
         return "", ""
     if fitting is not None:
-        return _misread(layout, *fitting), ""
+        return _misread(layout, *fitting, refusal), ""
+    if unreadable:
+        return unreadable, ""
     return "", ("its expert_layout is not checked: no expert output is recomputed from the weights it names with the "
                 f"experts' act_fn or {', '.join(ACTIVATIONS)} (experts that compute otherwise, or a layout wrong in a "
                 "way no flag fixes)")
 
 
-def _misread(layout: ExpertLayout, fitting: ExpertLayout, up_first: bool) -> str:
+def _misread(layout: ExpertLayout, fitting: ExpertLayout, up_first: bool, refusal: str) -> str:
     """The error for the entry's ``layout`` where ``fitting`` recomputes the experts (with ``gate_up``'s halves the
-    other way round, up rows first, where ``up_first``): what to change, or that no field expresses it."""
+    other way round, up rows first, where ``up_first``): what to change, or that no field expresses it. ``refusal``:
+    why params() cannot read the weights with ``layout`` at all, or ""."""
     changed = ", ".join(f"{flag.name}={getattr(fitting, flag.name)!r}" for flag in dataclasses.fields(fitting)
                         if getattr(fitting, flag.name) != getattr(layout, flag.name))
-    misread = (f"params() reads the experts' weights with the entry's expert_layout ({layout}), which recomputes none "
-               "of the experts' outputs; ")
+    reads = f"params() reads the experts' weights with the entry's expert_layout ({layout})"
+    misread = (f"params() cannot read the experts' weights with the entry's expert_layout ({layout}): "
+               f"{refusal.rstrip('.')}; " if refusal else f"{reads}, which recomputes none of the experts' outputs; ")
     if not up_first:
-        return (misread + f"with {changed} (the rest as it is) they are recomputed, so params() would serve other "
-                "numbers as the weights, and edits through it land on other rows: fix the ExpertLayout")
+        serves = ("" if refusal else
+                  ", so params() would serve other numbers as the weights, and edits through it land on other rows")
+        return misread + f"with {changed} (the rest as it is) they are recomputed{serves}: fix the ExpertLayout"
     also = f", and with {changed}" if changed else ""
     return (misread + f"with the up rows of {layout.gate_up!r} taken before its gate rows{also}, they are recomputed, "
             "so params() would serve the up weights as the gate and the gate weights as the up. No ExpertLayout field "
             "says that a fused gate_up holds the up rows first (gate_up is read gate rows first): store the gate rows "
             "first, or leave expert_layout out of the entry (params() then refuses to serve the weights)")
+
+
+def _one_per_width(candidates: Any) -> list[Views]:
+    """The first of ``candidates`` (views of the experts' weights under some layout) for each hidden width they
+    read (the last side of ``up``), in order."""
+    widths: dict[int, Views] = {}
+    for views in candidates:
+        widths.setdefault(views["up"].shape[-1], views)
+    return list(widths.values())
 
 
 def _swapped(views: Views) -> Views:
@@ -170,7 +194,7 @@ def _close(mine: Tensor, theirs: Any) -> bool:
 def _variants(layout: ExpertLayout) -> list[ExpertLayout]:
     """Every other setting of the layout's flags (concatenated only where gate and up are fused), each also with
     the separate gate and up parameters' names swapped where it names both."""
-    flags = ["transposed", "down_transposed"] + (["concatenated"] if layout.gate_up is not None else [])
+    flags = ["transposed", "down_transposed", "stacked"] + (["concatenated"] if layout.gate_up is not None else [])
     swaps = (False, True) if layout.gate is not None and layout.up is not None else (False,)
     variants = []
     for swap, values in itertools.product(swaps, itertools.product((False, True), repeat=len(flags))):
