@@ -982,6 +982,24 @@ def test_check_of_experts_called_with_keywords_of_their_own_says_what_it_cannot_
         families.check(moelens.wrap(hand), IDS)
 
 
+@pytest.mark.parametrize("when", ["before_experts", "after_block"])
+def test_check_of_a_shared_expert_at_the_wrong_time_blames_the_entry(registered, when):
+    """check raised save_all's OrderError, whose advice (read before an earlier read or intervention) does not apply
+    to a trace that reads nothing else."""
+    registered(shared=SharedExpert("shared", when=when))
+    with pytest.raises(FamilyError, match=r"^the family entry does not describe what the model computes: check reads "
+                                          r"each block's values once, in the order the entry gives \(its shared "
+                                          r"expert's SharedExpert.when"):
+        families.check(moelens.wrap(model()), IDS)
+
+
+def test_an_entry_naming_the_block_as_its_experts_is_refused():
+    """experts='' was registered, and check then failed with an OrderError."""
+    with pytest.raises(FamilyError, match=r"experts='' names the block itself"):
+        families.register(dataclasses.replace(ENTRY, name="hand_no_experts", experts=""))
+    assert "hand_no_experts" not in [family.name for family in families.supported()]
+
+
 def test_check_says_an_expert_layout_it_cannot_recompute_is_not_checked(registered):
     """Experts of an activation of their own: their layout is neither passed nor blamed, and the warning says so."""
     class TanhBank(ExpertBank):

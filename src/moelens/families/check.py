@@ -79,10 +79,19 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     moes = [moe for moe in model.moes if not moe.runs_only_on]
     if not moes:
         raise FamilyError("check: the model has no MoE block that runs on every input; nothing to check.")
-    with torch.no_grad(), model.trace(*args, **kwargs):
-        if not trace_running("check"):  # nnsight takes keywords it does not know for no input at all
-            raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
-        saved = model.save_all(list(CHECKED_VALUES), moes=moes)
+    try:
+        with torch.no_grad(), model.trace(*args, **kwargs):
+            if not trace_running("check"):  # nnsight takes keywords it does not know for no input at all
+                raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): "
+                                  f"{USAGE}.")
+            saved = model.save_all(list(CHECKED_VALUES), moes=moes)
+    except OrderError as error:  # nothing else is read in this trace: the entry's order is not the forward's
+        raise FamilyError(
+            "the family entry does not describe what the model computes: check reads each block's values once, in "
+            "the order the entry gives (its shared expert's SharedExpert.when, the router before the experts), and "
+            f"the model had run past one of them, so the block's forward runs them in another order: {error}\n"
+            f"{REREGISTER}"
+        ) from None
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
     selections, unread = _read_selection_scores(model, [moe for moe in moes if not unchecked[moe.path]], args, kwargs)
     problems, unscored, unchecked_layouts = [], {}, {}
