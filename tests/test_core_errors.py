@@ -2367,8 +2367,9 @@ def test_a_value_asked_for_in_another_models_trace_nested_in_its_own_says_so():
                         r"logits per token \(num_experts=16\)"),
     ("num_experts", 4, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 4 router "
                        r"logits per token \(num_experts=4\).*extra_logits"),
+    # it went on about extra_logits, a count of router-logit columns
     ("top_k", 3, r"expert_weights holds 2 entries per token, but family 'my_mixtral' gives this block 3 slots per token "
-                 r"\(top_k=3\)"),
+                 r"\(top_k=3\): the entry names the wrong setting; fix it"),
     ("extra_logits", 2, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 10 router "
                         r"logits per token \(num_experts='experts.num_experts' plus extra_logits=2\)"),
     ("extra_logits", "router.weight", r"family 'my_mixtral' reads extra_logits from 'router.weight', which holds a "

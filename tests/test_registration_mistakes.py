@@ -1000,6 +1000,18 @@ def test_an_entry_naming_the_block_as_its_experts_is_refused():
     assert "hand_no_experts" not in [family.name for family in families.supported()]
 
 
+def test_a_token_id_past_a_plain_models_embedding_is_named(registered):
+    """A plain torch model (no get_input_embeddings) raised torch's bare IndexError; its one nn.Embedding says how
+    many ids it embeds."""
+    registered()
+    hand = model()
+    with pytest.raises(IndexError):
+        hand(torch.tensor([[1, 2, 55]]))  # the ground truth: the id is past the 50 rows
+    with pytest.raises(moelens.MoelensError, match=r"token id 55 is outside the model's input embeddings \(50 rows"):
+        with moelens.wrap(hand).trace(torch.tensor([[1, 2, 55]])):
+            pass
+
+
 def test_check_says_an_expert_layout_it_cannot_recompute_is_not_checked(registered):
     """Experts of an activation of their own: their layout is neither passed nor blamed, and the warning says so."""
     class TanhBank(ExpertBank):

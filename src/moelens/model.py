@@ -784,8 +784,11 @@ def _ids_past_vocabulary(model: "MoeModelMixin", batched: tuple[tuple, dict]) ->
     ids = _input_ids(module, batched)
     try:
         rows = module.get_input_embeddings().num_embeddings
-    except (AttributeError, NotImplementedError, TypeError):  # no embedding layer of torch's kind
-        return None
+    except (AttributeError, NotImplementedError, TypeError):  # no transformers model: a plain one's only nn.Embedding
+        embeddings = [child for child in module.modules() if isinstance(child, torch.nn.Embedding)]
+        if len(embeddings) != 1:  # none, or several (positions too): which embeds the ids is not known
+            return None
+        rows = embeddings[0].num_embeddings
     if not _token_ids(ids):
         return None
     past = (ids < 0) | (ids >= rows)

@@ -581,11 +581,12 @@ class Moe(Mlp):
                        + (f" plus extra_logits={extra!r}" if extra else ""))
             if what == "slots" and self.family.routing_from_router is not None:  # or a position off the weights
                 setting += f", read at the router's output with routing_from_router={self.family.routing_from_router}"
+            columns = (" (a router with columns past its experts' own, a skip class or shared experts' gates, names "
+                       "how many in extra_logits)" if what == "router logits" else "")
             raise FamilyError(
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
-                f"this block {expected} {what} per token ({setting}): the entry names the wrong setting (a router "
-                "with columns past its experts' own, a skip class or shared experts' gates, names how many in "
-                "extra_logits); fix it, register it again (moelens.families.register(Family(...), replace=True)) and wrap "
+                f"this block {expected} {what} per token ({setting}): the entry names the wrong setting{columns}; "
+                "fix it, register it again (moelens.families.register(Family(...), replace=True)) and wrap "
                 "the model again (moelens.wrap(model._module)): a wrapped model keeps the entry it was wrapped with."
             )
 
