@@ -1012,6 +1012,20 @@ def test_a_token_id_past_a_plain_models_embedding_is_named(registered):
             pass
 
 
+def test_a_qualified_block_class_matches_that_class_alone(registered):
+    """A bare class name matched every model's class of that name (another lab's sigmoid-scored Block was served
+    with this entry's softmax); a qualified name names one class, and is matched before bare names."""
+    other = type("Block", (Block,), {"__module__": "elsewhere.models", "__qualname__": "Block"})
+    assert (other.__name__, Block.__name__) == ("Block", "Block")
+    qualified = f"{Block.__module__}.{Block.__qualname__}"
+    registered(block_classes=(qualified,))
+    hand = model()
+    assert families.for_block(hand.layers[0]["moe"]).name == "hand"
+    assert families.for_block(other) is None
+    registered(name="bare", block_classes=("Block",), model_types=("bare",))
+    assert families.for_block(Block).name == "hand" and families.for_block(other).name == "bare"
+
+
 def test_check_says_an_expert_layout_it_cannot_recompute_is_not_checked(registered):
     """Experts of an activation of their own: their layout is neither passed nor blamed, and the warning says so."""
     class TanhBank(ExpertBank):

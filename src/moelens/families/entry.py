@@ -306,7 +306,10 @@ class Family:
     Attributes:
         name: The family name (the transformers model folder, ``"mixtral"``).
         model_types: ``config.model_type`` values that belong to it.
-        block_classes: Class names of its MoE block module (how blocks are detected).
+        block_classes: Class names of its MoE block module (how blocks are detected): a bare name
+            (``"MyMoeBlock"``) matches a class of that name from any module, a qualified one
+            (``"mylab.model.MyMoeBlock"``, the class's ``__module__`` and ``__qualname__``) that class alone,
+            and is matched first.
         block_attr: Attribute of the block on the decoder layer (``"mlp"``,
             ``"block_sparse_moe"``), or ``""`` when the decoder layer itself holds the
             router and experts (gemma4). Left at ``"mlp"`` while the blocks sit at one

@@ -404,9 +404,9 @@ def for_block(module: torch.nn.Module | Envoy | type | str) -> Family | None:
     if isinstance(module, Envoy):
         module = module._module
     if isinstance(module, torch.nn.Module):
-        return _BY_BLOCK_CLASS.get(type(module).__name__)
-    if isinstance(module, type) and issubclass(module, torch.nn.Module):
-        return _BY_BLOCK_CLASS.get(module.__name__)
+        module = type(module)
+    if isinstance(module, type) and issubclass(module, torch.nn.Module):  # its qualified name first, then its name
+        return _BY_BLOCK_CLASS.get(f"{module.__module__}.{module.__qualname__}") or _BY_BLOCK_CLASS.get(module.__name__)
     if isinstance(module, str):
         return _BY_BLOCK_CLASS.get(module)
     raise FamilyError(f"for_block takes an MoE block (a torch module, its envoy, its class or class name), got "
