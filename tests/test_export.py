@@ -573,6 +573,16 @@ def test_edits_from_text_reads_its_own_text_and_refuses_other_things():
         Edits.from_text(3)
 
 
+@pytest.mark.parametrize("text, twice", [
+    ("ablate:1:2;ablate:1:3", "layer 1 in two ablate parts"),  # read as {1: (3,)}: expert 2 lost
+    ("steer:1:2=1.0;steer:1:4=5.0", "layer 1 in two steer parts"),
+    ("swap:0:2=3,2=5", "an expert twice in 'swap:0:2=3,2=5'"),  # read as {0: {2: 5}}
+])
+def test_edits_from_text_refuses_a_part_that_would_replace_another(text, twice):
+    with pytest.raises(ExportError, match=rf"cannot read edits from '{text}': it names {twice}"):
+        Edits.from_text(text)
+
+
 def _same_edits(given: dict, plain: dict) -> None:
     edits = Edits(**given)
     assert edits == Edits(**plain)

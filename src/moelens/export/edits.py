@@ -350,11 +350,21 @@ class Edits:
                 kind, layer, items = part.split(":")
                 if kind in ("steer", "swap"):
                     cast = float if kind == "steer" else int
-                    fields[kind][int(layer)] = {int(e): cast(v) for e, v in (item.split("=") for item in items.split(","))}
+                    pairs = [(int(e), cast(v)) for e, v in (item.split("=") for item in items.split(","))]
+                    edit: Any = dict(pairs)
+                    repeated = len(edit) < len(pairs)
                 else:
-                    fields[kind][int(layer)] = [int(e) for e in items.split(",")]
+                    edit = [int(e) for e in items.split(",")]
+                    repeated = False  # Edits names an expert listed twice
+                layer = int(layer)
+                taken = layer in fields[kind]
+                fields[kind][layer] = edit
             except (KeyError, ValueError):
                 raise ExportError(f"cannot read edits from {text!r} (at {part!r}).") from None
+            if taken or repeated:  # one would silently replace the other
+                twice = f"layer {layer} in two {kind} parts" if taken else f"an expert twice in {part!r}"
+                raise ExportError(f"cannot read edits from {text!r}: it names {twice}, which Edits.to_text never "
+                                  f"writes; name each layer once per kind and each expert once in it.")
         return cls(**fields)
 
 
