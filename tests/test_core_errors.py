@@ -689,6 +689,26 @@ def test_load_names_what_is_wrong_with_the_path(tmp_path):
     assert ".." not in str(error.value).replace(str(tmp_path), "")  # transformers' full stop is not doubled
 
 
+def test_load_says_what_to_do_about_weights_transformers_did_not_find(tmp_path):
+    """Weights saved with variant=, or shards without their index, got "Pass a folder holding config.json and weights
+    saved with save_pretrained": what the user had done. Ground truth: transformers loads the first with variant=."""
+    import transformers
+
+    hf = tiny_model("mixtral")
+    hf.save_pretrained(tmp_path / "variant", variant="v1")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "variant", variant="v1")
+    for asked in ({}, {"variant": "v2"}):
+        with pytest.raises(moelens.MoelensError, match=r"Its weights were saved with variant='v1' \(model\.v1\."
+                                                       r"safetensors\): load it with moelens\.load\(folder, variant='v1'\)"):
+            moelens.load(tmp_path / "variant", **asked)
+    assert moelens.load(tmp_path / "variant", variant="v1").moes
+    hf.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
+    (tmp_path / "shards" / "model.safetensors.index.json").unlink()
+    with pytest.raises(moelens.MoelensError, match=r"It holds \d+ shards of weights \(model-00001-of-\d+\.safetensors, "
+                                                   r"\.\.\.\) but not their index \(model\.safetensors\.index\.json\)"):
+        moelens.load(tmp_path / "shards")
+
+
 def test_a_damaged_shard_index_or_shard_of_a_sharded_checkpoint_is_named(tmp_path):
     """A shard index that was not JSON gave json's bare "Expecting property name ... (char 1)" for the folder, and one
     truncated shard of 16 "the weights file of '<folder>' cannot be read": neither named the file at fault. Ground
@@ -1059,9 +1079,14 @@ def test_tokenizer_files_that_do_not_load_are_named(tmp_path):
     tiny_model("mixtral").save_pretrained(folder)
     ascii_tokenizer().save_pretrained(folder)
     (folder / "tokenizer.json").write_text("{broken")
-    with pytest.warns(UserWarning, match=r"the tokenizer saved at .* does not load \(JSONDecodeError"):
+    with pytest.warns(UserWarning, match=r"the tokenizer saved at .* does not load \(JSONDecodeError.*; fix or re-save"):
         loaded = moelens.load(folder)
     assert getattr(loaded, "tokenizer", None) is None
+    # a clone without git-lfs: the warning said "fix or re-save the tokenizer files", naming neither the file nor LFS
+    (folder / "tokenizer.json").write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'a' * 64}\n")
+    with pytest.warns(UserWarning, match=r"does not load .*; tokenizer\.json is a Git LFS pointer, not the file .*"
+                                         r"git lfs pull"):
+        moelens.load(folder)
 
 
 def test_load_reads_config_and_tokenizer_from_the_subfolder(tmp_path):

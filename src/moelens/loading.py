@@ -260,8 +260,9 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
                 "the folder that holds its weights."
             ) from error
         raise MoelensError(
-            f"cannot load the weights of {source!r}: {sentence(error)}. Pass a folder holding config.json and "
-            "weights saved with save_pretrained."
+            f"cannot load the weights of {source!r}: {sentence(error)}. "
+            + (_weights_files_advice(folder, from_pretrained_kwargs) if folder.is_dir() else
+               "Pass a folder holding config.json and weights saved with save_pretrained.")
         ) from error
     except AssertionError as error:  # torch's "Torch not compiled with CUDA enabled" for device_map="cuda"
         if "not compiled with" not in str(error):
@@ -283,6 +284,29 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     _check_weights_fit(source, info)
     model.eval()
     return wrap(model, tokenizer=tokenizer if tokenizer is not None else _load_tokenizer(source, settings))
+
+
+#: A weights file saved with ``variant=`` (``model.v1.safetensors``, ``model.v1-00001-of-00002.safetensors``).
+VARIANT_FILE = re.compile(r"(?:model|pytorch_model)\.([\w]+)(?:-\d+-of-\d+)?\.(?:safetensors|bin)")
+#: One shard of sharded weights, which transformers finds through the shard index beside them.
+SHARD_FILE = re.compile(r".+-\d+-of-\d+\.(?:safetensors|bin)")
+
+
+def _weights_files_advice(folder: Path, from_pretrained_kwargs: dict) -> str:
+    """What to do about a checkpoint ``folder`` whose weights files transformers did not find or read: pass the
+    ``variant=`` they were saved with (where none, or another, was passed), restore the shard index, or (where
+    neither explains it) save them again."""
+    files = sorted(path.name for path in folder.iterdir() if path.suffix in (".safetensors", ".bin"))
+    variants = sorted({match.group(1) for match in map(VARIANT_FILE.fullmatch, files) if match})
+    if variants and from_pretrained_kwargs.get("variant") not in variants:
+        return (f"Its weights were saved with variant={variants[0]!r} ({', '.join(files[:3])}"
+                f"{', ...' if len(files) > 3 else ''}): load it with moelens.load(folder, variant={variants[0]!r}).")
+    if any(SHARD_FILE.fullmatch(name) for name in files) and not any(folder.glob("*.index*.json")):
+        return (f"It holds {len(files)} shards of weights ({files[0]}, ...) but not their index "
+                "(model.safetensors.index.json), which names the shard of each weight: copy it in from where the "
+                "shards came from.")
+    return ("Copy in every file of the checkpoint (save_pretrained writes the weights and, for shards, their index), "
+            "or save the model into the folder again with save_pretrained.")
 
 
 def _file_advice(file: Path) -> str:
@@ -483,10 +507,16 @@ def _load_tokenizer(source: str, settings: dict[str, Any]) -> Any:
     try:
         tokenizer = _tokenizer_class(source, settings).from_pretrained(source, **settings)
     except (OSError, ValueError, TypeError) as error:
+        pointers = [file.name for file in folder.iterdir() if file.is_file() and
+                    file.name.startswith(TOKENIZER_FILE_PREFIXES) and _starts_with(file, LFS_POINTER)] \
+            if folder.is_dir() else []
+        fix = (f"{', '.join(pointers)} {'are Git LFS pointers' if len(pointers) > 1 else 'is a Git LFS pointer'}, not "
+               "the file (a clone made without git-lfs): fetch it with `git lfs pull` in that checkout"
+               if pointers else "fix or re-save the tokenizer files")
         warn(
             f"moelens.load: the tokenizer saved at {source!r} does not load ({type(error).__name__}: "
-            f"{sentence(error)}), so the model takes token ids only; fix or re-save the tokenizer files, or "
-            "pass one with moelens.wrap(model, tokenizer=...).",
+            f"{sentence(error)}), so the model takes token ids only; {fix}, or pass one with "
+            "moelens.wrap(model, tokenizer=...).",
         )
         return None
     if _placeholder(tokenizer):  # built by transformers without the vocabulary: text gave no tokens
