@@ -13,6 +13,7 @@ import transformers
 from torch.nn import functional as F
 
 import moelens
+from moelens import families
 from moelens.families import Family
 from moelens.families.unserved import UNSERVED
 from moelens.testing import FAMILIES, tiny_config, tiny_inputs, tiny_model
@@ -391,3 +392,15 @@ def test_a_scoring_floor_of_the_wrong_kind_is_refused_when_registered():
                                                    r"got True"):
         moelens.families.register(dataclasses.replace(
             base, name="floored_ernie", scoring=dataclasses.replace(base.scoring, normalize_min=True)), replace=True)
+
+
+def test_every_vocabulary_the_getting_started_guide_names_imports_from_families():
+    """EXPERT_GATES, named beside SHARED_TIMES and SELECTIONS as what a field may hold, was no name of
+    moelens.families (an ImportError)."""
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[1] / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([A-Z][A-Z_]{4,})`", guide))
+    assert "EXPERT_GATES" in named
+    for name in named:
+        assert name in families.__all__ and isinstance(getattr(families, name), tuple), name
