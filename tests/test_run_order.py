@@ -804,7 +804,8 @@ def test_a_read_pinned_to_a_step_the_model_already_ran_is_refused(qwen2_moe_gene
         return logits
 
     with pytest.raises(moelens.errors.OrderError, match=r"router_logits was requested after the model had already "
-                                                        r"run past it"):
+                                                        r"run past it.* In a run of several steps \(generate\), a read "
+                                                        r"outside a tracer.iter loop asks for step 0"):
         generate(second)
     if not edit:
         seen = []
@@ -816,6 +817,23 @@ def test_a_read_pinned_to_a_step_the_model_already_ran_is_refused(qwen2_moe_gene
         finally:
             handle.remove()
         torch.testing.assert_close(generate(first + 1).reshape(seen[first + 1].shape), seen[first + 1])
+
+
+def test_a_read_after_a_loop_over_later_steps_is_told_it_asks_for_step_0(qwen2_moe_generation):
+    """Its OrderError spoke only of the order of values in a block and of layers, which the reads kept; a trace's
+    order error does not speak of steps."""
+    wrapped, reference, ids, moe, _ = qwen2_moe_generation
+    steps = r"In a run of several steps \(generate\), a read outside a tracer.iter loop asks for step 0"
+    with pytest.raises(moelens.errors.OrderError, match=steps):
+        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False) as tracer:
+            for _ in tracer.iter[1:3]:
+                wrapped.moes[1].router_logits.save()
+            wrapped.moes[1].router_logits.save()
+    with pytest.raises(moelens.errors.OrderError) as caught:
+        with torch.no_grad(), wrapped.trace(ids):
+            wrapped.moes[1].router_logits.save()
+            moe.router_logits.save()
+    assert "several steps" not in str(caught.value)
 
 
 @pytest.mark.parametrize(("skipped", "value", "read_at"), [

@@ -440,6 +440,9 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     #: Rows the model runs per prompt row while it generates: transformers repeats each row for
     #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
     _rows_per_prompt: int = 1
+    #: Whether the model is generating (several forwards, the steps of ``tracer.iter``): read by `Component`'s
+    #: order errors.
+    _generating: bool = False
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching of the invokes' inputs, after refusing inputs of other modalities than text (images,
@@ -615,10 +618,11 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         else:
             kwargs.setdefault("disable_compile", True)
         self._rows_per_prompt = rows_per_prompt(self._module, kwargs)
+        self._generating = True
         try:
             return super().generate(*inputs, **kwargs)
         finally:
-            self._rows_per_prompt = 1
+            self._rows_per_prompt, self._generating = 1, False
 
 
 def _runs_torch_a2a(moes: Iterable[Moe]) -> bool:

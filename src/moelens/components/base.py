@@ -364,7 +364,26 @@ class Component(StandardNames, Envoy):
             save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
             what = (f"{self.path}.{name} was requested after the model had already run past it. Within a block, read "
                     f"values in the order the model produces them ({order}), and blocks in layer order{save_all}.")
-        return OrderError(f"{maybe_idle}{what} A module skipped with .skip() never produces its values.{registered}")
+        return OrderError(f"{maybe_idle}{what}{self._steps_hint(name)} A module skipped with .skip() never produces its "
+                          f"values.{registered}")
+
+    def _steps_hint(self, name: str) -> str:
+        """For `_order_error` in a generation that has finished a step already: how reads pick their step, the likely
+        cause of a read asked for a step the model has run past; "" in a trace, and in a generation's first step."""
+        location = self._location_of(name)
+        try:
+            mediator = Mediator.current(name)
+        except ValueError:  # no trace running
+            return ""
+        batcher = mediator.interleaver.batcher if mediator.interleaver is not None else None
+        generating = batcher is not None and vars(batcher.envoy).get("_generating", False)
+        # a read the run ended without serving is refused after generate has returned: two forwards ended tell it
+        if location is None or serving.forwards_ended(mediator, location) <= (0 if generating else 1):
+            return ""
+        return (" In a run of several steps (generate), a read outside a tracer.iter loop asks for step 0 and one in "
+                "tracer.iter[i] for step i: a read after a loop over later steps, or a loop over a step an earlier "
+                "loop has passed, asks for a step the model has already run; make it in its step's loop (or before "
+                "the loops).")
 
     def _location_of(self, name: str) -> str | None:
         """Where ``name`` is read in the run (`Binding.location`), None where that cannot be told."""
