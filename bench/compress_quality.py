@@ -258,7 +258,7 @@ def tiny_calibration(tokenizer, windows: int, context: int = 256, percent: int =
 
 def tiny_dense(windows: int, report: dict, levels: list[int], seed: int = 0) -> None:
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from moelens.data import HELDOUT_PATH, TINY_DENSE_PATH, training_record
 
@@ -266,7 +266,8 @@ def tiny_dense(windows: int, report: dict, levels: list[int], seed: int = 0) -> 
         print(f"[tiny-dense] {TINY_DENSE_PATH} not found: skipped", flush=True)
         return
     model = AutoModelForCausalLM.from_pretrained(TINY_DENSE_PATH).eval()
-    tokenizer = AutoTokenizer.from_pretrained(TINY_DENSE_PATH)
+    # the tokenizer it was trained with: AutoTokenizer builds a Qwen2Tokenizer, which splits text otherwise
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(TINY_DENSE_PATH)
     heldout = load_file(str(HELDOUT_PATH))["input_ids"].long()
     percent = int(re.search(r"% 100 < (\d+)", training_record("dense")["corpus"]["heldout_rule"]).group(1))
     calibration = tiny_calibration(tokenizer, windows, percent=percent)

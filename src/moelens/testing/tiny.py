@@ -617,7 +617,8 @@ _NORM_HINTS = ("norm", "ln_", "layernorm")
 #: Selection-bias tensors (parameters or buffers) replaced by seeded normal(0, std) values, by name.
 #: zaya's router probabilities differ by ~1e-4 in a tiny model, so its balancing biases (one per
 #: expert plus the "skip" class, default 0 and -1) get a much smaller std: the router then decides,
-#: and the skip class is picked for some tokens (so the skip path runs).
+#: and the skip class is picked for some tokens (so the skip path runs). transformers' from_pretrained sets the skip
+#: class's bias back to -1 (its _init_weights runs on that buffer), so a saved tiny zaya does not reload exactly.
 _BIAS_STD: dict[str, float] = {
     "e_score_correction_bias": 0.01,
     "expert_bias": 0.01,
