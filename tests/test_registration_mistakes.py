@@ -1222,6 +1222,39 @@ def test_check_names_a_selection_op_that_runs_before_the_logits_op(registered):
         families.check(moelens.wrap(hand), IDS)
 
 
+class CapacityBlock(Block):
+    """Drops each expert's slots past its first 3 tokens (weight 0) before the experts call, as Switch's capacity."""
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        x = hidden.reshape(-1, d)
+        logits, weights, index = self.router(x)
+        flat = index.reshape(-1)
+        rank = (F.one_hot(flat, EXPERTS).cumsum(0) * F.one_hot(flat, EXPERTS)).sum(-1)  # each slot's place at its expert
+        kept = weights * (rank <= 3).reshape(weights.shape)
+        return (self.experts(x, index, kept) + self.shared(x)).reshape(b, s, d), logits.sum()
+
+
+def test_check_of_a_block_that_changes_the_routers_weights_names_routing_from_router(registered):
+    """No scoring fits the weights a capacity drop leaves: the error named Scoring and logits_op alone, never the
+    setting that reads the weights at the router (with which check passes and the router's weights are served)."""
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"] = CapacityBlock()
+    registered(block_classes=("CapacityBlock",))
+    with pytest.raises(FamilyError, match=r"Or the block changes the router's weights before its experts call .* "
+                                          r"routing_from_router=\(weights, indices\)"):
+        families.check(moelens.wrap(hand), IDS)
+    registered(block_classes=("CapacityBlock",), routing_from_router=(1, 2))
+    fixed = moelens.wrap(hand)
+    assert families.check(fixed, IDS)
+    block = hand.layers[0]["moe"]
+    _, weights, _ = block.router(hand.embed(IDS).reshape(-1, HIDDEN))
+    with torch.no_grad(), fixed.trace(IDS):
+        served = fixed.moes[0].expert_weights.save()
+    torch.testing.assert_close(served.reshape(-1, TOP_K), weights.detach())
+
+
 class TemperatureRouter(Router):
     """Scores its logits divided by a temperature: the linear op's output is not what it scores."""
 

@@ -375,6 +375,11 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
         fitting += (f"; or the Scoring is right and logits_op is wrong: logits_op={family.logits_op!r} may name "
                     "another tensor than the one the router scores (such as the logits before the router divides them "
                     f"by a temperature): name the op whose output it scores. {_router_ops(moe, family.logits_op)}")
+        if family.routing_from_router is None:
+            fitting += (" Or the block changes the router's weights before its experts call (drops tokens past an "
+                        "expert's capacity, say): where the router returns its weights and indices, name their "
+                        "positions in its output with routing_from_router=(weights, indices), read there as the router "
+                        "chose them")
     return (f"the weights its experts got are not what the scoring of family {family.name!r} gives "
             f"({_described(scoring)}; largest difference {difference:.3g}): {fitting.rstrip('.')}. "
             "router_probs, the routing analysis and the export follow the entry.")
