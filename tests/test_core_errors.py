@@ -702,10 +702,14 @@ def test_load_says_what_to_do_about_weights_transformers_did_not_find(tmp_path):
                                                        r"safetensors\): load it with moelens\.load\(folder, variant='v1'\)"):
             moelens.load(tmp_path / "variant", **asked)
     assert moelens.load(tmp_path / "variant", variant="v1").moes
+    hf.save_pretrained(tmp_path / "plain")
+    with pytest.raises(moelens.MoelensError, match=r"Its weights were saved with no variant \(model\.safetensors\): "
+                                                   r"load it without variant='fp16'"):
+        moelens.load(tmp_path / "plain", variant="fp16")
     hf.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
     (tmp_path / "shards" / "model.safetensors.index.json").unlink()
     with pytest.raises(moelens.MoelensError, match=r"It holds \d+ shards of weights \(model-00001-of-\d+\.safetensors, "
-                                                   r"\.\.\.\) but not their index \(model\.safetensors\.index\.json\)"):
+                                                   r"\.\.\.\) but not their index \(the \.index\.json file"):
         moelens.load(tmp_path / "shards")
 
 

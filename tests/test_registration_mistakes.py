@@ -988,9 +988,24 @@ def test_check_of_a_shared_expert_at_the_wrong_time_blames_the_entry(registered,
     to a trace that reads nothing else."""
     registered(shared=SharedExpert("shared", when=when))
     with pytest.raises(FamilyError, match=r"^the family entry does not describe what the model computes: check reads "
-                                          r"each block's values once, in the order the entry gives \(its shared "
-                                          r"expert's SharedExpert.when"):
+                                          r"the values of model\.layers\.0\.moe once, in the order the entry gives "
+                                          r"\(its shared expert's SharedExpert.when"):
         families.check(moelens.wrap(model()), IDS)
+
+
+def test_check_of_a_model_running_its_blocks_out_of_layer_order_passes_the_right_entry(registered):
+    """Its one run reading every block in layer order was refused, and the entry blamed for the order."""
+    class Reversed(Model):
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+            for layer in reversed(self.layers):
+                hidden = hidden + layer["moe"](hidden)[0]
+            return hidden
+
+    registered()
+    torch.manual_seed(0)
+    wrapped = moelens.wrap(Reversed().eval())
+    assert families.check(wrapped, IDS) == ["model.layers.0.moe", "model.layers.1.moe"]
 
 
 def test_an_entry_naming_the_block_as_its_experts_is_refused():
@@ -998,6 +1013,8 @@ def test_an_entry_naming_the_block_as_its_experts_is_refused():
     with pytest.raises(FamilyError, match=r"experts='' names the block itself"):
         families.register(dataclasses.replace(ENTRY, name="hand_no_experts", experts=""))
     assert "hand_no_experts" not in [family.name for family in families.supported()]
+    inline = families.register(dataclasses.replace(ENTRY, name="hand_inline", experts="", experts_call=False))
+    families.unregister(inline.name)  # a block computing its experts itself has no experts module to name
 
 
 def test_a_token_id_past_a_plain_models_embedding_is_named(registered):
@@ -1007,7 +1024,8 @@ def test_a_token_id_past_a_plain_models_embedding_is_named(registered):
     hand = model()
     with pytest.raises(IndexError):
         hand(torch.tensor([[1, 2, 55]]))  # the ground truth: the id is past the 50 rows
-    with pytest.raises(moelens.MoelensError, match=r"token id 55 is outside the model's input embeddings \(50 rows"):
+    with pytest.raises(moelens.MoelensError, match=r"token id 55 is outside the model's one nn\.Embedding \(taken for "
+                                                   r"its token embedding\) \(50 rows"):
         with moelens.wrap(hand).trace(torch.tensor([[1, 2, 55]])):
             pass
 

@@ -820,8 +820,8 @@ def test_a_read_pinned_to_a_step_the_model_already_ran_is_refused(qwen2_moe_gene
 
 
 def test_a_read_after_a_loop_over_later_steps_is_told_it_asks_for_step_0(qwen2_moe_generation):
-    """Its OrderError spoke only of the order of values in a block and of layers, which the reads kept; a trace's
-    order error does not speak of steps."""
+    """Its OrderError spoke only of the order of values in a block and of layers, which the reads kept; the order
+    error of reads of one step (in a trace, or at a generation's step) does not speak of steps."""
     wrapped, reference, ids, moe, _ = qwen2_moe_generation
     steps = r"In a run of several steps \(generate\), a read outside a tracer.iter loop asks for step 0"
     with pytest.raises(moelens.errors.OrderError, match=steps):
@@ -829,11 +829,13 @@ def test_a_read_after_a_loop_over_later_steps_is_told_it_asks_for_step_0(qwen2_m
             for _ in tracer.iter[1:3]:
                 wrapped.moes[1].router_logits.save()
             wrapped.moes[1].router_logits.save()
-    with pytest.raises(moelens.errors.OrderError) as caught:
-        with torch.no_grad(), wrapped.trace(ids):
-            wrapped.moes[1].router_logits.save()
-            moe.router_logits.save()
-    assert "several steps" not in str(caught.value)
+    for generating in (False, True):
+        with pytest.raises(moelens.errors.OrderError) as caught:  # a step's own reads out of order: no step passed
+            with torch.no_grad(), (wrapped.generate(ids, max_new_tokens=3, min_new_tokens=3) if generating else
+                                   wrapped.trace(ids)):
+                wrapped.moes[1].router_logits.save()
+                moe.router_logits.save()
+        assert "several steps" not in str(caught.value)
 
 
 @pytest.mark.parametrize(("skipped", "value", "read_at"), [

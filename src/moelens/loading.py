@@ -294,17 +294,21 @@ SHARD_FILE = re.compile(r".+-\d+-of-\d+\.(?:safetensors|bin)")
 
 def _weights_files_advice(folder: Path, from_pretrained_kwargs: dict) -> str:
     """What to do about a checkpoint ``folder`` whose weights files transformers did not find or read: pass the
-    ``variant=`` they were saved with (where none, or another, was passed), restore the shard index, or (where
-    neither explains it) save them again."""
+    ``variant=`` they were saved with (where none, or another, was passed), or none (where they were saved without),
+    restore the shard index, or (where none of that explains it) save them again."""
     files = sorted(path.name for path in folder.iterdir() if path.suffix in (".safetensors", ".bin"))
     variants = sorted({match.group(1) for match in map(VARIANT_FILE.fullmatch, files) if match})
-    if variants and from_pretrained_kwargs.get("variant") not in variants:
-        return (f"Its weights were saved with variant={variants[0]!r} ({', '.join(files[:3])}"
-                f"{', ...' if len(files) > 3 else ''}): load it with moelens.load(folder, variant={variants[0]!r}).")
+    asked = from_pretrained_kwargs.get("variant")
+    listed = f"{', '.join(files[:3])}{', ...' if len(files) > 3 else ''}"
+    if variants and asked not in variants:
+        return (f"Its weights were saved with variant={variants[0]!r} ({listed}): load it with "
+                f"moelens.load(folder, variant={variants[0]!r}).")
+    if asked is not None and files and not variants:
+        return f"Its weights were saved with no variant ({listed}): load it without variant={asked!r}."
     if any(SHARD_FILE.fullmatch(name) for name in files) and not any(folder.glob("*.index*.json")):
-        return (f"It holds {len(files)} shards of weights ({files[0]}, ...) but not their index "
-                "(model.safetensors.index.json), which names the shard of each weight: copy it in from where the "
-                "shards came from.")
+        return (f"It holds {len(files)} shards of weights ({files[0]}, ...) but not their index (the .index.json "
+                "file saved with them, such as model.safetensors.index.json), which names the shard of each weight: "
+                "copy it in from where the shards came from.")
     return ("Copy in every file of the checkpoint (save_pretrained writes the weights and, for shards, their index), "
             "or save the model into the folder again with save_pretrained.")
 

@@ -786,13 +786,14 @@ def _ids_past_vocabulary(model: "MoeModelMixin", batched: tuple[tuple, dict]) ->
     another)."""
     module = model._module
     ids = _input_ids(module, batched)
+    embeddings = "the model's input embeddings"
     try:
         rows = module.get_input_embeddings().num_embeddings
     except (AttributeError, NotImplementedError, TypeError):  # no transformers model: a plain one's only nn.Embedding
-        embeddings = [child for child in module.modules() if isinstance(child, torch.nn.Embedding)]
-        if len(embeddings) != 1:  # none, or several (positions too): which embeds the ids is not known
+        found = [child for child in module.modules() if isinstance(child, torch.nn.Embedding)]
+        if len(found) != 1:  # none, or several (positions too): which embeds the ids is not known
             return None
-        rows = embeddings[0].num_embeddings
+        rows, embeddings = found[0].num_embeddings, "the model's one nn.Embedding (taken for its token embedding)"
     if not _token_ids(ids):
         return None
     past = (ids < 0) | (ids >= rows)
@@ -810,7 +811,7 @@ def _ids_past_vocabulary(model: "MoeModelMixin", batched: tuple[tuple, dict]) ->
             "embeddings (model._module.resize_token_embeddings(len(model.tokenizer)))."
         )
     return MoelensError(
-        f"token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 to {rows - 1}; "
+        f"token id {int(outside[0])} is outside {embeddings} ({rows} rows: ids 0 to {rows - 1}; "
         f"{outside.numel()} of the {ids.numel()} ids of the batch are outside): the ids, and a text's tokens, must "
         "come from this model's own tokenizer (the one saved with it)."
     )

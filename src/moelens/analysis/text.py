@@ -32,7 +32,7 @@ def check_tokenizer(tokenizer: Any) -> None:
     if tokenizer is None or callable(getattr(tokenizer, "decode", None)):
         return
     remedy = ("pass its tokenizer: tokenizer=model.tokenizer" if getattr(tokenizer, "tokenizer", None) is not None
-              else "pass the model's tokenizer (model.tokenizer), or None for ids shown as #<id>")
+              else "pass the model's tokenizer (model.tokenizer), or leave it out")
     raise MoelensError(f"tokenizer must be a tokenizer with a decode method, got {described(tokenizer)}; {remedy}.")
 
 

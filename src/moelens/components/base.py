@@ -329,10 +329,11 @@ class Component(StandardNames, Envoy):
             "module.output = ...): the module then runs and its ops keep counting."
         ))
 
-    def _order_error(self, name: str, by: str = "") -> OrderError:
+    def _order_error(self, name: str, by: str = "", step_passed: bool = False) -> OrderError:
         """The error of a read nnsight could not serve: the model never reaches where it is read
         (`_never_produced`), else the order. ``by``: the call that asked for the value, the block's ``save_all`` or
-        ``model.save_all``, whose advice replaces a single read's; "" for a read of the value itself."""
+        ``model.save_all``, whose advice replaces a single read's; "" for a read of the value itself.
+        ``step_passed``: the read asked for a generation step the model had already run (`serving.fetch`)."""
         never = self._never_produced(name)
         if never is not None:
             return never
@@ -364,21 +365,14 @@ class Component(StandardNames, Envoy):
             save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
             what = (f"{self.path}.{name} was requested after the model had already run past it. Within a block, read "
                     f"values in the order the model produces them ({order}), and blocks in layer order{save_all}.")
-        return OrderError(f"{maybe_idle}{what}{self._steps_hint(name)} A module skipped with .skip() never produces its "
-                          f"values.{registered}")
+        return OrderError(f"{maybe_idle}{what}{self._steps_hint(step_passed)} A module skipped with .skip() never "
+                          f"produces its values.{registered}")
 
-    def _steps_hint(self, name: str) -> str:
-        """For `_order_error` in a generation that has finished a step already: how reads pick their step, the likely
-        cause of a read asked for a step the model has run past; "" in a trace, and in a generation's first step."""
-        location = self._location_of(name)
-        try:
-            mediator = Mediator.current(name)
-        except ValueError:  # no trace running
-            return ""
-        batcher = mediator.interleaver.batcher if mediator.interleaver is not None else None
-        generating = batcher is not None and vars(batcher.envoy).get("_generating", False)
-        # a read the run ended without serving is refused after generate has returned: two forwards ended tell it
-        if location is None or serving.forwards_ended(mediator, location) <= (0 if generating else 1):
+    @staticmethod
+    def _steps_hint(step_passed: bool) -> str:
+        """For `_order_error` of a read that asked for a generation step the model had run (``step_passed``): how
+        reads pick their step; "" for others."""
+        if not step_passed:
             return ""
         return (" In a run of several steps (generate), a read outside a tracer.iter loop asks for step 0 and one in "
                 "tracer.iter[i] for step i: a read after a loop over later steps, or a loop over a step an earlier "

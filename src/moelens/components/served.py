@@ -144,6 +144,12 @@ def skipped_visits(mediator: Mediator, location: str) -> int:
     return 0 if module is None else mediator.occurrence(f"{module}.output") - mediator.occurrence(location)
 
 
+def generating(mediator: Mediator) -> bool:
+    """Whether ``mediator``'s run is a ``generate`` (several forwards: the steps of ``tracer.iter``)."""
+    batcher = mediator.interleaver.batcher if mediator.interleaver is not None else None
+    return batcher is not None and vars(batcher.envoy).get("_generating", False)
+
+
 def forwards_ended(mediator: Mediator, location: str) -> int:
     """How many forwards of the whole model (generation steps) have ended in ``mediator``'s run so far: the visits of
     the ``.output`` of the outermost module on ``location``'s path that was called, the root's (a whole Qwen3-Omni
@@ -255,12 +261,14 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     mediator = Mediator.current(binding.location)
     settle_open_reads(mediator)
     pinned = mediator.iteration  # as asked, before `prepare`'s own requests
-    asked = forwards_ended(mediator, binding.location) if pinned is None else 0
+    asked = forwards_ended(mediator, binding.location) if pinned is None or pinned == 0 and generating(mediator) else 0
+    # asked for a step the model has run (a loop's step it passed; step 0, outside a loop, after a loop's later steps)
+    step_passed = bool(pinned) or pinned == 0 and asked > 0
     if prepared is not None:
         context = prepared.context
     else:
         context = binding.prepare() if binding.prepare is not None else None
-    raw = request_step(mediator, binding.location, lambda: component._order_error(name),
+    raw = request_step(mediator, binding.location, lambda: component._order_error(name, step_passed=step_passed),
                        lambda: component._skipped_error(name, binding.location))
     if served_late(mediator, binding.location, component.path, pinned, asked):  # another step's value
         raise component._order_error(name) if pinned is None else component._skipped_error(name, binding.location)

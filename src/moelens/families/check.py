@@ -80,25 +80,26 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     if not moes:
         raise FamilyError("check: the model has no MoE block that runs on every input; nothing to check.")
     try:
-        with torch.no_grad(), model.trace(*args, **kwargs):
-            if not trace_running("check"):  # nnsight takes keywords it does not know for no input at all
-                raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): "
-                                  f"{USAGE}.")
-            saved = model.save_all(list(CHECKED_VALUES), moes=moes)
-    except OrderError as error:  # nothing else is read in this trace: the entry's order is not the forward's
-        raise FamilyError(
-            "the family entry does not describe what the model computes: check reads each block's values once, in "
-            "the order the entry gives (its shared expert's SharedExpert.when, the router before the experts), and "
-            f"the model had run past one of them, so the block's forward runs them in another order: {error}\n"
-            f"{REREGISTER}"
-        ) from None
+        saved = _read_values(model, moes, args, kwargs)
+    except OrderError:  # the model may run its blocks in another order than model.moes lists: one block a run
+        saved = []
+        for moe in moes:
+            try:
+                saved += _read_values(model, [moe], args, kwargs)
+            except OrderError as error:  # nothing else is read in this run: the entry's order is not the forward's
+                raise FamilyError(
+                    f"the family entry does not describe what the model computes: check reads the values of {moe.path} "
+                    "once, in the order the entry gives (its shared expert's SharedExpert.when, the router before the "
+                    "experts), and the model had run past one of them, so the block's forward runs them in another "
+                    f"order: {error}\n{REREGISTER}"
+                ) from None
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
     selections, unread = _read_selection_scores(model, [moe for moe in moes if not unchecked[moe.path]], args, kwargs)
     problems, unscored, unchecked_layouts = [], {}, {}
     if unread:
         problems.append(f"its selection_scores cannot be read ({unread.rstrip('.')}). {SELECTION_FIX}")
     dropping = {moe.path for moe in moes if _drops_out(moe._module)}
-    for moe, values in zip(moes, saved.values()):
+    for moe, values in zip(moes, saved):
         layout, unchecked_layouts[moe.path] = _layout_problem(moe)
         unread = "" if unchecked[moe.path] else _unread_routing(model, moe, values, args, kwargs)
         routing = not unchecked[moe.path] and not unread
@@ -113,7 +114,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         raise FamilyError("the family entry does not describe what the model computes:\n- " + "\n- ".join(problems)
                           + f"\n{REREGISTER}")
     notes: dict[str, list[str]] = {}  # what was left unchecked -> the blocks it was left unchecked in
-    for moe, values in zip(moes, saved.values()):
+    for moe, values in zip(moes, saved):
         reason, output_checked = unchecked[moe.path], "mlp_output" in values and "routed_output" in values
         if reason and output_checked:
             notes.setdefault(f"its block output is checked, its expert weights are not ({reason})", []).append(moe.path)
@@ -139,6 +140,17 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         blocks = ", ".join(paths) if len(paths) <= 3 else f"{len(paths)} blocks ({paths[0]}, ..., {paths[-1]})"
         warn(f"moelens.families.check: {blocks}: {note}.")
     return [moe.path for moe in moes]
+
+
+def _read_values(model: Any, moes: list[Any], args: tuple, kwargs: dict) -> list[dict[str, torch.Tensor]]:
+    """`CHECKED_VALUES` of each of ``moes`` (those each serves), read in one run of ``model`` on the inputs."""
+    from ..components.served import trace_running
+
+    with torch.no_grad(), model.trace(*args, **kwargs):
+        if not trace_running("check"):  # nnsight takes keywords it does not know for no input at all
+            raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
+        saved = model.save_all(list(CHECKED_VALUES), moes=moes)
+    return list(saved.values())
 
 
 def _drops_out(block: torch.nn.Module) -> bool:

@@ -133,11 +133,12 @@ def _check_description(family: Family) -> None:
         raise FamilyError(
             f"family {family.name!r}: shared expert time {family.shared.when!r} is not one of {SHARED_TIMES}."
         )
-    if not family.experts:
+    if not family.experts and family.experts_call:
         raise FamilyError(
             f"family {family.name!r}: experts='' names the block itself, which calls its experts inside its forward: "
             "give the path of the experts module from the block (\"experts\"), the one it calls as "
-            "experts(hidden, top_k_index, top_k_weights)."
+            "experts(hidden, top_k_index, top_k_weights); for a block that computes its experts itself, with no such "
+            "call, set experts_call=False."
         )
     if family.shared is not None and isinstance(family.shared.module, str) and not family.shared.module:
         raise FamilyError(
