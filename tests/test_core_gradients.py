@@ -118,6 +118,30 @@ def test_a_value_read_then_replaced_has_a_zero_gradient(name):
     assert grad.shape[:2] == inputs["input_ids"].shape and torch.equal(grad, torch.zeros_like(grad))
 
 
+@pytest.mark.parametrize("read_first", [False, True])
+def test_parameters_behind_a_replaced_value_get_no_gradient_as_in_plain_torch(read_first):
+    """They got a zero gradient (the replaced value was kept in the graph), which AdamW's weight decay and momentum
+    moved them by where plain torch leaves them alone. Ground truth: plain nnsight replacing the experts' output on
+    the copy (their parameters' .grad stays None)."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    hf.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)  # the models are shared between tests
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        zeros = torch.zeros_like(moe.routed_output) if read_first else torch.zeros(*inputs["input_ids"].shape, hf.config.hidden_size)
+        moe.routed_output = zeros
+        output = wrapped.output.save()
+    loss_of(output).backward()
+    raw = nnsight.NNsight(reference)
+    with raw.trace(**inputs):
+        experts = raw.get(moe.path.removeprefix("model.") + ".experts")
+        experts.output = torch.zeros_like(experts.output)
+        expected = raw.output.save()
+    loss_of(expected).backward()
+    experts = dict(moe.experts._module.named_parameters())
+    assert experts and all(param.grad is None for param in experts.values())
+    assert_matches_plain(output, expected, hf, reference)
+
+
 def assert_matches_plain(output, expected, hf, reference) -> None:
     """The traced output and every parameter's gradient after its backward equal plain nnsight's on the copy."""
     torch.testing.assert_close(first_tensor(output), first_tensor(expected))

@@ -37,7 +37,8 @@ from transformers import GenerationConfig
 from .components import Mlp, Moe, served
 from .components.base import INSTRUMENTED, StandardNames, bind_alias, envoy_at, with_suggestion
 from .components.gathered import drop_gathered_notes
-from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dispatching, known, unsupported_dtypes
+from .components.implementations import (IMPLEMENTATION_CALL, check_known, is_dispatching, known, runs_torch_a2a,
+                                         unsupported_dtypes)
 from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList, RenamedBlockLayer
 from .components.moe import value_names
 from .components.params import op_names
@@ -567,7 +568,7 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         EP group: one rank's refused scan used up a run id there alone, and the ranks' later traces paired wrongly."""
         if isinstance(self.interleaver, MoeInterleaver):
             self.interleaver.refuse_nested("model.scan")
-        if _runs_torch_a2a(self.moes):  # before the scan's batcher counts a run of the EP group (see the docstring)
+        if runs_torch_a2a(self.moes):  # before the scan's batcher counts a run of the EP group (see the docstring)
             from .parallel.experts import SCAN_REFUSAL
 
             raise MoelensError(SCAN_REFUSAL)
@@ -623,17 +624,6 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             return super().generate(*inputs, **kwargs)
         finally:
             self._rows_per_prompt, self._generating = 1, False
-
-
-def _runs_torch_a2a(moes: Iterable[Moe]) -> bool:
-    """Whether any of ``moes``' experts run ``torch_a2a``: switched to it (`moelens.parallel.shard_experts` does, in
-    a group of any size), or run by transformers' expert parallelism through it (``ep_implementation="torch_a2a"``,
-    which gives the experts module an EP group's run ids, ``_ep_runs``, but no ``_ep_group`` of shard_experts')."""
-    for moe in moes:
-        marks = moe.experts._module.__dict__
-        if moe.experts_implementation == "torch_a2a" or ("_ep_runs" in marks and "_ep_group" not in marks):
-            return True
-    return False
 
 
 def generation_setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:

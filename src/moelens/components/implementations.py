@@ -125,3 +125,14 @@ def ops_for(name: str | None) -> ExpertsOps | None:
 def serving() -> tuple[str, ...]:
     """Names of the implementations whose per-slot values moelens serves."""
     return tuple(_IMPLEMENTATIONS)
+
+
+def runs_torch_a2a(moes: Iterable[Any]) -> bool:
+    """Whether any of ``moes``' experts run ``torch_a2a``: switched to it (`moelens.parallel.shard_experts` does, in
+    a group of any size), or run by transformers' expert parallelism through it (``ep_implementation="torch_a2a"``,
+    which gives the experts module an EP group's run ids, ``_ep_runs``, but no ``_ep_group`` of shard_experts')."""
+    for moe in moes:
+        marks = moe.experts._module.__dict__
+        if moe.experts_implementation == "torch_a2a" or ("_ep_runs" in marks and "_ep_group" not in marks):
+            return True
+    return False

@@ -31,6 +31,7 @@ from ..errors import FamilyError, MoelensError, OrderError, ValueUnavailable, Wr
 from ..scalars import bool_in
 from . import tokens
 from .binding import ANY_INF, FLOAT, Binding, dict_output
+from .implementations import runs_torch_a2a
 from .run_owner import MoeInterleaver
 from .write_checks import check_not_recomputed, check_write
 
@@ -737,9 +738,9 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
     earlier = None
     for other in superseded:
         earlier = reads.views.pop(other, None) or earlier
-    if current.requires_grad:  # keep the view the user read, if any, so its .grad arrives (zero)
+    if current.requires_grad:  # keep the view the user read, if any, so a .grad asked of it arrives (zero)
         old = earlier.view if earlier is not None and earlier.view.requires_grad else current
-        value = _KeepInGraph.apply(value, old)
+        value = _KeepInGraph.apply(value, old, runs_torch_a2a(component.root.moes))
     else:  # the model, and any later in-place edit of the value (an intervention's), works on a copy, not the
         value = value.clone(memory_format=torch.contiguous_format)  # user's tensor, array or expanded scalar
     Mediator.swap(location, swap_value(component.interleaver, lambda raw: replaced(binding, fetched, value, name, raw),
@@ -747,21 +748,26 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
 
 
 class _KeepInGraph(torch.autograd.Function):
-    """``new`` in the forward, and a zero gradient for ``old`` in the backward.
+    """``new`` in the forward; in the backward, a zero gradient for ``old`` where it is asked for, else none.
 
-    A write keeps the value it replaces in the autograd graph, so the backward runs every
-    operation that produced it whatever was written: with expert parallelism the experts'
-    exchanges are collectives every rank must run, even a rank whose value was replaced.
+    A write keeps the value it replaces in the autograd graph. Under expert parallelism (``exchanged``) its backward
+    gets a zero gradient, so the backward runs every operation that produced it whatever was written: the experts'
+    exchanges are collectives every rank must run, even a rank whose value was replaced. Elsewhere it gets one only
+    where a gradient of it was asked for (a hook on it: ``.grad`` of the view the user read), and none otherwise: as
+    in plain torch, the parameters that reached the output only through the replaced value get no gradient, not a
+    zero one (which an optimizer's weight decay and momentum would move them by).
     """
 
     @staticmethod
-    def forward(ctx: Any, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-        ctx.old_shape, ctx.old_dtype = old.shape, old.dtype
+    def forward(ctx: Any, new: torch.Tensor, old: torch.Tensor, exchanged: bool) -> torch.Tensor:
+        ctx.old, ctx.exchanged = old, exchanged
         return new.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad.new_zeros(ctx.old_shape, dtype=ctx.old_dtype)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        old = ctx.old
+        asked = ctx.exchanged or bool(old._backward_hooks)  # nnsight's .grad registers a hook on the tensor
+        return grad, grad.new_zeros(old.shape, dtype=old.dtype) if asked else None, None
 
 
 def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
