@@ -101,6 +101,14 @@ def model(swapped: bool = False) -> Model:
     return Model(swapped).eval()
 
 
+def model_of(block: type[Block]) -> Model:
+    """`model()` with every layer's block a ``block`` (a subclass of `Block` computing otherwise)."""
+    hand = model()
+    for layer in hand.layers:
+        layer["moe"] = block()
+    return hand
+
+
 IDS = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
 
 ENTRY = Family("hand", ("hand",), ("Block",), block_attr="moe", router="router", experts="experts",
@@ -973,9 +981,7 @@ def test_check_of_experts_called_with_keywords_of_their_own_says_what_it_cannot_
             routed = self.experts.forward(x, weights=weights, index=index)
             return (routed + self.shared(x)).reshape(b, s, d), logits.sum()
 
-    hand = model()
-    for layer in hand.layers:
-        layer["moe"] = KeywordBlock()
+    hand = model_of(KeywordBlock)
     registered(block_classes=("KeywordBlock",))
     with pytest.raises(FamilyError, match=r"layers\.0\.moe: its expert_weights cannot be read, so the entry's selection "
                                           r"and scoring cannot be checked: .*call it with that argument"):
@@ -1256,9 +1262,7 @@ class CapacityBlock(Block):
 def test_check_of_a_block_that_changes_the_routers_weights_names_routing_from_router(registered):
     """No scoring fits the weights a capacity drop leaves: the error named Scoring and logits_op alone, never the
     setting that reads the weights at the router (with which check passes and the router's weights are served)."""
-    hand = model()
-    for layer in hand.layers:
-        layer["moe"] = CapacityBlock()
+    hand = model_of(CapacityBlock)
     registered(block_classes=("CapacityBlock",))
     with pytest.raises(FamilyError, match=r"Or the block changes the router's weights before its experts call .* "
                                           r"routing_from_router=\(weights, indices\)"):
