@@ -819,6 +819,26 @@ def test_a_read_pinned_to_a_step_the_model_already_ran_is_refused(qwen2_moe_gene
         torch.testing.assert_close(generate(first + 1).reshape(seen[first + 1].shape), seen[first + 1])
 
 
+def test_a_long_generation_lets_go_of_the_views_the_user_dropped(qwen2_moe_generation):
+    """Each step's read of a value served as a copy (expert_activations, in token-slot order) kept its entry among
+    the views watched for late edits to the run's end, dropped or not: a long generation grew by one a step. The
+    entries of views the user keeps stay watched."""
+    from moelens.components import served
+
+    wrapped, reference, ids, moe, _ = qwen2_moe_generation
+    steps = 3 * served.PRUNE_AT
+    with torch.no_grad(), wrapped.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False) as tracer:
+        sizes, kept = nnsight.save([]), []
+        for step in tracer.iter[:steps]:
+            activations = moe.expert_activations
+            if step == 0:
+                kept.append(activations)
+            watched = served.RUNS[wrapped.interleaver].views
+            sizes.append(len(watched))
+        first_watched = nnsight.save(id(kept[0]) in watched)
+    assert len(sizes) == steps and max(sizes) <= served.PRUNE_AT < steps and first_watched
+
+
 def test_a_read_after_a_loop_over_later_steps_is_told_it_asks_for_step_0(qwen2_moe_generation):
     """Its OrderError spoke only of the order of values in a block and of layers, which the reads kept; the order
     error of reads of one step (in a trace, or at a generation's step) does not speak of steps."""

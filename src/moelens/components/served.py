@@ -606,6 +606,10 @@ def run_fact(interleaver: Any, owner: object, what: str, compute: Callable[[], A
     return facts[key]
 
 
+#: The entries `HandedBack` holds before it first lets go of those of dropped views.
+PRUNE_AT = 64
+
+
 class HandedBack:
     """The views of one run whose write-back ran and that are copies only the user holds (the activations
     put in token-slot order, the copies served with autograd on or under inference_mode, where the model
@@ -629,10 +633,24 @@ class HandedBack:
         #: id(value) -> (the value, the error its ``.grad`` raises): values moelens derives that no output depends on,
         #: served where nothing upstream requires grad, whose ``.grad`` torch refuses naming none (`without_gradient`).
         self.gradientless: dict[int, tuple[weakref.ref, str]] = {}
+        #: How many entries `views` and `gradientless` may hold before those of values the user dropped are let go.
+        self._prune_at = PRUNE_AT
+
+    def _let_go(self) -> None:
+        """Drop the entries of views the user no longer holds, once the two maps reach `_prune_at` entries (twice
+        what stays, so each entry is looked at a bounded number of times): a long generation reading a value
+        each step kept one entry a step to the run's end."""
+        if len(self.views) + len(self.gradientless) < self._prune_at:
+            return
+        for entries in (self.views, self.gradientless):
+            for key in [key for key, (reference, *_) in entries.items() if reference() is None]:
+                del entries[key]
+        self._prune_at = max(PRUNE_AT, 2 * (len(self.views) + len(self.gradientless)))
 
     def without_gradient(self, value: torch.Tensor, error: str) -> None:
         """``value``, derived by moelens, has no gradient: reading its ``.grad`` raises ``error`` (read by
         ``moelens.model._no_gradient_refusal``)."""
+        self._let_go()
         self.gradientless[id(value)] = (weakref.ref(value), error)
 
     def note(self, view: torch.Tensor, where: str, private: bool, edit_error: str | None = None) -> None:
@@ -641,6 +659,7 @@ class HandedBack:
         if edit_error is not None:
             self.derived.append(view)
         if private:
+            self._let_go()
             self.views[id(view)] = (weakref.ref(view), view._version, where, edit_error)
         else:
             self.views.pop(id(view), None)
