@@ -118,17 +118,34 @@ def test_a_value_read_then_replaced_has_a_zero_gradient(name):
     assert grad.shape[:2] == inputs["input_ids"].shape and torch.equal(grad, torch.zeros_like(grad))
 
 
-@pytest.mark.parametrize("read_first", [False, True])
-def test_parameters_behind_a_replaced_value_get_no_gradient_as_in_plain_torch(read_first):
+def test_a_value_read_before_one_replaced_after_it_has_a_zero_gradient():
+    """The router logits no longer reach the loss once the routed output is replaced: their .grad in the backward
+    block is zero (it came as a silent None while a replaced value handed back no gradient)."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        logits = moe.router_logits
+        moe.routed_output = torch.zeros(*inputs["input_ids"].shape, hf.config.hidden_size)
+        loss = loss_of(wrapped.output)
+        with loss.backward():
+            grad = logits.grad.save()
+    assert grad.shape == (*inputs["input_ids"].shape, moe.num_experts) and not grad.any()
+
+
+@pytest.mark.parametrize("before", ["nothing", "a read", "an ablation"])
+def test_parameters_behind_a_replaced_value_get_no_gradient_as_in_plain_torch(before):
     """They got a zero gradient (the replaced value was kept in the graph), which AdamW's weight decay and momentum
-    moved them by where plain torch leaves them alone. Ground truth: plain nnsight replacing the experts' output on
-    the copy (their parameters' .grad stays None)."""
+    moved them by where plain torch leaves them alone; also behind an earlier write (an ablation's), whose backward
+    torch gave a zero gradient for none. Ground truth: plain nnsight replacing the experts' output on the copy (their
+    parameters' .grad stays None)."""
     hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
     hf.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)  # the models are shared between tests
     moe = wrapped.moes[0]
     with wrapped.trace(**inputs):
-        zeros = torch.zeros_like(moe.routed_output) if read_first else torch.zeros(*inputs["input_ids"].shape, hf.config.hidden_size)
-        moe.routed_output = zeros
+        if before == "an ablation":
+            moelens.ablate(moe, 1)
+        shape = (*inputs["input_ids"].shape, hf.config.hidden_size)
+        moe.routed_output = torch.zeros_like(moe.routed_output) if before == "a read" else torch.zeros(shape)
         output = wrapped.output.save()
     loss_of(output).backward()
     raw = nnsight.NNsight(reference)

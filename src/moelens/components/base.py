@@ -146,12 +146,6 @@ def value_names(component_class: type) -> tuple[str, ...]:
                  if isinstance(inspect.getattr_static(component_class, name), serving.served))
 
 
-def _in_backward_block() -> bool:
-    """Whether nnsight is running a ``with loss.backward():`` block: it serves ``.grad`` through a property it puts
-    on ``torch.Tensor`` for the block, where torch has a plain descriptor."""
-    return isinstance(inspect.getattr_static(torch.Tensor, "grad"), property)
-
-
 def router_on_accelerator(component: Any) -> bool:
     """Whether ``component``'s router holds its weights on an accelerator, where a router may compute its logits with
     a kernel of its own instead of the op moelens reads (`Family.logits_skipped`: kolibri1's CUDA ``torch.mm``)."""
@@ -258,7 +252,7 @@ class Component(StandardNames, Envoy):
                 "a tracer.invoke(inputs) block." + (f" What it means: help(type(block).{name})." if asked is None else "")
             ) from None
         if mediator.interleaver is not None and mediator.interleaver is not self.interleaver:
-            if _in_backward_block():
+            if serving.in_backward_block():
                 raise ValueUnavailable(
                     f"{asked or f'{self.path}.{name}'}: asked for inside a `with loss.backward():` block, which "
                     "serves only gradients: bind the value before the block, in a trace of its model (logits = "

@@ -15,6 +15,7 @@ nothing edited is dropped when the next value is read (`settle_open_reads`).
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
@@ -766,27 +767,36 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
                                        fetched.raw))
 
 
+def in_backward_block() -> bool:
+    """Whether nnsight is running a ``with loss.backward():`` block: it serves ``.grad`` through a property it puts
+    on ``torch.Tensor`` for the block, where torch has a plain descriptor."""
+    return isinstance(inspect.getattr_static(torch.Tensor, "grad"), property)
+
+
 class _KeepInGraph(torch.autograd.Function):
-    """``new`` in the forward; in the backward, a zero gradient for ``old`` where it is asked for, else none.
+    """``new`` in the forward; in the backward, a zero gradient for ``old`` where one is wanted, else none.
 
     A write keeps the value it replaces in the autograd graph. Under expert parallelism (``exchanged``) its backward
     gets a zero gradient, so the backward runs every operation that produced it whatever was written: the experts'
-    exchanges are collectives every rank must run, even a rank whose value was replaced. Elsewhere it gets one only
-    where a gradient of it was asked for (a hook on it: ``.grad`` of the view the user read), and none otherwise: as
+    exchanges are collectives every rank must run, even a rank whose value was replaced. In nnsight's ``with
+    loss.backward():`` block it gets one too, so a ``.grad`` asked of a value read before it (the replaced view, the
+    router logits) arrives, zero. Elsewhere (a plain ``loss.backward()``, as a training step runs) it gets none: as
     in plain torch, the parameters that reached the output only through the replaced value get no gradient, not a
-    zero one (which an optimizer's weight decay and momentum would move them by).
+    zero one, which an optimizer's weight decay and momentum would move them by.
     """
 
     @staticmethod
     def forward(ctx: Any, new: torch.Tensor, old: torch.Tensor, exchanged: bool) -> torch.Tensor:
-        ctx.old, ctx.exchanged = old, exchanged
+        ctx.set_materialize_grads(False)  # no gradient from downstream (a later write's): none passed on either
+        ctx.old = (old.shape, old.dtype, old.device)
+        ctx.exchanged = exchanged
         return new.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        old = ctx.old
-        asked = ctx.exchanged or bool(old._backward_hooks)  # nnsight's .grad registers a hook on the tensor
-        return grad, grad.new_zeros(old.shape, dtype=old.dtype) if asked else None, None
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        shape, dtype, device = ctx.old
+        wanted = ctx.exchanged or in_backward_block()
+        return grad, torch.zeros(shape, dtype=dtype, device=device) if wanted else None, None
 
 
 def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
