@@ -999,8 +999,10 @@ def test_check_of_a_shared_expert_at_the_wrong_time_blames_the_entry(registered,
         families.check(moelens.wrap(model()), IDS)
 
 
-def test_check_of_a_model_running_its_blocks_out_of_layer_order_passes_the_right_entry(registered):
-    """Its one run reading every block in layer order was refused, and the entry blamed for the order."""
+@pytest.mark.parametrize("selection", [False, True])
+def test_check_of_a_model_running_its_blocks_out_of_layer_order_passes_the_right_entry(registered, selection):
+    """Its one run reading every block in layer order was refused, and the entry blamed for the order (its
+    SharedExpert.when; with a selection bias, its selection_op)."""
     class Reversed(Model):
         def forward(self, input_ids):
             hidden = self.embed(input_ids)
@@ -1008,9 +1010,16 @@ def test_check_of_a_model_running_its_blocks_out_of_layer_order_passes_the_right
                 hidden = hidden + layer["moe"](hidden)[0]
             return hidden
 
-    registered()
+    if selection:
+        registered(scoring=Scoring("sigmoid", "score_topk", normalize=True, selection_bias="router.sel_bias",
+                                   selection_op="choice_0"))
+    else:
+        registered()
     torch.manual_seed(0)
-    wrapped = moelens.wrap(Reversed().eval())
+    hand = Reversed().eval()
+    for layer in hand.layers if selection else ():
+        layer["moe"].router = BiasRouter()
+    wrapped = moelens.wrap(hand)
     assert families.check(wrapped, IDS) == ["model.layers.0.moe", "model.layers.1.moe"]
 
 

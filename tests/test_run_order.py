@@ -844,11 +844,12 @@ def test_a_read_after_a_loop_over_later_steps_is_told_it_asks_for_step_0(qwen2_m
     error of reads of one step (in a trace, or at a generation's step) does not speak of steps."""
     wrapped, reference, ids, moe, _ = qwen2_moe_generation
     steps = r"In a run of several steps \(generate\), a read outside a tracer.iter loop asks for step 0"
-    with pytest.raises(moelens.errors.OrderError, match=steps):
-        with torch.no_grad(), wrapped.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False) as tracer:
-            for _ in tracer.iter[1:3]:
-                wrapped.moes[1].router_logits.save()
-            wrapped.moes[1].router_logits.save()
+    for read in ("router_logits", "router_probs", "expert_outputs", "save_all"):  # (the last three had no hint)
+        with pytest.raises(moelens.errors.OrderError, match=steps):
+            with torch.no_grad(), wrapped.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False) as tracer:
+                for _ in tracer.iter[1:3]:
+                    wrapped.moes[1].router_logits.save()
+                wrapped.moes[1].save_all() if read == "save_all" else getattr(wrapped.moes[1], read).save()
     for generating in (False, True):
         with pytest.raises(moelens.errors.OrderError) as caught:  # a step's own reads out of order: no step passed
             with torch.no_grad(), (wrapped.generate(ids, max_new_tokens=3, min_new_tokens=3) if generating else

@@ -333,7 +333,8 @@ class MoeModelMixin(StandardNames):
                 name = getattr(error, "unreached", None)
                 if name is None:
                     raise
-                raise moe._order_error(name, by="model.save_all") from None
+                raise moe._order_error(name, by="model.save_all", step_passed=getattr(error, "step_passed", False)) \
+                    from None
         return nnsight.save(saved)
 
     def _given_blocks(self, moes: Any) -> list[Moe]:

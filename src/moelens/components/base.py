@@ -359,8 +359,10 @@ class Component(StandardNames, Envoy):
             save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
             what = (f"{self.path}.{name} was requested after the model had already run past it. Within a block, read "
                     f"values in the order the model produces them ({order}), and blocks in layer order{save_all}.")
-        return OrderError(f"{maybe_idle}{what}{self._steps_hint(step_passed)} A module skipped with .skip() never "
-                          f"produces its values.{registered}")
+        error = OrderError(f"{maybe_idle}{what}{self._steps_hint(step_passed)} A module skipped with .skip() never "
+                           f"produces its values.{registered}")
+        error.step_passed = step_passed  # for the errors made of it (save_all's, router_probs')
+        return error
 
     @staticmethod
     def _steps_hint(step_passed: bool) -> str:

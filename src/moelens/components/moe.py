@@ -56,7 +56,8 @@ from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
 from .params import MoeParams, block_params, refuse_fully_sharded
-from .served import RUNS, order_errors, request, request_step, run_fact, served, skipped_visits
+from .served import (RUNS, forwards_ended, generating, order_errors, request, request_step, run_fact, served,
+                     skipped_visits)
 
 
 class _SharedAlias:
@@ -350,11 +351,11 @@ class Moe(Mlp):
         mediator = Mediator.current("router_probs")
         try:
             logits = self.router_logits  # requested first: a request lets the model run on, and its hooks must not nest in ours
-        except OrderError:
+        except OrderError as error:
             location = self._static_bindings["router_logits"].location
             skipped = mediator.iteration and skipped_visits(mediator, location) > 0  # a router skipped at an earlier step
-            raise (self._skipped_error("router_probs", location) if skipped else self._order_error("router_probs")) \
-                from None
+            raise (self._skipped_error("router_probs", location) if skipped else
+                   self._order_error("router_probs", step_passed=getattr(error, "step_passed", False))) from None
         return self._scored(logits)
 
     def _scored(self, logits: Tensor) -> Float[Tensor, "b s e"]:
@@ -778,7 +779,9 @@ class Moe(Mlp):
                 request_step(mediator, f"{call}.input", lambda: self._order_error(name),
                              lambda: self._skipped_error(name, f"{call}.input"))
             elif pinned == 0 and mediator.occurrence(f"{call}.input"):  # pinned to the first call, which ran: a
-                raise self._order_error(name)  # drill now would serve the next (generation step, looped block's pass)
+                # drill now would serve the next (generation step, looped block's pass)
+                raise self._order_error(name, step_passed=generating(mediator)
+                                        and forwards_ended(mediator, f"{call}.input") > 0)
             getattr(owner.source, call_op).source
 
     def _hidden_dtype(self) -> torch.dtype | None:
@@ -961,6 +964,6 @@ class Moe(Mlp):
             return None
         if self.runs_only_on and not mediator.occurrence(f"{self.path}.input"):  # it never ran: its own error says why
             return None
-        past = self._order_error(name, by="save_all")
-        past.unreached = name
+        past = self._order_error(name, by="save_all", step_passed=getattr(error, "step_passed", False))
+        past.unreached, past.step_passed = name, getattr(error, "step_passed", False)
         return past

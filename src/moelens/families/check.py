@@ -313,19 +313,29 @@ def _unread_routing(model: Any, moe: Any, values: dict[str, torch.Tensor], args:
 def _read_selection_scores(model: Any, moes: list[Any], args: tuple, kwargs: dict
                            ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str]:
     """``(router_logits, selection_scores)`` of each of ``moes`` whose router ranks selection scores
-    (`Moe.ranks_selection_scores`), read in one more run on the inputs; with the error that stopped the run, or ""
-    (a read at an op that holds no scores per token)."""
+    (`Moe.ranks_selection_scores`), read in one more run on the inputs (one a block where the model runs its blocks
+    in another order than model.moes lists); with the error that stopped the run, or "" (a read at an op that holds
+    no scores per token)."""
     ranking = [moe for moe in moes if moe.ranks_selection_scores]
     if not ranking:
         return {}, ""
-    try:
-        with torch.no_grad(), model.trace(*args, **kwargs):
-            read = nnsight.save({moe.path: (moe.router_logits.save(), moe.selection_scores.save()) for moe in ranking})
-    except (FamilyError, ValueUnavailable) as error:
-        return {}, str(error)
-    except OrderError:  # the op the entry names runs before the logits op
-        return {}, (f"the op {_selection_named(ranking[0])} names runs before logits_op={ranking[0].family.logits_op!r} "
-                    "in the router's forward, so it holds no score of those logits")
+    read: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for blocks in (ranking, *([moe] for moe in ranking)):
+        try:
+            with torch.no_grad(), model.trace(*args, **kwargs):
+                got = nnsight.save({moe.path: (moe.router_logits.save(), moe.selection_scores.save())
+                                    for moe in blocks})
+        except (FamilyError, ValueUnavailable) as error:
+            return {}, str(error)
+        except OrderError:  # the op the entry names runs before the logits op (in a run of one block)
+            if len(blocks) == 1:
+                return {}, (f"the op {_selection_named(blocks[0])} names runs before logits_op="
+                            f"{blocks[0].family.logits_op!r} in the router's forward, so it holds no score of those "
+                            "logits")
+            continue
+        read.update(got)
+        if blocks is ranking:  # every block read in one run
+            break
     return read, ""
 
 
