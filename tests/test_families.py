@@ -216,6 +216,21 @@ def test_moe_blocks_moelens_does_not_serve_are_named_with_the_reason_and_never_s
         assert not isinstance(wrapped.get(name), (moelens.components.Mlp, moelens.components.Moe)), name
 
 
+@pytest.mark.parametrize("name", ["switch_transformers", "nllb-moe"])
+def test_describe_of_an_encoder_decoder_whose_blocks_are_not_served_names_them(name):
+    """describe() said routing analysis runs on token ids alone and the model needs decoder tokens, pointing to a
+    trace of blocks moelens does not serve."""
+    from moelens import analysis
+
+    entry = next(entry for entry in UNSERVED if entry.name == name)
+    with pytest.warns(UserWarning):
+        wrapped = moelens.wrap(_unserved_model(name))
+    assert not wrapped.moes
+    with pytest.raises(moelens.MoelensError, match=rf"has no Mixture-of-Experts layer moelens knows \(it has MoE "
+                                                   rf"blocks moelens does not serve \({entry.block_classes[0]}"):
+        analysis.describe(wrapped)
+
+
 def test_a_block_with_a_weight_per_expert_is_not_served_as_a_dense_mlp():
     """An unknown MoE block whose projections hold [E, out, in] weights has no dense hidden activation."""
 

@@ -17,6 +17,7 @@ from nnsight import Envoy
 from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..errors import MoelensError
+from ..families.unserved import why_no_moe
 from ..model import check_wrapped
 from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
@@ -41,17 +42,19 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
             ``text_moe`` / ``vision_moe``).
     """
     check_wrapped(model)
+    moes = list(getattr(model, "moes", None) or [])
+    if not moes:
+        unserved = why_no_moe(model._module)
+        raise MoelensError(
+            f"{type(getattr(model, '_module', model)).__name__} has no Mixture-of-Experts layer moelens knows"
+            + ("" if unserved == "has no MoE block" else f" (it {unserved})")
+            + "; routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()."
+        )
     if getattr(getattr(model._module, "config", None), "is_encoder_decoder", False):
         raise MoelensError(
             f"routing analysis runs the model on token ids alone, and {type(model._module).__name__} is an "
             "encoder-decoder model, whose forward needs decoder tokens too: read its blocks' values in a trace of "
             "your own, model.trace(input_ids=..., decoder_input_ids=...)."
-        )
-    moes = list(getattr(model, "moes", None) or [])
-    if not moes:
-        raise MoelensError(
-            f"{type(getattr(model, '_module', model)).__name__} has no Mixture-of-Experts layer moelens knows; "
-            "routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()."
         )
     if blocks is not None:
         listed = isinstance(blocks, Iterable) and not isinstance(blocks, (str, bytes, Mapping, Envoy))
