@@ -229,6 +229,30 @@ def test_image_inputs_split_between_invokes_are_refused_with_the_way_to_batch_th
                        indices_of_two_text_invokes())
 
 
+def test_per_token_type_ids_split_between_invokes_are_refused_naming_them():
+    """The Qwen3-VL processor gives mm_token_type_ids for text alone too: two such invokes failed with nnsight's bare
+    "Can't batch these inputs; pass text or token ids" (wrapped with a tokenizer), or with advice to wrap with one,
+    which led there. Ground truth: the model runs each encoding alone, and both without the type ids."""
+    hf_model = _model("qwen3_vl_moe", "batched_mm")
+    ids = _prompts("qwen3_vl_moe")["input_ids"][:1, :4]
+    types = torch.zeros_like(ids)
+    hf_model(input_ids=ids, mm_token_type_ids=types)
+    for wrapped, refused in (
+            (moelens.wrap(hf_model, tokenizer=ascii_tokenizer()),
+             r"got mm_token_type_ids, which it cannot split into rows\. Give the whole batch to one invoke"),
+            (moelens.wrap(hf_model), r"an invoke got keyword\(s\) \['mm_token_type_ids'\] beside the ids\. Give the "
+                                     r"whole batch to one invoke")):
+        with pytest.raises(moelens.MoelensError, match=refused):
+            with wrapped.trace() as tracer:
+                for _ in range(2):
+                    with tracer.invoke(ids, mm_token_type_ids=types):
+                        wrapped.moes[0].expert_indices.save()
+        with wrapped.trace() as tracer:
+            for _ in range(2):
+                with tracer.invoke(ids):
+                    wrapped.moes[0].expert_indices.save()
+
+
 def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_error():
     """nnsight builds a text-generation pipeline for it, and transformers logged a 4.5 KB error ("... is not supported
     for text-generation. Supported models are [~250 names]") on every load, the CLI's included: tracing needs none."""

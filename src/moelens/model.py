@@ -462,6 +462,14 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                     "a model wrapped with a tokenizer batches several invokes from text and token ids alone, and "
                     f"invoke {index} of {len(invokes)} got more. {_unsplittable(modality)}"
                 )
+            unbatched = _unbatched_inputs(inputs, kwargs)
+            if unbatched and len(invokes) > 1:  # nnsight's bare "Can't batch these inputs; pass text or token ids"
+                raise MoelensError(
+                    "a model wrapped with a tokenizer batches several invokes from text, token ids and the per-row "
+                    "inputs nnsight pads (attention_mask, token_type_ids, position_ids, labels and the like), and "
+                    f"invoke {index} of {len(invokes)} got {', '.join(unbatched)}, which it cannot split into rows. "
+                    f"{_UNBATCHED_REMEDY}"
+                )
             ids = _invoke_ids(inputs, kwargs)
             if isinstance(ids, torch.Tensor) and ids.dtype not in EMBEDDED_ID_DTYPES and len(invokes) > 1:
                 raise unembeddable_ids(ids, f"the input_ids of the trace's invoke {index}")  # nnsight cannot batch them
@@ -827,6 +835,19 @@ def _invoke_input_names(inputs: tuple, kwargs: dict) -> list[Any]:
     return [name for name, value in given.items() if value is not None and not isinstance(value, bool)]
 
 
+def _unbatched_inputs(inputs: tuple, kwargs: dict) -> list[str]:
+    """The tensors an invoke gives (keywords, or keys of an encoding given as its first input) that nnsight does not
+    split into rows to batch invokes: any outside its ``ROW_FIELDS`` (a processor's ``mm_token_type_ids``), sorted."""
+    given = {**(inputs[0] if inputs and isinstance(inputs[0], Mapping) else {}), **kwargs}
+    return sorted(str(name) for name, value in given.items()
+                  if isinstance(value, torch.Tensor) and name not in processing.ROW_FIELDS)
+
+
+#: What to do with inputs nnsight cannot split between invokes (`_unbatched_inputs`).
+_UNBATCHED_REMEDY = ("Give the whole batch to one invoke, or to model.trace(...) with no invokes; or leave them out "
+                     "where the model does without (a processor's token-type ids of text alone).")
+
+
 def _unsplittable(modality: list[str]) -> str:
     """The sentence saying that the inputs named ``modality`` (images, audio) cannot be split between invokes, and how
     to batch them instead."""
@@ -927,8 +948,9 @@ class MoeNNsight(MoeModelMixin, NNsight):
                          else f"{len(inputs)} inputs (ids and a {type(inputs[1]).__name__})" if len(inputs) > 1
                          else f"{type(ids).__name__} {ids!r:.60}")
                 modality = _modality_inputs(others)
-                remedy = (_unsplittable(modality) if modality else "Pass settings that hold for the whole batch to "
-                          "model.trace(...) instead, or wrap(model, tokenizer=...) for text, padding and masks.")
+                remedy = (_unsplittable(modality) if modality else _UNBATCHED_REMEDY if _unbatched_inputs((), kwargs)
+                          else "Pass settings that hold for the whole batch to model.trace(...) instead, or "
+                          "wrap(model, tokenizer=...) for text, padding and masks.")
                 raise MoelensError(
                     f"a model wrapped without a tokenizer batches several invokes only from token-id tensors, one "
                     f"per invoke (tracer.invoke(ids)); an invoke got {given}. {remedy}"
