@@ -442,8 +442,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     #: Rows the model runs per prompt row while it generates: transformers repeats each row for
     #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
     _rows_per_prompt: int = 1
-    #: Whether the model is generating (several forwards, the steps of ``tracer.iter``): read by `Component`'s
-    #: order errors.
+    #: Whether the model is generating (several forwards, the steps of ``tracer.iter``): read by the order errors
+    #: (`moelens.components.served.generating`).
     _generating: bool = False
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
@@ -831,15 +831,19 @@ def _invoke_input_names(inputs: tuple, kwargs: dict) -> list[Any]:
     """The names of the inputs an invoke gives data in: its keywords, and the keys of an encoding given as its first
     input (``tracer.invoke(processor(...))``), but for those set to None or a flag (``pixel_values=None``,
     Qwen3-Omni's ``use_audio_in_video=False``), which nnsight passes on to the model for the whole batch."""
-    given = {**(inputs[0] if inputs and isinstance(inputs[0], Mapping) else {}), **kwargs}
-    return [name for name, value in given.items() if value is not None and not isinstance(value, bool)]
+    return [name for name, value in _invoke_inputs(inputs, kwargs).items()
+            if value is not None and not isinstance(value, bool)]
+
+
+def _invoke_inputs(inputs: tuple, kwargs: dict) -> dict[Any, Any]:
+    """An invoke's inputs by name: its keywords, and the keys of an encoding given as its first input."""
+    return {**(inputs[0] if inputs and isinstance(inputs[0], Mapping) else {}), **kwargs}
 
 
 def _unbatched_inputs(inputs: tuple, kwargs: dict) -> list[str]:
     """The tensors an invoke gives (keywords, or keys of an encoding given as its first input) that nnsight does not
     split into rows to batch invokes: any outside its ``ROW_FIELDS`` (a processor's ``mm_token_type_ids``), sorted."""
-    given = {**(inputs[0] if inputs and isinstance(inputs[0], Mapping) else {}), **kwargs}
-    return sorted(str(name) for name, value in given.items()
+    return sorted(str(name) for name, value in _invoke_inputs(inputs, kwargs).items()
                   if isinstance(value, torch.Tensor) and name not in processing.ROW_FIELDS)
 
 

@@ -965,5 +965,5 @@ class Moe(Mlp):
         if self.runs_only_on and not mediator.occurrence(f"{self.path}.input"):  # it never ran: its own error says why
             return None
         past = self._order_error(name, by="save_all", step_passed=getattr(error, "step_passed", False))
-        past.unreached, past.step_passed = name, getattr(error, "step_passed", False)
+        past.unreached = name
         return past

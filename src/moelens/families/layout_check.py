@@ -54,8 +54,9 @@ def layout_problem(layout: ExpertLayout, views_of: Callable[[ExpertLayout], View
     Returns:
         ``(problem, warning)``: ``problem`` names the layout flags (or swapped gate and up names) under which the
         weights recompute the experts' outputs where the entry's do not, or says a fused gate_up holds the up rows
-        first, which no flag expresses, or that params() cannot read the weights where the entry's layout says; ``warning`` says why the layout was not checked (the experts cannot be
-        called on the probe, or no layout and activation tried recomputes them). Both "" where the entry's layout
+        first, which no flag expresses, or that params() cannot read the weights where the entry's layout says;
+        ``warning`` says why the layout was not checked (the experts cannot be called on the probe, or no layout
+        and activation tried recomputes them). Both "" where the entry's layout
         recomputes the experts' outputs.
     """
     candidates = {}  # (layout, up rows first) -> the views, for the layouts whose weights chain, the entry's first
@@ -89,7 +90,7 @@ def layout_problem(layout: ExpertLayout, views_of: Callable[[ExpertLayout], View
     if fitting == (layout, False):
         return "", ""
     if fitting is not None:
-        return _misread(layout, *fitting, refusal), ""
+        return _misread(layout, *fitting, unreadable), ""
     if unreadable:
         return unreadable, ""
     return "", ("its expert_layout is not checked: no expert output is recomputed from the weights it names with the "
@@ -97,17 +98,16 @@ def layout_problem(layout: ExpertLayout, views_of: Callable[[ExpertLayout], View
                 "way no flag fixes)")
 
 
-def _misread(layout: ExpertLayout, fitting: ExpertLayout, up_first: bool, refusal: str) -> str:
+def _misread(layout: ExpertLayout, fitting: ExpertLayout, up_first: bool, unreadable: str) -> str:
     """The error for the entry's ``layout`` where ``fitting`` recomputes the experts (with ``gate_up``'s halves the
-    other way round, up rows first, where ``up_first``): what to change, or that no field expresses it. ``refusal``:
-    why params() cannot read the weights with ``layout`` at all, or ""."""
+    other way round, up rows first, where ``up_first``): what to change, or that no field expresses it.
+    ``unreadable``: that params() cannot read the weights with ``layout`` at all, and why, or ""."""
     changed = ", ".join(f"{flag.name}={getattr(fitting, flag.name)!r}" for flag in dataclasses.fields(fitting)
                         if getattr(fitting, flag.name) != getattr(layout, flag.name))
-    reads = f"params() reads the experts' weights with the entry's expert_layout ({layout})"
-    misread = (f"params() cannot read the experts' weights with the entry's expert_layout ({layout}): "
-               f"{refusal.rstrip('.')}; " if refusal else f"{reads}, which recomputes none of the experts' outputs; ")
+    misread = (f"{unreadable.rstrip('.')}; " if unreadable else f"params() reads the experts' weights with the "
+               f"entry's expert_layout ({layout}), which recomputes none of the experts' outputs; ")
     if not up_first:
-        serves = ("" if refusal else
+        serves = ("" if unreadable else
                   ", so params() would serve other numbers as the weights, and edits through it land on other rows")
         return misread + f"with {changed} (the rest as it is) they are recomputed{serves}: fix the ExpertLayout"
     also = f", and with {changed}" if changed else ""
