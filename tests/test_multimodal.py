@@ -251,6 +251,12 @@ def test_per_token_type_ids_split_between_invokes_are_refused_naming_them():
             for _ in range(2):
                 with tracer.invoke(ids):
                     wrapped.moes[0].expert_indices.save()
+    text = moelens.wrap(hf_model, tokenizer=ascii_tokenizer())
+    with text.trace() as tracer:  # beside text, a tensor keyword is a setting of the whole batch's forward (nnsight's)
+        for prompt in ("ab", "cd"):
+            with tracer.invoke(prompt, logits_to_keep=torch.tensor([0, 1])):
+                logits = text.output.logits.save()
+    assert logits.shape[:2] == (1, 2)
 
 
 def test_wrapping_a_vision_language_model_with_a_tokenizer_logs_no_pipeline_error():
