@@ -844,8 +844,7 @@ def _unbatched_inputs(inputs: tuple, kwargs: dict) -> list[str]:
     """The tensors an invoke of token ids or an encoding gives (keywords, or keys of the encoding) that nnsight does
     not split into rows to batch invokes: any outside its ``ROW_FIELDS`` (a processor's ``mm_token_type_ids``), sorted.
     None for an invoke of text, whose keywords nnsight hands the forward as settings of the whole batch."""
-    first = inputs[0] if inputs else None
-    if isinstance(first, str) or isinstance(first, (list, tuple)) and first and all(isinstance(x, str) for x in first):
+    if any(_is_text(value) for value in inputs):
         return []
     return sorted(str(name) for name, value in _invoke_inputs(inputs, kwargs).items()
                   if isinstance(value, torch.Tensor) and name not in processing.ROW_FIELDS)

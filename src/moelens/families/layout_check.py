@@ -56,8 +56,7 @@ def layout_problem(layout: ExpertLayout, views_of: Callable[[ExpertLayout], View
         weights recompute the experts' outputs where the entry's do not, or says a fused gate_up holds the up rows
         first, which no flag expresses, or that params() cannot read the weights where the entry's layout says;
         ``warning`` says why the layout was not checked (the experts cannot be called on the probe, or no layout
-        and activation tried recomputes them). Both "" where the entry's layout
-        recomputes the experts' outputs.
+        and activation tried recomputes them). Both "" where the entry's layout recomputes the experts' outputs.
     """
     candidates = {}  # (layout, up rows first) -> the views, for the layouts whose weights chain, the entry's first
     refusal = ""
