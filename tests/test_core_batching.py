@@ -873,6 +873,42 @@ def test_an_experts_implementation_switched_between_steps_is_the_one_read_after(
         wrapped.set_experts_implementation("grouped_mm")
 
 
+def test_a_top_k_changed_between_steps_is_the_one_served_after():
+    """A router's top_k lowered in the intervention code between generation steps: the later steps' slots are the
+    experts call's, as plain transformers generates with the same change made by a forward pre-hook (moelens read k
+    once per run, and refused the step's indices as a wrong family entry)."""
+    hf = tiny_model("mixtral", num_experts_per_tok=3)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    ids = wrapped.tokenizer("hello", return_tensors="pt").input_ids
+    settings = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    routers = [moe.router._module for moe in wrapped.moes]
+    with wrapped.generate(ids, **settings) as tracer:
+        served = nnsight.save([])
+        for step in tracer.iter[:3]:
+            if step == 1:
+                for router in routers:
+                    router.top_k = 2
+            served.append((wrapped.moes[0].top_k, wrapped.moes[0].expert_indices.save()))
+    steps, called = [0], []
+
+    def lower_at_step_1(module, args):
+        if steps[0] == 1:
+            for moe in wrapped.moes:
+                reference.get_submodule(f"{moe.path.removeprefix('model.')}.gate").top_k = 2
+        steps[0] += 1
+
+    reference.register_forward_pre_hook(lower_at_step_1)
+    first = wrapped.moes[0].path.removeprefix("model.")
+    reference.get_submodule(f"{first}.experts").register_forward_pre_hook(lambda m, a: called.append(a[1].clone()))
+    with torch.no_grad():
+        reference.generate(ids, **settings)
+    assert [k for k, _ in served] == [3, 2, 2]
+    assert [tuple(indices.shape) for _, indices in served] == [(1, ids.shape[1], 3), (1, 1, 2), (1, 1, 2)]
+    for (_, indices), expected in zip(served, called):
+        assert torch.equal(indices.reshape(expected.shape), expected)
+
+
 def _experts_calls(experts, monkeypatch):
     """A list that gets, per call of the torch module ``experts``, its (hidden, top_k_index, top_k_weights) and whether
     it sorted its rows by expert (``torch.sort``, which grouped_mm runs and batched_mm does not): torch hooks on the

@@ -200,7 +200,7 @@ class MoeModelMixin(StandardNames):
             refusal = _ids_past_vocabulary(self, _model_inputs(fn, args, kwargs))  # device-side assert, which
             if refusal is not None:  # leaves the device unusable for the rest of the process
                 raise refusal
-        handed_back, interleaver = served.HandedBack(), self.interleaver
+        handed_back, interleaver = served.HandedBack(generating=_generating(fn)), self.interleaver
         outer = served.RUNS.get(interleaver)
         ep_runs = self._ep_runs(watched)
         begun = getattr(kwargs.get("batcher"), "runs_begun", ())  # a trace's run, counted as it began
@@ -442,9 +442,6 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     #: Rows the model runs per prompt row while it generates: transformers repeats each row for
     #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
     _rows_per_prompt: int = 1
-    #: Whether the model is generating (several forwards, the steps of ``tracer.iter``): read by the order errors
-    #: (`moelens.components.served.generating`).
-    _generating: bool = False
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching of the invokes' inputs, after refusing inputs of other modalities than text (images,
@@ -628,11 +625,10 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         else:
             kwargs.setdefault("disable_compile", True)
         self._rows_per_prompt = rows_per_prompt(self._module, kwargs)
-        self._generating = True
         try:
             return super().generate(*inputs, **kwargs)
         finally:
-            self._rows_per_prompt, self._generating = 1, False
+            self._rows_per_prompt = 1
 
 
 def generation_setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:

@@ -180,7 +180,7 @@ class Moe(Mlp):
     @property
     def top_k(self) -> int:
         """k: how many experts each token is routed to."""
-        return run_fact(self.interleaver, self, "top_k", lambda: self._count("top_k"))
+        return run_fact(self.interleaver, self, "top_k", lambda: self._count("top_k"), per_step=True)
 
     def _count(self, setting: str) -> int:
         """The family entry's count ``setting`` (``num_experts``, ``top_k``, ``extra_logits``) read from this block;

@@ -148,8 +148,8 @@ def skipped_visits(mediator: Mediator, location: str) -> int:
 
 def generating(mediator: Mediator) -> bool:
     """Whether ``mediator``'s run is a ``generate`` (several forwards: the steps of ``tracer.iter``)."""
-    batcher = mediator.interleaver.batcher if mediator.interleaver is not None else None
-    return batcher is not None and vars(batcher.envoy).get("_generating", False)
+    run = RUNS.get(mediator.interleaver)
+    return run is not None and run.generating
 
 
 def forwards_ended(mediator: Mediator, location: str) -> int:
@@ -589,16 +589,17 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
 RUNS: dict[Any, HandedBack] = {}
 
 
-def run_fact(interleaver: Any, owner: object, what: str, compute: Callable[[], Any]) -> Any:
+def run_fact(interleaver: Any, owner: object, what: str, compute: Callable[[], Any], per_step: bool = False) -> Any:
     """``compute()``, read once per run of the model for ``owner`` (outside a run: each time).
 
     For what does not change while the model runs but a read asks for several times: a block's counts (its
-    router's ``top_k``, read through the family entry), an invoke's rows (``owner`` its mediator). Not the experts
-    implementation: the intervention code may switch it between generation steps (transformers' own switch too).
+    router's ``num_experts``, read through the family entry), an invoke's rows (``owner`` its mediator). What the
+    intervention code may change between generation steps is ``per_step``: read each time in a ``generate`` (the
+    router's ``top_k``); not cached at all, the experts implementation (transformers' own switch changes it too).
     At 1 x 8 tokens moelens' own Python is a visible part of a trace.
     """
     run = RUNS.get(interleaver)
-    if run is None:
+    if run is None or per_step and run.generating:
         return compute()
     key = (id(owner), what)
     facts = run.facts
@@ -620,7 +621,10 @@ class HandedBack:
     a torch hook or a plain nnsight edit makes to that tensor, so it is not checked (as in plain nnsight).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, generating: bool = False) -> None:
+        #: Whether the run is a ``generate`` (several forwards, between which the intervention code may change a
+        #: router's ``top_k``: `run_fact`'s ``per_step``).
+        self.generating = generating
         #: id(view) -> (the view, its version when last handed back, its value's name, the error an edit of it
         #: raises where it is not the default's). A write of another value at the same visit hands the open views
         #: back early; the write-back hands them back again.
