@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import moelens  # noqa: E402
-from moelens import ablate, force, reroute, steer  # noqa: E402
+from moelens import ablate, force, keep_top, reroute, steer  # noqa: E402
 from moelens.testing import tiny_model  # noqa: E402
 
 #: Seconds a collective may wait before failing.
@@ -160,6 +160,7 @@ def _interventions(far: int, near: int) -> dict[str, Callable[[Any], None]]:
         "reroute": lambda lm: [reroute(m, (slice(None), [0, 1]), [far, near]) for m in lm.moes],
         "steer": lambda lm: [steer(m, far, 4.0) for m in lm.moes],
         "force": lambda lm: [force(m, [far]) for m in lm.moes],
+        "keep_top": lambda lm: [keep_top(m, 1, renormalize=True) for m in lm.moes],
         "write_expert_outputs": write_outputs,
         "write_expert_activations": write_activations,
     }

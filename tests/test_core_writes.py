@@ -227,6 +227,100 @@ def test_reroute_matches_plain_nnsight(family, impl):
     torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
 
 
+def best_slots_by_rank(weights: torch.Tensor, n: int, renormalize: bool) -> torch.Tensor:
+    """Each row's ``n`` largest weights kept, by their rank in a descending sort (float64 for the scaling)."""
+    rank = weights.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    kept = torch.where(rank < n, weights, torch.zeros_like(weights))
+    if renormalize:
+        total, left = weights.double().sum(-1, keepdim=True), kept.double().sum(-1, keepdim=True)
+        kept = (kept.double() * torch.where(left == 0, 1.0, total / left)).to(weights.dtype)
+    return kept
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+@pytest.mark.parametrize("renormalize", [False, True], ids=["kept", "renormalized"])
+def test_keep_top_matches_plain_nnsight(family, impl, renormalize):
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = running_moes(wrapped)
+    if moes[0].family.derived_routing:
+        with pytest.raises(moelens.WriteError, match="keep_top: .*recomputed from router_logits"):
+            with wrapped.trace(**inputs):
+                moelens.keep_top(moes[0], 1)
+        return
+    with wrapped.trace(**inputs):
+        for moe in moes:
+            moelens.keep_top(moe, moe.top_k - 1, renormalize=renormalize)
+        output = wrapped.output.save()
+
+    def edit(block, moe, index):
+        swap_call_args(block, moe, lambda i, w: (i, best_slots_by_rank(w, moe.top_k - 1, renormalize)))
+
+    kept = first_tensor(output)
+    torch.testing.assert_close(kept, plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
+    assert not torch.equal(kept, plain), "keep_top changed nothing: the test would not notice a no-op"
+
+
+@pytest.mark.parametrize(("family", "router", "settings"), [
+    ("mixtral", "gate", {}), ("qwen3_moe", "gate", {"norm_topk_prob": True}), ("gpt_oss", "router", {}),
+])
+def test_renormalized_keep_top_is_the_family_at_a_smaller_top_k(family, router, settings):
+    """Where the family renormalises its top-k weights, keeping the best n renormalised is the model run with
+    top_k = n: the router's own attribute lowered on an unwrapped copy."""
+    hf = tiny_model(family, num_experts_per_tok=3, **settings)
+    inputs = tiny_inputs(hf, seq=6)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    with wrapped.trace(**inputs):
+        for moe in wrapped.moes:
+            moelens.keep_top(moe, 2, renormalize=True)
+        output = wrapped.output.save()
+    for moe in wrapped.moes:
+        reference.get_submodule(f"{moe.path.removeprefix('model.')}.{router}").top_k = 2
+    with torch.no_grad():
+        expected = first_tensor(reference(**inputs))
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_keep_top_on_chosen_tokens_leaves_the_others():
+    hf, wrapped, inputs, plain, reference = built("qwen3_moe", "grouped_mm")
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        before = moe.expert_weights.clone().save()
+        moelens.keep_top(moe, 0, tokens=(..., 2))
+        after = moe.expert_weights.save()
+    expected = before.clone()
+    expected[:, 2] = 0
+    torch.testing.assert_close(after, expected, atol=0, rtol=0)
+
+
+def test_renormalized_keep_top_of_no_slots_gives_finite_gradients():
+    """Keeping no slot renormalised leaves zeros (nothing to scale), and no 0 / 0 reaches the router's gradient."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    with wrapped.trace(**tiny_inputs(hf)):
+        moelens.keep_top(wrapped.moes[0], 0, renormalize=True)
+        kept = wrapped.moes[0].expert_weights.save()
+        loss = wrapped.output.logits.sum().save()
+    loss.backward()
+    gradient = hf.model.layers[0].mlp.gate.weight.grad
+    assert torch.equal(kept, torch.zeros_like(kept))
+    assert gradient is None or gradient.isfinite().all()
+
+
+@pytest.mark.parametrize(("arguments", "match"), [
+    ((3,), r"n must be an int slot count in \[0, 2\] .*top_k=2.*got 3"),
+    ((-1,), r"n must be an int slot count in \[0, 2\].*got -1"),
+    ((1.0,), r"n must be an int slot count.*got 1\.0"),
+    ((1, "yes"), r"keep_top: renormalize must be True or False, got 'yes'"),
+    ((1, False, 3), r"keep_top: tokens=3 is ambiguous"),
+])
+def test_keep_top_refuses_bad_arguments(arguments, match):
+    hf, wrapped, inputs, plain, reference = built("qwen3_moe", "grouped_mm")
+    with pytest.raises(moelens.WriteError, match=match):
+        with wrapped.trace(**inputs):
+            moelens.keep_top(wrapped.moes[0], *arguments)
+
+
 @pytest.mark.parametrize(("family", "impl"), [c for c in CASES if c[1] != "eager"],
                          ids=[i for c, i in zip(CASES, IDS) if c[1] != "eager"])
 def test_slot_writes_land(family, impl):

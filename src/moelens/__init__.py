@@ -10,13 +10,14 @@ from . import families
 from .components import Mlp, Moe
 from .errors import ArgumentError, FamilyError, LayerIndexError, MoelensError, OrderError, ValueUnavailable, WriteError
 from .families import Family, Scoring, SharedExpert
-from .interventions import ablate, force, reroute, steer
+from .interventions import ablate, force, keep_top, reroute, steer
 from .loading import load
 from .model import wrap
 
 __all__ = [
     "ArgumentError", "Family", "FamilyError", "LayerIndexError", "Mlp", "Moe", "MoelensError", "OrderError", "Scoring",
-    "SharedExpert", "ValueUnavailable", "WriteError", "ablate", "families", "force", "load", "reroute", "steer", "wrap",
+    "SharedExpert", "ValueUnavailable", "WriteError", "ablate", "families", "force", "keep_top", "load", "reroute",
+    "steer", "wrap",
 ]
 __version__ = "0.1.0"
 

@@ -14,6 +14,8 @@ call                          changes              how
                                                    experts, weights renormalised by the family
 ``ablate(.., "swap", to=j)``  outputs              slots routed to ``e`` run expert ``j``, same weight
 ``reroute(moe, tokens, ex)``  outputs              the given tokens' slots run experts ``ex``
+``keep_top(moe, n)``          outputs              all but each token's ``n`` highest-weighted
+                                                   slots get weight 0 (optionally renormalised)
 ``steer(moe, e, bias)``       routing              ``bias`` added to ``e``'s logit (SteerMoE style)
 ``force(moe, experts)``       routing              the given experts put first in every token's
                                                    ranking, so they fill the top slots
@@ -34,6 +36,7 @@ from typing import Any, Callable
 import nnsight
 import numpy
 import torch
+from jaxtyping import Float
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
@@ -41,14 +44,14 @@ from .components.layer_list import held_blocks
 from .errors import OrderError, WriteError, sentence
 from .families import registry
 from .families.scoring import score
-from .scalars import as_int, as_real, bool_in, scalar
+from .scalars import as_int, as_real, bool_in, check_flag, scalar
 
 ABLATION_MODES = ("zero", "route_around", "swap")
 
 #: What an order error inside an intervention means (each intervention writes one value of the block).
 INTERVENTION_ORDER = (
     "On one block, call the interventions that change routing (steer, force, ablate(mode='route_around')) before "
-    "those that change outputs (ablate with 'zero' or 'swap', reroute), and read a value before an intervention "
+    "those that change outputs (ablate with 'zero' or 'swap', reroute, keep_top), and read a value before an intervention "
     "that writes a later one: the model makes the routing first."
 )
 
@@ -278,6 +281,51 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
         )
     indices[rows] = given
     moe.expert_indices = indices
+
+
+@_intervention
+def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) -> None:
+    """Keep each token's ``n`` highest-weighted slots and give the others weight 0 (outputs change).
+
+    The block runs as if it routed each token to its best ``n`` experts (the router's choice
+    stands: ``expert_indices`` and the logits are unchanged; the dropped slots stay, contributing
+    nothing, as an ablated expert's do under ``ablate(..., "zero")``). Ranked by the slots' weights
+    (``expert_weights``), not by their place: many families do not sort their slots.
+
+    Args:
+        moe: The MoE component.
+        n: How many slots to keep, from 0 (none: the routed output is 0) to ``moe.top_k`` (all: nothing changes).
+        renormalize: Scale the kept weights so each token's sum is what all its slots' weights summed to, as a
+            family that renormalises its top-k weights would give at top_k = n (mixtral, qwen3_moe, gpt_oss; with
+            a routed scaling factor, the kept weights sum to it). By default they keep their values, as a family
+            that never renormalises would (deepseek_v2, qwen2_moe without norm_topk_prob). A token whose kept slots
+            weigh 0 keeps them at 0.
+        tokens: Which tokens of this invoke (see `reroute`); None for all of them.
+    """
+    _refuse_recomputed_routing(_moe(moe, "keep_top"), "keep_top")
+    count = as_int(n)
+    if count is None or not 0 <= count <= moe.top_k:
+        raise WriteError(f"keep_top: n must be an int slot count in [0, {moe.top_k}] ({moe.path} routes each token to "
+                         f"top_k={moe.top_k} experts), got {scalar(n)!r}.")
+    renormalize = check_flag("keep_top: renormalize", renormalize, WriteError)
+    weights = moe.expert_weights.clone()
+    rows = None if tokens is None else _token_rows(weights, tokens, "keep_top")
+    _edit_rows(weights, rows, lambda selected: _best_slots(selected, count, renormalize))
+    moe.expert_weights = weights
+
+
+def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: bool
+                ) -> Float[torch.Tensor, "*tokens k"]:
+    """``weights`` with all but each token's ``n`` largest set to 0; with ``renormalize``, the kept ones scaled to
+    the sum of all of them (a token whose kept ones sum to 0 keeps its zeros)."""
+    kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, weights.topk(n, dim=-1).indices, True)
+    best = weights.masked_fill(~kept, 0.0)
+    if not renormalize:
+        return best
+    total, left = weights.float().sum(-1, keepdim=True), best.float().sum(-1, keepdim=True)
+    empty = left == 0
+    scale = torch.where(empty, 1.0, total / left.masked_fill(empty, 1.0))  # no 0 / 0, also for the gradient
+    return (best.float() * scale).to(weights.dtype)
 
 
 def _ordered_ids(experts: Any) -> Any:
