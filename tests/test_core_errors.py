@@ -3586,6 +3586,23 @@ def test_a_top_k_above_the_expert_count_is_refused_at_wrap(family, sizes):
         hf(torch.tensor([[1, 2, 3]], device=hf.device))
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_a_top_k_raised_above_the_expert_count_after_wrapping_is_named_when_a_trace_fails(family):
+    """Set on the router after wrapping, the trace failed with torch's "selected index k out of range"."""
+    hf = tiny_model(family)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[-1]
+    moe.router._module.top_k = moe.num_experts + 1
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="out of range"):  # what the unwrapped model does with it
+        hf(ids)
+    with pytest.raises(moelens.MoelensError, match=rf"the {family} block {moe.path.removeprefix('model.')} routes each "
+                       rf"token to its top_k={moe.num_experts + 1} experts, but it has {moe.num_experts} .* Set the "
+                       rf"block's router.top_k back to at most {moe.num_experts}\."):
+        with wrapped.trace(ids):
+            pass
+
+
 def test_no_experts_is_refused_with_advice_one_can_follow():
     """With num_experts=0 the advice was "top_k at most 0"."""
     with pytest.raises(moelens.MoelensError, match=r"top_k=2 experts, but it has 0 \(num_experts\).*Fix the model's "

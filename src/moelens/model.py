@@ -239,7 +239,8 @@ class MoeModelMixin(StandardNames):
             moe = self._failing_experts(error)  # or a model loaded in part, or inputs, on meta: torch names neither
             refusal = _unloaded_refusal(self._module) or _meta_inputs_refusal(_model_inputs(fn, args, kwargs)) or (
                 None if moe is None else _dtype_refusal(moe.path, moe.experts._module, moe.experts_implementation,
-                                                        SWITCH_IMPLEMENTATION))
+                                                        SWITCH_IMPLEMENTATION)
+            ) or next(filter(None, (_impossible_top_k(block, changed=True) for block in self.moes)), None)
             if refusal is None:
                 raise
             raise refusal from error
@@ -1278,7 +1279,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
                                                             *structure.layer_lists]))
     _bind_standard_names(wrapped, structure)
     for moe in wrapped.moes:
-        _refuse_impossible_top_k(moe)
+        if (refusal := _impossible_top_k(moe)) is not None:
+            raise refusal
         _instrument(moe)
         if moe.family.runs_only_on:
             moe.mark_gathered_calls()
@@ -1314,21 +1316,24 @@ COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by 
             "(dynamo) cannot trace: the traces would fail inside torch.")
 
 
-def _refuse_impossible_top_k(moe: Moe) -> None:
-    """Refuse a block whose config routes each token to more experts than it has (or to a negative number): its
-    router's ``topk`` fails in every forward with torch's "selected index k out of range", which names neither."""
+def _impossible_top_k(moe: Moe, changed: bool = False) -> MoelensError | None:
+    """The refusal of a block that routes each token to more experts than it has (or to a negative number), else None:
+    its router's ``topk`` fails in every forward with torch's "selected index k out of range", which names neither.
+    ``changed``: found after a forward failed, so set on the module since wrapping (wrap refuses such a config)."""
     family = moe.family
     try:
         experts, k = (as_int(family.resolve(reference, moe._module)) for reference in (family.num_experts, family.top_k))
     except FamilyError:  # an entry that cannot read them: its error comes where they are read
-        return
-    if experts is not None and k is not None and not 0 <= k <= experts:
-        fix = f"top_k at most {experts}" if experts > 0 else "at least one expert, and top_k at most that number"
-        raise MoelensError(
-            f"the {family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but "
-            f"it has {experts} (num_experts): its router cannot pick them, and every forward would fail. Fix the "
-            f"model's config ({fix}) before building the model."
-        )
+        return None
+    if experts is None or k is None or 0 <= k <= experts:
+        return None
+    fix = f"top_k at most {experts}" if experts > 0 else "at least one expert, and top_k at most that number"
+    fix = (f"Set the block's {family.top_k} back to at most {experts}." if changed else
+           f"Fix the model's config ({fix}) before building the model.")
+    return MoelensError(
+        f"the {family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but "
+        f"it has {experts} (num_experts): its router cannot pick them, and every forward would fail. {fix}"
+    )
 
 
 def _check_sub_configs(subs: dict[str, Any], wanted: dict[str, str]) -> None:
