@@ -3570,6 +3570,57 @@ def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlo
     thread.join(60)
     assert not thread.is_alive() and outcome == {"job": "traced", "trace": "WriteError"}
 
+def _trace_in_forked_child(wrapped, ids, expected, results) -> None:
+    """In a forked child: trace ``wrapped`` on ``ids``; put what came out on ``results``."""
+    try:
+        with torch.no_grad(), wrapped.trace(ids):
+            logits = wrapped.output.logits.save()
+        results.put(("traced", torch.equal(logits, expected)))
+    except Exception as error:  # noqa: BLE001 - reported to the parent
+        results.put((type(error).__name__, str(error)))
+
+
+def test_a_process_forked_while_another_thread_traces_is_told_so():
+    """The child has one thread, yet each trace was refused as "another thread began" a run it could never end; a
+    child forked after the trace traces right (plain transformers on an unwrapped copy)."""
+    import multiprocessing
+    import threading
+
+    hf = tiny_model("mixtral")
+    ids = tiny_inputs(hf)["input_ids"]
+    with torch.no_grad():
+        expected = copy.deepcopy(hf)(input_ids=ids).logits
+    wrapped = moelens.wrap(hf)
+    started, finish = threading.Event(), threading.Event()
+
+    def tracing():
+        with torch.no_grad(), wrapped.trace(ids):
+            wrapped.moes[0].router_logits.save()
+            started.set()
+            finish.wait(60)
+
+    context = multiprocessing.get_context("fork")
+    outcomes = []
+    thread = threading.Thread(target=tracing)
+    thread.start()
+    try:
+        assert started.wait(60)
+        for _ in range(2):  # during the trace, then after it
+            results = context.Queue()
+            child = context.Process(target=_trace_in_forked_child, args=(wrapped, ids, expected, results))
+            child.start()
+            outcomes.append(results.get(timeout=120))
+            child.join(60)
+            finish.set()
+            thread.join(60)
+    finally:
+        finish.set()
+        thread.join(60)
+    assert outcomes[0][0] == "MoelensError" and "was running a trace in another thread when this process was forked" \
+        in outcomes[0][1], outcomes[0]
+    assert outcomes[1] == ("traced", True)
+
+
 @pytest.mark.parametrize(("family", "sizes"), [("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 5}),
                                              ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 6}),
                                              ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 5,

@@ -353,3 +353,47 @@ def test_softcapped_router_logits_all_minus_inf_are_taken():
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
     hf.get_submodule(router_name).router_logit_softcapping = 0.0  # without it, the plain sum is 0: refused
     refused(wrapped, inputs, _write_minus_inf_logits, r"router_logits: .* its routing weights would be NaN")
+
+
+@pytest.mark.parametrize("write", ["steer", "route_around", "assigned", "in_place"])
+def test_writes_inside_vmap_are_refused_and_reads_are_the_per_row_values(write):
+    """Under torch.func.vmap the values are batched tensors: steer failed on torch's data-dependent control flow,
+    ablate on a tensor without storage, naming neither moelens nor vmap. Reads there, and in-place edits, are each
+    row's own trace's."""
+    hf = tiny_model("qwen2_moe")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf)["input_ids"]
+    moe = wrapped.moes[0]
+
+    def read(row):
+        with wrapped.trace(row[None]):
+            logits = moe.router_logits.save()
+        return logits[0]
+
+    def written(row):
+        with wrapped.trace(row[None]):
+            if write == "steer":
+                moelens.steer(moe, 1, 2.0)
+            elif write == "route_around":
+                moelens.ablate(moe, 1, "route_around")
+            elif write == "assigned":
+                moe.expert_weights = moe.expert_weights * 0.5
+            else:
+                moe.expert_weights[..., 0] = 0.0
+            output = wrapped.output.logits.save()
+        return output[0]
+
+    with torch.no_grad():
+        torch.testing.assert_close(torch.func.vmap(read)(ids), torch.stack([read(row) for row in ids]), rtol=0,
+                                   atol=1e-6)
+        if write == "in_place":
+            edited = torch.func.vmap(written)(ids)
+            torch.testing.assert_close(edited, torch.stack([written(row) for row in ids]), rtol=0, atol=1e-6)
+            assert not torch.allclose(edited, hf(input_ids=ids).logits)
+        else:
+            with pytest.raises(WriteError, match=r"this trace runs inside torch.func.vmap, where moelens serves reads "
+                                                 r"but cannot check or place assigned values or interventions"):
+                torch.func.vmap(written)(ids)
+        with wrapped.trace(ids):
+            after = wrapped.output.logits.save()
+        assert torch.equal(after, hf(input_ids=ids).logits)

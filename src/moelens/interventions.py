@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
 from .components.layer_list import held_blocks
+from .components.write_checks import refuse_under_vmap
 from .errors import OrderError, WriteError, sentence
 from .families import registry
 from .families.scoring import score
@@ -84,6 +85,7 @@ def _moe(block: Any, call: str) -> Moe:
     """``block`` if it is an MoE component, else a `WriteError` that says what it is and where the MoE blocks are."""
     if isinstance(block, Moe):
         block._require_trace(call, f"{call}({block.path}, ...)")
+        refuse_under_vmap(f"{call}({block.path}, ...)")
         return block
     if isinstance(block, Mlp):
         raise WriteError(f"{call}: {block.path} is a dense MLP ({type(block._module).__name__}) and runs no mixture of "

@@ -12,6 +12,7 @@ inside the other's trace).
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from contextlib import contextmanager
@@ -57,6 +58,8 @@ class MoeInterleaver(Interleaver):
 
     #: The thread whose run is going on (`threading.get_ident`), None between runs.
     owner: int | None = None
+    #: The process `owner` is a thread of: a process forked during the run has a copy of the run, not of its thread.
+    _owner_pid: int | None = None
     #: moelens' runs of the model in progress in the owner's thread (`MoeModelMixin.interleave`): the run ends as
     #: the outermost returns, after its own clean-up, not at nnsight's clean-up inside it.
     running: int = 0
@@ -84,7 +87,7 @@ class MoeInterleaver(Interleaver):
         with _claiming():
             self.refuse_other_threads()
             self.refuse_nested("a trace", own_workers)
-            self.owner = threading.get_ident()
+            self.owner, self._owner_pid = threading.get_ident(), os.getpid()
 
     def hold_blocks(self) -> None:
         """As the model starts running (moelens' ``interleave``): hold its MoE blocks for this run.
@@ -111,6 +114,13 @@ class MoeInterleaver(Interleaver):
     def refuse_other_threads(self) -> None:
         """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses)."""
         if self.owner is not None and self.owner != threading.get_ident():
+            if self._owner_pid != os.getpid():  # forked during the run: the owner thread was not copied
+                raise MoelensError(
+                    "this model was running a trace in another thread when this process was forked from its parent: "
+                    "the fork copied the run but not the thread running it, so the run never ends here and the model "
+                    "cannot run in this process. Fork while no trace runs (or use the 'spawn' start method and wrap "
+                    "the model in the new process)."
+                )
             raise MoelensError(
                 "this model is running a trace (or a forward) another thread began; a wrapped model runs one at a "
                 "time, and nnsight would mix the two runs' interventions up. Trace it from one thread at a time "
@@ -160,7 +170,8 @@ class MoeInterleaver(Interleaver):
         with _claiming():  # not held through the clean-up: it runs the workers' finally blocks, which may wait on threads
             if self.owner is not None and self.owner != threading.get_ident():
                 return
-            self.owner = threading.get_ident()  # the clean-up is still this thread's run: another thread's is refused
+            # the clean-up is still this thread's run: another thread's is refused
+            self.owner, self._owner_pid = threading.get_ident(), os.getpid()
         try:
             super().cancel()
         finally:

@@ -34,7 +34,7 @@ from . import tokens
 from .binding import ANY_INF, FLOAT, Binding, dict_output
 from .implementations import runs_torch_a2a
 from .run_owner import MoeInterleaver
-from .write_checks import check_not_recomputed, check_write
+from .write_checks import check_not_recomputed, check_write, refuse_under_vmap
 
 if TYPE_CHECKING:
     from .base import Component
@@ -725,6 +725,7 @@ def _cast(component: "Component", name: str, binding: Binding, value: torch.Tens
 
 def write(component: "Component", descriptor: served, binding: Binding, value: Any) -> None:
     """Replace this invoke's rows of ``binding`` with ``value`` (checked)."""
+    refuse_under_vmap(f"{component.path}.{descriptor.name} = ...")
     location = binding.location
     mediator = Mediator.current(location)
     reads = _open_reads(mediator, location)

@@ -32,6 +32,19 @@ if TYPE_CHECKING:
 WHY_FINITE = {"selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
 
 
+def refuse_under_vmap(what: str) -> None:
+    """Raise `WriteError` where ``what`` (an assignment or an intervention) runs inside ``torch.func.vmap``: its values
+    are batched tensors, without the storage and the per-element truth the write checks read (reads work there, and an
+    in-place edit lands, unchecked: vmap hides it from the tensor's version counter)."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    if stack and any(interpreter.key() == torch._C._functorch.TransformType.Vmap for interpreter in stack):
+        raise WriteError(
+            f"{what}: this trace runs inside torch.func.vmap, where moelens serves reads but cannot check or place "
+            "assigned values or interventions (the values are vmap's batched tensors). Batch the inputs in one trace "
+            "instead (the values are [batch, seq, ...]), or run a trace per input in a loop."
+        )
+
+
 def check_not_recomputed(component: "Component", name: str) -> None:
     """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
     the recomputation runs the model's forward alone, without the edit, so the gradients would be those
