@@ -2504,6 +2504,24 @@ def test_a_compiled_model_is_refused_with_what_to_wrap():
             wrapped.output.save()
 
 
+def test_modules_beside_the_blocks_may_be_compiled_at_wrap_as_after_it():
+    """Attention or lm_head compiled in place was refused at wrap for a reason that does not hold for them (moelens
+    reads inside the MoE blocks' forwards), and accepted when compiled after wrapping: both run right now (plain
+    transformers on an unwrapped copy)."""
+    hf = tiny_model("qwen2_moe")
+    ids = tiny_inputs(hf)["input_ids"]
+    with torch.no_grad():
+        expected = copy.deepcopy(hf)(input_ids=ids).logits
+    hf.model.layers[1].self_attn.compile(backend="eager")
+    hf.lm_head.compile(backend="eager")
+    wrapped = moelens.wrap(hf)
+    with torch.no_grad(), wrapped.trace(ids):
+        routed = wrapped.moes[-1].routed_output.save()
+        logits = wrapped.output.logits.save()
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    assert routed.shape[:2] == ids.shape
+
+
 def test_generation_runs_uncompiled():
     """transformers compiles the forward for a static cache (on a GPU by itself, or with a compile_config): the
     trace then failed inside torch's dynamo on nnsight's rewritten experts forward."""

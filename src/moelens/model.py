@@ -1236,9 +1236,10 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             f"{type(tokenizer).__name__}; leave it out for a model that takes token ids."
         )
     _warn_on_vocabulary(model, tokenizer)
-    _refuse_compiled(model.named_modules())
     _drop_stale_nnsight_state(model)
     structure = discover(model)
+    watched = _walk_steps(_around_blocks(model, structure.moe_blocks))
+    _refuse_compiled(_present(model, watched))  # where it would reach the forwards moelens reads, as at each trace
     options = dict(nnsight_kwargs)
     moe_envoy = _expert_parallel_envoy(model)
     # the blocks' envoys first: nnsight gives a module the first key that matches its path, and a key of the user's
@@ -1271,7 +1272,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     if isinstance(wrapped.interleaver, MoeInterleaver):
         wrapped.interleaver.runs([model.get_submodule(path) for path in structure.moe_blocks])
     object.__setattr__(wrapped, "_structure", structure)
-    object.__setattr__(wrapped, "_watched", _walk_steps(_around_blocks(model, structure.moe_blocks)))
+    object.__setattr__(wrapped, "_watched", watched)
     object.__setattr__(wrapped, "_wrap_options", options)
     object.__setattr__(wrapped, "_layer_lists", tuple((path, len(model.get_submodule(path)))
                                                       for path in structure.layer_lists))
