@@ -909,6 +909,21 @@ def test_a_top_k_changed_between_steps_is_the_one_served_after():
         assert torch.equal(indices.reshape(expected.shape), expected)
 
 
+def test_a_top_k_changed_between_two_reads_of_one_step_is_named():
+    """Changed after a step's first read of the block, the step's next read was refused as a wrong family entry."""
+    wrapped = moelens.wrap(tiny_model("mixtral", num_experts_per_tok=3), tokenizer=ascii_tokenizer())
+    moe = first_moe(wrapped)
+    with pytest.raises(moelens.FamilyError, match=r"expert_indices holds 3 slots per token, but router.top_k reads 2 "
+                                                  r"now: in a generate, it was likely changed between two reads of "
+                                                  r"this block at one step"):
+        with wrapped.generate("hello", max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+            for step in tracer.iter[:3]:
+                moe.expert_weights.save()
+                if step == 1:
+                    moe.router._module.top_k = 2
+                moe.expert_indices.save()
+
+
 def _experts_calls(experts, monkeypatch):
     """A list that gets, per call of the torch module ``experts``, its (hidden, top_k_index, top_k_weights) and whether
     it sorted its rows by expert (``torch.sort``, which grouped_mm runs and batched_mm does not): torch hooks on the

@@ -584,6 +584,14 @@ class Moe(Mlp):
                 setting += f", read at the router's output with routing_from_router={self.family.routing_from_router}"
             columns = (" (a router with columns past its experts' own, a skip class or shared experts' gates, names "
                        "how many in extra_logits)" if what == "router logits" else "")
+            run = RUNS.get(self.interleaver)
+            if what == "slots" and run is not None and run.generating:  # read per step: changed since the step began?
+                raise FamilyError(
+                    f"{self.path}.{name} holds {value.shape[-1]} slots per token, but {self.family.top_k} reads "
+                    f"{expected} now: in a generate, it was likely changed between two reads of this block at one "
+                    "step, which ran with the old value. Change it before the step's reads of the block (where it "
+                    f"was not changed, the family entry names the wrong setting: {setting})."
+                )
             raise FamilyError(
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
                 f"this block {expected} {what} per token ({setting}): the entry names the wrong setting{columns}; "
