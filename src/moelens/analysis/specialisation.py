@@ -5,7 +5,10 @@ token order) or every corpus item (``per="text"``: a tensor indexed by text
 index) with a class id in ``0..C-1`` (code / prose, a language, a topic; other
 ids, e.g. 255, are ignored). Then ``share()`` is P(class | expert), ``base()``
 P(class) over all routed slots, and ``lift()`` their ratio: above 1, the expert
-gets more of that class than the layer as a whole.
+gets more of that class than the layer as a whole. ``activation_rate()`` is
+P(expert among a token's experts | class), and ``risk_difference(a, b)`` the
+difference of two classes' rates (SteerMoE's detection of behaviour-linked experts
+on paired prompts).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from .cache import SKIPPED, RoutingCache, check_cache
+from ..scalars import as_lone_int
 from .checks import described, id_list
 
 PER = ("token", "text")
@@ -32,11 +36,14 @@ class Specialisation:
         layers: Decoder-layer indices.
         classes: Class names (column order).
         counts: ``[L, E, C]`` slots of class c routed to expert e.
+        tokens: ``[L, C]`` tokens of class c the layer routed (at least one slot not skipped), for
+            `activation_rate`; None in a `Specialisation` built by hand from counts alone.
     """
 
     layers: list[int]
     classes: list[str]
     counts: Int[Tensor, "l e c"]
+    tokens: Int[Tensor, "l c"] | None = None
 
     def share(self) -> Float[Tensor, "l e c"]:
         """P(class | expert): each expert's slots split over the classes (rows sum to 1)."""
@@ -54,6 +61,32 @@ class Specialisation:
     def expert_share(self) -> Float[Tensor, "l e c"]:
         """P(expert | class): how each class's slots spread over the experts (sums to 1 over experts)."""
         return self.counts.double() / self.counts.sum(1, keepdim=True).double().clamp(min=1)
+
+    def activation_rate(self) -> Float[Tensor, "l e c"]:
+        """P(expert e among a token's experts | class c): the share of the class's routed tokens that the layer
+        sends to the expert (a token reaches an expert once at most, so up to k experts per token: sums to k
+        over experts); NaN for a class the layer routed no token of."""
+        if self.tokens is None:
+            raise MoelensError("this Specialisation holds no token counts (it was built from counts alone): make it "
+                               "with moelens.analysis.specialisation(cache, labels, ...), which counts them.")
+        return self.counts.double() / self.tokens[:, None, :].double().where(self.tokens[:, None, :] > 0, torch.nan)
+
+    def risk_difference(self, a: int | str, b: int | str) -> Float[Tensor, "l e"]:
+        """How much more often class ``a``'s tokens reach each expert than class ``b``'s: ``activation_rate`` of
+        ``a`` minus that of ``b`` (SteerMoE's risk difference, on paired prompts labelled ``a`` and ``b``): from
+        -1 to 1, positive for the experts ``a`` favours. ``a`` and ``b`` are class names or ids."""
+        rate = self.activation_rate()
+        return rate[..., self._class(a)] - rate[..., self._class(b)]
+
+    def _class(self, name: int | str) -> int:
+        """The column of class ``name`` (its name, or its id); a `MoelensError` naming the classes otherwise."""
+        if isinstance(name, str) and name in self.classes:
+            return self.classes.index(name)
+        index = as_lone_int(name)
+        if index is None or not 0 <= index < len(self.classes):
+            raise MoelensError(f"no class {name!r}: the classes are {self.classes} (give a name or an id in "
+                               f"0..{len(self.classes) - 1}).")
+        return index
 
 
 def _class_ids(labels: Any) -> Tensor:
@@ -118,6 +151,7 @@ def specialisation(
     num_classes = len(classes)
     width = max(cache.num_experts.values())
     counts = torch.zeros(len(cache.layers), width * num_classes, dtype=torch.int64)
+    tokens = torch.zeros(len(cache.layers), num_classes, dtype=torch.int64)
     start = 0
     for shard in cache._shards():
         if per == "token":
@@ -129,8 +163,10 @@ def specialisation(
         for row, layer in enumerate(cache.layers):
             indices = shard.indices[layer].long()[keep]
             keys = indices * num_classes + mine[keep][:, None]
-            counts[row] += torch.bincount(keys[indices != SKIPPED], minlength=width * num_classes)
+            routed = indices != SKIPPED
+            counts[row] += torch.bincount(keys[routed], minlength=width * num_classes)
+            tokens[row] += torch.bincount(mine[keep][routed.any(-1)], minlength=num_classes)
     if per == "text" and labels.shape[0] > cache.num_texts:  # after the shards: a damaged cache is named first
         raise _text_labels_error(labels, cache)
     return Specialisation(layers=list(cache.layers), classes=list(classes),
-                          counts=counts.view(len(cache.layers), width, num_classes))
+                          counts=counts.view(len(cache.layers), width, num_classes), tokens=tokens)
