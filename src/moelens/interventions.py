@@ -52,8 +52,8 @@ ABLATION_MODES = ("zero", "route_around", "swap")
 #: What an order error inside an intervention means (each intervention writes one value of the block).
 INTERVENTION_ORDER = (
     "On one block, call the interventions that change routing (steer, force, ablate(mode='route_around')) before "
-    "those that change outputs (ablate with 'zero' or 'swap', reroute, keep_top), and read a value before an intervention "
-    "that writes a later one: the model makes the routing first."
+    "those that change outputs (ablate with 'zero' or 'swap', reroute, keep_top), and read a value before an "
+    "intervention that writes a later one: the model makes the routing first."
 )
 
 

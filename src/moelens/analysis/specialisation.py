@@ -21,8 +21,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import SKIPPED, RoutingCache, check_cache
 from ..scalars import as_lone_int
+from .cache import SKIPPED, RoutingCache, check_cache
 from .checks import described, id_list
 
 PER = ("token", "text")
