@@ -101,14 +101,6 @@ def model(swapped: bool = False) -> Model:
     return Model(swapped).eval()
 
 
-def model_of(block: type[Block]) -> Model:
-    """`model()` with every layer's block a ``block`` (a subclass of `Block` computing otherwise)."""
-    hand = model()
-    for layer in hand.layers:
-        layer["moe"] = block()
-    return hand
-
-
 IDS = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
 
 ENTRY = Family("hand", ("hand",), ("Block",), block_attr="moe", router="router", experts="experts",
