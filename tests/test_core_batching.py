@@ -747,6 +747,39 @@ def test_token_id_invokes_over_a_cache_on_a_model_with_a_tokenizer_attend_the_ca
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cache_given_by_transformers_new_keyword_is_one():
+    """transformers 5.25 takes the key-value cache as cache= (past_key_values= deprecated): moelens looked for the old
+    name only, so text over cache= kept the mask of the new tokens alone (the cache unattended, off by 0.29), a mask
+    over the cache and the new ids was refused as misfit, and invokes of different lengths ran silently off. Ground
+    truth: transformers on the cached and the new tokens in one forward, and over the same cache."""
+    import inspect
+
+    hf = tiny_model("qwen3_moe")
+    if "cache" not in inspect.signature(hf.forward).parameters:
+        pytest.skip("this transformers takes the cache as past_key_values only")
+    reference = copy.deepcopy(hf)
+    tokenizer = ascii_tokenizer()
+    prompt, step = tokenizer(["hello"], return_tensors="pt").input_ids, tokenizer(["ab"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        whole = reference(input_ids=torch.cat([prompt, step], 1)).logits
+        over = reference(input_ids=step, cache=_prefilled(reference, prompt)).logits
+        with_tokenizer = moelens.wrap(hf, tokenizer=tokenizer)
+        with with_tokenizer.trace("ab", cache=_prefilled(hf, prompt)):
+            text = with_tokenizer.output.logits.save()
+        wrapped = moelens.wrap(copy.deepcopy(reference))
+        mask = torch.ones(1, prompt.shape[1] + step.shape[1], dtype=torch.long)
+        with wrapped.trace(step, attention_mask=mask, cache=_prefilled(reference, prompt)):
+            ids = wrapped.output.logits.save()
+    torch.testing.assert_close(text[0, -1], whole[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ids, over, rtol=0, atol=0)
+    with pytest.raises(moelens.MoelensError, match=r"invokes of different lengths over a key-value cache"):
+        with torch.no_grad(), wrapped.trace(cache=_prefilled(reference, prompt)) as tracer:
+            with tracer.invoke(step):
+                wrapped.output.logits.save()
+            with tracer.invoke(step[:, :1]):
+                wrapped.output.logits.save()
+
+
 @pytest.mark.parametrize(("invoke", "named"), [
     (lambda tracer, ids: tracer.invoke(ids, use_cache=False), r"an invoke got keyword\(s\) \['use_cache'\] beside the ids"),
     (lambda tracer, ids: tracer.invoke(ids, torch.ones_like(ids)), r"an invoke got 2 inputs \(ids and a Tensor\)"),

@@ -402,7 +402,7 @@ class MoeModelMixin(StandardNames):
         if (cached and "position_ids" in batched[1] and "position_ids" not in given
                 and isinstance(mask, torch.Tensor) and not unpadded):
             raise MoelensError(  # nnsight counted the padded rows' positions from their own mask: from 0
-                "invokes of different lengths over a key-value cache (past_key_values): the new tokens are "
+                "invokes of different lengths over a key-value cache (past_key_values, or cache): the new tokens are "
                 "left-padded, and their position_ids are counted from 0 in each row, not after the cached tokens. "
                 "Give invokes of one length, or pass position_ids (and attention_mask over the cache and the new "
                 "tokens) to model.trace(...)."
@@ -673,7 +673,7 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
         raise unembeddable_ids(ids, "the trace's input_ids")
     mask = batched[1].get("attention_mask")
     given = {**batched[1], **(trace_kwargs or {})}
-    _refuse_misfit_mask(module, ids, given.get("attention_mask"), given.get("past_key_values"), generating, mask_built)
+    _refuse_misfit_mask(module, ids, given.get("attention_mask"), _given_cache(given), generating, mask_built)
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
@@ -939,8 +939,9 @@ class MoeNNsight(MoeModelMixin, NNsight):
             for inputs, kwargs in invokes:
                 ids = _invoke_ids(inputs, kwargs)
                 self._refuse_one_unbatched_row(ids)
-                cache = kwargs.get("past_key_values", getattr(self.interleaver.batcher, "extra_kwargs", {}).get(
-                    "past_key_values"))
+                cache = _given_cache(kwargs)
+                if cache is None:
+                    cache = _given_cache(getattr(self.interleaver.batcher, "extra_kwargs", {}))
                 _refuse_misfit_mask(self._module, ids, kwargs.get("attention_mask"), cache, _generating(fn))
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
@@ -974,7 +975,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
                        if name not in params and (name == "attention_mask" or takes_keyword(self._module, name))]
             if not attention_mask.all() and missing:
                 raise MoelensError(
-                    "invokes of different lengths over a key-value cache (past_key_values) on a model wrapped "
+                    "invokes of different lengths over a key-value cache (past_key_values, or cache) on a model wrapped "
                     "without a tokenizer: moelens left-pads the new tokens, but it cannot know which cached "
                     "positions of each row are padding, so it cannot build their attention_mask and position_ids. "
                     "Give invokes of one length, or pass attention_mask (over the cache and the new tokens) and "
@@ -1021,9 +1022,19 @@ def _without_remote(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in kwargs.items() if name != "remote"}
 
 
+#: The keywords a forward takes its key-value cache by: transformers 5.25 renamed ``past_key_values`` to ``cache``
+#: (the old name still works there, deprecated).
+CACHE_KEYWORDS = ("past_key_values", "cache")
+
+
+def _given_cache(params: Mapping[str, Any]) -> Any:
+    """The key-value cache among ``params`` under either name (`CACHE_KEYWORDS`), None where none is given."""
+    return next((params[name] for name in CACHE_KEYWORDS if params.get(name) is not None), None)
+
+
 def _cached_tokens(params: dict[str, Any]) -> int:
     """How many tokens the key-value cache among a trace's ``params`` holds (0: none given)."""
-    cache = params.get("past_key_values")
+    cache = _given_cache(params)
     if cache is None:
         return 0
     length = getattr(cache, "get_seq_length", None)
