@@ -72,7 +72,9 @@ FAMILIES = [
                "MoE blocks of its own (Dots3NoteVisionMoE, over image patches with no [batch, seq] layout), which "
                "are not (wrap names them in its warning)."),
     _ds3("kimi_linear", "KimiLinearMoE"),
-    _ds3("bailing_hybrid", "BailingHybridMoE"),
+    _ds3("bailing_hybrid", "BailingHybridMoE",
+         notes=f"{UNSORTED} {WEIGHT_SUM} From transformers 5.25 the layers listed in swiglu_limits clamp act(gate) "
+               "and up in the experts (swiglu_limits_shared: in the shared experts)."),
     _ds3("exaone_moe", "ExaoneMoeSparseMoEBlock"),
     _ds3("solar_open", "SolarOpenMoE"),
     _ds3("axk1", "AXK1MoE", combine=Combine(block_post="post_mlp_layernorm"),
