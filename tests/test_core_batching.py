@@ -947,8 +947,8 @@ def test_a_top_k_changed_between_two_reads_of_one_step_is_named():
     wrapped = moelens.wrap(tiny_model("mixtral", num_experts_per_tok=3), tokenizer=ascii_tokenizer())
     moe = first_moe(wrapped)
     with pytest.raises(moelens.FamilyError, match=r"expert_indices holds 3 slots per token, but router.top_k reads 2 "
-                                                  r"now: in a generate, it was likely changed between two reads of "
-                                                  r"this block at one step"):
+                                                  r"now. Either it was changed between two reads of this block at one "
+                                                  r"generation step"):
         with wrapped.generate("hello", max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
             for step in tracer.iter[:3]:
                 moe.expert_weights.save()

@@ -2523,6 +2523,12 @@ def test_modules_beside_the_blocks_may_be_compiled_at_wrap_as_after_it():
         torch._dynamo.reset()  # dynamo's caches keep fake tensors, which tests counting live tensors cannot read
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
     assert routed.shape[:2] == ids.shape
+    for swapped in ("model.layers.1.mlp.experts", "model.layers.0.self_attn"):  # hides what it compiled: refused
+        model = copy.deepcopy(hf)
+        parent, name = swapped.rsplit(".", 1)
+        model.get_submodule(parent).register_module(name, torch.compile(model.get_submodule(swapped), backend="eager"))
+        with pytest.raises(moelens.MoelensError, match=rf"{swapped} \(OptimizedModule\) is compiled by torch.compile"):
+            moelens.wrap(model)
 
 
 def test_generation_runs_uncompiled():
@@ -3592,18 +3598,30 @@ def test_a_clean_up_that_waits_on_a_thread_tracing_another_model_does_not_deadlo
     assert not thread.is_alive() and outcome == {"job": "traced", "trace": "WriteError"}
 
 def _trace_in_forked_child(wrapped, ids, expected, results) -> None:
-    """In a forked child: trace ``wrapped`` on ``ids``; put what came out on ``results``."""
-    try:
-        with torch.no_grad(), wrapped.trace(ids):
-            logits = wrapped.output.logits.save()
-        results.put(("traced", torch.equal(logits, expected)))
-    except Exception as error:  # noqa: BLE001 - reported to the parent
-        results.put((type(error).__name__, str(error)))
+    """In a forked child: trace ``wrapped`` on ``ids`` in this thread, in a new one (which may get the id of the
+    parent's thread that was tracing), and a wrapped copy of its model; put what came out of each on ``results``."""
+    import threading
+
+    def outcome(model) -> tuple:
+        try:
+            with torch.no_grad(), model.trace(ids):
+                logits = model.output.logits.save()
+            return ("traced", torch.equal(logits, expected))
+        except Exception as error:  # noqa: BLE001 - reported to the parent
+            return (type(error).__name__, str(error))
+
+    in_thread = []
+    thread = threading.Thread(target=lambda: in_thread.append(outcome(wrapped)))
+    thread.start()
+    thread.join(60)
+    results.put([outcome(wrapped), *in_thread, outcome(moelens.wrap(copy.deepcopy(wrapped._module)))])
 
 
 def test_a_process_forked_while_another_thread_traces_is_told_so():
-    """The child has one thread, yet each trace was refused as "another thread began" a run it could never end; a
-    child forked after the trace traces right (plain transformers on an unwrapped copy)."""
+    """The child has one thread, yet each trace was refused as "another thread began" a run it could never end (and
+    one from a new thread that got the tracing thread's id failed inside greenlet); a wrapped copy of the model
+    traces right there, as does the model in a child forked after the trace (plain transformers on an unwrapped
+    copy)."""
     import multiprocessing
     import threading
 
@@ -3637,9 +3655,12 @@ def test_a_process_forked_while_another_thread_traces_is_told_so():
     finally:
         finish.set()
         thread.join(60)
-    assert outcomes[0][0] == "MoelensError" and "was running a trace in another thread when this process was forked" \
-        in outcomes[0][1], outcomes[0]
-    assert outcomes[1] == ("traced", True)
+    during, after = outcomes
+    for refused in during[:2]:
+        assert refused[0] == "MoelensError" and "was running a trace in another thread when this process was " \
+            "forked" in refused[1] and "moelens.wrap(copy.deepcopy(model._module))" in refused[1], refused
+    assert during[2] == ("traced", True)
+    assert after == [("traced", True)] * 3
 
 
 @pytest.mark.parametrize(("family", "sizes"), [("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 5}),

@@ -355,45 +355,45 @@ def test_softcapped_router_logits_all_minus_inf_are_taken():
     refused(wrapped, inputs, _write_minus_inf_logits, r"router_logits: .* its routing weights would be NaN")
 
 
-@pytest.mark.parametrize("write", ["steer", "route_around", "assigned", "in_place"])
-def test_writes_inside_vmap_are_refused_and_reads_are_the_per_row_values(write):
+@pytest.mark.parametrize("use", ["read", "save_all", "steer", "route_around", "assigned", "in_place"])
+def test_moelens_values_inside_vmap_are_refused_naming_it(use):
     """Under torch.func.vmap the values are batched tensors: steer failed on torch's data-dependent control flow,
-    ablate on a tensor without storage, naming neither moelens nor vmap. Reads there, and in-place edits, are each
-    row's own trace's."""
+    ablate and a second read at one visit on a tensor without storage, naming neither moelens nor vmap, and an
+    in-place edit with autograd on was lost (the logits those of the unedited model). The model's own output, read
+    by plain nnsight, is each row's; the next trace runs as before."""
     hf = tiny_model("qwen2_moe")
     wrapped = moelens.wrap(hf)
     ids = tiny_inputs(hf)["input_ids"]
     moe = wrapped.moes[0]
 
-    def read(row):
+    def traced(row):
         with wrapped.trace(row[None]):
-            logits = moe.router_logits.save()
-        return logits[0]
-
-    def written(row):
-        with wrapped.trace(row[None]):
-            if write == "steer":
+            if use == "read":
+                moe.expert_weights.save()
+            elif use == "save_all":
+                moe.save_all()
+            elif use == "steer":
                 moelens.steer(moe, 1, 2.0)
-            elif write == "route_around":
+            elif use == "route_around":
                 moelens.ablate(moe, 1, "route_around")
-            elif write == "assigned":
-                moe.expert_weights = moe.expert_weights * 0.5
+            elif use == "assigned":
+                moe.mlp_output = 0.0
             else:
-                moe.expert_weights[..., 0] = 0.0
+                moe.mlp_output.mul_(0.5)
             output = wrapped.output.logits.save()
         return output[0]
 
-    with torch.no_grad():
-        torch.testing.assert_close(torch.func.vmap(read)(ids), torch.stack([read(row) for row in ids]), rtol=0,
-                                   atol=1e-6)
-        if write == "in_place":
-            edited = torch.func.vmap(written)(ids)
-            torch.testing.assert_close(edited, torch.stack([written(row) for row in ids]), rtol=0, atol=1e-6)
-            assert not torch.allclose(edited, hf(input_ids=ids).logits)
-        else:
-            with pytest.raises(WriteError, match=r"this trace runs inside torch.func.vmap, where moelens serves reads "
-                                                 r"but cannot check or place assigned values or interventions"):
-                torch.func.vmap(written)(ids)
-        with wrapped.trace(ids):
-            after = wrapped.output.logits.save()
-        assert torch.equal(after, hf(input_ids=ids).logits)
+    def plain(row):
+        with wrapped.trace(row[None]):
+            output = wrapped.output.logits.save()
+        return output[0]
+
+    refused = WriteError if use in ("steer", "route_around", "assigned") else moelens.MoelensError
+    with pytest.raises(refused, match=r"this trace runs inside torch.func.vmap \(or jacfwd, which runs it\), where "
+                                      r"moelens cannot serve values, place writes or run interventions"):
+        torch.func.vmap(traced)(ids)
+    torch.testing.assert_close(torch.func.vmap(plain)(ids), hf(input_ids=ids).logits, rtol=0, atol=1e-6)
+    with torch.no_grad(), wrapped.trace(ids):
+        routed = moe.routed_output.save()
+        after = wrapped.output.logits.save()
+    assert torch.equal(after, hf(input_ids=ids).logits) and routed.shape[:2] == ids.shape

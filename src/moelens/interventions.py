@@ -294,8 +294,8 @@ def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) ->
     nothing, as an ablated expert's do under ``ablate(..., "zero")``). Ranked by the slots' weights
     (``expert_weights``), not by their place: many families do not sort their slots.
 
-    A router that ranks score + a selection bias (``moe.ranks_selection_scores``) or hash-routes would keep other
-    experts at top_k = n than the highest-weighted ones; set its ``top_k`` to run it at n.
+    A router that ranks score + a selection bias (``moe.ranks_selection_scores``) would keep other experts at
+    top_k = n than the highest-weighted ones; set its ``top_k`` to run it at n.
 
     Args:
         moe: The MoE component.

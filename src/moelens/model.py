@@ -1236,7 +1236,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             f"wrap() got one {family.name} MoE block ({type(model).__name__}), not a model: wrap the whole model that "
             "holds it and read the block as model.layers[i].mlp (or model.moes[i]) in a trace of that model."
         )
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):  # torch.compile(model)
+    if type(model).__name__ == OPTIMIZED and hasattr(model, "_orig_mod"):  # torch.compile(model)
         raise MoelensError(
             "wrap() got a model compiled with torch.compile: wrap the model it compiled, moelens.wrap(model._orig_mod). "
             + COMPILED
@@ -1247,6 +1247,8 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             f"{type(tokenizer).__name__}; leave it out for a model that takes token ids."
         )
     _warn_on_vocabulary(model, tokenizer)
+    # torch.compile(module) put in anywhere hides the module it compiled (an MoE block's experts too) from discovery
+    _refuse_compiled((name, module) for name, module in model.named_modules() if type(module).__name__ == OPTIMIZED)
     _drop_stale_nnsight_state(model)
     structure = discover(model)
     watched = _walk_steps(_around_blocks(model, structure.moe_blocks))
@@ -1323,6 +1325,9 @@ def tokenizer_settings(tokenizer_class: type) -> frozenset[str]:
     return frozenset(names - {"self", "text", *TOKENIZED})
 
 
+#: The class name of what ``torch.compile(module)`` returns (the module it compiled is its ``_orig_mod``).
+OPTIMIZED = "OptimizedModule"
+
 #: Why a compiled model is refused.
 COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
             "(dynamo) cannot trace: the traces would fail inside torch.")
@@ -1395,7 +1400,7 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
     for name, module in modules:
         forward = module.__dict__.get("forward")
         how = ("compiled (module.compile())" if getattr(module, "_compiled_call_impl", None) is not None else
-               "compiled by torch.compile" if type(module).__name__ == "OptimizedModule" else
+               "compiled by torch.compile" if type(module).__name__ == OPTIMIZED else
                "run by a compiled forward (module.forward = torch.compile(...))"
                if getattr(forward, "_torchdynamo_orig_callable", None) is not None
                and not getattr(forward, "_torchdynamo_disable", False) else None)  # torch.compiler.disable's: runs

@@ -585,12 +585,13 @@ class Moe(Mlp):
             columns = (" (a router with columns past its experts' own, a skip class or shared experts' gates, names "
                        "how many in extra_logits)" if what == "router logits" else "")
             run = RUNS.get(self.interleaver)
-            if what == "slots" and run is not None and run.generating:  # read per step: changed since the step began?
-                raise FamilyError(
+            if what == "slots" and isinstance(self.family.top_k, str) and run is not None and run.generating:
+                raise FamilyError(  # read per step: the setting may have changed since the step's first read
                     f"{self.path}.{name} holds {value.shape[-1]} slots per token, but {self.family.top_k} reads "
-                    f"{expected} now: in a generate, it was likely changed between two reads of this block at one "
-                    "step, which ran with the old value. Change it before the step's reads of the block (where it "
-                    f"was not changed, the family entry names the wrong setting: {setting})."
+                    f"{expected} now. Either it was changed between two reads of this block at one generation step, "
+                    "which ran with the old value (change it before the step's reads of the block), or family "
+                    f"{self.family.name!r} names the wrong setting ({setting}): fix it, register it again and wrap "
+                    "the model again."
                 )
             raise FamilyError(
                 f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "

@@ -49,6 +49,13 @@ def _claiming() -> Iterator[None]:
     finally:
         _CLAIMING.release()
 
+#: Why a model (or another wrapper of its blocks) cannot run in a process forked while it ran.
+FORKED_DURING_RUN = (
+    "this model was running a trace in another thread when this process was forked from its parent: the fork copied "
+    "the run but not the thread running it, so the run never ends here. Trace a copy in this process "
+    "(moelens.wrap(copy.deepcopy(model._module))), or fork while no trace runs (or start processes with 'spawn')."
+)
+
 #: The interleaver whose model is running, by each MoE block module it runs (shared by every wrapper of the model).
 _RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, MoeInterleaver]" = weakref.WeakKeyDictionary()
 
@@ -98,6 +105,8 @@ class MoeInterleaver(Interleaver):
         blocks = [block for block in (ref() for ref in self._blocks) if block is not None]
         with _claiming():
             other = next((held for block in blocks if (held := _RUNNING.get(block)) not in (None, self)), None)
+            if other is not None and other._owner_pid != os.getpid():
+                raise MoelensError(FORKED_DURING_RUN)
             if other is not None:
                 where = "in this thread (a trace inside its trace)" if other.owner == threading.get_ident() else \
                     "in another thread"
@@ -112,15 +121,13 @@ class MoeInterleaver(Interleaver):
                 _RUNNING[block] = self
 
     def refuse_other_threads(self) -> None:
-        """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses)."""
-        if self.owner is not None and self.owner != threading.get_ident():
-            if self._owner_pid != os.getpid():  # forked during the run: the owner thread was not copied
-                raise MoelensError(
-                    "this model was running a trace in another thread when this process was forked from its parent: "
-                    "the fork copied the run but not the thread running it, so the run never ends here and the model "
-                    "cannot run in this process. Fork while no trace runs (or use the 'spawn' start method and wrap "
-                    "the model in the new process)."
-                )
+        """Raise `MoelensError` while a run another thread began is going on (what `claim` refuses), or one a thread
+        of the process this one was forked from began (a new thread here may get that thread's id)."""
+        if self.owner is None:
+            return
+        if self._owner_pid != os.getpid():  # forked during the run: the owner thread was not copied
+            raise MoelensError(FORKED_DURING_RUN)
+        if self.owner != threading.get_ident():
             raise MoelensError(
                 "this model is running a trace (or a forward) another thread began; a wrapped model runs one at a "
                 "time, and nnsight would mix the two runs' interventions up. Trace it from one thread at a time "

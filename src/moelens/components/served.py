@@ -260,6 +260,7 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     ``prepared``: an earlier fetch of the same value at the same visit, whose ``prepare``
     result is reused (``prepare`` may request a location the model has run past since).
     """
+    refuse_under_vmap(f"{component.path}.{name}", MoelensError)  # not ValueUnavailable, which save_all leaves out
     mediator = Mediator.current(binding.location)
     settle_open_reads(mediator)
     pinned = mediator.iteration  # as asked, before `prepare`'s own requests

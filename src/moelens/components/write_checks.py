@@ -21,7 +21,7 @@ try:  # torch's activation-checkpointing wrapper (what FSDP, accelerate and torc
 except ImportError:  # a torch built without torch.distributed
     CheckpointWrapper = None
 
-from ..errors import WriteError
+from ..errors import MoelensError, WriteError
 from .binding import ANY_INF, FINITE, INDEX, Binding
 
 if TYPE_CHECKING:
@@ -32,16 +32,17 @@ if TYPE_CHECKING:
 WHY_FINITE = {"selection_scores": "the router would fill its slots with excluded experts, at their full weight"}
 
 
-def refuse_under_vmap(what: str) -> None:
-    """Raise `WriteError` where ``what`` (an assignment or an intervention) runs inside ``torch.func.vmap``: its values
-    are batched tensors, without the storage and the per-element truth the write checks read (reads work there, and an
-    in-place edit lands, unchecked: vmap hides it from the tensor's version counter)."""
+def refuse_under_vmap(what: str, error: type[MoelensError] = WriteError) -> None:
+    """Raise ``error`` where ``what`` (a read, a write or an intervention) runs inside ``torch.func.vmap``: its values
+    are batched tensors, without the storage the token views and write checks read, and vmap hides an in-place edit
+    from the version counter that tells moelens to put it back (with autograd on, or of a copy, it would be lost)."""
     stack = torch._C._functorch.get_interpreter_stack()
     if stack and any(interpreter.key() == torch._C._functorch.TransformType.Vmap for interpreter in stack):
-        raise WriteError(
-            f"{what}: this trace runs inside torch.func.vmap, where moelens serves reads but cannot check or place "
-            "assigned values or interventions (the values are vmap's batched tensors). Batch the inputs in one trace "
-            "instead (the values are [batch, seq, ...]), or run a trace per input in a loop."
+        raise error(
+            f"{what}: this trace runs inside torch.func.vmap (or jacfwd, which runs it), where moelens cannot serve "
+            "values, place writes or run interventions (vmap's batched tensors hold no storage for them, and an "
+            "in-place edit would be lost). Batch the inputs in one trace instead (the values are [batch, seq, ...]), "
+            "or run a trace per input in a loop."
         )
 
 
