@@ -215,16 +215,16 @@ def test_specialisation_ignores_labels_equal_to_the_class_count():
 
 def test_activation_rate_and_risk_difference_by_hand():
     """activation_rate()[e, c] = the share of class-c tokens whose experts include e (tokens with every slot skipped
-    not counted), risk_difference(a, b) = rate of a minus rate of b, NaN for a class with no routed token; counted
-    with Python loops over the rows."""
-    rows = [[0, 1], [0, 2], [0, 3], [1, 2], [-1, -1], [2, 3]]  # token 4: both slots skipped (SKIPPED is -1)
-    labels = [0, 0, 1, 1, 1, 0]
+    not counted, an expert in two slots of a token counted once), risk_difference(a, b) = rate of a minus rate of b,
+    NaN for a class with no routed token; counted with Python loops over the rows."""
+    rows = [[0, 1], [0, 2], [0, 3], [1, 2], [-1, -1], [2, 3], [3, 3]]  # token 4: both slots skipped (SKIPPED is
+    labels = [0, 0, 1, 1, 1, 0, 1]  # -1); token 6: expert 3 in both slots (a swap to a used expert), reached once
     assert analysis.cache.SKIPPED == -1
     result = analysis.specialisation(cache_of([shard_of(rows, [[0.5, 0.5]] * len(rows))]), torch.tensor(labels),
                                      classes=["harmful", "benign", "empty"])
     routed = [(row, label) for row, label in zip(rows, labels) if any(e >= 0 for e in row)]
     tokens = [sum(label == c for _, label in routed) for c in range(3)]
-    assert result.tokens[0].tolist() == tokens == [3, 2, 0]
+    assert result.tokens[0].tolist() == tokens == [3, 3, 0]
     rate = result.activation_rate()[0]
     for e in range(WIDTH):
         for c in range(2):
@@ -234,7 +234,7 @@ def test_activation_rate_and_risk_difference_by_hand():
     difference = result.risk_difference("harmful", 1)[0]
     for e in range(WIDTH):
         assert math.isclose(float(difference[e]), float(rate[e, 0]) - float(rate[e, 1]), abs_tol=1e-12)
-    assert difference.tolist() == [2 / 3 - 1 / 2, 1 / 3 - 1 / 2, 2 / 3 - 1 / 2, 1 / 3 - 1 / 2]
+    assert difference.tolist() == [2 / 3 - 1 / 3, 1 / 3 - 1 / 3, 2 / 3 - 1 / 3, 1 / 3 - 2 / 3]
     with pytest.raises(moelens.MoelensError, match=r"no class 'toxic': the classes are \['harmful', 'benign', "
                                                    r"'empty'\]"):
         result.risk_difference("toxic", "benign")

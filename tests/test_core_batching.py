@@ -751,15 +751,21 @@ def test_a_cache_given_by_transformers_new_keyword_is_one():
     """transformers 5.25 takes the key-value cache as cache= (past_key_values= deprecated): moelens looked for the old
     name only, so text over cache= kept the mask of the new tokens alone (the cache unattended, off by 0.29), a mask
     over the cache and the new ids was refused as misfit, and invokes of different lengths ran silently off. Ground
-    truth: transformers on the cached and the new tokens in one forward, and over the same cache."""
+    truth: transformers on the cached and the new tokens in one forward, and over the same cache. Before 5.25 the
+    forward's **kwargs take cache= and drop it: refused there."""
     import inspect
 
     hf = tiny_model("qwen3_moe")
-    if "cache" not in inspect.signature(hf.forward).parameters:
-        pytest.skip("this transformers takes the cache as past_key_values only")
     reference = copy.deepcopy(hf)
     tokenizer = ascii_tokenizer()
     prompt, step = tokenizer(["hello"], return_tensors="pt").input_ids, tokenizer(["ab"], return_tensors="pt").input_ids
+    if "cache" not in inspect.signature(hf.forward).parameters:  # before 5.25: **kwargs take it, and it is not used
+        with pytest.raises(moelens.MoelensError, match=r"cache= is not a keyword of Qwen3MoeForCausalLM.forward: "
+                                                       r"transformers before 5.25 takes the key-value cache as "
+                                                       r"past_key_values, and would run the model without it"):
+            with torch.no_grad(), moelens.wrap(hf).trace(step, cache=_prefilled(reference, prompt)):
+                pass
+        return
     with torch.no_grad():
         whole = reference(input_ids=torch.cat([prompt, step], 1)).logits
         over = reference(input_ids=step, cache=_prefilled(reference, prompt)).logits

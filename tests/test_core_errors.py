@@ -2527,7 +2527,9 @@ def test_modules_beside_the_blocks_may_be_compiled_at_wrap_as_after_it():
         model = copy.deepcopy(hf)
         parent, name = swapped.rsplit(".", 1)
         model.get_submodule(parent).register_module(name, torch.compile(model.get_submodule(swapped), backend="eager"))
-        with pytest.raises(moelens.MoelensError, match=rf"{swapped} \(OptimizedModule\) is compiled by torch.compile"):
+        with pytest.raises(moelens.MoelensError, match=rf"{swapped} \(OptimizedModule\) is compiled by torch.compile: "
+                                                       rf"put back the module it compiled \(model.{swapped} = "
+                                                       rf"model.{swapped}._orig_mod\)"):
             moelens.wrap(model)
 
 

@@ -46,8 +46,8 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, layer_path, paths_above
 from .errors import ArgumentError, FamilyError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
-from .modules import (disk_offloaded, first_parameter, on_accelerator, padding_position_id, takes_keyword,
-                      vocab_size)
+from .modules import (disk_offloaded, first_parameter, names_keyword, on_accelerator, padding_position_id,
+                      takes_keyword, vocab_size)
 from .scalars import as_int, check_flag
 
 
@@ -390,7 +390,7 @@ class MoeModelMixin(StandardNames):
         from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
         given = set(extra).union(*(kwargs for inputs, kwargs in invokes))
         batched = super()._batch(invokes, fn)
-        cached = bool(_cached_tokens({**batched[1], **extra})) and not _generating(fn)
+        cached = bool(_cached_tokens(self._module, {**batched[1], **extra})) and not _generating(fn)
         mask = batched[1].get("attention_mask")
         unpadded = cached and isinstance(mask, torch.Tensor) and not is_fake(mask) and bool(mask.all())
         if cached and "attention_mask" not in given and unpadded:
@@ -673,7 +673,8 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
         raise unembeddable_ids(ids, "the trace's input_ids")
     mask = batched[1].get("attention_mask")
     given = {**batched[1], **(trace_kwargs or {})}
-    _refuse_misfit_mask(module, ids, given.get("attention_mask"), _given_cache(given), generating, mask_built)
+    _refuse_misfit_mask(module, ids, given.get("attention_mask"), _given_cache(module, given), generating,
+                       mask_built)
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
@@ -939,9 +940,9 @@ class MoeNNsight(MoeModelMixin, NNsight):
             for inputs, kwargs in invokes:
                 ids = _invoke_ids(inputs, kwargs)
                 self._refuse_one_unbatched_row(ids)
-                cache = _given_cache(kwargs)
+                cache = _given_cache(self._module, kwargs)
                 if cache is None:
-                    cache = _given_cache(getattr(self.interleaver.batcher, "extra_kwargs", {}))
+                    cache = _given_cache(self._module, getattr(self.interleaver.batcher, "extra_kwargs", {}))
                 _refuse_misfit_mask(self._module, ids, kwargs.get("attention_mask"), cache, _generating(fn))
             return super()._batch([self._mask_taken(inputs, kwargs) for inputs, kwargs in invokes], fn)
         rows: list[torch.Tensor] = []
@@ -970,7 +971,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
         input_ids, attention_mask = _left_padded(rows, _embedded_pad_id(self._module) if own_positions is None
                                                  else own_positions)
         params = getattr(self.interleaver.batcher, "extra_kwargs", {})  # the trace's own (model.trace(...=...))
-        if _cached_tokens(params):  # a mask and positions of the new tokens alone would leave the cache out
+        if _cached_tokens(self._module, params):  # a mask and positions of the new tokens alone would leave it out
             missing = [name for name in ("attention_mask", "position_ids")
                        if name not in params and (name == "attention_mask" or takes_keyword(self._module, name))]
             if not attention_mask.all() and missing:
@@ -1027,14 +1028,21 @@ def _without_remote(kwargs: dict[str, Any]) -> dict[str, Any]:
 CACHE_KEYWORDS = ("past_key_values", "cache")
 
 
-def _given_cache(params: Mapping[str, Any]) -> Any:
-    """The key-value cache among ``params`` under either name (`CACHE_KEYWORDS`), None where none is given."""
+def _given_cache(module: torch.nn.Module, params: Mapping[str, Any]) -> Any:
+    """The key-value cache among ``params`` under either name (`CACHE_KEYWORDS`), None where none is given; a
+    `MoelensError` for ``cache=`` to a forward that does not name it (before transformers 5.25 its ``**kwargs``
+    take it in silence, and the model runs without the cache)."""
+    if params.get("cache") is not None and not names_keyword(module, "cache"):
+        raise MoelensError(
+            f"cache= is not a keyword of {type(module).__name__}.forward: transformers before 5.25 takes the "
+            "key-value cache as past_key_values, and would run the model without it. Pass past_key_values=."
+        )
     return next((params[name] for name in CACHE_KEYWORDS if params.get(name) is not None), None)
 
 
-def _cached_tokens(params: dict[str, Any]) -> int:
+def _cached_tokens(module: torch.nn.Module, params: dict[str, Any]) -> int:
     """How many tokens the key-value cache among a trace's ``params`` holds (0: none given)."""
-    cache = _given_cache(params)
+    cache = _given_cache(module, params)
     if cache is None:
         return 0
     length = getattr(cache, "get_seq_length", None)
@@ -1405,8 +1413,10 @@ def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
                if getattr(forward, "_torchdynamo_orig_callable", None) is not None
                and not getattr(forward, "_torchdynamo_disable", False) else None)  # torch.compiler.disable's: runs
         if how is not None:
-            raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: load or copy the model "
-                               f"again and wrap it uncompiled. {COMPILED}")
+            fix = (f"put back the module it compiled (model.{name} = model.{name}._orig_mod)" if how.endswith(
+                "torch.compile") and name else "load or copy the model again")
+            raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: {fix} and wrap it "
+                               f"uncompiled. {COMPILED}")
 
 
 def _in_reentrant_checkpoint_backward(error: BaseException) -> bool:

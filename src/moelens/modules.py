@@ -37,6 +37,14 @@ def takes_keyword(module: nn.Module, name: str) -> bool:
     return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
+def names_keyword(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward names the keyword ``name`` itself (not only through ``**kwargs``)."""
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: assume it does
+        return True
+
+
 def enclosing(name: str, blocks: Iterable[str]) -> str | None:
     """The module name among ``blocks`` that module ``name`` sits inside (strictly below it), or None."""
     return next((block for block in blocks if name.startswith(block + ".")), None)

@@ -36,14 +36,16 @@ class Specialisation:
         layers: Decoder-layer indices.
         classes: Class names (column order).
         counts: ``[L, E, C]`` slots of class c routed to expert e.
-        tokens: ``[L, C]`` tokens of class c the layer routed (at least one slot not skipped), for
-            `activation_rate`; None in a `Specialisation` built by hand from counts alone.
+        tokens: ``[L, C]`` tokens of class c the layer routed (at least one slot not skipped), and
+        reached: ``[L, E, C]`` those of them with expert e among their slots (once, where several slots name it),
+            for `activation_rate`; None in a `Specialisation` built by hand from counts alone.
     """
 
     layers: list[int]
     classes: list[str]
     counts: Int[Tensor, "l e c"]
     tokens: Int[Tensor, "l c"] | None = None
+    reached: Int[Tensor, "l e c"] | None = None
 
     def share(self) -> Float[Tensor, "l e c"]:
         """P(class | expert): each expert's slots split over the classes (rows sum to 1)."""
@@ -64,12 +66,14 @@ class Specialisation:
 
     def activation_rate(self) -> Float[Tensor, "l e c"]:
         """P(expert e among a token's experts | class c): the share of the class's routed tokens that the layer
-        sends to the expert (a token reaches an expert once at most, so up to k experts per token: sums to k
-        over experts); NaN for a class the layer routed no token of."""
-        if self.tokens is None:
+        sends to the expert (``reached / tokens``: a token counts once for an expert several of its slots name, so
+        each rate is at most 1, and they sum to at most k over experts); NaN for a class the layer routed no token
+        of."""
+        if self.tokens is None or self.reached is None:
             raise MoelensError("this Specialisation holds no token counts (it was built from counts alone): make it "
                                "with moelens.analysis.specialisation(cache, labels, ...), which counts them.")
-        return self.counts.double() / self.tokens[:, None, :].double().where(self.tokens[:, None, :] > 0, torch.nan)
+        tokens = self.tokens[:, None, :].double()
+        return self.reached.double() / tokens.where(tokens > 0, torch.nan)
 
     def risk_difference(self, a: int | str, b: int | str) -> Float[Tensor, "l e"]:
         """How much more often class ``a``'s tokens reach each expert than class ``b``'s: ``activation_rate`` of
@@ -152,6 +156,7 @@ def specialisation(
     width = max(cache.num_experts.values())
     counts = torch.zeros(len(cache.layers), width * num_classes, dtype=torch.int64)
     tokens = torch.zeros(len(cache.layers), num_classes, dtype=torch.int64)
+    reached = torch.zeros_like(counts)
     start = 0
     for shard in cache._shards():
         if per == "token":
@@ -161,12 +166,16 @@ def specialisation(
         start += shard.num_tokens
         keep = (mine >= 0) & (mine < num_classes)
         for row, layer in enumerate(cache.layers):
-            indices = shard.indices[layer].long()[keep]
+            indices = shard.indices[layer].long()[keep].sort(-1).values  # a token's slots in order, SKIPPED first
             keys = indices * num_classes + mine[keep][:, None]
             routed = indices != SKIPPED
+            first = torch.ones_like(routed)  # the first slot of each expert in the row
+            first[:, 1:] = indices[:, 1:] != indices[:, :-1]
             counts[row] += torch.bincount(keys[routed], minlength=width * num_classes)
+            reached[row] += torch.bincount(keys[routed & first], minlength=width * num_classes)
             tokens[row] += torch.bincount(mine[keep][routed.any(-1)], minlength=num_classes)
     if per == "text" and labels.shape[0] > cache.num_texts:  # after the shards: a damaged cache is named first
         raise _text_labels_error(labels, cache)
-    return Specialisation(layers=list(cache.layers), classes=list(classes),
-                          counts=counts.view(len(cache.layers), width, num_classes), tokens=tokens)
+    shape = (len(cache.layers), width, num_classes)
+    return Specialisation(layers=list(cache.layers), classes=list(classes), counts=counts.view(shape), tokens=tokens,
+                          reached=reached.view(shape))
