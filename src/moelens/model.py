@@ -976,8 +976,8 @@ class MoeNNsight(MoeModelMixin, NNsight):
                        if name not in params and (name == "attention_mask" or takes_keyword(self._module, name))]
             if not attention_mask.all() and missing:
                 raise MoelensError(
-                    "invokes of different lengths over a key-value cache (past_key_values, or cache) on a model wrapped "
-                    "without a tokenizer: moelens left-pads the new tokens, but it cannot know which cached "
+                    "invokes of different lengths over a key-value cache (past_key_values, or cache) on a model "
+                    "wrapped without a tokenizer: moelens left-pads the new tokens, but it cannot know which cached "
                     "positions of each row are padding, so it cannot build their attention_mask and position_ids. "
                     "Give invokes of one length, or pass attention_mask (over the cache and the new tokens) and "
                     f"position_ids to model.trace(...) (not given: {', '.join(missing)})."
