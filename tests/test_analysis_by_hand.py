@@ -242,6 +242,21 @@ def test_activation_rate_and_risk_difference_by_hand():
         analysis.Specialisation([0], ["a"], result.counts[..., :1]).activation_rate()
 
 
+def test_specialisation_labels_given_as_class_names_count_as_their_ids():
+    """labels as names (["code", "prose", ...]): the classes are the names in the order they first appear, or their
+    places in classes=; counts per (expert, class) from a Counter over the rows; a name not in classes is refused."""
+    names = ["prose", "code", "code", "prose", "code"]  # one per token of CHOSEN
+    pairs = Counter((expert, label) for row, label in zip(tokens_by_hand(), names) for expert in row)
+    result = analysis.specialisation(chosen_cache(), names)
+    assert result.classes == ["prose", "code"]
+    assert result.counts[0].tolist() == [[pairs[(e, c)] for c in ["prose", "code"]] for e in range(WIDTH)]
+    ordered = analysis.specialisation(chosen_cache(), names, classes=["code", "prose", "other"])
+    assert ordered.counts[0].tolist() == [[pairs[(e, c)] for c in ["code", "prose", "other"]] for e in range(WIDTH)]
+    with pytest.raises(moelens.MoelensError, match=r"labels name the class 'prose', which is not in "
+                                                   r"classes=\['code'\]; add it there"):
+        analysis.specialisation(chosen_cache(), names, classes=["code"])
+
+
 # -- top tokens ------------------------------------------------------------------------------------------
 
 

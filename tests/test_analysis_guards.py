@@ -499,7 +499,7 @@ def test_plot_values_are_checked_and_drawn_as_named(model):
     spec = analysis.specialisation(cache, torch.tensor([0, 1, 0]), ["code", "prose"], per="text")
     experts = analysis.top_tokens(cache, 1, [0, 1], n=3, min_count=1)
     bad = [(lambda: plots.plot_coactivation(item, value="lifts"), r"value='lifts' is not one of \('conditional', 'lift', 'counts'\)"),
-           (lambda: plots.plot_specialisation(spec, value="counts"), r"value='counts' is not one of \('lift', 'share'\)"),
+           (lambda: plots.plot_specialisation(spec, value="counts"), r"value='counts' is not one of \('lift', 'share', 'rate'\)"),
            (lambda: plots.plot_top_tokens(experts, value="shares"), r"value='shares' is not one of \('counts', 'share'\)")]
     for call, message in bad:
         with pytest.raises(MoelensError, match=message):
@@ -521,6 +521,13 @@ def test_plot_values_are_checked_and_drawn_as_named(model):
     for value, matrix in (("share", spec.share()), ("lift", spec.lift())):
         torch.testing.assert_close(drawn(plots.plot_specialisation(spec, value=value))[used],
                                    matrix[0].float().double()[used])
+    # rates on every expert (an unused one reaches 0 of a class's tokens); risk difference layers x experts
+    torch.testing.assert_close(drawn(plots.plot_specialisation(spec, value="rate")),
+                               spec.activation_rate()[0].float().double())
+    assert drawn(plots.plot_specialisation(spec, value="rate")).eq(0).any()  # an expert these texts never reach
+    figure = plots.plot_risk_difference(spec, "prose", 0)
+    assert figure.axes[0].get_title() == "Risk difference: prose minus code"
+    torch.testing.assert_close(drawn(figure), spec.risk_difference(1, 0).float().double())
     # an expert no token chose is a blank row, with no number written on it ("0.00" read as "never this class")
     from moelens.analysis.specialisation import Specialisation
     sparse = Specialisation([0], ["code", "prose"], torch.tensor([[[0, 0], [2, 1]]]))

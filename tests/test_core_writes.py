@@ -129,6 +129,68 @@ def test_ablation_matches_the_same_edit_in_plain_nnsight(family, impl, mode):
     assert not torch.equal(ablated, plain), "the ablation changed nothing: the test would not notice a no-op"
 
 
+# one family per way of ranking: softmax top-k, top-k then softmax, sigmoid + selection bias in groups, a shared expert
+SEVERAL_EXPERTS = [("mixtral", "grouped_mm"), ("gpt_oss", "batched_mm"), ("deepseek_v3", "grouped_mm"),
+                   ("qwen2_moe", "eager")]
+
+
+@pytest.mark.parametrize(("family", "impl"), SEVERAL_EXPERTS, ids=[f"{f}-{i}" for f, i in SEVERAL_EXPERTS])
+@pytest.mark.parametrize("mode", ["zero", "route_around", "swap", "steer"])
+def test_several_experts_in_one_call_match_the_same_edit_in_plain_nnsight(family, impl, mode):
+    """ablate(moe, [a, b], ...) (pruning the least-used experts in one call) and steer(moe, [a, b], bias); a swap
+    with to=[b, a] exchanges the two experts: each slot's new expert follows from the routing as it was."""
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = running_moes(wrapped)
+    pairs = [(expert, (expert + 1) % moe.num_experts) for expert, moe in zip(chosen_experts(wrapped, inputs), moes)]
+    with wrapped.trace(**inputs):
+        for moe, (a, b) in zip(moes, pairs):
+            if mode == "steer":
+                moelens.steer(moe, [a, b], -6.0)
+            else:
+                moelens.ablate(moe, [a, b], mode, to=[b, a] if mode == "swap" else None)
+        output = wrapped.output.save()
+
+    def edit(block, moe, index):
+        a, b = pairs[index]
+        if mode == "steer":
+            logits = logits_op(block, moe)
+            logits[..., [a, b]] -= 6.0
+        elif mode == "route_around":
+            ranked = selection_op(block, moe) if moe.ranks_selection_scores else logits_op(block, moe)
+            ranked[..., [a, b]] = float("-inf")
+        elif mode == "zero":
+            swap_call_args(block, moe, lambda i, w: (i, w.masked_fill((i == a) | (i == b), 0.0)))
+        else:
+            swap_call_args(block, moe, lambda i, w: (torch.where(i == a, b, torch.where(i == b, a, i)), w))
+
+    edited = first_tensor(output)
+    torch.testing.assert_close(edited, plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
+    assert not torch.equal(edited, plain), "the edit changed nothing: the test would not notice a no-op"
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda moe: moelens.ablate(moe, [1, 1]), r"^ablate: expert 1 is given more than once in \[1, 1\]; give each "
+                                              r"expert once\.$"),
+    (lambda moe: moelens.ablate(moe, []), r"^ablate: no expert given"),
+    (lambda moe: moelens.ablate(moe, [1, 9]), r"^expert 9 is out of range: model\.model\.layers\.0\.mlp has "
+                                                                r"experts 0\.\.7"),
+    (lambda moe: moelens.ablate(moe, "12"), r"^ablate: expert='12' is str, not expert ids; pass an int expert id, or "
+                                            r"a list of them \(ablate\(moe, \[3, 5\]\)\)\.$"),
+    (lambda moe: moelens.ablate(moe, [1, 2], "swap", to=[3]), r"to=\[3\] gives 1 experts for the 2 ablated ones "
+                                                               r"\[1, 2\]; give one expert for all of them, or one "
+                                                               r"for each"),
+    (lambda moe: moelens.ablate(moe, [1, 2], "swap", to=[3, 2]), r"to=2 is the expert being ablated"),
+    (lambda moe: moelens.ablate(moe, [1, 2], "swap", to=[3, 2.5]), r"^to must be an int expert id in \[0, 8\), "
+                                                                    r"got 2\.5"),
+    (lambda moe: moelens.steer(moe, [2, 2], 1.0), r"^steer: expert 2 is given more than once"),
+])
+def test_several_experts_given_wrong_are_refused_naming_the_value(call, match):
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    with pytest.raises(moelens.WriteError, match=match):
+        with wrapped.trace(**inputs):
+            call(wrapped.moes[0])
+
+
 @pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
 def test_force_puts_the_expert_in_every_token_or_says_why(family, impl):
     hf, wrapped, inputs, plain, reference = built(family, impl)

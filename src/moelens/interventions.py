@@ -9,6 +9,7 @@ router's choice stands and only what flows on changes).
 call                          changes              how
 ============================  ===================  =============================================
 ``ablate(moe, e)``            outputs              weight of every slot routed to ``e`` set to 0
+                                                   (``e``: one expert or several, in every mode)
 ``ablate(.., "route_around")`` routing             ``e``'s logit (or selection score) set
                                                    to -inf: the router picks the best other
                                                    experts, weights renormalised by the family
@@ -113,12 +114,13 @@ def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
 
 
 @_intervention
-def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> None:
-    """Remove expert ``expert`` from block ``moe`` for the tokens of this invoke.
+def ablate(moe: Moe, expert: int | Iterable[int], mode: str = "zero", to: int | Iterable[int] | None = None) -> None:
+    """Remove expert ``expert`` (or each of several) from block ``moe`` for the tokens of this invoke.
 
     Args:
         moe: The MoE component (``model.moes[i]`` or ``model.layers[i].mlp``).
-        expert: The expert id to ablate.
+        expert: The expert id to ablate, or several (a list, a set, a range, a tensor of ids:
+            pruning the least-used experts is one call).
         mode: ``"zero"``: its slots keep their place but contribute nothing (routing
             unchanged, outputs change); ``"route_around"``: the router never picks it,
             choosing the best other experts and renormalising as the family does
@@ -127,33 +129,37 @@ def ablate(moe: Moe, expert: int, mode: str = "zero", to: int | None = None) -> 
             since the bias alone could still pick it);
             ``"swap"``: its slots run expert ``to`` instead, with
             the same weight (outputs change).
-        to: The replacement expert for ``mode="swap"``.
+        to: The replacement expert for ``mode="swap"``: one for all the ablated experts, or one
+            per ablated expert in their order (``ablate(moe, [1, 2], "swap", to=[2, 1])`` exchanges
+            experts 1 and 2: each slot's new expert follows from the routing as it was).
     """
-    expert = _expert(_moe(moe, "ablate"), expert)
+    experts = _expert_ids(_moe(moe, "ablate"), expert, "ablate")
     if mode not in ABLATION_MODES:
         raise WriteError(f"ablate mode {mode!r} is not one of {ABLATION_MODES}.")
     if mode != "swap" and to is not None:
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
     if mode == "swap":
-        to = _other_expert(moe, expert, to)
+        to = _replacements(moe, experts, to)
     if mode == "route_around":
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
         # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
         # per block, so that several experts can be routed around one after the other.)
         _refuse_unread_bias(moe)
         ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
-        ranked[..., expert] = float("-inf")
+        for expert in experts:
+            ranked[..., expert] = float("-inf")
         if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
             _check_bias_did_not_pick(moe)  # a bias this entry names no op for (ergo)
         return
     _refuse_recomputed_routing(moe, f"ablate(mode={mode!r})")
     indices = moe.expert_indices
-    routed_here = indices == expert
+    routed_here = [indices == expert for expert in experts]  # from the routing as it was (a swap may exchange)
     if mode == "zero":
-        weights = moe.expert_weights
-        moe.expert_weights = weights.masked_fill(routed_here, 0.0)
+        moe.expert_weights = moe.expert_weights.masked_fill(functools.reduce(torch.logical_or, routed_here), 0.0)
         return
-    moe.expert_indices = indices.masked_fill(routed_here, to)
+    for routed, replacement in zip(routed_here, to):
+        indices = indices.masked_fill(routed, replacement)
+    moe.expert_indices = indices
 
 
 def _refuse_recomputed_routing(moe: Moe, call: str) -> None:
@@ -168,16 +174,26 @@ def _refuse_recomputed_routing(moe: Moe, call: str) -> None:
         )
 
 
-def _other_expert(moe: Moe, expert: int, to: Any) -> int:
-    """``to`` as the expert id that takes over ``expert``'s slots in a swap; refused where it is missing or
-    ``expert`` itself."""
+def _replacements(moe: Moe, experts: list[int], to: Any) -> list[int]:
+    """``to`` as the expert that takes over each of ``experts``' slots in a swap: one id for all of them, or one per
+    expert; refused where it is missing, of another length, or an ablated expert itself."""
     if to is None:
         raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over>.")
-    to = _expert(moe, to, "to")
-    if to == expert:
-        raise WriteError(f"ablate(..., mode='swap'): to={to} is the expert being ablated, so nothing would change; give "
-                         "another expert to take over its slots (or use mode='zero').")
-    return to
+    if isinstance(to, (torch.Tensor, numpy.ndarray)) and to.ndim > 0:
+        with unset_fake_temporarily():
+            to = [scalar(replacement) for replacement in to.reshape(-1)]
+    if isinstance(to, Iterable) and not isinstance(to, (str, bytes, bytearray, Mapping, torch.Tensor, numpy.ndarray)):
+        replacements = [_expert(moe, replacement, "to") for replacement in to]  # two experts may go to one
+    else:
+        replacements = [_expert(moe, to, "to")] * len(experts)
+    if len(replacements) != len(experts):
+        raise WriteError(f"ablate(..., mode='swap'): to={replacements} gives {len(replacements)} experts for the "
+                         f"{len(experts)} ablated ones {experts}; give one expert for all of them, or one for each.")
+    kept = [expert for expert, replacement in zip(experts, replacements) if expert == replacement]
+    if kept:
+        raise WriteError(f"ablate(..., mode='swap'): to={kept[0]} is the expert being ablated, so nothing would change; "
+                         "give another expert to take over its slots (or use mode='zero').")
+    return replacements
 
 
 def _chosen_experts(moe: Moe) -> torch.Tensor:
@@ -362,14 +378,15 @@ def _conflicting_rows(positions: torch.Tensor, given: torch.Tensor) -> bool:
 
 
 @_intervention
-def steer(moe: Moe, expert: int, bias: float) -> None:
-    """Add ``bias`` to expert ``expert``'s router logit for every token (changes routing).
+def steer(moe: Moe, expert: int | Iterable[int], bias: float) -> None:
+    """Add ``bias`` to expert ``expert``'s router logit (or to each of several experts') for every token
+    (changes routing).
 
     A positive bias makes the router pick the expert more often, a negative one
     less (SteerMoE). The family's scoring turns the biased logits into weights.
     A one-element tensor that requires grad is added as it is, so the gradient reaches it.
     """
-    expert = _expert(_moe(moe, "steer"), expert)
+    experts = _expert_ids(_moe(moe, "steer"), expert, "steer")
     learned = bias if isinstance(bias, torch.Tensor) and bias.requires_grad and bias.numel() == 1 else None
     bias = scalar(bias)
     real = as_real(bias)  # inf for an int past float's range
@@ -388,27 +405,35 @@ def steer(moe: Moe, expert: int, bias: float) -> None:
         raise WriteError("steer: bias nan is not a number (NaN); give a finite bias (a few tens already decide the "
                          "routing).")
     logits = moe.router_logits
-    steered = logits[..., expert].float() + real
+    added = real if learned is None else learned.reshape(()).to(logits.dtype)
+    for expert in experts:
+        _check_steer_fits(moe, logits, expert, real)
+        logits[..., expert] += added
+
+
+def _check_steer_fits(moe: Moe, logits: torch.Tensor, expert: int, bias: float) -> None:
+    """Raise where adding ``bias`` to ``expert``'s ``logits`` would take a finite one past what their dtype holds."""
+    steered = logits[..., expert].float() + bias
     largest = torch.finfo(logits.dtype).max
     if is_fake(steered):  # model.scan: no logits to add to, but a bias the dtype cannot hold overflows any of them
-        reached = abs(real)
+        reached = abs(bias)
         overflow = reached > largest
     else:
         overflow = bool(((steered.abs() > largest) & logits[..., expert].isfinite()).any())
         reached = float(steered.detach().abs().max()) if overflow else 0.0
-    if overflow:
-        down = real < 0
-        if math.isinf(real) and down:
-            raise WriteError(f"steer: bias -inf would remove expert {expert} from {moe.path}'s routing; that is "
-                             f"route-around ablation: moelens.ablate(moe, {expert}, 'route_around').")
-        raise WriteError(
-            f"steer: bias {real} takes expert {expert}'s logits {'down' if down else 'up'} to "
-            f"{'-' if down else ''}{reached:.4g} in "
-            f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
-            f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
-            "the routing)."
-        )
-    logits[..., expert] += real if learned is None else learned.reshape(()).to(logits.dtype)
+    if not overflow:
+        return
+    down = bias < 0
+    if math.isinf(bias) and down:
+        raise WriteError(f"steer: bias -inf would remove expert {expert} from {moe.path}'s routing; that is "
+                         f"route-around ablation: moelens.ablate(moe, {expert}, 'route_around').")
+    raise WriteError(
+        f"steer: bias {bias} takes expert {expert}'s logits {'down' if down else 'up'} to "
+        f"{'-' if down else ''}{reached:.4g} in "
+        f"{moe.path}, beyond what the model's {str(logits.dtype).removeprefix('torch.')} logits hold "
+        f"({largest:.4g}, which would be inf); use a bias well inside that range (a few tens already decide "
+        "the routing)."
+    )
 
 
 def _is_lone_bool(part: Any) -> bool:
@@ -487,15 +512,31 @@ def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | N
         values[rows] = edit(values[rows])
 
 
-def _listed_experts(experts: Any) -> list[Any]:
-    """The expert ids ``experts`` gives force, as a list (not yet checked): the items of any iterable (a list, a set,
-    a generator, dict keys; force does not depend on their order), or ``[experts]`` for one id. Text is refused as a
-    whole: a str or bytes is iterable, but its characters are no expert ids."""
-    if isinstance(experts, (str, bytes, bytearray, Mapping)):  # a mapping's keys would pass, its values be dropped
-        raise WriteError(f"force: experts={experts!r:.80} is {type(experts).__name__}, not expert ids; pass an int "
-                         "expert id, or a list of them (force(moe, [3, 5])): force takes no weights, the router's "
-                         "scoring of the raised logits gives them.")
-    return list(experts) if isinstance(experts, Iterable) else [experts]
+def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert") -> list[int]:
+    """The distinct expert ids of ``moe`` that ``call``'s ``argument`` gives, checked: one id, or the items of any
+    iterable (a list, a set, a range, a generator, dict keys) or of a tensor or array. Text and mappings are refused
+    as a whole: a str is iterable, but its characters are no expert ids, and a mapping's values would be dropped."""
+    if isinstance(experts, torch.Tensor) and is_fake(experts) and experts.numel() > 1:
+        raise WriteError(f"{call}: expert ids in a tensor made inside model.scan have no values there (its tensors "
+                         "are fake); pass a list of ints, or a tensor made before the scan.")
+    if isinstance(experts, (torch.Tensor, numpy.ndarray)):  # a 0-d one too
+        with unset_fake_temporarily():  # in model.scan: a real tensor's ids, not placeholder symbols
+            experts = [scalar(expert) for expert in experts.reshape(-1)]
+    if isinstance(experts, (str, bytes, bytearray, Mapping)):
+        weights = " force takes no weights, the router's scoring of the raised logits gives them." \
+            if call == "force" else ""
+        raise WriteError(f"{call}: {argument}={experts!r:.80} is {type(experts).__name__}, not expert ids; pass an int "
+                         f"expert id, or a list of them ({call.split('(')[0]}(moe, [3, 5])).{weights}")
+    listed = list(experts) if isinstance(experts, Iterable) else [experts]
+    ids = [_expert(moe, expert, "expert" if argument == "experts" else argument) for expert in listed]
+    if not ids:
+        raise WriteError(f"{call}: no expert given; pass one expert id or a list of them.")
+    repeated = sorted({expert for expert in ids if ids.count(expert) > 1})
+    if repeated:
+        why = ("a router picks an expert for one slot at most: pass distinct experts (moelens.reroute sets slots to "
+               "any experts)") if call == "force" else "give each expert once"
+        raise WriteError(f"{call}: expert {repeated[0]} is given more than once in {ids}; {why}.")
+    return ids
 
 
 @_intervention
@@ -527,20 +568,7 @@ def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
     from a token-id table: ``force`` raises there. Read routing values of the block
     before calling it. ``tokens`` indexes this invoke's ``[batch, seq]`` (see `reroute`).
     """
-    _moe(moe, "force")
-    if isinstance(experts, torch.Tensor) and is_fake(experts) and experts.numel() > 1:
-        raise WriteError("force: expert ids in a tensor made inside model.scan have no values there (its tensors are "
-                         "fake); pass a list of ints, or a tensor made before the scan.")
-    if isinstance(experts, (torch.Tensor, numpy.ndarray)):  # a 0-d one too
-        with unset_fake_temporarily():  # in model.scan: a real tensor's ids, not placeholder symbols
-            experts = [scalar(expert) for expert in experts.reshape(-1)]
-    chosen = [_expert(moe, expert) for expert in _listed_experts(experts)]
-    if not chosen:
-        raise WriteError("force: no expert given; pass one expert id or a list of them.")
-    repeated = sorted({expert for expert in chosen if chosen.count(expert) > 1})
-    if repeated:
-        raise WriteError(f"force: expert {repeated[0]} is given more than once in {chosen}; a router picks an expert "
-                         "for one slot at most: pass distinct experts (moelens.reroute sets slots to any experts).")
+    chosen = _expert_ids(_moe(moe, "force"), experts, "force", "experts")
     if len(chosen) > moe.top_k:
         raise WriteError(f"force: {len(chosen)} experts given but {moe.path} routes each token to only {moe.top_k}.")
     scoring = moe.SCORING

@@ -9,7 +9,8 @@ is first imported. `save` writes a figure (PNG unless the path's suffix names an
 from __future__ import annotations
 
 __all__ = ["has_display", "pyplot", "save", "plot_usage", "plot_load_balance", "plot_entropy", "plot_coactivation",
-           "plot_transitions", "plot_token_routing", "plot_top_tokens", "plot_logit_lens", "plot_specialisation"]
+           "plot_transitions", "plot_token_routing", "plot_top_tokens", "plot_logit_lens", "plot_specialisation",
+           "plot_risk_difference"]
 
 import os
 import sys
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import MoelensError
@@ -38,7 +40,8 @@ from .usage import LoadBalance, Usage
 COACTIVATION_VALUES = {"conditional": "P(j chosen | i chosen)", "lift": "lift P(i,j)/(P(i)P(j))",
                        "counts": "tokens routed to i and j"}
 TOP_TOKEN_VALUES = ("counts", "share")
-SPECIALISATION_VALUES = ("lift", "share")
+SPECIALISATION_VALUES = {"lift": "P(class|expert) / P(class)", "share": "P(class|expert)",
+                         "rate": "P(expert among a token's experts | class)"}
 
 
 def _check_value(value: str, choices: Sequence[str]) -> None:
@@ -162,27 +165,36 @@ def _pixels(values: Tensor) -> np.ndarray:
 def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> Any:
     """Heatmap layers x experts of each expert's share of its layer's slots (1/E is balanced)."""
     check_type(usage, Usage, "usage", "a Usage", "make one with analysis.expert_usage(cache)")
-    plt = pyplot()
     share = usage.fraction.float().clone()
     for row, experts in enumerate(usage.num_experts):
         share[row, experts:] = float("nan")  # a layer of fewer experts (a converted model): no cell, not a 0
-    annotated = max(share.shape) <= ANNOTATED_CELLS
+    return _layers_by_experts(share, usage.layers, f"{title}\n{usage.tokens} tokens", "share of slots",
+                              written=share * 100, fmt=".0f", unit="%", cmap="viridis", vmin=0)
+
+
+def _layers_by_experts(values: Float[Tensor, "l e"], layers: Sequence[int], title: str, label: str, *,
+                       written: Float[Tensor, "l e"], fmt: str, unit: str = "", dark_low: bool = True,
+                       **image: Any) -> Any:
+    """A heatmap layers x experts of ``values`` (NaN: no cell), each cell labelled with ``written`` up to
+    `ANNOTATED_CELLS` experts and layers (larger ones stay at most 14 x 12 inches, unlabelled); ``image`` goes to
+    ``imshow`` (cmap, vmin, vmax)."""
+    annotated = max(values.shape) <= ANNOTATED_CELLS
     if annotated:  # room for each cell's label
-        size = (max(4.0, 0.55 * share.shape[1] + 2), max(2.2, 0.5 * share.shape[0] + 1.2))
+        size = (max(4.0, 0.55 * values.shape[1] + 2), max(2.2, 0.5 * values.shape[0] + 1.2))
     else:  # no labels: a heatmap of 256 experts x 58 layers need not be 140 inches wide
-        size = (min(max(4.0, 0.1 * share.shape[1] + 4), 14.0), min(max(2.2, 0.2 * share.shape[0] + 1.2), 12.0))
-    figure, axes = plt.subplots(figsize=size)
-    image = axes.imshow(_pixels(share), aspect="auto", cmap="viridis", vmin=0)
-    _annotate(axes, share * 100, ".0f")
+        size = (min(max(4.0, 0.1 * values.shape[1] + 4), 14.0), min(max(2.2, 0.2 * values.shape[0] + 1.2), 12.0))
+    figure, axes = pyplot().subplots(figsize=size)
+    drawn = axes.imshow(_pixels(values), aspect="auto", **image)
+    _annotate(axes, written, fmt, dark_low=dark_low)
     axes.set_xlabel("expert")
     axes.set_ylabel("layer")
-    axes.set_yticks(range(len(usage.layers)), [str(layer) for layer in usage.layers])
+    axes.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     if annotated:  # a tick per expert; past that, as many whole numbers as fit
-        axes.set_xticks(range(share.shape[1]))
+        axes.set_xticks(range(values.shape[1]))
     else:
         _whole_numbers(axes.xaxis, bins=10)  # a wider axis (up to 14 inches): matplotlib's default count
-    axes.set_title(f"{title}\n{usage.tokens} tokens" + ("; annotations in %" if annotated else ""))
-    figure.colorbar(image, ax=axes, label="share of slots")
+    axes.set_title(title + (f"; annotations in {unit}" if annotated and unit else ""))
+    figure.colorbar(drawn, ax=axes, label=label)
     return figure
 
 
@@ -400,16 +412,17 @@ def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) ->
 
 
 def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
-    """Heatmaps experts x classes per layer: ``"lift"`` (P(class|expert)/P(class)) or ``"share"``."""
+    """Heatmaps experts x classes per layer: ``"lift"`` (P(class|expert)/P(class)), ``"share"`` (P(class|expert))
+    or ``"rate"`` (`Specialisation.activation_rate`: P(expert among a token's experts | class))."""
     check_type(spec, Specialisation, "spec", "a Specialisation", "make one with analysis.specialisation(cache, labels)")
     _check_value(value, SPECIALISATION_VALUES)
     # a cell's number needs about 0.32 inch: panels widen with the classes (10 classes' numbers ran together)
     figure, panels = _grid(len(spec.layers), size=2.6, width=max(2.6, 0.32 * len(spec.classes) + 1.0))
-    matrix = spec.lift() if value == "lift" else spec.share()
+    matrix = {"lift": spec.lift, "share": spec.share, "rate": spec.activation_rate}[value]()
     for row, (axes, layer) in enumerate(zip(panels, spec.layers)):
         data = matrix[row].float()
-        used = spec.counts[row].sum(-1) > 0
-        data[~used] = float("nan")
+        if value != "rate":  # an expert no token chose has no share; its rate is 0 (a class with no tokens: NaN)
+            data[spec.counts[row].sum(-1) == 0] = float("nan")
         if value == "lift":
             image = axes.imshow(_pixels(data), aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
         else:
@@ -420,6 +433,17 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
         axes.set_title(f"layer {layer}", fontsize=9)
         _annotate(axes, data, ".1f" if value == "lift" else ".2f", dark_low=value != "lift")  # blank cells: no number
         figure.colorbar(image, ax=axes, fraction=0.05)
-    figure.suptitle("Expert specialisation: " + ("P(class|expert) / P(class)" if value == "lift" else "P(class|expert)"))
+    figure.suptitle("Expert specialisation: " + SPECIALISATION_VALUES[value])
     figure.tight_layout()
     return figure
+
+
+def plot_risk_difference(spec: Specialisation, a: int | str, b: int | str) -> Any:
+    """Heatmap layers x experts of `Specialisation.risk_difference` (``a``'s activation rate minus ``b``'s, -1 to
+    1): red where class ``a``'s tokens reach the expert more often, blue where ``b``'s do (SteerMoE's detection)."""
+    check_type(spec, Specialisation, "spec", "a Specialisation", "make one with analysis.specialisation(cache, labels)")
+    difference = spec.risk_difference(a, b).float()
+    names = [spec.classes[spec._class(name)] for name in (a, b)]
+    return _layers_by_experts(difference, spec.layers, f"Risk difference: {names[0]} minus {names[1]}",
+                              f"P(expert | {names[0]}) - P(expert | {names[1]})", written=difference, fmt=".2f",
+                              dark_low=False, cmap="coolwarm", vmin=-1, vmax=1)

@@ -93,6 +93,19 @@ class Specialisation:
         return index
 
 
+def _named_labels(labels: Any, classes: list[str] | None) -> tuple[Any, list[str] | None]:
+    """Labels given as class names (a list or tuple of str) as their ids, with the class names: ``classes`` where
+    given (a name not in it is refused), else the names in the order they first appear. Other labels pass as given."""
+    if not (isinstance(labels, (list, tuple)) and labels and all(isinstance(label, str) for label in labels)):
+        return labels, classes
+    names = list(dict.fromkeys(labels)) if classes is None else classes
+    unknown = [label for label in dict.fromkeys(labels) if label not in names]
+    if unknown:
+        raise MoelensError(f"labels name the class {unknown[0]!r}, which is not in classes={names}; add it there, or "
+                           "leave classes out to take the names in the order the labels give them.")
+    return [names.index(label) for label in labels], names
+
+
 def _class_ids(labels: Any) -> Tensor:
     """``labels`` as a flat int64 tensor of class ids (floats only when they are whole numbers, bools as 0 and 1);
     fractions, which would be rounded into a class, and anything that is no list, tensor or array of numbers are
@@ -102,8 +115,9 @@ def _class_ids(labels: Any) -> Tensor:
     except (TypeError, ValueError, RuntimeError):
         ids = None
     if ids is None or ids.is_complex() or ids.is_floating_point() and not bool((ids == ids.round()).all()):
-        raise MoelensError(f"labels must be integer class ids (a list, tensor or array of ints), got {described(labels)}"
-                           "; a class id is a whole number (ids outside 0..C-1 are ignored), never rounded.")
+        raise MoelensError(f"labels must be integer class ids (a list, tensor or array of ints) or class names (a "
+                           f"list of str), got {described(labels)}; a class id is a whole number (ids outside 0..C-1 "
+                           "are ignored), never rounded.")
     return ids.long().flatten()
 
 
@@ -123,7 +137,9 @@ def specialisation(
     Args:
         cache: A routing cache.
         labels: Class ids: ``[T]`` one per cached token (``per="token"``) or one per
-            corpus item (``per="text"``). Ids outside ``0..C-1`` are ignored.
+            corpus item (``per="text"``). Ids outside ``0..C-1`` are ignored. Or class names
+            (a list of str): their places in ``classes``, or without it the names in the order
+            they first appear become the classes.
         classes: Class names, a list: ``classes[c]`` names class id ``c`` (a set, which has no order, is refused;
             default: ``"0" .. "C-1"`` from the largest label below 255).
         per: ``"token"`` or ``"text"``.
@@ -131,12 +147,13 @@ def specialisation(
     check_cache(cache)
     if per not in PER:
         raise MoelensError(f"per={per!r} is not one of {PER}.")
-    labels = _class_ids(labels)
     if classes is not None:
         classes = id_list("classes", classes, "class name", "{name}=['name of class 0', ...]", items="text",
                           order="the name of class 0, 1, ... (the label ids)")
         if not classes:
             raise MoelensError("classes is empty: name at least one class (or leave classes out to number them).")
+    labels, classes = _named_labels(labels, classes)
+    labels = _class_ids(labels)
     if per == "token" and labels.shape[0] != cache.num_tokens:
         raise MoelensError(
             f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."
