@@ -343,6 +343,38 @@ def test_renormalized_keep_top_is_the_family_at_a_smaller_top_k(family, router, 
     torch.testing.assert_close(first_tensor(output), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_renormalized_keep_top_in_bfloat16_keeps_the_router_s_best_of_equal_weights(family):
+    """In bfloat16 the router's two best weights (apart in the float32 scores it ranks) often round to one value;
+    torch.topk then kept the second slot on ~6% of tokens (E=32, k=8), unlike the router at top_k=1 (plain
+    transformers, its top_k lowered on an unwrapped copy, the experts' output taken by a hook). Tokens whose two
+    best float32 scores are themselves equal (the router at k=1 and at k=8 may break that tie either way) are left
+    out of the comparison."""
+    settings = {"num_experts_per_tok": 8, **({"num_experts": 32, "norm_topk_prob": True} if family == "qwen3_moe"
+                                             else {"num_local_experts": 32})}
+    hf = tiny_model(family, experts_implementation="batched_mm", dtype=torch.bfloat16, **settings)
+    ids = torch.randint(3, 128, (8, 64), generator=torch.Generator().manual_seed(1))
+    reference, wrapped = copy.deepcopy(hf), moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    block = reference.get_submodule(moe.path.removeprefix("model."))
+    (block.router if family == "gpt_oss" else block.gate).top_k = 1
+    seen = {}
+    block.experts.register_forward_hook(lambda module, args, output: seen.update(output=output))
+    with torch.no_grad():
+        reference(ids)
+    with torch.no_grad(), wrapped.trace(ids):
+        logits = moe.router_logits.clone().save()
+        weights = moe.expert_weights.clone().save()
+        moelens.keep_top(moe, 1, renormalize=True)
+        routed = moe.routed_output.save()
+    top_two = (logits.float().softmax(-1) if family == "qwen3_moe" else logits.float()).topk(2, dim=-1).values
+    apart = top_two[..., 0] != top_two[..., 1]
+    best_two = weights.sort(-1, descending=True).values[..., :2]
+    assert (apart & (best_two[..., 0] == best_two[..., 1])).sum() > 10, "no rounded tie: the test would not see one"
+    expected = seen["output"].view_as(routed)
+    torch.testing.assert_close(routed[apart], expected[apart], atol=0, rtol=0)
+
+
 def test_keep_top_on_chosen_tokens_leaves_the_others():
     hf, wrapped, inputs, plain, reference = built("qwen3_moe", "grouped_mm")
     moe = wrapped.moes[0]

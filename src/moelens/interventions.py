@@ -337,9 +337,12 @@ def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) ->
 
 def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: bool
                 ) -> Float[torch.Tensor, "*tokens k"]:
-    """``weights`` with all but each token's ``n`` largest set to 0; with ``renormalize``, the kept ones scaled to
-    the sum of all of them (a token whose kept ones sum to 0 keeps its zeros)."""
-    kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, weights.topk(n, dim=-1).indices, True)
+    """``weights`` with all but each token's ``n`` largest set to 0 (of equal ones the earlier slots: routers put
+    their best expert first, and in bfloat16 the weights of two experts the router told apart can round to one
+    value, where torch.topk may pick either); with ``renormalize``, the kept ones scaled to the sum of all of them
+    (a token whose kept ones sum to 0 keeps its zeros)."""
+    best_first = weights.sort(dim=-1, descending=True, stable=True).indices[..., :n]
+    kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, best_first, True)
     best = weights.masked_fill(~kept, 0.0)
     if not renormalize:
         return best
