@@ -880,3 +880,87 @@ def test_values_saved_under_inference_mode_are_normal_tensors_router_probs_too()
     assert not any(value.is_inference() for value in (*values.values(), alone))
     assert torch.equal(values["router_probs"], torch.softmax(values["router_logits"].float(), dim=-1))
     values["router_probs"][..., 0] = 0  # the user's own analysis copy
+
+
+def nan_in_second_row(model) -> torch.utils.hooks.RemovableHandle:
+    """A NaN the model computes itself in batch row 1 (one embedding entry, spread by attention), row 0 finite."""
+    def poison(module, args, output):
+        output = output.clone()
+        output[1, 0, 0] = float("nan")
+        return output
+    return model.get_input_embeddings().register_forward_hook(poison)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("intervention", ["steer", "route_around", "force_row_0", "keep_top_row_0", "zero"])
+def test_an_intervention_on_finite_rows_runs_beside_the_model_s_own_nan(grad, intervention):
+    """Where the model computed NaN in one batch row, each intervention was refused as if it had written the NaN
+    ("the written tensor holds NaN"), even on the finite row alone; compared with the same edit in plain nnsight on
+    an unwrapped copy computing the same NaN (row 0 equal, row 1 NaN in both)."""
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    inputs = tiny_inputs(hf, batch=2, seq=5)
+    reference, wrapped = copy.deepcopy(hf), moelens.wrap(hf)
+    handles = [nan_in_second_row(hf), nan_in_second_row(reference)]
+    row_0 = (0, slice(None))
+    try:
+        with torch.set_grad_enabled(grad), wrapped.trace(**inputs):
+            moe = wrapped.moes[0]
+            {"steer": lambda: moelens.steer(moe, 3, 2.0), "route_around": lambda: moelens.ablate(moe, 3, "route_around"),
+             "force_row_0": lambda: moelens.force(moe, 3, tokens=row_0),
+             "keep_top_row_0": lambda: moelens.keep_top(moe, 1, tokens=row_0),
+             "zero": lambda: moelens.ablate(moe, 3)}[intervention]()
+            output = wrapped.output.save()
+
+        def edit(block, moe, index):
+            if index:
+                return
+            logits = logits_op(block, moe)
+            if intervention == "steer":
+                logits[..., 3] += 2.0
+            elif intervention == "route_around":
+                logits[..., 3] = float("-inf")
+            elif intervention == "force_row_0":
+                first = logits[:5]  # the raw logits are flat [batch * seq, E]: row 0's tokens first
+                logits[:5, 3] = first[:, 3] + first.amax(-1) - first.amin(-1) + 30.0
+            else:
+                kept = (lambda w: best_slots_by_rank(w, 1, False)) if intervention == "keep_top_row_0" else None
+                swap_call_args(block, moe, lambda i, w: (i, torch.cat([kept(w[:5]), w[5:]]) if kept else
+                                                         w.masked_fill(i == 3, 0.0)))
+
+        with torch.set_grad_enabled(grad):
+            expected = plain_edit(reference, inputs, running_moes(wrapped), edit)
+    finally:
+        for handle in handles:
+            handle.remove()
+    edited = first_tensor(output)
+    assert edited[1].isnan().all() and expected[1].isnan().all()
+    torch.testing.assert_close(edited[0], expected[0], atol=1e-6, rtol=1e-6)
+
+
+def test_a_nan_the_user_writes_beside_the_model_s_own_is_still_refused():
+    """Beside the model's own NaN (row 1), a NaN written into the finite row 0 is refused; an in-place edit of the
+    model's tensor under torch.no_grad, where the values before are gone, says so and to assign instead."""
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    inputs = tiny_inputs(hf, batch=2, seq=5)
+    wrapped = moelens.wrap(hf)
+    handle = nan_in_second_row(hf)
+    try:
+        for grad in (False, True):
+            with pytest.raises(moelens.WriteError, match=r"holds NaN \(1 of 80, the first at \(0, 2, 3\)\)"):
+                with torch.set_grad_enabled(grad), wrapped.trace(**inputs):
+                    logits = wrapped.moes[0].router_logits
+                    wrapped.moes[0].router_logits = torch.where(torch.arange(5)[:, None] == 2, logits.index_fill(
+                        -1, torch.tensor([3]), float("nan")), logits)
+        with pytest.raises(moelens.WriteError, match=r"assign the edited tensor instead, "
+                                                     r"model\.model\.layers\.0\.mlp\.router_logits = edited"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                wrapped.moes[0].router_logits[0, :, 3] -= 1.0
+        with torch.no_grad(), wrapped.trace(**inputs):  # assigned, the same edit is told from the model's NaN
+            logits = wrapped.moes[0].router_logits
+            edited = logits.clone()
+            edited[0, :, 3] -= 1.0
+            wrapped.moes[0].router_logits = edited
+            output = wrapped.output.save()
+        assert first_tensor(output)[0].isfinite().all()
+    finally:
+        handle.remove()

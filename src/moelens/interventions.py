@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
 from .components.layer_list import held_blocks
-from .components.write_checks import refuse_under_vmap
+from .components.write_checks import refuse_under_vmap, remember_before_edit
 from .errors import OrderError, WriteError, sentence
 from .families import registry
 from .families.scoring import score
@@ -146,6 +146,7 @@ def ablate(moe: Moe, expert: int | Iterable[int], mode: str = "zero", to: int | 
         # per block, so that several experts can be routed around one after the other.)
         _refuse_unread_bias(moe)
         ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
+        remember_before_edit(ranked)
         for expert in experts:
             ranked[..., expert] = float("-inf")
         if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
@@ -409,6 +410,7 @@ def steer(moe: Moe, expert: int | Iterable[int], bias: float) -> None:
                          "routing).")
     logits = moe.router_logits
     added = real if learned is None else learned.reshape(()).to(logits.dtype)
+    remember_before_edit(logits)
     for expert in experts:
         _check_steer_fits(moe, logits, expert, real)
         logits[..., expert] += added
@@ -509,6 +511,7 @@ def _is_bool_mask(tokens: Any) -> bool:
 def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
                edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Replace ``values`` (or its ``rows``, from `_token_rows`) in place by ``edit`` of them (a new tensor)."""
+    remember_before_edit(values)
     if rows is None:
         values[...] = edit(values)
     else:

@@ -34,7 +34,7 @@ from . import tokens
 from .binding import ANY_INF, FLOAT, Binding, dict_output
 from .implementations import runs_torch_a2a
 from .run_owner import MoeInterleaver
-from .write_checks import check_not_recomputed, check_write, refuse_under_vmap
+from .write_checks import BEFORE_EDITS, check_not_recomputed, check_write, refuse_under_vmap
 
 if TYPE_CHECKING:
     from .base import Component
@@ -561,8 +561,9 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
     def check() -> bool:
         """Whether the view was edited (in place), the edit checked."""
         edited = view._version != version
-        if edited:
-            check_write(component, name, binding, view, view.shape)
+        if edited:  # the model's values from before: of a copy, the view it was made from; else as an intervention kept
+            before = BEFORE_EDITS.get(view) if _aliases(view, fetched.view) else fetched.view
+            check_write(component, name, binding, view, view.shape, before)
             check_not_recomputed(component, name)
         return edited
 
@@ -759,7 +760,7 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
             value = value.expand(current.shape)
         if value.is_floating_point() and current.is_floating_point():
             value = _cast(component, name, binding, value, current.dtype)  # checked as the model gets it
-    check_write(component, name, binding, value, current.shape)
+    check_write(component, name, binding, value, current.shape, before=current)
     check_not_recomputed(component, name)
     earlier = None
     for other in superseded:

@@ -9,12 +9,13 @@ backward. Both raise `WriteError`, naming the value, what was expected and what 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from einops import rearrange
 from jaxtyping import Bool, Float
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.utils.weak import WeakIdKeyDictionary
 
 try:  # torch's activation-checkpointing wrapper (what FSDP, accelerate and torchtitan put around layers)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
@@ -82,17 +83,43 @@ def check_not_recomputed(component: "Component", name: str) -> None:
         )
 
 
-def check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
+#: The model's own values of served views an intervention edits in place where they hold NaN or infinities (kept only
+#: then, by `remember_before_edit`): where the view is the model's tensor, its values from before are gone otherwise.
+BEFORE_EDITS = WeakIdKeyDictionary()
+
+
+def remember_before_edit(view: torch.Tensor) -> None:
+    """Keep ``view``'s values before an intervention edits it in place, where some are NaN or infinite (a NaN the
+    model computed itself, an fp16 overflow): `check_write` then refuses only what the edits made non-finite."""
+    if view not in BEFORE_EDITS and view.is_floating_point() and not is_fake(view) and \
+            not bool(torch.isfinite(view).all()):
+        BEFORE_EDITS[view] = view.detach().clone()
+
+
+def check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size,
+                before: torch.Tensor | None = None) -> None:
     """Raise `WriteError` for a write the model would compute something wrong from.
 
-    In ``model.scan`` a fake value is checked for shape and dtype only; a real tensor written there (one saved
-    from an earlier trace) is checked in full, outside the fake mode (whose results could not be asked for truth).
+    ``before`` is the model's own value at the written place where moelens holds it (an assignment, an in-place edit
+    of a copy): a NaN or an infinity already there is the model's, not refused. In ``model.scan`` a fake value is
+    checked for shape and dtype only; a real tensor written there (one saved from an earlier trace) is checked in
+    full, outside the fake mode (whose results could not be asked for truth).
     """
     with unset_fake_temporarily():
-        _check_write(component, name, binding, value, shape)
+        _check_write(component, name, binding, value, shape, before)
 
 
-def _check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size) -> None:
+def _introduced(value: torch.Tensor, before: torch.Tensor | None, test: Callable[[torch.Tensor], torch.Tensor]
+                ) -> torch.Tensor:
+    """Where ``test`` (NaN, +inf, -inf) holds for the written ``value`` but not for the model's own value ``before``."""
+    found = test(value)
+    if before is not None and before.shape == value.shape and bool(found.any()):
+        found &= ~test(before.to(value.device))
+    return found
+
+
+def _check_write(component: "Component", name: str, binding: Binding, value: torch.Tensor, shape: torch.Size,
+                 before: torch.Tensor | None = None) -> None:
     where = f"{component.path}.{name}"
     if tuple(value.shape) != tuple(shape):
         raise WriteError(
@@ -126,15 +153,19 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
         )
     if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
         return
-    nans = torch.isnan(value)
+    unknown = "" if before is not None else (
+        f" (moelens cannot tell the model's own NaN or inf from an edit in place of its tensor, under torch.no_grad: "
+        f"where the model computed them, assign the edited tensor instead, {component.path}.{name} = edited)")
+    nans = _introduced(value, before, torch.isnan)
     if nans.any():
         first = tuple(int(i) for i in nans.nonzero()[0])
         raise WriteError(f"{where}: the written tensor holds NaN ({int(nans.sum())} of {nans.numel()}, the first at "
-                         f"{first}); the model would propagate it. Write finite values (torch.nan_to_num, ...).")
+                         f"{first}); the model would propagate it. Write finite values (torch.nan_to_num, ...)"
+                         f"{unknown}.")
     allowed = binding.allowed_infinities()
     if allowed != ANY_INF:
-        plus = bool(torch.isposinf(value).any())
-        if plus or (allowed == FINITE and torch.isneginf(value).any()):
+        plus = bool(_introduced(value, before, torch.isposinf).any())
+        if plus or (allowed == FINITE and _introduced(value, before, torch.isneginf).any()):
             which = "+inf" if plus else "-inf"
             if name == "router_logits":
                 scores = component.family.score_of(component._module)
@@ -144,7 +175,7 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                 why = "the model would compute inf or NaN from it; write finite values"
             if value.dtype in (torch.float16, torch.bfloat16):  # an in-place edit of a finite number beyond the range
                 why += f" (in {value.dtype} a number beyond {torch.finfo(value.dtype).max:.3g} is {which})"
-            raise WriteError(f"{where}: the written tensor holds {which}; {why}.")
+            raise WriteError(f"{where}: the written tensor holds {which}; {why}{unknown}.")
     cast_to = binding.summed_into() if binding.summed_into is not None else None
     if cast_to is not None and value.numel():  # the model adds up a token's slots and casts the sum to ``cast_to``
         summed_in = _slot_sum_dtype(value)
