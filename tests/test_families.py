@@ -419,3 +419,26 @@ def test_every_vocabulary_the_getting_started_guide_names_imports_from_families(
     assert "EXPERT_GATES" in named
     for name in named:
         assert name in families.__all__ and isinstance(getattr(families, name), tuple), name
+
+
+@pytest.mark.parametrize("where", ["expert", "router"])
+def test_check_of_a_model_that_computes_nan_says_so_instead_of_blaming_the_entry(where):
+    """A NaN in the experts' or the router's weights (plain transformers' output: NaN): check said moelens' own
+    mixtral entry "does not describe what the model computes" (largest difference nan) and to fix its Combine or
+    logits_op; it names the first block computing NaN and what holds it. The same model without the NaN passes."""
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert moelens.families.check(moelens.wrap(hf), ids)
+    block = hf.model.layers[1].mlp
+    with torch.no_grad():
+        if where == "expert":
+            block.experts.down_proj[:, 0, 0] = float("nan")  # every expert's: some token runs one
+        else:
+            block.gate.weight[5, 0] = float("nan")
+        assert hf(ids).logits.isnan().any()
+    held = "routed_output, mlp_output hold NaN" if where == "expert" else \
+        "router_logits, expert_weights, routed_output, mlp_output hold NaN"
+    with pytest.raises(moelens.errors.FamilyError, match=rf"^check: the model computes NaN on these inputs, first at "
+                                                          rf"model\.model\.layers\.1\.mlp: {held} .*the entry may well "
+                                                          r"be right"):
+        moelens.families.check(moelens.wrap(hf), ids)

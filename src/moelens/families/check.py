@@ -93,6 +93,15 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
                     "experts), and the model had run past one of them, so the block's forward runs them in another "
                     f"order: {error}\n{REREGISTER}"
                 ) from None
+    computed_nan = [problem for problem in (_computed_nan(moe, values) for moe, values in zip(moes, saved)) if problem]
+    if computed_nan:
+        later = f" (and in {len(computed_nan) - 1} later blocks)" if len(computed_nan) > 1 else ""
+        raise FamilyError(
+            f"check: the model computes NaN on these inputs, first at {computed_nan[0]}{later}, so what it computes "
+            "cannot be compared with the family entry (the entry may well be right). Find where the NaN comes from (the "
+            "weights: [name for name, p in model.named_parameters() if p.isnan().any()]; or the inputs) and check the "
+            "entry on a model and inputs that compute finite values."
+        )
     unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
     selections, unread = _read_selection_scores(model, [moe for moe in moes if not unchecked[moe.path]], args, kwargs)
     problems, unscored, unchecked_layouts = [], {}, {}
@@ -151,6 +160,18 @@ def _read_values(model: Any, moes: list[Any], args: tuple, kwargs: dict) -> list
             raise FamilyError(f"check: the model did not run on the inputs given (keywords {sorted(kwargs)}): {USAGE}.")
         saved = model.save_all(list(CHECKED_VALUES), moes=moes)
     return list(saved.values())
+
+
+def _computed_nan(moe: Any, values: dict[str, torch.Tensor]) -> str:
+    """Which of ``moe``'s served ``values`` hold NaN and on how many tokens, or "" (the model's own NaN, which no entry
+    could match)."""
+    held = {name: value.isnan().flatten(2).any(-1) if value.dim() > 2 else value.isnan()
+            for name, value in values.items() if value.is_floating_point() and bool(value.isnan().any())}
+    if not held:
+        return ""
+    first = next(iter(held.values()))
+    return (f"{moe.path}: {', '.join(held)} hold NaN (at {int(first.sum())} of {first.numel()} tokens in "
+            f"{next(iter(held))})")
 
 
 def _drops_out(block: torch.nn.Module) -> bool:
