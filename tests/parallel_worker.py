@@ -394,7 +394,7 @@ def suite_a2a(args: dict) -> dict[str, Callable[[], Any]]:
 def _error_text(call: Callable[[], Any]) -> str:
     try:
         call()
-    except Exception as error:  # noqa: BLE001
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - a Ctrl-C a test raises on purpose too
         return f"{type(error).__name__}: {error}"
     return ""
 
@@ -466,11 +466,11 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         from moelens.parallel import local_expert
 
         ref = tiny_model("mixtral")
-        refusing = {"on": False}
+        refusing = {"on": None}
 
-        def refuse(module: Any, args: Any) -> None:  # a user's check failing on the last rank only
-            if refusing["on"] and RANK == WORLD - 1:
-                raise RuntimeError("refused on this rank")
+        def refuse(module: Any, args: Any) -> None:  # a user's check failing on the last rank only (or a Ctrl-C)
+            if refusing["on"] is not None and RANK == WORLD - 1:
+                raise refusing["on"]("refused on this rank")
 
         unsharded = copy.deepcopy(ref)
         unsharded.register_forward_pre_hook(refuse)  # registered before shard_experts' own hooks
@@ -504,14 +504,14 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
                     lm.output.logits.save()
             return trace
 
-        def refused(call: Callable[[], Any]) -> Callable[[], None]:
+        def refused(call: Callable[[], Any], error: type[BaseException] = RuntimeError) -> Callable[[], None]:
             def run() -> None:
-                refusing["on"] = True
+                refusing["on"] = error
                 try:
                     with torch.no_grad():
                         call()
                 finally:
-                    refusing["on"] = False
+                    refusing["on"] = None
             return run
 
         def empty_batch_on_the_last_rank() -> None:  # its body raises before the model runs: still its run
@@ -523,7 +523,10 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
                               ("an empty batch, before the model runs", [empty_batch_on_the_last_rank]),
                               ("before the forward, twice", [params_of(0), params_of(1)]),
                               ("a forward, by an earlier hook", [refused(lambda: sharded(input_ids=ids))]),
-                              ("a base model forward, at layer 1", [refused(lambda: sharded.model(input_ids=ids))])):
+                              ("a base model forward, at layer 1", [refused(lambda: sharded.model(input_ids=ids))]),
+                              # torch calls no always-call hook for a BaseException: the forward stayed entered
+                              ("a Ctrl-C in a forward, at layer 1", [refused(lambda: sharded(input_ids=ids),
+                                                                             KeyboardInterrupt)])):
             case = {"errors": [_error_text(trace) for trace in failing]}
             negate_last_rank_experts()
             with torch.no_grad():

@@ -31,16 +31,22 @@ class Runs:
     Attributes:
         current: The id of the run this rank is in (0 before the first): how many it started.
         tracing: How many moelens traces of such a model are running (their first forward starts no run).
-        depth: How many calls of hooked modules are running (only the outermost starts a run).
+        entered: The hooked modules whose calls are running, outermost first (only the outermost starts a run).
         traced_forwards: How many outermost forwards the running trace made.
         models: How many models `shard_experts` sharded over the group so far: the index of the next one, the same
             on every rank of the group (sharding is collective), which its layer tags carry (`layer_tag`).
     """
 
-    __slots__ = ("current", "tracing", "depth", "traced_forwards", "models")
+    __slots__ = ("current", "tracing", "entered", "traced_forwards", "models")
 
     def __init__(self) -> None:
-        self.current, self.tracing, self.depth, self.traced_forwards, self.models = 0, 0, 0, 0, 0
+        self.current, self.tracing, self.traced_forwards, self.models = 0, 0, 0, 0
+        self.entered: list[torch.nn.Module] = []
+
+    @property
+    def depth(self) -> int:
+        """How many calls of hooked modules are running."""
+        return len(self.entered)
 
     def __copy__(self) -> "Runs":
         return self
@@ -100,14 +106,19 @@ def describe_tag(tag: int) -> str:
 def forward_enters(runs: Runs, module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook (put first) of a module holding sharded experts: its outermost call is a run (in a moelens
     trace, the first is the trace's own)."""
-    if not runs.depth:
+    if any(entered is module for entered in runs.entered):
+        # A module does not run inside itself: its earlier call ended without `forward_leaves`, which torch skips
+        # for a BaseException (a KeyboardInterrupt) where it calls it for an Exception. That run is over.
+        runs.entered.clear()
+    if not runs.entered:
         if not runs.tracing or runs.traced_forwards:
             runs.start()
         runs.traced_forwards += bool(runs.tracing)
-    runs.depth += 1
+    runs.entered.append(module)
 
 
 def forward_leaves(runs: Runs, module: torch.nn.Module, args: Any, output: Any) -> None:
-    """Forward hook (always called, also when the forward raised) matching `forward_enters`."""
-    runs.depth = max(runs.depth - 1, 0)  # a pre-hook put before it may have raised before it counted
+    """Forward hook (always called, also when the forward raised an Exception) matching `forward_enters`."""
+    if runs.entered and runs.entered[-1] is module:  # a pre-hook put before it may have raised before it counted
+        runs.entered.pop()
 
