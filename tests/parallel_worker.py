@@ -604,7 +604,16 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         with torch.no_grad():
             return {"refused": refused, "narrow": maxdiff(traced_logits(narrow, ids), logits_of(ref_narrow(input_ids=ids)))}
 
+    def destroyed_group() -> dict[str, Any]:
+        """A model sharded over a group destroyed since: torch's "Group ... is not registered" deep in the
+        exchange named neither the model nor the way out."""
+        group = dist.new_group(list(range(WORLD)))
+        ep = shard_experts(tiny_model("mixtral"), group)
+        dist.destroy_process_group(group)
+        return {"error": _error_text(lambda: ep(input_ids=tokens_of(RANK)))}
+
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
+            "destroyed_group": destroyed_group,
             "other_width_after_an_error": other_width_after_an_error,
             "error_on_some_ranks": error_on_some_ranks, "different_models": different_models,
             "plain_torch_model": plain_torch_model, "traced_and_plain_generate": traced_and_plain_generate}

@@ -320,7 +320,7 @@ def test_four_ranks() -> None:
 def test_a2a_and_hazards_on_two_ranks() -> None:
     """`a2a_moe` on 2 ranks; then what goes wrong on purpose: a sharded model switched to
     grouped_mm / batched_mm raises, and so do its save_pretrained and push_to_hub (plain or wrapped; nothing
-    written); an experts call skipped on one rank raises RankDivergence on every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
+    written), and a forward over a group destroyed since; an experts call skipped on one rank raises RankDivergence on every rank (and the ranks stay in step); a skip at the last MoE layer, which no later
     exchange can detect, ends with the group's timeout, not a hang; a trace raising on one rank only
     (an intervention refused for its tokens, at layer 0, at layer 1, or before the forward in two traces
     in a row), or a forward outside a trace raising on one rank only (a user's hook registered before
@@ -350,6 +350,9 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
                                     "ranks"), (rank, error)
         assert guard["push"].startswith("ShardedExpertsError: push_to_hub: MixtralForCausalLM's experts are sharded"), guard
         assert guard["saved_files"] == [] and guard["unsharded_saves"] == "", guard
+        assert cases["destroyed_group"]["error"].startswith(
+            f"ShardedExpertsError: MixtralExperts holds only experts {rank * 4}..{rank * 4 + 3} of 8, sharded over a "
+            "process group that no longer exists"), (rank, cases["destroyed_group"])
         assert cases["divergent_skip"]["error"].startswith("RankDivergence"), (rank, cases["divergent_skip"])
         assert cases["divergent_skip"]["after_ok"]
         other_width = cases["other_width_after_an_error"]  # a waiting rank meets a model of other expert counts

@@ -32,7 +32,7 @@ from ..components.implementations import is_dispatching
 from ..errors import MoelensError
 from ..families.entry import get_path
 from ..modules import has_lora_adapters
-from .comm import SharedGroup, group_rank, group_size
+from .comm import SharedGroup, group_rank, group_size, stored_group
 from .degrees import _whole, expert_owner
 from .experts import NAME
 from .register import register_torch_a2a
@@ -97,6 +97,13 @@ def _check_every_rank(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Mod
 
 
 def _guard(experts: torch.nn.Module, args: Any) -> None:
+    if not _alive(stored_group(experts)):
+        raise ShardedExpertsError(
+            f"{type(experts).__name__} holds only experts {experts._ep_first}..{experts._ep_first + experts._ep_num_local - 1} "
+            f"of {experts.num_experts}, sharded over a process group that no longer exists "
+            "(torch.distributed.destroy_process_group ended it), so the other experts cannot be reached. Build or load "
+            "the model again and shard it over the current group (moelens.parallel.shard_experts(model, group))."
+        )
     implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     if implementation != NAME:
         raise ShardedExpertsError(
@@ -106,6 +113,17 @@ def _guard(experts: torch.nn.Module, args: Any) -> None:
             f'of other ranks. Switch back with model.set_experts_implementation("{NAME}") (blocks built by '
             f'moelens.compress: moelens.compress.set_experts_implementation(model, "{NAME}")).'
         )
+
+
+def _alive(group: Any) -> bool:
+    """Whether ``group`` (None: the default one) is a process group torch.distributed still holds."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_rank(group)
+    except (ValueError, RuntimeError):  # "Group ... is not registered" after destroy_process_group and a new init
+        return False
+    return True
 
 
 def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
