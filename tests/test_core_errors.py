@@ -4420,6 +4420,12 @@ def test_scan_through_a_value_dependent_experts_loop_says_what_to_do():
         with model.scan("hello"):
             if model.moes[0].router_logits.sum() > 0:  # the body's own branch on a value
                 pass
+    # a value read inside the experts call: the body runs inside the experts' frames, and was blamed on their loop
+    for name in ("expert_weights", "expert_indices", "expert_outputs", "routed_output"):
+        with pytest.raises(GuardOnDataDependentSymNode):
+            with model.scan("hello"):
+                if getattr(model.moes[0], name).flatten()[0] > 0:
+                    pass
 
 
 def test_scan_of_weights_accelerate_offloaded_to_disk_says_what_to_do(tmp_path):

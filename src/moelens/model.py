@@ -267,17 +267,22 @@ class MoeModelMixin(StandardNames):
                     "so their values would be another layer's. Wrap the model again: moelens.wrap(model._module, ...)."
                 )
 
-    def _failing_experts(self, error: BaseException) -> Moe | None:
-        """The block whose experts module's forward ``error`` was raised in (found in its traceback), or None."""
+    def _failing_experts(self, error: BaseException, innermost: bool = False) -> Moe | None:
+        """The block whose experts module's forward ``error`` was raised in (found in its traceback), or None. With
+        ``innermost``, only where the code that raised it (the last frame outside torch) is that forward's: nnsight
+        runs a trace body inside the call of the module whose value it reads, so a body's own failing line (an
+        ``if`` on a fake tensor in model.scan) has the experts' frames above it."""
         experts = {id(moe.experts._module): moe for moe in self.moes}
-        frames = (frame for frame, _ in traceback.walk_tb(error.__traceback__))
+        frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+        if innermost:
+            frames = [frame for frame in frames if not frame.f_code.co_filename.startswith(TORCH_SOURCE)][-1:]
         return next((experts[id(owner)] for frame in frames if id(owner := frame.f_locals.get("self")) in experts), None)
 
     def _unscannable(self, error: BaseException) -> MoelensError | None:
         """The error for a ``model.scan`` whose fake tensors met an experts loop that runs each expert on the tokens
         that picked it (transformers' eager implementation, dbrx's own), found in ``error``'s traceback; None where
         the guard failed elsewhere."""
-        moe = self._failing_experts(error)
+        moe = self._failing_experts(error, innermost=True)
         if moe is None:
             return None
         way_out = ("scan under another implementation: model.set_experts_implementation('batched_mm')"
@@ -655,6 +660,9 @@ def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
 
 #: The dtypes torch's embedding looks token ids up by (int16 ids, bool ones, fail inside the model).
 EMBEDDED_ID_DTYPES = (torch.long, torch.int32)
+
+#: Where torch's own Python lies (its frames are passed over to find the code a scan's guard failed in).
+TORCH_SOURCE = os.path.dirname(torch.__file__) + os.sep
 
 
 def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False,
