@@ -342,6 +342,22 @@ def test_a_value_inside_a_module_skipped_at_an_earlier_step_is_refused(qwen2_moe
         _generate(wrapped, at_step)
 
 
+def test_a_read_at_the_step_another_invoke_skips_the_module_says_it_may_be_this_step():
+    """A skip in an empty (batch-wide) invoke at step 1, and another invoke's read at every step: the refusal at step
+    1 said the experts were skipped "at an earlier step" only."""
+    model = moelens.load()
+    with pytest.raises(moelens.errors.OrderError, match=r"expert_outputs cannot be served at this tracer.iter step: "
+                                                        r".*experts was skipped with \.skip\(\) at an earlier step of "
+                                                        r"this generation \(or at this one, by another invoke"):
+        with torch.no_grad(), model.generate(max_new_tokens=3, do_sample=False) as tracer:
+            with tracer.invoke("x = 1"):
+                for _ in tracer.iter[:3]:
+                    model.moes[2].expert_outputs.save()
+            with tracer.invoke():
+                for _ in tracer.iter[1]:
+                    model.moes[2].experts.skip(torch.zeros(1, 128))
+
+
 def test_a_module_s_own_values_after_it_was_skipped_are_each_step_s_own(qwen2_moe_generation):
     """The refusal leaves the values read at the module's own input and output alone: after the router was skipped at
     step 0, expert_weights (the experts call's argument) and routed_output (the experts' output) at steps 1 and 2

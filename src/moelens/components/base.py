@@ -315,7 +315,8 @@ class Component(StandardNames, Envoy):
             ))
         return _steps_apart(OrderError(
             f"{self.path}.{name} cannot be served at this tracer.iter step: {module} was skipped with .skip() at an "
-            f"earlier step of this generation, which bypasses its forward, so {location.rpartition('.')[0]}, where "
+            f"earlier step of this generation (or at this one, by another invoke: a skip is the whole batch's), which "
+            f"bypasses its forward, so {location.rpartition('.')[0]}, where "
             f"moelens reads {name}, ran fewer times than {module}: nnsight counts each op's runs, so the op's steps no "
             "longer line up and a read pinned to this step would get a later step's value. Read the module's own "
             "input or output at such steps instead (moe.router.output, or routed_output for the experts), or skip by "
