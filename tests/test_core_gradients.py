@@ -647,6 +647,22 @@ def test_the_gradient_of_router_probs_of_a_frozen_model_names_it_and_router_logi
                 probs.grad.save()
 
 
+def test_the_gradient_of_router_probs_of_a_trainable_model_names_it_and_router_logits():
+    """With the router trainable, router_probs requires grad but no output depends on it (the truth: the model's
+    output has no gradient path to moelens' own score of the logits), so its hook never fired and nnsight said the
+    model ran past a tensor id ("'1398...504.grad.i0' was requested")."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    moe = wrapped.moes[0]
+    with pytest.raises(moelens.ValueUnavailable, match=r"^model\.model\.layers\.0\.mlp\.router_probs\.grad: "
+                                                       r"router_probs is derived .*Read router_logits\.grad instead\.$"):
+        with wrapped.trace(**inputs):
+            probs = moe.router_probs
+            assert probs.requires_grad
+            loss = loss_of(wrapped.output)
+            with loss.backward():
+                probs.grad.save()
+
+
 def test_the_gradient_of_the_expert_indices_says_integers_have_none():
     """expert_indices.grad raised torch's bare "cannot register a hook on a tensor that doesn't require gradient"
     (the indices are integers, which autograd gives no gradient: the truth is the experts call's int64 indices)."""

@@ -215,6 +215,9 @@ class MoeModelMixin(StandardNames):
                 raise
             raise refusal from error
         except OutOfOrderError as error:  # nnsight's, naming a tensor id only
+            derived = _derived_gradient_refusal(error, handed_back)
+            if derived is not None:
+                raise derived from error
             if not _in_reentrant_checkpoint_backward(error):
                 raise
             raise MoelensError(
@@ -1433,6 +1436,15 @@ def _in_reentrant_checkpoint_backward(error: BaseException) -> bool:
 
     backward = CheckpointFunction.backward.__code__
     return any(frame.f_code is backward for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
+def _derived_gradient_refusal(error: OutOfOrderError, handed_back: served.HandedBack) -> ValueUnavailable | None:
+    """The error for the ``.grad`` of a value moelens derived that no output depends on (`router_probs`), read in a
+    ``with loss.backward():`` block: its hook never fires, and nnsight says the model ran past a tensor id
+    ("'139...512.grad.i0' was requested ..."). None for another tensor."""
+    requested = re.match(r"'(\d+)\.grad\b", str(error))
+    derived = handed_back.gradientless.get(int(requested.group(1))) if requested else None
+    return None if derived is None or derived[0]() is None else ValueUnavailable(derived[1])
 
 
 def _no_gradient_refusal(error: RuntimeError, handed_back: served.HandedBack,

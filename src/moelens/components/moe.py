@@ -364,12 +364,14 @@ class Moe(Mlp):
         with kept_for_backward(), normal_tensors():
             probs = score(self.family.score_of(self._module), logits, self.softcap)
         handed_back = RUNS.get(self.interleaver)
-        if handed_back is not None and torch.is_grad_enabled() and not probs.requires_grad:  # a frozen router's
-            handed_back.without_gradient(probs, (
+        if handed_back is not None and torch.is_grad_enabled():
+            frozen = "" if probs.requires_grad else (  # no hook can be put on it (`_no_gradient_refusal`)
+                ", with the router's weights unfrozen before the trace (moe.router._module.requires_grad_(True)) or the "
+                "input embeddings' output requiring grad (hf_model.enable_input_require_grads())")
+            handed_back.without_gradient(probs, (  # else its hook never fires (`_derived_gradient_refusal`)
                 f"{self.path}.router_probs.grad: router_probs is derived (moelens scores router_logits; the model goes "
                 "on from its own scores), so no output depends on it and it has no gradient. Read router_logits.grad "
-                "instead, with the router's weights unfrozen before the trace (moe.router._module.requires_grad_(True)) "
-                "or the input embeddings' output requiring grad (hf_model.enable_input_require_grads())."))
+                f"instead{frozen}."))
         return probs
 
     @router_probs.setter
