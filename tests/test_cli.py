@@ -899,3 +899,11 @@ def test_a_checkpoint_with_its_own_code_is_refused_without_a_prompt(tmp_path, ca
                                                    r"it first\.\)$") as refused:
         moelens.load(tmp_path, trust_remote_code=False)
     assert "fix it" not in str(refused.value)
+    # a model type transformers knows: its own class runs in place of the checkpoint's code (which raises), said so
+    (tmp_path / "modeling_custom.py").write_text("raise RuntimeError('the checkpoint code ran')\n")
+    config.update(model_type="mixtral")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(tmp_path)]) == 0
+    error = capsys.readouterr().err
+    assert "holds code of its own (config.json's auto_map), which moelens commands do not run: transformers' own " \
+           "MixtralForCausalLM runs in its place" in error, error

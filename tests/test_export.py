@@ -7,6 +7,7 @@ archives. Needs the ``export`` extra (torch-to-nnef and tract), which CI install
 
 from __future__ import annotations
 
+import copy
 import gc
 import getpass
 import logging
@@ -181,6 +182,25 @@ def test_a_whole_model_tract_cannot_run_says_which_part_and_what_to_do(out):
                                           r"The MoE blocks were accepted; .* export its MoE blocks \(model.moes\[i\]\) instead"):
         to_nnef(wrapped, out / "mistral4-whole-model.nnef.tgz")
     assert to_nnef(wrapped.moes[0], out / "mistral4-block.nnef.tgz").verification.meets("approximate")
+
+def test_a_whole_model_whose_eager_attention_fails_says_so_not_the_inputs(out):
+    """unlimited_ocr's eager attention does not repeat its key/value heads (plain transformers: the model runs the ids
+    in its own sdpa attention, and fails them once switched to eager); the export, which traces eager attention,
+    said to pass other example inputs. Its blocks export."""
+    hf = tiny_model("unlimited_ocr").eval()
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    eager = copy.deepcopy(hf)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        hf(input_ids=ids)
+        with pytest.raises(RuntimeError, match="must match the size"):
+            eager(input_ids=ids)
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(ExportError, match=r"^this model's eager attention, which the export runs .* where its own sdpa "
+                                          r"attention runs on these inputs.*Export its MoE blocks instead"):
+        to_nnef(wrapped, out / "unlimited_ocr.nnef.tgz", example_inputs=ids)
+    assert to_nnef(wrapped.moes[0], out / "unlimited_ocr-block.nnef.tgz").verification.meets("approximate")
+
 
 def test_export_leaves_torch_to_nnef_as_it_was(out, monkeypatch):
     """The logsumexp fix (negative axis, granitemoe_swa's attention sinks) is in force only during an export, and so

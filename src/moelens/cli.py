@@ -91,6 +91,10 @@ def load_checkpoint(source: str | None, needs_tokenizer: bool = False) -> tuple[
             f"{name!r} holds a model with code of its own (config.json's auto_map), which moelens commands do not "
             "run; load it in Python, moelens.load(path, trust_remote_code=True), if you trust that code."
         ) from None
+    if getattr(model._module.config, "auto_map", None):  # code of its own for a model type transformers knows
+        warnings.warn(f"{name!r} holds code of its own (config.json's auto_map), which moelens commands do not run: "
+                      f"transformers' own {type(model._module).__name__} runs in its place; load it in Python, "
+                      "moelens.load(path, trust_remote_code=True), to run that code, if you trust it.")
     refused = not model.moes  # each command refuses such a model in one line that says why: no warning before it
     untokenized = needs_tokenizer and not refused and getattr(model, "tokenizer", None) is None
     unloaded = [(warning, cause) for warning, cause in caught if str(warning.message).startswith(TOKENIZER_WARNING)]

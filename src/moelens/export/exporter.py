@@ -217,6 +217,8 @@ class TokensToLogits(torch.nn.Module):
 
     #: The archive's name for what the forward returns (`named_output`), recorded by each run.
     returned: str = "logits"
+    #: The attention implementation the model ran before the export switched it to eager (None: it ran eager).
+    attention_before: str | None = None
 
     def __init__(self, model: torch.nn.Module, dynamic: bool = False) -> None:
         super().__init__()
@@ -305,18 +307,27 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
     for name, replacement in replacements:
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, replacement)
-    _eager_attention(module)
-    return Prepared(TokensToLogits(module, dynamic=dynamic_tokens), reports)
+    before = _attention(module)
+    _set_attention(module, "eager")
+    root = TokensToLogits(module, dynamic=dynamic_tokens)
+    root.attention_before = before if before not in (None, "eager") and _attention(module) == "eager" else None
+    return Prepared(root, reports)
 
 
-def _eager_attention(module: torch.nn.Module) -> None:
-    """Plain (eager) attention: what torch-to-nnef traces on every transformers version."""
+def _attention(module: torch.nn.Module) -> str | None:
+    """The attention implementation ``module`` runs (None where its config names none)."""
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
+def _set_attention(module: torch.nn.Module, implementation: str) -> None:
+    """Switch ``module`` to ``implementation``: plain (eager) attention is what torch-to-nnef traces on every
+    transformers version."""
     setter = getattr(module, "set_attn_implementation", None)
     try:
         if callable(setter):
-            setter("eager")
+            setter(implementation)
         elif getattr(module, "config", None) is not None:
-            module.config._attn_implementation = "eager"
+            module.config._attn_implementation = implementation
     except (ValueError, AttributeError):  # a model without eager attention keeps its own
         pass
 
@@ -521,10 +532,31 @@ def _run_once(root: torch.nn.Module, inputs: torch.Tensor, target: Target) -> No
     except ExportError:  # moelens' own refusal of what the forward returned: as it says
         raise
     except Exception as error:
+        before = getattr(root, "attention_before", None)
+        if before is not None and _runs_with_attention(root, inputs, before):
+            raise ExportError(
+                f"this model's eager attention, which the export runs (torch-to-nnef traces no other), fails in torch "
+                f"({type(error).__name__}: {error}) where its own {before} attention runs on these inputs: transformers' "
+                "eager attention of this family does not run. Export its MoE blocks instead (to_nnef(model.moes[i], "
+                "...))."
+            ) from error
         raise ExportError(
             f"this {target.kind}'s forward failed in torch on the example inputs of shape {tuple(inputs.shape)} "
             f"({type(error).__name__}: {error}), before any tracing: pass example_inputs it runs on."
         ) from error
+
+
+def _runs_with_attention(root: torch.nn.Module, inputs: torch.Tensor, implementation: str) -> bool:
+    """Whether the prepared copy ``root`` runs on ``inputs`` with its attention switched to ``implementation``."""
+    _set_attention(root.model, implementation)
+    try:
+        with torch.no_grad():
+            root(inputs)
+    except Exception:  # noqa: BLE001 - fails either way: the inputs are the cause
+        return False
+    finally:
+        _set_attention(root.model, "eager")
+    return True
 
 
 def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Target, dynamic: bool,
