@@ -4307,6 +4307,35 @@ def test_a_prompt_with_no_tokens_is_refused(prompts, row):
                 bare.moes[0].router_logits.save()
 
 
+def test_an_input_holding_no_prompts_is_refused():
+    """model.trace([]) or ids of 0 rows: nnsight counts no rows and takes the trace for one without input, running the
+    body without the model, whose first read failed with "Cannot access model.output outside of interleaving" (the
+    truth: plain transformers cannot run a batch of no prompts either)."""
+    model = moelens.load()
+    bare = moelens.wrap(model._module)
+    for wrapped, given, shown in ((model, [], "an empty list"), (model, torch.zeros(0, 5, dtype=torch.long),
+                                                                  r"ids of shape \(0, 5\)"),
+                                  (bare, torch.zeros(0, 5, dtype=torch.long), r"ids of shape \(0, 5\)")):
+        with pytest.raises(moelens.MoelensError, match=rf"^the input holds no prompts \({shown}\), so the model would "
+                                                       r"not run"):
+            with wrapped.trace(given):
+                wrapped.output.logits.save()
+    with pytest.raises(moelens.MoelensError, match=r"^the input holds no prompts \(an empty list\)"):
+        with model.trace() as tracer:
+            with tracer.invoke([]):
+                pass
+
+
+def test_ids_of_more_than_two_axes_without_a_tokenizer_are_refused_by_shape():
+    """A [1, 1, 3] ids tensor (ids[None] of a batch) failed deep in transformers with "too many values to unpack",
+    after embedding and attention; a model wrapped with a tokenizer refuses it by shape, and so does one without."""
+    bare = moelens.wrap(moelens.load()._module)
+    with pytest.raises(moelens.MoelensError, match=r"^a model wrapped without a tokenizer takes token ids \[batch, seq\], "
+                                                   r"and got ids of shape \(1, 1, 3\)"):
+        with bare.trace(torch.tensor([[[5, 6, 7]]])):
+            bare.output.save()
+
+
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int8, torch.uint8, torch.bool])
 def test_token_ids_the_embedding_cannot_take_are_refused(dtype):
     """int16 ids (moelens-tiny's own held-out windows are stored so), int8, uint8 and bool ids reached torch's

@@ -377,6 +377,9 @@ class MoeModelMixin(StandardNames):
         position = {moe.path: index for index, moe in enumerate(self.moes)}
         return sorted(blocks, key=lambda block: position[block.path])
 
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        return _rows_of(inputs, kwargs, super()._batch_size(*inputs, **kwargs))
+
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching of the invokes' inputs into the model's, refusing a trace with no input at all and
         input ids the model could not embed (`_refuse_unusable_ids`)."""
@@ -871,6 +874,20 @@ def _unsplittable(modality: list[str]) -> str:
             "whole batch to one invoke, or to model.trace(...) with no invokes.")
 
 
+def _rows_of(inputs: tuple, kwargs: dict, rows: int) -> int:
+    """``rows``, the batch rows nnsight counts in an input; refused where it is 0 for an input that is there (an empty
+    list of prompts, ids of 0 rows): nnsight takes such a trace for one without input, runs its body without the model
+    and fails at its first read ("Cannot access model.output outside of interleaving")."""
+    ids = _invoke_ids(inputs, kwargs)
+    if isinstance(ids, Mapping):
+        ids = ids.get("input_ids")
+    if not rows and (isinstance(ids, (list, tuple)) and not ids or isinstance(ids, torch.Tensor) and ids.ndim > 1):
+        shape = f"ids of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else f"an empty {type(ids).__name__}"
+        raise MoelensError(f"the input holds no prompts ({shape}), so the model would not run: give at least one "
+                           "prompt.")
+    return rows
+
+
 def _token_ids(value: Any) -> bool:
     """Whether ``value`` can be a model's input_ids: an integer tensor (a float one, a number or a list is not)."""
     return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
@@ -905,7 +922,12 @@ class MoeNNsight(MoeModelMixin, NNsight):
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
         # every invoke's inputs are counted here before `_batch` (and nnsight's count fails on bytes with torch's error)
         self._refuse_other_ids(inputs, kwargs)
-        return processing.batch_size(inputs, kwargs)
+        ids = _invoke_ids(inputs, kwargs)
+        if _token_ids(ids) and ids.ndim > 2 and first_parameter(self._module) == "input_ids":
+            raise MoelensError(f"a model wrapped without a tokenizer takes token ids [batch, seq], and got ids of shape "
+                               f"{tuple(ids.shape)}: pass a [batch, seq] tensor (ids.reshape(-1, ids.shape[-1]) for "
+                               "rows stacked on more axes).")
+        return _rows_of(inputs, kwargs, processing.batch_size(inputs, kwargs))
 
     def _refuse_other_ids(self, inputs: tuple, kwargs: dict) -> None:
         """Raise a `MoelensError` when an invoke's input_ids (first positional input, or keyword) is no integer tensor:
