@@ -3929,6 +3929,34 @@ def test_a_module_replaced_after_wrapping_is_named_instead_of_the_read_order(rep
         handle.remove()
     torch.testing.assert_close(served, outputs[0].view(served.shape), rtol=0, atol=0)
 
+def test_a_block_replaced_through_its_envoy_is_named_and_its_call_arguments_still_served():
+    """nnsight's swap of a whole block, ``model...layers[1].mlp = new_block``: router_logits (read inside the router
+    moelens never instrumented) raised an OrderError blaming the read order, and save_all one blaming an earlier
+    read; it names the replaced block. What is read at module calls (expert_weights, routed_output, mlp_output) stays
+    served, equal to a plain model holding the same new block (hooks)."""
+    hf = tiny_model("mixtral")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    new = tiny_model("mixtral", seed=1).model.layers[1].mlp
+    reference = tiny_model("mixtral")
+    reference.model.layers[1].mlp = copy.deepcopy(new)
+    wrapped.model.layers[1].mlp = new
+    for read in (lambda moe: moe.router_logits, lambda moe: moe.save_all()):
+        with pytest.raises(moelens.OrderError, match=r"router_logits was never produced: model\.model\.layers\.1\.mlp "
+                                                     r"is no longer the module this model was wrapped with"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                read(wrapped.moes[1])
+    seen = []
+    handle = reference.model.layers[1].mlp.experts.register_forward_hook(lambda module, args, output: seen.append(output))
+    try:
+        with torch.no_grad():
+            reference(**inputs)
+    finally:
+        handle.remove()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        routed = wrapped.moes[1].routed_output.save()
+    torch.testing.assert_close(routed, seen[0].view(routed.shape), rtol=0, atol=0)
+
+
 def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_block_refused():
     """nnsight's own way to swap a module, ``model...mlp.gate = new``, left moelens reading the router it had
     instrumented: router_logits raised an OrderError blaming the read order. A block replaced in the torch model kept

@@ -156,6 +156,9 @@ def router_on_accelerator(component: Any) -> bool:
 class Component(StandardNames, Envoy):
     """Base of moelens' block envoys: family, layer, and checked value access."""
 
+    #: Whether wrap instruments this kind of block (`INSTRUMENTED`): one without the record was put in after it.
+    INSTRUMENTED_AT_WRAP = False
+
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
         #: The family entry describing this block (None for a dense MLP of an unknown family).
@@ -280,6 +283,8 @@ class Component(StandardNames, Envoy):
         branch only an accelerator under no_grad takes); None where it does reach it."""
         location = self._location_of(name)
         replaced = [path for path in replaced_modules(self) if location is None or location.startswith(f"{path}.")]
+        if not replaced and self.INSTRUMENTED_AT_WRAP and INSTRUMENTED not in self.__dict__:
+            replaced = [self.path]  # a block put in through its envoy after wrapping: moelens never instrumented it
         if replaced:  # nnsight's envoys watch the modules they wrapped: the model runs the new ones unseen
             return OrderError(
                 f"{self.path}.{name} was never produced: {', '.join(replaced)} "

@@ -123,6 +123,7 @@ def _listed_value(line: str) -> str | None:
 class Moe(Mlp):
     """A Mixture-of-Experts block. See the module docstring for the values it serves."""
 
+    INSTRUMENTED_AT_WRAP = True
     shared_experts = _SharedAlias()
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
