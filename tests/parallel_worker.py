@@ -604,6 +604,24 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         with torch.no_grad():
             return {"refused": refused, "narrow": maxdiff(traced_logits(narrow, ids), logits_of(ref_narrow(input_ids=ids)))}
 
+    def ctrl_c_then_a_block() -> dict[str, Any]:
+        """A Ctrl-C in a forward on the last rank, then every rank calls an MoE block alone: the interrupted rank
+        still counted itself inside the model's forward, and its block calls raised RankDivergence (review 1)."""
+        ref = tiny_model("mixtral")
+        sharded = shard_experts(copy.deepcopy(ref), None)
+
+        def interrupt(module: Any, args: Any) -> None:
+            if RANK == WORLD - 1:
+                raise KeyboardInterrupt("Ctrl-C on this rank")
+
+        handle = sharded.model.layers[1].register_forward_pre_hook(interrupt)
+        with torch.no_grad():
+            error = _error_text(lambda: sharded(input_ids=tokens_of(RANK)))
+            handle.remove()
+            hidden = torch.randn(1, 3, ref.config.hidden_size, generator=torch.Generator().manual_seed(RANK))
+            block, plain = sharded.model.layers[0].mlp, ref.model.layers[0].mlp
+            return {"interrupted": error, "block": [maxdiff(block(hidden), plain(hidden)) for _ in range(2)]}
+
     def destroyed_group() -> dict[str, Any]:
         """A model sharded over a group destroyed since: torch's "Group ... is not registered" deep in the
         exchange named neither the model nor the way out."""
@@ -613,7 +631,7 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         return {"error": _error_text(lambda: ep(input_ids=tokens_of(RANK)))}
 
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
-            "destroyed_group": destroyed_group,
+            "destroyed_group": destroyed_group, "ctrl_c_then_a_block": ctrl_c_then_a_block,
             "other_width_after_an_error": other_width_after_an_error,
             "error_on_some_ranks": error_on_some_ranks, "different_models": different_models,
             "plain_torch_model": plain_torch_model, "traced_and_plain_generate": traced_and_plain_generate}

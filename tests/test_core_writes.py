@@ -183,6 +183,12 @@ def test_several_experts_in_one_call_match_the_same_edit_in_plain_nnsight(family
     (lambda moe: moelens.ablate(moe, [1, 2], "swap", to=[3, 2.5]), r"^to must be an int expert id in \[0, 8\), "
                                                                     r"got 2\.5"),
     (lambda moe: moelens.steer(moe, [2, 2], 1.0), r"^steer: expert 2 is given more than once"),
+    # a set's order would pair the experts with to's at random (review 1: {5, 1} with to=[2, 6] swapped 1 -> 2)
+    (lambda moe: moelens.ablate(moe, {5, 1}, "swap", to=[2, 6]), r"the ablated experts are a set, whose order would "
+                                                                  r"pair them at random; pass them as a list"),
+    # rows for several blocks, the zip of the docs' pruning recipe forgotten: all four were routed around
+    (lambda moe: moelens.ablate(moe, torch.tensor([[1, 2], [3, 4]]), "route_around"),
+     r"^ablate: expert is a tensor of shape \(2, 2\); pass the expert ids of this block"),
 ])
 def test_several_experts_given_wrong_are_refused_naming_the_value(call, match):
     hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
@@ -955,6 +961,21 @@ def test_a_nan_the_user_writes_beside_the_model_s_own_is_still_refused():
                                                      r"model\.model\.layers\.0\.mlp\.router_logits = edited"):
             with torch.no_grad(), wrapped.trace(**inputs):
                 wrapped.moes[0].router_logits[0, :, 3] -= 1.0
+        # the user's NaN written in place into the model's tensor, then an assignment or an intervention: not the
+        # model's own (review: they passed as such)
+        then = {"assigned": lambda moe, logits: setattr(moe, "router_logits", logits),
+                "steer": lambda moe, logits: moelens.steer(moe, 1, 2.0),
+                "force": lambda moe, logits: moelens.force(moe, 1, tokens=(1, slice(None)))}
+        for what, follow in then.items():
+            with pytest.raises(moelens.WriteError, match=r"holds NaN \(\d+ of 80, the first at \(0, 0, 3\)\)"):
+                with torch.no_grad(), wrapped.trace(**inputs):
+                    logits = wrapped.moes[0].router_logits
+                    logits[0, :, 3] = float("nan")
+                    follow(wrapped.moes[0], logits)
+        with pytest.raises(moelens.WriteError, match=r"expert_weights: the written tensor holds NaN"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                wrapped.moes[0].expert_weights[0, :, 0] = float("nan")
+                moelens.keep_top(wrapped.moes[0], 1)
         with torch.no_grad(), wrapped.trace(**inputs):  # assigned, the same edit is told from the model's NaN
             logits = wrapped.moes[0].router_logits
             edited = logits.clone()

@@ -139,7 +139,7 @@ def ablate(moe: Moe, expert: int | Iterable[int], mode: str = "zero", to: int | 
     if mode != "swap" and to is not None:
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
     if mode == "swap":
-        to = _replacements(moe, experts, to)
+        to = _replacements(moe, experts, to, unordered=isinstance(expert, (set, frozenset)))
     if mode == "route_around":
         # Where the router ranks scores + a selection bias, the bias alone could still pick the expert
         # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
@@ -175,25 +175,28 @@ def _refuse_recomputed_routing(moe: Moe, call: str) -> None:
         )
 
 
-def _replacements(moe: Moe, experts: list[int], to: Any) -> list[int]:
+def _replacements(moe: Moe, experts: list[int], to: Any, unordered: bool = False) -> list[int]:
     """``to`` as the expert that takes over each of ``experts``' slots in a swap: one id for all of them, or one per
-    expert; refused where it is missing, of another length, or an ablated expert itself."""
+    expert (refused where ``unordered``: the experts came as a set, whose order would pair them at random); refused
+    where it is missing, of another length, or an ablated expert itself."""
     if to is None:
         raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over>.")
-    if isinstance(to, (torch.Tensor, numpy.ndarray)) and to.ndim > 0:
-        with unset_fake_temporarily():
-            to = [scalar(replacement) for replacement in to.reshape(-1)]
-    if isinstance(to, Iterable) and not isinstance(to, (str, bytes, bytearray, Mapping, torch.Tensor, numpy.ndarray)):
-        replacements = [_expert(moe, replacement, "to") for replacement in to]  # two experts may go to one
-    else:
+    call = "ablate(..., mode='swap')"
+    if isinstance(to, (str, bytes, bytearray, Mapping)) or not isinstance(to, Iterable) or \
+            isinstance(to, (torch.Tensor, numpy.ndarray)) and to.ndim == 0:
         replacements = [_expert(moe, to, "to")] * len(experts)
+    elif unordered:
+        raise WriteError(f"{call}: to gives one expert per ablated expert, but the ablated experts are a set, whose "
+                         "order would pair them at random; pass them as a list, in the order of to.")
+    else:
+        replacements = _expert_ids(moe, to, call, "to", distinct=False)  # two experts may go to one
     if len(replacements) != len(experts):
-        raise WriteError(f"ablate(..., mode='swap'): to={replacements} gives {len(replacements)} experts for the "
-                         f"{len(experts)} ablated ones {experts}; give one expert for all of them, or one for each.")
+        raise WriteError(f"{call}: to={replacements} gives {len(replacements)} experts for the {len(experts)} ablated "
+                         f"ones {experts}; give one expert for all of them, or one for each.")
     kept = [expert for expert, replacement in zip(experts, replacements) if expert == replacement]
     if kept:
-        raise WriteError(f"ablate(..., mode='swap'): to={kept[0]} is the expert being ablated, so nothing would change; "
-                         "give another expert to take over its slots (or use mode='zero').")
+        raise WriteError(f"{call}: to={kept[0]} is the expert being ablated, so nothing would change; give another "
+                         "expert to take over its slots (or use mode='zero').")
     return replacements
 
 
@@ -518,13 +521,18 @@ def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | N
         values[rows] = edit(values[rows])
 
 
-def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert") -> list[int]:
-    """The distinct expert ids of ``moe`` that ``call``'s ``argument`` gives, checked: one id, or the items of any
-    iterable (a list, a set, a range, a generator, dict keys) or of a tensor or array. Text and mappings are refused
-    as a whole: a str is iterable, but its characters are no expert ids, and a mapping's values would be dropped."""
+def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert", distinct: bool = True) -> list[int]:
+    """The expert ids of ``moe`` that ``call``'s ``argument`` gives, checked (``distinct``: each once): one id, or the
+    items of any iterable (a list, a set, a range, a generator, dict keys) or of a 1-D tensor or array. Text and
+    mappings are refused as a whole: a str is iterable, but its characters are no expert ids, and a mapping's values
+    would be dropped; so are tensors of more axes, rows of ids for several blocks."""
     if isinstance(experts, torch.Tensor) and is_fake(experts) and experts.numel() > 1:
         raise WriteError(f"{call}: expert ids in a tensor made inside model.scan have no values there (its tensors "
                          "are fake); pass a list of ints, or a tensor made before the scan.")
+    if isinstance(experts, (torch.Tensor, numpy.ndarray)) and experts.ndim > 1:
+        raise WriteError(f"{call}: {argument} is a tensor of shape {tuple(experts.shape)}; pass the expert ids of this "
+                         f"block, one id or a 1-D list or tensor of them (rows for several blocks: one call each, "
+                         "for moe, row in zip(model.moes, rows)).")
     if isinstance(experts, (torch.Tensor, numpy.ndarray)):  # a 0-d one too
         with unset_fake_temporarily():  # in model.scan: a real tensor's ids, not placeholder symbols
             experts = [scalar(expert) for expert in experts.reshape(-1)]
@@ -537,7 +545,7 @@ def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert") -> 
     ids = [_expert(moe, expert, "expert" if argument == "experts" else argument) for expert in listed]
     if not ids:
         raise WriteError(f"{call}: no expert given; pass one expert id or a list of them.")
-    repeated = sorted({expert for expert in ids if ids.count(expert) > 1})
+    repeated = sorted({expert for expert in ids if ids.count(expert) > 1}) if distinct else []
     if repeated:
         why = ("a router picks an expert for one slot at most: pass distinct experts (moelens.reroute sets slots to "
                "any experts)") if call == "force" else "give each expert once"

@@ -34,7 +34,7 @@ from . import tokens
 from .binding import ANY_INF, FLOAT, Binding, dict_output
 from .implementations import runs_torch_a2a
 from .run_owner import MoeInterleaver
-from .write_checks import BEFORE_EDITS, check_not_recomputed, check_write, refuse_under_vmap
+from .write_checks import READ_VERSION, check_not_recomputed, check_write, model_values, refuse_under_vmap
 
 if TYPE_CHECKING:
     from .base import Component
@@ -554,6 +554,7 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
             handed_back.note(view, where, private=True)
         return view
     version = view._version
+    setattr(view, READ_VERSION, version)  # an in-place edit moves it (`model_values`)
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
     # `.grad` in a `with loss.backward():` block) sees the gradient: a view alone is off the graph.
     on_graph = view.requires_grad and view is not fetched.picked
@@ -562,7 +563,7 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
         """Whether the view was edited (in place), the edit checked."""
         edited = view._version != version
         if edited:  # the model's values from before: of a copy, the view it was made from; else as an intervention kept
-            before = BEFORE_EDITS.get(view) if _aliases(view, fetched.view) else fetched.view
+            before = model_values(view) if _aliases(view, fetched.view) else fetched.view
             check_write(component, name, binding, view, view.shape, before)
             check_not_recomputed(component, name)
         return edited
@@ -760,7 +761,11 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
             value = value.expand(current.shape)
         if value.is_floating_point() and current.is_floating_point():
             value = _cast(component, name, binding, value, current.dtype)  # checked as the model gets it
-    check_write(component, name, binding, value, current.shape, before=current)
+    # the model's values where the write lands: gone where a view of them read at this visit was edited in place since
+    touched = next((opened.view for opened in (reads.views.get(other) for other in superseded) if opened is not None
+                    and opened.view._version != opened.version and _aliases(opened.view, current)), None)
+    check_write(component, name, binding, value, current.shape,
+                before=current if touched is None else model_values(touched))
     check_not_recomputed(component, name)
     earlier = None
     for other in superseded:

@@ -87,12 +87,23 @@ def check_not_recomputed(component: "Component", name: str) -> None:
 #: then, by `remember_before_edit`): where the view is the model's tensor, its values from before are gone otherwise.
 BEFORE_EDITS = WeakIdKeyDictionary()
 
+#: The attribute of a served view holding its version when it was read (`served.read`): a view whose version moved
+#: since was edited in place, and no longer holds the model's own values.
+READ_VERSION = "_moelens_read_version"
+
+
+def model_values(view: torch.Tensor) -> torch.Tensor | None:
+    """The model's own values where ``view`` (a served value, or the model's tensor it views) was: itself while no
+    edit in place changed it since it was read, else what an intervention kept of it before editing (None: gone)."""
+    return view if getattr(view, READ_VERSION, view._version) == view._version else BEFORE_EDITS.get(view)
+
 
 def remember_before_edit(view: torch.Tensor) -> None:
     """Keep ``view``'s values before an intervention edits it in place, where some are NaN or infinite (a NaN the
-    model computed itself, an fp16 overflow): `check_write` then refuses only what the edits made non-finite."""
-    if view not in BEFORE_EDITS and view.is_floating_point() and not is_fake(view) and \
-            not bool(torch.isfinite(view).all()):
+    model computed itself, an fp16 overflow): `check_write` then refuses only what the edits made non-finite. Not
+    where the user edited it in place since it was read: those values are not the model's."""
+    if view not in BEFORE_EDITS and model_values(view) is view and view.is_floating_point() and not is_fake(view) \
+            and not bool(torch.isfinite(view).all()):
         BEFORE_EDITS[view] = view.detach().clone()
 
 
@@ -154,8 +165,9 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
     if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
         return
     unknown = "" if before is not None else (
-        f" (moelens cannot tell the model's own NaN or inf from an edit in place of its tensor, under torch.no_grad: "
-        f"where the model computed them, assign the edited tensor instead, {component.path}.{name} = edited)")
+        " (moelens cannot tell the model's own NaN or inf from this edit in place: of the model's tensor under "
+        "torch.no_grad, or of a value served in another layout, such as the activations in token-slot order; where "
+        f"the model computed them, assign the edited tensor instead, {component.path}.{name} = edited)")
     nans = _introduced(value, before, torch.isnan)
     if nans.any():
         first = tuple(int(i) for i in nans.nonzero()[0])

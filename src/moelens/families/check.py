@@ -170,8 +170,8 @@ def _computed_nan(moe: Any, values: dict[str, torch.Tensor]) -> str:
     if not held:
         return ""
     first = next(iter(held.values()))
-    return (f"{moe.path}: {', '.join(held)} hold NaN (at {int(first.sum())} of {first.numel()} tokens in "
-            f"{next(iter(held))})")
+    return (f"{moe.path}: {', '.join(held)} hold{'s' * (len(held) == 1)} NaN (at {int(first.sum())} of "
+            f"{first.numel()} tokens in {next(iter(held))})")
 
 
 def _drops_out(block: torch.nn.Module) -> bool:

@@ -43,11 +43,6 @@ class Runs:
         self.current, self.tracing, self.traced_forwards, self.models = 0, 0, 0, 0
         self.entered: list[torch.nn.Module] = []
 
-    @property
-    def depth(self) -> int:
-        """How many calls of hooked modules are running."""
-        return len(self.entered)
-
     def __copy__(self) -> "Runs":
         return self
 
@@ -103,13 +98,15 @@ def describe_tag(tag: int) -> str:
     return f"tag {tag} (MoE block {position} of model {model} sharded over the group)"
 
 
-def forward_enters(runs: Runs, module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook (put first) of a module holding sharded experts: its outermost call is a run (in a moelens
-    trace, the first is the trace's own)."""
-    if any(entered is module for entered in runs.entered):
-        # A module does not run inside itself: its earlier call ended without `forward_leaves`, which torch skips
-        # for a BaseException (a KeyboardInterrupt) where it calls it for an Exception. That run is over.
-        runs.entered.clear()
+def forward_enters(runs: Runs, above: tuple[torch.nn.Module, ...], module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook (put first) of a module holding sharded experts (``above``: the hooked modules holding it):
+    its outermost call is a run (in a moelens trace, the first is the trace's own)."""
+    entered = runs.entered
+    if entered and (any(running is module for running in entered) or not any(entered[-1] is a for a in above)):
+        # A module runs neither inside itself nor outside the modules holding it: an earlier call ended without
+        # `forward_leaves`, which torch skips for a BaseException (a KeyboardInterrupt) where it calls it for an
+        # Exception. That run is over.
+        entered.clear()
     if not runs.entered:
         if not runs.tracing or runs.traced_forwards:
             runs.start()
