@@ -622,6 +622,26 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             block, plain = sharded.model.layers[0].mlp, ref.model.layers[0].mlp
             return {"interrupted": error, "block": [maxdiff(block(hidden), plain(hidden)) for _ in range(2)]}
 
+    def converted_projection_sharded_then_wrapped() -> dict[str, Any]:
+        """An FFN's down_proj converted to a ToMoELinear, sharded, then wrapped (docs/parallel.md's order): wrap read
+        the layer's rebuilt dense weight, which needs every expert (IndexError on each rank); the truth is the same
+        model in one process."""
+        from moelens.compress import tomoe
+        from test_compress_helpers import ids, llama
+
+        converted = tomoe(llama(), num_experts=4, top_k=2, calibration=ids(8, 16, 1), max_error=None,
+                          target_modules=["down_proj"], progress=False).eval()
+        for param in converted.parameters():
+            dist.broadcast(param.data, 0)
+        tokens = tokens_of(RANK, vocab=converted.config.vocab_size)
+        with torch.no_grad():
+            expected = logits_of(converted(input_ids=tokens))
+            wrapped = moelens.wrap(shard_experts(copy.deepcopy(converted), None))
+            with wrapped.trace(tokens):
+                logits = wrapped.output.logits.save()
+            layer = wrapped._module.model.layers[0].mlp.down_proj
+        return {"logits": maxdiff(logits, expected), "weight": _error_text(lambda: layer.weight)}
+
     def destroyed_group() -> dict[str, Any]:
         """A model sharded over a group destroyed since: torch's "Group ... is not registered" deep in the
         exchange named neither the model nor the way out."""
@@ -632,6 +652,7 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
 
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
             "destroyed_group": destroyed_group, "ctrl_c_then_a_block": ctrl_c_then_a_block,
+            "converted_projection_sharded_then_wrapped": converted_projection_sharded_then_wrapped,
             "other_width_after_an_error": other_width_after_an_error,
             "error_on_some_ranks": error_on_some_ranks, "different_models": different_models,
             "plain_torch_model": plain_torch_model, "traced_and_plain_generate": traced_and_plain_generate}

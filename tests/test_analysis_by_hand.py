@@ -257,6 +257,35 @@ def test_specialisation_labels_given_as_class_names_count_as_their_ids():
         analysis.specialisation(chosen_cache(), names, classes=["code"])
 
 
+def test_activation_rate_of_a_layer_with_fewer_experts_leaves_the_missing_ones_out():
+    """A converted model whose layer 1 has 2 experts where layer 0 has 4: the rates and risk differences past layer
+    1's experts were 0 (an expert that exists and is never reached); they are NaN (no such expert), and plots leave
+    the cells empty. Counted by hand over the rows."""
+    rows = {0: [[0, 1], [2, 3], [0, 3]], 1: [[0, 1], [1, 0], [0, 1]]}
+    labels = [0, 1, 0]
+    shard = analysis.Shard(
+        token_ids=torch.arange(3, dtype=torch.int32), text_index=torch.zeros(3, dtype=torch.int32),
+        position=torch.arange(3, dtype=torch.int32),
+        indices={layer: torch.tensor(chosen, dtype=torch.int16) for layer, chosen in rows.items()},
+        weights={layer: torch.full((3, 2), 0.5, dtype=torch.float16) for layer in rows}, logits={})
+    cache = analysis.RoutingCache(layers=[0, 1], num_experts={0: 4, 1: 2}, top_k={0: 2, 1: 2},
+                                  score={0: "softmax", 1: "softmax"}, num_texts=1, has_logits=False, _memory=[shard])
+    result = analysis.specialisation(cache, torch.tensor(labels), classes=["a", "b"])
+    rate = result.activation_rate()
+    for layer in (0, 1):
+        for expert in range(cache.num_experts[layer]):
+            for c in (0, 1):
+                tokens = [row for row, label in zip(rows[layer], labels) if label == c]
+                assert float(rate[layer, expert, c]) == sum(expert in row for row in tokens) / len(tokens)
+    assert rate[1, 2:].isnan().all() and not rate[0].isnan().any()
+    assert result.risk_difference("a", "b")[1, 2:].isnan().all()
+    figure = analysis.plots.plot_risk_difference(result, "a", "b")
+    cells = torch.as_tensor(figure.axes[0].images[0].get_array().filled(float("nan")))
+    written = {text.get_position() for text in figure.axes[0].texts}
+    analysis.plots.pyplot().close(figure)
+    assert cells[1, 2:].isnan().all() and (2, 1) not in written and (3, 1) not in written
+
+
 # -- top tokens ------------------------------------------------------------------------------------------
 
 

@@ -545,6 +545,24 @@ def test_plot_specialisation_draws_class_names_holding_dollar_signs_as_their_tex
     assert not any(label.get_parse_math() for label in labels_drawn)
 
 
+def test_plot_risk_difference_draws_class_names_holding_dollar_signs_as_their_text():
+    """The title and colour-bar label name the classes: "$HOME" and "$PATH" were drawn as italic math and "a_$x^$"
+    raised ValueError when the figure was drawn. Truth: the class names given."""
+    classes = ["a_$x^$", "$HOME"]
+    spec = Specialisation([0], classes, torch.tensor([[[3, 1], [1, 2]]]), tokens=torch.tensor([[2, 2]]),
+                          reached=torch.tensor([[[2, 1], [1, 2]]]))
+    import io
+
+    figure = plots.plot_risk_difference(spec, 0, 1)
+    figure.savefig(io.BytesIO(), format="png")  # where mathtext parses them
+    heatmap, bar = figure.axes
+    drawn = [heatmap.title, bar.yaxis.label]
+    plots.pyplot().close(figure)
+    assert [text.get_text() for text in drawn] == ["Risk difference: a_$x^$ minus $HOME",
+                                                   "P(expert | a_$x^$) - P(expert | $HOME)"]
+    assert not any(text.get_parse_math() for text in drawn)
+
+
 def test_save_takes_a_numpy_or_tensor_dpi_as_matplotlib_does_and_refuses_a_bool(tmp_path):
     """plots.save refused dpi=np.int64(200), np.float32(200) and torch.tensor(200) (which matplotlib's savefig takes)
     as not "a number of dots per inch from 10 to 2000". Truth: the PNG is 2.2 x 1.2 inches (a 2 x 1 figure, the tight

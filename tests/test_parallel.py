@@ -353,6 +353,10 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert cases["destroyed_group"]["error"].startswith(
             f"ShardedExpertsError: MixtralExperts holds only experts {rank * 4}..{rank * 4 + 3} of 8, sharded over a "
             "process group that no longer exists"), (rank, cases["destroyed_group"])
+        converted = cases["converted_projection_sharded_then_wrapped"]
+        assert "error" not in converted and converted["logits"] <= TOL, (rank, converted)
+        assert converted["weight"].startswith("CompressionError: ToMoELinear's dense weight is rebuilt from all 4 "
+                                              f"experts, and this rank holds experts {2 * rank}..{2 * rank + 1} only")
         ctrl_c = cases["ctrl_c_then_a_block"]
         assert "error" not in ctrl_c and max(ctrl_c["block"]) <= TOL, (rank, ctrl_c)
         assert ctrl_c["interrupted"].startswith("KeyboardInterrupt" if rank == 1 else "RankDivergence"), (rank, ctrl_c)

@@ -243,7 +243,9 @@ def _is_dense_mlp(module: Any) -> bool:
     neither holds a weight per expert (a 3-D ``[E, out, in]`` weight: an MoE block of no registered family)."""
     if not isinstance(module, torch.nn.Module) or unserved_block(module) is not None:
         return False
-    weights = [getattr(getattr(module, name, None), "weight", None) for name in (*UP_PROJECTIONS, *DOWN_PROJECTIONS)]
+    # the parameters themselves: a weight rebuilt on reading (moelens.compress' ToMoELinear) is not read
+    weights = [getattr(getattr(module, name, None), "_parameters", {}).get("weight")
+               for name in (*UP_PROJECTIONS, *DOWN_PROJECTIONS)]
     per_expert = any(isinstance(weight, torch.Tensor) and weight.dim() > 2 for weight in weights)
     return _has_child(module, UP_PROJECTIONS) and _has_child(module, DOWN_PROJECTIONS) and not per_expert
 

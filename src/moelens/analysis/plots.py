@@ -193,8 +193,8 @@ def _layers_by_experts(values: Float[Tensor, "l e"], layers: Sequence[int], titl
         axes.set_xticks(range(values.shape[1]))
     else:
         _whole_numbers(axes.xaxis, bins=10)  # a wider axis (up to 14 inches): matplotlib's default count
-    axes.set_title(title + (f"; annotations in {unit}" if annotated and unit else ""))
-    figure.colorbar(drawn, ax=axes, label=label)
+    axes.set_title(title + (f"; annotations in {unit}" if annotated and unit else ""), parse_math=False)
+    figure.colorbar(drawn, ax=axes).set_label(label, parse_math=False)  # class names are text, "$HOME" too
     return figure
 
 

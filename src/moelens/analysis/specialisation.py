@@ -39,6 +39,8 @@ class Specialisation:
         tokens: ``[L, C]`` tokens of class c the layer routed (at least one slot not skipped), and
         reached: ``[L, E, C]`` those of them with expert e among their slots (once, where several slots name it),
             for `activation_rate`; None in a `Specialisation` built by hand from counts alone.
+        num_experts: Each layer's expert count, where layers have different ones (a converted model): E is the
+            largest, and the rows past a layer's own experts are no experts of it; None: every layer has E.
     """
 
     layers: list[int]
@@ -46,6 +48,7 @@ class Specialisation:
     counts: Int[Tensor, "l e c"]
     tokens: Int[Tensor, "l c"] | None = None
     reached: Int[Tensor, "l e c"] | None = None
+    num_experts: list[int] | None = None
 
     def share(self) -> Float[Tensor, "l e c"]:
         """P(class | expert): each expert's slots split over the classes (rows sum to 1)."""
@@ -68,12 +71,15 @@ class Specialisation:
         """P(expert e among a token's experts | class c): the share of the class's routed tokens that the layer
         sends to the expert (``reached / tokens``: a token counts once for an expert several of its slots name, so
         each rate is at most 1, and they sum to at most k over experts); NaN for a class the layer routed no token
-        of."""
+        of, and for the rows past a layer's own experts."""
         if self.tokens is None or self.reached is None:
             raise MoelensError("this Specialisation holds no token counts (it was built from counts alone): make it "
                                "with moelens.analysis.specialisation(cache, labels, ...), which counts them.")
         tokens = self.tokens[:, None, :].double()
-        return self.reached.double() / tokens.where(tokens > 0, torch.nan)
+        rate = self.reached.double() / tokens.where(tokens > 0, torch.nan)
+        for row, experts in enumerate(self.num_experts or ()):
+            rate[row, experts:] = torch.nan  # no expert of this layer: no rate, not 0
+        return rate
 
     def risk_difference(self, a: int | str, b: int | str) -> Float[Tensor, "l e"]:
         """How much more often class ``a``'s tokens reach each expert than class ``b``'s: ``activation_rate`` of
@@ -194,5 +200,6 @@ def specialisation(
     if per == "text" and labels.shape[0] > cache.num_texts:  # after the shards: a damaged cache is named first
         raise _text_labels_error(labels, cache)
     shape = (len(cache.layers), width, num_classes)
+    experts = [cache.num_experts[layer] for layer in cache.layers]
     return Specialisation(layers=list(cache.layers), classes=list(classes), counts=counts.view(shape), tokens=tokens,
-                          reached=reached.view(shape))
+                          reached=reached.view(shape), num_experts=experts if len(set(experts)) > 1 else None)

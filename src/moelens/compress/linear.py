@@ -69,6 +69,14 @@ class ToMoELinear(ToMoEBlock):
         return masks
 
     def _rebuild(self, values: Tensor, shape: tuple[int, ...]) -> Tensor:
+        held = self.experts.__dict__.get("_ep_num_local")
+        if held is not None and held < self.num_experts:  # moelens.parallel.shard_experts kept this rank's experts
+            first = self.experts._ep_first
+            raise CompressionError(
+                f"{type(self).__name__}'s dense weight is rebuilt from all {self.num_experts} experts, and this rank "
+                f"holds experts {first}..{first + held - 1} only (sharded by moelens.parallel.shard_experts); read it "
+                "from the model before sharding."
+            )
         out = values.new_zeros(shape)
         for expert, rows in enumerate(self.neuron_index):
             keep = rows >= 0
