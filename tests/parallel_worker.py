@@ -642,6 +642,30 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             layer = wrapped._module.model.layers[0].mlp.down_proj
         return {"logits": maxdiff(logits, expected), "weight": _error_text(lambda: layer.weight)}
 
+    def one_folder_for_every_rank() -> dict[str, Any]:
+        """collect_routing(..., folder=F) on every rank (as the docs ask every rank to call it) streamed both ranks'
+        shards into F: one rank's cache lost, or a FileNotFoundError at the rename of routing.json."""
+        import tempfile
+
+        from groundtruth import ascii_tokenizer
+
+        wrapped = moelens.wrap(shard_experts(tiny_model("mixtral"), None), tokenizer=ascii_tokenizer())
+        texts = ["ab cd", "efg"] if RANK == 0 else ["hij", "kl mn"]
+        shared = Path(tempfile.gettempdir()) / f"moelens-one-folder-{os.getppid()}"
+        refused = _error_text(lambda: moelens.analysis.collect_routing(wrapped, texts, folder=shared, progress=False))
+        own = shared / f"rank{RANK}"
+        moelens.analysis.collect_routing(wrapped, texts, folder=own, progress=False)
+        loaded = moelens.analysis.RoutingCache.load(own)
+        memory = moelens.analysis.collect_routing(wrapped, texts, progress=False)
+        dist.barrier()
+        written = sorted(path.name for path in shared.iterdir())
+        dist.barrier()
+        if RANK == 0:
+            import shutil
+
+            shutil.rmtree(shared)
+        return {"refused": refused, "written": written, "same": torch.equal(loaded.indices(0), memory.indices(0))}
+
     def destroyed_group() -> dict[str, Any]:
         """A model sharded over a group destroyed since: torch's "Group ... is not registered" deep in the
         exchange named neither the model nor the way out."""
@@ -652,6 +676,7 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
 
     return {"guard": guard, "divergent_skip": divergent_skip, "divergent_last_layer": divergent_last_layer,
             "destroyed_group": destroyed_group, "ctrl_c_then_a_block": ctrl_c_then_a_block,
+            "one_folder_for_every_rank": one_folder_for_every_rank,
             "converted_projection_sharded_then_wrapped": converted_projection_sharded_then_wrapped,
             "other_width_after_an_error": other_width_after_an_error,
             "error_on_some_ranks": error_on_some_ranks, "different_models": different_models,
