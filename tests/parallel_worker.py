@@ -657,6 +657,8 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         moelens.analysis.collect_routing(wrapped, texts, folder=own, progress=False)
         loaded = moelens.analysis.RoutingCache.load(own)
         memory = moelens.analysis.collect_routing(wrapped, texts, progress=False)
+        same = torch.equal(loaded.indices(0), memory.indices(0))
+        del loaded
         dist.barrier()
         written = sorted(path.name for path in shared.iterdir())
         dist.barrier()
@@ -664,7 +666,7 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             import shutil
 
             shutil.rmtree(shared)
-        return {"refused": refused, "written": written, "same": torch.equal(loaded.indices(0), memory.indices(0))}
+        return {"refused": refused, "written": written, "same": same}
 
     def destroyed_group() -> dict[str, Any]:
         """A model sharded over a group destroyed since: torch's "Group ... is not registered" deep in the
