@@ -658,6 +658,12 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         loaded = moelens.analysis.RoutingCache.load(own)
         memory = moelens.analysis.collect_routing(wrapped, texts, progress=False)
         same = torch.equal(loaded.indices(0), memory.indices(0))
+        # a folder on rank 0 only (review 2: the folder check, a collective, ran on rank 0 alone and hung)
+        moelens.analysis.collect_routing(wrapped, texts, folder=shared / "rank0-only" if RANK == 0 else None,
+                                         progress=False)
+        if RANK == 0:
+            same = same and torch.equal(moelens.analysis.RoutingCache.load(shared / "rank0-only").indices(0),
+                                        memory.indices(0))
         del loaded
         dist.barrier()
         written = sorted(path.name for path in shared.iterdir())

@@ -4352,6 +4352,11 @@ def test_an_input_holding_no_prompts_is_refused():
         with model.trace() as tracer:
             with tracer.invoke([]):
                 pass
+    hidden = model._module.config.hidden_size  # embeddings of no prompts (review 2): plain transformers fails too
+    with pytest.raises(moelens.MoelensError, match=rf"^the input holds no prompts \(inputs_embeds of shape \(0, 5, "
+                                                   rf"{hidden}\)\)"):
+        with model.trace(inputs_embeds=torch.zeros(0, 5, hidden)):
+            model.output.logits.save()
 
 
 def test_ids_of_more_than_two_axes_without_a_tokenizer_are_refused_by_shape():

@@ -184,8 +184,9 @@ def test_several_experts_in_one_call_match_the_same_edit_in_plain_nnsight(family
                                                                     r"got 2\.5"),
     (lambda moe: moelens.steer(moe, [2, 2], 1.0), r"^steer: expert 2 is given more than once"),
     # a set's order would pair the experts with to's at random (review 1: {5, 1} with to=[2, 6] swapped 1 -> 2)
-    (lambda moe: moelens.ablate(moe, {5, 1}, "swap", to=[2, 6]), r"the ablated experts are a set, whose order would "
-                                                                  r"pair them at random; pass them as a list"),
+    (lambda moe: moelens.ablate(moe, {5, 1}, "swap", to=[2, 6]), r"and expert is a set, whose order would pair them "
+                                                                  r"at random; pass lists, in order"),
+    (lambda moe: moelens.ablate(moe, [4, 1], "swap", to={6, 2}), r"and to is a set, whose order would pair them"),
     # rows for several blocks, the zip of the docs' pruning recipe forgotten: all four were routed around
     (lambda moe: moelens.ablate(moe, torch.tensor([[1, 2], [3, 4]]), "route_around"),
      r"^ablate: expert is a tensor of shape \(2, 2\); pass the expert ids of this block"),
@@ -957,8 +958,8 @@ def test_a_nan_the_user_writes_beside_the_model_s_own_is_still_refused():
                     logits = wrapped.moes[0].router_logits
                     wrapped.moes[0].router_logits = torch.where(torch.arange(5)[:, None] == 2, logits.index_fill(
                         -1, torch.tensor([3]), float("nan")), logits)
-        with pytest.raises(moelens.WriteError, match=r"assign the edited tensor instead, "
-                                                     r"model\.model\.layers\.0\.mlp\.router_logits = edited"):
+        with pytest.raises(moelens.WriteError, match=r"edit a copy and assign it: edited = "
+                                                     r"model\.model\.layers\.0\.mlp\.router_logits\.clone\(\)"):
             with torch.no_grad(), wrapped.trace(**inputs):
                 wrapped.moes[0].router_logits[0, :, 3] -= 1.0
         # the user's NaN written in place into the model's tensor, then an assignment or an intervention: not the

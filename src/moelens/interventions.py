@@ -182,12 +182,13 @@ def _replacements(moe: Moe, experts: list[int], to: Any, unordered: bool = False
     if to is None:
         raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over>.")
     call = "ablate(..., mode='swap')"
-    if isinstance(to, (str, bytes, bytearray, Mapping)) or not isinstance(to, Iterable) or \
-            isinstance(to, (torch.Tensor, numpy.ndarray)) and to.ndim == 0:
+    one = (not isinstance(to, Iterable) or isinstance(to, (str, bytes, bytearray, Mapping))
+           or (isinstance(to, (torch.Tensor, numpy.ndarray)) and to.ndim == 0))
+    if one:
         replacements = [_expert(moe, to, "to")] * len(experts)
-    elif unordered:
-        raise WriteError(f"{call}: to gives one expert per ablated expert, but the ablated experts are a set, whose "
-                         "order would pair them at random; pass them as a list, in the order of to.")
+    elif (unordered or isinstance(to, (set, frozenset))) and len(experts) > 1:
+        raise WriteError(f"{call}: to gives one expert per ablated expert, and {'expert' if unordered else 'to'} is a "
+                         "set, whose order would pair them at random; pass lists, in order.")
     else:
         replacements = _expert_ids(moe, to, call, "to", distinct=False)  # two experts may go to one
     if len(replacements) != len(experts):

@@ -878,11 +878,13 @@ def _rows_of(inputs: tuple, kwargs: dict, rows: int) -> int:
     """``rows``, the batch rows nnsight counts in an input; refused where it is 0 for an input that is there (an empty
     list of prompts, ids of 0 rows): nnsight takes such a trace for one without input, runs its body without the model
     and fails at its first read ("Cannot access model.output outside of interleaving")."""
-    ids = _invoke_ids(inputs, kwargs)
+    ids, name = _invoke_ids(inputs, kwargs), "ids"
     if isinstance(ids, Mapping):
         ids = ids.get("input_ids")
-    if not rows and (isinstance(ids, (list, tuple)) and not ids or isinstance(ids, torch.Tensor) and ids.ndim > 1):
-        shape = f"ids of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else f"an empty {type(ids).__name__}"
+    if ids is None:
+        ids, name = kwargs.get("inputs_embeds"), "inputs_embeds"
+    if not rows and ((isinstance(ids, (list, tuple)) and not ids) or (isinstance(ids, torch.Tensor) and ids.ndim > 1)):
+        shape = f"{name} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else f"an empty {type(ids).__name__}"
         raise MoelensError(f"the input holds no prompts ({shape}), so the model would not run: give at least one "
                            "prompt.")
     return rows

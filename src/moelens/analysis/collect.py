@@ -22,7 +22,6 @@ from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 from ..errors import MoelensError
 from ..families.unserved import why_no_moe
 from ..model import check_wrapped
-from ..parallel.comm import stored_group
 from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
@@ -196,18 +195,19 @@ def can_stop_early(model: Any) -> bool:
     return not getattr(model, "_edits", None)
 
 
-def _refuse_a_folder_of_other_ranks(moes: list[Any], folder: Path) -> None:
-    """Under moelens' expert parallelism every rank collects (each trace is a collective): ranks of one machine
-    streaming to one folder would overwrite each other's shards and ``routing.json``. Asked of every rank of the EP
-    group at once (a collective too), so all of them refuse together."""
+def _refuse_a_folder_of_other_ranks(moes: list[Any], folder: Path | None) -> None:
+    """Under moelens' expert parallelism (`moelens.parallel.shard_experts`) every rank collects, each trace a
+    collective: ranks of one machine streaming to one folder would overwrite each other's shards and
+    ``routing.json``. Every rank of the EP group says which folder it writes to (None: none), a collective too, so
+    that all of them refuse together."""
     experts = moes[0].experts._module
-    if experts.__dict__.get("_ep_size", 1) < 2:
+    holder = experts.__dict__.get("_ep_group")  # the group shard_experts keeps (parallel.comm.SharedGroup)
+    if holder is None or experts.__dict__.get("_ep_size", 1) < 2:
         return
-    group = stored_group(experts)
-    mine = (socket.gethostname(), str(folder.resolve()))
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if everyone.count(mine) > 1:
+    mine = None if folder is None else (socket.gethostname(), str(folder.resolve()))
+    everyone: list[Any] = [None] * dist.get_world_size(holder.group)
+    dist.all_gather_object(everyone, mine, group=holder.group)
+    if mine is not None and everyone.count(mine) > 1:
         raise MoelensError(
             f"collect_routing(folder={str(folder)!r}): under expert parallelism every rank collects, and "
             f"{everyone.count(mine)} ranks of this machine gave this folder: they would overwrite each other's "
@@ -285,8 +285,7 @@ def collect_routing(
         vocab=corpora.vocab_size(model),
     )
     writer = ShardWriter(folder, cache) if folder is not None else None
-    if writer is not None:
-        _refuse_a_folder_of_other_ranks(moes, writer.folder)
+    _refuse_a_folder_of_other_ranks(moes, writer.folder if writer is not None else None)
     pending: list[Shard] = []
     pending_tokens = 0
     shards: list[Shard] = []

@@ -761,11 +761,12 @@ def _write(component: "Component", descriptor: served, binding: Binding, value: 
             value = value.expand(current.shape)
         if value.is_floating_point() and current.is_floating_point():
             value = _cast(component, name, binding, value, current.dtype)  # checked as the model gets it
-    # the model's values where the write lands: gone where a view of them read at this visit was edited in place since
-    touched = next((opened.view for opened in (reads.views.get(other) for other in superseded) if opened is not None
-                    and opened.view._version != opened.version and _aliases(opened.view, current)), None)
-    check_write(component, name, binding, value, current.shape,
-                before=current if touched is None else model_values(touched))
+    before = current  # the model's values where the write lands, unless a view of them was edited in place since read
+    for other in superseded:
+        opened = reads.views.get(other)
+        if opened is not None and opened.view._version != opened.version and _aliases(opened.view, current):
+            before = model_values(opened.view)
+    check_write(component, name, binding, value, current.shape, before=before)
     check_not_recomputed(component, name)
     earlier = None
     for other in superseded:

@@ -165,9 +165,10 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
     if is_fake(value):  # model.scan: shapes and dtypes only, no values to check
         return
     unknown = "" if before is not None else (
-        " (moelens cannot tell the model's own NaN or inf from this edit in place: of the model's tensor under "
+        " (moelens cannot tell the model's own NaN or inf from an edit in place: of the model's tensor under "
         "torch.no_grad, or of a value served in another layout, such as the activations in token-slot order; where "
-        f"the model computed them, assign the edited tensor instead, {component.path}.{name} = edited)")
+        f"the model computed them, edit a copy and assign it: edited = {component.path}.{name}.clone(), then "
+        f"{component.path}.{name} = edited)")
     nans = _introduced(value, before, torch.isnan)
     if nans.any():
         first = tuple(int(i) for i in nans.nonzero()[0])
