@@ -107,11 +107,11 @@ def forward_enters(runs: Runs, above: tuple[torch.nn.Module, ...], module: torch
         # `forward_leaves`, which torch skips for a BaseException (a KeyboardInterrupt) where it calls it for an
         # Exception. That run is over.
         entered.clear()
-    if not runs.entered:
+    if not entered:
         if not runs.tracing or runs.traced_forwards:
             runs.start()
         runs.traced_forwards += bool(runs.tracing)
-    runs.entered.append(module)
+    entered.append(module)
 
 
 def forward_leaves(runs: Runs, module: torch.nn.Module, args: Any, output: Any) -> None:
