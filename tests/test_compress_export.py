@@ -136,6 +136,21 @@ def test_verify_tells_apart_two_blocks_of_one_layer(out):
         verify(archive, query, hidden)
 
 
+def test_verifying_an_edited_block_archive_against_the_unconverted_copy_says_which_to_pass(out):
+    """The archive of a converted GPT-2 FFN block with edits is written from `exportable`'s copy; verified against the
+    converted block itself, verify raised the export's refusal ending "export that", which the user had done."""
+    from moelens.export import Edits, ExportError, verify
+
+    converted = convert(gpt2(), num_experts=4, top_k=2)
+    copy = wrap(exportable(converted)).moes[0]
+    archive = to_nnef(copy, out / "edited.nnef.tgz", verify=False, edits=Edits(route_around={0: [1]})).path
+    hidden = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(3))
+    assert verify(archive, copy, hidden).meets("approximate")
+    with pytest.raises(ExportError, match=r"edited.nnef.tgz has edits, .* experts not in gated form\. Verify against "
+                                          r"the copy that was exported, .*moelens\.compress\.exportable\(model\)"):
+        verify(archive, wrap(converted).moes[0], hidden)
+
+
 def test_what_tract_cannot_express_is_refused_with_the_reason(out):
     converted = convert(bert(), num_experts=4, top_k=2)
     with pytest.raises(ExportRefused, match="erf"):  # BERT's exact GELU: tract's gelu is the tanh approximation

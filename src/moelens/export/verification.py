@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..families.tomoe import EXPORTABLE
 from ..modules import device_of, evaluating
 from ..paths import user_path
 from .edits import Edits, as_edits
-from .errors import ExportError
+from .errors import ExportError, ExportRefused
 from .runner import output_scale, properties, run_isolated, tolerance_met
 from .target import Target, resolve
 
@@ -108,7 +109,9 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
 
     Raises:
         ExportError: ``model`` is not what the archive was exported from (another kind, family, layers,
-            vocabulary, block, or output: a causal LM for its base model's archive, or the reverse).
+            vocabulary, block, or output: a causal LM for its base model's archive, or the reverse), or a
+            converted block whose experts are not in gated form, given for a block archive with edits (verify
+            against the `moelens.compress.exportable` copy that was exported).
     """
     from .exporter import vocab_size
 
@@ -118,7 +121,16 @@ def verify(path: str | Path, model: Any, inputs: torch.Tensor | np.ndarray | Non
     _check_exported_from(path, recorded, target)
     edits = Edits.from_text(recorded.get("moelens_edits", "")) if edits is None else as_edits(edits)
     inputs = _default_inputs(path, target) if inputs is None else archive_inputs(path, inputs, vocab_size(target))
-    expected, reference, computed = _torch_output(target, inputs, edits, None)
+    try:
+        expected, reference, computed = _torch_output(target, inputs, edits, None)
+    except ExportRefused as refusal:
+        if EXPORTABLE not in str(refusal):
+            raise
+        raise ExportError(  # to_nnef was given the exportable copy: only it has the block in tract's maths
+            f"{path} has edits, which verify makes on the block in tract's maths, and this block cannot be written in "
+            f"them: it is moelens.compress' output with experts not in gated form. Verify against the copy that was "
+            f"exported, as to_nnef was given it: verify(path, moelens.wrap(moelens.compress.exportable(model)).moes[i])."
+        ) from None
     _check_output(path, recorded, computed)
     _refuse_nan(expected, reference, inputs)
     actual = run_isolated(path, [inputs.numpy()])[0]
