@@ -151,6 +151,31 @@ def test_verifying_an_edited_block_archive_against_the_unconverted_copy_says_whi
         verify(archive, wrap(converted).moes[0], hidden)
 
 
+def test_a_wrap_left_from_before_an_in_place_conversion_says_to_wrap_again(out):
+    """``tomoe(wrapped._module, inplace=True)`` replaced the FFNs the wrap had served as dense MLPs: routing analysis
+    and the export said the model has no MoE block, though it has one per layer. Wrapped again, both run (ground
+    truth: the converted FFN blocks themselves, as tract runs them)."""
+    from moelens import analysis
+    from moelens.compress import tomoe
+
+    dense = llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no MoE block": a dense model
+        stale = wrap(dense)
+    tomoe(dense, inplace=True, num_experts=4, top_k=2, max_error=None, progress=False)
+    replaced = r"model\.model\.layers\.0\.mlp, model\.model\.layers\.1\.mlp are no longer the module .* Wrap the " \
+               r"model again: moelens\.wrap\(model\._module\)\."
+    with pytest.raises(moelens.MoelensError, match=rf"routing analysis: {replaced}"):
+        analysis.collect_routing(stale, [ids(1, 8)[0]], progress=False)
+    with pytest.raises(moelens.MoelensError, match=rf"the export: {replaced}"):
+        to_nnef(stale, out / "stale.nnef.tgz", verify=False)
+    again = wrap(dense)
+    assert [moe._module for moe in again.moes] == [layer.mlp for layer in dense.model.layers]
+    assert analysis.collect_routing(again, [ids(1, 8)[0]], progress=False).num_tokens == 8
+    hidden = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(4))
+    assert_block_runs_in_tract(again.moes[0], out / "again.nnef.tgz", hidden, "swiglu")
+
+
 def test_what_tract_cannot_express_is_refused_with_the_reason(out):
     converted = convert(bert(), num_experts=4, top_k=2)
     with pytest.raises(ExportRefused, match="erf"):  # BERT's exact GELU: tract's gelu is the tanh approximation

@@ -7,6 +7,7 @@ exported archive in tract.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 
@@ -18,7 +19,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
 import moelens
 from moelens import families
-from moelens.export import ExportRefused, run, to_nnef
+from moelens.export import ExportError, ExportRefused, run, to_nnef
 from moelens.testing import tiny_model
 
 
@@ -26,6 +27,30 @@ def two_layer_mixtral(**overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return tiny_model("mixtral", num_hidden_layers=2, **overrides)
+
+
+def test_a_block_replaced_after_wrapping_is_refused_naming_it(tmp_path):
+    """A block replaced in the torch model after wrapping: the wrapped model's export crashed with a KeyError (the
+    id of the old block), and its Moe's export wrote the old block, which the model no longer runs, and verified it
+    against itself. Wrapped again, the archive is the new block (ground truth: the new block in torch)."""
+    hf = two_layer_mixtral()
+    wrapped = moelens.wrap(hf)
+    old_block = wrapped.moes[0]
+    new = copy.deepcopy(hf.model.layers[0].mlp)
+    with torch.no_grad():
+        new.experts.down_proj.mul_(2.0)
+    hf.model.layers[0].mlp = new
+    replaced = r"model\.model\.layers\.0\.mlp is no longer the module this model was wrapped with .*: {}\. Wrap the model again"
+    with pytest.raises(ExportError, match=replaced.format("model.moes lists the blocks as wrapped")):
+        to_nnef(wrapped, tmp_path / "model.nnef.tgz", verify=False)
+    with pytest.raises(ExportError, match=replaced.format("the archive would hold the old block")):
+        to_nnef(old_block, tmp_path / "block.nnef.tgz", verify=False)
+    assert not list(tmp_path.iterdir())
+    hidden = torch.randn(1, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    report = to_nnef(moelens.wrap(hf).moes[0], tmp_path / "again.nnef.tgz", example_inputs=hidden)
+    with torch.no_grad():
+        expected = new(hidden)
+    np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=1e-4, rtol=5e-4)
 
 
 def test_experts_with_exact_erf_gelu_are_refused(tmp_path):

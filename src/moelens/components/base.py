@@ -80,6 +80,14 @@ def replaced_modules(envoy: Envoy) -> list[str]:
     return found
 
 
+def replaced_message(where: str, replaced: list[str], consequence: str) -> str:
+    """What ``where`` says when the modules at the paths ``replaced`` are no longer the ones moelens wrapped."""
+    return (f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this model "
+            "was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe(model._module, "
+            f"inplace=True) replaces the layers it converts): {consequence}. Wrap the model again: "
+            "moelens.wrap(model._module).")
+
+
 #: The attribute of a component holding ``{path: module}``: the modules moelens instrumented at wrap
 #: (`replaced_modules`).
 INSTRUMENTED = "_instrumented_modules"

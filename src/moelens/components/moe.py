@@ -437,11 +437,7 @@ class Moe(Mlp):
                 break
         replaced = replaced or base.replaced_modules(self)
         if replaced:
-            raise ValueUnavailable(
-                f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
-                f"model was wrapped with (replaced or removed after moelens.wrap): {consequence}. Wrap the model "
-                "again (moelens.wrap)."
-            )
+            raise ValueUnavailable(base.replaced_message(where, replaced, consequence))
 
     def __repr__(self) -> str:
         """What the block is (family, E, k, experts implementation), then nnsight's tree of its modules and values.
