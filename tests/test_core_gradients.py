@@ -654,13 +654,39 @@ def test_the_gradient_of_router_probs_of_a_trainable_model_names_it_and_router_l
     hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
     moe = wrapped.moes[0]
     with pytest.raises(moelens.ValueUnavailable, match=r"^model\.model\.layers\.0\.mlp\.router_probs\.grad: "
-                                                       r"router_probs is derived .*Read router_logits\.grad instead\.$"):
+                                                       r"router_probs is derived .*last layer first\. Read "
+                                                       r"router_logits\.grad for the model's own loss\.$"):
         with wrapped.trace(**inputs):
             probs = moe.router_probs
             assert probs.requires_grad
             loss = loss_of(wrapped.output)
             with loss.backward():
                 probs.grad.save()
+
+
+def test_the_gradient_of_router_probs_in_a_loss_of_them_read_out_of_order_names_the_order():
+    """A loss computed from two layers' router_probs, their .grad read first layer first: the backward reaches layer
+    1 first, and the refusal said no output depends on it. Read last layer first, both are the gradients autograd
+    gives the same loss of the softmax of the router logits computed by hand."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    first, second = wrapped.moes[0], wrapped.moes[1]
+    with pytest.raises(moelens.ValueUnavailable, match=r"layers\.1\.mlp\.router_probs\.grad: .*only where the loss "
+                                                       r"was computed from it, and then it is read in the order the "
+                                                       r"backward reaches the blocks, last layer first"):
+        with wrapped.trace(**inputs):
+            one, two = first.router_probs, second.router_probs
+            loss = (one ** 2).sum() + (two ** 2).sum()
+            with loss.backward():
+                one.grad.save()
+                two.grad.save()
+    with wrapped.trace(**inputs):
+        one, two = first.router_probs.save(), second.router_probs.save()
+        loss = (one ** 2).sum() + (two ** 2).sum()
+        with loss.backward():
+            later = two.grad.save()
+            earlier = one.grad.save()
+    for probs, grad in ((one, earlier), (two, later)):  # d/dp sum(p ** 2) = 2 p, p the softmax of the logits
+        torch.testing.assert_close(grad, 2 * probs.detach())
 
 
 def test_the_gradient_of_the_expert_indices_says_integers_have_none():

@@ -366,13 +366,17 @@ class Moe(Mlp):
             probs = score(self.family.score_of(self._module), logits, self.softcap)
         handed_back = RUNS.get(self.interleaver)
         if handed_back is not None and torch.is_grad_enabled():
-            frozen = "" if probs.requires_grad else (  # no hook can be put on it (`_no_gradient_refusal`)
-                ", with the router's weights unfrozen before the trace (moe.router._module.requires_grad_(True)) or the "
-                "input embeddings' output requiring grad (hf_model.enable_input_require_grads())")
-            handed_back.without_gradient(probs, (  # else its hook never fires (`_derived_gradient_refusal`)
-                f"{self.path}.router_probs.grad: router_probs is derived (moelens scores router_logits; the model goes "
-                "on from its own scores), so no output depends on it and it has no gradient. Read router_logits.grad "
-                f"instead{frozen}."))
+            derived = (f"{self.path}.router_probs.grad: router_probs is derived (moelens scores router_logits; the "
+                       "model goes on from its own scores), so no output of the model depends on it")
+            if probs.requires_grad:  # its hook never fires unless a loss of the user's is computed from it
+                reason = (f"{derived}: it has a gradient only where the loss was computed from it, and then it is read "
+                          "in the order the backward reaches the blocks, last layer first. Read router_logits.grad "
+                          "for the model's own loss.")
+            else:  # no hook can be put on it (`_no_gradient_refusal`)
+                reason = (f"{derived}, and it has no gradient. Read router_logits.grad instead, with the router's "
+                          "weights unfrozen before the trace (moe.router._module.requires_grad_(True)) or the input "
+                          "embeddings' output requiring grad (hf_model.enable_input_require_grads()).")
+            handed_back.without_gradient(probs, reason)  # read at `_derived_gradient_refusal`, `_no_gradient_refusal`
         return probs
 
     @router_probs.setter
