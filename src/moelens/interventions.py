@@ -102,11 +102,14 @@ def _moe(block: Any, call: str) -> Moe:
     raise WriteError(f"{call} takes an MoE block (model.moes[i] or model.layers[i].mlp of a wrapped model), got {got}.")
 
 
-def _expert(moe: Moe, expert: Any, what: str = "expert") -> int:
-    """``expert`` as a Python int id of ``moe`` (an int, a numpy integer or a one-element tensor), checked."""
+def _expert(moe: Moe, expert: Any, what: str) -> int:
+    """``expert`` as a Python int id of ``moe`` (an int, a numpy integer or a one-element tensor), checked; ``what``
+    names it in an error."""
     index = as_int(expert)
     if index is None:
-        raise WriteError(f"{what} must be an int expert id in [0, {moe.num_experts}), got {scalar(expert)!r}.")
+        mask = (f" (a bool is no id; a mask over the experts goes as a bool tensor of {moe.num_experts} entries)"
+                if isinstance(scalar(expert), (bool, numpy.bool_)) else "")
+        raise WriteError(f"{what} must be an int expert id in [0, {moe.num_experts}), got {scalar(expert)!r}{mask}.")
     expert = index
     if not 0 <= expert < moe.num_experts:
         raise WriteError(f"{what} {expert} is out of range: {moe.path} has experts 0..{moe.num_experts - 1}.")
@@ -131,8 +134,11 @@ def ablate(moe: Moe, expert: int | Iterable[int], mode: str = "zero", to: int | 
             the same weight (outputs change).
         to: The replacement expert for ``mode="swap"``: one for all the ablated experts, or one
             per ablated expert in their order (``ablate(moe, [1, 2], "swap", to=[2, 1])`` exchanges
-            experts 1 and 2: each slot's new expert follows from the routing as it was).
+            experts 1 and 2: each slot's new expert follows from the routing as it was). A swap also
+            takes the pairs as one mapping, ``ablate(moe, {1: 2, 2: 1}, "swap")``, as `Edits.swap` does.
     """
+    if mode == "swap" and isinstance(expert, Mapping) and to is None:  # {expert: the one taking over its slots}
+        expert, to = list(expert), list(expert.values())
     experts = _expert_ids(_moe(moe, "ablate"), expert, "ablate")
     if mode not in ABLATION_MODES:
         raise WriteError(f"ablate mode {mode!r} is not one of {ABLATION_MODES}.")
@@ -178,26 +184,23 @@ def _refuse_recomputed_routing(moe: Moe, call: str) -> None:
 def _replacements(moe: Moe, experts: list[int], to: Any, unordered: bool = False) -> list[int]:
     """``to`` as the expert that takes over each of ``experts``' slots in a swap: one id for all of them, or one per
     expert (refused where ``unordered``: the experts came as a set, whose order would pair them at random); refused
-    where it is missing, of another length, or an ablated expert itself."""
+    where it is missing, of another length, or where every expert would take over its own slots (nothing changes)."""
     if to is None:
-        raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over>.")
+        raise WriteError("ablate(..., mode='swap') needs to=<the expert that takes over> (or the pairs as a mapping, "
+                         "ablate(moe, {1: 2, 2: 1}, 'swap')).")
     call = "ablate(..., mode='swap')"
-    one = (not isinstance(to, Iterable) or isinstance(to, (str, bytes, bytearray, Mapping))
-           or (isinstance(to, (torch.Tensor, numpy.ndarray)) and to.ndim == 0))
-    if one:
-        replacements = [_expert(moe, to, "to")] * len(experts)
+    replacements = _expert_ids(moe, to, call, "to", distinct=False)  # two experts may go to one
+    if len(replacements) == 1:
+        replacements *= len(experts)
     elif (unordered or isinstance(to, (set, frozenset))) and len(experts) > 1:
         raise WriteError(f"{call}: to gives one expert per ablated expert, and {'expert' if unordered else 'to'} is a "
                          "set, whose order would pair them at random; pass lists, in order.")
-    else:
-        replacements = _expert_ids(moe, to, call, "to", distinct=False)  # two experts may go to one
     if len(replacements) != len(experts):
         raise WriteError(f"{call}: to={replacements} gives {len(replacements)} experts for the {len(experts)} ablated "
                          f"ones {experts}; give one expert for all of them, or one for each.")
-    kept = [expert for expert, replacement in zip(experts, replacements) if expert == replacement]
-    if kept:
-        raise WriteError(f"{call}: to={kept[0]} is the expert being ablated, so nothing would change; give another "
-                         "expert to take over its slots (or use mode='zero').")
+    if replacements == experts:
+        raise WriteError(f"{call}: to={to!r:.40} gives each expert its own slots, so nothing would change; give another "
+                         "expert to take over them (or use mode='zero').")
     return replacements
 
 
@@ -336,22 +339,37 @@ def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) ->
     renormalize = check_flag("keep_top: renormalize", renormalize, WriteError)
     weights = moe.expert_weights.clone()
     rows = None if tokens is None else _token_rows(weights, tokens, "keep_top")
-    _edit_rows(weights, rows, lambda selected: _best_slots(selected, count, renormalize))
+    total = _renormalised_total(moe) if renormalize else None
+    _edit_rows(weights, rows, lambda selected: _best_slots(selected, count, renormalize, total))
     moe.expert_weights = weights
 
 
-def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: bool
+def _renormalised_total(moe: Moe) -> float | None:
+    """What ``moe``'s router makes each token's k weights sum to where it renormalises them to sum to one (times its
+    scale), None where it does not."""
+    family, block = moe.family, moe._module
+    if moe.SCORING.select != "logit_topk" and family.normalize_of(block) is not True:
+        return None
+    return family.scale_of(block) or 1.0
+
+
+def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: bool, renormalised: float | None = None
                 ) -> Float[torch.Tensor, "*tokens k"]:
     """``weights`` with all but each token's ``n`` largest set to 0 (of equal ones the earlier slots: routers put
     their best expert first, and in bfloat16 the weights of two experts the router told apart can round to one
     value, where torch.topk may pick either); with ``renormalize``, the kept ones scaled to the sum of all of them
-    (a token whose kept ones sum to 0 keeps its zeros)."""
+    (a token whose kept ones sum to 0 keeps its zeros). ``renormalised``: the sum the router gives them
+    (`_renormalised_total`), taken for a sum that only their rounding sets apart from it (in bfloat16 one weight
+    of 1.0 became 0.996, the sum of the rounded weights)."""
     best_first = weights.sort(dim=-1, descending=True, stable=True).indices[..., :n]
     kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, best_first, True)
     best = weights.masked_fill(~kept, 0.0)
     if not renormalize:
         return best
     total, left = weights.float().sum(-1, keepdim=True), best.float().sum(-1, keepdim=True)
+    if renormalised is not None:  # each weight is off by half a unit of its last place at most
+        rounding = weights.shape[-1] * torch.finfo(weights.dtype).eps * abs(renormalised)
+        total = torch.where((total - renormalised).abs() <= rounding, renormalised, total)
     empty = left == 0
     scale = torch.where(empty, 1.0, total / left.masked_fill(empty, 1.0))  # no 0 / 0, also for the gradient
     return (best.float() * scale).to(weights.dtype)
@@ -414,9 +432,10 @@ def steer(moe: Moe, expert: int | Iterable[int], bias: float) -> None:
                          "routing).")
     logits = moe.router_logits
     added = real if learned is None else learned.reshape(()).to(logits.dtype)
+    for expert in experts:  # all checked before any is edited: a refusal leaves the logits as they were
+        _check_steer_fits(moe, logits, expert, real)
     remember_before_edit(logits)
     for expert in experts:
-        _check_steer_fits(moe, logits, expert, real)
         logits[..., expert] += added
 
 
@@ -524,7 +543,8 @@ def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | N
 
 def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert", distinct: bool = True) -> list[int]:
     """The expert ids of ``moe`` that ``call``'s ``argument`` gives, checked (``distinct``: each once): one id, or the
-    items of any iterable (a list, a set, a range, a generator, dict keys) or of a 1-D tensor or array. Text and
+    items of any iterable (a list, a set, a range, a generator, dict keys) or of a 1-D tensor or array, or where a 1-D
+    bool tensor or array (a mask over the ``E`` experts) holds True. Text and
     mappings are refused as a whole: a str is iterable, but its characters are no expert ids, and a mapping's values
     would be dropped; so are tensors of more axes, rows of ids for several blocks."""
     if isinstance(experts, torch.Tensor) and is_fake(experts) and experts.numel() > 1:
@@ -534,6 +554,14 @@ def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert", dis
         raise WriteError(f"{call}: {argument} is a tensor of shape {tuple(experts.shape)}; pass the expert ids of this "
                          f"block, one id or a 1-D list or tensor of them (rows for several blocks: one call each, "
                          "for moe, row in zip(model.moes, rows)).")
+    if isinstance(experts, (torch.Tensor, numpy.ndarray)) and experts.dtype in (torch.bool, numpy.bool_) \
+            and experts.ndim == 1:  # a mask over the experts (usage.counts[row] < t): the ids where it holds
+        if len(experts) != moe.num_experts:
+            raise WriteError(f"{call}: {argument} is a bool mask of {len(experts)} entries, and {moe.path} has "
+                             f"{moe.num_experts} experts; give one entry per expert, or the expert ids.")
+        experts = experts.nonzero()[0] if isinstance(experts, numpy.ndarray) else experts.nonzero().flatten()
+        if len(experts) == 0:
+            raise WriteError(f"{call}: the bool mask given as {argument} selects no expert.")
     if isinstance(experts, (torch.Tensor, numpy.ndarray)):  # a 0-d one too
         with unset_fake_temporarily():  # in model.scan: a real tensor's ids, not placeholder symbols
             experts = [scalar(expert) for expert in experts.reshape(-1)]
@@ -543,7 +571,7 @@ def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert", dis
         raise WriteError(f"{call}: {argument}={experts!r:.80} is {type(experts).__name__}, not expert ids; pass an int "
                          f"expert id, or a list of them ({call.split('(')[0]}(moe, [3, 5])).{weights}")
     listed = list(experts) if isinstance(experts, Iterable) else [experts]
-    ids = [_expert(moe, expert, "expert" if argument == "experts" else argument) for expert in listed]
+    ids = [_expert(moe, expert, f"{call}: {'expert' if argument == 'experts' else argument}") for expert in listed]
     if not ids:
         raise WriteError(f"{call}: no expert given; pass one expert id or a list of them.")
     repeated = sorted({expert for expert in ids if ids.count(expert) > 1}) if distinct else []
