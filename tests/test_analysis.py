@@ -1072,3 +1072,81 @@ def test_plots_save_refuses_the_current_folder(tmp_path, monkeypatch, path, refu
     with pytest.raises(MoelensError, match=refusal):
         plots.save(plots.plot_usage(_two_expert_usage()), path)
     assert not any(tmp_path.iterdir())
+
+
+def _run_docs_example(page: str, holding: str, folder, names: dict) -> dict:
+    """Run the python block of docs/``page`` holding ``holding``, as written there, with ``names`` defined (from a
+    file in ``folder``: nnsight reads a trace's body from its source); its names after the run."""
+    import re
+    import runpy
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / page).read_text()
+    script = folder / f"{Path(page).stem}_example.py"
+    script.write_text(next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if holding in block))
+    return runpy.run_path(str(script), init_globals=names)
+
+
+def test_docs_steermoe_and_pruning_examples_pick_each_layers_own_experts(capsys, tmp_path):
+    """docs/analysis.md's SteerMoE example and docs/interventions.md's pruning recipe, run as written on a converted
+    model whose layers have 4 and 8 experts: the argmax of risk_difference named expert 4 of the 4-expert layer
+    (its rows past 3 are NaN, which argmax ranks highest), and the recipe's argsort over usage.counts picked the
+    zero columns past layer 0's experts, so ablate refused expert 4. Ground truth: routing read with forward pre-hooks
+    on the experts of an unwrapped copy, counted by hand, and the pruned logits of that copy with the pruned experts'
+    router bias at -inf (route_around's -inf logit)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    calibration = torch.randint(32, 127, (8, 16))
+    converted = tomoe(LlamaForCausalLM(config).eval(), num_experts=4, top_k=2, calibration=calibration,
+                      max_error=None, target_modules=["model.layers.0.mlp"], progress=False)
+    converted = tomoe(converted, num_experts=8, top_k=2, calibration=calibration, max_error=None,
+                      target_modules=["model.layers.1.mlp"], progress=False)
+    reference, tokenizer = copy.deepcopy(converted), ascii_tokenizer()
+    model = moelens.wrap(converted, tokenizer=tokenizer)
+    blocks = {0: reference.model.layers[0].mlp, 1: reference.model.layers[1].mlp}
+
+    def routed(text: str) -> dict[int, list[list[int]]]:
+        """Each layer's experts per token of ``text``, tokenized as the corpus is (no special tokens)."""
+        seen: dict[int, list[list[int]]] = {}
+        hooks = [block.experts.register_forward_pre_hook(lambda module, args, layer=layer: seen.update(
+            {layer: args[1].tolist()})) for layer, block in blocks.items()]
+        with torch.no_grad():
+            reference(torch.tensor([tokenizer(text, add_special_tokens=False).input_ids]))
+        for hook in hooks:
+            hook.remove()
+        return seen
+
+    steer = _run_docs_example("analysis.md", "spec.risk_difference(\"harmful\", \"benign\")", tmp_path,
+                              {"analysis": analysis, "plots": analysis.plots, "model": model})
+    analysis.plots.pyplot().close("all")
+    picked = [int(expert) for expert in capsys.readouterr().out.split("tensor([")[-1].split("])")[0].split(",")]
+    for row, layer in enumerate(blocks):
+        rates = []
+        for text in steer["texts"]:  # harmful, benign
+            tokens = routed(text)[layer]
+            rates.append([sum(expert in chosen for chosen in tokens) / len(tokens) for expert in range(8)])
+        own = converted.model.layers[layer].mlp.num_experts
+        difference = [rates[0][expert] - rates[1][expert] for expert in range(own)]
+        assert picked[row] < own and difference[picked[row]] == max(difference), (layer, picked, difference)
+
+    prompt = "import os\nprint(os.path"
+    with model.trace(prompt):
+        clean = model.output.logits[0, -1].softmax(-1).save()
+    prune = _run_docs_example("interventions.md", "moelens.ablate(moe, experts, \"route_around\")", tmp_path,
+                              {"moelens": moelens, "model": model, "prompt": prompt, "clean": clean})
+    for row, (layer, block) in enumerate(blocks.items()):
+        counts = Counter(expert for text in [prompt, "The sum of two numbers."] for chosen in routed(text)[layer]
+                         for expert in chosen)
+        own = [counts[expert] for expert in range(block.experts.num_experts)]
+        least = prune["least_used"][row].tolist()
+        assert all(expert < len(own) for expert in least) and sorted(own[e] for e in least) == sorted(own)[:2], layer
+        with torch.no_grad():
+            block.router.bias[least] = float("-inf")
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokenizer(prompt, add_special_tokens=False).input_ids])).logits[0, -1]
+    torch.testing.assert_close(prune["pruned"], expected.softmax(-1))

@@ -204,11 +204,14 @@ def test_specialisation_counts_shares_and_default_classes_by_hand():
     assert float(expert_share[0, 2]) == 0.5 and float(expert_share[3, 2]) == 0.5
 
 
-def test_specialisation_ignores_labels_equal_to_the_class_count():
-    """With C named classes, a label C (one past the last) is ignored like 255, never another expert's class 0."""
-    labels = [0, 2, 1, 255, 2]  # C = 2: tokens 1 and 4 (and 3) are unlabelled
+def test_specialisation_refuses_labels_equal_to_the_class_count():
+    """With C named classes, a label C (one past the last) is never another expert's class 0, nor dropped unseen (a
+    class of 1-based labels lost): it is refused; 255 and -1 leave their tokens out."""
+    with pytest.raises(moelens.MoelensError, match=r"labels\[1\] is 2, no class id of classes=\['a', 'b'\]"):
+        analysis.specialisation(chosen_cache(), torch.tensor([0, 2, 1, 255, 2]), classes=["a", "b"])
+    labels = [0, -1, 1, 255, 255]  # tokens 1, 3 and 4 are unlabelled
     result = analysis.specialisation(chosen_cache(), torch.tensor(labels), classes=["a", "b"])
-    pairs = Counter((expert, label) for row, label in zip(tokens_by_hand(), labels) if label < 2 for expert in row)
+    pairs = Counter((expert, label) for row, label in zip(tokens_by_hand(), labels) if 0 <= label < 2 for expert in row)
     assert result.counts[0].tolist() == [[pairs[(e, c)] for c in range(2)] for e in range(WIDTH)]
     assert int(result.counts.sum()) == 2 * 2  # two labelled tokens, k = 2 slots each
 

@@ -8,8 +8,10 @@ counted from them with plain Python loops, `collections.Counter` and `math` (no 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,6 +160,86 @@ def test_per_text_labels_must_have_one_entry_per_text():
     result = analysis.specialisation(cache, torch.tensor(labels), per="text")
     assert result.counts[0].tolist() == pairs_by_hand([labels[t] for t in text_index], 2)
 
+
+
+def test_class_ids_past_the_named_classes_are_refused_by_place():
+    """1-based labels [1, 2, 1] with classes=["harmful", "benign"]: label 2 (one past the last class) was dropped
+    without a word, and the texts labelled 1 counted as "benign"; it is refused, naming its place, while a negative
+    id and 255 still leave their text out. Ground truth: pairs counted by hand over ROWS."""
+    text_index = [0, 0, 1, 1, 2]
+    cache = spec_cache(text_index, num_texts=3)
+    with pytest.raises(MoelensError, match=r"labels\[1\] is 2, no class id of classes=\['harmful', 'benign'\], which "
+                                           r"are 0\.\.1; .*\(1-based labels: subtract 1\), name every class "
+                                           r"\(classes=\[\.\.\.\], 3 names\), or pass the labels as class names"):
+        analysis.specialisation(cache, [1, 2, 1], classes=["harmful", "benign"], per="text")
+    with pytest.raises(MoelensError, match=r"labels\[0\]\[3\] is 2, no class id"):  # in the shape given
+        analysis.specialisation(spec_cache(), torch.tensor([[0, 1, 255, 2, -1]]), classes=["a", "b"])
+    shifted = [label - 1 for label in [1, 2, 1]]
+    result = analysis.specialisation(cache, shifted, classes=["harmful", "benign"], per="text")
+    assert result.counts[0].tolist() == pairs_by_hand([shifted[t] for t in text_index], 2)
+    for labels in ([0, 255, 1], [0, -1, 1], [255, -3, 255]):
+        result = analysis.specialisation(cache, labels, classes=["harmful", "benign"], per="text")
+        assert result.counts[0].tolist() == pairs_by_hand([labels[t] for t in text_index], 2), labels
+
+
+def test_classes_must_be_names_not_the_label_values():
+    """classes=sorted(set(labels)) with labels [2, 5, 2]: the ints were taken as names, every label fell outside
+    0..1 and nothing was counted, and risk_difference(2, 5) then said there was no class 2 among [2, 5]. Refused by
+    place; the values given as names count as such (ground truth: pairs by hand)."""
+    text_index = [0, 0, 1, 1, 2]
+    cache = spec_cache(text_index, num_texts=3)
+    for classes in ([2, 5], ["two", 5], [np.int64(2), "five"]):
+        odd = next(c for c, name in enumerate(classes) if not isinstance(name, str))
+        with pytest.raises(MoelensError, match=rf"classes\[{odd}\] is {re.escape(repr(classes[odd]))}, no class "
+                                               r"name: classes names the classes by text.*labels=\[str\(label\) for "
+                                               r"label in labels\]"):
+            analysis.specialisation(cache, [2, 5, 2], classes=classes, per="text")
+    names = [str(label) for label in [2, 5, 2]]
+    result = analysis.specialisation(cache, names, per="text")
+    assert result.classes == ["2", "5"]
+    assert result.counts[0].tolist() == pairs_by_hand([[0, 1, 0][t] for t in text_index], 2)
+    assert torch.equal(result.risk_difference("2", "5"), result.risk_difference(0, 1))
+
+
+BAD_LABELS = {
+    "fraction": ([0, 0.5, 1], r"got list; a class id is a whole number, never rounded: labels\[1\] is 0\.5, a "
+                              r"fraction\."),
+    "fraction-2d": (torch.tensor([[0.0, 1.0], [2.5, 0.0]]), r"got Tensor of shape \(2, 2\); a class id is a whole "
+                                                              r"number, never rounded: labels\[1\]\[0\] is 2\.5"),
+    "nan": ([0, float("nan"), 1], r"got list; labels\[1\] is nan, no class id \(a whole number; -1 leaves a token "
+                                  r"or text out\)\."),
+    "inf": ([0, float("inf"), 1], r"labels\[1\] is inf, no class id"),  # was taken: int64 min, its text dropped
+    "-inf": (np.array([0.0, 1.0, -np.inf]), r"got ndarray of shape \(3,\); labels\[2\] is -inf, no class id"),
+    "none-among-names": (["a", None, "b"], r"got list; labels\[1\] is None among class names: give every label as "
+                                           r"a class name \(str\), or every one as an integer class id"),
+    "none-among-ids": ([0, None, 1], r"labels\[1\] is None, no class id \(an integer; -1 leaves a token or text out"),
+    "name-among-ids": ([[0, 1], [1, "x"], [0, 0]], r"labels\[1\]\[1\] is 'x', no class id"),
+    "ragged": ([[0, 1, 0, 1], [1, 1, 0], [0, 0]],
+               r"got list; they are ragged, labels\[0\] holds 4 labels and labels\[1\] holds 3 labels, so they are "
+               r"neither one label per text nor one per token: pass one label per cached token, flat in corpus "
+               r"order \(\[label for text in labels for label in text\]\), or one label per text with per=\"text\""),
+    "ragged-names": ([["a", "b"], ["a"], "b"], r"labels\[0\] holds 2 labels and labels\[1\] holds 1 labels"),
+}
+
+
+@pytest.mark.parametrize("labels, message", BAD_LABELS.values(), ids=BAD_LABELS.keys())
+def test_bad_labels_are_refused_naming_the_item_and_its_place(labels, message):
+    """Each of these ended "..., got list" whatever was wrong (or, for inf, was taken as an ignored id): the refusal
+    names the first bad item by its place, and a ragged list says what to pass instead."""
+    with pytest.raises(MoelensError, match=r"labels must be integer class ids .* or class names .*" + message):
+        analysis.specialisation(spec_cache([0, 0, 1, 1, 2], num_texts=3), labels, per="text")
+
+
+def test_labels_as_a_numpy_array_of_names_count_as_the_list():
+    """A numpy array of class names (a dataset column) was refused as no ids; it counts as the list it holds, with or
+    without classes. Ground truth: pairs counted by hand over ROWS."""
+    names = ["prose", "code", "code", "prose", "code"]
+    ids = [["prose", "code"].index(name) for name in names]
+    for labels in (np.array(names), np.array(names, dtype=object)):
+        result = analysis.specialisation(spec_cache(), labels)
+        assert result.classes == ["prose", "code"] and result.counts[0].tolist() == pairs_by_hand(ids, 2)
+        ordered = analysis.specialisation(spec_cache(), labels, classes=["code", "prose"])
+        assert ordered.counts[0].tolist() == pairs_by_hand([1 - i for i in ids], 2)
 
 # -- load balance at the edges ---------------------------------------------------------------------------
 

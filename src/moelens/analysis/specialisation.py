@@ -2,20 +2,22 @@
 
 Label every cached token (``per="token"``: a tensor aligned with the cache's
 token order) or every corpus item (``per="text"``: a tensor indexed by text
-index) with a class id in ``0..C-1`` (code / prose, a language, a topic; other
-ids, e.g. 255, are ignored). Then ``share()`` is P(class | expert), ``base()``
-P(class) over all routed slots, and ``lift()`` their ratio: above 1, the expert
-gets more of that class than the layer as a whole. ``activation_rate()`` is
-P(expert among a token's experts | class), and ``risk_difference(a, b)`` the
-difference of two classes' rates (SteerMoE's detection of behaviour-linked experts
-on paired prompts).
+index) with a class id in ``0..C-1`` (code / prose, a language, a topic; a
+negative id or 255 leaves the token out), or with class names. Then ``share()``
+is P(class | expert), ``base()`` P(class) over all routed slots, and ``lift()``
+their ratio: above 1, the expert gets more of that class than the layer as a
+whole. ``activation_rate()`` is P(expert among a token's experts | class), and
+``risk_difference(a, b)`` the difference of two classes' rates (SteerMoE's
+detection of behaviour-linked experts on paired prompts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Number
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -23,7 +25,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..scalars import as_lone_int
 from .cache import SKIPPED, RoutingCache, check_cache
-from .checks import described, id_list
+from .checks import described, id_list, shown
 
 PER = ("token", "text")
 
@@ -100,8 +102,11 @@ class Specialisation:
 
 
 def _named_labels(labels: Any, classes: list[str] | None) -> tuple[Any, list[str] | None]:
-    """Labels given as class names (a list or tuple of str) as their ids, with the class names: ``classes`` where
-    given (a name not in it is refused), else the names in the order they first appear. Other labels pass as given."""
+    """Labels given as class names (a list or tuple of str, or a numpy array of them) as their ids, with the class
+    names: ``classes`` where given (a name not in it is refused), else the names in the order they first appear.
+    Other labels pass as given."""
+    if isinstance(labels, np.ndarray) and labels.dtype.kind in "USO":  # names (or objects): torch takes no such array
+        labels = labels.tolist()
     if not (isinstance(labels, (list, tuple)) and labels and all(isinstance(label, str) for label in labels)):
         return labels, classes
     names = list(dict.fromkeys(labels)) if classes is None else classes
@@ -112,19 +117,64 @@ def _named_labels(labels: Any, classes: list[str] | None) -> tuple[Any, list[str
     return [names.index(label) for label in labels], names
 
 
+def _place(shape: tuple[int, ...], index: int) -> str:
+    """Where item ``index`` of the flattened labels of ``shape`` is in the labels as given: ``labels[i][j]``."""
+    return "labels" + "".join(f"[{int(i)}]" for i in np.unravel_index(index, shape))
+
+
+def _labels_error(labels: Any, problem: str) -> MoelensError:
+    """The refusal of ``labels`` that are no class ids or names, saying why (``problem``) where that is known."""
+    return MoelensError(f"labels must be integer class ids (a list, tensor or array of ints) or class names (a list "
+                        f"of str), got {described(labels)}{'; ' + problem if problem else ''}.")
+
+
+def _odd_label(labels: Any) -> str:
+    """Why torch makes no tensor of ``labels`` (a list): a ragged nesting, or its first item, by place, that is no
+    number (or, where most are class names, no name); "" where neither is found."""
+    try:
+        grid = np.array(labels, dtype=object)  # a ragged nesting keeps its uneven lists as cells
+    except (TypeError, ValueError):
+        return ""
+    shape, cells = grid.shape, grid.reshape(-1)
+    if not shape:  # no list: described() says what it is
+        return ""
+    sizes = [len(cell) if isinstance(cell, (list, tuple, Tensor, np.ndarray)) else None for cell in cells]
+    other = next((i for i, size in enumerate(sizes) if size != sizes[0]), None)
+    if other is not None and any(size is not None for size in sizes):
+        held = [f"holds {sizes[i]} labels" if sizes[i] is not None else f"is {shown(cells[i])}" for i in (0, other)]
+        return (f"they are ragged, {_place(shape, 0)} {held[0]} and {_place(shape, other)} {held[1]}, so they are "
+                "neither one label per text nor one per token: pass one label per cached token, flat in corpus order "
+                "([label for text in labels for label in text]), or one label per text with per=\"text\"")
+    names = 2 * sum(isinstance(cell, str) for cell in cells) > len(cells)  # mostly names: the odd one is no name
+    for index, cell in enumerate(cells):
+        if names and not isinstance(cell, str):
+            return (f"{_place(shape, index)} is {shown(cell)} among class names: give every label as a class name "
+                    "(str), or every one as an integer class id (-1 leaves a token or text out)")
+        if not names and not (isinstance(cell, (Number, np.generic)) or isinstance(cell, Tensor) and cell.ndim == 0):
+            return f"{_place(shape, index)} is {shown(cell)}, no class id (an integer; -1 leaves a token or text out)"
+    return ""
+
+
 def _class_ids(labels: Any) -> Tensor:
-    """``labels`` as a flat int64 tensor of class ids (floats only when they are whole numbers, bools as 0 and 1);
-    fractions, which would be rounded into a class, and anything that is no list, tensor or array of numbers are
-    refused."""
+    """``labels`` as an int64 tensor of class ids, in the shape given (floats only when they are whole numbers, bools
+    as 0 and 1); a fraction, which would be rounded into a class, an infinite or NaN label, which would become an id
+    out of range, and anything that is no list, tensor or array of numbers are refused, naming the first bad item."""
     try:
         ids = torch.as_tensor(labels)
     except (TypeError, ValueError, RuntimeError):
-        ids = None
-    if ids is None or ids.is_complex() or ids.is_floating_point() and not bool((ids == ids.round()).all()):
-        raise MoelensError(f"labels must be integer class ids (a list, tensor or array of ints) or class names (a "
-                           f"list of str), got {described(labels)}; a class id is a whole number (ids outside 0..C-1 "
-                           "are ignored), never rounded.")
-    return ids.long().flatten()
+        raise _labels_error(labels, _odd_label(labels)) from None
+    if ids.is_complex():
+        raise _labels_error(labels, "a class id is a whole number, not a complex one")
+    if ids.is_floating_point():
+        whole = (ids.isfinite() & (ids == ids.round())).flatten()
+        if not whole.all():
+            index = int(torch.nonzero(~whole)[0])
+            value = ids.flatten()[index].item()
+            place = _place(tuple(ids.shape), index)
+            raise _labels_error(labels, f"a class id is a whole number, never rounded: {place} is {value!r}, a fraction"
+                                if np.isfinite(value) else f"{place} is {value!r}, no class id (a whole number; -1 "
+                                "leaves a token or text out)")
+    return ids.long()
 
 
 def _text_labels_error(labels: Tensor, cache: RoutingCache) -> MoelensError:
@@ -143,11 +193,14 @@ def specialisation(
     Args:
         cache: A routing cache.
         labels: Class ids: ``[T]`` one per cached token (``per="token"``) or one per
-            corpus item (``per="text"``). Ids outside ``0..C-1`` are ignored. Or class names
-            (a list of str): their places in ``classes``, or without it the names in the order
-            they first appear become the classes.
-        classes: Class names, a list: ``classes[c]`` names class id ``c`` (a set, which has no order, is refused;
-            default: ``"0" .. "C-1"`` from the largest label below 255).
+            corpus item (``per="text"``). A negative id or 255 leaves its token (text) out; other ids
+            outside ``0..C-1`` are refused (1-based ids, say, would drop a class). Or class names
+            (a list, tuple or numpy array of str): their places in ``classes``, or without it the names
+            in the order they first appear become the classes. A fraction, NaN, infinity, None, an item of
+            another kind and a ragged nesting (per-text lists of per-token labels) are refused by place.
+        classes: Class names, a list of str: ``classes[c]`` names class id ``c`` (a set, which has no order, and
+            an item that is no text, such as the label values themselves, are refused; default: ``"0" .. "C-1"``
+            from the largest label below 255).
         per: ``"token"`` or ``"text"``.
     """
     check_cache(cache)
@@ -158,8 +211,15 @@ def specialisation(
                           order="the name of class 0, 1, ... (the label ids)")
         if not classes:
             raise MoelensError("classes is empty: name at least one class (or leave classes out to number them).")
+        odd = next((c for c, name in enumerate(classes) if not isinstance(name, str)), None)
+        if odd is not None:
+            raise MoelensError(f"classes[{odd}] is {shown(classes[odd])}, no class name: classes names the classes by "
+                               "text, classes[c] naming label id c (0, 1, ...); to count labels by their values, pass "
+                               "them as names (labels=[str(label) for label in labels], with classes of str or left "
+                               "out), or pass ids 0..C-1 with a name for each.")
     labels, classes = _named_labels(labels, classes)
-    labels = _class_ids(labels)
+    ids = _class_ids(labels)
+    labels = ids.flatten()
     if per == "token" and labels.shape[0] != cache.num_tokens:
         raise MoelensError(
             f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."
@@ -176,6 +236,15 @@ def specialisation(
         valid = labels[(labels >= 0) & (labels < 255)]
         classes = [str(c) for c in range(int(valid.max()) + 1 if valid.numel() else 1)]
     num_classes = len(classes)
+    outside = torch.nonzero((labels >= num_classes) & (labels != 255)).flatten()  # only where classes are given
+    if outside.numel():
+        index = int(outside[0])
+        raise MoelensError(
+            f"{_place(tuple(ids.shape), index)} is {int(labels[index])}, no class id of classes={shown(classes)}, "
+            f"which are 0..{num_classes - 1}; only a negative id or 255 leaves a token or text out, so this label "
+            f"would be dropped unseen. Number the classes from 0 (1-based labels: subtract 1), name every class "
+            f"(classes=[...], {int(labels.max()) + 1} names), or pass the labels as class names."
+        )
     width = max(cache.num_experts.values())
     counts = torch.zeros(len(cache.layers), width * num_classes, dtype=torch.int64)
     tokens = torch.zeros(len(cache.layers), num_classes, dtype=torch.int64)
