@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import traceback
+import weakref
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -620,7 +621,22 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             handle.remove()
             hidden = torch.randn(1, 3, ref.config.hidden_size, generator=torch.Generator().manual_seed(RANK))
             block, plain = sharded.model.layers[0].mlp, ref.model.layers[0].mlp
-            return {"interrupted": error, "block": [maxdiff(block(hidden), plain(hidden)) for _ in range(2)]}
+            blocks = [maxdiff(block(hidden), plain(hidden)) for _ in range(2)]
+            # a Ctrl-C in lm_head, past every exchange, then the base model called alone: a module inside the
+            # interrupted one (the base model inside the causal LM) was taken for a nested call, so the stale run
+            # never ended (RankDivergence there, a timeout on the other rank); and the stale run held the model
+            sharded = shard_experts(copy.deepcopy(ref), None)
+            handle = sharded.lm_head.register_forward_pre_hook(interrupt)
+            tokens = tokens_of(RANK)
+            _error_text(lambda: sharded(input_ids=tokens))
+            handle.remove()
+            base = [maxdiff(sharded.model(input_ids=tokens).last_hidden_state,
+                            ref.model(input_ids=tokens).last_hidden_state) for _ in range(2)]
+            whole = maxdiff(logits_of(sharded(input_ids=tokens)), logits_of(ref(input_ids=tokens)))
+        held = weakref.ref(sharded)
+        del sharded, handle
+        gc.collect()
+        return {"interrupted": error, "block": blocks, "base": base, "whole": whole, "freed": held() is None}
 
     def converted_projection_sharded_then_wrapped() -> dict[str, Any]:
         """An FFN's down_proj converted to a ToMoELinear, sharded, then wrapped (docs/parallel.md's order): wrap read
@@ -664,6 +680,17 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
         if RANK == 0:
             same = same and torch.equal(moelens.analysis.RoutingCache.load(shared / "rank0-only").indices(0),
                                         memory.indices(0))
+        # a folder refused on rank 0 alone (a stray shard in it): rank 1 waited in the folder collective until the
+        # group timed out, and the group was dead after (review, stop 58); every rank refuses, the next run pairs
+        stray = shared / "stray"
+        if RANK == 0:
+            stray.mkdir(parents=True, exist_ok=True)
+            (stray / "shard-00000.safetensors").write_bytes(b"not a shard of moelens")
+        dist.barrier()
+        refused_alone = _error_text(lambda: moelens.analysis.collect_routing(
+            wrapped, texts, folder=stray if RANK == 0 else shared / "rank1-own", progress=False))
+        same = same and torch.equal(moelens.analysis.collect_routing(wrapped, texts, progress=False).indices(0),
+                                    memory.indices(0))
         del loaded
         dist.barrier()
         written = sorted(path.name for path in shared.iterdir())
@@ -672,7 +699,7 @@ def suite_hazards(args: dict) -> dict[str, Callable[[], Any]]:
             import shutil
 
             shutil.rmtree(shared)
-        return {"refused": refused, "written": written, "same": same}
+        return {"refused": refused, "refused_alone": refused_alone, "written": written, "same": same}
 
     def destroyed_group() -> dict[str, Any]:
         """A model sharded over a group destroyed since: torch's "Group ... is not registered" deep in the

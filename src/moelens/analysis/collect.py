@@ -10,7 +10,6 @@ family moelens serves: nothing here knows one.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -199,24 +198,46 @@ def can_stop_early(model: Any) -> bool:
     return not getattr(model, "_edits", None)
 
 
-def _refuse_a_folder_of_other_ranks(moes: list[Any], folder: Path | None) -> None:
-    """Under moelens' expert parallelism (`moelens.parallel.shard_experts`) every rank collects, each trace a
-    collective: ranks of one machine streaming to one folder would overwrite each other's shards and
-    ``routing.json``. Every rank of the EP group says which folder it writes to (None: none), a collective too, so
-    that all of them refuse together."""
+def _writer_of_every_rank(moes: list[Any], folder: str | None, cache: RoutingCache) -> ShardWriter | None:
+    """The `ShardWriter` of ``folder`` (None for no folder), refused on every rank of an expert-parallel group
+    (`moelens.parallel.shard_experts`) together: there every rank collects, each trace a collective, so a folder
+    refused on one rank alone would leave the others waiting in their first trace; and ranks streaming to one
+    folder (on one machine, or on machines sharing a filesystem) would overwrite each other's shards and
+    ``routing.json``. Every rank says which folder it writes to and why it was refused, a collective too."""
+    writer = refusal = None
+    try:
+        writer = ShardWriter(folder, cache) if folder is not None else None
+    except Exception as error:  # noqa: BLE001 - raised below, after the other ranks heard of it
+        refusal = error
     experts = moes[0].experts._module
     holder = experts.__dict__.get("_ep_group")  # the group shard_experts keeps (parallel.comm.SharedGroup)
     if holder is None or experts.__dict__.get("_ep_size", 1) < 2:
-        return
-    mine = None if folder is None else (socket.gethostname(), str(folder.resolve()))
+        if refusal is not None:
+            raise refusal
+        return writer
+    mine = (None if writer is None else str(writer.folder.resolve()), None if refusal is None else str(refusal))
     everyone: list[Any] = [None] * dist.get_world_size(holder.group)
     dist.all_gather_object(everyone, mine, group=holder.group)
-    if mine is not None and everyone.count(mine) > 1:
+    if refusal is not None:
+        raise refusal
+    refused = next((rank for rank, (_, error) in enumerate(everyone) if error is not None), None)
+    if refused is not None:
         raise MoelensError(
-            f"collect_routing(folder={str(folder)!r}): under expert parallelism every rank collects, and "
-            f"{everyone.count(mine)} ranks of this machine gave this folder: they would overwrite each other's "
-            "shards. Give each rank its own, e.g. folder=f\"{folder}/rank{torch.distributed.get_rank()}\"."
+            f"collect_routing: rank {refused} of the expert-parallel group refused its folder ({everyone[refused][1]}); "
+            "every rank collects, each trace a collective, so this rank stops too. Fix that rank's folder and call "
+            "collect_routing again on every rank."
         )
+    paths = [path for path, _ in everyone]
+    shared = sorted({path for path in paths if path is not None and paths.count(path) > 1}, key=paths.index)
+    if shared:
+        path = mine[0] if mine[0] in shared else shared[0]
+        raise MoelensError(
+            f"collect_routing: under expert parallelism every rank collects, and ranks "
+            f"{[rank for rank, given in enumerate(paths) if given == path]} gave one folder, {path!r}: they would "
+            "overwrite each other's shards (every rank stops). Give each rank its own, e.g. "
+            "folder=f\"{folder}/rank{torch.distributed.get_rank()}\"."
+        )
+    return writer
 
 
 def collect_routing(
@@ -288,8 +309,7 @@ def collect_routing(
         tally=tally,
         vocab=corpora.vocab_size(model),
     )
-    writer = ShardWriter(folder, cache) if folder is not None else None
-    _refuse_a_folder_of_other_ranks(moes, writer.folder if writer is not None else None)
+    writer = _writer_of_every_rank(moes, folder, cache)
     pending: list[Shard] = []
     pending_tokens = 0
     shards: list[Shard] = []

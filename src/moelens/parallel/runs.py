@@ -19,6 +19,7 @@ ranks in the newest run ask again until every rank is in it: from there, runs pa
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -31,7 +32,8 @@ class Runs:
     Attributes:
         current: The id of the run this rank is in (0 before the first): how many it started.
         tracing: How many moelens traces of such a model are running (their first forward starts no run).
-        entered: The hooked modules whose calls are running, outermost first (only the outermost starts a run).
+        entered: The hooked modules whose calls are running, outermost first (only the outermost starts a run), held
+            weakly: a call that never left (a Ctrl-C) keeps no model alive.
         traced_forwards: How many outermost forwards the running trace made.
         models: How many models `shard_experts` sharded over the group so far: the index of the next one, the same
             on every rank of the group (sharding is collective), which its layer tags carry (`layer_tag`).
@@ -41,7 +43,7 @@ class Runs:
 
     def __init__(self) -> None:
         self.current, self.tracing, self.traced_forwards, self.models = 0, 0, 0, 0
-        self.entered: list[torch.nn.Module] = []
+        self.entered: list[weakref.ref[torch.nn.Module]] = []
 
     def __copy__(self) -> "Runs":
         return self
@@ -98,24 +100,39 @@ def describe_tag(tag: int) -> str:
     return f"tag {tag} (MoE block {position} of model {model} sharded over the group)"
 
 
+#: The code of the torch call that runs a module's hooks and forward: a frame of it holds the module as ``self``.
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _running(module: torch.nn.Module | None) -> bool:
+    """Whether a call of ``module`` is on this thread's stack (its ``_call_impl`` frame), the caller's excepted."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def forward_enters(runs: Runs, above: tuple[torch.nn.Module, ...], module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook (put first) of a module holding sharded experts (``above``: the hooked modules holding it):
     its outermost call is a run (in a moelens trace, the first is the trace's own)."""
     entered = runs.entered
-    if entered and (any(running is module for running in entered) or not any(entered[-1] is a for a in above)):
-        # A module runs neither inside itself nor outside the modules holding it: an earlier call ended without
-        # `forward_leaves`, which torch skips for a BaseException (a KeyboardInterrupt) where it calls it for an
-        # Exception. That run is over.
+    if entered and (any(running() is module for running in entered) or not any(entered[-1]() is a for a in above)
+                    or not _running(entered[-1]())):
+        # A module runs neither inside itself nor outside the modules holding it, nor inside a call that is no longer
+        # on the stack: an earlier call ended without `forward_leaves`, which torch skips for a BaseException (a
+        # KeyboardInterrupt) where it calls it for an Exception. That run is over.
         entered.clear()
     if not entered:
         if not runs.tracing or runs.traced_forwards:
             runs.start()
         runs.traced_forwards += bool(runs.tracing)
-    entered.append(module)
+    entered.append(weakref.ref(module))
 
 
 def forward_leaves(runs: Runs, module: torch.nn.Module, args: Any, output: Any) -> None:
     """Forward hook (always called, also when the forward raised an Exception) matching `forward_enters`."""
-    if runs.entered and runs.entered[-1] is module:  # a pre-hook put before it may have raised before it counted
+    if runs.entered and runs.entered[-1]() is module:  # a pre-hook put before it may have raised before it counted
         runs.entered.pop()
 
