@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import warnings
@@ -68,6 +69,60 @@ def test_every_layer_block_has_the_standard_name(name):
     attr = wrapped.family.block_attr  # "": the decoder layer is the block (gemma4)
     assert not attr or any(hasattr(layer, attr) for layer in hf_layers), \
         f"{name}: no decoder layer has a {attr!r} child (the family's block_attr)"
+
+
+def _dense_shared_experts(name: str) -> list[str]:
+    """The paths (from the model) of the MoE blocks' shared experts of ``name``'s tiny model that are dense MLPs."""
+    from moelens.discovery import discover
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return discover(tiny_model(name)).shared_mlps
+
+
+SHARED_MLP_FAMILIES = [name for name in FAMILIES if _dense_shared_experts(name)]
+
+
+def test_the_families_with_dense_shared_experts_are_many():
+    assert {"qwen2_moe", "deepseek_v3", "llama4", "granitemoeshared"} <= set(SHARED_MLP_FAMILIES), SHARED_MLP_FAMILIES
+
+
+@pytest.mark.parametrize("name", SHARED_MLP_FAMILIES)
+def test_a_dense_shared_expert_serves_its_activations_and_output(name):
+    """moe.shared_experts was a plain envoy: its hidden activations (which a dense layer's Mlp serves) had no name
+    (``.mlp_activation`` raised AttributeError). Ground truth: the input of its down projection and its output, taken
+    by hooks on an unwrapped copy; a write of the activations is the same edit made there by a pre-hook."""
+    hf = tiny_model(name)
+    inputs, reference = tiny_inputs(hf), copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    shared = wrapped.moes[-1].shared_experts
+    assert isinstance(shared, moelens.components.Mlp), type(shared)
+    module = reference.get_submodule(shared.path.removeprefix("model."))
+    down = module.get_submodule(shared.down_projection)
+    seen = {}
+    hooks = [down.register_forward_pre_hook(lambda m, args: seen.update(activation=args[0])),
+             module.register_forward_hook(lambda m, args, output: seen.update(output=output))]
+    with torch.no_grad():
+        plain = first_output(reference(**inputs))
+    with torch.no_grad(), wrapped.trace(**inputs):
+        activation, output = shared.mlp_activation.save(), shared.mlp_output.save()
+    torch.testing.assert_close(activation, seen["activation"].view_as(activation), rtol=0, atol=0)
+    torch.testing.assert_close(output, seen["output"].view_as(output), rtol=0, atol=0)
+    for hook in hooks:
+        hook.remove()
+    down.register_forward_pre_hook(lambda m, args: (args[0] * 0.5, *args[1:]))
+    with torch.no_grad():
+        expected = first_output(reference(**inputs))
+    with torch.no_grad(), wrapped.trace(**inputs):
+        shared.mlp_activation[:] *= 0.5
+        edited = first_output(wrapped.output).save()
+    torch.testing.assert_close(edited, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(edited, plain), "the edit changed nothing: the test would not notice a no-op"
+
+
+def first_output(output):
+    """The logits (or last hidden state) of a transformers output."""
+    return output.logits if hasattr(output, "logits") else output[0]
 
 
 @pytest.mark.parametrize(("name", "off"), [("cohere2_moe", {"num_shared_experts": 0}),

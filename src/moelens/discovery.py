@@ -8,6 +8,7 @@ expert parallelism read it too. Nothing here changes the model.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ class Structure:
         family: The family of its MoE blocks, or the family its config names, or None.
         moe_blocks: Module names of the MoE blocks, in the order the forward reaches them (`call_order`).
         dense_blocks: Module names of the dense MLPs of the same decoder stacks.
+        shared_mlps: Module names of the MoE blocks' shared experts that are dense MLPs (`Mlp` components too).
         layer_lists: Module names of the decoder layer lists holding the blocks.
         layers: The one of them ``model.layers`` names (`_decoder_layers`), or None.
         block_attr: The attribute of a decoder layer that holds its block (dense or MoE; ``""``: the
@@ -41,6 +43,7 @@ class Structure:
     family: Family | None = None
     moe_blocks: list[str] = field(default_factory=list)
     dense_blocks: list[str] = field(default_factory=list)
+    shared_mlps: list[str] = field(default_factory=list)
     layer_lists: list[str] = field(default_factory=list)
     layers: str | None = None
     block_attr: str = "mlp"
@@ -250,6 +253,20 @@ def _is_dense_mlp(module: Any) -> bool:
     return _has_child(module, UP_PROJECTIONS) and _has_child(module, DOWN_PROJECTIONS) and not per_expert
 
 
+def _shared_mlp(model: torch.nn.Module, block: str) -> str | None:
+    """The module name of the MoE block ``block``'s shared expert where it is a dense MLP (up and down projections),
+    else None (no shared expert, or one that is no such MLP: inkling's stacked weights)."""
+    family = registry.for_block(model.get_submodule(block))
+    shared = family.shared if family is not None else None
+    if shared is None:
+        return None
+    host = layer_path(block) if shared.on_layer else block
+    if host is None:
+        return None
+    name = f"{host}.{shared.module}" if host else shared.module
+    return name if isinstance(find_path(model, name), torch.nn.Module) and _is_dense_mlp(get_path(model, name)) else None
+
+
 def paths_above(paths: list[str]) -> set[str]:
     """The module paths on the way down to each of ``paths``: the model's own (``""``) and every enclosing one."""
     return {""} | {".".join(path.split(".")[:depth]) for path in paths for depth in range(1, path.count(".") + 1)}
@@ -396,6 +413,10 @@ def discover(model: torch.nn.Module) -> Structure:
                 if found is not None:
                     structure.dense_blocks.append(f"{layers}.{index}.{found}")
     _refuse_shared_dense(model, structure.dense_blocks)
+    shared = [name for block in structure.moe_blocks if (name := _shared_mlp(model, block)) is not None]
+    calls = Counter(id(get_path(model, name)) for name in shared)  # one module shared by blocks: no one block's Mlp
+    structure.shared_mlps = [name for name in shared if calls[id(get_path(model, name))] == 1
+                             and name not in structure.dense_blocks]
     structure.layers = layers = _decoder_layers(model, structure.layer_lists, dense=not structure.moe_blocks)
     if not structure.moe_blocks and not unknown and not idle and not unserved:
         places = "/".join(dict.fromkeys(name[len(layer_path(name)) + 1:] for name in structure.dense_blocks)) or attribute

@@ -1301,7 +1301,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     # the blocks' envoys first: nnsight gives a module the first key that matches its path, and a key of the user's
     # that matches a block ("mlp", its module name) would make it no Moe
     envoys = {_from_root(name): moe_envoy for name in structure.moe_blocks}
-    envoys.update({_from_root(name): Mlp for name in structure.dense_blocks})
+    envoys.update({_from_root(name): Mlp for name in [*structure.dense_blocks, *structure.shared_mlps]})
     users = nnsight_kwargs.pop("envoys", None) or {}
     _refuse_block_classes(users, model, [*structure.moe_blocks, *structure.dense_blocks])
     for key, envoy in users.items():

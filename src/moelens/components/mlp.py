@@ -1,6 +1,8 @@
-"""`Mlp`: a dense feed-forward block (the dense layers of a mixed or dense model).
+"""`Mlp`: a dense feed-forward block (the dense layers of a mixed or dense model, and an MoE block's shared expert
+where it is a dense MLP: ``moe.shared_experts``).
 
-Serves what the block adds to the residual stream (`mlp_output`) and its hidden
+Serves what the block adds to the residual stream (`mlp_output`; of a shared expert, its own output, before the
+gate a block may apply: the block's ``shared_expert_output`` is after it) and its hidden
 activations (`mlp_activation`, alias `mlp_neurons`): the input of its down
 projection, ``[batch, seq, intermediate]``. The routing values of a `Moe` raise
 here with the reason (this block runs no mixture) instead of an AttributeError.
@@ -87,9 +89,11 @@ class Mlp(Component):
     def _moe_layers(self) -> str:
         from .moe import Moe  # the Moe component imports this module
 
-        if isinstance(self.parent, Moe):  # gemma4: router and experts on the decoder layer, beside this MLP
-            return (f"it runs beside the experts as the shared expert of the MoE block {self.parent.path}, the decoder "
-                    f"layer itself (model.layers[{self.parent.layer}]): use that block")
+        if isinstance(self.parent, Moe):  # a block's shared expert; gemma4's MLP beside the router and experts
+            layer = (f", the decoder layer itself (model.layers[{self.parent.layer}])"
+                     if self.parent.family.block_attr == "" else "")
+            return (f"it runs beside the experts as the shared expert of the MoE block {self.parent.path}{layer}: use "
+                    "that block")
         moes = sorted({moe.layer for moe in getattr(self.root, "moes", [])}, key=lambda layer: (layer is None, layer))
         where = f"MoE layers are {moes}" if moes else "this model has no MoE layer"
         return f"{where}; iterate model.moes for the MoE blocks"

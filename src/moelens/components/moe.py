@@ -143,6 +143,8 @@ class Moe(Mlp):
         standard = {"router": family.router, "experts": family.experts}
         if family.shared is not None and not family.shared.on_layer:
             standard["shared_experts"] = family.shared.module
+            if family.shared.gate is not None:
+                standard["shared_gate"] = family.shared.gate
         for alias, native in standard.items():
             if alias == native:
                 continue
