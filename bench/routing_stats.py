@@ -3,7 +3,9 @@
 
 1. Throughput. The same batches (windows of stdlib Python sources, tokenized
    with the model's tokenizer) go through (a) the plain transformers forward of
-   the unwrapped model under ``torch.no_grad`` and (b) `collect_routing` (one nnsight
+   the unwrapped model under ``torch.no_grad`` (a second load of the same weights
+   that moelens never wraps: wrapping instruments the wrapped model's own modules,
+   so its ``_module`` runs nnsight's forward) and (b) `collect_routing` (one nnsight
    trace per batch reading router logits, weights and indices of every MoE layer,
    padding dropped, stored in shards). Passes alternate and repeat; the best pass
    of each counts. Reported: tokens/s of each and their ratio (target >= 0.9),
@@ -40,21 +42,33 @@ import torch  # noqa: E402
 from arguments import at_least  # noqa: E402
 
 
-def load(name: str):
-    """(wrapped model, hf model) for ``tiny`` / a folder / ``random`` (moelens-tiny's shape, random weights)."""
+def load(name: str, plain: bool = True):
+    """(wrapped model, plain model) for ``tiny`` / a folder / ``random`` (moelens-tiny's shape, random weights).
+
+    The plain model is a fresh load of the same weights that is never wrapped (as bench/trace_overhead.py and
+    bench/export_tract.py keep theirs): ``moelens.wrap`` instruments the modules of the model it wraps, so the
+    wrapped model's own ``_module`` runs nnsight's forward, not the plain one. None with ``plain=False``.
+    """
     import moelens
 
     if name != "random":
         model = moelens.load(None if name == "tiny" else name)
-        return model, model._module
+        if not plain:
+            return model, None
+        from moelens.data import TINY_MODEL_PATH
+
+        fresh = type(model._module).from_pretrained(TINY_MODEL_PATH if name == "tiny" else name).eval()
+        return model, fresh
     from moelens.testing import tiny_model
 
-    hf = tiny_model(
-        "qwen2_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192, shared_expert_intermediate_size=256,
-        vocab_size=4096, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
-    ).eval()
-    return moelens.wrap(hf), hf
+    def build():  # seeded: the same weights every time
+        return tiny_model(
+            "qwen2_moe", hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192, shared_expert_intermediate_size=256,
+            vocab_size=4096, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
+        ).eval()
+
+    return moelens.wrap(build()), build() if plain else None
 
 
 def stdlib_texts():
@@ -94,7 +108,7 @@ def throughput(args) -> dict:
     from moelens.analysis import collect_routing
     from moelens.analysis.corpus import batches
 
-    model, hf = load(args.model)
+    model, hf = load(args.model)  # hf: never wrapped
     ids = windows(model, args.windows, args.window)
     batch_list = list(batches(ids, None, batch_size=args.batch_size, max_length=args.window, pad=0))
     tokens = ids.numel()
@@ -155,7 +169,7 @@ def memory_run(args) -> None:
     """In a fresh process: stream ``args.memory_run`` windows into a cache; print peak RSS (MiB) as JSON."""
     from moelens.analysis import collect_routing
 
-    model, _ = load(args.model)
+    model, _ = load(args.model, plain=False)
     stream = token_stream(model, args.window)
     first = next(stream)
     corpus = (first if i == 0 else next(stream) for i in range(args.memory_run))

@@ -41,6 +41,14 @@ def test_output_file_wants_a_file_in_a_folder_that_exists(tmp_path):
     ("routing_stats.py", ["--memory-windows", "0"], r"--memory-windows: must be an integer of at least 1, got '0'"),
     ("trace_overhead.py", ["--threads", "0"], r"--threads: must be an integer of at least 1, got '0'"),
     ("ep_comm.py", ["--worlds", "2", "1"], r"--worlds: must be an integer of at least 2, got '1'"),
+    # --family: refused before any rank starts (each rank died with a traceback), naming the option
+    ("ep_comm.py", ["--family", "mixtrl"], r"--family: 'mixtrl' is no family .*did you mean 'mixtral'"),
+    ("ep_comm.py", ["--family", "dbrx"], r"--family dbrx: moelens cannot shard its experts"),
+    ("ep_comm.py", ["--family", "qwen3_moe", "--layers", "1"],
+     r"--layers 1: the tiny qwen3_moe model has no MoE layer"),
+    ("ep_comm.py", ["--family", "beam", "--layers", "2"], r"--layers: the tiny beam config does not take "
+                                                          r"num_hidden_layers=2 .*mlp_layer_types"),
+    ("ep_comm.py", ["--experts", "6", "--worlds", "2", "4"], r"--experts 6 / --worlds 4: .*not a multiple of the 4"),
     ("export_tract.py", ["--json", "no-such-folder/out.json"], r"--json: 'no-such-folder/out.json': its folder"),
     ("compress_quality.py", ["--skip-minilm", "--skip-tiny"], r"leave nothing to measure"),
 ])
@@ -50,3 +58,19 @@ def test_each_benchmark_refuses_a_bad_argument_before_it_runs(script, arguments,
     assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])  # argparse's usage error
     assert re.search(said, done.stderr), done.stderr[-2000:]
     assert done.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("family", "moe_layers"), [("mixtral", 3), ("qwen3_moe", 2), ("deepseek_v3", 2)])
+def test_ep_comm_builds_its_sizes_into_every_family_s_tiny_model(family, moe_layers):
+    """``ep_comm.py --family``: the options reach the family's config under its own names (qwen3_moe's config has no
+    num_local_experts; deepseek_v3's experts are sized by moe_intermediate_size); layer 0 of the last two is dense."""
+    import importlib
+
+    import moelens
+
+    ep_comm = importlib.import_module("ep_comm")
+    args = argparse.Namespace(family=family, hidden=32, intermediate=64, experts=4, layers=3)
+    model = ep_comm._model(args)
+    moes = moelens.wrap(model).moes
+    assert len(model.model.layers) == 3 and len(moes) == moe_layers
+    assert {tuple(moe.params().down.shape) for moe in moes} == {(4, 32, 64)}  # [E, D, I]
