@@ -232,10 +232,11 @@ def test_bad_labels_are_refused_naming_the_item_and_its_place(labels, message):
 
 def test_labels_as_a_numpy_array_of_names_count_as_the_list():
     """A numpy array of class names (a dataset column) was refused as no ids; it counts as the list it holds, with or
-    without classes. Ground truth: pairs counted by hand over ROWS."""
+    without classes; so do rows of names shaped like [N, S] windows, as ids of that shape do (refused with no reason,
+    review 2). Ground truth: pairs counted by hand over ROWS."""
     names = ["prose", "code", "code", "prose", "code"]
     ids = [["prose", "code"].index(name) for name in names]
-    for labels in (np.array(names), np.array(names, dtype=object)):
+    for labels in (np.array(names), np.array(names, dtype=object), np.array([names]), [names], (tuple(names),)):
         result = analysis.specialisation(spec_cache(), labels)
         assert result.classes == ["prose", "code"] and result.counts[0].tolist() == pairs_by_hand(ids, 2)
         ordered = analysis.specialisation(spec_cache(), labels, classes=["code", "prose"])

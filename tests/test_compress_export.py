@@ -176,6 +176,39 @@ def test_a_wrap_left_from_before_an_in_place_conversion_says_to_wrap_again(out):
     assert_block_runs_in_tract(again.moes[0], out / "again.nnef.tgz", hidden, "swiglu")
 
 
+@pytest.mark.parametrize("change", ["lora_on_q_proj", "resized_embeddings"])
+def test_modules_replaced_outside_the_blocks_leave_routing_analysis_and_the_export_as_they_were(change, out):
+    """The refusal of a wrap whose modules were replaced (above) took in every module: a LoRA adapter put on the
+    attention projections after wrapping (PEFT replaces them) or resize_token_embeddings (a new lm_head) made routing
+    analysis refuse a model whose blocks are as wrapped. Ground truth: the experts calls' indices taken by hooks on
+    the same torch model."""
+    from moelens import analysis
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("qwen3_moe")
+    wrapped = wrap(hf)
+    if change == "lora_on_q_proj":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        inject_adapter_in_model(LoraConfig(target_modules=["q_proj"], r=4, init_lora_weights=False), hf)
+    else:
+        hf.resize_token_embeddings(hf.config.vocab_size + 8)
+    tokens = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(0))
+    seen = []
+    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+             for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
+    with torch.no_grad():
+        hf(tokens[None])
+    for hook in hooks:
+        hook.remove()
+    cache = analysis.collect_routing(wrapped, [tokens], progress=False)
+    assert len(cache.layers) == len(seen) > 0
+    for layer, indices in zip(cache.layers, seen):
+        torch.testing.assert_close(cache.indices(layer).long(), indices.reshape(-1, indices.shape[-1]))
+    hidden = torch.randn(1, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    assert to_nnef(wrapped.moes[-1], out / f"{change}.nnef.tgz", example_inputs=hidden).verification.meets("approximate")
+
+
 def test_what_tract_cannot_express_is_refused_with_the_reason(out):
     converted = convert(bert(), num_experts=4, top_k=2)
     with pytest.raises(ExportRefused, match="erf"):  # BERT's exact GELU: tract's gelu is the tanh approximation

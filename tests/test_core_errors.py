@@ -1232,7 +1232,7 @@ def test_unknown_intervention_input(mixtral):
     with pytest.raises(WriteError, match="needs to="):
         with wrapped.trace(**inputs):
             moelens.ablate(wrapped.moes[0], 1, "swap")
-    with pytest.raises(WriteError, match=r"to=1 is the expert being ablated, so nothing would change"):
+    with pytest.raises(WriteError, match=r"to=1 gives each expert its own slots, so nothing would change"):
         with wrapped.trace(**inputs):  # was taken, and the expert ran on
             moelens.ablate(wrapped.moes[0], 1, "swap", to=numpy.int64(1))
     with pytest.raises(WriteError, match=r"reroute: expert ids must be integers, got torch.float32"):

@@ -91,7 +91,8 @@ def test_the_families_with_dense_shared_experts_are_many():
 def test_a_dense_shared_expert_serves_its_activations_and_output(name):
     """moe.shared_experts was a plain envoy: its hidden activations (which a dense layer's Mlp serves) had no name
     (``.mlp_activation`` raised AttributeError). Ground truth: the input of its down projection and its output, taken
-    by hooks on an unwrapped copy; a write of the activations is the same edit made there by a pre-hook."""
+    by hooks on an unwrapped copy (a copy of the output: llama4's block adds the routed output to it in place after);
+    a write of the activations is the same edit made there by a pre-hook."""
     hf = tiny_model(name)
     inputs, reference = tiny_inputs(hf), copy.deepcopy(hf)
     wrapped = moelens.wrap(hf)
@@ -101,7 +102,7 @@ def test_a_dense_shared_expert_serves_its_activations_and_output(name):
     down = module.get_submodule(shared.down_projection)
     seen = {}
     hooks = [down.register_forward_pre_hook(lambda m, args: seen.update(activation=args[0])),
-             module.register_forward_hook(lambda m, args, output: seen.update(output=output))]
+             module.register_forward_hook(lambda m, args, output: seen.update(output=output.clone()))]
     with torch.no_grad():
         plain = first_output(reference(**inputs))
     with torch.no_grad(), wrapped.trace(**inputs):
@@ -118,6 +119,33 @@ def test_a_dense_shared_expert_serves_its_activations_and_output(name):
         edited = first_output(wrapped.output).save()
     torch.testing.assert_close(edited, expected, rtol=1e-6, atol=1e-6)
     assert not torch.equal(edited, plain), "the edit changed nothing: the test would not notice a no-op"
+
+
+def test_a_shared_expert_read_after_the_router_says_where_its_values_fall():
+    """qwen2_moe calls its shared expert before its router (hooks: shared_expert, gate, experts, shared_expert_gate),
+    and moe.order() places only its gated output; a read of its activations after router_logits named the shared
+    Mlp's own order (mlp_activation -> mlp_output), which the read followed."""
+    hf = tiny_model("qwen2_moe")
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    moe, calls = wrapped.moes[1], []
+    block = hf.get_submodule(moe.path.removeprefix("model."))
+    hooks = [getattr(block, name).register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
+             for name in ("shared_expert", "gate", "experts")]
+    with torch.no_grad():
+        hf(**inputs)
+    for hook in hooks:
+        hook.remove()
+    assert calls[:3] == ["shared_expert", "gate", "experts"]
+    with pytest.raises(moelens.OrderError, match=rf"shared_expert is the shared expert of {re.escape(moe.path)}: its "
+                                                 r"values come where the block calls it, which may be before the "
+                                                 r"router"):
+        with wrapped.trace(**inputs):
+            moe.router_logits.save()
+            moe.shared_experts.mlp_activation.save()
+    with wrapped.trace(**inputs):  # in the block's call order
+        activation = moe.shared_experts.mlp_activation.save()
+        logits = moe.router_logits.save()
+    assert activation.shape[-1] == block.shared_expert.down_proj.in_features and logits.shape[-1] == moe.num_experts
 
 
 def first_output(output):

@@ -253,9 +253,9 @@ def _is_dense_mlp(module: Any) -> bool:
     return _has_child(module, UP_PROJECTIONS) and _has_child(module, DOWN_PROJECTIONS) and not per_expert
 
 
-def _shared_mlp(model: torch.nn.Module, block: str) -> str | None:
-    """The module name of the MoE block ``block``'s shared expert where it is a dense MLP (up and down projections),
-    else None (no shared expert, or one that is no such MLP: inkling's stacked weights)."""
+def _shared_mlp(model: torch.nn.Module, block: str) -> tuple[str, torch.nn.Module] | None:
+    """The module name and module of the MoE block ``block``'s shared expert where it is a dense MLP (up and down
+    projections), else None (no shared expert, or one that is no such MLP: inkling's stacked weights)."""
     family = registry.for_block(model.get_submodule(block))
     shared = family.shared if family is not None else None
     if shared is None:
@@ -264,7 +264,8 @@ def _shared_mlp(model: torch.nn.Module, block: str) -> str | None:
     if host is None:
         return None
     name = f"{host}.{shared.module}" if host else shared.module
-    return name if isinstance(find_path(model, name), torch.nn.Module) and _is_dense_mlp(get_path(model, name)) else None
+    module = find_path(model, name)
+    return (name, module) if isinstance(module, torch.nn.Module) and _is_dense_mlp(module) else None
 
 
 def paths_above(paths: list[str]) -> set[str]:
@@ -413,9 +414,9 @@ def discover(model: torch.nn.Module) -> Structure:
                 if found is not None:
                     structure.dense_blocks.append(f"{layers}.{index}.{found}")
     _refuse_shared_dense(model, structure.dense_blocks)
-    shared = [name for block in structure.moe_blocks if (name := _shared_mlp(model, block)) is not None]
-    calls = Counter(id(get_path(model, name)) for name in shared)  # one module shared by blocks: no one block's Mlp
-    structure.shared_mlps = [name for name in shared if calls[id(get_path(model, name))] == 1
+    shared = dict(found for block in structure.moe_blocks if (found := _shared_mlp(model, block)) is not None)
+    calls = Counter(map(id, shared.values()))  # one module the blocks share: no one block's Mlp
+    structure.shared_mlps = [name for name, module in shared.items() if calls[id(module)] == 1
                              and name not in structure.dense_blocks]
     structure.layers = layers = _decoder_layers(model, structure.layer_lists, dense=not structure.moe_blocks)
     if not structure.moe_blocks and not unknown and not idle and not unserved:

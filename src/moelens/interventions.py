@@ -199,7 +199,8 @@ def _replacements(moe: Moe, experts: list[int], to: Any, unordered: bool = False
         raise WriteError(f"{call}: to={replacements} gives {len(replacements)} experts for the {len(experts)} ablated "
                          f"ones {experts}; give one expert for all of them, or one for each.")
     if replacements == experts:
-        raise WriteError(f"{call}: to={to!r:.40} gives each expert its own slots, so nothing would change; give another "
+        shown = replacements[0] if len(replacements) == 1 else replacements
+        raise WriteError(f"{call}: to={shown} gives each expert its own slots, so nothing would change; give another "
                          "expert to take over them (or use mode='zero').")
     return replacements
 
@@ -326,7 +327,8 @@ def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) ->
         n: How many slots to keep, from 0 (none: the routed output is 0) to ``moe.top_k`` (all: nothing changes).
         renormalize: Scale the kept weights so each token's sum is what all its slots' weights summed to, as a
             family that renormalises its top-k weights would give at top_k = n (mixtral, qwen3_moe, gpt_oss; with
-            a routed scaling factor, the kept weights sum to it). By default they keep their values, as a family
+            a routed scaling factor, the kept weights sum to it; a sum its rounding alone sets apart from that
+            total is taken as the total). By default they keep their values, as a family
             that never renormalises would (deepseek_v2, qwen2_moe without norm_topk_prob). A token whose kept slots
             weigh 0 keeps them at 0.
         tokens: Which tokens of this invoke (see `reroute`); None for all of them.
@@ -337,6 +339,8 @@ def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) ->
         raise WriteError(f"keep_top: n must be an int slot count in [0, {moe.top_k}] ({moe.path} routes each token to "
                          f"top_k={moe.top_k} experts), got {scalar(n)!r}.")
     renormalize = check_flag("keep_top: renormalize", renormalize, WriteError)
+    if count == moe.top_k:  # every slot kept: nothing changes (a renormalisation would round)
+        return
     weights = moe.expert_weights.clone()
     rows = None if tokens is None else _token_rows(weights, tokens, "keep_top")
     total = _renormalised_total(moe) if renormalize else None
@@ -346,9 +350,9 @@ def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) ->
 
 def _renormalised_total(moe: Moe) -> float | None:
     """What ``moe``'s router makes each token's k weights sum to where it renormalises them to sum to one (times its
-    scale), None where it does not."""
+    scale; dbrx's p-norm with p = 1 is their sum), None where it does not."""
     family, block = moe.family, moe._module
-    if moe.SCORING.select != "logit_topk" and family.normalize_of(block) is not True:
+    if moe.SCORING.select != "logit_topk" and family.normalize_of(block) != 1:
         return None
     return family.scale_of(block) or 1.0
 
@@ -359,20 +363,20 @@ def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: 
     their best expert first, and in bfloat16 the weights of two experts the router told apart can round to one
     value, where torch.topk may pick either); with ``renormalize``, the kept ones scaled to the sum of all of them
     (a token whose kept ones sum to 0 keeps its zeros). ``renormalised``: the sum the router gives them
-    (`_renormalised_total`), taken for a sum that only their rounding sets apart from it (in bfloat16 one weight
-    of 1.0 became 0.996, the sum of the rounded weights)."""
+    (`_renormalised_total`), taken for a sum that only their rounding to their dtype sets apart from it (in bfloat16
+    one weight of 1.0 became 0.996, the sum of the rounded weights); a sum further off is the user's, kept."""
     best_first = weights.sort(dim=-1, descending=True, stable=True).indices[..., :n]
     kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, best_first, True)
     best = weights.masked_fill(~kept, 0.0)
     if not renormalize:
         return best
     total, left = weights.float().sum(-1, keepdim=True), best.float().sum(-1, keepdim=True)
-    if renormalised is not None:  # each weight is off by half a unit of its last place at most
-        rounding = weights.shape[-1] * torch.finfo(weights.dtype).eps * abs(renormalised)
+    if renormalised is not None:  # the router's float32 division and sum, then the weights' rounding to their dtype
+        rounding = (torch.finfo(weights.dtype).eps + weights.shape[-1] * torch.finfo(torch.float32).eps) \
+            * abs(renormalised)
         total = torch.where((total - renormalised).abs() <= rounding, renormalised, total)
-    empty = left == 0
-    scale = torch.where(empty, 1.0, total / left.masked_fill(empty, 1.0))  # no 0 / 0, also for the gradient
-    return (best.float() * scale).to(weights.dtype)
+    # the router's order (w / sum * scale): n = 1 keeps exactly the total; no 0 / 0, also for the gradient
+    return (best.float() / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
 
 
 def _ordered_ids(experts: Any) -> Any:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from nnsight import Envoy
 from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
-from ..components.base import replaced_message, replaced_modules
+from ..components.base import refuse_replaced, replaced_blocks
 from ..errors import MoelensError
 from ..families.unserved import why_no_moe
 from ..model import check_wrapped
@@ -45,9 +45,7 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
             ``text_moe`` / ``vision_moe``).
     """
     check_wrapped(model)
-    replaced = replaced_modules(model)
-    if replaced:
-        raise MoelensError(replaced_message("routing analysis", replaced, "model.moes lists the blocks as wrapped"))
+    refuse_replaced(replaced_blocks(model), "routing analysis", "model.moes lists the blocks as wrapped", MoelensError)
     moes = list(getattr(model, "moes", None) or [])
     if not moes:
         unserved = why_no_moe(model._module)

@@ -102,11 +102,14 @@ class Specialisation:
 
 
 def _named_labels(labels: Any, classes: list[str] | None) -> tuple[Any, list[str] | None]:
-    """Labels given as class names (a list or tuple of str, or a numpy array of them) as their ids, with the class
-    names: ``classes`` where given (a name not in it is refused), else the names in the order they first appear.
-    Other labels pass as given."""
+    """Labels given as class names (a list or tuple of str, or a numpy array of them; rows of equal length, as
+    ``[N, S]`` ids, flattened) as their ids, with the class names: ``classes`` where given (a name not in it is
+    refused), else the names in the order they first appear. Other labels pass as given."""
     if isinstance(labels, np.ndarray) and labels.dtype.kind in "USO":  # names (or objects): torch takes no such array
         labels = labels.tolist()
+    rows = isinstance(labels, (list, tuple)) and labels and all(isinstance(row, (list, tuple)) for row in labels)
+    if rows and len({len(row) for row in labels}) == 1 and all(isinstance(name, str) for row in labels for name in row):
+        labels = [name for row in labels for name in row]  # [N, S] names, flattened as ids of that shape are
     if not (isinstance(labels, (list, tuple)) and labels and all(isinstance(label, str) for label in labels)):
         return labels, classes
     names = list(dict.fromkeys(labels)) if classes is None else classes

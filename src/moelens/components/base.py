@@ -80,12 +80,25 @@ def replaced_modules(envoy: Envoy) -> list[str]:
     return found
 
 
-def replaced_message(where: str, replaced: list[str], consequence: str) -> str:
-    """What ``where`` says when the modules at the paths ``replaced`` are no longer the ones moelens wrapped."""
-    return (f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this model "
-            "was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe(model._module, "
-            f"inplace=True) replaces the layers it converts): {consequence}. Wrap the model again: "
-            "moelens.wrap(model._module).")
+def refuse_replaced(replaced: list[str], where: str, consequence: str, error: type[Exception]) -> None:
+    """Raise ``error`` saying ``where`` meets the modules at the paths ``replaced`` (none: nothing), which are no
+    longer the ones moelens wrapped, with ``consequence``."""
+    if replaced:
+        raise error(f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
+                    "model was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe("
+                    f"model._module, inplace=True) replaces the layers it converts): {consequence}. Wrap the model "
+                    "again: moelens.wrap(model._module).")
+
+
+def replaced_blocks(model: Envoy) -> list[str]:
+    """`replaced_modules` of the wrapped ``model`` that are a block moelens serves (a `Moe` or `Mlp` component), a
+    module under one or one holding one: not the others (a PEFT adapter on an attention projection, an lm_head
+    resized), which no block's values depend on."""
+    from .mlp import Mlp  # which imports this module
+
+    blocks = [envoy.path for envoy in model.modules() if isinstance(envoy, Mlp)]
+    return [path for path in replaced_modules(model)
+            if any(path == block or block.startswith(f"{path}.") or path.startswith(f"{block}.") for block in blocks)]
 
 
 #: The attribute of a component holding ``{path: module}``: the modules moelens instrumented at wrap

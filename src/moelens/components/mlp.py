@@ -106,6 +106,18 @@ class Mlp(Component):
     def _order(self) -> tuple[str, ...]:
         return ("mlp_activation", "mlp_output")
 
+    def _order_error(self, name: str, by: str = "", step_passed: bool = False) -> Any:
+        """`Component._order_error`, which for a block's shared expert also says where its values fall among the
+        block's (where the block calls it: `moe.order()` places only its gated output)."""
+        from .moe import Moe  # the Moe component imports this module
+
+        error = super()._order_error(name, by, step_passed)
+        if isinstance(self.parent, Moe) and self.parent.family.shared is not None:
+            error.args = (f"{error.args[0]} {self.path} is the shared expert of {self.parent.path}: its values come "
+                          "where the block calls it, which may be before the router (the qwen2 family) or after the "
+                          "experts; read them before the block's other values, or in a trace of their own.",)
+        return error
+
     @cached_property
     def _adds_the_residual(self) -> bool:
         """The block's forward takes the residual stream and returns it with its own part added (bloom)."""
@@ -116,7 +128,12 @@ class Mlp(Component):
 
     @cached_property
     def _output_edited_later(self) -> bool:
-        """The decoder layer holding this block edits the block's output in place (`EDIT_MLP_OUTPUT_LATER`)."""
+        """The decoder layer holding this block edits the block's output in place (`EDIT_MLP_OUTPUT_LATER`), or, for
+        a block's shared expert, the block does (llama4's ``out.add_``: `SharedExpert.edited_later`)."""
+        from .moe import Moe  # the Moe component imports this module
+
+        if isinstance(self.parent, Moe) and self.parent.family.shared is not None:
+            return self.parent.family.shared.edited_later
         modules, parts = list(self.modules_down()), self.path.split(".")
         return any(
             len(modules) > depth

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..components import Moe
-from ..components.base import layer_of, replaced_message, replaced_modules
+from ..components.base import layer_of, refuse_replaced, replaced_blocks, replaced_modules
 from ..components.served import trace_running
 from ..families import Family, registry
 from ..families.entry import get_path
@@ -65,23 +65,16 @@ class Target:
         return limit if isinstance(limit, int) and limit > 0 else None
 
 
-def _refuse_replaced(envoy: Any, consequence: str) -> None:
-    """Refuse a wrapped model or block holding modules replaced after wrapping (`replaced_modules`)."""
-    replaced = replaced_modules(envoy)
-    if replaced:
-        raise ExportError(replaced_message("the export", replaced, consequence))
-
-
 def resolve(model: Any) -> Target:
     """The `Target` for a wrapped model, a transformers model or a `Moe` component."""
     _refuse_inside_a_trace()
     if isinstance(model, Moe):
         _refuse_edits(getattr(model, "root", None))
-        _refuse_replaced(model, "the archive would hold the old block")
+        refuse_replaced(replaced_modules(model), "the export", "the archive would hold the old block", ExportError)
         target = Target("block", model._module, [Block("", model.family, model.layer, model.path)], wrapped=None)
     elif hasattr(model, "moes") and isinstance(getattr(model, "_module", None), torch.nn.Module):
         _refuse_edits(model)
-        _refuse_replaced(model, "model.moes lists the blocks as wrapped")
+        refuse_replaced(replaced_blocks(model), "the export", "model.moes lists the blocks as wrapped", ExportError)
         module = model._module
         names = {id(child): name for name, child in module.named_modules()}
         blocks = [Block(names[id(moe._module)], moe.family, moe.layer) for moe in model.moes]
