@@ -236,7 +236,8 @@ def test_labels_as_a_numpy_array_of_names_count_as_the_list():
     review 2). Ground truth: pairs counted by hand over ROWS."""
     names = ["prose", "code", "code", "prose", "code"]
     ids = [["prose", "code"].index(name) for name in names]
-    for labels in (np.array(names), np.array(names, dtype=object), np.array([names]), [names], (tuple(names),)):
+    for labels in (np.array(names), np.array(names, dtype=object), np.array([names]), [names], (tuple(names),),
+                   [np.array(names)]):
         result = analysis.specialisation(spec_cache(), labels)
         assert result.classes == ["prose", "code"] and result.counts[0].tolist() == pairs_by_hand(ids, 2)
         ordered = analysis.specialisation(spec_cache(), labels, classes=["code", "prose"])

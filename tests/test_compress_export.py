@@ -149,6 +149,10 @@ def test_verifying_an_edited_block_archive_against_the_unconverted_copy_says_whi
     with pytest.raises(ExportError, match=r"edited.nnef.tgz has edits, .* experts not in gated form\. Verify against "
                                           r"the copy that was exported, .*moelens\.compress\.exportable\(model\)"):
         verify(archive, wrap(converted).moes[0], hidden)
+    gated = wrap(convert(llama(kv_heads=4), num_experts=4, top_k=2)).moes[0]  # SwiGLU: exports as it is
+    archive = to_nnef(gated, out / "gated.nnef.tgz", verify=False, example_inputs=hidden).path
+    with pytest.raises(ExportRefused, match=r"Edits\.force\[0\] cannot be baked"):  # not "not in gated form" (review 3)
+        verify(archive, gated, hidden, edits=Edits(force={0: [1]}))
 
 
 def test_a_wrap_left_from_before_an_in_place_conversion_says_to_wrap_again(out):
@@ -176,21 +180,23 @@ def test_a_wrap_left_from_before_an_in_place_conversion_says_to_wrap_again(out):
     assert_block_runs_in_tract(again.moes[0], out / "again.nnef.tgz", hidden, "swiglu")
 
 
-@pytest.mark.parametrize("change", ["lora_on_q_proj", "resized_embeddings"])
-def test_modules_replaced_outside_the_blocks_leave_routing_analysis_and_the_export_as_they_were(change, out):
+@pytest.mark.parametrize("change", ["lora_on_q_proj", "lora_on_mlp_projections", "resized_embeddings"])
+def test_modules_replaced_outside_the_routing_leave_routing_analysis_and_the_export_as_they_were(change, out):
     """The refusal of a wrap whose modules were replaced (above) took in every module: a LoRA adapter put on the
     attention projections after wrapping (PEFT replaces them) or resize_token_embeddings (a new lm_head) made routing
-    analysis refuse a model whose blocks are as wrapped. Ground truth: the experts calls' indices taken by hooks on
-    the same torch model."""
+    analysis refuse a model whose blocks are as wrapped (review 2); so did a LoRA on the MLP projections, of the dense
+    layer and the shared experts (review 3). Ground truth: the experts calls' indices taken by hooks on the same
+    torch model."""
     from moelens import analysis
     from moelens.testing import tiny_model
 
-    hf = tiny_model("qwen3_moe")
+    hf = tiny_model("qwen2_moe")
     wrapped = wrap(hf)
-    if change == "lora_on_q_proj":
+    if change.startswith("lora"):
         from peft import LoraConfig, inject_adapter_in_model
 
-        inject_adapter_in_model(LoraConfig(target_modules=["q_proj"], r=4, init_lora_weights=False), hf)
+        targets = ["q_proj"] if change == "lora_on_q_proj" else ["gate_proj", "up_proj", "down_proj"]
+        inject_adapter_in_model(LoraConfig(target_modules=targets, r=4, init_lora_weights=False), hf)
     else:
         hf.resize_token_embeddings(hf.config.vocab_size + 8)
     tokens = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(0))

@@ -564,6 +564,7 @@ def test_renormalized_keep_top_of_no_slots_gives_finite_gradients():
     ((1.0,), r"n must be an int slot count.*got 1\.0"),
     ((1, "yes"), r"keep_top: renormalize must be True or False, got 'yes'"),
     ((1, False, 3), r"keep_top: tokens=3 is ambiguous"),
+    ((2, False, 3), r"keep_top: tokens=3 is ambiguous"),  # every slot kept changes nothing, but is checked (review 3)
 ])
 def test_keep_top_refuses_bad_arguments(arguments, match):
     hf, wrapped, inputs, plain, reference = built("qwen3_moe", "grouped_mm")

@@ -91,8 +91,9 @@ def test_the_families_with_dense_shared_experts_are_many():
 def test_a_dense_shared_expert_serves_its_activations_and_output(name):
     """moe.shared_experts was a plain envoy: its hidden activations (which a dense layer's Mlp serves) had no name
     (``.mlp_activation`` raised AttributeError). Ground truth: the input of its down projection and its output, taken
-    by hooks on an unwrapped copy (a copy of the output: llama4's block adds the routed output to it in place after);
-    a write of the activations is the same edit made there by a pre-hook."""
+    by hooks on an unwrapped copy (a copy of the output: llama4's block adds the routed output to it in place after,
+    so its output is served as the block's shared_expert_output alone); a write of the activations is the same edit
+    made there by a pre-hook."""
     hf = tiny_model(name)
     inputs, reference = tiny_inputs(hf), copy.deepcopy(hf)
     wrapped = moelens.wrap(hf)
@@ -106,9 +107,18 @@ def test_a_dense_shared_expert_serves_its_activations_and_output(name):
     with torch.no_grad():
         plain = first_output(reference(**inputs))
     with torch.no_grad(), wrapped.trace(**inputs):
-        activation, output = shared.mlp_activation.save(), shared.mlp_output.save()
+        activation = shared.mlp_activation.save()
+        if name != "llama4":
+            output = shared.mlp_output.save()
+        else:  # the block adds the routed output to it in place: served as shared_expert_output alone (review 3:
+            output = wrapped.moes[-1].shared_expert_output.save()  # a copy each lost one of two writes)
     torch.testing.assert_close(activation, seen["activation"].view_as(activation), rtol=0, atol=0)
     torch.testing.assert_close(output, seen["output"].view_as(output), rtol=0, atol=0)
+    if name == "llama4":
+        with pytest.raises(moelens.ValueUnavailable, match=r"shared_expert\.mlp_output cannot be served: llama4's "
+                                                           r"block adds .* Read or write .*\.shared_expert_output"):
+            with wrapped.trace(**inputs):
+                shared.mlp_output.save()
     for hook in hooks:
         hook.remove()
     down.register_forward_pre_hook(lambda m, args: (args[0] * 0.5, *args[1:]))
@@ -146,6 +156,19 @@ def test_a_shared_expert_read_after_the_router_says_where_its_values_fall():
         activation = moe.shared_experts.mlp_activation.save()
         logits = moe.router_logits.save()
     assert activation.shape[-1] == block.shared_expert.down_proj.in_features and logits.shape[-1] == moe.num_experts
+
+
+@pytest.mark.parametrize(("name", "reason"), [("deepseek_v3", r"this deepseek_v3 block's shared expert has no gate of "
+                                                              r"its own\. Its contribution is shared_expert_output"),
+                                             ("mixtral", r"the mixtral family has no shared expert")])
+def test_shared_gate_where_there_is_none_says_why(name, reason):
+    """moe.shared_gate raised a bare AttributeError ("'Moe' object has no attribute") where the shared expert has
+    no gate or there is no shared expert (review 3); where there is one it is the gate module (qwen2_moe's)."""
+    gated = moelens.wrap(tiny_model("qwen2_moe")).moes[0]
+    assert gated.shared_gate._module is gated._module.shared_expert_gate
+    moe = moelens.wrap(tiny_model(name)).moes[0]
+    with pytest.raises(moelens.ValueUnavailable, match=rf"mlp\.shared_gate cannot be served: {reason}"):
+        moe.shared_gate
 
 
 def first_output(output):

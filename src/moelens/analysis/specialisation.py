@@ -107,9 +107,10 @@ def _named_labels(labels: Any, classes: list[str] | None) -> tuple[Any, list[str
     refused), else the names in the order they first appear. Other labels pass as given."""
     if isinstance(labels, np.ndarray) and labels.dtype.kind in "USO":  # names (or objects): torch takes no such array
         labels = labels.tolist()
-    rows = isinstance(labels, (list, tuple)) and labels and all(isinstance(row, (list, tuple)) for row in labels)
+    rows = isinstance(labels, (list, tuple)) and labels and all(isinstance(row, (list, tuple, np.ndarray))
+                                                              for row in labels)
     if rows and len({len(row) for row in labels}) == 1 and all(isinstance(name, str) for row in labels for name in row):
-        labels = [name for row in labels for name in row]  # [N, S] names, flattened as ids of that shape are
+        labels = [str(name) for row in labels for name in row]  # [N, S] names, flattened as ids of that shape are
     if not (isinstance(labels, (list, tuple)) and labels and all(isinstance(label, str) for label in labels)):
         return labels, classes
     names = list(dict.fromkeys(labels)) if classes is None else classes

@@ -90,15 +90,23 @@ def refuse_replaced(replaced: list[str], where: str, consequence: str, error: ty
                     "again: moelens.wrap(model._module).")
 
 
-def replaced_blocks(model: Envoy) -> list[str]:
-    """`replaced_modules` of the wrapped ``model`` that are a block moelens serves (a `Moe` or `Mlp` component), a
-    module under one or one holding one: not the others (a PEFT adapter on an attention projection, an lm_head
-    resized), which no block's values depend on."""
+def replaced_blocks(envoy: Envoy) -> list[str]:
+    """`replaced_modules` of ``envoy`` (the wrapped model, or a block) that are a block moelens serves (a `Moe` or
+    `Mlp` component) or hold one, or lie under an MoE block outside its shared expert (its router, its experts): not
+    the others (a PEFT adapter on an attention or MLP projection, an lm_head resized), which no block's routing
+    depends on."""
     from .mlp import Mlp  # which imports this module
+    from .moe import Moe
 
-    blocks = [envoy.path for envoy in model.modules() if isinstance(envoy, Mlp)]
-    return [path for path in replaced_modules(model)
-            if any(path == block or block.startswith(f"{path}.") or path.startswith(f"{block}.") for block in blocks)]
+    blocks = [module for module in envoy.modules() if isinstance(module, Mlp)]
+    moes = [block.path for block in blocks if isinstance(block, Moe)]
+    inner = [block.path for block in blocks if not isinstance(block, Moe)]  # dense MLPs, shared experts
+
+    def routing(path: str) -> bool:
+        return (any(path == block.path or block.path.startswith(f"{path}.") for block in blocks)
+                or any(path.startswith(f"{moe}.") for moe in moes) and not any(path.startswith(f"{mlp}.") for mlp in inner))
+
+    return [path for path in replaced_modules(envoy) if routing(path)]
 
 
 #: The attribute of a component holding ``{path: module}``: the modules moelens instrumented at wrap

@@ -106,13 +106,19 @@ class Mlp(Component):
     def _order(self) -> tuple[str, ...]:
         return ("mlp_activation", "mlp_output")
 
+    @property
+    def _shared_of(self) -> Any:
+        """The `Moe` whose shared expert this block is, or None."""
+        from .moe import Moe  # the Moe component imports this module
+
+        parent = self.parent
+        return parent if isinstance(parent, Moe) and parent.family.shared is not None else None
+
     def _order_error(self, name: str, by: str = "", step_passed: bool = False) -> Any:
         """`Component._order_error`, which for a block's shared expert also says where its values fall among the
         block's (where the block calls it: `moe.order()` places only its gated output)."""
-        from .moe import Moe  # the Moe component imports this module
-
         error = super()._order_error(name, by, step_passed)
-        if isinstance(self.parent, Moe) and self.parent.family.shared is not None:
+        if self._shared_of is not None:
             error.args = (f"{error.args[0]} {self.path} is the shared expert of {self.parent.path}: its values come "
                           "where the block calls it, which may be before the router (the qwen2 family) or after the "
                           "experts; read them before the block's other values, or in a trace of their own.",)
@@ -128,12 +134,7 @@ class Mlp(Component):
 
     @cached_property
     def _output_edited_later(self) -> bool:
-        """The decoder layer holding this block edits the block's output in place (`EDIT_MLP_OUTPUT_LATER`), or, for
-        a block's shared expert, the block does (llama4's ``out.add_``: `SharedExpert.edited_later`)."""
-        from .moe import Moe  # the Moe component imports this module
-
-        if isinstance(self.parent, Moe) and self.parent.family.shared is not None:
-            return self.parent.family.shared.edited_later
+        """The decoder layer holding this block edits the block's output in place (`EDIT_MLP_OUTPUT_LATER`)."""
         modules, parts = list(self.modules_down()), self.path.split(".")
         return any(
             len(modules) > depth
@@ -152,6 +153,12 @@ class Mlp(Component):
                 "model.transformer.h: block.mlp.slow_but_exact = False), or load with slow_but_exact=False.",
             )
         if name == "mlp_output":
+            shared_of = self._shared_of
+            if shared_of is not None and shared_of.family.shared.edited_later:  # llama4's out.add_(routed)
+                raise self.unavailable(
+                    name, f"{shared_of.family.name}'s block adds its routed output to this shared expert's output in "
+                    "place, so moelens serves that output as the block's shared_expert_output alone (a copy each "
+                    "would lose one's writes)", f"read or write {shared_of.path}.shared_expert_output")
             pick, put = output_of(None)
             if self._adds_the_residual and self.down_projection is not None:  # its part: the down projection's
                 return Binding(f"{self.path}.{self.down_projection}.output", features=1, pick=pick, put=put,

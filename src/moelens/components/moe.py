@@ -77,6 +77,19 @@ class _SharedAlias:
         return envoy
 
 
+class _SharedGateAlias:
+    """``moe.shared_gate`` where the block has no gate of a shared expert to bind it to (`Moe._bind_standard_names`
+    binds it on the instance otherwise): the reason, as for ``shared_experts``."""
+
+    def __get__(self, obj: "Moe | None", owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        if obj._shared_envoy() is None:
+            raise obj.no_shared_expert("shared_gate")
+        raise obj.unavailable("shared_gate", f"this {obj.family.name} block's shared expert has no gate of its own",
+                              "its contribution is shared_expert_output.")
+
+
 def _has_submodule(module: torch.nn.Module | None, path: str) -> bool:
     """Whether ``module`` has the child module at dotted ``path`` (looked up on the torch module, so an
     envoy's fallbacks, such as `_SharedAlias`, are never asked)."""
@@ -125,6 +138,7 @@ class Moe(Mlp):
 
     INSTRUMENTED_AT_WRAP = True
     shared_experts = _SharedAlias()
+    shared_gate = _SharedGateAlias()
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..components import Moe
-from ..components.base import layer_of, refuse_replaced, replaced_blocks, replaced_modules
+from ..components.base import layer_of, refuse_replaced, replaced_blocks
 from ..components.served import trace_running
 from ..families import Family, registry
 from ..families.entry import get_path
@@ -70,7 +70,7 @@ def resolve(model: Any) -> Target:
     _refuse_inside_a_trace()
     if isinstance(model, Moe):
         _refuse_edits(getattr(model, "root", None))
-        refuse_replaced(replaced_modules(model), "the export", "the archive would hold the old block", ExportError)
+        refuse_replaced(replaced_blocks(model), "the export", "the archive would hold the old block", ExportError)
         target = Target("block", model._module, [Block("", model.family, model.layer, model.path)], wrapped=None)
     elif hasattr(model, "moes") and isinstance(getattr(model, "_module", None), torch.nn.Module):
         _refuse_edits(model)
