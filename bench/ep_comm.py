@@ -344,7 +344,7 @@ def rank_main(args: argparse.Namespace) -> None:
     for kind in ("activations_back", "activations_out"):
         out[f"{kind}_sent"] = log.sent(kind) / layers
 
-    # The routing of layer 0, for the deduplicated minimum and transformers' EP on the same batch.
+    # The routing of the first MoE block, for the deduplicated minimum and transformers' EP on the same batch.
     per_rank_inputs = [_inputs(r, args.tokens, vocab) for r in range(world)]
     routed = []
     for r_ids in per_rank_inputs:
@@ -416,7 +416,7 @@ def report(results: list[dict[str, Any]]) -> list[str]:
         f"{_moe_words(first['moe_layers'], first['moe_blocks'], first['exchanging_layers'])} "
         "(bytes per rank per MoE layer, KiB)",
         "| rank | dispatch | combine | counts | min T*k*D*b*(EP-1)/EP | dispatch/min | rows to others "
-        "(dedup, layer 0) | layer 0 both ways: torch_a2a vs HF AllToAllEP | HF AllReduceEP payload / ring | a2a (both ways) vs ring | "
+        "(dedup, first MoE block) | first MoE block both ways: torch_a2a vs HF AllToAllEP | HF AllReduceEP payload / ring | a2a (both ways) vs ring | "
         "+ activation round trip (trace) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
