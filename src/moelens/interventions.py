@@ -339,10 +339,11 @@ def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) ->
         raise WriteError(f"keep_top: n must be an int slot count in [0, {moe.top_k}] ({moe.path} routes each token to "
                          f"top_k={moe.top_k} experts), got {scalar(n)!r}.")
     renormalize = check_flag("keep_top: renormalize", renormalize, WriteError)
-    weights = moe.expert_weights.clone()
+    weights = moe.expert_weights
     rows = None if tokens is None else _token_rows(weights, tokens, "keep_top")
     if count == moe.top_k:  # every slot kept: nothing changes (a renormalisation would round)
         return
+    weights = weights.clone()
     total = _renormalised_total(moe) if renormalize else None
     _edit_rows(weights, rows, lambda selected: _best_slots(selected, count, renormalize, total))
     moe.expert_weights = weights

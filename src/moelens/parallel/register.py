@@ -68,7 +68,7 @@ def _torch_a2a_ep_class() -> type:
         def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
             runs = self.experts.__dict__["_ep_runs"]
             if self.position == 0:  # a forward of the model begins (no forward hooks here, unlike shard_experts')
-                forward_enters(runs, (), self.experts, ())
+                forward_enters(runs, self.experts, ())
                 forward_leaves(runs, self.experts, (), None)
             return torch_a2a_experts_forward(
                 self.experts, hidden_states, top_k_index, top_k_weights, process_group=self.group

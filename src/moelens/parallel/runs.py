@@ -114,15 +114,14 @@ def _running(module: torch.nn.Module | None) -> bool:
     return False
 
 
-def forward_enters(runs: Runs, above: tuple[torch.nn.Module, ...], module: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook (put first) of a module holding sharded experts (``above``: the hooked modules holding it):
-    its outermost call is a run (in a moelens trace, the first is the trace's own)."""
+def forward_enters(runs: Runs, module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook (put first) of a module holding sharded experts: its outermost call is a run (in a moelens
+    trace, the first is the trace's own)."""
     entered = runs.entered
-    if entered and (any(running() is module for running in entered) or not any(entered[-1]() is a for a in above)
-                    or not _running(entered[-1]())):
-        # A module runs neither inside itself nor outside the modules holding it, nor inside a call that is no longer
-        # on the stack: an earlier call ended without `forward_leaves`, which torch skips for a BaseException (a
-        # KeyboardInterrupt) where it calls it for an Exception. That run is over.
+    if entered and (any(running() is module for running in entered) or not _running(entered[-1]())):
+        # A module runs neither inside itself nor inside a call that is no longer on the stack (a block called alone
+        # after its model's call): an earlier call ended without `forward_leaves`, which torch skips for a
+        # BaseException (a KeyboardInterrupt) where it calls it for an Exception. That run is over.
         entered.clear()
     if not entered:
         if not runs.tracing or runs.traced_forwards:

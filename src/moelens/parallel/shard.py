@@ -191,11 +191,11 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
             experts._is_expert_parallel = True
             experts.register_forward_pre_hook(_guard)
     if size > 1:
-        for reaching, above in _holding_experts(module, [name for name, *_ in blocks]):
+        for reaching in _holding_experts(module, [name for name, *_ in blocks]):
             for call in ("save_pretrained", "push_to_hub"):  # instance attributes (push_to_hub makes the repo first)
                 if reaching is module or hasattr(reaching, call):  # the model, and a base model inside it (lm.model)
                     setattr(reaching, call, functools.partial(_refuse_save, reaching, call))
-            reaching.register_forward_pre_hook(functools.partial(forward_enters, runs, above), prepend=True)
+            reaching.register_forward_pre_hook(functools.partial(forward_enters, runs), prepend=True)
             reaching.register_forward_hook(functools.partial(forward_leaves, runs), always_call=True)
     return model
 
@@ -215,16 +215,12 @@ def _refuse_save(model: torch.nn.Module, call: str, *args: Any, **kwargs: Any) -
     )
 
 
-def _holding_experts(model: torch.nn.Module, blocks: list[str]
-                     ) -> list[tuple[torch.nn.Module, tuple[torch.nn.Module, ...]]]:
+def _holding_experts(model: torch.nn.Module, blocks: list[str]) -> list[torch.nn.Module]:
     """The modules whose forward reaches the MoE blocks ``blocks`` (paths in ``model``): the model, every module on
-    the way down, the blocks; each with those of them above it."""
+    the way down, the blocks."""
     from ..discovery import paths_above
 
-    paths = sorted(paths_above(blocks) | set(blocks))
-    return [(model.get_submodule(path), tuple(model.get_submodule(other) for other in paths
-                                              if other != path and (not other or path.startswith(f"{other}."))))
-            for path in paths]
+    return [model.get_submodule(path) for path in sorted(paths_above(blocks) | set(blocks))]
 
 
 def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module]], size: int) -> list[int]:
