@@ -20,6 +20,7 @@ from .cache import RoutingCache, Shard
 from .coactivation import Coactivation, Transitions, coactivation, expert_paths, transitions
 from .collect import collect_routing
 from .describe import LayerReport, ModelReport, describe
+from .generation import GeneratedRouting, collect_generation
 from .entropy import Entropy, routing_entropy, token_entropy
 from .logit_lens import ExpertLens, expert_logit_lens
 from .specialisation import Specialisation, specialisation
@@ -28,8 +29,8 @@ from .top_tokens import ExpertTokens, top_tokens
 from .usage import LoadBalance, Usage, expert_usage, load_balance
 
 __all__ = [
-    "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "LayerReport", "LoadBalance", "ModelReport",
+    "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "GeneratedRouting", "LayerReport", "LoadBalance", "ModelReport",
     "RoutingCache", "Shard", "Specialisation", "TokenRouting", "Transitions", "Usage", "coactivation",
-    "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance", "plots",
+    "collect_generation", "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance", "plots",
     "routing_entropy", "specialisation", "token_entropy", "token_routing", "top_tokens", "transitions",
 ]

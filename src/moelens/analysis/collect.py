@@ -125,6 +125,21 @@ def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
     )
 
 
+def check_storage_dtype(dtype: Any) -> None:
+    """Refuse a ``dtype`` to store routing weights and logits in that is no floating-point torch dtype."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise MoelensError(
+            f"dtype must be a floating-point torch dtype to store weights and logits in (torch.float16, "
+            f"torch.bfloat16, torch.float32), got {dtype!r}."
+        )
+
+
+def index_dtype_of(moes: list[Any]) -> torch.dtype:
+    """The smallest integer dtype a cache stores these blocks' expert indices in."""
+    biggest = max(moe.num_experts for moe in moes)
+    return torch.int16 if biggest <= torch.iinfo(torch.int16).max else torch.int32
+
+
 def skips(moe: Any) -> bool:
     """Whether ``moe``'s router has a skip class (zaya): some slots run no expert."""
     return moe.SCORING.select == "skip_topk"
@@ -285,16 +300,11 @@ def collect_routing(
     logits = check_flag("logits", logits)
     stop_early = check_flag("stop_early", stop_early)
     progress = check_flag("progress", progress)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise MoelensError(
-            f"dtype must be a floating-point torch dtype to store weights and logits in (torch.float16, "
-            f"torch.bfloat16, torch.float32), got {dtype!r}."
-        )
+    check_storage_dtype(dtype)
     moes = moes_of(model, layers, blocks)
     cache = empty_cache(model, moes, logits)
     wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]
-    biggest = max(moe.num_experts for moe in moes)
-    index_dtype = torch.int16 if biggest <= torch.iinfo(torch.int16).max else torch.int32
+    index_dtype = index_dtype_of(moes)
     skipping = {moe.layer for moe in moes if skips(moe)}
     tokenizer = corpora.tokenizer_of(model)
     tally = corpora.Tally()

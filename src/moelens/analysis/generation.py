@@ -1,0 +1,230 @@
+"""`collect_generation`: generate from prompts and cache the routing of every token the model read.
+
+One ``model.generate`` trace reads, at every step (``tracer.all()``), the routing values of every MoE
+block (`MoeModelMixin.save_all`): the prompt's forward first, then one forward per new token. The
+steps are put back together row by row, so the result is a `RoutingCache` like `collect_routing`'s,
+which every analysis reads: each prompt is a text of the cache, holding its own tokens and then the
+tokens it generated, each routed as the model routed it while generating (with its key-value cache,
+not by a fresh forward over the finished text).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from ..errors import MoelensError
+from ..model import generation_setting, rows_per_prompt
+from ..scalars import check_flag
+from . import corpus as corpora
+from .cache import RoutingCache, Shard
+from .checks import check_count
+from .collect import ROUTING_VALUES, check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, skips
+
+#: nnsight's warning at the end of a ``tracer.all()`` loop, which asks for one step past the last.
+OPEN_LOOP_WARNING = r".*was never reached"
+
+#: ``generate`` settings whose runs a generation's routing cannot be told from: why, and what to do instead.
+REFUSED_SETTINGS = {
+    "stop_strings": "ends rows without an end-of-sequence token, so where a row ended cannot be told from its tokens",
+    "stopping_criteria": "may end rows without an end-of-sequence token, so where a row ended cannot be told from its "
+                         "tokens",
+    "assistant_model": "runs a draft model and checks several tokens per forward, rejected drafts included",
+    "prompt_lookup_num_tokens": "checks several drafted tokens per forward, rejected drafts included",
+    "assistant_early_exit": "runs the model's first layers alone on drafted tokens, rejected drafts included",
+}
+
+
+@dataclass
+class GeneratedRouting:
+    """A generation and the routing of every token the model read while generating it.
+
+    Attributes:
+        ids: ``[b, P + G]`` the token ids ``model.generate`` returns: the prompts, left-padded to the longest
+            (``P`` columns), then the ``G`` tokens generated for each (a row that ended before the others is
+            padded after its end-of-sequence token, as transformers pads it).
+        prompt_length: ``P``, the columns of ``ids`` that hold the prompts.
+        lengths: ``[b]`` how many tokens each row generated, its end-of-sequence token included.
+        cache: The routing, a `RoutingCache` whose text ``i`` is prompt ``i``: its tokens at positions
+            ``0 .. p - 1``, then every generated token the model read (``p``, ``p + 1``, ...). The last token a
+            row generated is read by no forward, so it has no routing; nor have the padding of a prompt and
+            the steps after a row ended (the other rows still generating).
+    """
+
+    ids: Int[Tensor, "b t"]
+    prompt_length: int
+    lengths: Int[Tensor, " b"]
+    cache: RoutingCache
+
+    def generated(self, row: int) -> Int[Tensor, " g"]:
+        """The tokens row ``row`` generated, up to its end-of-sequence token (included), without padding."""
+        rows = self.ids.shape[0]
+        index = check_count("row", row, least=0)
+        if index >= rows:
+            raise MoelensError(f"row must be below the generation's {rows} rows (one per prompt), got {row!r}.")
+        return self.ids[index, self.prompt_length : self.prompt_length + int(self.lengths[index])]
+
+
+class _Received:
+    """A transformers streamer keeping what ``generate`` hands it (the prompt ids, then each step's new token of
+    every row), and passing it on to the caller's own streamer."""
+
+    def __init__(self, passed_to: Any) -> None:
+        self.chunks: list[Tensor] = []
+        self.passed_to = passed_to
+
+    def put(self, value: Tensor) -> None:
+        self.chunks.append(value.detach().to("cpu").clone())
+        if self.passed_to is not None:
+            self.passed_to.put(value)
+
+    def end(self) -> None:
+        if self.passed_to is not None:
+            self.passed_to.end()
+
+
+def collect_generation(
+    model: Any,
+    prompts: Any,
+    *,
+    max_new_tokens: int,
+    logits: bool = False,
+    layers: Iterable[int] | None = None,
+    blocks: str | Iterable[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    **generate_kwargs: Any,
+) -> GeneratedRouting:
+    """Generate from ``prompts`` and return the generated ids with the routing of every token the model read.
+
+    Args:
+        model: A model from `moelens.wrap` / `moelens.load` that can generate.
+        prompts: One prompt or a list of them, each a text (tokenized as `collect_routing` tokenizes, without
+            special tokens: give token ids for a BOS token or a chat template) or a sequence of token ids.
+            They are left-padded to one batch.
+        max_new_tokens: How many tokens to generate at most (fewer where every row ends first).
+        logits: Also cache router logits (``RoutingCache.probs`` and the router entropy need them).
+        layers: Decoder-layer indices of the MoE layers to cache (default: all).
+        blocks: Only blocks whose path contains this (models with several MoE blocks per layer).
+        dtype: Storage dtype of weights and logits.
+        generate_kwargs: Passed on to ``model.generate`` (``do_sample``, ``temperature``, ``eos_token_id``,
+            ``min_new_tokens``, a ``streamer`` ...). Beam search, several sequences per prompt, stop strings,
+            stopping criteria and assisted generation are refused: their routing cannot be told apart per row.
+
+    Returns:
+        The `GeneratedRouting`: ``ids`` as ``model.generate`` returns them and the routing ``cache``.
+    """
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+    logits = check_flag("logits", logits)
+    check_storage_dtype(dtype)
+    moes = moes_of(model, layers, blocks)
+    _refuse_settings(model._module, generate_kwargs)
+    ids, mask = _prompt_batch(model, prompts, max_new_tokens)
+    wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]
+    received = _Received(generate_kwargs.pop("streamer", None))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OPEN_LOOP_WARNING)  # a tracer.all() loop ends with it
+        with torch.no_grad(), model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                             streamer=received, **generate_kwargs) as tracer:
+            steps = list().save()
+            for _ in tracer.all():
+                steps.append(model.save_all(wanted, strict=True, moes=moes))
+    new = torch.stack(received.chunks[1:], dim=1) if len(received.chunks) > 1 else ids.new_zeros(len(ids), 0)
+    _check_steps(steps, ids.shape, new.shape[1])
+    lengths = _lengths(new, generation_setting(model._module, generate_kwargs, "eos_token_id"))
+    read = torch.cat([mask.bool(), torch.arange(1, new.shape[1]) < lengths[:, None]], dim=1)  # [b, P + G - 1]
+    values = {layer: {name: torch.cat([step[layer][name] for step in steps], dim=1) for name in wanted}
+              for layer in steps[0]}
+    device = values[moes[0].layer]["expert_indices"].device
+    routing = real_tokens(values, read.to(device), index_dtype_of(moes), dtype, {moe.layer for moe in moes if skips(moe)})
+    cache = empty_cache(model, moes, logits)
+    cache.num_texts = len(ids)
+    cache._memory = [Shard(
+        token_ids=torch.cat([ids, new[:, :-1]], dim=1)[read].to(torch.int32),
+        text_index=torch.arange(len(ids)).repeat_interleave(read.sum(1)).to(torch.int32),
+        position=(read.cumsum(1) - 1)[read].to(torch.int32),
+        indices=routing["indices"],
+        weights=routing["weights"],
+        logits=routing["logits"],
+    )]
+    return GeneratedRouting(ids=torch.cat([ids, new], dim=1), prompt_length=ids.shape[1], lengths=lengths, cache=cache)
+
+
+def _refuse_settings(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse ``generate`` arguments whose routing `collect_generation` could not tell apart per row and step."""
+    given = sorted({"input_ids", "attention_mask", "inputs_embeds"} & set(kwargs))
+    if given:
+        raise MoelensError(f"collect_generation takes the prompts as its prompts argument, got {', '.join(given)} too; "
+                           "pass the token ids as prompts (one sequence per prompt, without padding).")
+    rows = rows_per_prompt(module, kwargs)
+    if rows > 1:
+        raise MoelensError(
+            f"collect_generation runs one row per prompt, and these settings run {rows} (num_beams="
+            f"{generation_setting(module, kwargs, 'num_beams') or 1}, num_return_sequences="
+            f"{generation_setting(module, kwargs, 'num_return_sequences') or 1}): beam search reorders its rows between "
+            "steps, so a step's routing belongs to no one sequence. Generate without beams; to sample a prompt several "
+            "times, repeat it in the list of prompts (each is a text of the cache)."
+        )
+    for name, why in REFUSED_SETTINGS.items():
+        if generation_setting(module, kwargs, name):
+            raise MoelensError(
+                f"collect_generation cannot take {name}: it {why}. Generate with model.generate(...) and read the "
+                "routing in a `for step in tracer.all():` loop instead (docs/analysis.md)."
+            )
+
+
+def _prompt_batch(model: Any, prompts: Any, max_new_tokens: int) -> tuple[Int[Tensor, "b p"], Int[Tensor, "b p"]]:
+    """The prompts as left-padded ``input_ids`` and ``attention_mask`` (each refused if empty, holding an id the
+    model does not embed, or too long for the model's context with ``max_new_tokens`` more)."""
+    corpora.refuse_bytes(prompts, "prompts")
+    tokenizer = corpora.tokenizer_of(model)
+    rows = [corpora.encode(item, tokenizer, f"prompt {index}") for index, item in enumerate(corpora.items(prompts))]
+    if not rows:
+        raise MoelensError("collect_generation got no prompts; pass a text, token ids or a list of them.")
+    vocab, limit = corpora.vocab_size(model), corpora.context_length(model)
+    for index, row in enumerate(rows):
+        if not row:
+            raise MoelensError(f"prompt {index} has no tokens; give every prompt at least one.")
+        outside = [token for token in row if not 0 <= token < (vocab if vocab is not None else token + 1)]
+        if outside:
+            raise MoelensError(f"prompt {index} holds token id {outside[0]}, outside the model's vocabulary "
+                               f"[0, {vocab}); pass ids from the model's own tokenizer.")
+        if limit is not None and len(row) + max_new_tokens > limit:
+            raise MoelensError(
+                f"prompt {index} has {len(row)} tokens, and with max_new_tokens={max_new_tokens} the generation would "
+                f"run past the model's context (max_position_embeddings={limit}); shorten it or generate fewer tokens."
+            )
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), corpora.pad_id(model), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row):] = torch.tensor(row)
+        mask[index, width - len(row):] = 1
+    return ids, mask
+
+
+def _check_steps(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size, generated: int) -> None:
+    """Refuse a run whose steps are not one forward over the prompts and then one token per row per step (settings
+    `_refuse_settings` does not know of, such as a generation config's own drafting)."""
+    rows, width = prompt_shape
+    shapes = [tuple(next(iter(next(iter(step.values())).values())).shape[:2]) for step in steps]
+    expected = [(rows, width)] + [(rows, 1)] * (generated - 1)
+    if shapes != expected:
+        raise MoelensError(
+            f"the generation ran forwards over {shapes[:6]}{' ...' if len(shapes) > 6 else ''} [rows, tokens], where "
+            f"collect_generation reads one over the prompts, {(rows, width)}, and then one new token per row per step "
+            f"({generated} steps in all): a setting of this generation (beams, drafts) runs other rows or tokens. "
+            "Generate with model.generate(...) and read the routing in a `for step in tracer.all():` loop instead."
+        )
+
+
+def _lengths(new: Int[Tensor, "b g"], eos: Any) -> Int[Tensor, " b"]:
+    """How many tokens each row generated up to its first end-of-sequence token (``eos``: one id, a list of ids or
+    None), that token included: ``g`` for a row that never generated one."""
+    ended: Bool[Tensor, "b g"] = torch.isin(new, torch.as_tensor([] if eos is None else eos).flatten().to(new.dtype))
+    first = torch.where(ended.any(1), ended.int().argmax(1) + 1, new.shape[1])
+    return first.to(torch.long)
