@@ -184,3 +184,21 @@ def test_generated_refuses_a_row_the_generation_does_not_have():
     result = analysis.collect_generation(model, PROMPTS, max_new_tokens=2, do_sample=False)
     with pytest.raises(MoelensError, match=r"row must be below the generation's 2 rows .* got 2"):
         result.generated(2)
+
+
+def test_a_generation_without_a_key_value_cache_is_routed_at_each_new_token():
+    """use_cache=False runs every step over the whole sequence: its new token is the last one, routed as the plain
+    run routed it there (not the earlier tokens, which the step runs again)."""
+    hf = tiny_model("mixtral")
+    reference = copy.deepcopy(hf)
+    out, _, calls, _ = plain_generation(reference, PROMPTS, 0, use_cache=False)
+    width = max(len(prompt) for prompt in PROMPTS)
+    last = {name: [calls[name][0]] + [(indices[:, -1:], weights[:, -1:]) for indices, weights in calls[name][1:]]
+            for name in calls}
+    result = analysis.collect_generation(moelens.wrap(hf, tokenizer=ascii_tokenizer()), PROMPTS, max_new_tokens=NEW,
+                                         do_sample=False, use_cache=False)
+    assert torch.equal(result.ids, out) and result.lengths.tolist() == [NEW, NEW]
+    for layer, name in zip(result.cache.layers, sorted(last)):
+        indices, weights = expected_routing(last[name], PROMPTS, width, [NEW, NEW])
+        assert torch.equal(result.cache.indices(layer).long(), indices)
+        torch.testing.assert_close(result.cache.weights(layer), weights)

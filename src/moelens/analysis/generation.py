@@ -134,7 +134,7 @@ def collect_generation(
             for _ in tracer.all():
                 steps.append(model.save_all(wanted, strict=True, moes=moes))
     new = torch.stack(received.chunks[1:], dim=1) if len(received.chunks) > 1 else ids.new_zeros(len(ids), 0)
-    _check_steps(steps, ids.shape, new.shape[1])
+    steps = _new_tokens_of(steps, ids.shape, new.shape[1])
     lengths = _lengths(new, generation_setting(model._module, generate_kwargs, "eos_token_id"))
     read = torch.cat([mask.bool(), torch.arange(1, new.shape[1]) < lengths[:, None]], dim=1)  # [b, P + G - 1]
     values = {layer: {name: torch.cat([step[layer][name] for step in steps], dim=1) for name in wanted}
@@ -207,19 +207,24 @@ def _prompt_batch(model: Any, prompts: Any, max_new_tokens: int) -> tuple[Int[Te
     return ids, mask
 
 
-def _check_steps(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size, generated: int) -> None:
-    """Refuse a run whose steps are not one forward over the prompts and then one token per row per step (settings
-    `_refuse_settings` does not know of, such as a generation config's own drafting)."""
+def _new_tokens_of(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size,
+                   generated: int) -> list[dict[int, dict[str, Tensor]]]:
+    """Each step's values at the tokens it read first: the prompts at step 0, then the one new token of every row
+    (without a key-value cache, ``use_cache=False``, a step runs the whole sequence again: its last token is the
+    new one). A run of other shapes is refused (settings `_refuse_settings` does not know of, such as a generation
+    config's own drafting)."""
     rows, width = prompt_shape
     shapes = [tuple(next(iter(next(iter(step.values())).values())).shape[:2]) for step in steps]
-    expected = [(rows, width)] + [(rows, 1)] * (generated - 1)
-    if shapes != expected:
+    if len(shapes) != generated or shapes[0] != (rows, width) or any(
+            shape not in ((rows, 1), (rows, width + step)) for step, shape in enumerate(shapes[1:], start=1)):
         raise MoelensError(
             f"the generation ran forwards over {shapes[:6]}{' ...' if len(shapes) > 6 else ''} [rows, tokens], where "
             f"collect_generation reads one over the prompts, {(rows, width)}, and then one new token per row per step "
             f"({generated} steps in all): a setting of this generation (beams, drafts) runs other rows or tokens. "
             "Generate with model.generate(...) and read the routing in a `for step in tracer.all():` loop instead."
         )
+    return steps[:1] + [{layer: {name: value[:, -1:] for name, value in values.items()} for layer, values in step.items()}
+                        for step in steps[1:]]
 
 
 def _lengths(new: Int[Tensor, "b g"], eos: Any) -> Int[Tensor, " b"]:
