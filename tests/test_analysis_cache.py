@@ -382,3 +382,19 @@ def test_a_cache_whose_token_sources_or_counts_are_out_of_range_is_refused_by_na
     for read in reads:
         with pytest.raises(MoelensError, match=rf"file '{re.escape(str(folder / spoiled))}' is damaged \({problem}"):
             read(RoutingCache.load(folder))
+
+
+def test_dense_weights_put_each_slot_in_its_experts_column_and_skipped_slots_nowhere():
+    """By hand: token 0 routed to experts 2 and 0, token 1 to expert 1 and a slot that ran no expert (zaya's skip
+    class, `SKIPPED`), whose weight lands in no column."""
+    from moelens.analysis.cache import SKIPPED, Shard
+
+    shard = Shard(token_ids=torch.tensor([5, 6], dtype=torch.int32), text_index=torch.zeros(2, dtype=torch.int32),
+                  position=torch.arange(2, dtype=torch.int32),
+                  indices={3: torch.tensor([[2, 0], [1, SKIPPED]], dtype=torch.int16)},
+                  weights={3: torch.tensor([[0.75, 0.25], [0.5, 0.5]], dtype=torch.float16)})
+    cache = RoutingCache(layers=[3], num_experts={3: 4}, top_k={3: 2}, score={3: "softmax"}, num_texts=1,
+                         _memory=[shard])
+    assert cache.dense_weights(3).tolist() == [[0.25, 0.0, 0.75, 0.0], [0.0, 0.5, 0.0, 0.0]]
+    with pytest.raises(MoelensError, match="layer"):
+        cache.dense_weights(0)

@@ -202,3 +202,30 @@ def test_a_generation_without_a_key_value_cache_is_routed_at_each_new_token():
         indices, weights = expected_routing(last[name], PROMPTS, width, [NEW, NEW])
         assert torch.equal(result.cache.indices(layer).long(), indices)
         torch.testing.assert_close(result.cache.weights(layer), weights)
+
+
+def test_the_token_view_of_a_generated_row_and_the_dense_weights():
+    """A row's token view holds its prompt and the generated tokens read, each token's experts highest weight
+    first; the cache's dense weights put each slot's weight in its expert's column (recounted by hand)."""
+    model = moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
+    result = analysis.collect_generation(model, PROMPTS, max_new_tokens=4, do_sample=False, logits=True)
+    cache = result.cache
+    for row, prompt in enumerate(PROMPTS):
+        view = result.token_routing(row)
+        kept = cache.text_index() == row
+        assert view.token_ids.tolist() == prompt + result.generated(row)[:-1].tolist()
+        for place, layer in enumerate(cache.layers):
+            for position in range(len(view.token_ids)):
+                pairs = sorted(zip(cache.weights(layer)[kept][position].tolist(),
+                                   cache.indices(layer)[kept][position].tolist()), reverse=True)
+                assert view.indices[place, position].tolist() == [expert for _, expert in pairs]
+            torch.testing.assert_close(view.probs[place], cache.probs(layer)[kept])
+    for layer in cache.layers:
+        dense = cache.dense_weights(layer)
+        expected = torch.zeros(cache.num_tokens, cache.num_experts[layer])
+        for token, (experts, weights) in enumerate(zip(cache.indices(layer).tolist(), cache.weights(layer).tolist())):
+            for expert, weight in zip(experts, weights):
+                expected[token, expert] += weight
+        assert torch.equal(dense, expected)
+    with pytest.raises(MoelensError, match=r"row must be below the generation's 2 rows"):
+        result.token_routing(2)

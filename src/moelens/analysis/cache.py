@@ -366,6 +366,15 @@ class RoutingCache:
         """``[T, k]`` float32: each slot's routing weight in ``layer``."""
         return self._cat("weights", self.layer_key(layer)).float()
 
+    def dense_weights(self, layer: int) -> Float[Tensor, "t e"]:
+        """``[T, E]`` float32: every cached token's routing weight of each expert in ``layer``, 0 for the experts it
+        was not routed to (slots that ran no expert, `SKIPPED`, add nothing)."""
+        layer = self.layer_key(layer)
+        indices, weights = self.indices(layer), self.weights(layer)
+        ran = indices != SKIPPED
+        dense = torch.zeros(indices.shape[0], self.num_experts[layer])
+        return dense.scatter_add_(1, indices.clamp(min=0), weights * ran)
+
     def logits(self, layer: int) -> Float[Tensor, "t e"]:
         """``[T, E]`` float32: router logits in ``layer`` (collect with ``logits=True``)."""
         if not self.has_logits:

@@ -24,6 +24,7 @@ from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import RoutingCache, Shard
 from .checks import check_count
+from .token_view import TokenRouting, routing_of_text
 from .collect import ROUTING_VALUES, check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, skips
 
 #: nnsight's warning at the end of a ``tracer.all()`` loop, which asks for one step past the last.
@@ -63,11 +64,21 @@ class GeneratedRouting:
 
     def generated(self, row: int) -> Int[Tensor, " g"]:
         """The tokens row ``row`` generated, up to its end-of-sequence token (included), without padding."""
+        row = self._row(row)
+        return self.ids[row, self.prompt_length : self.prompt_length + int(self.lengths[row])]
+
+    def token_routing(self, row: int) -> TokenRouting:
+        """The per-token expert view of row ``row``: its prompt and the generated tokens the model read
+        (``.table()`` prints it)."""
+        return routing_of_text(self.cache, self._row(row), self.cache.tokenizer)
+
+    def _row(self, row: Any) -> int:
+        """``row`` as a row index, refusing a row the generation does not have."""
         rows = self.ids.shape[0]
         index = check_count("row", row, least=0)
         if index >= rows:
             raise MoelensError(f"row must be below the generation's {rows} rows (one per prompt), got {row!r}.")
-        return self.ids[index, self.prompt_length : self.prompt_length + int(self.lengths[index])]
+        return index
 
 
 class _Received:

@@ -12,7 +12,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import SKIPPED, layer_row
+from .cache import SKIPPED, RoutingCache, layer_row
 from .checks import check_count, id_list
 from .collect import collect_routing
 from .corpus import tokenizer_of
@@ -103,17 +103,24 @@ def token_routing(
     if cache.num_tokens == 0:
         raise MoelensError(f"the text {text!r:.60} has no tokens: the tokenizer made none of it; pass text with words "
                            "in it." if isinstance(text, str) else "token_routing got no token ids; pass at least one.")
-    indices = _stacked([cache.indices(layer).long() for layer in cache.layers], SKIPPED)
-    weights = _stacked([cache.weights(layer) for layer in cache.layers], 0.0)
+    return routing_of_text(cache, 0, tokenizer_of(model))
+
+
+def routing_of_text(cache: RoutingCache, text: int, tokenizer: Any) -> TokenRouting:
+    """The `TokenRouting` of the tokens of ``cache``'s text ``text`` (its ``probs`` where the cache holds logits),
+    their strings made with ``tokenizer``."""
+    kept = cache.text_index() == text
+    indices = _stacked([cache.indices(layer)[kept] for layer in cache.layers], SKIPPED)
+    weights = _stacked([cache.weights(layer)[kept] for layer in cache.layers], 0.0)
     order = torch.argsort(weights, dim=-1, descending=True, stable=True)
-    ids = cache.token_ids()
+    ids = cache.token_ids()[kept]
     return TokenRouting(
         token_ids=ids,
-        tokens=token_strings(tokenizer_of(model), ids.tolist()),
+        tokens=token_strings(tokenizer, ids.tolist()),
         layers=list(cache.layers),
         indices=indices.gather(-1, order),
         weights=weights.gather(-1, order),
-        probs=_stacked([cache.probs(layer) for layer in cache.layers], 0.0) if logits else None,
+        probs=_stacked([cache.probs(layer)[kept] for layer in cache.layers], 0.0) if cache.has_logits else None,
         num_experts=[cache.num_experts[layer] for layer in cache.layers],
     )
 
