@@ -156,10 +156,7 @@ def expert_forward(experts: torch.nn.Module, hidden: torch.Tensor, expert: int) 
     """
     gated = getattr(experts, "has_gate", True)
     transposed = getattr(experts, "is_transposed", False)
-    up_weight = (experts.gate_up_proj if gated else experts.up_proj)[expert]
-    up = hidden @ up_weight if transposed else hidden @ up_weight.T
-    if getattr(experts, "has_bias", False):
-        up = up + (experts.gate_up_proj_bias if gated else experts.up_proj_bias)[expert]
+    up = expert_up(experts, hidden, expert)
     activations = experts._apply_gate(up) if gated else experts.act_fn(up)
     down = experts.down_proj[expert]
     out = activations @ down if transposed else activations @ down.T
@@ -168,6 +165,23 @@ def expert_forward(experts: torch.nn.Module, hidden: torch.Tensor, expert: int) 
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
     return activations, out
+
+
+def expert_up(experts: torch.nn.Module, hidden: torch.Tensor, expert: int) -> torch.Tensor:
+    """One expert's up projection on rows ``hidden`` (gate and up where gated, in the weights' layout), from the
+    module's weights: the input of its gate / activation."""
+    gated = getattr(experts, "has_gate", True)
+    up_weight = (experts.gate_up_proj if gated else experts.up_proj)[expert]
+    up = hidden @ up_weight if getattr(experts, "is_transposed", False) else hidden @ up_weight.T
+    if getattr(experts, "has_bias", False):
+        up = up + (experts.gate_up_proj_bias if gated else experts.up_proj_bias)[expert]
+    return up
+
+
+def pre_activations_by_hand(experts: torch.nn.Module, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Per-slot up projections [T, k, P] recomputed from weights."""
+    return torch.stack([torch.stack([expert_up(experts, hidden[token : token + 1], int(expert))[0]
+                                     for expert in row]) for token, row in enumerate(indices)])
 
 
 def slots_by_hand(

@@ -77,13 +77,20 @@ def inputs_of(model, module, input_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
 
 
+def pre_activation_by_hand(experts, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``expert``'s up projection (gate and up, where gated) on one (padded) token ``x``, from its weights."""
+    if isinstance(experts, ToMoEGatedExperts):
+        return experts.gate_up_proj[expert] @ x + experts.gate_up_proj_bias[expert]
+    return experts.up_proj[expert] @ x + experts.up_proj_bias[expert]
+
+
 def activation_by_hand(experts, expert: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``expert``'s hidden activations on one (padded) token ``x``, recomputed from its weights."""
+    pre = pre_activation_by_hand(experts, expert, x)
     if isinstance(experts, ToMoEGatedExperts):
         size = experts.gate_up_proj.shape[1] // 2
-        pre = experts.gate_up_proj[expert] @ x + experts.gate_up_proj_bias[expert]
         return experts.act_fn(pre[:size]) * pre[size:]
-    return experts.act_fn(experts.up_proj[expert] @ x + experts.up_proj_bias[expert])
+    return experts.act_fn(pre)
 
 
 def randomised(model, suffix: str, scale: float, seed: int):

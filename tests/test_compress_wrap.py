@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import moelens
 from moelens.compress import set_experts_implementation, tomoe
 from moelens.families.entry import VALUE_NAMES
-from test_compress_helpers import activation_by_hand, bert, gpt2, ids, llama
+from test_compress_helpers import activation_by_hand, bert, gpt2, ids, llama, pre_activation_by_hand
 
 CASES = {
     "llama": (llama, {}, "tomoe"),
@@ -43,13 +43,15 @@ def expected_values(block, x: torch.Tensor) -> dict[str, torch.Tensor]:
     logits = flat @ router.weight.T + router.bias
     weights, indices = torch.topk(logits, router.top_k, dim=-1)
     padded = F.pad(flat, (0, block.input_pad))
-    activations, outputs = [], []
+    pre_activations, activations, outputs = [], [], []
     for token in range(flat.shape[0]):
-        token_acts, token_outs = [], []
+        token_pres, token_acts, token_outs = [], [], []
         for expert in indices[token].tolist():
             h = activation_by_hand(experts, expert, padded[token])
+            token_pres.append(pre_activation_by_hand(experts, expert, padded[token]))
             token_acts.append(h)
             token_outs.append(experts.down_proj[expert] @ h + experts.down_proj_bias[expert])
+        pre_activations.append(torch.stack(token_pres))
         activations.append(torch.stack(token_acts))
         outputs.append(torch.stack(token_outs))
     expert_outputs = torch.stack(outputs)
@@ -60,6 +62,7 @@ def expected_values(block, x: torch.Tensor) -> dict[str, torch.Tensor]:
         "router_probs": torch.sigmoid(logits).view(*shape, -1),
         "expert_weights": torch.ones_like(weights).view(*shape, -1),
         "expert_indices": indices.view(*shape, -1),
+        "expert_pre_activations": torch.stack(pre_activations).view(*shape, router.top_k, -1),
         "expert_activations": torch.stack(activations).view(*shape, router.top_k, -1),
         "expert_outputs": expert_outputs.view(*shape, router.top_k, -1),
         "routed_output": routed.view(*shape, -1),

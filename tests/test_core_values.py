@@ -15,10 +15,11 @@ import torch
 
 from annotations import annotated_stub, assert_annotations_hold
 from groundtruth import (
-    CASES, EXTRA_LOGIT_COLUMNS, IDS, ascii_tokenizer, built, first_tensor, raw_values, slots_by_hand,
+    CASES, EXTRA_LOGIT_COLUMNS, IDS, ascii_tokenizer, built, first_tensor, pre_activations_by_hand, raw_values,
+    slots_by_hand,
     zero_compute_experts,
 )
-from moelens.families.entry import get_path
+from moelens.families.entry import PER_SLOT_VALUES, get_path
 from moelens.components.moe import Moe
 from moelens.families.scoring import score
 from moelens.testing import NOT_DECORATED
@@ -136,6 +137,8 @@ def test_outputs_match_plain_nnsight_and_weights(observed, family, impl):
         close(values["expert_outputs"], outputs.reshape(batch, seq, *outputs.shape[1:]), atol=1e-5)
         close(values["expert_activations"], activations.reshape(batch, seq, *activations.shape[1:]), atol=1e-5)
         close(values["expert_outputs"].sum(2), values["routed_output"], atol=1e-6)
+        pre = pre_activations_by_hand(moe.experts._module, hidden, indices)
+        close(values["expert_pre_activations"], pre.reshape(batch, seq, *pre.shape[1:]), atol=1e-5)
 
 
 @pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
@@ -151,7 +154,7 @@ def test_every_value_the_model_computes_is_served(observed, family, impl):
         assert ("shared_expert_output" in values) == has_shared, (moe.path, sorted(values))
         per_slot = (impl != "eager" and family not in NOT_DECORATED and not moe.family.refused
                     and not zero_compute_experts(hf))
-        assert {"expert_activations", "expert_outputs"} <= set(values) or not per_slot, (moe.path, sorted(values))
+        assert set(PER_SLOT_VALUES) <= set(values) or not per_slot, (moe.path, sorted(values))
 
 
 def getattr_path(root, path: str):

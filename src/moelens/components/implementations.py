@@ -33,12 +33,17 @@ class ExpertsOps:
         sort: Op returning ``(sorted expert ids, permutation)`` when the rows run
             sorted by expert (the activations are then in that order), or None when
             they run in token-slot order.
+        pre_activations: Whether the input of the activation op (gated or plain) is each
+            slot's up projection (``[T*k, 2I]`` gate and up, ``[T*k, I]`` up alone), in the
+            order of the activations; False where the activations are computed elsewhere
+            (moelens' ``torch_a2a``: on the experts' owners, sent back through that op).
     """
 
     slot_outputs: str = "weighted_out_view_0"
     gated_activations: str = "self__apply_gate_0"
     plain_activations: str = "self_act_fn_0"
     sort: str | None = None
+    pre_activations: bool = True
 
 
 #: The op through which the experts module's decorated forward calls the implementation.
@@ -77,9 +82,9 @@ def register_implementation(name: str, ops: ExpertsOps, replace: bool = False) -
                            f"got {name!r}.")
     if not isinstance(ops, ExpertsOps) or not all(isinstance(op, str) and op for op in (
             ops.slot_outputs, ops.gated_activations, ops.plain_activations)) or \
-            not (ops.sort is None or isinstance(ops.sort, str) and ops.sort):
+            not (ops.sort is None or isinstance(ops.sort, str) and ops.sort) or not isinstance(ops.pre_activations, bool):
         raise MoelensError(f"register_implementation({name!r}, ops): ops must be ExpertsOps(...) naming ops as str "
-                           f"(sort: a str or None), got {ops!r}.")
+                           f"(sort: a str or None; pre_activations: a bool), got {ops!r}.")
     if _IMPLEMENTATIONS.get(name, ops) != ops and not replace:
         raise MoelensError(f"the experts implementation {name!r} is already registered with {_IMPLEMENTATIONS[name]}; "
                            "pass replace=True to replace its op names (every wrapped model reads the new ones).")

@@ -11,6 +11,7 @@ value                     shape             read at
 ``router_probs``          [b, s, E]         derived: the family's score of the logits
 ``expert_weights``        [b, s, k]         the experts call's ``top_k_weights`` argument
 ``expert_indices``        [b, s, k] int64   the experts call's ``top_k_index`` argument
+``expert_pre_activations``[b, s, k, P]      each slot's up projection, the activation's input
 ``expert_activations``    [b, s, k, I]      each slot's activations inside grouped/batched_mm
 ``expert_outputs``        [b, s, k, D]      each slot's weighted output inside grouped/batched_mm
 ``routed_output``         [b, s, D]         the experts module's output (= expert_outputs.sum(2))
@@ -307,10 +308,16 @@ class Moe(Mlp):
             return
         if name in self.family.refused:
             raise self.no_mixture(name)
-        if name in PER_SLOT_VALUES and (ops_for(implementation or self.experts_implementation) is None
-                                        or self.family.identity_experts is not None
-                                        and self.family.identity_count(self._module)):
-            raise self.needs_grouped_experts(name)
+        if name in PER_SLOT_VALUES:
+            ops = ops_for(implementation or self.experts_implementation)
+            if ops is None or self.family.identity_experts is not None and self.family.identity_count(self._module):
+                raise self.needs_grouped_experts(name)
+            if name == "expert_pre_activations" and not ops.pre_activations:
+                raise self.unavailable(
+                    name, f"the {implementation or self.experts_implementation} experts implementation computes each "
+                          "slot's up projection where its expert runs (on the expert's owner under torch_a2a), and "
+                          "brings back the activations alone",
+                    "read expert_activations, or recompute the projection from moe.params().")
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
 
@@ -327,6 +334,10 @@ class Moe(Mlp):
     @served
     def expert_indices(self, value: Any) -> Int[Tensor, "b s k"]:
         """Each slot's expert [b, s, k] (int64), the experts call's top_k_index. Writing reroutes the slot; its weight stays."""
+
+    @served
+    def expert_pre_activations(self, value: Any) -> Float[Tensor, "b s k p"]:
+        """Each slot's up projection [b, s, k, P] inside grouped_mm / batched_mm, in token-slot order: the input of its gate / activation (gated experts: gate and up, P = 2I, in the family's layout; [gate | up] halves in most, interleaved in gpt_oss; otherwise P = I). Writing changes what the slot's activation sees."""
 
     @served
     def expert_activations(self, value: Any) -> Float[Tensor, "b s k i"]:
@@ -780,8 +791,9 @@ class Moe(Mlp):
         return 1, (f"its routing weights would be NaN: every {function} score would be 0, and the router divides its "
                    f"k weights by their {divisor}{padded} (0/0)")
 
-    def _nested(self, op: str) -> str:
-        return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.output"
+    def _nested(self, op: str, end: str = "output") -> str:
+        """The location of op ``op`` inside the experts implementation: its ``output``, or its ``input``."""
+        return f"{self.experts.path}.source.{IMPLEMENTATION_CALL}.source.{op}.{end}"
 
     def _drill(self, name: str, owner: Any = None, call_op: str = IMPLEMENTATION_CALL) -> None:
         """Make the ops inside a call of ``owner``'s forward addressable in this run (for ``name``): by
@@ -810,6 +822,25 @@ class Moe(Mlp):
                                         and forwards_ended(mediator, f"{call}.input") > 0)
             getattr(owner.source, call_op).source
 
+    def _sort_permutation(self, location: str, value_location: str, passed: Any) -> Tensor:
+        """The permutation the experts implementation sorted this call's rows by (the second output of its sort op at
+        ``location``), for a sorted value read at ``value_location`` in the same call. Read once per call: the second
+        of two sorted values of one call (``expert_pre_activations``, then ``expert_activations``) gets the one the
+        first read, since the model has run past the op by then. nnsight counts both ops' visits from the same drill,
+        one per call: the permutation read at visit ``v`` is this call's while the sort has run ``v + 1`` times and
+        the value's op ``v`` times (the model is still before it in call ``v``), at the step asked (if pinned)."""
+        mediator = Mediator.current(location)
+        kept = self.__dict__.get("_sort_read")
+        if kept is not None and kept[0]() is mediator:
+            visit = kept[1]
+            if mediator.occurrence(location) == visit + 1 and mediator.occurrence(value_location) == visit and \
+                    mediator.iteration in (None, visit):
+                return kept[2]
+        visit = mediator.wanted(location)
+        permutation = request(location, passed)[1]
+        self.__dict__["_sort_read"] = (weakref.ref(mediator), visit, permutation)
+        return permutation
+
     def _hidden_dtype(self) -> torch.dtype | None:
         """The dtype the experts implementation casts the sum of a token's slots to: its hidden states', which are
         the experts' weights' (None where those are not floating point: quantized). It adds the slots up in their own
@@ -824,7 +855,12 @@ class Moe(Mlp):
                            summed_into=lambda: me._hidden_dtype())
 
         gated = bool(getattr(self.experts._module, "has_gate", True))
-        location = self._nested(ops.gated_activations if gated else ops.plain_activations)
+        activation_op = ops.gated_activations if gated else ops.plain_activations
+        # The up projections are the activation op's first argument; the activations its output.
+        pre = name == "expert_pre_activations"
+        location = self._nested(activation_op, "input" if pre else "output")
+        taken = dict(zip(("pick", "put"), argument(0, advice="its activation takes the projection first."))) if pre \
+            else {}
 
         if ops.sort is None:
             def from_slots(slots: Tensor, _: Any) -> Tensor:
@@ -837,6 +873,7 @@ class Moe(Mlp):
             return Binding(
                 location,
                 features=2,
+                **taken,
                 prepare=lambda: me._drill(name),
                 to_view=lambda rows, _: rows.view(-1, me.top_k, rows.shape[-1]),
                 from_view=from_slots,
@@ -849,14 +886,13 @@ class Moe(Mlp):
                 f"{me.path}.{name} is put into token-slot order with the sort permutation of the "
                 f"{implementation} experts implementation ({ops.sort}, which runs before the "
                 f"activations), and the model had run past that op when {name} was asked for (after an op of the "
-                f"implementation read directly, a later value of this block, a write of {name} itself in this "
-                f"invoke, or a tracer.barrier this invoke waited at while another invoke's reads moved the model "
-                f"on): read {name} first (before the barrier; keep the value you write, it is what the model uses)."
+                f"implementation read directly, a later value of this block, or a tracer.barrier this invoke waited "
+                f"at while another invoke's reads moved the model on): read {name} first (before the barrier)."
             )
 
         def prepare_sorted() -> Tensor:
             me._drill(name)
-            permutation = request(sort_location, sort_passed)[1]
+            permutation = me._sort_permutation(sort_location, location, sort_passed)
             rows = tokens.current_rows(sort_location)
             if rows.per_prompt > 1 and me.runs_before_expansion:  # an encoder's: one row per prompt
                 rows = rows.prompts()
@@ -877,7 +913,7 @@ class Moe(Mlp):
         def from_view(slots: Tensor, permutation: Tensor) -> Tensor:
             return slots.reshape(-1, slots.shape[-1]).index_select(0, permutation)
 
-        return Binding(location, features=2, prepare=prepare_sorted, to_view=to_view, from_view=from_view)
+        return Binding(location, features=2, **taken, prepare=prepare_sorted, to_view=to_view, from_view=from_view)
 
     # -- all values at once -------------------------------------------------------------------
 

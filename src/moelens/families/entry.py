@@ -27,6 +27,7 @@ VALUE_NAMES = (
     "router_probs",
     "expert_weights",
     "expert_indices",
+    "expert_pre_activations",
     "expert_activations",
     "expert_outputs",
     "routed_output",
@@ -35,7 +36,7 @@ VALUE_NAMES = (
 )
 
 #: The values read per slot inside the experts implementation (grouped_mm / batched_mm only).
-PER_SLOT_VALUES = ("expert_activations", "expert_outputs")
+PER_SLOT_VALUES = ("expert_pre_activations", "expert_activations", "expert_outputs")
 
 #: When a served shared-expert value is produced, relative to the routed path.
 SHARED_TIMES = ("before_router", "before_experts", "after_experts", "after_block")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .entry import SCORES_FOR_CHOICE, TOPK, Combine, ExpertGate, ExpertLayout, Family, Scoring, SharedExpert
+from .entry import PER_SLOT_VALUES, SCORES_FOR_CHOICE, TOPK, Combine, ExpertGate, ExpertLayout, Family, Scoring, SharedExpert
 
 
 def sgb(bias: str | None, *, normalize: bool | str = True, scale: str | None = None, score: str = "sigmoid",
@@ -109,7 +109,7 @@ FAMILIES = [
     Family("ergo", ("ergo",), ("ErgoMoE",), logits_op="self_linear_0",  # transformers 5.25
            scoring=sgb("router.e_score_correction_bias", scale="router.routed_scaling_factor", normalize_eps=1e-20),
            shared=SharedExpert("shared_experts", when="after_experts"),
-           refused={name: ERGO_PER_SLOT for name in ("expert_activations", "expert_outputs")},
+           refused={name: ERGO_PER_SLOT for name in PER_SLOT_VALUES},
            notes="Experts and the shared expert are relu^2 MLPs followed by an RMSNorm (per expert for the routed "
                  "ones: post_expert_norm). Logits in float32 (the router's `linear`). The router adds the selection "
                  "bias inside a method call (`(scores + bias).topk`) that serves no selection_scores: route_around "

@@ -49,6 +49,7 @@ OPS = ExpertsOps(
     gated_activations="slot_activations_0",
     plain_activations="slot_activations_0",
     sort=None,
+    pre_activations=False,  # the up projections stay on the experts' owners
 )
 
 def slot_values_wanted(experts: torch.nn.Module) -> bool:
