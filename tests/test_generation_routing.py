@@ -229,3 +229,52 @@ def test_the_token_view_of_a_generated_row_and_the_dense_weights():
         assert torch.equal(dense, expected)
     with pytest.raises(MoelensError, match=r"row must be below the generation's 2 rows"):
         result.token_routing(2)
+
+
+def test_eos_token_id_none_runs_every_row_to_max_new_tokens():
+    """eos_token_id=None turns the model's end-of-sequence token off (transformers sets the config's to None): no
+    row ends at it, so every generated token but the last is read and cached."""
+    hf = tiny_model("mixtral")
+    width = max(len(prompt) for prompt in PROMPTS)
+    greedy, _, _, _ = plain_generation(copy.deepcopy(hf), PROMPTS, 0)
+    hf.generation_config.eos_token_id = int(greedy[1, width + 1])  # the model's own eos: row 1's second token
+    out, _, calls, _ = plain_generation(copy.deepcopy(hf), PROMPTS, 0, eos_token_id=None)
+    result = analysis.collect_generation(moelens.wrap(hf, tokenizer=ascii_tokenizer()), PROMPTS, max_new_tokens=NEW,
+                                         do_sample=False, eos_token_id=None)
+    assert torch.equal(result.ids, out) and result.lengths.tolist() == [NEW, NEW]
+    for layer, name in zip(result.cache.layers, sorted(calls)):
+        indices, _ = expected_routing(calls[name], PROMPTS, width, [NEW, NEW])
+        assert torch.equal(result.cache.indices(layer).long(), indices)
+
+
+def test_a_prompt_run_in_chunks_is_routed_as_one():
+    """prefill_chunk_size runs the prompts in several forwards: their routing is put back together."""
+    hf = tiny_model("mixtral")
+    out, _, calls, _ = plain_generation(copy.deepcopy(hf), PROMPTS, 0, prefill_chunk_size=2)
+    width = max(len(prompt) for prompt in PROMPTS)
+    merged = {name: [tuple(torch.cat([call[part] for call in steps[:3]], 1) for part in range(2))] + steps[3:]
+              for name, steps in calls.items()}  # 5 prompt columns: chunks of 2, 2 and 1
+    result = analysis.collect_generation(moelens.wrap(hf, tokenizer=ascii_tokenizer()), PROMPTS, max_new_tokens=NEW,
+                                         do_sample=False, prefill_chunk_size=2)
+    assert torch.equal(result.ids, out)
+    for layer, name in zip(result.cache.layers, sorted(merged)):
+        indices, weights = expected_routing(merged[name], PROMPTS, width, [NEW, NEW])
+        assert torch.equal(result.cache.indices(layer).long(), indices)
+        torch.testing.assert_close(result.cache.weights(layer), weights)
+
+
+def test_a_set_of_prompts_is_refused():
+    model = moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
+    with pytest.raises(MoelensError, match=r"is a set"):
+        analysis.collect_generation(model, {"ab", "cd"}, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(("prompts", "message"), [
+    (5, r"^prompts must be texts, token-id sequences or a token-id tensor, got int"),
+    (torch.zeros(1, 2, 3, dtype=torch.long), r"^prompts as a tensor of token ids must be 1-D or 2-D, got shape \(1, 2, 3\)"),
+    (b"ab", r"^prompts is bytes"),
+])
+def test_prompts_of_no_known_form_are_refused_as_prompts(prompts, message):
+    model = moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
+    with pytest.raises(MoelensError, match=message):
+        analysis.collect_generation(model, prompts, max_new_tokens=2)

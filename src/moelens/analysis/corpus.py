@@ -235,10 +235,10 @@ def _one_text_of_ids(corpus: Any) -> bool:
     return isinstance(corpus, Sequence) and not isinstance(corpus, str) and len(corpus) > 0 and _token_id(corpus[0])
 
 
-def items(corpus: Any) -> Iterator[Any]:
+def items(corpus: Any, what: str = "the corpus") -> Iterator[Any]:
     """The corpus as an iterator of items (a 2-D tensor or numpy array yields its rows; a numpy array of texts, its
-    texts; a string, a 1-D tensor or a flat sequence of token ids is one item)."""
-    refuse_bytes(corpus, "the corpus")
+    texts; a string, a 1-D tensor or a flat sequence of token ids is one item). ``what``: its name in errors."""
+    refuse_bytes(corpus, what)
     if isinstance(corpus, np.ndarray):
         corpus = torch.from_numpy(corpus) if _numeric(corpus) else corpus.tolist()
     if isinstance(corpus, str) or _one_text_of_ids(corpus):
@@ -249,13 +249,13 @@ def items(corpus: Any) -> Iterator[Any]:
         elif corpus.dim() == 2:
             yield from corpus
         else:
-            raise MoelensError(f"a token-id corpus tensor must be 1-D or 2-D, got shape {tuple(corpus.shape)}.")
+            raise MoelensError(f"{what} as a tensor of token ids must be 1-D or 2-D, got shape {tuple(corpus.shape)}.")
     elif isinstance(corpus, Mapping):
         yield from tokenized(corpus)
     elif isinstance(corpus, Iterable):
         yield from corpus
     else:
-        raise MoelensError(f"the corpus must be texts, token-id sequences or a token-id tensor, got {type(corpus).__name__}.")
+        raise MoelensError(f"{what} must be texts, token-id sequences or a token-id tensor, got {type(corpus).__name__}.")
 
 
 @dataclass

@@ -10,6 +10,7 @@ not by a fresh forward over the finished text).
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -23,7 +24,7 @@ from ..model import generation_setting, rows_per_prompt
 from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import RoutingCache, Shard
-from .checks import check_count
+from .checks import check_count, refuse_set
 from .token_view import TokenRouting, routing_of_text
 from .collect import ROUTING_VALUES, check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, skips
 
@@ -137,16 +138,21 @@ def collect_generation(
     ids, mask = _prompt_batch(model, prompts, max_new_tokens)
     wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]
     received = _Received(generate_kwargs.pop("streamer", None))
+    if generate_kwargs.get("generation_config") is not None:  # a keyword beside it makes transformers warn
+        generate_kwargs["generation_config"] = copy.deepcopy(generate_kwargs["generation_config"])
+        generate_kwargs["generation_config"].max_new_tokens = max_new_tokens
+    else:
+        generate_kwargs["max_new_tokens"] = max_new_tokens
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=OPEN_LOOP_WARNING)  # a tracer.all() loop ends with it
-        with torch.no_grad(), model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+        with torch.no_grad(), model.generate(input_ids=ids, attention_mask=mask,
                                              streamer=received, **generate_kwargs) as tracer:
             steps = list().save()
             for _ in tracer.all():
                 steps.append(model.save_all(wanted, strict=True, moes=moes))
     new = torch.stack(received.chunks[1:], dim=1) if len(received.chunks) > 1 else ids.new_zeros(len(ids), 0)
     steps = _new_tokens_of(steps, ids.shape, new.shape[1])
-    lengths = _lengths(new, generation_setting(model._module, generate_kwargs, "eos_token_id"))
+    lengths = _lengths(new, _setting(model._module, generate_kwargs, "eos_token_id"))
     read = torch.cat([mask.bool(), torch.arange(1, new.shape[1]) < lengths[:, None]], dim=1)  # [b, P + G - 1]
     values = {layer: {name: torch.cat([step[layer][name] for step in steps], dim=1) for name in wanted}
               for layer in steps[0]}
@@ -181,19 +187,25 @@ def _refuse_settings(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
             "times, repeat it in the list of prompts (each is a text of the cache)."
         )
     for name, why in REFUSED_SETTINGS.items():
-        if generation_setting(module, kwargs, name):
+        if _setting(module, kwargs, name):
             raise MoelensError(
                 f"collect_generation cannot take {name}: it {why}. Generate with model.generate(...) and read the "
                 "routing in a `for step in tracer.all():` loop instead (docs/analysis.md)."
             )
 
 
+def _setting(module: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:
+    """`generation_setting`, except that a keyword given as None counts: transformers sets the generation config's
+    value to None then (``eos_token_id=None``: no row ends early), where a config's None takes the model's."""
+    return kwargs[name] if name in kwargs else generation_setting(module, kwargs, name)
+
+
 def _prompt_batch(model: Any, prompts: Any, max_new_tokens: int) -> tuple[Int[Tensor, "b p"], Int[Tensor, "b p"]]:
     """The prompts as left-padded ``input_ids`` and ``attention_mask`` (each refused if empty, holding an id the
     model does not embed, or too long for the model's context with ``max_new_tokens`` more)."""
-    corpora.refuse_bytes(prompts, "prompts")
+    refuse_set("prompts", prompts, "the rows of the generation and the texts of its cache")
     tokenizer = corpora.tokenizer_of(model)
-    rows = [corpora.encode(item, tokenizer, f"prompt {index}") for index, item in enumerate(corpora.items(prompts))]
+    rows = [corpora.encode(item, tokenizer, f"prompt {index}") for index, item in enumerate(corpora.items(prompts, "prompts"))]
     if not rows:
         raise MoelensError("collect_generation got no prompts; pass a text, token ids or a list of them.")
     vocab, limit = corpora.vocab_size(model), corpora.context_length(model)
@@ -226,6 +238,12 @@ def _new_tokens_of(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torc
     config's own drafting)."""
     rows, width = prompt_shape
     shapes = [tuple(next(iter(next(iter(step.values())).values())).shape[:2]) for step in steps]
+    chunks = len(shapes) - generated + 1  # prefill_chunk_size: the prompts run in several forwards
+    if chunks > 1 and all(shape[0] == rows for shape in shapes[:chunks]) and sum(
+            shape[1] for shape in shapes[:chunks]) == width:
+        steps = [{layer: {name: torch.cat([step[layer][name] for step in steps[:chunks]], dim=1) for name in values}
+                  for layer, values in steps[0].items()}] + steps[chunks:]
+        shapes = [(rows, width)] + shapes[chunks:]
     if len(shapes) != generated or shapes[0] != (rows, width) or any(
             shape not in ((rows, 1), (rows, width + step)) for step, shape in enumerate(shapes[1:], start=1)):
         raise MoelensError(
