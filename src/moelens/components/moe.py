@@ -833,12 +833,13 @@ class Moe(Mlp):
         kept = self.__dict__.get("_sort_read")
         if kept is not None and kept[0]() is mediator:
             visit = kept[1]
-            if mediator.occurrence(location) == visit + 1 and mediator.occurrence(value_location) == visit and \
-                    mediator.iteration in (None, visit):
-                return kept[2]
+            permutation = kept[2]()  # alive while the call runs (weakly held: a block keeps no tensor past it)
+            if permutation is not None and mediator.occurrence(location) == visit + 1 and \
+                    mediator.occurrence(value_location) == visit and mediator.iteration in (None, visit):
+                return permutation
         visit = mediator.wanted(location)
         permutation = request(location, passed)[1]
-        self.__dict__["_sort_read"] = (weakref.ref(mediator), visit, permutation)
+        self.__dict__["_sort_read"] = (weakref.ref(mediator), visit, weakref.ref(permutation))
         return permutation
 
     def _hidden_dtype(self) -> torch.dtype | None:
