@@ -4795,6 +4795,7 @@ def test_register_implementation_checks_what_it_is_given_and_keeps_moelens_own()
                ("grouped_mm", 3): r"ops must be ExpertsOps\(\.\.\.\) naming ops as str .*got 3",
                ("mine", ExpertsOps(slot_outputs="")): r"ops must be ExpertsOps",
                ("mine", ExpertsOps(sort=5)): r"ops must be ExpertsOps",
+               ("mine", ExpertsOps(pre_activations="no")): r"pre_activations: a bool\), got",
                ("grouped_mm", ExpertsOps(slot_outputs="bogus_op")): r"'grouped_mm' is already registered with .*"
                                                                     r"pass replace=True"}
     for (name, ops), message in refused.items():
