@@ -583,6 +583,42 @@ def test_slot_writes_land(family, impl):
         assert not torch.allclose(doubled, before)
 
 
+@pytest.mark.parametrize(("family", "impl"), [c for c in CASES if c[1] != "eager"],
+                         ids=[i for c, i in zip(CASES, IDS) if c[1] != "eager"])
+def test_pre_activation_writes_land_where_the_activation_reads_them(family, impl):
+    """An edit of one slot's up projections is what that slot's gate / activation sees (the activations read after
+    it are the module's own gate of the edited projections, by hand, slot by slot: a mix-up of the expert-sorted rows
+    fails here); the same edit of every row equals plain nnsight editing the activation op's input."""
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = [moe for moe in running_moes(wrapped) if "expert_pre_activations" in moe.order()
+            and not zero_compute_experts(hf)]
+    if not moes:
+        pytest.skip("no per-slot values in this family")
+    moe = moes[0]
+    experts = moe.experts._module
+    gate = experts._apply_gate if getattr(experts, "has_gate", True) else experts.act_fn
+    with torch.no_grad(), wrapped.trace(**inputs):
+        pre = moe.expert_pre_activations
+        pre[:, :, 0] += 0.25  # in place, one slot
+        edited = pre.save()
+        activations = moe.expert_activations.save()
+    torch.testing.assert_close(activations, gate(edited), atol=1e-6, rtol=1e-6)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moe.expert_pre_activations = moe.expert_pre_activations * 0.5  # every row alike: no order to match
+        output = wrapped.output.save()
+
+    def edit(block, moe_, index):
+        if index == 0:
+            inner = block.get(moe.family.experts).source.experts_forward_1.source
+            op = inner.self__apply_gate_0 if getattr(experts, "has_gate", True) else inner.self_act_fn_0
+            op.input *= 0.5
+
+    with torch.no_grad():
+        expected = plain_edit(reference, inputs, [moe], edit)
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(first_tensor(output), plain)
+
+
 @pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
 def test_output_writes_match_plain_nnsight(family, impl):
     hf, wrapped, inputs, plain, reference = built(family, impl)
