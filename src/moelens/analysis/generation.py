@@ -190,7 +190,7 @@ def _refuse_settings(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         if _setting(module, kwargs, name):
             raise MoelensError(
                 f"collect_generation cannot take {name}: it {why}. Generate with model.generate(...) and read the "
-                "routing in a `for step in tracer.all():` loop instead (docs/analysis.md)."
+                "routing in a `for step in tracer.all():` loop instead (docs/values.md, generation)."
             )
 
 
