@@ -13,7 +13,7 @@ random weights) is run in the same process, interleaved, for each configuration:
   activations into token-slot order and the token views;
 * ``moelens``: ``moe.save_all(MEASURED_VALUES)`` on every MoE block (every value but the later
   ``expert_pre_activations``, token views, checks);
-* ``moelens-routing``: the same without the two per-slot values, which need nnsight to
+* ``moelens-routing``: the same without the per-slot values, which need nnsight to
   instrument the experts implementation's own source (where most of the cost sits).
 
 Prints the median wall time and the median CPU time of the process (what it costs even when

@@ -1105,3 +1105,38 @@ def test_several_invokes_with_output_router_logits_serve_each_their_rows(family)
     torch.testing.assert_close(first.logits, expected.logits[:1])
     torch.testing.assert_close(second, expected.logits[1:])
     torch.testing.assert_close(first.aux_loss, expected.aux_loss)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_several_invokes_each_read_the_up_projections_and_the_activations(impl):
+    """The sort permutation read for expert_pre_activations is reused by expert_activations in the same call, per
+    invoke: a second invoke's read does not take the first invoke's (under grouped_mm it raised an OrderError, and
+    save_all in two invokes did). Both recomputed from the weights on the experts' own input (a torch hook)."""
+    from groundtruth import pre_activations_by_hand
+
+    hf = tiny_model("mixtral", experts_implementation=impl)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    experts = moe.experts._module
+    seen = []
+    hook = experts.register_forward_pre_hook(lambda module, args: seen.append((args[0].clone(), args[1].clone())))
+    try:
+        ids = [tiny_inputs(hf, batch=1, seq=5, seed=seed)["input_ids"] for seed in (1, 2)]
+        read = []
+        with wrapped.trace() as tracer:
+            for row in ids:
+                with tracer.invoke(row):
+                    read.append((moe.expert_pre_activations.save(), moe.expert_activations.save()))
+        with wrapped.trace() as tracer:
+            for row in ids:
+                with tracer.invoke(row):
+                    read.append(wrapped.save_all())
+    finally:
+        hook.remove()
+    hidden, indices = seen[0]
+    expected = pre_activations_by_hand(experts, hidden, indices).view(2, 1, 5, moe.top_k, -1)
+    for row, (pre, activations) in enumerate(read[:2]):
+        torch.testing.assert_close(pre, expected[row], atol=1e-5, rtol=0)
+        torch.testing.assert_close(activations, experts._apply_gate(expected[row]), atol=1e-5, rtol=0)
+    for row, values in enumerate(read[2:]):
+        torch.testing.assert_close(values[0]["expert_pre_activations"], expected[row], atol=1e-5, rtol=0)

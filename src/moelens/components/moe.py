@@ -4,20 +4,20 @@ Every decorated MoE in transformers computes ``logits, w, idx = router(x);
 routed = experts(x, idx, w); out = routed (+ shared(x))``. `Moe` serves those
 values where the model consumes them, as this invoke's ``[batch, seq, ...]``:
 
-========================  ================  =================================================
-value                     shape             read at
-========================  ================  =================================================
-``router_logits``         [b, s, E]         the op in the router's forward producing them
-``router_probs``          [b, s, E]         derived: the family's score of the logits
-``expert_weights``        [b, s, k]         the experts call's ``top_k_weights`` argument
-``expert_indices``        [b, s, k] int64   the experts call's ``top_k_index`` argument
-``expert_pre_activations``[b, s, k, P]      each slot's up projection, the activation's input
-``expert_activations``    [b, s, k, I]      each slot's activations inside grouped/batched_mm
-``expert_outputs``        [b, s, k, D]      each slot's weighted output inside grouped/batched_mm
-``routed_output``         [b, s, D]         the experts module's output (= expert_outputs.sum(2))
-``shared_expert_output``  [b, s, M]         the shared expert's contribution, after its gate
-``mlp_output``            [b, s, M]         the block's output
-========================  ================  =================================================
+==========================  ================  =================================================
+value                       shape             read at
+==========================  ================  =================================================
+``router_logits``           [b, s, E]         the op in the router's forward producing them
+``router_probs``            [b, s, E]         derived: the family's score of the logits
+``expert_weights``          [b, s, k]         the experts call's ``top_k_weights`` argument
+``expert_indices``          [b, s, k] int64   the experts call's ``top_k_index`` argument
+``expert_pre_activations``  [b, s, k, P]      each slot's up projection, the activation's input
+``expert_activations``      [b, s, k, I]      each slot's activations inside grouped/batched_mm
+``expert_outputs``          [b, s, k, D]      each slot's weighted output inside grouped/batched_mm
+``routed_output``           [b, s, D]         the experts module's output (= expert_outputs.sum(2))
+``shared_expert_output``    [b, s, M]         the shared expert's contribution, after its gate
+``mlp_output``              [b, s, M]         the block's output
+==========================  ================  =================================================
 
 D is the experts' width and M the model's hidden size. They differ only where the experts run
 between two projections of the block (nemotron_h's ``moe_latent_size``, muse_spark's
@@ -824,22 +824,26 @@ class Moe(Mlp):
 
     def _sort_permutation(self, location: str, value_location: str, passed: Any) -> Tensor:
         """The permutation the experts implementation sorted this call's rows by (the second output of its sort op at
-        ``location``), for a sorted value read at ``value_location`` in the same call. Read once per call: the second
-        of two sorted values of one call (``expert_pre_activations``, then ``expert_activations``) gets the one the
-        first read, since the model has run past the op by then. nnsight counts both ops' visits from the same drill,
+        ``location``), for a sorted value read at ``value_location`` in the same call. Read once per call and invoke:
+        the second of two sorted values of one call (``expert_pre_activations``, then ``expert_activations``) gets the
+        one the first read, since the model has run past the op by then; kept per invoke (mediator), as the invokes
+        of a trace each read the call in turn (a single slot, overwritten by the next invoke's read, made the first
+        invoke's second value an OrderError). nnsight counts both ops' visits from the same drill,
         one per call: the permutation read at visit ``v`` is this call's while the sort has run ``v + 1`` times and
         the value's op ``v`` times (the model is still before it in call ``v``), at the step asked (if pinned)."""
         mediator = Mediator.current(location)
-        kept = self.__dict__.get("_sort_read")
-        if kept is not None and kept[0]() is mediator:
-            visit = kept[1]
-            permutation = kept[2]()  # alive while the call runs (weakly held: a block keeps no tensor past it)
+        # One per invoke (mediator): the invokes of a trace read the same call in turn, each its own rows' permutation.
+        reads = self.__dict__.setdefault("_sort_reads", weakref.WeakKeyDictionary())
+        kept = reads.get(mediator)
+        if kept is not None:
+            visit = kept[0]
+            permutation = kept[1]()  # alive while the call runs (weakly held: a block keeps no tensor past it)
             if permutation is not None and mediator.occurrence(location) == visit + 1 and \
                     mediator.occurrence(value_location) == visit and mediator.iteration in (None, visit):
                 return permutation
         visit = mediator.wanted(location)
         permutation = request(location, passed)[1]
-        self.__dict__["_sort_read"] = (weakref.ref(mediator), visit, weakref.ref(permutation))
+        reads[mediator] = (visit, weakref.ref(permutation))
         return permutation
 
     def _hidden_dtype(self) -> torch.dtype | None:
