@@ -1,4 +1,4 @@
-"""The ``moelens demo / inspect / stats`` commands: on moelens-tiny, on a tiny random model of
+"""The ``moelens demo / inspect / stats / generate`` commands: on moelens-tiny, on a tiny random model of
 another family saved to disk, and clean one-line errors on bad input."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def pngs(folder: Path) -> list[str]:
 def test_help_lists_commands(capsys):
     parser = build_parser()
     text = parser.format_help()
-    for command in ("demo", "inspect", "stats"):
+    for command in ("demo", "inspect", "stats", "generate"):
         assert command in text
         with pytest.raises(SystemExit) as exit_info:
             parser.parse_args([command, "--help"])
@@ -907,3 +907,54 @@ def test_a_checkpoint_with_its_own_code_is_refused_without_a_prompt(tmp_path, ca
     error = capsys.readouterr().err
     assert "holds code of its own (config.json's auto_map), which moelens commands do not run: transformers' own " \
            "MixtralForCausalLM runs in its place" in error, error
+
+
+def test_generate_prints_the_plain_greedy_text_and_the_routing_of_every_token_read(capsys):
+    """The text is what transformers' own greedy generate makes of the prompt's ids, and the JSON's experts and
+    weights are each read token's, as torch hooks on the experts recorded them step by step during a plain
+    generation (the prompt's tokens, then one new token per step, the last generated token unread)."""
+    from test_generation_routing import expected_routing, plain_generation
+
+    reference = moelens.load()
+    ids = reference.tokenizer("def mean(values):", add_special_tokens=False)["input_ids"]
+    out, _, calls, _ = plain_generation(reference._module, [ids], 0)  # NEW = 6 tokens, greedy
+    text = reference.tokenizer.decode(out[0, len(ids):])
+    status, printed, err = run(["generate", "tiny", "--prompt", "def mean(values):", "--max-new-tokens", 6], capsys)
+    assert status == 0, err
+    assert f"generated  {text!r}" in printed
+    rows = printed[printed.index("token "):].splitlines()[2:]
+    assert len(rows) == len(ids) + 5
+    status, printed, err = run(["generate", "tiny", "--prompt", "def mean(values):", "--max-new-tokens", 6,
+                                "--layers", 1, 3, "--json"], capsys)
+    assert status == 0, err
+    report = json.loads(printed)
+    assert report["generated"] == text and report["token_ids"] == ids + out[0, len(ids):-1].tolist()
+    assert report["layers"] == [1, 3]
+    for row, layer in enumerate(report["layers"]):
+        indices, weights = expected_routing(calls[f"model.layers.{layer}.mlp.experts"], [ids], len(ids), [6])
+        order = torch.argsort(weights, dim=-1, descending=True, stable=True)  # the table lists a token's slots by weight
+        assert report["experts"][row] == indices.gather(-1, order).tolist()
+        torch.testing.assert_close(torch.tensor(report["weights"][row]), weights.gather(-1, order), atol=1e-6, rtol=0)
+
+
+def test_generate_samples_with_its_seed_as_transformers_does(capsys):
+    reference = moelens.load()
+    ids = reference.tokenizer("import", add_special_tokens=False)["input_ids"]
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = reference._module.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         max_new_tokens=5, do_sample=True)
+    status, printed, err = run(["generate", "tiny", "--prompt", "import", "--max-new-tokens", 5, "--sample",
+                                "--seed", 3, "--json"], capsys)
+    assert status == 0, err
+    assert json.loads(printed)["generated_ids"] == out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--layers", 9], r"layers \[9\] are not MoE layers; the MoE layers are \[0, 1, 2, 3\]"),
+    (["--max-new-tokens", 0], r"--max-new-tokens must be an integer of at least 1, got 0"),
+    (["--threads", 0], r"--threads must be at least 1, got 0"),
+])
+def test_generate_refuses_bad_options_in_one_line(argv, message, capsys):
+    status, out, err = run(["generate", "tiny", "--prompt", "x", *argv], capsys)
+    assert status == 2 and re.search(message, err) and "Traceback" not in err, err

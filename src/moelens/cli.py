@@ -21,8 +21,8 @@ from typing import Any, Callable
 from .errors import MoelensError, sentence
 from .paths import user_path
 
-#: Modules that add subcommands (``demo``, ``inspect``, ``stats``, ``export`` ...).
-COMMAND_MODULES = ("moelens.analysis.cli", "moelens.export.cli")
+#: Modules that add subcommands (``demo``, ``inspect``, ``stats``, ``generate``, ``export`` ...).
+COMMAND_MODULES = ("moelens.analysis.cli", "moelens.analysis.generate_command", "moelens.export.cli")
 
 
 def quiet_transformers() -> None:

@@ -1,0 +1,72 @@
+"""``moelens generate MODEL --prompt TEXT``: generate from a prompt and print which experts every token went to.
+
+A command-line front to `collect_generation`: the generated text, then the per-token expert table of the
+prompt and of every generated token the model read (``--json``: the same as data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .cli import load_model, set_threads
+
+#: Tokens generated when ``--max-new-tokens`` is not given.
+DEFAULT_NEW_TOKENS = 24
+
+
+def register(subparsers: Any) -> None:
+    """Add ``generate`` to the ``moelens`` command."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate from a prompt and show which experts every token went to",
+        description="Load MODEL, generate from --prompt (greedy unless --sample) and print the generated text and, "
+        "for the prompt's tokens and every generated token the model read, its experts and their weights in every "
+        "MoE layer, as the model routed them while generating.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    parser.add_argument("--prompt", required=True, help="the prompt text (tokenized without special tokens)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                        help=f"tokens to generate at most (default {DEFAULT_NEW_TOKENS})")
+    parser.add_argument("--sample", action="store_true", help="sample (do_sample=True) instead of greedy decoding")
+    parser.add_argument("--seed", type=int, default=0, help="torch's seed when sampling (default 0)")
+    parser.add_argument("--layers", type=int, nargs="+", metavar="LAYER",
+                        help="decoder-layer indices of the MoE layers to show (default: all)")
+    parser.add_argument("--json", action="store_true", help="print the generation and its routing as JSON")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: one thread is fastest on a busy machine for a small model)")
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``moelens generate MODEL --prompt TEXT``."""
+    import torch
+
+    from .generation import collect_generation
+
+    set_threads(args.threads)
+    model = load_model(args.model, needs_tokenizer=True)
+    torch.manual_seed(args.seed)
+    run = collect_generation(model, [args.prompt], max_new_tokens=args.max_new_tokens, layers=args.layers,
+                             do_sample=args.sample)
+    generated = run.generated(0)
+    text = model.tokenizer.decode(generated)
+    view = run.token_routing(0)
+    if args.json:
+        print(json.dumps({
+            "prompt": args.prompt,
+            "generated": text,
+            "generated_ids": generated.tolist(),
+            "tokens": view.tokens,
+            "token_ids": view.token_ids.tolist(),
+            "layers": view.layers,
+            "experts": view.indices.tolist(),
+            "weights": [[[round(weight, 6) for weight in slots] for slots in layer] for layer in view.weights.tolist()],
+        }, indent=1))
+        return 0
+    print(f"prompt     {args.prompt!r}\ngenerated  {text!r}\n")
+    print(f"experts:weights per MoE layer of the {len(view.tokens)} tokens the model read (the prompt's, then the "
+          "generated ones but the last):")
+    print(view.table())
+    return 0
