@@ -66,6 +66,15 @@ def expected_routing(calls, prompts, width: int, lengths: list[int]):
     return torch.stack(indices), torch.stack(weights)
 
 
+def assert_routed_as(result, calls, lengths: list[int]) -> None:
+    """``result``'s cache holds, layer by layer, the routing ``expected_routing`` makes of the plain run's ``calls``."""
+    width = max(len(prompt) for prompt in PROMPTS)
+    for layer, name in zip(result.cache.layers, sorted(calls)):
+        indices, weights = expected_routing(calls[name], PROMPTS, width, lengths)
+        assert torch.equal(result.cache.indices(layer).long(), indices)
+        torch.testing.assert_close(result.cache.weights(layer), weights.float())
+
+
 def generated_lengths(out: torch.Tensor, width: int, eos: int | None) -> list[int]:
     lengths = []
     for row in out[:, width:].tolist():
@@ -192,16 +201,12 @@ def test_a_generation_without_a_key_value_cache_is_routed_at_each_new_token():
     hf = tiny_model("mixtral")
     reference = copy.deepcopy(hf)
     out, _, calls, _ = plain_generation(reference, PROMPTS, 0, use_cache=False)
-    width = max(len(prompt) for prompt in PROMPTS)
     last = {name: [calls[name][0]] + [(indices[:, -1:], weights[:, -1:]) for indices, weights in calls[name][1:]]
             for name in calls}
     result = analysis.collect_generation(moelens.wrap(hf, tokenizer=ascii_tokenizer()), PROMPTS, max_new_tokens=NEW,
                                          do_sample=False, use_cache=False)
     assert torch.equal(result.ids, out) and result.lengths.tolist() == [NEW, NEW]
-    for layer, name in zip(result.cache.layers, sorted(last)):
-        indices, weights = expected_routing(last[name], PROMPTS, width, [NEW, NEW])
-        assert torch.equal(result.cache.indices(layer).long(), indices)
-        torch.testing.assert_close(result.cache.weights(layer), weights)
+    assert_routed_as(result, last, [NEW, NEW])
 
 
 def test_the_token_view_of_a_generated_row_and_the_dense_weights():
@@ -242,25 +247,19 @@ def test_eos_token_id_none_runs_every_row_to_max_new_tokens():
     result = analysis.collect_generation(moelens.wrap(hf, tokenizer=ascii_tokenizer()), PROMPTS, max_new_tokens=NEW,
                                          do_sample=False, eos_token_id=None)
     assert torch.equal(result.ids, out) and result.lengths.tolist() == [NEW, NEW]
-    for layer, name in zip(result.cache.layers, sorted(calls)):
-        indices, _ = expected_routing(calls[name], PROMPTS, width, [NEW, NEW])
-        assert torch.equal(result.cache.indices(layer).long(), indices)
+    assert_routed_as(result, calls, [NEW, NEW])
 
 
 def test_a_prompt_run_in_chunks_is_routed_as_one():
     """prefill_chunk_size runs the prompts in several forwards: their routing is put back together."""
     hf = tiny_model("mixtral")
     out, _, calls, _ = plain_generation(copy.deepcopy(hf), PROMPTS, 0, prefill_chunk_size=2)
-    width = max(len(prompt) for prompt in PROMPTS)
     merged = {name: [tuple(torch.cat([call[part] for call in steps[:3]], 1) for part in range(2))] + steps[3:]
               for name, steps in calls.items()}  # 5 prompt columns: chunks of 2, 2 and 1
     result = analysis.collect_generation(moelens.wrap(hf, tokenizer=ascii_tokenizer()), PROMPTS, max_new_tokens=NEW,
                                          do_sample=False, prefill_chunk_size=2)
     assert torch.equal(result.ids, out)
-    for layer, name in zip(result.cache.layers, sorted(merged)):
-        indices, weights = expected_routing(merged[name], PROMPTS, width, [NEW, NEW])
-        assert torch.equal(result.cache.indices(layer).long(), indices)
-        torch.testing.assert_close(result.cache.weights(layer), weights)
+    assert_routed_as(result, merged, [NEW, NEW])
 
 
 def test_a_set_of_prompts_is_refused():
