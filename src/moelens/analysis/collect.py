@@ -10,7 +10,6 @@ family moelens serves: nothing here knows one.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -123,6 +122,16 @@ def empty_cache(model: Any, moes: list[Any], logits: bool) -> RoutingCache:
         has_logits=logits,
         tokenizer=corpora.tokenizer_of(model),
     )
+
+
+def routing_values(logits: bool) -> list[str]:
+    """The values a routing cache reads: `ROUTING_VALUES`, without the router logits unless ``logits``."""
+    return [name for name in ROUTING_VALUES if logits or name != "router_logits"]
+
+
+def skipping_layers(moes: list[Any]) -> set[int]:
+    """The layers of ``moes`` whose router has a skip class (`skips`)."""
+    return {moe.layer for moe in moes if skips(moe)}
 
 
 def check_storage_dtype(dtype: Any) -> None:
@@ -303,9 +312,9 @@ def collect_routing(
     check_storage_dtype(dtype)
     moes = moes_of(model, layers, blocks)
     cache = empty_cache(model, moes, logits)
-    wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]
+    wanted = routing_values(logits)
     index_dtype = index_dtype_of(moes)
-    skipping = {moe.layer for moe in moes if skips(moe)}
+    skipping = skipping_layers(moes)
     tokenizer = corpora.tokenizer_of(model)
     tally = corpora.Tally()
     stream = corpora.batches(

@@ -26,7 +26,9 @@ from . import corpus as corpora
 from .cache import RoutingCache, Shard
 from .checks import check_count, refuse_set
 from .token_view import TokenRouting, routing_of_text
-from .collect import ROUTING_VALUES, check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, skips
+from .collect import (
+    check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, routing_values, skipping_layers,
+)
 
 #: nnsight's warning at the end of a ``tracer.all()`` loop, which asks for one step past the last.
 OPEN_LOOP_WARNING = r".*was never reached"
@@ -136,7 +138,7 @@ def collect_generation(
     moes = moes_of(model, layers, blocks)
     _refuse_settings(model._module, generate_kwargs)
     ids, mask = _prompt_batch(model, prompts, max_new_tokens)
-    wanted = [name for name in ROUTING_VALUES if logits or name != "router_logits"]
+    wanted = routing_values(logits)
     received = _Received(generate_kwargs.pop("streamer", None))
     if generate_kwargs.get("generation_config") is not None:  # a keyword beside it makes transformers warn
         generate_kwargs["generation_config"] = copy.deepcopy(generate_kwargs["generation_config"])
@@ -157,7 +159,7 @@ def collect_generation(
     values = {layer: {name: torch.cat([step[layer][name] for step in steps], dim=1) for name in wanted}
               for layer in steps[0]}
     device = values[moes[0].layer]["expert_indices"].device
-    routing = real_tokens(values, read.to(device), index_dtype_of(moes), dtype, {moe.layer for moe in moes if skips(moe)})
+    routing = real_tokens(values, read.to(device), index_dtype_of(moes), dtype, skipping_layers(moes))
     cache = empty_cache(model, moes, logits)
     cache.num_texts = len(ids)
     cache._memory = [Shard(

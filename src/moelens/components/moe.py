@@ -833,7 +833,9 @@ class Moe(Mlp):
         the value's op ``v`` times (the model is still before it in call ``v``), at the step asked (if pinned)."""
         mediator = Mediator.current(location)
         # One per invoke (mediator): the invokes of a trace read the same call in turn, each its own rows' permutation.
-        reads = self.__dict__.setdefault("_sort_reads", weakref.WeakKeyDictionary())
+        reads = self.__dict__.get("_sort_reads")
+        if reads is None:
+            reads = self.__dict__["_sort_reads"] = weakref.WeakKeyDictionary()
         kept = reads.get(mediator)
         if kept is not None:
             visit = kept[0]
