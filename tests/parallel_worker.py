@@ -1051,6 +1051,54 @@ def suite_replace_one_rank(args: dict) -> dict[str, Callable[[], Any]]:
     return {"replace_routed_output_on_rank0": run}
 
 
+def suite_generation(args: dict) -> dict[str, Callable[[], Any]]:
+    """`analysis.collect_generation` on a sharded model, each rank its own prompts, against the same call on the
+    unsharded model in one process (itself checked against hooks on transformers' generate in
+    tests/test_generation_routing.py)."""
+    from groundtruth import ascii_tokenizer
+    from moelens import analysis
+    from moelens.parallel import shard_experts
+
+    def models() -> tuple[Any, Any]:
+        ref = tiny_model("mixtral")
+        sharded = moelens.wrap(shard_experts(copy.deepcopy(ref), None), tokenizer=ascii_tokenizer())
+        return sharded, moelens.wrap(ref, tokenizer=ascii_tokenizer())
+
+    def compared(sharded: Any, one: Any, prompts: list[list[int]], **settings: Any) -> dict[str, Any]:
+        got = analysis.collect_generation(sharded, prompts, **settings)
+        settings.pop("synced_gpus", None)
+        want = analysis.collect_generation(one, prompts, **settings)
+        return {"ids": torch.equal(got.ids, want.ids), "lengths": [got.lengths.tolist(), want.lengths.tolist()],
+                "tokens": torch.equal(got.cache.token_ids(), want.cache.token_ids()),
+                "indices": max(maxdiff(got.cache.indices(l), want.cache.indices(l)) for l in want.cache.layers),
+                "weights": max(maxdiff(got.cache.weights(l), want.cache.weights(l)) for l in want.cache.layers)}
+
+    def rows_end_apart() -> dict[str, Any]:
+        # rank 0's row ends at its second token (chosen as eos), the others' rows run on: synced_gpus keeps rank 0
+        # running unread forwards until every rank's rows have ended
+        sharded, one = models()
+        prompts = [tokens_of(RANK)[0].tolist()]
+        first = analysis.collect_generation(one, [tokens_of(0)[0].tolist()], max_new_tokens=6, do_sample=False)
+        eos = int(first.generated(0)[1])
+        result = {"synced": compared(sharded, one, prompts, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                                     synced_gpus=True)}
+        result["next"] = compared(sharded, one, prompts, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        return result
+
+    def refused_on_one_rank() -> dict[str, Any]:
+        # rank 1's prompt holds an id past the vocabulary: refused before its generate, which rank 0's must not
+        # pair with its next call
+        sharded, one = models()
+        prompt = tokens_of(RANK)[0].tolist()
+        bad = prompt + ([one._module.config.vocab_size + 5] if RANK == 1 else [])
+        result = {"refused": _error_text(lambda: analysis.collect_generation(sharded, [bad], max_new_tokens=3,
+                                                                             min_new_tokens=3, do_sample=False))}
+        result["next"] = compared(sharded, one, [prompt], max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        return result
+
+    return {"rows_end_apart": rows_end_apart, "refused_on_one_rank": refused_on_one_rank}
+
+
 SUITES = {
     "copies": suite_copies,
     "replace_one_rank": suite_replace_one_rank,
@@ -1060,6 +1108,7 @@ SUITES = {
     "a2a": suite_a2a,
     "hazards": suite_hazards,
     "transformers_ep": suite_transformers_ep,
+    "generation": suite_generation,
 }
 
 

@@ -575,3 +575,26 @@ def test_scan_on_torch_a2a_without_a_group_says_why_it_cannot_run() -> None:
     with pytest.raises(MoelensError, match=r"torch_a2a cannot run on nnsight's shape-only tensors \(model.scan\)"):
         with model.scan("def f(x):"):
             model.moes[0].routed_output.save()
+
+
+def test_the_routing_of_a_generation_under_expert_parallelism() -> None:
+    """collect_generation on a sharded model equals the one-process call on every rank: with rows ending at different
+    steps on different ranks under synced_gpus (without it, a rank whose rows ended went on to its next forward while
+    the others still exchanged rows), and after a prompt refused on one rank only (the other rank's generation paired
+    with its next call; now it raises RankDivergence, and the next calls pair)."""
+    results = spawn(2, {"generation": {}})
+    refused = [by_suite["generation"]["refused_on_one_rank"]["refused"] for by_suite in results]
+    assert refused[0].startswith("RankDivergence") and "outside the model's vocabulary" in refused[1], refused
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        problems = []
+        for name, c in m.items():
+            if not isinstance(c, dict):
+                continue
+            same = c["ids"] and c["tokens"] and c["lengths"][0] == c["lengths"][1] and c["indices"] == 0
+            problems += [] if same and c["weights"] < TOL else [f"{name}: {c}"]
+        return problems
+
+    assert not failures(results, "generation", check)
+    lengths = [by_suite["generation"]["rows_end_apart"]["synced"]["lengths"][0] for by_suite in results]
+    assert lengths[0] == [2] and lengths[1] != [2], lengths  # the rows did end apart

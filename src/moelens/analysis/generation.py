@@ -132,12 +132,22 @@ def collect_generation(
     Returns:
         The `GeneratedRouting`: ``ids`` as ``model.generate`` returns them and the routing ``cache``.
     """
-    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-    logits = check_flag("logits", logits)
-    check_storage_dtype(dtype)
-    moes = moes_of(model, layers, blocks)
-    _refuse_settings(model._module, generate_kwargs)
-    ids, mask = _prompt_batch(model, prompts, max_new_tokens)
+    try:
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        logits = check_flag("logits", logits)
+        check_storage_dtype(dtype)
+        moes = moes_of(model, layers, blocks)
+        _refuse_settings(model._module, generate_kwargs)
+        ids, mask = _prompt_batch(model, prompts, max_new_tokens)
+    except BaseException:
+        # Under expert parallelism a refusal on some ranks only (a prompt past the vocabulary or the context, a
+        # setting) counts a run there, as a trace raising would: the other ranks' trace raises `RankDivergence`
+        # instead of pairing with this rank's next one (`collect.counted_batches`).
+        begin_runs = getattr(model, "_begin_runs", None)
+        if callable(begin_runs):
+            begin_runs()
+        raise
+    synced = bool(_setting(model._module, generate_kwargs, "synced_gpus"))
     wanted = routing_values(logits)
     received = _Received(generate_kwargs.pop("streamer", None))
     if generate_kwargs.get("generation_config") is not None:  # a keyword beside it makes transformers warn
@@ -153,6 +163,8 @@ def collect_generation(
             for _ in tracer.all():
                 steps.append(model.save_all(wanted, strict=True, moes=moes))
     new = torch.stack(received.chunks[1:], dim=1) if len(received.chunks) > 1 else ids.new_zeros(len(ids), 0)
+    if synced:  # synced_gpus: this rank ran forwards after its rows ended, until every rank's had; they read no token
+        steps = steps[:_prefill_forwards(steps, ids.shape) + new.shape[1] - 1]
     steps = _new_tokens_of(steps, ids.shape, new.shape[1])
     lengths = _lengths(new, _setting(model._module, generate_kwargs, "eos_token_id"))
     read = torch.cat([mask.bool(), torch.arange(1, new.shape[1]) < lengths[:, None]], dim=1)  # [b, P + G - 1]
@@ -230,6 +242,16 @@ def _prompt_batch(model: Any, prompts: Any, max_new_tokens: int) -> tuple[Int[Te
         ids[index, width - len(row):] = torch.tensor(row)
         mask[index, width - len(row):] = 1
     return ids, mask
+
+
+def _prefill_forwards(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size) -> int:
+    """How many forwards ran over the prompts (1, or several with ``prefill_chunk_size``)."""
+    width, total = prompt_shape[1], 0
+    for index, step in enumerate(steps):
+        total += next(iter(next(iter(step.values())).values())).shape[1]
+        if total >= width:
+            return index + 1
+    return len(steps)
 
 
 def _new_tokens_of(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size,
