@@ -1096,7 +1096,14 @@ def suite_generation(args: dict) -> dict[str, Callable[[], Any]]:
         result["next"] = compared(sharded, one, [prompt], max_new_tokens=3, min_new_tokens=3, do_sample=False)
         return result
 
-    return {"rows_end_apart": rows_end_apart, "refused_on_one_rank": refused_on_one_rank}
+    def chunked_prefill_refused() -> dict[str, Any]:
+        # one forward per chunk of each rank's own prompts: ranks of different prompt lengths would part at once
+        sharded, one = models()
+        return {"refused": _error_text(lambda: analysis.collect_generation(
+            sharded, [tokens_of(RANK)[0].tolist()], max_new_tokens=3, prefill_chunk_size=2, synced_gpus=True))}
+
+    return {"rows_end_apart": rows_end_apart, "refused_on_one_rank": refused_on_one_rank,
+            "chunked_prefill_refused": chunked_prefill_refused}
 
 
 SUITES = {

@@ -954,6 +954,8 @@ def test_generate_samples_with_its_seed_as_transformers_does(capsys):
     (["--layers", 9], r"layers \[9\] are not MoE layers; the MoE layers are \[0, 1, 2, 3\]"),
     (["--max-new-tokens", 0], r"--max-new-tokens must be an integer of at least 1, got 0"),
     (["--threads", 0], r"--threads must be at least 1, got 0"),
+    (["--layers", 0, 0], r"--layers names a layer more than once \(0 0\); give each once"),
+    (["--prompt", ""], r"the prompt has no tokens \(the tokenizer made none of it\); give it at least one"),
 ])
 def test_generate_refuses_bad_options_in_one_line(argv, message, capsys):
     status, out, err = run(["generate", "tiny", "--prompt", "x", *argv], capsys)

@@ -178,9 +178,10 @@ def test_settings_whose_routing_cannot_be_told_per_row_are_refused(settings, mes
 @pytest.mark.parametrize(("prompts", "new", "message"), [
     ([[1, 2], []], 2, r"prompt 1 has no tokens"),
     ([], 2, r"got no prompts"),
-    ([[1, 100000]], 2, r"prompt 0 holds token id 100000, outside the model's vocabulary"),
+    ([[1, 100000]], 2, r"the prompt holds token id 100000, outside the model's vocabulary"),
+    ([[1, 2], [1, 100000]], 2, r"prompt 1 holds token id 100000, outside the model's vocabulary"),
     ([[1, 2]], 0, r"max_new_tokens must be an integer of at least 1, got 0"),
-    ([[1] * 500], 20, r"prompt 0 has 500 tokens, and with max_new_tokens=20 .*\(max_position_embeddings=512\)"),
+    ([[1] * 500], 20, r"the prompt has 500 tokens, and with max_new_tokens=20 .*\(max_position_embeddings=512\)"),
 ])
 def test_bad_prompts_are_refused_by_name(prompts, new, message):
     model = moelens.wrap(tiny_model("mixtral", max_position_embeddings=512), tokenizer=ascii_tokenizer())

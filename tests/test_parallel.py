@@ -585,6 +585,8 @@ def test_the_routing_of_a_generation_under_expert_parallelism() -> None:
     results = spawn(2, {"generation": {}})
     refused = [by_suite["generation"]["refused_on_one_rank"]["refused"] for by_suite in results]
     assert refused[0].startswith("RankDivergence") and "outside the model's vocabulary" in refused[1], refused
+    chunked = [by_suite["generation"]["chunked_prefill_refused"]["refused"] for by_suite in results]
+    assert all("cannot take prefill_chunk_size on a model whose experts are sharded" in text for text in chunked), chunked
 
     def check(case: str, m: dict[str, Any]) -> list[str]:
         problems = []

@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from ..errors import MoelensError
 from .cli import load_model, set_threads
 
 #: Tokens generated when ``--max-new-tokens`` is not given.
@@ -46,6 +47,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from .generation import collect_generation
 
     set_threads(args.threads)
+    if args.layers is not None and len(set(args.layers)) != len(args.layers):
+        raise MoelensError(f"--layers names a layer more than once ({' '.join(map(str, args.layers))}); give each once.")
     model = load_model(args.model, needs_tokenizer=True)
     torch.manual_seed(args.seed)
     run = collect_generation(model, [args.prompt], max_new_tokens=args.max_new_tokens, layers=args.layers,

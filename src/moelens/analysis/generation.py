@@ -138,6 +138,12 @@ def collect_generation(
         check_storage_dtype(dtype)
         moes = moes_of(model, layers, blocks)
         _refuse_settings(model._module, generate_kwargs)
+        if model._ep_runs() and _setting(model._module, generate_kwargs, "prefill_chunk_size"):
+            raise MoelensError(
+                "collect_generation cannot take prefill_chunk_size on a model whose experts are sharded over ranks: "
+                "each rank runs one forward per chunk of its own prompts, so ranks whose prompts differ in length part "
+                "from the first forward (every rank then waits in an exchange the others never reach). Leave it out."
+            )
         ids, mask = _prompt_batch(model, prompts, max_new_tokens)
     except BaseException:
         # Under expert parallelism a refusal on some ranks only (a prompt past the vocabulary or the context, a
@@ -147,7 +153,7 @@ def collect_generation(
         if callable(begin_runs):
             begin_runs()
         raise
-    synced = bool(_setting(model._module, generate_kwargs, "synced_gpus"))
+    synced = _synced_gpus(model._module, generate_kwargs)
     wanted = routing_values(logits)
     received = _Received(generate_kwargs.pop("streamer", None))
     if generate_kwargs.get("generation_config") is not None:  # a keyword beside it makes transformers warn
@@ -163,9 +169,7 @@ def collect_generation(
             for _ in tracer.all():
                 steps.append(model.save_all(wanted, strict=True, moes=moes))
     new = torch.stack(received.chunks[1:], dim=1) if len(received.chunks) > 1 else ids.new_zeros(len(ids), 0)
-    if synced:  # synced_gpus: this rank ran forwards after its rows ended, until every rank's had; they read no token
-        steps = steps[:_prefill_forwards(steps, ids.shape) + new.shape[1] - 1]
-    steps = _new_tokens_of(steps, ids.shape, new.shape[1])
+    steps = _new_tokens_of(steps, ids.shape, new.shape[1], synced)
     lengths = _lengths(new, _setting(model._module, generate_kwargs, "eos_token_id"))
     read = torch.cat([mask.bool(), torch.arange(1, new.shape[1]) < lengths[:, None]], dim=1)  # [b, P + G - 1]
     values = {layer: {name: torch.cat([step[layer][name] for step in steps], dim=1) for name in wanted}
@@ -214,26 +218,45 @@ def _setting(module: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:
     return kwargs[name] if name in kwargs else generation_setting(module, kwargs, name)
 
 
+def _synced_gpus(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether ``generate`` runs with ``synced_gpus``: as given, or, where not given (None), as transformers turns it
+    on itself (DeepSpeed ZeRO-3 or FSDP in a world of several processes)."""
+    given = kwargs.get("synced_gpus")
+    if given is not None:
+        return bool(given)
+    try:
+        from transformers.distributed.fsdp import is_fsdp_managed_module
+        from transformers.distributed.utils import _get_torch_distributed_world_size
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # another transformers: it may not turn it on itself
+        return False
+    return bool((is_deepspeed_zero3_enabled() or is_fsdp_managed_module(module)) and _get_torch_distributed_world_size() > 1)
+
+
 def _prompt_batch(model: Any, prompts: Any, max_new_tokens: int) -> tuple[Int[Tensor, "b p"], Int[Tensor, "b p"]]:
     """The prompts as left-padded ``input_ids`` and ``attention_mask`` (each refused if empty, holding an id the
     model does not embed, or too long for the model's context with ``max_new_tokens`` more)."""
     refuse_set("prompts", prompts, "the rows of the generation and the texts of its cache")
     tokenizer = corpora.tokenizer_of(model)
-    rows = [corpora.encode(item, tokenizer, f"prompt {index}") for index, item in enumerate(corpora.items(prompts, "prompts"))]
-    if not rows:
+    items = list(corpora.items(prompts, "prompts"))
+    if not items:
         raise MoelensError("collect_generation got no prompts; pass a text, token ids or a list of them.")
+    named = (lambda index: "the prompt") if len(items) == 1 else (lambda index: f"prompt {index}")
+    rows = [corpora.encode(item, tokenizer, named(index)) for index, item in enumerate(items)]
     vocab, limit = corpora.vocab_size(model), corpora.context_length(model)
     for index, row in enumerate(rows):
         if not row:
-            raise MoelensError(f"prompt {index} has no tokens; give every prompt at least one.")
+            raise MoelensError(f"{named(index)} has no tokens (the tokenizer made none of it); give "
+                               f"{'it' if len(rows) == 1 else 'every prompt'} at least one.")
         outside = [token for token in row if not 0 <= token < (vocab if vocab is not None else token + 1)]
         if outside:
-            raise MoelensError(f"prompt {index} holds token id {outside[0]}, outside the model's vocabulary "
+            raise MoelensError(f"{named(index)} holds token id {outside[0]}, outside the model's vocabulary "
                                f"[0, {vocab}); pass ids from the model's own tokenizer.")
         if limit is not None and len(row) + max_new_tokens > limit:
             raise MoelensError(
-                f"prompt {index} has {len(row)} tokens, and with max_new_tokens={max_new_tokens} the generation would "
-                f"run past the model's context (max_position_embeddings={limit}); shorten it or generate fewer tokens."
+                f"{named(index)} has {len(row)} token{'s' * (len(row) != 1)}, and with max_new_tokens={max_new_tokens} "
+                f"the generation would run past the model's context (max_position_embeddings={limit}); shorten it or "
+                "generate fewer tokens."
             )
     width = max(len(row) for row in rows)
     ids = torch.full((len(rows), width), corpora.pad_id(model), dtype=torch.long)
@@ -244,25 +267,29 @@ def _prompt_batch(model: Any, prompts: Any, max_new_tokens: int) -> tuple[Int[Te
     return ids, mask
 
 
-def _prefill_forwards(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size) -> int:
-    """How many forwards ran over the prompts (1, or several with ``prefill_chunk_size``)."""
-    width, total = prompt_shape[1], 0
-    for index, step in enumerate(steps):
-        total += next(iter(next(iter(step.values())).values())).shape[1]
+def _prefill_forwards(shapes: list[tuple[int, int]], width: int) -> int:
+    """How many of the forwards (their ``[rows, tokens]`` ``shapes``) ran over the prompts, ``width`` tokens: 1, or
+    one per chunk with ``prefill_chunk_size``."""
+    total = 0
+    for index, (_, tokens) in enumerate(shapes):
+        total += tokens
         if total >= width:
             return index + 1
-    return len(steps)
+    return len(shapes)
 
 
-def _new_tokens_of(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size,
-                   generated: int) -> list[dict[int, dict[str, Tensor]]]:
-    """Each step's values at the tokens it read first: the prompts at step 0, then the one new token of every row
-    (without a key-value cache, ``use_cache=False``, a step runs the whole sequence again: its last token is the
-    new one). A run of other shapes is refused (settings `_refuse_settings` does not know of, such as a generation
-    config's own drafting)."""
+def _new_tokens_of(steps: list[dict[int, dict[str, Tensor]]], prompt_shape: torch.Size, generated: int,
+                   synced: bool) -> list[dict[int, dict[str, Tensor]]]:
+    """Each step's values at the tokens it read first: the prompts at step 0 (put back together where they ran in
+    chunks), then the one new token of every row (without a key-value cache, ``use_cache=False``, a step runs the
+    whole sequence again: its last token is the new one). ``synced``: under ``synced_gpus`` the forwards after this
+    rank's rows ended, run until every rank's had, read no token and are left out. A run of other shapes is refused
+    (settings `_refuse_settings` does not know of, such as a generation config's own drafting)."""
     rows, width = prompt_shape
     shapes = [tuple(next(iter(next(iter(step.values())).values())).shape[:2]) for step in steps]
-    chunks = len(shapes) - generated + 1  # prefill_chunk_size: the prompts run in several forwards
+    chunks = _prefill_forwards(shapes, width)
+    if synced:
+        steps, shapes = steps[:chunks + generated - 1], shapes[:chunks + generated - 1]
     if chunks > 1 and all(shape[0] == rows for shape in shapes[:chunks]) and sum(
             shape[1] for shape in shapes[:chunks]) == width:
         steps = [{layer: {name: torch.cat([step[layer][name] for step in steps[:chunks]], dim=1) for name in values}
