@@ -1013,9 +1013,28 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
         result["after"] = [maxdiff(traced_logits(sharded, ids), logits_of(ref(input_ids=ids))) for _ in range(2)]
         return result
 
+    def corpus_refused_then_collected_again() -> dict[str, Any]:
+        # as above, then every rank collects again (the user's loop over corpora going on after an error): rank 0's
+        # exchange of folders met rank 1's trace of the refused batch, and both waited until the group's timeout
+        from moelens import analysis
+
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        sharded = moelens.wrap(shard_experts(copy.deepcopy(ref), None))
+        vocab = ref.config.vocab_size
+        corpus = [[5, 6, 7], [8, 9, 10], [11, vocab + 5 if RANK == 0 else 12]]
+        result = {"collect": _error_text(lambda: analysis.collect_routing(sharded, corpus, batch_size=2,
+                                                                           progress=False))}
+        again = [tokens_of(RANK)[0].tolist(), [20, 21, 22, 23]]
+        got = analysis.collect_routing(sharded, again, batch_size=2, progress=False, dtype=torch.float32)
+        want = analysis.collect_routing(moelens.wrap(ref), again, batch_size=2, progress=False, dtype=torch.float32)
+        result["indices"] = max(maxdiff(got.indices(layer), want.indices(layer)) for layer in want.layers)
+        result["weights"] = max(maxdiff(got.weights(layer), want.weights(layer)) for layer in want.layers)
+        return result
+
     cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params,
              "one_rank_refused": one_rank_refused, "export_refused": export_refused, "scan_refused": scan_refused,
-             "corpus_refused_on_one_rank": corpus_refused_on_one_rank}
+             "corpus_refused_on_one_rank": corpus_refused_on_one_rank,
+             "corpus_refused_then_collected_again": corpus_refused_then_collected_again}
     return {name: cases[name] for name in args.get("cases", cases)}
 
 

@@ -547,6 +547,20 @@ def test_an_analysis_corpus_refused_on_one_rank_raises_on_every_rank_and_the_nex
     assert not failures(results, "copies", check)
 
 
+def test_an_analysis_call_after_a_corpus_refused_on_one_rank_pairs() -> None:
+    """The user's next collect_routing after one refused on rank 0 only (not a plain trace): rank 0's exchange of
+    folders met rank 1's trace of the refused batch, and both ranks waited until the group's timeout. Now rank 1's
+    trace raises RankDivergence, and the next call's collection on both ranks equals the unsharded model's."""
+    results = spawn(2, {"copies": {"cases": ["corpus_refused_then_collected_again"]}})
+    collected = [by_suite["copies"]["corpus_refused_then_collected_again"]["collect"] for by_suite in results]
+    assert "outside the model's vocabulary" in collected[0] and collected[1].startswith("RankDivergence"), collected
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        return ([] if m["indices"] == 0 else [f"indices {m['indices']}"]) + close("weights", m["weights"])
+
+    assert not failures(results, "copies", check)
+
+
 def test_replace_on_one_rank_then_backward() -> None:
     """Rank 0 replaces layer 1's routed_output with zeros (a tensor that needs no grad), rank 1 does
     not, both run backward: it completes, and the gradients equal one process running every rank's

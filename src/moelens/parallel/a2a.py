@@ -93,6 +93,34 @@ class Plan:
         return back.new_zeros((self.num_slots, *back.shape[1:])).index_copy(0, self.send_order, back)
 
 
+def meet_in_run(group: Any, run: int, tag: int, fields: list[int], device: Any) -> tuple[list[int], list[int], list[int]]:
+    """Meet every rank of ``group`` in run ``run``: exchange a fixed-width header ``[flag, tag, run, width]``
+    (``fields``: this rank's flag and width) until every rank sends this run, and return every rank's flags, tags and
+    widths. A rank in an older run than another ends it with `RankDivergence`; the ranks in the newest run ask again
+    until every rank is in it (a rank several runs behind ends each of them). The header is fixed-width: the counts'
+    width (L) may differ between the blocks of a model (or two models on the group), and ranks at different exchanges
+    must meet at rows of one size to find out (gloo aborts otherwise)."""
+    ep = group_size(group)
+    header = torch.tensor([[fields[0], int(tag), run, fields[1]]], dtype=torch.long, device=device)
+    while True:
+        # A host sync: the flags, tags, run ids and widths of every rank.
+        flags, tags, run_ids, widths = exchange_counts(header.expand(ep, 4), group, tag).T.tolist()
+        newest = max(run_ids)
+        if run < newest:
+            ahead = [index for index, other in enumerate(run_ids) if other == newest]
+            raise RankDivergence(
+                f"expert parallelism: ranks {ahead} of the EP group ended the run this rank is in (a trace, or a "
+                f"forward outside one) before this exchange ({describe_tag(tag)}) and started their next one, "
+                "which waits for this rank: a run raised an error on those ranks only (an intervention refused for "
+                "their tokens, ...), or the ranks counted runs differently (one rank ran forwards of the model that "
+                "the others did not). This run is given up here, as each run of this rank the others gave up is, "
+                "until this rank comes to theirs; make the failing run work on every rank (see docs/parallel.md)."
+            )
+        if min(run_ids) == newest:
+            return flags, tags, widths
+        # Some ranks are still in a run this rank's group left: they give it up (above) and come back in this one.
+
+
 def plan_dispatch(
     group: Any,
     topk_idx: Int[Tensor, "t k"],
@@ -133,26 +161,7 @@ def plan_dispatch(
     counts = keyed.new_zeros(num_global_experts + 1).scatter_add_(0, keyed, torch.ones_like(keyed))
     send_counts = counts[:num_global_experts].view(ep, num_local_experts)
     run = runs.current if runs is not None else 0
-    # A fixed-width header first: the counts' width (L) may differ between the blocks of a model (or two models on
-    # the group), and ranks at different blocks must meet at rows of one size to find out (gloo aborts otherwise).
-    header = torch.tensor([[int(serve), int(tag), run, num_local_experts]], dtype=torch.long, device=device)
-    while True:
-        # A host sync: the flags, tags, run ids and local expert counts of every rank.
-        flags, tags, run_ids, widths = exchange_counts(header.expand(ep, 4), group, tag).T.tolist()
-        newest = max(run_ids)
-        if run < newest:
-            ahead = [index for index, other in enumerate(run_ids) if other == newest]
-            raise RankDivergence(
-                f"expert parallelism: ranks {ahead} of the EP group ended the run this rank is in (a trace, or a "
-                f"forward outside one) before this experts call ({describe_tag(tag)}) and started their next one, "
-                "which waits for this rank: a run raised an error on those ranks only (an intervention refused for "
-                "their tokens, ...), or the ranks counted runs differently (one rank ran forwards of the model that "
-                "the others did not). This run is given up here, as each run of this rank the others gave up is, "
-                "until this rank comes to theirs; make the failing run work on every rank (see docs/parallel.md)."
-            )
-        if min(run_ids) == newest:
-            break
-        # Some ranks are still in a run this rank's group left: they give it up (above) and come back in this one.
+    flags, tags, widths = meet_in_run(group, run, tag, [int(serve), num_local_experts], device)
     if any(other != tag for other in tags):
         raise RankDivergence(
             f"expert parallelism: rank {rank} of the EP group ran the experts call of {describe_tag(tag)} while "

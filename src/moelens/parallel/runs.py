@@ -92,8 +92,14 @@ def layer_tag(model: int, position: int) -> int:
     return (model << POSITION_BITS) | (position + 1)
 
 
+#: The tag of `analysis.collect_routing`'s exchange of each rank's folder, a run of its own (a layer's tags are 1 and up).
+FOLDERS_TAG = -1
+
+
 def describe_tag(tag: int) -> str:
-    """``tag`` (`layer_tag`) in words, for error messages."""
+    """``tag`` (`layer_tag`, `FOLDERS_TAG`) in words, for error messages."""
+    if tag == FOLDERS_TAG:
+        return f"tag {tag}, collect_routing's exchange of each rank's folder"
     if tag <= 0:
         return f"tag {tag} (no layer tag)"
     model, position = tag >> POSITION_BITS, (tag & ((1 << POSITION_BITS) - 1)) - 1
