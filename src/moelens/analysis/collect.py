@@ -18,8 +18,6 @@ from nnsight import Envoy
 from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..components.base import refuse_replaced, replaced_blocks
-from ..parallel.a2a import RankDivergence, meet_in_run
-from ..parallel.runs import FOLDERS_TAG, describe_tag
 from ..errors import MoelensError
 from ..families.unserved import why_no_moe
 from ..model import check_wrapped
@@ -222,26 +220,6 @@ def can_stop_early(model: Any) -> bool:
     return not getattr(model, "_edits", None)
 
 
-def _meet_for_folders(experts: torch.nn.Module, group: Any) -> None:
-    """Before the ranks tell each other their folders: meet every rank of ``group`` in a run of the group's own (the
-    exchange of folders is one, `FOLDERS_TAG`). A rank still in a run this rank gave up (its trace of a batch this
-    rank refused before its trace, in an earlier call) ends it with `RankDivergence` instead of pairing that trace's
-    exchange with the exchange of folders, and this rank waits for it in this run."""
-    runs = experts.__dict__.get("_ep_runs")
-    if runs is None:
-        return
-    runs.start()
-    weight = next(experts.parameters(), None)
-    _, tags, _ = meet_in_run(group, runs.current, FOLDERS_TAG, [0, 0], weight.device if weight is not None else "cpu")
-    if any(tag != FOLDERS_TAG for tag in tags):
-        raise RankDivergence(
-            f"collect_routing: the ranks of the expert-parallel group met at other exchanges in one run "
-            f"({'; '.join(describe_tag(tag) for tag in tags)}): a rank ran forwards of the model between its calls that "
-            "the others did not. Every rank must call the same analyses and traces in the same order; see "
-            "docs/parallel.md."
-        )
-
-
 def _writer_of_every_rank(moes: list[Any], folder: str | None, cache: RoutingCache) -> ShardWriter | None:
     """The `ShardWriter` of ``folder`` (None for no folder), refused on every rank of an expert-parallel group
     (`moelens.parallel.shard_experts`) together: there every rank collects, each trace a collective, so a folder
@@ -259,7 +237,10 @@ def _writer_of_every_rank(moes: list[Any], folder: str | None, cache: RoutingCac
         if refusal is not None:
             raise refusal
         return writer
-    _meet_for_folders(experts, holder.group)
+    runs = experts.__dict__.get("_ep_runs")  # the group's run ids (parallel.runs.Runs): the exchange is a run of them
+    if runs is not None:
+        weight = next(experts.parameters(), None)
+        runs.meet_for_folders(holder.group, weight.device if weight is not None else "cpu")
     mine = (None if writer is None else str(writer.folder.resolve()), None if refusal is None else str(refusal))
     everyone: list[Any] = [None] * dist.get_world_size(holder.group)
     dist.all_gather_object(everyone, mine, group=holder.group)

@@ -55,6 +55,23 @@ class Runs:
         """A run begins (the next id)."""
         self.current += 1
 
+    def meet_for_folders(self, group: Any, device: Any) -> None:
+        """Start a run of the group's own for `analysis.collect_routing`'s exchange of each rank's folder, and meet
+        every rank of ``group`` in it (`a2a.meet_in_run`, `FOLDERS_TAG`): a rank still in a run this rank gave up (its
+        trace of a batch this rank refused before its trace, in an earlier call) ends it with `RankDivergence` instead
+        of pairing that trace's exchange with the exchange of folders, and this rank waits for it in this run."""
+        from .a2a import RankDivergence, meet_in_run
+
+        self.start()
+        _, tags, _ = meet_in_run(group, self.current, FOLDERS_TAG, [0, 0], device)
+        if any(tag != FOLDERS_TAG for tag in tags):
+            raise RankDivergence(
+                f"collect_routing: the ranks of the expert-parallel group met at other exchanges in one run "
+                f"({'; '.join(describe_tag(tag) for tag in tags)}): a rank ran forwards of the model between its calls "
+                "that the others did not. Every rank must call the same analyses and traces in the same order; see "
+                "docs/parallel.md."
+            )
+
     def trace_begins(self, counted: bool = False) -> None:
         """A moelens trace of a sharded model runs the model: a run, which its first forward is in (``counted``: its
         id was taken as the trace began, `MoeModelMixin._begin_runs`)."""
