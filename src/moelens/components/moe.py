@@ -824,15 +824,13 @@ class Moe(Mlp):
 
     def _sort_permutation(self, location: str, value_location: str, passed: Any) -> Tensor:
         """The permutation the experts implementation sorted this call's rows by (the second output of its sort op at
-        ``location``), for a sorted value read at ``value_location`` in the same call. Read once per call and invoke:
-        the second of two sorted values of one call (``expert_pre_activations``, then ``expert_activations``) gets the
-        one the first read, since the model has run past the op by then; kept per invoke (mediator), as the invokes
-        of a trace each read the call in turn (a single slot, overwritten by the next invoke's read, made the first
-        invoke's second value an OrderError). nnsight counts both ops' visits from the same drill,
-        one per call: the permutation read at visit ``v`` is this call's while the sort has run ``v + 1`` times and
-        the value's op ``v`` times (the model is still before it in call ``v``), at the step asked (if pinned)."""
+        ``location``), for a sorted value read at ``value_location`` in the same call. Read once per call and invoke
+        (mediator: the invokes of a trace read the same call in turn): the second of two sorted values of one call
+        (``expert_pre_activations``, then ``expert_activations``) gets the one the first read, since the model has
+        run past the op by then. nnsight counts both ops' visits from the same drill, one per call: the permutation
+        read at visit ``v`` is this call's while the sort has run ``v + 1`` times and the value's op ``v`` times (the
+        model is still before it in call ``v``), at the step asked (if pinned)."""
         mediator = Mediator.current(location)
-        # One per invoke (mediator): the invokes of a trace read the same call in turn, each its own rows' permutation.
         reads = self.__dict__.get("_sort_reads")
         if reads is None:
             reads = self.__dict__["_sort_reads"] = weakref.WeakKeyDictionary()
