@@ -776,6 +776,13 @@ def suite_transformers_ep(args: dict) -> dict[str, Callable[[], Any]]:
             edited = traced_logits(lm_ref, ids, intervene)
             result["interventions"][name] = maxdiff(traced_logits(lm_ep, ids, intervene), edited)
             result["effects"][name] = maxdiff(edited, plain_ref)
+        # one folder given by every rank: the ranks' shards would overwrite each other's (there was no exchange of
+        # folders without shard_experts' group: one rank's cache came back holding another's routing)
+        from moelens import analysis
+
+        shared = Path(os.environ["MOELENS_TEST_OUT"], f"one-folder-{Path(path).name}-{implementation}")
+        result["one_folder"] = _error_text(lambda: analysis.collect_routing(lm_ep, [[5, 6, 7]], folder=str(shared),
+                                                                            progress=False))
         return result
 
     return {
@@ -1031,10 +1038,27 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
         result["weights"] = max(maxdiff(got.weights(layer), want.weights(layer)) for layer in want.layers)
         return result
 
+    def set_corpus_refused_on_one_rank() -> dict[str, Any]:
+        # rank 0 gives its corpus as a set, refused before any exchange: rank 1's call paired with rank 0's next one
+        from moelens import analysis
+
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        sharded = moelens.wrap(shard_experts(copy.deepcopy(ref), None))
+        corpus = [(5, 6, 7), (8, 9, 10)]
+        result = {"collect": _error_text(lambda: analysis.collect_routing(
+            sharded, set(corpus) if RANK == 0 else corpus, progress=False))}
+        again = [tokens_of(RANK)[0].tolist()]
+        got = analysis.collect_routing(sharded, again, progress=False, dtype=torch.float32)
+        want = analysis.collect_routing(moelens.wrap(ref), again, progress=False, dtype=torch.float32)
+        result["indices"] = max(maxdiff(got.indices(layer), want.indices(layer)) for layer in want.layers)
+        result["weights"] = max(maxdiff(got.weights(layer), want.weights(layer)) for layer in want.layers)
+        return result
+
     cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params,
              "one_rank_refused": one_rank_refused, "export_refused": export_refused, "scan_refused": scan_refused,
              "corpus_refused_on_one_rank": corpus_refused_on_one_rank,
-             "corpus_refused_then_collected_again": corpus_refused_then_collected_again}
+             "corpus_refused_then_collected_again": corpus_refused_then_collected_again,
+             "set_corpus_refused_on_one_rank": set_corpus_refused_on_one_rank}
     return {name: cases[name] for name in args.get("cases", cases)}
 
 

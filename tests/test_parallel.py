@@ -435,6 +435,8 @@ def test_transformers_expert_parallelism(saved_models: list[str]) -> None:
         uses_a2a = case.endswith("torch_a2a")
         if uses_a2a != bool(m["a2a_exchanges"]):
             problems.append(f"{m['a2a_exchanges']} torch_a2a exchanges")
+        if "every rank collects, and ranks [0, 1] gave one folder" not in m["one_folder"]:
+            problems.append(f"one folder for every rank: {m['one_folder']!r}")
         return problems
 
     assert not failures(results, "transformers_ep", check)
@@ -554,6 +556,20 @@ def test_an_analysis_call_after_a_corpus_refused_on_one_rank_pairs() -> None:
     results = spawn(2, {"copies": {"cases": ["corpus_refused_then_collected_again"]}})
     collected = [by_suite["copies"]["corpus_refused_then_collected_again"]["collect"] for by_suite in results]
     assert "outside the model's vocabulary" in collected[0] and collected[1].startswith("RankDivergence"), collected
+
+    def check(case: str, m: dict[str, Any]) -> list[str]:
+        return ([] if m["indices"] == 0 else [f"indices {m['indices']}"]) + close("weights", m["weights"])
+
+    assert not failures(results, "copies", check)
+
+
+def test_a_corpus_refused_before_any_exchange_on_one_rank_counts_a_run() -> None:
+    """A corpus given as a set on rank 0 only is refused before collect_routing's first exchange: rank 1's call paired
+    with rank 0's next one (the ranks a call apart from there). Now rank 1's call raises RankDivergence and the next
+    calls pair, each equal to the unsharded model's."""
+    results = spawn(2, {"copies": {"cases": ["set_corpus_refused_on_one_rank"]}})
+    collected = [by_suite["copies"]["set_corpus_refused_on_one_rank"]["collect"] for by_suite in results]
+    assert "is a set" in collected[0] and collected[1].startswith("RankDivergence"), collected
 
     def check(case: str, m: dict[str, Any]) -> list[str]:
         return ([] if m["indices"] == 0 else [f"indices {m['indices']}"]) + close("weights", m["weights"])

@@ -10,6 +10,7 @@ family moelens serves: nothing here knows one.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -213,11 +214,40 @@ def counted_batches(model: Any, stream: Iterable[Any]) -> Iterator[Any]:
         yield batch
 
 
+@contextmanager
+def refusals_count_a_run(model: Any) -> Iterator[None]:
+    """Around an analysis' checks before its first exchange: under expert parallelism a refusal there (on some ranks
+    only: a corpus given as a set, another ``layers=``) counts a run of the model's groups, as a trace raising would,
+    so the other ranks' first exchange of that call raises `RankDivergence` instead of pairing with this rank's next
+    call (`counted_batches` does the same for a corpus item refused between traces)."""
+    try:
+        yield
+    except BaseException:
+        begin_runs = getattr(model, "_begin_runs", None)
+        if callable(begin_runs):
+            begin_runs()
+        raise
+
+
 def can_stop_early(model: Any) -> bool:
     """Whether a trace of ``model`` may stop once the values it needs are read: not when the model carries
     lasting edits (``model.edit(inplace=True)``), which nnsight replays in every trace and which wait for
     values further on (a stop before them fails the trace)."""
     return not getattr(model, "_edits", None)
+
+
+def _ep_group_of(experts: torch.nn.Module) -> Any:
+    """The process group an experts module exchanges tokens over: the one `shard_experts` keeps, or the ``ep``
+    dimension of the mesh transformers' own expert parallelism (``DistributedConfig(ep_size=...)``) shards its weights
+    on (DTensors); None for experts not sharded over ranks."""
+    holder = experts.__dict__.get("_ep_group")  # the group shard_experts keeps (parallel.comm.SharedGroup)
+    if holder is not None:
+        return holder.group
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        mesh = getattr(getattr(experts, name, None), "device_mesh", None)
+        if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
+            return mesh.get_group("ep")
+    return None
 
 
 def _writer_of_every_rank(moes: list[Any], folder: str | None, cache: RoutingCache) -> ShardWriter | None:
@@ -232,18 +262,18 @@ def _writer_of_every_rank(moes: list[Any], folder: str | None, cache: RoutingCac
     except Exception as error:  # noqa: BLE001 - raised below, after the other ranks heard of it
         refusal = error
     experts = moes[0].experts._module
-    holder = experts.__dict__.get("_ep_group")  # the group shard_experts keeps (parallel.comm.SharedGroup)
-    if holder is None or experts.__dict__.get("_ep_size", 1) < 2:
+    group = _ep_group_of(experts)
+    if group is None or dist.get_world_size(group) < 2:
         if refusal is not None:
             raise refusal
         return writer
     runs = experts.__dict__.get("_ep_runs")  # the group's run ids (parallel.runs.Runs): the exchange is a run of them
     if runs is not None:
         weight = next(experts.parameters(), None)
-        runs.meet_for_folders(holder.group, weight.device if weight is not None else "cpu")
+        runs.meet_for_folders(group, weight.device if weight is not None else "cpu")
     mine = (None if writer is None else str(writer.folder.resolve()), None if refusal is None else str(refusal))
-    everyone: list[Any] = [None] * dist.get_world_size(holder.group)
-    dist.all_gather_object(everyone, mine, group=holder.group)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
     if refusal is not None:
         raise refusal
     refused = next((rank for rank, (_, error) in enumerate(everyone) if error is not None), None)
@@ -308,28 +338,29 @@ def collect_routing(
     Returns:
         The `RoutingCache` (on disk when ``folder`` is given).
     """
-    refuse_set("corpus", corpus, "the text_index of its items (a token's text_index is its item's place in the corpus)")
-    shard_tokens = check_count("shard_tokens", shard_tokens)
-    logits = check_flag("logits", logits)
-    stop_early = check_flag("stop_early", stop_early)
-    progress = check_flag("progress", progress)
-    check_storage_dtype(dtype)
-    moes = moes_of(model, layers, blocks)
-    cache = empty_cache(model, moes, logits)
-    wanted = routing_values(logits)
-    index_dtype = index_dtype_of(moes)
-    skipping = skipping_layers(moes)
-    tokenizer = corpora.tokenizer_of(model)
-    tally = corpora.Tally()
-    stream = corpora.batches(
-        corpus,
-        tokenizer,
-        batch_size=batch_size,
-        max_length=corpora.window_length(model, max_length),
-        pad=corpora.pad_id(model),
-        tally=tally,
-        vocab=corpora.vocab_size(model),
-    )
+    with refusals_count_a_run(model):
+        refuse_set("corpus", corpus, "the text_index of its items (a token's text_index is its item's place in the corpus)")
+        shard_tokens = check_count("shard_tokens", shard_tokens)
+        logits = check_flag("logits", logits)
+        stop_early = check_flag("stop_early", stop_early)
+        progress = check_flag("progress", progress)
+        check_storage_dtype(dtype)
+        moes = moes_of(model, layers, blocks)
+        cache = empty_cache(model, moes, logits)
+        wanted = routing_values(logits)
+        index_dtype = index_dtype_of(moes)
+        skipping = skipping_layers(moes)
+        tokenizer = corpora.tokenizer_of(model)
+        tally = corpora.Tally()
+        stream = corpora.batches(
+            corpus,
+            tokenizer,
+            batch_size=batch_size,
+            max_length=corpora.window_length(model, max_length),
+            pad=corpora.pad_id(model),
+            tally=tally,
+            vocab=corpora.vocab_size(model),
+        )
     writer = _writer_of_every_rank(moes, folder, cache)
     pending: list[Shard] = []
     pending_tokens = 0

@@ -27,7 +27,8 @@ from .cache import RoutingCache, Shard
 from .checks import check_count, refuse_set
 from .token_view import TokenRouting, routing_of_text
 from .collect import (
-    check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, routing_values, skipping_layers,
+    check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, refusals_count_a_run, routing_values,
+    skipping_layers,
 )
 
 #: nnsight's warning at the end of a ``tracer.all()`` loop, which asks for one step past the last.
@@ -132,7 +133,7 @@ def collect_generation(
     Returns:
         The `GeneratedRouting`: ``ids`` as ``model.generate`` returns them and the routing ``cache``.
     """
-    try:
+    with refusals_count_a_run(model):  # under expert parallelism, a refusal on some ranks only counts a run there
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         logits = check_flag("logits", logits)
         check_storage_dtype(dtype)
@@ -145,14 +146,6 @@ def collect_generation(
                 "from the first forward (every rank then waits in an exchange the others never reach). Leave it out."
             )
         ids, mask = _prompt_batch(model, prompts, max_new_tokens)
-    except BaseException:
-        # Under expert parallelism a refusal on some ranks only (a prompt past the vocabulary or the context, a
-        # setting) counts a run there, as a trace raising would: the other ranks' trace raises `RankDivergence`
-        # instead of pairing with this rank's next one (`collect.counted_batches`).
-        begin_runs = getattr(model, "_begin_runs", None)
-        if callable(begin_runs):
-            begin_runs()
-        raise
     synced = _synced_gpus(model._module, generate_kwargs)
     wanted = routing_values(logits)
     received = _Received(generate_kwargs.pop("streamer", None))

@@ -32,7 +32,7 @@ from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import layer_row
 from .checks import check_count, expert_ids
-from .collect import can_stop_early, counted_batches, moes_of, skipped_slots, skips
+from .collect import can_stop_early, counted_batches, moes_of, refusals_count_a_run, skipped_slots, skips
 from .text import token_strings
 
 #: Names of a model's final norm, tried in order on its base model.
@@ -198,18 +198,19 @@ def expert_logit_lens(
         max_length: Window length (default: the model's context, at most 512).
         progress: Show a tqdm progress bar.
     """
-    top = check_count("top", top)
-    relative, progress = check_flag("relative", relative), check_flag("progress", progress)
-    moes = moes_of(model, layers, blocks)
-    for moe in moes:
-        if "expert_outputs" not in moe.order():
-            raise moe.no_mixture("expert_outputs")
-    norm, norm_name, head = unembedding(model)
-    sums = {moe.layer: torch.zeros(moe.num_experts, 0, dtype=torch.float64) for moe in moes}
-    counts = {moe.layer: torch.zeros(moe.num_experts, dtype=torch.int64) for moe in moes}
-    stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
-                             max_length=corpora.window_length(model, max_length),
-                             pad=corpora.pad_id(model), vocab=corpora.vocab_size(model))
+    with refusals_count_a_run(model):
+        top = check_count("top", top)
+        relative, progress = check_flag("relative", relative), check_flag("progress", progress)
+        moes = moes_of(model, layers, blocks)
+        for moe in moes:
+            if "expert_outputs" not in moe.order():
+                raise moe.no_mixture("expert_outputs")
+        norm, norm_name, head = unembedding(model)
+        sums = {moe.layer: torch.zeros(moe.num_experts, 0, dtype=torch.float64) for moe in moes}
+        counts = {moe.layer: torch.zeros(moe.num_experts, dtype=torch.int64) for moe in moes}
+        stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
+                                 max_length=corpora.window_length(model, max_length),
+                                 pad=corpora.pad_id(model), vocab=corpora.vocab_size(model))
     bar = tqdm(desc="expert outputs", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
     try:
         for batch in counted_batches(model, stream):

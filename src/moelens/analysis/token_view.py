@@ -14,7 +14,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from .cache import SKIPPED, RoutingCache, layer_row
 from .checks import check_count, id_list
-from .collect import collect_routing
+from .collect import collect_routing, refusals_count_a_run
 from .corpus import tokenizer_of
 from .text import token_strings
 
@@ -98,7 +98,9 @@ def token_routing(
     text is run in the windows `collect_routing` cuts by default (the model's context, at most 512
     tokens), each from a fresh context.
     """
-    cache = collect_routing(model, [_one_text(text)], batch_size=1, logits=logits, layers=layers, blocks=blocks,
+    with refusals_count_a_run(model):
+        one = _one_text(text)
+    cache = collect_routing(model, [one], batch_size=1, logits=logits, layers=layers, blocks=blocks,
                             dtype=torch.float32, stop_early=True, progress=False)
     if cache.num_tokens == 0:
         raise MoelensError(f"the text {text!r:.60} has no tokens: the tokenizer made none of it; pass text with words "

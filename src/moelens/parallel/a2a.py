@@ -31,7 +31,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..permutations import inverse_permutation
 from .comm import exchange, exchange_counts, group_rank, group_size
-from .runs import Runs, describe_tag
+from .runs import FOLDERS_TAG, Runs, describe_tag, describe_tags
 
 
 class RankDivergence(MoelensError):
@@ -109,8 +109,9 @@ def meet_in_run(group: Any, run: int, tag: int, fields: list[int], device: Any) 
         if run < newest:
             ahead = [index for index, other in enumerate(run_ids) if other == newest]
             raise RankDivergence(
-                f"expert parallelism: ranks {ahead} of the EP group ended the run this rank is in (a trace, or a "
-                f"forward outside one) before this exchange ({describe_tag(tag)}) and started their next one, "
+                f"expert parallelism: ranks {ahead} of the EP group ended the run this rank is in ("
+                + ("its collect_routing call" if tag == FOLDERS_TAG else "a trace, or a forward outside one")
+                + f") before this exchange ({describe_tag(tag)}) and started their next one, "
                 "which waits for this rank: a run raised an error on those ranks only (an intervention refused for "
                 "their tokens, ...), or the ranks counted runs differently (one rank ran forwards of the model that "
                 "the others did not). This run is given up here, as each run of this rank the others gave up is, "
@@ -165,7 +166,11 @@ def plan_dispatch(
     if any(other != tag for other in tags):
         raise RankDivergence(
             f"expert parallelism: rank {rank} of the EP group ran the experts call of {describe_tag(tag)} while "
-            f"the group's ranks ran tags {tags}: an experts call was skipped or added on some ranks only (a .skip() "
+            f"the group's ranks were at other exchanges ({describe_tags(tags)}): "
+            + ("some ranks called analysis.collect_routing (or token_routing) while the others ran a forward of the "
+               "model (a trace, an analysis of another kind, generation, or a batch more of a corpus), or "
+               if FOLDERS_TAG in tags else "")
+            + "an experts call was skipped or added on some ranks only (a .skip() "
             "of an experts module, an extra experts call, a forward on some ranks only, or a block that runs only "
             "on some inputs, such as ernie4_5_vl_moe's vision experts when only some ranks have image tokens), or "
             "the ranks ran different models sharded over the group (another order of models on each rank). "

@@ -67,9 +67,10 @@ class Runs:
         if any(tag != FOLDERS_TAG for tag in tags):
             raise RankDivergence(
                 f"collect_routing: the ranks of the expert-parallel group met at other exchanges in one run "
-                f"({'; '.join(describe_tag(tag) for tag in tags)}): a rank ran forwards of the model between its calls "
-                "that the others did not. Every rank must call the same analyses and traces in the same order; see "
-                "docs/parallel.md."
+                f"({describe_tags(tags)}): those ranks ran a forward of the model (a trace, another analysis, "
+                "generation, or a batch more of a corpus) where this rank called collect_routing. Every rank must "
+                "call the same analyses and traces in the same order, on corpora that give the same number of "
+                "batches; see docs/parallel.md."
             )
 
     def trace_begins(self, counted: bool = False) -> None:
@@ -121,6 +122,14 @@ def describe_tag(tag: int) -> str:
         return f"tag {tag} (no layer tag)"
     model, position = tag >> POSITION_BITS, (tag & ((1 << POSITION_BITS) - 1)) - 1
     return f"tag {tag} (MoE block {position} of model {model} sharded over the group)"
+
+
+def describe_tags(tags: list[int]) -> str:
+    """Each rank's tag (``tags``, one per rank of a group) in words, ranks at one exchange together."""
+    ranks: dict[int, list[int]] = {}
+    for rank, tag in enumerate(tags):
+        ranks.setdefault(tag, []).append(rank)
+    return "; ".join(f"ranks {at} at {describe_tag(tag)}" for tag, at in ranks.items())
 
 
 #: The code of the torch call that runs a module's hooks and forward: a frame of it holds the module as ``self``.
