@@ -1020,17 +1020,15 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
         result["after"] = [maxdiff(traced_logits(sharded, ids), logits_of(ref(input_ids=ids))) for _ in range(2)]
         return result
 
-    def corpus_refused_then_collected_again() -> dict[str, Any]:
-        # as above, then every rank collects again (the user's loop over corpora going on after an error): rank 0's
-        # exchange of folders met rank 1's trace of the refused batch, and both waited until the group's timeout
+    def refused_then_collected_again(corpus: Callable[[int], Any]) -> dict[str, Any]:
+        # collect_routing of ``corpus(vocab)``, refused on rank 0 only, then every rank collects again (the user's loop
+        # over corpora going on after an error), against the unsharded model
         from moelens import analysis
 
         ref = tiny_model("mixtral", experts_implementation="grouped_mm")
         sharded = moelens.wrap(shard_experts(copy.deepcopy(ref), None))
-        vocab = ref.config.vocab_size
-        corpus = [[5, 6, 7], [8, 9, 10], [11, vocab + 5 if RANK == 0 else 12]]
-        result = {"collect": _error_text(lambda: analysis.collect_routing(sharded, corpus, batch_size=2,
-                                                                           progress=False))}
+        result = {"collect": _error_text(lambda: analysis.collect_routing(sharded, corpus(ref.config.vocab_size),
+                                                                           batch_size=2, progress=False))}
         again = [tokens_of(RANK)[0].tolist(), [20, 21, 22, 23]]
         got = analysis.collect_routing(sharded, again, batch_size=2, progress=False, dtype=torch.float32)
         want = analysis.collect_routing(moelens.wrap(ref), again, batch_size=2, progress=False, dtype=torch.float32)
@@ -1038,21 +1036,15 @@ def suite_copies(args: dict) -> dict[str, Callable[[], Any]]:
         result["weights"] = max(maxdiff(got.weights(layer), want.weights(layer)) for layer in want.layers)
         return result
 
+    def corpus_refused_then_collected_again() -> dict[str, Any]:
+        # an id past the vocabulary in rank 0's second batch: rank 0's exchange of folders in the next call met rank
+        # 1's trace of the refused batch, and both waited until the group's timeout
+        return refused_then_collected_again(lambda vocab: [[5, 6, 7], [8, 9, 10], [11, vocab + 5 if RANK == 0 else 12]])
+
     def set_corpus_refused_on_one_rank() -> dict[str, Any]:
         # rank 0 gives its corpus as a set, refused before any exchange: rank 1's call paired with rank 0's next one
-        from moelens import analysis
-
-        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
-        sharded = moelens.wrap(shard_experts(copy.deepcopy(ref), None))
         corpus = [(5, 6, 7), (8, 9, 10)]
-        result = {"collect": _error_text(lambda: analysis.collect_routing(
-            sharded, set(corpus) if RANK == 0 else corpus, progress=False))}
-        again = [tokens_of(RANK)[0].tolist()]
-        got = analysis.collect_routing(sharded, again, progress=False, dtype=torch.float32)
-        want = analysis.collect_routing(moelens.wrap(ref), again, progress=False, dtype=torch.float32)
-        result["indices"] = max(maxdiff(got.indices(layer), want.indices(layer)) for layer in want.layers)
-        result["weights"] = max(maxdiff(got.weights(layer), want.weights(layer)) for layer in want.layers)
-        return result
+        return refused_then_collected_again(lambda vocab: set(corpus) if RANK == 0 else corpus)
 
     cases = {"deepcopy": deepcopy, "refused": refused, "lora_refused": lora_refused, "params": params,
              "one_rank_refused": one_rank_refused, "export_refused": export_refused, "scan_refused": scan_refused,
