@@ -252,7 +252,7 @@ def _ep_group_of(experts: torch.nn.Module) -> Any:
 
 def _writer_of_every_rank(moes: list[Any], folder: str | None, cache: RoutingCache) -> ShardWriter | None:
     """The `ShardWriter` of ``folder`` (None for no folder), refused on every rank of an expert-parallel group
-    (`moelens.parallel.shard_experts`) together: there every rank collects, each trace a collective, so a folder
+    (`moelens.parallel.shard_experts`', or transformers' own: `_ep_group_of`) together: there every rank collects, each trace a collective, so a folder
     refused on one rank alone would leave the others waiting in their first trace; and ranks streaming to one
     folder (on one machine, or on machines sharing a filesystem) would overwrite each other's shards and
     ``routing.json``. Every rank says which folder it writes to and why it was refused, a collective too."""

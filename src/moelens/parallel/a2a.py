@@ -93,15 +93,16 @@ class Plan:
         return back.new_zeros((self.num_slots, *back.shape[1:])).index_copy(0, self.send_order, back)
 
 
-def meet_in_run(group: Any, run: int, tag: int, fields: list[int], device: Any) -> tuple[list[int], list[int], list[int]]:
-    """Meet every rank of ``group`` in run ``run``: exchange a fixed-width header ``[flag, tag, run, width]``
-    (``fields``: this rank's flag and width) until every rank sends this run, and return every rank's flags, tags and
-    widths. A rank in an older run than another ends it with `RankDivergence`; the ranks in the newest run ask again
+def meet_in_run(group: Any, run: int, tag: int, device: Any, *, flag: int = 0,
+                width: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """Meet every rank of ``group`` in run ``run``: exchange a fixed-width header ``[flag, tag, run, width]`` (an
+    experts call's: whether it wants the activation round trip, and its local expert count) until every rank sends
+    this run, and return every rank's flags, tags and widths. A rank in an older run than another ends it with `RankDivergence`; the ranks in the newest run ask again
     until every rank is in it (a rank several runs behind ends each of them). The header is fixed-width: the counts'
     width (L) may differ between the blocks of a model (or two models on the group), and ranks at different exchanges
     must meet at rows of one size to find out (gloo aborts otherwise)."""
     ep = group_size(group)
-    header = torch.tensor([[fields[0], int(tag), run, fields[1]]], dtype=torch.long, device=device)
+    header = torch.tensor([[flag, int(tag), run, width]], dtype=torch.long, device=device)
     while True:
         # A host sync: the flags, tags, run ids and widths of every rank.
         flags, tags, run_ids, widths = exchange_counts(header.expand(ep, 4), group, tag).T.tolist()
@@ -162,7 +163,7 @@ def plan_dispatch(
     counts = keyed.new_zeros(num_global_experts + 1).scatter_add_(0, keyed, torch.ones_like(keyed))
     send_counts = counts[:num_global_experts].view(ep, num_local_experts)
     run = runs.current if runs is not None else 0
-    flags, tags, widths = meet_in_run(group, run, tag, [int(serve), num_local_experts], device)
+    flags, tags, widths = meet_in_run(group, run, tag, device, flag=int(serve), width=num_local_experts)
     if any(other != tag for other in tags):
         raise RankDivergence(
             f"expert parallelism: rank {rank} of the EP group ran the experts call of {describe_tag(tag)} while "

@@ -63,7 +63,7 @@ class Runs:
         from .a2a import RankDivergence, meet_in_run
 
         self.start()
-        _, tags, _ = meet_in_run(group, self.current, FOLDERS_TAG, [0, 0], device)
+        _, tags, _ = meet_in_run(group, self.current, FOLDERS_TAG, device)
         if any(tag != FOLDERS_TAG for tag in tags):
             raise RankDivergence(
                 f"collect_routing: the ranks of the expert-parallel group met at other exchanges in one run "
