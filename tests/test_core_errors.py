@@ -4960,3 +4960,23 @@ def test_switching_experts_that_run_their_own_loop_is_refused(family):
     with pytest.raises(moelens.MoelensError, match=r"has no MoE block whose experts run a pluggable implementation .*"
                                                    r"has nothing to switch"):
         wrapped.set_experts_implementation("grouped_mm")
+
+
+def test_gate_and_up_refuses_what_is_not_gated_pre_activations(mixtral):
+    """moe.gate_and_up names the value and the width it expects (2I of the fused weight), and says why a block
+    whose experts are not gated has no gate part."""
+    wrapped, inputs = mixtral
+    moe = wrapped.moes[0]
+    with wrapped.trace(**inputs):
+        pre = moe.expert_pre_activations.save()
+        activations = moe.expert_activations.save()
+    width = pre.shape[-1]
+    for bad, shown in ((activations, rf"shape \(2, \d+, 2, {width // 2}\)"), (pre.long(), "shape"),
+                       (pre[..., :-2], "shape"), ([1.0, 2.0], "list"), (torch.tensor(1.0), r"shape \(\)")):
+        with pytest.raises(moelens.ArgumentError,
+                           match=rf"model\.layers\.0\.mlp\.gate_and_up takes expert_pre_activations .*got .*{shown}.*; "
+                                 rf"expected its last dimension to be 2I = {width} as MixtralExperts\.gate_up_proj holds"):
+            moe.gate_and_up(bad)
+    hf, wrapped_relu, inputs_relu, plain, reference = built("nemotron_h", "grouped_mm")
+    with pytest.raises(ValueUnavailable, match=r"is not gated .*no gate part to split off"):
+        wrapped_relu.moes[0].gate_and_up(torch.zeros(1, 1, 2, 8))

@@ -142,6 +142,35 @@ def test_outputs_match_plain_nnsight_and_weights(observed, family, impl):
 
 
 @pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
+def test_gate_and_up_split_the_pre_activations_as_the_fused_weight_is_stored(observed, family, impl):
+    """moe.gate_and_up gives each slot's projection by the gate rows and by the up rows of its expert's fused weight
+    (split here by transformers' own flag: halves, or interleaved where is_concatenated is False), and where the
+    experts gate with transformers' default function, act(gate) * up is the served expert_activations."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    wrapped, hf, inputs, served, output, plain, raw = observed(family, impl)
+    checked = 0
+    for moe, values, truth in zip(running_moes(wrapped), served, raw):
+        experts = moe.experts._module
+        if "expert_pre_activations" not in values or not getattr(experts, "has_gate", False):
+            continue
+        gate, up = moe.gate_and_up(values["expert_pre_activations"])
+        hidden, indices, _ = truth.routing
+        fused = experts.gate_up_proj if experts.is_transposed else experts.gate_up_proj.transpose(-1, -2)  # [E, D, 2I]
+        bias = experts.gate_up_proj_bias if experts.has_bias else torch.zeros(fused.shape[0], fused.shape[-1])
+        rows = (slice(0, None, 2), slice(1, None, 2)) if not experts.is_concatenated else \
+            (slice(0, fused.shape[-1] // 2), slice(fused.shape[-1] // 2, None))
+        for part, served_part in zip(rows, (gate, up)):
+            by_hand = torch.einsum("td,tkdi->tki", hidden, fused[indices][..., part]) + bias[indices][..., part]
+            close(served_part, by_hand.reshape(served_part.shape), atol=1e-5)
+        if type(experts)._apply_gate is _default_apply_gate:
+            close(experts.act_fn(gate) * up, values["expert_activations"])
+        checked += 1
+    if not checked:  # test_every_value_the_model_computes_is_served checks that nothing servable was left out
+        pytest.skip(f"{family}/{impl}: no gated experts with per-slot values served")
+
+
+@pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
 def test_every_value_the_model_computes_is_served(observed, family, impl):
     """save_all leaves out only what the block cannot serve: the checks below run on what it gives, so a value
     wrongly refused (the granite families' shared expert on the decoder layer, per-slot values under batched_mm)

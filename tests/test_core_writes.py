@@ -619,6 +619,39 @@ def test_pre_activation_writes_land_where_the_activation_reads_them(family, impl
     assert not torch.equal(first_tensor(output), plain)
 
 
+@pytest.mark.parametrize(("family", "impl"), [c for c in CASES if c[1] != "eager"],
+                         ids=[i for c, i in zip(CASES, IDS) if c[1] != "eager"])
+def test_gate_and_up_views_edit_the_pre_activations_the_model_goes_on_with(family, impl):
+    """moe.gate_and_up gives views: zeroing gate unit 1 and raising up unit 0 in place in a trace equals plain
+    nnsight editing the activation op's input at the columns the fused weight keeps them in (halves, or
+    interleaved where transformers' is_concatenated is False)."""
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = [moe for moe in running_moes(wrapped) if "expert_pre_activations" in moe.order()
+            and getattr(moe.experts._module, "has_gate", False) and not zero_compute_experts(hf)]
+    if not moes:
+        pytest.skip("no gated experts with per-slot values in this family")
+    moe = moes[0]
+    experts = moe.experts._module
+    with torch.no_grad(), wrapped.trace(**inputs):
+        gate, up = moe.gate_and_up(moe.expert_pre_activations)
+        gate[..., 1] = 0
+        up[..., 0] += 0.5
+        output = wrapped.output.save()
+    width = experts.gate_up_proj.shape[-1 if experts.is_transposed else -2]
+    gate_column, up_column = (1 * 2, 0 * 2 + 1) if not experts.is_concatenated else (1, width // 2)
+
+    def edit(block, moe_, index):
+        if index == 0:
+            op = block.get(moe.family.experts).source.experts_forward_1.source.self__apply_gate_0
+            op.input[:, gate_column] = 0
+            op.input[:, up_column] += 0.5
+
+    with torch.no_grad():
+        expected = plain_edit(reference, inputs, [moe], edit)
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(first_tensor(output), plain)
+
+
 @pytest.mark.parametrize(("family", "impl"), CASES, ids=IDS)
 def test_output_writes_match_plain_nnsight(family, impl):
     hf, wrapped, inputs, plain, reference = built(family, impl)

@@ -56,7 +56,7 @@ from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, copied, kept_
 from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
 from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
 from .mlp import Mlp
-from .params import MoeParams, block_params, refuse_fully_sharded
+from .params import MoeParams, block_params, gate_and_up, refuse_fully_sharded
 from .served import (RUNS, forwards_ended, generating, order_errors, request, request_step, run_fact, served,
                      skipped_visits)
 
@@ -452,6 +452,24 @@ class Moe(Mlp):
         params = block_params(self.family, self._module, self.num_experts, f"{self.path}.params", expert)
         refuse_fully_sharded(self.modules_down(), f"{self.path}.params")  # after DTensors' refusal, which says more
         return params
+
+    def gate_and_up(self, pre_activations: Float[Tensor, "*slots p"]
+                    ) -> tuple[Float[Tensor, "*slots i"], Float[Tensor, "*slots i"]]:
+        """The gate and up projections in ``expert_pre_activations`` of gated experts, as two views ``[..., I]``.
+
+        ``gate, up = moe.gate_and_up(moe.expert_pre_activations)`` splits ``[b, s, k, 2I]`` the way the
+        experts' fused weight is stored (``[gate | up]`` halves, interleaved in gpt_oss): ``gate[..., i]`` is
+        the slot's projection by row ``i`` of ``params().gate``, ``up[..., i]`` by row ``i`` of ``params().up``
+        (biases included). They are views: in a trace, an in-place edit of either
+        (``gate[..., i] = 0``) edits the pre-activations the model goes on with, as an edit of the value does.
+        Works outside a trace too (on a saved value).
+
+        Raises:
+            ArgumentError: ``pre_activations`` is no floating-point tensor whose last dimension is this block's 2I.
+            ValueUnavailable: the experts are not gated (the pre-activations are the up projection alone), or
+                their weights' layout is unknown.
+        """
+        return gate_and_up(self.family, self.experts._module, pre_activations, f"{self.path}.gate_and_up")
 
     def _refuse_replaced(self, where: str, consequence: str) -> None:
         """Raise where this block, or a module under it moelens instrumented, is no longer in the model as wrapped

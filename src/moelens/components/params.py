@@ -27,7 +27,7 @@ from jaxtyping import Float
 from nnsight.intervention.source import OP, Instrument, SourceNotAvailable, source_tree
 from torch import Tensor
 
-from ..errors import ArgumentError, LayoutMismatch, ValueUnavailable, WriteError, warn
+from ..errors import ArgumentError, LayoutMismatch, ValueUnavailable, WriteError, described, warn
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
 from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
@@ -533,6 +533,42 @@ def _stored_at(module: torch.nn.Module, path: str) -> Tensor | None:
         return None
     stored = owner._parameters.get(name)
     return stored if stored is not None else owner._buffers.get(name)
+
+
+def gate_and_up(family: Family, experts: torch.nn.Module, pre_activations: Any, where: str
+                ) -> tuple[Float[Tensor, "*slots i"], Float[Tensor, "*slots i"]]:
+    """The gate and up parts of gated experts' pre-activations ``[..., 2I]``, as views ``[..., I]``.
+
+    The split is the one the experts' fused ``gate_up`` weight is stored in (`layout_of`: ``[gate | up]`` halves,
+    or interleaved where transformers' ``is_concatenated`` is False, gpt_oss), so ``gate[..., i]`` is the
+    projection by row ``i`` of ``params().gate`` (plus its bias) and ``up[..., i]`` by row ``i`` of
+    ``params().up``, whatever the family's gate function does with them.
+
+    Raises:
+        ArgumentError: ``pre_activations`` is no floating-point tensor of the gated experts' width ``2I``.
+        ValueUnavailable: the experts are not gated (their pre-activations are the up projection alone), or
+            moelens does not know where their weights are.
+    """
+    layout = layout_of(family, experts)
+    if layout.gate_up is None:
+        raise ValueUnavailable(
+            f"{where}: {type(experts).__name__} is not gated (its activation reads the up projection alone, so "
+            "expert_pre_activations [b, s, k, I] is that projection already): there is no gate part to split off."
+        )
+    fused = _stored_at(experts, layout.gate_up)
+    width = None if fused is None else fused.shape[-1 if layout.transposed else -2]
+    fits = (isinstance(pre_activations, Tensor) and pre_activations.is_floating_point() and pre_activations.dim() > 0
+            and pre_activations.shape[-1] % 2 == 0 and width in (None, pre_activations.shape[-1]))
+    if not fits:
+        expected = f"2I = {width}" if width else "2I, an even number,"
+        raise ArgumentError(
+            f"{where} takes expert_pre_activations (a floating-point tensor [..., 2I] of gate and up projections), "
+            f"got {described(pre_activations)}; expected its last dimension to be {expected} as "
+            f"{type(experts).__name__}.{layout.gate_up} holds. Pass moe.expert_pre_activations (or a part of it "
+            "that keeps the last dimension whole)."
+        )
+    gate, up = _halves(pre_activations, layout.concatenated, dim=-1)
+    return gate, up
 
 
 def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor | None, Tensor | None]:
