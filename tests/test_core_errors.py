@@ -4971,12 +4971,19 @@ def test_gate_and_up_refuses_what_is_not_gated_pre_activations(mixtral):
         pre = moe.expert_pre_activations.save()
         activations = moe.expert_activations.save()
     width = pre.shape[-1]
-    for bad, shown in ((activations, rf"shape \(2, \d+, 2, {width // 2}\)"), (pre.long(), "shape"),
-                       (pre[..., :-2], "shape"), ([1.0, 2.0], "list"), (torch.tensor(1.0), r"shape \(\)")):
+    for bad, shown in ((activations, rf"Tensor of shape \(2, \d+, 2, {width // 2}\) of dtype torch.float32"),
+                       (pre.long(), rf"Tensor of shape \(2, \d+, 2, {width}\) of dtype torch.int64"),
+                       (pre[..., :-2], "Tensor of shape"), ([1.0, 2.0], "list"),
+                       (torch.tensor(1.0), r"Tensor of shape \(\)")):
         with pytest.raises(moelens.ArgumentError,
-                           match=rf"model\.layers\.0\.mlp\.gate_and_up takes expert_pre_activations .*got .*{shown}.*; "
-                                 rf"expected its last dimension to be 2I = {width} as MixtralExperts\.gate_up_proj holds"):
+                           match=rf"model\.layers\.0\.mlp\.gate_and_up takes expert_pre_activations, a floating-point "
+                                 rf"torch tensor \[\.\.\., 2I\] of gate and up projections \(2I = {width}, as "
+                                 rf"MixtralExperts\.gate_up_proj holds\); got {shown}"):
             moe.gate_and_up(bad)
     hf, wrapped_relu, inputs_relu, plain, reference = built("nemotron_h", "grouped_mm")
     with pytest.raises(ValueUnavailable, match=r"is not gated .*no gate part to split off"):
         wrapped_relu.moes[0].gate_and_up(torch.zeros(1, 1, 2, 8))
+    hf, wrapped_dbrx, inputs_dbrx, plain, reference = built("dbrx", "eager")  # gated, in separate weights of its loop
+    with pytest.raises(ValueUnavailable, match=r"keeps its gate and up projections in separate weights \(mlp\.w1, "
+                                               r"mlp\.v1\).*serves no expert_pre_activations to split"):
+        wrapped_dbrx.moes[0].gate_and_up(torch.zeros(1, 1, 2, 8))

@@ -409,3 +409,32 @@ def test_verify_names_a_base_model_archive_checked_against_its_causal_lm_and_the
     assert verification.verify(lm, moelens.wrap(hf), ids).meets("approximate")
     with pytest.raises(ExportError, match=r"tract's output has shape \(1, 8, 128\), torch's \(1, 8, 32\)"):
         verification.verify(lm, hf.model, ids)
+
+
+def test_zeroed_router_rows_are_refused_with_advice_that_removes_the_experts(tmp_path):
+    """Two router rows zeroed with moe.params() tie at 0 on every token. Scaling a zero row (the copied-row advice)
+    keeps the tie, so the refusal names the zero rows and points to route-around or zeroed down projections; both
+    export, and the archive run in tract matches the unwrapped model in torch."""
+    hf = tiny_model("mixtral")
+    model = moelens.wrap(hf)
+    moe = model.moes[2]
+    with torch.no_grad():
+        moe.params(1).router.zero_()
+        moe.params(4).router.zero_()
+    path = tmp_path / "zeroed.nnef.tgz"
+    with pytest.raises(ExportRefused, match=r"\(layer 2: experts 1 and 4\).* The router rows of experts layer 2: 1, 4 "
+                                            r"are all zero: a zero row does not remove an expert .* Route around those "
+                                            r"experts instead .* or zero their down projections too"):
+        to_nnef(model, path)
+    assert not path.exists()
+    routed_around = to_nnef(model, path, edits=Edits(route_around={2: [1, 4]}))
+    assert routed_around.verification.tolerance is not None
+    with torch.no_grad():
+        moe.params(1).down.zero_()
+        moe.params(4).down.zero_()
+    assert to_nnef(model, tmp_path / "zero-down.nnef.tgz").verification.tolerance is not None
+    ids = torch.randint(3, hf.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(input_ids=ids, use_cache=False).logits.numpy()
+    error = np.abs(run(tmp_path / "zero-down.nnef.tgz", ids) - expected).max()
+    assert error <= 1e-3 * np.abs(expected).max(), error

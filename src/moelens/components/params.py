@@ -550,6 +550,12 @@ def gate_and_up(family: Family, experts: torch.nn.Module, pre_activations: Any, 
             moelens does not know where their weights are.
     """
     layout = layout_of(family, experts)
+    if layout.gate_up is None and layout.gate is not None:
+        raise ValueUnavailable(
+            f"{where}: {type(experts).__name__} keeps its gate and up projections in separate weights ({layout.gate}, "
+            f"{layout.up}), not one fused [.., 2I] projection, and runs its own loop, so moelens serves no "
+            "expert_pre_activations to split; read moe.params().gate and .up for the weights."
+        )
     if layout.gate_up is None:
         raise ValueUnavailable(
             f"{where}: {type(experts).__name__} is not gated (its activation reads the up projection alone, so "
@@ -560,12 +566,12 @@ def gate_and_up(family: Family, experts: torch.nn.Module, pre_activations: Any, 
     fits = (isinstance(pre_activations, Tensor) and pre_activations.is_floating_point() and pre_activations.dim() > 0
             and pre_activations.shape[-1] % 2 == 0 and width in (None, pre_activations.shape[-1]))
     if not fits:
-        expected = f"2I = {width}" if width else "2I, an even number,"
+        expected = f"2I = {width}, as {type(experts).__name__}.{layout.gate_up} holds" if width else "2I even"
+        dtype = f" of dtype {pre_activations.dtype}" if isinstance(pre_activations, Tensor) else ""
         raise ArgumentError(
-            f"{where} takes expert_pre_activations (a floating-point tensor [..., 2I] of gate and up projections), "
-            f"got {described(pre_activations)}; expected its last dimension to be {expected} as "
-            f"{type(experts).__name__}.{layout.gate_up} holds. Pass moe.expert_pre_activations (or a part of it "
-            "that keeps the last dimension whole)."
+            f"{where} takes expert_pre_activations, a floating-point torch tensor [..., 2I] of gate and up projections "
+            f"({expected}); got {described(pre_activations)}{dtype}. Pass moe.expert_pre_activations (or a part of "
+            "it that keeps the last dimension whole)."
         )
     gate, up = _halves(pre_activations, layout.concatenated, dim=-1)
     return gate, up
@@ -576,8 +582,10 @@ def _halves(tensor: Tensor | None, concatenated: bool, dim: int) -> tuple[Tensor
     if tensor is None:
         return None, None
     if concatenated:
-        gate, up = tensor.chunk(2, dim=dim)
-        return gate, up
+        # narrow, not chunk: chunk's outputs are views autograd refuses to let be edited in place (a function of
+        # several outputs), so `gate[..., i] = 0` in a trace with autograd on would fail
+        half = tensor.shape[dim] // 2
+        return tensor.narrow(dim, 0, half), tensor.narrow(dim, half, half)
     index = [slice(None)] * tensor.dim()
     gate_index, up_index = list(index), list(index)
     gate_index[dim], up_index[dim] = slice(0, None, 2), slice(1, None, 2)

@@ -184,19 +184,35 @@ class MoeSpec:
 
 def refuse_ties(specs: Iterable[MoeSpec]) -> None:
     """Raise `ExportRefused` where a block's router gives two experts with different weights the same row (a row
-    copied with ``moe.params()``): their logits tie on every token, and tract's top-k breaks such ties otherwise than
-    torch's, so the archive would compute the other expert for some tokens (`MoeSpec.ties_that_matter`)."""
-    tied = [f"{'the block' if spec.layer is None else f'layer {spec.layer}'}: experts "
-            f"{', '.join(f'{a} and {b}' for a, b in pairs)}"
-            for spec in specs if (pairs := spec.ties_that_matter())]
-    if tied:
-        raise ExportRefused(
-            f"a router gives two experts the same row but not the same weights, so their logits tie on every token "
-            f"({'; '.join(tied[:3])}{' ...' if len(tied) > 3 else ''}), and tract's top-k breaks ties otherwise than "
-            "torch's: the archive would compute the other expert for some tokens. Make the rows differ (e.g. scale a "
-            "copied row by 1.01) or route around one of the experts (ablate(moe, e, \"route_around\"), "
-            "Edits(route_around=...)), and export again (an expert copied whole, router row and weights, exports)."
-        )
+    copied with ``moe.params()``, or two rows zeroed): their logits tie on every token, and tract's top-k breaks such
+    ties otherwise than torch's, so the archive would compute the other expert for some tokens
+    (`MoeSpec.ties_that_matter`)."""
+    tied, zeroed = [], []
+    for spec in specs:
+        pairs = spec.ties_that_matter()
+        if not pairs:
+            continue
+        where = "the block" if spec.layer is None else f"layer {spec.layer}"
+        tied.append(f"{where}: experts {', '.join(f'{a} and {b}' for a, b in pairs)}")
+        experts = sorted({expert for pair in pairs for expert in pair if not spec.wg[expert].any()})
+        zeroed += [f"{where}: {', '.join(map(str, experts))}"] if experts else []
+    if not tied:
+        return
+    if zeroed:  # scaling a zero row keeps it zero: say what removes an expert instead
+        advice = (f"The router rows of experts {'; '.join(zeroed[:3])}{' ...' if len(zeroed) > 3 else ''} are all "
+                  "zero: a zero row does not remove an expert (its logit is 0, tied with the other zero rows). Route "
+                  "around those experts instead (ablate(moe, e, \"route_around\"), Edits(route_around=...)), or zero "
+                  "their down projections too (moe.params(e).down.zero_(), so that either pick adds nothing), and "
+                  "export again.")
+    else:
+        advice = ("Make the rows differ (e.g. scale a copied row by 1.01) or route around one of the experts "
+                  "(ablate(moe, e, \"route_around\"), Edits(route_around=...)), and export again (an expert copied "
+                  "whole, router row and weights, exports).")
+    raise ExportRefused(
+        f"a router gives two experts the same row but not the same weights, so their logits tie on every token "
+        f"({'; '.join(tied[:3])}{' ...' if len(tied) > 3 else ''}), and tract's top-k breaks ties otherwise than "
+        f"torch's: the archive would compute the other expert for some tokens. {advice}"
+    )
 
 
 # -- reading a live block ------------------------------------------------------------------
