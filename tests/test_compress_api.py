@@ -328,6 +328,22 @@ def test_gqa_narrow_projections_get_fewer_experts():
     assert {layer.top_k for layer in stats.converted if "k_proj" in layer.name} == {1}
 
 
+def test_shared_neurons_are_noted_as_not_applied_to_single_linear_layers():
+    """shared_neurons is per FFN block: a Linear layer converted beside an FFN gets none, and its stats say so
+    (they were dropped without a word)."""
+    dense = llama(kv_heads=2)
+    _, stats = convert(dense, num_experts=4, top_k=2, calibration=ids(), shared_neurons=4,
+                       target_modules=["q_proj", "mlp"], max_error=None)
+    layers = {layer.name: layer for layer in stats.converted}
+    assert {name.rsplit(".", 1)[1] for name in layers} == {"q_proj", "mlp"}, sorted(layers)
+    for name, layer in layers.items():
+        if name.endswith("q_proj"):
+            assert layer.shared_neurons == 0
+            assert any("no shared neurons (shared_neurons=4 applies to FFN blocks" in note for note in layer.notes)
+        else:
+            assert layer.shared_neurons == 4 and not any("shared neurons" in note for note in layer.notes)
+
+
 # -- PEFT and LoRA -----------------------------------------------------------------------------------------------------
 
 

@@ -392,6 +392,28 @@ def test_a_top_level_tuple_is_one_call_of_the_models_positional_arguments():
     torch.testing.assert_close(run(top, tokens), run(expected, tokens), rtol=0, atol=0)
 
 
+def test_one_dataloader_batch_given_as_the_calibration_list_is_refused():
+    """next(iter(DataLoader(TensorDataset(ids, mask)))) is the list [ids, mask]; given as calibration, the list's
+    items are calls, so the mask ran as a batch of token ids 0 and 1 and the padding of ids was fitted on
+    (calibration_tokens 3072 where the mask holds 1152). Refused, saying how to pass the one batch; the DataLoader
+    itself calibrates on the real tokens (ground truth: mask.sum())."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    tokens = ids(4, 16)
+    mask = torch.ones_like(tokens)
+    mask[:, :6] = 0
+    loader = DataLoader(TensorDataset(tokens, mask), batch_size=4)
+    batch = next(iter(loader))
+    assert isinstance(batch, list)
+    with pytest.raises(CompressionError, match=r"calibration is a list of tensors whose item 1 is shaped like item 0 "
+                                               r"\[4, 16\] and holds only 0 and 1: an attention mask.*tuple\(batch\)"):
+        convert(llama(), num_experts=4, top_k=2, calibration=batch)
+    stats, calls = _forwards_of(llama(), loader)
+    assert len(calls) == 1 and stats.calibration_tokens == int(mask.sum())
+    two_batches, calls = _forwards_of(llama(), [tokens, ids(2, 16)])  # a list of token-id batches stays two calls
+    assert len(calls) == 2
+
+
 def test_a_top_level_tuple_is_refused_or_run_as_the_same_tuple_in_a_list():
     """GPT-2's second positional parameter is its cache, so (ids, mask) is refused before any forward, as
     [(ids, mask)] is; a model taking the tokenizer's dict as one positional argument (a sentence-transformers model)

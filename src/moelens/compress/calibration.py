@@ -56,6 +56,7 @@ def batches(calibration: Any, model: nn.Module | None = None) -> list[tuple[tupl
         )
     elif isinstance(calibration, Iterable):
         items = list(calibration)
+        _refuse_mask_as_batch(items)
     else:
         raise CompressionError(
             f"calibration must be a tensor of token ids, a dict of model inputs, or a list of those; "
@@ -102,6 +103,27 @@ def batches(calibration: Any, model: nn.Module | None = None) -> list[tuple[tupl
             "tokenizer(texts, return_tensors='pt', padding=True), or calibration=None to convert from weights only."
         )
     return calls
+
+
+def _refuse_mask_as_batch(items: list) -> None:
+    """Raise `CompressionError` when a top-level list of tensors looks like one call's ``[ids, mask]`` (a DataLoader
+    batch over ``TensorDataset(ids, mask)`` passed as is): a later integer tensor shaped like the first that holds
+    only 0 and 1 would otherwise be run as a batch of token ids, and the first one's padding fitted on."""
+    if len(items) < 2 or not all(isinstance(item, Tensor) for item in items):
+        return
+    ids = items[0]
+    if ids.is_floating_point() or ids.dim() < 2:
+        return
+    for position, item in enumerate(items[1:], start=1):
+        if (not item.is_floating_point() and item.shape == ids.shape and item.numel()
+                and bool(((item == 0) | (item == 1)).all())):
+            raise CompressionError(
+                f"calibration is a list of tensors whose item {position} is shaped like item 0 {list(ids.shape)} and "
+                "holds only 0 and 1: an attention mask, as one DataLoader batch over TensorDataset(ids, mask) gives. "
+                "A list holds calls, so it would be run as token ids; pass the batch as one call, a tuple "
+                "(calibration=tuple(batch)) or a dict ({'input_ids': ids, 'attention_mask': mask}), or the DataLoader "
+                "itself."
+            )
 
 
 #: Ends of the ``forward`` parameter names that take an integer tensor shaped like the token ids.

@@ -301,6 +301,9 @@ class ToMoECompressor:
             stats.skipped.append(SkippedLayer(site.name, reason))
             return False
         shared = options.shared_neurons if site.kind != "linear" else 0
+        if site.kind == "linear" and options.shared_neurons:
+            site.notes.append(f"no shared neurons (shared_neurons={options.shared_neurons} applies to FFN blocks; "
+                              "a Linear layer's outputs are all split into experts)")
         plan = plan_layer(layer, x, site.num_experts, site.top_k, shared_neurons=shared, refit=options.refit,
                           seed=options.seed, sequences=found.sequences if found is not None else None)
         if plan.error is not None and not plan.held_out and options.max_error is not None and not self._gate_warned:
