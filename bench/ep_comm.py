@@ -341,7 +341,7 @@ def rank_main(args: argparse.Namespace) -> None:
         with torch.no_grad(), lm.trace(ids):
             for index in running:
                 lm.moes[index].expert_outputs.save()
-    for kind in ("activations_back", "activations_out"):
+    for kind in ("pre_activations_back", "activations_out"):
         out[f"{kind}_sent"] = log.sent(kind) / layers
 
     # The routing of the first MoE block, for the deduplicated minimum and transformers' EP on the same batch.
@@ -430,7 +430,7 @@ def report(results: list[dict[str, Any]]) -> list[str]:
             f"{(r['dispatch_sent_layer0'] + r['combine_sent_layer0']) / kb:.1f} vs {(hf[0] + hf[1]) / kb:.1f} | "
             f"{r['all_reduce_payload'] / kb:.1f} / {r['all_reduce_ring'] / kb:.1f} | "
             f"{both / r['all_reduce_ring']:.2f} | "
-            f"{(r['activations_back_sent'] + r['activations_out_sent']) / kb:.1f} |"
+            f"{(r['pre_activations_back_sent'] + r['activations_out_sent']) / kb:.1f} |"
         )
     single = first.get("single_forward_s")
     ep_time = max(r["ep_forward_s"] for r in results)

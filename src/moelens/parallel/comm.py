@@ -68,7 +68,7 @@ class Record:
     Attributes:
         kind: ``"counts"`` (the per-expert count exchange), ``"dispatch"`` (token
             rows to the experts' owners), ``"combine"`` (expert outputs back),
-            ``"activations_back"`` / ``"activations_out"`` (the activation round trip
+            ``"pre_activations_back"`` / ``"activations_out"`` (the activation round trip
             made when a trace reads per-slot values), or ``"*_grad"`` in backward.
         tag: Which experts module made it (its layer tag; 0 when unknown).
         sent_bytes: Bytes sent to the other ranks of the group.

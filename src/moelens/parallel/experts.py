@@ -15,12 +15,14 @@ this rank's tokens, exactly as in one process. Inside the implementation,
 rank's tokens in token-slot order, summed right after (as in grouped_mm), so
 `Moe.expert_outputs` reads and writes them. Activations are computed on the
 experts' owners; when a trace drills into this call on any rank of the group
-(reading ``expert_outputs`` / ``expert_activations`` or any op inside), the
-activations make a round trip: back to the senders as ``slot_activations_0``
-(``[T*k, I]``, token-slot order, this rank's tokens; `Moe.expert_activations`)
-and, possibly edited, out again to the owners' down projections. Outside such a
-trace the layer makes two exchanges of ``D``-wide rows; inside, two more of
-``I``-wide rows.
+(reading a per-slot value or any op inside), the owners stop at the up
+projections, which come back to the senders (``[T*k, P]``, token-slot order,
+this rank's tokens; P = 2I where gated), are activated there by the experts
+module's own gate or activation (``self__apply_gate_0`` / ``self_act_fn_0``, as
+in grouped_mm: `Moe.expert_pre_activations` is that op's input,
+`Moe.expert_activations` its output) and, possibly edited, go out again to the
+owners' down projections. Outside such a trace the layer makes two exchanges of
+``D``-wide rows; inside, two more: ``P``-wide rows back, ``I``-wide rows out.
 """
 
 from __future__ import annotations
@@ -43,14 +45,8 @@ from .comm import group_size, stored_group
 #: The name of the implementation, in transformers' registries and moelens'.
 NAME = "torch_a2a"
 
-#: The op names `Moe` reads inside it.
-OPS = ExpertsOps(
-    slot_outputs="weighted_out_view_0",
-    gated_activations="slot_activations_0",
-    plain_activations="slot_activations_0",
-    sort=None,
-    pre_activations=False,  # the up projections stay on the experts' owners
-)
+#: The op names `Moe` reads inside it: grouped_mm's, in token-slot order (no sort).
+OPS = ExpertsOps()
 
 def slot_values_wanted(experts: torch.nn.Module) -> bool:
     """Whether a running nnsight trace drilled into this module's experts call.
@@ -86,8 +82,10 @@ def _stand_in(rows: Tensor, plan: Plan) -> tuple[Tensor, Tensor, Tensor]:
     return rows.sum(dim=0, keepdim=True), plan.local_ids.new_zeros(1), offsets
 
 
-def experts_up(experts: torch.nn.Module, rows: Float[Tensor, "r d"], plan: Plan) -> Float[Tensor, "r i"]:
-    """This rank's experts' activations (after gate / activation) on rows grouped by local expert."""
+def experts_up(experts: torch.nn.Module, rows: Float[Tensor, "r d"], plan: Plan, activate: bool = True
+               ) -> Float[Tensor, "r p"]:
+    """This rank's experts' activations (after gate / activation) on rows grouped by local expert; with
+    ``activate=False`` their up projections ``[r, P]`` (gate and up, P = 2I, where gated), the activation's input."""
     x, ids, offsets = _stand_in(rows, plan)
     gated = getattr(experts, "has_gate", True)
     weight = _up_weight(experts)
@@ -95,7 +93,8 @@ def experts_up(experts: torch.nn.Module, rows: Float[Tensor, "r d"], plan: Plan)
     if getattr(experts, "has_bias", False):
         bias = (experts.gate_up_proj_bias if gated else experts.up_proj_bias)[ids]
     out = _grouped_linear(x, weight, offsets, bias=bias, is_transposed=getattr(experts, "is_transposed", False))
-    out = experts._apply_gate(out) if gated else experts.act_fn(out)
+    if activate:
+        out = experts._apply_gate(out) if gated else experts.act_fn(out)
     return out if rows.shape[0] else out[:0]
 
 
@@ -152,13 +151,20 @@ def torch_a2a_experts_forward(
         runs=self.__dict__.get("_ep_runs"),
     )
     rows = plan.dispatch(hidden_states)
-    activations = experts_up(self, rows, plan)
     if plan.serve:
-        # This rank's tokens' activations [T*k, I] in token-slot order; edits go to the owners. What the round trip
-        # keeps for backward is not a checkpointed layer's to recompute: its recomputation, after the trace, makes none.
+        # This rank's tokens' up projections [T*k, P] come back in token-slot order and are activated here, as in
+        # grouped_mm (the activation op's input and output are served); the activations, edits included, go to the
+        # owners. What the round trip keeps for backward is not a checkpointed layer's to recompute: its
+        # recomputation, after the trace, makes none.
         with kept_for_backward():
-            slot_activations = plan.to_sender(activations, "activations_back")
+            slot_pre_activations = plan.to_sender(experts_up(self, rows, plan, activate=False), "pre_activations_back")
+            if getattr(self, "has_gate", True):
+                slot_activations = self._apply_gate(slot_pre_activations)
+            else:
+                slot_activations = self.act_fn(slot_pre_activations)
             activations = plan.to_owner(slot_activations, "activations_out")
+    else:
+        activations = experts_up(self, rows, plan)
     expert_out = experts_down(self, activations, plan)
     proj_out = plan.to_sender(expert_out, "combine")
     weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
