@@ -4836,6 +4836,28 @@ def test_op_names_registered_again_reach_a_block_that_served_per_slot_values():
     torch.testing.assert_close(outputs.sum(2), routed)
 
 
+def test_an_implementation_registered_without_pre_activations_refuses_them_with_the_reason():
+    """ExpertsOps(pre_activations=False) says the activation op's input is no slot's up projection: the value is
+    refused naming the implementation and the flag, and the activations are still served."""
+    from moelens.components import ExpertsOps, register_implementation
+    from moelens.components.implementations import ops_for
+
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    wrapped, inputs, good = moelens.wrap(hf), tiny_inputs(hf), ops_for("batched_mm")
+    try:
+        register_implementation("batched_mm", ExpertsOps(pre_activations=False), replace=True)
+        with pytest.raises(ValueUnavailable, match=r"expert_pre_activations.*the batched_mm experts implementation was "
+                                                   r"registered with ExpertsOps\(pre_activations=False\).*Read "
+                                                   r"expert_activations, or recompute the projection"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                wrapped.moes[0].expert_pre_activations.save()
+        with torch.no_grad(), wrapped.trace(**inputs):
+            served = wrapped.moes[0].save_all()
+    finally:
+        register_implementation("batched_mm", good, replace=True)
+    assert "expert_activations" in served and "expert_pre_activations" not in served
+
+
 def test_an_interrupt_as_a_trace_begins_leaves_the_model_to_other_threads(monkeypatch):
     """Ctrl-C while nnsight built the batcher (after moelens claimed the run for this thread, before nnsight's
     clean-up was in place) left the run claimed: every trace from another thread was refused until this thread

@@ -35,8 +35,8 @@ class ExpertsOps:
             they run in token-slot order.
         pre_activations: Whether the input of the activation op (gated or plain) is each
             slot's up projection (``[T*k, 2I]`` gate and up, ``[T*k, I]`` up alone), in the
-            order of the activations; False where the activations are computed elsewhere
-            (moelens' ``torch_a2a``: on the experts' owners, sent back through that op).
+            order of the activations; False where the activations are computed elsewhere and
+            only pass through that op (then `Moe` refuses ``expert_pre_activations``).
     """
 
     slot_outputs: str = "weighted_out_view_0"

@@ -314,9 +314,9 @@ class Moe(Mlp):
                 raise self.needs_grouped_experts(name)
             if name == "expert_pre_activations" and not ops.pre_activations:
                 raise self.unavailable(
-                    name, f"the {implementation or self.experts_implementation} experts implementation computes each "
-                          "slot's up projection where its expert runs (on the expert's owner under torch_a2a), and "
-                          "brings back the activations alone",
+                    name, f"the {implementation or self.experts_implementation} experts implementation was registered "
+                          "with ExpertsOps(pre_activations=False): the input of its activation op is no slot's up "
+                          "projection (it computes the activations elsewhere)",
                     "read expert_activations, or recompute the projection from moe.params().")
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
