@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import unittest.mock
 import warnings
 from typing import NamedTuple
 
@@ -2655,6 +2656,52 @@ def test_route_around_on_a_router_scoring_dropped_groups_zero():
                                          r"it drops 0.0, so the router would fill its slots with excluded experts"):
         with wrapped.trace(**inputs):
             moelens.ablate(moe, 3, "route_around")
+
+
+@pytest.mark.parametrize("family", ["mistral4", "mistral_large4"])
+def test_route_around_that_leaves_a_kept_group_short_is_refused_where_dropped_groups_score_zero(family):
+    """mistral4 ranks the softmax of its logits (no selection bias), keeps the best groups, puts 0.0 in place of the
+    others and weighs its picks by the scores before that fill. Routing around expert 4 while expert 5 of its group
+    dominates (steer) kept the group {4, 5} with one expert above 0.0: the router filled the second slot with an
+    expert of a dropped group at that expert's own softmax weight, without a word. Refused now; routing around the
+    whole group, or an expert of a group the router drops, equals the unwrapped model with those logits set to -inf
+    by hand (a forward hook on its router's linear layer)."""
+    hf = tiny_model(family, experts_implementation="eager", n_group=4, topk_group=1)  # 8 experts in groups of 2, k=2
+    inputs = tiny_inputs(hf, batch=2, seq=6)
+    truth = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with pytest.raises(WriteError, match=r"router_logits: for some token the best 1 of its 4 expert groups \(the "
+                                         r"router's reach\) hold fewer than 2 experts scoring above 0.0 .* an expert "
+                                         r"of a dropped group, weighted by that expert's own score"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moelens.steer(moe, 5, 2.0)
+            moelens.ablate(moe, 4, "route_around")
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moelens.steer(moe, 5, 2.0)
+        moelens.ablate(moe, [4, 5], "route_around")
+        indices = moe.expert_indices.save()
+        output = wrapped.output.save()
+    assert not ((indices == 4) | (indices == 5)).any()
+    router = truth.get_submodule(moe.router.path.removeprefix("model."))
+    real, linear = router.forward, F.linear
+
+    def edited_linear(x, weight, bias=None):  # the router's one F.linear: its logits
+        logits = linear(x, weight, bias)
+        logits[..., 5] += 2.0
+        logits[..., [4, 5]] = float("-inf")
+        return logits
+
+    def forward(hidden):
+        with unittest.mock.patch.object(F, "linear", edited_linear):
+            return real(hidden)
+
+    router.forward = forward
+    with torch.no_grad():
+        expected = first_tensor(truth(**inputs))
+    torch.testing.assert_close(first_tensor(output), expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(first_tensor(hf(**inputs)), expected)
 
 
 def test_route_around_inside_a_group_kept_whatever_the_ties_is_let_through_where_dropped_groups_score_zero():

@@ -23,6 +23,7 @@ except ImportError:  # a torch built without torch.distributed
     CheckpointWrapper = None
 
 from ..errors import MoelensError, WriteError
+from ..families.scoring import score
 from .binding import ANY_INF, FINITE, INDEX, Binding
 
 if TYPE_CHECKING:
@@ -203,6 +204,8 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                 f"{where}: the written slots of a token add up to {reached}, which is inf in {narrowest} (at "
                 f"most {torch.finfo(narrowest).max:.4g}), {how}; write smaller values."
             )
+    if name == "router_logits" and binding.min_finite and value.numel():
+        _check_groups_of_scored_logits(component, where, value)
     needed, why = (component._finite_logits_needed(value.dtype) if name == "router_logits" and binding.min_finite
                    else (binding.min_finite, WHY_FINITE.get(name, "the router could not pick")))
     if not needed or not value.numel():
@@ -231,6 +234,31 @@ def _slot_sum_dtype(slots: torch.Tensor) -> torch.dtype:
     return torch.zeros((1, 1), dtype=slots.dtype, device=slots.device).sum(-2).dtype
 
 
+def _check_groups_of_scored_logits(component: "Component", where: str, logits: Float[torch.Tensor, "*tokens e"]) -> None:
+    """Raise `WriteError` where a group-limited router that ranks the scores of its logits (no selection bias:
+    mistral4's softmax) and fills its dropped groups with a finite score (0.0) keeps groups holding fewer than k
+    experts scored above that fill for some token (``route_around`` of an expert whose group is still kept): its
+    top-k then takes a tie among the filled scores, an expert of a dropped group, weighted by its own score."""
+    scoring = component.SCORING
+    if scoring.select != "group_topk" or scoring.group_fill == float("-inf") or component.ranks_selection_scores:
+        return
+    groups = component.family.groups_of(component._module)
+    if groups is None or groups[1] >= groups[0]:  # no group dropped: nothing filled
+        return
+    scores = score(component.family.score_of(component._module), logits.detach().float(), component.softcap)
+    k = component.top_k
+    short = _picks_excluded(scores, *groups, scoring.group_fill, k, weighed_unmasked=True)
+    if short.any():
+        fill = scoring.group_fill
+        raise WriteError(
+            f"{where}: for some token the best {groups[1]} of its {groups[0]} expert groups (the router's reach) "
+            f"hold fewer than {k} experts scoring above {fill} (experts routed around score 0), and the router scores "
+            f"the experts of the groups it drops {fill}: its top-k would fill the slot with an expert of a dropped "
+            f"group, weighted by that expert's own score. Leave at least {k} experts per token in the groups the "
+            "router keeps (route_around fewer experts of a kept group), or route around the whole group's experts."
+        )
+
+
 def _kept_groups(component: "Component", name: str) -> tuple[int, int] | None:
     """``(n_group, topk_group)`` where the router ranks ``name`` (its selection scores) to keep its best groups
     (group score: the sum of a group's top two, ``"group_topk"``), else None."""
@@ -240,7 +268,8 @@ def _kept_groups(component: "Component", name: str) -> tuple[int, int] | None:
 
 
 def _picks_excluded(
-    value: Float[torch.Tensor, "*tokens e"], n_group: int, topk_group: int, fill: float, k: int
+    value: Float[torch.Tensor, "*tokens e"], n_group: int, topk_group: int, fill: float, k: int,
+    weighed_unmasked: bool = False,
 ) -> Bool[torch.Tensor, " *tokens"]:
     """Whether a group-limited router could pick an entry written -inf for each token: it keeps the
     ``topk_group`` groups of the best sum of their top two (torch's top-k ranks a NaN sum first), puts ``fill``
@@ -248,14 +277,15 @@ def _picks_excluded(
     holding the fewest entries above ``fill`` are taken as kept. With ``fill`` -inf an entry of a dropped group
     is never picked, so too few finite entries in the kept groups is the danger; with a finite ``fill`` (axk2's
     0.0) an expert written -inf in a dropped group comes back at ``fill``, picked once the kept groups hold
-    fewer than ``k`` entries above it."""
+    fewer than ``k`` entries above it. ``weighed_unmasked``: the router weighs its picks by their scores before the
+    fill (mistral4), so any pick at ``fill`` from a dropped group counts: the kept groups' shortfall alone decides."""
     grouped = rearrange(value, "... (g e) -> ... g e", g=n_group)
     sums = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1).nan_to_num(nan=float("inf"))
     counts = (grouped > fill).sum(-1)
     by_count = counts.argsort(dim=-1, stable=True)  # then by sum, best first: ties keep the fewest entries first
     ranked = by_count.gather(-1, sums.gather(-1, by_count).argsort(dim=-1, descending=True, stable=True))
     short = counts.gather(-1, ranked[..., :topk_group]).sum(-1) < k
-    if fill == float("-inf"):
+    if fill == float("-inf") or weighed_unmasked:
         return short
     if topk_group >= n_group:  # no group is dropped, so none comes back at fill: only -inf entries are never picked
         return (~torch.isneginf(value)).sum(-1) < k
