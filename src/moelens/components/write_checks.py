@@ -222,7 +222,8 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
         raise WriteError(
             f"{where}: fewer than {needed} entr{'ies' if needed > 1 else 'y'} of some token are above {above}{reach}, "
             f"so {why}; leave at least {needed} expert{'s' * (needed > 1)} "
-            f"above {above} per token{' in those groups' if groups else ''} (route_around fewer experts)."
+            f"above {above} per token{' in those groups' if groups else ''} (route_around fewer experts"
+            f"{'; a group that force or steer keeps for a token needs them too' if groups else ''})."
         )
 
 
