@@ -1083,7 +1083,36 @@ def suite_replace_one_rank(args: dict) -> dict[str, Callable[[], Any]]:
         finite = all(torch.isfinite(p.grad).all() for p in ep.parameters() if p.grad is not None)
         return {"logits": maxdiff(logits, expected), "grads": grads, "grad_scale": scale, "finite": bool(finite)}
 
-    return {"replace_routed_output_on_rank0": run}
+    def checkpointed() -> dict[str, Any]:
+        """Activation checkpointing (non-reentrant) with a trace reading the up projections (edits there are refused:
+        the recomputation would run without them): the recomputation, outside the trace, makes no round trip, and
+        must save what the traced forward saved (it raised torch's CheckpointError once the owners stopped at the up
+        projections)."""
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        ep = shard_experts(copy.deepcopy(ref), None)
+        ep.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ep.train()
+        ref.train()
+        lm_ep, lm_ref = moelens.wrap(ep), moelens.wrap(ref)
+
+        def traced_loss(lm: Any, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = tokens_of(rank)
+            with lm.trace(ids):
+                lm.moes[0].expert_pre_activations.save()
+                logits = lm.output.logits.save()
+            return logits, loss_of(logits, ids)
+
+        logits, loss = traced_loss(lm_ep, RANK)
+        loss.backward()
+        expected, _ = traced_loss(lm_ref, RANK)
+        ref.zero_grad(set_to_none=True)
+        for rank in range(WORLD):
+            traced_loss(lm_ref, rank)[1].backward()
+        grads, scale = compare_grads(ep, ref, None)
+        finite = all(torch.isfinite(p.grad).all() for p in ep.parameters() if p.grad is not None)
+        return {"logits": maxdiff(logits, expected), "grads": grads, "grad_scale": scale, "finite": bool(finite)}
+
+    return {"replace_routed_output_on_rank0": run, "checkpointed_per_slot_read": checkpointed}
 
 
 def suite_generation(args: dict) -> dict[str, Callable[[], Any]]:

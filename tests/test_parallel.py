@@ -577,7 +577,8 @@ def test_a_corpus_refused_before_any_exchange_on_one_rank_counts_a_run() -> None
 def test_replace_on_one_rank_then_backward() -> None:
     """Rank 0 replaces layer 1's routed_output with zeros (a tensor that needs no grad), rank 1 does
     not, both run backward: it completes, and the gradients equal one process running every rank's
-    loss with the same per-rank edits."""
+    loss with the same per-rank edits. Also: a read of the up projections under activation checkpointing, then
+    backward, against one process without checkpointing."""
     results = spawn(2, {"replace_one_rank": {}})
 
     def check(case: str, m: dict[str, Any]) -> list[str]:

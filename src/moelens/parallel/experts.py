@@ -52,7 +52,7 @@ def slot_values_wanted(experts: torch.nn.Module) -> bool:
     """Whether a running nnsight trace drilled into this module's experts call.
 
     That is, whether the call runs source-instrumented: something in the trace
-    (`Moe.expert_outputs`, `Moe.expert_activations`, or a direct
+    (a per-slot value such as `Moe.expert_outputs`, or a direct
     ``experts.source.experts_forward_1.source.<op>``) wants the per-slot values.
     """
     state = experts.__dict__.get(STATE)
@@ -93,8 +93,12 @@ def experts_up(experts: torch.nn.Module, rows: Float[Tensor, "r d"], plan: Plan,
     if getattr(experts, "has_bias", False):
         bias = (experts.gate_up_proj_bias if gated else experts.up_proj_bias)[ids]
     out = _grouped_linear(x, weight, offsets, bias=bias, is_transposed=getattr(experts, "is_transposed", False))
-    if activate:
-        out = experts._apply_gate(out) if gated else experts.act_fn(out)
+    if activate or torch.is_grad_enabled():
+        # Without ``activate`` the activation still runs where autograd records it (its result unused): a
+        # checkpointed layer's recomputation (no trace, so no round trip) runs it, and the forward must save what the
+        # recomputation saves, in the same order (torch pairs the saved tensors by position).
+        activated = experts._apply_gate(out) if gated else experts.act_fn(out)
+        out = activated if activate else out
     return out if rows.shape[0] else out[:0]
 
 
@@ -156,8 +160,9 @@ def torch_a2a_experts_forward(
         # grouped_mm (the activation op's input and output are served); the activations, edits included, go to the
         # owners. What the round trip keeps for backward is not a checkpointed layer's to recompute: its
         # recomputation, after the trace, makes none.
+        owner_pre_activations = experts_up(self, rows, plan, activate=False)  # saved as a recomputation saves it
         with kept_for_backward():
-            slot_pre_activations = plan.to_sender(experts_up(self, rows, plan, activate=False), "pre_activations_back")
+            slot_pre_activations = plan.to_sender(owner_pre_activations, "pre_activations_back")
             if getattr(self, "has_gate", True):
                 slot_activations = self._apply_gate(slot_pre_activations)
             else:

@@ -10,7 +10,8 @@ or ``moelens.parallel`` registers nothing). It registers
   ``DistributedConfig(..., ep_implementation="torch_a2a")`` runs transformers' own
   expert parallelism (``from_pretrained``) through the same exchanges;
 * the op names inside it with `moelens.components.register_implementation`, so
-  `Moe.expert_outputs` / `Moe.expert_activations` are served under it.
+  the per-slot values (`Moe.expert_pre_activations`, `Moe.expert_activations`, `Moe.expert_outputs`) are
+  served under it.
 """
 
 from __future__ import annotations

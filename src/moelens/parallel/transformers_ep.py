@@ -17,10 +17,11 @@ wrapper (and only then imports this module):
   and output stay this rank's tokens, as in one process;
 * MoE blocks are served by `ExpertParallelMoe`: ``num_experts`` is the global E
   (the DTensor's global shape, not the local count transformers writes on the
-  module), and the per-slot values raise `ValueUnavailable`: transformers runs
-  the experts on exchanged rows (top-1, unit weights), so no ``[T, k, ...]``
-  tensor of this rank's tokens exists there. Shard with `shard_experts` (moelens'
-  ``torch_a2a``) to read them.
+  module), and the per-slot values raise `ValueUnavailable`: transformers calls
+  the exchange from its wrapper around the experts' forward (and its own
+  implementations run the experts on exchanged rows, top-1 with unit weights, so
+  no ``[T, k, ...]`` tensor of this rank's tokens exists there). Shard with
+  `shard_experts` (moelens' ``torch_a2a``) to read them.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class ExpertParallelMoe(Moe):
         if name in PER_SLOT_VALUES:
             raise self.unavailable(
                 name,
-                "transformers' own expert parallelism (DistributedConfig(ep_size=...)) runs the experts on the "
-                "rows exchanged between ranks (top-1, unit weights), so no [tokens, k, ...] tensor of this "
-                "rank's tokens exists",
+                "transformers' own expert parallelism (DistributedConfig(ep_size=...)) runs the experts from a "
+                "wrapper around the experts module's forward, where moelens does not reach (its all_to_all and "
+                "all_reduce implementations run them on exchanged rows, top-1 with unit weights: no [tokens, k, "
+                "...] tensor of this rank's tokens exists there at all)",
                 "shard the experts with moelens.parallel.shard_experts (torch_a2a) to read per-slot values; "
                 "routing values, routed_output and mlp_output are served here.",
             )
