@@ -279,15 +279,19 @@ def _picks_excluded(
     is never picked, so too few finite entries in the kept groups is the danger; with a finite ``fill`` (axk2's
     0.0) an expert written -inf in a dropped group comes back at ``fill``, picked once the kept groups hold
     fewer than ``k`` entries above it. ``weighed_unmasked``: the router weighs its picks by their scores before the
-    fill (mistral4), so any pick at ``fill`` from a dropped group counts: the kept groups' shortfall alone decides."""
+    fill (mistral4), so a shortfall in the kept groups matters where a dropped group holds an entry above ``fill``,
+    which the tie at ``fill`` may pick at that entry's weight (not where every other entry is at ``fill`` itself:
+    a large steer's softmax leaves the others 0, picked at weight 0)."""
     grouped = rearrange(value, "... (g e) -> ... g e", g=n_group)
     sums = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1).nan_to_num(nan=float("inf"))
     counts = (grouped > fill).sum(-1)
     by_count = counts.argsort(dim=-1, stable=True)  # then by sum, best first: ties keep the fewest entries first
     ranked = by_count.gather(-1, sums.gather(-1, by_count).argsort(dim=-1, descending=True, stable=True))
     short = counts.gather(-1, ranked[..., :topk_group]).sum(-1) < k
-    if fill == float("-inf") or weighed_unmasked:
+    if fill == float("-inf"):
         return short
+    if weighed_unmasked:  # a pick at fill weighs its own score: only a dropped group's expert above fill does harm
+        return short & (counts.gather(-1, ranked[..., topk_group:]).sum(-1) > 0)
     if topk_group >= n_group:  # no group is dropped, so none comes back at fill: only -inf entries are never picked
         return (~torch.isneginf(value)).sum(-1) < k
     # a group whose sum beats the best dropped one's is kept whatever the ties: its -inf entries stay -inf
