@@ -1485,3 +1485,77 @@ def test_check_names_a_normalisation_floor_the_router_does_not_apply(registered)
         families.check(moelens.wrap(hand), IDS)
     registered()  # the router's own scoring, without a floor, passes
     assert families.check(moelens.wrap(model()), IDS)
+
+
+class LoopBlock(nn.Module):
+    """A block that loops over its experts inline (no experts call): top-1 of a softmax, the weight the chosen
+    probability (not renormalised), as Switch Transformers route."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(EXPERTS)])
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        x = hidden.reshape(-1, d)
+        weight, index = self.router(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for expert, module in enumerate(self.experts):
+            chosen = index == expert
+            out[chosen] = module(x[chosen]) * weight[chosen, None]
+        return out.reshape(b, s, d)
+
+
+class LoopModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, HIDDEN)
+        self.layers = nn.ModuleList([nn.ModuleDict({"moe": LoopBlock()})])
+
+    def forward(self, input_ids):
+        return self.layers[0]["moe"](self.embed(input_ids))
+
+
+def test_derived_routing_follows_the_entrys_scoring_and_refuses_what_it_cannot_rank(registered):
+    """derived_routing served the score of the top-k logits alone (llama4's routing) whatever the entry said: a
+    Switch router's weights (the softmax over every expert, top-1, not renormalised) came back 1.0 for every token.
+    Ground truth: the block's router run on the block's input, softmax and max by hand. An entry whose router
+    ranks more than its logits (a selection bias, groups) is refused at register."""
+    torch.manual_seed(0)
+    net = LoopModel().eval()
+    registered(block_classes=("LoopBlock",), experts="", experts_call=False, derived_routing=True,
+               scoring=Scoring("softmax", "score_topk", normalize=False), top_k=1, num_experts=EXPERTS, shared=None,
+               combine=Combine(), expert_layout=None)
+    wrapped = moelens.wrap(net)
+    with wrapped.trace(IDS):
+        weights = wrapped.moes[0].expert_weights.save()
+        indices = wrapped.moes[0].expert_indices.save()
+    with torch.no_grad():  # the router the block runs, on the block's input
+        expected, chosen = net.layers[0]["moe"].router(net.embed(IDS).reshape(-1, HIDDEN)).softmax(-1).max(-1)
+    torch.testing.assert_close(weights.reshape(-1), expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(indices.reshape(-1), chosen)
+    assert (weights < 0.99).all()  # not the score of the chosen logit alone (1.0 for a softmax over one)
+    for changes, named in (({"selection_bias": "router.bias"}, "selection_bias='router.bias'"),
+                           ({"groups": ("router.n_group", "router.topk_group"), "select": "group_topk"},
+                            "select='group_topk'")):
+        with pytest.raises(FamilyError, match=rf"derived_routing=True recomputes the weights and indices as the top-k "
+                                              rf"of the logits.*ranks more than its logits \({named}"):
+            families.register(dataclasses.replace(ENTRY, name="derived_bias", derived_routing=True, experts="",
+                                                  experts_call=False,
+                                                  scoring=dataclasses.replace(ENTRY.scoring, **changes)))
+
+
+def test_a_plain_torch_model_wrapped_with_a_tokenizer_is_refused_saying_to_trace_token_ids():
+    """wrap(plain_model, tokenizer=...) failed deep inside transformers' pipeline ('Model' object has no attribute
+    'device', then 'can_generate'); it is refused naming what the pipeline reads, and the model wraps without it."""
+    from groundtruth import ascii_tokenizer
+
+    with pytest.raises(moelens.MoelensError, match=r"wrap\(tokenizer=\.\.\.\) needs a transformers model .* got Model, "
+                                                   r"which has no config or device or can_generate: wrap it without "
+                                                   r"the tokenizer and trace token ids"):
+        moelens.wrap(model(), tokenizer=ascii_tokenizer())
+    wrapped = moelens.wrap(model())
+    with wrapped.trace(IDS):
+        output = wrapped.output.save()
+    assert output.shape == (*IDS.shape, HIDDEN)

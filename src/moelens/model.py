@@ -1238,6 +1238,11 @@ def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
         )
 
 
+#: What transformers' pipeline, through which nnsight tokenizes a wrapped model's text, reads of the model: a plain torch
+#: module without them failed deep inside it.
+PIPELINE_ATTRIBUTES = ("config", "device", "can_generate")
+
+
 def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
     """Wrap a transformers model so its MoE blocks serve their values by name.
 
@@ -1288,6 +1293,14 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         raise MoelensError(
             f"wrap(tokenizer=...) takes the model's transformers tokenizer (AutoTokenizer.from_pretrained(...)), got "
             f"{type(tokenizer).__name__}; leave it out for a model that takes token ids."
+        )
+    missing = [name for name in PIPELINE_ATTRIBUTES if not hasattr(model, name)] if tokenizer is not None else []
+    if missing:
+        raise MoelensError(
+            f"wrap(tokenizer=...) needs a transformers model (nnsight tokenizes text through transformers' pipeline of "
+            f"it, which reads its {', '.join(PIPELINE_ATTRIBUTES)}), got {type(model).__name__}, which has no "
+            f"{' or '.join(missing)}: wrap it without the tokenizer and trace token ids "
+            "(model.trace(tokenizer(text, return_tensors='pt')['input_ids']))."
         )
     _warn_on_vocabulary(model, tokenizer)
     # torch.compile(module) put in anywhere hides the module it compiled (an MoE block's experts too) from discovery

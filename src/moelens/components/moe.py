@@ -45,7 +45,7 @@ from torch import Tensor
 from ..errors import ArgumentError, FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
-from ..families.scoring import score, top_logits
+from ..families.scoring import derived_routing, score
 from ..modules import foreign_hooks, hook_name
 from ..permutations import inverse_permutation
 from ..scalars import check_flag
@@ -559,7 +559,10 @@ class Moe(Mlp):
             logits = self._derived_logits(descriptor.name)  # before moelens' saved-tensor hooks are in force
             # a normal tensor under inference_mode (`normal_tensors`): an edit of it is told, as of a read
             with kept_for_backward(), normal_tensors():
-                weights, indices = top_logits(logits, self.top_k, self.family.score_of(self._module))
+                family, block = self.family, self._module
+                weights, indices = derived_routing(
+                    logits, self.top_k, family.score_of(block), self.SCORING.select, family.normalize_of(block),
+                    family.scale_of(block), self.softcap, family.normalize_min_of(block))
             value = weights if descriptor.name == "expert_weights" else indices
             handed_back = RUNS.get(self.interleaver)
             if handed_back is not None:  # an in-place edit of it is lost: the trace says so as it ends

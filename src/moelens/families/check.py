@@ -20,7 +20,7 @@ import torch
 from ..errors import FamilyError, OrderError, ValueUnavailable, warn
 from . import layout_check
 from .entry import find_path
-from .scoring import SCORE_FUNCTIONS, kept_groups, score
+from .scoring import SCORE_FUNCTIONS, chosen_weights, kept_groups, score
 from .tomoe import converted
 
 #: Routers whose weights are no function of the chosen experts' scores alone, so the check cannot recompute them.
@@ -204,7 +204,8 @@ def _unchecked_weights(moe: Any) -> str:
     family, block = moe.family, moe._module
     select = moe.SCORING.select
     if family.derived_routing:
-        return "moelens derives them from the logits with the entry's scoring itself"
+        return ("moelens derives them from the logits with the entry's scoring itself, so a wrong Scoring or top_k "
+                "goes unseen here: compare moe.expert_weights and moe.expert_indices with your block's own once")
     if select in UNCHECKED_SELECTIONS:
         return UNCHECKED_SELECTIONS[select]
     if family.resolve(family.extra_logits, block):
@@ -243,27 +244,6 @@ def _weights_tolerance(values: dict[str, torch.Tensor]) -> dict[str, float]:
             torch.equal(weights, weights.to(output.dtype).to(weights.dtype)):
         tolerance["rtol"] += torch.finfo(output.dtype).eps / 2
     return tolerance
-
-
-def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str,
-                   normalize: bool | float | None, scale: float | None, softcap: float = 0.0,
-                   normalize_min: float = 0.0) -> torch.Tensor:
-    """The weights ``[..., k]`` a router gives the experts at ``indices``: the scores of the chosen logits
-    (``logit_topk``) or the chosen scores of every logit (any other selection), renormalised over the k as
-    ``normalize`` says (True: to sum to one; a number p: by their p-norm, as dbrx's ``moe_normalize_expert_weights``;
-    False, None or 0: not at all), that sum or norm clamped at >= ``normalize_min`` (ernie4_5's ``moe_norm_min``;
-    0: no floor), times ``scale``."""
-    logits = logits.float()
-    if select == "logit_topk":
-        chosen = score(score_name, logits.gather(-1, indices), softcap)
-    else:
-        chosen = score(score_name, logits, softcap).gather(-1, indices)
-    if normalize is True:
-        chosen = chosen / chosen.sum(-1, keepdim=True).clamp(min=normalize_min)
-    elif normalize not in (False, None, 0):
-        norm = torch.linalg.vector_norm(chosen, ord=float(normalize), dim=-1, keepdim=True)
-        chosen = chosen / norm.clamp(min=normalize_min)
-    return chosen * scale if scale is not None else chosen
 
 
 def _selection_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:

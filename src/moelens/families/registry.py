@@ -140,6 +140,17 @@ def _check_description(family: Family) -> None:
             "experts(hidden, top_k_index, top_k_weights); for a block that computes its experts itself, with no such "
             "call, set experts_call=False."
         )
+    ranks_more = [f"{name}={value!r}" for scoring in (family.scoring, *family.scoring_by_router.values())
+                  for name, value in (("select", scoring.select), ("selection_bias", scoring.selection_bias),
+                                      ("groups", scoring.groups))
+                  if (value not in ("logit_topk", "score_topk") if name == "select" else value is not None)]
+    if family.derived_routing and ranks_more:
+        raise FamilyError(
+            f"family {family.name!r}: derived_routing=True recomputes the weights and indices as the top-k of the "
+            f"logits, scored, renormalised and scaled as the Scoring says; it cannot follow a router that ranks more "
+            f"than its logits ({', '.join(dict.fromkeys(ranks_more))}). Describe the block's experts call instead "
+            "(experts_call=True, or routing_from_router naming where the router returns its weights and indices)."
+        )
     if family.shared is not None and isinstance(family.shared.module, str) and not family.shared.module:
         raise FamilyError(
             f"family {family.name!r}: SharedExpert(module='') names no module: give the path of the shared-expert "

@@ -50,17 +50,38 @@ def score(name: str, logits: Float[torch.Tensor, "*tokens e"], softcap: float = 
     return function(logits)
 
 
-def top_logits(
-    logits: Float[torch.Tensor, "*tokens e"], k: int, score_name: str
+def derived_routing(
+    logits: Float[torch.Tensor, "*tokens e"], k: int, score_name: str, select: str, normalize: bool | float | None,
+    scale: float | None, softcap: float = 0.0, normalize_min: float = 0.0,
 ) -> tuple[Float[torch.Tensor, "*tokens k"], torch.Tensor]:
-    """Weights and indices of routing that takes the top-k logits and scores them.
+    """Weights and indices of a router that picks the top-k logits (the top-k scores, its score function being
+    monotone), recomputed from the logits for families without an experts call (llama4: then a sigmoid of each):
+    the weights are `chosen_weights` of the entry's scoring, in the logits' dtype (rounded as llama4's router rounds
+    its float32 scores). `register` refuses a derived entry ranking anything else (a selection bias, groups)."""
+    indices = torch.topk(logits, k, dim=-1).indices
+    weights = chosen_weights(logits, indices, score_name, select, normalize, scale, softcap, normalize_min)
+    return weights.to(logits.dtype), indices
 
-    The routing of families without an experts call (llama4: top-k of the logits,
-    then a sigmoid of each), recomputed from the logits. The weights come back in the
-    logits' dtype, rounded as llama4's router rounds its float32 scores.
-    """
-    values, indices = torch.topk(logits, k, dim=-1)
-    return score(score_name, values).to(logits.dtype), indices
+
+def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str,
+                   normalize: bool | float | None, scale: float | None, softcap: float = 0.0,
+                   normalize_min: float = 0.0) -> torch.Tensor:
+    """The weights ``[..., k]`` a router gives the experts at ``indices``: the scores of the chosen logits
+    (``logit_topk``) or the chosen scores of every logit (any other selection), renormalised over the k as
+    ``normalize`` says (True: to sum to one; a number p: by their p-norm, as dbrx's ``moe_normalize_expert_weights``;
+    False, None or 0: not at all), that sum or norm clamped at >= ``normalize_min`` (ernie4_5's ``moe_norm_min``;
+    0: no floor), times ``scale``."""
+    logits = logits.float()
+    if select == "logit_topk":
+        chosen = score(score_name, logits.gather(-1, indices), softcap)
+    else:
+        chosen = score(score_name, logits, softcap).gather(-1, indices)
+    if normalize is True:
+        chosen = chosen / chosen.sum(-1, keepdim=True).clamp(min=normalize_min)
+    elif normalize not in (False, None, 0):
+        norm = torch.linalg.vector_norm(chosen, ord=float(normalize), dim=-1, keepdim=True)
+        chosen = chosen / norm.clamp(min=normalize_min)
+    return chosen * scale if scale is not None else chosen
 
 
 def kept_groups(
