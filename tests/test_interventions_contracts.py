@@ -384,6 +384,18 @@ def test_force_refuses_logits_too_coarse_to_stay_above_the_others():
                 moelens.force(moe, [5])
 
 
+def test_check_notes_a_selection_bias_named_without_the_op_that_ranks_it(afmoe_without_selection_op):
+    """families.check passed such an entry without a word; route_around then refused where the bias still picked the
+    expert, naming no fix. It notes the missing op now, listing the router's ops to name."""
+    from moelens import families
+
+    wrapped, moe, ids = afmoe_without_selection_op
+    with pytest.warns(UserWarning, match=r"its entry names a selection bias but no op where the router ranks scores "
+                                         r"plus that bias \(Scoring\.selection_op.*The router's ops after \w+: .*"
+                                         r"torch_topk_0"):
+        families.check(wrapped, ids)
+
+
 def test_route_around_checks_that_a_selection_bias_without_an_op_did_not_pick_the_expert(afmoe_without_selection_op):
     """Where the entry names no op for score + bias (ergo's ``(scores + bias).topk``), route_around can only set the
     logit to -inf, and a large enough bias still picks the expert (score 0 + bias): refused, not silently kept."""
@@ -393,7 +405,8 @@ def test_route_around_checks_that_a_selection_bias_without_an_op_did_not_pick_th
     with torch.no_grad():
         bias[last] = 5.0
     with pytest.raises(WriteError, match=rf"its selection bias still picked expert {last} at a -inf logit for 6 of 6 "
-                                         r"tokens"):
+                                         r"tokens.*; or, in your entry, name the router op whose output is the scores "
+                                         r"plus the bias it ranks \(Scoring\(selection_op=\.\.\.\)"):
         with wrapped.trace(ids):
             moelens.ablate(moe, last, "route_around")
     with torch.no_grad():

@@ -249,7 +249,11 @@ def _check_bias_did_not_pick(moe: Moe) -> None:
             f"ablate(mode='route_around'): {moe.path} ({moe.family.name}) picks experts by {moe.SCORING.describe()}, "
             f"and its selection bias still picked {which} at a -inf logit for {int(picked.sum())} of "
             f"{picked.numel()} tokens (its family entry serves no selection_scores to rank it out). Use "
-            "ablate(moe, expert, 'zero'), or moelens.reroute to send its slots elsewhere."
+            "ablate(moe, expert, 'zero'), or moelens.reroute to send its slots elsewhere"
+            + ("" if registry.is_built_in(moe.family) else
+               "; or, in your entry, name the router op whose output is the scores plus the bias it ranks "
+               "(Scoring(selection_op=...), e.g. 'scores_for_choice_0': moelens.families.check lists the router's "
+               "ops), so that route_around ranks the expert out there") + "."
         )
 
 

@@ -18,7 +18,7 @@ import nnsight
 import torch
 
 from ..errors import FamilyError, OrderError, ValueUnavailable, warn
-from . import layout_check
+from . import layout_check, registry
 from .entry import find_path
 from .scoring import SCORE_FUNCTIONS, chosen_weights, kept_groups, score
 from .tomoe import converted
@@ -141,6 +141,14 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     for path, reason in unchecked_layouts.items():
         if reason:
             notes.setdefault(reason, []).append(path)
+    for moe in moes:
+        if moe.SCORING.selection_bias and not moe.ranks_selection_scores and not registry.is_built_in(moe.family):
+            notes.setdefault(
+                "its entry names a selection bias but no op where the router ranks scores plus that bias "
+                "(Scoring.selection_op, with selection_arg where the bias is added inside the top-k call), so it serves "
+                "no selection_scores, and route_around can only lower the logit (refused where the bias still picks "
+                f"the expert). {_router_ops(moe, moe.family.logits_op)} Name the op there to rank experts out where "
+                "the router ranks them", []).append(moe.path)
     for path in sorted(dropping):
         notes.setdefault("its block output is not checked: the block is in training mode with dropout on, so its "
                          "output is no function of its routed and shared outputs; call model.eval() first to check it",
