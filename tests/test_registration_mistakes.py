@@ -9,6 +9,7 @@ its forward.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 
@@ -983,12 +984,16 @@ def test_check_of_experts_called_with_keywords_of_their_own_says_what_it_cannot_
 @pytest.mark.parametrize("when", ["before_experts", "after_block"])
 def test_check_of_a_shared_expert_at_the_wrong_time_blames_the_entry(registered, when):
     """check raised save_all's OrderError, whose advice (read before an earlier read or intervention) does not apply
-    to a trace that reads nothing else."""
+    to a trace that reads nothing else; it names the value the model ran past and the times to choose from, not
+    save_all's advice."""
     registered(shared=SharedExpert("shared", when=when))
     with pytest.raises(FamilyError, match=r"^the family entry does not describe what the model computes: check reads "
                                           r"the values of model\.layers\.0\.moe once, in the order the entry gives "
-                                          r"\(its shared expert's SharedExpert.when"):
+                                          rf"\(.* -> .*: SharedExpert\(when='{when}'\)\), and the model had already run "
+                                          r"past model\.layers\.0\.moe\.\w+ when check asked for it, .*set "
+                                          r"SharedExpert\.when to where the block calls it, one of \('before_router'") as caught:
         families.check(moelens.wrap(model()), IDS)
+    assert "save_all" not in str(caught.value)
 
 
 @pytest.mark.parametrize("selection", [False, True])
@@ -1559,3 +1564,35 @@ def test_a_plain_torch_model_wrapped_with_a_tokenizer_is_refused_saying_to_trace
     with wrapped.trace(IDS):
         output = wrapped.output.save()
     assert output.shape == (*IDS.shape, HIDDEN)
+
+
+@pytest.mark.parametrize("gated_op", [None, "shared_expert_output_0"])
+def test_check_of_an_entry_that_misses_the_shared_experts_gate_says_so_with_the_blocks_ops(gated_op):
+    """An entry leaving out qwen2_moe's sigmoid gate on the shared expert (or reading the shared output before it) got
+    only "check Combine ... and SharedExpert (the module, gate, gated_op)". Now check finds the per-token factor
+    between the served shared output and what the block adds (ground truth: the block's own gate,
+    sigmoid(shared_expert_gate(x)), by hand) and lists the block's ops to name gated_op from."""
+    qwen = families.get("qwen2_moe")
+    spec = SharedExpert("shared_expert", when="before_router", gate="shared_expert_gate" if gated_op else None,
+                        gated_op=gated_op)  # the block calls its shared expert first, gates it after the experts
+    families.register(dataclasses.replace(qwen, name="qwen_ungated", shared=spec), replace=True)
+    try:
+        hf = tiny_model("qwen2_moe")
+        truth = copy.deepcopy(hf)
+        wrapped = moelens.wrap(hf)
+        ids = tiny_inputs(hf)["input_ids"]
+        block = truth.get_submodule(wrapped.moes[0].path.removeprefix("model."))
+        inputs = []
+        block.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+        with torch.no_grad():  # the factor is the block's own gate on its input
+            truth(input_ids=ids)
+            gate = torch.sigmoid(block.shared_expert_gate(inputs[0]))
+        read_at = f"gated_op='{gated_op}' reads it before that factor" if gated_op else "the entry names no gate"
+        with pytest.raises(FamilyError, match=rf"is not the block's output .* The block's output is routed_output plus "
+                                              rf"shared_expert_output times a factor per token \(from "
+                                              rf"{float(gate.min()):.3g} to {float(gate.max()):.3g}: a gate\), and "
+                                              rf"{read_at}: name the gate module .* The block's ops: "
+                                              r".*shared_expert_output_1"):
+            families.check(wrapped, ids)
+    finally:
+        families.unregister("qwen_ungated")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from ..errors import FamilyError, OrderError, ValueUnavailable, warn
 from . import layout_check, registry
-from .entry import find_path
+from .entry import SHARED_TIMES, find_path
 from .scoring import SCORE_FUNCTIONS, chosen_weights, kept_groups, score
 from .tomoe import converted
 
@@ -87,12 +88,8 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             try:
                 saved += _read_values(model, [moe], args, kwargs)
             except OrderError as error:  # nothing else is read in this run: the entry's order is not the forward's
-                raise FamilyError(
-                    f"the family entry does not describe what the model computes: check reads the values of {moe.path} "
-                    "once, in the order the entry gives (its shared expert's SharedExpert.when, the router before the "
-                    "experts), and the model had run past one of them, so the block's forward runs them in another "
-                    f"order: {error}\n{REREGISTER}"
-                ) from None
+                raise FamilyError(f"the family entry does not describe what the model computes: "
+                                  f"{_order_problem(moe, error)}\n{REREGISTER}") from None
     computed_nan = [problem for problem in (_computed_nan(moe, values) for moe, values in zip(moes, saved)) if problem]
     if computed_nan:
         later = f" (and in {len(computed_nan) - 1} later blocks)" if len(computed_nan) > 1 else ""
@@ -377,6 +374,21 @@ def _selection_named(moe: Any) -> str:
     return f"Scoring(selection_op={scoring.selection_op!r}, selection_arg={scoring.selection_arg!r})"
 
 
+def _order_problem(moe: Any, error: OrderError) -> str:
+    """Why ``moe``'s values could not be read in the order its entry gives (``error``, raised by its `save_all`)."""
+    late = re.search(r"could not read (\S+?):", str(error))
+    shared = moe.family.shared
+    if late is None or shared is None:
+        return (f"check reads the values of {moe.path} once, in the order the entry gives (its shared expert's "
+                "SharedExpert.when, the router before the experts), and the model had run past one of them, so the "
+                f"block's forward runs them in another order: {error}")
+    return (f"check reads the values of {moe.path} once, in the order the entry gives ({' -> '.join(moe.order())}: "
+            f"SharedExpert(when={shared.when!r})), and the model had already run past {late.group(1)} when check "
+            "asked for it, so the block's forward calls its shared expert elsewhere: set SharedExpert.when to where "
+            f"the block calls it, one of {SHARED_TIMES} (before its router, between the router and the experts, after "
+            "the experts, or on the block's output).")
+
+
 def _router_ops(moe: Any, after: str | None = None) -> str:
     """The ops nnsight knows in ``moe``'s router's forward (those after the op ``after`` where it names one), as a
     sentence for an error; "" where there are none to list."""
@@ -510,7 +522,29 @@ def _output_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
                    else "without a shared expert (the entry names none, or the block has none)")
     return (f"the Combine of family {family.name!r} ({family.combine}) of routed_output, {with_shared}, is not the "
             f"block's output (largest difference {float((combined.float() - output.float()).abs().max()):.3g}): "
-            f"{_combine_fitting(family, block, routed, shared, output, tolerance)}.")
+            f"{_combine_fitting(family, block, routed, shared, output, tolerance)}.{_shared_gate_hint(moe, values)}")
+
+
+def _shared_gate_hint(moe: Any, values: dict[str, torch.Tensor]) -> str:
+    """Where the block's output is the routed output plus the served shared output times a factor of each token's
+    own (a gate the entry leaves out, or reads the shared output before), a sentence saying so with the block's ops
+    to name `SharedExpert.gated_op` from; else ""."""
+    shared = values.get("shared_expert_output")
+    if shared is None or moe.family.combine.routed_post or moe.family.combine.block_post:
+        return ""
+    rest, shared = values["mlp_output"].float() - values["routed_output"].float(), shared.float()
+    factor = (rest * shared).sum(-1, keepdim=True) / (shared * shared).sum(-1, keepdim=True)
+    if not torch.isfinite(factor).all() or not torch.allclose(shared * factor, rest, **_tolerance(*values.values())):
+        return ""
+    try:
+        ops = f" The block's ops: {', '.join(moe.source.names)}."
+    except Exception:  # noqa: BLE001 - a block without readable source: its ops cannot be listed
+        ops = ""
+    spec = moe.family.shared
+    read_at = f"gated_op={spec.gated_op!r} reads it before that factor" if spec.gated_op else "the entry names no gate"
+    return (f" The block's output is routed_output plus shared_expert_output times a factor per token (from "
+            f"{float(factor.min()):.3g} to {float(factor.max()):.3g}: a gate), and {read_at}: name the gate module "
+            f"(SharedExpert gate=...) and the op whose output is the gated shared output (gated_op=...).{ops}")
 
 
 def _combine_fitting(family: Any, block: Any, routed: torch.Tensor, shared: torch.Tensor | None, output: torch.Tensor,
