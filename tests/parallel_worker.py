@@ -1059,17 +1059,15 @@ def suite_replace_one_rank(args: dict) -> dict[str, Callable[[], Any]]:
     every rank: the ranks' graphs must still pair their backward exchanges."""
     from moelens.parallel import shard_experts
 
-    def run() -> dict[str, Any]:
-        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
-        ep = shard_experts(copy.deepcopy(ref), None)
+    def against_one_process(ref: Any, ep: Any, intervene: Callable[[Any, int, torch.Tensor], None]) -> dict[str, Any]:
+        """Each rank's traced loss (``intervene(lm, rank, ids)`` in its trace) and backward on ``ep``, against one
+        process running every rank's loss on ``ref``."""
         lm_ep, lm_ref = moelens.wrap(ep), moelens.wrap(ref)
-        hidden = ref.config.hidden_size
 
         def traced_loss(lm: Any, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
             ids = tokens_of(rank)
             with lm.trace(ids):
-                if rank == 0:
-                    lm.moes[1].routed_output = torch.zeros(*ids.shape, hidden)
+                intervene(lm, rank, ids)
                 logits = lm.output.logits.save()
             return logits, loss_of(logits, ids)
 
@@ -1082,35 +1080,25 @@ def suite_replace_one_rank(args: dict) -> dict[str, Callable[[], Any]]:
         grads, scale = compare_grads(ep, ref, None)
         finite = all(torch.isfinite(p.grad).all() for p in ep.parameters() if p.grad is not None)
         return {"logits": maxdiff(logits, expected), "grads": grads, "grad_scale": scale, "finite": bool(finite)}
+
+    def run() -> dict[str, Any]:
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+
+        def zero_on_rank0(lm: Any, rank: int, ids: torch.Tensor) -> None:
+            if rank == 0:
+                lm.moes[1].routed_output = torch.zeros(*ids.shape, ref.config.hidden_size)
+
+        return against_one_process(ref, shard_experts(copy.deepcopy(ref), None), zero_on_rank0)
 
     def checkpointed() -> dict[str, Any]:
         """Activation checkpointing (non-reentrant) with a trace reading the up projections (edits there are refused:
         the recomputation would run without them): the recomputation, outside the trace, makes no round trip, and
         must save what the traced forward saved (it raised torch's CheckpointError once the owners stopped at the up
         projections)."""
-        ref = tiny_model("mixtral", experts_implementation="grouped_mm")
+        ref = tiny_model("mixtral", experts_implementation="grouped_mm").train()
         ep = shard_experts(copy.deepcopy(ref), None)
         ep.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        ep.train()
-        ref.train()
-        lm_ep, lm_ref = moelens.wrap(ep), moelens.wrap(ref)
-
-        def traced_loss(lm: Any, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-            ids = tokens_of(rank)
-            with lm.trace(ids):
-                lm.moes[0].expert_pre_activations.save()
-                logits = lm.output.logits.save()
-            return logits, loss_of(logits, ids)
-
-        logits, loss = traced_loss(lm_ep, RANK)
-        loss.backward()
-        expected, _ = traced_loss(lm_ref, RANK)
-        ref.zero_grad(set_to_none=True)
-        for rank in range(WORLD):
-            traced_loss(lm_ref, rank)[1].backward()
-        grads, scale = compare_grads(ep, ref, None)
-        finite = all(torch.isfinite(p.grad).all() for p in ep.parameters() if p.grad is not None)
-        return {"logits": maxdiff(logits, expected), "grads": grads, "grad_scale": scale, "finite": bool(finite)}
+        return against_one_process(ref, ep, lambda lm, rank, ids: lm.moes[0].expert_pre_activations.save())
 
     return {"replace_routed_output_on_rank0": run, "checkpointed_per_slot_read": checkpointed}
 
