@@ -528,9 +528,12 @@ def test_a_shared_gate_and_its_op_go_together():
     (Combine(output_index=0, routed_scale=0.5), r"with Combine routed_scale=1 \(the rest as it is\) it is"),
 ])
 def test_check_names_the_combine_that_makes_the_block_output(registered, combine, fix):
+    """...and no more: the shared expert's part fits once the Combine is fixed, so no gate is suggested (the hint
+    read the rest as a gate of factor 1 where the entry's Combine was wrong)."""
     registered(combine=combine)
-    with pytest.raises(FamilyError, match=rf"the Combine of family 'hand' .* is not the block's output .*: {fix}"):
+    with pytest.raises(FamilyError, match=rf"the Combine of family 'hand' .* is not the block's output .*: {fix}") as caught:
         families.check(moelens.wrap(model()), IDS)
+    assert "a gate" not in str(caught.value)
 
 
 def test_check_finds_a_router_that_ranks_with_a_bias_the_entry_leaves_out(registered):
@@ -1557,7 +1560,7 @@ def test_a_plain_torch_model_wrapped_with_a_tokenizer_is_refused_saying_to_trace
     from groundtruth import ascii_tokenizer
 
     with pytest.raises(moelens.MoelensError, match=r"wrap\(tokenizer=\.\.\.\) needs a transformers model .* got Model, "
-                                                   r"which has no config or device or can_generate: wrap it without "
+                                                   r"which has no device or can_generate: wrap it without "
                                                    r"the tokenizer and trace token ids"):
         moelens.wrap(model(), tokenizer=ascii_tokenizer())
     wrapped = moelens.wrap(model())

@@ -1238,8 +1238,8 @@ def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
         )
 
 
-#: What transformers' pipeline, through which nnsight tokenizes a wrapped model's text, reads of the model: a plain torch
-#: module without them failed deep inside it.
+#: What transformers' pipeline, through which nnsight tokenizes a wrapped model's text, reads of the model (the config
+#: only where the model can generate): a plain torch module without them failed deep inside it.
 PIPELINE_ATTRIBUTES = ("config", "device", "can_generate")
 
 
@@ -1294,7 +1294,9 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
             f"wrap(tokenizer=...) takes the model's transformers tokenizer (AutoTokenizer.from_pretrained(...)), got "
             f"{type(tokenizer).__name__}; leave it out for a model that takes token ids."
         )
-    missing = [name for name in PIPELINE_ATTRIBUTES if not hasattr(model, name)] if tokenizer is not None else []
+    missing = [name for name in PIPELINE_ATTRIBUTES[1:] if not hasattr(model, name)] if tokenizer is not None else []
+    if tokenizer is not None and not missing and not hasattr(model, "config") and model.can_generate():
+        missing = ["config"]  # read by the text-generation pipeline only, not by the feature-extraction one
     if missing:
         raise MoelensError(
             f"wrap(tokenizer=...) needs a transformers model (nnsight tokenizes text through transformers' pipeline of "

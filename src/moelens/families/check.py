@@ -532,9 +532,16 @@ def _shared_gate_hint(moe: Any, values: dict[str, torch.Tensor]) -> str:
     shared = values.get("shared_expert_output")
     if shared is None or moe.family.combine.routed_post or moe.family.combine.block_post:
         return ""
-    rest, shared = values["mlp_output"].float() - values["routed_output"].float(), shared.float()
+    family, block = moe.family, moe._module
+    scale = family.routed_scale_of(block)  # the routed part as the entry's Combine gives it: the hint is about the rest
+    routed = values["routed_output"].float() * (1.0 if scale is None else float(scale))
+    output = values["mlp_output"].float()
+    rest = (output * 2 if family.mode_of(block) == "average" else output) - routed
+    shared = shared.float()
     factor = (rest * shared).sum(-1, keepdim=True) / (shared * shared).sum(-1, keepdim=True)
-    if not torch.isfinite(factor).all() or not torch.allclose(shared * factor, rest, **_tolerance(*values.values())):
+    tolerance = _tolerance(*values.values())
+    if not torch.isfinite(factor).all() or not torch.allclose(shared * factor, rest, **tolerance) or torch.allclose(
+            factor, torch.ones_like(factor), **tolerance):  # a factor of 1: the shared part fits, the rest does not
         return ""
     try:
         ops = f" The block's ops: {', '.join(moe.source.names)}."

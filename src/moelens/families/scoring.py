@@ -72,9 +72,9 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
     False, None or 0: not at all), that sum or norm clamped at >= ``normalize_min`` (ernie4_5's ``moe_norm_min``;
     0: no floor), times ``scale``."""
     logits = logits.float()
-    if select == "logit_topk":
+    if select == "logit_topk" and score_name == "softmax":  # a softmax over the chosen logits alone
         chosen = score(score_name, logits.gather(-1, indices), softcap)
-    else:
+    else:  # elementwise scores taken over every logit, then gathered: bit-equal to llama4's sigmoid of its [T, E]
         chosen = score(score_name, logits, softcap).gather(-1, indices)
     if normalize is True:
         chosen = chosen / chosen.sum(-1, keepdim=True).clamp(min=normalize_min)
