@@ -2704,6 +2704,93 @@ def test_route_around_that_leaves_a_kept_group_short_is_refused_where_dropped_gr
         assert not torch.allclose(first_tensor(hf(**inputs)), expected)
 
 
+@pytest.mark.parametrize("dtype, bias, down, refused", [
+    (torch.float16, 40.0, None, False),   # route_around(4): the others' softmax is 0 in float16, filled slots weigh 0
+    (torch.float16, 8.0, -15.0, True),    # steer(4, -15): 4 scores 0 in float16, a dropped expert fills at its weight
+    (torch.bfloat16, 96.0, None, False),
+    (torch.bfloat16, 3.0, -100.0, True),
+])
+def test_the_mistral4_group_check_scores_in_the_routers_dtype(dtype, bias, down, refused):
+    """mistral4's router takes the softmax of its logits in their own dtype: a score float32 keeps above 0 is 0 in
+    float16 (below 6e-8) or bfloat16 (below 9e-41). The group check scored in float32: it refused writes whose filled
+    slots weigh 0 and let through a negative steer that left the kept group one expert short."""
+    hf = tiny_model("mistral4", experts_implementation="eager", dtype=dtype, n_group=4, topk_group=1)
+    inputs = tiny_inputs(hf, batch=2, seq=6)
+    truth = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    router = truth.get_submodule(moe.router.path.removeprefix("model."))
+    kept = {}
+
+    def interventions():
+        moelens.steer(moe, 5, bias)
+        if down is None:
+            moelens.ablate(moe, 4, "route_around")
+        else:
+            moelens.steer(moe, 4, down)
+
+    real, linear = router.forward, F.linear
+
+    def edited_linear(x, weight, bias_=None):
+        logits = linear(x, weight, bias_)
+        logits[..., 5] += bias
+        if down is None:
+            logits[..., 4] = float("-inf")
+        else:
+            logits[..., 4] += down
+        return logits
+
+    def forward(hidden):
+        with unittest.mock.patch.object(F, "linear", edited_linear):
+            logits, weights, indices = real(hidden)
+        scores = logits.softmax(-1)  # the router's own scores, in its dtype
+        kept["fills_from_dropped"] = bool(((scores.gather(1, indices) > 0) & (indices // 2 != 2)).any())
+        return logits, weights, indices
+
+    router.forward = forward
+    with torch.no_grad():
+        expected = first_tensor(truth(**inputs))
+    assert kept["fills_from_dropped"] == refused
+    if refused:
+        with pytest.raises(WriteError, match="an expert of a dropped group"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                interventions()
+        return
+    with torch.no_grad(), wrapped.trace(**inputs):
+        interventions()
+        output = wrapped.output.save()
+    torch.testing.assert_close(first_tensor(output), expected, atol=0, rtol=0)
+
+
+def test_the_mistral4_group_check_lets_through_a_block_whose_kept_groups_never_hold_k():
+    """With k = 3 and one kept group of 2 experts, mistral4's router fills a slot from a dropped group on every token
+    by itself: the check refused every write of its logits (steer(0, 0.1) too), blaming the edit. Let through, as
+    transformers computes it (the unwrapped model with the same logit bias, by a patched F.linear)."""
+    hf = tiny_model("mistral4", experts_implementation="eager", n_group=4, topk_group=1, num_experts_per_tok=3)
+    inputs = tiny_inputs(hf, batch=2, seq=6)
+    truth = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moelens.steer(moe, 0, 0.1)
+        output = wrapped.output.save()
+    router = truth.get_submodule(moe.router.path.removeprefix("model."))
+    real, linear = router.forward, F.linear
+
+    def edited_linear(x, weight, bias=None):
+        logits = linear(x, weight, bias)
+        logits[..., 0] += 0.1
+        return logits
+
+    def forward(hidden):
+        with unittest.mock.patch.object(F, "linear", edited_linear):
+            return real(hidden)
+
+    router.forward = forward
+    with torch.no_grad():
+        torch.testing.assert_close(first_tensor(output), first_tensor(truth(**inputs)), atol=0, rtol=0)
+
+
 def test_route_around_inside_a_group_kept_whatever_the_ties_is_let_through_where_dropped_groups_score_zero():
     """axk2, 2 groups of 4 (1 kept, k = 2), every expert but 0 biased by -1: the kept group holds one expert above
     0.0, so the router's second slot takes a dropped group's 0.0. Routing around expert 2, in the group whose sum

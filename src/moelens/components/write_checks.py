@@ -246,17 +246,23 @@ def _check_groups_of_scored_logits(component: "Component", where: str, logits: F
     groups = component.family.groups_of(component._module)
     if groups is None or groups[1] >= groups[0]:  # no group dropped: nothing filled
         return
-    scores = score(component.family.score_of(component._module), logits.detach().float(), component.softcap)
+    # scored in float32, then rounded as the router's scores are: mistral4 scores in the logits' own dtype, where a
+    # score of about exp(-92) or less is 0 in bfloat16 but not in float32 (mistral_large4's logits are float32)
+    scores = score(component.family.score_of(component._module), logits.detach().float(),
+                   component.softcap).to(logits.dtype)
     k = component.top_k
+    if groups[1] * (scores.shape[-1] // groups[0]) < k:  # the kept groups never hold k: the model's own routing
+        return
     short = _picks_excluded(scores, *groups, scoring.group_fill, k, weighed_unmasked=True)
     if short.any():
         fill = scoring.group_fill
         raise WriteError(
             f"{where}: for some token the best {groups[1]} of its {groups[0]} expert groups (the router's reach) "
-            f"hold fewer than {k} experts scoring above {fill} (experts routed around score 0), and the router scores "
-            f"the experts of the groups it drops {fill}: its top-k would fill the slot with an expert of a dropped "
-            f"group, weighted by that expert's own score. Leave at least {k} experts per token in the groups the "
-            "router keeps (route_around fewer experts of a kept group), or route around the whole group's experts."
+            f"hold fewer than {k} experts scoring above {fill} (an expert routed around, steered far down, or whose "
+            f"{logits.dtype} score underflows scores 0), while a group the router drops (scoring its experts {fill}) "
+            f"holds one above it: its top-k would fill the slot with an expert of a dropped group, weighted by that "
+            f"expert's own score. Leave at least {k} experts scoring above 0 per token in the groups the router keeps "
+            "(route around or steer down fewer experts there, or steer by less)."
         )
 
 
