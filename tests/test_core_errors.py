@@ -5143,3 +5143,56 @@ def test_gate_and_up_refuses_what_is_not_gated_pre_activations(mixtral):
     with pytest.raises(ValueUnavailable, match=r"keeps its gate and up projections in separate weights \(mlp\.w1, "
                                                r"mlp\.v1\).*serves no expert_pre_activations to split"):
         wrapped_dbrx.moes[0].gate_and_up(torch.zeros(1, 1, 2, 8))
+
+
+def test_saving_a_model_with_nnsight_edits_warns_that_they_are_not_saved(tmp_path):
+    """model.edit(inplace=True) edits live in the wrapper, not the weights: save_pretrained (nnsight forwards it to
+    the transformers model) wrote the unedited model without a word, and moelens.load gave it back unedited. Ground
+    truth: the reloaded model's logits equal the unedited model's, not the edited ones."""
+    hf = tiny_model("mixtral")
+    ids = tiny_inputs(hf)["input_ids"]
+    with torch.no_grad():
+        plain = hf(input_ids=ids).logits
+    wrapped = moelens.wrap(hf)
+    with wrapped.edit(inplace=True):
+        moelens.steer(wrapped.moes[0], 0, 10.0)  # every token's top-k takes expert 0
+    with wrapped.trace(ids):
+        edited = wrapped.output.logits.save()
+    assert not torch.allclose(edited, plain)
+    with pytest.warns(UserWarning, match=r"save_pretrained: the model carries 1 nnsight edit\(s\) \(model\.edit\(\)\), "
+                                         r"which are not in its weights and are not saved.*moe\.params\(\)"):
+        wrapped.save_pretrained(tmp_path / "saved")
+    reloaded = moelens.load(tmp_path / "saved")
+    with reloaded.trace(ids):
+        again = reloaded.output.logits.save()
+    torch.testing.assert_close(again, plain)
+    wrapped.clear_edits()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped.save_pretrained(tmp_path / "clean")
+
+
+def test_load_warns_where_a_later_sharded_save_is_shadowed_by_an_earlier_single_file(tmp_path):
+    """save_pretrained(max_shard_size=...) into the folder of an unsharded save leaves model.safetensors in place,
+    and transformers (plain from_pretrained too) reads it before the newer shards: an edit saved so loaded unedited,
+    silently. moelens.load warns, naming both files; the other order (single file newer) stays silent."""
+    folder = tmp_path / "model"
+    tiny_model("mixtral").save_pretrained(folder)
+    model = moelens.load(folder)
+    with torch.no_grad():
+        model.moes[0].params(0).down.zero_()
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors").is_file() and (folder / "model.safetensors.index.json").is_file()
+    with pytest.warns(UserWarning, match=r"holds both model\.safetensors and a shard index written after it "
+                                         r"\(model\.safetensors\.index\.json.*transformers reads model\.safetensors "
+                                         r"and ignores the shards"):
+        shadowed = moelens.load(folder)
+    assert shadowed.moes[0].params(0).down.any()  # the old single file, unedited: what the warning is about
+    (folder / "model.safetensors").unlink()
+    assert not moelens.load(folder).moes[0].params(0).down.any()  # the edit, from the shards
+    other = tmp_path / "other"
+    tiny_model("mixtral").save_pretrained(other, max_shard_size="20KB")
+    tiny_model("mixtral").save_pretrained(other)  # the single file written last: it is what should load
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moelens.load(other)

@@ -125,6 +125,21 @@ class Checkpoint:
                 return self._with_shards(index)
         return []
 
+    def shadowed_index(self) -> tuple[Path, Path] | None:
+        """``(single, index)`` where the folder holds both a single weights file the loader reads and a shard index of
+        the same kind written after it (`save_pretrained(..., max_shard_size=...)` into the folder of an unsharded
+        save, which transformers leaves in place): the loader reads the older single file and ignores the shards."""
+        if self.weights_read is None or not self.folder.is_dir():
+            return None
+        for single, index in ((self._named(single), self._named(index)) for single, index in WEIGHTS_FILES):
+            if self.weights_read[:1] == [single] and index.is_file():
+                try:
+                    newer = index.stat().st_mtime > single.stat().st_mtime
+                except OSError:
+                    return None
+                return (single, index) if newer else None
+        return None
+
     def _with_shards(self, path: Path) -> list[Path]:
         """``path``, and where it is a shard index (``*.json``) the shards it lists."""
         if not path.name.endswith(".json"):
@@ -153,6 +168,20 @@ class Checkpoint:
             stem, _, suffix = name.rpartition(".")
             name = f"{stem}.{self.variant}.{suffix}"
         return self.folder / name
+
+
+def _warn_shadowed_shards(checkpoint: Checkpoint) -> None:
+    """Warn where the loader will read a single weights file while a shard index written after it lies beside it
+    (`Checkpoint.shadowed_index`): an edited model saved sharded into its own folder would load unedited."""
+    shadowed = checkpoint.shadowed_index()
+    if shadowed is not None:
+        single, index = shadowed
+        warn(
+            f"moelens.load: {str(checkpoint.folder)!r} holds both {single.name} and a shard index written after it "
+            f"({index.name}, a later save_pretrained with max_shard_size?); transformers reads {single.name} and "
+            f"ignores the shards, so what was saved last is not what loads. Remove {single.name} (or the shards and "
+            "their index, if the single file is the one to keep).",
+        )
 
 
 def _hides_tiny(given: str) -> str:
@@ -222,6 +251,7 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     folder = Path(source, settings.get("subfolder") or "")  # where a local checkpoint's files are
     checkpoint = Checkpoint(folder, from_pretrained_kwargs.get("variant"), from_pretrained_kwargs.get("use_safetensors"))
     _check_local_folder(path_or_repo_id, settings.get("subfolder") or "", checkpoint)
+    _warn_shadowed_shards(checkpoint)
     config = _load_config(source, settings)
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     model_class = _model_class(config)

@@ -79,6 +79,18 @@ class MoeModelMixin(StandardNames):
                 ) from None
             raise with_suggestion(error, name, ("moes", "layers", "family", "save_all", "set_experts_implementation")) from None
 
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        """The transformers model's ``save_pretrained``; warns where the model carries nnsight edits
+        (``model.edit(inplace=True)``), which live in the wrapper, not in the weights, and are not saved."""
+        edits = getattr(self, "_edits", None)
+        if edits:
+            warn(
+                f"save_pretrained: the model carries {len(edits)} nnsight edit(s) (model.edit()), which are not in its "
+                "weights and are not saved: the checkpoint computes the unedited model. Make lasting changes through "
+                "moe.params() (weight edits), or call model.clear_edits() to silence this.",
+            )
+        return self._module.save_pretrained(*args, **kwargs)
+
     @property
     def moes(self) -> MoeList:
         """The MoE components, in layer order (indexed by block: `MoeList`)."""
