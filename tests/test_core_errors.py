@@ -2658,6 +2658,28 @@ def test_route_around_on_a_router_scoring_dropped_groups_zero():
             moelens.ablate(moe, 3, "route_around")
 
 
+def edit_router_logits(truth: torch.nn.Module, moe, edit, seen=None) -> None:
+    """Make ``truth`` (an unwrapped copy) route ``moe``'s block as transformers does on logits edited by hand:
+    ``edit(logits)`` in place on the output of the router's one ``F.linear``; ``seen(logits, indices)`` is called
+    with what the router returns."""
+    router = truth.get_submodule(moe.router.path.removeprefix("model."))
+    real, linear = router.forward, F.linear
+
+    def edited_linear(x, weight, bias=None):
+        logits = linear(x, weight, bias)
+        edit(logits)
+        return logits
+
+    def forward(hidden):
+        with unittest.mock.patch.object(F, "linear", edited_linear):
+            output = real(hidden)
+        if seen is not None:
+            seen(output[0], output[2])
+        return output
+
+    router.forward = forward
+
+
 @pytest.mark.parametrize("family", ["mistral4", "mistral_large4"])
 def test_route_around_that_leaves_a_kept_group_short_is_refused_where_dropped_groups_score_zero(family):
     """mistral4 ranks the softmax of its logits (no selection bias), keeps the best groups, puts 0.0 in place of the
@@ -2683,20 +2705,12 @@ def test_route_around_that_leaves_a_kept_group_short_is_refused_where_dropped_gr
         indices = moe.expert_indices.save()
         output = wrapped.output.save()
     assert not ((indices == 4) | (indices == 5)).any()
-    router = truth.get_submodule(moe.router.path.removeprefix("model."))
-    real, linear = router.forward, F.linear
 
-    def edited_linear(x, weight, bias=None):  # the router's one F.linear: its logits
-        logits = linear(x, weight, bias)
+    def edit(logits):
         logits[..., 5] += 2.0
         logits[..., [4, 5]] = float("-inf")
-        return logits
 
-    def forward(hidden):
-        with unittest.mock.patch.object(F, "linear", edited_linear):
-            return real(hidden)
-
-    router.forward = forward
+    edit_router_logits(truth, moe, edit)
     with torch.no_grad():
         expected = first_tensor(truth(**inputs))
     torch.testing.assert_close(first_tensor(output), expected, atol=1e-5, rtol=1e-5)
@@ -2719,7 +2733,6 @@ def test_the_mistral4_group_check_scores_in_the_routers_dtype(dtype, bias, down,
     truth = copy.deepcopy(hf)
     wrapped = moelens.wrap(hf)
     moe = wrapped.moes[0]
-    router = truth.get_submodule(moe.router.path.removeprefix("model."))
     kept = {}
 
     def interventions():
@@ -2729,25 +2742,18 @@ def test_the_mistral4_group_check_scores_in_the_routers_dtype(dtype, bias, down,
         else:
             moelens.steer(moe, 4, down)
 
-    real, linear = router.forward, F.linear
-
-    def edited_linear(x, weight, bias_=None):
-        logits = linear(x, weight, bias_)
+    def edit(logits):
         logits[..., 5] += bias
         if down is None:
             logits[..., 4] = float("-inf")
         else:
             logits[..., 4] += down
-        return logits
 
-    def forward(hidden):
-        with unittest.mock.patch.object(F, "linear", edited_linear):
-            logits, weights, indices = real(hidden)
+    def seen(logits, indices):
         scores = logits.softmax(-1)  # the router's own scores, in its dtype
         kept["fills_from_dropped"] = bool(((scores.gather(1, indices) > 0) & (indices // 2 != 2)).any())
-        return logits, weights, indices
 
-    router.forward = forward
+    edit_router_logits(truth, moe, edit, seen)
     with torch.no_grad():
         expected = first_tensor(truth(**inputs))
     assert kept["fills_from_dropped"] == refused
@@ -2774,19 +2780,7 @@ def test_the_mistral4_group_check_lets_through_a_block_whose_kept_groups_never_h
     with torch.no_grad(), wrapped.trace(**inputs):
         moelens.steer(moe, 0, 0.1)
         output = wrapped.output.save()
-    router = truth.get_submodule(moe.router.path.removeprefix("model."))
-    real, linear = router.forward, F.linear
-
-    def edited_linear(x, weight, bias=None):
-        logits = linear(x, weight, bias)
-        logits[..., 0] += 0.1
-        return logits
-
-    def forward(hidden):
-        with unittest.mock.patch.object(F, "linear", edited_linear):
-            return real(hidden)
-
-    router.forward = forward
+    edit_router_logits(truth, moe, lambda logits: logits[..., 0].add_(0.1))
     with torch.no_grad():
         torch.testing.assert_close(first_tensor(output), first_tensor(truth(**inputs)), atol=0, rtol=0)
 
