@@ -105,6 +105,11 @@ def _plain_field_problem(part: object, label: str) -> str:
     return ""
 
 
+#: The selections that pick the top-k of the logits (of their scores, a monotone function of them): what
+#: ``derived_routing`` recomputes.
+TOP_K_OF_LOGITS = ("logit_topk", "score_topk")
+
+
 def _check_description(family: Family) -> None:
     """Raise a `FamilyError` for fields of the wrong kind (a string where names are listed) or an unknown word."""
     if not isinstance(family.name, str) or not family.name:
@@ -141,9 +146,9 @@ def _check_description(family: Family) -> None:
             "call, set experts_call=False."
         )
     ranks_more = [f"{name}={value!r}" for scoring in (family.scoring, *family.scoring_by_router.values())
-                  for name, value in (("select", scoring.select), ("selection_bias", scoring.selection_bias),
-                                      ("groups", scoring.groups))
-                  if (value not in ("logit_topk", "score_topk") if name == "select" else value is not None)]
+                  for name, value in (("select", None if scoring.select in TOP_K_OF_LOGITS else scoring.select),
+                                      ("selection_bias", scoring.selection_bias), ("groups", scoring.groups))
+                  if value is not None]
     if family.derived_routing and ranks_more:
         raise FamilyError(
             f"family {family.name!r}: derived_routing=True recomputes the weights and indices as the top-k of the "
