@@ -214,6 +214,8 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
         **from_pretrained_kwargs: Passed to ``from_pretrained`` (``dtype``,
             ``experts_implementation``, ...); the settings in `SOURCE_SETTINGS`
             (``trust_remote_code``, ``subfolder``, ...) also to the config and tokenizer.
+            ``output_loading_info`` is read by moelens itself (to name weights that do not fit) and
+            not returned: the result is the wrapped model alone.
 
     Raises:
         MoelensError: ``path_or_repo_id`` is a file (a ``torch.save`` file is named as such), has no
