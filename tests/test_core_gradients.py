@@ -17,7 +17,8 @@ import torch
 import moelens
 from groundtruth import built, first_tensor
 
-GRADIENT_CASES = [(family, impl) for family in ("mixtral", "qwen2_moe") for impl in ("grouped_mm", "batched_mm")]
+GRADIENT_CASES = [(family, impl) for family in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")
+                  for impl in ("grouped_mm", "batched_mm")]
 
 
 def loss_of(output) -> torch.Tensor:
@@ -41,8 +42,11 @@ def plain_gradients(reference, inputs, moe) -> dict[str, torch.Tensor]:
         experts.inputs = ((hidden, indices, weights + leaves["expert_weights"], *rest), kwargs)
         leaves["routed_output"] = torch.zeros_like(experts.output, requires_grad=True)
         experts.output = experts.output + leaves["routed_output"]
-        leaves["mlp_output"] = torch.zeros_like(block.output, requires_grad=True)
-        block.output = block.output + leaves["mlp_output"]
+        out = block.output
+        hidden_out = out[0] if isinstance(out, tuple) else out  # gpt_oss's block returns (hidden, router scores)
+        leaves["mlp_output"] = torch.zeros_like(hidden_out, requires_grad=True)
+        hidden_out = hidden_out + leaves["mlp_output"]
+        block.output = (hidden_out, *out[1:]) if isinstance(out, tuple) else hidden_out
         slots = nnsight.save((indices, weights))
         output = plain.output.save()
     loss_of(output).backward()
@@ -59,6 +63,7 @@ def test_gradients_at_served_values(family, impl):
     names = [name for name in moe.order() if name not in ("expert_indices", "router_probs")]  # probs: derived, off the graph
     with wrapped.trace(**inputs):
         values = {name: getattr(moe, name) for name in names}
+        served_pre = values["expert_pre_activations"].save()
         loss = loss_of(wrapped.output)
         with loss.backward():
             grads = nnsight.save({name: values[name].grad.save() for name in reversed(names)})
@@ -72,9 +77,15 @@ def test_gradients_at_served_values(family, impl):
     # each slot's weighted output is summed into the routed output ...
     close(grads["expert_outputs"], truth["routed_output"][:, :, None].expand_as(grads["expert_outputs"]))
     # ... as weight * down_proj(activations), so d/d activations = weight * g_routed @ down_proj[expert]
-    down = moe.experts._module.down_proj.detach()[truth["indices"]]  # [b, s, k, D, I]
-    by_hand = truth["weights"][..., None] * torch.einsum("bsd,bskdi->bski", truth["routed_output"], down)
+    experts = moe.experts._module
+    down = experts.down_proj.detach()[truth["indices"]]  # [b, s, k, D, I], or [b, s, k, I, D] where transposed
+    pattern = "bsd,bskid->bski" if getattr(experts, "is_transposed", False) else "bsd,bskdi->bski"
+    by_hand = truth["weights"][..., None] * torch.einsum(pattern, truth["routed_output"], down)
     close(grads["expert_activations"], by_hand)
+    # ... and the activations are the experts' own gate of the pre-activations: its vector-Jacobian product
+    pre = served_pre.detach().requires_grad_(True)
+    (through_gate,) = torch.autograd.grad(experts._apply_gate(pre), pre, by_hand)
+    close(grads["expert_pre_activations"], through_gate)
 
 
 def test_a_value_first_asked_for_inside_the_backward_block_says_to_bind_it_before():
