@@ -529,10 +529,9 @@ def _shared_gate_hint(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """Where the block's output is the routed output plus the served shared output times a factor of each token's
     own (a gate the entry leaves out, or reads the shared output before), a sentence saying so with the block's ops
     to name `SharedExpert.gated_op` from; else ""."""
-    shared = values.get("shared_expert_output")
-    if shared is None or moe.family.combine.routed_post or moe.family.combine.block_post:
+    family, block, shared = moe.family, moe._module, values.get("shared_expert_output")
+    if shared is None or family.combine.routed_post or family.combine.block_post:
         return ""
-    family, block = moe.family, moe._module
     scale = family.routed_scale_of(block)  # the routed part as the entry's Combine gives it: the hint is about the rest
     routed = values["routed_output"].float() * (1.0 if scale is None else float(scale))
     output = values["mlp_output"].float()
@@ -547,8 +546,8 @@ def _shared_gate_hint(moe: Any, values: dict[str, torch.Tensor]) -> str:
         ops = f" The block's ops: {', '.join(moe.source.names)}."
     except Exception:  # noqa: BLE001 - a block without readable source: its ops cannot be listed
         ops = ""
-    spec = moe.family.shared
-    read_at = f"gated_op={spec.gated_op!r} reads it before that factor" if spec.gated_op else "the entry names no gate"
+    gated_op = family.shared.gated_op
+    read_at = f"gated_op={gated_op!r} reads it before that factor" if gated_op else "the entry names no gate"
     return (f" The block's output is routed_output plus shared_expert_output times a factor per token (from "
             f"{float(factor.min()):.3g} to {float(factor.max()):.3g}: a gate), and {read_at}: name the gate module "
             f"(SharedExpert gate=...) and the op whose output is the gated shared output (gated_op=...).{ops}")
