@@ -924,11 +924,14 @@ def test_a_top_k_changed_between_steps_is_the_one_served_after():
     routers = [moe.router._module for moe in wrapped.moes]
     with wrapped.generate(ids, **settings) as tracer:
         served = nnsight.save([])
+        last = nnsight.save([])
         for step in tracer.iter[:3]:
             if step == 1:
                 for router in routers:
                     router.top_k = 2
             served.append((wrapped.moes[0].top_k, wrapped.moes[0].expert_indices.save()))
+            last.append(wrapped.moes[-1].expert_indices.save())  # the body reaches step 1 after step 0's last block
+    assert [tuple(indices.shape) for indices in last] == [(1, ids.shape[1], 3), (1, 1, 2), (1, 1, 2)]
     steps, called = [0], []
 
     def lower_at_step_1(module, args):
