@@ -2455,6 +2455,12 @@ def test_load_and_wrap_say_what_they_take():
     with pytest.raises(moelens.MoelensError, match=r"wrap\(\) got one qwen2_moe MoE block \(Qwen2MoeSparseMoeBlock\), "
                                                    r"not a model: wrap the whole model that holds it"):
         moelens.wrap(hf.model.layers[1].mlp)
+    # a misspelt keyword was nnsight's "Envoy.__init__() got an unexpected keyword argument", naming no call of the user's
+    for tokenizer in (None, ascii_tokenizer()):
+        with pytest.raises(moelens.MoelensError, match=r"wrap\(\) got keywords it does not take: 'tokenzier'\. wrap "
+                                                       r"takes the model, tokenizer= and the nnsight model's own"):
+            moelens.wrap(hf, tokenizer=tokenizer, tokenzier=None)
+
 
 def test_a_compiled_model_is_refused_with_what_to_wrap():
     """A compiled model was wrapped, then traces failed inside torch's dynamo on nnsight's rewritten experts forward
@@ -3015,12 +3021,21 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.force(moe, 1, tokens=(0, torch.tensor(False))), r"holds a lone bool"),
         (lambda moe: moelens.reroute(moe, (slice(None), numpy.True_), 1), r"holds a lone bool"),
         (lambda moe: moelens.force(moe, 1, tokens=(0, numpy.array(True))), r"holds a lone bool"),
+        # meta index tensors picked tokens from uninitialised memory (a raw IndexError, or some other token edited)
+        (lambda moe: moelens.keep_top(moe, 0, tokens=(torch.tensor([0], device="meta"), torch.tensor([1], device="meta"))),
+         r"keep_top: tokens holds a tensor on the meta device"),
+        (lambda moe: moelens.reroute(moe, torch.ones(2, 5, dtype=torch.bool, device="meta"), 1),
+         r"reroute: tokens holds a tensor on the meta device"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), torch.tensor([6, 7], device="meta")),
+         r"reroute: experts holds a tensor on the meta device"),
+        (lambda moe: moelens.ablate(moe, torch.ones(8, dtype=torch.bool, device="meta")),
+         r"ablate: expert holds a tensor on the meta device"),
     ],
     ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts",
          "generator-experts", "dict-keys-experts", "none-experts", "bool-in-list-experts", "bool-in-nested-list-experts",
          "numpy-bool-in-tuple-experts", "bool-tensor-in-list-experts", "bool-array-in-list-experts", "no-experts", "1d-bool-mask",
          "1d-bool-list", "none-axis", "bool-position", "bool-tensor-position", "numpy-bool-position",
-         "numpy-0d-bool-array-position"],
+         "numpy-0d-bool-array-position", "meta-token-indices", "meta-token-mask", "meta-experts", "meta-expert-mask"],
 )
 def test_ambiguous_tokens_and_unusable_experts_are_refused(mixtral, call, match):
     wrapped, inputs = mixtral
@@ -4085,6 +4100,24 @@ def test_a_block_replaced_through_its_envoy_is_named_and_its_call_arguments_stil
     torch.testing.assert_close(routed, seen[0].view(routed.shape), rtol=0, atol=0)
 
 
+def test_read_only_attributes_of_blocks_and_standard_names_are_refused():
+    """``moe.layer = 2``, ``moe.family = None`` and ``model.layers = [1, 2]`` were taken as they came: collect_routing
+    then refused the layers with advice that could not help, and a later read blamed a missing value. Ground truth: the
+    block's layer and family as wrap found them, the standard name still the model's own list."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    for name, value in [("layer", 2), ("family", None), ("runs_before_expansion", True), ("top_k", 1)]:
+        with pytest.raises(moelens.MoelensError, match=rf"layers\.0\.mlp\.{name} is read only: moelens reads it from "
+                                                       r"the model\. .*moe\.router\._module\.top_k = 1"):
+            setattr(moe, name, value)
+    assert (moe.layer, moe.family.name, moe.runs_before_expansion, moe.top_k) == (0, "mixtral", False, 2)
+    with pytest.raises(moelens.MoelensError, match=r"model\.layers is moelens' name for 'model\.layers' and is read "
+                                                   r"only: .* change nothing in the model"):
+        wrapped.layers = [1, 2]
+    assert wrapped.layers._module is hf.model.layers
+
+
 def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_block_refused():
     """nnsight's own way to swap a module, ``model...mlp.gate = new``, left moelens reading the router it had
     instrumented: router_logits raised an OrderError blaming the read order. A block replaced in the torch model kept
@@ -4953,8 +4986,11 @@ def test_op_names_registered_again_reach_a_block_that_served_per_slot_values():
     wrapped, inputs, good = moelens.wrap(hf), tiny_inputs(hf), ops_for("batched_mm")
     try:
         register_implementation("batched_mm", ExpertsOps(slot_outputs="no_such_op_0"), replace=True)
-        with pytest.raises(moelens.OrderError):
-            with torch.no_grad(), wrapped.trace(**inputs):
+        with pytest.raises(ValueUnavailable, match=r"expert_outputs cannot be served: this block runs the experts "
+                                                   r"implementation 'batched_mm', and its function "
+                                                   r"batched_mm_experts_forward has no op slot_outputs='no_such_op_0'; "
+                                                   r"its ops are .*weighted_out_view_0"):
+            with torch.no_grad(), wrapped.trace(**inputs):  # was an OrderError blaming the read order
                 wrapped.moes[0].expert_outputs.save()
     finally:
         register_implementation("batched_mm", good, replace=True)
@@ -4962,6 +4998,62 @@ def test_op_names_registered_again_reach_a_block_that_served_per_slot_values():
         outputs = wrapped.moes[0].expert_outputs.save()
         routed = wrapped.moes[0].routed_output.save()
     torch.testing.assert_close(outputs.sum(2), routed)
+
+
+def users_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """An experts implementation of a user's own: transformers' batched_mm, called."""
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def test_an_implementation_moelens_cannot_read_says_why_and_how_to_register_it():
+    """One registered with transformers alone was said to be "a loop over experts with no [tokens, k, ...] tensor";
+    registered with op names it lacks, a read blamed the read order (OrderError); a lambda raised nnsight's
+    SourceNotAvailable; a misspelt name in the config was taken at wrap without a word. Ground truth: the values the
+    same block serves under batched_mm, which the user's function runs."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from moelens.components import ExpertsOps, register_implementation
+    from moelens.components.implementations import _IMPLEMENTATIONS
+
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        expected = wrapped.moes[0].routed_output.save()
+    functions = {"users_own": users_experts_forward, "users_lambda": lambda *args: users_experts_forward(*args)}
+
+    def refused(implementation, match):
+        wrapped.set_experts_implementation(implementation)
+        with pytest.raises(ValueUnavailable, match=match):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                wrapped.moes[0].expert_outputs.save()
+        with torch.no_grad(), wrapped.trace(**inputs):  # the model runs it
+            torch.testing.assert_close(wrapped.moes[0].routed_output.save(), expected, rtol=0, atol=0)
+
+    try:
+        for name, function in functions.items():
+            ALL_EXPERTS_FUNCTIONS.register(name, function)
+        refused("users_own", r"runs 'users_own' \(an implementation registered with transformers, whose op names "
+                             r"moelens does not know\).*moelens\.components\.register_implementation\('users_own', "
+                             r"ExpertsOps\(\.\.\.\)\)")
+        register_implementation("users_own", ExpertsOps())
+        refused("users_own", r"runs the experts implementation 'users_own', and its function users_experts_forward has "
+                             r"no op slot_outputs='weighted_out_view_0'; no op gated_activations='self__apply_gate_0' "
+                             r"or plain_activations='self_act_fn_0'; its ops are batched_mm_experts_forward_0\. "
+                             r"Register it again with the op names it has")
+        register_implementation("users_lambda", ExpertsOps())
+        refused("users_lambda", r"its function .*<lambda> has no Python source whose ops nnsight reads")
+    finally:
+        for name in functions:
+            ALL_EXPERTS_FUNCTIONS._global_mapping.pop(name, None)
+            _IMPLEMENTATIONS.pop(name, None)
+    misspelt = tiny_model("mixtral")
+    misspelt.config._experts_implementation = "grouped_mn"
+    with pytest.warns(UserWarning, match=r"the model's experts run 'grouped_mn', which transformers does not know "
+                                         r"\(known: eager, .*\): its forward fails\. Switch with "
+                                         r"model\.set_experts_implementation\('grouped_mm'\)"):
+        moelens.wrap(misspelt)
 
 
 def test_an_implementation_registered_without_pre_activations_refuses_them_with_the_reason():
@@ -5190,3 +5282,31 @@ def test_load_warns_where_a_later_sharded_save_is_shadowed_by_an_earlier_single_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         moelens.load(other)
+
+
+def test_a_refused_wrap_leaves_no_nnsight_forward_on_the_users_model():
+    """A wrap moelens refuses after nnsight made its envoys (a router's top_k above its expert count) left nnsight's
+    dispatcher on every module: a class patch made afterwards no longer reached the model, which no wrapper holds.
+    Ground truth: a copy nobody tried to wrap."""
+    hf = tiny_model("mixtral")
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    never = copy.deepcopy(hf)
+    gate = hf.model.layers[-1].mlp.gate
+    gate.top_k = gate.num_experts + 1
+    with pytest.raises(moelens.MoelensError, match="routes each token to its top_k"):
+        moelens.wrap(hf)
+    gate.top_k = never.model.layers[-1].mlp.gate.top_k
+    assert not [name for name, module in hf.named_modules() if {"forward", "__nnsight__"} & set(vars(module))]
+    moe_class = type(hf.model.layers[0].mlp)
+    original = moe_class.forward
+    try:
+        moe_class.forward = lambda self, hidden_states: torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            assert torch.equal(first_tensor(hf(ids)), first_tensor(never(ids)))
+    finally:
+        moe_class.forward = original
+    wrapped = moelens.wrap(hf)  # and it wraps once fixed
+    with torch.no_grad(), wrapped.trace(ids):
+        logits = wrapped.output.logits.save()
+    with torch.no_grad():
+        assert torch.equal(logits, first_tensor(never(ids)))

@@ -276,6 +276,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
     selected = indices[rows]
+    _refuse_meta(experts, "reroute", "experts")
     experts = _ordered_ids(experts)
     try:
         with unset_fake_temporarily():  # in model.scan: ids given as numbers or a real tensor keep their values
@@ -480,6 +481,15 @@ def _is_lone_bool(part: Any) -> bool:
     return isinstance(part, (bool, numpy.bool_))
 
 
+def _refuse_meta(given: Any, call: str, argument: str) -> None:
+    """Refuse a tensor on the meta device as ``call``'s ``argument`` (or in its tuple or list): it holds no values, and
+    indexing with one reads whatever memory lies there (model.scan's fake tensors pass: they stand for real ones)."""
+    parts = given if isinstance(given, (tuple, list)) else (given,)
+    if any(isinstance(part, torch.Tensor) and part.is_meta and not is_fake(part) for part in parts):
+        raise WriteError(f"{call}: {argument} holds a tensor on the meta device, which holds no values; pass a tensor "
+                         "with data (on the CPU or the model's device), a list, or ints.")
+
+
 def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(batch, position)`` index tensors of the tokens ``tokens`` selects in ``values`` ``[b, s, ...]``.
 
@@ -491,6 +501,7 @@ def _token_rows(values: torch.Tensor, tokens: Any, call: str) -> tuple[torch.Ten
     and is refused as ambiguous.
     """
     batch, seq = values.shape[:2]
+    _refuse_meta(tokens, call, "tokens")
     if tokens is None:  # force takes None for every token before it gets here; reroute needs a selection
         raise WriteError(
             f"{call}: tokens=None selects no tokens; {call} needs the tokens whose slots it sets: pass "
@@ -556,6 +567,7 @@ def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert", dis
     bool tensor or array (a mask over the ``E`` experts) holds True. Text and
     mappings are refused as a whole: a str is iterable, but its characters are no expert ids, and a mapping's values
     would be dropped; so are tensors of more axes, rows of ids for several blocks."""
+    _refuse_meta(experts, call, argument)
     if isinstance(experts, torch.Tensor) and is_fake(experts) and experts.numel() > 1:
         raise WriteError(f"{call}: expert ids in a tensor made inside model.scan have no values there (its tensors "
                          "are fake); pass a list of ints, or a tensor made before the scan.")

@@ -1320,6 +1320,17 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     # torch.compile(module) put in anywhere hides the module it compiled (an MoE block's experts too) from discovery
     _refuse_compiled((name, module) for name, module in model.named_modules() if type(module).__name__ == OPTIMIZED)
     _drop_stale_nnsight_state(model)
+    before = _instance_state(model)
+    try:
+        return _wrapped(model, tokenizer, nnsight_kwargs)
+    except BaseException:  # a refusal (or Ctrl-C) after nnsight put its forwards on the modules: take them off again
+        _restore_instance_state(before)
+        raise
+
+
+def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, Any]
+             ) -> MoeTransformersModel | MoeNNsight:
+    """`wrap`'s nnsight model of ``model``, its blocks instrumented; ``model`` and ``tokenizer`` checked already."""
     structure = discover(model)
     watched = _walk_steps(_around_blocks(model, structure.moe_blocks))
     _refuse_compiled(_present(model, watched))  # where it would reach the forwards moelens reads, as at each trace
@@ -1342,16 +1353,7 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
     for name in _block_holders(structure):
         envoys.setdefault(_from_root(name), BlockHolder)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
-    if tokenizer is not None:  # a copy: nnsight sets padding_side on the tokenizer it is given
-        if not getattr(model, "can_generate", lambda: False)():
-            # nnsight infers a pipeline task from the head, or config.architectures (stale in a classifier loaded from
-            # a causal LM's checkpoint: a text-generation pipeline failed), and knows none for a base model or
-            # question answering; tracing needs only the tokenizing
-            nnsight_kwargs.setdefault("task", FEATURE_TASK)
-        with _real_device_first(model), _no_pipeline_task_complaint():
-            wrapped = MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
-    else:
-        wrapped = MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
+    wrapped = _nnsight_model(model, tokenizer, envoys, nnsight_kwargs)
     if isinstance(wrapped.interleaver, MoeInterleaver):
         wrapped.interleaver.runs([model.get_submodule(path) for path in structure.moe_blocks])
     object.__setattr__(wrapped, "_structure", structure)
@@ -1368,7 +1370,54 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         _instrument(moe)
         if moe.family.runs_only_on:
             moe.mark_gathered_calls()
+    _warn_unknown_implementations(wrapped.moes)
     return wrapped
+
+
+def _warn_unknown_implementations(moes: Iterable[Moe]) -> None:
+    """Warn of experts implementations the model's config names that transformers does not know (not registered yet,
+    or misspelt), whose forward fails with transformers' KeyError."""
+    unknown = sorted({moe.experts_implementation for moe in moes} - set(known()))
+    if unknown:
+        warn(f"the model's experts run {', '.join(map(repr, unknown))}, which transformers does not know (known: "
+             f"{', '.join(known())}): its forward fails. Switch with model.set_experts_implementation('grouped_mm'), "
+             "or register the implementation with transformers before the first trace.")
+
+
+def _nnsight_model(model: torch.nn.Module, tokenizer: Any, envoys: dict[str, type],
+                   nnsight_kwargs: dict[str, Any]) -> MoeTransformersModel | MoeNNsight:
+    """nnsight's model of ``model`` (a language model where there is a tokenizer), built with ``nnsight_kwargs``."""
+    model_class = MoeNNsight if tokenizer is None else MoeTransformersModel
+    unknown = sorted(set(nnsight_kwargs) - _keywords_taken(model_class))
+    if unknown:  # nnsight's plain model raised naming Envoy.__init__; its language model dropped them without a word
+        raise MoelensError(
+            f"wrap() got keywords it does not take: {', '.join(map(repr, unknown))}. wrap takes the model, tokenizer= "
+            "and the nnsight model's own keywords (envoys=, rename=, ...); check the spelling."
+        )
+    if tokenizer is None:
+        return MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
+    if not getattr(model, "can_generate", lambda: False)():
+        # nnsight infers a pipeline task from the head, or config.architectures (stale in a classifier loaded from
+        # a causal LM's checkpoint: a text-generation pipeline failed), and knows none for a base model or
+        # question answering; tracing needs only the tokenizing
+        nnsight_kwargs.setdefault("task", FEATURE_TASK)
+    with _real_device_first(model), _no_pipeline_task_complaint():  # a copy: nnsight sets its padding_side
+        return MoeTransformersModel(model, tokenizer=copy.deepcopy(tokenizer), envoys=envoys, **nnsight_kwargs)
+
+
+@functools.cache
+def _keywords_taken(model_class: type) -> frozenset[str]:
+    """The keywords nnsight's ``model_class`` reads when it is given a model it does not load: the named parameters of
+    its constructors, and for a transformers model those of transformers' ``pipeline``, which it builds (a name of
+    neither, nnsight takes as a loading setting and drops)."""
+    from transformers import pipeline  # its module is loaded lazily
+
+    constructors = [cls.__init__ for cls in model_class.__mro__ if "__init__" in vars(cls)]
+    if issubclass(model_class, MoeTransformersModel):
+        constructors.append(pipeline)
+    return frozenset(name for constructor in constructors
+                     for name, parameter in inspect.signature(constructor).parameters.items()
+                     if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)) - {"self"}
 
 
 #: The pipeline task `wrap` gives nnsight for a model that cannot generate: the tokenizing alone.
@@ -1690,6 +1739,27 @@ def _blockless_layers(model: torch.nn.Module, structure: Structure) -> list[str]
     layers = model.get_submodule(structure.layers)
     count = len(layers) if hasattr(layers, "__len__") else 0
     return [path for path in (f"{structure.layers}.{i}" for i in range(count)) if path not in holding]
+
+
+_MISSING = object()
+
+
+def _instance_state(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any, Any]]:
+    """Each module's own ``forward`` and nnsight state (``__nnsight__``) as they are before `wrap` (`_MISSING` where
+    the module has none), so a wrap refused after nnsight put its forwards on the modules can take them off again."""
+    return [(module, module.__dict__.get("forward", _MISSING), module.__dict__.get(NNSIGHT_STATE, _MISSING))
+            for module in model.modules()]
+
+
+def _restore_instance_state(state: list[tuple[torch.nn.Module, Any, Any]]) -> None:
+    """Put back what `_instance_state` noted: a refused wrap leaves no nnsight forward, which a patch of the module's
+    class would no longer reach, on a model no wrapper holds."""
+    for module, forward, nnsight_state in state:
+        for key, value in (("forward", forward), (NNSIGHT_STATE, nnsight_state)):
+            if value is _MISSING:
+                module.__dict__.pop(key, None)
+            else:
+                module.__dict__[key] = value
 
 
 def _drop_stale_nnsight_state(model: torch.nn.Module) -> None:

@@ -144,15 +144,21 @@ STANDARD_NAMES = "_standard_names"
 class StandardNames:
     """What a host of standard names (`bind_alias`: a `Component`, a decoder layer, the wrapped model) does on a
     setattr: refuse a module given to one (``moe.router = new``, ``model.layers = new``), which nnsight would add
-    beside the child the name serves, never called by the model."""
+    beside the child the name serves, never called by the model; and any other value, which would only hide it."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        native = None if name.startswith("_") or not isinstance(value, torch.nn.Module) else self._standard_native(name)
-        if native is not None:
+        native = None if name.startswith("_") else self._standard_native(name)
+        if native is not None and isinstance(value, torch.nn.Module):
             raise MoelensError(
                 f"{self.path}.{name} is moelens' name for {native!r}; a module given to it would be added beside "
                 f"{native!r}, which the model goes on calling. Replace {native!r} itself, where the model keeps it, "
                 "and wrap the model again (moelens.wrap)."
+            )
+        if native is not None:
+            raise MoelensError(
+                f"{self.path}.{name} is moelens' name for {native!r} and is read only: setting it would hide that "
+                f"module from the name and change nothing in the model. Set what you meant on the module itself "
+                f"({self.path}.{name}._module.<attribute>)."
             )
         super().__setattr__(name, value)
 
@@ -189,9 +195,13 @@ class Component(StandardNames, Envoy):
     INSTRUMENTED_AT_WRAP = False
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_family", registry.for_block(module))  # before nnsight's setattrs of the children
         super().__init__(module, *args, **kwargs)
-        #: The family entry describing this block (None for a dense MLP of an unknown family).
-        self.family: Family | None = registry.for_block(module)
+
+    @property
+    def family(self) -> Family | None:
+        """The family entry describing this block (None for a dense MLP of an unknown family)."""
+        return self._family
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -202,8 +212,16 @@ class Component(StandardNames, Envoy):
     def __setattr__(self, name: str, value: Any) -> None:
         """Refuse a new attribute named like a value (``moe.router_logit = ...``): it would write nothing; and a module
         given to a standard name (``moe.router = new``, `StandardNames`), which would add a module the block never
-        calls."""
-        if not name.startswith("_") and name not in self.__dict__ and inspect.getattr_static(type(self), name, None) is None:
+        calls); and a setting of a read-only one (``moe.layer = 2``), which would leave the model as it is and make
+        moelens misplace the block."""
+        declared = inspect.getattr_static(type(self), name, None)
+        if isinstance(declared, cached_property) or (type(declared) is property and declared.fset is None):
+            raise MoelensError(
+                f"{self.path}.{name} is read only: moelens reads it from the model. To change what the block does, "
+                "set the model's own attribute (moe.router._module.top_k = 1), edit its values in a trace or its "
+                "weights (moe.params()); for another block, take that block (model.moes[i], model.layers[i].mlp)."
+            )
+        if not name.startswith("_") and name not in self.__dict__ and declared is None:
             near = difflib.get_close_matches(name, value_names(type(self)), n=1, cutoff=0.85)
             if near:
                 raise MoelensError(

@@ -10,11 +10,13 @@ neither. An implementation registered elsewhere (moelens' expert-parallel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from nnsight.intervention.source import SourceNotAvailable
 
 from ..errors import MoelensError
 from ..scalars import check_flag
@@ -120,6 +122,45 @@ def check_known(name: str, fp8: bool = True) -> None:
         hint = (" moelens' expert-parallel one is registered by moelens.parallel.register_torch_a2a() (shard_experts "
                 "calls it).") if name == "torch_a2a" else ""
         raise MoelensError(f"unknown experts implementation {name!r}; known: {', '.join(names)}.{hint}")
+
+
+def is_transformers_own(name: str) -> bool:
+    """Whether the experts implementation ``name`` is one of transformers' (``eager``'s loop, its kernels), not one a
+    user registered with transformers (``ALL_EXPERTS_FUNCTIONS.register``), whose op names `register_implementation`
+    can tell moelens."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    function = ALL_EXPERTS_FUNCTIONS.get(name) if name != "eager" else None
+    return function is None or getattr(function, "__module__", "").startswith("transformers.")
+
+
+def unreadable_ops(name: str, ops: ExpertsOps) -> str | None:
+    """Why the op names ``ops`` registered for the implementation ``name`` (`register_implementation`) cannot be read in
+    the function transformers runs for it, or None where they can (or where transformers has no such function)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    function = ALL_EXPERTS_FUNCTIONS.get(name)
+    return None if function is None else _unreadable_ops(function, ops)
+
+
+@functools.cache
+def _unreadable_ops(function: Any, ops: ExpertsOps) -> str | None:
+    from .params import op_names  # params reads the experts' implementations' names from here
+
+    label = getattr(function, "__qualname__", repr(function))
+    try:
+        if getattr(function, "__name__", "") == "<lambda>":
+            raise SourceNotAvailable("nnsight reads no ops in a lambda")
+        names = op_names(function)
+    except SourceNotAvailable:
+        return (f"its function {label} has no Python source whose ops nnsight reads (a lambda, a builtin or a "
+                "compiled function): define it with def in a file or a notebook cell")
+    missing = [f"{field}={op!r}" for field, op in (("slot_outputs", ops.slot_outputs), ("sort", ops.sort)) if op
+               and op not in names]
+    if ops.gated_activations not in names and ops.plain_activations not in names:
+        missing.append(f"gated_activations={ops.gated_activations!r} or plain_activations={ops.plain_activations!r}")
+    return f"its function {label} has no op {'; no op '.join(missing)}; its ops are {', '.join(names)}" \
+        if missing else None
 
 
 def ops_for(name: str | None) -> ExpertsOps | None:

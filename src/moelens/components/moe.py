@@ -54,7 +54,8 @@ from . import base
 from .base import bind_alias, envoy_at
 from .binding import ANY_INF, INDEX, MINUS_INF, Binding, argument, copied, kept_for_backward, normal_tensors, output_of
 from .gathered import STALE_NOTE, gathered_call, note_gathered_calls
-from .implementations import IMPLEMENTATION_CALL, is_dispatching, ops_for, serving
+from .implementations import (IMPLEMENTATION_CALL, is_dispatching, is_transformers_own, ops_for, serving,
+                              unreadable_ops)
 from .mlp import Mlp
 from .params import MoeParams, block_params, gate_and_up, refuse_fully_sharded
 from .served import (RUNS, forwards_ended, generating, order_errors, request, request_step, run_fact, served,
@@ -278,12 +279,17 @@ class Moe(Mlp):
                 "transformers.integrations.moe.use_experts_implementation so it can run grouped_mm.",
             )
         implementation = self.experts_implementation
+        own = is_transformers_own(implementation)
+        what = "a loop over experts or a kernel, with no [tokens, k, ...] tensor" if own else \
+            "an implementation registered with transformers, whose op names moelens does not know"
+        register = "" if own else (f"; or tell moelens which of its ops hold them: moelens.components."
+                                          f"register_implementation({implementation!r}, ExpertsOps(...))")
         return self.unavailable(
             name,
             f"per-slot values exist only inside the {', '.join(serving())} experts implementations, "
-            f"and this block runs {implementation!r} (a loop over experts with no [tokens, k, ...] tensor)",
+            f"and this block runs {implementation!r} ({what})",
             'switch with model.set_experts_implementation("grouped_mm") (or load with '
-            'experts_implementation="grouped_mm").',
+            f'experts_implementation="grouped_mm"){register}.',
         )
 
     def no_shared_expert(self, name: str = "shared_expert_output") -> ValueUnavailable:
@@ -309,12 +315,13 @@ class Moe(Mlp):
         if name in self.family.refused:
             raise self.no_mixture(name)
         if name in PER_SLOT_VALUES:
-            ops = ops_for(implementation or self.experts_implementation)
+            implementation = implementation or self.experts_implementation
+            ops = ops_for(implementation)
             if ops is None or self.family.identity_experts is not None and self.family.identity_count(self._module):
                 raise self.needs_grouped_experts(name)
             if name == "expert_pre_activations" and not ops.pre_activations:
                 raise self.unavailable(
-                    name, f"the {implementation or self.experts_implementation} experts implementation was registered "
+                    name, f"the {implementation} experts implementation was registered "
                           "with ExpertsOps(pre_activations=False): the input of its activation op is no slot's up "
                           "projection (it computes the activations elsewhere)",
                     "read expert_activations, or recompute the projection from moe.params().")
@@ -678,20 +685,24 @@ class Moe(Mlp):
         if name in PER_SLOT_VALUES:
             implementation = implementation or self.experts_implementation
             self._check_available(name, implementation)
-            return self._slot_bindings(implementation)[name]
+            return self._slot_bindings(implementation, name)[name]
         self._check_available(name)
         return self._shared_binding if name == "shared_expert_output" else self._static_bindings[name]
 
     def _location_of(self, name: str) -> str | None:
         return super()._location_of("router_logits" if name == "router_probs" else name)  # scored from the logits
 
-    def _slot_bindings(self, implementation: str) -> dict[str, Binding]:
+    def _slot_bindings(self, implementation: str, name: str) -> dict[str, Binding]:
         """The per-slot values' bindings under ``implementation``, built once per implementation (a read
-        builds none: at 1 x 8 tokens moelens' own Python is a visible part of a trace)."""
+        builds none: at 1 x 8 tokens moelens' own Python is a visible part of a trace); ``name``: the one read."""
         built = self.__dict__.setdefault("_slot_bindings_by_implementation", {})
         key = (implementation, ops_for(implementation))  # op names registered again (replace=True) are read anew
         if key not in built:
-            built[key] = {name: self._slot_binding(name, implementation) for name in PER_SLOT_VALUES}
+            if (why := unreadable_ops(*key)) is not None:  # else the read would wait for an op that never comes
+                raise self.unavailable(name, f"this block runs the experts implementation {implementation!r}, and "
+                                             f"{why}", "register it again with the op names it has "
+                                                       "(moelens.components.register_implementation(..., replace=True)).")
+            built[key] = {value: self._slot_binding(value, implementation) for value in PER_SLOT_VALUES}
         return built[key]
 
     @cached_property
