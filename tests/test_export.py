@@ -592,6 +592,9 @@ def test_edits_from_text_reads_its_own_text_and_refuses_other_things():
     assert Edits.from_text(edits.to_text()) == edits and Edits.from_text("") == Edits()
     with pytest.raises(ExportError, match=r"^Edits\.from_text takes the text Edits\.to_text gives \(a str\), got int 3\.$"):
         Edits.from_text(3)
+    with pytest.raises(ExportError, match=r"cannot read edits from 'zap:1:1' \(at 'zap:1:1'\): each part is "
+                                          r"kind:layer:items, kind one of steer, route_around, swap, ablate, force"):
+        Edits.from_text("zap:1:1")  # said where, not what it reads
 
 
 @pytest.mark.parametrize("text, twice", [

@@ -360,7 +360,9 @@ class Edits:
                 taken = layer in fields[kind]
                 fields[kind][layer] = edit
             except (KeyError, ValueError):
-                raise ExportError(f"cannot read edits from {text!r} (at {part!r}).") from None
+                raise ExportError(f"cannot read edits from {text!r} (at {part!r}): each part is kind:layer:items, "
+                                  f"kind one of {', '.join(KINDS)}, items expert ids (ablate:1:6,7) or expert=value "
+                                  "pairs for steer and swap (steer:1:2=3.0,5=-1.0), parts joined by ';'.") from None
             if taken or repeated:  # one would silently replace the other
                 twice = f"layer {layer} in two {kind} parts" if taken else f"an expert twice in {part!r}"
                 raise ExportError(f"cannot read edits from {text!r}: it names {twice}, which Edits.to_text never "
