@@ -367,3 +367,38 @@ def test_an_export_reads_the_context_of_the_text_decoder():
     hf = _model("qwen3_vl_moe", "grouped_mm").eval()
     assert getattr(hf.config, "max_position_embeddings", None) is None
     assert resolve(hf).context_length == hf.config.get_text_config().max_position_embeddings
+
+
+def test_a_converted_block_in_a_flat_vision_tower_is_refused_by_name():
+    """A tomoe block converted inside qwen3_vl_moe's vision tower, which runs flat [patches, D] over every image:
+    with a 16-patch and a 32-patch image its values were served as [2, 24, ...], row 0 holding image 0's patches and
+    the first 8 of image 1 (and a write by row landed on both images). Refused now, as a dense MLP there is; the
+    decoder's blocks are served as before. Ground truth: a forward hook on the converted model's router."""
+    from moelens.compress import tomoe
+
+    torch.manual_seed(0)
+    hf = _model("qwen3_vl_moe", "batched_mm")
+    _reinit(hf, 0)
+    converted = tomoe(hf.eval(), num_experts=4, top_k=2, max_error=None, progress=False,
+                      target_modules=r".*visual\.blocks\.0\.mlp\.linear_fc1")
+    ids = torch.tensor([[5, 6, START] + [IMAGE] * 4 + [END, 7, 8, 9, 10, 11, 12], [5, START] + [IMAGE] * 8 + [END, 7, 8, 9]])
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == IMAGE).long(),
+                  pixel_values=torch.randn(48, 96, generator=torch.Generator().manual_seed(1)),
+                  image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 8]]))
+    seen = []
+    router = converted.get_submodule("model.visual.blocks.0.mlp.linear_fc1.router")
+    handle = router.register_forward_hook(lambda module, args, output: seen.append(output[0].clone()) and None)
+    with torch.no_grad():
+        converted(**inputs)
+    handle.remove()
+    wrapped = moelens.wrap(converted)
+    tower = next(moe for moe in wrapped.moes if ".visual." in moe.path)
+    for name in ("router_logits", "expert_indices", "mlp_output"):
+        with pytest.raises(moelens.ValueUnavailable, match=rf"linear_fc1\.{name} cannot be served: this block runs "
+                                                           r"outside the text decoder .* on flat tokens"):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                getattr(tower, name).save()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        raw = tower.router.output[0].save()  # plain nnsight, as the refusal says
+        decoder = wrapped.moes[-1].expert_indices.save()
+    assert torch.equal(raw, seen[0]) and decoder.shape[:2] == ids.shape

@@ -1368,7 +1368,7 @@ def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, A
         if (refusal := _impossible_top_k(moe)) is not None:
             raise refusal
         _instrument(moe)
-        if moe.family.runs_only_on:
+        if moe.family.runs_only_on or moe.runs_before_expansion:  # per modality, or a tower's flat patches
             moe.mark_gathered_calls()
     _warn_unknown_implementations(wrapped.moes)
     return wrapped

@@ -602,6 +602,14 @@ class Moe(Mlp):
         ``[batch, seq]`` view places them (a write laid flat over them would land on other tokens)."""
         if not self._gathered_call:
             return
+        if not self.family.runs_only_on:  # a block outside the decoder (a vision tower's) on flat patches
+            raise self.unavailable(
+                name,
+                "this block runs outside the text decoder (a vision tower's) on flat tokens (image patches, gathered "
+                "over the images), which no [batch, seq] view places",
+                f"read its tensors with plain nnsight ({self.path}.output, {self.path}.router.output, flat over "
+                "its tokens).",
+            )
         raise self.unavailable(
             name,
             "this call of the block ran on part of the tokens, gathered out of the batch (its layer sends the "
@@ -668,7 +676,7 @@ class Moe(Mlp):
     @property
     def _gathered_call(self) -> bool:
         """Whether the running call of this block got tokens gathered out of the batch (`mark_gathered_calls`)."""
-        return bool(self.family.runs_only_on) and gathered_call(self._module)
+        return (bool(self.family.runs_only_on) or self.runs_before_expansion) and gathered_call(self._module)
 
     def _write(self, descriptor: served, value: Any) -> None:
         if self.family.derived_routing and descriptor.name in DERIVED_ROUTING:
