@@ -146,9 +146,9 @@ def test_a_shared_expert_read_after_the_router_says_where_its_values_fall():
     for hook in hooks:
         hook.remove()
     assert calls[:3] == ["shared_expert", "gate", "experts"]
-    with pytest.raises(moelens.OrderError, match=rf"shared_expert is the shared expert of {re.escape(moe.path)}: its "
-                                                 r"values come where the block calls it, which may be before the "
-                                                 r"router"):
+    with pytest.raises(moelens.OrderError, match=rf"shared_expert is the shared expert of {re.escape(moe.path)}: the "
+                                                 r"block calls it before its gate, and the qwen2 family before its "
+                                                 r"router: read them before the block's values"):
         with wrapped.trace(**inputs):
             moe.router_logits.save()
             moe.shared_experts.mlp_activation.save()
@@ -156,6 +156,33 @@ def test_a_shared_expert_read_after_the_router_says_where_its_values_fall():
         activation = moe.shared_experts.mlp_activation.save()
         logits = moe.router_logits.save()
     assert activation.shape[-1] == block.shared_expert.down_proj.in_features and logits.shape[-1] == moe.num_experts
+
+
+def test_a_shared_expert_called_after_the_experts_is_placed_there_by_the_order_error():
+    """deepseek_v3 calls its shared experts after its experts (hooks), and the refusal said to read them "before the
+    block's other values", which raised an OrderError again on routed_output; it now says where they fall, and that
+    order reads."""
+    hf = tiny_model("deepseek_v3")
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    moe, calls = wrapped.moes[0], []
+    block = hf.get_submodule(moe.path.removeprefix("model."))
+    hooks = [getattr(block, name).register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
+             for name in ("gate", "experts", "shared_experts")]
+    with torch.no_grad():
+        hf(**inputs)
+    for hook in hooks:
+        hook.remove()
+    assert calls[:3] == ["gate", "experts", "shared_experts"]
+    with pytest.raises(moelens.OrderError, match=r"the block calls it after its experts: read them after routed_output, "
+                                                 r"before mlp_output, or in a trace of their own"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moe.mlp_output.save()
+            moe.shared_experts.mlp_activation.save()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        routed = moe.routed_output.save()
+        shared = moe.shared_experts.mlp_output.save()
+        output = moe.mlp_output.save()
+    torch.testing.assert_close(output, routed + shared)
 
 
 @pytest.mark.parametrize(("name", "reason"), [("deepseek_v3", r"this deepseek_v3 block's shared expert has no gate of "

@@ -118,10 +118,20 @@ class Mlp(Component):
         """`Component._order_error`, which for a block's shared expert also says where its values fall among the
         block's (where the block calls it: `moe.order()` places only its gated output)."""
         error = super()._order_error(name, by, step_passed)
-        if self._shared_of is not None:
-            error.args = (f"{error.args[0]} {self.path} is the shared expert of {self.parent.path}: its values come "
-                          "where the block calls it, which may be before the router (the qwen2 family) or after the "
-                          "experts; read them before the block's other values, or in a trace of their own.",)
+        moe = self._shared_of
+        if moe is not None:
+            spec = moe.family.shared
+            where = {
+                "before_router": "before its router: read them before the block's other values",
+                "before_experts": "between its router and its experts: read them after expert_indices, before the "
+                                  "per-slot values",
+                "after_experts": "after its experts: read them after routed_output, before mlp_output",
+                "after_block": "after the block: read them after mlp_output",
+            }[spec.when]
+            if spec.gated_op:  # the served value is the gate's product; the module itself may run anywhere before it
+                where = "before its gate, and the qwen2 family before its router: read them before the block's values"
+            error.args = (f"{error.args[0]} {self.path} is the shared expert of {moe.path}: the block calls it "
+                          f"{where}, or in a trace of their own.",)
         return error
 
     @cached_property

@@ -301,8 +301,8 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "index_num_heads": 2, "index_topk": 4, "index_pool_size": 8, "index_compression": 2,
         "index_num_local_tokens": 2, "index_num_sink_tokens": 1,
     },
-    "laguna": {
-        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+    "laguna": {  # a routed scale of its own, which Combine.routed_scale must read (1.0 would hide a wrong entry)
+        "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16, "moe_routed_scaling_factor": 2.5,
         "mlp_layer_types": _DSSS, "sliding_window": 16,
     },
     "longcat_flash": {  # 4 layers of 2 attention sublayers each; 2 zero-compute experts beside the 8
@@ -398,6 +398,7 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "share_expert_dim": 16, "mlp_layer_types": _DSSS,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "sliding_window": 16, "swiglu_limits": [0.0, 0.02, 0.0, 0.0], "swiglu_limits_shared": [0.0, 0.05, 0.0, 0.0],
+        "moe_router_scaling_factor": 2.5,  # as laguna's
     },
     "unlimited_ocr": {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "mlp_layer_types": _DSSS,
