@@ -438,3 +438,19 @@ def test_zeroed_router_rows_are_refused_with_advice_that_removes_the_experts(tmp
         expected = hf(input_ids=ids, use_cache=False).logits.numpy()
     error = np.abs(run(tmp_path / "zero-down.nnef.tgz", ids) - expected).max()
     assert error <= 1e-3 * np.abs(expected).max(), error
+
+
+def test_steered_saturated_sigmoid_scores_of_flint_name_the_tie_tract_breaks_otherwise(tmp_path):
+    """flint selects on sigmoid scores, which float32 rounds to 1.0 above a logit of about 16.6; three experts
+    steered by 30 (k = 2) tie there, and torch.topk takes them by index where tract ranks the logits. The export
+    failed with "please report this model"; it names the cause. Ground truth: the real tract runtime, which differs."""
+    make = lambda: tiny_model("flint", num_hidden_layers=2, norm_topk_prob=False)  # noqa: E731 - the exportable config
+    wrapped = moelens.wrap(make())
+    layer = wrapped.moes[-1].layer
+    ids = torch.randint(0, wrapped._module.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ExportError, match=r"The archive was written; flint select experts on sigmoid scores, which "
+                                          r"float32 rounds to exactly 1\.0 above a logit of about 16\.6"):
+        to_nnef(wrapped, tmp_path / "steered.nnef.tgz", edits=Edits(steer={layer: {1: 30.0, 4: 30.0, 6: 30.0}}),
+                example_inputs=ids)
+    to_nnef(moelens.wrap(make()), tmp_path / "mild.nnef.tgz", edits=Edits(steer={layer: {1: 3.0, 4: 3.0, 6: 3.0}}),
+            example_inputs=ids)  # below saturation tract agrees

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..families.registry import get as get_family
 from ..families.tomoe import EXPORTABLE
 from ..modules import device_of, evaluating
 from ..paths import user_path
@@ -383,7 +384,22 @@ def _check_once(path: Path, target: Target, prepared: Any, inputs: torch.Tensor,
             f"at input shape {tuple(inputs.shape)} by up to {checked.max_abs_error:.3g}"
             + (f" (and tract computes NaN at {nan} values where torch has numbers)" if nan else "")
             + f", beyond tract's 'approximate' tolerance relative to the output's size {checked.scale:.3g} "
-            f"(met: {checked.tolerance}). The archive was written; please report this model."
+            f"(met: {checked.tolerance}). The archive was written; {_likely_cause(prepared)}"
         )
     return result
+
+
+def _likely_cause(prepared: Any) -> str:
+    """What a failed check most likely met: ties of saturated sigmoid scores where a router selects on them, which
+    tract (ranking logits) breaks otherwise than torch.topk (by index); else a request for a report."""
+    from .block import TractMoeFfn
+
+    saturating = sorted({module.spec.family for module in prepared.root.modules() if isinstance(module, TractMoeFfn)
+                         and module.spec.gate == "sigmoid" and get_family(module.spec.family).scoring.select ==
+                         "score_topk"})
+    if not saturating:
+        return "please report this model."
+    return (f"{', '.join(saturating)} select experts on sigmoid scores, which float32 rounds to exactly 1.0 above a "
+            "logit of about 16.6: the experts tied there are taken by index in torch and by logit in tract (a steer "
+            "bias of that size does it). Keep the router's logits below that, or steer by less.")
 
