@@ -4112,6 +4112,8 @@ def test_read_only_attributes_of_blocks_and_standard_names_are_refused():
                                                        r"the model\. .*moe\.router\._module\.top_k = 1"):
             setattr(moe, name, value)
     assert (moe.layer, moe.family.name, moe.runs_before_expansion, moe.top_k) == (0, "mixtral", False, 2)
+    with pytest.raises(AttributeError, match=r"property 'source' of 'Moe' object has no setter"):
+        moe.source = None  # nnsight's own property: Python's error, as before
     with pytest.raises(moelens.MoelensError, match=r"model\.layers is moelens' name for 'model\.layers' and is read "
                                                    r"only: .* change nothing in the model"):
         wrapped.layers = [1, 2]
@@ -5310,3 +5312,39 @@ def test_a_refused_wrap_leaves_no_nnsight_forward_on_the_users_model():
         logits = wrapped.output.logits.save()
     with torch.no_grad():
         assert torch.equal(logits, first_tensor(never(ids)))
+
+
+def _timed(function):
+    """A decorator without functools.wraps: nnsight peels it by the function its closure calls."""
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+    return wrapper
+
+
+def test_an_implementation_nnsight_instruments_through_a_wrapper_or_call_passes_the_op_check():
+    """The op check read a decorator's wrapper without functools.wraps (its ops: function_0) where nnsight instruments
+    the function the wrapper calls (as it instruments a callable object's __call__): it served the values before the
+    check. Ground truth: the values the same block serves under batched_mm, which the wrapper runs."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
+
+    from moelens.components import ExpertsOps, register_implementation
+    from moelens.components.implementations import _IMPLEMENTATIONS
+
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        expected = wrapped.moes[0].expert_outputs.save()
+    ops = ExpertsOps()
+    functions = {"users_timed": _timed(batched_mm_experts_forward)}
+    try:
+        for name, function in functions.items():
+            ALL_EXPERTS_FUNCTIONS.register(name, function)
+            register_implementation(name, ops)
+            wrapped.set_experts_implementation(name)
+            with torch.no_grad(), wrapped.trace(**inputs):
+                served = wrapped.moes[0].expert_outputs.save()
+            torch.testing.assert_close(served, expected, rtol=0, atol=0)
+    finally:
+        for name in functions:
+            ALL_EXPERTS_FUNCTIONS._global_mapping.pop(name, None)
+            _IMPLEMENTATIONS.pop(name, None)

@@ -147,8 +147,8 @@ def test_a_shared_expert_read_after_the_router_says_where_its_values_fall():
         hook.remove()
     assert calls[:3] == ["shared_expert", "gate", "experts"]
     with pytest.raises(moelens.OrderError, match=rf"shared_expert is the shared expert of {re.escape(moe.path)}: the "
-                                                 r"block calls it before its gate, and the qwen2 family before its "
-                                                 r"router: read them before the block's values"):
+                                                 r"block calls it before its router \(the gated output it serves "
+                                                 r"comes after the experts\): read them before the block's values"):
         with wrapped.trace(**inputs):
             moe.router_logits.save()
             moe.shared_experts.mlp_activation.save()
@@ -575,3 +575,23 @@ def test_check_of_a_model_that_computes_nan_says_so_instead_of_blaming_the_entry
                                                           rf"model\.model\.layers\.1\.mlp: {held} .*the entry may well "
                                                           r"be right"):
         moelens.families.check(moelens.wrap(hf), ids)
+
+
+def test_a_shared_expert_called_between_router_and_experts_is_placed_there_by_the_order_error():
+    """afmoe calls its shared experts after its router, before its experts (hooks); the refusal said to read them
+    after expert_indices, which afmoe serves at the experts' call, after the shared experts: that order raised again."""
+    hf = tiny_model("afmoe")
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    moe = next(moe for moe in wrapped.moes if moe.has_shared_expert)
+    with pytest.raises(moelens.OrderError, match=r"the block calls it between its router and its experts: read them "
+                                                 r"after router_logits, before expert_weights"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moe.mlp_output.save()
+            moe.shared_experts.mlp_activation.save()
+    with torch.no_grad(), wrapped.trace(**inputs):  # the order it names reads
+        moe.router_logits.save()
+        shared = moe.shared_experts.mlp_output.save()
+        moe.expert_weights.save()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        alone = moe.shared_experts.mlp_output.save()
+    assert torch.equal(shared, alone)

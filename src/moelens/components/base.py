@@ -167,6 +167,12 @@ class StandardNames:
         return self.__dict__.get(STANDARD_NAMES, {}).get(name)
 
 
+def _declared_by_moelens(component_class: type, name: str) -> bool:
+    """Whether the first class in ``component_class``'s MRO that declares ``name`` is one of moelens'."""
+    owner = next((cls for cls in component_class.__mro__ if name in vars(cls)), None)
+    return owner is not None and owner.__module__.startswith("moelens.")
+
+
 def with_suggestion(error: AttributeError, name: str, names: Iterable[str]) -> AttributeError:
     """``error`` (a missing attribute ``name``), saying which of ``names`` was probably meant, if one is close
     (Jupyter shows no "did you mean" of its own)."""
@@ -215,7 +221,8 @@ class Component(StandardNames, Envoy):
         calls); and a setting of a read-only one (``moe.layer = 2``), which would leave the model as it is and make
         moelens misplace the block."""
         declared = inspect.getattr_static(type(self), name, None)
-        if isinstance(declared, cached_property) or (type(declared) is property and declared.fset is None):
+        if (isinstance(declared, cached_property) or (type(declared) is property and declared.fset is None)) \
+                and _declared_by_moelens(type(self), name):  # nnsight's own (source, device) raise as Python does
             raise MoelensError(
                 f"{self.path}.{name} is read only: moelens reads it from the model. To change what the block does, "
                 "set the model's own attribute (moe.router._module.top_k = 1), edit its values in a trace or its "

@@ -11,6 +11,8 @@ neither. An implementation registered elsewhere (moelens' expert-parallel
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -145,14 +147,14 @@ def unreadable_ops(name: str, ops: ExpertsOps) -> str | None:
 
 @functools.cache
 def _unreadable_ops(function: Any, ops: ExpertsOps) -> str | None:
-    from .params import op_names  # params reads the experts' implementations' names from here
+    from nnsight.intervention.source import compiled, decorator_chain
 
     label = getattr(function, "__qualname__", repr(function))
     try:
         if getattr(function, "__name__", "") == "<lambda>":
             raise SourceNotAvailable("nnsight reads no ops in a lambda")
-        names = op_names(function)
-    except SourceNotAvailable:
+        names = _nnsight_op_names(function, compiled, decorator_chain)
+    except (SourceNotAvailable, SyntaxError):
         return (f"its function {label} has no Python source whose ops nnsight reads (a lambda, a builtin or a "
                 "compiled function): define it with def in a file or a notebook cell")
     missing = [f"{field}={op!r}" for field, op in (("slot_outputs", ops.slot_outputs), ("sort", ops.sort)) if op
@@ -161,6 +163,21 @@ def _unreadable_ops(function: Any, ops: ExpertsOps) -> str | None:
         missing.append(f"gated_activations={ops.gated_activations!r} or plain_activations={ops.plain_activations!r}")
     return f"its function {label} has no op {'; no op '.join(missing)}; its ops are {', '.join(names)}" \
         if missing else None
+
+
+def _nnsight_op_names(function: Any, compiled: Any, decorator_chain: Any) -> tuple[str, ...]:
+    """The op names nnsight gives ``function`` as it instruments a call of it (`nnsight.intervention.source.instrument`):
+    a callable object through its ``__call__``, a bound method through its function, and a decorator's wrapper peeled
+    by the function its closure calls (with or without ``functools.wraps``)."""
+    if not (inspect.isfunction(function) or inspect.ismethod(function)) and isinstance(
+            getattr(type(function), "__call__", None), types.FunctionType):
+        function = function.__call__
+    if inspect.ismethod(function):
+        function = function.__func__
+    if not inspect.isfunction(function):
+        raise SourceNotAvailable(f"{function!r} has no Python source")
+    inner, _ = decorator_chain(function)
+    return compiled(inner).names
 
 
 def ops_for(name: str | None) -> ExpertsOps | None:

@@ -123,13 +123,14 @@ class Mlp(Component):
             spec = moe.family.shared
             where = {
                 "before_router": "before its router: read them before the block's other values",
-                "before_experts": "between its router and its experts: read them after expert_indices, before the "
-                                  "per-slot values",
+                "before_experts": "between its router and its experts: read them after router_logits, before "
+                                  "expert_weights (the block's order: moe.order())",
                 "after_experts": "after its experts: read them after routed_output, before mlp_output",
                 "after_block": "after the block: read them after mlp_output",
             }[spec.when]
             if spec.gated_op:  # the served value is the gate's product; the module itself may run anywhere before it
-                where = "before its gate, and the qwen2 family before its router: read them before the block's values"
+                where = "before its router (the gated output it serves comes after the experts): read them before " \
+                        "the block's values"
             error.args = (f"{error.args[0]} {self.path} is the shared expert of {moe.path}: the block calls it "
                           f"{where}, or in a trace of their own.",)
         return error
