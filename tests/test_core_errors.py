@@ -2458,7 +2458,8 @@ def test_load_and_wrap_say_what_they_take():
     # a misspelt keyword was nnsight's "Envoy.__init__() got an unexpected keyword argument", naming no call of the user's
     for tokenizer in (None, ascii_tokenizer()):
         with pytest.raises(moelens.MoelensError, match=r"wrap\(\) got keywords it does not take: 'tokenzier'\. wrap "
-                                                       r"takes the model, tokenizer= and the nnsight model's own"):
+                                                       r"takes the model, tokenizer= and the nnsight model's own .* \('tokenzier': "
+                                                       r"did you mean 'tokenizer'\?\)\."):
             moelens.wrap(hf, tokenizer=tokenizer, tokenzier=None)
 
 

@@ -10,6 +10,7 @@ a checkpoint and wraps it.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import copy
 import functools
 import inspect
@@ -1388,11 +1389,15 @@ def _nnsight_model(model: torch.nn.Module, tokenizer: Any, envoys: dict[str, typ
                    nnsight_kwargs: dict[str, Any]) -> MoeTransformersModel | MoeNNsight:
     """nnsight's model of ``model`` (a language model where there is a tokenizer), built with ``nnsight_kwargs``."""
     model_class = MoeNNsight if tokenizer is None else MoeTransformersModel
-    unknown = sorted(set(nnsight_kwargs) - _keywords_taken(model_class))
+    taken = _keywords_taken(model_class)
+    unknown = sorted(set(nnsight_kwargs) - taken)
     if unknown:  # nnsight's plain model raised naming Envoy.__init__; its language model dropped them without a word
+        near = {name: difflib.get_close_matches(name, sorted(taken | {"tokenizer"}), n=1) for name in unknown}
+        meant = "; ".join(f"{name!r}: did you mean {near[name][0]!r}?" for name in unknown if near[name])
         raise MoelensError(
             f"wrap() got keywords it does not take: {', '.join(map(repr, unknown))}. wrap takes the model, tokenizer= "
-            "and the nnsight model's own keywords (envoys=, rename=, ...); check the spelling."
+            f"and the nnsight model's own keywords (envoys=, rename=, ...); check the spelling"
+            + (f" ({meant})." if meant else ".")
         )
     if tokenizer is None:
         return MoeNNsight(model, envoys=envoys, **nnsight_kwargs)
