@@ -10,8 +10,8 @@ a checkpoint and wraps it.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import copy
+import difflib
 import functools
 import inspect
 import itertools

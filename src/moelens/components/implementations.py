@@ -147,13 +147,9 @@ def unreadable_ops(name: str, ops: ExpertsOps) -> str | None:
 
 @functools.cache
 def _unreadable_ops(function: Any, ops: ExpertsOps) -> str | None:
-    from nnsight.intervention.source import compiled, decorator_chain
-
     label = getattr(function, "__qualname__", repr(function))
     try:
-        if getattr(function, "__name__", "") == "<lambda>":
-            raise SourceNotAvailable("nnsight reads no ops in a lambda")
-        names = _nnsight_op_names(function, compiled, decorator_chain)
+        names = _nnsight_op_names(function)
     except (SourceNotAvailable, SyntaxError):
         return (f"its function {label} has no Python source whose ops nnsight reads (a lambda, a builtin or a "
                 "compiled function): define it with def in a file or a notebook cell")
@@ -165,10 +161,14 @@ def _unreadable_ops(function: Any, ops: ExpertsOps) -> str | None:
         if missing else None
 
 
-def _nnsight_op_names(function: Any, compiled: Any, decorator_chain: Any) -> tuple[str, ...]:
+def _nnsight_op_names(function: Any) -> tuple[str, ...]:
     """The op names nnsight gives ``function`` as it instruments a call of it (`nnsight.intervention.source.instrument`):
     a callable object through its ``__call__``, a bound method through its function, and a decorator's wrapper peeled
-    by the function its closure calls (with or without ``functools.wraps``)."""
+    by the function its closure calls (with or without ``functools.wraps``); none in a lambda."""
+    from nnsight.intervention.source import compiled, decorator_chain
+
+    if getattr(function, "__name__", "") == "<lambda>":
+        raise SourceNotAvailable("nnsight reads no ops in a lambda")
     if not (inspect.isfunction(function) or inspect.ismethod(function)) and isinstance(
             getattr(type(function), "__call__", None), types.FunctionType):
         function = function.__call__

@@ -283,7 +283,7 @@ class Moe(Mlp):
         what = "a loop over experts or a kernel, with no [tokens, k, ...] tensor" if own else \
             "an implementation registered with transformers, whose op names moelens does not know"
         register = "" if own else (f"; or tell moelens which of its ops hold them: moelens.components."
-                                          f"register_implementation({implementation!r}, ExpertsOps(...))")
+                                   f"register_implementation({implementation!r}, ExpertsOps(...))")
         return self.unavailable(
             name,
             f"per-slot values exist only inside the {', '.join(serving())} experts implementations, "

@@ -402,4 +402,3 @@ def _likely_cause(prepared: Any) -> str:
     return (f"{', '.join(saturating)} select experts on sigmoid scores, which float32 rounds to exactly 1.0 above a "
             "logit of about 16.6: the experts tied there are taken by index in torch and by logit in tract (a steer "
             "bias of that size does it). Keep the router's logits below that, or steer by less.")
-
