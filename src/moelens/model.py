@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import re
+import sys
 import traceback
 import types
 from collections.abc import Mapping
@@ -310,6 +311,8 @@ class MoeModelMixin(StandardNames):
 
     def _ep_runs(self, watched: list[tuple[str, torch.nn.Module]] | None = None) -> list[Any]:
         """The `parallel.runs.Runs` of each EP group this model's experts are sharded over (none unsharded)."""
+        if _RUNS_MODULE not in sys.modules:  # no `Runs` exists before its module is imported (by sharding, or by
+            return []  # unpickling one): none to look for; the walk costs each trace twice (batcher and run)
         watched = _present(self._module, self._watched) if watched is None else watched
         found = {id(runs): runs for _, module in watched if (runs := module.__dict__.get("_ep_runs")) is not None}
         return list(found.values())
@@ -1707,6 +1710,9 @@ def _present(model: torch.nn.Module, steps: tuple[tuple[str, int, str], ...]) ->
         if module is not None:
             yield path, module
 
+
+#: The module of `parallel.runs.Runs`, the runs of an EP group (`MoeModelMixin._ep_runs`).
+_RUNS_MODULE = "moelens.parallel.runs"
 
 #: What the qualified name of transformers' expert-parallel dispatch wrapper contains.
 EP_FORWARD = ".install_forward.<locals>.ep_forward"

@@ -121,7 +121,8 @@ def _weakly(component: "Moe") -> "Moe":
 
 def value_names(values: Any) -> list[str]:
     """``values`` of `Moe.save_all` as a list of names (a str, or an iterable of them), else `ArgumentError`."""
-    names = list(values) if isinstance(values, Iterable) and not isinstance(values, (torch.Tensor, Mapping)) else None
+    names = list(values) if isinstance(values, (tuple, list)) or isinstance(values, Iterable) and not isinstance(
+        values, (torch.Tensor, Mapping)) else None  # (a tuple or list first: typing's checks are slow)
     if names is None or not all(isinstance(name, str) for name in names):
         raise ArgumentError(f"save_all: values must be a value name or a list of them (from {VALUE_NAMES}), got "
                             f"{type(values).__name__}.")
@@ -600,7 +601,8 @@ class Moe(Mlp):
     def _check_call(self, name: str) -> None:
         """Refuse ``name``, read or written, when this call of the block got tokens gathered out of the batch: no
         ``[batch, seq]`` view places them (a write laid flat over them would land on other tokens)."""
-        if not self._gathered_call:
+        # gathered calls are noted on per-modality blocks and a tower's (`mark_gathered_calls`); checked on every read
+        if not (self._family.runs_only_on or self.runs_before_expansion) or not gathered_call(self._module):
             return
         if not self.family.runs_only_on:  # a block outside the decoder (a vision tower's) on flat patches
             raise self.unavailable(
@@ -672,11 +674,6 @@ class Moe(Mlp):
             return run_fact(self.interleaver, self, "logits width",
                             lambda: self.num_experts + self._count("extra_logits"))
         return self.top_k
-
-    @property
-    def _gathered_call(self) -> bool:
-        """Whether the running call of this block got tokens gathered out of the batch (`mark_gathered_calls`)."""
-        return (bool(self.family.runs_only_on) or self.runs_before_expansion) and gathered_call(self._module)
 
     def _write(self, descriptor: served, value: Any) -> None:
         if self.family.derived_routing and descriptor.name in DERIVED_ROUTING:
@@ -1021,6 +1018,22 @@ class Moe(Mlp):
             raise self.no_mixture(missing)
         return tuple(name for name in order if name in wanted)
 
+    def _asked_once(self, values: str | Iterable[str], order: tuple[str, ...], strict: bool) -> tuple[str, ...]:
+        """`_asked`, kept per (names, order, strict) where the names are a str or a tuple of them (hashable; a list is
+        checked each time): the names it reads depend on nothing else, and a save_all per block per trace checks
+        the same ones again."""
+        if not isinstance(values, (str, tuple)):
+            return self._asked(values, order, strict)
+        asked = self.__dict__.setdefault("_asked_names", {})
+        key = (values, order, strict)
+        try:
+            found = asked.get(key)
+        except TypeError:  # an unhashable element: refused by `_asked`
+            return self._asked(values, order, strict)
+        if found is None:
+            found = asked[key] = self._asked(values, order, strict)
+        return found
+
     def save_all(self, values: str | Iterable[str] | None = None, *, strict: bool = False) -> dict[str, Tensor]:
         """Read and ``.save()`` every value of this block in the family's order.
 
@@ -1038,7 +1051,7 @@ class Moe(Mlp):
         self._require_trace("save_all")
         check_flag("strict", strict, ArgumentError)
         order = self.order()
-        plan = self._plan(order if values is None else self._asked(values, order, strict), strict)
+        plan = self._plan(order if values is None else self._asked_once(values, order, strict), strict)
         saved: dict[str, Tensor] = {}
         for name, (binding, keep_open) in plan.items():
             try:

@@ -193,7 +193,10 @@ def served_late(mediator: Mediator, location: str, block: str, pinned: int | Non
     pass in the same ``tracer.iter`` body is in the model's order."""
     if pinned is None:
         return forwards_ended(mediator, location) != asked
-    return any(mediator.occurrence(holder) > pinned + 1 for holder in holders_of(location, block))  # (its call counted)
+    for holder in holders_of(location, block):  # (its call counted); a loop: any() over a generator costs more
+        if mediator.occurrence(holder) > pinned + 1:
+            return True
+    return False
 
 
 def request_step(mediator: Mediator, location: str, on_order_error: Callable[[], Exception],
@@ -254,14 +257,17 @@ def _what(served_value: Any) -> str:
     return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
 
 
-def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched | None = None) -> Fetched:
+def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched | None = None,
+          mediator: Mediator | None = None) -> Fetched:
     """Request ``binding``'s location and cut this invoke's view out of what is served.
 
     ``prepared``: an earlier fetch of the same value at the same visit, whose ``prepare``
     result is reused (``prepare`` may request a location the model has run past since).
     """
-    refuse_under_vmap(f"{component.path}.{name}", MoelensError)  # not ValueUnavailable, which save_all leaves out
-    mediator = Mediator.current(binding.location)
+    if torch._C._functorch.get_interpreter_stack():  # a functorch transform runs (the name built only then)
+        refuse_under_vmap(f"{component.path}.{name}", MoelensError)  # not ValueUnavailable, which save_all leaves out
+    if mediator is None:  # (`read` passes the one it found)
+        mediator = Mediator.current(binding.location)
     settle_open_reads(mediator)
     pinned = mediator.iteration  # as asked, before `prepare`'s own requests
     asked = forwards_ended(mediator, binding.location) if pinned is None or pinned == 0 and generating(mediator) else 0
@@ -282,9 +288,9 @@ def fetch(component: "Component", name: str, binding: Binding, prepared: Fetched
     except (FamilyError, ValueUnavailable) as error:  # what the location serves does not fit the entry: say where
         error.args = (f"{component.path}.{name}: {error}",)  # (a ValueUnavailable's `why` stays without the path)
         raise
-    if isinstance(picked, Mapping):
-        raise FamilyError(f"{component.path}.{name}: {dict_output(picked)}")
-    if not isinstance(picked, torch.Tensor) or picked.dim() == 0:
+    if not isinstance(picked, torch.Tensor) or picked.dim() == 0:  # (a tensor first: typing's Mapping check is slow)
+        if isinstance(picked, Mapping):
+            raise FamilyError(f"{component.path}.{name}: {dict_output(picked)}")
         fix = (f"fix {binding.named_by}" if binding.named_by else
                "a block that returns a tuple needs Combine(output_index=<the hidden state's index>), and logits_op an "
                "op whose output is the logits tensor")
@@ -375,7 +381,7 @@ class MoeBatcher(Batcher):
         required ``sequences`` by name, so ``tracer.result`` read in one of several invokes failed with transformers'
         "missing 1 required positional argument: 'sequences'". Refused where a field holds several rows per prompt
         (beams, returned sequences): nnsight would cut the fields of one row per prompt and hand the others whole."""
-        if group is not None and self.batching and isinstance(value, GENERATE_OUTPUTS):
+        if group is not None and isinstance(value, GENERATE_OUTPUTS) and self.batching:
             if any(tensor.dim() and tensor.shape[0] != self.total for tensor in _tensors_of(value.values())):
                 raise MoelensError(
                     "tracer.result of a generation with several rows per prompt (num_beams or num_return_sequences "
@@ -527,7 +533,7 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
             return reads.views[descriptor].view
         mediator.transform = None  # keep them open past this read's request
     try:
-        fetched = fetch(component, name, binding)
+        fetched = fetch(component, name, binding, mediator=mediator)
     except BaseException:
         if reads is not None:  # nothing read: the values read here stay open, their edits still to land
             reads.hold(mediator, next(reversed(reads.views)), location)
@@ -538,7 +544,8 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
         reads.hold(mediator, descriptor, location)
         return reads.views[descriptor].view
     view = fetched.view
-    if torch.is_grad_enabled() and binding.to_view is None:
+    grad = torch.is_grad_enabled()
+    if grad and binding.to_view is None:
         # Autograd may keep the model's tensor for its backward (top-k indices, softmax weights):
         # an in-place edit of it would fail there, so edits go to a copy and back through the write-back.
         view = view.clone()
@@ -547,12 +554,14 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
         # edit could not be told from a read: the view is a normal tensor (one copy) that counts them.
         with torch.inference_mode(False):
             view = view.clone()
-    where = f"{component.path}.{name}"
-    if not keep_open and reads is None and not torch.is_grad_enabled():
+    if not keep_open and reads is None and not grad:
         handed_back = RUNS.get(component.interleaver)
-        if handed_back is not None and not _aliases(view, fetched.picked):
-            handed_back.note(view, where, private=True)
+        # the token view itself (no to_view, not copied above) is a view of the model's tensor: nothing to ask
+        if handed_back is not None and (view is not fetched.view or binding.to_view is not None) \
+                and not _aliases(view, fetched.picked):
+            handed_back.note(view, f"{component.path}.{name}", private=True)
         return view
+    where = f"{component.path}.{name}"
     version = view._version
     setattr(view, READ_VERSION, version)  # an in-place edit moves it (`model_values`)
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
