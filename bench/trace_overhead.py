@@ -11,6 +11,9 @@ random weights) is run in the same process, interleaved, for each configuration:
   activations and the per-slot outputs inside the implementation, experts output,
   block output): what a user writes without moelens, minus the un-sorting of the
   activations into token-slot order and the token views;
+* ``nnsight-floor``: ``nnsight-source`` plus, by hand, the work the served values need
+  (``router_probs``' softmax, the un-sorting of the activations, the ``[b, s, ...]`` views):
+  what moelens cannot do without, so ``moelens`` minus it is moelens' own cost;
 * ``moelens``: ``moe.save_all(MEASURED_VALUES)`` on every MoE block (every value but the later
   ``expert_pre_activations``, token views, checks);
 * ``moelens-routing``: the same without the per-slot values, which need nnsight to
@@ -39,6 +42,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import moelens
 from arguments import at_least
+from moelens.permutations import inverse_permutation
 
 
 #: Every value but the two read inside the experts implementation (per-slot activations and outputs).
@@ -93,6 +97,23 @@ def measure(batch: int, seq: int, repeats: int, device: torch.device) -> dict[st
                 block.experts.output.save()
                 block.output.save()
 
+    def nnsight_floor() -> None:  # nnsight_source plus the work the served values need, by hand
+        with torch.no_grad(), raw.trace(ids):
+            for name in blocks:
+                block = raw.get(name)
+                logits = block.gate.source.F_linear_0.output
+                logits.view(batch, seq, -1).save()
+                logits.float().softmax(-1).view(batch, seq, -1).save()  # router_probs
+                (_, index, weights), _ = block.experts.inputs
+                index.view(batch, seq, -1).save(), weights.view(batch, seq, -1).save()
+                inner = block.experts.source.experts_forward_1.source
+                order = inner.torch_sort_0.output[1]
+                activations = inner.self__apply_gate_0.output  # un-sorted into token-slot order
+                activations.index_select(0, inverse_permutation(order)).view(batch, seq, index.shape[-1], -1).save()
+                inner.weighted_out_view_0.output.view(batch, seq, index.shape[-1], -1).save()
+                block.experts.output.view(batch, seq, -1).save()
+                block.output.view(batch, seq, -1).save()
+
     def with_moelens() -> None:
         with torch.no_grad(), wrapped.trace(ids):
             for moe in wrapped.moes:
@@ -107,6 +128,7 @@ def measure(batch: int, seq: int, repeats: int, device: torch.device) -> dict[st
         "plain": plain,
         "nnsight-module": nnsight_module,
         "nnsight-source": nnsight_source,
+        "nnsight-floor": nnsight_floor,
         "moelens": with_moelens,
         "moelens-routing": moelens_routing,
     }
