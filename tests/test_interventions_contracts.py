@@ -570,3 +570,32 @@ def test_reroute_takes_every_token_as_its_refusal_of_none_says(mixtral):
     (indices, output), (mask_indices, mask_output) = runs
     assert (indices == torch.tensor([2, 6])).all()
     assert torch.equal(indices, mask_indices) and torch.equal(output, mask_output)
+
+
+def test_force_runs_beside_a_token_whose_float16_logits_the_model_overflowed():
+    """docs/values.md: a +inf the model computed itself is not the write's. force refused the whole trace for one
+    token's float16 overflow, blaming float16's coarseness at logits of 4.7 (steps of 0.005)."""
+    import moelens
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm", dtype=torch.float16)
+    inputs = tiny_inputs(hf)
+    model = moelens.wrap(hf)
+    moe = model.moes[0]
+    with torch.no_grad(), model.trace(**inputs):
+        hidden = moe.router.inputs[0][0].save()
+    hidden = hidden.reshape(-1, hidden.shape[-1]).float()
+    target = 3
+    others = torch.cat([hidden[:target], hidden[target + 1:]])
+    basis, _ = torch.linalg.qr(others.T)
+    direction = hidden[target] - basis @ (basis.T @ hidden[target])
+    with torch.no_grad():
+        moe.router._module.weight[2] = (direction / (direction @ hidden[target]) * 1e5).half()  # +inf at token 3 only
+    with torch.no_grad(), model.trace(**inputs):
+        logits = moe.router_logits.save()
+        moelens.force(moe, [1])
+        indices = moe.expert_indices.save()
+    flat = logits.reshape(-1, logits.shape[-1])
+    assert torch.isinf(flat[target, 2]) and torch.isfinite(torch.cat([flat[:target], flat[target + 1:]])).all()
+    forced = (indices.reshape(flat.shape[0], -1) == 1).any(-1)
+    assert torch.cat([forced[:target], forced[target + 1:]]).all()

@@ -661,11 +661,15 @@ def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
     room = moe.top_k - len(chosen) if scoring.select == "score_topk" else 0
     score_name = moe.family.score_of(moe._module) if ranks_scores else ""
 
-    def tied(ranked: torch.Tensor, room: int = 0) -> bool:
-        """Whether some token ranks more than ``room`` other experts as high as one of the forced ones in ``ranked``."""
+    def tied(ranked: torch.Tensor, room: int = 0, considered: torch.Tensor | None = None) -> bool:
+        """Whether some token ranks more than ``room`` other experts as high as one of the forced ones in ``ranked``
+        (among the tokens ``considered``: not those whose logits the model itself made +inf, which no raise outranks)."""
         others = ranked.clone()
         others[..., chosen] = float("-inf")
-        return bool(((others >= ranked[..., chosen].amin(-1, keepdim=True)).sum(-1) > room).any())
+        ties = (others >= ranked[..., chosen].amin(-1, keepdim=True)).sum(-1) > room
+        if considered is not None:
+            ties = ties & considered
+        return bool(ties.any())
 
     # phimoe's sparsemixer masks each slot's softmax by the gap to the top logit relative to its size: raising the
     # forced experts would shrink their gaps and unmask some of them, so the others are lowered instead.
@@ -679,14 +683,16 @@ def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
         if is_fake(rows):  # model.scan: no values to check
             return raised
         if (torch.isinf(raised) & torch.isfinite(rows)).any() or torch.isinf(raised[..., chosen]).any():
-            span = float((finite.amax(-1) - finite.amin(-1)).max().detach())
+            span = float((finite.float().amax(-1) - finite.float().amin(-1)).max().detach())  # float16 spans overflow
             moved = "lowering the others below" if lowers_others else "raising them above the others"
             raise WriteError(
                 f"force: {moe.path}'s router logits span {span:.4g}, so forcing experts {chosen} ({moved} by the "
                 f"span + 30) overflows {rows.dtype} (at most {torch.finfo(rows.dtype).max:.4g}); steer by "
                 "less before forcing, or set the slots with moelens.reroute(moe, tokens, experts)."
             )
-        if tied(raised):  # rounded into a tie
+        # a +inf the model computed itself (a float16 overflow) is not the write's: its tokens keep their own NaN
+        considered = ~(rows == float("inf")).any(-1)
+        if tied(raised, considered=considered):  # rounded into a tie
             top = float(finite.abs().amax().detach())
             raise WriteError(
                 f"force: {moe.path}'s router logits reach {top:.4g}, where {rows.dtype} is too coarse (steps of about "
@@ -696,7 +702,7 @@ def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
         if ranks_scores:
             scored = score(score_name, raised, moe.softcap)[..., : moe.num_experts]
             for dtype in dict.fromkeys((torch.float32, rows.dtype)):  # the router may score in the logits' dtype
-                if tied(scored.to(dtype), room):
+                if tied(scored.to(dtype), room, considered):
                     raise WriteError(
                         f"force: {moe.path} ranks experts by their {score_name} scores, which saturate: with the "
                         f"logits of experts {chosen} raised above the others, some other experts still score as high "
