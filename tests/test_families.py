@@ -131,21 +131,30 @@ def test_a_dense_shared_expert_serves_its_activations_and_output(name):
     assert not torch.equal(edited, plain), "the edit changed nothing: the test would not notice a no-op"
 
 
+def call_order(hf, inputs, block, children):
+    """The order in which ``block`` calls its ``children`` in a plain forward of ``hf`` (forward pre-hooks), the first
+    call of each."""
+    calls = []
+    hooks = [getattr(block, name).register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
+             for name in children]
+    try:
+        with torch.no_grad():
+            hf(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return list(dict.fromkeys(calls))[:len(children)]
+
+
 def test_a_shared_expert_read_after_the_router_says_where_its_values_fall():
     """qwen2_moe calls its shared expert before its router (hooks: shared_expert, gate, experts, shared_expert_gate),
     and moe.order() places only its gated output; a read of its activations after router_logits named the shared
     Mlp's own order (mlp_activation -> mlp_output), which the read followed."""
     hf = tiny_model("qwen2_moe")
     inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
-    moe, calls = wrapped.moes[1], []
+    moe = wrapped.moes[1]
     block = hf.get_submodule(moe.path.removeprefix("model."))
-    hooks = [getattr(block, name).register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
-             for name in ("shared_expert", "gate", "experts")]
-    with torch.no_grad():
-        hf(**inputs)
-    for hook in hooks:
-        hook.remove()
-    assert calls[:3] == ["shared_expert", "gate", "experts"]
+    assert call_order(hf, inputs, block, ("shared_expert", "gate", "experts")) == ["shared_expert", "gate", "experts"]
     with pytest.raises(moelens.OrderError, match=rf"shared_expert is the shared expert of {re.escape(moe.path)}: the "
                                                  r"block calls it before its router \(the gated output it serves "
                                                  r"comes after the experts\): read them before the block's values"):
@@ -164,15 +173,9 @@ def test_a_shared_expert_called_after_the_experts_is_placed_there_by_the_order_e
     order reads."""
     hf = tiny_model("deepseek_v3")
     inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
-    moe, calls = wrapped.moes[0], []
+    moe = wrapped.moes[0]
     block = hf.get_submodule(moe.path.removeprefix("model."))
-    hooks = [getattr(block, name).register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
-             for name in ("gate", "experts", "shared_experts")]
-    with torch.no_grad():
-        hf(**inputs)
-    for hook in hooks:
-        hook.remove()
-    assert calls[:3] == ["gate", "experts", "shared_experts"]
+    assert call_order(hf, inputs, block, ("gate", "experts", "shared_experts")) == ["gate", "experts", "shared_experts"]
     with pytest.raises(moelens.OrderError, match=r"the block calls it after its experts: read them after routed_output, "
                                                  r"before mlp_output, or in a trace of their own"):
         with torch.no_grad(), wrapped.trace(**inputs):
