@@ -161,6 +161,18 @@ def test_per_text_labels_must_have_one_entry_per_text():
     assert result.counts[0].tolist() == pairs_by_hand([labels[t] for t in text_index], 2)
 
 
+def test_labels_of_the_other_kind_name_the_per_setting_that_fits():
+    """One label per text with the default per="token" (or one per token with per="text") was refused with the
+    counts alone; the refusal names the `per` that fits such labels."""
+    cache = spec_cache([0, 0, 1, 1, 2], num_texts=3)
+    with pytest.raises(MoelensError, match=r"one entry per cached token \(5\), got 3\. These are one per corpus item "
+                                           r"\(3\): pass per=\"text\"\."):
+        analysis.specialisation(cache, torch.tensor([0, 1, 1]))
+    with pytest.raises(MoelensError, match=r"one entry per corpus item \(3\), got 5\. These are one per cached token "
+                                           r"\(5\): leave per out"):
+        analysis.specialisation(cache, torch.tensor([0, 1, 1, 0, 1]), per="text")
+
+
 
 def test_class_ids_past_the_named_classes_are_refused_by_place():
     """1-based labels [1, 2, 1] with classes=["harmful", "benign"]: label 2 (one past the last class) was dropped

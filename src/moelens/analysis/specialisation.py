@@ -184,8 +184,10 @@ def _class_ids(labels: Any) -> Tensor:
 def _text_labels_error(labels: Tensor, cache: RoutingCache) -> MoelensError:
     """The refusal of per-text ``labels`` that are not one per corpus item of ``cache`` (too many: another corpus's
     labels, whose extra ones made classes of their own)."""
+    hint = (f" These are one per cached token ({cache.num_tokens}): leave per out (per=\"token\")."
+            if labels.shape[0] == cache.num_tokens else " Empty items count too (they have a text_index).")
     return MoelensError(
-        f"per-text labels must have one entry per corpus item ({cache.num_texts}), got {labels.shape[0]}."
+        f"per-text labels must have one entry per corpus item ({cache.num_texts}), got {labels.shape[0]}.{hint}"
     )
 
 
@@ -225,8 +227,10 @@ def specialisation(
     ids = _class_ids(labels)
     labels = ids.flatten()
     if per == "token" and labels.shape[0] != cache.num_tokens:
+        hint = (f" These are one per corpus item ({cache.num_texts}): pass per=\"text\"." if labels.shape[0] == cache.num_texts
+                else " To label each corpus item instead, pass per=\"text\".")
         raise MoelensError(
-            f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}."
+            f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}.{hint}"
         )
     if per == "text" and labels.shape[0] < cache.num_texts:
         raise _text_labels_error(labels, cache)
