@@ -15,6 +15,8 @@ Ground truth is hand-built: plain torch modules with set attributes, and the mod
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 import pytest
@@ -101,7 +103,10 @@ def test_register_refuses_a_taken_name_without_replace():
     before = families.get("mixtral")
     probe = Family(name="mixtral", model_types=(), block_classes=("NameClashProbeBlock",))
     try:
-        with pytest.raises(FamilyError, match="already registered; pass replace=True"):
+        with pytest.raises(FamilyError, match=r"already registered; 'mixtral' is one of moelens' own families: give "
+                                              r"your entry a name, block classes and model types of its own, or pass "
+                                              r"replace=True to replace it, which changes how every mixtral model is "
+                                              r"served until moelens.families.unregister\('mixtral'\)"):
             families.register(probe)
         with pytest.raises(FamilyError, match=r"replace must be True or False, got 'no'"):  # truthy text: no replace
             families.register(probe, replace="no")
@@ -116,8 +121,13 @@ def test_register_refuses_a_taken_block_class_without_replace():
     assert "Qwen2MoeSparseMoeBlock" in owner.block_classes
     probe = Family(name="class_clash_probe", model_types=(), block_classes=("Qwen2MoeSparseMoeBlock",))
     try:
-        with pytest.raises(FamilyError, match="already belongs to family 'qwen2_moe'; pass replace=True"):
+        with pytest.raises(FamilyError, match="already belongs to family 'qwen2_moe'; 'qwen2_moe' is one of moelens' "
+                                              "own families: .* or pass replace=True to take it over, which changes"):
             families.register(probe)
+        mine = families.register(Family(name="class_clash_probe", model_types=(), block_classes=("ProbeOwnBlock",)))
+        with pytest.raises(FamilyError, match=r"a family named 'class_clash_probe' is already registered; pass "
+                                              r"replace=True to replace it\.$"):  # a user's own: no warning of moelens'
+            families.register(dataclasses.replace(mine, block_classes=("ProbeOtherBlock",)))
     finally:
         if "class_clash_probe" in [f.name for f in families.supported()]:
             families.unregister("class_clash_probe")

@@ -360,7 +360,8 @@ def test_get_takes_a_name_and_says_so_for_an_entry():
 def test_a_model_type_taken_by_another_family_needs_replace():
     """A user entry naming model type 'mixtral' was accepted, and the built-in kept answering for it."""
     mine = dataclasses.replace(ENTRY, name="mine", model_types=("mixtral",))
-    with pytest.raises(FamilyError, match=r"model type 'mixtral' already belongs to family 'mixtral'; pass replace=True"):
+    with pytest.raises(FamilyError, match=r"model type 'mixtral' already belongs to family 'mixtral'; 'mixtral' is "
+                                          r"one of moelens' own families: .* or pass replace=True to take it over"):
         families.register(mine)
     families.register(mine, replace=True)
     try:
@@ -1028,7 +1029,8 @@ def test_an_entry_naming_the_block_as_its_experts_is_refused():
     with pytest.raises(FamilyError, match=r"experts='' names the block itself"):
         families.register(dataclasses.replace(ENTRY, name="hand_no_experts", experts=""))
     assert "hand_no_experts" not in [family.name for family in families.supported()]
-    inline = families.register(dataclasses.replace(ENTRY, name="hand_inline", experts="", experts_call=False))
+    inline = families.register(dataclasses.replace(ENTRY, name="hand_inline", experts="", experts_call=False,
+                                                   derived_routing=True))
     families.unregister(inline.name)  # a block computing its experts itself has no experts module to name
 
 
@@ -1552,6 +1554,47 @@ def test_derived_routing_follows_the_entrys_scoring_and_refuses_what_it_cannot_r
             families.register(dataclasses.replace(ENTRY, name="derived_bias", derived_routing=True, experts="",
                                                   experts_call=False,
                                                   scoring=dataclasses.replace(ENTRY.scoring, **changes)))
+
+
+class LoopSharedBlock(LoopBlock):
+    """`LoopBlock` plus a shared expert, added to its inline experts' sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden):
+        return super().forward(hidden) + self.shared(hidden)
+
+
+def test_an_inline_block_with_a_shared_expert_refuses_routed_output(registered):
+    """An inline block (experts='') with a shared expert served its whole output (routed plus shared) as
+    routed_output, and a write of it replaced the shared part too. routed_output is refused there, and so are the
+    per-slot values, each saying the block computes its experts inline; mlp_output, shared_expert_output and the
+    routing are served and check passes. Ground truth: the block's shared expert and forward called on its input."""
+    torch.manual_seed(0)
+    net = LoopModel().eval()
+    net.layers[0]["moe"] = LoopSharedBlock().eval()
+    registered(block_classes=("LoopSharedBlock",), experts="", experts_call=False, derived_routing=True,
+               scoring=Scoring("softmax", "score_topk", normalize=False), top_k=1, num_experts=EXPERTS,
+               shared=SharedExpert("shared", when="after_experts"), combine=Combine(), expert_layout=None)
+    wrapped = moelens.wrap(net)
+    for name in ("routed_output", "expert_outputs"):
+        with pytest.raises(ValueUnavailable, match=rf"{name} cannot be served: the block computes its experts inline"):
+            with wrapped.trace(IDS):
+                getattr(wrapped.moes[0], name).save()
+    with torch.no_grad(), wrapped.trace(IDS):
+        moe = wrapped.moes[0]
+        shared = moe.shared_expert_output.save()
+        output = moe.mlp_output.save()
+    block, hidden = net.layers[0]["moe"], net.embed(IDS)
+    with torch.no_grad():
+        torch.testing.assert_close(shared, block.shared(hidden), atol=0, rtol=0)
+        torch.testing.assert_close(output, block(hidden), atol=0, rtol=0)
+    assert families.check(wrapped, IDS) == ["model.layers.0.moe"]
+    with pytest.raises(FamilyError, match=r"experts='' with experts_call=False is a block that computes its experts "
+                                          r"inline.*set derived_routing=True .* or routing_from_router"):
+        families.register(dataclasses.replace(ENTRY, name="inline_underived", experts="", experts_call=False))
 
 
 def test_a_plain_torch_model_wrapped_with_a_tokenizer_is_refused_saying_to_trace_token_ids():

@@ -270,6 +270,15 @@ class Moe(Mlp):
                 "the block adds their share itself), so no [tokens, k, ...] tensor holds their slots",
                 "read routed_output (the slots' sum), or expert_indices and expert_weights.",
             )
+        if not self.family.experts:
+            return self.unavailable(
+                name,
+                "the block computes its experts inline (its family's experts=''): per-slot values exist only inside "
+                f"transformers' {', '.join(serving())} experts implementations, which run in an experts module",
+                "read routed_output or mlp_output; or have the block call its experts as a module, "
+                "experts(hidden, top_k_index, top_k_weights), decorated with transformers.integrations.moe."
+                "use_experts_implementation.",
+            )
         if not is_dispatching(self.experts._module):
             return self.unavailable(
                 name,
@@ -328,6 +337,14 @@ class Moe(Mlp):
                     "read expert_activations, or recompute the projection from moe.params().")
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
+        if name == "routed_output" and not self.family.experts and self._shared_envoy() is not None:
+            raise self.unavailable(
+                name,
+                "the block computes its experts inline (its family's experts=''), so moelens reads the routed output "
+                "at the block's own output, which holds its shared expert's contribution too",
+                "read mlp_output and shared_expert_output (the routed part is their difference); write "
+                "shared_expert_output or the routing (router_logits) to change the block.",
+            )
 
     # -- served values -------------------------------------------------------------------
 

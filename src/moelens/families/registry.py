@@ -54,23 +54,33 @@ def register(family: Family, *, replace: bool = False) -> Family:
         raise FamilyError(f"family {family.name!r} names no block_classes: moelens finds blocks by their class name.")
     if not replace:
         if family.name in _FAMILIES:
-            raise FamilyError(f"a family named {family.name!r} is already registered; pass replace=True to replace it.")
+            raise FamilyError(f"a family named {family.name!r} is already registered; "
+                              f"{_replace_advice(_FAMILIES[family.name], 'replace it')}")
         taken = [name for name in family.block_classes if name in _BY_BLOCK_CLASS]
         if taken:
-            raise FamilyError(
-                f"block class {taken[0]!r} already belongs to family {_BY_BLOCK_CLASS[taken[0]].name!r}; "
-                "pass replace=True to take it over."
-            )
+            owner = _BY_BLOCK_CLASS[taken[0]]
+            raise FamilyError(f"block class {taken[0]!r} already belongs to family {owner.name!r}; "
+                              f"{_replace_advice(owner, 'take it over')}")
         owners = [(model_type, for_model_type(model_type)) for model_type in family.model_types]
         taken = [(model_type, owner) for model_type, owner in owners if owner is not None]
         if taken:
             raise FamilyError(
-                f"model type {taken[0][0]!r} already belongs to family {taken[0][1].name!r}; pass replace=True to "
-                "take it over (models of that type are then described by this entry)."
+                f"model type {taken[0][0]!r} already belongs to family {taken[0][1].name!r}; "
+                f"{_replace_advice(taken[0][1], 'take it over (models of that type are then described by this entry)')}"
             )
     _REGISTERED.append(family)
     _rebuild()
     return family
+
+
+def _replace_advice(owner: Family, what: str) -> str:
+    """What to do about a registration that clashes with ``owner``: ``replace=True`` to ``what``, and where
+    ``owner`` is one of moelens' own entries, what that would change (every model of that family)."""
+    if not is_built_in(owner):
+        return f"pass replace=True to {what}."
+    return (f"{owner.name!r} is one of moelens' own families: give your entry a name, block classes and model types of "
+            f"its own, or pass replace=True to {what}, which changes how every {owner.name} model is served until "
+            f"moelens.families.unregister({owner.name!r}) gives moelens' entry back.")
 
 
 #: The entry classes a family's fields hold (a plain string or tuple there fails later, far from the cause).
@@ -144,6 +154,13 @@ def _check_description(family: Family) -> None:
             "give the path of the experts module from the block (\"experts\"), the one it calls as "
             "experts(hidden, top_k_index, top_k_weights); for a block that computes its experts itself, with no such "
             "call, set experts_call=False."
+        )
+    if not family.experts and not family.derived_routing and family.routing_from_router is None:
+        raise FamilyError(
+            f"family {family.name!r}: experts='' with experts_call=False is a block that computes its experts inline, "
+            "with no experts call to read the weights and indices at: set derived_routing=True (moelens recomputes "
+            "them from the router logits with the entry's Scoring) or routing_from_router=(weights position, indices "
+            "position) where the router returns them."
         )
     ranks_more = [f"{name}={value!r}" for scoring in (family.scoring, *family.scoring_by_router.values())
                   for name, value in (("select", None if scoring.select in TOP_K_OF_LOGITS else scoring.select),
