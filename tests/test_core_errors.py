@@ -2401,6 +2401,11 @@ def test_a_value_asked_for_in_another_models_trace_nested_in_its_own_says_so():
                  r"\(top_k=3\): the entry names the wrong setting; fix it"),
     ("extra_logits", 2, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 10 router "
                         r"logits per token \(num_experts='experts.num_experts' plus extra_logits=2\)"),
+    # a logits op after the logits (the sum of the top-k weights) was blamed on num_experts and extra_logits alone
+    ("logits_op", "router_top_value_sum_0", r"router_logits holds 1 entries per token, .*or "
+                                            r"logits_op='router_top_value_sum_0' names an op of MixtralTopKRouter\.forward "
+                                            r"that holds fewer columns than the logits .* operations are "
+                                            r"hidden_states_reshape_0, .*F_linear_0"),
     ("extra_logits", "router.weight", r"family 'my_mixtral' reads extra_logits from 'router.weight', which holds a "
                                       r"Parameter of shape \(8, \d+\) on this block, not a whole number"),
 ])

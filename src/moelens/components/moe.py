@@ -667,6 +667,8 @@ class Moe(Mlp):
                 setting += f", read at the router's output with routing_from_router={self.family.routing_from_router}"
             columns = (" (a router with columns past its experts' own, a skip class or shared experts' gates, names "
                        "how many in extra_logits)" if what == "router logits" else "")
+            if what == "router logits" and value.shape[-1] < expected:
+                columns += f", or logits_op={self.family.logits_op!r} names {self._narrow_logits_op()}"
             run = RUNS.get(self.interleaver)
             if what == "slots" and isinstance(self.family.top_k, str) and run is not None and run.generating:
                 raise FamilyError(  # read per step: the setting may have changed since the step's first read
@@ -682,6 +684,17 @@ class Moe(Mlp):
                 "fix it, register it again (moelens.families.register(Family(...), replace=True)) and wrap "
                 "the model again (moelens.wrap(model._module)): a wrapped model keeps the entry it was wrapped with."
             )
+
+    def _narrow_logits_op(self) -> str:
+        """What `_check_width` says of a logits op with fewer columns than E: an op after the logits, and the router's
+        operations to choose from."""
+        router = type(self.router._module).__name__
+        try:
+            listed = f"; {router}.forward's operations are {', '.join(self.router.source.names)}"
+        except Exception:  # noqa: BLE001 - the advice without the list
+            listed = ""
+        return (f"an op of {router}.forward that holds fewer columns than the logits (the top-k weights, say): name "
+                f"the op whose output holds one logit per expert{listed}")
 
     def _width(self, name: str) -> int:
         """How many entries per token `_check_width` expects of value ``name``: E plus the entry's `extra_logits` for
