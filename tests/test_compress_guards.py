@@ -629,6 +629,27 @@ def test_left_padded_calibration_sees_each_text_at_its_own_positions(make):
     torch.testing.assert_close(captured, torch.cat(seen), atol=1e-5, rtol=1e-5)
 
 
+def test_calibration_ids_of_three_dimensions_or_a_mask_shaped_unlike_them_are_refused():
+    """GPT-2 flattens [3, 4, 16] ids (input_ids.view(-1, seq)) and ran them, while the 3-D mask was not read: 192
+    positions were fitted on where 120 are real tokens (ground truth: the same ids and mask as [12, 16], counted by
+    mask.sum()). A 2-D mask shaped unlike the ids was blamed on a module running on parts of the sequence (padded,
+    refused; all ones, taken without a word)."""
+    model = gpt2()
+    tokens = torch.randint(3, VOCAB, (3, 4, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(tokens)
+    mask[..., 10:] = 0
+    with pytest.raises(CompressionError, match=r"calibration input_ids of shape \[3, 4, 16\] has 3 dimensions; token "
+                                               r"ids are \[batch, seq\]: pass input_ids.reshape\(-1, 16\)"):
+        convert(model, num_experts=4, top_k=2, calibration={"input_ids": tokens, "attention_mask": mask})
+    flat = {"input_ids": tokens.reshape(12, 16), "attention_mask": mask.reshape(12, 16)}
+    assert convert(model, num_experts=4, top_k=2, calibration=flat)[1].calibration_tokens == int(mask.sum()) == 120
+    for shape in ((12, 15), (6, 16)):
+        with pytest.raises(CompressionError, match=rf"calibration attention_mask of shape \[{shape[0]}, {shape[1]}\] "
+                                                   r"does not match input_ids \[12, 16\]"):
+            convert(model, num_experts=4, top_k=2,
+                    calibration={"input_ids": flat["input_ids"], "attention_mask": torch.ones(shape, dtype=torch.long)})
+
+
 def test_padding_a_chunked_feed_forward_cannot_tell_apart_is_refused():
     """BERT's chunked feed-forward runs on parts of the sequence, whose shape does not fit the mask: every row,
     padding included, was calibrated on and counted."""

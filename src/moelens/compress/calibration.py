@@ -74,6 +74,7 @@ def batches(calibration: Any, model: nn.Module | None = None) -> list[tuple[tupl
             if item.numel() == 0:
                 continue
             ids = item if item.dim() > 1 or item.is_floating_point() else item[None]
+            _check_shapes({"input_ids": ids})
             calls.append(((), {"input_ids": ids}) if not ids.is_floating_point() else ((ids,), {}))
         elif isinstance(item, Mapping):
             kwargs = dict(item)
@@ -209,6 +210,7 @@ def _has_tokens(inputs: dict) -> bool:
             f"calibration dict holds no tensor (its {', '.join(map(str, inputs))} are "
             f"{type(next(iter(inputs.values()))).__name__}s); tokenize with return_tensors='pt'."
         )
+    _check_shapes(inputs)
     main = next((v for v in inputs.values() if isinstance(v, Tensor)), None)
     mask = _mask(inputs)
     return not (main is None or main.numel() == 0 or (mask is not None and not mask.any()))  # no token, or only padding
@@ -220,6 +222,24 @@ def _features(args: tuple, kwargs: dict) -> Mapping | None:
     if kwargs:
         return kwargs
     return next((arg for arg in args if isinstance(arg, Mapping)), None)
+
+
+def _check_shapes(inputs: Mapping) -> None:
+    """Raise `CompressionError` when ``inputs``' token ids are not ``[batch, seq]`` (a model that flattens them, as
+    GPT-2's ``input_ids.view(-1, seq)``, would run, and a mask shaped like them would not be read, so the padding
+    would be fitted on), or its 2-D ``attention_mask`` is shaped unlike them (its padding could not be placed)."""
+    ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+    if isinstance(ids, Tensor) and not ids.is_floating_point() and ids.dim() > 2:
+        raise CompressionError(
+            f"calibration input_ids of shape {list(ids.shape)} has {ids.dim()} dimensions; token ids are [batch, seq]: "
+            f"pass input_ids.reshape(-1, {ids.shape[-1]}) (and the attention_mask likewise), or a list of batches."
+        )
+    if isinstance(ids, Tensor) and ids.dim() == 2 and isinstance(mask, Tensor) and mask.dim() == 2 \
+            and tuple(mask.shape) != tuple(ids.shape):
+        raise CompressionError(
+            f"calibration attention_mask of shape {list(mask.shape)} does not match input_ids {list(ids.shape)}: "
+            "give one mask entry per token (a tokenizer's output for the same texts), so the padding can be left out."
+        )
 
 
 def _mask(kwargs: Mapping | None, key: str = "attention_mask") -> Tensor | None:
