@@ -210,6 +210,15 @@ def test_a_file_passed_as_a_checkpoint_is_refused_with_its_folder_only_where_tha
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: pass {re.escape(repr(str(tmp_path)))}\."):
         moelens.load(loose)
+    # a model the user torch.saved beside a checkpoint: passing the folder would load the checkpoint, not this file
+    pickled = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2), pickled)
+    with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: this one was written by torch\.save.*"
+                                                   rf"\(for the checkpoint beside it, pass {re.escape(repr(str(tmp_path)))}\)\."):
+        moelens.load(pickled)
+    torch.save({}, loose)  # save_pretrained's own torch.save file (weights.bin, pytorch_model.bin): the folder
+    with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: pass {re.escape(repr(str(tmp_path)))}\."):
+        moelens.load(loose)
 
 
 def test_inspect_tiny(capsys):

@@ -346,16 +346,20 @@ def _weights_files_advice(folder: Path, from_pretrained_kwargs: dict) -> str:
 
 
 def _file_advice(file: Path) -> str:
-    """What to pass instead of ``file``, a file given as a checkpoint: its folder when that holds config.json; the
-    way to open a ``torch.save`` file (not a checkpoint) when ``file`` is one; else the checkpoint folder."""
-    if (file.parent / "config.json").is_file():
+    """What to pass instead of ``file``, a file given as a checkpoint: its folder when that holds config.json (and
+    ``file`` is no ``torch.save`` file of the user's own beside it); the way to open a ``torch.save`` file (not a
+    checkpoint) when ``file`` is one; else the checkpoint folder."""
+    in_checkpoint = (file.parent / "config.json").is_file()
+    # save_pretrained's own torch.save files are pytorch_model*.bin: the checkpoint's weights
+    if in_checkpoint and not (file.suffix != ".bin" and _torch_saved(file)):
         return f"pass {str(file.parent)!r}"
     if _torch_saved(file):
         return ("this one was written by torch.save, not save_pretrained. Open a model saved with torch.save(model, "
                 "path) with moelens.wrap(torch.load(path, weights_only=False)), only from a source you trust "
                 "(unpickling runs its code); a file of weights alone (a state_dict) loads into the model built from "
                 "its config (model.load_state_dict(torch.load(path))), or save that model with save_pretrained and "
-                "pass the folder")
+                "pass the folder" + (f" (for the checkpoint beside it, pass {str(file.parent)!r})" if in_checkpoint
+                                     else ""))
     return "pass that folder"
 
 
