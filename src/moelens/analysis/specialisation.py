@@ -227,8 +227,8 @@ def specialisation(
     ids = _class_ids(labels)
     labels = ids.flatten()
     if per == "token" and labels.shape[0] != cache.num_tokens:
-        hint = (f" These are one per corpus item ({cache.num_texts}): pass per=\"text\"." if labels.shape[0] == cache.num_texts
-                else " To label each corpus item instead, pass per=\"text\".")
+        hint = (f" These are one per corpus item ({cache.num_texts}): pass per=\"text\"."
+                if labels.shape[0] == cache.num_texts else " To label each corpus item instead, pass per=\"text\".")
         raise MoelensError(
             f"per-token labels must have one entry per cached token ({cache.num_tokens}), got {labels.shape[0]}.{hint}"
         )
