@@ -216,9 +216,10 @@ def test_a_file_passed_as_a_checkpoint_is_refused_with_its_folder_only_where_tha
     with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: this one was written by torch\.save.*"
                                                    rf"\(for the checkpoint beside it, pass {re.escape(repr(str(tmp_path)))}\)\."):
         moelens.load(pickled)
-    torch.save({}, loose)  # save_pretrained's own torch.save file (weights.bin, pytorch_model.bin): the folder
+    own = tmp_path / "pytorch_model-00001-of-00002.bin"  # save_pretrained's own torch.save file: the folder
+    torch.save({}, own)
     with pytest.raises(moelens.MoelensError, match=rf"is a file; .*: pass {re.escape(repr(str(tmp_path)))}\."):
-        moelens.load(loose)
+        moelens.load(own)
 
 
 def test_inspect_tiny(capsys):

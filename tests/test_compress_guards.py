@@ -629,25 +629,42 @@ def test_left_padded_calibration_sees_each_text_at_its_own_positions(make):
     torch.testing.assert_close(captured, torch.cat(seen), atol=1e-5, rtol=1e-5)
 
 
-def test_calibration_ids_of_three_dimensions_or_a_mask_shaped_unlike_them_are_refused():
+def test_calibration_ids_of_three_dimensions_leave_their_padding_out_and_a_mask_shaped_unlike_them_is_refused():
     """GPT-2 flattens [3, 4, 16] ids (input_ids.view(-1, seq)) and ran them, while the 3-D mask was not read: 192
-    positions were fitted on where 120 are real tokens (ground truth: the same ids and mask as [12, 16], counted by
-    mask.sum()). A 2-D mask shaped unlike the ids was blamed on a module running on parts of the sequence (padded,
-    refused; all ones, taken without a word)."""
+    positions were fitted on where 120 are real tokens. Such ids are legitimate (a multiple-choice head takes
+    [batch, choices, seq] and cannot take them flattened): the padding is left out over [-1, seq]. Ground truth: the
+    same ids and mask as [12, 16], counted by mask.sum(), and the model converted from them. A mask shaped unlike the
+    ids was blamed on a module running on parts of the sequence (padded, refused; all ones, taken without a word)."""
     model = gpt2()
     tokens = torch.randint(3, VOCAB, (3, 4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(tokens)
     mask[..., 10:] = 0
-    with pytest.raises(CompressionError, match=r"calibration input_ids of shape \[3, 4, 16\] has 3 dimensions; token "
-                                               r"ids are \[batch, seq\]: pass input_ids.reshape\(-1, 16\)"):
-        convert(model, num_experts=4, top_k=2, calibration={"input_ids": tokens, "attention_mask": mask})
+    deep, deep_stats = convert(model, num_experts=4, top_k=2, calibration={"input_ids": tokens, "attention_mask": mask})
     flat = {"input_ids": tokens.reshape(12, 16), "attention_mask": mask.reshape(12, 16)}
-    assert convert(model, num_experts=4, top_k=2, calibration=flat)[1].calibration_tokens == int(mask.sum()) == 120
-    for shape in ((12, 15), (6, 16)):
-        with pytest.raises(CompressionError, match=rf"calibration attention_mask of shape \[{shape[0]}, {shape[1]}\] "
-                                                   r"does not match input_ids \[12, 16\]"):
+    flat_model, flat_stats = convert(model, num_experts=4, top_k=2, calibration=flat)
+    assert deep_stats.calibration_tokens == flat_stats.calibration_tokens == int(mask.sum()) == 120
+    torch.testing.assert_close(run(deep, ids(2, 16)), run(flat_model, ids(2, 16)))
+    for given, shape in ((flat["input_ids"], (12, 15)), (flat["input_ids"], (6, 16)), (tokens, (3, 4, 15))):
+        mask_shape, ids_shape = ", ".join(map(str, shape)), ", ".join(map(str, given.shape))
+        with pytest.raises(CompressionError, match=rf"calibration attention_mask of shape \[{mask_shape}\] does not "
+                                                   rf"match input_ids \[{ids_shape}\]"):
             convert(model, num_experts=4, top_k=2,
-                    calibration={"input_ids": flat["input_ids"], "attention_mask": torch.ones(shape, dtype=torch.long)})
+                    calibration={"input_ids": given, "attention_mask": torch.ones(shape, dtype=torch.long)})
+
+
+def test_a_multiple_choice_heads_calibration_is_taken_with_its_padding_left_out():
+    """BertForMultipleChoice takes [batch, choices, seq] ids (it cannot run them flattened to [-1, seq]): they were
+    refused, with advice the model fails on. Ground truth: mask.sum() real tokens."""
+    from transformers import BertConfig, BertForMultipleChoice
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64)
+    model = quiet(lambda: BertForMultipleChoice(config))
+    tokens = torch.randint(3, VOCAB, (4, 3, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(tokens)
+    mask[..., 10:] = 0
+    stats = convert(model, num_experts=4, top_k=2, calibration={"input_ids": tokens, "attention_mask": mask})[1]
+    assert stats.calibration_tokens == int(mask.sum()) == 120
+    assert convert(model, num_experts=4, top_k=2, calibration=tokens)[1].calibration_tokens == tokens.numel()
 
 
 def test_padding_a_chunked_feed_forward_cannot_tell_apart_is_refused():

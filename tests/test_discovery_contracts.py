@@ -122,7 +122,8 @@ def test_register_refuses_a_taken_block_class_without_replace():
     probe = Family(name="class_clash_probe", model_types=(), block_classes=("Qwen2MoeSparseMoeBlock",))
     try:
         with pytest.raises(FamilyError, match="already belongs to family 'qwen2_moe'; 'qwen2_moe' is one of moelens' "
-                                              "own families: .* or pass replace=True to take it over, which changes"):
+                                              "own families: .* or pass replace=True to take it over, which changes.*"
+                                              r"unregister\('class_clash_probe'\) gives"):  # the call that undoes it
             families.register(probe)
         mine = families.register(Family(name="class_clash_probe", model_types=(), block_classes=("ProbeOwnBlock",)))
         with pytest.raises(FamilyError, match=r"a family named 'class_clash_probe' is already registered; pass "

@@ -361,7 +361,9 @@ def test_a_model_type_taken_by_another_family_needs_replace():
     """A user entry naming model type 'mixtral' was accepted, and the built-in kept answering for it."""
     mine = dataclasses.replace(ENTRY, name="mine", model_types=("mixtral",))
     with pytest.raises(FamilyError, match=r"model type 'mixtral' already belongs to family 'mixtral'; 'mixtral' is "
-                                          r"one of moelens' own families: .* or pass replace=True to take it over"):
+                                          r"one of moelens' own families: .* or pass replace=True to take it over .*, "
+                                          r"which changes how every mixtral model is served until "
+                                          r"moelens\.families\.unregister\('mine'\)"):
         families.register(mine)
     families.register(mine, replace=True)
     try:
@@ -1580,7 +1582,8 @@ def test_an_inline_block_with_a_shared_expert_refuses_routed_output(registered):
                shared=SharedExpert("shared", when="after_experts"), combine=Combine(), expert_layout=None)
     wrapped = moelens.wrap(net)
     for name in ("routed_output", "expert_outputs"):
-        with pytest.raises(ValueUnavailable, match=rf"{name} cannot be served: the block computes its experts inline"):
+        with pytest.raises(ValueUnavailable, match=rf"{name} cannot be served: the block computes its experts "
+                                                   r"inline.*Read mlp_output and shared_expert_output"):
             with wrapped.trace(IDS):
                 getattr(wrapped.moes[0], name).save()
     with torch.no_grad(), wrapped.trace(IDS):
@@ -1595,6 +1598,36 @@ def test_an_inline_block_with_a_shared_expert_refuses_routed_output(registered):
     with pytest.raises(FamilyError, match=r"experts='' with experts_call=False is a block that computes its experts "
                                           r"inline.*set derived_routing=True .* or routing_from_router"):
         families.register(dataclasses.replace(ENTRY, name="inline_underived", experts="", experts_call=False))
+
+
+class LoopLayer(nn.Module):
+    """A decoder layer holding an inline `LoopBlock` and, beside it, a shared expert added after the block (granite's
+    on_layer shared MLP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = LoopBlock()
+        self.shared = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden):
+        return self.moe(hidden) + self.shared(hidden)
+
+
+def test_an_inline_block_with_a_shared_expert_on_its_layer_serves_routed_output(registered):
+    """The refusal of routed_output on an inline block with a shared expert also hit a shared expert on the decoder
+    layer (on_layer=True), which the block's output does not hold. Ground truth: the block called on its input."""
+    torch.manual_seed(0)
+    net = LoopModel().eval()
+    net.layers = nn.ModuleList([LoopLayer().eval()])
+    net.forward = lambda input_ids: net.layers[0](net.embed(input_ids))
+    registered(block_classes=("LoopBlock",), block_attr="moe", experts="", experts_call=False, derived_routing=True,
+               scoring=Scoring("softmax", "score_topk", normalize=False), top_k=1, num_experts=EXPERTS,
+               shared=SharedExpert("shared", on_layer=True, when="after_block"), combine=Combine(), expert_layout=None)
+    wrapped = moelens.wrap(net)
+    with torch.no_grad(), wrapped.trace(IDS):
+        routed = wrapped.moes[0].routed_output.save()
+    with torch.no_grad():
+        torch.testing.assert_close(routed, net.layers[0].moe(net.embed(IDS)), atol=0, rtol=0)
 
 
 def test_a_plain_torch_model_wrapped_with_a_tokenizer_is_refused_saying_to_trace_token_ids():

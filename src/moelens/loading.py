@@ -351,7 +351,7 @@ def _file_advice(file: Path) -> str:
     checkpoint) when ``file`` is one; else the checkpoint folder."""
     in_checkpoint = (file.parent / "config.json").is_file()
     # save_pretrained's own torch.save files are pytorch_model*.bin: the checkpoint's weights
-    if in_checkpoint and not (file.suffix != ".bin" and _torch_saved(file)):
+    if in_checkpoint and not (not file.name.startswith("pytorch_model") and _torch_saved(file)):
         return f"pass {str(file.parent)!r}"
     if _torch_saved(file):
         return ("this one was written by torch.save, not save_pretrained. Open a model saved with torch.save(model, "

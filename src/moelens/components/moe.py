@@ -275,7 +275,9 @@ class Moe(Mlp):
                 name,
                 "the block computes its experts inline (its family's experts=''): per-slot values exist only inside "
                 f"transformers' {', '.join(serving())} experts implementations, which run in an experts module",
-                "read routed_output or mlp_output; or have the block call its experts as a module, "
+                ("read mlp_output and shared_expert_output" if self._shared_envoy() is not None
+                 and not self.family.shared.on_layer else "read routed_output or mlp_output")
+                + "; or have the block call its experts as a module, "
                 "experts(hidden, top_k_index, top_k_weights), decorated with transformers.integrations.moe."
                 "use_experts_implementation.",
             )
@@ -337,7 +339,8 @@ class Moe(Mlp):
                     "read expert_activations, or recompute the projection from moe.params().")
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
-        if name == "routed_output" and not self.family.experts and self._shared_envoy() is not None:
+        if name == "routed_output" and not self.family.experts and self._shared_envoy() is not None \
+                and not self.family.shared.on_layer:  # a shared expert on the layer: not in the block's output
             raise self.unavailable(
                 name,
                 "the block computes its experts inline (its family's experts=''), so moelens reads the routed output "
@@ -667,7 +670,7 @@ class Moe(Mlp):
                 setting += f", read at the router's output with routing_from_router={self.family.routing_from_router}"
             columns = (" (a router with columns past its experts' own, a skip class or shared experts' gates, names "
                        "how many in extra_logits)" if what == "router logits" else "")
-            if what == "router logits" and value.shape[-1] < expected:
+            if what == "router logits" and value.shape[-1] < min(expected, self.num_experts):  # not extra_logits'
                 columns += f", or logits_op={self.family.logits_op!r} names {self._narrow_logits_op()}"
             run = RUNS.get(self.interleaver)
             if what == "slots" and isinstance(self.family.top_k, str) and run is not None and run.generating:

@@ -225,21 +225,28 @@ def _features(args: tuple, kwargs: dict) -> Mapping | None:
 
 
 def _check_shapes(inputs: Mapping) -> None:
-    """Raise `CompressionError` when ``inputs``' token ids are not ``[batch, seq]`` (a model that flattens them, as
-    GPT-2's ``input_ids.view(-1, seq)``, would run, and a mask shaped like them would not be read, so the padding
-    would be fitted on), or its 2-D ``attention_mask`` is shaped unlike them (its padding could not be placed)."""
+    """Raise `CompressionError` when ``inputs``' ``attention_mask`` has as many dimensions as its token ids but
+    another shape (its padding could not be placed). Ids of more than two dimensions (a multiple-choice head's
+    ``[batch, choices, seq]``, which the model flattens itself) are taken with a mask shaped like them: the padding
+    is left out over ``[-1, seq]`` (`_token_mask`)."""
     ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
-    if isinstance(ids, Tensor) and not ids.is_floating_point() and ids.dim() > 2:
-        raise CompressionError(
-            f"calibration input_ids of shape {list(ids.shape)} has {ids.dim()} dimensions; token ids are [batch, seq]: "
-            f"pass input_ids.reshape(-1, {ids.shape[-1]}) (and the attention_mask likewise), or a list of batches."
-        )
-    if isinstance(ids, Tensor) and ids.dim() == 2 and isinstance(mask, Tensor) and mask.dim() == 2 \
+    if isinstance(ids, Tensor) and ids.dim() >= 2 and isinstance(mask, Tensor) and mask.dim() in (2, ids.dim()) \
             and tuple(mask.shape) != tuple(ids.shape):
         raise CompressionError(
             f"calibration attention_mask of shape {list(mask.shape)} does not match input_ids {list(ids.shape)}: "
             "give one mask entry per token (a tokenizer's output for the same texts), so the padding can be left out."
         )
+
+
+def _token_mask(features: Mapping | None, key: str = "attention_mask") -> Tensor | None:
+    """`_mask`, with a mask shaped like token ids of more than two dimensions flattened to ``[-1, seq]`` (how a
+    model taking such ids, a multiple-choice head or GPT-2, runs them)."""
+    mask = features.get(key) if features is not None else None
+    ids = features.get("decoder_input_ids" if key.startswith("decoder") else "input_ids") if features is not None \
+        else None
+    if isinstance(mask, Tensor) and mask.dim() > 2 and isinstance(ids, Tensor) and mask.shape == ids.shape:
+        return mask.reshape(-1, mask.shape[-1]).bool()
+    return _mask(features, key)
 
 
 def _mask(kwargs: Mapping | None, key: str = "attention_mask") -> Tensor | None:
@@ -289,6 +296,8 @@ def _layout(features: Mapping | None, args: tuple) -> tuple[int, int] | None:
     main = (features or {}).get("input_ids")
     if not isinstance(main, Tensor):
         main = next((v for v in values if isinstance(v, Tensor) and v.dim() >= 2), None)
+    if isinstance(main, Tensor) and main.dim() > 2 and main is (features or {}).get("input_ids"):
+        return (main.numel() // main.shape[-1], main.shape[-1])  # flattened by the model: [-1, seq]
     return (main.shape[0], main.shape[1]) if isinstance(main, Tensor) and main.dim() >= 2 else None
 
 
@@ -320,7 +329,7 @@ def capture_sequences(model: nn.Module, calls: list[tuple[tuple, dict]], modules
     def recorder(name: str, mask_key: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = args[0] if args else next(iter(kwargs.values()))
-            rows, sequences = _token_rows(hidden.detach(), _mask(current["features"], mask_key), name,
+            rows, sequences = _token_rows(hidden.detach(), _token_mask(current["features"], mask_key), name,
                                           current["layout"])
             found[name].append((rows.float().cpu(), None if sequences is None else sequences + current["first"]))
         return hook

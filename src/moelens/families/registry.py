@@ -55,32 +55,33 @@ def register(family: Family, *, replace: bool = False) -> Family:
     if not replace:
         if family.name in _FAMILIES:
             raise FamilyError(f"a family named {family.name!r} is already registered; "
-                              f"{_replace_advice(_FAMILIES[family.name], 'replace it')}")
+                              f"{_replace_advice(_FAMILIES[family.name], 'replace it', family)}")
         taken = [name for name in family.block_classes if name in _BY_BLOCK_CLASS]
         if taken:
             owner = _BY_BLOCK_CLASS[taken[0]]
             raise FamilyError(f"block class {taken[0]!r} already belongs to family {owner.name!r}; "
-                              f"{_replace_advice(owner, 'take it over')}")
+                              f"{_replace_advice(owner, 'take it over', family)}")
         owners = [(model_type, for_model_type(model_type)) for model_type in family.model_types]
         taken = [(model_type, owner) for model_type, owner in owners if owner is not None]
         if taken:
-            raise FamilyError(
-                f"model type {taken[0][0]!r} already belongs to family {taken[0][1].name!r}; "
-                f"{_replace_advice(taken[0][1], 'take it over (models of that type are then described by this entry)')}"
-            )
+            advice = _replace_advice(taken[0][1], "take it over (models of that type are then described by this "
+                                     "entry)", family, served=f"every {taken[0][0]} model")
+            raise FamilyError(f"model type {taken[0][0]!r} already belongs to family {taken[0][1].name!r}; {advice}")
     _REGISTERED.append(family)
     _rebuild()
     return family
 
 
-def _replace_advice(owner: Family, what: str) -> str:
-    """What to do about a registration that clashes with ``owner``: ``replace=True`` to ``what``, and where
-    ``owner`` is one of moelens' own entries, what that would change (every model of that family)."""
+def _replace_advice(owner: Family, what: str, family: Family, served: str | None = None) -> str:
+    """What to do about ``family``'s registration that clashes with ``owner``: ``replace=True`` to ``what``, and
+    where ``owner`` is one of moelens' own entries, what that would change (how ``served`` is served: every model
+    of that family by default)."""
     if not is_built_in(owner):
         return f"pass replace=True to {what}."
     return (f"{owner.name!r} is one of moelens' own families: give your entry a name, block classes and model types of "
-            f"its own, or pass replace=True to {what}, which changes how every {owner.name} model is served until "
-            f"moelens.families.unregister({owner.name!r}) gives moelens' entry back.")
+            f"its own, or pass replace=True to {what}, which changes how {served or f'every {owner.name} model'} is "
+            "served until "
+            f"moelens.families.unregister({family.name!r}) gives moelens' entry back.")
 
 
 #: The entry classes a family's fields hold (a plain string or tuple there fails later, far from the cause).
