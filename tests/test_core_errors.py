@@ -4109,6 +4109,40 @@ def test_a_block_replaced_through_its_envoy_is_named_and_its_call_arguments_stil
     torch.testing.assert_close(routed, seen[0].view(routed.shape), rtol=0, atol=0)
 
 
+def test_a_block_replaced_through_its_envoy_by_another_module_gets_a_dense_envoy_and_the_list_says_so():
+    """``model.layers[1].mlp = nn.Identity()`` raised moelens' internal AttributeError ('NoneType' object has no
+    attribute 'shared') after the torch model was changed, and left the envoy showing the old block. As plain nnsight
+    on the same model does (ground truth), the envoy now wraps the new module, as a dense block whose output is
+    served; its MoE values are refused saying it replaced the block; model.moes' repr says what changed, also for a
+    router replaced or a layer removed in the torch model."""
+    hf, plain = tiny_model("mixtral"), tiny_model("mixtral")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    wrapped.layers[1].mlp = torch.nn.Identity()
+    reference = nnsight.NNsight(plain)
+    reference.model.layers[1].mlp = torch.nn.Identity()
+    assert type(hf.model.layers[1].mlp) is torch.nn.Identity and type(wrapped.layers[1].mlp._module) is torch.nn.Identity
+    with torch.no_grad(), reference.trace(**inputs):
+        expected = reference.model.layers[1].mlp.output.save()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        served = wrapped.layers[1].mlp.mlp_output.save()
+    torch.testing.assert_close(served, expected, rtol=0, atol=0)
+    with pytest.raises(ValueUnavailable, match=r"layers\.1\.mlp\.router_logits cannot be served: this block "
+                                               r"\(Identity\) is a dense MLP .* given to the envoy of the MoE block "
+                                               r"wrapped here, replacing the block: read its mlp_output, or wrap"):
+        with wrapped.trace(**inputs):
+            wrapped.moes[1].router_logits.save()
+    assert "[1] model.model.layers.1.mlp: replaced through its envoy by Identity, no MoE block" in repr(wrapped.moes)
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    hf.model.layers[2].mlp.gate = torch.nn.Linear(32, 8)
+    del hf.model.layers[3]
+    listed = repr(wrapped.moes)
+    assert "[2] model.model.layers.2.mlp: mixtral; model.model.layers.2.mlp.gate replaced after wrapping" in listed
+    assert "[3] model.model.layers.3.mlp: mixtral; removed after wrapping" in listed
+    assert "[0] model.model.layers.0.mlp: mixtral, E=8, k=2, grouped_mm" in listed
+    assert repr(wrapped.moes[2]).startswith("Moe[mixtral; model.model.layers.2.mlp.gate replaced after wrapping")
+
+
 def test_read_only_attributes_of_blocks_and_standard_names_are_refused():
     """``moe.layer = 2``, ``moe.family = None`` and ``model.layers = [1, 2]`` were taken as they came: collect_routing
     then refused the layers with advice that could not help, and a later read blamed a missing value. Ground truth: the

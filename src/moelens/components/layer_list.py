@@ -126,9 +126,33 @@ class MoeList(list):
     def __repr__(self) -> str:
         """One line per block (its path, family, E, k, experts implementation): the blocks' own trees, one per
         block, ran to 100 KB on a real model. ``model.moes[i]`` shows block i's tree."""
-        lines = [f"  [{index}] {moe.path}: {moe.family.name}, E={moe.num_experts}, k={moe.top_k}, "
-                 f"{moe.experts_implementation}" for index, moe in enumerate(self)]
+        lines = [f"  [{index}] {moe.path}: {_block_line(moe)}" for index, moe in enumerate(self)]
         if not self:
             return "MoeList of 0 MoE blocks (moelens serves no MoE block of this model)"
         return "\n".join([f"MoeList of {len(self)} MoE block{'s' * (len(self) != 1)} (model.moes[i] shows one):",
                           *lines])
+
+
+def _block_line(block: Any) -> str:
+    """`MoeList.__repr__`'s line of ``block``: its family, E, k and experts implementation, or what replaced it after
+    wrapping (moelens serves the block as wrapped, so its values are refused until the model is wrapped again)."""
+    from .base import replaced_modules  # which imports this module's package
+    from .moe import Moe
+
+    if not isinstance(block, Moe):  # another module given to the block's envoy
+        return (f"replaced through its envoy by {type(block._module).__name__}, no MoE block (wrap the model again: "
+                "moelens.wrap(model._module))")
+    try:
+        root = block.root
+        if root is not block:  # (the wrapped model is gone: nothing to compare with)
+            try:
+                root._module.get_submodule(block.path.partition(".")[2])  # the root envoy's path is "model"
+            except AttributeError:
+                return f"{block.family.name}; removed after wrapping (wrap the model again)"
+        replaced = replaced_modules(block)
+        if replaced:
+            return f"{block.family.name}; {', '.join(replaced)} replaced after wrapping (wrap the model again)"
+        return f"{block.family.name}, E={block.num_experts}, k={block.top_k}, {block.experts_implementation}"
+    except Exception:  # noqa: BLE001 - a repr never raises
+        return f"{block.family.name} (its counts cannot be read)"
+

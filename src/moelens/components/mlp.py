@@ -94,7 +94,11 @@ class Mlp(Component):
                      if self.parent.family.block_attr == "" else "")
             return (f"it runs beside the experts as the shared expert of the MoE block {self.parent.path}{layer}: use "
                     "that block")
-        moes = sorted({moe.layer for moe in getattr(self.root, "moes", [])}, key=lambda layer: (layer is None, layer))
+        wrapped = list(getattr(self.root, "moes", []))
+        if any(block is self for block in wrapped):  # given to an MoE block's envoy after wrapping
+            return ("it was given to the envoy of the MoE block wrapped here, replacing the block: read its mlp_output, "
+                    "or wrap the model again (moelens.wrap(model._module)), after which model.moes leaves it out")
+        moes = sorted({moe.layer for moe in wrapped}, key=lambda layer: (layer is None, layer))
         where = f"MoE layers are {moes}" if moes else "this model has no MoE layer"
         return f"{where}; iterate model.moes for the MoE blocks"
 

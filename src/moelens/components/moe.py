@@ -143,6 +143,16 @@ class Moe(Mlp):
     shared_experts = _SharedAlias()
     shared_gate = _SharedGateAlias()
 
+    def __new__(cls, module: torch.nn.Module | None = None, *args: Any, **kwargs: Any) -> "Moe | Mlp":
+        """A `Moe` for a block of a registered family; for another module at a block's path (one a user gave a
+        block's envoy, ``model.layers[1].mlp = nn.Identity()``), the `Mlp` a dense block gets, as plain nnsight gives
+        such a module an envoy of its own. (No module: unpickling, which fills the instance in itself.)"""
+        if module is not None and base.registry.for_block(module) is None:
+            dense = Mlp.__new__(Mlp)
+            dense.__init__(module, *args, **kwargs)
+            return dense
+        return super().__new__(cls)
+
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
         if self.family is None:
@@ -519,9 +529,14 @@ class Moe(Mlp):
         Not its layer (the model's tree labels it): identical layers then fold into one entry there, as nnsight folds
         them (a 48-layer model's tree printed 48 copies)."""
         try:
-            score_name = self.family.score_of(self._module)
-            head = (f"Moe[{self.family.name}, E={self.num_experts}, k={self.top_k}, "
-                    f"{self.experts_implementation}; router_probs = {score_name}(router_logits)] ")
+            replaced = base.replaced_modules(self)
+            if replaced:
+                head = (f"Moe[{self.family.name}; {', '.join(replaced)} replaced after wrapping: wrap the model "
+                        "again] ")
+            else:
+                score_name = self.family.score_of(self._module)
+                head = (f"Moe[{self.family.name}, E={self.num_experts}, k={self.top_k}, "
+                        f"{self.experts_implementation}; router_probs = {score_name}(router_logits)] ")
         except Exception:  # noqa: BLE001 - a repr never raises; the tree alone then
             head = ""
         notes = {name: f"not served by this block: {why}" for name, why in self._unserved().items()}
