@@ -712,3 +712,30 @@ def test_the_gradient_of_the_expert_indices_says_integers_have_none():
             loss = loss_of(wrapped.output)
             with loss.backward():
                 indices.grad.save()
+
+
+@pytest.mark.parametrize("name", ["expert_pre_activations", "expert_activations"])
+def test_the_gradient_of_batched_mm_activations_of_a_frozen_model_names_the_value(name):
+    """batched_mm serves the activations as views of the model's own tensors, which the run did not note: on a
+    frozen model their .grad raised torch's bare "cannot register a hook on a tensor that doesn't require gradient".
+    The truth: the experts' input of an unwrapped frozen copy does not require grad, nor do their weights."""
+    import copy
+
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="batched_mm")
+    inputs = tiny_inputs(hf)
+    hf.requires_grad_(False)
+    hf.lm_head.requires_grad_(True)
+    reference, seen = copy.deepcopy(hf), []
+    hook = reference.model.layers[1].mlp.experts.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    reference(**inputs)
+    hook.remove()
+    assert not seen[0].requires_grad
+    wrapped = moelens.wrap(hf)
+    with pytest.raises(moelens.ValueUnavailable, match=rf"layers\.1\.mlp\.{name}\.grad: .* has no gradient"):
+        with wrapped.trace(**inputs):
+            value = getattr(wrapped.moes[1], name)
+            loss = loss_of(wrapped.output)
+            with loss.backward():
+                value.grad.save()

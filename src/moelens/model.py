@@ -1572,9 +1572,13 @@ def _no_gradient_refusal(error: RuntimeError, handed_back: served.HandedBack,
     if derived is not None and derived[0]() is hooked:
         return ValueUnavailable(derived[1])
     noted = handed_back.views.get(id(hooked))
-    if noted is None or noted[0]() is not hooked:
-        return None
-    where = noted[2]
+    if noted is not None and noted[0]() is hooked:
+        where = noted[2]
+    else:  # a view of the model's own tensor (batched_mm's activations), named when served
+        named = handed_back.named.get(id(hooked))
+        if named is None or named[0]() is not hooked:
+            return None
+        where = named[1]
     if not hooked.is_floating_point():
         return ValueUnavailable(
             f"{where}.grad: {where} holds {hooked.dtype} values, and integers have no gradient; read the gradient of a "

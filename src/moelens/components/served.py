@@ -562,6 +562,9 @@ def read(component: "Component", descriptor: served, binding: Binding, keep_open
             handed_back.note(view, f"{component.path}.{name}", private=True)
         return view
     where = f"{component.path}.{name}"
+    served_in = RUNS.get(component.interleaver) if grad else None
+    if served_in is not None:  # (its .grad may be asked for)
+        served_in.name(view, where)
     version = view._version
     setattr(view, READ_VERSION, version)  # an in-place edit moves it (`model_values`)
     # With autograd on, the model goes on from the view itself, so that a hook on it (nnsight's
@@ -650,6 +653,10 @@ class HandedBack:
         #: id(value) -> (the value, the error its ``.grad`` raises): values moelens derives that no output depends on,
         #: served where nothing upstream requires grad, whose ``.grad`` torch refuses naming none (`without_gradient`).
         self.gradientless: dict[int, tuple[weakref.ref, str]] = {}
+        #: id(view) -> (the view, its value's name): every view served with autograd on, a copy or a view of the
+        #: model's own tensor, so that torch's bare refusal to hook one without a gradient can name it
+        #: (``moelens.model._no_gradient_refusal``; batched_mm's activations of a frozen model are views).
+        self.named: dict[int, tuple[weakref.ref, str]] = {}
         #: How many entries `views` and `gradientless` may hold before those of values the user dropped are let go.
         self._prune_at = PRUNE_AT
 
@@ -657,12 +664,17 @@ class HandedBack:
         """Drop the entries of views the user no longer holds, once the two maps reach `_prune_at` entries (twice
         what stays, so each entry is looked at a bounded number of times): a long generation reading a value
         each step kept one entry a step to the run's end."""
-        if len(self.views) + len(self.gradientless) < self._prune_at:
+        if len(self.views) + len(self.gradientless) + len(self.named) < self._prune_at:
             return
-        for entries in (self.views, self.gradientless):
+        for entries in (self.views, self.gradientless, self.named):
             for key in [key for key, (reference, *_) in entries.items() if reference() is None]:
                 del entries[key]
-        self._prune_at = max(PRUNE_AT, 2 * (len(self.views) + len(self.gradientless)))
+        self._prune_at = max(PRUNE_AT, 2 * (len(self.views) + len(self.gradientless) + len(self.named)))
+
+    def name(self, view: torch.Tensor, where: str) -> None:
+        """``view`` was served as ``where`` (read by ``moelens.model._no_gradient_refusal``)."""
+        self._let_go()
+        self.named[id(view)] = (weakref.ref(view), where)
 
     def without_gradient(self, value: torch.Tensor, error: str) -> None:
         """``value``, derived by moelens, has no gradient: reading its ``.grad`` raises ``error`` (read by
