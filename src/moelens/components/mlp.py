@@ -47,9 +47,10 @@ class Mlp(Component):
 
     @served
     def mlp_output(self, value: Any) -> Float[Tensor, "b s h"]:
-        """What the block adds to the residual stream [b, s, D]: its output. Writing it replaces that.
+        """The block's output [b, s, D]: what a dense MLP adds to the residual stream. Writing it replaces that.
 
-        For a block that adds the residual itself (bloom's), the output of its down projection."""
+        For a block that adds the residual itself (bloom's), the output of its down projection. For an MoE block's
+        shared expert, its output before any gate the block applies (what the block adds: `shared_expert_output`)."""
 
     @served
     def mlp_activation(self, value: Any) -> Float[Tensor, "b s i"]:

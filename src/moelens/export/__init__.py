@@ -5,7 +5,7 @@
 activation, weight layout and biases come from the block's family entry, and any shared
 expert a standard NNEF subgraph added to it. `Edits` bakes ablations, route-around,
 steering and swaps into the weights; `verify` runs an archive in tract and the model in
-torch. Families tract cannot express are refused with the reason (`support` and
+torch. Families tract cannot express are refused with the reason (`family_support` and
 `support_table` say which, from the family registry). Needs the ``export`` extra
 (``pip install 'moelens[export]'``: torch-to-nnef and tract), imported only when used.
 """
