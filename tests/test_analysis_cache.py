@@ -398,3 +398,34 @@ def test_dense_weights_put_each_slot_in_its_experts_column_and_skipped_slots_now
     assert cache.dense_weights(3).tolist() == [[0.25, 0.0, 0.75, 0.0], [0.0, 0.5, 0.0, 0.0]]
     with pytest.raises(MoelensError, match="layer"):
         cache.dense_weights(0)
+
+
+def test_the_repr_says_what_the_cache_holds_and_where_in_one_line(model, tmp_path):
+    """The dataclass' own repr printed every per-layer dict and no token count: the repr names the family, the tokens
+    and texts, the layers, E and k (one number where every layer has the same), the logits, and memory or the folder,
+    each against the cache's own attributes; it reads nothing from the folder and never raises."""
+    corpus = token_corpus(5)
+    memory = analysis.collect_routing(model, corpus, batch_size=2, max_length=8, shard_tokens=20, logits=True,
+                                      progress=False)
+    config = model._module.config
+    experts, k = config.num_local_experts, config.num_experts_per_tok
+    text = repr(memory)
+    assert text == (f"RoutingCache(mixtral, {memory.num_tokens} tokens in {memory.num_texts} texts, layers "
+                    f"{memory.layers}, E={experts}, k={k}, logits=True, in memory, {memory.num_shards} shards)")
+    assert memory.num_texts == len(corpus) and memory.num_shards > 1 and "\n" not in text
+
+    folder = memory.save(tmp_path / "cache")
+    loaded = RoutingCache.load(folder)
+    assert repr(loaded) == (f"RoutingCache(mixtral, {loaded.num_tokens} tokens in {loaded.num_texts} texts, layers "
+                            f"{loaded.layers}, E={experts}, k={k}, logits=True, folder {str(folder.absolute())!r}, "
+                            f"{loaded.num_shards} shards)")
+    for shard in folder.glob("shard-*.safetensors"):
+        shard.unlink()
+    assert repr(loaded).startswith("RoutingCache(mixtral, ")  # counts from routing.json: no shard is read
+
+    by_hand = RoutingCache(layers=[0, 2], num_experts={0: 4, 2: 8}, top_k={0: 2, 2: 2},
+                           score={0: "softmax", 2: "softmax"}, num_texts=1)
+    assert repr(by_hand) == ("RoutingCache(0 tokens in 1 text, layers [0, 2], E={0: 4, 2: 8}, k=2, logits=False, "
+                             "in memory, 0 shards)")
+    broken = RoutingCache(layers=None, num_experts=None, top_k=None, score=None)
+    assert repr(broken).startswith("RoutingCache(")

@@ -217,6 +217,11 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
             ``output_loading_info`` is read by moelens itself (to name weights that do not fit) and
             not returned: the result is the wrapped model alone.
 
+    Returns:
+        An nnsight model, as `wrap` returns it: ``.moes``, ``.layers[i].mlp`` (``Moe`` / ``Mlp``), ``.family``;
+        in eval mode, with ``tokenizer`` or the checkpoint's own as ``.tokenizer``; without one (a folder with no
+        tokenizer files) it has no ``.tokenizer`` and takes token ids only.
+
     Raises:
         MoelensError: ``path_or_repo_id`` is a file (a ``torch.save`` file is named as such), has no
             readable config.json, holds no weights, damaged weights files or shard index (named), or

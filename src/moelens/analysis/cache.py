@@ -101,6 +101,7 @@ class Shard:
 
     @property
     def num_tokens(self) -> int:
+        """How many tokens the shard holds (the length of ``token_ids``)."""
         return int(self.token_ids.shape[0])
 
     def to_tensors(self) -> dict[str, Tensor]:
@@ -117,6 +118,9 @@ class Shard:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor]) -> "Shard":
+        """The shard a `to_tensors` layout holds (what a shard file gives back): ``token_ids``, ``text_index`` and
+        ``position``, and ``indices.<layer>`` / ``weights.<layer>`` / ``logits.<layer>`` per layer, put in layer
+        order; other names are ignored, and nothing is checked (`RoutingCache` checks a shard it reads from disk)."""
         per_layer: dict[str, dict[int, Tensor]] = {"indices": {}, "weights": {}, "logits": {}}
         for name, tensor in tensors.items():
             kind, _, layer = name.partition(".")
@@ -199,6 +203,7 @@ class RoutingCache:
 
     @property
     def num_shards(self) -> int:
+        """How many shards hold the tokens: the files ``routing.json`` lists (on disk), or the shards in memory."""
         return len(self._files) if self._folder is not None else len(self._memory)
 
     @property
@@ -208,6 +213,26 @@ class RoutingCache:
 
     def __len__(self) -> int:
         return self.num_tokens
+
+    def __repr__(self) -> str:  # the dataclass' own printed every per-layer dict and no token count
+        """The family, how many tokens of how many texts, the layers, E and k (one number where every layer has the
+        same), whether logits are held, and where the shards are: in memory, or the folder (nothing is read from it)."""
+        try:
+            where = "in memory" if self._folder is None else f"folder {str(self._folder)!r}"
+            return (f"RoutingCache({f'{self.family}, ' if self.family else ''}"
+                    f"{_counted(self.num_tokens, 'token')} in {_counted(self.num_texts, 'text')}, "
+                    f"layers {list(self.layers)}, E={self._per_layer(self.num_experts)}, "
+                    f"k={self._per_layer(self.top_k)}, "
+                    f"logits={self.has_logits}, {where}, {_counted(self.num_shards, 'shard')})")
+        except Exception:  # noqa: BLE001 - a repr never raises (a cache built by hand, with entries of any kind)
+            return f"RoutingCache(at {id(self):#x})"
+
+    def _per_layer(self, entries: dict[int, Any]) -> Any:
+        """``entries`` (``num_experts``, ``top_k``) of this cache's layers, for `__repr__`: the one value where every
+        layer has the same, else layer -> value."""
+        values = {layer: entries.get(layer) for layer in self.layers}
+        first = next(iter(values.values()), None)
+        return first if values and all(value == first for value in values.values()) else values
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -387,12 +412,17 @@ class RoutingCache:
         return score(self.score[layer], self.logits(layer), self.softcap.get(layer, 0.0))
 
     def token_ids(self) -> Int[Tensor, " t"]:
+        """``[T]`` int64: every cached token's id, in corpus order (the order of every per-token result here)."""
         return self._cat("token_ids").long()
 
     def text_index(self) -> Int[Tensor, " t"]:
+        """``[T]`` int64: the corpus item each cached token comes from (its place in the corpus, 0 to
+        ``num_texts - 1``; every window of a long item has that item's index)."""
         return self._cat("text_index").long()
 
     def position(self) -> Int[Tensor, " t"]:
+        """``[T]`` int64: each cached token's position in its corpus item (counted over the whole item, not its
+        window)."""
         return self._cat("position").long()
 
     def materialize(self) -> "RoutingCache":
@@ -486,6 +516,11 @@ class RoutingCache:
                                          "tokens as often")
             listed.add(name)
         return cache
+
+
+def _counted(count: int, word: str) -> str:
+    """``"1 token"``, ``"11 tokens"``."""
+    return f"{count} {word}{'s' * (count != 1)}"
 
 
 def count_entry(value: Any, what: str) -> int:

@@ -116,7 +116,16 @@ def _chosen(shard: Shard, layer: int, width: int, slots: str) -> Tensor:
 
 
 def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top1") -> Transitions:
-    """Count the tokens routed to expert i in layer ``source`` and j in layer ``target``."""
+    """Count the tokens routed to expert i in layer ``source`` and j in layer ``target`` (streams over shards).
+
+    Args:
+        cache: A routing cache.
+        source: The layer of the rows (a decoder-layer index of the cache).
+        target: The layer of the columns.
+        slots: Which of a token's experts count: ``"top1"`` its highest-weighted expert in each layer (a token
+            counts in one cell), ``"all"`` any of its k in each layer (a token counts in the cell of each pair of
+            its experts); slots that ran no expert (`SKIPPED`) count nowhere.
+    """
     check_cache(cache)
     if slots not in SLOTS:
         raise MoelensError(f"slots={slots!r} is not one of {SLOTS}.")

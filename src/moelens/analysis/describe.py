@@ -97,6 +97,8 @@ class ModelReport:
     layer_stacks: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """Every attribute as plain data (JSON-ready; each `LayerReport` a dict of its own): what
+        ``moelens inspect --json`` prints."""
         return asdict(self)
 
     def __str__(self) -> str:

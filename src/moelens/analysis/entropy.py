@@ -81,7 +81,11 @@ def _shard_entropy(cache: RoutingCache, shard: Shard, layer: int, source: str) -
 
 
 def token_entropy(cache: RoutingCache, layer: int, source: str | None = None) -> Float[Tensor, " t"]:
-    """``[T]`` every cached token's normalised routing entropy in ``layer``."""
+    """``[T]`` every cached token's normalised routing entropy in ``layer``, in the cache's token order.
+
+    ``source``: ``"router"`` (over all E experts; needs a cache collected with ``logits=True``) or ``"weights"``
+    (over the k routing weights); default: router when logits were cached (see the module docstring).
+    """
     check_cache(cache)
     source = _pick_source(cache, source)
     layer = cache.layer_key(layer)

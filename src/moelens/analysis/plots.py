@@ -15,7 +15,7 @@ __all__ = ["has_display", "pyplot", "save", "plot_usage", "plot_load_balance", "
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from .specialisation import Specialisation
 from .token_view import TokenRouting
 from .top_tokens import ExpertTokens
 from .usage import LoadBalance, Usage
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is first made (`pyplot`), not with moelens.analysis
+    import matplotlib.figure
 
 
 #: The ``value`` choices of `plot_coactivation` (with their titles), `plot_top_tokens` and `plot_specialisation`.
@@ -78,6 +81,9 @@ def save(figure: Any, path: str | Path, dpi: float = 110) -> Path:
     A file at ``path`` this user may not write, one that is no regular file, and a hard link (a file with another
     name too, which writing would change) are refused; any other file there is written over in place (a save stopped
     half-way leaves it partly written).
+
+    ``dpi``: the dots per inch of a raster format (PNG, JPEG: the pixels per inch of the figure's size), from 10 to
+    2000; a vector format (PDF, SVG) keeps it only for the images inside it.
     """
     from matplotlib.figure import Figure
 
@@ -162,8 +168,9 @@ def _pixels(values: Tensor) -> np.ndarray:
     return values.detach().cpu().float().numpy()
 
 
-def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> Any:
-    """Heatmap layers x experts of each expert's share of its layer's slots (1/E is balanced)."""
+def plot_usage(usage: Usage, title: str = "Expert usage (share of each layer's slots)") -> matplotlib.figure.Figure:
+    """Heatmap layers x experts of each expert's share of its layer's slots (1/E is balanced); returns the matplotlib
+    Figure. ``title``: its first line (a second gives the tokens counted)."""
     check_type(usage, Usage, "usage", "a Usage", "make one with analysis.expert_usage(cache)")
     share = usage.fraction.float().clone()
     for row, experts in enumerate(usage.num_experts):
@@ -202,8 +209,8 @@ def _layers_by_experts(values: Float[Tensor, "l e"], layers: Sequence[int], titl
 BAR_LABELS = 16
 
 
-def plot_load_balance(balance: LoadBalance) -> Any:
-    """Bars per layer: coefficient of variation and max / mean of the expert counts."""
+def plot_load_balance(balance: LoadBalance) -> matplotlib.figure.Figure:
+    """Bars per layer: coefficient of variation and max / mean of the expert counts; returns the matplotlib Figure."""
     check_type(balance, LoadBalance, "balance", "a LoadBalance", "make one with analysis.load_balance(usage)")
     plt = pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(min(max(8.0, 0.2 * len(balance.layers) + 2), 14.0), 3))
@@ -226,9 +233,10 @@ def plot_load_balance(balance: LoadBalance) -> Any:
 LEGEND_LAYERS = 8
 
 
-def plot_entropy(entropy: Entropy) -> Any:
+def plot_entropy(entropy: Entropy) -> matplotlib.figure.Figure:
     """Histogram of the tokens' normalised routing entropy, one line per layer (with its mean in the legend,
-    or for more than `LEGEND_LAYERS` layers coloured by layer, beside a panel of the means)."""
+    or for more than `LEGEND_LAYERS` layers coloured by layer, beside a panel of the means); returns the matplotlib
+    Figure."""
     check_type(entropy, Entropy, "entropy", "an Entropy", "make one with analysis.routing_entropy(cache)")
     plt = pyplot()
     many = len(entropy.layers) > LEGEND_LAYERS
@@ -288,12 +296,16 @@ def _grid(count: int, size: float = 3.2, width: float | None = None) -> tuple[An
     return figure, flat[:count]
 
 
-def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], value: str = "conditional") -> Any:
+def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation],
+                      value: str = "conditional") -> matplotlib.figure.Figure:
     """Heatmaps of within-layer co-activation, one per layer.
 
     Args:
         coactivations: One `Coactivation` or several (one panel each).
         value: ``"conditional"`` (P(column | row)), ``"lift"`` or ``"counts"``.
+
+    Returns:
+        The matplotlib Figure.
     """
     _check_value(value, COACTIVATION_VALUES)
     items = check_results(coactivations, Coactivation, "coactivations", "analysis.coactivation(cache, layer)")
@@ -314,8 +326,9 @@ def plot_coactivation(coactivations: Coactivation | Sequence[Coactivation], valu
     return figure
 
 
-def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> Any:
-    """Heatmaps P(expert j in the later layer | expert i in the earlier one), one per layer pair."""
+def plot_transitions(transitions: Transitions | Sequence[Transitions]) -> matplotlib.figure.Figure:
+    """Heatmaps P(expert j in the later layer | expert i in the earlier one), one per layer pair; returns the
+    matplotlib Figure."""
     items = check_results(transitions, Transitions, "transitions", "analysis.transitions(cache, source, target)")
     figure, panels = _grid(len(items))
     mixed = len({item.slots for item in items}) > 1  # top1 and all slots side by side: each panel says which
@@ -335,9 +348,9 @@ def _expert_label(expert: int) -> str:
     return "skip" if expert == SKIPPED else str(expert)
 
 
-def plot_token_routing(view: TokenRouting, max_tokens: int | None = 64) -> Any:
+def plot_token_routing(view: TokenRouting, max_tokens: int | None = 64) -> matplotlib.figure.Figure:
     """Grid layers x tokens coloured by each token's top expert, annotated with its k experts (the first
-    ``max_tokens``; None: all, as `TokenRouting.table` takes it)."""
+    ``max_tokens``; None: all, as `TokenRouting.table` takes it); returns the matplotlib Figure."""
     check_type(view, TokenRouting, "view", "a TokenRouting", "make one with analysis.token_routing(model, text)")
     count = len(view.tokens) if max_tokens is None else min(len(view.tokens), check_count("max_tokens", max_tokens))
     plt = pyplot()
@@ -364,8 +377,9 @@ def plot_token_routing(view: TokenRouting, max_tokens: int | None = 64) -> Any:
     return figure
 
 
-def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> Any:
-    """One horizontal bar chart per expert: its top tokens' counts (or ``value="share"``), the other annotated."""
+def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> matplotlib.figure.Figure:
+    """One horizontal bar chart per expert: its top tokens' counts (or ``value="share"``), the other annotated;
+    returns the matplotlib Figure."""
     experts = check_results(experts, ExpertTokens, "experts", "analysis.top_tokens(cache, layer)")
     _check_value(value, TOP_TOKEN_VALUES)
     figure, panels = _grid(len(experts), size=2.8)
@@ -387,8 +401,16 @@ def plot_top_tokens(experts: Sequence[ExpertTokens], value: str = "counts") -> A
     return figure
 
 
-def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) -> Any:
-    """Table of the tokens each expert of ``layer`` promotes, coloured by logit (rows: experts)."""
+def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) -> matplotlib.figure.Figure:
+    """Table of the tokens each expert of ``layer`` promotes, coloured by logit (rows: experts, those no token
+    reached left out); returns the matplotlib Figure.
+
+    Args:
+        lens: An `ExpertLens` (`moelens.analysis.expert_logit_lens`).
+        layer: A decoder-layer index of the lens (default: its last layer).
+        top: How many of each expert's promoted tokens to show (columns, best first; at least 1), at most the
+            ``top`` the lens was made with.
+    """
     check_type(lens, ExpertLens, "lens", "an ExpertLens", "make one with analysis.expert_logit_lens(model, texts)")
     top = check_count("top", top)
     plt = pyplot()
@@ -411,9 +433,10 @@ def plot_logit_lens(lens: ExpertLens, layer: int | None = None, top: int = 8) ->
     return figure
 
 
-def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
+def plot_specialisation(spec: Specialisation, value: str = "lift") -> matplotlib.figure.Figure:
     """Heatmaps experts x classes per layer: ``"lift"`` (P(class|expert)/P(class)), ``"share"`` (P(class|expert))
-    or ``"rate"`` (`Specialisation.activation_rate`: P(expert among a token's experts | class))."""
+    or ``"rate"`` (`Specialisation.activation_rate`: P(expert among a token's experts | class)); returns the
+    matplotlib Figure."""
     check_type(spec, Specialisation, "spec", "a Specialisation", "make one with analysis.specialisation(cache, labels)")
     _check_value(value, SPECIALISATION_VALUES)
     # a cell's number needs about 0.32 inch: panels widen with the classes (10 classes' numbers ran together)
@@ -438,9 +461,10 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> Any:
     return figure
 
 
-def plot_risk_difference(spec: Specialisation, a: int | str, b: int | str) -> Any:
+def plot_risk_difference(spec: Specialisation, a: int | str, b: int | str) -> matplotlib.figure.Figure:
     """Heatmap layers x experts of `Specialisation.risk_difference` (``a``'s activation rate minus ``b``'s, -1 to
-    1): red where class ``a``'s tokens reach the expert more often, blue where ``b``'s do (SteerMoE's detection)."""
+    1): red where class ``a``'s tokens reach the expert more often, blue where ``b``'s do (SteerMoE's detection);
+    returns the matplotlib Figure."""
     check_type(spec, Specialisation, "spec", "a Specialisation", "make one with analysis.specialisation(cache, labels)")
     difference = spec.risk_difference(a, b).float()
     names = [spec.classes[spec._class(name)] for name in (a, b)]

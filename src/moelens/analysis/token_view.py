@@ -97,6 +97,20 @@ def token_routing(
     Slots are sorted by weight (highest first) whatever order the family returns them in. A long
     text is run in the windows `collect_routing` cuts by default (the model's context, at most 512
     tokens), each from a fresh context.
+
+    Args:
+        model: A model from `moelens.wrap` / `moelens.load` (a string ``text`` needs its tokenizer).
+        text: The text, or its token ids.
+        logits: Also read the router logits, so the result's ``probs`` holds each expert's score (False: ``probs``
+            is None, and the run reads less).
+        layers: Decoder-layer indices of the MoE layers to route (default: every MoE layer), as `collect_routing`
+            takes them.
+        blocks: Only blocks whose module path contains this text (or one of these), for models with several MoE
+            blocks in a layer, as `collect_routing` takes it.
+
+    Returns:
+        The `TokenRouting` of the text's tokens (``.table()`` prints it, `moelens.analysis.plot_token_routing`
+        draws it).
     """
     with refusals_count_a_run(model):
         one = _one_text(text)

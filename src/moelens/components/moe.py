@@ -137,7 +137,17 @@ def _listed_value(line: str) -> str | None:
 
 
 class Moe(Mlp):
-    """A Mixture-of-Experts block. See the module docstring for the values it serves."""
+    """A Mixture-of-Experts block (``model.moes[i]``, ``model.layers[i].mlp``), whatever its family.
+
+    In a trace it serves by name: ``router_logits``, ``router_probs`` (derived, read-only), ``selection_scores``
+    (where the router ranks experts by a biased score), ``expert_weights``, ``expert_indices``, the per-slot
+    ``expert_pre_activations``, ``expert_activations`` and ``expert_outputs`` (under grouped_mm / batched_mm),
+    ``routed_output``, ``shared_expert_output`` and ``mlp_output``; a value the block cannot serve raises why
+    (``repr(moe)`` lists them). Read them in the order ``moe.order()`` gives, the model's (``selection_scores``
+    aside: after the logits, before the experts call), or all at once with ``moe.save_all()``. ``moe.params()``
+    gives the router's and experts' weights as views of the model's; ``num_experts`` and ``top_k`` are E and k.
+    Shapes, and what a write to each value does: docs/values.md.
+    """
 
     INSTRUMENTED_AT_WRAP = True
     shared_experts = _SharedAlias()

@@ -107,10 +107,14 @@ class ToMoEBlock(nn.Module):
 
     @property
     def num_experts(self) -> int:
+        """E: the block's routed experts (``experts.num_experts``, where its family entry reads E; a converted narrow
+        Linear may have fewer than the conversion asked for, as its `LayerStats` notes say)."""
         return self.experts.num_experts
 
     @property
     def top_k(self) -> int:
+        """k: the experts each token runs, as the router picks them (``router.top_k``, where the family entry reads
+        it)."""
         return self.router.top_k
 
     def forward(self, hidden_states: Float[Tensor, "*tokens d"]) -> Float[Tensor, "*tokens o"]:

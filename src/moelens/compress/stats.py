@@ -100,10 +100,12 @@ class CompressionStats:
 
     @property
     def converted_layers(self) -> list[str]:
+        """The module names of the converted layers (each `LayerStats.name`), in module order."""
         return [layer.name for layer in self.converted]
 
     @property
     def skipped_layers(self) -> dict[str, str]:
+        """Module name -> why the candidate was left dense (each `SkippedLayer`)."""
         return {layer.name: layer.reason for layer in self.skipped}
 
     def as_dict(self) -> dict[str, Any]:

@@ -79,7 +79,9 @@ class Plan:
         return self._to_owner(hidden_states[self.send_order // self.top_k], "dispatch")
 
     def to_owner(self, slot_rows: Float[Tensor, "tk f"], kind: str = "activations_out") -> Float[Tensor, "r f"]:
-        """Token-slot rows ``[T*k, F]`` to the experts' owners (grouped by local expert there)."""
+        """Token-slot rows ``[T*k, F]`` to the experts' owners (grouped by local expert there); ``kind`` names the
+        exchange in `moelens.parallel.traffic`'s records (the activation round trip's ``"activations_out"`` by
+        default) and changes nothing else."""
         return self._to_owner(slot_rows[self.send_order], kind)
 
     def _to_owner(self, rows: Tensor, kind: str) -> Tensor:
@@ -88,7 +90,9 @@ class Plan:
 
     def to_sender(self, rows: Float[Tensor, "r f"], kind: str = "combine") -> Float[Tensor, "tk f"]:
         """Rows computed by this rank's experts back to their tokens: ``[T*k, F]`` in
-        token-slot order on the rank that sent them, zeros for dropped slots."""
+        token-slot order on the rank that sent them, zeros for dropped slots. ``kind`` names the exchange in
+        `moelens.parallel.traffic`'s records (``"combine"``, the experts' outputs, by default;
+        ``"pre_activations_back"`` for the activation round trip) and changes nothing else."""
         back = exchange(rows[self.from_expert], self.send_sizes, self.recv_sizes, self.group, kind, self.tag)
         return back.new_zeros((self.num_slots, *back.shape[1:])).index_copy(0, self.send_order, back)
 

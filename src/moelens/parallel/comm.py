@@ -153,6 +153,10 @@ def exchange(rows: Tensor, recv_sizes: list[int], send_sizes: list[int], group: 
 
     Differentiable in ``rows``. With no group (or one rank) the rows are returned as they are.
 
+    ``kind`` and ``tag`` only label the exchange for `traffic`: its `Record`'s ``kind`` (``"dispatch"``,
+    ``"combine"``, ...; the backward's is ``kind + "_grad"``) and ``tag`` (which experts module made it, its
+    `moelens.parallel.runs.layer_tag`; 0 when unknown). What is sent does not depend on them.
+
     Raises:
         MoelensError: the sizes are not one per rank of ``group``, ``send_sizes`` do not add up to the rows, or, on
             one rank, ``recv_sizes`` differ from ``send_sizes`` (the rows come back as they are).
