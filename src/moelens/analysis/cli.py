@@ -61,9 +61,11 @@ def register(subparsers: Any) -> None:
         description="Load moelens-tiny (offline), run a sample text, print which experts every token goes to "
         "in every layer, usage / load balance / entropy per layer, and write plots (PNG) to a folder.",
     )
-    demo.add_argument("--out", type=argument_path, default=DEMO_OUT, help=f"folder for the plots (default: {DEMO_OUT})")
-    demo.add_argument("--text", type=argument_path, help="route this text file instead of the sample text")
-    demo.add_argument("--windows", type=int, default=64,
+    demo.add_argument("--out", type=argument_path, default=DEMO_OUT, metavar="DIR",
+                      help=f"folder for the plots (default: {DEMO_OUT})")
+    demo.add_argument("--text", type=argument_path, metavar="FILE",
+                      help="route this text file instead of the sample text")
+    demo.add_argument("--windows", type=int, default=64, metavar="N",
                       help="held-out code/prose windows of moelens-tiny for the corpus plots (default 64, 0: none)")
     demo.add_argument("--threads", type=int, default=1,
                       help="torch threads (default 1: the model is tiny, one thread is fastest on a busy machine)")
@@ -89,7 +91,8 @@ def register(subparsers: Any) -> None:
     )
     stats.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
     stats.add_argument("--text", type=argument_path, required=True, metavar="FILE", help="a UTF-8 text file to route")
-    stats.add_argument("--out", type=argument_path, help="write stats.json, stats.csv, experts.csv, plots and cache/ here")
+    stats.add_argument("--out", type=argument_path, metavar="DIR",
+                       help="write stats.json, stats.csv, experts.csv, plots and cache/ here")
     stats.add_argument("--format", choices=("table", "json", "csv"), default="table", help="what to print (default table)")
     stats.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     stats.add_argument("--max-length", type=int, help="window length in tokens (default: model context, at most 512)")
