@@ -188,6 +188,27 @@ def test_a_shared_expert_called_after_the_experts_is_placed_there_by_the_order_e
     torch.testing.assert_close(output, routed + shared)
 
 
+def test_a_shared_expert_on_the_decoder_layer_is_named_as_the_blocks():
+    """granitemoeshared keeps its shared expert on the decoder layer beside the block (hooks: the layer calls it after
+    the block); a mixture value of it said "MoE layers are [0, 1, 2, 3]; iterate model.moes", its layer among them,
+    and its order error said nothing of where the layer calls it."""
+    hf = tiny_model("granitemoeshared")
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    moe, layer = wrapped.moes[1], hf.model.layers[1]
+    shared = wrapped.layers[1].shared_mlp
+    assert moe.shared_experts is shared
+    assert call_order(hf, inputs, layer, ("block_sparse_moe", "shared_mlp")) == ["block_sparse_moe", "shared_mlp"]
+    with pytest.raises(moelens.ValueUnavailable, match=rf"runs beside the experts as the shared expert of the MoE "
+                                                       rf"block {re.escape(moe.path)}: use that block"):
+        with wrapped.trace(**inputs):
+            shared.router_logits.save()
+    with pytest.raises(moelens.OrderError, match=rf"shared_mlp is the shared expert of {re.escape(moe.path)}: its "
+                                                 r"decoder layer calls it after the block: read them after mlp_output"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            wrapped.moes[2].router_logits.save()
+            shared.mlp_activation.save()
+
+
 @pytest.mark.parametrize(("name", "reason"), [("deepseek_v3", r"this deepseek_v3 block's shared expert has no gate of "
                                                               r"its own\. Its contribution is shared_expert_output"),
                                              ("mixtral", r"the mixtral family has no shared expert")])

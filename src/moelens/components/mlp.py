@@ -90,10 +90,11 @@ class Mlp(Component):
     def _moe_layers(self) -> str:
         from .moe import Moe  # the Moe component imports this module
 
-        if isinstance(self.parent, Moe):  # a block's shared expert; gemma4's MLP beside the router and experts
-            layer = (f", the decoder layer itself (model.layers[{self.parent.layer}])"
-                     if self.parent.family.block_attr == "" else "")
-            return (f"it runs beside the experts as the shared expert of the MoE block {self.parent.path}{layer}: use "
+        owner = self.parent if isinstance(self.parent, Moe) else self._shared_of
+        if owner is not None:  # a block's shared expert (granite's on its layer); gemma4's MLP beside the experts
+            layer = (f", the decoder layer itself (model.layers[{owner.layer}])"
+                     if owner.family.block_attr == "" else "")
+            return (f"it runs beside the experts as the shared expert of the MoE block {owner.path}{layer}: use "
                     "that block")
         wrapped = list(getattr(self.root, "moes", []))
         if any(block is self for block in wrapped):  # given to an MoE block's envoy after wrapping
@@ -117,7 +118,13 @@ class Mlp(Component):
         from .moe import Moe  # the Moe component imports this module
 
         parent = self.parent
-        return parent if isinstance(parent, Moe) and parent.family.shared is not None else None
+        if isinstance(parent, Moe):
+            return parent if parent.family.shared is not None else None
+        for block in getattr(parent, "_children", ()):  # granite's shared expert: the block's sibling on its layer
+            shared = block.family.shared if isinstance(block, Moe) else None
+            if shared is not None and shared.on_layer and getattr(parent._module, shared.module, None) is self._module:
+                return block
+        return None
 
     def _order_error(self, name: str, by: str = "", step_passed: bool = False) -> Any:
         """`Component._order_error`, which for a block's shared expert also says where its values fall among the
@@ -136,7 +143,8 @@ class Mlp(Component):
             if spec.gated_op:  # the served value is the gate's product; the module itself may run anywhere before it
                 where = "before its router (the gated output it serves comes after the experts): read them before " \
                         "the block's values"
-            error.args = (f"{error.args[0]} {self.path} is the shared expert of {moe.path}: the block calls it "
+            caller = "its decoder layer" if spec.on_layer else "the block"  # granite's: the block's sibling
+            error.args = (f"{error.args[0]} {self.path} is the shared expert of {moe.path}: {caller} calls it "
                           f"{where}, or in a trace of their own.",)
         return error
 
