@@ -4109,7 +4109,12 @@ def test_a_block_replaced_through_its_envoy_is_named_and_its_call_arguments_stil
     torch.testing.assert_close(routed, seen[0].view(routed.shape), rtol=0, atol=0)
 
 
-def test_a_block_replaced_through_its_envoy_by_another_module_gets_a_dense_envoy_and_the_list_says_so():
+def _save_all_in_a_trace(wrapped, inputs) -> None:
+    with wrapped.trace(**inputs):
+        wrapped.save_all()
+
+
+def test_a_block_replaced_through_its_envoy_by_another_module_gets_a_dense_envoy_and_the_list_says_so(tmp_path):
     """``model.layers[1].mlp = nn.Identity()`` raised moelens' internal AttributeError ('NoneType' object has no
     attribute 'shared') after the torch model was changed, and left the envoy showing the old block. As plain nnsight
     on the same model does (ground truth), the envoy now wraps the new module, as a dense block whose output is
@@ -4132,6 +4137,24 @@ def test_a_block_replaced_through_its_envoy_by_another_module_gets_a_dense_envoy
         with wrapped.trace(**inputs):
             wrapped.moes[1].router_logits.save()
     assert "[1] model.model.layers.1.mlp: replaced through its envoy by Identity, no MoE block" in repr(wrapped.moes)
+    # what reads every block refuses it by name (export crashed with 'NoneType' object has no attribute 'experts')
+    from moelens import analysis
+    from moelens.export.errors import ExportError
+
+    for run, refusal in ((lambda: analysis.collect_routing(wrapped, [inputs["input_ids"][0]], progress=False),
+                          moelens.MoelensError),
+                         (lambda: families.check(wrapped, inputs["input_ids"]), FamilyError),
+                         (lambda: moelens.export.to_nnef(wrapped, tmp_path / "out.nnef.tgz"), ExportError),
+                         (lambda: _save_all_in_a_trace(wrapped, inputs), moelens.MoelensError)):
+        with pytest.raises(refusal, match=r"model\.model\.layers\.1\.mlp is no longer the module this model was "
+                                          r"wrapped with .* Wrap the model again"):
+            run()
+    assert not list(tmp_path.iterdir())
+    swapped = moelens.wrap(tiny_model("mixtral"))  # a block of the family given to the envoy: never instrumented
+    swapped.layers[1].mlp = tiny_model("mixtral", seed=1).model.layers[1].mlp
+    assert "[1] model.model.layers.1.mlp: mixtral; model.model.layers.1.mlp replaced after wrapping" in \
+        repr(swapped.moes)
+    assert repr(swapped.moes[1]).startswith("Moe[mixtral; model.model.layers.1.mlp replaced after wrapping")
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf)
     hf.model.layers[2].mlp.gate = torch.nn.Linear(32, 8)

@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
-from .components.base import INSTRUMENTED, StandardNames, bind_alias, envoy_at, with_suggestion
+from .components.base import INSTRUMENTED, StandardNames, bind_alias, envoy_at, refuse_replaced, with_suggestion
 from .components.gathered import drop_gathered_notes
 from .components.implementations import (IMPLEMENTATION_CALL, check_known, is_dispatching, known, runs_torch_a2a,
                                          unsupported_dtypes)
@@ -345,6 +345,8 @@ class MoeModelMixin(StandardNames):
                 "(with model.trace(inputs): ..., or model.generate)."
             )
         check_flag("strict", strict, ArgumentError)
+        refuse_replaced([block.path for block in self.moes if not isinstance(block, Moe)], "model.save_all",
+                        "it is no MoE block to read", MoelensError)  # (a module given to a block's envoy)
         blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else self._given_blocks(moes)
         if values is not None and not isinstance(values, str):
             values = value_names(values)  # once: each block reads the same names (a generator would serve the first)

@@ -106,7 +106,16 @@ def replaced_blocks(envoy: Envoy) -> list[str]:
         return (any(path == block.path or block.path.startswith(f"{path}.") for block in blocks)
                 or any(path.startswith(f"{moe}.") for moe in moes) and not any(path.startswith(f"{mlp}.") for mlp in inner))
 
-    return [path for path in replaced_modules(envoy) if routing(path)]
+    # a block given to an MoE block's envoy after wrapping (``model.layers[1].mlp = nn.Identity()``): its envoy wraps
+    # the live module, so `replaced_modules` finds nothing, but model.moes still lists the path as an MoE block
+    swapped = [block.path for block in getattr(envoy, "moes", None) or [] if not isinstance(block, Moe)]
+    return [*swapped, *(path for path in replaced_modules(envoy) if routing(path) and path not in swapped)]
+
+
+def put_in_after_wrap(block: Envoy) -> bool:
+    """Whether ``block``, a `Moe`, was given to its envoy after wrapping (moelens never instrumented it, so its
+    router's values are never produced: `Component._never_produced`)."""
+    return bool(getattr(block, "INSTRUMENTED_AT_WRAP", False)) and INSTRUMENTED not in block.__dict__
 
 
 #: The attribute of a component holding ``{path: module}``: the modules moelens instrumented at wrap

@@ -539,7 +539,7 @@ class Moe(Mlp):
         Not its layer (the model's tree labels it): identical layers then fold into one entry there, as nnsight folds
         them (a 48-layer model's tree printed 48 copies)."""
         try:
-            replaced = base.replaced_modules(self)
+            replaced = base.replaced_modules(self) or ([self.path] if base.put_in_after_wrap(self) else [])
             if replaced:
                 head = (f"Moe[{self.family.name}; {', '.join(replaced)} replaced after wrapping: wrap the model "
                         "again] ")
