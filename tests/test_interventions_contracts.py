@@ -599,3 +599,25 @@ def test_force_runs_beside_a_token_whose_float16_logits_the_model_overflowed():
     assert torch.isinf(flat[target, 2]) and torch.isfinite(torch.cat([flat[:target], flat[target + 1:]])).all()
     forced = (indices.reshape(flat.shape[0], -1) == 1).any(-1)
     assert torch.cat([forced[:target], forced[target + 1:]]).all()
+
+
+@pytest.mark.parametrize("call", [lambda moe: moelens.steer(moe, 1, 2.0), lambda moe: moelens.ablate(moe, 1),
+                                  lambda moe: moelens.force(moe, 1)], ids=["steer", "ablate", "force"])
+def test_an_intervention_on_a_block_given_part_of_the_tokens_names_itself(call):
+    """ernie4_5_vl_moe's text block runs on the text tokens alone when the input holds image tokens too: an
+    intervention there was refused with the read's advice alone (router_logits cannot be served ... read the
+    layer's mlp.output), naming no intervention."""
+    from moelens.testing import tiny_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(tiny_model("ernie4_5_vl_moe"))
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+    types = torch.zeros_like(ids)
+    types[0, 3:5] = 1  # two image tokens in row 0
+    with pytest.raises(moelens.ValueUnavailable, match=r"^(steer|ablate|force): .*(router_logits|expert_indices) "
+                                                       r"cannot be served: this call of the block ran on part of the "
+                                                       r"tokens.* \((steer|ablate|force) works on that value, so it "
+                                                       r"cannot act on this block in this run\.\)$"):
+        with wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
+            call(wrapped.moes[0])

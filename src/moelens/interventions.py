@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from .components import Mlp, Moe
 from .components.layer_list import held_blocks
 from .components.write_checks import refuse_under_vmap, remember_before_edit
-from .errors import OrderError, WriteError, sentence
+from .errors import OrderError, ValueUnavailable, WriteError, sentence
 from .families import registry
 from .families.scoring import score
 from .scalars import as_int, as_real, bool_in, check_flag, scalar
@@ -70,7 +70,8 @@ def _selection_order(moe: Any) -> str:
 
 
 def _intervention(function: Callable[..., None]) -> Callable[..., None]:
-    """Name the intervention in the order error of a value it asked for after the model had run past it."""
+    """Name the intervention in the order error of a value it asked for after the model had run past it, and in the
+    refusal of a value the block cannot serve on this input (ernie4_5_vl_moe's blocks given part of the tokens)."""
 
     @functools.wraps(function)
     def run(moe: Any, *args: Any, **kwargs: Any) -> None:
@@ -78,6 +79,10 @@ def _intervention(function: Callable[..., None]) -> Callable[..., None]:
             return function(moe, *args, **kwargs)
         except OrderError as error:
             raise OrderError(f"{function.__name__}: {error} {INTERVENTION_ORDER}{_selection_order(moe)}") from None
+        except ValueUnavailable as error:  # its own type and attributes kept
+            error.args = (f"{function.__name__}: {error} ({function.__name__} works on that value, so it cannot act on "
+                          "this block in this run.)",)
+            raise
 
     return run
 
