@@ -14,7 +14,8 @@ Everything the models see exists offline and may be redistributed:
   plus, for every stdlib file, its module/class/function docstrings laid out
   like ``help()`` pages.
 
-A document is held out when ``sha256(key) % 100 < HELDOUT_PERCENT`` where the
+A document is held out when the first 8 hex digits of ``sha256(key)``, read as an
+integer, are ``< HELDOUT_PERCENT`` modulo 100, where the
 key is ``"code:<relative path>"`` for a stdlib file (its docstring page follows
 the same split) and ``"topic:<name>"`` for a pydoc topic.
 
@@ -804,8 +805,11 @@ def run(args):
         if which == "moe":
             save_file({"input_ids": eval_x.to(torch.int16).contiguous(), "token_class": eval_c.contiguous()},
                       str(folder / "heldout.safetensors"),
-                      metadata={"classes": json.dumps(TOKEN_CLASSES + [f"{SPECIAL_CLASS}=special"]),
-                                "code_windows": str(n_code_windows), "context": str(CONTEXT)})
+                      # one metadata key: safetensors writes several in a random (hash map) order, so the
+                      # file's bytes would differ from run to run
+                      metadata={"moelens": json.dumps({"classes": TOKEN_CLASSES + [f"{SPECIAL_CLASS}=special"],
+                                                       "code_windows": n_code_windows, "context": CONTEXT},
+                                                      sort_keys=True)})
         log(f"[{which}] evaluating the reloaded checkpoint")
         reloaded = reload(folder)
         ev = evaluate(reloaded, eval_x, eval_c, n_code_windows, unigram)
