@@ -1003,7 +1003,8 @@ class MoeNNsight(MoeModelMixin, NNsight):
             ids = _invoke_ids(inputs, kwargs)
             others = sorted(set(kwargs) - {"input_ids"})
             if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or len(inputs) > 1 or others:
-                given = (f"keyword(s) {others} beside the ids" if others
+                given = (f"keyword(s) {others} " + ("beside the ids" if isinstance(ids, torch.Tensor) else "and no ids")
+                         if others
                          else f"{len(inputs)} inputs (ids and a {type(inputs[1]).__name__})" if len(inputs) > 1
                          else f"{type(ids).__name__} {ids!r:.60}")
                 modality = _modality_inputs(others)
