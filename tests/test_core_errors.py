@@ -5414,3 +5414,23 @@ def test_an_implementation_nnsight_instruments_through_a_wrapper_or_call_passes_
         for name in functions:
             ALL_EXPERTS_FUNCTIONS._global_mapping.pop(name, None)
             _IMPLEMENTATIONS.pop(name, None)
+
+
+def test_a_block_given_back_to_its_envoy_is_served_and_checked_as_wrapped():
+    """``model.layers[1].mlp = nn.Identity()`` then the original block given back: its forward is still the one
+    moelens instrumented, and its values are served (a hook on its router is the truth), yet repr said "replaced after
+    wrapping" and families.check refused it (put_in_after_wrap looked only at the new envoy's own record)."""
+    hf = tiny_model("mixtral")
+    inputs, wrapped = tiny_inputs(hf), moelens.wrap(hf)
+    original = hf.model.layers[1].mlp
+    wrapped.layers[1].mlp = torch.nn.Identity()
+    wrapped.layers[1].mlp = original
+    seen = []
+    hook = original.gate.register_forward_hook(lambda module, args, out: seen.append(out[0] if isinstance(out, tuple)
+                                                                                     else out))
+    with torch.no_grad(), wrapped.trace(**inputs):
+        logits = wrapped.moes[1].router_logits.save()
+    hook.remove()
+    torch.testing.assert_close(logits.reshape(seen[0].shape), seen[0], rtol=0, atol=0)
+    assert "[1] model.model.layers.1.mlp: mixtral, E=8" in repr(wrapped.moes)
+    assert families.check(wrapped, **inputs)

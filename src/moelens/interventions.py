@@ -80,6 +80,8 @@ def _intervention(function: Callable[..., None]) -> Callable[..., None]:
         except OrderError as error:
             raise OrderError(f"{function.__name__}: {error} {INTERVENTION_ORDER}{_selection_order(moe)}") from None
         except ValueUnavailable as error:  # its own type and attributes kept
+            if not str(error).startswith(f"{getattr(moe, 'path', None)}."):  # no value of the block: outside a trace,
+                raise  # in a backward block, another model's block (`Component._require_trace`, named already)
             error.args = (f"{function.__name__}: {error} ({function.__name__} works on that value, so it cannot act on "
                           "this block in this run.)",)
             raise

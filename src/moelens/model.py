@@ -37,7 +37,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
-from .components.base import INSTRUMENTED, StandardNames, bind_alias, envoy_at, refuse_replaced, with_suggestion
+from .components.base import (INSTRUMENTED, INSTRUMENTED_BLOCKS, StandardNames, bind_alias, envoy_at, refuse_replaced,
+                              with_suggestion)
 from .components.gathered import drop_gathered_notes
 from .components.implementations import (IMPLEMENTATION_CALL, check_known, is_dispatching, known, runs_torch_a2a,
                                          unsupported_dtypes)
@@ -1371,10 +1372,12 @@ def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, A
     object.__setattr__(wrapped, "_layer_walk", _walk_steps([*paths_above(structure.layer_lists),
                                                             *structure.layer_lists]))
     _bind_standard_names(wrapped, structure)
+    object.__setattr__(wrapped, INSTRUMENTED_BLOCKS, {})
     for moe in wrapped.moes:
         if (refusal := _impossible_top_k(moe)) is not None:
             raise refusal
         _instrument(moe)
+        wrapped.__dict__[INSTRUMENTED_BLOCKS][moe.path] = moe.__dict__[INSTRUMENTED]
         if moe.family.runs_only_on or moe.runs_before_expansion:  # per modality, or a tower's flat patches
             moe.mark_gathered_calls()
     _warn_unknown_implementations(wrapped.moes)

@@ -68,7 +68,7 @@ def replaced_modules(envoy: Envoy) -> list[str]:
         chain.append(chain[-1].parent)
     root = chain[-1]
     wrapped = {checked.path: checked._module for checked in [*reversed(chain[1:]), *reversed(envoy.modules())]}
-    wrapped.update(envoy.__dict__.get(INSTRUMENTED, {}))
+    wrapped.update(instrumented_record(envoy) or {})
     found = []
     for path, module in sorted(wrapped.items()):  # each module before those under it
         try:
@@ -115,12 +115,32 @@ def replaced_blocks(envoy: Envoy) -> list[str]:
 def put_in_after_wrap(block: Envoy) -> bool:
     """Whether ``block``, a `Moe`, was given to its envoy after wrapping (moelens never instrumented it, so its
     router's values are never produced: `Component._never_produced`)."""
-    return bool(getattr(block, "INSTRUMENTED_AT_WRAP", False)) and INSTRUMENTED not in block.__dict__
+    return bool(getattr(block, "INSTRUMENTED_AT_WRAP", False)) and instrumented_record(block) is None
+
+
+def instrumented_record(envoy: Envoy) -> dict[str, Any] | None:
+    """``envoy``'s `INSTRUMENTED` record: its own, or, for an envoy nnsight made anew after wrapping (a block's envoy
+    given a module), the one kept at wrap for its path where its module is the very one instrumented there (the
+    original block given back: its forward is still instrumented, and its values are served); None for a module
+    moelens never instrumented."""
+    own = envoy.__dict__.get(INSTRUMENTED)
+    if own is not None:
+        return own
+    root = envoy
+    while root.parent is not None:
+        root = root.parent
+    record = root.__dict__.get(INSTRUMENTED_BLOCKS, {}).get(envoy.path)
+    if record is None or record.get(envoy.path) is not envoy._module:
+        return None
+    object.__setattr__(envoy, INSTRUMENTED, record)  # adopted: this envoy wraps the instrumented block
+    return record
 
 
 #: The attribute of a component holding ``{path: module}``: the modules moelens instrumented at wrap
 #: (`replaced_modules`).
 INSTRUMENTED = "_instrumented_modules"
+#: The attribute of the wrapped model's root envoy holding ``{block path: the block's INSTRUMENTED record}``
+INSTRUMENTED_BLOCKS = "_instrumented_blocks"
 
 
 def envoy_at(envoy: Envoy, path: str) -> Envoy:
@@ -346,7 +366,7 @@ class Component(StandardNames, Envoy):
         branch only an accelerator under no_grad takes); None where it does reach it."""
         location = self._location_of(name)
         replaced = [path for path in replaced_modules(self) if location is None or location.startswith(f"{path}.")]
-        if not replaced and self.INSTRUMENTED_AT_WRAP and INSTRUMENTED not in self.__dict__:
+        if not replaced and self.INSTRUMENTED_AT_WRAP and instrumented_record(self) is None:
             replaced = [self.path]  # a block put in through its envoy after wrapping: moelens never instrumented it
         if replaced:  # nnsight's envoys watch the modules they wrapped: the model runs the new ones unseen
             return OrderError(

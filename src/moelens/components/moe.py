@@ -526,7 +526,7 @@ class Moe(Mlp):
         if root is self:  # the wrapped model was let go (envoys hold their parent weakly): nothing to compare with
             return
         replaced = []
-        for path in self.__dict__.get(base.INSTRUMENTED) or [self.path]:  # the block, then its router and experts
+        for path in base.instrumented_record(self) or [self.path]:  # the block, then its router and experts
             try:
                 root._module.get_submodule(path.partition(".")[2])  # the root envoy's path is "model"
             except AttributeError:  # deleted, or set to None
