@@ -334,8 +334,8 @@ class Component(StandardNames, Envoy):
             raise ValueUnavailable(
                 f"{asked or f'{self.path}.{name}'}: a block's values exist only while the model runs; use them inside "
                 "a trace that runs it on an input (with model.trace(inputs): ..., or model.generate / model.scan; "
-                "in a model.session(), inside one of its traces). A trace given no input runs the model only for its invokes: read the values inside "
-                "a tracer.invoke(inputs) block." + (f" What it means: help(type(block).{name})." if asked is None else "")
+                "in a model.session(), inside one of its traces). A trace given no input runs the model only for its "
+                "invokes: read the values inside a tracer.invoke(inputs) block." + (f" What it means: help(type(block).{name})." if asked is None else "")
             ) from None
         if mediator.interleaver is not None and mediator.interleaver is not self.interleaver:
             if serving.in_backward_block():

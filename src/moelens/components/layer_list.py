@@ -155,4 +155,3 @@ def _block_line(block: Any) -> str:
         return f"{block.family.name}, E={block.num_experts}, k={block.top_k}, {block.experts_implementation}"
     except Exception:  # noqa: BLE001 - a repr never raises
         return f"{block.family.name} (its counts cannot be read)"
-
