@@ -74,7 +74,6 @@ def batches(calibration: Any, model: nn.Module | None = None) -> list[tuple[tupl
             if item.numel() == 0:
                 continue
             ids = item if item.dim() > 1 or item.is_floating_point() else item[None]
-            _check_shapes({"input_ids": ids})
             calls.append(((), {"input_ids": ids}) if not ids.is_floating_point() else ((ids,), {}))
         elif isinstance(item, Mapping):
             kwargs = dict(item)
