@@ -1675,3 +1675,14 @@ def test_check_of_an_entry_that_misses_the_shared_experts_gate_says_so_with_the_
             families.check(wrapped, ids)
     finally:
         families.unregister("qwen_ungated")
+
+
+def test_generate_on_a_plain_torch_model_says_it_is_no_transformers_model(registered):
+    """model.generate on a plain torch MoE model said it "has no language-model head" (load it with its head),
+    whatever its head: it is no transformers model, which generate drives; a transformers base model keeps that
+    advice."""
+    registered()
+    with pytest.raises(moelens.MoelensError, match=r"model\.generate: Model is no transformers model \(no generate "
+                                                   r"method to drive\), so model\.generate cannot run it: trace it a "
+                                                   r"token at a time"):
+        moelens.wrap(model()).generate(IDS, max_new_tokens=2)

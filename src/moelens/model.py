@@ -34,7 +34,7 @@ from nnsight.intervention.source import STATE as NNSIGHT_STATE, SourceNotAvailab
 from nnsight.modeling import processing
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 
 from .components import Mlp, Moe, served
 from .components.base import (INSTRUMENTED, INSTRUMENTED_BLOCKS, StandardNames, bind_alias, envoy_at, refuse_replaced,
@@ -1880,9 +1880,17 @@ def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Fami
 
 def _refuse_no_generate(model: torch.nn.Module) -> None:
     """Refuse ``model.generate`` on a model with no ``generate`` (a base model, a classifier), saying what can."""
-    if not callable(getattr(model, "generate", None)):
+    if callable(getattr(model, "generate", None)):
+        return
+    if not isinstance(model, PreTrainedModel):  # a model of the user's own, with a head or not
         raise MoelensError(
-            f"model.generate: {type(model).__name__} has no language-model head, so it cannot generate: load the "
-            "checkpoint with its head (AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language "
-            "model) and wrap that; trace this one instead."
+            f"model.generate: {type(model).__name__} is no transformers model (no generate method to drive), so "
+            "model.generate cannot run it: trace it a token at a time (append the argmax of "
+            "model.output's last position to the ids and trace again), or build it as a transformers model with "
+            "a language-model head."
         )
+    raise MoelensError(
+        f"model.generate: {type(model).__name__} has no language-model head, so it cannot generate: load the "
+        "checkpoint with its head (AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language "
+        "model) and wrap that; trace this one instead."
+    )
