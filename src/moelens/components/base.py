@@ -118,6 +118,12 @@ def put_in_after_wrap(block: Envoy) -> bool:
     return bool(getattr(block, "INSTRUMENTED_AT_WRAP", False)) and instrumented_record(block) is None
 
 
+def replaced_since_wrap(block: Envoy) -> list[str]:
+    """`replaced_modules` of ``block``, or the block itself where it was given to its envoy after wrapping
+    (`put_in_after_wrap`): what a block's repr names as replaced."""
+    return replaced_modules(block) or ([block.path] if put_in_after_wrap(block) else [])
+
+
 def instrumented_record(envoy: Envoy) -> dict[str, Any] | None:
     """``envoy``'s `INSTRUMENTED` record: its own, or, for an envoy nnsight made anew after wrapping (a block's envoy
     given a module), the one kept at wrap for its path where its module is the very one instrumented there (the

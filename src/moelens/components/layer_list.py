@@ -136,7 +136,7 @@ class MoeList(list):
 def _block_line(block: Any) -> str:
     """`MoeList.__repr__`'s line of ``block``: its family, E, k and experts implementation, or what replaced it after
     wrapping (moelens serves the block as wrapped, so its values are refused until the model is wrapped again)."""
-    from .base import put_in_after_wrap, replaced_modules  # which imports this module's package
+    from .base import replaced_since_wrap  # which imports this module's package
     from .moe import Moe
 
     if not isinstance(block, Moe):  # another module given to the block's envoy
@@ -149,7 +149,7 @@ def _block_line(block: Any) -> str:
                 root._module.get_submodule(block.path.partition(".")[2])  # the root envoy's path is "model"
             except AttributeError:
                 return f"{block.family.name}; removed after wrapping (wrap the model again)"
-        replaced = replaced_modules(block) or ([block.path] if put_in_after_wrap(block) else [])
+        replaced = replaced_since_wrap(block)
         if replaced:
             return f"{block.family.name}; {', '.join(replaced)} replaced after wrapping (wrap the model again)"
         return f"{block.family.name}, E={block.num_experts}, k={block.top_k}, {block.experts_implementation}"

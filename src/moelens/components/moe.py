@@ -200,6 +200,12 @@ class Moe(Mlp):
             return shared.module
         return super()._standard_native(name)
 
+    @property
+    def _output_holds_shared(self) -> bool:
+        """Whether the block's own output holds a shared expert's part (one it calls; granite's, on the decoder
+        layer, is added after it)."""
+        return self._shared_envoy() is not None and not self.family.shared.on_layer
+
     def _shared_envoy(self) -> Any:
         """The shared-expert envoy (on the block or its decoder layer), or None."""
         shared = self.family.shared
@@ -295,8 +301,8 @@ class Moe(Mlp):
                 name,
                 "the block computes its experts inline (its family's experts=''): per-slot values exist only inside "
                 f"transformers' {', '.join(serving())} experts implementations, which run in an experts module",
-                ("read mlp_output and shared_expert_output" if self._shared_envoy() is not None
-                 and not self.family.shared.on_layer else "read routed_output or mlp_output")
+                ("read mlp_output and shared_expert_output" if self._output_holds_shared
+                 else "read routed_output or mlp_output")
                 + "; or have the block call its experts as a module, "
                 "experts(hidden, top_k_index, top_k_weights), decorated with transformers.integrations.moe."
                 "use_experts_implementation.",
@@ -359,8 +365,7 @@ class Moe(Mlp):
                     "read expert_activations, or recompute the projection from moe.params().")
         if name == "shared_expert_output" and self._shared_envoy() is None:
             raise self.no_shared_expert(name)
-        if name == "routed_output" and not self.family.experts and self._shared_envoy() is not None \
-                and not self.family.shared.on_layer:  # a shared expert on the layer: not in the block's output
+        if name == "routed_output" and not self.family.experts and self._output_holds_shared:
             raise self.unavailable(
                 name,
                 "the block computes its experts inline (its family's experts=''), so moelens reads the routed output "
@@ -539,7 +544,7 @@ class Moe(Mlp):
         Not its layer (the model's tree labels it): identical layers then fold into one entry there, as nnsight folds
         them (a 48-layer model's tree printed 48 copies)."""
         try:
-            replaced = base.replaced_modules(self) or ([self.path] if base.put_in_after_wrap(self) else [])
+            replaced = base.replaced_since_wrap(self)
             if replaced:
                 head = (f"Moe[{self.family.name}; {', '.join(replaced)} replaced after wrapping: wrap the model "
                         "again] ")

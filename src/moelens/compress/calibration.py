@@ -293,10 +293,10 @@ def _layout(features: Mapping | None, args: tuple) -> tuple[int, int] | None:
     None: which sequence a token row is from, where a layer's input shows no mask."""
     values = list((features or {}).values()) + list(args)
     main = (features or {}).get("input_ids")
+    if isinstance(main, Tensor) and main.dim() > 2:
+        return (main.numel() // main.shape[-1], main.shape[-1])  # flattened by the model: [-1, seq]
     if not isinstance(main, Tensor):
         main = next((v for v in values if isinstance(v, Tensor) and v.dim() >= 2), None)
-    if isinstance(main, Tensor) and main.dim() > 2 and main is (features or {}).get("input_ids"):
-        return (main.numel() // main.shape[-1], main.shape[-1])  # flattened by the model: [-1, seq]
     return (main.shape[0], main.shape[1]) if isinstance(main, Tensor) and main.dim() >= 2 else None
 
 
