@@ -987,3 +987,51 @@ def test_a_block_skipped_where_the_layers_are_no_numbered_list_is_caught_too():
                     moe.skip(moe.inputs[0][0])
                 else:
                     moe.router_logits.save()
+
+
+def test_a_block_the_run_never_reached_says_why_not_that_it_was_read_late():
+    """A tracer.stop() in one invoke ends the batch's run (every invoke's), and a read of a later block in another
+    invoke, by itself, by save_all or by model.save_all, was refused as "requested after the model had already run
+    past it", blaming the read order; so was a read of a block whose decoder layer was skipped. The error says the run
+    was stopped, or the block did not run; a block that ran and was read late keeps the order error. Ground truth:
+    torch forward pre-hooks counting the blocks' calls in the same traces."""
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    ids = tiny_inputs(hf)["input_ids"]
+    model = moelens.wrap(hf)
+    calls = {1: 0, 2: 0}
+    hooks = [hf.model.layers[i].mlp.register_forward_pre_hook(
+        lambda module, args, i=i: calls.__setitem__(i, calls[i] + 1)) for i in calls]
+    reads = {"the value": lambda: model.moes[1].router_logits.save(), "save_all": lambda: model.moes[1].save_all(),
+             "model.save_all": lambda: model.save_all(moes=model.moes[1:])}
+    try:
+        for read in reads.values():
+            with pytest.raises(moelens.OrderError, match=r"layers\.1\.mlp\.router_logits was not served: the run "
+                                                         r"was stopped \(tracer\.stop\(\)\) before the model reached "
+                                                         r"model\.model\.layers\.1\.mlp\. A stop ends the run of every "
+                                                         r"invoke") as refused:
+                with torch.no_grad(), model.trace() as tracer:
+                    with tracer.invoke(ids):
+                        model.moes[0].router_logits.save()
+                        tracer.stop()
+                    with tracer.invoke(ids):
+                        read()
+            assert "run past it" not in str(refused.value)
+        assert calls == {1: 0, 2: 0}
+        with pytest.raises(moelens.OrderError, match=r"router_logits was not served: model\.model\.layers\.1\.mlp did "
+                                                     r"not run in this trace: a module holding it \(its decoder "
+                                                     r"layer\) was skipped with \.skip\(\)"):
+            with torch.no_grad(), model.trace(ids):
+                model.model.layers[1].skip(model.model.layers[1].inputs[0][0])
+                model.moes[1].router_logits.save()
+        assert calls == {1: 0, 2: 1}
+        with pytest.raises(moelens.OrderError, match=r"layers\.2\.mlp\.router_logits was requested after the model "
+                                                     r"had already run past it"):  # it ran: the order error stands
+            with torch.no_grad(), model.trace(ids):
+                model.moes[2].routed_output.save()
+                model.moes[2].router_logits.save()
+        assert calls == {1: 1, 2: 2}
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -426,6 +426,9 @@ class Component(StandardNames, Envoy):
         never = self._never_produced(name)
         if never is not None:
             return never
+        never_ran = self._never_ran()
+        if never_ran is not None:
+            return OrderError(f"{self.path}.{name} was not served: {never_ran}")
         order = " -> ".join(self._order())
         runs_only_on = self.runs_only_on
         maybe_idle = (  # either cause may hold: whether the block ran in this trace is not known here
@@ -458,6 +461,24 @@ class Component(StandardNames, Envoy):
                            f"produces its values.{registered}")
         error.step_passed = step_passed  # for the errors made of it (save_all's, router_probs')
         return error
+
+    def _never_ran(self) -> str | None:
+        """Why this block never ran in a run that is over, read by `_order_error`: the run was stopped before it
+        (``tracer.stop()``, in any invoke), or the model's forward returned without calling it (a module holding it
+        skipped); None where it ran, or may still run, or runs only on some inputs (its own error says so)."""
+        try:
+            mediator = Mediator.current(self.path)
+        except ValueError:
+            return None
+        if mediator.occurrence(f"{self.path}.input") or self.runs_only_on:
+            return None
+        if not mediator.occurrence(f"{self.path.split('.', 1)[0]}.output"):
+            return (f"the run was stopped (tracer.stop()) before the model reached {self.path}. A stop ends the run "
+                    "of every invoke of the trace, not only its own: stop after the last module any invoke reads, "
+                    "or read this block in a trace without the stop.")
+        return (f"{self.path} did not run in this trace: a module holding it (its decoder layer) was skipped with "
+                ".skip(), which bypasses its forward. Read the skipped module's output instead, or skip by writing "
+                "its output (layer.output = ...), which runs it.")
 
     @staticmethod
     def _steps_hint(step_passed: bool) -> str:
