@@ -1107,6 +1107,33 @@ def test_dynamic_tokens_with_q4_0_experts(out):
     assert details["second_length"]["max_abs_error"] > 10 * details["second_length"]["export_max_abs_error"]
 
 
+def test_a_q4_0_model_s_check_tests_its_edits(out, monkeypatch):
+    """The Q4_0 check compares tract with torch on the archive's own (baked, dequantized) weights, so an edit baked
+    wrong passed it (the comparison with the edits made in a trace, which Q4_0's error swamps, was only recorded).
+    The float32 weights with the edits baked in are checked against the trace too. Ground truth: a bake made to
+    forget its ablation, which a float32 export's check catches."""
+    from moelens.export import edits as edits_module
+
+    model = moelens.wrap(small("mixtral", intermediate_size=32))
+    ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(0))
+    edits = Edits(route_around={1: [0, 3]}, ablate={1: [7, 6]}, steer={0: {2: 2.0}})
+    report = to_nnef(model, out / "q40-edited.nnef.tgz", example_inputs=ids, edits=edits, quantize_experts="q4_0")
+    assert report.verification.details["edits_tolerance"] in ("super", "very", "close", "approximate")
+    real = edits_module.Edits.bake
+
+    def forgets_ablation(self, spec):
+        baked = real(self, spec)
+        for expert in self.ablate.get(spec.layer, ()):
+            baked.w2[expert] = spec.w2[expert]
+        return baked
+
+    monkeypatch.setattr(edits_module.Edits, "bake", forgets_ablation)
+    for quantize in (None, "q4_0"):
+        with pytest.raises(ExportError, match=r"differ"):
+            to_nnef(model, out / f"forgot-{quantize}.nnef.tgz", example_inputs=ids, edits=edits,
+                    quantize_experts=quantize)
+
+
 def test_dynamic_tokens_refuses_layers_without_a_rebuilt_mask(out):
     with pytest.raises(ExportRefused, match="linear_attention"):
         to_nnef(moelens.wrap(small("qwen3_next")), out / "dynamic-qwen3_next.nnef.tgz", dynamic_tokens=True)

@@ -397,3 +397,39 @@ def test_moelens_values_inside_vmap_are_refused_naming_it(use):
         routed = moe.routed_output.save()
         after = wrapped.output.logits.save()
     assert torch.equal(after, hf(input_ids=ids).logits) and routed.shape[:2] == ids.shape
+
+
+@pytest.mark.parametrize(("family", "ranked"), [("mixtral", "router_logits"), ("deepseek_v3", "selection_scores")])
+def test_a_refused_route_around_never_reaches_the_model_s_tensor(family, ranked):
+    """route_around edits the logits (or selection scores) in place, and its refusal (every expert routed around)
+    came at the block's next read, with the edit already in the model's tensor: caught in the trace under no_grad,
+    the model ran with it (NaN weights in mixtral, excluded experts picked in deepseek_v3). It is refused at the
+    call now, before the edit, and a run that catches it goes on from the model's own values. Ground truth: the
+    plain transformers forward of an unwrapped copy, and the experts' arguments seen by a forward pre-hook there."""
+    hf = tiny_model(family)
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    inputs = tiny_inputs(hf)
+    moe = wrapped.moes[0]
+    seen = []
+    handle = reference.get_submodule(moe.experts.path.removeprefix("model.")).register_forward_pre_hook(
+        lambda module, args: seen.append(args[1:3]))
+    try:
+        with torch.no_grad():
+            expected = reference(**inputs).logits
+    finally:
+        handle.remove()
+    with torch.no_grad(), wrapped.trace(**inputs):
+        refusal = None
+        try:
+            moelens.ablate(moe, range(moe.num_experts), "route_around")
+        except WriteError as error:
+            refusal = nnsight.save(str(error))
+        indices = moe.expert_indices.save()
+        weights = moe.expert_weights.save()
+        logits = wrapped.output.logits.save()
+    assert refusal.startswith(f"ablate(mode='route_around') of experts {list(range(moe.num_experts))}: "
+                              f"{moe.path}.{ranked}: fewer than"), refusal
+    assert torch.equal(logits, expected)
+    assert torch.equal(indices.reshape(seen[0][0].shape), seen[0][0])
+    assert torch.equal(weights.reshape(seen[0][1].shape), seen[0][1])

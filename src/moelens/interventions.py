@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
 from .components.layer_list import held_blocks
-from .components.write_checks import refuse_under_vmap, remember_before_edit
+from .components.write_checks import check_before_edit, refuse_under_vmap, remember_before_edit
 from .errors import OrderError, ValueUnavailable, WriteError, sentence
 from .families import registry
 from .families.scoring import score
@@ -158,10 +158,16 @@ def ablate(moe: Moe, expert: int | Iterable[int], mode: str = "zero", to: int | 
         # at a -inf logit (its score 0 + bias): exclude it from what is ranked instead. (One location
         # per block, so that several experts can be routed around one after the other.)
         _refuse_unread_bias(moe)
-        ranked = moe.selection_scores if moe.ranks_selection_scores else moe.router_logits
+        name = "selection_scores" if moe.ranks_selection_scores else "router_logits"
+        ranked = getattr(moe, name)
+        routed_around = ranked.clone()
+        routed_around[..., experts] = float("-inf")
+        try:  # refused before the model's tensor holds it
+            check_before_edit(moe, name, ranked, routed_around)
+        except WriteError as error:
+            raise WriteError(f"ablate(mode='route_around') of experts {experts}: {error}") from None
         remember_before_edit(ranked)
-        for expert in experts:
-            ranked[..., expert] = float("-inf")
+        ranked[..., experts] = float("-inf")
         if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
             _check_bias_did_not_pick(moe)  # a bias this entry names no op for (ergo)
         return

@@ -121,6 +121,13 @@ def check_write(component: "Component", name: str, binding: Binding, value: torc
         _check_write(component, name, binding, value, shape, before)
 
 
+def check_before_edit(component: "Component", name: str, view: torch.Tensor, edited: torch.Tensor) -> None:
+    """Raise the `WriteError` an in-place edit of the served ``view`` of ``name`` into ``edited`` (a copy holding the
+    edit) would get when it is checked, at the block's next read, before it is made: a refused edit then never
+    reaches the model's tensor (an intervention's own edit, which the caller makes after)."""
+    check_write(component, name, component._binding(name), edited, view.shape, model_values(view))
+
+
 def _introduced(value: torch.Tensor, before: torch.Tensor | None, test: Callable[[torch.Tensor], torch.Tensor]
                 ) -> torch.Tensor:
     """Where ``test`` (NaN, +inf, -inf) holds for the written ``value`` but not for the model's own value ``before``."""

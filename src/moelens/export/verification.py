@@ -360,6 +360,20 @@ def _check_once(path: Path, target: Target, prepared: Any, inputs: torch.Tensor,
 
         blocks = [module for module in prepared.root.modules() if isinstance(module, TractMoeFfn)]
         specs = [block.spec for block in blocks]
+        if edits and target.kind == "model":
+            # The Q4_0 check below runs the baked weights on both sides, so it cannot see an edit baked wrong: check the
+            # float32 baked copy (tract's maths) against the edits made in a trace, as a float32 export's check does.
+            with torch.no_grad():
+                baked = prepared.root(inputs).float().numpy()
+            edit_check = _compare(baked, expected, reference)
+            result.details.update(edits_max_abs_error=edit_check.max_abs_error, edits_tolerance=edit_check.tolerance)
+            if not edit_check.meets("approximate"):
+                raise ExportError(
+                    f"{path}: the export's float32 weights with the edits baked in differ from {reference} at input shape "
+                    f"{tuple(inputs.shape)} by up to {edit_check.max_abs_error:.3g}, beyond tract's 'approximate' tolerance "
+                    f"relative to the output's size {edit_check.scale:.3g}: the edits were not baked as moelens makes them; "
+                    "please report this model."
+                )
         try:
             for block in blocks:
                 block.spec = dequantized(block)
