@@ -9,20 +9,15 @@ a checkpoint and wraps it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import functools
 import inspect
-import itertools
-import logging
 import os
-import re
 import sys
 import traceback
-import types
 from collections.abc import Mapping
-from typing import Any, Iterable, Iterator, NoReturn
+from typing import Any, Iterable, NoReturn
 
 import nnsight
 import torch
@@ -30,29 +25,42 @@ from jaxtyping import Int
 from nnsight import NNsight, TransformersModel
 from nnsight.intervention.envoy import Envoy, traceable
 from nnsight.intervention.interleaver import OutOfOrderError
-from nnsight.intervention.source import STATE as NNSIGHT_STATE, SourceNotAvailable
 from nnsight.modeling import processing
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
-from .components.base import (INSTRUMENTED, INSTRUMENTED_BLOCKS, StandardNames, bind_alias, envoy_at, refuse_replaced,
+from .components.base import (INSTRUMENTED, INSTRUMENTED_BLOCKS, StandardNames, envoy_at, refuse_replaced,
                               with_suggestion)
 from .components.gathered import drop_gathered_notes
-from .components.implementations import (IMPLEMENTATION_CALL, check_known, is_dispatching, known, runs_torch_a2a,
-                                         unsupported_dtypes)
+from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dispatching, known, runs_torch_a2a
 from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList, RenamedBlockLayer
 from .components.moe import value_names
-from .components.params import op_names
 from .components.run_owner import MoeInterleaver
-from .discovery import Structure, discover, layer_path, paths_above
-from .errors import ArgumentError, FamilyError, MoelensError, OrderError, ValueUnavailable, described, warn
+from .discovery import Structure, discover, paths_above
+from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
-from .modules import (disk_offloaded, first_parameter, names_keyword, on_accelerator, padding_position_id,
-                      takes_keyword, vocab_size)
-from .scalars import as_int, check_flag
-
+from .modules import first_parameter, padding_position_id, takes_keyword
+from .scalars import check_flag
+from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_layers, _expert_parallel_envoy,
+                              _from_root, _refuse_block_classes, _renamed_blocks)
+from .wrapping.generation import _generating, _refuse_no_generate, generation_setting, rows_per_prompt
+from .wrapping.inputs import (EMBEDDED_ID_DTYPES, _UNBATCHED_REMEDY, _cached_tokens, _embedded_pad_id, _given_cache,
+                              _invoke_ids, _invoke_input_names, _is_text, _left_padded, _modality_inputs,
+                              _model_inputs, _not_an_input, _refuse_misfit_mask, _refuse_shapeless_ids,
+                              _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs, _unsplittable,
+                              _without_remote, unembeddable_ids)
+from .wrapping.instance_state import _drop_stale_nnsight_state, _instance_state, _restore_instance_state
+from .wrapping.instrument import _instrument
+from .wrapping.pipeline import (FEATURE_SETTINGS, FEATURE_TASK, GENERATION_SETTINGS, PIPELINE_ATTRIBUTES, TOKENIZED,
+                                _no_pipeline_task_complaint, _real_device_first, tokenizer_settings)
+from .wrapping.refusals import (COMPILED, OPTIMIZED, SWITCH_IMPLEMENTATION, _disk_offloaded, _dtype_refusal,
+                                _impossible_top_k, _offloaded_by_accelerate, _refuse_compiled, _unloaded_refusal)
+from .wrapping.run_errors import (_derived_gradient_refusal, _embeddings_on_accelerator, _failing_frame,
+                                  _ids_past_vocabulary, _in_reentrant_checkpoint_backward, _meta_inputs_refusal,
+                                  _no_gradient_refusal, _real_buffers_refusal)
+from .wrapping.walk import _around_blocks, _present, _walk_steps
 
 class MoeModelMixin(StandardNames):
     """What moelens adds to an nnsight model: the MoE components and the family."""
@@ -662,256 +670,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             self._rows_per_prompt = 1
 
 
-def generation_setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:
-    """The generation setting ``name`` ``generate`` runs with: the keyword, else the ``generation_config`` given,
-    else the model's own (transformers fills a given config's unset settings from the model's)."""
-    if kwargs.get(name) is not None:
-        return kwargs[name]
-    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
-        if getattr(config, name, None) is not None:
-            return getattr(config, name)
-    return None
-
-
-def rows_per_prompt(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
-    """How many rows transformers' ``generate`` runs for each prompt row with these arguments.
-
-    It repeats every row ``max(num_beams, num_return_sequences)`` times, in place (row i
-    becomes rows ``i * n`` to ``i * n + n - 1``), from the arguments over the
-    ``generation_config`` given over the model's own.
-    """
-    return max(int(generation_setting(model, kwargs, name) or 1) for name in ("num_beams", "num_return_sequences"))
-
-
-#: The dtypes torch's embedding looks token ids up by (int16 ids, bool ones, fail inside the model).
-EMBEDDED_ID_DTYPES = (torch.long, torch.int32)
-
 #: Where torch's own Python lies (its frames are passed over to find the code a scan's guard failed in).
 TORCH_SOURCE = os.path.dirname(torch.__file__) + os.sep
-
-
-def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False,
-                         generating: bool = False, trace_kwargs: Mapping[str, Any] | None = None,
-                         mask_built: bool = False) -> tuple[tuple, dict]:
-    """``batched`` (the model's inputs, as nnsight's batching built them), after refusing input_ids the model could
-    not embed: a tensor of a dtype torch's embedding does not take (float, int16, bool ...) or a prompt with no tokens (an empty ids
-    tensor; ``from_text``: an empty string, a row of padding alone beside longer prompts; the model's attention
-    fails on a zero-length sequence), and an attention mask that does not fit them (``trace_kwargs``: the trace's own
-    keywords, ``model.trace(past_key_values=...)``, which the model gets beside the invokes' and over them;
-    ``mask_built``: the mask was built for the invokes' own tokens, not given)."""
-    ids = _input_ids(module, batched)
-    if not isinstance(ids, torch.Tensor):
-        return batched
-    if ids.dtype not in EMBEDDED_ID_DTYPES:
-        raise unembeddable_ids(ids, "the trace's input_ids")
-    mask = batched[1].get("attention_mask")
-    given = {**batched[1], **(trace_kwargs or {})}
-    _refuse_misfit_mask(module, ids, given.get("attention_mask"), _given_cache(module, given), generating,
-                       mask_built)
-    masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
-    if ids.numel() == 0 or (masked and not mask.any(-1).all()):
-        row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
-        raise MoelensError(
-            f"a prompt of the trace has no tokens{row}: an empty string or an empty ids tensor gives the model a "
-            "zero-length sequence, on which its attention fails. Give every prompt at least one token."
-        )
-    return batched
-
-
-def _generating(fn: Any) -> bool:
-    """Whether a run's ``fn`` is the model's ``generate`` (not its forward)."""
-    return getattr(fn, "__name__", fn) == "generate"
-
-
-def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any, generating: bool,
-                        mask_built: bool = False) -> None:
-    """Refuse a ``[batch, width]`` attention_mask that does not fit the ``[batch, seq]`` ids: transformers takes it as
-    it is, and the model silently attends to the wrong positions. It has one entry per token; over a key-value cache
-    (``cache``) in a step of a trace, one per cached token before them too (generate's ids hold the cached tokens; an
-    encoder-decoder's are the encoder's), and wider is let through there (a static cache's length)."""
-    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == mask.dim() == 2):
-        return
-    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
-        cache = None
-    rows, length = ids.shape
-    counted = getattr(cache, "get_seq_length", None)
-    cached = int(counted()) if cache is not None and not generating and callable(counted) else 0
-    least = length + cached
-    if mask.shape[0] == rows and (mask.shape[1] == least or cache is not None and mask.shape[1] > least):
-        return
-    before = f" and {cached} more for the tokens the cache holds before them" if cached else ""
-    expected = f"{rows} row{'s' * (rows != 1)} of at least {least}" if cache is not None else f"shape ({rows}, {length})"
-    built = (" (built for the invokes' own tokens, not the cached ones: over a cache pass attention_mask=, covering "
-             "the cached and the new tokens, to model.trace(...))") if mask_built and cached else ""
-    raise MoelensError(
-        f"the attention_mask of shape {tuple(mask.shape)}{built} does not fit the input_ids of shape "
-        f"{tuple(ids.shape)}: give one entry per token (1 to attend to it, 0 for padding){before}, {expected}."
-    )
-
-
-def unembeddable_ids(ids: torch.Tensor, named: str) -> MoelensError:
-    """The refusal of token ids ``ids`` (called ``named``) of a dtype torch's embedding does not take."""
-    kind = "token ids are integers" if not _token_ids(ids) else "a model's embedding takes torch.long or torch.int32 ids"
-    return MoelensError(f"{named} are a {ids.dtype} tensor of shape {tuple(ids.shape)}: {kind}; pass the ids a "
-                        "tokenizer gives (torch.long), or convert them with .long().")
-
-
-def _refuse_shapeless_ids(ids: Any) -> None:
-    """Refuse an invoke's input ids that are one 0-d tensor (nnsight's batching fails on it with a bare IndexError)."""
-    if isinstance(ids, torch.Tensor) and ids.dim() == 0:
-        raise MoelensError(f"a trace's input was a 0-d tensor ({ids!r:.40}), one id without a batch and a sequence "
-                           "axis: pass token ids [batch, seq], e.g. ids.reshape(1, 1).")
-
-
-def _model_inputs(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The inputs a failed run gave the model: a trace's, assembled again from its batcher (the tokenized, padded
-    batch), or the call's own; ``((), {})`` when they cannot be built again."""
-    batcher = kwargs.get("batcher")
-    if batcher is None:
-        return args, kwargs
-    try:
-        return batcher.assemble(fn)
-    except Exception:  # noqa: BLE001 - only to explain an error already raised
-        return (), {}
-
-
-def _meta_inputs_refusal(batched: tuple[tuple, dict]) -> MoelensError | None:
-    """The error for a run of the model's inputs ``batched`` that failed on inputs on the meta device (torch's "Cannot
-    copy out of meta tensor" names none), else None."""
-    args, kwargs = batched
-    named = [*((f"argument {index}", value) for index, value in enumerate(args)), *kwargs.items()]
-    meta = [name for name, value in named if isinstance(value, torch.Tensor) and value.is_meta]
-    if not meta:
-        return None
-    return MoelensError(
-        f"the trace's input {', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device, which holds "
-        "shapes but no values, so the model cannot run on it: pass inputs with values on the model's device "
-        "(model.scan(...) infers shapes from meta inputs)."
-    )
-
-
-def _input_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> Any:
-    """The input_ids among the model's inputs ``batched``: the keyword, or the first argument of a forward whose
-    first parameter they are."""
-    args, kwargs = batched
-    ids = kwargs.get("input_ids")
-    if ids is None and args and first_parameter(module) == "input_ids":
-        ids = args[0]
-    return ids
-
-
-def _embeddings_on_accelerator(module: torch.nn.Module) -> bool:
-    """Whether the model's input embeddings sit on a device other than the CPU (and off meta), where an embedding
-    lookup of an id out of range fails a device-side assert instead of raising torch's IndexError."""
-    try:
-        embeddings = module.get_input_embeddings()
-    except (AttributeError, NotImplementedError, TypeError):
-        return False
-    return isinstance(embeddings, torch.nn.Module) and on_accelerator(embeddings)
-
-
-def _ids_past_vocabulary(model: "MoeModelMixin", batched: tuple[tuple, dict]) -> MoelensError | None:
-    """The error for a run of ``model`` that failed on token ids outside the model's input embeddings (torch's bare
-    "index out of range in self"), or None when the input_ids of ``batched`` are all in range (the failure was
-    another)."""
-    module = model._module
-    ids = _input_ids(module, batched)
-    embeddings = "the model's input embeddings"
-    try:
-        rows = module.get_input_embeddings().num_embeddings
-    except (AttributeError, NotImplementedError, TypeError):  # no transformers model: a plain one's only nn.Embedding
-        found = [child for child in module.modules() if isinstance(child, torch.nn.Embedding)]
-        if len(found) != 1:  # none, or several (positions too): which embeds the ids is not known
-            return None
-        rows, embeddings = found[0].num_embeddings, "the model's one nn.Embedding (taken for its token embedding)"
-    if not _token_ids(ids):
-        return None
-    past = (ids < 0) | (ids >= rows)
-    outside = ids[past]
-    if not outside.numel():
-        return None
-    mask = batched[1].get("attention_mask")
-    pad_id = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
-    if (pad_id is not None and bool((outside == pad_id).all()) and isinstance(mask, torch.Tensor)
-            and mask.shape == ids.shape and not (past & mask.bool()).any()):
-        return MoelensError(  # the padding alone: nnsight pads with the tokenizer's pad token
-            f"the padding's token id {int(outside[0])} is outside the model's input embeddings ({rows} rows: ids 0 "
-            f"to {rows - 1}); every real token is in range. The batch is padded with the tokenizer's pad token: give "
-            "it one the model embeds (model.tokenizer.pad_token = model.tokenizer.eos_token), or resize the "
-            "embeddings (model._module.resize_token_embeddings(len(model.tokenizer)))."
-        )
-    return MoelensError(
-        f"token id {int(outside[0])} is outside {embeddings} ({rows} rows: ids 0 to {rows - 1}; "
-        f"{outside.numel()} of the {ids.numel()} ids of the batch are outside): the ids, and a text's tokens, must "
-        "come from this model's own tokenizer (the one saved with it)."
-    )
-
-
-def _invoke_ids(inputs: tuple, kwargs: dict) -> Any:
-    """An invoke's input_ids: its first positional input, or the keyword (None where it has neither)."""
-    return inputs[0] if inputs else kwargs.get("input_ids")
-
-
-def _modality_inputs(names: Iterable[Any]) -> list[str]:
-    """Which of ``names`` (an invoke's input names) are inputs of another modality than text (an image's
-    pixel_values and image_grid_thw, a processor's images=, audio input_features), sorted."""
-    return sorted(str(name) for name in names if any(part in str(name) for part in MODALITY_INPUTS))
-
-
-def _invoke_input_names(inputs: tuple, kwargs: dict) -> list[Any]:
-    """The names of the inputs an invoke gives data in: its keywords, and the keys of an encoding given as its first
-    input (``tracer.invoke(processor(...))``), but for those set to None or a flag (``pixel_values=None``,
-    Qwen3-Omni's ``use_audio_in_video=False``), which nnsight passes on to the model for the whole batch."""
-    return [name for name, value in _invoke_inputs(inputs, kwargs).items()
-            if value is not None and not isinstance(value, bool)]
-
-
-def _invoke_inputs(inputs: tuple, kwargs: dict) -> dict[Any, Any]:
-    """An invoke's inputs by name: its keywords, and the keys of an encoding given as its first input."""
-    return {**(inputs[0] if inputs and isinstance(inputs[0], Mapping) else {}), **kwargs}
-
-
-def _unbatched_inputs(inputs: tuple, kwargs: dict) -> list[str]:
-    """The tensors an invoke of token ids or an encoding gives (keywords, or keys of the encoding) that nnsight does
-    not split into rows to batch invokes: any outside its ``ROW_FIELDS`` (a processor's ``mm_token_type_ids``), sorted.
-    None for an invoke of text, whose keywords nnsight hands the forward as settings of the whole batch."""
-    if any(_is_text(value) for value in inputs):
-        return []
-    return sorted(str(name) for name, value in _invoke_inputs(inputs, kwargs).items()
-                  if isinstance(value, torch.Tensor) and name not in processing.ROW_FIELDS)
-
-
-#: What to do with inputs nnsight cannot split between invokes (`_unbatched_inputs`).
-_UNBATCHED_REMEDY = ("Give the whole batch to one invoke, or to model.trace(...) with no invokes; or leave them out "
-                     "where the model does without (a processor's token-type ids of text alone).")
-
-
-def _unsplittable(modality: list[str]) -> str:
-    """The sentence saying that the inputs named ``modality`` (images, audio) cannot be split between invokes, and how
-    to batch them instead."""
-    return (f"Inputs of other modalities ({', '.join(modality)}) cannot be split between invokes: give the processor's "
-            "whole batch to one invoke, or to model.trace(...) with no invokes.")
-
-
-def _rows_of(inputs: tuple, kwargs: dict, rows: int) -> int:
-    """``rows``, the batch rows nnsight counts in an input; refused where it is 0 for an input that is there (an empty
-    list of prompts, ids of 0 rows): nnsight takes such a trace for one without input, runs its body without the model
-    and fails at its first read ("Cannot access model.output outside of interleaving")."""
-    ids, name = _invoke_ids(inputs, kwargs), "ids"
-    if isinstance(ids, Mapping):
-        ids = ids.get("input_ids")
-    if ids is None:
-        ids, name = kwargs.get("inputs_embeds"), "inputs_embeds"
-    if not rows and ((isinstance(ids, (list, tuple)) and not ids) or (isinstance(ids, torch.Tensor) and ids.ndim > 1)):
-        shape = f"{name} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else f"an empty {type(ids).__name__}"
-        raise MoelensError(f"the input holds no prompts ({shape}), so the model would not run: give at least one "
-                           "prompt.")
-    return rows
-
-
-def _token_ids(value: Any) -> bool:
-    """Whether ``value`` can be a model's input_ids: an integer tensor (a float one, a number or a list is not)."""
-    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
 
 
 class MoeNNsight(MoeModelMixin, NNsight):
@@ -1067,151 +827,6 @@ class MoeNNsight(MoeModelMixin, NNsight):
         return inputs, {name: value for name, value in kwargs.items() if name != "attention_mask"}
 
 
-def _without_remote(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """An invoke's keywords without ``remote``: plain nnsight has no remote path, so a true one is refused (it would
-    reach the forward as an input) and a false one (a ``remote=REMOTE`` switch, off) dropped."""
-    if kwargs.get("remote"):
-        raise MoelensError(
-            f"remote={kwargs['remote']!r} runs nnsight's remote path, which comes with a model wrapped with its "
-            "tokenizer (nnsight's LanguageModel): moelens.wrap(model, tokenizer=...)."
-        )
-    return {name: value for name, value in kwargs.items() if name != "remote"}
-
-
-#: The keywords a forward takes its key-value cache by: transformers 5.25 renamed ``past_key_values`` to ``cache``
-#: (the old name still works there, deprecated).
-CACHE_KEYWORDS = ("past_key_values", "cache")
-
-
-def _given_cache(module: torch.nn.Module, params: Mapping[str, Any]) -> Any:
-    """The key-value cache among ``params`` under either name (`CACHE_KEYWORDS`), None where none is given; a
-    `MoelensError` for ``cache=`` to a forward that does not name it (before transformers 5.25 its ``**kwargs``
-    take it in silence, and the model runs without the cache)."""
-    if params.get("cache") is not None and not names_keyword(module, "cache"):
-        raise MoelensError(
-            f"cache= is not a keyword of {type(module).__name__}.forward: transformers before 5.25 takes the "
-            "key-value cache as past_key_values, and would run the model without it. Pass past_key_values=."
-        )
-    return next((params[name] for name in CACHE_KEYWORDS if params.get(name) is not None), None)
-
-
-def _cached_tokens(module: torch.nn.Module, params: dict[str, Any]) -> int:
-    """How many tokens the key-value cache among a trace's ``params`` holds (0: none given)."""
-    cache = _given_cache(module, params)
-    if cache is None:
-        return 0
-    length = getattr(cache, "get_seq_length", None)
-    return int(length()) if callable(length) else 1  # a cache of another kind: assume it holds tokens
-
-
-def _embedded_pad_id(model: torch.nn.Module) -> int:
-    """The id the invokes of a model without a tokenizer are padded with (masked, so any id it embeds will do): the
-    config's ``pad_token_id`` where the model embeds it, else 0 (``-1`` or an id past the vocabulary in a config)."""
-    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-    vocab = vocab_size(model)
-    return pad_id if isinstance(pad_id, int) and 0 <= pad_id and (vocab is None or pad_id < vocab) else 0
-
-
-def _left_padded(rows: list[Int[torch.Tensor, " _"]], pad_id: int) -> tuple[Int[torch.Tensor, "b w"], Int[torch.Tensor, "b w"]]:
-    """The rows (of any lengths) left-padded with ``pad_id`` to the longest one, ``w``, and their attention mask
-    (1 on real tokens)."""
-    width = max(row.shape[0] for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=rows[0].dtype)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        input_ids[index, width - row.shape[0] :] = row
-        attention_mask[index, width - row.shape[0] :] = 1
-    return input_ids, attention_mask
-
-
-#: Parts of the names of a processor's image, video and audio inputs (pixel_values, image_grid_thw,
-#: input_features, input_values).
-MODALITY_INPUTS = ("pixel", "image", "video", "audio", "input_features", "input_values")
-
-#: accelerate device-map entries that name no torch device to run on.
-NO_TORCH_DEVICE = ("disk", "meta")
-
-
-def _refuse_block_classes(envoys: dict, model: torch.nn.Module, blocks: list[str]) -> None:
-    """Refuse an ``envoys=`` key that is the class of a block moelens serves: nnsight gives a module the envoy of
-    its class before any path's, so the block would be no `Moe` / `Mlp`."""
-    for key, envoy in envoys.items():
-        claimed = next((name for name in blocks if isinstance(key, type) and isinstance(model.get_submodule(name), key)),
-                       None)
-        if claimed is not None:
-            raise MoelensError(
-                f"wrap(envoys=...) maps {key.__name__} to {getattr(envoy, '__name__', envoy)}, but {claimed} is one, "
-                "and moelens makes that block its own envoy (Moe or Mlp); key the envoy by the paths of the other "
-                "modules you want it on instead."
-            )
-
-
-def _from_root(name: str) -> str:
-    """nnsight's path of the module named ``name`` in the model, as an ``envoys`` key: nnsight matches a key against
-    the end of each module's path, so a bare name (``"0"``, a block of an ``nn.Sequential``) would also pick every
-    module deeper down whose path ends in it (``0.experts.mlps.0``)."""
-    return f"model.{name}"
-
-
-def _offloaded_by_accelerate(model: torch.nn.Module) -> bool:
-    """Whether accelerate placed the model: a ``device_map``, or an offload hook (``_hf_hook``) on one of its modules."""
-    return bool(getattr(model, "hf_device_map", None)) or any(
-        getattr(module, "_hf_hook", None) is not None for module in model.modules())
-
-
-@contextlib.contextmanager
-def _real_device_first(model: torch.nn.Module) -> Iterator[None]:
-    """While nnsight builds its transformers pipeline: the model's accelerate ``hf_device_map`` listing a real device
-    first (the pipeline takes its first entry for a torch device, and ``"disk"`` is none; a model all on disk gets the
-    CPU, where accelerate runs it); the map is restored after (an attribute set to None stays None; one that was
-    not there is taken off again).
-    A model with no map gets one meanwhile that names where its first weight is: the pipeline moves a model without
-    a map to the first accelerator it finds (a CPU model onto ``cuda:0`` on a machine with a GPU), and a weight on
-    meta (every weight, built under ``init_empty_weights``; or behind accelerate's offload hooks, ``cpu_offload``,
-    which sets no map) cannot be moved at all ("Cannot copy out of meta tensor"): those get the CPU."""
-    had_map = "hf_device_map" in model.__dict__
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map is None:
-        first = next(model.parameters(), None)
-        meanwhile = None if first is None else {"": "cpu" if first.is_meta else str(first.device)}
-    elif isinstance(device_map, dict) and next(iter(device_map.values()), None) in NO_TORCH_DEVICE:
-        meanwhile = dict(sorted(device_map.items(), key=lambda item: item[1] in NO_TORCH_DEVICE))
-        if all(device in NO_TORCH_DEVICE for device in meanwhile.values()):  # all on disk: accelerate runs it on CPU
-            meanwhile = {"": "cpu"}
-    else:
-        meanwhile = None
-    if meanwhile is None:
-        yield
-        return
-    model.hf_device_map = meanwhile
-    try:
-        yield
-    finally:
-        if had_map:
-            model.hf_device_map = device_map
-        else:
-            del model.hf_device_map
-
-
-class _PipelineTaskComplaint(logging.Filter):
-    """Drops transformers' "The model 'X' is not supported for text-generation" error record."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "is not supported for" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _no_pipeline_task_complaint() -> Iterator[None]:
-    """While nnsight builds its transformers pipeline: transformers logs an error, with ~250 class names, for a model
-    that generates but is no causal LM (a vision-language model), though tracing needs no pipeline task of it."""
-    logger, complaint = logging.getLogger("transformers.pipelines.base"), _PipelineTaskComplaint()
-    logger.addFilter(complaint)
-    try:
-        yield
-    finally:
-        logger.removeFilter(complaint)
-
-
 def check_wrapped(model: Any) -> None:
     """Refuse a ``model`` argument that is not a model moelens wrapped (a transformers model, a name ...)."""
     if not isinstance(model, MoeModelMixin):
@@ -1226,19 +841,6 @@ def _described(value: Any) -> str:
     if isinstance(value, nnsight.Envoy):
         return f"{value.path} ({type(value._module).__name__}), which is no MoE block"
     return f"{type(value).__name__} {value!r:.60}"
-
-
-def _not_an_input(value: Any) -> bool:
-    """A number, bytes, or a list holding a float or bytes (no prompt, token ids or tensor)."""
-    scalar = (int, float, bytes, bytearray)
-    if isinstance(value, scalar):
-        return True
-    return isinstance(value, (list, tuple)) and any(isinstance(item, (float, bytes, bytearray)) for item in value)
-
-
-def _is_text(value: Any) -> bool:
-    """A prompt string or a list of them."""
-    return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], str))
 
 
 def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
@@ -1256,11 +858,6 @@ def _warn_on_vocabulary(model: torch.nn.Module, tokenizer: Any) -> None:
             f"hold {rows} rows: a trace of text with a token id of {rows} or more will be refused (the model cannot embed "
             "it). Pass the tokenizer saved with this model.",
         )
-
-
-#: What transformers' pipeline, through which nnsight tokenizes a wrapped model's text, reads of the model (the config
-#: only where the model can generate): a plain torch module without them failed deep inside it.
-PIPELINE_ATTRIBUTES = ("config", "device", "can_generate")
 
 
 def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -> MoeTransformersModel | MoeNNsight:
@@ -1434,58 +1031,6 @@ def _keywords_taken(model_class: type) -> frozenset[str]:
                      if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)) - {"self"}
 
 
-#: The pipeline task `wrap` gives nnsight for a model that cannot generate: the tokenizing alone.
-FEATURE_TASK = "feature-extraction"
-#: The keywords `FEATURE_TASK`'s pipeline takes itself (`MoeTransformersModel._forward_keywords`).
-FEATURE_SETTINGS = ("truncation", "tokenize_kwargs", "return_tensors")
-#: The tokenizer settings transformers' text-generation pipeline hands the tokenizer (the rest go to the forward).
-GENERATION_SETTINGS = ("add_special_tokens", "padding", "truncation", "max_length")
-#: The inputs a tokenizer makes of a text (given beside it, one would replace its own), and the second texts it
-#: pairs with it (a pipeline tokenizing one prompt at a time takes none).
-TOKENIZED = ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "text_pair", "text_target",
-             "text_pair_target")
-
-
-@functools.cache
-def tokenizer_settings(tokenizer_class: type) -> frozenset[str]:
-    """The settings a tokenizer class's call takes by name (``max_length``, ``padding`` ...), and those of
-    transformers' tokenizers (a call of ``(*args, **kwargs)`` names none), not the texts (`TOKENIZED`)."""
-    from transformers import PreTrainedTokenizerBase
-
-    names = {name for call in (tokenizer_class.__call__, PreTrainedTokenizerBase.__call__)
-             for name, parameter in inspect.signature(call).parameters.items()
-             if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)}
-    return frozenset(names - {"self", "text", *TOKENIZED})
-
-
-#: The class name of what ``torch.compile(module)`` returns (the module it compiled is its ``_orig_mod``).
-OPTIMIZED = "OptimizedModule"
-
-#: Why a compiled model is refused.
-COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by nnsight, which torch's compiler "
-            "(dynamo) cannot trace: the traces would fail inside torch.")
-
-
-def _impossible_top_k(moe: Moe, changed: bool = False) -> MoelensError | None:
-    """The refusal of a block that routes each token to more experts than it has (or to a negative number), else None:
-    its router's ``topk`` fails in every forward with torch's "selected index k out of range", which names neither.
-    ``changed``: found after a forward failed, so set on the module since wrapping (wrap refuses such a config)."""
-    family = moe.family
-    try:
-        experts, k = (as_int(family.resolve(reference, moe._module)) for reference in (family.num_experts, family.top_k))
-    except FamilyError:  # an entry that cannot read them: its error comes where they are read
-        return None
-    if experts is None or k is None or 0 <= k <= experts:
-        return None
-    fix = f"top_k at most {experts}" if experts > 0 else "at least one expert, and top_k at most that number"
-    fix = (f"Set the block's {family.top_k} back to at most {experts}." if changed else
-           f"Fix the model's config ({fix}) before building the model.")
-    return MoelensError(
-        f"the {family.name} block {moe.path.removeprefix('model.')} routes each token to its top_k={k} experts, but "
-        f"it has {experts} (num_experts): its router cannot pick them, and every forward would fail. {fix}"
-    )
-
-
 def _check_sub_configs(subs: dict[str, Any], wanted: dict[str, str]) -> None:
     """Refuse a key of `set_experts_implementation`'s dict that names none of the model's sub-configs ``subs``
     (transformers' switch passes over it without a word, so a misspelt sub-config would switch nothing)."""
@@ -1508,389 +1053,7 @@ def _wanted_for(experts: torch.nn.Module, implementation: str | dict[str, str], 
     return wanted.get(keys[0]) if keys else wanted.get("")
 
 
-#: The way out of `_dtype_refusal` for a model that runs already (a trace).
-SWITCH_IMPLEMENTATION = 'switch with model.set_experts_implementation("batched_mm") (or "eager")'
-
-
-def _dtype_refusal(path: str, experts: torch.nn.Module, implementation: str,
-                   switch: str = 'pass "batched_mm" or "eager"') -> MoelensError | None:
-    """The error for ``experts`` holding weights ``implementation`` cannot run (float64 under grouped_mm: its first
-    forward fails with torch's own error), or None; ``switch`` says how to choose another implementation."""
-    bad = unsupported_dtypes(implementation, (parameter.dtype for parameter in experts.parameters(recurse=False)))
-    if not bad:
-        return None
-    return MoelensError(
-        f"{path}'s experts hold {', '.join(bad)} weights, which torch's {implementation} does not run (float32, "
-        f"bfloat16 and float16 only): {switch}, or cast the model to float32 (model.float())."
-    )
-
-
-def _refuse_compiled(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
-    """Raise a `MoelensError` for a module compiled in place (``module.compile()``), by ``torch.compile`` (a
-    compiled module put in the model), or whose forward was (``module.forward = torch.compile(module.forward)``, as
-    transformers' docs show: the trace failed inside torch's compiler on nnsight's instrumented ops) among
-    ``modules``."""
-    for name, module in modules:
-        forward = module.__dict__.get("forward")
-        how = ("compiled (module.compile())" if getattr(module, "_compiled_call_impl", None) is not None else
-               "compiled by torch.compile" if type(module).__name__ == OPTIMIZED else
-               "run by a compiled forward (module.forward = torch.compile(...))"
-               if getattr(forward, "_torchdynamo_orig_callable", None) is not None
-               and not getattr(forward, "_torchdynamo_disable", False) else None)  # torch.compiler.disable's: runs
-        if how is not None:
-            fix = (f"put back the module it compiled (model.{name} = model.{name}._orig_mod)" if how.endswith(
-                "torch.compile") and name else "load or copy the model again")
-            raise MoelensError(f"{name or 'the model'} ({type(module).__name__}) is {how}: {fix} and wrap it "
-                               f"uncompiled. {COMPILED}")
-
-
-def _in_reentrant_checkpoint_backward(error: BaseException) -> bool:
-    """Whether ``error`` was raised in the backward of torch's reentrant checkpoint (``CheckpointFunction``)."""
-    from torch.utils.checkpoint import CheckpointFunction
-
-    backward = CheckpointFunction.backward.__code__
-    return any(frame.f_code is backward for frame, _ in traceback.walk_tb(error.__traceback__))
-
-
-def _derived_gradient_refusal(error: OutOfOrderError, handed_back: served.HandedBack) -> ValueUnavailable | None:
-    """The error for the ``.grad`` of a value moelens derived that no output depends on (`router_probs`), read in a
-    ``with loss.backward():`` block: its hook never fires, and nnsight says the model ran past a tensor id
-    ("'139...512.grad.i0' was requested ..."). None for another tensor."""
-    requested = re.match(r"'(\d+)\.grad\b", str(error))
-    derived = handed_back.gradientless.get(int(requested.group(1))) if requested else None
-    return None if derived is None or derived[0]() is None else ValueUnavailable(derived[1])
-
-
-def _no_gradient_refusal(error: RuntimeError, handed_back: served.HandedBack,
-                         model: torch.nn.Module) -> ValueUnavailable | None:
-    """The error for torch's refusal to hook a value moelens served that has no gradient, read as ``.grad`` in a
-    ``with loss.backward():`` block ("cannot register a hook on a tensor that doesn't require gradient", naming no
-    value): which value, why it has none, what to do. None for another error, or a tensor moelens did not serve in
-    this run (``handed_back`` lists the values it served)."""
-    if str(error) != "cannot register a hook on a tensor that doesn't require gradient":
-        return None
-    hook = torch.Tensor.register_hook.__code__
-    hooked = next((frame.f_locals.get("self") for frame, _ in traceback.walk_tb(error.__traceback__)
-                   if frame.f_code is hook), None)
-    if hooked is None:
-        return None
-    derived = handed_back.gradientless.get(id(hooked))
-    if derived is not None and derived[0]() is hooked:
-        return ValueUnavailable(derived[1])
-    noted = handed_back.views.get(id(hooked))
-    if noted is not None and noted[0]() is hooked:
-        where = noted[2]
-    else:  # a view of the model's own tensor (batched_mm's activations), named when served
-        named = handed_back.named.get(id(hooked))
-        if named is None or named[0]() is not hooked:
-            return None
-        where = named[1]
-    if not hooked.is_floating_point():
-        return ValueUnavailable(
-            f"{where}.grad: {where} holds {hooked.dtype} values, and integers have no gradient; read the gradient of a "
-            "float value before it instead (router_logits.grad for the routing)."
-        )
-    checkpointed = _reentrant_checkpointing(model)
-    reentrant = (", or it was computed in a layer under reentrant activation checkpointing (use_reentrant=True, "
-                 "torch's default when it is not given), which runs the forward with autograd off") if checkpointed else ""
-    return ValueUnavailable(
-        f"{where}.grad: {where} has no gradient: no parameter or input upstream of it requires grad (a model frozen "
-        f"with requires_grad_(False)){reentrant}, so autograd computes none for it, as in plain torch. Before the "
-        "trace, unfreeze parameters it is computed from (for the routing values, the router's: "
-        "moe.router._module.requires_grad_(True)), or make the input embeddings' output require grad "
-        "(hf_model.enable_input_require_grads())" + ("; or checkpoint with use_reentrant=False" if checkpointed else "")
-        + "."
-    )
-
-
-def _disk_offloaded(model: torch.nn.Module) -> bool:
-    """Whether accelerate loads some of ``model``'s weights from disk as the modules holding them run: a
-    ``device_map`` placing modules on ``"disk"``, or `disk_offloaded` hooks (weights offloaded to the CPU scan)."""
-    device_map = getattr(model, "hf_device_map", None)
-    return isinstance(device_map, dict) and "disk" in device_map.values() or disk_offloaded(model.modules())
-
-
-def _failing_frame(error: BaseException, model: torch.nn.Module) -> types.FrameType | None:
-    """The frame of the code of a module of ``model`` that raised ``error``: the innermost frame of its traceback
-    whose ``self`` is one of ``model``'s modules, where only torch's and nnsight's code (the op, its dispatch,
-    nnsight's hooks on it) ran below it. None where other code ran there: the body of a trace or scan, run from a hook
-    inside a module's forward (a tensor it builds is no fault of the module's), moelens' own, or a plain function."""
-    modules = {id(module) for module in model.modules()}
-    machinery = tuple(os.path.join(package.__path__[0], "") for package in (torch, nnsight))
-    found = None
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, torch.nn.Module) and id(owner) in modules:
-            found = frame
-        elif not frame.f_code.co_filename.startswith(machinery):
-            found = None
-    return found
-
-
-def _real_buffers_refusal(model: torch.nn.Module, failing: types.FrameType | None) -> MoelensError | None:
-    """The error for a ``model.scan`` whose fake tensors met two devices (torch's FakeTensorDeviceMismatchError,
-    naming neither tensor) in the code of a module (``failing``, its frame: `_failing_frame`) that computes with a
-    real buffer, its own (a router's ``e_score_correction_bias``) or one it was handed (hy_v3's block hands its router
-    its bias), where the model's weights are on the meta device: built under accelerate's ``init_empty_weights()``,
-    which keeps buffers where they are made. Names those and the other real buffers the model keeps in its state (a
-    rotary embedding's non-persistent ``inv_freq`` is moved to its input's device, and scans). None where no weight is
-    on meta, or the failing code computes with no real buffer (the scan body's own tensor, a real weight): torch's
-    error, naming neither tensor either, tells of the mismatch then."""
-    if failing is None or not any(parameter.is_meta for parameter in model.parameters()):
-        return None
-    kept = model.state_dict().keys()
-    real = {id(buffer): name for name, buffer in model.named_buffers() if not buffer.is_meta}
-    module = failing.f_locals["self"]
-    used = {id(buffer) for buffer in module.buffers(recurse=False)} | {id(value) for value in failing.f_locals.values()}
-    if not used & real.keys():
-        return None
-    named = [name for key, name in real.items() if name in kept or key in used]
-    devices = ", ".join(sorted({str(model.get_buffer(name).device) for name in named}))
-    return MoelensError(
-        f"model.scan: the model's weights are on the meta device, but {len(named)} of its buffers are real tensors on "
-        f"{devices} ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}), which scan's fake tensors cannot "
-        "compute with beside the meta weights (torch: \"found at least two devices\"). Build the model under "
-        "accelerate's init_empty_weights(include_buffers=True), which puts buffers on meta too, or move them there "
-        "(hf_model.to('meta'))."
-    )
-
-
-def _reentrant_checkpointing(model: torch.nn.Module) -> bool:
-    """Whether a module of ``model`` runs under reentrant activation checkpointing, which runs its forward with
-    autograd off: transformers' ``gradient_checkpointing`` in training mode with torch's checkpoint not told
-    ``use_reentrant=False``, or torch's ``checkpoint_wrapper`` with ``CheckpointImpl.REENTRANT``."""
-    for module in model.modules():
-        if type(module).__name__ == "CheckpointWrapper":
-            if getattr(getattr(module, "checkpoint_impl", None), "name", None) == "REENTRANT":
-                return True
-        elif getattr(module, "gradient_checkpointing", None) is True and module.training:
-            function = getattr(module, "_gradient_checkpointing_func", None)
-            if not (isinstance(function, functools.partial) and function.keywords.get("use_reentrant") is False):
-                return True
-    return False
-
-
-def _unloaded_refusal(model: torch.nn.Module) -> MoelensError | None:
-    """The `MoelensError` for a run (not a ``model.scan``, whose fake tensors need no weights) of a model with
-    weights or buffers that are not loaded: on the meta device, with no accelerate hooks to bring them in. Such a run
-    computes nothing, or fails inside torch ("Cannot copy out of meta tensor", "Tensor.item() cannot be called on meta
-    tensors", a device mismatch): a model built on meta, one loaded only in part, or one whose state dict was loaded
-    with ``assign=True`` but whose non-persistent buffers (a rotary embedding's ``inv_freq``) stayed on meta.
-
-    A walk over every tensor of the model (about 250 us for 77 of them): called before a run only where the first
-    weight is on meta, else after a run failed."""
-    unloaded = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
-                if tensor.is_meta]
-    if not unloaded or torch._guards.detect_fake_mode() is not None or _offloaded_by_accelerate(model):
-        return None
-    return MoelensError(
-        f"{len(unloaded)} of the model's weights and buffers are not loaded (on the meta device: "
-        f"{', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}), so a run computes nothing; load the model "
-        "with from_pretrained, or build it under accelerate's init_empty_weights (which keeps buffers real) before "
-        "load_state_dict(..., assign=True), and wrap that model; or use model.scan(...) for shapes alone."
-    )
-
-
-def _around_blocks(model: torch.nn.Module, blocks: list[str]) -> list[str]:
-    """The paths of the model, every module on the way down to its MoE blocks, the blocks and their children
-    (router, experts, shared expert): where a compilation made after wrapping would reach the forwards moelens reads."""
-    above = paths_above(blocks)
-    inside = [f"{block}.{name}".rstrip(".") for block in blocks
-              for name in ["", *(child for child, _ in model.get_submodule(block).named_children())]]
-    return sorted(above) + inside
-
-
-def _walk_steps(paths: list[str]) -> tuple[tuple[str, int, str], ...]:
-    """How `_present` walks ``paths`` (each one's parent among them, ``""`` the model): ``(path, the position of its
-    parent's step, -1 for the model itself, its own name)``, each parent before its children."""
-    ordered = sorted(set(paths))  # a path sorts before the paths that extend it
-    position = {path: index for index, path in enumerate(ordered)}
-    return tuple((path, position[path.rpartition(".")[0]] if path else -1, path.rpartition(".")[2]) for path in ordered)
-
-
-def _present(model: torch.nn.Module, steps: tuple[tuple[str, int, str], ...]) -> Iterator[tuple[str, torch.nn.Module]]:
-    """``(path, module)`` for each path of ``steps`` (`_walk_steps`) that still names a module of ``model`` (one may
-    have been swapped). Walked through the registered children, each module once: run before every trace, where
-    ``get_submodule`` costs 0.2 ms."""
-    found: list[torch.nn.Module | None] = []
-    for path, parent, name in steps:
-        holder = found[parent] if parent >= 0 else None
-        module = model if parent < 0 else holder._modules.get(name) if holder is not None else None
-        found.append(module)
-        if module is not None:
-            yield path, module
-
-
 #: The module of `parallel.runs.Runs`, the runs of an EP group (`MoeModelMixin._ep_runs`).
 _RUNS_MODULE = "moelens.parallel.runs"
 
-#: What the qualified name of transformers' expert-parallel dispatch wrapper contains.
-EP_FORWARD = ".install_forward.<locals>.ep_forward"
 
-
-def has_dispatch_forward(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s instance forward is transformers' expert-parallel dispatch wrapper."""
-    return EP_FORWARD in getattr(module.__dict__.get("forward"), "__qualname__", "")
-
-
-def _expert_parallel_envoy(model: torch.nn.Module) -> type[Moe]:
-    """The envoy class for MoE blocks: `Moe`, or for a model distributed with transformers'
-    own expert parallelism (``DistributedConfig(ep_size=...)``, whose experts' forward is a
-    dispatch wrapper) the one `moelens.parallel.transformers_ep` provides, after keeping
-    those wrappers as nnsight's controller bodies. See docs/parallel.md.
-    """
-    if not any(has_dispatch_forward(module) for module in model.modules()):
-        return Moe
-    from .parallel.transformers_ep import keep_dispatch_forwards
-
-    return keep_dispatch_forwards(model)
-
-
-def _block_holders(structure: Structure) -> list[str]:
-    """The paths of the layers' MLP modules that are no block themselves but hold MoE blocks (ernie4_5_vl_moe's)."""
-    blocks = {*structure.moe_blocks, *structure.dense_blocks}
-    parents = dict.fromkeys(name.rpartition(".")[0] for name in structure.moe_blocks)
-    return [parent for parent in parents
-            if parent not in blocks and layer_path(parent) == parent.rpartition(".")[0]]
-
-
-def _blockless_layers(model: torch.nn.Module, structure: Structure) -> list[str]:
-    """The paths of the decoder layers (of ``model.layers``) that hold no MoE block or dense MLP."""
-    holding = {layer_path(name) for name in structure.moe_blocks + structure.dense_blocks}
-    layers = model.get_submodule(structure.layers)
-    count = len(layers) if hasattr(layers, "__len__") else 0
-    return [path for path in (f"{structure.layers}.{i}" for i in range(count)) if path not in holding]
-
-
-_MISSING = object()
-
-
-def _instance_state(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any, Any]]:
-    """Each module's own ``forward`` and nnsight state (``__nnsight__``) as they are before `wrap` (`_MISSING` where
-    the module has none), so a wrap refused after nnsight put its forwards on the modules can take them off again."""
-    return [(module, module.__dict__.get("forward", _MISSING), module.__dict__.get(NNSIGHT_STATE, _MISSING))
-            for module in model.modules()]
-
-
-def _restore_instance_state(state: list[tuple[torch.nn.Module, Any, Any]]) -> None:
-    """Put back what `_instance_state` noted: a refused wrap leaves no nnsight forward, which a patch of the module's
-    class would no longer reach, on a model no wrapper holds."""
-    for module, forward, nnsight_state in state:
-        for key, value in (("forward", forward), (NNSIGHT_STATE, nnsight_state)):
-            if value is _MISSING:
-                module.__dict__.pop(key, None)
-            else:
-                module.__dict__[key] = value
-
-
-def _drop_stale_nnsight_state(model: torch.nn.Module) -> None:
-    """Forget the nnsight state of a module whose wrapping stopped half-way (Ctrl-C in `wrap`, between nnsight storing
-    the state and installing the forward that hands the module's calls to a trace): nnsight would keep the state,
-    warn that ``forward`` was replaced and never serve the module again, in every later wrap and deep copy. A module
-    whose ``forward`` something else replaced keeps it (nnsight's warning is right there)."""
-    for module in model.modules():
-        if NNSIGHT_STATE in module.__dict__ and "forward" not in module.__dict__:
-            del module.__dict__[NNSIGHT_STATE]
-
-
-def _bind(host: Any, alias: str, native: str) -> None:
-    """Alias ``host.<native>`` as ``host.<alias>`` unless the name is taken."""
-    if alias in host.__dict__ or hasattr(host._module, alias):
-        return
-    bind_alias(host, alias, native, envoy_at(host, native))
-
-
-def _renamed_blocks(structure: Structure) -> dict[str, str]:
-    """``{layer path: the block's name in it}`` of the layers whose MoE block or dense MLP is not called ``mlp``."""
-    layers = {name: layer_path(name) for name in structure.moe_blocks + structure.dense_blocks}
-    return {layer: name[len(layer) + 1:] for name, layer in layers.items()
-            if layer is not None and layer != name and name[len(layer) + 1:] != "mlp"}
-
-
-def _bind_standard_names(wrapped: Any, structure: Structure) -> None:
-    """``model.layers`` and ``model.layers[i].mlp``, whatever the model calls them."""
-    if structure.layers is not None and structure.layers != "layers":
-        _bind(wrapped, "layers", structure.layers)
-    for layer, name in _renamed_blocks(structure).items():
-        _bind(envoy_at(wrapped, layer), "mlp", name)
-
-
-def _instrument(moe: Moe) -> None:
-    """Source-instrument what a Moe's values are read from, before any trace runs.
-
-    A module's forward must be instrumented before it starts running for its
-    ops to be served; doing it here means a trace can ask for any value at any
-    time. Outside a trace the instrumented forwards run as the originals.
-    """
-    family = moe.family
-    object.__setattr__(moe, INSTRUMENTED, {envoy.path: envoy._module for envoy in (moe, moe.router, moe.experts)})
-    _require_op(moe.router, family.logits_op, family, "logits_op")
-    if family.logits_cast_op:
-        _require_op(moe.router, family.logits_cast_op, family, "logits_cast_op")
-    scoring = moe.SCORING
-    if scoring.selection_in:  # its own ops are instrumented in the trace (nnsight drills only there)
-        _require_op(moe.router, scoring.selection_in, family, "scoring.selection_in")
-        _require_method_op(moe.router._module, scoring.selection_in, scoring.selection_op, family)
-    elif scoring.selection_op:
-        _require_op(moe.router, scoring.selection_op, family, "scoring.selection_op")
-    if family.experts_call and is_dispatching(moe.experts._module):
-        moe.experts.source  # noqa: B018 - installs the experts' op handoffs
-    if family.shared is not None and family.shared.gated_op:
-        _require_op(moe, family.shared.gated_op, family, "shared.gated_op")
-
-
-def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
-    """Source-instrument ``envoy`` and check its forward has the op the family names."""
-    try:
-        names = envoy.source.names
-    except SourceNotAvailable:
-        raise FamilyError(
-            f"family {family.name!r}: {field}={op!r} names an operation of {type(envoy._module).__name__}.forward, "
-            "whose Python source cannot be read (a class defined at the interactive prompt, by exec or python -c): "
-            "moelens reads a block's values at the operations of its source, so define the class in a file or "
-            "module (a notebook cell will do) and import it."
-        ) from None
-    if op not in names:
-        raise FamilyError(
-            f"family {family.name!r}: {field}={op!r} is not an operation of "
-            f"{type(envoy._module).__name__}.forward; its operations are {', '.join(names)}."
-        )
-
-
-def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Family) -> None:
-    """Check that ``call`` (``self_get_topk_indices_0``) calls a method of the router with Python source
-    whose ops include ``op`` (numbered as nnsight numbers them)."""
-    named = re.fullmatch(r"self_(\w+?)_\d+", call)
-    method = getattr(type(router), named.group(1), None) if named else None
-    try:
-        names = op_names(method) if callable(method) else None
-    except SourceNotAvailable:
-        names = None
-    if names is None:
-        raise FamilyError(
-            f"family {family.name!r}: scoring.selection_in={call!r} is not a call of a method of "
-            f"{type(router).__name__} with Python source (self.<method>(...)), where moelens reads selection_op."
-        )
-    if op not in names:
-        raise FamilyError(
-            f"family {family.name!r}: scoring.selection_op={op!r} is not an operation of "
-            f"{type(router).__name__}.{named.group(1)}; its operations are {', '.join(names)}."
-        )
-
-
-def _refuse_no_generate(model: torch.nn.Module) -> None:
-    """Refuse ``model.generate`` on a model with no ``generate`` (a base model, a classifier), saying what can."""
-    if callable(getattr(model, "generate", None)):
-        return
-    if not isinstance(model, PreTrainedModel):  # a model of the user's own, with a head or not
-        raise MoelensError(
-            f"model.generate: {type(model).__name__} is no transformers model (no generate method to drive), so "
-            "model.generate cannot run it: trace it a token at a time (append the argmax of "
-            "model.output's last position to the ids and trace again), or build it as a transformers model with "
-            "a language-model head."
-        )
-    raise MoelensError(
-        f"model.generate: {type(model).__name__} has no language-model head, so it cannot generate: load the "
-        "checkpoint with its head (AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language "
-        "model) and wrap that; trace this one instead."
-    )

@@ -25,8 +25,8 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from ..model import MODALITY_INPUTS
 from ..modules import config_of, text_config, vocab_size
+from ..wrapping.inputs import MODALITY_INPUTS
 from .checks import check_count
 
 #: Longest window used when neither the caller nor the model's config says.

@@ -20,8 +20,8 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..errors import MoelensError
-from ..model import generation_setting, rows_per_prompt
 from ..scalars import check_flag
+from ..wrapping.generation import generation_setting, rows_per_prompt
 from . import corpus as corpora
 from .cache import RoutingCache, Shard
 from .checks import check_count, refuse_set

@@ -655,7 +655,7 @@ class HandedBack:
         self.gradientless: dict[int, tuple[weakref.ref, str]] = {}
         #: id(view) -> (the view, its value's name): every view served with autograd on, a copy or a view of the
         #: model's own tensor, so that torch's bare refusal to hook one without a gradient can name it
-        #: (``moelens.model._no_gradient_refusal``; batched_mm's activations of a frozen model are views).
+        #: (``moelens.wrapping.run_errors._no_gradient_refusal``; batched_mm's activations of a frozen model are views).
         self.named: dict[int, tuple[weakref.ref, str]] = {}
         #: How many entries `views` and `gradientless` may hold before those of values the user dropped are let go.
         self._prune_at = PRUNE_AT
@@ -672,13 +672,13 @@ class HandedBack:
         self._prune_at = max(PRUNE_AT, 2 * (len(self.views) + len(self.gradientless) + len(self.named)))
 
     def name(self, view: torch.Tensor, where: str) -> None:
-        """``view`` was served as ``where`` (read by ``moelens.model._no_gradient_refusal``)."""
+        """``view`` was served as ``where`` (read by ``moelens.wrapping.run_errors._no_gradient_refusal``)."""
         self._let_go()
         self.named[id(view)] = (weakref.ref(view), where)
 
     def without_gradient(self, value: torch.Tensor, error: str) -> None:
         """``value``, derived by moelens, has no gradient: reading its ``.grad`` raises ``error`` (read by
-        ``moelens.model._no_gradient_refusal``)."""
+        ``moelens.wrapping.run_errors._no_gradient_refusal``)."""
         self._let_go()
         self.gradientless[id(value)] = (weakref.ref(value), error)
 

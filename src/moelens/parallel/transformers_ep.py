@@ -7,7 +7,7 @@ experts module's ``num_experts`` to its local count and replaces its instance
 makes the weights local and exchanges tokens (``AllToAllEP``, ``AllReduceEP`` or
 ``TorchA2AEP`` for ``ep_implementation="torch_a2a"``).
 
-`moelens.wrap` (``model.py``) calls `keep_dispatch_forwards` when it sees such a
+`moelens.wrap` (``wrapping/envoys.py``) calls `keep_dispatch_forwards` when it sees such a
 wrapper (and only then imports this module):
 
 * every wrapped module is flagged with nnsight's ``BODY_FORWARD``, so nnsight runs
@@ -31,7 +31,7 @@ from nnsight.intervention.source import BODY_FORWARD
 
 from ..components import Moe
 from ..families.entry import PER_SLOT_VALUES
-from ..model import EP_FORWARD, has_dispatch_forward
+from ..wrapping.envoys import EP_FORWARD, has_dispatch_forward
 
 
 class ExpertParallelMoe(Moe):

@@ -1,0 +1,254 @@
+"""A trace's inputs as the wrapped model's batching sees them (read by `moelens.model`).
+
+An invoke's token ids, masks, key-value cache, modality inputs and padding, and the refusals of ids and masks the
+model could not take (before it runs: torch fails on them inside the model, or silently attends wrongly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Iterable
+
+import torch
+from jaxtyping import Int
+from nnsight.modeling import processing
+from torch._subclasses.fake_tensor import is_fake
+
+from ..errors import MoelensError
+from ..modules import first_parameter, names_keyword, vocab_size
+
+
+#: The dtypes torch's embedding looks token ids up by (int16 ids, bool ones, fail inside the model).
+EMBEDDED_ID_DTYPES = (torch.long, torch.int32)
+
+
+def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], from_text: bool = False,
+                         generating: bool = False, trace_kwargs: Mapping[str, Any] | None = None,
+                         mask_built: bool = False) -> tuple[tuple, dict]:
+    """``batched`` (the model's inputs, as nnsight's batching built them), after refusing input_ids the model could
+    not embed: a tensor of a dtype torch's embedding does not take (float, int16, bool ...) or a prompt with no tokens (an empty ids
+    tensor; ``from_text``: an empty string, a row of padding alone beside longer prompts; the model's attention
+    fails on a zero-length sequence), and an attention mask that does not fit them (``trace_kwargs``: the trace's own
+    keywords, ``model.trace(past_key_values=...)``, which the model gets beside the invokes' and over them;
+    ``mask_built``: the mask was built for the invokes' own tokens, not given)."""
+    ids = _input_ids(module, batched)
+    if not isinstance(ids, torch.Tensor):
+        return batched
+    if ids.dtype not in EMBEDDED_ID_DTYPES:
+        raise unembeddable_ids(ids, "the trace's input_ids")
+    mask = batched[1].get("attention_mask")
+    given = {**batched[1], **(trace_kwargs or {})}
+    _refuse_misfit_mask(module, ids, given.get("attention_mask"), _given_cache(module, given), generating,
+                       mask_built)
+    masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
+    if ids.numel() == 0 or (masked and not mask.any(-1).all()):
+        row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
+        raise MoelensError(
+            f"a prompt of the trace has no tokens{row}: an empty string or an empty ids tensor gives the model a "
+            "zero-length sequence, on which its attention fails. Give every prompt at least one token."
+        )
+    return batched
+
+
+def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any, generating: bool,
+                        mask_built: bool = False) -> None:
+    """Refuse a ``[batch, width]`` attention_mask that does not fit the ``[batch, seq]`` ids: transformers takes it as
+    it is, and the model silently attends to the wrong positions. It has one entry per token; over a key-value cache
+    (``cache``) in a step of a trace, one per cached token before them too (generate's ids hold the cached tokens; an
+    encoder-decoder's are the encoder's), and wider is let through there (a static cache's length)."""
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == mask.dim() == 2):
+        return
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        cache = None
+    rows, length = ids.shape
+    counted = getattr(cache, "get_seq_length", None)
+    cached = int(counted()) if cache is not None and not generating and callable(counted) else 0
+    least = length + cached
+    if mask.shape[0] == rows and (mask.shape[1] == least or cache is not None and mask.shape[1] > least):
+        return
+    before = f" and {cached} more for the tokens the cache holds before them" if cached else ""
+    expected = f"{rows} row{'s' * (rows != 1)} of at least {least}" if cache is not None else f"shape ({rows}, {length})"
+    built = (" (built for the invokes' own tokens, not the cached ones: over a cache pass attention_mask=, covering "
+             "the cached and the new tokens, to model.trace(...))") if mask_built and cached else ""
+    raise MoelensError(
+        f"the attention_mask of shape {tuple(mask.shape)}{built} does not fit the input_ids of shape "
+        f"{tuple(ids.shape)}: give one entry per token (1 to attend to it, 0 for padding){before}, {expected}."
+    )
+
+
+def unembeddable_ids(ids: torch.Tensor, named: str) -> MoelensError:
+    """The refusal of token ids ``ids`` (called ``named``) of a dtype torch's embedding does not take."""
+    kind = "token ids are integers" if not _token_ids(ids) else "a model's embedding takes torch.long or torch.int32 ids"
+    return MoelensError(f"{named} are a {ids.dtype} tensor of shape {tuple(ids.shape)}: {kind}; pass the ids a "
+                        "tokenizer gives (torch.long), or convert them with .long().")
+
+
+def _refuse_shapeless_ids(ids: Any) -> None:
+    """Refuse an invoke's input ids that are one 0-d tensor (nnsight's batching fails on it with a bare IndexError)."""
+    if isinstance(ids, torch.Tensor) and ids.dim() == 0:
+        raise MoelensError(f"a trace's input was a 0-d tensor ({ids!r:.40}), one id without a batch and a sequence "
+                           "axis: pass token ids [batch, seq], e.g. ids.reshape(1, 1).")
+
+
+def _model_inputs(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs a failed run gave the model: a trace's, assembled again from its batcher (the tokenized, padded
+    batch), or the call's own; ``((), {})`` when they cannot be built again."""
+    batcher = kwargs.get("batcher")
+    if batcher is None:
+        return args, kwargs
+    try:
+        return batcher.assemble(fn)
+    except Exception:  # noqa: BLE001 - only to explain an error already raised
+        return (), {}
+
+
+def _input_ids(module: torch.nn.Module, batched: tuple[tuple, dict]) -> Any:
+    """The input_ids among the model's inputs ``batched``: the keyword, or the first argument of a forward whose
+    first parameter they are."""
+    args, kwargs = batched
+    ids = kwargs.get("input_ids")
+    if ids is None and args and first_parameter(module) == "input_ids":
+        ids = args[0]
+    return ids
+
+
+def _invoke_ids(inputs: tuple, kwargs: dict) -> Any:
+    """An invoke's input_ids: its first positional input, or the keyword (None where it has neither)."""
+    return inputs[0] if inputs else kwargs.get("input_ids")
+
+
+def _modality_inputs(names: Iterable[Any]) -> list[str]:
+    """Which of ``names`` (an invoke's input names) are inputs of another modality than text (an image's
+    pixel_values and image_grid_thw, a processor's images=, audio input_features), sorted."""
+    return sorted(str(name) for name in names if any(part in str(name) for part in MODALITY_INPUTS))
+
+
+def _invoke_input_names(inputs: tuple, kwargs: dict) -> list[Any]:
+    """The names of the inputs an invoke gives data in: its keywords, and the keys of an encoding given as its first
+    input (``tracer.invoke(processor(...))``), but for those set to None or a flag (``pixel_values=None``,
+    Qwen3-Omni's ``use_audio_in_video=False``), which nnsight passes on to the model for the whole batch."""
+    return [name for name, value in _invoke_inputs(inputs, kwargs).items()
+            if value is not None and not isinstance(value, bool)]
+
+
+def _invoke_inputs(inputs: tuple, kwargs: dict) -> dict[Any, Any]:
+    """An invoke's inputs by name: its keywords, and the keys of an encoding given as its first input."""
+    return {**(inputs[0] if inputs and isinstance(inputs[0], Mapping) else {}), **kwargs}
+
+
+def _unbatched_inputs(inputs: tuple, kwargs: dict) -> list[str]:
+    """The tensors an invoke of token ids or an encoding gives (keywords, or keys of the encoding) that nnsight does
+    not split into rows to batch invokes: any outside its ``ROW_FIELDS`` (a processor's ``mm_token_type_ids``), sorted.
+    None for an invoke of text, whose keywords nnsight hands the forward as settings of the whole batch."""
+    if any(_is_text(value) for value in inputs):
+        return []
+    return sorted(str(name) for name, value in _invoke_inputs(inputs, kwargs).items()
+                  if isinstance(value, torch.Tensor) and name not in processing.ROW_FIELDS)
+
+
+#: What to do with inputs nnsight cannot split between invokes (`_unbatched_inputs`).
+_UNBATCHED_REMEDY = ("Give the whole batch to one invoke, or to model.trace(...) with no invokes; or leave them out "
+                     "where the model does without (a processor's token-type ids of text alone).")
+
+
+def _unsplittable(modality: list[str]) -> str:
+    """The sentence saying that the inputs named ``modality`` (images, audio) cannot be split between invokes, and how
+    to batch them instead."""
+    return (f"Inputs of other modalities ({', '.join(modality)}) cannot be split between invokes: give the processor's "
+            "whole batch to one invoke, or to model.trace(...) with no invokes.")
+
+
+def _rows_of(inputs: tuple, kwargs: dict, rows: int) -> int:
+    """``rows``, the batch rows nnsight counts in an input; refused where it is 0 for an input that is there (an empty
+    list of prompts, ids of 0 rows): nnsight takes such a trace for one without input, runs its body without the model
+    and fails at its first read ("Cannot access model.output outside of interleaving")."""
+    ids, name = _invoke_ids(inputs, kwargs), "ids"
+    if isinstance(ids, Mapping):
+        ids = ids.get("input_ids")
+    if ids is None:
+        ids, name = kwargs.get("inputs_embeds"), "inputs_embeds"
+    if not rows and ((isinstance(ids, (list, tuple)) and not ids) or (isinstance(ids, torch.Tensor) and ids.ndim > 1)):
+        shape = f"{name} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else f"an empty {type(ids).__name__}"
+        raise MoelensError(f"the input holds no prompts ({shape}), so the model would not run: give at least one "
+                           "prompt.")
+    return rows
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` can be a model's input_ids: an integer tensor (a float one, a number or a list is not)."""
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+
+
+def _without_remote(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An invoke's keywords without ``remote``: plain nnsight has no remote path, so a true one is refused (it would
+    reach the forward as an input) and a false one (a ``remote=REMOTE`` switch, off) dropped."""
+    if kwargs.get("remote"):
+        raise MoelensError(
+            f"remote={kwargs['remote']!r} runs nnsight's remote path, which comes with a model wrapped with its "
+            "tokenizer (nnsight's LanguageModel): moelens.wrap(model, tokenizer=...)."
+        )
+    return {name: value for name, value in kwargs.items() if name != "remote"}
+
+
+#: The keywords a forward takes its key-value cache by: transformers 5.25 renamed ``past_key_values`` to ``cache``
+#: (the old name still works there, deprecated).
+CACHE_KEYWORDS = ("past_key_values", "cache")
+
+
+def _given_cache(module: torch.nn.Module, params: Mapping[str, Any]) -> Any:
+    """The key-value cache among ``params`` under either name (`CACHE_KEYWORDS`), None where none is given; a
+    `MoelensError` for ``cache=`` to a forward that does not name it (before transformers 5.25 its ``**kwargs``
+    take it in silence, and the model runs without the cache)."""
+    if params.get("cache") is not None and not names_keyword(module, "cache"):
+        raise MoelensError(
+            f"cache= is not a keyword of {type(module).__name__}.forward: transformers before 5.25 takes the "
+            "key-value cache as past_key_values, and would run the model without it. Pass past_key_values=."
+        )
+    return next((params[name] for name in CACHE_KEYWORDS if params.get(name) is not None), None)
+
+
+def _cached_tokens(module: torch.nn.Module, params: dict[str, Any]) -> int:
+    """How many tokens the key-value cache among a trace's ``params`` holds (0: none given)."""
+    cache = _given_cache(module, params)
+    if cache is None:
+        return 0
+    length = getattr(cache, "get_seq_length", None)
+    return int(length()) if callable(length) else 1  # a cache of another kind: assume it holds tokens
+
+
+def _embedded_pad_id(model: torch.nn.Module) -> int:
+    """The id the invokes of a model without a tokenizer are padded with (masked, so any id it embeds will do): the
+    config's ``pad_token_id`` where the model embeds it, else 0 (``-1`` or an id past the vocabulary in a config)."""
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    vocab = vocab_size(model)
+    return pad_id if isinstance(pad_id, int) and 0 <= pad_id and (vocab is None or pad_id < vocab) else 0
+
+
+def _left_padded(rows: list[Int[torch.Tensor, " _"]], pad_id: int) -> tuple[Int[torch.Tensor, "b w"], Int[torch.Tensor, "b w"]]:
+    """The rows (of any lengths) left-padded with ``pad_id`` to the longest one, ``w``, and their attention mask
+    (1 on real tokens)."""
+    width = max(row.shape[0] for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=rows[0].dtype)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, width - row.shape[0] :] = row
+        attention_mask[index, width - row.shape[0] :] = 1
+    return input_ids, attention_mask
+
+
+#: Parts of the names of a processor's image, video and audio inputs (pixel_values, image_grid_thw,
+#: input_features, input_values).
+MODALITY_INPUTS = ("pixel", "image", "video", "audio", "input_features", "input_values")
+
+
+def _not_an_input(value: Any) -> bool:
+    """A number, bytes, or a list holding a float or bytes (no prompt, token ids or tensor)."""
+    scalar = (int, float, bytes, bytearray)
+    if isinstance(value, scalar):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(item, (float, bytes, bytearray)) for item in value)
+
+
+def _is_text(value: Any) -> bool:
+    """A prompt string or a list of them."""
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], str))
