@@ -629,7 +629,8 @@ def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
     shrink: there the other experts are lowered by as much instead, so the forced experts
     keep the weights the router gives them among themselves (forcing the experts a token
     already picks changes nothing, unless other experts lie within the mixer's jitter
-    threshold of the top logit: those drop out of its masked softmaxes, and the forced
+    threshold of a forced expert's logit (the top one's for the first slot, the second
+    one's for the second): those drop out of its masked softmaxes, and the forced
     weights grow), and a slot left beside them takes the best other expert, weighted by a
     softmax over the others within the threshold of it (from about 1 / (E - forced) where
     the other logits are close, up to 1): force ``top_k`` experts to fill every slot.
