@@ -656,18 +656,36 @@ def test_edits_made_in_a_trace_are_checked_as_the_export_checks_them():
         r"Edits.ablate\[0\] names a layer with no MoE block here; the MoE layers are \[1, 2, 3\]": Edits(ablate={0: [3]}),
         r"Edits.steer\[0\], Edits.route_around\[7\] name layers with no MoE block": Edits(route_around={7: [3]},
                                                                                           steer={0: {1: 2.0}}),
-        r"Edits.swap\[1\]: experts \[9\] are out of range 0..7": Edits(swap={1: {9: 2}}),
-        r"Edits.swap\[1\]: experts \[-1\] are out of range 0..7": Edits(swap={1: {-1: 2}}),  # was expert 7
+        r"Edits.swap\[1\]: experts \[9\] out of range: layer 1's MoE block has 8 experts; give expert ids 0..7\.":
+            Edits(swap={1: {9: 2}}),
+        r"Edits.swap\[1\]: experts \[-1\] out of range": Edits(swap={1: {-1: 2}}),  # was expert 7
+        # the replacement, not the swapped expert: it said "experts [9]"
+        r"Edits.swap\[1\]: replacements \(the experts taking over the slots\) \[9\] out of range":
+            Edits(swap={1: {2: 9}}),
+        r"Edits.ablate\[1\] and Edits.swap\[1\] both name experts \[3\]": Edits(ablate={1: [3]}, swap={1: {3: 4}}),
     }
     for message, edits in refused.items():
         with pytest.raises(ExportError, match=message):
             with wrapped.trace(ids):
                 edits.intervene(wrapped)
-    with pytest.raises(ExportError, match=r"Edits.steer\[2\]: experts \[8\] are out of range"):
+    with pytest.raises(ExportError, match=r"Edits.steer\[2\]: experts \[8\] out of range"):
         with wrapped.trace(ids):
             Edits(steer={2: {8: 1.0}}).apply(wrapped.moes[1])
     with pytest.raises(moelens.MoelensError, match=r"model must be a model wrapped by moelens, got Qwen2MoeForCausalLM"):
         Edits(ablate={1: [2]}).intervene(wrapped._module)  # was torch's "object has no attribute 'moes'"
+
+
+def test_edits_made_in_a_trace_refuse_a_layer_of_several_blocks_as_the_export_does():
+    """ernie4_5_vl_moe's layers hold a text and a vision block. The export refuses Edits keyed by such a layer as
+    ambiguous; in a trace, Edits.intervene made them on every block of the layer (the range checked on one of them),
+    so the vision block's experts were ablated too. Ground truth: model.moes, which lists both blocks at layer 1."""
+    wrapped = moelens.wrap(tiny_model("ernie4_5_vl_moe"))
+    assert [moe.layer for moe in wrapped.moes][:2] == [1, 1]
+    with pytest.raises(ExportError, match=r"layer 1 holds several MoE blocks \(model.moes\[0\] is "
+                                          r"model.layers.1.mlp.text_moe, model.moes\[1\] is "
+                                          r"model.layers.1.mlp.vision_moe\), so Edits keyed by layer are ambiguous"):
+        with wrapped.trace(**tiny_inputs(wrapped._module)):
+            Edits(ablate={1: [0]}).intervene(wrapped)
 
 
 def test_edits_on_a_plain_block_say_it_has_no_layer(out):

@@ -352,7 +352,10 @@ def test_an_edit_of_a_layer_block_does_not_export_is_refused_by_its_option(monke
     (["export", "tiny", "x.nnef.tgz", "--steer", "1:3=inf"],
      "--steer of layer 1: the biases of experts [3] are not finite ([inf]); give finite biases (a few tens already "
      "decide the routing), or use --route-around to remove an expert."),
-    (["export", "tiny", "x.nnef.tgz", "--ablate", "1:99"], "--ablate of layer 1: experts [99] are out of range 0..7."),
+    (["export", "tiny", "x.nnef.tgz", "--ablate", "1:99"], "--ablate of layer 1: experts [99] out of range: layer 1's "
+     "MoE block has 8 experts; give expert ids 0..7."),
+    (["export", "tiny", "x.nnef.tgz", "--ablate", "1:3", "--swap", "1:3=4"], "--ablate of layer 1 and --swap of layer 1 "
+     "both name experts [3]: an expert's slots are either zeroed or run another expert; pick one."),
     # a swap to itself: the advice said "Edits.ablate", which the command's user cannot type
     (["export", "tiny", "x.nnef.tgz", "--swap", "1:3=3"], "--swap of layer 1: experts [3] are swapped to themselves, so "
      "nothing would change; give another expert to take over their slots (or zero-ablate them: --ablate of layer 1)."),

@@ -422,7 +422,7 @@ def test_zeroed_router_rows_are_refused_with_advice_that_removes_the_experts(tmp
         moe.params(1).router.zero_()
         moe.params(4).router.zero_()
     path = tmp_path / "zeroed.nnef.tgz"
-    with pytest.raises(ExportRefused, match=r"\(layer 2: experts 1 and 4\).* The router rows of experts layer 2: 1, 4 "
+    with pytest.raises(ExportRefused, match=r"\(layer 2: experts 1 and 4\).* The router rows of layer 2's experts 1, 4 "
                                             r"are all zero: a zero row does not remove an expert .* Route around those "
                                             r"experts instead .* or zero their down projections too"):
         to_nnef(model, path)

@@ -209,15 +209,17 @@ class Edits:
                 f"(Edits(steer={{{layer}: {dict.fromkeys(sorted(self.force[layer]), 30.0)}}})), or export without it."
             )
         named = {
-            "ablate": self.ablate.get(layer, ()),
-            "route_around": self.route_around.get(layer, ()),
-            "steer": tuple(self.steer.get(layer, {})),
-            "swap": tuple(self.swap.get(layer, {})) + tuple(self.swap.get(layer, {}).values()),
+            ("ablate", "experts"): self.ablate.get(layer, ()),
+            ("route_around", "experts"): self.route_around.get(layer, ()),
+            ("steer", "experts"): tuple(self.steer.get(layer, {})),
+            ("swap", "experts"): tuple(self.swap.get(layer, {})),
+            ("swap", "replacements (the experts taking over the slots)"): tuple(self.swap.get(layer, {}).values()),
         }
-        for kind, experts in named.items():
+        for (kind, what), experts in named.items():
             bad = [e for e in experts if not 0 <= e < num_experts]
             if bad:
-                raise ExportError(f"Edits.{kind}[{layer}]: experts {bad} are out of range 0..{num_experts - 1}.")
+                raise ExportError(f"Edits.{kind}[{layer}]: {what} {bad} out of range: layer {layer}'s MoE block has "
+                                  f"{num_experts} experts; give expert ids 0..{num_experts - 1}.")
         unchanged = [e for e, to in self.swap.get(layer, {}).items() if e == to]
         if unchanged:
             raise ExportError(f"Edits.swap[{layer}]: experts {unchanged} are swapped to themselves, so nothing would "
@@ -225,7 +227,8 @@ class Edits:
                               f"Edits.ablate[{layer}]).")
         both = sorted(set(self.ablate.get(layer, ())) & set(self.swap.get(layer, {})))
         if both:
-            raise ExportError(f"Edits at layer {layer}: experts {both} are both zero-ablated and swapped; pick one.")
+            raise ExportError(f"Edits.ablate[{layer}] and Edits.swap[{layer}] both name experts {both}: an expert's "
+                              "slots are either zeroed or run another expert; pick one.")
         left = num_experts - len(set(self.route_around.get(layer, ())))
         if left < k:
             raise ExportRefused(
@@ -317,6 +320,14 @@ class Edits:
 
         check_wrapped(model)
         moes = list(model.moes)
+        layers = [moe.layer for moe in moes]
+        shared = sorted({layer for layer in layers if layers.count(layer) > 1} & set(self.layers()), key=str)
+        if shared:
+            listed = ", ".join(f"model.moes[{index}] is {moe.path}" for index, moe in enumerate(moes)
+                               if moe.layer == shared[0])
+            raise ExportError(f"layer {shared[0]} holds several MoE blocks ({listed}), so Edits keyed by layer are "
+                              "ambiguous: make the edits on the block you mean with moelens' interventions "
+                              "(moelens.ablate(model.moes[i], ...), moelens.steer), or Edits(...).apply(model.moes[i]).")
         self.check({moe.layer: (moe.num_experts, moe.top_k) for moe in moes})
         wanted = set(self.layers())
         for moe in moes:

@@ -195,11 +195,11 @@ def refuse_ties(specs: Iterable[MoeSpec]) -> None:
         where = "the block" if spec.layer is None else f"layer {spec.layer}"
         tied.append(f"{where}: experts {', '.join(f'{a} and {b}' for a, b in pairs)}")
         experts = sorted({expert for pair in pairs for expert in pair if not spec.wg[expert].any()})
-        zeroed += [f"{where}: {', '.join(map(str, experts))}"] if experts else []
+        zeroed += [f"{where}'s experts {', '.join(map(str, experts))}"] if experts else []
     if not tied:
         return
     if zeroed:  # scaling a zero row keeps it zero: say what removes an expert instead
-        advice = (f"The router rows of experts {'; '.join(zeroed[:3])}{' ...' if len(zeroed) > 3 else ''} are all "
+        advice = (f"The router rows of {'; '.join(zeroed[:3])}{' ...' if len(zeroed) > 3 else ''} are all "
                   "zero: a zero row does not remove an expert (its logit is 0, tied with the other zero rows). Route "
                   "around those experts instead (ablate(moe, e, \"route_around\"), Edits(route_around=...)), or zero "
                   "their down projections too (moe.params(e).down.zero_(), so that either pick adds nothing), and "
