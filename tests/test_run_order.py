@@ -1035,3 +1035,19 @@ def test_a_block_the_run_never_reached_says_why_not_that_it_was_read_late():
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def test_a_read_after_an_intervention_on_a_later_block_says_the_intervention_moved_the_model_on():
+    """moelens.steer on layer 1, then a read of layer 0: the order error said only to read values and blocks in
+    order, not that the steer was what moved the model on (the refusal itself is checked against hooks above)."""
+    from moelens.testing import tiny_inputs, tiny_model
+
+    hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+    model = moelens.wrap(hf)
+    with pytest.raises(moelens.OrderError, match=r"layers\.0\.mlp\.router_logits was requested after the model had "
+                                                 r"already run past it\..* An intervention moves the model on as a "
+                                                 r"read does \(moelens\.steer, force, ablate write values of their "
+                                                 r"block\): call it after the reads of earlier values and blocks\."):
+        with torch.no_grad(), model.trace(**tiny_inputs(hf)):
+            moelens.steer(model.moes[1], 3, 5.0)
+            model.moes[0].router_logits.save()

@@ -456,7 +456,9 @@ class Component(StandardNames, Envoy):
         else:
             save_all = "; or save everything at once with save_all()" if hasattr(self, "save_all") else ""
             what = (f"{self.path}.{name} was requested after the model had already run past it. Within a block, read "
-                    f"values in the order the model produces them ({order}), and blocks in layer order{save_all}.")
+                    f"values in the order the model produces them ({order}), and blocks in layer order{save_all}. An "
+                    "intervention moves the model on as a read does (moelens.steer, force, ablate write values of "
+                    "their block): call it after the reads of earlier values and blocks.")
         error = OrderError(f"{maybe_idle}{what}{self._steps_hint(step_passed)} A module skipped with .skip() never "
                            f"produces its values.{registered}")
         error.step_passed = step_passed  # for the errors made of it (save_all's, router_probs')
