@@ -4312,6 +4312,46 @@ def test_layers_added_or_removed_after_wrapping_are_refused_at_the_next_trace(ch
             dense.layers[1].mlp.output.save()
 
 
+@pytest.mark.parametrize("change", ["swapped", "duplicated"])
+def test_layers_reordered_after_wrapping_are_refused_at_the_next_trace(change):
+    """Layers swapped after wrapping (same count): model.layers[0].mlp.router_logits was served, without an error, from
+    the block now running at position 1 (nnsight serves a module's values by identity)."""
+    hf = tiny_model("mixtral")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    layers = list(hf.model.layers)
+    order = [layers[1], layers[0], *layers[2:]] if change == "swapped" else [layers[0], layers[0], *layers[2:]]
+    hf.model.layers = torch.nn.ModuleList(order)
+    with pytest.raises(moelens.MoelensError, match=r"holds its layers in another order than moelens wrapped them in"
+                                                   r".*Wrap the model again"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            wrapped.layers[0].mlp.router_logits.save()
+
+
+@pytest.mark.parametrize("call", ["eval()", "train()", "train(False)", "half()", "float()", "bfloat16()", "double()",
+                                  "requires_grad_(False)"])
+def test_torch_s_in_place_module_methods_return_the_wrapped_model(call):
+    """model.half(), .eval(), ... returned the transformers model (torch's return their module), so
+    model = moelens.load(...).eval() dropped moelens, and model.moes then raised AttributeError. They return the wrapped
+    model, as to() does, with the module changed as torch's own method changes it. Ground truth: the same method on an
+    unwrapped copy."""
+    hf = tiny_model("mixtral")
+    reference = copy.deepcopy(hf)
+    wrapped = moelens.wrap(hf)
+    assert eval(f"wrapped.{call}") is wrapped
+    assert eval(f"reference.{call}") is reference
+    assert [(p.dtype, p.requires_grad) for p in hf.parameters()] == \
+        [(p.dtype, p.requires_grad) for p in reference.parameters()]
+    assert [m.training for m in hf.modules()] == [m.training for m in reference.modules()]
+    if hf.training or hf.dtype == torch.float64:  # router jitter draws at random; float64 traces are refused
+        return
+    inputs = tiny_inputs(hf)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        logits = wrapped.output.logits.save()
+    with torch.no_grad():
+        expected = reference(**inputs).logits
+    assert torch.equal(logits, expected)
+
+
 def test_model_save_all_gives_every_block_the_names_of_a_generator(mixtral):
     """model.save_all(values=<a generator>) handed the one generator to each block: the first block used it up, and
     every later block saved nothing, with no error."""

@@ -62,6 +62,21 @@ from .wrapping.run_errors import (_derived_gradient_refusal, _embeddings_on_acce
                                   _no_gradient_refusal, _real_buffers_refusal)
 from .wrapping.walk import _around_blocks, _present, _walk_steps
 
+def _returning_wrapper(name: str) -> Any:
+    """The wrapped model's ``name`` (``eval``, ``half``, ...): the transformers model's, in place, returning the
+    wrapped model (torch's returns the module, so ``model = model.eval()`` would drop moelens), as nnsight's ``to``,
+    ``cpu`` and ``cuda`` do."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        getattr(self._module, name)(*args, **kwargs)
+        return self
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = (f"``model._module.{name}(...)`` (torch's, in place), returning this wrapped model, so that "
+                      f"``model = model.{name}()`` keeps moelens.")
+    return method
+
+
 class MoeModelMixin(StandardNames):
     """What moelens adds to an nnsight model: the MoE components and the family."""
 
@@ -73,7 +88,8 @@ class MoeModelMixin(StandardNames):
     _watched: tuple[tuple[str, int, str], ...]
     #: ``(path, length)`` of each module list holding MoE blocks (or dense MLPs), as wrapped
     #: (`_refuse_changed_layers`), and how `_present` walks to them.
-    _layer_lists: tuple[tuple[str, int], ...]
+    #: With each, the position of each of its layers as wrapped, by the layer's id (empty where it is no ModuleList).
+    _layer_lists: tuple[tuple[str, int, dict[int, int]], ...]
     _layer_walk: tuple[tuple[str, int, str], ...]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).
     _batcher_class = served.MoeBatcher
@@ -101,6 +117,9 @@ class MoeModelMixin(StandardNames):
                 "moe.params() (weight edits), or call model.clear_edits() to silence this.",
             )
         return self._module.save_pretrained(*args, **kwargs)
+
+    eval, train, requires_grad_ = map(_returning_wrapper, ("eval", "train", "requires_grad_"))
+    half, float, bfloat16, double = map(_returning_wrapper, ("half", "float", "bfloat16", "double"))
 
     @property
     def moes(self) -> MoeList:
@@ -281,16 +300,31 @@ class MoeModelMixin(StandardNames):
         return result
 
     def _refuse_changed_layers(self, live: dict[str, torch.nn.Module]) -> None:
-        """Refuse a run of a model whose layer lists gained or lost layers since wrapping (``live``: path -> module,
+        """Refuse a run of a model whose layer lists gained or lost layers since wrapping, or hold them in another
+        order (``live``: path -> module,
         `_present`): `moes` and `layers` name the blocks as they were, so a block's values would come from another
         layer's (an inserted one shifts them) or the new layers' blocks be left out, silently."""
-        for path, length in self._layer_lists:
+        for path, length, wrapped in self._layer_lists:
             layers = live.get(path)
             if layers is not None and len(layers) != length:
                 raise MoelensError(
                     f"the model's {path} holds {len(layers)} layers, and moelens wrapped it with {length} (layers "
                     "added or removed since moelens.wrap): model.moes and model.layers name the blocks as they were, "
                     "so their values would be another layer's. Wrap the model again: moelens.wrap(model._module, ...)."
+                )
+            if layers is None or not wrapped:
+                continue
+            # a layer moved to another position (layers reordered, or one put in twice): nnsight serves a module's
+            # values by identity, so model.layers[i] would read the layer now running at another position. A new
+            # module (a replaced layer, a checkpoint_wrapper around one) is left to the read's own refusal.
+            moved = next(((i, wrapped[id(layer)]) for i, layer in enumerate(layers)
+                          if wrapped.get(id(layer), i) != i), None)
+            if moved is not None:
+                raise MoelensError(
+                    f"the model's {path} holds its layers in another order than moelens wrapped them in (position "
+                    f"{moved[0]} now holds the layer wrapped at position {moved[1]}): "
+                    "model.moes and model.layers name the blocks by where they were, so their values would be another "
+                    "layer's. Wrap the model again: moelens.wrap(model._module, ...)."
                 )
 
     def _failing_experts(self, error: BaseException, innermost: bool = False) -> Moe | None:
@@ -964,8 +998,10 @@ def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, A
     object.__setattr__(wrapped, "_structure", structure)
     object.__setattr__(wrapped, "_watched", watched)
     object.__setattr__(wrapped, "_wrap_options", options)
-    object.__setattr__(wrapped, "_layer_lists", tuple((path, len(model.get_submodule(path)))
-                                                      for path in structure.layer_lists))
+    object.__setattr__(wrapped, "_layer_lists", tuple(
+        (path, len(layers), {id(layer): i for i, layer in enumerate(layers)} if isinstance(layers, torch.nn.ModuleList)
+         else {})
+        for path in structure.layer_lists for layers in (model.get_submodule(path),)))
     object.__setattr__(wrapped, "_layer_walk", _walk_steps([*paths_above(structure.layer_lists),
                                                             *structure.layer_lists]))
     _bind_standard_names(wrapped, structure)
