@@ -260,6 +260,84 @@ def test_specialisation_labels_given_as_class_names_count_as_their_ids():
         analysis.specialisation(chosen_cache(), names, classes=["code"])
 
 
+class SpelledTokenizer:
+    """Decodes the token ids of `chosen_cache` (0 .. 4) to fixed texts; counts its calls."""
+
+    TEXTS = {0: "ab", 1: " 7", 2: ",", 3: "cd", 4: " "}
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.calls += 1
+        return "".join(self.TEXTS[i] for i in ids)
+
+
+def kind_of(text: str) -> str | None:
+    text = text.strip()
+    return None if not text else "digit" if text.isdigit() else "letters" if text.isalpha() else "punctuation"
+
+
+def test_specialisation_labels_given_as_a_function_of_each_token_s_text():
+    """labels=function: each token labelled by its decoded text (a Counter by hand of the classes kind_of gives the
+    tokens' texts), the function called once per distinct id, None leaving a token out, ids taken as ids; refused
+    without a tokenizer, for per="text", for names mixed with ids, for a label that is neither, and for a name
+    classes= lacks."""
+    cache = chosen_cache()
+    tokens = cache.token_ids().tolist() * 2  # each id twice: the function runs once per id
+    cache = cache_of([shard_of(tokens_by_hand() * 2, [[0.5, 0.5]] * 10)])
+    cache._memory[0].token_ids = torch.tensor(tokens, dtype=torch.int32)
+    cache.tokenizer = tokenizer = SpelledTokenizer()
+    names = [kind_of(SpelledTokenizer.TEXTS[token]) for token in tokens]
+    pairs = Counter((expert, name) for row, name in zip(tokens_by_hand() * 2, names) if name for expert in row)
+    result = analysis.specialisation(cache, kind_of)
+    assert result.classes == ["letters", "digit", "punctuation"] and tokenizer.calls == 5
+    assert result.counts[0].tolist() == [[pairs[(e, c)] for c in result.classes] for e in range(WIDTH)]
+    assert int(result.counts.sum()) == 2 * 8  # the two " " tokens are left out
+    ordered = analysis.specialisation(cache, kind_of, classes=["digit", "punctuation", "letters", "other"])
+    assert ordered.counts[0].tolist() == [[pairs[(e, c)] for c in ordered.classes] for e in range(WIDTH)]
+    by_id = analysis.specialisation(cache, lambda text: len(text) - 1 if text.strip() else None)  # ids 1, 1, 0, 1
+    lengths = [len(SpelledTokenizer.TEXTS[token]) - 1 if SpelledTokenizer.TEXTS[token].strip() else None
+               for token in tokens]
+    counted = Counter((expert, n) for row, n in zip(tokens_by_hand() * 2, lengths) if n is not None for expert in row)
+    assert by_id.counts[0].tolist() == [[counted[(e, c)] for c in range(2)] for e in range(WIDTH)]
+    refusals = {
+        r"this cache has no tokenizer .*RoutingCache\.load\(folder, tokenizer=model\.tokenizer\)":
+            (chosen_cache(), kind_of, {}),
+        r"per=\"text\" takes one label per corpus item": (cache, kind_of, {"per": "text"}),
+        r"class names for some tokens and class ids for others": (cache, lambda text: 1 if "7" in text else "x", {}),
+        r"the function gave 1\.5 for the token ',' \(id 2\); give a class name \(str\), a class id \(int\)":
+            (cache, lambda text: 1.5 if text == "," else 0, {}),
+        r"the function names the class 'letters', which is not in classes=\['digit', 'punctuation'\]":
+            (cache, kind_of, {"classes": ["digit", "punctuation"]}),
+    }
+    for message, (given, function, settings) in refusals.items():
+        with pytest.raises(moelens.MoelensError, match=message):
+            analysis.specialisation(given, function, **settings)
+
+
+def test_top_experts_rank_a_class_s_experts_by_the_asked_measure_by_hand():
+    """top_experts(class, layer, n, by): the experts in order of the measure, from a Counter by hand (lift =
+    P(class | expert) / P(class)), ties to the lower id, NaN rates last; row(layer) and a short repr."""
+    labels = [0, 1, 1, 0, 1]  # CHOSEN's tokens: 0 [0, 1], 1 [0, 2], 2 [0, 3], 3 [1, 2], 4 [0, 1]
+    result = analysis.specialisation(chosen_cache(), torch.tensor(labels), classes=["a", "b", "empty"])
+    pairs = Counter((expert, label) for row, label in zip(tokens_by_hand(), labels) for expert in row)
+    slots = sum(pairs.values())
+    lift = {e: (pairs[(e, 1)] / max(1, pairs[(e, 0)] + pairs[(e, 1)])) / (sum(pairs[(x, 1)] for x in range(WIDTH)) /
+                                                                         slots) for e in range(WIDTH)}
+    by_hand = sorted(range(WIDTH), key=lambda e: (-lift[e], e))
+    assert result.top_experts("b", 0, n=WIDTH) == by_hand and result.top_experts(1, 0) == by_hand[:3]
+    assert result.top_experts("b", 0, n=1, by="share") == [max(range(WIDTH), key=lambda e: (
+        pairs[(e, 1)] / max(1, pairs[(e, 0)] + pairs[(e, 1)]), -e))]
+    assert result.top_experts("empty", 0, n=2, by="activation_rate") == [0, 1]  # all NaN: by id
+    assert result.row(0) == 0
+    assert repr(result) == "Specialisation(layers=[0], classes=['a', 'b', 'empty'], experts=4, slots=10)"
+    for bad, message in [({"by": "count"}, r"by='count' is not one of"), ({"n": 0}, r"n=0: give how many experts"),
+                         ({"layer": 3}, r"layer 3 is not an MoE layer of this specialisation")]:
+        with pytest.raises(moelens.MoelensError, match=message):
+            result.top_experts("a", **{"layer": 0, **bad})
+
+
 def test_activation_rate_of_a_layer_with_fewer_experts_leaves_the_missing_ones_out():
     """A converted model whose layer 1 has 2 experts where layer 0 has 4: the rates and risk differences past layer
     1's experts were 0 (an expert that exists and is never reached); they are NaN (no such expert), and plots leave

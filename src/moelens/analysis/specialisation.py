@@ -3,7 +3,8 @@
 Label every cached token (``per="token"``: a tensor aligned with the cache's
 token order) or every corpus item (``per="text"``: a tensor indexed by text
 index) with a class id in ``0..C-1`` (code / prose, a language, a topic; a
-negative id or 255 leaves the token out), or with class names. Then ``share()``
+negative id or 255 leaves the token out), or with class names, or give a function
+of a token's text that names its class. Then ``share()``
 is P(class | expert), ``base()`` P(class) over all routed slots, and ``lift()``
 their ratio: above 1, the expert gets more of that class than the layer as a
 whole. ``activation_rate()`` is P(expert among a token's experts | class), and
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Number
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,10 +25,12 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from ..scalars import as_lone_int
-from .cache import SKIPPED, RoutingCache, check_cache
+from .cache import SKIPPED, RoutingCache, check_cache, layer_row
 from .checks import described, id_list, shown
 
 PER = ("token", "text")
+#: What `Specialisation.top_experts` ranks by: its methods of these names.
+TOP_BY = ("lift", "share", "expert_share", "activation_rate")
 
 
 @dataclass
@@ -51,6 +54,29 @@ class Specialisation:
     tokens: Int[Tensor, "l c"] | None = None
     reached: Int[Tensor, "l e c"] | None = None
     num_experts: list[int] | None = None
+
+    def __repr__(self) -> str:  # the dataclass' own printed five [L, E, C] tensors
+        return (f"Specialisation(layers={self.layers}, classes={self.classes}, experts={self.counts.shape[1]}, "
+                f"slots={int(self.counts.sum())})")
+
+    def row(self, layer: int) -> int:
+        """The row of decoder layer ``layer`` in every ``[L, ...]`` result."""
+        return layer_row(self.layers, layer, "specialisation")
+
+    def top_experts(self, name: int | str, layer: int, n: int = 3, by: str = "lift") -> list[int]:
+        """The ``n`` experts of decoder layer ``layer`` that favour class ``name`` (a class name or id) most, best
+        first, ranked by ``by``: ``"lift"``, ``"share"``, ``"expert_share"`` or ``"activation_rate"`` (the methods
+        of those names). Ties go to the lower expert id; a NaN rate (no token of the class) ranks last."""
+        if by not in TOP_BY:
+            raise MoelensError(f"by={by!r} is not one of {TOP_BY}.")
+        row, column = self.row(layer), self._class(name)
+        count = as_lone_int(n)
+        if count is None or isinstance(n, bool) or count < 1:
+            raise MoelensError(f"n={shown(n)}: give how many experts to list, a whole number of at least 1.")
+        own = self.num_experts[row] if self.num_experts else self.counts.shape[1]  # no rows past its own experts
+        values = getattr(self, by)()[row, :own, column].nan_to_num(nan=-torch.inf)
+        order = sorted(range(own), key=lambda expert: (-float(values[expert]), expert))
+        return order[:count]
 
     def share(self) -> Float[Tensor, "l e c"]:
         """P(class | expert): each expert's slots split over the classes (rows sum to 1)."""
@@ -99,6 +125,42 @@ class Specialisation:
             raise MoelensError(f"no class {name!r}: the classes are {self.classes} (give a name or an id in "
                                f"0..{len(self.classes) - 1}).")
         return index
+
+
+def _labels_of_tokens(cache: RoutingCache, label_of: Callable[[str], Any], classes: list[str] | None
+                      ) -> tuple[list[int], list[str] | None]:
+    """One class id per cached token, and the class names: ``label_of`` of the token's text (its id decoded alone by
+    the cache's tokenizer), called once per distinct id, gives a class name (its place in ``classes``, or without
+    them in the order the tokens first give the names) or id; None leaves the token out (-1). Refused: a cache
+    without a tokenizer, a label that is no name or id, names mixed with ids, a name ``classes`` lacks."""
+    tokenizer = cache.tokenizer
+    if tokenizer is None:
+        raise MoelensError("labels as a function need the tokens' text, and this cache has no tokenizer to decode "
+                           "them with: collect_routing(model, ...) keeps the model's; load a saved cache with "
+                           "RoutingCache.load(folder, tokenizer=model.tokenizer).")
+    ids = cache.token_ids().tolist()
+    labelled: dict[int, Any] = {}
+    for token in dict.fromkeys(ids):
+        text = tokenizer.decode([token])
+        label = label_of(text)
+        if label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, np.integer))):
+            raise MoelensError(f"labels: the function gave {shown(label)} for the token {text!r} (id {token}); give "
+                               "a class name (str), a class id (int), or None to leave the token out.")
+        labelled[token] = label
+    kinds = {isinstance(label, str) for label in labelled.values() if label is not None}
+    if len(kinds) > 1:
+        raise MoelensError("labels: the function gave class names for some tokens and class ids for others; give "
+                           "one kind (None leaves a token out).")
+    if kinds != {True}:
+        return [-1 if labelled[token] is None else int(labelled[token]) for token in ids], classes
+    given = [labelled[token] for token in ids]
+    names = list(dict.fromkeys(name for name in given if name is not None)) if classes is None else classes
+    unknown = next((name for name in given if name is not None and name not in names), None)
+    if unknown is not None:
+        raise MoelensError(f"labels: the function names the class {unknown!r}, which is not in classes={names}; add "
+                           "it there, or leave classes out to take the names in the order the tokens give them.")
+    column = {name: index for index, name in enumerate(names)}
+    return [-1 if name is None else column[name] for name in given], names
 
 
 def _named_labels(labels: Any, classes: list[str] | None) -> tuple[Any, list[str] | None]:
@@ -192,7 +254,7 @@ def _text_labels_error(labels: Tensor, cache: RoutingCache) -> MoelensError:
 
 
 def specialisation(
-    cache: RoutingCache, labels: Tensor, classes: list[str] | None = None, per: str = "token"
+    cache: RoutingCache, labels: Tensor | Callable[[str], Any], classes: list[str] | None = None, per: str = "token"
 ) -> Specialisation:
     """Count, per layer and expert, the routed slots of each labelled class (streams over shards).
 
@@ -204,6 +266,9 @@ def specialisation(
             (a list, tuple or numpy array of str): their places in ``classes``, or without it the names
             in the order they first appear become the classes. A fraction, NaN, infinity, None, an item of
             another kind and a ragged nesting (per-text lists of per-token labels) are refused by place.
+            Or a function of a token's text (its id decoded alone by the cache's tokenizer, ``" 7"``, ``"the"``)
+            giving its class name (or id), or None to leave it out, called once per distinct token id
+            (``per="token"`` only).
         classes: Class names, a list of str: ``classes[c]`` names class id ``c`` (a set, which has no order, and
             an item that is no text, such as the label values themselves, are refused; default: ``"0" .. "C-1"``
             from the largest label below 255).
@@ -223,6 +288,11 @@ def specialisation(
                                "text, classes[c] naming label id c (0, 1, ...); to count labels by their values, pass "
                                "them as names (labels=[str(label) for label in labels], with classes of str or left "
                                "out), or pass ids 0..C-1 with a name for each.")
+    if callable(labels):
+        if per != "token":
+            raise MoelensError("labels as a function label each token by its text; per=\"text\" takes one label "
+                               "per corpus item: pass them as a list.")
+        labels, classes = _labels_of_tokens(cache, labels, classes)
     labels, classes = _named_labels(labels, classes)
     ids = _class_ids(labels)
     labels = ids.flatten()
