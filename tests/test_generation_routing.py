@@ -278,3 +278,63 @@ def test_prompts_of_no_known_form_are_refused_as_prompts(prompts, message):
     model = moelens.wrap(tiny_model("mixtral"), tokenizer=ascii_tokenizer())
     with pytest.raises(MoelensError, match=message):
         analysis.collect_generation(model, prompts, max_new_tokens=2)
+
+
+def test_a_generation_steered_through_intervene_is_the_plain_run_with_the_biased_router():
+    """collect_generation(intervene=...) runs the intervention on every block at every step before reading its routing:
+    the ids and the cache are those of the plain generation whose layer-1 router adds the bias to expert 3's logit
+    (F.linear's output for that router's weight, patched), step by step; the steer puts expert 3 in every token's slots
+    there. A zero ablation is the plain run whose experts get the expert's weights zeroed (a forward pre-hook), its
+    slots cached at weight 0; with logits=True it is refused (the logits come before the weights it wrote)."""
+    from unittest import mock
+
+    hf = tiny_model("mixtral")
+    reference = copy.deepcopy(hf)
+    router = reference.model.layers[1].mlp.gate.weight
+    linear = torch.nn.functional.linear
+
+    def biased(x, weight, bias=None):
+        out = linear(x, weight, bias)
+        return out + torch.nn.functional.one_hot(torch.tensor(3), out.shape[-1]) * 6.0 if weight is router else out
+
+    pad = hf.config.pad_token_id if isinstance(hf.config.pad_token_id, int) else 0
+    with mock.patch.object(torch.nn.functional, "linear", biased):
+        out, _, calls, _ = plain_generation(reference, PROMPTS, pad, pad_token_id=pad)
+    width = max(len(prompt) for prompt in PROMPTS)
+    lengths = generated_lengths(out, width, None)
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+
+    def steer(moe):
+        if moe.layer == 1:
+            moelens.steer(moe, 3, 6.0)
+
+    result = analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=NEW, do_sample=False, pad_token_id=pad,
+                                         intervene=steer)
+    assert torch.equal(result.ids, out)
+    assert_routed_as(result, calls, lengths)
+    assert (result.cache.indices(1) == 3).any(-1).all() and not (result.cache.indices(0) == 3).any(-1).all()
+    unsteered = analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=NEW, do_sample=False, pad_token_id=pad)
+    assert not torch.equal(unsteered.cache.indices(1), result.cache.indices(1))
+    busiest = int(unsteered.cache.indices(0).flatten().mode().values)
+
+    def zeroed(module, args):  # ablate(moe, busiest) on layer 0's experts
+        return args[0], args[1], args[2].masked_fill(args[1] == busiest, 0), *args[3:]
+
+    reference = copy.deepcopy(hf)
+    hook = reference.model.layers[0].mlp.experts.register_forward_pre_hook(zeroed)
+    try:
+        out, _, calls, _ = plain_generation(reference, PROMPTS, pad, pad_token_id=pad)
+    finally:
+        hook.remove()
+    ablated = analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=NEW, do_sample=False, pad_token_id=pad,
+                                          intervene=lambda moe: moelens.ablate(moe, busiest) if moe.layer == 0 else None)
+    assert torch.equal(ablated.ids, out)
+    assert_routed_as(ablated, calls, generated_lengths(out, width, None))
+    assert not ablated.cache.weights(0)[ablated.cache.indices(0) == busiest].any()
+    with pytest.raises(MoelensError, match=r"collect_generation\(intervene=\.\.\.\): model\.model\.layers\.0\.mlp's "
+                                           r"router_logits could not be read after intervene\(block\) ran on it.*"
+                                           r"Leave logits=True out"):
+        analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=2, logits=True,
+                                    intervene=lambda moe: moelens.ablate(moe, 3))
+    with pytest.raises(MoelensError, match=r"intervene takes a function of an MoE block .*got dict"):
+        analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=2, intervene={1: 3})

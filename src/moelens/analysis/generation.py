@@ -13,13 +13,15 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+import nnsight
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from ..errors import MoelensError
+from ..components import Moe
+from ..errors import MoelensError, OrderError
 from ..scalars import check_flag
 from ..wrapping.generation import generation_setting, rows_per_prompt
 from . import corpus as corpora
@@ -112,6 +114,7 @@ def collect_generation(
     layers: Iterable[int] | None = None,
     blocks: str | Iterable[str] | None = None,
     dtype: torch.dtype = torch.float32,
+    intervene: Callable[[Moe], None] | None = None,
     **generate_kwargs: Any,
 ) -> GeneratedRouting:
     """Generate from ``prompts`` and return the generated ids with the routing of every token the model read.
@@ -126,6 +129,12 @@ def collect_generation(
         layers: Decoder-layer indices of the MoE layers to cache (default: all).
         blocks: Only blocks whose path contains this (models with several MoE blocks per layer).
         dtype: Storage dtype of weights and logits.
+        intervene: Called with each MoE block (every one the model runs on every token, cached or not, in model order)
+            at every step, before the block's routing is read, to intervene there
+            (``lambda moe: moelens.steer(moe, 3, 4.0) if moe.layer == 1 else None``): the generation runs with the
+            interventions, and the cache holds the routing as the experts got it (an expert ablated with ``"zero"``
+            at weight 0, a swap's new expert). With ``logits``, an intervention that writes the weights or indices
+            (ablate ``"zero"`` / ``"swap"``, reroute, keep_top) is refused: the logits, read after it, come before.
         generate_kwargs: Passed on to ``model.generate`` (``do_sample``, ``temperature``, ``eos_token_id``,
             ``min_new_tokens``, a ``streamer`` ...). Beam search, several sequences per prompt, stop strings,
             stopping criteria and assisted generation are refused: their routing cannot be told apart per row.
@@ -137,6 +146,9 @@ def collect_generation(
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         logits = check_flag("logits", logits)
         check_storage_dtype(dtype)
+        if intervene is not None and not callable(intervene):
+            raise MoelensError(f"intervene takes a function of an MoE block (lambda moe: moelens.steer(moe, 3, 4.0)), "
+                               f"got {type(intervene).__name__}.")
         moes = moes_of(model, layers, blocks)
         _refuse_settings(model._module, generate_kwargs)
         if model._ep_runs() and _setting(model._module, generate_kwargs, "prefill_chunk_size"):
@@ -160,7 +172,8 @@ def collect_generation(
                                              streamer=received, **generate_kwargs) as tracer:
             steps = list().save()
             for _ in tracer.all():
-                steps.append(model.save_all(wanted, strict=True, moes=moes))
+                steps.append(model.save_all(wanted, strict=True, moes=moes) if intervene is None else
+                             _intervened_step(model, moes, wanted, intervene))
     new = torch.stack(received.chunks[1:], dim=1) if len(received.chunks) > 1 else ids.new_zeros(len(ids), 0)
     steps = _new_tokens_of(steps, ids.shape, new.shape[1], synced)
     lengths = _lengths(new, _setting(model._module, generate_kwargs, "eos_token_id"))
@@ -180,6 +193,36 @@ def collect_generation(
         logits=routing["logits"],
     )]
     return GeneratedRouting(ids=torch.cat([ids, new], dim=1), prompt_length=ids.shape[1], lengths=lengths, cache=cache)
+
+
+def _intervened_step(model: Any, moes: list[Moe], wanted: list[str], intervene: Callable[[Moe], None]
+                     ) -> dict[int | str, dict[str, Tensor]]:
+    """Inside a generation step: ``intervene(block)`` on every MoE block the model runs on every token, each before the
+    routing of ``moes`` among them is read; keyed as ``model.save_all`` keys them (by layer, or by path where a layer
+    holds several of ``moes``)."""
+    cached = {moe.path for moe in moes}
+    layers = [moe.layer for moe in moes]
+    by_path = len(set(layers)) != len(layers)
+    saved = {}
+    for moe in model.moes:
+        if not isinstance(moe, Moe) or (moe.runs_only_on and moe.path not in cached):
+            continue
+        intervene(moe)
+        if moe.path not in cached:
+            continue
+        try:
+            saved[moe.path if by_path else moe.layer] = moe.save_all(wanted, strict=True)
+        except OrderError as error:
+            name = getattr(error, "unreached", None)
+            if name is None:
+                raise
+            raise MoelensError(
+                f"collect_generation(intervene=...): {moe.path}'s {name} could not be read after intervene(block) ran "
+                "on it: the intervention wrote a value the model makes after it (the weights or indices: ablate "
+                "'zero' or 'swap', reroute, keep_top). Leave logits=True out (the weights and indices are read after "
+                "such an intervention), or intervene on the routing only (steer, force, ablate(..., 'route_around'))."
+            ) from None
+    return nnsight.save(saved)
 
 
 def _refuse_settings(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
