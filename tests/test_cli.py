@@ -960,6 +960,58 @@ def test_generate_samples_with_its_seed_as_transformers_does(capsys):
     assert json.loads(printed)["generated_ids"] == out[0, len(ids):].tolist()
 
 
+def test_generate_with_edit_options_is_the_plain_generation_of_the_edited_model(capsys):
+    """--steer, --route-around, --ablate and --swap make their edits at every step: the text and the routing are
+    those of transformers' own generate with layer 1's router logits biased and expert 6 left out (F.linear's output
+    for that router's weight, patched), expert 2's weights zeroed and expert 4's slots run by expert 0 (forward pre-hook
+    on the experts)."""
+    from unittest import mock
+
+    from test_generation_routing import expected_routing, plain_generation
+
+    reference = moelens.load()
+    module = reference._module
+    ids = reference.tokenizer("def mean(values):", add_special_tokens=False)["input_ids"]
+    router = module.model.layers[1].mlp.gate.weight
+    linear = torch.nn.functional.linear
+
+    def steered(x, weight, bias=None):
+        out = linear(x, weight, bias)
+        if weight is not router:
+            return out
+        out = out.clone()
+        out[..., 5] += 3.0
+        out[..., 6] = float("-inf")
+        return out
+
+    def zeroed_and_swapped(experts, args):
+        indices, weights = args[1], args[2]
+        return args[0], torch.where(indices == 4, 0, indices), weights.masked_fill(indices == 2, 0), *args[3:]
+
+    hook = module.model.layers[1].mlp.experts.register_forward_pre_hook(zeroed_and_swapped)
+    try:
+        with mock.patch.object(torch.nn.functional, "linear", steered):
+            out, _, calls, _ = plain_generation(module, [ids], 0)  # NEW = 6 tokens, greedy
+    finally:
+        hook.remove()
+    status, printed, err = run(["generate", "tiny", "--prompt", "def mean(values):", "--max-new-tokens", 6,
+                                "--layers", 1, "--json", "--steer", "1:5=3", "--route-around", "1:6", "--ablate", "1:2",
+                                "--swap", "1:4=0"], capsys)
+    assert status == 0, err
+    report = json.loads(printed)
+    assert report["generated_ids"] == out[0, len(ids):].tolist()
+    indices, weights = expected_routing(calls["model.layers.1.mlp.experts"], [ids], len(ids), [6])
+    assert not (indices == 6).any() and not (indices == 4).any() and (indices == 2).any()
+    order = torch.argsort(weights, dim=-1, descending=True, stable=True)
+    assert report["experts"][0] == indices.gather(-1, order).tolist()
+    for argv, message in [(["--steer", "9:5=3"], r"--steer 9:\.\.\.: layer 9 has no MoE block; the MoE layers are "
+                                                 r"\[0, 1, 2, 3\]\."),
+                          (["--ablate", "1:99"], r"expert 99 is out of range"),
+                          (["--swap", "1:3"], r"--swap '1:3': expected LAYER:EXPERT=TO")]:
+        status, _, err = run(["generate", "tiny", "--prompt", "x", "--max-new-tokens", 2, *argv], capsys)
+        assert status == 2 and re.search(message, err) and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--layers", 9], r"layers \[9\] are not MoE layers; the MoE layers are \[0, 1, 2, 3\]"),
     (["--max-new-tokens", 0], r"--max-new-tokens must be an integer of at least 1, got 0"),

@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from ..edit_options import EDIT_OPTIONS, add_edit_options, make_edits, parse_edit_options
 from ..errors import MoelensError
 from .cli import load_model, set_threads
 
@@ -34,6 +35,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="torch's seed when sampling (default 0)")
     parser.add_argument("--layers", type=int, nargs="+", metavar="LAYER",
                         help="decoder-layer indices of the MoE layers to show (default: all)")
+    add_edit_options(parser)
     parser.add_argument("--json", action="store_true", help="print the generation and its routing as JSON")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: one thread is fastest on a busy machine for a small model)")
@@ -49,10 +51,12 @@ def run_generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     if args.layers is not None and len(set(args.layers)) != len(args.layers):
         raise MoelensError(f"--layers names a layer more than once ({' '.join(map(str, args.layers))}); give each once.")
+    edits = parse_edit_options(args)
     model = load_model(args.model, needs_tokenizer=True)
+    intervene = _edits_of(model, edits)
     torch.manual_seed(args.seed)
     run = collect_generation(model, [args.prompt], max_new_tokens=args.max_new_tokens, layers=args.layers,
-                             do_sample=args.sample)
+                             do_sample=args.sample, intervene=intervene)
     generated = run.generated(0)
     text = model.tokenizer.decode(generated)
     view = run.token_routing(0)
@@ -73,3 +77,22 @@ def run_generate(args: argparse.Namespace) -> int:
           "generated ones but the last):")
     print(view.table())
     return 0
+
+
+def _edits_of(model: Any, edits: dict[str, dict[int, Any]]) -> Any:
+    """The ``intervene`` of `collect_generation` that makes the edit options' edits on their layers' blocks at every
+    step (None: no edit given); a layer with no MoE block, or with several, is refused naming the option."""
+    named = [(option, layer) for option in EDIT_OPTIONS for layer in edits[option]]
+    if not named:
+        return None
+    blocks = [moe.layer for moe in model.moes]
+    for option, layer in named:
+        if blocks.count(layer) != 1:
+            where = "has no MoE block" if layer not in blocks else "holds several MoE blocks"
+            raise MoelensError(f"--{option.replace('_', '-')} {layer}:...: layer {layer} {where}; the MoE layers are "
+                               f"{sorted(set(blocks))}" + (", each with one block" if layer in blocks else "") + ".")
+
+    def intervene(moe: Any) -> None:
+        make_edits(moe, **{option: edits[option].get(moe.layer) for option in EDIT_OPTIONS})
+
+    return intervene

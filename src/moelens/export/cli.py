@@ -13,13 +13,10 @@ import argparse
 from typing import Any
 
 from ..cli import load_checkpoint
+from ..edit_options import EDIT_OPTIONS, add_edit_options, parse_edit_options
 from ..errors import MoelensError
 from ..paths import argument_text, user_path
 from .tract_cli import TOLERANCES
-
-
-#: The `Edits` fields the command has an option for (``--route-around`` for route_around ...).
-EDIT_OPTIONS = ("ablate", "route_around", "steer", "swap")
 
 
 def register(subparsers: Any) -> None:
@@ -40,13 +37,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--quantize-experts", choices=("q4_0",), help="store expert weights as tract Q4_0")
     parser.add_argument("--layout", choices=("canonical", "linear"), default="canonical", help="expert weight layout")
     parser.add_argument("--no-verify", action="store_true", help="do not run the archive in tract to check it")
-    parser.add_argument("--ablate", action="append", default=[], metavar="LAYER:E[,E]", help="zero-ablate experts")
-    parser.add_argument("--route-around", action="append", default=[], metavar="LAYER:E[,E]",
-                        help="route around experts (the router never picks them)")
-    parser.add_argument("--steer", action="append", default=[], metavar="LAYER:E=BIAS[,E=BIAS]",
-                        help="add BIAS to expert E's router logit")
-    parser.add_argument("--swap", action="append", default=[], metavar="LAYER:E=TO[,E=TO]",
-                        help="expert E's slots run expert TO")
+    add_edit_options(parser)
     parser.set_defaults(func=run_export)
 
 
@@ -68,59 +59,7 @@ def parse_edits(args: argparse.Namespace) -> Any:
     """`Edits` from the command's ``--ablate/--route-around/--steer/--swap`` options."""
     from .edits import Edits
 
-    def split(spec: str, option: str) -> tuple[int, str]:
-        layer, sep, rest = spec.partition(":")
-        try:  # int's own rule, as for the experts ("--1" and "²" are no layer)
-            number = int(layer)
-        except ValueError:
-            number = None
-        if not sep or number is None or not rest:
-            raise MoelensError(f"--{option} {spec!r}: expected LAYER:..., e.g. --{option} 1:3")
-        return number, rest
-
-    def experts(values: list[str], option: str) -> dict[int, list[int]]:
-        found: dict[int, list[int]] = {}
-        for spec in values:
-            layer, rest = split(spec, option)
-            try:
-                given = [int(e) for e in rest.split(",")]
-            except ValueError:
-                raise MoelensError(f"--{option} {spec!r}: experts must be integers, e.g. 1:3,5") from None
-            listed = found.setdefault(layer, [])
-            for expert_id in given:
-                if expert_id in listed:
-                    raise MoelensError(f"--{option} {spec!r}: expert {expert_id} of layer {layer} is given twice; "
-                                       "give each expert of a layer once.")
-                listed.append(expert_id)
-        return found
-
-    def valued(values: list[str], option: str, kind: type, example: str) -> dict[int, dict[int, Any]]:
-        found: dict[int, dict[int, Any]] = {}
-        for spec in values:
-            layer, rest = split(spec, option)
-            for item in rest.split(","):
-                expert, sep, value = item.partition("=")
-                try:
-                    expert_id, parsed = int(expert), kind(value)
-                except ValueError:
-                    raise MoelensError(f"--{option} {spec!r}: expected {example}") from None
-                if not sep:
-                    raise MoelensError(f"--{option} {spec!r}: expected {example}")
-                edits = found.setdefault(layer, {})
-                if expert_id in edits:
-                    raise MoelensError(
-                        f"--{option} {spec!r}: expert {expert_id} of layer {layer} is given twice "
-                        f"(={edits[expert_id]} and ={parsed}); give each expert of a layer one value."
-                    )
-                edits[expert_id] = parsed
-        return found
-
-    return Edits(
-        ablate=experts(args.ablate, "ablate"),
-        route_around=experts(args.route_around, "route-around"),
-        steer=valued(args.steer, "steer", float, "LAYER:EXPERT=BIAS, e.g. 2:4=1.5"),
-        swap=valued(args.swap, "swap", int, "LAYER:EXPERT=TO with TO an expert id, e.g. 2:4=0"),
-    )
+    return Edits(**parse_edit_options(args))
 
 
 def run_export(args: argparse.Namespace) -> int:

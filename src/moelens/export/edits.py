@@ -292,23 +292,13 @@ class Edits:
 
     def apply(self, moe: Any) -> None:
         """Inside a trace: make the same edits on one `Moe` with moelens' interventions (checked as `check` does)."""
-        from ..interventions import ablate, steer
+        from ..edit_options import make_edits
 
         layer = moe.layer
         if layer in self.layers():
             self._check_layer(layer, moe.num_experts, moe.top_k)
-        for expert, bias in self.steer.get(layer, {}).items():
-            steer(moe, expert, bias)
-        for expert in self.route_around.get(layer, ()):
-            ablate(moe, expert, "route_around")
-        for expert in self.ablate.get(layer, ()):
-            ablate(moe, expert, "zero")
-        swaps = self.swap.get(layer, {})
-        if swaps:  # all at once, as baked: {1: 2, 2: 1} exchanges two experts instead of chaining
-            indices = moe.expert_indices
-            replacement = torch.arange(moe.num_experts, device=indices.device)
-            replacement[list(swaps)] = torch.tensor(list(swaps.values()), device=indices.device)
-            moe.expert_indices = replacement[indices]
+        make_edits(moe, ablate=self.ablate.get(layer), route_around=self.route_around.get(layer),
+                   steer=self.steer.get(layer), swap=self.swap.get(layer))
 
     def intervene(self, model: Any) -> None:
         """Inside a trace of a wrapped model: make every edit, block by block in layer order.
