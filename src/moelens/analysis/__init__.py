@@ -23,6 +23,7 @@ from .describe import LayerReport, ModelReport, describe
 from .generation import GeneratedRouting, collect_generation
 from .entropy import Entropy, routing_entropy, token_entropy
 from .logit_lens import ExpertLens, expert_logit_lens
+from .losses import token_losses
 from .specialisation import Specialisation, specialisation
 from .token_view import TokenRouting, token_routing
 from .top_tokens import ExpertTokens, top_tokens
@@ -32,5 +33,5 @@ __all__ = [
     "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "GeneratedRouting", "LayerReport", "LoadBalance", "ModelReport",
     "RoutingCache", "Shard", "Specialisation", "TokenRouting", "Transitions", "Usage", "coactivation",
     "collect_generation", "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance", "plots",
-    "routing_entropy", "specialisation", "token_entropy", "token_routing", "top_tokens", "transitions",
+    "routing_entropy", "specialisation", "token_entropy", "token_losses", "token_routing", "top_tokens", "transitions",
 ]
