@@ -429,3 +429,15 @@ def test_the_repr_says_what_the_cache_holds_and_where_in_one_line(model, tmp_pat
                              "in memory, 0 shards)")
     broken = RoutingCache(layers=None, num_experts=None, top_k=None, score=None)
     assert repr(broken).startswith("RoutingCache(")
+
+
+def test_float8_storage_is_refused_before_the_forward():
+    """float8 passed the dtype check, ran the first forward, then failed inside torch ("isinf" not implemented for
+    Float8_e4m3fn); float8_e5m2 stored weights to about 5e-2."""
+    from moelens.analysis.collect import check_storage_dtype
+
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        with pytest.raises(MoelensError, match="too few bits"):
+            check_storage_dtype(dtype)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        check_storage_dtype(dtype)

@@ -137,6 +137,12 @@ def skipping_layers(moes: list[Any]) -> set[int]:
 
 def check_storage_dtype(dtype: Any) -> None:
     """Refuse a ``dtype`` to store routing weights and logits in that is no floating-point torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and torch.finfo(dtype).bits < 16:
+        raise MoelensError(
+            f"dtype={dtype} stores too few bits for routing weights and logits (float8 keeps about one digit, and "
+            "its e4m3/e8m0 kinds have no inf to tell an overflow by); store them as torch.float16, torch.bfloat16 "
+            "or torch.float32."
+        )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise MoelensError(
             f"dtype must be a floating-point torch dtype to store weights and logits in (torch.float16, "
