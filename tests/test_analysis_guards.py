@@ -392,6 +392,9 @@ def test_bytes_and_bools_are_not_token_ids(model):
                                 r"list whose element 0 is True \(bool\)"),
         ([[5, 2.5, 7]], r"corpus item 0 must be .*got a list whose element 1 is 2\.5 \(float\)"),
         ([torch.tensor([True, False])], r"corpus item 0 must be a 1-D tensor of integer token ids, got torch.bool"),
+        # a tokenizer's return_tensors="pt" ids of one text: [1, S]
+        ([torch.tensor([[5, 6, 7]])], r"corpus item 0 must be a 1-D tensor .*shape \(1, 3\); take its one row, "
+                                      r"ids\[0\] \(or ids\.squeeze\(0\)\)\."),
     ]
     for corpus, message in cases:
         for call in (analysis.collect_routing, analysis.expert_logit_lens):

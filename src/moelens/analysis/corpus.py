@@ -139,8 +139,10 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
         if item.dim() == 1 and not item.numel():  # np.array([]) and torch.tensor([]) are float: no ids to check
             return []
         if item.dim() != 1 or item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
+            one_row = item.dim() == 2 and item.shape[0] == 1  # a tokenizer's return_tensors="pt" ids of one text
             raise MoelensError(f"{what} must be a 1-D tensor of integer token ids, got {item.dtype} of shape "
-                               f"{tuple(item.shape)}.")
+                               f"{tuple(item.shape)}" + ("; take its one row, ids[0] (or ids.squeeze(0))." if one_row
+                                                         else "."))
         return item.tolist()
     if isinstance(item, Sequence) and all(isinstance(token, Integral) and not isinstance(token, bool) for token in item):
         return [int(token) for token in item]  # numpy integers too
