@@ -261,16 +261,21 @@ def test_specialisation_labels_given_as_class_names_count_as_their_ids():
 
 
 class SpelledTokenizer:
-    """Decodes the token ids of `chosen_cache` (0 .. 4) to fixed texts; counts its calls."""
+    """Decodes the token ids of `chosen_cache` (0 .. 4) to fixed texts, as SentencePiece does: token 1 is the word
+    start "▁7", which decoded alone loses its space; counts its calls."""
 
-    TEXTS = {0: "ab", 1: " 7", 2: ",", 3: "cd", 4: " "}
+    TEXTS = {0: "ab", 1: " 7", 2: ",", 3: "cd", 4: " "}  # each token's text in running text
+    PIECES = {0: "ab", 1: "▁7", 2: ",", 3: "cd", 4: "▁"}
 
     def __init__(self) -> None:
         self.calls = 0
 
     def decode(self, ids: list[int]) -> str:
         self.calls += 1
-        return "".join(self.TEXTS[i] for i in ids)
+        return "".join(self.PIECES[i].replace("▁", " ").lstrip(" ") if self.PIECES[i] != "▁" else " " for i in ids)
+
+    def convert_ids_to_tokens(self, token: int) -> str:
+        return self.PIECES[token]
 
 
 def kind_of(text: str) -> str | None:
@@ -290,8 +295,10 @@ def test_specialisation_labels_given_as_a_function_of_each_token_s_text():
     cache.tokenizer = tokenizer = SpelledTokenizer()
     names = [kind_of(SpelledTokenizer.TEXTS[token]) for token in tokens]
     pairs = Counter((expert, name) for row, name in zip(tokens_by_hand() * 2, names) if name for expert in row)
-    result = analysis.specialisation(cache, kind_of)
+    seen = []
+    result = analysis.specialisation(cache, lambda text: seen.append(text) or kind_of(text))
     assert result.classes == ["letters", "digit", "punctuation"] and tokenizer.calls == 5
+    assert seen == [SpelledTokenizer.TEXTS[token] for token in range(5)]  # " 7" with its word-start space
     assert result.counts[0].tolist() == [[pairs[(e, c)] for c in result.classes] for e in range(WIDTH)]
     assert int(result.counts.sum()) == 2 * 8  # the two " " tokens are left out
     ordered = analysis.specialisation(cache, kind_of, classes=["digit", "punctuation", "letters", "other"])
@@ -310,6 +317,7 @@ def test_specialisation_labels_given_as_a_function_of_each_token_s_text():
             (cache, lambda text: 1.5 if text == "," else 0, {}),
         r"the function names the class 'letters', which is not in classes=\['digit', 'punctuation'\]":
             (cache, kind_of, {"classes": ["digit", "punctuation"]}),
+        r"the function gave None for every token, leaving them all out": (cache, lambda text: None, {}),
     }
     for message, (given, function, settings) in refusals.items():
         with pytest.raises(moelens.MoelensError, match=message):
@@ -318,7 +326,8 @@ def test_specialisation_labels_given_as_a_function_of_each_token_s_text():
 
 def test_top_experts_rank_a_class_s_experts_by_the_asked_measure_by_hand():
     """top_experts(class, layer, n, by): the experts in order of the measure, from a Counter by hand (lift =
-    P(class | expert) / P(class)), ties to the lower id, NaN rates last; row(layer) and a short repr."""
+    P(class | expert) / P(class)), ties to the lower id, none for a class without slots; row(layer) and a short
+    repr."""
     labels = [0, 1, 1, 0, 1]  # CHOSEN's tokens: 0 [0, 1], 1 [0, 2], 2 [0, 3], 3 [1, 2], 4 [0, 1]
     result = analysis.specialisation(chosen_cache(), torch.tensor(labels), classes=["a", "b", "empty"])
     pairs = Counter((expert, label) for row, label in zip(tokens_by_hand(), labels) for expert in row)
@@ -329,7 +338,7 @@ def test_top_experts_rank_a_class_s_experts_by_the_asked_measure_by_hand():
     assert result.top_experts("b", 0, n=WIDTH) == by_hand and result.top_experts(1, 0) == by_hand[:3]
     assert result.top_experts("b", 0, n=1, by="share") == [max(range(WIDTH), key=lambda e: (
         pairs[(e, 1)] / max(1, pairs[(e, 0)] + pairs[(e, 1)]), -e))]
-    assert result.top_experts("empty", 0, n=2, by="activation_rate") == [0, 1]  # all NaN: by id
+    assert result.top_experts("empty", 0, n=2, by="activation_rate") == [] == result.top_experts("empty", 0)
     assert result.row(0) == 0
     assert repr(result) == "Specialisation(layers=[0], classes=['a', 'b', 'empty'], experts=4, slots=10)"
     for bad, message in [({"by": "count"}, r"by='count' is not one of"), ({"n": 0}, r"n=0: give how many experts"),

@@ -1004,9 +1004,16 @@ def test_generate_with_edit_options_is_the_plain_generation_of_the_edited_model(
     assert not (indices == 6).any() and not (indices == 4).any() and (indices == 2).any()
     order = torch.argsort(weights, dim=-1, descending=True, stable=True)
     assert report["experts"][0] == indices.gather(-1, order).tolist()
-    for argv, message in [(["--steer", "9:5=3"], r"--steer 9:\.\.\.: layer 9 has no MoE block; the MoE layers are "
-                                                 r"\[0, 1, 2, 3\]\."),
-                          (["--ablate", "1:99"], r"expert 99 is out of range"),
+    for argv, message in [(["--steer", "9:5=3"], r"--steer 9:\.\.\.: layer 9 has no MoE block; the layers of one MoE "
+                                                 r"block are \[0, 1, 2, 3\]\."),
+                          (["--ablate", "1:99"], r"--ablate of layer 1: experts \[99\] out of range: layer 1's MoE "
+                                                 r"block has 8 experts"),
+                          # an uncaught IndexError; a negative id swapped expert 7; a swap to itself did nothing
+                          (["--swap", "1:99=0"], r"--swap of layer 1: experts \[99\] out of range"),
+                          (["--swap", "1:-1=0"], r"--swap of layer 1: experts \[-1\] out of range"),
+                          (["--swap", "1:4=4"], r"--swap of layer 1: experts \[4\] are swapped to themselves"),
+                          (["--ablate", "1:2", "--swap", "1:2=0"], r"--ablate of layer 1 and --swap of layer 1 both "
+                                                                  r"name experts \[2\]"),
                           (["--swap", "1:3"], r"--swap '1:3': expected LAYER:EXPERT=TO")]:
         status, _, err = run(["generate", "tiny", "--prompt", "x", "--max-new-tokens", 2, *argv], capsys)
         assert status == 2 and re.search(message, err) and "Traceback" not in err, err

@@ -9,7 +9,6 @@ import collections
 import math
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import unittest.mock
@@ -21,7 +20,6 @@ import numpy
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from transformers.integrations.moe import use_experts_implementation
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
 
@@ -473,29 +471,6 @@ def test_load_of_a_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):
     with loaded.trace(torch.tensor([[1, 2, 3]])):
         logits = loaded.moes[0].router_logits.save()
     assert logits.shape[:2] == (1, 3)
-
-
-def test_loading_a_shipped_model_draws_no_progress_bar_and_leaves_the_setting_as_it_was(tmp_path, capsys):
-    """moelens.load() printed transformers' "Loading weights" bar in every script; a model moelens ships loads
-    without it, another model's load keeps it, and transformers' setting is as it was after. Ground truth: the bar
-    transformers' own from_pretrained draws for the same folder."""
-    from transformers.utils import logging as transformers_logging
-
-    from moelens.data import TINY_MODEL_PATH
-
-    transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH)
-    assert "Loading weights" in capsys.readouterr().err
-    moelens.load()
-    assert "Loading weights" not in capsys.readouterr().err and transformers_logging.is_progress_bar_enabled()
-    shutil.copytree(TINY_MODEL_PATH, tmp_path / "copy")
-    moelens.load(tmp_path / "copy")
-    assert "Loading weights" in capsys.readouterr().err
-    transformers_logging.disable_progress_bar()
-    try:
-        moelens.load()
-        assert not transformers_logging.is_progress_bar_enabled()
-    finally:
-        transformers_logging.enable_progress_bar()
 
 
 def test_a_model_whose_first_weights_accelerate_offloads_traces(tmp_path):

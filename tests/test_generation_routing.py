@@ -333,8 +333,14 @@ def test_a_generation_steered_through_intervene_is_the_plain_run_with_the_biased
     assert not ablated.cache.weights(0)[ablated.cache.indices(0) == busiest].any()
     with pytest.raises(MoelensError, match=r"collect_generation\(intervene=\.\.\.\): model\.model\.layers\.0\.mlp's "
                                            r"router_logits could not be read after intervene\(block\) ran on it.*"
-                                           r"Leave logits=True out"):
+                                           r"or leave logits=True out"):
         analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=2, logits=True,
                                     intervene=lambda moe: moelens.ablate(moe, 3))
+    with pytest.raises(MoelensError, match=r"layers\.2\.mlp's expert_weights could not be read after intervene\(block\) "
+                                           r"ran on it: the intervention read or wrote a value the block makes after "
+                                           r"expert_weights \(its output, expert_outputs, routed_output\)\.") as refused:
+        analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=2,
+                                    intervene=lambda moe: moe.output.save() if moe.layer == 2 else None)
+    assert "logits=True" not in str(refused.value)
     with pytest.raises(MoelensError, match=r"intervene takes a function of an MoE block .*got dict"):
         analysis.collect_generation(wrapped, PROMPTS, max_new_tokens=2, intervene={1: 3})

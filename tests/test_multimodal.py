@@ -402,3 +402,26 @@ def test_a_converted_block_in_a_flat_vision_tower_is_refused_by_name():
         raw = tower.router.output[0].save()  # plain nnsight, as the refusal says
         decoder = wrapped.moes[-1].expert_indices.save()
     assert torch.equal(raw, seen[0]) and decoder.shape[:2] == ids.shape
+
+
+def test_a_block_of_a_skipped_layer_in_a_whole_qwen3_omni_generation_is_not_blamed_on_a_stop():
+    """The whole Qwen3-Omni model's generate runs its thinker, never the root's own forward, so a block whose decoder
+    layer was skipped was said to be unreached because of a tracer.stop() that was never called. Ground truth: a torch
+    forward pre-hook on the block counts no call."""
+    whole = _whole_qwen3_omni()
+    wrapped = moelens.wrap(whole, tokenizer=ascii_tokenizer())
+    block = wrapped.moes[1]
+    calls = []
+    handle = whole.get_submodule(block.path.removeprefix("model.")).register_forward_pre_hook(
+        lambda module, args: calls.append(1))
+    try:
+        with pytest.raises(moelens.errors.OrderError, match=r"router_logits was not served: .* did not run in this "
+                                                            r"trace: a module holding it \(its decoder layer\) was "
+                                                            r"skipped") as refused:
+            with torch.no_grad(), wrapped.generate(input_ids=torch.tensor([[40, 41, 42, 43]]), thinker_max_new_tokens=1,
+                                                   do_sample=False):
+                block.parent.skip(block.parent.inputs[0][0])
+                block.router_logits.save()
+    finally:
+        handle.remove()
+    assert not calls and "tracer.stop()" not in str(refused.value)

@@ -66,7 +66,9 @@ def test_token_losses_are_each_window_s_plain_losses_and_an_intervention_s(model
 
 
 def test_token_losses_refuse_a_model_without_logits_and_an_intervene_that_is_no_function(models):
-    model, _ = models
+    model, reference = models
+    with pytest.raises(moelens.MoelensError, match=r"model must be a model wrapped by moelens"):
+        analysis.token_losses(reference, TEXTS)  # was AttributeError: no attribute 'moes'
     with pytest.raises(moelens.MoelensError, match=r"intervene takes a function of an MoE block .*got dict"):
         analysis.token_losses(model, TEXTS, intervene={1: 0})
     base = moelens.wrap(transformers.AutoModel.from_pretrained(TINY_MODEL_PATH), tokenizer=model.tokenizer)

@@ -38,6 +38,35 @@ def parse_edit_options(args: argparse.Namespace) -> dict[str, dict[int, Any]]:
     }
 
 
+def check_layer_edits(layer: int, num_experts: int, error: type[MoelensError] = MoelensError, *, ablate: Any = None,
+                      route_around: Any = None, steer: Any = None, swap: Any = None) -> None:
+    """Refuse one layer's edits (given as `make_edits` takes them) on a block of ``num_experts`` experts, as ``error``:
+    an expert id out of range (a negative one too, which indexing would take from the end), a swap of an expert to
+    itself, an expert both zero-ablated and swapped. Named as `moelens.export.Edits` spells them (``Edits.swap[1]``),
+    which the command line spells as its options."""
+    swap = swap or {}
+    named = {
+        ("ablate", "experts"): ablate or (),
+        ("route_around", "experts"): route_around or (),
+        ("steer", "experts"): tuple(steer or {}),
+        ("swap", "experts"): tuple(swap),
+        ("swap", "replacements (the experts taking over the slots)"): tuple(swap.values()),
+    }
+    for (kind, what), experts in named.items():
+        bad = [e for e in experts if not 0 <= e < num_experts]
+        if bad:
+            raise error(f"Edits.{kind}[{layer}]: {what} {bad} out of range: layer {layer}'s MoE block has "
+                        f"{num_experts} experts; give expert ids 0..{num_experts - 1}.")
+    unchanged = [e for e, to in swap.items() if e == to]
+    if unchanged:
+        raise error(f"Edits.swap[{layer}]: experts {unchanged} are swapped to themselves, so nothing would change; give "
+                    f"another expert to take over their slots (or zero-ablate them: Edits.ablate[{layer}]).")
+    both = sorted(set(ablate or ()) & set(swap))
+    if both:
+        raise error(f"Edits.ablate[{layer}] and Edits.swap[{layer}] both name experts {both}: an expert's slots are "
+                    "either zeroed or run another expert; pick one.")
+
+
 def make_edits(moe: Any, *, ablate: Any = None, route_around: Any = None, steer: Any = None, swap: Any = None) -> None:
     """Inside a trace: make one block's edits with moelens' interventions, routing first (steer, then route_around),
     then the outputs (zero ablation, then every swap at once, as the export bakes them: ``{1: 2, 2: 1}`` exchanges

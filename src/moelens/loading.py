@@ -13,11 +13,10 @@ import os
 import pickle
 import re
 import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -264,8 +263,7 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     from_pretrained_kwargs.pop("output_loading_info", None)  # moelens reads it (and returns the model only)
     model_class = _model_class(config)
     try:
-        with _progress_bars_off(source in map(str, shipped.values())):
-            model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
+        model, info = model_class.from_pretrained(source, output_loading_info=True, **from_pretrained_kwargs)
     except SafetensorError as error:
         raise _damaged_weights(source, checkpoint, error, ".safetensors") from error
     except pickle.UnpicklingError as error:  # a .bin that is no torch.save file, or holds more than tensors (torch
@@ -323,22 +321,6 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
     _check_weights_fit(source, info)
     model.eval()
     return wrap(model, tokenizer=tokenizer if tokenizer is not None else _load_tokenizer(source, settings))
-
-
-@contextmanager
-def _progress_bars_off(off: bool) -> Iterator[None]:
-    """transformers' progress bars off while ``off`` (a model moelens ships, which loads in a blink: its "Loading
-    weights" bar would only clutter a script's output), as they were after."""
-    from transformers.utils import logging as transformers_logging
-
-    was_on = transformers_logging.is_progress_bar_enabled()
-    if off and was_on:
-        transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if off and was_on:
-            transformers_logging.enable_progress_bar()
 
 
 #: A weights file saved with ``variant=`` (``model.v1.safetensors``, ``model.v1-00001-of-00002.safetensors``).

@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from ..edit_options import EDIT_OPTIONS, add_edit_options, make_edits, parse_edit_options
+from ..edit_options import EDIT_OPTIONS, add_edit_options, check_layer_edits, make_edits, parse_edit_options
 from ..errors import MoelensError
 from .cli import load_model, set_threads
 
@@ -82,15 +82,20 @@ def run_generate(args: argparse.Namespace) -> int:
 def _edits_of(model: Any, edits: dict[str, dict[int, Any]]) -> Any:
     """The ``intervene`` of `collect_generation` that makes the edit options' edits on their layers' blocks at every
     step (None: no edit given); a layer with no MoE block, or with several, is refused naming the option."""
-    named = [(option, layer) for option in EDIT_OPTIONS for layer in edits[option]]
+    named = sorted({layer for option in EDIT_OPTIONS for layer in edits[option]})
     if not named:
         return None
     blocks = [moe.layer for moe in model.moes]
-    for option, layer in named:
-        if blocks.count(layer) != 1:
+    single = sorted(layer for layer in set(blocks) if blocks.count(layer) == 1)
+    for layer in named:
+        option = next(option for option in EDIT_OPTIONS if layer in edits[option])
+        if layer not in single:
             where = "has no MoE block" if layer not in blocks else "holds several MoE blocks"
-            raise MoelensError(f"--{option.replace('_', '-')} {layer}:...: layer {layer} {where}; the MoE layers are "
-                               f"{sorted(set(blocks))}" + (", each with one block" if layer in blocks else "") + ".")
+            raise MoelensError(f"--{option.replace('_', '-')} {layer}:...: layer {layer} {where}; "
+                               + (f"the layers of one MoE block are {single}." if single else
+                                  "this model has no layer of one MoE block to edit."))
+        moe = model.moes[blocks.index(layer)]
+        check_layer_edits(layer, moe.num_experts, **{option: edits[option].get(layer) for option in EDIT_OPTIONS})
 
     def intervene(moe: Any) -> None:
         make_edits(moe, **{option: edits[option].get(moe.layer) for option in EDIT_OPTIONS})

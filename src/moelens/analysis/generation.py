@@ -133,8 +133,9 @@ def collect_generation(
             at every step, before the block's routing is read, to intervene there
             (``lambda moe: moelens.steer(moe, 3, 4.0) if moe.layer == 1 else None``): the generation runs with the
             interventions, and the cache holds the routing as the experts got it (an expert ablated with ``"zero"``
-            at weight 0, a swap's new expert). With ``logits``, an intervention that writes the weights or indices
-            (ablate ``"zero"`` / ``"swap"``, reroute, keep_top) is refused: the logits, read after it, come before.
+            at weight 0, a swap's new expert). On a cached block a read or write of a value the block makes after
+            its routing (its output, ``expert_outputs``), and with ``logits`` one that writes the weights or indices
+            (ablate ``"zero"`` / ``"swap"``, reroute, keep_top), is refused: the routing is read after it.
         generate_kwargs: Passed on to ``model.generate`` (``do_sample``, ``temperature``, ``eos_token_id``,
             ``min_new_tokens``, a ``streamer`` ...). Beam search, several sequences per prompt, stop strings,
             stopping criteria and assisted generation are refused: their routing cannot be told apart per row.
@@ -216,11 +217,16 @@ def _intervened_step(model: Any, moes: list[Moe], wanted: list[str], intervene: 
             name = getattr(error, "unreached", None)
             if name is None:
                 raise
+            logits = "router_logits" in wanted
             raise MoelensError(
                 f"collect_generation(intervene=...): {moe.path}'s {name} could not be read after intervene(block) ran "
-                "on it: the intervention wrote a value the model makes after it (the weights or indices: ablate "
-                "'zero' or 'swap', reroute, keep_top). Leave logits=True out (the weights and indices are read after "
-                "such an intervention), or intervene on the routing only (steer, force, ablate(..., 'route_around'))."
+                f"on it: the intervention read or wrote a value the block makes after {name} ("
+                + ("the weights or indices: ablate 'zero' or 'swap', reroute, keep_top; " if logits else "")
+                + "its output, expert_outputs, routed_output). On a block whose routing is cached, intervene on the "
+                "routing (steer, force, ablate(..., 'route_around')" + (")" if logits else
+                ", or the weights and indices: ablate 'zero' or 'swap', reroute, keep_top)")
+                + (", or leave logits=True out" if logits else "")
+                + "; or cache other layers (layers=) and intervene on this one."
             ) from None
     return nnsight.save(saved)
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..components import Moe
 from ..errors import MoelensError
+from ..model import check_wrapped
 from . import corpus as corpora
 from .collect import counted_batches
 
@@ -45,6 +46,7 @@ def token_losses(
         tokens before it in its window)``, NaN at each window's first token (no context to predict it from: token 0,
         and the first of each later window). An empty item gives an empty tensor.
     """
+    check_wrapped(model)
     if intervene is not None and not callable(intervene):
         raise MoelensError(f"intervene takes a function of an MoE block (lambda moe: moelens.ablate(moe, 3)), got "
                            f"{type(intervene).__name__}.")
@@ -55,15 +57,17 @@ def token_losses(
     blocks = [moe for moe in model.moes if isinstance(moe, Moe) and not moe.runs_only_on]
     windows: dict[int, list[tuple[int, Tensor]]] = {}
     for batch in counted_batches(model, stream):
+        targets = batch.input_ids[:, 1:].long()
         with torch.no_grad(), model.trace(**batch.kwargs()):
             for moe in blocks if intervene is not None else ():
                 intervene(moe)
-            output = model.output.save()
-        log_probs = _logits_of(output).float().log_softmax(-1).cpu()
+            logits = _logits_of(model.output)[:, :-1]  # only the [b, s - 1] losses leave the trace
+            next_losses = (-logits.float().log_softmax(-1).gather(-1, targets.to(logits.device)[..., None])[..., 0]
+                           ).cpu().save()
         for row, (text, offset) in enumerate(zip(batch.text_index.tolist(), batch.offset.tolist())):
-            ids = batch.input_ids[row, : int(batch.attention_mask[row].sum())].long()
-            losses = torch.full((len(ids),), float("nan"))
-            losses[1:] = -log_probs[row, : len(ids) - 1].gather(-1, ids[1:, None])[:, 0]
+            length = int(batch.attention_mask[row].sum())
+            losses = torch.full((length,), float("nan"))
+            losses[1:] = next_losses[row, : length - 1]
             windows.setdefault(text, []).append((offset, losses))
     return [torch.cat([losses for _, losses in sorted(windows[text], key=lambda window: window[0])])
             if text in windows else torch.zeros(0) for text in range(tally.items)]

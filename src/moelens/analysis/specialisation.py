@@ -27,6 +27,7 @@ from ..errors import MoelensError
 from ..scalars import as_lone_int
 from .cache import SKIPPED, RoutingCache, check_cache, layer_row
 from .checks import described, id_list, shown
+from .text import token_text
 
 PER = ("token", "text")
 #: What `Specialisation.top_experts` ranks by: its methods of these names.
@@ -66,15 +67,18 @@ class Specialisation:
     def top_experts(self, name: int | str, layer: int, n: int = 3, by: str = "lift") -> list[int]:
         """The ``n`` experts of decoder layer ``layer`` that favour class ``name`` (a class name or id) most, best
         first, ranked by ``by``: ``"lift"``, ``"share"``, ``"expert_share"`` or ``"activation_rate"`` (the methods
-        of those names). Ties go to the lower expert id; a NaN rate (no token of the class) ranks last."""
+        of those names). Ties go to the lower expert id. A class with no slot in the layer has no expert that
+        favours it: ``[]``."""
         if by not in TOP_BY:
             raise MoelensError(f"by={by!r} is not one of {TOP_BY}.")
         row, column = self.row(layer), self._class(name)
         count = as_lone_int(n)
         if count is None or isinstance(n, bool) or count < 1:
             raise MoelensError(f"n={shown(n)}: give how many experts to list, a whole number of at least 1.")
+        if not self.counts[row, :, column].any():
+            return []
         own = self.num_experts[row] if self.num_experts else self.counts.shape[1]  # no rows past its own experts
-        values = getattr(self, by)()[row, :own, column].nan_to_num(nan=-torch.inf)
+        values = getattr(self, by)()[row, :own, column]
         order = sorted(range(own), key=lambda expert: (-float(values[expert]), expert))
         return order[:count]
 
@@ -141,12 +145,15 @@ def _labels_of_tokens(cache: RoutingCache, label_of: Callable[[str], Any], class
     ids = cache.token_ids().tolist()
     labelled: dict[int, Any] = {}
     for token in dict.fromkeys(ids):
-        text = tokenizer.decode([token])
+        text = token_text(tokenizer, token)
         label = label_of(text)
         if label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, np.integer))):
             raise MoelensError(f"labels: the function gave {shown(label)} for the token {text!r} (id {token}); give "
                                "a class name (str), a class id (int), or None to leave the token out.")
         labelled[token] = label
+    if all(label is None for label in labelled.values()):
+        raise MoelensError("labels: the function gave None for every token, leaving them all out; give a class name "
+                           "or id for the tokens to count.")
     kinds = {isinstance(label, str) for label in labelled.values() if label is not None}
     if len(kinds) > 1:
         raise MoelensError("labels: the function gave class names for some tokens and class ids for others; give "
@@ -266,7 +273,8 @@ def specialisation(
             (a list, tuple or numpy array of str): their places in ``classes``, or without it the names
             in the order they first appear become the classes. A fraction, NaN, infinity, None, an item of
             another kind and a ragged nesting (per-text lists of per-token labels) are refused by place.
-            Or a function of a token's text (its id decoded alone by the cache's tokenizer, ``" 7"``, ``"the"``)
+            Or a function of a token's text (its id decoded alone by the cache's tokenizer, a SentencePiece word
+            start with its space: ``" 7"``, ``"the"``; part of a character's bytes reads ``"\ufffd"``)
             giving its class name (or id), or None to leave it out, called once per distinct token id
             (``per="token"`` only).
         classes: Class names, a list of str: ``classes[c]`` names class id ``c`` (a set, which has no order, and

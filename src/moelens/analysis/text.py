@@ -46,17 +46,30 @@ def token_strings(tokenizer: Any, ids: Iterable[int]) -> list[str]:
     ids = [int(i) for i in ids]
     if tokenizer is None:
         return [f"#{i}" for i in ids]
-    pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
     strings = []
     for i in ids:
-        text = tokenizer.decode([i])
-        piece = pieces(i) if callable(pieces) else None
-        if isinstance(piece, str) and piece.startswith(WORD_MARKER) and not text.startswith(" "):
-            text = " " + text
+        text, piece = _decoded(tokenizer, i)
         if REPLACEMENT_CHARACTER in text:  # part of a character's UTF-8 bytes: show the bytes
             text = _partial_character(piece) or f"{text}#{i}"
         strings.append(display(text))
     return strings
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """Token id ``token`` decoded on its own, with the leading space a SentencePiece word start (``▁the``) has in
+    running text (``" the"``; decoded alone it would read ``"the"``, as the piece inside a word does). A token that
+    holds part of a character's UTF-8 bytes decodes to ``"\ufffd"``."""
+    return _decoded(tokenizer, int(token))[0]
+
+
+def _decoded(tokenizer: Any, token: int) -> tuple[str, Any]:
+    """`token_text` of ``token``, and its piece (``convert_ids_to_tokens``; None where the tokenizer has none)."""
+    text = tokenizer.decode([token])
+    pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
+    piece = pieces(token) if callable(pieces) else None
+    if isinstance(piece, str) and piece.startswith(WORD_MARKER) and not text.startswith(" "):
+        text = " " + text
+    return text, piece
 
 
 #: What a tokenizer decodes part of a character's UTF-8 bytes to.

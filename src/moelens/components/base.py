@@ -474,7 +474,9 @@ class Component(StandardNames, Envoy):
             return None
         if mediator.occurrence(f"{self.path}.input") or self.runs_only_on:
             return None
-        if not mediator.occurrence(f"{self.path.split('.', 1)[0]}.output"):
+        # the forwards of the outermost module that ran (the root's; a whole Qwen3-Omni model's generate runs its
+        # thinker, never the root's own forward): none ended, the run was stopped before this block
+        if not serving.forwards_ended(mediator, f"{self.path}.input"):
             return (f"the run was stopped (tracer.stop()) before the model reached {self.path}. A stop ends the run "
                     "of every invoke of the trace, not only its own: stop after the last module any invoke reads, "
                     "or read this block in a trace without the stop.")

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..edit_options import check_layer_edits
 from ..scalars import as_int, as_real
 from .errors import ExportError, ExportRefused
 from .spec import MoeSpec
@@ -208,27 +209,8 @@ class Edits:
                 "constant router bias reproduces. Steer the experts with a large bias instead "
                 f"(Edits(steer={{{layer}: {dict.fromkeys(sorted(self.force[layer]), 30.0)}}})), or export without it."
             )
-        named = {
-            ("ablate", "experts"): self.ablate.get(layer, ()),
-            ("route_around", "experts"): self.route_around.get(layer, ()),
-            ("steer", "experts"): tuple(self.steer.get(layer, {})),
-            ("swap", "experts"): tuple(self.swap.get(layer, {})),
-            ("swap", "replacements (the experts taking over the slots)"): tuple(self.swap.get(layer, {}).values()),
-        }
-        for (kind, what), experts in named.items():
-            bad = [e for e in experts if not 0 <= e < num_experts]
-            if bad:
-                raise ExportError(f"Edits.{kind}[{layer}]: {what} {bad} out of range: layer {layer}'s MoE block has "
-                                  f"{num_experts} experts; give expert ids 0..{num_experts - 1}.")
-        unchanged = [e for e, to in self.swap.get(layer, {}).items() if e == to]
-        if unchanged:
-            raise ExportError(f"Edits.swap[{layer}]: experts {unchanged} are swapped to themselves, so nothing would "
-                              "change; give another expert to take over their slots (or zero-ablate them: "
-                              f"Edits.ablate[{layer}]).")
-        both = sorted(set(self.ablate.get(layer, ())) & set(self.swap.get(layer, {})))
-        if both:
-            raise ExportError(f"Edits.ablate[{layer}] and Edits.swap[{layer}] both name experts {both}: an expert's "
-                              "slots are either zeroed or run another expert; pick one.")
+        check_layer_edits(layer, num_experts, ExportError, ablate=self.ablate.get(layer), swap=self.swap.get(layer),
+                          route_around=self.route_around.get(layer), steer=self.steer.get(layer))
         left = num_experts - len(set(self.route_around.get(layer, ())))
         if left < k:
             raise ExportRefused(

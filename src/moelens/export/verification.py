@@ -371,8 +371,9 @@ def _check_once(path: Path, target: Target, prepared: Any, inputs: torch.Tensor,
                 raise ExportError(
                     f"{path}: the export's float32 weights with the edits baked in differ from {reference} at input shape "
                     f"{tuple(inputs.shape)} by up to {edit_check.max_abs_error:.3g}, beyond tract's 'approximate' tolerance "
-                    f"relative to the output's size {edit_check.scale:.3g}: the edits were not baked as moelens makes them; "
-                    "please report this model."
+                    f"relative to the output's size {edit_check.scale:.3g}. The archive was written; "
+                    + (cause if (cause := _likely_cause(prepared)) != "please report this model." else
+                       "the edits were not baked as moelens makes them; please report this model.")
                 )
         try:
             for block in blocks:
