@@ -1014,6 +1014,9 @@ def test_generate_with_edit_options_is_the_plain_generation_of_the_edited_model(
                           (["--swap", "1:4=4"], r"--swap of layer 1: experts \[4\] are swapped to themselves"),
                           (["--ablate", "1:2", "--swap", "1:2=0"], r"--ablate of layer 1 and --swap of layer 1 both "
                                                                   r"name experts \[2\]"),
+                          # refused naming every expert routed around (it named the last)
+                          (["--route-around", "1:0,1,2,3,4,5,6,7"], r"ablate\(mode='route_around'\) of experts "
+                                                                    r"\[0, 1, 2, 3, 4, 5, 6, 7\]: .*route_around fewer"),
                           (["--swap", "1:3"], r"--swap '1:3': expected LAYER:EXPERT=TO")]:
         status, _, err = run(["generate", "tiny", "--prompt", "x", "--max-new-tokens", 2, *argv], capsys)
         assert status == 2 and re.search(message, err) and "Traceback" not in err, err

@@ -75,8 +75,8 @@ def make_edits(moe: Any, *, ablate: Any = None, route_around: Any = None, steer:
 
     for expert, bias in (steer or {}).items():
         steered(moe, expert, bias)
-    for expert in route_around or ():
-        ablated(moe, expert, "route_around")
+    if route_around:  # in one call: a refusal names them all
+        ablated(moe, list(route_around), "route_around")
     for expert in ablate or ():
         ablated(moe, expert, "zero")
     if swap:

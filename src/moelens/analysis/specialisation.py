@@ -65,10 +65,10 @@ class Specialisation:
         return layer_row(self.layers, layer, "specialisation")
 
     def top_experts(self, name: int | str, layer: int, n: int = 3, by: str = "lift") -> list[int]:
-        """The ``n`` experts of decoder layer ``layer`` that favour class ``name`` (a class name or id) most, best
-        first, ranked by ``by``: ``"lift"``, ``"share"``, ``"expert_share"`` or ``"activation_rate"`` (the methods
-        of those names). Ties go to the lower expert id. A class with no slot in the layer has no expert that
-        favours it: ``[]``."""
+        """The ``n`` experts of decoder layer ``layer`` ranked by how much they favour class ``name`` (a class name
+        or id), best first, by ``by``: ``"lift"``, ``"share"``, ``"expert_share"`` or ``"activation_rate"`` (the
+        methods of those names); past the experts the class reaches, the list goes on with those it favours less
+        (a lift of 1 or below). Ties go to the lower expert id. A class with no slot in the layer: ``[]``."""
         if by not in TOP_BY:
             raise MoelensError(f"by={by!r} is not one of {TOP_BY}.")
         row, column = self.row(layer), self._class(name)
