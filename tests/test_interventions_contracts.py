@@ -621,3 +621,49 @@ def test_an_intervention_on_a_block_given_part_of_the_tokens_names_itself(call):
                                                        r"cannot act on this block in this run\.\)$"):
         with wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
             call(wrapped.moes[0])
+
+
+def test_route_around_on_a_softmax_with_a_selection_bias_keeps_the_expert_s_share_as_documented():
+    """ernie4_5_moe ranks softmax scores + a selection bias and renormalises: route_around sets e's selection score to
+    -inf and leaves its probability in the softmax, so the others' scores are a router's with e beside the same biases
+    and can pick other experts than a router without e (docs/interventions.md); the documented way to a router without
+    e (its logit set to -inf first) picks what the plain model does with that logit at -inf. Ground truth: the plain
+    model with F.linear's output for that router's weight patched, and the experts' indices seen by a pre-hook."""
+    import copy
+    from unittest import mock
+
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("ernie4_5_moe")
+    reference = copy.deepcopy(hf)
+    model = moelens.wrap(hf)
+    block = model.moes[0]
+    router = [p for p in reference.get_submodule(block.router.path.removeprefix("model.")).parameters()
+              if p.dim() == 2 and p.shape[0] == block.num_experts][-1]
+    linear = torch.nn.functional.linear
+
+    def without_expert_0(x, weight, bias=None):
+        out = linear(x, weight, bias)
+        return out.index_fill(-1, torch.tensor([0]), float("-inf")) if weight is router else out
+
+    seen = []
+    handle = reference.get_submodule(block.experts.path.removeprefix("model.")).register_forward_pre_hook(
+        lambda module, args: seen.append(args[1].sort(-1).values))
+    ids = torch.tensor([[70, 33, 90, 100, 45, 66, 77]])
+    try:
+        with torch.no_grad(), mock.patch.object(torch.nn.functional, "linear", without_expert_0):
+            expected = first_tensor(reference(input_ids=ids))
+    finally:
+        handle.remove()
+    chosen = {}
+    for logit_first in (False, True):
+        with torch.no_grad(), model.trace(ids):
+            if logit_first:
+                block.router_logits[..., 0] = float("-inf")
+            moelens.ablate(block, 0, "route_around")
+            indices = block.expert_indices.save()
+            output = model.output.logits.save()
+        chosen[logit_first] = indices.reshape(seen[0].shape).sort(-1).values
+        assert not (chosen[logit_first] == 0).any()
+    assert torch.equal(chosen[True], seen[0]) and torch.equal(output, expected)
+    assert not torch.equal(chosen[False], seen[0])  # the tiny model's biases decide some tokens otherwise
