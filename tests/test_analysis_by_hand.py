@@ -266,13 +266,14 @@ class SpelledTokenizer:
 
     TEXTS = {0: "ab", 1: " 7", 2: ",", 3: "cd", 4: " "}  # each token's text in running text
     PIECES = {0: "ab", 1: "▁7", 2: ",", 3: "cd", 4: "▁"}
+    DECODED = {0: "ab", 1: "7", 2: ",", 3: "cd", 4: " "}  # each id decoded alone: the word start loses its space
 
     def __init__(self) -> None:
         self.calls = 0
 
     def decode(self, ids: list[int]) -> str:
         self.calls += 1
-        return "".join(self.PIECES[i].replace("▁", " ").lstrip(" ") if self.PIECES[i] != "▁" else " " for i in ids)
+        return "".join(self.DECODED[i] for i in ids)
 
     def convert_ids_to_tokens(self, token: int) -> str:
         return self.PIECES[token]

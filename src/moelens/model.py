@@ -62,6 +62,7 @@ from .wrapping.run_errors import (_derived_gradient_refusal, _embeddings_on_acce
                                   _no_gradient_refusal, _real_buffers_refusal)
 from .wrapping.walk import _around_blocks, _present, _walk_steps
 
+
 def _returning_wrapper(name: str) -> Any:
     """The wrapped model's ``name`` (``eval``, ``half``, ...): the transformers model's, in place, returning the
     wrapped model (torch's returns the module, so ``model = model.eval()`` would drop moelens), as nnsight's ``to``,
@@ -86,9 +87,8 @@ class MoeModelMixin(StandardNames):
     #: The module paths each trace checks hold nothing compiled since wrapping (`_around_blocks`), as `_present`
     #: walks them (`_walk_steps`).
     _watched: tuple[tuple[str, int, str], ...]
-    #: ``(path, length)`` of each module list holding MoE blocks (or dense MLPs), as wrapped
-    #: (`_refuse_changed_layers`), and how `_present` walks to them.
-    #: With each, the position of each of its layers as wrapped, by the layer's id (empty where it is no ModuleList).
+    #: ``(path, length, {id(layer): position})`` of each module list holding MoE blocks (or dense MLPs), as wrapped
+    #: (`_refuse_changed_layers`; the positions of a ModuleList's layers only), and how `_present` walks to them.
     _layer_lists: tuple[tuple[str, int, dict[int, int]], ...]
     _layer_walk: tuple[tuple[str, int, str], ...]
     #: nnsight's batcher, landing moelens' swaps on what the model holds then (`served.Rebase`).

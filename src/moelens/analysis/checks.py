@@ -45,6 +45,13 @@ def check_type(value: Any, kind: type | tuple[type, ...], name: str, expected: s
         raise MoelensError(f"{name} must be {expected}, got {described(value)}; {remedy}.")
 
 
+def check_intervene(intervene: Any) -> None:
+    """Refuse an ``intervene=`` (`collect_generation`, `token_losses`) that is neither None nor a function."""
+    if intervene is not None and not callable(intervene):
+        raise MoelensError(f"intervene takes a function of an MoE block (lambda moe: moelens.steer(moe, 3, 4.0)), got "
+                           f"{type(intervene).__name__}.")
+
+
 def refuse_set(name: str, value: Any, order: str) -> None:
     """Refuse a set (or frozenset) ``value`` for ``name``, whose positions give ``order``: a set's iteration order
     is arbitrary (it follows the hash seed for text), so its items would land in the wrong places silently."""

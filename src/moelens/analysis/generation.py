@@ -26,7 +26,7 @@ from ..scalars import check_flag
 from ..wrapping.generation import generation_setting, rows_per_prompt
 from . import corpus as corpora
 from .cache import RoutingCache, Shard
-from .checks import check_count, refuse_set
+from .checks import check_count, check_intervene, refuse_set
 from .token_view import TokenRouting, routing_of_text
 from .collect import (
     check_storage_dtype, empty_cache, index_dtype_of, moes_of, real_tokens, refusals_count_a_run, routing_values,
@@ -147,9 +147,7 @@ def collect_generation(
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         logits = check_flag("logits", logits)
         check_storage_dtype(dtype)
-        if intervene is not None and not callable(intervene):
-            raise MoelensError(f"intervene takes a function of an MoE block (lambda moe: moelens.steer(moe, 3, 4.0)), "
-                               f"got {type(intervene).__name__}.")
+        check_intervene(intervene)
         moes = moes_of(model, layers, blocks)
         _refuse_settings(model._module, generate_kwargs)
         if model._ep_runs() and _setting(model._module, generate_kwargs, "prefill_chunk_size"):

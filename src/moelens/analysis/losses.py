@@ -18,6 +18,7 @@ from ..components import Moe
 from ..errors import MoelensError
 from ..model import check_wrapped
 from . import corpus as corpora
+from .checks import check_intervene
 from .collect import counted_batches
 
 
@@ -47,9 +48,7 @@ def token_losses(
         and the first of each later window). An empty item gives an empty tensor.
     """
     check_wrapped(model)
-    if intervene is not None and not callable(intervene):
-        raise MoelensError(f"intervene takes a function of an MoE block (lambda moe: moelens.ablate(moe, 3)), got "
-                           f"{type(intervene).__name__}.")
+    check_intervene(intervene)
     tally = corpora.Tally()
     stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
                              max_length=corpora.window_length(model, max_length), pad=corpora.pad_id(model),
