@@ -197,11 +197,9 @@ def collect_generation(
 def _intervened_step(model: Any, moes: list[Moe], wanted: list[str], intervene: Callable[[Moe], None]
                      ) -> dict[int | str, dict[str, Tensor]]:
     """Inside a generation step: ``intervene(block)`` on every MoE block the model runs on every token, each before the
-    routing of ``moes`` among them is read; keyed as ``model.save_all`` keys them (by layer, or by path where a layer
-    holds several of ``moes``)."""
+    routing of ``moes`` among them is read; keyed by layer, as ``model.save_all`` keys them (`moes_of` gives one
+    block per layer)."""
     cached = {moe.path for moe in moes}
-    layers = [moe.layer for moe in moes]
-    by_path = len(set(layers)) != len(layers)
     saved = {}
     for moe in model.moes:
         if not isinstance(moe, Moe) or (moe.runs_only_on and moe.path not in cached):
@@ -210,7 +208,7 @@ def _intervened_step(model: Any, moes: list[Moe], wanted: list[str], intervene: 
         if moe.path not in cached:
             continue
         try:
-            saved[moe.path if by_path else moe.layer] = moe.save_all(wanted, strict=True)
+            saved[moe.layer] = moe.save_all(wanted, strict=True)
         except OrderError as error:
             name = getattr(error, "unreached", None)
             if name is None:
