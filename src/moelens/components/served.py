@@ -88,7 +88,7 @@ def _reraise(error: OutOfOrderError, pinned: int | None, on_order_error: Callabl
     relaxes the pin (``iteration`` None), though the request still asks for the pinned step."""
     if pinned not in (0, None):
         raise error
-    raise on_order_error() from error
+    raise on_order_error() from None  # says it all: nnsight's error (an internal op path) would head the traceback
 
 
 def trace_running(asker: str) -> bool:
@@ -222,7 +222,7 @@ def request_step(mediator: Mediator, location: str, on_order_error: Callable[[],
         served_value = Mediator.value(location)
     except OutOfOrderError as error:
         if skipped_visits(mediator, location) > 0 and mediator.occurrence(f"{_module_running(location)}.output") > step:
-            raise on_skipped() from error
+            raise on_skipped() from None
         _reraise(error, step, on_order_error)
     if skipped_visits(mediator, location) > 0:
         raise on_skipped()
