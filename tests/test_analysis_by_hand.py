@@ -401,6 +401,12 @@ def test_top_tokens_by_share_keeps_a_token_seen_exactly_min_count_times():
         assert result.total == sum(expert in row for row in rows), expert
     (zero,) = analysis.top_tokens(cache, 0, [0], by="share", min_count=3)
     assert zero.token_ids.tolist() == [7] and zero.total == 4  # tokens 7, 8, 7, 9: only 7 is seen 3 times
+    # one line, naming the tokens with their counts and shares (expert 0 serves 2 of token 7's 3 occurrences)
+    assert repr(zero) == f"ExpertTokens(layer 0, expert 0, 4 slots: {zero.tokens[0]!r} x2 (67%))"
+    (wide,) = analysis.top_tokens(cache, 0, [0], n=10)  # by count: 7 x2, 8 x1, 9 x1
+    assert repr(wide).count(" x") == 3 and "more" not in repr(wide)
+    wide.tokens, wide.counts, wide.share = wide.tokens * 3, wide.counts.repeat(3), wide.share.repeat(3)
+    assert repr(wide).endswith(", ... 4 more)") and repr(wide).count(" x") == 5
 
 
 # -- load balance: unused experts ------------------------------------------------------------------------

@@ -45,6 +45,15 @@ class ExpertTokens:
     tokens: list[str]
     total: int
 
+    #: The tokens a repr names; a list of them for every expert of a wide layer printed every tensor in full.
+    SHOWN = 5
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{token!r} x{count} ({share:.0%})" for token, count, share in
+                          zip(self.tokens[:self.SHOWN], self.counts.tolist(), self.share.tolist()))
+        more = f", ... {len(self.tokens) - self.SHOWN} more" if len(self.tokens) > self.SHOWN else ""
+        return f"ExpertTokens(layer {self.layer}, expert {self.expert}, {self.total} slots: {shown}{more})"
+
 
 def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V].
