@@ -340,6 +340,10 @@ def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
         with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
             with reentrant.trace(**inputs):
                 reentrant.moes[0].router_logits[..., 0] += 5  # an in-place edit, checked at its write-back
+        with torch.inference_mode(), reentrant.trace(**inputs):  # no backward can run there: the edit lands
+            moelens.steer(reentrant.moes[0], 2, 30.0)
+            indices = reentrant.moes[0].expert_indices.save()
+        assert (indices == 2).any(-1).all()
     every_other = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, every_n_layers=2)[0])
     for layer, grad in ((0, False), (1, True)):  # no backward; layer 1 is not checkpointed
         with torch.set_grad_enabled(grad), every_other.trace(**inputs):

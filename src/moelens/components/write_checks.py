@@ -52,7 +52,8 @@ def check_not_recomputed(component: "Component", name: str) -> None:
     """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
     the recomputation runs the model's forward alone, without the edit, so the gradients would be those
     of the unedited layer (or torch's CheckpointError). That is with autograd on, or always under
-    reentrant checkpointing, which runs the layer's forward with autograd off.
+    reentrant checkpointing, which runs the layer's forward with autograd off; never under ``torch.inference_mode``,
+    where no backward can run.
 
     Checkpointing is transformers' (``gradient_checkpointing`` in training mode; the innermost flag on the path
     decides, a decoder layer's over its model's) or torch's ``checkpoint_wrapper`` around a module on the path
@@ -74,6 +75,8 @@ def check_not_recomputed(component: "Component", name: str) -> None:
         how = "gradient_checkpointing in training mode"
         undo = "turn it off for traces that edit (model.activation_checkpointing_disable()), or trace in eval mode"
     else:
+        return
+    if torch.is_inference_mode_enabled():  # no backward can run, so nothing recomputes the layer (reentrant or not)
         return
     if torch.is_grad_enabled() or reentrant:
         raise WriteError(
