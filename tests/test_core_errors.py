@@ -368,6 +368,33 @@ def test_tokenizer_keywords_a_generating_models_pipeline_would_drop_are_refused(
         ids = wrapped.model.embed_tokens.input.save()  # the way the refusal names
     assert torch.equal(ids, tokenizer(["add(a, b)"], return_tensors="pt", padding="max_length", max_length=12,
                                       padding_side="right")["input_ids"])
+    # labels beside the text of one of two invokes reached the forward for the whole batch: torch's shape error
+    labels = tokenizer(["hello"], return_tensors="pt")["input_ids"]
+    with pytest.raises(moelens.MoelensError, match=r"^labels beside the text of one of several invokes: .*"
+                                                   r"tracer\.invoke\(model\.tokenizer\(text, return_tensors='pt'\)"
+                                                   r"\['input_ids'\], labels=\.\.\.\)"):
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke("hello", labels=labels):
+                wrapped.output.save()
+            with tracer.invoke("a, b"):
+                wrapped.output.save()
+    with torch.no_grad(), wrapped.trace() as tracer:  # beside an empty invoke it is the whole batch's, and taken
+        with tracer.invoke("hello", labels=labels):
+            loss = wrapped.output.loss.save()
+        with tracer.invoke():
+            wrapped.moes[0].router_logits.save()
+    with torch.no_grad():
+        assert torch.equal(loss, hf(input_ids=labels, labels=labels).loss)
+    with torch.no_grad(), wrapped.trace() as tracer:  # the way the refusal names: nnsight pads the labels with -100
+        with tracer.invoke(labels, labels=labels):
+            loss = wrapped.output.loss.save()
+        with tracer.invoke(tokenizer(["a, b"], return_tensors="pt")["input_ids"]):
+            pass
+    padded = tokenizer(["hello", "a, b"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = hf(**padded, labels=torch.cat([labels, torch.full_like(labels, -100)]).masked_fill(
+            padded["attention_mask"] == 0, -100)).loss
+    torch.testing.assert_close(loss, expected)
 
 
 @pytest.mark.parametrize("head", ["ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"])

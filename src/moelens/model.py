@@ -607,9 +607,23 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def _refuse_ignored_text_keywords(self, invokes: list) -> None:
         """Refuse, beside a text prompt of a model that generates, what nnsight's text-generation pipeline hands the
         forward, which ignores it: a second text (``text_pair`` ...) and the tokenizer settings the pipeline does not
-        take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word."""
+        take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word. A tensor (``labels``)
+        beside the text of one of several invokes reached the forward as it was, one invoke's rows for the whole
+        batch: torch's shape error in the loss."""
         if not any(kwargs for inputs, kwargs in invokes):
             return
+        if sum(1 for inputs, kwargs in invokes if inputs) > 1:
+            for inputs, kwargs in invokes:
+                tensors = sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor))
+                if tensors and any(_is_text(value) for value in inputs):
+                    raise MoelensError(
+                        f"{', '.join(tensors)} beside the text of one of several invokes: nnsight's text-generation "
+                        "pipeline hands the forward this invoke's tensor for the whole batch, whose other rows it "
+                        "lacks; give each invoke its token ids, tracer.invoke(model.tokenizer(text, "
+                        f"return_tensors='pt')['input_ids'], {tensors[0]}=...) (nnsight pads and batches them), or "
+                        f"trace the whole batch at once: model.trace(**model.tokenizer(texts, return_tensors='pt', "
+                        f"padding=True), {tensors[0]}=...)."
+                    )
         ignored = (tokenizer_settings(type(self.tokenizer)) - set(GENERATION_SETTINGS) - set(FEATURE_SETTINGS)
                    - set(inspect.signature(self._module.forward).parameters)) | {"text_pair", "text_target",
                                                                                "text_pair_target"}
