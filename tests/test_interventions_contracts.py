@@ -667,3 +667,33 @@ def test_route_around_on_a_softmax_with_a_selection_bias_keeps_the_expert_s_shar
         assert not (chosen[logit_first] == 0).any()
     assert torch.equal(chosen[True], seen[0]) and torch.equal(output, expected)
     assert not torch.equal(chosen[False], seen[0])  # the tiny model's biases decide some tokens otherwise
+
+
+def test_a_routing_change_reaches_the_aux_loss_and_an_outputs_change_does_not():
+    """With output_router_logits=True the model returns its router logits and an aux loss computed from them: a steer
+    (routing) shows in both, an ablation in "zero" mode (outputs) in neither (interventions.md). Ground truth: the
+    unwrapped copy's returned logits with the bias added by hand, and transformers' own load-balancing loss of them."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    hf, wrapped, inputs, plain, reference = built("mixtral", "grouped_mm")
+    ids = inputs["input_ids"]  # unpadded: transformers' aux loss fails on a padded batch's mask
+    config = reference.config
+    with torch.no_grad():
+        unedited = reference(input_ids=ids, output_router_logits=True)
+    layer, expert, bias = len(wrapped.moes) - 1, 3, 4.0  # the last layer's: the others' logits stay as they were
+    expected_logits = [logits.clone() for logits in unedited.router_logits]
+    expected_logits[layer][:, expert] += bias
+    expected_aux = load_balancing_loss_func(tuple(expected_logits), config.num_local_experts,
+                                            config.num_experts_per_tok)
+    with torch.no_grad(), wrapped.trace(input_ids=ids, output_router_logits=True):
+        moelens.steer(wrapped.moes[layer], expert, bias)
+        steered = wrapped.output.save()
+    for got, want in zip(steered.router_logits, expected_logits):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(steered.aux_loss, expected_aux)
+    assert not torch.allclose(steered.aux_loss, unedited.aux_loss)
+    with torch.no_grad(), wrapped.trace(input_ids=ids, output_router_logits=True):
+        moelens.ablate(wrapped.moes[layer], expert)
+        ablated = wrapped.output.save()
+    assert torch.equal(ablated.aux_loss, unedited.aux_loss)
+    assert not torch.allclose(ablated.logits, unedited.logits)
