@@ -124,9 +124,17 @@ def test_a_value_saved_in_one_trace_patched_into_the_next(family, value):
     with torch.no_grad(), hooks(patch_hook(reference, moe.layer, value, [(2 * S - 1, S - 1)])):
         expected = reference(torch.cat([CLEAN, CORRUPT])).logits
     torch.testing.assert_close(patched[0], expected[1])
-    with pytest.raises(moelens.WriteError, match=r"expected \(2, 6"):   # another batch size: refused by shape
+    with pytest.raises(moelens.WriteError, match=r"expected \(2, 6.*to write this one row into each of the 2 "
+                                                 r"rows, write value\.expand\(2, -1, -1\)\.$"):  # refused by shape
         with torch.no_grad(), wrapped.trace(torch.cat([CORRUPT, CORRUPT])):
             setattr(moe, names[0], saved[0])
+    with torch.no_grad(), wrapped.trace(torch.cat([CORRUPT, CORRUPT])):  # the way the refusal names
+        for name, theirs in zip(names, saved):
+            setattr(moe, name, theirs.expand(2, *theirs.shape[1:]))
+        both = wrapped.output.logits.save()
+    with torch.no_grad(), hooks(patch_hook(reference, moe.layer, value, [(S + p, p) for p in range(S)])):
+        expected = reference(torch.cat([CLEAN, CORRUPT])).logits
+    torch.testing.assert_close(both, expected[1:].expand(2, -1, -1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -144,9 +144,12 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
                  before: torch.Tensor | None = None) -> None:
     where = f"{component.path}.{name}"
     if tuple(value.shape) != tuple(shape):
+        one_row = value.dim() == len(shape) > 0 and value.shape[0] == 1 and value.shape[1:] == shape[1:]
         raise WriteError(
             f"{where}: wrote a tensor of shape {tuple(value.shape)}, expected {tuple(shape)} "
-            f"(this invoke's [batch, seq, ...] view); read the value first to see its shape."
+            f"(this invoke's [batch, seq, ...] view); read the value first to see its shape"
+            + (f"; to write this one row into each of the {shape[0]} rows, write "
+               f"value.expand({shape[0]}, {', '.join(['-1'] * (len(shape) - 1))})." if one_row else ".")
         )
     if value.is_meta and not is_fake(value):
         raise WriteError(f"{where}: wrote a tensor on the meta device, which holds no values; write a tensor with "
