@@ -482,7 +482,7 @@ def test_edits_tract_cannot_express_are_refused(out):
     wrapped = moelens.wrap(small("mixtral"))
     refused = {
         r"force.*Edits\(steer=\{0: \{1: 30.0, 5: 30.0\}\}\)": Edits(force={0: [5, 1]}),  # the forced experts named
-        "leaves 1 expert for": Edits(route_around={0: list(range(7))}),
+        "names every one of the layer's 8 experts": Edits(route_around={0: list(range(8))}),
     }
     for message, edits in refused.items():
         path = out / "refused.nnef.tgz"

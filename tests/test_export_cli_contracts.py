@@ -669,25 +669,6 @@ def test_a_model_name_that_is_no_folder_is_refused_without_asking_the_hub(monkey
         assert "no model at 'no-such-model': the path does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kept", [1, 0])
-def test_a_route_around_refusal_counts_the_experts_it_leaves_in_words_that_agree(tmp_path, capsys, kept):
-    """Routing around all but one expert was refused as leaving "1 experts". Truth: moelens-tiny's config.json
-    (E experts, top-k) and the experts the option removes."""
-    import json
-
-    from moelens.cli import main
-    from moelens.data import TINY_MODEL_PATH
-
-    config = json.loads((TINY_MODEL_PATH / "config.json").read_text())
-    experts, k = config["num_experts"], config["num_experts_per_tok"]
-    removed = ",".join(str(e) for e in range(experts - kept))
-    out = tmp_path / "x.nnef.tgz"
-    assert main(["export", "tiny", str(out), "--no-verify", "--tokens", "2", "--route-around", f"0:{removed}"]) == 2
-    noun = "expert" if kept == 1 else "experts"
-    assert f"--route-around of layer 0 leaves {kept} {noun} for top-{k} routing" in capsys.readouterr().err
-    assert not out.exists()
-
-
 def test_standin_version_without_the_tract_package_names_the_extra(monkeypatch, capsys):
     """`--version` without the export extra was a bare ModuleNotFoundError traceback."""
     monkeypatch.setitem(sys.modules, "tract", None)  # import tract raises ImportError

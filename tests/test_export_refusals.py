@@ -276,28 +276,61 @@ def test_a_torch_to_nnef_failure_is_named_in_one_line_and_kept_whole_as_the_caus
     assert caught.value.__cause__.args == (printed,)
 
 
-def test_routing_around_too_many_experts_is_refused_saying_how_many_may_go_and_what_to_do_instead(tmp_path, capsys):
-    """Routing around 7 of a top-2 layer's 8 experts was refused naming only why (a -inf bias cannot make the router
-    pick a removed expert), not what to do: route around at most E - k = 6 and zero-ablate the rest. Ground truth: the
-    checkpoint's config (E and k), and the advice followed exporting."""
+def _routed_around_by_hand(block, hidden, removed):
+    """A Mixtral block's output with the ``removed`` experts' logits -inf, the routing made by hand (softmax, top-k,
+    renormalised, as MixtralTopKRouter) and each expert's SwiGLU from its own weights."""
+    router, experts = block.gate, block.experts
+    x = hidden.reshape(-1, hidden.shape[-1])
+    logits = F.linear(x, router.weight)
+    logits[:, removed] = float("-inf")
+    weights, chosen = logits.softmax(-1).topk(router.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for slot in range(router.top_k):
+        for token, expert in enumerate(chosen[:, slot].tolist()):
+            gate, up = F.linear(x[token], experts.gate_up_proj[expert]).chunk(2)
+            out[token] += weights[token, slot] * F.linear(F.silu(gate) * up, experts.down_proj[expert])
+    return out.reshape(hidden.shape)
+
+
+@pytest.mark.parametrize("k, removed", [(2, [0, 1, 2, 3, 4, 5, 6]), (8, [3, 5])], ids=["7-of-8-top-2", "top-k=E"])
+def test_routing_around_until_fewer_than_k_experts_are_left_exports_them_at_weight_zero(tmp_path, k, removed):
+    """Routing around 7 of a top-2 layer's 8 experts, or any expert at top_k = E, was refused ("a router bias of -inf
+    cannot express" it), though the intervention serves it: the router fills its last slots with removed experts at
+    weight 0, and tract's gates give a -inf logit weight 0 too. Exported and verified now; ground truth: the block
+    recomputed by hand from its weights with those logits -inf."""
+    from moelens.export import Edits
+
+    hf = two_layer_mixtral(num_experts_per_tok=k)
+    reference = copy.deepcopy(hf.model.layers[1].mlp)
+    moe = moelens.wrap(hf).moes[1]
+    hidden = torch.randn(1, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    report = to_nnef(moe, tmp_path / "around.nnef.tgz", edits=Edits(route_around={1: removed}), example_inputs=hidden)
+    with torch.no_grad():
+        expected = _routed_around_by_hand(reference, hidden, removed)
+    np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=1e-4, rtol=5e-4)
+
+
+def test_routing_around_every_expert_is_refused_saying_what_to_do_instead(tmp_path, capsys):
+    """Every expert of a layer routed around leaves the router nothing to pick (its softmax over -inf alone is NaN):
+    refused with the zero ablation that removes them all, in the API's words and the command line's. Ground truth:
+    the checkpoint's config (E), and the advice followed exporting."""
     from moelens.cli import main
     from moelens.export import Edits
 
     model = moelens.load()
-    most = model.config.num_experts - model.config.num_experts_per_tok
-    assert most == 6
-    seven = list(range(most + 1))
-    advice = f"route around at most {most} of layer 1's {model.config.num_experts} experts and zero-ablate the others"
-    with pytest.raises(ExportRefused, match=r"leaves 1 expert for top-2 routing: .*cannot express; "
-                                            rf"{advice} instead \(Edits\.ablate\[1\]: their slots stay"):
-        to_nnef(model, tmp_path / "seven.nnef.tgz", edits=Edits(route_around={1: seven}), verify=False)
-    argv = ["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--no-verify",
-            "--route-around", "1:" + ",".join(map(str, seven))]
+    every = list(range(model.config.num_experts))
+    with pytest.raises(ExportRefused, match=rf"^Edits\.route_around\[1\] names every one of the layer's {len(every)} "
+                                            r"experts: .*NaN\); zero-ablate them instead \(Edits\.ablate\[1\]: their "
+                                            r"slots stay, contributing nothing\)\.$"):
+        to_nnef(model, tmp_path / "every.nnef.tgz", edits=Edits(route_around={1: every}), verify=False)
+    argv = ["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--no-verify", "--route-around", "1:" + ",".join(map(str, every))]
     assert main(argv) == 2
-    assert f"{advice} instead (--ablate of layer 1: their slots stay" in capsys.readouterr().err
+    assert ("--route-around of layer 1 names every one of the layer's" in (err := capsys.readouterr().err)
+            and "zero-ablate them instead (--ablate of layer 1: their slots stay" in err)
     assert not list(tmp_path.iterdir())
-    followed = Edits(route_around={1: seven[:most]}, ablate={1: seven[most:]})
-    assert to_nnef(model, tmp_path / "six.nnef.tgz", edits=followed, verify=False).path.exists()
+    followed = Edits(ablate={1: every})
+    assert to_nnef(model, tmp_path / "ablated.nnef.tgz", edits=followed, verify=False).path.exists()
 
 
 def test_too_few_example_tokens_are_named_as_the_option_or_argument_given(tmp_path, capsys):

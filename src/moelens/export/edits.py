@@ -97,16 +97,6 @@ def _experts(kind: str, layer: int, values: Any) -> tuple[int, ...]:
     return tuple(experts)
 
 
-def _fewer_routed_around(layer: int, num_experts: int, k: int) -> str:
-    """What to do instead of routing around too many of a layer's ``num_experts`` experts under top-``k`` routing."""
-    ablate = f"instead (Edits.ablate[{layer}]: their slots stay, contributing nothing)."
-    if num_experts <= k:
-        return (f"top-{k} routing over {num_experts} experts picks every one, so none can be routed around: "
-                f"zero-ablate them {ablate}")
-    return (f"route around at most {num_experts - k} of layer {layer}'s {num_experts} experts and zero-ablate the "
-            f"others {ablate}")
-
-
 @dataclass(frozen=True)
 class Edits:
     """Interventions to bake into the export, by decoder layer index (``moe.layer``).
@@ -175,8 +165,8 @@ class Edits:
 
     # -- checking and baking -------------------------------------------------------
 
-    def check(self, blocks: Mapping[int | None, tuple[int, int]], *, block_export: bool = False) -> None:
-        """Check the edits against the model's MoE layers (layer -> (num_experts, k); None: a block with no layer).
+    def check(self, blocks: Mapping[int | None, int], *, block_export: bool = False) -> None:
+        """Check the edits against the model's MoE layers (layer -> num_experts; None: a block with no layer).
 
         ``block_export``: the edits are for one block exported on its own (``to_nnef(model.moes[i])``), not a
         whole model (an export of one, or a trace of one in `intervene`), even one with a single MoE layer.
@@ -198,10 +188,10 @@ class Edits:
                 + (" (a block exported on its own takes edits of its layer only)." if block_export else ".")
             )
         for layer in self.layers():
-            self._check_layer(layer, *blocks[layer])
+            self._check_layer(layer, blocks[layer])
 
-    def _check_layer(self, layer: int, num_experts: int, k: int) -> None:
-        """`check` for one layer's edits, on a block of ``num_experts`` experts and top-``k`` routing."""
+    def _check_layer(self, layer: int, num_experts: int) -> None:
+        """`check` for one layer's edits, on a block of ``num_experts`` experts."""
         if layer in self.force:
             raise ExportRefused(
                 f"Edits.force[{layer}] cannot be baked into the export: moelens.force raises the forced experts' "
@@ -211,12 +201,13 @@ class Edits:
             )
         check_layer_edits(layer, num_experts, ExportError, ablate=self.ablate.get(layer), swap=self.swap.get(layer),
                           route_around=self.route_around.get(layer), steer=self.steer.get(layer))
-        left = num_experts - len(set(self.route_around.get(layer, ())))
-        if left < k:
+        # Fewer than k left is taken: the router fills its k slots with removed experts at weight 0 (a -inf logit's
+        # under every tract gate), as the intervention does where it ranks the logits. None left is NaN there.
+        if len(set(self.route_around.get(layer, ()))) == num_experts:
             raise ExportRefused(
-                f"Edits.route_around[{layer}] leaves {left} expert{'s' * (left != 1)} for top-{k} routing: the router "
-                "would have to pick removed experts, which a router bias of -inf cannot express; "
-                + _fewer_routed_around(layer, num_experts, k)
+                f"Edits.route_around[{layer}] names every one of the layer's {num_experts} experts: the router would "
+                "have no expert left to pick (its weights of -inf logits alone are NaN); zero-ablate them instead "
+                f"(Edits.ablate[{layer}]: their slots stay, contributing nothing)."
             )
 
     def bake(self, spec: MoeSpec) -> MoeSpec:
@@ -278,7 +269,7 @@ class Edits:
 
         layer = moe.layer
         if layer in self.layers():
-            self._check_layer(layer, moe.num_experts, moe.top_k)
+            self._check_layer(layer, moe.num_experts)
         make_edits(moe, ablate=self.ablate.get(layer), route_around=self.route_around.get(layer),
                    steer=self.steer.get(layer), swap=self.swap.get(layer))
 
@@ -300,7 +291,7 @@ class Edits:
             raise ExportError(f"layer {shared[0]} holds several MoE blocks ({listed}), so Edits keyed by layer are "
                               "ambiguous: make the edits on the block you mean with moelens' interventions "
                               "(moelens.ablate(model.moes[i], ...), moelens.steer), or Edits(...).apply(model.moes[i]).")
-        self.check({moe.layer: (moe.num_experts, moe.top_k) for moe in moes})
+        self.check({moe.layer: moe.num_experts for moe in moes})
         wanted = set(self.layers())
         for moe in moes:
             if moe.layer in wanted:
