@@ -16,7 +16,6 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from nnsight import Envoy
-from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..components.base import refuse_replaced, replaced_blocks
 from ..errors import MoelensError
@@ -26,6 +25,7 @@ from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
 from .checks import check_count, id_list, refuse_set, shown, split_ids
+from .progress import CorpusProgress
 
 #: Default number of tokens per cache shard (a shard is the unit held in memory).
 SHARD_TOKENS = 65_536
@@ -339,7 +339,7 @@ def collect_routing(
         stop_early: Stop each forward after the last cached layer (the rest of the
             model does not change the routing); a model carrying lasting nnsight edits
             runs to the end all the same (`can_stop_early`).
-        progress: Show a tqdm progress bar (tokens).
+        progress: Show a tqdm progress bar (over the texts where their number is known, else the tokens).
 
     Returns:
         The `RoutingCache` (on disk when ``folder`` is given).
@@ -383,7 +383,7 @@ def collect_routing(
             shards.append(shard)
         pending, pending_tokens = [], 0
 
-    bar = tqdm(desc="routing", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
+    bar = CorpusProgress(corpus, "routing", progress)
     try:
         for batch in counted_batches(model, stream):
             mask = batch.mask
@@ -407,7 +407,7 @@ def collect_routing(
             if writer is not None:  # from here on, a stop leaves the folder's cache marked incomplete
                 writer.begin()
             pending_tokens += batch.num_tokens
-            bar.update(batch.num_tokens)
+            bar.advance(batch)
             if pending_tokens >= shard_tokens:
                 flush()
         flush()

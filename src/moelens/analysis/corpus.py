@@ -237,6 +237,22 @@ def _one_text_of_ids(corpus: Any) -> bool:
     return isinstance(corpus, Sequence) and not isinstance(corpus, str) and len(corpus) > 0 and _token_id(corpus[0])
 
 
+def item_count(corpus: Any) -> int | None:
+    """How many items `items` yields from ``corpus``, where that is known without reading it (a list of texts, a
+    tensor of rows, a tokenizer's output); None for an iterator or a stream, or a corpus `items` refuses."""
+    try:
+        if isinstance(corpus, str) or _one_text_of_ids(corpus):
+            return 1
+        if isinstance(corpus, (Tensor, np.ndarray)):
+            numeric = isinstance(corpus, Tensor) or _numeric(corpus)
+            return 1 if numeric and corpus.ndim == 1 else len(corpus)
+        if isinstance(corpus, Mapping):
+            return len(corpus["input_ids"])
+        return len(corpus) if isinstance(corpus, Sequence) or hasattr(corpus, "__len__") else None
+    except Exception:  # what it cannot count, `items` reads (or refuses, saying why)
+        return None
+
+
 def items(corpus: Any, what: str = "the corpus") -> Iterator[Any]:
     """The corpus as an iterator of items (a 2-D tensor or numpy array yields its rows; a numpy array of texts, its
     texts; a string, a 1-D tensor or a flat sequence of token ids is one item). ``what``: its name in errors."""

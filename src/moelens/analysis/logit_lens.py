@@ -23,7 +23,6 @@ import nnsight
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm  # a widget in Jupyter, text in a terminal
 
 from ..errors import MoelensError
 from ..families.entry import get_path
@@ -33,6 +32,7 @@ from . import corpus as corpora
 from .cache import layer_row
 from .checks import check_count, expert_ids
 from .collect import can_stop_early, counted_batches, moes_of, refusals_count_a_run, skipped_slots, skips
+from .progress import CorpusProgress
 from .text import token_strings
 
 #: Names of a model's final norm, tried in order on its base model.
@@ -211,7 +211,7 @@ def expert_logit_lens(
         stream = corpora.batches(corpus, corpora.tokenizer_of(model), batch_size=batch_size,
                                  max_length=corpora.window_length(model, max_length),
                                  pad=corpora.pad_id(model), vocab=corpora.vocab_size(model))
-    bar = tqdm(desc="expert outputs", unit="tok", disable=not progress, leave=False, dynamic_ncols=True)
+    bar = CorpusProgress(corpus, "expert outputs", progress)
     try:
         for batch in counted_batches(model, stream):
             with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
@@ -222,7 +222,7 @@ def expert_logit_lens(
                 total, count = total.cpu(), count.cpu()
                 sums[layer] = total if sums[layer].numel() == 0 else sums[layer] + total
                 counts[layer] += count
-            bar.update(batch.num_tokens)
+            bar.advance(batch)
     finally:
         bar.close()
     if all(count.sum() == 0 for count in counts.values()):
