@@ -344,6 +344,11 @@ def test_an_edit_in_a_checkpointed_layer_is_refused_with_autograd_on():
             moelens.steer(reentrant.moes[0], 2, 30.0)
             indices = reentrant.moes[0].expert_indices.save()
         assert (indices == 2).any(-1).all()
+        with pytest.raises(moelens.WriteError, match=r"runs under reentrant activation checkpointing"):
+            with reentrant.trace(**inputs):  # the layer's forward began with autograd on: its backward recomputes it
+                reentrant.moes[0].router_logits.save()
+                with torch.inference_mode():  # in the body only
+                    reentrant.moes[0].routed_output = torch.zeros_like(reentrant.moes[0].routed_output)
     every_other = moelens.wrap(checkpointed("mixtral", "grouped_mm", True, every_n_layers=2)[0])
     for layer, grad in ((0, False), (1, True)):  # no backward; layer 1 is not checkpointed
         with torch.set_grad_enabled(grad), every_other.trace(**inputs):

@@ -242,7 +242,8 @@ class MoeModelMixin(StandardNames):
             refusal = _ids_past_vocabulary(self, _model_inputs(fn, args, kwargs))  # device-side assert, which
             if refusal is not None:  # leaves the device unusable for the rest of the process
                 raise refusal
-        handed_back, interleaver = served.HandedBack(generating=_generating(fn)), self.interleaver
+        handed_back = served.HandedBack(generating=_generating(fn), inference=torch.is_inference_mode_enabled())
+        interleaver = self.interleaver
         outer = served.RUNS.get(interleaver)
         ep_runs = self._ep_runs(watched)
         begun = getattr(kwargs.get("batcher"), "runs_begun", ())  # a trace's run, counted as it began

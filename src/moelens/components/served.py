@@ -636,10 +636,12 @@ class HandedBack:
     a torch hook or a plain nnsight edit makes to that tensor, so it is not checked (as in plain nnsight).
     """
 
-    def __init__(self, generating: bool = False) -> None:
+    def __init__(self, generating: bool = False, inference: bool = False) -> None:
         #: Whether the run is a ``generate`` (several forwards, between which the intervention code may change a
         #: router's ``top_k``: `run_fact`'s ``per_step``).
         self.generating = generating
+        #: Whether the run began under ``torch.inference_mode``: no backward can follow it (`check_not_recomputed`).
+        self.inference = inference
         #: id(view) -> (the view, its version when last handed back, its value's name, the error an edit of it
         #: raises where it is not the default's). A write of another value at the same visit hands the open views
         #: back early; the write-back hands them back again.

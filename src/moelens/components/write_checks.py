@@ -52,8 +52,9 @@ def check_not_recomputed(component: "Component", name: str) -> None:
     """Refuse an edit inside a layer under activation checkpointing whose backward will recompute it:
     the recomputation runs the model's forward alone, without the edit, so the gradients would be those
     of the unedited layer (or torch's CheckpointError). That is with autograd on, or always under
-    reentrant checkpointing, which runs the layer's forward with autograd off; never under ``torch.inference_mode``,
-    where no backward can run.
+    reentrant checkpointing, which runs the layer's forward with autograd off; never where the model's run began under
+    ``torch.inference_mode``, where no backward can run (an inference_mode block in the trace's body is not enough:
+    the layer's forward, begun with autograd on, is recomputed all the same).
 
     Checkpointing is transformers' (``gradient_checkpointing`` in training mode; the innermost flag on the path
     decides, a decoder layer's over its model's) or torch's ``checkpoint_wrapper`` around a module on the path
@@ -76,7 +77,9 @@ def check_not_recomputed(component: "Component", name: str) -> None:
         undo = "turn it off for traces that edit (model.activation_checkpointing_disable()), or trace in eval mode"
     else:
         return
-    if torch.is_inference_mode_enabled():  # no backward can run, so nothing recomputes the layer (reentrant or not)
+    from .served import RUNS  # (served imports this module)
+
+    if getattr(RUNS.get(component.interleaver), "inference", False):  # the run began under inference_mode
         return
     if torch.is_grad_enabled() or reentrant:
         raise WriteError(
