@@ -378,6 +378,13 @@ def test_tokenizer_keywords_a_generating_models_pipeline_would_drop_are_refused(
                 wrapped.output.save()
             with tracer.invoke("a, b"):
                 wrapped.output.save()
+    for other in ((), ([{"role": "user", "content": "hello"}],)):  # beside ids by keyword; chat messages beside text
+        with pytest.raises(moelens.MoelensError, match=r"^labels beside the text of one of several invokes"):
+            with torch.no_grad(), wrapped.trace() as tracer:
+                with tracer.invoke(*(other or ("hello",)), labels=labels):
+                    wrapped.output.save()
+                with tracer.invoke(**tokenizer(["a, b"], return_tensors="pt")) if not other else tracer.invoke("a, b"):
+                    wrapped.output.save()
     with torch.no_grad(), wrapped.trace() as tracer:  # beside an empty invoke it is the whole batch's, and taken
         with tracer.invoke("hello", labels=labels):
             loss = wrapped.output.loss.save()

@@ -613,17 +613,17 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         batch: torch's shape error in the loss."""
         if not any(kwargs for inputs, kwargs in invokes):
             return
-        if sum(1 for inputs, kwargs in invokes if inputs) > 1:
+        if sum(1 for inputs, kwargs in invokes if _invoke_ids(inputs, kwargs) is not None) > 1:  # invokes with rows
             for inputs, kwargs in invokes:
                 tensors = sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor))
-                if tensors and any(_is_text(value) for value in inputs):
+                if tensors and any(_is_text(value) or processing.as_chats(value) is not None for value in inputs):
                     raise MoelensError(
                         f"{', '.join(tensors)} beside the text of one of several invokes: nnsight's text-generation "
-                        "pipeline hands the forward this invoke's tensor for the whole batch, whose other rows it "
-                        "lacks; give each invoke its token ids, tracer.invoke(model.tokenizer(text, "
-                        f"return_tensors='pt')['input_ids'], {tensors[0]}=...) (nnsight pads and batches them), or "
-                        f"trace the whole batch at once: model.trace(**model.tokenizer(texts, return_tensors='pt', "
-                        f"padding=True), {tensors[0]}=...)."
+                        "pipeline hands the forward this invoke's tensor as it is, for the whole batch, whose other "
+                        "invokes' rows and padding it does not cover (labels: torch's shape error); give each invoke "
+                        f"its token ids, tracer.invoke(model.tokenizer(text, return_tensors='pt')['input_ids'], "
+                        f"{tensors[0]}=...) (nnsight pads and batches them), or trace the whole batch at once: "
+                        f"model.trace(**model.tokenizer(texts, return_tensors='pt', padding=True), {tensors[0]}=...)."
                     )
         ignored = (tokenizer_settings(type(self.tokenizer)) - set(GENERATION_SETTINGS) - set(FEATURE_SETTINGS)
                    - set(inspect.signature(self._module.forward).parameters)) | {"text_pair", "text_target",
