@@ -311,6 +311,24 @@ def test_routing_around_until_fewer_than_k_experts_are_left_exports_them_at_weig
     np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=1e-4, rtol=5e-4)
 
 
+def test_routing_around_every_expert_of_a_sigmoid_gate_exports_a_routed_output_of_zero(tmp_path):
+    """Under a sigmoid gate that does not renormalise, every expert routed around weighs 0 (sigmoid(-inf)), as the
+    intervention takes it: the block's output is its shared expert's alone. It was refused as NaN, which only a
+    softmax gate gives. Ground truth: the shared expert of the unwrapped block, run in torch."""
+    from moelens.export import Edits
+
+    hf = tiny_model("cohere2_moe", expert_selection_fn="sigmoid", norm_topk_prob=False)
+    moe = moelens.wrap(hf).moes[-1]
+    block = copy.deepcopy(moe._module)
+    assert block.shared_expert_combination_strategy == "average" and block.num_shared_experts > 0
+    hidden = torch.randn(1, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    report = to_nnef(moe, tmp_path / "every.nnef.tgz", example_inputs=hidden,
+                     edits=Edits(route_around={moe.layer: list(range(moe.num_experts))}))
+    with torch.no_grad():
+        expected = block.shared_experts(hidden) / 2  # averaged with a routed output of 0
+    np.testing.assert_allclose(run(report.path, hidden), expected.numpy(), atol=1e-5, rtol=5e-4)
+
+
 def test_routing_around_every_expert_is_refused_saying_what_to_do_instead(tmp_path, capsys):
     """Every expert of a layer routed around leaves the router nothing to pick (its softmax over -inf alone is NaN):
     refused with the zero ablation that removes them all, in the API's words and the command line's. Ground truth:
@@ -321,7 +339,7 @@ def test_routing_around_every_expert_is_refused_saying_what_to_do_instead(tmp_pa
     model = moelens.load()
     every = list(range(model.config.num_experts))
     with pytest.raises(ExportRefused, match=rf"^Edits\.route_around\[1\] names every one of the layer's {len(every)} "
-                                            r"experts: .*NaN\); zero-ablate them instead \(Edits\.ablate\[1\]: their "
+                                            r"experts: .*softmax_topk gate weighs -inf logits alone as NaN; zero-ablate them instead \(Edits\.ablate\[1\]: their "
                                             r"slots stay, contributing nothing\)\.$"):
         to_nnef(model, tmp_path / "every.nnef.tgz", edits=Edits(route_around={1: every}), verify=False)
     argv = ["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--no-verify", "--route-around", "1:" + ",".join(map(str, every))]

@@ -165,8 +165,9 @@ class Edits:
 
     # -- checking and baking -------------------------------------------------------
 
-    def check(self, blocks: Mapping[int | None, int], *, block_export: bool = False) -> None:
-        """Check the edits against the model's MoE layers (layer -> num_experts; None: a block with no layer).
+    def check(self, blocks: Mapping[int | None, tuple[int, str | None]], *, block_export: bool = False) -> None:
+        """Check the edits against the model's MoE layers (layer -> (num_experts, tract gate mode, None in a trace);
+        None: a block with no layer).
 
         ``block_export``: the edits are for one block exported on its own (``to_nnef(model.moes[i])``), not a
         whole model (an export of one, or a trace of one in `intervene`), even one with a single MoE layer.
@@ -188,10 +189,11 @@ class Edits:
                 + (" (a block exported on its own takes edits of its layer only)." if block_export else ".")
             )
         for layer in self.layers():
-            self._check_layer(layer, blocks[layer])
+            self._check_layer(layer, *blocks[layer])
 
-    def _check_layer(self, layer: int, num_experts: int) -> None:
-        """`check` for one layer's edits, on a block of ``num_experts`` experts."""
+    def _check_layer(self, layer: int, num_experts: int, gate: str | None) -> None:
+        """`check` for one layer's edits, on a block of ``num_experts`` experts exported with tract's ``gate`` (None:
+        the edits made in a trace, where the interventions refuse what the router cannot compute)."""
         if layer in self.force:
             raise ExportRefused(
                 f"Edits.force[{layer}] cannot be baked into the export: moelens.force raises the forced experts' "
@@ -202,12 +204,13 @@ class Edits:
         check_layer_edits(layer, num_experts, ExportError, ablate=self.ablate.get(layer), swap=self.swap.get(layer),
                           route_around=self.route_around.get(layer), steer=self.steer.get(layer))
         # Fewer than k left is taken: the router fills its k slots with removed experts at weight 0 (a -inf logit's
-        # under every tract gate), as the intervention does where it ranks the logits. None left is NaN there.
-        if len(set(self.route_around.get(layer, ()))) == num_experts:
+        # under every tract gate), as the intervention does where it ranks the logits. None left is NaN under a
+        # softmax; a sigmoid weighs them all 0 (the routed output is 0), as the intervention takes it.
+        if gate is not None and gate.startswith("softmax") and len(set(self.route_around.get(layer, ()))) == num_experts:
             raise ExportRefused(
                 f"Edits.route_around[{layer}] names every one of the layer's {num_experts} experts: the router would "
-                "have no expert left to pick (its weights of -inf logits alone are NaN); zero-ablate them instead "
-                f"(Edits.ablate[{layer}]: their slots stay, contributing nothing)."
+                f"have no expert left to pick, and its {gate} gate weighs -inf logits alone as NaN; zero-ablate them "
+                f"instead (Edits.ablate[{layer}]: their slots stay, contributing nothing)."
             )
 
     def bake(self, spec: MoeSpec) -> MoeSpec:
@@ -269,7 +272,7 @@ class Edits:
 
         layer = moe.layer
         if layer in self.layers():
-            self._check_layer(layer, moe.num_experts)
+            self._check_layer(layer, moe.num_experts, None)
         make_edits(moe, ablate=self.ablate.get(layer), route_around=self.route_around.get(layer),
                    steer=self.steer.get(layer), swap=self.swap.get(layer))
 
@@ -291,7 +294,7 @@ class Edits:
             raise ExportError(f"layer {shared[0]} holds several MoE blocks ({listed}), so Edits keyed by layer are "
                               "ambiguous: make the edits on the block you mean with moelens' interventions "
                               "(moelens.ablate(model.moes[i], ...), moelens.steer), or Edits(...).apply(model.moes[i]).")
-        self.check({moe.layer: moe.num_experts for moe in moes})
+        self.check({moe.layer: (moe.num_experts, None) for moe in moes})
         wanted = set(self.layers())
         for moe in moes:
             if moe.layer in wanted:

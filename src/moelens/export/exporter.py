@@ -284,7 +284,7 @@ def prepare(target: Target, *, quantize_experts: str | None = None, layout: str 
             raise ExportRefused(f"layer {shared[0]} holds several MoE blocks ({', '.join(paths)}), so Edits keyed by "
                                 "layer are ambiguous: export each block on its own with its edits, "
                                 "to_nnef(model.moes[i], path, edits=Edits(...)), or the model without edits.")
-        edits.check({block.layer: spec.num_experts for block, _, spec in read},
+        edits.check({block.layer: (spec.num_experts, spec.gate) for block, _, spec in read},
                     block_export=target.kind == "block")
     if quantize_experts == "q4_0":
         for _, _, spec in read:
