@@ -3643,6 +3643,31 @@ def test_a_trace_of_another_wrapper_of_the_same_model_is_refused_while_one_runs(
         assert torch.equal(after, early)
 
 
+@pytest.mark.parametrize("part", ["experts", "gate"])
+def test_a_trace_of_a_model_holding_another_s_router_or_experts_is_refused_while_that_one_runs(part):
+    """Two models sharing one module of a block (B's layer-0 experts or router is A's object): a trace of B inside
+    A's trace blamed the read order (OrderError) or failed with greenlet's "cyclic parent chain", as nnsight hands
+    the shared module's calls to the run that began first. Refused naming the module; one after the other, both
+    serve. Ground truth: each model's plain forward on a deep copy (the copies share nothing)."""
+    hf_a, hf_b = tiny_model("mixtral", seed=0), tiny_model("mixtral", seed=1)
+    setattr(hf_b.model.layers[0].mlp, part, getattr(hf_a.model.layers[0].mlp, part))
+    inputs = tiny_inputs(hf_a)
+    with torch.no_grad():
+        plain_a, plain_b = (copy.deepcopy(hf)(**inputs).logits for hf in (hf_a, hf_b))
+    a, b = moelens.wrap(hf_a), moelens.wrap(hf_b)
+    shared = type(getattr(hf_a.model.layers[0].mlp, part)).__name__
+    with pytest.raises(moelens.MoelensError, match=rf"or of another model holding one of its modules: {shared} at "
+                                                   r"0x[0-9a-f]+\) is running it in this thread"):
+        with torch.no_grad(), a.trace(**inputs):
+            a.moes[0].router_logits.save()
+            with b.trace(**inputs):
+                b.moes[0].routed_output.save()
+    for model, plain in ((a, plain_a), (b, plain_b)):
+        with torch.no_grad(), model.trace(**inputs):
+            logits = model.output.logits.save()
+        assert torch.equal(logits, plain)
+
+
 def test_a_trace_generate_or_scan_of_the_model_inside_its_own_trace_is_refused():
     """A trace's body runs while the model runs: a trace of the same wrapper there failed with greenlet's "cyclic
     parent chain", and generate ran transformers' own on the raw prompt ("'str' object has no attribute 'shape'").

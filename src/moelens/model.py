@@ -1009,7 +1009,11 @@ def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, A
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     wrapped = _nnsight_model(model, tokenizer, envoys, nnsight_kwargs)
     if isinstance(wrapped.interleaver, MoeInterleaver):
-        wrapped.interleaver.runs([model.get_submodule(path) for path in structure.moe_blocks])
+        # each block with its children (router, experts, shared expert): another model may hold one of them (a module
+        # object placed in two models), whose calls nnsight hands to whichever run began first, as for a whole block
+        wrapped.interleaver.runs(list(dict.fromkeys(module for path in structure.moe_blocks
+                                                   for block in [model.get_submodule(path)]
+                                                   for module in (block, *block.children()))))
     object.__setattr__(wrapped, "_structure", structure)
     object.__setattr__(wrapped, "_watched", watched)
     object.__setattr__(wrapped, "_wrap_options", options)

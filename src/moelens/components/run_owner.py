@@ -70,13 +70,14 @@ class MoeInterleaver(Interleaver):
     #: moelens' runs of the model in progress in the owner's thread (`MoeModelMixin.interleave`): the run ends as
     #: the outermost returns, after its own clean-up, not at nnsight's clean-up inside it.
     running: int = 0
-    #: The MoE block modules this interleaver runs (`runs`), weakly: other wrappers of them wait for its run.
+    #: The MoE block modules this interleaver runs, with their router, experts and shared expert (`runs`), weakly:
+    #: other wrappers of them, or of a model holding one of them, wait for its run.
     _blocks: "tuple[weakref.ref[torch.nn.Module], ...]" = ()
     #: The blocks this interleaver's run holds (`hold_blocks`) until it is over (`release`).
     _held: "list[torch.nn.Module] | tuple[()]" = ()
 
     def runs(self, blocks: list[torch.nn.Module]) -> None:
-        """Note the MoE block modules this interleaver runs (at wrap)."""
+        """Note the MoE block modules (and their children) this interleaver runs (at wrap)."""
         self._blocks = tuple(weakref.ref(block) for block in blocks)
 
     def claim(self, own_workers: bool = False) -> None:
@@ -110,11 +111,13 @@ class MoeInterleaver(Interleaver):
             if other is not None:
                 where = "in this thread (a trace inside its trace)" if other.owner == threading.get_ident() else \
                     "in another thread"
+                shared = next(block for block in blocks if _RUNNING.get(block) is other)
                 raise MoelensError(
-                    f"another wrapper of this model's MoE blocks (moelens.wrap of the same model, or of a part of it) is "
-                    f"running it {where}; nnsight hands the blocks' calls to the run that began first, so this run's "
+                    f"another wrapper of this model's MoE blocks (moelens.wrap of the same model, or of a part of it, or "
+                    f"of another model holding one of its modules: {type(shared).__name__} at {id(shared):#x}) is "
+                    f"running it {where}; nnsight hands the modules' calls to the run that began first, so this run's "
                     "values could not be served. Trace one wrapper at a time, or wrap a copy for the second "
-                    "(moelens.wrap(copy.deepcopy(model._module)))."
+                    "(moelens.wrap(copy.deepcopy(model._module)); a model holding another's module: give it a copy)."
                 )
             self._held = blocks  # first: an interrupt while they are marked leaves `release` all it must clear
             for block in blocks:
