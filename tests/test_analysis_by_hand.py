@@ -407,6 +407,8 @@ def test_top_tokens_by_share_keeps_a_token_seen_exactly_min_count_times():
     assert repr(wide).count(" x") == 3 and "more" not in repr(wide)
     wide.tokens, wide.counts, wide.share = wide.tokens * 3, wide.counts.repeat(3), wide.share.repeat(3)
     assert repr(wide).endswith(", ... 4 more)") and repr(wide).count(" x") == 5
+    (none,) = analysis.top_tokens(cache, 0, [3], by="share", min_count=4)  # no token is seen 4 times
+    assert none.token_ids.numel() == 0 and repr(none) == "ExpertTokens(layer 0, expert 3, 2 slots: no token)"
 
 
 # -- load balance: unused experts ------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class ExpertTokens:
         shown = ", ".join(f"{token!r} x{count} ({share:.0%})" for token, count, share in
                           zip(self.tokens[:self.SHOWN], self.counts.tolist(), self.share.tolist()))
         more = f", ... {len(self.tokens) - self.SHOWN} more" if len(self.tokens) > self.SHOWN else ""
-        return f"ExpertTokens(layer {self.layer}, expert {self.expert}, {self.total} slots: {shown}{more})"
+        return f"ExpertTokens(layer {self.layer}, expert {self.expert}, {self.total} slots: {shown or 'no token'}{more})"
 
 
 def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
