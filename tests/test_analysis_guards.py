@@ -1470,27 +1470,37 @@ def test_describe_names_every_family_of_a_model_converted_in_two_kinds_of_block(
 
 def test_the_progress_bar_counts_the_texts_of_a_corpus_of_known_length_and_the_tokens_of_a_stream(monkeypatch):
     """The bar counted tokens only, with no total, so a long pass showed no share done nor time left. Over a list (a
-    tensor of rows) it counts the texts, to the last non-empty one; over a generator, the tokens. Ground truth: the
-    corpus' lengths counted by hand."""
+    tensor of rows) it counts the texts done: those before the last one a batch reached (a text may go on in the next
+    batch), all at the end; over one text, a tokenizer's output or a generator, the tokens. Ground truth: the corpus'
+    items and lengths counted by hand."""
     import moelens.analysis.progress as progress_module
     from moelens.analysis import collect_routing, expert_logit_lens
 
-    bars = []
+    bars, seen = [], []
 
     class Recorded(progress_module.tqdm):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             bars.append(self)
 
+        def update(self, n=1):
+            super().update(n)
+            seen.append(self.n)
+
     monkeypatch.setattr(progress_module, "tqdm", Recorded)
     model = moelens.load()
     texts = [[5, 6, 7] * 5, [8] * 20, [9, 10], [], [11] * 7]  # 5 items, the last but one empty
     tokens = sum(map(len, texts))
     collect_routing(model, texts, batch_size=2, max_length=8)
+    # windows of 8: text 0 in 2, text 1 in 3, text 2 in 1, text 4 in 1; batches of 2 windows end in texts 0, 1, 2, 4
     assert (bars[-1].total, bars[-1].n, bars[-1].unit, bars[-1].postfix) == (5, 5, "text", f"{tokens} tok")
+    assert seen[-5:] == [0, 1, 2, 4, 5]  # the last update is the end's
     collect_routing(model, torch.tensor([[5, 6, 7, 8]] * 3), batch_size=2)
     assert (bars[-1].total, bars[-1].n) == (3, 3)
-    collect_routing(model, texts[:4], batch_size=2, max_length=8)  # an empty last item: the bar stops at the one before
-    assert (bars[-1].total, bars[-1].n) == (4, 3)
-    expert_logit_lens(model, (text for text in texts), batch_size=2, max_length=8)
-    assert (bars[-1].total, bars[-1].n, bars[-1].unit) == (None, tokens, "tok")
+    collect_routing(model, texts[:4], batch_size=2, max_length=8)  # an empty last item: done at the end all the same
+    assert (bars[-1].total, bars[-1].n) == (4, 4)
+    single = [5, 6, 7] * 10  # one text of ids: its tokens (as a text, it would be 0 of 1 until the end)
+    for corpus in (single, torch.tensor(single), {"input_ids": single}, (text for text in texts)):
+        expert_logit_lens(model, corpus, batch_size=2, max_length=8)
+        assert (bars[-1].total, bars[-1].unit) == (None, "tok")
+    assert bars[-1].n == tokens and bars[-2].n == len(single)

@@ -411,6 +411,7 @@ def collect_routing(
             if pending_tokens >= shard_tokens:
                 flush()
         flush()
+        bar.finish()
     finally:
         bar.close()
     cache.num_texts = tally.items  # empty items too: they have no token, but are corpus items

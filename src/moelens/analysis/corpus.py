@@ -238,18 +238,16 @@ def _one_text_of_ids(corpus: Any) -> bool:
 
 
 def item_count(corpus: Any) -> int | None:
-    """How many items `items` yields from ``corpus``, where that is known without reading it (a list of texts, a
-    tensor of rows, a tokenizer's output); None for an iterator or a stream, or a corpus `items` refuses."""
+    """How many items `items` yields from ``corpus``, where that is plain without reading it: a list or tuple of texts
+    or id rows, a 2-D tensor, another sized collection (``dataset["text"]``); None for one text, a tokenizer's output
+    or a numpy array (read row by row as `items` reads them), and for an iterator or a stream."""
+    if isinstance(corpus, Tensor):
+        return len(corpus) if corpus.dim() == 2 else None
+    if isinstance(corpus, (str, bytes, Mapping, np.ndarray)) or _one_text_of_ids(corpus):
+        return None
     try:
-        if isinstance(corpus, str) or _one_text_of_ids(corpus):
-            return 1
-        if isinstance(corpus, (Tensor, np.ndarray)):
-            numeric = isinstance(corpus, Tensor) or _numeric(corpus)
-            return 1 if numeric and corpus.ndim == 1 else len(corpus)
-        if isinstance(corpus, Mapping):
-            return len(corpus["input_ids"])
-        return len(corpus) if isinstance(corpus, Sequence) or hasattr(corpus, "__len__") else None
-    except Exception:  # what it cannot count, `items` reads (or refuses, saying why)
+        return len(corpus) if hasattr(corpus, "__len__") else None
+    except TypeError:  # a __len__ that refuses: read as a stream
         return None
 
 

@@ -223,6 +223,7 @@ def expert_logit_lens(
                 sums[layer] = total if sums[layer].numel() == 0 else sums[layer] + total
                 counts[layer] += count
             bar.advance(batch)
+        bar.finish()
     finally:
         bar.close()
     if all(count.sum() == 0 for count in counts.values()):
