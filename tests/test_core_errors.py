@@ -3643,29 +3643,52 @@ def test_a_trace_of_another_wrapper_of_the_same_model_is_refused_while_one_runs(
         assert torch.equal(after, early)
 
 
-@pytest.mark.parametrize("part", ["experts", "gate"])
-def test_a_trace_of_a_model_holding_another_s_router_or_experts_is_refused_while_that_one_runs(part):
-    """Two models sharing one module of a block (B's layer-0 experts or router is A's object): a trace of B inside
-    A's trace blamed the read order (OrderError) or failed with greenlet's "cyclic parent chain", as nnsight hands
-    the shared module's calls to the run that began first. Refused naming the module; one after the other, both
+def _first_layer(hf):
+    return (hf.model.language_model if hasattr(hf.model, "language_model") else hf.model).layers[0]
+
+
+@pytest.mark.parametrize("family, part", [("mixtral", "mlp.experts"), ("mixtral", "mlp.gate"),
+                                          ("granitemoeshared", "shared_mlp")])  # granite's is on the decoder layer
+def test_a_trace_of_a_model_holding_another_s_router_or_experts_is_refused_while_that_one_runs(family, part):
+    """Two models sharing one module of a block (B's layer-0 experts, router or shared expert is A's object): a trace
+    of B inside A's trace blamed the read order (OrderError) or failed with greenlet's "cyclic parent chain", as nnsight
+    hands the shared module's calls to the run that began first. Refused naming the module; one after the other, both
     serve. Ground truth: each model's plain forward on a deep copy (the copies share nothing)."""
-    hf_a, hf_b = tiny_model("mixtral", seed=0), tiny_model("mixtral", seed=1)
-    setattr(hf_b.model.layers[0].mlp, part, getattr(hf_a.model.layers[0].mlp, part))
+    hf_a, hf_b = tiny_model(family, seed=0), tiny_model(family, seed=1)
+    host, name = part.rpartition(".")[0], part.rpartition(".")[2]
+    module = _first_layer(hf_a).get_submodule(part)
+    setattr(_first_layer(hf_b).get_submodule(host), name, module)
     inputs = tiny_inputs(hf_a)
     with torch.no_grad():
         plain_a, plain_b = (copy.deepcopy(hf)(**inputs).logits for hf in (hf_a, hf_b))
     a, b = moelens.wrap(hf_a), moelens.wrap(hf_b)
-    shared = type(getattr(hf_a.model.layers[0].mlp, part)).__name__
-    with pytest.raises(moelens.MoelensError, match=rf"or of another model holding one of its modules: {shared} at "
-                                                   r"0x[0-9a-f]+\) is running it in this thread"):
+    read = "shared_expert_output" if "shared" in part else "routed_output"
+    with pytest.raises(moelens.MoelensError, match=rf"or of another model holding one of its modules: "
+                                                   rf"{type(module).__name__} at 0x[0-9a-f]+\) is running it in this"):
         with torch.no_grad(), a.trace(**inputs):
             a.moes[0].router_logits.save()
             with b.trace(**inputs):
-                b.moes[0].routed_output.save()
+                getattr(b.moes[0], read).save()
     for model, plain in ((a, plain_a), (b, plain_b)):
         with torch.no_grad(), model.trace(**inputs):
             logits = model.output.logits.save()
         assert torch.equal(logits, plain)
+
+
+def test_models_sharing_a_module_moelens_serves_nothing_from_trace_one_inside_the_other():
+    """Only the modules values are served from are held: two gemma4 models (whose block is the decoder layer) sharing
+    the layer's activation object trace one inside the other, as before. Ground truth: B's plain forward on a copy."""
+    hf_a, hf_b = tiny_model("gemma4", seed=0), tiny_model("gemma4", seed=1)
+    _first_layer(hf_b).act_fn = _first_layer(hf_a).act_fn
+    inputs = tiny_inputs(hf_a)
+    with torch.no_grad():
+        plain_b = copy.deepcopy(hf_b)(**inputs).logits
+    a, b = moelens.wrap(hf_a), moelens.wrap(hf_b)
+    with torch.no_grad(), a.trace(**inputs):
+        a.moes[0].router_logits.save()
+        with b.trace(**inputs):
+            logits = b.output.logits.save()
+    assert torch.equal(logits, plain_b)
 
 
 def test_a_trace_generate_or_scan_of_the_model_inside_its_own_trace_is_refused():

@@ -41,6 +41,7 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, discover, paths_above
 from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
+from .families.entry import find_path
 from .modules import first_parameter, padding_position_id, takes_keyword
 from .scalars import check_flag
 from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_layers, _expert_parallel_envoy,
@@ -510,6 +511,11 @@ class MoeModelMixin(StandardNames):
         return wrap(module, tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
 
 
+#: Keywords of a causal LM's forward that hold one row per row of the batch, which nnsight's text-generation pipeline
+#: cannot batch beside the text of several invokes (`_refuse_ignored_text_keywords`).
+ROW_KEYWORDS = ("labels",)
+
+
 class MoeTransformersModel(MoeModelMixin, TransformersModel):
     """A transformers model with a tokenizer (string prompts, padding, generation), with moelens components."""
 
@@ -608,22 +614,23 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def _refuse_ignored_text_keywords(self, invokes: list) -> None:
         """Refuse, beside a text prompt of a model that generates, what nnsight's text-generation pipeline hands the
         forward, which ignores it: a second text (``text_pair`` ...) and the tokenizer settings the pipeline does not
-        take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word. A tensor (``labels``)
-        beside the text of one of several invokes reached the forward as it was, one invoke's rows for the whole
-        batch: torch's shape error in the loss."""
+        take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word. A tensor of one row per
+        token (`ROW_KEYWORDS`: ``labels``) beside the text of one of several invokes reached the forward as it was,
+        one invoke's rows for the whole batch: torch's shape error in the loss. (Other tensors, ``logits_to_keep``,
+        are settings of the whole batch's forward and pass.)"""
         if not any(kwargs for inputs, kwargs in invokes):
             return
         if sum(1 for inputs, kwargs in invokes if _invoke_ids(inputs, kwargs) is not None) > 1:  # invokes with rows
             for inputs, kwargs in invokes:
-                tensors = sorted(name for name, value in kwargs.items() if isinstance(value, torch.Tensor))
-                if tensors and any(_is_text(value) or processing.as_chats(value) is not None for value in inputs):
+                rows = sorted(name for name in ROW_KEYWORDS if isinstance(kwargs.get(name), torch.Tensor))
+                if rows and any(_is_text(value) or processing.as_chats(value) is not None for value in inputs):
                     raise MoelensError(
-                        f"{', '.join(tensors)} beside the text of one of several invokes: nnsight's text-generation "
+                        f"{', '.join(rows)} beside the text of one of several invokes: nnsight's text-generation "
                         "pipeline hands the forward this invoke's tensor as it is, for the whole batch, whose other "
-                        "invokes' rows and padding it does not cover (labels: torch's shape error); give each invoke "
-                        f"its token ids, tracer.invoke(model.tokenizer(text, return_tensors='pt')['input_ids'], "
-                        f"{tensors[0]}=...) (nnsight pads and batches them), or trace the whole batch at once: "
-                        f"model.trace(**model.tokenizer(texts, return_tensors='pt', padding=True), {tensors[0]}=...)."
+                        "invokes' rows and padding it does not cover (torch's shape error in the loss); give each "
+                        f"invoke its token ids, tracer.invoke(model.tokenizer(text, return_tensors='pt')['input_ids'], "
+                        f"{rows[0]}=...) (nnsight pads and batches them), or trace the whole batch at once: "
+                        f"model.trace(**model.tokenizer(texts, return_tensors='pt', padding=True), {rows[0]}=...)."
                     )
         ignored = (tokenizer_settings(type(self.tokenizer)) - set(GENERATION_SETTINGS) - set(FEATURE_SETTINGS)
                    - set(inspect.signature(self._module.forward).parameters)) | {"text_pair", "text_target",
@@ -982,6 +989,23 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         raise
 
 
+def _served_modules(model: torch.nn.Module, structure: Structure) -> list[torch.nn.Module]:
+    """Each MoE block with the modules moelens serves values from: its router, experts, shared expert (on the block or
+    its decoder layer) and that expert's gate. Another model may hold one of them (a module object placed in two
+    models), whose calls nnsight hands to whichever run began first, as for a whole block (`MoeInterleaver.runs`)."""
+    family, modules = structure.family, []
+    for path in structure.moe_blocks:
+        block = model.get_submodule(path)
+        parts = [(block, "")]
+        if family is not None:
+            parts += [(block, family.router), (block, family.experts)]
+            if family.shared is not None:
+                layer = model.get_submodule(path.rpartition(".")[0]) if family.shared.on_layer else block
+                parts += [(layer, family.shared.module), (block, family.shared.gate or "")]
+        modules += [found for host, part in parts if isinstance(found := find_path(host, part), torch.nn.Module)]
+    return list(dict.fromkeys(modules))
+
+
 def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, Any]
              ) -> MoeTransformersModel | MoeNNsight:
     """`wrap`'s nnsight model of ``model``, its blocks instrumented; ``model`` and ``tokenizer`` checked already."""
@@ -1009,11 +1033,7 @@ def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, A
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     wrapped = _nnsight_model(model, tokenizer, envoys, nnsight_kwargs)
     if isinstance(wrapped.interleaver, MoeInterleaver):
-        # each block with its children (router, experts, shared expert): another model may hold one of them (a module
-        # object placed in two models), whose calls nnsight hands to whichever run began first, as for a whole block
-        wrapped.interleaver.runs(list(dict.fromkeys(module for path in structure.moe_blocks
-                                                   for block in [model.get_submodule(path)]
-                                                   for module in (block, *block.children()))))
+        wrapped.interleaver.runs(_served_modules(model, structure))
     object.__setattr__(wrapped, "_structure", structure)
     object.__setattr__(wrapped, "_watched", watched)
     object.__setattr__(wrapped, "_wrap_options", options)
