@@ -3675,6 +3675,54 @@ def test_a_trace_of_a_model_holding_another_s_router_or_experts_is_refused_while
         assert torch.equal(logits, plain)
 
 
+def test_a_shared_module_of_a_block_of_another_family_in_the_same_model_is_held_too():
+    """A model whose blocks are of two registered families (layer 0 a CustomBlock: chooser / pool; layer 1 another
+    block: route / bank): the modules held were found by the first block's family alone, so a second model sharing
+    layer 1's experts got greenlet's "cyclic parent chain" instead of the refusal. Ground truth: A's plain forward."""
+    from custom_models import LinearRouter, MixtralExperts, custom_family, custom_model
+
+    class OtherBlock(torch.nn.Module):
+        def __init__(self, config) -> None:
+            super().__init__()
+            self.route = LinearRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
+            self.bank = MixtralExperts(config)
+
+        def forward(self, hidden):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            _, weights, index = self.route(flat)
+            return self.bank(flat, index, weights).reshape(hidden.shape)
+
+    def mixed():
+        model = custom_model()
+        model.layers[1]["ffn"] = OtherBlock(model.config)
+        for parameter in model.layers[1].parameters():
+            torch.nn.init.normal_(parameter, std=0.3)
+        return model
+
+    other = moelens.Family("other", ("other",), ("OtherBlock",), block_attr="ffn", router="route", experts="bank",
+                           logits_op="torch_nn_functional_linear_0", scoring=moelens.Scoring("softmax", "score_topk"))
+    moelens.families.register(custom_family())
+    moelens.families.register(other)
+    try:
+        hf_a, hf_b = mixed(), mixed()
+        hf_b.layers[1]["ffn"].bank = hf_a.layers[1]["ffn"].bank
+        ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            plain_a = copy.deepcopy(hf_a)(ids)
+        a, b = moelens.wrap(hf_a), moelens.wrap(hf_b)
+        with pytest.raises(moelens.MoelensError, match=r"holding one of its modules: MixtralExperts at 0x"):
+            with torch.no_grad(), a.trace(ids):
+                a.moes[1].router_logits.save()
+                with b.trace(ids):
+                    b.moes[1].routed_output.save()
+        with torch.no_grad(), a.trace(ids):
+            out = a.output.save()
+        assert torch.equal(out, plain_a)
+    finally:
+        moelens.families.unregister("other")
+        moelens.families.unregister("custom")
+
+
 def test_models_sharing_a_module_moelens_serves_nothing_from_trace_one_inside_the_other():
     """Only the modules values are served from are held: two gemma4 models (whose block is the decoder layer) sharing
     the layer's activation object trace one inside the other, as before. Ground truth: B's plain forward on a copy."""

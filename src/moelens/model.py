@@ -993,9 +993,10 @@ def _served_modules(model: torch.nn.Module, structure: Structure) -> list[torch.
     """Each MoE block with the modules moelens serves values from: its router, experts, shared expert (on the block or
     its decoder layer) and that expert's gate. Another model may hold one of them (a module object placed in two
     models), whose calls nnsight hands to whichever run began first, as for a whole block (`MoeInterleaver.runs`)."""
-    family, modules = structure.family, []
+    modules = []
     for path in structure.moe_blocks:
         block = model.get_submodule(path)
+        family = registry.for_block(block) or structure.family  # a model may hold blocks of several families
         parts = [(block, "")]
         if family is not None:
             parts += [(block, family.router), (block, family.experts)]
