@@ -614,8 +614,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     def _refuse_ignored_text_keywords(self, invokes: list) -> None:
         """Refuse, beside a text prompt of a model that generates, what nnsight's text-generation pipeline hands the
         forward, which ignores it: a second text (``text_pair`` ...) and the tokenizer settings the pipeline does not
-        take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word. A tensor of one row per
-        token (`ROW_KEYWORDS`: ``labels``) beside the text of one of several invokes reached the forward as it was,
+        take (``pad_to_multiple_of``, ``padding_side`` ...). They were dropped without a word. A tensor with a row for
+        each of the batch's (`ROW_KEYWORDS`: ``labels``) beside the text of one of several invokes reached the forward as it was,
         one invoke's rows for the whole batch: torch's shape error in the loss. (Other tensors, ``logits_to_keep``,
         are settings of the whole batch's forward and pass.)"""
         if not any(kwargs for inputs, kwargs in invokes):

@@ -77,7 +77,7 @@ class MoeInterleaver(Interleaver):
     _held: "list[torch.nn.Module] | tuple[()]" = ()
 
     def runs(self, blocks: list[torch.nn.Module]) -> None:
-        """Note the MoE block modules (and their children) this interleaver runs (at wrap)."""
+        """Note the MoE block modules (with those values are served from) this interleaver runs (at wrap)."""
         self._blocks = tuple(weakref.ref(block) for block in blocks)
 
     def claim(self, own_workers: bool = False) -> None:
