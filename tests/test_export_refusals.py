@@ -339,10 +339,12 @@ def test_routing_around_every_expert_is_refused_saying_what_to_do_instead(tmp_pa
     model = moelens.load()
     every = list(range(model.config.num_experts))
     with pytest.raises(ExportRefused, match=rf"^Edits\.route_around\[1\] names every one of the layer's {len(every)} "
-                                            r"experts: .*softmax_topk gate weighs -inf logits alone as NaN; zero-ablate them instead \(Edits\.ablate\[1\]: their "
-                                            r"slots stay, contributing nothing\)\.$"):
+                                            r"experts: .*softmax_topk gate weighs -inf logits alone as NaN; zero-ablate "
+                                            r"them instead \(Edits\.ablate\[1\]: their slots stay, contributing "
+                                            r"nothing\)\.$"):
         to_nnef(model, tmp_path / "every.nnef.tgz", edits=Edits(route_around={1: every}), verify=False)
-    argv = ["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--no-verify", "--route-around", "1:" + ",".join(map(str, every))]
+    argv = ["export", "tiny", str(tmp_path / "cli.nnef.tgz"), "--no-verify",
+            "--route-around", "1:" + ",".join(map(str, every))]
     assert main(argv) == 2
     assert ("--route-around of layer 1 names every one of the layer's" in (err := capsys.readouterr().err)
             and "zero-ablate them instead (--ablate of layer 1: their slots stay" in err)
