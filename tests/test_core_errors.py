@@ -5606,3 +5606,33 @@ def test_a_block_given_back_to_its_envoy_is_served_and_checked_as_wrapped():
     torch.testing.assert_close(logits.reshape(seen[0].shape), seen[0], rtol=0, atol=0)
     assert "[1] model.model.layers.1.mlp: mixtral, E=8" in repr(wrapped.moes)
     assert families.check(wrapped, **inputs)
+
+
+def test_a_model_wrapped_before_its_family_was_registered_is_told_to_wrap_again():
+    """A model wrapped before the user registered its family has no Moe: model.moes[0] said only "no MoE block" and
+    routing analysis to wrap an MoE model, with no word of the family registered since. Ground truth: the model's own
+    block class, and a wrap after the registration serving both its blocks."""
+    from custom_models import custom_family, custom_model
+
+    from moelens.analysis import collect_routing
+    from moelens.errors import LayerIndexError
+
+    hf = custom_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the wrap's warning: no MoE block
+        early = moelens.wrap(hf)
+    moelens.families.register(custom_family())
+    try:
+        hint = (r"; the family 'custom', registered after this model was wrapped, describes its CustomBlock blocks: "
+                r"wrap it again \(moelens\.wrap\(model\._module\)\)\.$")
+        with pytest.raises(LayerIndexError, match=r"^model\.moes\[0\]: this model has no MoE block \(model\.moes is "
+                                                  r"empty\)" + hint):
+            early.moes[0]
+        with pytest.raises(moelens.MoelensError, match=r"^CustomModel has no Mixture-of-Experts layer moelens knows"
+                                                       + hint):
+            collect_routing(early, torch.tensor([[1, 2, 3]]), progress=False)
+        assert len(moelens.wrap(early._module).moes) == 2  # the way named
+    finally:
+        moelens.families.unregister("custom")
+    with pytest.raises(LayerIndexError, match=r"model\.moes is empty\)\.$"):  # no family names it: no hint
+        early.moes[0]

@@ -437,6 +437,18 @@ def discover(model: torch.nn.Module) -> Structure:
     return structure
 
 
+def registered_since(model: torch.nn.Module) -> str:
+    """For a wrapped model with no MoE block: the advice to wrap it again where a family the user registered (after
+    the wrap, or it would have been found) names a block class of it; "" where none does."""
+    own = {cls: family.name for family in registry.supported() if not registry.is_built_in(family)
+           for cls in family.block_classes}
+    found = next((type(module).__name__ for module in model.modules() if type(module).__name__ in own), None)
+    if found is None:
+        return ""
+    return (f"; the family {own[found]!r}, registered after this model was wrapped, describes its {found} blocks: "
+            "wrap it again (moelens.wrap(model._module))")
+
+
 def _unmatched_registrations(model: torch.nn.Module) -> str:
     """For the no-MoE warning: the block classes of the user's own registered families (none of which is in
     ``model``), beside the module classes the model has, so a misspelt class name shows; "" without any."""

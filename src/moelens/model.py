@@ -38,7 +38,7 @@ from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dis
 from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList, RenamedBlockLayer
 from .components.moe import value_names
 from .components.run_owner import MoeInterleaver
-from .discovery import Structure, discover, paths_above
+from .discovery import Structure, discover, paths_above, registered_since
 from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
 from .families.entry import find_path
@@ -125,7 +125,10 @@ class MoeModelMixin(StandardNames):
     @property
     def moes(self) -> MoeList:
         """The MoE components, in layer order (indexed by block: `MoeList`)."""
-        return MoeList(envoy_at(self, name) for name in self._structure.moe_blocks)
+        moes = MoeList(envoy_at(self, name) for name in self._structure.moe_blocks)
+        if not moes:  # why, where a family registered since the wrap describes its blocks
+            moes.hint = registered_since(self._module)
+        return moes
 
     @property
     def family(self) -> Family | None:

@@ -102,6 +102,9 @@ class MoeList(list):
     there are and where layer ``i``'s block is (a Python list's bare IndexError or TypeError named neither).
     """
 
+    #: For an empty list: why, where a family registered since the wrap describes the model's blocks ("" else).
+    hint = ""
+
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
             return MoeList(super().__getitem__(check_slice(key, "model.moes", "MoE blocks", self)))
@@ -109,7 +112,8 @@ class MoeList(list):
         index = as_lone_int(key)
         if index is None or not -count <= index < count:
             if not count:
-                raise LayerIndexError(f"model.moes[{key!r}]: this model has no MoE block (model.moes is empty).")
+                raise LayerIndexError(f"model.moes[{key!r}]: this model has no MoE block (model.moes is empty)"
+                                      f"{self.hint}.")
             layers = [moe.layer for moe in self]
             structure = getattr(self[0].root, "_structure", None)
             decoder = getattr(structure, "layers", None)
