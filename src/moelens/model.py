@@ -126,8 +126,8 @@ class MoeModelMixin(StandardNames):
     def moes(self) -> MoeList:
         """The MoE components, in layer order (indexed by block: `MoeList`)."""
         moes = MoeList(envoy_at(self, name) for name in self._structure.moe_blocks)
-        if not moes:  # why, where a family registered since the wrap describes its blocks
-            moes.hint = registered_since(self._module)
+        if not moes:  # why, where a family registered since the wrap describes its blocks (asked on an error only)
+            moes.why_empty = lambda: registered_since(self._module)
         return moes
 
     @property

@@ -52,7 +52,7 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
         raise MoelensError(
             f"{type(getattr(model, '_module', model)).__name__} has no Mixture-of-Experts layer moelens knows"
             + ("" if unserved == "has no MoE block" else f" (it {unserved})")
-            + (getattr(getattr(model, "moes", None), "hint", "")
+            + (getattr(getattr(model, "moes", None), "why_empty", lambda: "")()
                or "; routing analysis needs an MoE model wrapped with moelens.wrap() / moelens.load()") + "."
         )
     if getattr(getattr(model._module, "config", None), "is_encoder_decoder", False):

@@ -102,8 +102,11 @@ class MoeList(list):
     there are and where layer ``i``'s block is (a Python list's bare IndexError or TypeError named neither).
     """
 
-    #: For an empty list: why, where a family registered since the wrap describes the model's blocks ("" else).
-    hint = ""
+    @staticmethod
+    def why_empty() -> str:
+        """For an empty list: why, where a family registered since the wrap describes the model's blocks ("" else;
+        `model.moes` sets it)."""
+        return ""
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
@@ -113,7 +116,7 @@ class MoeList(list):
         if index is None or not -count <= index < count:
             if not count:
                 raise LayerIndexError(f"model.moes[{key!r}]: this model has no MoE block (model.moes is empty)"
-                                      f"{self.hint}.")
+                                      f"{self.why_empty()}.")
             layers = [moe.layer for moe in self]
             structure = getattr(self[0].root, "_structure", None)
             decoder = getattr(structure, "layers", None)
