@@ -179,6 +179,23 @@ def _check_shared_path(name: str, module: torch.nn.Module, family: Family) -> No
         )
 
 
+def block_parts(block: torch.nn.Module, family: Family, layer: torch.nn.Module | None = None
+                ) -> dict[str, tuple[str, torch.nn.Module]]:
+    """The modules of a MoE block of ``family`` that moelens serves values from, by what they are, with their path
+    from the block (or from its decoder layer ``layer``): the block itself (path ""), its router and experts, its shared
+    expert (one the family keeps on the decoder layer only with ``layer``) and that expert's gate. A part the block
+    lacks (a config without a shared expert) is left out."""
+    shared = family.shared
+    hosts = {"block": (block, ""), "router": (block, family.router), "experts": (block, family.experts)}
+    if shared is not None:
+        if not shared.on_layer or layer is not None:
+            hosts["shared expert"] = (layer if shared.on_layer else block, shared.module)
+        if shared.gate:
+            hosts["shared expert gate"] = (block, shared.gate)
+    return {part: (path, found) for part, (host, path) in hosts.items()
+            if isinstance(found := find_path(host, path), torch.nn.Module)}
+
+
 def _refuse_shared_parts(model: torch.nn.Module, blocks: list[str]) -> None:
     """Raise a `FamilyError` when a MoE block, or its router, experts or shared expert, is one module that two
     layers call: moelens serves values by module, in call order, so the second layer's would be the first's."""
@@ -187,13 +204,8 @@ def _refuse_shared_parts(model: torch.nn.Module, blocks: list[str]) -> None:
     for name, block in model.named_modules(remove_duplicate=False):  # a block shared by two layers: under both names
         if id(block) not in block_ids:
             continue
-        family = registry.for_block(block)
-        paths = {"block": "", "router": family.router, "experts": family.experts}
-        if family.shared is not None and not family.shared.on_layer:
-            paths["shared expert"] = family.shared.module
-        for part, path in paths.items():
-            part_module = find_path(block, path)
-            if part_module is None:  # a config without a shared expert
+        for part, (path, part_module) in block_parts(block, registry.for_block(block)).items():
+            if part == "shared expert gate":
                 continue
             owner = owners.setdefault(id(part_module), name)
             if owner != name:
@@ -437,11 +449,15 @@ def discover(model: torch.nn.Module) -> Structure:
     return structure
 
 
+def _own_families() -> list[Family]:
+    """The families the user registered (not moelens' own entries)."""
+    return [family for family in registry.supported() if not registry.is_built_in(family)]
+
+
 def registered_since(model: torch.nn.Module) -> str:
     """For a wrapped model with no MoE block: the advice to wrap it again where a family the user registered (after
     the wrap, or it would have been found) names a block class of it; "" where none does."""
-    own = {cls: family.name for family in registry.supported() if not registry.is_built_in(family)
-           for cls in family.block_classes}
+    own = {cls: family.name for family in _own_families() for cls in family.block_classes}
     found = next((type(module).__name__ for module in model.modules() if type(module).__name__ in own), None)
     if found is None:
         return ""
@@ -452,7 +468,7 @@ def registered_since(model: torch.nn.Module) -> str:
 def _unmatched_registrations(model: torch.nn.Module) -> str:
     """For the no-MoE warning: the block classes of the user's own registered families (none of which is in
     ``model``), beside the module classes the model has, so a misspelt class name shows; "" without any."""
-    own = [family for family in registry.supported() if not registry.is_built_in(family)]
+    own = _own_families()
     if not own:
         return ""
     classes = dict.fromkeys(type(module).__name__ for module in model.modules()

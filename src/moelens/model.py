@@ -38,10 +38,9 @@ from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dis
 from .components.layer_list import BlockHolder, BlocklessLayer, LayerList, MoeList, RenamedBlockLayer
 from .components.moe import value_names
 from .components.run_owner import MoeInterleaver
-from .discovery import Structure, discover, paths_above, registered_since
+from .discovery import Structure, block_parts, discover, paths_above, registered_since
 from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
-from .families.entry import find_path
 from .modules import first_parameter, padding_position_id, takes_keyword
 from .scalars import check_flag
 from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_layers, _expert_parallel_envoy,
@@ -993,20 +992,19 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
 
 
 def _served_modules(model: torch.nn.Module, structure: Structure) -> list[torch.nn.Module]:
-    """Each MoE block with the modules moelens serves values from: its router, experts, shared expert (on the block or
-    its decoder layer) and that expert's gate. Another model may hold one of them (a module object placed in two
-    models), whose calls nnsight hands to whichever run began first, as for a whole block (`MoeInterleaver.runs`)."""
+    """Each MoE block with the modules moelens serves values from (`block_parts`: router, experts, shared expert on the
+    block or its decoder layer, that expert's gate), by the block's own family. Another model may hold one of them (a
+    module object placed in two models), whose calls nnsight hands to whichever run began first, as for a whole block
+    (`MoeInterleaver.runs`)."""
     modules = []
     for path in structure.moe_blocks:
         block = model.get_submodule(path)
         family = registry.for_block(block) or structure.family  # a model may hold blocks of several families
-        parts = [(block, "")]
-        if family is not None:
-            parts += [(block, family.router), (block, family.experts)]
-            if family.shared is not None:
-                layer = model.get_submodule(path.rpartition(".")[0]) if family.shared.on_layer else block
-                parts += [(layer, family.shared.module), (block, family.shared.gate or "")]
-        modules += [found for host, part in parts if isinstance(found := find_path(host, part), torch.nn.Module)]
+        if family is None:
+            modules.append(block)
+            continue
+        layer = model.get_submodule(path.rpartition(".")[0])
+        modules += [module for _, module in block_parts(block, family, layer).values()]
     return list(dict.fromkeys(modules))
 
 
