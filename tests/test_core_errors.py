@@ -3402,9 +3402,12 @@ def test_a_deep_models_repr_folds_its_identical_layers_and_lists_its_blocks_a_li
     hf = Qwen3MoeForCausalLM(config).eval()
     assert "(0-11): 12 x Qwen3MoeDecoderLayer(" in repr(nnsight.NNsight(hf))
     wrapped = moelens.wrap(hf)
+    aliases = dict(wrapped._aliases)
     shown = repr(wrapped)
-    folds = shown.count("(0-11): 12 x Qwen3MoeDecoderLayer(")  # the model's layers, and the model.layers alias
-    assert folds and shown.count("(router_logits) -> ") == folds
+    # the layer tree once: the model.layers alias printed it a second time (nnsight's tree of a rename's mount)
+    assert shown.count("(0-11): 12 x Qwen3MoeDecoderLayer(") == 1 and shown.count("(router_logits) -> ") == 1
+    assert shown.endswith("\n  (layers): the same as model.model.layers\n)")
+    assert wrapped._aliases == aliases and wrapped.layers[3].mlp.path == "model.model.layers.3.mlp"
     listed = repr(wrapped.moes).splitlines()
     assert listed[0] == "MoeList of 12 MoE blocks (model.moes[i] shows one):"
     assert listed[1:] == [f"  [{i}] model.model.layers.{i}.mlp: qwen3_moe, E=16, k=2, grouped_mm" for i in range(12)]

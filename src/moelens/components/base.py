@@ -201,6 +201,21 @@ class StandardNames:
         """The model's own name of the child moelens serves as ``name`` (a standard name, `bind_alias`), or None."""
         return self.__dict__.get(STANDARD_NAMES, {}).get(name)
 
+    def __repr__(self) -> str:
+        """nnsight's tree, with each standard name that serves a module deeper down (``model.layers`` for
+        ``model.model.layers``) as one line naming it: nnsight prints such a name's whole tree again."""
+        deeper = {alias: native for alias, native in self.__dict__.get(STANDARD_NAMES, {}).items() if "." in native}
+        aliases = self._aliases
+        object.__setattr__(self, "_aliases", {alias: native for alias, native in aliases.items() if alias not in deeper})
+        try:
+            tree = super().__repr__()
+        finally:
+            object.__setattr__(self, "_aliases", aliases)
+        if not deeper or not tree.endswith("\n)"):
+            return tree
+        lines = "".join(f"\n  ({alias}): the same as {self.path}.{native}" for alias, native in deeper.items())
+        return tree[:-2] + lines + "\n)"
+
 
 def _declared_by_moelens(component_class: type, name: str) -> bool:
     """Whether the first class in ``component_class``'s MRO that declares ``name`` is one of moelens'."""
