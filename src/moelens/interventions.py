@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec
 
 import nnsight
 import numpy
@@ -49,6 +49,8 @@ from .families.scoring import score
 from .scalars import as_int, as_real, bool_in, check_flag, scalar
 
 ABLATION_MODES = ("zero", "route_around", "swap")
+
+_P = ParamSpec("_P")
 
 #: What an order error inside an intervention means (each intervention writes one value of the block).
 INTERVENTION_ORDER = (
@@ -69,14 +71,15 @@ def _selection_order(moe: Any) -> str:
     )
 
 
-def _intervention(function: Callable[..., None]) -> Callable[..., None]:
+def _intervention(function: Callable[_P, None]) -> Callable[_P, None]:
     """Name the intervention in the order error of a value it asked for after the model had run past it, and in the
     refusal of a value the block cannot serve on this input (ernie4_5_vl_moe's blocks given part of the tokens)."""
 
     @functools.wraps(function)
-    def run(moe: Any, *args: Any, **kwargs: Any) -> None:
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        moe = args[0] if args else kwargs.get("moe")
         try:
-            return function(moe, *args, **kwargs)
+            return function(*args, **kwargs)
         except OrderError as error:
             raise OrderError(f"{function.__name__}: {error} {INTERVENTION_ORDER}{_selection_order(moe)}") from None
         except ValueUnavailable as error:  # its own type and attributes kept
@@ -124,7 +127,8 @@ def _expert(moe: Moe, expert: Any, what: str) -> int:
 
 
 @_intervention
-def ablate(moe: Moe, expert: int | Iterable[int], mode: str = "zero", to: int | Iterable[int] | None = None) -> None:
+def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Tensor | numpy.ndarray, mode: str = "zero",
+           to: int | Iterable[int] | torch.Tensor | None = None) -> None:
     """Remove expert ``expert`` (or each of several) from block ``moe`` for the tokens of this invoke.
 
     Args:
@@ -271,7 +275,7 @@ def _check_bias_did_not_pick(moe: Moe) -> None:
 
 
 @_intervention
-def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) -> None:
+def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor | numpy.ndarray) -> None:
     """Send the given tokens' slots to the given experts (their weights stay; outputs change).
 
     Args:
@@ -329,7 +333,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor) 
 
 
 @_intervention
-def keep_top(moe: Moe, n: int, renormalize: bool = False, tokens: Any = None) -> None:
+def keep_top(moe: Moe, n: int | torch.Tensor, renormalize: bool = False, tokens: Any = None) -> None:
     """Keep each token's ``n`` highest-weighted slots and give the others weight 0 (outputs change).
 
     The block runs as if it routed each token to its best ``n`` experts (the router's choice
@@ -427,7 +431,7 @@ def _conflicting_rows(positions: torch.Tensor, given: torch.Tensor) -> bool:
 
 
 @_intervention
-def steer(moe: Moe, expert: int | Iterable[int], bias: float) -> None:
+def steer(moe: Moe, expert: int | Iterable[int] | torch.Tensor | numpy.ndarray, bias: float | torch.Tensor) -> None:
     """Add ``bias`` to expert ``expert``'s router logit (or to each of several experts') for every token
     (changes routing).
 
@@ -617,7 +621,7 @@ def _expert_ids(moe: Moe, experts: Any, call: str, argument: str = "expert", dis
 
 
 @_intervention
-def force(moe: Moe, experts: int | Iterable[int], tokens: Any = None) -> None:
+def force(moe: Moe, experts: int | Iterable[int] | torch.Tensor | numpy.ndarray, tokens: Any = None) -> None:
     """Make every token (or the given ``tokens``) route to ``experts`` first (changes routing).
 
     The forced experts' logits are raised above every other expert's (by the logits'

@@ -46,7 +46,8 @@ class ExpertLens:
     Attributes:
         layers: Decoder-layer indices (rows).
         counts: ``[L, E]`` tokens routed to each expert (what the mean is over).
-        mean_outputs: ``[L, E, D]`` each expert's mean weighted output.
+        mean_outputs: ``[L, E, M]`` each expert's mean weighted output, in the model's hidden space (M: experts
+            working in a latent space, nemotron_h's ``moe_latent_size``, mapped there by the block's projection).
         top_ids: ``[L, E, n]`` the most promoted token ids, best first.
         top_logits: ``[L, E, n]`` their logits (-inf for an expert no token reached: its ids mean nothing).
         tokens: ``tokens[l][e]``: the promoted tokens as printable strings; empty for an expert no token
@@ -58,7 +59,7 @@ class ExpertLens:
 
     layers: list[int]
     counts: Int[Tensor, "l e"]
-    mean_outputs: Float[Tensor, "l e d"]
+    mean_outputs: Float[Tensor, "l e m"]
     top_ids: Int[Tensor, "l e n"]
     top_logits: Float[Tensor, "l e n"]
     tokens: list[list[list[str]]]

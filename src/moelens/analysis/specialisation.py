@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Number
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
@@ -261,7 +262,8 @@ def _text_labels_error(labels: Tensor, cache: RoutingCache) -> MoelensError:
 
 
 def specialisation(
-    cache: RoutingCache, labels: Tensor | Callable[[str], Any], classes: list[str] | None = None, per: str = "token"
+    cache: RoutingCache, labels: Tensor | Sequence[int | str] | np.ndarray | Callable[[str], Any],
+    classes: Sequence[str] | None = None, per: str = "token"
 ) -> Specialisation:
     """Count, per layer and expert, the routed slots of each labelled class (streams over shards).
 

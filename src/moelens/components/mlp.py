@@ -43,11 +43,14 @@ MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output") + (
 
 
 class Mlp(Component):
-    """A dense MLP block. See the module docstring for what it serves."""
+    """A dense MLP block. See the module docstring for what it serves.
+
+    `Moe` subclasses it (an MoE block serves ``mlp_output`` too): ``isinstance(block, Moe)`` tells an MoE block from a
+    dense one, ``isinstance(block, Mlp)`` holds for both."""
 
     @served
-    def mlp_output(self, value: Any) -> Float[Tensor, "b s h"]:
-        """The block's output [b, s, D]: what a dense MLP adds to the residual stream. Writing it replaces that.
+    def mlp_output(self, value: Any) -> Float[Tensor, "b s m"]:
+        """The block's output [b, s, M]: what a dense MLP adds to the residual stream. Writing it replaces that.
 
         For a block that adds the residual itself (bloom's), the output of its down projection. For an MoE block's
         shared expert, its output before any gate the block applies (what the block adds: `shared_expert_output`)."""

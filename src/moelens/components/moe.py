@@ -397,11 +397,11 @@ class Moe(Mlp):
         """Each slot's intermediate activations [b, s, k, I] (after the gate / activation) inside grouped_mm / batched_mm, in token-slot order. Writing changes what that slot's down projection sees."""
 
     @served
-    def expert_outputs(self, value: Any) -> Float[Tensor, "b s k h"]:
+    def expert_outputs(self, value: Any) -> Float[Tensor, "b s k d"]:
         """Each slot's weighted output [b, s, k, D] inside grouped_mm / batched_mm. Writing changes that slot's contribution."""
 
     @served
-    def routed_output(self, value: Any) -> Float[Tensor, "b s h"]:
+    def routed_output(self, value: Any) -> Float[Tensor, "b s d"]:
         """The experts module's output [b, s, D]; equals expert_outputs.sum(2). Writing replaces the routed sum."""
 
     @served

@@ -18,7 +18,7 @@ import functools
 import inspect
 import weakref
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Iterator, Mapping, NamedTuple, TypeVar, overload
 
 import torch
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
@@ -40,24 +40,36 @@ if TYPE_CHECKING:
     from .base import Component
 
 
-class served(eproperty):
-    """A value a component serves; declare one per value on the component class.
+if TYPE_CHECKING:  # what a type checker sees: a value of the stub's return type, read and written by name
+    _Value = TypeVar("_Value")
 
-    The docstring of the decorated stub is the value's documentation (what it
-    means, where it is read, what a write does); the stub's body is not run.
-    """
+    class served(Generic[_Value]):
+        def __init__(self, stub: Callable[[Any, Any], _Value]) -> None: ...
+        @overload
+        def __get__(self, obj: None, owner: Any = None) -> "served[_Value]": ...
+        @overload
+        def __get__(self, obj: object, owner: Any = None) -> _Value: ...
+        def __get__(self, obj: Any, owner: Any = None) -> Any: ...
+        def __set__(self, obj: object, value: Any) -> None: ...
+else:
+    class served(eproperty):
+        """A value a component serves; declare one per value on the component class.
 
-    def __init__(self, stub: Callable) -> None:
-        super().__init__(key=stub.__name__, description=(stub.__doc__ or "").strip().split("\n")[0])
-        self(stub)
+        The docstring of the decorated stub is the value's documentation (what it
+        means, where it is read, what a write does); the stub's body is not run.
+        """
 
-    def __get__(self, obj: "Component | None", owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        return obj._read(self)
+        def __init__(self, stub: Callable) -> None:
+            super().__init__(key=stub.__name__, description=(stub.__doc__ or "").strip().split("\n")[0])
+            self(stub)
 
-    def __set__(self, obj: "Component", value: Any) -> None:
-        obj._write(self, value)
+        def __get__(self, obj: "Component | None", owner: Any = None) -> Any:
+            if obj is None:
+                return self
+            return obj._read(self)
+
+        def __set__(self, obj: "Component", value: Any) -> None:
+            obj._write(self, value)
 
 
 @contextmanager

@@ -12,10 +12,17 @@ torch. Families tract cannot express are refused with the reason (`family_suppor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .edits import Edits
 from .errors import ExportError, ExportRefused
 from .gate import GATE_MODES, Support, family_support
 from .runner import TOLERANCES
+
+if TYPE_CHECKING:  # imported on first use at run time (`__getattr__`)
+    from .exporter import ExportReport, to_nnef
+    from .table import support_table
+    from .verification import Verification, run, verify
 
 __all__ = [
     "GATE_MODES", "TOLERANCES", "Edits", "ExportError", "ExportRefused", "ExportReport", "Support",
