@@ -25,6 +25,16 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _command_modules_imported() -> None:
+    """Import the CLI's command modules before any test: one imported first while a test has monkeypatched
+    ``moelens.analysis.cli.load_model`` (the stats flag checks) would keep the patch as its own ``load_model``, and
+    a later test's ``moelens generate`` fail with it."""
+    from moelens.cli import build_parser
+
+    build_parser()
+
+
 def _build_tiny_models_on(device: str) -> None:
     """Make moelens.testing's tiny_model return its model moved to ``device`` (before any test
     module imports it)."""
