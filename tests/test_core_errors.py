@@ -1053,10 +1053,16 @@ def test_a_model_without_tokenizer_refuses_text_in_one_invoke(tmp_path):
 
 def test_a_model_with_a_tokenizer_refuses_an_input_that_is_no_prompt_or_ids():
     """model.trace(12345) failed inside transformers' text pipeline with "can only concatenate str (not "int") to
-    str"; ids as a list of ints and text still run."""
+    str", so did a list mixing prompts with None or ints, a path and a dict of no ids; numpy arrays of floats or text
+    failed in a cast. Ids as a list of ints or an integer array, a dict of ids and text still run."""
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
-    for given, what in ((12345, "int 12345"), (3.5, "float 3.5"), (b"abc", "bytes"), ([1.5, 2.0], "a list holding float 1.5")):
+    path = pathlib.Path("prompt.txt")
+    for given, what in ((12345, "int 12345"), (3.5, "float 3.5"), (b"abc", "bytes"), ([1.5, 2.0], "a list holding float 1.5"),
+                        (["hello", None], "a list holding NoneType None"), (["hello", 5], "a list holding str and int 5"),
+                        ([["hello"]], "a list holding a list of str"), (path, type(path).__name__),
+                        ({"text": "hello"}, "a dict with keys ['text'] (no input_ids)"),
+                        (numpy.array([[1.0, 2.0]]), "a numpy array of float64"), (numpy.array(["hello"]), "a numpy array of <U5")):
         for run in (lambda: wrapped.trace(given), lambda: wrapped.generate(given, max_new_tokens=1)):
             with pytest.raises(moelens.MoelensError, match=rf"a trace's input was {re.escape(what)}: a model wrapped "
                                                            r"with a tokenizer takes text .* token ids"):
@@ -1068,9 +1074,11 @@ def test_a_model_with_a_tokenizer_refuses_an_input_that_is_no_prompt_or_ids():
                     pass
                 with tracer.invoke(given):
                     pass
-    with wrapped.trace([5, 6, 7]):
-        by_ids = wrapped.output.logits.save()
-    assert torch.equal(by_ids, hf(torch.tensor([[5, 6, 7]], device=hf.device)).logits)
+    expected = hf(torch.tensor([[5, 6, 7]], device=hf.device)).logits
+    for ids in ([5, 6, 7], numpy.array([[5, 6, 7]]), {"input_ids": torch.tensor([[5, 6, 7]])}):
+        with wrapped.trace(ids):
+            by_ids = wrapped.output.logits.save()
+        assert torch.equal(by_ids, expected)
 
 
 def test_ids_without_a_batch_and_sequence_axis_or_on_meta_are_refused_by_name():
@@ -4313,12 +4321,55 @@ def test_read_only_attributes_of_blocks_and_standard_names_are_refused():
                                                        r"the model\. .*moe\.router\._module\.top_k = 1"):
             setattr(moe, name, value)
     assert (moe.layer, moe.family.name, moe.runs_before_expansion, moe.top_k) == (0, "mixtral", False, 2)
+    with pytest.raises(moelens.MoelensError, match=r"experts_implementation is read only: .* switch the model's with "
+                                                   r"model\.set_experts_implementation\(\"grouped_mm\"\)"):
+        moe.experts_implementation = "eager"
     with pytest.raises(AttributeError, match=r"property 'source' of 'Moe' object has no setter"):
         moe.source = None  # nnsight's own property: Python's error, as before
     with pytest.raises(moelens.MoelensError, match=r"model\.layers is moelens' name for 'model\.layers' and is read "
                                                    r"only: .* change nothing in the model"):
         wrapped.layers = [1, 2]
     assert wrapped.layers._module is hf.model.layers
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "granitemoeshared"])
+def test_a_setting_meant_for_a_module_on_its_envoy_is_refused(family):
+    """``moe.router.top_k = 1`` was kept on nnsight's envoy, which read 1 back while the model routed 2 slots a token,
+    without a word; so were ``moe.topk = 1`` and ``moe.experts.act_fn2 = ...`` (typos). Ground truth: the same
+    setting made on the module changes the routing, as plain nnsight sees it."""
+    hf = tiny_model(family)
+    wrapped = moelens.wrap(hf)
+    moe = wrapped.moes[0]
+    router = moe.router._module
+    shared = [moe.shared_experts] if family != "mixtral" else []
+    at = re.escape(moe.router.path)
+    for envoy, name, value, refusal in [
+        (moe.router, "top_k", 1, rf"{at}\.top_k = \.\.\. would set an attribute of moelens' envoy, not of the model's "
+                                 rf"\w+Router, which goes on with its own top_k: set it on the module "
+                                 rf"\({at}\._module\.top_k = \.\.\.\)"),
+        (moe.router, "weight", torch.zeros(1), rf"{at}\.weight = \.\.\. would set an attribute"),
+        (moe.router, "topk", 1, rf"{at} has no attribute 'topk' \(did you mean 'top_k'\?\)"),
+        (moe.experts, "act_fn2", None, r"experts has no attribute 'act_fn2' \(did you mean 'act_fn'\?\)"),
+        (moe, "topk", 1, r"has no attribute 'topk' \(did you mean 'top_k'\?\)"),
+        (moe, "training", True, rf"{re.escape(moe.path)}\.training = \.\.\. would set an attribute of moelens' envoy"),
+        *[(expert, "training", True, r"training = \.\.\. would set an attribute of moelens' envoy") for expert in shared],
+    ]:
+        with pytest.raises(moelens.MoelensError, match=refusal):
+            setattr(envoy, name, value)
+        assert name not in envoy.__dict__
+    moe.router.my_note = "kept"  # a name of no module nor close to one: the user's own, on the envoy
+    assert moe.router.my_note == "kept" and not hasattr(router, "my_note")
+    assert moe.router.top_k == router.top_k == moe.top_k == 2 and not hf.training
+    inputs = tiny_inputs(hf)
+    with wrapped.trace(**inputs):
+        two = moe.expert_indices.save()
+    router.top_k = 1  # where the model reads it
+    with wrapped.trace(**inputs):
+        one = moe.expert_indices.save()
+    plain = nnsight.NNsight(hf)
+    with plain.trace(**inputs):
+        raw = plain.get(moe.router.path.partition(".")[2]).output.save()
+    assert two.shape[-1] == 2 and one.shape[-1] == 1 and torch.equal(one.flatten(), raw[2].flatten())
 
 
 def test_a_router_replaced_through_the_envoy_is_named_and_params_of_a_replaced_block_refused():

@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig
 
 from .components import Mlp, Moe, served
-from .components.base import (INSTRUMENTED, INSTRUMENTED_BLOCKS, StandardNames, envoy_at, refuse_replaced,
+from .components.base import (INSTRUMENTED, INSTRUMENTED_BLOCKS, StandardNames, envoy_at, guard_part, refuse_replaced,
                               with_suggestion)
 from .components.gathered import drop_gathered_notes
 from .components.implementations import IMPLEMENTATION_CALL, check_known, is_dispatching, known, runs_torch_a2a
@@ -47,8 +47,8 @@ from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_l
                               _from_root, _refuse_block_classes, _renamed_blocks)
 from .wrapping.generation import _generating, _refuse_no_generate, generation_setting, rows_per_prompt
 from .wrapping.inputs import (EMBEDDED_ID_DTYPES, _UNBATCHED_REMEDY, _cached_tokens, _embedded_pad_id, _given_cache,
-                              _invoke_ids, _invoke_input_names, _is_text, _left_padded, _modality_inputs,
-                              _model_inputs, _not_an_input, _refuse_misfit_mask, _refuse_shapeless_ids,
+                              _input_problem, _invoke_ids, _invoke_input_names, _is_text, _left_padded,
+                              _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_shapeless_ids,
                               _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs, _unsplittable,
                               _without_remote, unembeddable_ids)
 from .wrapping.instance_state import _drop_stale_nnsight_state, _instance_state, _restore_instance_state
@@ -525,15 +525,31 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
     #: beams / returned sequences (read by the token views, `moelens.components.tokens.current_rows`).
     _rows_per_prompt: int = 1
 
+    def _text_only(self) -> bool:
+        """Whether the model has a tokenizer alone: no processor, feature extractor or image processor, which may
+        take raw audio or image data."""
+        return not any(getattr(self, name, None) is not None
+                       for name in ("processor", "feature_extractor", "image_processor"))
+
+    def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
+        """The rows of an invoke's inputs, after refusing, on a model with a tokenizer alone, an input that is no
+        prompt, token ids, tensor or tokenizer output (`_input_problem`: transformers' text pipeline or numpy failed
+        on it with "can only concatenate str" or a casting error)."""
+        problem = _input_problem(inputs[0]) if inputs and self._text_only() else None
+        if problem is not None:
+            raise MoelensError(
+                f"a trace's input was {problem}: a model wrapped with a tokenizer takes text (a str or a list of "
+                "them), token ids (a list of ints, rows of them, an input_ids tensor or an integer numpy array), or "
+                "the tokenizer's output (model.trace(**inputs)). Read a file's text first (Path.read_text()); turn "
+                "an array of text into a list (array.tolist())."
+            )
+        return super()._batch_size(*inputs, **kwargs)
+
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching of the invokes' inputs, after refusing inputs of other modalities than text (images,
         audio) in one of several invokes (nnsight batches invokes from text and token ids alone, and refused them with
-        "Can't batch these inputs; pass text or token ids", advice that drops the images), and, on a model with a
-        tokenizer alone (no processor, feature extractor or image processor, which may take raw audio or image data),
-        an input that is no prompt, token ids or tensor (a number, bytes, a list of numbers that are not ids:
-        transformers' text pipeline failed on it with "can only concatenate str")."""
-        text_only = not any(getattr(self, name, None) is not None
-                            for name in ("processor", "feature_extractor", "image_processor"))
+        "Can't batch these inputs; pass text or token ids", advice that drops the images)."""
+        text_only = self._text_only()
         for index, (inputs, kwargs) in enumerate(invokes):
             modality = _modality_inputs(_invoke_input_names(inputs, kwargs))
             if modality and len(invokes) > 1:
@@ -559,15 +575,6 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                 raise MoelensError(
                     f"a trace's token ids were {shape}: a model wrapped with a tokenizer takes ids [batch, seq] (or one "
                     "row [seq]), every row holding at least one token."
-                )
-            if text_only and inputs and _not_an_input(inputs[0]):
-                given = inputs[0]
-                what = described(given) if not isinstance(given, (list, tuple)) else \
-                    f"a {type(given).__name__} holding {described(next(i for i in given if _not_an_input(i)))}"
-                raise MoelensError(
-                    f"a trace's input was {what}: a model wrapped with a tokenizer takes text (a str "
-                    "or a list of them), token ids (a list of ints or an input_ids tensor), or the tokenizer's "
-                    "output as keywords (model.trace(**inputs))."
                 )
         invokes, forward = self._forward_keywords(invokes) if text_only else (invokes, {})
         if forward:  # laid over the batch as the trace's own keywords are, where the batch's checks see them
@@ -991,21 +998,24 @@ def wrap(model: torch.nn.Module, tokenizer: Any = None, **nnsight_kwargs: Any) -
         raise
 
 
-def _served_modules(model: torch.nn.Module, structure: Structure) -> list[torch.nn.Module]:
+def _served_parts(model: torch.nn.Module, structure: Structure) -> dict[str, torch.nn.Module]:
     """Each MoE block with the modules moelens serves values from (`block_parts`: router, experts, shared expert on the
-    block or its decoder layer, that expert's gate), by the block's own family. Another model may hold one of them (a
-    module object placed in two models), whose calls nnsight hands to whichever run began first, as for a whole block
-    (`MoeInterleaver.runs`)."""
-    modules = []
+    block or its decoder layer, that expert's gate), by their paths in ``model``, found by the block's own family.
+    Another model may hold one of them (a module object placed in two models), whose calls nnsight hands to whichever
+    run began first, as for a whole block (`MoeInterleaver.runs`)."""
+    parts = {}
     for path in structure.moe_blocks:
         block = model.get_submodule(path)
         family = registry.for_block(block) or structure.family  # a model may hold blocks of several families
         if family is None:
-            modules.append(block)
+            parts[path] = block
             continue
-        layer = model.get_submodule(path.rpartition(".")[0])
-        modules += [module for _, module in block_parts(block, family, layer).values()]
-    return list(dict.fromkeys(modules))
+        layer_path = path.rpartition(".")[0]
+        on_layer = family.shared is not None and family.shared.on_layer
+        for part, (part_path, module) in block_parts(block, family, model.get_submodule(layer_path)).items():
+            host = layer_path if part == "shared expert" and on_layer else path
+            parts[".".join(filter(None, (host, part_path)))] = module
+    return parts
 
 
 def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, Any]
@@ -1034,8 +1044,11 @@ def _wrapped(model: torch.nn.Module, tokenizer: Any, nnsight_kwargs: dict[str, A
         envoys.setdefault(_from_root(name), BlockHolder)
     nnsight_kwargs.setdefault("interleaver", MoeInterleaver())  # one run at a time (`run_owner`)
     wrapped = _nnsight_model(model, tokenizer, envoys, nnsight_kwargs)
+    served = _served_parts(model, structure)
+    for name in served:  # the blocks' routers, experts and shared experts
+        guard_part(envoy_at(wrapped, name))
     if isinstance(wrapped.interleaver, MoeInterleaver):
-        wrapped.interleaver.runs(_served_modules(model, structure))
+        wrapped.interleaver.runs(list(dict.fromkeys(served.values())))
     object.__setattr__(wrapped, "_structure", structure)
     object.__setattr__(wrapped, "_watched", watched)
     object.__setattr__(wrapped, "_wrap_options", options)

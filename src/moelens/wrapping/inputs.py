@@ -6,15 +6,17 @@ model could not take (before it runs: torch fails on them inside the model, or s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 from jaxtyping import Int
 from nnsight.modeling import processing
 from torch._subclasses.fake_tensor import is_fake
 
-from ..errors import MoelensError
+from ..errors import MoelensError, described
 from ..modules import first_parameter, names_keyword, vocab_size
 
 
@@ -241,12 +243,32 @@ def _left_padded(rows: list[Int[torch.Tensor, " _"]], pad_id: int) -> tuple[Int[
 MODALITY_INPUTS = ("pixel", "image", "video", "audio", "input_features", "input_values")
 
 
-def _not_an_input(value: Any) -> bool:
-    """A number, bytes, or a list holding a float or bytes (no prompt, token ids or tensor)."""
-    scalar = (int, float, bytes, bytearray)
-    if isinstance(value, scalar):
-        return True
-    return isinstance(value, (list, tuple)) and any(isinstance(item, (float, bytes, bytearray)) for item in value)
+def _input_problem(value: Any) -> str | None:
+    """What makes ``value`` (an invoke's first input, on a model with a tokenizer alone) no prompt, token ids, tensor,
+    tokenizer output or chat, in words; None where it may be one. transformers' text pipeline failed on these with
+    "can only concatenate str" (a number, bytes, None, a path, a dict of no ids, a list mixing prompts with other
+    things) or numpy's casting error (an array of floats or of text)."""
+    if isinstance(value, np.ndarray):
+        return None if value.dtype.kind in "iu" else f"a numpy array of {value.dtype}"
+    if isinstance(value, Mapping):
+        return None if {"input_ids", "inputs_embeds"} & set(value) else \
+            f"a {type(value).__name__} with keys {list(value)[:6]} (no input_ids)"
+    if not isinstance(value, (list, tuple)):
+        return described(value) if isinstance(value, int) or _no_input_item(value) else None
+    odd = [item for item in value if _no_input_item(item)]
+    if odd:
+        return f"a {type(value).__name__} holding {described(odd[0])}"
+    texts = [isinstance(item, str) for item in value]
+    if any(texts) and not all(texts):
+        return f"a {type(value).__name__} holding str and {described(value[texts.index(False)])}"
+    nested = next((item for item in value if isinstance(item, (list, tuple)) and any(isinstance(x, str) for x in item)),
+                  None)
+    return None if nested is None else f"a {type(value).__name__} holding a {type(nested).__name__} of str"
+
+
+def _no_input_item(value: Any) -> bool:
+    """A number that is no token id, bytes, None or a path (of a list, or a trace's whole input)."""
+    return value is None or isinstance(value, (float, bool, bytes, bytearray, os.PathLike))
 
 
 def _is_text(value: Any) -> bool:
