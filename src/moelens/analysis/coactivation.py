@@ -109,12 +109,6 @@ def coactivation(cache: RoutingCache, layer: int) -> Coactivation:
     return Coactivation(layer=layer, counts=counts.round().long(), tokens=tokens)
 
 
-def _chosen(shard: Shard, layer: int, width: int, slots: str) -> Tensor:
-    if slots == "top1":
-        return multi_hot(top1(shard, layer)[:, None], width)
-    return multi_hot(shard.indices[layer], width)
-
-
 def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top1") -> Transitions:
     """Count the tokens routed to expert i in layer ``source`` and j in layer ``target`` (streams over shards).
 
@@ -135,10 +129,17 @@ def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top
     sources = torch.zeros(rows, dtype=torch.float64)
     tokens = 0
     for shard in cache._shards():
-        chosen = _chosen(shard, source, rows, slots)
-        counts += chosen.T @ _chosen(shard, target, columns, slots)
-        sources += chosen.sum(0)
         tokens += shard.num_tokens
+        if slots == "top1":  # one expert a layer: count the (source, target) pairs, no [n, E] one-hot matmul
+            first, then = top1(shard, source), top1(shard, target)
+            ran = first != SKIPPED
+            both = ran & (then != SKIPPED)
+            counts += torch.bincount(first[both] * columns + then[both], minlength=rows * columns).view(rows, columns)
+            sources += torch.bincount(first[ran], minlength=rows)
+            continue
+        chosen = multi_hot(shard.indices[source], rows)  # any of a token's experts: once each, however many slots
+        counts += chosen.T @ multi_hot(shard.indices[target], columns)
+        sources += chosen.sum(0)
     return Transitions(source=source, target=target, counts=counts.round().long(), slots=slots, tokens=tokens,
                        sources=sources.round().long())
 

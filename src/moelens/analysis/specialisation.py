@@ -345,15 +345,18 @@ def specialisation(
             mine = labels[shard.text_index.long()]
         start += shard.num_tokens
         keep = (mine >= 0) & (mine < num_classes)
+        every = bool(keep.all())  # then no token to leave out: no copy of each layer's indices
+        kept = mine if every else mine[keep]
         for row, layer in enumerate(cache.layers):
-            indices = shard.indices[layer].long()[keep].sort(-1).values  # a token's slots in order, SKIPPED first
-            keys = indices * num_classes + mine[keep][:, None]
+            indices = shard.indices[layer].long()
+            indices = (indices if every else indices[keep]).sort(-1).values  # a token's slots in order, SKIPPED first
+            keys = indices * num_classes + kept[:, None]
             routed = indices != SKIPPED
             first = torch.ones_like(routed)  # the first slot of each expert in the row
             first[:, 1:] = indices[:, 1:] != indices[:, :-1]
             counts[row] += torch.bincount(keys[routed], minlength=width * num_classes)
             reached[row] += torch.bincount(keys[routed & first], minlength=width * num_classes)
-            tokens[row] += torch.bincount(mine[keep][routed.any(-1)], minlength=num_classes)
+            tokens[row] += torch.bincount(kept[routed.any(-1)], minlength=num_classes)
     if per == "text" and labels.shape[0] > cache.num_texts:  # after the shards: a damaged cache is named first
         raise _text_labels_error(labels, cache)
     shape = (len(cache.layers), width, num_classes)

@@ -127,9 +127,10 @@ def top_tokens(
     count = cache.num_experts[layer]
     experts = list(range(count)) if experts is None else expert_ids(id_list("experts", experts, "expert id"), count, layer)
     expert_of, token_of, counts, occurrences = pair_counts(cache, layer)
+    edges = torch.searchsorted(expert_of, torch.arange(count + 1)).tolist()  # pairs sorted by expert: one run each
     result = []
     for expert in experts:
-        mine = expert_of == expert
+        mine = slice(edges[expert], edges[expert + 1])
         ids, served = token_of[mine], counts[mine]
         share = served.double() / occurrences[ids].double()
         if by == "share":
