@@ -370,6 +370,11 @@ def test_token_routing_of_no_tokens_or_no_text_names_what_it_got(model):
         with pytest.raises(MoelensError, match=rf"^token_routing routes one text: a string or a sequence of token ids, "
                                                rf"got {kind}\.$"):
             analysis.token_routing(model, wrong)
+    # an array of text was taken for a list of texts ("corpus item 0 must be ... got a list whose element 0 is 'hi'")
+    for wrong, kind in ((np.array(["hi"]), "<U2"), (np.array([1.5, 2.0]), "float64")):
+        with pytest.raises(MoelensError, match=rf"^token_routing routes one text: .* got a numpy array of {kind}; "
+                                               r"pass the text as a str"):
+            analysis.token_routing(model, wrong)
 
 
 def test_numpy_token_ids_are_routed_as_python_ones(model):

@@ -2124,7 +2124,10 @@ def test_unregister_of_an_unknown_name_says_what_is_registered():
         pytest.param({"num_experts": True}, r"num_experts must be an int >= 1 or an attribute reference", id="bool"),
         pytest.param({"combine": families.Combine(routed_scale="routed_scale")}, r"Combine.routed_scale must be None, "
                      r"a positive number or an attribute reference", id="routed_scale_word"),
-        pytest.param({"scoring": moelens.Scoring("softmax", scale="scale")}, r"Scoring.scale must be", id="scale"),
+        pytest.param({"scoring": moelens.Scoring("softmax", scale="scale")}, r"Scoring.scale must be .*attribute "
+                     r'reference \("router.routed_scaling_factor", a dotted path', id="scale"),
+        pytest.param({"num_experts": "experts"}, r'num_experts must be .*\("experts.num_experts", a dotted path',
+                     id="num_experts_word"),
         pytest.param({"scoring": moelens.Scoring("softmax", normalize="norm_topk_prob")},
                      r"Scoring.normalize must be True, False or an attribute reference", id="normalize"),
         pytest.param({"scoring": moelens.Scoring("softmaxx")}, r"Scoring.score must be one of \['sigmoid', 'softmax', "
@@ -2145,6 +2148,20 @@ def test_register_refuses_unknown_words(changes, match):
     with pytest.raises(moelens.FamilyError, match=match):
         families.register(Family(**fields))
     assert "custom" not in {family.name for family in families.supported()} and owner("CustomBlock") is None
+
+
+def test_a_family_takes_its_counts_as_numpy_integers():
+    """num_experts=np.int64(4) was refused ("must be an int >= 1 ... got np.int64(4)"), where every other count
+    moelens takes may be a numpy integer. Ground truth: the same family with ints."""
+    by_int, by_numpy = custom_family(num_experts=4, top_k=2), custom_family(num_experts=numpy.int64(4), top_k=numpy.int32(2))
+    assert (by_numpy.num_experts, by_numpy.top_k) == (4, 2) and type(by_numpy.num_experts) is int
+    assert by_numpy == by_int
+    families.register(by_numpy)
+    try:
+        moe = moelens.wrap(custom_model()).moes[0]
+        assert (moe.num_experts, moe.top_k) == (4, 2)
+    finally:
+        families.unregister("custom")
 
 
 def test_every_transformers_family_is_registered():
@@ -3066,6 +3083,11 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
          r"holds the bool tensor\(True\)"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), [3, numpy.array([True])]), r"holds the bool array"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), []), r"experts=\[\] gives no expert ids"),
+        # ragged rows and a None among the ids were said to give "no expert ids"
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), [[1, 2], [3]]),
+         r"experts=\[\[1, 2\], \[3\]\] holds rows of different lengths \(1, 2\), which make no tensor"),
+        (lambda moe: moelens.reroute(moe, (slice(None), 0), [1, None]), r"experts=\[1, None\] holds None \(NoneType\), "
+                                                                        r"which is no expert id"),
         (lambda moe: moelens.reroute(moe, torch.tensor([False, True]), 1), r"a bool mask that is not \[batch, seq\]"),
         (lambda moe: moelens.force(moe, 1, tokens=[False, True]), r"a bool mask that is not \[batch, seq\]"),
         (lambda moe: moelens.reroute(moe, (None, -1), 1), r"holds None, which adds an axis"),
@@ -3086,7 +3108,7 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
     ],
     ids=["int-tokens", "int-tensor-tokens", "one-index-tuple", "one-slice-tuple", "int-mask", "set-experts",
          "generator-experts", "dict-keys-experts", "none-experts", "bool-in-list-experts", "bool-in-nested-list-experts",
-         "numpy-bool-in-tuple-experts", "bool-tensor-in-list-experts", "bool-array-in-list-experts", "no-experts", "1d-bool-mask",
+         "numpy-bool-in-tuple-experts", "bool-tensor-in-list-experts", "bool-array-in-list-experts", "no-experts", "ragged-experts", "none-in-experts", "1d-bool-mask",
          "1d-bool-list", "none-axis", "bool-position", "bool-tensor-position", "numpy-bool-position",
          "numpy-0d-bool-array-position", "meta-token-indices", "meta-token-mask", "meta-experts", "meta-expert-mask"],
 )
@@ -3181,7 +3203,7 @@ def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
     wrapped, inputs = mixtral
     moe = wrapped.moes[0]
     calls = {
-        rf"force: {moe.top_k + 1} experts given but {moe.path} routes each token to only {moe.top_k}":
+        rf"force: {moe.top_k + 1} experts given but {moe.path} routes each token to only {moe.top_k}; force at most":
             lambda: moelens.force(moe, list(range(moe.top_k + 1))),
         rf"reroute: expert ids {moe.num_experts} must be in \[0, {moe.num_experts}\)":
             lambda: moelens.reroute(moe, (..., 0), moe.num_experts),
@@ -3518,7 +3540,8 @@ def test_save_all_arguments_of_the_wrong_type_are_refused_by_name():
     for call, message in ((lambda: wrapped.moes[0].save_all(1), r"save_all: values must be a value name or a list of "
                                                                  r"them .* got int"),
                           (lambda: wrapped.moes[0].save_all(torch.zeros(2)), r"save_all: values must be .* got Tensor"),
-                          (lambda: wrapped.save_all(values=[1]), r"save_all: values must be .* got list"),
+                          (lambda: wrapped.save_all(values=[1]), r"save_all: values must be .* got a list holding 1\.$"),
+                          (lambda: wrapped.moes[0].save_all(["router_logits", 5]), r"got a list holding 5\.$"),
                           (lambda: wrapped.save_all(moes=3), r"save_all\(moes=...\) takes a list of MoE blocks .* got int")):
         with pytest.raises(moelens.ArgumentError if "values" in message else moelens.MoelensError, match=message):
             with wrapped.trace(ids):

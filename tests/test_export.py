@@ -1299,7 +1299,7 @@ def test_verify_reports_mismatch(out):
     other = moelens.wrap(small("mixtral", seed=1))
     mismatch = verify(report.path, other)
     assert mismatch.max_abs_error > 1e-3 and not mismatch.meets("approximate")
-    with pytest.raises(ExportError, match="is a model export but a block was given"):
+    with pytest.raises(ExportError, match=r"is a model export but a block was given to compare it with; give the whole model it was exported from"):
         verify(report.path, wrapped.moes[0])
 
 

@@ -115,8 +115,9 @@ def test_degree_and_owner_edge_cases() -> None:
         warnings.simplefilter("error")  # one rank: nothing to fall back from
         assert choose_ep_dp_degrees(1, 8) == (1, 1)
         assert choose_ep_dp_degrees(1, 0) == (1, 1)
-    for ranks_ in (0, -2):
-        with pytest.raises(MoelensError, match="cannot be split over"):
+    for ranks_ in (0, -2, 3):
+        with pytest.raises(MoelensError, match=r"cannot be split over .* ranks: .*ep_size must divide num_experts "
+                                               r"\(one of \[1, 2, 4, 8\]\)"):
             expert_owner(0, 8, ranks_)
     # a flag is no count of experts
     assert num_experts_from_config(SimpleNamespace(num_local_experts=True, n_routed_experts=8)) == 8

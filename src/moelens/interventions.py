@@ -302,7 +302,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor |
         replacement = None
     if replacement is None or replacement.numel() == 0:
         raise WriteError(
-            f"reroute: experts={experts!r} gives no expert ids; pass one id, k ids (one per slot), or a tensor "
+            f"reroute: experts={experts!r:.80} {_why_no_ids(experts)}; pass one id, k ids (one per slot), or a tensor "
             "of ids broadcastable to the selected tokens' [n, k] slots."
         )
     known = not is_fake(replacement)  # model.scan's fake tensors (made inside it) hold no ids to show or check
@@ -400,6 +400,20 @@ def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: 
         total = torch.where((total - renormalised).abs() <= rounding, renormalised, total)
     # the router's order (w / sum * scale): n = 1 keeps exactly the total; no 0 / 0, also for the gradient
     return (best.float() / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
+
+
+def _why_no_ids(experts: Any) -> str:
+    """Why ``experts`` (`reroute`'s, as given) made no tensor of ids: an item that is no number, rows of several
+    lengths, or nothing in it."""
+    rows = experts if isinstance(experts, (list, tuple)) else []
+    items = [item for row in rows for item in (row if isinstance(row, (list, tuple)) else [row])]
+    odd = [item for item in items if not isinstance(item, (int, float, numpy.number, torch.Tensor))]
+    if odd:
+        return f"holds {odd[0]!r:.40} ({type(odd[0]).__name__}), which is no expert id"
+    lengths = {len(row) if isinstance(row, (list, tuple)) else None for row in rows}
+    if len(lengths) > 1:
+        return f"holds rows of different lengths ({', '.join(sorted(map(str, lengths)))}), which make no tensor"
+    return "gives no expert ids"
 
 
 def _ordered_ids(experts: Any) -> Any:
@@ -652,7 +666,8 @@ def force(moe: Moe, experts: int | Iterable[int] | torch.Tensor | numpy.ndarray,
     """
     chosen = _expert_ids(_moe(moe, "force"), experts, "force", "experts")
     if len(chosen) > moe.top_k:
-        raise WriteError(f"force: {len(chosen)} experts given but {moe.path} routes each token to only {moe.top_k}.")
+        raise WriteError(f"force: {len(chosen)} experts given but {moe.path} routes each token to only {moe.top_k}; "
+                         f"force at most {moe.top_k}: the token's other slots keep the router's choice.")
     scoring = moe.SCORING
     if scoring.select == "hash":
         raise WriteError(

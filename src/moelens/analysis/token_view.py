@@ -156,6 +156,9 @@ def _one_text(text: Any) -> Any:
     if not isinstance(text, (Sequence, np.ndarray, Tensor)):  # a string too
         raise MoelensError(f"token_routing routes one text: a string or a sequence of token ids, got "
                            f"{type(text).__name__}.")
+    if isinstance(text, np.ndarray) and text.size and text.dtype.kind not in "iu":
+        raise MoelensError(f"token_routing routes one text: a string or a sequence of token ids, got a numpy array of "
+                           f"{text.dtype}; pass the text as a str (or the ids as integers).")
     shape = getattr(text, "shape", None)
     if shape is not None and len(shape) == 2 and shape[0] == 1:
         return text[0]

@@ -123,9 +123,11 @@ def value_names(values: Any) -> list[str]:
     """``values`` of `Moe.save_all` as a list of names (a str, or an iterable of them), else `ArgumentError`."""
     names = list(values) if isinstance(values, (tuple, list)) or isinstance(values, Iterable) and not isinstance(
         values, (torch.Tensor, Mapping)) else None  # (a tuple or list first: typing's checks are slow)
-    if names is None or not all(isinstance(name, str) for name in names):
+    odd = [name for name in names if not isinstance(name, str)] if names is not None else [values]
+    if odd:
+        given = type(values).__name__ if names is None else f"a {type(values).__name__} holding {odd[0]!r:.40}"
         raise ArgumentError(f"save_all: values must be a value name or a list of them (from {VALUE_NAMES}), got "
-                            f"{type(values).__name__}.")
+                            f"{given}.")
     return names
 
 

@@ -169,7 +169,10 @@ def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Tar
 
     kind = recorded.get("moelens_kind", target.kind)
     if kind != target.kind:
-        raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with.")
+        remedy = {"block": "the block it was exported from (model.moes[i], or the bare MoE module)",
+                  "model": "the whole model it was exported from (the wrapped model or its transformers model)"}
+        raise ExportError(f"{path} is a {kind} export but a {target.kind} was given to compare it with; give "
+                          f"{remedy.get(kind, f'a {kind}')}.")
     layers = ",".join(str(block.layer) for block in target.blocks)
     known = "None" not in layers and "None" not in recorded.get("moelens_layers", "None")  # a block outside a model
     found = {"family": (recorded.get("moelens_family"), target.family.name),

@@ -14,6 +14,7 @@ checkpoint of the family whatever its sizes.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, Mapping
@@ -401,8 +402,12 @@ class Family:
     routed_from_block: bool = False
 
     def __post_init__(self) -> None:
-        """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`
-        (anything else is left for `register` to refuse with the field's name)."""
+        """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`, counts
+        given as numpy integers as ints (anything else is left for `register` to refuse with the field's name)."""
+        for name in ("top_k", "num_experts", "identity_experts", "extra_logits"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, int):
+                object.__setattr__(self, name, int(value))
         for name in ("model_types", "block_classes"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))

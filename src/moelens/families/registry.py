@@ -223,8 +223,9 @@ def _check_description(family: Family) -> None:
                 hint = f"; a number is written without quotes ({value.strip()})"
             elif word and value.strip() in ("True", "False", "None"):
                 hint = f"; {value.strip()} is written without quotes"
+            example = REFERENCE_EXAMPLES.get(field_name, "router.top_k")
             raise FamilyError(
-                f"family {family.name!r}: {field_name} must be {expected} (\"router.top_k\", a dotted path "
+                f"family {family.name!r}: {field_name} must be {expected} (\"{example}\", a dotted path "
                 f"from the block), got {value!r}{hint}."
             )
     mode = family.combine.mode
@@ -286,6 +287,17 @@ def _numeral(text: str) -> bool:
 
 def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+#: An attribute reference of the kind each field takes, for its refusal (`_settings`' field names).
+REFERENCE_EXAMPLES = {
+    "top_k": "router.top_k", "num_experts": "experts.num_experts", "identity_experts": "config.zero_expert_num",
+    "extra_logits": "router.n_shared_experts", "Combine.routed_scale": "block.routed_scaling_factor",
+    "Scoring.score": "block.score_fn", "Scoring.normalize": "router.norm_topk_prob",
+    "Scoring.normalize_min": "router.norm_min", "Scoring.scale": "router.routed_scaling_factor",
+    "Scoring.selection_bias": "router.e_score_correction_bias", "Scoring.softcap": "router.router_logit_softcapping",
+    "Scoring.groups": "router.num_group", "Scoring.groups_if": "config.n_group",
+}
 
 
 def _count(at_least: int) -> Callable[[object], bool]:
