@@ -1509,3 +1509,36 @@ def test_the_progress_bar_counts_the_texts_of_a_corpus_of_known_length_and_the_t
         expert_logit_lens(model, corpus, batch_size=2, max_length=8)
         assert (bars[-1].total, bars[-1].unit) == (None, "tok")
     assert bars[-1].n == tokens and bars[-2].n == len(single)
+
+
+def test_analysis_runs_a_model_left_in_training_mode_in_eval_mode_and_leaves_its_modes():
+    """A model left in train() mode was analysed with router jitter and dropout on: routing changed from run to run and
+    with the batch size, without a word (export and compression ran in eval mode). Ground truth: the same calls on the
+    model in eval mode; every module's own training flag is as it was after each call."""
+    hf = tiny_model("mixtral", router_jitter_noise=0.5, attention_dropout=0.3)
+    model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    texts = ["the routing of a model left training", "is read as the model runs in eval mode"]
+    calls = {
+        "routing": lambda: analysis.collect_routing(model, texts, logits=True, batch_size=2, progress=False),
+        "lens": lambda: analysis.expert_logit_lens(model, texts, progress=False),
+        "losses": lambda: analysis.token_losses(model, texts),
+        "generation": lambda: analysis.collect_generation(model, texts, max_new_tokens=3, do_sample=False),
+    }
+    expected = {name: call() for name, call in calls.items()}
+    model.train()
+    hf.model.layers[1].eval()  # a module of the user's own mode
+    modes = {name: module.training for name, module in hf.named_modules()}
+    assert modes[""] and not modes["model.layers.1"] and modes["model.layers.0.mlp.gate"]
+    for name, call in calls.items():
+        torch.manual_seed(0)
+        got = call()
+        assert {name: module.training for name, module in hf.named_modules()} == modes, name
+        if name == "routing":
+            assert_same_routing(got, expected[name])
+        elif name == "lens":
+            assert torch.equal(got.mean_outputs, expected[name].mean_outputs) and got.tokens == expected[name].tokens
+        elif name == "losses":
+            assert all(torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0)) for a, b in zip(got, expected[name]))
+        else:
+            assert torch.equal(got.ids, expected[name].ids)
+            assert_same_routing(got.cache, expected[name].cache)

@@ -241,3 +241,21 @@ def test_peft_modules_to_save_away_from_the_moe_blocks_wraps_as_it_is(target):
     wrapped = moelens.wrap(tuned)
     assert [moe.layer for moe in wrapped.moes] == sorted(values)
     _assert_served_like_hooks(wrapped, values, logits, inputs)
+
+
+def test_mlp_activation_of_a_shared_expert_under_modules_to_save_is_the_trainable_copys():
+    """A shared expert in PEFT's modules_to_save wraps as it is (mlp_output is the trainable copy's); its
+    mlp_activation raised 'ModulesToSaveWrapper has no down projection'. It is the input of the running copy's
+    down_proj, as a hook there shows, and a write to it reaches that down_proj."""
+    tuned = _modules_to_save_model("shared_expert")
+    inputs = tiny_inputs(tuned.base_model.model)
+    down = tuned.base_model.model.model.layers[1].mlp.shared_expert.modules_to_save["default"].down_proj
+    seen = {}
+    handle = down.register_forward_hook(lambda module, args, output: seen.update(x=args[0].clone()))
+    with torch.no_grad():
+        tuned(**inputs)
+    handle.remove()
+    wrapped = moelens.wrap(tuned)
+    with torch.no_grad(), wrapped.trace(inputs["input_ids"]):
+        activation = wrapped.moes[0].shared_experts.mlp_activation.save()
+    torch.testing.assert_close(activation.reshape(seen["x"].shape), seen["x"])

@@ -21,6 +21,7 @@ from ..components.base import refuse_replaced, replaced_blocks
 from ..errors import MoelensError
 from ..families.unserved import why_no_moe
 from ..model import check_wrapped
+from ..modules import evaluating
 from ..scalars import as_lone_int, check_flag
 from . import corpus as corpora
 from .cache import SKIPPED, RoutingCache, Shard, ShardWriter
@@ -388,7 +389,7 @@ def collect_routing(
     try:
         for batch in counted_batches(model, stream):
             mask = batch.mask
-            with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
+            with torch.no_grad(), evaluating(model._module), model.trace(**batch.kwargs()) as tracer:
                 saved = model.save_all(wanted, strict=True, moes=moes)  # keyed by layer: moes_of keeps one per layer
                 if stop_early and can_stop_early(model):
                     tracer.stop()

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..components import Moe
 from ..errors import MoelensError, OrderError
+from ..modules import evaluating
 from ..scalars import check_flag
 from ..wrapping.generation import generation_setting, rows_per_prompt
 from . import corpus as corpora
@@ -167,7 +168,7 @@ def collect_generation(
         generate_kwargs["max_new_tokens"] = max_new_tokens
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=OPEN_LOOP_WARNING)  # a tracer.all() loop ends with it
-        with torch.no_grad(), model.generate(input_ids=ids, attention_mask=mask,
+        with torch.no_grad(), evaluating(model._module), model.generate(input_ids=ids, attention_mask=mask,
                                              streamer=received, **generate_kwargs) as tracer:
             steps = list().save()
             for _ in tracer.all():

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..families.entry import get_path
 from ..families.tomoe import converted
+from ..modules import evaluating
 from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import layer_row
@@ -215,7 +216,7 @@ def expert_logit_lens(
     bar = CorpusProgress(corpus, "expert outputs", progress)
     try:
         for batch in counted_batches(model, stream):
-            with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
+            with torch.no_grad(), evaluating(model._module), model.trace(**batch.kwargs()) as tracer:
                 read = _sums(moes, batch.mask)
                 if can_stop_early(model):
                     tracer.stop()

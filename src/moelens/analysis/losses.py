@@ -17,6 +17,7 @@ from torch import Tensor
 from ..components import Moe
 from ..errors import MoelensError
 from ..model import check_wrapped
+from ..modules import evaluating
 from . import corpus as corpora
 from .checks import check_intervene
 from .collect import counted_batches
@@ -57,7 +58,7 @@ def token_losses(
     windows: dict[int, list[tuple[int, Tensor]]] = {}
     for batch in counted_batches(model, stream):
         targets = batch.input_ids[:, 1:].long()
-        with torch.no_grad(), model.trace(**batch.kwargs()):
+        with torch.no_grad(), evaluating(model._module), model.trace(**batch.kwargs()):
             for moe in blocks if intervene is not None else ():
                 intervene(moe)
             logits = _logits_of(model.output)[:, :-1]  # only the [b, s - 1] losses leave the trace

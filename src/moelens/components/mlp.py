@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..errors import ValueUnavailable
 from ..families.entry import VALUE_NAMES
+from ..modules import is_modules_to_save
 from .base import Component
 from .binding import Binding, argument, copied, output_of
 from .served import served
@@ -65,8 +66,16 @@ class Mlp(Component):
 
     @cached_property
     def down_projection(self) -> str | None:
-        """Name of the child whose input is the hidden activation, or None."""
-        return next((name for name in DOWN_PROJECTIONS if name in self._child_map), None)
+        """Name of the child whose input is the hidden activation, or None; in a PEFT ``modules_to_save`` wrapper, its
+        path in the copy that runs (the adapter active when first asked: wrap again after ``set_adapter``)."""
+        found = next((name for name in DOWN_PROJECTIONS if name in self._child_map), None)
+        if found is None and is_modules_to_save(self._module):  # PEFT's modules_to_save: the active copy runs
+            active = getattr(self._module, "active_adapter", None)
+            active = active[0] if isinstance(active, (list, tuple)) and active else active
+            copy = self._module.modules_to_save._modules.get(active) if isinstance(active, str) else None
+            found = next((f"modules_to_save.{active}.{name}" for name in DOWN_PROJECTIONS
+                          if copy is not None and name in copy._modules), None)
+        return found
 
     def __getattr__(self, name: str) -> Any:
         """A `Moe`'s own attribute (``router``, ``num_experts``, ``order`` ...) is missing here with the reason:
