@@ -375,6 +375,12 @@ def test_token_routing_of_no_tokens_or_no_text_names_what_it_got(model):
         with pytest.raises(MoelensError, match=rf"^token_routing routes one text: .* got a numpy array of {kind}; "
                                                r"pass the text as a str"):
             analysis.token_routing(model, wrong)
+    # ...while an object array of ids (a batch of one too) and a 0-d array of text are routed as their items are
+    by_list = analysis.token_routing(model, ids[:3])
+    for given in (np.array(ids[:3], dtype=object), np.array([ids[:3]], dtype=object)):
+        assert torch.equal(analysis.token_routing(model, given).indices, by_list.indices)
+    assert torch.equal(analysis.token_routing(model, np.array(TEXTS[1])).indices,
+                       analysis.token_routing(model, TEXTS[1]).indices)
 
 
 def test_numpy_token_ids_are_routed_as_python_ones(model):

@@ -2150,12 +2150,16 @@ def test_register_refuses_unknown_words(changes, match):
     assert "custom" not in {family.name for family in families.supported()} and owner("CustomBlock") is None
 
 
-def test_a_family_takes_its_counts_as_numpy_integers():
+def test_a_family_takes_its_numbers_as_numpy_ones():
     """num_experts=np.int64(4) was refused ("must be an int >= 1 ... got np.int64(4)"), where every other count
-    moelens takes may be a numpy integer. Ground truth: the same family with ints."""
+    moelens takes may be a numpy integer; so were a numpy Scoring.scale and selection_arg. Ground truth: the same
+    family with Python numbers."""
     by_int, by_numpy = custom_family(num_experts=4, top_k=2), custom_family(num_experts=numpy.int64(4), top_k=numpy.int32(2))
     assert (by_numpy.num_experts, by_numpy.top_k) == (4, 2) and type(by_numpy.num_experts) is int
     assert by_numpy == by_int
+    scoring = moelens.Scoring("softmax", "score_topk", scale=numpy.float32(2.0), selection_arg=numpy.int64(1))
+    assert (type(scoring.scale), type(scoring.selection_arg)) == (float, int) and scoring.scale == 2.0
+    assert type(families.ExpertGate("clamped_swiglu", alpha=numpy.float64(1.5), limit=7).alpha) is float
     families.register(by_numpy)
     try:
         moe = moelens.wrap(custom_model()).moes[0]
@@ -3085,7 +3089,7 @@ def test_wrapping_a_wrapped_model_says_so(mixtral):
         (lambda moe: moelens.reroute(moe, (slice(None), 0), []), r"experts=\[\] gives no expert ids"),
         # ragged rows and a None among the ids were said to give "no expert ids"
         (lambda moe: moelens.reroute(moe, (slice(None), 0), [[1, 2], [3]]),
-         r"experts=\[\[1, 2\], \[3\]\] holds rows of different lengths \(1, 2\), which make no tensor"),
+         r"experts=\[\[1, 2\], \[3\]\] holds rows of different lengths, which make no tensor"),
         (lambda moe: moelens.reroute(moe, (slice(None), 0), [1, None]), r"experts=\[1, None\] holds None \(NoneType\), "
                                                                         r"which is no expert id"),
         (lambda moe: moelens.reroute(moe, torch.tensor([False, True]), 1), r"a bool mask that is not \[batch, seq\]"),
@@ -3542,6 +3546,7 @@ def test_save_all_arguments_of_the_wrong_type_are_refused_by_name():
                           (lambda: wrapped.moes[0].save_all(torch.zeros(2)), r"save_all: values must be .* got Tensor"),
                           (lambda: wrapped.save_all(values=[1]), r"save_all: values must be .* got a list holding 1\.$"),
                           (lambda: wrapped.moes[0].save_all(["router_logits", 5]), r"got a list holding 5\.$"),
+                          (lambda: wrapped.moes[0].save_all(b"router_logits"), r"got bytes\.$"),
                           (lambda: wrapped.save_all(moes=3), r"save_all\(moes=...\) takes a list of MoE blocks .* got int")):
         with pytest.raises(moelens.ArgumentError if "values" in message else moelens.MoelensError, match=message):
             with wrapped.trace(ids):

@@ -243,19 +243,90 @@ def test_peft_modules_to_save_away_from_the_moe_blocks_wraps_as_it_is(target):
     _assert_served_like_hooks(wrapped, values, logits, inputs)
 
 
-def test_mlp_activation_of_a_shared_expert_under_modules_to_save_is_the_trainable_copys():
-    """A shared expert in PEFT's modules_to_save wraps as it is (mlp_output is the trainable copy's); its
-    mlp_activation raised 'ModulesToSaveWrapper has no down projection'. It is the input of the running copy's
-    down_proj, as a hook there shows, and a write to it reaches that down_proj."""
-    tuned = _modules_to_save_model("shared_expert")
-    inputs = tiny_inputs(tuned.base_model.model)
-    down = tuned.base_model.model.model.layers[1].mlp.shared_expert.modules_to_save["default"].down_proj
-    seen = {}
-    handle = down.register_forward_hook(lambda module, args, output: seen.update(x=args[0].clone()))
+def test_mlp_activation_under_modules_to_save_is_the_running_copys_whichever_adapter_runs():
+    """A shared expert or dense MLP in PEFT's modules_to_save wraps as it is (mlp_output is the trainable copy's); its
+    mlp_activation raised 'ModulesToSaveWrapper has no down projection'. It is the input of the down_proj that runs:
+    the active adapter's copy, another one after set_adapter (a read before it made the next fail with an order
+    error), the frozen original under disable_adapter(); and a write to it reaches that down_proj. Ground truth: a
+    pre-hook on that down_proj (which also zeroes its input, for the write)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    targets = ["shared_expert", "layers.0.mlp"]
+    tuned = peft.get_peft_model(tiny_model("qwen2_moe"), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                       modules_to_save=targets)).eval()
+    tuned.add_adapter("other", peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=targets))
+    layers = tuned.base_model.model.model.layers
+    wrappers = {"dense": layers[0].mlp, "shared": layers[1].mlp.shared_expert}
     with torch.no_grad():
-        tuned(**inputs)
+        for wrapper in wrappers.values():
+            for adapter, scale in (("default", 0.5), ("other", 1.0)):
+                for parameter in wrapper.modules_to_save[adapter].parameters():
+                    parameter.add_(torch.randn_like(parameter) * scale)
+    inputs = tiny_inputs(tuned.base_model.model)
+    wrapped = moelens.wrap(tuned)
+    blocks = {"dense": wrapped.layers[0].mlp, "shared": wrapped.moes[0].shared_experts}
+
+    def hooked(running: dict[str, torch.nn.Module], zero: str | None = None) -> tuple[dict, torch.Tensor]:
+        seen = {}
+
+        def hook(name: str):
+            return lambda module, args: (seen.update({name: args[0].clone()}),
+                                         (torch.zeros_like(args[0]),) if name == zero else None)[1]
+
+        handles = [running[name].down_proj.register_forward_pre_hook(hook(name)) for name in running]
+        with torch.no_grad():
+            logits = tuned(**inputs).logits
+        for handle in handles:
+            handle.remove()
+        return seen, logits
+
+    def served(zero: str | None = None) -> tuple[dict, torch.Tensor]:
+        read = {}
+        with torch.no_grad(), wrapped.trace(inputs["input_ids"]):
+            for name, block in blocks.items():
+                read[name] = block.mlp_activation.save()
+                if name == zero:
+                    block.mlp_activation = torch.zeros_like(block.mlp_activation)
+            logits = wrapped.output.logits.save()
+        return read, logits
+
+    def check(running: dict[str, torch.nn.Module]) -> None:
+        expected, _ = hooked(running)
+        got, _ = served()
+        for name in blocks:
+            assert torch.equal(got[name].reshape(expected[name].shape), expected[name]), name
+        for name in blocks:
+            assert torch.equal(served(zero=name)[1], hooked(running, zero=name)[1]), name
+
+    check({name: wrapper.modules_to_save["default"] for name, wrapper in wrappers.items()})
+    tuned.set_adapter("other")
+    check({name: wrapper.modules_to_save["other"] for name, wrapper in wrappers.items()})
+    with tuned.disable_adapter():
+        check({name: wrapper.original_module for name, wrapper in wrappers.items()})
+
+
+def test_mlp_output_of_a_block_adding_the_residual_under_modules_to_save_is_its_own_part():
+    """bloom's MLP adds the residual itself, so mlp_output is its down projection's output; in a modules_to_save
+    wrapper moelens looked at the wrapper's forward (no residual parameter) and served the sum, residual included.
+    Ground truth: a hook on the running copy's dense_4h_to_h."""
+    peft = pytest.importorskip("peft")
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    base = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)).eval()
+    tuned = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["query_key_value"],
+                                                      modules_to_save=["h.0.mlp"])).eval()
+    running = tuned.base_model.model.transformer.h[0].mlp.modules_to_save["default"]
+    with torch.no_grad():
+        for parameter in running.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    handle = running.dense_4h_to_h.register_forward_hook(lambda module, args, output: seen.update(out=output.clone()))
+    with torch.no_grad():
+        tuned(input_ids=ids)
     handle.remove()
     wrapped = moelens.wrap(tuned)
-    with torch.no_grad(), wrapped.trace(inputs["input_ids"]):
-        activation = wrapped.moes[0].shared_experts.mlp_activation.save()
-    torch.testing.assert_close(activation.reshape(seen["x"].shape), seen["x"])
+    with torch.no_grad(), wrapped.trace(ids):
+        output = wrapped.layers[0].mlp.mlp_output.save()
+    assert torch.equal(output.reshape(seen["out"].shape), seen["out"])

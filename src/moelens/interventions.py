@@ -403,17 +403,19 @@ def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: 
 
 
 def _why_no_ids(experts: Any) -> str:
-    """Why ``experts`` (`reroute`'s, as given) made no tensor of ids: an item that is no number, rows of several
-    lengths, or nothing in it."""
-    rows = experts if isinstance(experts, (list, tuple)) else []
-    items = [item for row in rows for item in (row if isinstance(row, (list, tuple)) else [row])]
-    odd = [item for item in items if not isinstance(item, (int, float, numpy.number, torch.Tensor))]
+    """Why ``experts`` (`reroute`'s, as given) made no tensor of ids: an item that is no number, tensors or arrays of
+    several ids in a list, rows of different lengths, or nothing in it."""
+    items: list[Any] = []
+    rows = [experts] if isinstance(experts, (list, tuple)) else []
+    while rows:
+        for item in rows.pop():
+            (rows if isinstance(item, (list, tuple)) else items).append(item)
+    odd = [item for item in items if not isinstance(item, (int, float, numpy.number, numpy.ndarray, torch.Tensor))]
     if odd:
         return f"holds {odd[0]!r:.40} ({type(odd[0]).__name__}), which is no expert id"
-    lengths = {len(row) if isinstance(row, (list, tuple)) else None for row in rows}
-    if len(lengths) > 1:
-        return f"holds rows of different lengths ({', '.join(sorted(map(str, lengths)))}), which make no tensor"
-    return "gives no expert ids"
+    if any(isinstance(item, (numpy.ndarray, torch.Tensor)) and item.ndim > 0 for item in items):
+        return "holds tensors or arrays of several ids, which torch does not join: stack them into one (torch.stack)"
+    return "holds rows of different lengths, which make no tensor" if items else "gives no expert ids"
 
 
 def _ordered_ids(experts: Any) -> Any:

@@ -18,6 +18,7 @@ from ..components.base import layer_list_of, layer_of
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
 from ..families.unserved import why_no_moe
+from ..modules import evaluating
 from ..scalars import check_flag
 from . import corpus as corpora
 from .collect import can_stop_early, check_wrapped, moes_of
@@ -184,7 +185,7 @@ def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[
     """
     inputs = _probe_ids(model)
     try:
-        with torch.no_grad(), model.trace(**inputs):
+        with torch.no_grad(), evaluating(model._module), model.trace(**inputs):
             shapes: dict = {}
             reasons: dict = {}
             _read_all(moes, shapes, reasons)
@@ -202,7 +203,7 @@ def probe_values(model: Any, moes: list[Any]) -> tuple[dict[str, dict[str, list[
     shapes, reasons = {}, {}
     for moe in moes:
         try:
-            with torch.no_grad(), model.trace(**inputs) as tracer:
+            with torch.no_grad(), evaluating(model._module), model.trace(**inputs) as tracer:
                 one_shapes: dict = {}
                 one_reasons: dict = {}
                 _read_all([moe], one_shapes, one_reasons)

@@ -141,6 +141,11 @@ def routing_of_text(cache: RoutingCache, text: int, tokenizer: Any) -> TokenRout
     )
 
 
+#: numpy dtype kinds that hold no token ids (bool, floats, text, bytes, dates, raw data); an object array goes on to
+#: the corpus' checks of its items.
+NO_ID_KINDS = "bfcSUMmV"
+
+
 def _one_text(text: Any) -> Any:
     """``text`` as one corpus item: a batch of one (``[1, n]`` ids, ``["text"]``) unwrapped; several texts refused."""
     if isinstance(text, (list, tuple)):
@@ -156,7 +161,9 @@ def _one_text(text: Any) -> Any:
     if not isinstance(text, (Sequence, np.ndarray, Tensor)):  # a string too
         raise MoelensError(f"token_routing routes one text: a string or a sequence of token ids, got "
                            f"{type(text).__name__}.")
-    if isinstance(text, np.ndarray) and text.size and text.dtype.kind not in "iu":
+    if isinstance(text, np.ndarray) and text.ndim == 0 and text.dtype.kind == "U":  # one text, as numpy holds it
+        return str(text)
+    if isinstance(text, np.ndarray) and text.size and text.dtype.kind in NO_ID_KINDS:
         raise MoelensError(f"token_routing routes one text: a string or a sequence of token ids, got a numpy array of "
                            f"{text.dtype}; pass the text as a str (or the ids as integers).")
     shape = getattr(text, "shape", None)

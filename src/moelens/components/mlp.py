@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any, Callable, NoReturn
 
 from jaxtyping import Float
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..errors import ValueUnavailable
 from ..families.entry import VALUE_NAMES
@@ -64,18 +64,27 @@ class Mlp(Component):
     def mlp_neurons(self, value: Any) -> Float[Tensor, "b s i"]:
         """Alias of `mlp_activation`."""
 
-    @cached_property
+    @property
+    def _running_copy(self) -> tuple[str, nn.Module]:
+        """(path from the block, module) of what runs as this block: the block itself, or in a PEFT
+        ``modules_to_save`` wrapper the copy that runs now (the active adapter's; the frozen original inside
+        ``disable_adapter()``), found at each binding, so ``set_adapter`` after a read is followed."""
+        wrapper = self._module
+        if not is_modules_to_save(wrapper):
+            return "", wrapper
+        if getattr(wrapper, "disable_adapters", False):
+            return "original_module.", wrapper.original_module
+        active = getattr(wrapper, "active_adapter", None)
+        active = active[0] if isinstance(active, (list, tuple)) and active else active
+        copy = wrapper.modules_to_save._modules.get(active) if isinstance(active, str) else None
+        return ("", wrapper) if copy is None else (f"modules_to_save.{active}.", copy)
+
+    @property
     def down_projection(self) -> str | None:
-        """Name of the child whose input is the hidden activation, or None; in a PEFT ``modules_to_save`` wrapper, its
-        path in the copy that runs (the adapter active when first asked: wrap again after ``set_adapter``)."""
-        found = next((name for name in DOWN_PROJECTIONS if name in self._child_map), None)
-        if found is None and is_modules_to_save(self._module):  # PEFT's modules_to_save: the active copy runs
-            active = getattr(self._module, "active_adapter", None)
-            active = active[0] if isinstance(active, (list, tuple)) and active else active
-            copy = self._module.modules_to_save._modules.get(active) if isinstance(active, str) else None
-            found = next((f"modules_to_save.{active}.{name}" for name in DOWN_PROJECTIONS
-                          if copy is not None and name in copy._modules), None)
-        return found
+        """Path from the block of the child whose input is the hidden activation (in the copy that runs:
+        `_running_copy`), or None."""
+        prefix, running = self._running_copy
+        return next((f"{prefix}{name}" for name in DOWN_PROJECTIONS if name in running._modules), None)
 
     def __getattr__(self, name: str) -> Any:
         """A `Moe`'s own attribute (``router``, ``num_experts``, ``order`` ...) is missing here with the reason:
@@ -160,11 +169,12 @@ class Mlp(Component):
                           f"{where}, or in a trace of their own.",)
         return error
 
-    @cached_property
+    @property
     def _adds_the_residual(self) -> bool:
-        """The block's forward takes the residual stream and returns it with its own part added (bloom)."""
+        """The block's forward (of the copy that runs: `_running_copy`) takes the residual stream and returns it with
+        its own part added (bloom)."""
         try:
-            return "residual" in inspect.signature(self._module.forward).parameters
+            return "residual" in inspect.signature(self._running_copy[1].forward).parameters
         except (TypeError, ValueError):
             return False
 

@@ -121,8 +121,9 @@ def _weakly(component: "Moe") -> "Moe":
 
 def value_names(values: Any) -> list[str]:
     """``values`` of `Moe.save_all` as a list of names (a str, or an iterable of them), else `ArgumentError`."""
+    # (a tuple or list first: typing's checks are slow)
     names = list(values) if isinstance(values, (tuple, list)) or isinstance(values, Iterable) and not isinstance(
-        values, (torch.Tensor, Mapping)) else None  # (a tuple or list first: typing's checks are slow)
+        values, (torch.Tensor, Mapping, bytes, bytearray)) else None
     odd = [name for name in names if not isinstance(name, str)] if names is not None else [values]
     if odd:
         given = type(values).__name__ if names is None else f"a {type(values).__name__} holding {odd[0]!r:.40}"

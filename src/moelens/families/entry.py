@@ -69,6 +69,15 @@ TOPK = "torch_topk_0"
 NEGLIGIBLE_FLOOR = 1e-6
 
 
+def _plain_numbers(entry: Any, names: tuple[str, ...]) -> None:
+    """Set the numpy numbers among the fields ``names`` of the frozen dataclass ``entry`` as Python's (``register``'s
+    checks, as every count moelens takes, accept a numpy integer or float)."""
+    for name in names:
+        value = getattr(entry, name)
+        if isinstance(value, numbers.Number) and type(value) not in (int, float, bool) and hasattr(value, "item"):
+            object.__setattr__(entry, name, value.item())
+
+
 @dataclass(frozen=True)
 class Scoring:
     """How the router turns logits into the experts' weights and indices.
@@ -76,7 +85,7 @@ class Scoring:
     Attributes:
         score: The elementwise score of each expert, what `router_probs` serves:
             ``"softmax"`` (over the E logits), ``"sigmoid"``, ``"sqrtsoftplus"``, or an
-            attribute reference naming one of those (deepseek_v4's ``score_fn``).
+            attribute reference naming one of those (deepseek_v4's ``config.scoring_func``).
         select: How the k experts are chosen. ``"score_topk"``: top-k of the scores
             (plus `selection_bias`); ``"logit_topk"``: top-k of the logits, then a
             softmax over those k; ``"group_topk"``: top-k inside the best groups;
@@ -139,6 +148,9 @@ class Scoring:
     selection_arg: int | None = None
     selection_in: str | None = None
     code: str = ""
+
+    def __post_init__(self) -> None:
+        _plain_numbers(self, ("normalize_min", "normalize_eps", "scale", "selection_arg"))
 
     def describe(self) -> str:
         """One line saying what the logits mean and how experts are picked."""
@@ -230,6 +242,9 @@ class Combine:
     block_post: str | None = None
     output_index: int | None = None
 
+    def __post_init__(self) -> None:
+        _plain_numbers(self, ("routed_scale",))
+
 
 @dataclass(frozen=True)
 class ExpertGate:
@@ -251,6 +266,9 @@ class ExpertGate:
     kind: str = "glu"
     alpha: float | str | None = None
     limit: float | str | None = None
+
+    def __post_init__(self) -> None:
+        _plain_numbers(self, ("alpha", "limit"))
 
 
 @dataclass(frozen=True)
@@ -402,12 +420,9 @@ class Family:
     routed_from_block: bool = False
 
     def __post_init__(self) -> None:
-        """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`, counts
-        given as numpy integers as ints (anything else is left for `register` to refuse with the field's name)."""
-        for name in ("top_k", "num_experts", "identity_experts", "extra_logits"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, int):
-                object.__setattr__(self, name, int(value))
+        """Keep the entry's own copies, read-only: names listed as tuples, mappings as `ReadOnlyMapping`, numpy
+        numbers as Python's (anything else is left for `register` to refuse with the field's name)."""
+        _plain_numbers(self, ("top_k", "num_experts", "identity_experts", "extra_logits"))
         for name in ("model_types", "block_classes"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))

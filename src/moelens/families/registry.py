@@ -293,10 +293,11 @@ def _number(value: object) -> bool:
 REFERENCE_EXAMPLES = {
     "top_k": "router.top_k", "num_experts": "experts.num_experts", "identity_experts": "config.zero_expert_num",
     "extra_logits": "router.n_shared_experts", "Combine.routed_scale": "block.routed_scaling_factor",
-    "Scoring.score": "block.score_fn", "Scoring.normalize": "router.norm_topk_prob",
+    "Scoring.score": "config.scoring_func", "Scoring.normalize": "router.norm_topk_prob",
     "Scoring.normalize_min": "router.norm_min", "Scoring.scale": "router.routed_scaling_factor",
     "Scoring.selection_bias": "router.e_score_correction_bias", "Scoring.softcap": "router.router_logit_softcapping",
-    "Scoring.groups": "router.num_group", "Scoring.groups_if": "config.n_group",
+    "Scoring.groups": "router.num_group", "Scoring.groups_if": "router.topk_method",
+    "ExpertGate.alpha": "experts.alpha", "ExpertGate.limit": "experts.limit",
 }
 
 

@@ -110,7 +110,8 @@ def expert_owner(expert: int, num_experts: int, ep_size: int) -> tuple[int, int]
         raise MoelensError(f"expert_owner: num_experts must be >= 1 (the block's routed experts, moe.num_experts), "
                            f"got {num_experts}; a dense model has no experts to own.")
     if ep_size < 1 or num_experts % ep_size:
-        divisors = [size for size in range(1, num_experts + 1) if num_experts % size == 0]
+        small = [size for size in range(1, math.isqrt(num_experts) + 1) if num_experts % size == 0]
+        divisors = sorted({*small, *(num_experts // size for size in small)})
         raise MoelensError(f"expert_owner: {num_experts} experts cannot be split over {ep_size} ranks: each rank owns "
                            f"the same number of experts, so ep_size must divide num_experts (one of {divisors}).")
     if not 0 <= expert < num_experts:
