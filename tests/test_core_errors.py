@@ -1079,6 +1079,9 @@ def test_a_model_with_a_tokenizer_refuses_an_input_that_is_no_prompt_or_ids():
         with wrapped.trace(ids):
             by_ids = wrapped.output.logits.save()
         assert torch.equal(by_ids, expected)
+    with wrapped.trace(None, input_ids=torch.tensor([[5, 6, 7]])):  # no positional input: the ids by keyword
+        by_keyword = wrapped.output.logits.save()
+    assert torch.equal(by_keyword, expected)
 
 
 def test_ids_without_a_batch_and_sequence_axis_or_on_meta_are_refused_by_name():
@@ -4385,6 +4388,12 @@ def test_a_setting_meant_for_a_module_on_its_envoy_is_refused(family):
         with pytest.raises(moelens.MoelensError, match=refusal):
             setattr(envoy, name, value)
         assert name not in envoy.__dict__
+    weight = router.weight.detach().clone()
+    with torch.no_grad():
+        moe.router.weight *= 0.5  # in place, then set to the module's own tensor: taken, as by plain nnsight
+    assert torch.equal(router.weight, weight * 0.5) and "weight" not in moe.router.__dict__
+    with torch.no_grad():
+        router.weight.copy_(weight)
     moe.router.my_note = "kept"  # a name of no module nor close to one: the user's own, on the envoy
     assert moe.router.my_note == "kept" and not hasattr(router, "my_note")
     assert moe.router.top_k == router.top_k == moe.top_k == 2 and not hf.training

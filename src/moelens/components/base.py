@@ -217,17 +217,21 @@ class StandardNames:
         return tree[:-2] + lines + "\n)"
 
 
-def refuse_lost_setting(envoy: Envoy, name: str, value: Any) -> None:
+def refuse_lost_setting(envoy: Envoy, name: str, value: Any) -> bool:
     """Refuse ``envoy.<name> = value`` where the user meant the module's attribute: nnsight keeps a value that is no
     module on the envoy, which reads it back while the model goes on with its own. Refused: a name the module has
     (``moe.router.top_k = 1``), or one close to a name the module or the envoy has (a typo: ``moe.router.topk``). A
     name of the envoy's own (a value written in a trace, ``.output``), a private one and a module given (nnsight adds
-    it to the model) pass; so do settings while nnsight builds the envoy."""
+    it to the model) pass; so do settings while nnsight builds the envoy. True where ``value`` is the module's own
+    attribute already (an augmented assignment that edited it in place, ``moe.router.weight *= 0.5``): the model has
+    it, and nothing is to be set."""
     if name.startswith("_") or isinstance(value, torch.nn.Module) or "_child_map" not in envoy.__dict__ \
             or name in envoy.__dict__ or inspect.getattr_static(type(envoy), name, None) is not None:
-        return
+        return False
     module = envoy._module
     if hasattr(module, name):
+        if isinstance(value, torch.Tensor) and getattr(module, name) is value:
+            return True
         raise MoelensError(
             f"{envoy.path}.{name} = ... would set an attribute of moelens' envoy, not of the model's "
             f"{type(module).__name__}, which goes on with its own {name}: set it on the module "
@@ -240,6 +244,7 @@ def refuse_lost_setting(envoy: Envoy, name: str, value: Any) -> None:
             f"{envoy.path} has no attribute {name!r} (did you mean {near[0]!r}?): setting it would only add an "
             "attribute to moelens' envoy and change nothing in the model."
         )
+    return False
 
 
 class PartEnvoy(Envoy):
@@ -247,8 +252,8 @@ class PartEnvoy(Envoy):
     for its module (``moe.router.top_k = 1``) is refused (`refuse_lost_setting`)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        refuse_lost_setting(self, name, value)
-        super().__setattr__(name, value)
+        if not refuse_lost_setting(self, name, value):
+            super().__setattr__(name, value)
 
 
 def guard_part(envoy: Envoy) -> None:
@@ -340,8 +345,8 @@ class Component(StandardNames, Envoy):
                     f"{self.path} serves no value {name!r} (did you mean {near[0]!r}?): setting it would only add an "
                     f"attribute to the envoy and change nothing in the model."
                 )
-        refuse_lost_setting(self, name, value)
-        super().__setattr__(name, value)
+        if not refuse_lost_setting(self, name, value):
+            super().__setattr__(name, value)
 
     def modules_down(self) -> Iterator[torch.nn.Module]:
         """The wrapped model's module, then each module on the path down to this block's (the block's last); only the

@@ -196,7 +196,8 @@ class Mlp(Component):
                 f"{type(self._module).__name__} (pretraining_tp > 1, slow_but_exact) runs its down projection as "
                 "slices of its weight, never calling the module, and adds the residual stream itself",
                 "set slow_but_exact = False on each block's MLP (the same maths in one call: for block in "
-                "model.transformer.h: block.mlp.slow_but_exact = False), or load with slow_but_exact=False.",
+                "model._module.transformer.h: block.mlp.slow_but_exact = False, on the torch modules), or load with "
+                "slow_but_exact=False.",
             )
         if name == "mlp_output":
             shared_of = self._shared_of
