@@ -535,8 +535,8 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         """The rows of an invoke's inputs, after refusing, on a model with a tokenizer alone, an input that is no
         prompt, token ids, tensor or tokenizer output (`_input_problem`: transformers' text pipeline or numpy failed
         on it with "can only concatenate str" or a casting error)."""
-        given_by_keywords = inputs and inputs[0] is None and super()._batch_size(*inputs, **kwargs)  # (None, input_ids=)
-        problem = _input_problem(inputs[0]) if inputs and not given_by_keywords and self._text_only() else None
+        by_keywords = inputs and inputs[0] is None and super()._batch_size(*inputs, **kwargs)  # trace(None, input_ids=)
+        problem = _input_problem(inputs[0]) if inputs and not by_keywords and self._text_only() else None
         if problem is not None:
             raise MoelensError(
                 f"a trace's input was {problem}: a model wrapped with a tokenizer takes text (a str or a list of "

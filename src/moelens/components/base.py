@@ -206,7 +206,8 @@ class StandardNames:
         ``model.model.layers``) as one line naming it: nnsight prints such a name's whole tree again."""
         deeper = {alias: native for alias, native in self.__dict__.get(STANDARD_NAMES, {}).items() if "." in native}
         aliases = self._aliases
-        object.__setattr__(self, "_aliases", {alias: native for alias, native in aliases.items() if alias not in deeper})
+        shown = {alias: native for alias, native in aliases.items() if alias not in deeper}
+        object.__setattr__(self, "_aliases", shown)
         try:
             tree = super().__repr__()
         finally:
