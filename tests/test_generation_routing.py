@@ -122,8 +122,12 @@ def test_the_routing_of_a_generation_is_every_step_of_the_plain_run(family):
 def test_router_logits_of_a_generation_and_the_default_model():
     """logits=True caches each read token's router logits, as the plain router returned them at its step; the
     prompts are texts, tokenized by the model's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from moelens.data import TINY_MODEL_PATH
+
     model = moelens.load()
-    reference = copy.deepcopy(model._module)
+    reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_PATH)  # plain: a copy of model._module is instrumented
     prompts = ["import os", "def add(a, b):"]
     token_lists = [model.tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
     out, _, calls, logits = plain_generation(reference, token_lists, analysis.corpus.pad_id(model))
@@ -320,7 +324,7 @@ def test_a_generation_steered_through_intervene_is_the_plain_run_with_the_biased
     def zeroed(module, args):  # ablate(moe, busiest) on layer 0's experts
         return args[0], args[1], args[2].masked_fill(args[1] == busiest, 0), *args[3:]
 
-    reference = copy.deepcopy(hf)
+    reference = tiny_model("mixtral")  # the same seeded weights, never wrapped (a copy of hf is instrumented)
     hook = reference.model.layers[0].mlp.experts.register_forward_pre_hook(zeroed)
     try:
         out, _, calls, _ = plain_generation(reference, PROMPTS, pad, pad_token_id=pad)

@@ -671,7 +671,8 @@ def test_route_around_on_a_softmax_with_a_selection_bias_keeps_the_expert_s_shar
 
 def test_a_routing_change_reaches_the_aux_loss_and_an_outputs_change_does_not():
     """With output_router_logits=True the model returns its router logits and an aux loss computed from them: a steer
-    (routing) shows in both, an ablation in "zero" mode (outputs) in neither (interventions.md). Ground truth: the
+    (routing) shows in both, an ablation in "zero" mode (outputs) of the last block in neither (interventions.md; of an
+    earlier block, the blocks after it route the changed hidden states). Ground truth: the
     unwrapped copy's returned logits with the bias added by hand, and transformers' own load-balancing loss of them."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
