@@ -16,6 +16,19 @@ def test_family_table_is_generated_from_the_registry():
     )
 
 
+def test_every_row_of_the_family_tables_has_its_headers_cells():
+    """cohere2_moe's scoring code ``TK->SM|sigmoid`` went into the table with a bare ``|``, which markdown reads as a
+    cell break: the row's cells shifted and its notes fell off. Ground truth: the header row's cell count."""
+    cells = None
+    for line in table.markdown().splitlines():
+        if not line.startswith("|"):
+            cells = None
+            continue
+        count = len(re.split(r"(?<!\\)\|", line)) - 2  # the bars not escaped, less the line's two ends
+        cells = cells or count  # a table's first row: its header
+        assert count == cells, line
+
+
 def test_core_api_lists_every_family_field():
     import dataclasses
     import re

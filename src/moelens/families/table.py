@@ -53,8 +53,8 @@ def _row(family: Family) -> str:
     routing = f"`{family.router}` / `{family.experts}`" + ("" if family.experts_call else " (no experts call)")
     logits = f"`{family.logits_op}`" + (f" → `{family.logits_cast_op}`" if family.logits_cast_op else "")
     cells = [family.name, block, routing, logits, family.scoring.describe(), _shared(family),
-             refused, family.notes.replace("|", "\\|")]
-    return "| " + " | ".join(cells) + " |"
+             refused, family.notes]
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
 UNSERVED_HEADER = """
