@@ -10,7 +10,7 @@ family moelens serves: nothing here knows one.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -386,10 +386,10 @@ def collect_routing(
         pending, pending_tokens = [], 0
 
     bar = CorpusProgress(corpus, "routing", progress)
-    try:
+    with evaluating(model._module), closing(bar):  # the pass in eval mode: no dropout, no router jitter
         for batch in counted_batches(model, stream):
             mask = batch.mask
-            with torch.no_grad(), evaluating(model._module), model.trace(**batch.kwargs()) as tracer:
+            with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
                 saved = model.save_all(wanted, strict=True, moes=moes)  # keyed by layer: moes_of keeps one per layer
                 if stop_early and can_stop_early(model):
                     tracer.stop()
@@ -414,8 +414,6 @@ def collect_routing(
                 flush()
         flush()
         bar.finish()
-    finally:
-        bar.close()
     cache.num_texts = tally.items  # empty items too: they have no token, but are corpus items
     if writer is not None:
         writer.close()

@@ -16,6 +16,7 @@ implementations; under ``eager`` the `Moe` error says how to switch.
 from __future__ import annotations
 
 import itertools
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,9 +215,9 @@ def expert_logit_lens(
                                  max_length=corpora.window_length(model, max_length),
                                  pad=corpora.pad_id(model), vocab=corpora.vocab_size(model))
     bar = CorpusProgress(corpus, "expert outputs", progress)
-    try:
+    with evaluating(model._module), closing(bar):  # the pass in eval mode: no dropout, no router jitter
         for batch in counted_batches(model, stream):
-            with torch.no_grad(), evaluating(model._module), model.trace(**batch.kwargs()) as tracer:
+            with torch.no_grad(), model.trace(**batch.kwargs()) as tracer:
                 read = _sums(moes, batch.mask)
                 if can_stop_early(model):
                     tracer.stop()
@@ -226,8 +227,6 @@ def expert_logit_lens(
                 counts[layer] += count
             bar.advance(batch)
         bar.finish()
-    finally:
-        bar.close()
     if all(count.sum() == 0 for count in counts.values()):
         raise MoelensError("the corpus has no tokens: every item was empty (an empty text or no token ids); pass "
                            "texts or token ids with content.")

@@ -56,19 +56,20 @@ def token_losses(
                              vocab=corpora.vocab_size(model), tally=tally)
     blocks = [moe for moe in model.moes if isinstance(moe, Moe) and not moe.runs_only_on]
     windows: dict[int, list[tuple[int, Tensor]]] = {}
-    for batch in counted_batches(model, stream):
-        targets = batch.input_ids[:, 1:].long()
-        with torch.no_grad(), evaluating(model._module), model.trace(**batch.kwargs()):
-            for moe in blocks if intervene is not None else ():
-                intervene(moe)
-            logits = _logits_of(model.output)[:, :-1]  # only the [b, s - 1] losses leave the trace
-            next_losses = (-logits.float().log_softmax(-1).gather(-1, targets.to(logits.device)[..., None])[..., 0]
-                           ).cpu().save()
-        for row, (text, offset) in enumerate(zip(batch.text_index.tolist(), batch.offset.tolist())):
-            length = int(batch.attention_mask[row].sum())
-            losses = torch.full((length,), float("nan"))
-            losses[1:] = next_losses[row, : length - 1]
-            windows.setdefault(text, []).append((offset, losses))
+    with evaluating(model._module):  # the pass in eval mode: no dropout, no router jitter
+        for batch in counted_batches(model, stream):
+            targets = batch.input_ids[:, 1:].long()
+            with torch.no_grad(), model.trace(**batch.kwargs()):
+                for moe in blocks if intervene is not None else ():
+                    intervene(moe)
+                logits = _logits_of(model.output)[:, :-1]  # only the [b, s - 1] losses leave the trace
+                log_probs = logits.float().log_softmax(-1)
+                next_losses = (-log_probs.gather(-1, targets.to(logits.device)[..., None])[..., 0]).cpu().save()
+            for row, (text, offset) in enumerate(zip(batch.text_index.tolist(), batch.offset.tolist())):
+                length = int(batch.attention_mask[row].sum())
+                losses = torch.full((length,), float("nan"))
+                losses[1:] = next_losses[row, : length - 1]
+                windows.setdefault(text, []).append((offset, losses))
     return [torch.cat([losses for _, losses in sorted(windows[text], key=lambda window: window[0])])
             if text in windows else torch.zeros(0) for text in range(tally.items)]
 

@@ -14,9 +14,9 @@ detection of behaviour-linked experts on paired prompts).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Number
-from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np

@@ -10,6 +10,7 @@ here with the reason (this block runs no mixture) instead of an AttributeError.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from functools import cached_property
 from typing import Any, Callable, NoReturn
@@ -173,10 +174,7 @@ class Mlp(Component):
     def _adds_the_residual(self) -> bool:
         """The block's forward (of the copy that runs: `_running_copy`) takes the residual stream and returns it with
         its own part added (bloom)."""
-        try:
-            return "residual" in inspect.signature(self._running_copy[1].forward).parameters
-        except (TypeError, ValueError):
-            return False
+        return _takes_residual(type(self._running_copy[1]))
 
     @cached_property
     def _output_edited_later(self) -> bool:
@@ -207,22 +205,23 @@ class Mlp(Component):
                     "place, so moelens serves that output as the block's shared_expert_output alone (a copy each "
                     "would lose one's writes)", f"read or write {shared_of.path}.shared_expert_output")
             pick, put = output_of(None)
-            if self._adds_the_residual and self.down_projection is not None:  # its part: the down projection's
-                return Binding(f"{self.path}.{self.down_projection}.output", features=1, pick=pick, put=put,
+            down = self.down_projection if self._adds_the_residual else None
+            if down is not None:  # it adds the residual: its part is the down projection's output
+                return Binding(f"{self.path}.{down}.output", features=1, pick=pick, put=put,
                                to_view=self._batched(name))
             copy = copied if self._output_edited_later else None
             return Binding(f"{self.path}.output", features=1, pick=pick, put=put, to_view=self._batched(name, copy),
                            from_view=copy)
         if name in ("mlp_activation", "mlp_neurons"):
-            if self.down_projection is None:
+            down = self.down_projection
+            if down is None:
                 raise self.unavailable(
                     name,
                     f"{type(self._module).__name__} has no down projection named one of {DOWN_PROJECTIONS}",
                     "read the input of its last linear layer with .inputs instead.",
                 )
-            pick, put = argument(0, advice=f"call {self.down_projection} with its input first ({self.down_projection}(x)).")
-            return Binding(f"{self.path}.{self.down_projection}.input", features=1, pick=pick, put=put,
-                           to_view=self._batched(name))
+            pick, put = argument(0, advice=f"call {down} with its input first ({down}(x)).")
+            return Binding(f"{self.path}.{down}.input", features=1, pick=pick, put=put, to_view=self._batched(name))
         raise self.no_mixture(name)
 
     def _batched(self, name: str, then: Callable[[Tensor, Any], Tensor] | None = None
@@ -246,6 +245,16 @@ class Mlp(Component):
             return tensor if then is None else then(tensor, context)
 
         return to_view
+
+
+@functools.cache
+def _takes_residual(module_class: type) -> bool:
+    """Whether ``module_class``'s forward takes the residual stream (`Mlp._adds_the_residual`; looked up once a class:
+    a signature costs a read of mlp_output several microseconds)."""
+    try:
+        return "residual" in inspect.signature(module_class.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _refuse_mixture_value(name: str) -> property:
