@@ -34,7 +34,7 @@ pytest.importorskip("tract", reason="the export extra is not installed (pip inst
 import moelens  # noqa: E402
 from moelens.export import Edits, ExportError, ExportRefused, run, to_nnef, verify  # noqa: E402
 from moelens.export import archive  # noqa: E402
-from moelens.export.edits import as_edits  # noqa: E402
+from moelens.export.edits import KINDS, as_edits  # noqa: E402
 from moelens.testing import FAMILIES, TINY_OVERRIDES, tiny_inputs, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
@@ -611,7 +611,19 @@ def _same_edits(given: dict, plain: dict) -> None:
     edits = Edits(**given)
     assert edits == Edits(**plain)
     assert edits.to_text() == Edits(**plain).to_text()
+    assert hash(edits) == hash(Edits(**plain))
     assert all(type(layer) is int for layer in getattr(edits, next(iter(plain))))
+
+
+def test_edits_key_a_dict_and_fill_a_set_as_values():
+    """A frozen dataclass is expected to hash; Edits' was the dataclass' own, which raised "unhashable type:
+    'dict'". Equal edits are one key, whatever order they were given in; edits that differ are not."""
+    results = {Edits(steer={2: {5: 2.0, 1: -1.0}}, ablate={1: [3]}): "a"}
+    assert results[Edits(ablate={1: [3]}, steer={2: {1: -1.0, 5: 2.0}})] == "a"
+    variants = [Edits(), Edits(ablate={1: [3]}), Edits(route_around={1: [3]}), Edits(ablate={1: [3, 4]}),
+                Edits(ablate={2: [3]}), Edits(steer={1: {3: 1.0}}), Edits(swap={1: {3: 1}}), Edits(ablate={1: [4, 3]})]
+    assert len(set(variants)) == len(variants)  # [4, 3] is kept in its order, as == compares it
+    assert set(variants) == {*variants, *(Edits(**{kind: getattr(edits, kind) for kind in KINDS}) for edits in variants)}
 
 
 @pytest.mark.parametrize("given, plain", [

@@ -156,6 +156,15 @@ class Edits:
                          "a number (a Python or numpy number, or a one-element tensor)", value)
         return bias
 
+    def __hash__(self) -> int:
+        """Equal edits hash alike, so edits can key a dict of results or fill a set (the dataclass' own hash would
+        hash the dicts, which cannot be hashed)."""
+        return hash(tuple(
+            frozenset((layer, experts if isinstance(experts, tuple) else frozenset(experts.items()))
+                      for layer, experts in getattr(self, kind).items())
+            for kind in KINDS
+        ))
+
     def __bool__(self) -> bool:
         return any((self.ablate, self.route_around, self.steer, self.swap, self.force))
 
