@@ -9,7 +9,8 @@ router's choice stands and only what flows on changes).
 call                          changes              how
 ============================  ===================  =============================================
 ``ablate(moe, e)``            outputs              weight of every slot routed to ``e`` set to 0
-                                                   (``e``: one expert or several, in every mode)
+                                                   (``e``: one expert or several, in every mode;
+                                                   ``renormalize=True``: the other slots scaled up)
 ``ablate(.., "route_around")`` routing             ``e``'s logit (or selection score) set
                                                    to -inf: the router picks the best other
                                                    experts, weights renormalised by the family
@@ -128,7 +129,7 @@ def _expert(moe: Moe, expert: Any, what: str) -> int:
 
 @_intervention
 def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Tensor | numpy.ndarray, mode: str = "zero",
-           to: int | Iterable[int] | torch.Tensor | None = None) -> None:
+           to: int | Iterable[int] | torch.Tensor | None = None, renormalize: bool = False) -> None:
     """Remove expert ``expert`` (or each of several) from block ``moe`` for the tokens of this invoke.
 
     Args:
@@ -147,6 +148,10 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
             per ablated expert in their order (``ablate(moe, [1, 2], "swap", to=[2, 1])`` exchanges
             experts 1 and 2: each slot's new expert follows from the routing as it was). A swap also
             takes the pairs as one mapping, ``ablate(moe, {1: 2, 2: 1}, "swap")``, as `Edits.swap` does.
+        renormalize: For ``mode="zero"``: scale each token's other slots so their weights sum to what all its
+            slots' weights summed to (the expert dropped and its weight shared out, with no expert taking its slot:
+            colibri's route-around; moelens' ``"route_around"`` lets the router fill the slot instead), as
+            `keep_top` renormalises. A token whose every slot is ablated keeps weight 0 in each.
     """
     if mode == "swap" and isinstance(expert, Mapping) and to is None:  # {expert: the one taking over its slots}
         expert, to = list(expert), list(expert.values())
@@ -155,6 +160,13 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
         raise WriteError(f"ablate mode {mode!r} is not one of {ABLATION_MODES}.")
     if mode != "swap" and to is not None:
         raise WriteError(f"ablate(..., to={to}) only applies to mode='swap', not {mode!r}.")
+    renormalize = check_flag("ablate: renormalize", renormalize, WriteError)
+    if renormalize and mode != "zero":
+        raise WriteError(
+            f"ablate(..., renormalize=True) only applies to mode='zero', not {mode!r}: "
+            + ("the router renormalises the weights of the experts it picks instead, as the family does."
+               if mode == "route_around" else "the expert taking over a slot keeps its weight.")
+        )
     if mode == "swap":
         to = _replacements(moe, experts, to, unordered=isinstance(expert, (set, frozenset)))
     if mode == "route_around":
@@ -179,7 +191,9 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
     indices = moe.expert_indices
     routed_here = [indices == expert for expert in experts]  # from the routing as it was (a swap may exchange)
     if mode == "zero":
-        moe.expert_weights = moe.expert_weights.masked_fill(functools.reduce(torch.logical_or, routed_here), 0.0)
+        weights = moe.expert_weights
+        kept = weights.masked_fill(functools.reduce(torch.logical_or, routed_here), 0.0)
+        moe.expert_weights = _rescaled(weights, kept, _renormalised_total(moe)) if renormalize else kept
         return
     for routed, replacement in zip(routed_here, to):
         indices = indices.masked_fill(routed, replacement)
@@ -385,21 +399,26 @@ def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: 
     """``weights`` with all but each token's ``n`` largest set to 0 (of equal ones the earlier slots: routers put
     their best expert first, and in bfloat16 the weights of two experts the router told apart can round to one
     value, where torch.topk may pick either); with ``renormalize``, the kept ones scaled to the sum of all of them
-    (a token whose kept ones sum to 0 keeps its zeros). ``renormalised``: the sum the router gives them
-    (`_renormalised_total`), taken for a sum that only their rounding to their dtype sets apart from it (in bfloat16
-    one weight of 1.0 became 0.996, the sum of the rounded weights); a sum further off is the user's, kept."""
+    (`_rescaled`, ``renormalised`` the sum the router gives them)."""
     best_first = weights.sort(dim=-1, descending=True, stable=True).indices[..., :n]
     kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, best_first, True)
     best = weights.masked_fill(~kept, 0.0)
-    if not renormalize:
-        return best
-    total, left = weights.float().sum(-1, keepdim=True), best.float().sum(-1, keepdim=True)
+    return _rescaled(weights, best, renormalised) if renormalize else best
+
+
+def _rescaled(weights: Float[torch.Tensor, "*tokens k"], kept: Float[torch.Tensor, "*tokens k"],
+              renormalised: float | None) -> Float[torch.Tensor, "*tokens k"]:
+    """``kept`` (``weights`` with some slots set to 0) scaled so each token's sum is the sum of its ``weights`` (a
+    token whose kept ones sum to 0 keeps its zeros). ``renormalised``: the sum the router gives them
+    (`_renormalised_total`), taken for a sum that only their rounding to their dtype sets apart from it (in bfloat16
+    one weight of 1.0 became 0.996, the sum of the rounded weights); a sum further off is the user's, kept."""
+    total, left = weights.float().sum(-1, keepdim=True), kept.float().sum(-1, keepdim=True)
     if renormalised is not None:  # the router's float32 division and sum, then the weights' rounding to their dtype
         rounding = (torch.finfo(weights.dtype).eps + weights.shape[-1] * torch.finfo(torch.float32).eps) \
             * abs(renormalised)
         total = torch.where((total - renormalised).abs() <= rounding, renormalised, total)
     # the router's order (w / sum * scale): n = 1 keeps exactly the total; no 0 / 0, also for the gradient
-    return (best.float() / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
+    return (kept.float() / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
 
 
 def _why_no_ids(experts: Any) -> str:
