@@ -326,6 +326,8 @@ def test_transitions_and_paths_by_hand(qwen):
                 every[a, b] += 1
     assert torch.equal(analysis.transitions(cache, first, second, slots="all").counts, every)
     paths = Counter(zip(*(top[layer] for layer in truth.layers)))
+    assert analysis.token_paths(cache).tolist() == [list(path) for path in zip(*(top[layer] for layer in truth.layers))]
+    assert analysis.token_paths(cache, [second, first]).tolist() == [[b, a] for a, b in zip(top[first], top[second])]
     result = analysis.expert_paths(cache, top=5)
     assert [count for _, count in result] == [count for _, count in paths.most_common(5)]
     for path, count in result:
@@ -836,6 +838,7 @@ def test_bad_analysis_input_gets_a_clear_error(qwen):
         (lambda: analysis.expert_logit_lens(wrapped, [[1], [5, -1]], progress=False), r"corpus item 1 holds token id -1"),
         (lambda: analysis.routing_entropy(cache, bins=0), "bins must be an integer of at least 1, got 0"),
         (lambda: analysis.expert_paths(cache, layers=[]), r"layers=\[\] names no layer"),
+        (lambda: analysis.token_paths(cache, layers=[]), r"^token_paths: layers=\[\] names no layer"),
         (lambda: analysis.plots.plot_coactivation([]), "nothing to plot"),
     ]
     for call, match in cases:

@@ -1290,6 +1290,7 @@ def test_every_statistic_of_a_cache_of_no_tokens_is_refused(model):
         "coactivation": lambda: analysis.coactivation(empty, layer),
         "transitions": lambda: analysis.transitions(empty, layer, empty.layers[1]),
         "expert_paths": lambda: analysis.expert_paths(empty),
+        "token_paths": lambda: analysis.token_paths(empty),
         "specialisation": lambda: analysis.specialisation(empty, [0, 1], per="text"),
         "top_tokens": lambda: analysis.top_tokens(empty, layer),
     }
@@ -1329,6 +1330,9 @@ ORDERED = {
     "expert_paths layers": (lambda r, value: analysis.expert_paths(r.cache, layers=value),
                             {3, 1}, r"layers=.*\{1, 3\}\)? is a set, but layers gives the layer of each step of a path by "
                             r"position: pass a list \(a set has no order\)"),
+    "token_paths layers": (lambda r, value: analysis.token_paths(r.cache, layers=value),
+                           {3, 1}, r"layers=.*\{1, 3\}\)? is a set, but layers gives the layer of each step of a path by "
+                           r"position: pass a list \(a set has no order\)"),
     "load_balance num_experts": (lambda r, value: analysis.load_balance(r.usage, num_experts=value),
                                  {4, 2, 6, 8}, r"num_experts=.*\{.*\}\)? is a set, but num_experts gives the E of each "
                                  r"layer, in layer order \[0, 1, 2, 3\], by position: pass a list \(a set has no order\)"),

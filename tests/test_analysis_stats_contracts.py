@@ -84,6 +84,7 @@ def test_top1_transitions_and_paths_follow_the_highest_weighted_slot_not_the_fir
     paths = Counter(zip(first, second))
     found = analysis.expert_paths(cache, top=10)
     assert dict(found) == dict(paths)
+    assert analysis.token_paths(cache).tolist() == [list(path) for path in zip(first, second)]
 
 
 # -- entropy with a single slot --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ cache's shards (bounded memory). See ``docs/analysis.md``.
 
 from . import plots
 from .cache import RoutingCache, Shard
-from .coactivation import Coactivation, Transitions, coactivation, expert_paths, transitions
+from .coactivation import Coactivation, Transitions, coactivation, expert_paths, token_paths, transitions
 from .collect import collect_routing
 from .describe import LayerReport, ModelReport, describe
 from .generation import GeneratedRouting, collect_generation
@@ -33,5 +33,6 @@ __all__ = [
     "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "GeneratedRouting", "LayerReport", "LoadBalance", "ModelReport",
     "RoutingCache", "Shard", "Specialisation", "TokenRouting", "Transitions", "Usage", "coactivation",
     "collect_generation", "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance", "plots",
-    "routing_entropy", "specialisation", "token_entropy", "token_losses", "token_routing", "top_tokens", "transitions",
+    "routing_entropy", "specialisation", "token_entropy", "token_losses", "token_paths", "token_routing", "top_tokens",
+    "transitions",
 ]

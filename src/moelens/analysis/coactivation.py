@@ -5,8 +5,8 @@
 * Across layers (`transitions`): ``counts[i, j]`` is the number of tokens routed to
   expert i in one layer and to expert j in another (``slots="top1"``: the
   highest-weighted expert of each layer; ``"all"``: any of the k).
-* Expert trajectories (`expert_paths`): the most common sequences of each
-  token's top-1 expert through the layers.
+* Expert trajectories (`token_paths`, `expert_paths`): each token's top-1 expert
+  through the layers, and the most common of those sequences.
 """
 
 from __future__ import annotations
@@ -144,6 +144,38 @@ def transitions(cache: RoutingCache, source: int, target: int, slots: str = "top
                        sources=sources.round().long())
 
 
+def _path_layers(cache: RoutingCache, layers: list[int] | None, call: str) -> list[int]:
+    """The cache's keys of the layers of a path (``layers``, in path order; the cache's own by default)."""
+    layers = list(cache.layers) if layers is None else id_list("layers", layers, "layer",
+                                                                order="the layer of each step of a path")
+    if not layers:
+        raise MoelensError(f"{call}: layers={layers} names no layer; the cache holds layers {list(cache.layers)}.")
+    return [cache.layer_key(layer) for layer in layers]
+
+
+def _shard_paths(shard: Shard, layers: list[int]) -> Int[Tensor, "n l"]:
+    """``[n, len(layers)]`` each token of ``shard``'s top-1 expert in each of ``layers``."""
+    return torch.stack([top1(shard, layer) for layer in layers], dim=1)
+
+
+def token_paths(cache: RoutingCache, layers: list[int] | None = None) -> Int[Tensor, "t l"]:
+    """Each token's path: its top-1 expert (highest-weighted slot) in every layer of ``layers``.
+
+    Args:
+        cache: A routing cache.
+        layers: The layers of a path, in path order (default: the cache's), as for `expert_paths`.
+
+    Returns:
+        ``[T, len(layers)]`` int64, row ``t`` the cache's token ``t`` (as ``cache.token_ids()``, ``text_index()``
+        and ``position()`` order them), ``[t, i]`` its expert in ``layers[i]`` (`SKIPPED`, -1, where every slot of
+        the token skipped that layer); group or cluster tokens by their rows (``torch.unique(paths, dim=0,
+        return_inverse=True)``). `expert_paths` counts these rows.
+    """
+    check_cache(cache)
+    layers = _path_layers(cache, layers, "token_paths")
+    return torch.cat([_shard_paths(shard, layers) for shard in cache._shards()])
+
+
 def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int = 20) -> list[tuple[tuple[int, ...], int]]:
     """The ``top`` most common trajectories: each token's top-1 expert in every layer of ``layers``.
 
@@ -160,15 +192,10 @@ def expert_paths(cache: RoutingCache, layers: list[int] | None = None, top: int 
     """
     check_cache(cache)
     top = check_count("top", top)
-    layers = list(cache.layers) if layers is None else id_list("layers", layers, "layer",
-                                                                order="the layer of each step of a path")
-    if not layers:
-        raise MoelensError(f"expert_paths: layers={layers} names no layer; the cache holds layers {list(cache.layers)}.")
-    layers = [cache.layer_key(layer) for layer in layers]
+    layers = _path_layers(cache, layers, "expert_paths")
     paths: Counter[tuple[int, ...]] = Counter()
     for shard in cache._shards():
-        stacked = torch.stack([top1(shard, layer) for layer in layers], dim=1)
-        unique, counts = torch.unique(stacked, dim=0, return_counts=True)
+        unique, counts = torch.unique(_shard_paths(shard, layers), dim=0, return_counts=True)
         for path, count in zip(unique.tolist(), counts.tolist()):
             paths[tuple(path)] += count
     return sorted(paths.items(), key=lambda item: (-item[1], item[0]))[:top]
