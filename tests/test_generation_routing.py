@@ -101,6 +101,7 @@ def test_the_routing_of_a_generation_is_every_step_of_the_plain_run(family):
                                          pad_token_id=pad)
     assert torch.equal(result.ids, out)
     assert result.prompt_length == width and result.lengths.tolist() == lengths
+    assert result.prompt_lengths.tolist() == [len(prompt) for prompt in PROMPTS]
     assert [result.generated(row).tolist() for row in range(2)] == [out[row, width: width + lengths[row]].tolist()
                                                                     for row in range(2)]
     cache = result.cache
@@ -111,6 +112,9 @@ def test_the_routing_of_a_generation_is_every_step_of_the_plain_run(family):
     read_ids = [token for row, prompt in enumerate(PROMPTS)
                 for token in prompt + out[row, width: width + lengths[row] - 1].tolist()]
     assert cache.token_ids().tolist() == read_ids
+    for row in range(2):  # generated token j at position prompt_lengths[row] + j, the last one never read
+        at = (cache.text_index() == row) & (cache.position() >= int(result.prompt_lengths[row]))
+        assert cache.token_ids()[at].tolist() == result.generated(row)[:-1].tolist()
     names = sorted(calls)
     assert [f"model.layers.{layer}.mlp.experts" for layer in cache.layers] == names
     for layer, name in zip(cache.layers, names):

@@ -58,8 +58,10 @@ class GeneratedRouting:
             padded after its end-of-sequence token, as transformers pads it).
         prompt_length: ``P``, the columns of ``ids`` that hold the prompts.
         lengths: ``[b]`` how many tokens each row generated, its end-of-sequence token included.
+        prompt_lengths: ``[b]`` ``p``, the tokens of each row's own prompt, without its padding.
         cache: The routing, a `RoutingCache` whose text ``i`` is prompt ``i``: its tokens at positions
-            ``0 .. p - 1``, then every generated token the model read (``p``, ``p + 1``, ...). The last token a
+            ``0 .. p - 1``, then every generated token the model read (``generated(i)[j]`` at position ``p + j``,
+            ``p`` its ``prompt_lengths[i]``). The last token a
             row generated is read by no forward, so it has no routing; nor have the padding of a prompt and
             the steps after a row ended (the other rows still generating).
     """
@@ -67,6 +69,7 @@ class GeneratedRouting:
     ids: Int[Tensor, "b t"]
     prompt_length: int
     lengths: Int[Tensor, " b"]
+    prompt_lengths: Int[Tensor, " b"]
     cache: RoutingCache
 
     def generated(self, row: int) -> Int[Tensor, " g"]:
@@ -192,7 +195,8 @@ def collect_generation(
         weights=routing["weights"],
         logits=routing["logits"],
     )]
-    return GeneratedRouting(ids=torch.cat([ids, new], dim=1), prompt_length=ids.shape[1], lengths=lengths, cache=cache)
+    return GeneratedRouting(ids=torch.cat([ids, new], dim=1), prompt_length=ids.shape[1], lengths=lengths,
+                            prompt_lengths=mask.sum(1).long(), cache=cache)
 
 
 def _intervened_step(model: Any, moes: list[Moe], wanted: list[str], intervene: Callable[[Moe], None]
