@@ -846,6 +846,51 @@ def test_bad_analysis_input_gets_a_clear_error(qwen):
             call()
 
 
+@pytest.mark.parametrize(("family", "norm"), [("mixtral", "norm"), ("lfm2_moe", "embedding_norm")])
+def test_readout_is_the_final_norm_and_the_unembedding_of_the_model(family, norm):
+    """analysis.readout(model, x) = lm_head(norm(x)) of the plain modules (lfm2_moe's last norm is embedding_norm),
+    in float32 for a bfloat16 model (by float32 copies: the model keeps its dtype); a token's one expert output read
+    out as MoE Lens does."""
+    hf = tiny_model(family)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        getattr(hf.model, norm).weight.uniform_(0.2, 3.0)  # a trained norm is not all ones
+    wrapped = moelens.wrap(hf)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), wrapped.trace(ids):
+        outputs = wrapped.moes[-1].expert_outputs.save()
+    with torch.no_grad():
+        expected = hf.lm_head(getattr(hf.model, norm)(outputs[0, 2, 0]))
+        assert torch.equal(analysis.readout(wrapped, outputs[0, 2, 0]), expected)
+        assert torch.equal(analysis.readout(hf, outputs[0]), hf.lm_head(getattr(hf.model, norm)(outputs[0])))
+        half = copy.deepcopy(hf).to(torch.bfloat16)
+        read = analysis.readout(moelens.wrap(half), outputs[0, 2, 0].bfloat16())
+        assert read.dtype == torch.float32 and half.lm_head.weight.dtype == torch.bfloat16
+        float_copy = copy.deepcopy(half).float()
+        torch.testing.assert_close(read, float_copy.lm_head(getattr(float_copy.model, norm)(
+            outputs[0, 2, 0].bfloat16().float())), rtol=1e-6, atol=1e-6)
+
+
+def test_readout_refuses_a_trace_and_vectors_it_cannot_read_out():
+    """Inside a trace its norm and head calls were taken for the model's own: a later lm_head.output read failed with
+    nnsight's "already ran past it"; refused, and the next trace runs as before."""
+    hf = tiny_model("mixtral")
+    wrapped, ids = moelens.wrap(hf), torch.tensor([[5, 6, 7]])
+    with pytest.raises(MoelensError, match=r"^readout inside a trace of the model: .*read them out after the trace"):
+        with torch.no_grad(), wrapped.trace(ids):
+            analysis.readout(wrapped, wrapped.moes[0].routed_output[0, 0])
+    with torch.no_grad(), wrapped.trace(ids):
+        head = wrapped.lm_head.output.save()
+    with torch.no_grad():
+        assert torch.equal(head, hf(ids).logits)
+    width = hf.config.hidden_size
+    for hidden, match in [(torch.zeros(3, width + 1), rf"\[\.\.\., {width}\]\), got a tensor of shape \[3, {width + 1}\]"),
+                          (torch.tensor(1.0), r"got a tensor of shape \[\]"), ([0.0] * width, "got list"),
+                          (torch.zeros(width, dtype=torch.long), "floating-point vectors, got torch.int64")]:
+        with pytest.raises(MoelensError, match=match):
+            analysis.readout(wrapped, hidden)
+
+
 def test_the_logit_lens_reads_through_a_final_norm_the_family_names():
     """lfm2_moe's last norm is `embedding_norm`: the lens must apply it (a trained norm is not all ones)."""
     hf = tiny_model("lfm2_moe")

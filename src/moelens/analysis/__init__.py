@@ -22,7 +22,7 @@ from .collect import collect_routing
 from .describe import LayerReport, ModelReport, describe
 from .generation import GeneratedRouting, collect_generation
 from .entropy import Entropy, routing_entropy, token_entropy
-from .logit_lens import ExpertLens, expert_logit_lens
+from .logit_lens import ExpertLens, expert_logit_lens, readout
 from .losses import token_losses
 from .specialisation import Specialisation, specialisation
 from .token_view import TokenRouting, token_routing
@@ -32,7 +32,7 @@ from .usage import LoadBalance, Usage, expert_usage, load_balance
 __all__ = [
     "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "GeneratedRouting", "LayerReport", "LoadBalance", "ModelReport",
     "RoutingCache", "Shard", "Specialisation", "TokenRouting", "Transitions", "Usage", "coactivation",
-    "collect_generation", "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance", "plots",
-    "routing_entropy", "specialisation", "token_entropy", "token_losses", "token_paths", "token_routing", "top_tokens",
-    "transitions",
+    "collect_generation", "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance",
+    "plots", "readout", "routing_entropy", "specialisation", "token_entropy", "token_losses", "token_paths", "token_routing",
+    "top_tokens", "transitions",
 ]

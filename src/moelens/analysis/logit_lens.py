@@ -26,6 +26,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
+from ..families import registry
 from ..families.entry import get_path
 from ..families.tomoe import converted
 from ..modules import evaluating
@@ -96,6 +97,9 @@ def unembedding(model: Any) -> tuple[torch.nn.Module | None, str | None, torch.n
             "lm_head Linear; load the *ForCausalLM class, or give a model of your own one of those."
         )
     family = getattr(model, "family", None)
+    if family is None and module is model:  # a transformers model of its own: the family its model types name
+        known = map(registry.for_model_type, registry.model_types(getattr(module, "config", None)))
+        family = next((found for found in known if found is not None), None)
     names = ((family.final_norm,) if family is not None and family.final_norm else ()) + FINAL_NORMS
     for prefix, owner in _norm_owners(module):
         for name in names:
@@ -161,6 +165,37 @@ def _sums(moes: list[Any], mask: Tensor) -> dict[int, tuple[Any, Any]]:
                 total = flat.new_zeros(width, flat.shape[-1]).index_add_(0, indices, flat)
                 sums[moe.layer] = (total, torch.bincount(indices, minlength=width))
     return nnsight.save(sums)
+
+
+def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*tokens v"]:
+    """The logit lens of any hidden-size vectors: ``lm_head(norm(hidden))`` through the model's final norm and
+    unembedding, found as `expert_logit_lens` finds them (its ``norm`` names the norm), in float32 whatever the
+    model's dtype, the model left as it is. For one token's expert output (``moe.expert_outputs[b, s, slot]``), a
+    routed or block output, or a direction, saved in a trace and read out after it (inside a trace it is refused).
+
+    Args:
+        model: A wrapped model (or a transformers model) with an unembedding.
+        hidden: ``[..., h]`` vectors of the model's hidden size.
+
+    Returns:
+        ``[..., v]`` float32 logits over the unembedding's rows (a padded vocabulary's padding rows included), on
+        the unembedding's device.
+    """
+    if getattr(getattr(model, "interleaver", None), "interleaving", False):
+        raise MoelensError(
+            "readout inside a trace of the model: it runs the model's final norm and unembedding, whose calls nnsight "
+            "would take for the model's own (a later read of lm_head.output fails); save the vectors (.save()) and "
+            "read them out after the trace."
+        )
+    norm, _, head = unembedding(model)
+    hidden_size = getattr(head, "in_features", None) or head.weight.shape[-1]
+    if not isinstance(hidden, Tensor) or hidden.dim() == 0 or hidden.shape[-1] != hidden_size:
+        given = f"a tensor of shape {list(hidden.shape)}" if isinstance(hidden, Tensor) else type(hidden).__name__
+        raise MoelensError(f"readout: hidden must be a tensor of {hidden_size}-wide vectors (the hidden size the "
+                           f"unembedding reads: shape [..., {hidden_size}]), got {given}.")
+    if not hidden.is_floating_point():
+        raise MoelensError(f"readout: hidden must hold floating-point vectors, got {hidden.dtype}.")
+    return _read_out(head, _read_out(norm, hidden) if norm is not None else hidden)
 
 
 def _read_out(module: torch.nn.Module, inputs: Tensor) -> Tensor:
