@@ -846,29 +846,40 @@ def test_bad_analysis_input_gets_a_clear_error(qwen):
             call()
 
 
-@pytest.mark.parametrize(("family", "norm"), [("mixtral", "norm"), ("lfm2_moe", "embedding_norm")])
+@pytest.mark.parametrize(("family", "norm"), [("mixtral", "norm"), ("lfm2_moe", "embedding_norm"), ("llama4", "norm")])
 def test_readout_is_the_final_norm_and_the_unembedding_of_the_model(family, norm):
-    """analysis.readout(model, x) = lm_head(norm(x)) of the plain modules (lfm2_moe's last norm is embedding_norm),
-    in float32 for a bfloat16 model (by float32 copies: the model keeps its dtype); a token's one expert output read
-    out as MoE Lens does."""
+    """analysis.readout(model, x) of the final norm's input is the model's logits, and of a token's one expert output
+    (MoE Lens) lm_head(norm(x)) of the plain modules (lfm2_moe's last norm is embedding_norm; llama4's *ForCausalLM
+    names its base model by a prefix it does not have, and its norm was missed); in float32 for a bfloat16 model (by
+    float32 copies: the model keeps its dtype)."""
     hf = tiny_model(family)
     torch.manual_seed(3)
+    final = getattr(hf.model, norm)
     with torch.no_grad():
-        getattr(hf.model, norm).weight.uniform_(0.2, 3.0)  # a trained norm is not all ones
-    wrapped = moelens.wrap(hf)
+        final.weight.uniform_(0.2, 3.0)  # a trained norm is not all ones
     ids = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad(), wrapped.trace(ids):
-        outputs = wrapped.moes[-1].expert_outputs.save()
+    seen = []
+    hook = final.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     with torch.no_grad():
-        expected = hf.lm_head(getattr(hf.model, norm)(outputs[0, 2, 0]))
-        assert torch.equal(analysis.readout(wrapped, outputs[0, 2, 0]), expected)
-        assert torch.equal(analysis.readout(hf, outputs[0]), hf.lm_head(getattr(hf.model, norm)(outputs[0])))
+        logits = hf(ids).logits
+    hook.remove()
+    wrapped = moelens.wrap(hf)
+    with torch.no_grad():
+        assert torch.equal(analysis.readout(wrapped, seen[0]), logits)
+        # one vector alone: its matmul rounds otherwise than the batch's, within float32's
+        torch.testing.assert_close(analysis.readout(hf, seen[0][0, 2]), logits[0, 2], rtol=1e-6, atol=1e-6)
         half = copy.deepcopy(hf).to(torch.bfloat16)
-        read = analysis.readout(moelens.wrap(half), outputs[0, 2, 0].bfloat16())
+        read = analysis.readout(moelens.wrap(half), seen[0][0, 2].bfloat16())
         assert read.dtype == torch.float32 and half.lm_head.weight.dtype == torch.bfloat16
         float_copy = copy.deepcopy(half).float()
         torch.testing.assert_close(read, float_copy.lm_head(getattr(float_copy.model, norm)(
-            outputs[0, 2, 0].bfloat16().float())), rtol=1e-6, atol=1e-6)
+            seen[0][0, 2].bfloat16().float())), rtol=1e-6, atol=1e-6)
+    if family == "llama4":
+        return  # no per-slot values: it runs every expert on pre-weighted inputs
+    with torch.no_grad(), wrapped.trace(ids):
+        outputs = wrapped.moes[-1].expert_outputs.save()
+    with torch.no_grad():
+        assert torch.equal(analysis.readout(wrapped, outputs[0, 2, 0]), hf.lm_head(final(outputs[0, 2, 0])))
 
 
 def test_readout_refuses_a_trace_and_vectors_it_cannot_read_out():
@@ -876,9 +887,12 @@ def test_readout_refuses_a_trace_and_vectors_it_cannot_read_out():
     nnsight's "already ran past it"; refused, and the next trace runs as before."""
     hf = tiny_model("mixtral")
     wrapped, ids = moelens.wrap(hf), torch.tensor([[5, 6, 7]])
-    with pytest.raises(MoelensError, match=r"^readout inside a trace of the model: .*read them out after the trace"):
-        with torch.no_grad(), wrapped.trace(ids):
-            analysis.readout(wrapped, wrapped.moes[0].routed_output[0, 0])
+    for given in (wrapped, hf):  # the transformers model whose modules the trace runs too
+        with pytest.raises(MoelensError, match=r"^readout inside a trace of the model: .*read them out after the trace"):
+            with torch.no_grad(), wrapped.trace(ids):
+                vector = wrapped.moes[0].routed_output[0, 0]
+                analysis.readout(given, vector)
+                wrapped.lm_head.output.save()
     with torch.no_grad(), wrapped.trace(ids):
         head = wrapped.lm_head.output.save()
     with torch.no_grad():

@@ -395,6 +395,12 @@ def test_renormalized_zero_ablation_matches_plain_nnsight(family, impl):
     dropped = first_tensor(output)
     torch.testing.assert_close(dropped, plain_edit(reference, inputs, moes, edit), atol=1e-5, rtol=1e-5)
     with wrapped.trace(**inputs):
+        indices, weights = moes[0].expert_indices.save(), moes[0].expert_weights.save()
+        moelens.ablate(moes[0], experts[0], renormalize=True)
+        ablated = moes[0].expert_weights.save()
+    untouched = ~(indices == experts[0]).any(-1)  # tokens that never used the expert keep their weights bit for bit
+    assert untouched.any() and torch.equal(ablated[untouched], weights[untouched])
+    with wrapped.trace(**inputs):
         for moe, expert in zip(moes, experts):
             moelens.ablate(moe, expert)
         zeroed = wrapped.output.save()

@@ -191,9 +191,12 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
     indices = moe.expert_indices
     routed_here = [indices == expert for expert in experts]  # from the routing as it was (a swap may exchange)
     if mode == "zero":
-        weights = moe.expert_weights
-        kept = weights.masked_fill(functools.reduce(torch.logical_or, routed_here), 0.0)
-        moe.expert_weights = _rescaled(weights, kept, _renormalised_total(moe)) if renormalize else kept
+        weights, ablated = moe.expert_weights, functools.reduce(torch.logical_or, routed_here)
+        kept = weights.masked_fill(ablated, 0.0)
+        if renormalize:  # only the tokens that lost weight: the others keep theirs bit for bit
+            lost = (ablated & (weights != 0)).any(-1, keepdim=True)
+            kept = torch.where(lost, _rescaled(weights, kept, _renormalised_total(moe)), kept)
+        moe.expert_weights = kept
         return
     for routed, replacement in zip(routed_here, to):
         indices = indices.masked_fill(routed, replacement)

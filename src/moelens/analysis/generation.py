@@ -58,19 +58,20 @@ class GeneratedRouting:
             padded after its end-of-sequence token, as transformers pads it).
         prompt_length: ``P``, the columns of ``ids`` that hold the prompts.
         lengths: ``[b]`` how many tokens each row generated, its end-of-sequence token included.
-        prompt_lengths: ``[b]`` ``p``, the tokens of each row's own prompt, without its padding.
         cache: The routing, a `RoutingCache` whose text ``i`` is prompt ``i``: its tokens at positions
             ``0 .. p - 1``, then every generated token the model read (``generated(i)[j]`` at position ``p + j``,
             ``p`` its ``prompt_lengths[i]``). The last token a
             row generated is read by no forward, so it has no routing; nor have the padding of a prompt and
             the steps after a row ended (the other rows still generating).
+        prompt_lengths: ``[b]`` ``p``, the tokens of each row's own prompt, without its padding (row ``i`` is
+            left-padded by ``prompt_length - prompt_lengths[i]``).
     """
 
     ids: Int[Tensor, "b t"]
     prompt_length: int
     lengths: Int[Tensor, " b"]
-    prompt_lengths: Int[Tensor, " b"]
     cache: RoutingCache
+    prompt_lengths: Int[Tensor, " b"]
 
     def generated(self, row: int) -> Int[Tensor, " g"]:
         """The tokens row ``row`` generated, up to its end-of-sequence token (included), without padding."""

@@ -23,6 +23,7 @@ from typing import Any
 import nnsight
 import torch
 from jaxtyping import Float, Int
+from nnsight.intervention.source import STATE
 from torch import Tensor
 
 from ..errors import MoelensError
@@ -117,7 +118,9 @@ def _norm_owners(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     except (AttributeError, NotImplementedError, ValueError):
         decoder = None
     base = getattr(module, getattr(module, "base_model_prefix", "model"), None)
-    owners = [owner for owner in dict.fromkeys((decoder, base)) if isinstance(owner, torch.nn.Module) and owner is not module]
+    inner = getattr(module, "model", None)  # llama4's *ForCausalLM: base_model_prefix "language_model", its decoder itself
+    owners = [owner for owner in dict.fromkeys((decoder, base, inner))
+              if isinstance(owner, torch.nn.Module) and owner is not module]
     names = {owner: name for name, owner in module.named_modules() if owner in owners}
     return [(f"{names[owner]}.", owner) for owner in owners if owner in names] + [("", module)]
 
@@ -172,6 +175,8 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
     unembedding, found as `expert_logit_lens` finds them (its ``norm`` names the norm), in float32 whatever the
     model's dtype, the model left as it is. For one token's expert output (``moe.expert_outputs[b, s, slot]``), a
     routed or block output, or a direction, saved in a trace and read out after it (inside a trace it is refused).
+    What a model does to the head's output (cohere2_moe's ``logit_scale``, granitemoe's ``logits_scaling``, a final
+    softcap) is not applied: the values are on the head's scale; the tokens rank as the model's logits rank them.
 
     Args:
         model: A wrapped model (or a transformers model) with an unembedding.
@@ -181,13 +186,15 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
         ``[..., v]`` float32 logits over the unembedding's rows (a padded vocabulary's padding rows included), on
         the unembedding's device.
     """
-    if getattr(getattr(model, "interleaver", None), "interleaving", False):
+    norm, _, head = unembedding(model)
+    if getattr(getattr(model, "interleaver", None), "interleaving", False) or any(
+            getattr(vars(module).get(STATE), "active", lambda: (None,))()[0] is not None
+            for module in (norm, head) if module is not None):  # also a plain model whose modules a trace runs
         raise MoelensError(
             "readout inside a trace of the model: it runs the model's final norm and unembedding, whose calls nnsight "
             "would take for the model's own (a later read of lm_head.output fails); save the vectors (.save()) and "
             "read them out after the trace."
         )
-    norm, _, head = unembedding(model)
     hidden_size = getattr(head, "in_features", None) or head.weight.shape[-1]
     if not isinstance(hidden, Tensor) or hidden.dim() == 0 or hidden.shape[-1] != hidden_size:
         given = f"a tensor of shape {list(hidden.shape)}" if isinstance(hidden, Tensor) else type(hidden).__name__
