@@ -187,9 +187,7 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
         the unembedding's device.
     """
     norm, _, head = unembedding(model)
-    if getattr(getattr(model, "interleaver", None), "interleaving", False) or any(
-            getattr(vars(module).get(STATE), "active", lambda: (None,))()[0] is not None
-            for module in (norm, head) if module is not None):  # also a plain model whose modules a trace runs
+    if _in_a_trace(model, (norm, head)):
         raise MoelensError(
             "readout inside a trace of the model: it runs the model's final norm and unembedding, whose calls nnsight "
             "would take for the model's own (a later read of lm_head.output fails); save the vectors (.save()) and "
@@ -203,6 +201,15 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
     if not hidden.is_floating_point():
         raise MoelensError(f"readout: hidden must hold floating-point vectors, got {hidden.dtype}.")
     return _read_out(head, _read_out(norm, hidden) if norm is not None else hidden)
+
+
+def _in_a_trace(model: Any, modules: tuple[torch.nn.Module | None, ...]) -> bool:
+    """Whether a trace of ``model`` runs, or of any model holding ``modules`` (a transformers model given beside its
+    wrapper: nnsight's state on each module it instruments names the trace running it)."""
+    if getattr(getattr(model, "interleaver", None), "interleaving", False):
+        return True
+    states = (vars(module).get(STATE) for module in modules if module is not None)
+    return any(state is not None and state.active()[0] is not None for state in states)
 
 
 def _read_out(module: torch.nn.Module, inputs: Tensor) -> Tensor:
