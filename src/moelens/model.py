@@ -535,8 +535,10 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         """The rows of an invoke's inputs, after refusing, on a model with a tokenizer alone, an input that is no
         prompt, token ids, tensor or tokenizer output (`_input_problem`: transformers' text pipeline or numpy failed
         on it with "can only concatenate str" or a casting error)."""
-        by_keywords = inputs and inputs[0] is None and super()._batch_size(*inputs, **kwargs)  # trace(None, input_ids=)
-        problem = _input_problem(inputs[0]) if inputs and not by_keywords and self._text_only() else None
+        rows = super()._batch_size(*inputs, **kwargs) if inputs and inputs[0] is None else None
+        if rows:  # trace(None, input_ids=...): the keywords hold the inputs (counted once)
+            return rows
+        problem = _input_problem(inputs[0]) if inputs and self._text_only() else None
         if problem is not None:
             raise MoelensError(
                 f"a trace's input was {problem}: a model wrapped with a tokenizer takes text (a str or a list of "
@@ -544,7 +546,7 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
                 "the tokenizer's output (model.trace(**inputs)). Read a file's text first (Path.read_text()); turn "
                 "an array of text into a list (array.tolist())."
             )
-        return super()._batch_size(*inputs, **kwargs)
+        return super()._batch_size(*inputs, **kwargs) if rows is None else rows
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching of the invokes' inputs, after refusing inputs of other modalities than text (images,
