@@ -593,6 +593,24 @@ def test_keep_top_on_chosen_tokens_leaves_the_others():
     torch.testing.assert_close(after, expected, atol=0, rtol=0)
 
 
+def test_renormalized_keep_top_keeps_tokens_whose_dropped_slots_weighed_nothing():
+    """A token whose dropped slots an earlier edit zeroed keeps its weights bit for bit (w / sum * sum moved 1 ulp in
+    many); the others are scaled to their sum. Ground truth: the weights as edited, rescaled by hand in float64."""
+    hf = tiny_model("mixtral", num_experts_per_tok=3)
+    wrapped = moelens.wrap(hf)
+    ids = torch.randint(3, 128, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), wrapped.trace(ids):
+        moe = wrapped.moes[0]
+        moe.expert_weights[:2, ..., 2] = 0  # rows 0 and 1: their third slot weighs nothing
+        edited = moe.expert_weights.clone().save()
+        moelens.keep_top(moe, 2, renormalize=True)
+        kept = moe.expert_weights.save()
+    assert torch.equal(kept[:2], edited[:2])
+    expected = best_slots_by_rank(edited[2:].double(), 2, renormalize=True).float()
+    torch.testing.assert_close(kept[2:], expected, rtol=1e-6, atol=0)
+    assert (kept[2:] == 0).sum() == 2 * 64, "one slot of each token of rows 2 and 3 dropped"
+
+
 def test_renormalized_keep_top_of_no_slots_gives_finite_gradients():
     """Keeping no slot renormalised leaves zeros (nothing to scale), and no 0 / 0 reaches the router's gradient."""
     hf = tiny_model("mixtral")

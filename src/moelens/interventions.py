@@ -369,7 +369,8 @@ def keep_top(moe: Moe, n: int | torch.Tensor, renormalize: bool = False, tokens:
             a routed scaling factor, the kept weights sum to it; a sum its rounding alone sets apart from that
             total is taken as the total). By default they keep their values, as a family
             that never renormalises would (deepseek_v2, qwen2_moe without norm_topk_prob). A token whose kept slots
-            weigh 0 keeps them at 0.
+            weigh 0 keeps them at 0; one whose dropped slots weigh 0 (an earlier edit zeroed them) keeps its
+            weights as they are.
         tokens: Which tokens of this invoke (see `reroute`); None for all of them.
     """
     _refuse_recomputed_routing(_moe(moe, "keep_top"), "keep_top")
@@ -402,11 +403,14 @@ def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: 
     """``weights`` with all but each token's ``n`` largest set to 0 (of equal ones the earlier slots: routers put
     their best expert first, and in bfloat16 the weights of two experts the router told apart can round to one
     value, where torch.topk may pick either); with ``renormalize``, the kept ones scaled to the sum of all of them
-    (`_rescaled`, ``renormalised`` the sum the router gives them)."""
+    (`_rescaled`, ``renormalised`` the sum the router gives them) where a dropped one weighed more than 0."""
     best_first = weights.sort(dim=-1, descending=True, stable=True).indices[..., :n]
     kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, best_first, True)
     best = weights.masked_fill(~kept, 0.0)
-    return _rescaled(weights, best, renormalised) if renormalize else best
+    if not renormalize:
+        return best
+    lost = (~kept & (weights != 0)).any(-1, keepdim=True)  # the others keep their weights bit for bit
+    return torch.where(lost, _rescaled(weights, best, renormalised), best)
 
 
 def _rescaled(weights: Float[torch.Tensor, "*tokens k"], kept: Float[torch.Tensor, "*tokens k"],
