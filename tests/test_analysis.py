@@ -882,21 +882,37 @@ def test_readout_is_the_final_norm_and_the_unembedding_of_the_model(family, norm
         assert torch.equal(analysis.readout(wrapped, outputs[0, 2, 0]), hf.lm_head(final(outputs[0, 2, 0])))
 
 
-def test_readout_refuses_a_trace_and_vectors_it_cannot_read_out():
-    """Inside a trace its norm and head calls were taken for the model's own: a later lm_head.output read failed with
-    nnsight's "already ran past it"; refused, and the next trace runs as before."""
+def test_readout_inside_a_trace_leaves_the_model_s_run_and_refuses_vectors_it_cannot_read_out():
+    """Inside a trace (of the wrapper, or given the transformers model the trace runs) its norm and head calls were
+    taken for the model's own: a later lm_head.output read failed with nnsight's "already ran past it". They run with
+    the trace stood down: the readout equals the one after the trace, and the model's logits read after it, and at
+    each generation step, equal the plain model's."""
     hf = tiny_model("mixtral")
-    wrapped, ids = moelens.wrap(hf), torch.tensor([[5, 6, 7]])
-    for given in (wrapped, hf):  # the transformers model whose modules the trace runs too
-        with pytest.raises(MoelensError, match=r"^readout inside a trace of the model: .*read them out after the trace"):
-            with torch.no_grad(), wrapped.trace(ids):
-                vector = wrapped.moes[0].routed_output[0, 0]
-                analysis.readout(given, vector)
-                wrapped.lm_head.output.save()
-    with torch.no_grad(), wrapped.trace(ids):
-        head = wrapped.lm_head.output.save()
+    wrapped, ids = moelens.wrap(hf, tokenizer=ascii_tokenizer()), torch.tensor([[5, 6, 7]])
     with torch.no_grad():
-        assert torch.equal(head, hf(ids).logits)
+        plain = hf(ids).logits
+    for given in (wrapped, hf):
+        with torch.no_grad(), wrapped.trace(ids):
+            vector = wrapped.moes[0].routed_output[0, 0].save()
+            inside = analysis.readout(given, vector).save()
+            head = wrapped.lm_head.output.save()
+        assert torch.equal(head, plain)
+        with torch.no_grad():
+            assert torch.equal(inside, analysis.readout(wrapped, vector))
+            assert torch.equal(inside, hf.lm_head(hf.model.norm(vector)))
+    settings = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": False}
+    with torch.no_grad(), wrapped.generate(ids, **settings) as tracer:
+        steps, outputs, logits = list().save(), list().save(), list().save()
+        for _ in tracer.iter[:3]:
+            outputs.append(wrapped.moes[-1].mlp_output[0, -1])
+            steps.append(analysis.readout(wrapped, outputs[-1]))
+            logits.append(wrapped.lm_head.output[0, -1])
+        tokens = tracer.result.save()
+    with torch.no_grad():
+        expected = hf.generate(ids, **settings, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(tokens, expected.sequences) and len(steps) == 3
+        assert torch.equal(torch.stack(logits), torch.cat(expected.logits))
+        assert all(torch.equal(step, analysis.readout(wrapped, output)) for step, output in zip(steps, outputs))
     width = hf.config.hidden_size
     for hidden, match in [(torch.zeros(3, width + 1), rf"\[\.\.\., {width}\]\), got a tensor of shape \[3, {width + 1}\]"),
                           (torch.tensor(1.0), r"got a tensor of shape \[\]"), ([0.0] * width, "got list"),

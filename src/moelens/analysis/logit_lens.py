@@ -15,7 +15,9 @@ implementations; under ``eager`` the `Moe` error says how to switch.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
@@ -174,7 +176,8 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
     """The logit lens of any hidden-size vectors: ``lm_head(norm(hidden))`` through the model's final norm and
     unembedding, found as `expert_logit_lens` finds them (its ``norm`` names the norm), in float32 whatever the
     model's dtype, the model left as it is. For one token's expert output (``moe.expert_outputs[b, s, slot]``), a
-    routed or block output, or a direction, saved in a trace and read out after it (inside a trace it is refused).
+    routed or block output, or a direction, read out after a trace or inside one (there the trace stands down while
+    the norm and unembedding run, as for nnsight's own ad-hoc module call: their places in the forward are untouched).
     What a model does to the head's output (cohere2_moe's ``logit_scale``, granitemoe's ``logits_scaling``, a final
     softcap) is not applied: the values are on the head's scale; the tokens rank as the model's logits rank them.
 
@@ -187,12 +190,6 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
         the unembedding's device.
     """
     norm, _, head = unembedding(model)
-    if _in_a_trace(model, (norm, head)):
-        raise MoelensError(
-            "readout inside a trace of the model: it runs the model's final norm and unembedding, whose calls nnsight "
-            "would take for the model's own (a later read of lm_head.output fails); save the vectors (.save()) and "
-            "read them out after the trace."
-        )
     hidden_size = getattr(head, "in_features", None) or head.weight.shape[-1]
     if not isinstance(hidden, Tensor) or hidden.dim() == 0 or hidden.shape[-1] != hidden_size:
         given = f"a tensor of shape {list(hidden.shape)}" if isinstance(hidden, Tensor) else type(hidden).__name__
@@ -200,16 +197,29 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
                            f"unembedding reads: shape [..., {hidden_size}]), got {given}.")
     if not hidden.is_floating_point():
         raise MoelensError(f"readout: hidden must hold floating-point vectors, got {hidden.dtype}.")
-    return _read_out(head, _read_out(norm, hidden) if norm is not None else hidden)
+    with _traces_stood_down(model, (norm, head)):
+        return _read_out(head, _read_out(norm, hidden) if norm is not None else hidden)
 
 
-def _in_a_trace(model: Any, modules: tuple[torch.nn.Module | None, ...]) -> bool:
-    """Whether a trace of ``model`` runs, or of any model holding ``modules`` (a transformers model given beside its
-    wrapper: nnsight's state on each module it instruments names the trace running it)."""
-    if getattr(getattr(model, "interleaver", None), "interleaving", False):
-        return True
-    states = (vars(module).get(STATE) for module in modules if module is not None)
-    return any(state is not None and state.active()[0] is not None for state in states)
+@contextlib.contextmanager
+def _traces_stood_down(model: Any, modules: tuple[torch.nn.Module | None, ...]) -> Iterator[None]:
+    """Run the block with every trace of ``model``, or of any model holding ``modules`` (a transformers model given
+    beside its wrapper: nnsight's state on each module it instruments names the trace running it), stood down, as
+    nnsight's ``Envoy.__call__`` stands its trace down for a module called ad hoc: the calls feed no value and spend
+    no occurrence (a later ``lm_head.output`` read would have failed, "already ran past it")."""
+    running = [getattr(model, "interleaver", None)]
+    for module in modules:
+        state = vars(module).get(STATE) if module is not None else None
+        running.append(state.active()[0] if state is not None else None)
+    stood_down = list({id(interleaver): interleaver for interleaver in running
+                       if getattr(interleaver, "interleaving", False)}.values())
+    for interleaver in stood_down:
+        interleaver.interleaving = False
+    try:
+        yield
+    finally:
+        for interleaver in stood_down:
+            interleaver.interleaving = True
 
 
 def _read_out(module: torch.nn.Module, inputs: Tensor) -> Tensor:
