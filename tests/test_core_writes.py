@@ -169,6 +169,48 @@ def test_several_experts_in_one_call_match_the_same_edit_in_plain_nnsight(family
     assert not torch.equal(edited, plain), "the edit changed nothing: the test would not notice a no-op"
 
 
+TOKEN_CASES = SEVERAL_EXPERTS[:3] + [("llama4", "eager")]  # llama4: route_around alone (its routing is recomputed)
+
+
+@pytest.mark.parametrize(("family", "impl"), TOKEN_CASES, ids=[f"{f}-{i}" for f, i in TOKEN_CASES])
+@pytest.mark.parametrize("mode", ["zero", "route_around", "swap"])
+def test_ablation_of_chosen_tokens_matches_the_same_edit_in_plain_nnsight(family, impl, mode):
+    """ablate(..., tokens=(..., 2)): only position 2 of each row loses the expert (causal tracing at a token); ground
+    truth: the edit made in plain nnsight at the flat rows of that position alone."""
+    hf, wrapped, inputs, plain, reference = built(family, impl)
+    moes = running_moes(wrapped)
+    if moes[0].family.derived_routing and mode != "route_around":
+        return  # refused at every token alike (test_ablation_matches_the_same_edit_in_plain_nnsight)
+    experts = chosen_experts(wrapped, inputs)
+    replacement = [(expert + 1) % moe.num_experts for expert, moe in zip(experts, moes)]
+    batch, seq = inputs["input_ids"].shape
+    at = torch.zeros(batch, seq, dtype=torch.bool)
+    at[:, 2] = True
+    outputs = []
+    for tokens in ((..., 2), at, None):
+        with wrapped.trace(**inputs):
+            for moe, expert, to in zip(moes, experts, replacement):
+                moelens.ablate(moe, expert, mode, to=to if mode == "swap" else None, tokens=tokens)
+            outputs.append(first_tensor(wrapped.output.save()))
+
+    def edit(block, moe, index):
+        expert, to = experts[index], replacement[index]
+        if mode == "route_around":
+            ranked = selection_op(block, moe) if moe.ranks_selection_scores else logits_op(block, moe)
+            chosen = at.reshape(*ranked.shape[:-1], 1)
+            ranked[..., expert] = ranked[..., expert].masked_fill(chosen[..., 0], float("-inf"))
+        else:
+            swap_call_args(block, moe, lambda i, w: (
+                (i, w.masked_fill((i == expert) & at.reshape(-1, 1), 0.0)) if mode == "zero"
+                else (i.masked_fill((i == expert) & at.reshape(-1, 1), to), w)))
+
+    torch.testing.assert_close(outputs[0], plain_edit(reference, inputs, moes, edit), atol=1e-6, rtol=1e-6)
+    assert torch.equal(outputs[0], outputs[1]), "(..., 2) and the [batch, seq] mask select the same tokens"
+    assert not torch.equal(outputs[0], plain) and not torch.equal(outputs[0], outputs[2])
+    # the tokens before position 2 see no edit (to grouped_mm's rounding: the groups' sizes change)
+    torch.testing.assert_close(outputs[0][:, :2], plain[:, :2], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("form", ["pairs", "mask", "one-to-for-a-member", "one-element-to"])
 def test_other_forms_of_several_experts_match_the_same_edit_in_plain_nnsight(form):
     """A swap's pairs as one mapping ({a: b, b: a}, as Edits.swap takes them: refused as "not expert ids"), a bool
@@ -638,6 +680,17 @@ def test_keep_top_refuses_bad_arguments(arguments, match):
     with pytest.raises(moelens.WriteError, match=match):
         with wrapped.trace(**inputs):
             moelens.keep_top(wrapped.moes[0], *arguments)
+
+
+@pytest.mark.parametrize("mode", ["zero", "route_around", "swap"])
+def test_ablation_refuses_tokens_it_cannot_select_before_editing(mode):
+    """A bad tokens= is refused as keep_top's is, and a caught refusal left no edit in the model's tensor."""
+    hf, wrapped, inputs, plain, reference = built("qwen3_moe", "grouped_mm")
+    with wrapped.trace(**inputs):
+        with pytest.raises(moelens.WriteError, match=r"^ablate: tokens=3 is ambiguous"):
+            moelens.ablate(wrapped.moes[0], 1, mode, to=2 if mode == "swap" else None, tokens=3)
+        output = wrapped.output.save()
+    assert torch.equal(first_tensor(output), plain)
 
 
 @pytest.mark.parametrize(("family", "impl"), [c for c in CASES if c[1] != "eager"],

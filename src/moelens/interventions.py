@@ -38,7 +38,7 @@ from typing import Any, Callable, ParamSpec
 import nnsight
 import numpy
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
@@ -129,8 +129,9 @@ def _expert(moe: Moe, expert: Any, what: str) -> int:
 
 @_intervention
 def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Tensor | numpy.ndarray, mode: str = "zero",
-           to: int | Iterable[int] | torch.Tensor | None = None, renormalize: bool = False) -> None:
-    """Remove expert ``expert`` (or each of several) from block ``moe`` for the tokens of this invoke.
+           to: int | Iterable[int] | torch.Tensor | None = None, renormalize: bool = False, tokens: Any = None) -> None:
+    """Remove expert ``expert`` (or each of several) from block ``moe`` for the tokens of this invoke (or the given
+    ``tokens`` of it).
 
     Args:
         moe: The MoE component (``model.moes[i]`` or ``model.layers[i].mlp``).
@@ -152,6 +153,8 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
             slots' weights summed to (the expert dropped and its weight shared out, with no expert taking its slot:
             colibri's route-around; moelens' ``"route_around"`` lets the router fill the slot instead), as
             `keep_top` renormalises. A token whose every slot is ablated keeps weight 0 in each.
+        tokens: Which tokens of this invoke (see `reroute`: a ``[batch, seq]`` bool mask, ``(..., position)``, ...);
+            None for all of them. The others keep their routing and weights bit for bit.
     """
     if mode == "swap" and isinstance(expert, Mapping) and to is None:  # {expert: the one taking over its slots}
         expert, to = list(expert), list(expert.values())
@@ -176,20 +179,24 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
         _refuse_unread_bias(moe)
         name = "selection_scores" if moe.ranks_selection_scores else "router_logits"
         ranked = getattr(moe, name)
+        chosen = _token_mask(ranked, tokens, "ablate")
         routed_around = ranked.clone()
-        routed_around[..., experts] = float("-inf")
+        routed_around[..., experts] = float("-inf") if chosen is None else \
+            routed_around[..., experts].masked_fill(chosen, float("-inf"))
         try:  # refused before the model's tensor holds it
             check_before_edit(moe, name, ranked, routed_around)
         except WriteError as error:
             raise WriteError(f"ablate(mode='route_around') of experts {experts}: {error}") from None
         remember_before_edit(ranked)
-        ranked[..., experts] = float("-inf")
+        ranked[..., experts] = routed_around[..., experts]
         if not moe.ranks_selection_scores and moe.family.holds(moe.SCORING.selection_bias, moe._module):
             _check_bias_did_not_pick(moe)  # a bias this entry names no op for (ergo)
         return
     _refuse_recomputed_routing(moe, f"ablate(mode={mode!r})")
     indices = moe.expert_indices
-    routed_here = [indices == expert for expert in experts]  # from the routing as it was (a swap may exchange)
+    chosen = _token_mask(indices, tokens, "ablate")
+    routed_here = [indices == expert if chosen is None else (indices == expert) & chosen
+                   for expert in experts]  # from the routing as it was (a swap may exchange)
     if mode == "zero":
         weights, ablated = moe.expert_weights, functools.reduce(torch.logical_or, routed_here)
         kept = weights.masked_fill(ablated, 0.0)
@@ -608,6 +615,16 @@ def _is_bool_mask(tokens: Any) -> bool:
         return torch.as_tensor(tokens).dtype == torch.bool
     except (TypeError, RuntimeError, ValueError):
         return False
+
+
+def _token_mask(values: torch.Tensor, tokens: Any, call: str) -> Bool[torch.Tensor, "b s 1"] | None:
+    """Where ``tokens`` (as `_token_rows` takes it) selects a token of ``values`` ``[b, s, ...]``, as a mask that
+    broadcasts over its last axis; None for ``tokens=None`` (every token)."""
+    if tokens is None:
+        return None
+    mask = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
+    mask[_token_rows(values, tokens, call)] = True
+    return mask[..., None]
 
 
 def _edit_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None,
