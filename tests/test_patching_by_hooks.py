@@ -209,3 +209,40 @@ def test_attribution_gradients_in_the_corrupted_invoke(family):
     for name in names:
         expected = kept[name].grad.reshape(2, S, -1)[1:]
         torch.testing.assert_close(grads[name], expected.reshape(grads[name].shape))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_docs_expert_share_patch_runs_as_written_and_matches_hooks(family, tmp_path):
+    """docs/values.md's recipe patching one expert's output (its share of routed_output), run as written: the logits
+    equal an unwrapped copy whose experts module adds expert 7's clean share minus its corrupted one, each share
+    recomputed by hand from the fused weights (a forward hook; routing patched instead would move no expert's
+    output)."""
+    import re
+    import runpy
+    from pathlib import Path
+
+    hf, reference, model = built(family)
+    model = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    experts = reference.get_submodule(model.moes[1].experts.path.removeprefix("model."))
+
+    def share(hidden, indices, weights):
+        gate, up = torch.nn.functional.linear(hidden, experts.gate_up_proj[7]).chunk(2, -1)
+        output = torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[7])
+        return output * (weights * (indices == 7)).sum(-1, keepdim=True)
+
+    shares = []
+    with torch.no_grad(), hooks((experts, "pre", lambda module, args, kwargs: shares.append(share(*args[:3])))):
+        plain = reference(CORRUPT).logits
+        reference(CLEAN)
+    corrupted_share, clean_share = shares
+    with torch.no_grad(), hooks((experts, "post", lambda module, args, kwargs, output:
+                                 output - corrupted_share + clean_share)):
+        expected = reference(CORRUPT).logits
+    assert not torch.allclose(expected, plain), "expert 7 is routed nowhere: the patch would change nothing"
+    text = (Path(__file__).parents[1] / "docs" / "values.md").read_text()
+    script = tmp_path / "recipe.py"  # nnsight reads a trace's body from its source file
+    script.write_text(next(block for block in re.findall(r"```python\n(.*?)```", text, re.S)
+                           if "def expert_share" in block))
+    with torch.no_grad():
+        names = runpy.run_path(str(script), init_globals={"model": model, "clean": CLEAN, "corrupted": CORRUPT})
+    torch.testing.assert_close(names["logits"], expected, atol=1e-6, rtol=1e-6)
