@@ -5727,3 +5727,33 @@ def test_a_model_wrapped_before_its_family_was_registered_is_told_to_wrap_again(
         moelens.families.unregister("custom")
     with pytest.raises(LayerIndexError, match=r"model\.moes is empty\)\.$"):  # no family names it: no hint
         early.moes[0]
+
+
+@pytest.mark.parametrize("tokenizer", [False, True])
+def test_a_misspelt_forward_keyword_is_refused_not_dropped(tokenizer):
+    """A transformers forward takes any keyword and drops one it does not know: a trace given atention_mask ran
+    unmasked, without a word. A near miss of a keyword the forward takes is refused naming it; the keywords a text
+    invoke gives the tokenizer (max_length, truncation) and return_dict still run. Ground truth: the plain model with
+    the mask spelt right gives other logits than without it, so the typo would have mattered."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer()) if tokenizer else moelens.wrap(hf)
+    ids, mask = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[0, 1, 1, 1]])
+    with torch.no_grad():
+        assert not torch.equal(hf(ids, attention_mask=mask).logits[:, 1:], hf(ids).logits[:, 1:])
+    refusal = r"^the keyword 'atention_mask' given to the trace is no argument of MixtralForCausalLM.forward.*'attention_mask'\?"
+    with pytest.raises(moelens.MoelensError, match=refusal):
+        with torch.no_grad(), wrapped.trace(ids, atention_mask=mask):
+            wrapped.output.save()
+    with pytest.raises(moelens.MoelensError, match=r"'output_hiden_states'.*did you mean 'output_hidden_states'\?"):
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke(ids, output_hiden_states=True):
+                wrapped.output.save()
+    with torch.no_grad(), wrapped.trace(ids, attention_mask=mask, return_dict=True):
+        logits = wrapped.output.logits.save()
+    with torch.no_grad():  # with a tokenizer, nnsight counts a padded row's positions from its mask
+        assert torch.equal(logits, hf(ids, attention_mask=mask).logits) if not tokenizer else \
+            torch.equal(logits, hf(ids, attention_mask=mask, position_ids=torch.tensor([[1, 0, 1, 2]])).logits)
+    if tokenizer:
+        with torch.no_grad(), wrapped.trace("abcdef", truncation=True, max_length=3):
+            cut = wrapped.output.logits.save()
+        assert cut.shape[1] == 3

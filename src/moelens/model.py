@@ -48,9 +48,9 @@ from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_l
 from .wrapping.generation import _generating, _refuse_no_generate, generation_setting, rows_per_prompt
 from .wrapping.inputs import (EMBEDDED_ID_DTYPES, _UNBATCHED_REMEDY, _cached_tokens, _embedded_pad_id, _given_cache,
                               _input_problem, _invoke_ids, _invoke_input_names, _is_text, _left_padded,
-                              _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_shapeless_ids,
-                              _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs, _unsplittable,
-                              _without_remote, unembeddable_ids)
+                              _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_misspelt_keywords,
+                              _refuse_shapeless_ids, _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs,
+                              _unsplittable, _without_remote, unembeddable_ids)
 from .wrapping.instance_state import _drop_stale_nnsight_state, _instance_state, _restore_instance_state
 from .wrapping.instrument import _instrument
 from .wrapping.pipeline import (FEATURE_SETTINGS, FEATURE_TASK, GENERATION_SETTINGS, PIPELINE_ATTRIBUTES, TOKENIZED,
@@ -465,6 +465,7 @@ class MoeModelMixin(StandardNames):
                 )
         from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
         given = set(extra).union(*(kwargs for inputs, kwargs in invokes))
+        _refuse_misspelt_keywords(self._module, given, _generating(fn), self._text_only())
         batched = super()._batch(invokes, fn)
         cached = bool(_cached_tokens(self._module, {**batched[1], **extra})) and not _generating(fn)
         mask = batched[1].get("attention_mask")
@@ -484,6 +485,10 @@ class MoeModelMixin(StandardNames):
                 "tokens) to model.trace(...)."
             )
         return batched
+
+    def _text_only(self) -> bool:
+        """Whether the model takes no inputs but text and token ids (no processor: see `MoeTransformersModel`)."""
+        return True
 
     def _refuse_running_no_forward(self, fn: Any) -> None:
         """Refuse a trace (``fn``: the model's call, not its ``generate``) of a model class with no forward of its

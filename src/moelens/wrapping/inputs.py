@@ -6,6 +6,9 @@ model could not take (before it runs: torch fails on them inside the model, or s
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any, Iterable
@@ -14,6 +17,10 @@ import numpy as np
 import torch
 from jaxtyping import Int
 from nnsight.modeling import processing
+from transformers import PreTrainedTokenizerBase
+from transformers.pipelines.feature_extraction import FeatureExtractionPipeline
+from transformers.pipelines.text_generation import TextGenerationPipeline
+from transformers.utils.generic import TransformersKwargs
 from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import MoelensError, described
@@ -76,6 +83,42 @@ def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any
         f"the attention_mask of shape {tuple(mask.shape)}{built} does not fit the input_ids of shape "
         f"{tuple(ids.shape)}: give one entry per token (1 to attend to it, 0 for padding){before}, {expected}."
     )
+
+
+def _refuse_misspelt_keywords(module: torch.nn.Module, given: Iterable[Any], generating: bool, text_only: bool) -> None:
+    """Refuse a keyword given to a trace (``given``: its own and its invokes') that the model's forward does not name
+    but that is a near miss of one it takes (``atention_mask``): a transformers forward takes any keyword through
+    ``**kwargs`` and drops one it does not know, so the run would go on without it. ``generate`` checks its own; a
+    model with a processor (``text_only`` False) hands it keywords of its own, which are left alone."""
+    known = _forward_keywords(type(module).forward) if text_only and not generating else None
+    for name in given:
+        if known is None or not isinstance(name, str) or name in known:
+            continue
+        meant = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if meant:
+            raise MoelensError(
+                f"the keyword {name!r} given to the trace is no argument of {type(module).__name__}.forward, which "
+                f"takes any keyword and drops one it does not know, so the model would run without it: did you mean "
+                f"{meant[0]!r}?"
+            )
+
+
+@functools.cache
+def _forward_keywords(forward: Any) -> frozenset[str] | None:
+    """The keywords a class ``forward`` that also takes ``**kwargs`` names, with transformers' documented ones (and
+    ``return_dict``, which its decorators take), a tokenizer's and the text pipelines' nnsight tokenizes text with (a
+    text invoke's settings, ``tokenizer_encode_kwargs``); None for a forward that takes no ``**kwargs`` (Python refuses an unknown
+    keyword there) or whose signature cannot be read."""
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return None
+    settings = (PreTrainedTokenizerBase.__call__, TextGenerationPipeline._sanitize_parameters,
+                FeatureExtractionPipeline._sanitize_parameters)
+    return frozenset(parameters).union({"return_dict"}, TransformersKwargs.__annotations__,
+                                       *(inspect.signature(setting).parameters for setting in settings))
 
 
 def unembeddable_ids(ids: torch.Tensor, named: str) -> MoelensError:
