@@ -619,3 +619,28 @@ def test_a_shared_expert_called_between_router_and_experts_is_placed_there_by_th
     with torch.no_grad(), wrapped.trace(**inputs):
         alone = moe.shared_experts.mlp_output.save()
     assert torch.equal(shared, alone)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma"])
+def test_check_passes_the_built_in_entry_of_a_router_with_a_trained_per_expert_scale(family):
+    """gemma4's router multiplies each chosen weight by its expert's learned per_expert_scale, which transformers
+    starts at ones (as every tiny model has it): check refused moelens' own entry on any trained checkpoint ("the
+    weights its experts got are not what the scoring gives", 0.35 apart). Ground truth: the weights a pre-hook on an
+    unwrapped copy's experts sees are the renormalised softmax top-k times the scale of each chosen expert."""
+    hf = tiny_model(family)
+    with torch.no_grad():
+        for name, parameter in hf.named_parameters():
+            if name.endswith("router.per_expert_scale"):
+                parameter.copy_(torch.rand(parameter.shape, generator=torch.Generator().manual_seed(1)) * 1.5 + 0.25)
+    inputs, seen = tiny_inputs(hf), {}
+    reference = copy.deepcopy(hf)
+    layer = next(module for module in reference.modules() if hasattr(module, "router") and hasattr(module, "experts"))
+    layer.experts.register_forward_pre_hook(lambda module, args: seen.update(indices=args[1], weights=args[2]))
+    layer.router.proj.register_forward_hook(lambda module, args, output: seen.update(logits=output))
+    with torch.no_grad():
+        reference(**inputs)
+    top = seen["logits"].float().softmax(-1).gather(-1, seen["indices"])
+    renormalised = top / top.sum(-1, keepdim=True)
+    assert not torch.allclose(seen["weights"], renormalised, atol=1e-3), "a scale of ones would hide the multiplier"
+    torch.testing.assert_close(seen["weights"], renormalised * layer.router.per_expert_scale[seen["indices"]])
+    assert families.check(moelens.wrap(hf), **inputs)

@@ -411,13 +411,14 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     family, scoring = moe.family, moe.SCORING
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
-    entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap, floor)
+    per_expert = family.expert_scale_of(moe._module)
+    entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap, floor, per_expert)
     tolerance = _weights_tolerance(values)
     if torch.allclose(weights.float(), entry, **tolerance):
         return ""
     difference = float((weights.float() - entry).abs().max())
     fitting = _fitting(weights.float(), logits, indices, (score_name, scoring.select, normalize), scale, softcap,
-                       tolerance, floor)
+                       tolerance, floor, per_expert)
     if fitting.startswith(NOTHING_FITS):
         fitting += (f"; or the Scoring is right and logits_op is wrong: logits_op={family.logits_op!r} may name "
                     "another tensor than the one the router scores (such as the logits before the router divides them "
@@ -447,9 +448,10 @@ def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
     score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     tolerance = _weights_tolerance(values)
+    per_expert = moe.family.expert_scale_of(moe._module)
     alike = [other for other in SCORE_FUNCTIONS if other != score_name and torch.allclose(
-        weights.float(), chosen_weights(logits, indices, other, moe.SCORING.select, normalize, scale, softcap, floor),
-        **tolerance)]
+        weights.float(), chosen_weights(logits, indices, other, moe.SCORING.select, normalize, scale, softcap, floor,
+                                        per_expert), **tolerance)]
     if not alike:
         return ""
     return (f"the weights its experts got are what {' or '.join(map(repr, alike))} scoring gives too "
@@ -459,7 +461,8 @@ def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
 
 
 def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, own: tuple[str, str, bool],
-             scale: float | None, softcap: float, tolerance: dict[str, float], floor: float = 0.0) -> str:
+             scale: float | None, softcap: float, tolerance: dict[str, float], floor: float = 0.0,
+             per_expert: torch.Tensor | None = None) -> str:
     """Which settings to change so the scoring gives ``weights``: the entry's own score, selection and
     normalisation (with its floor ``floor``) up to a factor (the scale), else the softmax / sigmoid, normalised or
     not, that fits (named by what differs from the entry); where the entry has a floor, each of those without it
@@ -471,7 +474,7 @@ def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor,
             dict.fromkeys((floor, 0.0)), dict.fromkeys((score_name, "softmax", "sigmoid")),
             (ranks_logits, not ranks_logits), (normalize, not normalize)):
         candidate = chosen_weights(logits, indices, name, "logit_topk" if by_logits else "score_topk", renormalised,
-                                   None, softcap, floored)
+                                   None, softcap, floored, per_expert)
         ratio = _factor(weights, candidate, tolerance)
         if ratio is None:
             continue

@@ -120,6 +120,8 @@ class Scoring:
             ``"group_limited_greedy"``); None: whenever `groups` is set.
         softcap: Attribute reference of a logit softcap ``c`` the router applies
             before scoring (``tanh(logits / c) * c`` when ``c > 0``: laguna), or None.
+        expert_scale: Attribute reference of a learned multiplier per expert (a tensor ``[E]``) the router puts on
+            each chosen weight after renormalising and scaling them (gemma4's ``router.per_expert_scale``), or None.
         selection_op: Op in the router's forward whose output is the score plus the
             selection bias that the router ranks (DS3: ``scores_for_choice_0``), served as
             `Moe.selection_scores`; `route_around` and `force` act there. None elsewhere.
@@ -144,6 +146,7 @@ class Scoring:
     group_score: str = "top2_sum"
     groups_if: tuple[str, str] | None = None
     softcap: str | None = None
+    expert_scale: str | None = None
     selection_op: str | None = None
     selection_arg: int | None = None
     selection_in: str | None = None
@@ -574,6 +577,12 @@ class Family:
         shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
         raise FamilyError(f"family {self.name!r}: {field}={reference!r} gives a {type(value).__name__}{shape} on "
                           f"{type(block).__name__}, not a number: {what}.")
+
+    def expert_scale_of(self, block: Any) -> Any:
+        """The multiplier per expert the live ``block``'s router puts on each chosen weight (`Scoring.expert_scale`,
+        read: a tensor ``[E]``), or None for none."""
+        reference = self.scoring_of(block).expert_scale
+        return self.resolve(reference, block) if reference else None
 
     def softcap_of(self, block: Any) -> float:
         """The logit softcap the live ``block``'s router applies before scoring (laguna), 0.0 for none."""

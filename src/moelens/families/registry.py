@@ -296,6 +296,7 @@ REFERENCE_EXAMPLES = {
     "Scoring.score": "config.scoring_func", "Scoring.normalize": "router.norm_topk_prob",
     "Scoring.normalize_min": "router.norm_min", "Scoring.scale": "router.routed_scaling_factor",
     "Scoring.selection_bias": "router.e_score_correction_bias", "Scoring.softcap": "router.router_logit_softcapping",
+    "Scoring.expert_scale": "router.per_expert_scale",
     "Scoring.groups": "router.num_group", "Scoring.groups_if": "router.topk_method",
     "ExpertGate.alpha": "experts.alpha", "ExpertGate.limit": "experts.limit",
 }
@@ -326,6 +327,7 @@ def _settings(family: Family) -> Iterator[tuple[str, object, Callable[[object], 
         yield "Scoring.scale", scoring.scale, optional_positive, "None, a positive number"
         yield "Scoring.selection_bias", scoring.selection_bias, only_none, "None"
         yield "Scoring.softcap", scoring.softcap, only_none, "None"
+        yield "Scoring.expert_scale", scoring.expert_scale, only_none, "None"
         pairs = {"groups": scoring.groups, "groups_if": scoring.groups_if}
         for name, pair in pairs.items():
             if pair is not None and not (isinstance(pair, tuple) and len(pair) == 2):

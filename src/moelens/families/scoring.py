@@ -65,7 +65,7 @@ def derived_routing(
 
 def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str, select: str,
                    normalize: bool | float | None, scale: float | None, softcap: float = 0.0,
-                   normalize_min: float = 0.0) -> torch.Tensor:
+                   normalize_min: float = 0.0, expert_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The weights ``[..., k]`` a router gives the experts at ``indices``: the scores of the chosen logits
     (``logit_topk``) or the chosen scores of every logit (any other selection), renormalised over the k as
     ``normalize`` says (True: to sum to one; a number p: by their p-norm, as dbrx's ``moe_normalize_expert_weights``;
@@ -81,7 +81,10 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
     elif normalize not in (False, None, 0):
         norm = torch.linalg.vector_norm(chosen, ord=float(normalize), dim=-1, keepdim=True)
         chosen = chosen / norm.clamp(min=normalize_min)
-    return chosen * scale if scale is not None else chosen
+    chosen = chosen * scale if scale is not None else chosen
+    if expert_scale is not None:  # a learned multiplier per expert (gemma4's per_expert_scale), of the chosen ones
+        chosen = chosen * expert_scale.detach().float().to(chosen.device)[indices]
+    return chosen
 
 
 def kept_groups(

@@ -23,7 +23,8 @@ LLAMA4_NO_SLOTS = (
 def _gemma(name: str, model_types: tuple[str, ...], layers: tuple[str, ...], shared_when: str) -> Family:
     return Family(
         name, model_types, layers, block_attr="", router="router", experts="experts", logits_op="self_proj_0",
-        scoring=Scoring("softmax", "score_topk", normalize=True, code="SM+ x per_expert_scale"),
+        scoring=Scoring("softmax", "score_topk", normalize=True, expert_scale="router.per_expert_scale",
+                        code="SM+ x per_expert_scale"),
         top_k="router.config.top_k_experts",
         shared=SharedExpert("mlp", when=shared_when),
         refused={"mlp_output": GEMMA_NO_BLOCK.format(family=name)},
