@@ -5757,3 +5757,32 @@ def test_a_misspelt_forward_keyword_is_refused_not_dropped(tokenizer):
         with torch.no_grad(), wrapped.trace("abcdef", truncation=True, max_length=3):
             cut = wrapped.output.logits.save()
         assert cut.shape[1] == 3
+
+
+def test_keywords_a_tokenizer_gives_or_an_inner_forward_names_are_not_taken_for_misspellings():
+    """token_type_ids (a tokenizer's output, model.trace(**tokenizer(...))) was refused as a misspelling of the
+    tokenizer setting 'return_token_type_ids', and qwen4_exp's ple_input_ids (named by the inner text model, which
+    the causal LM's **kwargs reach) as one of 'input_ids'. Ground truth: the plain model runs with each (and reads
+    ple_input_ids: other ids give other logits)."""
+    tokenizer = ascii_tokenizer()
+    hf = tiny_model("mixtral")
+    encoded = tokenizer(["abcd", "efgh"], return_tensors="pt", return_token_type_ids=True)
+    assert "token_type_ids" in encoded
+    for wrapped in (moelens.wrap(hf), moelens.wrap(hf, tokenizer=tokenizer)):
+        with torch.no_grad(), wrapped.trace(**encoded):
+            logits = wrapped.output.logits.save()
+        with torch.no_grad():
+            assert torch.equal(logits, hf(**encoded).logits)
+    hf = tiny_model("qwen4_exp", ple_layer_ids=[2])
+    ids, other = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9, 10, 11, 12]])
+    with torch.no_grad():
+        embeds = hf.get_input_embeddings()(ids)
+        plain = hf(inputs_embeds=embeds, ple_input_ids=other).logits
+        assert not torch.allclose(plain, hf(inputs_embeds=embeds, ple_input_ids=ids).logits)
+    wrapped = moelens.wrap(hf)
+    with torch.no_grad(), wrapped.trace(inputs_embeds=embeds, ple_input_ids=other):
+        logits = wrapped.output.logits.save()
+    assert torch.equal(logits, plain)
+    with pytest.raises(moelens.MoelensError, match=r"'ple_input_id'.*did you mean 'ple_input_ids'\?"):
+        with torch.no_grad(), wrapped.trace(inputs_embeds=embeds, ple_input_id=other):
+            wrapped.output.save()

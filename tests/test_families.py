@@ -644,3 +644,17 @@ def test_check_passes_the_built_in_entry_of_a_router_with_a_trained_per_expert_s
     assert not torch.allclose(seen["weights"], renormalised, atol=1e-3), "a scale of ones would hide the multiplier"
     torch.testing.assert_close(seen["weights"], renormalised * layer.router.per_expert_scale[seen["indices"]])
     assert families.check(moelens.wrap(hf), **inputs)
+
+
+def test_a_per_expert_scale_is_described_and_refused_where_it_is_no_tensor_of_experts():
+    """Scoring.describe names the multiplier per expert; a reference giving something else than a float tensor [E]
+    raised a bare AttributeError ('int' object has no attribute 'detach') inside families.check."""
+    family = families.get("gemma4")
+    assert "x router.per_expert_scale[expert]" in family.scoring.describe()
+    layer = tiny_model("gemma4").model.layers[0]
+    assert torch.equal(family.expert_scale_of(layer), layer.router.per_expert_scale)
+    wrong = dataclasses.replace(family, scoring=dataclasses.replace(family.scoring,
+                                                                    expert_scale="router.config.top_k_experts"))
+    with pytest.raises(moelens.FamilyError, match=r"Scoring\.expert_scale='router\.config\.top_k_experts' gives a int "
+                                                  r"on Gemma4TextDecoderLayer, not a floating-point tensor \[E\]"):
+        wrong.expert_scale_of(layer)

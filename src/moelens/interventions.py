@@ -181,8 +181,7 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
         ranked = getattr(moe, name)
         chosen = _token_mask(ranked, tokens, "ablate")
         routed_around = ranked.clone()
-        routed_around[..., experts] = float("-inf") if chosen is None else \
-            routed_around[..., experts].masked_fill(chosen, float("-inf"))
+        routed_around[..., experts] = routed_around[..., experts].masked_fill(chosen, float("-inf"))
         try:  # refused before the model's tensor holds it
             check_before_edit(moe, name, ranked, routed_around)
         except WriteError as error:
@@ -195,15 +194,11 @@ def ablate(moe: Moe, expert: int | Iterable[int] | Mapping[int, int] | torch.Ten
     _refuse_recomputed_routing(moe, f"ablate(mode={mode!r})")
     indices = moe.expert_indices
     chosen = _token_mask(indices, tokens, "ablate")
-    routed_here = [indices == expert if chosen is None else (indices == expert) & chosen
-                   for expert in experts]  # from the routing as it was (a swap may exchange)
+    routed_here = [(indices == expert) & chosen for expert in experts]  # the routing as it was (a swap may exchange)
     if mode == "zero":
         weights, ablated = moe.expert_weights, functools.reduce(torch.logical_or, routed_here)
         kept = weights.masked_fill(ablated, 0.0)
-        if renormalize:  # only the tokens that lost weight: the others keep theirs bit for bit
-            lost = (ablated & (weights != 0)).any(-1, keepdim=True)
-            kept = torch.where(lost, _rescaled(weights, kept, _renormalised_total(moe)), kept)
-        moe.expert_weights = kept
+        moe.expert_weights = _rescaled(weights, kept, _renormalised_total(moe)) if renormalize else kept
         return
     for routed, replacement in zip(routed_here, to):
         indices = indices.masked_fill(routed, replacement)
@@ -410,20 +405,18 @@ def _best_slots(weights: Float[torch.Tensor, "*tokens k"], n: int, renormalize: 
     """``weights`` with all but each token's ``n`` largest set to 0 (of equal ones the earlier slots: routers put
     their best expert first, and in bfloat16 the weights of two experts the router told apart can round to one
     value, where torch.topk may pick either); with ``renormalize``, the kept ones scaled to the sum of all of them
-    (`_rescaled`, ``renormalised`` the sum the router gives them) where a dropped one weighed more than 0."""
+    (`_rescaled`, ``renormalised`` the sum the router gives them)."""
     best_first = weights.sort(dim=-1, descending=True, stable=True).indices[..., :n]
     kept = torch.zeros_like(weights, dtype=torch.bool).scatter_(-1, best_first, True)
     best = weights.masked_fill(~kept, 0.0)
-    if not renormalize:
-        return best
-    lost = (~kept & (weights != 0)).any(-1, keepdim=True)  # the others keep their weights bit for bit
-    return torch.where(lost, _rescaled(weights, best, renormalised), best)
+    return _rescaled(weights, best, renormalised) if renormalize else best
 
 
 def _rescaled(weights: Float[torch.Tensor, "*tokens k"], kept: Float[torch.Tensor, "*tokens k"],
               renormalised: float | None) -> Float[torch.Tensor, "*tokens k"]:
     """``kept`` (``weights`` with some slots set to 0) scaled so each token's sum is the sum of its ``weights`` (a
-    token whose kept ones sum to 0 keeps its zeros). ``renormalised``: the sum the router gives them
+    token whose kept ones sum to 0 keeps its zeros; one that lost no weight, its zeroed slots weighing 0 already,
+    keeps its weights bit for bit: w / sum * sum moves them by one ulp). ``renormalised``: the sum the router gives them
     (`_renormalised_total`), taken for a sum that only their rounding to their dtype sets apart from it (in bfloat16
     one weight of 1.0 became 0.996, the sum of the rounded weights); a sum further off is the user's, kept."""
     total, left = weights.float().sum(-1, keepdim=True), kept.float().sum(-1, keepdim=True)
@@ -432,7 +425,9 @@ def _rescaled(weights: Float[torch.Tensor, "*tokens k"], kept: Float[torch.Tenso
             * abs(renormalised)
         total = torch.where((total - renormalised).abs() <= rounding, renormalised, total)
     # the router's order (w / sum * scale): n = 1 keeps exactly the total; no 0 / 0, also for the gradient
-    return (kept.float() / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
+    rescaled = (kept.float() / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
+    lost = ((kept == 0) & (weights != 0)).any(-1, keepdim=True)
+    return torch.where(lost, rescaled, kept)
 
 
 def _why_no_ids(experts: Any) -> str:
@@ -617,13 +612,12 @@ def _is_bool_mask(tokens: Any) -> bool:
         return False
 
 
-def _token_mask(values: torch.Tensor, tokens: Any, call: str) -> Bool[torch.Tensor, "b s 1"] | None:
-    """Where ``tokens`` (as `_token_rows` takes it) selects a token of ``values`` ``[b, s, ...]``, as a mask that
-    broadcasts over its last axis; None for ``tokens=None`` (every token)."""
-    if tokens is None:
-        return None
-    mask = torch.zeros(values.shape[:2], dtype=torch.bool, device=values.device)
-    mask[_token_rows(values, tokens, call)] = True
+def _token_mask(values: torch.Tensor, tokens: Any, call: str) -> Bool[torch.Tensor, "b s 1"]:
+    """Where ``tokens`` (as `_token_rows` takes it; None: every token) selects a token of ``values`` ``[b, s, ...]``,
+    as a mask that broadcasts over its last axis."""
+    mask = torch.full(values.shape[:2], tokens is None, dtype=torch.bool, device=values.device)
+    if tokens is not None:
+        mask[_token_rows(values, tokens, call)] = True
     return mask[..., None]
 
 

@@ -15,10 +15,9 @@ implementations; under ``eager`` the `Moe` error says how to switch.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,7 +200,7 @@ def readout(model: Any, hidden: Float[Tensor, "*tokens h"]) -> Float[Tensor, "*t
         return _read_out(head, _read_out(norm, hidden) if norm is not None else hidden)
 
 
-@contextlib.contextmanager
+@contextmanager
 def _traces_stood_down(model: Any, modules: tuple[torch.nn.Module | None, ...]) -> Iterator[None]:
     """Run the block with every trace of ``model``, or of any model holding ``modules`` (a transformers model given
     beside its wrapper: nnsight's state on each module it instruments names the trace running it), stood down, as

@@ -177,8 +177,8 @@ def routing(family: Family, block: Any) -> Routing:
     scoring = family.scoring_of(block)
     score = family.score_of(block)
     reasons = _hard_refusals(family, score, scoring)
-    if family.scoring_of(block).expert_scale:
-        reasons.append(f"a learned multiplier per expert ({family.scoring_of(block).expert_scale}) on the chosen "
+    if scoring.expert_scale:
+        reasons.append(f"a learned multiplier per expert ({scoring.expert_scale}) on the chosen "
                        "weights: tract's gate weighs every expert alike")
     if family.softcap_of(block) > 0:
         reasons.append("router logits softcapped before scoring (tanh(logits / c) * c): tract's gate scores "

@@ -410,8 +410,7 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the entry's scoring on this block's run (one whose weights it can recompute), or ""."""
     family, scoring = moe.family, moe.SCORING
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
-    score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
-    per_expert = family.expert_scale_of(moe._module)
+    score_name, normalize, scale, softcap, floor, per_expert = _scoring_settings(moe)
     entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap, floor, per_expert)
     tolerance = _weights_tolerance(values)
     if torch.allclose(weights.float(), entry, **tolerance):
@@ -433,22 +432,21 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
             "router_probs, the routing analysis and the export follow the entry.")
 
 
-def _scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float, float]:
-    """The entry's score function, normalisation (`chosen_weights`), scale, softcap and normalisation floor for
-    ``moe``'s block."""
+def _scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float, float, torch.Tensor | None]:
+    """The entry's score function, normalisation (`chosen_weights`), scale, softcap, normalisation floor and
+    multiplier per expert for ``moe``'s block."""
     family, block = moe.family, moe._module
     return (family.score_of(block), family.normalize_of(block), family.scale_of(block), family.softcap_of(block),
-            family.normalize_min_of(block))
+            family.normalize_min_of(block), family.expert_scale_of(block))
 
 
 def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """Why this run's weights cannot tell the entry's score function from the others, or "": where another score
     function gives the same weights (one expert per token, renormalised, weighs 1 under any), a wrong one passes,
     and `router_probs` would follow it."""
-    score_name, normalize, scale, softcap, floor = _scoring_settings(moe)
+    score_name, normalize, scale, softcap, floor, per_expert = _scoring_settings(moe)
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     tolerance = _weights_tolerance(values)
-    per_expert = moe.family.expert_scale_of(moe._module)
     alike = [other for other in SCORE_FUNCTIONS if other != score_name and torch.allclose(
         weights.float(), chosen_weights(logits, indices, other, moe.SCORING.select, normalize, scale, softcap, floor,
                                         per_expert), **tolerance)]
@@ -466,7 +464,7 @@ def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor,
     """Which settings to change so the scoring gives ``weights``: the entry's own score, selection and
     normalisation (with its floor ``floor``) up to a factor (the scale), else the softmax / sigmoid, normalised or
     not, that fits (named by what differs from the entry); where the entry has a floor, each of those without it
-    too (``normalize_min=None``)."""
+    too (``normalize_min=None``). ``per_expert``: the entry's multiplier per expert, on every candidate."""
     score_name, select, normalize = own
     ranks_logits = select == "logit_topk"
     fits = []

@@ -176,6 +176,8 @@ class Scoring:
             parts.append(f"divided by their {self.normalize:g}-norm" + self._floor("norm"))
         if self.scale is not None:
             parts.append(f"x {self.scale}")
+        if self.expert_scale:
+            parts.append(f"x {self.expert_scale}[expert]")
         return ", ".join(parts) + (f" ({self.code})" if self.code else "")
 
     def _floor(self, divisor: str) -> str:
@@ -582,7 +584,13 @@ class Family:
         """The multiplier per expert the live ``block``'s router puts on each chosen weight (`Scoring.expert_scale`,
         read: a tensor ``[E]``), or None for none."""
         reference = self.scoring_of(block).expert_scale
-        return self.resolve(reference, block) if reference else None
+        value = self.resolve(reference, block) if reference else None
+        if value is None or getattr(value, "ndim", None) == 1 and value.is_floating_point():
+            return value
+        shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+        raise FamilyError(f"family {self.name!r}: Scoring.expert_scale={reference!r} gives a {type(value).__name__}"
+                          f"{shape} on {type(block).__name__}, not a floating-point tensor [E] of one multiplier per "
+                          "expert.")
 
     def softcap_of(self, block: Any) -> float:
         """The logit softcap the live ``block``'s router applies before scoring (laguna), 0.0 for none."""

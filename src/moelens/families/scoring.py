@@ -70,7 +70,7 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
     (``logit_topk``) or the chosen scores of every logit (any other selection), renormalised over the k as
     ``normalize`` says (True: to sum to one; a number p: by their p-norm, as dbrx's ``moe_normalize_expert_weights``;
     False, None or 0: not at all), that sum or norm clamped at >= ``normalize_min`` (ernie4_5's ``moe_norm_min``;
-    0: no floor), times ``scale``."""
+    0: no floor), times ``scale``, times ``expert_scale[e]`` for a slot of expert ``e`` (gemma4's per_expert_scale)."""
     logits = logits.float()
     if select == "logit_topk" and score_name == "softmax":  # a softmax over the chosen logits alone
         chosen = score(score_name, logits.gather(-1, indices), softcap)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from jaxtyping import Int
 from nnsight.modeling import processing
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.pipelines.feature_extraction import FeatureExtractionPipeline
 from transformers.pipelines.text_generation import TextGenerationPipeline
 from transformers.utils.generic import TransformersKwargs
@@ -86,39 +86,57 @@ def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any
 
 
 def _refuse_misspelt_keywords(module: torch.nn.Module, given: Iterable[Any], generating: bool, text_only: bool) -> None:
-    """Refuse a keyword given to a trace (``given``: its own and its invokes') that the model's forward does not name
-    but that is a near miss of one it takes (``atention_mask``): a transformers forward takes any keyword through
+    """Refuse a keyword given to a trace (``given``: its own and its invokes') that no forward of the transformers
+    model names but that is a near miss of one it takes (``atention_mask``): its forward takes any keyword through
     ``**kwargs`` and drops one it does not know, so the run would go on without it. ``generate`` checks its own; a
-    model with a processor (``text_only`` False) hands it keywords of its own, which are left alone."""
-    known = _forward_keywords(type(module).forward) if text_only and not generating else None
-    for name in given:
-        if known is None or not isinstance(name, str) or name in known:
-            continue
+    model with a processor (``text_only`` False) hands it keywords of its own, and a plain torch model may read its
+    own from ``**kwargs``: those are left alone."""
+    if generating or not text_only or not isinstance(module, PreTrainedModel):
+        return
+    known = _named_keywords((type(module),))  # the model's own forward first: a walk of its modules only for a miss
+    unknown = [name for name in given if isinstance(name, str) and name not in (known or ())]
+    if known is None or not unknown:
+        return
+    known = _named_keywords(tuple(dict.fromkeys(type(sub) for sub in module.modules())))
+    for name in unknown:
         meant = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-        if meant:
+        if meant and name not in known:
             raise MoelensError(
-                f"the keyword {name!r} given to the trace is no argument of {type(module).__name__}.forward, which "
-                f"takes any keyword and drops one it does not know, so the model would run without it: did you mean "
-                f"{meant[0]!r}?"
+                f"the keyword {name!r} given to the trace is no argument of {type(module).__name__}.forward (nor of "
+                "its modules'), which takes any keyword and drops one it does not know, so the model would run "
+                f"without it: did you mean {meant[0]!r}?"
             )
 
 
+#: What a tokenizer call gives beside the ids (``model.trace(**tokenizer(...))`` passes them on; the forward drops
+#: those it does not read, as transformers' own pipelines do).
+TOKENIZER_OUTPUTS = ("input_ids", "attention_mask", "token_type_ids", "special_tokens_mask", "offset_mapping", "length",
+                     "overflow_to_sample_mapping", "num_truncated_tokens")
+
+
 @functools.cache
-def _forward_keywords(forward: Any) -> frozenset[str] | None:
-    """The keywords a class ``forward`` that also takes ``**kwargs`` names, with transformers' documented ones (and
-    ``return_dict``, which its decorators take), a tokenizer's and the text pipelines' nnsight tokenizes text with (a
-    text invoke's settings, ``tokenizer_encode_kwargs``); None for a forward that takes no ``**kwargs`` (Python refuses an unknown
-    keyword there) or whose signature cannot be read."""
+def _named_keywords(classes: tuple[type, ...]) -> frozenset[str] | None:
+    """The keywords the forwards of ``classes`` name (the first, the model's own, taking ``**kwargs``, which a
+    transformers forward hands on to its inner model's: qwen4_exp's ``ple_input_ids``), with transformers' documented
+    ones (and ``return_dict``, which its decorators take), what a tokenizer gives (`TOKENIZER_OUTPUTS`), and the
+    settings a tokenizer and the text pipelines nnsight tokenizes text with take (``tokenizer_encode_kwargs``); None
+    where the model's forward takes no ``**kwargs`` (Python refuses an unknown keyword there) or cannot be read."""
     try:
-        parameters = inspect.signature(forward).parameters
+        parameters = inspect.signature(classes[0].forward).parameters
     except (TypeError, ValueError):
         return None
     if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
         return None
+    named = []
+    for cls in classes:
+        try:
+            named.append(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError):
+            continue
     settings = (PreTrainedTokenizerBase.__call__, TextGenerationPipeline._sanitize_parameters,
                 FeatureExtractionPipeline._sanitize_parameters)
-    return frozenset(parameters).union({"return_dict"}, TransformersKwargs.__annotations__,
-                                       *(inspect.signature(setting).parameters for setting in settings))
+    return frozenset({"return_dict"}).union(TransformersKwargs.__annotations__, TOKENIZER_OUTPUTS, *named,
+                                            *(inspect.signature(setting).parameters for setting in settings))
 
 
 def unembeddable_ids(ids: torch.Tensor, named: str) -> MoelensError:
