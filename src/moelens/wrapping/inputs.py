@@ -94,8 +94,10 @@ def _refuse_misspelt_keywords(module: torch.nn.Module, given: Iterable[Any], gen
     if generating or not text_only or not isinstance(module, PreTrainedModel):
         return
     known = _named_keywords((type(module),))  # the model's own forward first: a walk of its modules only for a miss
-    unknown = [name for name in given if isinstance(name, str) and name not in (known or ())]
-    if known is None or not unknown:
+    if known is None:
+        return
+    unknown = [name for name in given if isinstance(name, str) and name not in known]
+    if not unknown:
         return
     known = _named_keywords(tuple(dict.fromkeys(type(sub) for sub in module.modules())))
     for name in unknown:
