@@ -5759,6 +5759,37 @@ def test_a_misspelt_forward_keyword_is_refused_not_dropped(tokenizer):
         assert cut.shape[1] == 3
 
 
+@pytest.mark.parametrize("tokenizer", [False, True])
+def test_a_tokenizer_setting_beside_token_ids_is_refused_not_dropped(tokenizer):
+    """trace(ids, max_length=3) ran on all the ids without a word: only text goes through the tokenizer, and the
+    forward drops a keyword it does not know. A setting of the tokenizer or the text pipeline beside ids is refused
+    (at the trace and at an invoke; padding="max_length" was taken for text on a model without a tokenizer); one that
+    asks for nothing (False, None) runs, and so does the setting beside text. Ground truth: the plain model on the ids
+    cut to 3 tokens, which is what the setting asks for."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer()) if tokenizer else moelens.wrap(hf)
+    ids = torch.tensor([[40, 41, 42, 43, 44, 45]])
+    for setting in ({"max_length": 3, "truncation": True}, {"padding": "max_length"}, {"add_special_tokens": True}):
+        name = next(iter(setting))
+        refusal = rf"^{name}= is a setting of the tokenizer .* token ids go to MixtralForCausalLM.forward as they are"
+        with pytest.raises(moelens.MoelensError, match=refusal):
+            with torch.no_grad(), wrapped.trace(ids, **setting):
+                wrapped.output.save()
+        with pytest.raises(moelens.MoelensError, match=refusal):
+            with torch.no_grad(), wrapped.trace() as tracer:
+                with tracer.invoke(ids, **setting):
+                    wrapped.output.save()
+    with torch.no_grad(), wrapped.trace(ids, truncation=False, max_length=None):
+        logits = wrapped.output.logits.save()
+    with torch.no_grad():
+        assert torch.equal(logits, hf(ids).logits)
+    if tokenizer:
+        with torch.no_grad(), wrapped.trace("()*+,-", truncation=True, max_length=3):
+            cut = wrapped.output.logits.save()
+        with torch.no_grad():
+            assert torch.equal(cut, hf(ids[:, :3]).logits)
+
+
 def test_keywords_a_tokenizer_gives_or_an_inner_forward_names_are_not_taken_for_misspellings():
     """token_type_ids (a tokenizer's output, model.trace(**tokenizer(...))) was refused as a misspelling of the
     tokenizer setting 'return_token_type_ids', and qwen4_exp's ple_input_ids (named by the inner text model, which

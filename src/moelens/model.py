@@ -48,7 +48,7 @@ from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_l
 from .wrapping.generation import _generating, _refuse_no_generate, generation_setting, rows_per_prompt
 from .wrapping.inputs import (EMBEDDED_ID_DTYPES, _UNBATCHED_REMEDY, _cached_tokens, _embedded_pad_id, _given_cache,
                               _input_problem, _invoke_ids, _invoke_input_names, _is_text, _left_padded,
-                              _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_misspelt_keywords,
+                              _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_dropped_keywords,
                               _refuse_shapeless_ids, _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs,
                               _unsplittable, _without_remote, unembeddable_ids)
 from .wrapping.instance_state import _drop_stale_nnsight_state, _instance_state, _restore_instance_state
@@ -463,9 +463,10 @@ class MoeModelMixin(StandardNames):
                     "so the model would generate with its own settings, ignoring the config; pass it by name, "
                     "model.generate(prompt, generation_config=config)."
                 )
-        from_text = any(_is_text(value) for inputs, kwargs in invokes for value in (*inputs, *kwargs.values()))
+        from_text = any(_is_text(value) for inputs, kwargs in invokes for value in inputs)
         given = set(extra).union(*(kwargs for inputs, kwargs in invokes))
-        _refuse_misspelt_keywords(self._module, given, _generating(fn), self._text_only())
+        keywords = [*extra.items(), *(item for inputs, kwargs in invokes for item in kwargs.items())]
+        _refuse_dropped_keywords(self._module, keywords, _generating(fn), self._text_only(), from_text)
         batched = super()._batch(invokes, fn)
         cached = bool(_cached_tokens(self._module, {**batched[1], **extra})) and not _generating(fn)
         mask = batched[1].get("attention_mask")
@@ -810,7 +811,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
         self._refuse_running_no_forward(fn)
         invokes = [(inputs, _without_remote(kwargs)) for inputs, kwargs in invokes]
         for inputs, kwargs in invokes:
-            if any(_is_text(value) for value in (*inputs, *kwargs.values())):
+            if any(_is_text(value) for value in (*inputs, kwargs.get("input_ids"))):
                 raise MoelensError(
                     "this model was wrapped without a tokenizer, so it takes token ids, not text: pass an input_ids "
                     "tensor, or give it a tokenizer (moelens.wrap(model, tokenizer=...), or save the tokenizer "

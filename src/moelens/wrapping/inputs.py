@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import MoelensError, described
 from ..modules import first_parameter, names_keyword, vocab_size
+from .pipeline import tokenizer_settings
 
 
 #: The dtypes torch's embedding looks token ids up by (int16 ids, bool ones, fail inside the model).
@@ -85,28 +86,42 @@ def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any
     )
 
 
-def _refuse_misspelt_keywords(module: torch.nn.Module, given: Iterable[Any], generating: bool, text_only: bool) -> None:
-    """Refuse a keyword given to a trace (``given``: its own and its invokes') that no forward of the transformers
-    model names but that is a near miss of one it takes (``atention_mask``): its forward takes any keyword through
-    ``**kwargs`` and drops one it does not know, so the run would go on without it. ``generate`` checks its own; a
-    model with a processor (``text_only`` False) hands it keywords of its own, and a plain torch model may read its
-    own from ``**kwargs``: those are left alone."""
+def _refuse_dropped_keywords(module: torch.nn.Module, given: Iterable[tuple[Any, Any]], generating: bool,
+                             text_only: bool, from_text: bool) -> None:
+    """Refuse a keyword given to a trace (``given``: the names and values of its own and its invokes') that the
+    transformers model's forward would drop: it takes any keyword through ``**kwargs`` and drops one it does not know,
+    so the run would go on without it. Such are a near miss of a keyword a forward of the model names
+    (``atention_mask``) and, where the trace's input is no text (``from_text`` False: token ids, embeddings), a setting
+    of the tokenizer or the text pipelines (``max_length``, `_text_settings`), which only text goes through, set to
+    ask for something (not None or False: ``truncation=False`` asks for nothing the ids lack). ``generate`` checks its own; a model
+    with a processor (``text_only`` False) hands it keywords of its own, and a plain torch model may read its own
+    from ``**kwargs``: those are left alone."""
     if generating or not text_only or not isinstance(module, PreTrainedModel):
         return
-    known = _named_keywords((type(module),))  # the model's own forward first: a walk of its modules only for a miss
-    if known is None:
+    named = _named_keywords((type(module),))  # the model's own forward first: a walk of its modules only for a miss
+    if named is None:
         return
-    unknown = [name for name in given if isinstance(name, str) and name not in known]
+    unknown = [(name, value) for name, value in given if isinstance(name, str) and name not in named]
     if not unknown:
         return
-    known = _named_keywords(tuple(dict.fromkeys(type(sub) for sub in module.modules())))
-    for name in unknown:
-        meant = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-        if meant and name not in known:
+    named = _named_keywords(tuple(dict.fromkeys(type(sub) for sub in module.modules())))
+    model = type(module).__name__
+    for name, value in unknown:
+        if name in named or name in _text_settings() and (from_text or value is None or value is False):
+            continue
+        if name in _text_settings():
             raise MoelensError(
-                f"the keyword {name!r} given to the trace is no argument of {type(module).__name__}.forward (nor of "
-                "its modules'), which takes any keyword and drops one it does not know, so the model would run "
-                f"without it: did you mean {meant[0]!r}?"
+                f"{name}= is a setting of the tokenizer (or of the text pipeline), which only text prompts go through, "
+                f"and the trace's input is no text: token ids go to {model}.forward as they are, which takes any "
+                f"keyword and drops one it does not know, so {name}= would change nothing. Tokenize text with it "
+                f"(tokenizer(texts, {name}=...)), or shape the ids yourself (ids[:, :n] keeps the first n tokens)."
+            )
+        meant = difflib.get_close_matches(name, named | _text_settings(), n=1, cutoff=0.8)
+        if meant:
+            raise MoelensError(
+                f"the keyword {name!r} given to the trace is no argument of {model}.forward (nor of its modules'), "
+                "which takes any keyword and drops one it does not know, so the model would run without it: did you "
+                f"mean {meant[0]!r}?"
             )
 
 
@@ -120,8 +135,7 @@ TOKENIZER_OUTPUTS = ("input_ids", "attention_mask", "token_type_ids", "special_t
 def _named_keywords(classes: tuple[type, ...]) -> frozenset[str] | None:
     """The keywords the forwards of ``classes`` name (the first, the model's own, taking ``**kwargs``, which a
     transformers forward hands on to its inner model's: qwen4_exp's ``ple_input_ids``), with transformers' documented
-    ones (and ``return_dict``, which its decorators take), what a tokenizer gives (`TOKENIZER_OUTPUTS`), and the
-    settings a tokenizer and the text pipelines nnsight tokenizes text with take (``tokenizer_encode_kwargs``); None
+    ones (and ``return_dict``, which its decorators take) and what a tokenizer gives (`TOKENIZER_OUTPUTS`); None
     where the model's forward takes no ``**kwargs`` (Python refuses an unknown keyword there) or cannot be read."""
     try:
         parameters = inspect.signature(classes[0].forward).parameters
@@ -135,10 +149,17 @@ def _named_keywords(classes: tuple[type, ...]) -> frozenset[str] | None:
             named.append(inspect.signature(cls.forward).parameters)
         except (TypeError, ValueError):
             continue
-    settings = (PreTrainedTokenizerBase.__call__, TextGenerationPipeline._sanitize_parameters,
-                FeatureExtractionPipeline._sanitize_parameters)
-    return frozenset({"return_dict"}).union(TransformersKwargs.__annotations__, TOKENIZER_OUTPUTS, *named,
-                                            *(inspect.signature(setting).parameters for setting in settings))
+    return frozenset({"return_dict"}).union(TransformersKwargs.__annotations__, TOKENIZER_OUTPUTS, *named)
+
+
+@functools.cache
+def _text_settings() -> frozenset[str]:
+    """The settings a tokenizer and the text pipelines nnsight tokenizes text with take by name (``max_length``,
+    ``padding``, ``tokenizer_encode_kwargs`` ...): they act on text alone."""
+    pipelines = (TextGenerationPipeline._sanitize_parameters, FeatureExtractionPipeline._sanitize_parameters)
+    named = {name for setting in pipelines for name, parameter in inspect.signature(setting).parameters.items()
+             if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name != "self"}
+    return tokenizer_settings(PreTrainedTokenizerBase) | named
 
 
 def unembeddable_ids(ids: torch.Tensor, named: str) -> MoelensError:
