@@ -298,6 +298,7 @@ def tiny_dense(windows: int, report: dict, levels: list[int], seed: int = 0) -> 
                 "experts": experts, "k": k, "shared_neurons": shared,
                 "tomoe": {"ppl": perplexity(converted), "seconds": seconds, "active_ratio": stats.active_ratio,
                           "active_fraction": stats.converted[0].active_fraction,
+                          "computed_fraction": stats.converted[0].computed_fraction,
                           "layer_errors": {layer.name: layer.error for layer in stats.converted}},
             }
             if shared == 0:
@@ -307,7 +308,8 @@ def tiny_dense(windows: int, report: dict, levels: list[int], seed: int = 0) -> 
                 if method in level:
                     level[method]["ppl_ratio"] = level[method]["ppl"] / dense
             naive_text = f" | naive ppl x{level['naive']['ppl_ratio']:.3f}" if "naive" in level else ""
-            print(f"[tiny-dense] {name}, {active}% ({level['tomoe']['active_fraction']:.1%} active, k={k}): tomoe ppl "
+            print(f"[tiny-dense] {name}, {active}% ({level['tomoe']['active_fraction']:.1%} active, "
+                  f"{level['tomoe']['computed_fraction']:.1%} computed, k={k}): tomoe ppl "
                   f"x{level['tomoe']['ppl_ratio']:.3f} ({seconds:.1f} s){naive_text} (dense ppl {dense:.2f}); "
                   f"layer errors {[round(e, 3) for e in level['tomoe']['layer_errors'].values()]}", flush=True)
 

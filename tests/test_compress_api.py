@@ -209,12 +209,17 @@ def test_stats_counts_match_the_modules():
         assert sum(layer.expert_sizes) + layer.shared_neurons == 64 and layer.shared_neurons == 4
         assert layer.error is not None and 0 < layer.error < 1 and layer.error_tokens == 128
         assert layer.active_fraction == pytest.approx((15 + 4) / 64)
+        computed = converted.get_submodule(layer.name).experts.gate_up_proj.shape[1] // 2  # gate and up rows
+        assert computed == layer.padded_expert_size == 16
+        assert layer.computed_fraction == pytest.approx((computed + 4) / 64)  # the padding runs too
     assert stats.active_parameters == stats.new_parameters - 2 * 4800
     assert stats.parameter_ratio == pytest.approx(stats.new_parameters / stats.original_parameters)
     assert stats.active_ratio == pytest.approx(stats.active_parameters / stats.original_parameters)
     assert stats.calibration_tokens == 128 and stats.seconds > 0
     data = stats.as_dict()
     assert data["converted"][0]["expert_sizes"] == stats.converted[0].expert_sizes and "active_ratio" in data
+    assert data["converted"][0]["computed_fraction"] == stats.converted[0].computed_fraction
+    assert "active 30% (computed 31%)" in stats.summary()
 
 
 def test_weights_only_conversion_records_no_error():

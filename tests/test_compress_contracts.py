@@ -119,5 +119,6 @@ def test_too_many_shared_neurons_are_a_skip_reason():
 
 
 def test_active_fraction_uses_the_biggest_experts():
-    layer = LayerStats("x", "swiglu", 3, 1, [5, 4, 4], 0, None, 0, 0, 0, 0)
+    layer = LayerStats("x", "swiglu", 3, 1, [5, 4, 4], 0, None, 0, 0, 0, 0, 8)
     assert layer.active_fraction == pytest.approx(5 / 13)
+    assert layer.computed_fraction == pytest.approx(8 / 13)  # a token's expert computes its padding too

@@ -26,10 +26,15 @@ from .router import ToMoERouter
 SIZE_MULTIPLE = 8
 
 
+def padded_size(expert_sizes: list[int]) -> int:
+    """The neurons (a Linear's outputs) every expert of a block computes: the largest expert's, rounded up to a
+    multiple of `SIZE_MULTIPLE`."""
+    return -(-max(1, *expert_sizes) // SIZE_MULTIPLE) * SIZE_MULTIPLE
+
+
 def _members(plan: Plan) -> tuple[list[torch.Tensor], int]:
     members = [plan.members(expert) for expert in range(plan.num_experts)]
-    size = max(1, max(int(m.numel()) for m in members))
-    return members, -(-size // SIZE_MULTIPLE) * SIZE_MULTIPLE
+    return members, padded_size([int(m.numel()) for m in members])
 
 
 @torch.no_grad()

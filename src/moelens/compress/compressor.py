@@ -38,7 +38,7 @@ from ..scalars import check_flag
 from . import calibration as calib
 from . import targets as tg
 from .blocks import ToMoEBlock
-from .build import build_block, build_linear
+from .build import build_block, build_linear, padded_size
 from .errors import CompressionError, NothingToConvert, torch_model
 from .dense import DenseLayer
 from .experts import ExpertsSettings, is_tomoe_experts
@@ -340,7 +340,8 @@ class ToMoECompressor:
             name=site.name, kind=site.kind, num_experts=plan.num_experts, top_k=plan.top_k,
             expert_sizes=plan.expert_sizes(), shared_neurons=int(plan.shared.numel()), error=plan.error,
             error_tokens=plan.error_tokens, original_parameters=original, new_parameters=total,
-            active_parameters=active, lora=bool(options.lora_r), notes=list(site.notes) + list(plan.notes),
+            active_parameters=active, padded_expert_size=padded_size(plan.expert_sizes()),
+            lora=bool(options.lora_r), notes=list(site.notes) + list(plan.notes),
         )
         site.install(block)  # the last step: a layer is converted and counted, or left as it was
         stats.converted.append(converted)

@@ -30,6 +30,8 @@ class LayerStats:
             calibration data).
         error_tokens: Tokens the error was measured on.
         original_parameters, new_parameters, active_parameters: Of this layer.
+        padded_expert_size: Neurons (outputs) each expert computes: the largest expert's, zero-padded to a
+            multiple of 8 for grouped_mm (`moelens.compress.build.SIZE_MULTIPLE`).
         lora: Whether LoRA adapters were added.
         notes: Anything worth knowing (fewer experts for a narrow projection, a PEFT wrapper kept ...).
     """
@@ -45,15 +47,27 @@ class LayerStats:
     original_parameters: int
     new_parameters: int
     active_parameters: int
+    padded_expert_size: int
     lora: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
     def active_fraction(self) -> float:
-        """Share of this layer's dense neurons (or outputs) each token computes."""
-        total = sum(self.expert_sizes) + self.shared_neurons
+        """Share of this layer's dense neurons (or outputs) a token uses at most: its k largest experts' and the
+        shared ones (padding aside, see `computed_fraction`)."""
         biggest = sorted(self.expert_sizes, reverse=True)[: self.top_k]
-        return (sum(biggest) + self.shared_neurons) / max(1, total)
+        return (sum(biggest) + self.shared_neurons) / self._dense_size
+
+    @property
+    def computed_fraction(self) -> float:
+        """What a token computes, as a share of this layer's dense neurons (or outputs): k experts of
+        `padded_expert_size`, zero padding included, and the shared neurons; above `active_fraction` where the
+        experts are padded (E = 32 experts of 14 neurons compute 16 each)."""
+        return (self.top_k * self.padded_expert_size + self.shared_neurons) / self._dense_size
+
+    @property
+    def _dense_size(self) -> int:
+        return max(1, sum(self.expert_sizes) + self.shared_neurons)
 
 
 @dataclass
@@ -113,7 +127,7 @@ class CompressionStats:
         data = asdict(self)
         data.update(parameter_ratio=self.parameter_ratio, active_ratio=self.active_ratio)
         for layer, converted in zip(data["converted"], self.converted):
-            layer["active_fraction"] = converted.active_fraction
+            layer.update(active_fraction=converted.active_fraction, computed_fraction=converted.computed_fraction)
         return data
 
     def summary(self) -> str:
@@ -127,7 +141,7 @@ class CompressionStats:
             error = "n/a (no calibration)" if layer.error is None else f"{layer.error:.4f}"
             lines.append(
                 f"  + {layer.name} [{layer.kind}] E={layer.num_experts} k={layer.top_k} "
-                f"active {layer.active_fraction:.0%} error {error}" + (f" ({'; '.join(layer.notes)})" if layer.notes else "")
+                f"active {layer.active_fraction:.0%} (computed {layer.computed_fraction:.0%}) error {error}" + (f" ({'; '.join(layer.notes)})" if layer.notes else "")
             )
         for layer in self.skipped:
             lines.append(f"  - {layer.name}: {layer.reason}")
