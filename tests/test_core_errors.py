@@ -5764,14 +5764,14 @@ def test_a_tokenizer_setting_beside_token_ids_is_refused_not_dropped(tokenizer):
     """trace(ids, max_length=3) ran on all the ids without a word: only text goes through the tokenizer, and the
     forward drops a keyword it does not know. A setting of the tokenizer or the text pipeline beside ids is refused
     (at the trace and at an invoke; padding="max_length" was taken for text on a model without a tokenizer); one that
-    asks for nothing (False, None) runs, and so does the setting beside text. Ground truth: the plain model on the ids
-    cut to 3 tokens, which is what the setting asks for."""
+    asks for nothing (False, None, "do_not_pad") runs, and so does the setting beside text. Ground truth: the plain
+    model on the ids cut to 3 tokens, which is what the setting asks for."""
     hf = tiny_model("mixtral")
     wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer()) if tokenizer else moelens.wrap(hf)
     ids = torch.tensor([[40, 41, 42, 43, 44, 45]])
     for setting in ({"max_length": 3, "truncation": True}, {"padding": "max_length"}, {"add_special_tokens": True}):
         name = next(iter(setting))
-        refusal = rf"^{name}= is a setting of the tokenizer .* token ids go to MixtralForCausalLM.forward as they are"
+        refusal = rf"^{name}= is a setting of the tokenizer .* given beside token ids .* MixtralForCausalLM.forward takes"
         with pytest.raises(moelens.MoelensError, match=refusal):
             with torch.no_grad(), wrapped.trace(ids, **setting):
                 wrapped.output.save()
@@ -5779,7 +5779,7 @@ def test_a_tokenizer_setting_beside_token_ids_is_refused_not_dropped(tokenizer):
             with torch.no_grad(), wrapped.trace() as tracer:
                 with tracer.invoke(ids, **setting):
                     wrapped.output.save()
-    with torch.no_grad(), wrapped.trace(ids, truncation=False, max_length=None):
+    with torch.no_grad(), wrapped.trace(ids, truncation=False, max_length=None, padding="do_not_pad"):
         logits = wrapped.output.logits.save()
     with torch.no_grad():
         assert torch.equal(logits, hf(ids).logits)
@@ -5788,6 +5788,46 @@ def test_a_tokenizer_setting_beside_token_ids_is_refused_not_dropped(tokenizer):
             cut = wrapped.output.logits.save()
         with torch.no_grad():
             assert torch.equal(cut, hf(ids[:, :3]).logits)
+
+
+def test_a_tokenizer_setting_no_tokenizer_takes_is_refused_beside_text_too():
+    """Two drops the first check let through: a setting on an ids invoke beside a text invoke (the check looked for
+    text in the whole trace), and a setting given to model.trace(...) beside text invokes, which nnsight hands to the
+    forward, not the tokenizer; and a PEFT model was not checked at all. Ground truth: the same setting on the text
+    invoke cuts it (the plain model on the cut ids); the plain PEFT model runs all the ids given max_length."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf, tokenizer=ascii_tokenizer())
+    ids = torch.tensor([[40, 41, 42, 43, 44, 45]])
+    with pytest.raises(moelens.MoelensError, match=r"^max_length= is a setting of the tokenizer .* beside token ids"):
+        with torch.no_grad(), wrapped.trace() as tracer:
+            with tracer.invoke("()*+,-"):
+                pass
+            with tracer.invoke(ids, max_length=3, truncation=True):
+                wrapped.output.save()
+    with pytest.raises(moelens.MoelensError, match=r"^max_length= .* given to model.trace\(\.\.\.\) beside its "
+                                                   r"invokes.* tracer.invoke\(text, max_length=\.\.\.\)\.$"):
+        with torch.no_grad(), wrapped.trace(max_length=3, truncation=True) as tracer:
+            with tracer.invoke("()*+,-"):
+                wrapped.output.save()
+    with torch.no_grad(), wrapped.trace() as tracer:
+        with tracer.invoke("()*+,-", max_length=3, truncation=True):
+            cut = wrapped.output.logits.save()
+    with torch.no_grad():
+        assert torch.equal(cut, hf(ids[:, :3]).logits)
+    with pytest.raises(moelens.MoelensError, match=r"^this model was wrapped without a tokenizer, so it takes token "
+                                                   r"ids, not text"):  # not transformers' "exactly one of input_ids"
+        with torch.no_grad(), moelens.wrap(hf).trace(text="()*+,-"):
+            pass
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(tiny_model("mixtral"), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        assert adapted(ids, max_length=3).logits.shape[1] == 6  # dropped by the plain model too
+    with pytest.raises(moelens.MoelensError, match=r"^max_length= is a setting of the tokenizer"):
+        with torch.no_grad(), moelens.wrap(adapted).trace(ids, max_length=3):
+            pass
+    with pytest.raises(moelens.MoelensError, match=r"'atention_mask'.*did you mean 'attention_mask'\?"):
+        with torch.no_grad(), moelens.wrap(adapted).trace(ids, atention_mask=torch.ones_like(ids)):
+            pass
 
 
 def test_keywords_a_tokenizer_gives_or_an_inner_forward_names_are_not_taken_for_misspellings():

@@ -463,10 +463,13 @@ class MoeModelMixin(StandardNames):
                     "so the model would generate with its own settings, ignoring the config; pass it by name, "
                     "model.generate(prompt, generation_config=config)."
                 )
-        from_text = any(_is_text(value) for inputs, kwargs in invokes for value in inputs)
+        texts = [any(_is_text(value) for value in inputs) for inputs, kwargs in invokes]
+        from_text = any(texts)
         given = set(extra).union(*(kwargs for inputs, kwargs in invokes))
-        keywords = [*extra.items(), *(item for inputs, kwargs in invokes for item in kwargs.items())]
-        _refuse_dropped_keywords(self._module, keywords, _generating(fn), self._text_only(), from_text)
+        keywords = [*((name, value, "trace") for name, value in extra.items()),
+                    *((name, value, "text" if text else "ids")
+                      for (inputs, kwargs), text in zip(invokes, texts) for name, value in kwargs.items())]
+        _refuse_dropped_keywords(self._module, keywords, _generating(fn), self._text_only())
         batched = super()._batch(invokes, fn)
         cached = bool(_cached_tokens(self._module, {**batched[1], **extra})) and not _generating(fn)
         mask = batched[1].get("attention_mask")
@@ -811,7 +814,7 @@ class MoeNNsight(MoeModelMixin, NNsight):
         self._refuse_running_no_forward(fn)
         invokes = [(inputs, _without_remote(kwargs)) for inputs, kwargs in invokes]
         for inputs, kwargs in invokes:
-            if any(_is_text(value) for value in (*inputs, kwargs.get("input_ids"))):
+            if any(_is_text(value) for value in (*inputs, kwargs.get("input_ids"), kwargs.get("text"))):
                 raise MoelensError(
                     "this model was wrapped without a tokenizer, so it takes token ids, not text: pass an input_ids "
                     "tensor, or give it a tokenizer (moelens.wrap(model, tokenizer=...), or save the tokenizer "

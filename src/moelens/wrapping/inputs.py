@@ -86,35 +86,41 @@ def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any
     )
 
 
-def _refuse_dropped_keywords(module: torch.nn.Module, given: Iterable[tuple[Any, Any]], generating: bool,
-                             text_only: bool, from_text: bool) -> None:
-    """Refuse a keyword given to a trace (``given``: the names and values of its own and its invokes') that the
-    transformers model's forward would drop: it takes any keyword through ``**kwargs`` and drops one it does not know,
-    so the run would go on without it. Such are a near miss of a keyword a forward of the model names
-    (``atention_mask``) and, where the trace's input is no text (``from_text`` False: token ids, embeddings), a setting
-    of the tokenizer or the text pipelines (``max_length``, `_text_settings`), which only text goes through, set to
-    ask for something (not None or False: ``truncation=False`` asks for nothing the ids lack). ``generate`` checks its own; a model
-    with a processor (``text_only`` False) hands it keywords of its own, and a plain torch model may read its own
-    from ``**kwargs``: those are left alone."""
-    if generating or not text_only or not isinstance(module, PreTrainedModel):
+def _refuse_dropped_keywords(module: torch.nn.Module, given: Iterable[tuple[Any, Any, str]], generating: bool,
+                             text_only: bool) -> None:
+    """Refuse a keyword given to a trace that the transformers model's forward would drop: it takes any keyword
+    through ``**kwargs`` and drops one it does not know, so the run would go on without it. ``given``: each keyword's
+    name, value and what it was given beside: ``"text"`` (an invoke's text, which the tokenizer takes it with),
+    ``"ids"`` (an invoke's token ids or embeddings, which go to the forward as they are) or ``"trace"`` (the trace's
+    own, beside its invokes: nnsight hands those to the forward). Refused are a near miss of a keyword a forward of
+    the model names (``atention_mask``) and a setting of the tokenizer or the text pipelines (``max_length``,
+    `_text_settings`) given where no tokenizer takes it, unless it asks for nothing (`_asks_nothing`). ``generate``
+    checks its own; a model with a processor (``text_only`` False) hands it keywords of its own, and a plain torch
+    model may read its own from ``**kwargs``: those are left alone. A PEFT model is checked as the model it wraps."""
+    base = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    if generating or not text_only or not isinstance(base, PreTrainedModel):
         return
     named = _named_keywords((type(module),))  # the model's own forward first: a walk of its modules only for a miss
     if named is None:
         return
-    unknown = [(name, value) for name, value in given if isinstance(name, str) and name not in named]
+    unknown = [(name, value, beside) for name, value, beside in given if isinstance(name, str) and name not in named]
     if not unknown:
         return
     named = _named_keywords(tuple(dict.fromkeys(type(sub) for sub in module.modules())))
     model = type(module).__name__
-    for name, value in unknown:
-        if name in named or name in _text_settings() and (from_text or value is None or value is False):
+    for name, value, beside in unknown:
+        if name in named or name in _text_settings() and (beside == "text" or _asks_nothing(value)):
             continue
         if name in _text_settings():
+            where = ("beside token ids (or embeddings), which go to the forward as they are" if beside == "ids" else
+                     "to model.trace(...) beside its invokes, and nnsight hands such keywords to the forward")
+            remedy = (f"tokenize text with it (tokenizer(texts, {name}=...)), or shape the ids yourself (ids[:, :n] "
+                      "keeps the first n tokens)" if beside == "ids" else
+                      f"give it to each invoke with text, tracer.invoke(text, {name}=...)")
             raise MoelensError(
-                f"{name}= is a setting of the tokenizer (or of the text pipeline), which only text prompts go through, "
-                f"and the trace's input is no text: token ids go to {model}.forward as they are, which takes any "
-                f"keyword and drops one it does not know, so {name}= would change nothing. Tokenize text with it "
-                f"(tokenizer(texts, {name}=...)), or shape the ids yourself (ids[:, :n] keeps the first n tokens)."
+                f"{name}= is a setting of the tokenizer (or of the text pipeline), and it was given {where}: "
+                f"{model}.forward takes any keyword and drops one it does not know, so {name}= would change "
+                f"nothing. Instead, {remedy}."
             )
         meant = difflib.get_close_matches(name, named | _text_settings(), n=1, cutoff=0.8)
         if meant:
@@ -123,6 +129,13 @@ def _refuse_dropped_keywords(module: torch.nn.Module, given: Iterable[tuple[Any,
                 "which takes any keyword and drops one it does not know, so the model would run without it: did you "
                 f"mean {meant[0]!r}?"
             )
+
+
+def _asks_nothing(value: Any) -> bool:
+    """Whether a tokenizer setting's ``value`` asks for nothing ids already lack (None, False, ``"do_not_pad"``,
+    ``"do_not_truncate"``, an empty dict of settings): given beside ids it is let through."""
+    return (value is None or value is False or isinstance(value, str) and value in ("do_not_pad", "do_not_truncate")
+            or isinstance(value, Mapping) and not value)
 
 
 #: What a tokenizer call gives beside the ids (``model.trace(**tokenizer(...))`` passes them on; the forward drops
