@@ -8,12 +8,15 @@ missing folder only after the run, losing its numbers. Ground truth: each script
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
@@ -52,11 +55,31 @@ def test_output_file_wants_a_file_in_a_folder_that_exists(tmp_path):
     ("export_tract.py", ["--json", "no-such-folder/out.json"], r"--json: 'no-such-folder/out.json': its folder"),
     ("compress_quality.py", ["--skip-minilm", "--skip-tiny"], r"leave nothing to measure"),
 ])
-def test_each_benchmark_refuses_a_bad_argument_before_it_runs(script, arguments, said, tmp_path):
-    done = subprocess.run([sys.executable, str(BENCH / script), *arguments], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])  # argparse's usage error
-    assert re.search(said, done.stderr), done.stderr[-2000:]
+def test_each_benchmark_refuses_a_bad_argument_before_it_runs(script, arguments, said, tmp_path, monkeypatch, capsys):
+    """Each script run as ``python bench/<script> ...`` runs it (``runpy``, in this process: a process of its own
+    would import torch again, seconds a case), from an empty working folder; the settings a script makes as it starts
+    (environment, torch's threads) are put back."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(BENCH / script), *arguments])
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(str(BENCH / script), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    done = capsys.readouterr()
+    assert exited.value.code == 2, (done.out[-2000:], done.err[-2000:])  # argparse's usage error
+    assert re.search(said, done.err), done.err[-2000:]
+    assert done.out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_a_benchmark_refuses_a_bad_argument_in_a_process_of_its_own(tmp_path):
+    """The same refusal from a real command line (exit status 2, argparse's usage on stderr)."""
+    done = subprocess.run([sys.executable, str(BENCH / "routing_stats.py"), "--memory-windows", "0"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
+    assert re.search(r"--memory-windows: must be an integer of at least 1, got '0'", done.stderr), done.stderr[-2000:]
     assert done.stdout == "" and list(tmp_path.iterdir()) == []
 
 
