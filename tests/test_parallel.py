@@ -289,7 +289,9 @@ def test_families_on_two_ranks() -> None:
 
     def check(family: str, m: dict[str, Any]) -> list[str]:
         if not m["pluggable"]:
-            return [] if "pluggable implementations" in m.get("refused", "") else [f"not refused: {m}"]
+            said = m.get("refused", "")  # why, and what to do instead
+            return [] if "pluggable implementations" in said and "Run it data parallel instead" in said else \
+                [f"not refused as expected: {m}"]
         return [f"refused: {m['refused']}"] if "refused" in m else close("logits", m["logits"])
 
     from moelens.testing import FAMILIES

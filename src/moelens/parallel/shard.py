@@ -237,7 +237,8 @@ def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module
             raise MoelensError(
                 f"shard_experts: {name}.{family.experts} ({type(experts).__name__}, family {family.name!r}) is not "
                 "a transformers experts module with pluggable implementations (use_experts_implementation), so "
-                "it cannot run torch_a2a."
+                "it cannot run torch_a2a: moelens cannot shard this family's experts. Run it data parallel instead "
+                "(every rank holds the whole model; do not call shard_experts)."
             )
         if has_lora_adapters(experts):  # slicing the experts would leave their adapters whole
             raise MoelensError(
