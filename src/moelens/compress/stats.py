@@ -139,9 +139,10 @@ class CompressionStats:
         ]
         for layer in self.converted:
             error = "n/a (no calibration)" if layer.error is None else f"{layer.error:.4f}"
+            notes = f" ({'; '.join(layer.notes)})" if layer.notes else ""
             lines.append(
                 f"  + {layer.name} [{layer.kind}] E={layer.num_experts} k={layer.top_k} "
-                f"active {layer.active_fraction:.0%} (computed {layer.computed_fraction:.0%}) error {error}" + (f" ({'; '.join(layer.notes)})" if layer.notes else "")
+                f"active {layer.active_fraction:.0%} (computed {layer.computed_fraction:.0%}) error {error}{notes}"
             )
         for layer in self.skipped:
             lines.append(f"  - {layer.name}: {layer.reason}")
