@@ -56,8 +56,8 @@ def test_output_file_wants_a_file_in_a_folder_that_exists(tmp_path):
     ("compress_quality.py", ["--skip-minilm", "--skip-tiny"], r"leave nothing to measure"),
 ])
 def test_each_benchmark_refuses_a_bad_argument_before_it_runs(script, arguments, said, tmp_path, monkeypatch, capsys):
-    """Each script run as ``python bench/<script> ...`` runs it (``runpy``, in this process: a process of its own
-    would import torch again, seconds a case), from an empty working folder; the settings a script makes as it starts
+    """Each script runs as ``python bench/<script> ...`` runs it, from an empty working folder, but in this process
+    (``runpy``: a process of its own imports torch again, seconds a case); the settings a script makes as it starts
     (environment, torch's threads) are put back."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(BENCH / script), *arguments])
