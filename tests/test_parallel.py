@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -377,6 +378,11 @@ def test_a2a_and_hazards_on_two_ranks() -> None:
         assert other_width["refused"].startswith("RankDivergence" if rank == 0 else "ValueUnavailable"), (rank, other_width)
         assert other_width["narrow"] <= TOL, (rank, other_width)
         assert "hold different models: the experts of ranks" in cases["different_models"]["error"], cases
+        widths = {rank: 2 * (24 if rank == 1 else 16), 1 - rank: 2 * (24 if rank == 0 else 16)}  # gate and up rows
+        assert re.search(  # what each rank holds where they first differ (each saw only its own layout)
+            rf"they first differ at MoE block 1: rank {rank}'s is \(model\.layers\.0\.mlp: gate_up_proj "
+            rf"\(\d+, {widths[rank]}, \d+\) float32.*\), rank {1 - rank}'s \(model\.layers\.0\.mlp: "
+            rf"gate_up_proj \(\d+, {widths[1 - rank]}, \d+\) float32", cases["different_models"]["error"]), cases
         plain = cases["plain_torch_model"]  # a registered plain torch model: sharded, and the same as one process
         assert "error" not in plain, plain.get("error", "")[-2000:]
         assert plain["indices_equal"] and plain["out"] <= TOL and plain["held"] == [[2, 16, 16]] * 2, plain  # (JSON)

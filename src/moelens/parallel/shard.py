@@ -88,12 +88,24 @@ def _check_every_rank(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Mod
             "no rank shards; every rank must call it on the same model."
         )
     differing = [index for index, other in enumerate(everyone) if int(other[0]) != int(mine[0])]
-    if differing:
+    if differing:  # on every rank alike (each sees another sum): each gathers the layouts, to name what differs
+        layouts: list[Any] = [None] * len(everyone)
+        dist.all_gather_object(layouts, layout, group=group)
         raise MoelensError(
             f"shard_experts: the ranks of the group hold different models: the experts of ranks {differing} differ "
-            f"from rank {rank}'s ({layout[:300]}{'...' if len(layout) > 300 else ''}). Every rank must load the same "
-            "model (same family, layers, number and size of experts) in the same dtype."
+            f"from rank {rank}'s; {_first_difference(layout, layouts[differing[0]], rank, differing[0])}. Every rank "
+            "must load the same model (same family, layers, number and size of experts) in the same dtype."
         )
+
+
+def _first_difference(mine: str, theirs: str, rank: int, other: int) -> str:
+    """Where the experts layouts (`_layout`) of this rank (``rank``, ``mine``) and another (``other``, ``theirs``)
+    first part, in words: the block and what each rank holds there."""
+    ours, others = mine.split("; "), theirs.split("; ")
+    at = next((index for index, (a, b) in enumerate(zip(ours, others)) if a != b), min(len(ours), len(others)))
+    held = [f"({blocks[at]})" if at < len(blocks) else f"missing (it has {len(blocks)} MoE blocks)"
+            for blocks in (ours, others)]
+    return f"they first differ at MoE block {at + 1}: rank {rank}'s is {held[0]}, rank {other}'s {held[1]}"
 
 
 def _guard(experts: torch.nn.Module, args: Any) -> None:
