@@ -2006,6 +2006,54 @@ def test_a_selection_op_inside_a_router_method_is_checked_at_wrap(scoring, match
         families.unregister("custom")
 
 
+def test_a_selection_op_in_a_method_called_on_an_instance_not_named_self_is_read():
+    """selection_in names the call as nnsight does, after the instance the router's forward calls its method on:
+    `s.route(...)` is s_route_0, which wrap refused ("not a call of a method", though its own error listed that op).
+    Ground truth: the router's scores plus bias recomputed by hand; route_around keeps the expert out of every
+    token's top-k (the plain model picks it)."""
+    from custom_models import BiasedBlock
+
+    model = custom_model()
+    for layer in model.layers:
+        layer["ffn"] = BiasedBlock(model.config).eval()
+    torch.manual_seed(1)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    scoring = moelens.Scoring("sigmoid", "score_topk", normalize=True, selection_bias="router.bias",
+                              selection_in="s_route_0", selection_op="ranked_0")
+    entry = dataclasses.replace(custom_family(scoring=scoring), block_classes=("BiasedBlock",))
+    families.register(entry, replace=True)
+    try:
+        wrapped = moelens.wrap(model)
+        ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+        picked = []
+        hook = model.layers[0]["ffn"].pool.register_forward_hook(lambda module, args, out: picked.append(args[1]))
+        with torch.no_grad():
+            hidden, _ = model.embed(ids), model(ids)
+        hook.remove()
+        router = model.layers[0]["ffn"].chooser
+        with torch.no_grad(), wrapped.trace(ids):
+            ranked = wrapped.moes[0].selection_scores.save()
+        with torch.no_grad():
+            expected = torch.nn.functional.linear(hidden, router.weight).sigmoid() + router.bias
+        torch.testing.assert_close(ranked, expected)
+        favourite = int(picked[0].flatten().mode().values)
+        with torch.no_grad(), wrapped.trace(ids):
+            moelens.ablate(wrapped.moes[0], favourite, "route_around")
+            indices = wrapped.moes[0].expert_indices.save()
+        assert (picked[0] == favourite).any() and not (indices == favourite).any()
+        linear = dataclasses.replace(scoring, selection_in="torch_nn_functional_linear_0")
+        families.register(dataclasses.replace(entry, scoring=linear), replace=True)
+        with pytest.raises(FamilyError, match=r"selection_in='torch_nn_functional_linear_0' is not a call of a method "
+                                              r"of BiasedRouter "
+                                              r"with Python source \(s\.<method>\(\.\.\.\) in its forward, named "
+                                              r"s_<method>_<n>\)"):
+            moelens.wrap(model)
+    finally:
+        while "custom" in families.supported():  # each register undone (the second replaced the first)
+            families.unregister("custom")
+
+
 def test_identity_experts_of_the_wrong_kind_or_count_are_named():
     """A plain word was a bare ValueError, a wrong count silently left an expert out of params(), and a
     missing entry blamed expert_layout."""
@@ -2123,7 +2171,7 @@ def test_unregister_of_an_unknown_name_says_what_is_registered():
         # a plain word where an attribute reference belongs was read as the literal string, failing far later
         # (int('top_k') at every read, float('scale') in the export) with neither the family nor the field named
         pytest.param({"top_k": "top_k"}, r"top_k must be an int >= 1 or an attribute reference .*got 'top_k'; a "
-                     r'plain word is no reference: write "block.top_k" or "config.top_k"', id="top_k_word"),
+                     r'plain word is no reference: write "router.top_k", "block.top_k" or "config.top_k"', id="top_k_word"),
         pytest.param({"num_experts": True}, r"num_experts must be an int >= 1 or an attribute reference", id="bool"),
         pytest.param({"combine": families.Combine(routed_scale="routed_scale")}, r"Combine.routed_scale must be None, "
                      r"a positive number or an attribute reference", id="routed_scale_word"),
@@ -2462,16 +2510,16 @@ def test_a_value_asked_for_in_another_models_trace_nested_in_its_own_says_so():
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [
-    ("num_experts", 16, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 16 router "
-                        r"logits per token \(num_experts=16\)"),
-    ("num_experts", 4, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 4 router "
-                       r"logits per token \(num_experts=4\).*extra_logits"),
+    ("num_experts", 16, r"router_logits holds 8 entries per token, but family 'my_mixtral' sets this block's "
+                        r"router logits per token to 16 \(num_experts=16\)"),
+    ("num_experts", 4, r"router_logits holds 8 entries per token, but family 'my_mixtral' sets this block's "
+                       r"router logits per token to 4 \(num_experts=4\).*extra_logits"),
     # it went on about extra_logits, a count of router-logit columns
-    ("top_k", 3, r"expert_weights holds 2 entries per token, but family 'my_mixtral' gives this block 3 slots per token "
-                 r"\(top_k=3\): the entry names the wrong setting; fix it"),
+    ("top_k", 3, r"expert_weights holds 2 entries per token, but family 'my_mixtral' sets this block's slots per "
+                 r"token to 3 \(top_k=3\): the entry names the wrong setting; fix it"),
     # E logits, the op right: no word of logits_op (the extra count is off)
-    ("extra_logits", 2, r"router_logits holds 8 entries per token, but family 'my_mixtral' gives this block 10 router "
-                        r"logits per token \(num_experts='experts.num_experts' plus extra_logits=2\)(?!.*logits_op)"),
+    ("extra_logits", 2, r"router_logits holds 8 entries per token, but family 'my_mixtral' sets this block's "
+                        r"router logits per token to 10 \(num_experts='experts.num_experts' plus extra_logits=2\)(?!.*logits_op)"),
     # a logits op after the logits (the sum of the top-k weights) was blamed on num_experts and extra_logits alone
     ("logits_op", "router_top_value_sum_0", r"router_logits holds 1 entries per token, .*or "
                                             r"logits_op='router_top_value_sum_0' names an op of MixtralTopKRouter\.forward "

@@ -452,7 +452,7 @@ def test_check_names_the_scoring_that_gives_the_weights(registered):
                                           r"\(the entry's other settings as they are\) it gives them"):
         families.check(wrapped, IDS)
     registered(name="hand_scaled", scoring=Scoring("softmax", "score_topk", normalize=True, scale=2.0))
-    with pytest.raises(FamilyError, match=r"largest difference .*: with scale=1 \(the entry's other settings"):
+    with pytest.raises(FamilyError, match=r"largest difference .*: with scale=None \(the entry's other settings"):
         families.check(moelens.wrap(model()), IDS)
     deepseek = tiny_model("deepseek_v3")  # only the scale wrong: the groups and the selection bias stay
     entry = families.get("deepseek_v3")
@@ -466,7 +466,7 @@ def test_check_refuses_a_scale_five_percent_off(registered):
     """Near misses count: an entry scaling the weights by 1.05 on a router that scales nothing is wrong (router_probs
     and the export gate would follow it)."""
     registered(scoring=Scoring("softmax", "score_topk", normalize=True, scale=1.05))
-    with pytest.raises(FamilyError, match=r"with scale=1 \(the entry's other settings"):
+    with pytest.raises(FamilyError, match=r"with scale=None \(the entry's other settings"):
         families.check(moelens.wrap(model()), IDS)
 
 
@@ -528,7 +528,7 @@ def test_a_shared_gate_and_its_op_go_together():
 
 @pytest.mark.parametrize(("combine", "fix"), [
     (Combine(output_index=0, mode="average"), r"with Combine mode='sum' \(the rest as it is\) it is"),
-    (Combine(output_index=0, routed_scale=0.5), r"with Combine routed_scale=1 \(the rest as it is\) it is"),
+    (Combine(output_index=0, routed_scale=0.5), r"with Combine routed_scale=None \(the rest as it is\) it is"),
 ])
 def test_check_names_the_combine_that_makes_the_block_output(registered, combine, fix):
     """...and no more: the shared expert's part fits once the Combine is fixed, so no gate is suggested (the hint

@@ -715,8 +715,8 @@ class Moe(Mlp):
                     "the model again."
                 )
             raise FamilyError(
-                f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} gives "
-                f"this block {expected} {what} per token ({setting}): the entry names the wrong setting{columns}; "
+                f"{self.path}.{name} holds {value.shape[-1]} entries per token, but family {self.family.name!r} sets "
+                f"this block's {what} per token to {expected} ({setting}): the entry names the wrong setting{columns}; "
                 "fix it, register it again (moelens.families.register(Family(...), replace=True)) and wrap "
                 "the model again (moelens.wrap(model._module)): a wrapped model keeps the entry it was wrapped with."
             )

@@ -480,7 +480,7 @@ def _fitting(weights: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor,
             "select='logit_topk'" if by_logits else "select='score_topk'"] * (by_logits != ranks_logits) + [
             f"normalize={renormalised}"] * (renormalised != normalize) + ["normalize_min=None"] * (floored != floor)
         if not math.isclose(ratio, scale if scale is not None else 1.0, rel_tol=1e-3):
-            changes.append(f"scale={ratio:.4g}")
+            changes.append("scale=None" if math.isclose(ratio, 1.0, rel_tol=1e-3) else f"scale={ratio:.4g}")
         fits.append(changes)
     if fits:  # the fewest changes (a floor dropped, not another selection scaled by it)
         return f"with {', '.join(min(fits, key=len))} (the entry's other settings as they are) it gives them"
@@ -575,6 +575,7 @@ def _combine_fitting(family: Any, block: Any, routed: torch.Tensor, shared: torc
         if math.isfinite(scale) and torch.allclose(routed * scale, target, **tolerance):
             changes = [f"mode={mode!r}"] * (mode != own_mode)
             if not math.isclose(scale, 1.0 if own_scale is None else float(own_scale), rel_tol=1e-3):
-                changes.append(f"routed_scale={scale:.4g}")
+                changes.append("routed_scale=None" if math.isclose(scale, 1.0, rel_tol=1e-3)
+                               else f"routed_scale={scale:.4g}")
             return f"with Combine {', '.join(changes)} (the rest as it is) it is"
     return generic

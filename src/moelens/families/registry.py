@@ -218,7 +218,8 @@ def _check_description(family: Family) -> None:
         if not (_is_reference(value) or literal(value)):
             expected = f"{allowed} or an attribute reference" if allowed else "an attribute reference"
             word = isinstance(value, str) and field_name != "Scoring.score"  # whose literals are words themselves
-            hint = f'; a plain word is no reference: write "block.{value}" or "config.{value}"' if word else ""
+            hint = (f'; a plain word is no reference: write "router.{value}", "block.{value}" or "config.{value}"'
+                    if word else "")
             if word and _numeral(value):
                 hint = f"; a number is written without quotes ({value.strip()})"
             elif word and value.strip() in ("True", "False", "None"):

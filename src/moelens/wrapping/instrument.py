@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -58,10 +59,19 @@ def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
         )
 
 
+def _instance_name(forward: Any) -> str:
+    """What ``forward`` calls its module (its first parameter: ``self`` as a rule)."""
+    try:
+        return next(iter(inspect.signature(forward).parameters), "self")
+    except (TypeError, ValueError):
+        return "self"
+
+
 def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Family) -> None:
     """Check that ``call`` (``self_get_topk_indices_0``) calls a method of the router with Python source
     whose ops include ``op`` (numbered as nnsight numbers them)."""
-    named = re.fullmatch(r"self_(\w+?)_\d+", call)
+    instance = _instance_name(type(router).forward)  # nnsight names the call `self.route(...)` self_route_0
+    named = re.fullmatch(rf"{re.escape(instance)}_(\w+?)_\d+", call)
     method = getattr(type(router), named.group(1), None) if named else None
     try:
         names = op_names(method) if callable(method) else None
@@ -70,7 +80,8 @@ def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Fami
     if names is None:
         raise FamilyError(
             f"family {family.name!r}: scoring.selection_in={call!r} is not a call of a method of "
-            f"{type(router).__name__} with Python source (self.<method>(...)), where moelens reads selection_op."
+            f"{type(router).__name__} with Python source ({instance}.<method>(...) in its forward, named "
+            f"{instance}_<method>_<n>), where moelens reads selection_op."
         )
     if op not in names:
         raise FamilyError(
