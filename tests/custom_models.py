@@ -75,12 +75,12 @@ class BiasedRouter(torch.nn.Module):
 
     def __init__(s, hidden: int, experts: int, k: int) -> None:  # noqa: N805 - the point of the model
         super().__init__()
-        s.weight = torch.nn.Parameter(torch.randn(experts, hidden) * 0.5)
+        s.gate = torch.nn.Linear(hidden, experts, bias=False)
         s.register_buffer("bias", torch.linspace(-0.5, 1.0, experts))
         s.top_k = k
 
     def forward(s, x):  # noqa: N805
-        return s.route(torch.nn.functional.linear(x, s.weight))
+        return s.route(s.gate(x))
 
     def route(s, logits):  # noqa: N805
         scores = logits.sigmoid()

@@ -2008,9 +2008,10 @@ def test_a_selection_op_inside_a_router_method_is_checked_at_wrap(scoring, match
 
 def test_a_selection_op_in_a_method_called_on_an_instance_not_named_self_is_read():
     """selection_in names the call as nnsight does, after the instance the router's forward calls its method on:
-    `s.route(...)` is s_route_0, which wrap refused ("not a call of a method", though its own error listed that op).
-    Ground truth: the router's scores plus bias recomputed by hand; route_around keeps the expert out of every
-    token's top-k (the plain model picks it)."""
+    `s.route(...)` is s_route_0, which wrap refused ("not a call of a method", though its own error listed that op);
+    and params().router was None for logits_op s_gate_0 (the call of its Linear child). Ground truth: the router's
+    scores plus bias recomputed by hand, the Linear's weight; route_around keeps the expert out of every token's
+    top-k (the plain model picks it)."""
     from custom_models import BiasedBlock
 
     model = custom_model()
@@ -2021,7 +2022,7 @@ def test_a_selection_op_in_a_method_called_on_an_instance_not_named_self_is_read
         torch.nn.init.normal_(parameter, std=0.3)
     scoring = moelens.Scoring("sigmoid", "score_topk", normalize=True, selection_bias="router.bias",
                               selection_in="s_route_0", selection_op="ranked_0")
-    entry = dataclasses.replace(custom_family(scoring=scoring), block_classes=("BiasedBlock",))
+    entry = dataclasses.replace(custom_family(scoring=scoring, logits_op="s_gate_0"), block_classes=("BiasedBlock",))
     families.register(entry, replace=True)
     try:
         wrapped = moelens.wrap(model)
@@ -2035,16 +2036,17 @@ def test_a_selection_op_in_a_method_called_on_an_instance_not_named_self_is_read
         with torch.no_grad(), wrapped.trace(ids):
             ranked = wrapped.moes[0].selection_scores.save()
         with torch.no_grad():
-            expected = torch.nn.functional.linear(hidden, router.weight).sigmoid() + router.bias
+            expected = router.gate(hidden).sigmoid() + router.bias
         torch.testing.assert_close(ranked, expected)
+        assert wrapped.moes[0].params().router.data_ptr() == router.gate.weight.data_ptr()  # the live weight
         favourite = int(picked[0].flatten().mode().values)
         with torch.no_grad(), wrapped.trace(ids):
             moelens.ablate(wrapped.moes[0], favourite, "route_around")
             indices = wrapped.moes[0].expert_indices.save()
         assert (picked[0] == favourite).any() and not (indices == favourite).any()
-        linear = dataclasses.replace(scoring, selection_in="torch_nn_functional_linear_0")
-        families.register(dataclasses.replace(entry, scoring=linear), replace=True)
-        with pytest.raises(FamilyError, match=r"selection_in='torch_nn_functional_linear_0' is not a call of a method "
+        child_call = dataclasses.replace(scoring, selection_in="s_gate_0")  # a Linear child, no method
+        families.register(dataclasses.replace(entry, scoring=child_call), replace=True)
+        with pytest.raises(FamilyError, match=r"selection_in='s_gate_0' is not a call of a method "
                                               r"of BiasedRouter "
                                               r"with Python source \(s\.<method>\(\.\.\.\) in its forward, named "
                                               r"s_<method>_<n>\)"):

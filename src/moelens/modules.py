@@ -6,6 +6,7 @@ import copy
 import functools
 import inspect
 import itertools
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -74,6 +75,22 @@ def _first_parameter(forward: Any) -> str | None:
     except (TypeError, ValueError):  # no signature to read
         return None
     return parameters[1] if len(parameters) > 1 else None
+
+
+def instance_name(module: nn.Module) -> str:
+    """What ``module``'s forward calls its instance: its first parameter, ``self`` as a rule."""
+    try:
+        return next(iter(inspect.signature(type(module).forward).parameters), "self")
+    except (TypeError, ValueError):
+        return "self"
+
+
+def called_attribute(module: nn.Module, op: str) -> str | None:
+    """The attribute of ``module`` that the op ``op`` of its forward calls, as nnsight names such a call after the
+    instance the forward calls it on (``self.gate(x)``: ``self_gate_0``; ``s.gate(x)`` in a forward that calls its
+    instance ``s``: ``s_gate_0``), or None where ``op`` is no such call."""
+    named = re.fullmatch(rf"{re.escape(instance_name(module))}_(\w+?)_\d+", op)
+    return named.group(1) if named else None
 
 
 def has_lora_adapters(module: nn.Module) -> bool:

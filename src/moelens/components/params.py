@@ -30,7 +30,7 @@ from torch import Tensor
 from ..errors import ArgumentError, LayoutMismatch, ValueUnavailable, WriteError, described, warn
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
-from ..modules import disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
+from ..modules import called_attribute, disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
 from ..scalars import as_int
 
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
@@ -185,24 +185,24 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     """
     router = get_path(block, family.router)
     op = family.logits_op
-    named = re.fullmatch(r"self_(\w+?)_\d+", op)
+    called = called_attribute(router, op)
     if op == "forward_0" and isinstance(router, torch.nn.Linear):
         weight, bias = router.weight, router.bias
-    elif named and is_adapter_layer(getattr(router, named.group(1), None)):
-        adapted = getattr(router, named.group(1))
+    elif called and is_adapter_layer(getattr(router, called, None)):
+        adapted = getattr(router, called)
         raise AdaptedRouter(
-            f"{family.name}: the router's linear layer {family.router}.{named.group(1)} is a PEFT adapter layer "
+            f"{family.name}: the router's linear layer {family.router}.{called} is a PEFT adapter layer "
             f"({type(adapted).__module__}.{type(adapted).__name__}): the logits come from its base weight and the "
             "adapters together, which no one [E, D] tensor holds; merge the adapters in first (model = "
             "peft_model.merge_and_unload()) and wrap the result."
         )
-    elif named and isinstance(getattr(router, named.group(1), None), torch.nn.Linear):
-        linear = getattr(router, named.group(1))
+    elif called and isinstance(getattr(router, called, None), torch.nn.Linear):
+        linear = getattr(router, called)
         weight, bias = linear.weight, linear.bias
-    elif named and hasattr(getattr(router, named.group(1), None), "_packed_params"):  # torch's quantized Linear
+    elif called and hasattr(getattr(router, called, None), "_packed_params"):  # torch's quantized Linear
         raise ValueUnavailable(
-            f"{family.name}: the router's linear layer {family.router}.{named.group(1)} is a "
-            f"{type(getattr(router, named.group(1))).__name__} (quantized): its weight is packed, not a "
+            f"{family.name}: the router's linear layer {family.router}.{called} is a "
+            f"{type(getattr(router, called)).__name__} (quantized): its weight is packed, not a "
             "floating-point tensor a view could edit; take params() on the model before quantizing it."
         )
     elif (operands := functional_linear_operands(router, op)) is not None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-import re
 from typing import Any
 
 import torch
@@ -15,6 +13,7 @@ from ..components.implementations import is_dispatching
 from ..components.params import op_names
 from ..errors import FamilyError
 from ..families import Family
+from ..modules import called_attribute, instance_name
 
 
 def _instrument(moe: Moe) -> None:
@@ -59,25 +58,17 @@ def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
         )
 
 
-def _instance_name(forward: Any) -> str:
-    """What ``forward`` calls its module (its first parameter: ``self`` as a rule)."""
-    try:
-        return next(iter(inspect.signature(forward).parameters), "self")
-    except (TypeError, ValueError):
-        return "self"
-
-
 def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Family) -> None:
     """Check that ``call`` (``self_get_topk_indices_0``) calls a method of the router with Python source
     whose ops include ``op`` (numbered as nnsight numbers them)."""
-    instance = _instance_name(type(router).forward)  # nnsight names the call `self.route(...)` self_route_0
-    named = re.fullmatch(rf"{re.escape(instance)}_(\w+?)_\d+", call)
-    method = getattr(type(router), named.group(1), None) if named else None
+    called = called_attribute(router, call)
+    method = getattr(type(router), called, None) if called else None
     try:
         names = op_names(method) if callable(method) else None
     except SourceNotAvailable:
         names = None
     if names is None:
+        instance = instance_name(router)
         raise FamilyError(
             f"family {family.name!r}: scoring.selection_in={call!r} is not a call of a method of "
             f"{type(router).__name__} with Python source ({instance}.<method>(...) in its forward, named "
@@ -86,5 +77,5 @@ def _require_method_op(router: torch.nn.Module, call: str, op: str, family: Fami
     if op not in names:
         raise FamilyError(
             f"family {family.name!r}: scoring.selection_op={op!r} is not an operation of "
-            f"{type(router).__name__}.{named.group(1)}; its operations are {', '.join(names)}."
+            f"{type(router).__name__}.{called}; its operations are {', '.join(names)}."
         )
