@@ -59,30 +59,32 @@ def first_parameter(module: nn.Module) -> str | None:
     """The name of the first parameter of ``module``'s forward (``input_ids`` for a transformers model), or None.
 
     Read off the class's forward: a wrapped module's instance forward is nnsight's, which takes ``self`` too."""
-    forward = type(module).forward
-    try:
-        return _first_parameter(forward)
-    except TypeError:  # a forward that cannot be a cache key
-        return _first_parameter.__wrapped__(forward)
-
-
-@functools.cache
-def _first_parameter(forward: Any) -> str | None:
-    """`first_parameter` of one class forward (read once: a trace asks it of its model every time, and reading a
-    signature through transformers' decorators takes some 16 us)."""
-    try:
-        parameters = list(inspect.signature(forward).parameters)
-    except (TypeError, ValueError):  # no signature to read
-        return None
-    return parameters[1] if len(parameters) > 1 else None
+    names = _parameter_names(type(module).forward)
+    return names[1] if len(names) > 1 else None
 
 
 def instance_name(module: nn.Module) -> str:
     """What ``module``'s forward calls its instance: its first parameter, ``self`` as a rule."""
+    names = _parameter_names(type(module).forward)
+    return names[0] if names else "self"
+
+
+def _parameter_names(forward: Any) -> tuple[str, ...]:
+    """The parameter names of a class forward, instance first (``()`` where it has no signature to read)."""
     try:
-        return next(iter(inspect.signature(type(module).forward).parameters), "self")
-    except (TypeError, ValueError):
-        return "self"
+        return _read_parameter_names(forward)
+    except TypeError:  # a forward that cannot be a cache key
+        return _read_parameter_names.__wrapped__(forward)
+
+
+@functools.cache
+def _read_parameter_names(forward: Any) -> tuple[str, ...]:
+    """`_parameter_names`, read once a forward: a trace asks them of its model every time, and reading a signature
+    through transformers' decorators takes some 16 us."""
+    try:
+        return tuple(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):  # no signature to read
+        return ()
 
 
 def called_attribute(module: nn.Module, op: str) -> str | None:
