@@ -313,6 +313,23 @@ def test_top_tokens_share_counts_a_tokens_occurrences_in_every_shard():
     assert zero.token_ids.tolist() == [3] and math.isclose(float(zero.share[0]), 3 / 4)
 
 
+def test_top_tokens_counts_a_token_once_where_its_slots_name_the_expert_twice():
+    """After a swap to an expert a token already uses (collect_generation(intervene=...)), two of its slots name one
+    expert: counts and share count the token's occurrences (share at most 1), total counts every slot, and
+    Usage.token_fraction counts slots."""
+    token_ids = [4, 4, 6, 6]
+    rows = [[1, 1], [1, 0], [1, 1], [0, 2]]
+    shard = shard_of({0: rows}, {0: [[0.5, 0.5]] * 4}, token_ids=token_ids)
+    cache = cache_of([shard], {0: 3}, {0: 2})
+    (result,) = analysis.top_tokens(cache, 0, [1], n=10, by="share", min_count=1)
+    reached = Counter(token for token, row in zip(token_ids, rows) if 1 in row)
+    assert result.token_ids.tolist() == [4, 6]
+    assert result.counts.tolist() == [reached[4], reached[6]] == [2, 1]
+    assert result.share.tolist() == [1.0, 0.5]
+    assert result.total == sum(row.count(1) for row in rows) == 5
+    assert analysis.expert_usage(cache).token_fraction[0, 1].item() == 5 / 4
+
+
 def tie_cache() -> tuple[analysis.RoutingCache, list[int], list[int]]:
     """One layer (E = 2, k = 1): tokens 4, 5, 9 each routed to expert 0 twice, seen 8, 2 and 4 times; tokens 7
     and 8 routed to expert 0 once each and seen twice each."""

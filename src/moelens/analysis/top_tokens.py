@@ -31,10 +31,12 @@ class ExpertTokens:
         layer: Decoder-layer index.
         expert: Expert id.
         token_ids: ``[n]`` token ids, best first.
-        counts: ``[n]`` how often each was routed to the expert.
-        share: ``[n]`` the fraction of the token's occurrences routed to the expert.
+        counts: ``[n]`` how often each was routed to the expert: its occurrences whose slots name the expert (once
+            each where several slots name it, as after a swap to an expert the token already uses).
+        share: ``[n]`` the fraction of the token's occurrences routed to the expert (at most 1).
         tokens: The token ids as printable strings.
-        total: Slots routed to the expert over the whole cache.
+        total: Slots routed to the expert over the whole cache (each of them, also where one token's slots name
+            the expert twice).
     """
 
     layer: int
@@ -55,8 +57,10 @@ class ExpertTokens:
         return f"ExpertTokens(layer {self.layer}, expert {self.expert}, {self.total} slots: {shown or 'no token'}{more})"
 
 
-def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, and per-token occurrences [V].
+def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(experts, token ids, counts) of every (expert, token) pair routed in ``layer``, per-token occurrences [V] and
+    the slots routed to each expert [E]. A pair counts token occurrences: one whose slots name an expert twice (a
+    swap to an expert it already uses) counts once.
 
     The shards' pairs are merged once those waiting outnumber twice the pairs merged so far, so memory follows the
     distinct pairs (at most experts x vocabulary), not the cache's length, and each pair is merged a bounded number of
@@ -66,6 +70,7 @@ def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor
     stride = 1 << 32
     keys, counts = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]
     occurrences, read = torch.zeros(0, dtype=torch.int64), False
+    slots = torch.zeros(cache.num_experts[layer], dtype=torch.int64)
 
     def merged() -> tuple[list[Tensor], list[Tensor]]:
         unique, inverse = torch.unique(torch.cat(keys), return_inverse=True)
@@ -74,9 +79,11 @@ def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor
     for shard in cache._shards():
         read = True
         ids = shard.token_ids.long()
-        indices = shard.indices[layer].long()
-        pairs = indices * stride + ids[:, None]
-        unique, found = torch.unique(pairs[indices != SKIPPED], return_counts=True)
+        indices = shard.indices[layer].long().sort(-1).values  # a token's repeated expert: neighbouring slots
+        routed = indices != SKIPPED
+        slots += torch.bincount(indices[routed], minlength=slots.shape[0])
+        routed[:, 1:] &= indices[:, 1:] != indices[:, :-1]
+        unique, found = torch.unique((indices * stride + ids[:, None])[routed], return_counts=True)
         keys.append(unique)
         counts.append(found)
         if sum(part.shape[0] for part in keys[1:]) > 2 * keys[0].shape[0]:
@@ -90,7 +97,7 @@ def pair_counts(cache: RoutingCache, layer: int) -> tuple[Tensor, Tensor, Tensor
     if not read:
         raise MoelensError(EMPTY_CACHE)
     (keys,), (counts,) = merged()
-    return keys // stride, keys % stride, counts, occurrences
+    return keys // stride, keys % stride, counts, occurrences, slots
 
 
 def top_tokens(
@@ -126,7 +133,7 @@ def top_tokens(
     layer = cache.layer_key(layer)
     count = cache.num_experts[layer]
     experts = list(range(count)) if experts is None else expert_ids(id_list("experts", experts, "expert id"), count, layer)
-    expert_of, token_of, counts, occurrences = pair_counts(cache, layer)
+    expert_of, token_of, counts, occurrences, slots = pair_counts(cache, layer)
     edges = torch.searchsorted(expert_of, torch.arange(count + 1)).tolist()  # pairs sorted by expert: one run each
     result = []
     for expert in experts:
@@ -142,7 +149,7 @@ def top_tokens(
         ranking = ranking[:n]
         result.append(ExpertTokens(
             layer=layer, expert=expert, token_ids=ids[ranking], counts=served[ranking], share=share[ranking],
-            tokens=token_strings(tokenizer, ids[ranking].tolist()), total=int(counts[mine].sum()),
+            tokens=token_strings(tokenizer, ids[ranking].tolist()), total=int(slots[expert]),
         ))
     return result
 

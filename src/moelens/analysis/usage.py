@@ -59,8 +59,9 @@ class Usage:
 
     @property
     def token_fraction(self) -> Float[Tensor, "l e"]:
-        """``[L, E]`` the share of tokens that use each expert (rows sum to k, less where slots were
-        skipped)."""
+        """``[L, E]`` the expert's slots per token: the share of tokens that use it (rows sum to k, less where slots
+        were skipped; a token whose slots name an expert twice, after a swap to an expert it already uses, counts
+        twice)."""
         return self.counts.double() / max(self.tokens, 1)
 
     def row(self, layer: int) -> int:
