@@ -1228,3 +1228,27 @@ def test_docs_steermoe_and_pruning_examples_pick_each_layers_own_experts(capsys,
     with torch.no_grad():
         expected = reference(torch.tensor([tokenizer(prompt, add_special_tokens=False).input_ids])).logits[0, -1]
     torch.testing.assert_close(prune["pruned"], expected.softmax(-1))
+
+
+def test_routing_agreement_of_a_route_around_edit(qwen):
+    """An expert routed around in the last MoE layer (a lasting edit): no token keeps it there, and the layers before
+    route as before; the shares equal a count over the two caches' indices by hand."""
+    wrapped, hf, cache, truth = qwen
+    last = wrapped.moes[-1]
+    busiest = int(torch.bincount(cache.indices(last.layer).long().flatten()).argmax())
+    with wrapped.edit(inplace=True):
+        moelens.ablate(wrapped.moes[-1], busiest, "route_around")
+    try:
+        edited = analysis.collect_routing(wrapped, TEXTS, batch_size=2, max_length=MAX_LENGTH, shard_tokens=7,
+                                          progress=False)
+    finally:
+        wrapped.clear_edits()
+    agreement = analysis.routing_agreement(cache, edited)
+    assert agreement.layers == cache.layers and agreement.tokens == cache.num_tokens
+    assert agreement.top1[:-1].tolist() == agreement.same_set[:-1].tolist() == [1.0] * (len(cache.layers) - 1)
+    assert float(agreement.kept[-1, busiest]) == 0.0 and float(agreement.same_set[-1]) < 1
+    before = [set(row) for row in cache.indices(last.layer).tolist()]
+    after = [set(row) for row in edited.indices(last.layer).tolist()]
+    assert busiest not in set().union(*after)
+    assert math.isclose(agreement.same_set[-1], sum(a == b for a, b in zip(before, after)) / len(before))
+    assert math.isclose(agreement.jaccard[-1], sum(len(a & b) / len(a | b) for a, b in zip(before, after)) / len(before))

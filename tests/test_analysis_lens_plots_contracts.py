@@ -600,3 +600,17 @@ def test_the_token_plot_takes_max_tokens_none_as_the_table_does():
                         indices=torch.zeros(1, 70, 2, dtype=torch.int64), weights=torch.ones(1, 70, 2), num_experts=[4])
     assert len(plots.plot_token_routing(view, max_tokens=None).axes[0].get_xticklabels()) == 70
     assert view.table(max_tokens=69).splitlines()[-1] == "... 1 more token"
+
+
+def test_agreement_plot_draws_each_layers_shares_and_the_kept_grid():
+    kept = torch.tensor([[1.0, 0.5, float("nan")], [0.0, 1.0, 0.25]], dtype=torch.float64)
+    agreement = analysis.Agreement(layers=[2, 7], top1=torch.tensor([0.9, 0.4]), jaccard=torch.tensor([0.8, 0.5]),
+                                   same_set=torch.tensor([0.7, 0.2]), kept=kept, tokens=12)
+    left, right = plots.plot_agreement(agreement).axes[:2]
+    drawn = {line.get_label(): [round(float(y), 6) for y in line.get_ydata()] for line in left.get_lines()}
+    assert drawn == {"same top-1 expert": [0.9, 0.4], "mean Jaccard": [0.8, 0.5], "same experts": [0.7, 0.2]}
+    assert [tick.get_text() for tick in left.get_xticklabels()] == ["2", "7"]
+    grid = right.get_images()[0].get_array()
+    assert grid.mask[0, 2] and grid[0, :2].tolist() == [1.0, 0.5]  # matplotlib masks the NaN: a blank cell
+    assert grid[1].tolist() == [0.0, 1.0, 0.25] and [tick.get_text() for tick in right.get_yticklabels()] == ["2", "7"]
+    assert "12 tokens" in left.figure.texts[0].get_text()

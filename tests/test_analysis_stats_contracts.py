@@ -396,3 +396,69 @@ def test_expert_paths_of_equal_count_come_in_path_order_however_the_cache_is_sha
     assert expected == [((0, 0), 1), ((1, 1), 1)]
     for shards in (halves, [shard_of(rows, weights)]):
         assert analysis.expert_paths(cache_of(shards, {0: 4, 1: 4}, {0: 1, 1: 1}), top=2) == expected
+
+
+# -- agreement of two routings of the same tokens ----------------------------------------------------------------
+
+
+def agreement_pair() -> tuple[analysis.RoutingCache, analysis.RoutingCache, dict, dict]:
+    """Two caches of the same 5 tokens, cut into shards at other tokens: layer 0 (E = 4) at k = 2 in the first and
+    k = 3 in the second (one slot skipped), layer 3 (E = 3) at k = 1 in both; slots not sorted by weight."""
+    first = {0: [[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], 3: [[0], [1], [2], [2], [0]]}
+    first_weights = {0: [[0.3, 0.7], [0.6, 0.4], [0.5, 0.5], [0.2, 0.8], [0.9, 0.1]], 3: [[1.0]] * 5}
+    second = {0: [[1, 0, 2], [2, 3, -1], [0, 1, 3], [2, 1, 0], [3, 1, 2]], 3: [[0], [2], [2], [1], [0]]}
+    second_weights = {0: [[0.5, 0.3, 0.2], [0.7, 0.3, 0.0], [0.4, 0.3, 0.3], [0.5, 0.3, 0.2], [0.5, 0.3, 0.2]],
+                      3: [[1.0]] * 5}
+
+    def cut(rows, weights, bounds):
+        return [shard_of({layer: value[a:b] for layer, value in rows.items()},
+                         {layer: value[a:b] for layer, value in weights.items()}, start=a) for a, b in bounds]
+
+    a = cache_of(cut(first, first_weights, [(0, 2), (2, 5)]), {0: 4, 3: 3}, {0: 2, 3: 1})
+    b = cache_of(cut(second, second_weights, [(0, 3), (3, 4), (4, 5)]), {0: 4, 3: 3}, {0: 3, 3: 1})
+    return a, b, (first, first_weights), (second, second_weights)
+
+
+def test_routing_agreement_by_hand_over_shards_cut_at_other_tokens():
+    """top1 (highest weight, not the first slot), Jaccard of each token's expert sets (skipped slots name none),
+    same set and per-expert kept, against Python sets."""
+    a, b, (rows_a, weights_a), (rows_b, weights_b) = agreement_pair()
+    agreement = analysis.routing_agreement(a, b)
+    assert agreement.layers == [0, 3] and agreement.tokens == 5
+    for row, layer in enumerate([0, 3]):
+        best = lambda rows, weights, t: rows[layer][t][max(range(len(weights[layer][t])),  # noqa: E731
+                                                            key=weights[layer][t].__getitem__)]
+        sets_a = [set(e for e in slots if e >= 0) for slots in rows_a[layer]]
+        sets_b = [set(e for e in slots if e >= 0) for slots in rows_b[layer]]
+        top1 = sum(best(rows_a, weights_a, t) == best(rows_b, weights_b, t) for t in range(5)) / 5
+        jaccard = sum(len(x & y) / len(x | y) for x, y in zip(sets_a, sets_b)) / 5
+        assert math.isclose(agreement.top1[row], top1) and math.isclose(agreement.jaccard[row], jaccard)
+        assert math.isclose(agreement.same_set[row], sum(x == y for x, y in zip(sets_a, sets_b)) / 5)
+        for expert in range(4):
+            mine = [t for t in range(5) if expert in sets_a[t]]
+            kept = float(agreement.kept[row, expert])
+            if not mine:  # expert 3 of layer 3, past its E = 3
+                assert math.isnan(kept), (layer, expert)
+            else:
+                assert math.isclose(kept, sum(expert in sets_b[t] for t in mine) / len(mine)), (layer, expert)
+    assert agreement.as_rows()[1] == {"layer": 3, "top1": 0.6, "jaccard": 0.6, "same_set": 0.6}
+    assert "top1" in repr(agreement) and " 60.0%" in repr(agreement)
+
+
+def test_routing_agreement_refuses_caches_it_cannot_compare_token_by_token():
+    a, b, *_ = agreement_pair()
+    shorter = cache_of([next(b.shards())], {0: 4, 3: 3}, {0: 3, 3: 1})
+    with pytest.raises(MoelensError, match="holds 5 tokens and the second 3"):
+        analysis.routing_agreement(a, shorter)
+    other = [shard.copy() for shard in b.shards()]
+    other[1].token_ids[0] = 99
+    with pytest.raises(MoelensError, match=r"token 3 is id 3 .* id 99 at position 3"):
+        analysis.routing_agreement(a, cache_of(other, {0: 4, 3: 3}, {0: 3, 3: 1}))
+    wider = cache_of([shard.copy() for shard in b.shards()], {0: 5, 3: 3}, {0: 3, 3: 1})
+    with pytest.raises(MoelensError, match="layer 0 has 4 experts in the first cache and 5 in the second"):
+        analysis.routing_agreement(a, wider)
+    alone = cache_of([shard_of({7: [[0]] * 5}, {7: [[1.0]] * 5})], {7: 2}, {7: 1})
+    with pytest.raises(MoelensError, match="no MoE layer in common"):
+        analysis.routing_agreement(a, alone)
+    with pytest.raises(MoelensError, match="RoutingCache"):
+        analysis.routing_agreement(a, analysis.expert_usage(b))

@@ -16,6 +16,7 @@ cache's shards (bounded memory). See ``docs/analysis.md``.
 """
 
 from . import plots
+from .agreement import Agreement, routing_agreement
 from .cache import RoutingCache, Shard
 from .coactivation import Coactivation, Transitions, coactivation, expert_paths, token_paths, transitions
 from .collect import collect_routing
@@ -30,9 +31,9 @@ from .top_tokens import ExpertTokens, top_tokens
 from .usage import LoadBalance, Usage, expert_usage, load_balance
 
 __all__ = [
-    "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "GeneratedRouting", "LayerReport", "LoadBalance", "ModelReport",
+    "Agreement", "Coactivation", "Entropy", "ExpertLens", "ExpertTokens", "GeneratedRouting", "LayerReport", "LoadBalance", "ModelReport",
     "RoutingCache", "Shard", "Specialisation", "TokenRouting", "Transitions", "Usage", "coactivation",
     "collect_generation", "collect_routing", "describe", "expert_logit_lens", "expert_paths", "expert_usage", "load_balance",
-    "plots", "readout", "routing_entropy", "specialisation", "token_entropy", "token_losses", "token_paths", "token_routing",
+    "plots", "readout", "routing_agreement", "routing_entropy", "specialisation", "token_entropy", "token_losses", "token_paths", "token_routing",
     "top_tokens", "transitions",
 ]

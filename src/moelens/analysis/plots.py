@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["has_display", "pyplot", "save", "plot_usage", "plot_load_balance", "plot_entropy", "plot_coactivation",
            "plot_transitions", "plot_token_routing", "plot_top_tokens", "plot_logit_lens", "plot_specialisation",
-           "plot_risk_difference"]
+           "plot_risk_difference", "plot_agreement"]
 
 import os
 import sys
@@ -25,6 +25,7 @@ from torch import Tensor
 from ..errors import MoelensError
 from ..paths import blocked_above, user_path
 from ..scalars import as_real
+from .agreement import Agreement
 from .cache import SKIPPED, layer_row
 from .checks import check_count, check_results, check_type
 from .coactivation import Coactivation, Transitions
@@ -457,6 +458,38 @@ def plot_specialisation(spec: Specialisation, value: str = "lift") -> matplotlib
         _annotate(axes, data, ".1f" if value == "lift" else ".2f", dark_low=value != "lift")  # blank cells: no number
         figure.colorbar(image, ax=axes, fraction=0.05)
     figure.suptitle("Expert specialisation: " + SPECIALISATION_VALUES[value])
+    figure.tight_layout()
+    return figure
+
+
+def plot_agreement(agreement: Agreement) -> matplotlib.figure.Figure:
+    """How a second routing agrees with a first (`routing_agreement`): per layer, the shares of tokens with the same
+    top-1 expert and the same experts and the mean Jaccard overlap (left), and per expert the share of the first's
+    tokens the second routes there too (right; blank: no token to keep); returns the matplotlib Figure."""
+    check_type(agreement, Agreement, "agreement", "an Agreement",
+               "make one with analysis.routing_agreement(first_cache, second_cache)")
+    plt = pyplot()
+    layers = len(agreement.layers)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(min(max(9.0, 0.12 * agreement.kept.shape[1] + 6), 14.0),
+                                                        max(3.0, min(0.3 * layers + 1.5, 10.0))))
+    positions = range(layers)
+    for values, label, marker in ((agreement.top1, "same top-1 expert", "o"), (agreement.jaccard, "mean Jaccard", "s"),
+                                  (agreement.same_set, "same experts", "^")):
+        left.plot(positions, values.tolist(), marker=marker, label=label)
+    left.set_ylim(-0.02, 1.02)
+    left.set_ylabel("share of tokens")
+    left.legend(fontsize=8)
+    image = right.imshow(_pixels(agreement.kept), aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    right.set_yticks(positions, [str(layer) for layer in agreement.layers])
+    right.set_xlabel("expert")
+    right.set_ylabel("layer")
+    right.set_title("tokens kept by each expert", fontsize=10)
+    _whole_numbers(right.xaxis, bins=10)
+    figure.colorbar(image, ax=right).set_label("share of the first's tokens")
+    step = -(-layers // BAR_LABELS)
+    left.set_xticks(positions[::step], [str(layer) for layer in agreement.layers[::step]])
+    left.set_xlabel("layer")
+    figure.suptitle(f"Routing agreement over {agreement.tokens} tokens")
     figure.tight_layout()
     return figure
 
