@@ -5907,3 +5907,34 @@ def test_keywords_a_tokenizer_gives_or_an_inner_forward_names_are_not_taken_for_
     with pytest.raises(moelens.MoelensError, match=r"'ple_input_id'.*did you mean 'ple_input_ids'\?"):
         with torch.no_grad(), wrapped.trace(inputs_embeds=embeds, ple_input_id=other):
             wrapped.output.save()
+
+
+@pytest.mark.filterwarnings("ignore:moelens.families.check")  # gemma4's block output is not checked: no mlp_output
+@pytest.mark.parametrize("family", ["gemma4", "deepseek_v3"])
+def test_check_of_a_model_accelerate_offloads_reads_the_offloaded_router_tensors(family, tmp_path):
+    """families.check read gemma4's router.per_expert_scale and deepseek_v3's e_score_correction_bias (with
+    offload_buffers=True) outside the forward, where accelerate keeps them on meta: torch's "Cannot copy out of meta
+    tensor" / "Tensor on device meta is not on the expected device cpu". Ground truth: the check of the model loaded
+    whole passes."""
+    hf = tiny_model(family)
+    ids = tiny_inputs(hf)["input_ids"]
+    hf.save_pretrained(tmp_path / "checkpoint")
+    assert moelens.families.check(moelens.load(tmp_path / "checkpoint"), ids)
+    offloaded = moelens.load(tmp_path / "checkpoint", device_map="auto", max_memory={"cpu": 1}, offload_buffers=True,
+                             offload_folder=str(tmp_path / "offload"))
+    assert next(offloaded._module.parameters()).is_meta
+    assert moelens.families.check(offloaded, ids)
+    assert torch.equal(tiny_inputs(offloaded._module)["input_ids"], ids)  # on the CPU, not on meta with the weights
+
+
+def test_nnsight_lazy_loading_is_refused_saying_what_serves_it(tmp_path):
+    """nnsight's dispatch=False / meta_buffers= were refused by load as from_pretrained's TypeError, whose advice
+    (pass nnsight settings to wrap) wrap refused in turn as a misspelling ("did you mean 'path'?")."""
+    hf = tiny_model("mixtral")
+    for keywords in ({"dispatch": False}, {"meta_buffers": True}):
+        with pytest.raises(moelens.MoelensError, match=rf"moelens.wrap does not take {next(iter(keywords))}=: nnsight's lazy "
+                                               r"loading .* device_map='auto', offload_folder=.*init_empty_weights"):
+            moelens.wrap(hf, **keywords)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(moelens.MoelensError, match=r"moelens.load does not take dispatch=: nnsight's lazy loading"):
+        moelens.load(tmp_path, dispatch=False)

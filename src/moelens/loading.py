@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import MoelensError, sentence, warn
-from .model import MoeNNsight, MoeTransformersModel, wrap
+from .model import MoeNNsight, MoeTransformersModel, refuse_lazy_loading, wrap
 from .paths import user_path
 
 
@@ -241,6 +241,7 @@ def load(path_or_repo_id: str | Path | None = None, *, tokenizer: Any = None,
                else "to wrap a model you have, use moelens.wrap(model, tokenizer=...)." if isinstance(path_or_repo_id, torch.nn.Module)
                else "pass a str or a pathlib.Path.")
         )
+    refuse_lazy_loading(from_pretrained_kwargs, "moelens.load")
     from .data import TINY_DENSE_PATH, TINY_MODEL_PATH, TINY_NAMES
 
     shipped = {**dict.fromkeys(TINY_NAMES, TINY_MODEL_PATH), "tiny-dense": TINY_DENSE_PATH}

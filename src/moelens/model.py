@@ -1093,9 +1093,28 @@ def _warn_unknown_implementations(moes: Iterable[Moe]) -> None:
              "or register the implementation with transformers before the first trace.")
 
 
+#: nnsight's keywords for loading a model lazily (its weights on meta until the first trace): moelens loads them.
+LAZY_LOADING = ("dispatch", "meta_buffers")
+
+
+def refuse_lazy_loading(keywords: Iterable[str], call: str) -> None:
+    """Refuse nnsight's lazy-loading keywords (`LAZY_LOADING`) given to ``call``, saying what serves their purpose."""
+    lazy = [name for name in LAZY_LOADING if name in keywords]
+    if lazy:
+        raise MoelensError(
+            f"{call} does not take {', '.join(f'{name}=' for name in lazy)}: nnsight's lazy loading (weights on the "
+            "meta device until the first trace) is not offered, moelens works on a model whose weights are loaded. "
+            "For a model too big for memory, load it with a device_map that offloads (moelens.load(path, "
+            "device_map='auto', offload_folder=...): accelerate loads each block's weights as it runs); for its "
+            "shapes alone, build it from its config under accelerate's init_empty_weights(include_buffers=True), "
+            "wrap it and run model.scan(...)."
+        )
+
+
 def _nnsight_model(model: torch.nn.Module, tokenizer: Any, envoys: dict[str, type],
                    nnsight_kwargs: dict[str, Any]) -> MoeTransformersModel | MoeNNsight:
     """nnsight's model of ``model`` (a language model where there is a tokenizer), built with ``nnsight_kwargs``."""
+    refuse_lazy_loading(nnsight_kwargs, "moelens.wrap")
     model_class = MoeNNsight if tokenizer is None else MoeTransformersModel
     taken = _keywords_taken(model_class)
     unknown = sorted(set(nnsight_kwargs) - taken)

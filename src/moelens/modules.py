@@ -142,6 +142,24 @@ def disk_offloaded(modules: Iterable[nn.Module]) -> bool:
     return False
 
 
+def loaded_tensor(root: nn.Module, value: Any) -> Any:
+    """``value``, a parameter or buffer of a module in ``root``; where it is on the meta device because accelerate
+    offloads it (a ``device_map`` with CPU or disk offload, ``cpu_offload``, ``offload_buffers=True``: it is loaded
+    only while its module runs), the tensor accelerate's hook loads for that module's forward."""
+    if not isinstance(value, torch.Tensor) or not value.is_meta:
+        return value
+    for module in root.modules():
+        for name, tensor in itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
+            if tensor is value:
+                for hook in _offload_hooks([module]):
+                    try:
+                        return hook.weights_map[name]
+                    except KeyError:
+                        continue
+                return value
+    return value
+
+
 def offloaded_to(modules: Iterable[nn.Module]) -> torch.device | None:
     """The device accelerate moves the offloaded weights of one of ``modules`` to for each forward, where that is
     not the CPU keeping them (a forward then runs on a copy), else None."""

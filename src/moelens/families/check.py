@@ -19,6 +19,7 @@ import nnsight
 import torch
 
 from ..errors import FamilyError, OrderError, ValueUnavailable, warn
+from ..modules import loaded_tensor
 from . import layout_check, registry
 from .entry import SHARED_TIMES, find_path
 from .scoring import SCORE_FUNCTIONS, chosen_weights, kept_groups, score
@@ -301,7 +302,8 @@ def _entry_ranking(moe: Any, logits: torch.Tensor) -> tuple[torch.Tensor, str]:
         score_name = family.score_of(block)
         ranked, what = score(score_name, ranked, family.softcap_of(block)), f"its {score_name} scores"
     if family.holds(scoring.selection_bias, block):
-        ranked = ranked + family.selection_bias_of(block, ranked.shape[-1]).detach().float()
+        bias = loaded_tensor(block, family.selection_bias_of(block, ranked.shape[-1]))  # offloaded: on meta here
+        ranked = ranked + bias.detach().float().to(ranked.device)
         what += f" plus {scoring.selection_bias}"
     return ranked, what
 
@@ -437,7 +439,7 @@ def _scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float,
     multiplier per expert for ``moe``'s block."""
     family, block = moe.family, moe._module
     return (family.score_of(block), family.normalize_of(block), family.scale_of(block), family.softcap_of(block),
-            family.normalize_min_of(block), family.expert_scale_of(block))
+            family.normalize_min_of(block), loaded_tensor(block, family.expert_scale_of(block)))
 
 
 def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:

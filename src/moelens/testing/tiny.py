@@ -764,7 +764,8 @@ def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int 
 
     Every family's forward needs only these (deepseek_v4's hash-routed layers read ``input_ids``;
     text-only multimodal decoders derive their M-RoPE positions themselves). They lie on the model's
-    device, drawn on the CPU so a seed gives the same ids everywhere."""
+    device, drawn on the CPU so a seed gives the same ids everywhere; on the CPU where that is the meta device (a
+    model whose weights accelerate offloads: its hooks move the inputs)."""
     sizes = {}
     for name, value in (("batch", batch), ("seq", seq)):
         try:
@@ -779,5 +780,6 @@ def tiny_inputs(model: PreTrainedModel, batch: int = 2, seq: int = 5, seed: int 
                         f"{type(model).__name__} {model!r:.40}.")
     gen = torch.Generator().manual_seed(_seed(seed, "tiny_inputs"))
     vocab = int(getattr(model.config, "vocab_size", None) or COMMON_SIZES["vocab_size"])
-    input_ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(model.device)
+    device = model.device if model.device.type != "meta" else torch.device("cpu")
+    input_ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(device)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
