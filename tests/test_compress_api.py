@@ -138,7 +138,10 @@ def test_a_converted_model_pickles_after_wrapping_and_is_not_loaded_as_dense(tmp
     import moelens
 
     converted, _ = convert(llama(), num_experts=4, top_k=2, calibration=ids())
-    moelens.wrap(converted)  # nnsight keeps the experts' decorated forward on the instance
+    wrapped = moelens.wrap(converted)  # nnsight keeps the experts' decorated forward on the instance
+    with pytest.warns(UserWarning, match=r"save_pretrained: 2 blocks were converted by moelens.compress.tomoe "
+                                         r"\(model.model.layers.0.mlp, ...\).*torch.save\(model._module, path\)"):
+        wrapped.save_pretrained(tmp_path / "wrapped")
     copy = pickle.loads(pickle.dumps(converted))
     with torch.no_grad():
         torch.testing.assert_close(copy(ids()).logits, converted(ids()).logits, rtol=0, atol=0)

@@ -41,6 +41,7 @@ from .components.run_owner import MoeInterleaver
 from .discovery import Structure, block_parts, discover, paths_above, registered_since
 from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
+from .families.tomoe import converted as tomoe_converted
 from .modules import first_parameter, padding_position_id, takes_keyword
 from .scalars import check_flag
 from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_layers, _expert_parallel_envoy,
@@ -115,6 +116,16 @@ class MoeModelMixin(StandardNames):
                 f"save_pretrained: the model carries {len(edits)} nnsight edit(s) (model.edit()), which are not in its "
                 "weights and are not saved: the checkpoint computes the unedited model. Make lasting changes through "
                 "moe.params() (weight edits), or call model.clear_edits() to silence this.",
+            )
+        converted = [moe.path for moe in self.moes if moe.family is not None and tomoe_converted(moe.family)]
+        if converted:
+            warn(
+                f"save_pretrained: {len(converted)} block{'s were' if len(converted) != 1 else ' was'} converted by "
+                f"moelens.compress.tomoe ({converted[0]}{', ...' * (len(converted) > 1)}), and the model's config is "
+                "still the dense model's: the checkpoint does not load back "
+                "as this model (from_pretrained rebuilds the dense layers with random weights; moelens.load refuses "
+                "it). Save the model whole with torch.save(model._module, path) and load it with "
+                "torch.load(path, weights_only=False) (docs/compress.md).",
             )
         return self._module.save_pretrained(*args, **kwargs)
 
