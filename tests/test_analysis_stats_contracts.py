@@ -460,5 +460,5 @@ def test_routing_agreement_refuses_caches_it_cannot_compare_token_by_token():
     alone = cache_of([shard_of({7: [[0]] * 5}, {7: [[1.0]] * 5})], {7: 2}, {7: 1})
     with pytest.raises(MoelensError, match="no MoE layer in common"):
         analysis.routing_agreement(a, alone)
-    with pytest.raises(MoelensError, match="RoutingCache"):
+    with pytest.raises(MoelensError, match=r"second must be a RoutingCache, got Usage.*\.cache"):
         analysis.routing_agreement(a, analysis.expert_usage(b))

@@ -109,7 +109,8 @@ class MoeModelMixin(StandardNames):
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         """The transformers model's ``save_pretrained``; warns where the model carries nnsight edits
-        (``model.edit(inplace=True)``), which live in the wrapper, not in the weights, and are not saved."""
+        (``model.edit(inplace=True)``), which live in the wrapper, not in the weights, and are not saved, and where
+        ``moelens.compress.tomoe`` converted blocks, which the dense model's config does not describe."""
         edits = getattr(self, "_edits", None)
         if edits:
             warn(

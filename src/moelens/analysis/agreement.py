@@ -1,5 +1,5 @@
 """How two routings of the same tokens agree: a model before and after an edit, two checkpoints of one
-architecture, a model and its compressed or fine-tuned copy.
+architecture, a model and its fine-tuned copy.
 
 Both caches must hold the same tokens in the same order: collect them from the same corpus with the same
 ``max_length`` (a cache does not record its windows, so routing over other windows of the same tokens, which saw
@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from ..errors import MoelensError
-from .cache import SKIPPED, RoutingCache, Shard, check_cache, layer_row
-from .coactivation import top1
+from .cache import RoutingCache, Shard, _counted, check_cache, layer_row
+from .checks import check_type
+from .coactivation import experts_used, top1
 
 
 @dataclass
@@ -33,7 +34,8 @@ class Agreement:
     Attributes:
         layers: Decoder-layer indices (the MoE layers both caches hold).
         top1: ``[L]`` the share of tokens with the same highest-weighted expert.
-        jaccard: ``[L]`` the mean |A ∩ B| / |A ∪ B| of each token's experts (1 where neither routes it anywhere).
+        jaccard: ``[L]`` the mean |A ∩ B| / |A ∪ B| of each token's experts (1 where neither routes it anywhere; a
+            slot at weight 0, as ``ablate(..., "zero")`` leaves it, still names its expert).
         same_set: ``[L]`` the share of tokens routed to the same experts.
         kept: ``[L, E]`` of the tokens the first cache routes to each expert, the share the second routes there
             too (NaN for an expert the first routes no token to, and past a layer's own E).
@@ -57,7 +59,7 @@ class Agreement:
                  "same_set": float(self.same_set[row])} for row, layer in enumerate(self.layers)]
 
     def __repr__(self) -> str:
-        lines = [f"Agreement over {self.tokens} tokens", f"{'layer':>5}  {'top1':>6}  {'jaccard':>7}  {'same set':>8}"]
+        lines = [f"Agreement over {_counted(self.tokens, 'token')}", f"{'layer':>5}  {'top1':>6}  {'jaccard':>7}  {'same set':>8}"]
         lines += [f"{row['layer']:>5}  {row['top1']:>6.1%}  {row['jaccard']:>7.1%}  {row['same_set']:>8.1%}"
                   for row in self.as_rows()]
         return "\n".join(lines)
@@ -71,8 +73,10 @@ def routing_agreement(first: RoutingCache, second: RoutingCache) -> Agreement:
         MoelensError: the caches hold different tokens (another corpus, another ``max_length`` or order), no MoE
             layer in common, or a common layer with another number of experts (its expert ids name other experts).
     """
-    check_cache(first)
-    check_cache(second)
+    for name, cache in (("first", first), ("second", second)):
+        check_type(cache, RoutingCache, name, "a RoutingCache", "collect one with analysis.collect_routing(model, "
+                   "texts) (collect_generation's result holds one: .cache), or load one with RoutingCache.load(folder)")
+        check_cache(cache)
     layers = [layer for layer in first.layers if layer in second.layers]
     if not layers:
         raise MoelensError(f"the two caches hold no MoE layer in common (the first holds {first.layers}, the second "
@@ -91,31 +95,23 @@ def routing_agreement(first: RoutingCache, second: RoutingCache) -> Agreement:
         )
     width = max(first.num_experts[layer] for layer in layers)
     same_top1, jaccard, same_set = (torch.zeros(len(layers), dtype=torch.float64) for _ in range(3))
-    routed, kept = torch.zeros(len(layers), width, dtype=torch.float64), torch.zeros(len(layers), width,
-                                                                                   dtype=torch.float64)
+    routed, kept = (torch.zeros(len(layers), width, dtype=torch.float64) for _ in range(2))
     for a, b in _paired(first, second):
         for row, layer in enumerate(layers):
             same_top1[row] += (top1(a, layer) == top1(b, layer)).sum()
-            hot_a, hot_b = _experts_used(a.indices[layer], width), _experts_used(b.indices[layer], width)
+            hot_a, hot_b = experts_used(a.indices[layer], width), experts_used(b.indices[layer], width)
             both = hot_a & hot_b
             union = (hot_a | hot_b).sum(-1)
             jaccard[row] += torch.where(union > 0, both.sum(-1).double() / union.clamp(min=1), 1.0).sum()
             same_set[row] += (hot_a == hot_b).all(-1).sum()
             routed[row] += hot_a.sum(0)
             kept[row] += both.sum(0)
-    tokens = max(first.num_tokens, 1)
+    tokens = first.num_tokens  # check_cache refused an empty cache
     share = kept / routed
     for row, layer in enumerate(layers):
         share[row, first.num_experts[layer]:] = float("nan")
     return Agreement(layers=layers, top1=same_top1 / tokens, jaccard=jaccard / tokens, same_set=same_set / tokens,
                      kept=share, tokens=first.num_tokens)
-
-
-def _experts_used(indices: Int[Tensor, "n k"], width: int) -> Bool[Tensor, "n e"]:
-    """``[n, width]`` True where a token's slots name an expert (skipped slots name none)."""
-    indices = indices.long()
-    hot = torch.zeros(indices.shape[0], width + 1, dtype=torch.bool)
-    return hot.scatter_(1, torch.where(indices == SKIPPED, width, indices), True)[:, :width]
 
 
 def _paired(first: RoutingCache, second: RoutingCache) -> Iterator[tuple[Shard, Shard]]:

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..errors import MoelensError
@@ -87,12 +87,16 @@ def top1(shard: Shard, layer: int) -> Int[Tensor, " n"]:
     return indices.gather(-1, best).squeeze(-1)
 
 
-def multi_hot(indices: Tensor, num_experts: int) -> Tensor:
-    """``[n, E]`` 1 where a token uses an expert (once, however many slots; skipped slots none)."""
-    hot = torch.zeros(indices.shape[0], num_experts, dtype=torch.float64)
+def experts_used(indices: Int[Tensor, "n k"], num_experts: int) -> Bool[Tensor, "n e"]:
+    """``[n, E]`` True where a token's slots name an expert (once, however many slots; skipped slots none)."""
     indices = indices.long()
-    hot.scatter_add_(1, indices.clamp(min=0), (indices != SKIPPED).double())
-    return hot.clamp_(max=1.0)
+    hot = torch.zeros(indices.shape[0], num_experts + 1, dtype=torch.bool)  # skipped slots land in the last column
+    return hot.scatter_(1, torch.where(indices == SKIPPED, num_experts, indices), True)[:, :num_experts]
+
+
+def multi_hot(indices: Int[Tensor, "n k"], num_experts: int) -> Float[Tensor, "n e"]:
+    """``[n, E]`` 1.0 where a token uses an expert (`experts_used` as float64, for counting by matrix products)."""
+    return experts_used(indices, num_experts).double()
 
 
 def coactivation(cache: RoutingCache, layer: int) -> Coactivation:

@@ -26,7 +26,7 @@ from ..errors import MoelensError
 from ..paths import blocked_above, user_path
 from ..scalars import as_real
 from .agreement import Agreement
-from .cache import SKIPPED, layer_row
+from .cache import SKIPPED, _counted, layer_row
 from .checks import check_count, check_results, check_type
 from .coactivation import Coactivation, Transitions
 from .entropy import Entropy
@@ -473,23 +473,23 @@ def plot_agreement(agreement: Agreement) -> matplotlib.figure.Figure:
     figure, (left, right) = plt.subplots(1, 2, figsize=(min(max(9.0, 0.12 * agreement.kept.shape[1] + 6), 14.0),
                                                         max(3.0, min(0.3 * layers + 1.5, 10.0))))
     positions = range(layers)
+    step = -(-layers // BAR_LABELS)  # every layer named up to BAR_LABELS, past that every step-th
     for values, label, marker in ((agreement.top1, "same top-1 expert", "o"), (agreement.jaccard, "mean Jaccard", "s"),
                                   (agreement.same_set, "same experts", "^")):
         left.plot(positions, values.tolist(), marker=marker, label=label)
+    left.set_xticks(positions[::step], [str(layer) for layer in agreement.layers[::step]])
+    left.set_xlabel("layer")
     left.set_ylim(-0.02, 1.02)
     left.set_ylabel("share of tokens")
     left.legend(fontsize=8)
     image = right.imshow(_pixels(agreement.kept), aspect="auto", cmap="viridis", vmin=0, vmax=1)
-    right.set_yticks(positions, [str(layer) for layer in agreement.layers])
+    right.set_yticks(positions[::step], [str(layer) for layer in agreement.layers[::step]])
     right.set_xlabel("expert")
     right.set_ylabel("layer")
     right.set_title("tokens kept by each expert", fontsize=10)
     _whole_numbers(right.xaxis, bins=10)
     figure.colorbar(image, ax=right).set_label("share of the first's tokens")
-    step = -(-layers // BAR_LABELS)
-    left.set_xticks(positions[::step], [str(layer) for layer in agreement.layers[::step]])
-    left.set_xlabel("layer")
-    figure.suptitle(f"Routing agreement over {agreement.tokens} tokens")
+    figure.suptitle(f"Routing agreement over {_counted(agreement.tokens, 'token')}")
     figure.tight_layout()
     return figure
 
