@@ -899,6 +899,34 @@ def test_edits_of_both_call_arguments_land(assign_weights):
     torch.testing.assert_close(first_tensor(output), expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_keep_top_runs_under_inference_mode(renormalize):
+    """keep_top edits a copy of the weights it made itself: under torch.inference_mode that copy keeps no version
+    counter, which the check of an earlier in-place edit asked for ("Inference tensors do not track version
+    counter"). It gives what it gives under torch.no_grad."""
+    hf, wrapped, inputs, plain, reference = built("mixtral", "batched_mm")
+    moe = running_moes(wrapped)[0]
+    outputs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), wrapped.trace(**inputs):
+            moelens.keep_top(moe, 1, renormalize=renormalize)
+            outputs.append(wrapped.output.logits.save())
+    assert torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[0], plain)
+
+
+def test_renormalized_keep_top_keeps_float64_weights_exact():
+    """A float64 model's weights are rescaled in float64, not float32: the one slot kept weighs the token's sum."""
+    hf = tiny_model("qwen2_moe", dtype=torch.float64, experts_implementation="batched_mm")  # grouped_mm: no float64
+    wrapped = moelens.wrap(hf)
+    with torch.no_grad(), wrapped.trace(**tiny_inputs(hf)):
+        moe = wrapped.moes[0]
+        before = moe.expert_weights.clone().save()
+        moelens.keep_top(moe, 1, renormalize=True)
+        after = moe.expert_weights.save()
+    assert after.dtype == torch.float64
+    torch.testing.assert_close(after.amax(-1), before.sum(-1), atol=1e-15, rtol=0)
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
 def test_reads_and_in_place_edits_work_under_inference_mode(impl):
     """torch.inference_mode's tensors keep no version counter: reads still equal the raw ops and

@@ -419,13 +419,14 @@ def _rescaled(weights: Float[torch.Tensor, "*tokens k"], kept: Float[torch.Tenso
     keeps its weights bit for bit: w / sum * sum moves them by one ulp). ``renormalised``: the sum the router gives them
     (`_renormalised_total`), taken for a sum that only their rounding to their dtype sets apart from it (in bfloat16
     one weight of 1.0 became 0.996, the sum of the rounded weights); a sum further off is the user's, kept."""
-    total, left = weights.float().sum(-1, keepdim=True), kept.float().sum(-1, keepdim=True)
+    wide = torch.promote_types(weights.dtype, torch.float32)  # float32, or a float64 model's own dtype
+    total, left = weights.to(wide).sum(-1, keepdim=True), kept.to(wide).sum(-1, keepdim=True)
     if renormalised is not None:  # the router's float32 division and sum, then the weights' rounding to their dtype
         rounding = (torch.finfo(weights.dtype).eps + weights.shape[-1] * torch.finfo(torch.float32).eps) \
             * abs(renormalised)
         total = torch.where((total - renormalised).abs() <= rounding, renormalised, total)
     # the router's order (w / sum * scale): n = 1 keeps exactly the total; no 0 / 0, also for the gradient
-    rescaled = (kept.float() / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
+    rescaled = (kept.to(wide) / left.masked_fill(left == 0, 1.0) * total).to(weights.dtype)
     lost = ((kept == 0) & (weights != 0)).any(-1, keepdim=True)
     return torch.where(lost, rescaled, kept)
 

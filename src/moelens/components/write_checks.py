@@ -102,7 +102,9 @@ READ_VERSION = "_moelens_read_version"
 def model_values(view: torch.Tensor) -> torch.Tensor | None:
     """The model's own values where ``view`` (a served value, or the model's tensor it views) was: itself while no
     edit in place changed it since it was read, else what an intervention kept of it before editing (None: gone)."""
-    return view if getattr(view, READ_VERSION, view._version) == view._version else BEFORE_EDITS.get(view)
+    read = getattr(view, READ_VERSION, None)  # none on a tensor never served (a copy an intervention edits), which
+    # under torch.inference_mode may keep no version counter to ask
+    return view if read is None or read == view._version else BEFORE_EDITS.get(view)
 
 
 def remember_before_edit(view: torch.Tensor) -> None:
