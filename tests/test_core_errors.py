@@ -672,8 +672,8 @@ def test_load_expands_a_path_from_the_home_folder(tmp_path, monkeypatch):
 
 
 def test_load_takes_a_tokenizer_and_names_a_keyword_from_pretrained_does_not_take(tmp_path):
-    """load(path, tokenizer=...) and load(path, dispatch=True) failed with transformers' raw TypeError
-    (the model's __init__ got an unexpected keyword argument)."""
+    """load(path, tokenizer=...) and load(path, rename=...) failed with transformers' raw TypeError
+    (the model's __init__ got an unexpected keyword argument); nnsight's dispatch= has its own refusal."""
     hf = tiny_model("olmoe")
     hf.save_pretrained(tmp_path / "olmoe")  # no tokenizer files
     tokenizer = ascii_tokenizer()
@@ -684,8 +684,8 @@ def test_load_takes_a_tokenizer_and_names_a_keyword_from_pretrained_does_not_tak
             logits = loaded.output.logits.save()
         torch.testing.assert_close(logits, hf.to(logits.device)(ids.to(logits.device)).logits, rtol=0, atol=0)
     with pytest.raises(moelens.MoelensError, match=r"moelens.load passes its keywords to OlmoeForCausalLM.from_pretrained, "
-                       r"which does not take this one \(.*'dispatch'.*\); .* moelens.wrap\(model, tokenizer=\.\.\., \*\*nnsight_kwargs\)"):
-        moelens.load(tmp_path / "olmoe", dispatch=True)
+                       r"which does not take this one \(.*'rename'.*\); .* moelens.wrap\(model, tokenizer=\.\.\., \*\*nnsight_kwargs\)"):
+        moelens.load(tmp_path / "olmoe", rename={"model": "m"})
 
 
 def test_an_unexpected_keyword_the_user_did_not_pass_passes_through(tmp_path, monkeypatch):
