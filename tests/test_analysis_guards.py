@@ -1552,3 +1552,17 @@ def test_analysis_runs_a_model_left_in_training_mode_in_eval_mode_and_leaves_its
         else:
             assert torch.equal(got.ids, expected[name].ids)
             assert_same_routing(got.cache, expected[name].cache)
+
+
+def test_a_tokenizer_output_where_a_text_belongs_is_refused_saying_to_pass_its_ids(model):
+    """apply_chat_template returns a BatchEncoding in transformers 5, which docs/analysis.md's chat example passed as a
+    prompt: refused as "got BatchEncoding" alone. Following the hint routes as the text does."""
+    encoded = model.tokenizer("def f(x):", return_tensors="pt")
+    hint = r"got BatchEncoding, a tokenizer's output .* output\['input_ids'\] \(output\['input_ids'\]\[0\]"
+    with pytest.raises(MoelensError, match=r"^token_routing routes one text: .*" + hint):
+        analysis.token_routing(model, encoded)
+    with pytest.raises(MoelensError, match=r"^corpus item 0 must be .*" + hint):
+        analysis.collect_routing(model, [encoded], progress=False)
+    ids = analysis.collect_routing(model, [encoded["input_ids"][0]], progress=False)
+    text = analysis.collect_routing(model, ["def f(x):"], progress=False)
+    assert torch.equal(ids.indices(ids.layers[0]), text.indices(text.layers[0]))

@@ -351,7 +351,8 @@ def test_tokenizer_keywords_a_generating_models_pipeline_would_drop_are_refused(
     hf = tiny_model("mixtral")
     tokenizer = ascii_tokenizer()
     wrapped = moelens.wrap(hf, tokenizer=tokenizer)
-    for given in ({"text_pair": "x + y"}, {"padding": True, "pad_to_multiple_of": 16}, {"padding_side": "right"}):
+    for given in ({"text_pair": "x + y"}, {"padding": True, "pad_to_multiple_of": 16}, {"padding_side": "right"},
+                  {"split_special_tokens": True}):  # taken through **kwargs: was "did you mean 'skip_special_tokens'?"
         named = next(name for name in given if name != "padding")
         with pytest.raises(moelens.MoelensError, match=rf"^{named} beside a text prompt: a model that generates has its "
                                                        rf"text tokenized by nnsight's text-generation pipeline, .*"

@@ -156,7 +156,17 @@ def encode(item: Any, tokenizer: Any, what: str) -> list[int]:
                            "of texts, each a string or a sequence of token ids; pass the ids of one text as a list or "
                            "a 1-D tensor (e.g. [5, 6, 7] or torch.tensor([5, 6, 7])), or a list of such texts "
                            "([[5, 6, 7], [8, 9]]).")
-    raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got {type(item).__name__}.")
+    raise MoelensError(f"{what} must be a string or a sequence of token ids (ints, not bools), got {type(item).__name__}"
+                       f"{tokenizer_output_hint(item)}.")
+
+
+def tokenizer_output_hint(item: Any) -> str:
+    """For a tokenizer's output given where one text belongs (``apply_chat_template`` returns a ``BatchEncoding``
+    in transformers 5), how to pass its ids; else ""."""
+    if not isinstance(item, Mapping) or "input_ids" not in item:
+        return ""
+    return (", a tokenizer's output (apply_chat_template returns one): pass its token ids, output['input_ids'] "
+            "(output['input_ids'][0] where it holds one row as a tensor)")
 
 
 def tokenized(encoding: Mapping) -> Iterator[Tensor]:

@@ -15,7 +15,7 @@ from ..errors import MoelensError
 from .cache import SKIPPED, RoutingCache, layer_row
 from .checks import check_count, id_list
 from .collect import collect_routing, refusals_count_a_run
-from .corpus import tokenizer_of
+from .corpus import tokenizer_of, tokenizer_output_hint
 from .text import token_strings
 
 
@@ -160,7 +160,7 @@ def _one_text(text: Any) -> Any:
             )
     if not isinstance(text, (Sequence, np.ndarray, Tensor)):  # a string too
         raise MoelensError(f"token_routing routes one text: a string or a sequence of token ids, got "
-                           f"{type(text).__name__}.")
+                           f"{type(text).__name__}{tokenizer_output_hint(text)}.")
     if isinstance(text, np.ndarray) and text.ndim == 0 and text.dtype.kind == "U":  # one text, as numpy holds it
         return str(text)
     if isinstance(text, np.ndarray) and text.size and text.dtype.kind in NO_ID_KINDS:

@@ -95,6 +95,12 @@ TOKENIZED = ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "
              "text_pair_target")
 
 
+#: Settings a tokenizer's call takes through ``**kwargs``, which no signature names (transformers documents them
+#: among its settings): ``split_special_tokens``, whether a special token's string in the text (``<|endoftext|>``) is
+#: split as text or taken as the token.
+HIDDEN_SETTINGS = ("split_special_tokens",)
+
+
 @functools.cache
 def tokenizer_settings(tokenizer_class: type) -> frozenset[str]:
     """The settings a tokenizer class's call takes by name (``max_length``, ``padding`` ...), and those of
@@ -104,4 +110,4 @@ def tokenizer_settings(tokenizer_class: type) -> frozenset[str]:
     names = {name for call in (tokenizer_class.__call__, PreTrainedTokenizerBase.__call__)
              for name, parameter in inspect.signature(call).parameters.items()
              if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)}
-    return frozenset(names - {"self", "text", *TOKENIZED})
+    return frozenset(names.union(HIDDEN_SETTINGS) - {"self", "text", *TOKENIZED})
