@@ -123,10 +123,10 @@ class MoeModelMixin(StandardNames):
             warn(
                 f"save_pretrained: {len(converted)} block{'s were' if len(converted) != 1 else ' was'} converted by "
                 f"moelens.compress.tomoe ({converted[0]}{', ...' * (len(converted) > 1)}), and the model's config is "
-                "still the dense model's: the checkpoint does not load back "
-                "as this model (from_pretrained rebuilds the dense layers with random weights; moelens.load refuses "
-                "it). Save the model whole with torch.save(model._module, path) and load it with "
-                "torch.load(path, weights_only=False) (docs/compress.md).",
+                "still the dense model's: the checkpoint does not load back as this model (from_pretrained rebuilds "
+                "the dense layers with random weights; moelens.load refuses it). Save the model whole with "
+                "torch.save(model._module, path) and load it with torch.load(path, weights_only=False) "
+                "(docs/compress.md).",
             )
         return self._module.save_pretrained(*args, **kwargs)
 

@@ -59,7 +59,8 @@ class Agreement:
                  "same_set": float(self.same_set[row])} for row, layer in enumerate(self.layers)]
 
     def __repr__(self) -> str:
-        lines = [f"Agreement over {_counted(self.tokens, 'token')}", f"{'layer':>5}  {'top1':>6}  {'jaccard':>7}  {'same set':>8}"]
+        lines = [f"Agreement over {_counted(self.tokens, 'token')}",
+                 f"{'layer':>5}  {'top1':>6}  {'jaccard':>7}  {'same set':>8}"]
         lines += [f"{row['layer']:>5}  {row['top1']:>6.1%}  {row['jaccard']:>7.1%}  {row['same_set']:>8.1%}"
                   for row in self.as_rows()]
         return "\n".join(lines)
@@ -106,12 +107,12 @@ def routing_agreement(first: RoutingCache, second: RoutingCache) -> Agreement:
             same_set[row] += (hot_a == hot_b).all(-1).sum()
             routed[row] += hot_a.sum(0)
             kept[row] += both.sum(0)
-    tokens = first.num_tokens  # check_cache refused an empty cache
+    tokens = first.num_tokens  # none empty: check_cache refused that
     share = kept / routed
     for row, layer in enumerate(layers):
         share[row, first.num_experts[layer]:] = float("nan")
     return Agreement(layers=layers, top1=same_top1 / tokens, jaccard=jaccard / tokens, same_set=same_set / tokens,
-                     kept=share, tokens=first.num_tokens)
+                     kept=share, tokens=tokens)
 
 
 def _paired(first: RoutingCache, second: RoutingCache) -> Iterator[tuple[Shard, Shard]]:
