@@ -1563,6 +1563,10 @@ def test_a_tokenizer_output_where_a_text_belongs_is_refused_saying_to_pass_its_i
         analysis.token_routing(model, encoded)
     with pytest.raises(MoelensError, match=r"^corpus item 0 must be .*" + hint):
         analysis.collect_routing(model, [encoded], progress=False)
+    processed = {**encoded, "pixel_values": torch.zeros(1, 3, 4, 4)}  # ids alone would route its images as text
+    with pytest.raises(MoelensError, match=r"got dict, a processor's output with inputs of other modalities "
+                                           r"\(pixel_values\).*model.save_all\(\)"):
+        analysis.token_routing(model, processed)
     ids = analysis.collect_routing(model, [encoded["input_ids"][0]], progress=False)
     text = analysis.collect_routing(model, ["def f(x):"], progress=False)
     assert torch.equal(ids.indices(ids.layers[0]), text.indices(text.layers[0]))

@@ -425,3 +425,27 @@ def test_a_block_of_a_skipped_layer_in_a_whole_qwen3_omni_generation_is_not_blam
     finally:
         handle.remove()
     assert not calls and "tracer.stop()" not in str(refused.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "glm4v_moe", "qwen3_omni_moe"])
+def test_text_prompts_of_different_lengths_beside_an_image_keep_the_models_own_positions(family):
+    """Texts the wrapped model tokenizes, left-padded, beside image keywords: nnsight gave the batch position_ids
+    counted from the mask (its text-only rule, blind to the images beside the encoding), so the model skipped its own
+    M-RoPE positions over the image grid and every row's image tokens ran at text positions (qwen3_vl_moe: logits
+    0.06 to 0.12 off, other experts picked). Ground truth: the plain model on the same left-padded encoding."""
+    hf = _model(family, "batched_mm")
+    reference = copy.deepcopy(hf)
+    tokenizer = ascii_tokenizer()
+    marked = "".join(map(chr, [START, IMAGE, IMAGE, IMAGE, IMAGE, END]))
+    texts = ["ab" + marked + "xyz", "abceh" + marked + "x"]  # one 4-token image each, rows of 11 and 12 tokens
+    encoded = tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
+    assert (encoded["input_ids"] == IMAGE).sum() == 8 and not encoded["attention_mask"].all()
+    image = {key: value for key, value in _prompts(family).items() if key in ("pixel_values", "image_grid_thw")}
+    if family != "qwen3_omni_moe":
+        image["mm_token_type_ids"] = (encoded["input_ids"] == IMAGE).long()
+    with torch.no_grad():
+        expected = reference(**encoded, **image).logits
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    with torch.no_grad(), wrapped.trace(texts, **image):
+        logits = wrapped.output.logits.save()
+    assert torch.equal(logits, expected)

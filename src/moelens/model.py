@@ -48,8 +48,8 @@ from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_l
                               _from_root, _refuse_block_classes, _renamed_blocks)
 from .wrapping.generation import _generating, _refuse_no_generate, generation_setting, rows_per_prompt
 from .wrapping.inputs import (EMBEDDED_ID_DTYPES, _UNBATCHED_REMEDY, _cached_tokens, _embedded_pad_id, _given_cache,
-                              _input_problem, _invoke_ids, _invoke_input_names, _is_text, _left_padded,
-                              _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_dropped_keywords,
+                              _input_problem, _invoke_ids, _invoke_input_names, _invoke_inputs, _is_text,
+                              _left_padded, _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_dropped_keywords,
                               _refuse_shapeless_ids, _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs,
                               _unsplittable, _without_remote, unembeddable_ids)
 from .wrapping.instance_state import _drop_stale_nnsight_state, _instance_state, _restore_instance_state
@@ -603,7 +603,17 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         invokes, forward = self._forward_keywords(invokes) if text_only else (invokes, {})
         if forward:  # laid over the batch as the trace's own keywords are, where the batch's checks see them
             self.interleaver.batcher.extra_kwargs.update(forward)
-        return super()._batch(invokes, fn)
+        batched = super()._batch(invokes, fn)
+        extra = getattr(self.interleaver.batcher, "extra_kwargs", {})
+        names = [*(name for inputs, kwargs in invokes for name in _invoke_input_names(inputs, kwargs)),
+                 *(name for name, value in extra.items() if value is not None and not isinstance(value, bool))]
+        given = {name for inputs, kwargs in invokes for name in _invoke_inputs(inputs, kwargs)} | set(extra)
+        if "position_ids" in batched[1] and "position_ids" not in given and _modality_inputs(names):
+            # nnsight counts a left-padded text batch's positions from its mask, for a text-only batch alone (its
+            # check sees the tokenizer's encoding, not the image keywords beside it): with images the model places
+            # its tokens itself (Qwen-VL's and GLM-4V's M-RoPE positions over the image grid), as transformers does.
+            batched = (batched[0], {name: value for name, value in batched[1].items() if name != "position_ids"})
+        return batched
 
     def _forward_keywords(self, invokes: list) -> tuple[list, dict[str, Any]]:
         """The invokes with their keywords beside a text prompt sorted, and the ones that go to the forward, on a

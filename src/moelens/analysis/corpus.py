@@ -165,6 +165,11 @@ def tokenizer_output_hint(item: Any) -> str:
     in transformers 5), how to pass its ids; else ""."""
     if not isinstance(item, Mapping) or "input_ids" not in item:
         return ""
+    modality = [str(key) for key in item if any(part in str(key) for part in MODALITY_INPUTS)]
+    if modality:  # a processor's output: its ids alone would route the image or audio placeholders as text
+        return (f", a processor's output with inputs of other modalities ({', '.join(modality)}), which routing "
+                "analysis does not pass to the model: its placeholder tokens would be routed as text. Read the routing "
+                "of a processor batch in a trace (with model.trace(**inputs): model.save_all())")
     return (", a tokenizer's output (apply_chat_template returns one): pass its token ids, output['input_ids'] "
             "(output['input_ids'][0] where it holds one row as a tensor)")
 
