@@ -49,8 +49,8 @@ from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_l
 from .wrapping.generation import _generating, _refuse_no_generate, generation_setting, rows_per_prompt
 from .wrapping.inputs import (EMBEDDED_ID_DTYPES, _UNBATCHED_REMEDY, _cached_tokens, _embedded_pad_id, _given_cache,
                               _input_problem, _invoke_ids, _invoke_input_names, _invoke_inputs, _is_text,
-                              _left_padded, _modality_inputs, _model_inputs, _refuse_misfit_mask, _refuse_dropped_keywords,
-                              _refuse_shapeless_ids, _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs,
+                              _left_padded, _modality_inputs, _model_inputs, _refuse_misfit_mask,
+                              _refuse_dropped_keywords, _refuse_shapeless_ids, _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs,
                               _unsplittable, _without_remote, unembeddable_ids)
 from .wrapping.instance_state import _drop_stale_nnsight_state, _instance_state, _restore_instance_state
 from .wrapping.instrument import _instrument
