@@ -27,12 +27,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(autouse=True, scope="session")
 def _command_modules_imported() -> None:
-    """Import the CLI's command modules before any test: one imported first while a test has monkeypatched
+    """Import the CLI's command bodies before any test: one imported first while a test has monkeypatched
     ``moelens.analysis.cli.load_model`` (the stats flag checks) would keep the patch as its own ``load_model``, and
-    a later test's ``moelens generate`` fail with it."""
-    from moelens.cli import build_parser
-
-    build_parser()
+    a later test's ``moelens generate`` fail with it (a command imports its body when it first runs)."""
+    import moelens.analysis.generate_command  # noqa: F401 (imports moelens.analysis.cli too)
+    import moelens.export.cli  # noqa: F401
 
 
 def _build_tiny_models_on(device: str) -> None:

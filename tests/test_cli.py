@@ -91,6 +91,25 @@ def test_python_dash_m_moelens_runs_the_command_line():
     assert done.returncode == 0 and "usage: moelens inspect" in done.stdout, done.stderr[-2000:]
 
 
+def test_help_and_a_refused_command_line_import_no_model_library():
+    """moelens --help took 10 s, all of it importing torch, transformers and nnsight: the parsers and `import moelens`
+    import none of them, a command's body only when it runs; and moelens' names still import on first use."""
+    code = (
+        "import sys, moelens, moelens.cli\n"
+        "moelens.cli.build_parser().format_help()\n"
+        "try:\n"
+        "    moelens.cli.main(['stats', 'tiny'])\n"
+        "except SystemExit as refused:\n"
+        "    status = refused.code\n"
+        "heavy = sorted(name for name in ('torch', 'transformers', 'nnsight', 'numpy') if name in sys.modules)\n"
+        "print(status, heavy, moelens.wrap.__module__, moelens.Moe.__name__, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "2 [] moelens.model Moe True\n", (done.stdout, done.stderr[-2000:])
+    assert "the following arguments are required: --text" in done.stderr
+
+
 def test_console_script_loads_tiny_without_network():
     """The installed ``moelens`` script loads moelens-tiny with no hub flag set and every proxy dead."""
     script = Path(sys.executable).parent / "moelens"

@@ -601,7 +601,7 @@ def test_a_command_module_missing_a_dependency_is_not_hidden(monkeypatch, tmp_pa
 
     (tmp_path / "moelens_probe_area.py").write_text("import moelens_surely_missing_dependency\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("moelens.no_such_area.cli", "moelens.export.cli"))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("moelens.no_such_area.commands", "moelens.commands.export"))
     assert "export" in cli.build_parser().format_help()
     monkeypatch.setattr(cli, "COMMAND_MODULES", ("moelens_probe_area",))
     with pytest.raises(ModuleNotFoundError, match="moelens_surely_missing_dependency"):

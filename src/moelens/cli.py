@@ -1,8 +1,9 @@
 """The ``moelens`` command.
 
 Each feature area adds its subcommands from its own module: a module listed in
-`COMMAND_MODULES` defines ``register(subparsers)``, adding parsers whose
-``func(args) -> int`` runs the command. Errors moelens raises on purpose are
+`COMMAND_MODULES` (``moelens.commands``) defines ``register(subparsers)``, adding parsers whose
+``func(args) -> int`` imports the command's body and runs it (`moelens.commands.runs`), so the
+parsers import no model library. Errors moelens raises on purpose are
 printed as one clear line (exit status 2), not a traceback. `quiet_transformers`
 keeps transformers' logging and progress bars out of every command's output.
 """
@@ -22,7 +23,7 @@ from .errors import MoelensError, sentence
 from .paths import user_path
 
 #: Modules that add subcommands (``demo``, ``inspect``, ``stats``, ``generate``, ``export`` ...).
-COMMAND_MODULES = ("moelens.analysis.cli", "moelens.analysis.generate_command", "moelens.export.cli")
+COMMAND_MODULES = ("moelens.commands.analysis", "moelens.commands.generate", "moelens.commands.export")
 
 
 def quiet_transformers() -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
 from .errors import MoelensError
 
 #: The edits the options give, by the names `moelens.export.Edits` gives them (``--route-around``: route_around).
@@ -71,6 +69,8 @@ def make_edits(moe: Any, *, ablate: Any = None, route_around: Any = None, steer:
     """Inside a trace: make one block's edits with moelens' interventions, routing first (steer, then route_around),
     then the outputs (zero ablation, then every swap at once, as the export bakes them: ``{1: 2, 2: 1}`` exchanges
     two experts instead of chaining). Each edit is given as `parse_edit_options` gives one layer's (None: none)."""
+    import torch
+
     from .interventions import ablate as ablated, steer as steered
 
     for expert, bias in (steer or {}).items():

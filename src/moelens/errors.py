@@ -11,9 +11,6 @@ import sys
 import warnings
 from typing import Any
 
-import numpy as np
-from torch import Tensor
-
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first caller outside moelens (the user's line, not moelens' own), however
@@ -75,6 +72,6 @@ def described(value: Any) -> str:
     its shape (a tensor, an array)."""
     if value is None or isinstance(value, (str, int, float)):
         return f"{type(value).__name__} {value!r:.60}"
-    if isinstance(value, (Tensor, np.ndarray)):
+    if isinstance(getattr(value, "shape", None), tuple):  # a tensor, an array (torch.Size is a tuple)
         return f"{type(value).__name__} of shape {tuple(value.shape)}"
     return type(value).__name__
