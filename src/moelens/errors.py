@@ -72,6 +72,7 @@ def described(value: Any) -> str:
     its shape (a tensor, an array)."""
     if value is None or isinstance(value, (str, int, float)):
         return f"{type(value).__name__} {value!r:.60}"
-    if isinstance(getattr(value, "shape", None), tuple):  # a tensor, an array (torch.Size is a tuple)
+    numpy = sys.modules.get("numpy")  # a numpy scalar (np.int64(3)) has a shape () too: named as a number
+    if isinstance(getattr(value, "shape", None), tuple) and not (numpy and isinstance(value, numpy.generic)):
         return f"{type(value).__name__} of shape {tuple(value.shape)}"
     return type(value).__name__

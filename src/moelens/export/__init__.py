@@ -31,7 +31,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Heavy parts load on first use, so `import moelens.export` stays cheap.
+    # The exporter, the verification and the support table (torch-to-nnef, tract) load on first use.
     if name in ("to_nnef", "ExportReport"):
         from . import exporter
 

@@ -4,7 +4,9 @@
 ``tiny`` for moelens-tiny), exports it with one tract_moe_ffn per MoE block, checks it
 in tract and prints what each block became. Edits are given as ``LAYER:EXPERTS``
 (``--ablate 1:3,5``) or ``LAYER:EXPERT=VALUE`` (``--steer 2:4=1.5``, ``--swap 1:3=0``).
-``moelens export --support`` prints which families export. Imports nothing heavy until run.
+``moelens export --support`` prints which families export. The command's body: its parser is
+`moelens.commands.export`, which imports this module (and with it torch, transformers and nnsight) when the command
+runs.
 """
 
 from __future__ import annotations
