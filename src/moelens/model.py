@@ -50,8 +50,8 @@ from .wrapping.generation import _generating, _refuse_no_generate, generation_se
 from .wrapping.inputs import (EMBEDDED_ID_DTYPES, _UNBATCHED_REMEDY, _cached_tokens, _embedded_pad_id, _given_cache,
                               _input_problem, _invoke_ids, _invoke_input_names, _invoke_inputs, _is_text,
                               _left_padded, _modality_inputs, _model_inputs, _refuse_misfit_mask,
-                              _refuse_dropped_keywords, _refuse_shapeless_ids, _refuse_unusable_ids, _rows_of, _token_ids, _unbatched_inputs,
-                              _unsplittable, _without_remote, unembeddable_ids)
+                              _refuse_dropped_keywords, _refuse_shapeless_ids, _refuse_unusable_ids, _rows_of,
+                              _token_ids, _unbatched_inputs, _unsplittable, _without_remote, unembeddable_ids)
 from .wrapping.instance_state import _drop_stale_nnsight_state, _instance_state, _restore_instance_state
 from .wrapping.instrument import _instrument
 from .wrapping.pipeline import (FEATURE_SETTINGS, FEATURE_TASK, GENERATION_SETTINGS, PIPELINE_ATTRIBUTES, TOKENIZED,
@@ -604,16 +604,20 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
         if forward:  # laid over the batch as the trace's own keywords are, where the batch's checks see them
             self.interleaver.batcher.extra_kwargs.update(forward)
         batched = super()._batch(invokes, fn)
-        extra = getattr(self.interleaver.batcher, "extra_kwargs", {})
-        names = [*(name for inputs, kwargs in invokes for name in _invoke_input_names(inputs, kwargs)),
-                 *(name for name, value in extra.items() if value is not None and not isinstance(value, bool))]
-        given = {name for inputs, kwargs in invokes for name in _invoke_inputs(inputs, kwargs)} | set(extra)
-        if "position_ids" in batched[1] and "position_ids" not in given and _modality_inputs(names):
+        if "position_ids" in batched[1] and self._positions_beside_modalities(invokes):
             # nnsight counts a left-padded text batch's positions from its mask, for a text-only batch alone (its
             # check sees the tokenizer's encoding, not the image keywords beside it): with images the model places
             # its tokens itself (Qwen-VL's and GLM-4V's M-RoPE positions over the image grid), as transformers does.
             batched = (batched[0], {name: value for name, value in batched[1].items() if name != "position_ids"})
         return batched
+
+    def _positions_beside_modalities(self, invokes: list) -> bool:
+        """Whether the batch's ``position_ids`` are nnsight's, not the user's, beside image or audio inputs (of an
+        invoke or of the trace's own keywords)."""
+        extra = getattr(self.interleaver.batcher, "extra_kwargs", {})
+        given = {name for inputs, kwargs in invokes for name in _invoke_inputs(inputs, kwargs)} | set(extra)
+        names = [name for inputs, kwargs in [*invokes, ((), extra)] for name in _invoke_input_names(inputs, kwargs)]
+        return "position_ids" not in given and bool(_modality_inputs(names))
 
     def _forward_keywords(self, invokes: list) -> tuple[list, dict[str, Any]]:
         """The invokes with their keywords beside a text prompt sorted, and the ones that go to the forward, on a

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..errors import MoelensError
 from ..modules import config_of, text_config, vocab_size
-from ..wrapping.inputs import MODALITY_INPUTS
+from ..wrapping.inputs import MODALITY_INPUTS, _modality_inputs
 from .checks import check_count
 
 #: Longest window used when neither the caller nor the model's config says.
@@ -165,7 +165,7 @@ def tokenizer_output_hint(item: Any) -> str:
     in transformers 5), how to pass its ids; else ""."""
     if not isinstance(item, Mapping) or "input_ids" not in item:
         return ""
-    modality = [str(key) for key in item if any(part in str(key) for part in MODALITY_INPUTS)]
+    modality = _modality_inputs(item)
     if modality:  # a processor's output: its ids alone would route the image or audio placeholders as text
         return (f", a processor's output with inputs of other modalities ({', '.join(modality)}), which routing "
                 "analysis does not pass to the model: its placeholder tokens would be routed as text. Read the routing "

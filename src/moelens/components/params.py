@@ -186,23 +186,23 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     router = get_path(block, family.router)
     op = family.logits_op
     called = called_attribute(router, op)
+    attribute = getattr(router, called, None) if called else None  # the module the op calls, if one
     if op == "forward_0" and isinstance(router, torch.nn.Linear):
         weight, bias = router.weight, router.bias
-    elif called and is_adapter_layer(getattr(router, called, None)):
-        adapted = getattr(router, called)
+    elif is_adapter_layer(attribute):
+        adapted = attribute
         raise AdaptedRouter(
             f"{family.name}: the router's linear layer {family.router}.{called} is a PEFT adapter layer "
             f"({type(adapted).__module__}.{type(adapted).__name__}): the logits come from its base weight and the "
             "adapters together, which no one [E, D] tensor holds; merge the adapters in first (model = "
             "peft_model.merge_and_unload()) and wrap the result."
         )
-    elif called and isinstance(getattr(router, called, None), torch.nn.Linear):
-        linear = getattr(router, called)
-        weight, bias = linear.weight, linear.bias
-    elif called and hasattr(getattr(router, called, None), "_packed_params"):  # torch's quantized Linear
+    elif isinstance(attribute, torch.nn.Linear):
+        weight, bias = attribute.weight, attribute.bias
+    elif hasattr(attribute, "_packed_params"):  # torch's quantized Linear
         raise ValueUnavailable(
             f"{family.name}: the router's linear layer {family.router}.{called} is a "
-            f"{type(getattr(router, called)).__name__} (quantized): its weight is packed, not a "
+            f"{type(attribute).__name__} (quantized): its weight is packed, not a "
             "floating-point tensor a view could edit; take params() on the model before quantizing it."
         )
     elif (operands := functional_linear_operands(router, op)) is not None:
