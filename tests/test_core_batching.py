@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import nnsight
 import pytest
@@ -300,6 +301,43 @@ def test_blocks_given_a_modality_subset_refuse_a_batch_layout(image_tokens):
     with wrapped.trace(input_ids=ids):  # text only: text_moe sees every token
         logits = text_moe.router_logits.save()
     assert logits.shape == (2, 8, text_moe.num_experts)
+
+
+def test_save_all_that_reads_none_of_the_values_asked_says_why():
+    """ernie4_5_vl_moe's text_moe on a prompt with image tokens, and per-slot values asked of an eager block, gave
+    empty dicts without a word. Each warns with the reason strict=True raises; a save_all that reads a value does
+    not warn."""
+    wrapped = moelens.wrap(tiny_model("ernie4_5_vl_moe"))
+    ids = torch.tensor([[5, 6, 7, 40, 41, 42, 8, 9], [5, 6, 7, 10, 11, 12, 8, 9]])
+    types = torch.zeros_like(ids)
+    types[0, 3:5] = 1
+    gathered = r"cannot be served: this call of the block ran on part of the tokens, gathered out of the batch"
+    with pytest.warns(UserWarning, match=r"^model.save_all\(\) read none of the values asked of "
+                                         r"model.layers.1.mlp.text_moe \(and 2 more blocks\): model.layers.1.mlp."
+                                         rf"text_moe.router_logits {gathered}.* Pass strict=True to raise this"):
+        with torch.no_grad(), wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
+            values = wrapped.save_all()
+    assert values == {1: {}, 2: {}, 3: {}}
+    with pytest.raises(moelens.ValueUnavailable, match=gathered):
+        with torch.no_grad(), wrapped.trace(input_ids=ids, moe_mm_token_type_ids=types):
+            wrapped.save_all(strict=True)
+    wrapped.set_experts_implementation("eager")
+    per_slot = r"expert_activations cannot be served: per-slot values exist only inside the grouped_mm"
+    with pytest.warns(UserWarning, match=rf"^model.layers.1.mlp.text_moe.save_all\(\) read none of the values asked: "
+                                         rf"model.layers.1.mlp.text_moe.{per_slot}"):
+        with torch.no_grad(), wrapped.trace(input_ids=ids):
+            values = wrapped.moes[0].save_all(["expert_outputs", "expert_activations"])
+    assert values == {}
+    with pytest.raises(moelens.ValueUnavailable, match=per_slot):
+        with torch.no_grad(), wrapped.trace(input_ids=ids):
+            wrapped.moes[0].save_all(["expert_outputs", "expert_activations"], strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad(), wrapped.trace(input_ids=ids):
+            values = wrapped.save_all()
+        with torch.no_grad(), wrapped.trace(input_ids=ids):
+            some = wrapped.moes[0].save_all(["expert_outputs", "router_logits"])
+    assert list(some) == ["router_logits"] and all("router_logits" in block for block in values.values())
 
 
 def test_a_modality_block_called_by_keyword_is_refused_as_by_position():

@@ -1976,9 +1976,12 @@ def test_a_family_entry_holds_its_own_read_only_lists_and_mappings():
         assert dict(registered.refused) == {"expert_outputs": "not here"}
         assert registry.for_model_type("mytype") is registered and registry.for_model_type("other") is None
         for again in (pickle.loads(pickle.dumps(registered)), copy.deepcopy(registered)):
-            assert again == registered
+            assert again == registered and hash(again) == hash(registered)
             with pytest.raises(TypeError, match="read-only"):
                 again.refused.pop("expert_outputs")
+        entries = set(moelens.families.supported())  # was "unhashable type: 'ReadOnlyMapping'": entries hold mappings
+        assert registered in entries and len(entries) == len(moelens.families.supported())
+        assert dataclasses.replace(registered, refused={"expert_outputs": "other"}) not in entries
     finally:
         moelens.families.unregister("mine")
 
@@ -5879,6 +5882,31 @@ def test_a_tokenizer_setting_no_tokenizer_takes_is_refused_beside_text_too():
     with pytest.raises(moelens.MoelensError, match=r"'atention_mask'.*did you mean 'attention_mask'\?"):
         with torch.no_grad(), moelens.wrap(adapted).trace(ids, atention_mask=torch.ones_like(ids)):
             pass
+
+
+def test_an_unknown_keyword_far_from_every_argument_is_warned_of_at_the_users_line():
+    """attn_mask= (no near miss of attention_mask) ran without a word: the model drops a keyword it does not know.
+    It is warned of, at the trace's line; a known keyword is not. Ground truth: the plain model gives the same
+    logits with and without it (it was dropped)."""
+    hf = tiny_model("mixtral")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    half = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with torch.no_grad():
+        assert torch.equal(hf(ids, attn_mask=half).logits, hf(ids).logits)
+    wrapped = moelens.wrap(hf)
+    with pytest.warns(UserWarning, match=r"^the keyword 'attn_mask' given to the trace is no argument of "
+                                         r"MixtralForCausalLM.forward .* so the model runs without it\.") as caught:
+        with torch.no_grad(), wrapped.trace(ids, attn_mask=half):
+            logits = wrapped.output.logits.save()
+    assert [pathlib.Path(warning.filename).name for warning in caught] == ["test_core_errors.py"]
+    with torch.no_grad():
+        assert torch.equal(logits, hf(ids).logits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad(), wrapped.trace(ids, attention_mask=half, use_cache=False, return_dict=True):
+            logits = wrapped.output.logits.save()
+    with torch.no_grad():
+        assert torch.equal(logits, hf(ids, attention_mask=half).logits)
 
 
 def test_keywords_a_tokenizer_gives_or_an_inner_forward_names_are_not_taken_for_misspellings():

@@ -13,10 +13,11 @@ from typing import Any
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` attributed to the first caller outside moelens (the user's line, not moelens' own), however
-    deep in moelens it is raised: ``moelens.load`` and ``moelens.wrap`` reach the same warning at different depths."""
+    """``warnings.warn`` attributed to the first caller outside moelens and nnsight (the user's line, not moelens' own),
+    however deep in moelens it is raised: ``moelens.load`` and ``moelens.wrap`` reach the same warning at different
+    depths, and a check of a trace's inputs runs inside nnsight when the trace's ``with`` block ends."""
     frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and str(frame.f_globals.get("__name__")).partition(".")[0] == "moelens":
+    while frame.f_back is not None and str(frame.f_globals.get("__name__")).partition(".")[0] in ("moelens", "nnsight"):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 

@@ -411,16 +411,23 @@ class MoeModelMixin(StandardNames):
             values = value_names(values)  # once: each block reads the same names (a generator would serve the first)
         layers = [moe.layer for moe in blocks]
         keys = layers if len(set(layers)) == len(layers) else [moe.path for moe in blocks]
-        saved = {}
+        saved, empty = {}, {}
         for key, moe in zip(keys, blocks):
             try:
-                saved[key] = moe.save_all(values, strict=strict)
+                saved[key], left_out = moe._saved_values(values, strict)
             except OrderError as error:  # `Moe._run_past`'s, whose advice is the block's own save_all
                 name = getattr(error, "unreached", None)
                 if name is None:
                     raise
                 raise moe._order_error(name, by="model.save_all", step_passed=getattr(error, "step_passed", False)) \
                     from None
+            if left_out is not None and not saved[key]:
+                empty[moe.path] = left_out
+        if empty:
+            first, reason = next(iter(empty.items()))
+            others = f" (and {len(empty) - 1} more block{'s' * (len(empty) > 2)})" if len(empty) > 1 else ""
+            warn(f"model.save_all() read none of the values asked of {first}{others}: {reason} Pass strict=True to "
+                 "raise this instead.")
         return nnsight.save(saved)
 
     def _given_blocks(self, moes: Any) -> list[Moe]:

@@ -42,7 +42,7 @@ from jaxtyping import Float, Int
 from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
-from ..errors import ArgumentError, FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence
+from ..errors import ArgumentError, FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence, warn
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
 from ..families.scoring import derived_routing, score
@@ -1116,18 +1116,31 @@ class Moe(Mlp):
         """
         self._require_trace("save_all")
         check_flag("strict", strict, ArgumentError)
+        saved, left_out = self._saved_values(values, strict)
+        if left_out is not None and not saved:
+            warn(f"{self.path}.save_all() read none of the values asked: {left_out} Pass strict=True to raise this "
+                 "instead.")
+        return nnsight.save(saved)
+
+    def _saved_values(self, values: str | Iterable[str] | None, strict: bool
+                      ) -> tuple[dict[str, Tensor], ValueUnavailable | None]:
+        """`save_all`'s values (name -> saved tensor), and the first error of a value it left out (None where none
+        was: `model.save_all` warns of blocks that served nothing)."""
         order = self.order()
-        plan = self._plan(order if values is None else self._asked_once(values, order, strict), strict)
+        names = order if values is None else self._asked_once(values, order, strict)
+        plan = self._plan(names, strict)
         saved: dict[str, Tensor] = {}
+        left_out = None if plan or not names else self._unavailable(names[0])  # none servable before the run
         for name, (binding, keep_open) in plan.items():
             try:
                 if binding is None:  # router_probs: scored from the logits just read (else it reads them itself)
                     value = self._scored(saved["router_logits"]) if "router_logits" in saved else self.router_probs
                 else:  # settled as read where a value read later moves the model on at once
                     value = self._read(getattr(type(self), name), keep_open=keep_open, binding=binding)
-            except ValueUnavailable:
+            except ValueUnavailable as unavailable:
                 if strict:
                     raise
+                left_out = left_out or unavailable
                 continue
             except OrderError as error:  # its advice is save_all itself
                 past = self._run_past(name, error)
@@ -1135,7 +1148,16 @@ class Moe(Mlp):
                     raise
                 raise past from None
             saved[name] = value.save()
-        return nnsight.save(saved)
+        return saved, left_out
+
+    def _unavailable(self, name: str) -> ValueUnavailable | None:
+        """The error of ``name``, a value this block cannot serve in this run as far as is known before the model
+        reaches it (`_plan` leaves it out)."""
+        try:
+            self._check_available(name) if name == "router_probs" else self._binding(name, self.experts_implementation)
+        except ValueUnavailable as unavailable:
+            return unavailable
+        return None
 
     def _run_past(self, name: str, error: OrderError) -> OrderError | None:
         """The error for `save_all`'s read of ``name`` refused (``error``) because the model had already run past it

@@ -323,6 +323,9 @@ class ReadOnlyMapping(dict):
     def __reduce__(self) -> tuple[type, tuple[dict]]:  # pickle and deepcopy rebuild it whole
         return ReadOnlyMapping, (dict(self),)
 
+    def __hash__(self) -> int:  # read-only, so a family entry holding it hashes (a set of entries, a dict key)
+        return hash(frozenset(self.items()))
+
 
 @dataclass(frozen=True)
 class Family:

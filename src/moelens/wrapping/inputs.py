@@ -23,7 +23,7 @@ from transformers.pipelines.text_generation import TextGenerationPipeline
 from transformers.utils.generic import TransformersKwargs
 from torch._subclasses.fake_tensor import is_fake
 
-from ..errors import MoelensError, described
+from ..errors import MoelensError, described, warn
 from ..modules import first_parameter, names_keyword, vocab_size
 from .pipeline import tokenizer_settings
 
@@ -93,7 +93,8 @@ def _refuse_dropped_keywords(module: torch.nn.Module, given: Iterable[tuple[Any,
     name, value and what it was given beside: ``"text"`` (an invoke's text, which the tokenizer takes it with),
     ``"ids"`` (an invoke's token ids or embeddings, which go to the forward as they are) or ``"trace"`` (the trace's
     own, beside its invokes: nnsight hands those to the forward). Refused are a near miss of a keyword a forward of
-    the model names (``atention_mask``) and a setting of the tokenizer or the text pipelines (``max_length``,
+    the model names (``atention_mask``; another unknown keyword, ``attn_mask``, is warned of: a module may read it
+    from ``**kwargs`` unnamed) and a setting of the tokenizer or the text pipelines (``max_length``,
     `_text_settings`) given where no tokenizer takes it, unless it asks for nothing (`_asks_nothing`). ``generate``
     checks its own; a model with a processor (``text_only`` False) hands it keywords of its own, and a plain torch
     model may read its own from ``**kwargs``: those are left alone. A PEFT model is checked as the model it wraps."""
@@ -123,12 +124,12 @@ def _refuse_dropped_keywords(module: torch.nn.Module, given: Iterable[tuple[Any,
                 f"nothing. Instead, {remedy}."
             )
         meant = difflib.get_close_matches(name, named | _text_settings(), n=1, cutoff=0.8)
+        dropped = (f"the keyword {name!r} given to the trace is no argument of {model}.forward (nor of its "
+                   "modules'), which takes any keyword and drops one it does not know, so the model ")
         if meant:
-            raise MoelensError(
-                f"the keyword {name!r} given to the trace is no argument of {model}.forward (nor of its modules'), "
-                "which takes any keyword and drops one it does not know, so the model would run without it: did you "
-                f"mean {meant[0]!r}?"
-            )
+            raise MoelensError(f"{dropped}would run without it: did you mean {meant[0]!r}?")
+        warn(f"{dropped}runs without it. Check its name against {model}.forward's arguments (attention_mask=, "
+             "position_ids=, ...); where a module of yours reads it from **kwargs unnamed, it gets it: ignore this.")
 
 
 def _asks_nothing(value: Any) -> bool:
