@@ -1368,3 +1368,80 @@ def test_a_nan_the_user_writes_beside_the_model_s_own_is_still_refused():
         assert first_tensor(output)[0].isfinite().all()
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("family", sorted({family for family, _ in CASES}))
+def test_reroute_with_the_routers_weights_replays_a_runs_own_routing_unchanged(family):
+    """Router replay: reroute(moe, ..., indices, weights="router") with a run's own indices gives each slot the
+    weight the family's router gave it, so the output is the plain model's (ground truth: the model's own router).
+    Blocks whose weights are no function of the logits and the chosen experts are refused, naming why."""
+    hf = tiny_model(family)
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        plain = first_tensor(hf(**inputs))
+    wrapped = moelens.wrap(hf)
+    moes = [moe for moe in running_moes(wrapped) if not moe.family.derived_routing]
+    if not moes:
+        pytest.skip("routing is recomputed from the logits: nothing to reroute")
+    with torch.no_grad(), wrapped.trace(**inputs):
+        recorded = nnsight.save([moe.expert_indices for moe in moes])
+    unweighable = [moe for moe in moes if moe.SCORING.select in ("sparsemixer", "skip_topk")
+                   or moe.family.resolve(moe.family.extra_logits, moe._module)]
+    if unweighable:
+        with pytest.raises(moelens.WriteError, match=rf"^reroute: weights='router' on {unweighable[0].path} "
+                                                     r"\(\w+\) cannot recompute the weights of other experts: "):
+            with torch.no_grad(), wrapped.trace(**inputs):
+                moelens.reroute(unweighable[0], ..., recorded[moes.index(unweighable[0])], weights="router")
+        return
+    with torch.no_grad(), wrapped.trace(**inputs):
+        for moe, indices in zip(moes, recorded):
+            moelens.reroute(moe, ..., indices, weights="router")
+        replayed = first_tensor(wrapped.output).save()
+    torch.testing.assert_close(replayed, plain, atol=1e-5, rtol=1e-5)
+
+
+def weights_by_hand(family: str, config, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The weights each family's router gives the experts ``indices`` from its raw ``logits`` [T, E], written out."""
+    if family == "gpt_oss":  # a softmax over the chosen logits alone
+        return logits.gather(-1, indices).softmax(-1)
+    if family == "deepseek_v3":  # sigmoid scores of the chosen, renormalised, times the routed scale
+        chosen = logits.sigmoid().gather(-1, indices)
+        chosen = chosen / chosen.sum(-1, keepdim=True) if config.norm_topk_prob else chosen
+        return chosen * config.routed_scaling_factor
+    chosen = logits.softmax(-1).gather(-1, indices)  # mixtral (renormalised), qwen2_moe (as norm_topk_prob says)
+    return chosen / chosen.sum(-1, keepdim=True) if getattr(config, "norm_topk_prob", True) else chosen
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_reroute_with_the_routers_weights_replays_recorded_routing_on_changed_routers(family):
+    """Indices recorded before the routers changed, replayed after: the experts run are the recorded ones, weighted
+    by the changed routers' logits. Ground truth: plain nnsight handing the experts call the recorded indices and
+    the weights written out by hand from the raw logits op."""
+    hf = tiny_model(family)
+    inputs = tiny_inputs(hf)
+    wrapped = moelens.wrap(hf)
+    moes = running_moes(wrapped)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        recorded = nnsight.save([moe.expert_indices for moe in moes])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for moe in moes:
+            moe.params().router.add_(torch.randn_like(moe.params().router) * 0.5)
+    reference = copy.deepcopy(hf)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        original = nnsight.save([moe.expert_indices for moe in moes])
+    assert any(not torch.equal(now, then) for now, then in zip(original, recorded))  # the routers chose otherwise
+    with torch.no_grad(), wrapped.trace(**inputs):
+        for moe, indices in zip(moes, recorded):
+            moelens.reroute(moe, ..., indices, weights="router")
+        replayed = first_tensor(wrapped.output).save()
+
+    def edit(block, moe, index):
+        logits = logits_op(block, moe)
+        flat = recorded[index].flatten(0, 1)
+        swap_call_args(block, moe, lambda indices, weights: (
+            flat.to(indices.dtype), weights_by_hand(family, hf.config, logits.float(), flat).to(weights.dtype)))
+
+    with torch.no_grad():
+        expected = plain_edit(reference, inputs, moes, edit)
+    torch.testing.assert_close(replayed, expected, atol=1e-6, rtol=1e-6)

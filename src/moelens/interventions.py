@@ -16,6 +16,8 @@ call                          changes              how
                                                    experts, weights renormalised by the family
 ``ablate(.., "swap", to=j)``  outputs              slots routed to ``e`` run expert ``j``, same weight
 ``reroute(moe, tokens, ex)``  outputs              the given tokens' slots run experts ``ex``
+                                                   (``weights="router"``: weighted as the router
+                                                   weighs them; router replay)
 ``keep_top(moe, n)``          outputs              all but each token's ``n`` highest-weighted
                                                    slots get weight 0 (optionally renormalised)
 ``steer(moe, e, bias)``       routing              ``bias`` added to ``e``'s logit (SteerMoE style)
@@ -38,7 +40,7 @@ from typing import Any, Callable, ParamSpec
 import nnsight
 import numpy
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from .components import Mlp, Moe
@@ -46,10 +48,14 @@ from .components.layer_list import held_blocks
 from .components.write_checks import check_before_edit, refuse_under_vmap, remember_before_edit
 from .errors import OrderError, ValueUnavailable, WriteError, sentence
 from .families import registry
-from .families.scoring import score
+from .families.check import scoring_settings, unrecomputable_weights
+from .families.scoring import chosen_weights, score
 from .scalars import as_int, as_real, bool_in, check_flag, scalar
 
 ABLATION_MODES = ("zero", "route_around", "swap")
+
+#: What `reroute` gives the rerouted slots: the router's weights of the old experts, or of the new ones.
+REROUTE_WEIGHTS = ("kept", "router")
 
 _P = ParamSpec("_P")
 
@@ -294,21 +300,30 @@ def _check_bias_did_not_pick(moe: Moe) -> None:
 
 
 @_intervention
-def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor | numpy.ndarray) -> None:
-    """Send the given tokens' slots to the given experts (their weights stay; outputs change).
+def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor | numpy.ndarray,
+            weights: str = "kept") -> None:
+    """Send the given tokens' slots to the given experts (outputs change).
 
     Args:
         moe: The MoE component.
         tokens: Which tokens of this invoke, as an index into ``[batch, seq]`` only: a
             ``[batch, seq]`` bool mask, a ``(batch_index, seq_index)`` tuple,
-            ``(slice(None), positions)`` or ``(..., position)``.
+            ``(slice(None), positions)`` or ``(..., position)`` (``...``: every token).
         experts: One expert id for every slot, or ``k`` ids (one per slot), or a
             tensor broadcastable to the selected ``[n, k]`` slots (one row per selected
             token, in the order the selection gives them: row-major for a mask or slices, the given order
             for index tensors; a ``[b, p, k]`` one shaped like the selection also fits). A selection that
             names a token twice with different experts is refused (which it would keep is undefined).
+        weights: ``"kept"``: each slot keeps the weight the router gave it; ``"router"``: the selected tokens'
+            slots get the weights the family's scoring gives the new experts from this run's router logits (score,
+            renormalisation, scale, per-expert scale, in float32), as if the router had picked them. Router replay
+            (``reroute(moe, ..., recorded_indices, weights="router")``) runs the experts a recorded run chose with
+            their weights on this run's logits; replaying a run's own indices changes nothing. Refused where the
+            weights are no function of the logits and the chosen experts (phimoe's sparse mixer, zaya's skip class,
+            inkling's extra logit columns).
     """
     _refuse_recomputed_routing(_moe(moe, "reroute"), "reroute")
+    logits = _logits_to_weigh(moe, weights)  # read first: the router makes them before the experts' arguments
     indices = moe.expert_indices.clone()
     rows = _token_rows(indices, tokens, "reroute")
     selected = indices[rows]
@@ -348,7 +363,36 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor |
             "which of them it keeps is undefined; select each token once."
         )
     indices[rows] = given
+    if logits is not None:
+        weighed = moe.expert_weights.clone()
+        weighed[rows] = router_weights(moe, logits, indices)[rows].to(weighed.dtype)
+        moe.expert_weights = weighed
     moe.expert_indices = indices
+
+
+def _logits_to_weigh(moe: Moe, weights: Any) -> torch.Tensor | None:
+    """``moe.router_logits``, read where `reroute`'s ``weights`` is ``"router"`` (None for ``"kept"``); refuses
+    another ``weights`` and a block whose weights are no function of its logits and the chosen experts."""
+    if weights not in REROUTE_WEIGHTS:
+        raise WriteError(f"reroute: weights={weights!r} is not one of {REROUTE_WEIGHTS}: 'kept' keeps the router's "
+                         "weight of each slot, 'router' gives the new experts the weights the router gives them.")
+    if weights == "kept":
+        return None
+    unweighable = unrecomputable_weights(moe)
+    if unweighable:
+        raise WriteError(f"reroute: weights='router' on {moe.path} ({moe.family.name}) cannot recompute the weights "
+                         f"of other experts: {unweighable}. Keep the router's weights (weights='kept'), or write "
+                         "expert_weights yourself.")
+    return moe.router_logits
+
+
+def router_weights(moe: Moe, logits: Float[torch.Tensor, "*tokens e"], indices: Int[torch.Tensor, "*tokens k"]
+                   ) -> Float[torch.Tensor, "*tokens k"]:
+    """The weights ``[..., k]`` ``moe``'s router gives the experts ``indices`` from ``logits``, in float32: its
+    family's score, renormalisation, scale and per-expert scale (`moelens.families.scoring.chosen_weights`)."""
+    score_name, normalize, scale, softcap, floor, per_expert = scoring_settings(moe)
+    return chosen_weights(logits, indices, score_name, moe.SCORING.select, normalize, scale, softcap, floor,
+                          per_expert)
 
 
 @_intervention

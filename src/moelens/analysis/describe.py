@@ -41,6 +41,8 @@ class LayerReport:
         values: Value name -> its shape on a ``[1, 4]`` probe input (served values).
         unavailable: Value name -> why this block cannot serve it.
         read_only: The served values a write to is refused for (`Moe.read_only`).
+        stack: The list of layers holding the block (``"encoder.block"``) where the model's blocks sit in several
+            such lists (an encoder-decoder model), else ``""`` (see `label`).
     """
 
     layer: int

@@ -109,7 +109,7 @@ def token_routing(
             blocks in a layer, as `collect_routing` takes it.
 
     Returns:
-        The `TokenRouting` of the text's tokens (``.table()`` prints it, `moelens.analysis.plot_token_routing`
+        The `TokenRouting` of the text's tokens (``.table()`` prints it, `moelens.analysis.plots.plot_token_routing`
         draws it).
     """
     with refusals_count_a_run(model):

@@ -45,7 +45,9 @@ MIXTURE_VALUES = tuple(name for name in VALUE_NAMES if name != "mlp_output") + (
 
 
 class Mlp(Component):
-    """A dense MLP block. See the module docstring for what it serves.
+    """A dense MLP block: serves ``mlp_output`` [b, s, M] (what it adds to the residual stream) and
+    ``mlp_activation`` (alias ``mlp_neurons``) [b, s, intermediate] (the input of its down projection); the
+    routing values of a `Moe` raise here with the reason. More in the ``moelens.components.mlp`` module docstring.
 
     `Moe` subclasses it (an MoE block serves ``mlp_output`` too): ``isinstance(block, Moe)`` tells an MoE block from a
     dense one, ``isinstance(block, Mlp)`` holds for both."""

@@ -261,13 +261,15 @@ class Moe(Mlp):
         """The transformers experts implementation the experts module runs now.
 
         ``"eager"`` for experts transformers does not dispatch (undecorated: dbrx's loop over its experts,
-        llama4's one batched matmul over all of them), and for a model whose config names none
-        (built as ``MyModel(config)``: transformers then runs the experts' own forward).
+        llama4's one batched matmul over all of them), and where the experts module's config names none (a
+        config object of one's own without ``_experts_implementation``: transformers then runs the experts' own
+        forward). A transformers model built as ``MyModel(config)`` names one: ``PreTrainedModel.__init__`` sets
+        transformers' default (``"grouped_mm"``, or ``"eager"`` where grouped_mm cannot run).
         """
         experts = self.experts._module
         if not self.family.experts_call or not is_dispatching(experts):
             return "eager"
-        # None (a model built without from_pretrained / from_config sets none): transformers runs the eager forward
+        # None (a config of one's own; PreTrainedModel.__init__ always sets one): transformers runs the eager forward
         return getattr(getattr(experts, "config", None), "_experts_implementation", None) or "eager"
 
     def order(self) -> tuple[str, ...]:

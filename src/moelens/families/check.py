@@ -104,7 +104,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             "weights: [name for name, p in model.named_parameters() if p.isnan().any()]; or the inputs) and check the "
             "entry on a model and inputs that compute finite values."
         )
-    unchecked = {moe.path: _unchecked_weights(moe) for moe in moes}
+    unchecked = {moe.path: unrecomputable_weights(moe) for moe in moes}
     selections, unread = _read_selection_scores(model, [moe for moe in moes if not unchecked[moe.path]], args, kwargs)
     problems, unscored, unchecked_layouts = [], {}, {}
     if unread:
@@ -209,7 +209,7 @@ def _layout_problem(moe: Any) -> tuple[str, str]:
 USAGE = "check(model, \"some text\") or check(model, input_ids=..., attention_mask=...), as model.trace takes them"
 
 
-def _unchecked_weights(moe: Any) -> str:
+def unrecomputable_weights(moe: Any) -> str:
     """Why ``moe``'s expert weights cannot be recomputed from its logits and indices, or ""."""
     family, block = moe.family, moe._module
     select = moe.SCORING.select
@@ -412,7 +412,7 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """What is wrong with the entry's scoring on this block's run (one whose weights it can recompute), or ""."""
     family, scoring = moe.family, moe.SCORING
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
-    score_name, normalize, scale, softcap, floor, per_expert = _scoring_settings(moe)
+    score_name, normalize, scale, softcap, floor, per_expert = scoring_settings(moe)
     entry = chosen_weights(logits, indices, score_name, scoring.select, normalize, scale, softcap, floor, per_expert)
     tolerance = _weights_tolerance(values)
     if torch.allclose(weights.float(), entry, **tolerance):
@@ -434,7 +434,7 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
             "router_probs, the routing analysis and the export follow the entry.")
 
 
-def _scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float, float, torch.Tensor | None]:
+def scoring_settings(moe: Any) -> tuple[str, bool | float, float | None, float, float, torch.Tensor | None]:
     """The entry's score function, normalisation (`chosen_weights`), scale, softcap, normalisation floor and
     multiplier per expert for ``moe``'s block."""
     family, block = moe.family, moe._module
@@ -446,7 +446,7 @@ def _score_unchecked(moe: Any, values: dict[str, torch.Tensor]) -> str:
     """Why this run's weights cannot tell the entry's score function from the others, or "": where another score
     function gives the same weights (one expert per token, renormalised, weighs 1 under any), a wrong one passes,
     and `router_probs` would follow it."""
-    score_name, normalize, scale, softcap, floor, per_expert = _scoring_settings(moe)
+    score_name, normalize, scale, softcap, floor, per_expert = scoring_settings(moe)
     logits, indices, weights = values["router_logits"], values["expert_indices"], values["expert_weights"]
     tolerance = _weights_tolerance(values)
     alike = [other for other in SCORE_FUNCTIONS if other != score_name and torch.allclose(
