@@ -4,6 +4,7 @@ another family saved to disk, and clean one-line errors on bad input."""
 from __future__ import annotations
 
 import codecs
+import importlib.util
 import csv
 import io
 import json
@@ -24,6 +25,10 @@ from groundtruth import ascii_tokenizer
 from moelens import analysis
 from moelens.cli import build_parser, main
 from moelens.testing import tiny_inputs, tiny_model
+
+#: `moelens export` refuses a missing export extra before the model loads: a refusal of the model needs the extra.
+NEEDS_EXPORT_EXTRA = pytest.mark.skipif(not all(importlib.util.find_spec(name) for name in ("torch_to_nnef", "tract")),
+                                        reason="the export extra is not installed (pip install 'moelens[export]')")
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TEXT = "def add(a, b):\n    return a + b\n\nThe function add returns the sum of a and b.\n"
@@ -489,11 +494,13 @@ def test_a_text_file_the_results_would_overwrite_is_refused_before_any_work(save
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--max-length", "0"], "--max-length must be at least 1, got 0"),
         (["demo", "--out", "{root}/text.txt"], "is a file; name a folder"),
         (["demo", "--windows", "-1"], "--windows must be 0 (none) or more"),
-        (["export", "tiny", "{root}/x.nnef.tgz", "--tokens", "0", "--no-verify"], "need at least one token"),
+        pytest.param(["export", "tiny", "{root}/x.nnef.tgz", "--tokens", "0", "--no-verify"], "need at least one token",
+                     marks=NEEDS_EXPORT_EXTRA),
         (["export", "tiny", "{root}", "--block", "0", "--no-verify"], "is a folder with files of its own"),
         (["stats", "{root}/no-tokenizer", "--text", "{root}/text.txt"], "has no tokenizer"),
         (["inspect", "{root}/config-only"], "holds config.json but no weights file"),
-        (["export", "{root}/config-only", "{root}/x.nnef.tgz", "--no-verify"], "holds config.json but no weights file"),
+        pytest.param(["export", "{root}/config-only", "{root}/x.nnef.tgz", "--no-verify"],
+                     "holds config.json but no weights file", marks=NEEDS_EXPORT_EXTRA),
         (["stats", "{root}/mixtral", "--text", "{root}/text.txt", "--out", "{root}/text.txt/sub"], "which is a file"),
         (["demo", "--out", "{root}/text.txt/sub", "--windows", "0"], "which is a file"),
         (["export", "tiny", "{root}/text.txt/x.nnef.tgz", "--no-verify", "--tokens", "2"], "which is a file"),
@@ -583,9 +590,11 @@ def test_no_command_prints_help(capsys):
 
 
 @pytest.mark.parametrize("command", [["inspect", "{root}/dense"], ["stats", "{root}/dense", "--text", "{root}/text.txt"],
-                                     ["export", "{root}/dense", "{root}/dense.nnef.tgz", "--no-verify"],
+                                     pytest.param(["export", "{root}/dense", "{root}/dense.nnef.tgz", "--no-verify"],
+                                                  marks=NEEDS_EXPORT_EXTRA),
                                      ["inspect", "{root}/mixtral/config.json"], ["inspect", "{root}/jetmoe"],
-                                     ["export", "{root}/jetmoe", "{root}/jetmoe.nnef.tgz", "--no-verify"]])
+                                     pytest.param(["export", "{root}/jetmoe", "{root}/jetmoe.nnef.tgz", "--no-verify"],
+                                                  marks=NEEDS_EXPORT_EXTRA)])
 def test_refusals_of_a_checkpoint_are_one_line(saved, capsys, command):
     """No warning comes before the error line (the dense model's 'found no MoE block'), and a file
     inside a checkpoint is named as such."""
@@ -1051,3 +1060,19 @@ def test_generate_with_edit_options_is_the_plain_generation_of_the_edited_model(
 def test_generate_refuses_bad_options_in_one_line(argv, message, capsys):
     status, out, err = run(["generate", "tiny", "--prompt", "x", *argv], capsys)
     assert status == 2 and re.search(message, err) and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("missing", [("torch_to_nnef",), ("tract",), ("torch_to_nnef", "tract")])
+def test_export_without_the_export_extra_names_it_before_the_model_loads(monkeypatch, tmp_path, capsys, missing):
+    """Without torch-to-nnef or tract, `moelens export` loaded the model and copied it before naming the extra."""
+    import moelens.export.cli as export_cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded although the export extra is missing")
+
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)  # find_spec answers None, import raises ImportError
+    monkeypatch.setattr(export_cli, "load_checkpoint", never)
+    status, out, err = run(["export", "tiny", tmp_path / "x.nnef.tgz", "--no-verify"], capsys)
+    assert status == 2 and "NNEF export needs the export extra (" in err and "pip install 'moelens[export]'" in err, err
+    assert not (tmp_path / "x.nnef.tgz").exists()

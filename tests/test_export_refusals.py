@@ -22,6 +22,9 @@ from moelens import families
 from moelens.export import ExportError, ExportRefused, run, to_nnef
 from moelens.testing import tiny_model
 
+pytest.importorskip("torch_to_nnef", reason="the export extra is not installed (pip install 'moelens[export]')")
+pytest.importorskip("tract", reason="the export extra is not installed (pip install 'moelens[export]')")
+
 
 def two_layer_mixtral(**overrides):
     with warnings.catch_warnings():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
+    if "to_nnef" in path.read_text() and not all(importlib.util.find_spec(name) for name in ("torch_to_nnef", "tract")):
+        pytest.skip("the export extra is not installed (pip install 'moelens[export]')")
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

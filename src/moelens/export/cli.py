@@ -40,7 +40,9 @@ def run_export(args: argparse.Namespace) -> int:
     check_destination(args.out)
     import torch
 
-    from .exporter import default_inputs, to_nnef
+    from .exporter import default_inputs, require_export_extra, to_nnef
+
+    require_export_extra()  # before the model loads, as OUT is checked
     from .target import resolve
 
     model = load_checkpoint(args.model)[0]

@@ -133,6 +133,7 @@ def to_nnef(
     path = user_path(path, "to_nnef's path", ExportError, " (to_nnef takes the model first: to_nnef(model, path))")
     check_archive_name(named)
     check_destination(path)
+    require_export_extra()  # before the model is copied and edited: a missing extra costs nothing
     started = time.perf_counter()
     target = resolve(model)
     inputs = _check_inputs(target, example_inputs) if example_inputs is not None else default_inputs(target)
@@ -559,6 +560,20 @@ def _runs_with_attention(root: torch.nn.Module, inputs: torch.Tensor, implementa
     return True
 
 
+#: The export extra's import names and their distributions.
+EXPORT_PACKAGES = {"torch_to_nnef": "torch-to-nnef", "tract": "tract"}
+
+
+def require_export_extra() -> None:
+    """Raise `ExportError` naming the export extra when torch-to-nnef or tract is not installed."""
+    import importlib.util
+
+    missing = [dist for name, dist in EXPORT_PACKAGES.items() if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExportError(f"NNEF export needs the export extra ({' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not installed): pip install 'moelens[export]'.")
+
+
 def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Target, dynamic: bool,
            properties: dict[str, str]) -> None:
     """torch-to-nnef: trace ``root`` on ``inputs`` and write the NNEF folder."""
@@ -574,8 +589,19 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
         from .t2n_fixes import fixed_emitters
         from .tract_cli import standin_path
     except ImportError as error:
+        if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in EXPORT_PACKAGES:
+            raise ExportError(
+                f"NNEF export needs the export extra ({error.name} is missing): pip install 'moelens[export]'."
+            ) from error
+        import importlib.metadata
+
+        try:
+            installed = f"torch-to-nnef {importlib.metadata.version('torch-to-nnef')}"
+        except importlib.metadata.PackageNotFoundError:
+            installed = "torch-to-nnef"
         raise ExportError(
-            f"NNEF export needs the export extra ({error.name} is missing): pip install 'moelens[export]'."
+            f"NNEF export could not import what it needs ({type(error).__name__}: {error}); the installed {installed} "
+            "may not be the version the export extra pins: pip install 'moelens[export]'."
         ) from error
 
     class MoelensTract(TractNNEF):
