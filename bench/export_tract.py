@@ -1,7 +1,7 @@
 """moelens-tiny exported to NNEF: tract vs torch latency, export time, archive size.
 
 Exports moelens-tiny (whole model, ``input_ids -> logits``) at 1 and 64 tokens, runs each
-archive in tract (in this process, one thread) and the same weights as a plain transformers
+archive in tract (in this process; tract may use worker threads of its own, RAYON_NUM_THREADS=1 stops that) and the same weights as a plain transformers
 model in torch (one thread, no grad, eager and grouped_mm experts), timed in alternating
 chunks of runs, and
 prints the median latencies (CPU time of the process, robust on a shared machine, and

@@ -206,13 +206,14 @@ def main() -> None:
     parser.add_argument("--memory-windows", type=at_least(1), default=512,
                         help="windows of the 1x memory corpus (default 512: past the allocator's warm-up)")
     parser.add_argument("--window", type=at_least(1), default=256, help="tokens per window (default 256)")
-    parser.add_argument("--batch-size", type=at_least(1), default=16)
-    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--batch-size", type=at_least(1), default=16, help="windows per batch (default 16)")
+    parser.add_argument("--repeats", type=at_least(1), default=3,
+                        help="alternating throughput passes; the best of each counts (default 3)")
     parser.add_argument("--shard-tokens", type=at_least(1), default=8192, help="tokens per cache shard (default 8192)")
-    parser.add_argument("--threads", type=at_least(1), default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads (default 1)")
     parser.add_argument("--memory-run", type=at_least(1), help=argparse.SUPPRESS)
     parser.add_argument("--where", default="disk", help=argparse.SUPPRESS)
-    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true", help="throughput only (no memory subprocesses)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory_run is not None:

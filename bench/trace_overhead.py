@@ -164,13 +164,25 @@ def steady_malloc() -> None:
         raise SystemExit("mallopt failed: --steady-malloc needs glibc")
 
 
+def device(text: str) -> torch.device:
+    """An ``argparse`` type: a torch device that is there."""
+    try:
+        value = torch.device(text)
+    except RuntimeError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: torch sees no CUDA device here")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=at_least(1), default=30)
-    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=30,
+                        help="timed runs of each configuration per shape, after 3 warm-up runs (default 30)")
+    parser.add_argument("--threads", type=at_least(1), default=2, help="torch threads (default 2)")
     parser.add_argument("--steady-malloc", action="store_true",
                         help="keep freed memory in the process (glibc mallopt): no page faults from fresh allocations")
-    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"),
+    parser.add_argument("--device", type=device, default=torch.device("cpu"),
                         help="where the model runs (cpu, cuda)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
