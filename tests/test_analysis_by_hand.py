@@ -127,6 +127,20 @@ def test_entropy_histogram_puts_each_token_in_the_bin_of_its_entropy(bins):
         assert expected == [1, 0, 0, 0, 1, 0, 0, 0, 1, 2]
 
 
+def test_a_token_of_nan_entropy_is_in_no_histogram_bin():
+    """Weights the model computed as NaN (a broken expert upstream) gave a NaN entropy that the cast to a bin index
+    put in bin 0, the "certain" end, while the mean said NaN. Ground truth: the finite tokens' bins by hand."""
+    weights = [[0.9, 0.1], [float("nan"), float("nan")], [0.5, 0.5]]
+    cache = cache_of([shard_of([[0, 1], [1, 2], [2, 3]], weights)])
+    result = analysis.routing_entropy(cache, "weights", bins=4)
+    stored = [[float(torch.tensor(w, dtype=torch.float16)) for w in row] for row in (weights[0], weights[2])]
+    expected = [0] * 4
+    for entropy in map(entropy_by_hand, stored):
+        expected[min(math.floor(entropy * 4), 3)] += 1
+    assert result.histogram[0].tolist() == expected and sum(expected) == 2 and result.tokens == 3
+    assert math.isnan(float(result.mean[0]))
+
+
 def test_router_entropy_histogram_by_hand():
     """The router source: entropy of softmax(logits) over all E experts / log E, binned by hand."""
     probabilities = [[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [0.97, 0.01, 0.01, 0.01], [0.4, 0.3, 0.2, 0.1]]

@@ -4879,6 +4879,12 @@ def test_a_prompt_with_no_tokens_is_refused(prompts, row):
                 pass
             with tracer.invoke(torch.tensor([[3, 4]])):
                 bare.moes[0].router_logits.save()
+    embeds = torch.zeros(1, 0, model._module.config.hidden_size)
+    with pytest.raises(RuntimeError, match="cannot reshape tensor of 0 elements"):  # the plain model's failure
+        model._module(inputs_embeds=embeds)
+    with pytest.raises(moelens.MoelensError, match=r"a prompt of the trace has no tokens: an empty inputs_embeds "):
+        with bare.trace(inputs_embeds=embeds):
+            bare.moes[0].router_logits.save()
 
 
 def test_an_input_holding_no_prompts_is_refused():

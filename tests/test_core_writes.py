@@ -1326,6 +1326,30 @@ def test_an_intervention_on_finite_rows_runs_beside_the_model_s_own_nan(grad, in
     torch.testing.assert_close(edited[0], expected[0], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("intervention", ["route_around", "force"])
+def test_a_group_limited_routing_intervention_runs_beside_the_model_s_own_nan(intervention):
+    """deepseek_v3 (selection scores ranked in groups): with the model's own NaN in row 1, route_around and force were
+    refused as if the write left that row's tokens short of experts (NaN > -inf is False). Ground truth: row 0 run
+    alone, where the model computes no NaN, with the same intervention."""
+    hf = tiny_model("deepseek_v3")
+    inputs = tiny_inputs(hf, batch=2, seq=5)
+    wrapped = moelens.wrap(hf)
+    edit = {"route_around": lambda moe: moelens.ablate(moe, 1, "route_around"),
+            "force": lambda moe: moelens.force(moe, [1])}[intervention]
+    handle = nan_in_second_row(hf)
+    try:
+        with torch.no_grad(), wrapped.trace(**inputs):
+            edit(running_moes(wrapped)[0])
+            output = first_tensor(wrapped.output).save()
+    finally:
+        handle.remove()
+    with torch.no_grad(), wrapped.trace(**{name: value[:1] for name, value in inputs.items()}):
+        edit(running_moes(wrapped)[0])
+        alone = first_tensor(wrapped.output).save()
+    assert output[1].isnan().all()
+    torch.testing.assert_close(output[0], alone[0], atol=1e-6, rtol=1e-6)
+
+
 def test_a_nan_the_user_writes_beside_the_model_s_own_is_still_refused():
     """Beside the model's own NaN (row 1), a NaN written into the finite row 0 is refused; an in-place edit of the
     model's tensor under torch.no_grad, where the values before are gone, says so and to assign instead."""

@@ -37,7 +37,8 @@ class Entropy:
         layers: Decoder-layer indices (rows).
         source: ``"router"`` (over all experts) or ``"weights"`` (over the k slots).
         mean: ``[L]`` mean normalised entropy.
-        histogram: ``[L, bins]`` token counts per entropy bin.
+        histogram: ``[L, bins]`` token counts per entropy bin (a token of NaN entropy, routed by NaN weights the
+            model computed, is in none: a row then sums to fewer than ``tokens``).
         edges: ``[bins + 1]`` bin edges over [0, 1].
         tokens: Tokens counted.
     """
@@ -111,7 +112,9 @@ def routing_entropy(cache: RoutingCache, source: str | None = None, bins: int = 
         for row, layer in enumerate(cache.layers):
             values = _shard_entropy(cache, shard, layer, source)
             total[row] += values.sum()
-            bucket = (values * bins).long().clamp(0, bins - 1)
+            # a NaN entropy (the model computed NaN routing weights) is in no bin: cast to an integer it would
+            # land in bin 0, the "certain" end, while the mean says NaN
+            bucket = (values[~values.isnan()] * bins).long().clamp(0, bins - 1)
             histogram[row] += torch.bincount(bucket, minlength=bins)
     return Entropy(
         layers=list(cache.layers), source=source, mean=total / max(tokens, 1), histogram=histogram,

@@ -231,6 +231,9 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
     groups = _kept_groups(component, name)
     fill = component.SCORING.group_fill if groups else float("-inf")
     short = (~torch.isneginf(value)).sum(-1) < needed if groups is None else _picks_excluded(value, *groups, fill, needed)
+    # a NaN left here is the model's own (one the write introduced was refused above): that token's routing is NaN
+    # whatever the write, so it is no shortfall of the write's (the finite rows beside it take the intervention)
+    short &= ~value.isnan().any(-1)
     if short.any():
         above, reach = "-inf", ""
         if groups:

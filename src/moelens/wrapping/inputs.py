@@ -43,6 +43,9 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     ``mask_built``: the mask was built for the invokes' own tokens, not given)."""
     ids = _input_ids(module, batched)
     if not isinstance(ids, torch.Tensor):
+        embeds = batched[1].get("inputs_embeds")
+        if isinstance(embeds, torch.Tensor) and embeds.dim() == 3 and embeds.shape[1] == 0:
+            raise MoelensError(_NO_TOKENS.format(row="", what="an empty inputs_embeds ([batch, 0, hidden])"))
         return batched
     if ids.dtype not in EMBEDDED_ID_DTYPES:
         raise unembeddable_ids(ids, "the trace's input_ids")
@@ -53,11 +56,13 @@ def _refuse_unusable_ids(module: torch.nn.Module, batched: tuple[tuple, dict], f
     masked = from_text and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask)  # scan: no values
     if ids.numel() == 0 or (masked and not mask.any(-1).all()):
         row = "" if ids.numel() == 0 else f" (row {int((~mask.any(-1)).nonzero()[0])} of the batch)"
-        raise MoelensError(
-            f"a prompt of the trace has no tokens{row}: an empty string or an empty ids tensor gives the model a "
-            "zero-length sequence, on which its attention fails. Give every prompt at least one token."
-        )
+        raise MoelensError(_NO_TOKENS.format(row=row, what="an empty string or an empty ids tensor"))
     return batched
+
+
+#: The refusal of a prompt with no tokens (``row``: which row of the batch, ``what``: what gave it).
+_NO_TOKENS = ("a prompt of the trace has no tokens{row}: {what} gives the model a zero-length sequence, on which its "
+              "attention fails. Give every prompt at least one token.")
 
 
 def _refuse_misfit_mask(module: torch.nn.Module, ids: Any, mask: Any, cache: Any, generating: bool,
