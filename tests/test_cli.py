@@ -341,6 +341,36 @@ def test_stats_routes_the_files_own_characters(saved, tmp_path, capsys, content)
     assert cache.num_tokens == len(content)
 
 
+def test_stats_stopped_while_writing_plots_leaves_no_earlier_runs_plot(saved, tmp_path, monkeypatch, capsys):
+    """Ctrl-C at the third plot of a second `stats` into one --out left the first run's later plots beside the
+    second run's stats.json, passing for its own. Now each file there is the second run's or absent. Ground truth:
+    the second run's files written to the end in a fresh folder."""
+    from moelens.analysis import plots
+
+    other = tmp_path / "other.txt"
+    other.write_text("The quick brown fox jumps over the lazy dog. " * 8, encoding="utf-8")
+    out, truth = tmp_path / "out", tmp_path / "truth"
+    for text, folder in ((saved / "text.txt", out), (other, truth)):
+        status, _, err = run(["stats", saved / "mixtral", "--text", text, "--out", folder, "--no-progress"], capsys)
+        assert status == 0, err
+    first = {path.name: path.read_bytes() for path in out.glob("*.png")}
+    drawn, calls = plots.save, []
+
+    def stopped_at_the_third(figure, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return drawn(figure, path, *args, **kwargs)
+
+    monkeypatch.setattr(plots, "save", stopped_at_the_third)
+    status, _, err = run(["stats", saved / "mixtral", "--text", other, "--out", out, "--no-progress"], capsys)
+    assert status == 130 and "interrupted" in err
+    left = {path.name: path.read_bytes() for path in out.glob("*.png")}
+    assert len(left) == 2 and len(first) > 3
+    assert all(content == (truth / name).read_bytes() for name, content in left.items())
+    assert json.loads((out / "stats.json").read_text())["text"] == str(other)
+
+
 def test_paths_from_the_home_folder_land_in_one_folder(saved, tmp_path, monkeypatch, capsys):
     """bash leaves ~ in --out=~/res as it is: the plots and the cache went to $HOME/res while stats.json went to
     ./~/res, and the message named the second."""

@@ -339,6 +339,38 @@ def test_a_folder_holding_only_what_a_killed_export_left_is_written_over():
         assert sorted(p.name for p in target.iterdir()) == ["a.dat", "graph.nnef"]
 
 
+@pytest.mark.parametrize("call, stop_at", [("unlink", 2), ("replace", 1), ("replace", 2)],
+                         ids=["deleting-the-earlier", "moving-up-first", "moving-up-second"])
+def test_a_folder_export_stopped_while_it_replaces_the_earlier_one_is_refused_as_incomplete(monkeypatch, call, stop_at):
+    """Ctrl-C while the earlier export's files were deleted left its graph.nnef beside some of its tensors, read as a
+    whole export (tract then failed on the missing tensors); while the new files were moved up, the next export was
+    refused as "a folder with files of its own". Either is now an incomplete export to readers, and the next export
+    writes over it."""
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder)
+        target = base / "out"
+        archive.write(_export_folder(base / "first", ["a", "b"]), target)
+        original, calls = getattr(Path, call), []
+
+        def stopped(self, *args, **kwargs):
+            if self.parent == target or self.parent.parent == target:
+                calls.append(self)
+                if len(calls) == stop_at:
+                    raise KeyboardInterrupt
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, call, stopped)
+        with pytest.raises(KeyboardInterrupt):
+            archive.write(_export_folder(base / "second", ["c", "d"]), target)
+        monkeypatch.setattr(Path, call, original)
+        with pytest.raises(ExportError, match=r"out is an incomplete NNEF export: an export writing it was stopped"):
+            archive.graph_text(target)
+        archive.check_destination(target)  # not refused as a folder of the user's
+        archive.write(_export_folder(base / "third", ["e"]), target)
+        assert sorted(p.name for p in target.iterdir()) == ["e.dat", "graph.nnef"]
+        assert "label = 'e'" in archive.graph_text(target)
+
+
 def test_a_copy_that_fails_halfway_leaves_no_staging_folder(monkeypatch):
     """A folder export whose copy fails after some files (a full disk) removes its half-written staging copy
     and leaves the earlier export as it was."""

@@ -481,8 +481,9 @@ class RoutingCache:
         check_format(meta_path, meta)
         if meta.get("complete") is False:
             raise MoelensError(
-                f"the routing cache in {str(folder)!r} is incomplete: the collection writing it stopped before the end "
-                "(interrupted, or an error); collect the routing again (collect_routing(..., folder=...))."
+                f"the routing cache in {str(folder)!r} is incomplete: the collection or cache.save writing it stopped "
+                "before the end (interrupted, or an error); collect the routing again (collect_routing(..., folder=...)) "
+                "or save the cache again (cache.save(folder))."
             )
         per_layer = lambda name: {int(layer): value for layer, value in meta[name].items()}  # noqa: E731
         try:

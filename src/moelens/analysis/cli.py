@@ -196,8 +196,24 @@ def missing_corpus_plots(cache: Any, prefix: str = "") -> dict[str, str]:
     return {f"{prefix}trajectories.png": f"this run routed one MoE layer ({cache.layers[0]}); trajectories need two"}
 
 
+def clear_earlier(folder: Path, names: Sequence[str]) -> set[str]:
+    """Remove from ``folder`` each file of moelens' own output ``names`` an earlier run left, before this run writes
+    its first one: stopped partway (Ctrl-C), the folder then holds this run's files and none of an earlier run's that
+    would pass for this run's. Returns the names removed, for `remove_stale`'s lines on what this run did not make.
+
+    `check_output_folder` refused those names as links or folders before any work; only a plain file is removed.
+    """
+    removed = set()
+    for name in names:
+        target = folder / name
+        if not target.is_symlink() and target.is_file():
+            target.unlink()
+            removed.add(name)
+    return removed
+
+
 def remove_stale(folder: Path, names: Sequence[str], written: Sequence[Path],
-                 reasons: dict[str, str] | None = None) -> list[str]:
+                 reasons: dict[str, str] | None = None, earlier: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Remove from ``folder`` each file of moelens' own output ``names`` that this run did not write (``written``):
     an earlier run's plot left there would pass for this run's. Returns one line per file removed, with its
     reason from ``reasons`` (file name -> why this run made none).
@@ -209,9 +225,9 @@ def remove_stale(folder: Path, names: Sequence[str], written: Sequence[Path],
     removed = []
     for name in names:
         target = folder / name
-        if name in made or target.is_symlink() or not target.is_file():
+        if name in made or ((target.is_symlink() or not target.is_file()) and name not in earlier):
             continue
-        target.unlink()
+        target.unlink(missing_ok=True)  # gone already where `clear_earlier` removed it
         removed.append(f"removed {name} of an earlier run: {reasons.get(name, 'this run did not write it')}")
     return removed
 
@@ -265,6 +281,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(table(stats.rows(), columns))
 
     out: Path = args.out
+    earlier = clear_earlier(out, DEMO_FILES)
     written = [plots.save(plots.plot_token_routing(view, max_tokens=DEMO_TABLE_TOKENS), out / "token_routing.png")]
     written += write_corpus_plots(cache, out, prefix="text_", stats=stats)
 
@@ -294,7 +311,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\nPlots written to {out.resolve()}:")
     for path in written:
         print(f"  {path.name}")
-    for line in remove_stale(out, DEMO_FILES, written, skipped):
+    for line in remove_stale(out, DEMO_FILES, written, skipped, earlier):
         print(line)
     print(f"\nDone in {time.perf_counter() - started:.1f} s. Next: moelens inspect tiny; moelens stats tiny --text FILE")
     return 0
@@ -348,9 +365,10 @@ def run_stats(args: argparse.Namespace) -> int:
         print(table(rows))
     if args.out is not None:
         meta = {"model": args.model, "text": str(args.text), "family": cache.family}
+        earlier = clear_earlier(args.out, STATS_OUTPUTS)
         written = write_stats(stats, args.out, meta, rows)
         written += write_corpus_plots(cache, args.out, stats=stats)
-        removed = remove_stale(args.out, STATS_OUTPUTS, written, missing_corpus_plots(cache))
+        removed = remove_stale(args.out, STATS_OUTPUTS, written, missing_corpus_plots(cache), earlier)
         if args.format == "table":
             print(f"\nWrote to {args.out.resolve()}: " + ", ".join(path.name for path in written) + f", {STATS_CACHE}/")
         for line in removed:  # beside JSON or CSV on stdout: on stderr, so that output stays one document

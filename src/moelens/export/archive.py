@@ -131,11 +131,23 @@ def _is_export_folder(path: Path) -> bool:
     names = [entry.relative_to(path).as_posix() for entry in entries]
     if not names:  # nothing but what a killed export left
         return True
+    if "graph.nnef" not in names and any(_moved_up_from(entry, names) for entry in leftovers):
+        return True  # stopped while `_replace_folder` moved a new export's files up: they are that export's
     try:
         graph = (path / "graph.nnef").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return False
     return _is_export_listing(names, graph)
+
+
+def _moved_up_from(staging: Path, names: list[str]) -> bool:
+    """Whether the files ``names`` (a folder's, without a graph.nnef) are files of the export in ``staging`` that
+    `_replace_folder` moved up before it was stopped: that export's graph.nnef is still in ``staging`` and names each."""
+    try:
+        graph = (staging / "graph.nnef").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return _is_export_listing(["graph.nnef", *names], graph)
 
 
 def _is_staging_leftover(entry: Path) -> bool:
@@ -223,12 +235,16 @@ def _replace_folder(folder: Path, path: Path) -> None:
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         _raise_write_failed(path, error)
-    for entry in [entry for entry in path.iterdir() if entry != staging]:
+    # graph.nnef goes last and comes last: stopped in between (Ctrl-C), the folder holds either the earlier graph with
+    # some of its tensors or some of the new tensors without their graph (which stays in the staging folder); readers
+    # refuse both as incomplete (`graph_text`), and the next export replaces either (`_is_export_folder`)
+    last = lambda entry: entry.name == "graph.nnef"  # noqa: E731
+    for entry in sorted((entry for entry in path.iterdir() if entry != staging), key=last):
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()  # a file, or a link (never followed)
-    for entry in list(staging.iterdir()):
+    for entry in sorted(staging.iterdir(), key=last):
         entry.replace(path / entry.name)
     staging.rmdir()
 
@@ -242,6 +258,7 @@ def graph_text(path: Path) -> str:
     path = user_path(path, error=ExportError)
     try:
         if not is_archive(path):
+            _refuse_incomplete(path)
             return (path / "graph.nnef").read_text()
         with tarfile.open(path) as tar:
             member = tar.extractfile("graph.nnef")
@@ -252,6 +269,20 @@ def graph_text(path: Path) -> str:
             f"{path} {problem}; pass an NNEF export written by moelens.export.to_nnef "
             f"(an archive {', '.join(ARCHIVE_SUFFIXES)}, or a folder)."
         ) from error
+
+
+def _refuse_incomplete(path: Path) -> None:
+    """Refuse a folder an export writing it was stopped in (`_replace_folder`): a staging copy left beside a graph
+    whose tensors are not all there, or beside tensors without their graph."""
+    if not path.is_dir() or not any(STAGING.fullmatch(entry.name) for entry in path.iterdir()):
+        return
+    graph = path / "graph.nnef"
+    labels = set(re.findall(r"\blabel\s*=\s*'([^']*)'", graph.read_text(encoding="utf-8"))) if graph.is_file() else None
+    if labels is None or any(not (path / f"{label}.dat").is_file() for label in labels):
+        raise ExportError(
+            f"{path} is an incomplete NNEF export: an export writing it was stopped (Ctrl-C) while it replaced the "
+            "files there (the hidden .moelens-export-*.part folder is what it left). Export to it again."
+        )
 
 
 def members(path: Path) -> list[tarfile.TarInfo]:
