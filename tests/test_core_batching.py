@@ -337,7 +337,18 @@ def test_save_all_that_reads_none_of_the_values_asked_says_why():
             values = wrapped.save_all()
         with torch.no_grad(), wrapped.trace(input_ids=ids):
             some = wrapped.moes[0].save_all(["expert_outputs", "router_logits"])
+        with torch.no_grad(), wrapped.trace(input_ids=ids):
+            nothing = wrapped.save_all([])
+        with torch.no_grad(), wrapped.trace(input_ids=ids):
+            first = wrapped.save_all()[1]  # one block's dict, taken out in the trace (it was a NameError after it)
     assert list(some) == ["router_logits"] and all("router_logits" in block for block in values.values())
+    assert nothing == {1: {}, 2: {}, 3: {}} and torch.equal(first["router_logits"], values[1]["router_logits"])
+    mixtral = moelens.wrap(tiny_model("mixtral"))  # a value outside order(): no shared expert in this family
+    with pytest.warns(UserWarning, match=r"^model.model.layers.0.mlp.save_all\(\) read none of the values asked: "
+                                         r"model.model.layers.0.mlp.shared_expert_output cannot be served: the mixtral"):
+        with torch.no_grad(), mixtral.trace(input_ids=ids):
+            values = mixtral.moes[0].save_all(value for value in ["shared_expert_output"])
+    assert values == {}
 
 
 def test_a_modality_block_called_by_keyword_is_refused_as_by_position():

@@ -5911,8 +5911,22 @@ def test_an_unknown_keyword_far_from_every_argument_is_warned_of_at_the_users_li
         warnings.simplefilter("error")
         with torch.no_grad(), wrapped.trace(ids, attention_mask=half, use_cache=False, return_dict=True):
             logits = wrapped.output.logits.save()
+        # the loss function's keywords, which the forward hands its **kwargs to: they change the loss
+        loss_settings = {"labels": ids, "shift_labels": ids.roll(-1, 1), "ignore_index": 7}
+        with torch.no_grad(), wrapped.trace(ids, **loss_settings):
+            loss = wrapped.output.loss.save()
     with torch.no_grad():
         assert torch.equal(logits, hf(ids, attention_mask=half).logits)
+        assert torch.equal(loss, hf(ids, **loss_settings).loss) and loss != hf(ids, labels=ids).loss
+    gemma4 = tiny_model("gemma4")  # its text model reads return_shared_kv_states from **kwargs unnamed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped_gemma4 = moelens.wrap(gemma4)
+        with torch.no_grad(), wrapped_gemma4.trace(ids, return_shared_kv_states=True):
+            output = wrapped_gemma4.output.save()
+    assert output.shared_kv_states is not None  # the model returned them, as only that keyword makes it
+    with torch.no_grad():
+        assert gemma4(ids).shared_kv_states is None
 
 
 def test_keywords_a_tokenizer_gives_or_an_inner_forward_names_are_not_taken_for_misspellings():

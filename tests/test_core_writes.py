@@ -1424,6 +1424,46 @@ def test_reroute_with_the_routers_weights_replays_a_runs_own_routing_unchanged(f
     torch.testing.assert_close(replayed, plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["dbrx", "deepseek_v4", "lfm2_moe", "mistral4", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bfloat16", "float64"])
+def test_router_replay_of_a_runs_own_routing_is_exact_in_every_dtype(family, dtype):
+    """Replaying a run's own indices changed the logits by a bfloat16 step where the router weighs in bfloat16
+    (moelens recomputes in float32) and by 1e-10 in float64: a token sent to its own experts keeps the router's
+    weights. Ground truth: the plain model."""
+    hf = tiny_model(family, dtype=dtype, experts_implementation="eager" if family == "dbrx" else "batched_mm")
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        plain = first_tensor(hf(**inputs))
+    wrapped = moelens.wrap(hf)
+    moes = running_moes(wrapped)
+    with torch.no_grad(), wrapped.trace(**inputs):
+        recorded = nnsight.save([moe.expert_indices for moe in moes])
+    with torch.no_grad(), wrapped.trace(**inputs):
+        for moe, indices in zip(moes, recorded):
+            moelens.reroute(moe, ..., indices, weights="router")
+        replayed = first_tensor(wrapped.output).save()
+    assert torch.equal(replayed, plain)
+
+
+def test_router_replay_refusals_say_what_to_do():
+    """weights= given as an array (a natural misreading) raised numpy's "truth value of an array is ambiguous"; on a
+    block whose router ranks selection scores, route_around before reroute(weights='router') was refused with advice
+    to do what the user had done (routing interventions first)."""
+    hf = tiny_model("deepseek_v3")
+    inputs = tiny_inputs(hf)
+    wrapped = moelens.wrap(hf)
+    moe = running_moes(wrapped)[0]
+    with pytest.raises(moelens.WriteError, match=r"^reroute: weights=array\(.* is not one of \('kept', 'router'\)"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moelens.reroute(moe, (..., 0), [3, 4], weights=numpy.ones(2))
+    with pytest.raises(moelens.OrderError, match=r"^reroute: weights='router' reads .*router_logits, and the model had "
+                                                 r"already run past them: .* they do not combine with weights='router' "
+                                                 r"in either order: beside them keep the router's weights"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moelens.ablate(moe, 3, "route_around")
+            moelens.reroute(moe, (..., 0), [3, 4], weights="router")
+
+
 def weights_by_hand(family: str, config, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """The weights each family's router gives the experts ``indices`` from its raw ``logits`` [T, E], written out."""
     if family == "gpt_oss":  # a softmax over the chosen logits alone

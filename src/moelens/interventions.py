@@ -88,6 +88,8 @@ def _intervention(function: Callable[_P, None]) -> Callable[_P, None]:
         try:
             return function(*args, **kwargs)
         except OrderError as error:
+            if getattr(error, "advised", False):  # says what to do already (`_logits_to_weigh`)
+                raise
             raise OrderError(f"{function.__name__}: {error} {INTERVENTION_ORDER}{_selection_order(moe)}") from None
         except ValueUnavailable as error:  # its own type and attributes kept
             if not str(error).startswith(f"{getattr(moe, 'path', None)}."):  # no value of the block: outside a trace,
@@ -316,9 +318,10 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor |
             names a token twice with different experts is refused (which it would keep is undefined).
         weights: ``"kept"``: each slot keeps the weight the router gave it; ``"router"``: the selected tokens'
             slots get the weights the family's scoring gives the new experts from this run's router logits (score,
-            renormalisation, scale, per-expert scale, in float32), as if the router had picked them. Router replay
-            (``reroute(moe, ..., recorded_indices, weights="router")``) runs the experts a recorded run chose with
-            their weights on this run's logits; replaying a run's own indices changes nothing. Refused where the
+            renormalisation, scale, per-expert scale, in float32), as if the router had picked them (a token sent to
+            the experts it has, slot for slot, keeps its weights). Router replay (``reroute(moe, ...,
+            recorded_indices, weights="router")``) runs the experts a recorded run chose with their weights on this
+            run's logits; replaying a run's own indices changes nothing. Refused where the
             weights are no function of the logits and the chosen experts (phimoe's sparse mixer, zaya's skip class,
             inkling's extra logit columns).
     """
@@ -365,7 +368,9 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor |
     indices[rows] = given
     if logits is not None:
         weighed = moe.expert_weights.clone()
-        weighed[rows] = router_weights(moe, logits, indices)[rows].to(weighed.dtype)
+        recomputed = router_weights(moe, logits, indices)[rows].to(weighed.dtype)
+        same = (given == selected).all(-1, keepdim=True)  # a token sent to its own experts keeps the router's weights
+        weighed[rows] = torch.where(same, weighed[rows], recomputed)
         moe.expert_weights = weighed
     moe.expert_indices = indices
 
@@ -373,7 +378,7 @@ def reroute(moe: Moe, tokens: Any, experts: int | Sequence[int] | torch.Tensor |
 def _logits_to_weigh(moe: Moe, weights: Any) -> torch.Tensor | None:
     """``moe.router_logits``, read where `reroute`'s ``weights`` is ``"router"`` (None for ``"kept"``); refuses
     another ``weights`` and a block whose weights are no function of its logits and the chosen experts."""
-    if weights not in REROUTE_WEIGHTS:
+    if not isinstance(weights, str) or weights not in REROUTE_WEIGHTS:  # (an array's `in` raises)
         raise WriteError(f"reroute: weights={weights!r} is not one of {REROUTE_WEIGHTS}: 'kept' keeps the router's "
                          "weight of each slot, 'router' gives the new experts the weights the router gives them.")
     if weights == "kept":
@@ -383,7 +388,20 @@ def _logits_to_weigh(moe: Moe, weights: Any) -> torch.Tensor | None:
         raise WriteError(f"reroute: weights='router' on {moe.path} ({moe.family.name}) cannot recompute the weights "
                          f"of other experts: {unweighable}. Keep the router's weights (weights='kept'), or write "
                          "expert_weights yourself.")
-    return moe.router_logits
+    try:
+        return moe.router_logits
+    except OrderError:
+        remedy = ("Call reroute(..., weights='router') before it, or keep the router's weights (weights='kept')."
+                  if not moe.ranks_selection_scores else
+                  "On this block force and ablate(mode='route_around') write the selection scores, which the router "
+                  "makes after the logits and before the experts' call, so they do not combine with weights='router' "
+                  "in either order: beside them keep the router's weights (weights='kept').")
+        refusal = OrderError(
+            f"reroute: weights='router' reads {moe.path}.router_logits, and the model had already run past them: a "
+            f"read of a later value of this block, or an intervention on it, came first. {remedy}"
+        )
+        refusal.advised = True
+        raise refusal from None
 
 
 def router_weights(moe: Moe, logits: Float[torch.Tensor, "*tokens e"], indices: Int[torch.Tensor, "*tokens k"]

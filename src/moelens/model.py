@@ -414,7 +414,8 @@ class MoeModelMixin(StandardNames):
         saved, empty = {}, {}
         for key, moe in zip(keys, blocks):
             try:
-                saved[key], left_out = moe._saved_values(values, strict)
+                block_values, left_out = moe._saved_values(values, strict)
+                saved[key] = nnsight.save(block_values)  # each block's dict too, as moe.save_all returns it
             except OrderError as error:  # `Moe._run_past`'s, whose advice is the block's own save_all
                 name = getattr(error, "unreached", None)
                 if name is None:

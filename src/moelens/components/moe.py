@@ -1129,10 +1129,15 @@ class Moe(Mlp):
         """`save_all`'s values (name -> saved tensor), and the first error of a value it left out (None where none
         was: `model.save_all` warns of blocks that served nothing)."""
         order = self.order()
+        if values is not None and not isinstance(values, (str, tuple)):
+            values = tuple(value_names(values))  # once: a generator is read here and again for the warning below
         names = order if values is None else self._asked_once(values, order, strict)
         plan = self._plan(names, strict)
         saved: dict[str, Tensor] = {}
-        left_out = None if plan or not names else self._unavailable(names[0])  # none servable before the run
+        left_out = None
+        if not plan:  # none servable before the run: the reason of the first asked, in or out of `order`
+            asked = names or sorted((values,) if isinstance(values, str) else values or (), key=VALUE_NAMES.index)
+            left_out = self._unavailable(asked[0]) if asked else None
         for name, (binding, keep_open) in plan.items():
             try:
                 if binding is None:  # router_probs: scored from the logits just read (else it reads them itself)
@@ -1154,8 +1159,11 @@ class Moe(Mlp):
 
     def _unavailable(self, name: str) -> ValueUnavailable | None:
         """The error of ``name``, a value this block cannot serve in this run as far as is known before the model
-        reaches it (`_plan` leaves it out)."""
+        reaches it (`_plan` leaves it out; `_asked` one not in `order`, which it never makes)."""
         try:
+            if name not in self.order():
+                self._check_available(name)
+                raise self.no_mixture(name)
             self._check_available(name) if name == "router_probs" else self._binding(name, self.experts_implementation)
         except ValueUnavailable as unavailable:
             return unavailable

@@ -589,7 +589,8 @@ def _trace(root: torch.nn.Module, inputs: torch.Tensor, folder: Path, target: Ta
         from .t2n_fixes import fixed_emitters
         from .tract_cli import standin_path
     except ImportError as error:
-        if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in EXPORT_PACKAGES:
+        if isinstance(error, ModuleNotFoundError) and error.name in EXPORT_PACKAGES:  # (a missing
+            # submodule, torch_to_nnef.x, is another version's layout: the message below)
             raise ExportError(
                 f"NNEF export needs the export extra ({error.name} is missing): pip install 'moelens[export]'."
             ) from error

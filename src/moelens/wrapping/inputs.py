@@ -112,7 +112,7 @@ def _refuse_dropped_keywords(module: torch.nn.Module, given: Iterable[tuple[Any,
     unknown = [(name, value, beside) for name, value, beside in given if isinstance(name, str) and name not in named]
     if not unknown:
         return
-    named = _named_keywords(tuple(dict.fromkeys(type(sub) for sub in module.modules())))
+    named = _named_keywords(tuple(dict.fromkeys(type(sub) for sub in module.modules()))) | _loss_keywords(base)
     model = type(module).__name__
     for name, value, beside in unknown:
         if name in named or name in _text_settings() and (beside == "text" or _asks_nothing(value)):
@@ -150,6 +150,20 @@ TOKENIZER_OUTPUTS = ("input_ids", "attention_mask", "token_type_ids", "special_t
                      "overflow_to_sample_mapping", "num_truncated_tokens")
 
 
+def _loss_keywords(model: Any) -> frozenset[str]:
+    """The keywords the model's loss function names (``shift_labels``, ``ignore_index`` of the causal-LM loss): a
+    transformers forward hands its ``**kwargs`` on to it. Resolved as ``PreTrainedModel.loss_function`` does, without
+    its notice of a missing ``loss_type``."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    loss = model.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(model, "loss_type", None) or "",
+                                                                      LOSS_MAPPING["ForCausalLM"])
+    try:
+        return frozenset(inspect.signature(loss).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
 @functools.cache
 def _named_keywords(classes: tuple[type, ...]) -> frozenset[str] | None:
     """The keywords the forwards of ``classes`` name (the first, the model's own, taking ``**kwargs``, which a
@@ -168,7 +182,13 @@ def _named_keywords(classes: tuple[type, ...]) -> frozenset[str] | None:
             named.append(inspect.signature(cls.forward).parameters)
         except (TypeError, ValueError):
             continue
-    return frozenset({"return_dict"}).union(TransformersKwargs.__annotations__, TOKENIZER_OUTPUTS, *named)
+    return frozenset({"return_dict"}).union(TransformersKwargs.__annotations__, TOKENIZER_OUTPUTS, READ_FROM_KWARGS,
+                                            *named)
+
+
+#: Keywords a transformers model reads from its forward's ``**kwargs`` without naming them (a scan of every family's
+#: modeling file): gemma4's text model returns its shared key-value states where ``return_shared_kv_states`` is set.
+READ_FROM_KWARGS = ("return_shared_kv_states",)
 
 
 @functools.cache
