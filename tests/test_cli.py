@@ -341,11 +341,13 @@ def test_stats_routes_the_files_own_characters(saved, tmp_path, capsys, content)
     assert cache.num_tokens == len(content)
 
 
-def test_stats_stopped_while_writing_plots_leaves_no_earlier_runs_plot(saved, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("stop", ["third-plot", "statistics"])
+def test_stats_stopped_while_writing_plots_leaves_no_earlier_runs_plot(saved, tmp_path, monkeypatch, capsys, stop):
     """Ctrl-C at the third plot of a second `stats` into one --out left the first run's later plots beside the
-    second run's stats.json, passing for its own. Now each file there is the second run's or absent. Ground truth:
-    the second run's files written to the end in a fresh folder."""
-    from moelens.analysis import plots
+    second run's stats.json, passing for its own; stopped after its routing cache was written (computing the
+    statistics), the first run's stats.json and plots beside it. Now each file there is the second run's or absent.
+    Ground truth: the second run's files written to the end in a fresh folder."""
+    from moelens.analysis import plots, report
 
     other = tmp_path / "other.txt"
     other.write_text("The quick brown fox jumps over the lazy dog. " * 8, encoding="utf-8")
@@ -362,13 +364,22 @@ def test_stats_stopped_while_writing_plots_leaves_no_earlier_runs_plot(saved, tm
             raise KeyboardInterrupt
         return drawn(figure, path, *args, **kwargs)
 
-    monkeypatch.setattr(plots, "save", stopped_at_the_third)
+    def stopped(cache):
+        raise KeyboardInterrupt
+
+    if stop == "third-plot":
+        monkeypatch.setattr(plots, "save", stopped_at_the_third)
+    else:
+        monkeypatch.setattr(report, "layer_stats", stopped)
     status, _, err = run(["stats", saved / "mixtral", "--text", other, "--out", out, "--no-progress"], capsys)
     assert status == 130 and "interrupted" in err
     left = {path.name: path.read_bytes() for path in out.glob("*.png")}
-    assert len(left) == 2 and len(first) > 3
+    assert len(left) == (2 if stop == "third-plot" else 0) and len(first) > 3
     assert all(content == (truth / name).read_bytes() for name, content in left.items())
-    assert json.loads((out / "stats.json").read_text())["text"] == str(other)
+    if stop == "third-plot":
+        assert json.loads((out / "stats.json").read_text())["text"] == str(other)
+    else:
+        assert not (out / "stats.json").exists() and not (out / "stats.csv").exists()
 
 
 def test_paths_from_the_home_folder_land_in_one_folder(saved, tmp_path, monkeypatch, capsys):

@@ -5918,6 +5918,10 @@ def test_an_unknown_keyword_far_from_every_argument_is_warned_of_at_the_users_li
     with torch.no_grad():
         assert torch.equal(logits, hf(ids, attention_mask=half).logits)
         assert torch.equal(loss, hf(ids, **loss_settings).loss) and loss != hf(ids, labels=ids).loss
+    with pytest.warns(UserWarning, match=r"^the keyword 'shift_labels' given to the trace is no argument of "
+                                         r"MixtralModel.forward"):  # a base model computes no loss
+        with torch.no_grad(), moelens.wrap(hf.model).trace(ids, shift_labels=ids):
+            pass
     gemma4 = tiny_model("gemma4")  # its text model reads return_shared_kv_states from **kwargs unnamed
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -1350,6 +1350,27 @@ def test_a_group_limited_routing_intervention_runs_beside_the_model_s_own_nan(in
     torch.testing.assert_close(output[0], alone[0], atol=1e-6, rtol=1e-6)
 
 
+def test_a_route_around_that_leaves_too_few_experts_is_refused_beside_a_nan_selection_bias():
+    """A NaN in deepseek_v3's selection bias (one column of the ranked scores, every token) leaves the weights finite:
+    the check of the write's shortfall must still run on those rows (a NaN counts as a pick, as torch's top-k ranks
+    it), or routing around six of eight experts passes and the router picks routed-around ones. Ground truth: the
+    same route_around on the model without the NaN is refused; one that leaves enough experts runs."""
+    hf = tiny_model("deepseek_v3")
+    wrapped = moelens.wrap(hf)
+    moe = running_moes(wrapped)[0]
+    inputs = tiny_inputs(hf)
+    with torch.no_grad():
+        moe._module.gate.e_score_correction_bias[0] = float("nan")
+        assert hf(**inputs).logits.isfinite().all()
+    with pytest.raises(moelens.WriteError, match=r"selection_scores: fewer than \d+ entries of some token"):
+        with torch.no_grad(), wrapped.trace(**inputs):
+            moelens.ablate(moe, [1, 2, 3, 4, 5, 6], "route_around")
+    with torch.no_grad(), wrapped.trace(**inputs):
+        moelens.ablate(moe, 1, "route_around")
+        indices = moe.expert_indices.save()
+    assert not (indices == 1).any()
+
+
 def test_a_nan_the_user_writes_beside_the_model_s_own_is_still_refused():
     """Beside the model's own NaN (row 1), a NaN written into the finite row 0 is refused; an in-place edit of the
     model's tensor under torch.no_grad, where the values before are gone, says so and to assign instead."""

@@ -391,7 +391,8 @@ def _logits_to_weigh(moe: Moe, weights: Any) -> torch.Tensor | None:
     try:
         return moe.router_logits
     except OrderError:
-        remedy = ("Call reroute(..., weights='router') before it, or keep the router's weights (weights='kept')."
+        remedy = ("Call reroute(..., weights='router') before it (a second one on this block too: give all its tokens "
+                  "in one call, one row of experts per token), or keep the router's weights (weights='kept')."
                   if not moe.ranks_selection_scores else
                   "On this block force and ablate(mode='route_around') write the selection scores, which the router "
                   "makes after the logits and before the experts' call, so they do not combine with weights='router' "

@@ -335,7 +335,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_stats(args: argparse.Namespace) -> int:
     """``moelens stats MODEL --text FILE``."""
-    from .collect import collect_routing
+    from .collect import collect_routing, moes_of
     from .report import layer_stats, table, to_csv, write_stats
 
     if args.out is not None:  # before the text is read: --text may be a file the results would overwrite
@@ -347,6 +347,12 @@ def run_stats(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     model = load_model(args.model, needs_tokenizer=True)
     folder = args.out / STATS_CACHE if args.out is not None else None
+    earlier: frozenset[str] | set[str] = frozenset()
+    if args.out is not None:  # before the cache, this run's first file there (once --blocks is known to name blocks,
+        # collect_routing's refusal before it writes): stopped from here on, no earlier run's stats or plots are left
+        # beside this run's cache
+        moes_of(model, None, args.blocks)
+        earlier = clear_earlier(args.out, STATS_OUTPUTS)
     cache = collect_routing(model, [text], batch_size=args.batch_size, max_length=args.max_length, logits=True,
                             blocks=args.blocks, folder=str(folder) if folder is not None else None,
                             progress=not args.no_progress)
@@ -365,7 +371,6 @@ def run_stats(args: argparse.Namespace) -> int:
         print(table(rows))
     if args.out is not None:
         meta = {"model": args.model, "text": str(args.text), "family": cache.family}
-        earlier = clear_earlier(args.out, STATS_OUTPUTS)
         written = write_stats(stats, args.out, meta, rows)
         written += write_corpus_plots(cache, args.out, stats=stats)
         removed = remove_stale(args.out, STATS_OUTPUTS, written, missing_corpus_plots(cache), earlier)

@@ -231,9 +231,6 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
     groups = _kept_groups(component, name)
     fill = component.SCORING.group_fill if groups else float("-inf")
     short = (~torch.isneginf(value)).sum(-1) < needed if groups is None else _picks_excluded(value, *groups, fill, needed)
-    # a NaN left here is the model's own (one the write introduced was refused above): that token's routing is NaN
-    # whatever the write, so it is no shortfall of the write's (the finite rows beside it take the intervention)
-    short &= ~value.isnan().any(-1)
     if short.any():
         above, reach = "-inf", ""
         if groups:
@@ -311,7 +308,10 @@ def _picks_excluded(
     a large steer's softmax leaves the others 0, picked at weight 0)."""
     grouped = rearrange(value, "... (g e) -> ... g e", g=n_group)
     sums = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1).nan_to_num(nan=float("inf"))
-    counts = (grouped > fill).sum(-1)
+    # a NaN entry (the model's own: one a write introduced is refused before) is a pick, as torch's top-k ranks it
+    # first: counted as NaN > fill (False), the model's NaN row read as short of experts, while a NaN only in the
+    # ranked scores (a NaN selection bias) leaves finite weights, so that row's shortfall is still checked
+    counts = ((grouped > fill) | grouped.isnan()).sum(-1)
     by_count = counts.argsort(dim=-1, stable=True)  # then by sum, best first: ties keep the fewest entries first
     ranked = by_count.gather(-1, sums.gather(-1, by_count).argsort(dim=-1, descending=True, stable=True))
     short = counts.gather(-1, ranked[..., :topk_group]).sum(-1) < k

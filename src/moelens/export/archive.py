@@ -239,7 +239,10 @@ def _replace_folder(folder: Path, path: Path) -> None:
     # some of its tensors or some of the new tensors without their graph (which stays in the staging folder); readers
     # refuse both as incomplete (`graph_text`), and the next export replaces either (`_is_export_folder`)
     last = lambda entry: entry.name == "graph.nnef"  # noqa: E731
-    for entry in sorted((entry for entry in path.iterdir() if entry != staging), key=last):
+    # an earlier export's staging leftover goes after the tensors (it may hold the graph.nnef that makes the tensors
+    # an earlier stopped export moved up recognisable, `_moved_up_from`) and before graph.nnef
+    deleted_last = lambda entry: (last(entry), bool(STAGING.fullmatch(entry.name)))  # noqa: E731
+    for entry in sorted((entry for entry in path.iterdir() if entry != staging), key=deleted_last):
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:

@@ -156,12 +156,22 @@ def _loss_keywords(model: Any) -> frozenset[str]:
     its notice of a missing ``loss_type``."""
     from transformers.loss.loss_utils import LOSS_MAPPING
 
+    try:  # a forward without labels computes no loss (a base model): it drops these as any other keyword
+        if "labels" not in inspect.signature(type(model).forward).parameters:
+            return frozenset()
+    except (TypeError, ValueError):
+        return frozenset()
     loss = model.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(model, "loss_type", None) or "",
                                                                       LOSS_MAPPING["ForCausalLM"])
     try:
-        return frozenset(inspect.signature(loss).parameters)
+        parameters = inspect.signature(loss).parameters
     except (TypeError, ValueError):
         return frozenset()
+    # the forward passes the logits, labels and vocabulary size itself (one given again is a TypeError with labels,
+    # dropped without): only the keyword-only settings it hands on from **kwargs are the user's to give
+    given_by_forward = {"logits", "labels", "vocab_size"}
+    return frozenset(name for name, parameter in parameters.items()
+                     if parameter.kind is not inspect.Parameter.VAR_KEYWORD and name not in given_by_forward)
 
 
 @functools.cache
