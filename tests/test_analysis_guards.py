@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1570,3 +1571,25 @@ def test_a_tokenizer_output_where_a_text_belongs_is_refused_saying_to_pass_its_i
     ids = analysis.collect_routing(model, [encoded["input_ids"][0]], progress=False)
     text = analysis.collect_routing(model, ["def f(x):"], progress=False)
     assert torch.equal(ids.indices(ids.layers[0]), text.indices(text.layers[0]))
+
+
+def test_routing_the_model_computed_from_nan_is_collected_with_a_warning():
+    """A broken expert (NaN weights) makes every later layer route from NaN logits: collect_routing stored the top-k
+    of NaN as routing, which usage and paths counted, without a word. It warns, naming the layers. Ground truth: the
+    plain model's router logits (output_router_logits) hold NaN in those layers and in no earlier one."""
+    hf = tiny_model("mixtral")
+    with torch.no_grad():
+        hf.model.layers[1].mlp.experts.down_proj[:] = float("nan")  # every expert of layer 1
+    tokenizer = ascii_tokenizer()
+    text = "hello there, general kenobi"
+    with torch.no_grad():
+        logits = hf(**tokenizer(text, return_tensors="pt"), output_router_logits=True).router_logits
+    broken = [layer for layer, value in enumerate(logits) if value.isnan().any()]
+    assert broken == [2, 3]
+    wrapped = moelens.wrap(hf, tokenizer=tokenizer)
+    with pytest.warns(UserWarning, match=r"^the model computed NaN routing weights in layers \[2, 3\] \(a NaN "):
+        analysis.collect_routing(wrapped, [text], progress=False)
+    healthy = moelens.wrap(tiny_model("mixtral"), tokenizer=tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        analysis.collect_routing(healthy, [text], progress=False)

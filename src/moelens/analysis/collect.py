@@ -18,7 +18,7 @@ import torch.distributed as dist
 from nnsight import Envoy
 
 from ..components.base import refuse_replaced, replaced_blocks
-from ..errors import MoelensError
+from ..errors import MoelensError, warn
 from ..families.unserved import why_no_moe
 from ..model import check_wrapped
 from ..modules import evaluating
@@ -187,6 +187,12 @@ def real_tokens(saved: dict[int, dict[str, Any]], mask: torch.Tensor, index_dtyp
         read["weights"][layer] = _stored(values["expert_weights"][mask], dtype, layer, "expert weights")
         if "router_logits" in values:
             read["logits"][layer] = _stored(values["router_logits"][mask], dtype, layer, "router logits")
+    broken = [layer for layer, weights in read["weights"].items() if weights.isnan().any()]
+    if broken:
+        warn(f"the model computed NaN routing weights in layer{'s' * (len(broken) > 1)} {broken} (a NaN upstream: an "
+             "expert or a norm with broken weights, or an overflow in a low precision): their tokens' experts are the "
+             "top-k of NaN, and usage, entropy and paths count them as such. Find the first NaN with a trace "
+             "(moe.router_logits.isnan().any() per block).")
     return read
 
 
