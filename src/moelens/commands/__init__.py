@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-from typing import Callable
+from typing import Any, Callable
 
 
 @functools.cache  # one per command: parsers built twice give equal namespaces
@@ -18,3 +18,8 @@ def runs(module: str, function: str) -> Callable[[argparse.Namespace], int]:
         return getattr(importlib.import_module(module), function)(args)
 
     return run
+
+
+def add_model_argument(parser: Any) -> None:
+    """The ``MODEL`` argument every subcommand that loads a model takes."""
+    parser.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..paths import argument_path
-from . import runs
+from . import add_model_argument, runs
 
 #: Where ``moelens demo`` writes its plots unless told otherwise.
 DEMO_OUT = Path("moelens-out") / "demo"
@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
         description="Load MODEL and print its family, MoE layers, experts E, top-k, scoring, shared expert, "
         "experts implementation, and which values each MoE block serves (with shapes) or why not.",
     )
-    inspect.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    add_model_argument(inspect)
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(func=runs("moelens.analysis.cli", "run_inspect"))
 
@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
         "expert usage, load balance (coefficient of variation, max/mean, min/mean, usage entropy, unused "
         "experts) and routing entropy. With --out: stats.json, stats.csv, experts.csv, plots and the routing cache.",
     )
-    stats.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    add_model_argument(stats)
     stats.add_argument("--text", type=argument_path, required=True, metavar="FILE", help="a UTF-8 text file to route")
     stats.add_argument("--out", type=argument_path, metavar="DIR",
                        help="write stats.json, stats.csv, experts.csv, plots and cache/ here")

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..edit_options import add_edit_options
 from ..paths import argument_text
-from . import runs
+from . import add_model_argument, runs
 
 
 def register(subparsers: Any) -> None:
@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
         "tract_moe_ffn per MoE block, edits baked in, and check the archive in tract against torch. "
         "Needs the export extra: pip install 'moelens[export]'.",
     )
-    parser.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    add_model_argument(parser)
     parser.add_argument("out", metavar="OUT", type=argument_text, help="the archive to write (.nnef.tgz, .tar, or a folder)")
     parser.add_argument("--support", action=SupportAction, help="print which families export (and why not) and exit")
     parser.add_argument("--block", type=int, metavar="LAYER", help="export only the MoE block of this layer (hidden states -> mlp_output)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..edit_options import add_edit_options
-from . import runs
+from . import add_model_argument, runs
 
 #: Tokens generated when ``--max-new-tokens`` is not given.
 DEFAULT_NEW_TOKENS = 24
@@ -20,7 +20,7 @@ def register(subparsers: Any) -> None:
         "for the prompt's tokens and every generated token the model read, its experts and their weights in every "
         "MoE layer, as the model routed them while generating.",
     )
-    parser.add_argument("model", metavar="MODEL", help="a local checkpoint folder, or 'tiny' for moelens-tiny")
+    add_model_argument(parser)
     parser.add_argument("--prompt", required=True, help="the prompt text (tokenized without special tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
                         help=f"tokens to generate at most (default {DEFAULT_NEW_TOKENS})")

@@ -105,6 +105,8 @@ def check_destination(path: str | os.PathLike) -> None:
 #: How an NNEF graph file begins (after comments) and declares its graph.
 NNEF_VERSION = re.compile(r"(?:\s|#[^\n]*\n)*version\s+\d+\.\d+\s*;")
 NNEF_GRAPH = re.compile(r"^\s*graph\s+\w+\s*\(", re.MULTILINE)
+#: A variable's tensor file name in an NNEF graph (``label = 'name'``: its ``name.dat``).
+NNEF_LABEL = re.compile(r"\blabel\s*=\s*'([^']*)'")
 
 
 def _is_export_listing(names: list[str], graph: str) -> bool:
@@ -113,7 +115,7 @@ def _is_export_listing(names: list[str], graph: str) -> bool:
     table, and a ``<label>.dat`` for variables the graph declares."""
     if not (NNEF_VERSION.match(graph) and NNEF_GRAPH.search(graph)):
         return False
-    labels = set(re.findall(r"\blabel\s*=\s*'([^']*)'", graph))
+    labels = set(NNEF_LABEL.findall(graph))
     return "graph.nnef" in names and all(
         name in EXPORT_GRAPH_FILES or (name.endswith(".dat") and name[: -len(".dat")] in labels) for name in names
     )
@@ -280,7 +282,7 @@ def _refuse_incomplete(path: Path) -> None:
     if not path.is_dir() or not any(STAGING.fullmatch(entry.name) for entry in path.iterdir()):
         return
     graph = path / "graph.nnef"
-    labels = set(re.findall(r"\blabel\s*=\s*'([^']*)'", graph.read_text(encoding="utf-8"))) if graph.is_file() else None
+    labels = set(NNEF_LABEL.findall(graph.read_text(encoding="utf-8"))) if graph.is_file() else None
     if labels is None or any(not (path / f"{label}.dat").is_file() for label in labels):
         raise ExportError(
             f"{path} is an incomplete NNEF export: an export writing it was stopped (Ctrl-C) while it replaced the "
