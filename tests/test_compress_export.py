@@ -195,8 +195,15 @@ def test_modules_replaced_outside_the_routing_leave_routing_analysis_and_the_exp
     if change.startswith("lora"):
         from peft import LoraConfig, inject_adapter_in_model
 
+        # the dense layer's and the shared experts' projections only: on a transformers model, peft >= 0.22 turns
+        # any target ending in "down_proj" into an adapter on the routed experts' own down_proj too (the test below),
+        # so the adapters go onto the layers (a ModuleList, which peft does not convert for)
         targets = ["q_proj"] if change == "lora_on_q_proj" else ["gate_proj", "up_proj", "down_proj"]
-        inject_adapter_in_model(LoraConfig(target_modules=targets, r=4, init_lora_weights=False), hf)
+        inject_adapter_in_model(LoraConfig(target_modules=targets, r=4, init_lora_weights=False), hf.model.layers)
+        adapted = {name.rsplit(".", 3)[0] for name, _ in hf.named_parameters() if ".lora_A." in name}
+        assert (adapted == {f"model.layers.{i}.self_attn.q_proj" for i in range(4)} if change == "lora_on_q_proj" else
+                {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.shared_expert.up_proj"} < adapted
+                and not any("experts" in name for name in adapted))
     else:
         hf.resize_token_embeddings(hf.config.vocab_size + 8)
     tokens = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(0))
@@ -213,6 +220,47 @@ def test_modules_replaced_outside_the_routing_leave_routing_analysis_and_the_exp
         torch.testing.assert_close(cache.indices(layer).long(), indices.reshape(-1, indices.shape[-1]))
     hidden = torch.randn(1, 6, hf.config.hidden_size, generator=torch.Generator().manual_seed(5))
     assert to_nnef(wrapped.moes[-1], out / f"{change}.nnef.tgz", example_inputs=hidden).verification.meets("approximate")
+
+
+def test_lora_put_on_the_experts_after_wrapping_is_refused_with_the_advice_to_merge(out):
+    """A LoRA adapter on the routed experts' own parameters, put on after wrapping (peft >= 0.22 does that for
+    target_modules=["gate_proj", "up_proj", "down_proj"] on transformers 5's fused experts), replaces the experts
+    module by a PEFT ParamWrapper: routing analysis, the export, check and params() said "wrap the model again", which
+    wrap refuses for the same adapter. They say to merge it; doing so gives the adapted model's routing and output.
+    Ground truth: hooks on the experts calls of the PEFT model, and its logits."""
+    from peft import LoraConfig, get_peft_model
+
+    from moelens import analysis, families
+    from moelens.testing import tiny_model
+
+    hf = tiny_model("qwen2_moe")
+    wrapped = wrap(hf)
+    tuned = get_peft_model(hf, LoraConfig(target_parameters=["mlp.experts.down_proj"], r=4, init_lora_weights=False))
+    tokens = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    advice = (r"model\.model\.layers\.1\.mlp\.experts is now a PEFT adapter layer \(ParamWrapper\).* merge the "
+              r"adapters into the weights and wrap the result, moelens\.wrap\(peft_model\.merge_and_unload\(\)\)\.$")
+    calls = {"routing analysis": lambda: analysis.collect_routing(wrapped, [tokens[0]], progress=False),
+             "the export": lambda: to_nnef(wrapped, out / "adapted.nnef.tgz", verify=False),
+             "check": lambda: families.check(wrapped, tokens),
+             "params": lambda: wrapped.moes[0].params()}
+    for where, call in calls.items():
+        with pytest.raises(moelens.MoelensError, match=advice):
+            call()
+    seen = []
+    hooks = [layer.mlp.experts.base_layer.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+             for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
+    with torch.no_grad():
+        adapted_logits = tuned(tokens).logits
+    for hook in hooks:
+        hook.remove()
+    merged = wrap(tuned.merge_and_unload())
+    cache = analysis.collect_routing(merged, [tokens[0]], progress=False)
+    assert len(cache.layers) == len(seen) == 3
+    for layer, indices in zip(cache.layers, seen):
+        torch.testing.assert_close(cache.indices(layer).long(), indices.reshape(-1, indices.shape[-1]))
+    with torch.no_grad(), merged.trace(tokens):
+        logits = merged.output.logits.save()
+    torch.testing.assert_close(logits, adapted_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_what_tract_cannot_express_is_refused_with_the_reason(out):

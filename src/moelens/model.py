@@ -404,7 +404,7 @@ class MoeModelMixin(StandardNames):
                 "(with model.trace(inputs): ..., or model.generate)."
             )
         check_flag("strict", strict, ArgumentError)
-        refuse_replaced([block.path for block in self.moes if not isinstance(block, Moe)], "model.save_all",
+        refuse_replaced(self, [block.path for block in self.moes if not isinstance(block, Moe)], "model.save_all",
                         "it is no MoE block to read", MoelensError)  # (a module given to a block's envoy)
         blocks = [moe for moe in self.moes if not moe.runs_only_on] if moes is None else self._given_blocks(moes)
         if values is not None and not isinstance(values, str):

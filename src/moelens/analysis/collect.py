@@ -46,7 +46,8 @@ def moes_of(model: Any, layers: Iterable[int] | None = None, blocks: str | Itera
             ``text_moe`` / ``vision_moe``).
     """
     check_wrapped(model)
-    refuse_replaced(replaced_blocks(model), "routing analysis", "model.moes lists the blocks as wrapped", MoelensError)
+    refuse_replaced(model, replaced_blocks(model), "routing analysis", "model.moes lists the blocks as wrapped",
+                    MoelensError)
     moes = list(getattr(model, "moes", None) or [])
     if not moes:
         unserved = why_no_moe(model._module)

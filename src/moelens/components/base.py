@@ -21,7 +21,7 @@ from nnsight.intervention.interleaver import Mediator
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families import Family, registry
 from ..families.entry import VALUE_NAMES, find_path
-from ..modules import on_accelerator
+from ..modules import is_adapter_layer, on_accelerator
 from . import served as serving
 
 
@@ -80,14 +80,39 @@ def replaced_modules(envoy: Envoy) -> list[str]:
     return found
 
 
-def refuse_replaced(replaced: list[str], where: str, consequence: str, error: type[Exception]) -> None:
-    """Raise ``error`` saying ``where`` meets the modules at the paths ``replaced`` (none: nothing), which are no
-    longer the ones moelens wrapped, with ``consequence``."""
-    if replaced:
-        raise error(f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
-                    "model was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe("
-                    f"model._module, inplace=True) replaces the layers it converts): {consequence}. Wrap the model "
-                    "again: moelens.wrap(model._module).")
+def refuse_replaced(envoy: Envoy, replaced: list[str], where: str, consequence: str, error: type[Exception]) -> None:
+    """Raise ``error`` saying ``where`` meets the modules at the paths ``replaced`` (none: nothing) of the model
+    ``envoy`` belongs to, which are no longer the ones moelens wrapped, with ``consequence``. Where a PEFT adapter
+    layer now stands at such a path (LoRA put on the router's or experts' own parameters after wrapping), wrapping
+    again would be refused too (`discovery`): the advice is to merge the adapters first."""
+    if not replaced:
+        return
+    adapted = _adapter_layers_at(envoy, replaced)
+    advice = (f"{', '.join(f'{path} is now a PEFT adapter layer ({name})' for path, name in adapted.items())}, whose "
+              "forward moelens cannot read (LoRA on the router's or experts' own parameters; peft >= 0.22 puts one "
+              "there for target_modules naming the experts' projections too): merge the adapters into the weights "
+              "and wrap the result, moelens.wrap(peft_model.merge_and_unload())." if adapted else
+              "Wrap the model again: moelens.wrap(model._module).")
+    raise error(f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
+                "model was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe("
+                f"model._module, inplace=True) replaces the layers it converts): {consequence}. {advice}")
+
+
+def _adapter_layers_at(envoy: Envoy, paths: list[str]) -> dict[str, str]:
+    """Those of ``paths`` (envoy paths, "model.<module path>") where the torch model of ``envoy``'s wrapped model now
+    holds a PEFT adapter layer (`is_adapter_layer`), with the layer's class name."""
+    root = envoy
+    while root.parent is not None:
+        root = root.parent
+    adapted = {}
+    for path in paths:
+        try:
+            live = root._module.get_submodule(path.partition(".")[2])  # the root envoy's path is "model"
+        except AttributeError:  # removed
+            continue
+        if is_adapter_layer(live):
+            adapted[path] = type(live).__name__
+    return adapted
 
 
 def replaced_blocks(envoy: Envoy) -> list[str]:

@@ -542,7 +542,7 @@ class Moe(Mlp):
             except AttributeError:  # deleted, or set to None
                 replaced = [f"{path} (removed)"]
                 break
-        base.refuse_replaced(replaced or base.replaced_modules(self), where, consequence, ValueUnavailable)
+        base.refuse_replaced(self, replaced or base.replaced_modules(self), where, consequence, ValueUnavailable)
 
     def __repr__(self) -> str:
         """What the block is (family, E, k, experts implementation), then nnsight's tree of its modules and values.

@@ -70,11 +70,13 @@ def resolve(model: Any) -> Target:
     _refuse_inside_a_trace()
     if isinstance(model, Moe):
         _refuse_edits(getattr(model, "root", None))
-        refuse_replaced(replaced_blocks(model), "the export", "the archive would hold the old block", ExportError)
+        refuse_replaced(model, replaced_blocks(model), "the export", "the archive would hold the old block",
+                        ExportError)
         target = Target("block", model._module, [Block("", model.family, model.layer, model.path)], wrapped=None)
     elif hasattr(model, "moes") and isinstance(getattr(model, "_module", None), torch.nn.Module):
         _refuse_edits(model)
-        refuse_replaced(replaced_blocks(model), "the export", "model.moes lists the blocks as wrapped", ExportError)
+        refuse_replaced(model, replaced_blocks(model), "the export", "model.moes lists the blocks as wrapped",
+                        ExportError)
         module = model._module
         names = {id(child): name for name, child in module.named_modules()}
         blocks = [Block(names[id(moe._module)], moe.family, moe.layer) for moe in model.moes]

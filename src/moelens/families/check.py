@@ -80,7 +80,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         )
     from ..components.base import put_in_after_wrap, refuse_replaced, replaced_blocks
 
-    refuse_replaced(replaced_blocks(model) + [moe.path for moe in model.moes if put_in_after_wrap(moe)], "check",
+    refuse_replaced(model, replaced_blocks(model) + [moe.path for moe in model.moes if put_in_after_wrap(moe)], "check",
                     "its values would not be the entry's to check", FamilyError)
     moes = [moe for moe in model.moes if not moe.runs_only_on]
     if not moes:
