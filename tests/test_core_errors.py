@@ -4292,7 +4292,7 @@ def test_a_module_replaced_after_wrapping_is_named_instead_of_the_read_order(rep
     value = "routed_output" if replaced == "experts" else "shared_expert_output"
     with pytest.raises(moelens.OrderError, match=rf"{value} was never produced: model\.model\.layers\.1\.mlp\.{replaced} "
                                                  r"is no longer the module this model was wrapped with .* Wrap the model "
-                                                 r"again \(moelens\.wrap\)"):
+                                                 r"again: moelens\.wrap\(model\._module\)\.$"):
         with wrapped.trace(**inputs):
             getattr(wrapped.moes[0], value).save()
     with pytest.raises(moelens.OrderError, match=r"router_logits was requested after the model had already run past"):
@@ -5991,3 +5991,28 @@ def test_nnsight_lazy_loading_is_refused_saying_what_serves_it(tmp_path):
     hf.save_pretrained(tmp_path)
     with pytest.raises(moelens.MoelensError, match=r"moelens.load does not take dispatch=: nnsight's lazy loading"):
         moelens.load(tmp_path, dispatch=False)
+
+
+@pytest.mark.parametrize("change", ["lora_on_shared_expert", "modules_to_save_on_experts"])
+def test_a_peft_module_put_in_after_wrapping_gets_the_advice_that_works(change):
+    """The replaced-module refusals advise merging only for what wrapping again refuses (an adapter layer on a block's
+    router or experts, a modules_to_save wrapper), and wrapping again for a LoRA on a shared expert's Linear, which
+    wraps as it is (getting-started.md). Ground truth: what moelens.wrap does with the model."""
+    peft = pytest.importorskip("peft")
+    hf = tiny_model("qwen2_moe")
+    wrapped = moelens.wrap(hf)
+    if change == "lora_on_shared_expert":  # into the layer list: peft does not turn these onto the fused experts there
+        peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
+                                     hf.model.layers)
+    else:
+        peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["experts"]))
+    advice = r"Wrap the model again" if change == "lora_on_shared_expert" else r"merge_and_unload\(\)\)\.$"
+    with pytest.raises(ValueUnavailable, match=advice):
+        wrapped.moes[-1].params()
+    if change == "lora_on_shared_expert":
+        assert moelens.wrap(hf).moes[-1].params() is not None
+    else:  # a trace read too: the original experts no longer run
+        with pytest.raises(OrderError, match=advice), wrapped.trace(torch.tensor([[5, 9, 14, 3]])):
+            wrapped.moes[-1].routed_output.save()
+        with pytest.raises(FamilyError, match="modules_to_save"):
+            moelens.wrap(hf)

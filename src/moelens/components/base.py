@@ -21,7 +21,7 @@ from nnsight.intervention.interleaver import Mediator
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families import Family, registry
 from ..families.entry import VALUE_NAMES, find_path
-from ..modules import is_adapter_layer, on_accelerator
+from ..modules import is_adapter_layer, is_modules_to_save, on_accelerator
 from . import served as serving
 
 
@@ -82,36 +82,50 @@ def replaced_modules(envoy: Envoy) -> list[str]:
 
 def refuse_replaced(envoy: Envoy, replaced: list[str], where: str, consequence: str, error: type[Exception]) -> None:
     """Raise ``error`` saying ``where`` meets the modules at the paths ``replaced`` (none: nothing) of the model
-    ``envoy`` belongs to, which are no longer the ones moelens wrapped, with ``consequence``. Where a PEFT adapter
-    layer now stands at such a path (LoRA put on the router's or experts' own parameters after wrapping), wrapping
-    again would be refused too (`discovery`): the advice is to merge the adapters first."""
-    if not replaced:
-        return
+    ``envoy`` belongs to, which are no longer the ones moelens wrapped, with ``consequence`` and `rewrap_advice`."""
+    if replaced:
+        raise error(f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
+                    "model was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe("
+                    f"model._module, inplace=True) replaces the layers it converts): {consequence}. "
+                    f"{rewrap_advice(envoy, replaced)}")
+
+
+def rewrap_advice(envoy: Envoy, replaced: list[str]) -> str:
+    """What to do about the modules at the paths ``replaced`` of ``envoy``'s model: wrap the model again, or, where a
+    PEFT module stands there that wrapping again would refuse too (`_adapter_layers_at`), merge the adapters first."""
     adapted = _adapter_layers_at(envoy, replaced)
-    advice = (f"{', '.join(f'{path} is now a PEFT adapter layer ({name})' for path, name in adapted.items())}, whose "
-              "forward moelens cannot read (LoRA on the router's or experts' own parameters; peft >= 0.22 puts one "
-              "there for target_modules naming the experts' projections too): merge the adapters into the weights "
-              "and wrap the result, moelens.wrap(peft_model.merge_and_unload())." if adapted else
-              "Wrap the model again: moelens.wrap(model._module).")
-    raise error(f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
-                "model was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe("
-                f"model._module, inplace=True) replaces the layers it converts): {consequence}. {advice}")
+    if not adapted:
+        return "Wrap the model again: moelens.wrap(model._module)."
+    lora = any("adapter layer" in what for what in adapted.values())
+    return (f"{', '.join(f'{path} is now {what}' for path, what in adapted.items())}, which moelens cannot read and "
+            "wrap refuses too" + (" (LoRA on a router's or experts' own parameters: target_parameters, or from peft "
+            "0.22 a target_modules naming their transformers-4 modules, gate_proj/up_proj/down_proj, w1/w2/w3, gate, "
+            "or all-linear)" if lora else "") + ": merge the adapters into the weights and wrap the result, "
+            "moelens.wrap(peft_model.merge_and_unload()).")
 
 
 def _adapter_layers_at(envoy: Envoy, paths: list[str]) -> dict[str, str]:
     """Those of ``paths`` (envoy paths, "model.<module path>") where the torch model of ``envoy``'s wrapped model now
-    holds a PEFT adapter layer (`is_adapter_layer`), with the layer's class name."""
+    holds what wrapping again would refuse (`discovery`): a PEFT adapter layer standing for an MoE block's router or
+    experts (LoRA on their own parameters), or a PEFT modules_to_save wrapper. An adapter layer elsewhere (LoRA on a
+    shared expert's or its gate's Linear) wraps again as it is, so it is not counted."""
+    from .moe import Moe  # which imports this module
+
     root = envoy
     while root.parent is not None:
         root = root.parent
+    parts = {f"{moe.path}.{getattr(moe.family, part)}": part for moe in getattr(root, "moes", None) or []
+             if isinstance(moe, Moe) for part in ("router", "experts")}
     adapted = {}
     for path in paths:
         try:
             live = root._module.get_submodule(path.partition(".")[2])  # the root envoy's path is "model"
         except AttributeError:  # removed
             continue
-        if is_adapter_layer(live):
-            adapted[path] = type(live).__name__
+        if is_modules_to_save(live):
+            adapted[path] = f"a PEFT modules_to_save wrapper ({type(live).__name__})"
+        elif is_adapter_layer(live) and path in parts:
+            adapted[path] = f"a PEFT adapter layer ({type(live).__name__}) on its block's {parts[path]}"
     return adapted
 
 
@@ -481,7 +495,7 @@ class Component(StandardNames, Envoy):
                 f"{self.path}.{name} was never produced: {', '.join(replaced)} "
                 f"{'is no longer the module' if len(replaced) == 1 else 'are no longer the modules'} this model was "
                 "wrapped with (replaced after moelens.wrap, in the torch model or through its envoy), so nnsight does "
-                "not see it run. Wrap the model again (moelens.wrap) after replacing modules."
+                f"not see it run. {rewrap_advice(self, replaced)}"
             )
         skipped = getattr(self.family, "logits_skipped", "")
         if (skipped and location is not None and f".source.{self.family.logits_op}." in location
