@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; at run time each name i
     from .interventions import ablate, force, keep_top, reroute, steer
     from .loading import load
     from .model import wrap
+    from .top_k import set_top_k
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ _EXPORTS = {
     **dict.fromkeys(("ablate", "force", "keep_top", "reroute", "steer"), ".interventions"),
     "load": ".loading",
     "wrap": ".model",
+    "set_top_k": ".top_k",
 }
 
 #: Feature areas imported on first use (``moelens.export.to_nnef(...)`` after ``import moelens``).

@@ -452,18 +452,25 @@ class Family:
             return reference
         if reference.startswith("1/"):  # a reciprocal: "1/router.top_k"
             return 1 / self.resolve(reference[2:], block)
-        head, _, rest = reference.partition(".")
-        roots = {"router": self.router, "experts": self.experts, "block": ""}
-        if self.shared is not None and not self.shared.on_layer:
-            roots["shared"] = self.shared.module
         try:
-            value = find_config(block) if head == "config" else get_path(block, roots.get(head, head))
-            return get_path(value, rest)
+            return getattr(*self.owner(reference, block))
         except AttributeError as error:
             raise FamilyError(
                 f"family {self.name!r}: cannot read {reference!r} from {type(block).__name__} ({error}); "
                 + self._fix(reference)
             ) from None
+
+    def owner(self, reference: str, block: Any) -> tuple[Any, str]:
+        """The object of the live block module that holds the attribute a dotted ``reference`` names (as `resolve`
+        reads it, without ``1/``), and the attribute's name: ``(the router module, "top_k")`` for ``"router.top_k"``.
+        An `AttributeError` where a part on the way is missing."""
+        head, _, rest = reference.partition(".")
+        roots = {"router": self.router, "experts": self.experts, "block": ""}
+        if self.shared is not None and not self.shared.on_layer:
+            roots["shared"] = self.shared.module
+        parent, _, name = rest.rpartition(".")
+        root = find_config(block) if head == "config" else get_path(block, roots.get(head, head))
+        return get_path(root, parent), name
 
     def _fix(self, reference: str) -> str:
         """What to change for `resolve`'s error: the settings of this entry that hold ``reference``."""

@@ -1,0 +1,161 @@
+"""Run a model's routers at another top-k: `set_top_k`.
+
+Each MoE family keeps the number of experts a token is routed to somewhere else (`Family.top_k`: the router's
+``top_k`` on most, dbrx's block's own, gemma4's ``config.top_k_experts`` that every layer shares, phimoe's fixed 2 in
+its router's code). Setting an attribute the router does not read adds a new one and changes nothing; `set_top_k`
+sets the one each block's router reads, checked, and puts the old values back.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+from nnsight import Envoy
+
+from .components import Moe
+from .components.layer_list import held_blocks
+from .components.served import trace_running
+from .errors import ArgumentError, FamilyError, MoelensError, described
+
+
+class set_top_k:
+    """Route every token of the given MoE blocks to ``k`` experts: each block's router picks its ``k`` best experts
+    (scored, renormalised and scaled as the family does at that ``k``), until `restore` or the end of a ``with``
+    block. Like ``torch.set_grad_enabled``, it works both ways::
+
+        with moelens.set_top_k(model, 1):          # top-1 routing in every MoE block, for these traces only
+            with model.trace(prompt):
+                top1 = model.output.logits.save()
+
+        setting = moelens.set_top_k(model.moes[2], 4)   # from now on; setting.restore() puts the old k back
+
+    Args:
+        target: A wrapped model (its MoE blocks, `model.moes`), one block (``model.moes[i]``) or several blocks of
+            one model.
+        k: Experts per token, 1 to each block's number of experts (to drop every routed expert, use
+            ``moelens.keep_top(moe, 0)`` in the trace).
+
+    Set outside a trace (the model's routers read it as they run). Each block's value is written where its family
+    keeps it (`Family.top_k`); where that is shared by other blocks (gemma4's config), every block sharing it must be
+    in ``target``. Refused for a family whose k is fixed in its router's code (phimoe). deepseek_v4's hash-routed
+    layers, which take each token's experts from a token-id table of fixed width, keep theirs. A block's values
+    (`Moe.top_k`, ``expert_indices``, ``expert_weights``: ``[..., k]``) follow.
+    """
+
+    def __init__(self, target: Any, k: int) -> None:
+        if trace_running("set_top_k"):
+            raise MoelensError("set_top_k: call it before the trace (with moelens.set_top_k(model, k): with "
+                               "model.trace(...)): the routers read their k as the model runs.")
+        blocks = _blocks(target)
+        k = _checked_k(k, blocks)
+        self._saved: list[tuple[Any, str, Any]] = []
+        places = {}
+        for block in blocks:
+            owner, name = _place(block)
+            places.setdefault((id(owner), name), (owner, name, block))
+        _refuse_shared_beyond(blocks, places)
+        for owner, name, _ in places.values():
+            self._saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, k)
+        self.k = k
+
+    def restore(self) -> None:
+        """Put every block's old k back (again: nothing more)."""
+        for owner, name, old in reversed(self._saved):
+            setattr(owner, name, old)
+        self._saved = []
+
+    def __enter__(self) -> set_top_k:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.restore()
+
+
+def _blocks(target: Any) -> list[Moe]:
+    """The MoE blocks of ``target`` (a wrapped model, a block, or blocks of one model) that route by their k: not
+    hash-routed ones (deepseek_v4's first layers); an `ArgumentError` where there are none."""
+    if isinstance(target, Moe):
+        given = [target]
+    elif hasattr(target, "moes"):
+        given = list(target.moes)
+    elif isinstance(target, Iterable) and not isinstance(target, (str, bytes, Envoy)):  # an envoy lists its children
+        given = list(target)
+    else:
+        given = [target]
+    for block in given:
+        if not isinstance(block, Moe):
+            raise ArgumentError(f"set_top_k takes a wrapped model, an MoE block (model.moes[i]) or a list of them, "
+                                f"got {_what(block)}.")
+    if len({id(block.root) for block in given}) > 1:
+        raise ArgumentError("set_top_k: the blocks given belong to different wrapped models; set each model's on "
+                            "its own.")
+    blocks = [block for block in given if block.SCORING.select != "hash"]
+    if not blocks:
+        raise ArgumentError("set_top_k: no block given routes by a top-k" + (
+            f" ({', '.join(block.path for block in given)} take their experts from a token-id table, whatever their "
+            "top_k)" if given else " (the model has no MoE block)") + ".")
+    return blocks
+
+
+def _what(value: Any) -> str:
+    """``value`` in words for an error: an envoy by its path, and the MoE blocks it holds."""
+    if not isinstance(value, Envoy):
+        return described(value)
+    held = held_blocks(value)
+    return f"{value.path} ({type(value._module).__name__}), which is no MoE block" + (
+        f" (it holds {', '.join(held)}: pass {'that' if len(held) == 1 else 'those'})" if held else "")
+
+
+def _checked_k(k: Any, blocks: list[Moe]) -> int:
+    """``k`` as an int from 1 to every block's number of experts, else an `ArgumentError`."""
+    try:
+        if isinstance(k, bool):
+            raise TypeError
+        k = operator.index(k)
+    except TypeError:
+        raise ArgumentError(f"set_top_k: k must be a whole number of experts per token, got {described(k)}.") from None
+    if k < 1:
+        raise ArgumentError(f"set_top_k: k={k} routes no expert; give 1 or more (to drop every routed expert's output, "
+                            "call moelens.keep_top(moe, 0) in the trace).")
+    fewest = min(blocks, key=lambda block: block.num_experts)
+    if k > fewest.num_experts:
+        raise ArgumentError(f"set_top_k: k={k} is more than the {fewest.num_experts} experts of {fewest.path}; give "
+                            f"at most {fewest.num_experts}.")
+    return k
+
+
+def _place(block: Moe) -> tuple[Any, str]:
+    """The object and attribute name holding ``block``'s k, where its router reads it (`Family.top_k`)."""
+    reference = block.family.top_k
+    if not isinstance(reference, str):
+        raise FamilyError(f"set_top_k: {block.path} ({block.family.name}) picks {reference} experts per token in its "
+                          "router's code; there is no setting to change.")
+    block._refuse_replaced(f"set_top_k({block.path})", "its k cannot be set")
+    try:
+        owner, name = block.family.owner(reference, block._module)
+        getattr(owner, name)
+    except AttributeError as error:
+        raise FamilyError(f"set_top_k: {block.path} has no {reference} ({error}), where family "
+                          f"{block.family.name!r} keeps its k; the entry does not match this model.") from None
+    return owner, name
+
+
+def _refuse_shared_beyond(blocks: list[Moe], places: dict[tuple[int, str], tuple[Any, str, Moe]]) -> None:
+    """Refuse where a place that holds the k of a block in ``blocks`` holds that of a block outside them too (gemma4's
+    config, shared by every layer): setting it would change that block as well."""
+    given = {id(block) for block in blocks}
+    for other in getattr(blocks[0].root, "moes", None) or []:
+        if id(other) in given or not isinstance(other, Moe) or not isinstance(other.family.top_k, str):
+            continue
+        try:
+            owner, name = other.family.owner(other.family.top_k, other._module)
+        except AttributeError:
+            continue
+        if (id(owner), name) in places:
+            first = places[(id(owner), name)][2]
+            raise ArgumentError(
+                f"set_top_k: {first.path} keeps its k in {first.family.top_k} ({type(owner).__name__}.{name}), which "
+                f"{other.path} reads too (not given): setting it would change both. Give both blocks, or the whole "
+                "model (moelens.set_top_k(model, k)).")
