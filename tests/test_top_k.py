@@ -192,3 +192,48 @@ def test_the_docs_examples_run_as_written(tmp_path):
                               names)
     assert top_p["used"].flatten().tolist() == expected.tolist() and expected.max() > 1
     assert [moe.top_k for moe in model.moes] == [2] * len(model.moes)
+
+
+def _built_at(hf, k: int):
+    """Ground truth: the same weights in a model whose config says num_experts_per_tok = k (transformers itself)."""
+    import copy
+
+    config = copy.deepcopy(hf.config)
+    config.num_experts_per_tok = k
+    other = type(hf)._from_config(config).eval()
+    other.load_state_dict(hf.state_dict())
+    return other
+
+
+@pytest.mark.parametrize("family", ["openai_privacy_filter", "mixtral"])
+def test_the_model_equals_the_one_built_at_that_k(family):
+    """openai_privacy_filter's router divides its weights by k and its block multiplies the output by
+    config.num_experts_per_tok again: both follow the k set. The router aux loss (output_router_logits=True) counts
+    the new k too, where every block is set (the causal-LM model's num_experts_per_tok)."""
+    hf = tiny_model(family)
+    model = moelens.wrap(hf)
+    inputs = tiny_inputs(hf)
+    for k in (1, 3):
+        reference = _built_at(hf, k)
+        with torch.no_grad():
+            expected = reference(**inputs, output_router_logits=family == "mixtral")
+            with moelens.set_top_k(model, k):
+                got = hf(**inputs, output_router_logits=family == "mixtral")
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-6)
+        if family == "mixtral":
+            torch.testing.assert_close(got.aux_loss, expected.aux_loss)
+    if family == "openai_privacy_filter":
+        assert all(moe._module.num_experts == 2 for moe in model.moes)  # put back with the router's k
+    else:
+        assert hf.num_experts_per_tok == 2
+
+
+def test_settings_restored_out_of_order_put_the_first_k_back():
+    model = moelens.wrap(tiny_model("mixtral"))
+    first = moelens.set_top_k(model, 3)
+    second = moelens.set_top_k(model, 1)
+    first.restore()
+    assert [moe.top_k for moe in model.moes] == [1, 1, 1, 1]  # the later setting stays in force
+    second.restore()
+    assert [moe.top_k for moe in model.moes] == [2, 2, 2, 2]
+    assert model._module.num_experts_per_tok == 2

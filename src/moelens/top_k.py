@@ -9,6 +9,7 @@ sets the one each block's router reads, checked, and puts the old values back.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any, Iterable
 
 from nnsight import Envoy
@@ -40,7 +41,9 @@ class set_top_k:
     keeps it (`Family.top_k`); where that is shared by other blocks (gemma4's config), every block sharing it must be
     in ``target``. Refused for a family whose k is fixed in its router's code (phimoe). deepseek_v4's hash-routed
     layers, which take each token's experts from a token-id table of fixed width, keep theirs. A block's values
-    (`Moe.top_k`, ``expert_indices``, ``expert_weights``: ``[..., k]``) follow.
+    (`Moe.top_k`, ``expert_indices``, ``expert_weights``: ``[..., k]``) follow. So does what else a forward reads k
+    from: a block that scales its output back by it (openai_privacy_filter), and, where every block is set, the
+    model's ``num_experts_per_tok`` at which transformers counts the router aux loss.
     """
 
     def __init__(self, target: Any, k: int) -> None:
@@ -55,15 +58,37 @@ class set_top_k:
             owner, name = _place(block)
             places.setdefault((id(owner), name), (owner, name, block))
         _refuse_shared_beyond(blocks, places)
-        for owner, name, _ in places.values():
+        writes = [(owner, name, k) for owner, name, _ in places.values()]
+        for block in blocks:  # what the block's forward reads besides the router's k (openai_privacy_filter)
+            for owner, name in _companions(block):
+                if (id(owner), name) not in places:
+                    places[(id(owner), name)] = (owner, name, block)
+                    writes.append((owner, name, k))
+        writes += _model_k(blocks, k)
+        for owner, name, value in writes:
+            _ACTIVE.setdefault((id(owner), name), []).append(weakref.ref(self))
             self._saved.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, k)
+            setattr(owner, name, value)
         self.k = k
 
     def restore(self) -> None:
-        """Put every block's old k back (again: nothing more)."""
+        """Put every block's old k back (again: nothing more). Settings of the same blocks may be restored in any
+        order: one restored while a later one is active leaves the later k in place, and the later one's restore
+        then puts back the k from before both."""
         for owner, name, old in reversed(self._saved):
-            setattr(owner, name, old)
+            key = (id(owner), name)
+            stack = [ref for ref in _ACTIVE.get(key, []) if ref() is not None]  # a dropped one restores nothing
+            mine = next((i for i, ref in enumerate(stack) if ref() is self), None)
+            later = stack[mine + 1]() if mine is not None and mine + 1 < len(stack) else None
+            if later is not None:  # a later setting is active here: it puts back what this one found
+                later._saved = [(o, n, old if (id(o), n) == key else value) for o, n, value in later._saved]
+            else:
+                setattr(owner, name, old)
+            stack = [ref for ref in stack if ref() is not self]
+            if stack:
+                _ACTIVE[key] = stack
+            else:
+                _ACTIVE.pop(key, None)
         self._saved = []
 
     def __enter__(self) -> set_top_k:
@@ -71,6 +96,41 @@ class set_top_k:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.restore()
+
+
+#: (id(owner), attribute) -> weak references to the settings that wrote it and are not restored yet, oldest first
+#: (`set_top_k.restore`); weak, so that a setting kept "from now on" and dropped keeps no model alive.
+_ACTIVE: dict[tuple[int, str], list[weakref.ref]] = {}
+
+
+def _companions(block: Moe) -> list[tuple[Any, str]]:
+    """Other places of ``block`` that hold its k and that its forward reads: where the family's scoring divides the
+    weights by k (``Scoring.scale = "1/<top_k>"``) and its ``Combine.routed_scale`` names an attribute holding the same
+    k, the block multiplies the output back by it (openai_privacy_filter's ``block.num_experts``, set from
+    ``config.num_experts_per_tok``)."""
+    family = block.family
+    scale, routed = block.SCORING.scale, family.combine.routed_scale
+    if scale != f"1/{family.top_k}" or not isinstance(routed, str):
+        return []
+    try:
+        owner, name = family.owner(routed, block._module)
+        value = getattr(owner, name)
+    except AttributeError:
+        return []
+    return [(owner, name)] if value == block.top_k else []
+
+
+def _model_k(blocks: list[Moe], k: int) -> list[tuple[Any, str, int]]:
+    """The model's own ``num_experts_per_tok`` (transformers' causal-LM models copy it from the config to compute the
+    router aux loss at that k), where ``blocks`` are every block of the model and none is hash-routed (no one k for
+    the aux loss then): otherwise the aux loss (and a loss with labels and ``output_router_logits=True``) would count
+    each token's old k experts."""
+    root = blocks[0].root
+    moes = getattr(root, "moes", None) or []
+    if {id(block) for block in blocks} != {id(moe) for moe in moes} or any(moe.SCORING.select == "hash" for moe in moes):
+        return []
+    value = getattr(getattr(root, "_module", None), "num_experts_per_tok", None)
+    return [(root._module, "num_experts_per_tok", k)] if isinstance(value, int) and not isinstance(value, bool) else []
 
 
 def _blocks(target: Any) -> list[Moe]:
@@ -95,7 +155,8 @@ def _blocks(target: Any) -> list[Moe]:
     if not blocks:
         raise ArgumentError("set_top_k: no block given routes by a top-k" + (
             f" ({', '.join(block.path for block in given)} take their experts from a token-id table, whatever their "
-            "top_k)" if given else " (the model has no MoE block)") + ".")
+            "top_k)" if given else " (the model has no MoE block)" if hasattr(target, "moes") else
+            " (an empty list: give a wrapped model, a block or a list of blocks)") + ".")
     return blocks
 
 
