@@ -8,6 +8,7 @@ dropped (`keep_top(renormalize=True)`, which edits the weights instead of the ro
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -237,3 +238,27 @@ def test_settings_restored_out_of_order_put_the_first_k_back():
     second.restore()
     assert [moe.top_k for moe in model.moes] == [2, 2, 2, 2]
     assert model._module.num_experts_per_tok == 2
+
+
+def test_a_k_beyond_the_experts_of_the_kept_groups_is_warned_of():
+    """deepseek_v3's tiny router keeps 2 of 4 groups of 8 experts: 4 experts to pick from. Ground truth: the router's
+    own choice at k = 5 holds an expert outside the 2 best groups for every token (the masked scores)."""
+    model = moelens.wrap(tiny_model("deepseek_v3"))
+    block = model.moes[0]
+    assert block.family.groups_of(block._module) == (4, 2)
+    with pytest.warns(UserWarning, match=r"k=5 is more than the experts of the best groups that "
+                                         r"model\.model\.layers\.1\.mlp \(2 of 4 groups: 4 experts\), .* pick from"):
+        setting = moelens.set_top_k(model, 5)
+    indices = []
+    hook = block.experts._module.register_forward_pre_hook(lambda module, args: indices.append(args[1]))
+    try:
+        with torch.no_grad():
+            model._module(**tiny_inputs(model._module))
+    finally:
+        hook.remove()
+        setting.restore()
+    groups = indices[0] // 2  # 8 experts in 4 groups of 2
+    assert all(len(set(row.tolist())) > 2 for row in groups)  # more than the 2 kept groups
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moelens.set_top_k(model, 4).restore()

@@ -17,7 +17,7 @@ from nnsight import Envoy
 from .components import Moe
 from .components.layer_list import held_blocks
 from .components.served import trace_running
-from .errors import ArgumentError, FamilyError, MoelensError, described
+from .errors import ArgumentError, FamilyError, MoelensError, described, warn
 
 
 class set_top_k:
@@ -52,6 +52,7 @@ class set_top_k:
                                "model.trace(...)): the routers read their k as the model runs.")
         blocks = _blocks(target)
         k = _checked_k(k, blocks)
+        _warn_beyond_groups(blocks, k)
         self._saved: list[tuple[Any, str, Any]] = []
         places = {}
         for block in blocks:
@@ -185,6 +186,23 @@ def _checked_k(k: Any, blocks: list[Moe]) -> int:
         raise ArgumentError(f"set_top_k: k={k} is more than the {fewest.num_experts} experts of {fewest.path}; give "
                             f"at most {fewest.num_experts}.")
     return k
+
+
+def _warn_beyond_groups(blocks: list[Moe], k: int) -> None:
+    """Warn where ``k`` is more than the experts a group-limited router picks from (the ``topk_group`` best of its
+    ``n_group`` groups): it fills the other slots with experts outside them, as the model built at that k would, in
+    torch's order among their masked scores, not the best of them."""
+    beyond = []
+    for block in blocks:
+        groups = block.family.groups_of(block._module)
+        if groups is not None and k > groups[1] * block.num_experts // groups[0]:
+            beyond.append(f"{block.path} ({groups[1]} of {groups[0]} groups: "
+                          f"{groups[1] * block.num_experts // groups[0]} experts)")
+    if beyond:
+        warn(f"set_top_k: k={k} is more than the experts of the best groups that {', '.join(beyond[:3])}"
+             f"{f' and {len(beyond) - 3} more' if len(beyond) > 3 else ''} pick from: the other slots get experts "
+             "outside those groups, in torch's order among their masked scores, not the best of them (as the model "
+             "built at that k would). Give at most that many, or raise the router's topk_group.")
 
 
 def _place(block: Moe) -> tuple[Any, str]:
