@@ -16,16 +16,9 @@ import torch
 import moelens
 from moelens import ArgumentError, FamilyError, MoelensError, families
 from moelens.testing import EXPERTS_IMPLEMENTATIONS, FAMILIES, tiny_inputs, tiny_model
+from test_tiny_models import _one_thread  # noqa: F401  (tiny models run fastest on one thread)
 
 CASES = [(family, impl) for family in FAMILIES for impl in EXPERTS_IMPLEMENTATIONS[family] if family != "phimoe"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @functools.lru_cache(maxsize=None)
