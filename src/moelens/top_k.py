@@ -59,17 +59,13 @@ class set_top_k:
             owner, name = _place(block)
             places.setdefault((id(owner), name), (owner, name, block))
         _refuse_shared_beyond(blocks, places)
-        writes = [(owner, name, k) for owner, name, _ in places.values()]
-        for block in blocks:  # what the block's forward reads besides the router's k (openai_privacy_filter)
-            for owner, name in _companions(block):
-                if (id(owner), name) not in places:
-                    places[(id(owner), name)] = (owner, name, block)
-                    writes.append((owner, name, k))
-        writes += _model_k(blocks, k)
-        for owner, name, value in writes:
+        # what else the forward reads k from: a block scaling its output back by it, the model's aux loss
+        for owner, name in [*(place for block in blocks for place in _companions(block)), *_model_k(blocks)]:
+            places.setdefault((id(owner), name), (owner, name, None))
+        for owner, name, _ in places.values():
             _ACTIVE.setdefault((id(owner), name), []).append(weakref.ref(self))
             self._saved.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, value)
+            setattr(owner, name, k)
         self.k = k
 
     def restore(self) -> None:
@@ -121,7 +117,7 @@ def _companions(block: Moe) -> list[tuple[Any, str]]:
     return [(owner, name)] if value == block.top_k else []
 
 
-def _model_k(blocks: list[Moe], k: int) -> list[tuple[Any, str, int]]:
+def _model_k(blocks: list[Moe]) -> list[tuple[Any, str]]:
     """The model's own ``num_experts_per_tok`` (transformers' causal-LM models copy it from the config to compute the
     router aux loss at that k), where ``blocks`` are every block of the model and none is hash-routed (no one k for
     the aux loss then): otherwise the aux loss (and a loss with labels and ``output_router_logits=True``) would count
@@ -131,7 +127,7 @@ def _model_k(blocks: list[Moe], k: int) -> list[tuple[Any, str, int]]:
     if {id(block) for block in blocks} != {id(moe) for moe in moes} or any(moe.SCORING.select == "hash" for moe in moes):
         return []
     value = getattr(getattr(root, "_module", None), "num_experts_per_tok", None)
-    return [(root._module, "num_experts_per_tok", k)] if isinstance(value, int) and not isinstance(value, bool) else []
+    return [(root._module, "num_experts_per_tok")] if isinstance(value, int) and not isinstance(value, bool) else []
 
 
 def _blocks(target: Any) -> list[Moe]:
@@ -195,9 +191,9 @@ def _warn_beyond_groups(blocks: list[Moe], k: int) -> None:
     beyond = []
     for block in blocks:
         groups = block.family.groups_of(block._module)
-        if groups is not None and k > groups[1] * block.num_experts // groups[0]:
-            beyond.append(f"{block.path} ({groups[1]} of {groups[0]} groups: "
-                          f"{groups[1] * block.num_experts // groups[0]} experts)")
+        eligible = groups and groups[1] * block.num_experts // groups[0]
+        if groups is not None and k > eligible:
+            beyond.append(f"{block.path} ({groups[1]} of {groups[0]} groups: {eligible} experts)")
     if beyond:
         warn(f"set_top_k: k={k} is more than the experts of the best groups that {', '.join(beyond[:3])}"
              f"{f' and {len(beyond) - 3} more' if len(beyond) > 3 else ''} pick from: the other slots get experts "
