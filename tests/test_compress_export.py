@@ -222,12 +222,13 @@ def test_modules_replaced_outside_the_routing_leave_routing_analysis_and_the_exp
     assert to_nnef(wrapped.moes[-1], out / f"{change}.nnef.tgz", example_inputs=hidden).verification.meets("approximate")
 
 
-def test_lora_put_on_the_experts_after_wrapping_is_refused_with_the_advice_to_merge(out):
+def test_lora_put_on_the_experts_after_wrapping_says_to_wrap_again_and_what_reads_weights_to_merge(out):
     """A LoRA adapter on the routed experts' own parameters, put on after wrapping (peft >= 0.22 does that for
     target_modules=["gate_proj", "up_proj", "down_proj"] on transformers 5's fused experts), replaces the experts
-    module by a PEFT ParamWrapper: routing analysis, the export, check and params() said "wrap the model again", which
-    wrap refuses for the same adapter. They say to merge it; doing so gives the adapted model's routing and output.
-    Ground truth: hooks on the experts calls of the PEFT model, and its logits."""
+    module by a PEFT ParamWrapper: routing analysis, the export, check and params() say to wrap the model again.
+    Wrapped again, routing analysis serves the adapted model's routing, and what reads the weights themselves (the
+    export, params) says to merge the adapters. Ground truth: hooks on the experts calls of the PEFT model, and its
+    logits."""
     from peft import LoraConfig, get_peft_model
 
     from moelens import analysis, families
@@ -237,15 +238,18 @@ def test_lora_put_on_the_experts_after_wrapping_is_refused_with_the_advice_to_me
     wrapped = wrap(hf)
     tuned = get_peft_model(hf, LoraConfig(target_parameters=["mlp.experts.down_proj"], r=4, init_lora_weights=False))
     tokens = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    advice = (r"model\.model\.layers\.1\.mlp\.experts is now a PEFT adapter layer \(ParamWrapper\).* merge the "
-              r"adapters into the weights and wrap the result, moelens\.wrap\(peft_model\.merge_and_unload\(\)\)\.$")
-    calls = {"routing analysis": lambda: analysis.collect_routing(wrapped, [tokens[0]], progress=False),
-             "the export": lambda: to_nnef(wrapped, out / "adapted.nnef.tgz", verify=False),
-             "check": lambda: families.check(wrapped, tokens),
-             "params": lambda: wrapped.moes[0].params()}
+    calls = {"routing analysis": lambda model: analysis.collect_routing(model, [tokens[0]], progress=False),
+             "the export": lambda model: to_nnef(model, out / "adapted.nnef.tgz", verify=False),
+             "check": lambda model: families.check(model, tokens),
+             "params": lambda model: model.moes[0].params()}
     for where, call in calls.items():
-        with pytest.raises(moelens.MoelensError, match=advice):
-            call()
+        with pytest.raises(moelens.MoelensError, match=r"Wrap the model again: moelens\.wrap\(model\._module\)\.$"):
+            call(wrapped)
+    again = wrap(hf)  # get_peft_model put the adapters into hf itself
+    for where in ("the export", "check", "params"):
+        with pytest.raises(moelens.MoelensError, match=r"\(LoRA on down_proj\) runs under PEFT adapters .* Merge the "
+                                                       r"adapters into the weights and (wrap|export) the result"):
+            calls[where](again)
     seen = []
     hooks = [layer.mlp.experts.base_layer.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
              for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
@@ -253,14 +257,13 @@ def test_lora_put_on_the_experts_after_wrapping_is_refused_with_the_advice_to_me
         adapted_logits = tuned(tokens).logits
     for hook in hooks:
         hook.remove()
-    merged = wrap(tuned.merge_and_unload())
-    cache = analysis.collect_routing(merged, [tokens[0]], progress=False)
+    cache = calls["routing analysis"](again)
     assert len(cache.layers) == len(seen) == 3
     for layer, indices in zip(cache.layers, seen):
         torch.testing.assert_close(cache.indices(layer).long(), indices.reshape(-1, indices.shape[-1]))
-    with torch.no_grad(), merged.trace(tokens):
-        logits = merged.output.logits.save()
-    torch.testing.assert_close(logits, adapted_logits, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), again.trace(tokens):
+        logits = again.output.logits.save()
+    torch.testing.assert_close(logits, adapted_logits, rtol=0, atol=0)
 
 
 def test_what_tract_cannot_express_is_refused_with_the_reason(out):

@@ -3284,23 +3284,6 @@ def test_force_and_reroute_refuse_experts_the_block_cannot_run(mixtral):
                 call()
 
 
-@pytest.mark.parametrize("adapted", ["mlp.gate.weight", "mlp.experts.gate_up_proj"], ids=["router", "experts"])
-def test_peft_adapters_on_the_router_or_experts_say_to_merge_them(adapted):
-    peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, init_lora_weights=False, target_parameters=[adapted])
-    tuned = peft.get_peft_model(tiny_model("qwen3_moe", experts_implementation="batched_mm"), config)
-    with pytest.raises(FamilyError, match=r"wrapped by a PEFT adapter layer \(ParamWrapper\).*merge_and_unload\(\)"):
-        moelens.wrap(tuned)
-    merged = moelens.wrap(tuned.merge_and_unload())
-    block = merged.moes[0]
-    inputs = {"input_ids": torch.tensor([[5, 9, 14, 3]])}
-    with merged.trace(**inputs):
-        hidden = block.inputs[0][0].save()
-        logits = block.router_logits.save()
-    router = block.router._module  # the merged weight holds the adapter's delta
-    torch.testing.assert_close(logits, F.linear(hidden, router.weight).view_as(logits), atol=1e-6, rtol=1e-5)
-
-
 def test_a_family_path_through_a_child_named_like_a_standard_name_binds_the_family_module():
     """A registered family whose experts live at ``experts.base_layer`` gets that module as
     ``moe.experts``, not the block's own child named ``experts``."""

@@ -478,6 +478,33 @@ def test_shard_experts_on_one_rank() -> None:
     assert r["converted"] == "torch_a2a", r["converted"]
 
 
+def test_shard_experts_refuses_peft_adapters_on_the_experts_it_would_not_slice() -> None:
+    """LoRA on the experts' own parameters (a PEFT ParamWrapper) adds its product to the whole expert stack: slicing
+    the base weights would leave it whole. The refused model runs as before."""
+    pytest.importorskip("peft")
+    results = ranks(1, """
+        import peft
+        from moelens.parallel import shard_experts
+        from moelens.testing import tiny_model
+        hf = tiny_model("mixtral", experts_implementation="grouped_mm")
+        config = peft.LoraConfig(r=2, init_lora_weights=False, target_parameters=["mlp.experts.down_proj"])
+        tuned = peft.get_peft_model(hf, config)
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        with torch.no_grad():
+            before = tuned(input_ids=ids).logits
+            RESULT["error"] = error_of(lambda: shard_experts(tuned))
+            RESULT["logits"] = float((tuned(input_ids=ids).logits - before).abs().max())
+        RESULT["marked"] = [name for name, module in hf.named_modules() if "_ep_group" in module.__dict__]
+    """)
+    r = results[0]
+    assert r["error"].startswith("MoelensError: shard_experts (base_model.model.model.layers.0.mlp): its experts "
+                                 "'experts' (LoRA on down_proj) runs under PEFT adapters"), r["error"]
+    assert r["error"].endswith("sharding would slice the base weights and leave the adapters whole. Merge the adapters "
+                               "into the weights and shard the result: shard_experts(peft_model.merge_and_unload())."), \
+        r["error"]
+    assert r["logits"] == 0.0 and r["marked"] == [], r
+
+
 def test_a_trace_counts_its_run_as_it_begins_even_if_its_body_fails_before_the_model_runs():
     """A rank whose trace of an empty batch raised in its body (before the model ran) counted no run: the other
     ranks' trace paired with its next one, silently wrong (parallel.runs). One run per trace, however it ends."""

@@ -19,7 +19,7 @@ from .components.implementations import is_dispatching
 from .components.mlp import DOWN_PROJECTIONS, UP_PROJECTIONS
 from .errors import FamilyError, sentence, warn
 from .families import Family, registry
-from .families.entry import find_path, get_path
+from .families.entry import beneath_adapters, find_path, get_path
 from .families.unserved import unserved_block
 from .modules import enclosing, is_adapter_layer, is_modules_to_save
 
@@ -62,7 +62,7 @@ def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
     """Whether the block holds its experts where its family says: for moelens' own entries an experts module (a
     block class can hold a dense MLP instead in some checkpoints), for a registered entry any module there that is
     no container (the user named the path)."""
-    experts = find_path(module, family.experts)
+    experts = find_path(module, beneath_adapters(module, family.experts))
     if registry.is_built_in(family):
         return _is_experts(experts)
     return isinstance(experts, torch.nn.Module) and not isinstance(experts, CONTAINERS)
@@ -73,18 +73,22 @@ def _children(module: torch.nn.Module) -> list[str]:
 
 
 def _refuse_adapter_layers(name: str, module: torch.nn.Module, family: Family) -> None:
-    """Raise a `FamilyError` when PEFT wraps the block's router or experts (``target_parameters``).
+    """Raise a `FamilyError` when a PEFT adapter layer other than parameter adapters stands for the block's router or
+    experts (a LoRA ``Linear`` on a router that is one).
 
-    moelens reads the ops of the family's own router and experts forward; a PEFT layer
-    standing in their place (its ``base_layer`` the original) has other ops.
+    moelens reads the ops of the family's own router and experts forward. Parameter adapters (`beneath_adapters`)
+    call that forward, on the adapted parameters, so moelens serves it beneath them; another adapter layer adds its
+    own part to the output (its ``base_layer`` the original), which the family's ops do not see.
     """
     for part, path in (("router", family.router), ("experts", family.experts)):
-        target = find_path(module, path)
+        target = find_path(module, beneath_adapters(module, path))
         if target is not None and is_adapter_layer(target):
             raise FamilyError(
                 f"{name}.{path}, the {part} of this {family.name} block, is wrapped by a PEFT adapter layer "
-                f"({type(target).__name__}), so moelens cannot read the {part}'s own operations: merge the "
-                "adapters into the weights first (model = peft_model.merge_and_unload()) and wrap the result."
+                f"({type(target).__name__}), which adds its part outside the {part}'s own operations that moelens "
+                "reads: merge the adapters into the weights first (model = peft_model.merge_and_unload()) and wrap "
+                f"the result. (LoRA on the {part}'s parameters, LoraConfig(target_parameters=[...]), is served as "
+                "it is.)"
             )
 
 
@@ -186,7 +190,8 @@ def block_parts(block: torch.nn.Module, family: Family, layer: torch.nn.Module |
     expert (one the family keeps on the decoder layer only with ``layer``) and that expert's gate. A part the block
     lacks (a config without a shared expert) is left out."""
     shared = family.shared
-    hosts = {"block": (block, ""), "router": (block, family.router), "experts": (block, family.experts)}
+    hosts = {"block": (block, ""), "router": (block, beneath_adapters(block, family.router)),
+             "experts": (block, beneath_adapters(block, family.experts))}
     if shared is not None:
         if not shared.on_layer or layer is not None:
             hosts["shared expert"] = (layer if shared.on_layer else block, shared.module)

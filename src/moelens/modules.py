@@ -106,6 +106,13 @@ def is_adapter_layer(module: Any) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
 
 
+def is_parameter_adapter(module: Any) -> bool:
+    """A PEFT adapter layer on one parameter of the module it wraps (LoRA's ``ParamWrapper``: ``target_parameters``,
+    or from peft 0.22 a ``target_modules`` naming fused experts' or a router's projections): its forward calls its
+    ``base_layer``'s own forward, with the parameter read as the base weight plus the adapters' product."""
+    return is_adapter_layer(module) and isinstance(getattr(module, "parameter_name", None), str)
+
+
 def padding_position_id(model: nn.Module) -> int | None:
     """The padding id a model counts its tokens' positions past, where it counts them itself from the padding in
     its input ids (RoBERTa and its kin, Kosmos-2's text model, I-BERT ...: real tokens from ``padding_idx + 1``),

@@ -21,7 +21,7 @@ from nnsight.intervention.interleaver import Mediator
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families import Family, registry
 from ..families.entry import VALUE_NAMES, find_path
-from ..modules import is_adapter_layer, is_modules_to_save, on_accelerator
+from ..modules import is_adapter_layer, is_modules_to_save, is_parameter_adapter, on_accelerator
 from . import served as serving
 
 
@@ -98,17 +98,17 @@ def rewrap_advice(envoy: Envoy, replaced: list[str]) -> str:
         return "Wrap the model again: moelens.wrap(model._module)."
     lora = any("adapter layer" in what for what in adapted.values())
     return (f"{', '.join(f'{path} is now {what}' for path, what in adapted.items())}, which moelens cannot read and "
-            "wrap refuses too" + (" (LoRA on a router's or experts' own parameters: target_parameters, or from peft "
-            "0.22 a target_modules naming their transformers-4 modules, gate_proj/up_proj/down_proj, w1/w2/w3, gate, "
-            "or all-linear)" if lora else "") + ": merge the adapters into the weights and wrap the result, "
+            "wrap refuses too" + (" (LoRA on a router that is a Linear itself, as llama4's and phimoe's are)"
+                                  if lora else "") + ": merge the adapters into the weights and wrap the result, "
             "moelens.wrap(peft_model.merge_and_unload()).")
 
 
 def _adapter_layers_at(envoy: Envoy, paths: list[str]) -> dict[str, str]:
     """Those of ``paths`` (envoy paths, "model.<module path>") where the torch model of ``envoy``'s wrapped model now
     holds what wrapping again would refuse (`discovery`): a PEFT adapter layer standing for an MoE block's router or
-    experts (LoRA on their own parameters), or a PEFT modules_to_save wrapper. An adapter layer elsewhere (LoRA on a
-    shared expert's or its gate's Linear) wraps again as it is, so it is not counted."""
+    experts other than parameter adapters (LoRA's ``Linear`` on a router that is one), or a PEFT modules_to_save
+    wrapper. Parameter adapters (LoRA on their own parameters), and an adapter layer elsewhere (on a shared expert's
+    or its gate's Linear), wrap again as they are, so they are not counted."""
     from .moe import Moe  # which imports this module
 
     root = envoy
@@ -124,7 +124,7 @@ def _adapter_layers_at(envoy: Envoy, paths: list[str]) -> dict[str, str]:
             continue
         if is_modules_to_save(live):
             adapted[path] = f"a PEFT modules_to_save wrapper ({type(live).__name__})"
-        elif is_adapter_layer(live) and path in parts:
+        elif is_adapter_layer(live) and not is_parameter_adapter(live) and path in parts:
             adapted[path] = f"a PEFT adapter layer ({type(live).__name__}) on its block's {parts[path]}"
     return adapted
 

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..errors import ArgumentError, FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence, warn
 from ..families import Scoring
-from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES
+from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES, beneath_adapters
 from ..families.scoring import derived_routing, score
 from ..modules import foreign_hooks, hook_name
 from ..permutations import inverse_permutation
@@ -180,7 +180,8 @@ class Moe(Mlp):
     def _bind_standard_names(self) -> None:
         """Alias the router, experts and shared expert under their standard names."""
         family = self.family
-        standard = {"router": family.router, "experts": family.experts}
+        block = self._module  # the router and experts beneath the PEFT parameter adapters standing there, if any
+        standard = {"router": beneath_adapters(block, family.router), "experts": beneath_adapters(block, family.experts)}
         if family.shared is not None and not family.shared.on_layer:
             standard["shared_experts"] = family.shared.module
             if family.shared.gate is not None:

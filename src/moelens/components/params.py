@@ -30,7 +30,9 @@ from torch import Tensor
 from ..errors import ArgumentError, LayoutMismatch, ValueUnavailable, WriteError, described, warn
 from ..families import ExpertLayout, Family
 from ..families.entry import find_path, get_path
-from ..modules import called_attribute, disk_offloaded, has_lora_adapters, is_adapter_layer, offloaded_to
+from ..adapters import refusal, refuse_parameter_adapters
+from ..modules import (called_attribute, disk_offloaded, has_lora_adapters, is_adapter_layer, is_parameter_adapter,
+                       offloaded_to)
 from ..scalars import as_int
 
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
@@ -120,6 +122,8 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
             "load the model with this layer on the device it runs on (a device_map without 'disk' or CPU offload for "
             "it) to edit its weights."
         )
+    refuse_parameter_adapters(block, family, where, "the views would be the base weights alone, and an edit of them "
+                              "would leave the adapters' part", ValueUnavailable, parts=("experts",))
     experts = get_path(block, family.experts)
     identity = family.identity_count(block)
     if index is not None and index >= num_experts - identity:
@@ -184,6 +188,9 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     child, or (``forward_0``) the router is an ``nn.Linear`` calling its own forward (llama4).
     """
     router = get_path(block, family.router)
+    if is_parameter_adapter(router):
+        raise AdaptedRouter(refusal(block, family, family.name, "the logits come from the router's base weight and "
+                                    "the adapters together, which no one [E, D] tensor holds", ("router",)))
     op = family.logits_op
     called = called_attribute(router, op)
     attribute = getattr(router, called, None) if called else None  # the module the op calls, if one

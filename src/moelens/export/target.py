@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..components import Moe
+from ..adapters import refuse_parameter_adapters
 from ..components.base import layer_of, refuse_replaced, replaced_blocks
 from ..components.served import trace_running
 from ..families import Family, registry
@@ -101,6 +102,12 @@ def resolve(model: Any) -> Target:
             "use torch-to-nnef directly for dense models."
         )
     _refuse_sharded(target)
+    for block in target.blocks:
+        refuse_parameter_adapters(target.module.get_submodule(block.name), block.family,
+                                  f"the export of {block.name or type(target.module).__name__}",
+                                  "the archive would hold the base weights alone", ExportRefused,
+                                  remedy="Merge the adapters into the weights and export the result "
+                                         "(peft_model.merge_and_unload(), wrapped or not)")
     _refuse_hooks(target)
     return target
 

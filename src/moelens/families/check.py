@@ -78,10 +78,14 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             "check. A model keeps what it was wrapped with: if its family was registered after wrapping, wrap it "
             "again (moelens.wrap(model._module)) and check that."
         )
+    from ..adapters import refuse_parameter_adapters
     from ..components.base import put_in_after_wrap, refuse_replaced, replaced_blocks
 
     refuse_replaced(model, replaced_blocks(model) + [moe.path for moe in model.moes if put_in_after_wrap(moe)], "check",
                     "its values would not be the entry's to check", FamilyError)
+    for moe in model.moes:  # its layout is checked on the experts' weights
+        refuse_parameter_adapters(moe._module, moe.family, f"check ({moe.path})", "the experts' layout would be checked "
+                                  "on the base weights, against what the adapted ones compute", FamilyError, ("experts",))
     moes = [moe for moe in model.moes if not moe.runs_only_on]
     if not moes:
         raise FamilyError("check: the model has no MoE block that runs on every input; nothing to check.")

@@ -19,7 +19,10 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, Mapping
 
+from torch.nn.utils.parametrize import type_before_parametrizations
+
 from ..errors import FamilyError
+from ..modules import is_parameter_adapter
 from .scoring import SCORE_FUNCTIONS
 
 #: Every value a `Moe` component serves, in the order a standard family produces them.
@@ -469,7 +472,7 @@ class Family:
         if self.shared is not None and not self.shared.on_layer:
             roots["shared"] = self.shared.module
         parent, _, name = rest.rpartition(".")
-        root = find_config(block) if head == "config" else get_path(block, roots.get(head, head))
+        root = find_config(block) if head == "config" else get_path(block, beneath_adapters(block, roots.get(head, head)))
         return get_path(root, parent), name
 
     def _fix(self, reference: str) -> str:
@@ -649,8 +652,9 @@ class Family:
         """The scoring of one live block: `scoring`, unless its router's class has its own."""
         if not self.scoring_by_router:
             return self.scoring
-        router = get_path(block, self.router)
-        return self.scoring_by_router.get(type(router).__name__, self.scoring)
+        router = get_path(block, beneath_adapters(block, self.router))
+        # the router's own class while a PEFT parameter adapter runs it (its parametrization subclasses it)
+        return self.scoring_by_router.get(type_before_parametrizations(router).__name__, self.scoring)
 
     def combined(self, block: Any, routed: Any, shared: Any = None) -> Any:
         """The block output this family makes of ``routed`` and ``shared`` (see `Combine`).
@@ -726,6 +730,16 @@ def find_path(root: Any, path: str) -> Any:
         return get_path(root, path)
     except AttributeError:
         return None
+
+
+def beneath_adapters(root: Any, path: str) -> str:
+    """``path`` below ``root`` continued through the PEFT parameter adapters standing there (`is_parameter_adapter`,
+    ``.base_layer`` for each: nested where several of a module's parameters are adapted): the path of the family's
+    own module, whose forward runs inside theirs on the adapted parameters. ``path`` itself where none stands."""
+    module = find_path(root, path)
+    while is_parameter_adapter(module):
+        module, path = module.base_layer, f"{path}.base_layer"
+    return path
 
 
 def find_config(module: Any) -> Any:

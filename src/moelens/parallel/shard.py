@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..adapters import refuse_parameter_adapters
 from ..components.implementations import is_dispatching
 from ..errors import MoelensError
 from ..families.entry import get_path
@@ -243,6 +244,10 @@ def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module
     """
     counts = []
     for name, family, block, experts in blocks:
+        refuse_parameter_adapters(block, family, f"shard_experts ({name})", "sharding would slice the base weights and "
+                                  "leave the adapters whole", MoelensError, ("experts",),
+                                  "Merge the adapters into the weights and shard the result: "
+                                  "shard_experts(peft_model.merge_and_unload())")
         if "_ep_group" in experts.__dict__:
             raise MoelensError(f"shard_experts: {name} is sharded already.")
         if not family.experts_call or not is_dispatching(experts):

@@ -1,0 +1,222 @@
+"""PEFT LoRA on a MoE block's router and experts parameters (a ``ParamWrapper`` where the module was: from
+``LoraConfig(target_parameters=...)``, or from peft 0.22 a ``target_modules`` naming the transformers-4 projections).
+
+moelens serves the block beneath the adapters. Ground truth: the PEFT model's own forward (pass-through), the same
+model with its adapters merged into the weights by peft (``merge_and_unload``, a plain transformers model), the base
+model without adapters (``disable_adapter``), hooks on the family's router and experts modules, and the router's
+logits recomputed by hand from its base weight plus the adapters' product.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moelens
+from moelens import FamilyError, MoelensError, ValueUnavailable, families
+from moelens.modules import is_adapter_layer
+from moelens.testing import EXPERTS_IMPLEMENTATIONS, FAMILIES, tiny_inputs, tiny_model
+from test_tiny_models import _one_thread  # noqa: F401  (tiny models run fastest on one thread)
+
+peft = pytest.importorskip("peft")
+
+#: dbrx's experts read their own ``mlp.v1`` attribute, which PEFT's wrapper around ``mlp`` does not have: the model
+#: itself fails under the adapters.
+CASES = [(family, EXPERTS_IMPLEMENTATIONS[family][-1]) for family in FAMILIES if family != "dbrx"]
+CASES += [(family, impl) for family in ("mixtral", "qwen3_moe") for impl in EXPERTS_IMPLEMENTATIONS[family][:-1]]
+
+MERGE = r"Merge the adapters into the weights and wrap the result, moelens\.wrap\(peft_model\.merge_and_unload\(\)\)"
+
+
+def _targets(hf: torch.nn.Module, parts: tuple[str, ...] = ("router", "experts")) -> list[str]:
+    """Every MoE block's router weight (2-D parameters) and experts' stacked weights (3-D), as target_parameters."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = moelens.wrap(hf)
+    found = []
+    for moe in wrapped.moes:
+        block = moe.path.removeprefix("model.")
+        for part in parts:
+            path = getattr(moe.family, part)
+            module = hf.get_submodule(f"{block}.{path}")
+            found += [f"{block}.{path}.{name}" for name, parameter in module.named_parameters(recurse=False)
+                      if parameter.dim() == (3 if part == "experts" else 2)]
+    return found
+
+
+def adapted(family: str, impl: str | None = None, parts: tuple[str, ...] = ("router", "experts"), **config):
+    """(a PEFT model with random LoRA factors on ``parts`` of every MoE block, a copy of the model before them)."""
+    hf = tiny_model(family, experts_implementation=impl)
+    base = copy.deepcopy(hf)
+    config = config or {"target_parameters": _targets(hf, parts)}
+    torch.manual_seed(0)
+    return peft.get_peft_model(hf, peft.LoraConfig(r=2, init_lora_weights=False, **config)), base
+
+
+def served(model, inputs: dict) -> tuple[list[dict], torch.Tensor]:
+    """Every value of every MoE block that runs on ``inputs``, and the model's first output."""
+    values = []
+    with torch.no_grad(), model.trace(**inputs):
+        for moe in model.moes:
+            if not moe.runs_only_on:
+                values.append(moe.save_all())
+        output = model.output[0].save()
+    return values, output
+
+
+def assert_same_values(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected) > 0
+    for block, (mine, theirs) in enumerate(zip(got, expected)):
+        assert mine.keys() == theirs.keys()
+        for name, value in mine.items():
+            if value is None or not value.dtype.is_floating_point:
+                assert (value is None and theirs[name] is None) or torch.equal(value, theirs[name]), (block, name)
+            else:
+                torch.testing.assert_close(value, theirs[name], atol=1e-5, rtol=1e-4, equal_nan=True,
+                                           msg=lambda m: f"block {block}, {name}: {m}")
+
+
+@pytest.mark.parametrize("family,impl", CASES, ids=[f"{family}-{impl}" for family, impl in CASES])
+def test_every_family_serves_the_adapted_model_beneath_the_adapters(family, impl):
+    tuned, base = adapted(family, impl)
+    inputs = tiny_inputs(tuned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the adapter layers are no unknown MoE blocks
+        wrapped = moelens.wrap(tuned)
+    assert wrapped.moes, "the adapted blocks are served"
+    for moe in wrapped.moes:
+        assert not is_adapter_layer(moe.router._module) and not is_adapter_layer(moe.experts._module)
+    with torch.no_grad():
+        plain = tuned(**inputs)[0]
+        with tuned.disable_adapter():
+            unadapted = tuned(**inputs)[0]
+    assert not torch.allclose(plain, unadapted), "the adapters change the model"
+    values, output = served(wrapped, inputs)
+    torch.testing.assert_close(output, plain, rtol=0, atol=0)  # pass-through is bit-identical
+    merged = moelens.wrap(copy.deepcopy(tuned).merge_and_unload())
+    assert_same_values(values, served(merged, inputs)[0])
+    with tuned.disable_adapter():  # the adapters off: the base model's values
+        values, output = served(wrapped, inputs)
+    torch.testing.assert_close(output, unadapted, rtol=0, atol=0)
+    assert_same_values(values, served(moelens.wrap(base), inputs)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _qwen3():
+    tuned, _ = adapted("qwen3_moe", "grouped_mm")
+    return tuned, moelens.wrap(tuned), moelens.wrap(copy.deepcopy(tuned).merge_and_unload())
+
+
+def test_router_logits_are_the_base_weight_plus_the_adapters_product_by_hand():
+    tuned, wrapped, _ = _qwen3()
+    moe = wrapped.moes[0]
+    wrapper = tuned.get_submodule(moe.path.removeprefix("model.") + "." + moe.family.router)
+    assert wrapper.parameter_name == "weight" and wrapper.base_layer is moe.router._module
+    seen = []
+    hook = wrapper.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        with torch.no_grad(), wrapped.trace(**tiny_inputs(tuned)):
+            logits = moe.router_logits.save()
+    finally:
+        hook.remove()
+    adapter = wrapper.active_adapters[0]
+    delta = wrapper.lora_B[adapter].weight @ wrapper.lora_A[adapter].weight * wrapper.scaling[adapter]
+    by_hand = F.linear(seen[0], moe.router._module.weight + delta)
+    torch.testing.assert_close(logits.reshape(by_hand.shape), by_hand, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(by_hand, F.linear(seen[0], moe.router._module.weight), atol=1e-3)
+
+
+def test_writes_land_in_the_adapted_model_as_in_the_merged_one():
+    """A steer bias puts its expert in every token's top-k; set_top_k runs the adapted router at its k."""
+    tuned, wrapped, merged = _qwen3()
+    inputs = tiny_inputs(tuned)
+    outputs = []
+    for model in (wrapped, merged):
+        with torch.no_grad(), model.trace(**inputs):
+            moelens.steer(model.moes[0], 3, 50.0)
+            indices = model.moes[0].expert_indices.save()
+            outputs.append(model.output[0].save())
+        assert (indices == 3).any(-1).all()
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-4)
+    k = wrapped.moes[0].top_k
+    with moelens.set_top_k(wrapped, k + 1), moelens.set_top_k(merged, k + 1):
+        values = [served(model, inputs)[0] for model in (wrapped, merged)]
+    assert values[0][0]["expert_indices"].shape[-1] == k + 1
+    assert_same_values(*values)
+    assert wrapped.moes[0].top_k == k
+
+
+def test_lora_from_transformers_4_target_modules_is_served():
+    """peft 0.22 turns target_modules naming transformers 4's expert projections and router into parameter
+    adapters on transformers 5's fused experts and router (mixtral and qwen2_moe lineages)."""
+    if tuple(int(part) for part in peft.__version__.split(".")[:2]) < (0, 22):
+        pytest.skip("peft before 0.22 does not convert these target_modules")
+    for family, names in (("mixtral", ["w1", "w2", "w3", "gate"]), ("qwen3_moe", "all-linear")):
+        tuned, _ = adapted(family, "grouped_mm", target_modules=names)
+        wrapped = moelens.wrap(tuned)
+        values, output = served(wrapped, tiny_inputs(tuned))
+        assert "experts 'experts' (LoRA on down_proj, gate_up_proj)" in str(
+            pytest.raises(ValueUnavailable, wrapped.moes[0].params).value)
+        with torch.no_grad():
+            torch.testing.assert_close(output, tuned(**tiny_inputs(tuned))[0], rtol=0, atol=0)
+        merged = moelens.wrap(copy.deepcopy(tuned).merge_and_unload())
+        assert_same_values(values, served(merged, tiny_inputs(tuned))[0])
+
+
+def test_what_reads_the_adapted_weights_themselves_says_to_merge(tmp_path):
+    """params(), the export and check would read the base weights without the adapters' product."""
+    pytest.importorskip("torch_to_nnef", reason="the export extra is not installed")
+    tuned, wrapped, _ = _qwen3()
+    moe = wrapped.moes[0]
+    with pytest.raises(ValueUnavailable, match=rf"{moe.path}\.params: its experts 'experts' \(LoRA on down_proj, "
+                                               rf"gate_up_proj\) runs under PEFT adapters .* {MERGE}"):
+        moe.params()
+    refused = (r"its router 'gate' \(LoRA on weight\) and its experts 'experts' .* the archive would hold the base "
+               r"weights alone\. Merge the adapters into the weights and export the result \(peft_model\."
+               r"merge_and_unload\(\), wrapped or not\)\.$")
+    with pytest.raises(moelens.export.ExportRefused, match=refused):
+        moelens.export.to_nnef(wrapped, tmp_path / "adapted.nnef.tgz", verify=False)
+    with pytest.raises(FamilyError, match=rf"check \({moe.path}\): its experts .* {MERGE}"):
+        families.check(wrapped, **tiny_inputs(tuned))
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_adapted_router_alone_leaves_the_experts_weights_served():
+    """params() serves the experts (what runs) and warns that the router is None; check checks the whole entry."""
+    tuned, base = adapted("qwen3_moe", "grouped_mm", parts=("router",))
+    wrapped = moelens.wrap(tuned)
+    moe = wrapped.moes[0]
+    with pytest.warns(UserWarning, match=r"router and router_bias are None: qwen3_moe: its router 'gate' \(LoRA on "
+                                         rf"weight\) runs under PEFT adapters .* {MERGE}"):
+        params = moe.params()
+    assert params.router is None
+    experts = base.get_submodule(moe.path.removeprefix("model.base_model.model.") + ".experts")
+    torch.testing.assert_close(params.down, experts.down_proj, rtol=0, atol=0)
+    assert families.check(wrapped, **tiny_inputs(tuned))
+
+
+def test_a_lora_linear_standing_for_a_router_is_still_refused_with_what_to_do():
+    """llama4's router is an nn.Linear: target_modules=["router"] puts LoRA's Linear there, which adds its part
+    after the router's own forward."""
+    tuned = peft.get_peft_model(tiny_model("llama4"), peft.LoraConfig(r=2, target_modules=["router"]))
+    with pytest.raises(FamilyError, match=r"feed_forward\.router, the router of this llama4 block, is wrapped by a "
+                                          r"PEFT adapter layer \(Linear\).*merge_and_unload\(\).*target_parameters"):
+        moelens.wrap(tuned)
+
+
+def test_adapters_put_on_after_wrapping_say_to_wrap_again_which_serves_them():
+    hf = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
+    wrapped = moelens.wrap(hf)
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, init_lora_weights=False, target_parameters=_targets(hf)))
+    with pytest.raises(MoelensError, match=r"Wrap the model again: moelens\.wrap\(model\._module\)\.$"):
+        wrapped.moes[0].params()
+    again = moelens.wrap(tuned)
+    values, output = served(again, tiny_inputs(hf))
+    with torch.no_grad():
+        torch.testing.assert_close(output, tuned(**tiny_inputs(hf))[0], rtol=0, atol=0)
+    assert_same_values(values, served(moelens.wrap(copy.deepcopy(tuned).merge_and_unload()), tiny_inputs(hf))[0])
