@@ -131,6 +131,24 @@ def test_router_logits_are_the_base_weight_plus_the_adapters_product_by_hand():
     assert not torch.allclose(by_hand, F.linear(seen[0], moe.router._module.weight), atol=1e-3)
 
 
+def test_an_experts_call_of_the_module_the_block_calls_runs_the_adapted_weights():
+    """The counterfactual-output recipe of docs/values.md: moe.experts is the module beneath the adapters (base
+    weights); the block calls the adapter layer above it."""
+    tuned, wrapped, merged = _qwen3()
+    outputs = []
+    for model in (wrapped, merged):
+        moe = model.moes[0]
+        with torch.no_grad(), model.trace(**tiny_inputs(tuned)):
+            hidden = moe.experts.inputs[0][0].save()
+        tokens = hidden.shape[:-1].numel()
+        slots = (hidden, torch.full((tokens, 1), 7), torch.ones(tokens, 1, dtype=hidden.dtype))
+        with torch.no_grad():
+            outputs.append((moe._module.get_submodule(moe.family.experts)(*slots), moe.experts._module(*slots)))
+    (adapted_call, base_call), (merged_call, _) = outputs
+    torch.testing.assert_close(adapted_call, merged_call, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(base_call, merged_call, atol=1e-3)
+
+
 def test_writes_land_in_the_adapted_model_as_in_the_merged_one():
     """A steer bias puts its expert in every token's top-k; set_top_k runs the adapted router at its k."""
     tuned, wrapped, merged = _qwen3()
