@@ -149,6 +149,26 @@ def test_an_experts_call_of_the_module_the_block_calls_runs_the_adapted_weights(
     assert not torch.allclose(base_call, merged_call, atol=1e-3)
 
 
+def test_routing_analysis_with_the_adapters_off_and_on_is_the_base_and_the_merged_models():
+    """docs/analysis.md's recipe: how a LoRA fine-tune moved the routing."""
+    from moelens import analysis
+
+    tuned, base = adapted("qwen3_moe", "grouped_mm")
+    texts = [torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    model = moelens.wrap(tuned)
+    with tuned.disable_adapter():
+        before = analysis.collect_routing(model, texts, progress=False)
+    after = analysis.collect_routing(model, texts, progress=False)
+    merged = moelens.wrap(copy.deepcopy(tuned).merge_and_unload())
+    for cache, truth in ((before, moelens.wrap(base)), (after, merged)):
+        expected = analysis.collect_routing(truth, texts, progress=False)
+        for layer in cache.layers:
+            assert torch.equal(cache.indices(layer), expected.indices(layer))
+            torch.testing.assert_close(cache.weights(layer), expected.weights(layer), atol=1e-5, rtol=1e-4)
+    agreement = analysis.routing_agreement(before, after)
+    assert (agreement.same_set < 1).any()  # the adapters moved some tokens
+
+
 def test_writes_land_in_the_adapted_model_as_in_the_merged_one():
     """A steer bias puts its expert in every token's top-k; set_top_k runs the adapted router at its k."""
     tuned, wrapped, merged = _qwen3()
