@@ -1,7 +1,7 @@
 """`moelens.set_top_k`: every family's routers run at the k set, where the family keeps it, and get their old k back.
 
-Ground truth: the routing recomputed from the router's raw logits op at the new k (`families.check`), the plain
-model's logits before and after, and for renormalising families the model kept at its k with all but the best slots
+Ground truth: the routing recomputed from the router's raw logits op at the new k (`families.check`), the model
+transformers builds with that k in its config (the same weights), the plain model's logits before and after, and for renormalising families the model kept at its k with all but the best slots
 dropped (`keep_top(renormalize=True)`, which edits the weights instead of the router).
 """
 
@@ -188,15 +188,45 @@ def test_the_docs_examples_run_as_written(tmp_path):
     assert [moe.top_k for moe in model.moes] == [2] * len(model.moes)
 
 
-def _built_at(hf, k: int):
-    """Ground truth: the same weights in a model whose config says num_experts_per_tok = k (transformers itself)."""
+#: The config settings families keep k in (on the config, or on its text / ffn sub-config).
+K_SETTINGS = ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_top_k", "num_experts_per_token", "top_k",
+              "moe_k")
+
+
+def _configs(config):
+    yield config
+    for name in ("text_config", "ffn_config"):
+        if hasattr(getattr(config, name, None), "to_dict"):
+            yield from _configs(getattr(config, name))
+
+
+def _built_at(hf, k: int, was: int = 2):
+    """Ground truth: the same weights in a model whose config says k where it said ``was`` (transformers itself)."""
     import copy
 
     config = copy.deepcopy(hf.config)
-    config.num_experts_per_tok = k
+    settings = [(each, name) for each in _configs(config) for name in K_SETTINGS if each.__dict__.get(name) == was]
+    assert settings, f"no k setting of {type(config).__name__} holds {was}"
+    for each, name in settings:
+        setattr(each, name, k)
     other = type(hf)._from_config(config).eval()
     other.load_state_dict(hf.state_dict())
     return other
+
+
+#: phimoe's k is fixed in code; deepseek_v4's hash layers keep a table as wide as the config's k.
+BUILT_AT_K = [family for family in FAMILIES if family not in ("phimoe", "deepseek_v4")]
+
+
+@pytest.mark.parametrize("family", BUILT_AT_K)
+def test_every_family_runs_as_the_model_built_at_that_k(family):
+    model = moelens.wrap(tiny_model(family))
+    k = model.moes[-1].top_k
+    reference = moelens.wrap(_built_at(model._module, k + 1, was=k))
+    assert [moe.top_k for moe in reference.moes] == [k + 1] * len(model.moes)
+    inputs = tiny_inputs(model._module)
+    with moelens.set_top_k(model, k + 1):
+        torch.testing.assert_close(_logits(model, inputs), _logits(reference, inputs), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["openai_privacy_filter", "mixtral"])
