@@ -1338,6 +1338,23 @@ def test_verify_refuses_a_model_the_archive_was_not_exported_from(out):
     assert verify(block, wrapped._module.model.layers[0].mlp).meets("approximate")  # a bare module: no layer known
 
 
+def test_verify_refuses_a_model_routing_another_k_than_the_archive(out):
+    """An archive exported under moelens.set_top_k, verified without it (or the reverse), read as a broken export."""
+    wrapped = moelens.wrap(small("mixtral"))
+    with moelens.set_top_k(wrapped, 3):
+        model = to_nnef(wrapped, out / "k3.nnef.tgz", verify=False).path
+        block = to_nnef(wrapped.moes[1], out / "k3-block.nnef.tgz", verify=False).path
+    plain = to_nnef(wrapped, out / "k2.nnef.tgz", verify=False).path
+    for archive, given, archived, now in ((model, wrapped, "3,3", "2,2"), (block, wrapped.moes[1], "3", "2")):
+        with pytest.raises(ExportError, match=rf"routes {archived} experts per token \(the k of its MoE layers\), but "
+                                              rf"the (model|block) given routes {now} now; verify it at the k"):
+            verify(archive, given)
+        with moelens.set_top_k(wrapped, 3):
+            assert verify(archive, given).meets("approximate")
+    with moelens.set_top_k(wrapped, 1), pytest.raises(ExportError, match=r"routes 2,2 experts .* given routes 1,1 now"):
+        verify(plain, wrapped)
+
+
 def test_verify_matches_a_block_wherever_its_model_was_wrapped(out):
     """A block archive records its block's path (to tell apart blocks of one layer), but verify compared the whole
     path, which starts where the wrapping starts: layer 1's block of a causal LM exported from moelens.wrap(lm) and

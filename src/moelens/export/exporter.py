@@ -488,6 +488,7 @@ def _properties(target: Target, prepared: Prepared, quantize: str | None, layout
         "moelens_kind": target.kind,
         "moelens_family": target.family.name,
         "moelens_layers": ",".join(str(r.layer) for r in prepared.reports),
+        "moelens_top_k": ",".join(str(r.k) for r in prepared.reports),
         **({"moelens_block": target.blocks[0].path} if target.kind == "block" and target.blocks[0].path else {}),
         "moelens_quantize_experts": quantize or "none",
         "moelens_layout": layout,

@@ -190,6 +190,22 @@ def _check_exported_from(path: str | Path, recorded: dict[str, str], target: Tar
             )
     if kind == "block":
         _check_block_path(path, recorded.get("moelens_block"), target.blocks[0].path)
+    _check_top_k(path, recorded.get("moelens_top_k"), target)
+
+
+def _check_top_k(path: str | Path, archived: str | None, target: Target) -> None:
+    """Refuse a model whose blocks route another k now than the archive's did (`moelens.set_top_k` in force at the
+    export and not now, or the reverse): compared, the outputs would differ for that alone. An archive written
+    before k was recorded is not checked."""
+    given = ",".join(str(int(block.family.resolve(block.family.top_k, target.module.get_submodule(block.name))))
+                     for block in target.blocks)
+    if archived is None or archived == given:
+        return
+    raise ExportError(
+        f"{path} routes {archived} experts per token (the k of its MoE layers), but the {target.kind} given routes "
+        f"{given} now; verify it at the k it was exported at (inside `with moelens.set_top_k(model, k):` where the "
+        "export ran under one, or after such a setting was restored)."
+    )
 
 
 def _check_block_path(path: str | Path, archived: str | None, given: str | None) -> None:
