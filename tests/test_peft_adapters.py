@@ -169,6 +169,19 @@ def test_routing_analysis_with_the_adapters_off_and_on_is_the_base_and_the_merge
     assert (agreement.same_set < 1).any()  # the adapters moved some tokens
 
 
+def test_describe_names_the_adapted_blocks():
+    """moelens inspect's report: LoRA on one layer's experts only."""
+    from moelens import analysis
+
+    hf = tiny_model("qwen3_moe")
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_parameters=["model.layers.1.mlp.experts.down_proj"]))
+    report = analysis.describe(moelens.wrap(tuned))
+    assert [layer.adapters for layer in report.moe_layers] == [["its experts 'experts' (LoRA on down_proj)"], [], []]
+    assert ("PEFT adapters          layer 1: experts 'experts' (LoRA on down_proj); layers 2, 3: none (trace values "
+            "are the adapted model's") in str(report)
+    assert "PEFT adapters" not in str(analysis.describe(moelens.wrap(tiny_model("qwen3_moe"))))
+
+
 def test_writes_land_in_the_adapted_model_as_in_the_merged_one():
     """A steer bias puts its expert in every token's top-k; set_top_k runs the adapted router at its k."""
     tuned, wrapped, merged = _qwen3()

@@ -17,6 +17,7 @@ import torch
 from ..components.base import layer_list_of, layer_of
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
+from ..adapters import parameter_adapters
 from ..families.unserved import why_no_moe
 from ..modules import evaluating
 from ..scalars import check_flag
@@ -43,6 +44,9 @@ class LayerReport:
         read_only: The served values a write to is refused for (`Moe.read_only`).
         stack: The list of layers holding the block (``"encoder.block"``) where the model's blocks sit in several
             such lists (an encoder-decoder model), else ``""`` (see `label`).
+        adapters: The block's router and experts that PEFT LoRA adapts on their own parameters, in words
+            (`moelens.adapters.parameter_adapters`): its values are the adapted model's, and what reads the weights
+            themselves (``params()``, the export) refuses.
     """
 
     layer: int
@@ -55,6 +59,7 @@ class LayerReport:
     unavailable: dict[str, str] = field(default_factory=dict)
     read_only: list[str] = field(default_factory=list)
     stack: str = ""
+    adapters: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str | int:
@@ -129,6 +134,11 @@ class ModelReport:
             f"shared expert          {self.shared}",
             f"experts implementation {', '.join(implementations)}",
         ]
+        if any(layer.adapters for layer in layers):
+            adapted = [(layer.label, ", ".join(part.removeprefix("its ") for part in layer.adapters) or "none")
+                       for layer in layers]
+            lines.append("PEFT adapters          " + by_layers(adapted) + " (trace values are the adapted model's; "
+                         "params() and the export need them merged: merge_and_unload())")
         if self.notes:
             lines.append(f"notes                  {self.notes}")
         first = layers[0]
@@ -269,7 +279,7 @@ def describe(model: Any, *, probe: bool = True) -> ModelReport:
             layer=moe.layer, path=path, num_experts=moe.num_experts, top_k=moe.top_k,
             experts_implementation=moe.experts_implementation, shared_expert=moe._shared_envoy() is not None,
             values=shapes.get(moe.path, {}), unavailable=reasons.get(moe.path, {}),
-            read_only=list(moe.read_only), stack=stack_of(path),
+            read_only=list(moe.read_only), stack=stack_of(path), adapters=parameter_adapters(moe._module, moe.family),
         )
         for moe, path in zip(moes, paths)
     ]
