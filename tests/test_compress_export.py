@@ -226,8 +226,8 @@ def test_lora_put_on_the_experts_after_wrapping_says_to_wrap_again_and_what_read
     """A LoRA adapter on the routed experts' own parameters, put on after wrapping (peft >= 0.22 does that for
     target_modules=["gate_proj", "up_proj", "down_proj"] on transformers 5's fused experts), replaces the experts
     module by a PEFT ParamWrapper: routing analysis, the export, check and params() say to wrap the model again.
-    Wrapped again, routing analysis serves the adapted model's routing, and what reads the weights themselves (the
-    export, params) says to merge the adapters. Ground truth: hooks on the experts calls of the PEFT model, and its
+    Wrapped again, routing analysis serves the adapted model's routing, check checks, and what reads the weights
+    themselves (the export, params) says to merge the adapters. Ground truth: hooks on the experts calls of the PEFT model, and its
     logits."""
     from peft import LoraConfig, get_peft_model
 
@@ -243,11 +243,14 @@ def test_lora_put_on_the_experts_after_wrapping_says_to_wrap_again_and_what_read
              "check": lambda model: families.check(model, tokens),
              "params": lambda model: model.moes[0].params()}
     for where, call in calls.items():
-        with pytest.raises(moelens.MoelensError, match=r"Wrap the model again: moelens\.wrap\(model\._module\)\.$"):
+        with pytest.raises(moelens.MoelensError, match=r"PEFT put adapters on the parameters of .*experts after "
+                                                       r"moelens\.wrap .* Wrap the model again, moelens\.wrap\("
+                                                       r"model\._module\), to serve the block's adapted values"):
             call(wrapped)
     again = wrap(hf)  # get_peft_model put the adapters into hf itself
-    for where in ("the export", "check", "params"):
-        with pytest.raises(moelens.MoelensError, match=r"\(LoRA on down_proj\) runs under PEFT adapters .* Merge the "
+    assert families.check(again, tokens)  # its experts' layout is checked on the module beneath the adapter
+    for where in ("the export", "params"):
+        with pytest.raises(moelens.MoelensError, match=r"experts 'experts' \(LoRA on down_proj\), adding .* Merge the "
                                                        r"adapters into the weights and (wrap|export) the result"):
             calls[where](again)
     seen = []

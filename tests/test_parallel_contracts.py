@@ -497,8 +497,8 @@ def test_shard_experts_refuses_peft_adapters_on_the_experts_it_would_not_slice()
         RESULT["marked"] = [name for name, module in hf.named_modules() if "_ep_group" in module.__dict__]
     """)
     r = results[0]
-    assert r["error"].startswith("MoelensError: shard_experts (base_model.model.model.layers.0.mlp): its experts "
-                                 "'experts' (LoRA on down_proj) runs under PEFT adapters"), r["error"]
+    assert r["error"].startswith("MoelensError: shard_experts (base_model.model.model.layers.0.mlp): PEFT adapters "
+                                 "stand for the block's experts 'experts' (LoRA on down_proj), adding"), r["error"]
     assert r["error"].endswith("sharding would slice the base weights and leave the adapters whole. Merge the adapters "
                                "into the weights and shard the result: shard_experts(peft_model.merge_and_unload())."), \
         r["error"]

@@ -169,6 +169,23 @@ def test_routing_analysis_with_the_adapters_off_and_on_is_the_base_and_the_merge
     assert (agreement.same_set < 1).any()  # the adapters moved some tokens
 
 
+def test_scan_refuses_active_parameter_adapters_with_the_way_out():
+    """torch's fake tensors, which scan runs on, cannot take the parametrization PEFT puts on in each forward (torch
+    raised its own AssertionError)."""
+    from groundtruth import ascii_tokenizer
+
+    tuned, _ = adapted("qwen3_moe", "batched_mm", parts=("router",))  # grouped_mm has no fake kernel on the CPU
+    wrapped = moelens.wrap(tuned, tokenizer=ascii_tokenizer())
+    with pytest.raises(MoelensError, match=r"model\.scan: .*\.mlp\.gate is a PEFT parameter adapter .* Run a real "
+                                           r"trace on a short input instead, or scan the model with the adapters "
+                                           r"merged: moelens\.wrap\(copy\.deepcopy\(peft_model\)\.merge_and_unload"):
+        with wrapped.scan(**tiny_inputs(tuned)):
+            pass
+    with tuned.disable_adapter():  # the base model's forward: nothing to refuse
+        with wrapped.scan(**tiny_inputs(tuned)):
+            pass
+
+
 def test_describe_names_the_adapted_blocks():
     """moelens inspect's report: LoRA on one layer's experts only."""
     from moelens import analysis
@@ -176,7 +193,7 @@ def test_describe_names_the_adapted_blocks():
     hf = tiny_model("qwen3_moe")
     tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_parameters=["model.layers.1.mlp.experts.down_proj"]))
     report = analysis.describe(moelens.wrap(tuned))
-    assert [layer.adapters for layer in report.moe_layers] == [["its experts 'experts' (LoRA on down_proj)"], [], []]
+    assert [layer.adapters for layer in report.moe_layers] == [["experts 'experts' (LoRA on down_proj)"], [], []]
     assert ("PEFT adapters          layer 1: experts 'experts' (LoRA on down_proj); layers 2, 3: none (trace values "
             "are the adapted model's") in str(report)
     assert "PEFT adapters" not in str(analysis.describe(moelens.wrap(tiny_model("qwen3_moe"))))
@@ -220,20 +237,20 @@ def test_lora_from_transformers_4_target_modules_is_served():
 
 
 def test_what_reads_the_adapted_weights_themselves_says_to_merge(tmp_path):
-    """params(), the export and check would read the base weights without the adapters' product."""
+    """params() and the export would read the base weights without the adapters' product; check checks the
+    layout on the family's own module (its base weights and its own forward on them)."""
     pytest.importorskip("torch_to_nnef", reason="the export extra is not installed")
     tuned, wrapped, _ = _qwen3()
     moe = wrapped.moes[0]
-    with pytest.raises(ValueUnavailable, match=rf"{moe.path}\.params: its experts 'experts' \(LoRA on down_proj, "
-                                               rf"gate_up_proj\) runs under PEFT adapters .* {MERGE}"):
+    with pytest.raises(ValueUnavailable, match=rf"{moe.path}\.params: PEFT adapters stand for the block's experts "
+                                               rf"'experts' \(LoRA on down_proj, gate_up_proj\), adding .* {MERGE}"):
         moe.params()
-    refused = (r"its router 'gate' \(LoRA on weight\) and its experts 'experts' .* the archive would hold the base "
+    refused = (r"block's router 'gate' \(LoRA on weight\) and experts 'experts' .* the archive would hold the base "
                r"weights alone\. Merge the adapters into the weights and export the result \(peft_model\."
                r"merge_and_unload\(\), wrapped or not\)\.$")
     with pytest.raises(moelens.export.ExportRefused, match=refused):
         moelens.export.to_nnef(wrapped, tmp_path / "adapted.nnef.tgz", verify=False)
-    with pytest.raises(FamilyError, match=rf"check \({moe.path}\): its experts .* {MERGE}"):
-        families.check(wrapped, **tiny_inputs(tuned))
+    assert families.check(wrapped, **tiny_inputs(tuned))  # the layout is checked on the family's own module
     assert not list(tmp_path.iterdir())
 
 
@@ -242,8 +259,8 @@ def test_an_adapted_router_alone_leaves_the_experts_weights_served():
     tuned, base = adapted("qwen3_moe", "grouped_mm", parts=("router",))
     wrapped = moelens.wrap(tuned)
     moe = wrapped.moes[0]
-    with pytest.warns(UserWarning, match=r"router and router_bias are None: qwen3_moe: its router 'gate' \(LoRA on "
-                                         rf"weight\) runs under PEFT adapters .* {MERGE}"):
+    with pytest.warns(UserWarning, match=r"router and router_bias are None: qwen3_moe: PEFT adapters stand for the "
+                                         rf"block's router 'gate' \(LoRA on weight\), adding .* {MERGE}"):
         params = moe.params()
     assert params.router is None
     experts = base.get_submodule(moe.path.removeprefix("model.base_model.model.") + ".experts")
@@ -264,10 +281,28 @@ def test_adapters_put_on_after_wrapping_say_to_wrap_again_which_serves_them():
     hf = tiny_model("qwen3_moe", experts_implementation="grouped_mm")
     wrapped = moelens.wrap(hf)
     tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, init_lora_weights=False, target_parameters=_targets(hf)))
-    with pytest.raises(MoelensError, match=r"Wrap the model again: moelens\.wrap\(model\._module\)\.$"):
+    with pytest.raises(MoelensError, match=r"PEFT put adapters on the parameters of .*experts, .*gate after moelens\.wrap .* "
+                                           r"Wrap the model again, moelens\.wrap\(model\._module\), to serve the "
+                                           r"block's adapted values"):
         wrapped.moes[0].params()
     again = moelens.wrap(tuned)
     values, output = served(again, tiny_inputs(hf))
     with torch.no_grad():
         torch.testing.assert_close(output, tuned(**tiny_inputs(hf))[0], rtol=0, atol=0)
     assert_same_values(values, served(moelens.wrap(copy.deepcopy(tuned).merge_and_unload()), tiny_inputs(hf))[0])
+
+
+def test_a_hook_at_the_adapted_routers_path_is_told_where_moelens_derives_the_routing():
+    """llama4 calls no experts module: moelens derives the weights and indices from the logits, and refuses them
+    where a forward hook on the router may change the scores the block goes on with, the wrapper's too."""
+    hf = tiny_model("llama4")
+    path = "model.layers.1.feed_forward.router"
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, init_lora_weights=False, target_parameters=[f"{path}.weight"]))
+    wrapped = moelens.wrap(tuned)
+    handle = tuned.base_model.model.get_submodule(path).register_forward_hook(lambda module, args, output: output)
+    try:
+        with pytest.raises(ValueUnavailable, match="the router has a forward hook that is not moelens'"):
+            with torch.no_grad(), wrapped.trace(**tiny_inputs(tuned)):
+                wrapped.moes[0].expert_weights.save()
+    finally:
+        handle.remove()

@@ -18,14 +18,15 @@ from .families.entry import find_path
 from .modules import is_parameter_adapter
 
 #: What to do where a wrapped model's parameters themselves are needed (`refusal`'s default).
-MERGE_AND_WRAP = ("Merge the adapters into the weights and wrap the result, moelens.wrap(peft_model.merge_and_unload()); "
-                  "a trace serves the block's values as they are")
+MERGE_AND_WRAP = ("Merge the adapters into the weights and wrap the result, moelens.wrap(peft_model.merge_and_unload()) "
+                  "(merge a copy, copy.deepcopy(peft_model), to keep the adapters); unmerged, a trace still serves "
+                  "the block's adapted values")
 
 
 def parameter_adapters(block: torch.nn.Module, family: Any, parts: tuple[str, ...] = ("router", "experts")
                        ) -> list[str]:
     """Those of ``parts`` of ``block`` (a live block module of ``family``: its router, its experts) that PEFT parameter
-    adapters stand for, in words: ``"its experts 'experts' (LoRA on down_proj, gate_up_proj)"``; empty where none
+    adapters stand for, in words: ``"experts 'experts' (LoRA on down_proj, gate_up_proj)"``; empty where none
     does."""
     found = []
     for part in parts:
@@ -35,7 +36,7 @@ def parameter_adapters(block: torch.nn.Module, family: Any, parts: tuple[str, ..
             adapted.append(module.parameter_name)
             module = module.base_layer
         if adapted:
-            found.append(f"its {part} {path!r} (LoRA on {', '.join(sorted(adapted))})")
+            found.append(f"{part} {path!r} (LoRA on {', '.join(sorted(adapted))})")
     return found
 
 
@@ -47,9 +48,8 @@ def refusal(block: torch.nn.Module, family: Any, where: str, consequence: str,
     adapted = parameter_adapters(block, family, parts)
     if not adapted:
         return ""
-    return (f"{where}: {' and '.join(adapted)} run{'s' if len(adapted) == 1 else ''} under PEFT adapters on "
-            f"{'its' if len(adapted) == 1 else 'their'} parameters, which add the adapters' product to the base weights "
-            f"in each forward: {consequence}. {remedy}.")
+    return (f"{where}: PEFT adapters stand for the block's {' and '.join(adapted)}, adding the adapters' product to "
+            f"the base weights in each forward: {consequence}. {remedy}.")
 
 
 def refuse_parameter_adapters(block: torch.nn.Module, family: Any, where: str, consequence: str,

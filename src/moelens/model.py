@@ -42,7 +42,7 @@ from .discovery import Structure, block_parts, discover, paths_above, registered
 from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
 from .families.tomoe import converted as tomoe_converted
-from .modules import first_parameter, padding_position_id, takes_keyword
+from .modules import first_parameter, is_parameter_adapter, padding_position_id, takes_keyword
 from .scalars import check_flag
 from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_layers, _expert_parallel_envoy,
                               _from_root, _refuse_block_classes, _renamed_blocks)
@@ -728,6 +728,17 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             from .parallel.experts import SCAN_REFUSAL
 
             raise MoelensError(SCAN_REFUSAL)
+        adapted = next((module for module in self._module.modules() if is_parameter_adapter(module)
+                        and not module.disable_adapters and not module.merged), None)
+        if adapted is not None:  # torch's fake mode refuses the parametrization's set_ on a real parameter
+            name = next(name for name, module in self._module.named_modules() if module is adapted)
+            raise MoelensError(
+                f"model.scan: {name} is a PEFT parameter adapter ({type(adapted).__name__}: LoRA on "
+                f"{adapted.parameter_name}), which puts a parametrization on the module it adapts in each forward; "
+                "torch's fake tensors, which scan runs on, cannot take it (scan would fail inside torch). Run a real "
+                "trace on a short input instead, or scan the model with the adapters merged: "
+                "moelens.wrap(copy.deepcopy(peft_model).merge_and_unload())."
+            )
         if _disk_offloaded(self._module):  # torch fails reading them, and logs its own traceback
             raise MoelensError(
                 "model.scan: accelerate loads some of this model's weights from disk as each module runs (a device_map "

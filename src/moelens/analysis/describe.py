@@ -135,7 +135,7 @@ class ModelReport:
             f"experts implementation {', '.join(implementations)}",
         ]
         if any(layer.adapters for layer in layers):
-            adapted = [(layer.label, ", ".join(part.removeprefix("its ") for part in layer.adapters) or "none")
+            adapted = [(layer.label, ", ".join(layer.adapters) or "none")
                        for layer in layers]
             lines.append("PEFT adapters          " + by_layers(adapted) + " (trace values are the adapted model's; "
                          "params() and the export need them merged: merge_and_unload())")

@@ -82,7 +82,15 @@ def replaced_modules(envoy: Envoy) -> list[str]:
 
 def refuse_replaced(envoy: Envoy, replaced: list[str], where: str, consequence: str, error: type[Exception]) -> None:
     """Raise ``error`` saying ``where`` meets the modules at the paths ``replaced`` (none: nothing) of the model
-    ``envoy`` belongs to, which are no longer the ones moelens wrapped, with ``consequence`` and `rewrap_advice`."""
+    ``envoy`` belongs to, which are no longer the ones moelens wrapped, with ``consequence`` and `rewrap_advice`.
+    Where each is a PEFT parameter adapter put on after wrapping (the module wrapped runs beneath it, so
+    ``consequence`` does not hold), says so and to wrap again."""
+    if replaced and all(is_parameter_adapter(_live(envoy, path)) for path in replaced):
+        raise error(f"{where}: PEFT put adapters on the parameters of {', '.join(replaced)} after moelens.wrap "
+                    f"(LoRA: {', '.join(sorted({type(_live(envoy, path)).__name__ for path in replaced}))} standing "
+                    "there now), which the model as wrapped does not know of. Wrap the model again, "
+                    "moelens.wrap(model._module), to serve the block's adapted values (reading or editing the weights "
+                    "themselves then needs the adapters merged: merge_and_unload()).")
     if replaced:
         raise error(f"{where}: {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} no longer the module this "
                     "model was wrapped with (replaced or removed after moelens.wrap, as moelens.compress.tomoe("
@@ -118,15 +126,26 @@ def _adapter_layers_at(envoy: Envoy, paths: list[str]) -> dict[str, str]:
              if isinstance(moe, Moe) for part in ("router", "experts")}
     adapted = {}
     for path in paths:
-        try:
-            live = root._module.get_submodule(path.partition(".")[2])  # the root envoy's path is "model"
-        except AttributeError:  # removed
+        live = _live(root, path)
+        if live is None:  # removed
             continue
         if is_modules_to_save(live):
             adapted[path] = f"a PEFT modules_to_save wrapper ({type(live).__name__})"
         elif is_adapter_layer(live) and not is_parameter_adapter(live) and path in parts:
             adapted[path] = f"a PEFT adapter layer ({type(live).__name__}) on its block's {parts[path]}"
     return adapted
+
+
+def _live(envoy: Envoy, path: str) -> torch.nn.Module | None:
+    """The module at envoy path ``path`` ("model.<module path>") in the torch model of ``envoy``'s wrapped model now,
+    or None where there is none (removed)."""
+    root = envoy
+    while root.parent is not None:
+        root = root.parent
+    try:
+        return root._module.get_submodule(path.partition(".")[2])  # the root envoy's path is "model"
+    except AttributeError:
+        return None
 
 
 def replaced_blocks(envoy: Envoy) -> list[str]:

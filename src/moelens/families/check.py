@@ -21,7 +21,7 @@ import torch
 from ..errors import FamilyError, OrderError, ValueUnavailable, warn
 from ..modules import loaded_tensor
 from . import layout_check, registry
-from .entry import SHARED_TIMES, find_path
+from .entry import SHARED_TIMES, beneath_adapters, find_path
 from .scoring import SCORE_FUNCTIONS, chosen_weights, kept_groups, score
 from .tomoe import converted
 
@@ -78,14 +78,10 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
             "check. A model keeps what it was wrapped with: if its family was registered after wrapping, wrap it "
             "again (moelens.wrap(model._module)) and check that."
         )
-    from ..adapters import refuse_parameter_adapters
     from ..components.base import put_in_after_wrap, refuse_replaced, replaced_blocks
 
     refuse_replaced(model, replaced_blocks(model) + [moe.path for moe in model.moes if put_in_after_wrap(moe)], "check",
                     "its values would not be the entry's to check", FamilyError)
-    for moe in model.moes:  # its layout is checked on the experts' weights
-        refuse_parameter_adapters(moe._module, moe.family, f"check ({moe.path})", "the experts' layout would be checked "
-                                  "on the base weights, against what the adapted ones compute", FamilyError, ("experts",))
     moes = [moe for moe in model.moes if not moe.runs_only_on]
     if not moes:
         raise FamilyError("check: the model has no MoE block that runs on every input; nothing to check.")
@@ -197,7 +193,8 @@ def _layout_problem(moe: Any) -> tuple[str, str]:
     """What is wrong with the entry's `ExpertLayout` for ``moe``'s experts, and why it is not checked (`layout_check`);
     ("", "") where the layout comes from transformers' flags or the entry has none."""
     family, block = moe.family, moe._module
-    experts = find_path(block, family.experts)
+    experts = find_path(block, beneath_adapters(block, family.experts))  # the family's own module: its base weights
+    # and its own forward on them, which keep the layout the adapted ones run in
     if not isinstance(experts, torch.nn.Module) or not layout_check.checked(family, experts):
         return "", ""
     from ..components.params import expert_views
