@@ -186,6 +186,32 @@ def test_scan_refuses_active_parameter_adapters_with_the_way_out():
             pass
 
 
+def test_the_expert_logit_lens_maps_latent_experts_through_the_adapted_projection():
+    """nemotron_h's experts work in a latent space that fc2_latent_proj maps to the hidden size; "all-linear" LoRA puts
+    an adapter there, whose .weight is the base weight alone. Ground truth: the merged model's lens, and the base
+    model's under disable_adapter()."""
+    from moelens import analysis
+
+    hf = tiny_model("nemotron_h", experts_implementation="grouped_mm", moe_latent_size=16)
+    base = moelens.wrap(copy.deepcopy(hf))
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, init_lora_weights=False, target_modules="all-linear"))
+    assert any(name.endswith("fc2_latent_proj") and is_adapter_layer(module) for name, module in tuned.named_modules())
+    corpus = [torch.randint(3, 100, (16,), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    wrapped = moelens.wrap(tuned)
+    lens = analysis.expert_logit_lens(wrapped, corpus, progress=False)
+    merged = analysis.expert_logit_lens(moelens.wrap(copy.deepcopy(tuned).merge_and_unload()), corpus, progress=False)
+    with tuned.disable_adapter():
+        unadapted = analysis.expert_logit_lens(wrapped, corpus, progress=False)
+
+    def relative_error(got, expected):  # the tiny model's mean outputs are of the order 1e-4
+        return float((got - expected).nan_to_num().abs().max() / expected.nan_to_num().abs().max())
+
+    assert relative_error(lens.mean_outputs, merged.mean_outputs) < 1e-4
+    assert relative_error(unadapted.mean_outputs,
+                          analysis.expert_logit_lens(base, corpus, progress=False).mean_outputs) < 1e-4
+    assert relative_error(lens.mean_outputs, unadapted.mean_outputs) > 0.1  # the adapter moves them
+
+
 def test_describe_names_the_adapted_blocks():
     """moelens inspect's report: LoRA on one layer's experts only."""
     from moelens import analysis

@@ -31,7 +31,7 @@ from ..errors import MoelensError
 from ..families import registry
 from ..families.entry import get_path
 from ..families.tomoe import converted
-from ..modules import evaluating
+from ..modules import evaluating, is_adapter_layer
 from ..scalars import check_flag
 from . import corpus as corpora
 from .cache import layer_row
@@ -129,8 +129,8 @@ def _norm_owners(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
     """Expert outputs in the model's hidden space: cut to the block's ``output_size`` (a converted Linear whose
     experts are padded square, as its forward cuts them: `moelens.compress` blocks only), and through the block's projection of the routed sum when
-    the experts work in a latent space (nemotron_h's ``fc2_latent_proj``). Only its weight: its bias is
-    added once per token to the routed sum, not per expert."""
+    the experts work in a latent space (nemotron_h's ``fc2_latent_proj``). Only its weight (under a PEFT adapter, the
+    map the module runs, read off its outputs): its bias is added once per token to the routed sum, not per expert."""
     width = getattr(moe._module, "output_size", None)  # a converted Linear narrower than its input: square experts
     if converted(moe.family) and isinstance(width, int) and total.shape[-1] > width:  # whose columns past its output
         total = total[..., :width]  # are zero, cut by its forward
@@ -146,6 +146,13 @@ def _to_hidden(moe: Any, total: Float[Tensor, "e d"]) -> Float[Tensor, "e h"]:
             f"{moe.path}: the experts' outputs ({total.shape[-1]} wide) reach the hidden state through "
             f"{post} ({type(projection).__name__}), which is not a linear map the logit lens can apply per expert."
         )
+    if is_adapter_layer(projection):  # PEFT LoRA on it (a Linear, or a ParamWrapper on its weight): its .weight is
+        # the base weight alone; the map the model runs is the module's own (base weight plus the active adapters'
+        # product, none under disable_adapter()), read off its outputs on the unit vectors, bias taken out
+        with torch.no_grad(), evaluating(projection):
+            basis = torch.eye(total.shape[-1], device=weight.device, dtype=weight.dtype)
+            mapped = projection(basis) - projection(torch.zeros_like(basis[:1]))
+        return total @ mapped.to(total.device, torch.float64)
     return total @ weight.detach().to(total.device, torch.float64).T
 
 
