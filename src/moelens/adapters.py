@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .families.entry import find_path
-from .modules import is_parameter_adapter
+from .families.entry import adapter_chain
 
 #: What to do where a wrapped model's parameters themselves are needed (`refusal`'s default).
 MERGE_AND_WRAP = ("Merge the adapters into the weights and wrap the result, moelens.wrap(peft_model.merge_and_unload()) "
@@ -31,12 +30,9 @@ def parameter_adapters(block: torch.nn.Module, family: Any, parts: tuple[str, ..
     found = []
     for part in parts:
         path = getattr(family, part)
-        module, adapted = find_path(block, path) if path else None, []
-        while is_parameter_adapter(module):
-            adapted.append(module.parameter_name)
-            module = module.base_layer
+        adapted = sorted(adapter.parameter_name for adapter in adapter_chain(block, path)[:-1])
         if adapted:
-            found.append(f"{part} {path!r} (LoRA on {', '.join(sorted(adapted))})")
+            found.append(f"{part} {path!r} (LoRA on {', '.join(adapted)})")
     return found
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import nnsight
 import torch
 
+from ..adapters import parameter_adapters
 from ..components.base import layer_list_of, layer_of
 from ..errors import MoelensError, OrderError, ValueUnavailable
 from ..families.entry import VALUE_NAMES
-from ..adapters import parameter_adapters
 from ..families.unserved import why_no_moe
 from ..modules import evaluating
 from ..scalars import check_flag
@@ -135,8 +135,7 @@ class ModelReport:
             f"experts implementation {', '.join(implementations)}",
         ]
         if any(layer.adapters for layer in layers):
-            adapted = [(layer.label, ", ".join(layer.adapters) or "none")
-                       for layer in layers]
+            adapted = [(layer.label, ", ".join(layer.adapters) or "none") for layer in layers]
             lines.append("PEFT adapters          " + by_layers(adapted) + " (trace values are the adapted model's; "
                          "params() and the export need them merged: merge_and_unload())")
         if self.notes:

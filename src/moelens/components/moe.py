@@ -44,9 +44,9 @@ from torch import Tensor
 
 from ..errors import ArgumentError, FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence, warn
 from ..families import Scoring
-from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES, beneath_adapters, find_path
+from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES, adapter_chain, beneath_adapters
 from ..families.scoring import derived_routing, score
-from ..modules import foreign_hooks, hook_name, is_parameter_adapter
+from ..modules import foreign_hooks, hook_name
 from ..permutations import inverse_permutation
 from ..scalars import check_flag
 from . import tokens
@@ -608,19 +608,12 @@ class Moe(Mlp):
         """
         note_gathered_calls(self, self._module)
 
-    def _router_chain(self) -> list[torch.nn.Module]:
-        """The module at the family's router path and each PEFT parameter adapter's base_layer below it, down to the
-        router's own module (`beneath_adapters`); the router's module alone where no adapter stands there."""
-        chain = [find_path(self._module, self.family.router)]
-        while is_parameter_adapter(chain[-1]):
-            chain.append(chain[-1].base_layer)
-        return [module for module in chain if isinstance(module, torch.nn.Module)]
-
     def _read(self, descriptor: served, keep_open: bool = True, binding: Binding | None = None) -> Any:
         if self.family.derived_routing and descriptor.name in DERIVED_ROUTING:
             # the router's own module, and the PEFT parameter adapters standing at its path above it (whose output
             # is the block's too: a hook at the router's native path lands on the outermost of them)
-            hooks = [hook for module in self._router_chain() for hook in foreign_hooks(module, pre=False)]
+            hooks = [hook for module in adapter_chain(self._module, self.family.router)
+                     for hook in foreign_hooks(module, pre=False)]
             if hooks:
                 raise self.unavailable(
                     descriptor.name,

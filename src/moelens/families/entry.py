@@ -732,14 +732,21 @@ def find_path(root: Any, path: str) -> Any:
         return None
 
 
+def adapter_chain(root: Any, path: str) -> list[Any]:
+    """The module at ``path`` below ``root`` and, where PEFT parameter adapters stand there (`is_parameter_adapter`,
+    nested where several of a module's parameters are adapted), each one's ``base_layer`` down to the family's own
+    module: ``[the module at path]`` where none stands, ``[]`` where ``path`` names nothing."""
+    chain = [find_path(root, path)] if path else []
+    while chain and is_parameter_adapter(chain[-1]):
+        chain.append(chain[-1].base_layer)
+    return [module for module in chain if module is not None]
+
+
 def beneath_adapters(root: Any, path: str) -> str:
-    """``path`` below ``root`` continued through the PEFT parameter adapters standing there (`is_parameter_adapter`,
-    ``.base_layer`` for each: nested where several of a module's parameters are adapted): the path of the family's
-    own module, whose forward runs inside theirs on the adapted parameters. ``path`` itself where none stands."""
-    module = find_path(root, path)
-    while is_parameter_adapter(module):
-        module, path = module.base_layer, f"{path}.base_layer"
-    return path
+    """``path`` below ``root`` continued through the PEFT parameter adapters standing there (`adapter_chain`,
+    ``.base_layer`` for each): the path of the family's own module, whose forward runs inside theirs on the adapted
+    parameters. ``path`` itself where none stands."""
+    return path + ".base_layer" * max(len(adapter_chain(root, path)) - 1, 0)
 
 
 def find_config(module: Any) -> Any:
