@@ -285,3 +285,27 @@ def test_a_k_beyond_the_experts_of_the_kept_groups_is_warned_of():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         moelens.set_top_k(model, 4).restore()
+
+
+def test_selection_scores_writes_at_a_k_beyond_the_kept_groups_need_only_the_experts_those_groups_hold():
+    """At k = 5 over 4 reachable experts, every selection_scores write was refused (it asked for 5 experts above -inf
+    in the kept groups, which hold 4), an unchanged one too. Ground truth: the model's own logits at that k."""
+    model = moelens.wrap(tiny_model("deepseek_v3"))
+    inputs = tiny_inputs(model._module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the k beyond the groups, warned of above
+        setting = moelens.set_top_k(model, 5)
+    try:
+        with torch.no_grad(), model.trace(**inputs):
+            block = model.moes[0]
+            block.selection_scores = block.selection_scores.clone()
+            logits = model.output.logits.save()
+        torch.testing.assert_close(logits, _logits(model, inputs), rtol=0, atol=0)
+        with pytest.raises(moelens.WriteError, match=r"fewer than 4 entries of some token are above -inf inside the "
+                                                     r"best 2 of its 4 expert groups"):
+            with torch.no_grad(), model.trace(**inputs):
+                scores = model.moes[0].selection_scores.clone()
+                scores[..., 3:] = float("-inf")
+                model.moes[0].selection_scores = scores
+    finally:
+        setting.restore()

@@ -229,6 +229,8 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
     if not needed or not value.numel():
         return
     groups = _kept_groups(component, name)
+    if groups:  # a k above the kept groups' experts (moelens.set_top_k warns of it): the model's own routing fills
+        needed = min(needed, groups[1] * (value.shape[-1] // groups[0]))  # the other slots, edited or not
     fill = component.SCORING.group_fill if groups else float("-inf")
     short = (~torch.isneginf(value)).sum(-1) < needed if groups is None else _picks_excluded(value, *groups, fill, needed)
     if short.any():
