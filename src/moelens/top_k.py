@@ -18,6 +18,7 @@ from .components import Moe
 from .components.layer_list import held_blocks
 from .components.served import trace_running
 from .errors import ArgumentError, FamilyError, MoelensError, described, warn
+from .families.scoring import kept_experts
 
 
 class set_top_k:
@@ -191,8 +192,7 @@ def _warn_beyond_groups(blocks: list[Moe], k: int) -> None:
     beyond = []
     for block in blocks:
         groups = block.family.groups_of(block._module)
-        eligible = groups and groups[1] * block.num_experts // groups[0]
-        if groups is not None and k > eligible:
+        if groups is not None and k > (eligible := kept_experts(groups, block.num_experts)):
             beyond.append(f"{block.path} ({groups[1]} of {groups[0]} groups: {eligible} experts)")
     if beyond:
         warn(f"set_top_k: k={k} is more than the experts of the best groups that {', '.join(beyond[:3])}"

@@ -85,9 +85,10 @@ def refuse_replaced(envoy: Envoy, replaced: list[str], where: str, consequence: 
     ``envoy`` belongs to, which are no longer the ones moelens wrapped, with ``consequence`` and `rewrap_advice`.
     Where each is a PEFT parameter adapter put on after wrapping (the module wrapped runs beneath it, so
     ``consequence`` does not hold), says so and to wrap again."""
-    if replaced and all(is_parameter_adapter(_live(envoy, path)) for path in replaced):
+    live = [_live(envoy, path) for path in replaced]
+    if live and all(map(is_parameter_adapter, live)):
         raise error(f"{where}: PEFT put adapters on the parameters of {', '.join(replaced)} after moelens.wrap "
-                    f"(LoRA: {', '.join(sorted({type(_live(envoy, path)).__name__ for path in replaced}))} standing "
+                    f"(LoRA: {', '.join(sorted({type(module).__name__ for module in live}))} standing "
                     "there now), which the model as wrapped does not know of. Wrap the model again, "
                     "moelens.wrap(model._module), to serve the block's adapted values (reading or editing the weights "
                     "themselves then needs the adapters merged: merge_and_unload()).")

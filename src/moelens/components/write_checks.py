@@ -23,7 +23,7 @@ except ImportError:  # a torch built without torch.distributed
     CheckpointWrapper = None
 
 from ..errors import MoelensError, WriteError
-from ..families.scoring import score
+from ..families.scoring import kept_experts, score
 from .binding import ANY_INF, FINITE, INDEX, Binding
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ def _check_write(component: "Component", name: str, binding: Binding, value: tor
         return
     groups = _kept_groups(component, name)
     if groups:  # a k above the kept groups' experts (moelens.set_top_k warns of it): the model's own routing fills
-        needed = min(needed, groups[1] * (value.shape[-1] // groups[0]))  # the other slots, edited or not
+        needed = min(needed, kept_experts(groups, value.shape[-1]))  # the other slots, edited or not
     fill = component.SCORING.group_fill if groups else float("-inf")
     short = (~torch.isneginf(value)).sum(-1) < needed if groups is None else _picks_excluded(value, *groups, fill, needed)
     if short.any():
@@ -271,7 +271,7 @@ def _check_groups_of_scored_logits(component: "Component", where: str, logits: F
     scores = score(component.family.score_of(component._module), logits.detach().float(),
                    component.softcap).to(logits.dtype)
     k = component.top_k
-    if groups[1] * (scores.shape[-1] // groups[0]) < k:  # the kept groups never hold k: the model's own routing
+    if kept_experts(groups, scores.shape[-1]) < k:  # the kept groups never hold k: the model's own routing
         return
     short = _picks_excluded(scores, *groups, scoring.group_fill, k, weighed_unmasked=True)
     if short.any():

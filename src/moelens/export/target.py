@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..components import Moe
 from ..adapters import refuse_parameter_adapters
+from ..components import Moe
 from ..components.base import layer_of, refuse_replaced, replaced_blocks
 from ..components.served import trace_running
 from ..families import Family, registry

@@ -87,6 +87,13 @@ def chosen_weights(logits: torch.Tensor, indices: torch.Tensor, score_name: str,
     return chosen
 
 
+def kept_experts(groups: tuple[int, int], num_experts: int) -> int:
+    """How many of ``num_experts`` a group-limited router can pick from: the experts of the best ``topk_group`` of
+    its ``n_group`` equal groups (``groups``: ``(n_group, topk_group)``, as `Family.groups_of` gives them)."""
+    n_group, topk_group = groups
+    return topk_group * (num_experts // n_group)
+
+
 def kept_groups(
     ranked: Float[torch.Tensor, "*tokens e"], n_group: int, topk_group: int, group_score: str, fill: float,
     rtol: float = 1e-5,
