@@ -273,11 +273,64 @@ def test_what_reads_the_adapted_weights_themselves_says_to_merge(tmp_path):
         moe.params()
     refused = (r"block's router 'gate' \(LoRA on weight\) and experts 'experts' .* the archive would hold the base "
                r"weights alone\. Merge the adapters into the weights and export the result \(peft_model\."
-               r"merge_and_unload\(\), wrapped or not\)\.$")
+               r"merge_and_unload\(\), wrapped or not, or peft_model\.merge_adapter\(\) in place\), or export under "
+               r"peft_model\.disable_adapter\(\) for the base model\.$")
     with pytest.raises(moelens.export.ExportRefused, match=refused):
         moelens.export.to_nnef(wrapped, tmp_path / "adapted.nnef.tgz", verify=False)
     assert families.check(wrapped, **tiny_inputs(tuned))  # the layout is checked on the family's own module
     assert not list(tmp_path.iterdir())
+
+
+def _block_of(model: torch.nn.Module, moe) -> torch.nn.Module:
+    """``moe``'s block in ``model``, a plain transformers copy of the PEFT model ``moe``'s path runs through."""
+    return model.get_submodule(moe.path.removeprefix("model.base_model.model."))
+
+
+def test_params_serve_the_weights_that_run_with_the_adapters_merged_in_place_or_off():
+    """Merged by peft (merge_adapter) the weights are peft's merged ones, those merge_and_unload gives; off
+    (disable_adapter) the base model's; merged but off, the next forward unmerges them: refused."""
+    tuned, base = adapted("qwen3_moe", "grouped_mm")
+    moe = moelens.wrap(tuned).moes[0]
+    merged = _block_of(copy.deepcopy(tuned).merge_and_unload(), moe)
+    with tuned.disable_adapter():
+        params = moe.params()
+        for got, expected in ((params.router, _block_of(base, moe).gate.weight),
+                              (params.down, _block_of(base, moe).experts.down_proj)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    tuned.merge_adapter()
+    params = moe.params()
+    gate, up = merged.experts.gate_up_proj.chunk(2, dim=1)  # qwen3_moe's [E, 2H, D]: gate rows, then up rows
+    for got, expected in ((params.router, merged.gate.weight), (params.down, merged.experts.down_proj),
+                          (params.gate, gate), (params.up, up)):
+        torch.testing.assert_close(got, expected)
+    with torch.no_grad():
+        params.down[3] = 0  # a view: the edit lands in the weights that run
+    assert torch.equal(_block_of(tuned.base_model.model, moe).experts.base_layer.base_layer.down_proj[3],
+                       torch.zeros_like(params.down[3]))
+    with tuned.disable_adapter(), pytest.raises(ValueUnavailable, match=(
+            rf"{moe.path}\.params: PEFT merged adapters into the block's experts 'experts' \(LoRA on down_proj, "
+            r"gate_up_proj\) \(merge_adapter\(\)\), which are off now \(disable_adapter\(\)\), and the block's next "
+            r"forward takes them out .* unmerge the adapters first \(peft_model\.unmerge_adapter\(\)\)\.$")):
+        moe.params()
+
+
+def test_the_export_archives_the_weights_that_run_with_the_adapters_merged_in_place_or_off(tmp_path):
+    """tract's output on each archive is the merge_and_unload copy's logits (merged in place) and the base model's
+    (adapters off)."""
+    pytest.importorskip("torch_to_nnef", reason="the export extra is not installed")
+    tuned, base = adapted("qwen3_moe", "grouped_mm")
+    wrapped = moelens.wrap(tuned)
+    merged = copy.deepcopy(tuned).merge_and_unload()
+    ids = tiny_inputs(tuned)["input_ids"][:1]
+    tuned.merge_adapter()
+    moelens.export.to_nnef(wrapped, tmp_path / "merged.nnef.tgz", example_inputs=ids, verify=False)
+    tuned.unmerge_adapter()
+    with tuned.disable_adapter():
+        moelens.export.to_nnef(wrapped, tmp_path / "base.nnef.tgz", example_inputs=ids, verify=False)
+    with torch.no_grad():
+        for name, reference in (("merged", merged), ("base", base)):
+            got = torch.from_numpy(moelens.export.run(tmp_path / f"{name}.nnef.tgz", ids))
+            torch.testing.assert_close(got, reference(ids).logits, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_an_adapted_router_alone_leaves_the_experts_weights_served():

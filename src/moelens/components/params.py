@@ -29,9 +29,9 @@ from torch import Tensor
 
 from ..errors import ArgumentError, LayoutMismatch, ValueUnavailable, WriteError, described, warn
 from ..families import ExpertLayout, Family
-from ..families.entry import find_path, get_path
-from ..adapters import refusal, refuse_parameter_adapters
-from ..modules import (called_attribute, disk_offloaded, has_lora_adapters, is_adapter_layer, is_parameter_adapter,
+from ..families.entry import beneath_adapters, find_path, get_path
+from ..adapters import MERGE_AND_WRAP, refusal, refuse_parameter_adapters
+from ..modules import (called_attribute, disk_offloaded, has_lora_adapters, is_adapter_layer,
                        offloaded_to)
 from ..scalars import as_int
 
@@ -123,8 +123,10 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
             "it) to edit its weights."
         )
     refuse_parameter_adapters(block, family, where, "the views would be the base weights alone, and an edit of them "
-                              "would leave the adapters' part", ValueUnavailable, parts=("experts",))
-    experts = get_path(block, family.experts)
+                              "would leave the adapters' part", ValueUnavailable, parts=("experts",),
+                              remedy=f"{MERGE_AND_WRAP}; with the adapters merged in place (peft_model.merge_adapter()) "
+                                     "or off (under peft_model.disable_adapter()), params() serves the weights that run")
+    experts = get_path(block, beneath_adapters(block, family.experts))
     identity = family.identity_count(block)
     if index is not None and index >= num_experts - identity:
         raise ValueUnavailable(
@@ -162,7 +164,7 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
              f"routing alone. Edit the router's weights on every rank alike (the module {family.router!r} of the "
              "block, in model._module).")
         weight = bias = None
-    router_module = get_path(block, family.router)
+    router_module = get_path(block, beneath_adapters(block, family.router))
     stored = {id(tensor) for tensor in (*router_module.parameters(), *router_module.buffers())}
     router = {}
     for name, part, value in (("router", "weight", weight), ("router_bias", "bias", bias)):
@@ -187,10 +189,10 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     or a child's: longcat_flash's ``classifier.weight``), a ``self.<name>(...)`` call of an ``nn.Linear``
     child, or (``forward_0``) the router is an ``nn.Linear`` calling its own forward (llama4).
     """
-    router = get_path(block, family.router)
-    if is_parameter_adapter(router):
-        raise AdaptedRouter(refusal(block, family, family.name, "the logits come from the router's base weight and "
-                                    "the adapters together, which no one [E, D] tensor holds", ("router",)))
+    if adapted := refusal(block, family, family.name, "the logits come from the router's base weight and the adapters "
+                          "together, which no one [E, D] tensor holds", ("router",)):
+        raise AdaptedRouter(adapted)
+    router = get_path(block, beneath_adapters(block, family.router))
     op = family.logits_op
     called = called_attribute(router, op)
     attribute = getattr(router, called, None) if called else None  # the module the op calls, if one

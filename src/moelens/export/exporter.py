@@ -353,9 +353,9 @@ def vocab_size(target: Target) -> int | None:
 
 def hidden_size(target: Target) -> int:
     """A block target's hidden size D: the input width of its router's weight."""
-    from ..families.entry import get_path
+    from ..families.entry import beneath_adapters, get_path
 
-    router = get_path(target.module, target.family.router)
+    router = get_path(target.module, beneath_adapters(target.module, target.family.router))
     return next(p.shape[-1] for p in router.parameters() if p.dim() == 2)
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..components.params import expert_views, router_linear
 from ..errors import ValueUnavailable
 from ..families import Family
-from ..families.entry import get_path
+from ..families.entry import beneath_adapters, get_path
 from ..families.tomoe import EXPORTABLE, converted
 from .errors import ExportRefused
 from .gate import expert_gate_refusal, routing
@@ -259,7 +259,7 @@ def _router_weights(family: Family, block: torch.nn.Module, num_experts: int) ->
     except ValueUnavailable as error:  # a quantized or PEFT-adapted router Linear
         raise ExportRefused(str(error)) from None
     if linear is None:
-        router = get_path(block, family.router)
+        router = get_path(block, beneath_adapters(block, family.router))
         raise ExportRefused(
             f"{family.name}: the router's logits come from {family.logits_op!r} in {type(router).__name__}.forward, "
             f"which is not one linear layer with an [E={num_experts}, D] weight; tract_moe_ffn computes the logits "
@@ -271,7 +271,7 @@ def _router_weights(family: Family, block: torch.nn.Module, num_experts: int) ->
 
 def _experts_weights(family: Family, block: torch.nn.Module) -> dict[str, Any]:
     """w1/w2/w3, biases and activation of the family's experts module, in the canonical layout."""
-    experts = get_path(block, family.experts)
+    experts = get_path(block, beneath_adapters(block, family.experts))
     name = family.name
     if not hasattr(experts, "has_gate") or not isinstance(getattr(experts, "down_proj", None), Tensor):
         raise ExportRefused(

@@ -20,7 +20,7 @@ from ..components import Moe
 from ..components.base import layer_of, refuse_replaced, replaced_blocks
 from ..components.served import trace_running
 from ..families import Family, registry
-from ..families.entry import get_path
+from ..families.entry import beneath_adapters, get_path
 from ..families.unserved import why_no_moe
 from ..modules import foreign_global_hooks, foreign_hooks, hook_name, text_config
 from ..discovery import discover
@@ -107,7 +107,8 @@ def resolve(model: Any) -> Target:
                                   f"the export of {block.name or type(target.module).__name__}",
                                   "the archive would hold the base weights alone", ExportRefused,
                                   remedy="Merge the adapters into the weights and export the result "
-                                         "(peft_model.merge_and_unload(), wrapped or not)")
+                                         "(peft_model.merge_and_unload(), wrapped or not, or peft_model.merge_adapter() "
+                                         "in place), or export under peft_model.disable_adapter() for the base model")
     _refuse_hooks(target)
     return target
 
@@ -125,7 +126,7 @@ def _refuse_inside_a_trace() -> None:
 def _refuse_sharded(target: Target) -> None:
     for block in target.blocks:
         root = target.module.get_submodule(block.name) if block.name else target.module
-        experts = get_path(root, block.family.experts)
+        experts = get_path(root, beneath_adapters(root, block.family.experts))
         if "_ep_group" in experts.__dict__ and experts._ep_num_local < experts.num_experts:
             first = experts._ep_first
             raise ExportRefused(

@@ -247,7 +247,7 @@ def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module
         refuse_parameter_adapters(block, family, f"shard_experts ({name})", "sharding would slice the base weights and "
                                   "leave the adapters whole", MoelensError, ("experts",),
                                   "Merge the adapters into the weights and shard the result: "
-                                  "shard_experts(peft_model.merge_and_unload())")
+                                  "shard_experts(peft_model.merge_and_unload())", forcing=False)
         if "_ep_group" in experts.__dict__:
             raise MoelensError(f"shard_experts: {name} is sharded already.")
         if not family.experts_call or not is_dispatching(experts):
