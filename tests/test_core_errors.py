@@ -309,6 +309,31 @@ def test_a_deep_copy_serves_its_own_values(with_tokenizer):
     assert torch.equal(again, original["routed_output"])  # the original is untouched
 
 
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_deep_copy_of_an_edited_model_says_its_edits_stay_behind(inplace):
+    """nnsight edits live in the wrapper: the copy traces the unedited model (its logits are the plain model's)."""
+    hf = tiny_model("mixtral")
+    wrapped = moelens.wrap(hf)
+    ids = tiny_inputs(hf, batch=1, seq=5)["input_ids"]
+    if inplace:
+        edited = wrapped
+        with wrapped.edit(inplace=True):
+            moelens.steer(wrapped.moes[1], 3, 8.0)
+    else:
+        with wrapped.edit() as (_, edited):  # (a variable set inside the block does not outlive it)
+            moelens.steer(edited.moes[1], 3, 8.0)
+    with pytest.warns(UserWarning, match=r"^deepcopy: the model carries 1 nnsight edit\(s\) \(model\.edit\(\)\), "
+                                         r"which are not copied: the copy traces the unedited model\. Make them again"):
+        twin = copy.deepcopy(edited)
+    with torch.no_grad():
+        plain = hf(ids).logits
+        with twin.trace(ids):
+            copied = twin.output.logits.save()
+        with edited.trace(ids):
+            steered = edited.output.logits.save()
+    assert torch.equal(copied, plain) and not torch.equal(steered, plain)
+
+
 def test_a_base_model_with_a_tokenizer_wraps_and_loads(tmp_path):
     # No head: nnsight cannot infer a pipeline task from it, moelens names one.
     from groundtruth import ascii_tokenizer

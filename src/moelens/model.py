@@ -535,8 +535,11 @@ class MoeModelMixin(StandardNames):
 
         nnsight's own deep copy of a wrapped model would still hand its values to this
         model's tracer (its instrumented sources point back here): a copy could not serve
-        a value. Persistent edits (``model.edit(inplace=True)``) are not copied.
+        a value. nnsight edits (``model.edit()``'s, on this model or the copy it returned) are not copied: warned of.
         """
+        if edits := getattr(self, "_edits", None):
+            warn(f"deepcopy: the model carries {len(edits)} nnsight edit(s) (model.edit()), which are not copied: the "
+                 "copy traces the unedited model. Make them again on the copy (with copy.edit(inplace=True): ...).")
         module = copy.deepcopy(self._module, memo)
         drop_gathered_notes(module)  # this model's hooks, copied with the modules: the copy's wrap adds its own
         return wrap(module, tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
