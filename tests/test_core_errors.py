@@ -4588,12 +4588,13 @@ def test_layers_reordered_after_wrapping_are_refused_at_the_next_trace(change):
 
 
 @pytest.mark.parametrize("call", ["eval()", "train()", "train(False)", "half()", "float()", "bfloat16()", "double()",
-                                  "requires_grad_(False)"])
+                                  "requires_grad_(False)", "to(dtype=torch.bfloat16)", "to('cpu', torch.float16)",
+                                  "to(torch.bfloat16, non_blocking=True)"])
 def test_torch_s_in_place_module_methods_return_the_wrapped_model(call):
     """model.half(), .eval(), ... returned the transformers model (torch's return their module), so
     model = moelens.load(...).eval() dropped moelens, and model.moes then raised AttributeError. They return the wrapped
-    model, as to() does, with the module changed as torch's own method changes it. Ground truth: the same method on an
-    unwrapped copy."""
+    model, as to() does (in each of torch's forms: nnsight's took one device alone, TypeError), with the module
+    changed as torch's own method changes it. Ground truth: the same method on an unwrapped copy."""
     hf = tiny_model("mixtral")
     reference = copy.deepcopy(hf)
     wrapped = moelens.wrap(hf)

@@ -263,6 +263,24 @@ def test_settings_restored_out_of_order_put_the_first_k_back():
     assert model._module.num_experts_per_tok == 2
 
 
+def test_a_copy_made_under_a_setting_routes_at_the_k_its_config_names():
+    """No setting's restore reaches a deep copy: it kept the k set for good, while its config (and its
+    save_pretrained) named the old one. Ground truth: the model as built, and as built at k = 1."""
+    import copy
+
+    hf = tiny_model("mixtral")
+    model, reference, at_1 = moelens.wrap(hf), copy.deepcopy(hf), _built_at(hf, 1)
+    inputs = tiny_inputs(hf)
+    with moelens.set_top_k(model, 3), moelens.set_top_k(model.moes[1], 1):
+        twin = copy.deepcopy(model)
+        assert [moe.top_k for moe in twin.moes] == [2, 2, 2, 2] and twin._module.num_experts_per_tok == 2
+        with torch.no_grad():
+            torch.testing.assert_close(_logits(twin, inputs), reference(**inputs).logits, rtol=0, atol=0)
+    with moelens.set_top_k(twin, 1):  # the copy's own settings work as on any model
+        torch.testing.assert_close(_logits(twin, inputs), _logits(moelens.wrap(at_1), inputs), rtol=0, atol=0)
+    assert [moe.top_k for moe in model.moes] == [2, 2, 2, 2]
+
+
 def test_a_k_beyond_the_experts_of_the_kept_groups_is_warned_of():
     """deepseek_v3's tiny router keeps 2 of 4 groups of 8 experts: 4 experts to pick from. Ground truth: the router's
     own choice at k = 5 holds an expert outside the 2 best groups for every token (the masked scores)."""

@@ -44,6 +44,7 @@ from .families import Family, registry
 from .families.tomoe import converted as tomoe_converted
 from .modules import first_parameter, is_parameter_adapter, padding_position_id, takes_keyword
 from .scalars import check_flag
+from .top_k import undo_in_copy
 from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_layers, _expert_parallel_envoy,
                               _from_root, _refuse_block_classes, _renamed_blocks)
 from .wrapping.generation import _generating, _refuse_no_generate, generation_setting, rows_per_prompt
@@ -66,8 +67,8 @@ from .wrapping.walk import _around_blocks, _present, _walk_steps
 
 def _returning_wrapper(name: str) -> Any:
     """The wrapped model's ``name`` (``eval``, ``half``, ...): the transformers model's, in place, returning the
-    wrapped model (torch's returns the module, so ``model = model.eval()`` would drop moelens), as nnsight's ``to``,
-    ``cpu`` and ``cuda`` do."""
+    wrapped model (torch's returns the module, so ``model = model.eval()`` would drop moelens), as nnsight's ``cpu``
+    and ``cuda`` do."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         getattr(self._module, name)(*args, **kwargs)
@@ -132,6 +133,7 @@ class MoeModelMixin(StandardNames):
 
     eval, train, requires_grad_ = map(_returning_wrapper, ("eval", "train", "requires_grad_"))
     half, float, bfloat16, double = map(_returning_wrapper, ("half", "float", "bfloat16", "double"))
+    to = _returning_wrapper("to")  # torch's forms: nnsight's Envoy.to takes one positional device alone
 
     @property
     def moes(self) -> MoeList:
@@ -536,11 +538,13 @@ class MoeModelMixin(StandardNames):
         nnsight's own deep copy of a wrapped model would still hand its values to this
         model's tracer (its instrumented sources point back here): a copy could not serve
         a value. nnsight edits (``model.edit()``'s, on this model or the copy it returned) are not copied: warned of.
+        A copy made while a `moelens.set_top_k` setting is active routes at the k from before it (the copy's config's).
         """
         if edits := getattr(self, "_edits", None):
             warn(f"deepcopy: the model carries {len(edits)} nnsight edit(s) (model.edit()), which are not copied: the "
                  "copy traces the unedited model. Make them again on the copy (with copy.edit(inplace=True): ...).")
         module = copy.deepcopy(self._module, memo)
+        undo_in_copy(memo)
         drop_gathered_notes(module)  # this model's hooks, copied with the modules: the copy's wrap adds its own
         return wrap(module, tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
 

@@ -44,7 +44,8 @@ class set_top_k:
     layers, which take each token's experts from a token-id table of fixed width, keep theirs. A block's values
     (`Moe.top_k`, ``expert_indices``, ``expert_weights``: ``[..., k]``) follow. So does what else a forward reads k
     from: a block that scales its output back by it (openai_privacy_filter), and, where every block is set, the
-    model's ``num_experts_per_tok`` at which transformers counts the router aux loss.
+    model's ``num_experts_per_tok`` at which transformers counts the router aux loss. A deep copy of the model made
+    while a setting is active routes at the k from before it (`undo_in_copy`).
     """
 
     def __init__(self, target: Any, k: int) -> None:
@@ -94,6 +95,16 @@ class set_top_k:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.restore()
+
+
+def undo_in_copy(memo: dict[int, Any]) -> None:
+    """Put the k from before every active setting back in a deep copy (``memo``: `copy.deepcopy`'s, id of an original
+    object -> its copy) of objects settings wrote: a copy made inside ``with set_top_k(...)`` is the model as its
+    config describes it, which no setting's `restore` reaches."""
+    for (owner, name), refs in _ACTIVE.items():
+        oldest = next((setting for ref in refs if (setting := ref()) is not None), None)
+        if oldest is not None and owner in memo:
+            setattr(memo[owner], name, next(old for o, n, old in oldest._saved if (id(o), n) == (owner, name)))
 
 
 #: (id(owner), attribute) -> weak references to the settings that wrote it and are not restored yet, oldest first
