@@ -309,6 +309,21 @@ def test_a_deep_copy_serves_its_own_values(with_tokenizer):
     assert torch.equal(again, original["routed_output"])  # the original is untouched
 
 
+def test_compiling_the_wrapped_model_in_place_is_refused_leaving_it_usable():
+    """torch's module.compile() through the wrapper compiled the transformers model in place: its plain calls then
+    failed inside dynamo, and every trace was refused."""
+    hf = tiny_model("mixtral")
+    wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
+    with pytest.raises(moelens.MoelensError, match=r"^model\.compile\(\) would compile the transformers model in place, .*"
+                                           r"moelens\.wrap\(copy\.deepcopy\(hf_model\)\)"):
+        wrapped.compile()
+    assert getattr(hf, "_compiled_call_impl", None) is None
+    with torch.no_grad(), wrapped.trace(**inputs):
+        logits = wrapped.output.logits.save()
+    with torch.no_grad():
+        assert torch.equal(logits, hf(**inputs).logits)
+
+
 @pytest.mark.parametrize("inplace", [True, False])
 def test_a_deep_copy_of_an_edited_model_says_its_edits_stay_behind(inplace):
     """nnsight edits live in the wrapper: the copy traces the unedited model (its logits are the plain model's)."""

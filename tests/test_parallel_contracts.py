@@ -480,7 +480,7 @@ def test_shard_experts_on_one_rank() -> None:
 
 def test_shard_experts_refuses_peft_adapters_on_the_experts_it_would_not_slice() -> None:
     """LoRA on the experts' own parameters (a PEFT ParamWrapper) adds its product to the whole expert stack: slicing
-    the base weights would leave it whole. The refused model runs as before."""
+    the weights would leave it whole, on or off, merged or not. The refused model runs as before."""
     pytest.importorskip("peft")
     results = ranks(1, """
         import peft
@@ -494,14 +494,20 @@ def test_shard_experts_refuses_peft_adapters_on_the_experts_it_would_not_slice()
             before = tuned(input_ids=ids).logits
             RESULT["error"] = error_of(lambda: shard_experts(tuned))
             RESULT["logits"] = float((tuned(input_ids=ids).logits - before).abs().max())
+            tuned.merge_adapter()
+            RESULT["merged"] = error_of(lambda: shard_experts(tuned))
+            tuned.unmerge_adapter()
+            with tuned.disable_adapter():
+                RESULT["off"] = error_of(lambda: shard_experts(tuned))
         RESULT["marked"] = [name for name, module in hf.named_modules() if "_ep_group" in module.__dict__]
     """)
     r = results[0]
-    assert r["error"].startswith("MoelensError: shard_experts (base_model.model.model.layers.0.mlp): PEFT adapters "
-                                 "stand for the block's experts 'experts' (LoRA on down_proj), adding"), r["error"]
-    assert r["error"].endswith("sharding would slice the base weights and leave the adapters whole. Merge the adapters "
-                               "into the weights and shard the result: shard_experts(peft_model.merge_and_unload())."), \
-        r["error"]
+    for state in ("error", "merged", "off"):
+        assert r[state] == ("MoelensError: shard_experts (base_model.model.model.layers.0.mlp): PEFT adapters stand "
+                            "for the block's experts 'experts' (LoRA on down_proj), kept beside its weights (on or off, "
+                            "merged or not): sharding would slice the weights and leave the adapters whole. Merge the "
+                            "adapters into the weights and shard the result: "
+                            "shard_experts(peft_model.merge_and_unload())."), (state, r[state])
     assert r["logits"] == 0.0 and r["marked"] == [], r
 
 

@@ -184,6 +184,18 @@ def test_scan_refuses_active_parameter_adapters_with_the_way_out():
     with tuned.disable_adapter():  # the base model's forward: nothing to refuse
         with wrapped.scan(**tiny_inputs(tuned)):
             pass
+    with torch.no_grad():
+        expected = tuned(**tiny_inputs(tuned)).logits
+    tuned.merge_adapter()
+    with wrapped.scan(**tiny_inputs(tuned)):  # merged: the forward runs the weights as they are
+        pass
+    with tuned.disable_adapter(), pytest.raises(MoelensError, match=(  # the forward would unmerge them under fakes
+            r"^model\.scan: PEFT merged adapters into .*\.mlp\.gate's weight \(merge_adapter\(\)\), which are off now .* "
+            r"unmerge the adapters first \(peft_model\.unmerge_adapter\(\)\)\.$")):
+        with wrapped.scan(**tiny_inputs(tuned)):
+            pass
+    with torch.no_grad():  # the weights are left as they were (a scan got through: one was on the meta device)
+        torch.testing.assert_close(tuned(**tiny_inputs(tuned)).logits, expected)
 
 
 def test_the_expert_logit_lens_maps_latent_experts_through_the_adapted_projection():
@@ -310,7 +322,8 @@ def test_params_serve_the_weights_that_run_with_the_adapters_merged_in_place_or_
     with tuned.disable_adapter(), pytest.raises(ValueUnavailable, match=(
             rf"{moe.path}\.params: PEFT merged adapters into the block's experts 'experts' \(LoRA on down_proj, "
             r"gate_up_proj\) \(merge_adapter\(\)\), which are off now \(disable_adapter\(\)\), and the block's next "
-            r"forward takes them out .* unmerge the adapters first \(peft_model\.unmerge_adapter\(\)\)\.$")):
+            r"forward takes them out .* Leave disable_adapter\(\) first, or unmerge the adapters "
+            r"\(peft_model\.unmerge_adapter\(\)\)\.$")):
         moe.params()
 
 

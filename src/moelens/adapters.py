@@ -61,8 +61,11 @@ def refusal(block: torch.nn.Module, family: Any, where: str, consequence: str,
     if forcing and any(adapter.disable_adapters and adapter.merged for chain in chains for adapter in chain):
         return (f"{where}: PEFT merged adapters into the block's {' and '.join(adapted)} (merge_adapter()), which are "
                 "off now (disable_adapter()), and the block's next forward takes them out of the weights first: the "
-                "weights are not those that run. Call it outside disable_adapter(), or unmerge the adapters first "
+                "weights are not those that run. Leave disable_adapter() first, or unmerge the adapters "
                 "(peft_model.unmerge_adapter()).")
+    if not forcing:
+        return (f"{where}: PEFT adapters stand for the block's {' and '.join(adapted)}, kept beside its weights (on "
+                f"or off, merged or not): {consequence}. {remedy}.")
     return (f"{where}: PEFT adapters stand for the block's {' and '.join(adapted)}, adding the adapters' product to "
             f"the base weights in each forward: {consequence}. {remedy}.")
 

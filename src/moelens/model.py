@@ -43,6 +43,7 @@ from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, d
 from .families import Family, registry
 from .families.tomoe import converted as tomoe_converted
 from .modules import first_parameter, is_parameter_adapter, padding_position_id, takes_keyword
+from .adapters import in_force
 from .scalars import check_flag
 from .top_k import undo_in_copy
 from .wrapping.envoys import (_bind_standard_names, _block_holders, _blockless_layers, _expert_parallel_envoy,
@@ -134,6 +135,15 @@ class MoeModelMixin(StandardNames):
     eval, train, requires_grad_ = map(_returning_wrapper, ("eval", "train", "requires_grad_"))
     half, float, bfloat16, double = map(_returning_wrapper, ("half", "float", "bfloat16", "double"))
     to = _returning_wrapper("to")  # torch's forms: nnsight's Envoy.to takes one positional device alone
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: torch's ``module.compile()`` of the transformers model, in place, leaves a model neither traces nor
+        plain calls can run (`COMPILED`)."""
+        raise MoelensError(
+            "model.compile() would compile the transformers model in place, after which neither its traces nor its "
+            f"plain calls run. {COMPILED} Compile a model moelens never wrapped: wrap a copy, "
+            "moelens.wrap(copy.deepcopy(hf_model)), to keep the original compilable."
+        )
 
     @property
     def moes(self) -> MoeList:
@@ -736,7 +746,15 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
 
             raise MoelensError(SCAN_REFUSAL)
         adapted = next((module for module in self._module.modules() if is_parameter_adapter(module)
-                        and not module.disable_adapters and not module.merged), None)
+                        and in_force(module)), None)
+        if adapted is not None and adapted.disable_adapters:  # merged, then off: the forward unmerges in place
+            name = next(name for name, module in self._module.named_modules() if module is adapted)
+            raise MoelensError(
+                f"model.scan: PEFT merged adapters into {name}'s {adapted.parameter_name} (merge_adapter()), which are "
+                "off now (disable_adapter()): the next forward takes them out of the weights in place, which under "
+                "scan's fake tensors would leave the real weight on the meta device. Scan outside disable_adapter(), "
+                "or unmerge the adapters first (peft_model.unmerge_adapter())."
+            )
         if adapted is not None:  # torch's fake mode refuses the parametrization's set_ on a real parameter
             name = next(name for name, module in self._module.named_modules() if module is adapted)
             raise MoelensError(

@@ -137,7 +137,8 @@ class ModelReport:
         if any(layer.adapters for layer in layers):
             adapted = [(layer.label, ", ".join(layer.adapters) or "none") for layer in layers]
             lines.append("PEFT adapters          " + by_layers(adapted) + " (trace values are the adapted model's; "
-                         "params() and the export need them merged, merge_adapter(), or off, disable_adapter())")
+                         "params() and the export need them merged, merge_adapter(), or off, disable_adapter(); "
+                         "shard_experts needs merge_and_unload())")
         if self.notes:
             lines.append(f"notes                  {self.notes}")
         first = layers[0]

@@ -38,6 +38,10 @@ from ..scalars import as_int
 #: Names of the scales quantized weights keep beside them (``down_proj_scale_inv``: transformers' FP8 experts).
 QUANTIZATION_SCALES = ("_scale_inv", "_scale", "_scales")
 
+#: What to do where PEFT adapters in force stand for a block's router or experts (`block_params`, `router_linear`).
+PARAMS_REMEDY = (f"{MERGE_AND_WRAP}; with the adapters merged in place (peft_model.merge_adapter()) or off (under "
+                 "peft_model.disable_adapter()), params() serves the weights that run")
+
 #: How nnsight names a call of something called ``linear`` (``F_linear_0``, ``fn_linear_1``, ``linear_0``): the
 #: logits ops that may be one ``F.linear(x, router.weight, router.bias)`` call (`functional_linear_operands` checks
 #: the callee).
@@ -124,8 +128,7 @@ def block_params(family: Family, block: torch.nn.Module, num_experts: int, where
         )
     refuse_parameter_adapters(block, family, where, "the views would be the base weights alone, and an edit of them "
                               "would leave the adapters' part", ValueUnavailable, parts=("experts",),
-                              remedy=f"{MERGE_AND_WRAP}; with the adapters merged in place (peft_model.merge_adapter()) "
-                                     "or off (under peft_model.disable_adapter()), params() serves the weights that run")
+                              remedy=PARAMS_REMEDY)
     experts = get_path(block, beneath_adapters(block, family.experts))
     identity = family.identity_count(block)
     if index is not None and index >= num_experts - identity:
@@ -190,7 +193,7 @@ def router_linear(family: Family, block: torch.nn.Module, num_experts: int) -> t
     child, or (``forward_0``) the router is an ``nn.Linear`` calling its own forward (llama4).
     """
     if adapted := refusal(block, family, family.name, "the logits come from the router's base weight and the adapters "
-                          "together, which no one [E, D] tensor holds", ("router",)):
+                          "together, which no one [E, D] tensor holds", ("router",), PARAMS_REMEDY):
         raise AdaptedRouter(adapted)
     router = get_path(block, beneath_adapters(block, family.router))
     op = family.logits_op

@@ -244,7 +244,7 @@ def _expert_counts(blocks: list[tuple[str, Any, torch.nn.Module, torch.nn.Module
     """
     counts = []
     for name, family, block, experts in blocks:
-        refuse_parameter_adapters(block, family, f"shard_experts ({name})", "sharding would slice the base weights and "
+        refuse_parameter_adapters(block, family, f"shard_experts ({name})", "sharding would slice the weights and "
                                   "leave the adapters whole", MoelensError, ("experts",),
                                   "Merge the adapters into the weights and shard the result: "
                                   "shard_experts(peft_model.merge_and_unload())", forcing=False)
