@@ -240,6 +240,66 @@ def test_a_wrong_selection_argument_names_the_scoring_setting(registered, argume
             moe.selection_scores.save()
 
 
+def test_an_experts_path_naming_the_shared_mlp_is_not_served_as_the_routed_output(registered):
+    """experts="shared" names a module the block calls as shared(x): wrap served its output as routed_output, silently
+    (up to 6 off the experts' output on a user's model), and model.moes[0] then said the entry was registered after
+    the wrap."""
+    registered(experts="shared")
+    hand = model()
+    with pytest.warns(UserWarning, match=r"blocks of family 'hand' hold a Sequential at 'shared' \(e\.g\. layers\.0\.moe "
+                                         r"\(Block; children \['router', 'experts', 'shared'\]\)\), whose "
+                                         r"forward\(self, input\) cannot be called as experts\(hidden_states, "
+                                         r"top_k_index, top_k_weights\), so none is served as a Moe.*Name that module "
+                                         r"in the entry's experts\."):
+        wrapped = moelens.wrap(hand)
+    with pytest.raises(moelens.LayerIndexError, match=r"the family 'hand' you registered describes its Block blocks, "
+                                                      r"but they hold no experts module moelens serves at its "
+                                                      r"experts 'shared' \(the wrap warned why\)"):
+        wrapped.moes[0]
+    registered()  # the experts named: served, the bank's output
+    wrapped = moelens.wrap(hand)
+    with torch.no_grad(), wrapped.trace(IDS):
+        routed = wrapped.moes[0].routed_output.save()
+    with torch.no_grad():
+        x = hand.embed(IDS).reshape(-1, HIDDEN)
+        _, weights, index = hand.layers[0]["moe"].router(x)
+        torch.testing.assert_close(routed.reshape(-1, HIDDEN), hand.layers[0]["moe"].experts(x, index, weights))
+
+
+def test_experts_taking_the_routing_by_transformers_keywords_are_served(registered):
+    """An experts forward(x, *, top_k_index, top_k_weights) takes the call by those keywords: served."""
+    class KeywordBank(ExpertBank):
+        def forward(self, x, *, top_k_index, top_k_weights):
+            return super().forward(x, top_k_index, top_k_weights)
+
+    class KeywordBlock(Block):
+        def forward(self, hidden):
+            b, s, d = hidden.shape
+            x = hidden.reshape(-1, d)
+            logits, weights, index = self.router(x)
+            routed = self.experts(x, top_k_index=index, top_k_weights=weights)
+            return (routed + self.shared(x)).reshape(b, s, d), logits.sum()
+
+    registered(block_classes=("KeywordBlock",))
+    hand = model()
+    for layer in hand.layers:
+        block = KeywordBlock()
+        block.load_state_dict(layer["moe"].state_dict())
+        block.experts = KeywordBank()
+        block.experts.load_state_dict(layer["moe"].experts.state_dict())
+        layer["moe"] = block
+    wrapped = moelens.wrap(hand)
+    with torch.no_grad(), wrapped.trace(IDS):
+        indices = wrapped.moes[0].expert_indices.save()
+        routed = wrapped.moes[0].routed_output.save()
+    with torch.no_grad():
+        x = hand.embed(IDS).reshape(-1, HIDDEN)
+        _, weights, index = hand.layers[0]["moe"].router(x)
+        torch.testing.assert_close(routed.reshape(-1, HIDDEN), hand.layers[0]["moe"].experts.forward(
+            x, top_k_index=index, top_k_weights=weights))
+        assert torch.equal(indices.reshape(-1, TOP_K), index)
+
+
 def test_blocks_of_a_sequential_wrap_without_claiming_the_modules_under_them(registered):
     """Blocks named "0" and "1" (an nn.Sequential of them): nnsight matched those names against the end of every
     module's path, so the shared MLP's first Linear ("0.shared.0") was made a Moe too and wrap failed naming it."""

@@ -8,6 +8,7 @@ expert parallelism read it too. Nothing here changes the model.
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +66,22 @@ def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
     experts = find_path(module, beneath_adapters(module, family.experts))
     if registry.is_built_in(family):
         return _is_experts(experts)
-    return isinstance(experts, torch.nn.Module) and not isinstance(experts, CONTAINERS)
+    return (isinstance(experts, torch.nn.Module) and not isinstance(experts, CONTAINERS)
+            and (not family.experts_call or _takes_experts_call(experts)))
+
+
+def _takes_experts_call(experts: torch.nn.Module) -> bool:
+    """Whether the forward of ``experts`` (its class's: nnsight replaces the instance's) can be called as
+    ``experts(hidden, top_k_index, top_k_weights)``, by position or by those keywords: a registered entry's experts
+    path naming another module (the shared MLP, ``forward(x)``) would serve its output as the routed output."""
+    signature = inspect.signature(type(experts).forward)
+    for arguments in (((None, None, None, None), {}), ((None, None), {"top_k_index": None, "top_k_weights": None})):
+        try:
+            signature.bind(*arguments[0], **arguments[1])
+        except TypeError:
+            continue
+        return True
+    return False
 
 
 def _children(module: torch.nn.Module) -> list[str]:
@@ -362,8 +378,7 @@ def discover(model: torch.nn.Module) -> Structure:
         _refuse_adapter_layers(name, module, family)
         if not _holds_mixture(module, family):
             held = find_path(module, family.experts)
-            idle.setdefault(family.name, (f"{name} ({type(module).__name__}; children {_children(module)})",
-                                          type(held).__name__ if isinstance(held, CONTAINERS) else None))
+            idle.setdefault(family.name, (f"{name} ({type(module).__name__}; children {_children(module)})", held))
             continue
         _check_paths(name, module, family)
         _check_block_attr(model, name, family)
@@ -388,12 +403,23 @@ def discover(model: torch.nn.Module) -> Structure:
             "envoys; describe them with moelens.families.register(Family(...)), then wrap the model again "
             "(moelens.wrap(model._module)), to serve their routing.",
         )
-    for family_name, (block, container) in idle.items():
+    for family_name, (block, held) in idle.items():
         if structure.family is None or structure.family.name != family_name:
             family = registry.get(family_name)
-            if container is not None and not registry.is_built_in(family):
+            if isinstance(held, torch.nn.Module) and not isinstance(held, CONTAINERS) \
+                    and not registry.is_built_in(family):
+                forward = type(held).forward
                 warn(
-                    f"moelens: blocks of family {family_name!r} hold a {container} at {family.experts!r} (e.g. "
+                    f"moelens: blocks of family {family_name!r} hold a {type(held).__name__} at {family.experts!r} "
+                    f"(e.g. {block}), whose forward{inspect.signature(forward)} cannot be called as "
+                    "experts(hidden_states, top_k_index, top_k_weights), so none is served as a Moe: experts names "
+                    "another module than the experts the block calls with its routing. Name that module in the "
+                    "entry's experts.",
+                )
+                continue
+            if isinstance(held, CONTAINERS) and not registry.is_built_in(family):
+                warn(
+                    f"moelens: blocks of family {family_name!r} hold a {type(held).__name__} at {family.experts!r} (e.g. "
                     f"{block}), whose experts the block calls one by one, so none is served as a Moe: moelens reads "
                     "an experts module called once as experts(hidden_states, top_k_index, top_k_weights). Move the "
                     "block's loop over its experts into such a module's forward and name it in the entry's experts.",
@@ -462,11 +488,16 @@ def _own_families() -> list[Family]:
 def registered_since(model: torch.nn.Module) -> str:
     """For a wrapped model with no MoE block: the advice to wrap it again where a family the user registered (after
     the wrap, or it would have been found) names a block class of it; "" where none does."""
-    own = {cls: family.name for family in _own_families() for cls in family.block_classes}
-    found = next((type(module).__name__ for module in model.modules() if type(module).__name__ in own), None)
+    own = {cls: family for family in _own_families() for cls in family.block_classes}
+    found = next((module for module in model.modules() if type(module).__name__ in own), None)
     if found is None:
         return ""
-    return (f"; the family {own[found]!r}, registered after this model was wrapped, describes its {found} blocks: "
+    family, name = own[type(found).__name__], type(found).__name__
+    if not _holds_mixture(found, family):  # found at the wrap, and warned of
+        return (f"; the family {family.name!r} you registered describes its {name} blocks, but they hold no experts "
+                f"module moelens serves at its experts {family.experts!r} (the wrap warned why): fix the entry, "
+                "register it again (replace=True) and wrap the model again")
+    return (f"; the family {family.name!r}, registered after this model was wrapped, describes its {name} blocks: "
             "wrap it again (moelens.wrap(model._module))")
 
 
