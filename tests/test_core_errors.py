@@ -1567,7 +1567,8 @@ def test_a_custom_block_described_wrongly_says_what_to_fix():
     ids = torch.randint(0, 64, (2, 3))
     cases = [
         (tuple_model, "OwnKeywordsBlock", None, "expert_weights", ValueUnavailable,
-         r"passed 1 positional arguments and \['index', 'weights'\], but moelens reads its argument 2 \(top_k_weights\)"),
+         r"passed 1 positional arguments and \['index', 'weights'\], but moelens reads its argument 2 \(top_k_weights\) "
+         r"\(passed under a keyword of its own\? moelens reads it at position 2 or as top_k_weights=\): call it"),
         (tuple_model, "OwnKeywordsBlock", None, "mlp_output", moelens.FamilyError,
          r"layers.0.ffn.mlp_output: .* serves a tuple, not values per token.*Combine\(output_index="),
         (custom_model(), "CustomBlock", 0, "mlp_output", moelens.FamilyError,

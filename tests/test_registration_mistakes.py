@@ -266,6 +266,15 @@ def test_an_experts_path_naming_the_shared_mlp_is_not_served_as_the_routed_outpu
         torch.testing.assert_close(routed.reshape(-1, HIDDEN), hand.layers[0]["moe"].experts(x, index, weights))
 
 
+def test_a_router_path_naming_another_module_says_the_path_may_be_wrong(registered):
+    """router="shared" (a Sequential): the refusal blamed logits_op alone."""
+    registered(router="shared")
+    with pytest.raises(FamilyError, match=r"logits_op='F_linear_0' is not an operation of Sequential\.forward; .* If "
+                                          r"Sequential is not the router, fix the entry's router='shared' instead \(the "
+                                          r"block's children: router, experts, shared\)\.$"):
+        moelens.wrap(model())
+
+
 def test_experts_taking_the_routing_by_transformers_keywords_are_served(registered):
     """An experts forward(x, *, top_k_index, top_k_weights) takes the call by those keywords: served."""
     class KeywordBank(ExpertBank):
@@ -535,10 +544,36 @@ def test_check_finds_a_block_output_the_entry_does_not_make(registered):
     registered(shared=None)
     wrapped = moelens.wrap(model())
     with pytest.raises(FamilyError, match=r"layers\.0\.moe: the Combine of family 'hand' .* of routed_output, without a "
-                                          r"shared expert .*, is not the block's output"):
+                                          r"shared expert .*, is not the block's output.* The block may add a module "
+                                          r"the entry names no shared expert for \(SharedExpert\(module=\.\.\.\), the "
+                                          r"block's children: router, experts, shared\)\.\n"):
         families.check(wrapped, IDS)
     registered(name="hand_right")
     assert families.check(moelens.wrap(model()), IDS) == ["model.layers.0.moe", "model.layers.1.moe"]
+
+
+def test_check_says_when_the_block_does_not_add_the_shared_expert_named(registered):
+    """The block runs its shared MLP and leaves its output out: check said the factor was "from 0 to 0: a gate", and
+    to name the gate."""
+    class Unshared(Block):
+        def forward(self, hidden):
+            b, s, d = hidden.shape
+            x = hidden.reshape(-1, d)
+            logits, weights, index = self.router(x)
+            routed = self.experts(x, index, weights)
+            self.shared(x)  # run, not added
+            return routed.reshape(b, s, d), logits.sum()
+
+    registered(block_classes=("Unshared",))
+    hand = model()
+    for layer in hand.layers:
+        block = Unshared()
+        block.load_state_dict(layer["moe"].state_dict())
+        layer["moe"] = block
+    with pytest.raises(FamilyError, match=r"The block's output is routed_output alone: it does not add the shared "
+                                          r"expert the entry names \(SharedExpert 'shared'\); set shared=None, or name "
+                                          r"the module the block adds\.\n"):
+        families.check(moelens.wrap(hand), IDS)
 
 
 def test_check_says_when_it_cannot_run():
@@ -1225,6 +1260,22 @@ def test_a_misspelt_block_class_is_shown_beside_the_model_s_classes(registered):
         moelens.wrap(model())
 
 
+def test_a_misspelt_block_class_is_shown_where_moelens_finds_blocks_of_no_family(registered):
+    """Blocks calling transformers' experts are found without a family: that warning said to register one, which the
+    user had done, under a misspelt class name."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    own = type("MyMoeBlock", (MixtralSparseMoeBlock,), {})
+    hf = tiny_model("mixtral")
+    for layer in hf.model.layers:
+        layer.mlp.__class__ = own
+    registered(block_classes=("MyMoeBlok",))
+    with pytest.warns(UserWarning, match=r"moelens found MoE blocks of no registered family: model\.layers\.0\.mlp "
+                                         r"\(MyMoeBlock\).* to serve their routing\. The block classes of the families "
+                                         r"you registered \('hand': MyMoeBlok\) name no module of this model"):
+        moelens.wrap(hf)
+
+
 def test_a_router_without_readable_source_is_named_with_the_fix(registered):
     """A router class defined at the interactive prompt (or by exec, python -c): wrap raised nnsight's bare
     'callable source is unavailable'."""
@@ -1368,8 +1419,14 @@ def test_check_says_logits_op_may_name_another_tensor_than_the_router_scores(reg
     registered()
     with pytest.raises(FamilyError, match=r"no softmax / sigmoid scoring .* gives them; or the Scoring is right and "
                                           r"logits_op is wrong: logits_op='F_linear_0' may name another tensor than "
-                                          r"the one the router scores .* The router's ops after F_linear_0: logits_0, "
-                                          r"logits_softmax_0"):
+                                          r"the one the router scores .* The router's ops in its forward: F_linear_0 "
+                                          r"\(logits_op now\), logits_0, logits_softmax_0"):
+        families.check(moelens.wrap(hand), IDS)
+    registered(logits_op="logits_softmax_0")  # the scores: the ops before it are listed, and the values told scores
+    with pytest.raises(FamilyError, match=r"The values served as router_logits all lie in \[0, 1\] summing to 1 in each "
+                                          r"token \(a softmax's\): scores, not logits; name the op before the score "
+                                          r"function \(softmax, sigmoid\) as logits_op\. The router's ops in its "
+                                          r"forward: F_linear_0, logits_0, logits_softmax_0 \(logits_op now\)"):
         families.check(moelens.wrap(hand), IDS)
     registered(logits_op="logits_0")  # the op the router scores: the same check passes
     fixed = moelens.wrap(hand)

@@ -401,7 +401,7 @@ def discover(model: torch.nn.Module) -> Structure:
         warn(
             f"moelens found MoE blocks of no registered family: {', '.join(unknown)}. They are plain "
             "envoys; describe them with moelens.families.register(Family(...)), then wrap the model again "
-            "(moelens.wrap(model._module)), to serve their routing.",
+            f"(moelens.wrap(model._module)), to serve their routing{_unmatched_registrations(model)}.",
         )
     for family_name, (block, held) in idle.items():
         if structure.family is None or structure.family.name != family_name:
@@ -502,9 +502,11 @@ def registered_since(model: torch.nn.Module) -> str:
 
 
 def _unmatched_registrations(model: torch.nn.Module) -> str:
-    """For the no-MoE warning: the block classes of the user's own registered families (none of which is in
-    ``model``), beside the module classes the model has, so a misspelt class name shows; "" without any."""
-    own = _own_families()
+    """For the warnings of blocks moelens does not serve: the block classes of the user's own registered families
+    that name no module of ``model``, beside the module classes the model has, so a misspelt class name shows; ""
+    without any."""
+    present = {type(module).__name__ for module in model.modules()}
+    own = [family for family in _own_families() if not present.intersection(family.block_classes)]
     if not own:
         return ""
     classes = dict.fromkeys(type(module).__name__ for module in model.modules()

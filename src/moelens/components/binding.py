@@ -187,9 +187,11 @@ def argument(position: int, keyword: str | None = None, *, error: type[Exception
             return args[position]
         if keyword in kwargs:
             return kwargs[keyword]
+        named = (f" (passed under a keyword of its own? moelens reads it at position {position} or as {keyword}=)"
+                 if keyword and kwargs else "")
         raise error(
             f"the call passed {len(args)} positional arguments and {sorted(kwargs) or 'no keywords'}, but moelens "
-            f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + f": {advice}"
+            f"reads its argument {position}" + (f" ({keyword})" if keyword else "") + f"{named}: {advice}"
         )
 
     def put(raw: Any, tensor: torch.Tensor) -> Any:

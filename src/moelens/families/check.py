@@ -396,9 +396,9 @@ def _order_problem(moe: Any, error: OrderError) -> str:
             "the experts, or on the block's output).")
 
 
-def _router_ops(moe: Any, after: str | None = None) -> str:
-    """The ops nnsight knows in ``moe``'s router's forward (those after the op ``after`` where it names one), as a
-    sentence for an error; "" where there are none to list."""
+def _router_ops(moe: Any, after: str | None = None, marked: str | None = None) -> str:
+    """The ops nnsight knows in ``moe``'s router's forward (those after the op ``after`` where it names one; the op
+    ``marked`` marked as the entry's logits_op), as a sentence for an error; "" where there are none to list."""
     try:
         names = list(moe.router.source.names)
     except Exception:  # noqa: BLE001 - a router without readable source: its ops cannot be listed
@@ -406,7 +406,19 @@ def _router_ops(moe: Any, after: str | None = None) -> str:
     where = "in its forward"
     if after in names:
         names, where = names[names.index(after) + 1:], f"after {after}"
+    names = [f"{name} (logits_op now)" if name == marked else name for name in names]
     return f"The router's ops {where}: {', '.join(names)}." if names else ""
+
+
+def _look_like_scores(logits: torch.Tensor) -> str:
+    """A sentence where the served ``logits`` [..., E] lie in [0, 1] (scores: a logits_op naming the score function's
+    output, or an op after it), else ""."""
+    logits = logits.float()
+    if logits.numel() == 0 or logits.min() < 0 or logits.max() > 1:
+        return ""
+    rows = " summing to 1 in each token (a softmax's)" if torch.allclose(logits.sum(-1), torch.ones(())) else ""
+    return (f" The values served as router_logits all lie in [0, 1]{rows}: scores, not logits; name the op before the "
+            "score function (softmax, sigmoid) as logits_op.")
 
 
 def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
@@ -424,7 +436,8 @@ def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
     if fitting.startswith(NOTHING_FITS):
         fitting += (f"; or the Scoring is right and logits_op is wrong: logits_op={family.logits_op!r} may name "
                     "another tensor than the one the router scores (such as the logits before the router divides them "
-                    f"by a temperature): name the op whose output it scores. {_router_ops(moe, family.logits_op)}")
+                    f"by a temperature): name the op whose output it scores.{_look_like_scores(logits)} "
+                    f"{_router_ops(moe, marked=family.logits_op)}")
         if family.routing_from_router is None:
             fitting += (" Or the block changes the router's weights before its experts call (drops tokens past an "
                         "expert's capacity, say): where the router returns its weights and indices, name their "
@@ -528,9 +541,13 @@ def _output_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
         return ""
     with_shared = ("with the shared expert's output" if shared is not None
                    else "without a shared expert (the entry names none, or the block has none)")
+    fitting = _combine_fitting(family, block, routed, shared, output, tolerance)
+    unnamed = (" The block may add a module the entry names no shared expert for (SharedExpert(module=...), the "
+               f"block's children: {', '.join(name for name, _ in block.named_children())})."
+               if family.shared is None and fitting.startswith("check") else "")
     return (f"the Combine of family {family.name!r} ({family.combine}) of routed_output, {with_shared}, is not the "
             f"block's output (largest difference {float((combined.float() - output.float()).abs().max()):.3g}): "
-            f"{_combine_fitting(family, block, routed, shared, output, tolerance)}.{_shared_gate_hint(moe, values)}")
+            f"{fitting}.{_shared_gate_hint(moe, values)}{unnamed}")
 
 
 def _shared_gate_hint(moe: Any, values: dict[str, torch.Tensor]) -> str:
@@ -550,6 +567,9 @@ def _shared_gate_hint(moe: Any, values: dict[str, torch.Tensor]) -> str:
     if not torch.isfinite(factor).all() or not torch.allclose(shared * factor, rest, **tolerance) or torch.allclose(
             factor, torch.ones_like(factor), **tolerance):  # a factor of 1: the shared part fits, the rest does not
         return ""
+    if torch.allclose(rest, torch.zeros_like(rest), **tolerance):
+        return (f" The block's output is routed_output alone: it does not add the shared expert the entry names "
+                f"(SharedExpert {family.shared.module!r}); set shared=None, or name the module the block adds.")
     try:
         ops = f" The block's ops: {', '.join(moe.source.names)}."
     except Exception:  # noqa: BLE001 - a block without readable source: its ops cannot be listed

@@ -25,7 +25,7 @@ def _instrument(moe: Moe) -> None:
     """
     family = moe.family
     object.__setattr__(moe, INSTRUMENTED, {envoy.path: envoy._module for envoy in (moe, moe.router, moe.experts)})
-    _require_op(moe.router, family.logits_op, family, "logits_op")
+    _require_op(moe.router, family.logits_op, family, "logits_op", moe._module)
     if family.logits_cast_op:
         _require_op(moe.router, family.logits_cast_op, family, "logits_cast_op")
     scoring = moe.SCORING
@@ -40,8 +40,9 @@ def _instrument(moe: Moe) -> None:
         _require_op(moe, family.shared.gated_op, family, "shared.gated_op")
 
 
-def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
-    """Source-instrument ``envoy`` and check its forward has the op the family names."""
+def _require_op(envoy: Any, op: str, family: Family, field: str, block: torch.nn.Module | None = None) -> None:
+    """Source-instrument ``envoy`` and check its forward has the op the family names; ``block``: the block whose
+    router ``envoy`` is, where a router path naming another module is as likely as a wrong op (the refusal says so)."""
     try:
         names = envoy.source.names
     except SourceNotAvailable:
@@ -52,9 +53,12 @@ def _require_op(envoy: Any, op: str, family: Family, field: str) -> None:
             "module (a notebook cell will do) and import it."
         ) from None
     if op not in names:
+        children = [name for name, _ in block.named_children()] if block is not None else []
+        router = (f" If {type(envoy._module).__name__} is not the router, fix the entry's router={family.router!r} "
+                  f"instead (the block's children: {', '.join(children)})." if children else "")
         raise FamilyError(
             f"family {family.name!r}: {field}={op!r} is not an operation of "
-            f"{type(envoy._module).__name__}.forward; its operations are {', '.join(names)}."
+            f"{type(envoy._module).__name__}.forward; its operations are {', '.join(names)}.{router}"
         )
 
 
