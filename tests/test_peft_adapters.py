@@ -198,6 +198,27 @@ def test_scan_refuses_active_parameter_adapters_with_the_way_out():
         torch.testing.assert_close(tuned(**tiny_inputs(tuned)).logits, expected)
 
 
+def test_scan_refuses_merged_lora_linear_layers_that_are_off():
+    """A LoRA Linear (attention's q_proj) merged, then off, takes the adapters out of its weight in its next forward
+    as a parameter adapter does: under scan's fake tensors that left the weight on the meta device."""
+    from groundtruth import ascii_tokenizer
+
+    hf = tiny_model("qwen3_moe", experts_implementation="batched_mm")
+    torch.manual_seed(0)
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, init_lora_weights=False, target_modules=["q_proj"]))
+    wrapped = moelens.wrap(tuned, tokenizer=ascii_tokenizer())
+    with torch.no_grad():
+        expected = tuned(**tiny_inputs(tuned)).logits
+    tuned.merge_adapter()
+    with tuned.disable_adapter(), pytest.raises(MoelensError, match=(
+            r"^model\.scan: PEFT merged adapters into .*\.self_attn\.q_proj \(merge_adapter\(\)\), which are off now")):
+        with wrapped.scan(**tiny_inputs(tuned)):
+            pass
+    tuned.unmerge_adapter()
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(**tiny_inputs(tuned)).logits, expected)
+
+
 def test_the_expert_logit_lens_maps_latent_experts_through_the_adapted_projection():
     """nemotron_h's experts work in a latent space that fc2_latent_proj maps to the hidden size; "all-linear" LoRA puts
     an adapter there, whose .weight is the base weight alone. Ground truth: the merged model's lens, and the base

@@ -42,7 +42,7 @@ from .discovery import Structure, block_parts, discover, paths_above, registered
 from .errors import ArgumentError, MoelensError, OrderError, ValueUnavailable, described, warn
 from .families import Family, registry
 from .families.tomoe import converted as tomoe_converted
-from .modules import first_parameter, is_parameter_adapter, padding_position_id, takes_keyword
+from .modules import first_parameter, is_adapter_layer, is_parameter_adapter, padding_position_id, takes_keyword
 from .adapters import in_force
 from .scalars import check_flag
 from .top_k import undo_in_copy
@@ -745,16 +745,20 @@ class MoeTransformersModel(MoeModelMixin, TransformersModel):
             from .parallel.experts import SCAN_REFUSAL
 
             raise MoelensError(SCAN_REFUSAL)
-        adapted = next((module for module in self._module.modules() if is_parameter_adapter(module)
-                        and in_force(module)), None)
-        if adapted is not None and adapted.disable_adapters:  # merged, then off: the forward unmerges in place
-            name = next(name for name, module in self._module.named_modules() if module is adapted)
+        # merged, then off: any PEFT layer's forward (LoRA Linear as ParamWrapper) unmerges in place
+        unmerging = next(((name, module) for name, module in self._module.named_modules() if is_adapter_layer(module)
+                          and getattr(module, "disable_adapters", False) and getattr(module, "merged", False)), None)
+        if unmerging is not None:
+            name, adapted = unmerging
+            what = f"{name}'s {adapted.parameter_name}" if is_parameter_adapter(adapted) else name
             raise MoelensError(
-                f"model.scan: PEFT merged adapters into {name}'s {adapted.parameter_name} (merge_adapter()), which are "
+                f"model.scan: PEFT merged adapters into {what} (merge_adapter()), which are "
                 "off now (disable_adapter()): the next forward takes them out of the weights in place, which under "
                 "scan's fake tensors would leave the real weight on the meta device. Scan outside disable_adapter(), "
                 "or unmerge the adapters first (peft_model.unmerge_adapter())."
             )
+        adapted = next((module for module in self._module.modules() if is_parameter_adapter(module)
+                        and in_force(module)), None)
         if adapted is not None:  # torch's fake mode refuses the parametrization's set_ on a real parameter
             name = next(name for name, module in self._module.named_modules() if module is adapted)
             raise MoelensError(
