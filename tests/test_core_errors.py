@@ -314,10 +314,11 @@ def test_compiling_the_wrapped_model_in_place_is_refused_leaving_it_usable():
     failed inside dynamo, and every trace was refused."""
     hf = tiny_model("mixtral")
     wrapped, inputs = moelens.wrap(hf), tiny_inputs(hf)
-    with pytest.raises(moelens.MoelensError, match=r"^model\.compile\(\) would compile the transformers model in place, .*"
-                                           r"moelens\.wrap\(copy\.deepcopy\(hf_model\)\)"):
-        wrapped.compile()
-    assert getattr(hf, "_compiled_call_impl", None) is None
+    for envoy, name in ((wrapped, "model"), (wrapped.moes[1], "model.model.layers.1.mlp")):
+        with pytest.raises(moelens.MoelensError, match=rf"^{re.escape(name)}\.compile\(\) would compile the "
+                                                       r"transformers module in place, .*moelens\.wrap\(copy\.deepcopy"):
+            envoy.compile()
+    assert all(getattr(module, "_compiled_call_impl", None) is None for module in hf.modules())
     with torch.no_grad(), wrapped.trace(**inputs):
         logits = wrapped.output.logits.save()
     with torch.no_grad():

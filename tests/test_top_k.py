@@ -252,6 +252,22 @@ def test_the_model_equals_the_one_built_at_that_k(family):
         assert hf.num_experts_per_tok == 2
 
 
+def test_a_peft_model_counts_its_aux_loss_at_the_k_set():
+    """PEFT's model reads num_experts_per_tok through to the transformers model but keeps a write for itself: the aux
+    loss still counted k = 2, and the PeftModel kept a stale attribute after restore. Ground truth: the model built at
+    k = 1 (zero-initialised LoRA adds nothing)."""
+    peft = pytest.importorskip("peft")
+    hf = tiny_model("mixtral")
+    expected = _built_at(hf, 1)
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    model, inputs = moelens.wrap(tuned), tiny_inputs(hf)
+    with torch.no_grad():
+        with moelens.set_top_k(model, 1):
+            got = tuned(**inputs, output_router_logits=True)
+        torch.testing.assert_close(got.aux_loss, expected(**inputs, output_router_logits=True).aux_loss)
+    assert "num_experts_per_tok" not in vars(tuned) and hf.num_experts_per_tok == 2
+
+
 def test_settings_restored_out_of_order_put_the_first_k_back():
     model = moelens.wrap(tiny_model("mixtral"))
     first = moelens.set_top_k(model, 3)
@@ -272,7 +288,12 @@ def test_a_copy_made_under_a_setting_routes_at_the_k_its_config_names():
     model, reference, at_1 = moelens.wrap(hf), copy.deepcopy(hf), _built_at(hf, 1)
     inputs = tiny_inputs(hf)
     with moelens.set_top_k(model, 3), moelens.set_top_k(model.moes[1], 1):
-        twin = copy.deepcopy(model)
+        with pytest.warns(UserWarning, match=r"^deepcopy: moelens\.set_top_k\(1, 3\) is set on this model; the copy "
+                                             r"routes at the k from before it .* set it on the copy to route it so\."):
+            twin = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # another model's settings: nothing to undo or warn of
+            copy.deepcopy(moelens.wrap(copy.deepcopy(reference)))
         assert [moe.top_k for moe in twin.moes] == [2, 2, 2, 2] and twin._module.num_experts_per_tok == 2
         with torch.no_grad():
             torch.testing.assert_close(_logits(twin, inputs), reference(**inputs).logits, rtol=0, atol=0)

@@ -59,7 +59,8 @@ from .wrapping.instrument import _instrument
 from .wrapping.pipeline import (FEATURE_SETTINGS, FEATURE_TASK, GENERATION_SETTINGS, PIPELINE_ATTRIBUTES, TOKENIZED,
                                 _no_pipeline_task_complaint, _real_device_first, tokenizer_settings)
 from .wrapping.refusals import (COMPILED, OPTIMIZED, SWITCH_IMPLEMENTATION, _disk_offloaded, _dtype_refusal,
-                                _impossible_top_k, _offloaded_by_accelerate, _refuse_compiled, _unloaded_refusal)
+                                _impossible_top_k, _offloaded_by_accelerate, _refuse_compiled, _unloaded_refusal,
+                                compile_refusal)
 from .wrapping.run_errors import (_derived_gradient_refusal, _embeddings_on_accelerator, _failing_frame,
                                   _ids_past_vocabulary, _in_reentrant_checkpoint_backward, _meta_inputs_refusal,
                                   _no_gradient_refusal, _real_buffers_refusal)
@@ -137,13 +138,8 @@ class MoeModelMixin(StandardNames):
     to = _returning_wrapper("to")  # torch's forms: nnsight's Envoy.to takes one positional device alone
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: torch's ``module.compile()`` of the transformers model, in place, leaves a model neither traces nor
-        plain calls can run (`COMPILED`)."""
-        raise MoelensError(
-            "model.compile() would compile the transformers model in place, after which neither its traces nor its "
-            f"plain calls run. {COMPILED} Compile a model moelens never wrapped: wrap a copy, "
-            "moelens.wrap(copy.deepcopy(hf_model)), to keep the original compilable."
-        )
+        """Refused (`compile_refusal`)."""
+        raise MoelensError(compile_refusal("model"))
 
     @property
     def moes(self) -> MoeList:
@@ -548,13 +544,15 @@ class MoeModelMixin(StandardNames):
         nnsight's own deep copy of a wrapped model would still hand its values to this
         model's tracer (its instrumented sources point back here): a copy could not serve
         a value. nnsight edits (``model.edit()``'s, on this model or the copy it returned) are not copied: warned of.
-        A copy made while a `moelens.set_top_k` setting is active routes at the k from before it (the copy's config's).
+        A copy made while a `moelens.set_top_k` setting of this model is held routes at the k from before it: warned of.
         """
         if edits := getattr(self, "_edits", None):
             warn(f"deepcopy: the model carries {len(edits)} nnsight edit(s) (model.edit()), which are not copied: the "
                  "copy traces the unedited model. Make them again on the copy (with copy.edit(inplace=True): ...).")
         module = copy.deepcopy(self._module, memo)
-        undo_in_copy(memo)
+        if undone := undo_in_copy(self._module, memo):
+            warn(f"deepcopy: moelens.set_top_k({', '.join(map(str, undone))}) is set on this model; the copy routes at the "
+                 "k from before it (the setting's restore could not reach the copy): set it on the copy to route it so.")
         drop_gathered_notes(module)  # this model's hooks, copied with the modules: the copy's wrap adds its own
         return wrap(module, tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
 

@@ -12,6 +12,7 @@ import operator
 import weakref
 from typing import Any, Iterable
 
+import torch
 from nnsight import Envoy
 
 from .components import Moe
@@ -44,8 +45,9 @@ class set_top_k:
     layers, which take each token's experts from a token-id table of fixed width, keep theirs. A block's values
     (`Moe.top_k`, ``expert_indices``, ``expert_weights``: ``[..., k]``) follow. So does what else a forward reads k
     from: a block that scales its output back by it (openai_privacy_filter), and, where every block is set, the
-    model's ``num_experts_per_tok`` at which transformers counts the router aux loss. A deep copy of the model made
-    while a setting is active routes at the k from before it (`undo_in_copy`).
+    model's ``num_experts_per_tok`` at which transformers counts the router aux loss. A deep copy of the wrapped model
+    made while a setting is held routes at the k from before it, with a warning (`undo_in_copy`); one of the
+    transformers model itself (``copy.deepcopy(model._module)``) is the model as it runs, at the k set.
     """
 
     def __init__(self, target: Any, k: int) -> None:
@@ -56,6 +58,7 @@ class set_top_k:
         k = _checked_k(k, blocks)
         _warn_beyond_groups(blocks, k)
         self._saved: list[tuple[Any, str, Any]] = []
+        self._model = blocks[0].root._module  # the transformers model set (`undo_in_copy` of its copies)
         places = {}
         for block in blocks:
             owner, name = _place(block)
@@ -97,14 +100,17 @@ class set_top_k:
         self.restore()
 
 
-def undo_in_copy(memo: dict[int, Any]) -> None:
-    """Put the k from before every active setting back in a deep copy (``memo``: `copy.deepcopy`'s, id of an original
-    object -> its copy) of objects settings wrote: a copy made inside ``with set_top_k(...)`` is the model as its
-    config describes it, which no setting's `restore` reaches."""
+def undo_in_copy(model: torch.nn.Module, memo: dict[int, Any]) -> list[int]:
+    """Put the k from before each setting of ``model`` still held back in its deep copy (``memo``: `copy.deepcopy`'s,
+    id of an original object -> its copy): a copy made inside ``with set_top_k(...)`` routes as the model did before
+    the setting, which no setting's `restore` reaches in the copy. Returns the ks undone (the settings')."""
+    undone = []
     for (owner, name), refs in _ACTIVE.items():
-        oldest = next((setting for ref in refs if (setting := ref()) is not None), None)
-        if oldest is not None and owner in memo:
-            setattr(memo[owner], name, next(old for o, n, old in oldest._saved if (id(o), n) == (owner, name)))
+        held = [setting for ref in refs if (setting := ref()) is not None and setting._model is model]
+        if held and owner in memo:
+            setattr(memo[owner], name, next(old for o, n, old in held[0]._saved if (id(o), n) == (owner, name)))
+            undone.append(held[-1].k)
+    return sorted(set(undone))
 
 
 #: (id(owner), attribute) -> weak references to the settings that wrote it and are not restored yet, oldest first
@@ -138,8 +144,11 @@ def _model_k(blocks: list[Moe]) -> list[tuple[Any, str]]:
     moes = getattr(root, "moes", None) or []
     if {id(block) for block in blocks} != {id(moe) for moe in moes} or any(moe.SCORING.select == "hash" for moe in moes):
         return []
-    value = getattr(getattr(root, "_module", None), "num_experts_per_tok", None)
-    return [(root._module, "num_experts_per_tok")] if isinstance(value, int) and not isinstance(value, bool) else []
+    model = root._module
+    if callable(getattr(model, "get_base_model", None)):  # a PEFT model: it reads through to the model, not writes
+        model = model.get_base_model()
+    value = getattr(model, "num_experts_per_tok", None)
+    return [(model, "num_experts_per_tok")] if isinstance(value, int) and not isinstance(value, bool) else []
 
 
 def _blocks(target: Any) -> list[Moe]:

@@ -42,7 +42,8 @@ from jaxtyping import Float, Int
 from nnsight.intervention.interleaver import Mediator
 from torch import Tensor
 
-from ..errors import ArgumentError, FamilyError, OrderError, ValueUnavailable, WriteError, described, sentence, warn
+from ..errors import (ArgumentError, FamilyError, MoelensError, OrderError, ValueUnavailable, WriteError, described,
+                      sentence, warn)
 from ..families import Scoring
 from ..families.entry import PER_SLOT_VALUES, VALUE_NAMES, adapter_chain, beneath_adapters
 from ..families.scoring import derived_routing, score
@@ -482,6 +483,12 @@ class Moe(Mlp):
     def has_shared_expert(self) -> bool:
         """Whether this block has a shared expert (``shared_experts`` and ``shared_expert_output`` raise the reason otherwise)."""
         return self._shared_envoy() is not None
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused, as the wrapped model's (`moelens.wrapping.refusals.compile_refusal`)."""
+        from ..wrapping.refusals import compile_refusal  # (it reads this module)
+
+        raise MoelensError(compile_refusal(self.path))
 
     def params(self, expert: int | None = None) -> MoeParams:
         """This block's router and expert weights, as views of the model's parameters.

@@ -33,6 +33,14 @@ COMPILED = ("moelens reads values inside the MoE blocks' forwards, rewritten by 
             "(dynamo) cannot trace: the traces would fail inside torch.")
 
 
+def compile_refusal(envoy: str) -> str:
+    """The refusal of ``envoy.compile()`` (``"model"``, a block's path): torch's ``module.compile()``, in place, of a
+    module holding MoE blocks leaves a model neither traces nor plain calls can run."""
+    return (f"{envoy}.compile() would compile the transformers module in place, after which neither the model's traces "
+            f"nor its plain calls run. {COMPILED} Compile a model moelens never wrapped: wrap a copy, "
+            "moelens.wrap(copy.deepcopy(hf_model)), to keep the original compilable.")
+
+
 def _impossible_top_k(moe: Moe, changed: bool = False) -> MoelensError | None:
     """The refusal of a block that routes each token to more experts than it has (or to a negative number), else None:
     its router's ``topk`` fails in every forward with torch's "selected index k out of range", which names neither.
