@@ -254,7 +254,7 @@ def test_an_experts_path_naming_the_shared_mlp_is_not_served_as_the_routed_outpu
         wrapped = moelens.wrap(hand)
     with pytest.raises(moelens.LayerIndexError, match=r"the family 'hand' you registered describes its Block blocks, "
                                                       r"but they hold no experts module moelens serves at its "
-                                                      r"experts 'shared' \(the wrap warned why\)"):
+                                                      r"experts 'shared': fix the entry"):
         wrapped.moes[0]
     registered()  # the experts named: served, the bank's output
     wrapped = moelens.wrap(hand)
@@ -273,6 +273,42 @@ def test_a_router_path_naming_another_module_says_the_path_may_be_wrong(register
                                           r"Sequential is not the router, fix the entry's router='shared' instead \(the "
                                           r"block's children: router, experts, shared\)\.$"):
         moelens.wrap(model())
+
+
+class ExtraArgumentBank(ExpertBank):
+    """Experts taking an argument of their own after the routing (a capacity the block passes)."""
+
+    def forward(self, x, index, weights, capacity, *, scale=1.0):
+        return ExpertBank.forward(self, x, index, weights) * scale
+
+
+class ExtraArgumentBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = ExtraArgumentBank()
+
+    def forward(self, hidden):
+        b, s, d = hidden.shape
+        x = hidden.reshape(-1, d)
+        logits, weights, index = self.router(x)
+        return (self.experts(x, index, weights, 4) + self.shared(x)).reshape(b, s, d), logits.sum()
+
+
+def test_experts_taking_arguments_of_their_own_after_the_routing_are_served(registered):
+    """forward(x, index, weights, capacity): the experts check at wrap took it for another module."""
+    registered(block_classes=("ExtraArgumentBlock",))
+    hand = model()
+    for layer in hand.layers:
+        block = ExtraArgumentBlock()
+        block.load_state_dict(layer["moe"].state_dict())
+        layer["moe"] = block
+    wrapped = moelens.wrap(hand)
+    with torch.no_grad(), wrapped.trace(IDS):
+        routed = wrapped.moes[0].routed_output.save()
+    with torch.no_grad():
+        x = hand.embed(IDS).reshape(-1, HIDDEN)
+        _, weights, index = hand.layers[0]["moe"].router(x)
+        torch.testing.assert_close(routed.reshape(-1, HIDDEN), hand.layers[0]["moe"].experts(x, index, weights, 4))
 
 
 def test_experts_taking_the_routing_by_transformers_keywords_are_served(registered):
@@ -1423,9 +1459,9 @@ def test_check_says_logits_op_may_name_another_tensor_than_the_router_scores(reg
                                           r"\(logits_op now\), logits_0, logits_softmax_0"):
         families.check(moelens.wrap(hand), IDS)
     registered(logits_op="logits_softmax_0")  # the scores: the ops before it are listed, and the values told scores
-    with pytest.raises(FamilyError, match=r"The values served as router_logits all lie in \[0, 1\] summing to 1 in each "
-                                          r"token \(a softmax's\): scores, not logits; name the op before the score "
-                                          r"function \(softmax, sigmoid\) as logits_op\. The router's ops in its "
+    with pytest.raises(FamilyError, match=r"The values served as router_logits all lie in \[0, 1\], summing to 1 in "
+                                          r"each token: a softmax's scores, not logits; name the op before the score "
+                                          r"function as logits_op\. The router's ops in its "
                                           r"forward: F_linear_0, logits_0, logits_softmax_0 \(logits_op now\)"):
         families.check(moelens.wrap(hand), IDS)
     registered(logits_op="logits_0")  # the op the router scores: the same check passes

@@ -268,6 +268,24 @@ def test_a_peft_model_counts_its_aux_loss_at_the_k_set():
     assert "num_experts_per_tok" not in vars(tuned) and hf.num_experts_per_tok == 2
 
 
+def test_a_copy_of_a_peft_model_under_a_setting_of_its_inner_model_routes_at_the_old_k():
+    """The transformers model wrapped apart from the PEFT model around it: a setting on that wrap, then a copy of the
+    PEFT model's wrap, kept the k set for good (the settings undone were the copied wrap's alone)."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    hf = tiny_model("mixtral")
+    reference, inputs = copy.deepcopy(hf), tiny_inputs(hf)
+    inner = moelens.wrap(hf)
+    outer = moelens.wrap(peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["q_proj"])))
+    with moelens.set_top_k(inner, 1):
+        with pytest.warns(UserWarning, match=r"^deepcopy: moelens\.set_top_k\(1\) is held on \(part of\) this model"):
+            twin = copy.deepcopy(outer)
+    assert [moe.top_k for moe in twin.moes] == [2, 2, 2, 2]
+    with torch.no_grad():
+        torch.testing.assert_close(twin._module(**inputs).logits, reference(**inputs).logits, rtol=0, atol=0)
+
+
 def test_settings_restored_out_of_order_put_the_first_k_back():
     model = moelens.wrap(tiny_model("mixtral"))
     first = moelens.set_top_k(model, 3)
@@ -288,8 +306,8 @@ def test_a_copy_made_under_a_setting_routes_at_the_k_its_config_names():
     model, reference, at_1 = moelens.wrap(hf), copy.deepcopy(hf), _built_at(hf, 1)
     inputs = tiny_inputs(hf)
     with moelens.set_top_k(model, 3), moelens.set_top_k(model.moes[1], 1):
-        with pytest.warns(UserWarning, match=r"^deepcopy: moelens\.set_top_k\(1, 3\) is set on this model; the copy "
-                                             r"routes at the k from before it .* set it on the copy to route it so\."):
+        with pytest.warns(UserWarning, match=r"^deepcopy: moelens\.set_top_k\(1, 3\) is held on \(part of\) this "
+                                             r"model; the copy routes at the k from before it .* set it on the copy to route it so\."):
             twin = copy.deepcopy(model)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # another model's settings: nothing to undo or warn of

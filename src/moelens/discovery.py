@@ -67,7 +67,7 @@ def _holds_mixture(module: torch.nn.Module, family: Family) -> bool:
     if registry.is_built_in(family):
         return _is_experts(experts)
     return (isinstance(experts, torch.nn.Module) and not isinstance(experts, CONTAINERS)
-            and (not family.experts_call or _takes_experts_call(experts)))
+            and (not family.experts_call or family.routing_from_router is not None or _takes_experts_call(experts)))
 
 
 def _takes_experts_call(experts: torch.nn.Module) -> bool:
@@ -77,7 +77,7 @@ def _takes_experts_call(experts: torch.nn.Module) -> bool:
     signature = inspect.signature(type(experts).forward)
     for arguments in (((None, None, None, None), {}), ((None, None), {"top_k_index": None, "top_k_weights": None})):
         try:
-            signature.bind(*arguments[0], **arguments[1])
+            signature.bind_partial(*arguments[0], **arguments[1])  # other parameters of its own may follow
         except TypeError:
             continue
         return True
@@ -489,23 +489,29 @@ def registered_since(model: torch.nn.Module) -> str:
     """For a wrapped model with no MoE block: the advice to wrap it again where a family the user registered (after
     the wrap, or it would have been found) names a block class of it; "" where none does."""
     own = {cls: family for family in _own_families() for cls in family.block_classes}
-    found = next((module for module in model.modules() if type(module).__name__ in own), None)
+    found = next(((module, name) for module in model.modules() for name in _class_names(module) if name in own), None)
     if found is None:
         return ""
-    family, name = own[type(found).__name__], type(found).__name__
-    if not _holds_mixture(found, family):  # found at the wrap, and warned of
+    (found, name), family = found, own[found[1]]
+    if not _holds_mixture(found, family):
         return (f"; the family {family.name!r} you registered describes its {name} blocks, but they hold no experts "
-                f"module moelens serves at its experts {family.experts!r} (the wrap warned why): fix the entry, "
-                "register it again (replace=True) and wrap the model again")
+                f"module moelens serves at its experts {family.experts!r}: fix the entry, register it again "
+                "(replace=True) and wrap the model again")
     return (f"; the family {family.name!r}, registered after this model was wrapped, describes its {name} blocks: "
             "wrap it again (moelens.wrap(model._module))")
+
+
+def _class_names(module: torch.nn.Module) -> tuple[str, str]:
+    """The names a family's ``block_classes`` may give ``module``'s class by: bare, and qualified by its module."""
+    cls = type(module)
+    return cls.__name__, f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _unmatched_registrations(model: torch.nn.Module) -> str:
     """For the warnings of blocks moelens does not serve: the block classes of the user's own registered families
     that name no module of ``model``, beside the module classes the model has, so a misspelt class name shows; ""
     without any."""
-    present = {type(module).__name__ for module in model.modules()}
+    present = {name for module in model.modules() for name in _class_names(module)}
     own = [family for family in _own_families() if not present.intersection(family.block_classes)]
     if not own:
         return ""

@@ -550,9 +550,10 @@ class MoeModelMixin(StandardNames):
             warn(f"deepcopy: the model carries {len(edits)} nnsight edit(s) (model.edit()), which are not copied: the "
                  "copy traces the unedited model. Make them again on the copy (with copy.edit(inplace=True): ...).")
         module = copy.deepcopy(self._module, memo)
-        if undone := undo_in_copy(self._module, memo):
-            warn(f"deepcopy: moelens.set_top_k({', '.join(map(str, undone))}) is set on this model; the copy routes at the "
-                 "k from before it (the setting's restore could not reach the copy): set it on the copy to route it so.")
+        if undone := undo_in_copy(memo):
+            warn(f"deepcopy: moelens.set_top_k({', '.join(map(str, undone))}) is held on (part of) this model; the copy "
+                 "routes at the k from before it (the setting's restore could not reach the copy): set it on the copy to "
+                 "route it so.")
         drop_gathered_notes(module)  # this model's hooks, copied with the modules: the copy's wrap adds its own
         return wrap(module, tokenizer=getattr(self, "tokenizer", None), **self._wrap_options)
 

@@ -12,7 +12,6 @@ import operator
 import weakref
 from typing import Any, Iterable
 
-import torch
 from nnsight import Envoy
 
 from .components import Moe
@@ -58,7 +57,6 @@ class set_top_k:
         k = _checked_k(k, blocks)
         _warn_beyond_groups(blocks, k)
         self._saved: list[tuple[Any, str, Any]] = []
-        self._model = blocks[0].root._module  # the transformers model set (`undo_in_copy` of its copies)
         places = {}
         for block in blocks:
             owner, name = _place(block)
@@ -100,13 +98,14 @@ class set_top_k:
         self.restore()
 
 
-def undo_in_copy(model: torch.nn.Module, memo: dict[int, Any]) -> list[int]:
-    """Put the k from before each setting of ``model`` still held back in its deep copy (``memo``: `copy.deepcopy`'s,
-    id of an original object -> its copy): a copy made inside ``with set_top_k(...)`` routes as the model did before
-    the setting, which no setting's `restore` reaches in the copy. Returns the ks undone (the settings')."""
+def undo_in_copy(memo: dict[int, Any]) -> list[int]:
+    """Put the k from before each setting still held back in a deep copy (``memo``: `copy.deepcopy`'s, id of an
+    original object -> its copy) of what it wrote (any wrap's: a PEFT model and the model in it are wrapped apart): a
+    copy made inside ``with set_top_k(...)`` routes as the model did before the setting, which no setting's `restore`
+    reaches in the copy. Returns the ks undone (the settings')."""
     undone = []
     for (owner, name), refs in _ACTIVE.items():
-        held = [setting for ref in refs if (setting := ref()) is not None and setting._model is model]
+        held = [setting for ref in refs if (setting := ref()) is not None]
         if held and owner in memo:
             setattr(memo[owner], name, next(old for o, n, old in held[0]._saved if (id(o), n) == (owner, name)))
             undone.append(held[-1].k)

@@ -416,9 +416,11 @@ def _look_like_scores(logits: torch.Tensor) -> str:
     logits = logits.float()
     if logits.numel() == 0 or logits.min() < 0 or logits.max() > 1:
         return ""
-    rows = " summing to 1 in each token (a softmax's)" if torch.allclose(logits.sum(-1), torch.ones(())) else ""
-    return (f" The values served as router_logits all lie in [0, 1]{rows}: scores, not logits; name the op before the "
-            "score function (softmax, sigmoid) as logits_op.")
+    if torch.allclose(logits.sum(-1), torch.ones(())):
+        return (" The values served as router_logits all lie in [0, 1], summing to 1 in each token: a softmax's "
+                "scores, not logits; name the op before the score function as logits_op.")
+    return (" The values served as router_logits all lie in [0, 1]: if they are scores (a sigmoid's), name the op "
+            "before the score function as logits_op.")
 
 
 def _weights_problem(moe: Any, values: dict[str, torch.Tensor]) -> str:
