@@ -104,6 +104,13 @@ def model(swapped: bool = False) -> Model:
 
 IDS = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
 
+
+def first_routing(hand: Model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first block's input on ``IDS`` (flat ``[T, D]``), and its router's weights and indices: ground truth."""
+    x = hand.embed(IDS).reshape(-1, HIDDEN)
+    _, weights, index = hand.layers[0]["moe"].router(x)
+    return x, weights, index
+
 ENTRY = Family("hand", ("hand",), ("Block",), block_attr="moe", router="router", experts="experts",
                logits_op="F_linear_0", scoring=Scoring("softmax", "score_topk", normalize=True),
                shared=SharedExpert("shared", when="after_experts"), combine=Combine(output_index=0),
@@ -174,11 +181,14 @@ def test_an_output_index_off_the_hidden_states_is_refused_with_the_setting(regis
             wrapped.moes[0].mlp_output.save()
 
 
-def model_of(block_class: type) -> Model:
-    """`model` with its blocks made ``block_class`` (a subclass of `Block` with another forward)."""
+def model_of(block_class: type, experts_class: type | None = None) -> Model:
+    """`model` with its blocks made ``block_class`` (a subclass of `Block` with another forward), and their experts
+    ``experts_class`` (of `ExpertBank`) where given."""
     hand = model()
     for layer in hand.layers:
         layer["moe"].__class__ = block_class
+        if experts_class is not None:
+            layer["moe"].experts.__class__ = experts_class
     return hand
 
 
@@ -261,8 +271,7 @@ def test_an_experts_path_naming_the_shared_mlp_is_not_served_as_the_routed_outpu
     with torch.no_grad(), wrapped.trace(IDS):
         routed = wrapped.moes[0].routed_output.save()
     with torch.no_grad():
-        x = hand.embed(IDS).reshape(-1, HIDDEN)
-        _, weights, index = hand.layers[0]["moe"].router(x)
+        x, weights, index = first_routing(hand)
         torch.testing.assert_close(routed.reshape(-1, HIDDEN), hand.layers[0]["moe"].experts(x, index, weights))
 
 
@@ -283,10 +292,6 @@ class ExtraArgumentBank(ExpertBank):
 
 
 class ExtraArgumentBlock(Block):
-    def __init__(self) -> None:
-        super().__init__()
-        self.experts = ExtraArgumentBank()
-
     def forward(self, hidden):
         b, s, d = hidden.shape
         x = hidden.reshape(-1, d)
@@ -297,17 +302,12 @@ class ExtraArgumentBlock(Block):
 def test_experts_taking_arguments_of_their_own_after_the_routing_are_served(registered):
     """forward(x, index, weights, capacity): the experts check at wrap took it for another module."""
     registered(block_classes=("ExtraArgumentBlock",))
-    hand = model()
-    for layer in hand.layers:
-        block = ExtraArgumentBlock()
-        block.load_state_dict(layer["moe"].state_dict())
-        layer["moe"] = block
+    hand = model_of(ExtraArgumentBlock, ExtraArgumentBank)
     wrapped = moelens.wrap(hand)
     with torch.no_grad(), wrapped.trace(IDS):
         routed = wrapped.moes[0].routed_output.save()
     with torch.no_grad():
-        x = hand.embed(IDS).reshape(-1, HIDDEN)
-        _, weights, index = hand.layers[0]["moe"].router(x)
+        x, weights, index = first_routing(hand)
         torch.testing.assert_close(routed.reshape(-1, HIDDEN), hand.layers[0]["moe"].experts(x, index, weights, 4))
 
 
@@ -326,20 +326,13 @@ def test_experts_taking_the_routing_by_transformers_keywords_are_served(register
             return (routed + self.shared(x)).reshape(b, s, d), logits.sum()
 
     registered(block_classes=("KeywordBlock",))
-    hand = model()
-    for layer in hand.layers:
-        block = KeywordBlock()
-        block.load_state_dict(layer["moe"].state_dict())
-        block.experts = KeywordBank()
-        block.experts.load_state_dict(layer["moe"].experts.state_dict())
-        layer["moe"] = block
+    hand = model_of(KeywordBlock, KeywordBank)
     wrapped = moelens.wrap(hand)
     with torch.no_grad(), wrapped.trace(IDS):
         indices = wrapped.moes[0].expert_indices.save()
         routed = wrapped.moes[0].routed_output.save()
     with torch.no_grad():
-        x = hand.embed(IDS).reshape(-1, HIDDEN)
-        _, weights, index = hand.layers[0]["moe"].router(x)
+        x, weights, index = first_routing(hand)
         torch.testing.assert_close(routed.reshape(-1, HIDDEN), hand.layers[0]["moe"].experts.forward(
             x, top_k_index=index, top_k_weights=weights))
         assert torch.equal(indices.reshape(-1, TOP_K), index)
@@ -601,11 +594,7 @@ def test_check_says_when_the_block_does_not_add_the_shared_expert_named(register
             return routed.reshape(b, s, d), logits.sum()
 
     registered(block_classes=("Unshared",))
-    hand = model()
-    for layer in hand.layers:
-        block = Unshared()
-        block.load_state_dict(layer["moe"].state_dict())
-        layer["moe"] = block
+    hand = model_of(Unshared)
     with pytest.raises(FamilyError, match=r"The block's output is routed_output alone: it does not add the shared "
                                           r"expert the entry names \(SharedExpert 'shared'\); set shared=None, or name "
                                           r"the module the block adds\.\n"):
