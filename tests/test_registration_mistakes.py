@@ -639,6 +639,19 @@ def test_check_passes_a_converted_linear_narrower_out_than_in():
     assert families.check(wrapped, torch.randint(0, 64, (2, 6))) == ["model.model.layers.0.self_attn.k_proj"]
 
 
+def test_check_names_a_shared_gate_that_does_not_gate_the_shared_expert():
+    """A gate path naming the router passed check, and moe.shared_gate served the router's output. Ground truth:
+    qwen2_moe's block, sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+    entry = families.get("qwen2_moe")
+    wrong = dataclasses.replace(entry, shared=dataclasses.replace(entry.shared, gate="gate"))
+    hf = tiny_model("qwen2_moe")
+    _check_refuses(wrong, hf, tiny_inputs(hf), r"SharedExpert gate='gate' returns a tuple, and the sigmoid of it times "
+                                               r"the output of 'shared_expert' is not the gated shared output read at "
+                                               r"gated_op='shared_expert_output_1': name the module whose one output "
+                                               r"per token gates the shared expert \(the block's children: gate, experts, "
+                                               r"shared_expert, shared_expert_gate\)")
+
+
 def test_a_shared_gate_and_its_op_go_together():
     """An entry with the gate and no gated_op (or the reverse) passed check and was exported with another gate."""
     for shared in (SharedExpert("shared", gate="gate"), SharedExpert("shared", gated_op="mul_0")):

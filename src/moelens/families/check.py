@@ -110,6 +110,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
     if unread:
         problems.append(f"its selection_scores cannot be read ({unread.rstrip('.')}). {SELECTION_FIX}")
     dropping = {moe.path for moe in moes if _drops_out(moe._module)}
+    gates = _shared_gate_problems(model, [moe for moe in moes if moe.path not in dropping], args, kwargs)
     for moe, values in zip(moes, saved):
         layout, unchecked_layouts[moe.path] = _layout_problem(moe)
         unread = "" if unchecked[moe.path] else _unread_routing(model, moe, values, args, kwargs)
@@ -117,7 +118,7 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         found = (unread, _selection_problem(moe, values) if routing else "",
                  _selection_scores_problem(moe, *selections[moe.path]) if moe.path in selections else "",
                  _weights_problem(moe, values) if routing else "",
-                 "" if moe.path in dropping else _output_problem(moe, values), layout)
+                 "" if moe.path in dropping else _output_problem(moe, values), gates.get(moe.path, ""), layout)
         problems += [f"{moe.path}: {problem}" for problem in found if problem]
         if routing:
             unscored[moe.path] = _score_unchecked(moe, values)
@@ -159,6 +160,48 @@ def check(model: Any, *args: Any, **kwargs: Any) -> list[str]:
         blocks = ", ".join(paths) if len(paths) <= 3 else f"{len(paths)} blocks ({paths[0]}, ..., {paths[-1]})"
         warn(f"moelens.families.check: {blocks}: {note}.")
     return [moe.path for moe in moes]
+
+
+def _shared_gate_problems(model: Any, moes: list[Any], args: tuple, kwargs: dict) -> dict[str, str]:
+    """Block path -> what is wrong, for the blocks of ``moes`` whose entry names a gate of the shared expert
+    (`SharedExpert` gate and gated_op) where the shared output served at gated_op is not ``sigmoid(gate(x)) *
+    shared(x)`` of what the two modules return in one run on the inputs (what the export computes; a gate path naming
+    the router passed check, and ``moe.shared_gate`` served the router's output)."""
+    gated = [moe for moe in moes if moe.family.shared is not None and moe.family.shared.gate
+             and moe.family.shared.gated_op]
+    returned, handles = {}, []
+    for moe in gated:
+        for part in ("gate", "module"):
+            module = find_path(moe._module, getattr(moe.family.shared, part))
+            if isinstance(module, torch.nn.Module):
+                handles.append(module.register_forward_hook(
+                    lambda _, __, output, key=(moe.path, part): returned.setdefault(key, output)))
+    if not gated:
+        return {}
+    try:
+        with torch.no_grad(), model.trace(*args, **kwargs):
+            served = model.save_all(["shared_expert_output"], moes=gated)
+    finally:
+        for handle in handles:
+            handle.remove()
+    problems = {}
+    for moe, values in zip(gated, served.values()):  # in the order of moes, keyed by layer
+        shared, value = moe.family.shared, values.get("shared_expert_output")
+        gate, raw = returned.get((moe.path, "gate")), returned.get((moe.path, "module"))
+        if value is None or not isinstance(raw, torch.Tensor):
+            continue
+        value, raw = value.reshape(-1, value.shape[-1]).float(), raw.reshape(-1, raw.shape[-1]).float()
+        fits = (isinstance(gate, torch.Tensor) and gate.numel() == len(value) == len(raw)
+                and torch.allclose(torch.sigmoid(gate.reshape(-1, 1).float()) * raw, value, **_tolerance(gate, value)))
+        if not fits:
+            got = (f"returns {list(gate.shape)}" if isinstance(gate, torch.Tensor) else
+                   f"returns a {type(gate).__name__}" if gate is not None else "did not run")
+            problems[moe.path] = (
+                f"SharedExpert gate={shared.gate!r} {got}, and the sigmoid of it times the output of "
+                f"{shared.module!r} is not the gated shared output read at gated_op={shared.gated_op!r}: name the "
+                "module whose one output per token gates the shared expert (the block's children: "
+                f"{', '.join(name for name, _ in moe._module.named_children())})")
+    return problems
 
 
 def _read_values(model: Any, moes: list[Any], args: tuple, kwargs: dict) -> list[dict[str, torch.Tensor]]:
