@@ -406,18 +406,17 @@ def discover(model: torch.nn.Module) -> Structure:
     for family_name, (block, held) in idle.items():
         if structure.family is None or structure.family.name != family_name:
             family = registry.get(family_name)
-            if isinstance(held, torch.nn.Module) and not isinstance(held, CONTAINERS) \
-                    and not registry.is_built_in(family):
-                forward = type(held).forward
+            own = isinstance(held, torch.nn.Module) and not registry.is_built_in(family)  # a module the user named
+            if own and not isinstance(held, CONTAINERS):  # `_takes_experts_call` said no
                 warn(
                     f"moelens: blocks of family {family_name!r} hold a {type(held).__name__} at {family.experts!r} "
-                    f"(e.g. {block}), whose forward{inspect.signature(forward)} cannot be called as "
+                    f"(e.g. {block}), whose forward{inspect.signature(type(held).forward)} cannot be called as "
                     "experts(hidden_states, top_k_index, top_k_weights), so none is served as a Moe: experts names "
                     "another module than the experts the block calls with its routing. Name that module in the "
                     "entry's experts.",
                 )
                 continue
-            if isinstance(held, CONTAINERS) and not registry.is_built_in(family):
+            if own:
                 warn(
                     f"moelens: blocks of family {family_name!r} hold a {type(held).__name__} at {family.experts!r} (e.g. "
                     f"{block}), whose experts the block calls one by one, so none is served as a Moe: moelens reads "

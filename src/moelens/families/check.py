@@ -169,6 +169,8 @@ def _shared_gate_problems(model: Any, moes: list[Any], args: tuple, kwargs: dict
     the router passed check, and ``moe.shared_gate`` served the router's output)."""
     gated = [moe for moe in moes if moe.family.shared is not None and moe.family.shared.gate
              and moe.family.shared.gated_op]
+    if not gated:
+        return {}
     returned, handles = {}, []
     for moe in gated:
         for part in ("gate", "module"):
@@ -176,8 +178,6 @@ def _shared_gate_problems(model: Any, moes: list[Any], args: tuple, kwargs: dict
             if isinstance(module, torch.nn.Module):
                 handles.append(module.register_forward_hook(
                     lambda _, __, output, key=(moe.path, part): returned.setdefault(key, output)))
-    if not gated:
-        return {}
     try:
         with torch.no_grad(), model.trace(*args, **kwargs):
             served = model.save_all(["shared_expert_output"], moes=gated)
